@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` and `make test`. Both create the environment on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kdcache-installed
+
+.PHONY: install test test-fast demo bench clean
+
+install: $(STAMP)
+
+# torch==2.13.0 resolves to the CPU wheel on this kind of machine; it is installed only when the environment
+# has no torch yet, so a GPU user's own torch build stands (point VENV at that environment).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --disable-pip-version-check -q "torch==2.13.0"
+	$(PY) -m pip install --disable-pip-version-check -q -e ".[dev,plots,demo]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not demo"
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/kdcache demo
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

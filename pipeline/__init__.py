@@ -1,0 +1,1 @@
+"""The face of kdcache: typed config, the CLI, the demo and reports."""

@@ -1,0 +1,1 @@
+"""Model-facing helpers that both stages share (no teacher loading here)."""

@@ -1,0 +1,81 @@
+"""Fingerprints of the things cached targets depend on: tokenizers and model configs.
+
+Both stages compute them the same way: stage one records them in the manifest, stage two recomputes them for
+its student and compares (``storage.compare_fingerprints``). Hashes are sha256 hex digests cut to 16 chars,
+enough to tell caches apart and short enough to read in an error message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+
+def short_hash(data: bytes) -> str:
+    """sha256 of ``data``, first 16 hex digits."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def json_hash(obj: Any) -> str:
+    """Hash of a JSON-serialisable object, independent of key order."""
+    return short_hash(json.dumps(obj, sort_keys=True, default=str).encode())
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
+    """Vocabulary hash, size and special tokens of a HF tokenizer.
+
+    Two tokenizers with the same fingerprint map every string to the same ids, which is what makes a teacher's
+    cached logits meaningful to a student.
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    specials = {name: str(tok) for name, tok in sorted(tokenizer.special_tokens_map.items())}
+    return {
+        "vocab_hash": json_hash(vocab),
+        "vocab_size": len(tokenizer),
+        "special_tokens": specials,
+    }
+
+
+def config_fingerprint(config: Any) -> str:
+    """Hash of a HF ``PretrainedConfig``, leaving out fields that do not change the outputs."""
+    data = config.to_dict()
+    for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "_attn_implementation",
+                     "_attn_implementation_autoset", "output_attentions", "output_hidden_states"):
+        data.pop(volatile, None)
+    return json_hash(data)
+
+
+def weights_fingerprint(model_dir: str | Path | None, state_dict: dict[str, Any] | None = None) -> str:
+    """Hash of a model's weights.
+
+    For a local folder this hashes the weight files' bytes (fast, and exact: same files, same targets). For a
+    model without files (built in memory) it hashes the tensors of ``state_dict``.
+    """
+    h = hashlib.sha256()
+    files = _weight_files(model_dir) if model_dir is not None else []
+    if files:
+        for path in files:
+            h.update(path.name.encode())
+            with open(path, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(block)
+        return h.hexdigest()[:16]
+    if state_dict is None:
+        raise ValueError(f"no weight files found in {model_dir!r} and no state_dict given")
+    import torch  # only this fallback needs torch
+
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(tensor.view(-1).view(dtype=torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _weight_files(model_dir: str | Path) -> list[Path]:
+    root = Path(model_dir)
+    if not root.is_dir():
+        return []
+    patterns = ("*.safetensors", "*.bin", "*.pt")
+    return sorted({p for pat in patterns for p in root.glob(pat)})

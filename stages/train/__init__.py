@@ -1,0 +1,1 @@
+"""Stage two: train a student from cached teacher targets, teacher-free."""

@@ -1,0 +1,234 @@
+"""The compound distillation loss: α·CE + β·KL + γ·Σ_pairs hidden + δ·Σ_pairs attention.
+
+``CompoundLoss`` holds the projectors (so the DeepSpeed engine sees them as parameters of the wrapper that
+contains this module) and, for the ``wgan`` hidden loss, a ``CriticTrainer`` that is deliberately *not* a
+submodule (the critics have their own optimizer). Terms whose weight is 0 are never computed.
+
+Inputs (``B`` batch, ``L`` padded length):
+
+* ``student_out``: an HF ``ModelOutput``-like object with ``.logits [B, L, V]`` (absent for encoders),
+  ``.hidden_states`` (tuple, 0 = embeddings; needs ``output_hidden_states=True``) and ``.attentions``
+  (tuple, block j at index j−1; needs ``output_attentions=True`` and eager attention).
+* ``targets``: the collated cache arrays as float32 tensors on the device: ``input_ids [B, L]``,
+  ``hidden/{j} [B, L, d_t]``, ``attention/{j} [B, H', L, L]``, ``logits/full [B, L, V]`` or
+  ``logits/topk_values``/``logits/topk_ids [B, L, k]`` and ``logits/lse [B, L]``.
+* ``mask [B, L]``: 1 for a real token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stages.train.layer_maps import Pair, pair_key
+from stages.train.losses import (
+    HIDDEN_LOSSES,
+    TOPK_VARIANTS,
+    CriticTrainer,
+    LossError,
+    causal_ce,
+    get_loss,
+    kd_kl,
+    token_ce,
+    topk_kl,
+    wgan_student_loss,
+)
+from stages.train.projectors import Projectors, needs_projector
+
+CE_KINDS = ("causal", "token")
+
+
+class CompoundLoss(nn.Module):
+    """α·CE + β·KL (full or top-k) + γ·Σ hidden + δ·Σ attention, each term also returned on its own.
+
+    Args:
+        layer_map: (student, teacher) pairs for the hidden term (``build_layer_map``).
+        student_dim: d_s; needed when projectors are (γ > 0 with mse, cosine or wgan).
+        teacher_dim: d_t; likewise.
+        alpha, beta, gamma, delta: weights of CE, KL, hidden and attention; a 0 weight skips the term.
+        temperature: KD temperature for ``kl`` and ``topk_kl`` renorm. ``other`` requires 1.0 and raises on the
+            first batch otherwise; it is not refused here because with a full-logit cache the variant is unused
+            (a check that knows the cache's logit kind belongs in the pre-training checks).
+        hidden_loss: one of ``HIDDEN_LOSSES``.
+        topk_variant: ``"renorm"`` or ``"other"``, used when the cache holds top-k logits.
+        ce: ``"causal"`` (shifted, decoders, on ``input_ids``) or ``"token"`` (unshifted, masked-LM heads, on
+            ``targets["labels"]`` when present, else ``input_ids``).
+        attention_map: pairs for the attention term; default: ``layer_map`` without embedding pairs.
+        gp_weight, critic_steps, critic_lr: the wgan critic's λ, steps per student step and learning rate.
+        critic_in_forward: run the critic steps inside ``forward`` (training mode, grad enabled), so a
+            training loop that only calls the wrapped model needs nothing else. Set False to call
+            ``self.critics.step`` yourself.
+        seed: seeds the projector and critic inits.
+    """
+
+    def __init__(
+        self,
+        *,
+        layer_map: Sequence[Pair] = (),
+        student_dim: int | None = None,
+        teacher_dim: int | None = None,
+        alpha: float = 1.0,
+        beta: float = 1.0,
+        gamma: float = 0.0,
+        delta: float = 0.0,
+        temperature: float = 1.0,
+        hidden_loss: str = "mse",
+        topk_variant: str = "renorm",
+        ce: str = "causal",
+        attention_map: Sequence[Pair] | None = None,
+        gp_weight: float = 10.0,
+        critic_steps: int = 5,
+        critic_lr: float = 1e-4,
+        critic_in_forward: bool = True,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
+        self.temperature, self.hidden_loss, self.topk_variant, self.ce = temperature, hidden_loss, topk_variant, ce
+        self._check_config()
+        self.layer_map = [tuple(p) for p in layer_map] if gamma > 0 else []
+        default_attention = [p for p in layer_map if p[0] > 0 and p[1] > 0]
+        self.attention_map = [tuple(p) for p in (attention_map or default_attention)] if delta > 0 else []
+        self.projectors = self._build_projectors(student_dim, teacher_dim, seed)
+        self.critic_in_forward = critic_in_forward
+        self.critics: CriticTrainer | None = None
+        if hidden_loss == "wgan" and self.layer_map:
+            keys = list(dict.fromkeys(pair_key(p) for p in self.layer_map))
+            self.critics = CriticTrainer(
+                keys, int(teacher_dim), n_steps=critic_steps, gp_weight=gp_weight, lr=critic_lr, seed=seed
+            )
+
+    def forward(
+        self, student_out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Compute every term with a non-zero weight.
+
+        Returns:
+            ``{"loss": total (with graph), "ce", "kl" | "topk_kl", "hidden", "attention", "hidden/s2_t4", ...}``;
+            everything but ``loss`` is detached, unweighted, for logging. Absent terms are absent keys.
+        """
+        terms: dict[str, torch.Tensor] = {}
+        logs: dict[str, torch.Tensor] = {}
+        if self.weights["ce"] > 0:
+            self._add_ce(student_out, targets, mask, terms)
+        if self.weights["kl"] > 0:
+            self._add_kl(student_out, targets, mask, terms)
+        if self.layer_map:
+            terms["hidden"] = self._hidden_term(student_out, targets, mask, logs)
+        if self.attention_map:
+            terms["attention"] = self._attention_term(student_out, targets, mask, logs)
+        if not terms:
+            raise LossError("no loss term was computed: every weight is 0, or the terms it has need outputs "
+                            "this student lacks (CE needs logits)")
+        total = sum(self.weights[_FAMILY[name]] * value for name, value in terms.items())
+        return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs}
+
+    def _add_ce(self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, terms: dict) -> None:
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            return  # an encoder without an LM head: no CE, by design
+        ids = _target(targets, "input_ids")
+        if self.ce == "causal":
+            terms["ce"] = causal_ce(logits, ids, mask)
+        else:  # a masked-LM loop puts its own "labels" (-100 where unmasked) in the batch
+            terms["ce"] = token_ce(logits, targets.get("labels", ids), mask)
+
+    def _add_kl(self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, terms: dict) -> None:
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
+        if "logits/full" in targets:
+            terms["kl"] = kd_kl(logits, targets["logits/full"], mask, self.temperature)
+            return
+        values, ids = _target(targets, "logits/topk_values"), _target(targets, "logits/topk_ids")
+        lse = targets.get("logits/lse")
+        terms["topk_kl"] = topk_kl(
+            logits, values, ids, mask, lse, variant=self.topk_variant, temperature=self.temperature
+        )
+
+    def _hidden_term(
+        self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict
+    ) -> torch.Tensor:
+        """Σ over pairs of the hidden loss; per-pair values (and wgan critic losses) go to ``logs``."""
+        states = _student_field(out, "hidden_states", "output_hidden_states=True")
+        total = torch.zeros((), device=mask.device)
+        for pair in self.layer_map:
+            h_s = self.projectors.project(pair, _layer(states, pair[0], "hidden state"))
+            h_t = _target(targets, f"hidden/{pair[1]}")
+            value = self._one_hidden(pair, h_s, h_t, mask, logs)
+            logs[f"hidden/{pair_key(pair)}"] = value.detach()
+            total = total + value
+        return total
+
+    def _one_hidden(
+        self, pair: Pair, h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor, logs: dict
+    ) -> torch.Tensor:
+        if self.hidden_loss != "wgan":
+            return get_loss(self.hidden_loss)(h_s, h_t, mask)  # type: ignore[return-value]
+        key = pair_key(pair)
+        assert self.critics is not None
+        self.critics.to(h_s.device)
+        if self.critic_in_forward and self.training and torch.is_grad_enabled():
+            logs[f"critic/{key}"] = torch.tensor(self.critics.step(key, h_s, h_t, mask))
+        return wgan_student_loss(self.critics[key], h_s, mask)
+
+    def _attention_term(
+        self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict
+    ) -> torch.Tensor:
+        """Σ over attention pairs of ``attention_kl``; student block j is ``attentions[j - 1]``."""
+        maps = _student_field(out, "attentions", "output_attentions=True and attn_implementation='eager'")
+        attention_kl = get_loss("attention_kl")
+        total = torch.zeros((), device=mask.device)
+        for s, t in self.attention_map:
+            a_s = _layer(maps, s - 1, "attention map", shown=s)
+            value = attention_kl(a_s, _target(targets, f"attention/{t}"), mask)
+            logs[f"attention/{pair_key((s, t))}"] = value.detach()  # type: ignore[union-attr]
+            total = total + value
+        return total
+
+    def _build_projectors(self, student_dim: int | None, teacher_dim: int | None, seed: int) -> Projectors:
+        wanted = bool(self.layer_map) and needs_projector(self.hidden_loss)
+        if wanted and (student_dim is None or teacher_dim is None):
+            raise LossError(f"the {self.hidden_loss} hidden loss needs student_dim and teacher_dim for its projectors")
+        return Projectors(
+            self.layer_map if wanted else [], student_dim or 0, teacher_dim or 0, hidden_loss=self.hidden_loss,
+            seed=seed,
+        )
+
+    def _check_config(self) -> None:
+        problems = [f"weight {k} must be >= 0, got {w}" for k, w in self.weights.items() if not w >= 0]
+        if self.hidden_loss not in HIDDEN_LOSSES:
+            problems.append(f"unknown hidden loss {self.hidden_loss!r}; choose one of {', '.join(HIDDEN_LOSSES)}")
+        if self.topk_variant not in TOPK_VARIANTS:
+            problems.append(f"unknown top-k variant {self.topk_variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
+        if self.ce not in CE_KINDS:
+            problems.append(f"unknown CE kind {self.ce!r}; choose one of {', '.join(CE_KINDS)}")
+        if not self.temperature > 0:
+            problems.append(f"the temperature must be > 0, got {self.temperature}")
+        if problems:
+            raise LossError("; ".join(problems))
+
+
+_FAMILY = {"ce": "ce", "kl": "kl", "topk_kl": "kl", "hidden": "hidden", "attention": "attention"}
+
+
+def _target(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in targets:
+        raise LossError(f"the loss needs the cached target {name!r}, but the batch holds {', '.join(sorted(targets))}")
+    return targets[name]
+
+
+def _student_field(out: Any, field: str, how: str) -> Sequence[torch.Tensor]:
+    value = getattr(out, field, None)
+    if value is None:
+        raise LossError(f"the student returned no {field}; call it with {how}")
+    return value
+
+
+def _layer(seq: Sequence[torch.Tensor], index: int, what: str, shown: int | None = None) -> torch.Tensor:
+    if not 0 <= index < len(seq):
+        raise LossError(f"the student has no {what} for layer {index if shown is None else shown}")
+    return seq[index]

@@ -1,0 +1,97 @@
+"""The loss registry of stage two: every definition in shared/DESIGN.md, by name.
+
+``get_loss(name)`` returns the callable; an unknown name raises ``LossError`` listing ``registered_losses()``.
+Signatures by family (``mask [B, L]`` is 1 for a real token everywhere):
+
+* ``ce(logits [B,L,V], input_ids [B,L], mask)`` — causal shift; ``ce_token(logits, labels [B,L], mask)``.
+* ``kl(student_logits [B,L,V], teacher_logits [B,L,V], mask, temperature=1.0)``.
+* ``topk_kl(student_logits, topk_values [B,L,k], topk_ids [B,L,k], mask, lse [B,L] | None, *, variant,
+  temperature)``, and ``topk_kl_renorm`` / ``topk_kl_other`` with the variant fixed.
+* ``mse`` / ``cosine`` / ``cka`` / ``cka_sqrt``: ``(h_s [B,L,d], h_t [B,L,d_t], mask)``; ``h_s`` projected to
+  ``d_t`` for ``mse`` and ``cosine``, raw for the CKA pair.
+* ``attention_kl(a_s [B,H_s,L,L], a_t [B,H_t,L,L], mask)``.
+* ``wgan(critic, h_s_proj [B,L,d_t], mask)`` — the student side; the critic side is ``critic_loss`` and
+  ``CriticTrainer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from stages.train.losses.attention import attention_kl, group_teacher_heads
+from stages.train.losses.errors import KdcacheError, LayerMapError, LossError
+from stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
+from stages.train.losses.logits import (
+    TOPK_VARIANTS,
+    causal_ce,
+    kd_kl,
+    token_ce,
+    topk_kl,
+    topk_kl_other,
+    topk_kl_renorm,
+)
+from stages.train.losses.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
+
+_REGISTRY: dict[str, Callable[..., object]] = {
+    "ce": causal_ce,
+    "ce_token": token_ce,
+    "kl": kd_kl,
+    "topk_kl": topk_kl,
+    "topk_kl_renorm": topk_kl_renorm,
+    "topk_kl_other": topk_kl_other,
+    "mse": masked_mse,
+    "cosine": cosine_loss,
+    "cka": cka_loss,
+    "cka_sqrt": cka_sqrt_loss,
+    "attention_kl": attention_kl,
+    "wgan": wgan_student_loss,
+}
+
+# The names the CLI's --hidden-loss accepts; the wgan one needs a critic, the CKA ones no projector.
+HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
+PROJECTOR_FREE_LOSSES = ("cka", "cka_sqrt")
+
+
+def registered_losses() -> list[str]:
+    """Every registered loss name, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_loss(name: str) -> Callable[..., object]:
+    """The loss callable registered as ``name``; ``LossError`` listing the registered names otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise LossError(
+            f"unknown loss {name!r}; registered losses: {', '.join(registered_losses())}"
+        ) from None
+
+
+__all__ = [
+    "HIDDEN_LOSSES",
+    "PROJECTOR_FREE_LOSSES",
+    "TOPK_VARIANTS",
+    "Critic",
+    "CriticTrainer",
+    "KdcacheError",
+    "LayerMapError",
+    "LossError",
+    "attention_kl",
+    "causal_ce",
+    "cka_loss",
+    "cka_sqrt_loss",
+    "cosine_loss",
+    "critic_loss",
+    "get_loss",
+    "gradient_penalty",
+    "group_teacher_heads",
+    "kd_kl",
+    "linear_cka",
+    "masked_mse",
+    "registered_losses",
+    "token_ce",
+    "topk_kl",
+    "topk_kl_other",
+    "topk_kl_renorm",
+    "wgan_student_loss",
+]

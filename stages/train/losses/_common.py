@@ -1,0 +1,71 @@
+"""Helpers shared by the loss modules: masks, valid-row selection, safe KL terms."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from stages.train.losses.errors import LossError
+
+
+def bool_mask(mask: torch.Tensor, like: torch.Tensor, name: str = "mask") -> torch.Tensor:
+    """Return ``mask`` as bool after checking it matches the leading ``[B, L]`` of ``like``.
+
+    Args:
+        mask: ``[B, L]``, 1 (or True) for a real token; any numeric or bool dtype.
+        like: a tensor whose first two dimensions must be ``[B, L]``.
+        name: how to call the mask in an error message.
+    """
+    if mask.dim() != 2 or tuple(like.shape[:2]) != tuple(mask.shape):
+        raise LossError(f"{name} has shape {tuple(mask.shape)} but the tensor it masks has {tuple(like.shape)}")
+    return mask.bool() if mask.dtype != torch.bool else mask
+
+
+def valid_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Select the valid token rows of ``x``.
+
+    Selection (rather than multiplying by the mask) is what keeps inf or NaN at padded positions out of both
+    the value and the gradient: ``0 * nan`` is ``nan``, a row that is never read is nothing.
+
+    Args:
+        x: ``[B, L, ...]``.
+        mask: ``[B, L]``.
+
+    Returns:
+        ``[N_v, ...]`` in batch-major token order.
+    """
+    return x[bool_mask(mask, x)]
+
+
+def count_valid(mask: torch.Tensor) -> int:
+    """N_v, refusing an all-padding batch (every mean here would be 0/0)."""
+    n = int(mask.sum().item())
+    if n == 0:
+        raise LossError("the batch has no valid tokens (the mask is all zeros)")
+    return n
+
+
+def kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``p * (log p - log q)`` with the convention ``0 * log 0 = 0``.
+
+    ``log_p`` may hold ``-inf`` where the target has no mass (a causal row, an empty leftover bucket); those
+    entries contribute exactly 0 to the value and to the gradient, never NaN.
+
+    Args:
+        log_p: target log-probabilities, any shape.
+        log_q: model log-probabilities, same shape, finite where ``p > 0``.
+    """
+    has_mass = log_p > float("-inf")
+    safe_log_p = torch.where(has_mass, log_p, torch.zeros_like(log_p))
+    safe_log_q = torch.where(has_mass, log_q, torch.zeros_like(log_q))
+    return torch.where(has_mass, safe_log_p.exp() * (safe_log_p - safe_log_q), torch.zeros_like(log_p))
+
+
+@contextlib.contextmanager
+def full_precision(device: torch.device) -> Iterator[None]:
+    """Turn autocast off inside, so that reductions that lose accuracy in bf16 (CKA's d x d products) run in
+    the float32 the inputs were cast to."""
+    with torch.autocast(device_type=device.type, enabled=False):
+        yield

@@ -1,0 +1,230 @@
+"""Output-layer losses: cross-entropy, the KD KL on full logits, and the top-k KL in its two variants.
+
+Shapes: ``B`` batch, ``L`` sequence length, ``V`` vocabulary, ``k`` cached top-k, ``N_v`` valid tokens.
+Every function selects the valid rows first and upcasts only those to float32, so padded rows never reach
+a softmax (garbage there cannot leak in) and the float32 copy is ``[N_v, V]``, not ``[B, L, V]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stages.train.losses._common import bool_mask, count_valid, kl_terms, valid_rows
+from stages.train.losses.errors import LossError
+
+TOPK_VARIANTS = ("renorm", "other")
+
+
+def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy with the HF causal shift: the logits at position t predict the token at t+1.
+
+    A pair (t, t+1) counts only when both positions are real tokens. With right padding this is exactly HF's
+    ``labels = -100 at padding``; with left padding it also drops the prediction made *from* a pad position,
+    whose logits are garbage and must not count.
+
+    Args:
+        logits: ``[B, L, V]`` student logits.
+        input_ids: ``[B, L]`` token ids (any numeric dtype; float32 from the cache is fine).
+        mask: ``[B, L]``.
+
+    Returns:
+        Scalar mean over the valid (t, t+1) pairs (0 when there are none).
+    """
+    m = bool_mask(mask, logits)
+    pair_valid = m[:, :-1] & m[:, 1:]
+    rows = logits[:, :-1][pair_valid].float()
+    labels = input_ids[:, 1:][pair_valid].long()
+    if rows.shape[0] == 0:
+        # Every sequence is one token long: nothing to predict. A zero still tied to the graph keeps
+        # backward() working; the empty sum reads no logits, so it cannot be NaN.
+        return rows.sum()
+    return F.cross_entropy(rows, labels)
+
+
+def token_ce(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unshifted cross-entropy (masked-LM / encoder heads): position t predicts ``labels[t]``.
+
+    Positions with ``mask == 0`` or ``labels == -100`` are ignored.
+
+    Args:
+        logits: ``[B, L, V]``.
+        labels: ``[B, L]`` target ids, ``-100`` to ignore.
+        mask: ``[B, L]``.
+
+    Returns:
+        Scalar mean over the counted positions.
+    """
+    keep = bool_mask(mask, logits)
+    keep = keep & (labels != -100)
+    count_valid(keep)
+    return F.cross_entropy(logits[keep].float(), labels[keep].long())
+
+
+def kd_kl(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """T² · mean over valid tokens of KL(softmax(z_t/T) ‖ softmax(z_s/T)): ``batchmean`` over ``[N_v, V]``.
+
+    Args:
+        student_logits: ``[B, L, V]``.
+        teacher_logits: ``[B, L, V]`` (the cache's ``logits/full``).
+        mask: ``[B, L]``.
+        temperature: T > 0.
+
+    Returns:
+        Scalar.
+    """
+    _check_temperature(temperature)
+    if student_logits.shape != teacher_logits.shape:
+        raise LossError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} "
+            "differ; the student and the cache must share one vocabulary"
+        )
+    n_valid = count_valid(bool_mask(mask, student_logits))
+    log_s = F.log_softmax(valid_rows(student_logits, mask).float() / temperature, dim=-1)
+    log_t = F.log_softmax(valid_rows(teacher_logits, mask).float() / temperature, dim=-1)
+    return kl_terms(log_t, log_s).sum() / n_valid * temperature**2
+
+
+def topk_kl(
+    student_logits: torch.Tensor,
+    topk_values: torch.Tensor,
+    topk_ids: torch.Tensor,
+    mask: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    *,
+    variant: str = "renorm",
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """KL against a cached top-k teacher, mean over valid tokens. See the two variants below.
+
+    Args:
+        student_logits: ``[B, L, V]``.
+        topk_values: ``[B, L, k]`` teacher logits at T=1, sorted descending.
+        topk_ids: ``[B, L, k]`` their vocabulary ids, any int or float dtype holding integers.
+        mask: ``[B, L]``.
+        lse: ``[B, L]`` teacher logsumexp over the full vocabulary at T=1; required by ``other``.
+        variant: ``"renorm"`` or ``"other"``.
+        temperature: T for ``renorm``; ``other`` accepts only 1.0 (see ``topk_kl_other``).
+    """
+    if variant == "renorm":
+        return topk_kl_renorm(student_logits, topk_values, topk_ids, mask, temperature=temperature)
+    if variant == "other":
+        if lse is None:
+            raise LossError("the 'other' top-k KL needs the cached logsumexp (logits/lse)")
+        return topk_kl_other(student_logits, topk_values, topk_ids, lse, mask, temperature=temperature)
+    raise LossError(f"unknown top-k KL variant {variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
+
+
+def topk_kl_renorm(
+    student_logits: torch.Tensor,
+    topk_values: torch.Tensor,
+    topk_ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Renormalised top-k KL: both sides' softmax taken over the teacher's k ids only, at temperature T.
+
+    T applies exactly here (both distributions live on the same k ids), and the result is scaled by T² like
+    ``kd_kl``, so the gradient scale does not depend on T.
+
+    Args:
+        student_logits: ``[B, L, V]``; topk_values, topk_ids: ``[B, L, k]``; mask: ``[B, L]``.
+
+    Returns:
+        Scalar: T² · mean over valid tokens of KL(p_t^k ‖ p_s^k).
+    """
+    _check_temperature(temperature)
+    n_valid = count_valid(bool_mask(mask, student_logits))
+    z_s, values, ids = _topk_rows(student_logits, topk_values, topk_ids, mask)
+    student_on_ids = torch.gather(z_s, 1, ids)
+    log_t = F.log_softmax(values / temperature, dim=-1)
+    log_s = F.log_softmax(student_on_ids / temperature, dim=-1)
+    return kl_terms(log_t, log_s).sum() / n_valid * temperature**2
+
+
+def topk_kl_other(
+    student_logits: torch.Tensor,
+    topk_values: torch.Tensor,
+    topk_ids: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Other-bucket top-k KL over k+1 buckets: the k ids' full-vocabulary probabilities, plus the leftover mass.
+
+    The teacher's buckets are ``exp(value - lse)`` and ``1 - Σ`` of those. The cached lse is the T=1
+    logsumexp, and the tail logits are not cached, so the teacher's full-vocabulary probabilities are known
+    exactly only at T=1. This variant therefore always works at T=1 on both sides (no T² factor) and refuses
+    any other temperature rather than silently approximating; use ``renorm`` for T != 1.
+
+    Args:
+        student_logits: ``[B, L, V]``; topk_values, topk_ids: ``[B, L, k]``; lse: ``[B, L]``; mask: ``[B, L]``.
+
+    Returns:
+        Scalar: mean over valid tokens of KL(teacher buckets ‖ student buckets).
+    """
+    if temperature != 1.0:
+        raise LossError(
+            f"the 'other' top-k KL is exact only at temperature 1 (the cached logsumexp is taken at T=1), "
+            f"got {temperature}; use temperature 1, or the 'renorm' variant for T != 1"
+        )
+    n_valid = count_valid(bool_mask(mask, student_logits))
+    z_s, values, ids = _topk_rows(student_logits, topk_values, topk_ids, mask)
+    log_t = _teacher_buckets(values, valid_rows(lse, mask).float())
+    log_s = _student_buckets(z_s, ids)
+    if ids.shape[1] >= z_s.shape[1]:
+        # k == V: there is no tail. Drop the leftover bucket on both sides; the teacher's 1 − Σ would only be
+        # rounding noise facing the student's exact −inf.
+        log_t, log_s = log_t[:, :-1], log_s[:, :-1]
+    return kl_terms(log_t, log_s).sum() / n_valid
+
+
+def _teacher_buckets(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Teacher log-probabilities of the k+1 buckets, ``[N_v, k+1]``, from values ``[N_v, k]`` and lse ``[N_v]``."""
+    log_top = values - lse[:, None]
+    # fp16 rounding of the values can push the top-k mass a hair above 1: clamp so the leftover is >= 0.
+    leftover = (1.0 - log_top.exp().sum(-1)).clamp_min(0.0)
+    return torch.cat([log_top, leftover.log()[:, None]], dim=-1)
+
+
+def _student_buckets(z_s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Student log-probabilities of the k+1 buckets, ``[N_v, k+1]``, from its full logits ``[N_v, V]``.
+
+    The leftover is ``logsumexp`` over the ids *not* in the top-k minus the full logsumexp: exact even when the
+    leftover is tiny, where ``log(1 - Σp)`` would cancel to noise. With k == V (no tail) it is −inf, built
+    without a logsumexp over an all −inf row, whose backward would be NaN.
+    """
+    lse_s = torch.logsumexp(z_s, dim=-1, keepdim=True)
+    log_top = torch.gather(z_s, 1, ids) - lse_s
+    if ids.shape[1] >= z_s.shape[1]:
+        return torch.cat([log_top, torch.full_like(lse_s, float("-inf")).detach()], dim=-1)
+    tail = z_s.scatter(1, ids, float("-inf"))
+    return torch.cat([log_top, torch.logsumexp(tail, dim=-1, keepdim=True) - lse_s], dim=-1)
+
+
+def _topk_rows(
+    student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Valid rows as float32 student logits ``[N_v, V]``, values ``[N_v, k]`` and int64 ids ``[N_v, k]``.
+
+    Ids are converted after selection: padded rows may hold anything, and a NaN cast to int would otherwise
+    become an out-of-range index.
+    """
+    if topk_values.shape != topk_ids.shape or topk_values.shape[:2] != student_logits.shape[:2]:
+        raise LossError(
+            f"top-k values {tuple(topk_values.shape)}, ids {tuple(topk_ids.shape)} and student logits "
+            f"{tuple(student_logits.shape)} do not line up as [B, L, k], [B, L, k], [B, L, V]"
+        )
+    z_s = valid_rows(student_logits, mask).float()
+    values = valid_rows(topk_values, mask).float()
+    ids = valid_rows(topk_ids, mask).long()
+    return z_s, values, ids
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise LossError(f"the temperature must be > 0, got {temperature}")

@@ -1,0 +1,68 @@
+"""The YAML + CLI config machinery: every problem reported at once, CLI over YAML, types enforced."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, add_arguments, build, from_args
+
+
+@dataclasses.dataclass
+class Opts:
+    data: str = dataclasses.field(metadata={"help": "a file"})
+    layers: tuple[int, ...] = (2, 4)
+    top_k: int | None = dataclasses.field(default=None, metadata={"flag": "--top-k"})
+    lr: float = 1e-3
+    fmt: str = dataclasses.field(default="zarr", metadata={"choices": ["zarr", "arrow"]})
+    offload: bool = False
+
+    def validate(self) -> list[str]:
+        return [] if Path(self.data).exists() else [f"data: file {self.data!r} does not exist"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_arguments(parser, Opts)
+    return parser.parse_args(argv)
+
+
+def test_cli_overrides_yaml_and_types_are_coerced(tmp_path: Path) -> None:
+    data = tmp_path / "d.txt"
+    data.write_text("x")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"section:\n  data: {data}\n  layers: [1, 3]\n  lr: 0.5\n  top-k: 8\n")
+    opts = from_args(Opts, parse(["--config", str(cfg), "--lr", "0.25", "--offload"]), section="section")
+    assert opts.layers == (1, 3) and opts.lr == 0.25 and opts.top_k == 8 and opts.offload is True
+
+
+def test_comma_separated_tuples_and_null() -> None:
+    opts = build(Opts, {"data": __file__, "layers": "2,4,6", "top_k": "none"})
+    assert opts.layers == (2, 4, 6) and opts.top_k is None
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        build(Opts, {"data": str(tmp_path / "missing"), "lr": "fast", "colour": 1, "fmt": "csv", "top_k": 1.5})
+    message = str(err.value)
+    assert len(err.value.problems) == 5, message
+    for needle in ("'colour'", "lr: got 'fast', expected float", "fmt: got 'csv'", "does not exist", "top_k"):
+        assert needle in message
+
+
+def test_missing_required_field_names_its_flag() -> None:
+    with pytest.raises(ConfigError, match="data is required \\(flag --data\\)"):
+        build(Opts, {})
+
+
+def test_bad_yaml_file_is_a_config_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        from_args(Opts, parse(["--config", str(bad)]))
+    with pytest.raises(ConfigError, match="does not exist"):
+        from_args(Opts, parse(["--config", str(tmp_path / "nope.yaml")]))
