@@ -1,0 +1,117 @@
+"""``kdcache inspect`` and ``kdcache verify``: look at a cache, and check every byte of it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``inspect`` and ``verify`` subcommands to an argparse subparsers object."""
+    inspect = subparsers.add_parser("inspect", help="show what a cache holds: features, layers, sizes, fingerprints")
+    inspect.add_argument("cache", metavar="CACHE", help="cache directory")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    inspect.set_defaults(func=run_inspect)
+    verify = subparsers.add_parser("verify", help="re-read and decode every chunk; exit 1 naming each bad array")
+    verify.add_argument("cache", metavar="CACHE", help="cache directory")
+    verify.add_argument("--json", action="store_true", help="print the report as JSON")
+    verify.set_defaults(func=run_verify)
+
+
+def _ratio(decoded: int, stored: int) -> float | None:
+    return round(decoded / stored, 3) if stored else None
+
+
+def describe(path: str) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as a JSON-ready dict (``num_tokens`` is a plain integer).
+
+    Raises:
+        KdcacheError: missing or corrupt manifest, newer format version.
+    """
+    from storage.codecs import describe_codec
+    from storage.manifest import summarize_arrays
+    from storage.reader import CacheReader
+
+    reader = CacheReader(path, allow_partial=True)
+    spec, manifest = reader.spec, reader.manifest
+    tokens = reader.num_tokens
+    records = reader.records  # for a partial cache: what is committed so far
+    arrays = summarize_arrays(spec, records)
+    for info in arrays.values():
+        info["bytes_per_token"] = round(info["stored_bytes"] / tokens, 2) if tokens else None
+        info["decoded_bytes_per_token"] = round(info["decoded_bytes"] / tokens, 2) if tokens else None
+        info["compression_ratio"] = _ratio(info["decoded_bytes"], info["stored_bytes"])
+        info["codec_label"] = describe_codec(info["codec"])
+    stored = sum(r.stored_bytes for r in records)
+    decoded = sum(r.decoded_bytes for r in records)
+    return {
+        "path": str(path), "status": manifest.status, "format_version": manifest.format_version,
+        "backend": spec.backend, "features": list(spec.features), "hidden_layers": list(spec.hidden_layers),
+        "attention_layers": list(spec.attention_layers),
+        "attention_heads": None if spec.attention_heads is None else list(spec.attention_heads),
+        "attention_triangle": spec.attention_triangle, "logits": spec.logits, "top_k": spec.top_k,
+        "vocab_size": spec.vocab_size, "dtype": spec.dtype, "bitround": spec.bitround,
+        "codecs": {"activations": spec.codec, "topk": spec.topk_codec},
+        "num_sequences": spec.num_sequences, "num_committed_sequences": sum(r.seq_stop - r.seq_start for r in records),
+        "num_tokens": int(tokens), "num_shards": spec.num_shards, "num_committed_shards": len(records),
+        "stored_bytes": stored, "decoded_bytes": decoded,
+        "bytes_per_token": round(stored / tokens, 2) if tokens else None,
+        "compression_ratio": _ratio(decoded, stored), "arrays": arrays, "fingerprints": reader.fingerprints,
+        "created_at": manifest.created_at, "updated_at": manifest.updated_at,
+    }
+
+
+def _text(info: dict[str, Any]) -> str:
+    heads = "all" if info["attention_heads"] is None else info["attention_heads"]
+    logits = {"topk": f"top-{info['top_k']} of V={info['vocab_size']}", "full": f"full, V={info['vocab_size']}"}
+    lines = [
+        f"cache        {info['path']}",
+        f"status       {info['status']} (format v{info['format_version']}, backend {info['backend']})",
+        f"sequences    {info['num_committed_sequences']} of {info['num_sequences']} committed, "
+        f"{info['num_committed_shards']} of {info['num_shards']} shards",
+        f"tokens       {info['num_tokens']}",
+        f"features     {', '.join(info['features']) or 'input_ids only'}",
+        f"hidden       layers {info['hidden_layers'] or 'none'}",
+        f"attention    layers {info['attention_layers'] or 'none'}, heads {heads}"
+        + (", causal triangle" if info["attention_triangle"] else ""),
+        f"logits       {logits.get(info['logits'], 'none')}",
+        f"dtype        {info['dtype']}" + (f", bitround keepbits={info['bitround']}" if info["bitround"] else ""),
+        f"size         {info['stored_bytes']} bytes stored, {info['bytes_per_token']} B/token, "
+        f"compression ratio {info['compression_ratio']}",
+        "",
+        f"{'array':22} {'dtype':8} {'shape/token':12} {'B/token':>10} {'ratio':>7}  codec",
+    ]
+    for name, a in info["arrays"].items():
+        lossy = f"  lossy: max abs {a['lossy']['max_abs_error']:.3g}, max rel {a['lossy']['max_rel_error']:.3g}" if "lossy" in a else ""
+        lines.append(f"{name:22} {a['dtype']:8} {str(a['shape_tail']):12} {a['bytes_per_token']!s:>10} "
+                     f"{a['compression_ratio']!s:>7}  {a['codec_label']}{lossy}")
+    lines += ["", "fingerprints", json.dumps(info["fingerprints"], indent=2, sort_keys=True)]
+    return "\n".join(lines)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Print a cache's description (text or ``--json``); exit 0."""
+    info = describe(args.cache)
+    print(json.dumps(info, indent=2) if args.json else _text(info))
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Verify every chunk; exit 0 when clean, 1 naming each bad shard and array. Never a traceback."""
+    from storage.verify import verify_cache
+
+    report = verify_cache(args.cache)
+    if getattr(args, "json", False):
+        print(json.dumps({"path": report.path, "ok": report.ok, "status": report.status,
+                          "shards_checked": report.shards_checked, "arrays_checked": report.arrays_checked,
+                          "problems": [{"shard": p.shard, "array": p.array, "message": p.message}
+                                       for p in report.problems]}, indent=2))
+    elif report.ok:
+        print(f"ok: {report.shards_checked} shards, {report.arrays_checked} arrays, every chunk decoded and matched "
+              f"its checksum ({report.path})")
+    else:
+        for problem in report.problems:
+            print(f"BAD {problem}")
+        print(f"{len(report.problems)} problem(s) in {report.path}")
+    return 0 if report.ok else 1

@@ -1,0 +1,157 @@
+"""Pure encoding of one shard: per-sequence dicts in, flat token-major arrays out. No I/O here.
+
+Encoding is kept apart from flushing so that it can be tested alone, run in a worker thread, and so that a
+failed check (overflow, bad shape) never leaves anything on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
+from storage.errors import InvalidSequenceError, ShardError
+from storage.layout import attention_rows, pack_attention
+from storage.spec import CacheSpec
+
+
+@dataclass
+class EncodedShard:
+    """One shard, ready to flush.
+
+    Attributes:
+        index: shard number.
+        seq_start, seq_stop: global sequence range ``[seq_start, seq_stop)``.
+        arrays: array name -> flat array (see ``CacheSpec.array_names``), e.g. ``hidden/3 [T, d]``.
+        num_tokens: T, the valid tokens in the shard.
+        lossy: array name -> ``{"keepbits", "max_abs_error", "max_rel_error"}`` for bitrounded arrays.
+    """
+
+    index: int
+    seq_start: int
+    seq_stop: int
+    arrays: dict[str, np.ndarray]
+    num_tokens: int
+    lossy: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def _fail(seq: int, name: str, problem: str) -> InvalidSequenceError:
+    return InvalidSequenceError(f"sequence {seq} (global), array {name!r}: {problem}")
+
+
+def _expected_shape(spec: CacheSpec, name: str, length: int, value: np.ndarray) -> tuple[int, ...] | None:
+    """The shape ``value`` must have; None entries in the rule are free dims fixed by the first sequence."""
+    if name in ("input_ids", "logits/lse"):
+        return (length,)
+    if name.startswith("hidden/"):
+        return (length, value.shape[-1]) if value.ndim == 2 else None
+    if name.startswith("attention/"):
+        return (value.shape[0], length, length) if value.ndim == 3 else None
+    if name == "logits/full":
+        return (length, spec.vocab_size)
+    return (length, spec.top_k)  # top-k values and ids
+
+
+def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> int:
+    """Validate one sequence's arrays; returns its length L."""
+    expected = spec.sequence_names()
+    for name in item:
+        if name not in expected:
+            spec.check_name(name)  # raises the typed unknown-feature / layer error
+    missing = [n for n in expected if n not in item]
+    if missing:
+        raise _fail(seq, missing[0], f"missing; every sequence needs {expected}")
+    ids = np.asarray(item["input_ids"])
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise _fail(seq, "input_ids", f"expected a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
+    for name in expected:
+        value = np.asarray(item[name])
+        shape = _expected_shape(spec, name, ids.size, value)
+        if shape != value.shape:
+            raise _fail(seq, name, f"shape {value.shape}, expected {shape or 'a different rank'} for L={ids.size}")
+    return int(ids.size)
+
+
+def _check_topk(spec: CacheSpec, values: np.ndarray, ids: np.ndarray) -> None:
+    if ids.dtype.kind not in "iu" or (ids.size and (ids.min() < 0 or ids.max() >= spec.vocab_size)):
+        raise InvalidSequenceError(f"logits/topk_ids: expected integer ids in 0..{spec.vocab_size - 1}, "
+                                   f"got dtype {ids.dtype} range {ids.min()}..{ids.max()}")
+    wide = values if values.dtype.kind == "f" else to_float32(values, spec.dtype)
+    if values.size and not (wide[:, :-1] >= wide[:, 1:]).all():
+        raise InvalidSequenceError("logits/topk_values: each token's values must be sorted in descending order")
+
+
+def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[str, dict[str, float]]) -> np.ndarray:
+    """Convert to the storage dtype, then bitround activations if the spec asks for it."""
+    stored = to_storage(name, values, spec.dtype)
+    if not spec.is_lossy_target(name):
+        return stored
+    rounded = apply_bitround(name, stored, spec.dtype, spec.bitround)
+    original = values if values.dtype.kind == "f" else to_float32(values, spec.dtype)
+    lossy[name] = {"keepbits": spec.bitround, **measure_error(original, rounded, spec.dtype)}
+    return rounded
+
+
+def _offsets(lengths: Sequence[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+
+
+def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, Any]]) -> EncodedShard:
+    """Encode shard ``index`` from one dict per sequence.
+
+    Args:
+        spec: the cache spec.
+        index: shard number; fixes the global range through ``spec.shard_range``.
+        sequences: one mapping per sequence of the shard: ``input_ids [L]``, ``hidden/{j} [L, d]``,
+            ``attention/{j} [H, L, L]`` (all heads), ``logits/full [L, V]``, ``logits/topk_values [L, k]``,
+            ``logits/topk_ids [L, k]``, ``logits/lse [L]``. Floats as float32 or already in the storage dtype.
+
+    Returns:
+        The shard's flat arrays, ready for a backend.
+
+    Raises:
+        ShardError, InvalidSequenceError, UnknownFeatureError, LayerNotInCacheError, Fp16OverflowError.
+    """
+    if not 0 <= index < spec.num_shards:
+        raise ShardError(f"shard index {index} out of range; this cache has shards 0..{spec.num_shards - 1}")
+    start, stop = spec.shard_range(index)
+    if len(sequences) != stop - start:
+        raise ShardError(f"shard {index} covers sequences [{start}, {stop}) = {stop - start} sequences, "
+                         f"got {len(sequences)}")
+    lengths = [_check_sequence(spec, start + i, item) for i, item in enumerate(sequences)]
+    arrays: dict[str, np.ndarray] = {"offsets": _offsets(lengths)}
+    lossy: dict[str, dict[str, float]] = {}
+    for name in spec.sequence_names():
+        arrays[name] = _encode_array(spec, name, [np.asarray(item[name]) for item in sequences], lossy)
+    if spec.attention_layers:
+        arrays["attention_offsets"] = _offsets([attention_rows(n, spec.attention_triangle) for n in lengths])
+    if spec.logits == "topk":
+        _check_topk(spec, arrays["logits/topk_values"], arrays["logits/topk_ids"])
+        arrays["logits/topk_ids"] = arrays["logits/topk_ids"].astype(spec.array_dtype("logits/topk_ids"))
+    return EncodedShard(index, start, stop, arrays, int(sum(lengths)), lossy)
+
+
+def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: dict[str, dict[str, float]]) -> np.ndarray:
+    """Concatenate one array over the shard's sequences and give it its storage dtype."""
+    if name.startswith("attention/"):
+        num_heads = {p.shape[0] for p in parts}
+        heads = spec.attention_heads
+        if len(num_heads) != 1 or (heads and max(heads) >= min(num_heads)):
+            raise InvalidSequenceError(f"{name}: head counts {sorted(num_heads)} differ between sequences or "
+                                       f"do not cover attention_heads {list(heads or [])}")
+        parts = [pack_attention(p, heads, spec.attention_triangle) for p in parts]
+    elif name.startswith("hidden/") and len({p.shape[1] for p in parts}) != 1:
+        raise InvalidSequenceError(f"{name}: hidden sizes {sorted({p.shape[1] for p in parts})} differ between "
+                                   f"sequences; expected one size d per layer")
+    flat = np.concatenate(parts)
+    if name == "input_ids":
+        if flat.min() < 0 or flat.max() > np.iinfo(np.int32).max:
+            raise InvalidSequenceError(f"input_ids: ids must be in 0..2**31-1, got {flat.min()}..{flat.max()}")
+        return flat.astype(np.int32)
+    if name == "logits/lse":
+        return flat.astype(np.float32)
+    if name == "logits/topk_ids":
+        return flat  # range-checked and narrowed once the whole shard is known
+    return _float_target(spec, name, flat, lossy)

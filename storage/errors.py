@@ -1,0 +1,85 @@
+"""Typed errors for kdcache.
+
+Every error kdcache raises on purpose derives from :class:`KdcacheError`, so the CLI can turn any of them into
+one clean ``error: ...`` line (exit status 2) instead of a traceback. Other packages subclass it too.
+Messages always name the offending value and say what was expected.
+"""
+
+from __future__ import annotations
+
+
+class KdcacheError(Exception):
+    """Base class of every deliberate kdcache error."""
+
+
+class SpecError(KdcacheError, ValueError):
+    """A CacheSpec field has an invalid value (bad backend, dtype, layer list, top-k...)."""
+
+
+class UnknownCodecError(KdcacheError, ValueError):
+    """A codec name or configuration is not known, or cannot be used where it was asked for."""
+
+
+class UnknownFeatureError(KdcacheError, KeyError):
+    """An array or feature name that this cache (or this format) does not hold."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class LayerNotInCacheError(UnknownFeatureError):
+    """A hidden or attention layer that was not selected when the cache was written."""
+
+
+class FormatVersionError(KdcacheError):
+    """The cache was written by a newer (or unknown) format version than this code reads."""
+
+
+class ManifestError(KdcacheError):
+    """manifest.json (or a shard sidecar) is missing, unreadable or inconsistent."""
+
+
+class PartialCacheError(KdcacheError):
+    """The cache is not complete: its writer is still running, or died before finalizing."""
+
+
+class ChecksumError(KdcacheError):
+    """Stored bytes of one array of one shard do not match the checksum recorded at commit time."""
+
+    def __init__(self, message: str, *, shard: int, array: str) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.array = array
+
+
+class Fp16OverflowError(KdcacheError, OverflowError):
+    """A float target holds a value that float16 cannot represent (it would become inf)."""
+
+    def __init__(self, message: str, *, name: str, max_abs: float) -> None:
+        super().__init__(message)
+        self.name = name
+        self.max_abs = max_abs
+
+
+class NonFiniteValueError(KdcacheError, ValueError):
+    """A float target holds NaN or inf before any conversion (a teacher bug, not a range problem)."""
+
+
+class InvalidSequenceError(KdcacheError, ValueError):
+    """A sequence handed to the writer has a missing array, a wrong shape or a wrong dtype."""
+
+
+class ShardError(KdcacheError):
+    """A shard index is out of range, belongs to another part, is already committed, or is not committed."""
+
+
+class CacheMismatchError(KdcacheError):
+    """An existing cache was created with a different spec or different fingerprints."""
+
+    def __init__(self, message: str, *, differences: list[str]) -> None:
+        super().__init__(message)
+        self.differences = differences
+
+
+class CacheLockedError(KdcacheError):
+    """Another live process holds the lock of the same writer part."""

@@ -1,0 +1,119 @@
+"""Fingerprint helpers: stable hashes, and plain-words comparison of two fingerprint dicts.
+
+A fingerprint is a nested JSON dict (``teacher``, ``tokenizer``, ``data``, ``settings``; see
+docs/architecture.md). Hashes are ``sha256:`` hex strings so a user can recompute them with any tool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Iterable
+
+import numpy as np
+
+_SECTION_WORDS = {"teacher": "teacher", "tokenizer": "tokenizer", "data": "data", "settings": "setting"}
+
+
+def hash_bytes(data: bytes | memoryview) -> str:
+    """``sha256:<hex>`` of raw bytes."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def hash_json(obj: Any) -> str:
+    """Hash of canonical JSON (sorted keys, no spaces), e.g. for a model config dict."""
+    return hash_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
+
+
+def hash_array(array: np.ndarray) -> str:
+    """Hash of an array's dtype, shape and contents (C order)."""
+    array = np.ascontiguousarray(array)
+    digest = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
+    digest.update(array.data)
+    return "sha256:" + digest.hexdigest()
+
+
+def hash_arrays(arrays: Iterable[np.ndarray]) -> str:
+    """One hash over a sequence of arrays, e.g. the ``input_ids`` of every sequence in order.
+
+    Each array's length is mixed in, so ``[1, 2], [3]`` and ``[1], [2, 3]`` hash differently.
+    """
+    digest = hashlib.sha256()
+    for array in arrays:
+        array = np.ascontiguousarray(array, dtype=np.int64)
+        digest.update(np.int64(array.size).tobytes())
+        digest.update(array.data)
+    return "sha256:" + digest.hexdigest()
+
+
+def hash_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 22) -> str:
+    """Hash of a file's bytes, read in chunks (weights files can be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk_bytes):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, str) and value.startswith("sha256:"):
+        return value[7:19] + ".."
+    return json.dumps(value, sort_keys=True, default=str) if not isinstance(value, str) else repr(value)
+
+
+def _vocab_message(actual: dict[str, Any], expected: dict[str, Any]) -> str:
+    return (f"tokenizer vocab differs: the cache was built with a vocabulary of {actual.get('vocab_size', '?')} "
+            f"tokens (hash {_short(actual.get('vocab_hash'))}), the student expects "
+            f"{expected.get('vocab_size', '?')} (hash {_short(expected.get('vocab_hash'))})")
+
+
+def _special_tokens_message(actual: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    out = []
+    for key in sorted(set(actual) | set(expected)):
+        if actual.get(key) != expected.get(key):
+            out.append(f"tokenizer special token {key} differs: {_short(actual.get(key))} in the cache, "
+                       f"{_short(expected.get(key))} expected")
+    return out
+
+
+def _compare(actual: Any, expected: Any, path: list[str], strict: bool, out: list[str]) -> None:
+    label = " ".join([_SECTION_WORDS.get(path[0], path[0])] + path[1:]) if path else "fingerprints"
+    if isinstance(actual, dict) and isinstance(expected, dict):
+        if path == ["tokenizer"] and ("vocab_hash" in expected or "vocab_size" in expected) and any(
+            k in expected and actual.get(k) != expected[k] for k in ("vocab_hash", "vocab_size")
+        ):
+            out.append(_vocab_message(actual, expected))
+            actual = {k: v for k, v in actual.items() if k not in ("vocab_hash", "vocab_size")}
+            expected = {k: v for k, v in expected.items() if k not in ("vocab_hash", "vocab_size")}
+        if path == ["tokenizer", "special_tokens"]:
+            out.extend(_special_tokens_message(actual, expected))
+            return
+        keys = sorted(set(expected) | (set(actual) if strict else set()))
+        for key in keys:
+            what = f"{label} {key}" if path else f"the {key} fingerprint"
+            if key not in actual:
+                out.append(f"{what} is not recorded in the cache; expected {_short(expected[key])}")
+            elif key not in expected:
+                out.append(f"{what} is recorded in the cache as {_short(actual[key])} but not given now")
+            else:
+                _compare(actual[key], expected[key], path + [key], strict, out)
+    elif actual != expected and expected is not None:
+        out.append(f"{label} differs: the cache has {_short(actual)}, expected {_short(expected)}")
+
+
+def compare_fingerprints(actual: dict[str, Any], expected: dict[str, Any], *, strict: bool = False) -> list[str]:
+    """Explain every difference between a cache's fingerprints and what a consumer expects.
+
+    Args:
+        actual: the cache's fingerprints (``reader.fingerprints``).
+        expected: what the consumer (the student, a resuming writer) expects. Keys it leaves out, and values
+            of None, are not checked, so a student may check only the tokenizer.
+        strict: also report keys recorded in the cache but absent from ``expected``.
+
+    Returns:
+        One plain-words sentence per mismatch; empty when they agree.
+    """
+    out: list[str] = []
+    _compare(actual, expected, [], strict, out)
+    return out

@@ -1,0 +1,213 @@
+"""manifest.json and shard sidecars: the cache's index, always written atomically and last.
+
+Commit protocol (see storage/writer.py): a shard's data is renamed into place, then its small sidecar
+``shards/shard-NNNNNN.json`` is written; the sidecar is the commit point. ``finalize`` merges every sidecar into
+``manifest.json``. So the manifest never lists a shard whose bytes are not durable on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from storage.errors import FormatVersionError, ManifestError
+from storage.spec import FORMAT_VERSION, CacheSpec
+
+MANIFEST_NAME = "manifest.json"
+SHARDS_DIR = "shards"
+STATUSES = ("writing", "partial", "complete")
+
+
+def shard_name(index: int) -> str:
+    """Base name of shard ``index``: ``shard-000007``."""
+    return f"shard-{index:06d}"
+
+
+def sidecar_path(root: Path, index: int) -> Path:
+    """Path of shard ``index``'s commit sidecar."""
+    return root / SHARDS_DIR / f"{shard_name(index)}.json"
+
+
+def now() -> str:
+    """UTC timestamp, ISO 8601."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (POSIX needs the directory itself synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to a temp file in the same directory, fsync it, then ``os.replace`` it over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(obj, handle, indent=1, sort_keys=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Load a JSON object, turning absence or corruption into ManifestError."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"{what} not found at {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{what} at {path} is corrupt (not valid JSON: {exc})") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{what} at {path} is corrupt: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+@dataclass
+class ShardRecord:
+    """One committed shard.
+
+    ``arrays`` maps array name -> ``{"shape", "dtype", "stored_bytes", "decoded_bytes", "crc32"}`` (plus backend
+    extras); ``checksum`` is a crc32 over the per-array checksums; ``extra`` holds backend-level data such as
+    the Arrow file's crc32.
+    """
+
+    index: int
+    seq_start: int
+    seq_stop: int
+    num_tokens: int
+    path: str
+    stored_bytes: int
+    decoded_bytes: int
+    checksum: str
+    arrays: dict[str, dict[str, Any]]
+    lossy: dict[str, dict[str, float]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShardRecord:
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ManifestError(f"corrupt shard record {str(data)[:200]}: {exc}") from None
+
+
+def shard_checksum(arrays: dict[str, dict[str, Any]]) -> str:
+    """crc32 over the sorted per-array crc32s, as ``crc32:xxxxxxxx``."""
+    text = ",".join(f"{name}={arrays[name]['crc32']}" for name in sorted(arrays))
+    return f"crc32:{zlib.crc32(text.encode()):08x}"
+
+
+@dataclass
+class Manifest:
+    """The cache index. ``shards`` lists committed shards in index order."""
+
+    spec: CacheSpec
+    fingerprints: dict[str, Any]
+    status: str = "writing"
+    format_version: int = FORMAT_VERSION
+    shards: list[ShardRecord] = field(default_factory=list)
+    arrays: dict[str, dict[str, Any]] = field(default_factory=dict)
+    created_at: str = field(default_factory=now)
+    updated_at: str = field(default_factory=now)
+
+    @property
+    def num_tokens(self) -> int:
+        """Valid tokens in committed shards."""
+        return sum(s.num_tokens for s in self.shards)
+
+    @property
+    def committed(self) -> list[int]:
+        return [s.index for s in self.shards]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "kdcache", "format_version": self.format_version, "status": self.status,
+            "created_at": self.created_at, "updated_at": self.updated_at,
+            "num_sequences": self.spec.num_sequences, "num_shards": self.spec.num_shards,
+            "num_committed_shards": len(self.shards), "num_tokens": self.num_tokens,
+            "spec": self.spec.to_dict(), "fingerprints": self.fingerprints, "arrays": self.arrays,
+            "shards": [asdict(s) for s in self.shards],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "manifest.json") -> Manifest:
+        version = data.get("format_version")
+        if not isinstance(version, int):
+            raise ManifestError(f"{where} has no integer format_version (got {version!r}); not a kdcache cache?")
+        if version > FORMAT_VERSION:
+            raise FormatVersionError(f"{where} has format_version {version}; this code reads versions up to "
+                                     f"{FORMAT_VERSION}. Upgrade kdcache to read this cache.")
+        if data.get("status") not in STATUSES:
+            raise ManifestError(f"{where} has status {data.get('status')!r}; expected one of {list(STATUSES)}")
+        try:
+            spec = CacheSpec.from_dict(data["spec"])
+            shards = [ShardRecord.from_dict(s) for s in data["shards"]]
+            return cls(spec, data["fingerprints"], data["status"], version, shards, data.get("arrays", {}),
+                       data.get("created_at", ""), data.get("updated_at", ""))
+        except (KeyError, TypeError) as exc:
+            raise ManifestError(f"{where} is corrupt: missing or malformed field {exc}") from None
+
+
+def read_manifest(root: Path) -> Manifest:
+    """Read ``root/manifest.json``.
+
+    Raises:
+        ManifestError: missing or corrupt; FormatVersionError: written by a newer format.
+    """
+    path = Path(root) / MANIFEST_NAME
+    if not path.exists():
+        raise ManifestError(f"no {MANIFEST_NAME} in {root}: not a kdcache cache, or its writer never started")
+    return Manifest.from_dict(read_json(path, MANIFEST_NAME), str(path))
+
+
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    """Atomically (re)write ``root/manifest.json``."""
+    manifest.updated_at = now()
+    write_json_atomic(Path(root) / MANIFEST_NAME, manifest.to_dict())
+
+
+def read_sidecars(root: Path) -> dict[int, ShardRecord]:
+    """Every committed shard's record, from the sidecars under ``root/shards``."""
+    records: dict[int, ShardRecord] = {}
+    for path in sorted((Path(root) / SHARDS_DIR).glob("shard-*.json")):
+        record = ShardRecord.from_dict(read_json(path, "shard sidecar"))
+        records[record.index] = record
+    return records
+
+
+def summarize_arrays(spec: CacheSpec, records: list[ShardRecord]) -> dict[str, dict[str, Any]]:
+    """Per-array totals over committed shards: dtype, trailing shape, codec, bytes, worst lossy error.
+
+    Raises:
+        ManifestError: two shards disagree on an array's dtype or trailing shape (e.g. hidden size).
+    """
+    summary: dict[str, dict[str, Any]] = {}
+    for record in records:
+        for name, info in record.arrays.items():
+            entry = summary.setdefault(name, {"dtype": info["dtype"], "shape_tail": info["shape"][1:],
+                                              "codec": spec.codec_for(name), "stored_bytes": 0, "decoded_bytes": 0})
+            if (entry["dtype"], entry["shape_tail"]) != (info["dtype"], info["shape"][1:]):
+                raise ManifestError(f"shard {record.index} stores {name} as {info['dtype']} {info['shape'][1:]}, "
+                                    f"other shards as {entry['dtype']} {entry['shape_tail']}")
+            entry["stored_bytes"] += info["stored_bytes"]
+            entry["decoded_bytes"] += info["decoded_bytes"]
+        for name, err in record.lossy.items():
+            worst = summary[name].setdefault("lossy", dict(err))
+            for key in ("max_abs_error", "max_rel_error"):
+                worst[key] = max(worst[key], err[key])
+    return summary

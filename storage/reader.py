@@ -1,0 +1,204 @@
+"""CacheReader: random access and ordered iteration over a committed cache, with checksums on first open."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from storage.backends.base import ShardHandle, get_backend
+from storage.errors import ChecksumError, PartialCacheError, ShardError
+from storage.layout import unpack_attention
+from storage.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
+from storage.spec import CacheSpec
+
+Fetch = Callable[[str, int, int], np.ndarray]  # (array name, start row, stop row) -> decoded rows
+
+
+def _sequence(spec: CacheSpec, names: list[str], fetch: Fetch, offsets: np.ndarray,
+              attention_offsets: np.ndarray | None, local: int) -> dict[str, np.ndarray]:
+    """Cut one sequence out of a shard's flat arrays; attention comes back as ``[H', L, L]``."""
+    t0, t1 = int(offsets[local]), int(offsets[local + 1])
+    out = {}
+    for name in names:
+        if name.startswith("attention/"):
+            a0, a1 = int(attention_offsets[local]), int(attention_offsets[local + 1])
+            out[name] = unpack_attention(fetch(name, a0, a1), t1 - t0, spec.attention_triangle)
+        else:
+            out[name] = fetch(name, t0, t1)
+    return out
+
+
+@dataclass
+class ShardData:
+    """One decoded shard.
+
+    Attributes:
+        index: shard number; ``seq_start``/``seq_stop``: its global sequence range.
+        arrays: the decoded flat arrays asked for (e.g. ``hidden/3 [T, d]``), in the storage dtype.
+        offsets: ``[S+1]`` int64 token offsets; ``attention_offsets``: ``[S+1]`` row offsets or None.
+    """
+
+    index: int
+    seq_start: int
+    seq_stop: int
+    arrays: dict[str, np.ndarray]
+    offsets: np.ndarray
+    attention_offsets: np.ndarray | None
+    spec: CacheSpec
+
+    def __len__(self) -> int:
+        return self.seq_stop - self.seq_start
+
+    def sequence(self, local: int) -> dict[str, np.ndarray]:
+        """Shard-local sequence ``local`` as the same dict ``CacheReader.get`` returns."""
+        if not 0 <= local < len(self):
+            raise IndexError(f"shard {self.index} has sequences 0..{len(self) - 1} (local), got {local}")
+        fetch = lambda name, a, b: self.arrays[name][a:b]  # noqa: E731
+        return _sequence(self.spec, list(self.arrays), fetch, self.offsets, self.attention_offsets, local)
+
+
+class CacheReader:
+    """Reads a cache written by CacheWriter (see docs/architecture.md). Thread-safe.
+
+    Sequence indices are always global (``reader[i]`` is sequence i of the dataset). A partial cache
+    (``allow_partial=True``) exposes only its committed shards; asking for a sequence elsewhere raises
+    PartialCacheError.
+
+    Args:
+        path: cache directory.
+        allow_partial: accept a cache whose status is not "complete".
+        max_open_shards: decoded Arrow columns are cached per open shard; this bounds how many stay open.
+
+    Raises:
+        ManifestError, FormatVersionError, PartialCacheError.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, allow_partial: bool = False, max_open_shards: int = 4) -> None:
+        self.root = Path(path)
+        self.manifest: Manifest = read_manifest(self.root)
+        self.spec: CacheSpec = self.manifest.spec
+        self.fingerprints: dict[str, Any] = self.manifest.fingerprints
+        self._backend = get_backend(self.spec.backend)
+        self._records = self._visible_records(allow_partial)
+        self._handles: OrderedDict[int, ShardHandle] = OrderedDict()
+        self._checked: set[int] = set()
+        self._max_open = max(1, max_open_shards)
+        self._lock = threading.Lock()
+
+    def _visible_records(self, allow_partial: bool) -> dict[int, ShardRecord]:
+        records = {r.index: r for r in self.manifest.shards}
+        if self.manifest.status == "complete":
+            return records
+        committed = len(records) if self.manifest.status == "partial" else len(read_sidecars(self.root))
+        if not allow_partial:
+            raise PartialCacheError(
+                f"{self.root} is not complete (status {self.manifest.status!r}, {committed} of "
+                f"{self.spec.num_shards} shards committed): its writer is still running or died. Resume the "
+                f"precompute, run `kdcache merge`, or pass allow_partial=True to read the committed shards only.")
+        # While writing, the manifest lags behind: committed shards are the sidecars whose data is in place.
+        for index, record in read_sidecars(self.root).items():
+            if self._backend.final_path(self.root, index).exists():
+                records[index] = record
+        return dict(sorted(records.items()))
+
+    # ---- what the cache holds ------------------------------------------------------------------------
+    num_sequences = property(lambda self: self.spec.num_sequences, doc="Sequences in the whole cache (global).")
+    num_shards = property(lambda self: self.spec.num_shards, doc="Shards in the whole cache.")
+    features = property(lambda self: self.spec.features, doc='Target kinds, e.g. ("hidden", "logits/topk").')
+    hidden_layers = property(lambda self: self.spec.hidden_layers)
+    attention_layers = property(lambda self: self.spec.attention_layers)
+
+    @property
+    def num_tokens(self) -> int:
+        """Valid tokens in the visible (committed) shards."""
+        return sum(r.num_tokens for r in self._records.values())
+
+    @property
+    def committed_shards(self) -> list[int]:
+        """Shards this reader can read: all of them for a complete cache."""
+        return list(self._records)
+
+    @property
+    def records(self) -> list[ShardRecord]:
+        """Manifest records (range, tokens, bytes, checksums) of the readable shards, in shard order."""
+        return list(self._records.values())
+
+    @property
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """Global ``[start, stop)`` sequence range of every shard, by shard index."""
+        return [self.spec.shard_range(k) for k in range(self.spec.num_shards)]
+
+    def __len__(self) -> int:
+        return self.num_sequences
+
+    # ---- opening shards ------------------------------------------------------------------------------
+    def _shard(self, index: int) -> ShardHandle:
+        """Open shard ``index`` (checking its checksums the first time), with a small LRU of open shards."""
+        if index not in self._records:
+            raise (ShardError if not 0 <= index < self.spec.num_shards else PartialCacheError)(
+                f"shard {index} is not readable: committed shards are {self.committed_shards}")
+        with self._lock:
+            if index in self._handles:
+                self._handles.move_to_end(index)
+                return self._handles[index]
+            record = self._records[index]
+            handle = self._backend.open(self.root / record.path, record, self.spec)
+            if index not in self._checked:
+                problems = handle.check()
+                if problems:
+                    array, message = problems[0]
+                    raise ChecksumError(f"shard {index}, array {array}: {message} ({self.root / record.path})",
+                                        shard=index, array=array)
+                self._checked.add(index)
+            self._handles[index] = handle
+            while len(self._handles) > self._max_open:
+                self._handles.popitem(last=False)
+            return handle
+
+    # ---- reading -------------------------------------------------------------------------------------
+    def get(self, index: int, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """One sequence: ``input_ids [L]``, ``hidden/{j} [L, d]``, ``attention/{j} [H', L, L]``, logits arrays.
+
+        Args:
+            index: global sequence index.
+            names: array names or groups ("hidden", "attention", "logits"); None = all.
+
+        Raises:
+            IndexError, UnknownFeatureError, LayerNotInCacheError, PartialCacheError, ChecksumError.
+        """
+        wanted = self.spec.expand_names(None if names is None else list(names))
+        if not 0 <= index < self.num_sequences:
+            raise IndexError(f"sequence {index} out of range; this cache has sequences 0..{self.num_sequences - 1}")
+        shard = index // self.spec.sequences_per_shard
+        local = index - shard * self.spec.sequences_per_shard
+        return self._slice(self._shard(shard), wanted, local)
+
+    def _slice(self, handle: ShardHandle, wanted: list[str], local: int) -> dict[str, np.ndarray]:
+        """Read only sequence ``local``'s rows: two offsets, then a row slice of each array (partial decode)."""
+        offsets = handle.read("offsets", local, local + 2)
+        attention = handle.read("attention_offsets", local, local + 2) if self.spec.attention_layers else None
+        return _sequence(self.spec, wanted, handle.read, offsets, attention, 0)
+
+    __getitem__ = get
+
+    def read_shard(self, index: int, names: Iterable[str] | None = None) -> ShardData:
+        """Decode a whole shard; only the named arrays (plus offsets) are decoded."""
+        wanted = self.spec.expand_names(None if names is None else list(names))
+        handle = self._shard(index)
+        start, stop = self.spec.shard_range(index)
+        attention = handle.read("attention_offsets") if self.spec.attention_layers else None
+        arrays = {name: handle.read(name) for name in wanted}
+        return ShardData(index, start, stop, arrays, handle.read("offsets"), attention, self.spec)
+
+    def iter_sequences(self, shards: Iterable[int] | None = None, names: Iterable[str] | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """Yield sequences in order, shard by shard (default: every committed shard)."""
+        for index in (self.committed_shards if shards is None else shards):
+            data = self.read_shard(index, names)
+            for local in range(len(data)):
+                yield data.sequence(local)

@@ -1,0 +1,193 @@
+"""CacheSpec: what a cache holds, and the naming and dtype rules derived from it.
+
+Array names inside a shard (see docs/architecture.md):
+
+- ``input_ids [T]`` int32 and ``offsets [S+1]`` int64;
+- ``hidden/{j} [T, d]`` per hidden layer j (0 = embeddings);
+- ``attention/{j} [R, H']`` per attention block j (1..N) and ``attention_offsets [S+1]`` int64;
+- ``logits/full [T, V]``, or ``logits/topk_values [T, k]``, ``logits/topk_ids [T, k]``, ``logits/lse [T]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from storage.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, resolve_codec, to_arrow_compression, to_zarr_compressors
+from storage.dtypes import STORAGE_DTYPES, storage_dtype
+from storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
+
+FORMAT_VERSION = 1
+BACKENDS = ("zarr", "arrow")
+LOGIT_KINDS = (None, "full", "topk")
+TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
+PER_SEQUENCE_FIXED = ("input_ids",)
+
+
+def topk_id_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned integer dtype that holds every id in ``range(vocab_size)``."""
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise SpecError(f"vocab_size {vocab_size} does not fit in 64 bits")
+
+
+def _layers(name: str, values: Any, minimum: int) -> tuple[int, ...]:
+    layers = tuple(sorted({int(v) for v in values}))
+    if any(j < minimum for j in layers):
+        raise SpecError(f"{name} {list(values)} has a layer below {minimum}; expected layers >= {minimum}")
+    return layers
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a cache holds and how. Frozen; round-trips through JSON via ``to_dict`` / ``from_dict``.
+
+    Layers are stored sorted and de-duplicated; codecs are stored as full numcodecs config dicts.
+    ``bitround`` (keepbits) applies to activations (hidden, attention, full logits), never to top-k.
+    """
+
+    num_sequences: int
+    backend: str = "zarr"
+    hidden_layers: tuple[int, ...] = ()
+    attention_layers: tuple[int, ...] = ()
+    attention_heads: tuple[int, ...] | None = None
+    attention_triangle: bool = False
+    logits: str | None = None
+    top_k: int = 0
+    vocab_size: int = 0
+    dtype: str = "fp16"
+    codec: Any = field(default_factory=lambda: dict(DEFAULT_CODEC))
+    topk_codec: Any = field(default_factory=lambda: dict(DEFAULT_TOPK_CODEC))
+    bitround: int | None = None
+    sequences_per_shard: int = 256
+
+    def __post_init__(self) -> None:
+        put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
+        put("hidden_layers", _layers("hidden_layers", self.hidden_layers, 0))
+        put("attention_layers", _layers("attention_layers", self.attention_layers, 1))
+        if self.attention_heads is not None:
+            put("attention_heads", _layers("attention_heads", self.attention_heads, 0))
+        put("codec", resolve_codec(self.codec))
+        put("topk_codec", resolve_codec(self.topk_codec))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SpecError(f"unknown backend {self.backend!r}; expected one of {list(BACKENDS)}")
+        storage_dtype(self.dtype)
+        if self.num_sequences < 1 or self.sequences_per_shard < 1:
+            raise SpecError(f"num_sequences ({self.num_sequences}) and sequences_per_shard "
+                            f"({self.sequences_per_shard}) must both be >= 1")
+        if self.logits not in LOGIT_KINDS:
+            raise SpecError(f"unknown logits kind {self.logits!r}; expected one of {list(LOGIT_KINDS)}")
+        if self.logits and self.vocab_size < 1:
+            raise SpecError(f"logits={self.logits!r} needs vocab_size >= 1, got {self.vocab_size}")
+        if self.logits == "topk" and not 1 <= self.top_k <= self.vocab_size:
+            raise SpecError(f"top_k must be in 1..vocab_size ({self.vocab_size}), got {self.top_k}")
+        mantissa = STORAGE_DTYPES[self.dtype][1]
+        if self.bitround is not None and not 0 < self.bitround < mantissa:
+            raise SpecError(f"bitround keepbits must be in 1..{mantissa - 1} for {self.dtype}, got {self.bitround}")
+        if self.attention_heads is not None and not self.attention_heads:
+            raise SpecError("attention_heads is empty; use None for all heads")
+        for config in (self.codec, self.topk_codec):  # fail at creation, not at the first shard
+            to_zarr_compressors(config) if self.backend == "zarr" else to_arrow_compression(config)
+
+    # ---- derived layout ------------------------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        """Number of shards; fixed at creation so resumption and rank partitions always agree."""
+        return math.ceil(self.num_sequences / self.sequences_per_shard)
+
+    def shard_range(self, index: int) -> tuple[int, int]:
+        """Global sequence range ``[start, stop)`` of shard ``index``."""
+        start = index * self.sequences_per_shard
+        return start, min(start + self.sequences_per_shard, self.num_sequences)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """Target kinds held: "hidden", "attention", "logits/full" or "logits/topk"."""
+        kinds = [("hidden", bool(self.hidden_layers)), ("attention", bool(self.attention_layers)),
+                 (f"logits/{self.logits}", bool(self.logits))]
+        return tuple(name for name, present in kinds if present)
+
+    def sequence_names(self) -> list[str]:
+        """Names of the per-sequence arrays a reader returns (and the writer takes), in order."""
+        names = ["input_ids"] + [f"hidden/{j}" for j in self.hidden_layers]
+        names += [f"attention/{j}" for j in self.attention_layers]
+        if self.logits == "full":
+            names.append("logits/full")
+        elif self.logits == "topk":
+            names.extend(TOPK_NAMES)
+        return names
+
+    def array_names(self) -> list[str]:
+        """Every array each shard holds (per-sequence names plus the offsets arrays)."""
+        names = self.sequence_names()
+        names.insert(1, "offsets")
+        if self.attention_layers:
+            names.append("attention_offsets")
+        return names
+
+    def array_dtype(self, name: str) -> np.dtype:
+        """On-disk dtype of array ``name``."""
+        fixed = {"input_ids": np.int32, "offsets": np.int64, "attention_offsets": np.int64, "logits/lse": np.float32}
+        if name in fixed:
+            return np.dtype(fixed[name])
+        if name == "logits/topk_ids":
+            return topk_id_dtype(self.vocab_size)
+        return storage_dtype(self.dtype)
+
+    def codec_for(self, name: str) -> dict[str, Any]:
+        """numcodecs config used to compress array ``name``."""
+        return self.topk_codec if name in TOPK_NAMES else self.codec
+
+    def is_lossy_target(self, name: str) -> bool:
+        """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""
+        return self.bitround is not None and name.startswith(("hidden/", "attention/", "logits/full"))
+
+    def check_name(self, name: str) -> None:
+        """Raise a typed error unless ``name`` is a per-sequence array of this cache."""
+        if name in self.sequence_names():
+            return
+        kind, _, layer = name.partition("/")
+        layers = {"hidden": self.hidden_layers, "attention": self.attention_layers}.get(kind)
+        if layers is not None and layer.lstrip("-").isdigit():
+            raise LayerNotInCacheError(f"{kind} layer {layer} is not in this cache; cached {kind} layers: "
+                                       f"{list(layers) or 'none'}")
+        raise UnknownFeatureError(f"unknown array or feature {name!r}; this cache holds: "
+                                  f"{', '.join(self.sequence_names())}")
+
+    def expand_names(self, names: list[str] | tuple[str, ...] | None) -> list[str]:
+        """Expand group names ("hidden", "attention", "logits") and validate the rest; None = all."""
+        if names is None:
+            return self.sequence_names()
+        out: list[str] = []
+        for name in names:
+            group = [n for n in self.sequence_names() if n.startswith(name + "/")]
+            if not group:
+                self.check_name(name)
+            out.extend(group or [name])
+        return list(dict.fromkeys(out))
+
+    # ---- JSON ----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists)."""
+        out = dataclasses.asdict(self)
+        for key, value in out.items():
+            if isinstance(value, tuple):
+                out[key] = list(value)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheSpec:
+        """Rebuild a spec from ``to_dict`` output; unknown keys are an error (a newer writer wrote them)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(data) - known)
+        if extra:
+            raise SpecError(f"unknown spec field(s) {extra}; expected only {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,418 @@
+"""One shared storage suite, run once per backend (zarr, arrow). Small random arrays; no mocks."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.commands import cache as cache_cmd
+from storage import CacheReader, CacheSpec, CacheWriter, merge_parts, to_float32, verify_cache
+from storage.backends.base import get_backend
+from storage.errors import (CacheLockedError, CacheMismatchError, ChecksumError, FormatVersionError,
+                            Fp16OverflowError, KdcacheError, LayerNotInCacheError, ManifestError, PartialCacheError,
+                            UnknownCodecError, UnknownFeatureError)
+
+D, HEADS = 8, 4
+FINGERPRINTS = {
+    "teacher": {"name_or_path": "tiny-bert", "revision": "r1", "config_hash": "sha256:aa", "weights_hash": "sha256:bb"},
+    "tokenizer": {"vocab_hash": "sha256:1111", "vocab_size": 300, "special_tokens": {"pad_token": "[PAD]"}},
+    "data": {"source": "stdlib-docstrings", "split": "train", "input_ids_hash": "sha256:cc", "num_sequences": 7},
+    "settings": {"max_length": 12, "packing": False, "format_version": 1},
+}
+
+
+def make_sequences(spec: CacheSpec, lengths: list[int], seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Random float32 teacher outputs in the writer's input format, one dict per sequence."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for length in lengths:
+        item = {"input_ids": rng.integers(0, max(spec.vocab_size, 2), length)}
+        for j in spec.hidden_layers:
+            item[f"hidden/{j}"] = (rng.normal(size=(length, D)) * 3).astype(np.float32)
+        for j in spec.attention_layers:
+            scores = rng.random((HEADS, length, length)).astype(np.float32)
+            item[f"attention/{j}"] = scores / scores.sum(-1, keepdims=True)
+        if spec.logits == "full":
+            item["logits/full"] = (rng.normal(size=(length, spec.vocab_size)) * 5).astype(np.float32)
+        elif spec.logits == "topk":
+            values = rng.normal(size=(length, spec.top_k)).astype(np.float32)
+            item["logits/topk_values"] = -np.sort(-values, axis=1)
+            item["logits/topk_ids"] = rng.integers(0, spec.vocab_size, (length, spec.top_k))
+            item["logits/lse"] = rng.normal(size=length).astype(np.float32)
+        out.append(item)
+    return out
+
+
+def expected(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What the reader must return for one input sequence, computed independently of storage.encode."""
+    from storage.dtypes import float32_to_bf16_bits
+
+    def store(x: np.ndarray) -> np.ndarray:
+        return float32_to_bf16_bits(x) if spec.dtype == "bf16" else x.astype(np.float16)
+
+    out = {"input_ids": item["input_ids"].astype(np.int32)}
+    for name, value in item.items():
+        if name.startswith("hidden/") or name in ("logits/full", "logits/topk_values"):
+            out[name] = store(value)
+        elif name.startswith("attention/"):
+            attn = value if spec.attention_heads is None else value[list(spec.attention_heads)]
+            out[name] = store(np.tril(attn) if spec.attention_triangle else attn)
+    if spec.logits == "topk":
+        out["logits/topk_ids"] = item["logits/topk_ids"]
+        out["logits/lse"] = item["logits/lse"]
+    return out
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    """A tiny argparse harness around pipeline.commands.cache (what pipeline/cli.py does)."""
+    parser = argparse.ArgumentParser(prog="kdcache")
+    cache_cmd.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        try:
+            code = args.func(args)
+        except KdcacheError as exc:
+            print(f"error: {exc}")
+            code = 2
+    return code, buffer.getvalue()
+
+
+class StorageSuite:
+    """Everything the issue's "Done when" asks, for one backend (set by the subclass)."""
+
+    backend = ""
+
+    def spec(self, **kwargs) -> CacheSpec:
+        base = dict(num_sequences=7, backend=self.backend, hidden_layers=(0, 2), attention_layers=(1,),
+                    logits="topk", top_k=5, vocab_size=300, sequences_per_shard=3)
+        return CacheSpec(**{**base, **kwargs})
+
+    def build(self, path: Path, spec: CacheSpec, lengths: list[int] | None = None, *, shards=None,
+              finalize: bool = True, fingerprints=FINGERPRINTS):
+        lengths = lengths or [(i % 6) + 1 for i in range(spec.num_sequences)]
+        seqs = make_sequences(spec, lengths)
+        with CacheWriter(path, spec, fingerprints) as writer:
+            for k in range(spec.num_shards) if shards is None else shards:
+                start, stop = spec.shard_range(k)
+                writer.write_shard(k, seqs[start:stop])
+            if finalize:
+                writer.finalize()
+        return seqs
+
+    def assert_same(self, got: dict, want: dict) -> None:
+        assert set(got) == set(want)
+        for name in want:
+            assert got[name].dtype == want[name].dtype or name == "logits/topk_ids", name
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+    # ---- round trips ---------------------------------------------------------------------------------
+    @pytest.mark.parametrize("options", [
+        dict(logits="full", attention_layers=(1, 2)),
+        dict(logits="topk", attention_triangle=True, attention_heads=(1, 3), dtype="bf16"),
+        dict(logits="topk", attention_triangle=False, attention_heads=(0,), codec="zstd", topk_codec="lz4"),
+    ], ids=["full-square-fp16", "topk-triangle-heads-bf16", "topk-headsubset-othercodecs"])
+    def test_every_target_round_trips_bit_exact(self, tmp_path, options):
+        spec = self.spec(**options)
+        seqs = self.build(tmp_path, spec)
+        reader = CacheReader(tmp_path)
+        for i, item in enumerate(seqs):
+            self.assert_same(reader[i], expected(spec, item))
+        from_shards = list(reader.iter_sequences())
+        for i, item in enumerate(seqs):
+            self.assert_same(from_shards[i], expected(spec, item))
+        assert reader.num_tokens == sum(len(s["input_ids"]) for s in seqs)
+
+    def test_already_converted_inputs_are_stored_as_given(self, tmp_path):
+        spec = self.spec(logits=None, attention_layers=())
+        seqs = make_sequences(spec, [3, 4, 1, 2, 5, 6, 2])
+        for item in seqs:
+            item["hidden/0"] = item["hidden/0"].astype(np.float16)
+        with CacheWriter(tmp_path, spec, FINGERPRINTS) as writer:
+            for k in range(spec.num_shards):
+                writer.write_shard(k, seqs[slice(*spec.shard_range(k))])
+            writer.finalize()
+        np.testing.assert_array_equal(CacheReader(tmp_path)[4]["hidden/0"], seqs[4]["hidden/0"])
+
+    def test_ragged_lengths_one_to_max(self, tmp_path):
+        max_len = 13
+        spec = self.spec(num_sequences=max_len, sequences_per_shard=4, attention_triangle=True)
+        seqs = self.build(tmp_path, spec, lengths=list(range(1, max_len + 1)))
+        reader = CacheReader(tmp_path)
+        assert reader.num_tokens == max_len * (max_len + 1) // 2
+        for i in (0, 3, 4, 12):
+            got = reader.get(i, names=["input_ids", "attention"])
+            assert got["attention/1"].shape == (HEADS, i + 1, i + 1)
+            np.testing.assert_array_equal(got["input_ids"], seqs[i]["input_ids"])
+        shard = reader.read_shard(1, names=["hidden/2"])
+        assert list(shard.arrays) == ["hidden/2"] and shard.arrays["hidden/2"].shape == (5 + 6 + 7 + 8, D)
+        np.testing.assert_array_equal(shard.offsets, [0, 5, 11, 18, 26])
+
+    @pytest.mark.parametrize("vocab,dtype", [(200, np.uint8), (65536, np.uint16), (70000, np.uint32)])
+    def test_topk_ids_use_smallest_type_and_survive_large_vocab(self, tmp_path, vocab, dtype):
+        spec = self.spec(hidden_layers=(), attention_layers=(), vocab_size=vocab, top_k=4)
+        seqs = make_sequences(spec, [3] * 7)
+        seqs[5]["logits/topk_ids"][0] = [vocab - 1, 0, vocab // 2, 65535 % vocab]  # the extremes of the range
+        with CacheWriter(tmp_path, spec, FINGERPRINTS) as writer:
+            for k in range(spec.num_shards):
+                writer.write_shard(k, seqs[slice(*spec.shard_range(k))])
+            writer.finalize()
+        got = CacheReader(tmp_path)[5]["logits/topk_ids"]
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, seqs[5]["logits/topk_ids"])
+
+    def test_concurrent_reads_are_consistent(self, tmp_path):
+        from concurrent.futures import ThreadPoolExecutor
+
+        spec = self.spec(sequences_per_shard=2)
+        seqs = self.build(tmp_path, spec)
+        reader = CacheReader(tmp_path, max_open_shards=2)  # forces shards in and out of the cache
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(reader.get, [i % 7 for i in range(60)]))
+        for i, got in enumerate(results):
+            self.assert_same(got, expected(spec, seqs[i % 7]))
+
+    def test_bitround_error_within_recorded_bound(self, tmp_path):
+        spec = self.spec(bitround=4, logits="full", attention_layers=(1,))
+        seqs = self.build(tmp_path, spec)
+        reader = CacheReader(tmp_path)
+        for name in ("hidden/0", "hidden/2", "attention/1", "logits/full"):
+            bound = reader.manifest.arrays[name]["lossy"]
+            assert bound["keepbits"] == 4 and 0 < bound["max_abs_error"] and 0 < bound["max_rel_error"] < 2 ** -4
+            for i, item in enumerate(seqs):
+                got = to_float32(reader[i][name], spec.dtype)
+                want = item[name] if not name.startswith("attention/") else item[name]
+                err = np.abs(got - want)
+                assert err.max() <= bound["max_abs_error"]
+                normal = np.abs(want) >= np.finfo(np.float16).tiny  # relative error is defined on normals
+                assert (err[normal] / np.abs(want[normal])).max() <= bound["max_rel_error"]
+        assert "lossy" not in reader.manifest.arrays["input_ids"]
+
+    # ---- corruption ----------------------------------------------------------------------------------
+    def corruption_targets(self, root: Path) -> list[tuple[Path, int, int, str | None]]:
+        """(file, byte offset, shard, array it belongs to or None when the backend cannot tell)."""
+        raise NotImplementedError
+
+    def test_flipped_byte_is_caught_by_verify_and_reader(self, tmp_path):
+        spec = self.spec(logits="topk", attention_layers=(1,))
+        self.build(tmp_path, spec, lengths=[6] * 7)
+        assert verify_cache(tmp_path).ok
+        targets = self.corruption_targets(tmp_path)
+        assert targets
+        for path, offset, shard, array in targets:
+            original = path.read_bytes()
+            path.write_bytes(original[:offset] + bytes([original[offset] ^ 0x40]) + original[offset + 1:])
+            try:
+                report = verify_cache(tmp_path)
+                assert not report.ok and all(p.shard == shard for p in report.problems), report.problems
+                if array is not None:
+                    assert (shard, array) in report.bad_arrays, (path, report.problems)
+                with pytest.raises(ChecksumError) as caught:
+                    CacheReader(tmp_path).get(spec.shard_range(shard)[0])
+                assert caught.value.shard == shard and f"shard {shard}" in str(caught.value)
+                if array is not None:
+                    assert caught.value.array == array
+                code, out = run_cli("verify", str(tmp_path))
+                assert code == 1 and f"shard {shard}" in out and "Traceback" not in out
+            finally:
+                path.write_bytes(original)
+        assert verify_cache(tmp_path).ok
+
+    # ---- partial caches ------------------------------------------------------------------------------
+    def test_writer_that_died_leaves_a_refused_partial_cache(self, tmp_path):
+        spec = self.spec()
+        seqs = self.build(tmp_path, spec, shards=[0, 2], finalize=False)  # "died" before shard 1 and finalize
+        backend = get_backend(spec.backend)
+        temp = backend.temp_path(tmp_path, 1)  # and mid-way through shard 1
+        temp.mkdir() if spec.backend == "zarr" else temp.write_bytes(b"half a shard")
+        with pytest.raises(PartialCacheError, match="status 'writing'.*2 of 3 shards"):
+            CacheReader(tmp_path)
+        reader = CacheReader(tmp_path, allow_partial=True)
+        assert reader.committed_shards == [0, 2]
+        self.assert_same(reader[6], expected(spec, seqs[6]))
+        with pytest.raises(PartialCacheError):
+            reader[3]
+        assert not verify_cache(tmp_path).ok
+        with CacheWriter(tmp_path, spec, FINGERPRINTS) as writer:  # resume: same spec and fingerprints
+            assert writer.committed_shards() == {0, 2}
+            writer.write_shard(1, seqs[3:6])
+            assert writer.finalize().status == "complete"
+        assert not temp.exists() and verify_cache(tmp_path).ok
+        self.assert_same(CacheReader(tmp_path)[4], expected(spec, seqs[4]))
+
+    def test_data_without_sidecar_is_not_committed(self, tmp_path):
+        spec = self.spec()
+        self.build(tmp_path, spec, finalize=False)
+        (tmp_path / "shards" / "shard-000001.json").unlink()  # died between rename and sidecar
+        manifest = merge_parts(tmp_path)
+        assert manifest.status == "partial" and manifest.committed == [0, 2]
+        with pytest.raises(PartialCacheError, match="status 'partial'"):
+            CacheReader(tmp_path)
+
+    def test_parts_write_in_parallel_and_merge(self, tmp_path):
+        spec = self.spec(num_sequences=10, sequences_per_shard=2)
+        seqs = make_sequences(spec, [3] * 10)
+        first = CacheWriter(tmp_path, spec, FINGERPRINTS, part=(0, 2))
+        second = CacheWriter(tmp_path, spec, FINGERPRINTS, part=(1, 2))
+        with pytest.raises(CacheLockedError, match="part 1 of 2"):
+            CacheWriter(tmp_path, spec, FINGERPRINTS, part=(1, 2))
+        for k in range(spec.num_shards):
+            (first if first.owns(k) else second).write_shard(k, seqs[2 * k:2 * k + 2])
+        first.close(), second.close()
+        assert merge_parts(tmp_path).status == "complete"
+        self.assert_same(CacheReader(tmp_path)[9], expected(spec, seqs[9]))
+
+    # ---- fingerprints and mismatches -----------------------------------------------------------------
+    def test_mismatch_is_explained(self, tmp_path):
+        spec = self.spec()
+        self.build(tmp_path, spec)
+        other = json.loads(json.dumps(FINGERPRINTS))
+        other["tokenizer"].update(vocab_size=50257, vocab_hash="sha256:2222")
+        with pytest.raises(CacheMismatchError) as caught:
+            CacheWriter(tmp_path, spec, other)
+        assert "vocabulary of 300 tokens" in str(caught.value) and "50257" in str(caught.value)
+        with pytest.raises(CacheMismatchError, match=r"spec hidden_layers differs: the cache has \[0, 2\]"):
+            CacheWriter(tmp_path, self.spec(hidden_layers=(0, 3)), FINGERPRINTS)
+        from storage import compare_fingerprints
+
+        problems = compare_fingerprints(CacheReader(tmp_path).fingerprints, {"tokenizer": other["tokenizer"]})
+        assert len(problems) == 1 and problems[0].startswith("tokenizer vocab differs")
+
+    # ---- plain tools ---------------------------------------------------------------------------------
+    def read_plainly(self, root: Path, shard: int, name: str, local: int) -> np.ndarray:
+        """Sequence ``local`` of ``shard``'s array ``name`` using only zarr or pyarrow."""
+        raise NotImplementedError
+
+    def test_plain_library_opens_the_data(self, tmp_path):
+        spec = self.spec(attention_triangle=True)
+        seqs = self.build(tmp_path, spec)
+        manifest = json.loads((tmp_path / "manifest.json").read_text())
+        assert manifest["status"] == "complete" and manifest["shards"][1]["path"].startswith("shards/shard-000001")
+        want = expected(spec, seqs[4])
+        for name in ("input_ids", "hidden/2", "logits/topk_values", "logits/topk_ids", "logits/lse"):
+            np.testing.assert_array_equal(self.read_plainly(tmp_path, 1, name, 1), want[name], err_msg=name)
+        rows = self.read_plainly(tmp_path, 1, "attention/1", 1)  # [L(L+1)/2, H]
+        q, k = np.tril_indices(len(seqs[4]["input_ids"]))
+        np.testing.assert_array_equal(rows.T, want["attention/1"][:, q, k])
+
+    # ---- typed errors --------------------------------------------------------------------------------
+    def test_typed_errors_for_bad_input(self, tmp_path):
+        with pytest.raises(UnknownCodecError, match="unknown codec 'snappy2'.*known codecs: .*zstd"):
+            self.spec(codec="snappy2")
+        spec = self.spec()
+        self.build(tmp_path, spec)
+        reader = CacheReader(tmp_path)
+        with pytest.raises(UnknownFeatureError, match="'logits/full'.*holds: input_ids"):
+            reader.get(0, names=["logits/full"])
+        with pytest.raises(LayerNotInCacheError, match=r"hidden layer 7 is not in this cache; cached hidden layers: \[0, 2\]"):
+            reader.get(0, names=["hidden/7"])
+        manifest_path = tmp_path / "manifest.json"
+        good = manifest_path.read_text()
+        manifest_path.write_text(good.replace('"format_version": 1', '"format_version": 2', 1))
+        with pytest.raises(FormatVersionError, match="format_version 2.*up to 1"):
+            CacheReader(tmp_path)
+        manifest_path.write_text(good[: len(good) // 2])
+        with pytest.raises(ManifestError, match="corrupt"):
+            CacheReader(tmp_path)
+        manifest_path.unlink()
+        with pytest.raises(ManifestError, match="no manifest.json"):
+            CacheReader(tmp_path)
+
+    def test_fp16_overflow_is_refused_and_writes_nothing(self, tmp_path):
+        spec = self.spec()
+        seqs = make_sequences(spec, [2, 3, 4])
+        seqs[1]["hidden/2"][1, 3] = -1.5e5
+        with CacheWriter(tmp_path, spec, FINGERPRINTS) as writer:
+            with pytest.raises(Fp16OverflowError, match=r"hidden/2: largest \|value\| is 150000.*bf16") as caught:
+                writer.write_shard(0, seqs)
+            assert caught.value.name == "hidden/2" and caught.value.max_abs == 1.5e5
+            assert writer.committed_shards() == set()
+        assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == []
+        bf16 = self.spec(dtype="bf16")
+        with CacheWriter(tmp_path / "bf16", bf16, FINGERPRINTS) as writer:
+            writer.write_shard(0, seqs)  # bf16 has float32's range
+
+    # ---- CLI -----------------------------------------------------------------------------------------
+    def test_inspect_and_verify_cli(self, tmp_path):
+        spec = self.spec()
+        seqs = self.build(tmp_path, spec)
+        code, out = run_cli("inspect", str(tmp_path), "--json")
+        info = json.loads(out)
+        assert code == 0 and info["status"] == "complete" and info["backend"] == self.backend
+        assert isinstance(info["num_tokens"], int) and info["num_tokens"] == sum(len(s["input_ids"]) for s in seqs)
+        assert info["features"] == ["hidden", "attention", "logits/topk"] and info["hidden_layers"] == [0, 2]
+        assert info["arrays"]["hidden/2"]["decoded_bytes_per_token"] == 2 * D
+        assert info["arrays"]["logits/topk_ids"]["dtype"] == "uint16" and info["compression_ratio"] > 0
+        assert info["fingerprints"]["tokenizer"]["vocab_size"] == 300
+        code, text = run_cli("inspect", str(tmp_path))
+        assert code == 0 and "status       complete" in text and "hidden/2" in text and "B/token" in text
+        assert run_cli("verify", str(tmp_path))[0] == 0
+        code, out = run_cli("verify", str(tmp_path / "nowhere"))
+        assert code == 1 and "no manifest.json" in out
+        code, out = run_cli("inspect", str(tmp_path / "nowhere"))
+        assert code == 2 and out.startswith("error: no manifest.json")
+
+
+class TestZarrBackend(StorageSuite):
+    backend = "zarr"
+
+    def corruption_targets(self, root):
+        targets = []
+        for shard_dir in sorted((root / "shards").glob("shard-*[0-9]")):
+            shard = int(shard_dir.name.split("-")[1])
+            for chunk in sorted(shard_dir.rglob("c/**/*")):
+                if chunk.is_file():
+                    array = chunk.relative_to(shard_dir).as_posix().split("/c/")[0]
+                    targets.append((chunk, chunk.stat().st_size // 2, shard, array))
+        return targets
+
+    def read_plainly(self, root, shard, name, local):
+        import zarr
+
+        group = zarr.open_group(str(root / "shards" / f"shard-{shard:06d}"), mode="r")
+        offsets_name = "attention_offsets" if name.startswith("attention/") else "offsets"
+        start, stop = group[offsets_name][local:local + 2]
+        return zarr.open_array(str(root / "shards" / f"shard-{shard:06d}" / name), mode="r")[start:stop]
+
+
+class TestArrowBackend(StorageSuite):
+    backend = "arrow"
+
+    def corruption_targets(self, root):
+        path = root / "shards" / "shard-000001.arrow"
+        size = path.stat().st_size
+        return [(path, offset, 1, None) for offset in range(size // 10, size, size // 10)]
+
+    def test_corrupt_column_is_named(self, tmp_path):
+        spec = self.spec(hidden_layers=(0,), attention_layers=(), logits=None)
+        self.build(tmp_path, spec, lengths=[6] * 7)
+        import pyarrow as pa
+
+        path = tmp_path / "shards" / "shard-000000.arrow"
+        with pa.memory_map(str(path)) as source:  # find the hidden column's compressed values inside the file
+            values = pa.ipc.open_file(source).get_batch(0).column("hidden/0").flatten().flatten()
+            needle = pa.compress(values.buffers()[1], "lz4", asbytes=True)[-24:-8]
+        data = path.read_bytes()
+        offset = data.find(needle)
+        assert offset > 0
+        path.write_bytes(data[:offset] + bytes([data[offset] ^ 0x01]) + data[offset + 1:])
+        assert verify_cache(tmp_path).bad_arrays == [(0, "hidden/0")]
+        with pytest.raises(ChecksumError) as caught:
+            CacheReader(tmp_path)[0]
+        assert (caught.value.shard, caught.value.array) == (0, "hidden/0")
+
+    def read_plainly(self, root, shard, name, local):
+        import pyarrow as pa
+
+        with pa.memory_map(str(root / "shards" / f"shard-{shard:06d}.arrow")) as source:
+            table = pa.ipc.open_file(source).read_all()
+        values = table.column(name)[local].values  # one row = one sequence
+        if pa.types.is_fixed_size_list(values.type):  # [L, d] targets: list of fixed-size lists
+            return values.flatten().to_numpy(zero_copy_only=False).reshape(-1, values.type.list_size)
+        return values.to_numpy(zero_copy_only=False)
