@@ -20,6 +20,7 @@ BITSHUFFLE = 2
 # sorted top-k values compress much better, so they get zstd.
 DEFAULT_CODEC: dict[str, Any] = {"id": "blosc", "cname": "lz4", "clevel": 5, "shuffle": BITSHUFFLE, "blocksize": 0}
 DEFAULT_TOPK_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 5, "shuffle": BITSHUFFLE, "blocksize": 0}
+ARROW_DEFAULT_CODEC: dict[str, Any] = {"id": "zstd", "level": 3}
 ALIASES: dict[str, dict[str, Any]] = {"blosc-lz4": DEFAULT_CODEC, "blosc-zstd": DEFAULT_TOPK_CODEC}
 _SHUFFLE_NAMES = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle"}
 
