@@ -1,0 +1,97 @@
+"""The face: help texts, `kdcache run` (validation, both stages, reuse) and the demo end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+COMMANDS = ("precompute", "merge", "inspect", "verify", "init-student", "train", "run", "demo")
+
+
+def test_every_subcommand_has_complete_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as top:
+        main(["--help"])
+    assert top.value.code == 0
+    listing = capsys.readouterr().out
+    for command in COMMANDS:
+        assert command in listing
+        with pytest.raises(SystemExit) as sub:
+            main([command, "--help"])
+        assert sub.value.code == 0
+        text = capsys.readouterr().out
+        assert text.count("--") >= 1 and "usage: kdcache" in text
+
+
+def test_contract_flags_exist() -> None:
+    flags = {action.dest: action.option_strings for action in
+             build_parser()._subparsers._group_actions[0].choices["precompute"]._actions}
+    for dest in ("teacher", "data", "out", "split", "text_column", "max_length", "layers", "features", "top_k",
+                 "full_logits", "heads", "format", "batch_size", "dtype", "codec", "num_shards", "shard_index"):
+        assert dest in flags, dest
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    opts = {s for a in train._actions for s in a.option_strings}
+    for flag in ("--cache", "--student", "--out", "--deepspeed", "--zero-stage", "--offload", "--layer-map",
+                 "--hidden-loss", "--alpha", "--beta", "--gamma", "--delta", "--temperature", "--topk-kl",
+                 "--epochs", "--max-steps", "--lr", "--batch-size", "--grad-accum", "--seed", "--resume",
+                 "--config"):
+        assert flag in opts, flag
+
+
+def test_bad_pipeline_config_lists_every_problem_and_exits_2(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(yaml.safe_dump({
+        "precompute": {"teacher": str(tmp_path / "no-teacher"), "data": str(tmp_path / "no-data.jsonl"),
+                       "out": str(tmp_path / "cache"), "batch-size": "many", "colour": "red"},
+        "train": {"student": str(tmp_path / "no-student"), "out": str(tmp_path / "run"), "lr": -1},
+        "extra": {},
+    }))
+    assert main(["run", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for needle in ("no-teacher", "no-data.jsonl", "batch_size", "'colour'", "no-student", "lr must be > 0",
+                   "unknown section 'extra'"):
+        assert needle in err, (needle, err)
+
+
+@pytest.mark.slow
+def test_run_trains_from_a_fresh_cache_then_reuses_it(tiny_gpt2: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.helpers.tiny_models import sample_texts, write_text_dataset
+
+    data = write_text_dataset(tmp_path / "data.jsonl", sample_texts(24))
+    config = tmp_path / "pipeline.yaml"
+    section = {"teacher": str(tiny_gpt2), "data": str(data), "out": str(tmp_path / "cache"), "layers": "1,2,3",
+               "top-k": 8, "max-length": 32, "progress": False, "sequences-per-shard": 8}
+    train = {"student": str(tiny_gpt2), "out": str(tmp_path / "run1"), "max-steps": 2, "batch-size": 4}
+    config.write_text(yaml.safe_dump({"precompute": section, "train": train}))
+    assert main(["run", "--config", str(config)]) == 0
+    assert "reusing" not in capsys.readouterr().out
+    config.write_text(yaml.safe_dump({"precompute": section, "train": {**train, "out": str(tmp_path / "run2")}}))
+    assert main(["run", "--config", str(config)]) == 0
+    assert "reusing the complete cache" in capsys.readouterr().out
+    assert (tmp_path / "run2" / "student" / "config.json").is_file()
+
+
+@pytest.mark.demo
+@pytest.mark.slow
+def test_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "demo", "--out", str(out), "--train-sentences", "200",
+                           "--heldout-sentences", "40", "--steps", "6", "--batch-size", "8"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for needle in ("kdcache demo report", "KiB/token", "precompute", "peak RSS", "Spearman", str(out)):
+        assert needle in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["cache_tokens"] > 0 and len(report["loss_curve"]) >= 1
+    assert -1.0 <= report["agreement_after"]["spearman"] <= 1.0
+    assert (out / "run" / "student" / "model.safetensors").is_file()
