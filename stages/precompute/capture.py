@@ -1,0 +1,258 @@
+"""Feature capture: forward hooks that keep only the selected layers, already unpadded and in fp16 on the device.
+
+Layer numbering is HF's ``hidden_states`` numbering, and the cached layer ``j`` equals ``hidden_states[j]``
+exactly:
+
+* layer 0 is the input of the first block (embeddings after their norm/dropout), taken by a pre-hook;
+* layer j (1 <= j < N) is the output of block j;
+* layer N is the base model's ``last_hidden_state``. For GPT-2 (``ln_f``) and Llama (``norm``) that is the last
+  block's output *after* the final norm, which is what HF returns as ``hidden_states[N]``; a hook on the last
+  block would cache the un-normed tensor instead.
+
+Attention maps come from hooks on the attention modules of the selected blocks only (eager attention returns
+its probabilities from there), so no other layer's ``[B, H, L, L]`` tensor is kept alive. Models that do not
+declare where their attention is recorded fall back to ``output_attentions=True``.
+
+Inside each hook the tensor is turned into what is stored: converted to the storage dtype on the device, with its
+min/max kept on the device for the fp16 overflow check (one host sync per batch). Padding is cut off on the host
+by views (``BatchOutput.split``), never written: the writer only ever sees each sequence's valid tokens. The
+range check also sees padded positions; they are ordinary activations of pad tokens, finite like the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from stages.precompute.errors import PrecomputeError
+from stages.precompute.teacher import Teacher, Targets
+
+
+@dataclass
+class BatchOutput:
+    """One batch's targets on the host, still padded: ``[B, L, ...]`` with the batch first.
+
+    Attributes:
+        lengths: ``[B]`` valid tokens per sequence (the batch's order).
+        arrays: name -> padded array. ``hidden/{j}`` ``[B, L, d]``; ``logits/topk_values`` / ``logits/topk_ids``
+            ``[B, L, k]``; ``logits/lse`` ``[B, L]``; ``logits/full`` ``[B, L, V]``; ``attention/{j}``
+            ``[B, H, L, L]``.
+    """
+
+    lengths: np.ndarray
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def split(self) -> list[dict[str, np.ndarray]]:
+        """Per-sequence dicts of views that cut the padding off (``[L_i, ...]``, attention ``[H, L_i, L_i]``).
+
+        The writer concatenates these views into its token-major arrays, so padding is dropped without a
+        separate gather copy here.
+        """
+        out: list[dict[str, np.ndarray]] = []
+        for i, n in enumerate(self.lengths.tolist()):
+            out.append({name: value[i, :, :n, :n] if name.startswith("attention/") else value[i, :n]
+                        for name, value in self.arrays.items()})
+        return out
+
+
+def to_storage_dtype(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
+    """Round float values to the storage dtype on the device: fp16, or bf16 bits as int16 (numpy reads uint16)."""
+    if dtype_name == "fp16":
+        return x.to(torch.float16)
+    return x.to(torch.bfloat16).view(torch.int16)
+
+
+def to_numpy(x: torch.Tensor) -> np.ndarray:
+    """Host copy as numpy; int16 bf16 bits come back as uint16, the storage form."""
+    array = x.cpu().numpy()
+    return array.view(np.uint16) if x.dtype == torch.int16 else array
+
+
+def find_blocks(model: Any, num_layers: int) -> Any:
+    """The ``ModuleList`` of the teacher's N transformer blocks (``h``, ``layers``, ``encoder.layer``...)."""
+    base = model.base_model
+    candidates = [m for _, m in base.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
+    if not candidates:
+        raise PrecomputeError(f"cannot find the {num_layers} transformer blocks of {type(base).__name__}")
+    return candidates[0]  # named_modules walks outer to inner; the first list of N modules is the block stack
+
+
+def _attention_recorder(base: Any) -> tuple[type | None, str | None, int]:
+    """(class, name fragment, output index) of the attention module, from transformers' own recorder table."""
+    spec = (getattr(type(base), "_can_record_outputs", None) or {}).get("attentions")
+    if spec is None:
+        return None, None, 1
+    if isinstance(spec, type):
+        return spec, None, 1
+    return getattr(spec, "target_class", None), getattr(spec, "layer_name", None), getattr(spec, "index", 1)
+
+
+def find_attention(block: Any, base: Any) -> tuple[Any, int] | None:
+    """The self-attention module inside ``block`` and where its probabilities sit in its output tuple."""
+    cls, fragment, index = _attention_recorder(base)
+    if cls is None:
+        return None
+    wanted = None if fragment is None else "." + fragment.strip(".") + "."
+    for name, module in block.named_modules():
+        if isinstance(module, cls) and (wanted is None or wanted in "." + name + "."):
+            return module, index
+    return None
+
+
+class FeatureCapture:
+    """Hooks on one teacher that turn a padded batch into storage-ready targets.
+
+    Use as a context manager (hooks are removed on exit), and call ``run`` once per batch.
+    """
+
+    def __init__(self, teacher: Teacher, targets: Targets, dtype_name: str) -> None:
+        self.teacher, self.targets, self.dtype_name = teacher, targets, dtype_name
+        self.model = teacher.model
+        self._handles: list[Any] = []
+        self._lengths: list[int] = []
+        self._out: dict[str, Any] = {}
+        self._amax: dict[str, torch.Tensor] = {}
+        self._attention_fallback = False
+        self._install()
+
+    # ---- hooks ---------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        t = self.targets
+        blocks = find_blocks(self.model, t.num_layers)
+        base = self.model.base_model
+        tie_last = getattr(self.model.config, "tie_last_hidden_states", True) is not False
+        for j in t.hidden_layers:
+            if j == 0:
+                hook = blocks[0].register_forward_pre_hook(self._pre_hook(), with_kwargs=True)
+            elif j == t.num_layers and tie_last:
+                hook = base.register_forward_hook(self._hidden_hook(j, last=True))
+            else:
+                hook = blocks[j - 1].register_forward_hook(self._hidden_hook(j, last=False))
+            self._handles.append(hook)
+        for j in t.attention_layers:
+            found = find_attention(blocks[j - 1], base)
+            if found is None:
+                self._attention_fallback = True
+                continue
+            module, index = found
+            self._handles.append(module.register_forward_hook(self._attention_hook(j, index)))
+
+    def _pre_hook(self) -> Any:
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self._keep_hidden(0, hidden)
+        return hook
+
+    def _hidden_hook(self, j: int, *, last: bool) -> Any:
+        def hook(module: Any, args: tuple, output: Any) -> None:
+            if last:
+                hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            else:
+                hidden = output if isinstance(output, torch.Tensor) else output[0]
+            self._keep_hidden(j, hidden)
+        return hook
+
+    def _attention_hook(self, j: int, index: int) -> Any:
+        def hook(module: Any, args: tuple, output: Any) -> None:
+            probs = output[index] if isinstance(output, (tuple, list)) else None
+            if probs is None:
+                raise PrecomputeError(f"attention block {j} returned no probabilities; is attention eager?")
+            self._keep_attention(j, probs)
+        return hook
+
+    # ---- reductions on the device --------------------------------------------------------------------
+    # Padding stays in place until the host (views cut it off there): a device-side gather would be one more
+    # full copy of every target. Bucketed batches carry little padding, so little extra crosses to the host.
+    def _keep_range(self, name: str, values: torch.Tensor) -> None:
+        """Remember min and max of ``values`` (one pass, no sync) for the fp16 range check."""
+        if self.dtype_name == "fp16" and values.numel():
+            self._amax[name] = torch.stack(torch.aminmax(values.detach())).float().abs().amax()
+
+    def _keep_hidden(self, j: int, hidden: torch.Tensor) -> None:
+        """``[B, L, d]`` -> the storage dtype, padded; range recorded."""
+        self._keep_range(f"hidden/{j}", hidden)
+        self._out[f"hidden/{j}"] = to_storage_dtype(hidden, self.dtype_name)
+
+    def _keep_attention(self, j: int, probs: torch.Tensor) -> None:
+        """``[B, H, L, L]`` probabilities -> the storage dtype (probabilities never overflow fp16)."""
+        self._out[f"attention/{j}"] = to_storage_dtype(probs, self.dtype_name)
+
+    def _keep_logits(self, logits: torch.Tensor) -> None:
+        """Top-k (values sorted descending, ids, fp32 logsumexp at T=1) or full logits, still padded.
+
+        Args:
+            logits: ``[B, L, V]`` in the teacher's dtype.
+        """
+        if self.targets.logits == "full":
+            self._keep_range("logits/full", logits)
+            self._out["logits/full"] = to_storage_dtype(logits, self.dtype_name)
+            return
+        values, ids = torch.topk(logits, self.targets.top_k, dim=-1, largest=True, sorted=True)
+        self._keep_range("logits/topk_values", values)
+        self._out["logits/topk_values"] = to_storage_dtype(values, self.dtype_name)
+        self._out["logits/topk_ids"] = ids.to(torch.int32)
+        # The upcast keeps the logsumexp exact for half-precision teachers (a no-op for fp32 ones).
+        self._out["logits/lse"] = torch.logsumexp(logits.float(), dim=-1)
+
+    # ---- one batch ----------------------------------------------------------------------------------
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: list[int]) -> BatchOutput:
+        """Run the teacher on one right-padded batch and collect its targets.
+
+        Args:
+            input_ids: ``[B, L]`` token ids on the teacher's device (padding right).
+            attention_mask: ``[B, L]`` 1 for valid tokens.
+            lengths: the B valid lengths.
+
+        Returns:
+            the batch's targets on the host, padding removed.
+
+        Raises:
+            Fp16OverflowError: a target exceeds the float16 range (names the layer).
+        """
+        self._lengths, self._out, self._amax = list(lengths), {}, {}
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.targets.causal:
+            kwargs["use_cache"] = False  # no KV cache: nothing is generated
+        if self._attention_fallback:
+            kwargs["output_attentions"] = True
+        with torch.inference_mode():
+            output = self.model(**kwargs)
+            if self._attention_fallback:
+                for j in self.targets.attention_layers:
+                    if f"attention/{j}" not in self._out:
+                        self._keep_attention(j, output.attentions[j - 1])
+            if self.targets.logits:
+                self._keep_logits(output.logits)
+        return self._to_host()
+
+    def _to_host(self) -> BatchOutput:
+        self._check_range()
+        arrays = {name: to_numpy(value) for name, value in self._out.items()}
+        self._out = {}
+        return BatchOutput(np.asarray(self._lengths, dtype=np.int64), arrays)
+
+    def _check_range(self) -> None:
+        """One host sync for every max |value| of the batch; overflowing targets raise, naming the layer."""
+        from storage import check_fp16_range
+
+        if not self._amax or self.dtype_name != "fp16":
+            return
+        names = list(self._amax)
+        values = torch.stack([self._amax[n] for n in names]).cpu().tolist()
+        for name, value in zip(names, values):
+            check_fp16_range(name, value)
+
+    def close(self) -> None:
+        """Remove every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> FeatureCapture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

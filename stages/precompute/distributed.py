@@ -1,0 +1,59 @@
+"""Rank discovery for torchrun / the deepspeed launcher, and the one collective stage one needs: a barrier.
+
+Ranks never exchange tensors: each writes its own shards through its own ``CacheWriter`` part, so gloo on the
+CPU is enough even when the teachers run on GPUs. The barrier only lets rank 0 merge the parts once every rank
+has committed its last shard.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+# Ranks may finish far apart (a resumed rank has little left to do), so the barrier waits long.
+BARRIER_TIMEOUT = timedelta(hours=24)
+
+
+@dataclass
+class DistContext:
+    """This process's place among the launcher's processes (rank 0 of 1 without a launcher)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    owns_group: bool = False
+
+    @classmethod
+    def from_env(cls) -> DistContext:
+        """Read RANK / WORLD_SIZE / LOCAL_RANK; join a gloo group when there is more than one process."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+        ctx = cls(rank, world, local_rank)
+        if world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+                ctx.owns_group = True
+        return ctx
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op for one process)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        """Leave the process group if this context created it."""
+        if self.owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.owns_group = False

@@ -1,0 +1,220 @@
+"""``PrecomputeOptions``: every setting of stage one, as one typed dataclass.
+
+Field names are the CLI contract (``pipeline.config`` turns ``top_k`` into ``--top-k``) and the YAML keys of
+the ``precompute:`` section. ``validate()`` finds every problem it can without loading the model; problems
+that need the model's config (a layer out of range, top-k above the vocabulary) are checked in
+``stages.precompute.teacher`` right after the config is read, before any weights load.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FEATURES = ("hidden", "attention", "logits")
+DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
+                   ".text": "text", ".arrow": "arrow"}
+# A hub id is "name" or "org/name"; anything else that names no existing file is a missing local path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def _opt(default: Any, help_text: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help_text, **meta})
+
+
+@dataclass
+class PrecomputeOptions:
+    """Options of ``kdcache precompute`` (see ``docs/architecture.md`` for the cache they produce)."""
+
+    teacher: str = field(metadata={"help": "teacher: a local folder or a hub id"})
+    data: str = field(metadata={"help": "dataset: a hub name, or local json/jsonl/csv/parquet/text file(s) or glob"})
+    out: str = field(metadata={"help": "cache folder to create or resume"})
+    split: str = _opt("train", "dataset split")
+    text_column: str = _opt("text", "column holding the text")
+    max_length: int = _opt(512, "tokens per sequence: truncation length, or block length with --packing")
+    layers: tuple[str, ...] = _opt(("all",), "hidden layers to cache, HF numbering (0 = embeddings), or 'all'")
+    features: tuple[str, ...] = _opt(("hidden", "logits"), "targets to cache: hidden, attention, logits")
+    top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
+    full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k")
+    heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
+    format: str = _opt("zarr", "storage backend", choices=["zarr", "arrow"])
+    batch_size: int = _opt(32, "sequences per forward pass")
+    dtype: str = _opt("fp16", "storage dtype of float targets", choices=["fp16", "bf16"])
+    codec: str | None = _opt(None, "numcodecs codec name (e.g. zstd, blosc-lz4) or JSON config; default blosc-lz4")
+    num_shards: int = _opt(1, "job-array size: this many independent jobs share the cache")
+    shard_index: int = _opt(0, "this job's index in the job array, 0..num_shards-1")
+    max_sequences: int | None = _opt(None, "cap on the number of sequences (the first ones in data order)")
+    packing: bool = _opt(False, "pack documents into fixed max_length blocks instead of truncating each")
+    sequences_per_shard: int = _opt(256, "sequences per cache shard (the unit of commit, resume and partition)")
+    attention_layers: tuple[str, ...] | None = _opt(None, "attention blocks to cache (1..N) or 'all'; "
+                                                          "default: --layers without 0")
+    triangle: bool = _opt(False, "store only the causal triangle of attention maps (causal teachers)")
+    bitround: int | None = _opt(None, "lossy: mantissa bits kept in activations (fp16 1..9, bf16 1..6)")
+    device: str = _opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    revision: str | None = _opt(None, "hub revision of the teacher")
+    teacher_dtype: str = _opt("auto", "dtype the teacher runs in (auto: the checkpoint's, fp32 on cpu)",
+                              choices=["auto", "fp32", "fp16", "bf16"])
+    data_config: str | None = _opt(None, "dataset configuration name (hub datasets with several)")
+    seed: int = _opt(0, "torch seed (the teacher runs in eval mode; this pins anything stochastic)")
+    queue_size: int = _opt(2, "shards waiting for the background writer (bounds host memory)")
+    progress: bool = _opt(True, "show a progress bar on rank 0")
+
+    # ---- derived ------------------------------------------------------------------------------------
+    @property
+    def logits_kind(self) -> str | None:
+        """None, "topk" or "full"."""
+        if "logits" not in self.features:
+            return None
+        return "full" if self.full_logits else "topk"
+
+    @property
+    def codec_config(self) -> str | dict[str, Any] | None:
+        """The codec as ``storage`` takes it: a name, a config dict (from JSON), or None for the default."""
+        if self.codec and self.codec.strip().startswith("{"):
+            return json.loads(self.codec)
+        return self.codec
+
+    # ---- validation ---------------------------------------------------------------------------------
+    def validate(self) -> list[str]:
+        """Every problem found without loading the teacher, as one message each (empty when fine)."""
+        problems = self._value_problems() + self._feature_problems() + self._codec_problems()
+        problems += _teacher_problems(self.teacher) + _data_problems(self.data) + _out_problems(self.out)
+        return problems
+
+    def _value_problems(self) -> list[str]:
+        checks = [
+            ("max_length", self.max_length >= 1, "must be >= 1"),
+            ("batch_size", self.batch_size >= 1, "must be >= 1"),
+            ("sequences_per_shard", self.sequences_per_shard >= 1, "must be >= 1"),
+            ("max_sequences", self.max_sequences is None or self.max_sequences >= 1, "must be >= 1"),
+            ("num_shards", self.num_shards >= 1, "must be >= 1"),
+            ("shard_index", 0 <= self.shard_index < max(self.num_shards, 1),
+             f"must be in 0..num_shards-1 ({self.num_shards - 1})"),
+            ("queue_size", self.queue_size >= 1, "must be >= 1"),
+            ("device", bool(_DEVICE.match(self.device)), "expected auto, cpu, mps, cuda or cuda:N"),
+        ]
+        problems = [f"{name}: got {getattr(self, name)!r}, {rule}" for name, ok, rule in checks if not ok]
+        if self.bitround is not None:
+            limit = 9 if self.dtype == "fp16" else 6
+            if not 1 <= self.bitround <= limit:
+                problems.append(f"bitround: got {self.bitround}, expected 1..{limit} for dtype {self.dtype}")
+        return problems
+
+    def _feature_problems(self) -> list[str]:
+        problems = []
+        unknown = [f for f in self.features if f not in FEATURES]
+        if unknown or not self.features:
+            problems.append(f"features: got {list(self.features)}, expected a non-empty subset of {list(FEATURES)}")
+        problems += _layer_list_problems("layers", self.layers)
+        if self.attention_layers is not None:
+            problems += _layer_list_problems("attention_layers", self.attention_layers)
+        if self.heads is not None and (not self.heads or min(self.heads) < 0):
+            problems.append(f"heads: got {list(self.heads)}, expected non-negative head indices")
+        if self.logits_kind == "topk" and self.top_k < 1:
+            problems.append(f"top_k: got {self.top_k}, must be >= 1")
+        return problems
+
+    def _codec_problems(self) -> list[str]:
+        from storage.codecs import resolve_codec
+        from storage.errors import KdcacheError
+
+        try:
+            resolve_codec(self.codec_config)
+        except json.JSONDecodeError as exc:
+            return [f"codec: {self.codec!r} is not valid JSON: {exc}"]
+        except KdcacheError as exc:
+            return [f"codec: {exc}"]
+        return []
+
+
+def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name: str) -> tuple[int, ...]:
+    """Resolve a layer selection against a model with ``num_layers`` blocks.
+
+    Args:
+        values: ``("all",)`` or integer strings; negative numbers count from the last layer (-1 = N).
+        num_layers: N, the number of blocks.
+        minimum: the first valid layer (0 for hidden states, 1 for attention blocks).
+        name: option name for messages.
+
+    Returns:
+        sorted, de-duplicated layer numbers.
+
+    Raises:
+        ValueError: a layer outside ``minimum..num_layers``, with the valid range in the message.
+    """
+    if tuple(v.lower() for v in values) == ("all",):
+        return tuple(range(minimum, num_layers + 1))
+    layers = set()
+    for value in values:
+        j = int(value)
+        resolved = num_layers + 1 + j if j < 0 else j
+        if not minimum <= resolved <= num_layers:
+            raise ValueError(f"{name}: layer {value} is out of range; this teacher has layers "
+                             f"{minimum}..{num_layers} ({num_layers} blocks{', 0 = embeddings' if minimum == 0 else ''})")
+        layers.add(resolved)
+    return tuple(sorted(layers))
+
+
+def _layer_list_problems(name: str, values: tuple[str, ...]) -> list[str]:
+    if tuple(v.lower() for v in values) == ("all",):
+        return []
+    bad = [v for v in values if not re.fullmatch(r"-?\d+", v.strip())]
+    if bad or not values:
+        return [f"{name}: got {list(values)}, expected 'all' or a list of layer numbers such as 2,4,6"]
+    return []
+
+
+def looks_like_path(value: str, *, data: bool = False) -> bool:
+    """True when ``value`` can only be a local path, never a hub id ("name" or "org/name").
+
+    Args:
+        value: the teacher or data string.
+        data: also count a data-file extension (``train.jsonl``) as a path.
+    """
+    if value.startswith(("/", ".", "~")) or not _HUB_ID.match(value):
+        return True
+    return data and Path(value).suffix.lower() in DATA_EXTENSIONS
+
+
+def _teacher_problems(teacher: str) -> list[str]:
+    path = Path(teacher).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return [f"teacher: {teacher!r} is a file; expected a model folder (with config.json) or a hub id"]
+        if not (path / "config.json").is_file():
+            return [f"teacher: folder {teacher!r} has no config.json; is it a saved Hugging Face model?"]
+        return []
+    if looks_like_path(teacher):
+        return [f"teacher: path {teacher!r} does not exist"]
+    return []
+
+
+def _data_problems(data: str) -> list[str]:
+    expanded = os.path.expanduser(data)
+    if os.path.exists(expanded) or glob.glob(expanded):
+        return []
+    if looks_like_path(data, data=True) or any(c in data for c in "*?["):
+        return [f"data: no file or folder matches {data!r}"]
+    return []
+
+
+def _out_problems(out: str) -> list[str]:
+    path = Path(out).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return [f"out: {out!r} exists and is not a folder"]
+        return [] if os.access(path, os.W_OK) else [f"out: folder {out!r} is not writable"]
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return [f"out: cannot create {out!r}: {str(parent)!r} is not a folder"]
+    if not os.access(parent, os.W_OK):
+        return [f"out: cannot create {out!r}: {str(parent)!r} is not writable"]
+    return []

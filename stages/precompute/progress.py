@@ -1,0 +1,125 @@
+"""Progress bar and end-of-run summary of stage one.
+
+The bar (rank 0 only) counts sequences and shows tokens/s and compressed bytes written. The summary reports,
+per target, the bytes each token costs on disk: the figure that decides which layers a sweep can afford.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunStats:
+    """Counters of one process's run; the writer thread adds bytes, the main thread everything else."""
+
+    started: float = field(default_factory=time.perf_counter)
+    compute_started: float = 0.0  # when the first shard began (after data and model loading)
+    compute_seconds: float = 0.0  # first forward to last commit
+    tokens: int = 0
+    sequences: int = 0
+    shards_written: int = 0
+    stored_bytes: int = 0
+    forward_seconds: float = 0.0
+    wait_seconds: float = 0.0  # main thread blocked on a full writer queue
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_shard(self, record: Any) -> None:
+        with self.lock:
+            self.shards_written += 1
+            self.stored_bytes += int(record.stored_bytes)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+class Progress:
+    """A tqdm bar over sequences, or nothing (other ranks, ``--no-progress``)."""
+
+    def __init__(self, total: int, enabled: bool, stats: RunStats) -> None:
+        self.stats = stats
+        self.bar = None
+        if enabled and total:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="seq", desc="precompute", dynamic_ncols=True)
+
+    def update(self, sequences: int) -> None:
+        if self.bar is None:
+            return
+        elapsed = max(time.perf_counter() - self.stats.compute_started, 1e-9)
+        self.bar.set_postfix(tok_s=f"{self.stats.tokens / elapsed:,.0f}",
+                             written=_human(self.stats.stored_bytes), refresh=False)
+        self.bar.update(sequences)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _human(num: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(num) < 1024 or unit == "TB":
+            return f"{num:.1f} {unit}" if unit != "B" else f"{int(num)} B"
+        num /= 1024
+    return f"{num:.1f} TB"
+
+
+def target_of(array: str) -> str:
+    """Group arrays into targets: hidden/3, attention/2, logits/topk (values+ids+lse), logits/full, index."""
+    if array.startswith(("hidden/", "attention/")) or array == "logits/full":
+        return array
+    if array.startswith("logits/"):
+        return "logits/topk"
+    return "index"  # input_ids, offsets, attention_offsets
+
+
+def bytes_per_token(manifest: Any) -> dict[str, float]:
+    """Stored bytes per valid token of every target of the cache (committed shards)."""
+    tokens = max(manifest.num_tokens, 1)
+    per_target: dict[str, float] = {}
+    for name, info in manifest.arrays.items():
+        key = target_of(name)
+        per_target[key] = per_target.get(key, 0.0) + info["stored_bytes"] / tokens
+    return dict(sorted(per_target.items(), key=lambda kv: _target_order(kv[0])))
+
+
+def _target_order(name: str) -> tuple[int, int, str]:
+    kind, _, layer = name.partition("/")
+    rank = {"index": 0, "hidden": 1, "attention": 2, "logits": 3}.get(kind, 4)
+    return rank, int(layer) if layer.isdigit() else 0, name
+
+
+def summarize(stats: RunStats, manifest: Any, skipped: int, out: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary: this process's work and the cache's totals."""
+    wall, compute = stats.elapsed, stats.compute_seconds
+    return {
+        "out": str(out), "status": manifest.status,
+        "num_sequences": manifest.spec.num_sequences, "num_shards": manifest.spec.num_shards,
+        "committed_shards": len(manifest.shards), "shards_written": stats.shards_written,
+        "shards_skipped": skipped, "sequences": stats.sequences, "tokens": stats.tokens,
+        "bytes_written": stats.stored_bytes, "wall_seconds": round(wall, 3), "compute_seconds": round(compute, 3),
+        "tokens_per_second": round(stats.tokens / compute, 1) if compute > 0 else 0.0,
+        "forward_seconds": round(stats.forward_seconds, 3), "writer_wait_seconds": round(stats.wait_seconds, 3),
+        "cache_tokens": manifest.num_tokens, "bytes_per_token": {k: round(v, 2) for k, v in
+                                                                 bytes_per_token(manifest).items()},
+        **extra,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few human lines for the end of a CLI run."""
+    lines = [
+        f"cache {summary['out']}: {summary['status']}, {summary['committed_shards']}/{summary['num_shards']} shards, "
+        f"{summary['num_sequences']:,} sequences, {summary['cache_tokens']:,} tokens",
+        f"this run: {summary['shards_written']} shard(s) written, {summary['shards_skipped']} already committed, "
+        f"{summary['tokens']:,} tokens in {summary['compute_seconds']:.1f} s of compute "
+        f"({summary['tokens_per_second']:,.0f} tokens/s; {summary['wall_seconds']:.1f} s with loading), "
+        f"{_human(summary['bytes_written'])} written",
+        "bytes/token: " + ", ".join(f"{k} {v:,.1f}" for k, v in summary["bytes_per_token"].items()),
+    ]
+    return "\n".join(lines)

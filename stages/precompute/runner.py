@@ -1,0 +1,262 @@
+"""Stage one end to end: ``run_precompute(options) -> summary``.
+
+Order of work, cheapest checks first: config and layer checks, tokenizer and data, then the weights; then the
+cache is opened (which refuses a different cache and a second writer of the same part), committed shards are
+skipped, and the rest are computed shard by shard with a background writer committing behind the forward.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from stages.precompute.background import BackgroundWriter
+from stages.precompute.batching import Partition, collate, plan_batches
+from stages.precompute.data import TokenizedData, load_texts, tokenize
+from stages.precompute.distributed import DistContext
+from stages.precompute.errors import PrecomputeError
+from stages.precompute.options import PrecomputeOptions
+from stages.precompute.progress import Progress, RunStats, format_summary, summarize
+from stages.precompute.teacher import (Targets, Teacher, load_teacher, load_tokenizer, pick_device, read_config,
+                                       resolve_targets, save_tokenizer)
+from storage.errors import KdcacheError
+
+FORMAT_VERSION = 1
+# What a killed first run may leave in a new cache folder before its manifest exists.
+_CACHE_ENTRIES = {"shards", "locks", "tokenizer", "manifest.json"}
+
+
+def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
+    """Compute and cache the teacher's targets for this process's part of the data.
+
+    Under torchrun (RANK / WORLD_SIZE set) every rank runs this; rank 0 merges the parts after a barrier.
+
+    Returns:
+        the summary (see ``stages.precompute.progress.summarize``): status, tokens, bytes per token per target,
+        wall time and throughput.
+
+    Raises:
+        KdcacheError: any bad input (``PrecomputeError``) or cache problem (mismatch, lock, overflow).
+    """
+    import torch
+
+    problems = options.validate()
+    if problems:
+        raise PrecomputeError("invalid precompute options:\n" + "\n".join(f"  - {p}" for p in problems))
+    torch.manual_seed(options.seed)
+    dist = DistContext.from_env()
+    try:
+        with _quiet_libraries(not (options.progress and dist.is_main)):
+            return _run(options, dist)
+    finally:
+        dist.close()
+
+
+@contextmanager
+def _quiet_libraries(quiet: bool) -> Iterator[None]:
+    """Hide the datasets/transformers loading bars on other ranks and with --no-progress."""
+    import datasets
+    import transformers
+
+    if not quiet:
+        yield
+        return
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
+        transformers.utils.logging.enable_progress_bar()
+
+
+def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
+    stats = RunStats()
+    config = read_config(options)
+    targets = resolve_targets(options, config)
+    tokenizer = load_tokenizer(options)
+    data = tokenize(load_texts(options), tokenizer, options)
+    check_positions(config, data)
+    teacher = load_teacher(options, config, targets, tokenizer, pick_device(options.device, dist.local_rank))
+    targets = with_output_vocab(targets, teacher, options)
+    check_token_ids(teacher, data)
+    spec = build_spec(options, targets, len(data.sequences))
+    part = Partition.of(options.shard_index, options.num_shards, dist.rank, dist.world)
+    writer = open_writer(options.out, spec, build_fingerprints(options, teacher, targets, data), part)
+    with writer:
+        save_tokenizer(tokenizer, options.out)
+        committed = writer.committed_shards()
+        mine = part.shards(spec.num_shards)
+        todo = [k for k in mine if k not in committed]
+        write_shards(teacher, targets, spec, data, todo, writer, options, stats, dist.is_main)
+    manifest = writer.finalize()  # the last part to finish turns the manifest "complete"
+    dist.barrier()
+    if dist.world > 1 and dist.is_main:
+        from storage import merge_parts
+
+        manifest = merge_parts(options.out)
+    extra = {"part": [part.index, part.count], "device": str(teacher.device),
+             "attn_implementation": teacher.attn_implementation}
+    return summarize(stats, manifest, len(mine) - len(todo), options.out, extra)
+
+
+def check_positions(config: Any, data: TokenizedData) -> None:
+    """Refuse sequences longer than the teacher's position table (they would index past it)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    longest = int(data.lengths.max())
+    if isinstance(limit, int) and longest > limit:
+        raise PrecomputeError(f"max_length: sequences reach {longest} tokens, but the teacher has only {limit} "
+                              f"positions; lower --max-length to {limit} or less")
+
+
+def check_token_ids(teacher: Teacher, data: TokenizedData) -> None:
+    """Refuse token ids the teacher's embedding table does not have (a tokenizer from another model)."""
+    table = teacher.model.get_input_embeddings().num_embeddings
+    top = max(int(s.max()) for s in data.sequences)
+    if top >= table:
+        raise PrecomputeError(f"the tokenizer produced token id {top}, but the teacher's embedding table has only "
+                              f"{table} rows; the tokenizer does not belong to this teacher")
+
+
+def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOptions) -> Targets:
+    """Use the LM head's real output size as the vocabulary (checkpoints may pad it beyond config.vocab_size)."""
+    if targets.logits is None:
+        return targets
+    head = teacher.model.get_output_embeddings()
+    vocab = int(head.weight.shape[0]) if head is not None else targets.vocab_size
+    if targets.logits == "topk" and options.top_k > vocab:
+        raise PrecomputeError(f"top_k {options.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
+    return replace(targets, vocab_size=vocab)
+
+
+def build_spec(options: PrecomputeOptions, targets: Targets, num_sequences: int) -> Any:
+    """The ``CacheSpec`` of this run (storage validates it)."""
+    from storage import CacheSpec
+
+    return CacheSpec(
+        num_sequences=num_sequences, backend=options.format, hidden_layers=targets.hidden_layers,
+        attention_layers=targets.attention_layers, attention_heads=targets.heads,
+        attention_triangle=bool(targets.attention_layers and options.triangle), logits=targets.logits,
+        top_k=targets.top_k, vocab_size=targets.vocab_size if targets.logits else 0, dtype=options.dtype,
+        codec=options.codec_config, bitround=options.bitround, sequences_per_shard=options.sequences_per_shard)
+
+
+def build_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: Targets,
+                       data: TokenizedData) -> dict[str, Any]:
+    """Teacher, tokenizer, data and settings fingerprints; identical for every rank and every rerun."""
+    from stages.common.fingerprints import tokenizer_fingerprint
+    from storage import hash_arrays
+
+    settings = {
+        "max_length": options.max_length, "packing": options.packing, "layers": list(targets.hidden_layers),
+        "attention_layers": list(targets.attention_layers),
+        "heads": list(targets.heads) if targets.heads is not None else None, "features": list(options.features),
+        "top_k": targets.top_k, "logits": targets.logits, "dtype": options.dtype, "codec": options.codec_config,
+        "bitround": options.bitround, "triangle": options.triangle, "format_version": FORMAT_VERSION,
+        "teacher_dtype": str(teacher.model.dtype).replace("torch.", ""),
+        "attn_implementation": teacher.attn_implementation,
+    }
+    data_fp = {"source": options.data, "split": options.split, "text_column": options.text_column,
+               "input_ids_hash": hash_arrays(data.sequences), "num_sequences": len(data.sequences)}
+    return {"teacher": teacher.fingerprint, "tokenizer": tokenizer_fingerprint(teacher.tokenizer),
+            "data": data_fp, "settings": settings}
+
+
+def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partition) -> Any:
+    """Open (create or resume) this part's writer.
+
+    Raises:
+        PrecomputeError: the folder holds something other than a cache, or cannot be written.
+        CacheMismatchError / CacheLockedError: from storage (a different cache; a live writer of this part).
+    """
+    from storage import CacheWriter
+
+    root = Path(out).expanduser()
+    if root.is_dir():
+        foreign = sorted(p.name for p in root.iterdir()
+                         if p.name not in _CACHE_ENTRIES and not p.name.startswith("."))
+        if foreign and not (root / "manifest.json").exists():
+            raise PrecomputeError(f"out: folder {out!r} is not empty and holds no kdcache cache "
+                                  f"(found {', '.join(foreign[:5])}); choose a new or empty folder")
+    try:
+        return CacheWriter(root, spec, fingerprints, part=(part.index, part.count))
+    except KdcacheError:
+        raise
+    except OSError as exc:
+        raise PrecomputeError(f"out: cannot write the cache at {out!r}: {exc.strerror or exc}") from None
+
+
+def write_shards(teacher: Teacher, targets: Targets, spec: Any, data: TokenizedData, todo: list[int], writer: Any,
+                 options: PrecomputeOptions, stats: RunStats, is_main: bool) -> None:
+    """Compute every shard in ``todo`` and hand it to the background writer."""
+    from stages.precompute.capture import FeatureCapture
+
+    total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
+    stats.compute_started = time.perf_counter()
+    progress = Progress(total, options.progress and is_main, stats)
+    background = BackgroundWriter(writer.write_shard, options.queue_size,
+                                  on_written=lambda index, record, seconds: stats.add_shard(record))
+    try:
+        with FeatureCapture(teacher, targets, options.dtype) as capture:
+            for k in todo:
+                items = compute_shard(capture, teacher, data, spec.shard_range(k), options, stats, progress)
+                waited = time.perf_counter()
+                background.submit(k, items)
+                stats.wait_seconds += time.perf_counter() - waited
+    finally:
+        background.close()
+        progress.close()
+        stats.compute_seconds = time.perf_counter() - stats.compute_started
+
+
+def compute_shard(capture: Any, teacher: Teacher, data: TokenizedData, bounds: tuple[int, int],
+                  options: PrecomputeOptions, stats: RunStats, progress: Progress) -> list[dict[str, np.ndarray]]:
+    """Run the teacher over one shard's sequences in length-bucketed batches.
+
+    Returns:
+        one dict per sequence of the shard, in data order: ``input_ids [L]`` plus every target array.
+    """
+    import torch
+
+    start, stop = bounds
+    sequences = data.sequences[start:stop]
+    items: list[dict[str, np.ndarray] | None] = [None] * len(sequences)
+    pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
+    for batch in plan_batches(np.array([len(s) for s in sequences]), options.batch_size):
+        ids, mask = collate([sequences[i] for i in batch], pad_id)
+        started = time.perf_counter()
+        output = capture.run(torch.from_numpy(ids).to(teacher.device), torch.from_numpy(mask).to(teacher.device),
+                             [len(sequences[i]) for i in batch])
+        stats.forward_seconds += time.perf_counter() - started
+        for i, item in zip(batch, output.split()):
+            item["input_ids"] = sequences[i]
+            items[i] = item
+        stats.tokens += int(output.lengths.sum())
+        stats.sequences += len(batch)
+        progress.update(len(batch))
+    return items  # type: ignore[return-value]
+
+
+def merge_cache(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Join every part's committed shards into ``manifest.json`` (``kdcache merge``).
+
+    Returns:
+        ``{"out", "status", "committed_shards", "num_shards", "num_tokens"}``.
+    """
+    from storage import merge_parts
+
+    root = Path(path).expanduser()
+    if not (root / "manifest.json").exists():
+        raise PrecomputeError(f"merge: {str(path)!r} holds no kdcache cache (no manifest.json)")
+    manifest = merge_parts(root)
+    return {"out": str(path), "status": manifest.status, "committed_shards": len(manifest.shards),
+            "num_shards": manifest.spec.num_shards, "num_tokens": manifest.num_tokens}
+
+
+__all__ = ["run_precompute", "merge_cache", "format_summary"]

@@ -1,0 +1,225 @@
+"""Loading the teacher: config first (to check the request cheaply), then weights, tokenizer and device.
+
+The model class follows the checkpoint's own architecture: a causal LM loads with ``AutoModelForCausalLM``, a
+masked LM with ``AutoModelForMaskedLM``, and a bare encoder (MiniLM) with ``AutoModel`` when no logits are
+asked for. Loading an LM head that the checkpoint does not have would give random logits, so that is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stages.common.fingerprints import config_fingerprint, weights_fingerprint
+from stages.precompute.errors import PrecomputeError
+from stages.precompute.options import PrecomputeOptions, parse_layers
+
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What to capture, resolved against the teacher's config (layer numbers are HF's, see architecture.md)."""
+
+    hidden_layers: tuple[int, ...]
+    attention_layers: tuple[int, ...]
+    heads: tuple[int, ...] | None
+    logits: str | None
+    top_k: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    causal: bool
+
+
+@dataclass
+class Teacher:
+    """A loaded teacher: the model in eval/inference mode on its device, its tokenizer and fingerprints."""
+
+    model: Any
+    tokenizer: Any
+    config: Any
+    device: Any
+    fingerprint: dict[str, Any]
+    attn_implementation: str
+
+
+def read_config(options: PrecomputeOptions) -> Any:
+    """Load the teacher's ``AutoConfig`` (small, no weights).
+
+    Raises:
+        PrecomputeError: the teacher cannot be found or read.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(options.teacher, revision=options.revision)
+    except Exception as exc:  # OSError for missing repos/files, ValueError for unknown model types
+        raise PrecomputeError(f"cannot load the teacher config from {options.teacher!r}: {exc}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise PrecomputeError(f"teacher {options.teacher!r} is an encoder-decoder ({config.model_type}); "
+                              f"stage one handles decoder-only and encoder-only teachers")
+    return config
+
+
+def is_causal(config: Any) -> bool:
+    """Whether the teacher attends causally (decoder LMs), judged from its saved architecture."""
+    archs = getattr(config, "architectures", None) or []
+    return bool(getattr(config, "is_decoder", False)) or any(a.endswith(_CAUSAL_SUFFIXES) for a in archs)
+
+
+def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
+    """Turn the layer/head/logit options into concrete numbers for this teacher.
+
+    Raises:
+        PrecomputeError: a layer or head out of range, top-k above the vocabulary, a triangle on an encoder,
+            or attention asked for with no attention layer left.
+    """
+    num_layers = int(config.num_hidden_layers)
+    num_heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    try:
+        hidden = parse_layers(options.layers, num_layers, minimum=0, name="layers") \
+            if "hidden" in options.features else ()
+        attention = _attention_layers(options, num_layers) if "attention" in options.features else ()
+    except ValueError as exc:
+        raise PrecomputeError(str(exc)) from None
+    if options.heads is not None and max(options.heads) >= num_heads:
+        raise PrecomputeError(f"heads: head {max(options.heads)} is out of range; this teacher has heads "
+                              f"0..{num_heads - 1}")
+    if options.logits_kind == "topk" and options.top_k > vocab:
+        raise PrecomputeError(f"top_k {options.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
+    causal = is_causal(config)
+    if attention and options.triangle and not causal:
+        raise PrecomputeError(f"triangle: teacher {options.teacher!r} is not causal, so its attention maps are "
+                              f"not triangular; drop --triangle")
+    return Targets(hidden, attention, options.heads if attention else None, options.logits_kind,
+                   options.top_k if options.logits_kind == "topk" else 0, vocab, num_layers, num_heads, causal)
+
+
+def _attention_layers(options: PrecomputeOptions, num_layers: int) -> tuple[int, ...]:
+    if options.attention_layers is not None:
+        return parse_layers(options.attention_layers, num_layers, minimum=1, name="attention_layers")
+    # Default: the hidden layers' blocks (layer 0, the embeddings, has no attention map).
+    blocks = tuple(j for j in parse_layers(options.layers, num_layers, minimum=0, name="layers") if j >= 1)
+    if not blocks:
+        raise ValueError("attention: --layers selects no block (only 0); set --attention-layers")
+    return blocks
+
+
+def load_tokenizer(options: PrecomputeOptions) -> Any:
+    """The teacher's tokenizer.
+
+    Raises:
+        PrecomputeError: it cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(options.teacher, revision=options.revision)
+    except Exception as exc:
+        raise PrecomputeError(f"cannot load the tokenizer of {options.teacher!r}: {exc}") from None
+
+
+def pick_device(name: str, local_rank: int = 0) -> Any:
+    """``auto`` means this rank's GPU when CUDA is available, else the CPU."""
+    import torch
+
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise PrecomputeError(f"device {name!r} asked for, but CUDA is not available here")
+    return torch.device(name)
+
+
+def _model_class(config: Any, targets: Targets, teacher: str) -> Any:
+    import transformers
+
+    archs = getattr(config, "architectures", None) or []
+    if targets.logits is None:
+        return transformers.AutoModel
+    if any(a.endswith(_CAUSAL_SUFFIXES) for a in archs) or (not archs and targets.causal):
+        return transformers.AutoModelForCausalLM
+    if any(a.endswith("ForMaskedLM") for a in archs):
+        return transformers.AutoModelForMaskedLM
+    raise PrecomputeError(f"teacher {teacher!r} has no language-model head (architectures: {archs or 'unknown'}), "
+                          f"so it has no logits to cache; drop 'logits' from --features")
+
+
+def _torch_dtype(options: PrecomputeOptions, device: Any) -> Any:
+    import torch
+
+    if options.teacher_dtype != "auto":
+        return getattr(torch, _DTYPES[options.teacher_dtype])
+    return "auto" if device.type != "cpu" else torch.float32  # half precision on a CPU is slow, not faster
+
+
+def load_teacher(options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any, device: Any) -> Teacher:
+    """Load the weights for inference.
+
+    Eager attention is used only when attention maps are captured (fused kernels never materialise them);
+    otherwise the checkpoint's default (usually SDPA) keeps the forward fast.
+
+    Raises:
+        PrecomputeError: weights missing or not loadable (a random head would silently corrupt targets).
+    """
+    import torch
+
+    cls = _model_class(config, targets, options.teacher)
+    kwargs: dict[str, Any] = {"revision": options.revision, "dtype": _torch_dtype(options, device),
+                              "output_loading_info": True}
+    if targets.attention_layers:
+        kwargs["attn_implementation"] = "eager"
+    try:
+        model, info = cls.from_pretrained(options.teacher, **kwargs)
+    except Exception as exc:
+        raise PrecomputeError(f"cannot load the teacher weights from {options.teacher!r}: {exc}") from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise PrecomputeError(f"teacher {options.teacher!r} checkpoint lacks {len(missing)} weight(s) that "
+                              f"{cls.__name__} needs (e.g. {', '.join(missing[:3])}); they would be random")
+    model.eval().requires_grad_(False).to(device)
+    torch.manual_seed(options.seed)
+    fingerprint = teacher_fingerprint(options, model)
+    impl = getattr(model.config, "_attn_implementation", None) or "default"
+    return Teacher(model, tokenizer, model.config, device, fingerprint, impl)
+
+
+def teacher_fingerprint(options: PrecomputeOptions, model: Any) -> dict[str, Any]:
+    """name_or_path, revision, config hash and weights hash (of the weight files where they can be found)."""
+    folder = _weights_folder(options)
+    state = None if folder is not None else model.state_dict()
+    return {"name_or_path": options.teacher, "revision": options.revision,
+            "config_hash": config_fingerprint(model.config), "weights_hash": weights_fingerprint(folder, state)}
+
+
+def _weights_folder(options: PrecomputeOptions) -> Path | None:
+    local = Path(options.teacher).expanduser()
+    if local.is_dir():
+        return local
+    try:  # a hub id: the files transformers just loaded sit in the local hub cache
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(options.teacher, revision=options.revision, local_files_only=True))
+    except Exception:
+        return None
+
+
+def save_tokenizer(tokenizer: Any, out: str | os.PathLike[str]) -> Path:
+    """Save the tokenizer into ``out/tokenizer`` (write to a temp folder, then rename: safe for many ranks)."""
+    import shutil
+    import uuid
+
+    final = Path(out) / "tokenizer"
+    if final.is_dir():
+        return final
+    tmp = Path(out) / f".tokenizer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    tokenizer.save_pretrained(str(tmp))
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another rank renamed its copy first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

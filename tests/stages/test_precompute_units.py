@@ -1,0 +1,98 @@
+"""Small pieces of stage one: batch planning, padding, partitions, the background writer, overflow checks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stages.precompute.background import BackgroundWriter
+from stages.precompute.batching import Partition, collate, plan_batches
+from stages.precompute.options import PrecomputeOptions, parse_layers
+from storage.errors import Fp16OverflowError
+
+
+def test_plan_batches_sorts_by_length_and_covers_everything() -> None:
+    lengths = np.array([3, 9, 1, 9, 5, 2, 7])
+    batches = plan_batches(lengths, 3)
+    assert [b.tolist() for b in batches] == [[1, 3, 6], [4, 0, 5], [2]]  # longest first, ties in data order
+    assert sorted(np.concatenate(batches).tolist()) == list(range(7))
+
+
+def test_collate_pads_right() -> None:
+    ids, mask = collate([np.array([5, 6, 7]), np.array([8])], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_partition_combines_job_array_and_ranks() -> None:
+    parts = [Partition.of(job, 2, rank, 3) for job in range(2) for rank in range(3)]
+    owned = [p.shards(20) for p in parts]
+    assert sorted(sum(owned, [])) == list(range(20))  # every shard exactly once
+    assert Partition.of(1, 2, 2, 3) == Partition(5, 6) and owned[5] == [5, 11, 17]
+
+
+def test_parse_layers() -> None:
+    assert parse_layers(("all",), 4, minimum=0, name="layers") == (0, 1, 2, 3, 4)
+    assert parse_layers(("all",), 4, minimum=1, name="attention_layers") == (1, 2, 3, 4)
+    assert parse_layers(("4", "-1", "0", "-2"), 4, minimum=0, name="layers") == (0, 3, 4)
+    with pytest.raises(ValueError, match="layer 5 is out of range"):
+        parse_layers(("5",), 4, minimum=0, name="layers")
+    with pytest.raises(ValueError, match="layer 0 is out of range"):
+        parse_layers(("0",), 4, minimum=1, name="attention_layers")
+
+
+def test_background_writer_overlaps_and_keeps_order() -> None:
+    written: list[int] = []
+    main_thread = threading.get_ident()
+    threads: set[int] = set()
+
+    def write(index: int, sequences: list) -> object:
+        threads.add(threading.get_ident())
+        time.sleep(0.01)
+        written.append(index)
+        return index
+
+    writer = BackgroundWriter(write, queue_size=1)
+    for k in range(5):
+        writer.submit(k, [])
+    writer.close()
+    assert written == [0, 1, 2, 3, 4] and main_thread not in threads
+
+
+def test_background_writer_reraises_in_main_thread() -> None:
+    def write(index: int, sequences: list) -> object:
+        if index == 1:
+            raise OSError("disk full")
+        return index
+
+    writer = BackgroundWriter(write, queue_size=1)
+    with pytest.raises(OSError, match="disk full"):
+        for k in range(50):
+            writer.submit(k, [])
+        writer.close()
+    writer.close()  # a second close (a finally block) does not raise the same error again
+
+
+def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
+    """A hidden state beyond 65504 is refused with the layer's name, never stored as inf."""
+    from stages.precompute.capture import FeatureCapture
+    from stages.precompute.teacher import load_teacher, load_tokenizer, read_config, resolve_targets
+
+    opts = PrecomputeOptions(teacher=str(tiny_gpt2), data="unused", out=str(tmp_path / "c"), layers=("2",),
+                             features=("hidden",))
+    config = read_config(opts)
+    targets = resolve_targets(opts, config)
+    teacher = load_teacher(opts, config, targets, load_tokenizer(opts), torch.device("cpu"))
+    with torch.no_grad():
+        teacher.model.h[1].mlp.c_proj.bias.fill_(1e5)  # block 2's output blows past the fp16 range
+    ids = torch.tensor([[5, 6, 7]])
+    with FeatureCapture(teacher, targets, "fp16") as capture:
+        with pytest.raises(Fp16OverflowError, match="hidden/2"):
+            capture.run(ids, torch.ones_like(ids), [3])
+    with FeatureCapture(teacher, targets, "bf16") as capture:  # bf16 has float32's range
+        out = capture.run(ids, torch.ones_like(ids), [3])
+    assert out.arrays["hidden/2"].dtype == np.uint16 and out.split()[0]["hidden/2"].shape == (3, 32)
