@@ -23,8 +23,9 @@ from stages.precompute.distributed import DistContext
 from stages.precompute.errors import PrecomputeError
 from stages.precompute.options import PrecomputeOptions
 from stages.precompute.progress import Progress, RunStats, format_summary, summarize
+from stages.common.fingerprints import tokenizer_fingerprint
 from stages.precompute.teacher import (Targets, Teacher, load_teacher, load_tokenizer, pick_device, read_config,
-                                       resolve_targets, save_tokenizer)
+                                       resolve_targets, save_tokenizer, teacher_files_fingerprint)
 from storage.errors import KdcacheError
 
 FORMAT_VERSION = 1
@@ -83,6 +84,9 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     tokenizer = load_tokenizer(options)
     data = tokenize(load_texts(options), tokenizer, options)
     check_positions(config, data)
+    finished = finished_cache(options, config, targets, tokenizer, data)
+    if finished is not None:  # nothing to compute: don't pay for loading the weights
+        return summarize(stats, finished, finished.spec.num_shards, options.out, {"reused": True})
     teacher = load_teacher(options, config, targets, tokenizer, pick_device(options.device, dist.local_rank))
     targets = with_output_vocab(targets, teacher, options)
     check_token_ids(teacher, data)
@@ -147,25 +151,65 @@ def build_spec(options: PrecomputeOptions, targets: Targets, num_sequences: int)
         codec=options.codec_config, bitround=options.bitround, sequences_per_shard=options.sequences_per_shard)
 
 
-def build_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: Targets,
-                       data: TokenizedData) -> dict[str, Any]:
-    """Teacher, tokenizer, data and settings fingerprints; identical for every rank and every rerun."""
-    from stages.common.fingerprints import tokenizer_fingerprint
-    from storage import hash_arrays
+def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
+                   data: TokenizedData) -> Any:
+    """The manifest of a complete cache at ``options.out`` that this run would reproduce, else None.
 
-    settings = {
+    Checked before the weights load, from what is known without them (weight-file hashes, config, tokenizer,
+    data, settings), so rerunning a finished precompute, or ``kdcache run`` over its cache, never loads the
+    teacher. What only the loaded model tells (runtime dtype, attention kernel) is left to the writer's full
+    check on a real run.
+
+    Raises:
+        CacheMismatchError: ``out`` holds a complete cache whose fingerprints differ (each difference named).
+    """
+    from storage import CacheReader, compare_fingerprints
+    from storage.errors import CacheMismatchError, KdcacheError
+
+    teacher_fp = teacher_files_fingerprint(options, config)
+    if teacher_fp is None or not (Path(options.out) / "manifest.json").is_file():
+        return None
+    try:
+        reader = CacheReader(options.out)
+    except KdcacheError:  # partial, corrupt or foreign: the normal path resumes it or explains the problem
+        return None
+    expected = {"teacher": teacher_fp, "tokenizer": tokenizer_fingerprint(tokenizer),
+                "data": data_fingerprint(options, data), "settings": settings_fingerprint(options, targets)}
+    differences = compare_fingerprints(reader.fingerprints, expected)
+    if differences:
+        raise CacheMismatchError(f"{options.out} already holds a different complete cache:\n  - "
+                                 + "\n  - ".join(differences) + "\nUse a new --out, or the settings it was built with.",
+                                 differences=differences)
+    return reader.manifest
+
+
+def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[str, Any]:
+    """The settings the targets depend on, as far as they are known before the weights load."""
+    return {
         "max_length": options.max_length, "packing": options.packing, "layers": list(targets.hidden_layers),
         "attention_layers": list(targets.attention_layers),
         "heads": list(targets.heads) if targets.heads is not None else None, "features": list(options.features),
         "top_k": targets.top_k, "logits": targets.logits, "dtype": options.dtype, "codec": options.codec_config,
         "bitround": options.bitround, "triangle": options.triangle, "format_version": FORMAT_VERSION,
-        "teacher_dtype": str(teacher.model.dtype).replace("torch.", ""),
-        "attn_implementation": teacher.attn_implementation,
     }
-    data_fp = {"source": options.data, "split": options.split, "text_column": options.text_column,
-               "input_ids_hash": hash_arrays(data.sequences), "num_sequences": len(data.sequences)}
+
+
+def data_fingerprint(options: PrecomputeOptions, data: TokenizedData) -> dict[str, Any]:
+    """Source, split, column and a hash of every sequence's input_ids."""
+    from storage import hash_arrays
+
+    return {"source": options.data, "split": options.split, "text_column": options.text_column,
+            "input_ids_hash": hash_arrays(data.sequences), "num_sequences": len(data.sequences)}
+
+
+def build_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: Targets,
+                       data: TokenizedData) -> dict[str, Any]:
+    """Teacher, tokenizer, data and settings fingerprints; identical for every rank and every rerun."""
+    settings = {**settings_fingerprint(options, targets),
+                "teacher_dtype": str(teacher.model.dtype).replace("torch.", ""),
+                "attn_implementation": teacher.attn_implementation}
     return {"teacher": teacher.fingerprint, "tokenizer": tokenizer_fingerprint(teacher.tokenizer),
-            "data": data_fp, "settings": settings}
+            "data": data_fingerprint(options, data), "settings": settings}
 
 
 def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partition) -> Any:

@@ -196,6 +196,19 @@ def teacher_fingerprint(options: PrecomputeOptions, model: Any) -> dict[str, Any
             "config_hash": config_fingerprint(model.config), "weights_hash": weights_fingerprint(folder, state)}
 
 
+def teacher_files_fingerprint(options: PrecomputeOptions, config: Any) -> dict[str, Any] | None:
+    """The teacher fingerprint from its files alone (no weights loaded), or None where no files are found."""
+    folder = _weights_folder(options)
+    if folder is None:
+        return None
+    try:
+        weights = weights_fingerprint(folder)
+    except ValueError:  # a folder without weight files
+        return None
+    return {"name_or_path": options.teacher, "revision": options.revision,
+            "config_hash": config_fingerprint(config), "weights_hash": weights}
+
+
 def _weights_folder(options: PrecomputeOptions) -> Path | None:
     local = Path(options.teacher).expanduser()
     if local.is_dir():

@@ -64,7 +64,8 @@ def test_bad_pipeline_config_lists_every_problem_and_exits_2(tmp_path: Path,
 
 @pytest.mark.slow
 def test_run_trains_from_a_fresh_cache_then_reuses_it(tiny_gpt2: Path, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
     data = write_text_dataset(tmp_path / "data.jsonl", sample_texts(24))
@@ -76,9 +77,18 @@ def test_run_trains_from_a_fresh_cache_then_reuses_it(tiny_gpt2: Path, tmp_path:
     assert main(["run", "--config", str(config)]) == 0
     assert "reusing" not in capsys.readouterr().out
     config.write_text(yaml.safe_dump({"precompute": section, "train": {**train, "out": str(tmp_path / "run2")}}))
+
+    def no_teacher(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a matching complete cache must be reused without loading the teacher")
+
+    monkeypatch.setattr("stages.precompute.runner.load_teacher", no_teacher)
     assert main(["run", "--config", str(config)]) == 0
     assert "reusing the complete cache" in capsys.readouterr().out
     assert (tmp_path / "run2" / "student" / "config.json").is_file()
+    section["top-k"] = 4  # a different cache in the same folder is refused, naming the difference
+    config.write_text(yaml.safe_dump({"precompute": section, "train": {**train, "out": str(tmp_path / "run3")}}))
+    assert main(["run", "--config", str(config)]) == 2
+    assert "top_k" in capsys.readouterr().err
 
 
 @pytest.mark.demo
