@@ -159,12 +159,9 @@ def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, to
     data, settings), so rerunning a finished precompute, or ``kdcache run`` over its cache, never loads the
     teacher. What only the loaded model tells (runtime dtype, attention kernel) is left to the writer's full
     check on a real run.
-
-    Raises:
-        CacheMismatchError: ``out`` holds a complete cache whose fingerprints differ (each difference named).
     """
     from storage import CacheReader, compare_fingerprints
-    from storage.errors import CacheMismatchError, KdcacheError
+    from storage.errors import KdcacheError
 
     teacher_fp = teacher_files_fingerprint(options, config)
     if teacher_fp is None or not (Path(options.out) / "manifest.json").is_file():
@@ -175,11 +172,8 @@ def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, to
         return None
     expected = {"teacher": teacher_fp, "tokenizer": tokenizer_fingerprint(tokenizer),
                 "data": data_fingerprint(options, data), "settings": settings_fingerprint(options, targets)}
-    differences = compare_fingerprints(reader.fingerprints, expected)
-    if differences:
-        raise CacheMismatchError(f"{options.out} already holds a different complete cache:\n  - "
-                                 + "\n  - ".join(differences) + "\nUse a new --out, or the settings it was built with.",
-                                 differences=differences)
+    if compare_fingerprints(reader.fingerprints, expected):
+        return None  # a different cache: the writer explains every difference (spec included) and refuses
     return reader.manifest
 
 

@@ -100,11 +100,12 @@ def test_rerun_of_complete_cache_writes_nothing(tiny_gpt2: Path, corpus: Path, r
     assert summary["shards_written"] == 0 and summary["shards_skipped"] == 20 and summary["status"] == "complete"
 
 
-def test_second_concurrent_writer_is_refused(tiny_gpt2: Path, corpus: Path, reference: Path,
+def test_second_concurrent_writer_is_refused(tiny_gpt2: Path, corpus: Path, reference: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture) -> None:
-    existing = CacheReader(reference)
-    with CacheWriter(reference, existing.spec, existing.fingerprints):  # a live writer of part 0 of 1
-        code = main(_argv(_options(tiny_gpt2, corpus, reference)))
+    existing, out = CacheReader(reference), tmp_path / "busy"
+    # A live writer of part 0 of 1 on a cache still being written (a finished cache needs no writer at all).
+    with CacheWriter(out, existing.spec, existing.fingerprints):
+        code = main(_argv(_options(tiny_gpt2, corpus, out)))
     err = capsys.readouterr().err
     assert code == 2 and "locked" in err and "Traceback" not in err
 
