@@ -1,0 +1,139 @@
+"""DeepSpeed set-up: the process group, the engine's config, and the engine itself.
+
+The process group comes from the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``), which torchrun and the deepspeed launcher both set; without a launcher we
+make a world of one. gloo on the CPU, nccl on GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from stages.train.options import TrainOptions
+from storage.errors import KdcacheError
+
+
+class EngineConfigError(KdcacheError):
+    """The DeepSpeed config cannot be used (unreadable, or contradicting the run)."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def init_distributed() -> DistInfo:
+    """Join (or create) the process group; idempotent, so tests can train several times in one process."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:  # no launcher: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
+                                   verbose=False)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """"auto" means bf16 on GPUs that have it, fp16 on older GPUs, fp32 on the CPU."""
+    if precision != "auto":
+        return precision
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def build_ds_config(options: TrainOptions, device: torch.device) -> dict[str, Any]:
+    """The DeepSpeed config: the user's file (with "auto" and missing batch fields filled) or a built-in one.
+
+    The built-in config names an optimizer only for CPU offload (DeepSpeed then uses its CPU Adam); otherwise
+    the loop hands DeepSpeed a plain ``torch.optim.AdamW``, which works on every accelerator.
+    """
+    if options.deepspeed:
+        return _user_config(options)
+    precision = resolve_precision(options.precision, device)
+    zero: dict[str, Any] = {"stage": options.zero_stage}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": options.batch_size,
+        "gradient_accumulation_steps": options.grad_accum,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1 << 30,  # our own logs replace DeepSpeed's
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 12},
+    }
+    if options.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": options.lr, "weight_decay": options.weight_decay}}
+        config["zero_force_ds_cpu_optimizer"] = True
+    return config
+
+
+def _user_config(options: TrainOptions) -> dict[str, Any]:
+    try:
+        with open(options.deepspeed) as fh:  # type: ignore[arg-type]
+            config = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise EngineConfigError(f"cannot read the DeepSpeed config {options.deepspeed!r}: {exc}") from None
+    for key, value in (("train_micro_batch_size_per_gpu", options.batch_size),
+                       ("gradient_accumulation_steps", options.grad_accum)):
+        if config.get(key, "auto") == "auto":
+            config[key] = value
+    if config.get("train_batch_size") == "auto":
+        del config["train_batch_size"]  # DeepSpeed derives it from the two above and the world size
+    return config
+
+
+def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) -> Any:
+    """``deepspeed.initialize`` the wrapper (student + projectors) with AdamW and a linear warm-up.
+
+    Returns:
+        The engine. Its micro-batch size and accumulation come from the config, which may be the user's.
+    """
+    import deepspeed
+
+    config = build_ds_config(options, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None
+    if "optimizer" not in config:
+        optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
+    scheduler = None
+    if "scheduler" not in config:
+        scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
+            opt, _warmup(options.warmup_steps))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
+                                           lr_scheduler=scheduler, config=config)
+    return engine
+
+
+def _warmup(warmup: int) -> Any:
+    """LR factor: linear warm-up over ``warmup`` optimizer steps, then constant."""
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+    return factor

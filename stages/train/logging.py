@@ -1,0 +1,74 @@
+"""Run logs: per-term metrics as JSONL (RUN/metrics.jsonl), TensorBoard when installed, and sample traces.
+
+Only rank 0 writes metrics (the values are already averaged over ranks by the loop). Sample traces
+(``RUN/samples-rank{r}.jsonl``: which sequence ids each micro-step consumed) are written by every rank when
+asked for; the resumption test compares them between an interrupted and an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    """Appends one JSON object per logged step; mirrors scalars to TensorBoard if it can be imported.
+
+    Appending (never truncating) keeps a resumed run's log continuous with the interrupted one.
+    """
+
+    def __init__(self, run_dir: str | Path, *, rank: int = 0, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.path = self.run_dir / "metrics.jsonl"
+        self._tb = _tensorboard_writer(self.run_dir / "tensorboard") if tensorboard and rank == 0 else None
+        self._start = time.perf_counter()
+
+    def log(self, step: int, values: dict[str, float], **extra: Any) -> None:
+        """Write ``{"step": step, "time_s": ..., **values, **extra}`` (rank 0 only)."""
+        if self.rank != 0:
+            return
+        record = {"step": step, "time_s": round(time.perf_counter() - self._start, 4), **values, **extra}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for name, value in values.items():
+                self._tb.add_scalar(f"train/{name}", value, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+class SampleTrace:
+    """Per-rank record of the sequence ids of each micro-step, for checking exact resumption."""
+
+    def __init__(self, run_dir: str | Path, rank: int, enabled: bool):
+        self.path = Path(run_dir) / f"samples-rank{rank}.jsonl"
+        self.enabled = enabled
+
+    def record(self, micro_step: int, epoch: int, step_in_epoch: int, sample_ids: list[int], loss: float) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps({"micro_step": micro_step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                                 "sample_ids": sample_ids, "loss": loss}) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Read a JSONL file written by this module (empty list if it does not exist)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def _tensorboard_writer(path: Path) -> Any:
+    """A SummaryWriter, or None when tensorboard is not installed (it is optional)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(path))

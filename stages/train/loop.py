@@ -1,0 +1,267 @@
+"""Stage two's entry point: ``run_training(options) -> summary``.
+
+Order of work: join the process group; open the cache and load the student (never the teacher); check that
+they fit (``checks.plan_training``) before DeepSpeed starts; wrap student + loss (which holds the projectors)
+in one module so DeepSpeed optimizes and shards both; stream micro-batches from the cache; step; log; save
+checkpoints with the data position; export the student as a plain HF model.
+
+Dropout is seeded per micro-step from (seed, micro-step, rank) rather than carried as RNG state, so a resumed
+run continues the very loss trajectory of an uninterrupted one without saving every rank's generator.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from stages.train import checkpoint as ckpt
+from stages.train.checks import TrainPlan, open_cache, plan_training
+from stages.train.compound import CompoundLoss
+from stages.train.engine import DistInfo, build_engine, init_distributed
+from stages.train.logging import MetricsLogger, SampleTrace
+from stages.train.options import TrainOptions
+from stages.train.streaming import CacheStream, DataPosition, check_resumable, next_position, to_device
+from stages.train.student import (StudentFacts, enable_gradient_checkpointing, has_weights, load_student,
+                                  student_facts, tokenizer_fingerprint_of)
+from storage.errors import KdcacheError
+
+
+class TrainingError(KdcacheError):
+    """Training cannot start or go on (nothing to resume, no steps to run, a diverged loss)."""
+
+
+class DistillModel(nn.Module):
+    """The module DeepSpeed trains: the HF student and the compound loss (with its projectors) side by side.
+
+    ``forward(batch)`` runs the student on the cached ``input_ids`` and returns the loss terms.
+    """
+
+    def __init__(self, student: nn.Module, criterion: CompoundLoss, plan: TrainPlan):
+        super().__init__()
+        self.student = student
+        self.criterion = criterion
+        self.want_hidden = bool(plan.hidden_pairs)
+        self.want_attention = bool(plan.attention_pairs)
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Args: batch on the device: ``input_ids`` [B, L], ``mask`` [B, L] and fp32 targets (see streaming)."""
+        out = self.student(input_ids=batch["input_ids"], attention_mask=batch["mask"],
+                           output_hidden_states=self.want_hidden, output_attentions=self.want_attention)
+        return self.criterion(out, batch, batch["mask"])
+
+
+def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts) -> CompoundLoss:
+    """The compound loss for this plan; CE is shifted for causal students, per token for encoders."""
+    dims = set(plan.teacher_hidden_sizes.values())
+    return CompoundLoss(
+        layer_map=plan.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(dims) if dims else None,
+        alpha=options.alpha if facts.has_lm_head else 0.0, beta=options.beta if plan.logits else 0.0,
+        gamma=options.gamma if plan.hidden_pairs else 0.0, delta=options.delta if plan.attention_pairs else 0.0,
+        temperature=options.temperature, hidden_loss=options.hidden_loss, topk_variant=options.topk_kl,
+        ce="causal" if facts.is_causal else "token", attention_map=plan.attention_pairs or None,
+        critic_steps=options.critic_steps, critic_lr=options.critic_lr, seed=options.seed)
+
+
+def prepare(options: TrainOptions) -> tuple[Any, nn.Module, StudentFacts, TrainPlan]:
+    """Open the cache, load the student and check that they fit. Touches no teacher file.
+
+    Returns:
+        (reader, student, facts, plan).
+    """
+    reader = open_cache(options.cache, allow_partial=options.allow_partial)
+    attn = "eager" if options.delta > 0 else None
+    student = load_student(options.student, seed=options.seed, attn_implementation=attn)
+    facts = student_facts(student, pretrained=has_weights(options.student))
+    plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.student))
+    if options.gradient_checkpointing:
+        enable_gradient_checkpointing(student)
+    return reader, student, facts, plan
+
+
+def run_training(options: TrainOptions) -> dict[str, Any]:
+    """Train a student from a cache under DeepSpeed; every rank calls this.
+
+    Returns:
+        A summary: steps, first/last loss, throughput, the run and student folders, the final data position.
+    """
+    # Checks first: a mismatch should cost a second, not a DeepSpeed start-up.
+    reader, student, facts, plan = prepare(options)
+    if ckpt.has_checkpoint(options.out) and not options.resume:
+        raise TrainingError(f"{options.out} already holds a checkpoint; pass --resume to continue it, or "
+                            "choose another --out")
+    if options.resume and not ckpt.has_checkpoint(options.out):
+        raise TrainingError(f"--resume: no checkpoint in {Path(options.out) / ckpt.CHECKPOINT_DIR}")
+    dist_info = init_distributed()
+    run_dir = Path(options.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if getattr(plan, "seq2seq", False):  # encoder-decoder student: stages.train.seq2seq
+        from stages.train.seq2seq import build_seq2seq_model
+
+        model = build_seq2seq_model(options, plan, facts, student)
+    else:
+        criterion = build_criterion(options, plan, facts)
+        model = DistillModel(student, criterion, plan)
+    engine = build_engine(model, options, dist_info.device)
+    return _Trainer(options, plan, engine, dist_info, reader).run()
+
+
+class _Trainer:
+    """The step loop and its bookkeeping (position, logs, checkpoints)."""
+
+    def __init__(self, options: TrainOptions, plan: TrainPlan, engine: Any, dist_info: DistInfo, reader: Any):
+        self.options, self.plan, self.engine, self.dist = options, plan, engine, dist_info
+        self.run_dir = Path(options.out)
+        self.batch_size = int(engine.train_micro_batch_size_per_gpu())
+        self.grad_accum = int(engine.gradient_accumulation_steps())
+        self.zero_stage = int(engine.zero_optimization_stage())
+        self.cache_tokenizer = Path(options.cache) / "tokenizer"
+        self.position, self.micro_step, self.resumed_from = DataPosition(), 0, None
+        self.logger = MetricsLogger(self.run_dir, rank=dist_info.rank)
+        self.trace = SampleTrace(self.run_dir, dist_info.rank, enabled=options.trace_samples)
+        self._sums: dict[str, torch.Tensor] = {}
+        self._count = 0
+        self.losses: list[float] = []
+        del reader  # the stream opens its own reader (in each DataLoader worker)
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        if not self.options.resume:
+            return
+        state = ckpt.load_latest(self.engine, self.run_dir)
+        if state is None:
+            raise TrainingError(f"--resume: no checkpoint in {self.run_dir / ckpt.CHECKPOINT_DIR}")
+        self.position = check_resumable(state["data"], self.dist.world_size, self.batch_size, self.options.seed)
+        self.micro_step, self.resumed_from = int(state["micro_step"]), int(state["step"])
+        critics = self.engine.module.criterion.critics
+        if critics is not None and "critics" in state:
+            critics.load_state_dict(state["critics"])
+
+    def _stream(self) -> tuple[CacheStream, Any]:
+        o = self.options
+        stream = CacheStream(o.cache, self.plan.names, batch_size=self.batch_size, seed=o.seed,
+                             rank=self.dist.rank, world_size=self.dist.world_size, start=self.position,
+                             shuffle_block=o.shuffle_block, prefetch=o.prefetch, decode_threads=o.decode_threads,
+                             allow_partial=o.allow_partial, pin_memory=self.dist.device.type == "cuda")
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=o.num_workers,
+                                             persistent_workers=False)
+        return stream, loader
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """Optimizer steps of the whole run: --max-steps, else --epochs (default 1) over the cache."""
+        if self.options.max_steps is not None:
+            return self.options.max_steps
+        total = (self.options.epochs or 1) * steps_per_epoch // self.grad_accum
+        if total < 1:
+            raise TrainingError(f"one epoch is {steps_per_epoch} micro-batches per rank, fewer than one "
+                                f"optimizer step of {self.grad_accum}; lower --grad-accum or --batch-size")
+        return total
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        self._restore()
+        stream, loader = self._stream()
+        total = self.total_steps(stream.steps_per_epoch)
+        self._write_run_files(total)
+        start, start_step = time.perf_counter(), self.engine.global_steps
+        self.engine.train()
+        for batch in loader:
+            if self.engine.global_steps >= total:
+                break
+            self._micro_step(batch, stream.steps_per_epoch)
+            if self._stepped():
+                self._after_optimizer_step(total)
+        elapsed = time.perf_counter() - start
+        if self.engine.global_steps > (self.resumed_from or 0) or not ckpt.has_checkpoint(self.run_dir):
+            self._save()
+        student_dir = self._export() if self.options.export else None
+        self.logger.close()
+        steps = self.engine.global_steps - start_step
+        return {"steps": int(self.engine.global_steps), "steps_this_run": int(steps),
+                "micro_steps": self.micro_step, "steps_per_s": steps / elapsed if elapsed > 0 else 0.0,
+                "first_loss": self.losses[0] if self.losses else None,
+                "last_loss": self.losses[-1] if self.losses else None, "resumed_from": self.resumed_from,
+                "position": self.position.to_dict(), "run_dir": str(self.run_dir),
+                "student_dir": str(student_dir) if student_dir else None, "world_size": self.dist.world_size,
+                "zero_stage": self.zero_stage}
+
+    def _micro_step(self, batch: dict[str, Any], steps_per_epoch: int) -> None:
+        """Forward, backward and (on a boundary) the optimizer step for one micro-batch."""
+        self._last_global = self.engine.global_steps
+        o = self.options
+        torch.manual_seed((o.seed * 1_000_003 + self.micro_step) * 1_009 + self.dist.rank)
+        epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
+        out = self.engine(to_device(batch, self.dist.device))
+        self.engine.backward(out["loss"])
+        self.engine.step()
+        for name, value in out.items():
+            self._sums[name] = self._sums.get(name, 0.0) + value.detach().float()
+        self._count += 1
+        self.micro_step += 1
+        self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.batch_size, steps_per_epoch)
+        if self.trace.enabled:
+            self.trace.record(self.micro_step - 1, epoch, step_in_epoch, ids.tolist(), float(out["loss"]))
+
+    def _stepped(self) -> bool:
+        return self.engine.global_steps != self._last_global
+
+    def _after_optimizer_step(self, total: int) -> None:
+        step = int(self.engine.global_steps)
+        if step % self.options.log_every == 0 or step >= total:
+            self._log(step)
+        if self.options.save_every and step % self.options.save_every == 0 and step < total:
+            self._save()
+
+    def _log(self, step: int) -> None:
+        """Average each term over the micro-steps since the last log and over ranks; rank 0 writes it."""
+        names = sorted(self._sums)
+        values = torch.stack([self._sums[n] / max(1, self._count) for n in names]).cpu()
+        if self.dist.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            values /= self.dist.world_size
+        record = dict(zip(names, (float(v) for v in values)))
+        self.losses.append(record["loss"])
+        if not torch.isfinite(values).all():
+            raise TrainingError(f"the loss diverged at step {step}: {record}; lower --lr or check the cache")
+        lr = self.engine.get_lr()[0] if self.engine.get_lr() else None
+        self.logger.log(step, record, lr=lr, epoch=self.position.epoch, sample_index=self.position.sample_index)
+        self._sums, self._count = {}, 0
+
+    def _save(self) -> None:
+        data = {**self.position.to_dict(), "world_size": self.dist.world_size, "batch_size": self.batch_size,
+                "seed": self.options.seed}
+        critics = self.engine.module.criterion.critics
+        extra = {"critics": critics.state_dict()} if critics is not None else {}
+        ckpt.save_checkpoint(self.engine, self.run_dir, step=int(self.engine.global_steps),
+                             micro_step=self.micro_step, data_state=data, extra=extra)
+
+    def _export(self) -> Path:
+        module = self.engine.module
+        out = ckpt.export_student(module.student, {"projectors": module.criterion.projectors}, self.run_dir,
+                                  rank=self.dist.rank, zero_stage=self.zero_stage,
+                                  tokenizer_dir=self.cache_tokenizer)
+        _barrier(self.dist.world_size)
+        return out
+
+    def _write_run_files(self, total: int) -> None:
+        if self.dist.rank != 0:
+            return
+        (self.run_dir / "options.json").write_text(json.dumps(self.options.to_dict(), indent=2) + "\n")
+        plan = {"hidden_pairs": self.plan.hidden_pairs, "attention_pairs": self.plan.attention_pairs,
+                "logits": self.plan.logits, "names": self.plan.names, "total_steps": total,
+                "batch_size": self.batch_size, "grad_accum": self.grad_accum, "world_size": self.dist.world_size,
+                "zero_stage": self.zero_stage}
+        (self.run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()

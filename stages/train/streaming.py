@@ -1,0 +1,328 @@
+"""Streaming cached teacher targets into training, in a deterministic, resumable order.
+
+The order of an epoch is a pure function of (seed, epoch, the cache's shard ranges):
+
+1. shuffle the shards;
+2. concatenate their sequences and shuffle them in blocks of ``shuffle_block`` sequences, so one block touches
+   only a few neighbouring shards (decoded once, kept while the block lasts).
+
+Partition. Each epoch uses ``steps_per_epoch * world * batch`` sequences; the few left over at the end of the
+shuffled order are **dropped** (a different few each epoch), so every rank runs the same number of steps and no
+sequence is seen twice in an epoch. Rank ``r`` takes the ``r``-th contiguous span of the used order (its own
+shards, mostly), cut into micro-batches ``k = 0, 1, ...``. DataLoader worker ``w`` of ``n`` builds the rank's
+micro-batches with ``k % n == w``; PyTorch takes batches from workers round-robin, so the stream a rank sees does
+not depend on the number of workers.
+
+Resumption. A position is (epoch, global sample index): the number of the epoch's sequences consumed by all
+ranks together, ``k * world * batch`` after ``k`` micro-steps. Resuming needs the same world size and batch size
+(``check_resumable`` explains otherwise).
+
+Speed. One producer thread assembles micro-batches in order while a thread pool decodes the shards the next
+``prefetch`` micro-batches need (``reader.read_shard`` decodes only the arrays asked for; the codecs release
+the GIL). Float targets stay fp16 (or bf16 bits, as int16) through collate; ``to_device`` makes them fp32 on the
+device, so the host never holds an fp32 copy.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from storage.errors import KdcacheError
+
+Batch = dict[str, Any]
+
+
+class StreamStateError(KdcacheError):
+    """A saved data position cannot be resumed with the current settings."""
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where the stream stands: ``sample_index`` sequences of epoch ``epoch`` consumed, over all ranks."""
+
+    epoch: int = 0
+    sample_index: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "sample_index": self.sample_index}
+
+
+def epoch_order(shard_ranges: Sequence[tuple[int, int]], seed: int, epoch: int, shuffle_block: int) -> np.ndarray:
+    """The global order of sequence ids for one epoch.
+
+    Args:
+        shard_ranges: ``(seq_start, seq_stop)`` per shard, as ``CacheReader.shard_ranges``.
+        seed: the run's seed.
+        epoch: the epoch number (0-based).
+        shuffle_block: sequences shuffled together after the shard shuffle.
+
+    Returns:
+        int64 array [N] holding every sequence id once.
+    """
+    rng = np.random.Generator(np.random.PCG64([seed, epoch]))
+    shard_perm = rng.permutation(len(shard_ranges))
+    parts = [np.arange(*shard_ranges[i], dtype=np.int64) for i in shard_perm]
+    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    for start in range(0, len(ids), shuffle_block):
+        rng.shuffle(ids[start:start + shuffle_block])  # in place on the view
+    return ids
+
+
+def steps_per_epoch(num_sequences: int, world_size: int, batch_size: int) -> int:
+    """Micro-batches per rank per epoch (the tail that does not fill a step on every rank is dropped)."""
+    return num_sequences // (world_size * batch_size)
+
+
+def rank_batches(order: np.ndarray, rank: int, world_size: int, batch_size: int) -> list[np.ndarray]:
+    """Rank ``rank``'s micro-batches of one epoch: its contiguous span of the used order, cut in batches."""
+    n = steps_per_epoch(len(order), world_size, batch_size)
+    span = order[rank * n * batch_size:(rank + 1) * n * batch_size]
+    return [span[k * batch_size:(k + 1) * batch_size] for k in range(n)]
+
+
+def next_position(epoch: int, step_in_epoch: int, world_size: int, batch_size: int, n_steps: int) -> DataPosition:
+    """The position after micro-batch ``step_in_epoch`` of ``epoch`` has been consumed on every rank."""
+    if step_in_epoch + 1 >= n_steps:
+        return DataPosition(epoch + 1, 0)
+    return DataPosition(epoch, (step_in_epoch + 1) * world_size * batch_size)
+
+
+def check_resumable(saved: dict[str, Any], world_size: int, batch_size: int, seed: int) -> DataPosition:
+    """Turn a checkpoint's data state into a position, refusing settings that would change the order.
+
+    Raises:
+        StreamStateError: world size, batch size or seed differ from the checkpoint's.
+    """
+    problems = [f"{key} was {saved[key]} in the checkpoint, now {now}"
+                for key, now in (("world_size", world_size), ("batch_size", batch_size), ("seed", seed))
+                if key in saved and saved[key] != now]
+    if problems:
+        raise StreamStateError("cannot resume the data stream exactly: " + "; ".join(problems)
+                               + ". Resume with the checkpoint's settings.")
+    return DataPosition(int(saved["epoch"]), int(saved["sample_index"]))
+
+
+def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], pin: bool = False) -> Batch:
+    """Pad a list of cached sequences into one batch, keeping the stored dtypes.
+
+    Args:
+        sequences: per sequence, ``input_ids [L]`` and any of ``hidden/{j} [L, d]``, ``attention/{j} [H', L, L]``,
+            ``logits/full [L, V]``, ``logits/topk_values [L, k]``, ``logits/topk_ids [L, k]``, ``logits/lse [L]``.
+        sample_ids: the global sequence ids, carried in the batch.
+        pin: pin host memory, for an asynchronous copy to a GPU.
+
+    Returns:
+        ``input_ids`` [B, L] int64 (0 at padding), ``mask`` [B, L] int64 (1 = real token), ``sample_ids`` [B],
+        hidden/logit targets [B, L, ...] and attention [B, H', L, L], zero-padded. fp16 stays fp16; bf16 bits
+        become int16 (torch has few uint16 kernels); top-k ids become int64 for gather.
+    """
+    if "input_ids" not in sequences[0]:  # a seq2seq cache: two token streams, padded separately
+        from stages.train.seq2seq import collate_seq2seq
+
+        return collate_seq2seq(sequences, sample_ids, pin)
+    lengths = [len(s["input_ids"]) for s in sequences]
+    size = max(lengths)
+    out: Batch = {"sample_ids": torch.tensor(list(sample_ids), dtype=torch.int64)}
+    mask = np.zeros((len(sequences), size), dtype=np.int64)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    out["mask"] = torch.from_numpy(mask)
+    for name in sequences[0]:
+        out[name] = torch.from_numpy(_pad_stack(name, [s[name] for s in sequences], size))
+    if pin and torch.cuda.is_available():
+        out = {k: v.pin_memory() for k, v in out.items()}
+    return out
+
+
+def _pad_stack(name: str, arrays: list[np.ndarray], size: int) -> np.ndarray:
+    """Stack ragged arrays into [B, size, ...] (attention: [B, H', size, size]) with zeros."""
+    first = arrays[0]
+    dtype = _batch_dtype(name, first.dtype)
+    if name.startswith("attention/"):
+        out = np.zeros((len(arrays), first.shape[0], size, size), dtype=dtype)
+        for i, a in enumerate(arrays):
+            out[i, :, :a.shape[1], :a.shape[2]] = a.view(dtype) if a.dtype == np.uint16 else a
+        return out
+    out = np.zeros((len(arrays), size, *first.shape[1:]), dtype=dtype)
+    for i, a in enumerate(arrays):
+        out[i, :len(a)] = a.view(dtype) if a.dtype == np.uint16 and dtype == np.int16 else a
+    return out
+
+
+def _batch_dtype(name: str, stored: np.dtype) -> np.dtype:
+    if name in ("input_ids", "logits/topk_ids"):
+        return np.dtype(np.int64)
+    if stored == np.uint16:  # bf16 bits
+        return np.dtype(np.int16)
+    return stored
+
+
+def to_device(batch: Batch, device: torch.device | str) -> Batch:
+    """Copy a batch to ``device`` and only there turn targets into float32.
+
+    int16 tensors are bf16 bits (see ``collate``); other floating tensors are fp16 or fp32.
+    """
+    out: Batch = {}
+    for name, value in batch.items():
+        if not isinstance(value, torch.Tensor):
+            out[name] = value
+            continue
+        moved = value.to(device, non_blocking=True)
+        if moved.dtype == torch.int16:
+            moved = moved.view(torch.bfloat16).float()
+        elif moved.is_floating_point():
+            moved = moved.float()
+        out[name] = moved
+    return out
+
+
+class CacheStream(IterableDataset):
+    """Micro-batches of cached targets for one rank, epoch after epoch, from a start position.
+
+    Each item is a collated batch (see ``collate``) plus ``epoch`` and ``step_in_epoch`` (ints), so the loop can
+    record the position reached. Use it with ``DataLoader(stream, batch_size=None, num_workers=...)``.
+    """
+
+    def __init__(self, cache: str, names: Sequence[str], *, batch_size: int, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, start: DataPosition = DataPosition(), epochs: int | None = None,
+                 shuffle_block: int = 1024, prefetch: int = 4, decode_threads: int = 2,
+                 allow_partial: bool = False, pin_memory: bool = False):
+        super().__init__()
+        self.cache, self.names = str(cache), tuple(names)
+        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.start, self.epochs = start, epochs
+        self.shuffle_block, self.prefetch, self.decode_threads = shuffle_block, prefetch, decode_threads
+        self.allow_partial, self.pin_memory = allow_partial, pin_memory
+        reader = self._open()
+        # Only committed shards (all of them for a complete cache; some with --allow-partial).
+        self.shard_ids = [int(k) for k in reader.committed_shards]
+        self.shard_ranges = [tuple(map(int, reader.spec.shard_range(k))) for k in self.shard_ids]
+        self.num_sequences = sum(b - a for a, b in self.shard_ranges)
+        self.steps_per_epoch = steps_per_epoch(self.num_sequences, world_size, batch_size)
+        if self.steps_per_epoch == 0:
+            raise StreamStateError(
+                f"the cache holds {self.num_sequences} sequences, fewer than one step needs "
+                f"({world_size} rank(s) x batch size {batch_size}); lower --batch-size")
+        if start.sample_index % (world_size * batch_size):
+            raise StreamStateError(f"sample index {start.sample_index} is not a multiple of world size x batch "
+                                   f"size ({world_size} x {batch_size})")
+
+    def _open(self) -> Any:
+        from storage import CacheReader  # opened again in each worker process: readers hold file handles
+
+        return CacheReader(self.cache, allow_partial=self.allow_partial)
+
+    def plan(self) -> Iterator[tuple[int, list[tuple[int, np.ndarray]]]]:
+        """This rank's micro-batches from the start position on, grouped by epoch: (epoch, [(step, ids)])."""
+        epoch, first = self.start.epoch, self.start.sample_index // (self.world_size * self.batch_size)
+        while self.epochs is None or epoch < self.epochs:
+            order = epoch_order(self.shard_ranges, self.seed, epoch, self.shuffle_block)
+            batches = rank_batches(order, self.rank, self.world_size, self.batch_size)
+            yield epoch, [(k, ids) for k, ids in enumerate(batches) if k >= first]
+            epoch, first = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        producer = _Producer(self._open(), self.names, self.shard_ids, self.shard_ranges,
+                             self._worker_plan(worker, workers),
+                             self.prefetch, self.decode_threads, self.pin_memory)
+        try:
+            yield from producer
+        finally:
+            producer.close()
+
+    def _worker_plan(self, worker: int, workers: int) -> Iterator[tuple[int, list[tuple[int, np.ndarray]]]]:
+        """Every ``workers``-th micro-batch of the rank's stream, counted from the start position."""
+        seen = 0
+        for epoch, items in self.plan():
+            yield epoch, [item for i, item in enumerate(items, seen) if i % workers == worker]
+            seen += len(items)
+
+
+class _Producer:
+    """Assembles planned micro-batches in a background thread; shards decode in a pool ahead of need."""
+
+    _DONE = object()
+
+    def __init__(self, reader: Any, names: Sequence[str], shard_ids: list[int], shard_ranges: list[tuple[int, int]],
+                 plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]], prefetch: int, threads: int, pin: bool):
+        self.reader, self.names, self.pin = reader, list(names), pin
+        self.shard_ids = shard_ids
+        self.starts = np.array([a for a, _ in shard_ranges], dtype=np.int64)
+        self.plan, self.prefetch = plan, prefetch
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kdcache-decode")
+        self.queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kdcache-collate", daemon=True)
+        self.thread.start()
+
+    def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Shard index and shard-local index of each global sequence id."""
+        shard = np.searchsorted(self.starts, ids, side="right") - 1
+        return shard, ids - self.starts[shard]
+
+    def _run(self) -> None:
+        try:
+            self._produce()
+            self._put(self._DONE)
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            self._put(exc)
+
+    def _produce(self) -> None:
+        for epoch, items in self.plan:
+            located = [self._locate(ids) for _, ids in items]
+            last_use: dict[int, int] = {}
+            for b, (shard, _) in enumerate(located):
+                last_use.update((int(s), b) for s in shard)
+            decoded: dict[int, Future] = {}
+            for b, (step, ids) in enumerate(items):
+                if self.stop.is_set():
+                    return
+                # Decode ahead: every shard the next `prefetch` micro-batches need is queued now.
+                for shard, _ in located[b:b + self.prefetch + 1]:
+                    for s in set(shard.tolist()) - decoded.keys():
+                        decoded[s] = self.pool.submit(self.reader.read_shard, self.shard_ids[s], self.names)
+                shard, local = located[b]
+                seqs = [decoded[int(s)].result().sequence(int(i)) for s, i in zip(shard, local)]
+                batch = collate([{n: q[n] for n in self.names} for q in seqs], ids.tolist(), self.pin)
+                batch.update(epoch=epoch, step_in_epoch=step)
+                # A shard is kept until its last use in this epoch, so none is decoded twice per epoch; block
+                # shuffling bounds how many are open at once (about shuffle_block / sequences_per_shard).
+                for s in {int(s) for s in shard if last_use[int(s)] == b}:
+                    del decoded[s]
+                self._put(batch)
+
+    def _put(self, item: Any) -> None:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            item = self.queue.get()
+            if item is self._DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        if sys.is_finalizing():  # a generator dropped at interpreter exit: threads are daemons, nothing to do
+            return
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,157 @@
+"""The student: loaded from a folder of weights, or built at random from a config.
+
+Training imports this module, so it never touches a teacher; building a student *from* a teacher's blocks is
+``stages.train.init_student`` (a separate command, run before training).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from storage.errors import KdcacheError
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+
+
+class StudentError(KdcacheError):
+    """The student path holds neither a loadable model nor a config."""
+
+
+@dataclass(frozen=True)
+class StudentFacts:
+    """What the checks and the loss need to know about a student."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+    has_lm_head: bool
+    is_causal: bool
+    pretrained: bool
+    decoder_layers: int = 0  # encoder-decoder students: the decoder's depth (num_layers is the encoder's)
+    is_encoder_decoder: bool = False
+
+
+def has_weights(path: str | Path) -> bool:
+    """Whether ``path`` is a folder holding model weights (not just a config)."""
+    root = Path(path)
+    return root.is_dir() and any(next(root.glob(p), None) for p in WEIGHT_PATTERNS)
+
+
+def load_config(path: str | Path) -> Any:
+    """The HF config of a student given as a folder or as a ``config.json`` file.
+
+    Raises:
+        StudentError: nothing loadable is there.
+    """
+    from transformers import AutoConfig
+
+    root = Path(path)
+    try:
+        if root.is_file():
+            data = json.loads(root.read_text())
+            model_type = data.pop("model_type", None)
+            if model_type is None:
+                raise StudentError(f"{root} has no 'model_type'; it is not a HF config.json")
+            return AutoConfig.for_model(model_type, **data)
+        return AutoConfig.from_pretrained(str(root))
+    except (OSError, ValueError, json.JSONDecodeError) as exc:
+        raise StudentError(f"cannot read a model config from {str(root)!r}: {exc}") from None
+
+
+def load_student(path: str | Path, *, seed: int = 0, attn_implementation: str | None = None) -> nn.Module:
+    """Load pretrained weights when ``path`` has them, else build a random model from its config.
+
+    Args:
+        path: a HF model folder, a folder with only ``config.json``, or a ``config.json`` file.
+        seed: seeds the random init (the same seed gives the same student on every rank).
+        attn_implementation: "eager" when attention maps are needed (SDPA kernels return none).
+
+    Returns:
+        A model with an LM head when its architecture has one (``*ForCausalLM``, ``*ForMaskedLM``, ...),
+        else the bare encoder.
+    """
+    config = load_config(path)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    cls = model_class(config)
+    if has_weights(path):
+        kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        return cls.from_pretrained(str(path), config=config, **kwargs)
+    torch.manual_seed(seed)
+    return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
+
+
+def model_class(config: Any) -> Any:
+    """The transformers class to build: the config's own architecture, else causal LM, masked LM, bare model."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    if getattr(config, "is_encoder_decoder", False):  # BART also has a *ForCausalLM (its decoder alone)
+        return transformers.AutoModelForSeq2SeqLM
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
+        if type(config) in auto._model_mapping:
+            return auto
+    return transformers.AutoModel
+
+
+def student_facts(model: nn.Module, pretrained: bool) -> StudentFacts:
+    """Read the student's shape from its config (and whether it produces logits)."""
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 0)
+    return StudentFacts(
+        num_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size), num_heads=int(heads),
+        vocab_size=int(cfg.vocab_size), has_lm_head=model.get_output_embeddings() is not None,
+        is_causal=not getattr(cfg, "is_encoder_decoder", False) and _is_causal(cfg),
+        pretrained=pretrained, **_seq2seq_facts(cfg))
+
+
+def _seq2seq_facts(cfg: Any) -> dict[str, Any]:
+    """Decoder depth of an encoder-decoder (BART ``decoder_layers``, T5 ``num_decoder_layers``)."""
+    if not getattr(cfg, "is_encoder_decoder", False):
+        return {}
+    data = cfg.to_dict()
+    depth = data.get("decoder_layers") or data.get("num_decoder_layers") or cfg.num_hidden_layers
+    return {"decoder_layers": int(depth), "is_encoder_decoder": True}
+
+
+def _is_causal(cfg: Any) -> bool:
+    """Decoder-only LMs attend causally; BERT-style encoders do not (unless configured as decoders)."""
+    import transformers
+
+    return type(cfg) in transformers.AutoModelForCausalLM._model_mapping and (
+        getattr(cfg, "is_decoder", False) or cfg.model_type not in ("bert", "roberta", "distilbert", "electra"))
+
+
+def tokenizer_fingerprint_of(path: str | Path) -> dict[str, Any] | None:
+    """The student's tokenizer fingerprint when its folder holds a tokenizer, else None."""
+    root = Path(path)
+    if not root.is_dir() or not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                      "vocab.txt", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    from stages.common.fingerprints import tokenizer_fingerprint
+
+    try:
+        return tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(root)))
+    except (OSError, ValueError):
+        return None
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in backward; non-reentrant, which works with ZeRO-3's parameter hooks."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise StudentError(f"{type(model).__name__} does not support gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # a KV cache and recomputation do not mix
