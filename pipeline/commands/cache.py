@@ -86,7 +86,9 @@ def _text(info: dict[str, Any]) -> str:
         lossy = f"  lossy: max abs {a['lossy']['max_abs_error']:.3g}, max rel {a['lossy']['max_rel_error']:.3g}" if "lossy" in a else ""
         lines.append(f"{name:22} {a['dtype']:8} {str(a['shape_tail']):12} {a['bytes_per_token']!s:>10} "
                      f"{a['compression_ratio']!s:>7}  {a['codec_label']}{lossy}")
-    lines += ["", "fingerprints", json.dumps(info["fingerprints"], indent=2, sort_keys=True)]
+    # One line per group: each is a handful of keys, and a line per key would bury the table above.
+    lines += ["", "fingerprints"] + [f"  {group:<10} {json.dumps(values, sort_keys=True)}"
+                                     for group, values in sorted(info["fingerprints"].items())]
     return "\n".join(lines)
 
 
