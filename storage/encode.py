@@ -15,6 +15,7 @@ from storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
 from storage.errors import InvalidSequenceError, ShardError
 from storage.layout import attention_rows, pack_attention
 from storage.spec import CacheSpec
+from storage.streams import kind_of, split_stream
 
 
 @dataclass
@@ -41,21 +42,27 @@ def _fail(seq: int, name: str, problem: str) -> InvalidSequenceError:
     return InvalidSequenceError(f"sequence {seq} (global), array {name!r}: {problem}")
 
 
-def _expected_shape(spec: CacheSpec, name: str, length: int, value: np.ndarray) -> tuple[int, ...] | None:
-    """The shape ``value`` must have; None entries in the rule are free dims fixed by the first sequence."""
-    if name in ("input_ids", "logits/lse"):
+def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int], value: np.ndarray) -> tuple[int, ...] | None:
+    """The shape ``value`` must have; None entries in the rule are free dims fixed by the first sequence.
+
+    ``lengths`` maps each token stream ("" or "encoder"/"decoder") to this sequence's token count.
+    """
+    kind = kind_of(name)
+    if kind in ("attention", "cross_attention"):
+        queries, keys, _ = spec.attention_geometry(name)
+        return (value.shape[0], lengths[queries], lengths[keys]) if value.ndim == 3 else None
+    length = lengths[split_stream(name)[0] or ("decoder" if spec.is_seq2seq else "")]
+    if kind == "input_ids" or name == "logits/lse":
         return (length,)
-    if name.startswith("hidden/"):
+    if kind == "hidden":
         return (length, value.shape[-1]) if value.ndim == 2 else None
-    if name.startswith("attention/"):
-        return (value.shape[0], length, length) if value.ndim == 3 else None
     if name == "logits/full":
         return (length, spec.vocab_size)
     return (length, spec.top_k)  # top-k values and ids
 
 
-def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> int:
-    """Validate one sequence's arrays; returns its length L."""
+def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[str, int]:
+    """Validate one sequence's arrays; returns its length per token stream."""
     expected = spec.sequence_names()
     for name in item:
         if name not in expected:
@@ -63,15 +70,20 @@ def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> int:
     missing = [n for n in expected if n not in item]
     if missing:
         raise _fail(seq, missing[0], f"missing; every sequence needs {expected}")
-    ids = np.asarray(item["input_ids"])
-    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
-        raise _fail(seq, "input_ids", f"expected a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
+    lengths = {}
+    for stream in spec.streams:
+        ids = np.asarray(item[spec.ids_name(stream)])
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise _fail(seq, spec.ids_name(stream), f"expected a non-empty 1-D integer array, got {ids.dtype} "
+                                                    f"{ids.shape}")
+        lengths[stream] = int(ids.size)
     for name in expected:
         value = np.asarray(item[name])
-        shape = _expected_shape(spec, name, ids.size, value)
+        shape = _expected_shape(spec, name, lengths, value)
         if shape != value.shape:
-            raise _fail(seq, name, f"shape {value.shape}, expected {shape or 'a different rank'} for L={ids.size}")
-    return int(ids.size)
+            raise _fail(seq, name, f"shape {value.shape}, expected {shape or 'a different rank'} for lengths "
+                                   f"{lengths}")
+    return lengths
 
 
 def _check_topk(spec: CacheSpec, values: np.ndarray, ids: np.ndarray) -> None:
@@ -107,6 +119,8 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
         sequences: one mapping per sequence of the shard: ``input_ids [L]``, ``hidden/{j} [L, d]``,
             ``attention/{j} [H, L, L]`` (all heads), ``logits/full [L, V]``, ``logits/topk_values [L, k]``,
             ``logits/topk_ids [L, k]``, ``logits/lse [L]``. Floats as float32 or already in the storage dtype.
+            A seq2seq spec takes ``encoder/input_ids [L_e]``, ``decoder/input_ids [L_d]``, the same targets
+            under ``encoder/`` and ``decoder/``, ``cross_attention/{j} [H, L_d, L_e]``, and logits ``[L_d, ...]``.
 
     Returns:
         The shard's flat arrays, ready for a backend.
@@ -121,34 +135,46 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
         raise ShardError(f"shard {index} covers sequences [{start}, {stop}) = {stop - start} sequences, "
                          f"got {len(sequences)}")
     lengths = [_check_sequence(spec, start + i, item) for i, item in enumerate(sequences)]
-    arrays: dict[str, np.ndarray] = {"offsets": _offsets(lengths)}
+    arrays = _all_offsets(spec, lengths)
     lossy: dict[str, dict[str, float]] = {}
     for name in spec.sequence_names():
         arrays[name] = _encode_array(spec, name, [np.asarray(item[name]) for item in sequences], lossy)
-    if spec.attention_layers:
-        arrays["attention_offsets"] = _offsets([attention_rows(n, spec.attention_triangle) for n in lengths])
     if spec.logits == "topk":
         _check_topk(spec, arrays["logits/topk_values"], arrays["logits/topk_ids"])
         arrays["logits/topk_ids"] = arrays["logits/topk_ids"].astype(spec.array_dtype("logits/topk_ids"))
-    return EncodedShard(index, start, stop, arrays, int(sum(lengths)), lossy)
+    # A seq2seq shard's token count is both streams' tokens: what its bytes are spread over.
+    return EncodedShard(index, start, stop, arrays, int(sum(sum(n.values()) for n in lengths)), lossy)
+
+
+def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]]) -> dict[str, np.ndarray]:
+    """Every offsets array of the shard: token offsets per stream, then rows of each attention geometry."""
+    arrays = {name: np.zeros(0) for name in spec.offset_arrays()}
+    for stream in spec.streams:
+        arrays[spec.offsets_name(spec.ids_name(stream))] = _offsets([n[stream] for n in lengths])
+    for name in spec.sequence_names():
+        if kind_of(name) in ("attention", "cross_attention"):
+            queries, keys, triangle = spec.attention_geometry(name)
+            rows = [attention_rows(n[queries], triangle, n[keys]) for n in lengths]
+            arrays[spec.offsets_name(name)] = _offsets(rows)
+    return arrays
 
 
 def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: dict[str, dict[str, float]]) -> np.ndarray:
     """Concatenate one array over the shard's sequences and give it its storage dtype."""
-    if name.startswith("attention/"):
+    if kind_of(name) in ("attention", "cross_attention"):
         num_heads = {p.shape[0] for p in parts}
         heads = spec.attention_heads
         if len(num_heads) != 1 or (heads and max(heads) >= min(num_heads)):
             raise InvalidSequenceError(f"{name}: head counts {sorted(num_heads)} differ between sequences or "
                                        f"do not cover attention_heads {list(heads or [])}")
-        parts = [pack_attention(p, heads, spec.attention_triangle) for p in parts]
-    elif name.startswith("hidden/") and len({p.shape[1] for p in parts}) != 1:
+        parts = [pack_attention(p, heads, spec.attention_geometry(name)[2]) for p in parts]
+    elif kind_of(name) == "hidden" and len({p.shape[1] for p in parts}) != 1:
         raise InvalidSequenceError(f"{name}: hidden sizes {sorted({p.shape[1] for p in parts})} differ between "
                                    f"sequences; expected one size d per layer")
     flat = np.concatenate(parts)
-    if name == "input_ids":
+    if kind_of(name) == "input_ids":
         if flat.min() < 0 or flat.max() > np.iinfo(np.int32).max:
-            raise InvalidSequenceError(f"input_ids: ids must be in 0..2**31-1, got {flat.min()}..{flat.max()}")
+            raise InvalidSequenceError(f"{name}: ids must be in 0..2**31-1, got {flat.min()}..{flat.max()}")
         return flat.astype(np.int32)
     if name == "logits/lse":
         return flat.astype(np.float32)

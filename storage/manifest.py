@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.errors import FormatVersionError, ManifestError
-from storage.spec import FORMAT_VERSION, CacheSpec
+from storage.spec import FORMAT_VERSION, READABLE_FORMAT_VERSION, CacheSpec
 
 MANIFEST_NAME = "manifest.json"
 SHARDS_DIR = "shards"
@@ -125,6 +125,10 @@ class Manifest:
     created_at: str = field(default_factory=now)
     updated_at: str = field(default_factory=now)
 
+    def __post_init__(self) -> None:
+        # The spec decides the format: a seq2seq cache is v2 so that v1-only readers refuse it cleanly.
+        self.format_version = max(self.format_version, self.spec.format_version)
+
     @property
     def num_tokens(self) -> int:
         """Valid tokens in committed shards."""
@@ -149,9 +153,9 @@ class Manifest:
         version = data.get("format_version")
         if not isinstance(version, int):
             raise ManifestError(f"{where} has no integer format_version (got {version!r}); not a kdcache cache?")
-        if version > FORMAT_VERSION:
+        if version > READABLE_FORMAT_VERSION:
             raise FormatVersionError(f"{where} has format_version {version}; this code reads versions up to "
-                                     f"{FORMAT_VERSION}. Upgrade kdcache to read this cache.")
+                                     f"{READABLE_FORMAT_VERSION}. Upgrade kdcache to read this cache.")
         if data.get("status") not in STATUSES:
             raise ManifestError(f"{where} has status {data.get('status')!r}; expected one of {list(STATUSES)}")
         try:

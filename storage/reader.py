@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -16,21 +16,34 @@ from storage.errors import ChecksumError, PartialCacheError, ShardError
 from storage.layout import unpack_attention
 from storage.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
 from storage.spec import CacheSpec
+from storage.streams import kind_of
 
 Fetch = Callable[[str, int, int], np.ndarray]  # (array name, start row, stop row) -> decoded rows
 
 
-def _sequence(spec: CacheSpec, names: list[str], fetch: Fetch, offsets: np.ndarray,
-              attention_offsets: np.ndarray | None, local: int) -> dict[str, np.ndarray]:
-    """Cut one sequence out of a shard's flat arrays; attention comes back as ``[H', L, L]``."""
-    t0, t1 = int(offsets[local]), int(offsets[local + 1])
+def _sequence(spec: CacheSpec, names: list[str], fetch: Fetch, offsets: dict[str, np.ndarray],
+              local: int) -> dict[str, np.ndarray]:
+    """Cut one sequence out of a shard's flat arrays.
+
+    ``offsets`` maps offsets-array names (``offsets``, ``encoder/offsets``, ``attention_offsets``...) to their
+    values. Attention comes back as ``[H', L, L]``; cross-attention as ``[H', L_dec, L_enc]``.
+    """
+    def rows(offsets_name: str) -> tuple[int, int]:
+        edges = offsets[offsets_name]
+        return int(edges[local]), int(edges[local + 1])
+
+    def length(stream: str) -> int:
+        start, stop = rows(spec.offsets_name(spec.ids_name(stream)))
+        return stop - start
+
     out = {}
     for name in names:
-        if name.startswith("attention/"):
-            a0, a1 = int(attention_offsets[local]), int(attention_offsets[local + 1])
-            out[name] = unpack_attention(fetch(name, a0, a1), t1 - t0, spec.attention_triangle)
-        else:
-            out[name] = fetch(name, t0, t1)
+        start, stop = rows(spec.offsets_name(name))
+        rows_ = fetch(name, start, stop)
+        if kind_of(name) in ("attention", "cross_attention"):
+            queries, keys, triangle = spec.attention_geometry(name)
+            rows_ = unpack_attention(rows_, length(queries), triangle, length(keys))
+        out[name] = rows_
     return out
 
 
@@ -41,7 +54,9 @@ class ShardData:
     Attributes:
         index: shard number; ``seq_start``/``seq_stop``: its global sequence range.
         arrays: the decoded flat arrays asked for (e.g. ``hidden/3 [T, d]``), in the storage dtype.
-        offsets: ``[S+1]`` int64 token offsets; ``attention_offsets``: ``[S+1]`` row offsets or None.
+        offsets: ``[S+1]`` int64 token offsets; ``attention_offsets``: ``[S+1]`` row offsets or None (for a
+            seq2seq shard: the decoder's token offsets and decoder self-attention rows).
+        all_offsets: every offsets array of the shard by name (``encoder/offsets``, ``cross_attention_offsets``...).
     """
 
     index: int
@@ -51,6 +66,7 @@ class ShardData:
     offsets: np.ndarray
     attention_offsets: np.ndarray | None
     spec: CacheSpec
+    all_offsets: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.seq_stop - self.seq_start
@@ -60,7 +76,8 @@ class ShardData:
         if not 0 <= local < len(self):
             raise IndexError(f"shard {self.index} has sequences 0..{len(self) - 1} (local), got {local}")
         fetch = lambda name, a, b: self.arrays[name][a:b]  # noqa: E731
-        return _sequence(self.spec, list(self.arrays), fetch, self.offsets, self.attention_offsets, local)
+        offsets = self.all_offsets or {"offsets": self.offsets, "attention_offsets": self.attention_offsets}
+        return _sequence(self.spec, list(self.arrays), fetch, offsets, local)
 
 
 class CacheReader:
@@ -181,9 +198,10 @@ class CacheReader:
 
     def _slice(self, handle: ShardHandle, wanted: list[str], local: int) -> dict[str, np.ndarray]:
         """Read only sequence ``local``'s rows: two offsets, then a row slice of each array (partial decode)."""
-        offsets = handle.read("offsets", local, local + 2)
-        attention = handle.read("attention_offsets", local, local + 2) if self.spec.attention_layers else None
-        return _sequence(self.spec, wanted, handle.read, offsets, attention, 0)
+        needed = {self.spec.offsets_name(n) for n in wanted}
+        needed |= {self.spec.offsets_name(self.spec.ids_name(s)) for s in self.spec.streams}  # attention lengths
+        offsets = {name: handle.read(name, local, local + 2) for name in needed}
+        return _sequence(self.spec, wanted, handle.read, offsets, 0)
 
     __getitem__ = get
 
@@ -192,9 +210,12 @@ class CacheReader:
         wanted = self.spec.expand_names(None if names is None else list(names))
         handle = self._shard(index)
         start, stop = self.spec.shard_range(index)
-        attention = handle.read("attention_offsets") if self.spec.attention_layers else None
+        offsets = {name: handle.read(name) for name in self.spec.offset_arrays()}
         arrays = {name: handle.read(name) for name in wanted}
-        return ShardData(index, start, stop, arrays, handle.read("offsets"), attention, self.spec)
+        main = self.spec.streams[-1]  # the decoder of a seq2seq cache: the stream logits live on
+        tokens = offsets[self.spec.offsets_name(self.spec.ids_name(main))]
+        attention = offsets.get("decoder/attention_offsets" if main else "attention_offsets")
+        return ShardData(index, start, stop, arrays, tokens, attention, self.spec, offsets)
 
     def iter_sequences(self, shards: Iterable[int] | None = None, names: Iterable[str] | None = None) -> Iterator[dict[str, np.ndarray]]:
         """Yield sequences in order, shard by shard (default: every committed shard)."""

@@ -6,6 +6,12 @@ Array names inside a shard (see docs/architecture.md):
 - ``hidden/{j} [T, d]`` per hidden layer j (0 = embeddings);
 - ``attention/{j} [R, H']`` per attention block j (1..N) and ``attention_offsets [S+1]`` int64;
 - ``logits/full [T, V]``, or ``logits/topk_values [T, k]``, ``logits/topk_ids [T, k]``, ``logits/lse [T]``.
+
+A seq2seq cache (``layout="seq2seq"``, format v2) holds two token streams, each with its own ids, offsets,
+hidden and self-attention layers (``encoder/input_ids``, ``encoder/offsets``, ``encoder/hidden/{j}``,
+``encoder/attention/{j}``, ``encoder/attention_offsets``, and the same under ``decoder/``), plus cross-attention
+``cross_attention/{j} [R, H']`` (per sequence ``L_dec * L_enc`` rows) with ``cross_attention_offsets``; logits
+are on decoder tokens. See ``storage.streams``.
 """
 
 from __future__ import annotations
@@ -21,8 +27,15 @@ from storage.codecs import (ARROW_DEFAULT_CODEC, DEFAULT_CODEC, DEFAULT_TOPK_COD
                             to_zarr_compressors)
 from storage.dtypes import STORAGE_DTYPES, storage_dtype
 from storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
+from storage.streams import (CROSS, SEQ2SEQ_STREAMS, attention_offsets_name, is_offsets, kind_of, prefixed,
+                             split_stream, token_offsets_name)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # single-stream caches (decoder-only and encoder teachers)
+SEQ2SEQ_FORMAT_VERSION = 2  # two token streams; older readers must refuse these, not misread them
+READABLE_FORMAT_VERSION = 2  # the newest format this code reads
+LAYOUTS = ("single", "seq2seq")
+SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",
+                  "decoder_attention_layers", "cross_attention_layers")
 BACKENDS = ("zarr", "arrow")
 LOGIT_KINDS = (None, "full", "topk")
 TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
@@ -78,11 +91,20 @@ class CacheSpec:
     topk_codec: Any = None
     bitround: int | None = None
     sequences_per_shard: int = 256
+    # seq2seq only (layout "seq2seq"); left out of to_dict() for single-stream caches, whose manifests stay v1.
+    layout: str = "single"
+    encoder_hidden_layers: tuple[int, ...] = ()
+    encoder_attention_layers: tuple[int, ...] = ()
+    decoder_hidden_layers: tuple[int, ...] = ()
+    decoder_attention_layers: tuple[int, ...] = ()
+    cross_attention_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
         put("hidden_layers", _layers("hidden_layers", self.hidden_layers, 0))
         put("attention_layers", _layers("attention_layers", self.attention_layers, 1))
+        for key in SEQ2SEQ_FIELDS:
+            put(key, _layers(key, getattr(self, key), 0 if "hidden" in key else 1))
         if self.attention_heads is not None:
             put("attention_heads", _layers("attention_heads", self.attention_heads, 0))
         codec, topk_codec = default_codecs(self.backend)
@@ -110,8 +132,76 @@ class CacheSpec:
             raise SpecError("attention_heads is empty; use None for all heads")
         for config in (self.codec, self.topk_codec):  # fail at creation, not at the first shard
             to_zarr_compressors(config) if self.backend == "zarr" else to_arrow_compression(config)
+        self._validate_layout()
+
+    def _validate_layout(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise SpecError(f"unknown layout {self.layout!r}; expected one of {list(LAYOUTS)}")
+        if self.is_seq2seq and (self.hidden_layers or self.attention_layers):
+            raise SpecError("a seq2seq spec names its layers per stream (encoder_hidden_layers, "
+                            "decoder_hidden_layers, ...); hidden_layers and attention_layers must be empty")
+        stray = [key for key in SEQ2SEQ_FIELDS if getattr(self, key) and not self.is_seq2seq]
+        if stray:
+            raise SpecError(f"{stray} are seq2seq fields; set layout='seq2seq' to use them")
 
     # ---- derived layout ------------------------------------------------------------------------------
+    @property
+    def is_seq2seq(self) -> bool:
+        """Whether the cache holds two token streams (encoder and decoder)."""
+        return self.layout == "seq2seq"
+
+    @property
+    def format_version(self) -> int:
+        """Format version of caches with this spec: 1 single-stream, 2 seq2seq."""
+        return SEQ2SEQ_FORMAT_VERSION if self.is_seq2seq else FORMAT_VERSION
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        """Token streams: ``("",)`` for a single-stream cache, ``("encoder", "decoder")`` for seq2seq."""
+        return SEQ2SEQ_STREAMS if self.is_seq2seq else ("",)
+
+    def stream_layers(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """``(stream, hidden layers, self-attention layers)`` per token stream."""
+        if not self.is_seq2seq:
+            return [("", self.hidden_layers, self.attention_layers)]
+        return [("encoder", self.encoder_hidden_layers, self.encoder_attention_layers),
+                ("decoder", self.decoder_hidden_layers, self.decoder_attention_layers)]
+
+    def ids_name(self, stream: str = "") -> str:
+        """The token-id array of ``stream`` (``input_ids``, ``encoder/input_ids``...)."""
+        return prefixed(stream, "input_ids")
+
+    def offsets_name(self, name: str) -> str:
+        """The offsets array that locates per-sequence array ``name``'s rows."""
+        if kind_of(name) in ("attention", CROSS):
+            return attention_offsets_name(name)
+        stream, _ = split_stream(name)
+        return token_offsets_name(stream or ("decoder" if self.is_seq2seq and name.startswith("logits/") else ""))
+
+    def attention_geometry(self, name: str) -> tuple[str, str, bool]:
+        """``(query stream, key stream, triangle)`` of an attention array.
+
+        Cross-attention has decoder queries and encoder keys; only a (decoder) self-attention map can be
+        stored as its causal triangle.
+        """
+        if kind_of(name) == CROSS:
+            return "decoder", "encoder", False
+        stream, _ = split_stream(name)
+        return stream, stream, self.attention_triangle and stream in ("", "decoder")
+
+    def offset_arrays(self) -> list[str]:
+        """Every offsets array of a shard (token offsets per stream, then attention offsets)."""
+        names = [token_offsets_name(s) for s in self.streams]
+        for name in self.sequence_names():
+            if kind_of(name) in ("attention", CROSS) and self.offsets_name(name) not in names:
+                names.append(self.offsets_name(name))
+        return names
+
+    @property
+    def has_activations(self) -> bool:
+        """Whether any hidden state, attention map or full logits are stored (bitround's targets)."""
+        return any(self.is_lossy_kind(n) for n in self.sequence_names())
+
     @property
     def num_shards(self) -> int:
         """Number of shards; fixed at creation so resumption and rank partitions always agree."""
@@ -124,15 +214,21 @@ class CacheSpec:
 
     @property
     def features(self) -> tuple[str, ...]:
-        """Target kinds held: "hidden", "attention", "logits/full" or "logits/topk"."""
-        kinds = [("hidden", bool(self.hidden_layers)), ("attention", bool(self.attention_layers)),
-                 (f"logits/{self.logits}", bool(self.logits))]
+        """Target kinds held: "hidden", "attention" (per stream for seq2seq, e.g. "encoder/hidden"),
+        "cross_attention", "logits/full" or "logits/topk"."""
+        kinds = []
+        for stream, hidden, attention in self.stream_layers():
+            kinds += [(prefixed(stream, "hidden"), bool(hidden)), (prefixed(stream, "attention"), bool(attention))]
+        kinds += [(CROSS, bool(self.cross_attention_layers)), (f"logits/{self.logits}", bool(self.logits))]
         return tuple(name for name, present in kinds if present)
 
     def sequence_names(self) -> list[str]:
         """Names of the per-sequence arrays a reader returns (and the writer takes), in order."""
-        names = ["input_ids"] + [f"hidden/{j}" for j in self.hidden_layers]
-        names += [f"attention/{j}" for j in self.attention_layers]
+        names = [self.ids_name(s) for s in self.streams]
+        for stream, hidden, attention in self.stream_layers():
+            names += [prefixed(stream, f"hidden/{j}") for j in hidden]
+            names += [prefixed(stream, f"attention/{j}") for j in attention]
+        names += [f"{CROSS}/{j}" for j in self.cross_attention_layers]
         if self.logits == "full":
             names.append("logits/full")
         elif self.logits == "topk":
@@ -142,16 +238,19 @@ class CacheSpec:
     def array_names(self) -> list[str]:
         """Every array each shard holds (per-sequence names plus the offsets arrays)."""
         names = self.sequence_names()
-        names.insert(1, "offsets")
-        if self.attention_layers:
-            names.append("attention_offsets")
-        return names
+        offsets = self.offset_arrays()
+        if not self.is_seq2seq:  # the v1 order: input_ids, offsets, ..., attention_offsets
+            return [names[0], offsets[0], *names[1:], *offsets[1:]]
+        return names + offsets
 
     def array_dtype(self, name: str) -> np.dtype:
         """On-disk dtype of array ``name``."""
-        fixed = {"input_ids": np.int32, "offsets": np.int64, "attention_offsets": np.int64, "logits/lse": np.float32}
-        if name in fixed:
-            return np.dtype(fixed[name])
+        if is_offsets(name):
+            return np.dtype(np.int64)
+        if kind_of(name) == "input_ids":
+            return np.dtype(np.int32)
+        if name == "logits/lse":
+            return np.dtype(np.float32)
         if name == "logits/topk_ids":
             return topk_id_dtype(self.vocab_size)
         return storage_dtype(self.dtype)
@@ -160,16 +259,23 @@ class CacheSpec:
         """numcodecs config used to compress array ``name``."""
         return self.topk_codec if name in TOPK_NAMES else self.codec
 
+    def is_lossy_kind(self, name: str) -> bool:
+        """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""
+        return kind_of(name) in ("hidden", "attention", CROSS) or name == "logits/full"
+
     def is_lossy_target(self, name: str) -> bool:
         """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""
-        return self.bitround is not None and name.startswith(("hidden/", "attention/", "logits/full"))
+        return self.bitround is not None and self.is_lossy_kind(name)
 
     def check_name(self, name: str) -> None:
         """Raise a typed error unless ``name`` is a per-sequence array of this cache."""
         if name in self.sequence_names():
             return
-        kind, _, layer = name.partition("/")
-        layers = {"hidden": self.hidden_layers, "attention": self.attention_layers}.get(kind)
+        groups = {prefixed(stream, "hidden"): hidden for stream, hidden, _ in self.stream_layers()}
+        groups.update({prefixed(stream, "attention"): attn for stream, _, attn in self.stream_layers()})
+        groups[CROSS] = self.cross_attention_layers
+        kind, _, layer = name.rpartition("/")
+        layers = groups.get(kind)
         if layers is not None and layer.lstrip("-").isdigit():
             raise LayerNotInCacheError(f"{kind} layer {layer} is not in this cache; cached {kind} layers: "
                                        f"{list(layers) or 'none'}")
@@ -190,8 +296,12 @@ class CacheSpec:
 
     # ---- JSON ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (tuples become lists)."""
+        """A JSON-ready dict (tuples become lists). Single-stream specs leave out the seq2seq fields, so their
+        manifests are exactly those of format v1."""
         out = dataclasses.asdict(self)
+        if not self.is_seq2seq:
+            for key in ("layout", *SEQ2SEQ_FIELDS):
+                del out[key]
         for key, value in out.items():
             if isinstance(value, tuple):
                 out[key] = list(value)

@@ -48,7 +48,9 @@ def _manifest_lock(root: Path) -> Iterator[None]:
 def spec_differences(cached: CacheSpec, wanted: CacheSpec) -> list[str]:
     """One sentence per spec field that differs between an existing cache and a new writer."""
     a, b = cached.to_dict(), wanted.to_dict()
-    return [f"spec {key} differs: the cache has {a[key]!r}, this writer has {b[key]!r}" for key in a if a[key] != b[key]]
+    keys = list(dict.fromkeys([*a, *b]))  # a seq2seq spec has keys a single-stream one leaves out
+    return [f"spec {key} differs: the cache has {a.get(key)!r}, this writer has {b.get(key)!r}"
+            for key in keys if a.get(key) != b.get(key)]
 
 
 class CacheWriter:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FEATURES = ("hidden", "attention", "logits")
+FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: seq2seq teachers only
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
                    ".text": "text", ".arrow": "arrow"}
 # A hub id is "name" or "org/name"; anything else that names no existing file is a missing local path.
@@ -64,6 +64,24 @@ class PrecomputeOptions:
     seed: int = _opt(0, "torch seed (the teacher runs in eval mode; this pins anything stochastic)")
     queue_size: int = _opt(2, "shards waiting for the background writer (bounds host memory)")
     progress: bool = _opt(True, "show a progress bar on rank 0")
+    # ---- seq2seq teachers (encoder-decoder: BART, mBART, T5); see stages.precompute.seq2seq -------------------
+    # The per-side layer lists are not Optional: the config machinery reads "none" as null for Optional fields,
+    # and "none" must stay a value here (no layer on that side). Empty means "inherit --layers".
+    source_column: str | None = _opt(None, "seq2seq: column holding the source text (default: --text-column)")
+    target_column: str | None = _opt(None, "seq2seq: column holding the target text the decoder is teacher-forced "
+                                           "on (required for encoder-decoder teachers)")
+    max_target_length: int | None = _opt(None, "seq2seq: target tokens per sequence (default: --max-length)")
+    encoder_layers: tuple[str, ...] = _opt((), "seq2seq: encoder hidden layers (0 = embeddings), 'all' or "
+                                                        "'none'; default --layers")
+    decoder_layers: tuple[str, ...] = _opt((), "seq2seq: decoder hidden layers, 'all' or 'none'; "
+                                                        "default --layers")
+    encoder_attention_layers: tuple[str, ...] = _opt((), "seq2seq: encoder self-attention blocks, 'all' "
+                                                                  "or 'none'; default --attention-layers")
+    decoder_attention_layers: tuple[str, ...] = _opt((), "seq2seq: decoder self-attention blocks, 'all' "
+                                                                  "or 'none'; default --attention-layers")
+    cross_attention_layers: tuple[str, ...] = _opt((), "seq2seq: cross-attention blocks (with feature "
+                                                                "cross_attention); default the decoder attention "
+                                                                "blocks")
 
     # ---- derived ------------------------------------------------------------------------------------
     @property
@@ -114,6 +132,13 @@ class PrecomputeOptions:
         problems += _layer_list_problems("layers", self.layers)
         if self.attention_layers is not None:
             problems += _layer_list_problems("attention_layers", self.attention_layers)
+        for name in ("encoder_layers", "decoder_layers", "encoder_attention_layers", "decoder_attention_layers",
+                     "cross_attention_layers"):
+            values = getattr(self, name)
+            if values and tuple(v.lower() for v in values) != ("none",):
+                problems += _layer_list_problems(name, values)
+        if self.max_target_length is not None and self.max_target_length < 1:
+            problems.append(f"max_target_length: got {self.max_target_length}, must be >= 1")
         if self.heads is not None and (not self.heads or min(self.heads) < 0):
             problems.append(f"heads: got {list(self.heads)}, expected non-negative head indices")
         if self.logits_kind == "topk" and self.top_k < 1:

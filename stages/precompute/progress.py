@@ -70,12 +70,15 @@ def _human(num: float) -> str:
 
 
 def target_of(array: str) -> str:
-    """Group arrays into targets: hidden/3, attention/2, logits/topk (values+ids+lse), logits/full, index."""
-    if array.startswith(("hidden/", "attention/")) or array == "logits/full":
-        return array
-    if array.startswith("logits/"):
+    """Group arrays into targets: hidden/3, attention/2, logits/topk (values+ids+lse), logits/full, index.
+
+    Seq2seq names (``encoder/hidden/3``, ``cross_attention/2``) are targets of their own too.
+    """
+    if array.endswith(("input_ids", "offsets")):
+        return "index"  # input_ids, offsets, attention_offsets (and their encoder/, decoder/ forms)
+    if array.startswith("logits/") and array != "logits/full":
         return "logits/topk"
-    return "index"  # input_ids, offsets, attention_offsets
+    return array
 
 
 def bytes_per_token(manifest: Any) -> dict[str, float]:

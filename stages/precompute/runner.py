@@ -80,6 +80,11 @@ def _quiet_libraries(quiet: bool) -> Iterator[None]:
 def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     stats = RunStats()
     config = read_config(options)
+    from stages.precompute.seq2seq import check_not_seq2seq_options, is_seq2seq, run_seq2seq
+
+    if is_seq2seq(config):  # encoder-decoder teachers: two token streams, their own runner
+        return run_seq2seq(options, dist, config, stats)
+    check_not_seq2seq_options(options, config)
     targets = resolve_targets(options, config)
     tokenizer = load_tokenizer(options)
     data = tokenize(load_texts(options), tokenizer, options)

@@ -59,10 +59,7 @@ def read_config(options: PrecomputeOptions) -> Any:
         config = AutoConfig.from_pretrained(options.teacher, revision=options.revision)
     except Exception as exc:  # OSError for missing repos/files, ValueError for unknown model types
         raise PrecomputeError(f"cannot load the teacher config from {options.teacher!r}: {exc}") from None
-    if getattr(config, "is_encoder_decoder", False):
-        raise PrecomputeError(f"teacher {options.teacher!r} is an encoder-decoder ({config.model_type}); "
-                              f"stage one handles decoder-only and encoder-only teachers")
-    return config
+    return config  # encoder-decoder teachers go to stages.precompute.seq2seq (see runner._run)
 
 
 def is_causal(config: Any) -> bool:

@@ -27,15 +27,18 @@ import pyarrow.ipc as ipc
 from storage.backends.base import Backend, Problem, ShardHandle
 from storage.codecs import to_arrow_compression
 from storage.manifest import ShardRecord
-from storage.spec import FORMAT_VERSION, CacheSpec
-
-_OFFSET_SOURCES = {"offsets": "input_ids"}
+from storage.spec import CacheSpec
+from storage.streams import is_offsets
 
 
 def file_codec(spec: CacheSpec) -> tuple[str, int | None]:
     """IPC compression of a shard file: the activation codec if any activation is stored, else top-k's."""
-    has_activations = bool(spec.hidden_layers or spec.attention_layers or spec.logits == "full")
-    return to_arrow_compression(spec.codec if has_activations or spec.logits != "topk" else spec.topk_codec)
+    return to_arrow_compression(spec.codec if spec.has_activations or spec.logits != "topk" else spec.topk_codec)
+
+
+def offsets_source(spec: CacheSpec, offsets_name: str) -> str:
+    """The column whose list offsets are the offsets array ``offsets_name`` (offsets are not stored twice)."""
+    return next(n for n in spec.sequence_names() if spec.offsets_name(n) == offsets_name)
 
 
 def _column(flat: np.ndarray, offsets: np.ndarray) -> pa.Array:
@@ -78,8 +81,8 @@ def _split(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 class ArrowShard(ShardHandle):
     """An open Arrow shard; a column is decoded once (only the columns asked for) and cached."""
 
-    def __init__(self, path: Path, record: ShardRecord) -> None:
-        self.path, self.record = path, record
+    def __init__(self, path: Path, record: ShardRecord, spec: CacheSpec) -> None:
+        self.path, self.record, self.spec = path, record, spec
         self._columns: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
@@ -104,11 +107,9 @@ class ArrowShard(ShardHandle):
         return _locate(self) or [("(file)", f"file bytes changed (crc32 {crc:08x}) outside any column's data")]
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        if name == "attention_offsets":
-            name = next(n for n in self.record.arrays if n.startswith("attention/"))
-            return self.column(name)[0][slice(start, stop)]
-        offsets, flat = self.column(_OFFSET_SOURCES.get(name, name))
-        return (offsets if name in _OFFSET_SOURCES else flat)[slice(start, stop)]
+        if is_offsets(name):
+            return self.column(offsets_source(self.spec, name))[0][slice(start, stop)]
+        return self.column(name)[1][slice(start, stop)]
 
 
 def _locate(handle: ArrowShard) -> list[Problem]:
@@ -137,16 +138,16 @@ class ArrowBackend(Backend):
         codec, level = file_codec(spec)
         columns, fields, info = [], [], {}
         for name in spec.sequence_names():
-            offsets = arrays["attention_offsets" if name.startswith("attention/") else "offsets"]
+            offsets = arrays[spec.offsets_name(name)]
             column = _column(arrays[name], offsets)
-            is_float = name.startswith(("hidden/", "attention/")) or name in ("logits/full", "logits/topk_values")
+            is_float = spec.is_lossy_kind(name) or name == "logits/topk_values"
             meta = {"kdcache_dtype": spec.dtype} if is_float else None  # tells plain users uint16 means bf16
             columns.append(column)
             fields.append(pa.field(name, column.type, nullable=False, metadata=meta))
             info[name] = {"shape": list(arrays[name].shape), "dtype": arrays[name].dtype.name,
                           "stored_bytes": _compressed_size(column, codec), "decoded_bytes": int(arrays[name].nbytes),
                           "value_crc32": _value_crc(offsets, arrays[name])}
-        header = {"kdcache_format_version": FORMAT_VERSION, "shard": index, "dtype": spec.dtype}
+        header = {"kdcache_format_version": spec.format_version, "shard": index, "dtype": spec.dtype}
         schema = pa.schema(fields, metadata={"kdcache": json.dumps(header)})
         sink = pa.BufferOutputStream()
         options = ipc.IpcWriteOptions(compression=pa.Codec(codec, level) if level is not None else codec)
@@ -157,7 +158,7 @@ class ArrowBackend(Backend):
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        for name in ("offsets", "attention_offsets"):
+        for name in spec.offset_arrays():
             if name in arrays:  # implicit in the list offsets: no bytes of their own
                 info[name] = {"shape": list(arrays[name].shape), "dtype": "int64", "stored_bytes": 0,
                               "decoded_bytes": int(arrays[name].nbytes), "crc32": 0}
@@ -166,10 +167,10 @@ class ArrowBackend(Backend):
         return info, {"file_crc32": zlib.crc32(data), "file_bytes": data.size, "compression": codec}
 
     def open(self, path: Path, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        return ArrowShard(path, record)
+        return ArrowShard(path, record, spec)
 
     def verify(self, path: Path, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
-        handle = ArrowShard(path, record)
+        handle = ArrowShard(path, record, spec)
         try:
             crc = zlib.crc32(path.read_bytes())
         except OSError as exc:

@@ -20,12 +20,14 @@ import numpy as np
 from storage.backends.base import Backend, Problem, ShardHandle
 from storage.codecs import to_zarr_compressors
 from storage.manifest import ShardRecord, fsync_dir
-from storage.spec import FORMAT_VERSION, CacheSpec
+from storage.spec import CacheSpec
+from storage.streams import split_stream
 
 CHUNK_BYTES = 1 << 20  # decoded bytes per chunk: blosc splits it into blocks anyway; small keeps random reads cheap
 _DIMENSIONS = {"input_ids": ("token",), "offsets": ("sequence_edge",), "attention_offsets": ("sequence_edge",),
                "logits/lse": ("token",), "hidden": ("token", "feature"), "attention": ("query_key", "head"),
-               "logits": ("token", "rank")}
+               "logits": ("token", "rank"), "cross_attention": ("query_key", "head"),
+               "cross_attention_offsets": ("sequence_edge",)}
 
 
 def _zarr():
@@ -41,6 +43,7 @@ def chunk_rows(array: np.ndarray) -> int:
 
 
 def _dimension_names(name: str) -> tuple[str, ...]:
+    name = split_stream(name)[1]  # encoder/hidden/3 has the dimensions of hidden/3
     names = _DIMENSIONS.get(name) or _DIMENSIONS[name.split("/")[0]]
     return ("token", "vocab") if name == "logits/full" else names
 
@@ -121,7 +124,7 @@ class ZarrBackend(Backend):
     def write(self, path: Path, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         zarr = _zarr()
         group = zarr.open_group(str(path), mode="w", zarr_format=3)
-        group.attrs.update({"kdcache_format_version": FORMAT_VERSION, "shard": index,
+        group.attrs.update({"kdcache_format_version": spec.format_version, "shard": index,
                             "dtype": spec.dtype, "array_names": list(arrays)})
         info: dict[str, dict[str, Any]] = {}
         with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn on every use; the choice is deliberate

@@ -201,3 +201,102 @@ def write_text_dataset(path: str | Path, texts: Iterable[str], *, column: str = 
         for text in texts:
             handle.write(json.dumps({column: text}) + "\n")
     return path
+
+
+# ---- seq2seq (issue 6) ----------------------------------------------------------------------------------------
+def sample_pairs(count: int, *, seed: int = 0) -> list[tuple[str, str]]:
+    """``count`` (source, target) text pairs of varied lengths: the target is a few words of the source reversed,
+    so source and target lengths differ and batches need padding on both sides."""
+    import random
+
+    rng = random.Random(seed + 1)
+    pairs = []
+    for source in sample_texts(count, seed=seed):
+        words = source.split()
+        pairs.append((source, " ".join(reversed(words[: rng.randint(1, len(words))]))))
+    return pairs
+
+
+def write_pair_dataset(path: str | Path, pairs: Iterable[tuple[str, str]], *, source: str = "source",
+                       target: str = "target") -> Path:
+    """Write (source, target) pairs as jsonl with the two named columns."""
+    import json
+
+    path = Path(path)
+    with open(path, "w") as handle:
+        for src, tgt in pairs:
+            handle.write(json.dumps({source: src, target: tgt}) + "\n")
+    return path
+
+
+def train_seq2seq_tokenizer(path: str | Path, *, template: str, vocab_size: int = 300,
+                            texts: Iterable[str] = SENTENCES) -> Any:
+    """A byte-level BPE tokenizer for seq2seq models: specials ``<s> </s> <pad> <unk>`` (ids 0..3).
+
+    Args:
+        path: folder to save into.
+        template: the post-processor's single-sequence template, e.g. ``"<s> $A </s>"`` (BART) or
+            ``"$A </s>"`` (T5: EOS only).
+        vocab_size: total vocabulary.
+        texts: training text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "</s>", "<pad>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(list(texts), trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    used = [(s, tok.token_to_id(s)) for s in specials if s in template]
+    tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=used)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def make_tiny_bart(path: str | Path, *, encoder_layers: int = 2, decoder_layers: int = 2, hidden: int = 32,
+                   heads: int = 4, ffn: int = 64, positions: int = 128, vocab_size: int = 300, seed: int = 0,
+                   texts: Iterable[str] = SENTENCES, **config: Any) -> Path:
+    """A random ``BartForConditionalGeneration`` (learned positions, post-norm, tied head), BPE ``<s> $A </s>``.
+
+    Dropout is off so that a copied student reproduces the cached targets exactly.
+    """
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    path = Path(path)
+    tokenizer = train_seq2seq_tokenizer(path, template="<s> $A </s>", vocab_size=vocab_size, texts=texts)
+    cfg = BartConfig(vocab_size=len(tokenizer), d_model=hidden, encoder_layers=encoder_layers,
+                     decoder_layers=decoder_layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
+                     encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, max_position_embeddings=positions,
+                     pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                     eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.eos_token_id,
+                     forced_eos_token_id=tokenizer.eos_token_id, dropout=0.0, attention_dropout=0.0,
+                     activation_dropout=0.0, **config)
+    torch.manual_seed(seed)
+    return _save(BartForConditionalGeneration(cfg), tokenizer, path)
+
+
+def make_tiny_t5(path: str | Path, *, encoder_layers: int = 2, decoder_layers: int = 2, hidden: int = 32,
+                 heads: int = 4, d_kv: int = 8, ffn: int = 64, vocab_size: int = 300, seed: int = 0,
+                 texts: Iterable[str] = SENTENCES, gated: bool = False, **config: Any) -> Path:
+    """A random ``T5ForConditionalGeneration`` (RMS norms, relative position bias), BPE ``$A </s>``.
+
+    ``gated`` gives the Flan-T5 (T5 v1.1) feed-forward, gated-gelu with an untied head.
+    """
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    path = Path(path)
+    tokenizer = train_seq2seq_tokenizer(path, template="$A </s>", vocab_size=vocab_size, texts=texts)
+    extra = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False} if gated else {}
+    cfg = T5Config(vocab_size=len(tokenizer), d_model=hidden, d_kv=d_kv, d_ff=ffn, num_layers=encoder_layers,
+                   num_decoder_layers=decoder_layers, num_heads=heads, pad_token_id=tokenizer.pad_token_id,
+                   eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+                   dropout_rate=0.0, **{**extra, **config})
+    torch.manual_seed(seed)
+    return _save(T5ForConditionalGeneration(cfg), tokenizer, path)

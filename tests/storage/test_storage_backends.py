@@ -17,6 +17,7 @@ from storage.backends.base import get_backend
 from storage.errors import (CacheLockedError, CacheMismatchError, ChecksumError, FormatVersionError,
                             Fp16OverflowError, KdcacheError, LayerNotInCacheError, ManifestError, PartialCacheError,
                             UnknownCodecError, UnknownFeatureError)
+from tests.storage._seq2seq_suite import Seq2SeqSuite
 
 D, HEADS = 8, 4
 FINGERPRINTS = {
@@ -84,7 +85,7 @@ def run_cli(*argv: str) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
-class StorageSuite:
+class StorageSuite(Seq2SeqSuite):
     """Everything the issue's "Done when" asks, for one backend (set by the subclass)."""
 
     backend = ""
@@ -314,8 +315,8 @@ class StorageSuite:
             reader.get(0, names=["hidden/7"])
         manifest_path = tmp_path / "manifest.json"
         good = manifest_path.read_text()
-        manifest_path.write_text(good.replace('"format_version": 1', '"format_version": 2', 1))
-        with pytest.raises(FormatVersionError, match="format_version 2.*up to 1"):
+        manifest_path.write_text(good.replace('"format_version": 1', '"format_version": 3', 1))
+        with pytest.raises(FormatVersionError, match="format_version 3.*up to 2"):  # 2 = seq2seq caches
             CacheReader(tmp_path)
         manifest_path.write_text(good[: len(good) // 2])
         with pytest.raises(ManifestError, match="corrupt"):

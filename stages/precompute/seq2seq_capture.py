@@ -1,0 +1,134 @@
+"""Capture for seq2seq teachers: one teacher-forced forward per batch, targets cut per stream.
+
+The decoder is teacher-forced on the target: ``decoder_input_ids`` come from the model's own
+``prepare_decoder_input_ids_from_labels`` (the shift right with its ``decoder_start_token_id``, which differs
+between BART, mBART and T5), so decoder position t sees target tokens < t and its logits predict target t.
+
+Unlike the single-stream capture, this one asks HF for ``output_hidden_states`` / ``output_attentions`` and
+keeps only the selected layers: the numbering and the final-norm placement are then HF's by construction on
+both stacks (T5 applies ``final_layer_norm`` to the last hidden state; BART does not), at the cost of holding
+every layer of one batch at once, which the batch size bounds.
+
+fp16 overflow is checked per target on the device (one host sync per batch) before anything is converted:
+T5-family activations are known to exceed 65504, and storage must never see an inf.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from stages.precompute.capture import to_numpy, to_storage_dtype
+from stages.precompute.errors import PrecomputeError
+from stages.precompute.seq2seq_targets import Seq2SeqTargets
+
+
+
+def overflow_error(name: str, max_abs: float) -> Exception:
+    """The error for a target beyond float16's range: names the layer, the value and the fix."""
+    from storage.errors import Fp16OverflowError
+
+    return Fp16OverflowError(
+        f"{name}: the teacher's largest |value| is {max_abs:.6g}, beyond the float16 maximum of 65504, so it "
+        f"would be stored as inf (T5-family activations often overflow fp16). Rerun with --dtype bf16, or "
+        f"leave this layer out.", name=name, max_abs=float(max_abs))
+
+
+class Seq2SeqCapture:
+    """Runs an encoder-decoder teacher on padded batches and returns storage-ready per-sequence targets.
+
+    Args:
+        model: an ``AutoModelForSeq2SeqLM`` in eval mode (eager attention when maps are captured).
+        targets: what to keep.
+        dtype_name: storage dtype, "fp16" or "bf16".
+    """
+
+    def __init__(self, model: Any, targets: Seq2SeqTargets, dtype_name: str) -> None:
+        if not hasattr(model, "prepare_decoder_input_ids_from_labels"):
+            raise PrecomputeError(f"{type(model).__name__} cannot build decoder inputs from labels "
+                                  f"(no prepare_decoder_input_ids_from_labels); it is not a seq2seq LM")
+        self.model, self.targets, self.dtype_name = model, targets, dtype_name
+
+    def run(self, batch: dict[str, torch.Tensor], enc_lengths: list[int], dec_lengths: list[int]) -> list[dict]:
+        """Forward one right-padded batch and cut each sequence's targets out of it.
+
+        Args:
+            batch: ``input_ids``/``attention_mask`` ``[B, L_e]`` and ``labels``/``decoder_attention_mask``
+                ``[B, L_d]`` on the teacher's device; labels are padded with the pad id (never -100, which
+                the shift would not accept everywhere).
+            enc_lengths, dec_lengths: the B valid lengths of each side.
+
+        Returns:
+            one dict per sequence: ``encoder/hidden/{j} [L_e, d]``, ``decoder/hidden/{j} [L_d, d]``,
+            ``encoder/attention/{j} [H, L_e, L_e]``, ``decoder/attention/{j} [H, L_d, L_d]``,
+            ``cross_attention/{j} [H, L_d, L_e]``, logits ``[L_d, ...]``; floats already in the storage dtype.
+
+        Raises:
+            Fp16OverflowError: a target exceeds float16's range (fp16 caches only).
+        """
+        t = self.targets
+        with torch.inference_mode():
+            decoder_input_ids = self.model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             decoder_input_ids=decoder_input_ids,
+                             decoder_attention_mask=batch["decoder_attention_mask"], use_cache=False,
+                             output_hidden_states=t.wants_hidden, output_attentions=t.wants_attention)
+            kept = self._select(out)
+            self._check_range(kept)
+            host = {name: to_numpy(self._to_storage(name, value)) for name, value in kept.items()}
+        return [self._cut(host, i, n_e, n_d) for i, (n_e, n_d) in enumerate(zip(enc_lengths, dec_lengths))]
+
+    def _select(self, out: Any) -> dict[str, torch.Tensor]:
+        """The selected layers as padded device tensors, by array name."""
+        t = self.targets
+        kept: dict[str, torch.Tensor] = {}
+        kept.update({f"encoder/hidden/{j}": out.encoder_hidden_states[j] for j in t.encoder_hidden})
+        kept.update({f"decoder/hidden/{j}": out.decoder_hidden_states[j] for j in t.decoder_hidden})
+        kept.update({f"encoder/attention/{j}": out.encoder_attentions[j - 1] for j in t.encoder_attention})
+        kept.update({f"decoder/attention/{j}": out.decoder_attentions[j - 1] for j in t.decoder_attention})
+        kept.update({f"cross_attention/{j}": out.cross_attentions[j - 1] for j in t.cross_attention})
+        if t.logits == "full":
+            kept["logits/full"] = out.logits
+        elif t.logits == "topk":
+            values, ids = torch.topk(out.logits, t.top_k, dim=-1, largest=True, sorted=True)
+            kept["logits/topk_values"], kept["logits/topk_ids"] = values, ids.to(torch.int32)
+            # fp32 logsumexp: exact top-k log-probabilities for half-precision teachers too.
+            kept["logits/lse"] = torch.logsumexp(out.logits.float(), dim=-1)
+        return kept
+
+    def _check_range(self, kept: dict[str, torch.Tensor]) -> None:
+        """One host sync for every target's max |value|; refuse the first beyond float16, naming it."""
+        if self.dtype_name != "fp16":
+            return
+        names = [n for n, v in kept.items() if v.is_floating_point() and n != "logits/lse" and v.numel()]
+        if not names:
+            return
+        # A non-finite teacher value is left to storage, which reports it as the teacher bug it is.
+        maxima = torch.stack([kept[n].detach().float().abs().nan_to_num(posinf=0.0).amax() for n in names])
+        for name, value in zip(names, maxima.cpu().tolist()):
+            with np.errstate(over="ignore"):  # values up to 65519.99 still round to 65504, as in storage
+                overflows = bool(np.isinf(np.float16(np.float32(value))))
+            if overflows:
+                raise overflow_error(name, value)
+
+    def _to_storage(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        if name in ("logits/topk_ids", "logits/lse"):
+            return value
+        return to_storage_dtype(value, self.dtype_name)
+
+    @staticmethod
+    def _cut(host: dict[str, np.ndarray], i: int, n_e: int, n_d: int) -> dict[str, np.ndarray]:
+        """Sequence ``i``'s valid part of every padded array (views: the writer copies once)."""
+        item = {}
+        for name, value in host.items():
+            if name.startswith("encoder/attention/"):
+                item[name] = value[i, :, :n_e, :n_e]
+            elif name.startswith("decoder/attention/"):
+                item[name] = value[i, :, :n_d, :n_d]
+            elif name.startswith("cross_attention/"):
+                item[name] = value[i, :, :n_d, :n_e]
+            else:
+                item[name] = value[i, :n_e] if name.startswith("encoder/") else value[i, :n_d]
+        return item
