@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except KdcacheError as exc:
         print(f"kdcache {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kdcache inspect CACHE | head`: the reader left, which is not an error
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except KeyboardInterrupt:
         print(f"kdcache {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -48,7 +48,10 @@ def describe(path: str) -> dict[str, Any]:
     return {
         "path": str(path), "status": manifest.status, "format_version": manifest.format_version,
         "backend": spec.backend, "features": list(spec.features), "hidden_layers": list(spec.hidden_layers),
-        "attention_layers": list(spec.attention_layers),
+        "attention_layers": list(spec.attention_layers), "layout": "seq2seq" if spec.is_seq2seq else "single",
+        "streams": {stream or "tokens": {"hidden_layers": list(hidden), "attention_layers": list(attention)}
+                    for stream, hidden, attention in spec.stream_layers()},
+        "cross_attention_layers": list(getattr(spec, "cross_attention_layers", ()) or ()),
         "attention_heads": None if spec.attention_heads is None else list(spec.attention_heads),
         "attention_triangle": spec.attention_triangle, "logits": spec.logits, "top_k": spec.top_k,
         "vocab_size": spec.vocab_size, "dtype": spec.dtype, "bitround": spec.bitround,
@@ -62,6 +65,20 @@ def describe(path: str) -> dict[str, Any]:
     }
 
 
+def _layer_lines(info: dict[str, Any], heads: Any) -> list[str]:
+    """Hidden and attention layers per token stream (one stream, or encoder and decoder for seq2seq)."""
+    triangle = ", causal triangle" if info["attention_triangle"] else ""
+    lines = []
+    for stream, layers in info["streams"].items():
+        prefix = "" if stream == "tokens" else f"{stream} "
+        lines.append(f"{prefix + 'hidden':12} layers {layers['hidden_layers'] or 'none'}")
+        lines.append(f"{prefix + 'attention':12} layers {layers['attention_layers'] or 'none'}, heads {heads}"
+                     + triangle)
+    if info["layout"] == "seq2seq":
+        lines.append(f"{'cross-attn':12} layers {info['cross_attention_layers'] or 'none'}, heads {heads}")
+    return lines
+
+
 def _text(info: dict[str, Any]) -> str:
     heads = "all" if info["attention_heads"] is None else info["attention_heads"]
     logits = {"topk": f"top-{info['top_k']} of V={info['vocab_size']}", "full": f"full, V={info['vocab_size']}"}
@@ -72,9 +89,7 @@ def _text(info: dict[str, Any]) -> str:
         f"{info['num_committed_shards']} of {info['num_shards']} shards",
         f"tokens       {info['num_tokens']}",
         f"features     {', '.join(info['features']) or 'input_ids only'}",
-        f"hidden       layers {info['hidden_layers'] or 'none'}",
-        f"attention    layers {info['attention_layers'] or 'none'}, heads {heads}"
-        + (", causal triangle" if info["attention_triangle"] else ""),
+        *_layer_lines(info, heads),
         f"logits       {logits.get(info['logits'], 'none')}",
         f"dtype        {info['dtype']}" + (f", bitround keepbits={info['bitround']}" if info["bitround"] else ""),
         f"size         {info['stored_bytes']} bytes stored, {info['bytes_per_token']} B/token, "

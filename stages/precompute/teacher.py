@@ -190,7 +190,8 @@ def teacher_fingerprint(options: PrecomputeOptions, model: Any) -> dict[str, Any
     folder = _weights_folder(options)
     state = None if folder is not None else model.state_dict()
     return {"name_or_path": options.teacher, "revision": options.revision,
-            "config_hash": config_fingerprint(model.config), "weights_hash": weights_fingerprint(folder, state)}
+            "config_hash": config_fingerprint(model.config), "weights_hash": weights_fingerprint(folder, state),
+            "num_layers": _depth(model.config)}
 
 
 def teacher_files_fingerprint(options: PrecomputeOptions, config: Any) -> dict[str, Any] | None:
@@ -203,7 +204,14 @@ def teacher_files_fingerprint(options: PrecomputeOptions, config: Any) -> dict[s
     except ValueError:  # a folder without weight files
         return None
     return {"name_or_path": options.teacher, "revision": options.revision,
-            "config_hash": config_fingerprint(config), "weights_hash": weights}
+            "config_hash": config_fingerprint(config), "weights_hash": weights, "num_layers": _depth(config)}
+
+
+def _depth(config: Any) -> int | None:
+    """N, the teacher's block count. Stage two's formula layer maps (uniform, reverse, all-to-one) need the
+    real N: the deepest cached layer is only a guess when the cache leaves out the teacher's top block."""
+    depth = getattr(config, "num_hidden_layers", None)
+    return int(depth) if isinstance(depth, int) else None
 
 
 def _weights_folder(options: PrecomputeOptions) -> Path | None:

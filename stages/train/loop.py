@@ -12,6 +12,7 @@ run continues the very loss trajectory of an uninterrupted one without saving ev
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,10 @@ class DistillModel(nn.Module):
 def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts) -> CompoundLoss:
     """The compound loss for this plan; CE is shifted for causal students, per token for encoders."""
     dims = set(plan.teacher_hidden_sizes.values())
+    if options.alpha > 0 and facts.has_lm_head and not facts.is_causal:
+        # The cache holds unmasked inputs, so an encoder's per-token CE predicts each token from itself.
+        print("kdcache train: note: CE on an encoder (masked-LM) student is a near-trivial objective here, "
+              "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)
     return CompoundLoss(
         layer_map=plan.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(dims) if dims else None,
         alpha=options.alpha if facts.has_lm_head else 0.0, beta=options.beta if plan.logits else 0.0,

@@ -97,6 +97,10 @@ def test_per_side_layer_flags_and_resume(seq2seq_teachers, pairs_file, tmp_path,
     assert precompute(seq2seq_teachers["bart"], pairs_file, tmp_path / "c", *args) == 0  # nothing left to do
     assert "0 shard(s) written, 3 already committed" in capsys.readouterr().out
     assert [r.checksum for r in CacheReader(tmp_path / "c").records] == before
+    assert main(["inspect", str(tmp_path / "c")]) == 0  # per-stream layers, not "none"
+    text = capsys.readouterr().out
+    assert "encoder hidden layers [2]" in text and "decoder hidden layers none" in text
+    assert "cross-attn   layers [1]" in text
 
 
 def test_seq2seq_options_are_checked(seq2seq_teachers, pairs_file, tmp_path, capsys):
