@@ -237,21 +237,29 @@ def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partiti
 
 def write_shards(teacher: Teacher, targets: Targets, spec: Any, data: TokenizedData, todo: list[int], writer: Any,
                  options: PrecomputeOptions, stats: RunStats, is_main: bool) -> None:
-    """Compute every shard in ``todo`` and hand it to the background writer."""
+    """Compute every shard in ``todo`` with hooks on the teacher and commit them behind the forward."""
     from stages.precompute.capture import FeatureCapture
 
+    with FeatureCapture(teacher, targets, options.dtype) as capture:
+        commit_behind(spec, todo, writer, options, stats, is_main,
+                      lambda bounds, progress: compute_shard(capture, teacher, data, bounds, options, stats, progress))
+
+
+def commit_behind(spec: Any, todo: list[int], writer: Any, options: PrecomputeOptions, stats: RunStats,
+                  is_main: bool, compute: Callable[[tuple[int, int], Progress], list[dict[str, np.ndarray]]]) -> None:
+    """Run ``compute(shard_range, progress)`` for every shard in ``todo``; a background writer commits each
+    result while the next one is computed (both the decoder-only and the seq2seq paths use this loop)."""
     total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
     stats.compute_started = time.perf_counter()
     progress = Progress(total, options.progress and is_main, stats)
     background = BackgroundWriter(writer.write_shard, options.queue_size,
                                   on_written=lambda index, record, seconds: stats.add_shard(record))
     try:
-        with FeatureCapture(teacher, targets, options.dtype) as capture:
-            for k in todo:
-                items = compute_shard(capture, teacher, data, spec.shard_range(k), options, stats, progress)
-                waited = time.perf_counter()
-                background.submit(k, items)
-                stats.wait_seconds += time.perf_counter() - waited
+        for k in todo:
+            items = compute(spec.shard_range(k), progress)
+            waited = time.perf_counter()
+            background.submit(k, items)
+            stats.wait_seconds += time.perf_counter() - waited
     finally:
         background.close()
         progress.close()

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from stages.common.fingerprints import tokenizer_fingerprint
-from stages.precompute.background import BackgroundWriter
 from stages.precompute.batching import Partition, collate, plan_batches
 from stages.precompute.distributed import DistContext
 from stages.precompute.errors import PrecomputeError
@@ -116,7 +115,7 @@ def run_seq2seq(options: PrecomputeOptions, dist: DistContext, config: Any, stat
     Returns:
         the same summary as ``runner.run_precompute``.
     """
-    from stages.precompute.runner import open_writer
+    from stages.precompute.runner import commit_behind, open_writer
 
     targets = resolve_seq2seq_targets(options, config)
     tokenizer = load_tokenizer(options)
@@ -131,8 +130,10 @@ def run_seq2seq(options: PrecomputeOptions, dist: DistContext, config: Any, stat
         save_tokenizer(tokenizer, options.out)
         mine = part.shards(spec.num_shards)
         todo = [k for k in mine if k not in writer.committed_shards()]
-        _write_shards(Seq2SeqCapture(teacher.model, targets, options.dtype), teacher, spec, data, todo, writer,
-                      options, stats, dist.is_main)
+        capture = Seq2SeqCapture(teacher.model, targets, options.dtype)
+        commit_behind(spec, todo, writer, options, stats, dist.is_main,
+                      lambda bounds, progress: _compute_shard(capture, teacher, data, bounds, options, stats,
+                                                              progress))
     manifest = writer.finalize()
     dist.barrier()
     if dist.world > 1 and dist.is_main:
@@ -155,26 +156,6 @@ def _with_output_vocab(targets: Seq2SeqTargets, teacher: Teacher, options: Preco
     if targets.logits == "topk" and options.top_k > vocab:
         raise PrecomputeError(f"top_k {options.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
     return replace(targets, vocab_size=vocab)
-
-
-def _write_shards(capture: Seq2SeqCapture, teacher: Teacher, spec: Any, data: PairedData, todo: list[int],
-                  writer: Any, options: PrecomputeOptions, stats: RunStats, is_main: bool) -> None:
-    """Compute every shard in ``todo``; a background writer commits behind the forward."""
-    stats.compute_started = time.perf_counter()
-    total = sum(stop - start for start, stop in (spec.shard_range(k) for k in todo))
-    progress = Progress(total, options.progress and is_main, stats)
-    background = BackgroundWriter(writer.write_shard, options.queue_size,
-                                  on_written=lambda index, record, seconds: stats.add_shard(record))
-    try:
-        for k in todo:
-            items = _compute_shard(capture, teacher, data, spec.shard_range(k), options, stats, progress)
-            waited = time.perf_counter()
-            background.submit(k, items)
-            stats.wait_seconds += time.perf_counter() - waited
-    finally:
-        background.close()
-        progress.close()
-        stats.compute_seconds = time.perf_counter() - stats.compute_started
 
 
 def _compute_shard(capture: Seq2SeqCapture, teacher: Teacher, data: PairedData, bounds: tuple[int, int],
