@@ -1,0 +1,76 @@
+"""``kdcache eval``: measure a trained student against a (held-out) cache, without the teacher."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add ``eval`` to the ``kdcache`` subcommands."""
+    parser = subparsers.add_parser(
+        "eval", help="evaluate a run's student against a cache (teacher-free) and write RUN/eval.json",
+        description="Causal LMs: perplexity on the cached input_ids and, when the cache has logits, top-1 "
+                    "agreement with the teacher and KL(teacher || student) per valid token. Encoders: mean "
+                    "cosine of the final states and Spearman of the pairwise sentence similarities. Every run: "
+                    "linear CKA of "
+                    "every student layer against every cached teacher layer, and its values on the run's layer "
+                    "map. The student comes from RUN/student, the teacher's targets from the cache only.")
+    parser.add_argument("--cache", required=True, metavar="CACHE", help="the cache to evaluate against")
+    parser.add_argument("--run", required=True, metavar="RUN", help="a finished run directory")
+    parser.add_argument("--batch-size", type=int, default=16, metavar="N", help="sequences per forward pass")
+    parser.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N sequences")
+    parser.add_argument("--teacher-layer", type=int, default=None, metavar="J",
+                        help="teacher layer for the final-state comparison (default: the deepest cached)")
+    parser.add_argument("--device", default="cpu", help="where the student runs (cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--json", action="store_true", help="print eval.json instead of a summary")
+    parser.set_defaults(func=run)
+
+
+def teacher_notes(eval_cache: Any, run_dir: Path) -> list[str]:
+    """A warning when the eval cache's teacher differs from the one the run was trained against."""
+    from storage import CacheReader, compare_fingerprints
+
+    options = json.loads((run_dir / "options.json").read_text()) if (run_dir / "options.json").is_file() else {}
+    train_cache = options.get("cache")
+    if not train_cache or not (Path(train_cache) / "manifest.json").is_file():
+        return []
+    trained = (CacheReader(train_cache, allow_partial=True).fingerprints or {}).get("teacher") or {}
+    wanted = {"teacher": {k: trained.get(k) for k in ("config_hash", "weights_hash")}}
+    problems = compare_fingerprints({"teacher": (eval_cache.fingerprints or {}).get("teacher") or {}}, wanted)
+    return [f"the eval cache's teacher differs from the training cache's: {p}" for p in problems]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Evaluate, write RUN/eval.json, print a summary. Returns 0."""
+    from stages.train.checks import open_cache
+    from stages.train.evaluate import evaluate_run
+
+    reader = open_cache(args.cache)
+    run_dir = Path(args.run)
+    result = evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
+                          teacher_layer=args.teacher_layer, device=args.device)
+    result["notes"] = teacher_notes(reader, run_dir) + result.get("notes", [])
+    result["cache"] = str(Path(args.cache).resolve())
+    (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2) if args.json else format_eval(result, run_dir))
+    return 0
+
+
+def format_eval(result: dict[str, Any], run_dir: Path) -> str:
+    """A few readable lines about an evaluation."""
+    lines = [f"{result['kind']} student of {run_dir}, against {result['cache']}"]
+    for key, label in (("perplexity", "perplexity"), ("top1_agreement", "top-1 agreement"), ("kl", "KL(t||s)"),
+                       ("cosine", "mean cosine"), ("spearman", "Spearman")):
+        if isinstance(result.get(key), float):
+            lines.append(f"  {label:<16} {result[key]:.4f}")
+    cka = result.get("cka")
+    if cka:
+        on_map = ", ".join(f"{p['student']}->{p['teacher']}: " + ("n/a" if p["cka"] is None else f"{p['cka']:.3f}")
+                           for p in cka["on_map"]) or "no hidden pairs"
+        lines.append(f"  CKA final layers {cka['final']:.4f}; on the layer map: {on_map}")
+    lines += [f"  note: {n}" for n in result.get("notes", [])]
+    lines.append(f"  written to {run_dir / 'eval.json'}")
+    return "\n".join(lines)

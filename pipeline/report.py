@@ -1,0 +1,397 @@
+"""``kdcache report``: PNG plots and one HTML page for a run or a sweep, readable while it is still running.
+
+A run's report (in ``RUN/report/``): each loss term over the steps, the student × teacher CKA heatmap when
+``eval.json`` exists, and the cache's bytes per token per target. A sweep's report (in ``SWEEP/report/``): a
+bar chart of one metric at each grid point, every run's total loss over the steps, the comparison table, and
+a report per run.
+
+Everything is read from what runs leave on disk, written for being read mid-run: ``metrics.jsonl`` may end in
+a half-written line, ``student/`` and ``eval.json`` may not exist yet. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index")
+TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "hidden", "attention")
+# (column, key in eval.json) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
+EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval_perplexity", "perplexity"),
+                ("eval_top1", "top1_agreement"), ("eval_kl", "kl"), ("eval_cka_final", "cka.final"),
+                ("eval_cka_on_map", "cka.mean_on_map"))
+LOWER_IS_BETTER = ("eval_perplexity", "eval_kl", "loss", "ce", "kl", "topk_kl", "hidden", "attention")
+GROUP_COLOURS = {"hidden": "tab:blue", "attention": "tab:orange", "logits": "tab:green", "other": "tab:gray"}
+
+
+# ---- reading runs ------------------------------------------------------------------------------------------
+def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """Read ``metrics.jsonl`` written by a run that may still be writing it.
+
+    Returns:
+        (records, skipped): every line that parses as a JSON object, and how many did not (a truncated last
+        line of a live run, typically).
+    """
+    p = Path(path)
+    if not p.is_file():
+        return [], 0
+    records, skipped = [], 0
+    for line in p.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            skipped += 1
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+        else:
+            skipped += 1
+    return records, skipped
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass
+class RunState:
+    """What a run directory holds right now."""
+
+    run_dir: Path
+    options: dict[str, Any]
+    plan: dict[str, Any]
+    metrics: list[dict[str, Any]]
+    skipped_lines: int
+    eval: dict[str, Any] | None
+    finished: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def last_step(self) -> int | None:
+        return int(self.metrics[-1]["step"]) if self.metrics else None
+
+    @property
+    def status(self) -> str:
+        """"finished", or how far an unfinished run has got."""
+        if self.finished:
+            return "finished"
+        total = self.plan.get("total_steps")
+        where = f"step {self.last_step}" if self.metrics else "no step logged yet"
+        return f"in progress (or stopped): {where}" + (f" of {total}" if total else "")
+
+
+def load_run_state(run_dir: str | Path) -> RunState:
+    """Read options, plan, metrics (tolerantly), eval.json and whether the student was exported."""
+    root = Path(run_dir)
+    metrics, skipped = read_metrics(root / "metrics.jsonl")
+    evaluation = _read_json(root / "eval.json") or None
+    state = RunState(root, _read_json(root / "options.json"), _read_json(root / "plan.json"), metrics, skipped,
+                     evaluation, (root / "student" / "config.json").is_file())
+    if skipped:
+        state.notes.append(f"{skipped} unreadable line(s) in metrics.jsonl skipped (a run still writing it)")
+    return state
+
+
+def final_terms(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """The last logged value of every loss term (top-level and per pair), ``{}`` before the first log."""
+    if not metrics:
+        return {}
+    return {k: v for k, v in metrics[-1].items() if k not in META_KEYS and isinstance(v, (int, float))}
+
+
+def eval_columns(evaluation: dict[str, Any] | None) -> dict[str, Any]:
+    """The scalar eval metrics of ``eval.json`` as table columns (absent ones left out)."""
+    out: dict[str, Any] = {}
+    for column, key in EVAL_COLUMNS:
+        value: Any = evaluation or {}
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, (int, float)):
+            out[column] = value
+    return out
+
+
+# ---- the sweep table ---------------------------------------------------------------------------------------
+def collect_rows(sweep_dir: str | Path, summary: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per run of a sweep: grid values, status, steps, seconds, final loss terms, eval metrics.
+
+    Records come from ``summary["runs"]`` (or ``SWEEP/sweep.json``), completed by each run's own
+    ``sweep-run.json``, so a sweep still running shows its finished, running and failed points.
+    """
+    return [_row(record) for record in sweep_records(sweep_dir, summary).values()]
+
+
+def sweep_records(sweep_dir: str | Path, summary: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Run records by name: the sweep's own list first, then any run folder's ``sweep-run.json`` it lacks."""
+    root = Path(sweep_dir)
+    summary = summary if summary is not None else _read_json(root / "sweep.json")
+    records = {r["name"]: r for r in summary.get("runs", [])}
+    for path in sorted((root / "runs").glob("*/sweep-run.json")):
+        record = _read_json(path)
+        if record.get("name") and record["name"] not in records:
+            records[record["name"]] = record
+    return records
+
+
+def _row(record: dict[str, Any]) -> dict[str, Any]:
+    state = load_run_state(record.get("run_dir", ""))
+    row: dict[str, Any] = {"name": record["name"], **record.get("values", {}), "status": record.get("status"),
+                           "steps": state.last_step, "seconds": record.get("seconds")}
+    if record.get("status") == "running" and state.finished:
+        row["status"] = "ok"
+    row.update(final_terms(state.metrics))
+    row.update(eval_columns(state.eval))
+    return row
+
+
+def table_columns(rows: list[dict[str, Any]], grid_keys: list[str], *, per_pair: bool) -> list[str]:
+    """Column order: name, grid values, status, steps, seconds, loss terms, eval metrics."""
+    seen = list(dict.fromkeys(k for row in rows for k in row))
+    fixed = ["name", *grid_keys, "status", "steps", "seconds"]
+    terms = [t for t in TERM_ORDER if t in seen] + sorted(
+        k for k in seen if k not in fixed and k not in TERM_ORDER and not k.startswith("eval_")
+        and (per_pair or "/" not in k))
+    evals = [c for c, _ in EVAL_COLUMNS if c in seen]
+    return fixed + terms + evals
+
+
+def write_tables(sweep_dir: str | Path, rows: list[dict[str, Any]], grid_keys: list[str]) -> tuple[Path, Path]:
+    """Write ``results.csv`` (every term, per-pair ones too) and ``results.md`` (top-level terms)."""
+    from pipeline.report_html import markdown_table
+
+    root = Path(sweep_dir)
+    columns = table_columns(rows, grid_keys, per_pair=True)
+    with open(root / "results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    md = markdown_table(rows, table_columns(rows, grid_keys, per_pair=False))
+    (root / "results.md").write_text(md + "\n")
+    return root / "results.csv", root / "results.md"
+
+
+# ---- plots -------------------------------------------------------------------------------------------------
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | None:
+    """One panel per loss family (``loss``, ``hidden``, ``attention``, ...), its per-pair terms drawn thin."""
+    keys = list(dict.fromkeys(k for r in metrics for k, v in r.items()
+                              if k not in META_KEYS and isinstance(v, (int, float))))
+    families = list(dict.fromkeys(k.split("/")[0] for k in keys))
+    if not families:
+        return None
+    plt = _pyplot()
+    cols = min(3, len(families))
+    rows = math.ceil(len(families) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    steps = [r["step"] for r in metrics]
+    marker = "o" if len(steps) < 20 else None  # a few points of a young run stay visible
+    for ax, family in zip(axes.flat, families):
+        for key in [k for k in keys if k == family or k.startswith(family + "/")]:
+            main = key == family
+            ax.plot(steps, [r.get(key, float("nan")) for r in metrics], label=key, lw=2.0 if main else 1.0,
+                    alpha=1.0 if main else 0.7, marker=marker, ms=3)
+        ax.set_title(family)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(families):]:
+        ax.axis("off")
+    return _save(fig, out, title)
+
+
+def plot_alignment(evaluation: dict[str, Any], out: Path, title: str) -> Path | None:
+    """Heatmap of CKA (student layer × teacher layer), the run's layer-map pairs outlined."""
+    cka = evaluation.get("cka")
+    if not cka:
+        return None
+    plt = _pyplot()
+    from matplotlib.patches import Rectangle
+
+    matrix, rows, cols = cka["matrix"], cka["student_layers"], cka["teacher_layers"]
+    fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(cols), 1.0 + 0.6 * len(rows)))
+    image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis", origin="lower", aspect="auto")
+    for i, row in enumerate(matrix):
+        for k, value in enumerate(row):
+            ax.text(k, i, f"{value:.2f}", ha="center", va="center", fontsize=8,
+                    color="black" if value > 0.6 else "white")
+    for pair in cka.get("on_map", []):
+        if pair["student"] in rows and pair["teacher"] in cols:
+            i, k = rows.index(pair["student"]), cols.index(pair["teacher"])
+            ax.add_patch(Rectangle((k - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=2))
+    ax.set_xticks(range(len(cols)), [str(c) for c in cols])
+    ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+    ax.set_xlabel("teacher layer (cached)")
+    ax.set_ylabel("student layer")
+    fig.colorbar(image, ax=ax, label="linear CKA")
+    return _save(fig, out, title + "\n(red: the run's layer map)")
+
+
+def cache_stats(cache: str | Path) -> dict[str, Any] | None:
+    """``kdcache inspect``'s facts about a cache (bytes per token per array), or None if it cannot be read."""
+    from pipeline.commands.cache import describe
+    from storage.errors import KdcacheError
+
+    if not cache or not (Path(cache) / "manifest.json").is_file():
+        return None
+    try:
+        return describe(str(cache))
+    except (KdcacheError, OSError, ValueError):
+        return None
+
+
+def plot_cache(info: dict[str, Any], out: Path, title: str) -> Path | None:
+    """Horizontal bars: stored bytes per token of every array in the cache, coloured by target kind."""
+    arrays = {k: v for k, v in info.get("arrays", {}).items() if v.get("bytes_per_token") is not None}
+    if not arrays:
+        return None
+    plt = _pyplot()
+    names = list(arrays)
+    values = [arrays[n]["bytes_per_token"] for n in names]
+    colours = [GROUP_COLOURS.get(n.split("/")[0], GROUP_COLOURS["other"]) for n in names]
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.28 * len(names)))
+    ax.barh(range(len(names)), values, color=colours)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    for i, value in enumerate(values):
+        ax.text(value, i, f" {value:,.0f}", va="center", fontsize=7)
+    ax.set_xlabel("stored bytes per token")
+    total = info.get("bytes_per_token") or sum(values)
+    return _save(fig, out, f"{title}\n{info.get('num_tokens', 0):,} tokens, {total:,.0f} B/token in all")
+
+
+def plot_sweep_metric(rows: list[dict[str, Any]], metric: str, out: Path, grid_keys: list[str]) -> Path | None:
+    """A bar per grid point, coloured by the last grid key; failed or unmeasured points are labelled, not drawn."""
+    if not rows:
+        return None
+    plt = _pyplot()
+    values = [r.get(metric) if isinstance(r.get(metric), (int, float)) else None for r in rows]
+    shade = grid_keys[-1] if grid_keys else None
+    palette = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(str(r.get(shade)) for r in rows))}
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(rows) + 1.5), 4.5))
+    ax.bar(range(len(rows)), [v or 0.0 for v in values], color=[palette[str(r.get(shade))] for r in rows])
+    for i, (row, value) in enumerate(zip(rows, values)):
+        text = f"{value:.3f}" if value is not None else str(row.get("status") or "n/a")
+        ax.text(i, value or 0.0, text, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rows)), [_bar_label(r, grid_keys) for r in rows], fontsize=6)
+    ax.set_ylabel(metric)
+    if shade and len(palette) > 1:
+        from matplotlib.patches import Patch
+
+        ax.legend([Patch(color=c) for c in palette.values()], [f"{shade}={v}" for v in palette], fontsize=7)
+    better = "lower is better" if metric in LOWER_IS_BETTER else "higher is better"
+    return _save(fig, out, f"{metric} at each grid point ({better})")
+
+
+def _bar_label(row: dict[str, Any], grid_keys: list[str]) -> str:
+    """Grid values, one per line, long ones (explicit maps) wrapped at their commas."""
+    import textwrap
+
+    values = [str(row.get(k, "")).replace(",", ", ") for k in grid_keys] or [row["name"]]
+    return "\n".join(line for v in values for line in textwrap.wrap(v, 13))
+
+
+def plot_sweep_losses(states: dict[str, RunState], out: Path) -> Path | None:
+    """Every run's total loss over the steps, on one axis."""
+    drawn = {name: s for name, s in states.items() if s.metrics}
+    if not drawn:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, state in drawn.items():
+        ax.plot([r["step"] for r in state.metrics], [r.get("loss", float("nan")) for r in state.metrics],
+                label=name, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=6, ncol=2)
+    return _save(fig, out, "total loss of every run (terms differ between runs: compare shapes, not levels)")
+
+
+def _save(fig: Any, out: Path, title: str) -> Path:
+    plt = _pyplot()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ---- whole reports -----------------------------------------------------------------------------------------
+def is_sweep(path: Path) -> bool:
+    return (path / "sweep.json").is_file() or (path / "runs").is_dir()
+
+
+def is_run(path: Path) -> bool:
+    return any((path / name).exists() for name in ("metrics.jsonl", "options.json", "plan.json"))
+
+
+def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache: bool = True) -> Path:
+    """Plots and ``report.html`` for one run (finished or not). Returns the HTML path."""
+    from pipeline.report_html import render_run
+
+    state = load_run_state(run_dir)
+    out_dir = Path(out) if out else state.run_dir / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = state.run_dir.name
+    images = {"losses": plot_losses(state.metrics, out_dir / "losses.png", f"{name}: loss terms")}
+    if state.eval:
+        images["alignment"] = plot_alignment(state.eval, out_dir / "alignment.png", f"{name}: alignment")
+    info = cache_stats(state.options.get("cache", "")) if with_cache else None
+    if info:
+        images["cache"] = plot_cache(info, out_dir / "cache.png", f"cache {info['path']}")
+    elif with_cache:
+        state.notes.append("cache statistics skipped: options.json names no readable cache")
+    html = render_run(state, {k: v for k, v in images.items() if v}, info)
+    (out_dir / "report.html").write_text(html)
+    return out_dir / "report.html"
+
+
+def default_metric(rows: list[dict[str, Any]]) -> str:
+    """The first eval metric any row has, else the final total loss."""
+    for column in ("eval_spearman", "eval_perplexity", "eval_cka_final", "eval_cka_on_map"):
+        if any(isinstance(r.get(column), (int, float)) for r in rows):
+            return column
+    return "loss"
+
+
+def report_sweep(sweep_dir: str | Path, out: str | Path | None = None, *, metric: str | None = None) -> Path:
+    """The sweep page (table, metric bars, loss curves) and a report per run. Returns the HTML path."""
+    from pipeline.report_html import render_sweep
+
+    root = Path(sweep_dir)
+    out_dir = Path(out) if out else root / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = _read_json(root / "sweep.json")
+    rows = collect_rows(root, summary)
+    grid_keys = list(summary.get("grid", {})) or list(dict.fromkeys(
+        k for r in sweep_records(root, summary).values() for k in r.get("values", {})))
+    metric = metric or default_metric(rows)
+    states = {r["name"]: load_run_state(root / "runs" / r["name"]) for r in rows}
+    links = {name: report_run(state.run_dir, with_cache=False) for name, state in states.items() if state.metrics}
+    images = {"metric": plot_sweep_metric(rows, metric, out_dir / f"sweep_{metric}.png", grid_keys),
+              "losses": plot_sweep_losses(states, out_dir / "sweep_losses.png")}
+    info = cache_stats(summary.get("cache") or next((s.options.get("cache") for s in states.values()), ""))
+    if info:
+        images["cache"] = plot_cache(info, out_dir / "cache.png", f"cache {info['path']}")
+    html = render_sweep(root, rows, table_columns(rows, grid_keys, per_pair=False), metric,
+                        {k: v for k, v in images.items() if v}, links, out_dir)
+    (out_dir / "report.html").write_text(html)
+    return out_dir / "report.html"
+

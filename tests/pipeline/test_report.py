@@ -1,0 +1,130 @@
+"""``kdcache report``: valid PNGs and an HTML page, for finished runs, runs in progress, and sweeps.
+
+Run and sweep folders are built by hand, the way training and sweeps write them (including a metrics.jsonl
+cut off mid-line, as a live run leaves it), so these tests need no training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.report import read_metrics, report_run, report_sweep
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+EVAL = {"kind": "encoder", "spearman": 0.8, "cosine": 0.7, "notes": [],
+        "cka": {"student_layers": [0, 1, 2], "teacher_layers": [2, 4, 6],
+                "matrix": [[0.9, 0.7, 0.4], [0.95, 0.8, 0.5], [0.7, 0.75, 0.72]],
+                "on_map": [{"student": 1, "teacher": 2, "cka": 0.95}, {"student": 2, "teacher": 6, "cka": 0.72}],
+                "mean_on_map": 0.835, "final": 0.72, "tokens": 100}}
+
+
+def assert_png(path: Path) -> None:
+    """The file exists, starts with the PNG signature, and decodes to an RGB(A) image."""
+    import matplotlib.image
+
+    assert path.is_file(), path
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    pixels = matplotlib.image.imread(str(path))
+    assert pixels.ndim == 3 and pixels.shape[2] in (3, 4) and min(pixels.shape[:2]) > 50
+
+
+def write_run(root: Path, cache: Path | None, steps: int, *, finished: bool, truncate: bool = False,
+              evaluation: dict | None = None) -> Path:
+    """A run folder as `kdcache train` leaves it, mid-run (no student/) or finished."""
+    root.mkdir(parents=True)
+    (root / "options.json").write_text(json.dumps({"cache": str(cache) if cache else None, "layer_map": "uniform"}))
+    (root / "plan.json").write_text(json.dumps({"total_steps": 100, "hidden_pairs": [[1, 2], [2, 6]]}))
+    lines = [json.dumps({"step": s, "time_s": 0.1 * s, "loss": 3.0 / s, "hidden": 2.0 / s, "hidden/s1_t2": 1.0 / s,
+                         "hidden/s2_t6": 1.0 / s, "attention": 1.0 / s, "lr": 1e-4}) for s in range(1, steps + 1)]
+    text = "\n".join(lines) + "\n"
+    if truncate:
+        text += lines[-1][: len(lines[-1]) // 2]  # the writer was interrupted mid-line
+    (root / "metrics.jsonl").write_text(text)
+    if finished:
+        (root / "student").mkdir()
+        (root / "student" / "config.json").write_text("{}")
+    if evaluation:
+        (root / "eval.json").write_text(json.dumps(evaluation))
+    return root
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.helpers.tiny_models import make_tiny_gpt2
+    from tests.stages._train_support import write_cache
+
+    root = tmp_path_factory.mktemp("report")
+    return write_cache(make_tiny_gpt2(root / "teacher"), root / "cache", num_sequences=8, hidden_layers=(1, 3))
+
+
+def test_read_metrics_skips_a_truncated_last_line(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", None, 5, finished=False, truncate=True)
+    records, skipped = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and skipped == 1
+
+
+def test_report_on_a_run_in_progress(tmp_path: Path, cache: Path) -> None:
+    run = write_run(tmp_path / "run", cache, 12, finished=False, truncate=True)
+    html = report_run(run).read_text()
+    assert_png(run / "report" / "losses.png")
+    assert_png(run / "report" / "cache.png")
+    assert not (run / "report" / "alignment.png").exists()  # no eval.json yet
+    assert "in progress (or stopped): step 12 of 100" in html and "1 unreadable line(s)" in html
+    assert html.count("data:image/png;base64,") == 2
+
+
+def test_report_on_a_run_with_only_its_first_lines(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss"')  # nothing complete yet
+    html = report_run(run).read_text()
+    assert "No step logged yet" in html and "cache statistics skipped" in html
+
+
+def test_report_on_a_finished_run_draws_the_alignment_heatmap(tmp_path: Path, cache: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path / "run", cache, 8, finished=True, evaluation=EVAL)
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert "report.html" in capsys.readouterr().out
+    for name in ("losses.png", "alignment.png", "cache.png"):
+        assert_png(tmp_path / "out" / name)
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "finished" in html and "eval_spearman" in html and html.count("data:image/png;base64,") == 3
+
+
+def test_sweep_report_with_finished_running_and_failed_points(tmp_path: Path, cache: Path) -> None:
+    sweep = tmp_path / "sweep"
+    runs = {"layer_map-uniform": "ok", "layer_map-reverse": "running", "layer_map-explicit_1-9": "failed"}
+    records = []
+    for i, (name, status) in enumerate(runs.items()):
+        run_dir = sweep / "runs" / name
+        if status != "failed":
+            write_run(run_dir, cache, 10 - 4 * i, finished=status == "ok", truncate=status == "running",
+                      evaluation=EVAL if status == "ok" else None)
+        else:
+            run_dir.mkdir(parents=True)
+        record = {"name": name, "values": {"layer_map": name.split("-", 1)[1]}, "run_dir": str(run_dir),
+                  "status": status}
+        (run_dir / "sweep-run.json").write_text(json.dumps(record))
+        if status != "running":
+            records.append(record)  # sweep.json lists the runs that have ended
+    (sweep / "sweep.json").write_text(json.dumps({"grid": {"layer_map": ["uniform", "explicit:1-9", "reverse"]},
+                                                  "cache": str(cache), "runs": records}))
+    html = report_sweep(sweep).read_text()
+    assert_png(sweep / "report" / "sweep_eval_spearman.png")
+    assert_png(sweep / "report" / "sweep_losses.png")
+    assert_png(sweep / "report" / "cache.png")
+    assert_png(sweep / "runs" / "layer_map-reverse" / "report" / "losses.png")
+    for needle in ("class='ok'", "class='failed'", "class='running'", "../runs/layer_map-uniform/report/report.html"):
+        assert needle in html, needle
+    report_sweep(sweep, metric="loss")
+    assert_png(sweep / "report" / "sweep_loss.png")
+
+
+def test_report_refuses_a_folder_that_is_neither(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+    assert "neither a run" in capsys.readouterr().err
