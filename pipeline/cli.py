@@ -28,6 +28,9 @@ DESCRIPTION = (
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every registered subcommand."""
     parser = argparse.ArgumentParser(prog="kdcache", description=DESCRIPTION)
+    # The deepspeed launcher runs `python -m pipeline --local_rank=N COMMAND ...`; ranks come from the
+    # environment (LOCAL_RANK, RANK, WORLD_SIZE), so the flag is accepted and otherwise ignored.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for info in sorted(pkgutil.iter_modules(pipeline.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"pipeline.commands.{info.name}")

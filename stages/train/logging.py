@@ -58,11 +58,20 @@ class SampleTrace:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read a JSONL file written by this module (empty list if it does not exist)."""
+    """Read a JSONL file written by this module (empty list if it does not exist).
+
+    A run still writing (or killed mid-write) may leave a truncated last line; it is skipped, not an error.
+    """
     p = Path(path)
     if not p.is_file():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    records = []
+    for line in p.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def _tensorboard_writer(path: Path) -> Any:

@@ -1,0 +1,42 @@
+"""The deepspeed launcher drives `kdcache train` as users launch it on a cluster (here: 2 CPU processes)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_local_rank_flag_from_the_deepspeed_launcher_is_accepted() -> None:
+    args = build_parser().parse_args(["--local_rank=1", "inspect", "somewhere"])
+    assert args.command == "inspect" and args.local_rank == 1
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_trains_with_two_processes(tiny_gpt2: Path, tmp_path: Path) -> None:
+    from tests.helpers.tiny_models import sample_texts, write_text_dataset
+
+    launcher = Path(sys.executable).with_name("deepspeed")
+    if not launcher.exists():
+        launcher = Path(shutil.which("deepspeed") or "deepspeed")
+    data = write_text_dataset(tmp_path / "d.jsonl", sample_texts(32))
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    assert main(["precompute", "--teacher", str(tiny_gpt2), "--data", str(data), "--out", str(cache),
+                 "--layers", "1,2,3", "--top-k", "8", "--max-length", "24", "--sequences-per-shard", "4",
+                 "--no-progress"]) == 0
+    cmd = [str(launcher), "--num_gpus", "2", "--master_port", "29641", "--module", "pipeline", "train",
+           "--cache", str(cache), "--student", str(tiny_gpt2), "--out", str(run), "--zero-stage", "2",
+           "--max-steps", "3", "--batch-size", "4", "--log-every", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on 2 process(es)" in proc.stdout
+    assert (run / "student" / "config.json").is_file()
