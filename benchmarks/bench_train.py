@@ -83,7 +83,8 @@ def run_mode(mode: str, cache: Path, student: Path, work: Path, args: argparse.N
     dist = init_distributed()
     engine = build_engine(model, options, dist.device)
     teacher = _teacher() if mode == "online" else None
-    stream = CacheStream(str(cache), names, batch_size=args.batch_size, seed=0, prefetch=4, decode_threads=2)
+    stream = CacheStream(str(cache), names, batch_size=args.batch_size, seed=0, prefetch=4, decode_threads=2,
+                         shuffle_block=args.shuffle_block)
     timed = _Timed(criterion)
     out = _loop(engine, stream, teacher, plan, timed, args, dist.device)
     out.update(mode=mode, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -172,6 +173,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--shuffle-block", type=int, default=256, help="sequences shuffled together (memory)")
     parser.add_argument("--work", default="/tmp/kdcache-bench-train", help="cache, student and runs go here")
     parser.add_argument("--mode", choices=["student", "cache_io", "cache", "online"])
     parser.add_argument("--modes", default="student,cache_io,cache,online", help="modes run, comma separated")

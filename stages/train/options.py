@@ -68,7 +68,9 @@ class TrainOptions:
                                                       "in threads; 0 is usually right)"))
     prefetch: int = field(default=4, metadata=_opt("micro-batches decoded ahead of the step"))
     decode_threads: int = field(default=2, metadata=_opt("threads decoding shards"))
-    shuffle_block: int = field(default=1024, metadata=_opt("sequences shuffled together after the shard shuffle"))
+    shuffle_block: int = field(default=256, metadata=_opt(
+        "sequences shuffled together after the shard shuffle; every shard a block touches stays decoded in host "
+        "memory until the block is done, so lower it for long sequences or wide caches"))
     critic_steps: int = field(default=1, metadata=_opt("wgan: critic updates per student step"))
     critic_lr: float = field(default=1e-4, metadata=_opt("wgan: critic learning rate"))
     trace_samples: bool = field(default=False, metadata=_opt(

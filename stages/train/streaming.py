@@ -195,7 +195,7 @@ class CacheStream(IterableDataset):
 
     def __init__(self, cache: str, names: Sequence[str], *, batch_size: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, start: DataPosition = DataPosition(), epochs: int | None = None,
-                 shuffle_block: int = 1024, prefetch: int = 4, decode_threads: int = 2,
+                 shuffle_block: int = 256, prefetch: int = 4, decode_threads: int = 2,
                  allow_partial: bool = False, pin_memory: bool = False):
         super().__init__()
         self.cache, self.names = str(cache), tuple(names)
