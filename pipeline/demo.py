@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.children import child_env
 from pipeline.demo_text import stdlib_sentences, write_jsonl
 from storage.errors import KdcacheError
 
@@ -73,7 +74,7 @@ def run_step(name: str, args: list[str], log_dir: Path) -> tuple[float, int]:
         (wall seconds, the child's peak resident memory in bytes).
     """
     log_path = log_dir / f"{name}.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = child_env(HF_HUB_OFFLINE="1")
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], stdout=log, stderr=subprocess.STDOUT,

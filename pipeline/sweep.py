@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.children import child_env
 from pipeline.config import ConfigError, build
 from stages.train.options import TrainOptions
 
@@ -190,11 +191,7 @@ def train_command(options: TrainOptions, launcher: list[str], *, resume: bool = 
 
 def run_child(command: list[str], log_path: Path) -> tuple[int, float]:
     """Run ``command`` with its output in ``log_path``. Returns (exit status, wall seconds)."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}
-    # The children must import this very checkout even when it is not pip-installed and the sweep was
-    # started from another folder (`python -m pipeline` would otherwise only find it from the repo root).
-    source_root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p)
+    env = child_env()
     start = time.perf_counter()
     with open(log_path, "a") as log:
         log.write(f"$ {shlex.join(command)}\n")
