@@ -39,8 +39,8 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable (POSIX needs the directory itself synced)."""
+def fsync_path(path: Path | str) -> None:
+    """fsync a file, or a directory (POSIX needs the directory synced to make a rename inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -61,7 +61,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from storage.backends.base import Backend, get_backend
 from storage.encode import EncodedShard, encode_shard
 from storage.errors import CacheLockedError, CacheMismatchError, ManifestError, ShardError
 from storage.fingerprint import compare_fingerprints
-from storage.manifest import (MANIFEST_NAME, SHARDS_DIR, Manifest, ShardRecord, fsync_dir, read_manifest,
+from storage.manifest import (MANIFEST_NAME, SHARDS_DIR, Manifest, ShardRecord, fsync_path, read_manifest,
                               read_sidecars, shard_checksum, shard_name, sidecar_path, summarize_arrays,
                               write_json_atomic, write_manifest)
 from storage.spec import CacheSpec
@@ -141,7 +141,7 @@ class CacheWriter:
         except BaseException:
             self.backend.remove(tmp)
             raise
-        fsync_dir(final.parent)
+        fsync_path(final.parent)
         record = ShardRecord(
             index=index, seq_start=encoded.seq_start, seq_stop=encoded.seq_stop, num_tokens=encoded.num_tokens,
             path=final.relative_to(self.root).as_posix(), stored_bytes=sum(a["stored_bytes"] for a in arrays.values()),

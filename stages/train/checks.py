@@ -168,17 +168,27 @@ def attention_pairs(options: TrainOptions, student: StudentFacts, depth: int, ca
     """
     if options.attention_layers is not None:
         return _checked_map(options.attention_layers, options.seed, student, depth, cached, "attention", problems)
-    text = options.layer_map if options.layer_map != "none" else "uniform"
+    return restricted_map(options.layer_map, student.num_layers, depth, cached, options.seed, "attention",
+                          problems)
+
+
+def restricted_map(text: str, student_depth: int, depth: int, cached: tuple[int, ...], seed: int, what: str,
+                   problems: list[str]) -> list[Pair]:
+    """A map's pairs restricted to student blocks (s >= 1) whose teacher layer is cached.
+
+    ``none`` counts as ``uniform`` here: it switches off the hidden term, not the attention term that follows it.
+    A map that keeps no pair is a problem (appended to ``problems``), since the term would silently vanish.
+    """
     try:
-        pairs = build_layer_map(text, student.num_layers, depth, seed=options.seed)
+        pairs = build_layer_map(text if text != "none" else "uniform", student_depth, depth, seed=seed)
     except KdcacheError as exc:
-        problems.append(str(exc))
+        problems.append(f"{what} map {text!r}: {exc}")
         return []
-    pairs = [(s, t) for s, t in pairs if s >= 1 and t in cached]
-    if not pairs:
-        problems.append(f"no pair of the layer map {text!r} meets a cached attention layer (cached: "
-                        f"{list(cached)}); pass --attention-layers explicit:S-T,... naming cached layers")
-    return pairs
+    kept = [(s, t) for s, t in pairs if s >= 1 and t in cached]
+    if not kept:
+        problems.append(f"no pair of the {what} map {text!r} meets a cached {what} layer (cached: {list(cached)}); "
+                        f"pass an explicit:S-T map naming cached layers")
+    return kept
 
 
 def _checked_map(text: str, seed: int, student: StudentFacts, depth: int, cached: tuple[int, ...], what: str,

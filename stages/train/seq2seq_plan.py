@@ -14,11 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stages.train.checks import CacheCheckError, TrainPlan, _checked_map, vocab_problems
-from stages.train.layer_maps import build_layer_map
+from stages.train.checks import CacheCheckError, TrainPlan, _checked_map, restricted_map, vocab_problems
 from stages.train.options import TrainOptions
 from stages.train.student import StudentFacts
-from storage.errors import KdcacheError
 
 Pair = tuple[int, int]
 TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
@@ -48,21 +46,6 @@ def teacher_depths(reader: Any) -> tuple[int, int]:
     return int(enc), int(dec)
 
 
-def _restricted(text: str, student_depth: int, depth: int, cached: tuple[int, ...], seed: int,
-                what: str, problems: list[str]) -> list[Pair]:
-    """A side's map restricted to blocks (s >= 1) whose teacher maps are cached; a problem if none is left."""
-    try:
-        pairs = build_layer_map(text if text != "none" else "uniform", student_depth, depth, seed=seed)
-    except KdcacheError as exc:
-        problems.append(f"{what} map {text!r}: {exc}")
-        return []
-    kept = [(s, t) for s, t in pairs if s >= 1 and t in cached]
-    if not kept:
-        problems.append(f"no pair of the {what} map {text!r} meets a cached {what} block (cached: {list(cached)}); "
-                        f"pass an explicit:S-T map naming cached blocks")
-    return kept
-
-
 def _side_pairs(options: TrainOptions, side: str, student_depth: int, depth: int, spec: Any,
                 problems: list[str]) -> tuple[list[Pair], list[Pair]]:
     """(hidden pairs, self-attention pairs) of the ``side`` stack."""
@@ -79,8 +62,8 @@ def _side_pairs(options: TrainOptions, side: str, student_depth: int, depth: int
             attention = _checked_map(options.attention_layers, options.seed, facts, depth, attention_cached,
                                      f"{side} attention", problems)
         else:
-            attention = _restricted(text, student_depth, depth, attention_cached, options.seed,
-                                    f"{side} attention", problems)
+            attention = restricted_map(text, student_depth, depth, attention_cached, options.seed,
+                                       f"{side} attention", problems)
     return hidden, attention
 
 
@@ -94,8 +77,8 @@ def _cross_pairs(options: TrainOptions, student_depth: int, depth: int, spec: An
         return _checked_map(text, options.seed, facts, depth, spec.cross_attention_layers, "cross attention",
                             problems)
     decoder_map = options.decoder_layer_map or options.layer_map
-    return _restricted(decoder_map, student_depth, depth, spec.cross_attention_layers, options.seed,
-                       "cross attention", problems)
+    return restricted_map(decoder_map, student_depth, depth, spec.cross_attention_layers, options.seed,
+                          "cross attention", problems)
 
 
 def _feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) -> list[str]:

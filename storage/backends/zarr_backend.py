@@ -19,7 +19,7 @@ import numpy as np
 
 from storage.backends.base import Backend, Problem, ShardHandle
 from storage.codecs import to_zarr_compressors
-from storage.manifest import ShardRecord, fsync_dir
+from storage.manifest import ShardRecord, fsync_path
 from storage.spec import CacheSpec
 from storage.streams import split_stream
 
@@ -67,14 +67,6 @@ def array_crc(shard: Path, name: str) -> tuple[int, int]:
     return crc, size
 
 
-def _fsync_one(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     """fsync every file, then every directory, of a shard (in threads: fsync releases the GIL, and the
     device can overlap many small flushes)."""
@@ -83,8 +75,8 @@ def _fsync_tree(root: Path) -> None:
         dirs.append(dirpath)
         files.extend(os.path.join(dirpath, name) for name in names)
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(_fsync_one, files))
-        list(pool.map(_fsync_one, dirs))
+        list(pool.map(fsync_path, files))
+        list(pool.map(fsync_path, dirs))
 
 
 class ZarrShard(ShardHandle):
