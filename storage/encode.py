@@ -164,6 +164,10 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
     if kind_of(name) in ("attention", "cross_attention"):
         num_heads = {p.shape[0] for p in parts}
         heads = spec.attention_heads
+        if heads is not None and num_heads == {len(heads)}:
+            # Already cut to the spec's heads by the caller (on its device, saving the host copy). Heads are
+            # sorted and unique, so when they number H they are 0..H-1 and selecting again changes nothing.
+            heads = None
         if len(num_heads) != 1 or (heads and max(heads) >= min(num_heads)):
             raise InvalidSequenceError(f"{name}: head counts {sorted(num_heads)} differ between sequences or "
                                        f"do not cover attention_heads {list(heads or [])}")

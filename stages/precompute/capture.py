@@ -177,7 +177,13 @@ class FeatureCapture:
         self._out[f"hidden/{j}"] = to_storage_dtype(hidden, self.dtype_name)
 
     def _keep_attention(self, j: int, probs: torch.Tensor) -> None:
-        """``[B, H, L, L]`` probabilities -> the storage dtype (probabilities never overflow fp16)."""
+        """``[B, H, L, L]`` probabilities -> ``[B, H', L, L]`` kept heads in the storage dtype.
+
+        Heads are cut here, on the device, so unkept heads never cross to the host (storage accepts maps that
+        already hold exactly the spec's heads). Probabilities never overflow fp16.
+        """
+        if self.targets.heads is not None:
+            probs = probs[:, list(self.targets.heads)]
         self._out[f"attention/{j}"] = to_storage_dtype(probs, self.dtype_name)
 
     def _keep_logits(self, logits: torch.Tensor) -> None:

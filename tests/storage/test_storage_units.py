@@ -132,3 +132,17 @@ def test_storage_never_imports_torch():
     code = ("import sys, storage, storage.writer, storage.reader, storage.verify, storage.backends.arrow_backend, "
             "storage.backends.zarr_backend; assert 'torch' not in sys.modules, 'storage imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_attention_cut_to_the_spec_heads_by_the_caller_encodes_like_all_heads() -> None:
+    spec = CacheSpec(num_sequences=2, attention_layers=(1,), attention_heads=(1, 3), attention_triangle=True,
+                     sequences_per_shard=2)
+    rng = np.random.default_rng(0)
+    full = [rng.random((4, n, n), dtype=np.float32) for n in (3, 5)]
+    seqs = [{"input_ids": np.arange(a.shape[1]), "attention/1": a} for a in full]
+    cut = [{**s, "attention/1": s["attention/1"][[1, 3]]} for s in seqs]
+    want, got = encode_shard(spec, 0, seqs).arrays, encode_shard(spec, 0, cut).arrays
+    assert got["attention/1"].shape[1] == 2
+    np.testing.assert_array_equal(got["attention/1"], want["attention/1"])
+    with pytest.raises(InvalidSequenceError, match="head counts"):
+        encode_shard(spec, 0, [{**s, "attention/1": s["attention/1"][:3]} for s in seqs])
