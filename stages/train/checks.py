@@ -150,6 +150,10 @@ def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) ->
                         "precompute with logits (full or top-k), or use --beta 0")
     elif options.beta > 0 and not student.has_lm_head:
         problems.append("the KL term (--beta) needs student logits, but the student has no LM head")
+    elif options.beta > 0 and spec.logits == "topk" and options.topk_kl == "other" and options.temperature != 1:
+        problems.append(f"--topk-kl other rebuilds full-vocabulary probabilities from the cached logsumexp, which "
+                        f"is exact only at T=1, but --temperature is {options.temperature:g}; use --temperature 1, "
+                        "or --topk-kl renorm (which applies any temperature)")
     if options.gamma > 0 and options.layer_map != "none" and not spec.hidden_layers:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "
                         "re-run precompute with --layers, or use --gamma 0 / --layer-map none")

@@ -132,6 +132,7 @@ def test_other_hidden_losses_and_a_user_deepspeed_config(setup: dict[str, Path])
     ("layers", "needs teacher hidden layers 1, 3 but the cache holds 0, 2"),
     ("attention", "the attention term (--delta) needs attention maps"),
     ("logits", "the KL term (--beta) needs the teacher's logits"),
+    ("topk-other", "exact only at T=1, but --temperature is 2"),
 ])
 def test_bad_inputs_exit_2_with_a_clear_message(case: str, message: str, setup: dict[str, Path],
                                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -151,6 +152,9 @@ def test_bad_inputs_exit_2_with_a_clear_message(case: str, message: str, setup: 
         extra = ["--beta", "0", "--delta", "1", "--layer-map", "explicit:1-2"]
     elif case == "logits":
         extra = ["--beta", "1", "--layer-map", "explicit:1-2"]
+    elif case == "topk-other":
+        cache = str(setup["cache"])
+        extra = ["--beta", "1", "--topk-kl", "other", "--temperature", "2", "--delta", "0"]
     code = main(["train", "--cache", cache, "--student", student, "--out", str(root / f"bad-{case}"), *extra])
     err = capsys.readouterr().err
     assert code == 2
