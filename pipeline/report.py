@@ -36,22 +36,11 @@ def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
         (records, skipped): every line that parses as a JSON object, and how many did not (a truncated last
         line of a live run, typically).
     """
-    p = Path(path)
-    if not p.is_file():
-        return [], 0
-    records, skipped = [], 0
-    for line in p.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            skipped += 1
-            continue
-        if isinstance(record, dict) and "step" in record:
-            records.append(record)
-        else:
-            skipped += 1
+    from stages.train.logging import read_records
+
+    parsed, skipped = read_records(path)
+    records = [r for r in parsed if isinstance(r, dict) and "step" in r]
+    skipped += len(parsed) - len(records)
     return records, skipped
 
 

@@ -7,9 +7,9 @@ also be set in the ``precompute:`` section of ``--config file.yaml``, with the c
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
+from pipeline.commands import print_summary
 from pipeline.config import add_arguments, from_args
 from stages.precompute.options import PrecomputeOptions
 
@@ -32,14 +32,10 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build and validate the options, then run stage one; print the summary on rank 0. Returns 0."""
-    import os
-
     options = from_args(PrecomputeOptions, args, section="precompute")
     from stages.precompute import format_summary, run_precompute
 
-    summary = run_precompute(options)
-    if os.environ.get("RANK", "0") == "0":
-        print(json.dumps(summary, indent=2) if getattr(args, "json", False) else format_summary(summary))
+    print_summary(run_precompute(options), getattr(args, "json", False), format_summary)
     return 0
 
 

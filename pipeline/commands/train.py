@@ -10,10 +10,10 @@ inside ``run`` so ``kdcache --help`` stays instant.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
+from pipeline.commands import print_summary
 from pipeline.config import ConfigError, add_arguments, from_args
 from stages.train.options import TrainOptions
 
@@ -49,9 +49,7 @@ def run(args: argparse.Namespace) -> int:
     options = from_args(TrainOptions, args, section="train")
     from stages.train.loop import run_training
 
-    summary = run_training(options)
-    if os.environ.get("RANK", "0") == "0":
-        print(json.dumps(summary, indent=2) if getattr(args, "json", False) else format_summary(summary))
+    print_summary(run_training(options), getattr(args, "json", False), format_summary)
     return 0
 
 

@@ -1,26 +1,17 @@
 """Fingerprints of the things cached targets depend on: tokenizers and model configs.
 
 Both stages compute them the same way: stage one records them in the manifest, stage two recomputes them for
-its student and compares (``storage.compare_fingerprints``). Hashes are sha256 hex digests cut to 16 chars,
-enough to tell caches apart and short enough to read in an error message.
+its student and compares (``storage.compare_fingerprints``). Hashes are storage's ``sha256:<hex>`` strings, so
+every fingerprint of a manifest reads the same way (mismatch messages shorten them).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
-
-def short_hash(data: bytes) -> str:
-    """sha256 of ``data``, first 16 hex digits."""
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-def json_hash(obj: Any) -> str:
-    """Hash of a JSON-serialisable object, independent of key order."""
-    return short_hash(json.dumps(obj, sort_keys=True, default=str).encode())
+from storage.fingerprint import hash_json
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
@@ -32,7 +23,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     specials = {name: str(tok) for name, tok in sorted(tokenizer.special_tokens_map.items())}
     return {
-        "vocab_hash": json_hash(vocab),
+        "vocab_hash": hash_json(vocab),
         "vocab_size": len(tokenizer),
         "special_tokens": specials,
     }
@@ -44,7 +35,7 @@ def config_fingerprint(config: Any) -> str:
     for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "_attn_implementation",
                      "_attn_implementation_autoset", "output_attentions", "output_hidden_states"):
         data.pop(volatile, None)
-    return json_hash(data)
+    return hash_json(data)
 
 
 def weights_fingerprint(model_dir: str | Path | None, state_dict: dict[str, Any] | None = None) -> str:
@@ -61,7 +52,7 @@ def weights_fingerprint(model_dir: str | Path | None, state_dict: dict[str, Any]
             with open(path, "rb") as fh:
                 for block in iter(lambda: fh.read(1 << 24), b""):
                     h.update(block)
-        return h.hexdigest()[:16]
+        return "sha256:" + h.hexdigest()
     if state_dict is None:
         raise ValueError(f"no weight files found in {model_dir!r} and no state_dict given")
     import torch  # only this fallback needs torch
@@ -70,7 +61,7 @@ def weights_fingerprint(model_dir: str | Path | None, state_dict: dict[str, Any]
         tensor = state_dict[name].detach().cpu().contiguous()
         h.update(name.encode())
         h.update(tensor.view(-1).view(dtype=torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    return "sha256:" + h.hexdigest()
 
 
 def _weight_files(model_dir: str | Path) -> list[Path]:

@@ -8,7 +8,6 @@ here is deterministic: no shuffling, documents read in dataset order, empty text
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +41,6 @@ class TokenizedData:
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
-
-    def input_ids_hash(self) -> str:
-        """Hash of the lengths and ids: equal hashes mean identical model inputs, sequence for sequence."""
-        h = hashlib.sha256(self.lengths.tobytes())
-        for seq in self.sequences:
-            h.update(seq.tobytes())
-        return h.hexdigest()[:16]
 
 
 def load_texts(options: PrecomputeOptions) -> Any:

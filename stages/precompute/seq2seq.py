@@ -25,7 +25,7 @@ from stages.precompute.progress import Progress, RunStats, summarize
 from stages.precompute.seq2seq_capture import Seq2SeqCapture
 from stages.precompute.seq2seq_data import PairedData, load_pairs, paired_data_fingerprint, tokenize_pairs
 from stages.precompute.seq2seq_targets import Seq2SeqTargets, build_seq2seq_spec, resolve_seq2seq_targets
-from stages.precompute.teacher import (Teacher, _torch_dtype, load_tokenizer, pick_device, save_tokenizer,
+from stages.precompute.teacher import (Teacher, load_for_inference, load_tokenizer, pick_device, save_tokenizer,
                                        teacher_fingerprint)
 
 SEQ2SEQ_FORMAT_VERSION = 2
@@ -58,19 +58,8 @@ def load_seq2seq_teacher(options: PrecomputeOptions, config: Any, targets: Seq2S
     """
     from transformers import AutoModelForSeq2SeqLM
 
-    kwargs: dict[str, Any] = {"revision": options.revision, "dtype": _torch_dtype(options, device),
-                              "output_loading_info": True}
-    if targets.wants_attention:
-        kwargs["attn_implementation"] = "eager"
-    try:
-        model, info = AutoModelForSeq2SeqLM.from_pretrained(options.teacher, **kwargs)
-    except Exception as exc:
-        raise PrecomputeError(f"cannot load the seq2seq teacher from {options.teacher!r}: {exc}") from None
-    missing = sorted(k for k in info.get("missing_keys") or [] if targets.logits or not k.startswith(_HEAD_KEYS))
-    if missing:
-        raise PrecomputeError(f"teacher {options.teacher!r} checkpoint lacks {len(missing)} weight(s) "
-                              f"(e.g. {', '.join(missing[:3])}); they would be random")
-    model.eval().requires_grad_(False).to(device)
+    model = load_for_inference(AutoModelForSeq2SeqLM, options, device, eager=targets.wants_attention,
+                               optional=() if targets.logits else _HEAD_KEYS)
     fingerprint = {**teacher_fingerprint(options, model), "num_encoder_layers": targets.encoder_depth,
                    "num_decoder_layers": targets.decoder_depth}
     impl = getattr(model.config, "_attn_implementation", None) or "default"

@@ -165,24 +165,42 @@ def load_teacher(options: PrecomputeOptions, config: Any, targets: Targets, toke
     """
     import torch
 
-    cls = _model_class(config, targets, options.teacher)
+    model = load_for_inference(_model_class(config, targets, options.teacher), options, device,
+                               eager=bool(targets.attention_layers))
+    torch.manual_seed(options.seed)
+    fingerprint = teacher_fingerprint(options, model)
+    impl = getattr(model.config, "_attn_implementation", None) or "default"
+    return Teacher(model, tokenizer, model.config, device, fingerprint, impl)
+
+
+def load_for_inference(cls: Any, options: PrecomputeOptions, device: Any, *, eager: bool,
+                       optional: tuple[str, ...] = ()) -> Any:
+    """``cls.from_pretrained`` in the requested dtype, eval mode, no grads, on ``device``.
+
+    Args:
+        cls: the Auto class (or model class) to load with.
+        options: teacher path, revision and dtype.
+        device: where the model runs.
+        eager: eager attention (needed to capture attention maps; fused kernels never materialise them).
+        optional: prefixes of weights that may be missing (e.g. an LM head when no logits are cached).
+
+    Raises:
+        PrecomputeError: the weights cannot be loaded, or some are missing (random weights would silently
+            corrupt the targets).
+    """
     kwargs: dict[str, Any] = {"revision": options.revision, "dtype": _torch_dtype(options, device),
                               "output_loading_info": True}
-    if targets.attention_layers:
+    if eager:
         kwargs["attn_implementation"] = "eager"
     try:
         model, info = cls.from_pretrained(options.teacher, **kwargs)
     except Exception as exc:
         raise PrecomputeError(f"cannot load the teacher weights from {options.teacher!r}: {exc}") from None
-    missing = sorted(info.get("missing_keys") or [])
+    missing = sorted(k for k in info.get("missing_keys") or [] if not (optional and k.startswith(optional)))
     if missing:
         raise PrecomputeError(f"teacher {options.teacher!r} checkpoint lacks {len(missing)} weight(s) that "
-                              f"{cls.__name__} needs (e.g. {', '.join(missing[:3])}); they would be random")
-    model.eval().requires_grad_(False).to(device)
-    torch.manual_seed(options.seed)
-    fingerprint = teacher_fingerprint(options, model)
-    impl = getattr(model.config, "_attn_implementation", None) or "default"
-    return Teacher(model, tokenizer, model.config, device, fingerprint, impl)
+                              f"{type(model).__name__} needs (e.g. {', '.join(missing[:3])}); they would be random")
+    return model.eval().requires_grad_(False).to(device)
 
 
 def teacher_fingerprint(options: PrecomputeOptions, model: Any) -> dict[str, Any]:

@@ -22,10 +22,10 @@ Pair = tuple[int, int]
 class CacheCheckError(KdcacheError):
     """The cache and the student (or the chosen losses) do not fit; every problem is listed."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str], what: str = "training cannot start"):
         self.problems = list(problems)
         body = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"training cannot start ({len(self.problems)} problem(s)):\n{body}")
+        super().__init__(f"{what} ({len(self.problems)} problem(s)):\n{body}")
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,9 @@ def open_cache(path: str | Path, *, allow_partial: bool = False) -> Any:
     root = Path(path)
     if not (root / "manifest.json").is_file():
         why = "does not exist" if not root.exists() else "has no manifest.json (not a finished cache)"
+        # Training, eval and sweeps all open caches here, so the headline names the cache, not a caller.
         raise CacheCheckError([f"cache {str(root)!r} {why}; run `kdcache precompute` first, or point --cache "
-                               "at the folder holding manifest.json"])
+                               "at the folder holding manifest.json"], what="cannot open the cache")
     from storage import CacheReader
 
     return CacheReader(str(root), allow_partial=allow_partial)

@@ -58,20 +58,27 @@ class SampleTrace:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read a JSONL file written by this module (empty list if it does not exist).
+    """Read a JSONL file written by this module (empty list if it does not exist); see ``read_records``."""
+    return read_records(path)[0]
 
-    A run still writing (or killed mid-write) may leave a truncated last line; it is skipped, not an error.
+
+def read_records(path: str | Path) -> tuple[list[Any], int]:
+    """Every line of a JSONL file that parses, and how many did not.
+
+    A run still writing (or killed mid-write) may leave a truncated last line; it is counted, not an error.
     """
     p = Path(path)
     if not p.is_file():
-        return []
-    records = []
-    for line in p.read_text().splitlines():
+        return [], 0
+    records, skipped = [], 0
+    for line in p.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            continue
-    return records
+            skipped += 1
+    return records, skipped
 
 
 def _tensorboard_writer(path: Path) -> Any:

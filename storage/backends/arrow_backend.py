@@ -54,14 +54,14 @@ def _value_crc(offsets: np.ndarray, flat: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(flat).data, zlib.crc32(np.ascontiguousarray(offsets, np.int64).data))
 
 
-def _compressed_size(array: pa.Array, codec: str) -> int:
+def _compressed_size(array: pa.Array, codec: pa.Codec) -> int:
     """Bytes the IPC writer stores for ``array``: each buffer compressed (or kept raw if that is smaller),
-    plus its 8-byte length prefix. Arrow does not report per-column sizes, so we measure them."""
+    plus its 8-byte length prefix. Arrow does not report per-column sizes, so we measure them, with the file's
+    own codec and level so the figure matches what lands on disk."""
     total = 0
     for buf in array.buffers():
         if buf is not None and buf.size:
-            packed = pa.compress(buf, codec=codec, asbytes=False)
-            total += min(packed.size, buf.size) + 8
+            total += min(codec.compress(buf, asbytes=False).size, buf.size) + 8
     return total
 
 
@@ -136,6 +136,7 @@ class ArrowBackend(Backend):
 
     def write(self, path: Path, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         codec, level = file_codec(spec)
+        compressor = pa.Codec(codec, level) if level is not None else pa.Codec(codec)
         columns, fields, info = [], [], {}
         for name in spec.sequence_names():
             offsets = arrays[spec.offsets_name(name)]
@@ -145,12 +146,12 @@ class ArrowBackend(Backend):
             columns.append(column)
             fields.append(pa.field(name, column.type, nullable=False, metadata=meta))
             info[name] = {"shape": list(arrays[name].shape), "dtype": arrays[name].dtype.name,
-                          "stored_bytes": _compressed_size(column, codec), "decoded_bytes": int(arrays[name].nbytes),
+                          "stored_bytes": _compressed_size(column, compressor), "decoded_bytes": int(arrays[name].nbytes),
                           "value_crc32": _value_crc(offsets, arrays[name])}
         header = {"kdcache_format_version": spec.format_version, "shard": index, "dtype": spec.dtype}
         schema = pa.schema(fields, metadata={"kdcache": json.dumps(header)})
         sink = pa.BufferOutputStream()
-        options = ipc.IpcWriteOptions(compression=pa.Codec(codec, level) if level is not None else codec)
+        options = ipc.IpcWriteOptions(compression=compressor)
         with ipc.new_file(sink, schema, options=options) as writer:
             writer.write_batch(pa.record_batch(columns, schema=schema))
         data = sink.getvalue()

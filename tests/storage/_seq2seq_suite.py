@@ -47,13 +47,15 @@ def make_seq2seq_sequences(spec: CacheSpec, lengths: list[tuple[int, int]], seed
     return out
 
 
-def expected_seq2seq(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """What the reader must return, computed without storage's own encoding code."""
+def stored(spec: CacheSpec, x: np.ndarray) -> np.ndarray:
+    """Float values as the cache keeps them: fp16, or bf16 bits in uint16."""
     from storage.dtypes import float32_to_bf16_bits
 
-    def store(x: np.ndarray) -> np.ndarray:
-        return float32_to_bf16_bits(x) if spec.dtype == "bf16" else x.astype(np.float16)
+    return float32_to_bf16_bits(x) if spec.dtype == "bf16" else x.astype(np.float16)
 
+
+def expected_seq2seq(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What the reader must return, computed without storage's own encoding code."""
     out = {}
     for name, value in item.items():
         if name.endswith("input_ids"):
@@ -63,9 +65,9 @@ def expected_seq2seq(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, 
         elif "attention" in name:
             kept = value if spec.attention_heads is None else value[list(spec.attention_heads)]
             triangle = spec.attention_triangle and name.startswith("decoder/")  # only causal self-attention
-            out[name] = store(np.tril(kept) if triangle else kept)
+            out[name] = stored(spec, np.tril(kept) if triangle else kept)
         else:
-            out[name] = store(value)
+            out[name] = stored(spec, value)
     return out
 
 

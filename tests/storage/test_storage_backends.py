@@ -17,7 +17,7 @@ from storage.backends.base import get_backend
 from storage.errors import (CacheLockedError, CacheMismatchError, ChecksumError, FormatVersionError,
                             Fp16OverflowError, KdcacheError, LayerNotInCacheError, ManifestError, PartialCacheError,
                             UnknownCodecError, UnknownFeatureError)
-from tests.storage._seq2seq_suite import Seq2SeqSuite
+from tests.storage._seq2seq_suite import Seq2SeqSuite, stored
 
 D, HEADS = 8, 4
 FINGERPRINTS = {
@@ -52,18 +52,13 @@ def make_sequences(spec: CacheSpec, lengths: list[int], seed: int = 0) -> list[d
 
 def expected(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """What the reader must return for one input sequence, computed independently of storage.encode."""
-    from storage.dtypes import float32_to_bf16_bits
-
-    def store(x: np.ndarray) -> np.ndarray:
-        return float32_to_bf16_bits(x) if spec.dtype == "bf16" else x.astype(np.float16)
-
     out = {"input_ids": item["input_ids"].astype(np.int32)}
     for name, value in item.items():
         if name.startswith("hidden/") or name in ("logits/full", "logits/topk_values"):
-            out[name] = store(value)
+            out[name] = stored(spec, value)
         elif name.startswith("attention/"):
             attn = value if spec.attention_heads is None else value[list(spec.attention_heads)]
-            out[name] = store(np.tril(attn) if spec.attention_triangle else attn)
+            out[name] = stored(spec, np.tril(attn) if spec.attention_triangle else attn)
     if spec.logits == "topk":
         out["logits/topk_ids"] = item["logits/topk_ids"]
         out["logits/lse"] = item["logits/lse"]
