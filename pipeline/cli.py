@@ -4,8 +4,8 @@ Every module in ``pipeline.commands`` that defines ``register(subparsers)`` cont
 new command is one new file. Heavy imports (torch, transformers, deepspeed) happen inside the commands' ``run``
 functions, which keeps ``kdcache --help`` instant.
 
-Any ``KdcacheError`` (bad config, bad cache, bad input) ends the run with a one-paragraph message and exit
-status 2, never a traceback.
+Any ``KdcacheError`` (bad config, bad cache, bad input) and any ``OSError`` (a full disk, storage that cannot be
+reached) ends the run with a one-paragraph message and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `kdcache inspect CACHE | head`: the reader left, which is not an error
         sys.stdout = open(os.devnull, "w")
         return 0
+    except OSError as exc:  # the environment's fault (disk full, storage unreachable, permissions): no traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"kdcache {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"kdcache {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -83,3 +83,15 @@ class CacheMismatchError(KdcacheError):
 
 class CacheLockedError(KdcacheError):
     """Another live process holds the lock of the same writer part."""
+
+
+class DiskFullError(KdcacheError, OSError):
+    """The file system holding the cache is full (ENOSPC) or the user's quota is spent (EDQUOT)."""
+
+    def __init__(self, message: str, *, needed: int, free: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.free = free
+
+    def __str__(self) -> str:  # OSError would otherwise print its args tuple
+        return str(self.args[0]) if self.args else ""

@@ -8,8 +8,6 @@ Commit protocol (see storage/writer.py): a shard's data is renamed into place, t
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -17,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.errors import FormatVersionError, ManifestError
+from storage.files import write_json_atomic
 from storage.spec import FORMAT_VERSION, READABLE_FORMAT_VERSION, CacheSpec
 
 MANIFEST_NAME = "manifest.json"
@@ -39,31 +38,6 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def fsync_path(path: Path | str) -> None:
-    """fsync a file, or a directory (POSIX needs the directory synced to make a rename inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to a temp file in the same directory, fsync it, then ``os.replace`` it over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(obj, handle, indent=1, sort_keys=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
-
-
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """Load a JSON object, turning absence or corruption into ManifestError."""
     try:
@@ -81,9 +55,10 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 class ShardRecord:
     """One committed shard.
 
-    ``arrays`` maps array name -> ``{"shape", "dtype", "stored_bytes", "decoded_bytes", "crc32"}`` (plus backend
-    extras); ``checksum`` is a crc32 over the per-array checksums; ``extra`` holds backend-level data such as
-    the Arrow file's crc32.
+    ``arrays`` maps array name -> ``{"shape", "dtype", "stored_bytes", "decoded_bytes", "files"}`` plus the
+    backend's per-array checksum; ``extra["files"]`` maps every file of the shard (relative to ``shards/``) to
+    ``[size, crc32c]`` taken from the bytes in memory at write time (format 3); ``checksum`` summarises that table.
+    Format 1-2 records hold a zlib ``crc32`` per array instead (read-only).
     """
 
     index: int
@@ -106,9 +81,12 @@ class ShardRecord:
             raise ManifestError(f"corrupt shard record {str(data)[:200]}: {exc}") from None
 
 
-def shard_checksum(arrays: dict[str, dict[str, Any]]) -> str:
-    """crc32 over the sorted per-array crc32s, as ``crc32:xxxxxxxx``."""
-    text = ",".join(f"{name}={arrays[name]['crc32']}" for name in sorted(arrays))
+def shard_checksum(files: dict[str, list[int]]) -> str:
+    """One crc32 over a shard's file table (sorted ``path=size:crc32c``), as ``crc32:xxxxxxxx``.
+
+    A summary for humans and for comparing two caches; the per-file entries are what readers check.
+    """
+    text = ",".join(f"{path}={size}:{crc}" for path, (size, crc) in sorted(files.items()))
     return f"crc32:{zlib.crc32(text.encode()):08x}"
 
 
@@ -119,15 +97,16 @@ class Manifest:
     spec: CacheSpec
     fingerprints: dict[str, Any]
     status: str = "writing"
-    format_version: int = FORMAT_VERSION
+    format_version: int | None = None  # None: a new cache, written in this code's FORMAT_VERSION
     shards: list[ShardRecord] = field(default_factory=list)
     arrays: dict[str, dict[str, Any]] = field(default_factory=dict)
     created_at: str = field(default_factory=now)
     updated_at: str = field(default_factory=now)
 
     def __post_init__(self) -> None:
-        # The spec decides the format: a seq2seq cache is v2 so that v1-only readers refuse it cleanly.
-        self.format_version = max(self.format_version, self.spec.format_version)
+        # A cache read from disk keeps the version it was written in (1-2 are read-only); new ones get ours.
+        if self.format_version is None:
+            self.format_version = FORMAT_VERSION
 
     @property
     def num_tokens(self) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,9 +30,10 @@ from storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
 from storage.streams import (CROSS, SEQ2SEQ_STREAMS, attention_offsets_name, is_offsets, kind_of, prefixed,
                              split_stream, token_offsets_name)
 
-FORMAT_VERSION = 1  # single-stream caches (decoder-only and encoder teachers)
-SEQ2SEQ_FORMAT_VERSION = 2  # two token streams; older readers must refuse these, not misread them
-READABLE_FORMAT_VERSION = 2  # the newest format this code reads
+# Format history: 1 single-stream caches, 2 seq2seq caches (two token streams), 3 both layouts with one sharded
+# file per zarr array, Arrow IPC streams and a crc32c per file (docs/cache-format.md). Versions 1-2 are read-only.
+FORMAT_VERSION = 3  # what this code writes
+READABLE_FORMAT_VERSION = 3  # the newest format this code reads
 LAYOUTS = ("single", "seq2seq")
 SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",
                   "decoder_attention_layers", "cross_attention_layers")
@@ -152,8 +153,8 @@ class CacheSpec:
 
     @property
     def format_version(self) -> int:
-        """Format version of caches with this spec: 1 single-stream, 2 seq2seq."""
-        return SEQ2SEQ_FORMAT_VERSION if self.is_seq2seq else FORMAT_VERSION
+        """Format version of caches written with this spec (both layouts share it)."""
+        return FORMAT_VERSION
 
     @property
     def streams(self) -> tuple[str, ...]:

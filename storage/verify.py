@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storage.backends.base import get_backend
+from storage.backends.registry import get_backend
 from storage.errors import KdcacheError
 from storage.manifest import Manifest, read_manifest, read_sidecars
 

@@ -3,32 +3,36 @@
 Commit protocol for shard k:
 
 1. ``encode_shard`` builds the flat arrays in memory and runs every check (nothing touches disk before that);
-2. the backend writes them under ``shards/.tmp-shard-k-...`` and fsyncs every file;
-3. ``os.replace`` renames the temp to ``shards/shard-k`` (atomic), then the directory is fsynced;
-4. the sidecar ``shards/shard-k.json`` (range, tokens, bytes, checksums) is written atomically: the commit point.
+2. the backend packs them into the shard's files, still in memory; each file's size and crc32c are taken there;
+3. the files are written under ``shards/.tmp-shard-k-...`` and fsynced (files, then their folders);
+4. ``os.replace`` renames the temp to ``shards/shard-k`` (atomic), then ``shards/`` is fsynced;
+5. the sidecar ``shards/shard-k.json`` (range, tokens, bytes, file table) is written atomically: the commit point.
 
 ``finalize`` / ``merge_parts`` fold every sidecar into ``manifest.json``, written last. A writer killed at any
 step leaves either a temp (ignored, cleaned on retry) or a committed shard, and the manifest still says
-"writing", so readers refuse the cache unless told to accept a partial one.
+"writing", so readers refuse the cache unless told to accept a partial one. A full disk at any step removes the
+shard in flight and raises ``DiskFullError``; the next run resumes as if nothing had happened.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from storage.backends.base import Backend, get_backend
+from storage.backends.base import Backend
+from storage.backends.registry import get_backend
 from storage.encode import EncodedShard, encode_shard
-from storage.errors import CacheLockedError, CacheMismatchError, ManifestError, ShardError
+from storage.errors import CacheLockedError, CacheMismatchError, FormatVersionError, ManifestError, ShardError
+from storage.files import disk_full_error, fsync_path, is_disk_full, remove_path, write_json_atomic, write_tree
 from storage.fingerprint import compare_fingerprints
-from storage.manifest import (MANIFEST_NAME, SHARDS_DIR, Manifest, ShardRecord, fsync_path, read_manifest,
-                              read_sidecars, shard_checksum, shard_name, sidecar_path, summarize_arrays,
-                              write_json_atomic, write_manifest)
-from storage.spec import CacheSpec
+from storage.manifest import (MANIFEST_NAME, SHARDS_DIR, Manifest, ShardRecord, read_manifest, read_sidecars,
+                              shard_checksum, shard_name, sidecar_path, summarize_arrays, write_manifest)
+from storage.spec import FORMAT_VERSION, CacheSpec
 
 LOCKS_DIR = "locks"
 
@@ -102,6 +106,10 @@ class CacheWriter:
             write_manifest(self.root, Manifest(self.spec, self.fingerprints, "writing"))
             return
         existing = read_manifest(self.root)
+        if existing.format_version != FORMAT_VERSION:
+            raise FormatVersionError(f"{self.root} is a format {existing.format_version} cache; this kdcache reads it "
+                                     f"but writes format {FORMAT_VERSION} only, so it cannot add shards to it. "
+                                     f"Write to a new directory.")
         differences = spec_differences(existing.spec, self.spec)
         differences += compare_fingerprints(existing.fingerprints, self.fingerprints, strict=True)
         if differences:
@@ -131,33 +139,49 @@ class CacheWriter:
         return self.commit(encode_shard(self.spec, index, sequences))
 
     def commit(self, encoded: EncodedShard) -> ShardRecord:
-        """Flush an encoded shard to a temp name, fsync, checksum, rename into place, write its sidecar."""
+        """Pack an encoded shard in memory, write it under a temp name, rename it into place, write its sidecar.
+
+        Raises:
+            DiskFullError: the file system filled up; nothing of this shard is left behind.
+        """
         index = encoded.index
         self._clear_stale(index)
-        tmp, final = self.backend.temp_path(self.root, index), self.backend.final_path(self.root, index)
-        try:
-            arrays, extra = self.backend.write(tmp, encoded.arrays, self.spec, index)
-            os.replace(tmp, final)
-        except BaseException:
-            self.backend.remove(tmp)
-            raise
-        fsync_path(final.parent)
+        packed = self.backend.pack(encoded.arrays, self.spec, index)
+        files = packed.file_table()
         record = ShardRecord(
             index=index, seq_start=encoded.seq_start, seq_stop=encoded.seq_stop, num_tokens=encoded.num_tokens,
-            path=final.relative_to(self.root).as_posix(), stored_bytes=sum(a["stored_bytes"] for a in arrays.values()),
-            decoded_bytes=sum(a["decoded_bytes"] for a in arrays.values()), checksum=shard_checksum(arrays),
-            arrays=arrays, lossy=encoded.lossy, extra=extra)
-        if "file_bytes" in extra:  # one file per shard: its size is the honest total
-            record.stored_bytes = extra["file_bytes"]
-        write_json_atomic(sidecar_path(self.root, index), asdict(record))
+            path=self.backend.final_path(self.root, index).relative_to(self.root).as_posix(),
+            stored_bytes=sum(size for size, _ in files.values()),
+            decoded_bytes=sum(a["decoded_bytes"] for a in packed.arrays.values()), checksum=shard_checksum(files),
+            arrays=packed.arrays, lossy=encoded.lossy, extra={**packed.extra, "files": files})
+        try:
+            self._flush(index, packed.files)
+            write_json_atomic(sidecar_path(self.root, index), asdict(record))
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            remove_path(self.backend.final_path(self.root, index))
+            raise disk_full_error(self.root, record.stored_bytes, f"shard {index}") from None
         return record
+
+    def _flush(self, index: int, files: Mapping[str, Any]) -> None:
+        """Write a packed shard's files under a temp name, durably, then rename the temp into place."""
+        tmp, final = self.backend.temp_path(self.root, index), self.backend.final_path(self.root, index)
+        shards = self.root / SHARDS_DIR
+        try:  # the packed paths start with the final name; they are written under the temp name first
+            write_tree(shards, {tmp.name + path[len(final.name):]: data for path, data in files.items()})
+            os.replace(tmp, final)
+        except BaseException:
+            remove_path(tmp)
+            raise
+        fsync_path(shards)
 
     def _clear_stale(self, index: int) -> None:
         """Remove leftovers of a writer of this shard that died: temps, and data whose sidecar never landed."""
         for stale in (self.root / SHARDS_DIR).glob(f".tmp-{shard_name(index)}-*"):
-            self.backend.remove(stale)
+            remove_path(stale)
         if not sidecar_path(self.root, index).exists():
-            self.backend.remove(self.backend.final_path(self.root, index))
+            remove_path(self.backend.final_path(self.root, index))
 
     def finalize(self) -> Manifest:
         """Fold every committed shard into manifest.json; status "complete" once every shard is present."""
@@ -208,6 +232,11 @@ def merge_parts(path: str | os.PathLike[str]) -> Manifest:
         manifest.status = "complete" if complete else "partial"
         if complete:  # no writer can still need a temp: every shard is committed
             for stale in (root / SHARDS_DIR).glob(".tmp-*"):
-                backend.remove(stale)
-        write_manifest(root, manifest)
+                remove_path(stale)
+        try:
+            write_manifest(root, manifest)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            raise disk_full_error(root, len(json.dumps(manifest.to_dict())), "manifest.json") from None
     return manifest

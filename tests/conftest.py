@@ -47,3 +47,18 @@ def minilm() -> Path:
     from tests.helpers.tiny_models import minilm_path
 
     return minilm_path()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """An 8 MiB tmpfs: a real file system that really fills up (mounting needs root; CI runs as root here)."""
+    import subprocess
+
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

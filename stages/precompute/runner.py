@@ -27,8 +27,8 @@ from stages.common.fingerprints import tokenizer_fingerprint
 from stages.precompute.teacher import (Targets, Teacher, load_teacher, load_tokenizer, pick_device, read_config,
                                        resolve_targets, save_tokenizer, teacher_files_fingerprint)
 from storage.errors import KdcacheError
+from storage.spec import FORMAT_VERSION
 
-FORMAT_VERSION = 1
 # What a killed first run may leave in a new cache folder before its manifest exists.
 _CACHE_ENTRIES = {"shards", "locks", "tokenizer", "manifest.json"}
 

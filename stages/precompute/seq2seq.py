@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from stages.common.fingerprints import tokenizer_fingerprint
+from storage.spec import FORMAT_VERSION
 from stages.precompute.batching import Partition, collate, plan_batches
 from stages.precompute.distributed import DistContext
 from stages.precompute.errors import PrecomputeError
@@ -28,7 +29,6 @@ from stages.precompute.seq2seq_targets import Seq2SeqTargets, build_seq2seq_spec
 from stages.precompute.teacher import (Teacher, load_for_inference, load_tokenizer, pick_device, save_tokenizer,
                                        teacher_fingerprint)
 
-SEQ2SEQ_FORMAT_VERSION = 2
 _HEAD_KEYS = ("lm_head", "final_logits_bias")  # what a checkpoint without an LM head lacks
 _SEQ2SEQ_ONLY = ("source_column", "target_column", "max_target_length", "encoder_layers", "decoder_layers",
                  "encoder_attention_layers", "decoder_attention_layers", "cross_attention_layers")
@@ -91,7 +91,7 @@ def seq2seq_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: 
         "cross_attention_layers": list(targets.cross_attention),
         "heads": list(targets.heads) if targets.heads is not None else None, "features": list(options.features),
         "top_k": targets.top_k, "logits": targets.logits, "dtype": options.dtype, "codec": options.codec_config,
-        "bitround": options.bitround, "triangle": options.triangle, "format_version": SEQ2SEQ_FORMAT_VERSION,
+        "bitround": options.bitround, "triangle": options.triangle, "format_version": FORMAT_VERSION,
         "teacher_dtype": str(teacher.model.dtype).replace("torch.", ""),
         "attn_implementation": teacher.attn_implementation}
     return {"teacher": teacher.fingerprint, "tokenizer": tokenizer_fingerprint(teacher.tokenizer),

@@ -67,7 +67,8 @@ class TrainOptions:
     num_workers: int = field(default=0, metadata=_opt("DataLoader worker processes (decoding already runs "
                                                       "in threads; 0 is usually right)"))
     prefetch: int = field(default=4, metadata=_opt("micro-batches decoded ahead of the step"))
-    decode_threads: int = field(default=2, metadata=_opt("threads decoding shards"))
+    decode_threads: int = field(default=0, metadata=_opt(
+        "threads decoding cached arrays (arrays of a shard decode in parallel); 0 = one per core of the host"))
     shuffle_block: int = field(default=256, metadata=_opt(
         "sequences shuffled together after the shard shuffle; every shard a block touches stays decoded in host "
         "memory until the block is done, so lower it for long sequences or wide caches"))
@@ -90,10 +91,11 @@ class TrainOptions:
     def validate(self) -> list[str]:
         """Checks across fields and against the disk; returns every problem found."""
         problems: list[str] = []
-        for name in ("batch_size", "grad_accum", "log_every", "prefetch", "decode_threads", "shuffle_block",
-                     "critic_steps"):
+        for name in ("batch_size", "grad_accum", "log_every", "prefetch", "shuffle_block", "critic_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_threads < 0:
+            problems.append(f"decode_threads must be >= 0 (0 = one per core), got {self.decode_threads}")
         for name in ("epochs", "max_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:

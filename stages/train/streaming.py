@@ -195,7 +195,7 @@ class CacheStream(IterableDataset):
 
     def __init__(self, cache: str, names: Sequence[str], *, batch_size: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, start: DataPosition = DataPosition(), epochs: int | None = None,
-                 shuffle_block: int = 256, prefetch: int = 4, decode_threads: int = 2,
+                 shuffle_block: int = 256, prefetch: int = 4, decode_threads: int = 0,
                  allow_partial: bool = False, pin_memory: bool = False):
         super().__init__()
         self.cache, self.names = str(cache), tuple(names)
@@ -220,7 +220,7 @@ class CacheStream(IterableDataset):
     def _open(self) -> Any:
         from storage import CacheReader  # opened again in each worker process: readers hold file handles
 
-        return CacheReader(self.cache, allow_partial=self.allow_partial)
+        return CacheReader(self.cache, allow_partial=self.allow_partial, decode_threads=self.decode_threads or None)
 
     def plan(self) -> Iterator[tuple[int, list[tuple[int, np.ndarray]]]]:
         """This rank's micro-batches from the start position on, grouped by epoch: (epoch, [(step, ids)])."""
@@ -234,9 +234,9 @@ class CacheStream(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        producer = _Producer(self._open(), self.names, self.shard_ids, self.shard_ranges,
-                             self._worker_plan(worker, workers),
-                             self.prefetch, self.decode_threads, self.pin_memory)
+        reader = self._open()
+        producer = _Producer(reader, self.names, self.shard_ids, self.shard_ranges, self._worker_plan(worker, workers),
+                             self.prefetch, reader.decode_threads, self.pin_memory)
         try:
             yield from producer
         finally:

@@ -1,4 +1,4 @@
-"""Arrow backend: ONE Arrow IPC file per shard (``shards/shard-000000.arrow``), one row per sequence.
+"""Arrow backend: ONE Arrow IPC stream per shard (``shards/shard-000000.arrow``), one row per sequence.
 
 Every per-sequence array is a ``large_list`` column: ``input_ids`` is ``large_list<int32>``; a 2-D target such as
 ``hidden/3 [L, d]`` is ``large_list<fixed_size_list<float16, d>>``. An Arrow list is a flat values buffer plus an
@@ -7,16 +7,18 @@ offsets buffer, so the bytes on disk are the same token-major layout as the zarr
 columns. IPC buffer compression (LZ4 frame or ZSTD) applies to the whole file, so the file uses the activation
 codec when the cache has activations, else the top-k codec.
 
-Checksums: crc32 of the whole file (cheap, checked on first open), plus a crc32 per column over its decoded list
-offsets and values, so that a corrupt file can be traced to the array it damaged.
+Format 3 writes the IPC *stream* format, which Hugging Face ``datasets.Dataset.from_file`` opens directly (format
+1-2 wrote the IPC *file* format; both are read). Arrow IPC has no checksums of its own, so kdcache records, from
+the bytes in memory at write time: a crc32c of the header (schema and record-batch metadata, checked when the
+shard is opened), a crc32c per column over its decoded offsets and values (checked whenever the column is
+decoded, so reading one column never reads another), and the file's size and crc32c (checked by ``verify``).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import struct
 import threading
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from storage.backends.base import Backend, Problem, ShardHandle
+from storage.backends.base import Backend, PackedShard, Problem, ShardHandle, is_format3, verify_file_table
+from storage.backends.legacy import arrow_file_problem, value_crc32
 from storage.codecs import to_arrow_compression
-from storage.manifest import ShardRecord
+from storage.errors import ChecksumError
+from storage.files import crc32c
+from storage.manifest import ShardRecord, shard_name
 from storage.spec import CacheSpec
 from storage.streams import is_offsets
 
@@ -50,19 +55,39 @@ def _column(flat: np.ndarray, offsets: np.ndarray) -> pa.Array:
     return pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), values)
 
 
-def _value_crc(offsets: np.ndarray, flat: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(flat).data, zlib.crc32(np.ascontiguousarray(offsets, np.int64).data))
+def column_crc(offsets: np.ndarray, flat: np.ndarray) -> int:
+    """crc32c over a column's int64 list offsets (rebased to 0), then its token-major values."""
+    return crc32c(flat, crc32c(np.ascontiguousarray(offsets, np.int64)))
 
 
-def _compressed_size(array: pa.Array, codec: pa.Codec) -> int:
-    """Bytes the IPC writer stores for ``array``: each buffer compressed (or kept raw if that is smaller),
-    plus its 8-byte length prefix. Arrow does not report per-column sizes, so we measure them, with the file's
-    own codec and level so the figure matches what lands on disk."""
-    total = 0
-    for buf in array.buffers():
-        if buf is not None and buf.size:
-            total += min(codec.compress(buf, asbytes=False).size, buf.size) + 8
-    return total
+def _table_field(data: bytes, table: int, slot: int) -> int | None:
+    """Absolute position of field ``slot`` of the flatbuffer table at ``table`` (None when absent)."""
+    vtable = table - struct.unpack_from("<i", data, table)[0]
+    if 4 + 2 * slot >= struct.unpack_from("<H", data, vtable)[0]:
+        return None
+    offset = struct.unpack_from("<H", data, vtable + 4 + 2 * slot)[0]
+    return table + offset if offset else None
+
+
+def _ref(data: bytes, position: int) -> int:
+    return position + struct.unpack_from("<I", data, position)[0]
+
+
+def message_layout(stream: Any) -> tuple[int, list[tuple[int, int]]]:
+    """``(header length, [(offset in body, length)] per body buffer)`` of an IPC stream with one record batch.
+
+    pyarrow reports no per-column stored sizes, so the record batch's flatbuffer metadata (Message.header ->
+    RecordBatch.buffers, per the Arrow IPC spec) is read for them: each compressed buffer's length is what it
+    costs on disk. The header (schema message + record-batch metadata) precedes the body.
+    """
+    schema_end = 8 + struct.unpack_from("<i", stream, 4)[0]
+    meta_len = struct.unpack_from("<i", stream, schema_end + 4)[0]
+    meta = bytes(stream[schema_end + 8: schema_end + 8 + meta_len])
+    batch = _ref(meta, _table_field(meta, _ref(meta, 0), 2))  # Message.header: the RecordBatch table
+    buffers = _ref(meta, _table_field(meta, batch, 2))  # RecordBatch.buffers: [Buffer{offset, length}]
+    count = struct.unpack_from("<I", meta, buffers)[0]
+    spans = [struct.unpack_from("<qq", meta, buffers + 4 + 16 * i) for i in range(count)]
+    return schema_end + 8 + meta_len, spans
 
 
 def _split(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -78,33 +103,64 @@ def _split(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return offsets, flat
 
 
+def _open(source: Any, options: ipc.IpcReadOptions | None = None) -> Any:
+    """A reader of either IPC flavour: the stream (format 3) or the file with its footer (format 1-2)."""
+    if source.read(6) == b"ARROW1":
+        source.seek(0)
+        return ipc.open_file(source, options=options)
+    source.seek(0)
+    return ipc.open_stream(source, options=options)
+
+
+def _first_batch(reader: Any) -> pa.RecordBatch:
+    return reader.get_batch(0) if isinstance(reader, ipc.RecordBatchFileReader) else reader.read_next_batch()
+
+
 class ArrowShard(ShardHandle):
-    """An open Arrow shard; a column is decoded once (only the columns asked for) and cached."""
+    """An open Arrow shard; a column is decoded once (only the columns asked for), checked, and cached."""
 
     def __init__(self, path: Path, record: ShardRecord, spec: CacheSpec) -> None:
         self.path, self.record, self.spec = path, record, spec
         self._columns: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def _decode(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+    def decode(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """Decompress one column only (the others' pages are never touched): ``(offsets, flat values)``."""
         with pa.memory_map(str(self.path)) as source:
-            index = ipc.open_file(source).schema.get_field_index(name)  # reads only the footer
+            index = _open(source).schema.get_field_index(name)  # parses the header only
             if index < 0:
                 raise KeyError(f"column {name!r} missing from {self.path.name}")
-            options = ipc.IpcReadOptions(included_fields=[index])  # decompress only this column
-            return _split(ipc.open_file(source, options=options).get_batch(0).column(0))
+            options = ipc.IpcReadOptions(included_fields=[index])
+            return _split(_first_batch(_open(source, options)).column(0))
+
+    def _fail(self, name: str, message: str) -> ChecksumError:
+        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.path})",
+                             shard=self.record.index, array=name)
 
     def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
             if name not in self._columns:
-                self._columns[name] = self._decode(name)
+                try:
+                    offsets, flat = self.decode(name)
+                except (pa.ArrowException, OSError, ValueError, KeyError) as exc:  # damaged bytes, not a bug
+                    raise self._fail(name, f"cannot decode: {exc}") from None
+                if is_format3(self.record) and column_crc(offsets, flat) != self.record.arrays[name]["crc32c"]:
+                    raise self._fail(name, "decoded values differ from those written (crc32c mismatch)")
+                self._columns[name] = offsets, flat
             return self._columns[name]
 
     def check(self) -> list[Problem]:
-        crc = zlib.crc32(self.path.read_bytes())
-        if crc == self.record.extra["file_crc32"]:
-            return []
-        return _locate(self) or [("(file)", f"file bytes changed (crc32 {crc:08x}) outside any column's data")]
+        if not is_format3(self.record):
+            problem = arrow_file_problem(self.path, self.record)
+            return [] if problem is None else (locate(self) or [problem])
+        try:
+            with open(self.path, "rb") as handle:
+                header = handle.read(self.record.extra["header_bytes"])
+        except OSError as exc:
+            return [("(file)", f"cannot read: {exc}")]
+        if crc32c(header) != self.record.extra["header_crc32c"]:
+            return [("(file)", "the schema or record-batch header does not match its crc32c")]
+        return []
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
         if is_offsets(name):
@@ -112,71 +168,70 @@ class ArrowShard(ShardHandle):
         return self.column(name)[1][slice(start, stop)]
 
 
-def _locate(handle: ArrowShard) -> list[Problem]:
-    """Decode every column afresh and compare its value checksum: names the damaged arrays."""
+def locate(handle: ArrowShard) -> list[Problem]:
+    """Decode every column afresh and compare its checksum: names the damaged arrays of a damaged file."""
     problems = []
+    format3 = is_format3(handle.record)
     for name, info in handle.record.arrays.items():
-        if "value_crc32" not in info:
+        if is_offsets(name):
             continue
         try:
-            offsets, flat = handle._decode(name)
+            offsets, flat = handle.decode(name)
         except Exception as exc:  # noqa: BLE001 - a decode failure is a finding
             problems.append((name, f"cannot decode: {type(exc).__name__}: {exc}"))
             continue
-        if _value_crc(offsets, flat) != info["value_crc32"] or list(flat.shape) != info["shape"]:
+        crc = column_crc(offsets, flat) if format3 else value_crc32(offsets, flat)
+        if crc != info["crc32c" if format3 else "value_crc32"] or list(flat.shape) != info["shape"]:
             problems.append((name, "decoded values differ from those written (checksum mismatch)"))
     return problems
 
 
 class ArrowBackend(Backend):
-    """One Arrow IPC file per shard."""
+    """One Arrow IPC stream per shard."""
 
     name = "arrow"
     suffix = ".arrow"
 
-    def write(self, path: Path, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    def pack(self, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> PackedShard:
         codec, level = file_codec(spec)
-        compressor = pa.Codec(codec, level) if level is not None else pa.Codec(codec)
         columns, fields, info = [], [], {}
+        path = f"{shard_name(index)}{self.suffix}"
         for name in spec.sequence_names():
             offsets = arrays[spec.offsets_name(name)]
-            column = _column(arrays[name], offsets)
+            columns.append(_column(arrays[name], offsets))
             is_float = spec.is_lossy_kind(name) or name == "logits/topk_values"
             meta = {"kdcache_dtype": spec.dtype} if is_float else None  # tells plain users uint16 means bf16
-            columns.append(column)
-            fields.append(pa.field(name, column.type, nullable=False, metadata=meta))
-            info[name] = {"shape": list(arrays[name].shape), "dtype": arrays[name].dtype.name,
-                          "stored_bytes": _compressed_size(column, compressor), "decoded_bytes": int(arrays[name].nbytes),
-                          "value_crc32": _value_crc(offsets, arrays[name])}
+            fields.append(pa.field(name, columns[-1].type, nullable=False, metadata=meta))
+            info[name] = {"shape": list(arrays[name].shape), "dtype": arrays[name].dtype.name, "files": [path],
+                          "decoded_bytes": int(arrays[name].nbytes), "crc32c": column_crc(offsets, arrays[name])}
         header = {"kdcache_format_version": spec.format_version, "shard": index, "dtype": spec.dtype}
         schema = pa.schema(fields, metadata={"kdcache": json.dumps(header)})
         sink = pa.BufferOutputStream()
-        options = ipc.IpcWriteOptions(compression=compressor)
-        with ipc.new_file(sink, schema, options=options) as writer:
+        options = ipc.IpcWriteOptions(compression=pa.Codec(codec, level) if level is not None else codec)
+        with ipc.new_stream(sink, schema, options=options) as writer:
             writer.write_batch(pa.record_batch(columns, schema=schema))
         data = sink.getvalue()
-        with open(path, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        for name in spec.offset_arrays():
-            if name in arrays:  # implicit in the list offsets: no bytes of their own
-                info[name] = {"shape": list(arrays[name].shape), "dtype": "int64", "stored_bytes": 0,
-                              "decoded_bytes": int(arrays[name].nbytes), "crc32": 0}
-        for entry in info.values():
-            entry.setdefault("crc32", entry.get("value_crc32", 0))
-        return info, {"file_crc32": zlib.crc32(data), "file_bytes": data.size, "compression": codec}
+        header_bytes, spans = message_layout(data)
+        lengths = [length for _, length in spans]
+        counts = [len(column.buffers()) for column in columns]  # IPC writes buffers in schema order, depth first
+        assert sum(counts) == len(lengths), (counts, len(lengths))
+        edges = np.cumsum([0, *counts])
+        for name, begin, end in zip(spec.sequence_names(), edges[:-1], edges[1:]):
+            info[name]["stored_bytes"] = int(sum(lengths[begin:end]))
+        for name in spec.offset_arrays():  # implicit in the list offsets: no bytes of their own
+            info[name] = {"shape": list(arrays[name].shape), "dtype": "int64", "stored_bytes": 0, "files": [],
+                          "decoded_bytes": int(arrays[name].nbytes)}
+        extra = {"header_bytes": header_bytes, "header_crc32c": crc32c(data[:header_bytes]), "compression": codec}
+        return PackedShard({path: data}, info, extra)
 
     def open(self, path: Path, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
         return ArrowShard(path, record, spec)
 
     def verify(self, path: Path, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
         handle = ArrowShard(path, record, spec)
-        try:
-            crc = zlib.crc32(path.read_bytes())
-        except OSError as exc:
-            return [("(file)", f"cannot read: {exc}")]
-        problems = _locate(handle)  # verify always decodes every column
-        if crc != record.extra["file_crc32"] and not problems:
-            problems.append(("(file)", f"file bytes changed (crc32 {crc:08x}) outside any column's data"))
-        return problems
+        if not is_format3(record):
+            problem = arrow_file_problem(path, record)
+            problems = locate(handle)  # format 1-2 verify always decoded every column
+            return problems + [problem] if problem is not None and not problems else problems
+        problems = verify_file_table(path.parent, record)
+        return problems + (handle.check() + locate(handle) if problems else [])  # name what a decode shows

@@ -1,26 +1,47 @@
-"""The Store-like interface both backends implement.
+"""The interface both backends implement, and the file-table checks they share.
 
-A backend knows how to put one encoded shard (flat numpy arrays) onto disk at a temporary path, durably, and
-how to read arrays or slices back. It reports, per array, the stored (compressed) bytes and a crc32 the reader
-checks later. Commit (rename, sidecar) and the manifest belong to the writer, not to backends.
+A backend is a pure packer and a reader. ``pack`` turns one encoded shard (flat numpy arrays) into the shard's
+files, in memory; the writer puts those bytes on disk (``storage.files``) and records each file's size and
+crc32c, taken from the same bytes. ``open`` reads a committed shard back, checking what it reads; ``verify``
+checks every file against that table. Commit (temp name, rename, sidecar) and the manifest belong to the writer.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from storage.files import crc32c
 from storage.manifest import SHARDS_DIR, ShardRecord, shard_name
 from storage.spec import CacheSpec
 
-# (array name, what is wrong); array "(file)" means bytes that belong to no single array.
+# (array name, what is wrong); a file path stands in for the array when the bytes belong to no single array.
 Problem = tuple[str, str]
+
+
+@dataclass
+class PackedShard:
+    """One shard's files, in memory, ready to write.
+
+    Attributes:
+        files: path relative to ``shards/`` (``shard-000003/hidden/2/c.0.0``, ``shard-000003.arrow``) -> bytes.
+        arrays: per array ``{"shape", "dtype", "stored_bytes", "decoded_bytes", "files", ...}``.
+        extra: backend-level facts for the shard record (e.g. the Arrow header's length and crc32c).
+    """
+
+    files: dict[str, Any]
+    arrays: dict[str, dict[str, Any]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def file_table(self) -> dict[str, list[int]]:
+        """``{path: [size, crc32c]}`` of every file, from the in-memory bytes."""
+        return {path: [memoryview(data).nbytes, crc32c(data)] for path, data in self.files.items()}
 
 
 class ShardHandle(ABC):
@@ -28,11 +49,15 @@ class ShardHandle(ABC):
 
     @abstractmethod
     def check(self) -> list[Problem]:
-        """Compare stored bytes with the recorded checksums (cheap: no decode where avoidable)."""
+        """Checks due when the shard is opened (format 3: only the bytes the open itself reads)."""
 
     @abstractmethod
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        """Decode array ``name`` (rows ``[start, stop)`` along the first axis, or all of it)."""
+        """Decode array ``name`` (rows ``[start, stop)`` along the first axis, or all of it).
+
+        Raises:
+            ChecksumError: the bytes read do not match what was written.
+        """
 
 
 class Backend(ABC):
@@ -51,18 +76,13 @@ class Backend(ABC):
         return Path(root) / SHARDS_DIR / f".tmp-{shard_name(index)}-{tag}{self.suffix}"
 
     @abstractmethod
-    def write(self, path: Path, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-        """Write and fsync one shard at ``path``.
+    def pack(self, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> PackedShard:
+        """Compress one shard into its files, in memory (no I/O).
 
         Args:
-            path: temporary path (from ``temp_path``).
             arrays: name -> flat array, as produced by ``storage.encode.encode_shard``.
             spec: the cache spec (codecs, dtypes).
-            index: shard number (recorded in the shard's own metadata for plain-tool users).
-
-        Returns:
-            ``(arrays_info, extra)``: per array ``{"shape", "dtype", "stored_bytes", "decoded_bytes", "crc32"}``,
-            and backend-level extras to keep in the shard record.
+            index: shard number (names the files, and is recorded in the shard's own metadata).
         """
 
     @abstractmethod
@@ -71,23 +91,40 @@ class Backend(ABC):
 
     @abstractmethod
     def verify(self, path: Path, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
-        """Re-read and decode every chunk of every array; never raises for corruption."""
-
-    def remove(self, path: Path) -> None:
-        """Delete a (temporary or stale) shard, file or directory."""
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        """Check every stored byte of a shard; never raises for corruption."""
 
 
-def get_backend(name: str) -> Backend:
-    """The backend registered under ``name`` ("zarr" or "arrow")."""
-    from storage.backends.arrow_backend import ArrowBackend
-    from storage.backends.zarr_backend import ZarrBackend
-    from storage.errors import SpecError
+def is_format3(record: ShardRecord) -> bool:
+    """Whether ``record`` carries a per-file table (format 3); format 1-2 records hold per-array crc32s."""
+    return "files" in record.extra
 
-    backends: dict[str, type[Backend]] = {"zarr": ZarrBackend, "arrow": ArrowBackend}
-    if name not in backends:
-        raise SpecError(f"unknown backend {name!r}; expected one of {sorted(backends)}")
-    return backends[name]()
+
+def owner_of(record: ShardRecord, path: str) -> str:
+    """The array a file belongs to, or the file's own path for shared files (group metadata, an Arrow file)."""
+    owners = [name for name, info in record.arrays.items() if path in info.get("files", ())]
+    return owners[0] if len(owners) == 1 else path
+
+
+def check_file(shards_dir: Path, path: str, size: int, crc: int, *, read: bool = True) -> str | None:
+    """What is wrong with one file of the table (None: nothing). ``read=False`` checks its size only."""
+    full = shards_dir / path
+    try:
+        actual = full.stat().st_size
+        if actual != size:
+            return f"file {path} has {actual} bytes, {size} were written"
+        if read and crc32c(full.read_bytes()) != crc:
+            return f"file {path} does not match the crc32c recorded when it was written"
+    except OSError as exc:
+        return f"cannot read file {path}: {exc.strerror or exc}"
+    return None
+
+
+def verify_file_table(shards_dir: Path, record: ShardRecord) -> list[Problem]:
+    """Every file of a format-3 shard against its recorded size and crc32c."""
+    problems = []
+    for path, (size, crc) in sorted(record.extra["files"].items()):
+        message = check_file(shards_dir, path, size, crc)
+        if message:
+            problems.append((owner_of(record, path), message))
+    return problems
+

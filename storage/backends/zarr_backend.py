@@ -1,8 +1,11 @@
-"""Zarr v3 backend: one zarr group per shard (``shards/shard-000000/``), one array per name.
+"""Zarr v3 backend: one zarr group per shard (``shards/shard-000000/``), one sharded array per name.
 
-``hidden/3`` becomes the array at ``shard-000000/hidden/3`` inside implicit ``hidden`` group, so plain
-``zarr.open_group(shard)["hidden/3"]`` works. Chunks run along the token (row) axis only, so reading one
-sequence decodes a few chunks, and a row never straddles two chunks.
+``hidden/3`` is the array at ``shard-000000/hidden/3`` inside the implicit ``hidden`` group, so plain
+``zarr.open_group(shard)["hidden/3"]`` works. Each array is ONE zarr shard (the v3 ``sharding_indexed`` codec)
+in one file, ``hidden/3/c.0.0``: inner chunks of about ``CHUNK_BYTES`` decoded bytes along the token axis, so a
+sequence decodes a few inner chunks, and every inner chunk, like the shard index, ends in a crc32c that zarr
+checks on every decode. The ``zarr.json`` files are covered by the shard record's file table, checked when an
+array is opened.
 """
 
 from __future__ import annotations
@@ -10,34 +13,36 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from storage.backends.base import Backend, Problem, ShardHandle
+from storage.backends.base import Backend, PackedShard, Problem, ShardHandle, check_file, is_format3, verify_file_table
+from storage.backends.legacy import zarr_problems
 from storage.codecs import to_zarr_compressors
-from storage.manifest import ShardRecord, fsync_path
+from storage.errors import ChecksumError
+from storage.manifest import ShardRecord, shard_name
 from storage.spec import CacheSpec
 from storage.streams import split_stream
 
-CHUNK_BYTES = 1 << 20  # decoded bytes per chunk: blosc splits it into blocks anyway; small keeps random reads cheap
+CHUNK_BYTES = 1 << 20  # decoded bytes per inner chunk: blosc splits it into blocks anyway; small keeps random reads cheap
+CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0 beside zarr.json: no c/0/ folders
 _DIMENSIONS = {"input_ids": ("token",), "offsets": ("sequence_edge",), "attention_offsets": ("sequence_edge",),
                "logits/lse": ("token",), "hidden": ("token", "feature"), "attention": ("query_key", "head"),
                "logits": ("token", "rank"), "cross_attention": ("query_key", "head"),
                "cross_attention_offsets": ("sequence_edge",)}
 
 
-def _zarr():
+def _zarr() -> Any:
     import zarr
 
     return zarr
 
 
 def chunk_rows(array: np.ndarray) -> int:
-    """Rows per chunk so that one chunk holds about ``CHUNK_BYTES`` decoded bytes."""
+    """Rows per inner chunk so that one chunk holds about ``CHUNK_BYTES`` decoded bytes."""
     row_bytes = max(1, array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64)))
     return int(max(1, min(max(array.shape[0], 1), CHUNK_BYTES // row_bytes)))
 
@@ -48,99 +53,99 @@ def _dimension_names(name: str) -> tuple[str, ...]:
     return ("token", "vocab") if name == "logits/full" else names
 
 
-def array_files(shard: Path, name: str) -> list[Path]:
-    """Every file of array ``name`` (its zarr.json and c/... chunks), sorted by relative path.
-
-    Arrays never nest inside each other, so everything under the array's directory is its own.
-    """
-    base = shard / name
-    return sorted((p for p in base.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
-
-
-def array_crc(shard: Path, name: str) -> tuple[int, int]:
-    """``(crc32, stored bytes)`` over the array's files: relative path then contents, in sorted order."""
-    crc, size = 0, 0
-    for path in array_files(shard, name):
-        data = path.read_bytes()
-        crc = zlib.crc32(data, zlib.crc32(path.relative_to(shard).as_posix().encode(), crc))
-        size += len(data)
-    return crc, size
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory, of a shard (in threads: fsync releases the GIL, and the
-    device can overlap many small flushes)."""
-    files, dirs = [], []
-    for dirpath, _, names in os.walk(root):
-        dirs.append(dirpath)
-        files.extend(os.path.join(dirpath, name) for name in names)
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(fsync_path, files))
-        list(pool.map(fsync_path, dirs))
+def _create_array(store: Any, name: str, array: np.ndarray, spec: CacheSpec) -> None:
+    """One array as a single zarr shard whose inner chunks carry a crc32c each."""
+    zarr = _zarr()
+    rows = chunk_rows(array)
+    shard_rows = -(-max(array.shape[0], 1) // rows) * rows  # a whole number of inner chunks covering the array
+    compressors = [*to_zarr_compressors(spec.codec_for(name)), zarr.codecs.Crc32cCodec()]
+    with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn on every use; the choice is deliberate
+        warnings.simplefilter("ignore")
+        zarr.create_array(store, name=name, data=array, shards=(shard_rows, *array.shape[1:]),
+                          chunks=(rows, *array.shape[1:]), compressors=compressors, filters=None,
+                          chunk_key_encoding=CHUNK_KEYS, dimension_names=_dimension_names(name), zarr_format=3)
 
 
 class ZarrShard(ShardHandle):
-    """An open zarr shard; arrays are opened lazily and cached."""
+    """An open zarr shard; an array is opened (its metadata checked) on first use, then cached."""
 
     def __init__(self, path: Path, record: ShardRecord) -> None:
         self.path, self.record = path, record
         self._arrays: dict[str, Any] = {}
         self._lock = threading.Lock()
 
+    def _fail(self, name: str, message: str) -> ChecksumError:
+        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.path})",
+                             shard=self.record.index, array=name)
+
+    def _check_array_files(self, name: str) -> None:
+        """Metadata by crc32c (it is read in full anyway); the data file by size (its chunks carry crc32c)."""
+        table = self.record.extra["files"]
+        for path in self.record.arrays[name]["files"]:
+            size, crc = table[path]
+            message = check_file(self.path.parent, path, size, crc, read=path.endswith("zarr.json"))
+            if message:
+                raise self._fail(name, message)
+
     def _array(self, name: str) -> Any:
         with self._lock:
             if name not in self._arrays:
+                if is_format3(self.record):
+                    self._check_array_files(name)
                 with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn again on open
                     warnings.simplefilter("ignore")
                     self._arrays[name] = _zarr().open_array(str(self.path / name), mode="r")
             return self._arrays[name]
 
     def check(self) -> list[Problem]:
-        problems = []
-        for name, info in self.record.arrays.items():
-            crc, _ = array_crc(self.path, name)
-            if crc != info["crc32"]:
-                problems.append((name, f"stored bytes changed (crc32 {crc:08x}, recorded {info['crc32']:08x})"))
-        return problems
+        return [] if is_format3(self.record) else zarr_problems(self.path, self.record)
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        return np.asarray(self._array(name)[slice(start, stop)])
+        array = self._array(name)
+        try:
+            return np.asarray(array[slice(start, stop)])
+        except (ValueError, RuntimeError) as exc:  # zarr's crc32c mismatch is a ValueError, blosc's a RuntimeError
+            raise self._fail(name, f"stored bytes do not decode ({exc})") from None
 
 
 class ZarrBackend(Backend):
-    """Zarr v3 directory per shard."""
+    """Zarr v3 directory per shard, one sharded array file per name."""
 
     name = "zarr"
     suffix = ""
 
-    def write(self, path: Path, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    def pack(self, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> PackedShard:
         zarr = _zarr()
-        group = zarr.open_group(str(path), mode="w", zarr_format=3)
-        group.attrs.update({"kdcache_format_version": spec.format_version, "shard": index,
-                            "dtype": spec.dtype, "array_names": list(arrays)})
-        info: dict[str, dict[str, Any]] = {}
-        with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn on every use; the choice is deliberate
-            warnings.simplefilter("ignore")
-            for name, array in arrays.items():
-                zarr.create_array(str(path), name=name, data=array, chunks=(chunk_rows(array), *array.shape[1:]),
-                                  compressors=to_zarr_compressors(spec.codec_for(name)), filters=None,
-                                  dimension_names=_dimension_names(name), zarr_format=3)
-        _fsync_tree(path)
+        contents: dict[str, Any] = {}
+        store = zarr.storage.MemoryStore(contents)
+        group = zarr.open_group(store, mode="w", zarr_format=3,
+                                attributes={"kdcache_format_version": spec.format_version, "shard": index,
+                                            "dtype": spec.dtype, "array_names": list(arrays)})
+        for parent in sorted({name.rpartition("/")[0] for name in arrays} - {""}):
+            group.require_group(parent)  # implicit groups first: concurrent arrays would race to create them
+        # Arrays compress concurrently: blosc and crc32c release the GIL.
+        with ThreadPoolExecutor(max(1, min(len(arrays), os.cpu_count() or 1))) as pool:
+            list(pool.map(lambda name: _create_array(store, name, arrays[name], spec), arrays))
+        base = shard_name(index)
+        files = {f"{base}/{key}": buffer.as_numpy_array() for key, buffer in contents.items()}
+        info = {}
         for name, array in arrays.items():
-            crc, stored = array_crc(path, name)
-            info[name] = {"shape": list(array.shape), "dtype": array.dtype.name, "stored_bytes": stored,
-                          "decoded_bytes": int(array.nbytes), "crc32": crc}
-        return info, {}
+            own = sorted(path for path in files if path.startswith(f"{base}/{name}/"))
+            info[name] = {"shape": list(array.shape), "dtype": array.dtype.name, "files": own,
+                          "stored_bytes": sum(files[path].nbytes for path in own), "decoded_bytes": int(array.nbytes)}
+        return PackedShard(files, info)
 
     def open(self, path: Path, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
         return ZarrShard(path, record)
 
     def verify(self, path: Path, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
+        if is_format3(record):
+            return verify_file_table(path.parent, record)
         handle = ZarrShard(path, record)
         problems = handle.check()
         for name, info in record.arrays.items():
             try:
-                decoded = handle.read(name)  # decodes every chunk
+                decoded = handle.read(name)  # format 1-2: decode every chunk as well
             except Exception as exc:  # noqa: BLE001 - any decode failure is a finding, not a crash
                 problems.append((name, f"cannot decode: {type(exc).__name__}: {exc}"))
                 continue

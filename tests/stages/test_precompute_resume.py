@@ -7,6 +7,7 @@ uninterrupted process: shards are fixed sequence ranges and batches never cross 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,3 +140,25 @@ def test_two_torchrun_ranks_equal_one_process(tiny_gpt2: Path, corpus: Path, ref
     sidecars = {p.name for p in (out / "locks").glob("part-*")}
     assert sidecars == {"part-00000-of-00002.lock", "part-00001-of-00002.lock"}
     assert_same_cache(reference, out)
+
+
+def _disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in root.rglob("*"))
+
+
+def test_full_disk_exits_2_then_rerun_gives_identical_cache(tiny_gpt2: Path, corpus: Path, reference: Path,
+                                                             small_tmpfs: Path, capsys: pytest.CaptureFixture) -> None:
+    out, filler = small_tmpfs / "cache", small_tmpfs / "filler"
+    room = _disk_bytes(reference) // 2  # about half the cache fits
+    filler.write_bytes(bytes(max(0, shutil.disk_usage(small_tmpfs).free - room)))
+    code = main(_argv(_options(tiny_gpt2, corpus, out)))
+    err = capsys.readouterr().err
+    assert code == 2 and "disk full while writing" in err and str(out) in err and "free" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert not [p.name for p in (out / "shards").iterdir() if p.name.startswith(".tmp")]
+    assert 0 < len(list((out / "shards").glob("shard-*.json"))) < 20
+    assert not verify_cache(out).ok  # never looks complete
+    filler.unlink()
+    assert main(_argv(_options(tiny_gpt2, corpus, out))) == 0
+    assert_same_cache(reference, out)
+    assert verify_cache(out).ok

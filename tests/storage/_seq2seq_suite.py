@@ -99,7 +99,7 @@ class Seq2SeqSuite:
         spec = self.seq2seq_spec(**options)
         seqs = self.write_seq2seq(tmp_path, spec)
         reader = CacheReader(tmp_path)
-        assert reader.manifest.format_version == 2 and reader.spec == spec
+        assert reader.manifest.format_version == 3 and reader.spec == spec
         from_shards = list(reader.iter_sequences())
         for i, item in enumerate(seqs):
             want = expected_seq2seq(spec, item)
@@ -127,7 +127,7 @@ class Seq2SeqSuite:
         assert set(spec.features) == {"encoder/hidden", "encoder/attention", "decoder/hidden", "decoder/attention",
                                       "cross_attention", "logits/topk"}
 
-    def test_single_stream_manifest_keeps_format_v1(self, tmp_path):
+    def test_single_stream_manifest_leaves_out_seq2seq_fields(self, tmp_path):
         single = CacheSpec(num_sequences=2, backend=self.backend, hidden_layers=(1,), sequences_per_shard=2)
         seqs = [{"input_ids": np.arange(3), "hidden/1": np.ones((3, 4), np.float32)},
                 {"input_ids": np.arange(2), "hidden/1": np.ones((2, 4), np.float32)}]
@@ -135,7 +135,7 @@ class Seq2SeqSuite:
             writer.write_shard(0, seqs)
             writer.finalize()
         manifest = json.loads((tmp_path / "manifest.json").read_text())
-        assert manifest["format_version"] == 1 and "layout" not in manifest["spec"]
+        assert manifest["format_version"] == 3 and "layout" not in manifest["spec"]
         with pytest.raises(CacheMismatchError, match="spec layout differs"):
             CacheWriter(tmp_path, self.seq2seq_spec(num_sequences=2), FINGERPRINTS)
 
@@ -171,7 +171,7 @@ class Seq2SeqSuite:
             import pyarrow.ipc
 
             with pa.memory_map(str(tmp_path / "shards" / "shard-000000.arrow")) as source:
-                table = pa.ipc.open_file(source).read_all()
+                table = pa.ipc.open_stream(source).read_all()
             cell = table.column("encoder/hidden/2")[1].values
             hidden = cell.flatten().to_numpy(zero_copy_only=False).reshape(-1, cell.type.list_size)
             rows = table.column("cross_attention/2")[1].values

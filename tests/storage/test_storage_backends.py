@@ -1,4 +1,6 @@
-"""One shared storage suite, run once per backend (zarr, arrow). Small random arrays; no mocks."""
+"""One shared storage suite, run once per backend (zarr, arrow). Small random arrays; no mocks.
+
+Checksums, file modes, a full disk and older formats: tests/storage/test_format3.py."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import pytest
 
 from pipeline.commands import cache as cache_cmd
 from storage import CacheReader, CacheSpec, CacheWriter, merge_parts, to_float32, verify_cache
-from storage.backends.base import get_backend
-from storage.errors import (CacheLockedError, CacheMismatchError, ChecksumError, FormatVersionError,
+from storage.backends.registry import get_backend
+from storage.errors import (CacheLockedError, CacheMismatchError, FormatVersionError,
                             Fp16OverflowError, KdcacheError, LayerNotInCacheError, ManifestError, PartialCacheError,
                             UnknownCodecError, UnknownFeatureError)
+from tests.storage._format3_suite import Format3Suite
 from tests.storage._seq2seq_suite import Seq2SeqSuite, stored
 
 D, HEADS = 8, 4
@@ -80,10 +83,11 @@ def run_cli(*argv: str) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
-class StorageSuite(Seq2SeqSuite):
+class StorageSuite(Seq2SeqSuite, Format3Suite):
     """Everything the issue's "Done when" asks, for one backend (set by the subclass)."""
 
     backend = ""
+    fingerprints = FINGERPRINTS
 
     def spec(self, **kwargs) -> CacheSpec:
         base = dict(num_sequences=7, backend=self.backend, hidden_layers=(0, 2), attention_layers=(1,),
@@ -190,36 +194,6 @@ class StorageSuite(Seq2SeqSuite):
                 assert (err[normal] / np.abs(want[normal])).max() <= bound["max_rel_error"]
         assert "lossy" not in reader.manifest.arrays["input_ids"]
 
-    # ---- corruption ----------------------------------------------------------------------------------
-    def corruption_targets(self, root: Path) -> list[tuple[Path, int, int, str | None]]:
-        """(file, byte offset, shard, array it belongs to or None when the backend cannot tell)."""
-        raise NotImplementedError
-
-    def test_flipped_byte_is_caught_by_verify_and_reader(self, tmp_path):
-        spec = self.spec(logits="topk", attention_layers=(1,))
-        self.build(tmp_path, spec, lengths=[6] * 7)
-        assert verify_cache(tmp_path).ok
-        targets = self.corruption_targets(tmp_path)
-        assert targets
-        for path, offset, shard, array in targets:
-            original = path.read_bytes()
-            path.write_bytes(original[:offset] + bytes([original[offset] ^ 0x40]) + original[offset + 1:])
-            try:
-                report = verify_cache(tmp_path)
-                assert not report.ok and all(p.shard == shard for p in report.problems), report.problems
-                if array is not None:
-                    assert (shard, array) in report.bad_arrays, (path, report.problems)
-                with pytest.raises(ChecksumError) as caught:
-                    CacheReader(tmp_path).get(spec.shard_range(shard)[0])
-                assert caught.value.shard == shard and f"shard {shard}" in str(caught.value)
-                if array is not None:
-                    assert caught.value.array == array
-                code, out = run_cli("verify", str(tmp_path))
-                assert code == 1 and f"shard {shard}" in out and "Traceback" not in out
-            finally:
-                path.write_bytes(original)
-        assert verify_cache(tmp_path).ok
-
     # ---- partial caches ------------------------------------------------------------------------------
     def test_writer_that_died_leaves_a_refused_partial_cache(self, tmp_path):
         spec = self.spec()
@@ -310,8 +284,8 @@ class StorageSuite(Seq2SeqSuite):
             reader.get(0, names=["hidden/7"])
         manifest_path = tmp_path / "manifest.json"
         good = manifest_path.read_text()
-        manifest_path.write_text(good.replace('"format_version": 1', '"format_version": 3', 1))
-        with pytest.raises(FormatVersionError, match="format_version 3.*up to 2"):  # 2 = seq2seq caches
+        manifest_path.write_text(good.replace('"format_version": 3', '"format_version": 4', 1))
+        with pytest.raises(FormatVersionError, match="format_version 4.*up to 3"):
             CacheReader(tmp_path)
         manifest_path.write_text(good[: len(good) // 2])
         with pytest.raises(ManifestError, match="corrupt"):
@@ -358,16 +332,6 @@ class StorageSuite(Seq2SeqSuite):
 class TestZarrBackend(StorageSuite):
     backend = "zarr"
 
-    def corruption_targets(self, root):
-        targets = []
-        for shard_dir in sorted((root / "shards").glob("shard-*[0-9]")):
-            shard = int(shard_dir.name.split("-")[1])
-            for chunk in sorted(shard_dir.rglob("c/**/*")):
-                if chunk.is_file():
-                    array = chunk.relative_to(shard_dir).as_posix().split("/c/")[0]
-                    targets.append((chunk, chunk.stat().st_size // 2, shard, array))
-        return targets
-
     def read_plainly(self, root, shard, name, local):
         import zarr
 
@@ -380,34 +344,11 @@ class TestZarrBackend(StorageSuite):
 class TestArrowBackend(StorageSuite):
     backend = "arrow"
 
-    def corruption_targets(self, root):
-        path = root / "shards" / "shard-000001.arrow"
-        size = path.stat().st_size
-        return [(path, offset, 1, None) for offset in range(size // 10, size, size // 10)]
-
-    def test_corrupt_column_is_named(self, tmp_path):
-        spec = self.spec(hidden_layers=(0,), attention_layers=(), logits=None)
-        self.build(tmp_path, spec, lengths=[6] * 7)
-        import pyarrow as pa
-
-        path = tmp_path / "shards" / "shard-000000.arrow"
-        with pa.memory_map(str(path)) as source:  # find the hidden column's compressed values inside the file
-            values = pa.ipc.open_file(source).get_batch(0).column("hidden/0").flatten().flatten()
-            needle = pa.compress(values.buffers()[1], "lz4", asbytes=True)[-24:-8]
-        data = path.read_bytes()
-        offset = data.find(needle)
-        assert offset > 0
-        path.write_bytes(data[:offset] + bytes([data[offset] ^ 0x01]) + data[offset + 1:])
-        assert verify_cache(tmp_path).bad_arrays == [(0, "hidden/0")]
-        with pytest.raises(ChecksumError) as caught:
-            CacheReader(tmp_path)[0]
-        assert (caught.value.shard, caught.value.array) == (0, "hidden/0")
-
     def read_plainly(self, root, shard, name, local):
         import pyarrow as pa
 
         with pa.memory_map(str(root / "shards" / f"shard-{shard:06d}.arrow")) as source:
-            table = pa.ipc.open_file(source).read_all()
+            table = pa.ipc.open_stream(source).read_all()
         values = table.column(name)[local].values  # one row = one sequence
         if pa.types.is_fixed_size_list(values.type):  # [L, d] targets: list of fixed-size lists
             return values.flatten().to_numpy(zero_copy_only=False).reshape(-1, values.type.list_size)

@@ -1,0 +1,181 @@
+"""Cache I/O against plain zarr on the same arrays (issue 10): write, read, and one target out of five.
+
+Two shapes:
+
+- ``minilm``: the real all-MiniLM-L6-v2 activations over standard-library docstring sentences (as
+  bench_storage.py): hidden layers 0-3 and top-64 logits of the tied head (V = 30,522);
+- ``llama``: a synthetic Llama-shaped shard of 2,048 tokens: d = 4,096 hidden layers (fp16, normal values) and
+  top-64 logits at V = 128,256 (sorted fp16 values, uint32 ids, fp32 logsumexp).
+
+The baseline is plain zarr v3 writing the same flat, token-major arrays (what ``encode_shard`` produces) with the
+same codec (Blosc lz4 + bitshuffle for activations, zstd for top-k) in big chunks (about 16 MiB decoded), one
+group per shard, no fsync. kdcache's write is ``CacheWriter.write_shard`` on per-sequence fp16 arrays, so it
+also pays what the baseline skips: concatenation, fp16 range checks, checksums, fsync and the commit. Reads are
+a fresh ``CacheReader.read_shard`` per shard (page cache warm) against ``zarr.open_array(...)[:]`` per array.
+MB = 10**6 decoded bytes per second. Best of ``--repeats``, the two sides alternating.
+
+Run: ``HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_io.py [--repeats 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from storage import CacheReader, CacheSpec, CacheWriter, encode_shard  # noqa: E402
+from storage.codecs import to_zarr_compressors  # noqa: E402
+
+BIG_CHUNK = 16 << 20
+V_LLAMA, D_LLAMA, TOP_K = 128_256, 4096, 64
+
+
+def minilm_sequences(count: int) -> tuple[list[dict[str, np.ndarray]], int]:
+    """Real MiniLM targets (hidden 0-6, top-64), fp16 as stage one hands them over; and the vocabulary."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_storage import stdlib_sentences, teacher_outputs
+
+    seqs = teacher_outputs(stdlib_sentences(count))
+    keep = [f"hidden/{j}" for j in range(4)] + ["input_ids", "logits/topk_values", "logits/topk_ids", "logits/lse"]
+    return [{k: _fp16(k, s[k]) for k in keep} for s in seqs], 30_522
+
+
+def llama_sequences(tokens: int, per_sequence: int, layers: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Synthetic Llama-shaped targets: ``layers`` hidden layers [L, 4096] and top-64 at V = 128,256."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(tokens // per_sequence):
+        item = {"input_ids": rng.integers(0, V_LLAMA, per_sequence)}
+        for j in range(layers):
+            item[f"hidden/{j}"] = rng.normal(0, 2, (per_sequence, D_LLAMA)).astype(np.float16)
+        values = np.sort(rng.normal(0, 3, (per_sequence, TOP_K)).astype(np.float32), axis=1)[:, ::-1]
+        item["logits/topk_values"] = np.ascontiguousarray(values).astype(np.float16)
+        item["logits/topk_ids"] = rng.integers(0, V_LLAMA, (per_sequence, TOP_K)).astype(np.uint32)
+        item["logits/lse"] = (values[:, 0] + 2).astype(np.float32)
+        out.append(item)
+    return out
+
+
+def _fp16(name: str, value: np.ndarray) -> np.ndarray:
+    return value.astype(np.float16) if name.startswith("hidden/") or name == "logits/topk_values" else value
+
+
+def make_spec(seqs: list[dict[str, np.ndarray]], vocab: int, per_shard: int, hidden: int) -> CacheSpec:
+    return CacheSpec(num_sequences=len(seqs), hidden_layers=tuple(range(hidden)), logits="topk", top_k=TOP_K,
+                     vocab_size=vocab, sequences_per_shard=per_shard)
+
+
+def kdcache_write(root: Path, spec: CacheSpec, seqs: list[dict[str, np.ndarray]]) -> float:
+    t0 = time.perf_counter()
+    with CacheWriter(root, spec, {"teacher": {"name_or_path": "bench"}}) as writer:
+        for k in range(spec.num_shards):
+            writer.write_shard(k, seqs[slice(*spec.shard_range(k))])
+        writer.finalize()
+    return time.perf_counter() - t0
+
+
+def kdcache_read(root: Path, names: list[str] | None) -> float:
+    t0 = time.perf_counter()
+    reader = CacheReader(root)
+    for k in reader.committed_shards:
+        reader.read_shard(k, names)
+    return time.perf_counter() - t0
+
+
+def plain_write(root: Path, shards: list[dict[str, np.ndarray]], spec: CacheSpec) -> float:
+    import zarr
+
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k, arrays in enumerate(shards):
+            path = str(root / f"shard-{k}")
+            zarr.open_group(path, mode="w", zarr_format=3)
+            for name, array in arrays.items():
+                rows = max(1, min(len(array), BIG_CHUNK // max(1, array[0].nbytes)))
+                zarr.create_array(path, name=name, data=array, chunks=(rows, *array.shape[1:]),
+                                  compressors=to_zarr_compressors(spec.codec_for(name)), zarr_format=3)
+    return time.perf_counter() - t0
+
+
+def plain_read(root: Path, shards: list[dict[str, np.ndarray]], names: list[str] | None) -> float:
+    import zarr
+
+    t0 = time.perf_counter()
+    for k, arrays in enumerate(shards):
+        for name in names or arrays:
+            np.asarray(zarr.open_array(str(root / f"shard-{k}" / name), mode="r")[:])
+    return time.perf_counter() - t0
+
+
+def best(repeats: int, sides: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """Best wall time of each side over ``repeats`` rounds, sides alternating within a round."""
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, run in sides.items():
+            times[name].append(run())
+    return {name: min(values) for name, values in times.items()}
+
+
+def bench_shape(label: str, seqs: list[dict[str, np.ndarray]], vocab: int, per_shard: int, hidden: int,
+                tmp: Path, repeats: int) -> list[str]:
+    """One shape: write, read all, and top-k alone vs top-k out of a cache holding ``hidden`` more targets."""
+    spec = make_spec(seqs, vocab, per_shard, hidden)
+    shards = [encode_shard(spec, k, seqs[slice(*spec.shard_range(k))]).arrays for k in range(spec.num_shards)]
+    decoded = sum(a.nbytes for shard in shards for a in shard.values())
+
+    def fresh(name: str) -> Path:
+        shutil.rmtree(tmp / name, ignore_errors=True)
+        return tmp / name
+
+    writes = best(repeats, {"kdcache": lambda: kdcache_write(fresh("kd"), spec, seqs),
+                            "plain": lambda: plain_write(fresh("plain"), shards, spec)})
+    reads = best(repeats, {"kdcache": lambda: kdcache_read(tmp / "kd", None),
+                           "plain": lambda: plain_read(tmp / "plain", shards, None)})
+    only = make_spec([{k: v for k, v in s.items() if not k.startswith("hidden/")} for s in seqs], vocab, per_shard, 0)
+    kdcache_write(fresh("topk-only"), only, [{k: v for k, v in s.items() if not k.startswith("hidden/")} for s in seqs])
+    topk = ["logits/topk_values", "logits/topk_ids", "logits/lse"]
+    topk_bytes = sum(shard[n].nbytes for shard in shards for n in topk)
+    one = best(repeats, {"of five": lambda: kdcache_read(tmp / "kd", ["logits"]),
+                         "alone": lambda: kdcache_read(tmp / "topk-only", ["logits"])})
+    mb = lambda nbytes, s: nbytes / s / 1e6  # noqa: E731
+    return [
+        f"| {label} | write | {mb(decoded, writes['kdcache']):,.0f} | {mb(decoded, writes['plain']):,.0f} | "
+        f"{writes['plain'] / writes['kdcache']:.2f}× | ≥ 0.9× |",
+        f"| {label} | read, every array | {mb(decoded, reads['kdcache']):,.0f} | {mb(decoded, reads['plain']):,.0f} | "
+        f"{reads['plain'] / reads['kdcache']:.2f}× | ≥ 0.9× |",
+        f"| {label} | read top-k, out of {hidden + 1} targets vs alone | {mb(topk_bytes, one['of five']):,.0f} | "
+        f"{mb(topk_bytes, one['alone']):,.0f} (alone) | cost {one['of five'] / one['alone']:.2f}× | ≤ 1.2× |",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--llama-shards", type=int, default=3, help="2,048-token shards of the synthetic shape")
+    args = parser.parse_args()
+    rows = ["| shape | what | kdcache MB/s | plain zarr MB/s | kdcache / plain | target |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
+        seqs, vocab = minilm_sequences(args.sentences)
+        rows += bench_shape("MiniLM, 4 hidden + top-64", seqs, vocab, 128, 4, Path(tmp), args.repeats)
+        print("\n".join(rows), flush=True)
+        llama = llama_sequences(2048 * args.llama_shards, 256, 4)
+        rows += bench_shape("d=4096, 2,048-token shards, 4 hidden + top-64", llama, V_LLAMA, 8, 4, Path(tmp),
+                            args.repeats)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""Backends by name. Kept apart from ``base`` so that the interface never imports its implementations."""
+
+from __future__ import annotations
+
+from storage.backends.arrow_backend import ArrowBackend
+from storage.backends.base import Backend
+from storage.backends.zarr_backend import ZarrBackend
+from storage.errors import SpecError
+
+BACKENDS: dict[str, type[Backend]] = {"zarr": ZarrBackend, "arrow": ArrowBackend}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered under ``name`` ("zarr" or "arrow")."""
+    if name not in BACKENDS:
+        raise SpecError(f"unknown backend {name!r}; expected one of {sorted(BACKENDS)}")
+    return BACKENDS[name]()

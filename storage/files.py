@@ -1,0 +1,118 @@
+"""Durable local files: a shard's in-memory files to disk, JSON written atomically, crc32c, and disk-full errors.
+
+Backends never touch the disk: they pack a shard into ``{relative path: bytes}`` in memory, and this module
+writes those bytes. Checksums are therefore taken from the very bytes written, never by reading files back.
+
+Durability costs one ``fsync`` per file and per directory, run in a thread pool (fsync releases the GIL and a
+device overlaps many flushes), and nothing per array beyond that: a format-3 zarr shard is two files per array.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping
+
+import google_crc32c
+import numpy as np
+
+from storage.errors import DiskFullError
+
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_IO_THREADS = 8  # fsyncs in flight; beyond a handful the device queue, not the thread count, sets the pace
+
+
+def crc32c(data: Any, start: int = 0) -> int:
+    """crc32c (Castagnoli, as zarr's ``crc32c`` codec) of a bytes-like object, continuing from ``start``."""
+    # google_crc32c takes numpy arrays (not memoryviews) without a copy, so every buffer is viewed as bytes.
+    flat = np.ascontiguousarray(data).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    return int(google_crc32c.extend(start, flat.view(np.uint8)))
+
+
+def fsync_path(path: Path | str) -> None:
+    """fsync a file, or a directory (POSIX needs the directory synced to make an entry inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, data: Any) -> None:
+    # os.open with 0o666 lets the umask decide the mode, like any file a user creates (mkstemp would force 0600).
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tree(root: Path, files: Mapping[str, Any]) -> None:
+    """Create ``root`` and write every ``{relative path: bytes}`` under it, durably (files, then directories).
+
+    Raises:
+        OSError: as raised by the file system (callers turn a full disk into ``DiskFullError``).
+    """
+    paths = {os.path.join(root, rel): data for rel, data in files.items()}
+    dirs = sorted({str(root)} | {os.path.dirname(p) for p in paths})
+    for directory in dirs:
+        os.makedirs(directory, exist_ok=True)
+    with ThreadPoolExecutor(min(_IO_THREADS, max(1, len(paths)))) as pool:
+        list(pool.map(lambda item: _write_file(*item), paths.items()))
+        list(pool.map(fsync_path, dirs))
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to a temp file beside ``path``, fsync it, ``os.replace`` it over ``path``, fsync the directory."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        _write_file(str(tmp), (json.dumps(obj, indent=1) + "\n").encode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or a directory tree; absent is fine."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the file system (or the user's quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in FULL_DISK_ERRNOS
+
+
+def format_bytes(count: float) -> str:
+    """Binary units, labelled: ``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def disk_full_error(root: Path, needed: int, what: str) -> DiskFullError:
+    """A ``DiskFullError`` naming the cache, what was being written, the bytes it needs and the free space."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = 0
+    return DiskFullError(
+        f"disk full while writing {what} of the cache at {root}: it needs about {format_bytes(needed)} and "
+        f"{format_bytes(free)} is free there. Nothing half-written was kept. Free at least {format_bytes(needed)} "
+        f"more (or move the cache) and rerun the same command: committed shards are reused, and the cache ends "
+        f"identical to an uninterrupted run.", needed=needed, free=free)
