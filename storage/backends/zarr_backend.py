@@ -5,11 +5,13 @@
 in one file, ``hidden/3/c.0.0``: inner chunks of about ``CHUNK_BYTES`` decoded bytes along the token axis, so a
 sequence decodes a few inner chunks, and every inner chunk, like the shard index, ends in a crc32c that zarr
 checks on every decode. The ``zarr.json`` files are covered by the shard record's file table, checked when an
-array is opened.
+array is opened. Whole-array reads (training's) decode through ``shard_file``, which checks the same crc32c
+without zarr's two copies per chunk; slices go through zarr.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import warnings
@@ -17,17 +19,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numcodecs
 import numpy as np
 
 from storage.backends.base import Backend, PackedShard, Problem, ShardHandle, check_file, is_format3, verify_file_table
 from storage.backends.legacy import zarr_problems
+from storage.backends.shard_file import ShardFileError, plain_layout, read_whole
 from storage.codecs import to_zarr_compressors
 from storage.errors import ChecksumError
+from storage.files import crc32c
 from storage.manifest import ShardRecord, shard_name
 from storage.spec import CacheSpec
 from storage.streams import split_stream
 
-CHUNK_BYTES = 1 << 20  # decoded bytes per inner chunk: blosc splits it into blocks anyway; small keeps random reads cheap
+CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one or two; bigger ones barely read faster
 CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0 beside zarr.json: no c/0/ folders
 _DIMENSIONS = {"input_ids": ("token",), "offsets": ("sequence_edge",), "attention_offsets": ("sequence_edge",),
                "logits/lse": ("token",), "hidden": ("token", "feature"), "attention": ("query_key", "head"),
@@ -63,44 +68,69 @@ def _create_array(store: Any, name: str, array: np.ndarray, spec: CacheSpec) -> 
         warnings.simplefilter("ignore")
         zarr.create_array(store, name=name, data=array, shards=(shard_rows, *array.shape[1:]),
                           chunks=(rows, *array.shape[1:]), compressors=compressors, filters=None,
-                          chunk_key_encoding=CHUNK_KEYS, dimension_names=_dimension_names(name), zarr_format=3)
+                          chunk_key_encoding=CHUNK_KEYS, dimension_names=_dimension_names(name), zarr_format=3,
+                          config={"write_empty_chunks": True})  # skips an all-equal scan of every chunk
 
 
 class ZarrShard(ShardHandle):
-    """An open zarr shard; an array is opened (its metadata checked) on first use, then cached."""
+    """An open zarr shard; an array's metadata is checked on first use, and whole-array reads skip zarr's copies."""
 
-    def __init__(self, path: Path, record: ShardRecord) -> None:
-        self.path, self.record = path, record
+    def __init__(self, path: Path, record: ShardRecord, spec: CacheSpec) -> None:
+        self.path, self.record, self.spec = path, record, spec
         self._arrays: dict[str, Any] = {}
+        self._metadata: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def _fail(self, name: str, message: str) -> ChecksumError:
         return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.path})",
                              shard=self.record.index, array=name)
 
-    def _check_array_files(self, name: str) -> None:
-        """Metadata by crc32c (it is read in full anyway); the data file by size (its chunks carry crc32c)."""
-        table = self.record.extra["files"]
-        for path in self.record.arrays[name]["files"]:
-            size, crc = table[path]
-            message = check_file(self.path.parent, path, size, crc, read=path.endswith("zarr.json"))
-            if message:
-                raise self._fail(name, message)
+    def metadata(self, name: str) -> dict[str, Any]:
+        """An array's ``zarr.json``, checked against its crc32c, and its data file's size (its chunks carry crc32c)."""
+        with self._lock:
+            if name not in self._metadata:
+                table = self.record.extra["files"]
+                for path in self.record.arrays[name]["files"]:
+                    size, crc = table[path]
+                    message = check_file(self.path.parent, path, size, crc, read=False)
+                    if message:
+                        raise self._fail(name, message)
+                raw = (self.path / name / "zarr.json").read_bytes()
+                if crc32c(raw) != table[f"{self.path.name}/{name}/zarr.json"][1]:
+                    raise self._fail(name, "zarr.json does not match the crc32c recorded when it was written")
+                self._metadata[name] = json.loads(raw)
+            return self._metadata[name]
 
     def _array(self, name: str) -> Any:
+        if is_format3(self.record):
+            self.metadata(name)
         with self._lock:
             if name not in self._arrays:
-                if is_format3(self.record):
-                    self._check_array_files(name)
                 with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn again on open
                     warnings.simplefilter("ignore")
                     self._arrays[name] = _zarr().open_array(str(self.path / name), mode="r")
             return self._arrays[name]
 
+    def _read_whole(self, name: str) -> np.ndarray | None:
+        """The whole array through ``shard_file`` (None when the layout is not the one kdcache writes)."""
+        layout = plain_layout(self.metadata(name))
+        data = [p for p in self.record.arrays[name]["files"] if not p.endswith("zarr.json")]
+        if layout is None or len(data) != 1:
+            return None
+        codec = numcodecs.get_codec(self.spec.codec_for(name))
+        try:
+            return read_whole(self.path.parent / data[0], self.metadata(name), codec, layout["rows"])
+        except ShardFileError as exc:
+            raise self._fail(name, f"stored bytes do not decode ({exc})") from None
+
     def check(self) -> list[Problem]:
         return [] if is_format3(self.record) else zarr_problems(self.path, self.record)
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        if start is None and stop is None and is_format3(self.record):
+            whole = self._read_whole(name)
+            if whole is not None:
+                return whole
         array = self._array(name)
         try:
             return np.asarray(array[slice(start, stop)])
@@ -136,12 +166,12 @@ class ZarrBackend(Backend):
         return PackedShard(files, info)
 
     def open(self, path: Path, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        return ZarrShard(path, record)
+        return ZarrShard(path, record, spec)
 
     def verify(self, path: Path, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
         if is_format3(record):
             return verify_file_table(path.parent, record)
-        handle = ZarrShard(path, record)
+        handle = ZarrShard(path, record, spec)
         problems = handle.check()
         for name, info in record.arrays.items():
             try:

@@ -97,6 +97,26 @@ class Format3Suite:
             reader.read_shard(0, ["hidden/0"])
         assert (caught.value.shard, caught.value.array) == (0, "hidden/0")
 
+    def test_whole_array_reads_equal_zarrs_own(self, tmp_path, monkeypatch):
+        if self.backend != "zarr":
+            pytest.skip("zarr layout only")
+        import zarr
+
+        from storage.backends import zarr_backend
+
+        monkeypatch.setattr(zarr_backend, "CHUNK_BYTES", 256)  # many inner chunks, the last one partial
+        spec = self.spec(num_sequences=40, sequences_per_shard=40, logits="full", dtype="bf16")
+        self.build(tmp_path, spec, lengths=[(i * 7) % 23 + 1 for i in range(40)])
+        shard = CacheReader(tmp_path, decode_threads=1).read_shard(0)
+        group = zarr.open_group(str(tmp_path / "shards" / "shard-000000"), mode="r")
+        for name, array in {**shard.arrays, **shard.all_offsets}.items():
+            want = np.asarray(group[name][:])
+            assert array.dtype == want.dtype and array.shape == want.shape, name
+            np.testing.assert_array_equal(array, want, err_msg=name)
+        meta = json.loads((tmp_path / "shards" / "shard-000000" / "hidden" / "2" / "zarr.json").read_text())
+        rows, total = meta["codecs"][0]["configuration"]["chunk_shape"][0], meta["shape"][0]
+        assert total > rows and total % rows, (total, rows)  # several inner chunks, the last one partial
+
     def test_files_follow_the_umask(self, tmp_path):
         previous = os.umask(0o022)
         try:

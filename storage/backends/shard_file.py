@@ -1,0 +1,103 @@
+"""Whole-array reads of a format-3 zarr array file, straight into the output array.
+
+Every kdcache zarr array is ONE zarr shard (``sharding_indexed``): inner chunks, each ``bytes -> compressor ->
+crc32c``, then an index of ``(offset, nbytes)`` uint64 pairs that ends in its own crc32c, at the end of the file
+(zarr v3 sharding spec). zarr decodes such a file through its generic pipeline, which copies every inner chunk
+twice (into a shard buffer, then into the result) on its one event-loop thread: measured at 0.6-0.7x the speed
+of an unsharded read (benchmarks/RESULTS.md). Reading a *whole* array, which is what training does, needs none
+of that: this module reads the file once, checks the index's and every chunk's crc32c exactly as zarr's
+``crc32c`` codec does, and decodes each chunk with the same numcodecs codec directly into its rows of the result.
+Anything else (a slice, a layout this code did not write) goes through zarr.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numcodecs
+import numpy as np
+
+from storage.files import crc32c
+
+_NO_CHUNK = np.iinfo(np.uint64).max  # offset and nbytes of an inner chunk that was never written
+
+
+class ShardFileError(ValueError):
+    """The bytes of a shard file do not match their crc32c, or its index points outside the file."""
+
+
+def plain_layout(metadata: dict[str, Any]) -> dict[str, Any] | None:
+    """The inner chunk rows and compressor of a sharded array as kdcache writes it, or None for any other layout.
+
+    kdcache writes ``[sharding_indexed(chunk_shape, [bytes(little), COMPRESSOR, crc32c], index [bytes, crc32c],
+    end)]`` with one shard covering the whole array; only that is read here.
+    """
+    codecs = metadata.get("codecs", [])
+    if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
+        return None
+    config = codecs[0]["configuration"]
+    inner = [c.get("name") for c in config["codecs"]]
+    index = [c.get("name") for c in config["index_codecs"]]
+    grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    if (len(inner) != 3 or inner[0] != "bytes" or inner[2] != "crc32c" or index != ["bytes", "crc32c"]
+            or config.get("index_location", "end") != "end" or grid[0] < metadata["shape"][0]
+            or list(grid[1:]) != list(metadata["shape"][1:])):
+        return None
+    return {"rows": int(config["chunk_shape"][0]), "compressor": config["codecs"][1]}
+
+
+def _chunk_index(data: memoryview, count: int) -> np.ndarray:
+    """The ``[count, 2]`` (offset, nbytes) table at the end of the file, after checking its crc32c."""
+    size = 16 * count
+    if len(data) < size + 4:
+        raise ShardFileError(f"file of {len(data)} bytes cannot hold an index of {count} chunks")
+    table = data[len(data) - size - 4: len(data) - 4]
+    if crc32c(table) != int.from_bytes(data[len(data) - 4:], "little"):
+        raise ShardFileError("shard index does not match its crc32c")
+    return np.frombuffer(table, "<u8").reshape(count, 2)
+
+
+def read_whole(path: Path, metadata: dict[str, Any], codec: numcodecs.abc.Codec, rows: int) -> np.ndarray:
+    """Decode every row of a one-shard array file.
+
+    Args:
+        path: the array's data file (``.../hidden/3/c.0.0``).
+        metadata: its parsed ``zarr.json``.
+        codec: the numcodecs codec of the inner chunks (zarr's native blosc/zstd/gzip write the same frames).
+        rows: rows per inner chunk.
+
+    Returns:
+        ``[shape]`` array of the metadata's dtype.
+
+    Raises:
+        ShardFileError: a crc32c mismatch, or an index pointing outside the file.
+    """
+    shape, dtype = tuple(metadata["shape"]), np.dtype(metadata["data_type"])
+    out = np.empty(shape, dtype)
+    count = -(-shape[0] // rows) if shape[0] else 0
+    data = memoryview(path.read_bytes())
+    index = _chunk_index(data, count)
+    for k, (offset, nbytes) in enumerate(index.tolist()):
+        rows_k = out[k * rows: (k + 1) * rows]
+        if offset == _NO_CHUNK:  # never written: zarr's fill value
+            rows_k[...] = metadata.get("fill_value", 0)
+            continue
+        if offset + nbytes > len(data) - 16 * count - 4 or nbytes < 4:
+            raise ShardFileError(f"inner chunk {k} lies outside the file")
+        chunk = data[offset: offset + nbytes - 4]
+        if crc32c(chunk) != int.from_bytes(data[offset + nbytes - 4: offset + nbytes], "little"):
+            raise ShardFileError(f"inner chunk {k} does not match its crc32c")
+        _decode_into(codec, chunk, rows_k, rows)
+    return out
+
+
+def _decode_into(codec: numcodecs.abc.Codec, chunk: memoryview, target: np.ndarray, rows: int) -> None:
+    """Decode one inner chunk into ``target`` (its rows of the result; the last chunk may be shorter)."""
+    if len(target) == rows:
+        codec.decode(chunk, out=target)
+        return
+    full = np.empty((rows, *target.shape[1:]), target.dtype)  # zarr pads the last inner chunk to full size
+    codec.decode(chunk, out=full)
+    target[...] = full[: len(target)]
+
