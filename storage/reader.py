@@ -26,6 +26,7 @@ from storage.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
 from storage.spec import CacheSpec
 from storage.streams import kind_of
 
+
 def default_decode_threads() -> int:
     """Decode threads when none are asked for: the cores this process may run on."""
     try:

@@ -25,7 +25,8 @@ class VerifyProblem:
 
     def __str__(self) -> str:
         where = [f"shard {self.shard}"] if self.shard is not None else []
-        where += [f"array {self.array}"] if self.array is not None else []
+        if self.array is not None:  # a path under shards/ names a file no single array owns (group metadata)
+            where.append(f"{'file' if self.array.startswith('shard-') else 'array'} {self.array}")
         return f"{', '.join(where) or 'cache'}: {self.message}"
 
 
