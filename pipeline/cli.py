@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import pkgutil
 import sys
@@ -19,6 +20,7 @@ import sys
 import pipeline.commands
 from storage.errors import KdcacheError
 
+_STORAGE_CLIENTS = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure", "google", "fsspec"}
 DESCRIPTION = (
     "kdcache: run a Hugging Face teacher once, cache its hidden states, attention maps and logits as compressed "
     "shards, then distil students from the cache under DeepSpeed ZeRO without ever loading the teacher again."
@@ -36,13 +38,31 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"pipeline.commands.{info.name}")
         if hasattr(module, "register"):
             module.register(subparsers)
+    for command in subparsers.choices.values():  # every command may read or write a cache in object storage
+        command.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                             help="an fsspec option for s3://, gs://... caches, e.g. endpoint_url=http://host:9000 "
+                                  "(repeatable; credentials also come from the usual AWS_* / GOOGLE_* variables)")
     return parser
+
+
+def _apply_storage_options(pairs: list[str]) -> None:
+    """Hand ``--storage-option`` pairs to every store this process, and each process it starts, opens."""
+    from storage.stores import OPTIONS_ENV, default_storage_options, parse_storage_options
+
+    if pairs:
+        os.environ[OPTIONS_ENV] = json.dumps({**default_storage_options(), **parse_storage_options(pairs)})
+
+
+def _is_storage_fault(exc: BaseException) -> bool:
+    """Errors of object-store clients that are not OSErrors (botocore's connection errors, for one)."""
+    return type(exc).__module__.split(".")[0] in _STORAGE_CLIENTS
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 check failed, 2 bad input)."""
     args = build_parser().parse_args(argv)
     try:
+        _apply_storage_options(getattr(args, "storage_option", []))
         return int(args.func(args) or 0)
     except KdcacheError as exc:
         print(f"kdcache {args.command}: error: {exc}", file=sys.stderr)
@@ -53,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the environment's fault (disk full, storage unreachable, permissions): no traceback
         where = f": {exc.filename}" if exc.filename else ""
         print(f"kdcache {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if not _is_storage_fault(exc):
+            raise
+        print(f"kdcache {args.command}: error: the store failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"kdcache {args.command}: interrupted", file=sys.stderr)

@@ -237,9 +237,11 @@ def cache_stats(cache: str | Path) -> dict[str, Any] | None:
     from pipeline.commands.cache import describe
     from storage.errors import KdcacheError
 
-    if not cache or not (Path(cache) / "manifest.json").is_file():
-        return None
+    from storage import cache_exists
+
     try:
+        if not cache or not cache_exists(cache):
+            return None
         return describe(str(cache))
     except (KdcacheError, OSError, ValueError):
         return None

@@ -18,6 +18,7 @@ _EXPORTS = {
     "CacheWriter": "storage.writer", "merge_parts": "storage.writer",
     "CacheReader": "storage.reader", "ShardData": "storage.reader",
     "Manifest": "storage.manifest", "ShardRecord": "storage.manifest", "read_manifest": "storage.manifest",
+    "cache_exists": "storage.manifest", "open_store": "storage.stores",
     "compare_fingerprints": "storage.fingerprint", "hash_bytes": "storage.fingerprint",
     "hash_json": "storage.fingerprint", "hash_array": "storage.fingerprint", "hash_arrays": "storage.fingerprint",
     "hash_file": "storage.fingerprint",

@@ -95,3 +95,8 @@ class DiskFullError(KdcacheError, OSError):
 
     def __str__(self) -> str:  # OSError would otherwise print its args tuple
         return str(self.args[0]) if self.args else ""
+
+
+class StorageError(KdcacheError):
+    """The cache's location cannot be used: unknown URL scheme, missing fsspec backend, no such bucket,
+    wrong credentials, unreachable endpoint."""

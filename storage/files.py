@@ -71,11 +71,16 @@ def write_tree(root: Path, files: Mapping[str, Any]) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to a temp file beside ``path``, fsync it, ``os.replace`` it over ``path``, fsync the directory."""
+    """Write JSON atomically (see ``write_bytes_atomic``)."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def write_bytes_atomic(path: Path, data: Any) -> None:
+    """Write to a temp file beside ``path``, fsync it, ``os.replace`` it over ``path``, fsync the directory."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
     try:
-        _write_file(str(tmp), (json.dumps(obj, indent=1) + "\n").encode())
+        _write_file(str(tmp), data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

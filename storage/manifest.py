@@ -8,19 +8,22 @@ Commit protocol (see storage/writer.py): a shard's data is renamed into place, t
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from storage.errors import FormatVersionError, ManifestError
-from storage.files import write_json_atomic
+from storage.stores import Store, open_store
 from storage.spec import FORMAT_VERSION, READABLE_FORMAT_VERSION, CacheSpec
 
 MANIFEST_NAME = "manifest.json"
 SHARDS_DIR = "shards"
 STATUSES = ("writing", "partial", "complete")
+_SIDECAR = re.compile(r"shard-\d+\.json")
 
 
 def shard_name(index: int) -> str:
@@ -28,9 +31,9 @@ def shard_name(index: int) -> str:
     return f"shard-{index:06d}"
 
 
-def sidecar_path(root: Path, index: int) -> Path:
-    """Path of shard ``index``'s commit sidecar."""
-    return root / SHARDS_DIR / f"{shard_name(index)}.json"
+def sidecar_key(index: int) -> str:
+    """Key of shard ``index``'s commit sidecar, relative to the cache root."""
+    return f"{SHARDS_DIR}/{shard_name(index)}.json"
 
 
 def now() -> str:
@@ -38,16 +41,17 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Load a JSON object, turning absence or corruption into ManifestError."""
+def read_json(store: Store, key: str, what: str) -> dict[str, Any]:
+    """Load a JSON object from the store, turning absence or corruption into ManifestError."""
+    where = f"{store.url}/{key}"
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(store.read(key))
     except FileNotFoundError:
-        raise ManifestError(f"{what} not found at {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{what} at {path} is corrupt (not valid JSON: {exc})") from None
+        raise ManifestError(f"{what} not found at {where}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{what} at {where} is corrupt (not valid JSON: {exc})") from None
     if not isinstance(data, dict):
-        raise ManifestError(f"{what} at {path} is corrupt: expected a JSON object, got {type(data).__name__}")
+        raise ManifestError(f"{what} at {where} is corrupt: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -146,31 +150,32 @@ class Manifest:
             raise ManifestError(f"{where} is corrupt: missing or malformed field {exc}") from None
 
 
-def read_manifest(root: Path) -> Manifest:
-    """Read ``root/manifest.json``.
+def read_manifest(root: str | os.PathLike[str] | Store) -> Manifest:
+    """Read ``manifest.json`` of the cache at a path, URL or store.
 
     Raises:
         ManifestError: missing or corrupt; FormatVersionError: written by a newer format.
     """
-    path = Path(root) / MANIFEST_NAME
-    if not path.exists():
-        raise ManifestError(f"no {MANIFEST_NAME} in {root}: not a kdcache cache, or its writer never started")
-    return Manifest.from_dict(read_json(path, MANIFEST_NAME), str(path))
+    store = open_store(root)
+    if store.size(MANIFEST_NAME) is None:
+        raise ManifestError(f"no {MANIFEST_NAME} in {store.url}: not a kdcache cache, or its writer never started")
+    return Manifest.from_dict(read_json(store, MANIFEST_NAME, MANIFEST_NAME), f"{store.url}/{MANIFEST_NAME}")
 
 
-def write_manifest(root: Path, manifest: Manifest) -> None:
-    """Atomically (re)write ``root/manifest.json``."""
+def write_manifest(root: str | os.PathLike[str] | Store, manifest: Manifest) -> None:
+    """Atomically (re)write ``manifest.json``."""
     manifest.updated_at = now()
-    write_json_atomic(Path(root) / MANIFEST_NAME, manifest.to_dict())
+    open_store(root).put_json(MANIFEST_NAME, manifest.to_dict())
 
 
-def read_sidecars(root: Path) -> dict[int, ShardRecord]:
-    """Every committed shard's record, from the sidecars under ``root/shards``."""
-    records: dict[int, ShardRecord] = {}
-    for path in sorted((Path(root) / SHARDS_DIR).glob("shard-*.json")):
-        record = ShardRecord.from_dict(read_json(path, "shard sidecar"))
-        records[record.index] = record
-    return records
+def read_sidecars(root: str | os.PathLike[str] | Store) -> dict[int, ShardRecord]:
+    """Every committed shard's record, from the sidecars under ``shards/`` (fetched in parallel)."""
+    store = open_store(root)
+    names = sorted(n for n in store.list(SHARDS_DIR) if _SIDECAR.fullmatch(n))
+    with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
+        data = pool.map(lambda n: read_json(store, f"{SHARDS_DIR}/{n}", "shard sidecar"), names)
+        records = [ShardRecord.from_dict(d) for d in data]
+    return {record.index: record for record in records}
 
 
 def summarize_arrays(spec: CacheSpec, records: list[ShardRecord]) -> dict[str, dict[str, Any]]:
@@ -194,3 +199,8 @@ def summarize_arrays(spec: CacheSpec, records: list[ShardRecord]) -> dict[str, d
             for key in ("max_abs_error", "max_rel_error"):
                 worst[key] = max(worst[key], err[key])
     return summary
+
+
+def cache_exists(path: str | os.PathLike[str] | Store) -> bool:
+    """Whether a ``manifest.json`` is at ``path`` (a folder, a URL or a store)."""
+    return open_store(path).size(MANIFEST_NAME) is not None

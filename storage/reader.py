@@ -13,8 +13,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from storage.errors import ChecksumError, PartialCacheError, ShardError
 from storage.layout import unpack_attention
 from storage.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
 from storage.spec import CacheSpec
+from storage.stores import Store, open_store
 from storage.streams import kind_of
 
 
@@ -105,19 +105,22 @@ class CacheReader:
     PartialCacheError.
 
     Args:
-        path: cache directory.
+        path: cache folder or fsspec URL (``s3://bucket/cache``), or an open ``Store``.
         allow_partial: accept a cache whose status is not "complete".
         max_open_shards: decoded Arrow columns are cached per open shard; this bounds how many stay open.
-        decode_threads: arrays decoded at once by ``read_shard``; None = the host's cores.
+        decode_threads: arrays decoded at once by ``read_shard``; None = the host's cores. On an object store
+            each is also a request in flight.
+        storage_options: fsspec options for a URL (endpoint, credentials...).
 
     Raises:
         ManifestError, FormatVersionError, PartialCacheError.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, allow_partial: bool = False, max_open_shards: int = 4,
-                 decode_threads: int | None = None) -> None:
-        self.root = Path(path)
-        self.manifest: Manifest = read_manifest(self.root)
+    def __init__(self, path: str | os.PathLike[str] | Store, *, allow_partial: bool = False, max_open_shards: int = 4,
+                 decode_threads: int | None = None, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.store = open_store(path, storage_options)
+        self.root = self.store.url  # for messages: the folder or URL
+        self.manifest: Manifest = read_manifest(self.store)
         self.spec: CacheSpec = self.manifest.spec
         self.fingerprints: dict[str, Any] = self.manifest.fingerprints
         self._backend = get_backend(self.spec.backend)
@@ -133,15 +136,15 @@ class CacheReader:
         records = {r.index: r for r in self.manifest.shards}
         if self.manifest.status == "complete":
             return records
-        committed = len(records) if self.manifest.status == "partial" else len(read_sidecars(self.root))
+        committed = len(records) if self.manifest.status == "partial" else len(read_sidecars(self.store))
         if not allow_partial:
             raise PartialCacheError(
                 f"{self.root} is not complete (status {self.manifest.status!r}, {committed} of "
                 f"{self.spec.num_shards} shards committed): its writer is still running or died. Resume the "
                 f"precompute, run `kdcache merge`, or pass allow_partial=True to read the committed shards only.")
         # While writing, the manifest lags behind: committed shards are the sidecars whose data is in place.
-        for index, record in read_sidecars(self.root).items():
-            if self._backend.final_path(self.root, index).exists():
+        for index, record in read_sidecars(self.store).items():
+            if self.store.exists(self._backend.shard_key(index)):
                 records[index] = record
         return dict(sorted(records.items()))
 
@@ -186,12 +189,12 @@ class CacheReader:
                 self._handles.move_to_end(index)
                 return self._handles[index]
             record = self._records[index]
-            handle = self._backend.open(self.root / record.path, record, self.spec)
+            handle = self._backend.open(self.store, record, self.spec)
             if index not in self._checked:
                 problems = handle.check()
                 if problems:
                     array, message = problems[0]
-                    raise ChecksumError(f"shard {index}, array {array}: {message} ({self.root / record.path})",
+                    raise ChecksumError(f"shard {index}, array {array}: {message} ({self.root}/{record.path})",
                                         shard=index, array=array)
                 self._checked.add(index)
             self._handles[index] = handle

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any, Mapping
 
 from storage.backends.registry import get_backend
 from storage.errors import KdcacheError
 from storage.manifest import Manifest, read_manifest, read_sidecars
+from storage.stores import Store, open_store
 
 
 @dataclass
@@ -50,39 +51,39 @@ class VerifyReport:
         return [(p.shard, p.array) for p in self.problems if p.shard is not None and p.array is not None]
 
 
-def _check_shards(root: Path, manifest: Manifest, report: VerifyReport) -> None:
+def _check_shards(store: Store, manifest: Manifest, report: VerifyReport) -> None:
     backend = get_backend(manifest.spec.backend)
     records = {r.index: r for r in manifest.shards}
     if manifest.status != "complete":
-        records.update(read_sidecars(root))  # also check what a running or dead writer committed
+        records.update(read_sidecars(store))  # also check what a running or dead writer committed
     for index, record in sorted(records.items()):
-        path = root / record.path
-        if not path.exists():
-            report.problems.append(VerifyProblem(index, None, f"listed as committed but {path} is missing"))
+        if not store.exists(record.path):
+            report.problems.append(VerifyProblem(index, None, f"listed as committed but {store.url}/{record.path} "
+                                                              f"is missing"))
             continue
-        for array, message in backend.verify(path, record, manifest.spec):
+        for array, message in backend.verify(store, record, manifest.spec):
             report.problems.append(VerifyProblem(index, array, message))
         report.shards_checked += 1
         report.arrays_checked += len(record.arrays)
 
 
-def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
+def verify_cache(path: str | os.PathLike[str] | Store, storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Check every committed shard of the cache at ``path``.
 
     Returns:
         A report; ``report.ok`` is True only for a complete cache whose every chunk decodes and matches its
         checksum. A missing or corrupt manifest, or a partial cache, is reported, not raised.
     """
-    root = Path(path)
-    report = VerifyReport(str(root))
+    store = open_store(path, storage_options)
+    report = VerifyReport(store.url)
     try:
-        manifest = read_manifest(root)
+        manifest = read_manifest(store)
         report.status = manifest.status
         if manifest.status != "complete":
             report.problems.append(VerifyProblem(None, None, f"cache is not complete (status {manifest.status!r}, "
-                                                             f"{len(read_sidecars(root))} of {manifest.spec.num_shards} "
+                                                             f"{len(read_sidecars(store))} of {manifest.spec.num_shards} "
                                                              f"shards committed)"))
-        _check_shards(root, manifest, report)
+        _check_shards(store, manifest, report)
     except KdcacheError as exc:  # manifest or sidecar unreadable: a finding, never a crash
         report.problems.append(VerifyProblem(None, None, str(exc)))
     return report

@@ -62,3 +62,25 @@ def small_tmpfs(tmp_path: Path):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's) on 127.0.0.1 for the whole session; the environment points at it."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from tests.helpers.s3_server import serve
+
+    yield from serve()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str, request: pytest.FixtureRequest) -> str:
+    """A fresh bucket on the session's server: ``s3://<name>``."""
+    import re
+    import uuid
+
+    from tests.helpers.s3_server import make_bucket
+
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-")
+    return make_bucket(f"{name}-{uuid.uuid4().hex[:8]}")

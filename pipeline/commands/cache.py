@@ -10,11 +10,11 @@ from typing import Any
 def register(subparsers: Any) -> None:
     """Add the ``inspect`` and ``verify`` subcommands to an argparse subparsers object."""
     inspect = subparsers.add_parser("inspect", help="show what a cache holds: features, layers, sizes, fingerprints")
-    inspect.add_argument("cache", metavar="CACHE", help="cache directory")
+    inspect.add_argument("cache", metavar="CACHE", help="cache folder or URL (s3://bucket/cache, gs://..., any fsspec URL)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     inspect.set_defaults(func=run_inspect)
-    verify = subparsers.add_parser("verify", help="re-read and decode every chunk; exit 1 naming each bad array")
-    verify.add_argument("cache", metavar="CACHE", help="cache directory")
+    verify = subparsers.add_parser("verify", help="check every stored byte against its recorded crc32c; exit 1 naming each bad array or file")
+    verify.add_argument("cache", metavar="CACHE", help="cache folder or URL (s3://bucket/cache, gs://..., any fsspec URL)")
     verify.add_argument("--json", action="store_true", help="print the report as JSON")
     verify.set_defaults(func=run_verify)
 

@@ -31,11 +31,11 @@ def register(subparsers: Any) -> None:
 
 def teacher_notes(eval_cache: Any, run_dir: Path) -> list[str]:
     """A warning when the eval cache's teacher differs from the one the run was trained against."""
-    from storage import CacheReader, compare_fingerprints
+    from storage import CacheReader, cache_exists, compare_fingerprints
 
     options = json.loads((run_dir / "options.json").read_text()) if (run_dir / "options.json").is_file() else {}
     train_cache = options.get("cache")
-    if not train_cache or not (Path(train_cache) / "manifest.json").is_file():
+    if not train_cache or not cache_exists(train_cache):
         return []
     trained = (CacheReader(train_cache, allow_partial=True).fingerprints or {}).get("teacher") or {}
     wanted = {"teacher": {k: trained.get(k) for k in ("config_hash", "weights_hash")}}
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
                           teacher_layer=args.teacher_layer, device=args.device)
     result["notes"] = teacher_notes(reader, run_dir) + result.get("notes", [])
-    result["cache"] = str(Path(args.cache).resolve())
+    result["cache"] = args.cache if "://" in args.cache else str(Path(args.cache).resolve())
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2) if args.json else format_eval(result, run_dir))
     return 0

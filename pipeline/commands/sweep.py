@@ -59,11 +59,12 @@ def base_values(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Validate the whole grid, then run it. Returns 0 when every run succeeded, 1 when any failed."""
     from pipeline.sweep import SweepSettings, conflicts, parse_grid, plan_sweep, run_sweep, train_command
+    from storage import cache_exists
 
     grid, problems = parse_grid(args.grid)
     if not grid and not problems:
         problems.append("no --grid given; name at least one option to vary, e.g. --grid layer_map=uniform,reverse")
-    if args.eval_cache and not (Path(args.eval_cache) / "manifest.json").is_file():
+    if args.eval_cache and not cache_exists(args.eval_cache):
         problems.append(f"--eval-cache {args.eval_cache!r} is not a finished cache (no manifest.json)")
     try:
         points = plan_sweep(base_values(args), grid, args.sweep_out)

@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -169,7 +169,9 @@ def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, to
     from storage.errors import KdcacheError
 
     teacher_fp = teacher_files_fingerprint(options, config)
-    if teacher_fp is None or not (Path(options.out) / "manifest.json").is_file():
+    from storage.stores import open_store
+
+    if teacher_fp is None or open_store(options.out).size("manifest.json") is None:
         return None
     try:
         reader = CacheReader(options.out)
@@ -219,16 +221,15 @@ def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partiti
         CacheMismatchError / CacheLockedError: from storage (a different cache; a live writer of this part).
     """
     from storage import CacheWriter
+    from storage.stores import open_store
 
-    root = Path(out).expanduser()
-    if root.is_dir():
-        foreign = sorted(p.name for p in root.iterdir()
-                         if p.name not in _CACHE_ENTRIES and not p.name.startswith("."))
-        if foreign and not (root / "manifest.json").exists():
-            raise PrecomputeError(f"out: folder {out!r} is not empty and holds no kdcache cache "
-                                  f"(found {', '.join(foreign[:5])}); choose a new or empty folder")
+    store = open_store(os.path.expanduser(out) if "://" not in out else out)
+    foreign = sorted(name for name in store.list("") if name not in _CACHE_ENTRIES and not name.startswith("."))
+    if foreign and store.size("manifest.json") is None:
+        raise PrecomputeError(f"out: {out!r} is not empty and holds no kdcache cache (found "
+                              f"{', '.join(foreign[:5])}); choose a new or empty folder or prefix")
     try:
-        return CacheWriter(root, spec, fingerprints, part=(part.index, part.count))
+        return CacheWriter(store, spec, fingerprints, part=(part.index, part.count))
     except KdcacheError:
         raise
     except OSError as exc:
@@ -301,11 +302,12 @@ def merge_cache(path: str | os.PathLike[str]) -> dict[str, Any]:
         ``{"out", "status", "committed_shards", "num_shards", "num_tokens"}``.
     """
     from storage import merge_parts
+    from storage.stores import open_store
 
-    root = Path(path).expanduser()
-    if not (root / "manifest.json").exists():
+    store = open_store(path if "://" in str(path) else Path(path).expanduser())
+    if store.size("manifest.json") is None:
         raise PrecomputeError(f"merge: {str(path)!r} holds no kdcache cache (no manifest.json)")
-    manifest = merge_parts(root)
+    manifest = merge_parts(store)
     return {"out": str(path), "status": manifest.status, "committed_shards": len(manifest.shards),
             "num_shards": manifest.spec.num_shards, "num_tokens": manifest.num_tokens}
 

@@ -244,18 +244,15 @@ def _weights_folder(options: PrecomputeOptions) -> Path | None:
         return None
 
 
-def save_tokenizer(tokenizer: Any, out: str | os.PathLike[str]) -> Path:
-    """Save the tokenizer into ``out/tokenizer`` (write to a temp folder, then rename: safe for many ranks)."""
-    import shutil
-    import uuid
+def save_tokenizer(tokenizer: Any, out: str | os.PathLike[str]) -> None:
+    """Save the tokenizer into the cache's ``tokenizer/`` (it appears whole; safe for many ranks)."""
+    import tempfile
 
-    final = Path(out) / "tokenizer"
-    if final.is_dir():
-        return final
-    tmp = Path(out) / f".tokenizer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    tokenizer.save_pretrained(str(tmp))
-    try:
-        os.rename(tmp, final)
-    except OSError:  # another rank renamed its copy first; theirs is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    from storage.stores import open_store
+
+    store = open_store(out)
+    if store.exists("tokenizer"):
+        return
+    with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        store.put_folder("tokenizer", Path(tmp))

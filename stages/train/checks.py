@@ -48,15 +48,16 @@ def open_cache(path: str | Path, *, allow_partial: bool = False) -> Any:
         CacheCheckError: no directory or no manifest at ``path``.
         storage.errors.KdcacheError: the cache is partial, corrupt or from a newer format.
     """
-    root = Path(path)
-    if not (root / "manifest.json").is_file():
-        why = "does not exist" if not root.exists() else "has no manifest.json (not a finished cache)"
-        # Training, eval and sweeps all open caches here, so the headline names the cache, not a caller.
-        raise CacheCheckError([f"cache {str(root)!r} {why}; run `kdcache precompute` first, or point --cache "
-                               "at the folder holding manifest.json"], what="cannot open the cache")
     from storage import CacheReader
+    from storage.stores import open_store
 
-    return CacheReader(str(root), allow_partial=allow_partial)
+    store = open_store(path)
+    if store.size("manifest.json") is None:
+        why = "does not exist" if not store.exists("") else "has no manifest.json (not a finished cache)"
+        # Training, eval and sweeps all open caches here, so the headline names the cache, not a caller.
+        raise CacheCheckError([f"cache {str(path)!r} {why}; run `kdcache precompute` first, or point --cache "
+                               "at the folder or URL holding manifest.json"], what="cannot open the cache")
+    return CacheReader(store, allow_partial=allow_partial)
 
 
 def teacher_depth(reader: Any) -> int:

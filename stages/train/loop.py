@@ -12,6 +12,7 @@ run continues the very loss trajectory of an uninterrupted one without saving ev
 from __future__ import annotations
 
 import json
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -124,7 +125,6 @@ class _Trainer:
         self.batch_size = int(engine.train_micro_batch_size_per_gpu())
         self.grad_accum = int(engine.gradient_accumulation_steps())
         self.zero_stage = int(engine.zero_optimization_stage())
-        self.cache_tokenizer = Path(options.cache) / "tokenizer"
         self.position, self.micro_step, self.resumed_from = DataPosition(), 0, None
         self.logger = MetricsLogger(self.run_dir, rank=dist_info.rank)
         self.trace = SampleTrace(self.run_dir, dist_info.rank, enabled=options.trace_samples)
@@ -247,10 +247,14 @@ class _Trainer:
                              micro_step=self.micro_step, data_state=data, extra=extra)
 
     def _export(self) -> Path:
+        from storage.stores import open_store
+
         module = self.engine.module
-        out = ckpt.export_student(module.student, {"projectors": module.criterion.projectors}, self.run_dir,
-                                  rank=self.dist.rank, zero_stage=self.zero_stage,
-                                  tokenizer_dir=self.cache_tokenizer)
+        with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as scratch:  # a remote cache's copy
+            tokenizer = (open_store(self.options.cache).fetch_folder("tokenizer", Path(scratch))
+                         if self.dist.rank == 0 else None)
+            out = ckpt.export_student(module.student, {"projectors": module.criterion.projectors}, self.run_dir,
+                                      rank=self.dist.rank, zero_stage=self.zero_stage, tokenizer_dir=tokenizer)
         _barrier(self.dist.world_size)
         return out
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from storage.errors import ChecksumError
 from storage.files import crc32c
 from storage.manifest import ShardRecord, shard_name
 from storage.spec import CacheSpec
+from storage.stores import Store
 from storage.streams import is_offsets
 
 
@@ -117,24 +117,37 @@ def _first_batch(reader: Any) -> pa.RecordBatch:
 
 
 class ArrowShard(ShardHandle):
-    """An open Arrow shard; a column is decoded once (only the columns asked for), checked, and cached."""
+    """An open Arrow shard; a column is decoded once (only the columns asked for), checked, and cached.
 
-    def __init__(self, path: Path, record: ShardRecord, spec: CacheSpec) -> None:
-        self.path, self.record, self.spec = path, record, spec
+    A local file is memory-mapped, so decoding one column touches only its pages; a shard in an object store is
+    fetched whole, once, and decoded from memory.
+    """
+
+    def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec) -> None:
+        self.store, self.key, self.record, self.spec = store, record.path, record, spec
         self._columns: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._remote: pa.Buffer | None = None
         self._lock = threading.Lock()
+
+    def _source(self) -> Any:
+        local = self.store.local_path(self.key)
+        if local is not None:
+            return pa.memory_map(str(local))
+        if self._remote is None:
+            self._remote = pa.py_buffer(self.store.read(self.key))
+        return pa.BufferReader(self._remote)
 
     def decode(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """Decompress one column only (the others' pages are never touched): ``(offsets, flat values)``."""
-        with pa.memory_map(str(self.path)) as source:
+        with self._source() as source:
             index = _open(source).schema.get_field_index(name)  # parses the header only
             if index < 0:
-                raise KeyError(f"column {name!r} missing from {self.path.name}")
+                raise KeyError(f"column {name!r} missing from {self.key}")
             options = ipc.IpcReadOptions(included_fields=[index])
             return _split(_first_batch(_open(source, options)).column(0))
 
     def _fail(self, name: str, message: str) -> ChecksumError:
-        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.path})",
+        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
                              shard=self.record.index, array=name)
 
     def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -151,11 +164,10 @@ class ArrowShard(ShardHandle):
 
     def check(self) -> list[Problem]:
         if not is_format3(self.record):
-            problem = arrow_file_problem(self.path, self.record)
+            problem = arrow_file_problem(self.store, self.key, self.record)
             return [] if problem is None else (locate(self) or [problem])
         try:
-            with open(self.path, "rb") as handle:
-                header = handle.read(self.record.extra["header_bytes"])
+            header = self.store.read(self.key, 0, self.record.extra["header_bytes"])
         except OSError as exc:
             return [("(file)", f"cannot read: {exc}")]
         if crc32c(header) != self.record.extra["header_crc32c"]:
@@ -224,14 +236,14 @@ class ArrowBackend(Backend):
         extra = {"header_bytes": header_bytes, "header_crc32c": crc32c(data[:header_bytes]), "compression": codec}
         return PackedShard({path: data}, info, extra)
 
-    def open(self, path: Path, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        return ArrowShard(path, record, spec)
+    def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
+        return ArrowShard(store, record, spec)
 
-    def verify(self, path: Path, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
-        handle = ArrowShard(path, record, spec)
+    def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
+        handle = ArrowShard(store, record, spec)
         if not is_format3(record):
-            problem = arrow_file_problem(path, record)
+            problem = arrow_file_problem(store, record.path, record)
             problems = locate(handle)  # format 1-2 verify always decoded every column
             return problems + [problem] if problem is not None and not problems else problems
-        problems = verify_file_table(path.parent, record)
+        problems = verify_file_table(store, record)
         return problems + (handle.check() + locate(handle) if problems else [])  # name what a decode shows

@@ -1,18 +1,15 @@
 """The interface both backends implement, and the file-table checks they share.
 
 A backend is a pure packer and a reader. ``pack`` turns one encoded shard (flat numpy arrays) into the shard's
-files, in memory; the writer puts those bytes on disk (``storage.files``) and records each file's size and
-crc32c, taken from the same bytes. ``open`` reads a committed shard back, checking what it reads; ``verify``
+files, in memory; the writer hands those bytes to the cache's store (a local folder or an object store, see
+``storage.stores``) and records each file's size and crc32c, taken from the same bytes. ``open`` reads a committed shard back, checking what it reads; ``verify``
 checks every file against that table. Commit (temp name, rename, sidecar) and the manifest belong to the writer.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +17,7 @@ import numpy as np
 from storage.files import crc32c
 from storage.manifest import SHARDS_DIR, ShardRecord, shard_name
 from storage.spec import CacheSpec
+from storage.stores import Store
 
 # (array name, what is wrong); a file path stands in for the array when the bytes belong to no single array.
 Problem = tuple[str, str]
@@ -66,14 +64,9 @@ class Backend(ABC):
     name: str = ""
     suffix: str = ""  # "" for a directory per shard, ".arrow" for one file per shard
 
-    def final_path(self, root: Path, index: int) -> Path:
-        """Where committed shard ``index`` lives."""
-        return Path(root) / SHARDS_DIR / f"{shard_name(index)}{self.suffix}"
-
-    def temp_path(self, root: Path, index: int) -> Path:
-        """A fresh temporary path for shard ``index``; the leading dot keeps it out of globs of shards."""
-        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        return Path(root) / SHARDS_DIR / f".tmp-{shard_name(index)}-{tag}{self.suffix}"
+    def shard_key(self, index: int) -> str:
+        """Where committed shard ``index`` lives, relative to the cache root (``shards/shard-000003[.arrow]``)."""
+        return f"{SHARDS_DIR}/{shard_name(index)}{self.suffix}"
 
     @abstractmethod
     def pack(self, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> PackedShard:
@@ -86,11 +79,11 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def open(self, path: Path, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        """Open committed shard at ``path`` for reading."""
+    def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
+        """Open committed shard ``record.path`` of ``store`` for reading."""
 
     @abstractmethod
-    def verify(self, path: Path, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
+    def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
         """Check every stored byte of a shard; never raises for corruption."""
 
 
@@ -105,26 +98,28 @@ def owner_of(record: ShardRecord, path: str) -> str:
     return owners[0] if len(owners) == 1 else path
 
 
-def check_file(shards_dir: Path, path: str, size: int, crc: int, *, read: bool = True) -> str | None:
-    """What is wrong with one file of the table (None: nothing). ``read=False`` checks its size only."""
-    full = shards_dir / path
+def check_file(store: Store, path: str, size: int, crc: int, *, read: bool = True) -> str | None:
+    """What is wrong with one file of the table (``path`` under ``shards/``); None: nothing. ``read=False``
+    checks its size only."""
+    key = f"{SHARDS_DIR}/{path}"
     try:
-        actual = full.stat().st_size
+        actual = store.size(key)
+        if actual is None:
+            return f"file {path} is missing"
         if actual != size:
             return f"file {path} has {actual} bytes, {size} were written"
-        if read and crc32c(full.read_bytes()) != crc:
+        if read and crc32c(store.read(key)) != crc:
             return f"file {path} does not match the crc32c recorded when it was written"
     except OSError as exc:
         return f"cannot read file {path}: {exc.strerror or exc}"
     return None
 
 
-def verify_file_table(shards_dir: Path, record: ShardRecord) -> list[Problem]:
+def verify_file_table(store: Store, record: ShardRecord) -> list[Problem]:
     """Every file of a format-3 shard against its recorded size and crc32c."""
     problems = []
     for path, (size, crc) in sorted(record.extra["files"].items()):
-        message = check_file(shards_dir, path, size, crc)
+        message = check_file(store, path, size, crc)
         if message:
             problems.append((owner_of(record, path), message))
     return problems
-

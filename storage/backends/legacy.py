@@ -12,7 +12,17 @@ from pathlib import Path
 import numpy as np
 
 from storage.backends.base import Problem
+from storage.errors import StorageError
 from storage.manifest import ShardRecord
+from storage.stores import Store
+
+
+def legacy_path(store: Store, key: str) -> Path:
+    """The local path of a format 1-2 shard: those formats were only ever written to local folders."""
+    path = store.local_path(key)
+    if path is None:
+        raise StorageError(f"{store.url}: caches of format 1-2 are read from local folders only; copy it to one")
+    return path
 
 
 def zarr_array_crc(shard: Path, name: str) -> int:
@@ -39,10 +49,10 @@ def value_crc32(offsets: np.ndarray, flat: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(flat).data, zlib.crc32(np.ascontiguousarray(offsets, np.int64).data))
 
 
-def arrow_file_problem(path: Path, record: ShardRecord) -> Problem | None:
+def arrow_file_problem(store: Store, key: str, record: ShardRecord) -> Problem | None:
     """The whole-file crc32 of a format 1-2 Arrow shard, or None when it matches."""
     try:
-        crc = zlib.crc32(path.read_bytes())
+        crc = zlib.crc32(legacy_path(store, key).read_bytes())
     except OSError as exc:
         return ("(file)", f"cannot read: {exc}")
     if crc == record.extra["file_crc32"]:

@@ -5,14 +5,13 @@ crc32c``, then an index of ``(offset, nbytes)`` uint64 pairs that ends in its ow
 (zarr v3 sharding spec). zarr decodes such a file through its generic pipeline, which copies every inner chunk
 twice (into a shard buffer, then into the result) on its one event-loop thread: measured at 0.6-0.7x the speed
 of an unsharded read (benchmarks/RESULTS.md). Reading a *whole* array, which is what training does, needs none
-of that: this module reads the file once, checks the index's and every chunk's crc32c exactly as zarr's
+of that: this module takes the file's bytes (one read, or one GET from an object store), checks the index's and every chunk's crc32c exactly as zarr's
 ``crc32c`` codec does, and decodes each chunk with the same numcodecs codec directly into its rows of the result.
 Anything else (a slice, a layout this code did not write) goes through zarr.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numcodecs
@@ -58,11 +57,11 @@ def _chunk_index(data: memoryview, count: int) -> np.ndarray:
     return np.frombuffer(table, "<u8").reshape(count, 2)
 
 
-def read_whole(path: Path, metadata: dict[str, Any], codec: numcodecs.abc.Codec, rows: int) -> np.ndarray:
+def read_whole(raw: bytes, metadata: dict[str, Any], codec: numcodecs.abc.Codec, rows: int) -> np.ndarray:
     """Decode every row of a one-shard array file.
 
     Args:
-        path: the array's data file (``.../hidden/3/c.0.0``).
+        raw: the bytes of the array's data file (``.../hidden/3/c.0.0``), read in one request.
         metadata: its parsed ``zarr.json``.
         codec: the numcodecs codec of the inner chunks (zarr's native blosc/zstd/gzip write the same frames).
         rows: rows per inner chunk.
@@ -76,7 +75,7 @@ def read_whole(path: Path, metadata: dict[str, Any], codec: numcodecs.abc.Codec,
     shape, dtype = tuple(metadata["shape"]), np.dtype(metadata["data_type"])
     out = np.empty(shape, dtype)
     count = -(-shape[0] // rows) if shape[0] else 0
-    data = memoryview(path.read_bytes())
+    data = memoryview(raw)
     index = _chunk_index(data, count)
     for k, (offset, nbytes) in enumerate(index.tolist()):
         rows_k = out[k * rows: (k + 1) * rows]

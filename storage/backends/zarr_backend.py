@@ -16,20 +16,20 @@ import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numcodecs
 import numpy as np
 
 from storage.backends.base import Backend, PackedShard, Problem, ShardHandle, check_file, is_format3, verify_file_table
-from storage.backends.legacy import zarr_problems
+from storage.backends.legacy import legacy_path, zarr_problems
 from storage.backends.shard_file import ShardFileError, plain_layout, read_whole
 from storage.codecs import to_zarr_compressors
 from storage.errors import ChecksumError
 from storage.files import crc32c
 from storage.manifest import ShardRecord, shard_name
 from storage.spec import CacheSpec
+from storage.stores import Store
 from storage.streams import split_stream
 
 CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one or two; bigger ones barely read faster
@@ -73,30 +73,34 @@ def _create_array(store: Any, name: str, array: np.ndarray, spec: CacheSpec) -> 
 
 
 class ZarrShard(ShardHandle):
-    """An open zarr shard; an array's metadata is checked on first use, and whole-array reads skip zarr's copies."""
+    """An open zarr shard; an array's metadata is checked on first use, and whole-array reads skip zarr's copies.
 
-    def __init__(self, path: Path, record: ShardRecord, spec: CacheSpec) -> None:
-        self.path, self.record, self.spec = path, record, spec
+    Slices of a local shard go through zarr; an object store's shard is read whole (one GET per array) and sliced
+    in memory, since training reads whole shards anyway.
+    """
+
+    def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec) -> None:
+        self.store, self.key, self.record, self.spec = store, record.path, record, spec
         self._arrays: dict[str, Any] = {}
         self._metadata: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def _fail(self, name: str, message: str) -> ChecksumError:
-        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.path})",
+        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
                              shard=self.record.index, array=name)
 
     def metadata(self, name: str) -> dict[str, Any]:
         """An array's ``zarr.json``, checked against its crc32c, and its data file's size (its chunks carry crc32c)."""
         with self._lock:
             if name not in self._metadata:
-                table = self.record.extra["files"]
+                table, base = self.record.extra["files"], self.key.rsplit("/", 1)[-1]
                 for path in self.record.arrays[name]["files"]:
                     size, crc = table[path]
-                    message = check_file(self.path.parent, path, size, crc, read=False)
+                    message = check_file(self.store, path, size, crc, read=False)
                     if message:
                         raise self._fail(name, message)
-                raw = (self.path / name / "zarr.json").read_bytes()
-                if crc32c(raw) != table[f"{self.path.name}/{name}/zarr.json"][1]:
+                raw = self.store.read(f"{self.key}/{name}/zarr.json")
+                if crc32c(raw) != table[f"{base}/{name}/zarr.json"][1]:
                     raise self._fail(name, "zarr.json does not match the crc32c recorded when it was written")
                 self._metadata[name] = json.loads(raw)
             return self._metadata[name]
@@ -108,7 +112,8 @@ class ZarrShard(ShardHandle):
             if name not in self._arrays:
                 with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn again on open
                     warnings.simplefilter("ignore")
-                    self._arrays[name] = _zarr().open_array(str(self.path / name), mode="r")
+                    self._arrays[name] = _zarr().open_array(str(self.store.local_path(f"{self.key}/{name}")),
+                                                            mode="r")
             return self._arrays[name]
 
     def _read_whole(self, name: str) -> np.ndarray | None:
@@ -119,18 +124,22 @@ class ZarrShard(ShardHandle):
             return None
         codec = numcodecs.get_codec(self.spec.codec_for(name))
         try:
-            return read_whole(self.path.parent / data[0], self.metadata(name), codec, layout["rows"])
+            raw = self.store.read(f"{self.key.rsplit('/', 1)[0]}/{data[0]}")
+            return read_whole(raw, self.metadata(name), codec, layout["rows"])
         except ShardFileError as exc:
             raise self._fail(name, f"stored bytes do not decode ({exc})") from None
 
     def check(self) -> list[Problem]:
-        return [] if is_format3(self.record) else zarr_problems(self.path, self.record)
+        if is_format3(self.record):
+            return []
+        return zarr_problems(legacy_path(self.store, self.key), self.record)
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        if start is None and stop is None and is_format3(self.record):
+        whole_read = start is None and stop is None
+        if is_format3(self.record) and (whole_read or self.store.local_path(self.key) is None):
             whole = self._read_whole(name)
             if whole is not None:
-                return whole
+                return whole[slice(start, stop)]
         array = self._array(name)
         try:
             return np.asarray(array[slice(start, stop)])
@@ -165,13 +174,13 @@ class ZarrBackend(Backend):
                           "stored_bytes": sum(files[path].nbytes for path in own), "decoded_bytes": int(array.nbytes)}
         return PackedShard(files, info)
 
-    def open(self, path: Path, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        return ZarrShard(path, record, spec)
+    def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
+        return ZarrShard(store, record, spec)
 
-    def verify(self, path: Path, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
+    def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
         if is_format3(record):
-            return verify_file_table(path.parent, record)
-        handle = ZarrShard(path, record, spec)
+            return verify_file_table(store, record)
+        handle = ZarrShard(store, record, spec)
         problems = handle.check()
         for name, info in record.arrays.items():
             try:

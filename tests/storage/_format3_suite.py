@@ -142,7 +142,7 @@ class Format3Suite:
         failed = k
         assert 0 < failed < spec.num_shards
         leftovers = [p.name for p in (cache / "shards").iterdir() if p.name.startswith(".")]
-        assert leftovers == [] and not writer.backend.final_path(cache, failed).exists()
+        assert leftovers == [] and not (cache / writer.backend.shard_key(failed)).exists()
         filler.unlink()
         with CacheWriter(cache, spec, self.fingerprints) as writer:
             assert writer.committed_shards() == set(range(failed))
