@@ -15,6 +15,9 @@ a fresh ``CacheReader.read_shard`` per shard (page cache warm; arrays decode in 
 and again with one thread) against ``zarr.open_array(...)[:]`` per array, one after the other.
 MB = 10**6 decoded bytes per second. Best of ``--repeats``, the two sides alternating.
 
+Object storage: the MiniLM cache is also uploaded to a local S3-compatible server (moto's, on 127.0.0.1, as the
+tests use) and read through s3fs; a training stream over each copy reports how long a step waits for its batch.
+
 Run: ``HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_io.py [--repeats 5]``.
 """
 
@@ -163,11 +166,50 @@ def bench_shape(label: str, seqs: list[dict[str, np.ndarray]], vocab: int, per_s
     ]
 
 
+def stream_wait(cache: str, steps: int, step_s: float, batch_size: int = 16) -> float:
+    """Mean seconds a training step waits for its batch, with ``step_s`` of simulated compute per step; the
+    first two steps (the stream's start-up, paid once per run) are left out."""
+    from stages.train.streaming import CacheStream
+
+    names = [n for n in CacheReader(cache).spec.sequence_names() if n.startswith(("input_ids", "hidden/", "logits/"))]
+    stream = iter(CacheStream(cache, names, batch_size=batch_size, seed=0, prefetch=4))
+    waits = []
+    for _ in range(steps):
+        asked = time.perf_counter()
+        next(stream)
+        waits.append(time.perf_counter() - asked)
+        time.sleep(step_s)  # the model's step, during which the stream reads ahead
+    return sum(waits[2:]) / len(waits[2:])
+
+
+def bench_remote(label: str, local: Path, repeats: int, step_s: float = 0.05) -> list[str]:
+    """The same cache read from a local S3-compatible server (moto, through s3fs) against the local folder."""
+    from tests.helpers.s3_server import make_bucket, serve
+
+    rows = []
+    for _ in serve():
+        import s3fs
+
+        url = f"{make_bucket('bench-io')}/cache"
+        s3fs.S3FileSystem(skip_instance_cache=True).put(str(local), url.removeprefix("s3://"), recursive=True)
+        decoded = sum(r.decoded_bytes for r in CacheReader(local).records)
+        reads = best(repeats, {"local": lambda: kdcache_read(local, None), "s3": lambda: kdcache_read(url, None)})
+        waits = best(max(1, repeats // 2), {"local": lambda: stream_wait(str(local), 40, step_s),
+                                            "s3": lambda: stream_wait(url, 40, step_s)})
+        rows.append(f"| {label} | read, every array, from a local S3 server (moto) | "
+                    f"{decoded / reads['s3'] / 1e6:,.0f} | {decoded / reads['local'] / 1e6:,.0f} (local folder) | "
+                    f"{reads['local'] / reads['s3']:.2f}× | – |")
+        rows.append(f"| {label} | training stream, data wait per {step_s * 1e3:.0f} ms step | "
+                    f"{waits['s3'] * 1e3:.2f} ms (S3) | {waits['local'] * 1e3:.2f} ms (local folder) | – | – |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--llama-shards", type=int, default=3, help="2,048-token shards of the synthetic shape")
+    parser.add_argument("--no-s3", action="store_true", help="skip the rows read from a local S3 server")
     args = parser.parse_args()
     rows = ["| shape | what | kdcache MB/s | plain zarr MB/s | kdcache / plain | target |",
             "| --- | --- | --- | --- | --- | --- |"]
@@ -175,6 +217,8 @@ def main() -> None:
         seqs, vocab = minilm_sequences(args.sentences)
         rows += bench_shape("MiniLM, 4 hidden + top-64", seqs, vocab, 128, 4, Path(tmp), args.repeats)
         print("\n".join(rows), flush=True)
+        if not args.no_s3:
+            rows += bench_remote("MiniLM, 4 hidden + top-64", Path(tmp) / "kd", args.repeats)
         llama = llama_sequences(2048 * args.llama_shards, 256, 4)
         rows += bench_shape("d=4096, 2,048-token shards, 4 hidden + top-64", llama, V_LLAMA, 8, 4, Path(tmp),
                             args.repeats)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index")
+META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "data_wait_share")
 TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "hidden", "attention")
 # (column, key in eval.json) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
 EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval_perplexity", "perplexity"),

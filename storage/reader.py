@@ -129,7 +129,8 @@ class CacheReader:
         self._checked: set[int] = set()
         self._max_open = max(1, max_open_shards)
         self._lock = threading.Lock()
-        self.decode_threads = decode_threads or default_decode_threads()
+        # Reads from an object store mostly wait on the network, so they get more threads than cores.
+        self.decode_threads = decode_threads or default_decode_threads() * (1 if self.store.is_local else 4)
         self._pool: ThreadPoolExecutor | None = None
 
     def _visible_records(self, allow_partial: bool) -> dict[int, ShardRecord]:
@@ -235,6 +236,8 @@ class CacheReader:
         handle = self._shard(index)
         start, stop = self.spec.shard_range(index)
         names = [*self.spec.offset_arrays(), *wanted]
+        if hasattr(handle, "prefetch"):
+            handle.prefetch(names)  # an object store: every file of the read in one round of requests
         decoded = dict(zip(names, self._map(handle.read, names)))
         offsets = {name: decoded[name] for name in self.spec.offset_arrays()}
         arrays = {name: decoded[name] for name in wanted}

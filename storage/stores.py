@@ -20,8 +20,6 @@ import fcntl
 import json
 import os
 import shutil
-import socket
-import time
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -31,7 +29,6 @@ from storage.errors import CacheLockedError, StorageError
 from storage.files import fsync_path, remove_path, write_bytes_atomic, write_tree
 
 OPTIONS_ENV = "KDCACHE_STORAGE_OPTIONS"
-LEASE_SECONDS = 30 * 60  # a remote lock not renewed for this long belongs to a writer that died
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
                      "abfss": "adlfs", "hf": "huggingface_hub"}
 
@@ -44,6 +41,15 @@ class Store(ABC):
     @abstractmethod
     def read(self, key: str, start: int | None = None, stop: int | None = None) -> bytes:
         """Bytes ``[start, stop)`` of an object (all of it by default). Raises FileNotFoundError."""
+
+    def read_many(self, keys: list[str]) -> dict[str, bytes]:
+        """Several whole objects; an object store fetches them concurrently. Raises FileNotFoundError."""
+        return {key: self.read(key) for key in keys}
+
+    @property
+    def is_local(self) -> bool:
+        """Whether reads are file reads (cheap to issue one by one) rather than requests."""
+        return self.local_path("") is not None
 
     @abstractmethod
     def size(self, key: str) -> int | None:
@@ -207,6 +213,10 @@ class RemoteStore(Store):
     def read(self, key: str, start: int | None = None, stop: int | None = None) -> bytes:
         return bytes(self.fs.cat_file(self._path(key), start=start, end=stop))
 
+    def read_many(self, keys: list[str]) -> dict[str, bytes]:
+        fetched = self.fs.cat([self._path(key) for key in keys])  # s3fs: all requests in flight at once
+        return {key: bytes(fetched[self._path(key)]) for key in keys}
+
     def size(self, key: str) -> int | None:
         try:
             return int(self.fs.info(self._path(key))["size"])
@@ -251,6 +261,8 @@ class RemoteStore(Store):
         return dest
 
     def lock(self, name: str, what: str) -> Any:
+        from storage.leases import RemoteLock
+
         return RemoteLock(self, f"locks/{name}", what)
 
     def check(self) -> None:
@@ -271,73 +283,6 @@ class RemoteStore(Store):
         except Exception as exc:  # noqa: BLE001 - each backend has its own connection errors
             raise StorageError(f"{self.url}: cannot reach the store ({type(exc).__name__}: {exc}); check the "
                                f"endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...)") from None
-
-
-class RemoteLock:
-    """A lease object: who holds a lock, renewed while the writer commits shards.
-
-    Created with a conditional PUT (``If-None-Match: *``) where the store supports it, so two writers that start
-    together cannot both win; elsewhere the owner reads the lease back to confirm it. A lease left by a writer
-    that died is taken over when its process is gone (same host) or it has not been renewed for
-    ``LEASE_SECONDS``.
-    """
-
-    def __init__(self, store: RemoteStore, key: str, what: str) -> None:
-        self.store, self.key, self.what = store, key, what
-        self.lease = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
-        if not self._create():
-            held = self._current()
-            if held is not None and not _stale(held):
-                raise CacheLockedError(
-                    f"{what} of {store.url} is held by a running writer (pid {held.get('pid')} on "
-                    f"{held.get('host')}, lease {store.url}/{key}, renewed {int(time.time() - held['time'])} s ago); "
-                    f"wait for it, use another part, or delete that object if no writer runs")
-            store.remove(key)
-            if not self._create() or (self._current() or {}).get("owner") != self.lease["owner"]:
-                raise CacheLockedError(f"{what} of {store.url}: another writer took the lease {key} first")
-
-    def _payload(self) -> bytes:
-        return json.dumps({**self.lease, "time": time.time()}).encode()
-
-    def _create(self) -> bool:
-        """PUT the lease unless one exists; False when another writer's lease is there."""
-        path = self.store._path(self.key)
-        try:
-            self.store.fs.pipe_file(path, self._payload(), mode="create")
-            return True
-        except FileExistsError:
-            return False
-        except (TypeError, NotImplementedError, ValueError):  # no conditional PUT here: check, put, read back
-            if self.store.exists(self.key):
-                return False
-            self.store.put(self.key, self._payload())
-            return (self._current() or {}).get("owner") == self.lease["owner"]
-
-    def _current(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.store.read(self.key))
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def renew(self) -> None:
-        """Refresh the lease's time (the writer calls it after each committed shard)."""
-        self.store.put(self.key, self._payload())
-
-    def close(self) -> None:
-        if (self._current() or {}).get("owner") == self.lease["owner"]:
-            self.store.remove(self.key)
-
-
-def _stale(lease: Mapping[str, Any]) -> bool:
-    """Whether a lease belongs to a writer that is gone."""
-    if lease.get("host") == socket.gethostname():
-        try:
-            os.kill(int(lease.get("pid", 0)), 0)
-        except ProcessLookupError:
-            return True
-        except (PermissionError, ValueError):
-            pass
-    return time.time() - float(lease.get("time", 0)) > LEASE_SECONDS
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:

@@ -116,6 +116,9 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     return _Trainer(options, plan, engine, dist_info, reader).run()
 
 
+DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which the log says so
+
+
 class _Trainer:
     """The step loop and its bookkeeping (position, logs, checkpoints)."""
 
@@ -130,6 +133,7 @@ class _Trainer:
         self.trace = SampleTrace(self.run_dir, dist_info.rank, enabled=options.trace_samples)
         self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
+        self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
         self.losses: list[float] = []
         del reader  # the stream opens its own reader (in each DataLoader worker)
 
@@ -173,9 +177,14 @@ class _Trainer:
         total = self.total_steps(stream.steps_per_epoch)
         self._write_run_files(total)
         start, start_step = time.perf_counter(), self.engine.global_steps
+        self._since_log = start
         self.engine.train()
-        for batch in loader:
-            if self.engine.global_steps >= total:
+        batches = iter(loader)
+        while self.engine.global_steps < total:
+            asked = time.perf_counter()
+            batch = next(batches, None)
+            self._waited += time.perf_counter() - asked  # the step stood still: the data was not ready
+            if batch is None:
                 break
             self._micro_step(batch, stream.steps_per_epoch)
             if self._stepped():
@@ -235,8 +244,25 @@ class _Trainer:
         if not torch.isfinite(values).all():
             raise TrainingError(f"the loss diverged at step {step}: {record}; lower --lr or check the cache")
         lr = self.engine.get_lr()[0] if self.engine.get_lr() else None
-        self.logger.log(step, record, lr=lr, epoch=self.position.epoch, sample_index=self.position.sample_index)
+        wait = self._data_wait(step)
+        self.logger.log(step, record, lr=lr, epoch=self.position.epoch, sample_index=self.position.sample_index,
+                        **wait)
         self._sums, self._count = {}, 0
+
+    def _data_wait(self, step: int) -> dict[str, float]:
+        """Seconds per optimizer step spent waiting for batches since the last log, and their share of the
+        wall time; says so on rank 0 (at most once a minute) when the data, not the model, sets the pace."""
+        now = time.perf_counter()
+        steps = max(1, self._count // max(1, self.grad_accum))
+        share = self._waited / max(now - self._since_log, 1e-9)
+        out = {"data_wait_s": round(self._waited / steps, 5), "data_wait_share": round(share, 4)}
+        if share > DATA_WAIT_NOTE and self.dist.rank == 0 and now - self._last_wait_note > 60:
+            self._last_wait_note = now
+            print(f"kdcache train: step {step}: waiting for data {share:.0%} of the time ({out['data_wait_s']:.3f} s "
+                  f"per step) reading {self.options.cache}; raise --prefetch or --decode-threads, or move the "
+                  f"cache closer to the GPUs", flush=True)
+        self._waited, self._since_log = 0.0, now
+        return out
 
     def _save(self) -> None:
         data = {**self.position.to_dict(), "world_size": self.dist.world_size, "batch_size": self.batch_size,

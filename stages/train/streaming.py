@@ -186,6 +186,9 @@ def to_device(batch: Batch, device: torch.device | str) -> Batch:
     return out
 
 
+READAHEAD_REMOTE = 2
+
+
 class CacheStream(IterableDataset):
     """Micro-batches of cached targets for one rank, epoch after epoch, from a start position.
 
@@ -258,6 +261,9 @@ class _Producer:
     def __init__(self, reader: Any, names: Sequence[str], shard_ids: list[int], shard_ranges: list[tuple[int, int]],
                  plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]], prefetch: int, threads: int, pin: bool):
         self.reader, self.names, self.pin = reader, list(names), pin
+        # Shards read ahead of need beyond the prefetch window: none from a local disk (the page cache and a
+        # few threads keep up), two from an object store, where a request costs milliseconds.
+        self.readahead = 0 if reader.store.is_local else READAHEAD_REMOTE
         self.shard_ids = shard_ids
         self.starts = np.array([a for a, _ in shard_ranges], dtype=np.int64)
         self.plan, self.prefetch = plan, prefetch
@@ -286,13 +292,19 @@ class _Producer:
             for b, (shard, _) in enumerate(located):
                 last_use.update((int(s), b) for s in shard)
             decoded: dict[int, Future] = {}
+            order, cursor = list(dict.fromkeys(int(s) for shard, _ in located for s in shard)), 0
             for b, (step, ids) in enumerate(items):
                 if self.stop.is_set():
                     return
-                # Decode ahead: every shard the next `prefetch` micro-batches need is queued now.
-                for shard, _ in located[b:b + self.prefetch + 1]:
-                    for s in set(shard.tolist()) - decoded.keys():
-                        decoded[s] = self.pool.submit(self.reader.read_shard, self.shard_ids[s], self.names)
+                # Decode ahead: every shard the next `prefetch` micro-batches need is queued now...
+                wanted = {int(s) for shard, _ in located[b:b + self.prefetch + 1] for s in shard}
+                # ...and, from an object store, the next `readahead` shards in order of first use, so a whole
+                # shuffle block's shards arrive before the step reaches them.
+                while cursor < len(order) and (order[cursor] in decoded or last_use[order[cursor]] < b):
+                    cursor += 1
+                wanted.update(s for s in order[cursor:cursor + self.readahead] if last_use[s] >= b)
+                for s in sorted(wanted - decoded.keys()):
+                    decoded[s] = self.pool.submit(self.reader.read_shard, self.shard_ids[s], self.names)
                 shard, local = located[b]
                 seqs = [decoded[int(s)].result().sequence(int(i)) for s, i in zip(shard, local)]
                 batch = collate([{n: q[n] for n in self.names} for q in seqs], ids.tolist(), self.pin)

@@ -83,31 +83,57 @@ class ZarrShard(ShardHandle):
         self.store, self.key, self.record, self.spec = store, record.path, record, spec
         self._arrays: dict[str, Any] = {}
         self._metadata: dict[str, dict[str, Any]] = {}
+        self._fetched: dict[str, bytes] = {}  # an object store's files, fetched together by prefetch()
         self._lock = threading.Lock()
 
     def _fail(self, name: str, message: str) -> ChecksumError:
         return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
                              shard=self.record.index, array=name)
 
-    def metadata(self, name: str) -> dict[str, Any]:
-        """An array's ``zarr.json``, checked against its crc32c, and its data file's size (its chunks carry crc32c)."""
+    def _files(self, name: str) -> list[str]:
+        """Keys (from the cache root) of an array's files: its zarr.json and its data file."""
+        base = self.key.rsplit("/", 1)[0]
+        return [f"{base}/{path}" for path in self.record.arrays[name]["files"]]
+
+    def prefetch(self, names: list[str]) -> None:
+        """Fetch the files of ``names`` from an object store in one round of concurrent requests."""
+        if self.store.is_local or not is_format3(self.record):
+            return
+        keys = [k for name in names for k in self._files(name) if k not in self._fetched]
+        if keys:
+            fetched = self.store.read_many(keys)
+            with self._lock:
+                self._fetched.update(fetched)
+
+    def _read_file(self, key: str) -> bytes:
         with self._lock:
-            if name not in self._metadata:
-                table, base = self.record.extra["files"], self.key.rsplit("/", 1)[-1]
-                for path in self.record.arrays[name]["files"]:
-                    size, crc = table[path]
-                    message = check_file(self.store, path, size, crc, read=False)
-                    if message:
-                        raise self._fail(name, message)
-                raw = self.store.read(f"{self.key}/{name}/zarr.json")
-                if crc32c(raw) != table[f"{base}/{name}/zarr.json"][1]:
-                    raise self._fail(name, "zarr.json does not match the crc32c recorded when it was written")
-                self._metadata[name] = json.loads(raw)
-            return self._metadata[name]
+            data = self._fetched.pop(key, None)  # used once: the decoded array is what stays
+        return self.store.read(key) if data is None else data
+
+    def metadata(self, name: str) -> dict[str, Any]:
+        """An array's ``zarr.json``, checked against the crc32c recorded when it was written."""
+        with self._lock:
+            cached = self._metadata.get(name)
+        if cached is None:
+            table, base = self.record.extra["files"], self.key.rsplit("/", 1)[-1]
+            try:
+                raw = self._read_file(f"{self.key}/{name}/zarr.json")
+            except FileNotFoundError:
+                raise self._fail(name, "its zarr.json is missing") from None
+            if crc32c(raw) != table[f"{base}/{name}/zarr.json"][1]:
+                raise self._fail(name, "zarr.json does not match the crc32c recorded when it was written")
+            cached = json.loads(raw)
+            with self._lock:
+                self._metadata[name] = cached
+        return cached
 
     def _array(self, name: str) -> Any:
         if is_format3(self.record):
             self.metadata(name)
+            for path in self.record.arrays[name]["files"]:  # zarr reads a missing chunk as zeros: refuse that
+                message = check_file(self.store, path, *self.record.extra["files"][path], read=False)
+                if message:
+                    raise self._fail(name, message)
         with self._lock:
             if name not in self._arrays:
                 with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn again on open
@@ -123,9 +149,14 @@ class ZarrShard(ShardHandle):
         if layout is None or len(data) != 1:
             return None
         codec = numcodecs.get_codec(self.spec.codec_for(name))
+        size = self.record.extra["files"][data[0]][0]
         try:
-            raw = self.store.read(f"{self.key.rsplit('/', 1)[0]}/{data[0]}")
+            raw = self._read_file(f"{self.key.rsplit('/', 1)[0]}/{data[0]}")
+            if len(raw) != size:
+                raise ShardFileError(f"file {data[0]} has {len(raw)} bytes, {size} were written")
             return read_whole(raw, self.metadata(name), codec, layout["rows"])
+        except FileNotFoundError:
+            raise self._fail(name, f"file {data[0]} is missing") from None
         except ShardFileError as exc:
             raise self._fail(name, f"stored bytes do not decode ({exc})") from None
 

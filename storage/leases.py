@@ -1,0 +1,84 @@
+"""Locks on object stores: a lease object per writer part, since there is no flock there.
+
+Created with a conditional PUT (``If-None-Match: *``) where the store supports it (S3 and compatible servers), so
+two writers that start together cannot both win; elsewhere the owner reads the lease back to confirm it. A lease
+left by a writer that died is taken over when its process is gone (same host) or it has not been renewed for
+``LEASE_SECONDS`` (the writer renews it after every committed shard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from typing import Any, Mapping
+
+from storage.errors import CacheLockedError
+
+LEASE_SECONDS = 30 * 60  # a lease not renewed for this long belongs to a writer that died
+
+
+class RemoteLock:
+    """A lease object: who holds a lock (owner id, host, pid, time), renewed while the writer commits shards.
+
+    ``store`` is the ``storage.stores.RemoteStore`` holding the lease (its ``fs``, ``read``, ``put``, ``remove``).
+    """
+
+    def __init__(self, store: Any, key: str, what: str) -> None:
+        self.store, self.key, self.what = store, key, what
+        self.lease = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
+        if not self._create():
+            held = self._current()
+            if held is not None and not _stale(held):
+                raise CacheLockedError(
+                    f"{what} of {store.url} is held by a running writer (pid {held.get('pid')} on "
+                    f"{held.get('host')}, lease {store.url}/{key}, renewed {int(time.time() - held['time'])} s ago); "
+                    f"wait for it, use another part, or delete that object if no writer runs")
+            store.remove(key)
+            if not self._create() or (self._current() or {}).get("owner") != self.lease["owner"]:
+                raise CacheLockedError(f"{what} of {store.url}: another writer took the lease {key} first")
+
+    def _payload(self) -> bytes:
+        return json.dumps({**self.lease, "time": time.time()}).encode()
+
+    def _create(self) -> bool:
+        """PUT the lease unless one exists; False when another writer's lease is there."""
+        path = self.store._path(self.key)
+        try:
+            self.store.fs.pipe_file(path, self._payload(), mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError, ValueError):  # no conditional PUT here: check, put, read back
+            if self.store.exists(self.key):
+                return False
+            self.store.put(self.key, self._payload())
+            return (self._current() or {}).get("owner") == self.lease["owner"]
+
+    def _current(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.store.read(self.key))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def renew(self) -> None:
+        """Refresh the lease's time (the writer calls it after each committed shard)."""
+        self.store.put(self.key, self._payload())
+
+    def close(self) -> None:
+        if (self._current() or {}).get("owner") == self.lease["owner"]:
+            self.store.remove(self.key)
+
+
+def _stale(lease: Mapping[str, Any]) -> bool:
+    """Whether a lease belongs to a writer that is gone."""
+    if lease.get("host") == socket.gethostname():
+        try:
+            os.kill(int(lease.get("pid", 0)), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, ValueError):
+            pass
+    return time.time() - float(lease.get("time", 0)) > LEASE_SECONDS
