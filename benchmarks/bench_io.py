@@ -34,10 +34,12 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from storage import CacheReader, CacheSpec, CacheWriter, encode_shard  # noqa: E402
+from storage import CacheReader, CacheSpec, encode_shard  # noqa: E402
+from bench_storage import stdlib_sentences, teacher_outputs, write_cache  # noqa: E402
 from storage.codecs import to_zarr_compressors  # noqa: E402
 
 BIG_CHUNK = 16 << 20
@@ -46,9 +48,6 @@ V_LLAMA, D_LLAMA, TOP_K = 128_256, 4096, 64
 
 def minilm_sequences(count: int) -> tuple[list[dict[str, np.ndarray]], int]:
     """Real MiniLM targets (hidden 0-6, top-64), fp16 as stage one hands them over; and the vocabulary."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_storage import stdlib_sentences, teacher_outputs
-
     seqs = teacher_outputs(stdlib_sentences(count))
     keep = [f"hidden/{j}" for j in range(4)] + ["input_ids", "logits/topk_values", "logits/topk_ids", "logits/lse"]
     return [{k: _fp16(k, s[k]) for k in keep} for s in seqs], 30_522
@@ -77,15 +76,6 @@ def _fp16(name: str, value: np.ndarray) -> np.ndarray:
 def make_spec(seqs: list[dict[str, np.ndarray]], vocab: int, per_shard: int, hidden: int) -> CacheSpec:
     return CacheSpec(num_sequences=len(seqs), hidden_layers=tuple(range(hidden)), logits="topk", top_k=TOP_K,
                      vocab_size=vocab, sequences_per_shard=per_shard)
-
-
-def kdcache_write(root: Path, spec: CacheSpec, seqs: list[dict[str, np.ndarray]]) -> float:
-    t0 = time.perf_counter()
-    with CacheWriter(root, spec, {"teacher": {"name_or_path": "bench"}}) as writer:
-        for k in range(spec.num_shards):
-            writer.write_shard(k, seqs[slice(*spec.shard_range(k))])
-        writer.finalize()
-    return time.perf_counter() - t0
 
 
 def kdcache_read(root: Path, names: list[str] | None, threads: int | None = None) -> float:
@@ -142,13 +132,13 @@ def bench_shape(label: str, seqs: list[dict[str, np.ndarray]], vocab: int, per_s
         shutil.rmtree(tmp / name, ignore_errors=True)
         return tmp / name
 
-    writes = best(repeats, {"kdcache": lambda: kdcache_write(fresh("kd"), spec, seqs),
+    writes = best(repeats, {"kdcache": lambda: write_cache(fresh("kd"), spec, seqs),
                             "plain": lambda: plain_write(fresh("plain"), shards, spec)})
     reads = best(repeats, {"kdcache": lambda: kdcache_read(tmp / "kd", None),
                            "kdcache, 1 thread": lambda: kdcache_read(tmp / "kd", None, threads=1),
                            "plain": lambda: plain_read(tmp / "plain", shards, None)})
     only = make_spec([{k: v for k, v in s.items() if not k.startswith("hidden/")} for s in seqs], vocab, per_shard, 0)
-    kdcache_write(fresh("topk-only"), only, [{k: v for k, v in s.items() if not k.startswith("hidden/")} for s in seqs])
+    write_cache(fresh("topk-only"), only, [{k: v for k, v in s.items() if not k.startswith("hidden/")} for s in seqs])
     topk = ["logits/topk_values", "logits/topk_ids", "logits/lse"]
     topk_bytes = sum(shard[n].nbytes for shard in shards for n in topk)
     one = best(repeats, {"of five": lambda: kdcache_read(tmp / "kd", ["logits"]),

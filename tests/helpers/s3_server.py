@@ -22,10 +22,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(port: int, timeout: float = 30.0) -> subprocess.Popen:
-    """Start ``python -m moto.server`` on ``port`` and wait until it answers."""
+def start_server(port: int, timeout: float = 30.0, *, check_credentials: bool = False) -> subprocess.Popen:
+    """Start ``python -m moto.server`` on ``port`` and wait until it answers.
+
+    ``check_credentials``: every request must be signed with keys moto's IAM knows (none are created, so any
+    key is refused with 403, as S3 refuses wrong credentials).
+    """
+    env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if check_credentials else {})}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -130,6 +130,22 @@ def test_bad_urls_get_one_clear_line(s3_server, s3_bucket, capsys):
     assert isinstance(open_store(f"{s3_bucket}/x"), RemoteStore)
 
 
+def test_wrong_credentials_get_one_clear_line(s3_server, capsys):
+    from tests.helpers.s3_server import free_port, start_server
+
+    port = free_port()
+    strict = start_server(port, check_credentials=True)
+    try:
+        code = main(["inspect", "s3://any-bucket/cache", "--storage-option", f"endpoint_url=http://127.0.0.1:{port}"])
+    finally:
+        os.environ.pop("KDCACHE_STORAGE_OPTIONS", None)
+        strict.terminate()
+        strict.wait(timeout=10)
+    err = capsys.readouterr().err
+    assert code == 2 and "access denied" in err and "credentials" in err and "Traceback" not in err, err
+    assert err.count("\n") == 1
+
+
 def _closed_port() -> int:
     from tests.helpers.s3_server import free_port
 
