@@ -23,7 +23,8 @@ LEASE_SECONDS = 30 * 60  # a lease not renewed for this long belongs to a writer
 class RemoteLock:
     """A lease object: who holds a lock (owner id, host, pid, time), renewed while the writer commits shards.
 
-    ``store`` is the ``storage.stores.RemoteStore`` holding the lease (its ``fs``, ``read``, ``put``, ``remove``).
+    ``store`` is the ``storage.stores.RemoteStore`` holding the lease (``put_if_absent``, ``read``, ``put``,
+    ``remove``).
     """
 
     def __init__(self, store: Any, key: str, what: str) -> None:
@@ -34,7 +35,7 @@ class RemoteLock:
             if held is not None and not _stale(held):
                 raise CacheLockedError(
                     f"{what} of {store.url} is held by a running writer (pid {held.get('pid')} on "
-                    f"{held.get('host')}, lease {store.url}/{key}, renewed {int(time.time() - held['time'])} s ago); "
+                    f"{held.get('host')}, lease {store.url}/{key}, renewed {int(time.time() - float(held.get('time', 0)))} s ago); "
                     f"wait for it, use another part, or delete that object if no writer runs")
             store.remove(key)
             if not self._create() or (self._current() or {}).get("owner") != self.lease["owner"]:
@@ -45,17 +46,9 @@ class RemoteLock:
 
     def _create(self) -> bool:
         """PUT the lease unless one exists; False when another writer's lease is there."""
-        path = self.store._path(self.key)
-        try:
-            self.store.fs.pipe_file(path, self._payload(), mode="create")
-            return True
-        except FileExistsError:
-            return False
-        except (TypeError, NotImplementedError, ValueError):  # no conditional PUT here: check, put, read back
-            if self.store.exists(self.key):
-                return False
-            self.store.put(self.key, self._payload())
-            return (self._current() or {}).get("owner") == self.lease["owner"]
+        if self.store.put_if_absent(self.key, self._payload()):
+            return (self._current() or {}).get("owner") == self.lease["owner"]  # read back: racing writers
+        return False
 
     def _current(self) -> dict[str, Any] | None:
         try:

@@ -236,6 +236,19 @@ class RemoteStore(Store):
     def put(self, key: str, data: bytes) -> None:
         self.fs.pipe_file(self._path(key), bytes(data))
 
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create an object unless one exists (a conditional PUT where the store has one); False if it existed."""
+        try:
+            self.fs.pipe_file(self._path(key), bytes(data), mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError, ValueError):  # no conditional PUT here: check, then put
+            if self.exists(key):
+                return False
+            self.put(key, data)
+            return True
+
     def put_shard(self, key: str, files: Mapping[str, Any]) -> None:
         # One batch of PUTs (s3fs sends them concurrently); nothing refers to them until the sidecar lands.
         base = key.rsplit("/", 1)[0]
