@@ -119,7 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
         default = f.default if f.default is not dataclasses.MISSING else None
         if isinstance(default, tuple):
             default = ",".join(map(str, default))
-        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        help_text = str(f.metadata.get("help", ""))
+        if "default" not in help_text and default not in (None, ""):  # a help text that explains its own default
+            help_text += f" (default: {default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if inner is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

@@ -39,7 +39,8 @@ class PrecomputeOptions:
     text_column: str = _opt("text", "column holding the text")
     max_length: int = _opt(512, "tokens per sequence: truncation length, or block length with --packing")
     layers: tuple[str, ...] = _opt(("all",), "hidden layers to cache, HF numbering (0 = embeddings), or 'all'")
-    features: tuple[str, ...] = _opt(("hidden", "logits"), "targets to cache: hidden, attention, logits")
+    features: tuple[str, ...] = _opt((), "targets to cache: hidden, attention, logits (default: hidden, plus "
+                                         "logits when the teacher has a language-model head)")
     top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
     full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k")
     heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
@@ -127,7 +128,7 @@ class PrecomputeOptions:
     def _feature_problems(self) -> list[str]:
         problems = []
         unknown = [f for f in self.features if f not in FEATURES]
-        if unknown or not self.features:
+        if unknown:
             problems.append(f"features: got {list(self.features)}, expected a non-empty subset of {list(FEATURES)}")
         problems += _layer_list_problems("layers", self.layers)
         if self.attention_layers is not None:

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from storage.files import format_bytes
+
 
 @dataclass
 class RunStats:
@@ -51,22 +53,19 @@ class Progress:
     def update(self, sequences: int) -> None:
         if self.bar is None:
             return
-        elapsed = max(time.perf_counter() - self.stats.compute_started, 1e-9)
-        self.bar.set_postfix(tok_s=f"{self.stats.tokens / elapsed:,.0f}",
-                             written=_human(self.stats.stored_bytes), refresh=False)
+        self._postfix()
         self.bar.update(sequences)
 
+    def _postfix(self) -> None:
+        elapsed = max(time.perf_counter() - self.stats.compute_started, 1e-9)
+        self.bar.set_postfix(tok_s=f"{self.stats.tokens / elapsed:,.0f}",
+                             written=format_bytes(self.stats.stored_bytes), refresh=False)
+
     def close(self) -> None:
+        """Close the bar, showing the bytes of every shard committed (call it after the writer's last commit)."""
         if self.bar is not None:
+            self._postfix()
             self.bar.close()
-
-
-def _human(num: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(num) < 1024 or unit == "TB":
-            return f"{num:.1f} {unit}" if unit != "B" else f"{int(num)} B"
-        num /= 1024
-    return f"{num:.1f} TB"
 
 
 def target_of(array: str) -> str:
@@ -122,7 +121,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"this run: {summary['shards_written']} shard(s) written, {summary['shards_skipped']} already committed, "
         f"{summary['tokens']:,} tokens in {summary['compute_seconds']:.1f} s of compute "
         f"({summary['tokens_per_second']:,.0f} tokens/s; {summary['wall_seconds']:.1f} s with loading), "
-        f"{_human(summary['bytes_written'])} written",
+        f"{format_bytes(summary['bytes_written'])} written",
         "bytes/token: " + ", ".join(f"{k} {v:,.1f}" for k, v in summary["bytes_per_token"].items()),
     ]
     return "\n".join(lines)

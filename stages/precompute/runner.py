@@ -24,7 +24,7 @@ from stages.precompute.errors import PrecomputeError
 from stages.precompute.options import PrecomputeOptions
 from stages.precompute.progress import Progress, RunStats, format_summary, summarize
 from stages.common.fingerprints import tokenizer_fingerprint
-from stages.precompute.teacher import (Targets, Teacher, load_teacher, load_tokenizer, pick_device, read_config,
+from stages.precompute.teacher import (has_lm_head, Targets, Teacher, load_teacher, load_tokenizer, pick_device, read_config,
                                        resolve_targets, save_tokenizer, teacher_files_fingerprint)
 from storage.errors import KdcacheError
 from storage.spec import FORMAT_VERSION
@@ -80,6 +80,7 @@ def _quiet_libraries(quiet: bool) -> Iterator[None]:
 def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     stats = RunStats()
     config = read_config(options)
+    options = with_default_features(options, config)
     from stages.precompute.seq2seq import check_not_seq2seq_options, is_seq2seq, run_seq2seq
 
     if is_seq2seq(config):  # encoder-decoder teachers: two token streams, their own runner
@@ -122,6 +123,14 @@ def check_positions(config: Any, data: TokenizedData) -> None:
     if isinstance(limit, int) and longest > limit:
         raise PrecomputeError(f"max_length: sequences reach {longest} tokens, but the teacher has only {limit} "
                               f"positions; lower --max-length to {limit} or less")
+
+
+def with_default_features(options: PrecomputeOptions, config: Any) -> PrecomputeOptions:
+    """Without ``--features``: hidden states, plus logits when the teacher has a language-model head (an
+    encoder such as MiniLM has none, so it caches hidden states only)."""
+    if options.features:
+        return options
+    return replace(options, features=("hidden", "logits") if has_lm_head(config) else ("hidden",))
 
 
 def check_token_ids(teacher: Teacher, data: TokenizedData) -> None:

@@ -132,6 +132,13 @@ def pick_device(name: str, local_rank: int = 0) -> Any:
     return torch.device(name)
 
 
+def has_lm_head(config: Any) -> bool:
+    """Whether the teacher's checkpoint has a language-model head (a causal or masked LM, or a seq2seq LM)."""
+    archs = getattr(config, "architectures", None) or []
+    heads = (*_CAUSAL_SUFFIXES, "ForMaskedLM", "ForConditionalGeneration")
+    return any(a.endswith(heads) for a in archs) or (not archs and bool(getattr(config, "is_decoder", False)))
+
+
 def _model_class(config: Any, targets: Targets, teacher: str) -> Any:
     import transformers
 

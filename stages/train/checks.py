@@ -233,3 +233,30 @@ def _target_shapes(reader: Any, hidden: list[Pair], attention: list[Pair]) -> tu
     sizes = {int(n.split("/")[1]): int(first[n].shape[-1]) for n in names if n.startswith("hidden/")}
     heads = next((int(first[n].shape[0]) for n in names if n.startswith("attention/")), None)
     return sizes, heads
+
+
+def _layers_text(layers: list[int]) -> str:
+    return ", ".join(str(j) for j in layers)
+
+
+def unused_targets(spec: Any, plan: TrainPlan, options: TrainOptions) -> list[str]:
+    """Cached targets this run's weights and maps leave unused, each with the reason and how to use it.
+
+    A single-stream cache only (a seq2seq plan names its pairs per stack); an empty list when all are used.
+    """
+    if getattr(spec, "is_seq2seq", False):
+        return []
+    notes = []
+    hidden = sorted(set(spec.hidden_layers) - {t for _, t in plan.hidden_pairs})
+    if hidden:
+        why = ("--gamma is 0" if options.gamma <= 0 else "--layer-map is none" if options.layer_map == "none"
+               else f"the layer map {options.layer_map!r} pairs no student layer with them")
+        notes.append(f"hidden layers {_layers_text(hidden)} ({why})")
+    attention = sorted(set(spec.attention_layers) - {t for _, t in plan.attention_pairs})
+    if attention:
+        why = ("--delta is 0: set --delta > 0 to distil attention maps" if options.delta <= 0
+               else "the attention map pairs no student block with them")
+        notes.append(f"attention layers {_layers_text(attention)} ({why})")
+    if spec.logits and plan.logits is None:
+        notes.append(f"logits/{spec.logits} (--beta is 0)")
+    return notes

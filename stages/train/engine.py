@@ -8,6 +8,7 @@ make a world of one. gloo on the CPU, nccl on GPUs.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import os
 import socket
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ def build_ds_config(options: TrainOptions, device: torch.device) -> dict[str, An
     the loop hands DeepSpeed a plain ``torch.optim.AdamW``, which works on every accelerator.
     """
     if options.deepspeed:
-        return _user_config(options)
+        return {**monitor_config(options), **_user_config(options)}  # the user's own monitor sections win
     precision = resolve_precision(options.precision, device)
     zero: dict[str, Any] = {"stage": options.zero_stage}
     config: dict[str, Any] = {
@@ -92,7 +93,16 @@ def build_ds_config(options: TrainOptions, device: torch.device) -> dict[str, An
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
         config["optimizer"] = {"type": "AdamW", "params": {"lr": options.lr, "weight_decay": options.weight_decay}}
         config["zero_force_ds_cpu_optimizer"] = True
-    return config
+    return {**config, **monitor_config(options)}
+
+
+def monitor_config(options: TrainOptions) -> dict[str, Any]:
+    """DeepSpeed monitor sections for ``--report-to`` (its MonitorMaster writes them on rank 0)."""
+    run = str(options.out)
+    sections = {"tensorboard": ("tensorboard", {"output_path": run, "job_name": "tensorboard"}),
+                "csv": ("csv_monitor", {"output_path": run, "job_name": "csv"}),
+                "wandb": ("wandb", {"project": "kdcache", "group": Path(run).name})}
+    return {key: {"enabled": True, **values} for name, (key, values) in sections.items() if name in options.report_to}
 
 
 def _user_config(options: TrainOptions) -> dict[str, Any]:

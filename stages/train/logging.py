@@ -1,4 +1,4 @@
-"""Run logs: per-term metrics as JSONL (RUN/metrics.jsonl), TensorBoard when installed, and sample traces.
+"""Run logs: per-term metrics as JSONL (RUN/metrics.jsonl), mirrored to trackers, and sample traces.
 
 Only rank 0 writes metrics (the values are already averaged over ranks by the loop). Sample traces
 (``RUN/samples-rank{r}.jsonl``: which sequence ids each micro-step consumed) are written by every rank when
@@ -14,16 +14,18 @@ from typing import Any
 
 
 class MetricsLogger:
-    """Appends one JSON object per logged step; mirrors scalars to TensorBoard if it can be imported.
+    """Appends one JSON object per logged step, and hands the scalars to DeepSpeed's monitor (the trackers
+    ``--report-to`` enabled: TensorBoard, W&B, CSV), which writes them on rank 0.
 
-    Appending (never truncating) keeps a resumed run's log continuous with the interrupted one.
+    Appending (never truncating) keeps a resumed run's log continuous with the interrupted one. The JSONL stays
+    the source of ``kdcache report``.
     """
 
-    def __init__(self, run_dir: str | Path, *, rank: int = 0, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, *, rank: int = 0, monitor: Any = None):
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.path = self.run_dir / "metrics.jsonl"
-        self._tb = _tensorboard_writer(self.run_dir / "tensorboard") if tensorboard and rank == 0 else None
+        self._monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self._start = time.perf_counter()
 
     def log(self, step: int, values: dict[str, float], **extra: Any) -> None:
@@ -33,13 +35,14 @@ class MetricsLogger:
         record = {"step": step, "time_s": round(time.perf_counter() - self._start, 4), **values, **extra}
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for name, value in values.items():
-                self._tb.add_scalar(f"train/{name}", value, step)
+        if self._monitor is not None:
+            scalars = {**values, **{k: v for k, v in extra.items() if isinstance(v, (int, float))}}
+            self._monitor.write_events([(f"train/{name}", float(value), step) for name, value in scalars.items()])
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        flush = getattr(getattr(self._monitor, "tb_monitor", None), "flush", None)
+        if flush is not None:
+            flush()
 
 
 class SampleTrace:
@@ -80,11 +83,3 @@ def read_records(path: str | Path) -> tuple[list[Any], int]:
             skipped += 1
     return records, skipped
 
-
-def _tensorboard_writer(path: Path) -> Any:
-    """A SummaryWriter, or None when tensorboard is not installed (it is optional)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(path))

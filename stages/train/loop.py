@@ -12,8 +12,9 @@ run continues the very loss trajectory of an uninterrupted one without saving ev
 from __future__ import annotations
 
 import json
-import tempfile
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,12 @@ import torch
 from torch import nn
 
 from stages.train import checkpoint as ckpt
-from stages.train.checks import TrainPlan, open_cache, plan_training
+from stages.train.checks import TrainPlan, open_cache, plan_training, unused_targets
 from stages.train.compound import CompoundLoss
 from stages.train.engine import DistInfo, build_engine, init_distributed
 from stages.train.logging import MetricsLogger, SampleTrace
 from stages.train.options import TrainOptions
+from stages.train.progress import TrainProgress
 from stages.train.streaming import CacheStream, DataPosition, check_resumable, next_position, to_device
 from stages.train.student import (StudentFacts, enable_gradient_checkpointing, has_weights, load_student,
                                   student_facts, tokenizer_fingerprint_of)
@@ -84,6 +86,9 @@ def prepare(options: TrainOptions) -> tuple[Any, nn.Module, StudentFacts, TrainP
     student = load_student(options.student, seed=options.seed, attn_implementation=attn)
     facts = student_facts(student, pretrained=has_weights(options.student))
     plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.student))
+    unused = unused_targets(reader.spec, plan, options)
+    if unused and int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for all
+        print(f"kdcache train: note: cached targets this run leaves unused: {'; '.join(unused)}", file=sys.stderr)
     if options.gradient_checkpointing:
         enable_gradient_checkpointing(student)
     return reader, student, facts, plan
@@ -129,11 +134,12 @@ class _Trainer:
         self.grad_accum = int(engine.gradient_accumulation_steps())
         self.zero_stage = int(engine.zero_optimization_stage())
         self.position, self.micro_step, self.resumed_from = DataPosition(), 0, None
-        self.logger = MetricsLogger(self.run_dir, rank=dist_info.rank)
+        self.logger = MetricsLogger(self.run_dir, rank=dist_info.rank, monitor=getattr(engine, "monitor", None))
         self.trace = SampleTrace(self.run_dir, dist_info.rank, enabled=options.trace_samples)
         self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
         self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
+        self.progress = TrainProgress(0, 0, enabled=False)  # replaced when run() knows the total
         self.losses: list[float] = []
         del reader  # the stream opens its own reader (in each DataLoader worker)
 
@@ -177,6 +183,7 @@ class _Trainer:
         total = self.total_steps(stream.steps_per_epoch)
         self._write_run_files(total)
         start, start_step = time.perf_counter(), self.engine.global_steps
+        self.progress = TrainProgress(total, int(start_step), enabled=self.dist.rank == 0 and not self.options.quiet)
         self._since_log = start
         self.engine.train()
         batches = iter(loader)
@@ -192,6 +199,7 @@ class _Trainer:
         elapsed = time.perf_counter() - start
         if self.engine.global_steps > (self.resumed_from or 0) or not ckpt.has_checkpoint(self.run_dir):
             self._save()
+        self.progress.close()
         student_dir = self._export() if self.options.export else None
         self.logger.close()
         steps = self.engine.global_steps - start_step
@@ -209,6 +217,7 @@ class _Trainer:
         o = self.options
         torch.manual_seed((o.seed * 1_000_003 + self.micro_step) * 1_009 + self.dist.rank)
         epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
+        self.progress.tokens(int(sum(int(v.sum()) for k, v in batch.items() if k.endswith("mask"))))
         out = self.engine(to_device(batch, self.dist.device))
         self.engine.backward(out["loss"])
         self.engine.step()
@@ -247,6 +256,7 @@ class _Trainer:
         wait = self._data_wait(step)
         self.logger.log(step, record, lr=lr, epoch=self.position.epoch, sample_index=self.position.sample_index,
                         **wait)
+        self.progress.update(step, record, wait["data_wait_share"])
         self._sums, self._count = {}, 0
 
     def _data_wait(self, step: int) -> dict[str, float]:
@@ -256,7 +266,8 @@ class _Trainer:
         steps = max(1, self._count // max(1, self.grad_accum))
         share = self._waited / max(now - self._since_log, 1e-9)
         out = {"data_wait_s": round(self._waited / steps, 5), "data_wait_share": round(share, 4)}
-        if share > DATA_WAIT_NOTE and self.dist.rank == 0 and now - self._last_wait_note > 60:
+        started = step <= self.options.log_every  # the first interval pays the stream's start-up: not a verdict
+        if share > DATA_WAIT_NOTE and not started and self.dist.rank == 0 and now - self._last_wait_note > 60:
             self._last_wait_note = now
             print(f"kdcache train: step {step}: waiting for data {share:.0%} of the time ({out['data_wait_s']:.3f} s "
                   f"per step) reading {self.options.cache}; raise --prefetch or --decode-threads, or move the "

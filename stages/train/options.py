@@ -23,6 +23,25 @@ def _opt(help_text: str, **extra: object) -> dict[str, object]:
     return {"help": help_text, **extra}
 
 
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv": None}  # tracker -> the package it needs
+
+
+def tracker_problems(report_to: tuple[str, ...]) -> list[str]:
+    """Unknown tracker names, and trackers whose package is not installed (naming the extra to install)."""
+    import importlib.util
+
+    problems = []
+    for name in report_to:
+        if name == "none":
+            continue
+        if name not in TRACKERS:
+            problems.append(f"report_to {name!r} is not a tracker; expected any of {sorted(TRACKERS)} or none")
+        elif TRACKERS[name] and importlib.util.find_spec(TRACKERS[name]) is None:
+            problems.append(f"report_to {name}: the {TRACKERS[name]} package is not installed; "
+                            f"pip install \"kdcache[{name}]\"")
+    return problems
+
+
 @dataclass
 class TrainOptions:
     """Everything ``run_training`` needs; validated before any model or cache is opened."""
@@ -62,7 +81,13 @@ class TrainOptions:
     precision: str = field(default="auto", metadata=_opt(
         "auto = bf16 on GPUs that support it, else fp16 on GPU, fp32 on CPU", choices=list(PRECISIONS)))
     gradient_checkpointing: bool = field(default=False, metadata=_opt("recompute student activations"))
-    log_every: int = field(default=10, metadata=_opt("write metrics.jsonl every N optimizer steps"))
+    log_every: int = field(default=10, metadata=_opt(
+        "write metrics.jsonl (and trackers, and a progress line when the output is not a terminal) every N "
+        "optimizer steps"))
+    report_to: tuple[str, ...] = field(default=(), metadata=_opt(
+        "trackers beside metrics.jsonl, through DeepSpeed's monitor: tensorboard, wandb, csv (comma-separated; "
+        "none by default); they write under RUN/ (wandb: its own project 'kdcache')"))
+    quiet: bool = field(default=False, metadata=_opt("no progress bar or progress lines"))
     save_every: int = field(default=0, metadata=_opt("checkpoint every N optimizer steps (0: only at the end)"))
     num_workers: int = field(default=0, metadata=_opt("DataLoader worker processes (decoding already runs "
                                                       "in threads; 0 is usually right)"))
@@ -94,6 +119,7 @@ class TrainOptions:
         for name in ("batch_size", "grad_accum", "log_every", "prefetch", "shuffle_block", "critic_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        problems += tracker_problems(self.report_to)
         if self.decode_threads < 0:
             problems.append(f"decode_threads must be >= 0 (0 = one per core), got {self.decode_threads}")
         for name in ("epochs", "max_steps"):

@@ -103,8 +103,19 @@ def test_head_out_of_range_and_no_lm_head(minilm: Path, corpus: Path, tmp_path: 
     err = _bad(capsys, "--teacher", str(minilm), "--data", str(corpus), "--out", str(tmp_path / "c"),
                "--features", "hidden,attention", "--heads", "12")
     assert "head 12 is out of range" in err
-    err = _bad(capsys, "--teacher", str(minilm), "--data", str(corpus), "--out", str(tmp_path / "c"))
+    err = _bad(capsys, "--teacher", str(minilm), "--data", str(corpus), "--out", str(tmp_path / "c"),
+               "--features", "hidden,logits")
     assert "no language-model head" in err
+
+
+def test_default_features_follow_the_teacher(minilm: Path, tiny_gpt2: Path, corpus: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    """No --features: an encoder without an LM head caches hidden states; a causal LM adds its logits."""
+    for teacher, out, features in ((minilm, "encoder", ("hidden",)), (tiny_gpt2, "causal", ("hidden", "logits/topk"))):
+        code, _, err = _run(capsys, "--teacher", str(teacher), "--data", str(corpus), "--out", str(tmp_path / out),
+                            "--layers", "1")
+        assert code == 0, err
+        assert CacheReader(tmp_path / out).features == features
 
 
 def test_unwritable_output(tiny_gpt2: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
