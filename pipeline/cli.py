@@ -11,11 +11,13 @@ reached) ends the run with a one-paragraph message and exit status 2, never a tr
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import os
 import pkgutil
 import sys
+from typing import NoReturn
 
 import pipeline.commands
 from storage.errors import KdcacheError
@@ -27,13 +29,39 @@ DESCRIPTION = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with short errors: the problem first, a did-you-mean where one is close, and where to get
+    help, instead of the whole usage block (exit 2, as argparse)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        hint = _did_you_mean(self, message)
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n(`{self.prog} --help` lists every flag)\n")
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
+    """``; did you mean --max-steps?`` for an unknown flag or a bad choice close to a known one."""
+    if message.startswith("unrecognized arguments: "):
+        words, known = message.split(": ", 1)[1].split(), [s for a in parser._actions for s in a.option_strings]
+    elif "invalid choice: " in message:
+        words = [message.split("invalid choice: ", 1)[1].split(" (")[0].strip("'")]
+        known = [str(c) for a in parser._actions if a.choices for c in a.choices if a.dest in message or
+                 a.dest == "command" or any(o in message for o in a.option_strings)]
+    else:
+        return ""
+    for word in words:
+        close = difflib.get_close_matches(word.split("=")[0], known, n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean {close[0]}?"
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(prog="kdcache", description=DESCRIPTION)
+    parser = _Parser(prog="kdcache", description=DESCRIPTION)
     # The deepspeed launcher runs `python -m pipeline --local_rank=N COMMAND ...`; ranks come from the
     # environment (LOCAL_RANK, RANK, WORLD_SIZE), so the flag is accepted and otherwise ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for info in sorted(pkgutil.iter_modules(pipeline.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"pipeline.commands.{info.name}")
         if hasattr(module, "register"):
@@ -60,7 +88,11 @@ def _is_storage_fault(exc: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 check failed, 2 bad input)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # name the command whose flags were misspelled, not the top level
+        command = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         _apply_storage_options(getattr(args, "storage_option", []))
         return int(args.func(args) or 0)

@@ -106,3 +106,20 @@ def test_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
     assert report["cache_tokens"] > 0 and len(report["loss_curve"]) >= 1
     assert -1.0 <= report["agreement_after"]["spearman"] <= 1.0
     assert (out / "run" / "student" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["train", "--cache", "c", "--student", "s", "--out", "o", "--max-stpes", "3"],
+     "kdcache train: error: unrecognized arguments: --max-stpes 3; did you mean --max-steps?"),
+    (["precompute", "--teacher", "t", "--data", "d", "--out", "o", "--format", "zar"],
+     "kdcache precompute: error: argument --format: invalid choice: 'zar' (choose from 'zarr', 'arrow'); "
+     "did you mean zarr?"),
+    (["trian"], "did you mean train?"),
+])
+def test_mistakes_get_a_short_error_and_a_suggestion(argv: list[str], wanted: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and wanted in err
+    assert "usage:" not in err and len(err.splitlines()) == 2, err  # the problem, then where help is
