@@ -1,12 +1,12 @@
 """``kdcache report``: PNG plots and one HTML page for a run or a sweep, readable while it is still running.
 
 A run's report (in ``RUN/report/``): each loss term over the steps, the student × teacher CKA heatmap when
-``eval.json`` exists, and the cache's bytes per token per target. A sweep's report (in ``SWEEP/report/``): a
+an evaluation exists (``RUN/evals/``), and the cache's bytes per token per target. A sweep's report (in ``SWEEP/report/``): a
 bar chart of one metric at each grid point, every run's total loss over the steps, the comparison table, and
 a report per run.
 
 Everything is read from what runs leave on disk, written for being read mid-run: ``metrics.jsonl`` may end in
-a half-written line, ``student/`` and ``eval.json`` may not exist yet. Nothing here imports torch.
+a half-written line, ``student/`` and ``evals/`` may not exist yet. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "data_wait_share")
 TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "hidden", "attention")
-# (column, key in eval.json) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
+# (column, key in an evaluation record) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
 EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval_perplexity", "perplexity"),
                 ("eval_top1", "top1_agreement"), ("eval_kl", "kl"), ("eval_cka_final", "cka.final"),
                 ("eval_cka_on_map", "cka.mean_on_map"))
@@ -61,9 +61,10 @@ class RunState:
     plan: dict[str, Any]
     metrics: list[dict[str, Any]]
     skipped_lines: int
-    eval: dict[str, Any] | None
+    eval: dict[str, Any] | None  # the newest evaluation of the trained student (alignment heatmap, columns)
     finished: bool
     notes: list[str] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # every evaluation: baseline and trained, per cache
 
     @property
     def last_step(self) -> int | None:
@@ -80,12 +81,14 @@ class RunState:
 
 
 def load_run_state(run_dir: str | Path) -> RunState:
-    """Read options, plan, metrics (tolerantly), eval.json and whether the student was exported."""
+    """Read options, plan, metrics (tolerantly), evaluations (RUN/evals/) and whether the student was exported."""
+    from stages.train.eval_records import find_eval, read_evals
+
     root = Path(run_dir)
     metrics, skipped = read_metrics(root / "metrics.jsonl")
-    evaluation = _read_json(root / "eval.json") or None
     state = RunState(root, _read_json(root / "options.json"), _read_json(root / "plan.json"), metrics, skipped,
-                     evaluation, (root / "student" / "config.json").is_file())
+                     find_eval(root, "trained"), (root / "student" / "config.json").is_file(),
+                     evals=read_evals(root))
     if skipped:
         state.notes.append(f"{skipped} unreadable line(s) in metrics.jsonl skipped (a run still writing it)")
     return state
@@ -98,8 +101,16 @@ def final_terms(metrics: list[dict[str, Any]]) -> dict[str, float]:
     return {k: v for k, v in metrics[-1].items() if k not in META_KEYS and isinstance(v, (int, float))}
 
 
+def eval_rows(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One table row per evaluation: who was scored, on which cache and how much of it, then its metrics; a
+    baseline row sits above the trained one of the same cache, so the table reads baseline → trained."""
+    return [{"student": e.get("role"), "cache": e.get("cache", {}).get("label"),
+             "sequences": e.get("cache", {}).get("sequences"), "tokens": e.get("cache", {}).get("tokens"),
+             **eval_columns(e)} for e in evals]
+
+
 def eval_columns(evaluation: dict[str, Any] | None) -> dict[str, Any]:
-    """The scalar eval metrics of ``eval.json`` as table columns (absent ones left out)."""
+    """The scalar metrics of one evaluation as table columns (absent ones left out)."""
     out: dict[str, Any] = {}
     for column, key in EVAL_COLUMNS:
         value: Any = evaluation or {}

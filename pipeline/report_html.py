@@ -83,16 +83,20 @@ def _notes(notes: list[str]) -> str:
 
 def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] | None) -> str:
     """The page of one run: status, final terms, eval metrics, plots, options."""
-    from pipeline.report import eval_columns, final_terms
+    from pipeline.report import eval_rows, final_terms
 
     sections = [f"<p>{html.escape(str(state.run_dir))} — <b>{html.escape(state.status)}</b></p>",
                 _notes(state.notes)]
     if state.metrics:
         sections += ["<h2>Loss terms at the last logged step</h2>", _key_values(final_terms(state.metrics))]
     sections += [image(images["losses"], "loss terms")] if "losses" in images else ["<p>No step logged yet.</p>"]
-    if state.eval:
-        sections += ["<h2>Evaluation (eval.json)</h2>", _key_values(eval_columns(state.eval)),
-                     _notes(state.eval.get("notes", []))]
+    if state.evals:
+        rows = eval_rows(state.evals)
+        columns = list(dict.fromkeys(c for row in rows for c in row))
+        caches = {e["cache"]["label"]: e["cache"]["path"] for e in state.evals if "cache" in e}
+        sections += ["<h2>Evaluations (baseline → trained, per cache)</h2>", html_table(rows, columns),
+                     _notes([f"cache {label}: {path}" for label, path in caches.items()]),
+                     _notes((state.eval or {}).get("notes", []))]
     if "alignment" in images:
         sections += ["<h2>Alignment: linear CKA, student layer × cached teacher layer</h2>",
                      image(images["alignment"], "alignment heatmap")]

@@ -31,6 +31,7 @@ from typing import Any
 
 from pipeline.children import child_env
 from pipeline.config import ConfigError, build
+from stages.train.eval_records import find_eval
 from stages.train.options import TrainOptions
 
 # Keys a grid may not vary: the sweep owns `out`, and "one cache" is the point of a sweep.
@@ -227,7 +228,7 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict[str, Any]:
         _write_json(run_dir / RUN_RECORD, {**record, "command": command, "status": "running"})
         record.update(_train(point, settings, command, previous))
     _write_json(run_dir / RUN_RECORD, record)
-    evaluated = _read_json(run_dir / "eval.json").get("cache") == _resolved(settings.eval_cache)
+    evaluated = settings.eval_cache is not None and find_eval(run_dir, "trained", settings.eval_cache) is not None
     if record["status"] != "failed" and settings.eval_cache and not (record["status"] == "reused" and evaluated):
         record.update(_evaluate(run_dir, settings))
         _write_json(run_dir / RUN_RECORD, record)
@@ -252,20 +253,15 @@ def _train(point: SweepPoint, settings: SweepSettings, command: list[str], previ
 
 
 def _evaluate(run_dir: Path, settings: SweepSettings) -> dict[str, Any]:
-    """``kdcache eval`` in its own process (the same isolation as training); writes RUN/eval.json."""
+    """``kdcache eval`` in its own process (the same isolation as training); writes RUN/evals/trained@...json."""
     command = [sys.executable, "-m", "pipeline", "eval", "--cache", str(settings.eval_cache), "--run",
                str(run_dir), "--batch-size", str(settings.eval_batch_size)]
     if settings.eval_limit:
         command += ["--limit", str(settings.eval_limit)]
-    (run_dir / "eval.json").unlink(missing_ok=True)
     code, seconds = run_child(command, run_dir / "eval.log")
-    if code != 0 or not (run_dir / "eval.json").is_file():
+    if code != 0 or find_eval(run_dir, "trained", settings.eval_cache) is None:
         return {"eval_status": "failed", "eval_log_tail": log_tail(run_dir / "eval.log")}
     return {"eval_status": "ok", "eval_seconds": round(seconds, 1)}
-
-
-def _resolved(path: str | None) -> str | None:
-    return str(Path(path).resolve()) if path else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

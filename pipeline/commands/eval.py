@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,21 +12,29 @@ from typing import Any
 def register(subparsers: Any) -> None:
     """Add ``eval`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "eval", help="evaluate a run's student against a cache (teacher-free) and write RUN/eval.json",
+        "eval", help="evaluate a student against a cache (teacher-free); writes RUN/evals/{role}@{cache}.json",
         description="Causal LMs: perplexity on the cached input_ids and, when the cache has logits, top-1 "
                     "agreement with the teacher and KL(teacher || student) per valid token. Encoders: mean "
                     "cosine of the final states and Spearman of the pairwise sentence similarities. Every run: "
                     "linear CKA of "
                     "every student layer against every cached teacher layer, and its values on the run's layer "
-                    "map. The student comes from RUN/student, the teacher's targets from the cache only.")
+                    "map. The student comes from RUN/student (role 'trained'), or from --student (role "
+                    "'baseline', e.g. the initial student before training); the teacher's targets come from the "
+                    "cache only. Each (role, cache) pair has its own file, naming the cache, its fingerprint "
+                    "and the sequences and tokens scored, so evaluations of one run never overwrite each other.")
     parser.add_argument("--cache", required=True, metavar="CACHE", help="the cache to evaluate against")
-    parser.add_argument("--run", required=True, metavar="RUN", help="a finished run directory")
+    parser.add_argument("--run", required=True, metavar="RUN",
+                        help="the run directory: its student is scored (unless --student) and the result is kept "
+                             "in RUN/evals/")
+    parser.add_argument("--student", default=None, metavar="PATH",
+                        help="score this student instead, as the run's baseline: a model folder, or a config.json "
+                             "folder (random init, seed 0); the run need not be trained yet")
     parser.add_argument("--batch-size", type=int, default=16, metavar="N", help="sequences per forward pass")
     parser.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N sequences")
     parser.add_argument("--teacher-layer", type=int, default=None, metavar="J",
                         help="teacher layer for the final-state comparison (default: the deepest cached)")
     parser.add_argument("--device", default="cpu", help="where the student runs (cpu, cuda, cuda:1, ...)")
-    parser.add_argument("--json", action="store_true", help="print eval.json instead of a summary")
+    parser.add_argument("--json", action="store_true", help="print the evaluation as JSON instead of a summary")
     parser.set_defaults(func=run)
 
 
@@ -44,24 +53,36 @@ def teacher_notes(eval_cache: Any, run_dir: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Evaluate, write RUN/eval.json, print a summary. Returns 0."""
+    """Evaluate, write RUN/evals/{role}@{cache label}.json, print a summary. Returns 0."""
     from stages.train.checks import open_cache
+    from stages.train.eval_records import cache_label, eval_path
     from stages.train.evaluate import evaluate_run
 
     reader = open_cache(args.cache)
     run_dir = Path(args.run)
     result = evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
-                          teacher_layer=args.teacher_layer, device=args.device)
+                          teacher_layer=args.teacher_layer, device=args.device, student=args.student)
     result["notes"] = teacher_notes(reader, run_dir) + result.get("notes", [])
-    result["cache"] = args.cache if "://" in args.cache else str(Path(args.cache).resolve())
-    (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2) if args.json else format_eval(result, run_dir))
+    path = args.cache if "://" in args.cache else str(Path(args.cache).resolve())
+    label = cache_label(path, reader.fingerprints or {})
+    role = "baseline" if args.student else "trained"
+    result.update(role=role, student=str(Path(args.student).resolve()) if args.student else str(run_dir / "student"),
+                  cache={"path": path, "label": label, "sequences": result["sequences"], "tokens": result["tokens"],
+                         "cache_sequences": reader.num_sequences, "cache_tokens": reader.num_tokens},
+                  written_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    out = eval_path(run_dir, role, label)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2) if args.json else format_eval(result, out))
     return 0
 
 
-def format_eval(result: dict[str, Any], run_dir: Path) -> str:
+def format_eval(result: dict[str, Any], out: Path) -> str:
     """A few readable lines about an evaluation."""
-    lines = [f"{result['kind']} student of {run_dir}, against {result['cache']}"]
+    cache = result["cache"]
+    lines = [f"{result['kind']} student ({result['role']}: {result['student']})",
+             f"  against {cache['path']} ({cache['label']}): {cache['sequences']:,} of {cache['cache_sequences']:,} "
+             f"sequences, {cache['tokens']:,} tokens"]
     for key, label in (("perplexity", "perplexity"), ("top1_agreement", "top-1 agreement"), ("kl", "KL(t||s)"),
                        ("cosine", "mean cosine"), ("spearman", "Spearman")):
         if isinstance(result.get(key), float):
@@ -72,5 +93,5 @@ def format_eval(result: dict[str, Any], run_dir: Path) -> str:
                            for p in cka["on_map"]) or "no hidden pairs"
         lines.append(f"  CKA final layers {cka['final']:.4f}; on the layer map: {on_map}")
     lines += [f"  note: {n}" for n in result.get("notes", [])]
-    lines.append(f"  written to {run_dir / 'eval.json'}")
+    lines.append(f"  written to {out}")
     return "\n".join(lines)

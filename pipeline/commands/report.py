@@ -14,7 +14,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "report", help="PNG plots and an HTML page for a run or a sweep (works mid-run)",
         description="For a run: each loss term over the steps, the student x teacher CKA heatmap (when "
-                    "eval.json exists) and the cache's bytes per token per target. For a sweep: the results "
+                    "an evaluation exists in RUN/evals/) and the cache's bytes per token per target. For a sweep: the results "
                     "table, a bar chart of one metric per grid point, every run's loss curve, and a report "
                     "per run. Everything lands in PATH/report/ (report.html embeds the plots).")
     parser.add_argument("path", metavar="RUN_OR_SWEEP", help="a run directory or a sweep directory")

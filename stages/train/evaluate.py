@@ -236,30 +236,37 @@ class LmStats:
 
 
 # ---- one run against one cache -----------------------------------------------------------------------------
-def load_run(run_dir: str | Path) -> tuple[Any, list[tuple[int, int]], dict[str, torch.Tensor]]:
-    """The exported student (eval mode), the run's hidden layer map and its projector weights.
+def load_run(run_dir: str | Path, student_path: str | Path | None = None
+             ) -> tuple[Any, list[tuple[int, int]], dict[str, torch.Tensor]]:
+    """The student (eval mode), the run's hidden layer map and its projector weights.
+
+    Args:
+        run_dir: the run; its ``student/`` is scored unless ``student_path`` names another student.
+        student_path: any student (a model folder, or a config.json folder: random init, seed 0), e.g. the
+            untrained initial student as the run's baseline. It has no trained projectors.
 
     Raises:
-        EvaluationError: the run has no ``student/`` yet (still training, or trained with ``--no-export``).
+        EvaluationError: no student to score (the run has no ``student/`` and none was named).
     """
     from stages.train.student import load_student
 
     run = Path(run_dir)
-    if not (run / "student" / "config.json").is_file():
+    if student_path is None and not (run / "student" / "config.json").is_file():
         raise EvaluationError(f"{run} has no exported student/ (still training, failed, or --no-export); "
-                              "evaluate a finished run")
-    student = load_student(run / "student").eval()
+                              "evaluate a finished run, or name a student with --student")
+    student = load_student(student_path or run / "student", seed=0).eval()
     plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").is_file() else {}
     pairs = [(int(s), int(t)) for s, t in plan.get("hidden_pairs", [])]
     projectors: dict[str, torch.Tensor] = {}
-    if (run / "projectors.pt").is_file():
+    if student_path is None and (run / "projectors.pt").is_file():
         projectors = torch.load(run / "projectors.pt", map_location="cpu").get("projectors", {})
     return student, pairs, projectors
 
 
 @torch.no_grad()
 def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 16, limit: int | None = None,
-                 teacher_layer: int | None = None, device: str | torch.device = "cpu") -> dict[str, Any]:
+                 teacher_layer: int | None = None, device: str | torch.device = "cpu",
+                 student: str | Path | None = None) -> dict[str, Any]:
     """Evaluate a run's exported student against a cache, in one pass over the cache.
 
     Args:
@@ -269,16 +276,18 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
         limit: evaluate only the first ``limit`` sequences.
         teacher_layer: the teacher layer final states are compared with (default: the deepest cached one).
         device: where the student runs.
+        student: score this student instead of the run's (see ``load_run``).
 
     Returns:
         A JSON-ready dict: ``kind`` ("causal_lm" | "encoder"), the metrics of that kind, ``cka`` (the
-        alignment matrix and its values on the layer map) and ``notes`` explaining anything skipped.
+        alignment matrix and its values on the layer map), ``sequences`` and ``tokens`` evaluated, and
+        ``notes`` explaining anything skipped.
     """
     from stages.train.student import student_facts
 
-    student, pairs, projectors = load_run(run_dir)
-    student.to(device)
-    facts = student_facts(student, pretrained=True)
+    model, pairs, projectors = load_run(run_dir, student)
+    model.to(device)
+    facts = student_facts(model, pretrained=True)
     spec = reader.spec
     kind = "causal_lm" if facts.is_causal and facts.has_lm_head else "encoder"
     teacher_layers = sorted(spec.hidden_layers)
@@ -287,10 +296,12 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     logit_names = _logit_names(spec.logits) if kind == "causal_lm" else []
     names = ["input_ids", *[f"hidden/{j}" for j in teacher_layers], *logit_names]
     _check_inputs(reader, facts, final, kind, state.notes)
+    sequences = tokens = 0
     for ids, mask, targets in cache_batches(reader, names, batch_size, limit=limit):
-        out = student(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
         state.update(out, ids, mask, {k: v.to(device) for k, v in targets.items()})
-    return state.result(pairs, projectors, facts.num_layers)
+        sequences, tokens = sequences + int(ids.shape[0]), tokens + int(mask.sum())
+    return {**state.result(pairs, projectors, facts.num_layers), "sequences": sequences, "tokens": tokens}
 
 
 def _logit_names(logits: str | None) -> list[str]:

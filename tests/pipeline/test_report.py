@@ -48,7 +48,10 @@ def write_run(root: Path, cache: Path | None, steps: int, *, finished: bool, tru
         (root / "student").mkdir()
         (root / "student" / "config.json").write_text("{}")
     if evaluation:
-        (root / "eval.json").write_text(json.dumps(evaluation))
+        (root / "evals").mkdir()
+        record = {"role": "trained", "cache": {"path": "/c", "label": "c-1234abcd", "sequences": 3, "tokens": 30},
+                  **evaluation}
+        (root / "evals" / "trained@c-1234abcd.json").write_text(json.dumps(record))
     return root
 
 
@@ -72,7 +75,7 @@ def test_report_on_a_run_in_progress(tmp_path: Path, cache: Path) -> None:
     html = report_run(run).read_text()
     assert_png(run / "report" / "losses.png")
     assert_png(run / "report" / "cache.png")
-    assert not (run / "report" / "alignment.png").exists()  # no eval.json yet
+    assert not (run / "report" / "alignment.png").exists()  # not evaluated yet
     assert "in progress (or stopped): step 12 of 100" in html and "1 unreadable line(s)" in html
     assert html.count("data:image/png;base64,") == 2
 

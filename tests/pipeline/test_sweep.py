@@ -17,6 +17,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.sweep import parse_grid, run_name, split_values
+from stages.train.eval_records import read_evals
 
 FAKE_TRAIN = textwrap.dedent("""
     import json, sys
@@ -147,7 +148,8 @@ def test_real_sweep_from_one_cache_with_eval_and_report(tmp_path: Path) -> None:
     for row in rows[:2]:
         assert row["steps"] == "3" and float(row["loss"]) > 0 and float(row["eval_perplexity"]) > 1
         assert 0 <= float(row["eval_top1"]) <= 1 and float(row["eval_kl"]) >= 0 and row["eval_cka_on_map"]
-    assert json.loads((sweep / "runs" / "layer_map-last" / "eval.json").read_text())["kind"] == "causal_lm"
+    [evaluation] = read_evals(sweep / "runs" / "layer_map-last")
+    assert evaluation["kind"] == "causal_lm" and evaluation["cache"]["path"] == str(heldout.resolve())
     assert main(["report", str(sweep)]) == 0
     html = (sweep / "report" / "report.html").read_text()
     assert "layer_map-last" in html and "failed" in html and (sweep / "report" / "sweep_eval_perplexity.png").is_file()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pipeline.cli import main
+from stages.train.eval_records import find_eval, read_evals
 from stages.train.evaluate import CkaMatrix, LmStats, encoder_agreement, evaluate_run
 from stages.train.losses import kd_kl, linear_cka
 from storage import CacheReader
@@ -109,11 +110,38 @@ def test_eval_cli_writes_eval_json_and_refuses_an_unfinished_run(tiny_gpt2: Path
     cache = write_cache(tiny_gpt2, tmp_path / "cache", num_sequences=6, logits="topk", hidden_layers=(3,))
     run = make_run(tmp_path / "run", tiny_gpt2, [(3, 3)])
     assert main(["eval", "--cache", str(cache), "--run", str(run), "--json", "--limit", "4"]) == 0
-    written = json.loads((run / "eval.json").read_text())
+    [written] = read_evals(run)
     assert written["kind"] == "causal_lm" and written["cka"]["final"] == pytest.approx(1.0, abs=1e-3)
+    assert written["role"] == "trained" and written["cache"]["path"] == str(cache.resolve())
+    assert written["cache"]["sequences"] == 4 and written["cache"]["cache_sequences"] == 6
+    assert written["cache"]["tokens"] == sum(len(CacheReader(cache)[i]["input_ids"]) for i in range(4))
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
     capsys.readouterr()
     assert main(["eval", "--cache", str(cache), "--run", str(unfinished)]) == 2
     err = capsys.readouterr().err
     assert "no exported student/" in err and "Traceback" not in err
+
+
+def test_two_caches_and_a_baseline_keep_their_own_evaluations(tiny_gpt2: Path, tmp_path: Path) -> None:
+    """An initial (random) student scored with --student, then the run against two caches: three records."""
+    from tests.stages._train_support import make_student_config
+
+    train = write_cache(tiny_gpt2, tmp_path / "train", num_sequences=6, logits="topk", hidden_layers=(3,))
+    heldout = write_cache(tiny_gpt2, tmp_path / "heldout", num_sequences=5, logits="topk", hidden_layers=(3,), seed=1)
+    run = make_run(tmp_path / "run", tiny_gpt2, [(3, 3)])
+    initial = make_student_config(tmp_path / "initial", tiny_gpt2, n_layer=2)  # config only: random weights
+    for extra in (["--cache", str(heldout), "--student", str(initial)], ["--cache", str(heldout)],
+                  ["--cache", str(train)]):
+        assert main(["eval", "--run", str(run), *extra]) == 0
+    records = read_evals(run)
+    assert [(r["role"], r["cache"]["sequences"]) for r in records] == [("baseline", 5), ("trained", 5),
+                                                                       ("trained", 6)]
+    assert records[0]["cache"]["label"].startswith("heldout-") and records[2]["cache"]["label"].startswith("train-")
+    # The run's "trained" student is the teacher itself here, so it agrees everywhere; the random baseline does not.
+    assert records[0]["top1_agreement"] < records[1]["top1_agreement"] == pytest.approx(1.0)
+    assert find_eval(run, "trained", str(heldout))["cache"]["sequences"] == 5
+    assert main(["report", str(run)]) == 0
+    html = (run / "report" / "report.html").read_text()
+    assert "baseline → trained" in html and html.index(">baseline<") < html.index(">trained<")
+    assert records[0]["cache"]["label"] in html and str(train.resolve()) in html
