@@ -120,6 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
         if isinstance(default, tuple):
             default = ",".join(map(str, default))
         help_text = str(f.metadata.get("help", ""))
+        if "choices" in f.metadata:
+            help_text += f"; one of: {', '.join(map(str, f.metadata['choices']))}"
         if "default" not in help_text and default not in (None, ""):  # a help text that explains its own default
             help_text += f" (default: {default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}

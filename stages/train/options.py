@@ -56,7 +56,8 @@ class TrainOptions:
     zero_stage: int = field(default=0, metadata=_opt("ZeRO stage (0-3) of the built-in DeepSpeed config"))
     offload: bool = field(default=False, metadata=_opt("offload optimizer states to the CPU (ZeRO >= 1)"))
     layer_map: str = field(default="uniform", metadata=_opt(
-        "student-to-teacher hidden layer map: uniform|last|reverse|all-to-one|random|none|explicit:1-2,2-4"))
+        "student-to-teacher hidden layer map: uniform|last (alias last-k)|reverse|all-to-one|random|none|"
+        "explicit:1-2,2-4"))
     hidden_loss: str = field(default="mse", metadata=_opt("hidden-state loss", choices=list(HIDDEN_LOSSES)))
     alpha: float = field(default=1.0, metadata=_opt("weight of the CE term (causal shift)"))
     beta: float = field(default=1.0, metadata=_opt("weight of the logit KL term"))

@@ -123,3 +123,16 @@ def test_mistakes_get_a_short_error_and_a_suggestion(argv: list[str], wanted: st
     err = capsys.readouterr().err
     assert caught.value.code == 2 and wanted in err
     assert "usage:" not in err and len(err.splitlines()) == 2, err  # the problem, then where help is
+
+
+def test_help_lists_choices_and_no_empty_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    texts = {}
+    for command in ("precompute", "train"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        texts[command] = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    assert "one of: zarr, arrow" in texts["precompute"] and "one of: fp16, bf16" in texts["precompute"]
+    assert "one of: mse, cosine, cka, cka_sqrt, wgan" in texts["train"] and "one of: renorm, other" in texts["train"]
+    assert "last (alias last-k)" in texts["train"]
+    for text in texts.values():
+        assert "(default: None)" not in text and "(default: )" not in text
