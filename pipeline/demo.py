@@ -190,7 +190,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"  memory        training process peak RSS {r['train_peak_rss'] / mib:.0f} MiB with student weights of "
         f"{r['student_weight_bytes'] / mib:.0f} MiB; the teacher's {r['teacher_weight_bytes'] / mib:.0f} MiB of "
         "weights were never loaded there",
-        f"  agreement     held-out sentence embeddings vs the teacher's:",
+        "  agreement     held-out sentence embeddings vs the teacher's:",
         f"                  mean cosine  {before['cosine']:.4f} before -> {after['cosine']:.4f} after",
         f"                  Spearman of pairwise similarities {before['spearman']:.4f} -> {after['spearman']:.4f}",
         f"  outputs       {r['outputs']} (report.md, report.json, cache/, run/student/, logs/)",

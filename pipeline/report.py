@@ -278,8 +278,10 @@ def plot_cache(info: dict[str, Any], out: Path, title: str) -> Path | None:
     return _save(fig, out, f"{title}\n{info.get('num_tokens', 0):,} tokens, {total:,.0f} B/token in all")
 
 
-def plot_sweep_metric(rows: list[dict[str, Any]], metric: str, out: Path, grid_keys: list[str]) -> Path | None:
-    """A bar per grid point, coloured by the last grid key; failed or unmeasured points are labelled, not drawn."""
+def plot_sweep_metric(rows: list[dict[str, Any]], metric: str, out: Path, grid_keys: list[str],
+                      why: str = "") -> Path | None:
+    """A bar per grid point, coloured by the last grid key; failed or unmeasured points are labelled, not drawn.
+    The title says which metric ranks the runs, and ``why`` it is the one compared."""
     if not rows:
         return None
     plt = _pyplot()
@@ -297,8 +299,8 @@ def plot_sweep_metric(rows: list[dict[str, Any]], metric: str, out: Path, grid_k
         from matplotlib.patches import Patch
 
         ax.legend([Patch(color=c) for c in palette.values()], [f"{shade}={v}" for v in palette], fontsize=7)
-    better = "lower is better" if metric in LOWER_IS_BETTER else "higher is better"
-    return _save(fig, out, f"{metric} at each grid point ({better})")
+    better = "lower is better" if metric in LOWER_IS_BETTER or metric in SHARED_TERM_ORDER else "higher is better"
+    return _save(fig, out, f"{metric} at each grid point ({better})" + (f"\nranked by {why}" if why else ""))
 
 
 def _bar_label(row: dict[str, Any], grid_keys: list[str]) -> str:
@@ -365,12 +367,31 @@ def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache
     return out_dir / "report.html"
 
 
-def default_metric(rows: list[dict[str, Any]]) -> str:
-    """The first eval metric any row has, else the final total loss."""
-    for column in ("eval_spearman", "eval_perplexity", "eval_cka_final", "eval_cka_on_map"):
+EVAL_RANKING = ("eval_spearman", "eval_perplexity", "eval_cka_final", "eval_cka_on_map")
+SHARED_TERM_ORDER = ("ce", "kl", "topk_kl", "hidden", "attention")  # the term to rank by when totals differ
+
+
+def default_metric(rows: list[dict[str, Any]], states: dict[str, RunState]) -> tuple[str | None, str]:
+    """What the sweep chart ranks runs by, and why: an eval metric when there is one; else the total loss when
+    every run optimises the same terms; else a term every run shares. Never totals of different objectives.
+
+    Returns:
+        ``(column or None, explanation)``; None when the runs share no term (no chart is drawn).
+    """
+    for column in EVAL_RANKING:
         if any(isinstance(r.get(column), (int, float)) for r in rows):
-            return column
-    return "loss"
+            return column, "an eval metric on the held-out cache"
+    terms = [{k for k in final_terms(s.metrics) if "/" not in k} - {"loss"} for s in states.values() if s.metrics]
+    if not terms:
+        return "loss", "no run has logged a step yet"
+    if all(t == terms[0] for t in terms):
+        return "loss", f"the total loss: every run optimises the same terms ({', '.join(sorted(terms[0]))})"
+    shared = set.intersection(*terms)
+    pick = next((t for t in SHARED_TERM_ORDER if t in shared), min(shared) if shared else None)
+    if pick is None:
+        return None, "the runs share no loss term, so no metric compares them; add --eval-cache to the sweep"
+    return pick, (f"{pick}, a term every run has: their totals add different terms and are not comparable "
+                  f"(add --eval-cache for an eval metric)")
 
 
 def report_sweep(sweep_dir: str | Path, out: str | Path | None = None, *, metric: str | None = None) -> Path:
@@ -384,15 +405,16 @@ def report_sweep(sweep_dir: str | Path, out: str | Path | None = None, *, metric
     rows = collect_rows(root, summary)
     grid_keys = list(summary.get("grid", {})) or list(dict.fromkeys(
         k for r in sweep_records(root, summary).values() for k in r.get("values", {})))
-    metric = metric or default_metric(rows)
     states = {r["name"]: load_run_state(root / "runs" / r["name"]) for r in rows}
+    metric, why = (metric, "chosen with --metric") if metric else default_metric(rows, states)
     links = {name: report_run(state.run_dir, with_cache=False) for name, state in states.items() if state.metrics}
-    images = {"metric": plot_sweep_metric(rows, metric, out_dir / f"sweep_{metric}.png", grid_keys),
-              "losses": plot_sweep_losses(states, out_dir / "sweep_losses.png")}
+    images = {"losses": plot_sweep_losses(states, out_dir / "sweep_losses.png")}
+    if metric is not None:
+        images["metric"] = plot_sweep_metric(rows, metric, out_dir / f"sweep_{metric}.png", grid_keys, why)
     info = cache_stats(summary.get("cache") or next((s.options.get("cache") for s in states.values()), ""))
     if info:
         images["cache"] = plot_cache(info, out_dir / "cache.png", f"cache {info['path']}")
-    html = render_sweep(root, rows, table_columns(rows, grid_keys, per_pair=False), metric,
+    html = render_sweep(root, rows, table_columns(rows, grid_keys, per_pair=False), metric, why,
                         {k: v for k, v in images.items() if v}, links, out_dir)
     (out_dir / "report.html").write_text(html)
     return out_dir / "report.html"

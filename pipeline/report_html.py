@@ -107,7 +107,7 @@ def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] |
     return page(f"kdcache run {state.run_dir.name}", sections)
 
 
-def render_sweep(root: Path, rows: list[dict[str, Any]], columns: list[str], metric: str,
+def render_sweep(root: Path, rows: list[dict[str, Any]], columns: list[str], metric: str | None, why: str,
                  images: dict[str, Path], run_reports: dict[str, Path], out_dir: Path) -> str:
     """The page of a sweep: the comparison table (names link to each run's report) and the sweep plots."""
     links = {name: os.path.relpath(path, out_dir) for name, path in run_reports.items()}
@@ -117,8 +117,11 @@ def render_sweep(root: Path, rows: list[dict[str, Any]], columns: list[str], met
     sections = [f"<p>{html.escape(str(root))} — {len(rows)} run(s): "
                 + ", ".join(f"{n} {html.escape(s)}" for s, n in counts.items()) + "</p>",
                 "<h2>Results</h2>", html_table(rows, columns, links)]
-    if "metric" in images:
-        sections += [f"<h2>{html.escape(metric)} at each grid point</h2>", image(images["metric"], metric)]
+    if "metric" in images and metric:
+        sections += [f"<h2>{html.escape(metric)} at each grid point</h2>",
+                     f"<p class=note>Ranked by {html.escape(why)}.</p>", image(images["metric"], metric)]
+    elif metric is None:
+        sections += [f"<p class=note>No ranking chart: {html.escape(why)}.</p>"]
     if "losses" in images:
         sections += ["<h2>Loss curves</h2>", image(images["losses"], "loss curves")]
     if "cache" in images:

@@ -131,3 +131,30 @@ def test_sweep_report_with_finished_running_and_failed_points(tmp_path: Path, ca
 def test_report_refuses_a_folder_that_is_neither(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(tmp_path)]) == 2
     assert "neither a run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("terms, metric, why", [
+    ([("ce", "kl", "hidden"), ("ce", "kl")], "ce", "ce, a term every run has: their totals add different terms"),
+    ([("ce", "kl"), ("ce", "kl")], "loss", "the total loss: every run optimises the same terms (ce, kl)"),
+    ([("ce",), ("hidden",)], None, "the runs share no loss term"),
+])
+def test_a_sweep_without_eval_compares_like_with_like(tmp_path: Path, terms: list[tuple[str, ...]],
+                                                      metric: str | None, why: str) -> None:
+    sweep, records = tmp_path / "sweep", []
+    for i, names in enumerate(terms):
+        run_dir = sweep / "runs" / f"point-{i}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "options.json").write_text(json.dumps({"cache": None}))
+        rows = [{"step": s, "loss": sum(1.0 / s for _ in names), **{n: 1.0 / s for n in names}} for s in (1, 2)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        records.append({"name": f"point-{i}", "values": {"weights": str(i)}, "run_dir": str(run_dir),
+                        "status": "ok"})
+        (run_dir / "sweep-run.json").write_text(json.dumps(records[-1]))
+    (sweep / "sweep.json").write_text(json.dumps({"grid": {"weights": ["0", "1"]}, "runs": records}))
+    html = report_sweep(sweep).read_text()
+    assert why in html
+    charts = sorted(p.name for p in (sweep / "report").glob("sweep_*.png"))
+    assert charts == sorted(["sweep_losses.png", *([f"sweep_{metric}.png"] if metric else [])])
+    if metric is not None:
+        assert_png(sweep / "report" / f"sweep_{metric}.png")
+        assert f"<h2>{metric} at each grid point</h2>" in html
