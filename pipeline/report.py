@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,34 @@ def _pyplot() -> Any:
     return plt
 
 
+def term_label(key: str) -> str:
+    """``hidden/s1_t4`` -> ``hidden: student layer 1 -> teacher layer 4``; a family name stays as it is."""
+    family, _, pair = key.partition("/")
+    match = re.fullmatch(r"s(\d+)_t(\d+)", pair)
+    if not match:
+        return key
+    unit = "block" if family == "attention" else "layer"
+    return f"{family}: student {unit} {match[1]} → teacher {unit} {match[2]}"
+
+
+def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The options a run set (those away from their defaults, plus cache, student and out), and how many others
+    stayed at their defaults; seq2seq-only options left empty are not options this run used."""
+    import dataclasses
+
+    from stages.train.options import TrainOptions
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions) if f.default is not dataclasses.MISSING}
+    kept = {k: v for k, v in options.items()
+            if k in ("cache", "student", "out") or k not in defaults or _differs(v, defaults[k])}
+    return kept, len(options) - len(kept)
+
+
+def _differs(value: Any, default: Any) -> bool:
+    return (list(value) if isinstance(value, (list, tuple)) else value) != \
+        (list(default) if isinstance(default, (list, tuple)) else default)
+
+
 def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | None:
     """One panel per loss family (``loss``, ``hidden``, ``attention``, ...), its per-pair terms drawn thin."""
     keys = list(dict.fromkeys(k for r in metrics for k, v in r.items()
@@ -206,10 +235,11 @@ def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | 
     for ax, family in zip(axes.flat, families):
         for key in [k for k in keys if k == family or k.startswith(family + "/")]:
             main = key == family
-            ax.plot(steps, [r.get(key, float("nan")) for r in metrics], label=key, lw=2.0 if main else 1.0,
-                    alpha=1.0 if main else 0.7, marker=marker, ms=3)
+            ax.plot(steps, [r.get(key, float("nan")) for r in metrics], label=term_label(key),
+                    lw=2.0 if main else 1.0, alpha=1.0 if main else 0.7, marker=marker, ms=3)
         ax.set_title(family)
-        ax.set_xlabel("step")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss value" if family != "lr" else "learning rate")
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(families):]:
         ax.axis("off")
@@ -321,8 +351,8 @@ def plot_sweep_losses(states: dict[str, RunState], out: Path) -> Path | None:
     for name, state in drawn.items():
         ax.plot([r["step"] for r in state.metrics], [r.get("loss", float("nan")) for r in state.metrics],
                 label=name, lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("total loss")
     ax.legend(fontsize=6, ncol=2)
     return _save(fig, out, "total loss of every run (terms differ between runs: compare shapes, not levels)")
 

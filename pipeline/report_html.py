@@ -83,7 +83,7 @@ def _notes(notes: list[str]) -> str:
 
 def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] | None) -> str:
     """The page of one run: status, final terms, eval metrics, plots, options."""
-    from pipeline.report import eval_rows, final_terms
+    from pipeline.report import applied_options, eval_rows, final_terms
 
     sections = [f"<p>{html.escape(str(state.run_dir))} — <b>{html.escape(state.status)}</b></p>",
                 _notes(state.notes)]
@@ -103,8 +103,10 @@ def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] |
     if "cache" in images and cache_info:
         sections += ["<h2>Cache</h2>", image(images["cache"], "cache bytes per token")]
     if state.options:
-        sections += ["<h2>Options</h2>", _key_values(state.options)]
-    return page(f"kdcache run {state.run_dir.name}", sections)
+        kept, others = applied_options(state.options)
+        sections += ["<h2>Options this run set</h2>", _key_values(kept),
+                     _notes([f"{others} other option(s) at their defaults (RUN/options.json has them all)"])]
+    return page(f"Training run “{state.run_dir.name}”", sections)
 
 
 def render_sweep(root: Path, rows: list[dict[str, Any]], columns: list[str], metric: str | None, why: str,
@@ -129,4 +131,4 @@ def render_sweep(root: Path, rows: list[dict[str, Any]], columns: list[str], met
     failed = [r["name"] for r in rows if r.get("status") == "failed"]
     if failed:
         sections.append(_notes([f"failed: {', '.join(failed)} — see runs/<name>/train.log or sweep.json"]))
-    return page(f"kdcache sweep {root.name}", sections)
+    return page(f"Sweep “{root.name}”", sections)

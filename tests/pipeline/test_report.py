@@ -158,3 +158,20 @@ def test_a_sweep_without_eval_compares_like_with_like(tmp_path: Path, terms: lis
     if metric is not None:
         assert_png(sweep / "report" / f"sweep_{metric}.png")
         assert f"<h2>{metric} at each grid point</h2>" in html
+
+
+def test_run_page_names_the_run_explains_pairs_and_shows_only_what_was_set(tmp_path: Path) -> None:
+    from pipeline.report import applied_options, term_label
+
+    run = write_run(tmp_path / "run", None, 4, finished=True)
+    (run / "options.json").write_text(json.dumps({
+        "cache": "c", "student": "s", "out": str(run), "lr": 0.01, "batch_size": 8, "layer_map": "uniform",
+        "encoder_layer_map": "", "decoder_layer_map": "", "cross_attention_map": "", "delta": 0.0}))
+    html = report_run(run).read_text()
+    assert "<title>Training run “run”</title>" in html and "kdcache run run" not in html
+    kept, others = applied_options(json.loads((run / "options.json").read_text()))
+    assert set(kept) == {"cache", "student", "out", "lr"} and others == 6  # batch 8, uniform, delta 0 are defaults
+    assert "encoder_layer_map" not in html and "6 other option(s) at their defaults" in html
+    assert term_label("hidden/s1_t2") == "hidden: student layer 1 → teacher layer 2"
+    assert term_label("attention/s2_t6") == "attention: student block 2 → teacher block 6"
+    assert term_label("loss") == "loss"
