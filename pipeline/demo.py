@@ -6,11 +6,13 @@ each stage in its own process — so the teacher is never in memory beside the s
 each stage can be measured on its own:
 
 1. ``kdcache precompute`` over the training sentences: hidden layers 2, 4, 6 and their attention maps.
-2. ``kdcache precompute`` over held-out sentences: the final hidden state only (for evaluation).
-3. ``kdcache init-student``: a 3-block student copied from teacher blocks 2, 4, 6.
+2. ``kdcache precompute`` over held-out sentences: every hidden layer (for evaluation and the CKA heatmap).
+3. ``kdcache init-student``: a 3-block student copied from teacher blocks 2, 4, 6; ``kdcache eval --student``
+   scores it on the held-out cache as the baseline.
 4. ``kdcache train`` under DeepSpeed ZeRO-2: masked MSE on hidden layers + attention KL.
-5. A report: cache size, precompute time, the loss curve, peak memory, and agreement with the teacher on
-   held-out sentences before and after training.
+5. ``kdcache eval``: the trained student on the same held-out cache.
+6. ``kdcache report``: plots and ``run/report/report.html`` (baseline -> trained, CKA heatmap, cache); and a
+   short report: cache size, precompute time, the loss curve, peak memory, agreement before and after.
 """
 
 from __future__ import annotations
@@ -100,17 +102,12 @@ def prepare_data(opts: DemoOptions, out: Path) -> tuple[Path, Path]:
     return train, heldout
 
 
-def agreement(student_dir: Path, heldout_cache: Path) -> dict[str, float]:
-    """Student-vs-teacher agreement on the held-out cache (teacher-free: its targets are cached)."""
-    from transformers import AutoModel
-    from transformers.utils import logging as hf_logging
+def agreement(run_dir: Path, role: str) -> dict[str, float]:
+    """Cosine and Spearman of a ``kdcache eval`` record (the held-out cache's targets; no teacher)."""
+    from stages.train.eval_records import find_eval
 
-    from stages.train.evaluate import encoder_agreement
-    from storage import CacheReader
-
-    hf_logging.disable_progress_bar()  # the report is the demo's output; per-load bars only clutter it
-    model = AutoModel.from_pretrained(str(student_dir))
-    return encoder_agreement(model, CacheReader(heldout_cache), layer=6)
+    record = find_eval(run_dir, role) or {}
+    return {key: record[key] for key in ("cosine", "spearman", "sentences") if key in record}
 
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
@@ -124,29 +121,34 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     common = ["--teacher", str(teacher), "--max-length", str(opts.max_length), "--format", opts.format,
               "--batch-size", "32", "--sequences-per-shard", "128", "--no-progress"]
     report: dict[str, Any] = {"options": asdict(opts), "teacher": str(teacher), "outputs": str(out)}
-    print(f"[1/5] caching the teacher's hidden layers 2,4,6 and their attention over {opts.train_sentences} "
+    print(f"[1/6] caching the teacher's hidden layers 2,4,6 and their attention over {opts.train_sentences} "
           "sentences", flush=True)
     report["precompute_seconds"], report["precompute_peak_rss"] = run_step("precompute", [
         "precompute", *common, "--data", str(train_data), "--out", str(cache), "--layers", "2,4,6",
         "--features", "hidden,attention"], logs)
-    print(f"[2/5] caching the final hidden state of {opts.heldout_sentences} held-out sentences", flush=True)
+    print(f"[2/6] caching every hidden layer of {opts.heldout_sentences} held-out sentences", flush=True)
     run_step("precompute-heldout", ["precompute", *common, "--data", str(heldout_data), "--out",
-                                    str(heldout_cache), "--layers", "6", "--features", "hidden"], logs)
-    print("[3/5] building a 3-block student from teacher blocks 2,4,6", flush=True)
-    student_init = out / "student-init"
+                                    str(heldout_cache), "--layers", "all", "--features", "hidden"], logs)
+    print("[3/6] building a 3-block student from teacher blocks 2,4,6, and scoring it as the baseline", flush=True)
+    student_init, run_dir = out / "student-init", out / "run"
     run_step("init-student", ["init-student", "--teacher", str(teacher), "--layers", "2,4,6", "--out",
                               str(student_init)], logs)
-    report["agreement_before"] = agreement(student_init, heldout_cache)
-    print(f"[4/5] training the student for {opts.steps} steps under DeepSpeed ZeRO-{opts.zero_stage} "
+    run_step("eval-baseline", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir), "--student",
+                               str(student_init)], logs)
+    print(f"[4/6] training the student for {opts.steps} steps under DeepSpeed ZeRO-{opts.zero_stage} "
           "(teacher not loaded)", flush=True)
-    run_dir = out / "run"
     report["train_seconds"], report["train_peak_rss"] = run_step("train", [
         "train", "--cache", str(cache), "--student", str(student_init), "--out", str(run_dir),
         "--zero-stage", str(opts.zero_stage), "--layer-map", "uniform", "--hidden-loss", "mse",
         "--alpha", "0", "--beta", "0", "--gamma", "1", "--delta", "1", "--max-steps", str(opts.steps),
         "--batch-size", str(opts.batch_size), "--lr", str(opts.lr), "--log-every", "5"], logs)
-    print("[5/5] measuring agreement on held-out sentences", flush=True)
-    report["agreement_after"] = agreement(run_dir / "student", heldout_cache)
+    print("[5/6] scoring the trained student on the held-out sentences", flush=True)
+    run_step("eval", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir)], logs)
+    report["agreement_before"], report["agreement_after"] = agreement(run_dir, "baseline"), agreement(run_dir,
+                                                                                                      "trained")
+    print("[6/6] writing the report: plots and one HTML page", flush=True)
+    run_step("report", ["report", str(run_dir)], logs)
+    report["report_html"] = str(run_dir / "report" / "report.html")
     report.update(_facts(cache, run_dir, teacher))
     _write_report(out, report)
     return report
@@ -194,5 +196,6 @@ def format_report(r: dict[str, Any]) -> str:
         f"                  mean cosine  {before['cosine']:.4f} before -> {after['cosine']:.4f} after",
         f"                  Spearman of pairwise similarities {before['spearman']:.4f} -> {after['spearman']:.4f}",
         f"  outputs       {r['outputs']} (report.md, report.json, cache/, run/student/, logs/)",
+        f"  report        {r['report_html']} (loss curves, baseline -> trained, CKA heatmap, cache)",
     ]
     return "\n".join(lines)

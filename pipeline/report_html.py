@@ -83,12 +83,13 @@ def _notes(notes: list[str]) -> str:
 
 def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] | None) -> str:
     """The page of one run: status, final terms, eval metrics, plots, options."""
-    from pipeline.report import applied_options, eval_rows, final_terms
+    from pipeline.report import applied_options, eval_rows, final_terms, term_label
 
     sections = [f"<p>{html.escape(str(state.run_dir))} — <b>{html.escape(state.status)}</b></p>",
                 _notes(state.notes)]
     if state.metrics:
-        sections += ["<h2>Loss terms at the last logged step</h2>", _key_values(final_terms(state.metrics))]
+        terms = {term_label(k): v for k, v in final_terms(state.metrics).items()}
+        sections += ["<h2>Loss terms at the last logged step</h2>", _key_values(terms)]
     sections += [image(images["losses"], "loss terms")] if "losses" in images else ["<p>No step logged yet.</p>"]
     if state.evals:
         rows = eval_rows(state.evals)

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pipeline.cli import build_parser, main
+from stages.train.eval_records import read_evals
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = ("precompute", "merge", "inspect", "verify", "init-student", "train", "run", "demo")
@@ -106,6 +107,12 @@ def test_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
     assert report["cache_tokens"] > 0 and len(report["loss_curve"]) >= 1
     assert -1.0 <= report["agreement_after"]["spearman"] <= 1.0
     assert (out / "run" / "student" / "model.safetensors").is_file()
+    html = (out / "run" / "report" / "report.html").read_text()  # the report the README advertises
+    assert str(out / "run" / "report" / "report.html") in proc.stdout
+    assert ">baseline<" in html and ">trained<" in html and "alignment heatmap" in html
+    trained = [e for e in read_evals(out / "run") if e["role"] == "trained"][0]
+    assert trained["cka"]["teacher_layers"] == list(range(7))  # every teacher layer: a full heatmap
+    assert -1.0 <= report["agreement_before"]["spearman"] <= 1.0
 
 
 @pytest.mark.parametrize("argv, wanted", [

@@ -96,3 +96,16 @@ def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
     with FeatureCapture(teacher, targets, "bf16") as capture:  # bf16 has float32's range
         out = capture.run(ids, torch.ones_like(ids), [3])
     assert out.arrays["hidden/2"].dtype == np.uint16 and out.split()[0]["hidden/2"].shape == (3, 32)
+
+
+def test_sizes_are_binary_units_labelled_as_such() -> None:
+    from stages.precompute.progress import format_summary
+    from storage.files import format_bytes
+
+    assert [format_bytes(n) for n in (512, 1536, 5 * 2 ** 20, 3 * 2 ** 30)] == ["512 B", "1.5 KiB", "5.0 MiB",
+                                                                                "3.0 GiB"]
+    summary = {"out": "c", "status": "complete", "committed_shards": 1, "num_shards": 1, "num_sequences": 2,
+               "cache_tokens": 10, "shards_written": 1, "shards_skipped": 0, "tokens": 10, "compute_seconds": 1.0,
+               "tokens_per_second": 10.0, "wall_seconds": 1.0, "bytes_written": 37_224_448, "bytes_per_token": {}}
+    text = format_summary(summary)
+    assert "35.5 MiB written" in text and " MB" not in text and " KB" not in text
