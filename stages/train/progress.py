@@ -16,7 +16,9 @@ TERMS_SHOWN = 3  # loss terms beside the total; the rest stay in metrics.jsonl
 
 def describe(values: Mapping[str, float], tokens_per_s: float, wait_share: float) -> str:
     """``loss 2.31 (ce 1.90, kl 0.41) | 5,120 tok/s | data wait 3%``."""
-    terms = sorted(((k, v) for k, v in values.items() if k != "loss"), key=lambda kv: -abs(kv[1]))[:TERMS_SHOWN]
+    # Whole terms only (ce, kl, hidden...): per-pair terms such as hidden/s1_t2 stay in metrics.jsonl.
+    terms = sorted(((k, v) for k, v in values.items() if k != "loss" and "/" not in k),
+                   key=lambda kv: -abs(kv[1]))[:TERMS_SHOWN]
     detail = f" ({', '.join(f'{k} {v:.3g}' for k, v in terms)})" if terms else ""
     return f"loss {values.get('loss', float('nan')):.4g}{detail} | {tokens_per_s:,.0f} tok/s | data wait {wait_share:.0%}"
 
