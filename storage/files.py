@@ -1,4 +1,4 @@
-"""Durable local files: a shard's in-memory files to disk, JSON written atomically, crc32c, and disk-full errors.
+"""Durable local files: a shard's in-memory files to disk, small files written atomically, crc32c, disk-full errors.
 
 Backends never touch the disk: they pack a shard into ``{relative path: bytes}`` in memory, and this module
 writes those bytes. Checksums are therefore taken from the very bytes written, never by reading files back.
@@ -10,7 +10,6 @@ device overlaps many flushes), and nothing per array beyond that: a format-3 zar
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import uuid
@@ -68,11 +67,6 @@ def write_tree(root: Path, files: Mapping[str, Any]) -> None:
     with ThreadPoolExecutor(min(_IO_THREADS, max(1, len(paths)))) as pool:
         list(pool.map(lambda item: _write_file(*item), paths.items()))
         list(pool.map(fsync_path, dirs))
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON atomically (see ``write_bytes_atomic``)."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
 def write_bytes_atomic(path: Path, data: Any) -> None:
