@@ -16,6 +16,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import sys
 from typing import NoReturn
 
@@ -39,15 +40,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
-    """``; did you mean --max-steps?`` for an unknown flag or a bad choice close to a known one."""
+    """``; did you mean --max-steps?`` for an unknown flag, or a bad choice, close to a known one."""
     if message.startswith("unrecognized arguments: "):
-        words, known = message.split(": ", 1)[1].split(), [s for a in parser._actions for s in a.option_strings]
-    elif "invalid choice: " in message:
-        words = [message.split("invalid choice: ", 1)[1].split(" (")[0].strip("'")]
-        known = [str(c) for a in parser._actions if a.choices for c in a.choices if a.dest in message or
-                 a.dest == "command" or any(o in message for o in a.option_strings)]
-    else:
-        return ""
+        words = message.split(": ", 1)[1].split()
+        known = [s for action in parser._actions for s in action.option_strings]
+    else:  # argparse's own message lists the choices: "invalid choice: 'zar' (choose from 'zarr', 'arrow')"
+        match = re.search(r"invalid choice: '?([^' ]+)'? \(choose from (.*)\)", message)
+        if not match:
+            return ""
+        words, known = [match[1]], [c.strip(" '") for c in match[2].split(",")]
     for word in words:
         close = difflib.get_close_matches(word.split("=")[0], known, n=1, cutoff=0.6)
         if close:
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     # environment (LOCAL_RANK, RANK, WORLD_SIZE), so the flag is accepted and otherwise ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+    parser.set_defaults(commands=subparsers.choices)  # main() names the command whose flag was misspelled
     for info in sorted(pkgutil.iter_modules(pipeline.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"pipeline.commands.{info.name}")
         if hasattr(module, "register"):
@@ -91,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # name the command whose flags were misspelled, not the top level
-        command = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
-        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         _apply_storage_options(getattr(args, "storage_option", []))
         return int(args.func(args) or 0)

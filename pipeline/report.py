@@ -12,117 +12,18 @@ a half-written line, ``student/`` and ``evals/`` may not exist yet. Nothing here
 from __future__ import annotations
 
 import csv
-import json
 import math
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "data_wait_share")
+from pipeline.run_state import (EVAL_COLUMNS, META_KEYS, RunState, eval_columns, final_terms, load_run_state,
+                                read_json, term_label)
+
 TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "hidden", "attention")
-# (column, key in an evaluation record) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
-EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval_perplexity", "perplexity"),
-                ("eval_top1", "top1_agreement"), ("eval_kl", "kl"), ("eval_cka_final", "cka.final"),
-                ("eval_cka_on_map", "cka.mean_on_map"))
 LOWER_IS_BETTER = ("eval_perplexity", "eval_kl", "loss", "ce", "kl", "topk_kl", "hidden", "attention")
 GROUP_COLOURS = {"hidden": "tab:blue", "attention": "tab:orange", "logits": "tab:green", "other": "tab:gray"}
 
 
-# ---- reading runs ------------------------------------------------------------------------------------------
-def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
-    """Read ``metrics.jsonl`` written by a run that may still be writing it.
-
-    Returns:
-        (records, skipped): every line that parses as a JSON object, and how many did not (a truncated last
-        line of a live run, typically).
-    """
-    from stages.train.logging import read_records
-
-    parsed, skipped = read_records(path)
-    records = [r for r in parsed if isinstance(r, dict) and "step" in r]
-    skipped += len(parsed) - len(records)
-    return records, skipped
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-@dataclass
-class RunState:
-    """What a run directory holds right now."""
-
-    run_dir: Path
-    options: dict[str, Any]
-    plan: dict[str, Any]
-    metrics: list[dict[str, Any]]
-    skipped_lines: int
-    eval: dict[str, Any] | None  # the newest evaluation of the trained student (alignment heatmap, columns)
-    finished: bool
-    notes: list[str] = field(default_factory=list)
-    evals: list[dict[str, Any]] = field(default_factory=list)  # every evaluation: baseline and trained, per cache
-
-    @property
-    def last_step(self) -> int | None:
-        return int(self.metrics[-1]["step"]) if self.metrics else None
-
-    @property
-    def status(self) -> str:
-        """"finished", or how far an unfinished run has got."""
-        if self.finished:
-            return "finished"
-        total = self.plan.get("total_steps")
-        where = f"step {self.last_step}" if self.metrics else "no step logged yet"
-        return f"in progress (or stopped): {where}" + (f" of {total}" if total else "")
-
-
-def load_run_state(run_dir: str | Path) -> RunState:
-    """Read options, plan, metrics (tolerantly), evaluations (RUN/evals/) and whether the student was exported."""
-    from stages.train.eval_records import find_eval, read_evals
-
-    root = Path(run_dir)
-    metrics, skipped = read_metrics(root / "metrics.jsonl")
-    state = RunState(root, _read_json(root / "options.json"), _read_json(root / "plan.json"), metrics, skipped,
-                     find_eval(root, "trained"), (root / "student" / "config.json").is_file(),
-                     evals=read_evals(root))
-    if skipped:
-        state.notes.append(f"{skipped} unreadable line(s) in metrics.jsonl skipped (a run still writing it)")
-    return state
-
-
-def final_terms(metrics: list[dict[str, Any]]) -> dict[str, float]:
-    """The last logged value of every loss term (top-level and per pair), ``{}`` before the first log."""
-    if not metrics:
-        return {}
-    return {k: v for k, v in metrics[-1].items() if k not in META_KEYS and isinstance(v, (int, float))}
-
-
-def eval_rows(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One table row per evaluation: who was scored, on which cache and how much of it, then its metrics; a
-    baseline row sits above the trained one of the same cache, so the table reads baseline → trained."""
-    return [{"student": e.get("role"), "cache": e.get("cache", {}).get("label"),
-             "sequences": e.get("cache", {}).get("sequences"), "tokens": e.get("cache", {}).get("tokens"),
-             **eval_columns(e)} for e in evals]
-
-
-def eval_columns(evaluation: dict[str, Any] | None) -> dict[str, Any]:
-    """The scalar metrics of one evaluation as table columns (absent ones left out)."""
-    out: dict[str, Any] = {}
-    for column, key in EVAL_COLUMNS:
-        value: Any = evaluation or {}
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        if isinstance(value, (int, float)):
-            out[column] = value
-    return out
-
-
-# ---- the sweep table ---------------------------------------------------------------------------------------
 def collect_rows(sweep_dir: str | Path, summary: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per run of a sweep: grid values, status, steps, seconds, final loss terms, eval metrics.
 
@@ -135,10 +36,10 @@ def collect_rows(sweep_dir: str | Path, summary: dict[str, Any] | None = None) -
 def sweep_records(sweep_dir: str | Path, summary: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Run records by name: the sweep's own list first, then any run folder's ``sweep-run.json`` it lacks."""
     root = Path(sweep_dir)
-    summary = summary if summary is not None else _read_json(root / "sweep.json")
+    summary = summary if summary is not None else read_json(root / "sweep.json")
     records = {r["name"]: r for r in summary.get("runs", [])}
     for path in sorted((root / "runs").glob("*/sweep-run.json")):
-        record = _read_json(path)
+        record = read_json(path)
         if record.get("name") and record["name"] not in records:
             records[record["name"]] = record
     return records
@@ -189,34 +90,6 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def term_label(key: str) -> str:
-    """``hidden/s1_t4`` -> ``hidden: student layer 1 -> teacher layer 4``; a family name stays as it is."""
-    family, _, pair = key.partition("/")
-    match = re.fullmatch(r"s(\d+)_t(\d+)", pair)
-    if not match:
-        return key
-    unit = "block" if family == "attention" else "layer"
-    return f"{family}: student {unit} {match[1]} → teacher {unit} {match[2]}"
-
-
-def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """The options a run set (those away from their defaults, plus cache, student and out), and how many others
-    stayed at their defaults; seq2seq-only options left empty are not options this run used."""
-    import dataclasses
-
-    from stages.train.options import TrainOptions
-
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions) if f.default is not dataclasses.MISSING}
-    kept = {k: v for k, v in options.items()
-            if k in ("cache", "student", "out") or k not in defaults or _differs(v, defaults[k])}
-    return kept, len(options) - len(kept)
-
-
-def _differs(value: Any, default: Any) -> bool:
-    return (list(value) if isinstance(value, (list, tuple)) else value) != \
-        (list(default) if isinstance(default, (list, tuple)) else default)
 
 
 def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | None:
@@ -329,7 +202,7 @@ def plot_sweep_metric(rows: list[dict[str, Any]], metric: str, out: Path, grid_k
         from matplotlib.patches import Patch
 
         ax.legend([Patch(color=c) for c in palette.values()], [f"{shade}={v}" for v in palette], fontsize=7)
-    better = "lower is better" if metric in LOWER_IS_BETTER or metric in SHARED_TERM_ORDER else "higher is better"
+    better = "lower is better" if metric in LOWER_IS_BETTER else "higher is better"
     return _save(fig, out, f"{metric} at each grid point ({better})" + (f"\nranked by {why}" if why else ""))
 
 
@@ -398,7 +271,7 @@ def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache
 
 
 EVAL_RANKING = ("eval_spearman", "eval_perplexity", "eval_cka_final", "eval_cka_on_map")
-SHARED_TERM_ORDER = ("ce", "kl", "topk_kl", "hidden", "attention")  # the term to rank by when totals differ
+SHARED_TERM_ORDER = TERM_ORDER[1:]  # the term to rank by when totals differ
 
 
 def default_metric(rows: list[dict[str, Any]], states: dict[str, RunState]) -> tuple[str | None, str]:
@@ -431,7 +304,7 @@ def report_sweep(sweep_dir: str | Path, out: str | Path | None = None, *, metric
     root = Path(sweep_dir)
     out_dir = Path(out) if out else root / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = _read_json(root / "sweep.json")
+    summary = read_json(root / "sweep.json")
     rows = collect_rows(root, summary)
     grid_keys = list(summary.get("grid", {})) or list(dict.fromkeys(
         k for r in sweep_records(root, summary).values() for k in r.get("values", {})))

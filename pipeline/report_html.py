@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.run_state import applied_options, eval_rows, final_terms, term_label
+
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
 table { border-collapse: collapse; font-size: 0.85em; margin: 1em 0; }
@@ -83,7 +85,6 @@ def _notes(notes: list[str]) -> str:
 
 def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] | None) -> str:
     """The page of one run: status, final terms, eval metrics, plots, options."""
-    from pipeline.report import applied_options, eval_rows, final_terms, term_label
 
     sections = [f"<p>{html.escape(str(state.run_dir))} — <b>{html.escape(state.status)}</b></p>",
                 _notes(state.notes)]

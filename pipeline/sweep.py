@@ -31,6 +31,7 @@ from typing import Any
 
 from pipeline.children import child_env
 from pipeline.config import ConfigError, build
+from pipeline.run_state import read_json
 from stages.train.eval_records import find_eval
 from stages.train.options import TrainOptions
 
@@ -155,7 +156,7 @@ def conflicts(points: list[SweepPoint], launcher: list[str]) -> list[str]:
     problems = []
     for point in points:
         run_dir = Path(point.options.out)
-        previous = _read_json(run_dir / RUN_RECORD).get("command")
+        previous = read_json(run_dir / RUN_RECORD).get("command")
         if previous and previous != train_command(point.options, launcher) and (
                 run_dir / "checkpoints" / "latest").is_file():
             problems.append(f"{run_dir} holds a run trained with other options (see its {RUN_RECORD}); use "
@@ -220,7 +221,7 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"name": point.name, "values": point.values, "run_dir": str(run_dir)}
     command = train_command(point.options, settings.launcher)
-    previous = _read_json(run_dir / RUN_RECORD)
+    previous = read_json(run_dir / RUN_RECORD)
     if previous.get("status") in ("ok", "reused") and previous.get("command") == command:
         record.update(previous, status="reused")
     else:
@@ -262,13 +263,6 @@ def _evaluate(run_dir: Path, settings: SweepSettings) -> dict[str, Any]:
     if code != 0 or find_eval(run_dir, "trained", settings.eval_cache) is None:
         return {"eval_status": "failed", "eval_log_tail": log_tail(run_dir / "eval.log")}
     return {"eval_status": "ok", "eval_seconds": round(seconds, 1)}
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -236,8 +236,7 @@ class CacheReader:
         handle = self._shard(index)
         start, stop = self.spec.shard_range(index)
         names = [*self.spec.offset_arrays(), *wanted]
-        if hasattr(handle, "prefetch"):
-            handle.prefetch(names)  # an object store: every file of the read in one round of requests
+        handle.prefetch(names)  # an object store: every file of the read in one round of requests
         decoded = dict(zip(names, self._map(handle.read, names)))
         offsets = {name: decoded[name] for name in self.spec.offset_arrays()}
         arrays = {name: decoded[name] for name in wanted}

@@ -75,9 +75,13 @@ class Store(ABC):
     def remove(self, key: str) -> None:
         """Delete an object or everything under a prefix; absent is fine."""
 
+    def remove_temps(self, prefix: str = "") -> None:
+        """Remove leftovers of writers that died mid-shard (``shards/.tmp-{prefix}*``). Only a folder has temps:
+        an object store writes at final keys."""
+
     @abstractmethod
     def lock(self, name: str, what: str) -> Any:
-        """Take the exclusive lock ``locks/{name}`` without waiting; the handle has ``close()``.
+        """Take the exclusive lock ``locks/{name}`` without waiting; the handle has ``renew()`` and ``close()``.
 
         Raises:
             CacheLockedError: another live writer holds it.
@@ -151,6 +155,10 @@ class LocalStore(Store):
     def remove(self, key: str) -> None:
         remove_path(self.root / key)
 
+    def remove_temps(self, prefix: str = "") -> None:
+        for stale in (self.root / "shards").glob(f".tmp-{prefix}*"):
+            remove_path(stale)
+
     def lock(self, name: str, what: str) -> Any:
         (self.root / "locks").mkdir(parents=True, exist_ok=True)
         handle = open(self.root / "locks" / name, "a")
@@ -160,7 +168,7 @@ class LocalStore(Store):
             handle.close()
             raise CacheLockedError(f"{what} of {self.url} is locked by another running writer "
                                    f"({self.root / 'locks' / name}); wait for it or use another part") from None
-        return handle
+        return _FileLock(handle)
 
     def put_folder(self, key: str, source: Path) -> None:
         final = self.root / key
@@ -187,6 +195,19 @@ class LocalStore(Store):
 
     def local_path(self, key: str) -> Path | None:
         return self.root / key
+
+
+class _FileLock:
+    """An flock held through an open file; nothing to renew (the kernel drops it when the process dies)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def renew(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.handle.close()
 
 
 class RemoteStore(Store):
@@ -348,7 +369,7 @@ def open_store(path: str | os.PathLike[str] | Store, storage_options: Mapping[st
     if text.startswith("file://"):
         return LocalStore(text[len("file://"):])
     if not is_url(text):
-        return LocalStore(text)
+        return LocalStore(os.path.expanduser(text))
     options = {**default_storage_options(), **dict(storage_options or {})}
     cache_key = json.dumps([text.rstrip("/"), options], sort_keys=True, default=str)
     if cache_key not in _OPENED:

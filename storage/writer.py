@@ -28,7 +28,7 @@ from storage.encode import EncodedShard, encode_shard
 from storage.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
 from storage.files import disk_full_error, is_disk_full
 from storage.fingerprint import compare_fingerprints
-from storage.manifest import (MANIFEST_NAME, SHARDS_DIR, Manifest, ShardRecord, read_manifest, read_sidecars,
+from storage.manifest import (MANIFEST_NAME, Manifest, ShardRecord, read_manifest, read_sidecars,
                               shard_checksum, shard_name, sidecar_key, summarize_arrays, write_manifest)
 from storage.spec import FORMAT_VERSION, CacheSpec
 from storage.stores import Store, open_store
@@ -139,15 +139,12 @@ class CacheWriter:
         except OSError as exc:
             self.store.remove(key)  # data without its sidecar is never read; do not leave it to fill the disk
             raise _disk_full(self.store, exc, record.stored_bytes, f"shard {index}") from None
-        if hasattr(self._lock, "renew"):
-            self._lock.renew()  # an object-store lease shows this writer is alive
+        self._lock.renew()  # an object-store lease shows this writer is alive
         return record
 
     def _clear_stale(self, index: int) -> None:
         """Remove leftovers of a writer of this shard that died: temps, and data whose sidecar never landed."""
-        for name in self.store.list(SHARDS_DIR):
-            if name.startswith(f".tmp-{shard_name(index)}"):
-                self.store.remove(f"{SHARDS_DIR}/{name}")
+        self.store.remove_temps(shard_name(index))
         if self.store.size(sidecar_key(index)) is None:
             self.store.remove(self.backend.shard_key(index))
 
@@ -200,9 +197,7 @@ def merge_parts(path: str | os.PathLike[str] | Store, storage_options: Mapping[s
         complete = len(manifest.shards) == manifest.spec.num_shards
         manifest.status = "complete" if complete else "partial"
         if complete:  # no writer can still need a temp: every shard is committed
-            for name in store.list(SHARDS_DIR):
-                if name.startswith(".tmp-"):
-                    store.remove(f"{SHARDS_DIR}/{name}")
+            store.remove_temps()
         try:
             write_manifest(store, manifest)
         except OSError as exc:

@@ -55,7 +55,7 @@ def teacher_notes(eval_cache: Any, run_dir: Path) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Evaluate, write RUN/evals/{role}@{cache label}.json, print a summary. Returns 0."""
     from stages.train.checks import open_cache
-    from stages.train.eval_records import cache_label, eval_path
+    from stages.train.eval_records import cache_identity, cache_label, eval_path
     from stages.train.evaluate import evaluate_run
 
     reader = open_cache(args.cache)
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
                           teacher_layer=args.teacher_layer, device=args.device, student=args.student)
     result["notes"] = teacher_notes(reader, run_dir) + result.get("notes", [])
-    path = args.cache if "://" in args.cache else str(Path(args.cache).resolve())
+    path = cache_identity(args.cache)
     label = cache_label(path, reader.fingerprints or {})
     role = "baseline" if args.student else "trained"
     result.update(role=role, student=str(Path(args.student).resolve()) if args.student else str(run_dir / "student"),

@@ -11,7 +11,6 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -232,7 +231,7 @@ def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partiti
     from storage import CacheWriter
     from storage.stores import open_store
 
-    store = open_store(os.path.expanduser(out) if "://" not in out else out)
+    store = open_store(out)
     foreign = sorted(name for name in store.list("") if name not in _CACHE_ENTRIES and not name.startswith("."))
     if foreign and store.size("manifest.json") is None:
         raise PrecomputeError(f"out: {out!r} is not empty and holds no kdcache cache (found "
@@ -313,7 +312,7 @@ def merge_cache(path: str | os.PathLike[str]) -> dict[str, Any]:
     from storage import merge_parts
     from storage.stores import open_store
 
-    store = open_store(path if "://" in str(path) else Path(path).expanduser())
+    store = open_store(path)
     if store.size("manifest.json") is None:
         raise PrecomputeError(f"merge: {str(path)!r} holds no kdcache cache (no manifest.json)")
     manifest = merge_parts(store)

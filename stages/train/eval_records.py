@@ -41,12 +41,16 @@ def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: (r.get("cache", {}).get("label", ""), r.get("role") != "baseline"))
 
 
+def cache_identity(cache: str) -> str:
+    """How an evaluation names its cache: a folder resolved to an absolute path, a URL as written."""
+    from storage.stores import is_url
+
+    return str(cache) if is_url(cache) else str(Path(cache).resolve())
+
+
 def same_cache(record: Mapping[str, Any], cache: str | None) -> bool:
-    """Whether an evaluation was made against ``cache`` (a path compared resolved, or a URL as written)."""
-    if cache is None:
-        return True
-    wanted = cache if "://" in str(cache) else str(Path(cache).resolve())
-    return record.get("cache", {}).get("path") == wanted
+    """Whether an evaluation was made against ``cache``."""
+    return cache is None or record.get("cache", {}).get("path") == cache_identity(cache)
 
 
 def find_eval(run_dir: str | Path, role: str = "trained", cache: str | None = None) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 class MetricsLogger:
     """Appends one JSON object per logged step, and hands the scalars to DeepSpeed's monitor (the trackers
-    ``--report-to`` enabled: TensorBoard, W&B, CSV), which writes them on rank 0.
+    ``--report-to`` enabled: TensorBoard, W&B, CSV), which writes and flushes them on rank 0.
 
     Appending (never truncating) keeps a resumed run's log continuous with the interrupted one. The JSONL stays
     the source of ``kdcache report``.
@@ -39,10 +39,6 @@ class MetricsLogger:
             scalars = {**values, **{k: v for k, v in extra.items() if isinstance(v, (int, float))}}
             self._monitor.write_events([(f"train/{name}", float(value), step) for name, value in scalars.items()])
 
-    def close(self) -> None:
-        flush = getattr(getattr(self._monitor, "tb_monitor", None), "flush", None)
-        if flush is not None:
-            flush()
 
 
 class SampleTrace:

@@ -201,7 +201,6 @@ class _Trainer:
             self._save()
         self.progress.close()
         student_dir = self._export() if self.options.export else None
-        self.logger.close()
         steps = self.engine.global_steps - start_step
         return {"steps": int(self.engine.global_steps), "steps_this_run": int(steps),
                 "micro_steps": self.micro_step, "steps_per_s": steps / elapsed if elapsed > 0 else 0.0,
@@ -217,7 +216,8 @@ class _Trainer:
         o = self.options
         torch.manual_seed((o.seed * 1_000_003 + self.micro_step) * 1_009 + self.dist.rank)
         epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
-        self.progress.tokens(int(sum(int(v.sum()) for k, v in batch.items() if k.endswith("mask"))))
+        if self.progress.enabled:  # tokens/s for the display only: nothing to count on other ranks or --quiet
+            self.progress.tokens(int(sum(int(v.sum()) for k, v in batch.items() if k.endswith("mask"))))
         out = self.engine(to_device(batch, self.dist.device))
         self.engine.backward(out["loss"])
         self.engine.step()

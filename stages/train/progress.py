@@ -23,12 +23,6 @@ def describe(values: Mapping[str, float], tokens_per_s: float, wait_share: float
     return f"loss {values.get('loss', float('nan')):.4g}{detail} | {tokens_per_s:,.0f} tok/s | data wait {wait_share:.0%}"
 
 
-def _clock(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
-        f"{seconds // 60}:{seconds % 60:02d}"
-
-
 class TrainProgress:
     """Progress of one run. Call ``tokens(n)`` per micro-step and ``update(step, values, wait_share)`` per log.
 
@@ -68,8 +62,10 @@ class TrainProgress:
             return
         done = step - self.start
         left = (now - self._began) / max(done, 1) * (self.total - step)
-        print(f"kdcache train: step {step}/{self.total} | {text} | eta {_clock(left)}", file=self.stream,
-              flush=True)
+        from tqdm import tqdm
+
+        print(f"kdcache train: step {step}/{self.total} | {text} | eta {tqdm.format_interval(left)}",
+              file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

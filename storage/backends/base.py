@@ -49,6 +49,9 @@ class ShardHandle(ABC):
     def check(self) -> list[Problem]:
         """Checks due when the shard is opened (format 3: only the bytes the open itself reads)."""
 
+    def prefetch(self, names: list[str]) -> None:
+        """Fetch what reading ``names`` will need, in one round of requests where that helps (object stores)."""
+
     @abstractmethod
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
         """Decode array ``name`` (rows ``[start, stop)`` along the first axis, or all of it).

@@ -1,0 +1,144 @@
+"""What a run directory holds, read the way reports, sweeps and the HTML page need it.
+
+Runs are read while they may still be writing: ``metrics.jsonl`` may end in a half-written line, ``student/``
+and ``evals/`` may not exist yet. Shared by ``pipeline.report`` (plots, tables) and ``pipeline.report_html``
+(pages); nothing here imports torch or matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "data_wait_share")
+# (column, key in an evaluation record) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
+EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval_perplexity", "perplexity"),
+                ("eval_top1", "top1_agreement"), ("eval_kl", "kl"), ("eval_cka_final", "cka.final"),
+                ("eval_cka_on_map", "cka.mean_on_map"))
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """Read ``metrics.jsonl`` written by a run that may still be writing it.
+
+    Returns:
+        (records, skipped): every line that parses as a JSON object, and how many did not (a truncated last
+        line of a live run, typically).
+    """
+    from stages.train.logging import read_records
+
+    parsed, skipped = read_records(path)
+    records = [r for r in parsed if isinstance(r, dict) and "step" in r]
+    skipped += len(parsed) - len(records)
+    return records, skipped
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``, or ``{}`` when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass
+class RunState:
+    """What a run directory holds right now."""
+
+    run_dir: Path
+    options: dict[str, Any]
+    plan: dict[str, Any]
+    metrics: list[dict[str, Any]]
+    skipped_lines: int
+    eval: dict[str, Any] | None  # the newest evaluation of the trained student (alignment heatmap, columns)
+    finished: bool
+    notes: list[str] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # every evaluation: baseline and trained, per cache
+
+    @property
+    def last_step(self) -> int | None:
+        return int(self.metrics[-1]["step"]) if self.metrics else None
+
+    @property
+    def status(self) -> str:
+        """"finished", or how far an unfinished run has got."""
+        if self.finished:
+            return "finished"
+        total = self.plan.get("total_steps")
+        where = f"step {self.last_step}" if self.metrics else "no step logged yet"
+        return f"in progress (or stopped): {where}" + (f" of {total}" if total else "")
+
+
+def load_run_state(run_dir: str | Path) -> RunState:
+    """Read options, plan, metrics (tolerantly), evaluations (RUN/evals/) and whether the student was exported."""
+    from stages.train.eval_records import find_eval, read_evals
+
+    root = Path(run_dir)
+    metrics, skipped = read_metrics(root / "metrics.jsonl")
+    state = RunState(root, read_json(root / "options.json"), read_json(root / "plan.json"), metrics, skipped,
+                     find_eval(root, "trained"), (root / "student" / "config.json").is_file(),
+                     evals=read_evals(root))
+    if skipped:
+        state.notes.append(f"{skipped} unreadable line(s) in metrics.jsonl skipped (a run still writing it)")
+    return state
+
+
+def final_terms(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """The last logged value of every loss term (top-level and per pair), ``{}`` before the first log."""
+    if not metrics:
+        return {}
+    return {k: v for k, v in metrics[-1].items() if k not in META_KEYS and isinstance(v, (int, float))}
+
+
+def eval_rows(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One table row per evaluation: who was scored, on which cache and how much of it, then its metrics; a
+    baseline row sits above the trained one of the same cache, so the table reads baseline → trained."""
+    return [{"student": e.get("role"), "cache": e.get("cache", {}).get("label"),
+             "sequences": e.get("cache", {}).get("sequences"), "tokens": e.get("cache", {}).get("tokens"),
+             **eval_columns(e)} for e in evals]
+
+
+def eval_columns(evaluation: dict[str, Any] | None) -> dict[str, Any]:
+    """The scalar metrics of one evaluation as table columns (absent ones left out)."""
+    out: dict[str, Any] = {}
+    for column, key in EVAL_COLUMNS:
+        value: Any = evaluation or {}
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, (int, float)):
+            out[column] = value
+    return out
+
+
+# ---- the sweep table ---------------------------------------------------------------------------------------
+
+
+def term_label(key: str) -> str:
+    """``hidden/s1_t4`` -> ``hidden: student layer 1 -> teacher layer 4``; a family name stays as it is."""
+    family, _, pair = key.partition("/")
+    match = re.fullmatch(r"s(\d+)_t(\d+)", pair)
+    if not match:
+        return key
+    unit = "block" if family == "attention" else "layer"
+    return f"{family}: student {unit} {match[1]} → teacher {unit} {match[2]}"
+
+
+def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The options a run set (those away from their defaults, plus cache, student and out), and how many others
+    stayed at their defaults; seq2seq-only options left empty are not options this run used."""
+    import dataclasses
+
+    from stages.train.options import TrainOptions
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions) if f.default is not dataclasses.MISSING}
+    kept = {k: v for k, v in options.items()
+            if k in ("cache", "student", "out") or k not in defaults or _differs(v, defaults[k])}
+    return kept, len(options) - len(kept)
+
+
+def _differs(value: Any, default: Any) -> bool:
+    return (list(value) if isinstance(value, (list, tuple)) else value) != \
+        (list(default) if isinstance(default, (list, tuple)) else default)
