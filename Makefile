@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kdcache-installed
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install lint test test-fast demo bench clean
 
 install: $(STAMP)
 
@@ -15,6 +15,15 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --disable-pip-version-check -q "torch==2.13.0"
 	$(PY) -m pip install --disable-pip-version-check -q -e ".[dev,plots,demo]"
 	touch $(STAMP)
+
+# ruff on everything; mypy on the installed package layout (kdcache.pipeline, kdcache.stages, kdcache.storage),
+# which a scratch folder of links gives it, since mypy cannot follow setuptools' editable-install finder.
+TYPECHECK := build/typecheck
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pipeline stages storage kdcache tests benchmarks
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/kdcache && cp kdcache/*.py $(TYPECHECK)/kdcache/
+	for p in pipeline stages storage; do ln -s $(CURDIR)/$$p $(TYPECHECK)/kdcache/$$p; done
+	cd $(TYPECHECK) && $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kdcache
 
 test: $(STAMP)
 	$(PY) -m pytest -q

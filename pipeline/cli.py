@@ -20,8 +20,8 @@ import re
 import sys
 from typing import NoReturn
 
-import pipeline.commands
-from storage.errors import KdcacheError
+import kdcache.pipeline.commands
+from kdcache.storage.errors import KdcacheError
 
 _STORAGE_CLIENTS = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure", "google", "fsspec"}
 DESCRIPTION = (
@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with short errors: the problem first, a did-you-mean where one is close, and where to get
     help, instead of the whole usage block (exit 2, as argparse)."""
 
-    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         hint = _did_you_mean(self, message)
         self.exit(2, f"{self.prog}: error: {message}{hint}\n(`{self.prog} --help` lists every flag)\n")
 
@@ -59,13 +59,13 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every registered subcommand."""
     parser = _Parser(prog="kdcache", description=DESCRIPTION)
-    # The deepspeed launcher runs `python -m pipeline --local_rank=N COMMAND ...`; ranks come from the
+    # The deepspeed launcher runs `python -m kdcache --local_rank=N COMMAND ...`; ranks come from the
     # environment (LOCAL_RANK, RANK, WORLD_SIZE), so the flag is accepted and otherwise ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     parser.set_defaults(commands=subparsers.choices)  # main() names the command whose flag was misspelled
-    for info in sorted(pkgutil.iter_modules(pipeline.commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"pipeline.commands.{info.name}")
+    for info in sorted(pkgutil.iter_modules(kdcache.pipeline.commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"kdcache.pipeline.commands.{info.name}")
         if hasattr(module, "register"):
             module.register(subparsers)
     for command in subparsers.choices.values():  # every command may read or write a cache in object storage
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _apply_storage_options(pairs: list[str]) -> None:
     """Hand ``--storage-option`` pairs to every store this process, and each process it starts, opens."""
-    from storage.stores import OPTIONS_ENV, default_storage_options, parse_storage_options
+    from kdcache.storage.stores import OPTIONS_ENV, default_storage_options, parse_storage_options
 
     if pairs:
         os.environ[OPTIONS_ENV] = json.dumps({**default_storage_options(), **parse_storage_options(pairs)})

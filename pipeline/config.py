@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from storage.errors import KdcacheError
+from kdcache.storage.errors import KdcacheError
 
 T = TypeVar("T")
 
@@ -164,7 +164,7 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
         ConfigError: listing unknown keys, wrong types, missing required fields and ``validate()`` findings.
     """
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     problems: list[str] = []
     kwargs: dict[str, Any] = {}
     for raw_key, value in values.items():
@@ -190,7 +190,7 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
         obj = cls(**kwargs)
         found = obj.validate() if hasattr(obj, "validate") else []
         problems.extend(f"{where}{p}" for p in found)
-    if problems:
+    if problems or obj is None:
         raise ConfigError(problems)
     return obj
 
@@ -206,6 +206,6 @@ def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = N
             if not isinstance(data, dict):
                 raise ConfigError([f"section {section!r} of {config_path!r} must be a mapping"])
         values.update(data)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     values.update({k: v for k, v in vars(args).items() if k in names})
     return build(cls, values)

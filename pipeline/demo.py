@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.children import child_env
-from pipeline.demo_text import stdlib_sentences, write_jsonl
-from storage.errors import KdcacheError
+from kdcache.pipeline.children import child_env
+from kdcache.pipeline.demo_text import stdlib_sentences, write_jsonl
+from kdcache.storage.errors import KdcacheError
 
 
 class DemoError(KdcacheError):
@@ -79,7 +79,7 @@ def run_step(name: str, args: list[str], log_dir: Path) -> tuple[float, int]:
     env = child_env(HF_HUB_OFFLINE="1")
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", "kdcache", *args], stdout=log, stderr=subprocess.STDOUT,
                                 env=env)
         # wait4 gives this child's own rusage, so each stage's peak memory is measured apart from the others.
         _, status, usage = os.wait4(proc.pid, 0)
@@ -104,7 +104,7 @@ def prepare_data(opts: DemoOptions, out: Path) -> tuple[Path, Path]:
 
 def agreement(run_dir: Path, role: str) -> dict[str, float]:
     """Cosine and Spearman of a ``kdcache eval`` record (the held-out cache's targets; no teacher)."""
-    from stages.train.eval_records import find_eval
+    from kdcache.stages.train.eval_records import find_eval
 
     record = find_eval(run_dir, role) or {}
     return {key: record[key] for key in ("cosine", "spearman", "sentences") if key in record}
@@ -156,8 +156,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
 def _facts(cache: Path, run_dir: Path, teacher: Path) -> dict[str, Any]:
     """Cache size, the loss curve and the teacher's size, read from what the steps left on disk."""
-    from stages.train.logging import read_jsonl
-    from storage import CacheReader
+    from kdcache.stages.train.logging import read_jsonl
+    from kdcache.storage import CacheReader
 
     manifest = CacheReader(cache).manifest
     stored = sum(s.stored_bytes for s in manifest.shards)

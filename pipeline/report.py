@@ -1,9 +1,9 @@
 """``kdcache report``: PNG plots and one HTML page for a run or a sweep, readable while it is still running.
 
 A run's report (in ``RUN/report/``): each loss term over the steps, the student × teacher CKA heatmap when
-an evaluation exists (``RUN/evals/``), and the cache's bytes per token per target. A sweep's report (in ``SWEEP/report/``): a
-bar chart of one metric at each grid point, every run's total loss over the steps, the comparison table, and
-a report per run.
+an evaluation exists (``RUN/evals/``), and the cache's bytes per token per target. A sweep's report (in
+``SWEEP/report/``): a bar chart of one metric at each grid point, every run's total loss over the steps, the
+comparison table, and a report per run.
 
 Everything is read from what runs leave on disk, written for being read mid-run: ``metrics.jsonl`` may end in
 a half-written line, ``student/`` and ``evals/`` may not exist yet. Nothing here imports torch.
@@ -16,8 +16,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pipeline.run_state import (EVAL_COLUMNS, META_KEYS, RunState, eval_columns, final_terms, load_run_state,
-                                read_json, term_label)
+from kdcache.pipeline.run_state import (
+    EVAL_COLUMNS,
+    META_KEYS,
+    RunState,
+    eval_columns,
+    final_terms,
+    load_run_state,
+    read_json,
+    term_label,
+)
 
 TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "hidden", "attention")
 LOWER_IS_BETTER = ("eval_perplexity", "eval_kl", "loss", "ce", "kl", "topk_kl", "hidden", "attention")
@@ -69,7 +77,7 @@ def table_columns(rows: list[dict[str, Any]], grid_keys: list[str], *, per_pair:
 
 def write_tables(sweep_dir: str | Path, rows: list[dict[str, Any]], grid_keys: list[str]) -> tuple[Path, Path]:
     """Write ``results.csv`` (every term, per-pair ones too) and ``results.md`` (top-level terms)."""
-    from pipeline.report_html import markdown_table
+    from kdcache.pipeline.report_html import markdown_table
 
     root = Path(sweep_dir)
     columns = table_columns(rows, grid_keys, per_pair=True)
@@ -148,10 +156,9 @@ def plot_alignment(evaluation: dict[str, Any], out: Path, title: str) -> Path | 
 
 def cache_stats(cache: str | Path) -> dict[str, Any] | None:
     """``kdcache inspect``'s facts about a cache (bytes per token per array), or None if it cannot be read."""
-    from pipeline.commands.cache import describe
-    from storage.errors import KdcacheError
-
-    from storage import cache_exists
+    from kdcache.pipeline.commands.cache import describe
+    from kdcache.storage import cache_exists
+    from kdcache.storage.errors import KdcacheError
 
     try:
         if not cache or not cache_exists(cache):
@@ -190,9 +197,10 @@ def plot_sweep_metric(rows: list[dict[str, Any]], metric: str, out: Path, grid_k
     plt = _pyplot()
     values = [r.get(metric) if isinstance(r.get(metric), (int, float)) else None for r in rows]
     shade = grid_keys[-1] if grid_keys else None
-    palette = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(str(r.get(shade)) for r in rows))}
+    shade_of = lambda row: str(row.get(shade)) if shade else ""  # noqa: E731
+    palette = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(shade_of(r) for r in rows))}
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(rows) + 1.5), 4.5))
-    ax.bar(range(len(rows)), [v or 0.0 for v in values], color=[palette[str(r.get(shade))] for r in rows])
+    ax.bar(range(len(rows)), [v or 0.0 for v in values], color=[palette[shade_of(r)] for r in rows])
     for i, (row, value) in enumerate(zip(rows, values)):
         text = f"{value:.3f}" if value is not None else str(row.get("status") or "n/a")
         ax.text(i, value or 0.0, text, ha="center", va="bottom", fontsize=7)
@@ -251,7 +259,7 @@ def is_run(path: Path) -> bool:
 
 def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache: bool = True) -> Path:
     """Plots and ``report.html`` for one run (finished or not). Returns the HTML path."""
-    from pipeline.report_html import render_run
+    from kdcache.pipeline.report_html import render_run
 
     state = load_run_state(run_dir)
     out_dir = Path(out) if out else state.run_dir / "report"
@@ -299,7 +307,7 @@ def default_metric(rows: list[dict[str, Any]], states: dict[str, RunState]) -> t
 
 def report_sweep(sweep_dir: str | Path, out: str | Path | None = None, *, metric: str | None = None) -> Path:
     """The sweep page (table, metric bars, loss curves) and a report per run. Returns the HTML path."""
-    from pipeline.report_html import render_sweep
+    from kdcache.pipeline.report_html import render_sweep
 
     root = Path(sweep_dir)
     out_dir = Path(out) if out else root / "report"
@@ -314,7 +322,7 @@ def report_sweep(sweep_dir: str | Path, out: str | Path | None = None, *, metric
     images = {"losses": plot_sweep_losses(states, out_dir / "sweep_losses.png")}
     if metric is not None:
         images["metric"] = plot_sweep_metric(rows, metric, out_dir / f"sweep_{metric}.png", grid_keys, why)
-    info = cache_stats(summary.get("cache") or next((s.options.get("cache") for s in states.values()), ""))
+    info = cache_stats(summary.get("cache") or next((s.options.get("cache") for s in states.values()), None) or "")
     if info:
         images["cache"] = plot_cache(info, out_dir / "cache.png", f"cache {info['path']}")
     html = render_sweep(root, rows, table_columns(rows, grid_keys, per_pair=False), metric, why,

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.run_state import applied_options, eval_rows, final_terms, term_label
+from kdcache.pipeline.run_state import applied_options, eval_rows, final_terms, term_label
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }

@@ -27,7 +27,7 @@ def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
         (records, skipped): every line that parses as a JSON object, and how many did not (a truncated last
         line of a live run, typically).
     """
-    from stages.train.logging import read_records
+    from kdcache.stages.train.logging import read_records
 
     parsed, skipped = read_records(path)
     records = [r for r in parsed if isinstance(r, dict) and "step" in r]
@@ -74,7 +74,7 @@ class RunState:
 
 def load_run_state(run_dir: str | Path) -> RunState:
     """Read options, plan, metrics (tolerantly), evaluations (RUN/evals/) and whether the student was exported."""
-    from stages.train.eval_records import find_eval, read_evals
+    from kdcache.stages.train.eval_records import find_eval, read_evals
 
     root = Path(run_dir)
     metrics, skipped = read_metrics(root / "metrics.jsonl")
@@ -131,7 +131,7 @@ def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
     stayed at their defaults; seq2seq-only options left empty are not options this run used."""
     import dataclasses
 
-    from stages.train.options import TrainOptions
+    from kdcache.stages.train.options import TrainOptions
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions) if f.default is not dataclasses.MISSING}
     kept = {k: v for k, v in options.items()

@@ -1,6 +1,6 @@
 """Sweeps: one training per grid point, all from the same cache, one after another.
 
-Each run is its own child process (``python -m pipeline train ...``, or the user's launcher prefix such as
+Each run is its own child process (``python -m kdcache train ...``, or the user's launcher prefix such as
 ``torchrun --nproc_per_node 8``): DeepSpeed's process group, its compiled ops and the allocator's memory do not
 leak from one run into the next, and a crash — even a segfault or an OOM kill — ends one grid point, not the
 sweep. The teacher is never touched: every run reads the cache.
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.children import child_env
-from pipeline.config import ConfigError, build
-from pipeline.run_state import read_json
-from stages.train.eval_records import find_eval
-from stages.train.options import TrainOptions
+from kdcache.pipeline.children import child_env
+from kdcache.pipeline.config import ConfigError, build
+from kdcache.pipeline.run_state import read_json
+from kdcache.stages.train.eval_records import find_eval
+from kdcache.stages.train.options import TrainOptions
 
 # Keys a grid may not vary: the sweep owns `out`, and "one cache" is the point of a sweep.
 RESERVED_KEYS = ("out", "cache", "resume", "config")
@@ -126,7 +126,8 @@ def plan_sweep(base: dict[str, Any], grid: dict[str, list[str]], sweep_dir: str 
         ConfigError: every problem of every point, each once, naming the points it concerns.
     """
     found: dict[str, list[str]] = {}
-    points, names = [], set()
+    points: list[SweepPoint] = []
+    names: set[str] = set()
     for combo in itertools.product(*grid.values()) if grid else [()]:
         values = dict(zip(grid, combo))
         name = _unique(run_name(values), names)
@@ -185,9 +186,9 @@ def train_command(options: TrainOptions, launcher: list[str], *, resume: bool = 
     """The child command line: the launcher prefix, the module, and the run's flags."""
     # The deepspeed launcher takes `--module NAME`, and would append --local_rank=N, which `kdcache train`
     # does not take (it reads LOCAL_RANK from the environment); python and torchrun take `-m NAME`.
-    module = ["-m", "pipeline"]
+    module = ["-m", "kdcache"]
     if Path(launcher[0]).name == "deepspeed":
-        module = [*(["--no_local_rank"] if "--no_local_rank" not in launcher else []), "--module", "pipeline"]
+        module = [*(["--no_local_rank"] if "--no_local_rank" not in launcher else []), "--module", "kdcache"]
     return [*launcher, *module, "train", *train_flags(options), *(["--resume"] if resume else [])]
 
 
@@ -255,7 +256,7 @@ def _train(point: SweepPoint, settings: SweepSettings, command: list[str], previ
 
 def _evaluate(run_dir: Path, settings: SweepSettings) -> dict[str, Any]:
     """``kdcache eval`` in its own process (the same isolation as training); writes RUN/evals/trained@...json."""
-    command = [sys.executable, "-m", "pipeline", "eval", "--cache", str(settings.eval_cache), "--run",
+    command = [sys.executable, "-m", "kdcache", "eval", "--cache", str(settings.eval_cache), "--run",
                str(run_dir), "--batch-size", str(settings.eval_batch_size)]
     if settings.eval_limit:
         command += ["--limit", str(settings.eval_limit)]
@@ -279,7 +280,7 @@ def run_sweep(points: list[SweepPoint], sweep_dir: str | Path, settings: SweepSe
     Returns:
         The sweep summary (also ``SWEEP/sweep.json``), with ``rows``: the comparison table.
     """
-    from pipeline.report import collect_rows, write_tables
+    from kdcache.pipeline.report import collect_rows, write_tables
 
     root = Path(sweep_dir)
     root.mkdir(parents=True, exist_ok=True)

@@ -13,13 +13,14 @@ from typing import Any
 
 import numcodecs
 
-from storage.errors import UnknownCodecError
+from kdcache.storage.errors import UnknownCodecError
 
 BITSHUFFLE = 2
 # Defaults measured in shared/DESIGN.md: lz4 matches zstd's ratio on fp16 activations at ~2.5x the speed;
 # sorted top-k values compress much better, so they get zstd.
 DEFAULT_CODEC: dict[str, Any] = {"id": "blosc", "cname": "lz4", "clevel": 5, "shuffle": BITSHUFFLE, "blocksize": 0}
-DEFAULT_TOPK_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 5, "shuffle": BITSHUFFLE, "blocksize": 0}
+DEFAULT_TOPK_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 5, "shuffle": BITSHUFFLE,
+                                      "blocksize": 0}
 ARROW_DEFAULT_CODEC: dict[str, Any] = {"id": "zstd", "level": 3}
 ALIASES: dict[str, dict[str, Any]] = {"blosc-lz4": DEFAULT_CODEC, "blosc-zstd": DEFAULT_TOPK_CODEC}
 _SHUFFLE_NAMES = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle"}
@@ -57,7 +58,7 @@ def resolve_codec(codec: str | dict[str, Any] | numcodecs.abc.Codec | None) -> d
 def describe_codec(config: dict[str, Any]) -> str:
     """A short human label, e.g. ``blosc(lz4, bitshuffle, clevel 5)``."""
     if config.get("id") == "blosc":
-        shuffle = _SHUFFLE_NAMES.get(config.get("shuffle"), "autoshuffle")
+        shuffle = _SHUFFLE_NAMES.get(config.get("shuffle", -1), "autoshuffle")
         return f"blosc({config.get('cname')}, {shuffle}, clevel {config.get('clevel')})"
     extras = ", ".join(f"{k} {v}" for k, v in sorted(config.items()) if k != "id")
     return f"{config.get('id')}({extras})" if extras else str(config.get("id"))
@@ -75,7 +76,7 @@ def to_zarr_compressors(config: dict[str, Any]) -> list[Any]:
 
     name, params = config["id"], {k: v for k, v in config.items() if k != "id"}
     if name == "blosc":
-        shuffle = _SHUFFLE_NAMES.get(params.get("shuffle"))  # None lets zarr pick from the dtype
+        shuffle: Any = _SHUFFLE_NAMES.get(params.get("shuffle", -1))  # None lets zarr pick from the dtype
         return [zarr.codecs.BloscCodec(cname=params["cname"], clevel=params["clevel"], shuffle=shuffle,
                                        blocksize=params.get("blocksize", 0))]
     if name == "zstd":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from storage.errors import Fp16OverflowError, InvalidSequenceError, NonFiniteValueError, SpecError
+from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, NonFiniteValueError, SpecError
 
 # storage dtype name -> (numpy dtype on disk, explicit mantissa bits)
 STORAGE_DTYPES: dict[str, tuple[np.dtype, int]] = {

@@ -6,16 +6,17 @@ failed check (overflow, bad shape) never leaves anything on disk.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
-from storage.errors import InvalidSequenceError, ShardError
-from storage.layout import attention_rows, pack_attention
-from storage.spec import CacheSpec
-from storage.streams import kind_of, split_stream
+from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
+from kdcache.storage.errors import InvalidSequenceError, ShardError
+from kdcache.storage.layout import attention_rows, pack_attention
+from kdcache.storage.spec import CacheSpec
+from kdcache.storage.streams import kind_of, split_stream
 
 
 @dataclass
@@ -42,7 +43,8 @@ def _fail(seq: int, name: str, problem: str) -> InvalidSequenceError:
     return InvalidSequenceError(f"sequence {seq} (global), array {name!r}: {problem}")
 
 
-def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int], value: np.ndarray) -> tuple[int, ...] | None:
+def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
+                    value: np.ndarray) -> tuple[int, ...] | None:
     """The shape ``value`` must have; None entries in the rule are free dims fixed by the first sequence.
 
     ``lengths`` maps each token stream ("" or "encoder"/"decoder") to this sequence's token count.
@@ -98,7 +100,7 @@ def _check_topk(spec: CacheSpec, values: np.ndarray, ids: np.ndarray) -> None:
 def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[str, dict[str, float]]) -> np.ndarray:
     """Convert to the storage dtype, then bitround activations if the spec asks for it."""
     stored = to_storage(name, values, spec.dtype)
-    if not spec.is_lossy_target(name):
+    if not spec.is_lossy_target(name) or spec.bitround is None:
         return stored
     rounded = apply_bitround(name, stored, spec.dtype, spec.bitround)
     original = values if values.dtype.kind == "f" else to_float32(values, spec.dtype)
@@ -159,7 +161,8 @@ def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]]) -> dict[str, np
     return arrays
 
 
-def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: dict[str, dict[str, float]]) -> np.ndarray:
+def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray],
+                  lossy: dict[str, dict[str, float]]) -> np.ndarray:
     """Concatenate one array over the shard's sequences and give it its storage dtype."""
     if kind_of(name) in ("attention", "cross_attention"):
         num_heads = {p.shape[0] for p in parts}

@@ -13,14 +13,15 @@ import errno
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import google_crc32c
 import numpy as np
 
-from storage.errors import DiskFullError
+from kdcache.storage.errors import DiskFullError
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _IO_THREADS = 8  # fsyncs in flight; beyond a handful the device queue, not the thread count, sets the pace

@@ -13,9 +13,10 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from storage.errors import CacheLockedError
+from kdcache.storage.errors import CacheLockedError
 
 LEASE_SECONDS = 30 * 60  # a lease not renewed for this long belongs to a writer that died
 
@@ -35,7 +36,8 @@ class RemoteLock:
             if held is not None and not _stale(held):
                 raise CacheLockedError(
                     f"{what} of {store.url} is held by a running writer (pid {held.get('pid')} on "
-                    f"{held.get('host')}, lease {store.url}/{key}, renewed {int(time.time() - float(held.get('time', 0)))} s ago); "
+                    f"{held.get('host')}, lease {store.url}/{key}, renewed "
+                    f"{int(time.time() - float(held.get('time', 0)))} s ago); "
                     f"wait for it, use another part, or delete that object if no writer runs")
             store.remove(key)
             if not self._create() or (self._current() or {}).get("owner") != self.lease["owner"]:

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from storage.errors import FormatVersionError, ManifestError
-from storage.stores import Store, open_store
-from storage.spec import FORMAT_VERSION, READABLE_FORMAT_VERSION, CacheSpec
+from kdcache.storage.errors import FormatVersionError, ManifestError
+from kdcache.storage.spec import FORMAT_VERSION, READABLE_FORMAT_VERSION, CacheSpec
+from kdcache.storage.stores import Store, open_store
 
 MANIFEST_NAME = "manifest.json"
 SHARDS_DIR = "shards"

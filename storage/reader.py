@@ -11,20 +11,21 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
-from storage.backends.base import ShardHandle
-from storage.backends.registry import get_backend
-from storage.errors import ChecksumError, PartialCacheError, ShardError
-from storage.layout import unpack_attention
-from storage.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
-from storage.spec import CacheSpec
-from storage.stores import Store, open_store
-from storage.streams import kind_of
+from kdcache.storage.backends.base import ShardHandle
+from kdcache.storage.backends.registry import get_backend
+from kdcache.storage.errors import ChecksumError, PartialCacheError, ShardError
+from kdcache.storage.layout import unpack_attention
+from kdcache.storage.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
+from kdcache.storage.spec import CacheSpec
+from kdcache.storage.stores import Store, open_store
+from kdcache.storage.streams import kind_of
 
 
 def default_decode_threads() -> int:
@@ -93,7 +94,9 @@ class ShardData:
         if not 0 <= local < len(self):
             raise IndexError(f"shard {self.index} has sequences 0..{len(self) - 1} (local), got {local}")
         fetch = lambda name, a, b: self.arrays[name][a:b]  # noqa: E731
-        offsets = self.all_offsets or {"offsets": self.offsets, "attention_offsets": self.attention_offsets}
+        offsets = self.all_offsets or {"offsets": self.offsets}
+        if self.attention_offsets is not None:
+            offsets["attention_offsets"] = self.attention_offsets
         return _sequence(self.spec, list(self.arrays), fetch, offsets, local)
 
 
@@ -254,7 +257,8 @@ class CacheReader:
                 self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="kdcache-read")
         return list(self._pool.map(fn, names))
 
-    def iter_sequences(self, shards: Iterable[int] | None = None, names: Iterable[str] | None = None) -> Iterator[dict[str, np.ndarray]]:
+    def iter_sequences(self, shards: Iterable[int] | None = None,
+                       names: Iterable[str] | None = None) -> Iterator[dict[str, np.ndarray]]:
         """Yield sequences in order, shard by shard (default: every committed shard)."""
         for index in (self.committed_shards if shards is None else shards):
             data = self.read_shard(index, names)

@@ -23,12 +23,26 @@ from typing import Any
 
 import numpy as np
 
-from storage.codecs import (ARROW_DEFAULT_CODEC, DEFAULT_CODEC, DEFAULT_TOPK_CODEC, resolve_codec, to_arrow_compression,
-                            to_zarr_compressors)
-from storage.dtypes import STORAGE_DTYPES, storage_dtype
-from storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
-from storage.streams import (CROSS, SEQ2SEQ_STREAMS, attention_offsets_name, is_offsets, kind_of, prefixed,
-                             split_stream, token_offsets_name)
+from kdcache.storage.codecs import (
+    ARROW_DEFAULT_CODEC,
+    DEFAULT_CODEC,
+    DEFAULT_TOPK_CODEC,
+    resolve_codec,
+    to_arrow_compression,
+    to_zarr_compressors,
+)
+from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
+from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
+from kdcache.storage.streams import (
+    CROSS,
+    SEQ2SEQ_STREAMS,
+    attention_offsets_name,
+    is_offsets,
+    kind_of,
+    prefixed,
+    split_stream,
+    token_offsets_name,
+)
 
 # Format history: 1 single-stream caches, 2 seq2seq caches (two token streams), 3 both layouts with one sharded
 # file per zarr array, Arrow IPC streams and a crc32c per file (docs/cache-format.md). Versions 1-2 are read-only.

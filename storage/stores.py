@@ -22,11 +22,12 @@ import os
 import shutil
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
-from storage.errors import CacheLockedError, StorageError
-from storage.files import fsync_path, remove_path, write_bytes_atomic, write_tree
+from kdcache.storage.errors import CacheLockedError, StorageError
+from kdcache.storage.files import fsync_path, remove_path, write_bytes_atomic, write_tree
 
 OPTIONS_ENV = "KDCACHE_STORAGE_OPTIONS"
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
@@ -78,6 +79,7 @@ class Store(ABC):
     def remove_temps(self, prefix: str = "") -> None:
         """Remove leftovers of writers that died mid-shard (``shards/.tmp-{prefix}*``). Only a folder has temps:
         an object store writes at final keys."""
+        return None
 
     @abstractmethod
     def lock(self, name: str, what: str) -> Any:
@@ -295,7 +297,7 @@ class RemoteStore(Store):
         return dest
 
     def lock(self, name: str, what: str) -> Any:
-        from storage.leases import RemoteLock
+        from kdcache.storage.leases import RemoteLock
 
         return RemoteLock(self, f"locks/{name}", what)
 

@@ -7,13 +7,14 @@ user everything that is wrong (``kdcache verify`` prints them and exits 1).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from storage.backends.registry import get_backend
-from storage.errors import KdcacheError
-from storage.manifest import Manifest, read_manifest, read_sidecars
-from storage.stores import Store, open_store
+from kdcache.storage.backends.registry import get_backend
+from kdcache.storage.errors import KdcacheError
+from kdcache.storage.manifest import Manifest, read_manifest, read_sidecars
+from kdcache.storage.stores import Store, open_store
 
 
 @dataclass
@@ -67,7 +68,8 @@ def _check_shards(store: Store, manifest: Manifest, report: VerifyReport) -> Non
         report.arrays_checked += len(record.arrays)
 
 
-def verify_cache(path: str | os.PathLike[str] | Store, storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
+def verify_cache(path: str | os.PathLike[str] | Store,
+                 storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Check every committed shard of the cache at ``path``.
 
     Returns:
@@ -80,8 +82,9 @@ def verify_cache(path: str | os.PathLike[str] | Store, storage_options: Mapping[
         manifest = read_manifest(store)
         report.status = manifest.status
         if manifest.status != "complete":
+            committed = len(read_sidecars(store))
             report.problems.append(VerifyProblem(None, None, f"cache is not complete (status {manifest.status!r}, "
-                                                             f"{len(read_sidecars(store))} of {manifest.spec.num_shards} "
+                                                             f"{committed} of {manifest.spec.num_shards} "
                                                              f"shards committed)"))
         _check_shards(store, manifest, report)
     except KdcacheError as exc:  # manifest or sidecar unreadable: a finding, never a crash

@@ -19,19 +19,30 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from storage.backends.base import Backend
-from storage.backends.registry import get_backend
-from storage.encode import EncodedShard, encode_shard
-from storage.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
-from storage.files import disk_full_error, is_disk_full
-from storage.fingerprint import compare_fingerprints
-from storage.manifest import (MANIFEST_NAME, Manifest, ShardRecord, read_manifest, read_sidecars,
-                              shard_checksum, shard_name, sidecar_key, summarize_arrays, write_manifest)
-from storage.spec import FORMAT_VERSION, CacheSpec
-from storage.stores import Store, open_store
+from kdcache.storage.backends.base import Backend
+from kdcache.storage.backends.registry import get_backend
+from kdcache.storage.encode import EncodedShard, encode_shard
+from kdcache.storage.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
+from kdcache.storage.files import disk_full_error, is_disk_full
+from kdcache.storage.fingerprint import compare_fingerprints
+from kdcache.storage.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardRecord,
+    read_manifest,
+    read_sidecars,
+    shard_checksum,
+    shard_name,
+    sidecar_key,
+    summarize_arrays,
+    write_manifest,
+)
+from kdcache.storage.spec import FORMAT_VERSION, CacheSpec
+from kdcache.storage.stores import Store, open_store
 
 
 def spec_differences(cached: CacheSpec, wanted: CacheSpec) -> list[str]:
@@ -168,7 +179,8 @@ class CacheWriter:
 def _valid_records(store: Store, manifest: Manifest, backend: Backend) -> list[ShardRecord]:
     records = []
     for index, record in sorted(read_sidecars(store).items()):
-        if not 0 <= index < manifest.spec.num_shards or (record.seq_start, record.seq_stop) != manifest.spec.shard_range(index):
+        in_range = 0 <= index < manifest.spec.num_shards
+        if not in_range or (record.seq_start, record.seq_stop) != manifest.spec.shard_range(index):
             raise ManifestError(f"sidecar of shard {index} covers [{record.seq_start}, {record.seq_stop}); "
                                 f"this cache's shard {index} is {manifest.spec.shard_range(index)}")
         if set(record.arrays) != set(manifest.spec.array_names()):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def print_summary(summary: dict[str, Any], as_json: bool, formatter: Callable[[dict[str, Any]], str]) -> None:

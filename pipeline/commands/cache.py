@@ -6,15 +6,18 @@ import argparse
 import json
 from typing import Any
 
+CACHE_HELP = "cache folder or URL (s3://bucket/cache, gs://..., any fsspec URL)"
+
 
 def register(subparsers: Any) -> None:
     """Add the ``inspect`` and ``verify`` subcommands to an argparse subparsers object."""
     inspect = subparsers.add_parser("inspect", help="show what a cache holds: features, layers, sizes, fingerprints")
-    inspect.add_argument("cache", metavar="CACHE", help="cache folder or URL (s3://bucket/cache, gs://..., any fsspec URL)")
+    inspect.add_argument("cache", metavar="CACHE", help=CACHE_HELP)
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     inspect.set_defaults(func=run_inspect)
-    verify = subparsers.add_parser("verify", help="check every stored byte against its recorded crc32c; exit 1 naming each bad array or file")
-    verify.add_argument("cache", metavar="CACHE", help="cache folder or URL (s3://bucket/cache, gs://..., any fsspec URL)")
+    verify = subparsers.add_parser(
+        "verify", help="check every stored byte against its recorded crc32c; exit 1 naming each bad array or file")
+    verify.add_argument("cache", metavar="CACHE", help=CACHE_HELP)
     verify.add_argument("--json", action="store_true", help="print the report as JSON")
     verify.set_defaults(func=run_verify)
 
@@ -29,9 +32,9 @@ def describe(path: str) -> dict[str, Any]:
     Raises:
         KdcacheError: missing or corrupt manifest, newer format version.
     """
-    from storage.codecs import describe_codec
-    from storage.manifest import summarize_arrays
-    from storage.reader import CacheReader
+    from kdcache.storage.codecs import describe_codec
+    from kdcache.storage.manifest import summarize_arrays
+    from kdcache.storage.reader import CacheReader
 
     reader = CacheReader(path, allow_partial=True)
     spec, manifest = reader.spec, reader.manifest
@@ -98,7 +101,9 @@ def _text(info: dict[str, Any]) -> str:
         f"{'array':22} {'dtype':8} {'shape/token':12} {'B/token':>10} {'ratio':>7}  codec",
     ]
     for name, a in info["arrays"].items():
-        lossy = f"  lossy: max abs {a['lossy']['max_abs_error']:.3g}, max rel {a['lossy']['max_rel_error']:.3g}" if "lossy" in a else ""
+        lossy = ""
+        if "lossy" in a:
+            lossy = f"  lossy: max abs {a['lossy']['max_abs_error']:.3g}, max rel {a['lossy']['max_rel_error']:.3g}"
         lines.append(f"{name:22} {a['dtype']:8} {str(a['shape_tail']):12} {a['bytes_per_token']!s:>10} "
                      f"{a['compression_ratio']!s:>7}  {a['codec_label']}{lossy}")
     # One line per group: each is a handful of keys, and a line per key would bury the table above.
@@ -116,7 +121,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     """Verify every chunk; exit 0 when clean, 1 naming each bad shard and array. Never a traceback."""
-    from storage.verify import verify_cache
+    from kdcache.storage.verify import verify_cache
 
     report = verify_cache(args.cache)
     if getattr(args, "json", False):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pipeline.config import add_arguments, from_args
-from pipeline.demo import DemoOptions
+from kdcache.pipeline.config import add_arguments, from_args
+from kdcache.pipeline.demo import DemoOptions
 
 
 def register(subparsers: Any) -> None:
@@ -23,7 +23,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print its report. Returns 0."""
-    from pipeline.demo import format_report, run_demo
+    from kdcache.pipeline.demo import format_report, run_demo
 
     report = run_demo(from_args(DemoOptions, args))
     print()

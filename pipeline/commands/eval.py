@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
 
 def teacher_notes(eval_cache: Any, run_dir: Path) -> list[str]:
     """A warning when the eval cache's teacher differs from the one the run was trained against."""
-    from storage import CacheReader, cache_exists, compare_fingerprints
+    from kdcache.storage import CacheReader, cache_exists, compare_fingerprints
 
     options = json.loads((run_dir / "options.json").read_text()) if (run_dir / "options.json").is_file() else {}
     train_cache = options.get("cache")
@@ -54,9 +54,9 @@ def teacher_notes(eval_cache: Any, run_dir: Path) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate, write RUN/evals/{role}@{cache label}.json, print a summary. Returns 0."""
-    from stages.train.checks import open_cache
-    from stages.train.eval_records import cache_identity, cache_label, eval_path
-    from stages.train.evaluate import evaluate_run
+    from kdcache.stages.train.checks import open_cache
+    from kdcache.stages.train.eval_records import cache_identity, cache_label, eval_path
+    from kdcache.stages.train.evaluate import evaluate_run
 
     reader = open_cache(args.cache)
     run_dir = Path(args.run)

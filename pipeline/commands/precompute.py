@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pipeline.commands import print_summary
-from pipeline.config import add_arguments, from_args
-from stages.precompute.options import PrecomputeOptions
+from kdcache.pipeline.commands import print_summary
+from kdcache.pipeline.config import add_arguments, from_args
+from kdcache.stages.precompute.options import PrecomputeOptions
 
 
 def register(subparsers: Any) -> None:
@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build and validate the options, then run stage one; print the summary on rank 0. Returns 0."""
     options = from_args(PrecomputeOptions, args, section="precompute")
-    from stages.precompute import format_summary, run_precompute
+    from kdcache.stages.precompute import format_summary, run_precompute
 
     print_summary(run_precompute(options), getattr(args, "json", False), format_summary)
     return 0
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge a cache's committed parts; exit 0 when complete, 1 when shards are still missing."""
-    from stages.precompute import merge_cache
+    from kdcache.stages.precompute import merge_cache
 
     result = merge_cache(args.cache)
     print(f"{result['out']}: {result['status']}, {result['committed_shards']}/{result['num_shards']} shards, "

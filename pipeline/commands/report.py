@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError
+from kdcache.pipeline.config import ConfigError
 
 
 def register(subparsers: Any) -> None:
@@ -14,8 +14,8 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "report", help="PNG plots and an HTML page for a run or a sweep (works mid-run)",
         description="For a run: each loss term over the steps, the student x teacher CKA heatmap (when "
-                    "an evaluation exists in RUN/evals/) and the cache's bytes per token per target. For a sweep: the results "
-                    "table, a bar chart of one metric per grid point, every run's loss curve, and a report "
+                    "an evaluation exists in RUN/evals/) and the cache's bytes per token per target. For a sweep: "
+                    "the results table, a bar chart of one metric per grid point, every run's loss curve, and a report "
                     "per run. Everything lands in PATH/report/ (report.html embeds the plots).")
     parser.add_argument("path", metavar="RUN_OR_SWEEP", help="a run directory or a sweep directory")
     parser.add_argument("--out", metavar="DIR", help="where to write (default: PATH/report)")
@@ -27,7 +27,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the report and print where it is. Returns 0."""
-    from pipeline.report import is_run, is_sweep, report_run, report_sweep
+    from kdcache.pipeline.report import is_run, is_sweep, report_run, report_sweep
 
     path = Path(args.path)
     if is_sweep(path):

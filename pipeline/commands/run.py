@@ -12,9 +12,9 @@ import argparse
 import gc
 from typing import Any
 
-from pipeline.config import ConfigError, build, load_yaml
-from stages.precompute.options import PrecomputeOptions
-from stages.train.options import TrainOptions
+from kdcache.pipeline.config import ConfigError, build, load_yaml
+from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.train.options import TrainOptions
 
 SECTIONS = ("precompute", "train")
 
@@ -58,10 +58,10 @@ def load_pipeline(path: str) -> tuple[PrecomputeOptions, TrainOptions]:
 def run(args: argparse.Namespace) -> int:
     """Validate both sections, precompute (or reuse), release the teacher, then train. Returns 0."""
     pre, train = load_pipeline(args.config)
-    from pipeline.commands.train import format_summary as format_train
-    from stages.precompute import format_summary as format_pre
-    from stages.precompute import run_precompute
-    from stages.train.loop import run_training
+    from kdcache.pipeline.commands.train import format_summary as format_train
+    from kdcache.stages.precompute import format_summary as format_pre
+    from kdcache.stages.precompute import run_precompute
+    from kdcache.stages.train.loop import run_training
 
     summary = run_precompute(pre)
     if summary["shards_written"] == 0 and summary["status"] == "complete":

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError, add_arguments, load_yaml
-from stages.train.options import TrainOptions
+from kdcache.pipeline.config import ConfigError, add_arguments, load_yaml
+from kdcache.stages.train.options import TrainOptions
 
 
 def register(subparsers: Any) -> None:
@@ -58,8 +58,8 @@ def base_values(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the whole grid, then run it. Returns 0 when every run succeeded, 1 when any failed."""
-    from pipeline.sweep import SweepSettings, conflicts, parse_grid, plan_sweep, run_sweep, train_command
-    from storage import cache_exists
+    from kdcache.pipeline.sweep import SweepSettings, conflicts, parse_grid, plan_sweep, run_sweep, train_command
+    from kdcache.storage import cache_exists
 
     grid, problems = parse_grid(args.grid)
     if not grid and not problems:

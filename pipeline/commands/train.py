@@ -13,9 +13,9 @@ import argparse
 import os
 from typing import Any
 
-from pipeline.commands import print_summary
-from pipeline.config import ConfigError, add_arguments, from_args
-from stages.train.options import TrainOptions
+from kdcache.pipeline.commands import print_summary
+from kdcache.pipeline.config import ConfigError, add_arguments, from_args
+from kdcache.stages.train.options import TrainOptions
 
 
 def register(subparsers: Any) -> None:
@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build and validate the options, train, and print the summary on rank 0. Returns 0."""
     options = from_args(TrainOptions, args, section="train")
-    from stages.train.loop import run_training
+    from kdcache.stages.train.loop import run_training
 
     print_summary(run_training(options), getattr(args, "json", False), format_summary)
     return 0
@@ -73,7 +73,7 @@ def run_init_student(args: argparse.Namespace) -> int:
         raise ConfigError(["--layers is required (or both --encoder-layers and --decoder-layers)"])
     if not os.path.isdir(args.teacher):
         raise ConfigError([f"--teacher {args.teacher!r} is not a model folder"])
-    from stages.train.init_student import init_student_from_teacher
+    from kdcache.stages.train.init_student import init_student_from_teacher
 
     out = init_student_from_teacher(args.teacher, layers or [], args.out, encoder_layers=encoder,
                                     decoder_layers=decoder)

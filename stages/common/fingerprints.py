@@ -11,7 +11,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from storage.fingerprint import hash_json
+from kdcache.storage.fingerprint import hash_json
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:

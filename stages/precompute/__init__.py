@@ -2,7 +2,7 @@
 
 Public API (what ``pipeline`` and the demo call)::
 
-    from stages.precompute import PrecomputeOptions, run_precompute, merge_cache, format_summary
+    from kdcache.stages.precompute import PrecomputeOptions, run_precompute, merge_cache, format_summary
 
     summary = run_precompute(PrecomputeOptions(teacher=..., data=..., out=...))
     print(format_summary(summary))
@@ -14,27 +14,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.precompute.errors import PrecomputeError
-from stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.options import PrecomputeOptions
 
 
 def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     """See ``stages.precompute.runner.run_precompute``."""
-    from stages.precompute.runner import run_precompute as run
+    from kdcache.stages.precompute.runner import run_precompute as run
 
     return run(options)
 
 
 def merge_cache(path: str) -> dict[str, Any]:
     """See ``stages.precompute.runner.merge_cache``."""
-    from stages.precompute.runner import merge_cache as merge
+    from kdcache.stages.precompute.runner import merge_cache as merge
 
     return merge(path)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     """See ``stages.precompute.progress.format_summary``."""
-    from stages.precompute.progress import format_summary as fmt
+    from kdcache.stages.precompute.progress import format_summary as fmt
 
     return fmt(summary)
 

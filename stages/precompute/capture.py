@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.precompute.errors import PrecomputeError
-from stages.precompute.teacher import Teacher, Targets
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.teacher import Targets, Teacher
 
 
 @dataclass
@@ -242,7 +242,7 @@ class FeatureCapture:
 
     def _check_range(self) -> None:
         """One host sync for every max |value| of the batch; overflowing targets raise, naming the layer."""
-        from storage import check_fp16_range
+        from kdcache.storage import check_fp16_range
 
         if not self._amax or self.dtype_name != "fp16":
             return

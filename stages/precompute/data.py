@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from stages.precompute.errors import PrecomputeError
-from stages.precompute.options import DATA_EXTENSIONS, PrecomputeOptions, looks_like_path
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.options import DATA_EXTENSIONS, PrecomputeOptions, looks_like_path
 
 _TOKENIZE_BATCH = 1000
 
@@ -105,10 +106,11 @@ def _local_files(data: str) -> list[str] | None:
 
 def _builder_for(files: list[str], data: str) -> str:
     kinds = {DATA_EXTENSIONS.get(Path(f).suffix.lower()) for f in files}
-    if len(kinds) != 1 or None in kinds:
+    kind = next(iter(kinds))
+    if len(kinds) != 1 or kind is None:
         raise PrecomputeError(f"data {data!r}: expected files of one kind among "
                               f"{', '.join(sorted(DATA_EXTENSIONS))}, got {sorted(Path(f).name for f in files)[:5]}")
-    return kinds.pop()
+    return kind
 
 
 def tokenize(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> TokenizedData:

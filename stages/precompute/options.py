@@ -147,8 +147,8 @@ class PrecomputeOptions:
         return problems
 
     def _codec_problems(self) -> list[str]:
-        from storage.codecs import resolve_codec
-        from storage.errors import KdcacheError
+        from kdcache.storage.codecs import resolve_codec
+        from kdcache.storage.errors import KdcacheError
 
         try:
             resolve_codec(self.codec_config)
@@ -182,7 +182,8 @@ def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name
         resolved = num_layers + 1 + j if j < 0 else j
         if not minimum <= resolved <= num_layers:
             raise ValueError(f"{name}: layer {value} is out of range; this teacher has layers "
-                             f"{minimum}..{num_layers} ({num_layers} blocks{', 0 = embeddings' if minimum == 0 else ''})")
+                             f"{minimum}..{num_layers} ({num_layers} blocks"
+                             f"{', 0 = embeddings' if minimum == 0 else ''})")
         layers.add(resolved)
     return tuple(sorted(layers))
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.files import format_bytes
+from kdcache.storage.files import format_bytes
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Progress:
         self.bar.update(sequences)
 
     def _postfix(self) -> None:
+        assert self.bar is not None
         elapsed = max(time.perf_counter() - self.stats.compute_started, 1e-9)
         self.bar.set_postfix(tok_s=f"{self.stats.tokens / elapsed:,.0f}",
                              written=format_bytes(self.stats.stored_bytes), refresh=False)

@@ -9,27 +9,35 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from stages.precompute.background import BackgroundWriter
-from stages.precompute.batching import Partition, collate, plan_batches
-from stages.precompute.data import TokenizedData, load_texts, tokenize
-from stages.precompute.distributed import DistContext
-from stages.precompute.errors import PrecomputeError
-from stages.precompute.options import PrecomputeOptions
-from stages.precompute.progress import Progress, RunStats, format_summary, summarize
-from stages.common.fingerprints import tokenizer_fingerprint
-from stages.precompute.teacher import (has_lm_head, Targets, Teacher, load_teacher, load_tokenizer, pick_device, read_config,
-                                       resolve_targets, save_tokenizer, teacher_files_fingerprint)
-from storage.errors import KdcacheError
-from storage.spec import FORMAT_VERSION
-
-# What a killed first run may leave in a new cache folder before its manifest exists.
-_CACHE_ENTRIES = {"shards", "locks", "tokenizer", "manifest.json"}
+from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.precompute.batching import Partition, collate, plan_batches
+from kdcache.stages.precompute.commit import commit_behind, open_writer
+from kdcache.stages.precompute.data import TokenizedData, load_texts, tokenize
+from kdcache.stages.precompute.distributed import DistContext
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
+from kdcache.stages.precompute.teacher import (
+    Targets,
+    Teacher,
+    has_lm_head,
+    load_teacher,
+    load_tokenizer,
+    pick_device,
+    read_config,
+    resolve_targets,
+    save_tokenizer,
+    teacher_files_fingerprint,
+)
+from kdcache.storage.errors import KdcacheError
+from kdcache.storage.spec import FORMAT_VERSION
 
 
 def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
@@ -80,7 +88,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     stats = RunStats()
     config = read_config(options)
     options = with_default_features(options, config)
-    from stages.precompute.seq2seq import check_not_seq2seq_options, is_seq2seq, run_seq2seq
+    from kdcache.stages.precompute.seq2seq import check_not_seq2seq_options, is_seq2seq, run_seq2seq
 
     if is_seq2seq(config):  # encoder-decoder teachers: two token streams, their own runner
         return run_seq2seq(options, dist, config, stats)
@@ -107,7 +115,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     manifest = writer.finalize()  # the last part to finish turns the manifest "complete"
     dist.barrier()
     if dist.world > 1 and dist.is_main:
-        from storage import merge_parts
+        from kdcache.storage import merge_parts
 
         manifest = merge_parts(options.out)
     extra = {"part": [part.index, part.count], "device": str(teacher.device),
@@ -154,7 +162,7 @@ def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOpt
 
 def build_spec(options: PrecomputeOptions, targets: Targets, num_sequences: int) -> Any:
     """The ``CacheSpec`` of this run (storage validates it)."""
-    from storage import CacheSpec
+    from kdcache.storage import CacheSpec
 
     return CacheSpec(
         num_sequences=num_sequences, backend=options.format, hidden_layers=targets.hidden_layers,
@@ -173,11 +181,10 @@ def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, to
     teacher. What only the loaded model tells (runtime dtype, attention kernel) is left to the writer's full
     check on a real run.
     """
-    from storage import CacheReader, compare_fingerprints
-    from storage.errors import KdcacheError
+    from kdcache.storage import CacheReader, compare_fingerprints
 
     teacher_fp = teacher_files_fingerprint(options, config)
-    from storage.stores import open_store
+    from kdcache.storage.stores import open_store
 
     if teacher_fp is None or open_store(options.out).size("manifest.json") is None:
         return None
@@ -205,7 +212,7 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
 
 def data_fingerprint(options: PrecomputeOptions, data: TokenizedData) -> dict[str, Any]:
     """Source, split, column and a hash of every sequence's input_ids."""
-    from storage import hash_arrays
+    from kdcache.storage import hash_arrays
 
     return {"source": options.data, "split": options.split, "text_column": options.text_column,
             "input_ids_hash": hash_arrays(data.sequences), "num_sequences": len(data.sequences)}
@@ -221,58 +228,14 @@ def build_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: Ta
             "data": data_fingerprint(options, data), "settings": settings}
 
 
-def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partition) -> Any:
-    """Open (create or resume) this part's writer.
-
-    Raises:
-        PrecomputeError: the folder holds something other than a cache, or cannot be written.
-        CacheMismatchError / CacheLockedError: from storage (a different cache; a live writer of this part).
-    """
-    from storage import CacheWriter
-    from storage.stores import open_store
-
-    store = open_store(out)
-    foreign = sorted(name for name in store.list("") if name not in _CACHE_ENTRIES and not name.startswith("."))
-    if foreign and store.size("manifest.json") is None:
-        raise PrecomputeError(f"out: {out!r} is not empty and holds no kdcache cache (found "
-                              f"{', '.join(foreign[:5])}); choose a new or empty folder or prefix")
-    try:
-        return CacheWriter(store, spec, fingerprints, part=(part.index, part.count))
-    except KdcacheError:
-        raise
-    except OSError as exc:
-        raise PrecomputeError(f"out: cannot write the cache at {out!r}: {exc.strerror or exc}") from None
-
-
 def write_shards(teacher: Teacher, targets: Targets, spec: Any, data: TokenizedData, todo: list[int], writer: Any,
                  options: PrecomputeOptions, stats: RunStats, is_main: bool) -> None:
     """Compute every shard in ``todo`` with hooks on the teacher and commit them behind the forward."""
-    from stages.precompute.capture import FeatureCapture
+    from kdcache.stages.precompute.capture import FeatureCapture
 
     with FeatureCapture(teacher, targets, options.dtype) as capture:
         commit_behind(spec, todo, writer, options, stats, is_main,
                       lambda bounds, progress: compute_shard(capture, teacher, data, bounds, options, stats, progress))
-
-
-def commit_behind(spec: Any, todo: list[int], writer: Any, options: PrecomputeOptions, stats: RunStats,
-                  is_main: bool, compute: Callable[[tuple[int, int], Progress], list[dict[str, np.ndarray]]]) -> None:
-    """Run ``compute(shard_range, progress)`` for every shard in ``todo``; a background writer commits each
-    result while the next one is computed (both the decoder-only and the seq2seq paths use this loop)."""
-    total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
-    stats.compute_started = time.perf_counter()
-    progress = Progress(total, options.progress and is_main, stats)
-    background = BackgroundWriter(writer.write_shard, options.queue_size,
-                                  on_written=lambda index, record, seconds: stats.add_shard(record))
-    try:
-        for k in todo:
-            items = compute(spec.shard_range(k), progress)
-            waited = time.perf_counter()
-            background.submit(k, items)
-            stats.wait_seconds += time.perf_counter() - waited
-    finally:
-        background.close()
-        progress.close()
-        stats.compute_seconds = time.perf_counter() - stats.compute_started
 
 
 def compute_shard(capture: Any, teacher: Teacher, data: TokenizedData, bounds: tuple[int, int],
@@ -309,8 +272,8 @@ def merge_cache(path: str | os.PathLike[str]) -> dict[str, Any]:
     Returns:
         ``{"out", "status", "committed_shards", "num_shards", "num_tokens"}``.
     """
-    from storage import merge_parts
-    from storage.stores import open_store
+    from kdcache.storage import merge_parts
+    from kdcache.storage.stores import open_store
 
     store = open_store(path)
     if store.size("manifest.json") is None:

@@ -16,18 +16,24 @@ from typing import Any
 
 import numpy as np
 
-from stages.common.fingerprints import tokenizer_fingerprint
-from storage.spec import FORMAT_VERSION
-from stages.precompute.batching import Partition, collate, plan_batches
-from stages.precompute.distributed import DistContext
-from stages.precompute.errors import PrecomputeError
-from stages.precompute.options import PrecomputeOptions
-from stages.precompute.progress import Progress, RunStats, summarize
-from stages.precompute.seq2seq_capture import Seq2SeqCapture
-from stages.precompute.seq2seq_data import PairedData, load_pairs, paired_data_fingerprint, tokenize_pairs
-from stages.precompute.seq2seq_targets import Seq2SeqTargets, build_seq2seq_spec, resolve_seq2seq_targets
-from stages.precompute.teacher import (Teacher, load_for_inference, load_tokenizer, pick_device, save_tokenizer,
-                                       teacher_fingerprint)
+from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.precompute.batching import Partition, collate, plan_batches
+from kdcache.stages.precompute.distributed import DistContext
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.progress import Progress, RunStats, summarize
+from kdcache.stages.precompute.seq2seq_capture import Seq2SeqCapture
+from kdcache.stages.precompute.seq2seq_data import PairedData, load_pairs, paired_data_fingerprint, tokenize_pairs
+from kdcache.stages.precompute.seq2seq_targets import Seq2SeqTargets, build_seq2seq_spec, resolve_seq2seq_targets
+from kdcache.stages.precompute.teacher import (
+    Teacher,
+    load_for_inference,
+    load_tokenizer,
+    pick_device,
+    save_tokenizer,
+    teacher_fingerprint,
+)
+from kdcache.storage.spec import FORMAT_VERSION
 
 _HEAD_KEYS = ("lm_head", "final_logits_bias")  # what a checkpoint without an LM head lacks
 _SEQ2SEQ_ONLY = ("source_column", "target_column", "max_target_length", "encoder_layers", "decoder_layers",
@@ -104,7 +110,7 @@ def run_seq2seq(options: PrecomputeOptions, dist: DistContext, config: Any, stat
     Returns:
         the same summary as ``runner.run_precompute``.
     """
-    from stages.precompute.runner import commit_behind, open_writer
+    from kdcache.stages.precompute.commit import commit_behind, open_writer
 
     targets = resolve_seq2seq_targets(options, config)
     tokenizer = load_tokenizer(options)
@@ -126,7 +132,7 @@ def run_seq2seq(options: PrecomputeOptions, dist: DistContext, config: Any, stat
     manifest = writer.finalize()
     dist.barrier()
     if dist.world > 1 and dist.is_main:
-        from storage import merge_parts
+        from kdcache.storage import merge_parts
 
         manifest = merge_parts(options.out)
     extra = {"part": [part.index, part.count], "device": str(teacher.device), "layout": "seq2seq",
@@ -159,8 +165,8 @@ def _compute_shard(capture: Seq2SeqCapture, teacher: Teacher, data: PairedData, 
     for batch in plan_batches(np.array([len(s) for s in sources]), options.batch_size):
         src, src_mask = collate([sources[i] for i in batch], pad)
         tgt, tgt_mask = collate([targets[i] for i in batch], pad)
-        tensors = {"input_ids": src, "attention_mask": src_mask, "labels": tgt, "decoder_attention_mask": tgt_mask}
-        tensors = {k: torch.from_numpy(v).to(teacher.device) for k, v in tensors.items()}
+        arrays = {"input_ids": src, "attention_mask": src_mask, "labels": tgt, "decoder_attention_mask": tgt_mask}
+        tensors = {k: torch.from_numpy(v).to(teacher.device) for k, v in arrays.items()}
         started = time.perf_counter()
         output = capture.run(tensors, [len(sources[i]) for i in batch], [len(targets[i]) for i in batch])
         stats.forward_seconds += time.perf_counter() - started

@@ -20,15 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.precompute.capture import to_numpy, to_storage_dtype
-from stages.precompute.errors import PrecomputeError
-from stages.precompute.seq2seq_targets import Seq2SeqTargets
-
+from kdcache.stages.precompute.capture import to_numpy, to_storage_dtype
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.seq2seq_targets import Seq2SeqTargets
 
 
 def overflow_error(name: str, max_abs: float) -> Exception:
     """The error for a target beyond float16's range: names the layer, the value and the fix."""
-    from storage.errors import Fp16OverflowError
+    from kdcache.storage.errors import Fp16OverflowError
 
     return Fp16OverflowError(
         f"{name}: the teacher's largest |value| is {max_abs:.6g}, beyond the float16 maximum of 65504, so it "

@@ -7,14 +7,15 @@ least one encoder token and one target token. Packing has no meaning for pairs a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from stages.precompute.data import load_texts
-from stages.precompute.errors import PrecomputeError
-from stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.data import load_texts
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.options import PrecomputeOptions
 
 _BATCH = 1000
 
@@ -83,7 +84,7 @@ def tokenize_pairs(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Paire
     """
     max_target = options.max_target_length or options.max_length
     sources, targets, dropped = [], [], 0
-    for src_texts, tgt_texts in _batches(ds, source_column(options), options.target_column):
+    for src_texts, tgt_texts in _batches(ds, source_column(options), options.target_column or ""):
         src_ids = tokenizer(src_texts, truncation=True, max_length=options.max_length)["input_ids"]
         tgt_ids = tokenizer(text_target=tgt_texts, truncation=True, max_length=max_target)["input_ids"]
         for src_text, tgt_text, src, tgt in zip(src_texts, tgt_texts, src_ids, tgt_ids):
@@ -102,7 +103,7 @@ def tokenize_pairs(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Paire
 
 def paired_data_fingerprint(options: PrecomputeOptions, data: PairedData) -> dict[str, Any]:
     """Source, split, both columns and hashes of both sides' ids."""
-    from storage import hash_arrays
+    from kdcache.storage import hash_arrays
 
     return {"source": options.data, "split": options.split, "source_column": source_column(options),
             "target_column": options.target_column, "input_ids_hash": hash_arrays(data.sources),

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stages.precompute.errors import PrecomputeError
-from stages.precompute.options import PrecomputeOptions, parse_layers
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
 
 
 @dataclass(frozen=True)
@@ -54,13 +54,13 @@ def seq2seq_depths(config: Any) -> tuple[int, int, int]:
 
     Heads is the smaller of the two sides' counts, so a head subset valid for it is valid everywhere.
     """
-    encoder = getattr(config, "encoder_layers", None) or getattr(config, "num_layers", None)
+    encoder: int | None = getattr(config, "encoder_layers", None) or getattr(config, "num_layers", None)
     decoder = getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None) or encoder
-    heads = [getattr(config, k, None) for k in ("encoder_attention_heads", "decoder_attention_heads", "num_heads")]
-    heads = [int(h) for h in heads if h]
+    keys = ("encoder_attention_heads", "decoder_attention_heads", "num_heads")
+    heads = [int(h) for h in (getattr(config, k, None) for k in keys) if h]
     if not encoder or not heads:
         raise PrecomputeError(f"cannot read the encoder/decoder depth of a {config.model_type} config")
-    return int(encoder), int(decoder), min(heads)
+    return int(encoder), int(decoder or encoder), min(heads)
 
 
 def _is_none(values: tuple[str, ...] | None) -> bool:
@@ -127,7 +127,7 @@ def resolve_seq2seq_targets(options: PrecomputeOptions, config: Any) -> Seq2SeqT
 
 def build_seq2seq_spec(options: PrecomputeOptions, targets: Seq2SeqTargets, num_sequences: int) -> Any:
     """The two-stream ``CacheSpec`` of this run (storage validates it)."""
-    from storage import CacheSpec
+    from kdcache.storage import CacheSpec
 
     return CacheSpec(
         num_sequences=num_sequences, backend=options.format, layout="seq2seq",

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.common.fingerprints import config_fingerprint, weights_fingerprint
-from stages.precompute.errors import PrecomputeError
-from stages.precompute.options import PrecomputeOptions, parse_layers
+from kdcache.stages.common.fingerprints import config_fingerprint, weights_fingerprint
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
 
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -255,7 +255,7 @@ def save_tokenizer(tokenizer: Any, out: str | os.PathLike[str]) -> None:
     """Save the tokenizer into the cache's ``tokenizer/`` (it appears whole; safe for many ranks)."""
     import tempfile
 
-    from storage.stores import open_store
+    from kdcache.storage.stores import open_store
 
     store = open_store(out)
     if store.exists("tokenizer"):

@@ -16,10 +16,13 @@ from __future__ import annotations
 import contextlib
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CHECKPOINT_DIR = "checkpoints"
 STUDENT_DIR = "student"
@@ -65,7 +68,7 @@ def load_latest(engine: Any, run_dir: str | Path) -> dict[str, Any] | None:
     return (client_state or {}).get("kdcache")
 
 
-def export_student(student: nn.Module, extras: dict[str, nn.Module], run_dir: str | Path, *, rank: int,
+def export_student(student: PreTrainedModel, extras: dict[str, nn.Module], run_dir: str | Path, *, rank: int,
                    zero_stage: int, tokenizer_dir: str | Path | None) -> Path:
     """Write the student as a plain HF model (``save_pretrained``) and the extras (projectors) beside it.
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.train.layer_maps import build_layer_map, validate_layer_map
-from stages.train.options import TrainOptions
-from stages.train.student import StudentFacts
-from storage.errors import KdcacheError
+from kdcache.stages.train.layer_maps import build_layer_map, validate_layer_map
+from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.student import StudentFacts
+from kdcache.storage.errors import KdcacheError
 
 Pair = tuple[int, int]
 
@@ -48,8 +48,8 @@ def open_cache(path: str | Path, *, allow_partial: bool = False) -> Any:
         CacheCheckError: no directory or no manifest at ``path``.
         storage.errors.KdcacheError: the cache is partial, corrupt or from a newer format.
     """
-    from storage import CacheReader
-    from storage.stores import open_store
+    from kdcache.storage import CacheReader
+    from kdcache.storage.stores import open_store
 
     store = open_store(path)
     if store.size("manifest.json") is None:
@@ -88,7 +88,7 @@ def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
         CacheCheckError: one or more mismatches, each explained.
     """
     if getattr(reader.spec, "is_seq2seq", False) or student.is_encoder_decoder:  # two token streams
-        from stages.train.seq2seq_plan import plan_seq2seq
+        from kdcache.stages.train.seq2seq_plan import plan_seq2seq
 
         return plan_seq2seq(options, reader, student, student_tokenizer)
     spec, problems = reader.spec, []
@@ -116,7 +116,7 @@ def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
 def vocab_problems(options: TrainOptions, reader: Any, student: StudentFacts,
                    student_tokenizer: dict[str, Any] | None) -> list[str]:
     """Vocabulary checks: every cached token id must embed, logits must line up, tokenizers must agree."""
-    from storage import compare_fingerprints
+    from kdcache.storage import compare_fingerprints
 
     spec, fp = reader.spec, (reader.fingerprints or {}).get("tokenizer") or {}
     cache_vocab = int(fp.get("vocab_size") or spec.vocab_size or 0)

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stages.train.layer_maps import Pair, pair_key
-from stages.train.losses import (
+from kdcache.stages.train.layer_maps import Pair, pair_key
+from kdcache.stages.train.losses import (
     HIDDEN_LOSSES,
     TOPK_VARIANTS,
     CriticTrainer,
@@ -36,7 +36,7 @@ from stages.train.losses import (
     topk_kl,
     wgan_student_loss,
 )
-from stages.train.projectors import Projectors, needs_projector
+from kdcache.stages.train.projectors import Projectors, needs_projector
 
 CE_KINDS = ("causal", "token")
 
@@ -89,16 +89,17 @@ class CompoundLoss(nn.Module):
         self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
         self.temperature, self.hidden_loss, self.topk_variant, self.ce = temperature, hidden_loss, topk_variant, ce
         self._check_config()
-        self.layer_map = [tuple(p) for p in layer_map] if gamma > 0 else []
+        self.layer_map: list[Pair] = [(int(s), int(t)) for s, t in layer_map] if gamma > 0 else []
         default_attention = [p for p in layer_map if p[0] > 0 and p[1] > 0]
-        self.attention_map = [tuple(p) for p in (attention_map or default_attention)] if delta > 0 else []
+        self.attention_map: list[Pair] = ([(int(s), int(t)) for s, t in (attention_map or default_attention)]
+                                          if delta > 0 else [])
         self.projectors = self._build_projectors(student_dim, teacher_dim, seed)
         self.critic_in_forward = critic_in_forward
         self.critics: CriticTrainer | None = None
         if hidden_loss == "wgan" and self.layer_map:
             keys = list(dict.fromkeys(pair_key(p) for p in self.layer_map))
             self.critics = CriticTrainer(
-                keys, int(teacher_dim), n_steps=critic_steps, gp_weight=gp_weight, lr=critic_lr, seed=seed
+                keys, int(teacher_dim or 0), n_steps=critic_steps, gp_weight=gp_weight, lr=critic_lr, seed=seed
             )
 
     def forward(
@@ -123,7 +124,7 @@ class CompoundLoss(nn.Module):
         if not terms:
             raise LossError("no loss term was computed: every weight is 0, or the terms it has need outputs "
                             "this student lacks (CE needs logits)")
-        total = sum(self.weights[_FAMILY[name]] * value for name, value in terms.items())
+        total = torch.stack([self.weights[_FAMILY[name]] * value for name, value in terms.items()]).sum()
         return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs}
 
     def _add_ce(self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, terms: dict) -> None:
@@ -184,8 +185,8 @@ class CompoundLoss(nn.Module):
         total = torch.zeros((), device=mask.device)
         for s, t in self.attention_map:
             a_s = _layer(maps, s - 1, "attention map", shown=s)
-            value = attention_kl(a_s, _target(targets, f"attention/{t}"), mask)
-            logs[f"attention/{pair_key((s, t))}"] = value.detach()  # type: ignore[union-attr]
+            value: torch.Tensor = attention_kl(a_s, _target(targets, f"attention/{t}"), mask)  # type: ignore[assignment]
+            logs[f"attention/{pair_key((s, t))}"] = value.detach()
             total = total + value
         return total
 

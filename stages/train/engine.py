@@ -8,17 +8,17 @@ make a world of one. gloo on the CPU, nccl on GPUs.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from stages.train.options import TrainOptions
-from storage.errors import KdcacheError
+from kdcache.stages.train.options import TrainOptions
+from kdcache.storage.errors import KdcacheError
 
 
 class EngineConfigError(KdcacheError):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 EVALS_DIR = "evals"
 ROLES = ("trained", "baseline")  # the run's exported student, or another one scored with `eval --student`
@@ -19,7 +20,7 @@ ROLES = ("trained", "baseline")  # the run's exported student, or another one sc
 
 def cache_label(path: str, fingerprints: Mapping[str, Any]) -> str:
     """``heldout-1a2b3c4d``: the cache folder's name and 8 hex digits of its fingerprints' hash."""
-    from storage.fingerprint import hash_json
+    from kdcache.storage.fingerprint import hash_json
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(path).rstrip("/").rsplit("/", 1)[-1]).strip("-") or "cache"
     return f"{name}-{hash_json(dict(fingerprints)).rsplit(':', 1)[-1][:8]}"
@@ -43,7 +44,7 @@ def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def cache_identity(cache: str) -> str:
     """How an evaluation names its cache: a folder resolved to an absolute path, a URL as written."""
-    from storage.stores import is_url
+    from kdcache.storage.stores import is_url
 
     return str(cache) if is_url(cache) else str(Path(cache).resolve())
 

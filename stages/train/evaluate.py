@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.train.losses import kd_kl, topk_kl
-from storage import CacheReader, to_float32
-from storage.errors import KdcacheError
+from kdcache.stages.train.losses import kd_kl, topk_kl
+from kdcache.storage import CacheReader, to_float32
+from kdcache.storage.errors import KdcacheError
 
 
 class EvaluationError(KdcacheError):
@@ -248,7 +248,7 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
     Raises:
         EvaluationError: no student to score (the run has no ``student/`` and none was named).
     """
-    from stages.train.student import load_student
+    from kdcache.stages.train.student import load_student
 
     run = Path(run_dir)
     if student_path is None and not (run / "student" / "config.json").is_file():
@@ -283,7 +283,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
         alignment matrix and its values on the layer map), ``sequences`` and ``tokens`` evaluated, and
         ``notes`` explaining anything skipped.
     """
-    from stages.train.student import student_facts
+    from kdcache.stages.train.student import student_facts
 
     model, pairs, projectors = load_run(run_dir, student)
     model.to(device)

@@ -14,11 +14,14 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from stages.train.student import StudentError
+from kdcache.stages.train.student import StudentError, copy_tokenizer_files
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Config keys holding each stack's depth: BART/mBART first, then T5.
 ENCODER_DEPTH_KEYS = ("encoder_layers", "num_layers")
@@ -35,7 +38,7 @@ def stack_depths(config: Any) -> tuple[int, int]:
     return encoder, decoder
 
 
-def stack_prefixes(model: nn.Module) -> tuple[str, str]:
+def stack_prefixes(model: PreTrainedModel) -> tuple[str, str]:
     """Names of the encoder's and decoder's block lists (``model.encoder.layers``, ``encoder.block``...)."""
     names = {id(m): name for name, m in model.named_modules()}
     found = []
@@ -77,7 +80,8 @@ def _source_key(key: str, source: dict[str, Any], prefixes: tuple[str, str],
     return key
 
 
-def copy_seq2seq_blocks(teacher: nn.Module, encoder_blocks: list[int], decoder_blocks: list[int]) -> nn.Module:
+def copy_seq2seq_blocks(teacher: PreTrainedModel, encoder_blocks: list[int],
+                        decoder_blocks: list[int]) -> PreTrainedModel:
     """A student whose encoder block i is teacher encoder block ``encoder_blocks[i]`` (0-based), same for the
     decoder; everything outside the two block lists is copied as is."""
     prefixes = stack_prefixes(teacher)
@@ -99,8 +103,7 @@ def init_seq2seq_student(teacher_path: str | Path, encoder_layers: list[int], de
     """
     from transformers import AutoModelForSeq2SeqLM
 
-    from stages.train.init_student import _copy_tokenizer
-    from stages.train.student import load_config
+    from kdcache.stages.train.student import load_config
 
     encoder_depth, decoder_depth = stack_depths(load_config(teacher_path))
     _check("encoder layers", encoder_layers, encoder_depth)
@@ -109,7 +112,7 @@ def init_seq2seq_student(teacher_path: str | Path, encoder_layers: list[int], de
     student = copy_seq2seq_blocks(teacher, [j - 1 for j in encoder_layers], [j - 1 for j in decoder_layers])
     out = Path(out)
     student.save_pretrained(str(out))
-    _copy_tokenizer(Path(teacher_path), out)
+    copy_tokenizer_files(Path(teacher_path), out)
     (out / "kdcache_init.json").write_text(json.dumps(
         {"teacher": str(teacher_path), "teacher_encoder_blocks": list(encoder_layers),
          "teacher_decoder_blocks": list(decoder_layers)}, indent=2) + "\n")

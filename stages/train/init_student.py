@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from stages.train.student import StudentError, load_config, model_class
+from kdcache.stages.train.student import StudentError, copy_tokenizer_files, load_config, model_class
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
-
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 def init_student_from_teacher(teacher_path: str | Path, layers: list[int] | tuple[int, ...],
                               out: str | Path, *, encoder_layers: list[int] | None = None,
@@ -44,7 +43,7 @@ def init_student_from_teacher(teacher_path: str | Path, layers: list[int] | tupl
     """
     config = load_config(teacher_path)
     if getattr(config, "is_encoder_decoder", False):
-        from stages.train.init_seq2seq import init_seq2seq_student
+        from kdcache.stages.train.init_seq2seq import init_seq2seq_student
 
         return init_seq2seq_student(teacher_path, list(encoder_layers or layers), list(decoder_layers or layers),
                                     out)
@@ -57,13 +56,13 @@ def init_student_from_teacher(teacher_path: str | Path, layers: list[int] | tupl
     student = _shallow_copy(teacher, [j - 1 for j in layers])
     out = Path(out)
     student.save_pretrained(str(out))
-    _copy_tokenizer(Path(teacher_path), out)
+    copy_tokenizer_files(Path(teacher_path), out)
     (out / "kdcache_init.json").write_text(json.dumps(
         {"teacher": str(teacher_path), "teacher_blocks": list(layers)}, indent=2) + "\n")
     return out
 
 
-def _shallow_copy(teacher: nn.Module, blocks: list[int]) -> nn.Module:
+def _shallow_copy(teacher: PreTrainedModel, blocks: list[int]) -> PreTrainedModel:
     """A model of ``len(blocks)`` layers whose block i holds teacher block ``blocks[i]`` (0-based)."""
     prefix = block_list_prefix(teacher)
     config = copy.deepcopy(teacher.config)
@@ -77,7 +76,7 @@ def _shallow_copy(teacher: nn.Module, blocks: list[int]) -> nn.Module:
     return student
 
 
-def block_list_prefix(model: nn.Module) -> str:
+def block_list_prefix(model: PreTrainedModel) -> str:
     """Name of the ``nn.ModuleList`` holding the transformer blocks (``transformer.h``, ``model.layers``...)."""
     depth = int(model.config.num_hidden_layers)
     found = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
@@ -93,12 +92,6 @@ def _teacher_key(key: str, prefix: str, blocks: list[int]) -> str:
         return key
     index, _, rest = key[len(head):].partition(".")
     return f"{head}{blocks[int(index)]}.{rest}"
-
-
-def _copy_tokenizer(src: Path, out: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, out / name)
 
 
 __all__ = ["init_student_from_teacher", "block_list_prefix"]

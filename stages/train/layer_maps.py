@@ -24,7 +24,7 @@ import operator
 import random
 from collections.abc import Iterable, Sequence
 
-from stages.train.losses.errors import LayerMapError
+from kdcache.stages.train.losses.errors import LayerMapError
 
 LAYER_MAP_KINDS = ("uniform", "last", "reverse", "all-to-one", "random", "explicit", "none")
 _ALIASES = {"last-k": "last", "all_to_one": "all-to-one", "alltoone": "all-to-one", "skip": "uniform"}

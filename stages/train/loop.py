@@ -22,17 +22,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from stages.train import checkpoint as ckpt
-from stages.train.checks import TrainPlan, open_cache, plan_training, unused_targets
-from stages.train.compound import CompoundLoss
-from stages.train.engine import DistInfo, build_engine, init_distributed
-from stages.train.logging import MetricsLogger, SampleTrace
-from stages.train.options import TrainOptions
-from stages.train.progress import TrainProgress
-from stages.train.streaming import CacheStream, DataPosition, check_resumable, next_position, to_device
-from stages.train.student import (StudentFacts, enable_gradient_checkpointing, has_weights, load_student,
-                                  student_facts, tokenizer_fingerprint_of)
-from storage.errors import KdcacheError
+from kdcache.stages.train import checkpoint as ckpt
+from kdcache.stages.train.checks import TrainPlan, open_cache, plan_training, unused_targets
+from kdcache.stages.train.compound import CompoundLoss
+from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
+from kdcache.stages.train.logging import MetricsLogger, SampleTrace
+from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.progress import TrainProgress
+from kdcache.stages.train.streaming import CacheStream, DataPosition, check_resumable, next_position, to_device
+from kdcache.stages.train.student import (
+    StudentFacts,
+    enable_gradient_checkpointing,
+    has_weights,
+    load_student,
+    student_facts,
+    tokenizer_fingerprint_of,
+)
+from kdcache.storage.errors import KdcacheError
 
 
 class TrainingError(KdcacheError):
@@ -111,9 +117,9 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     run_dir = Path(options.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     if getattr(plan, "seq2seq", False):  # encoder-decoder student: stages.train.seq2seq
-        from stages.train.seq2seq import build_seq2seq_model
+        from kdcache.stages.train.seq2seq import build_seq2seq_model
 
-        model = build_seq2seq_model(options, plan, facts, student)
+        model: nn.Module = build_seq2seq_model(options, plan, facts, student)  # type: ignore[arg-type]
     else:
         criterion = build_criterion(options, plan, facts)
         model = DistillModel(student, criterion, plan)
@@ -133,7 +139,8 @@ class _Trainer:
         self.batch_size = int(engine.train_micro_batch_size_per_gpu())
         self.grad_accum = int(engine.gradient_accumulation_steps())
         self.zero_stage = int(engine.zero_optimization_stage())
-        self.position, self.micro_step, self.resumed_from = DataPosition(), 0, None
+        self.position, self.micro_step = DataPosition(), 0
+        self.resumed_from: int | None = None
         self.logger = MetricsLogger(self.run_dir, rank=dist_info.rank, monitor=getattr(engine, "monitor", None))
         self.trace = SampleTrace(self.run_dir, dist_info.rank, enabled=options.trace_samples)
         self._sums: dict[str, torch.Tensor] = {}
@@ -284,7 +291,7 @@ class _Trainer:
                              micro_step=self.micro_step, data_state=data, extra=extra)
 
     def _export(self) -> Path:
-        from storage.stores import open_store
+        from kdcache.storage.stores import open_store
 
         module = self.engine.module
         with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as scratch:  # a remote cache's copy

@@ -36,8 +36,8 @@ def tracker_problems(report_to: tuple[str, ...]) -> list[str]:
             continue
         if name not in TRACKERS:
             problems.append(f"report_to {name!r} is not a tracker; expected any of {sorted(TRACKERS)} or none")
-        elif TRACKERS[name] and importlib.util.find_spec(TRACKERS[name]) is None:
-            problems.append(f"report_to {name}: the {TRACKERS[name]} package is not installed; "
+        elif (package := TRACKERS[name]) and importlib.util.find_spec(package) is None:
+            problems.append(f"report_to {name}: the {package} package is not installed; "
                             f"pip install \"kdcache[{name}]\"")
     return problems
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 TERMS_SHOWN = 3  # loss terms beside the total; the rest stay in metrics.jsonl
 
@@ -20,7 +21,8 @@ def describe(values: Mapping[str, float], tokens_per_s: float, wait_share: float
     terms = sorted(((k, v) for k, v in values.items() if k != "loss" and "/" not in k),
                    key=lambda kv: -abs(kv[1]))[:TERMS_SHOWN]
     detail = f" ({', '.join(f'{k} {v:.3g}' for k, v in terms)})" if terms else ""
-    return f"loss {values.get('loss', float('nan')):.4g}{detail} | {tokens_per_s:,.0f} tok/s | data wait {wait_share:.0%}"
+    loss = values.get("loss", float("nan"))
+    return f"loss {loss:.4g}{detail} | {tokens_per_s:,.0f} tok/s | data wait {wait_share:.0%}"
 
 
 class TrainProgress:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from stages.train.layer_maps import Pair, pair_key
-from stages.train.losses import PROJECTOR_FREE_LOSSES
+from kdcache.stages.train.layer_maps import Pair, pair_key
+from kdcache.stages.train.losses import PROJECTOR_FREE_LOSSES
 
 
 def needs_projector(hidden_loss: str) -> bool:
@@ -63,7 +63,7 @@ class Projectors(nn.Module):
         return self.layers[key](h_s)
 
     def __contains__(self, pair: object) -> bool:
-        return isinstance(pair, tuple) and pair_key(pair) in self.layers  # type: ignore[arg-type]
+        return isinstance(pair, tuple) and len(pair) == 2 and pair_key((pair[0], pair[1])) in self.layers
 
     def _make(self, generator: torch.Generator) -> nn.Linear:
         layer = nn.Linear(self.student_dim, self.teacher_dim)

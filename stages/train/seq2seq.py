@@ -17,18 +17,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from stages.train.compound import CompoundLoss
-from stages.train.layer_maps import pair_key
-from stages.train.losses.cross_attention import cross_attention_kl
-from stages.train.options import TrainOptions
-from stages.train.seq2seq_plan import Seq2SeqPlan
-from stages.train.student import StudentFacts
+from kdcache.stages.train.compound import CompoundLoss
+from kdcache.stages.train.layer_maps import pair_key
+from kdcache.stages.train.losses.cross_attention import cross_attention_kl
+from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.seq2seq_plan import Seq2SeqPlan
+from kdcache.stages.train.student import StudentFacts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Pair = tuple[int, int]
 
@@ -68,7 +71,7 @@ def _streams_of(name: str) -> tuple[str, ...]:
 def _pad_stack(name: str, arrays: list[np.ndarray], size: dict[str, int]) -> np.ndarray:
     """Zero-pad ragged arrays to ``[B, ...]``: dim 0 is ragged (tokens), or dims 1 and 2 for attention maps
     (after the heads). fp16 stays fp16, bf16 bits become int16, ids int64 (as ``streaming.collate``)."""
-    from stages.train.streaming import _batch_dtype
+    from kdcache.stages.train.streaming import _batch_dtype
 
     streams = _streams_of(name)
     ragged = (1, 2) if len(streams) == 2 else (0,)
@@ -79,7 +82,8 @@ def _pad_stack(name: str, arrays: list[np.ndarray], size: dict[str, int]) -> np.
     out = np.zeros((len(arrays), *shape), dtype=dtype)
     for i, a in enumerate(arrays):
         bf16_bits = a.dtype == np.uint16 and dtype == np.int16  # uint16 ids are cast, bf16 bits reinterpreted
-        out[(i, *(slice(0, n) for n in a.shape))] = a.view(dtype) if bf16_bits else a
+        rows: tuple[Any, ...] = (i, *(slice(0, n) for n in a.shape))
+        out[rows] = a.view(dtype) if bf16_bits else a
     return out
 
 
@@ -195,9 +199,10 @@ def build_seq2seq_loss(options: TrainOptions, plan: Seq2SeqPlan, facts: StudentF
 class Seq2SeqDistillModel(nn.Module):
     """What DeepSpeed trains for a seq2seq student: the HF model and the loss (with its projectors)."""
 
-    def __init__(self, student: nn.Module, criterion: Seq2SeqLoss, plan: Seq2SeqPlan):
+    def __init__(self, student: PreTrainedModel, criterion: Seq2SeqLoss, plan: Seq2SeqPlan):
         super().__init__()
-        self.student, self.criterion = student, criterion
+        self.student: PreTrainedModel = student
+        self.criterion = criterion
         self.want_hidden = bool(plan.hidden_pairs or plan.encoder_hidden_pairs)
         self.want_attention = bool(plan.attention_pairs or plan.encoder_attention_pairs or plan.cross_attention_pairs)
 
@@ -205,13 +210,14 @@ class Seq2SeqDistillModel(nn.Module):
         """Teacher-forced forward on the cached target; batch as ``collate_seq2seq`` makes it, on the device."""
         labels = batch["decoder/input_ids"]
         out = self.student(input_ids=batch["encoder/input_ids"], attention_mask=batch["encoder/mask"],
-                           decoder_input_ids=self.student.prepare_decoder_input_ids_from_labels(labels=labels),
+                           decoder_input_ids=self.student.prepare_decoder_input_ids_from_labels(  # type: ignore[operator]
+                               labels=labels),
                            decoder_attention_mask=batch["decoder/mask"], use_cache=False,
                            output_hidden_states=self.want_hidden, output_attentions=self.want_attention)
         return self.criterion(out, batch)
 
 
 def build_seq2seq_model(options: TrainOptions, plan: Seq2SeqPlan, facts: StudentFacts,
-                        student: nn.Module) -> Seq2SeqDistillModel:
+                        student: PreTrainedModel) -> Seq2SeqDistillModel:
     """The module handed to DeepSpeed (``loop.run_training`` calls this for a seq2seq plan)."""
     return Seq2SeqDistillModel(student, build_seq2seq_loss(options, plan, facts), plan)

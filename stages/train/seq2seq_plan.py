@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stages.train.checks import CacheCheckError, TrainPlan, _checked_map, restricted_map, vocab_problems
-from stages.train.options import TrainOptions
-from stages.train.student import StudentFacts
+from kdcache.stages.train.checks import CacheCheckError, TrainPlan, _checked_map, restricted_map, vocab_problems
+from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.student import StudentFacts
 
 Pair = tuple[int, int]
 TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")

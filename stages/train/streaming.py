@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from storage.errors import KdcacheError
+from kdcache.storage.errors import KdcacheError
 
 Batch = dict[str, Any]
 
@@ -127,7 +127,7 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], p
         become int16 (torch has few uint16 kernels); top-k ids become int64 for gather.
     """
     if "input_ids" not in sequences[0]:  # a seq2seq cache: two token streams, padded separately
-        from stages.train.seq2seq import collate_seq2seq
+        from kdcache.stages.train.seq2seq import collate_seq2seq
 
         return collate_seq2seq(sequences, sample_ids, pin)
     lengths = [len(s["input_ids"]) for s in sequences]
@@ -209,7 +209,7 @@ class CacheStream(IterableDataset):
         reader = self._open()
         # Only committed shards (all of them for a complete cache; some with --allow-partial).
         self.shard_ids = [int(k) for k in reader.committed_shards]
-        self.shard_ranges = [tuple(map(int, reader.spec.shard_range(k))) for k in self.shard_ids]
+        self.shard_ranges = [reader.spec.shard_range(k) for k in self.shard_ids]
         self.num_sequences = sum(b - a for a, b in self.shard_ranges)
         self.steps_per_epoch = steps_per_epoch(self.num_sequences, world_size, batch_size)
         if self.steps_per_epoch == 0:
@@ -221,7 +221,7 @@ class CacheStream(IterableDataset):
                                    f"size ({world_size} x {batch_size})")
 
     def _open(self) -> Any:
-        from storage import CacheReader  # opened again in each worker process: readers hold file handles
+        from kdcache.storage import CacheReader  # opened again in each worker process: readers hold file handles
 
         return CacheReader(self.cache, allow_partial=self.allow_partial, decode_threads=self.decode_threads or None)
 

@@ -7,14 +7,17 @@ Training imports this module, so it never touches a teacher; building a student 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from storage.errors import KdcacheError
+from kdcache.storage.errors import KdcacheError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 
@@ -65,7 +68,8 @@ def load_config(path: str | Path) -> Any:
         raise StudentError(f"cannot read a model config from {str(root)!r}: {exc}") from None
 
 
-def load_student(path: str | Path, *, seed: int = 0, attn_implementation: str | None = None) -> nn.Module:
+def load_student(path: str | Path, *, seed: int = 0,
+                 attn_implementation: str | None = None) -> PreTrainedModel:
     """Load pretrained weights when ``path`` has them, else build a random model from its config.
 
     Args:
@@ -104,10 +108,10 @@ def model_class(config: Any) -> Any:
     return transformers.AutoModel
 
 
-def student_facts(model: nn.Module, pretrained: bool) -> StudentFacts:
+def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:
     """Read the student's shape from its config (and whether it produces logits)."""
     cfg = model.config
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 0)
+    heads = getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 0)
     return StudentFacts(
         num_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size), num_heads=int(heads),
         vocab_size=int(cfg.vocab_size), has_lm_head=model.get_output_embeddings() is not None,
@@ -140,7 +144,7 @@ def tokenizer_fingerprint_of(path: str | Path) -> dict[str, Any] | None:
         return None
     from transformers import AutoTokenizer
 
-    from stages.common.fingerprints import tokenizer_fingerprint
+    from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 
     try:
         return tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(root)))
@@ -148,10 +152,21 @@ def tokenizer_fingerprint_of(path: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     """Recompute activations in backward; non-reentrant, which works with ZeRO-3's parameter hooks."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise StudentError(f"{type(model).__name__} does not support gradient checkpointing")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False  # a KV cache and recomputation do not mix
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+def copy_tokenizer_files(src: Path, out: Path) -> None:
+    """Copy the tokenizer files of model folder ``src`` that exist into ``out`` (students share the teacher's)."""
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)

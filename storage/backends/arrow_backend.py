@@ -25,15 +25,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from storage.backends.base import Backend, PackedShard, Problem, ShardHandle, is_format3, verify_file_table
-from storage.backends.legacy import arrow_file_problem, value_crc32
-from storage.codecs import to_arrow_compression
-from storage.errors import ChecksumError
-from storage.files import crc32c
-from storage.manifest import ShardRecord, shard_name
-from storage.spec import CacheSpec
-from storage.stores import Store
-from storage.streams import is_offsets
+from kdcache.storage.backends.base import Backend, PackedShard, Problem, ShardHandle, is_format3, verify_file_table
+from kdcache.storage.backends.legacy import arrow_file_problem, value_crc32
+from kdcache.storage.codecs import to_arrow_compression
+from kdcache.storage.errors import ChecksumError
+from kdcache.storage.files import crc32c
+from kdcache.storage.manifest import ShardRecord, shard_name
+from kdcache.storage.spec import CacheSpec
+from kdcache.storage.stores import Store
+from kdcache.storage.streams import is_offsets
 
 
 def file_codec(spec: CacheSpec) -> tuple[str, int | None]:
@@ -69,6 +69,12 @@ def _table_field(data: bytes, table: int, slot: int) -> int | None:
     return table + offset if offset else None
 
 
+def _present(position: int | None) -> int:
+    if position is None:  # pyarrow always writes these fields; a stream without them is not one of ours
+        raise ValueError("Arrow IPC message without a record batch header")
+    return position
+
+
 def _ref(data: bytes, position: int) -> int:
     return position + struct.unpack_from("<I", data, position)[0]
 
@@ -83,8 +89,8 @@ def message_layout(stream: Any) -> tuple[int, list[tuple[int, int]]]:
     schema_end = 8 + struct.unpack_from("<i", stream, 4)[0]
     meta_len = struct.unpack_from("<i", stream, schema_end + 4)[0]
     meta = bytes(stream[schema_end + 8: schema_end + 8 + meta_len])
-    batch = _ref(meta, _table_field(meta, _ref(meta, 0), 2))  # Message.header: the RecordBatch table
-    buffers = _ref(meta, _table_field(meta, batch, 2))  # RecordBatch.buffers: [Buffer{offset, length}]
+    batch = _ref(meta, _present(_table_field(meta, _ref(meta, 0), 2)))  # Message.header: the RecordBatch table
+    buffers = _ref(meta, _present(_table_field(meta, batch, 2)))  # RecordBatch.buffers: [Buffer{offset, length}]
     count = struct.unpack_from("<I", meta, buffers)[0]
     spans = [struct.unpack_from("<qq", meta, buffers + 4 + 16 * i) for i in range(count)]
     return schema_end + 8 + meta_len, spans

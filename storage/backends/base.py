@@ -2,8 +2,9 @@
 
 A backend is a pure packer and a reader. ``pack`` turns one encoded shard (flat numpy arrays) into the shard's
 files, in memory; the writer hands those bytes to the cache's store (a local folder or an object store, see
-``storage.stores``) and records each file's size and crc32c, taken from the same bytes. ``open`` reads a committed shard back, checking what it reads; ``verify``
-checks every file against that table. Commit (temp name, rename, sidecar) and the manifest belong to the writer.
+``storage.stores``) and records each file's size and crc32c, taken from the same bytes. ``open`` reads a
+committed shard back, checking what it reads; ``verify`` checks every file against that table. Commit (temp
+name, rename, sidecar) and the manifest belong to the writer.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from storage.files import crc32c
-from storage.manifest import SHARDS_DIR, ShardRecord, shard_name
-from storage.spec import CacheSpec
-from storage.stores import Store
+from kdcache.storage.files import crc32c
+from kdcache.storage.manifest import SHARDS_DIR, ShardRecord, shard_name
+from kdcache.storage.spec import CacheSpec
+from kdcache.storage.stores import Store
 
 # (array name, what is wrong); a file path stands in for the array when the bytes belong to no single array.
 Problem = tuple[str, str]
@@ -50,7 +51,10 @@ class ShardHandle(ABC):
         """Checks due when the shard is opened (format 3: only the bytes the open itself reads)."""
 
     def prefetch(self, names: list[str]) -> None:
-        """Fetch what reading ``names`` will need, in one round of requests where that helps (object stores)."""
+        """Fetch what reading ``names`` will need, in one round of requests where that helps (object stores).
+
+        Does nothing by default: a local file is read when it is needed."""
+        return None
 
     @abstractmethod
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from storage.backends.base import Problem
-from storage.errors import StorageError
-from storage.manifest import ShardRecord
-from storage.stores import Store
+from kdcache.storage.backends.base import Problem
+from kdcache.storage.errors import StorageError
+from kdcache.storage.manifest import ShardRecord
+from kdcache.storage.stores import Store
 
 
 def legacy_path(store: Store, key: str) -> Path:

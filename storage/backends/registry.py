@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from storage.backends.arrow_backend import ArrowBackend
-from storage.backends.base import Backend
-from storage.backends.zarr_backend import ZarrBackend
-from storage.errors import SpecError
+from kdcache.storage.backends.arrow_backend import ArrowBackend
+from kdcache.storage.backends.base import Backend
+from kdcache.storage.backends.zarr_backend import ZarrBackend
+from kdcache.storage.errors import SpecError
 
 BACKENDS: dict[str, type[Backend]] = {"zarr": ZarrBackend, "arrow": ArrowBackend}
 

@@ -5,8 +5,9 @@ crc32c``, then an index of ``(offset, nbytes)`` uint64 pairs that ends in its ow
 (zarr v3 sharding spec). zarr decodes such a file through its generic pipeline, which copies every inner chunk
 twice (into a shard buffer, then into the result) on its one event-loop thread: measured at 0.6-0.7x the speed
 of an unsharded read (benchmarks/RESULTS.md). Reading a *whole* array, which is what training does, needs none
-of that: this module takes the file's bytes (one read, or one GET from an object store), checks the index's and every chunk's crc32c exactly as zarr's
-``crc32c`` codec does, and decodes each chunk with the same numcodecs codec directly into its rows of the result.
+of that: this module takes the file's bytes (one read, or one GET from an object store), checks the index's and
+every chunk's crc32c exactly as zarr's ``crc32c`` codec does, and decodes each chunk with the same numcodecs codec
+directly into its rows of the result.
 Anything else (a slice, a layout this code did not write) goes through zarr.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import numcodecs
 import numpy as np
 
-from storage.files import crc32c
+from kdcache.storage.files import crc32c
 
 _NO_CHUNK = np.iinfo(np.uint64).max  # offset and nbytes of an inner chunk that was never written
 

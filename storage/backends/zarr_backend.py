@@ -21,16 +21,24 @@ from typing import Any
 import numcodecs
 import numpy as np
 
-from storage.backends.base import Backend, PackedShard, Problem, ShardHandle, check_file, is_format3, verify_file_table
-from storage.backends.legacy import legacy_path, zarr_problems
-from storage.backends.shard_file import ShardFileError, plain_layout, read_whole
-from storage.codecs import to_zarr_compressors
-from storage.errors import ChecksumError
-from storage.files import crc32c
-from storage.manifest import ShardRecord, shard_name
-from storage.spec import CacheSpec
-from storage.stores import Store
-from storage.streams import split_stream
+from kdcache.storage.backends.base import (
+    Backend,
+    PackedShard,
+    Problem,
+    ShardHandle,
+    check_file,
+    is_format3,
+    verify_file_table,
+)
+from kdcache.storage.backends.legacy import legacy_path, zarr_problems
+from kdcache.storage.backends.shard_file import ShardFileError, plain_layout, read_whole
+from kdcache.storage.codecs import to_zarr_compressors
+from kdcache.storage.errors import ChecksumError
+from kdcache.storage.files import crc32c
+from kdcache.storage.manifest import ShardRecord, shard_name
+from kdcache.storage.spec import CacheSpec
+from kdcache.storage.stores import Store
+from kdcache.storage.streams import split_stream
 
 CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one or two; bigger ones barely read faster
 CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0 beside zarr.json: no c/0/ folders

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Iterator
+from collections.abc import Iterator
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "kdcache-test", "AWS_SECRET_ACCESS_KEY": "kdcache-test-secret",
                "AWS_DEFAULT_REGION": "us-east-1"}

@@ -10,8 +10,9 @@ Every builder takes a target folder and returns it, so a folder can be handed st
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog.",

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.cli import build_parser, main
-from stages.train.eval_records import read_evals
+from kdcache.pipeline.cli import build_parser, main
+from kdcache.stages.train.eval_records import read_evals
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = ("precompute", "merge", "inspect", "verify", "init-student", "train", "run", "demo")
@@ -82,7 +82,7 @@ def test_run_trains_from_a_fresh_cache_then_reuses_it(tiny_gpt2: Path, tmp_path:
     def no_teacher(*args: object, **kwargs: object) -> None:
         raise AssertionError("a matching complete cache must be reused without loading the teacher")
 
-    monkeypatch.setattr("stages.precompute.runner.load_teacher", no_teacher)
+    monkeypatch.setattr("kdcache.stages.precompute.runner.load_teacher", no_teacher)
     assert main(["run", "--config", str(config)]) == 0
     assert "reusing the complete cache" in capsys.readouterr().out
     assert (tmp_path / "run2" / "student" / "config.json").is_file()
@@ -97,7 +97,7 @@ def test_run_trains_from_a_fresh_cache_then_reuses_it(tiny_gpt2: Path, tmp_path:
 @pytest.mark.slow
 def test_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "demo", "--out", str(out), "--train-sentences", "200",
+    proc = subprocess.run([sys.executable, "-m", "kdcache", "demo", "--out", str(out), "--train-sentences", "200",
                            "--heldout-sentences", "40", "--steps", "6", "--batch-size", "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, add_arguments, build, from_args
+from kdcache.pipeline.config import ConfigError, add_arguments, build, from_args
 
 
 @dataclasses.dataclass

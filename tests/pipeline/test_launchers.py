@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import build_parser, main
+from kdcache.pipeline.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_deepspeed_launcher_trains_with_two_processes(tiny_gpt2: Path, tmp_path:
     assert main(["precompute", "--teacher", str(tiny_gpt2), "--data", str(data), "--out", str(cache),
                  "--layers", "1,2,3", "--top-k", "8", "--max-length", "24", "--sequences-per-shard", "4",
                  "--no-progress"]) == 0
-    cmd = [str(launcher), "--num_gpus", "2", "--master_port", "29641", "--module", "pipeline", "train",
+    cmd = [str(launcher), "--num_gpus", "2", "--master_port", "29641", "--module", "kdcache", "train",
            "--cache", str(cache), "--student", str(tiny_gpt2), "--out", str(run), "--zero-stage", "2",
            "--max-steps", "3", "--batch-size", "4", "--log-every", "1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -40,3 +40,25 @@ def test_deepspeed_launcher_trains_with_two_processes(tiny_gpt2: Path, tmp_path:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "on 2 process(es)" in proc.stdout
     assert (run / "student" / "config.json").is_file()
+
+
+def test_a_working_directory_with_its_own_pipeline_stages_and_storage_changes_nothing(tmp_path: Path) -> None:
+    # `torchrun -m kdcache` and `deepspeed --module kdcache` put the working directory first on sys.path, and ML
+    # repositories often hold modules of these names: kdcache must import only its own.
+    for name in ("pipeline.py", "stages.py", "storage/__init__.py"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("raise SystemExit('the user module was imported instead of kdcache')\n")
+    cache = REPO / "tests" / "data" / "format1" / "cache-zarr"
+    proc = subprocess.run([sys.executable, "-m", "kdcache", "inspect", str(cache)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sequences" in proc.stdout
+
+
+def test_every_package_folder_is_installed_under_kdcache() -> None:
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"kdcache." + ".".join(p.parent.relative_to(REPO).parts)
+               for top in ("pipeline", "stages", "storage") for p in (REPO / top).rglob("__init__.py")}
+    assert folders | {"kdcache"} == listed

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.report import report_run, report_sweep
-from pipeline.run_state import read_metrics
+from kdcache.pipeline.cli import main
+from kdcache.pipeline.report import report_run, report_sweep
+from kdcache.pipeline.run_state import read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 EVAL = {"kind": "encoder", "spearman": 0.8, "cosine": 0.7, "notes": [],
@@ -162,7 +162,7 @@ def test_a_sweep_without_eval_compares_like_with_like(tmp_path: Path, terms: lis
 
 
 def test_run_page_names_the_run_explains_pairs_and_shows_only_what_was_set(tmp_path: Path) -> None:
-    from pipeline.run_state import applied_options, term_label
+    from kdcache.pipeline.run_state import applied_options, term_label
 
     run = write_run(tmp_path / "run", None, 4, finished=True)
     (run / "options.json").write_text(json.dumps({

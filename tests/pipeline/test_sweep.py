@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.sweep import parse_grid, run_name, split_values
-from stages.train.eval_records import read_evals
+from kdcache.pipeline.cli import main
+from kdcache.pipeline.sweep import parse_grid, run_name, split_values
+from kdcache.stages.train.eval_records import read_evals
 
 FAKE_TRAIN = textwrap.dedent("""
     import json, sys
@@ -80,7 +80,7 @@ def test_dry_run_prints_one_command_per_point(tmp_path: Path, capsys: pytest.Cap
                  "torchrun --nproc_per_node 8", "--max-steps", "7"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0 and len(lines) == 4
-    assert lines[2].startswith("layer_map-explicit_1-2_2-4__gamma-0.5: torchrun --nproc_per_node 8 -m pipeline "
+    assert lines[2].startswith("layer_map-explicit_1-2_2-4__gamma-0.5: torchrun --nproc_per_node 8 -m kdcache "
                                "train --cache c")
     assert "--layer-map explicit:1-2,2-4" in lines[2] and "--gamma 0.5" in lines[2] and "--max-steps 7" in lines[2]
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.common.fingerprints import config_fingerprint, tokenizer_fingerprint, weights_fingerprint
+from kdcache.stages.common.fingerprints import config_fingerprint, tokenizer_fingerprint, weights_fingerprint
 from tests.helpers.tiny_models import sample_texts
 
 
@@ -50,7 +50,7 @@ def write_cache(teacher_dir: str | Path, out: str | Path, *, num_sequences: int 
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from storage import CacheSpec, CacheWriter
+    from kdcache.storage import CacheSpec, CacheWriter
 
     config = AutoConfig.from_pretrained(str(teacher_dir))
     depth = int(config.num_hidden_layers)
@@ -114,7 +114,7 @@ def make_student_config(path: str | Path, teacher_dir: str | Path, **overrides: 
 def precompute_cache(teacher_dir: str | Path, out: str | Path, *, num_sequences: int = 48, max_length: int = 24,
                      extra: tuple[str, ...] = ("--features", "hidden,attention,logits", "--top-k", "8")) -> Path:
     """Write a cache with stage one itself (``kdcache precompute``) over ``num_sequences`` sample texts."""
-    from pipeline.cli import main
+    from kdcache.pipeline.cli import main
 
     out = Path(out)
     data = out.parent / f"{out.name}-texts.txt"

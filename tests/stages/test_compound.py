@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stages.train.compound import CompoundLoss
-from stages.train.layer_maps import build_layer_map
-from stages.train.losses import (
+from kdcache.stages.train.compound import CompoundLoss
+from kdcache.stages.train.layer_maps import build_layer_map
+from kdcache.stages.train.losses import (
     LossError,
     attention_kl,
     causal_ce,

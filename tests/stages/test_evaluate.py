@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.cli import main
-from stages.train.eval_records import find_eval, read_evals
-from stages.train.evaluate import CkaMatrix, LmStats, encoder_agreement, evaluate_run
-from stages.train.losses import kd_kl, linear_cka
-from storage import CacheReader
+from kdcache.pipeline.cli import main
+from kdcache.stages.train.eval_records import find_eval, read_evals
+from kdcache.stages.train.evaluate import CkaMatrix, LmStats, encoder_agreement, evaluate_run
+from kdcache.stages.train.losses import kd_kl, linear_cka
+from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_bert
 from tests.stages._train_support import write_cache
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from stages.train.logging import read_jsonl
+from kdcache.pipeline.cli import main
+from kdcache.stages.train.logging import read_jsonl
 
 FORMAT1 = Path(__file__).resolve().parents[1] / "data" / "format1"
 

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.cli import main
-from stages.train.init_student import block_list_prefix, init_student_from_teacher
-from stages.train.logging import read_jsonl
-from stages.train.loop import run_training
-from stages.train.options import TrainOptions
-from stages.train.student import load_student
+from kdcache.pipeline.cli import main
+from kdcache.stages.train.init_student import block_list_prefix, init_student_from_teacher
+from kdcache.stages.train.logging import read_jsonl
+from kdcache.stages.train.loop import run_training
+from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.student import load_student
 from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama
 from tests.stages._train_support import write_cache
 

@@ -6,9 +6,15 @@ import math
 
 import pytest
 
-from stages.train.layer_maps import LAYER_MAP_KINDS, build_layer_map, pair_key, parse_layer_map, validate_layer_map
-from stages.train.losses import LayerMapError
-from storage.errors import KdcacheError
+from kdcache.stages.train.layer_maps import (
+    LAYER_MAP_KINDS,
+    build_layer_map,
+    pair_key,
+    parse_layer_map,
+    validate_layer_map,
+)
+from kdcache.stages.train.losses import LayerMapError
+from kdcache.storage.errors import KdcacheError
 
 DEPTHS = [(4, 12), (6, 12), (3, 4), (5, 7), (1, 6), (6, 6), (1, 1)]
 

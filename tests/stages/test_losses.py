@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stages.train.losses import (
+from kdcache.stages.train.losses import (
     LossError,
     attention_kl,
     causal_ce,
@@ -24,9 +24,8 @@ from stages.train.losses import (
     topk_kl_other,
     topk_kl_renorm,
 )
-from storage.errors import KdcacheError
+from kdcache.storage.errors import KdcacheError
 from tests.stages._loss_support import MASK, _poison, _valid
-
 
 
 def _log_softmax(v: list[float]) -> list[float]:
@@ -237,8 +236,8 @@ def _cka_by_gram(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     n = x.shape[0]
     h = torch.eye(n, dtype=torch.float64) - 1.0 / n
-    k, l = h @ x @ x.T @ h, h @ y @ y.T @ h
-    return ((k * l).sum() / torch.sqrt((k * k).sum() * (l * l).sum())).item()
+    kx, ky = h @ x @ x.T @ h, h @ y @ y.T @ h
+    return ((kx * ky).sum() / torch.sqrt((kx * kx).sum() * (ky * ky).sum())).item()
 
 
 def _valid_stack(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from stages.train.logging import read_jsonl
-from storage import open_store, verify_cache
+from kdcache.pipeline.cli import main
+from kdcache.stages.train.logging import read_jsonl
+from kdcache.storage import open_store, verify_cache
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 from tests.stages._train_support import make_student_config
 from tests.stages.test_precompute_resume import REPO, _argv, _env, _options, assert_same_cache
@@ -50,7 +50,7 @@ def test_kill_9_mid_precompute_to_a_bucket_then_rerun(tiny_gpt2: Path, corpus: P
                                                        s3_bucket: str) -> None:
     url, local = f"{s3_bucket}/killed", tmp_path / "reference"
     assert main(_argv(_options(tiny_gpt2, corpus, local))) == 0
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *_argv(_options(tiny_gpt2, corpus, url))], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "kdcache", *_argv(_options(tiny_gpt2, corpus, url))], cwd=REPO,
                             env={**_env(), **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import build_parser, main
-from pipeline.config import ConfigError, build
-from stages.precompute import PrecomputeOptions
-from storage import CacheReader
+from kdcache.pipeline.cli import build_parser, main
+from kdcache.pipeline.config import ConfigError, build
+from kdcache.stages.precompute import PrecomputeOptions
+from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
 CONTRACT_FLAGS = ("--teacher", "--data", "--out", "--split", "--text-column", "--max-length", "--layers",

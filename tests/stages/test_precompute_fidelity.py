@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages.precompute import PrecomputeOptions, run_precompute
-from storage import CacheReader, to_float32
+from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+from kdcache.storage import CacheReader, to_float32
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
 RTOL, ATOL = 2e-3, 2e-5  # fp16 keeps 11 significant bits: relative rounding error <= 2**-11

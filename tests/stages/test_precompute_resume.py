@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.cli import main
-from stages.precompute import PrecomputeOptions, run_precompute
-from storage import CacheReader, CacheWriter, verify_cache
+from kdcache.pipeline.cli import main
+from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+from kdcache.storage import CacheReader, CacheWriter, verify_cache
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def test_kill_9_then_rerun_gives_identical_cache(tiny_gpt2: Path, corpus: Path, 
                                                   tmp_path: Path) -> None:
     out = tmp_path / "killed"
     argv = _argv(_options(tiny_gpt2, corpus, out))
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *argv], cwd=REPO, env=_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "kdcache", *argv], cwd=REPO, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -132,7 +132,7 @@ def test_two_torchrun_ranks_equal_one_process(tiny_gpt2: Path, corpus: Path, ref
     out = tmp_path / "ranks"
     argv = _argv(_options(tiny_gpt2, corpus, out))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "pipeline", *argv]
+           "-m", "kdcache", *argv]
     env = {**_env(), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from stages.precompute.background import BackgroundWriter
-from stages.precompute.batching import Partition, collate, plan_batches
-from stages.precompute.options import PrecomputeOptions, parse_layers
-from storage.errors import Fp16OverflowError
+from kdcache.stages.precompute.background import BackgroundWriter
+from kdcache.stages.precompute.batching import Partition, collate, plan_batches
+from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
+from kdcache.storage.errors import Fp16OverflowError
 
 
 def test_plan_batches_sorts_by_length_and_covers_everything() -> None:
@@ -79,8 +79,8 @@ def test_background_writer_reraises_in_main_thread() -> None:
 
 def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
     """A hidden state beyond 65504 is refused with the layer's name, never stored as inf."""
-    from stages.precompute.capture import FeatureCapture
-    from stages.precompute.teacher import load_teacher, load_tokenizer, read_config, resolve_targets
+    from kdcache.stages.precompute.capture import FeatureCapture
+    from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config, resolve_targets
 
     opts = PrecomputeOptions(teacher=str(tiny_gpt2), data="unused", out=str(tmp_path / "c"), layers=("2",),
                              features=("hidden",))
@@ -99,8 +99,8 @@ def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
 
 
 def test_sizes_are_binary_units_labelled_as_such() -> None:
-    from stages.precompute.progress import format_summary
-    from storage.files import format_bytes
+    from kdcache.stages.precompute.progress import format_summary
+    from kdcache.storage.files import format_bytes
 
     assert [format_bytes(n) for n in (512, 1536, 5 * 2 ** 20, 3 * 2 ** 30)] == ["512 B", "1.5 KiB", "5.0 MiB",
                                                                                 "3.0 GiB"]

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.cli import main
-from storage import CacheReader, to_float32
-from storage.errors import Fp16OverflowError
+from kdcache.pipeline.cli import main
+from kdcache.storage import CacheReader, to_float32
+from kdcache.storage.errors import Fp16OverflowError
 from tests.helpers.tiny_models import make_tiny_bart, make_tiny_gpt2, make_tiny_t5, sample_pairs, write_pair_dataset
 
 FEATURES = "hidden,attention,cross_attention,logits"
@@ -132,7 +132,7 @@ def test_fp16_overflow_is_refused_naming_the_layer_and_bf16_stores_it(pairs_file
     teacher = make_overflowing_t5(tmp_path / "t5-big")
     args = ("--features", "hidden,logits", "--layers", "1,2")
     with pytest.raises(Fp16OverflowError, match=r"encoder/hidden/1: .*largest \|value\| is .*--dtype bf16") as err:
-        from stages.precompute import PrecomputeOptions, run_precompute
+        from kdcache.stages.precompute import PrecomputeOptions, run_precompute
 
         run_precompute(PrecomputeOptions(teacher=str(teacher), data=str(pairs_file), out=str(tmp_path / "fp16"),
                                          source_column="source", target_column="target", layers=("1", "2"),

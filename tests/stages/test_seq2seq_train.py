@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.cli import main
-from stages.train.checks import CacheCheckError
-from stages.train.init_seq2seq import stack_prefixes
-from stages.train.logging import read_jsonl
-from stages.train.loop import run_training
-from stages.train.losses.cross_attention import cross_attention_kl
-from stages.train.options import TrainOptions
-from stages.train.seq2seq import collate_seq2seq
+from kdcache.pipeline.cli import main
+from kdcache.stages.train.checks import CacheCheckError
+from kdcache.stages.train.init_seq2seq import stack_prefixes
+from kdcache.stages.train.logging import read_jsonl
+from kdcache.stages.train.loop import run_training
+from kdcache.stages.train.losses.cross_attention import cross_attention_kl
+from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.seq2seq import collate_seq2seq
 from tests.helpers.tiny_models import make_tiny_bart, make_tiny_gpt2, make_tiny_t5, sample_pairs, write_pair_dataset
 from tests.stages._train_support import make_student_config, write_cache
 

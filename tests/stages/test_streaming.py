@@ -6,9 +6,19 @@ import numpy as np
 import pytest
 import torch
 
-from stages.train.streaming import (CacheStream, DataPosition, StreamStateError, check_resumable, collate,
-                                    epoch_order, next_position, rank_batches, steps_per_epoch, to_device)
-from storage import CacheReader, to_float32
+from kdcache.stages.train.streaming import (
+    CacheStream,
+    DataPosition,
+    StreamStateError,
+    check_resumable,
+    collate,
+    epoch_order,
+    next_position,
+    rank_batches,
+    steps_per_epoch,
+    to_device,
+)
+from kdcache.storage import CacheReader, to_float32
 from tests.helpers.tiny_models import make_tiny_gpt2
 from tests.stages._train_support import write_cache
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.precompute import PrecomputeOptions, run_precompute
-from stages.train.checks import teacher_depth
-from storage import CacheReader
+from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+from kdcache.stages.train.checks import teacher_depth
+from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
 
@@ -24,7 +24,7 @@ def test_depth_is_recorded_even_without_the_top_layer(tiny_gpt2: Path, tmp_path:
 
 def test_uniform_map_on_a_cache_without_the_top_layer_names_it(tiny_gpt2: Path, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.cli import main
+    from kdcache.pipeline.cli import main
 
     data = write_text_dataset(tmp_path / "d.jsonl", sample_texts(6))
     cache = tmp_path / "cache"

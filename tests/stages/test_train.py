@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.cli import main
-from stages.train.logging import read_jsonl
-from stages.train.loop import run_training
-from stages.train.options import TrainOptions
+from kdcache.pipeline.cli import main
+from kdcache.stages.train.logging import read_jsonl
+from kdcache.stages.train.loop import run_training
+from kdcache.stages.train.options import TrainOptions
 from tests.helpers.tiny_models import make_tiny_gpt2, train_bpe_tokenizer
 from tests.stages._train_support import make_student_config, precompute_cache
 

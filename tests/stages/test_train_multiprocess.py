@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.train.logging import read_jsonl
-from stages.train.streaming import epoch_order, rank_batches
+from kdcache.stages.train.logging import read_jsonl
+from kdcache.stages.train.streaming import epoch_order, rank_batches
 from tests.helpers.tiny_models import make_tiny_gpt2
 from tests.stages._train_support import make_student_config, write_cache
 
@@ -35,7 +35,7 @@ def _torchrun(setup: dict[str, Path], out: str, *extra: str) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           "-m", "pipeline", "train", "--cache", str(setup["cache"]), "--student", str(setup["student"]),
+           "-m", "kdcache", "train", "--cache", str(setup["cache"]), "--student", str(setup["student"]),
            "--out", str(setup["root"] / out), "--batch-size", "2", "--lr", "3e-3", "--delta", "1",
            "--log-every", "1", "--trace-samples", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
+from kdcache.pipeline.cli import main
 from tests.stages._train_support import make_student_config, write_cache
 
 STEPS = 4
@@ -74,7 +74,7 @@ def test_bad_trackers_exit_2(setup: dict[str, Path], capsys: pytest.CaptureFixtu
 def test_a_terminal_gets_a_bar_with_the_same_facts() -> None:
     import io
 
-    from stages.train.progress import TrainProgress
+    from kdcache.stages.train.progress import TrainProgress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

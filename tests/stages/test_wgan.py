@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.train.losses import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
+from kdcache.stages.train.losses import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
 from tests.stages._loss_support import MASK, _poison, _valid
 
 

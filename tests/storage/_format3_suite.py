@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage import CacheReader, CacheWriter, verify_cache
-from storage.errors import ChecksumError, DiskFullError, FormatVersionError
+from kdcache.storage import CacheReader, CacheWriter, verify_cache
+from kdcache.storage.errors import ChecksumError, DiskFullError, FormatVersionError
 
 FORMAT1 = Path(__file__).resolve().parents[1] / "data" / "format1"
 
@@ -82,7 +82,7 @@ class Format3Suite:
             data = next(p for p in file_table(tmp_path, 0) if p.startswith("shard-000000/hidden/0/c"))
             (shards / data).write_bytes(bytes(len((shards / data).read_bytes())))
         else:  # damage hidden/0's values buffer inside the one file
-            from storage.backends.arrow_backend import message_layout
+            from kdcache.storage.backends.arrow_backend import message_layout
 
             raw = bytearray((shards / "shard-000000.arrow").read_bytes())
             header, spans = message_layout(bytes(raw))
@@ -102,7 +102,7 @@ class Format3Suite:
             pytest.skip("zarr layout only")
         import zarr
 
-        from storage.backends import zarr_backend
+        from kdcache.storage.backends import zarr_backend
 
         monkeypatch.setattr(zarr_backend, "CHUNK_BYTES", 256)  # many inner chunks, the last one partial
         spec = self.spec(num_sequences=40, sequences_per_shard=40, logits="full", dtype="bf16")

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage import CacheReader, CacheSpec, CacheWriter, verify_cache
-from storage.errors import CacheMismatchError, InvalidSequenceError, LayerNotInCacheError, SpecError
+from kdcache.storage import CacheReader, CacheSpec, CacheWriter, verify_cache
+from kdcache.storage.errors import CacheMismatchError, InvalidSequenceError, LayerNotInCacheError, SpecError
 
 D_ENC, D_DEC, HEADS = 6, 8, 4
 FINGERPRINTS = {"teacher": {"name_or_path": "tiny-t5"}, "tokenizer": {"vocab_hash": "h", "vocab_size": 300}}
@@ -49,7 +49,7 @@ def make_seq2seq_sequences(spec: CacheSpec, lengths: list[tuple[int, int]], seed
 
 def stored(spec: CacheSpec, x: np.ndarray) -> np.ndarray:
     """Float values as the cache keeps them: fp16, or bf16 bits in uint16."""
-    from storage.dtypes import float32_to_bf16_bits
+    from kdcache.storage.dtypes import float32_to_bf16_bits
 
     return float32_to_bf16_bits(x) if spec.dtype == "bf16" else x.astype(np.float16)
 
@@ -147,7 +147,7 @@ class Seq2SeqSuite:
         spec = self.seq2seq_spec()
         seqs = make_seq2seq_sequences(spec, self.LENGTHS[:2])
         seqs[0]["cross_attention/2"] = seqs[0]["cross_attention/2"].transpose(0, 2, 1)  # [H, L_enc, L_dec]
-        from storage import encode_shard
+        from kdcache.storage import encode_shard
 
         with pytest.raises(InvalidSequenceError, match="cross_attention/2"):
             encode_shard(spec, 0, seqs)

@@ -9,10 +9,10 @@ import os
 import numpy as np
 import pytest
 
-from pipeline.cli import main
-from storage import CacheReader, CacheSpec, CacheWriter, encode_shard, verify_cache
-from storage.errors import CacheLockedError, ChecksumError, PartialCacheError, StorageError
-from storage.stores import RemoteStore, open_store
+from kdcache.pipeline.cli import main
+from kdcache.storage import CacheReader, CacheSpec, CacheWriter, encode_shard, verify_cache
+from kdcache.storage.errors import CacheLockedError, ChecksumError, PartialCacheError, StorageError
+from kdcache.storage.stores import RemoteStore, open_store
 from tests.storage.test_storage_backends import FINGERPRINTS, make_sequences
 
 BACKENDS = ["zarr", "arrow"]

@@ -13,11 +13,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.commands import cache as cache_cmd
-from storage import CacheReader, CacheSpec, CacheWriter, merge_parts, to_float32, verify_cache
-from storage.errors import (CacheLockedError, CacheMismatchError, FormatVersionError,
-                            Fp16OverflowError, KdcacheError, LayerNotInCacheError, ManifestError, PartialCacheError,
-                            UnknownCodecError, UnknownFeatureError)
+from kdcache.pipeline.commands import cache as cache_cmd
+from kdcache.storage import CacheReader, CacheSpec, CacheWriter, merge_parts, to_float32, verify_cache
+from kdcache.storage.errors import (
+    CacheLockedError,
+    CacheMismatchError,
+    FormatVersionError,
+    Fp16OverflowError,
+    KdcacheError,
+    LayerNotInCacheError,
+    ManifestError,
+    PartialCacheError,
+    UnknownCodecError,
+    UnknownFeatureError,
+)
 from tests.storage._format3_suite import Format3Suite
 from tests.storage._seq2seq_suite import Seq2SeqSuite, stored
 
@@ -247,7 +256,7 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
         assert "vocabulary of 300 tokens" in str(caught.value) and "50257" in str(caught.value)
         with pytest.raises(CacheMismatchError, match=r"spec hidden_layers differs: the cache has \[0, 2\]"):
             CacheWriter(tmp_path, self.spec(hidden_layers=(0, 3)), FINGERPRINTS)
-        from storage import compare_fingerprints
+        from kdcache.storage import compare_fingerprints
 
         problems = compare_fingerprints(CacheReader(tmp_path).fingerprints, {"tokenizer": other["tokenizer"]})
         assert len(problems) == 1 and problems[0].startswith("tokenizer vocab differs")

@@ -8,14 +8,21 @@ import sys
 import numpy as np
 import pytest
 
-from storage.codecs import resolve_codec
-from storage.dtypes import bitround_bits, check_fp16_range, float32_to_bf16_bits, to_float32
-from storage.encode import encode_shard
-from storage.errors import (Fp16OverflowError, InvalidSequenceError, LayerNotInCacheError, ShardError, SpecError,
-                            UnknownCodecError, UnknownFeatureError)
-from storage.fingerprint import compare_fingerprints, hash_arrays
-from storage.layout import attention_rows, pack_attention, unpack_attention
-from storage.spec import CacheSpec, topk_id_dtype
+from kdcache.storage.codecs import resolve_codec
+from kdcache.storage.dtypes import bitround_bits, check_fp16_range, float32_to_bf16_bits, to_float32
+from kdcache.storage.encode import encode_shard
+from kdcache.storage.errors import (
+    Fp16OverflowError,
+    InvalidSequenceError,
+    LayerNotInCacheError,
+    ShardError,
+    SpecError,
+    UnknownCodecError,
+    UnknownFeatureError,
+)
+from kdcache.storage.fingerprint import compare_fingerprints, hash_arrays
+from kdcache.storage.layout import attention_rows, pack_attention, unpack_attention
+from kdcache.storage.spec import CacheSpec, topk_id_dtype
 
 
 def test_bf16_rounds_to_nearest_even_like_torch():
@@ -129,8 +136,8 @@ def test_compare_fingerprints_in_plain_words():
 
 
 def test_storage_never_imports_torch():
-    code = ("import sys, storage, storage.writer, storage.reader, storage.verify, storage.backends.arrow_backend, "
-            "storage.backends.zarr_backend; assert 'torch' not in sys.modules, 'storage imported torch'")
+    code = ("import sys, kdcache.storage, kdcache.storage.writer, kdcache.storage.reader, kdcache.storage.verify, "
+            "kdcache.storage.backends.arrow_backend, kdcache.storage.backends.zarr_backend; assert 'torch' not in sys.modules, 'storage imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

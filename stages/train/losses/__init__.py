@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from stages.train.losses.attention import attention_kl, group_teacher_heads
-from stages.train.losses.errors import KdcacheError, LayerMapError, LossError
-from stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
-from stages.train.losses.logits import (
+from kdcache.stages.train.losses.attention import attention_kl, group_teacher_heads
+from kdcache.stages.train.losses.errors import KdcacheError, LayerMapError, LossError
+from kdcache.stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
+from kdcache.stages.train.losses.logits import (
     TOPK_VARIANTS,
     causal_ce,
     kd_kl,
@@ -30,7 +30,7 @@ from stages.train.losses.logits import (
     topk_kl_other,
     topk_kl_renorm,
 )
-from stages.train.losses.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
+from kdcache.stages.train.losses.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
 
 _REGISTRY: dict[str, Callable[..., object]] = {
     "ce": causal_ce,

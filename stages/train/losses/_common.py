@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from stages.train.losses.errors import LossError
+from kdcache.stages.train.losses.errors import LossError
 
 
 def bool_mask(mask: torch.Tensor, like: torch.Tensor, name: str = "mask") -> torch.Tensor:

@@ -6,7 +6,7 @@ status 2 instead of a traceback; like storage's own errors they are also ``Value
 
 from __future__ import annotations
 
-from storage.errors import KdcacheError
+from kdcache.storage.errors import KdcacheError
 
 
 class LossError(KdcacheError, ValueError):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stages.train.losses._common import bool_mask, count_valid, full_precision, valid_rows
-from stages.train.losses.errors import LossError
+from kdcache.stages.train.losses._common import bool_mask, count_valid, full_precision, valid_rows
+from kdcache.stages.train.losses.errors import LossError
 
 # Guards the CKA denominators and the centring norm: a constant batch (zero variance) gives CKA = 0, not NaN.
 CKA_EPS = 1e-12

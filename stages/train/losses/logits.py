@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stages.train.losses._common import bool_mask, count_valid, kl_terms, valid_rows
-from stages.train.losses.errors import LossError
+from kdcache.stages.train.losses._common import bool_mask, count_valid, kl_terms, valid_rows
+from kdcache.stages.train.losses.errors import LossError
 
 TOPK_VARIANTS = ("renorm", "other")
 

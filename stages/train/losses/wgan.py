@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stages.train.losses._common import bool_mask, count_valid, full_precision, valid_rows
+from kdcache.stages.train.losses._common import bool_mask, count_valid, full_precision, valid_rows
 
 # Keeps the gradient-norm's own gradient finite where ∇c(x̂) is exactly 0.
 GRAD_NORM_EPS = 1e-12
@@ -45,7 +45,8 @@ class Critic(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Score ``[..., d_t]`` states; returns ``[...]`` in the critic's dtype (inputs are cast to it)."""
-        return self.net(x.to(self.net[0].weight.dtype)).squeeze(-1)
+        dtype = next(self.net.parameters()).dtype
+        return self.net(x.to(dtype)).squeeze(-1)
 
 
 def gradient_penalty(

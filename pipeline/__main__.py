@@ -1,5 +1,0 @@
-"""python -m pipeline is the same as kdcache."""
-
-from pipeline.cli import entry
-
-entry()

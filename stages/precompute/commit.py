@@ -1,0 +1,67 @@
+"""The writer's side of stage one: open this part's cache writer, and commit shards behind the teacher.
+
+Both teacher adapters (decoder-only or encoder teachers, and encoder-decoder teachers) hand their shards to
+``commit_behind``, so resumption, the bounded write queue and the run statistics are the same for every teacher.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kdcache.stages.precompute.background import BackgroundWriter
+from kdcache.stages.precompute.batching import Partition
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.progress import Progress, RunStats
+from kdcache.storage.errors import KdcacheError
+
+# What a killed first run may leave in a new cache folder before its manifest exists.
+_CACHE_ENTRIES = {"shards", "locks", "tokenizer", "manifest.json"}
+
+
+def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partition) -> Any:
+    """Open (create or resume) this part's writer.
+
+    Raises:
+        PrecomputeError: the folder holds something other than a cache, or cannot be written.
+        CacheMismatchError / CacheLockedError: from storage (a different cache; a live writer of this part).
+    """
+    from kdcache.storage import CacheWriter
+    from kdcache.storage.stores import open_store
+
+    store = open_store(out)
+    foreign = sorted(name for name in store.list("") if name not in _CACHE_ENTRIES and not name.startswith("."))
+    if foreign and store.size("manifest.json") is None:
+        raise PrecomputeError(f"out: {out!r} is not empty and holds no kdcache cache (found "
+                              f"{', '.join(foreign[:5])}); choose a new or empty folder or prefix")
+    try:
+        return CacheWriter(store, spec, fingerprints, part=(part.index, part.count))
+    except KdcacheError:
+        raise
+    except OSError as exc:
+        raise PrecomputeError(f"out: cannot write the cache at {out!r}: {exc.strerror or exc}") from None
+
+
+def commit_behind(spec: Any, todo: list[int], writer: Any, options: PrecomputeOptions, stats: RunStats,
+                  is_main: bool, compute: Callable[[tuple[int, int], Progress], list[dict[str, np.ndarray]]]) -> None:
+    """Run ``compute(shard_range, progress)`` for every shard in ``todo``; a background writer commits each
+    result while the next one is computed."""
+    total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
+    stats.compute_started = time.perf_counter()
+    progress = Progress(total, options.progress and is_main, stats)
+    background = BackgroundWriter(writer.write_shard, options.queue_size,
+                                  on_written=lambda index, record, seconds: stats.add_shard(record))
+    try:
+        for k in todo:
+            items = compute(spec.shard_range(k), progress)
+            waited = time.perf_counter()
+            background.submit(k, items)
+            stats.wait_seconds += time.perf_counter() - waited
+    finally:
+        background.close()
+        progress.close()
+        stats.compute_seconds = time.perf_counter() - stats.compute_started
