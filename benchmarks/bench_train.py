@@ -64,8 +64,9 @@ def run_mode(mode: str, cache: Path, student: Path, work: Path, args: argparse.N
     """One configuration, in this process; returns steps/s, timings and peak memory."""
     import torch
 
+    from kdcache.stages.train.distill import DistillModel, build_criterion
     from kdcache.stages.train.engine import build_engine, init_distributed
-    from kdcache.stages.train.loop import DistillModel, build_criterion, prepare
+    from kdcache.stages.train.loop import prepare
     from kdcache.stages.train.options import TrainOptions
     from kdcache.stages.train.streaming import CacheStream
 
@@ -76,7 +77,8 @@ def run_mode(mode: str, cache: Path, student: Path, work: Path, args: argparse.N
     _, model_s, facts, plan = prepare(options)  # eager attention for every mode: same student
     names = plan.names if mode in ("cache", "cache_io") else ("input_ids",)
     if mode in ("student", "cache_io"):  # cache_io: stream every target, train on CE only (I/O cost alone)
-        plan = dataclasses.replace(plan, hidden_pairs=(), attention_pairs=())
+        bare = tuple(dataclasses.replace(s, hidden_pairs=(), attention_pairs=()) for s in plan.streams)
+        plan = dataclasses.replace(plan, streams=bare)
     criterion = build_criterion(options, plan, facts)
     model = DistillModel(model_s, criterion, plan)
     dist = init_distributed()

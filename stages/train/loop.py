@@ -1,7 +1,7 @@
 """Stage two's entry point: ``run_training(options) -> summary``.
 
 Order of work: join the process group; open the cache and load the student (never the teacher); check that
-they fit (``checks.plan_training``) before DeepSpeed starts; wrap student + loss (which holds the projectors)
+they fit (``plan.plan_training``) before DeepSpeed starts; wrap student + loss (which holds the projectors)
 in one module so DeepSpeed optimizes and shards both; stream micro-batches from the cache; step; log; save
 checkpoints with the data position; export the student as a plain HF model.
 
@@ -17,17 +17,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from kdcache.stages.train import checkpoint as ckpt
-from kdcache.stages.train.checks import TrainPlan, open_cache, plan_training, unused_targets
-from kdcache.stages.train.compound import CompoundLoss
+from kdcache.stages.train.checks import open_cache
+from kdcache.stages.train.distill import DistillModel, build_criterion
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
 from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.plan import TrainPlan, plan_training, unused_targets
 from kdcache.stages.train.progress import TrainProgress
 from kdcache.stages.train.streaming import CacheStream, DataPosition, check_resumable, next_position, to_device
 from kdcache.stages.train.student import (
@@ -40,48 +40,14 @@ from kdcache.stages.train.student import (
 )
 from kdcache.storage.errors import KdcacheError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 class TrainingError(KdcacheError):
     """Training cannot start or go on (nothing to resume, no steps to run, a diverged loss)."""
 
 
-class DistillModel(nn.Module):
-    """The module DeepSpeed trains: the HF student and the compound loss (with its projectors) side by side.
-
-    ``forward(batch)`` runs the student on the cached ``input_ids`` and returns the loss terms.
-    """
-
-    def __init__(self, student: nn.Module, criterion: CompoundLoss, plan: TrainPlan):
-        super().__init__()
-        self.student = student
-        self.criterion = criterion
-        self.want_hidden = bool(plan.hidden_pairs)
-        self.want_attention = bool(plan.attention_pairs)
-
-    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Args: batch on the device: ``input_ids`` [B, L], ``mask`` [B, L] and fp32 targets (see streaming)."""
-        out = self.student(input_ids=batch["input_ids"], attention_mask=batch["mask"],
-                           output_hidden_states=self.want_hidden, output_attentions=self.want_attention)
-        return self.criterion(out, batch, batch["mask"])
-
-
-def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts) -> CompoundLoss:
-    """The compound loss for this plan; CE is shifted for causal students, per token for encoders."""
-    dims = set(plan.teacher_hidden_sizes.values())
-    if options.alpha > 0 and facts.has_lm_head and not facts.is_causal:
-        # The cache holds unmasked inputs, so an encoder's per-token CE predicts each token from itself.
-        print("kdcache train: note: CE on an encoder (masked-LM) student is a near-trivial objective here, "
-              "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)
-    return CompoundLoss(
-        layer_map=plan.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(dims) if dims else None,
-        alpha=options.alpha if facts.has_lm_head else 0.0, beta=options.beta if plan.logits else 0.0,
-        gamma=options.gamma if plan.hidden_pairs else 0.0, delta=options.delta if plan.attention_pairs else 0.0,
-        temperature=options.temperature, hidden_loss=options.hidden_loss, topk_variant=options.topk_kl,
-        ce="causal" if facts.is_causal else "token", attention_map=plan.attention_pairs or None,
-        critic_steps=options.critic_steps, critic_lr=options.critic_lr, seed=options.seed)
-
-
-def prepare(options: TrainOptions) -> tuple[Any, nn.Module, StudentFacts, TrainPlan]:
+def prepare(options: TrainOptions) -> tuple[Any, PreTrainedModel, StudentFacts, TrainPlan]:
     """Open the cache, load the student and check that they fit. Touches no teacher file.
 
     Returns:
@@ -116,13 +82,7 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     dist_info = init_distributed()
     run_dir = Path(options.out)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if getattr(plan, "seq2seq", False):  # encoder-decoder student: stages.train.seq2seq
-        from kdcache.stages.train.seq2seq import build_seq2seq_model
-
-        model: nn.Module = build_seq2seq_model(options, plan, facts, student)  # type: ignore[arg-type]
-    else:
-        criterion = build_criterion(options, plan, facts)
-        model = DistillModel(student, criterion, plan)
+    model = DistillModel(student, build_criterion(options, plan, facts), plan)
     engine = build_engine(model, options, dist_info.device)
     return _Trainer(options, plan, engine, dist_info, reader).run()
 
@@ -306,8 +266,7 @@ class _Trainer:
         if self.dist.rank != 0:
             return
         (self.run_dir / "options.json").write_text(json.dumps(self.options.to_dict(), indent=2) + "\n")
-        plan = {"hidden_pairs": self.plan.hidden_pairs, "attention_pairs": self.plan.attention_pairs,
-                "logits": self.plan.logits, "names": self.plan.names, "total_steps": total,
+        plan = {**self.plan.to_json(), "total_steps": total,
                 "batch_size": self.batch_size, "grad_accum": self.grad_accum, "world_size": self.dist.world_size,
                 "zero_stage": self.zero_stage}
         (self.run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")

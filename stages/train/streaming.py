@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.streams import CROSS, kind_of, prefixed, split_stream
 
 Batch = dict[str, Any]
 
@@ -113,54 +114,66 @@ def check_resumable(saved: dict[str, Any], world_size: int, batch_size: int, see
 
 
 def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], pin: bool = False) -> Batch:
-    """Pad a list of cached sequences into one batch, keeping the stored dtypes.
+    """Pad a list of cached sequences into one batch, keeping the stored dtypes; every token stream is padded
+    on its own (one stream, or ``encoder`` and ``decoder``, see ``storage.streams``).
 
     Args:
-        sequences: per sequence, ``input_ids [L]`` and any of ``hidden/{j} [L, d]``, ``attention/{j} [H', L, L]``,
-            ``logits/full [L, V]``, ``logits/topk_values [L, k]``, ``logits/topk_ids [L, k]``, ``logits/lse [L]``.
+        sequences: per sequence, each stream's ``input_ids [L]`` and any of ``hidden/{j} [L, d]``,
+            ``attention/{j} [H', L, L]``, ``cross_attention/{j} [H', L_dec, L_enc]``, ``logits/full [L, V]``,
+            ``logits/topk_values [L, k]``, ``logits/topk_ids [L, k]``, ``logits/lse [L]`` (names prefixed with
+            the stream, e.g. ``encoder/hidden/2``, in a two-stream cache; logits are on the last stream).
         sample_ids: the global sequence ids, carried in the batch.
         pin: pin host memory, for an asynchronous copy to a GPU.
 
     Returns:
-        ``input_ids`` [B, L] int64 (0 at padding), ``mask`` [B, L] int64 (1 = real token), ``sample_ids`` [B],
-        hidden/logit targets [B, L, ...] and attention [B, H', L, L], zero-padded. fp16 stays fp16; bf16 bits
-        become int16 (torch has few uint16 kernels); top-k ids become int64 for gather.
+        Per stream ``input_ids`` [B, L] int64 (0 at padding) and ``mask`` [B, L] int64 (1 = real token), with the
+        stream's prefix; ``sample_ids`` [B]; targets [B, L, ...] and attention [B, H', L_q, L_k], zero-padded.
+        fp16 stays fp16; bf16 bits become int16 (torch has few uint16 kernels); ids become int64 for gather.
     """
-    if "input_ids" not in sequences[0]:  # a seq2seq cache: two token streams, padded separately
-        from kdcache.stages.train.seq2seq import collate_seq2seq
-
-        return collate_seq2seq(sequences, sample_ids, pin)
-    lengths = [len(s["input_ids"]) for s in sequences]
-    size = max(lengths)
+    streams = [n[: -len("input_ids")].rstrip("/") for n in sequences[0] if kind_of(n) == "input_ids"]
+    sizes = {s: max(len(q[prefixed(s, "input_ids")]) for q in sequences) for s in streams}
     out: Batch = {"sample_ids": torch.tensor(list(sample_ids), dtype=torch.int64)}
-    mask = np.zeros((len(sequences), size), dtype=np.int64)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-    out["mask"] = torch.from_numpy(mask)
+    for stream in streams:
+        mask = np.zeros((len(sequences), sizes[stream]), dtype=np.int64)
+        for i, q in enumerate(sequences):
+            mask[i, :len(q[prefixed(stream, "input_ids")])] = 1
+        out[prefixed(stream, "mask")] = torch.from_numpy(mask)
     for name in sequences[0]:
-        out[name] = torch.from_numpy(_pad_stack(name, [s[name] for s in sequences], size))
+        shape = [sizes[s] for s in _ragged_streams(name, streams)]
+        out[name] = torch.from_numpy(_pad_stack(name, [q[name] for q in sequences], shape))
     if pin and torch.cuda.is_available():
         out = {k: v.pin_memory() for k, v in out.items()}
     return out
 
 
-def _pad_stack(name: str, arrays: list[np.ndarray], size: int) -> np.ndarray:
-    """Stack ragged arrays into [B, size, ...] (attention: [B, H', size, size]) with zeros."""
-    first = arrays[0]
-    dtype = _batch_dtype(name, first.dtype)
-    if name.startswith("attention/"):
-        out = np.zeros((len(arrays), first.shape[0], size, size), dtype=dtype)
-        for i, a in enumerate(arrays):
-            out[i, :, :a.shape[1], :a.shape[2]] = a.view(dtype) if a.dtype == np.uint16 else a
-        return out
-    out = np.zeros((len(arrays), size, *first.shape[1:]), dtype=dtype)
+def _ragged_streams(name: str, streams: list[str]) -> tuple[str, ...]:
+    """The stream each ragged dim of a per-sequence array follows, in order: one for token rows, two for an
+    attention map (queries, keys); cross-attention has decoder queries and encoder keys."""
+    kind = kind_of(name)
+    if kind == CROSS:
+        return ("decoder", "encoder")
+    stream = streams[-1] if kind == "logits" else split_stream(name)[0]
+    return (stream, stream) if kind == "attention" else (stream,)
+
+
+def _pad_stack(name: str, arrays: list[np.ndarray], sizes: list[int]) -> np.ndarray:
+    """Zero-pad ragged arrays to ``[B, ...]``: dim 0 is ragged (tokens), or dims 1 and 2 for attention maps
+    (after the heads), to ``sizes``."""
+    ragged = (1, 2) if len(sizes) == 2 else (0,)
+    shape = list(arrays[0].shape)
+    for dim, size in zip(ragged, sizes):
+        shape[dim] = size
+    dtype = _batch_dtype(name, arrays[0].dtype)
+    out = np.zeros((len(arrays), *shape), dtype=dtype)
     for i, a in enumerate(arrays):
-        out[i, :len(a)] = a.view(dtype) if a.dtype == np.uint16 and dtype == np.int16 else a
+        rows: tuple[Any, ...] = (i, *(slice(0, n) for n in a.shape))
+        bf16_bits = a.dtype == np.uint16 and dtype == np.int16  # uint16 ids are cast, bf16 bits reinterpreted
+        out[rows] = a.view(dtype) if bf16_bits else a
     return out
 
 
 def _batch_dtype(name: str, stored: np.dtype) -> np.dtype:
-    if name in ("input_ids", "logits/topk_ids"):
+    if kind_of(name) == "input_ids" or name == "logits/topk_ids":
         return np.dtype(np.int64)
     if stored == np.uint16:  # bf16 bits
         return np.dtype(np.int16)

@@ -16,7 +16,7 @@ from kdcache.stages.train.logging import read_jsonl
 from kdcache.stages.train.loop import run_training
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
 from kdcache.stages.train.options import TrainOptions
-from kdcache.stages.train.seq2seq import collate_seq2seq
+from kdcache.stages.train.streaming import collate
 from tests.helpers.tiny_models import make_tiny_bart, make_tiny_gpt2, make_tiny_t5, sample_pairs, write_pair_dataset
 from tests.stages._train_support import make_student_config, write_cache
 
@@ -117,7 +117,7 @@ def test_collate_and_cross_attention_kl():
                      "encoder/hidden/1": rng.random((l_enc, 3)).astype(np.float16),
                      "cross_attention/1": cross / cross.sum(-1, keepdims=True),
                      "logits/topk_ids": rng.integers(0, 300, (l_dec, 4)).astype(np.uint16)})
-    batch = collate_seq2seq(seqs, [7, 9])
+    batch = collate(seqs, [7, 9])
     assert batch["encoder/mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert batch["cross_attention/1"].shape == (2, 2, 4, 5) and batch["encoder/hidden/1"].shape == (2, 5, 3)
     assert batch["logits/topk_ids"].dtype == torch.int64

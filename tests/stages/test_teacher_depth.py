@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kdcache.stages.precompute import PrecomputeOptions, run_precompute
-from kdcache.stages.train.checks import teacher_depth
+from kdcache.stages.train.plan import teacher_depth
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 

@@ -1,0 +1,202 @@
+"""What DeepSpeed trains: the HF student and the distillation loss over every token stream of the cache.
+
+The loss is one ``CompoundLoss`` per token stream that has a term, plus the cross-attention term between
+streams (see ``plan``):
+
+* the stream that carries the logits (the only one, or ``decoder``): α·CE, β·KL or top-k KL, γ·hidden and
+  δ·self-attention. CE is shifted for causal students and per token otherwise (an encoder-decoder's labels are
+  the cached decoder ids, which the student's ``prepare_decoder_input_ids_from_labels`` shifts into its inputs);
+* any other stream (``encoder``): γ·hidden and δ·self-attention;
+* δ·cross-attention KL on decoder-query / encoder-key maps.
+
+Each stream has its own projectors (pair ``s2_t4`` of the encoder is not the decoder's), and every term is logged
+on its own: ``ce``, ``topk_kl``, ``hidden/s1_t2`` (one stream), or ``encoder/hidden``,
+``decoder/hidden/s1_t2``, ``cross_attention`` ...
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from kdcache.stages.train.compound import CompoundLoss
+from kdcache.stages.train.layer_maps import Pair, pair_key
+from kdcache.stages.train.losses.cross_attention import cross_attention_kl
+from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.plan import StreamPairs, TrainPlan
+from kdcache.stages.train.student import StudentFacts
+from kdcache.storage.streams import prefixed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+UNPREFIXED_TERMS = ("ce", "kl", "topk_kl")  # logged under their own names whatever the stream
+
+
+def stream_view(batch: Mapping[str, torch.Tensor], stream: str, main: bool) -> dict[str, torch.Tensor]:
+    """The batch as one stream's ``CompoundLoss`` reads it: ``input_ids``, ``hidden/{j}``, ``attention/{j}``, and
+    the logits targets for the ``main`` stream (they live on its tokens)."""
+    if not stream:
+        return dict(batch)
+    prefix = stream + "/"
+    view = {k[len(prefix):]: v for k, v in batch.items() if k.startswith(prefix)}
+    if main:
+        view.update({k: v for k, v in batch.items() if k.startswith("logits/")})
+    return view
+
+
+def student_view(out: Any, stream: str, main: bool) -> Any:
+    """The student's outputs for one stream: HF names them ``hidden_states`` for one stack and
+    ``encoder_hidden_states`` / ``decoder_hidden_states`` (same for attentions) for two."""
+    if not stream:
+        return out
+    return SimpleNamespace(logits=out.logits if main else None,
+                           hidden_states=getattr(out, f"{stream}_hidden_states"),
+                           attentions=getattr(out, f"{stream}_attentions"))
+
+
+class _Critics:
+    """Every stream's wgan critic trainers, saved and restored together (the loop sees one object)."""
+
+    def __init__(self, parts: dict[str, Any]):
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {stream: critics.state_dict() for stream, critics in self.parts.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for stream, critics in self.parts.items():
+            critics.load_state_dict(state[stream])
+
+
+def _module_key(stream: str) -> str:
+    return stream or "tokens"  # nn.ModuleDict keys cannot be empty
+
+
+class DistillLoss(nn.Module):
+    """The distillation loss over every stream; see the module docstring.
+
+    Args:
+        parts: stream name -> its compound loss (streams with no term are left out; the main stream is last).
+        cross_pairs: (student decoder block, teacher decoder block) pairs of the cross-attention term.
+        delta: the attention weight (applies to cross-attention as to self-attention).
+    """
+
+    def __init__(self, parts: dict[str, CompoundLoss], cross_pairs: Sequence[Pair] = (), delta: float = 0.0):
+        super().__init__()
+        self.streams = list(parts)
+        self.parts = nn.ModuleDict({_module_key(s): part for s, part in parts.items()})
+        self.by_stream = dict(parts)  # the same modules, typed, by stream name
+        self.cross_pairs, self.delta = [(int(s), int(t)) for s, t in cross_pairs], delta
+        critics = {s: part.critics for s, part in parts.items() if part.critics is not None}
+        # One stream keeps its critics' own state layout, so checkpoints of single-stream runs read as before.
+        self.critics = (None if not critics else next(iter(critics.values())) if len(parts) == 1
+                        else _Critics(critics))
+
+    @property
+    def projectors(self) -> nn.Module:
+        """The projectors exported beside the student: one stream's own, or every stream's by name."""
+        if len(self.streams) == 1:
+            return self.by_stream[self.streams[0]].projectors
+        return nn.ModuleDict({_module_key(s): part.projectors for s, part in self.by_stream.items()})
+
+    def forward(self, out: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Returns ``{"loss": total with graph, ...every term detached}``."""
+        logs: dict[str, torch.Tensor] = {}
+        total: torch.Tensor | None = None
+        for stream in self.streams:
+            main = stream == self.streams[-1]
+            terms = self.by_stream[stream](student_view(out, stream, main), stream_view(batch, stream, main),
+                                                    batch[prefixed(stream, "mask")])
+            loss = terms.pop("loss")
+            total = loss if total is None else total + loss
+            logs.update({k if k in UNPREFIXED_TERMS else prefixed(stream, k): v for k, v in terms.items()})
+        if self.cross_pairs:
+            cross = self._cross_term(out, batch, logs)
+            total = self.delta * cross if total is None else total + self.delta * cross
+            logs["cross_attention"] = cross.detach()
+        assert total is not None, "a DistillLoss has at least one part or cross pair"
+        return {"loss": total, **logs}
+
+    def _cross_term(self, out: Any, batch: Mapping[str, torch.Tensor], logs: dict) -> torch.Tensor:
+        maps = out.cross_attentions
+        total = torch.zeros((), device=batch["decoder/mask"].device)
+        for s, t in self.cross_pairs:
+            value = cross_attention_kl(maps[s - 1], batch[f"cross_attention/{t}"], batch["decoder/mask"],
+                                       batch["encoder/mask"])
+            logs[f"cross_attention/{pair_key((s, t))}"] = value.detach()
+            total = total + value
+        return total
+
+
+def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts, *, main: bool,
+                 logits: str | None, seed: int) -> CompoundLoss | None:
+    """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
+    a run with every weight at 0 fails with the loss's own message)."""
+    alpha = options.alpha if main and facts.has_lm_head else 0.0
+    beta = options.beta if main and logits else 0.0
+    gamma = options.gamma if pairs.hidden_pairs else 0.0
+    delta = options.delta if pairs.attention_pairs else 0.0
+    if not main and not (gamma > 0 or delta > 0):
+        return None
+    sizes = set(pairs.teacher_hidden_sizes.values())
+    return CompoundLoss(
+        layer_map=pairs.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(sizes) if sizes else None,
+        alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=options.temperature,
+        hidden_loss=options.hidden_loss, topk_variant=options.topk_kl, ce="causal" if facts.is_causal else "token",
+        attention_map=pairs.attention_pairs or None, critic_steps=options.critic_steps,
+        critic_lr=options.critic_lr, seed=seed)
+
+
+def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts) -> DistillLoss:
+    """The distillation loss for this plan."""
+    if options.alpha > 0 and facts.has_lm_head and not facts.is_causal and not facts.is_encoder_decoder:
+        # The cache holds unmasked inputs, so an encoder's per-token CE predicts each token from itself.
+        print("kdcache train: note: CE on an encoder (masked-LM) student is a near-trivial objective here, "
+              "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)
+    parts: dict[str, CompoundLoss] = {}
+    for i, pairs in enumerate(plan.streams):
+        part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logits=plan.logits,
+                            seed=options.seed + i)
+        if part is not None:
+            parts[pairs.stream] = part
+    return DistillLoss(parts, plan.cross_attention_pairs if options.delta > 0 else (), options.delta)
+
+
+def student_inputs(student: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The student's forward arguments from a collated batch (see ``streaming.collate``).
+
+    One stream: ``input_ids`` and ``mask``. Two: the encoder's ids and mask, and the decoder teacher-forced on
+    the cached decoder ids (the labels), shifted by the student's own rule.
+    """
+    if "input_ids" in batch:
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["mask"]}
+    labels = batch["decoder/input_ids"]
+    return {"input_ids": batch["encoder/input_ids"], "attention_mask": batch["encoder/mask"],
+            "decoder_input_ids": student.prepare_decoder_input_ids_from_labels(labels=labels),  # type: ignore[operator]
+            "decoder_attention_mask": batch["decoder/mask"], "use_cache": False}
+
+
+class DistillModel(nn.Module):
+    """The module DeepSpeed trains: the HF student and the loss (with its projectors) side by side.
+
+    ``forward(batch)`` runs the student on the cached token ids and returns the loss terms.
+    """
+
+    def __init__(self, student: PreTrainedModel, criterion: DistillLoss, plan: TrainPlan):
+        super().__init__()
+        self.student: PreTrainedModel = student
+        self.criterion = criterion
+        self.want_hidden = plan.wants_hidden
+        self.want_attention = plan.wants_attention
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Args: batch on the device, as ``streaming.collate`` makes it, with fp32 targets."""
+        out = self.student(**student_inputs(self.student, batch), output_hidden_states=self.want_hidden,
+                           output_attentions=self.want_attention)
+        return self.criterion(out, batch)

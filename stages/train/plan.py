@@ -1,0 +1,269 @@
+"""The training plan: which cached arrays stage two streams and which student layer meets which teacher layer.
+
+A cache holds named token streams (``storage.streams``): one, named ``""``, for decoder-only and encoder
+teachers; ``encoder`` and ``decoder`` for encoder-decoder teachers, plus cross-attention maps between them. The
+plan has one ``StreamPairs`` per stream, built by the same code for every architecture; only the depths and the
+layer map of each stream differ:
+
+* a single stream uses ``--layer-map`` against the student's depth;
+* ``encoder`` / ``decoder`` use ``--encoder-layer-map`` / ``--decoder-layer-map`` (both default to ``--layer-map``)
+  against the student's encoder / decoder depth, since the two stacks are usually shrunk by different factors;
+* self-attention pairs follow the stream's map restricted to the cached attention blocks (or
+  ``--attention-layers``); cross-attention pairs follow ``--cross-attention-map``, by default the decoder's map
+  restricted to the cached cross-attention blocks.
+
+Every problem is collected and reported at once (``checks.CacheCheckError``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdcache.stages.train.checks import (
+    CacheCheckError,
+    Pair,
+    checked_map,
+    feature_problems,
+    restricted_map,
+    stream_problems,
+    vocab_problems,
+)
+from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.student import StudentFacts
+from kdcache.storage.streams import CROSS, prefixed
+
+TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
+
+
+@dataclass(frozen=True)
+class StreamPairs:
+    """One token stream's layer pairs: ``stream`` is ``""``, ``"encoder"`` or ``"decoder"``."""
+
+    stream: str
+    hidden_pairs: tuple[Pair, ...] = ()
+    attention_pairs: tuple[Pair, ...] = ()
+    teacher_hidden_sizes: dict[int, int] = field(default_factory=dict)  # d_t per teacher hidden layer
+    teacher_depth: int = 0
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What training reads from the cache and how the loss uses it.
+
+    ``streams`` ends with the stream the logits belong to (the only one, or ``decoder``); the properties
+    ``hidden_pairs`` ... describe that stream, which is what evaluation and reports show.
+    """
+
+    streams: tuple[StreamPairs, ...]
+    logits: str | None  # "full" | "topk" | None: what the KL term reads
+    names: tuple[str, ...]  # arrays streamed per sequence
+    cross_attention_pairs: tuple[Pair, ...] = ()
+    teacher_heads: int | None = None  # H' stored per attention layer
+
+    @property
+    def main(self) -> StreamPairs:
+        """The stream that carries the logits (and the CE labels)."""
+        return self.streams[-1]
+
+    @property
+    def hidden_pairs(self) -> tuple[Pair, ...]:
+        return self.main.hidden_pairs
+
+    @property
+    def attention_pairs(self) -> tuple[Pair, ...]:
+        return self.main.attention_pairs
+
+    @property
+    def teacher_hidden_sizes(self) -> dict[int, int]:
+        return self.main.teacher_hidden_sizes
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether any term reads the student's hidden states."""
+        return any(s.hidden_pairs for s in self.streams)
+
+    @property
+    def wants_attention(self) -> bool:
+        """Whether any term reads the student's attention maps (self or cross)."""
+        return bool(self.cross_attention_pairs) or any(s.attention_pairs for s in self.streams)
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as ``plan.json`` records it (the main stream's pairs at the top, as evaluation reads them)."""
+        out: dict[str, Any] = {"hidden_pairs": self.hidden_pairs, "attention_pairs": self.attention_pairs,
+                               "logits": self.logits, "names": self.names}
+        if len(self.streams) > 1:
+            out["streams"] = {s.stream: {"hidden_pairs": s.hidden_pairs, "attention_pairs": s.attention_pairs}
+                              for s in self.streams}
+            out["cross_attention_pairs"] = self.cross_attention_pairs
+        return out
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """How one cached stream meets the student: the cached layers, both depths, and the map that pairs them."""
+
+    name: str
+    hidden: tuple[int, ...]
+    attention: tuple[int, ...]
+    teacher_depth: int
+    student_depth: int
+    layer_map: str
+
+
+def teacher_depth(reader: Any, stream: str = "") -> int:
+    """N, the block count of the teacher stack behind ``stream``, needed by the formula layer maps.
+
+    Stage one records it (``fingerprints.teacher.num_layers``, or ``num_encoder_layers`` /
+    ``num_decoder_layers``); otherwise the deepest cached layer of the stream is the best estimate (exact
+    whenever the cache holds the stack's last layer).
+    """
+    teacher = (reader.fingerprints or {}).get("teacher") or {}
+    keys = (f"num_{stream}_layers",) if stream else ("num_layers", "num_hidden_layers")
+    for key in keys:
+        if isinstance(teacher.get(key), int) and teacher[key]:
+            return int(teacher[key])
+    layers = {s: [*h, *a] for s, h, a in reader.spec.stream_layers()}[stream]
+    if stream == "decoder":
+        layers += list(reader.spec.cross_attention_layers)
+    return max(layers, default=0)
+
+
+def _streams(options: TrainOptions, reader: Any, student: StudentFacts) -> list[_Stream]:
+    """The cache's token streams as the pair builder sees them."""
+    depths = {"": student.num_layers, "encoder": student.num_layers, "decoder": student.decoder_layers}
+    out = []
+    for name, hidden, attention in reader.spec.stream_layers():
+        text = (getattr(options, f"{name}_layer_map") if name else "") or options.layer_map
+        out.append(_Stream(name, hidden, attention, teacher_depth(reader, name), depths[name], text))
+    return out
+
+
+def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str]) -> tuple[list[Pair], list[Pair]]:
+    """(hidden pairs, self-attention pairs) of one stream; problems are appended."""
+    what = prefixed(s.name, "hidden").replace("/", " ")
+    hidden: list[Pair] = []
+    if options.gamma > 0 and s.layer_map != "none" and s.hidden:
+        hidden = checked_map(s.layer_map, options.seed, s.student_depth, s.teacher_depth, s.hidden, what, problems)
+    what = prefixed(s.name, "attention").replace("/", " ")
+    attention: list[Pair] = []
+    if options.delta > 0 and s.attention:
+        if options.attention_layers is not None:
+            attention = checked_map(options.attention_layers, options.seed, s.student_depth, s.teacher_depth,
+                                    s.attention, what, problems)
+        else:
+            attention = restricted_map(s.layer_map, s.student_depth, s.teacher_depth, s.attention, options.seed,
+                                       what, problems)
+    return hidden, attention
+
+
+def _cross_pairs(options: TrainOptions, spec: Any, decoder: _Stream | None, problems: list[str]) -> list[Pair]:
+    """(student decoder block, teacher decoder block) pairs of the cross-attention term."""
+    text = options.cross_attention_map
+    if decoder is None or options.delta <= 0 or not spec.cross_attention_layers or text == "none":
+        return []
+    cached, what = spec.cross_attention_layers, "cross attention"
+    if text:
+        return checked_map(text, options.seed, decoder.student_depth, decoder.teacher_depth, cached, what, problems)
+    return restricted_map(decoder.layer_map, decoder.student_depth, decoder.teacher_depth, cached, options.seed,
+                          what, problems)
+
+
+def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None) -> list[str]:
+    """The per-sequence arrays to stream, nothing the losses do not read: every stream's ids, the teacher layers
+    the pairs use (``pairs`` is keyed by array group, e.g. ``encoder/hidden`` or ``cross_attention``), logits."""
+    names = [spec.ids_name(s) for s in spec.streams]
+    for group, group_pairs in pairs.items():
+        names += [f"{group}/{t}" for t in sorted({t for _, t in group_pairs})]
+    names += ["logits/full"] if logits == "full" else list(TOPK_NAMES) if logits == "topk" else []
+    return names
+
+
+def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
+                  student_tokenizer: dict[str, Any] | None) -> TrainPlan:
+    """Compare cache and student; return the plan, or raise listing every problem.
+
+    Args:
+        options: the run's options (weights decide which features are needed).
+        reader: an open ``storage.CacheReader``.
+        student: the student's shape.
+        student_tokenizer: the student's tokenizer fingerprint, or None when it has no tokenizer.
+
+    Raises:
+        CacheCheckError: one or more mismatches, each explained.
+    """
+    spec = reader.spec
+    problems = stream_problems(spec, student)
+    if problems:  # the layer maps below would only add noise
+        raise CacheCheckError(problems)
+    problems += vocab_problems(options, reader, student, student_tokenizer)
+    problems += feature_problems(options, spec, student)
+    streams = _streams(options, reader, student)
+    pairs: dict[str, list[Pair]] = {}
+    for s in streams:
+        pairs[prefixed(s.name, "hidden")], pairs[prefixed(s.name, "attention")] = _stream_pairs(options, s, problems)
+    pairs[CROSS] = _cross_pairs(options, spec, next((s for s in streams if s.name == "decoder"), None), problems)
+    if problems:
+        raise CacheCheckError(problems)
+    logits = spec.logits if options.beta > 0 else None
+    names = stream_names(spec, pairs, logits)
+    sizes, heads = _target_shapes(reader, names)
+    _check_heads(heads, student)
+    plans = tuple(StreamPairs(s.name, tuple(pairs[prefixed(s.name, "hidden")]),
+                              tuple(pairs[prefixed(s.name, "attention")]), sizes.get(s.name, {}), s.teacher_depth)
+                  for s in streams)
+    return TrainPlan(plans, logits, tuple(names), tuple(pairs[CROSS]), heads)
+
+
+def _target_shapes(reader: Any, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
+    """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
+    from kdcache.storage.streams import kind_of, split_stream
+
+    hidden = [n for n in names if kind_of(n) == "hidden"]
+    attention = [n for n in names if kind_of(n) in ("attention", CROSS)][:1]
+    if not hidden + attention:
+        return {}, None
+    first = reader.get(reader.shard_ranges[0][0], names=hidden + attention)
+    sizes: dict[str, dict[int, int]] = {}
+    for name in hidden:
+        stream, rest = split_stream(name)
+        sizes.setdefault(stream, {})[int(rest.split("/")[1])] = int(first[name].shape[-1])
+    heads = int(first[attention[0]].shape[0]) if attention else None
+    return sizes, heads
+
+
+def _check_heads(heads: int | None, student: StudentFacts) -> None:
+    if heads is not None and student.num_heads and heads % student.num_heads:
+        raise CacheCheckError([f"the cache stores {heads} attention heads per layer and the student has "
+                               f"{student.num_heads}; the attention loss averages teacher heads in groups of "
+                               "H_t/H_s, so H_t must be a multiple of H_s (or cache a head subset that is)"])
+
+
+def _layers_text(layers: list[int]) -> str:
+    return ", ".join(str(j) for j in layers)
+
+
+def unused_targets(spec: Any, plan: TrainPlan, options: TrainOptions) -> list[str]:
+    """Cached targets this run's weights and maps leave unused, each with the reason and how to use it.
+
+    An empty list when every cached target is used.
+    """
+    notes = []
+    by_stream = {s.stream: s for s in plan.streams}
+    for stream, hidden_cached, attention_cached in spec.stream_layers():
+        used = by_stream.get(stream, StreamPairs(stream))
+        hidden = sorted(set(hidden_cached) - {t for _, t in used.hidden_pairs})
+        if hidden:
+            text = (getattr(options, f"{stream}_layer_map") if stream else "") or options.layer_map
+            why = ("--gamma is 0" if options.gamma <= 0 else "--layer-map is none" if text == "none"
+                   else f"the layer map {text!r} pairs no student layer with them")
+            notes.append(f"{prefixed(stream, 'hidden').replace('/', ' ')} layers {_layers_text(hidden)} ({why})")
+        attention = sorted(set(attention_cached) - {t for _, t in used.attention_pairs})
+        if attention:
+            why = ("--delta is 0: set --delta > 0 to distil attention maps" if options.delta <= 0
+                   else "the attention map pairs no student block with them")
+            notes.append(f"{prefixed(stream, 'attention').replace('/', ' ')} layers {_layers_text(attention)} "
+                         f"({why})")
+    if spec.logits and plan.logits is None:
+        notes.append(f"logits/{spec.logits} (--beta is 0)")
+    return notes
