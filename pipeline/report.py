@@ -127,11 +127,15 @@ def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | 
     return _save(fig, out, title)
 
 
-def plot_alignment(evaluation: dict[str, Any], out: Path, title: str) -> Path | None:
+def alignment_panels(evaluation: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The CKA results to draw, by stream: every stack of a two-stream cache, or the one stream's (key "")."""
+    if evaluation.get("cka_streams"):
+        return dict(evaluation["cka_streams"])
+    return {"": evaluation["cka"]} if evaluation.get("cka") else {}
+
+
+def plot_alignment(cka: dict[str, Any], out: Path, title: str) -> Path | None:
     """Heatmap of CKA (student layer × teacher layer), the run's layer-map pairs outlined."""
-    cka = evaluation.get("cka")
-    if not cka:
-        return None
     plt = _pyplot()
     from matplotlib.patches import Rectangle
 
@@ -266,8 +270,10 @@ def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache
     out_dir.mkdir(parents=True, exist_ok=True)
     name = state.run_dir.name
     images = {"losses": plot_losses(state.metrics, out_dir / "losses.png", f"{name}: loss terms")}
-    if state.eval:
-        images["alignment"] = plot_alignment(state.eval, out_dir / "alignment.png", f"{name}: alignment")
+    for stream, cka in alignment_panels(state.eval or {}).items():
+        suffix = f"-{stream}" if stream else ""
+        images[f"alignment{suffix}"] = plot_alignment(cka, out_dir / f"alignment{suffix}.png",
+                                                      f"{name}: alignment{' of the ' + stream if stream else ''}")
     info = cache_stats(state.options.get("cache", "")) if with_cache else None
     if info:
         images["cache"] = plot_cache(info, out_dir / "cache.png", f"cache {info['path']}")

@@ -99,9 +99,10 @@ def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] |
         sections += ["<h2>Evaluations (baseline → trained, per cache)</h2>", html_table(rows, columns),
                      _notes([f"cache {label}: {path}" for label, path in caches.items()]),
                      _notes((state.eval or {}).get("notes", []))]
-    if "alignment" in images:
-        sections += ["<h2>Alignment: linear CKA, student layer × cached teacher layer</h2>",
-                     image(images["alignment"], "alignment heatmap")]
+    for key in [k for k in images if k.startswith("alignment")]:
+        stack = f" ({key.partition('-')[2]} stack)" if "-" in key else ""
+        sections += [f"<h2>Alignment{stack}: linear CKA, student layer × cached teacher layer</h2>",
+                     image(images[key], "alignment heatmap")]
     if "cache" in images and cache_info:
         sections += ["<h2>Cache</h2>", image(images["cache"], "cache bytes per token")]
     if state.options:

@@ -87,11 +87,12 @@ def format_eval(result: dict[str, Any], out: Path) -> str:
                        ("cosine", "mean cosine"), ("spearman", "Spearman")):
         if isinstance(result.get(key), float):
             lines.append(f"  {label:<16} {result[key]:.4f}")
-    cka = result.get("cka")
-    if cka:
+    panels = result.get("cka_streams") or ({"": result["cka"]} if result.get("cka") else {})
+    for stream, cka in panels.items():
         on_map = ", ".join(f"{p['student']}->{p['teacher']}: " + ("n/a" if p["cka"] is None else f"{p['cka']:.3f}")
                            for p in cka["on_map"]) or "no hidden pairs"
-        lines.append(f"  CKA final layers {cka['final']:.4f}; on the layer map: {on_map}")
+        lines.append(f"  CKA{' (' + stream + ')' if stream else ''} final layers {cka['final']:.4f}; "
+                     f"on the layer map: {on_map}")
     lines += [f"  note: {n}" for n in result.get("notes", [])]
     lines.append(f"  written to {out}")
     return "\n".join(lines)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
+from kdcache.stages.train.agreement import CkaMatrix, LmStats
 from kdcache.stages.train.eval_records import find_eval, read_evals
-from kdcache.stages.train.evaluate import CkaMatrix, LmStats, encoder_agreement, evaluate_run
+from kdcache.stages.train.evaluate import encoder_agreement, evaluate_run
 from kdcache.stages.train.losses import kd_kl, linear_cka
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_bert

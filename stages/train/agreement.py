@@ -1,0 +1,199 @@
+"""Agreement metrics between a student and cached teacher targets: pure functions and running sums, no I/O.
+
+* sentence embeddings: mean pooling, the cosine of pooled states, the Spearman correlation of the two models'
+  pairwise-similarity matrices;
+* ``CkaMatrix``: exact linear CKA between every student layer and every cached teacher layer, streamed;
+* ``LmStats``: perplexity, top-1 agreement and KL(teacher || student) of a language-model head, with the
+  causal shift (position i predicts token i+1) or without it (an encoder-decoder's labels are already aligned).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kdcache.stages.train.losses import kd_kl, topk_kl
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Average the valid tokens of each sequence.
+
+    Args:
+        hidden: [B, L, d] states.
+        mask: [B, L], 1 for real tokens.
+
+    Returns:
+        [B, d] sentence embeddings.
+    """
+    weights = mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman rank correlation of two 1-D arrays (average ranks are not needed: ties are rare in floats)."""
+    ranks_a = np.argsort(np.argsort(a)).astype(np.float64)
+    ranks_b = np.argsort(np.argsort(b)).astype(np.float64)
+    return float(np.corrcoef(ranks_a, ranks_b)[0, 1])
+
+
+def similarity_agreement(student_emb: torch.Tensor, teacher_emb: torch.Tensor) -> dict[str, float]:
+    """Compare two sets of sentence embeddings of the same sentences.
+
+    Args:
+        student_emb: [n, d_s].
+        teacher_emb: [n, d_t].
+
+    Returns:
+        ``spearman``: of the off-diagonal pairwise cosine similarities; ``cosine``: mean per-sentence cosine,
+        only when d_s == d_t.
+    """
+    def pairwise(emb: torch.Tensor) -> np.ndarray:
+        unit = torch.nn.functional.normalize(emb.double(), dim=-1)
+        sims = (unit @ unit.T).numpy()
+        return sims[np.triu_indices(len(sims), k=1)]
+
+    out = {"spearman": spearman(pairwise(student_emb), pairwise(teacher_emb))}
+    if student_emb.shape[-1] == teacher_emb.shape[-1]:
+        out["cosine"] = float(torch.nn.functional.cosine_similarity(student_emb.double(), teacher_emb.double()).mean())
+    return out
+
+
+class CkaMatrix:
+    """Exact linear CKA between every student layer and every teacher layer, over all valid tokens.
+
+    Streams: each batch adds to per-layer sums and per-pair cross products in float64, so CKA is computed over
+    the whole evaluation set without keeping any states. Centring happens at the end
+    (Σ(x−μx)(y−μy)ᵀ = Σxyᵀ − n·μx·μyᵀ). Memory is O(pairs · d_s · d_t): fine for students and teachers up to
+    a few thousand wide; a 7B teacher with many cached layers wants fewer of them (or a smaller eval cache).
+    """
+
+    def __init__(self, student_layers: list[int], teacher_layers: list[int]):
+        self.student_layers, self.teacher_layers = list(student_layers), list(teacher_layers)
+        self.n = 0
+        self.sums: dict[str, torch.Tensor] = {}
+        self.grams: dict[str, torch.Tensor] = {}
+
+    def update(self, student: dict[int, torch.Tensor], teacher: dict[int, torch.Tensor]) -> None:
+        """Add one batch. Args: ``{layer: [N_v, d]}`` valid-token rows of each side (same N_v, same order)."""
+        sides = {f"s{j}": v.double() for j, v in student.items()}
+        sides.update({f"t{j}": v.double() for j, v in teacher.items()})
+        self.n += next(iter(sides.values())).shape[0]
+        for key, rows in sides.items():
+            self._add(self.sums, key, rows.sum(0))
+            self._add(self.grams, key, rows.T @ rows)
+        for s in self.student_layers:
+            for t in self.teacher_layers:
+                self._add(self.grams, f"t{t}s{s}", sides[f"t{t}"].T @ sides[f"s{s}"])
+
+    def matrix(self) -> np.ndarray:
+        """``[len(student_layers), len(teacher_layers)]`` CKA values in [0, 1]."""
+        norms = {key: float(torch.linalg.matrix_norm(self._centred(key, key, key))) for key in self.sums}
+        out = np.zeros((len(self.student_layers), len(self.teacher_layers)))
+        for i, s in enumerate(self.student_layers):
+            for k, t in enumerate(self.teacher_layers):
+                cross = float(torch.linalg.matrix_norm(self._centred(f"t{t}s{s}", f"t{t}", f"s{s}")))
+                # A constant layer (zero variance) has no alignment to speak of: 0, not NaN.
+                denominator = norms[f"t{t}"] * norms[f"s{s}"]
+                out[i, k] = cross**2 / denominator if denominator > 0 else 0.0
+        return out
+
+    def _centred(self, gram: str, left: str, right: str) -> torch.Tensor:
+        return self.grams[gram] - torch.outer(self.sums[left], self.sums[right]) / self.n
+
+    @staticmethod
+    def _add(store: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+        store[key] = value if key not in store else store[key] + value
+
+
+class LmStats:
+    """Running sums of the LM metrics: NLL of the labels, top-1 agreement and KL to the teacher.
+
+    Args:
+        logits_kind: the cached teacher logits, "full" | "topk" | None (no teacher logits: perplexity only).
+        shift: position i predicts token i+1 (causal LMs); False when logits[i] already predicts ids[i]
+            (encoder-decoders, whose decoder ids are the labels).
+    """
+
+    def __init__(self, logits_kind: str | None, shift: bool = True):
+        self.kind, self.shift = logits_kind, shift
+        self.nll = self.predicted = self.agree = self.kl = self.tokens = 0.0
+
+    def update(self, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+               targets: dict[str, torch.Tensor]) -> None:
+        """Add one batch. Args: student ``logits [B, L, V]``, ``ids``/``mask [B, L]``, cached targets."""
+        logits = logits.float()
+        step = 1 if self.shift else 0
+        pairs = (mask[:, :mask.shape[1] - step] * mask[:, step:]).bool()  # position i predicts token i+step
+        log_probs = F.log_softmax(logits[:, :logits.shape[1] - step][pairs], dim=-1)
+        self.nll -= float(log_probs.gather(1, ids[:, step:][pairs][:, None]).sum())
+        self.predicted += int(pairs.sum())
+        if self.kind is None:
+            return
+        valid = mask.bool()
+        teacher_top1 = (targets["logits/full"].argmax(-1) if self.kind == "full"
+                        else targets["logits/topk_ids"][..., 0])
+        self.agree += int((logits.argmax(-1) == teacher_top1)[valid].sum())
+        n_valid = int(valid.sum())
+        self.kl += float(self._kl(logits, mask, targets)) * n_valid  # the losses return a mean over valid tokens
+        self.tokens += n_valid
+
+    def _kl(self, logits: torch.Tensor, mask: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.kind == "full":
+            return kd_kl(logits, targets["logits/full"], mask, temperature=1.0)
+        # The other-bucket form puts the teacher's tail mass in one bucket: a true KL over a coarsened
+        # vocabulary, unlike the renormalised form, which ignores the tail altogether.
+        return topk_kl(logits, targets["logits/topk_values"], targets["logits/topk_ids"], mask,
+                       targets["logits/lse"], variant="other", temperature=1.0)
+
+    def result(self) -> dict[str, Any]:
+        """``perplexity``, and with teacher logits ``top1_agreement`` and ``kl`` (nats per valid token)."""
+        out: dict[str, Any] = {"perplexity": float(np.exp(self.nll / max(1.0, self.predicted))),
+                               "predicted_tokens": int(self.predicted)}
+        if self.kind is not None:
+            out.update(top1_agreement=self.agree / max(1.0, self.tokens), kl=self.kl / max(1.0, self.tokens),
+                       kl_form="full" if self.kind == "full" else "top-k + other bucket", tokens=int(self.tokens))
+        return out
+
+
+def final_state_agreement(student: torch.Tensor, teacher: torch.Tensor, projectors: dict[str, torch.Tensor],
+                          depth: int, final: int | None, notes: list[str]) -> dict[str, Any]:
+    """Cosine and Spearman of mean-pooled final states; the cosine goes through the run's projector of pair
+    ``(depth, final)`` when the widths differ (a note says so when there is none).
+
+    Args:
+        student: ``[n, d_s]`` pooled final states of the student (``depth`` is its last layer).
+        teacher: ``[n, d_t]`` pooled states of teacher layer ``final``.
+        projectors: the run's projector weights (``layers.s{depth}_t{final}.weight`` / ``.bias``), or empty.
+    """
+    out: dict[str, Any] = similarity_agreement(student, teacher)
+    key = f"layers.s{depth}_t{final}"
+    if student.shape[-1] != teacher.shape[-1]:
+        if f"{key}.weight" in projectors:
+            # Mean pooling commutes with an affine map, so projecting pooled states equals pooling projected ones.
+            w, b = projectors[f"{key}.weight"].double(), projectors[f"{key}.bias"].double()
+            projected = student.double() @ w.T + b
+            out["cosine"] = float(F.cosine_similarity(projected, teacher.double()).mean())
+            out["cosine_through"] = f"projector s{depth}_t{final}"
+        else:
+            notes.append(f"widths differ (student {student.shape[-1]}, teacher {teacher.shape[-1]}) and "
+                         f"the run has no projector for pair ({depth}, {final}): cosine skipped")
+    out["sentences"] = int(student.shape[0])
+    return out
+
+
+def cka_result(cka: CkaMatrix, pairs: list[tuple[int, int]]) -> dict[str, Any]:
+    """The CKA matrix and its values on the layer map (None where the eval cache lacks the teacher layer)."""
+    matrix = cka.matrix()
+    rows = {s: i for i, s in enumerate(cka.student_layers)}
+    cols = {t: k for k, t in enumerate(cka.teacher_layers)}
+    on_map = [{"student": s, "teacher": t,
+               "cka": float(matrix[rows[s], cols[t]]) if s in rows and t in cols else None} for s, t in pairs]
+    known = [p["cka"] for p in on_map if p["cka"] is not None]
+    last_s, last_t = cka.student_layers[-1], cka.teacher_layers[-1]
+    return {"student_layers": cka.student_layers, "teacher_layers": cka.teacher_layers,
+            "matrix": matrix.round(6).tolist(), "on_map": on_map,
+            "mean_on_map": float(np.mean(known)) if known else None,
+            "final": float(matrix[rows[last_s], cols[last_t]]), "tokens": int(cka.n)}
