@@ -44,6 +44,34 @@ class TokenizedData:
         return int(self.lengths.sum())
 
 
+@dataclass
+class TokenStreams:
+    """Token ids of every sequence to cache, per token stream, in cache order (what a teacher adapter loads).
+
+    Attributes:
+        ids: stream name -> one int32 array ``[L_i]`` per sequence: ``""`` for one stream; ``encoder`` and
+            ``decoder`` (the target ids, i.e. the labels) for an encoder-decoder teacher.
+        fingerprint: the data fingerprint (source, split, columns, hashes of the ids).
+        dropped_empty: texts or pairs skipped because they produced no tokens.
+    """
+
+    ids: dict[str, list[np.ndarray]]
+    fingerprint: dict[str, Any]
+    dropped_empty: int = 0
+
+    def __len__(self) -> int:
+        return len(next(iter(self.ids.values())))
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        return tuple(self.ids)
+
+    def lengths(self, stream: str = "") -> np.ndarray:
+        """``[N]`` int64 token counts of ``stream``."""
+        seqs = self.ids[stream]
+        return np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+
+
 def load_texts(options: PrecomputeOptions) -> Any:
     """Open the dataset split named by the options and check its text column.
 

@@ -1,8 +1,10 @@
-"""Stage one end to end: ``run_precompute(options) -> summary``.
+"""Stage one end to end: ``run_precompute(options) -> summary``, the same for every teacher.
 
 Order of work, cheapest checks first: config and layer checks, tokenizer and data, then the weights; then the
 cache is opened (which refuses a different cache and a second writer of the same part), committed shards are
 skipped, and the rest are computed shard by shard with a background writer committing behind the forward.
+What depends on the teacher's family (its token streams, its layers, how it is run) is the adapter's
+(``adapters.py``).
 """
 
 from __future__ import annotations
@@ -17,27 +19,25 @@ from typing import Any
 import numpy as np
 
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.precompute.adapters import Capture, TeacherAdapter, adapter_for
 from kdcache.stages.precompute.batching import Partition, collate, plan_batches
 from kdcache.stages.precompute.commit import commit_behind, open_writer
-from kdcache.stages.precompute.data import TokenizedData, load_texts, tokenize
+from kdcache.stages.precompute.data import TokenStreams
 from kdcache.stages.precompute.distributed import DistContext
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
 from kdcache.stages.precompute.teacher import (
-    Targets,
     Teacher,
     has_lm_head,
-    load_teacher,
     load_tokenizer,
     pick_device,
     read_config,
-    resolve_targets,
     save_tokenizer,
     teacher_files_fingerprint,
 )
 from kdcache.storage.errors import KdcacheError
-from kdcache.storage.spec import FORMAT_VERSION
+from kdcache.storage.streams import prefixed
 
 
 def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
@@ -88,30 +88,27 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     stats = RunStats()
     config = read_config(options)
     options = with_default_features(options, config)
-    from kdcache.stages.precompute.seq2seq import check_not_seq2seq_options, is_seq2seq, run_seq2seq
-
-    if is_seq2seq(config):  # encoder-decoder teachers: two token streams, their own runner
-        return run_seq2seq(options, dist, config, stats)
-    check_not_seq2seq_options(options, config)
-    targets = resolve_targets(options, config)
+    adapter = adapter_for(config)
+    adapter.check_options(options, config)
+    targets = adapter.resolve_targets(options, config)
     tokenizer = load_tokenizer(options)
-    data = tokenize(load_texts(options), tokenizer, options)
+    data = adapter.load_data(options, tokenizer)
     check_positions(config, data)
-    finished = finished_cache(options, config, targets, tokenizer, data)
+    finished = finished_cache(options, config, adapter, targets, tokenizer, data)
     if finished is not None:  # nothing to compute: don't pay for loading the weights
         return summarize(stats, finished, finished.spec.num_shards, options.out, {"reused": True})
-    teacher = load_teacher(options, config, targets, tokenizer, pick_device(options.device, dist.local_rank))
+    teacher = adapter.load_teacher(options, config, targets, tokenizer, pick_device(options.device, dist.local_rank))
     targets = with_output_vocab(targets, teacher, options)
     check_token_ids(teacher, data)
-    spec = build_spec(options, targets, len(data.sequences))
+    spec = adapter.build_spec(options, targets, len(data))
     part = Partition.of(options.shard_index, options.num_shards, dist.rank, dist.world)
-    writer = open_writer(options.out, spec, build_fingerprints(options, teacher, targets, data), part)
-    with writer:
+    writer = open_writer(options.out, spec, build_fingerprints(options, adapter, teacher, targets, data), part)
+    with writer, adapter.capture(teacher, targets, options.dtype) as capture:
         save_tokenizer(tokenizer, options.out)
-        committed = writer.committed_shards()
         mine = part.shards(spec.num_shards)
-        todo = [k for k in mine if k not in committed]
-        write_shards(teacher, targets, spec, data, todo, writer, options, stats, dist.is_main)
+        todo = [k for k in mine if k not in writer.committed_shards()]
+        commit_behind(spec, todo, writer, options, stats, dist.is_main,
+                      lambda bounds, progress: compute_shard(capture, teacher, data, bounds, options, stats, progress))
     manifest = writer.finalize()  # the last part to finish turns the manifest "complete"
     dist.barrier()
     if dist.world > 1 and dist.is_main:
@@ -123,13 +120,14 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     return summarize(stats, manifest, len(mine) - len(todo), options.out, extra)
 
 
-def check_positions(config: Any, data: TokenizedData) -> None:
+def check_positions(config: Any, data: TokenStreams) -> None:
     """Refuse sequences longer than the teacher's position table (they would index past it)."""
     limit = getattr(config, "max_position_embeddings", None)
-    longest = int(data.lengths.max())
+    longest = max(int(data.lengths(s).max()) for s in data.streams)
     if isinstance(limit, int) and longest > limit:
+        flags = "--max-length / --max-target-length" if len(data.streams) > 1 else "--max-length"
         raise PrecomputeError(f"max_length: sequences reach {longest} tokens, but the teacher has only {limit} "
-                              f"positions; lower --max-length to {limit} or less")
+                              f"positions; lower {flags} to {limit} or less")
 
 
 def with_default_features(options: PrecomputeOptions, config: Any) -> PrecomputeOptions:
@@ -140,40 +138,28 @@ def with_default_features(options: PrecomputeOptions, config: Any) -> Precompute
     return replace(options, features=("hidden", "logits") if has_lm_head(config) else ("hidden",))
 
 
-def check_token_ids(teacher: Teacher, data: TokenizedData) -> None:
+def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
     """Refuse token ids the teacher's embedding table does not have (a tokenizer from another model)."""
     table = teacher.model.get_input_embeddings().num_embeddings
-    top = max(int(s.max()) for s in data.sequences)
+    top = max(int(s.max()) for seqs in data.ids.values() for s in seqs)
     if top >= table:
         raise PrecomputeError(f"the tokenizer produced token id {top}, but the teacher's embedding table has only "
                               f"{table} rows; the tokenizer does not belong to this teacher")
 
 
-def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOptions) -> Targets:
+def with_output_vocab(targets: Any, teacher: Teacher, options: PrecomputeOptions) -> Any:
     """Use the LM head's real output size as the vocabulary (checkpoints may pad it beyond config.vocab_size)."""
-    if targets.logits is None:
-        return targets
     head = teacher.model.get_output_embeddings()
-    vocab = int(head.weight.shape[0]) if head is not None else targets.vocab_size
+    if targets.logits is None or head is None:
+        return targets
+    vocab = int(head.weight.shape[0])
     if targets.logits == "topk" and options.top_k > vocab:
         raise PrecomputeError(f"top_k {options.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
     return replace(targets, vocab_size=vocab)
 
 
-def build_spec(options: PrecomputeOptions, targets: Targets, num_sequences: int) -> Any:
-    """The ``CacheSpec`` of this run (storage validates it)."""
-    from kdcache.storage import CacheSpec
-
-    return CacheSpec(
-        num_sequences=num_sequences, backend=options.format, hidden_layers=targets.hidden_layers,
-        attention_layers=targets.attention_layers, attention_heads=targets.heads,
-        attention_triangle=bool(targets.attention_layers and options.triangle), logits=targets.logits,
-        top_k=targets.top_k, vocab_size=targets.vocab_size if targets.logits else 0, dtype=options.dtype,
-        codec=options.codec_config, bitround=options.bitround, sequences_per_shard=options.sequences_per_shard)
-
-
-def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
-                   data: TokenizedData) -> Any:
+def finished_cache(options: PrecomputeOptions, config: Any, adapter: TeacherAdapter, targets: Any, tokenizer: Any,
+                   data: TokenStreams) -> Any:
     """The manifest of a complete cache at ``options.out`` that this run would reproduce, else None.
 
     Checked before the weights load, from what is known without them (weight-file hashes, config, tokenizer,
@@ -182,85 +168,57 @@ def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, to
     check on a real run.
     """
     from kdcache.storage import CacheReader, compare_fingerprints
-
-    teacher_fp = teacher_files_fingerprint(options, config)
     from kdcache.storage.stores import open_store
 
+    teacher_fp = teacher_files_fingerprint(options, config)
     if teacher_fp is None or open_store(options.out).size("manifest.json") is None:
         return None
     try:
         reader = CacheReader(options.out)
     except KdcacheError:  # partial, corrupt or foreign: the normal path resumes it or explains the problem
         return None
-    expected = {"teacher": teacher_fp, "tokenizer": tokenizer_fingerprint(tokenizer),
-                "data": data_fingerprint(options, data), "settings": settings_fingerprint(options, targets)}
+    expected = {"teacher": teacher_fp, "tokenizer": tokenizer_fingerprint(tokenizer), "data": data.fingerprint,
+                "settings": adapter.settings(options, targets)}
     if compare_fingerprints(reader.fingerprints, expected):
         return None  # a different cache: the writer explains every difference (spec included) and refuses
     return reader.manifest
 
 
-def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[str, Any]:
-    """The settings the targets depend on, as far as they are known before the weights load."""
-    return {
-        "max_length": options.max_length, "packing": options.packing, "layers": list(targets.hidden_layers),
-        "attention_layers": list(targets.attention_layers),
-        "heads": list(targets.heads) if targets.heads is not None else None, "features": list(options.features),
-        "top_k": targets.top_k, "logits": targets.logits, "dtype": options.dtype, "codec": options.codec_config,
-        "bitround": options.bitround, "triangle": options.triangle, "format_version": FORMAT_VERSION,
-    }
-
-
-def data_fingerprint(options: PrecomputeOptions, data: TokenizedData) -> dict[str, Any]:
-    """Source, split, column and a hash of every sequence's input_ids."""
-    from kdcache.storage import hash_arrays
-
-    return {"source": options.data, "split": options.split, "text_column": options.text_column,
-            "input_ids_hash": hash_arrays(data.sequences), "num_sequences": len(data.sequences)}
-
-
-def build_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: Targets,
-                       data: TokenizedData) -> dict[str, Any]:
+def build_fingerprints(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Teacher, targets: Any,
+                       data: TokenStreams) -> dict[str, Any]:
     """Teacher, tokenizer, data and settings fingerprints; identical for every rank and every rerun."""
-    settings = {**settings_fingerprint(options, targets),
+    settings = {**adapter.settings(options, targets),
                 "teacher_dtype": str(teacher.model.dtype).replace("torch.", ""),
                 "attn_implementation": teacher.attn_implementation}
     return {"teacher": teacher.fingerprint, "tokenizer": tokenizer_fingerprint(teacher.tokenizer),
-            "data": data_fingerprint(options, data), "settings": settings}
+            "data": data.fingerprint, "settings": settings}
 
 
-def write_shards(teacher: Teacher, targets: Targets, spec: Any, data: TokenizedData, todo: list[int], writer: Any,
-                 options: PrecomputeOptions, stats: RunStats, is_main: bool) -> None:
-    """Compute every shard in ``todo`` with hooks on the teacher and commit them behind the forward."""
-    from kdcache.stages.precompute.capture import FeatureCapture
-
-    with FeatureCapture(teacher, targets, options.dtype) as capture:
-        commit_behind(spec, todo, writer, options, stats, is_main,
-                      lambda bounds, progress: compute_shard(capture, teacher, data, bounds, options, stats, progress))
-
-
-def compute_shard(capture: Any, teacher: Teacher, data: TokenizedData, bounds: tuple[int, int],
+def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds: tuple[int, int],
                   options: PrecomputeOptions, stats: RunStats, progress: Progress) -> list[dict[str, np.ndarray]]:
-    """Run the teacher over one shard's sequences in length-bucketed batches.
+    """Run the teacher over one shard's sequences in batches bucketed by the first stream's lengths.
 
     Returns:
-        one dict per sequence of the shard, in data order: ``input_ids [L]`` plus every target array.
+        one dict per sequence of the shard, in data order: every stream's ``input_ids [L]`` plus every target.
     """
     import torch
 
     start, stop = bounds
-    sequences = data.sequences[start:stop]
-    items: list[dict[str, np.ndarray] | None] = [None] * len(sequences)
+    shard = {stream: seqs[start:stop] for stream, seqs in data.ids.items()}
+    first = next(iter(shard.values()))
+    items: list[dict[str, np.ndarray] | None] = [None] * len(first)
     pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
-    for batch in plan_batches(np.array([len(s) for s in sequences]), options.batch_size):
-        ids, mask = collate([sequences[i] for i in batch], pad_id)
+    for batch in plan_batches(np.array([len(s) for s in first]), options.batch_size):
+        padded = {stream: tuple(torch.from_numpy(a).to(teacher.device)
+                                for a in collate([seqs[i] for i in batch], pad_id)) for stream, seqs in shard.items()}
+        lengths = {stream: [len(seqs[i]) for i in batch] for stream, seqs in shard.items()}
         started = time.perf_counter()
-        output = capture.run(torch.from_numpy(ids).to(teacher.device), torch.from_numpy(mask).to(teacher.device),
-                             [len(sequences[i]) for i in batch])
+        output = capture(padded, lengths)  # type: ignore[arg-type]
         stats.forward_seconds += time.perf_counter() - started
-        for i, item in zip(batch, output.split()):
-            item["input_ids"] = sequences[i]
+        for i, item in zip(batch, output):
+            item.update({prefixed(stream, "input_ids"): seqs[i] for stream, seqs in shard.items()})
             items[i] = item
-        stats.tokens += int(output.lengths.sum())
+        stats.tokens += sum(sum(n) for n in lengths.values())
         stats.sequences += len(batch)
         progress.update(len(batch))
     return items  # type: ignore[return-value]

@@ -59,7 +59,7 @@ def read_config(options: PrecomputeOptions) -> Any:
         config = AutoConfig.from_pretrained(options.teacher, revision=options.revision)
     except Exception as exc:  # OSError for missing repos/files, ValueError for unknown model types
         raise PrecomputeError(f"cannot load the teacher config from {options.teacher!r}: {exc}") from None
-    return config  # encoder-decoder teachers go to stages.precompute.seq2seq (see runner._run)
+    return config  # the family (decoder-only or encoder, encoder-decoder) picks the adapter (adapters.adapter_for)
 
 
 def is_causal(config: Any) -> bool:

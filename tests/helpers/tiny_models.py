@@ -301,3 +301,43 @@ def make_tiny_t5(path: str | Path, *, encoder_layers: int = 2, decoder_layers: i
                    dropout_rate=0.0, **{**extra, **config})
     torch.manual_seed(seed)
     return _save(T5ForConditionalGeneration(cfg), tokenizer, path)
+
+
+def train_mbart_tokenizer(path: str | Path, *, src_lang: str = "en_XX", tgt_lang: str = "ro_RO",
+                          vocab_size: int = 300, texts: Iterable[str] = SENTENCES) -> Any:
+    """mBART's own tokenizer class over a Unigram vocabulary trained here: sources end ``</s> src_lang``,
+    targets ``</s> tgt_lang``, and the 25 language codes are special tokens, as in facebook/mbart-large-cc25."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import MBartTokenizer
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    tok.train_from_iterator(list(texts), trainer=trainers.UnigramTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], unk_token="<unk>",
+        show_progress=False))
+    vocab = [(piece, score) for piece, score in json.loads(tok.to_str())["model"]["vocab"]]
+    tokenizer = MBartTokenizer(vocab=vocab, src_lang=src_lang, tgt_lang=tgt_lang)
+    tokenizer.save_pretrained(str(path))
+    return tokenizer
+
+
+def make_tiny_mbart(path: str | Path, *, encoder_layers: int = 2, decoder_layers: int = 2, hidden: int = 32,
+                    heads: int = 4, ffn: int = 64, positions: int = 128, seed: int = 0,
+                    texts: Iterable[str] = SENTENCES) -> Path:
+    """A random ``MBartForConditionalGeneration`` (pre-norm with final layer norms, scaled embeddings) with a
+    language-code tokenizer (``train_mbart_tokenizer``); the decoder starts from the target's language code."""
+    import torch
+    from transformers import MBartConfig, MBartForConditionalGeneration
+
+    path = Path(path)
+    tokenizer = train_mbart_tokenizer(path, texts=texts)
+    cfg = MBartConfig(vocab_size=len(tokenizer), d_model=hidden, encoder_layers=encoder_layers,
+                      decoder_layers=decoder_layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
+                      encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, max_position_embeddings=positions,
+                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.eos_token_id,
+                      dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, scale_embedding=True)
+    torch.manual_seed(seed)
+    return _save(MBartForConditionalGeneration(cfg), tokenizer, path)

@@ -82,7 +82,7 @@ def test_run_trains_from_a_fresh_cache_then_reuses_it(tiny_gpt2: Path, tmp_path:
     def no_teacher(*args: object, **kwargs: object) -> None:
         raise AssertionError("a matching complete cache must be reused without loading the teacher")
 
-    monkeypatch.setattr("kdcache.stages.precompute.runner.load_teacher", no_teacher)
+    monkeypatch.setattr("kdcache.stages.precompute.adapters.load_teacher", no_teacher)
     assert main(["run", "--config", str(config)]) == 0
     assert "reusing the complete cache" in capsys.readouterr().out
     assert (tmp_path / "run2" / "student" / "config.json").is_file()

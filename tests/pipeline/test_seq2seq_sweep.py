@@ -54,3 +54,39 @@ def test_seq2seq_sweep_trains_evals_and_reports(name: str, tmp_path: Path) -> No
         assert (run_report / f"alignment-{stack}.png").is_file()
         assert f"Alignment ({stack} stack)" in (run_report / "report.html").read_text()
     assert "eval_kl" in (sweep / "report" / "report.html").read_text()
+
+
+@pytest.mark.slow
+def test_mbart_with_language_codes_through_both_stages(tmp_path: Path) -> None:
+    """mBART: sources end `</s> en_XX`, targets `</s> ro_RO`, and the decoder starts from the target's language
+    code (the model's own shift), in the cache and in training."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from kdcache.storage import CacheReader
+    from tests.helpers.tiny_models import make_tiny_mbart
+
+    teacher = make_tiny_mbart(tmp_path / "teacher")
+    tokenizer = AutoTokenizer.from_pretrained(str(teacher))
+    en, ro, eos = (tokenizer.convert_tokens_to_ids(t) for t in ("en_XX", "ro_RO", "</s>"))
+    cache = _precompute(teacher, write_pair_dataset(tmp_path / "pairs.jsonl", sample_pairs(12)), tmp_path / "cache")
+    reader = CacheReader(cache)
+    first = reader.get(0, names=["encoder/input_ids", "decoder/input_ids", "decoder/hidden/2"])
+    assert first["encoder/input_ids"][-2:].tolist() == [eos, en]
+    assert first["decoder/input_ids"][-2:].tolist() == [eos, ro]
+    model = AutoModelForSeq2SeqLM.from_pretrained(str(teacher), attn_implementation="eager").eval()
+    labels = torch.from_numpy(first["decoder/input_ids"].astype("int64"))[None]
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    assert int(decoder_input_ids[0, 0]) == ro
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(first["encoder/input_ids"].astype("int64"))[None],
+                    decoder_input_ids=decoder_input_ids, output_hidden_states=True)
+    online = out.decoder_hidden_states[2][0].numpy()
+    assert abs(first["decoder/hidden/2"].astype("float32") - online).max() < 2e-2  # fp16 storage
+    assert main(["init-student", "--teacher", str(teacher), "--layers", "2", "--out", str(tmp_path / "student")]) == 0
+    assert main(["train", "--cache", str(cache), "--student", str(tmp_path / "student"), "--out",
+                 str(tmp_path / "run"), "--max-steps", "3", "--batch-size", "4", "--gamma", "1",
+                 "--decoder-layer-map", "explicit:1-2", "--quiet"]) == 0
+    assert main(["eval", "--cache", str(cache), "--run", str(tmp_path / "run")]) == 0
+    [evaluation] = read_evals(tmp_path / "run")
+    assert evaluation["kind"] == "seq2seq_lm" and evaluation["perplexity"] > 1 and 0 <= evaluation["top1_agreement"]
