@@ -58,6 +58,17 @@ def attention_offsets_name(name: str) -> str:
     return prefixed(stream, "attention_offsets")
 
 
+def ragged_streams(name: str, streams: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The stream each ragged dim of per-sequence array ``name`` follows, in order: one for token rows, two for an
+    attention map (queries, keys). Cross-attention has decoder queries and encoder keys; logits live on the last
+    stream (the only one, or the decoder)."""
+    kind = kind_of(name)
+    if kind == CROSS:
+        return ("decoder", "encoder")
+    stream = streams[-1] if kind == "logits" else split_stream(name)[0]
+    return (stream, stream) if kind == "attention" else (stream,)
+
+
 def is_offsets(name: str) -> bool:
     """Whether ``name`` is an offsets array (token or attention rows)."""
     return kind_of(name).endswith("offsets")

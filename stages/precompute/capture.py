@@ -29,6 +29,7 @@ import torch
 
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.teacher import Targets, Teacher
+from kdcache.storage.streams import ragged_streams
 
 
 @dataclass
@@ -46,16 +47,24 @@ class BatchOutput:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
     def split(self) -> list[dict[str, np.ndarray]]:
-        """Per-sequence dicts of views that cut the padding off (``[L_i, ...]``, attention ``[H, L_i, L_i]``).
+        """Per-sequence dicts of views that cut the padding off (``[L_i, ...]``, attention ``[H, L_i, L_i]``)."""
+        return [cut_padding(self.arrays, i, {"": n}) for i, n in enumerate(self.lengths.tolist())]
 
-        The writer concatenates these views into its token-major arrays, so padding is dropped without a
-        separate gather copy here.
-        """
-        out: list[dict[str, np.ndarray]] = []
-        for i, n in enumerate(self.lengths.tolist()):
-            out.append({name: value[i, :, :n, :n] if name.startswith("attention/") else value[i, :n]
-                        for name, value in self.arrays.items()})
-        return out
+
+def cut_padding(arrays: dict[str, np.ndarray], i: int, lengths: dict[str, int]) -> dict[str, np.ndarray]:
+    """Sequence ``i``'s valid part of every padded ``[B, ...]`` array, as views (the writer copies once).
+
+    Args:
+        arrays: padded arrays by name; token rows ``[B, L, ...]``, attention maps ``[B, H, L_q, L_k]``.
+        i: the sequence's row in the batch.
+        lengths: its valid length in each token stream (``{"": L}``, or ``encoder`` and ``decoder``).
+    """
+    streams = list(lengths)
+    item = {}
+    for name, value in arrays.items():
+        dims = [lengths[s] for s in ragged_streams(name, streams)]
+        item[name] = value[i, :, :dims[0], :dims[1]] if len(dims) == 2 else value[i, :dims[0]]
+    return item
 
 
 def to_storage_dtype(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
@@ -69,6 +78,52 @@ def to_numpy(x: torch.Tensor) -> np.ndarray:
     """Host copy as numpy; int16 bf16 bits come back as uint16, the storage form."""
     array = x.cpu().numpy()
     return array.view(np.uint16) if x.dtype == torch.int16 else array
+
+
+def logit_targets(logits: torch.Tensor, kind: str | None, top_k: int) -> dict[str, torch.Tensor]:
+    """Top-k (values sorted descending, int32 ids, fp32 logsumexp at T=1) or full logits, on the device; values
+    stay in the teacher's dtype (the caller checks their range, then converts them).
+
+    Args:
+        logits: ``[..., V]`` in the teacher's dtype.
+        kind: ``"full"``, ``"topk"`` or None (nothing kept).
+    """
+    if kind == "full":
+        return {"logits/full": logits}
+    if kind != "topk":
+        return {}
+    values, ids = torch.topk(logits, top_k, dim=-1, largest=True, sorted=True)
+    # The upcast keeps the logsumexp exact for half-precision teachers (a no-op for fp32 ones).
+    return {"logits/topk_values": values, "logits/topk_ids": ids.to(torch.int32),
+            "logits/lse": torch.logsumexp(logits.float(), dim=-1)}
+
+
+def max_abs(values: torch.Tensor) -> torch.Tensor:
+    """The largest |value| of a tensor, on its device (no host sync); non-finite values are left to storage,
+    which reports them as the teacher bug they are."""
+    return values.detach().float().abs().nan_to_num(posinf=0.0, neginf=0.0).amax()
+
+
+def check_ranges(maxima: dict[str, torch.Tensor]) -> None:
+    """One host sync for every target's largest |value|; refuse the first beyond float16, naming it.
+
+    Raises:
+        Fp16OverflowError: names the array, the value and ``--dtype bf16`` (T5-family activations often
+            overflow float16; storage must never see an inf).
+    """
+    from kdcache.storage.errors import Fp16OverflowError
+
+    if not maxima:
+        return
+    names = list(maxima)
+    for name, value in zip(names, torch.stack([maxima[n] for n in names]).cpu().tolist()):
+        with np.errstate(over="ignore"):  # values up to 65519.99 still round to 65504, as in storage
+            overflows = bool(np.isinf(np.float16(np.float32(value))))
+        if overflows:
+            raise Fp16OverflowError(
+                f"{name}: the teacher's largest |value| is {value:.6g}, beyond the float16 maximum of 65504, so "
+                f"it would be stored as inf. Rerun with --dtype bf16, or leave this layer out.",
+                name=name, max_abs=float(value))
 
 
 def find_blocks(model: Any, num_layers: int) -> Any:
@@ -167,9 +222,9 @@ class FeatureCapture:
     # Padding stays in place until the host (views cut it off there): a device-side gather would be one more
     # full copy of every target. Bucketed batches carry little padding, so little extra crosses to the host.
     def _keep_range(self, name: str, values: torch.Tensor) -> None:
-        """Remember min and max of ``values`` (one pass, no sync) for the fp16 range check."""
+        """Remember the largest |value| (on the device, no sync) for the fp16 range check."""
         if self.dtype_name == "fp16" and values.numel():
-            self._amax[name] = torch.stack(torch.aminmax(values.detach())).float().abs().amax()
+            self._amax[name] = max_abs(values)
 
     def _keep_hidden(self, j: int, hidden: torch.Tensor) -> None:
         """``[B, L, d]`` -> the storage dtype, padded; range recorded."""
@@ -187,21 +242,13 @@ class FeatureCapture:
         self._out[f"attention/{j}"] = to_storage_dtype(probs, self.dtype_name)
 
     def _keep_logits(self, logits: torch.Tensor) -> None:
-        """Top-k (values sorted descending, ids, fp32 logsumexp at T=1) or full logits, still padded.
-
-        Args:
-            logits: ``[B, L, V]`` in the teacher's dtype.
-        """
-        if self.targets.logits == "full":
-            self._keep_range("logits/full", logits)
-            self._out["logits/full"] = to_storage_dtype(logits, self.dtype_name)
-            return
-        values, ids = torch.topk(logits, self.targets.top_k, dim=-1, largest=True, sorted=True)
-        self._keep_range("logits/topk_values", values)
-        self._out["logits/topk_values"] = to_storage_dtype(values, self.dtype_name)
-        self._out["logits/topk_ids"] = ids.to(torch.int32)
-        # The upcast keeps the logsumexp exact for half-precision teachers (a no-op for fp32 ones).
-        self._out["logits/lse"] = torch.logsumexp(logits.float(), dim=-1)
+        """Top-k or full logits of ``[B, L, V]`` teacher logits, still padded (see ``logit_targets``)."""
+        kept = logit_targets(logits, self.targets.logits, self.targets.top_k)
+        for name in ("logits/full", "logits/topk_values"):
+            if name in kept:
+                self._keep_range(name, kept[name])
+                kept[name] = to_storage_dtype(kept[name], self.dtype_name)
+        self._out.update(kept)
 
     # ---- one batch ----------------------------------------------------------------------------------
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: list[int]) -> BatchOutput:
@@ -241,15 +288,8 @@ class FeatureCapture:
         return BatchOutput(np.asarray(self._lengths, dtype=np.int64), arrays)
 
     def _check_range(self) -> None:
-        """One host sync for every max |value| of the batch; overflowing targets raise, naming the layer."""
-        from kdcache.storage import check_fp16_range
-
-        if not self._amax or self.dtype_name != "fp16":
-            return
-        names = list(self._amax)
-        values = torch.stack([self._amax[n] for n in names]).cpu().tolist()
-        for name, value in zip(names, values):
-            check_fp16_range(name, value)
+        if self.dtype_name == "fp16":
+            check_ranges(self._amax)
 
     def close(self) -> None:
         """Remove every hook."""

@@ -9,30 +9,26 @@ keeps only the selected layers: the numbering and the final-norm placement are t
 both stacks (T5 applies ``final_layer_norm`` to the last hidden state; BART does not), at the cost of holding
 every layer of one batch at once, which the batch size bounds.
 
-fp16 overflow is checked per target on the device (one host sync per batch) before anything is converted:
-T5-family activations are known to exceed 65504, and storage must never see an inf.
+fp16 overflow is checked per target on the device (one host sync per batch) before anything is converted
+(``capture.check_ranges``): T5-family activations are known to exceed 65504, and storage must never see an inf.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
-from kdcache.stages.precompute.capture import to_numpy, to_storage_dtype
+from kdcache.stages.precompute.capture import (
+    check_ranges,
+    cut_padding,
+    logit_targets,
+    max_abs,
+    to_numpy,
+    to_storage_dtype,
+)
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.seq2seq_targets import Seq2SeqTargets
-
-
-def overflow_error(name: str, max_abs: float) -> Exception:
-    """The error for a target beyond float16's range: names the layer, the value and the fix."""
-    from kdcache.storage.errors import Fp16OverflowError
-
-    return Fp16OverflowError(
-        f"{name}: the teacher's largest |value| is {max_abs:.6g}, beyond the float16 maximum of 65504, so it "
-        f"would be stored as inf (T5-family activations often overflow fp16). Rerun with --dtype bf16, or "
-        f"leave this layer out.", name=name, max_abs=float(max_abs))
 
 
 class Seq2SeqCapture:
@@ -77,7 +73,8 @@ class Seq2SeqCapture:
             kept = self._select(out)
             self._check_range(kept)
             host = {name: to_numpy(self._to_storage(name, value)) for name, value in kept.items()}
-        return [self._cut(host, i, n_e, n_d) for i, (n_e, n_d) in enumerate(zip(enc_lengths, dec_lengths))]
+        return [cut_padding(host, i, {"encoder": n_e, "decoder": n_d})
+                for i, (n_e, n_d) in enumerate(zip(enc_lengths, dec_lengths))]
 
     def _select(self, out: Any) -> dict[str, torch.Tensor]:
         """The selected layers as padded device tensors, by array name."""
@@ -88,46 +85,16 @@ class Seq2SeqCapture:
         kept.update({f"encoder/attention/{j}": out.encoder_attentions[j - 1] for j in t.encoder_attention})
         kept.update({f"decoder/attention/{j}": out.decoder_attentions[j - 1] for j in t.decoder_attention})
         kept.update({f"cross_attention/{j}": out.cross_attentions[j - 1] for j in t.cross_attention})
-        if t.logits == "full":
-            kept["logits/full"] = out.logits
-        elif t.logits == "topk":
-            values, ids = torch.topk(out.logits, t.top_k, dim=-1, largest=True, sorted=True)
-            kept["logits/topk_values"], kept["logits/topk_ids"] = values, ids.to(torch.int32)
-            # fp32 logsumexp: exact top-k log-probabilities for half-precision teachers too.
-            kept["logits/lse"] = torch.logsumexp(out.logits.float(), dim=-1)
+        kept.update(logit_targets(out.logits, t.logits, t.top_k))
         return kept
 
     def _check_range(self, kept: dict[str, torch.Tensor]) -> None:
-        """One host sync for every target's max |value|; refuse the first beyond float16, naming it."""
-        if self.dtype_name != "fp16":
-            return
-        names = [n for n, v in kept.items() if v.is_floating_point() and n != "logits/lse" and v.numel()]
-        if not names:
-            return
-        # A non-finite teacher value is left to storage, which reports it as the teacher bug it is.
-        maxima = torch.stack([kept[n].detach().float().abs().nan_to_num(posinf=0.0).amax() for n in names])
-        for name, value in zip(names, maxima.cpu().tolist()):
-            with np.errstate(over="ignore"):  # values up to 65519.99 still round to 65504, as in storage
-                overflows = bool(np.isinf(np.float16(np.float32(value))))
-            if overflows:
-                raise overflow_error(name, value)
+        """Refuse the first target beyond float16's range, naming it (one host sync for all of them)."""
+        if self.dtype_name == "fp16":
+            check_ranges({n: max_abs(v) for n, v in kept.items()
+                          if v.is_floating_point() and n != "logits/lse" and v.numel()})
 
     def _to_storage(self, name: str, value: torch.Tensor) -> torch.Tensor:
         if name in ("logits/topk_ids", "logits/lse"):
             return value
         return to_storage_dtype(value, self.dtype_name)
-
-    @staticmethod
-    def _cut(host: dict[str, np.ndarray], i: int, n_e: int, n_d: int) -> dict[str, np.ndarray]:
-        """Sequence ``i``'s valid part of every padded array (views: the writer copies once)."""
-        item = {}
-        for name, value in host.items():
-            if name.startswith("encoder/attention/"):
-                item[name] = value[i, :, :n_e, :n_e]
-            elif name.startswith("decoder/attention/"):
-                item[name] = value[i, :, :n_d, :n_d]
-            elif name.startswith("cross_attention/"):
-                item[name] = value[i, :, :n_d, :n_e]
-            else:
-                item[name] = value[i, :n_e] if name.startswith("encoder/") else value[i, :n_d]
-        return item

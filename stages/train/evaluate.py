@@ -31,7 +31,6 @@ from kdcache.stages.train.agreement import (
     cka_result,
     final_state_agreement,
     mean_pool,
-    similarity_agreement,
 )
 from kdcache.stages.train.distill import student_inputs, student_view
 from kdcache.stages.train.streaming import collate, to_device
@@ -64,29 +63,6 @@ def cache_batches(reader: CacheReader, names: list[str], batch_size: int, *, lim
             pending = []
     if pending:
         yield to_device(collate(pending, range(len(pending))), "cpu")
-
-
-@torch.no_grad()
-def encoder_agreement(model: Any, reader: CacheReader, layer: int, *, batch_size: int = 32,
-                      device: str | torch.device = "cpu") -> dict[str, float]:
-    """Agreement of an HF encoder's final states with the cached teacher layer ``layer`` (one-stream cache).
-
-    Args:
-        model: an HF model returning ``hidden_states``.
-        reader: a cache holding ``hidden/{layer}`` for the held-out sentences.
-        layer: the teacher layer to compare with (usually the last).
-        batch_size: sequences per forward pass.
-        device: where the student runs.
-    """
-    model.eval()
-    students, teachers = [], []
-    name = f"hidden/{layer}"
-    for batch in cache_batches(reader, ["input_ids", name], batch_size):
-        out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["mask"].to(device),
-                    output_hidden_states=True)
-        students.append(mean_pool(out.hidden_states[-1].float().cpu(), batch["mask"]))
-        teachers.append(mean_pool(batch[name], batch["mask"]))
-    return similarity_agreement(torch.cat(students), torch.cat(teachers))
 
 
 # ---- one run against one cache -----------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kdcache.storage.errors import KdcacheError
-from kdcache.storage.streams import CROSS, kind_of, prefixed, split_stream
+from kdcache.storage.streams import kind_of, prefixed, ragged_streams
 
 Batch = dict[str, Any]
 
@@ -139,21 +139,11 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], p
             mask[i, :len(q[prefixed(stream, "input_ids")])] = 1
         out[prefixed(stream, "mask")] = torch.from_numpy(mask)
     for name in sequences[0]:
-        shape = [sizes[s] for s in _ragged_streams(name, streams)]
+        shape = [sizes[s] for s in ragged_streams(name, streams)]
         out[name] = torch.from_numpy(_pad_stack(name, [q[name] for q in sequences], shape))
     if pin and torch.cuda.is_available():
         out = {k: v.pin_memory() for k, v in out.items()}
     return out
-
-
-def _ragged_streams(name: str, streams: list[str]) -> tuple[str, ...]:
-    """The stream each ragged dim of a per-sequence array follows, in order: one for token rows, two for an
-    attention map (queries, keys); cross-attention has decoder queries and encoder keys."""
-    kind = kind_of(name)
-    if kind == CROSS:
-        return ("decoder", "encoder")
-    stream = streams[-1] if kind == "logits" else split_stream(name)[0]
-    return (stream, stream) if kind == "attention" else (stream,)
 
 
 def _pad_stack(name: str, arrays: list[np.ndarray], sizes: list[int]) -> np.ndarray:
