@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from kdcache.stages.precompute import PrecomputeOptions, run_precompute  # noqa: E402
 from kdcache.stages.precompute.batching import collate, plan_batches  # noqa: E402
 from kdcache.stages.precompute.data import load_texts, tokenize  # noqa: E402
-from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config, resolve_targets  # noqa: E402
+from kdcache.stages.precompute.targets import resolve_targets  # noqa: E402
+from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config  # noqa: E402
 
 STDLIB_MODULES = ("os", "json", "re", "collections", "itertools", "functools", "pathlib", "string", "textwrap",
                   "shutil", "subprocess", "threading", "argparse", "logging", "datetime", "random", "statistics",

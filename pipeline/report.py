@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,7 @@ def plot_alignment(cka: dict[str, Any], out: Path, title: str) -> Path | None:
     from matplotlib.patches import Rectangle
 
     matrix, rows, cols = cka["matrix"], cka["student_layers"], cka["teacher_layers"]
-    fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(cols), 1.0 + 0.6 * len(rows)))
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.0 + 0.8 * len(cols)), 1.6 + 0.6 * len(rows)))
     image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis", origin="lower", aspect="auto")
     for i, row in enumerate(matrix):
         for k, value in enumerate(row):
@@ -244,7 +245,9 @@ def plot_sweep_losses(states: dict[str, RunState], out: Path) -> Path | None:
 
 def _save(fig: Any, out: Path, title: str) -> Path:
     plt = _pyplot()
-    fig.suptitle(title, fontsize=10)
+    # Run names of sweep points are long: wrap the title to the figure's width rather than let it run off the page.
+    width = max(20, int(fig.get_figwidth() * 11))
+    fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

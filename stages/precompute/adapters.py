@@ -25,14 +25,8 @@ import numpy as np
 from kdcache.stages.precompute.data import TokenStreams, load_texts, tokenize
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
-from kdcache.stages.precompute.teacher import (
-    Teacher,
-    load_for_inference,
-    load_teacher,
-    resolve_targets,
-    teacher_fingerprint,
-)
-from kdcache.storage.spec import FORMAT_VERSION
+from kdcache.stages.precompute.targets import Targets
+from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
 
 # One padded batch of every stream: stream -> (ids [B, L], mask [B, L]) on the teacher's device, and the B valid
 # lengths per stream. A capture returns one dict of storage-ready arrays per sequence.
@@ -40,42 +34,25 @@ Capture = Callable[[dict[str, tuple[Any, Any]], dict[str, list[int]]], list[dict
 
 
 class TeacherAdapter(ABC):
-    """The parts of stage one that depend on the teacher's family; see the module docstring."""
+    """The parts of stage one that depend on the teacher's family; see the module docstring. Which layers to
+    keep, the spec and the settings fingerprint follow from the token streams (``targets.py``)."""
 
     @abstractmethod
     def check_options(self, options: PrecomputeOptions, config: Any) -> None:
         """Refuse options that do not apply to this family, rather than ignore them."""
 
     @abstractmethod
-    def resolve_targets(self, options: PrecomputeOptions, config: Any) -> Any:
-        """Concrete layers, heads and logits (with ``logits``, ``top_k`` and ``vocab_size`` fields)."""
-
-    @abstractmethod
     def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
         """The dataset as token streams, in cache order."""
 
     @abstractmethod
-    def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Any, tokenizer: Any,
+    def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                      device: Any) -> Teacher:
         """The weights, for inference (eager attention only when maps are captured)."""
 
     @abstractmethod
-    def build_spec(self, options: PrecomputeOptions, targets: Any, num_sequences: int) -> Any:
-        """The ``CacheSpec`` of this run."""
-
-    @abstractmethod
-    def settings(self, options: PrecomputeOptions, targets: Any) -> dict[str, Any]:
-        """The settings fingerprint, as far as it is known before the weights load."""
-
-    @abstractmethod
-    def capture(self, teacher: Teacher, targets: Any, dtype: str) -> Any:
+    def capture(self, teacher: Teacher, targets: Targets, dtype: str) -> Any:
         """A context manager giving the ``Capture`` function of this teacher."""
-
-
-def _common_settings(options: PrecomputeOptions, targets: Any) -> dict[str, Any]:
-    return {"heads": list(targets.heads) if targets.heads is not None else None, "features": list(options.features),
-            "top_k": targets.top_k, "logits": targets.logits, "dtype": options.dtype, "codec": options.codec_config,
-            "bitround": options.bitround, "triangle": options.triangle, "format_version": FORMAT_VERSION}
 
 
 class HookedTeacher(TeacherAdapter):
@@ -92,9 +69,6 @@ class HookedTeacher(TeacherAdapter):
             raise PrecomputeError(f"{', '.join(given)}: only for encoder-decoder teachers, and "
                                   f"{options.teacher!r} is a {config.model_type} without a decoder stack")
 
-    def resolve_targets(self, options: PrecomputeOptions, config: Any) -> Any:
-        return resolve_targets(options, config)
-
     def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
         from kdcache.storage import hash_arrays
 
@@ -103,27 +77,12 @@ class HookedTeacher(TeacherAdapter):
                        "input_ids_hash": hash_arrays(data.sequences), "num_sequences": len(data.sequences)}
         return TokenStreams({"": data.sequences}, fingerprint, data.dropped_empty)
 
-    def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Any, tokenizer: Any,
+    def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                      device: Any) -> Teacher:
         return load_teacher(options, config, targets, tokenizer, device)
 
-    def build_spec(self, options: PrecomputeOptions, targets: Any, num_sequences: int) -> Any:
-        from kdcache.storage import CacheSpec
-
-        return CacheSpec(
-            num_sequences=num_sequences, backend=options.format, hidden_layers=targets.hidden_layers,
-            attention_layers=targets.attention_layers, attention_heads=targets.heads,
-            attention_triangle=bool(targets.attention_layers and options.triangle), logits=targets.logits,
-            top_k=targets.top_k, vocab_size=targets.vocab_size if targets.logits else 0, dtype=options.dtype,
-            codec=options.codec_config, bitround=options.bitround, sequences_per_shard=options.sequences_per_shard)
-
-    def settings(self, options: PrecomputeOptions, targets: Any) -> dict[str, Any]:
-        return {"max_length": options.max_length, "packing": options.packing,
-                "layers": list(targets.hidden_layers), "attention_layers": list(targets.attention_layers),
-                **_common_settings(options, targets)}
-
     @contextmanager
-    def capture(self, teacher: Teacher, targets: Any, dtype: str) -> Iterator[Capture]:
+    def capture(self, teacher: Teacher, targets: Targets, dtype: str) -> Iterator[Capture]:
         from kdcache.stages.precompute.capture import FeatureCapture
 
         with FeatureCapture(teacher, targets, dtype) as hooks:
@@ -138,11 +97,6 @@ class EncoderDecoderTeacher(TeacherAdapter):
     def check_options(self, options: PrecomputeOptions, config: Any) -> None:
         return None  # every option applies; the pair loader refuses a missing --target-column and --packing
 
-    def resolve_targets(self, options: PrecomputeOptions, config: Any) -> Any:
-        from kdcache.stages.precompute.seq2seq_targets import resolve_seq2seq_targets
-
-        return resolve_seq2seq_targets(options, config)
-
     def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
         from kdcache.stages.precompute.seq2seq_data import load_pairs, paired_data_fingerprint, tokenize_pairs
 
@@ -150,32 +104,19 @@ class EncoderDecoderTeacher(TeacherAdapter):
         return TokenStreams({"encoder": data.sources, "decoder": data.targets},
                             paired_data_fingerprint(options, data), data.dropped_empty)
 
-    def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Any, tokenizer: Any,
+    def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                      device: Any) -> Teacher:
         from transformers import AutoModelForSeq2SeqLM
 
         model = load_for_inference(AutoModelForSeq2SeqLM, options, device, eager=targets.wants_attention,
                                    optional=() if targets.logits else self._HEAD_KEYS)
-        fingerprint = {**teacher_fingerprint(options, model), "num_encoder_layers": targets.encoder_depth,
-                       "num_decoder_layers": targets.decoder_depth}
+        fingerprint = {**teacher_fingerprint(options, model), "num_encoder_layers": targets.streams["encoder"].depth,
+                       "num_decoder_layers": targets.streams["decoder"].depth}
         impl = getattr(model.config, "_attn_implementation", None) or "default"
         return Teacher(model, tokenizer, model.config, device, fingerprint, impl)
 
-    def build_spec(self, options: PrecomputeOptions, targets: Any, num_sequences: int) -> Any:
-        from kdcache.stages.precompute.seq2seq_targets import build_seq2seq_spec
-
-        return build_seq2seq_spec(options, targets, num_sequences)
-
-    def settings(self, options: PrecomputeOptions, targets: Any) -> dict[str, Any]:
-        return {"max_length": options.max_length,
-                "max_target_length": options.max_target_length or options.max_length,
-                "encoder_layers": list(targets.encoder_hidden), "decoder_layers": list(targets.decoder_hidden),
-                "encoder_attention_layers": list(targets.encoder_attention),
-                "decoder_attention_layers": list(targets.decoder_attention),
-                "cross_attention_layers": list(targets.cross_attention), **_common_settings(options, targets)}
-
     @contextmanager
-    def capture(self, teacher: Teacher, targets: Any, dtype: str) -> Iterator[Capture]:
+    def capture(self, teacher: Teacher, targets: Targets, dtype: str) -> Iterator[Capture]:
         from kdcache.stages.precompute.seq2seq_capture import Seq2SeqCapture
 
         capture = Seq2SeqCapture(teacher.model, targets, dtype)

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.teacher import Targets, Teacher
+from kdcache.stages.precompute.targets import Targets
+from kdcache.stages.precompute.teacher import Teacher
 from kdcache.storage.streams import ragged_streams
 
 
@@ -175,19 +176,19 @@ class FeatureCapture:
 
     # ---- hooks ---------------------------------------------------------------------------------------
     def _install(self) -> None:
-        t = self.targets
-        blocks = find_blocks(self.model, t.num_layers)
+        t = self.targets.streams[""]
+        blocks = find_blocks(self.model, t.depth)
         base = self.model.base_model
         tie_last = getattr(self.model.config, "tie_last_hidden_states", True) is not False
-        for j in t.hidden_layers:
+        for j in t.hidden:
             if j == 0:
                 hook = blocks[0].register_forward_pre_hook(self._pre_hook(), with_kwargs=True)
-            elif j == t.num_layers and tie_last:
+            elif j == t.depth and tie_last:
                 hook = base.register_forward_hook(self._hidden_hook(j, last=True))
             else:
                 hook = blocks[j - 1].register_forward_hook(self._hidden_hook(j, last=False))
             self._handles.append(hook)
-        for j in t.attention_layers:
+        for j in t.attention:
             found = find_attention(blocks[j - 1], base)
             if found is None:
                 self._attention_fallback = True
@@ -274,7 +275,7 @@ class FeatureCapture:
         with torch.inference_mode():
             output = self.model(**kwargs)
             if self._attention_fallback:
-                for j in self.targets.attention_layers:
+                for j in self.targets.streams[""].attention:
                     if f"attention/{j}" not in self._out:
                         self._keep_attention(j, output.attentions[j - 1])
             if self.targets.logits:

@@ -65,7 +65,7 @@ class PrecomputeOptions:
     seed: int = _opt(0, "torch seed (the teacher runs in eval mode; this pins anything stochastic)")
     queue_size: int = _opt(2, "shards waiting for the background writer (bounds host memory)")
     progress: bool = _opt(True, "show a progress bar on rank 0")
-    # ---- seq2seq teachers (encoder-decoder: BART, mBART, T5); see stages.precompute.seq2seq -------------------
+    # ---- encoder-decoder teachers (BART, mBART, T5); see stages.precompute.targets and adapters ------------
     # The per-side layer lists are not Optional: the config machinery reads "none" as null for Optional fields,
     # and "none" must stay a value here (no layer on that side). Empty means "inherit --layers".
     source_column: str | None = _opt(None, "seq2seq: column holding the source text (default: --text-column)")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
-from kdcache.stages.precompute.adapters import Capture, TeacherAdapter, adapter_for
+from kdcache.stages.precompute.adapters import Capture, adapter_for
 from kdcache.stages.precompute.batching import Partition, collate, plan_batches
 from kdcache.stages.precompute.commit import commit_behind, open_writer
 from kdcache.stages.precompute.data import TokenStreams
@@ -27,6 +27,7 @@ from kdcache.stages.precompute.distributed import DistContext
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
+from kdcache.stages.precompute.targets import Targets, build_spec, resolve_targets, settings_fingerprint
 from kdcache.stages.precompute.teacher import (
     Teacher,
     has_lm_head,
@@ -90,19 +91,19 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     options = with_default_features(options, config)
     adapter = adapter_for(config)
     adapter.check_options(options, config)
-    targets = adapter.resolve_targets(options, config)
+    targets = resolve_targets(options, config)
     tokenizer = load_tokenizer(options)
     data = adapter.load_data(options, tokenizer)
     check_positions(config, data)
-    finished = finished_cache(options, config, adapter, targets, tokenizer, data)
+    finished = finished_cache(options, config, targets, tokenizer, data)
     if finished is not None:  # nothing to compute: don't pay for loading the weights
         return summarize(stats, finished, finished.spec.num_shards, options.out, {"reused": True})
     teacher = adapter.load_teacher(options, config, targets, tokenizer, pick_device(options.device, dist.local_rank))
     targets = with_output_vocab(targets, teacher, options)
     check_token_ids(teacher, data)
-    spec = adapter.build_spec(options, targets, len(data))
+    spec = build_spec(options, targets, len(data))
     part = Partition.of(options.shard_index, options.num_shards, dist.rank, dist.world)
-    writer = open_writer(options.out, spec, build_fingerprints(options, adapter, teacher, targets, data), part)
+    writer = open_writer(options.out, spec, build_fingerprints(options, teacher, targets, data), part)
     with writer, adapter.capture(teacher, targets, options.dtype) as capture:
         save_tokenizer(tokenizer, options.out)
         mine = part.shards(spec.num_shards)
@@ -147,7 +148,7 @@ def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
                               f"{table} rows; the tokenizer does not belong to this teacher")
 
 
-def with_output_vocab(targets: Any, teacher: Teacher, options: PrecomputeOptions) -> Any:
+def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOptions) -> Targets:
     """Use the LM head's real output size as the vocabulary (checkpoints may pad it beyond config.vocab_size)."""
     head = teacher.model.get_output_embeddings()
     if targets.logits is None or head is None:
@@ -158,7 +159,7 @@ def with_output_vocab(targets: Any, teacher: Teacher, options: PrecomputeOptions
     return replace(targets, vocab_size=vocab)
 
 
-def finished_cache(options: PrecomputeOptions, config: Any, adapter: TeacherAdapter, targets: Any, tokenizer: Any,
+def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                    data: TokenStreams) -> Any:
     """The manifest of a complete cache at ``options.out`` that this run would reproduce, else None.
 
@@ -178,16 +179,16 @@ def finished_cache(options: PrecomputeOptions, config: Any, adapter: TeacherAdap
     except KdcacheError:  # partial, corrupt or foreign: the normal path resumes it or explains the problem
         return None
     expected = {"teacher": teacher_fp, "tokenizer": tokenizer_fingerprint(tokenizer), "data": data.fingerprint,
-                "settings": adapter.settings(options, targets)}
+                "settings": settings_fingerprint(options, targets)}
     if compare_fingerprints(reader.fingerprints, expected):
         return None  # a different cache: the writer explains every difference (spec included) and refuses
     return reader.manifest
 
 
-def build_fingerprints(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Teacher, targets: Any,
+def build_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: Targets,
                        data: TokenStreams) -> dict[str, Any]:
     """Teacher, tokenizer, data and settings fingerprints; identical for every rank and every rerun."""
-    settings = {**adapter.settings(options, targets),
+    settings = {**settings_fingerprint(options, targets),
                 "teacher_dtype": str(teacher.model.dtype).replace("torch.", ""),
                 "attn_implementation": teacher.attn_implementation}
     return {"teacher": teacher.fingerprint, "tokenizer": tokenizer_fingerprint(teacher.tokenizer),

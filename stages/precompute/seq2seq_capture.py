@@ -28,7 +28,7 @@ from kdcache.stages.precompute.capture import (
     to_storage_dtype,
 )
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.seq2seq_targets import Seq2SeqTargets
+from kdcache.stages.precompute.targets import Targets
 
 
 class Seq2SeqCapture:
@@ -40,7 +40,7 @@ class Seq2SeqCapture:
         dtype_name: storage dtype, "fp16" or "bf16".
     """
 
-    def __init__(self, model: Any, targets: Seq2SeqTargets, dtype_name: str) -> None:
+    def __init__(self, model: Any, targets: Targets, dtype_name: str) -> None:
         if not hasattr(model, "prepare_decoder_input_ids_from_labels"):
             raise PrecomputeError(f"{type(model).__name__} cannot build decoder inputs from labels "
                                   f"(no prepare_decoder_input_ids_from_labels); it is not a seq2seq LM")
@@ -80,10 +80,10 @@ class Seq2SeqCapture:
         """The selected layers as padded device tensors, by array name."""
         t = self.targets
         kept: dict[str, torch.Tensor] = {}
-        kept.update({f"encoder/hidden/{j}": out.encoder_hidden_states[j] for j in t.encoder_hidden})
-        kept.update({f"decoder/hidden/{j}": out.decoder_hidden_states[j] for j in t.decoder_hidden})
-        kept.update({f"encoder/attention/{j}": out.encoder_attentions[j - 1] for j in t.encoder_attention})
-        kept.update({f"decoder/attention/{j}": out.decoder_attentions[j - 1] for j in t.decoder_attention})
+        for stream, layers in t.streams.items():  # HF: encoder_hidden_states, decoder_attentions, ...
+            kept.update({f"{stream}/hidden/{j}": getattr(out, f"{stream}_hidden_states")[j] for j in layers.hidden})
+            kept.update({f"{stream}/attention/{j}": getattr(out, f"{stream}_attentions")[j - 1]
+                         for j in layers.attention})
         kept.update({f"cross_attention/{j}": out.cross_attentions[j - 1] for j in t.cross_attention})
         kept.update(logit_targets(out.logits, t.logits, t.top_k))
         return kept

@@ -14,25 +14,10 @@ from typing import Any
 
 from kdcache.stages.common.fingerprints import config_fingerprint, weights_fingerprint
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
+from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES, Targets
 
-_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
-
-@dataclass(frozen=True)
-class Targets:
-    """What to capture, resolved against the teacher's config (layer numbers are HF's, see architecture.md)."""
-
-    hidden_layers: tuple[int, ...]
-    attention_layers: tuple[int, ...]
-    heads: tuple[int, ...] | None
-    logits: str | None
-    top_k: int
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    causal: bool
 
 
 @dataclass
@@ -60,51 +45,6 @@ def read_config(options: PrecomputeOptions) -> Any:
     except Exception as exc:  # OSError for missing repos/files, ValueError for unknown model types
         raise PrecomputeError(f"cannot load the teacher config from {options.teacher!r}: {exc}") from None
     return config  # the family (decoder-only or encoder, encoder-decoder) picks the adapter (adapters.adapter_for)
-
-
-def is_causal(config: Any) -> bool:
-    """Whether the teacher attends causally (decoder LMs), judged from its saved architecture."""
-    archs = getattr(config, "architectures", None) or []
-    return bool(getattr(config, "is_decoder", False)) or any(a.endswith(_CAUSAL_SUFFIXES) for a in archs)
-
-
-def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
-    """Turn the layer/head/logit options into concrete numbers for this teacher.
-
-    Raises:
-        PrecomputeError: a layer or head out of range, top-k above the vocabulary, a triangle on an encoder,
-            or attention asked for with no attention layer left.
-    """
-    num_layers = int(config.num_hidden_layers)
-    num_heads = int(getattr(config, "num_attention_heads", 0) or 0)
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    try:
-        hidden = parse_layers(options.layers, num_layers, minimum=0, name="layers") \
-            if "hidden" in options.features else ()
-        attention = _attention_layers(options, num_layers) if "attention" in options.features else ()
-    except ValueError as exc:
-        raise PrecomputeError(str(exc)) from None
-    if options.heads is not None and max(options.heads) >= num_heads:
-        raise PrecomputeError(f"heads: head {max(options.heads)} is out of range; this teacher has heads "
-                              f"0..{num_heads - 1}")
-    if options.logits_kind == "topk" and options.top_k > vocab:
-        raise PrecomputeError(f"top_k {options.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
-    causal = is_causal(config)
-    if attention and options.triangle and not causal:
-        raise PrecomputeError(f"triangle: teacher {options.teacher!r} is not causal, so its attention maps are "
-                              f"not triangular; drop --triangle")
-    return Targets(hidden, attention, options.heads if attention else None, options.logits_kind,
-                   options.top_k if options.logits_kind == "topk" else 0, vocab, num_layers, num_heads, causal)
-
-
-def _attention_layers(options: PrecomputeOptions, num_layers: int) -> tuple[int, ...]:
-    if options.attention_layers is not None:
-        return parse_layers(options.attention_layers, num_layers, minimum=1, name="attention_layers")
-    # Default: the hidden layers' blocks (layer 0, the embeddings, has no attention map).
-    blocks = tuple(j for j in parse_layers(options.layers, num_layers, minimum=0, name="layers") if j >= 1)
-    if not blocks:
-        raise ValueError("attention: --layers selects no block (only 0); set --attention-layers")
-    return blocks
 
 
 def load_tokenizer(options: PrecomputeOptions) -> Any:
@@ -135,7 +75,7 @@ def pick_device(name: str, local_rank: int = 0) -> Any:
 def has_lm_head(config: Any) -> bool:
     """Whether the teacher's checkpoint has a language-model head (a causal or masked LM, or a seq2seq LM)."""
     archs = getattr(config, "architectures", None) or []
-    heads = (*_CAUSAL_SUFFIXES, "ForMaskedLM", "ForConditionalGeneration")
+    heads = (*CAUSAL_SUFFIXES, "ForMaskedLM", "ForConditionalGeneration")
     return any(a.endswith(heads) for a in archs) or (not archs and bool(getattr(config, "is_decoder", False)))
 
 
@@ -145,7 +85,7 @@ def _model_class(config: Any, targets: Targets, teacher: str) -> Any:
     archs = getattr(config, "architectures", None) or []
     if targets.logits is None:
         return transformers.AutoModel
-    if any(a.endswith(_CAUSAL_SUFFIXES) for a in archs) or (not archs and targets.causal):
+    if any(a.endswith(CAUSAL_SUFFIXES) for a in archs) or (not archs and targets.causal):
         return transformers.AutoModelForCausalLM
     if any(a.endswith("ForMaskedLM") for a in archs):
         return transformers.AutoModelForMaskedLM
@@ -173,7 +113,7 @@ def load_teacher(options: PrecomputeOptions, config: Any, targets: Targets, toke
     import torch
 
     model = load_for_inference(_model_class(config, targets, options.teacher), options, device,
-                               eager=bool(targets.attention_layers))
+                               eager=targets.wants_attention)
     torch.manual_seed(options.seed)
     fingerprint = teacher_fingerprint(options, model)
     impl = getattr(model.config, "_attn_implementation", None) or "default"

@@ -36,6 +36,7 @@ from kdcache.stages.train.distill import student_inputs, student_view
 from kdcache.stages.train.streaming import collate, to_device
 from kdcache.storage import CacheReader
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.spec import TOPK_NAMES
 from kdcache.storage.streams import prefixed
 
 Pair = tuple[int, int]
@@ -187,8 +188,7 @@ class _EvalState:
 
 
 def _logit_names(logits: str | None) -> list[str]:
-    return {"full": ["logits/full"], "topk": ["logits/topk_values", "logits/topk_ids", "logits/lse"]}.get(
-        logits or "", [])
+    return {"full": ["logits/full"], "topk": list(TOPK_NAMES)}.get(logits or "", [])
 
 
 def _check_inputs(reader: CacheReader, facts: Any, final: int | None, cached: list[int], kind: str,

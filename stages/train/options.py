@@ -104,7 +104,7 @@ class TrainOptions:
         "record the sequence ids and loss of every micro-step in RUN/samples-rank{r}.jsonl"))
     export: bool = field(default=True, metadata=_opt("save the student with save_pretrained at the end"))
     allow_partial: bool = field(default=False, metadata=_opt("train on a partial cache (missing shards)"))
-    # Seq2seq students (issue 6, stages.train.seq2seq). Not Optional: the config machinery reads "none" as null,
+    # Encoder-decoder students (per-stream maps, stages.train.plan). Not Optional: the config reads "none" as null,
     # and "none" is a map here. Empty means "use --layer-map".
     encoder_layer_map: str = field(default="", metadata=_opt(
         "seq2seq: encoder student-to-teacher map, same syntax as --layer-map (default: --layer-map)"))

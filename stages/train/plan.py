@@ -31,9 +31,8 @@ from kdcache.stages.train.checks import (
 )
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
+from kdcache.storage.spec import TOPK_NAMES
 from kdcache.storage.streams import CROSS, prefixed
-
-TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
 
 
 @dataclass(frozen=True)

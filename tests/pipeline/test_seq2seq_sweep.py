@@ -90,3 +90,20 @@ def test_mbart_with_language_codes_through_both_stages(tmp_path: Path) -> None:
     assert main(["eval", "--cache", str(cache), "--run", str(tmp_path / "run")]) == 0
     [evaluation] = read_evals(tmp_path / "run")
     assert evaluation["kind"] == "seq2seq_lm" and evaluation["perplexity"] > 1 and 0 <= evaluation["top1_agreement"]
+
+
+def test_the_teacher_scored_as_its_own_student_agrees_with_its_cache(tmp_path: Path) -> None:
+    """The eval path of two streams (collate, decoder inputs from the labels, per-stack CKA) checked against the
+    one answer known exactly: the teacher itself matches its own cache."""
+    from kdcache.stages.train.evaluate import evaluate_run
+    from kdcache.storage import CacheReader
+
+    teacher = make_tiny_bart(tmp_path / "teacher")
+    cache = _precompute(teacher, write_pair_dataset(tmp_path / "pairs.jsonl", sample_pairs(10)), tmp_path / "cache")
+    result = evaluate_run(tmp_path / "no-run", CacheReader(cache), student=teacher)
+    assert result["kind"] == "seq2seq_lm" and result["top1_agreement"] == 1.0 and result["kl"] < 1e-3
+    for stack in ("encoder", "decoder"):
+        cka = result["cka_streams"][stack]
+        assert cka["student_layers"] == [0, 1, 2] and cka["teacher_layers"] == [0, 1, 2]
+        for j in range(3):
+            assert cka["matrix"][j][j] > 0.999, (stack, j, cka["matrix"])

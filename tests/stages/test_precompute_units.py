@@ -80,7 +80,8 @@ def test_background_writer_reraises_in_main_thread() -> None:
 def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
     """A hidden state beyond 65504 is refused with the layer's name, never stored as inf."""
     from kdcache.stages.precompute.capture import FeatureCapture
-    from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config, resolve_targets
+    from kdcache.stages.precompute.targets import resolve_targets
+    from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config
 
     opts = PrecomputeOptions(teacher=str(tiny_gpt2), data="unused", out=str(tmp_path / "c"), layers=("2",),
                              features=("hidden",))

@@ -31,6 +31,7 @@ from kdcache.stages.train.losses.logits import (
     topk_kl_renorm,
 )
 from kdcache.stages.train.losses.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
+from kdcache.stages.train.options import HIDDEN_LOSSES  # the option's choices are the registry's names
 
 _REGISTRY: dict[str, Callable[..., object]] = {
     "ce": causal_ce,
@@ -48,7 +49,6 @@ _REGISTRY: dict[str, Callable[..., object]] = {
 }
 
 # The names the CLI's --hidden-loss accepts; the wgan one needs a critic, the CKA ones no projector.
-HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
 PROJECTOR_FREE_LOSSES = ("cka", "cka_sqrt")
 
 

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 
 from kdcache.stages.train.losses._common import bool_mask, count_valid, kl_terms, valid_rows
 from kdcache.stages.train.losses.errors import LossError
-
-TOPK_VARIANTS = ("renorm", "other")
+from kdcache.stages.train.options import TOPK_KL_VARIANTS as TOPK_VARIANTS
 
 
 def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,194 @@
+"""What a precompute keeps, per token stream, resolved against the teacher's config.
+
+Layer numbering is HF's (docs/architecture.md): hidden layer j is ``hidden_states[j]`` (0 = embeddings) of the
+stream's stack, attention block j is ``attentions[j-1]``; an encoder-decoder has an ``encoder`` and a ``decoder``
+stack, each numbered on its own, and cross-attention blocks on the decoder.
+
+Flags, and why they default the way they do:
+
+* ``--layers`` selects hidden layers (of both stacks: the common case is "layers 2 and 4 of each stack");
+  ``--encoder-layers`` / ``--decoder-layers`` override one stack, and ``none`` drops it.
+* ``--attention-layers`` selects self-attention blocks (default: the blocks of the hidden selection);
+  ``--encoder-attention-layers`` / ``--decoder-attention-layers`` override one stack.
+* feature ``cross_attention`` adds cross-attention maps, by default at the decoder's self-attention blocks
+  (or its hidden blocks), since those are the layers a student's decoder is matched on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
+from kdcache.storage.spec import FORMAT_VERSION
+
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+@dataclass(frozen=True)
+class StreamTargets:
+    """The layers kept of one token stream's stack of ``depth`` blocks."""
+
+    hidden: tuple[int, ...] = ()
+    attention: tuple[int, ...] = ()
+    depth: int = 0
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Concrete layers, heads and logits of one precompute, per token stream (``""``, or ``encoder`` and
+    ``decoder``); logits belong to the last stream."""
+
+    streams: dict[str, StreamTargets]
+    heads: tuple[int, ...] | None
+    logits: str | None
+    top_k: int
+    vocab_size: int
+    num_heads: int
+    causal: bool
+    cross_attention: tuple[int, ...] = field(default=())
+
+    @property
+    def wants_hidden(self) -> bool:
+        return any(s.hidden for s in self.streams.values())
+
+    @property
+    def wants_attention(self) -> bool:
+        """Whether any attention map is captured (the teacher then needs eager attention)."""
+        return bool(self.cross_attention) or any(s.attention for s in self.streams.values())
+
+
+def is_causal(config: Any) -> bool:
+    """Whether the teacher attends causally (decoder LMs), judged from its saved architecture."""
+    archs = getattr(config, "architectures", None) or []
+    return bool(getattr(config, "is_decoder", False)) or any(a.endswith(CAUSAL_SUFFIXES) for a in archs)
+
+
+def stack_depths(config: Any) -> tuple[dict[str, int], int]:
+    """Blocks per token stream and the attention heads of the teacher.
+
+    Encoder-decoders (BART/mBART ``encoder_layers``, T5 ``num_layers``) have two stacks, and the heads are the
+    smaller of the two stacks' counts, so a head subset valid for it is valid everywhere.
+    """
+    if not getattr(config, "is_encoder_decoder", False):
+        return {"": int(config.num_hidden_layers)}, int(getattr(config, "num_attention_heads", 0) or 0)
+    encoder = getattr(config, "encoder_layers", None) or getattr(config, "num_layers", None)
+    decoder = getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None) or encoder
+    keys = ("encoder_attention_heads", "decoder_attention_heads", "num_heads")
+    heads = [int(h) for h in (getattr(config, k, None) for k in keys) if h]
+    if not encoder or not heads:
+        raise PrecomputeError(f"cannot read the encoder/decoder depth of a {config.model_type} config")
+    return {"encoder": int(encoder), "decoder": int(decoder or encoder)}, min(heads)
+
+
+def _select(values: tuple[str, ...], depth: int, minimum: int, name: str) -> tuple[int, ...]:
+    """Parse a layer list (``none`` = no layer) for a stack of ``depth`` blocks."""
+    if tuple(v.strip().lower() for v in values) == ("none",):
+        return ()
+    try:
+        return parse_layers(values, depth, minimum=minimum, name=name)
+    except ValueError as exc:
+        raise PrecomputeError(str(exc)) from None
+
+
+def _stream(options: PrecomputeOptions, stream: str, depth: int) -> StreamTargets:
+    """The hidden layers and self-attention blocks kept of one stream (its own flags, else the shared ones)."""
+    prefix = f"{stream}_" if stream else ""
+    hidden_values = (getattr(options, f"{stream}_layers") if stream else ()) or options.layers
+    hidden = _select(hidden_values, depth, 0, f"{prefix}layers") if "hidden" in options.features else ()
+    if "attention" not in options.features:
+        return StreamTargets(hidden, (), depth)
+    attention_flag = (getattr(options, f"{stream}_attention_layers") if stream else None) or options.attention_layers
+    if attention_flag is not None:
+        return StreamTargets(hidden, _select(attention_flag, depth, 1, f"{prefix}attention_layers"), depth)
+    # Default: the blocks of this stream's hidden selection (layer 0, the embeddings, has no attention map).
+    blocks = tuple(j for j in _select(hidden_values, depth, 0, f"{prefix}layers") if j >= 1)
+    return StreamTargets(hidden, blocks, depth)
+
+
+def _cross_attention(options: PrecomputeOptions, decoder: StreamTargets | None) -> tuple[int, ...]:
+    if "cross_attention" not in options.features or decoder is None:
+        return ()
+    values = options.cross_attention_layers
+    cross = _select(values, decoder.depth, 1, "cross_attention_layers") if values else (
+        decoder.attention or tuple(j for j in decoder.hidden if j >= 1))
+    if not cross:
+        raise PrecomputeError("cross_attention: no decoder block selected; set --cross-attention-layers")
+    return cross
+
+
+def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
+    """Turn the layer/head/logit options into concrete numbers for this teacher.
+
+    Raises:
+        PrecomputeError: a layer or head out of range, top-k above the vocabulary, attention asked for with no
+            block left, or a triangle where no causal self-attention is kept.
+    """
+    depths, num_heads = stack_depths(config)
+    streams = {name: _stream(options, name, depth) for name, depth in depths.items()}
+    cross = _cross_attention(options, streams.get("decoder"))
+    if "attention" in options.features and not any(s.attention for s in streams.values()):
+        flags = "--attention-layers" + (" or --encoder-attention-layers/--decoder-attention-layers"
+                                        if len(streams) > 1 else "")
+        raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
+    causal = is_causal(config)
+    _check_triangle(options, streams, causal)
+    heads = options.heads if (cross or any(s.attention for s in streams.values())) else None
+    if heads is not None and max(heads) >= num_heads:
+        raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if options.logits_kind == "topk" and options.top_k > vocab:
+        raise PrecomputeError(f"top_k {options.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
+    top_k = options.top_k if options.logits_kind == "topk" else 0
+    return Targets(streams, heads, options.logits_kind, top_k, vocab, num_heads, causal, cross)
+
+
+def _check_triangle(options: PrecomputeOptions, streams: dict[str, StreamTargets], causal: bool) -> None:
+    """Only a causal self-attention map (a decoder LM's, or an encoder-decoder's decoder) is a triangle."""
+    if not options.triangle:
+        return
+    if "decoder" in streams and not streams["decoder"].attention:
+        raise PrecomputeError("triangle: only the decoder's causal self-attention can be stored as a triangle, "
+                              "and no decoder attention block is selected; drop --triangle")
+    if "" in streams and streams[""].attention and not causal:
+        raise PrecomputeError(f"triangle: teacher {options.teacher!r} is not causal, so its attention maps are "
+                              f"not triangular; drop --triangle")
+
+
+def build_spec(options: PrecomputeOptions, targets: Targets, num_sequences: int) -> Any:
+    """The ``CacheSpec`` of this run (storage validates it): one stream's layers, or each stack's."""
+    from kdcache.storage import CacheSpec
+
+    if "" in targets.streams:
+        one = targets.streams[""]
+        layers: dict[str, Any] = {"hidden_layers": one.hidden, "attention_layers": one.attention}
+        triangle = bool(one.attention and options.triangle)
+    else:
+        layers = {f"{s}_{kind}_layers": getattr(t, kind) for s, t in targets.streams.items()
+                  for kind in ("hidden", "attention")}
+        layers.update(layout="seq2seq", cross_attention_layers=targets.cross_attention)
+        triangle = bool(targets.streams["decoder"].attention and options.triangle)
+    return CacheSpec(
+        num_sequences=num_sequences, backend=options.format, attention_heads=targets.heads,
+        attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k,
+        vocab_size=targets.vocab_size if targets.logits else 0, dtype=options.dtype, codec=options.codec_config,
+        bitround=options.bitround, sequences_per_shard=options.sequences_per_shard, **layers)
+
+
+def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[str, Any]:
+    """The settings the targets depend on, as far as they are known before the weights load (key names as
+    caches have always recorded them: ``layers`` for one stream, ``encoder_layers``... for two)."""
+    out: dict[str, Any] = {"max_length": options.max_length}
+    if "" in targets.streams:
+        out.update(packing=options.packing, layers=list(targets.streams[""].hidden),
+                   attention_layers=list(targets.streams[""].attention))
+    else:
+        out["max_target_length"] = options.max_target_length or options.max_length
+        out.update({f"{s}_layers": list(t.hidden) for s, t in targets.streams.items()})
+        out.update({f"{s}_attention_layers": list(t.attention) for s, t in targets.streams.items()})
+        out["cross_attention_layers"] = list(targets.cross_attention)
+    return {**out, "heads": list(targets.heads) if targets.heads is not None else None,
+            "features": list(options.features), "top_k": targets.top_k, "logits": targets.logits,
+            "dtype": options.dtype, "codec": options.codec_config, "bitround": options.bitround,
+            "triangle": options.triangle, "format_version": FORMAT_VERSION}
