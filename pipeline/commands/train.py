@@ -10,7 +10,9 @@ inside ``run`` so ``kdcache --help`` stays instant.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.commands import print_summary
@@ -62,8 +64,17 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"ZeRO-{summary['zero_stage']}, {summary['steps_per_s']:.2f} steps/s; {losses}",
              f"run dir     {summary['run_dir']} (metrics.jsonl, checkpoints/)"]
     if summary.get("student_dir"):
-        lines.append(f"student     {summary['student_dir']} (loads with AutoModel.from_pretrained)")
+        lines.append(f"student     {summary['student_dir']} (loads with {_loader(summary['student_dir'])})")
     return "\n".join(lines)
+
+
+def _loader(student_dir: str) -> str:
+    """The class the exported student loads with, from its config (``BartForConditionalGeneration``...)."""
+    try:
+        archs = json.loads((Path(student_dir) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        archs = []
+    return f"{archs[0]}.from_pretrained" if archs else "transformers' from_pretrained"
 
 
 def run_init_student(args: argparse.Namespace) -> int:
