@@ -33,6 +33,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+# The repository root, for tests.helpers (the tiny models); kdcache itself is pip-installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402

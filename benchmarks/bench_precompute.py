@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The repository root, for tests.helpers (the tiny models); kdcache itself is pip-installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 

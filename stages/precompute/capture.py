@@ -100,9 +100,10 @@ def logit_targets(logits: torch.Tensor, kind: str | None, top_k: int) -> dict[st
 
 
 def max_abs(values: torch.Tensor) -> torch.Tensor:
-    """The largest |value| of a tensor, on its device (no host sync); non-finite values are left to storage,
-    which reports them as the teacher bug they are."""
-    return values.detach().float().abs().nan_to_num(posinf=0.0, neginf=0.0).amax()
+    """The largest |value| of a tensor, on its device (no host sync): one pass (``aminmax``) over what may be a
+    large activation, rather than the copies ``abs()`` would make. A NaN passes on to storage, which reports it as
+    the teacher bug it is; an inf is refused here like any value beyond float16."""
+    return torch.stack(torch.aminmax(values.detach())).float().abs().amax()
 
 
 def check_ranges(maxima: dict[str, torch.Tensor]) -> None:
