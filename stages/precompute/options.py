@@ -28,7 +28,7 @@ def _opt(default: Any, help_text: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help_text, **meta})
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecomputeOptions:
     """Options of ``kdcache precompute`` (see ``docs/architecture.md`` for the cache they produce)."""
 

@@ -24,12 +24,32 @@ import operator
 import random
 from collections.abc import Iterable, Sequence
 
-from kdcache.stages.train.losses.errors import LayerMapError
+from kdcache.storage.errors import KdcacheError
 
 LAYER_MAP_KINDS = ("uniform", "last", "reverse", "all-to-one", "random", "explicit", "none")
 _ALIASES = {"last-k": "last", "all_to_one": "all-to-one", "alltoone": "all-to-one", "skip": "uniform"}
 
 Pair = tuple[int, int]
+
+
+class LayerMapError(KdcacheError, ValueError):
+    """A layer map is malformed, or needs layers that the student or the cache does not have."""
+
+
+def map_problems(key: str, text: str) -> list[str]:
+    """Syntax check of a map as the config gives it (``uniform``, ``last-k``, ``explicit:1-2,2-4``...), with the
+    option's name in each message; the depth checks need the models and come with ``build_layer_map``."""
+    name = _ALIASES.get(text.strip().lower(), text.strip().lower())
+    if name in LAYER_MAP_KINDS and name != "explicit":
+        return []
+    if not name.startswith("explicit:"):
+        named = [k for k in LAYER_MAP_KINDS if k != "explicit"]
+        return [f"{key}: unknown map {text!r}; use one of {', '.join(named)} or explicit:S-T,S-T"]
+    try:
+        parse_layer_map(text.split(":", 1)[1])
+    except LayerMapError as exc:
+        return [f"{key}: {exc}"]
+    return []
 
 
 def build_layer_map(

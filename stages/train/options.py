@@ -3,8 +3,8 @@
 The field names are the YAML keys of the ``train:`` section and, with dashes, the CLI flags; the flags named in
 issue 4 (``--cache --student --out --deepspeed --zero-stage --offload --layer-map --hidden-loss --alpha --beta
 --gamma --delta --temperature --topk-kl --epochs --max-steps --lr --batch-size --grad-accum --seed --resume
---config``) are a contract. This module imports neither torch nor the storage package, so ``kdcache --help``
-and config validation stay instant.
+--config``) are a contract. This module imports neither torch nor zarr/pyarrow (only the layer-map syntax and
+the error types), so ``kdcache --help`` and config validation stay instant.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kdcache.stages.train.layer_maps import map_problems
+
 HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
 TOPK_KL_VARIANTS = ("renorm", "other")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-NAMED_LAYER_MAPS = ("uniform", "last", "last-k", "reverse", "all-to-one", "random", "none")
 
 
 def _opt(help_text: str, **extra: object) -> dict[str, object]:
@@ -42,7 +43,7 @@ def tracker_problems(report_to: tuple[str, ...]) -> list[str]:
     return problems
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainOptions:
     """Everything ``run_training`` needs; validated before any model or cache is opened."""
 
@@ -138,12 +139,12 @@ class TrainOptions:
             problems.append(f"lr must be > 0, got {self.lr}")
         if self.save_every < 0 or self.num_workers < 0 or self.warmup_steps < 0:
             problems.append("save_every, num_workers and warmup_steps must be >= 0")
-        problems += _map_problems("layer_map", self.layer_map)
+        problems += map_problems("layer_map", self.layer_map)
         for key in ("encoder_layer_map", "decoder_layer_map", "cross_attention_map"):
             if getattr(self, key):
-                problems += _map_problems(key, getattr(self, key))
+                problems += map_problems(key, getattr(self, key))
         if self.attention_layers is not None:
-            problems += _map_problems("attention_layers", self.attention_layers)
+            problems += map_problems("attention_layers", self.attention_layers)
         if self.offload and self.zero_stage == 0 and self.deepspeed is None:
             problems.append("offload needs --zero-stage 1, 2 or 3 (ZeRO 0 has no optimizer offload)")
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
@@ -155,34 +156,3 @@ class TrainOptions:
     def to_dict(self) -> dict[str, object]:
         """Plain dict, written to RUN/options.json."""
         return dataclasses.asdict(self)
-
-
-def _map_problems(key: str, text: str) -> list[str]:
-    """Syntax check of a layer-map string; the depth checks need the models and run later."""
-    if text in NAMED_LAYER_MAPS:
-        return []
-    if not text.startswith("explicit:"):
-        return [f"{key}: unknown map {text!r}; use one of {', '.join(NAMED_LAYER_MAPS)} or explicit:S-T,S-T"]
-    try:
-        parse_explicit_pairs(text)
-    except ValueError as exc:
-        return [f"{key}: {exc}"]
-    return []
-
-
-def parse_explicit_pairs(text: str) -> list[tuple[int, int]]:
-    """Parse ``explicit:1-2,2-4`` into ``[(1, 2), (2, 4)]`` (student layer, teacher layer).
-
-    Raises:
-        ValueError: the text is not a comma-separated list of non-negative ``S-T`` pairs.
-    """
-    body = text.split(":", 1)[1] if ":" in text else text
-    pairs = []
-    for item in (p.strip() for p in body.split(",") if p.strip()):
-        parts = item.split("-")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"bad pair {item!r} in {text!r}; expected S-T with non-negative integers, e.g. 1-2")
-        pairs.append((int(parts[0]), int(parts[1])))
-    if not pairs:
-        raise ValueError(f"{text!r} lists no pairs")
-    return pairs

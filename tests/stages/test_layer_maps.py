@@ -104,3 +104,15 @@ def test_validate_names_bad_student_layers_and_accepts_good_maps():
     validate_layer_map([], 4, [])
     with pytest.raises(LayerMapError, match="attention layers 6 .*holds none"):
         validate_layer_map([(1, 6)], 4, [], what="attention")
+
+
+def test_the_config_checks_map_syntax_with_the_same_parser_the_maps_use() -> None:
+    from kdcache.stages.train.layer_maps import map_problems
+
+    assert map_problems("layer_map", "last-k") == [] and map_problems("layer_map", "explicit:0-0,1-2") == []
+    [bad] = map_problems("decoder_layer_map", "explicit:1-2,2-x")
+    assert bad.startswith("decoder_layer_map: cannot read layer pair '2-x'")
+    [unknown] = map_problems("layer_map", "sideways")
+    assert "unknown map 'sideways'" in unknown and "all-to-one" in unknown
+    with pytest.raises(LayerMapError, match="2-x"):
+        build_layer_map("explicit:1-2,2-x", 2, 4)
