@@ -24,38 +24,47 @@ from kdcache.pipeline.run_state import (
     eval_columns,
     final_terms,
     load_run_state,
-    read_json,
     term_label,
 )
+from kdcache.stages.train.eval_records import alignment_panels
+from kdcache.storage.files import read_json_object
 
 TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "hidden", "attention")
 LOWER_IS_BETTER = ("eval_perplexity", "eval_kl", "loss", "ce", "kl", "topk_kl", "hidden", "attention")
 GROUP_COLOURS = {"hidden": "tab:blue", "attention": "tab:orange", "logits": "tab:green", "other": "tab:gray"}
 
 
-def collect_rows(sweep_dir: str | Path, summary: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def collect_rows(sweep_dir: str | Path, summary: dict[str, Any] | None = None,
+                 states: dict[str, RunState] | None = None) -> list[dict[str, Any]]:
     """One row per run of a sweep: grid values, status, steps, seconds, final loss terms, eval metrics.
 
     Records come from ``summary["runs"]`` (or ``SWEEP/sweep.json``), completed by each run's own
     ``sweep-run.json``, so a sweep still running shows its finished, running and failed points.
     """
-    return [_row(record) for record in sweep_records(sweep_dir, summary).values()]
+    records = sweep_records(sweep_dir, summary)
+    states = states if states is not None else run_states(Path(sweep_dir), records)
+    return [_row(record, states[name]) for name, record in records.items()]
+
+
+def run_states(sweep_dir: Path, records: dict[str, dict[str, Any]]) -> dict[str, RunState]:
+    """Each run's state (``SWEEP/runs/NAME``, so a moved sweep folder still reports), read once for the table,
+    the plots and the run pages."""
+    return {name: load_run_state(sweep_dir / "runs" / name) for name in records}
 
 
 def sweep_records(sweep_dir: str | Path, summary: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Run records by name: the sweep's own list first, then any run folder's ``sweep-run.json`` it lacks."""
     root = Path(sweep_dir)
-    summary = summary if summary is not None else read_json(root / "sweep.json")
+    summary = summary if summary is not None else read_json_object(root / "sweep.json")
     records = {r["name"]: r for r in summary.get("runs", [])}
     for path in sorted((root / "runs").glob("*/sweep-run.json")):
-        record = read_json(path)
+        record = read_json_object(path)
         if record.get("name") and record["name"] not in records:
             records[record["name"]] = record
     return records
 
 
-def _row(record: dict[str, Any]) -> dict[str, Any]:
-    state = load_run_state(record.get("run_dir", ""))
+def _row(record: dict[str, Any], state: RunState) -> dict[str, Any]:
     row: dict[str, Any] = {"name": record["name"], **record.get("values", {}), "status": record.get("status"),
                            "steps": state.last_step, "seconds": record.get("seconds")}
     if record.get("status") == "running" and state.finished:
@@ -126,13 +135,6 @@ def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | 
     for ax in list(axes.flat)[len(families):]:
         ax.axis("off")
     return _save(fig, out, title)
-
-
-def alignment_panels(evaluation: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The CKA results to draw, by stream: every stack of a two-stream cache, or the one stream's (key "")."""
-    if evaluation.get("cka_streams"):
-        return dict(evaluation["cka_streams"])
-    return {"": evaluation["cka"]} if evaluation.get("cka") else {}
 
 
 def plot_alignment(cka: dict[str, Any], out: Path, title: str) -> Path | None:
@@ -264,11 +266,13 @@ def is_run(path: Path) -> bool:
     return any((path / name).exists() for name in ("metrics.jsonl", "options.json", "plan.json"))
 
 
-def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache: bool = True) -> Path:
-    """Plots and ``report.html`` for one run (finished or not). Returns the HTML path."""
+def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache: bool = True,
+               state: RunState | None = None) -> Path:
+    """Plots and ``report.html`` for one run (finished or not; ``state`` when the caller has read it already).
+    Returns the HTML path."""
     from kdcache.pipeline.report_html import render_run
 
-    state = load_run_state(run_dir)
+    state = state or load_run_state(run_dir)
     out_dir = Path(out) if out else state.run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     name = state.run_dir.name
@@ -321,13 +325,15 @@ def report_sweep(sweep_dir: str | Path, out: str | Path | None = None, *, metric
     root = Path(sweep_dir)
     out_dir = Path(out) if out else root / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = read_json(root / "sweep.json")
-    rows = collect_rows(root, summary)
+    summary = read_json_object(root / "sweep.json")
+    records = sweep_records(root, summary)
+    states = run_states(root, records)
+    rows = collect_rows(root, summary, states)
     grid_keys = list(summary.get("grid", {})) or list(dict.fromkeys(
-        k for r in sweep_records(root, summary).values() for k in r.get("values", {})))
-    states = {r["name"]: load_run_state(root / "runs" / r["name"]) for r in rows}
+        k for r in records.values() for k in r.get("values", {})))
     metric, why = (metric, "chosen with --metric") if metric else default_metric(rows, states)
-    links = {name: report_run(state.run_dir, with_cache=False) for name, state in states.items() if state.metrics}
+    links = {name: report_run(state.run_dir, with_cache=False, state=state)
+             for name, state in states.items() if state.metrics}
     images = {"losses": plot_sweep_losses(states, out_dir / "sweep_losses.png")}
     if metric is not None:
         images["metric"] = plot_sweep_metric(rows, metric, out_dir / f"sweep_{metric}.png", grid_keys, why)

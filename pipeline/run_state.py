@@ -7,11 +7,12 @@ and ``evals/`` may not exist yet. Shared by ``pipeline.report`` (plots, tables) 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kdcache.storage.files import read_json_object
 
 META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "data_wait_share")
 # (column, key in an evaluation record) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
@@ -33,15 +34,6 @@ def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
     records = [r for r in parsed if isinstance(r, dict) and "step" in r]
     skipped += len(parsed) - len(records)
     return records, skipped
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``, or ``{}`` when it is missing, unreadable or not an object."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 @dataclass
@@ -74,13 +66,13 @@ class RunState:
 
 def load_run_state(run_dir: str | Path) -> RunState:
     """Read options, plan, metrics (tolerantly), evaluations (RUN/evals/) and whether the student was exported."""
-    from kdcache.stages.train.eval_records import find_eval, read_evals
+    from kdcache.stages.train.eval_records import newest, read_evals
 
     root = Path(run_dir)
     metrics, skipped = read_metrics(root / "metrics.jsonl")
-    state = RunState(root, read_json(root / "options.json"), read_json(root / "plan.json"), metrics, skipped,
-                     find_eval(root, "trained"), (root / "student" / "config.json").is_file(),
-                     evals=read_evals(root))
+    evals = read_evals(root)
+    state = RunState(root, read_json_object(root / "options.json"), read_json_object(root / "plan.json"), metrics,
+                     skipped, newest(evals, "trained"), (root / "student" / "config.json").is_file(), evals=evals)
     if skipped:
         state.notes.append(f"{skipped} unreadable line(s) in metrics.jsonl skipped (a run still writing it)")
     return state

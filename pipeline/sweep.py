@@ -31,9 +31,9 @@ from typing import Any
 
 from kdcache.pipeline.children import child_env
 from kdcache.pipeline.config import ConfigError, build
-from kdcache.pipeline.run_state import read_json
-from kdcache.stages.train.eval_records import find_eval
+from kdcache.stages.train.eval_records import find_eval, remove_evals
 from kdcache.stages.train.options import TrainOptions
+from kdcache.storage.files import read_json_object
 
 # Keys a grid may not vary: the sweep owns `out`, and "one cache" is the point of a sweep.
 RESERVED_KEYS = ("out", "cache", "resume", "config")
@@ -157,7 +157,7 @@ def conflicts(points: list[SweepPoint], launcher: list[str]) -> list[str]:
     problems = []
     for point in points:
         run_dir = Path(point.options.out)
-        previous = read_json(run_dir / RUN_RECORD).get("command")
+        previous = read_json_object(run_dir / RUN_RECORD).get("command")
         if previous and previous != train_command(point.options, launcher) and (
                 run_dir / "checkpoints" / "latest").is_file():
             problems.append(f"{run_dir} holds a run trained with other options (see its {RUN_RECORD}); use "
@@ -222,7 +222,7 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"name": point.name, "values": point.values, "run_dir": str(run_dir)}
     command = train_command(point.options, settings.launcher)
-    previous = read_json(run_dir / RUN_RECORD)
+    previous = read_json_object(run_dir / RUN_RECORD)
     if previous.get("status") in ("ok", "reused") and previous.get("command") == command:
         record.update(previous, status="reused")
     else:
@@ -260,6 +260,7 @@ def _evaluate(run_dir: Path, settings: SweepSettings) -> dict[str, Any]:
                str(run_dir), "--batch-size", str(settings.eval_batch_size)]
     if settings.eval_limit:
         command += ["--limit", str(settings.eval_limit)]
+    remove_evals(run_dir, "trained", str(settings.eval_cache))  # a failed eval must not show the old model's
     code, seconds = run_child(command, run_dir / "eval.log")
     if code != 0 or find_eval(run_dir, "trained", settings.eval_cache) is None:
         return {"eval_status": "failed", "eval_log_tail": log_tail(run_dir / "eval.log")}

@@ -26,12 +26,14 @@ def storage_dtype(dtype_name: str) -> np.dtype:
     return STORAGE_DTYPES[dtype_name][0]
 
 
-def check_fp16_range(name: str, max_abs: float) -> None:
+def check_fp16_range(name: str, max_abs: float,
+                     fix: str = "Use dtype 'bf16' for this cache (same range as float32), or drop this layer.") -> None:
     """Refuse a target whose largest magnitude would turn into inf in float16.
 
     Args:
         name: the array name (for example ``hidden/6``), used in the message.
         max_abs: the largest |value| seen in that target.
+        fix: what the caller's user can do about it (stage one names its ``--dtype bf16`` flag).
 
     Raises:
         Fp16OverflowError: when ``max_abs`` rounds to inf in float16 (values up to 65519.99 still round to 65504).
@@ -41,8 +43,7 @@ def check_fp16_range(name: str, max_abs: float) -> None:
     if overflows:
         raise Fp16OverflowError(
             f"{name}: largest |value| is {max_abs:.6g}, beyond the float16 maximum of {FP16_MAX:g}; "
-            f"it would be stored as inf. Use dtype 'bf16' for this cache (same range as float32), "
-            f"or drop this layer.",
+            f"it would be stored as inf. {fix}",
             name=name,
             max_abs=float(max_abs),
         )

@@ -96,6 +96,18 @@ def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in FULL_DISK_ERRNOS
 
 
+def read_json_object(path: Path | str) -> dict[str, Any]:
+    """A JSON object from a local file, or ``{}`` when it is missing, unreadable or not an object (run folders are
+    read while their runs still write them)."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def format_bytes(count: float) -> str:
     """Binary units, labelled: ``1536`` -> ``"1.5 KiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

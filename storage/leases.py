@@ -40,7 +40,7 @@ class RemoteLock:
                     f"{int(time.time() - float(held.get('time', 0)))} s ago); "
                     f"wait for it, use another part, or delete that object if no writer runs")
             store.remove(key)
-            if not self._create() or (self._current() or {}).get("owner") != self.lease["owner"]:
+            if not self._create():
                 raise CacheLockedError(f"{what} of {store.url}: another writer took the lease {key} first")
 
     def _payload(self) -> bytes:
@@ -53,10 +53,13 @@ class RemoteLock:
         return False
 
     def _current(self) -> dict[str, Any] | None:
+        """The lease held now; None when there is none, or it is not a lease this code wrote (taken over)."""
         try:
-            return json.loads(self.store.read(self.key))
-        except (FileNotFoundError, ValueError):
+            held = json.loads(self.store.read(self.key))
+            float(held["time"])
+        except (FileNotFoundError, ValueError, TypeError, KeyError):
             return None
+        return held if isinstance(held, dict) else None
 
     def renew(self) -> None:
         """Refresh the lease's time (the writer calls it after each committed shard)."""

@@ -50,6 +50,8 @@ def read_json(store: Store, key: str, what: str) -> dict[str, Any]:
         raise ManifestError(f"{what} not found at {where}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"{what} at {where} is corrupt (not valid JSON: {exc})") from None
+    except OSError as exc:  # a folder in its place, no permission
+        raise ManifestError(f"{what} at {where} cannot be read: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
         raise ManifestError(f"{what} at {where} is corrupt: expected a JSON object, got {type(data).__name__}")
     return data

@@ -95,8 +95,8 @@ class ShardData:
             raise IndexError(f"shard {self.index} has sequences 0..{len(self) - 1} (local), got {local}")
         fetch = lambda name, a, b: self.arrays[name][a:b]  # noqa: E731
         offsets = self.all_offsets or {"offsets": self.offsets}
-        if self.attention_offsets is not None:
-            offsets["attention_offsets"] = self.attention_offsets
+        if not self.all_offsets and self.attention_offsets is not None:
+            offsets = {**offsets, "attention_offsets": self.attention_offsets}
         return _sequence(self.spec, list(self.arrays), fetch, offsets, local)
 
 
@@ -140,14 +140,15 @@ class CacheReader:
         records = {r.index: r for r in self.manifest.shards}
         if self.manifest.status == "complete":
             return records
-        committed = len(records) if self.manifest.status == "partial" else len(read_sidecars(self.store))
+        sidecars = read_sidecars(self.store)
+        committed = len(records) if self.manifest.status == "partial" else len(sidecars)
         if not allow_partial:
             raise PartialCacheError(
                 f"{self.root} is not complete (status {self.manifest.status!r}, {committed} of "
                 f"{self.spec.num_shards} shards committed): its writer is still running or died. Resume the "
                 f"precompute, run `kdcache merge`, or pass allow_partial=True to read the committed shards only.")
         # While writing, the manifest lags behind: committed shards are the sidecars whose data is in place.
-        for index, record in read_sidecars(self.store).items():
+        for index, record in sidecars.items():
             if self.store.exists(self._backend.shard_key(index)):
                 records[index] = record
         return dict(sorted(records.items()))

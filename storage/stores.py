@@ -105,9 +105,6 @@ class Store(ABC):
         """The file behind ``key`` when the store is a local folder (for memory maps), else None."""
         return None
 
-    def read_json(self, key: str) -> Any:
-        return json.loads(self.read(key))
-
     def put_json(self, key: str, obj: Any) -> None:
         self.put(key, (json.dumps(obj, indent=1) + "\n").encode())
 

@@ -52,11 +52,10 @@ class VerifyReport:
         return [(p.shard, p.array) for p in self.problems if p.shard is not None and p.array is not None]
 
 
-def _check_shards(store: Store, manifest: Manifest, report: VerifyReport) -> None:
+def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, sidecars: dict[int, Any]) -> None:
     backend = get_backend(manifest.spec.backend)
     records = {r.index: r for r in manifest.shards}
-    if manifest.status != "complete":
-        records.update(read_sidecars(store))  # also check what a running or dead writer committed
+    records.update(sidecars)  # also check what a running or dead writer committed
     for index, record in sorted(records.items()):
         if not store.exists(record.path):
             report.problems.append(VerifyProblem(index, None, f"listed as committed but {store.url}/{record.path} "
@@ -81,12 +80,12 @@ def verify_cache(path: str | os.PathLike[str] | Store,
     try:
         manifest = read_manifest(store)
         report.status = manifest.status
+        sidecars = read_sidecars(store) if manifest.status != "complete" else {}
         if manifest.status != "complete":
-            committed = len(read_sidecars(store))
             report.problems.append(VerifyProblem(None, None, f"cache is not complete (status {manifest.status!r}, "
-                                                             f"{committed} of {manifest.spec.num_shards} "
+                                                             f"{len(sidecars)} of {manifest.spec.num_shards} "
                                                              f"shards committed)"))
-        _check_shards(store, manifest, report)
+        _check_shards(store, manifest, report, sidecars)
     except KdcacheError as exc:  # manifest or sidecar unreadable: a finding, never a crash
         report.problems.append(VerifyProblem(None, None, str(exc)))
     return report

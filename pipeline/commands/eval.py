@@ -41,8 +41,9 @@ def register(subparsers: Any) -> None:
 def teacher_notes(eval_cache: Any, run_dir: Path) -> list[str]:
     """A warning when the eval cache's teacher differs from the one the run was trained against."""
     from kdcache.storage import CacheReader, cache_exists, compare_fingerprints
+    from kdcache.storage.files import read_json_object
 
-    options = json.loads((run_dir / "options.json").read_text()) if (run_dir / "options.json").is_file() else {}
+    options = read_json_object(run_dir / "options.json")
     train_cache = options.get("cache")
     if not train_cache or not cache_exists(train_cache):
         return []
@@ -87,8 +88,9 @@ def format_eval(result: dict[str, Any], out: Path) -> str:
                        ("cosine", "mean cosine"), ("spearman", "Spearman")):
         if isinstance(result.get(key), float):
             lines.append(f"  {label:<16} {result[key]:.4f}")
-    panels = result.get("cka_streams") or ({"": result["cka"]} if result.get("cka") else {})
-    for stream, cka in panels.items():
+    from kdcache.stages.train.eval_records import alignment_panels
+
+    for stream, cka in alignment_panels(result).items():
         on_map = ", ".join(f"{p['student']}->{p['teacher']}: " + ("n/a" if p["cka"] is None else f"{p['cka']:.3f}")
                            for p in cka["on_map"]) or "no hidden pairs"
         lines.append(f"  CKA{' (' + stream + ')' if stream else ''} final layers {cka['final']:.4f}; "

@@ -10,7 +10,6 @@ inside ``run`` so ``kdcache --help`` stays instant.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -70,10 +69,9 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def _loader(student_dir: str) -> str:
     """The class the exported student loads with, from its config (``BartForConditionalGeneration``...)."""
-    try:
-        archs = json.loads((Path(student_dir) / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        archs = []
+    from kdcache.storage.files import read_json_object
+
+    archs = read_json_object(Path(student_dir) / "config.json").get("architectures") or []
     return f"{archs[0]}.from_pretrained" if archs else "transformers' from_pretrained"
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -91,7 +91,6 @@ class DistillLoss(nn.Module):
         super().__init__()
         self.streams = list(parts)
         self.parts = nn.ModuleDict({_module_key(s): part for s, part in parts.items()})
-        self.by_stream = dict(parts)  # the same modules, typed, by stream name
         self.cross_pairs, self.delta = [(int(s), int(t)) for s, t in cross_pairs], delta
         critics = {s: part.critics for s, part in parts.items() if part.critics is not None}
         # One stream keeps its critics' own state layout, so checkpoints of single-stream runs read as before.
@@ -102,8 +101,12 @@ class DistillLoss(nn.Module):
     def projectors(self) -> nn.Module:
         """The projectors exported beside the student: one stream's own, or every stream's by name."""
         if len(self.streams) == 1:
-            return self.by_stream[self.streams[0]].projectors
-        return nn.ModuleDict({_module_key(s): part.projectors for s, part in self.by_stream.items()})
+            return self.part(self.streams[0]).projectors
+        return nn.ModuleDict({_module_key(s): self.part(s).projectors for s in self.streams})
+
+    def part(self, stream: str) -> CompoundLoss:
+        """The compound loss of ``stream``."""
+        return cast(CompoundLoss, self.parts[_module_key(stream)])
 
     def forward(self, out: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Returns ``{"loss": total with graph, ...every term detached}``."""
@@ -111,7 +114,7 @@ class DistillLoss(nn.Module):
         total: torch.Tensor | None = None
         for stream in self.streams:
             main = stream == self.streams[-1]
-            terms = self.by_stream[stream](student_view(out, stream, main), stream_view(batch, stream, main),
+            terms = self.part(stream)(student_view(out, stream, main), stream_view(batch, stream, main),
                                                     batch[prefixed(stream, "mask")])
             loss = terms.pop("loss")
             total = loss if total is None else total + loss

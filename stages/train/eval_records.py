@@ -8,14 +8,14 @@ sweeps read evaluations without it.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kdcache.storage.files import read_json_object
+
 EVALS_DIR = "evals"
-ROLES = ("trained", "baseline")  # the run's exported student, or another one scored with `eval --student`
 
 
 def cache_label(path: str, fingerprints: Mapping[str, Any]) -> str:
@@ -33,12 +33,9 @@ def eval_path(run_dir: str | Path, role: str, label: str) -> Path:
 
 def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every readable evaluation of a run, baseline before trained, by cache label."""
-    records = []
-    for path in sorted((Path(run_dir) / EVALS_DIR).glob("*@*.json")):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue  # being written, or damaged: a report skips it
+    # Being written or damaged (not an object, no cache record): a report skips it.
+    records = [read_json_object(p) for p in sorted((Path(run_dir) / EVALS_DIR).glob("*@*.json"))]
+    records = [r for r in records if r and isinstance(r.get("cache", {}), dict)]
     return sorted(records, key=lambda r: (r.get("cache", {}).get("label", ""), r.get("role") != "baseline"))
 
 
@@ -56,5 +53,24 @@ def same_cache(record: Mapping[str, Any], cache: str | None) -> bool:
 
 def find_eval(run_dir: str | Path, role: str = "trained", cache: str | None = None) -> dict[str, Any] | None:
     """The newest evaluation of ``role`` (against ``cache`` when given), or None."""
-    found = [r for r in read_evals(run_dir) if r.get("role") == role and same_cache(r, cache)]
+    return newest(read_evals(run_dir), role, cache)
+
+
+def newest(records: list[dict[str, Any]], role: str, cache: str | None = None) -> dict[str, Any] | None:
+    """The newest of ``records`` with ``role`` (against ``cache`` when given), or None."""
+    found = [r for r in records if r.get("role") == role and same_cache(r, cache)]
     return max(found, key=lambda r: r.get("written_at", ""), default=None)
+
+
+def remove_evals(run_dir: str | Path, role: str, cache: str) -> None:
+    """Delete the evaluations of ``role`` against ``cache`` (before scoring a retrained student again)."""
+    for path in (Path(run_dir) / EVALS_DIR).glob(f"{role}@*.json"):
+        if same_cache(read_json_object(path), cache):
+            path.unlink(missing_ok=True)
+
+
+def alignment_panels(evaluation: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """An evaluation's CKA results by stream: every stack of a two-stream cache, or the one stream's (key "")."""
+    if evaluation.get("cka_streams"):
+        return dict(evaluation["cka_streams"])
+    return {"": evaluation["cka"]} if evaluation.get("cka") else {}

@@ -32,6 +32,7 @@ from kdcache.stages.train.agreement import (
     final_state_agreement,
     mean_pool,
 )
+from kdcache.stages.train.checks import stream_problems
 from kdcache.stages.train.distill import student_inputs, student_view
 from kdcache.stages.train.streaming import collate, to_device
 from kdcache.storage import CacheReader
@@ -51,8 +52,8 @@ def cache_batches(reader: CacheReader, names: list[str], batch_size: int, *, lim
     """Padded batches of cached sequences, in cache order, read a whole shard at a time.
 
     Yields:
-        ``streaming.collate`` batches on the CPU with float32 targets: per stream ``input_ids`` / ``mask``
-        ``[B, L]``, and every other name in ``names`` (``[B, L, ...]``; int64 for ``logits/topk_ids``).
+        ``streaming.collate`` batches in the stored dtypes (``to_device`` makes targets float32 where they go):
+        per stream ``input_ids`` / ``mask`` ``[B, L]``, and every other name in ``names``.
     """
     pending: list[dict[str, Any]] = []
     for index, seq in enumerate(reader.iter_sequences(names=names)):
@@ -60,10 +61,10 @@ def cache_batches(reader: CacheReader, names: list[str], batch_size: int, *, lim
             break
         pending.append(seq)
         if len(pending) == batch_size:
-            yield to_device(collate(pending, range(len(pending))), "cpu")
+            yield collate(pending, range(len(pending)))
             pending = []
     if pending:
-        yield to_device(collate(pending, range(len(pending))), "cpu")
+        yield collate(pending, range(len(pending)))
 
 
 # ---- one run against one cache -----------------------------------------------------------------------------
@@ -198,10 +199,9 @@ def _check_inputs(reader: CacheReader, facts: Any, final: int | None, cached: li
     if facts.vocab_size < int(spec.vocab_size or 0):
         raise EvaluationError(f"the cache's vocabulary has {spec.vocab_size} tokens, the student's "
                               f"embedding {facts.vocab_size}: this cache was not made for this student")
-    if spec.is_seq2seq != facts.is_encoder_decoder:
-        raise EvaluationError(f"the cache holds {len(spec.streams)} token stream(s) but the student is "
-                              f"{'an' if facts.is_encoder_decoder else 'not an'} encoder-decoder: this cache was "
-                              "not made for this student")
+    mismatch = stream_problems(spec, facts)
+    if mismatch:
+        raise EvaluationError(f"{mismatch[0]}: this cache was not made for this student")
     if final is None:
         notes.append("the cache holds no hidden states: no CKA and no final-state agreement")
     if final is not None and final not in cached:

@@ -40,7 +40,6 @@ class MetricsLogger:
             self._monitor.write_events([(f"train/{name}", float(value), step) for name, value in scalars.items()])
 
 
-
 class SampleTrace:
     """Per-rank record of the sequence ids of each micro-step, for checking exact resumption."""
 

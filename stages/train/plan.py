@@ -128,13 +128,18 @@ def teacher_depth(reader: Any, stream: str = "") -> int:
     return max(layers, default=0)
 
 
+def stream_map(options: TrainOptions, stream: str) -> str:
+    """The layer map of ``stream``: ``--encoder-layer-map`` / ``--decoder-layer-map``, else ``--layer-map``."""
+    return (getattr(options, f"{stream}_layer_map") if stream else "") or options.layer_map
+
+
 def _streams(options: TrainOptions, reader: Any, student: StudentFacts) -> list[_Stream]:
     """The cache's token streams as the pair builder sees them."""
     depths = {"": student.num_layers, "encoder": student.num_layers, "decoder": student.decoder_layers}
     out = []
     for name, hidden, attention in reader.spec.stream_layers():
-        text = (getattr(options, f"{name}_layer_map") if name else "") or options.layer_map
-        out.append(_Stream(name, hidden, attention, teacher_depth(reader, name), depths[name], text))
+        out.append(_Stream(name, hidden, attention, teacher_depth(reader, name), depths[name],
+                           stream_map(options, name)))
     return out
 
 
@@ -253,7 +258,7 @@ def unused_targets(spec: Any, plan: TrainPlan, options: TrainOptions) -> list[st
         used = by_stream.get(stream, StreamPairs(stream))
         hidden = sorted(set(hidden_cached) - {t for _, t in used.hidden_pairs})
         if hidden:
-            text = (getattr(options, f"{stream}_layer_map") if stream else "") or options.layer_map
+            text = stream_map(options, stream)
             why = ("--gamma is 0" if options.gamma <= 0 else "--layer-map is none" if text == "none"
                    else f"the layer map {text!r} pairs no student layer with them")
             notes.append(f"{prefixed(stream, 'hidden').replace('/', ' ')} layers {_layers_text(hidden)} ({why})")

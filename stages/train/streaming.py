@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kdcache.storage.errors import KdcacheError
-from kdcache.storage.streams import kind_of, prefixed, ragged_streams
+from kdcache.storage.streams import kind_of, prefixed, ragged_streams, split_stream
 
 Batch = dict[str, Any]
 
@@ -130,7 +130,7 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], p
         stream's prefix; ``sample_ids`` [B]; targets [B, L, ...] and attention [B, H', L_q, L_k], zero-padded.
         fp16 stays fp16; bf16 bits become int16 (torch has few uint16 kernels); ids become int64 for gather.
     """
-    streams = [n[: -len("input_ids")].rstrip("/") for n in sequences[0] if kind_of(n) == "input_ids"]
+    streams = [split_stream(n)[0] for n in sequences[0] if kind_of(n) == "input_ids"]
     sizes = {s: max(len(q[prefixed(s, "input_ids")]) for q in sequences) for s in streams}
     out: Batch = {"sample_ids": torch.tensor(list(sample_ids), dtype=torch.int64)}
     for stream in streams:

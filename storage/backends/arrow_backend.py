@@ -133,23 +133,27 @@ class ArrowShard(ShardHandle):
         self.store, self.key, self.record, self.spec = store, record.path, record, spec
         self._columns: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._remote: pa.Buffer | None = None
+        self._fields: dict[str, int] | None = None  # column positions, from the header parsed once
         self._lock = threading.Lock()
 
     def _source(self) -> Any:
         local = self.store.local_path(self.key)
         if local is not None:
             return pa.memory_map(str(local))
-        if self._remote is None:
-            self._remote = pa.py_buffer(self.store.read(self.key))
+        with self._lock:  # one GET for the whole shard, whichever column asks first
+            if self._remote is None:
+                self._remote = pa.py_buffer(self.store.read(self.key))
         return pa.BufferReader(self._remote)
 
     def decode(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """Decompress one column only (the others' pages are never touched): ``(offsets, flat values)``."""
         with self._source() as source:
-            index = _open(source).schema.get_field_index(name)  # parses the header only
-            if index < 0:
+            if self._fields is None:
+                self._fields = {n: i for i, n in enumerate(_open(source).schema.names)}  # the header only
+                source.seek(0)
+            if name not in self._fields:
                 raise KeyError(f"column {name!r} missing from {self.key}")
-            options = ipc.IpcReadOptions(included_fields=[index])
+            options = ipc.IpcReadOptions(included_fields=[self._fields[name]])
             return _split(_first_batch(_open(source, options)).column(0))
 
     def _fail(self, name: str, message: str) -> ChecksumError:
@@ -158,15 +162,19 @@ class ArrowShard(ShardHandle):
 
     def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
-            if name not in self._columns:
-                try:
-                    offsets, flat = self.decode(name)
-                except (pa.ArrowException, OSError, ValueError, KeyError) as exc:  # damaged bytes, not a bug
-                    raise self._fail(name, f"cannot decode: {exc}") from None
-                if is_format3(self.record) and column_crc(offsets, flat) != self.record.arrays[name]["crc32c"]:
-                    raise self._fail(name, "decoded values differ from those written (crc32c mismatch)")
-                self._columns[name] = offsets, flat
-            return self._columns[name]
+            cached = self._columns.get(name)
+        if cached is not None:
+            return cached
+        # Decoding runs outside the lock, so the reader's pool decompresses a shard's columns in parallel.
+        try:
+            offsets, flat = self.decode(name)
+        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:  # damaged bytes, not a bug
+            raise self._fail(name, f"cannot decode: {exc}") from None
+        if is_format3(self.record) and column_crc(offsets, flat) != self.record.arrays[name]["crc32c"]:
+            raise self._fail(name, "decoded values differ from those written (crc32c mismatch)")
+        with self._lock:
+            self._columns[name] = offsets, flat
+        return offsets, flat
 
     def check(self) -> list[Problem]:
         if not is_format3(self.record):

@@ -90,6 +90,7 @@ class ZarrShard(ShardHandle):
     def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec) -> None:
         self.store, self.key, self.record, self.spec = store, record.path, record, spec
         self._arrays: dict[str, Any] = {}
+        self._decoded: dict[str, np.ndarray] = {}  # object stores only: whole arrays that slices were cut from
         self._metadata: dict[str, dict[str, Any]] = {}
         self._fetched: dict[str, bytes] = {}  # an object store's files, fetched together by prefetch()
         self._lock = threading.Lock()
@@ -136,6 +137,9 @@ class ZarrShard(ShardHandle):
         return cached
 
     def _array(self, name: str) -> Any:
+        with self._lock:
+            if name in self._arrays:
+                return self._arrays[name]
         if is_format3(self.record):
             self.metadata(name)
             for path in self.record.arrays[name]["files"]:  # zarr reads a missing chunk as zeros: refuse that
@@ -175,9 +179,15 @@ class ZarrShard(ShardHandle):
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
         whole_read = start is None and stop is None
-        if is_format3(self.record) and (whole_read or self.store.local_path(self.key) is None):
-            whole = self._read_whole(name)
+        remote = self.store.local_path(self.key) is None
+        if is_format3(self.record) and (whole_read or remote):
+            with self._lock:
+                whole = self._decoded.get(name)
+            whole = self._read_whole(name) if whole is None else whole
             if whole is not None:
+                if remote and not whole_read:
+                    with self._lock:
+                        self._decoded[name] = whole
                 return whole[slice(start, stop)]
         array = self._array(name)
         try:

@@ -14,23 +14,13 @@ import pytest
 from kdcache.pipeline.cli import main
 from kdcache.pipeline.report import report_run, report_sweep
 from kdcache.pipeline.run_state import read_metrics
+from tests.helpers.images import assert_png
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 EVAL = {"kind": "encoder", "spearman": 0.8, "cosine": 0.7, "notes": [],
         "cka": {"student_layers": [0, 1, 2], "teacher_layers": [2, 4, 6],
                 "matrix": [[0.9, 0.7, 0.4], [0.95, 0.8, 0.5], [0.7, 0.75, 0.72]],
                 "on_map": [{"student": 1, "teacher": 2, "cka": 0.95}, {"student": 2, "teacher": 6, "cka": 0.72}],
                 "mean_on_map": 0.835, "final": 0.72, "tokens": 100}}
-
-
-def assert_png(path: Path) -> None:
-    """The file exists, starts with the PNG signature, and decodes to an RGB(A) image."""
-    import matplotlib.image
-
-    assert path.is_file(), path
-    assert path.read_bytes()[:8] == PNG_SIGNATURE
-    pixels = matplotlib.image.imread(str(path))
-    assert pixels.ndim == 3 and pixels.shape[2] in (3, 4) and min(pixels.shape[:2]) > 50
 
 
 def write_run(root: Path, cache: Path | None, steps: int, *, finished: bool, truncate: bool = False,
@@ -87,6 +77,14 @@ def test_report_on_a_run_with_only_its_first_lines(tmp_path: Path) -> None:
     (run / "metrics.jsonl").write_text('{"step": 1, "loss"')  # nothing complete yet
     html = report_run(run).read_text()
     assert "No step logged yet" in html and "cache statistics skipped" in html
+
+
+def test_damaged_evaluation_files_are_skipped(tmp_path: Path, cache: Path) -> None:
+    run = write_run(tmp_path / "run", cache, 8, finished=True, evaluation=EVAL)
+    (run / "evals" / "trained@junk-1.json").write_text("[1, 2]")
+    (run / "evals" / "trained@junk-2.json").write_text('{"cache": "not a record", "role": "trained"}')
+    assert main(["report", str(run)]) == 0
+    assert "eval_spearman" in (run / "report" / "report.html").read_text()
 
 
 def test_report_on_a_finished_run_draws_the_alignment_heatmap(tmp_path: Path, cache: Path,

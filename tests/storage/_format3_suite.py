@@ -69,7 +69,9 @@ class Format3Suite:
             return
         # Not raised: the byte was not read (zarr group metadata, Arrow padding or end marker) and the
         # values are exactly those written; a wrong value must never come back.
-        assert owner is None or self.backend == "arrow", (path, "a damaged array read without an error")
+        # (Arrow lists one file for every array, so its owner is None: per-array attribution there is the job
+        # of test_reading_one_array_never_touches_another.)
+        assert owner is None, (path, "a damaged array read without an error")
         for name, want in clean.items():
             np.testing.assert_array_equal(data[name], want, err_msg=f"{path}: {name} read wrong values")
 
@@ -118,13 +120,13 @@ class Format3Suite:
         assert total > rows and total % rows, (total, rows)  # several inner chunks, the last one partial
 
     def test_files_follow_the_umask(self, tmp_path):
-        previous = os.umask(0o022)
+        previous = os.umask(0o027)  # not the usual 022: hard-coded modes would not pass
         try:
             self.build(tmp_path / "cache", self.spec())
         finally:
             os.umask(previous)
         for path in [tmp_path / "cache", *(tmp_path / "cache").rglob("*")]:
-            want = 0o755 if path.is_dir() else 0o644
+            want = 0o750 if path.is_dir() else 0o640
             assert path.stat().st_mode & 0o777 == want, (path, oct(path.stat().st_mode))
 
     def test_a_full_disk_exits_cleanly_and_resumes_identically(self, tmp_path, small_tmpfs):

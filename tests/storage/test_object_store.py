@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 
 import numpy as np
 import pytest
@@ -101,9 +103,16 @@ def test_two_writers_of_one_part_and_a_stale_lease(s3_bucket):
     first.close()
     CacheWriter(url, spec, FINGERPRINTS).close()  # released: the next writer gets it
     store = open_store(url)
-    lease = {"owner": "dead", "host": __import__("socket").gethostname(), "pid": 2 ** 22 + 12345, "time": 0}
+    second = CacheWriter(url, spec, FINGERPRINTS)
+    assert store.exists("locks/part-00000-of-00001.lock")  # the lease this test forges next
+    second.close()
+    # Renewed just now, so only the dead process (same host, no such pid) makes it stale.
+    lease = {"owner": "dead", "host": socket.gethostname(), "pid": 2 ** 22 + 12345,
+             "time": time.time()}
     store.put("locks/part-00000-of-00001.lock", json.dumps(lease).encode())
     CacheWriter(url, spec, FINGERPRINTS).close()  # that writer's process is gone: its lease is taken over
+    store.put("locks/part-00000-of-00001.lock", b"[]")  # not a lease this code wrote: taken over, no traceback
+    CacheWriter(url, spec, FINGERPRINTS).close()
 
 
 def test_bad_urls_get_one_clear_line(s3_server, s3_bucket, capsys):

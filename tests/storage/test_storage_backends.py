@@ -300,6 +300,9 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
         manifest_path.unlink()
         with pytest.raises(ManifestError, match="no manifest.json"):
             CacheReader(tmp_path)
+        manifest_path.mkdir()  # something unreadable in its place: a typed error too, never an OSError
+        with pytest.raises(ManifestError, match="cannot be read"):
+            CacheReader(tmp_path)
 
     def test_fp16_overflow_is_refused_and_writes_nothing(self, tmp_path):
         spec = self.spec()
