@@ -8,7 +8,8 @@ unknown keys, wrong types, then the dataclass's own ``validate()`` findings — 
 Field conventions understood here:
 
 * ``metadata={"help": "..."}`` gives the flag's help text; ``metadata={"flag": "--top-k"}`` overrides the
-  flag name (default: ``--field-name``); ``metadata={"choices": [...]}`` restricts values.
+  flag name (default: ``--field-name``); ``metadata={"choices": [...]}`` restricts values;
+  ``metadata={"const": v}`` lets the flag stand alone, meaning ``v``.
 * Supported annotations: ``int``, ``float``, ``str``, ``bool``, ``tuple[int, ...]``, ``tuple[str, ...]``,
   and ``X | None`` of those. Tuples accept a YAML list or a comma-separated string ("2,4,6").
 * A dataclass may define ``validate(self) -> list[str]`` for checks across fields or against the disk.
@@ -131,6 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
             kwargs["metavar"] = f.metadata.get("metavar", f.name.upper())
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
+            if "const" in f.metadata:  # the flag alone means this value
+                kwargs.update(nargs="?", const=f.metadata["const"])
         parser.add_argument(_flag(f), **kwargs)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
 from kdcache.storage.errors import InvalidSequenceError, ShardError
 from kdcache.storage.layout import attention_rows, pack_attention
-from kdcache.storage.spec import CacheSpec
+from kdcache.storage.spec import TOKEN_ARRAYS, CacheSpec
 from kdcache.storage.streams import kind_of, split_stream
 
 
@@ -54,7 +54,7 @@ def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
         queries, keys, _ = spec.attention_geometry(name)
         return (value.shape[0], lengths[queries], lengths[keys]) if value.ndim == 3 else None
     length = lengths[split_stream(name)[0] or ("decoder" if spec.is_seq2seq else "")]
-    if kind == "input_ids" or name == "logits/lse":
+    if kind in ("input_ids", *TOKEN_ARRAYS) or name == "logits/lse":
         return (length,)
     if kind == "hidden":
         return (length, value.shape[-1]) if value.ndim == 2 else None
@@ -106,6 +106,15 @@ def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[st
     original = values if values.dtype.kind == "f" else to_float32(values, spec.dtype)
     lossy[name] = {"keepbits": spec.bitround, **measure_error(original, rounded, spec.dtype)}
     return rounded
+
+
+def _integer_tokens(name: str, flat: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Range-check a token array (ids, loss mask, positions) and narrow it to its storage dtype."""
+    top = 1 if kind_of(name) == "loss_mask" else np.iinfo(dtype).max
+    if flat.dtype.kind not in "iub" or flat.min() < 0 or flat.max() > top:
+        raise InvalidSequenceError(f"{name}: expected integers in 0..{top}, got {flat.dtype} values "
+                                   f"{flat.min()}..{flat.max()}")
+    return flat.astype(dtype)
 
 
 def _offsets(lengths: Sequence[int]) -> np.ndarray:
@@ -179,10 +188,8 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray],
         raise InvalidSequenceError(f"{name}: hidden sizes {sorted({p.shape[1] for p in parts})} differ between "
                                    f"sequences; expected one size d per layer")
     flat = np.concatenate(parts)
-    if kind_of(name) == "input_ids":
-        if flat.min() < 0 or flat.max() > np.iinfo(np.int32).max:
-            raise InvalidSequenceError(f"{name}: ids must be in 0..2**31-1, got {flat.min()}..{flat.max()}")
-        return flat.astype(np.int32)
+    if kind_of(name) in ("input_ids", *TOKEN_ARRAYS):
+        return _integer_tokens(name, flat, spec.array_dtype(name))
     if name == "logits/lse":
         return flat.astype(np.float32)
     if name == "logits/topk_ids":

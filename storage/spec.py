@@ -3,6 +3,8 @@
 Array names inside a shard (see docs/architecture.md):
 
 - ``input_ids [T]`` int32 and ``offsets [S+1]`` int64;
+- token arrays named by ``token_arrays``, ``[T]`` like ``input_ids``: ``loss_mask`` uint8 (1 = a loss counts this
+  token) and ``position_ids`` int32 (positions that restart at 0 where a packed row starts a new document);
 - ``hidden/{j} [T, d]`` per hidden layer j (0 = embeddings);
 - ``attention/{j} [R, H']`` per attention block j (1..N) and ``attention_offsets [S+1]`` int64;
 - ``logits/full [T, V]``, or ``logits/topk_values [T, k]``, ``logits/topk_ids [T, k]``, ``logits/lse [T]``.
@@ -45,9 +47,10 @@ from kdcache.storage.streams import (
 )
 
 # Format history: 1 single-stream caches, 2 seq2seq caches (two token streams), 3 both layouts with one sharded
-# file per zarr array, Arrow IPC streams and a crc32c per file (docs/cache-format.md). Versions 1-2 are read-only.
-FORMAT_VERSION = 3  # what this code writes
-READABLE_FORMAT_VERSION = 3  # the newest format this code reads
+# file per zarr array, Arrow IPC streams and a crc32c per file, 4 token arrays (loss masks, document positions)
+# (docs/cache-format.md). Versions 1-3 are read-only.
+FORMAT_VERSION = 4  # what this code writes
+READABLE_FORMAT_VERSION = 4  # the newest format this code reads
 LAYOUTS = ("single", "seq2seq")
 SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",
                   "decoder_attention_layers", "cross_attention_layers")
@@ -55,6 +58,8 @@ BACKENDS = ("zarr", "arrow")
 LOGIT_KINDS = (None, "full", "topk")
 TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
 PER_SEQUENCE_FIXED = ("input_ids",)
+# Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
+TOKEN_ARRAYS = {"loss_mask": np.dtype(np.uint8), "position_ids": np.dtype(np.int32)}
 
 
 def default_codecs(backend: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -106,6 +111,7 @@ class CacheSpec:
     topk_codec: Any = None
     bitround: int | None = None
     sequences_per_shard: int = 256
+    token_arrays: tuple[str, ...] = ()  # of TOKEN_ARRAYS, stored for every stream; absent before format 4
     # seq2seq only (layout "seq2seq"); left out of to_dict() for single-stream caches, whose manifests stay v1.
     layout: str = "single"
     encoder_hidden_layers: tuple[int, ...] = ()
@@ -120,6 +126,7 @@ class CacheSpec:
         put("attention_layers", _layers("attention_layers", self.attention_layers, 1))
         for key in SEQ2SEQ_FIELDS:
             put(key, _layers(key, getattr(self, key), 0 if "hidden" in key else 1))
+        put("token_arrays", tuple(self.token_arrays))
         if self.attention_heads is not None:
             put("attention_heads", _layers("attention_heads", self.attention_heads, 0))
         codec, topk_codec = default_codecs(self.backend)
@@ -145,6 +152,10 @@ class CacheSpec:
             raise SpecError(f"bitround keepbits must be in 1..{mantissa - 1} for {self.dtype}, got {self.bitround}")
         if self.attention_heads is not None and not self.attention_heads:
             raise SpecError("attention_heads is empty; use None for all heads")
+        unknown = [a for a in self.token_arrays if a not in TOKEN_ARRAYS]
+        if unknown or len(set(self.token_arrays)) != len(self.token_arrays):
+            raise SpecError(f"token_arrays {list(self.token_arrays)}: expected distinct names among "
+                            f"{list(TOKEN_ARRAYS)}")
         for config in (self.codec, self.topk_codec):  # fail at creation, not at the first shard
             to_zarr_compressors(config) if self.backend == "zarr" else to_arrow_compression(config)
         self._validate_layout()
@@ -185,6 +196,11 @@ class CacheSpec:
     def ids_name(self, stream: str = "") -> str:
         """The token-id array of ``stream`` (``input_ids``, ``encoder/input_ids``...)."""
         return prefixed(stream, "input_ids")
+
+    def token_names(self) -> list[str]:
+        """Every stream's ids, then every stream's token arrays (``loss_mask``, ``position_ids``...)."""
+        names = [self.ids_name(s) for s in self.streams]
+        return names + [prefixed(s, a) for s in self.streams for a in self.token_arrays]
 
     def offsets_name(self, name: str) -> str:
         """The offsets array that locates per-sequence array ``name``'s rows."""
@@ -239,7 +255,7 @@ class CacheSpec:
 
     def sequence_names(self) -> list[str]:
         """Names of the per-sequence arrays a reader returns (and the writer takes), in order."""
-        names = [self.ids_name(s) for s in self.streams]
+        names = self.token_names()
         for stream, hidden, attention in self.stream_layers():
             names += [prefixed(stream, f"hidden/{j}") for j in hidden]
             names += [prefixed(stream, f"attention/{j}") for j in attention]
@@ -264,6 +280,8 @@ class CacheSpec:
             return np.dtype(np.int64)
         if kind_of(name) == "input_ids":
             return np.dtype(np.int32)
+        if kind_of(name) in TOKEN_ARRAYS:
+            return TOKEN_ARRAYS[kind_of(name)]
         if name == "logits/lse":
             return np.dtype(np.float32)
         if name == "logits/topk_ids":
@@ -314,6 +332,8 @@ class CacheSpec:
         """A JSON-ready dict (tuples become lists). Single-stream specs leave out the seq2seq fields, so their
         manifests are exactly those of format v1."""
         out = dataclasses.asdict(self)
+        if not self.token_arrays:  # what format-3 writers wrote
+            del out["token_arrays"]
         if not self.is_seq2seq:
             for key in ("layout", *SEQ2SEQ_FIELDS):
                 del out[key]

@@ -22,15 +22,17 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.stages.precompute.data import TokenStreams, load_texts, tokenize
+from kdcache.stages.precompute.data import TokenStreams, data_fingerprint, load_texts, tokenize
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
+from kdcache.storage.streams import prefixed
 
-# One padded batch of every stream: stream -> (ids [B, L], mask [B, L]) on the teacher's device, and the B valid
-# lengths per stream. A capture returns one dict of storage-ready arrays per sequence.
-Capture = Callable[[dict[str, tuple[Any, Any]], dict[str, list[int]]], list[dict[str, np.ndarray]]]
+# One padded batch of every stream: stream -> (ids [B, L], mask [B, L]) on the teacher's device, the B valid
+# lengths per stream, and stream -> position_ids [B, L] for rows packed with documents kept apart (else absent).
+# A capture returns one dict of storage-ready arrays per sequence.
+Capture = Callable[[dict[str, tuple[Any, Any]], dict[str, list[int]], dict[str, Any]], list[dict[str, np.ndarray]]]
 
 
 class TeacherAdapter(ABC):
@@ -70,12 +72,10 @@ class HookedTeacher(TeacherAdapter):
                                   f"{options.teacher!r} is a {config.model_type} without a decoder stack")
 
     def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
-        from kdcache.storage import hash_arrays
-
-        data = tokenize(load_texts(options), tokenizer, options)
-        fingerprint = {"source": options.data, "split": options.split, "text_column": options.text_column,
-                       "input_ids_hash": hash_arrays(data.sequences), "num_sequences": len(data.sequences)}
-        return TokenStreams({"": data.sequences}, fingerprint, data.dropped_empty)
+        rows = tokenize(load_texts(options), tokenizer, options)
+        tokens = {"loss_mask": rows.loss_masks, **({"position_ids": rows.positions} if rows.positions else {})}
+        return TokenStreams({"": rows.ids}, data_fingerprint(options, tokenizer, rows), tokens, rows.dropped_empty,
+                            rows.dropped_untrained)
 
     def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                      device: Any) -> Teacher:
@@ -86,7 +86,7 @@ class HookedTeacher(TeacherAdapter):
         from kdcache.stages.precompute.capture import FeatureCapture
 
         with FeatureCapture(teacher, targets, dtype) as hooks:
-            yield lambda batch, lengths: hooks.run(*batch[""], lengths[""]).split()
+            yield lambda batch, lengths, positions: hooks.run(*batch[""], lengths[""], positions.get("")).split()
 
 
 class EncoderDecoderTeacher(TeacherAdapter):
@@ -101,8 +101,10 @@ class EncoderDecoderTeacher(TeacherAdapter):
         from kdcache.stages.precompute.seq2seq_data import load_pairs, paired_data_fingerprint, tokenize_pairs
 
         data = tokenize_pairs(load_pairs(options), tokenizer, options)
-        return TokenStreams({"encoder": data.sources, "decoder": data.targets},
-                            paired_data_fingerprint(options, data), data.dropped_empty)
+        ids = {"encoder": data.sources, "decoder": data.targets}
+        # Every token of both sides is trained on: the masks are all ones, stored so every cache reads alike.
+        tokens = {prefixed(s, "loss_mask"): [np.ones(len(q), dtype=np.uint8) for q in seqs] for s, seqs in ids.items()}
+        return TokenStreams(ids, paired_data_fingerprint(options, data), tokens, data.dropped_empty)
 
     def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                      device: Any) -> Teacher:
@@ -121,7 +123,8 @@ class EncoderDecoderTeacher(TeacherAdapter):
 
         capture = Seq2SeqCapture(teacher.model, targets, dtype)
 
-        def run(batch: dict[str, tuple[Any, Any]], lengths: dict[str, list[int]]) -> list[dict[str, np.ndarray]]:
+        def run(batch: dict[str, tuple[Any, Any]], lengths: dict[str, list[int]],
+                positions: dict[str, Any]) -> list[dict[str, np.ndarray]]:
             (src, src_mask), (tgt, tgt_mask) = batch["encoder"], batch["decoder"]
             inputs = {"input_ids": src, "attention_mask": src_mask, "labels": tgt, "decoder_attention_mask": tgt_mask}
             return capture.run(inputs, lengths["encoder"], lengths["decoder"])

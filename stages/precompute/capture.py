@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kdcache.stages.common.documents import document_attention_mask
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
@@ -250,13 +251,16 @@ class FeatureCapture:
         self._out.update(kept)
 
     # ---- one batch ----------------------------------------------------------------------------------
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: list[int]) -> BatchOutput:
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: list[int],
+            position_ids: torch.Tensor | None = None) -> BatchOutput:
         """Run the teacher on one right-padded batch and collect its targets.
 
         Args:
             input_ids: ``[B, L]`` token ids on the teacher's device (padding right).
             attention_mask: ``[B, L]`` 1 for valid tokens.
             lengths: the B valid lengths.
+            position_ids: ``[B, L]`` for rows packed with documents kept apart: positions restart per document
+                and attention stays inside each (``stages.common.documents``).
 
         Returns:
             the batch's targets on the host, padding removed.
@@ -266,6 +270,9 @@ class FeatureCapture:
         """
         self._lengths, self._out, self._amax = list(lengths), {}, {}
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if position_ids is not None:
+            kwargs.update(position_ids=position_ids, attention_mask=document_attention_mask(
+                position_ids, attention_mask, causal=self.targets.causal, dtype=self.model.dtype))
         if self.targets.causal:
             kwargs["use_cache"] = False  # no KV cache: nothing is generated
         if self._attention_fallback:

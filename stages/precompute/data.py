@@ -1,6 +1,6 @@
-"""Data for stage one: load texts through ``datasets``, tokenize them, and fix the order of sequences.
+"""Data for stage one: load texts or conversations through ``datasets``, tokenize them, and fix the order of rows.
 
-The order of ``TokenizedData.sequences`` is the data order of the cache: shard ``i`` holds sequences
+The order of ``Rows.ids`` (``rows.py``) is the data order of the cache: shard ``i`` holds sequences
 ``[i*S, (i+1)*S)`` of this list, whatever the batching, the rank count or the number of restarts. So everything
 here is deterministic: no shuffling, documents read in dataset order, empty texts dropped the same way every time.
 """
@@ -10,38 +10,18 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kdcache.stages.precompute.chat import chat_template, check_conversation, render, template_hash
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import DATA_EXTENSIONS, PrecomputeOptions, looks_like_path
+from kdcache.stages.precompute.rows import Document, Rows, make_rows, span_mask
 
 _TOKENIZE_BATCH = 1000
-
-
-@dataclass
-class TokenizedData:
-    """Token ids of every sequence to cache, in cache order.
-
-    Attributes:
-        sequences: one int32 array ``[L_i]`` per sequence (no padding, 1 <= L_i <= max_length).
-        dropped_empty: texts skipped because they produced no tokens.
-    """
-
-    sequences: list[np.ndarray]
-    dropped_empty: int = 0
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """``[N]`` int64 token counts."""
-        return np.fromiter((len(s) for s in self.sequences), dtype=np.int64, count=len(self.sequences))
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
 
 
 @dataclass
@@ -51,13 +31,18 @@ class TokenStreams:
     Attributes:
         ids: stream name -> one int32 array ``[L_i]`` per sequence: ``""`` for one stream; ``encoder`` and
             ``decoder`` (the target ids, i.e. the labels) for an encoder-decoder teacher.
-        fingerprint: the data fingerprint (source, split, columns, hashes of the ids).
+        fingerprint: the data fingerprint (source, split, columns, hashes of the ids and masks).
+        tokens: the token arrays stored beside the ids (``storage.spec.TOKEN_ARRAYS``), by array name
+            (``loss_mask``, ``position_ids``, ``decoder/loss_mask``...): one ``[L_i]`` array per sequence.
         dropped_empty: texts or pairs skipped because they produced no tokens.
+        dropped_untrained: rows skipped because no token of theirs is trained on (see ``rows.Rows``).
     """
 
     ids: dict[str, list[np.ndarray]]
     fingerprint: dict[str, Any]
+    tokens: dict[str, list[np.ndarray]] = field(default_factory=dict)
     dropped_empty: int = 0
+    dropped_untrained: int = 0
 
     def __len__(self) -> int:
         return len(next(iter(self.ids.values())))
@@ -94,12 +79,21 @@ def load_texts(options: PrecomputeOptions) -> Any:
                               f"{type(exc).__name__}: {exc}") from None
     if isinstance(ds, datasets.IterableDataset):
         raise PrecomputeError(f"dataset {options.data!r} loaded as a stream; stage one needs a map-style dataset")
-    if options.text_column not in ds.column_names:
-        raise PrecomputeError(f"dataset {options.data!r} has no column {options.text_column!r}; its columns are: "
-                              f"{', '.join(ds.column_names)} (set --text-column)")
+    for column, flag in _columns(options):
+        if column not in ds.column_names:
+            raise PrecomputeError(f"dataset {options.data!r} has no column {column!r}; its columns are: "
+                                  f"{', '.join(ds.column_names)} (set {flag})")
     if len(ds) == 0:
         raise PrecomputeError(f"dataset {options.data!r} (split {options.split!r}) is empty")
     return ds
+
+
+def _columns(options: PrecomputeOptions) -> list[tuple[str, str]]:
+    """(column, flag that names it) of every column this run reads."""
+    if options.messages_column:
+        return [(options.messages_column, "--messages-column")]
+    wanted = [(options.text_column, "--text-column")]
+    return wanted + ([(options.mask_column, "--mask-column")] if options.mask_column else [])
 
 
 def _load_dataset(options: PrecomputeOptions) -> Any:
@@ -141,58 +135,84 @@ def _builder_for(files: list[str], data: str) -> str:
     return kind
 
 
-def tokenize(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> TokenizedData:
-    """Tokenize the text column into the cache's sequences; blank texts are dropped (and counted).
+def tokenize(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Rows:
+    """Tokenize the dataset into the cache's rows with their loss masks (``rows.make_rows``).
 
-    Truncation mode: one sequence per non-empty text, cut to ``max_length`` tokens (special tokens included).
-    Packing mode: documents (with the tokenizer's specials, then EOS when it has one) are concatenated and cut
-    into ``max_length`` blocks; the last, shorter block is kept, so no text is lost.
+    The mask is 1 on every token of plain text, on the tokens overlapping ``--mask-column``'s character spans,
+    or on the assistant's tokens of ``--messages-column`` conversations. Blank texts are dropped (and counted).
 
     Raises:
-        PrecomputeError: no text produced a token.
+        PrecomputeError: bad conversations or spans (naming the row), or no row left to cache.
     """
-    cap = options.max_sequences
-    pieces = _packed(ds, tokenizer, options) if options.packing else _truncated(ds, tokenizer, options)
-    sequences: list[np.ndarray] = []
-    dropped = 0
-    for ids in pieces:
-        if len(ids) == 0:
-            dropped += 1
-            continue
-        sequences.append(np.asarray(ids, dtype=np.int32))
-        if cap is not None and len(sequences) >= cap:
-            break
-    if not sequences:
-        raise PrecomputeError(f"dataset {options.data!r}: no text in column {options.text_column!r} produced any "
-                              f"token ({dropped} empty text(s))")
-    return TokenizedData(sequences, dropped)
+    template = chat_template(tokenizer, options.chat_template, options.teacher) if options.messages_column else None
+    docs = _documents(ds, tokenizer, options, template)
+    rows = make_rows(docs, options.packing, options.max_length, tokenizer.eos_token_id, options.max_sequences)
+    if not rows.ids:
+        column = options.messages_column or options.text_column
+        raise PrecomputeError(f"dataset {options.data!r}: no row of column {column!r} produced a token to train "
+                              f"on ({rows.dropped_empty} empty, {rows.dropped_untrained} with no trained token "
+                              f"within --max-length)")
+    return rows
 
 
-def _texts(ds: Any, column: str) -> Iterator[list[str]]:
+def data_fingerprint(options: PrecomputeOptions, tokenizer: Any, rows: Rows) -> dict[str, Any]:
+    """Source, split, columns, the mask rule and hashes of the ids, loss masks and positions: a cache is reused
+    only for the same rows trained the same way."""
+    from kdcache.storage import hash_arrays
+
+    out: dict[str, Any] = {"source": options.data, "split": options.split, "text_column": options.text_column,
+                           "input_ids_hash": hash_arrays(rows.ids), "num_sequences": len(rows.ids),
+                           "loss_mask_hash": hash_arrays(rows.loss_masks)}
+    if options.messages_column:
+        out.update(text_column=None, messages_column=options.messages_column,
+                   chat_template_hash=template_hash(str(tokenizer.chat_template)))
+    if options.mask_column:
+        out["mask_column"] = options.mask_column
+    if rows.positions is not None:
+        out["position_ids_hash"] = hash_arrays(rows.positions)
+    return out
+
+
+def _documents(ds: Any, tokenizer: Any, options: PrecomputeOptions, template: str | None) -> Iterator[Document | None]:
+    """Per dataset row, its ids and loss mask (cut to ``max_length`` when rows are not packed), or None if blank."""
+    spans_wanted = bool(options.messages_column or options.mask_column)
+    if spans_wanted and not getattr(tokenizer, "is_fast", False):
+        raise PrecomputeError("--messages-column and --mask-column need a fast tokenizer (one that reports each "
+                              f"token's characters), and the tokenizer of {options.teacher!r} is not one")
+    cut = {"truncation": True, "max_length": options.max_length} if options.packing == "none" else {}
     for start in range(0, len(ds), _TOKENIZE_BATCH):
-        batch = ds[start:start + _TOKENIZE_BATCH][column]
-        yield ["" if t is None else str(t) for t in batch]
+        texts, spans = _texts_and_spans(ds[start:start + _TOKENIZE_BATCH], start, tokenizer, options, template)
+        encoded = tokenizer(texts, add_special_tokens=template is None, return_offsets_mapping=spans_wanted, **cut)
+        for i, (text, ids) in enumerate(zip(texts, encoded["input_ids"])):
+            # A blank text yields None (counted as dropped) even where the tokenizer would add [CLS] [SEP] to it.
+            if not text.strip():
+                yield None
+            elif spans is None:
+                yield ids, np.ones(len(ids), dtype=np.uint8)
+            else:
+                yield ids, span_mask(encoded["offset_mapping"][i], spans[i])
 
 
-def _truncated(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Iterator[list[int]]:
-    for texts in _texts(ds, options.text_column):
-        encoded = tokenizer(texts, truncation=True, max_length=options.max_length)["input_ids"]
-        # A blank text yields [] (counted as dropped) even where the tokenizer would add [CLS] [SEP] to it.
-        yield from (ids if text.strip() else [] for text, ids in zip(texts, encoded))
+def _texts_and_spans(rows: dict[str, list[Any]], start: int, tokenizer: Any, options: PrecomputeOptions,
+                     template: str | None) -> tuple[list[str], list[list[tuple[int, int]]] | None]:
+    """A batch's texts, and per text the character spans to train on (None: train on every token)."""
+    if options.messages_column and template is not None:
+        rendered = [render(start + i, check_conversation(start + i, m), template, tokenizer)
+                    for i, m in enumerate(rows[options.messages_column])]
+        return [text for text, _ in rendered], [spans for _, spans in rendered]
+    texts = ["" if t is None else str(t) for t in rows[options.text_column]]
+    if not options.mask_column:
+        return texts, None
+    return texts, [_char_spans(start + i, value, len(text)) for i, (value, text) in
+                   enumerate(zip(rows[options.mask_column], texts))]
 
 
-def _packed(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Iterator[list[int]]:
-    block = options.max_length
-    eos = tokenizer.eos_token_id
-    buffer: list[int] = []
-    for texts in _texts(ds, options.text_column):
-        texts = [t for t in texts if t.strip()]  # a blank text would pack nothing but its specials
-        for ids in tokenizer(texts, truncation=False)["input_ids"] if texts else []:
-            buffer.extend(ids)
-            if eos is not None and ids and ids[-1] != eos:
-                buffer.append(eos)
-            while len(buffer) >= block:
-                yield buffer[:block]
-                buffer = buffer[block:]
-    if buffer:
-        yield buffer
+def _char_spans(row: int, value: Any, length: int) -> list[tuple[int, int]]:
+    """A ``--mask-column`` value: a list of ``[start, end)`` character spans inside the row's text."""
+    pairs = value if isinstance(value, list) else None
+    ok = pairs is not None and all(isinstance(p, (list, tuple)) and len(p) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in p) and 0 <= p[0] <= p[1] <= length for p in pairs)
+    if not ok:
+        raise PrecomputeError(f"row {row}: --mask-column must hold a list of [start, end) character spans with "
+                              f"0 <= start <= end <= {length} (the text's length), got {value!r:.80}")
+    return [(int(a), int(b)) for a, b in pairs or []]

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdcache.stages.precompute.rows import PACKING
+
 FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: seq2seq teachers only
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
                    ".text": "text", ".arrow": "arrow"}
@@ -37,7 +39,14 @@ class PrecomputeOptions:
     out: str = field(metadata={"help": "cache folder to create or resume"})
     split: str = _opt("train", "dataset split")
     text_column: str = _opt("text", "column holding the text")
-    max_length: int = _opt(512, "tokens per sequence: truncation length, or block length with --packing")
+    messages_column: str | None = _opt(None, "column holding chat conversations (lists of {role, content}), "
+                                             "rendered with the tokenizer's chat template; losses then train on "
+                                             "the assistant's tokens only")
+    chat_template: str | None = _opt(None, "Jinja chat template FILE for --messages-column (default: the "
+                                           "tokenizer's own)", metavar="FILE")
+    mask_column: str | None = _opt(None, "column of [start, end) character spans of --text-column that losses "
+                                         "train on (default: every token)")
+    max_length: int = _opt(512, "tokens per sequence: truncation length, or row length with --packing")
     layers: tuple[str, ...] = _opt(("all",), "hidden layers to cache, HF numbering (0 = embeddings), or 'all'")
     features: tuple[str, ...] = _opt((), "targets to cache: hidden, attention, logits (default: hidden, plus "
                                          "logits when the teacher has a language-model head)")
@@ -51,7 +60,10 @@ class PrecomputeOptions:
     num_shards: int = _opt(1, "job-array size: this many independent jobs share the cache")
     shard_index: int = _opt(0, "this job's index in the job array, 0..num_shards-1")
     max_sequences: int | None = _opt(None, "cap on the number of sequences (the first ones in data order)")
-    packing: bool = _opt(False, "pack documents into fixed max_length blocks instead of truncating each")
+    packing: str = _opt("none", "pack documents into rows of --max-length tokens instead of truncating each: "
+                                "'documents' keeps them apart (positions restart, attention stays inside each), "
+                                "'concat' lets attention cross them; --packing alone means documents",
+                        choices=list(PACKING), const="documents")
     sequences_per_shard: int = _opt(256, "sequences per cache shard (the unit of commit, resume and partition)")
     attention_layers: tuple[str, ...] | None = _opt(None, "attention blocks to cache (1..N) or 'all'; "
                                                           "default: --layers without 0")
@@ -103,6 +115,7 @@ class PrecomputeOptions:
     def validate(self) -> list[str]:
         """Every problem found without loading the teacher, as one message each (empty when fine)."""
         problems = self._value_problems() + self._feature_problems() + self._codec_problems()
+        problems += self._column_problems()
         problems += _teacher_problems(self.teacher) + _data_problems(self.data) + _out_problems(self.out)
         return problems
 
@@ -144,6 +157,16 @@ class PrecomputeOptions:
             problems.append(f"heads: got {list(self.heads)}, expected non-negative head indices")
         if self.logits_kind == "topk" and self.top_k < 1:
             problems.append(f"top_k: got {self.top_k}, must be >= 1")
+        return problems
+
+    def _column_problems(self) -> list[str]:
+        problems = []
+        if self.messages_column and self.mask_column:
+            problems.append("mask_column: conversations (--messages-column) are masked by role; drop --mask-column")
+        if self.chat_template and not self.messages_column:
+            problems.append("chat_template: only used with --messages-column")
+        elif self.chat_template and not Path(self.chat_template).expanduser().is_file():
+            problems.append(f"chat_template: file {self.chat_template!r} does not exist")
         return problems
 
     def _codec_problems(self) -> list[str]:

@@ -38,7 +38,7 @@ from kdcache.stages.precompute.teacher import (
     teacher_files_fingerprint,
 )
 from kdcache.storage.errors import KdcacheError
-from kdcache.storage.streams import prefixed
+from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
 def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
@@ -101,7 +101,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     teacher = adapter.load_teacher(options, config, targets, tokenizer, pick_device(options.device, dist.local_rank))
     targets = with_output_vocab(targets, teacher, options)
     check_token_ids(teacher, data)
-    spec = build_spec(options, targets, len(data))
+    spec = build_spec(options, targets, data)
     part = Partition.of(options.shard_index, options.num_shards, dist.rank, dist.world)
     writer = open_writer(options.out, spec, build_fingerprints(options, teacher, targets, data), part)
     with writer, adapter.capture(teacher, targets, options.dtype) as capture:
@@ -117,7 +117,8 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
 
         manifest = merge_parts(options.out)
     extra = {"part": [part.index, part.count], "device": str(teacher.device),
-             "attn_implementation": teacher.attn_implementation}
+             "attn_implementation": teacher.attn_implementation,
+             "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}}
     return summarize(stats, manifest, len(mine) - len(todo), options.out, extra)
 
 
@@ -200,24 +201,30 @@ def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds
     """Run the teacher over one shard's sequences in batches bucketed by the first stream's lengths.
 
     Returns:
-        one dict per sequence of the shard, in data order: every stream's ``input_ids [L]`` plus every target.
+        one dict per sequence of the shard, in data order: every stream's ``input_ids [L]`` and token arrays
+        (``loss_mask``, ``position_ids``), plus every target.
     """
     import torch
 
     start, stop = bounds
     shard = {stream: seqs[start:stop] for stream, seqs in data.ids.items()}
+    tokens = {name: seqs[start:stop] for name, seqs in data.tokens.items()}
     first = next(iter(shard.values()))
     items: list[dict[str, np.ndarray] | None] = [None] * len(first)
     pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
+    on_device = lambda a: torch.from_numpy(a).to(teacher.device)  # noqa: E731
     for batch in plan_batches(np.array([len(s) for s in first]), options.batch_size):
-        padded = {stream: tuple(torch.from_numpy(a).to(teacher.device)
-                                for a in collate([seqs[i] for i in batch], pad_id)) for stream, seqs in shard.items()}
+        padded = {stream: tuple(on_device(a) for a in collate([seqs[i] for i in batch], pad_id))
+                  for stream, seqs in shard.items()}
+        positions = {split_stream(name)[0]: on_device(collate([seqs[i] for i in batch], 0)[0])
+                     for name, seqs in tokens.items() if kind_of(name) == "position_ids"}
         lengths = {stream: [len(seqs[i]) for i in batch] for stream, seqs in shard.items()}
         started = time.perf_counter()
-        output = capture(padded, lengths)  # type: ignore[arg-type]
+        output = capture(padded, lengths, positions)  # type: ignore[arg-type]
         stats.forward_seconds += time.perf_counter() - started
         for i, item in zip(batch, output):
             item.update({prefixed(stream, "input_ids"): seqs[i] for stream, seqs in shard.items()})
+            item.update({name: seqs[i] for name, seqs in tokens.items()})
             items[i] = item
         stats.tokens += sum(sum(n) for n in lengths.values())
         stats.sequences += len(batch)

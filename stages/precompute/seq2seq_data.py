@@ -57,8 +57,11 @@ def load_pairs(options: PrecomputeOptions) -> Any:
     if not options.target_column:
         raise PrecomputeError("target_column: teacher is an encoder-decoder, so its decoder needs a target text to "
                               "be teacher-forced on; set --target-column (and --source-column)")
-    if options.packing:
+    if options.packing != "none":
         raise PrecomputeError("packing: source/target pairs cannot be packed into blocks; drop --packing")
+    if options.messages_column or options.mask_column:
+        raise PrecomputeError("messages_column / mask_column: an encoder-decoder teacher is trained on its whole "
+                              "target text; use --source-column and --target-column")
     ds = load_texts(replace(options, text_column=source_column(options)))
     if options.target_column not in ds.column_names:
         raise PrecomputeError(f"dataset {options.data!r} has no column {options.target_column!r}; its columns are: "

@@ -22,6 +22,7 @@ from typing import Any
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
 from kdcache.storage.spec import FORMAT_VERSION
+from kdcache.storage.streams import kind_of
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
@@ -156,8 +157,9 @@ def _check_triangle(options: PrecomputeOptions, streams: dict[str, StreamTargets
                               f"not triangular; drop --triangle")
 
 
-def build_spec(options: PrecomputeOptions, targets: Targets, num_sequences: int) -> Any:
-    """The ``CacheSpec`` of this run (storage validates it): one stream's layers, or each stack's."""
+def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
+    """The ``CacheSpec`` of this run (storage validates it): one stream's layers, or each stack's, and the token
+    arrays ``data`` (a ``data.TokenStreams``) carries beside the ids."""
     from kdcache.storage import CacheSpec
 
     if "" in targets.streams:
@@ -169,8 +171,9 @@ def build_spec(options: PrecomputeOptions, targets: Targets, num_sequences: int)
                   for kind in ("hidden", "attention")}
         layers.update(layout="seq2seq", cross_attention_layers=targets.cross_attention)
         triangle = bool(targets.streams["decoder"].attention and options.triangle)
+    token_arrays = tuple(dict.fromkeys(kind_of(name) for name in data.tokens))
     return CacheSpec(
-        num_sequences=num_sequences, backend=options.format, attention_heads=targets.heads,
+        num_sequences=len(data), token_arrays=token_arrays, backend=options.format, attention_heads=targets.heads,
         attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k,
         vocab_size=targets.vocab_size if targets.logits else 0, dtype=options.dtype, codec=options.codec_config,
         bitround=options.bitround, sequences_per_shard=options.sequences_per_shard, **layers)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.train.losses import kd_kl, topk_kl
+from kdcache.stages.train.masks import TokenMasks
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -121,23 +122,24 @@ class LmStats:
         self.kind, self.shift = logits_kind, shift
         self.nll = self.predicted = self.agree = self.kl = self.tokens = 0.0
 
-    def update(self, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+    def update(self, logits: torch.Tensor, ids: torch.Tensor, masks: TokenMasks,
                targets: dict[str, torch.Tensor]) -> None:
-        """Add one batch. Args: student ``logits [B, L, V]``, ``ids``/``mask [B, L]``, cached targets."""
+        """Add one batch: student ``logits [B, L, V]``, ``ids [B, L]``, the positions counted (the same as
+        training's, ``masks.token_masks``), cached targets."""
         logits = logits.float()
         step = 1 if self.shift else 0
-        pairs = (mask[:, :mask.shape[1] - step] * mask[:, step:]).bool()  # position i predicts token i+step
+        pairs = masks.pairs if self.shift else masks.trained  # position i predicts token i+step
         log_probs = F.log_softmax(logits[:, :logits.shape[1] - step][pairs], dim=-1)
         self.nll -= float(log_probs.gather(1, ids[:, step:][pairs][:, None]).sum())
         self.predicted += int(pairs.sum())
         if self.kind is None:
             return
-        valid = mask.bool()
+        valid = masks.predicts
         teacher_top1 = (targets["logits/full"].argmax(-1) if self.kind == "full"
                         else targets["logits/topk_ids"][..., 0])
         self.agree += int((logits.argmax(-1) == teacher_top1)[valid].sum())
         n_valid = int(valid.sum())
-        self.kl += float(self._kl(logits, mask, targets)) * n_valid  # the losses return a mean over valid tokens
+        self.kl += float(self._kl(logits, valid, targets)) * n_valid  # the losses return a mean over valid tokens
         self.tokens += n_valid
 
     def _kl(self, logits: torch.Tensor, mask: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -12,7 +12,8 @@ Inputs (``B`` batch, ``L`` padded length):
 * ``targets``: the collated cache arrays as float32 tensors on the device: ``input_ids [B, L]``,
   ``hidden/{j} [B, L, d_t]``, ``attention/{j} [B, H', L, L]``, ``logits/full [B, L, V]`` or
   ``logits/topk_values``/``logits/topk_ids [B, L, k]`` and ``logits/lse [B, L]``.
-* ``mask [B, L]``: 1 for a real token.
+* ``mask [B, L]``: 1 for a real token. ``targets`` may also hold ``loss_mask`` and ``position_ids`` ``[B, L]``;
+  which positions each term counts follows from the three (``masks.token_masks``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kdcache.stages.train.losses import (
     topk_kl,
     wgan_student_loss,
 )
+from kdcache.stages.train.masks import TokenMasks, token_masks
 from kdcache.stages.train.projectors import Projectors, needs_projector
 
 CE_KINDS = ("causal", "token")
@@ -113,31 +115,33 @@ class CompoundLoss(nn.Module):
         """
         terms: dict[str, torch.Tensor] = {}
         logs: dict[str, torch.Tensor] = {}
+        masks = token_masks(mask, targets.get("loss_mask"), targets.get("position_ids"), causal=self.ce == "causal")
         if self.weights["ce"] > 0:
-            self._add_ce(student_out, targets, mask, terms)
+            self._add_ce(student_out, targets, masks, terms)
         if self.weights["kl"] > 0:
-            self._add_kl(student_out, targets, mask, terms)
+            self._add_kl(student_out, targets, masks, terms)
         if self.layer_map:
-            terms["hidden"] = self._hidden_term(student_out, targets, mask, logs)
+            terms["hidden"] = self._hidden_term(student_out, targets, masks.trained, logs)
         if self.attention_map:
-            terms["attention"] = self._attention_term(student_out, targets, mask, logs)
+            terms["attention"] = self._attention_term(student_out, targets, masks, logs)
         if not terms:
             raise LossError("no loss term was computed: every weight is 0, or the terms it has need outputs "
                             "this student lacks (CE needs logits)")
         total = torch.stack([self.weights[_FAMILY[name]] * value for name, value in terms.items()]).sum()
         return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs}
 
-    def _add_ce(self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, terms: dict) -> None:
+    def _add_ce(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict) -> None:
         logits = getattr(out, "logits", None)
         if logits is None:
             return  # an encoder without an LM head: no CE, by design
         ids = _target(targets, "input_ids")
         if self.ce == "causal":
-            terms["ce"] = causal_ce(logits, ids, mask)
+            terms["ce"] = causal_ce(logits, ids, masks.real, pairs=masks.pairs)
         else:  # a masked-LM loop puts its own "labels" (-100 where unmasked) in the batch
-            terms["ce"] = token_ce(logits, targets.get("labels", ids), mask)
+            terms["ce"] = token_ce(logits, targets.get("labels", ids), masks.trained)
 
-    def _add_kl(self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, terms: dict) -> None:
+    def _add_kl(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict) -> None:
+        mask = masks.predicts
         logits = getattr(out, "logits", None)
         if logits is None:
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
@@ -177,15 +181,17 @@ class CompoundLoss(nn.Module):
         return wgan_student_loss(self.critics[key], h_s, mask)
 
     def _attention_term(
-        self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict
+        self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict
     ) -> torch.Tensor:
         """Σ over attention pairs of ``attention_kl``; student block j is ``attentions[j - 1]``."""
         maps = _student_field(out, "attentions", "output_attentions=True and attn_implementation='eager'")
         attention_kl = get_loss("attention_kl")
-        total = torch.zeros((), device=mask.device)
+        total = torch.zeros((), device=masks.real.device)
         for s, t in self.attention_map:
             a_s = _layer(maps, s - 1, "attention map", shown=s)
-            value: torch.Tensor = attention_kl(a_s, _target(targets, f"attention/{t}"), mask)  # type: ignore[assignment]
+            # Rows of trained tokens, over every real key: the teacher saw the whole context.
+            value: torch.Tensor = attention_kl(a_s, _target(targets, f"attention/{t}"), masks.real,  # type: ignore[assignment]
+                                               queries=masks.trained)
             logs[f"attention/{pair_key((s, t))}"] = value.detach()
             total = total + value
         return total

@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from kdcache.stages.common.documents import document_attention_mask
 from kdcache.stages.train.compound import CompoundLoss
 from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
+from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.plan import StreamPairs, TrainPlan
-from kdcache.stages.train.student import StudentFacts
+from kdcache.stages.train.student import StudentFacts, is_causal_config
 from kdcache.storage.streams import prefixed
 
 if TYPE_CHECKING:
@@ -128,10 +130,10 @@ class DistillLoss(nn.Module):
 
     def _cross_term(self, out: Any, batch: Mapping[str, torch.Tensor], logs: dict) -> torch.Tensor:
         maps = out.cross_attentions
-        total = torch.zeros((), device=batch["decoder/mask"].device)
+        queries = stream_masks(batch, "decoder/", causal=False).trained  # trained decoder tokens, every real key
+        total = torch.zeros((), device=queries.device)
         for s, t in self.cross_pairs:
-            value = cross_attention_kl(maps[s - 1], batch[f"cross_attention/{t}"], batch["decoder/mask"],
-                                       batch["encoder/mask"])
+            value = cross_attention_kl(maps[s - 1], batch[f"cross_attention/{t}"], queries, batch["encoder/mask"])
             logs[f"cross_attention/{pair_key((s, t))}"] = value.detach()
             total = total + value
         return total
@@ -174,9 +176,15 @@ def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts)
 def student_inputs(student: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The student's forward arguments from a collated batch (see ``streaming.collate``).
 
-    One stream: ``input_ids`` and ``mask``. Two: the encoder's ids and mask, and the decoder teacher-forced on
-    the cached decoder ids (the labels), shifted by the student's own rule.
+    One stream: ``input_ids`` and ``mask``; rows packed with documents kept apart also give ``position_ids`` and
+    the 4-D mask that keeps attention inside each document, as the teacher had. Two streams: the encoder's ids
+    and mask, and the decoder teacher-forced on the cached decoder ids (the labels), shifted by the student's
+    own rule.
     """
+    if "input_ids" in batch and "position_ids" in batch:
+        mask = document_attention_mask(batch["position_ids"], batch["mask"], causal=is_causal_config(student.config),
+                                       dtype=student.dtype)
+        return {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": batch["position_ids"]}
     if "input_ids" in batch:
         return {"input_ids": batch["input_ids"], "attention_mask": batch["mask"]}
     labels = batch["decoder/input_ids"]

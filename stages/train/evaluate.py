@@ -34,6 +34,7 @@ from kdcache.stages.train.agreement import (
 )
 from kdcache.stages.train.checks import stream_problems
 from kdcache.stages.train.distill import student_inputs, student_view
+from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.streaming import collate, to_device
 from kdcache.storage import CacheReader
 from kdcache.storage.errors import KdcacheError
@@ -153,20 +154,21 @@ class _EvalState:
         self.pooled_s: list[torch.Tensor] = []  # [B, d_s] per batch: the student's last layer, mean-pooled
         self.pooled_t: list[torch.Tensor] = []  # [B, d_t]: the teacher's final cached layer
         self.notes: list[str] = []
-        self.names = [spec.ids_name(s) for s in self.streams]
+        self.names = spec.token_names()
         self.names += [prefixed(s, f"hidden/{j}") for s, layers in cached.items() for j in layers]
         self.names += _logit_names(spec.logits) if self.lm is not None else []
         _check_inputs(reader, facts, self.final, cached[self.main], self.kind, self.notes)
 
     def update(self, out: Any, batch: dict[str, torch.Tensor]) -> None:
         for stream, cka in self.cka.items():
-            valid = batch[prefixed(stream, "mask")].bool()
+            valid = stream_masks(batch, prefixed(stream, ""), causal=False).trained
             hidden = student_view(out, stream, stream == self.main).hidden_states
             cka.update({j: h[valid].float() for j, h in enumerate(hidden)},
                        {j: batch[prefixed(stream, f"hidden/{j}")][valid] for j in cka.teacher_layers})
-        ids, mask = batch[prefixed(self.main, "input_ids")], batch[prefixed(self.main, "mask")]
+        masks = stream_masks(batch, prefixed(self.main, ""), causal=self.kind == "causal_lm")
+        ids, mask = batch[prefixed(self.main, "input_ids")], masks.trained
         if self.lm is not None:
-            self.lm.update(out.logits, ids, mask, batch)
+            self.lm.update(out.logits, ids, masks, batch)
         if self.kind == "encoder" and self.final is not None:
             self.pooled_s.append(mean_pool(out.hidden_states[-1].float().cpu(), mask.cpu()))
             self.pooled_t.append(mean_pool(batch[f"hidden/{self.final}"].cpu(), mask.cpu()))

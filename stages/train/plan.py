@@ -176,7 +176,7 @@ def _cross_pairs(options: TrainOptions, spec: Any, decoder: _Stream | None, prob
 def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None) -> list[str]:
     """The per-sequence arrays to stream, nothing the losses do not read: every stream's ids, the teacher layers
     the pairs use (``pairs`` is keyed by array group, e.g. ``encoder/hidden`` or ``cross_attention``), logits."""
-    names = [spec.ids_name(s) for s in spec.streams]
+    names = spec.token_names()  # ids, and the loss masks and document positions that decide what counts
     for group, group_pairs in pairs.items():
         names += [f"{group}/{t}" for t in sorted({t for _, t in group_pairs})]
     names += ["logits/full"] if logits == "full" else list(TOPK_NAMES) if logits == "topk" else []

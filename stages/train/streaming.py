@@ -163,7 +163,7 @@ def _pad_stack(name: str, arrays: list[np.ndarray], sizes: list[int]) -> np.ndar
 
 
 def _batch_dtype(name: str, stored: np.dtype) -> np.dtype:
-    if kind_of(name) == "input_ids" or name == "logits/topk_ids":
+    if kind_of(name) in ("input_ids", "position_ids") or name == "logits/topk_ids":
         return np.dtype(np.int64)
     if stored == np.uint16:  # bf16 bits
         return np.dtype(np.int16)

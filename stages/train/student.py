@@ -115,7 +115,7 @@ def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:
     return StudentFacts(
         num_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size), num_heads=int(heads),
         vocab_size=int(cfg.vocab_size), has_lm_head=model.get_output_embeddings() is not None,
-        is_causal=not getattr(cfg, "is_encoder_decoder", False) and _is_causal(cfg),
+        is_causal=not getattr(cfg, "is_encoder_decoder", False) and is_causal_config(cfg),
         pretrained=pretrained, **_seq2seq_facts(cfg))
 
 
@@ -128,7 +128,7 @@ def _seq2seq_facts(cfg: Any) -> dict[str, Any]:
     return {"decoder_layers": int(depth), "is_encoder_decoder": True}
 
 
-def _is_causal(cfg: Any) -> bool:
+def is_causal_config(cfg: Any) -> bool:
     """Decoder-only LMs attend causally; BERT-style encoders do not (unless configured as decoders)."""
     import transformers
 

@@ -42,7 +42,8 @@ from kdcache.storage.streams import split_stream
 
 CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one or two; bigger ones barely read faster
 CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0 beside zarr.json: no c/0/ folders
-_DIMENSIONS = {"input_ids": ("token",), "offsets": ("sequence_edge",), "attention_offsets": ("sequence_edge",),
+_DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids": ("token",),
+               "offsets": ("sequence_edge",), "attention_offsets": ("sequence_edge",),
                "logits/lse": ("token",), "hidden": ("token", "feature"), "attention": ("query_key", "head"),
                "logits": ("token", "rank"), "cross_attention": ("query_key", "head"),
                "cross_attention_offsets": ("sequence_edge",)}

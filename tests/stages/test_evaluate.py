@@ -19,6 +19,7 @@ from kdcache.stages.train.agreement import CkaMatrix, LmStats
 from kdcache.stages.train.eval_records import find_eval, read_evals
 from kdcache.stages.train.evaluate import evaluate_run
 from kdcache.stages.train.losses import kd_kl, linear_cka
+from kdcache.stages.train.masks import token_masks
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_bert
 from tests.stages._train_support import write_cache
@@ -51,12 +52,12 @@ def test_lm_stats_on_a_student_equal_to_its_teacher() -> None:
     logits, mask = torch.randn(2, 5, 11), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     ids = torch.randint(0, 11, (2, 5))
     stats = LmStats("full")
-    stats.update(logits, ids, mask, {"logits/full": logits})
+    stats.update(logits, ids, token_masks(mask, causal=True), {"logits/full": logits})
     result = stats.result()
     assert result["kl"] == pytest.approx(0.0, abs=1e-6) and result["top1_agreement"] == 1.0
     other = torch.randn(2, 5, 11)
     stats = LmStats("full")
-    stats.update(other, ids, mask, {"logits/full": logits})
+    stats.update(other, ids, token_masks(mask, causal=True), {"logits/full": logits})
     assert stats.result()["kl"] == pytest.approx(float(kd_kl(other, logits, mask)), rel=1e-5)
     log_p = torch.log_softmax(other, -1)
     nll = -torch.cat([log_p[0, :4].gather(1, ids[0, 1:, None]), log_p[1, :2].gather(1, ids[1, 1:3, None])])

@@ -132,9 +132,9 @@ def test_causal_triangle_and_negative_layers(tiny_llama: Path, tmp_path: Path) -
     _check_sequences(reader, tiny_llama, "AutoModelForCausalLM", count=3)
 
 
-def test_packing_fills_fixed_blocks(tiny_gpt2: Path, tmp_path: Path) -> None:
+def test_concat_packing_fills_fixed_blocks(tiny_gpt2: Path, tmp_path: Path) -> None:
     texts = sample_texts(30, seed=6)
-    _, reader = _precompute(tmp_path, tiny_gpt2, texts, packing=True, max_length=32, layers=("1",),
+    _, reader = _precompute(tmp_path, tiny_gpt2, texts, packing="concat", max_length=32, layers=("1",),
                             features=("hidden",))
     lengths = [len(reader[i]["input_ids"]) for i in range(len(reader))]
     assert all(n == 32 for n in lengths[:-1]) and 1 <= lengths[-1] <= 32

@@ -99,7 +99,7 @@ class Seq2SeqSuite:
         spec = self.seq2seq_spec(**options)
         seqs = self.write_seq2seq(tmp_path, spec)
         reader = CacheReader(tmp_path)
-        assert reader.manifest.format_version == 3 and reader.spec == spec
+        assert reader.manifest.format_version == 4 and reader.spec == spec
         from_shards = list(reader.iter_sequences())
         for i, item in enumerate(seqs):
             want = expected_seq2seq(spec, item)
@@ -135,7 +135,7 @@ class Seq2SeqSuite:
             writer.write_shard(0, seqs)
             writer.finalize()
         manifest = json.loads((tmp_path / "manifest.json").read_text())
-        assert manifest["format_version"] == 3 and "layout" not in manifest["spec"]
+        assert manifest["format_version"] == 4 and "layout" not in manifest["spec"]
         with pytest.raises(CacheMismatchError, match="spec layout differs"):
             CacheWriter(tmp_path, self.seq2seq_spec(num_sequences=2), FINGERPRINTS)
 

@@ -20,10 +20,12 @@ from kdcache.storage.errors import (
     CacheMismatchError,
     FormatVersionError,
     Fp16OverflowError,
+    InvalidSequenceError,
     KdcacheError,
     LayerNotInCacheError,
     ManifestError,
     PartialCacheError,
+    SpecError,
     UnknownCodecError,
     UnknownFeatureError,
 )
@@ -45,6 +47,10 @@ def make_sequences(spec: CacheSpec, lengths: list[int], seed: int = 0) -> list[d
     out = []
     for length in lengths:
         item = {"input_ids": rng.integers(0, max(spec.vocab_size, 2), length)}
+        if "loss_mask" in spec.token_arrays:
+            item["loss_mask"] = rng.integers(0, 2, length)
+        if "position_ids" in spec.token_arrays:  # two packed documents
+            item["position_ids"] = np.concatenate([np.arange(length // 2), np.arange(length - length // 2)])
         for j in spec.hidden_layers:
             item[f"hidden/{j}"] = (rng.normal(size=(length, D)) * 3).astype(np.float32)
         for j in spec.attention_layers:
@@ -64,6 +70,8 @@ def make_sequences(spec: CacheSpec, lengths: list[int], seed: int = 0) -> list[d
 def expected(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """What the reader must return for one input sequence, computed independently of storage.encode."""
     out = {"input_ids": item["input_ids"].astype(np.int32)}
+    for name in spec.token_arrays:
+        out[name] = item[name].astype(spec.array_dtype(name))
     for name, value in item.items():
         if name.startswith("hidden/") or name in ("logits/full", "logits/topk_values"):
             out[name] = stored(spec, value)
@@ -125,7 +133,8 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
         dict(logits="full", attention_layers=(1, 2)),
         dict(logits="topk", attention_triangle=True, attention_heads=(1, 3), dtype="bf16"),
         dict(logits="topk", attention_triangle=False, attention_heads=(0,), codec="zstd", topk_codec="lz4"),
-    ], ids=["full-square-fp16", "topk-triangle-heads-bf16", "topk-headsubset-othercodecs"])
+        dict(logits="topk", token_arrays=("loss_mask", "position_ids")),
+    ], ids=["full-square-fp16", "topk-triangle-heads-bf16", "topk-headsubset-othercodecs", "token-arrays"])
     def test_every_target_round_trips_bit_exact(self, tmp_path, options):
         spec = self.spec(**options)
         seqs = self.build(tmp_path, spec)
@@ -282,6 +291,14 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
     def test_typed_errors_for_bad_input(self, tmp_path):
         with pytest.raises(UnknownCodecError, match="unknown codec 'snappy2'.*known codecs: .*zstd"):
             self.spec(codec="snappy2")
+        with pytest.raises(SpecError, match=r"token_arrays \['labels'\].*'loss_mask', 'position_ids'"):
+            self.spec(token_arrays=("labels",))
+        masked = self.spec(num_sequences=1, token_arrays=("loss_mask",))
+        item = make_sequences(masked, [4])[0]
+        item["loss_mask"] = np.array([0, 1, 2, 1])
+        with pytest.raises(InvalidSequenceError, match=r"loss_mask: expected integers in 0\.\.1, got int64 values 0\.\.2"), \
+                CacheWriter(tmp_path / "bad-mask", masked, FINGERPRINTS) as writer:
+            writer.write_shard(0, [item])
         spec = self.spec()
         self.build(tmp_path, spec)
         reader = CacheReader(tmp_path)
@@ -291,8 +308,8 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
             reader.get(0, names=["hidden/7"])
         manifest_path = tmp_path / "manifest.json"
         good = manifest_path.read_text()
-        manifest_path.write_text(good.replace('"format_version": 3', '"format_version": 4', 1))
-        with pytest.raises(FormatVersionError, match="format_version 4.*up to 3"):
+        manifest_path.write_text(good.replace('"format_version": 4', '"format_version": 5', 1))
+        with pytest.raises(FormatVersionError, match="format_version 5.*up to 4"):
             CacheReader(tmp_path)
         manifest_path.write_text(good[: len(good) // 2])
         with pytest.raises(ManifestError, match="corrupt"):

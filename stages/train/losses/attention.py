@@ -37,7 +37,8 @@ def group_teacher_heads(a_t: torch.Tensor, student_heads: int) -> torch.Tensor:
     return a_t.reshape(b, student_heads, teacher_heads // student_heads, q, k).mean(dim=2)
 
 
-def attention_kl(a_s: torch.Tensor, a_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attention_kl(a_s: torch.Tensor, a_t: torch.Tensor, mask: torch.Tensor,
+                 queries: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over student heads and valid query rows of KL(A_t row ‖ A_s row), restricted to valid keys.
 
     "Restricted to valid keys" is implemented as: keep only the (valid query, valid key) entries, then
@@ -49,15 +50,17 @@ def attention_kl(a_s: torch.Tensor, a_t: torch.Tensor, mask: torch.Tensor) -> to
     Args:
         a_s: ``[B, H_s, L, L]`` student attention probabilities.
         a_t: ``[B, H_t, L, L]`` teacher attention probabilities, H_t a multiple of H_s.
-        mask: ``[B, L]``.
+        mask: ``[B, L]``, the valid keys (and queries, unless ``queries`` is given).
+        queries: ``[B, L]``, the query rows counted (a loss mask's trained tokens); default ``mask``.
 
     Returns:
-        Scalar: Σ KL / (H_s · N_v).
+        Scalar: Σ KL / (H_s · N_v), N_v the counted query rows.
     """
     _check_shapes(a_s, a_t, mask)
     m = bool_mask(mask, a_s[:, 0])
-    n_valid = count_valid(m)
-    pair_valid = (m[:, :, None] & m[:, None, :])[:, None]  # [B, 1, L(q), L(k)]
+    q = m if queries is None else m & bool_mask(queries, a_s[:, 0], "queries")
+    n_valid = count_valid(q)
+    pair_valid = (q[:, :, None] & m[:, None, :])[:, None]  # [B, 1, L(q), L(k)]
     p_t = _restrict_and_renormalise(group_teacher_heads(a_t, a_s.shape[1]).float(), pair_valid)
     p_s = _restrict_and_renormalise(a_s.float(), pair_valid)
     log_t = torch.log(torch.where(p_t > 0, p_t, torch.zeros_like(p_t)))  # -inf where the teacher has no mass

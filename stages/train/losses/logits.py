@@ -15,7 +15,8 @@ from kdcache.stages.train.losses.errors import LossError
 from kdcache.stages.train.options import TOPK_KL_VARIANTS as TOPK_VARIANTS
 
 
-def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
+              pairs: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy with the HF causal shift: the logits at position t predict the token at t+1.
 
     A pair (t, t+1) counts only when both positions are real tokens. With right padding this is exactly HF's
@@ -26,12 +27,16 @@ def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor)
         logits: ``[B, L, V]`` student logits.
         input_ids: ``[B, L]`` token ids (any numeric dtype; float32 from the cache is fine).
         mask: ``[B, L]``.
+        pairs: ``[B, L-1]``, the pairs (t, t+1) to count, when a loss mask or document boundaries leave some
+            out (``masks.token_masks``); default every pair of real tokens.
 
     Returns:
         Scalar mean over the valid (t, t+1) pairs (0 when there are none).
     """
     m = bool_mask(mask, logits)
     pair_valid = m[:, :-1] & m[:, 1:]
+    if pairs is not None:
+        pair_valid = pair_valid & pairs.bool()
     rows = logits[:, :-1][pair_valid].float()
     labels = input_ids[:, 1:][pair_valid].long()
     if rows.shape[0] == 0:

@@ -1,0 +1,133 @@
+"""Chat conversations as stage one reads them: rendered by the tokenizer's own chat template, with the character
+spans of the assistant's turns (what a student is trained on).
+
+A conversation is an OpenAI-style list of ``{"role", "content"}`` messages. Assistant spans come from the
+template itself when it marks them with ``{% generation %} ... {% endgeneration %}`` (transformers' renderer
+reports those spans), and otherwise by rendering prefixes: an assistant turn ``i`` spans from the end of
+``messages[:i]`` rendered with the generation prompt to the end of ``messages[:i+1]``. That works for any template
+that renders a conversation's prefix as a prefix of the whole, which is checked; templates that rewrite earlier
+turns (some drop old reasoning) need the tags. Trailing whitespace of a span (the newline after an end-of-turn
+token) is not the assistant's, so it is left out. Token masks follow from the spans in ``rows.span_mask``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+from kdcache.stages.precompute.errors import PrecomputeError
+
+ROLES = ("system", "user", "assistant", "tool")
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+Span = tuple[int, int]  # [start, end) characters of the rendered text
+
+
+def chat_template(tokenizer: Any, path: str | None, teacher: str) -> str:
+    """The template to render with: ``--chat-template FILE`` (which then also replaces the tokenizer's, so the
+    cache's saved tokenizer carries it), else the tokenizer's own.
+
+    Raises:
+        PrecomputeError: neither exists, or the file cannot be read.
+    """
+    if path:
+        try:
+            tokenizer.chat_template = Path(path).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PrecomputeError(f"chat_template: cannot read {path!r}: {exc}") from None
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # several named templates: the default one renders conversations
+        template = template.get("default")
+    if not isinstance(template, str) or not template.strip():
+        raise PrecomputeError(f"the tokenizer of {teacher!r} has no chat template, so --messages-column cannot be "
+                              f"rendered; supply one with --chat-template FILE (a Jinja template)")
+    return template
+
+
+def template_hash(template: str) -> str:
+    """A short fingerprint of the template's text."""
+    return "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
+def check_conversation(row: int, messages: Any) -> list[dict[str, Any]]:
+    """The conversation of dataset row ``row`` as plain message dicts (keys set to null by ``datasets``, which
+    unifies the keys of every row, are dropped).
+
+    Raises:
+        PrecomputeError: not a non-empty list of role/content dicts, an unknown role, or no assistant turn.
+    """
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise PrecomputeError(f"row {row}: messages must be a non-empty list of {{role, content}} dicts with string "
+                              f"values, got {_preview(messages)}")
+    unknown = [m["role"] for m in messages if m["role"] not in ROLES]
+    if unknown:
+        raise PrecomputeError(f"row {row}: unknown role {unknown[0]!r}; expected one of {', '.join(ROLES)}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise PrecomputeError(f"row {row}: the conversation has no assistant turn, so no token of it would be "
+                              f"trained on; remove the row or add the assistant's reply")
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def render(row: int, messages: list[dict[str, Any]], template: str, tokenizer: Any) -> tuple[str, list[Span]]:
+    """The rendered conversation and the character spans of its assistant turns.
+
+    Raises:
+        PrecomputeError: the template fails on this conversation, or (without generation tags) renders its
+            prefixes inconsistently.
+    """
+    from jinja2 import TemplateError
+
+    try:
+        if _GENERATION_TAG.search(template):
+            text, spans = _tagged(messages, template, tokenizer)
+        else:
+            text, spans = _by_prefixes(row, messages, template, tokenizer)
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+        raise PrecomputeError(f"row {row}: the chat template cannot render this conversation: "
+                              f"{type(exc).__name__}: {exc}") from None
+    return text, [_rstrip(text, span) for span in spans]
+
+
+def _render(messages: list[dict[str, Any]], template: str, tokenizer: Any, prompt: bool = False,
+            tagged: bool = False) -> tuple[str, list[Span]]:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    texts, indices = render_jinja_template([messages], chat_template=template, add_generation_prompt=prompt,
+                                           return_assistant_tokens_mask=tagged, **tokenizer.special_tokens_map)
+    return texts[0], [tuple(span) for span in indices[0]] if tagged else []  # type: ignore[misc]
+
+
+def _tagged(messages: list[dict[str, Any]], template: str, tokenizer: Any) -> tuple[str, list[Span]]:
+    return _render(messages, template, tokenizer, tagged=True)
+
+
+def _by_prefixes(row: int, messages: list[dict[str, Any]], template: str, tokenizer: Any) -> tuple[str, list[Span]]:
+    full, _ = _render(messages, template, tokenizer)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, _ = _render(messages[:i], template, tokenizer, prompt=True)
+        through, _ = _render(messages[:i + 1], template, tokenizer)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise PrecomputeError(
+                f"row {row}: the chat template renders the conversation up to turn {i} differently from the same "
+                f"turns inside the whole conversation (it rewrites earlier turns), so the assistant's tokens cannot "
+                f"be found by rendering prefixes; mark the assistant content with {{% generation %}} ... "
+                f"{{% endgeneration %}} in the template (--chat-template FILE)")
+        spans.append((len(before), len(through)))
+    return full, spans
+
+
+def _rstrip(text: str, span: Span) -> Span:
+    start, end = span
+    return start, start + len(text[start:end].rstrip())

@@ -1,0 +1,99 @@
+"""Packing that keeps documents apart: each document of a packed row has the targets it has alone (issue 13).
+
+Real tiny GPT-2, Llama and BERT teachers; the reference is the teacher run on each document by itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kdcache.stages.common.documents import document_attention_mask, document_index
+from kdcache.stages.precompute import run_precompute
+from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.rows import make_rows
+from kdcache.storage import CacheReader, to_float32
+from tests.helpers.tiny_models import sample_texts, write_text_dataset
+
+ATOL, RTOL = 2e-3, 2e-3
+
+
+def _precompute(tmp_path: Path, teacher: Path, texts: list[str], **overrides: Any) -> CacheReader:
+    data = write_text_dataset(tmp_path / "data.jsonl", texts)
+    opts = dict(teacher=str(teacher), data=str(data), out=str(tmp_path / "cache"), max_length=40, batch_size=3,
+                sequences_per_shard=4, progress=False, packing="documents")
+    opts.update(overrides)
+    run_precompute(PrecomputeOptions(**opts))
+    return CacheReader(tmp_path / "cache")
+
+
+def _documents(item: dict[str, np.ndarray]) -> list[slice]:
+    starts = [int(i) for i in np.flatnonzero(item["position_ids"] == 0)] + [len(item["position_ids"])]
+    return [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def _alone(teacher: Path, ids: np.ndarray, cls_name: str) -> Any:
+    import transformers
+
+    model = getattr(transformers, cls_name).from_pretrained(str(teacher), attn_implementation="eager",
+                                                             dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(ids[None].astype(np.int64)), output_hidden_states=True, output_attentions=True)
+
+
+@pytest.mark.parametrize("family,cls_name", [("gpt2", "AutoModelForCausalLM"), ("llama", "AutoModelForCausalLM"),
+                                             ("bert", "AutoModelForMaskedLM")])
+def test_each_packed_document_equals_the_document_alone(family: str, cls_name: str, tmp_path: Path,
+                                                        request: pytest.FixtureRequest) -> None:
+    teacher = request.getfixturevalue(f"tiny_{family}")
+    features = ("hidden", "attention", "logits")
+    reader = _precompute(tmp_path, teacher, sample_texts(24, seed=3), layers=("1", "-1"), features=features,
+                         top_k=8)
+    assert reader.spec.token_arrays == ("loss_mask", "position_ids")
+    multi = 0
+    for i in range(len(reader)):
+        item = reader[i]
+        docs = _documents(item)
+        multi += len(docs) > 1
+        assert (item["loss_mask"] == 1).all()
+        for doc in docs:
+            ref = _alone(teacher, item["input_ids"][doc], cls_name)
+            for j in reader.spec.hidden_layers:
+                np.testing.assert_allclose(to_float32(item[f"hidden/{j}"][doc], "fp16"), ref.hidden_states[j][0],
+                                           rtol=RTOL, atol=ATOL, err_msg=f"row {i} {doc} hidden/{j}")
+            for j in reader.spec.attention_layers:
+                block = to_float32(item[f"attention/{j}"], "fp16")[:, doc, doc]
+                np.testing.assert_allclose(block, ref.attentions[j - 1][0], rtol=RTOL, atol=ATOL)
+                assert to_float32(item[f"attention/{j}"], "fp16")[:, doc].sum(-1) == pytest.approx(1, abs=3e-3)
+            if "logits/lse" in item:
+                np.testing.assert_allclose(item["logits/lse"][doc], torch.logsumexp(ref.logits[0], -1),
+                                           rtol=1e-4, atol=1e-4)
+    assert multi >= 2, "the test data must pack several documents into a row"
+
+
+def test_rows_keep_documents_whole_and_lose_no_token() -> None:
+    docs = [([1, 2, 3], np.ones(3, np.uint8)), None, ([4] * 9, np.ones(9, np.uint8)), ([5, 6], np.zeros(2, np.uint8)),
+            ([7, 8], np.array([0, 1], np.uint8))]
+    rows = make_rows(docs, "documents", block=5, eos=0)
+    # [1 2 3 eos] | [4 4 4 4 4] [4 4 4 4 eos] | [7 8 eos]: a document too long for a row becomes row-sized pieces.
+    assert [r.tolist() for r in rows.ids] == [[1, 2, 3, 0], [4] * 5, [4, 4, 4, 4, 0], [7, 8, 0]]
+    assert [p.tolist() for p in rows.positions or []] == [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4],
+                                                          [0, 1, 2]]
+    assert rows.loss_masks[-1].tolist() == [0, 1, 1] and (rows.dropped_empty, rows.dropped_untrained) == (1, 1)
+    concat = make_rows(docs, "concat", block=5, eos=0)
+    assert [r.tolist() for r in concat.ids] == [[1, 2, 3, 0, 4], [4] * 5, [4, 4, 4, 0, 7], [8, 0]]
+    assert concat.positions is None
+
+
+def test_document_mask_is_block_diagonal_and_causal() -> None:
+    positions = torch.tensor([[0, 1, 0, 1, 2, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    assert document_index(positions).tolist() == [[1, 1, 2, 2, 2, 3]]
+    allowed = document_attention_mask(positions, mask, causal=True, dtype=torch.float32)[0, 0] == 0
+    assert allowed[:5, :5].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
+                                              [0, 0, 1, 1, 1]]
+    assert allowed[5].int().tolist() == [0, 0, 0, 0, 0, 1] and not allowed[:5, 5].any()
