@@ -115,8 +115,8 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     Returns:
         A JSON-ready dict: ``kind`` ("causal_lm" | "seq2seq_lm" | "encoder"), the metrics of that kind, ``cka``
         (the main stream's alignment matrix and its values on the layer map; ``cka_streams`` has every stream's
-        when the cache has two), ``sequences`` and ``tokens`` evaluated, and ``notes`` explaining anything
-        skipped.
+        when the cache has two), ``sequences`` evaluated and their trained ``tokens`` (the loss mask's), and
+        ``notes`` explaining anything skipped.
     """
     from kdcache.stages.train.student import student_facts
 
@@ -129,7 +129,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
         out = model(**student_inputs(model, batch), output_hidden_states=True)
         state.update(out, batch)
         sequences += int(batch["sample_ids"].shape[0])
-        tokens += sum(int(batch[prefixed(s, "mask")].sum()) for s in state.streams)
+        tokens += sum(int(stream_masks(batch, prefixed(s, ""), causal=False).trained.sum()) for s in state.streams)
     return {**state.result(pairs, projectors), "sequences": sequences, "tokens": tokens}
 
 

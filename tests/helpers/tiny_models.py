@@ -10,7 +10,7 @@ Every builder takes a target folder and returns it, so a folder can be handed st
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,8 @@ def sample_texts(count: int, *, seed: int = 0) -> list[str]:
 
 
 def train_bpe_tokenizer(path: str | Path, *, vocab_size: int = 320, texts: Iterable[str] = SENTENCES,
-                        bos: str = "<s>", eos: str = "</s>", add_bos: bool = False) -> Any:
+                        bos: str = "<s>", eos: str = "</s>", add_bos: bool = False,
+                        specials: Sequence[str] = ()) -> Any:
     """Train a byte-level BPE tokenizer (GPT-2 / Llama style) and save it to ``path``.
 
     Args:
@@ -54,6 +55,7 @@ def train_bpe_tokenizer(path: str | Path, *, vocab_size: int = 320, texts: Itera
         texts: training text.
         bos, eos: special token strings; ``pad`` and ``unk`` are added as well.
         add_bos: prepend ``bos`` to every encoded text (Llama does, GPT-2 does not).
+        specials: more special tokens (chat markers such as ``<|im_start|>``), each one id, never split.
 
     Returns:
         the ``PreTrainedTokenizerFast`` that was saved.
@@ -61,7 +63,8 @@ def train_bpe_tokenizer(path: str | Path, *, vocab_size: int = 320, texts: Itera
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = [bos, eos, "<pad>", "<unk>"]
+    extra = list(specials)
+    specials = [bos, eos, "<pad>", "<unk>", *extra]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -72,7 +75,7 @@ def train_bpe_tokenizer(path: str | Path, *, vocab_size: int = 320, texts: Itera
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token="<pad>",
-                                   unk_token="<unk>")
+                                   unk_token="<unk>", additional_special_tokens=extra or None)
     fast.save_pretrained(str(path))
     return fast
 
@@ -134,7 +137,7 @@ def make_tiny_gpt2(path: str | Path, *, layers: int = 3, hidden: int = 32, heads
 
 def make_tiny_llama(path: str | Path, *, layers: int = 3, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
                     intermediate: int = 64, positions: int = 128, vocab_size: int = 320, seed: int = 0,
-                    texts: Iterable[str] = SENTENCES, **config: Any) -> Path:
+                    texts: Iterable[str] = SENTENCES, specials: Sequence[str] = (), **config: Any) -> Path:
     """A random ``LlamaForCausalLM`` (RMSNorm, rotary, grouped-query attention) with a BPE tokenizer adding BOS.
 
     Args:
@@ -143,13 +146,14 @@ def make_tiny_llama(path: str | Path, *, layers: int = 3, hidden: int = 32, head
         vocab_size: tokenizer and embedding size (at most; a small ``texts`` may train fewer tokens).
         seed: torch seed for the random weights.
         texts: tokenizer training text.
+        specials: more special tokens for the tokenizer (chat markers).
         **config: extra ``LlamaConfig`` fields.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = Path(path)
-    tokenizer = train_bpe_tokenizer(path, vocab_size=vocab_size, add_bos=True, texts=texts)
+    tokenizer = train_bpe_tokenizer(path, vocab_size=vocab_size, add_bos=True, texts=texts, specials=specials)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
                       max_position_embeddings=positions, bos_token_id=tokenizer.bos_token_id,

@@ -97,3 +97,30 @@ def test_document_mask_is_block_diagonal_and_causal() -> None:
     assert allowed[:5, :5].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
                                               [0, 0, 1, 1, 1]]
     assert allowed[5].int().tolist() == [0, 0, 0, 0, 0, 1] and not allowed[:5, 5].any()
+
+
+def test_the_student_sees_the_same_document_boundaries(tiny_gpt2: Path, tmp_path: Path) -> None:
+    """Stage two runs packed rows as stage one did: the teacher scored as its own student matches its cache in
+    every document (it would not, past the first, if attention crossed documents)."""
+    from transformers import AutoModelForCausalLM
+
+    from kdcache.stages.train.compound import CompoundLoss
+    from kdcache.stages.train.distill import student_inputs
+    from kdcache.stages.train.streaming import collate, to_device
+
+    reader = _precompute(tmp_path, tiny_gpt2, sample_texts(24, seed=4), layers=("2", "3"), features=("hidden", "logits"),
+                         top_k=16)
+    batch = to_device(collate([reader[i] for i in range(4)], range(4)), "cpu")
+    assert int((batch["position_ids"] == 0).sum()) > 6  # several documents per row
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_gpt2)).eval()
+    with torch.no_grad():
+        out = model(**student_inputs(model, batch), output_hidden_states=True)
+        terms = CompoundLoss(layer_map=[(2, 2), (3, 3)], gamma=1.0, hidden_loss="cka", topk_variant="other")(
+            out, batch, batch["mask"])
+    real = batch["mask"].bool()
+    for j in (2, 3):
+        np.testing.assert_allclose(out.hidden_states[j][real], batch[f"hidden/{j}"][real], rtol=RTOL, atol=ATOL)
+    assert float(terms["topk_kl"]) < 1e-3 and float(terms["hidden"]) < 1e-3
+    with torch.no_grad():  # the same rows without the document mask: later documents see earlier ones
+        crossed = model(input_ids=batch["input_ids"], attention_mask=batch["mask"], output_hidden_states=True)
+    assert not torch.allclose(crossed.hidden_states[3][real], batch["hidden/3"][real], atol=1e-2)

@@ -1,0 +1,159 @@
+"""Chat conversations: templates render them, assistant tokens carry the loss mask, every loss honours it (issue 13).
+
+A tiny random Llama with a locally trained tokenizer holding chat markers; the templates are written here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kdcache.pipeline.cli import main
+from kdcache.stages.precompute import run_precompute
+from kdcache.stages.precompute.chat import render
+from kdcache.stages.precompute.data import load_texts, tokenize
+from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.train.compound import CompoundLoss
+from kdcache.stages.train.distill import student_inputs
+from kdcache.stages.train.streaming import collate, to_device
+from kdcache.storage import CacheReader
+from tests.helpers.tiny_models import make_tiny_llama, sample_texts
+
+MARKERS = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# ChatML as Qwen and others write it (no generation tags), and the same with tags.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_TAGGED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+                 "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Llama 3's layout: BOS, headers, content trimmed, <|eot_id|> closing each turn.
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+          "{{ m.content | trim }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+TEMPLATES = {"chatml": (CHATML, "<|im_end|>"), "chatml-tagged": (CHATML_TAGGED, "<|im_end|>"),
+             "llama3": (LLAMA3, "<|eot_id|>")}
+
+
+@pytest.fixture(scope="module")
+def chat_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("chat-llama"), specials=MARKERS, positions=512)
+
+
+def conversations(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """Multi-turn conversations with a system prompt; every other one has a second exchange."""
+    texts = sample_texts(4 * count, seed=seed)
+    out = []
+    for i in range(count):
+        turns = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": texts[4 * i]},
+                 {"role": "assistant", "content": texts[4 * i + 1]}]
+        if i % 2:
+            turns += [{"role": "user", "content": texts[4 * i + 2]}, {"role": "assistant", "content": texts[4 * i + 3]}]
+        out.append(turns)
+    return out
+
+
+def write_chats(path: Path, chats: list[Any]) -> Path:
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    return path
+
+
+def chat_options(tmp_path: Path, teacher: Path, template: str, chats: list[Any], **overrides: Any) -> PrecomputeOptions:
+    (tmp_path / "template.jinja").write_text(template)
+    opts = dict(teacher=str(teacher), data=str(write_chats(tmp_path / "chats.jsonl", chats)), out=str(tmp_path / "cache"),
+                messages_column="messages", chat_template=str(tmp_path / "template.jinja"), max_length=512,
+                batch_size=4, sequences_per_shard=4, progress=False)
+    return PrecomputeOptions(**{**opts, **overrides})
+
+
+def masked_runs(ids: np.ndarray, mask: np.ndarray, tokenizer: Any) -> list[str]:
+    """The text of each maximal run of trained tokens."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [tokenizer.decode(ids[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2])]
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_assistant_tokens_are_exactly_the_assistant_messages(name: str, chat_teacher: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    template, end = TEMPLATES[name]
+    chats = conversations(6)
+    options = chat_options(tmp_path, chat_teacher, template, chats)
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_teacher))
+    rows = tokenize(load_texts(options), tokenizer, options)
+    assert len(rows.ids) == len(chats)
+    for ids, mask, chat in zip(rows.ids, rows.loss_masks, chats):
+        wanted = [m["content"] + end for m in chat if m["role"] == "assistant"]
+        assert masked_runs(ids, mask, tokenizer) == wanted
+        assert tokenizer.decode(ids.tolist()).count("Answer briefly.") == 1  # the context is all there
+
+
+def _user_and_assistant_tokens(chat: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[int]]:
+    """Token positions inside the first user message's content and inside the first assistant reply's."""
+    text, _ = render(0, chat, CHATML, tokenizer)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+
+    def inside(content: str) -> list[int]:
+        start = text.index(content)
+        return [i for i, (a, b) in enumerate(offsets) if a >= start and b <= start + len(content)]
+    return inside(chat[1]["content"]), inside(chat[2]["content"])
+
+
+def test_user_turn_targets_change_no_loss_and_assistant_targets_do(chat_teacher: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    chats = conversations(4, seed=2)
+    run_precompute(chat_options(tmp_path, chat_teacher, CHATML, chats, features=("hidden", "attention", "logits"),
+                                layers=("1", "3"), top_k=8))
+    reader = CacheReader(tmp_path / "cache")
+    batch = to_device(collate([reader[i] for i in range(len(reader))], range(len(reader))), "cpu")
+    student = make_tiny_llama(tmp_path / "student", specials=MARKERS, positions=512, seed=7)
+    model = AutoModelForCausalLM.from_pretrained(str(student), attn_implementation="eager").eval()
+    loss = CompoundLoss(layer_map=[(1, 1), (3, 3)], student_dim=32, teacher_dim=32, gamma=1.0, delta=1.0,
+                        topk_variant="other")
+    with torch.no_grad():
+        out = model(**student_inputs(model, batch), output_hidden_states=True, output_attentions=True)
+
+    def terms(targets: dict[str, torch.Tensor]) -> dict[str, float]:
+        with torch.no_grad():
+            return {k: float(v) for k, v in loss(out, targets, batch["mask"]).items()}
+
+    user, reply = _user_and_assistant_tokens(chats[0], AutoTokenizer.from_pretrained(str(chat_teacher)))
+    base = terms(batch)
+    for positions, changes in ((user, False), (reply[1:2], True)):
+        for name, term in (("hidden/1", "hidden"), ("attention/3", "attention"), ("logits/topk_values", "topk_kl")):
+            changed = dict(batch)
+            changed[name] = batch[name].clone()
+            if name.startswith("attention"):
+                changed[name][0, :, positions] = torch.roll(changed[name][0, :, positions], 1, dims=-1)
+            else:
+                changed[name][0, positions] += 3.0
+            assert (terms(changed)[term] != base[term]) == changes, (name, positions)
+
+
+@pytest.mark.parametrize("chats, template, wanted", [
+    ([{"role": "user"}], CHATML, "row 0: messages must be a non-empty list of {role, content} dicts"),
+    ([[{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]], CHATML, "row 0: unknown role 'robot'"),
+    ([[{"role": "user", "content": "hi"}]], CHATML, "row 0: the conversation has no assistant turn"),
+    ([[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]],
+     "{{ raise_exception('only two turns') }}", "row 0: the chat template cannot render this conversation"),
+    ([[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]], None,
+     "has no chat template, so --messages-column cannot be rendered; supply one with --chat-template FILE"),
+])
+def test_bad_conversations_are_refused_naming_the_row(chats: list[Any], template: str | None, wanted: str,
+                                                      chat_teacher: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_chats(tmp_path / "chats.jsonl", [chats[0]] if isinstance(chats[0], list) else [chats])
+    argv = ["precompute", "--teacher", str(chat_teacher), "--data", str(data), "--out", str(tmp_path / "cache"),
+            "--messages-column", "messages", "--no-progress"]
+    if template is not None:
+        (tmp_path / "t.jinja").write_text(template)
+        argv += ["--chat-template", str(tmp_path / "t.jinja")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert wanted in err and "Traceback" not in err
+    assert not (tmp_path / "cache").exists()  # refused before anything was written
