@@ -59,7 +59,7 @@ LOGIT_KINDS = (None, "full", "topk")
 TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
 PER_SEQUENCE_FIXED = ("input_ids",)
 # Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
-TOKEN_ARRAYS = {"loss_mask": np.dtype(np.uint8), "position_ids": np.dtype(np.int32)}
+TOKEN_ARRAYS: dict[str, np.dtype] = {"loss_mask": np.dtype(np.uint8), "position_ids": np.dtype(np.int32)}
 
 
 def default_codecs(backend: str) -> tuple[dict[str, Any], dict[str, Any]]:

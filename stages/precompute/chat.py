@@ -101,9 +101,11 @@ def _render(messages: list[dict[str, Any]], template: str, tokenizer: Any, promp
             tagged: bool = False) -> tuple[str, list[Span]]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    texts, indices = render_jinja_template([messages], chat_template=template, add_generation_prompt=prompt,
-                                           return_assistant_tokens_mask=tagged, **tokenizer.special_tokens_map)
-    return texts[0], [tuple(span) for span in indices[0]] if tagged else []  # type: ignore[misc]
+    # transformers annotates the result as str; it is (texts, generation indices), one entry per conversation.
+    rendered: Any = render_jinja_template([messages], chat_template=template, add_generation_prompt=prompt,
+                                          return_assistant_tokens_mask=tagged, **tokenizer.special_tokens_map)
+    texts, indices = rendered
+    return texts[0], [tuple(span) for span in indices[0]] if tagged else []
 
 
 def _tagged(messages: list[dict[str, Any]], template: str, tokenizer: Any) -> tuple[str, list[Span]]:

@@ -126,4 +126,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{format_bytes(summary['bytes_written'])} written",
         "bytes/token: " + ", ".join(f"{k} {v:,.1f}" for k, v in summary["bytes_per_token"].items()),
     ]
+    dropped = summary.get("dropped_rows") or {}
+    if any(dropped.values()):
+        lines.append(f"rows skipped: {dropped.get('empty', 0):,} blank, {dropped.get('untrained', 0):,} with no "
+                     f"trained token within --max-length")
     return "\n".join(lines)

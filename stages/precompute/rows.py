@@ -67,7 +67,7 @@ def span_mask(offsets: Iterable[tuple[int, int]], spans: list[tuple[int, int]]) 
         return np.zeros(len(edges), dtype=np.uint8)
     bounds = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
     overlap = (edges[:, None, 0] < bounds[None, :, 1]) & (edges[:, None, 1] > bounds[None, :, 0])
-    return overlap.any(axis=1).astype(np.uint8)
+    return np.asarray(overlap.any(axis=1), dtype=np.uint8)
 
 
 def make_rows(documents: Iterable[Document | None], mode: str, block: int, eos: int | None,

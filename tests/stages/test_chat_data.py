@@ -157,3 +157,16 @@ def test_bad_conversations_are_refused_naming_the_row(chats: list[Any], template
     err = capsys.readouterr().err
     assert wanted in err and "Traceback" not in err
     assert not (tmp_path / "cache").exists()  # refused before anything was written
+
+
+def test_a_reply_beyond_max_length_skips_the_row_and_says_so(chat_teacher: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    long_question = [{"role": "user", "content": " ".join(sample_texts(6))}, {"role": "assistant", "content": "Yes."}]
+    short = [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."}]
+    (tmp_path / "t.jinja").write_text(CHATML)
+    argv = ["precompute", "--teacher", str(chat_teacher), "--data", str(write_chats(tmp_path / "c.jsonl",
+            [long_question, short])), "--out", str(tmp_path / "cache"), "--messages-column", "messages",
+            "--chat-template", str(tmp_path / "t.jinja"), "--max-length", "40", "--no-progress"]
+    assert main(argv) == 0
+    assert "rows skipped: 0 blank, 1 with no trained token within --max-length" in capsys.readouterr().out
+    assert len(CacheReader(tmp_path / "cache")) == 1
