@@ -14,9 +14,9 @@ import numpy as np
 
 from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
 from kdcache.storage.errors import InvalidSequenceError, ShardError
-from kdcache.storage.layout import attention_rows, pack_attention
+from kdcache.storage.layout import attention_rows, document_lengths, pack_attention
 from kdcache.storage.spec import TOKEN_ARRAYS, CacheSpec
-from kdcache.storage.streams import kind_of, split_stream
+from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
 @dataclass
@@ -146,10 +146,12 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
         raise ShardError(f"shard {index} covers sequences [{start}, {stop}) = {stop - start} sequences, "
                          f"got {len(sequences)}")
     lengths = [_check_sequence(spec, start + i, item) for i, item in enumerate(sequences)]
-    arrays = _all_offsets(spec, lengths)
+    documents = _documents(spec, sequences)
+    arrays = _all_offsets(spec, lengths, documents)
     lossy: dict[str, dict[str, float]] = {}
     for name in spec.sequence_names():
-        arrays[name] = _encode_array(spec, name, [np.asarray(item[name]) for item in sequences], lossy)
+        arrays[name] = _encode_array(spec, name, [np.asarray(item[name]) for item in sequences], lossy,
+                                     documents if spec.by_documents(name) else None)
     if spec.logits == "topk":
         _check_topk(spec, arrays["logits/topk_values"], arrays["logits/topk_ids"])
         arrays["logits/topk_ids"] = arrays["logits/topk_ids"].astype(spec.array_dtype("logits/topk_ids"))
@@ -157,7 +159,15 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     return EncodedShard(index, start, stop, arrays, int(sum(sum(n.values()) for n in lengths)), lossy)
 
 
-def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]]) -> dict[str, np.ndarray]:
+def _documents(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]]) -> list[list[int]] | None:
+    """Each sequence's document lengths when its rows keep documents apart (the main stream's positions)."""
+    if "position_ids" not in spec.token_arrays:
+        return None
+    return [document_lengths(np.asarray(item[prefixed(spec.streams[-1], "position_ids")])) for item in sequences]
+
+
+def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]],
+                 documents: list[list[int]] | None) -> dict[str, np.ndarray]:
     """Every offsets array of the shard: token offsets per stream, then rows of each attention geometry."""
     arrays = {name: np.zeros(0) for name in spec.offset_arrays()}
     for stream in spec.streams:
@@ -165,13 +175,15 @@ def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]]) -> dict[str, np
     for name in spec.sequence_names():
         if kind_of(name) in ("attention", "cross_attention"):
             queries, keys, triangle = spec.attention_geometry(name)
-            rows = [attention_rows(n[queries], triangle, n[keys]) for n in lengths]
+            docs = documents if spec.by_documents(name) else None
+            rows = [attention_rows(n[queries], triangle, n[keys], docs[i] if docs else None)
+                    for i, n in enumerate(lengths)]
             arrays[spec.offsets_name(name)] = _offsets(rows)
     return arrays
 
 
-def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray],
-                  lossy: dict[str, dict[str, float]]) -> np.ndarray:
+def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: dict[str, dict[str, float]],
+                  documents: list[list[int]] | None = None) -> np.ndarray:
     """Concatenate one array over the shard's sequences and give it its storage dtype."""
     if kind_of(name) in ("attention", "cross_attention"):
         num_heads = {p.shape[0] for p in parts}
@@ -183,7 +195,8 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray],
         if len(num_heads) != 1 or (heads and max(heads) >= min(num_heads)):
             raise InvalidSequenceError(f"{name}: head counts {sorted(num_heads)} differ between sequences or "
                                        f"do not cover attention_heads {list(heads or [])}")
-        parts = [pack_attention(p, heads, spec.attention_geometry(name)[2]) for p in parts]
+        triangle = spec.attention_geometry(name)[2]
+        parts = [pack_attention(p, heads, triangle, documents[i] if documents else None) for i, p in enumerate(parts)]
     elif kind_of(name) == "hidden" and len({p.shape[1] for p in parts}) != 1:
         raise InvalidSequenceError(f"{name}: hidden sizes {sorted({p.shape[1] for p in parts})} differ between "
                                    f"sequences; expected one size d per layer")

@@ -21,11 +21,11 @@ import numpy as np
 from kdcache.storage.backends.base import ShardHandle
 from kdcache.storage.backends.registry import get_backend
 from kdcache.storage.errors import ChecksumError, PartialCacheError, ShardError
-from kdcache.storage.layout import unpack_attention
+from kdcache.storage.layout import document_lengths, unpack_attention
 from kdcache.storage.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store, open_store
-from kdcache.storage.streams import kind_of
+from kdcache.storage.streams import kind_of, prefixed
 
 
 def default_decode_threads() -> int:
@@ -60,7 +60,11 @@ def _sequence(spec: CacheSpec, names: list[str], fetch: Fetch, offsets: dict[str
         rows_ = fetch(name, start, stop)
         if kind_of(name) in ("attention", "cross_attention"):
             queries, keys, triangle = spec.attention_geometry(name)
-            rows_ = unpack_attention(rows_, length(queries), triangle, length(keys))
+            documents = None
+            if spec.by_documents(name):
+                positions = prefixed(queries, "position_ids")
+                documents = document_lengths(fetch(positions, *rows(spec.offsets_name(positions))))
+            rows_ = unpack_attention(rows_, length(queries), triangle, length(keys), documents)
         out[name] = rows_
     return out
 

@@ -209,6 +209,11 @@ class CacheSpec:
         stream, _ = split_stream(name)
         return token_offsets_name(stream or ("decoder" if self.is_seq2seq and name.startswith("logits/") else ""))
 
+    def by_documents(self, name: str) -> bool:
+        """Whether attention array ``name`` is stored per document (self-attention of rows with ``position_ids``:
+        ``storage.layout``)."""
+        return "position_ids" in self.token_arrays and kind_of(name) == "attention"
+
     def attention_geometry(self, name: str) -> tuple[str, str, bool]:
         """``(query stream, key stream, triangle)`` of an attention array.
 
@@ -325,6 +330,8 @@ class CacheSpec:
             if not group:
                 self.check_name(name)
             out.extend(group or [name])
+        # Attention stored per document cannot be unpacked without the row's document boundaries.
+        out += [prefixed(split_stream(n)[0], "position_ids") for n in out if self.by_documents(n)]
         return list(dict.fromkeys(out))
 
     # ---- JSON ----------------------------------------------------------------------------------------

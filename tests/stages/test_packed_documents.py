@@ -73,6 +73,11 @@ def test_each_packed_document_equals_the_document_alone(family: str, cls_name: s
                 np.testing.assert_allclose(item["logits/lse"][doc], torch.logsumexp(ref.logits[0], -1),
                                            rtol=1e-4, atol=1e-4)
     assert multi >= 2, "the test data must pack several documents into a row"
+    shard = reader.read_shard(0, ["attention"])  # stored per document: each document's square, nothing between
+    rows = np.diff(shard.all_offsets["attention_offsets"])
+    squares = [sum((sl.stop - sl.start) ** 2 for sl in _documents(shard.sequence(i)))
+               for i in range(len(shard))]
+    assert rows.tolist() == squares and "position_ids" in shard.arrays
 
 
 def test_rows_keep_documents_whole_and_lose_no_token() -> None:
