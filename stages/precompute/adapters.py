@@ -53,7 +53,7 @@ class TeacherAdapter(ABC):
         """The weights, for inference (eager attention only when maps are captured)."""
 
     @abstractmethod
-    def capture(self, teacher: Teacher, targets: Targets, dtype: str) -> Any:
+    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Any:
         """A context manager giving the ``Capture`` function of this teacher."""
 
 
@@ -82,10 +82,10 @@ class HookedTeacher(TeacherAdapter):
         return load_teacher(options, config, targets, tokenizer, device)
 
     @contextmanager
-    def capture(self, teacher: Teacher, targets: Targets, dtype: str) -> Iterator[Capture]:
+    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Iterator[Capture]:
         from kdcache.stages.precompute.capture import FeatureCapture
 
-        with FeatureCapture(teacher, targets, dtype) as hooks:
+        with FeatureCapture(teacher, targets, options.dtype, options.logits_chunk) as hooks:
             yield lambda batch, lengths, positions: hooks.run(*batch[""], lengths[""], positions.get("")).split()
 
 
@@ -118,10 +118,10 @@ class EncoderDecoderTeacher(TeacherAdapter):
         return Teacher(model, tokenizer, model.config, device, fingerprint, impl)
 
     @contextmanager
-    def capture(self, teacher: Teacher, targets: Targets, dtype: str) -> Iterator[Capture]:
+    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Iterator[Capture]:
         from kdcache.stages.precompute.seq2seq_capture import Seq2SeqCapture
 
-        capture = Seq2SeqCapture(teacher.model, targets, dtype)
+        capture = Seq2SeqCapture(teacher.model, targets, options.dtype)
 
         def run(batch: dict[str, tuple[Any, Any]], lengths: dict[str, list[int]],
                 positions: dict[str, Any]) -> list[dict[str, np.ndarray]]:

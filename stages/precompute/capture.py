@@ -30,6 +30,7 @@ import torch
 
 from kdcache.stages.common.documents import document_attention_mask
 from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.logit_head import ChunkedHead, logit_targets
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
 from kdcache.storage.streams import ragged_streams
@@ -81,24 +82,6 @@ def to_numpy(x: torch.Tensor) -> np.ndarray:
     """Host copy as numpy; int16 bf16 bits come back as uint16, the storage form."""
     array = x.cpu().numpy()
     return array.view(np.uint16) if x.dtype == torch.int16 else array
-
-
-def logit_targets(logits: torch.Tensor, kind: str | None, top_k: int) -> dict[str, torch.Tensor]:
-    """Top-k (values sorted descending, int32 ids, fp32 logsumexp at T=1) or full logits, on the device; values
-    stay in the teacher's dtype (the caller checks their range, then converts them).
-
-    Args:
-        logits: ``[..., V]`` in the teacher's dtype.
-        kind: ``"full"``, ``"topk"`` or None (nothing kept).
-    """
-    if kind == "full":
-        return {"logits/full": logits}
-    if kind != "topk":
-        return {}
-    values, ids = torch.topk(logits, top_k, dim=-1, largest=True, sorted=True)
-    # The upcast keeps the logsumexp exact for half-precision teachers (a no-op for fp32 ones).
-    return {"logits/topk_values": values, "logits/topk_ids": ids.to(torch.int32),
-            "logits/lse": torch.logsumexp(logits.float(), dim=-1)}
 
 
 def max_abs(values: torch.Tensor) -> torch.Tensor:
@@ -163,7 +146,7 @@ class FeatureCapture:
     Use as a context manager (hooks are removed on exit), and call ``run`` once per batch.
     """
 
-    def __init__(self, teacher: Teacher, targets: Targets, dtype_name: str) -> None:
+    def __init__(self, teacher: Teacher, targets: Targets, dtype_name: str, chunk_tokens: int = 0) -> None:
         self.teacher, self.targets, self.dtype_name = teacher, targets, dtype_name
         self.model = teacher.model
         self._handles: list[Any] = []
@@ -171,6 +154,9 @@ class FeatureCapture:
         self._out: dict[str, Any] = {}
         self._amax: dict[str, torch.Tensor] = {}
         self._attention_fallback = False
+        self._paused = False  # hooks ignore a forward run only to check the chunked head
+        chunk = chunk_tokens if targets.logits == "topk" else 0  # full logits are stored whole anyway
+        self._head = ChunkedHead(self.model, chunk)
         self._install()
 
     # ---- hooks ---------------------------------------------------------------------------------------
@@ -228,6 +214,8 @@ class FeatureCapture:
 
     def _keep_hidden(self, j: int, hidden: torch.Tensor) -> None:
         """``[B, L, d]`` -> the storage dtype, padded; range recorded."""
+        if self._paused:
+            return
         self._keep_range(f"hidden/{j}", hidden)
         self._out[f"hidden/{j}"] = to_storage_dtype(hidden, self.dtype_name)
 
@@ -237,13 +225,14 @@ class FeatureCapture:
         Heads are cut here, on the device, so unkept heads never cross to the host (storage accepts maps that
         already hold exactly the spec's heads). Probabilities never overflow fp16.
         """
+        if self._paused:
+            return
         if self.targets.heads is not None:
             probs = probs[:, list(self.targets.heads)]
         self._out[f"attention/{j}"] = to_storage_dtype(probs, self.dtype_name)
 
-    def _keep_logits(self, logits: torch.Tensor) -> None:
-        """Top-k or full logits of ``[B, L, V]`` teacher logits, still padded (see ``logit_targets``)."""
-        kept = logit_targets(logits, self.targets.logits, self.targets.top_k)
+    def _keep_logits(self, kept: dict[str, torch.Tensor]) -> None:
+        """Top-k or full logits (``logit_targets``), still padded: range recorded, values in the storage dtype."""
         for name in ("logits/full", "logits/topk_values"):
             if name in kept:
                 self._keep_range(name, kept[name])
@@ -278,14 +267,33 @@ class FeatureCapture:
         if self._attention_fallback:
             kwargs["output_attentions"] = True
         with torch.inference_mode():
-            output = self.model(**kwargs)
+            if self._head.active:
+                output = self.model.base_model(**kwargs)
+                kept = self._head.topk(output.last_hidden_state, attention_mask.bool(), self.targets.top_k)
+                if not self._head.checked:
+                    kept = self._check_head(kwargs, kept, lengths[0])
+            else:
+                output = self.model(**kwargs)
+                kept = logit_targets(getattr(output, "logits", None), self.targets.logits, self.targets.top_k)
             if self._attention_fallback:
                 for j in self.targets.streams[""].attention:
                     if f"attention/{j}" not in self._out:
                         self._keep_attention(j, output.attentions[j - 1])
-            if self.targets.logits:
-                self._keep_logits(output.logits)
+            self._keep_logits(kept)
         return self._to_host()
+
+    def _check_head(self, kwargs: dict[str, Any], kept: dict[str, torch.Tensor],
+                    length: int) -> dict[str, torch.Tensor]:
+        """Check the chunked head once against the model's own forward (hooks paused), and fall back to it for
+        the whole batch if they disagree."""
+        self._paused = True
+        try:
+            first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            if self._head.agrees(self.model(**first).logits, kept, length):
+                return kept
+            return logit_targets(self.model(**kwargs).logits, self.targets.logits, self.targets.top_k)
+        finally:
+            self._paused = False
 
     def _to_host(self) -> BatchOutput:
         self._check_range()

@@ -52,6 +52,8 @@ class PrecomputeOptions:
                                          "logits when the teacher has a language-model head)")
     top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
     full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k")
+    logits_chunk: int = _opt(512, "valid tokens per pass through the LM head for top-k logits, which bounds the "
+                                  "teacher's memory for logits by chunk x vocab; 0 = the whole batch at once")
     heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
     format: str = _opt("zarr", "storage backend", choices=["zarr", "arrow"])
     batch_size: int = _opt(32, "sequences per forward pass")
@@ -129,6 +131,7 @@ class PrecomputeOptions:
             ("shard_index", 0 <= self.shard_index < max(self.num_shards, 1),
              f"must be in 0..num_shards-1 ({self.num_shards - 1})"),
             ("queue_size", self.queue_size >= 1, "must be >= 1"),
+            ("logits_chunk", self.logits_chunk >= 0, "must be >= 0"),
             ("device", bool(_DEVICE.match(self.device)), "expected auto, cpu, mps, cuda or cuda:N"),
         ]
         problems = [f"{name}: got {getattr(self, name)!r}, {rule}" for name, ok, rule in checks if not ok]

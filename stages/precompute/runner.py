@@ -104,7 +104,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     spec = build_spec(options, targets, data)
     part = Partition.of(options.shard_index, options.num_shards, dist.rank, dist.world)
     writer = open_writer(options.out, spec, build_fingerprints(options, teacher, targets, data), part)
-    with writer, adapter.capture(teacher, targets, options.dtype) as capture:
+    with writer, adapter.capture(teacher, targets, options) as capture:
         save_tokenizer(tokenizer, options.out)
         mine = part.shards(spec.num_shards)
         todo = [k for k in mine if k not in writer.committed_shards()]

@@ -22,12 +22,12 @@ import torch
 from kdcache.stages.precompute.capture import (
     check_ranges,
     cut_padding,
-    logit_targets,
     max_abs,
     to_numpy,
     to_storage_dtype,
 )
 from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.logit_head import logit_targets
 from kdcache.stages.precompute.targets import Targets
 
 

@@ -1,0 +1,109 @@
+"""Top-k teacher logits through the LM head in chunks of valid tokens, never as one ``[B, L, V]`` tensor.
+
+A causal LM's forward computes logits for every position of the padded batch, and the logsumexp upcasts all of
+it to fp32: at V = 128k, B = 8, L = 2,048 that is 8 GB of fp32 on the teacher's device, for padding included.
+Here the base model runs alone, the valid rows of its last hidden state are gathered (``[N_v, d]``), and the
+head maps ``chunk`` rows at a time to logits, of which only the top-k, their ids and the fp32 logsumexp are kept.
+Peak memory for logits is then ``chunk · V`` (plus its fp32 copy), whatever the batch.
+
+The head is the model's output embedding (with Gemma-style soft-capping or Cohere-style scaling where the config
+has them). Because a model may do more between its base and its logits, the first batch is checked against the
+model's own forward on its first sequence; on any disagreement the run falls back to the full forward, and says so.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES
+
+
+def _head_of(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The map from the base model's last hidden state to logits, or None where it is not a plain head."""
+    head = model.get_output_embeddings()
+    causal_lm = type(model).__name__.endswith(CAUSAL_SUFFIXES)
+    if head is None or getattr(model, "base_model", model) is model or not causal_lm:
+        return None
+    scale = getattr(model.config, "logit_scale", None)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+
+    def apply(hidden: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden)
+        if scale:
+            logits = logits * scale
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+    return apply
+
+
+def logit_targets(logits: Any, kind: str | None, top_k: int) -> dict[str, torch.Tensor]:
+    """Top-k (values sorted descending, int32 ids, fp32 logsumexp at T=1) or full logits, on the device; values
+    stay in the teacher's dtype (the caller checks their range, then converts them).
+
+    Args:
+        logits: ``[..., V]`` in the teacher's dtype (None when the teacher has no head and ``kind`` is None).
+        kind: ``"full"``, ``"topk"`` or None (nothing kept).
+    """
+    if kind == "full":
+        return {"logits/full": logits}
+    if kind != "topk":
+        return {}
+    values, ids = torch.topk(logits, top_k, dim=-1, largest=True, sorted=True)
+    # The upcast keeps the logsumexp exact for half-precision teachers (a no-op for fp32 ones).
+    return {"logits/topk_values": values, "logits/topk_ids": ids.to(torch.int32),
+            "logits/lse": torch.logsumexp(logits.float(), dim=-1)}
+
+
+class ChunkedHead:
+    """Top-k logits of a causal LM from its base model's output, ``chunk`` valid tokens at a time.
+
+    Args:
+        model: the loaded teacher.
+        chunk: valid tokens per chunk; 0 turns chunking off (the full forward computes the logits).
+    """
+
+    def __init__(self, model: Any, chunk: int) -> None:
+        self.model, self.chunk = model, chunk
+        self.head = _head_of(model) if chunk > 0 else None
+        self.checked = False
+
+    @property
+    def active(self) -> bool:
+        return self.head is not None
+
+    def topk(self, last: torch.Tensor, valid: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+        """``logits/topk_values``, ``logits/topk_ids`` ``[B, L, k]`` and ``logits/lse`` ``[B, L]``, zero at padding.
+
+        Args:
+            last: ``[B, L, d]`` the base model's last hidden state.
+            valid: ``[B, L]`` bool, the real tokens.
+            k: kept logits per token.
+        """
+        assert self.head is not None
+        parts = [logit_targets(self.head(rows), "topk", k) for rows in last[valid].split(self.chunk)]
+        out = {}
+        for name in parts[0]:
+            flat = torch.cat([p[name] for p in parts])
+            padded = torch.zeros((*valid.shape, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
+            padded[valid] = flat
+            out[name] = padded
+        return out
+
+    def agrees(self, full_logits: torch.Tensor, kept: dict[str, torch.Tensor], length: int) -> bool:
+        """Whether the chunked result for the batch's first sequence matches the model's own ``[1, L, V]`` logits
+        (its logsumexp within 1e-3 and its top-1 id); on disagreement chunking is switched off, with a note."""
+        lse = torch.logsumexp(full_logits[0, :length].float(), dim=-1)
+        top1 = full_logits[0, :length].argmax(-1)
+        ok = bool(torch.allclose(lse, kept["logits/lse"][0, :length], rtol=1e-3, atol=1e-3)) and bool(
+            (top1 == kept["logits/topk_ids"][0, :length, 0]).float().mean() > 0.99)
+        self.checked = True
+        if not ok:
+            self.head = None
+            print(f"kdcache precompute: note: {type(self.model).__name__}'s logits are not its output embedding of "
+                  f"the last hidden state; computing them with the full forward (no chunking)", file=sys.stderr)
+        return ok
