@@ -140,3 +140,39 @@ def test_concat_packing_fills_fixed_blocks(tiny_gpt2: Path, tmp_path: Path) -> N
     assert all(n == 32 for n in lengths[:-1]) and 1 <= lengths[-1] <= 32
     eos = 1  # "</s>" is the second special token of the tiny BPE tokenizer
     assert sum(int((reader[i]["input_ids"] == eos).sum()) for i in range(len(reader))) == 30
+
+
+def test_chunked_logits_equal_the_whole_batch_at_once(tiny_llama: Path, tmp_path: Path) -> None:
+    """Top-k through the LM head in chunks of 7 valid tokens gives what one pass over the padded batch gives."""
+    texts = sample_texts(10, seed=8)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, chunked = _precompute(tmp_path / "a", tiny_llama, texts, layers=("1",), features=("logits",), top_k=8,
+                             logits_chunk=7)
+    _, whole = _precompute(tmp_path / "b", tiny_llama, texts, layers=("1",), features=("logits",), top_k=8,
+                           logits_chunk=0)
+    for i in range(len(whole)):
+        a, b = chunked[i], whole[i]
+        np.testing.assert_array_equal(a["logits/topk_ids"], b["logits/topk_ids"])
+        np.testing.assert_allclose(a["logits/lse"], b["logits/lse"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(to_float32(a["logits/topk_values"], "fp16"),
+                                   to_float32(b["logits/topk_values"], "fp16"), rtol=1e-3, atol=1e-3)
+
+
+def test_a_head_that_is_not_the_output_embedding_falls_back(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Granite divides its logits by logits_scaling after the head: the first-batch check catches it, and the
+    cached top-k are the model's own."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from tests.helpers.tiny_models import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(tmp_path / "granite")
+    cfg = GraniteConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=64, logits_scaling=4.0,
+                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    GraniteForCausalLM(cfg).save_pretrained(str(tmp_path / "granite"))
+    _, reader = _precompute(tmp_path, tmp_path / "granite", sample_texts(6, seed=9), layers=("1",),
+                            features=("hidden", "logits"), top_k=8)
+    assert "computing them with the full forward (no chunking)" in capsys.readouterr().err
+    _check_sequences(reader, tmp_path / "granite", "AutoModelForCausalLM", count=3)
