@@ -55,7 +55,7 @@ LAYOUTS = ("single", "seq2seq")
 SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",
                   "decoder_attention_layers", "cross_attention_layers")
 BACKENDS = ("zarr", "arrow")
-LOGIT_KINDS = (None, "full", "topk")
+LOGIT_KINDS = (None, "full", "topk", "head")  # head: no per-token logits; a copy of the LM head beside the cache
 TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
 PER_SEQUENCE_FIXED = ("input_ids",)
 # Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.

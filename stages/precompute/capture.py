@@ -22,6 +22,7 @@ range check also sees padded positions; they are ordinary activations of pad tok
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,8 +156,12 @@ class FeatureCapture:
         self._amax: dict[str, torch.Tensor] = {}
         self._attention_fallback = False
         self._paused = False  # hooks ignore a forward run only to check the chunked head
-        chunk = chunk_tokens if targets.logits == "topk" else 0  # full logits are stored whole anyway
+        # Full logits are stored whole anyway; head mode runs the head once, on the first batch, to check it.
+        chunk = {"topk": chunk_tokens, "head": chunk_tokens or 512}.get(targets.logits or "", 0)
         self._head = ChunkedHead(self.model, chunk)
+        if targets.logits == "head" and not self._head.active:
+            raise PrecomputeError(f"logits head: {type(self.model).__name__} has no plain LM head to copy; use "
+                                  f"--logits topk or full")
         self._install()
 
     # ---- hooks ---------------------------------------------------------------------------------------
@@ -267,14 +272,7 @@ class FeatureCapture:
         if self._attention_fallback:
             kwargs["output_attentions"] = True
         with torch.inference_mode():
-            if self._head.active:
-                output = self.model.base_model(**kwargs)
-                kept = self._head.topk(output.last_hidden_state, attention_mask.bool(), self.targets.top_k)
-                if not self._head.checked:
-                    kept = self._check_head(kwargs, kept, lengths[0])
-            else:
-                output = self.model(**kwargs)
-                kept = logit_targets(getattr(output, "logits", None), self.targets.logits, self.targets.top_k)
+            output, kept = self._forward(kwargs, attention_mask, lengths[0])
             if self._attention_fallback:
                 for j in self.targets.streams[""].attention:
                     if f"attention/{j}" not in self._out:
@@ -282,15 +280,36 @@ class FeatureCapture:
             self._keep_logits(kept)
         return self._to_host()
 
+    def _forward(self, kwargs: dict[str, Any], attention_mask: torch.Tensor,
+                 first_length: int) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The teacher's forward and its logit targets: through the chunked head from the base model when it
+        applies (top-k, and ``head`` mode, which stores no logits), else the model's own forward."""
+        if not self._head.active:
+            output = self.model(**kwargs)
+            return output, logit_targets(getattr(output, "logits", None), self.targets.logits, self.targets.top_k)
+        output = self.model.base_model(**kwargs)
+        if self._head.checked and self.targets.logits == "head":
+            return output, {}
+        kept = self._head.topk(output.last_hidden_state, attention_mask.bool(), max(self.targets.top_k, 1))
+        if not self._head.checked:
+            kept = self._check_head(kwargs, kept, first_length)
+        return output, {} if self.targets.logits == "head" else kept
+
     def _check_head(self, kwargs: dict[str, Any], kept: dict[str, torch.Tensor],
                     length: int) -> dict[str, torch.Tensor]:
         """Check the chunked head once against the model's own forward (hooks paused), and fall back to it for
-        the whole batch if they disagree."""
+        the whole batch if they disagree (``head`` mode cannot: it refuses)."""
         self._paused = True
         try:
             first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             if self._head.agrees(self.model(**first).logits, kept, length):
                 return kept
+            if self.targets.logits == "head":
+                raise PrecomputeError(f"logits head: {type(self.model).__name__}'s logits are not its LM head "
+                                      f"applied to the last hidden layer, so stage two could not rebuild them; use "
+                                      f"--logits topk or full")
+            print(f"kdcache precompute: note: {type(self.model).__name__}'s logits are not its output embedding of "
+                  f"the last hidden state; computing them with the full forward (no chunking)", file=sys.stderr)
             return logit_targets(self.model(**kwargs).logits, self.targets.logits, self.targets.top_k)
         finally:
             self._paused = False

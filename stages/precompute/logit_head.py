@@ -13,7 +13,6 @@ model's own forward on its first sequence; on any disagreement the run falls bac
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -96,7 +95,7 @@ class ChunkedHead:
 
     def agrees(self, full_logits: torch.Tensor, kept: dict[str, torch.Tensor], length: int) -> bool:
         """Whether the chunked result for the batch's first sequence matches the model's own ``[1, L, V]`` logits
-        (its logsumexp within 1e-3 and its top-1 id); on disagreement chunking is switched off, with a note."""
+        (its logsumexp within 1e-3 and its top-1 id); on disagreement chunking is switched off."""
         lse = torch.logsumexp(full_logits[0, :length].float(), dim=-1)
         top1 = full_logits[0, :length].argmax(-1)
         ok = bool(torch.allclose(lse, kept["logits/lse"][0, :length], rtol=1e-3, atol=1e-3)) and bool(
@@ -104,6 +103,4 @@ class ChunkedHead:
         self.checked = True
         if not ok:
             self.head = None
-            print(f"kdcache precompute: note: {type(self.model).__name__}'s logits are not its output embedding of "
-                  f"the last hidden state; computing them with the full forward (no chunking)", file=sys.stderr)
         return ok

@@ -51,7 +51,11 @@ class PrecomputeOptions:
     features: tuple[str, ...] = _opt((), "targets to cache: hidden, attention, logits (default: hidden, plus "
                                          "logits when the teacher has a language-model head)")
     top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
-    full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k")
+    full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k (same as --logits full)")
+    logits_mode: str = _opt("topk", "what feature 'logits' stores: topk (--top-k values, ids and the logsumexp), "
+                                    "full, or head (nothing per token: the last hidden layer plus a copy of the "
+                                    "teacher's LM head, from which stage two computes exact logits)",
+                            choices=["topk", "full", "head"], flag="--logits")
     logits_chunk: int = _opt(512, "valid tokens per pass through the LM head for top-k logits, which bounds the "
                                   "teacher's memory for logits by chunk x vocab; 0 = the whole batch at once")
     heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
@@ -101,10 +105,10 @@ class PrecomputeOptions:
     # ---- derived ------------------------------------------------------------------------------------
     @property
     def logits_kind(self) -> str | None:
-        """None, "topk" or "full"."""
+        """None, "topk", "full" or "head"."""
         if "logits" not in self.features:
             return None
-        return "full" if self.full_logits else "topk"
+        return "full" if self.full_logits else self.logits_mode
 
     @property
     def codec_config(self) -> str | dict[str, Any] | None:

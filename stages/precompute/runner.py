@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.adapters import Capture, adapter_for
 from kdcache.stages.precompute.batching import Partition, collate, plan_batches
 from kdcache.stages.precompute.commit import commit_behind, open_writer
@@ -106,6 +107,8 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     writer = open_writer(options.out, spec, build_fingerprints(options, teacher, targets, data), part)
     with writer, adapter.capture(teacher, targets, options) as capture:
         save_tokenizer(tokenizer, options.out)
+        if targets.logits == "head" and dist.is_main:
+            export_head(teacher.model, options.out, targets.streams[""].depth)
         mine = part.shards(spec.num_shards)
         todo = [k for k in mine if k not in writer.committed_shards()]
         commit_behind(spec, todo, writer, options, stats, dist.is_main,

@@ -134,6 +134,8 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
                                         if len(streams) > 1 else "")
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
     causal = is_causal(config)
+    if options.logits_kind == "head":
+        streams = _with_last_layer(streams, causal, options.teacher)
     _check_triangle(options, streams, causal)
     heads = options.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:
@@ -143,6 +145,16 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
         raise PrecomputeError(f"top_k {options.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
     top_k = options.top_k if options.logits_kind == "topk" else 0
     return Targets(streams, heads, options.logits_kind, top_k, vocab, num_heads, causal, cross)
+
+
+def _with_last_layer(streams: dict[str, StreamTargets], causal: bool, teacher: str) -> dict[str, StreamTargets]:
+    """``--logits head`` keeps the last hidden layer (the LM head's input, after the final norm) whatever
+    ``--layers`` says: stage two computes the logits from it."""
+    if "" not in streams or not causal:
+        raise PrecomputeError(f"logits head: only for decoder-only causal LMs, and {teacher!r} is not one; use "
+                              f"--logits topk or full")
+    one = streams[""]
+    return {"": StreamTargets(tuple(sorted({*one.hidden, one.depth})), one.attention, one.depth)}
 
 
 def _check_triangle(options: PrecomputeOptions, streams: dict[str, StreamTargets], causal: bool) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.train.losses import kd_kl, topk_kl
+from kdcache.stages.train.losses import head_kl, kd_kl, topk_kl
 from kdcache.stages.train.masks import TokenMasks
 
 
@@ -113,13 +113,15 @@ class LmStats:
     """Running sums of the LM metrics: NLL of the labels, top-1 agreement and KL to the teacher.
 
     Args:
-        logits_kind: the cached teacher logits, "full" | "topk" | None (no teacher logits: perplexity only).
+        logits_kind: the cached teacher logits, "full" | "topk" | "head" | None (no teacher logits: perplexity
+            only).
         shift: position i predicts token i+1 (causal LMs); False when logits[i] already predicts ids[i]
             (encoder-decoders, whose decoder ids are the labels).
+        head: for "head", the teacher's LM head (``teacher_head.TeacherHead``), applied to its cached last layer.
     """
 
-    def __init__(self, logits_kind: str | None, shift: bool = True):
-        self.kind, self.shift = logits_kind, shift
+    def __init__(self, logits_kind: str | None, shift: bool = True, head: Any = None):
+        self.kind, self.shift, self.head = logits_kind, shift, head
         self.nll = self.predicted = self.agree = self.kl = self.tokens = 0.0
 
     def update(self, logits: torch.Tensor, ids: torch.Tensor, masks: TokenMasks,
@@ -135,16 +137,24 @@ class LmStats:
         if self.kind is None:
             return
         valid = masks.predicts
-        teacher_top1 = (targets["logits/full"].argmax(-1) if self.kind == "full"
-                        else targets["logits/topk_ids"][..., 0])
-        self.agree += int((logits.argmax(-1) == teacher_top1)[valid].sum())
+        self.agree += int((logits[valid].argmax(-1) == self._teacher_top1(targets, valid)).sum())
         n_valid = int(valid.sum())
         self.kl += float(self._kl(logits, valid, targets)) * n_valid  # the losses return a mean over valid tokens
         self.tokens += n_valid
 
+    def _teacher_top1(self, targets: dict[str, torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+        """``[N_v]`` the teacher's most likely token at each counted position."""
+        if self.kind == "full":
+            return targets["logits/full"][valid].argmax(-1)
+        if self.kind == "head":
+            return self.head(targets[f"hidden/{self.head.layer}"][valid]).argmax(-1)
+        return targets["logits/topk_ids"][valid][:, 0]
+
     def _kl(self, logits: torch.Tensor, mask: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.kind == "full":
             return kd_kl(logits, targets["logits/full"], mask, temperature=1.0)
+        if self.kind == "head":
+            return head_kl(logits, targets[f"hidden/{self.head.layer}"], self.head, mask, temperature=1.0)
         # The other-bucket form puts the teacher's tail mass in one bucket: a true KL over a coarsened
         # vocabulary, unlike the renormalised form, which ignores the tail altogether.
         return topk_kl(logits, targets["logits/topk_values"], targets["logits/topk_ids"], mask,
@@ -156,7 +166,7 @@ class LmStats:
                                "predicted_tokens": int(self.predicted)}
         if self.kind is not None:
             out.update(top1_agreement=self.agree / max(1.0, self.tokens), kl=self.kl / max(1.0, self.tokens),
-                       kl_form="full" if self.kind == "full" else "top-k + other bucket", tokens=int(self.tokens))
+                       kl_form="top-k + other bucket" if self.kind == "topk" else "full", tokens=int(self.tokens))
         return out
 
 

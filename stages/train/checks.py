@@ -58,9 +58,9 @@ def vocab_problems(options: TrainOptions, reader: Any, student: StudentFacts,
         problems.append(f"vocab size mismatch: the cache's tokenizer has {cache_vocab} tokens but the student's "
                         f"embedding has {student.vocab_size} rows; train a student built for the teacher's "
                         "tokenizer (e.g. `kdcache init-student`, or set vocab_size in its config)")
-    elif spec.logits == "full" and options.beta > 0 and student.vocab_size != spec.vocab_size:
-        problems.append(f"vocab size mismatch: the cache's full logits have {spec.vocab_size} entries per token, "
-                        f"the student's head {student.vocab_size}; the KL needs the same vocabulary")
+    elif spec.logits in ("full", "head") and options.beta > 0 and student.vocab_size != spec.vocab_size:
+        problems.append(f"vocab size mismatch: the cache's {spec.logits} logits have {spec.vocab_size} entries per "
+                        f"token, the student's head {student.vocab_size}; the KL needs the same vocabulary")
     if student_tokenizer is not None and fp.get("vocab_hash") and _same_hash_kind(fp, student_tokenizer):
         expected = {"tokenizer": {k: student_tokenizer[k] for k in ("vocab_hash",) if k in student_tokenizer}}
         problems += compare_fingerprints({"tokenizer": fp}, expected)

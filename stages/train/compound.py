@@ -32,6 +32,7 @@ from kdcache.stages.train.losses import (
     LossError,
     causal_ce,
     get_loss,
+    head_kl,
     kd_kl,
     token_ce,
     topk_kl,
@@ -64,6 +65,8 @@ class CompoundLoss(nn.Module):
             training loop that only calls the wrapped model needs nothing else. Set False to call
             ``self.critics.step`` yourself.
         seed: seeds the projector and critic inits.
+        teacher_head: for a ``--logits head`` cache, the teacher's LM head (``teacher_head.TeacherHead``): the KL
+            then rebuilds exact teacher logits from ``hidden/{head.layer}``.
     """
 
     def __init__(
@@ -86,8 +89,10 @@ class CompoundLoss(nn.Module):
         critic_lr: float = 1e-4,
         critic_in_forward: bool = True,
         seed: int = 0,
+        teacher_head: nn.Module | None = None,
     ):
         super().__init__()
+        self.teacher_head = teacher_head
         self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
         self.temperature, self.hidden_loss, self.topk_variant, self.ce = temperature, hidden_loss, topk_variant, ce
         self._check_config()
@@ -147,6 +152,10 @@ class CompoundLoss(nn.Module):
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
         if "logits/full" in targets:
             terms["kl"] = kd_kl(logits, targets["logits/full"], mask, self.temperature)
+            return
+        if self.teacher_head is not None:
+            hidden = _target(targets, f"hidden/{self.teacher_head.layer}")
+            terms["kl"] = head_kl(logits, hidden, self.teacher_head, mask, self.temperature)
             return
         values, ids = _target(targets, "logits/topk_values"), _target(targets, "logits/topk_ids")
         lse = targets.get("logits/lse")

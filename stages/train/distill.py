@@ -140,7 +140,7 @@ class DistillLoss(nn.Module):
 
 
 def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts, *, main: bool,
-                 logits: str | None, seed: int) -> CompoundLoss | None:
+                 logits: str | None, seed: int, head: nn.Module | None) -> CompoundLoss | None:
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
     alpha = options.alpha if main and facts.has_lm_head else 0.0
@@ -155,11 +155,12 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
         alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=options.temperature,
         hidden_loss=options.hidden_loss, topk_variant=options.topk_kl, ce="causal" if facts.is_causal else "token",
         attention_map=pairs.attention_pairs or None, critic_steps=options.critic_steps,
-        critic_lr=options.critic_lr, seed=seed)
+        critic_lr=options.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None)
 
 
-def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts) -> DistillLoss:
-    """The distillation loss for this plan."""
+def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
+                    head: nn.Module | None = None) -> DistillLoss:
+    """The distillation loss for this plan (``head``: the teacher's LM head of a ``--logits head`` cache)."""
     if options.alpha > 0 and facts.has_lm_head and not facts.is_causal and not facts.is_encoder_decoder:
         # The cache holds unmasked inputs, so an encoder's per-token CE predicts each token from itself.
         print("kdcache train: note: CE on an encoder (masked-LM) student is a near-trivial objective here, "
@@ -167,7 +168,7 @@ def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts)
     parts: dict[str, CompoundLoss] = {}
     for i, pairs in enumerate(plan.streams):
         part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logits=plan.logits,
-                            seed=options.seed + i)
+                            seed=options.seed + i, head=head)
         if part is not None:
             parts[pairs.stream] = part
     return DistillLoss(parts, plan.cross_attention_pairs if options.delta > 0 else (), options.delta)

@@ -150,7 +150,8 @@ class _EvalState:
         depths = {"": facts.num_layers, "encoder": facts.num_layers, "decoder": facts.decoder_layers}
         self.cka = {s: CkaMatrix(list(range(depths[s] + 1)), layers) for s, layers in cached.items() if layers}
         self.final = teacher_layer if teacher_layer is not None else (cached[self.main] or [None])[-1]
-        self.lm = LmStats(spec.logits, shift=self.kind == "causal_lm") if self.kind != "encoder" else None
+        head = _teacher_head(reader) if spec.logits == "head" and self.kind != "encoder" else None
+        self.lm = LmStats(spec.logits, self.kind == "causal_lm", head) if self.kind != "encoder" else None
         self.pooled_s: list[torch.Tensor] = []  # [B, d_s] per batch: the student's last layer, mean-pooled
         self.pooled_t: list[torch.Tensor] = []  # [B, d_t]: the teacher's final cached layer
         self.notes: list[str] = []
@@ -188,6 +189,12 @@ class _EvalState:
             result["cka_streams"] = {s: cka_result(cka, pairs.get(s, [])) for s, cka in self.cka.items()}
         result["notes"] = self.notes
         return result
+
+
+def _teacher_head(reader: CacheReader) -> Any:
+    from kdcache.stages.train.teacher_head import load_teacher_head
+
+    return load_teacher_head(reader.store)
 
 
 def _logit_names(logits: str | None) -> list[str]:

@@ -82,12 +82,25 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     dist_info = init_distributed()
     run_dir = Path(options.out)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model = DistillModel(student, build_criterion(options, plan, facts), plan)
+    head = _teacher_head(reader, plan, dist_info.rank == 0)
+    model = DistillModel(student, build_criterion(options, plan, facts, head), plan)
     engine = build_engine(model, options, dist_info.device)
     return _Trainer(options, plan, engine, dist_info, reader).run()
 
 
 DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which the log says so
+
+
+def _teacher_head(reader: Any, plan: TrainPlan, announce: bool) -> Any:
+    """The teacher's LM head of a ``--logits head`` cache when the KL uses it, its size stated on rank 0."""
+    if plan.logits != "head":
+        return None
+    from kdcache.stages.train.teacher_head import load_teacher_head
+
+    head = load_teacher_head(reader.store)
+    if announce:
+        print(f"kdcache train: {head.describe()}", file=sys.stderr)
+    return head
 
 
 class _Trainer:

@@ -180,7 +180,9 @@ def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None) ->
     for group, group_pairs in pairs.items():
         names += [f"{group}/{t}" for t in sorted({t for _, t in group_pairs})]
     names += ["logits/full"] if logits == "full" else list(TOPK_NAMES) if logits == "topk" else []
-    return names
+    if logits == "head":  # the head's input: the last layer, which a head-mode cache always holds
+        names.append(f"hidden/{max(spec.hidden_layers)}")  # head mode is for one-stream (decoder-only) caches
+    return list(dict.fromkeys(names))
 
 
 def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,

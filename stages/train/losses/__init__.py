@@ -24,6 +24,7 @@ from kdcache.stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_l
 from kdcache.stages.train.losses.logits import (
     TOPK_VARIANTS,
     causal_ce,
+    head_kl,
     kd_kl,
     token_ce,
     topk_kl,
@@ -85,6 +86,7 @@ __all__ = [
     "get_loss",
     "gradient_penalty",
     "group_teacher_heads",
+    "head_kl",
     "kd_kl",
     "linear_cka",
     "masked_mse",

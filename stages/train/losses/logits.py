@@ -7,6 +7,8 @@ a softmax (garbage there cannot leak in) and the float32 copy is ``[N_v, V]``, n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -86,8 +88,35 @@ def kd_kl(
             "differ; the student and the cache must share one vocabulary"
         )
     n_valid = count_valid(bool_mask(mask, student_logits))
-    log_s = F.log_softmax(valid_rows(student_logits, mask).float() / temperature, dim=-1)
-    log_t = F.log_softmax(valid_rows(teacher_logits, mask).float() / temperature, dim=-1)
+    return _kl_rows(valid_rows(student_logits, mask), valid_rows(teacher_logits, mask), n_valid, temperature)
+
+
+def head_kl(
+    student_logits: torch.Tensor, hidden_t: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+    mask: torch.Tensor, temperature: float = 1.0,
+) -> torch.Tensor:
+    """``kd_kl`` with the teacher's logits rebuilt from its cached last hidden layer through its LM head (caches
+    written with ``--logits head``), for the valid tokens only: no ``[B, L, V]`` teacher tensor exists.
+
+    Args:
+        student_logits: ``[B, L, V]``.
+        hidden_t: ``[B, L, d]`` the teacher's last hidden layer (after its final norm).
+        head: maps ``[N_v, d]`` to ``[N_v, V]`` float32 logits (``stages.train.teacher_head.TeacherHead``).
+        mask: ``[B, L]``.
+        temperature: T > 0; exact at any T, since the full distribution is rebuilt.
+    """
+    _check_temperature(temperature)
+    n_valid = count_valid(bool_mask(mask, student_logits))
+    return _kl_rows(valid_rows(student_logits, mask), head(valid_rows(hidden_t, mask)), n_valid, temperature)
+
+
+def _kl_rows(z_s: torch.Tensor, z_t: torch.Tensor, n_valid: int, temperature: float) -> torch.Tensor:
+    """T² · Σ KL(softmax(z_t/T) ‖ softmax(z_s/T)) / n_valid over rows ``[N_v, V]`` (shapes checked)."""
+    if z_s.shape != z_t.shape:
+        raise LossError(f"student logits {tuple(z_s.shape)} and teacher logits {tuple(z_t.shape)} differ on the "
+                        f"valid tokens; the student and the cache must share one vocabulary")
+    log_s = F.log_softmax(z_s.float() / temperature, dim=-1)
+    log_t = F.log_softmax(z_t.float() / temperature, dim=-1)
     return kl_terms(log_t, log_s).sum() / n_valid * temperature**2
 
 

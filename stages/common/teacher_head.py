@@ -1,0 +1,74 @@
+"""The copy of a teacher's LM head that a ``--logits head`` cache carries, as both stages see its files.
+
+Stage one writes it (``export_head``); stage two reads it (``read_head``) to compute exact teacher logits from the
+cached last hidden layer, without loading anything else of the teacher. Files, in the cache's ``teacher_head/``:
+``head.safetensors`` (``weight [V, d]`` in the teacher's dtype, ``bias [V]`` if any) and ``head.json`` (``layer``
+N whose cached states the head reads, sizes, ``logit_scale`` / ``softcap`` and the sha256 of the weights file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+from kdcache.storage.errors import KdcacheError
+
+HEAD_FOLDER = "teacher_head"
+
+
+def export_head(model: Any, out: str, layer: int) -> dict[str, Any]:
+    """Save a copy of the teacher's LM head (see the module docstring) into the cache ``out`` (it appears whole).
+
+    Returns:
+        the contents of ``head.json``.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import save
+
+    from kdcache.storage.stores import open_store
+
+    head = model.get_output_embeddings()
+    tensors = {"weight": head.weight.detach().cpu().contiguous()}
+    if getattr(head, "bias", None) is not None:
+        tensors["bias"] = head.bias.detach().cpu().contiguous()
+    data = save(tensors)
+    vocab, width = tensors["weight"].shape
+    info = {"layer": layer, "vocab_size": int(vocab), "hidden_size": int(width),
+            "dtype": str(tensors["weight"].dtype).replace("torch.", ""),
+            "parameters": sum(t.numel() for t in tensors.values()),
+            "logit_scale": getattr(model.config, "logit_scale", None) or None,
+            "softcap": getattr(model.config, "final_logit_softcapping", None) or None,
+            "sha256": hashlib.sha256(data).hexdigest()}
+    store = open_store(out)
+    if store.exists(HEAD_FOLDER):  # a resumed run, or another rank, wrote it already
+        return info
+    with tempfile.TemporaryDirectory(prefix="kdcache-head-") as tmp:
+        (Path(tmp) / "head.safetensors").write_bytes(data)
+        (Path(tmp) / "head.json").write_text(json.dumps(info, indent=1))
+        store.put_folder(HEAD_FOLDER, Path(tmp))
+    return info
+
+
+def read_head(store: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The head's tensors and ``head.json`` from a cache's store, its sha256 checked.
+
+    Raises:
+        KdcacheError: the files are missing or the weights do not match their recorded hash.
+    """
+    from safetensors.torch import load
+
+    try:
+        info = json.loads(store.read(f"{HEAD_FOLDER}/head.json"))
+        data = store.read(f"{HEAD_FOLDER}/head.safetensors")
+    except (OSError, ValueError) as exc:
+        raise KdcacheError(f"this cache was written with --logits head but its {HEAD_FOLDER}/ cannot be read "
+                           f"({exc}); rerun stage one") from None
+    if hashlib.sha256(data).hexdigest() != info.get("sha256"):
+        raise KdcacheError(f"{HEAD_FOLDER}/head.safetensors does not match the sha256 recorded in head.json: the "
+                           f"teacher head is damaged or was replaced; rerun stage one")
+    return load(data), info
