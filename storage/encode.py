@@ -15,7 +15,7 @@ import numpy as np
 from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
 from kdcache.storage.errors import InvalidSequenceError, ShardError
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention
-from kdcache.storage.spec import TOKEN_ARRAYS, CacheSpec
+from kdcache.storage.spec import SAMPLED_NAMES, TOKEN_ARRAYS, VOCAB_IDS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
@@ -60,7 +60,7 @@ def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
         return (length, value.shape[-1]) if value.ndim == 2 else None
     if name == "logits/full":
         return (length, spec.vocab_size)
-    return (length, spec.top_k)  # top-k values and ids
+    return (length, spec.samples if name in SAMPLED_NAMES else spec.top_k)  # top-k or sampled arrays
 
 
 def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[str, int]:
@@ -88,10 +88,13 @@ def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[
     return lengths
 
 
-def _check_topk(spec: CacheSpec, values: np.ndarray, ids: np.ndarray) -> None:
+def _check_ids(spec: CacheSpec, name: str, ids: np.ndarray) -> None:
     if ids.dtype.kind not in "iu" or (ids.size and (ids.min() < 0 or ids.max() >= spec.vocab_size)):
-        raise InvalidSequenceError(f"logits/topk_ids: expected integer ids in 0..{spec.vocab_size - 1}, "
+        raise InvalidSequenceError(f"{name}: expected integer ids in 0..{spec.vocab_size - 1}, "
                                    f"got dtype {ids.dtype} range {ids.min()}..{ids.max()}")
+
+
+def _check_topk(spec: CacheSpec, values: np.ndarray, ids: np.ndarray) -> None:
     wide = values if values.dtype.kind == "f" else to_float32(values, spec.dtype)
     if values.size and not (wide[:, :-1] >= wide[:, 1:]).all():
         raise InvalidSequenceError("logits/topk_values: each token's values must be sorted in descending order")
@@ -154,7 +157,9 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
                                      documents if spec.by_documents(name) else None)
     if spec.logits == "topk":
         _check_topk(spec, arrays["logits/topk_values"], arrays["logits/topk_ids"])
-        arrays["logits/topk_ids"] = arrays["logits/topk_ids"].astype(spec.array_dtype("logits/topk_ids"))
+    for name in set(VOCAB_IDS) & set(arrays):
+        _check_ids(spec, name, arrays[name])
+        arrays[name] = arrays[name].astype(spec.array_dtype(name))
     # A seq2seq shard's token count is both streams' tokens: what its bytes are spread over.
     return EncodedShard(index, start, stop, arrays, int(sum(sum(n.values()) for n in lengths)), lossy)
 
@@ -205,6 +210,8 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
         return _integer_tokens(name, flat, spec.array_dtype(name))
     if name == "logits/lse":
         return flat.astype(np.float32)
-    if name == "logits/topk_ids":
+    if name in VOCAB_IDS:
         return flat  # range-checked and narrowed once the whole shard is known
+    if name == "logits/sample_counts":
+        return _integer_tokens(name, flat, spec.array_dtype(name))
     return _float_target(spec, name, flat, lossy)

@@ -55,8 +55,14 @@ LAYOUTS = ("single", "seq2seq")
 SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",
                   "decoder_attention_layers", "cross_attention_layers")
 BACKENDS = ("zarr", "arrow")
-LOGIT_KINDS = (None, "full", "topk", "head")  # head: no per-token logits; a copy of the LM head beside the cache
+LOGIT_KINDS = (None, "full", "topk", "sampled", "head")  # head: no per-token logits; the LM head beside the cache
 TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
+# sampled: per token, the distinct ids of N draws from the teacher's softmax at sample_temperature, how often each
+# was drawn (0 in unused slots) and the teacher's log-probability of each, at that temperature.
+SAMPLED_NAMES = ("logits/sample_ids", "logits/sample_counts", "logits/sample_logp")
+LOGIT_ARRAYS: dict[str | None, tuple[str, ...]] = {None: (), "full": ("logits/full",), "topk": TOPK_NAMES,
+                                                   "sampled": SAMPLED_NAMES, "head": ()}
+VOCAB_IDS = ("logits/topk_ids", "logits/sample_ids")  # stored in the smallest unsigned type holding V-1
 PER_SEQUENCE_FIXED = ("input_ids",)
 # Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
 TOKEN_ARRAYS: dict[str, np.dtype] = {"loss_mask": np.dtype(np.uint8), "position_ids": np.dtype(np.int32)}
@@ -105,6 +111,8 @@ class CacheSpec:
     attention_triangle: bool = False
     logits: str | None = None
     top_k: int = 0
+    samples: int = 0  # logits "sampled": N, the draws per token (also the width of its arrays)
+    sample_temperature: float = 1.0
     vocab_size: int = 0
     dtype: str = "fp16"
     codec: Any = None  # None: the backend's default (see default_codecs)
@@ -147,6 +155,9 @@ class CacheSpec:
             raise SpecError(f"logits={self.logits!r} needs vocab_size >= 1, got {self.vocab_size}")
         if self.logits == "topk" and not 1 <= self.top_k <= self.vocab_size:
             raise SpecError(f"top_k must be in 1..vocab_size ({self.vocab_size}), got {self.top_k}")
+        if self.logits == "sampled" and not (1 <= self.samples <= 255 and self.sample_temperature > 0):
+            raise SpecError(f"sampled logits need 1..255 samples and a temperature > 0, got {self.samples} at "
+                            f"{self.sample_temperature}")
         mantissa = STORAGE_DTYPES[self.dtype][1]
         if self.bitround is not None and not 0 < self.bitround < mantissa:
             raise SpecError(f"bitround keepbits must be in 1..{mantissa - 1} for {self.dtype}, got {self.bitround}")
@@ -265,11 +276,7 @@ class CacheSpec:
             names += [prefixed(stream, f"hidden/{j}") for j in hidden]
             names += [prefixed(stream, f"attention/{j}") for j in attention]
         names += [f"{CROSS}/{j}" for j in self.cross_attention_layers]
-        if self.logits == "full":
-            names.append("logits/full")
-        elif self.logits == "topk":
-            names.extend(TOPK_NAMES)
-        return names
+        return names + list(LOGIT_ARRAYS[self.logits])
 
     def array_names(self) -> list[str]:
         """Every array each shard holds (per-sequence names plus the offsets arrays)."""
@@ -289,13 +296,15 @@ class CacheSpec:
             return TOKEN_ARRAYS[kind_of(name)]
         if name == "logits/lse":
             return np.dtype(np.float32)
-        if name == "logits/topk_ids":
+        if name in VOCAB_IDS:
             return topk_id_dtype(self.vocab_size)
+        if name == "logits/sample_counts":
+            return np.dtype(np.uint8)
         return storage_dtype(self.dtype)
 
     def codec_for(self, name: str) -> dict[str, Any]:
-        """numcodecs config used to compress array ``name``."""
-        return self.topk_codec if name in TOPK_NAMES else self.codec
+        """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
+        return self.topk_codec if name in TOPK_NAMES + SAMPLED_NAMES else self.codec
 
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""

@@ -85,7 +85,7 @@ class HookedTeacher(TeacherAdapter):
     def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Iterator[Capture]:
         from kdcache.stages.precompute.capture import FeatureCapture
 
-        with FeatureCapture(teacher, targets, options.dtype, options.logits_chunk) as hooks:
+        with FeatureCapture(teacher, targets, options.dtype, options.logits_chunk, options.seed) as hooks:
             yield lambda batch, lengths, positions: hooks.run(*batch[""], lengths[""], positions.get("")).split()
 
 

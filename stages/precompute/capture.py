@@ -21,6 +21,7 @@ range check also sees padded positions; they are ordinary activations of pad tok
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -147,7 +148,9 @@ class FeatureCapture:
     Use as a context manager (hooks are removed on exit), and call ``run`` once per batch.
     """
 
-    def __init__(self, teacher: Teacher, targets: Targets, dtype_name: str, chunk_tokens: int = 0) -> None:
+    def __init__(self, teacher: Teacher, targets: Targets, dtype_name: str, chunk_tokens: int = 0,
+                 seed: int = 0) -> None:
+        self.seed = seed
         self.teacher, self.targets, self.dtype_name = teacher, targets, dtype_name
         self.model = teacher.model
         self._handles: list[Any] = []
@@ -157,7 +160,8 @@ class FeatureCapture:
         self._attention_fallback = False
         self._paused = False  # hooks ignore a forward run only to check the chunked head
         # Full logits are stored whole anyway; head mode runs the head once, on the first batch, to check it.
-        chunk = {"topk": chunk_tokens, "head": chunk_tokens or 512}.get(targets.logits or "", 0)
+        chunks = {"topk": chunk_tokens, "sampled": chunk_tokens, "head": chunk_tokens or 512}
+        chunk = chunks.get(targets.logits or "", 0)
         self._head = ChunkedHead(self.model, chunk)
         if targets.logits == "head" and not self._head.active:
             raise PrecomputeError(f"logits head: {type(self.model).__name__} has no plain LM head to copy; use "
@@ -238,7 +242,7 @@ class FeatureCapture:
 
     def _keep_logits(self, kept: dict[str, torch.Tensor]) -> None:
         """Top-k or full logits (``logit_targets``), still padded: range recorded, values in the storage dtype."""
-        for name in ("logits/full", "logits/topk_values"):
+        for name in ("logits/full", "logits/topk_values", "logits/sample_logp"):
             if name in kept:
                 self._keep_range(name, kept[name])
                 kept[name] = to_storage_dtype(kept[name], self.dtype_name)
@@ -284,33 +288,52 @@ class FeatureCapture:
                  first_length: int) -> tuple[Any, dict[str, torch.Tensor]]:
         """The teacher's forward and its logit targets: through the chunked head from the base model when it
         applies (top-k, and ``head`` mode, which stores no logits), else the model's own forward."""
+        keep = self._keeper(kwargs["input_ids"])
         if not self._head.active:
             output = self.model(**kwargs)
-            return output, logit_targets(getattr(output, "logits", None), self.targets.logits, self.targets.top_k)
+            return output, keep(getattr(output, "logits", None))
         output = self.model.base_model(**kwargs)
-        if self._head.checked and self.targets.logits == "head":
-            return output, {}
-        kept = self._head.topk(output.last_hidden_state, attention_mask.bool(), max(self.targets.top_k, 1))
-        if not self._head.checked:
-            kept = self._check_head(kwargs, kept, first_length)
-        return output, {} if self.targets.logits == "head" else kept
+        valid = attention_mask.bool()
+        if not self._head.checked and not self._check_head(kwargs, output.last_hidden_state, valid, first_length):
+            return output, keep(self._full_logits(kwargs))
+        return output, {} if self.targets.logits == "head" else self._head.targets(output.last_hidden_state, valid,
+                                                                                   keep)
 
-    def _check_head(self, kwargs: dict[str, Any], kept: dict[str, torch.Tensor],
-                    length: int) -> dict[str, torch.Tensor]:
-        """Check the chunked head once against the model's own forward (hooks paused), and fall back to it for
-        the whole batch if they disagree (``head`` mode cannot: it refuses)."""
+    def _keeper(self, input_ids: torch.Tensor) -> Any:
+        """``logit_targets`` with this run's settings; sampling draws from a generator seeded by the batch's own
+        tokens, so a shard's samples are the same on every rerun and every rank."""
+        t = self.targets
+        generator = None
+        if t.logits == "sampled":
+            digest = hashlib.sha256(input_ids.cpu().numpy().tobytes()).digest()
+            generator = torch.Generator(device=input_ids.device)
+            generator.manual_seed(int.from_bytes(digest[:7], "little") ^ self.seed)
+        return lambda logits: logit_targets(logits, t.logits, t.top_k, samples=t.samples,
+                                            temperature=t.sample_temperature, generator=generator)
+
+    def _full_logits(self, kwargs: dict[str, Any]) -> torch.Tensor:
+        self._paused = True
+        try:
+            return self.model(**kwargs).logits
+        finally:
+            self._paused = False
+
+    def _check_head(self, kwargs: dict[str, Any], last: torch.Tensor, valid: torch.Tensor, length: int) -> bool:
+        """Check the chunked head once against the model's own forward on the first sequence (hooks paused);
+        on disagreement the run falls back to the full forward (``head`` mode cannot: it refuses)."""
+        probe = self._head.targets(last, valid, lambda logits: logit_targets(logits, "topk", 1))
         self._paused = True
         try:
             first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            if self._head.agrees(self.model(**first).logits, kept, length):
-                return kept
+            if self._head.agrees(self.model(**first).logits, probe, length):
+                return True
             if self.targets.logits == "head":
                 raise PrecomputeError(f"logits head: {type(self.model).__name__}'s logits are not its LM head "
                                       f"applied to the last hidden layer, so stage two could not rebuild them; use "
                                       f"--logits topk or full")
             print(f"kdcache precompute: note: {type(self.model).__name__}'s logits are not its output embedding of "
                   f"the last hidden state; computing them with the full forward (no chunking)", file=sys.stderr)
-            return logit_targets(self.model(**kwargs).logits, self.targets.logits, self.targets.top_k)
+            return False
         finally:
             self._paused = False
 

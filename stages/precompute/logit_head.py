@@ -40,22 +40,49 @@ def _head_of(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return apply
 
 
-def logit_targets(logits: Any, kind: str | None, top_k: int) -> dict[str, torch.Tensor]:
-    """Top-k (values sorted descending, int32 ids, fp32 logsumexp at T=1) or full logits, on the device; values
-    stay in the teacher's dtype (the caller checks their range, then converts them).
+def logit_targets(logits: Any, kind: str | None, top_k: int, *, samples: int = 0, temperature: float = 1.0,
+                  generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """What a cache keeps of ``[..., V]`` teacher logits, on the device; top-k values stay in the teacher's dtype
+    (the caller checks their range, then converts them).
 
     Args:
         logits: ``[..., V]`` in the teacher's dtype (None when the teacher has no head and ``kind`` is None).
-        kind: ``"full"``, ``"topk"`` or None (nothing kept).
+        kind: ``"full"``; ``"topk"`` (values sorted descending, int32 ids, fp32 logsumexp at T=1); ``"sampled"``
+            (``sample_logits``); anything else keeps nothing.
+        top_k: k for ``topk``.
+        samples, temperature, generator: N draws at T, for ``sampled``.
     """
     if kind == "full":
         return {"logits/full": logits}
+    if kind == "sampled":
+        return sample_logits(logits, samples, temperature, generator)
     if kind != "topk":
         return {}
     values, ids = torch.topk(logits, top_k, dim=-1, largest=True, sorted=True)
     # The upcast keeps the logsumexp exact for half-precision teachers (a no-op for fp32 ones).
     return {"logits/topk_values": values, "logits/topk_ids": ids.to(torch.int32),
             "logits/lse": torch.logsumexp(logits.float(), dim=-1)}
+
+
+def sample_logits(logits: torch.Tensor, samples: int, temperature: float,
+                  generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    """``samples`` draws with replacement from softmax(logits / T) per token, kept as distinct ids and counts.
+
+    Returns, each ``[..., N]`` (N = ``samples``; the distinct ids first, unused slots 0 with count 0):
+    ``logits/sample_ids`` int32, ``logits/sample_counts`` uint8 and ``logits/sample_logp`` float32, the teacher's
+    log-probability of each id at T: what the estimator of ``stages.train.losses.sampled_kl`` needs.
+    """
+    log_p = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]) / temperature, dim=-1)
+    draws, _ = torch.multinomial(log_p.exp(), samples, replacement=True, generator=generator).sort(dim=1)
+    first = torch.ones_like(draws, dtype=torch.bool)
+    first[:, 1:] = draws[:, 1:] != draws[:, :-1]
+    slot = first.long().cumsum(1) - 1  # each draw's distinct-id slot
+    counts = torch.zeros_like(draws).scatter_add_(1, slot, torch.ones_like(draws))
+    ids = torch.zeros_like(draws).scatter_(1, slot, draws)
+    logp = log_p.gather(1, ids).masked_fill(counts == 0, 0.0)
+    shape = (*logits.shape[:-1], samples)
+    return {"logits/sample_ids": ids.to(torch.int32).reshape(shape),
+            "logits/sample_counts": counts.to(torch.uint8).reshape(shape), "logits/sample_logp": logp.reshape(shape)}
 
 
 class ChunkedHead:
@@ -75,16 +102,17 @@ class ChunkedHead:
     def active(self) -> bool:
         return self.head is not None
 
-    def topk(self, last: torch.Tensor, valid: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-        """``logits/topk_values``, ``logits/topk_ids`` ``[B, L, k]`` and ``logits/lse`` ``[B, L]``, zero at padding.
+    def targets(self, last: torch.Tensor, valid: torch.Tensor,
+                keep: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """What ``keep`` makes of each chunk's ``[C, V]`` logits, padded back to ``[B, L, ...]`` (zero at padding).
 
         Args:
             last: ``[B, L, d]`` the base model's last hidden state.
             valid: ``[B, L]`` bool, the real tokens.
-            k: kept logits per token.
+            keep: e.g. ``logit_targets`` with the run's settings bound.
         """
         assert self.head is not None
-        parts = [logit_targets(self.head(rows), "topk", k) for rows in last[valid].split(self.chunk)]
+        parts = [keep(self.head(rows)) for rows in last[valid].split(self.chunk)]
         out = {}
         for name in parts[0]:
             flat = torch.cat([p[name] for p in parts])

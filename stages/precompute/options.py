@@ -53,9 +53,12 @@ class PrecomputeOptions:
     top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
     full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k (same as --logits full)")
     logits_mode: str = _opt("topk", "what feature 'logits' stores: topk (--top-k values, ids and the logsumexp), "
-                                    "full, or head (nothing per token: the last hidden layer plus a copy of the "
-                                    "teacher's LM head, from which stage two computes exact logits)",
-                            choices=["topk", "full", "head"], flag="--logits")
+                                    "full, sampled:N (N draws per token from the teacher's softmax at "
+                                    "--sample-temperature, kept as distinct ids, counts and log-probs), or head "
+                                    "(nothing per token: the last hidden layer plus a copy of the teacher's LM head, "
+                                    "from which stage two computes exact logits)", flag="--logits", metavar="MODE")
+    sample_temperature: float = _opt(1.0, "temperature of the teacher's softmax that --logits sampled:N draws from "
+                                          "(stage two's KL then runs at this temperature)")
     logits_chunk: int = _opt(512, "valid tokens per pass through the LM head for top-k logits, which bounds the "
                                   "teacher's memory for logits by chunk x vocab; 0 = the whole batch at once")
     heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
@@ -105,10 +108,15 @@ class PrecomputeOptions:
     # ---- derived ------------------------------------------------------------------------------------
     @property
     def logits_kind(self) -> str | None:
-        """None, "topk", "full" or "head"."""
+        """None, "topk", "full", "sampled" or "head"."""
         if "logits" not in self.features:
             return None
-        return "full" if self.full_logits else self.logits_mode
+        return "full" if self.full_logits else self.logits_mode.split(":")[0]
+
+    @property
+    def samples(self) -> int:
+        """N of ``--logits sampled:N`` (0 for other modes)."""
+        return int(self.logits_mode.split(":")[1]) if self.logits_kind == "sampled" else 0
 
     @property
     def codec_config(self) -> str | dict[str, Any] | None:
@@ -164,6 +172,12 @@ class PrecomputeOptions:
             problems.append(f"heads: got {list(self.heads)}, expected non-negative head indices")
         if self.logits_kind == "topk" and self.top_k < 1:
             problems.append(f"top_k: got {self.top_k}, must be >= 1")
+        if not re.fullmatch(r"topk|full|head|sampled:([1-9]\d*)", self.logits_mode) or (
+                self.logits_mode.startswith("sampled") and int(self.logits_mode[8:]) > 255):
+            problems.append(f"logits: got {self.logits_mode!r}, expected topk, full, head or sampled:N with N in "
+                            f"1..255 (e.g. sampled:12)")
+        if not self.sample_temperature > 0:
+            problems.append(f"sample_temperature: got {self.sample_temperature}, must be > 0")
         return problems
 
     def _column_problems(self) -> list[str]:

@@ -49,6 +49,8 @@ class Targets:
     num_heads: int
     causal: bool
     cross_attention: tuple[int, ...] = field(default=())
+    samples: int = 0  # logits "sampled": draws per token, at sample_temperature
+    sample_temperature: float = 1.0
 
     @property
     def wants_hidden(self) -> bool:
@@ -144,7 +146,8 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
     if options.logits_kind == "topk" and options.top_k > vocab:
         raise PrecomputeError(f"top_k {options.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
     top_k = options.top_k if options.logits_kind == "topk" else 0
-    return Targets(streams, heads, options.logits_kind, top_k, vocab, num_heads, causal, cross)
+    return Targets(streams, heads, options.logits_kind, top_k, vocab, num_heads, causal, cross, options.samples,
+                   options.sample_temperature)
 
 
 def _with_last_layer(streams: dict[str, StreamTargets], causal: bool, teacher: str) -> dict[str, StreamTargets]:
@@ -186,7 +189,8 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
     token_arrays = tuple(dict.fromkeys(kind_of(name) for name in data.tokens))
     return CacheSpec(
         num_sequences=len(data), token_arrays=token_arrays, backend=options.format, attention_heads=targets.heads,
-        attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k,
+        attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k, samples=targets.samples,
+        sample_temperature=targets.sample_temperature,
         vocab_size=targets.vocab_size if targets.logits else 0, dtype=options.dtype, codec=options.codec_config,
         bitround=options.bitround, sequences_per_shard=options.sequences_per_shard, **layers)
 
@@ -205,5 +209,6 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
         out["cross_attention_layers"] = list(targets.cross_attention)
     return {**out, "heads": list(targets.heads) if targets.heads is not None else None,
             "features": list(options.features), "top_k": targets.top_k, "logits": targets.logits,
+            "samples": targets.samples, "sample_temperature": targets.sample_temperature,
             "dtype": options.dtype, "codec": options.codec_config, "bitround": options.bitround,
             "triangle": options.triangle, "format_version": FORMAT_VERSION}

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.train.losses import head_kl, kd_kl, topk_kl
+from kdcache.stages.train.losses import head_kl, kd_kl, sampled_kl, topk_kl
 from kdcache.stages.train.masks import TokenMasks
 
 
@@ -109,6 +109,10 @@ class CkaMatrix:
         store[key] = value if key not in store else store[key] + value
 
 
+_KL_FORMS = {"full": "full", "head": "full", "topk": "top-k + other bucket",
+             "sampled": "sampled estimate (unbiased)"}
+
+
 class LmStats:
     """Running sums of the LM metrics: NLL of the labels, top-1 agreement and KL to the teacher.
 
@@ -120,8 +124,10 @@ class LmStats:
         head: for "head", the teacher's LM head (``teacher_head.TeacherHead``), applied to its cached last layer.
     """
 
-    def __init__(self, logits_kind: str | None, shift: bool = True, head: Any = None):
+    def __init__(self, logits_kind: str | None, shift: bool = True, head: Any = None,
+                 sample_temperature: float = 1.0):
         self.kind, self.shift, self.head = logits_kind, shift, head
+        self.sample_temperature = sample_temperature
         self.nll = self.predicted = self.agree = self.kl = self.tokens = 0.0
 
     def update(self, logits: torch.Tensor, ids: torch.Tensor, masks: TokenMasks,
@@ -148,6 +154,10 @@ class LmStats:
             return targets["logits/full"][valid].argmax(-1)
         if self.kind == "head":
             return self.head(targets[f"hidden/{self.head.layer}"][valid]).argmax(-1)
+        if self.kind == "sampled":  # the likeliest of the drawn ids: the top-1 whenever it was drawn
+            logp = targets["logits/sample_logp"][valid].masked_fill(targets["logits/sample_counts"][valid] == 0,
+                                                                     float("-inf"))
+            return targets["logits/sample_ids"][valid].gather(1, logp.argmax(-1, keepdim=True))[:, 0]
         return targets["logits/topk_ids"][valid][:, 0]
 
     def _kl(self, logits: torch.Tensor, mask: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -155,6 +165,9 @@ class LmStats:
             return kd_kl(logits, targets["logits/full"], mask, temperature=1.0)
         if self.kind == "head":
             return head_kl(logits, targets[f"hidden/{self.head.layer}"], self.head, mask, temperature=1.0)
+        if self.kind == "sampled":
+            return sampled_kl(logits, targets["logits/sample_ids"], targets["logits/sample_counts"],
+                              targets["logits/sample_logp"], mask, temperature=self.sample_temperature)
         # The other-bucket form puts the teacher's tail mass in one bucket: a true KL over a coarsened
         # vocabulary, unlike the renormalised form, which ignores the tail altogether.
         return topk_kl(logits, targets["logits/topk_values"], targets["logits/topk_ids"], mask,
@@ -166,7 +179,7 @@ class LmStats:
                                "predicted_tokens": int(self.predicted)}
         if self.kind is not None:
             out.update(top1_agreement=self.agree / max(1.0, self.tokens), kl=self.kl / max(1.0, self.tokens),
-                       kl_form="top-k + other bucket" if self.kind == "topk" else "full", tokens=int(self.tokens))
+                       kl_form=_KL_FORMS[self.kind], tokens=int(self.tokens))
         return out
 
 

@@ -100,6 +100,10 @@ def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) ->
                         "precompute with logits (full or top-k), or use --beta 0")
     elif options.beta > 0 and not student.has_lm_head:
         problems.append("the KL term (--beta) needs student logits, but the student has no LM head")
+    elif options.beta > 0 and spec.logits == "sampled" and options.temperature != spec.sample_temperature:
+        problems.append(f"temperature {options.temperature}: the KL needs the temperature the cache's samples were "
+                        f"drawn at, {spec.sample_temperature} (its --sample-temperature); train with --temperature "
+                        f"{spec.sample_temperature}, or re-run stage one at {options.temperature}")
     elif options.beta > 0 and spec.logits == "topk" and options.topk_kl == "other" and options.temperature != 1:
         problems.append(f"--topk-kl other rebuilds full-vocabulary probabilities from the cached logsumexp, which "
                         f"is exact only at T=1, but --temperature is {options.temperature:g}; use --temperature 1, "

@@ -34,6 +34,7 @@ from kdcache.stages.train.losses import (
     get_loss,
     head_kl,
     kd_kl,
+    sampled_kl,
     token_ce,
     topk_kl,
     wgan_student_loss,
@@ -157,6 +158,10 @@ class CompoundLoss(nn.Module):
             hidden = _target(targets, f"hidden/{self.teacher_head.layer}")
             terms["kl"] = head_kl(logits, hidden, self.teacher_head, mask, self.temperature)
             return
+        if "logits/sample_ids" in targets:
+            terms["sampled_kl"] = sampled_kl(logits, targets["logits/sample_ids"], targets["logits/sample_counts"],
+                                             targets["logits/sample_logp"], mask, self.temperature)
+            return
         values, ids = _target(targets, "logits/topk_values"), _target(targets, "logits/topk_ids")
         lse = targets.get("logits/lse")
         terms["topk_kl"] = topk_kl(
@@ -228,7 +233,7 @@ class CompoundLoss(nn.Module):
             raise LossError("; ".join(problems))
 
 
-_FAMILY = {"ce": "ce", "kl": "kl", "topk_kl": "kl", "hidden": "hidden", "attention": "attention"}
+_FAMILY = {"ce": "ce", "kl": "kl", "topk_kl": "kl", "sampled_kl": "kl", "hidden": "hidden", "attention": "attention"}
 
 
 def _target(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -37,7 +37,7 @@ from kdcache.storage.streams import prefixed
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-UNPREFIXED_TERMS = ("ce", "kl", "topk_kl")  # logged under their own names whatever the stream
+UNPREFIXED_TERMS = ("ce", "kl", "topk_kl", "sampled_kl")  # logged under their own names whatever the stream
 
 
 def stream_view(batch: Mapping[str, torch.Tensor], stream: str, main: bool) -> dict[str, torch.Tensor]:

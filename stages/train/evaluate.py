@@ -38,7 +38,7 @@ from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.streaming import collate, to_device
 from kdcache.storage import CacheReader
 from kdcache.storage.errors import KdcacheError
-from kdcache.storage.spec import TOPK_NAMES
+from kdcache.storage.spec import LOGIT_ARRAYS
 from kdcache.storage.streams import prefixed
 
 Pair = tuple[int, int]
@@ -151,7 +151,8 @@ class _EvalState:
         self.cka = {s: CkaMatrix(list(range(depths[s] + 1)), layers) for s, layers in cached.items() if layers}
         self.final = teacher_layer if teacher_layer is not None else (cached[self.main] or [None])[-1]
         head = _teacher_head(reader) if spec.logits == "head" and self.kind != "encoder" else None
-        self.lm = LmStats(spec.logits, self.kind == "causal_lm", head) if self.kind != "encoder" else None
+        self.lm = (LmStats(spec.logits, self.kind == "causal_lm", head, spec.sample_temperature)
+                   if self.kind != "encoder" else None)
         self.pooled_s: list[torch.Tensor] = []  # [B, d_s] per batch: the student's last layer, mean-pooled
         self.pooled_t: list[torch.Tensor] = []  # [B, d_t]: the teacher's final cached layer
         self.notes: list[str] = []
@@ -198,7 +199,7 @@ def _teacher_head(reader: CacheReader) -> Any:
 
 
 def _logit_names(logits: str | None) -> list[str]:
-    return {"full": ["logits/full"], "topk": list(TOPK_NAMES)}.get(logits or "", [])
+    return list(LOGIT_ARRAYS[logits])
 
 
 def _check_inputs(reader: CacheReader, facts: Any, final: int | None, cached: list[int], kind: str,

@@ -31,7 +31,7 @@ from kdcache.stages.train.checks import (
 )
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
-from kdcache.storage.spec import TOPK_NAMES
+from kdcache.storage.spec import LOGIT_ARRAYS
 from kdcache.storage.streams import CROSS, prefixed
 
 
@@ -179,7 +179,7 @@ def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None) ->
     names = spec.token_names()  # ids, and the loss masks and document positions that decide what counts
     for group, group_pairs in pairs.items():
         names += [f"{group}/{t}" for t in sorted({t for _, t in group_pairs})]
-    names += ["logits/full"] if logits == "full" else list(TOPK_NAMES) if logits == "topk" else []
+    names += LOGIT_ARRAYS[logits]
     if logits == "head":  # the head's input: the last layer, which a head-mode cache always holds
         names.append(f"hidden/{max(spec.hidden_layers)}")  # head mode is for one-stream (decoder-only) caches
     return list(dict.fromkeys(names))

@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.spec import VOCAB_IDS
 from kdcache.storage.streams import kind_of, prefixed, ragged_streams, split_stream
 
 Batch = dict[str, Any]
@@ -163,7 +164,7 @@ def _pad_stack(name: str, arrays: list[np.ndarray], sizes: list[int]) -> np.ndar
 
 
 def _batch_dtype(name: str, stored: np.dtype) -> np.dtype:
-    if kind_of(name) in ("input_ids", "position_ids") or name == "logits/topk_ids":
+    if kind_of(name) in ("input_ids", "position_ids") or name in VOCAB_IDS:  # ids index, never bf16 bits
         return np.dtype(np.int64)
     if stored == np.uint16:  # bf16 bits
         return np.dtype(np.int16)

@@ -5,9 +5,11 @@ A tiny random Llama teacher; the reference is the same data cached with full log
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,8 +69,6 @@ def test_training_and_eval_on_a_head_cache(tiny_llama: Path, tmp_path: Path,
     err = capsys.readouterr().err
     assert "teacher head from the cache: 0.0M parameters" in err and "applied to cached layer 3" in err
     assert main(["eval", "--cache", str(tmp_path / "cache"), "--run", str(run), "--json"]) == 0
-    import json
-
     result = json.loads(capsys.readouterr().out)
     assert result["kl_form"] == "full" and 0 <= result["top1_agreement"] <= 1 and result["kl"] >= 0
 
@@ -91,3 +91,50 @@ def test_head_mode_needs_a_decoder_only_lm(tiny_bert: Path, tmp_path: Path, caps
     assert main(["precompute", "--teacher", str(tiny_bert), "--data", str(data), "--out", str(tmp_path / "c"),
                  "--logits", "head", "--no-progress"]) == 2
     assert "logits head: only for decoder-only causal LMs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_the_sampled_kl_is_unbiased(temperature: float) -> None:
+    """Stage one's sampler and stage two's estimator together: the mean over many draws is the exact KL, on a small
+    vocabulary, while any one draw of N=4 is far from it."""
+    from kdcache.stages.precompute.logit_head import sample_logits
+    from kdcache.stages.train.losses import sampled_kl
+
+    torch.manual_seed(0)
+    vocab, tokens, repeats = 7, 400, 100
+    teacher, student = torch.randn(vocab) * 2, torch.randn(vocab) * 2
+    exact = float(kd_kl(student[None, None], teacher[None, None], torch.ones(1, 1), temperature))
+    mask = torch.ones(1, tokens)
+    estimates = []
+    for seed in range(repeats):
+        drawn = sample_logits(teacher.expand(tokens, vocab), 4, temperature, torch.Generator().manual_seed(seed))
+        assert (drawn["logits/sample_counts"].sum(-1) == 4).all()
+        estimates.append(float(sampled_kl(student.expand(1, tokens, vocab), drawn["logits/sample_ids"][None],
+                                          drawn["logits/sample_counts"][None], drawn["logits/sample_logp"][None],
+                                          mask, temperature)))
+    mean, error = np.mean(estimates), np.std(estimates) / np.sqrt(repeats)
+    assert abs(mean - exact) < 4 * error + 1e-6, (mean, exact, error)
+    single = sample_logits(teacher[None], 4, temperature, torch.Generator().manual_seed(1))
+    one = float(sampled_kl(student[None, None], single["logits/sample_ids"][None], single["logits/sample_counts"][None],
+                           single["logits/sample_logp"][None], torch.ones(1, 1), temperature))
+    assert one != pytest.approx(exact, abs=1e-3)
+
+
+def test_a_sampled_cache_trains_at_its_own_temperature_only(tiny_llama: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    reader = _cache(tmp_path, tiny_llama, "cache", logits_mode="sampled:12", sample_temperature=2.0)
+    first = reader[0]
+    assert first["logits/sample_counts"].sum(-1).tolist() == [12] * len(first["input_ids"])
+    again = _cache(tmp_path, tiny_llama, "again", logits_mode="sampled:12", sample_temperature=2.0)
+    np.testing.assert_array_equal(again[0]["logits/sample_ids"], first["logits/sample_ids"])  # reruns draw alike
+    argv = ["train", "--cache", str(tmp_path / "cache"), "--student", str(tiny_llama), "--max-steps", "2",
+            "--batch-size", "4", "--gamma", "0", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "run1"), "--temperature", "1"]) == 2
+    assert "temperature 1.0: the KL needs the temperature the cache's samples were drawn at, 2.0" in \
+        capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "run2"), "--temperature", "2"]) == 0
+    metrics = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
+    assert any("sampled_kl" in m for m in metrics)
+    capsys.readouterr()
+    assert main(["eval", "--cache", str(tmp_path / "cache"), "--run", str(tmp_path / "run2"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kl_form"] == "sampled estimate (unbiased)"

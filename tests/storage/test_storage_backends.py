@@ -58,6 +58,10 @@ def make_sequences(spec: CacheSpec, lengths: list[int], seed: int = 0) -> list[d
             item[f"attention/{j}"] = scores / scores.sum(-1, keepdims=True)
         if spec.logits == "full":
             item["logits/full"] = (rng.normal(size=(length, spec.vocab_size)) * 5).astype(np.float32)
+        elif spec.logits == "sampled":
+            item["logits/sample_ids"] = rng.integers(0, spec.vocab_size, (length, spec.samples))
+            item["logits/sample_counts"] = rng.integers(0, 4, (length, spec.samples))
+            item["logits/sample_logp"] = -rng.random((length, spec.samples)).astype(np.float32) * 9
         elif spec.logits == "topk":
             values = rng.normal(size=(length, spec.top_k)).astype(np.float32)
             item["logits/topk_values"] = -np.sort(-values, axis=1)
@@ -73,7 +77,7 @@ def expected(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarr
     for name in spec.token_arrays:
         out[name] = item[name].astype(spec.array_dtype(name))
     for name, value in item.items():
-        if name.startswith("hidden/") or name in ("logits/full", "logits/topk_values"):
+        if name.startswith("hidden/") or name in ("logits/full", "logits/topk_values", "logits/sample_logp"):
             out[name] = stored(spec, value)
         elif name.startswith("attention/"):
             attn = value if spec.attention_heads is None else value[list(spec.attention_heads)]
@@ -84,6 +88,9 @@ def expected(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarr
     if spec.logits == "topk":
         out["logits/topk_ids"] = item["logits/topk_ids"]
         out["logits/lse"] = item["logits/lse"]
+    if spec.logits == "sampled":
+        out["logits/sample_ids"] = item["logits/sample_ids"]
+        out["logits/sample_counts"] = item["logits/sample_counts"].astype(np.uint8)
     return out
 
 
@@ -128,7 +135,7 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
     def assert_same(self, got: dict, want: dict) -> None:
         assert set(got) == set(want)
         for name in want:
-            assert got[name].dtype == want[name].dtype or name == "logits/topk_ids", name
+            assert got[name].dtype == want[name].dtype or name.endswith("_ids"), name
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
     # ---- round trips ---------------------------------------------------------------------------------
@@ -138,8 +145,10 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
         dict(logits="topk", attention_triangle=False, attention_heads=(0,), codec="zstd", topk_codec="lz4"),
         dict(logits="topk", token_arrays=("loss_mask", "position_ids")),
         dict(logits=None, token_arrays=("position_ids",), attention_triangle=True, attention_heads=(1, 2)),
+        dict(logits="sampled", samples=6, sample_temperature=2.0, token_arrays=("loss_mask",)),
+        dict(logits="head", attention_layers=()),
     ], ids=["full-square-fp16", "topk-triangle-heads-bf16", "topk-headsubset-othercodecs", "token-arrays",
-            "documents-triangle"])
+            "documents-triangle", "sampled", "head"])
     def test_every_target_round_trips_bit_exact(self, tmp_path, options):
         spec = self.spec(**options)
         seqs = self.build(tmp_path, spec)

@@ -110,6 +110,39 @@ def head_kl(
     return _kl_rows(valid_rows(student_logits, mask), head(valid_rows(hidden_t, mask)), n_valid, temperature)
 
 
+def sampled_kl(
+    student_logits: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, logp: torch.Tensor,
+    mask: torch.Tensor, temperature: float = 1.0,
+) -> torch.Tensor:
+    """KD KL estimated from draws of the teacher's distribution (caches written with ``--logits sampled:N``).
+
+    Random-sampling KD (Anshumann et al., ACL 2025, arXiv 2503.16870): with N draws x_1..x_N from the teacher's
+    p_T = softmax(z_t / T) per token, kept as distinct ids i with counts c_i and the teacher's log p_T(i),
+
+        KL(p_T ‖ s_T) ≈ (1/N) Σ_n [log p_T(x_n) − log s_T(x_n)] = Σ_i (c_i / N) · (log p_T(i) − log s_T(i)),
+
+    with s_T = softmax(z_s / T). Its expectation over the draws is the KL exactly, so its gradient is the full KD
+    gradient in expectation, where a top-k KL is biased. Scaled by T² like ``kd_kl``; T must be the temperature
+    the cache drew at.
+
+    Args:
+        student_logits: ``[B, L, V]``.
+        ids, counts, logp: ``[B, L, N]`` the cached ``logits/sample_*`` arrays (count 0 marks an unused slot).
+        mask: ``[B, L]``.
+        temperature: T, the cache's ``sample_temperature``.
+
+    Returns:
+        Scalar: T² · mean over valid tokens of the estimate.
+    """
+    _check_temperature(temperature)
+    n_valid = count_valid(bool_mask(mask, student_logits))
+    log_s = F.log_softmax(valid_rows(student_logits, mask).float() / temperature, dim=-1)
+    log_s = log_s.gather(1, valid_rows(ids, mask).long())
+    weights = valid_rows(counts, mask).float()
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
+    return (weights * (valid_rows(logp, mask).float() - log_s)).sum() / n_valid * temperature**2
+
+
 def _kl_rows(z_s: torch.Tensor, z_t: torch.Tensor, n_valid: int, temperature: float) -> torch.Tensor:
     """T² · Σ KL(softmax(z_t/T) ‖ softmax(z_s/T)) / n_valid over rows ``[N_v, V]`` (shapes checked)."""
     if z_s.shape != z_t.shape:
