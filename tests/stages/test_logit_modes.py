@@ -138,3 +138,27 @@ def test_a_sampled_cache_trains_at_its_own_temperature_only(tiny_llama: Path, tm
     capsys.readouterr()
     assert main(["eval", "--cache", str(tmp_path / "cache"), "--run", str(tmp_path / "run2"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kl_form"] == "sampled estimate (unbiased)"
+
+
+def test_full_vocabulary_kl_in_chunks_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KL over V, taken 3 valid tokens at a time with recomputation, has the value and the gradient of one
+    pass (the teacher logits rebuilt by a head chunk by chunk too)."""
+    from kdcache.stages.train.losses import logits as logit_losses
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        z_s = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        full = kd_kl(z_s, hidden @ weight.T, mask, 2.0)
+        head = head_kl(z_s, hidden, lambda h: h @ weight.T, mask, 2.0)
+        (full + head).backward()
+        return full.detach(), head.detach(), z_s.grad
+
+    whole = run()
+    monkeypatch.setattr(logit_losses, "LOSS_CHUNK", 3)
+    chunked = run()
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(whole[0], whole[1])

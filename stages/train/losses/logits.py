@@ -11,10 +11,13 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from kdcache.stages.train.losses._common import bool_mask, count_valid, kl_terms, valid_rows
 from kdcache.stages.train.losses.errors import LossError
 from kdcache.stages.train.options import TOPK_KL_VARIANTS as TOPK_VARIANTS
+
+LOSS_CHUNK = 1024  # valid tokens per chunk of a full-vocabulary KL (one chunk's [C, V] fp32 is what it holds)
 
 
 def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
@@ -88,7 +91,8 @@ def kd_kl(
             "differ; the student and the cache must share one vocabulary"
         )
     n_valid = count_valid(bool_mask(mask, student_logits))
-    return _kl_rows(valid_rows(student_logits, mask), valid_rows(teacher_logits, mask), n_valid, temperature)
+    return _kl_rows(valid_rows(student_logits, mask), valid_rows(teacher_logits, mask), n_valid, temperature,
+                    lambda rows: rows)
 
 
 def head_kl(
@@ -107,7 +111,7 @@ def head_kl(
     """
     _check_temperature(temperature)
     n_valid = count_valid(bool_mask(mask, student_logits))
-    return _kl_rows(valid_rows(student_logits, mask), head(valid_rows(hidden_t, mask)), n_valid, temperature)
+    return _kl_rows(valid_rows(student_logits, mask), valid_rows(hidden_t, mask), n_valid, temperature, head)
 
 
 def sampled_kl(
@@ -143,14 +147,31 @@ def sampled_kl(
     return (weights * (valid_rows(logp, mask).float() - log_s)).sum() / n_valid * temperature**2
 
 
-def _kl_rows(z_s: torch.Tensor, z_t: torch.Tensor, n_valid: int, temperature: float) -> torch.Tensor:
-    """T² · Σ KL(softmax(z_t/T) ‖ softmax(z_s/T)) / n_valid over rows ``[N_v, V]`` (shapes checked)."""
+def _kl_rows(z_s: torch.Tensor, teacher_rows: torch.Tensor, n_valid: int, temperature: float,
+             to_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """T² · Σ KL(softmax(z_t/T) ‖ softmax(z_s/T)) / n_valid over valid rows, ``LOSS_CHUNK`` rows at a time.
+
+    Each chunk's fp32 softmaxes (and, for a head cache, its teacher logits ``to_logits(teacher_rows)``) are
+    recomputed in the backward pass rather than kept (activation checkpointing), so the memory they take is one
+    chunk's ``[C, V]``, not ``[N_v, V]``; the value and the gradient are exactly those of one pass.
+    """
+    total = z_s.new_zeros((), dtype=torch.float32)
+    for start in range(0, z_s.shape[0], LOSS_CHUNK):
+        rows = slice(start, start + LOSS_CHUNK)
+        total = total + checkpoint(_kl_sum, z_s[rows], teacher_rows[rows], to_logits, temperature,
+                                   use_reentrant=False)
+    return total / n_valid * temperature**2
+
+
+def _kl_sum(z_s: torch.Tensor, teacher_rows: torch.Tensor, to_logits: Callable[[torch.Tensor], torch.Tensor],
+            temperature: float) -> torch.Tensor:
+    z_t = to_logits(teacher_rows)
     if z_s.shape != z_t.shape:
         raise LossError(f"student logits {tuple(z_s.shape)} and teacher logits {tuple(z_t.shape)} differ on the "
                         f"valid tokens; the student and the cache must share one vocabulary")
     log_s = F.log_softmax(z_s.float() / temperature, dim=-1)
     log_t = F.log_softmax(z_t.float() / temperature, dim=-1)
-    return kl_terms(log_t, log_s).sum() / n_valid * temperature**2
+    return kl_terms(log_t, log_s).sum()
 
 
 def topk_kl(
