@@ -57,6 +57,7 @@ def describe(path: str) -> dict[str, Any]:
         "cross_attention_layers": list(getattr(spec, "cross_attention_layers", ()) or ()),
         "attention_heads": None if spec.attention_heads is None else list(spec.attention_heads),
         "attention_triangle": spec.attention_triangle, "logits": spec.logits, "top_k": spec.top_k,
+        "samples": spec.samples, "sample_temperature": spec.sample_temperature,
         "vocab_size": spec.vocab_size, "dtype": spec.dtype, "bitround": spec.bitround,
         "codecs": {"activations": spec.codec, "topk": spec.topk_codec},
         "num_sequences": spec.num_sequences, "num_committed_sequences": sum(r.seq_stop - r.seq_start for r in records),
@@ -84,7 +85,10 @@ def _layer_lines(info: dict[str, Any], heads: Any) -> list[str]:
 
 def _text(info: dict[str, Any]) -> str:
     heads = "all" if info["attention_heads"] is None else info["attention_heads"]
-    logits = {"topk": f"top-{info['top_k']} of V={info['vocab_size']}", "full": f"full, V={info['vocab_size']}"}
+    vocab = f"V={info['vocab_size']}"
+    logits = {"topk": f"top-{info['top_k']} of {vocab}", "full": f"full, {vocab}",
+              "sampled": f"{info['samples']} draws per token at T={info['sample_temperature']:g}, {vocab}",
+              "head": f"the teacher's LM head on its last layer (teacher_head/), {vocab}"}
     lines = [
         f"cache        {info['path']}",
         f"status       {info['status']} (format v{info['format_version']}, backend {info['backend']})",

@@ -100,6 +100,9 @@ def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) ->
                         "precompute with logits (full or top-k), or use --beta 0")
     elif options.beta > 0 and not student.has_lm_head:
         problems.append("the KL term (--beta) needs student logits, but the student has no LM head")
+    elif options.beta > 0 and options.topk_kl == "other" and spec.logits != "topk":
+        problems.append(f"--topk-kl other is a KL for caches written with --logits topk, and this cache holds "
+                        f"{spec.logits} logits, whose KL needs no variant; drop --topk-kl")
     elif options.beta > 0 and spec.logits == "sampled" and options.temperature != spec.sample_temperature:
         problems.append(f"temperature {options.temperature}: the KL needs the temperature the cache's samples were "
                         f"drawn at, {spec.sample_temperature} (its --sample-temperature); train with --temperature "

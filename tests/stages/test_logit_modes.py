@@ -68,6 +68,11 @@ def test_training_and_eval_on_a_head_cache(tiny_llama: Path, tmp_path: Path,
                  "--max-steps", "2", "--batch-size", "4", "--gamma", "0", "--quiet"]) == 0
     err = capsys.readouterr().err
     assert "teacher head from the cache: 0.0M parameters" in err and "applied to cached layer 3" in err
+    # A loss for another mode is refused, naming both.
+    assert main(["train", "--cache", str(tmp_path / "cache"), "--student", str(tiny_llama), "--out",
+                 str(tmp_path / "other"), "--topk-kl", "other", "--temperature", "1", "--gamma", "0"]) == 2
+    assert "--topk-kl other is a KL for caches written with --logits topk, and this cache holds head logits" in \
+        capsys.readouterr().err
     assert main(["eval", "--cache", str(tmp_path / "cache"), "--run", str(run), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["kl_form"] == "full" and 0 <= result["top1_agreement"] <= 1 and result["kl"] >= 0
