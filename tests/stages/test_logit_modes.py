@@ -145,25 +145,31 @@ def test_a_sampled_cache_trains_at_its_own_temperature_only(tiny_llama: Path, tm
     assert json.loads(capsys.readouterr().out)["kl_form"] == "sampled estimate (unbiased)"
 
 
-def test_full_vocabulary_kl_in_chunks_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The KL over V, taken 3 valid tokens at a time with recomputation, has the value and the gradient of one
-    pass (the teacher logits rebuilt by a head chunk by chunk too)."""
-    from kdcache.stages.train.losses import logits as logit_losses
+def test_full_vocabulary_terms_in_chunks_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every loss over the vocabulary (CE, KL from full logits or a head, top-k with the leftover bucket, the
+    sampled estimate), taken 3 valid tokens at a time with recomputation, has the value and the gradient of one
+    pass."""
+    from kdcache.stages.train.losses import _common, causal_ce, sampled_kl, token_ce, topk_kl
 
     torch.manual_seed(0)
     hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8)
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+    teacher = hidden @ weight.T
+    values, ids = teacher.topk(4, -1)
+    counts = torch.randint(0, 3, (2, 5, 4))
+    ids_long = torch.randint(0, 11, (2, 5))
 
-    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run() -> list[torch.Tensor]:
         z_s = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
-        full = kd_kl(z_s, hidden @ weight.T, mask, 2.0)
-        head = head_kl(z_s, hidden, lambda h: h @ weight.T, mask, 2.0)
-        (full + head).backward()
-        return full.detach(), head.detach(), z_s.grad
+        terms = [kd_kl(z_s, teacher, mask, 2.0), head_kl(z_s, hidden, lambda h: h @ weight.T, mask, 2.0),
+                 topk_kl(z_s, values, ids, mask, torch.logsumexp(teacher, -1), variant="other"),
+                 sampled_kl(z_s, ids, counts, values.log_softmax(-1), mask), causal_ce(z_s, ids_long, mask),
+                 token_ce(z_s, ids_long, mask)]
+        torch.stack(terms).sum().backward()
+        return [t.detach() for t in terms] + [z_s.grad]
 
     whole = run()
-    monkeypatch.setattr(logit_losses, "LOSS_CHUNK", 3)
-    chunked = run()
-    for a, b in zip(whole, chunked):
+    monkeypatch.setattr(_common, "LOSS_CHUNK", 3)
+    for a, b in zip(whole, run()):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(whole[0], whole[1])

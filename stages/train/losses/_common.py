@@ -1,11 +1,12 @@
-"""Helpers shared by the loss modules: masks, valid-row selection, safe KL terms."""
+"""Helpers shared by the loss modules: masks, valid-row selection, safe KL terms, chunks over tokens."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from kdcache.stages.train.losses.errors import LossError
 
@@ -37,6 +38,24 @@ def valid_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         ``[N_v, ...]`` in batch-major token order.
     """
     return x[bool_mask(mask, x)]
+
+
+LOSS_CHUNK = 1024  # valid tokens per chunk of a term over the full vocabulary
+
+
+def chunked_sum(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
+    """``Σ fn(*chunk)`` over chunks of ``LOSS_CHUNK`` rows of ``rows`` (tensors ``[N, ...]`` with one N).
+
+    A term over the vocabulary (a softmax, a logsumexp) upcasts ``[N_v, V]`` student logits to fp32, and autograd
+    keeps those copies for the backward pass: at V = 128k that is several times the logits themselves. Here each
+    chunk runs under activation checkpointing, so only one chunk's ``[C, V]`` intermediates exist at a time; they
+    are recomputed in the backward pass. Value and gradient are exactly those of one pass (``torch.split``'s
+    backward joins the chunks' gradients in one step).
+    """
+    total = rows[0].new_zeros((), dtype=torch.float32)
+    for chunk in zip(*(r.split(LOSS_CHUNK) for r in rows)):
+        total = total + checkpoint(fn, *chunk, use_reentrant=False)
+    return total
 
 
 def count_valid(mask: torch.Tensor) -> int:

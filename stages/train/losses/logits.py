@@ -11,13 +11,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from kdcache.stages.train.losses._common import bool_mask, count_valid, kl_terms, valid_rows
+from kdcache.stages.train.losses._common import bool_mask, chunked_sum, count_valid, kl_terms, valid_rows
 from kdcache.stages.train.losses.errors import LossError
 from kdcache.stages.train.options import TOPK_KL_VARIANTS as TOPK_VARIANTS
-
-LOSS_CHUNK = 1024  # valid tokens per chunk of a full-vocabulary KL (one chunk's [C, V] fp32 is what it holds)
 
 
 def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
@@ -42,13 +39,13 @@ def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
     pair_valid = m[:, :-1] & m[:, 1:]
     if pairs is not None:
         pair_valid = pair_valid & pairs.bool()
-    rows = logits[:, :-1][pair_valid].float()
+    rows = logits[:, :-1][pair_valid]
     labels = input_ids[:, 1:][pair_valid].long()
     if rows.shape[0] == 0:
         # Every sequence is one token long: nothing to predict. A zero still tied to the graph keeps
         # backward() working; the empty sum reads no logits, so it cannot be NaN.
-        return rows.sum()
-    return F.cross_entropy(rows, labels)
+        return rows.float().sum()
+    return chunked_sum(_ce_sum, rows, labels) / rows.shape[0]
 
 
 def token_ce(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -66,8 +63,12 @@ def token_ce(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> 
     """
     keep = bool_mask(mask, logits)
     keep = keep & (labels != -100)
-    count_valid(keep)
-    return F.cross_entropy(logits[keep].float(), labels[keep].long())
+    return chunked_sum(_ce_sum, logits[keep], labels[keep].long()) / count_valid(keep)
+
+
+def _ce_sum(rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Σ cross-entropy of ``[C, V]`` logits against ``[C]`` labels, in fp32."""
+    return F.cross_entropy(rows.float(), labels, reduction="sum")
 
 
 def kd_kl(
@@ -140,38 +141,27 @@ def sampled_kl(
     """
     _check_temperature(temperature)
     n_valid = count_valid(bool_mask(mask, student_logits))
-    log_s = F.log_softmax(valid_rows(student_logits, mask).float() / temperature, dim=-1)
-    log_s = log_s.gather(1, valid_rows(ids, mask).long())
-    weights = valid_rows(counts, mask).float()
-    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
-    return (weights * (valid_rows(logp, mask).float() - log_s)).sum() / n_valid * temperature**2
+
+    def chunk_estimate(z: torch.Tensor, drawn: torch.Tensor, count: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+        log_s = F.log_softmax(z.float() / temperature, dim=-1).gather(1, drawn.long())
+        weights = count.float() / count.float().sum(-1, keepdim=True).clamp_min(1.0)
+        return (weights * (log_p.float() - log_s)).sum()
+    rows = (valid_rows(t, mask) for t in (student_logits, ids, counts, logp))
+    return chunked_sum(chunk_estimate, *rows) / n_valid * temperature**2
 
 
 def _kl_rows(z_s: torch.Tensor, teacher_rows: torch.Tensor, n_valid: int, temperature: float,
              to_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """T² · Σ KL(softmax(z_t/T) ‖ softmax(z_s/T)) / n_valid over valid rows, ``LOSS_CHUNK`` rows at a time.
+    """T² · Σ KL(softmax(z_t/T) ‖ softmax(z_s/T)) / n_valid over valid rows, in chunks (``chunked_sum``); a head
+    cache's teacher logits ``to_logits(teacher_rows)`` are rebuilt chunk by chunk too."""
 
-    Each chunk's fp32 softmaxes (and, for a head cache, its teacher logits ``to_logits(teacher_rows)``) are
-    recomputed in the backward pass rather than kept (activation checkpointing), so the memory they take is one
-    chunk's ``[C, V]``, not ``[N_v, V]``; the value and the gradient are exactly those of one pass.
-    """
-    total = z_s.new_zeros((), dtype=torch.float32)
-    for start in range(0, z_s.shape[0], LOSS_CHUNK):
-        rows = slice(start, start + LOSS_CHUNK)
-        total = total + checkpoint(_kl_sum, z_s[rows], teacher_rows[rows], to_logits, temperature,
-                                   use_reentrant=False)
-    return total / n_valid * temperature**2
-
-
-def _kl_sum(z_s: torch.Tensor, teacher_rows: torch.Tensor, to_logits: Callable[[torch.Tensor], torch.Tensor],
-            temperature: float) -> torch.Tensor:
-    z_t = to_logits(teacher_rows)
-    if z_s.shape != z_t.shape:
-        raise LossError(f"student logits {tuple(z_s.shape)} and teacher logits {tuple(z_t.shape)} differ on the "
-                        f"valid tokens; the student and the cache must share one vocabulary")
-    log_s = F.log_softmax(z_s.float() / temperature, dim=-1)
-    log_t = F.log_softmax(z_t.float() / temperature, dim=-1)
-    return kl_terms(log_t, log_s).sum()
+    def chunk_kl(z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        z_t = to_logits(rows)
+        if z.shape != z_t.shape:
+            raise LossError(f"student logits {tuple(z.shape)} and teacher logits {tuple(z_t.shape)} differ on the "
+                            f"valid tokens; the student and the cache must share one vocabulary")
+        return kl_terms(F.log_softmax(z_t.float() / temperature, -1), F.log_softmax(z.float() / temperature, -1)).sum()
+    return chunked_sum(chunk_kl, z_s, teacher_rows) / n_valid * temperature**2
 
 
 def topk_kl(
@@ -226,7 +216,7 @@ def topk_kl_renorm(
     _check_temperature(temperature)
     n_valid = count_valid(bool_mask(mask, student_logits))
     z_s, values, ids = _topk_rows(student_logits, topk_values, topk_ids, mask)
-    student_on_ids = torch.gather(z_s, 1, ids)
+    student_on_ids = torch.gather(z_s, 1, ids).float()  # k of V: no full-vocabulary term, no chunks needed
     log_t = F.log_softmax(values / temperature, dim=-1)
     log_s = F.log_softmax(student_on_ids / temperature, dim=-1)
     return kl_terms(log_t, log_s).sum() / n_valid * temperature**2
@@ -261,13 +251,14 @@ def topk_kl_other(
         )
     n_valid = count_valid(bool_mask(mask, student_logits))
     z_s, values, ids = _topk_rows(student_logits, topk_values, topk_ids, mask)
-    log_t = _teacher_buckets(values, valid_rows(lse, mask).float())
-    log_s = _student_buckets(z_s, ids)
-    if ids.shape[1] >= z_s.shape[1]:
-        # k == V: there is no tail. Drop the leftover bucket on both sides; the teacher's 1 − Σ would only be
-        # rounding noise facing the student's exact −inf.
-        log_t, log_s = log_t[:, :-1], log_s[:, :-1]
-    return kl_terms(log_t, log_s).sum() / n_valid
+    # k == V: there is no tail. Drop the leftover bucket on both sides; the teacher's 1 − Σ would only be
+    # rounding noise facing the student's exact −inf.
+    buckets = ids.shape[1] if ids.shape[1] >= z_s.shape[1] else ids.shape[1] + 1
+
+    def chunk_kl(z: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor, lse_t: torch.Tensor) -> torch.Tensor:
+        log_t = _teacher_buckets(top, lse_t)[:, :buckets]
+        return kl_terms(log_t, _student_buckets(z.float(), top_ids)[:, :buckets]).sum()
+    return chunked_sum(chunk_kl, z_s, values, ids, valid_rows(lse, mask).float()) / n_valid
 
 
 def _teacher_buckets(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -296,7 +287,7 @@ def _student_buckets(z_s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def _topk_rows(
     student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Valid rows as float32 student logits ``[N_v, V]``, values ``[N_v, k]`` and int64 ids ``[N_v, k]``.
+    """Valid rows: student logits ``[N_v, V]`` (their own dtype), float32 values ``[N_v, k]``, int64 ids ``[N_v, k]``.
 
     Ids are converted after selection: padded rows may hold anything, and a NaN cast to int would otherwise
     become an out-of-range index.
@@ -306,7 +297,7 @@ def _topk_rows(
             f"top-k values {tuple(topk_values.shape)}, ids {tuple(topk_ids.shape)} and student logits "
             f"{tuple(student_logits.shape)} do not line up as [B, L, k], [B, L, k], [B, L, V]"
         )
-    z_s = valid_rows(student_logits, mask).float()
+    z_s = valid_rows(student_logits, mask)
     values = valid_rows(topk_values, mask).float()
     ids = valid_rows(topk_ids, mask).long()
     return z_s, values, ids
