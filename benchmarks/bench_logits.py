@@ -18,6 +18,9 @@ Peak memory for logits: one batch through ``FeatureCapture`` of the V = 128,256 
 ``--logits-chunk 0`` (one pass over the padded batch) and 512, each in a fresh process; the figure is the growth
 of peak RSS during the forward (CPU, Linux: the high-water mark is reset first).
 
+Stage two's full-vocabulary KL with and without chunks of valid tokens (``losses._common.LOSS_CHUNK``): peak
+memory growth and time of one forward + backward on random fp32 logits, each in a fresh process.
+
 Run: ``.venv/bin/python benchmarks/bench_logits.py [--tokens 4096] [--json out.json]``.
 """
 
@@ -158,6 +161,29 @@ print((rss("VmHWM") - before) / 1024)
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def loss_cost(chunk: int, batch: int, length: int) -> tuple[float, float]:
+    """(MiB of peak memory growth, seconds) of one forward + backward of the full-vocabulary KL on ``[B, L, V]``
+    fp32 student logits at V = 128,256, with ``LOSS_CHUNK = chunk``, in a fresh process."""
+    code = f"""
+import time, torch, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from kdcache.stages.train.losses import _common, kd_kl
+def rss(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+_common.LOSS_CHUNK = {chunk}
+student = torch.randn({batch}, {length}, {LLAMA_VOCAB}, requires_grad=True)
+teacher = torch.randn({batch}, {length}, {LLAMA_VOCAB})
+mask = torch.ones({batch}, {length})
+open("/proc/self/clear_refs", "w").write("5")
+before, start = rss("VmRSS"), time.perf_counter()
+kd_kl(student, teacher, mask, 2.0).backward()
+print((rss("VmHWM") - before) / 1024, time.perf_counter() - start)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    mib, seconds = out.stdout.strip().splitlines()[-1].split()
+    return float(mib), float(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -178,6 +204,10 @@ def main() -> None:
           + ", ".join(f"{k}: {v:,.0f} MiB" for k, v in memory.items()) + f" (padded [B, L, V] fp16 + fp32: "
           f"{full:,.0f} MiB)")
     results["peak_memory_mib"] = memory
+    costs = {f"chunk {c}": loss_cost(c, 2, 512) for c in (256, 10**9)}
+    print("stage-two full-vocabulary KL, fp32 student logits [2, 512, 128,256], forward + backward: " + ", ".join(
+        f"{k.replace('1000000000', 'none')}: {m:,.0f} MiB, {t:.2f} s" for k, (m, t) in costs.items()))
+    results["loss_cost"] = costs
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

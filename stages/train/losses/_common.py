@@ -40,7 +40,7 @@ def valid_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x[bool_mask(mask, x)]
 
 
-LOSS_CHUNK = 1024  # valid tokens per chunk of a term over the full vocabulary
+LOSS_CHUNK = 256  # valid tokens per chunk of a term over the full vocabulary: [256, 128k] fp32 is 128 MiB
 
 
 def chunked_sum(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
