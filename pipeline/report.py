@@ -29,8 +29,8 @@ from kdcache.pipeline.run_state import (
 from kdcache.stages.train.eval_records import alignment_panels
 from kdcache.storage.files import read_json_object
 
-TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "hidden", "attention")
-LOWER_IS_BETTER = ("eval_perplexity", "eval_kl", "loss", "ce", "kl", "topk_kl", "hidden", "attention")
+TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "sampled_kl", "hidden", "attention")
+LOWER_IS_BETTER = ("eval_perplexity", "eval_kl", "loss", "ce", "kl", "topk_kl", "sampled_kl", "hidden", "attention")
 GROUP_COLOURS = {"hidden": "tab:blue", "attention": "tab:orange", "logits": "tab:green", "other": "tab:gray"}
 
 

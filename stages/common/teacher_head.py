@@ -32,6 +32,9 @@ def export_head(model: Any, out: str, layer: int) -> dict[str, Any]:
 
     from kdcache.storage.stores import open_store
 
+    store = open_store(out)
+    if store.exists(HEAD_FOLDER):  # a resumed run, or another job of the array, wrote it already
+        return json.loads(store.read(f"{HEAD_FOLDER}/head.json"))
     head = model.get_output_embeddings()
     tensors = {"weight": head.weight.detach().cpu().contiguous()}
     if getattr(head, "bias", None) is not None:
@@ -44,9 +47,6 @@ def export_head(model: Any, out: str, layer: int) -> dict[str, Any]:
             "logit_scale": getattr(model.config, "logit_scale", None) or None,
             "softcap": getattr(model.config, "final_logit_softcapping", None) or None,
             "sha256": hashlib.sha256(data).hexdigest()}
-    store = open_store(out)
-    if store.exists(HEAD_FOLDER):  # a resumed run, or another rank, wrote it already
-        return info
     with tempfile.TemporaryDirectory(prefix="kdcache-head-") as tmp:
         (Path(tmp) / "head.safetensors").write_bytes(data)
         (Path(tmp) / "head.json").write_text(json.dumps(info, indent=1))

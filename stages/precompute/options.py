@@ -144,6 +144,7 @@ class PrecomputeOptions:
              f"must be in 0..num_shards-1 ({self.num_shards - 1})"),
             ("queue_size", self.queue_size >= 1, "must be >= 1"),
             ("logits_chunk", self.logits_chunk >= 0, "must be >= 0"),
+            ("packing", self.packing in PACKING, f"expected one of {', '.join(PACKING)}"),
             ("device", bool(_DEVICE.match(self.device)), "expected auto, cpu, mps, cuda or cuda:N"),
         ]
         problems = [f"{name}: got {getattr(self, name)!r}, {rule}" for name, ok, rule in checks if not ok]

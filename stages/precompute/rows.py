@@ -36,8 +36,8 @@ class Rows:
         loss_masks: one uint8 array ``[L_i]`` per row.
         positions: one int32 array ``[L_i]`` per row with packing ``documents``, else None.
         dropped_empty: blank documents skipped.
-        dropped_untrained: documents skipped because no token of theirs would be trained on (e.g. an assistant
-            reply that lies beyond ``max_length``).
+        dropped_untrained: documents (or, kept apart, row-sized pieces of one) skipped because no token of theirs
+            would be trained on (e.g. an assistant reply that lies beyond ``max_length``).
     """
 
     ids: list[np.ndarray] = field(default_factory=list)
@@ -47,6 +47,10 @@ class Rows:
     dropped_untrained: int = 0
 
     def add(self, ids: list[int], mask: np.ndarray, positions: np.ndarray | None = None) -> None:
+        """Keep a row, unless no token of it is trained on (a block cut from untrained stretches)."""
+        if not mask.any():
+            self.dropped_untrained += 1
+            return
         self.ids.append(np.asarray(ids, dtype=np.int32))
         self.loss_masks.append(np.asarray(mask, dtype=np.uint8))
         if positions is not None:
@@ -105,25 +109,26 @@ def _pieces(documents: Iterable[Document | None], rows: Rows, mode: str, block: 
             rows.dropped_empty += 1
             continue
         ids, mask = doc
-        if not mask.any():
-            rows.dropped_untrained += 1
-            continue
         if mode != "none" and eos is not None and ids[-1] != eos:
             ids, mask = [*ids, eos], np.append(mask, mask[-1])
-        yield ids, mask
+        # Kept apart, a document longer than a row becomes row-sized pieces, each a document of its own.
+        step = block if mode == "documents" else len(ids)
+        for start in range(0, len(ids), step):
+            if not mask[start:start + step].any():  # nothing of it would be trained on
+                rows.dropped_untrained += 1
+                continue
+            yield ids[start:start + step], mask[start:start + step]
 
 
 def _fill_documents(pieces: Iterable[Document], block: int) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
     row: list[Document] = []
     used = 0
-    for ids, mask in pieces:
-        for start in range(0, len(ids), block):  # a document longer than a row becomes row-sized pieces
-            part = (ids[start:start + block], mask[start:start + block])
-            if used + len(part[0]) > block:
-                yield _join(row)
-                row, used = [], 0
-            row.append(part)
-            used += len(part[0])
+    for part in pieces:  # at most a row long (``_pieces``)
+        if used + len(part[0]) > block:
+            yield _join(row)
+            row, used = [], 0
+        row.append(part)
+        used += len(part[0])
     if row:
         yield _join(row)
 

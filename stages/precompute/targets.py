@@ -138,6 +138,9 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
     causal = is_causal(config)
     if options.logits_kind == "head":
         streams = _with_last_layer(streams, causal, options.teacher)
+    if options.logits_kind == "sampled" and "" not in streams:
+        raise PrecomputeError(f"logits sampled: not yet for encoder-decoder teachers such as {options.teacher!r}; "
+                              f"use --logits topk or full")
     _check_triangle(options, streams, causal)
     heads = options.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:

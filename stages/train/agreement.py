@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.train.losses import head_kl, kd_kl, sampled_kl, topk_kl
+from kdcache.stages.train.losses._common import LOSS_CHUNK
 from kdcache.stages.train.masks import TokenMasks
 
 
@@ -143,8 +144,10 @@ class LmStats:
         if self.kind is None:
             return
         valid = masks.predicts
-        self.agree += int((logits[valid].argmax(-1) == self._teacher_top1(targets, valid)).sum())
         n_valid = int(valid.sum())
+        if n_valid == 0:  # nothing of this batch is trained on
+            return
+        self.agree += int((logits[valid].argmax(-1) == self._teacher_top1(targets, valid)).sum())
         self.kl += float(self._kl(logits, valid, targets)) * n_valid  # the losses return a mean over valid tokens
         self.tokens += n_valid
 
@@ -152,8 +155,9 @@ class LmStats:
         """``[N_v]`` the teacher's most likely token at each counted position."""
         if self.kind == "full":
             return targets["logits/full"][valid].argmax(-1)
-        if self.kind == "head":
-            return self.head(targets[f"hidden/{self.head.layer}"][valid]).argmax(-1)
+        if self.kind == "head":  # chunk by chunk: [N_v, V] teacher logits never exist at once
+            rows = targets[f"hidden/{self.head.layer}"][valid]
+            return torch.cat([self.head(part).argmax(-1) for part in rows.split(LOSS_CHUNK)])
         if self.kind == "sampled":  # the likeliest of the drawn ids: the top-1 whenever it was drawn
             logp = targets["logits/sample_logp"][valid].masked_fill(targets["logits/sample_counts"][valid] == 0,
                                                                      float("-inf"))
@@ -165,9 +169,10 @@ class LmStats:
             return kd_kl(logits, targets["logits/full"], mask, temperature=1.0)
         if self.kind == "head":
             return head_kl(logits, targets[f"hidden/{self.head.layer}"], self.head, mask, temperature=1.0)
-        if self.kind == "sampled":
+        if self.kind == "sampled":  # the estimate exists only at the cache's temperature; reported without T²
             return sampled_kl(logits, targets["logits/sample_ids"], targets["logits/sample_counts"],
-                              targets["logits/sample_logp"], mask, temperature=self.sample_temperature)
+                              targets["logits/sample_logp"], mask,
+                              temperature=self.sample_temperature) / self.sample_temperature**2
         # The other-bucket form puts the teacher's tail mass in one bucket: a true KL over a coarsened
         # vocabulary, unlike the renormalised form, which ignores the tail altogether.
         return topk_kl(logits, targets["logits/topk_values"], targets["logits/topk_ids"], mask,
@@ -179,7 +184,9 @@ class LmStats:
                                "predicted_tokens": int(self.predicted)}
         if self.kind is not None:
             out.update(top1_agreement=self.agree / max(1.0, self.tokens), kl=self.kl / max(1.0, self.tokens),
-                       kl_form=_KL_FORMS[self.kind], tokens=int(self.tokens))
+                       kl_form=_KL_FORMS[self.kind] + (f" at T={self.sample_temperature:g}" if self.kind == "sampled"
+                                                       and self.sample_temperature != 1 else ""),
+                       tokens=int(self.tokens))
         return out
 
 

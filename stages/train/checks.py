@@ -61,6 +61,9 @@ def vocab_problems(options: TrainOptions, reader: Any, student: StudentFacts,
     elif spec.logits in ("full", "head") and options.beta > 0 and student.vocab_size != spec.vocab_size:
         problems.append(f"vocab size mismatch: the cache's {spec.logits} logits have {spec.vocab_size} entries per "
                         f"token, the student's head {student.vocab_size}; the KL needs the same vocabulary")
+    elif spec.logits in ("topk", "sampled") and options.beta > 0 and student.vocab_size < spec.vocab_size:
+        problems.append(f"vocab size mismatch: the cache's {spec.logits} logits index a vocabulary of "
+                        f"{spec.vocab_size} ids, the student's head has {student.vocab_size}; the KL needs them all")
     if student_tokenizer is not None and fp.get("vocab_hash") and _same_hash_kind(fp, student_tokenizer):
         expected = {"tokenizer": {k: student_tokenizer[k] for k in ("vocab_hash",) if k in student_tokenizer}}
         problems += compare_fingerprints({"tokenizer": fp}, expected)

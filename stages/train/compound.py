@@ -130,6 +130,9 @@ class CompoundLoss(nn.Module):
             terms["hidden"] = self._hidden_term(student_out, targets, masks.trained, logs)
         if self.attention_map:
             terms["attention"] = self._attention_term(student_out, targets, masks, logs)
+        return self._total(terms, logs)
+
+    def _total(self, terms: dict[str, torch.Tensor], logs: dict[str, torch.Tensor]) -> dict[str, Any]:
         if not terms:
             raise LossError("no loss term was computed: every weight is 0, or the terms it has need outputs "
                             "this student lacks (CE needs logits)")
@@ -143,11 +146,18 @@ class CompoundLoss(nn.Module):
         ids = _target(targets, "input_ids")
         if self.ce == "causal":
             terms["ce"] = causal_ce(logits, ids, masks.real, pairs=masks.pairs)
+        elif not masks.trained.any():  # no trained token in this micro-batch
+            terms["ce"] = logits.sum() * 0.0
         else:  # a masked-LM loop puts its own "labels" (-100 where unmasked) in the batch
             terms["ce"] = token_ce(logits, targets.get("labels", ids), masks.trained)
 
     def _add_kl(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict) -> None:
         mask = masks.predicts
+        if not mask.any() and getattr(out, "logits", None) is not None:
+            # A micro-batch whose loss mask leaves no prediction to distil (rare: a lone trained token that starts
+            # a document) adds nothing, rather than stopping the run; tied to the graph so backward still works.
+            terms["kl"] = out.logits.sum() * 0.0
+            return
         logits = getattr(out, "logits", None)
         if logits is None:
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
@@ -174,6 +184,8 @@ class CompoundLoss(nn.Module):
         """Σ over pairs of the hidden loss; per-pair values (and wgan critic losses) go to ``logs``."""
         states = _student_field(out, "hidden_states", "output_hidden_states=True")
         total = torch.zeros((), device=mask.device)
+        if not mask.any():  # no trained token in this micro-batch: nothing to match
+            return total + sum(states[s].sum() * 0.0 for s, _ in self.layer_map)
         for pair in self.layer_map:
             h_s = self.projectors.project(pair, _layer(states, pair[0], "hidden state"))
             h_t = _target(targets, f"hidden/{pair[1]}")
@@ -201,6 +213,8 @@ class CompoundLoss(nn.Module):
         maps = _student_field(out, "attentions", "output_attentions=True and attn_implementation='eager'")
         attention_kl = get_loss("attention_kl")
         total = torch.zeros((), device=masks.real.device)
+        if not masks.trained.any():  # no trained token in this micro-batch: no query row to match
+            return total + sum(maps[s - 1].sum() * 0.0 for s, _ in self.attention_map)
         for s, t in self.attention_map:
             a_s = _layer(maps, s - 1, "attention map", shown=s)
             # Rows of trained tokens, over every real key: the teacher saw the whole context.

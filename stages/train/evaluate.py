@@ -122,7 +122,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
 
     model, pairs, projectors = load_run(run_dir, student)
     model.to(device)
-    state = _EvalState(reader, student_facts(model, pretrained=True), teacher_layer)
+    state = _EvalState(reader, student_facts(model, pretrained=True), teacher_layer, device)
     sequences = tokens = 0
     for batch in cache_batches(reader, state.names, batch_size, limit=limit):
         batch = to_device(batch, device)
@@ -142,7 +142,7 @@ def _kind(facts: Any) -> str:
 class _EvalState:
     """What one pass over the cache accumulates: CKA sums per stream, LM sums, pooled final states."""
 
-    def __init__(self, reader: CacheReader, facts: Any, teacher_layer: int | None):
+    def __init__(self, reader: CacheReader, facts: Any, teacher_layer: int | None, device: Any = "cpu"):
         spec = reader.spec
         self.kind, self.streams, self.main = _kind(facts), list(spec.streams), spec.streams[-1]
         self.depth = facts.decoder_layers if self.main == "decoder" else facts.num_layers
@@ -150,7 +150,7 @@ class _EvalState:
         depths = {"": facts.num_layers, "encoder": facts.num_layers, "decoder": facts.decoder_layers}
         self.cka = {s: CkaMatrix(list(range(depths[s] + 1)), layers) for s, layers in cached.items() if layers}
         self.final = teacher_layer if teacher_layer is not None else (cached[self.main] or [None])[-1]
-        head = _teacher_head(reader) if spec.logits == "head" and self.kind != "encoder" else None
+        head = _teacher_head(reader).to(device) if spec.logits == "head" and self.kind != "encoder" else None
         self.lm = (LmStats(spec.logits, self.kind == "causal_lm", head, spec.sample_temperature)
                    if self.kind != "encoder" else None)
         self.pooled_s: list[torch.Tensor] = []  # [B, d_s] per batch: the student's last layer, mean-pooled

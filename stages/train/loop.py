@@ -98,6 +98,9 @@ def _teacher_head(reader: Any, plan: TrainPlan, announce: bool) -> Any:
     from kdcache.stages.train.teacher_head import load_teacher_head
 
     head = load_teacher_head(reader.store)
+    if head.layer not in reader.spec.hidden_layers:
+        raise TrainingError(f"the cache's teacher_head/ reads layer {head.layer}, which the cache does not hold "
+                            f"(hidden layers {list(reader.spec.hidden_layers)}); rerun stage one")
     if announce:
         print(f"kdcache train: {head.describe()}", file=sys.stderr)
     return head

@@ -181,7 +181,9 @@ def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None) ->
         names += [f"{group}/{t}" for t in sorted({t for _, t in group_pairs})]
     names += LOGIT_ARRAYS[logits]
     if logits == "head":  # the head's input: the last layer, which a head-mode cache always holds
-        names.append(f"hidden/{max(spec.hidden_layers)}")  # head mode is for one-stream (decoder-only) caches
+        # Head mode is for one-stream (decoder-only) caches, whose last layer is the deepest one kept (stage one
+        # always keeps it; the loop checks the head's own record against it).
+        names.append(f"hidden/{max(spec.hidden_layers)}")
     return list(dict.fromkeys(names))
 
 

@@ -170,3 +170,22 @@ def test_a_reply_beyond_max_length_skips_the_row_and_says_so(chat_teacher: Path,
     assert main(argv) == 0
     assert "rows skipped: 0 blank, 1 with no trained token within --max-length" in capsys.readouterr().out
     assert len(CacheReader(tmp_path / "cache")) == 1
+
+
+def test_a_micro_batch_with_no_trained_token_adds_nothing() -> None:
+    """A batch whose loss mask is all zeros (it can only be a rare one) contributes 0 to every term and keeps the
+    graph, instead of stopping the run."""
+    from types import SimpleNamespace
+
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    states = [torch.randn(2, 3, 4, requires_grad=True) for _ in range(2)]
+    out = SimpleNamespace(logits=logits, hidden_states=states)
+    targets = {"input_ids": torch.randint(0, 5, (2, 3)), "hidden/1": torch.randn(2, 3, 4),
+               "logits/full": torch.randn(2, 3, 5), "loss_mask": torch.zeros(2, 3)}
+    loss = CompoundLoss(layer_map=[(1, 1)], student_dim=4, teacher_dim=4, gamma=1.0)
+    terms = loss(out, targets, torch.ones(2, 3))
+    assert float(terms["loss"].detach()) == 0.0 and {"ce", "kl", "hidden"} <= set(terms)
+    terms["loss"].backward()
+    assert float(logits.grad.abs().sum()) == 0.0
+    targets["loss_mask"] = torch.tensor([[0, 1, 1], [0, 0, 0]])
+    assert float(loss(out, targets, torch.ones(2, 3))["kl"].detach()) > 0
