@@ -8,6 +8,8 @@ is additive (0 or the dtype's minimum), the form both eager and SDPA attention i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -40,3 +42,40 @@ def document_attention_mask(position_ids: torch.Tensor, mask: torch.Tensor, *, c
     allowed |= torch.eye(length, dtype=torch.bool, device=mask.device)[None] & ~valid[:, :, None]
     additive = torch.zeros(allowed.shape, dtype=dtype, device=mask.device)
     return additive.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def documents_apart_problem(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
+                            *, causal: bool) -> str | None:
+    """Why ``model`` does not keep packed documents apart, or None when it does.
+
+    Some families compute positions or attention biases their own way (RoBERTa offsets positions by its padding
+    id, ALiBi models build their bias from a 2-D mask), so restarting positions and a 4-D mask do not give them
+    per-document outputs. This runs the base model on the first row with two documents, packed and the second
+    document alone, and compares that document's last hidden states.
+
+    Args:
+        model: a Hugging Face model.
+        input_ids, mask, position_ids: ``[B, L]`` a padded batch of packed rows.
+        causal: whether the model attends causally.
+    """
+    starts = ((position_ids == 0) & mask.bool()).sum(1)
+    row = int(starts.argmax())
+    if int(starts[row]) < 2:
+        return None  # no row holds two documents: nothing to compare
+    length = int(mask[row].sum())
+    edges = torch.nonzero(position_ids[row, :length] == 0).flatten().tolist() + [length]
+    doc = slice(edges[1], edges[2])
+    ids, pos = input_ids[row:row + 1, :length], position_ids[row:row + 1, :length]
+    dtype = getattr(model, "dtype", torch.float32)
+    base = getattr(model, "base_model", model)
+    extra = {"use_cache": False} if causal else {}
+    try:
+        packed = base(input_ids=ids, position_ids=pos, attention_mask=document_attention_mask(
+            pos, mask[row:row + 1, :length], causal=causal, dtype=dtype), **extra).last_hidden_state[0, doc]
+        alone = base(input_ids=ids[:, doc], attention_mask=torch.ones_like(ids[:, doc]), **extra).last_hidden_state[0]
+    except Exception as exc:  # a family that cannot take a 4-D mask fails in its own way
+        return f"{type(exc).__name__}: {exc}"
+    tolerance = 1e-3 if dtype == torch.float32 else 3e-2
+    gap = float((packed.float() - alone.float()).abs().max())
+    return None if gap <= tolerance * max(1.0, float(alone.float().abs().max())) else (
+        f"a packed document's outputs differ from the document's own by up to {gap:.3g}")

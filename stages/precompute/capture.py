@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdcache.stages.common.documents import document_attention_mask
+from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.logit_head import ChunkedHead, logit_targets
 from kdcache.stages.precompute.targets import Targets
@@ -158,7 +158,8 @@ class FeatureCapture:
         self._out: dict[str, Any] = {}
         self._amax: dict[str, torch.Tensor] = {}
         self._attention_fallback = False
-        self._paused = False  # hooks ignore a forward run only to check the chunked head
+        self._paused = False  # hooks ignore forwards run only to check the chunked head or packed documents
+        self._documents_checked = False
         # Full logits are stored whole anyway; head mode runs the head once, on the first batch, to check it.
         chunks = {"topk": chunk_tokens, "sampled": chunk_tokens, "head": chunk_tokens or 512}
         chunk = chunks.get(targets.logits or "", 0)
@@ -269,6 +270,7 @@ class FeatureCapture:
         self._lengths, self._out, self._amax = list(lengths), {}, {}
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
         if position_ids is not None:
+            self._check_documents(input_ids, attention_mask, position_ids)
             kwargs.update(position_ids=position_ids, attention_mask=document_attention_mask(
                 position_ids, attention_mask, causal=self.targets.causal, dtype=self.model.dtype))
         if self.targets.causal:
@@ -283,6 +285,24 @@ class FeatureCapture:
                         self._keep_attention(j, output.attentions[j - 1])
             self._keep_logits(kept)
         return self._to_host()
+
+    def _check_documents(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         position_ids: torch.Tensor) -> None:
+        """Once, on the first packed batch: refuse a teacher that does not keep documents apart (hooks paused)."""
+        if self._documents_checked:
+            return
+        self._paused = True
+        try:
+            with torch.inference_mode():
+                problem = documents_apart_problem(self.model, input_ids, attention_mask, position_ids,
+                                                  causal=self.targets.causal)
+        finally:
+            self._paused = False
+        if problem is not None:
+            raise PrecomputeError(f"packing documents: {type(self.model).__name__} does not keep packed documents "
+                                  f"apart with restarting positions and a 4-D mask ({problem}); use --packing concat "
+                                  f"or none")
+        self._documents_checked = True
 
     def _forward(self, kwargs: dict[str, Any], attention_mask: torch.Tensor,
                  first_length: int) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -8,10 +8,14 @@ reports those spans), and otherwise by rendering prefixes: an assistant turn ``i
 that renders a conversation's prefix as a prefix of the whole, which is checked; templates that rewrite earlier
 turns (some drop old reasoning) need the tags. Trailing whitespace of a span (the newline after an end-of-turn
 token) is not the assistant's, so it is left out. Token masks follow from the spans in ``rows.span_mask``.
+
+Templates that print today's date (Llama 3.1 and later, through ``strftime_now``) get a fixed one, ``CHAT_DATE``:
+the rows of a cache must not depend on the day a job of its array, or its resume, ran.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import re
 from pathlib import Path
@@ -20,6 +24,7 @@ from typing import Any
 from kdcache.stages.precompute.errors import PrecomputeError
 
 ROLES = ("system", "user", "assistant", "tool")
+CHAT_DATE = datetime.date(2024, 7, 26)  # what Llama 3.1's template prints when it has no clock
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 Span = tuple[int, int]  # [start, end) characters of the rendered text
@@ -102,10 +107,20 @@ def _render(messages: list[dict[str, Any]], template: str, tokenizer: Any, promp
     from transformers.utils.chat_template_utils import render_jinja_template
 
     # transformers annotates the result as str; it is (texts, generation indices), one entry per conversation.
+    _pin_date(template)
     rendered: Any = render_jinja_template([messages], chat_template=template, add_generation_prompt=prompt,
                                           return_assistant_tokens_mask=tagged, **tokenizer.special_tokens_map)
     texts, indices = rendered
     return texts[0], [tuple(span) for span in indices[0]] if tagged else []
+
+
+def _pin_date(template: str) -> None:
+    """Make the template's ``strftime_now`` print ``CHAT_DATE``. Render arguments cannot carry a function (the
+    renderer turns them into plain data), so the global is set on transformers' compiled template, which it caches
+    per template text with an environment of its own."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    _compile_jinja_template(template).environment.globals["strftime_now"] = CHAT_DATE.strftime
 
 
 def _tagged(messages: list[dict[str, Any]], template: str, tokenizer: Any) -> tuple[str, list[Span]]:

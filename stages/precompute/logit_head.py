@@ -123,11 +123,14 @@ class ChunkedHead:
 
     def agrees(self, full_logits: torch.Tensor, kept: dict[str, torch.Tensor], length: int) -> bool:
         """Whether the chunked result for the batch's first sequence matches the model's own ``[1, L, V]`` logits
-        (its logsumexp within 1e-3 and its top-1 id); on disagreement chunking is switched off."""
+        (its logsumexp within 1e-3, 3e-2 in half precision, and its top-1 ids); on disagreement chunking is
+        switched off."""
         lse = torch.logsumexp(full_logits[0, :length].float(), dim=-1)
         top1 = full_logits[0, :length].argmax(-1)
-        ok = bool(torch.allclose(lse, kept["logits/lse"][0, :length], rtol=1e-3, atol=1e-3)) and bool(
-            (top1 == kept["logits/topk_ids"][0, :length, 0]).float().mean() > 0.99)
+        # Half-precision kernels differ between batch shapes, and near-ties then swap a top-1 now and then.
+        tolerance, agreement = (1e-3, 0.99) if full_logits.dtype == torch.float32 else (3e-2, 0.9)
+        ok = bool(torch.allclose(lse, kept["logits/lse"][0, :length], rtol=tolerance, atol=tolerance)) and bool(
+            (top1 == kept["logits/topk_ids"][0, :length, 0]).float().mean() >= agreement)
         self.checked = True
         if not ok:
             self.head = None

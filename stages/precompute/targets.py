@@ -213,5 +213,8 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
     return {**out, "heads": list(targets.heads) if targets.heads is not None else None,
             "features": list(options.features), "top_k": targets.top_k, "logits": targets.logits,
             "samples": targets.samples, "sample_temperature": targets.sample_temperature,
+            # Draws follow the seed, the batches and the head's chunks: a resume must form them alike.
+            "sampling": {"seed": options.seed, "batch_size": options.batch_size, "logits_chunk": options.logits_chunk}
+            if targets.logits == "sampled" else None,
             "dtype": options.dtype, "codec": options.codec_config, "bitround": options.bitround,
             "triangle": options.triangle, "format_version": FORMAT_VERSION}

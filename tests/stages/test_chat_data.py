@@ -189,3 +189,12 @@ def test_a_micro_batch_with_no_trained_token_adds_nothing() -> None:
     assert float(logits.grad.abs().sum()) == 0.0
     targets["loss_mask"] = torch.tensor([[0, 1, 1], [0, 0, 0]])
     assert float(loss(out, targets, torch.ones(2, 3))["kl"].detach()) > 0
+
+
+def test_a_template_that_prints_the_date_renders_the_same_any_day(chat_teacher: Path) -> None:
+    from transformers import AutoTokenizer
+
+    dated = "Today: {{ strftime_now('%d %b %Y') }}\n" + CHATML
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    text, spans = render(0, chat, dated, AutoTokenizer.from_pretrained(str(chat_teacher)))
+    assert text.startswith("Today: 26 Jul 2024\n") and [text[a:b] for a, b in spans] == ["Hello.<|im_end|>"]

@@ -129,3 +129,24 @@ def test_the_student_sees_the_same_document_boundaries(tiny_gpt2: Path, tmp_path
     with torch.no_grad():  # the same rows without the document mask: later documents see earlier ones
         crossed = model(input_ids=batch["input_ids"], attention_mask=batch["mask"], output_hidden_states=True)
     assert not torch.allclose(crossed.hidden_states[3][real], batch["hidden/3"][real], atol=1e-2)
+
+
+def test_a_teacher_that_cannot_keep_documents_apart_is_refused(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """RoBERTa counts positions from its padding id, so restarting positions are not its own: refused, named."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    from kdcache.pipeline.cli import main
+    from tests.helpers.tiny_models import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(tmp_path / "roberta")
+    config = RobertaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=130, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    RobertaForMaskedLM(config).save_pretrained(str(tmp_path / "roberta"))
+    data = write_text_dataset(tmp_path / "d.jsonl", sample_texts(12, seed=1))
+    assert main(["precompute", "--teacher", str(tmp_path / "roberta"), "--data", str(data), "--out",
+                 str(tmp_path / "cache"), "--packing", "--max-length", "40", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "packing documents: RobertaForMaskedLM does not keep packed documents apart" in err
+    assert "Traceback" not in err
