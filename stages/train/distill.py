@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from kdcache.stages.common.documents import document_attention_mask
+from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.train.compound import CompoundLoss
 from kdcache.stages.train.layer_maps import Pair, pair_key
+from kdcache.stages.train.losses import LossError
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
 from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.options import TrainOptions
@@ -194,6 +195,29 @@ def student_inputs(student: PreTrainedModel, batch: Mapping[str, torch.Tensor]) 
             "decoder_attention_mask": batch["decoder/mask"], "use_cache": False}
 
 
+def check_documents_apart(student: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> None:
+    """On a batch of rows packed with documents kept apart, refuse a student that does not keep them apart the way
+    the teacher did (``stages.common.documents.documents_apart_problem``), in eval mode so dropout does not count.
+
+    Raises:
+        LossError: naming the student class and the difference.
+    """
+    if "position_ids" not in batch:
+        return
+    training = student.training
+    student.eval()
+    try:
+        with torch.no_grad():
+            problem = documents_apart_problem(student, batch["input_ids"], batch["mask"], batch["position_ids"],
+                                              causal=is_causal_config(student.config))
+    finally:
+        student.train(training)
+    if problem is not None:
+        raise LossError(f"packed documents: the student {type(student).__name__} does not keep them apart with "
+                        f"restarting positions and a 4-D mask ({problem}); use a cache written with --packing "
+                        f"concat or none for this student")
+
+
 class DistillModel(nn.Module):
     """The module DeepSpeed trains: the HF student and the loss (with its projectors) side by side.
 
@@ -206,9 +230,13 @@ class DistillModel(nn.Module):
         self.criterion = criterion
         self.want_hidden = plan.wants_hidden
         self.want_attention = plan.wants_attention
+        self._documents_checked = False
 
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Args: batch on the device, as ``streaming.collate`` makes it, with fp32 targets."""
+        if not self._documents_checked:
+            check_documents_apart(self.student, batch)
+            self._documents_checked = True
         out = self.student(**student_inputs(self.student, batch), output_hidden_states=self.want_hidden,
                            output_attentions=self.want_attention)
         return self.criterion(out, batch)

@@ -33,7 +33,7 @@ from kdcache.stages.train.agreement import (
     mean_pool,
 )
 from kdcache.stages.train.checks import stream_problems
-from kdcache.stages.train.distill import student_inputs, student_view
+from kdcache.stages.train.distill import check_documents_apart, student_inputs, student_view
 from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.streaming import collate, to_device
 from kdcache.storage import CacheReader
@@ -126,6 +126,8 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     sequences = tokens = 0
     for batch in cache_batches(reader, state.names, batch_size, limit=limit):
         batch = to_device(batch, device)
+        if not sequences:
+            check_documents_apart(model, batch)
         out = model(**student_inputs(model, batch), output_hidden_states=True)
         state.update(out, batch)
         sequences += int(batch["sample_ids"].shape[0])

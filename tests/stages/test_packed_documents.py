@@ -150,3 +150,20 @@ def test_a_teacher_that_cannot_keep_documents_apart_is_refused(tmp_path: Path,
     err = capsys.readouterr().err
     assert "packing documents: RobertaForMaskedLM does not keep packed documents apart" in err
     assert "Traceback" not in err
+
+
+def test_a_student_that_cannot_keep_documents_apart_is_refused(tiny_gpt2: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, RobertaConfig, RobertaModel
+
+    from kdcache.stages.train.distill import check_documents_apart
+    from kdcache.stages.train.losses import LossError
+    from kdcache.stages.train.streaming import collate, to_device
+
+    reader = _precompute(tmp_path, tiny_gpt2, sample_texts(24, seed=4), layers=("1",), features=("hidden",))
+    batch = to_device(collate([reader[i] for i in range(4)], range(4)), "cpu")
+    check_documents_apart(AutoModelForCausalLM.from_pretrained(str(tiny_gpt2)).train(), batch)  # no error
+    roberta = RobertaModel(RobertaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                         intermediate_size=64, max_position_embeddings=130, pad_token_id=2))
+    with pytest.raises(LossError, match="the student RobertaModel does not keep them apart"):
+        check_documents_apart(roberta.train(), batch)
+    assert roberta.training  # put back as it was
