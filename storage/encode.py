@@ -14,7 +14,7 @@ import numpy as np
 
 from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
 from kdcache.storage.errors import InvalidSequenceError, ShardError
-from kdcache.storage.layout import attention_rows, document_lengths, pack_attention
+from kdcache.storage.layout import GAP_CODED, attention_rows, document_lengths, pack_attention, to_gaps
 from kdcache.storage.spec import SAMPLED_NAMES, TOKEN_ARRAYS, VOCAB_IDS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
@@ -160,6 +160,11 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     for name in set(VOCAB_IDS) & set(arrays):
         _check_ids(spec, name, arrays[name])
         arrays[name] = arrays[name].astype(spec.array_dtype(name))
+        if name in GAP_CODED:
+            if arrays[name].size and not (np.diff(arrays[name].astype(np.int64), axis=1) >= 0).all():
+                raise InvalidSequenceError(f"{name}: each token's ids must be non-decreasing (distinct ids in order, "
+                                           f"unused slots repeating the last)")
+            arrays[name] = to_gaps(arrays[name])
     # A seq2seq shard's token count is both streams' tokens: what its bytes are spread over.
     return EncodedShard(index, start, stop, arrays, int(sum(sum(n.values()) for n in lengths)), lossy)
 

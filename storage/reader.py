@@ -21,7 +21,7 @@ import numpy as np
 from kdcache.storage.backends.base import ShardHandle
 from kdcache.storage.backends.registry import get_backend
 from kdcache.storage.errors import ChecksumError, PartialCacheError, ShardError
-from kdcache.storage.layout import document_lengths, unpack_attention
+from kdcache.storage.layout import decode_rows, document_lengths, unpack_attention
 from kdcache.storage.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store, open_store
@@ -234,7 +234,7 @@ class CacheReader:
         needed = {self.spec.offsets_name(n) for n in wanted}
         needed |= {self.spec.offsets_name(self.spec.ids_name(s)) for s in self.spec.streams}  # attention lengths
         offsets = {name: handle.read(name, local, local + 2) for name in needed}
-        return _sequence(self.spec, wanted, handle.read, offsets, 0)
+        return _sequence(self.spec, wanted, lambda name, a, b: decode_rows(name, handle.read(name, a, b)), offsets, 0)
 
     __getitem__ = get
 
@@ -245,7 +245,7 @@ class CacheReader:
         start, stop = self.spec.shard_range(index)
         names = [*self.spec.offset_arrays(), *wanted]
         handle.prefetch(names)  # an object store: every file of the read in one round of requests
-        decoded = dict(zip(names, self._map(handle.read, names)))
+        decoded = dict(zip(names, self._map(lambda name: decode_rows(name, handle.read(name)), names)))
         offsets = {name: decoded[name] for name in self.spec.offset_arrays()}
         arrays = {name: decoded[name] for name in wanted}
         main = self.spec.streams[-1]  # the decoder of a seq2seq cache: the stream logits live on

@@ -68,7 +68,8 @@ def sample_logits(logits: torch.Tensor, samples: int, temperature: float,
                   generator: torch.Generator | None) -> dict[str, torch.Tensor]:
     """``samples`` draws with replacement from softmax(logits / T) per token, kept as distinct ids and counts.
 
-    Returns, each ``[..., N]`` (N = ``samples``; the distinct ids first, unused slots 0 with count 0):
+    Returns, each ``[..., N]`` (N = ``samples``; the distinct ids first, ascending; unused slots repeat the last id,
+    with count 0 and log-probability 0):
     ``logits/sample_ids`` int32, ``logits/sample_counts`` uint8 and ``logits/sample_logp`` float32, the teacher's
     log-probability of each id at T: what the estimator of ``stages.train.losses.sampled_kl`` needs.
     """
@@ -79,6 +80,8 @@ def sample_logits(logits: torch.Tensor, samples: int, temperature: float,
     slot = first.long().cumsum(1) - 1  # each draw's distinct-id slot
     counts = torch.zeros_like(draws).scatter_add_(1, slot, torch.ones_like(draws))
     ids = torch.zeros_like(draws).scatter_(1, slot, draws)
+    last = ids.gather(1, first.sum(1, keepdim=True) - 1)
+    ids = torch.where(counts > 0, ids, last)  # unused slots repeat the last id: rows stay sorted (gap-coded on disk)
     logp = log_p.gather(1, ids).masked_fill(counts == 0, 0.0)
     shape = (*logits.shape[:-1], samples)
     return {"logits/sample_ids": ids.to(torch.int32).reshape(shape),

@@ -59,7 +59,7 @@ def make_sequences(spec: CacheSpec, lengths: list[int], seed: int = 0) -> list[d
         if spec.logits == "full":
             item["logits/full"] = (rng.normal(size=(length, spec.vocab_size)) * 5).astype(np.float32)
         elif spec.logits == "sampled":
-            item["logits/sample_ids"] = rng.integers(0, spec.vocab_size, (length, spec.samples))
+            item["logits/sample_ids"] = np.sort(rng.integers(0, spec.vocab_size, (length, spec.samples)), axis=1)
             item["logits/sample_counts"] = rng.integers(0, 4, (length, spec.samples))
             item["logits/sample_logp"] = -rng.random((length, spec.samples)).astype(np.float32) * 9
         elif spec.logits == "topk":
@@ -307,6 +307,12 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
             self.spec(codec="snappy2")
         with pytest.raises(SpecError, match=r"token_arrays \['labels'\].*'loss_mask', 'position_ids'"):
             self.spec(token_arrays=("labels",))
+        sampled = self.spec(num_sequences=1, logits="sampled", samples=3)
+        item = make_sequences(sampled, [2])[0]
+        item["logits/sample_ids"] = np.array([[5, 9, 9], [7, 3, 3]])
+        with pytest.raises(InvalidSequenceError, match="sample_ids: each token's ids must be non-decreasing"), \
+                CacheWriter(tmp_path / "bad-samples", sampled, FINGERPRINTS) as writer:
+            writer.write_shard(0, [item])
         masked = self.spec(num_sequences=1, token_arrays=("loss_mask",))
         item = make_sequences(masked, [4])[0]
         item["loss_mask"] = np.array([0, 1, 2, 1])
