@@ -49,15 +49,20 @@ def documents_apart_problem(model: Any, input_ids: torch.Tensor, mask: torch.Ten
     """Why ``model`` does not keep packed documents apart, or None when it does.
 
     Some families compute positions or attention biases their own way (RoBERTa offsets positions by its padding
-    id, ALiBi models build their bias from a 2-D mask), so restarting positions and a 4-D mask do not give them
-    per-document outputs. This runs the base model on the first row with two documents, packed and the second
-    document alone, and compares that document's last hidden states.
+    id, ALiBi models build their bias from a 2-D mask), and a sliding window shorter than the rows is not in the
+    4-D mask, so restarting positions and that mask do not give them per-document outputs. This runs the base
+    model on the first row with two documents, packed and the second document alone, and compares that
+    document's last hidden states.
 
     Args:
         model: a Hugging Face model.
         input_ids, mask, position_ids: ``[B, L]`` a padded batch of packed rows.
         causal: whether the model attends causally.
     """
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window < mask.shape[1] and getattr(config, "use_sliding_window", True) is not False:
+        return f"its sliding window of {window} tokens is shorter than these rows, and the 4-D mask does not carry it"
     starts = ((position_ids == 0) & mask.bool()).sum(1)
     row = int(starts.argmax())
     if int(starts[row]) < 2:

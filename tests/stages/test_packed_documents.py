@@ -167,3 +167,20 @@ def test_a_student_that_cannot_keep_documents_apart_is_refused(tiny_gpt2: Path, 
     with pytest.raises(LossError, match="the student RobertaModel does not keep them apart"):
         check_documents_apart(roberta.train(), batch)
     assert roberta.training  # put back as it was
+
+
+def test_a_sliding_window_shorter_than_the_rows_is_named() -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from kdcache.stages.common.documents import documents_apart_problem
+
+    def mistral(window: int | None) -> MistralForCausalLM:
+        return MistralForCausalLM(MistralConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                                num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                                sliding_window=window)).eval()
+
+    ids, mask = torch.randint(0, 100, (1, 12)), torch.ones(1, 12)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        assert "sliding window of 8 tokens" in documents_apart_problem(mistral(8), ids, mask, positions, causal=True)
+        assert documents_apart_problem(mistral(None), ids, mask, positions, causal=True) is None
