@@ -54,17 +54,23 @@ def _sequence(spec: CacheSpec, names: list[str], fetch: Fetch, offsets: dict[str
         start, stop = rows(spec.offsets_name(spec.ids_name(stream)))
         return stop - start
 
-    out = {}
+    out: dict[str, np.ndarray] = {}
+
+    def documents(stream: str) -> list[int]:
+        """The row's document lengths, from its positions (read once, and returned with the rest)."""
+        positions = prefixed(stream, "position_ids")
+        if positions not in out:
+            out[positions] = fetch(positions, *rows(spec.offsets_name(positions)))
+        return document_lengths(out[positions])
+
     for name in names:
-        start, stop = rows(spec.offsets_name(name))
-        rows_ = fetch(name, start, stop)
+        if name in out:  # position_ids already read for an attention map stored per document
+            continue
+        rows_ = fetch(name, *rows(spec.offsets_name(name)))
         if kind_of(name) in ("attention", "cross_attention"):
             queries, keys, triangle = spec.attention_geometry(name)
-            documents = None
-            if spec.by_documents(name):
-                positions = prefixed(queries, "position_ids")
-                documents = document_lengths(fetch(positions, *rows(spec.offsets_name(positions))))
-            rows_ = unpack_attention(rows_, length(queries), triangle, length(keys), documents)
+            docs = documents(queries) if spec.by_documents(name) else None
+            rows_ = unpack_attention(rows_, length(queries), triangle, length(keys), docs)
         out[name] = rows_
     return out
 

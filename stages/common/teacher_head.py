@@ -8,23 +8,19 @@ N whose cached states the head reads, sizes, ``logit_scale`` / ``softcap`` and t
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
 import torch
 
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.fingerprint import hash_bytes
 
 HEAD_FOLDER = "teacher_head"
 
 
-def export_head(model: Any, out: str, layer: int) -> dict[str, Any]:
-    """Save a copy of the teacher's LM head (see the module docstring) into the cache ``out`` (it appears whole).
-
-    Returns:
-        the contents of ``head.json``.
-    """
+def export_head(model: Any, out: str, layer: int) -> None:
+    """Save a copy of the teacher's LM head (see the module docstring) into the cache ``out`` (it appears whole)."""
     import tempfile
     from pathlib import Path
 
@@ -34,7 +30,7 @@ def export_head(model: Any, out: str, layer: int) -> dict[str, Any]:
 
     store = open_store(out)
     if store.exists(HEAD_FOLDER):  # a resumed run, or another job of the array, wrote it already
-        return json.loads(store.read(f"{HEAD_FOLDER}/head.json"))
+        return
     head = model.get_output_embeddings()
     tensors = {"weight": head.weight.detach().cpu().contiguous()}
     if getattr(head, "bias", None) is not None:
@@ -46,12 +42,11 @@ def export_head(model: Any, out: str, layer: int) -> dict[str, Any]:
             "parameters": sum(t.numel() for t in tensors.values()),
             "logit_scale": getattr(model.config, "logit_scale", None) or None,
             "softcap": getattr(model.config, "final_logit_softcapping", None) or None,
-            "sha256": hashlib.sha256(data).hexdigest()}
+            "sha256": hash_bytes(data)}
     with tempfile.TemporaryDirectory(prefix="kdcache-head-") as tmp:
         (Path(tmp) / "head.safetensors").write_bytes(data)
         (Path(tmp) / "head.json").write_text(json.dumps(info, indent=1))
         store.put_folder(HEAD_FOLDER, Path(tmp))
-    return info
 
 
 def read_head(store: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -68,7 +63,7 @@ def read_head(store: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     except (OSError, ValueError) as exc:
         raise KdcacheError(f"this cache was written with --logits head but its {HEAD_FOLDER}/ cannot be read "
                            f"({exc}); rerun stage one") from None
-    if hashlib.sha256(data).hexdigest() != info.get("sha256"):
+    if hash_bytes(data) != info.get("sha256"):
         raise KdcacheError(f"{HEAD_FOLDER}/head.safetensors does not match the sha256 recorded in head.json: the "
                            f"teacher head is damaged or was replaced; rerun stage one")
     return load(data), info

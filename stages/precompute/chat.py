@@ -16,7 +16,6 @@ the rows of a cache must not depend on the day a job of its array, or its resume
 from __future__ import annotations
 
 import datetime
-import hashlib
 import re
 from pathlib import Path
 from typing import Any
@@ -49,11 +48,6 @@ def chat_template(tokenizer: Any, path: str | None, teacher: str) -> str:
         raise PrecomputeError(f"the tokenizer of {teacher!r} has no chat template, so --messages-column cannot be "
                               f"rendered; supply one with --chat-template FILE (a Jinja template)")
     return template
-
-
-def template_hash(template: str) -> str:
-    """A short fingerprint of the template's text."""
-    return "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
 def check_conversation(row: int, messages: Any) -> list[dict[str, Any]]:
@@ -93,7 +87,7 @@ def render(row: int, messages: list[dict[str, Any]], template: str, tokenizer: A
 
     try:
         if _GENERATION_TAG.search(template):
-            text, spans = _tagged(messages, template, tokenizer)
+            text, spans = _render(messages, template, tokenizer, tagged=True)
         else:
             text, spans = _by_prefixes(row, messages, template, tokenizer)
     except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
@@ -102,7 +96,7 @@ def render(row: int, messages: list[dict[str, Any]], template: str, tokenizer: A
     return text, [_rstrip(text, span) for span in spans]
 
 
-def _render(messages: list[dict[str, Any]], template: str, tokenizer: Any, prompt: bool = False,
+def _render(messages: list[dict[str, Any]], template: str, tokenizer: Any, *, prompt: bool = False,
             tagged: bool = False) -> tuple[str, list[Span]]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -121,10 +115,6 @@ def _pin_date(template: str) -> None:
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     _compile_jinja_template(template).environment.globals["strftime_now"] = CHAT_DATE.strftime
-
-
-def _tagged(messages: list[dict[str, Any]], template: str, tokenizer: Any) -> tuple[str, list[Span]]:
-    return _render(messages, template, tokenizer, tagged=True)
 
 
 def _by_prefixes(row: int, messages: list[dict[str, Any]], template: str, tokenizer: Any) -> tuple[str, list[Span]]:

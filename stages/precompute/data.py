@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.stages.precompute.chat import chat_template, check_conversation, render, template_hash
+from kdcache.stages.precompute.chat import chat_template, check_conversation, render
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import DATA_EXTENSIONS, PrecomputeOptions, looks_like_path
 from kdcache.stages.precompute.rows import Document, Rows, make_rows, span_mask
@@ -158,14 +158,14 @@ def tokenize(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Rows:
 def data_fingerprint(options: PrecomputeOptions, tokenizer: Any, rows: Rows) -> dict[str, Any]:
     """Source, split, columns, the mask rule and hashes of the ids, loss masks and positions: a cache is reused
     only for the same rows trained the same way."""
-    from kdcache.storage import hash_arrays
+    from kdcache.storage import hash_arrays, hash_bytes
 
     out: dict[str, Any] = {"source": options.data, "split": options.split, "text_column": options.text_column,
                            "input_ids_hash": hash_arrays(rows.ids), "num_sequences": len(rows.ids),
                            "loss_mask_hash": hash_arrays(rows.loss_masks)}
     if options.messages_column:
         out.update(text_column=None, messages_column=options.messages_column,
-                   chat_template_hash=template_hash(str(tokenizer.chat_template)))
+                   chat_template_hash=hash_bytes(str(tokenizer.chat_template).encode()))
     if options.mask_column:
         out["mask_column"] = options.mask_column
     if rows.positions is not None:

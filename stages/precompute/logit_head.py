@@ -97,7 +97,7 @@ class ChunkedHead:
     """
 
     def __init__(self, model: Any, chunk: int) -> None:
-        self.model, self.chunk = model, chunk
+        self.chunk = chunk
         self.head = _head_of(model) if chunk > 0 else None
         self.checked = False
 

@@ -177,6 +177,9 @@ class PrecomputeOptions:
                 self.logits_mode.startswith("sampled") and int(self.logits_mode[8:]) > 255):
             problems.append(f"logits: got {self.logits_mode!r}, expected topk, full, head or sampled:N with N in "
                             f"1..255 (e.g. sampled:12)")
+        if self.full_logits and self.logits_mode != "topk":
+            problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
+                            f"keep one (--logits full is the same as --full-logits)")
         if not self.sample_temperature > 0:
             problems.append(f"sample_temperature: got {self.sample_temperature}, must be > 0")
         return problems

@@ -122,14 +122,17 @@ class CompoundLoss(nn.Module):
         terms: dict[str, torch.Tensor] = {}
         logs: dict[str, torch.Tensor] = {}
         masks = token_masks(mask, targets.get("loss_mask"), targets.get("position_ids"), causal=self.ce == "causal")
+        # A micro-batch with nothing to count (rare: a loss mask leaves no trained token or no prediction) adds 0 to
+        # a term, tied to the graph, rather than stopping the run.
+        any_trained, any_predicts = masks.counted()
         if self.weights["ce"] > 0:
-            self._add_ce(student_out, targets, masks, terms)
+            self._add_ce(student_out, targets, masks, terms, any_trained)
         if self.weights["kl"] > 0:
-            self._add_kl(student_out, targets, masks, terms)
+            self._add_kl(student_out, targets, masks, terms, any_predicts)
         if self.layer_map:
-            terms["hidden"] = self._hidden_term(student_out, targets, masks.trained, logs)
+            terms["hidden"] = self._hidden_term(student_out, targets, masks.trained, logs, any_trained)
         if self.attention_map:
-            terms["attention"] = self._attention_term(student_out, targets, masks, logs)
+            terms["attention"] = self._attention_term(student_out, targets, masks, logs, any_trained)
         return self._total(terms, logs)
 
     def _total(self, terms: dict[str, torch.Tensor], logs: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -139,26 +142,26 @@ class CompoundLoss(nn.Module):
         total = torch.stack([self.weights[_FAMILY[name]] * value for name, value in terms.items()]).sum()
         return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs}
 
-    def _add_ce(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict) -> None:
+    def _add_ce(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
+                any_trained: bool) -> None:
         logits = getattr(out, "logits", None)
         if logits is None:
             return  # an encoder without an LM head: no CE, by design
         ids = _target(targets, "input_ids")
         if self.ce == "causal":
             terms["ce"] = causal_ce(logits, ids, masks.real, pairs=masks.pairs)
-        elif not masks.trained.any():  # no trained token in this micro-batch
+        elif not any_trained:
             terms["ce"] = logits.sum() * 0.0
         else:  # a masked-LM loop puts its own "labels" (-100 where unmasked) in the batch
             terms["ce"] = token_ce(logits, targets.get("labels", ids), masks.trained)
 
-    def _add_kl(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict) -> None:
+    def _add_kl(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
+                any_predicts: bool) -> None:
         mask = masks.predicts
-        if not mask.any() and getattr(out, "logits", None) is not None:
-            # A micro-batch whose loss mask leaves no prediction to distil (rare: a lone trained token that starts
-            # a document) adds nothing, rather than stopping the run; tied to the graph so backward still works.
-            terms["kl"] = out.logits.sum() * 0.0
-            return
         logits = getattr(out, "logits", None)
+        if logits is not None and not any_predicts:
+            terms["kl"] = logits.sum() * 0.0
+            return
         if logits is None:
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
         if "logits/full" in targets:
@@ -179,12 +182,12 @@ class CompoundLoss(nn.Module):
         )
 
     def _hidden_term(
-        self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict
+        self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict, any_trained: bool
     ) -> torch.Tensor:
         """Σ over pairs of the hidden loss; per-pair values (and wgan critic losses) go to ``logs``."""
         states = _student_field(out, "hidden_states", "output_hidden_states=True")
         total = torch.zeros((), device=mask.device)
-        if not mask.any():  # no trained token in this micro-batch: nothing to match
+        if not any_trained:
             return total + sum(states[s].sum() * 0.0 for s, _ in self.layer_map)
         for pair in self.layer_map:
             h_s = self.projectors.project(pair, _layer(states, pair[0], "hidden state"))
@@ -207,13 +210,13 @@ class CompoundLoss(nn.Module):
         return wgan_student_loss(self.critics[key], h_s, mask)
 
     def _attention_term(
-        self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict
+        self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict, any_trained: bool
     ) -> torch.Tensor:
         """Σ over attention pairs of ``attention_kl``; student block j is ``attentions[j - 1]``."""
         maps = _student_field(out, "attentions", "output_attentions=True and attn_implementation='eager'")
         attention_kl = get_loss("attention_kl")
         total = torch.zeros((), device=masks.real.device)
-        if not masks.trained.any():  # no trained token in this micro-batch: no query row to match
+        if not any_trained:
             return total + sum(maps[s - 1].sum() * 0.0 for s, _ in self.attention_map)
         for s, t in self.attention_map:
             a_s = _layer(maps, s - 1, "attention map", shown=s)

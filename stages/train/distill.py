@@ -175,17 +175,18 @@ def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
     return DistillLoss(parts, plan.cross_attention_pairs if options.delta > 0 else (), options.delta)
 
 
-def student_inputs(student: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def student_inputs(student: PreTrainedModel, batch: Mapping[str, torch.Tensor],
+                   causal: bool | None = None) -> dict[str, Any]:
     """The student's forward arguments from a collated batch (see ``streaming.collate``).
 
     One stream: ``input_ids`` and ``mask``; rows packed with documents kept apart also give ``position_ids`` and
     the 4-D mask that keeps attention inside each document, as the teacher had. Two streams: the encoder's ids
     and mask, and the decoder teacher-forced on the cached decoder ids (the labels), shifted by the student's
-    own rule.
+    own rule. ``causal``: whether the student attends causally (worked out from its config when None).
     """
     if "input_ids" in batch and "position_ids" in batch:
-        mask = document_attention_mask(batch["position_ids"], batch["mask"], causal=is_causal_config(student.config),
-                                       dtype=student.dtype)
+        causal = is_causal_config(student.config) if causal is None else causal
+        mask = document_attention_mask(batch["position_ids"], batch["mask"], causal=causal, dtype=student.dtype)
         return {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": batch["position_ids"]}
     if "input_ids" in batch:
         return {"input_ids": batch["input_ids"], "attention_mask": batch["mask"]}
@@ -231,12 +232,13 @@ class DistillModel(nn.Module):
         self.want_hidden = plan.wants_hidden
         self.want_attention = plan.wants_attention
         self._documents_checked = False
+        self._causal = is_causal_config(student.config)  # once, not per step
 
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Args: batch on the device, as ``streaming.collate`` makes it, with fp32 targets."""
         if not self._documents_checked:
             check_documents_apart(self.student, batch)
             self._documents_checked = True
-        out = self.student(**student_inputs(self.student, batch), output_hidden_states=self.want_hidden,
+        out = self.student(**student_inputs(self.student, batch, self._causal), output_hidden_states=self.want_hidden,
                            output_attentions=self.want_attention)
         return self.criterion(out, batch)

@@ -18,7 +18,6 @@ is evaluated by the same code:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.streaming import collate, to_device
 from kdcache.storage import CacheReader
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.files import read_json_object
 from kdcache.storage.spec import LOGIT_ARRAYS
 from kdcache.storage.streams import prefixed
 
@@ -88,7 +88,7 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
         raise EvaluationError(f"{run} has no exported student/ (still training, failed, or --no-export); "
                               "evaluate a finished run, or name a student with --student")
     student = load_student(student_path or run / "student", seed=0).eval()
-    plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").is_file() else {}
+    plan = read_json_object(run / "plan.json")
     by_stream = plan.get("streams") or {"": plan}
     pairs = {stream: [(int(s), int(t)) for s, t in part.get("hidden_pairs", [])] for stream, part in by_stream.items()}
     projectors: dict[str, torch.Tensor] = {}

@@ -31,6 +31,11 @@ class TokenMasks:
     predicts: torch.Tensor
     pairs: torch.Tensor
 
+    def counted(self) -> tuple[bool, bool]:
+        """Whether any token is trained, and any prediction counted, in one host sync for the whole step."""
+        trained, predicts = torch.stack([self.trained.any(), self.predicts.any()]).tolist()
+        return bool(trained), bool(predicts)
+
 
 def token_masks(mask: torch.Tensor, loss_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, causal: bool) -> TokenMasks:

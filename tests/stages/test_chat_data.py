@@ -122,7 +122,10 @@ def test_user_turn_targets_change_no_loss_and_assistant_targets_do(chat_teacher:
         with torch.no_grad():
             return {k: float(v) for k, v in loss(out, targets, batch["mask"]).items()}
 
-    user, reply = _user_and_assistant_tokens(chats[0], AutoTokenizer.from_pretrained(str(chat_teacher)))
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_teacher))
+    user, reply = _user_and_assistant_tokens(chats[0], tokenizer)
+    text, _ = render(0, chats[0], CHATML, tokenizer)  # the positions index the cached row itself
+    assert reader[0]["input_ids"].tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
     base = terms(batch)
     for positions, changes in ((user, False), (reply[1:2], True)):
         for name, term in (("hidden/1", "hidden"), ("attention/3", "attention"), ("logits/topk_values", "topk_kl")):

@@ -76,6 +76,12 @@ def test_training_and_eval_on_a_head_cache(tiny_llama: Path, tmp_path: Path,
     assert main(["eval", "--cache", str(tmp_path / "cache"), "--run", str(run), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["kl_form"] == "full" and 0 <= result["top1_agreement"] <= 1 and result["kl"] >= 0
+    # Scored against a full-logit cache of the same data, the same run gets the same KL and top-1.
+    _cache(tmp_path, tiny_llama, "full", full_logits=True)
+    assert main(["eval", "--cache", str(tmp_path / "full"), "--run", str(run), "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert result["kl"] == pytest.approx(full["kl"], rel=1e-2, abs=1e-4)
+    assert result["top1_agreement"] == pytest.approx(full["top1_agreement"], abs=0.02)
 
 
 def test_a_damaged_or_missing_head_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
@@ -132,6 +138,9 @@ def test_a_sampled_cache_trains_at_its_own_temperature_only(tiny_llama: Path, tm
     assert first["logits/sample_counts"].sum(-1).tolist() == [12] * len(first["input_ids"])
     again = _cache(tmp_path, tiny_llama, "again", logits_mode="sampled:12", sample_temperature=2.0)
     np.testing.assert_array_equal(again[0]["logits/sample_ids"], first["logits/sample_ids"])  # reruns draw alike
+    reseeded = _cache(tmp_path, tiny_llama, "reseeded", logits_mode="sampled:12", sample_temperature=2.0, seed=1)
+    assert not np.array_equal(reseeded[0]["logits/sample_ids"], first["logits/sample_ids"])  # the seed is used
+    assert (first["logits/sample_counts"] > 0).sum(-1).max() > 1  # real draws, not one id repeated
     argv = ["train", "--cache", str(tmp_path / "cache"), "--student", str(tiny_llama), "--max-steps", "2",
             "--batch-size", "4", "--gamma", "0", "--quiet"]
     assert main([*argv, "--out", str(tmp_path / "run1"), "--temperature", "1"]) == 2
@@ -140,6 +149,7 @@ def test_a_sampled_cache_trains_at_its_own_temperature_only(tiny_llama: Path, tm
     assert main([*argv, "--out", str(tmp_path / "run2"), "--temperature", "2"]) == 0
     metrics = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
     assert any("sampled_kl" in m for m in metrics)
+    assert all(np.isfinite(m["sampled_kl"]) for m in metrics if "sampled_kl" in m)
     capsys.readouterr()
     assert main(["eval", "--cache", str(tmp_path / "cache"), "--run", str(tmp_path / "run2"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kl_form"] == "sampled estimate (unbiased) at T=2"

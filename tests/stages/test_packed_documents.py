@@ -69,9 +69,9 @@ def test_each_packed_document_equals_the_document_alone(family: str, cls_name: s
                 block = to_float32(item[f"attention/{j}"], "fp16")[:, doc, doc]
                 np.testing.assert_allclose(block, ref.attentions[j - 1][0], rtol=RTOL, atol=ATOL)
                 assert to_float32(item[f"attention/{j}"], "fp16")[:, doc].sum(-1) == pytest.approx(1, abs=3e-3)
-            if "logits/lse" in item:
-                np.testing.assert_allclose(item["logits/lse"][doc], torch.logsumexp(ref.logits[0], -1),
-                                           rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(item["logits/lse"][doc], torch.logsumexp(ref.logits[0], -1),
+                                       rtol=1e-4, atol=1e-4)
+            np.testing.assert_array_equal(item["logits/topk_ids"][doc][:, 0], ref.logits[0].argmax(-1))
     assert multi >= 2, "the test data must pack several documents into a row"
     shard = reader.read_shard(0, ["attention"])  # stored per document: each document's square, nothing between
     rows = np.diff(shard.all_offsets["attention_offsets"])

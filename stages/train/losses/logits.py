@@ -92,8 +92,7 @@ def kd_kl(
             "differ; the student and the cache must share one vocabulary"
         )
     n_valid = count_valid(bool_mask(mask, student_logits))
-    return _kl_rows(valid_rows(student_logits, mask), valid_rows(teacher_logits, mask), n_valid, temperature,
-                    lambda rows: rows)
+    return _kl_rows(valid_rows(student_logits, mask), valid_rows(teacher_logits, mask), n_valid, temperature)
 
 
 def head_kl(
@@ -151,12 +150,12 @@ def sampled_kl(
 
 
 def _kl_rows(z_s: torch.Tensor, teacher_rows: torch.Tensor, n_valid: int, temperature: float,
-             to_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+             to_logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """T² · Σ KL(softmax(z_t/T) ‖ softmax(z_s/T)) / n_valid over valid rows, in chunks (``chunked_sum``); a head
     cache's teacher logits ``to_logits(teacher_rows)`` are rebuilt chunk by chunk too."""
 
     def chunk_kl(z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        z_t = to_logits(rows)
+        z_t = rows if to_logits is None else to_logits(rows)
         if z.shape != z_t.shape:
             raise LossError(f"student logits {tuple(z.shape)} and teacher logits {tuple(z_t.shape)} differ on the "
                             f"valid tokens; the student and the cache must share one vocabulary")
