@@ -1,8 +1,9 @@
 """The ``kdcache`` command line.
 
 Every module in ``pipeline.commands`` that defines ``register(subparsers)`` contributes its subcommands, so a
-new command is one new file. Heavy imports (torch, transformers, deepspeed) happen inside the commands' ``run``
-functions, which keeps ``kdcache --help`` instant.
+new command is one new file. Heavy imports (torch, deepspeed, the models) happen inside the commands' ``run``
+functions, which keeps ``kdcache --help`` under a second (most of it importing transformers for
+``HfArgumentParser``, which builds the flags).
 
 Any ``KdcacheError`` (bad config, bad cache, bad input) and any ``OSError`` (a full disk, storage that cannot be
 reached) ends the run with a one-paragraph message and exit status 2, never a traceback.

@@ -1,18 +1,15 @@
 """Typed configs: dataclass fields become CLI flags and YAML keys, validated before any model loads.
 
 Each stage owns a plain dataclass of its options (``stages.precompute.options.PrecomputeOptions``,
-``stages.train.options.TrainOptions``); the stages never import this module. Here we turn such a dataclass
-into argparse flags and YAML keys, merge the two sources (CLI wins), and report *every* problem at once —
-unknown keys, wrong types, then the dataclass's own ``validate()`` findings — as one ``ConfigError``.
+``stages.train.options.TrainOptions``); the stages never import this module. Two kept libraries do the mapping:
 
-Field conventions understood here:
+* transformers' ``HfArgumentParser`` turns the fields into flags (``top_k`` -> ``--top-k``, booleans with
+  ``--no-...``, help and choices from ``field.metadata``, extra flag names from ``metadata["aliases"]``);
+* pydantic validates the merged YAML + CLI values against the field types and reports *every* error at once.
 
-* ``metadata={"help": "..."}`` gives the flag's help text; ``metadata={"flag": "--top-k"}`` overrides the
-  flag name (default: ``--field-name``); ``metadata={"choices": [...]}`` restricts values;
-  ``metadata={"const": v}`` lets the flag stand alone, meaning ``v``.
-* Supported annotations: ``int``, ``float``, ``str``, ``bool``, ``tuple[int, ...]``, ``tuple[str, ...]``,
-  and ``X | None`` of those. Tuples accept a YAML list or a comma-separated string ("2,4,6").
-* A dataclass may define ``validate(self) -> list[str]`` for checks across fields or against the disk.
+Here we only merge the two sources (CLI wins), list unknown keys and bad choices, and add the dataclass's own
+``validate()`` findings, all in one ``ConfigError``. Tuples accept a YAML list or a comma-separated string
+("2,4,6"); ``none`` / ``null`` mean None where a field is optional.
 """
 
 from __future__ import annotations
@@ -40,101 +37,71 @@ class ConfigError(KdcacheError):
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    """Return (inner type, is_optional) for ``X | None`` / ``Optional[X]``."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1 and len(typing.get_args(tp)) == 2:
-            return args[0], True
-    return tp, False
+def flag_name(f: dataclasses.Field) -> str:
+    """The flag of field ``f`` as help and error messages print it."""
+    return "--" + f.name.replace("_", "-")
 
 
-def _type_name(tp: Any) -> str:
-    inner, optional = _unwrap_optional(tp)
-    if typing.get_origin(inner) is tuple:
-        name = f"list of {typing.get_args(inner)[0].__name__}"
-    else:
-        name = getattr(inner, "__name__", str(inner))
-    return f"{name} or null" if optional else name
+# ---- flags -------------------------------------------------------------------------------------------------
+def flags(cls: type, *, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """A parent parser (``add_parser(..., parents=[flags(cls)])``) with one flag per field of dataclass ``cls``.
 
-
-def coerce(value: Any, tp: Any, key: str) -> Any:
-    """Convert a YAML or CLI value to the field type ``tp``.
-
-    Raises:
-        ValueError: with a message naming ``key``, the value and the expected type.
+    Flags given on the command line land in the namespace as the strings typed (choices checked by argparse);
+    absent ones stay absent, so ``from_args`` can tell them from YAML values and pydantic converts them all.
     """
-    inner, optional = _unwrap_optional(tp)
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
-        if optional:
-            return None
-        raise ValueError(f"{key}: got null, expected {_type_name(tp)}")
-    try:
-        return _coerce_inner(value, inner)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key}: got {value!r}, expected {_type_name(tp)}") from None
+    from transformers import HfArgumentParser  # here, not at import: `kdcache --help` of other commands stays fast
+
+    parser = HfArgumentParser(typing.cast(Any, _shadow(cls, skip)), add_help=False)
+    for action in parser._actions:
+        _finish(action)
+    return parser
 
 
-def _coerce_inner(value: Any, tp: Any) -> Any:
-    if typing.get_origin(tp) is tuple:
-        item = typing.get_args(tp)[0]
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(value)
-        return tuple(_coerce_inner(v, item) for v in value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise TypeError(value)
-    if tp is int:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise TypeError(value)
-        return int(value)
-    if tp is float:
-        if isinstance(value, bool):
-            raise TypeError(value)
-        return float(value)
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise TypeError(value)
-        return str(value)
-    return value
-
-
-def _flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-
-
-def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per field of dataclass ``cls``; unset flags stay absent from the namespace."""
+def _shadow(cls: type, skip: tuple[str, ...]) -> type:
+    """A copy of ``cls``'s fields, since HfArgumentParser rewrites the types of the fields it is given
+    (``int | None`` becomes ``int``), which would change what pydantic later accepts for ``cls``."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip or f.metadata.get("cli") is False:
-            continue
-        tp = hints[f.name]
-        inner, _ = _unwrap_optional(tp)
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, tuple):
-            default = ",".join(map(str, default))
-        help_text = str(f.metadata.get("help", ""))
-        if "choices" in f.metadata:
-            help_text += f"; one of: {', '.join(map(str, f.metadata['choices']))}"
-        if "default" not in help_text and default not in (None, ""):  # a help text that explains its own default
-            help_text += f" (default: {default})"
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
-        if inner is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["metavar"] = f.metadata.get("metavar", f.name.upper())
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
-            if "const" in f.metadata:  # the flag alone means this value
-                kwargs.update(nargs="?", const=f.metadata["const"])
-        parser.add_argument(_flag(f), **kwargs)
+    return dataclasses.make_dataclass(cls.__name__, [
+        (f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                                  metadata=f.metadata))
+        for f in dataclasses.fields(cls) if f.name not in skip])
+
+
+def _finish(action: argparse.Action) -> None:
+    """Dash-only flag names, the default and choices in the help, raw strings in, nothing when absent."""
+    action.option_strings = [s for s in action.option_strings if "_" not in s]  # --top-k, not also --top_k
+    default = action.default
+    if isinstance(default, tuple):
+        default = ",".join(map(str, default))
+    text = action.help or ""
+    if action.choices is not None:
+        text += ("; " if text else "") + f"one of: {', '.join(map(str, action.choices))}"
+    if "default" not in text and default not in (None, "") and not isinstance(action, argparse._StoreFalseAction):
+        text += f" (default: {default})"
+    action.help = text
+    if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no-X repeats --X's help
+        action.help = f"turn --{action.dest.replace('_', '-')} off"
+    elif action.const is True:  # a boolean: --X alone, or --X true|false
+        action.metavar = "true|false"
+    action.default, action.required = argparse.SUPPRESS, False
+    if action.choices is None and action.nargs != 0:  # pydantic converts every value, so all errors show at once
+        action.type = None
+
+
+def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = None) -> T:
+    """Merge ``--config`` YAML (optionally one ``section`` of it) with the flags given, then build."""
+    values: dict[str, Any] = {}
+    config_path = getattr(args, "config", None)
+    if config_path:
+        data = load_yaml(config_path)
+        if section is not None:
+            data = data.get(section) or {}
+            if not isinstance(data, dict):
+                raise ConfigError([f"section {section!r} of {config_path!r} must be a mapping"])
+        values.update(data)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values.update({k: v for k, v in vars(args).items() if k in names})
+    return build(cls, values)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -155,6 +122,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# ---- values ------------------------------------------------------------------------------------------------
 def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
     """Build dataclass ``cls`` from ``values``, collecting every problem before raising.
 
@@ -164,51 +132,84 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
         where: a prefix for messages, e.g. "precompute." for a YAML section.
 
     Raises:
-        ConfigError: listing unknown keys, wrong types, missing required fields and ``validate()`` findings.
+        ConfigError: listing unknown keys, wrong types, missing required fields, bad choices and ``validate()``
+            findings.
     """
-    hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    problems: list[str] = []
-    kwargs: dict[str, Any] = {}
-    for raw_key, value in values.items():
-        key = str(raw_key).replace("-", "_")
-        if key not in fields:
-            problems.append(f"unknown key {where}{raw_key!r}; known keys: {', '.join(sorted(fields))}")
-            continue
-        try:
-            kwargs[key] = coerce(value, hints[key], where + key)
-        except ValueError as exc:
-            problems.append(str(exc))
-            continue
-        choices = fields[key].metadata.get("choices")
-        if choices and kwargs[key] not in choices and kwargs[key] is not None:
-            problems.append(f"{where}{key}: got {kwargs[key]!r}, expected one of {', '.join(map(str, choices))}")
-    for name, f in fields.items():
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if required and name not in kwargs and not any(p.startswith(where + name + ":") for p in problems):
-            problems.append(f"{where}{name} is required (flag {_flag(f)})")
-    obj = None
-    if not any("is required" in p for p in problems):
-        # Validate even when some keys were bad, so a user sees a missing file and a typo in one go.
-        obj = cls(**kwargs)
-        found = obj.validate() if hasattr(obj, "validate") else []
-        problems.extend(f"{where}{p}" for p in found)
+    given = {str(k).replace("-", "_"): v for k, v in values.items()}
+    problems = [f"unknown key {where}{k!r}; known keys: {', '.join(sorted(fields))}" for k in given if k not in fields]
+    given = _prepare(cls, {k: v for k, v in given.items() if k in fields})
+    obj, type_problems = _validate(cls, given, where)
+    problems += type_problems
+    if obj is not None:
+        problems += [f"{where}{p}" for p in _choice_problems(obj, fields.values())]
+        # validate() runs even when some keys were bad (on the rest), so a user sees a missing file and a typo
+        # in one go.
+        problems += [f"{where}{p}" for p in (obj.validate() if hasattr(obj, "validate") else [])]
     if problems or obj is None:
         raise ConfigError(problems)
     return obj
 
 
-def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = None) -> T:
-    """Merge ``--config`` YAML (optionally one ``section`` of it) with the flags given, then build."""
-    values: dict[str, Any] = {}
-    config_path = getattr(args, "config", None)
-    if config_path:
-        data = load_yaml(config_path)
-        if section is not None:
-            data = data.get(section) or {}
-            if not isinstance(data, dict):
-                raise ConfigError([f"section {section!r} of {config_path!r} must be a mapping"])
-        values.update(data)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    values.update({k: v for k, v in vars(args).items() if k in names})
-    return build(cls, values)
+def _prepare(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """The two spellings pydantic does not read: "2,4,6" for a tuple, and none/null for an optional field."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in values.items():
+        inner, optional = _unwrap_optional(hints[key])
+        if optional and isinstance(value, str) and value.lower() in ("none", "null"):
+            value = None
+        elif typing.get_origin(inner) is tuple and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        out[key] = value
+    return out
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """(inner type, is optional) of ``X | None``."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return tp, False
+
+
+def _validate(cls: type[T], values: dict[str, Any], where: str) -> tuple[T | None, list[str]]:
+    """pydantic's validation of ``values``: (the object or None, one message per error).
+
+    On errors the object is built again without the bad keys (their defaults stand in) so that ``validate()``
+    can still look at the rest; it stays None when a required field is missing or bad.
+    """
+    import pydantic
+
+    adapter = pydantic.TypeAdapter(cls)
+    try:
+        return adapter.validate_python(values), []
+    except pydantic.ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    problems = [_message(e, fields, where) for e in errors]
+    bad = {e["loc"][0] for e in errors}
+    try:
+        return adapter.validate_python({k: v for k, v in values.items() if k not in bad}), problems
+    except pydantic.ValidationError:
+        return None, problems
+
+
+def _message(error: Any, fields: dict[str, dataclasses.Field], where: str) -> str:
+    """One pydantic error as ``key: got VALUE, MESSAGE`` (or ``key is required (flag --key)``)."""
+    key = str(error["loc"][0])
+    if error["type"] == "missing":
+        return f"{where}{key} is required (flag {flag_name(fields[key])})"
+    item = "".join(f"[{i}]" for i in error["loc"][1:])
+    message = str(error["msg"]).replace("Input should be", "expected")
+    return f"{where}{key}{item}: got {error['input']!r}, {message[0].lower()}{message[1:]}"
+
+
+def _choice_problems(obj: object, fields: typing.Iterable[dataclasses.Field]) -> list[str]:
+    """Values outside a field's ``metadata["choices"]`` (YAML values; argparse already checks the flags)."""
+    problems = []
+    for f in fields:
+        value, choices = getattr(obj, f.name), f.metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            problems.append(f"{f.name}: got {value!r}, expected one of {', '.join(map(str, choices))}")
+    return problems

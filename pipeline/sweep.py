@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.children import child_env
-from kdcache.pipeline.config import ConfigError, build
+from kdcache.pipeline.config import ConfigError, build, flag_name
 from kdcache.stages.train.eval_records import find_eval, remove_evals
 from kdcache.stages.train.options import TrainOptions
 from kdcache.storage.files import read_json_object
@@ -174,7 +174,7 @@ def train_flags(options: TrainOptions) -> list[str]:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if f.name == "config" or (not required and value == f.default):
             continue  # the YAML's values are already merged into the options
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        flag = flag_name(f)
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
         else:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kdcache.pipeline.config import add_arguments, from_args
+from kdcache.pipeline.config import flags, from_args
 from kdcache.pipeline.demo import DemoOptions
 
 
 def register(subparsers: Any) -> None:
     """Add ``demo`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "demo", help="the built-in end-to-end demo on real MiniLM-L6 weights (no downloads, a few CPU minutes)",
+        "demo", parents=[flags(DemoOptions)],
+        help="the built-in end-to-end demo on real MiniLM-L6 weights (no downloads, a few CPU minutes)",
         description="Cache all-MiniLM-L6-v2's hidden layers and attention maps over English sentences from "
                     "Python's docstrings, train a 3-block student from the cache under DeepSpeed ZeRO-2 on the "
                     "CPU, and report cache size, precompute time, the loss curve, peak memory and the "
                     "student's agreement with the teacher on held-out sentences.")
-    add_arguments(parser, DemoOptions)
     parser.set_defaults(func=run)
 
 

@@ -10,18 +10,18 @@ import argparse
 from typing import Any
 
 from kdcache.pipeline.commands import print_summary
-from kdcache.pipeline.config import add_arguments, from_args
+from kdcache.pipeline.config import flags, from_args
 from kdcache.stages.precompute.options import PrecomputeOptions
 
 
 def register(subparsers: Any) -> None:
     """Add ``precompute`` and ``merge`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "precompute", help="run the teacher once and cache its hidden states, attention and logits",
+        "precompute", parents=[flags(PrecomputeOptions)],
+        help="run the teacher once and cache its hidden states, attention and logits",
         description="Run a Hugging Face teacher over a dataset and write the selected targets as compressed shards. "
                     "Rerun the same command to resume after a crash; run it under torchrun, or as a job array "
                     "with --num-shards/--shard-index, to scale out.")
-    add_arguments(parser, PrecomputeOptions)
     parser.add_argument("--config", metavar="FILE", help="YAML file; its 'precompute:' section sets any flag")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)

@@ -14,14 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kdcache.pipeline.config import ConfigError, add_arguments, load_yaml
+from kdcache.pipeline.config import ConfigError, flags, load_yaml
 from kdcache.stages.train.options import TrainOptions
 
 
 def register(subparsers: Any) -> None:
     """Add ``sweep`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "sweep", help="train one student per grid point, all from one cache, and compare them",
+        "sweep", parents=[flags(TrainOptions, skip=("out", "resume"))],
+        help="train one student per grid point, all from one cache, and compare them",
         description="Run `kdcache train` once per point of the cartesian product of the --grid options, one "
                     "run after another, each in its own process and its own SWEEP/runs/<name>/ folder. The "
                     "teacher is never loaded. A failed run is recorded and the sweep goes on. Writes "
@@ -38,7 +39,6 @@ def register(subparsers: Any) -> None:
                         help='prefix that starts each run instead of this python, e.g. "torchrun '
                              '--nproc_per_node 8" or "deepspeed --num_gpus 8"')
     parser.add_argument("--dry-run", action="store_true", help="print each run's command and stop")
-    add_arguments(parser, TrainOptions, skip=("out", "resume"))
     parser.set_defaults(func=run)
 
 

@@ -2,7 +2,7 @@
 
 Flags of ``train`` come from ``stages.train.options.TrainOptions``; every flag can also be set in the ``train:``
 section of ``--config file.yaml``, the command line winning. torch, transformers and deepspeed are imported
-inside ``run`` so ``kdcache --help`` stays instant.
+inside ``run`` so ``kdcache --help`` stays fast.
 
 ``train`` runs as one process, or one per rank under ``torchrun`` / the ``deepspeed`` launcher.
 """
@@ -15,19 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.commands import print_summary
-from kdcache.pipeline.config import ConfigError, add_arguments, from_args
+from kdcache.pipeline.config import ConfigError, flags, from_args
 from kdcache.stages.train.options import TrainOptions
 
 
 def register(subparsers: Any) -> None:
     """Add ``train`` and ``init-student`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "train", help="train a student from a cache under DeepSpeed ZeRO (the teacher is never loaded)",
+        "train", parents=[flags(TrainOptions)],
+        help="train a student from a cache under DeepSpeed ZeRO (the teacher is never loaded)",
         description="Stream the cached teacher targets into a student and train it with the compound loss "
                     "alpha*CE + beta*KL + gamma*hidden + delta*attention under DeepSpeed. The cache and the "
                     "student are checked against each other first. Launch with torchrun or the deepspeed "
                     "launcher for several processes; --resume continues from the latest checkpoint in --out.")
-    add_arguments(parser, TrainOptions)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)
     init = subparsers.add_parser(

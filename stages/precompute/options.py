@@ -34,6 +34,9 @@ def _opt(default: Any, help_text: str, **meta: Any) -> Any:
 class PrecomputeOptions:
     """Options of ``kdcache precompute`` (see ``docs/architecture.md`` for the cache they produce)."""
 
+    # Read by pydantic when pipeline.config validates YAML values: `layers: [1, 3]` gives numbers for strings.
+    __pydantic_config__ = {"coerce_numbers_to_str": True}
+
     teacher: str = field(metadata={"help": "teacher: a local folder or a hub id"})
     data: str = field(metadata={"help": "dataset: a hub name, or local json/jsonl/csv/parquet/text file(s) or glob"})
     out: str = field(metadata={"help": "cache folder to create or resume"})
@@ -56,7 +59,7 @@ class PrecomputeOptions:
                                     "full, sampled:N (N draws per token from the teacher's softmax at "
                                     "--sample-temperature, kept as distinct ids, counts and log-probs), or head "
                                     "(nothing per token: the last hidden layer plus a copy of the teacher's LM head, "
-                                    "from which stage two computes exact logits)", flag="--logits", metavar="MODE")
+                                    "from which stage two computes exact logits)", aliases=["--logits"], metavar="MODE")
     sample_temperature: float = _opt(1.0, "temperature of the teacher's softmax that --logits sampled:N draws from "
                                           "(stage two's KL then runs at this temperature)")
     logits_chunk: int = _opt(512, "valid tokens per pass through the LM head for top-k logits, which bounds the "
@@ -72,7 +75,7 @@ class PrecomputeOptions:
     packing: str = _opt("none", "pack documents into rows of --max-length tokens instead of truncating each: "
                                 "'documents' keeps them apart (positions restart, attention stays inside each), "
                                 "'concat' lets attention cross them; --packing alone means documents",
-                        choices=list(PACKING), const="documents")
+                        choices=list(PACKING), nargs="?", const="documents")
     sequences_per_shard: int = _opt(256, "sequences per cache shard (the unit of commit, resume and partition)")
     attention_layers: tuple[str, ...] | None = _opt(None, "attention blocks to cache (1..N) or 'all'; "
                                                           "default: --layers without 0")

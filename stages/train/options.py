@@ -4,7 +4,7 @@ The field names are the YAML keys of the ``train:`` section and, with dashes, th
 issue 4 (``--cache --student --out --deepspeed --zero-stage --offload --layer-map --hidden-loss --alpha --beta
 --gamma --delta --temperature --topk-kl --epochs --max-steps --lr --batch-size --grad-accum --seed --resume
 --config``) are a contract. This module imports neither torch nor zarr/pyarrow (only the layer-map syntax and
-the error types), so ``kdcache --help`` and config validation stay instant.
+the error types), so ``kdcache --help`` and config validation stay fast.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def tracker_problems(report_to: tuple[str, ...]) -> list[str]:
 @dataclass(frozen=True)
 class TrainOptions:
     """Everything ``run_training`` needs; validated before any model or cache is opened."""
+
+    # Read by pydantic when pipeline.config validates YAML values: `layers: [1, 3]` gives numbers for strings.
+    __pydantic_config__ = {"coerce_numbers_to_str": True}
 
     cache: str = field(metadata=_opt("the cache directory written by `kdcache precompute`"))
     student: str = field(metadata=_opt(

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from kdcache.pipeline.config import ConfigError, add_arguments, build, from_args
+from kdcache.pipeline.config import ConfigError, build, flags, from_args
 
 
 @dataclasses.dataclass
 class Opts:
     data: str = dataclasses.field(metadata={"help": "a file"})
     layers: tuple[int, ...] = (2, 4)
-    top_k: int | None = dataclasses.field(default=None, metadata={"flag": "--top-k"})
+    top_k: int | None = dataclasses.field(default=None, metadata={"aliases": ["-k"]})
     lr: float = 1e-3
     fmt: str = dataclasses.field(default="zarr", metadata={"choices": ["zarr", "arrow"]})
     offload: bool = False
@@ -25,9 +25,8 @@ class Opts:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(parents=[flags(Opts)])
     parser.add_argument("--config")
-    add_arguments(parser, Opts)
     return parser.parse_args(argv)
 
 
@@ -50,7 +49,7 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
         build(Opts, {"data": str(tmp_path / "missing"), "lr": "fast", "colour": 1, "fmt": "csv", "top_k": 1.5})
     message = str(err.value)
     assert len(err.value.problems) == 5, message
-    for needle in ("'colour'", "lr: got 'fast', expected float", "fmt: got 'csv'", "does not exist", "top_k"):
+    for needle in ("'colour'", "lr: got 'fast', expected a valid number", "fmt: got 'csv'", "does not exist", "top_k"):
         assert needle in message
 
 
@@ -66,3 +65,24 @@ def test_bad_yaml_file_is_a_config_error(tmp_path: Path) -> None:
         from_args(Opts, parse(["--config", str(bad)]))
     with pytest.raises(ConfigError, match="does not exist"):
         from_args(Opts, parse(["--config", str(tmp_path / "nope.yaml")]))
+
+
+def test_every_bad_flag_is_reported_at_once_and_the_class_is_untouched(tmp_path: Path) -> None:
+    args = parse(["--data", str(tmp_path / "missing"), "--lr", "fast", "--layers", "2,x", "--top-k", "none",
+                  "--offload", "maybe"])
+    with pytest.raises(ConfigError) as err:
+        from_args(Opts, args)
+    message = str(err.value)
+    assert len(err.value.problems) == 4, message  # lr, layers[1], offload, and validate()'s missing file
+    for needle in ("lr: got 'fast'", "layers[1]: got 'x'", "offload: got 'maybe'", "does not exist"):
+        assert needle in message
+    # HfArgumentParser strips `| None` from the fields it is given; ours keeps its types, so null still builds.
+    assert {f.name: f.type for f in dataclasses.fields(Opts)}["top_k"] == "int | None"
+    assert build(Opts, {"data": __file__, "top_k": None}).top_k is None
+
+
+def test_flags_hold_help_choices_and_defaults() -> None:
+    help_text = " ".join(argparse.ArgumentParser(parents=[flags(Opts)]).format_help().split())
+    assert "--fmt {zarr,arrow} one of: zarr, arrow (default: zarr)" in help_text
+    assert "--layers LAYERS (default: 2,4)" in help_text and "--top_k" not in help_text
+    assert "-k TOP_K, --top-k TOP_K" in help_text or "--top-k TOP_K, -k TOP_K" in help_text
