@@ -53,7 +53,7 @@ def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
     if kind in ("attention", "cross_attention"):
         queries, keys, _ = spec.attention_geometry(name)
         return (value.shape[0], lengths[queries], lengths[keys]) if value.ndim == 3 else None
-    length = lengths[split_stream(name)[0] or ("decoder" if spec.is_seq2seq else "")]
+    length = lengths[split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")]
     if kind in ("input_ids", *TOKEN_ARRAYS) or name == "logits/lse":
         return (length,)
     if kind == "hidden":

@@ -51,7 +51,8 @@ from kdcache.storage.streams import (
 # (docs/cache-format.md). Versions 1-3 are read-only.
 FORMAT_VERSION = 4  # what this code writes
 READABLE_FORMAT_VERSION = 4  # the newest format this code reads
-LAYOUTS = ("single", "seq2seq")
+LAYOUTS = ("single", "seq2seq")  # as manifests write them
+SINGLE, ENCODER_DECODER = LAYOUTS
 SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",
                   "decoder_attention_layers", "cross_attention_layers")
 BACKENDS = ("zarr", "arrow")
@@ -174,18 +175,18 @@ class CacheSpec:
     def _validate_layout(self) -> None:
         if self.layout not in LAYOUTS:
             raise SpecError(f"unknown layout {self.layout!r}; expected one of {list(LAYOUTS)}")
-        if self.is_seq2seq and (self.hidden_layers or self.attention_layers):
+        if self.is_encoder_decoder and (self.hidden_layers or self.attention_layers):
             raise SpecError("a seq2seq spec names its layers per stream (encoder_hidden_layers, "
                             "decoder_hidden_layers, ...); hidden_layers and attention_layers must be empty")
-        stray = [key for key in SEQ2SEQ_FIELDS if getattr(self, key) and not self.is_seq2seq]
+        stray = [key for key in SEQ2SEQ_FIELDS if getattr(self, key) and not self.is_encoder_decoder]
         if stray:
             raise SpecError(f"{stray} are seq2seq fields; set layout='seq2seq' to use them")
 
     # ---- derived layout ------------------------------------------------------------------------------
     @property
-    def is_seq2seq(self) -> bool:
+    def is_encoder_decoder(self) -> bool:
         """Whether the cache holds two token streams (encoder and decoder)."""
-        return self.layout == "seq2seq"
+        return self.layout == ENCODER_DECODER
 
     @property
     def format_version(self) -> int:
@@ -195,11 +196,11 @@ class CacheSpec:
     @property
     def streams(self) -> tuple[str, ...]:
         """Token streams: ``("",)`` for a single-stream cache, ``("encoder", "decoder")`` for seq2seq."""
-        return SEQ2SEQ_STREAMS if self.is_seq2seq else ("",)
+        return SEQ2SEQ_STREAMS if self.is_encoder_decoder else ("",)
 
     def stream_layers(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
         """``(stream, hidden layers, self-attention layers)`` per token stream."""
-        if not self.is_seq2seq:
+        if not self.is_encoder_decoder:
             return [("", self.hidden_layers, self.attention_layers)]
         return [("encoder", self.encoder_hidden_layers, self.encoder_attention_layers),
                 ("decoder", self.decoder_hidden_layers, self.decoder_attention_layers)]
@@ -218,7 +219,8 @@ class CacheSpec:
         if kind_of(name) in ("attention", CROSS):
             return attention_offsets_name(name)
         stream, _ = split_stream(name)
-        return token_offsets_name(stream or ("decoder" if self.is_seq2seq and name.startswith("logits/") else ""))
+        logits_stream = "decoder" if self.is_encoder_decoder and name.startswith("logits/") else ""
+        return token_offsets_name(stream or logits_stream)
 
     def by_documents(self, name: str) -> bool:
         """Whether attention array ``name`` is stored per document (self-attention of rows with ``position_ids``:
@@ -282,7 +284,7 @@ class CacheSpec:
         """Every array each shard holds (per-sequence names plus the offsets arrays)."""
         names = self.sequence_names()
         offsets = self.offset_arrays()
-        if not self.is_seq2seq:  # the v1 order: input_ids, offsets, ..., attention_offsets
+        if not self.is_encoder_decoder:  # the v1 order: input_ids, offsets, ..., attention_offsets
             return [names[0], offsets[0], *names[1:], *offsets[1:]]
         return names + offsets
 
@@ -350,7 +352,7 @@ class CacheSpec:
         out = dataclasses.asdict(self)
         if not self.token_arrays:  # what format-3 writers wrote
             del out["token_arrays"]
-        if not self.is_seq2seq:
+        if not self.is_encoder_decoder:
             for key in ("layout", *SEQ2SEQ_FIELDS):
                 del out[key]
         for key, value in out.items():

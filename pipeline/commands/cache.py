@@ -51,7 +51,7 @@ def describe(path: str) -> dict[str, Any]:
     return {
         "path": str(path), "status": manifest.status, "format_version": manifest.format_version,
         "backend": spec.backend, "features": list(spec.features), "hidden_layers": list(spec.hidden_layers),
-        "attention_layers": list(spec.attention_layers), "layout": "seq2seq" if spec.is_seq2seq else "single",
+        "attention_layers": list(spec.attention_layers), "layout": spec.layout,
         "streams": {stream or "tokens": {"hidden_layers": list(hidden), "attention_layers": list(attention)}
                     for stream, hidden, attention in spec.stream_layers()},
         "cross_attention_layers": list(getattr(spec, "cross_attention_layers", ()) or ()),

@@ -8,7 +8,7 @@ per sequence. Two adapters cover the Hugging Face families:
   selected layers, so no other layer's tensors stay alive (``capture.FeatureCapture``).
 * ``EncoderDecoderTeacher``: encoder-decoder teachers (BART, mBART, T5), streams ``encoder`` and ``decoder``
   (teacher-forced on the target), plus cross-attention; it reads HF's own outputs
-  (``seq2seq_capture.Seq2SeqCapture``), whose layer numbering and final norms are HF's on both stacks.
+  (``OutputCapture``), whose layer numbering and final norms are HF's on both stacks.
 
 A new architecture family is a new adapter, not a new runner.
 """
@@ -21,9 +21,21 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import torch
 
-from kdcache.stages.precompute.data import TokenStreams, data_fingerprint, load_texts, tokenize
+from kdcache.stages.common.architectures import is_encoder_decoder, model_class
+from kdcache.stages.precompute.capture import check_ranges, cut_padding, max_abs, to_numpy, to_storage_dtype
+from kdcache.stages.precompute.data import (
+    TokenStreams,
+    data_fingerprint,
+    load_pairs,
+    load_texts,
+    paired_data_fingerprint,
+    tokenize,
+    tokenize_pairs,
+)
 from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.logit_head import logit_targets
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
@@ -60,11 +72,11 @@ class TeacherAdapter(ABC):
 class HookedTeacher(TeacherAdapter):
     """Decoder-only and encoder teachers: one token stream, targets captured by forward hooks."""
 
-    _SEQ2SEQ_ONLY = ("source_column", "target_column", "max_target_length", "encoder_layers", "decoder_layers",
+    _ENCODER_DECODER_ONLY = ("source_column", "target_column", "max_target_length", "encoder_layers", "decoder_layers",
                      "encoder_attention_layers", "decoder_attention_layers", "cross_attention_layers")
 
     def check_options(self, options: PrecomputeOptions, config: Any) -> None:
-        given = [name for name in self._SEQ2SEQ_ONLY if getattr(options, name) not in (None, ())]
+        given = [name for name in self._ENCODER_DECODER_ONLY if getattr(options, name) not in (None, ())]
         if "cross_attention" in options.features:
             given.append("features cross_attention")
         if given:
@@ -98,8 +110,6 @@ class EncoderDecoderTeacher(TeacherAdapter):
         return None  # every option applies; the pair loader refuses a missing --target-column and --packing
 
     def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
-        from kdcache.stages.precompute.seq2seq_data import load_pairs, paired_data_fingerprint, tokenize_pairs
-
         data = tokenize_pairs(load_pairs(options), tokenizer, options)
         ids = {"encoder": data.sources, "decoder": data.targets}
         # Every token of both sides is trained on: the masks are all ones, stored so every cache reads alike.
@@ -108,9 +118,7 @@ class EncoderDecoderTeacher(TeacherAdapter):
 
     def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                      device: Any) -> Teacher:
-        from transformers import AutoModelForSeq2SeqLM
-
-        model = load_for_inference(AutoModelForSeq2SeqLM, options, device, eager=targets.wants_attention,
+        model = load_for_inference(model_class(config), options, device, eager=targets.wants_attention,
                                    optional=() if targets.logits else self._HEAD_KEYS)
         fingerprint = {**teacher_fingerprint(options, model), "num_encoder_layers": targets.streams["encoder"].depth,
                        "num_decoder_layers": targets.streams["decoder"].depth}
@@ -119,9 +127,7 @@ class EncoderDecoderTeacher(TeacherAdapter):
 
     @contextmanager
     def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Iterator[Capture]:
-        from kdcache.stages.precompute.seq2seq_capture import Seq2SeqCapture
-
-        capture = Seq2SeqCapture(teacher.model, targets, options.dtype)
+        capture = OutputCapture(teacher.model, targets, options.dtype)
 
         def run(batch: dict[str, tuple[Any, Any]], lengths: dict[str, list[int]],
                 positions: dict[str, Any]) -> list[dict[str, np.ndarray]]:
@@ -132,6 +138,86 @@ class EncoderDecoderTeacher(TeacherAdapter):
         yield run
 
 
+class OutputCapture:
+    """Runs an encoder-decoder teacher on padded batches and returns storage-ready per-sequence targets.
+
+    The decoder is teacher-forced on the target: ``decoder_input_ids`` come from the model's own
+    ``prepare_decoder_input_ids_from_labels`` (the shift right with its ``decoder_start_token_id``, which differs
+    between BART, mBART and T5), so decoder position t sees target tokens < t and its logits predict target t.
+
+    Unlike the hooked capture, this one asks HF for ``output_hidden_states`` / ``output_attentions`` and keeps
+    only the selected layers: the numbering and the final-norm placement are then HF's by construction on both
+    stacks (T5 applies ``final_layer_norm`` to the last hidden state; BART does not), at the cost of holding
+    every layer of one batch at once, which the batch size bounds. fp16 overflow is checked per target on the
+    device (one host sync per batch) before anything is converted: T5-family activations are known to exceed
+    65504, and storage must never see an inf.
+
+    Args:
+        model: an encoder-decoder LM in eval mode (eager attention when maps are captured).
+        targets: what to keep.
+        dtype_name: storage dtype, "fp16" or "bf16".
+    """
+
+    def __init__(self, model: Any, targets: Targets, dtype_name: str) -> None:
+        if not hasattr(model, "prepare_decoder_input_ids_from_labels"):
+            raise PrecomputeError(f"{type(model).__name__} cannot build decoder inputs from labels "
+                                  f"(no prepare_decoder_input_ids_from_labels); it is not an encoder-decoder LM")
+        self.model, self.targets, self.dtype_name = model, targets, dtype_name
+
+    def run(self, batch: dict[str, torch.Tensor], enc_lengths: list[int], dec_lengths: list[int]) -> list[dict]:
+        """Forward one right-padded batch and cut each sequence's targets out of it.
+
+        Args:
+            batch: ``input_ids``/``attention_mask`` ``[B, L_e]`` and ``labels``/``decoder_attention_mask``
+                ``[B, L_d]`` on the teacher's device; labels are padded with the pad id (never -100, which
+                the shift would not accept everywhere).
+            enc_lengths, dec_lengths: the B valid lengths of each side.
+
+        Returns:
+            one dict per sequence: ``encoder/hidden/{j} [L_e, d]``, ``decoder/hidden/{j} [L_d, d]``,
+            ``encoder/attention/{j} [H, L_e, L_e]``, ``decoder/attention/{j} [H, L_d, L_d]``,
+            ``cross_attention/{j} [H, L_d, L_e]``, logits ``[L_d, ...]``; floats already in the storage dtype.
+
+        Raises:
+            Fp16OverflowError: a target exceeds float16's range (fp16 caches only).
+        """
+        t = self.targets
+        with torch.inference_mode():
+            decoder_input_ids = self.model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             decoder_input_ids=decoder_input_ids,
+                             decoder_attention_mask=batch["decoder_attention_mask"], use_cache=False,
+                             output_hidden_states=t.wants_hidden, output_attentions=t.wants_attention)
+            kept = self._select(out)
+            self._check_range(kept)
+            host = {name: to_numpy(self._to_storage(name, value)) for name, value in kept.items()}
+        return [cut_padding(host, i, {"encoder": n_e, "decoder": n_d})
+                for i, (n_e, n_d) in enumerate(zip(enc_lengths, dec_lengths))]
+
+    def _select(self, out: Any) -> dict[str, torch.Tensor]:
+        """The selected layers as padded device tensors, by array name."""
+        t = self.targets
+        kept: dict[str, torch.Tensor] = {}
+        for stream, layers in t.streams.items():  # HF: encoder_hidden_states, decoder_attentions, ...
+            kept.update({f"{stream}/hidden/{j}": getattr(out, f"{stream}_hidden_states")[j] for j in layers.hidden})
+            kept.update({f"{stream}/attention/{j}": getattr(out, f"{stream}_attentions")[j - 1]
+                         for j in layers.attention})
+        kept.update({f"cross_attention/{j}": out.cross_attentions[j - 1] for j in t.cross_attention})
+        kept.update(logit_targets(out.logits, t.logits, t.top_k))
+        return kept
+
+    def _check_range(self, kept: dict[str, torch.Tensor]) -> None:
+        """Refuse the first target beyond float16's range, naming it (one host sync for all of them)."""
+        if self.dtype_name == "fp16":
+            check_ranges({n: max_abs(v) for n, v in kept.items()
+                          if v.is_floating_point() and n != "logits/lse" and v.numel()})
+
+    def _to_storage(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        if name in ("logits/topk_ids", "logits/lse"):
+            return value
+        return to_storage_dtype(value, self.dtype_name)
+
+
 def adapter_for(config: Any) -> TeacherAdapter:
     """The adapter of this teacher's family, from its config."""
-    return EncoderDecoderTeacher() if getattr(config, "is_encoder_decoder", False) else HookedTeacher()
+    return EncoderDecoderTeacher() if is_encoder_decoder(config) else HookedTeacher()

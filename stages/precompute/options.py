@@ -18,7 +18,7 @@ from typing import Any
 
 from kdcache.stages.precompute.rows import PACKING
 
-FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: seq2seq teachers only
+FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: encoder-decoder teachers only
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
                    ".text": "text", ".arrow": "arrow"}
 # A hub id is "name" or "org/name"; anything else that names no existing file is a missing local path.
@@ -92,19 +92,19 @@ class PrecomputeOptions:
     # ---- encoder-decoder teachers (BART, mBART, T5); see stages.precompute.targets and adapters ------------
     # The per-side layer lists are not Optional: the config machinery reads "none" as null for Optional fields,
     # and "none" must stay a value here (no layer on that side). Empty means "inherit --layers".
-    source_column: str | None = _opt(None, "seq2seq: column holding the source text (default: --text-column)")
-    target_column: str | None = _opt(None, "seq2seq: column holding the target text the decoder is teacher-forced "
-                                           "on (required for encoder-decoder teachers)")
-    max_target_length: int | None = _opt(None, "seq2seq: target tokens per sequence (default: --max-length)")
-    encoder_layers: tuple[str, ...] = _opt((), "seq2seq: encoder hidden layers (0 = embeddings), 'all' or "
+    source_column: str | None = _opt(None, "encoder-decoder: column holding the source text (default: --text-column)")
+    target_column: str | None = _opt(None, "encoder-decoder: column holding the target text the decoder is "
+                                           "teacher-forced on (required for encoder-decoder teachers)")
+    max_target_length: int | None = _opt(None, "encoder-decoder: target tokens per sequence (default: --max-length)")
+    encoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder hidden layers (0 = embeddings), 'all' or "
                                                         "'none'; default --layers")
-    decoder_layers: tuple[str, ...] = _opt((), "seq2seq: decoder hidden layers, 'all' or 'none'; "
+    decoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: decoder hidden layers, 'all' or 'none'; "
                                                         "default --layers")
-    encoder_attention_layers: tuple[str, ...] = _opt((), "seq2seq: encoder self-attention blocks, 'all' "
+    encoder_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder self-attention blocks, 'all' "
                                                                   "or 'none'; default --attention-layers")
-    decoder_attention_layers: tuple[str, ...] = _opt((), "seq2seq: decoder self-attention blocks, 'all' "
+    decoder_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: decoder self-attention blocks, 'all' "
                                                                   "or 'none'; default --attention-layers")
-    cross_attention_layers: tuple[str, ...] = _opt((), "seq2seq: cross-attention blocks (with feature "
+    cross_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: cross-attention blocks (with feature "
                                                                 "cross_attention); default the decoder attention "
                                                                 "blocks")
 

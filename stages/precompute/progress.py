@@ -73,7 +73,7 @@ def target_of(array: str) -> str:
     """Group arrays into targets: hidden/3, attention/2, logits/topk (values+ids+lse), logits/full, index (what
     locates and masks the tokens).
 
-    Seq2seq names (``encoder/hidden/3``, ``cross_attention/2``) are targets of their own too.
+    Encoder-decoder names (``encoder/hidden/3``, ``cross_attention/2``) are targets of their own too.
     """
     if array.endswith(("input_ids", "offsets", "loss_mask", "position_ids")):
         return "index"  # ids, token arrays, offsets, attention_offsets (and their encoder/, decoder/ forms)

@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdcache.stages.common import architectures
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
-from kdcache.storage.spec import FORMAT_VERSION
+from kdcache.storage.spec import ENCODER_DECODER, FORMAT_VERSION
 from kdcache.storage.streams import kind_of
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -74,15 +75,17 @@ def stack_depths(config: Any) -> tuple[dict[str, int], int]:
     Encoder-decoders (BART/mBART ``encoder_layers``, T5 ``num_layers``) have two stacks, and the heads are the
     smaller of the two stacks' counts, so a head subset valid for it is valid everywhere.
     """
-    if not getattr(config, "is_encoder_decoder", False):
-        return {"": int(config.num_hidden_layers)}, int(getattr(config, "num_attention_heads", 0) or 0)
-    encoder = getattr(config, "encoder_layers", None) or getattr(config, "num_layers", None)
-    decoder = getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None) or encoder
+    try:
+        depths = architectures.stack_depths(config)
+    except architectures.ArchitectureError as exc:
+        raise PrecomputeError(str(exc)) from None
+    if not architectures.is_encoder_decoder(config):
+        return depths, int(getattr(config, "num_attention_heads", 0) or 0)
     keys = ("encoder_attention_heads", "decoder_attention_heads", "num_heads")
     heads = [int(h) for h in (getattr(config, k, None) for k in keys) if h]
-    if not encoder or not heads:
-        raise PrecomputeError(f"cannot read the encoder/decoder depth of a {config.model_type} config")
-    return {"encoder": int(encoder), "decoder": int(decoder or encoder)}, min(heads)
+    if not heads:
+        raise PrecomputeError(f"cannot read the attention heads of a {config.model_type} config")
+    return depths, min(heads)
 
 
 def _select(values: tuple[str, ...], depth: int, minimum: int, name: str) -> tuple[int, ...]:
@@ -187,7 +190,7 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
     else:
         layers = {f"{s}_{kind}_layers": getattr(t, kind) for s, t in targets.streams.items()
                   for kind in ("hidden", "attention")}
-        layers.update(layout="seq2seq", cross_attention_layers=targets.cross_attention)
+        layers.update(layout=ENCODER_DECODER, cross_attention_layers=targets.cross_attention)
         triangle = bool(targets.streams["decoder"].attention and options.triangle)
     token_arrays = tuple(dict.fromkeys(kind_of(name) for name in data.tokens))
     return CacheSpec(

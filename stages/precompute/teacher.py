@@ -73,7 +73,7 @@ def pick_device(name: str, local_rank: int = 0) -> Any:
 
 
 def has_lm_head(config: Any) -> bool:
-    """Whether the teacher's checkpoint has a language-model head (a causal or masked LM, or a seq2seq LM)."""
+    """Whether the teacher's checkpoint has a language-model head (a causal or masked LM, or an encoder-decoder LM)."""
     archs = getattr(config, "architectures", None) or []
     heads = (*CAUSAL_SUFFIXES, "ForMaskedLM", "ForConditionalGeneration")
     return any(a.endswith(heads) for a in archs) or (not archs and bool(getattr(config, "is_decoder", False)))

@@ -78,13 +78,13 @@ def _same_hash_kind(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def stream_problems(spec: Any, student: StudentFacts) -> list[str]:
     """A cache of two token streams needs an encoder-decoder student, and one stream needs one stack."""
-    if spec.is_seq2seq and not student.is_encoder_decoder:
+    if spec.is_encoder_decoder and not student.is_encoder_decoder:
         return ["the cache was written by an encoder-decoder teacher (two token streams), but the student "
-                "is not an encoder-decoder; train a seq2seq student (e.g. `kdcache init-student` on the "
+                "is not an encoder-decoder; train an encoder-decoder student (e.g. `kdcache init-student` on the "
                 "teacher, or a BART/T5 config)"]
-    if student.is_encoder_decoder and not spec.is_seq2seq:
+    if student.is_encoder_decoder and not spec.is_encoder_decoder:
         return [f"the student is an encoder-decoder but the cache holds one token stream "
-                f"({', '.join(spec.features) or 'ids only'}); precompute it with a seq2seq teacher "
+                f"({', '.join(spec.features) or 'ids only'}); precompute it with an encoder-decoder teacher "
                 f"and --source-column/--target-column"]
     return []
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.train.compound import CompoundLoss
 from kdcache.stages.train.layer_maps import Pair, pair_key
@@ -32,7 +33,7 @@ from kdcache.stages.train.losses.cross_attention import cross_attention_kl
 from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.plan import StreamPairs, TrainPlan
-from kdcache.stages.train.student import StudentFacts, is_causal_config
+from kdcache.stages.train.student import StudentFacts
 from kdcache.storage.streams import prefixed
 
 if TYPE_CHECKING:

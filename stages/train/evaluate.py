@@ -113,7 +113,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
         student: score this student instead of the run's (see ``load_run``).
 
     Returns:
-        A JSON-ready dict: ``kind`` ("causal_lm" | "seq2seq_lm" | "encoder"), the metrics of that kind, ``cka``
+        A JSON-ready dict: ``kind`` ("causal_lm" | "encoder_decoder_lm" | "encoder"), the metrics of that kind, ``cka``
         (the main stream's alignment matrix and its values on the layer map; ``cka_streams`` has every stream's
         when the cache has two), ``sequences`` evaluated and their trained ``tokens`` (the loss mask's), and
         ``notes`` explaining anything skipped.
@@ -137,7 +137,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
 
 def _kind(facts: Any) -> str:
     if facts.is_encoder_decoder:
-        return "seq2seq_lm"
+        return "encoder_decoder_lm"
     return "causal_lm" if facts.is_causal and facts.has_lm_head else "encoder"
 
 

@@ -4,36 +4,38 @@ Copying weights beats random init by a wide margin (seed 002, Table 1). This is 
 teacher's files once, before training; the training code never imports this module, so a training run cannot
 load the teacher by accident.
 
-Blocks are numbered as HF ``hidden_states`` numbers their outputs: block j (1..N) produces hidden state j.
+Blocks are numbered as HF ``hidden_states`` numbers their outputs: block j (1..N) produces hidden state j. Every
+stack of the teacher (one, or an encoder and a decoder, ``stages.common.architectures``) is shrunk the same way,
+each to its own block list. Embeddings, final norms, heads and anything outside the block lists are copied as
+they are. T5 keeps its relative-position bias in the *first* block of each stack only; a student whose first
+block copies teacher block 3 still needs that table, so it comes from the teacher's first block.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from kdcache.stages.train.student import StudentError, copy_tokenizer_files, load_config, model_class
+from kdcache.stages.common.architectures import model_class, stack_depths, stack_module, with_depths
+from kdcache.stages.train.student import StudentError, copy_tokenizer_files, load_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+
 def init_student_from_teacher(teacher_path: str | Path, layers: list[int] | tuple[int, ...],
                               out: str | Path, *, encoder_layers: list[int] | None = None,
                               decoder_layers: list[int] | None = None) -> Path:
-    """Build and save a student whose block i is a copy of teacher block ``layers[i]``.
-
-    Embeddings, final norms and heads are copied too; the config is the teacher's with fewer layers.
+    """Build and save a student whose block i is a copy of teacher block ``layers[i]``, per stack.
 
     Args:
         teacher_path: a HF model folder.
         layers: teacher block numbers, 1-based, strictly increasing is usual but not required.
         out: folder to write the student (and the teacher's tokenizer files) into.
-        encoder_layers, decoder_layers: for an encoder-decoder teacher, each stack's blocks (default
-            ``layers``); see ``stages.train.init_seq2seq``.
+        encoder_layers, decoder_layers: for an encoder-decoder teacher, each stack's blocks (default ``layers``).
 
     Returns:
         ``out``.
@@ -42,56 +44,63 @@ def init_student_from_teacher(teacher_path: str | Path, layers: list[int] | tupl
         StudentError: empty or out-of-range layers, or a model whose blocks cannot be found.
     """
     config = load_config(teacher_path)
-    if getattr(config, "is_encoder_decoder", False):
-        from kdcache.stages.train.init_seq2seq import init_seq2seq_student
-
-        return init_seq2seq_student(teacher_path, list(encoder_layers or layers), list(decoder_layers or layers),
-                                    out)
-    depth = int(config.num_hidden_layers)
-    bad = [j for j in layers if not 1 <= j <= depth]
-    if not layers or bad:
-        raise StudentError(f"layers {list(layers)} must be teacher blocks 1..{depth}" +
-                           (f"; out of range: {bad}" if bad else "; none given"))
+    given = {"": layers, "encoder": encoder_layers or layers, "decoder": decoder_layers or layers}
+    chosen = {stack: list(given[stack]) for stack in stack_depths(config)}
+    for stack, depth in stack_depths(config).items():
+        _check(stack, chosen[stack], depth)
     teacher = model_class(config).from_pretrained(str(teacher_path))
-    student = _shallow_copy(teacher, [j - 1 for j in layers])
+    student = copy_blocks(teacher, {stack: [j - 1 for j in blocks] for stack, blocks in chosen.items()})
     out = Path(out)
     student.save_pretrained(str(out))
     copy_tokenizer_files(Path(teacher_path), out)
-    (out / "kdcache_init.json").write_text(json.dumps(
-        {"teacher": str(teacher_path), "teacher_blocks": list(layers)}, indent=2) + "\n")
+    record = {f"teacher_{stack}_blocks" if stack else "teacher_blocks": blocks for stack, blocks in chosen.items()}
+    (out / "kdcache_init.json").write_text(json.dumps({"teacher": str(teacher_path), **record}, indent=2) + "\n")
     return out
 
 
-def _shallow_copy(teacher: PreTrainedModel, blocks: list[int]) -> PreTrainedModel:
-    """A model of ``len(blocks)`` layers whose block i holds teacher block ``blocks[i]`` (0-based)."""
-    prefix = block_list_prefix(teacher)
-    config = copy.deepcopy(teacher.config)
-    config.num_hidden_layers = len(blocks)
-    if isinstance(getattr(config, "layer_types", None), list):  # per-layer settings (e.g. sliding windows)
-        config.layer_types = [config.layer_types[b] for b in blocks]
+def _check(stack: str, layers: list[int], depth: int) -> None:
+    bad = [j for j in layers if not 1 <= j <= depth]
+    if not layers or bad:
+        name = f"{stack} layers" if stack else "layers"
+        raise StudentError(f"{name} {layers} must be teacher blocks 1..{depth}"
+                           + (f"; out of range: {bad}" if bad else "; none given"))
+
+
+def copy_blocks(teacher: PreTrainedModel, blocks: dict[str, list[int]]) -> PreTrainedModel:
+    """A model whose block i of each stack holds the teacher's block ``blocks[stack][i]`` (0-based)."""
+    prefixes = {stack: block_list_prefix(teacher, stack) for stack in blocks}
+    config = with_depths(teacher.config, {stack: len(chosen) for stack, chosen in blocks.items()})
+    # Per-layer settings (sliding windows, say) follow their blocks.
+    if "" in blocks and isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [config.layer_types[b] for b in blocks[""]]
     student = type(teacher)(config)
     source = teacher.state_dict()
-    state = {key: source[_teacher_key(key, prefix, blocks)] for key in student.state_dict()}
+    state = {key: source[_source_key(key, source, prefixes, blocks)] for key in student.state_dict()}
     student.load_state_dict(state, strict=True)
     return student
 
 
-def block_list_prefix(model: PreTrainedModel) -> str:
-    """Name of the ``nn.ModuleList`` holding the transformer blocks (``transformer.h``, ``model.layers``...)."""
-    depth = int(model.config.num_hidden_layers)
-    found = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
+def block_list_prefix(model: PreTrainedModel, stack: str = "") -> str:
+    """Name of the ``nn.ModuleList`` holding ``stack``'s blocks (``transformer.h``, ``model.encoder.layers``...)."""
+    depth = stack_depths(model.config)[stack]
+    inside = {id(m) for m in stack_module(model, stack).modules()}
+    found = [name for name, m in model.named_modules()
+             if id(m) in inside and isinstance(m, nn.ModuleList) and len(m) == depth]
     if not found:
         raise StudentError(f"cannot find the {depth} blocks of {type(model).__name__} (no ModuleList of that size)")
     return min(found, key=len)  # the outermost list of blocks, not a list inside a block
 
 
-def _teacher_key(key: str, prefix: str, blocks: list[int]) -> str:
-    """Map a student parameter name to the teacher's: block i becomes block ``blocks[i]``."""
-    head = prefix + "."
-    if not key.startswith(head):
-        return key
-    index, _, rest = key[len(head):].partition(".")
-    return f"{head}{blocks[int(index)]}.{rest}"
+def _source_key(key: str, source: dict[str, Any], prefixes: dict[str, str], blocks: dict[str, list[int]]) -> str:
+    """The teacher parameter that student parameter ``key`` copies: block i of a stack becomes its chosen block."""
+    for stack, prefix in prefixes.items():
+        head = prefix + "."
+        if key.startswith(head):
+            index, _, rest = key[len(head):].partition(".")
+            mapped = f"{head}{blocks[stack][int(index)]}.{rest}"
+            # A parameter only the first block has (T5's relative-position bias) comes from that block.
+            return mapped if mapped in source else key
+    return key
 
 
-__all__ = ["init_student_from_teacher", "block_list_prefix"]
+__all__ = ["init_student_from_teacher", "block_list_prefix", "copy_blocks"]

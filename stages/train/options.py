@@ -111,11 +111,11 @@ class TrainOptions:
     # Encoder-decoder students (per-stream maps, stages.train.plan). Not Optional: the config reads "none" as null,
     # and "none" is a map here. Empty means "use --layer-map".
     encoder_layer_map: str = field(default="", metadata=_opt(
-        "seq2seq: encoder student-to-teacher map, same syntax as --layer-map (default: --layer-map)"))
+        "encoder-decoder: encoder student-to-teacher map, same syntax as --layer-map (default: --layer-map)"))
     decoder_layer_map: str = field(default="", metadata=_opt(
-        "seq2seq: decoder student-to-teacher map (default: --layer-map)"))
+        "encoder-decoder: decoder student-to-teacher map (default: --layer-map)"))
     cross_attention_map: str = field(default="", metadata=_opt(
-        "seq2seq: decoder-block map of the cross-attention KL (weight --delta; default: the decoder map "
+        "encoder-decoder: decoder-block map of the cross-attention KL (weight --delta; default: the decoder map "
         "restricted to the cached cross-attention blocks; none = no cross-attention term)"))
 
     def validate(self) -> list[str]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kdcache.stages.common.architectures import is_causal_config, is_encoder_decoder, model_class, stack_depths
 from kdcache.storage.errors import KdcacheError
 
 if TYPE_CHECKING:
@@ -92,48 +93,16 @@ def load_student(path: str | Path, *, seed: int = 0,
     return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
 
 
-def model_class(config: Any) -> Any:
-    """The transformers class to build: the config's own architecture, else causal LM, masked LM, bare model."""
-    import transformers
-
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    if getattr(config, "is_encoder_decoder", False):  # BART also has a *ForCausalLM (its decoder alone)
-        return transformers.AutoModelForSeq2SeqLM
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
-        if type(config) in auto._model_mapping:
-            return auto
-    return transformers.AutoModel
-
-
 def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:
     """Read the student's shape from its config (and whether it produces logits)."""
     cfg = model.config
+    two_stacks = is_encoder_decoder(cfg)
     heads = getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 0)
     return StudentFacts(
         num_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size), num_heads=int(heads),
         vocab_size=int(cfg.vocab_size), has_lm_head=model.get_output_embeddings() is not None,
-        is_causal=not getattr(cfg, "is_encoder_decoder", False) and is_causal_config(cfg),
-        pretrained=pretrained, **_seq2seq_facts(cfg))
-
-
-def _seq2seq_facts(cfg: Any) -> dict[str, Any]:
-    """Decoder depth of an encoder-decoder (BART ``decoder_layers``, T5 ``num_decoder_layers``)."""
-    if not getattr(cfg, "is_encoder_decoder", False):
-        return {}
-    data = cfg.to_dict()
-    depth = data.get("decoder_layers") or data.get("num_decoder_layers") or cfg.num_hidden_layers
-    return {"decoder_layers": int(depth), "is_encoder_decoder": True}
-
-
-def is_causal_config(cfg: Any) -> bool:
-    """Decoder-only LMs attend causally; BERT-style encoders do not (unless configured as decoders)."""
-    import transformers
-
-    return type(cfg) in transformers.AutoModelForCausalLM._model_mapping and (
-        getattr(cfg, "is_decoder", False) or cfg.model_type not in ("bert", "roberta", "distilbert", "electra"))
+        is_causal=not two_stacks and is_causal_config(cfg), pretrained=pretrained,
+        decoder_layers=stack_depths(cfg)["decoder"] if two_stacks else 0, is_encoder_decoder=two_stacks)
 
 
 def tokenizer_fingerprint_of(path: str | Path) -> dict[str, Any] | None:

@@ -46,7 +46,7 @@ def test_seq2seq_sweep_trains_evals_and_reports(name: str, tmp_path: Path) -> No
         assert float(row["eval_perplexity"]) > 1 and 0 <= float(row["eval_top1"]) <= 1
         assert float(row["eval_kl"]) >= 0 and 0 <= float(row["eval_cka_on_map"]) <= 1
     [evaluation] = read_evals(sweep / "runs" / "decoder_layer_map-last__hidden_loss-mse")
-    assert evaluation["kind"] == "seq2seq_lm" and set(evaluation["cka_streams"]) == {"encoder", "decoder"}
+    assert evaluation["kind"] == "encoder_decoder_lm" and set(evaluation["cka_streams"]) == {"encoder", "decoder"}
     assert evaluation["cka_streams"]["decoder"]["on_map"][0]["teacher"] == 2  # `last` maps student 1 to block 2
     assert evaluation["cka_streams"]["encoder"]["student_layers"] == [0, 1]
     assert main(["report", str(sweep)]) == 0
@@ -90,7 +90,7 @@ def test_mbart_with_language_codes_through_both_stages(tmp_path: Path) -> None:
                  "--decoder-layer-map", "explicit:1-2", "--quiet"]) == 0
     assert main(["eval", "--cache", str(cache), "--run", str(tmp_path / "run")]) == 0
     [evaluation] = read_evals(tmp_path / "run")
-    assert evaluation["kind"] == "seq2seq_lm" and evaluation["perplexity"] > 1 and 0 <= evaluation["top1_agreement"] <= 1
+    assert evaluation["kind"] == "encoder_decoder_lm" and evaluation["perplexity"] > 1 and 0 <= evaluation["top1_agreement"] <= 1
 
 
 def test_the_teacher_scored_as_its_own_student_agrees_with_its_cache(tmp_path: Path) -> None:
@@ -102,7 +102,7 @@ def test_the_teacher_scored_as_its_own_student_agrees_with_its_cache(tmp_path: P
     teacher = make_tiny_bart(tmp_path / "teacher")
     cache = _precompute(teacher, write_pair_dataset(tmp_path / "pairs.jsonl", sample_pairs(10)), tmp_path / "cache")
     result = evaluate_run(tmp_path / "no-run", CacheReader(cache), student=teacher)
-    assert result["kind"] == "seq2seq_lm" and result["top1_agreement"] == 1.0 and result["kl"] < 1e-3
+    assert result["kind"] == "encoder_decoder_lm" and result["top1_agreement"] == 1.0 and result["kl"] < 1e-3
     for stack in ("encoder", "decoder"):
         cka = result["cka_streams"][stack]
         assert cka["student_layers"] == [0, 1, 2] and cka["teacher_layers"] == [0, 1, 2]

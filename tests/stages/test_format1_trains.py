@@ -47,4 +47,4 @@ def test_a_format2_encoder_decoder_cache_still_reads_trains_and_evaluates(backen
     record = read_jsonl(out / "metrics.jsonl")[-1]
     assert all(math.isfinite(record[k]) for k in ("loss", "encoder/hidden", "decoder/hidden", "cross_attention"))
     assert main(["eval", "--cache", str(cache), "--run", str(out)]) == 0
-    assert read_evals(out)[0]["kind"] == "seq2seq_lm"
+    assert read_evals(out)[0]["kind"] == "encoder_decoder_lm"

@@ -69,7 +69,7 @@ def test_cached_targets_equal_the_online_teacher(name, seq2seq_teachers, pairs_f
                       "--triangle") == 0
     reader = CacheReader(tmp_path / "cache")
     spec = reader.spec
-    assert spec.is_seq2seq and reader.manifest.format_version == 4 and reader.num_sequences == 10
+    assert spec.is_encoder_decoder and reader.manifest.format_version == 4 and reader.num_sequences == 10
     assert spec.encoder_hidden_layers == (0, 1, 2) and spec.cross_attention_layers == (1, 2)
     assert reader.fingerprints["teacher"]["num_decoder_layers"] == 2
     for i in (0, 3, 7):

@@ -11,7 +11,7 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.train.checks import CacheCheckError
-from kdcache.stages.train.init_seq2seq import stack_prefixes
+from kdcache.stages.train.init_student import block_list_prefix
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.stages.train.loop import run_training
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
@@ -77,7 +77,7 @@ def test_init_student_copies_chosen_blocks_of_each_stack(setups, tmp_path):
     student = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "s"))
     assert (student.config.num_layers, student.config.num_decoder_layers) == (1, 2)
     t, s = teacher.state_dict(), student.state_dict()
-    enc, dec = stack_prefixes(teacher)
+    enc, dec = block_list_prefix(teacher, "encoder"), block_list_prefix(teacher, "decoder")
     assert (enc, dec) == ("encoder.block", "decoder.block")
     wo = "layer.1.DenseReluDense.wo.weight"
     assert torch.equal(s[f"{enc}.0.{wo}"], t[f"{enc}.1.{wo}"])

@@ -1,4 +1,4 @@
-"""Cross-attention KL for seq2seq students: decoder queries attending over encoder keys.
+"""Cross-attention KL for encoder-decoder students: decoder queries attending over encoder keys.
 
 Shapes: ``A_s [B, H_s, L_dec, L_enc]``, ``A_t [B, H_t, L_dec, L_enc]``, ``query_mask [B, L_dec]`` (decoder tokens),
 ``key_mask [B, L_enc]`` (encoder tokens). The definition is DESIGN's attention KL with rectangular maps: the mean

@@ -1,0 +1,85 @@
+"""What both stages read off a Hugging Face config: its block stacks, and the transformers class that builds it.
+
+A model has one stack of blocks (decoder-only and encoder models; token stream ``""``) or two (encoder-decoder
+models: ``encoder`` and ``decoder``). Stage one sizes the teacher's token streams with ``stack_depths``; stage
+two sizes the student's, and ``kdcache init-student`` shrinks each stack. This is the one module that knows how
+each family spells these facts, so every other one handles a stack list, whatever the architecture.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from kdcache.storage.errors import KdcacheError
+
+# Config keys holding a stack's depth, BART/mBART spelling first, then T5's.
+DEPTH_KEYS = {"": ("num_hidden_layers",), "encoder": ("encoder_layers", "num_layers"),
+              "decoder": ("decoder_layers", "num_decoder_layers")}
+
+
+class ArchitectureError(KdcacheError):
+    """A config whose stacks cannot be read."""
+
+
+def is_encoder_decoder(config: Any) -> bool:
+    """Whether the model has separate encoder and decoder stacks (BART, mBART, T5...)."""
+    return bool(getattr(config, "is_encoder_decoder", False))
+
+
+def stack_depths(config: Any) -> dict[str, int]:
+    """Blocks per stack: ``{"": N}``, or ``{"encoder": N_e, "decoder": N_d}`` (the decoder defaults to N_e).
+
+    Raises:
+        ArchitectureError: an encoder-decoder config whose encoder depth cannot be read.
+    """
+    if not is_encoder_decoder(config):
+        return {"": int(config.num_hidden_layers)}
+    data = config.to_dict()
+    encoder = next((int(data[k]) for k in DEPTH_KEYS["encoder"] if data.get(k)), 0)
+    decoder = next((int(data[k]) for k in DEPTH_KEYS["decoder"] if data.get(k)), encoder)
+    if not encoder:
+        raise ArchitectureError(f"cannot read the encoder/decoder depth of a {config.model_type} config")
+    return {"encoder": encoder, "decoder": decoder}
+
+
+def with_depths(config: Any, depths: dict[str, int]) -> Any:
+    """A copy of ``config`` whose stacks have ``depths`` blocks (every key the config spells a depth with)."""
+    config = copy.deepcopy(config)
+    data = config.to_dict()
+    for stack, depth in depths.items():
+        # num_hidden_layers reaches GPT-2's n_layer through the config's attribute map, so it is set even when
+        # to_dict() spells it otherwise.
+        for key in [k for k in DEPTH_KEYS[stack] if k in data] or DEPTH_KEYS[stack][:1]:
+            setattr(config, key, depth)
+    return config
+
+
+def stack_module(model: Any, stack: str) -> Any:
+    """The module holding ``stack``'s blocks: the model itself for ``""``, else its encoder or decoder."""
+    return {"": lambda: model, "encoder": model.get_encoder, "decoder": model.get_decoder}[stack]()
+
+
+def model_class(config: Any) -> Any:
+    """The transformers class to build: the config's own architecture, else the family's LM, else the bare model."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    if is_encoder_decoder(config):  # first: BART also has a *ForCausalLM (its decoder alone)
+        return transformers.AutoModelForSeq2SeqLM
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
+        if type(config) in auto._model_mapping:
+            return auto
+    return transformers.AutoModel
+
+
+def is_causal_config(config: Any) -> bool:
+    """Decoder-only LMs attend causally; BERT-style encoders do not (unless configured as decoders)."""
+    import transformers
+
+    return type(config) in transformers.AutoModelForCausalLM._model_mapping and (
+        getattr(config, "is_decoder", False)
+        or config.model_type not in ("bert", "roberta", "distilbert", "electra"))
