@@ -71,7 +71,7 @@ def run_mode(mode: str, cache: Path, student: Path, work: Path, args: argparse.N
     from kdcache.stages.train.streaming import CacheStream
 
     baseline = _rss()
-    options = TrainOptions(cache=str(cache), student=str(student), out=str(work / f"run-{mode}"), alpha=1.0,
+    options = TrainOptions.of(cache=str(cache), student=str(student), out=str(work / f"run-{mode}"), alpha=1.0,
                            beta=0.0, gamma=1.0, delta=1.0, layer_map="uniform", hidden_loss="mse",
                            batch_size=args.batch_size, lr=1e-4, seed=0)
     _, model_s, facts, plan = prepare(options)  # eager attention for every mode: same student

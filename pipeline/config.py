@@ -1,7 +1,9 @@
 """Typed configs: dataclass fields become CLI flags and YAML keys, validated before any model loads.
 
-Each stage owns a plain dataclass of its options (``stages.precompute.options.PrecomputeOptions``,
-``stages.train.options.TrainOptions``); the stages never import this module. Two kept libraries do the mapping:
+Each stage owns a frozen dataclass of its options (``stages.precompute.options.PrecomputeOptions``,
+``stages.train.options.TrainOptions``), plain or made of groups (``TrainOptions.loss``...,
+``stages.common.option_groups``) whose option names stay flat in flags and YAML; the stages never import this
+module. Two kept libraries do the mapping:
 
 * transformers' ``HfArgumentParser`` turns the fields into flags (``top_k`` -> ``--top-k``, booleans with
   ``--no-...``, help and choices from ``field.metadata``, extra flag names from ``metadata["aliases"]``);
@@ -23,6 +25,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from kdcache.stages.common.option_groups import flatten, groups, leaves, nest
 from kdcache.storage.errors import KdcacheError
 
 T = TypeVar("T")
@@ -58,13 +61,12 @@ def flags(cls: type, *, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
 
 
 def _shadow(cls: type, skip: tuple[str, ...]) -> type:
-    """A copy of ``cls``'s fields, since HfArgumentParser rewrites the types of the fields it is given
-    (``int | None`` becomes ``int``), which would change what pydantic later accepts for ``cls``."""
-    hints = typing.get_type_hints(cls)
+    """A flat copy of ``cls``'s options (every group's), since HfArgumentParser rewrites the types of the fields
+    it is given (``int | None`` becomes ``int``), which would change what pydantic later accepts for ``cls``."""
     return dataclasses.make_dataclass(cls.__name__, [
-        (f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory,
-                                                  metadata=f.metadata))
-        for f in dataclasses.fields(cls) if f.name not in skip])
+        (f.name, typing.get_type_hints(owner)[f.name],
+         dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+        for _, owner, f in leaves(cls) if f.name not in skip], kw_only=True)  # groups interleave required ones
 
 
 def _finish(action: argparse.Action) -> None:
@@ -73,6 +75,8 @@ def _finish(action: argparse.Action) -> None:
     default = action.default
     if isinstance(default, tuple):
         default = ",".join(map(str, default))
+    elif default is not None and not isinstance(default, (bool, int, float, str)):
+        default = str(default)  # a value with its own text (a layer map)
     text = action.help or ""
     if action.choices is not None:
         text += ("; " if text else "") + f"one of: {', '.join(map(str, action.choices))}"
@@ -99,7 +103,7 @@ def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = N
             if not isinstance(data, dict):
                 raise ConfigError([f"section {section!r} of {config_path!r} must be a mapping"])
         values.update(data)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    names = {f.name for _, _, f in leaves(cls)}
     values.update({k: v for k, v in vars(args).items() if k in names})
     return build(cls, values)
 
@@ -124,25 +128,26 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 # ---- values ------------------------------------------------------------------------------------------------
 def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
-    """Build dataclass ``cls`` from ``values``, collecting every problem before raising.
+    """Build options class ``cls`` (flat, or made of groups) from ``values``, collecting every problem first.
 
     Args:
         cls: the options dataclass.
-        values: merged YAML + CLI values (keys are field names; dashes are accepted too).
+        values: merged YAML + CLI values, flat (keys are option names; dashes are accepted too); a group's name
+            may also map to a mapping of its options.
         where: a prefix for messages, e.g. "precompute." for a YAML section.
 
     Raises:
         ConfigError: listing unknown keys, wrong types, missing required fields, bad choices and ``validate()``
             findings.
     """
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    given = {str(k).replace("-", "_"): v for k, v in values.items()}
+    fields = {f.name: (owner, f) for _, owner, f in leaves(cls)}
+    given = {str(k).replace("-", "_"): v for k, v in _spread(cls, values).items()}
     problems = [f"unknown key {where}{k!r}; known keys: {', '.join(sorted(fields))}" for k in given if k not in fields]
-    given = _prepare(cls, {k: v for k, v in given.items() if k in fields})
+    given = {k: _prepare(fields[k][0], k, v) for k, v in given.items() if k in fields}
     obj, type_problems = _validate(cls, given, where)
     problems += type_problems
     if obj is not None:
-        problems += [f"{where}{p}" for p in _choice_problems(obj, fields.values())]
+        problems += [f"{where}{p}" for p in _choice_problems(obj)]
         # validate() runs even when some keys were bad (on the rest), so a user sees a missing file and a typo
         # in one go.
         problems += [f"{where}{p}" for p in (obj.validate() if hasattr(obj, "validate") else [])]
@@ -151,18 +156,23 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
     return obj
 
 
-def _prepare(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    """The two spellings pydantic does not read: "2,4,6" for a tuple, and none/null for an optional field."""
-    hints = typing.get_type_hints(cls)
-    out = {}
+def _spread(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with a whole group given as a mapping (``loss: {gamma: 0.5}``) spread into its options."""
+    names = groups(cls) or {}
+    flat: dict[str, Any] = {}
     for key, value in values.items():
-        inner, optional = _unwrap_optional(hints[key])
-        if optional and isinstance(value, str) and value.lower() in ("none", "null"):
-            value = None
-        elif typing.get_origin(inner) is tuple and isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        out[key] = value
-    return out
+        flat.update(value if key in names and isinstance(value, dict) else {key: value})
+    return flat
+
+
+def _prepare(owner: type, key: str, value: Any) -> Any:
+    """The two spellings pydantic does not read: "2,4,6" for a tuple, and none/null for an optional field."""
+    inner, optional = _unwrap_optional(typing.get_type_hints(owner)[key])
+    if optional and isinstance(value, str) and value.lower() in ("none", "null"):
+        return None
+    if typing.get_origin(inner) is tuple and isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return value
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -174,7 +184,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def _validate(cls: type[T], values: dict[str, Any], where: str) -> tuple[T | None, list[str]]:
-    """pydantic's validation of ``values``: (the object or None, one message per error).
+    """pydantic's validation of flat ``values``: (the object or None, one message per error).
 
     On errors the object is built again without the bad keys (their defaults stand in) so that ``validate()``
     can still look at the rest; it stays None when a required field is missing or bad.
@@ -183,33 +193,34 @@ def _validate(cls: type[T], values: dict[str, Any], where: str) -> tuple[T | Non
 
     adapter = pydantic.TypeAdapter(cls)
     try:
-        return adapter.validate_python(values), []
+        return adapter.validate_python(nest(cls, values)), []
     except pydantic.ValidationError as exc:
         errors = exc.errors(include_url=False)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    problems = [_message(e, fields, where) for e in errors]
-    bad = {e["loc"][0] for e in errors}
+    depth = 0 if groups(cls) is None else 1  # a grouped class's errors are located at (group, option, ...)
+    problems = [_message(e["loc"][depth:], e, where) for e in errors]
+    bad = {e["loc"][depth] for e in errors if len(e["loc"]) > depth}
     try:
-        return adapter.validate_python({k: v for k, v in values.items() if k not in bad}), problems
+        return adapter.validate_python(nest(cls, {k: v for k, v in values.items() if k not in bad})), problems
     except pydantic.ValidationError:
         return None, problems
 
 
-def _message(error: Any, fields: dict[str, dataclasses.Field], where: str) -> str:
+def _message(loc: tuple[Any, ...], error: Any, where: str) -> str:
     """One pydantic error as ``key: got VALUE, MESSAGE`` (or ``key is required (flag --key)``)."""
-    key = str(error["loc"][0])
+    key = str(loc[0])
     if error["type"] == "missing":
-        return f"{where}{key} is required (flag {flag_name(fields[key])})"
-    item = "".join(f"[{i}]" for i in error["loc"][1:])
-    message = str(error["msg"]).replace("Input should be", "expected")
+        return f"{where}{key} is required (flag --{key.replace('_', '-')})"
+    item = "".join(f"[{i}]" for i in loc[1:])
+    message = str(error["msg"]).replace("Input should be", "expected").removeprefix("Value error, ")
     return f"{where}{key}{item}: got {error['input']!r}, {message[0].lower()}{message[1:]}"
 
 
-def _choice_problems(obj: object, fields: typing.Iterable[dataclasses.Field]) -> list[str]:
+def _choice_problems(obj: object) -> list[str]:
     """Values outside a field's ``metadata["choices"]`` (YAML values; argparse already checks the flags)."""
+    values = flatten(obj)
     problems = []
-    for f in fields:
-        value, choices = getattr(obj, f.name), f.metadata.get("choices")
+    for _, _, f in leaves(type(obj)):
+        value, choices = values[f.name], f.metadata.get("choices")
         if choices and value is not None and value not in choices:
             problems.append(f"{f.name}: got {value!r}, expected one of {', '.join(map(str, choices))}")
     return problems

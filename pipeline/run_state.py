@@ -120,12 +120,16 @@ def term_label(key: str) -> str:
 
 def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The options a run set (those away from their defaults, plus cache, student and out), and how many others
-    stayed at their defaults; seq2seq-only options left empty are not options this run used."""
+    stayed at their defaults; encoder-decoder options left empty are not options this run used."""
     import dataclasses
 
+    from kdcache.stages.common.option_groups import leaves
     from kdcache.stages.train.options import TrainOptions
 
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainOptions) if f.default is not dataclasses.MISSING}
+    # options.json holds maps as their text, so the defaults are compared as text too.
+    plain = (bool, int, float, str, tuple, type(None))
+    defaults = {f.name: f.default if isinstance(f.default, plain) else str(f.default)
+                for _, _, f in leaves(TrainOptions) if f.default is not dataclasses.MISSING}
     kept = {k: v for k, v in options.items()
             if k in ("cache", "student", "out") or k not in defaults or _differs(v, defaults[k])}
     return kept, len(options) - len(kept)

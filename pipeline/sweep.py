@@ -31,6 +31,7 @@ from typing import Any
 
 from kdcache.pipeline.children import child_env
 from kdcache.pipeline.config import ConfigError, build, flag_name
+from kdcache.stages.common.option_groups import flatten, leaves
 from kdcache.stages.train.eval_records import find_eval, remove_evals
 from kdcache.stages.train.options import TrainOptions
 from kdcache.storage.files import read_json_object
@@ -88,7 +89,7 @@ def parse_grid(items: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     Returns:
         (grid, problems): every malformed item, unknown or reserved key and repeated key is a problem.
     """
-    fields = {f.name for f in dataclasses.fields(TrainOptions)}
+    fields = {f.name for _, _, f in leaves(TrainOptions)}
     grid: dict[str, list[str]] = {}
     problems: list[str] = []
     for item in items:
@@ -156,7 +157,7 @@ def conflicts(points: list[SweepPoint], launcher: list[str]) -> list[str]:
     """Run folders left by an earlier sweep with other options: refused up front, not after an hour of runs."""
     problems = []
     for point in points:
-        run_dir = Path(point.options.out)
+        run_dir = Path(point.options.run.out)
         previous = read_json_object(run_dir / RUN_RECORD).get("command")
         if previous and previous != train_command(point.options, launcher) and (
                 run_dir / "checkpoints" / "latest").is_file():
@@ -169,8 +170,9 @@ def conflicts(points: list[SweepPoint], launcher: list[str]) -> list[str]:
 def train_flags(options: TrainOptions) -> list[str]:
     """The ``kdcache train`` flags reproducing ``options``: required fields, and every field off its default."""
     flags: list[str] = []
-    for f in dataclasses.fields(TrainOptions):
-        value = getattr(options, f.name)
+    values = flatten(options)
+    for _, _, f in leaves(TrainOptions):
+        value = values[f.name]
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if f.name == "config" or (not required and value == f.default):
             continue  # the YAML's values are already merged into the options
@@ -178,7 +180,8 @@ def train_flags(options: TrainOptions) -> list[str]:
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
         else:
-            flags += [flag, "none" if value is None else str(value)]
+            text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            flags += [flag, "none" if value is None else text]
     return flags
 
 
@@ -218,7 +221,7 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict[str, Any]:
         The run's record: name, values, command, status ("ok" | "reused" | "failed"), exit code, seconds,
         and for a failure the tail of its log.
     """
-    run_dir = Path(point.options.out)
+    run_dir = Path(point.options.run.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"name": point.name, "values": point.values, "run_dir": str(run_dir)}
     command = train_command(point.options, settings.launcher)
@@ -239,14 +242,14 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict[str, Any]:
 
 def _train(point: SweepPoint, settings: SweepSettings, command: list[str], previous: dict[str, Any]
            ) -> dict[str, Any]:
-    run_dir = Path(point.options.out)
+    run_dir = Path(point.options.run.out)
     has_checkpoint = (run_dir / "checkpoints" / "latest").is_file()
     if has_checkpoint and previous.get("command") not in (None, command):
         return {"command": command, "status": "failed", "returncode": None, "seconds": 0.0,
                 "error": f"{run_dir} holds a run trained with other options; choose another --out"}
     launched = train_command(point.options, settings.launcher, resume=has_checkpoint)
     code, seconds = run_child(launched, run_dir / "train.log")
-    ok = code == 0 and (not point.options.export or (run_dir / "student").is_dir())
+    ok = code == 0 and (not point.options.run.export or (run_dir / "student").is_dir())
     result = {"command": command, "status": "ok" if ok else "failed", "returncode": code,
               "seconds": round(seconds, 1), "resumed": has_checkpoint}
     if not ok:
@@ -285,7 +288,7 @@ def run_sweep(points: list[SweepPoint], sweep_dir: str | Path, settings: SweepSe
 
     root = Path(sweep_dir)
     root.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {"grid": grid, "cache": points[0].options.cache, "eval_cache": settings.eval_cache,
+    summary: dict[str, Any] = {"grid": grid, "cache": points[0].options.data.cache, "eval_cache": settings.eval_cache,
                                "launcher": settings.launcher, "runs": []}
     for i, point in enumerate(points, 1):
         echo(f"[{i}/{len(points)}] {point.name}: training", flush=True)

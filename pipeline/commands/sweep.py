@@ -8,13 +8,13 @@ value ends the command with exit status 2 and every problem listed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.config import ConfigError, flags, load_yaml
+from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.train.options import TrainOptions
 
 
@@ -50,7 +50,7 @@ def base_values(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(section, dict):
             raise ConfigError([f"section 'train' of {args.config!r} must be a mapping"])
         values.update(section)
-    names = {f.name for f in dataclasses.fields(TrainOptions)} - {"out", "resume"}
+    names = {f.name for _, _, f in leaves(TrainOptions)} - {"out", "resume"}
     values.update({k: v for k, v in vars(args).items() if k in names})
     values.pop("out", None)
     return values

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kdcache.stages.train.layer_maps import build_layer_map, validate_layer_map
+from kdcache.stages.train.layer_maps import LayerMap, validate_layer_map
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
 from kdcache.storage.errors import KdcacheError
@@ -58,10 +58,10 @@ def vocab_problems(options: TrainOptions, reader: Any, student: StudentFacts,
         problems.append(f"vocab size mismatch: the cache's tokenizer has {cache_vocab} tokens but the student's "
                         f"embedding has {student.vocab_size} rows; train a student built for the teacher's "
                         "tokenizer (e.g. `kdcache init-student`, or set vocab_size in its config)")
-    elif spec.logits in ("full", "head") and options.beta > 0 and student.vocab_size != spec.vocab_size:
+    elif spec.logits in ("full", "head") and options.loss.beta > 0 and student.vocab_size != spec.vocab_size:
         problems.append(f"vocab size mismatch: the cache's {spec.logits} logits have {spec.vocab_size} entries per "
                         f"token, the student's head {student.vocab_size}; the KL needs the same vocabulary")
-    elif spec.logits in ("topk", "sampled") and options.beta > 0 and student.vocab_size < spec.vocab_size:
+    elif spec.logits in ("topk", "sampled") and options.loss.beta > 0 and student.vocab_size < spec.vocab_size:
         problems.append(f"vocab size mismatch: the cache's {spec.logits} logits index a vocabulary of "
                         f"{spec.vocab_size} ids, the student's head has {student.vocab_size}; the KL needs them all")
     if student_tokenizer is not None and fp.get("vocab_hash") and _same_hash_kind(fp, student_tokenizer):
@@ -95,35 +95,36 @@ def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) ->
     hidden = any(h for _, h, _ in spec.stream_layers())
     attention = any(a for _, _, a in spec.stream_layers()) or bool(spec.cross_attention_layers)
     problems = []
-    if options.alpha > 0 and not student.has_lm_head:
+    loss = options.loss
+    if loss.alpha > 0 and not student.has_lm_head:
         problems.append("the CE term (--alpha) needs a student with an LM head; this student has none "
                         "(use --alpha 0, or a *ForCausalLM / *ForMaskedLM student)")
-    if options.beta > 0 and not spec.logits:
+    if loss.beta > 0 and not spec.logits:
         problems.append(f"the KL term (--beta) needs the teacher's logits, but the cache holds {held}; re-run "
                         "precompute with logits (full or top-k), or use --beta 0")
-    elif options.beta > 0 and not student.has_lm_head:
+    elif loss.beta > 0 and not student.has_lm_head:
         problems.append("the KL term (--beta) needs student logits, but the student has no LM head")
-    elif options.beta > 0 and options.topk_kl == "other" and spec.logits != "topk":
+    elif loss.beta > 0 and loss.topk_kl == "other" and spec.logits != "topk":
         problems.append(f"--topk-kl other is a KL for caches written with --logits topk, and this cache holds "
                         f"{spec.logits} logits, whose KL needs no variant; drop --topk-kl")
-    elif options.beta > 0 and spec.logits == "sampled" and options.temperature != spec.sample_temperature:
-        problems.append(f"temperature {options.temperature}: the KL needs the temperature the cache's samples were "
+    elif loss.beta > 0 and spec.logits == "sampled" and loss.temperature != spec.sample_temperature:
+        problems.append(f"temperature {loss.temperature}: the KL needs the temperature the cache's samples were "
                         f"drawn at, {spec.sample_temperature} (its --sample-temperature); train with --temperature "
-                        f"{spec.sample_temperature}, or re-run stage one at {options.temperature}")
-    elif options.beta > 0 and spec.logits == "topk" and options.topk_kl == "other" and options.temperature != 1:
+                        f"{spec.sample_temperature}, or re-run stage one at {loss.temperature}")
+    elif loss.beta > 0 and spec.logits == "topk" and loss.topk_kl == "other" and loss.temperature != 1:
         problems.append(f"--topk-kl other rebuilds full-vocabulary probabilities from the cached logsumexp, which "
-                        f"is exact only at T=1, but --temperature is {options.temperature:g}; use --temperature 1, "
+                        f"is exact only at T=1, but --temperature is {loss.temperature:g}; use --temperature 1, "
                         "or --topk-kl renorm (which applies any temperature)")
-    if options.gamma > 0 and options.layer_map != "none" and not hidden:
+    if loss.gamma > 0 and options.maps.layer_map.kind != "none" and not hidden:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "
                         "re-run precompute with --layers, or use --gamma 0 / --layer-map none")
-    if options.delta > 0 and not attention:
+    if loss.delta > 0 and not attention:
         problems.append(f"the attention term (--delta) needs attention maps, but the cache holds {held}; "
                         "re-run precompute with attention layers, or use --delta 0")
     return problems
 
 
-def restricted_map(text: str, student_depth: int, depth: int, cached: tuple[int, ...], seed: int, what: str,
+def restricted_map(layer_map: LayerMap, student_depth: int, depth: int, cached: tuple[int, ...], seed: int, what: str,
                    problems: list[str]) -> list[Pair]:
     """A map's pairs restricted to student blocks (s >= 1) whose teacher layer is cached.
 
@@ -131,26 +132,26 @@ def restricted_map(text: str, student_depth: int, depth: int, cached: tuple[int,
     A map that keeps no pair is a problem (appended to ``problems``), since the term would silently vanish.
     """
     try:
-        pairs = build_layer_map(text if text != "none" else "uniform", student_depth, depth, seed=seed)
+        pairs = (layer_map if layer_map.kind != "none" else LayerMap("uniform")).build(student_depth, depth, seed=seed)
     except KdcacheError as exc:
-        problems.append(f"{what} map {text!r}: {exc}")
+        problems.append(f"{what} map {str(layer_map)!r}: {exc}")
         return []
     kept = [(s, t) for s, t in pairs if s >= 1 and t in cached]
     if not kept:
-        problems.append(f"no pair of the {what} map {text!r} meets a cached {what} layer (cached: {list(cached)}); "
-                        f"pass an explicit:S-T map naming cached layers")
+        problems.append(f"no pair of the {what} map {str(layer_map)!r} meets a cached {what} layer (cached: "
+                        f"{list(cached)}); pass an explicit:S-T map naming cached layers")
     return kept
 
 
-def checked_map(text: str, seed: int, student_depth: int, depth: int, cached: tuple[int, ...], what: str,
+def checked_map(layer_map: LayerMap, seed: int, student_depth: int, depth: int, cached: tuple[int, ...], what: str,
                 problems: list[str]) -> list[Pair]:
     """Build a layer map of ``student_depth`` student layers onto ``depth`` teacher blocks and validate it
     against the ``cached`` teacher layers; problems are appended, not raised."""
     try:
-        pairs = build_layer_map(text, student_depth, depth, seed=seed)
+        pairs = layer_map.build(student_depth, depth, seed=seed)
         validate_layer_map(pairs, student_depth, cached, what=what)
     except KdcacheError as exc:
-        problems.append(f"{what} layer map {text!r}: {exc}")
+        problems.append(f"{what} layer map {str(layer_map)!r}: {exc}")
         return []
     if what.endswith("attention") and any(s < 1 for s, _ in pairs):
         problems.append("attention layers are blocks 1..N; layer 0 (the embeddings) has no attention map")

@@ -145,35 +145,36 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
                  logits: str | None, seed: int, head: nn.Module | None) -> CompoundLoss | None:
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
-    alpha = options.alpha if main and facts.has_lm_head else 0.0
-    beta = options.beta if main and logits else 0.0
-    gamma = options.gamma if pairs.hidden_pairs else 0.0
-    delta = options.delta if pairs.attention_pairs else 0.0
+    loss = options.loss
+    alpha = loss.alpha if main and facts.has_lm_head else 0.0
+    beta = loss.beta if main and logits else 0.0
+    gamma = loss.gamma if pairs.hidden_pairs else 0.0
+    delta = loss.delta if pairs.attention_pairs else 0.0
     if not main and not (gamma > 0 or delta > 0):
         return None
     sizes = set(pairs.teacher_hidden_sizes.values())
     return CompoundLoss(
         layer_map=pairs.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(sizes) if sizes else None,
-        alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=options.temperature,
-        hidden_loss=options.hidden_loss, topk_variant=options.topk_kl, ce="causal" if facts.is_causal else "token",
-        attention_map=pairs.attention_pairs or None, critic_steps=options.critic_steps,
-        critic_lr=options.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None)
+        alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=loss.temperature,
+        hidden_loss=loss.hidden_loss, topk_variant=loss.topk_kl, ce="causal" if facts.is_causal else "token",
+        attention_map=pairs.attention_pairs or None, critic_steps=loss.critic_steps,
+        critic_lr=loss.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None)
 
 
 def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
                     head: nn.Module | None = None) -> DistillLoss:
     """The distillation loss for this plan (``head``: the teacher's LM head of a ``--logits head`` cache)."""
-    if options.alpha > 0 and facts.has_lm_head and not facts.is_causal and not facts.is_encoder_decoder:
+    if options.loss.alpha > 0 and facts.has_lm_head and not facts.is_causal and not facts.is_encoder_decoder:
         # The cache holds unmasked inputs, so an encoder's per-token CE predicts each token from itself.
         print("kdcache train: note: CE on an encoder (masked-LM) student is a near-trivial objective here, "
               "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)
     parts: dict[str, CompoundLoss] = {}
     for i, pairs in enumerate(plan.streams):
         part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logits=plan.logits,
-                            seed=options.seed + i, head=head)
+                            seed=options.data.seed + i, head=head)
         if part is not None:
             parts[pairs.stream] = part
-    return DistillLoss(parts, plan.cross_attention_pairs if options.delta > 0 else (), options.delta)
+    return DistillLoss(parts, plan.cross_attention_pairs if options.loss.delta > 0 else (), options.loss.delta)
 
 
 def student_inputs(student: PreTrainedModel, batch: Mapping[str, torch.Tensor],

@@ -76,43 +76,45 @@ def build_ds_config(options: TrainOptions, device: torch.device) -> dict[str, An
     The built-in config names an optimizer only for CPU offload (DeepSpeed then uses its CPU Adam); otherwise
     the loop hands DeepSpeed a plain ``torch.optim.AdamW``, which works on every accelerator.
     """
-    if options.deepspeed:
+    engine = options.engine
+    if engine.deepspeed:
         return {**monitor_config(options), **_user_config(options)}  # the user's own monitor sections win
-    precision = resolve_precision(options.precision, device)
-    zero: dict[str, Any] = {"stage": options.zero_stage}
+    precision = resolve_precision(engine.precision, device)
+    zero: dict[str, Any] = {"stage": engine.zero_stage}
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": options.batch_size,
-        "gradient_accumulation_steps": options.grad_accum,
+        "train_micro_batch_size_per_gpu": options.data.batch_size,
+        "gradient_accumulation_steps": options.data.grad_accum,
         "gradient_clipping": 1.0,
         "steps_per_print": 1 << 30,  # our own logs replace DeepSpeed's
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 12},
     }
-    if options.offload:
+    if engine.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": options.lr, "weight_decay": options.weight_decay}}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": engine.lr, "weight_decay": engine.weight_decay}}
         config["zero_force_ds_cpu_optimizer"] = True
     return {**config, **monitor_config(options)}
 
 
 def monitor_config(options: TrainOptions) -> dict[str, Any]:
     """DeepSpeed monitor sections for ``--report-to`` (its MonitorMaster writes them on rank 0)."""
-    run = str(options.out)
+    run = str(options.run.out)
     sections = {"tensorboard": ("tensorboard", {"output_path": run, "job_name": "tensorboard"}),
                 "csv": ("csv_monitor", {"output_path": run, "job_name": "csv"}),
                 "wandb": ("wandb", {"project": "kdcache", "group": Path(run).name})}
-    return {key: {"enabled": True, **values} for name, (key, values) in sections.items() if name in options.report_to}
+    wanted = options.run.report_to
+    return {key: {"enabled": True, **values} for name, (key, values) in sections.items() if name in wanted}
 
 
 def _user_config(options: TrainOptions) -> dict[str, Any]:
     try:
-        with open(options.deepspeed) as fh:  # type: ignore[arg-type]
+        with open(options.engine.deepspeed) as fh:  # type: ignore[arg-type]
             config = json.load(fh)
     except (OSError, json.JSONDecodeError) as exc:
-        raise EngineConfigError(f"cannot read the DeepSpeed config {options.deepspeed!r}: {exc}") from None
-    for key, value in (("train_micro_batch_size_per_gpu", options.batch_size),
-                       ("gradient_accumulation_steps", options.grad_accum)):
+        raise EngineConfigError(f"cannot read the DeepSpeed config {options.engine.deepspeed!r}: {exc}") from None
+    for key, value in (("train_micro_batch_size_per_gpu", options.data.batch_size),
+                       ("gradient_accumulation_steps", options.data.grad_accum)):
         if config.get(key, "auto") == "auto":
             config[key] = value
     if config.get("train_batch_size") == "auto":
@@ -132,11 +134,11 @@ def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = None
     if "optimizer" not in config:
-        optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=options.engine.lr, weight_decay=options.engine.weight_decay)
     scheduler = None
     if "scheduler" not in config:
         scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
-            opt, _warmup(options.warmup_steps))
+            opt, _warmup(options.engine.warmup_steps))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=config)
     return engine

@@ -23,6 +23,8 @@ import math
 import operator
 import random
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from kdcache.storage.errors import KdcacheError
 
@@ -36,20 +38,50 @@ class LayerMapError(KdcacheError, ValueError):
     """A layer map is malformed, or needs layers that the student or the cache does not have."""
 
 
-def map_problems(key: str, text: str) -> list[str]:
-    """Syntax check of a map as the config gives it (``uniform``, ``last-k``, ``explicit:1-2,2-4``...), with the
-    option's name in each message; the depth checks need the models and come with ``build_layer_map``."""
-    name = _ALIASES.get(text.strip().lower(), text.strip().lower())
-    if name in LAYER_MAP_KINDS and name != "explicit":
-        return []
-    if not name.startswith("explicit:"):
+@dataclass(frozen=True)
+class LayerMap:
+    """A layer map as the config gives it, parsed once: a kind of ``LAYER_MAP_KINDS`` and, for ``explicit``, its
+    pairs. The empty kind ``""`` means "not given" (a per-stream map then follows ``--layer-map``).
+
+    ``str(m)`` is the canonical text (``uniform``, ``explicit:1-2,2-4``), which parses back to ``m``.
+    """
+
+    kind: str = "uniform"
+    pairs: tuple[Pair, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> LayerMap:
+        """Read ``uniform``, ``last-k``, ``explicit:1-2,2-4``... (or ``""``: not given).
+
+        Raises:
+            LayerMapError: an unknown kind or unreadable pairs, naming the text.
+        """
+        name = text.strip().lower()
+        if name.startswith("explicit:"):
+            return cls("explicit", tuple(parse_layer_map(text.split(":", 1)[1])))
+        name = _ALIASES.get(name, name)
+        if name in LAYER_MAP_KINDS and name != "explicit" or name == "":
+            return cls(name)
         named = [k for k in LAYER_MAP_KINDS if k != "explicit"]
-        return [f"{key}: unknown map {text!r}; use one of {', '.join(named)} or explicit:S-T,S-T"]
-    try:
-        parse_layer_map(text.split(":", 1)[1])
-    except LayerMapError as exc:
-        return [f"{key}: {exc}"]
-    return []
+        raise LayerMapError(f"unknown map {text!r}; use one of {', '.join(named)} or explicit:S-T,S-T")
+
+    def __str__(self) -> str:
+        return f"explicit:{','.join(f'{s}-{t}' for s, t in self.pairs)}" if self.kind == "explicit" else self.kind
+
+    def build(self, num_student_layers: int, num_teacher_layers: int, *, seed: int = 0) -> list[Pair]:
+        """The pairs for a student of M blocks and a teacher of N (``build_layer_map``)."""
+        return build_layer_map(self.kind, num_student_layers, num_teacher_layers, seed=seed,
+                               explicit=self.pairs or None)
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        """Let pydantic read a map from its text (``pipeline.config``); a bad text becomes a config problem."""
+        from pydantic_core import core_schema
+
+        def read(value: Any) -> Any:
+            return cls.parse(value) if isinstance(value, str) else value
+
+        return core_schema.no_info_before_validator_function(read, core_schema.is_instance_schema(cls))
 
 
 def build_layer_map(

@@ -53,15 +53,15 @@ def prepare(options: TrainOptions) -> tuple[Any, PreTrainedModel, StudentFacts, 
     Returns:
         (reader, student, facts, plan).
     """
-    reader = open_cache(options.cache, allow_partial=options.allow_partial)
-    attn = "eager" if options.delta > 0 else None
-    student = load_student(options.student, seed=options.seed, attn_implementation=attn)
-    facts = student_facts(student, pretrained=has_weights(options.student))
-    plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.student))
+    reader = open_cache(options.data.cache, allow_partial=options.data.allow_partial)
+    attn = "eager" if options.loss.delta > 0 else None
+    student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
+    facts = student_facts(student, pretrained=has_weights(options.run.student))
+    plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.run.student))
     unused = unused_targets(reader.spec, plan, options)
     if unused and int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for all
         print(f"kdcache train: note: cached targets this run leaves unused: {'; '.join(unused)}", file=sys.stderr)
-    if options.gradient_checkpointing:
+    if options.engine.gradient_checkpointing:
         enable_gradient_checkpointing(student)
     return reader, student, facts, plan
 
@@ -74,13 +74,13 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     """
     # Checks first: a mismatch should cost a second, not a DeepSpeed start-up.
     reader, student, facts, plan = prepare(options)
-    if ckpt.has_checkpoint(options.out) and not options.resume:
-        raise TrainingError(f"{options.out} already holds a checkpoint; pass --resume to continue it, or "
+    if ckpt.has_checkpoint(options.run.out) and not options.run.resume:
+        raise TrainingError(f"{options.run.out} already holds a checkpoint; pass --resume to continue it, or "
                             "choose another --out")
-    if options.resume and not ckpt.has_checkpoint(options.out):
-        raise TrainingError(f"--resume: no checkpoint in {Path(options.out) / ckpt.CHECKPOINT_DIR}")
+    if options.run.resume and not ckpt.has_checkpoint(options.run.out):
+        raise TrainingError(f"--resume: no checkpoint in {Path(options.run.out) / ckpt.CHECKPOINT_DIR}")
     dist_info = init_distributed()
-    run_dir = Path(options.out)
+    run_dir = Path(options.run.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     head = _teacher_head(reader, plan, dist_info.rank == 0)
     model = DistillModel(student, build_criterion(options, plan, facts, head), plan)
@@ -111,14 +111,14 @@ class _Trainer:
 
     def __init__(self, options: TrainOptions, plan: TrainPlan, engine: Any, dist_info: DistInfo, reader: Any):
         self.options, self.plan, self.engine, self.dist = options, plan, engine, dist_info
-        self.run_dir = Path(options.out)
+        self.run_dir = Path(options.run.out)
         self.batch_size = int(engine.train_micro_batch_size_per_gpu())
         self.grad_accum = int(engine.gradient_accumulation_steps())
         self.zero_stage = int(engine.zero_optimization_stage())
         self.position, self.micro_step = DataPosition(), 0
         self.resumed_from: int | None = None
         self.logger = MetricsLogger(self.run_dir, rank=dist_info.rank, monitor=getattr(engine, "monitor", None))
-        self.trace = SampleTrace(self.run_dir, dist_info.rank, enabled=options.trace_samples)
+        self.trace = SampleTrace(self.run_dir, dist_info.rank, enabled=options.run.trace_samples)
         self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
         self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
@@ -128,19 +128,19 @@ class _Trainer:
 
     # ---- set-up ------------------------------------------------------------------------------------
     def _restore(self) -> None:
-        if not self.options.resume:
+        if not self.options.run.resume:
             return
         state = ckpt.load_latest(self.engine, self.run_dir)
         if state is None:
             raise TrainingError(f"--resume: no checkpoint in {self.run_dir / ckpt.CHECKPOINT_DIR}")
-        self.position = check_resumable(state["data"], self.dist.world_size, self.batch_size, self.options.seed)
+        self.position = check_resumable(state["data"], self.dist.world_size, self.batch_size, self.options.data.seed)
         self.micro_step, self.resumed_from = int(state["micro_step"]), int(state["step"])
         critics = self.engine.module.criterion.critics
         if critics is not None and "critics" in state:
             critics.load_state_dict(state["critics"])
 
     def _stream(self) -> tuple[CacheStream, Any]:
-        o = self.options
+        o = self.options.data
         stream = CacheStream(o.cache, self.plan.names, batch_size=self.batch_size, seed=o.seed,
                              rank=self.dist.rank, world_size=self.dist.world_size, start=self.position,
                              shuffle_block=o.shuffle_block, prefetch=o.prefetch, decode_threads=o.decode_threads,
@@ -151,9 +151,9 @@ class _Trainer:
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """Optimizer steps of the whole run: --max-steps, else --epochs (default 1) over the cache."""
-        if self.options.max_steps is not None:
-            return self.options.max_steps
-        total = (self.options.epochs or 1) * steps_per_epoch // self.grad_accum
+        if self.options.run.max_steps is not None:
+            return self.options.run.max_steps
+        total = (self.options.run.epochs or 1) * steps_per_epoch // self.grad_accum
         if total < 1:
             raise TrainingError(f"one epoch is {steps_per_epoch} micro-batches per rank, fewer than one "
                                 f"optimizer step of {self.grad_accum}; lower --grad-accum or --batch-size")
@@ -166,7 +166,8 @@ class _Trainer:
         total = self.total_steps(stream.steps_per_epoch)
         self._write_run_files(total)
         start, start_step = time.perf_counter(), self.engine.global_steps
-        self.progress = TrainProgress(total, int(start_step), enabled=self.dist.rank == 0 and not self.options.quiet)
+        quiet = self.options.run.quiet
+        self.progress = TrainProgress(total, int(start_step), enabled=self.dist.rank == 0 and not quiet)
         self._since_log = start
         self.engine.train()
         batches = iter(loader)
@@ -183,7 +184,7 @@ class _Trainer:
         if self.engine.global_steps > (self.resumed_from or 0) or not ckpt.has_checkpoint(self.run_dir):
             self._save()
         self.progress.close()
-        student_dir = self._export() if self.options.export else None
+        student_dir = self._export() if self.options.run.export else None
         steps = self.engine.global_steps - start_step
         return {"steps": int(self.engine.global_steps), "steps_this_run": int(steps),
                 "micro_steps": self.micro_step, "steps_per_s": steps / elapsed if elapsed > 0 else 0.0,
@@ -196,8 +197,7 @@ class _Trainer:
     def _micro_step(self, batch: dict[str, Any], steps_per_epoch: int) -> None:
         """Forward, backward and (on a boundary) the optimizer step for one micro-batch."""
         self._last_global = self.engine.global_steps
-        o = self.options
-        torch.manual_seed((o.seed * 1_000_003 + self.micro_step) * 1_009 + self.dist.rank)
+        torch.manual_seed((self.options.data.seed * 1_000_003 + self.micro_step) * 1_009 + self.dist.rank)
         epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
         if self.progress.enabled:  # tokens/s for the display only: nothing to count on other ranks or --quiet
             self.progress.tokens(int(sum(int(v.sum()) for k, v in batch.items() if k.endswith("mask"))))
@@ -217,9 +217,9 @@ class _Trainer:
 
     def _after_optimizer_step(self, total: int) -> None:
         step = int(self.engine.global_steps)
-        if step % self.options.log_every == 0 or step >= total:
+        if step % self.options.run.log_every == 0 or step >= total:
             self._log(step)
-        if self.options.save_every and step % self.options.save_every == 0 and step < total:
+        if self.options.run.save_every and step % self.options.run.save_every == 0 and step < total:
             self._save()
 
     def _log(self, step: int) -> None:
@@ -249,18 +249,18 @@ class _Trainer:
         steps = max(1, self._count // max(1, self.grad_accum))
         share = self._waited / max(now - self._since_log, 1e-9)
         out = {"data_wait_s": round(self._waited / steps, 5), "data_wait_share": round(share, 4)}
-        started = step <= self.options.log_every  # the first interval pays the stream's start-up: not a verdict
+        started = step <= self.options.run.log_every  # the first interval pays the stream's start-up: not a verdict
         if share > DATA_WAIT_NOTE and not started and self.dist.rank == 0 and now - self._last_wait_note > 60:
             self._last_wait_note = now
             print(f"kdcache train: step {step}: waiting for data {share:.0%} of the time ({out['data_wait_s']:.3f} s "
-                  f"per step) reading {self.options.cache}; raise --prefetch or --decode-threads, or move the "
+                  f"per step) reading {self.options.data.cache}; raise --prefetch or --decode-threads, or move the "
                   f"cache closer to the GPUs", flush=True)
         self._waited, self._since_log = 0.0, now
         return out
 
     def _save(self) -> None:
         data = {**self.position.to_dict(), "world_size": self.dist.world_size, "batch_size": self.batch_size,
-                "seed": self.options.seed}
+                "seed": self.options.data.seed}
         critics = self.engine.module.criterion.critics
         extra = {"critics": critics.state_dict()} if critics is not None else {}
         ckpt.save_checkpoint(self.engine, self.run_dir, step=int(self.engine.global_steps),
@@ -271,7 +271,7 @@ class _Trainer:
 
         module = self.engine.module
         with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as scratch:  # a remote cache's copy
-            tokenizer = (open_store(self.options.cache).fetch_folder("tokenizer", Path(scratch))
+            tokenizer = (open_store(self.options.data.cache).fetch_folder("tokenizer", Path(scratch))
                          if self.dist.rank == 0 else None)
             out = ckpt.export_student(module.student, {"projectors": module.criterion.projectors}, self.run_dir,
                                       rank=self.dist.rank, zero_stage=self.zero_stage, tokenizer_dir=tokenizer)

@@ -29,6 +29,7 @@ from kdcache.stages.train.checks import (
     stream_problems,
     vocab_problems,
 )
+from kdcache.stages.train.layer_maps import LayerMap
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
 from kdcache.storage.spec import LOGIT_ARRAYS
@@ -107,7 +108,7 @@ class _Stream:
     attention: tuple[int, ...]
     teacher_depth: int
     student_depth: int
-    layer_map: str
+    layer_map: LayerMap
 
 
 def teacher_depth(reader: Any, stream: str = "") -> int:
@@ -128,18 +129,13 @@ def teacher_depth(reader: Any, stream: str = "") -> int:
     return max(layers, default=0)
 
 
-def stream_map(options: TrainOptions, stream: str) -> str:
-    """The layer map of ``stream``: ``--encoder-layer-map`` / ``--decoder-layer-map``, else ``--layer-map``."""
-    return (getattr(options, f"{stream}_layer_map") if stream else "") or options.layer_map
-
-
 def _streams(options: TrainOptions, reader: Any, student: StudentFacts) -> list[_Stream]:
     """The cache's token streams as the pair builder sees them."""
     depths = {"": student.num_layers, "encoder": student.num_layers, "decoder": student.decoder_layers}
     out = []
     for name, hidden, attention in reader.spec.stream_layers():
         out.append(_Stream(name, hidden, attention, teacher_depth(reader, name), depths[name],
-                           stream_map(options, name)))
+                           options.maps.for_stream(name)))
     return out
 
 
@@ -147,30 +143,31 @@ def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str]) -> tup
     """(hidden pairs, self-attention pairs) of one stream; problems are appended."""
     what = prefixed(s.name, "hidden").replace("/", " ")
     hidden: list[Pair] = []
-    if options.gamma > 0 and s.layer_map != "none" and s.hidden:
-        hidden = checked_map(s.layer_map, options.seed, s.student_depth, s.teacher_depth, s.hidden, what, problems)
+    seed = options.data.seed
+    if options.loss.gamma > 0 and s.layer_map.kind != "none" and s.hidden:
+        hidden = checked_map(s.layer_map, seed, s.student_depth, s.teacher_depth, s.hidden, what, problems)
     what = prefixed(s.name, "attention").replace("/", " ")
     attention: list[Pair] = []
-    if options.delta > 0 and s.attention:
-        if options.attention_layers is not None:
-            attention = checked_map(options.attention_layers, options.seed, s.student_depth, s.teacher_depth,
+    if options.loss.delta > 0 and s.attention:
+        if options.maps.attention_layers is not None:
+            attention = checked_map(options.maps.attention_layers, seed, s.student_depth, s.teacher_depth,
                                     s.attention, what, problems)
         else:
-            attention = restricted_map(s.layer_map, s.student_depth, s.teacher_depth, s.attention, options.seed,
-                                       what, problems)
+            attention = restricted_map(s.layer_map, s.student_depth, s.teacher_depth, s.attention, seed, what,
+                                       problems)
     return hidden, attention
 
 
 def _cross_pairs(options: TrainOptions, spec: Any, decoder: _Stream | None, problems: list[str]) -> list[Pair]:
     """(student decoder block, teacher decoder block) pairs of the cross-attention term."""
-    text = options.cross_attention_map
-    if decoder is None or options.delta <= 0 or not spec.cross_attention_layers or text == "none":
+    cross, seed = options.maps.cross_attention_map, options.data.seed
+    if decoder is None or options.loss.delta <= 0 or not spec.cross_attention_layers or cross.kind == "none":
         return []
     cached, what = spec.cross_attention_layers, "cross attention"
-    if text:
-        return checked_map(text, options.seed, decoder.student_depth, decoder.teacher_depth, cached, what, problems)
-    return restricted_map(decoder.layer_map, decoder.student_depth, decoder.teacher_depth, cached, options.seed,
-                          what, problems)
+    if cross.kind:
+        return checked_map(cross, seed, decoder.student_depth, decoder.teacher_depth, cached, what, problems)
+    return restricted_map(decoder.layer_map, decoder.student_depth, decoder.teacher_depth, cached, seed, what,
+                          problems)
 
 
 def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None) -> list[str]:
@@ -213,7 +210,7 @@ def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
     pairs[CROSS] = _cross_pairs(options, spec, next((s for s in streams if s.name == "decoder"), None), problems)
     if problems:
         raise CacheCheckError(problems)
-    logits = spec.logits if options.beta > 0 else None
+    logits = spec.logits if options.loss.beta > 0 else None
     names = stream_names(spec, pairs, logits)
     sizes, heads = _target_shapes(reader, names)
     _check_heads(heads, student)
@@ -262,13 +259,13 @@ def unused_targets(spec: Any, plan: TrainPlan, options: TrainOptions) -> list[st
         used = by_stream.get(stream, StreamPairs(stream))
         hidden = sorted(set(hidden_cached) - {t for _, t in used.hidden_pairs})
         if hidden:
-            text = stream_map(options, stream)
-            why = ("--gamma is 0" if options.gamma <= 0 else "--layer-map is none" if text == "none"
-                   else f"the layer map {text!r} pairs no student layer with them")
+            layer_map = options.maps.for_stream(stream)
+            why = ("--gamma is 0" if options.loss.gamma <= 0 else "--layer-map is none" if layer_map.kind == "none"
+                   else f"the layer map {str(layer_map)!r} pairs no student layer with them")
             notes.append(f"{prefixed(stream, 'hidden').replace('/', ' ')} layers {_layers_text(hidden)} ({why})")
         attention = sorted(set(attention_cached) - {t for _, t in used.attention_pairs})
         if attention:
-            why = ("--delta is 0: set --delta > 0 to distil attention maps" if options.delta <= 0
+            why = ("--delta is 0: set --delta > 0 to distil attention maps" if options.loss.delta <= 0
                    else "the attention map pairs no student block with them")
             notes.append(f"{prefixed(stream, 'attention').replace('/', ' ')} layers {_layers_text(attention)} "
                          f"({why})")

@@ -86,3 +86,36 @@ def test_flags_hold_help_choices_and_defaults() -> None:
     assert "--fmt {zarr,arrow} one of: zarr, arrow (default: zarr)" in help_text
     assert "--layers LAYERS (default: 2,4)" in help_text and "--top_k" not in help_text
     assert "-k TOP_K, --top-k TOP_K" in help_text or "--top-k TOP_K, -k TOP_K" in help_text
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    gamma: float = 1.0
+    kind: str = dataclasses.field(default="mse", metadata={"choices": ["mse", "cka"]})
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    out: str
+    steps: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+    run: Run
+    loss: Loss = dataclasses.field(default_factory=Loss)
+
+
+def test_grouped_options_keep_flat_names_and_take_nested_yaml() -> None:
+    opts = build(Grouped, {"out": "o", "loss": {"gamma": "0.5"}, "steps": "none"})
+    assert opts == Grouped(Run("o", None), Loss(0.5, "mse"))
+    args = argparse.ArgumentParser(parents=[flags(Grouped)]).parse_args(["--out", "x", "--gamma", "2"])
+    assert from_args(Grouped, args) == Grouped(Run("x"), Loss(2.0))
+    with pytest.raises(ConfigError) as err:
+        build(Grouped, {"gamma": "big", "kind": "l1", "colour": 1})
+    problems = err.value.problems
+    assert len(problems) == 3, problems  # colour, gamma, and the missing --out (kind is not reached without it)
+    assert any("unknown key 'colour'" in p for p in problems) and any("gamma: got 'big'" in p for p in problems)
+    assert "out is required (flag --out)" in problems
+    with pytest.raises(ConfigError, match="kind: got 'l1', expected one of mse, cka"):
+        build(Grouped, {"out": "o", "kind": "l1"})

@@ -67,7 +67,7 @@ def test_a_whole_copy_of_the_teacher_matches_its_cache_and_trains(teachers: dict
     teacher = teachers["bert-nodrop"]
     cache = write_cache(teacher, tmp_path / "cache", num_sequences=16, sequences_per_shard=4)
     student = init_student_from_teacher(teacher, [1, 2], tmp_path / "student")
-    options = TrainOptions(cache=str(cache), student=str(student), out=str(tmp_path / "run"), batch_size=4,
+    options = TrainOptions.of(cache=str(cache), student=str(student), out=str(tmp_path / "run"), batch_size=4,
                            max_steps=2, log_every=1, lr=1e-3, beta=1.0, gamma=1.0, delta=1.0, temperature=1.0,
                            hidden_loss="mse", layer_map="uniform")
     summary = run_training(options)

@@ -106,13 +106,23 @@ def test_validate_names_bad_student_layers_and_accepts_good_maps():
         validate_layer_map([(1, 6)], 4, [], what="attention")
 
 
-def test_the_config_checks_map_syntax_with_the_same_parser_the_maps_use() -> None:
-    from kdcache.stages.train.layer_maps import map_problems
+def test_maps_are_parsed_once_where_the_config_is_read(tmp_path) -> None:
+    from kdcache.pipeline.config import ConfigError, build
+    from kdcache.stages.train.layer_maps import LayerMap
+    from kdcache.stages.train.options import TrainOptions
 
-    assert map_problems("layer_map", "last-k") == [] and map_problems("layer_map", "explicit:0-0,1-2") == []
-    [bad] = map_problems("decoder_layer_map", "explicit:1-2,2-x")
-    assert bad.startswith("decoder_layer_map: cannot read layer pair '2-x'")
-    [unknown] = map_problems("layer_map", "sideways")
-    assert "unknown map 'sideways'" in unknown and "all-to-one" in unknown
+    for text in ("uniform", "last", "none", "explicit:0-0,1-2", ""):
+        assert str(LayerMap.parse(text)) == text and LayerMap.parse(str(LayerMap.parse(text))) == LayerMap.parse(text)
+    assert LayerMap.parse("last-k") == LayerMap("last") and LayerMap.parse(" explicit:1-2, 2-4").pairs == ((1, 2), (2, 4))
+    assert LayerMap.parse("explicit:1-2,2-4").build(2, 4) == build_layer_map("explicit:1-2,2-4", 2, 4)
+    base = {"cache": "c", "student": str(tmp_path), "out": "o"}
+    options = build(TrainOptions, {**base, "layer_map": "last-k", "decoder_layer_map": "explicit:1-2"})
+    assert options.maps.layer_map == LayerMap("last") and options.maps.for_stream("decoder").pairs == ((1, 2),)
+    assert options.maps.for_stream("encoder") == LayerMap("last") and options.to_dict()["layer_map"] == "last"
+    with pytest.raises(ConfigError) as err:
+        build(TrainOptions, {**base, "layer_map": "sideways", "decoder_layer_map": "explicit:1-2,2-x"})
+    bad, unknown = sorted(err.value.problems)
+    assert bad.startswith("decoder_layer_map: got 'explicit:1-2,2-x', cannot read layer pair '2-x'")
+    assert unknown.startswith("layer_map: got 'sideways', unknown map 'sideways'") and "all-to-one" in unknown
     with pytest.raises(LayerMapError, match="2-x"):
         build_layer_map("explicit:1-2,2-x", 2, 4)

@@ -45,7 +45,7 @@ def test_student_trains_under_zero2_and_exports(name, setups, tmp_path):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     student = make_student_config(tmp_path / "student", setups[name]["teacher"], **SHALLOW[name])
-    options = TrainOptions(cache=str(setups[name]["cache"]), student=str(student), out=str(tmp_path / "run"),
+    options = TrainOptions.of(cache=str(setups[name]["cache"]), student=str(student), out=str(tmp_path / "run"),
                            zero_stage=2, max_steps=12, batch_size=4, lr=3e-3, gamma=1.0, delta=1.0,
                            temperature=1.0, log_every=1, decoder_layer_map="explicit:1-2",
                            encoder_layer_map="last")
@@ -97,13 +97,13 @@ def test_init_student_copies_chosen_blocks_of_each_stack(setups, tmp_path):
 def test_cache_and_student_kinds_must_match(setups, tmp_path):
     gpt2 = make_tiny_gpt2(tmp_path / "gpt2")
     with pytest.raises(CacheCheckError, match="encoder-decoder teacher .* student is not an encoder-decoder"):
-        run_training(TrainOptions(cache=str(setups["bart"]["cache"]), student=str(gpt2), out=str(tmp_path / "a")))
+        run_training(TrainOptions.of(cache=str(setups["bart"]["cache"]), student=str(gpt2), out=str(tmp_path / "a")))
     single = write_cache(gpt2, tmp_path / "single", num_sequences=8)
     student = make_student_config(tmp_path / "student", setups["bart"]["teacher"], **SHALLOW["bart"])
     with pytest.raises(CacheCheckError, match="holds one token stream"):
-        run_training(TrainOptions(cache=str(single), student=str(student), out=str(tmp_path / "b")))
+        run_training(TrainOptions.of(cache=str(single), student=str(student), out=str(tmp_path / "b")))
     with pytest.raises(CacheCheckError, match="decoder hidden layer map"):
-        run_training(TrainOptions(cache=str(setups["bart"]["cache"]), student=str(student), out=str(tmp_path / "c"),
+        run_training(TrainOptions.of(cache=str(setups["bart"]["cache"]), student=str(student), out=str(tmp_path / "c"),
                                   decoder_layer_map="explicit:1-7"))
 
 

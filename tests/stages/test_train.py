@@ -40,7 +40,7 @@ def _options(setup: dict[str, Path], out: str, **kw: object) -> TrainOptions:
     base = dict(cache=str(setup["cache"]), student=str(setup["student"]), out=str(setup["root"] / out),
                 batch_size=4, lr=3e-3, log_every=1, delta=1.0, trace_samples=True, max_steps=STEPS)
     base.update(kw)
-    return TrainOptions(**base)  # type: ignore[arg-type]
+    return TrainOptions.of(**base)  # type: ignore[arg-type]
 
 
 def _losses(run: Path) -> list[float]:

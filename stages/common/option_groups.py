@@ -1,0 +1,50 @@
+"""Options made of groups: a frozen dataclass whose fields are frozen dataclasses (``TrainOptions.loss``...).
+
+Flags, YAML keys, sweep grids and ``RUN/options.json`` stay flat (``--gamma``, ``gamma: 0.5``): every leaf name
+is unique across the groups, so a flat mapping routes to its group without ambiguity. A class whose fields are
+plain values is its own single group, so the same helpers serve flat option classes too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+
+def groups(cls: type) -> dict[str, type] | None:
+    """Group name -> group class, or None when ``cls`` has plain fields (a flat option class)."""
+    hints = typing.get_type_hints(cls)
+    found = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    if all(dataclasses.is_dataclass(tp) for tp in found.values()):
+        return found
+    return None
+
+
+def leaves(cls: type) -> Iterator[tuple[str | None, type, dataclasses.Field]]:
+    """(group name or None, the class holding the field, the field) for every leaf option of ``cls``."""
+    for group, group_cls in (groups(cls) or {None: cls}).items():  # type: ignore[dict-item]
+        for f in dataclasses.fields(group_cls):
+            yield group, group_cls, f
+
+
+def nest(cls: type, flat: dict[str, Any]) -> dict[str, Any]:
+    """Route flat ``{leaf: value}`` to ``{group: {leaf: value}}`` (unchanged for a flat class); a value given
+    as a whole group mapping (``loss: {gamma: 0.5}``, as YAML may nest it) is merged into that group."""
+    group_of = {f.name: group for group, _, f in leaves(cls)}
+    if groups(cls) is None:
+        return dict(flat)
+    nested: dict[str, dict[str, Any]] = {name: {} for name in groups(cls) or {}}
+    for key, value in flat.items():
+        if key in nested and isinstance(value, dict):
+            nested[key].update(value)
+        else:
+            nested[str(group_of[key])].setdefault(key, value)  # KeyError: an unknown key (checked first)
+    return nested
+
+
+def flatten(options: Any) -> dict[str, Any]:
+    """``{leaf: value}`` of an options object, grouped or flat (values as they are)."""
+    return {f.name: getattr(getattr(options, group) if group else options, f.name)
+            for group, _, f in leaves(type(options))}
