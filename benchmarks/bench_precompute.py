@@ -75,9 +75,9 @@ def bare_forward_seconds(options: PrecomputeOptions) -> float:
     teacher = load_teacher(options, config, targets, tokenizer, torch.device("cpu"))
     pad = tokenizer.pad_token_id or 0
     batches = []
-    for start in range(0, len(data.sequences), options.sequences_per_shard):
-        shard = data.sequences[start:start + options.sequences_per_shard]
-        for batch in plan_batches([len(s) for s in shard], options.batch_size):
+    for start in range(0, len(data.sequences), options.storage.sequences_per_shard):
+        shard = data.sequences[start:start + options.storage.sequences_per_shard]
+        for batch in plan_batches([len(s) for s in shard], options.engine.batch_size):
             ids, mask = collate([shard[i] for i in batch], pad)
             batches.append((torch.from_numpy(ids), torch.from_numpy(mask)))
     kwargs = {"use_cache": False} if targets.causal else {}
@@ -92,7 +92,7 @@ def measure(name: str, options: dict[str, Any], repeats: int, workdir: Path) -> 
     """Best-of-``repeats`` bare forward and stage one (fresh cache each time), and their ratio."""
     bare, stage, summary = [], [], {}
     for r in range(repeats):
-        opts = PrecomputeOptions(**options, out=str(workdir / f"{name}-{r}"), progress=False)
+        opts = PrecomputeOptions.of(**options, out=str(workdir / f"{name}-{r}"), progress=False)
         bare.append(bare_forward_seconds(opts))
         summary = run_precompute(opts)
         stage.append(summary["compute_seconds"])

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     summary = run_precompute(pre)
     if summary["shards_written"] == 0 and summary["status"] == "complete":
-        print(f"reusing the complete cache at {pre.out}: its fingerprints match, nothing was recomputed")
+        print(f"reusing the complete cache at {pre.storage.out}: its fingerprints match, nothing was recomputed")
     else:
         print(format_pre(summary))
     gc.collect()  # the teacher's last references go with stage one's frames; free them before the student

@@ -4,7 +4,7 @@ Public API (what ``pipeline`` and the demo call)::
 
     from kdcache.stages.precompute import PrecomputeOptions, run_precompute, merge_cache, format_summary
 
-    summary = run_precompute(PrecomputeOptions(teacher=..., data=..., out=...))
+    summary = run_precompute(PrecomputeOptions.of(teacher=..., data=..., out=...))
     print(format_summary(summary))
 
 Heavy imports (torch, transformers, datasets) happen inside the functions, so importing this package is cheap.

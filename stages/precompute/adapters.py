@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kdcache.stages.common.architectures import is_encoder_decoder, model_class
+from kdcache.stages.common.option_groups import flatten
 from kdcache.stages.precompute.capture import check_ranges, cut_padding, max_abs, to_numpy, to_storage_dtype
 from kdcache.stages.precompute.data import (
     TokenStreams,
@@ -76,12 +77,13 @@ class HookedTeacher(TeacherAdapter):
                      "encoder_attention_layers", "decoder_attention_layers", "cross_attention_layers")
 
     def check_options(self, options: PrecomputeOptions, config: Any) -> None:
-        given = [name for name in self._ENCODER_DECODER_ONLY if getattr(options, name) not in (None, ())]
-        if "cross_attention" in options.features:
+        values = flatten(options)
+        given = [name for name in self._ENCODER_DECODER_ONLY if values[name] not in (None, ())]
+        if "cross_attention" in options.targets.features:
             given.append("features cross_attention")
         if given:
             raise PrecomputeError(f"{', '.join(given)}: only for encoder-decoder teachers, and "
-                                  f"{options.teacher!r} is a {config.model_type} without a decoder stack")
+                                  f"{options.engine.teacher!r} is a {config.model_type} without a decoder stack")
 
     def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
         rows = tokenize(load_texts(options), tokenizer, options)
@@ -97,7 +99,8 @@ class HookedTeacher(TeacherAdapter):
     def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Iterator[Capture]:
         from kdcache.stages.precompute.capture import FeatureCapture
 
-        with FeatureCapture(teacher, targets, options.dtype, options.logits_chunk, options.seed) as hooks:
+        engine = options.engine
+        with FeatureCapture(teacher, targets, options.storage.dtype, engine.logits_chunk, engine.seed) as hooks:
             yield lambda batch, lengths, positions: hooks.run(*batch[""], lengths[""], positions.get("")).split()
 
 
@@ -127,7 +130,7 @@ class EncoderDecoderTeacher(TeacherAdapter):
 
     @contextmanager
     def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Iterator[Capture]:
-        capture = OutputCapture(teacher.model, targets, options.dtype)
+        capture = OutputCapture(teacher.model, targets, options.storage.dtype)
 
         def run(batch: dict[str, tuple[Any, Any]], lengths: dict[str, list[int]],
                 positions: dict[str, Any]) -> list[dict[str, np.ndarray]]:

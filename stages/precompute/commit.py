@@ -52,8 +52,8 @@ def commit_behind(spec: Any, todo: list[int], writer: Any, options: PrecomputeOp
     result while the next one is computed."""
     total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
     stats.compute_started = time.perf_counter()
-    progress = Progress(total, options.progress and is_main, stats)
-    background = BackgroundWriter(writer.write_shard, options.queue_size,
+    progress = Progress(total, options.engine.progress and is_main, stats)
+    background = BackgroundWriter(writer.write_shard, options.engine.queue_size,
                                   on_written=lambda index, record, seconds: stats.add_shard(record))
     try:
         for k in todo:

@@ -65,12 +65,14 @@ def load_texts(options: PrecomputeOptions) -> Any:
     """Open the dataset split named by the options and check its text column.
 
     Returns:
-        a ``datasets.Dataset`` with at least one row and a string column ``options.text_column``.
+        a ``datasets.Dataset`` with at least one row and a string column ``options.dataset.text_column``.
 
     Raises:
         PrecomputeError: the data cannot be loaded, the split is empty, or the column is missing.
     """
     import datasets
+
+    d = options.dataset
 
     try:
         ds = _load_dataset(options)
@@ -78,39 +80,42 @@ def load_texts(options: PrecomputeOptions) -> Any:
         raise
     except Exception as exc:  # datasets raises many types (FileNotFoundError, ValueError, DatasetNotFoundError...)
         if "corresponds to no data" in str(exc):  # a split with no rows (e.g. a csv with only a header)
-            raise PrecomputeError(f"dataset {options.data!r} (split {options.split!r}) is empty") from None
-        raise PrecomputeError(f"cannot load dataset {options.data!r} (split {options.split!r}): "
+            raise PrecomputeError(f"dataset {d.data!r} (split {d.split!r}) is empty") from None
+        raise PrecomputeError(f"cannot load dataset {d.data!r} (split {d.split!r}): "
                               f"{type(exc).__name__}: {exc}") from None
     if isinstance(ds, datasets.IterableDataset):
-        raise PrecomputeError(f"dataset {options.data!r} loaded as a stream; stage one needs a map-style dataset")
+        raise PrecomputeError(f"dataset {d.data!r} loaded as a stream; stage one needs a map-style dataset")
     for column, flag in _columns(options):
         if column not in ds.column_names:
-            raise PrecomputeError(f"dataset {options.data!r} has no column {column!r}; its columns are: "
+            raise PrecomputeError(f"dataset {d.data!r} has no column {column!r}; its columns are: "
                                   f"{', '.join(ds.column_names)} (set {flag})")
     if len(ds) == 0:
-        raise PrecomputeError(f"dataset {options.data!r} (split {options.split!r}) is empty")
+        raise PrecomputeError(f"dataset {d.data!r} (split {d.split!r}) is empty")
     return ds
 
 
 def _columns(options: PrecomputeOptions) -> list[tuple[str, str]]:
     """(column, flag that names it) of every column this run reads."""
-    if options.messages_column:
-        return [(options.messages_column, "--messages-column")]
-    wanted = [(options.text_column, "--text-column")]
-    return wanted + ([(options.mask_column, "--mask-column")] if options.mask_column else [])
+    d = options.dataset
+    if d.messages_column:
+        return [(d.messages_column, "--messages-column")]
+    wanted = [(d.text_column, "--text-column")]
+    return wanted + ([(d.mask_column, "--mask-column")] if d.mask_column else [])
 
 
 def _load_dataset(options: PrecomputeOptions) -> Any:
     from datasets import load_dataset
 
-    files = _local_files(options.data)
+    d = options.dataset
+
+    files = _local_files(d.data)
     if files is None:
-        return load_dataset(options.data, options.data_config, split=options.split, revision=None)
-    builder = _builder_for(files, options.data)
+        return load_dataset(d.data, d.data_config, split=d.split, revision=None)
+    builder = _builder_for(files, d.data)
     if all(os.path.getsize(f) == 0 for f in files):  # datasets fails on these with a bare StopIteration
-        raise PrecomputeError(f"dataset {options.data!r} is empty: {len(files)} file(s) of 0 bytes")
+        raise PrecomputeError(f"dataset {d.data!r} is empty: {len(files)} file(s) of 0 bytes")
     # Naming the split in data_files lets a local file serve any --split the user names.
-    return load_dataset(builder, data_files={options.split: files}, split=options.split)
+    return load_dataset(builder, data_files={d.split: files}, split=d.split)
 
 
 def _local_files(data: str) -> list[str] | None:
@@ -148,12 +153,13 @@ def tokenize(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Rows:
     Raises:
         PrecomputeError: bad conversations or spans (naming the row), or no row left to cache.
     """
-    template = chat_template(tokenizer, options.chat_template, options.teacher) if options.messages_column else None
+    d = options.dataset
+    template = chat_template(tokenizer, d.chat_template, options.engine.teacher) if d.messages_column else None
     docs = _documents(ds, tokenizer, options, template)
-    rows = make_rows(docs, options.packing, options.max_length, tokenizer.eos_token_id, options.max_sequences)
+    rows = make_rows(docs, d.packing, d.max_length, tokenizer.eos_token_id, d.max_sequences)
     if not rows.ids:
-        column = options.messages_column or options.text_column
-        raise PrecomputeError(f"dataset {options.data!r}: no row of column {column!r} produced a token to train "
+        column = d.messages_column or d.text_column
+        raise PrecomputeError(f"dataset {d.data!r}: no row of column {column!r} produced a token to train "
                               f"on ({rows.dropped_empty} empty, {rows.dropped_untrained} with no trained token "
                               f"within --max-length)")
     return rows
@@ -162,16 +168,17 @@ def tokenize(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Rows:
 def data_fingerprint(options: PrecomputeOptions, tokenizer: Any, rows: Rows) -> dict[str, Any]:
     """Source, split, columns, the mask rule and hashes of the ids, loss masks and positions: a cache is reused
     only for the same rows trained the same way."""
+    d = options.dataset
     from kdcache.storage import hash_arrays, hash_bytes
 
-    out: dict[str, Any] = {"source": options.data, "split": options.split, "text_column": options.text_column,
+    out: dict[str, Any] = {"source": d.data, "split": d.split, "text_column": d.text_column,
                            "input_ids_hash": hash_arrays(rows.ids), "num_sequences": len(rows.ids),
                            "loss_mask_hash": hash_arrays(rows.loss_masks)}
-    if options.messages_column:
-        out.update(text_column=None, messages_column=options.messages_column,
+    if d.messages_column:
+        out.update(text_column=None, messages_column=d.messages_column,
                    chat_template_hash=hash_bytes(str(tokenizer.chat_template).encode()))
-    if options.mask_column:
-        out["mask_column"] = options.mask_column
+    if d.mask_column:
+        out["mask_column"] = d.mask_column
     if rows.positions is not None:
         out["position_ids_hash"] = hash_arrays(rows.positions)
     return out
@@ -179,11 +186,12 @@ def data_fingerprint(options: PrecomputeOptions, tokenizer: Any, rows: Rows) -> 
 
 def _documents(ds: Any, tokenizer: Any, options: PrecomputeOptions, template: str | None) -> Iterator[Document | None]:
     """Per dataset row, its ids and loss mask (cut to ``max_length`` when rows are not packed), or None if blank."""
-    spans_wanted = bool(options.messages_column or options.mask_column)
+    d = options.dataset
+    spans_wanted = bool(d.messages_column or d.mask_column)
     if spans_wanted and not getattr(tokenizer, "is_fast", False):
         raise PrecomputeError("--messages-column and --mask-column need a fast tokenizer (one that reports each "
-                              f"token's characters), and the tokenizer of {options.teacher!r} is not one")
-    cut = {"truncation": True, "max_length": options.max_length} if options.packing == "none" else {}
+                              f"token's characters), and the tokenizer of {options.engine.teacher!r} is not one")
+    cut = {"truncation": True, "max_length": d.max_length} if d.packing == "none" else {}
     for start in range(0, len(ds), _TOKENIZE_BATCH):
         texts, spans = _texts_and_spans(ds[start:start + _TOKENIZE_BATCH], start, tokenizer, options, template)
         encoded = tokenizer(texts, add_special_tokens=template is None, return_offsets_mapping=spans_wanted, **cut)
@@ -200,15 +208,16 @@ def _documents(ds: Any, tokenizer: Any, options: PrecomputeOptions, template: st
 def _texts_and_spans(rows: dict[str, list[Any]], start: int, tokenizer: Any, options: PrecomputeOptions,
                      template: str | None) -> tuple[list[str], list[list[tuple[int, int]]] | None]:
     """A batch's texts, and per text the character spans to train on (None: train on every token)."""
-    if options.messages_column and template is not None:
+    d = options.dataset
+    if d.messages_column and template is not None:
         rendered = [render(start + i, check_conversation(start + i, m), template, tokenizer)
-                    for i, m in enumerate(rows[options.messages_column])]
+                    for i, m in enumerate(rows[d.messages_column])]
         return [text for text, _ in rendered], [spans for _, spans in rendered]
-    texts = ["" if t is None else str(t) for t in rows[options.text_column]]
-    if not options.mask_column:
+    texts = ["" if t is None else str(t) for t in rows[d.text_column]]
+    if not d.mask_column:
         return texts, None
     return texts, [_char_spans(start + i, value, len(text)) for i, (value, text) in
-                   enumerate(zip(rows[options.mask_column], texts))]
+                   enumerate(zip(rows[d.mask_column], texts))]
 
 
 def _char_spans(row: int, value: Any, length: int) -> list[tuple[int, int]]:
@@ -248,7 +257,8 @@ class PairedData:
 
 def source_column(options: PrecomputeOptions) -> str:
     """The source column: ``--source-column``, else ``--text-column``."""
-    return options.source_column or options.text_column
+    d = options.dataset
+    return d.source_column or d.text_column
 
 
 def load_pairs(options: PrecomputeOptions) -> Any:
@@ -257,17 +267,18 @@ def load_pairs(options: PrecomputeOptions) -> Any:
     Raises:
         PrecomputeError: no ``--target-column``, packing asked for, or a column missing.
     """
-    if not options.target_column:
+    d = options.dataset
+    if not d.target_column:
         raise PrecomputeError("target_column: teacher is an encoder-decoder, so its decoder needs a target text to "
                               "be teacher-forced on; set --target-column (and --source-column)")
-    if options.packing != "none":
+    if d.packing != "none":
         raise PrecomputeError("packing: source/target pairs cannot be packed into blocks; drop --packing")
-    if options.messages_column or options.mask_column:
+    if d.messages_column or d.mask_column:
         raise PrecomputeError("messages_column / mask_column: an encoder-decoder teacher is trained on its whole "
                               "target text; use --source-column and --target-column")
-    ds = load_texts(replace(options, text_column=source_column(options)))
-    if options.target_column not in ds.column_names:
-        raise PrecomputeError(f"dataset {options.data!r} has no column {options.target_column!r}; its columns are: "
+    ds = load_texts(replace(options, dataset=replace(options.dataset, text_column=source_column(options))))
+    if d.target_column not in ds.column_names:
+        raise PrecomputeError(f"dataset {d.data!r} has no column {d.target_column!r}; its columns are: "
                               f"{', '.join(ds.column_names)} (set --target-column)")
     return ds
 
@@ -288,10 +299,11 @@ def tokenize_pairs(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Paire
     Raises:
         PrecomputeError: no pair produced tokens on both sides.
     """
-    max_target = options.max_target_length or options.max_length
+    d = options.dataset
+    max_target = d.max_target_length or d.max_length
     sources, targets, dropped = [], [], 0
-    for src_texts, tgt_texts in _batches(ds, source_column(options), options.target_column or ""):
-        src_ids = tokenizer(src_texts, truncation=True, max_length=options.max_length)["input_ids"]
+    for src_texts, tgt_texts in _batches(ds, source_column(options), d.target_column or ""):
+        src_ids = tokenizer(src_texts, truncation=True, max_length=d.max_length)["input_ids"]
         tgt_ids = tokenizer(text_target=tgt_texts, truncation=True, max_length=max_target)["input_ids"]
         for src_text, tgt_text, src, tgt in zip(src_texts, tgt_texts, src_ids, tgt_ids):
             if not (src_text.strip() and tgt_text.strip() and src and tgt):
@@ -299,18 +311,19 @@ def tokenize_pairs(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Paire
                 continue
             sources.append(np.asarray(src, dtype=np.int32))
             targets.append(np.asarray(tgt, dtype=np.int32))
-            if options.max_sequences is not None and len(sources) >= options.max_sequences:
+            if d.max_sequences is not None and len(sources) >= d.max_sequences:
                 return PairedData(sources, targets, dropped)
     if not sources:
-        raise PrecomputeError(f"dataset {options.data!r}: no pair of columns {source_column(options)!r} / "
-                              f"{options.target_column!r} produced tokens on both sides ({dropped} dropped)")
+        raise PrecomputeError(f"dataset {d.data!r}: no pair of columns {source_column(options)!r} / "
+                              f"{d.target_column!r} produced tokens on both sides ({dropped} dropped)")
     return PairedData(sources, targets, dropped)
 
 
 def paired_data_fingerprint(options: PrecomputeOptions, data: PairedData) -> dict[str, Any]:
     """Source, split, both columns and hashes of both sides' ids."""
+    d = options.dataset
     from kdcache.storage import hash_arrays
 
-    return {"source": options.data, "split": options.split, "source_column": source_column(options),
-            "target_column": options.target_column, "input_ids_hash": hash_arrays(data.sources),
+    return {"source": d.data, "split": d.split, "source_column": source_column(options),
+            "target_column": d.target_column, "input_ids_hash": hash_arrays(data.sources),
             "target_ids_hash": hash_arrays(data.targets), "num_sequences": len(data)}

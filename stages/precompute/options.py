@@ -1,4 +1,4 @@
-"""``PrecomputeOptions``: every setting of stage one, as one typed dataclass.
+"""``PrecomputeOptions``: every setting of stage one, as frozen groups (engine, dataset, storage, targets).
 
 Field names are the CLI contract (``pipeline.config`` turns ``top_k`` into ``--top-k``) and the YAML keys of
 the ``precompute:`` section. ``validate()`` finds every problem it can without loading the model; problems
@@ -12,10 +12,12 @@ import glob
 import json
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdcache.stages.common.option_groups import nest
 from kdcache.stages.precompute.rows import PACKING
 
 FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: encoder-decoder teachers only
@@ -31,16 +33,37 @@ def _opt(default: Any, help_text: str, **meta: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class PrecomputeOptions:
-    """Options of ``kdcache precompute`` (see ``docs/architecture.md`` for the cache they produce)."""
-
-    # Read by pydantic when pipeline.config validates YAML values: `layers: [1, 3]` gives numbers for strings.
-    __pydantic_config__ = {"coerce_numbers_to_str": True}
+class EngineOptions:
+    """The teacher and how it runs."""
 
     teacher: str = field(metadata={"help": "teacher: a local folder or a hub id"})
+    revision: str | None = _opt(None, "hub revision of the teacher")
+    teacher_dtype: str = _opt("auto", "dtype the teacher runs in (auto: the checkpoint's, fp32 on cpu)",
+                              choices=["auto", "fp32", "fp16", "bf16"])
+    device: str = _opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    batch_size: int = _opt(32, "sequences per forward pass")
+    logits_chunk: int = _opt(512, "valid tokens per pass through the LM head for top-k logits, which bounds the "
+                                  "teacher's memory for logits by chunk x vocab; 0 = the whole batch at once")
+    seed: int = _opt(0, "torch seed (the teacher runs in eval mode; this pins anything stochastic)")
+    queue_size: int = _opt(2, "shards waiting for the background writer (bounds host memory)")
+    progress: bool = _opt(True, "show a progress bar on rank 0")
+
+    def validate(self) -> list[str]:
+        """Every problem of this group."""
+        checks = [("batch_size", self.batch_size >= 1, "must be >= 1"),
+                  ("queue_size", self.queue_size >= 1, "must be >= 1"),
+                  ("logits_chunk", self.logits_chunk >= 0, "must be >= 0"),
+                  ("device", bool(_DEVICE.match(self.device)), "expected auto, cpu, mps, cuda or cuda:N")]
+        return _teacher_problems(self.teacher) + _failed(self, checks)
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    """The dataset, its columns, and how texts become rows of tokens."""
+
     data: str = field(metadata={"help": "dataset: a hub name, or local json/jsonl/csv/parquet/text file(s) or glob"})
-    out: str = field(metadata={"help": "cache folder to create or resume"})
     split: str = _opt("train", "dataset split")
+    data_config: str | None = _opt(None, "dataset configuration name (hub datasets with several)")
     text_column: str = _opt("text", "column holding the text")
     messages_column: str | None = _opt(None, "column holding chat conversations (lists of {role, content}), "
                                              "rendered with the tokenizer's chat template; losses then train on "
@@ -50,76 +73,45 @@ class PrecomputeOptions:
     mask_column: str | None = _opt(None, "column of [start, end) character spans of --text-column that losses "
                                          "train on (default: every token)")
     max_length: int = _opt(512, "tokens per sequence: truncation length, or row length with --packing")
-    layers: tuple[str, ...] = _opt(("all",), "hidden layers to cache, HF numbering (0 = embeddings), or 'all'")
-    features: tuple[str, ...] = _opt((), "targets to cache: hidden, attention, logits (default: hidden, plus "
-                                         "logits when the teacher has a language-model head)")
-    top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
-    full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k (same as --logits full)")
-    logits_mode: str = _opt("topk", "what feature 'logits' stores: topk (--top-k values, ids and the logsumexp), "
-                                    "full, sampled:N (N draws per token from the teacher's softmax at "
-                                    "--sample-temperature, kept as distinct ids, counts and log-probs), or head "
-                                    "(nothing per token: the last hidden layer plus a copy of the teacher's LM head, "
-                                    "from which stage two computes exact logits)", aliases=["--logits"], metavar="MODE")
-    sample_temperature: float = _opt(1.0, "temperature of the teacher's softmax that --logits sampled:N draws from "
-                                          "(stage two's KL then runs at this temperature)")
-    logits_chunk: int = _opt(512, "valid tokens per pass through the LM head for top-k logits, which bounds the "
-                                  "teacher's memory for logits by chunk x vocab; 0 = the whole batch at once")
-    heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
-    format: str = _opt("zarr", "storage backend", choices=["zarr", "arrow"])
-    batch_size: int = _opt(32, "sequences per forward pass")
-    dtype: str = _opt("fp16", "storage dtype of float targets", choices=["fp16", "bf16"])
-    codec: str | None = _opt(None, "numcodecs codec name (e.g. zstd, blosc-lz4) or JSON config; default blosc-lz4")
-    num_shards: int = _opt(1, "job-array size: this many independent jobs share the cache")
-    shard_index: int = _opt(0, "this job's index in the job array, 0..num_shards-1")
-    max_sequences: int | None = _opt(None, "cap on the number of sequences (the first ones in data order)")
     packing: str = _opt("none", "pack documents into rows of --max-length tokens instead of truncating each: "
                                 "'documents' keeps them apart (positions restart, attention stays inside each), "
                                 "'concat' lets attention cross them; --packing alone means documents",
                         choices=list(PACKING), nargs="?", const="documents")
-    sequences_per_shard: int = _opt(256, "sequences per cache shard (the unit of commit, resume and partition)")
-    attention_layers: tuple[str, ...] | None = _opt(None, "attention blocks to cache (1..N) or 'all'; "
-                                                          "default: --layers without 0")
-    triangle: bool = _opt(False, "store only the causal triangle of attention maps (causal teachers)")
-    bitround: int | None = _opt(None, "lossy: mantissa bits kept in activations (fp16 1..9, bf16 1..6)")
-    device: str = _opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N")
-    revision: str | None = _opt(None, "hub revision of the teacher")
-    teacher_dtype: str = _opt("auto", "dtype the teacher runs in (auto: the checkpoint's, fp32 on cpu)",
-                              choices=["auto", "fp32", "fp16", "bf16"])
-    data_config: str | None = _opt(None, "dataset configuration name (hub datasets with several)")
-    seed: int = _opt(0, "torch seed (the teacher runs in eval mode; this pins anything stochastic)")
-    queue_size: int = _opt(2, "shards waiting for the background writer (bounds host memory)")
-    progress: bool = _opt(True, "show a progress bar on rank 0")
-    # ---- encoder-decoder teachers (BART, mBART, T5); see stages.precompute.targets and adapters ------------
-    # The per-side layer lists are not Optional: the config machinery reads "none" as null for Optional fields,
-    # and "none" must stay a value here (no layer on that side). Empty means "inherit --layers".
+    max_sequences: int | None = _opt(None, "cap on the number of sequences (the first ones in data order)")
     source_column: str | None = _opt(None, "encoder-decoder: column holding the source text (default: --text-column)")
     target_column: str | None = _opt(None, "encoder-decoder: column holding the target text the decoder is "
                                            "teacher-forced on (required for encoder-decoder teachers)")
     max_target_length: int | None = _opt(None, "encoder-decoder: target tokens per sequence (default: --max-length)")
-    encoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder hidden layers (0 = embeddings), 'all' or "
-                                                        "'none'; default --layers")
-    decoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: decoder hidden layers, 'all' or 'none'; "
-                                                        "default --layers")
-    encoder_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder self-attention blocks, 'all' "
-                                                                  "or 'none'; default --attention-layers")
-    decoder_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: decoder self-attention blocks, 'all' "
-                                                                  "or 'none'; default --attention-layers")
-    cross_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: cross-attention blocks (with feature "
-                                                                "cross_attention); default the decoder attention "
-                                                                "blocks")
 
-    # ---- derived ------------------------------------------------------------------------------------
-    @property
-    def logits_kind(self) -> str | None:
-        """None, "topk", "full", "sampled" or "head"."""
-        if "logits" not in self.features:
-            return None
-        return "full" if self.full_logits else self.logits_mode.split(":")[0]
+    def validate(self) -> list[str]:
+        """Every problem of this group."""
+        checks = [("max_length", self.max_length >= 1, "must be >= 1"),
+                  ("max_sequences", self.max_sequences is None or self.max_sequences >= 1, "must be >= 1"),
+                  ("max_target_length", self.max_target_length is None or self.max_target_length >= 1,
+                   "must be >= 1"),
+                  ("packing", self.packing in PACKING, f"expected one of {', '.join(PACKING)}")]
+        problems = _data_problems(self.data) + _failed(self, checks)
+        if self.messages_column and self.mask_column:
+            problems.append("mask_column: conversations (--messages-column) are masked by role; drop --mask-column")
+        if self.chat_template and not self.messages_column:
+            problems.append("chat_template: only used with --messages-column")
+        elif self.chat_template and not Path(self.chat_template).expanduser().is_file():
+            problems.append(f"chat_template: file {self.chat_template!r} does not exist")
+        return problems
 
-    @property
-    def samples(self) -> int:
-        """N of ``--logits sampled:N`` (0 for other modes)."""
-        return int(self.logits_mode.split(":")[1]) if self.logits_kind == "sampled" else 0
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """Where the cache goes, how it is encoded, and this job's part of it."""
+
+    out: str = field(metadata={"help": "cache folder to create or resume"})
+    format: str = _opt("zarr", "storage backend", choices=["zarr", "arrow"])
+    dtype: str = _opt("fp16", "storage dtype of float targets", choices=["fp16", "bf16"])
+    codec: str | None = _opt(None, "numcodecs codec name (e.g. zstd, blosc-lz4) or JSON config; default blosc-lz4")
+    bitround: int | None = _opt(None, "lossy: mantissa bits kept in activations (fp16 1..9, bf16 1..6)")
+    sequences_per_shard: int = _opt(256, "sequences per cache shard (the unit of commit, resume and partition)")
+    num_shards: int = _opt(1, "job-array size: this many independent jobs share the cache")
+    shard_index: int = _opt(0, "this job's index in the job array, 0..num_shards-1")
 
     @property
     def codec_config(self) -> str | dict[str, Any] | None:
@@ -128,73 +120,16 @@ class PrecomputeOptions:
             return json.loads(self.codec)
         return self.codec
 
-    # ---- validation ---------------------------------------------------------------------------------
     def validate(self) -> list[str]:
-        """Every problem found without loading the teacher, as one message each (empty when fine)."""
-        problems = self._value_problems() + self._feature_problems() + self._codec_problems()
-        problems += self._column_problems()
-        problems += _teacher_problems(self.teacher) + _data_problems(self.data) + _out_problems(self.out)
-        return problems
-
-    def _value_problems(self) -> list[str]:
-        checks = [
-            ("max_length", self.max_length >= 1, "must be >= 1"),
-            ("batch_size", self.batch_size >= 1, "must be >= 1"),
-            ("sequences_per_shard", self.sequences_per_shard >= 1, "must be >= 1"),
-            ("max_sequences", self.max_sequences is None or self.max_sequences >= 1, "must be >= 1"),
-            ("num_shards", self.num_shards >= 1, "must be >= 1"),
-            ("shard_index", 0 <= self.shard_index < max(self.num_shards, 1),
-             f"must be in 0..num_shards-1 ({self.num_shards - 1})"),
-            ("queue_size", self.queue_size >= 1, "must be >= 1"),
-            ("logits_chunk", self.logits_chunk >= 0, "must be >= 0"),
-            ("packing", self.packing in PACKING, f"expected one of {', '.join(PACKING)}"),
-            ("device", bool(_DEVICE.match(self.device)), "expected auto, cpu, mps, cuda or cuda:N"),
-        ]
-        problems = [f"{name}: got {getattr(self, name)!r}, {rule}" for name, ok, rule in checks if not ok]
-        if self.bitround is not None:
-            limit = 9 if self.dtype == "fp16" else 6
-            if not 1 <= self.bitround <= limit:
-                problems.append(f"bitround: got {self.bitround}, expected 1..{limit} for dtype {self.dtype}")
-        return problems
-
-    def _feature_problems(self) -> list[str]:
-        problems = []
-        unknown = [f for f in self.features if f not in FEATURES]
-        if unknown:
-            problems.append(f"features: got {list(self.features)}, expected a non-empty subset of {list(FEATURES)}")
-        problems += _layer_list_problems("layers", self.layers)
-        if self.attention_layers is not None:
-            problems += _layer_list_problems("attention_layers", self.attention_layers)
-        for name in ("encoder_layers", "decoder_layers", "encoder_attention_layers", "decoder_attention_layers",
-                     "cross_attention_layers"):
-            values = getattr(self, name)
-            if values and tuple(v.lower() for v in values) != ("none",):
-                problems += _layer_list_problems(name, values)
-        if self.max_target_length is not None and self.max_target_length < 1:
-            problems.append(f"max_target_length: got {self.max_target_length}, must be >= 1")
-        if self.heads is not None and (not self.heads or min(self.heads) < 0):
-            problems.append(f"heads: got {list(self.heads)}, expected non-negative head indices")
-        if self.logits_kind == "topk" and self.top_k < 1:
-            problems.append(f"top_k: got {self.top_k}, must be >= 1")
-        if not re.fullmatch(r"topk|full|head|sampled:([1-9]\d*)", self.logits_mode) or (
-                self.logits_mode.startswith("sampled") and int(self.logits_mode[8:]) > 255):
-            problems.append(f"logits: got {self.logits_mode!r}, expected topk, full, head or sampled:N with N in "
-                            f"1..255 (e.g. sampled:12)")
-        if self.full_logits and self.logits_mode != "topk":
-            problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
-                            f"keep one (--logits full is the same as --full-logits)")
-        if not self.sample_temperature > 0:
-            problems.append(f"sample_temperature: got {self.sample_temperature}, must be > 0")
-        return problems
-
-    def _column_problems(self) -> list[str]:
-        problems = []
-        if self.messages_column and self.mask_column:
-            problems.append("mask_column: conversations (--messages-column) are masked by role; drop --mask-column")
-        if self.chat_template and not self.messages_column:
-            problems.append("chat_template: only used with --messages-column")
-        elif self.chat_template and not Path(self.chat_template).expanduser().is_file():
-            problems.append(f"chat_template: file {self.chat_template!r} does not exist")
+        """Every problem of this group."""
+        checks = [("sequences_per_shard", self.sequences_per_shard >= 1, "must be >= 1"),
+                  ("num_shards", self.num_shards >= 1, "must be >= 1"),
+                  ("shard_index", 0 <= self.shard_index < max(self.num_shards, 1),
+                   f"must be in 0..num_shards-1 ({self.num_shards - 1})")]
+        problems = _out_problems(self.out) + _failed(self, checks) + self._codec_problems()
+        limit = 9 if self.dtype == "fp16" else 6
+        if self.bitround is not None and not 1 <= self.bitround <= limit:
+            problems.append(f"bitround: got {self.bitround}, expected 1..{limit} for dtype {self.dtype}")
         return problems
 
     def _codec_problems(self) -> list[str]:
@@ -208,6 +143,116 @@ class PrecomputeOptions:
         except KdcacheError as exc:
             return [f"codec: {exc}"]
         return []
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    """What is cached: layers and attention blocks per token stream, heads, and the logit mode."""
+
+    # Read by pydantic when pipeline.config validates YAML values: `layers: [1, 3]` gives numbers for strings.
+    __pydantic_config__ = {"coerce_numbers_to_str": True}
+
+    layers: tuple[str, ...] = _opt(("all",), "hidden layers to cache, HF numbering (0 = embeddings), or 'all'")
+    features: tuple[str, ...] = _opt((), "targets to cache: hidden, attention, logits (default: hidden, plus "
+                                         "logits when the teacher has a language-model head)")
+    attention_layers: tuple[str, ...] | None = _opt(None, "attention blocks to cache (1..N) or 'all'; "
+                                                          "default: --layers without 0")
+    heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
+    triangle: bool = _opt(False, "store only the causal triangle of attention maps (causal teachers)")
+    top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
+    full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k (same as --logits full)")
+    logits_mode: str = _opt("topk", "what feature 'logits' stores: topk (--top-k values, ids and the logsumexp), "
+                                    "full, sampled:N (N draws per token from the teacher's softmax at "
+                                    "--sample-temperature, kept as distinct ids, counts and log-probs), or head "
+                                    "(nothing per token: the last hidden layer plus a copy of the teacher's LM head, "
+                                    "from which stage two computes exact logits)", aliases=["--logits"], metavar="MODE")
+    sample_temperature: float = _opt(1.0, "temperature of the teacher's softmax that --logits sampled:N draws from "
+                                          "(stage two's KL then runs at this temperature)")
+    encoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder hidden layers (0 = embeddings), 'all' or "
+                                                        "'none'; default --layers")
+    decoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: decoder hidden layers, 'all' or 'none'; "
+                                                        "default --layers")
+    encoder_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder self-attention blocks, 'all' "
+                                                                  "or 'none'; default --attention-layers")
+    decoder_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: decoder self-attention blocks, 'all' "
+                                                                  "or 'none'; default --attention-layers")
+    cross_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: cross-attention blocks (with feature "
+                                                                "cross_attention); default the decoder attention "
+                                                                "blocks")
+
+    @property
+    def logits_kind(self) -> str | None:
+        """None, "topk", "full", "sampled" or "head"."""
+        if "logits" not in self.features:
+            return None
+        return "full" if self.full_logits else self.logits_mode.split(":")[0]
+
+    @property
+    def samples(self) -> int:
+        """N of ``--logits sampled:N`` (0 for other modes)."""
+        return int(self.logits_mode.split(":")[1]) if self.logits_kind == "sampled" else 0
+
+    def validate(self) -> list[str]:
+        """Every problem of this group."""
+        problems = []
+        if any(f not in FEATURES for f in self.features):
+            problems.append(f"features: got {list(self.features)}, expected a non-empty subset of {list(FEATURES)}")
+        problems += _layer_list_problems("layers", self.layers)
+        if self.attention_layers is not None:
+            problems += _layer_list_problems("attention_layers", self.attention_layers)
+        for name in ("encoder_layers", "decoder_layers", "encoder_attention_layers", "decoder_attention_layers",
+                     "cross_attention_layers"):
+            values = getattr(self, name)
+            if values and tuple(v.lower() for v in values) != ("none",):
+                problems += _layer_list_problems(name, values)
+        if self.heads is not None and (not self.heads or min(self.heads) < 0):
+            problems.append(f"heads: got {list(self.heads)}, expected non-negative head indices")
+        return problems + self._logit_problems()
+
+    def _logit_problems(self) -> list[str]:
+        problems = []
+        if self.logits_kind == "topk" and self.top_k < 1:
+            problems.append(f"top_k: got {self.top_k}, must be >= 1")
+        if not re.fullmatch(r"topk|full|head|sampled:([1-9]\d*)", self.logits_mode) or (
+                self.logits_mode.startswith("sampled") and int(self.logits_mode[8:]) > 255):
+            problems.append(f"logits: got {self.logits_mode!r}, expected topk, full, head or sampled:N with N in "
+                            f"1..255 (e.g. sampled:12)")
+        if self.full_logits and self.logits_mode != "topk":
+            problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
+                            f"keep one (--logits full is the same as --full-logits)")
+        if not self.sample_temperature > 0:
+            problems.append(f"sample_temperature: got {self.sample_temperature}, must be > 0")
+        return problems
+
+
+@dataclass(frozen=True)
+class PrecomputeOptions:
+    """Options of ``kdcache precompute`` in groups (see ``docs/architecture.md`` for the cache they produce).
+
+    Flags and YAML keys stay flat (``--top-k``, not ``--targets.top-k``): option names are unique across the
+    groups (``stages.common.option_groups``).
+    """
+
+    engine: EngineOptions
+    dataset: DatasetOptions
+    storage: StorageOptions
+    targets: TargetOptions = field(default_factory=TargetOptions)
+
+    def validate(self) -> list[str]:
+        """Every problem found without loading the teacher, as one message each (empty when fine)."""
+        return [p for group in (self.engine, self.dataset, self.storage, self.targets) for p in group.validate()]
+
+    @classmethod
+    def of(cls, **flat: Any) -> PrecomputeOptions:
+        """Build from flat keyword arguments as the flags name them (tests, benchmarks). No checks:
+        ``pipeline.config.build`` is the checked way in."""
+        hints = typing.get_type_hints(cls)
+        return cls(**{name: hints[name](**values) for name, values in nest(cls, flat).items()})
+
+
+def _failed(group: object, checks: list[tuple[str, bool, str]]) -> list[str]:
+    """``name: got VALUE, RULE`` for each (name, passed, rule) that did not pass."""
+    return [f"{name}: got {getattr(group, name)!r}, {rule}" for name, ok, rule in checks if not ok]
 
 
 def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name: str) -> tuple[int, ...]:

@@ -59,10 +59,10 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     problems = options.validate()
     if problems:
         raise PrecomputeError("invalid precompute options:\n" + "\n".join(f"  - {p}" for p in problems))
-    torch.manual_seed(options.seed)
+    torch.manual_seed(options.engine.seed)
     dist = DistContext.from_env()
     try:
-        with _quiet_libraries(not (options.progress and dist.is_main)):
+        with _quiet_libraries(not (options.engine.progress and dist.is_main)):
             return _run(options, dist)
     finally:
         dist.close()
@@ -87,6 +87,7 @@ def _quiet_libraries(quiet: bool) -> Iterator[None]:
 
 
 def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
+    st = options.storage
     stats = RunStats()
     config = read_config(options)
     options = with_default_features(options, config)
@@ -98,17 +99,18 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     check_positions(config, data)
     finished = finished_cache(options, config, targets, tokenizer, data)
     if finished is not None:  # nothing to compute: don't pay for loading the weights
-        return summarize(stats, finished, finished.spec.num_shards, options.out, {"reused": True})
-    teacher = adapter.load_teacher(options, config, targets, tokenizer, pick_device(options.device, dist.local_rank))
+        return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True})
+    device = pick_device(options.engine.device, dist.local_rank)
+    teacher = adapter.load_teacher(options, config, targets, tokenizer, device)
     targets = with_output_vocab(targets, teacher, options)
     check_token_ids(teacher, data)
     spec = build_spec(options, targets, data)
-    part = Partition.of(options.shard_index, options.num_shards, dist.rank, dist.world)
-    writer = open_writer(options.out, spec, build_fingerprints(options, teacher, targets, data), part)
+    part = Partition.of(st.shard_index, st.num_shards, dist.rank, dist.world)
+    writer = open_writer(st.out, spec, build_fingerprints(options, teacher, targets, data), part)
     with writer, adapter.capture(teacher, targets, options) as capture:
-        save_tokenizer(tokenizer, options.out)
+        save_tokenizer(tokenizer, st.out)
         if targets.logits == "head" and dist.is_main:
-            export_head(teacher.model, options.out, targets.streams[""].depth)
+            export_head(teacher.model, st.out, targets.streams[""].depth)
         mine = part.shards(spec.num_shards)
         todo = [k for k in mine if k not in writer.committed_shards()]
         commit_behind(spec, todo, writer, options, stats, dist.is_main,
@@ -118,11 +120,11 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     if dist.world > 1 and dist.is_main:
         from kdcache.storage import merge_parts
 
-        manifest = merge_parts(options.out)
+        manifest = merge_parts(st.out)
     extra = {"part": [part.index, part.count], "device": str(teacher.device),
              "attn_implementation": teacher.attn_implementation,
              "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}}
-    return summarize(stats, manifest, len(mine) - len(todo), options.out, extra)
+    return summarize(stats, manifest, len(mine) - len(todo), st.out, extra)
 
 
 def check_positions(config: Any, data: TokenStreams) -> None:
@@ -138,9 +140,10 @@ def check_positions(config: Any, data: TokenStreams) -> None:
 def with_default_features(options: PrecomputeOptions, config: Any) -> PrecomputeOptions:
     """Without ``--features``: hidden states, plus logits when the teacher has a language-model head (an
     encoder such as MiniLM has none, so it caches hidden states only)."""
-    if options.features:
+    if options.targets.features:
         return options
-    return replace(options, features=("hidden", "logits") if has_lm_head(config) else ("hidden",))
+    features = ("hidden", "logits") if has_lm_head(config) else ("hidden",)
+    return replace(options, targets=replace(options.targets, features=features))
 
 
 def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
@@ -158,28 +161,30 @@ def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOpt
     if targets.logits is None or head is None:
         return targets
     vocab = int(head.weight.shape[0])
-    if targets.logits == "topk" and options.top_k > vocab:
-        raise PrecomputeError(f"top_k {options.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
+    top_k = options.targets.top_k
+    if targets.logits == "topk" and top_k > vocab:
+        raise PrecomputeError(f"top_k {top_k} is larger than the teacher's vocabulary of {vocab} tokens")
     return replace(targets, vocab_size=vocab)
 
 
 def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                    data: TokenStreams) -> Any:
-    """The manifest of a complete cache at ``options.out`` that this run would reproduce, else None.
+    """The manifest of a complete cache at ``st.out`` that this run would reproduce, else None.
 
     Checked before the weights load, from what is known without them (weight-file hashes, config, tokenizer,
     data, settings), so rerunning a finished precompute, or ``kdcache run`` over its cache, never loads the
     teacher. What only the loaded model tells (runtime dtype, attention kernel) is left to the writer's full
     check on a real run.
     """
+    st = options.storage
     from kdcache.storage import CacheReader, compare_fingerprints
     from kdcache.storage.stores import open_store
 
     teacher_fp = teacher_files_fingerprint(options, config)
-    if teacher_fp is None or open_store(options.out).size("manifest.json") is None:
+    if teacher_fp is None or open_store(st.out).size("manifest.json") is None:
         return None
     try:
-        reader = CacheReader(options.out)
+        reader = CacheReader(st.out)
     except KdcacheError:  # partial, corrupt or foreign: the normal path resumes it or explains the problem
         return None
     expected = {"teacher": teacher_fp, "tokenizer": tokenizer_fingerprint(tokenizer), "data": data.fingerprint,
@@ -216,7 +221,7 @@ def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds
     items: list[dict[str, np.ndarray] | None] = [None] * len(first)
     pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
     on_device = lambda a: torch.from_numpy(a).to(teacher.device)  # noqa: E731
-    for batch in plan_batches(np.array([len(s) for s in first]), options.batch_size):
+    for batch in plan_batches(np.array([len(s) for s in first]), options.engine.batch_size):
         padded = {stream: tuple(on_device(a) for a in collate([seqs[i] for i in batch], pad_id))
                   for stream, seqs in shard.items()}
         positions = {split_stream(name)[0]: on_device(collate([seqs[i] for i in batch], 0)[0])

@@ -100,12 +100,12 @@ def _select(values: tuple[str, ...], depth: int, minimum: int, name: str) -> tup
 
 def _stream(options: PrecomputeOptions, stream: str, depth: int) -> StreamTargets:
     """The hidden layers and self-attention blocks kept of one stream (its own flags, else the shared ones)."""
-    prefix = f"{stream}_" if stream else ""
-    hidden_values = (getattr(options, f"{stream}_layers") if stream else ()) or options.layers
-    hidden = _select(hidden_values, depth, 0, f"{prefix}layers") if "hidden" in options.features else ()
-    if "attention" not in options.features:
+    t, prefix = options.targets, f"{stream}_" if stream else ""
+    hidden_values = (getattr(t, f"{stream}_layers") if stream else ()) or t.layers
+    hidden = _select(hidden_values, depth, 0, f"{prefix}layers") if "hidden" in t.features else ()
+    if "attention" not in t.features:
         return StreamTargets(hidden, (), depth)
-    attention_flag = (getattr(options, f"{stream}_attention_layers") if stream else None) or options.attention_layers
+    attention_flag = (getattr(t, f"{stream}_attention_layers") if stream else None) or t.attention_layers
     if attention_flag is not None:
         return StreamTargets(hidden, _select(attention_flag, depth, 1, f"{prefix}attention_layers"), depth)
     # Default: the blocks of this stream's hidden selection (layer 0, the embeddings, has no attention map).
@@ -114,9 +114,10 @@ def _stream(options: PrecomputeOptions, stream: str, depth: int) -> StreamTarget
 
 
 def _cross_attention(options: PrecomputeOptions, decoder: StreamTargets | None) -> tuple[int, ...]:
-    if "cross_attention" not in options.features or decoder is None:
+    t = options.targets
+    if "cross_attention" not in t.features or decoder is None:
         return ()
-    values = options.cross_attention_layers
+    values = t.cross_attention_layers
     cross = _select(values, decoder.depth, 1, "cross_attention_layers") if values else (
         decoder.attention or tuple(j for j in decoder.hidden if j >= 1))
     if not cross:
@@ -131,29 +132,30 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
         PrecomputeError: a layer or head out of range, top-k above the vocabulary, attention asked for with no
             block left, or a triangle where no causal self-attention is kept.
     """
+    t = options.targets
     depths, num_heads = stack_depths(config)
     streams = {name: _stream(options, name, depth) for name, depth in depths.items()}
     cross = _cross_attention(options, streams.get("decoder"))
-    if "attention" in options.features and not any(s.attention for s in streams.values()):
+    if "attention" in t.features and not any(s.attention for s in streams.values()):
         flags = "--attention-layers" + (" or --encoder-attention-layers/--decoder-attention-layers"
                                         if len(streams) > 1 else "")
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
     causal = is_causal(config)
-    if options.logits_kind == "head":
-        streams = _with_last_layer(streams, causal, options.teacher)
-    if options.logits_kind == "sampled" and "" not in streams:
-        raise PrecomputeError(f"logits sampled: not yet for encoder-decoder teachers such as {options.teacher!r}; "
-                              f"use --logits topk or full")
+    if t.logits_kind == "head":
+        streams = _with_last_layer(streams, causal, options.engine.teacher)
+    if t.logits_kind == "sampled" and "" not in streams:
+        raise PrecomputeError(f"logits sampled: not yet for encoder-decoder teachers such as "
+                              f"{options.engine.teacher!r}; use --logits topk or full")
     _check_triangle(options, streams, causal)
-    heads = options.heads if (cross or any(s.attention for s in streams.values())) else None
+    heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:
         raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    if options.logits_kind == "topk" and options.top_k > vocab:
-        raise PrecomputeError(f"top_k {options.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
-    top_k = options.top_k if options.logits_kind == "topk" else 0
-    return Targets(streams, heads, options.logits_kind, top_k, vocab, num_heads, causal, cross, options.samples,
-                   options.sample_temperature)
+    if t.logits_kind == "topk" and t.top_k > vocab:
+        raise PrecomputeError(f"top_k {t.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
+    top_k = t.top_k if t.logits_kind == "topk" else 0
+    return Targets(streams, heads, t.logits_kind, top_k, vocab, num_heads, causal, cross, t.samples,
+                   t.sample_temperature)
 
 
 def _with_last_layer(streams: dict[str, StreamTargets], causal: bool, teacher: str) -> dict[str, StreamTargets]:
@@ -168,13 +170,13 @@ def _with_last_layer(streams: dict[str, StreamTargets], causal: bool, teacher: s
 
 def _check_triangle(options: PrecomputeOptions, streams: dict[str, StreamTargets], causal: bool) -> None:
     """Only a causal self-attention map (a decoder LM's, or an encoder-decoder's decoder) is a triangle."""
-    if not options.triangle:
+    if not options.targets.triangle:
         return
     if "decoder" in streams and not streams["decoder"].attention:
         raise PrecomputeError("triangle: only the decoder's causal self-attention can be stored as a triangle, "
                               "and no decoder attention block is selected; drop --triangle")
     if "" in streams and streams[""].attention and not causal:
-        raise PrecomputeError(f"triangle: teacher {options.teacher!r} is not causal, so its attention maps are "
+        raise PrecomputeError(f"triangle: teacher {options.engine.teacher!r} is not causal, so its attention maps are "
                               f"not triangular; drop --triangle")
 
 
@@ -186,38 +188,40 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
     if "" in targets.streams:
         one = targets.streams[""]
         layers: dict[str, Any] = {"hidden_layers": one.hidden, "attention_layers": one.attention}
-        triangle = bool(one.attention and options.triangle)
+        triangle = bool(one.attention and options.targets.triangle)
     else:
         layers = {f"{s}_{kind}_layers": getattr(t, kind) for s, t in targets.streams.items()
                   for kind in ("hidden", "attention")}
         layers.update(layout=ENCODER_DECODER, cross_attention_layers=targets.cross_attention)
-        triangle = bool(targets.streams["decoder"].attention and options.triangle)
+        triangle = bool(targets.streams["decoder"].attention and options.targets.triangle)
     token_arrays = tuple(dict.fromkeys(kind_of(name) for name in data.tokens))
+    storage = options.storage
     return CacheSpec(
-        num_sequences=len(data), token_arrays=token_arrays, backend=options.format, attention_heads=targets.heads,
+        num_sequences=len(data), token_arrays=token_arrays, backend=storage.format, attention_heads=targets.heads,
         attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k, samples=targets.samples,
-        sample_temperature=targets.sample_temperature,
-        vocab_size=targets.vocab_size if targets.logits else 0, dtype=options.dtype, codec=options.codec_config,
-        bitround=options.bitround, sequences_per_shard=options.sequences_per_shard, **layers)
+        sample_temperature=targets.sample_temperature, vocab_size=targets.vocab_size if targets.logits else 0,
+        dtype=storage.dtype, codec=storage.codec_config, bitround=storage.bitround,
+        sequences_per_shard=storage.sequences_per_shard, **layers)
 
 
 def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[str, Any]:
     """The settings the targets depend on, as far as they are known before the weights load (key names as
     caches have always recorded them: ``layers`` for one stream, ``encoder_layers``... for two)."""
-    out: dict[str, Any] = {"max_length": options.max_length}
+    out: dict[str, Any] = {"max_length": options.dataset.max_length}
     if "" in targets.streams:
-        out.update(packing=options.packing, layers=list(targets.streams[""].hidden),
+        out.update(packing=options.dataset.packing, layers=list(targets.streams[""].hidden),
                    attention_layers=list(targets.streams[""].attention))
     else:
-        out["max_target_length"] = options.max_target_length or options.max_length
+        out["max_target_length"] = options.dataset.max_target_length or options.dataset.max_length
         out.update({f"{s}_layers": list(t.hidden) for s, t in targets.streams.items()})
         out.update({f"{s}_attention_layers": list(t.attention) for s, t in targets.streams.items()})
         out["cross_attention_layers"] = list(targets.cross_attention)
+    engine, storage = options.engine, options.storage
     return {**out, "heads": list(targets.heads) if targets.heads is not None else None,
-            "features": list(options.features), "top_k": targets.top_k, "logits": targets.logits,
+            "features": list(options.targets.features), "top_k": targets.top_k, "logits": targets.logits,
             "samples": targets.samples, "sample_temperature": targets.sample_temperature,
             # Draws follow the seed, the batches and the head's chunks: a resume must form them alike.
-            "sampling": {"seed": options.seed, "batch_size": options.batch_size, "logits_chunk": options.logits_chunk}
+            "sampling": {"seed": engine.seed, "batch_size": engine.batch_size, "logits_chunk": engine.logits_chunk}
             if targets.logits == "sampled" else None,
-            "dtype": options.dtype, "codec": options.codec_config, "bitround": options.bitround,
-            "triangle": options.triangle, "format_version": FORMAT_VERSION}
+            "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
+            "triangle": options.targets.triangle, "format_version": FORMAT_VERSION}

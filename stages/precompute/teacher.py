@@ -41,9 +41,9 @@ def read_config(options: PrecomputeOptions) -> Any:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(options.teacher, revision=options.revision)
+        config = AutoConfig.from_pretrained(options.engine.teacher, revision=options.engine.revision)
     except Exception as exc:  # OSError for missing repos/files, ValueError for unknown model types
-        raise PrecomputeError(f"cannot load the teacher config from {options.teacher!r}: {exc}") from None
+        raise PrecomputeError(f"cannot load the teacher config from {options.engine.teacher!r}: {exc}") from None
     return config  # the family (decoder-only or encoder, encoder-decoder) picks the adapter (adapters.adapter_for)
 
 
@@ -56,9 +56,9 @@ def load_tokenizer(options: PrecomputeOptions) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(options.teacher, revision=options.revision)
+        return AutoTokenizer.from_pretrained(options.engine.teacher, revision=options.engine.revision)
     except Exception as exc:
-        raise PrecomputeError(f"cannot load the tokenizer of {options.teacher!r}: {exc}") from None
+        raise PrecomputeError(f"cannot load the tokenizer of {options.engine.teacher!r}: {exc}") from None
 
 
 def pick_device(name: str, local_rank: int = 0) -> Any:
@@ -96,8 +96,8 @@ def _model_class(config: Any, targets: Targets, teacher: str) -> Any:
 def _torch_dtype(options: PrecomputeOptions, device: Any) -> Any:
     import torch
 
-    if options.teacher_dtype != "auto":
-        return getattr(torch, _DTYPES[options.teacher_dtype])
+    if options.engine.teacher_dtype != "auto":
+        return getattr(torch, _DTYPES[options.engine.teacher_dtype])
     return "auto" if device.type != "cpu" else torch.float32  # half precision on a CPU is slow, not faster
 
 
@@ -112,9 +112,9 @@ def load_teacher(options: PrecomputeOptions, config: Any, targets: Targets, toke
     """
     import torch
 
-    model = load_for_inference(_model_class(config, targets, options.teacher), options, device,
+    model = load_for_inference(_model_class(config, targets, options.engine.teacher), options, device,
                                eager=targets.wants_attention)
-    torch.manual_seed(options.seed)
+    torch.manual_seed(options.engine.seed)
     fingerprint = teacher_fingerprint(options, model)
     impl = getattr(model.config, "_attn_implementation", None) or "default"
     return Teacher(model, tokenizer, model.config, device, fingerprint, impl)
@@ -135,17 +135,17 @@ def load_for_inference(cls: Any, options: PrecomputeOptions, device: Any, *, eag
         PrecomputeError: the weights cannot be loaded, or some are missing (random weights would silently
             corrupt the targets).
     """
-    kwargs: dict[str, Any] = {"revision": options.revision, "dtype": _torch_dtype(options, device),
+    kwargs: dict[str, Any] = {"revision": options.engine.revision, "dtype": _torch_dtype(options, device),
                               "output_loading_info": True}
     if eager:
         kwargs["attn_implementation"] = "eager"
     try:
-        model, info = cls.from_pretrained(options.teacher, **kwargs)
+        model, info = cls.from_pretrained(options.engine.teacher, **kwargs)
     except Exception as exc:
-        raise PrecomputeError(f"cannot load the teacher weights from {options.teacher!r}: {exc}") from None
+        raise PrecomputeError(f"cannot load the teacher weights from {options.engine.teacher!r}: {exc}") from None
     missing = sorted(k for k in info.get("missing_keys") or [] if not (optional and k.startswith(optional)))
     if missing:
-        raise PrecomputeError(f"teacher {options.teacher!r} checkpoint lacks {len(missing)} weight(s) that "
+        raise PrecomputeError(f"teacher {options.engine.teacher!r} checkpoint lacks {len(missing)} weight(s) that "
                               f"{type(model).__name__} needs (e.g. {', '.join(missing[:3])}); they would be random")
     return model.eval().requires_grad_(False).to(device)
 
@@ -154,7 +154,7 @@ def teacher_fingerprint(options: PrecomputeOptions, model: Any) -> dict[str, Any
     """name_or_path, revision, config hash and weights hash (of the weight files where they can be found)."""
     folder = _weights_folder(options)
     state = None if folder is not None else model.state_dict()
-    return {"name_or_path": options.teacher, "revision": options.revision,
+    return {"name_or_path": options.engine.teacher, "revision": options.engine.revision,
             "config_hash": config_fingerprint(model.config), "weights_hash": weights_fingerprint(folder, state),
             "num_layers": _depth(model.config)}
 
@@ -168,7 +168,7 @@ def teacher_files_fingerprint(options: PrecomputeOptions, config: Any) -> dict[s
         weights = weights_fingerprint(folder)
     except ValueError:  # a folder without weight files
         return None
-    return {"name_or_path": options.teacher, "revision": options.revision,
+    return {"name_or_path": options.engine.teacher, "revision": options.engine.revision,
             "config_hash": config_fingerprint(config), "weights_hash": weights, "num_layers": _depth(config)}
 
 
@@ -180,13 +180,13 @@ def _depth(config: Any) -> int | None:
 
 
 def _weights_folder(options: PrecomputeOptions) -> Path | None:
-    local = Path(options.teacher).expanduser()
+    local = Path(options.engine.teacher).expanduser()
     if local.is_dir():
         return local
     try:  # a hub id: the files transformers just loaded sit in the local hub cache
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(options.teacher, revision=options.revision, local_files_only=True))
+        return Path(snapshot_download(options.engine.teacher, revision=options.engine.revision, local_files_only=True))
     except Exception:
         return None
 

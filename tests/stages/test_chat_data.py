@@ -67,7 +67,7 @@ def chat_options(tmp_path: Path, teacher: Path, template: str, chats: list[Any],
     opts = dict(teacher=str(teacher), data=str(write_chats(tmp_path / "chats.jsonl", chats)), out=str(tmp_path / "cache"),
                 messages_column="messages", chat_template=str(tmp_path / "template.jinja"), max_length=512,
                 batch_size=4, sequences_per_shard=4, progress=False)
-    return PrecomputeOptions(**{**opts, **overrides})
+    return PrecomputeOptions.of(**{**opts, **overrides})
 
 
 def masked_runs(ids: np.ndarray, mask: np.ndarray, tokenizer: Any) -> list[str]:

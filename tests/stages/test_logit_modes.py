@@ -31,7 +31,7 @@ def _cache(tmp_path: Path, teacher: Path, name: str, **overrides: Any) -> CacheR
         write_text_dataset(data, sample_texts(12, seed=5))
     opts = dict(teacher=str(teacher), data=str(data), out=str(tmp_path / name), max_length=40, batch_size=4,
                 layers=("1",), progress=False)
-    run_precompute(PrecomputeOptions(**{**opts, **overrides}))
+    run_precompute(PrecomputeOptions.of(**{**opts, **overrides}))
     return CacheReader(tmp_path / name)
 
 

@@ -27,7 +27,7 @@ def _precompute(tmp_path: Path, teacher: Path, texts: list[str], **overrides: An
     opts = dict(teacher=str(teacher), data=str(data), out=str(tmp_path / "cache"), max_length=40, batch_size=3,
                 sequences_per_shard=4, progress=False, packing="documents")
     opts.update(overrides)
-    run_precompute(PrecomputeOptions(**opts))
+    run_precompute(PrecomputeOptions.of(**opts))
     return CacheReader(tmp_path / "cache")
 
 

@@ -27,7 +27,7 @@ def _precompute(tmp_path: Path, teacher: Path, texts: list[str], **overrides: An
     opts = dict(teacher=str(teacher), data=str(data), out=str(tmp_path / "cache"), max_length=48,
                 batch_size=4, sequences_per_shard=8, progress=False)
     opts.update(overrides)
-    summary = run_precompute(PrecomputeOptions(**opts))
+    summary = run_precompute(PrecomputeOptions.of(**opts))
     return summary, CacheReader(tmp_path / "cache")
 
 

@@ -64,7 +64,7 @@ def corpus(tmp_path: Path) -> Path:
 
 @pytest.fixture()
 def reference(tiny_gpt2: Path, corpus: Path, tmp_path: Path) -> Path:
-    run_precompute(PrecomputeOptions(**_options(tiny_gpt2, corpus, tmp_path / "reference")))
+    run_precompute(PrecomputeOptions.of(**_options(tiny_gpt2, corpus, tmp_path / "reference")))
     return tmp_path / "reference"
 
 
@@ -89,7 +89,7 @@ def test_kill_9_then_rerun_gives_identical_cache(tiny_gpt2: Path, corpus: Path, 
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     committed = len(list((out / "shards").glob("shard-*.json")))
     assert 3 <= committed < 20
-    summary = run_precompute(PrecomputeOptions(**_options(tiny_gpt2, corpus, out)))
+    summary = run_precompute(PrecomputeOptions.of(**_options(tiny_gpt2, corpus, out)))
     assert summary["status"] == "complete" and summary["shards_skipped"] == committed
     assert summary["shards_written"] == 20 - committed
     assert_same_cache(reference, out)
@@ -97,7 +97,7 @@ def test_kill_9_then_rerun_gives_identical_cache(tiny_gpt2: Path, corpus: Path, 
 
 
 def test_rerun_of_complete_cache_writes_nothing(tiny_gpt2: Path, corpus: Path, reference: Path) -> None:
-    summary = run_precompute(PrecomputeOptions(**_options(tiny_gpt2, corpus, reference)))
+    summary = run_precompute(PrecomputeOptions.of(**_options(tiny_gpt2, corpus, reference)))
     assert summary["shards_written"] == 0 and summary["shards_skipped"] == 20 and summary["status"] == "complete"
 
 
@@ -115,10 +115,10 @@ def test_job_array_parts_merge_into_valid_cache(tiny_gpt2: Path, corpus: Path, r
                                                 capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "array"
     for index in (0, 1):
-        run_precompute(PrecomputeOptions(**_options(tiny_gpt2, corpus, out, num_shards=3, shard_index=index)))
+        run_precompute(PrecomputeOptions.of(**_options(tiny_gpt2, corpus, out, num_shards=3, shard_index=index)))
     assert main(["merge", str(out)]) == 1  # part 2 has not run: partial
     assert "partial" in capsys.readouterr().out
-    summary = run_precompute(PrecomputeOptions(**_options(tiny_gpt2, corpus, out, num_shards=3, shard_index=2)))
+    summary = run_precompute(PrecomputeOptions.of(**_options(tiny_gpt2, corpus, out, num_shards=3, shard_index=2)))
     assert summary["part"] == [2, 3] and summary["shards_written"] == 6  # shards 2, 5, 8, 11, 14, 17
     assert main(["merge", str(out)]) == 0
     assert "complete" in capsys.readouterr().out

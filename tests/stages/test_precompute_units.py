@@ -83,7 +83,7 @@ def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
     from kdcache.stages.precompute.targets import resolve_targets
     from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config
 
-    opts = PrecomputeOptions(teacher=str(tiny_gpt2), data="unused", out=str(tmp_path / "c"), layers=("2",),
+    opts = PrecomputeOptions.of(teacher=str(tiny_gpt2), data="unused", out=str(tmp_path / "c"), layers=("2",),
                              features=("hidden",))
     config = read_config(opts)
     targets = resolve_targets(opts, config)

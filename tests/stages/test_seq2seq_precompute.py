@@ -134,7 +134,7 @@ def test_fp16_overflow_is_refused_naming_the_layer_and_bf16_stores_it(pairs_file
     with pytest.raises(Fp16OverflowError, match=r"encoder/hidden/1: .*largest \|value\| is .*--dtype bf16") as err:
         from kdcache.stages.precompute import PrecomputeOptions, run_precompute
 
-        run_precompute(PrecomputeOptions(teacher=str(teacher), data=str(pairs_file), out=str(tmp_path / "fp16"),
+        run_precompute(PrecomputeOptions.of(teacher=str(teacher), data=str(pairs_file), out=str(tmp_path / "fp16"),
                                          source_column="source", target_column="target", layers=("1", "2"),
                                          progress=False))
     assert err.value.max_abs > 65504 and err.value.name == "encoder/hidden/1"

@@ -15,7 +15,7 @@ from tests.helpers.tiny_models import sample_texts, write_text_dataset
 def test_depth_is_recorded_even_without_the_top_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
     data = write_text_dataset(tmp_path / "d.jsonl", sample_texts(6))
     out = tmp_path / "cache"
-    run_precompute(PrecomputeOptions(teacher=str(tiny_gpt2), data=str(data), out=str(out), layers=("1", "2"),
+    run_precompute(PrecomputeOptions.of(teacher=str(tiny_gpt2), data=str(data), out=str(out), layers=("1", "2"),
                                      features=("hidden",), max_length=16, progress=False))
     reader = CacheReader(out)
     assert max(reader.spec.hidden_layers) == 2
