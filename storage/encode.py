@@ -14,7 +14,7 @@ import numpy as np
 
 from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
 from kdcache.storage.errors import InvalidSequenceError, ShardError
-from kdcache.storage.layout import GAP_CODED, attention_rows, document_lengths, pack_attention, to_gaps
+from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
 from kdcache.storage.spec import SAMPLED_NAMES, TOKEN_ARRAYS, VOCAB_IDS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
@@ -28,7 +28,8 @@ class EncodedShard:
         seq_start, seq_stop: global sequence range ``[seq_start, seq_stop)``.
         arrays: array name -> flat array (see ``CacheSpec.array_names``), e.g. ``hidden/3 [T, d]``.
         num_tokens: T, the valid tokens in the shard.
-        lossy: array name -> ``{"keepbits", "max_abs_error", "max_rel_error"}`` for bitrounded arrays.
+        lossy: array name -> ``{"keepbits", "max_abs_error", "max_rel_error"}`` for bitrounded arrays, and
+            ``{"step", "max_abs_error"}`` for quantised top-k log-probs (the largest |stored - given| log-prob).
     """
 
     index: int
@@ -155,18 +156,39 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     for name in spec.sequence_names():
         arrays[name] = _encode_array(spec, name, [np.asarray(item[name]) for item in sequences], lossy,
                                      documents if spec.by_documents(name) else None)
-    if spec.logits == "topk":
+    if spec.logits == "topk" and spec.topk_values == "fp16":
         _check_topk(spec, arrays["logits/topk_values"], arrays["logits/topk_ids"])
     for name in set(VOCAB_IDS) & set(arrays):
         _check_ids(spec, name, arrays[name])
         arrays[name] = arrays[name].astype(spec.array_dtype(name))
-        if name in GAP_CODED:
-            if arrays[name].size and not (np.diff(arrays[name].astype(np.int64), axis=1) >= 0).all():
-                raise InvalidSequenceError(f"{name}: each token's ids must be non-decreasing (distinct ids in order, "
-                                           f"unused slots repeating the last)")
-            arrays[name] = to_gaps(arrays[name])
+    for name in filter(spec.gap_coded, spec.sequence_names()):
+        arrays[name] = _gaps(name, arrays[name])
     # A seq2seq shard's token count is both streams' tokens: what its bytes are spread over.
     return EncodedShard(index, start, stop, arrays, int(sum(sum(n.values()) for n in lengths)), lossy)
+
+
+def _gaps(name: str, rows: np.ndarray) -> np.ndarray:
+    """Rows non-decreasing along k, stored as gaps (``layout.to_gaps``); a row that decreases is refused."""
+    if rows.size and not (np.diff(rows.astype(np.int64), axis=1) >= 0).all():
+        what = "log-probs must be sorted descending" if name == "logits/topk_values" else \
+            "ids must be non-decreasing (distinct ids in order, unused slots repeating the last)"
+        raise InvalidSequenceError(f"{name}: each token's {what}")
+    return to_gaps(rows)
+
+
+def _logprobs(spec: CacheSpec, name: str, flat: np.ndarray, lossy: dict[str, dict[str, float]]) -> np.ndarray:
+    """Top-k log-probabilities ``[T, k]`` (float, <= 0) as uint16 multiples of ``spec.logprob_step``, with the
+    largest error recorded; those below ``-65535 * step`` (far under any top-k's tail) are clipped and counted."""
+    values, step = flat.astype(np.float32), spec.logprob_step
+    if values.size and not (values.max() <= step / 2 and not np.isnan(values).any()):
+        raise InvalidSequenceError(f"{name}: expected log-probabilities (<= 0) for topk_values logprob, got values "
+                                   f"up to {np.nanmax(values) if not np.isnan(values).all() else 'nan'}")
+    q = np.minimum(np.rint(-values / step), 65535)
+    error = np.abs(q * -step - values)
+    clipped = q == 65535
+    lossy[name] = {"step": step, "max_abs_error": float(error[~clipped].max(initial=0.0)),
+                   "clipped": int(clipped.sum())}
+    return q.astype(np.uint16)
 
 
 def _documents(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]]) -> list[list[int]] | None:
@@ -219,4 +241,6 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
         return flat  # range-checked and narrowed once the whole shard is known
     if name == "logits/sample_counts":
         return _integer_tokens(name, flat, spec.array_dtype(name))
+    if name == "logits/topk_values" and spec.topk_values == "logprob":
+        return _logprobs(spec, name, flat, lossy)
     return _float_target(spec, name, flat, lossy)

@@ -18,8 +18,6 @@ from functools import lru_cache
 
 import numpy as np
 
-GAP_CODED = ("logits/sample_ids",)  # rows of non-decreasing ids, stored as the first id and then the gaps
-
 
 def to_gaps(ids: np.ndarray) -> np.ndarray:
     """``[T, N]`` rows of non-decreasing ids -> each row's first id, then the gaps between neighbours (small numbers
@@ -27,9 +25,12 @@ def to_gaps(ids: np.ndarray) -> np.ndarray:
     return np.diff(ids, axis=1, prepend=np.zeros((ids.shape[0], 1), dtype=ids.dtype)) if ids.size else ids
 
 
-def decode_rows(name: str, rows: np.ndarray) -> np.ndarray:
-    """Rows as a reader returns them: gap-coded arrays summed back into ids, anything else as stored."""
-    return np.cumsum(rows, axis=1, dtype=rows.dtype) if name in GAP_CODED and rows.size else rows
+def decode_rows(rows: np.ndarray, *, gaps: bool, logprob_step: float = 0.0) -> np.ndarray:
+    """Rows as a reader returns them: gaps summed back (``gaps``), and quantised log-probs (``logprob_step`` > 0)
+    turned back into float32 log-probabilities ``-q * step``; anything else as stored."""
+    if gaps and rows.size:
+        rows = np.cumsum(rows, axis=1, dtype=np.uint32 if logprob_step else rows.dtype)
+    return rows.astype(np.float32) * np.float32(-logprob_step) if logprob_step else rows
 
 
 def document_lengths(position_ids: np.ndarray) -> list[int]:

@@ -197,9 +197,14 @@ def summarize_arrays(spec: CacheSpec, records: list[ShardRecord]) -> dict[str, d
             entry["stored_bytes"] += info["stored_bytes"]
             entry["decoded_bytes"] += info["decoded_bytes"]
         for name, err in record.lossy.items():
-            worst = summary[name].setdefault("lossy", dict(err))
-            for key in ("max_abs_error", "max_rel_error"):
+            worst = summary[name].get("lossy")
+            if worst is None:
+                summary[name]["lossy"] = dict(err)
+                continue
+            for key in set(err) & {"max_abs_error", "max_rel_error"}:
                 worst[key] = max(worst[key], err[key])
+            if "clipped" in err:  # quantised log-probs below the range: counted over the shards
+                worst["clipped"] += err["clipped"]
     return summary
 
 

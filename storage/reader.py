@@ -39,6 +39,12 @@ def default_decode_threads() -> int:
 Fetch = Callable[[str, int, int], np.ndarray]  # (array name, start row, stop row) -> decoded rows
 
 
+def _decoded(spec: CacheSpec, name: str, rows: np.ndarray) -> np.ndarray:
+    """Stored rows as readers return them (gaps summed, quantised log-probs as float32)."""
+    step = spec.logprob_step if name == "logits/topk_values" else 0.0
+    return decode_rows(rows, gaps=spec.gap_coded(name), logprob_step=step)
+
+
 def _sequence(spec: CacheSpec, names: list[str], fetch: Fetch, offsets: dict[str, np.ndarray],
               local: int) -> dict[str, np.ndarray]:
     """Cut one sequence out of a shard's flat arrays.
@@ -240,7 +246,8 @@ class CacheReader:
         needed = {self.spec.offsets_name(n) for n in wanted}
         needed |= {self.spec.offsets_name(self.spec.ids_name(s)) for s in self.spec.streams}  # attention lengths
         offsets = {name: handle.read(name, local, local + 2) for name in needed}
-        return _sequence(self.spec, wanted, lambda name, a, b: decode_rows(name, handle.read(name, a, b)), offsets, 0)
+        return _sequence(self.spec, wanted, lambda name, a, b: _decoded(self.spec, name, handle.read(name, a, b)),
+                         offsets, 0)
 
     __getitem__ = get
 
@@ -251,7 +258,7 @@ class CacheReader:
         start, stop = self.spec.shard_range(index)
         names = [*self.spec.offset_arrays(), *wanted]
         handle.prefetch(names)  # an object store: every file of the read in one round of requests
-        decoded = dict(zip(names, self._map(lambda name: decode_rows(name, handle.read(name)), names)))
+        decoded = dict(zip(names, self._map(lambda name: _decoded(self.spec, name, handle.read(name)), names)))
         offsets = {name: decoded[name] for name in self.spec.offset_arrays()}
         arrays = {name: decoded[name] for name in wanted}
         main = self.spec.streams[-1]  # the decoder of a seq2seq cache: the stream logits live on

@@ -63,6 +63,9 @@ TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
 SAMPLED_NAMES = ("logits/sample_ids", "logits/sample_counts", "logits/sample_logp")
 LOGIT_ARRAYS: dict[str | None, tuple[str, ...]] = {None: (), "full": ("logits/full",), "topk": TOPK_NAMES,
                                                    "sampled": SAMPLED_NAMES, "head": ()}
+# How top-k values are stored: fp16 logits (with the logsumexp beside them), or log-probabilities quantised to
+# multiples of logprob_step as uint16, non-decreasing along k in -logp and so gap-coded; no logsumexp needed.
+TOPK_VALUE_FORMATS = ("fp16", "logprob")
 VOCAB_IDS = ("logits/topk_ids", "logits/sample_ids")  # stored in the smallest unsigned type holding V-1
 PER_SEQUENCE_FIXED = ("input_ids",)
 # Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
@@ -118,6 +121,8 @@ class CacheSpec:
     dtype: str = "fp16"
     codec: Any = None  # None: the backend's default (see default_codecs)
     topk_codec: Any = None
+    topk_values: str = "fp16"  # of TOPK_VALUE_FORMATS; left out of to_dict() when fp16 (older manifests)
+    logprob_step: float = 0.0  # "logprob": the quantisation step; every stored log-prob is within step/2
     bitround: int | None = None
     sequences_per_shard: int = 256
     token_arrays: tuple[str, ...] = ()  # of TOKEN_ARRAYS, stored for every stream; absent before format 4
@@ -156,6 +161,10 @@ class CacheSpec:
             raise SpecError(f"logits={self.logits!r} needs vocab_size >= 1, got {self.vocab_size}")
         if self.logits == "topk" and not 1 <= self.top_k <= self.vocab_size:
             raise SpecError(f"top_k must be in 1..vocab_size ({self.vocab_size}), got {self.top_k}")
+        if self.topk_values not in TOPK_VALUE_FORMATS or (self.topk_values == "logprob") != (
+                self.logits == "topk" and self.logprob_step > 0):
+            raise SpecError(f"topk_values {self.topk_values!r} (logprob_step {self.logprob_step}): expected fp16, or "
+                            f"logprob with top-k logits and a step > 0")
         if self.logits == "sampled" and not (1 <= self.samples <= 255 and self.sample_temperature > 0):
             raise SpecError(f"sampled logits need 1..255 samples and a temperature > 0, got {self.samples} at "
                             f"{self.sample_temperature}")
@@ -278,7 +287,16 @@ class CacheSpec:
             names += [prefixed(stream, f"hidden/{j}") for j in hidden]
             names += [prefixed(stream, f"attention/{j}") for j in attention]
         names += [f"{CROSS}/{j}" for j in self.cross_attention_layers]
-        return names + list(LOGIT_ARRAYS[self.logits])
+        return names + self.logit_arrays()
+
+    def logit_arrays(self) -> list[str]:
+        """The per-token logit arrays of this cache (a log-prob top-k cache needs no logsumexp)."""
+        names = list(LOGIT_ARRAYS[self.logits])
+        return [n for n in names if n != "logits/lse"] if self.topk_values == "logprob" else names
+
+    def gap_coded(self, name: str) -> bool:
+        """Whether ``name`` holds rows non-decreasing along the last axis, stored as the first value and the gaps."""
+        return name == "logits/sample_ids" or (name == "logits/topk_values" and self.topk_values == "logprob")
 
     def array_names(self) -> list[str]:
         """Every array each shard holds (per-sequence names plus the offsets arrays)."""
@@ -302,6 +320,8 @@ class CacheSpec:
             return topk_id_dtype(self.vocab_size)
         if name == "logits/sample_counts":
             return np.dtype(np.uint8)
+        if name == "logits/topk_values" and self.topk_values == "logprob":
+            return np.dtype(np.uint16)
         return storage_dtype(self.dtype)
 
     def codec_for(self, name: str) -> dict[str, Any]:
@@ -355,6 +375,8 @@ class CacheSpec:
         if not self.is_encoder_decoder:
             for key in ("layout", *SEQ2SEQ_FIELDS):
                 del out[key]
+        if self.topk_values == "fp16":  # what earlier writers wrote; a reader that predates logprob refuses those
+            del out["topk_values"], out["logprob_step"]
         for key, value in out.items():
             if isinstance(value, tuple):
                 out[key] = list(value)

@@ -225,8 +225,11 @@ class ArrowBackend(Backend):
         for name in spec.sequence_names():
             offsets = arrays[spec.offsets_name(name)]
             columns.append(_column(arrays[name], offsets))
-            is_float = spec.is_lossy_kind(name) or name == "logits/topk_values"
+            values = name == "logits/topk_values"
+            is_float = spec.is_lossy_kind(name) or (values and spec.topk_values == "fp16")
             meta = {"kdcache_dtype": spec.dtype} if is_float else None  # tells plain users uint16 means bf16
+            if values and spec.topk_values == "logprob":  # and that these are gaps of -log-prob / step
+                meta = {"kdcache_logprob_step": str(spec.logprob_step)}
             fields.append(pa.field(name, columns[-1].type, nullable=False, metadata=meta))
             info[name] = {"shape": list(arrays[name].shape), "dtype": arrays[name].dtype.name, "files": [path],
                           "decoded_bytes": int(arrays[name].nbytes), "crc32c": column_crc(offsets, arrays[name])}

@@ -67,6 +67,9 @@ def make_sequences(spec: CacheSpec, lengths: list[int], seed: int = 0) -> list[d
             item["logits/topk_values"] = -np.sort(-values, axis=1)
             item["logits/topk_ids"] = rng.integers(0, spec.vocab_size, (length, spec.top_k))
             item["logits/lse"] = rng.normal(size=length).astype(np.float32)
+            if spec.topk_values == "logprob":  # log-probabilities, no logsumexp
+                item["logits/topk_values"] = np.sort(np.log(rng.random((length, spec.top_k))), axis=1)[:, ::-1]
+                del item["logits/lse"]
         out.append(item)
     return out
 
@@ -77,7 +80,9 @@ def expected(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarr
     for name in spec.token_arrays:
         out[name] = item[name].astype(spec.array_dtype(name))
     for name, value in item.items():
-        if name.startswith("hidden/") or name in ("logits/full", "logits/topk_values", "logits/sample_logp"):
+        if name == "logits/topk_values" and spec.topk_values == "logprob":  # multiples of the step
+            out[name] = np.rint(-value / spec.logprob_step).astype(np.float32) * np.float32(-spec.logprob_step)
+        elif name.startswith("hidden/") or name in ("logits/full", "logits/topk_values", "logits/sample_logp"):
             out[name] = stored(spec, value)
         elif name.startswith("attention/"):
             attn = value if spec.attention_heads is None else value[list(spec.attention_heads)]
@@ -87,7 +92,8 @@ def expected(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarr
             out[name] = stored(spec, np.tril(attn) if spec.attention_triangle else attn)
     if spec.logits == "topk":
         out["logits/topk_ids"] = item["logits/topk_ids"]
-        out["logits/lse"] = item["logits/lse"]
+        if "logits/lse" in item:
+            out["logits/lse"] = item["logits/lse"]
     if spec.logits == "sampled":
         out["logits/sample_ids"] = item["logits/sample_ids"]
         out["logits/sample_counts"] = item["logits/sample_counts"].astype(np.uint8)
@@ -147,8 +153,9 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
         dict(logits=None, token_arrays=("position_ids",), attention_triangle=True, attention_heads=(1, 2)),
         dict(logits="sampled", samples=6, sample_temperature=2.0, token_arrays=("loss_mask",)),
         dict(logits="head", attention_layers=()),
+        dict(logits="topk", topk_values="logprob", logprob_step=0.02, token_arrays=("loss_mask",)),
     ], ids=["full-square-fp16", "topk-triangle-heads-bf16", "topk-headsubset-othercodecs", "token-arrays",
-            "documents-triangle", "sampled", "head"])
+            "documents-triangle", "sampled", "head", "topk-logprob"])
     def test_every_target_round_trips_bit_exact(self, tmp_path, options):
         spec = self.spec(**options)
         seqs = self.build(tmp_path, spec)
@@ -300,6 +307,26 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
         rows = self.read_plainly(tmp_path, 1, "attention/1", 1)  # [L(L+1)/2, H]
         q, k = np.tril_indices(len(seqs[4]["input_ids"]))
         np.testing.assert_array_equal(rows.T, want["attention/1"][:, q, k])
+
+    def test_quantised_logprobs_record_their_error_and_refuse_logits(self, tmp_path):
+        spec = self.spec(logits="topk", topk_values="logprob", logprob_step=0.02)
+        assert "logits/lse" not in spec.sequence_names() and spec.array_dtype("logits/topk_values") == np.uint16
+        seqs = self.build(tmp_path, spec)
+        manifest = json.loads((tmp_path / "manifest.json").read_text())
+        for shard in manifest["shards"]:
+            error = shard["lossy"]["logits/topk_values"]
+            assert error["step"] == 0.02 and 0 < error["max_abs_error"] <= 0.01 and error["clipped"] == 0
+        got = CacheReader(tmp_path)[2]["logits/topk_values"]
+        assert np.abs(got - seqs[2]["logits/topk_values"]).max() <= 0.01 + 1e-6
+        assert "topk_values" not in self.spec(logits="topk").to_dict()  # fp16 manifests stay as they were
+        item = make_sequences(spec, [3])[0]
+        item["logits/topk_values"] = item["logits/topk_values"] + 5.0  # logits, not log-probs
+        one = self.spec(num_sequences=1, logits="topk", topk_values="logprob", logprob_step=0.02)
+        with pytest.raises(InvalidSequenceError, match="expected log-probabilities"), \
+                CacheWriter(tmp_path / "logits", one, FINGERPRINTS) as writer:
+            writer.write_shard(0, [item])
+        with pytest.raises(SpecError, match="topk_values 'logprob'"):
+            self.spec(logits="full", topk_values="logprob", logprob_step=0.02)
 
     # ---- typed errors --------------------------------------------------------------------------------
     def test_typed_errors_for_bad_input(self, tmp_path):
