@@ -26,10 +26,11 @@ from kdcache.stages.train.eval_records import read_evals  # noqa: E402
 from tests.helpers.tiny_models import make_tiny_gpt2, sample_texts, write_text_dataset  # noqa: E402
 
 MODES = {"full": ["--logits", "full"], "top-64": ["--top-k", "64"], "top-128": ["--top-k", "128"],
+         "top-128 log-probs": ["--top-k", "128", "--topk-values", "logprob"],
          "sampled:12": ["--logits", "sampled:12"], "head": ["--logits", "head"]}
 
 
-def run(root: Path, steps: int) -> dict[str, dict[str, float]]:
+def run(root: Path, steps: int, modes: list[str]) -> dict[str, dict[str, float]]:
     teacher = make_tiny_gpt2(root / "teacher", layers=4, hidden=64, vocab_size=2000, positions=256,
                              initializer_range=0.3)
     train = write_text_dataset(root / "train.jsonl", sample_texts(600, seed=1))
@@ -40,7 +41,8 @@ def run(root: Path, steps: int) -> dict[str, dict[str, float]]:
     assert kdcache(["init-student", "--teacher", str(teacher), "--layers", "2,4", "--out",
                     str(root / "student")]) == 0
     results = {}
-    for name, flags in MODES.items():
+    for name in modes:
+        flags = MODES[name]
         cache, out = root / f"cache-{name}", root / f"run-{name}"
         assert kdcache(["precompute", *common, "--data", str(train), "--out", str(cache), *flags]) == 0
         assert kdcache(["train", "--cache", str(cache), "--student", str(root / "student"), "--out", str(out),
@@ -56,13 +58,14 @@ def run(root: Path, steps: int) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kdcache-quality-") as tmp:
-        results = run(Path(tmp), args.steps)
-    print(f"{'mode':<12} {'held-out KL':>12} {'top-1':>7} {'cache MiB':>10}")
+        results = run(Path(tmp), args.steps, args.modes.split(","))
+    print(f"{'mode':<18} {'held-out KL':>12} {'top-1':>7} {'cache MiB':>10}")
     for name, row in sorted(results.items(), key=lambda kv: kv[1]["heldout_kl"]):
-        print(f"{name:<12} {row['heldout_kl']:>12.4f} {row['top1_agreement']:>7.3f} {row['cache_bytes'] / 2**20:>10.2f}")
+        print(f"{name:<18} {row['heldout_kl']:>12.4f} {row['top1_agreement']:>7.3f} {row['cache_bytes'] / 2**20:>10.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

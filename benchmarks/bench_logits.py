@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.bench
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kdcache.stages.precompute.logit_head import logit_targets  # noqa: E402
+from kdcache.stages.precompute.logit_head import as_logprobs, logit_targets  # noqa: E402
+from kdcache.stages.precompute.targets import STEP_PER_TOLERANCE  # noqa: E402
 from kdcache.stages.train.losses import kd_kl, sampled_kl  # noqa: E402
 from kdcache.storage import CacheSpec, CacheWriter, read_manifest  # noqa: E402
 
@@ -104,6 +106,20 @@ def stored_bytes(arrays: dict[str, np.ndarray], spec_kwargs: dict[str, Any]) -> 
     return logit_bytes / total
 
 
+def logprob_row(kept: dict[str, torch.Tensor], exact: torch.Tensor, k: int, vocab: int,
+                step: float = 0.01 * STEP_PER_TOLERANCE) -> dict[str, Any]:
+    """Top-k as ``--topk-values logprob``: quantised log-probs (error against the exact fp32 log-softmax, as the
+    reader returns them) and the ids; plus the information floor of k ordered ids drawn uniformly from V."""
+    logp = as_logprobs(kept)
+    stored = np.rint(-logp["logits/topk_values"].numpy() / step).astype(np.float32) * np.float32(-step)
+    error = np.abs(stored - exact.gather(1, kept["logits/topk_ids"].long()).numpy()).max()
+    floor = sum(math.log2(vocab - i) for i in range(k)) / 8
+    return {"mode": f"top-{k} (log-probs, tolerance 0.01)", "bytes_per_token": stored_bytes(
+        {n: v.numpy() for n, v in logp.items()}, {"logits": "topk", "top_k": k, "vocab_size": vocab,
+                                                  "topk_values": "logprob", "logprob_step": step}),
+        "max_abs_dlogprob": float(error), "uniform_ids_floor_bytes": floor}
+
+
 def modes(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> list[dict[str, Any]]:
     """One row per mode: bytes/token and fidelity."""
     vocab = logits.shape[1]
@@ -116,6 +132,7 @@ def modes(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> l
         arrays = {n: v.numpy() for n, v in kept.items()}
         rows.append({"mode": f"top-{k} (fp16 values)", "bytes_per_token": stored_bytes(
             arrays, {"logits": "topk", "top_k": k, "vocab_size": vocab}), "max_abs_dlogprob": float(error)})
+        rows.append(logprob_row(kept, exact, k, vocab))
     student = logits[torch.randperm(len(logits), generator=torch.Generator().manual_seed(2))]  # a fixed "student"
     true_kl = float(kd_kl(student[None], logits[None], torch.ones(1, len(logits)), 1.0))
     drawn = logit_targets(logits, "sampled", 0, samples=12, generator=torch.Generator().manual_seed(3))

@@ -36,7 +36,7 @@ from kdcache.stages.precompute.data import (
     tokenize_pairs,
 )
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.logit_head import logit_targets
+from kdcache.stages.precompute.logit_head import as_logprobs, logit_targets
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
@@ -206,17 +206,23 @@ class OutputCapture:
             kept.update({f"{stream}/attention/{j}": getattr(out, f"{stream}_attentions")[j - 1]
                          for j in layers.attention})
         kept.update({f"cross_attention/{j}": out.cross_attentions[j - 1] for j in t.cross_attention})
-        kept.update(logit_targets(out.logits, t.logits, t.top_k))
+        logits = logit_targets(out.logits, t.logits, t.top_k)
+        kept.update(as_logprobs(logits) if t.logprob_step else logits)
         return kept
 
     def _check_range(self, kept: dict[str, torch.Tensor]) -> None:
         """Refuse the first target beyond float16's range, naming it (one host sync for all of them)."""
         if self.dtype_name == "fp16":
             check_ranges({n: max_abs(v) for n, v in kept.items()
-                          if v.is_floating_point() and n != "logits/lse" and v.numel()})
+                          if v.is_floating_point() and n not in self._exact and v.numel()})
+
+    @property
+    def _exact(self) -> tuple[str, ...]:
+        """Arrays handed to storage as computed: ids, the fp32 logsumexp, log-probs that storage quantises."""
+        return ("logits/topk_ids", "logits/lse", *(("logits/topk_values",) if self.targets.logprob_step else ()))
 
     def _to_storage(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        if name in ("logits/topk_ids", "logits/lse"):
+        if name in self._exact:
             return value
         return to_storage_dtype(value, self.dtype_name)
 

@@ -32,7 +32,7 @@ import torch
 
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.logit_head import ChunkedHead, logit_targets
+from kdcache.stages.precompute.logit_head import ChunkedHead, as_logprobs, logit_targets
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
 from kdcache.storage.streams import ragged_streams
@@ -242,9 +242,12 @@ class FeatureCapture:
         self._out[f"attention/{j}"] = to_storage_dtype(probs, self.dtype_name)
 
     def _keep_logits(self, kept: dict[str, torch.Tensor]) -> None:
-        """Top-k or full logits (``logit_targets``), still padded: range recorded, values in the storage dtype."""
+        """Top-k or full logits (``logit_targets``), still padded: range recorded, values in the storage dtype
+        (or, for ``--topk-values logprob``, fp32 log-probs that storage quantises)."""
+        if self.targets.logprob_step:
+            kept = as_logprobs(kept)
         for name in ("logits/full", "logits/topk_values", "logits/sample_logp"):
-            if name in kept:
+            if name in kept and not (name == "logits/topk_values" and self.targets.logprob_step):
                 self._keep_range(name, kept[name])
                 kept[name] = to_storage_dtype(kept[name], self.dtype_name)
         self._out.update(kept)

@@ -64,6 +64,16 @@ def logit_targets(logits: Any, kind: str | None, top_k: int, *, samples: int = 0
             "logits/lse": torch.logsumexp(logits.float(), dim=-1)}
 
 
+def as_logprobs(kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Top-k values as fp32 log-probabilities (values minus the logsumexp), the logsumexp dropped: what a cache
+    with ``--topk-values logprob`` keeps (storage quantises them and records the error per shard)."""
+    if "logits/lse" not in kept:
+        return kept
+    out = {k: v for k, v in kept.items() if k != "logits/lse"}
+    out["logits/topk_values"] = kept["logits/topk_values"].float() - kept["logits/lse"][..., None]
+    return out
+
+
 def sample_logits(logits: torch.Tensor, samples: int, temperature: float,
                   generator: torch.Generator | None) -> dict[str, torch.Tensor]:
     """``samples`` draws with replacement from softmax(logits / T) per token, kept as distinct ids and counts.

@@ -166,6 +166,11 @@ class TargetOptions:
                                     "--sample-temperature, kept as distinct ids, counts and log-probs), or head "
                                     "(nothing per token: the last hidden layer plus a copy of the teacher's LM head, "
                                     "from which stage two computes exact logits)", aliases=["--logits"], metavar="MODE")
+    topk_values: str = _opt("fp16", "how --logits topk stores its values: fp16 (the logits, with their logsumexp) or "
+                                    "logprob (log-probabilities quantised to steps of twice --logprob-tolerance, "
+                                    "each shard recording its largest error; about a third of fp16's bytes)",
+                            choices=["fp16", "logprob"])
+    logprob_tolerance: float = _opt(0.01, "--topk-values logprob: the largest error of a stored log-probability")
     sample_temperature: float = _opt(1.0, "temperature of the teacher's softmax that --logits sampled:N draws from "
                                           "(stage two's KL then runs at this temperature)")
     encoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder hidden layers (0 = embeddings), 'all' or "
@@ -220,6 +225,13 @@ class TargetOptions:
         if self.full_logits and self.logits_mode != "topk":
             problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
                             f"keep one (--logits full is the same as --full-logits)")
+        if not 0 < self.logprob_tolerance <= 1:
+            problems.append(f"logprob_tolerance: got {self.logprob_tolerance}, expected a value in (0, 1]")
+        mode = "no" if self.features and "logits" not in self.features else \
+            "full" if self.full_logits else self.logits_mode.split(":")[0]
+        if self.topk_values == "logprob" and mode != "topk":
+            problems.append(f"topk_values: logprob stores top-k logits, and this run caches {mode} logits; drop "
+                            f"--topk-values, or cache top-k logits")
         if not self.sample_temperature > 0:
             problems.append(f"sample_temperature: got {self.sample_temperature}, must be > 0")
         return problems

@@ -26,6 +26,9 @@ from kdcache.storage.spec import ENCODER_DECODER, FORMAT_VERSION
 from kdcache.storage.streams import kind_of
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+# --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value
+# (within step/2 of the fp32 log-prob) stays within the tolerance of the exact one despite fp32 rounding (~1e-6).
+STEP_PER_TOLERANCE = 1.99
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Targets:
     cross_attention: tuple[int, ...] = field(default=())
     samples: int = 0  # logits "sampled": draws per token, at sample_temperature
     sample_temperature: float = 1.0
+    logprob_step: float = 0.0  # top-k values stored as log-probs quantised to this step (0: fp16 logits)
 
     @property
     def wants_hidden(self) -> bool:
@@ -154,8 +158,9 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
     if t.logits_kind == "topk" and t.top_k > vocab:
         raise PrecomputeError(f"top_k {t.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
     top_k = t.top_k if t.logits_kind == "topk" else 0
+    step = STEP_PER_TOLERANCE * t.logprob_tolerance if top_k and t.topk_values == "logprob" else 0.0
     return Targets(streams, heads, t.logits_kind, top_k, vocab, num_heads, causal, cross, t.samples,
-                   t.sample_temperature)
+                   t.sample_temperature, step)
 
 
 def _with_last_layer(streams: dict[str, StreamTargets], causal: bool, teacher: str) -> dict[str, StreamTargets]:
@@ -200,6 +205,7 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
         num_sequences=len(data), token_arrays=token_arrays, backend=storage.format, attention_heads=targets.heads,
         attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k, samples=targets.samples,
         sample_temperature=targets.sample_temperature, vocab_size=targets.vocab_size if targets.logits else 0,
+        topk_values="logprob" if targets.logprob_step else "fp16", logprob_step=targets.logprob_step,
         dtype=storage.dtype, codec=storage.codec_config, bitround=storage.bitround,
         sequences_per_shard=storage.sequences_per_shard, **layers)
 
@@ -220,6 +226,7 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
     return {**out, "heads": list(targets.heads) if targets.heads is not None else None,
             "features": list(options.targets.features), "top_k": targets.top_k, "logits": targets.logits,
             "samples": targets.samples, "sample_temperature": targets.sample_temperature,
+            **({"logprob_step": targets.logprob_step} if targets.logprob_step else {}),
             # Draws follow the seed, the batches and the head's chunks: a resume must form them alike.
             "sampling": {"seed": engine.seed, "batch_size": engine.batch_size, "logits_chunk": engine.logits_chunk}
             if targets.logits == "sampled" else None,

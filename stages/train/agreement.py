@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.train.losses import head_kl, kd_kl, sampled_kl, topk_kl
+from kdcache.stages.train.losses import cached_topk, head_kl, kd_kl, sampled_kl, topk_kl
 from kdcache.stages.train.losses._common import LOSS_CHUNK
 from kdcache.stages.train.masks import TokenMasks
 
@@ -175,8 +175,8 @@ class LmStats:
                               temperature=self.sample_temperature) / self.sample_temperature**2
         # The other-bucket form puts the teacher's tail mass in one bucket: a true KL over a coarsened
         # vocabulary, unlike the renormalised form, which ignores the tail altogether.
-        return topk_kl(logits, targets["logits/topk_values"], targets["logits/topk_ids"], mask,
-                       targets["logits/lse"], variant="other", temperature=1.0)
+        values, ids, lse = cached_topk(targets)
+        return topk_kl(logits, values, ids, mask, lse, variant="other", temperature=1.0)
 
     def result(self) -> dict[str, Any]:
         """``perplexity``, and with teacher logits ``top1_agreement`` and ``kl`` (nats per valid token)."""

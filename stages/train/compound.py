@@ -30,6 +30,7 @@ from kdcache.stages.train.losses import (
     TOPK_VARIANTS,
     CriticTrainer,
     LossError,
+    cached_topk,
     causal_ce,
     get_loss,
     head_kl,
@@ -175,8 +176,8 @@ class CompoundLoss(nn.Module):
             terms["sampled_kl"] = sampled_kl(logits, targets["logits/sample_ids"], targets["logits/sample_counts"],
                                              targets["logits/sample_logp"], mask, self.temperature)
             return
-        values, ids = _target(targets, "logits/topk_values"), _target(targets, "logits/topk_ids")
-        lse = targets.get("logits/lse")
+        _target(targets, "logits/topk_values"), _target(targets, "logits/topk_ids")  # named errors if absent
+        values, ids, lse = cached_topk(targets)
         terms["topk_kl"] = topk_kl(
             logits, values, ids, mask, lse, variant=self.topk_variant, temperature=self.temperature
         )

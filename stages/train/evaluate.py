@@ -38,7 +38,6 @@ from kdcache.stages.train.streaming import collate, to_device
 from kdcache.storage import CacheReader
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.files import read_json_object
-from kdcache.storage.spec import LOGIT_ARRAYS
 from kdcache.storage.streams import prefixed
 
 Pair = tuple[int, int]
@@ -160,7 +159,7 @@ class _EvalState:
         self.notes: list[str] = []
         self.names = spec.token_names()
         self.names += [prefixed(s, f"hidden/{j}") for s, layers in cached.items() for j in layers]
-        self.names += _logit_names(spec.logits) if self.lm is not None else []
+        self.names += spec.logit_arrays() if self.lm is not None else []
         _check_inputs(reader, facts, self.final, cached[self.main], self.kind, self.notes)
 
     def update(self, out: Any, batch: dict[str, torch.Tensor]) -> None:
@@ -198,10 +197,6 @@ def _teacher_head(reader: CacheReader) -> Any:
     from kdcache.stages.train.teacher_head import load_teacher_head
 
     return load_teacher_head(reader.store)
-
-
-def _logit_names(logits: str | None) -> list[str]:
-    return list(LOGIT_ARRAYS[logits])
 
 
 def _check_inputs(reader: CacheReader, facts: Any, final: int | None, cached: list[int], kind: str,

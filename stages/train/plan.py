@@ -32,7 +32,6 @@ from kdcache.stages.train.checks import (
 from kdcache.stages.train.layer_maps import LayerMap
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
-from kdcache.storage.spec import LOGIT_ARRAYS
 from kdcache.storage.streams import CROSS, prefixed
 
 
@@ -176,7 +175,7 @@ def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None) ->
     names = spec.token_names()  # ids, and the loss masks and document positions that decide what counts
     for group, group_pairs in pairs.items():
         names += [f"{group}/{t}" for t in sorted({t for _, t in group_pairs})]
-    names += LOGIT_ARRAYS[logits]
+    names += spec.logit_arrays() if logits else []
     if logits == "head":  # the head's input: the last layer, which a head-mode cache always holds
         # Head mode is for one-stream (decoder-only) caches, whose last layer is the deepest one kept (stage one
         # always keeps it; the loop checks the head's own record against it).

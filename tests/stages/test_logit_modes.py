@@ -104,6 +104,60 @@ def test_head_mode_needs_a_decoder_only_lm(tiny_bert: Path, tmp_path: Path, caps
     assert "logits head: only for decoder-only causal LMs" in capsys.readouterr().err
 
 
+def test_logprob_topk_is_within_its_tolerance_and_trains_like_fp16(tiny_llama: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from kdcache.stages.train.losses import cached_topk, topk_kl
+
+    full = _batch(_cache(tmp_path, tiny_llama, "full", full_logits=True))
+    fp16 = _batch(_cache(tmp_path, tiny_llama, "fp16", top_k=16))
+    reader = _cache(tmp_path, tiny_llama, "logprob", top_k=16, topk_values="logprob", logprob_tolerance=0.005)
+    assert reader.spec.topk_values == "logprob" and reader.spec.logprob_step == pytest.approx(0.00995)
+    assert "logits/lse" not in reader.spec.sequence_names()
+    for shard in reader.manifest.shards:  # the writer's own measure, against the exact fp32 log-probs
+        assert 0 < shard.lossy["logits/topk_values"]["max_abs_error"] <= 0.005
+    batch, valid = _batch(reader), full["mask"].bool()
+    exact = torch.log_softmax(full["logits/full"].float(), -1)  # fp16 logits: within fp16 rounding of exact
+    want = exact.gather(-1, batch["logits/topk_ids"].long())[valid]
+    assert (batch["logits/topk_values"][valid] - want).abs().max() <= 0.005 + 0.02
+    assert torch.equal(batch["logits/topk_ids"], fp16["logits/topk_ids"])
+    student = AutoModelForCausalLM.from_pretrained(str(make_tiny_llama(tmp_path / "student", seed=4))).eval()
+    with torch.no_grad():
+        logits = student(input_ids=batch["input_ids"], attention_mask=batch["mask"]).logits
+        for variant, temperature in (("renorm", 2.0), ("other", 1.0)):
+            got = topk_kl(logits, *cached_topk(batch)[:2], batch["mask"], cached_topk(batch)[2], variant=variant,
+                          temperature=temperature)
+            ref = topk_kl(logits, *cached_topk(fp16)[:2], fp16["mask"], cached_topk(fp16)[2], variant=variant,
+                          temperature=temperature)
+            assert float(got) == pytest.approx(float(ref), rel=2e-2, abs=1e-3), variant
+
+
+def test_training_and_eval_on_a_logprob_cache(tiny_llama: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    _cache(tmp_path, tiny_llama, "cache", top_k=16, topk_values="logprob", sequences_per_shard=6)
+    run = tmp_path / "run"
+    assert main(["train", "--cache", str(tmp_path / "cache"), "--student", str(tiny_llama), "--out", str(run),
+                 "--max-steps", "2", "--batch-size", "4", "--gamma", "0", "--topk-kl", "other", "--temperature", "1",
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--cache", str(tmp_path / "cache"), "--run", str(run), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    _cache(tmp_path, tiny_llama, "fp16", top_k=16)  # the same run scored on the fp16 cache of the same data
+    assert main(["eval", "--cache", str(tmp_path / "fp16"), "--run", str(run), "--json"]) == 0
+    fp16 = json.loads(capsys.readouterr().out)
+    assert result["kl"] == pytest.approx(fp16["kl"], rel=1e-2, abs=1e-3)
+    assert result["top1_agreement"] == fp16["top1_agreement"]
+
+
+def test_logprob_values_need_topk_logits(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    data = write_text_dataset(tmp_path / "d.jsonl", sample_texts(4))
+    assert main(["precompute", "--teacher", str(tiny_llama), "--data", str(data), "--out", str(tmp_path / "c"),
+                 "--full-logits", "--topk-values", "logprob", "--logprob-tolerance", "0", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "topk_values: logprob stores top-k logits, and this run caches full logits" in err
+    assert "logprob_tolerance: got 0.0, expected a value in (0, 1]" in err and not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_the_sampled_kl_is_unbiased(temperature: float) -> None:
     """Stage one's sampler and stage two's estimator together: the mean over many draws is the exact KL, on a small

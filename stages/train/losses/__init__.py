@@ -23,6 +23,7 @@ from kdcache.stages.train.losses.errors import KdcacheError, LayerMapError, Loss
 from kdcache.stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
 from kdcache.stages.train.losses.logits import (
     TOPK_VARIANTS,
+    cached_topk,
     causal_ce,
     head_kl,
     kd_kl,
@@ -79,6 +80,7 @@ __all__ = [
     "LayerMapError",
     "LossError",
     "attention_kl",
+    "cached_topk",
     "causal_ce",
     "cka_loss",
     "cka_sqrt_loss",

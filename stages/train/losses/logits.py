@@ -7,7 +7,7 @@ a softmax (garbage there cannot leak in) and the float32 copy is ``[N_v, V]``, n
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -191,6 +191,17 @@ def topk_kl(
             raise LossError("the 'other' top-k KL needs the cached logsumexp (logits/lse)")
         return topk_kl_other(student_logits, topk_values, topk_ids, lse, mask, temperature=temperature)
     raise LossError(f"unknown top-k KL variant {variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
+
+
+def cached_topk(targets: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A top-k cache's teacher as ``topk_kl`` takes it: ``(values [B, L, k], ids [B, L, k], lse [B, L])``.
+
+    fp16 caches store the logits and their logsumexp; log-prob caches (``--topk-values logprob``) store
+    log-probabilities, whose logsumexp is 0. Both variants of ``topk_kl`` then read either alike (``renorm`` is
+    blind to a per-token shift; ``other`` takes ``exp(value - lse)``).
+    """
+    values, lse = targets["logits/topk_values"], targets.get("logits/lse")
+    return values, targets["logits/topk_ids"], values.new_zeros(values.shape[:-1]) if lse is None else lse
 
 
 def topk_kl_renorm(
