@@ -30,17 +30,18 @@ def leaves(cls: type) -> Iterator[tuple[str | None, type, dataclasses.Field]]:
 
 
 def nest(cls: type, flat: dict[str, Any]) -> dict[str, Any]:
-    """Route flat ``{leaf: value}`` to ``{group: {leaf: value}}`` (unchanged for a flat class); a value given
-    as a whole group mapping (``loss: {gamma: 0.5}``, as YAML may nest it) is merged into that group."""
-    group_of = {f.name: group for group, _, f in leaves(cls)}
-    if groups(cls) is None:
+    """Route flat ``{leaf: value}`` to ``{group: {leaf: value}}`` (unchanged for a flat class).
+
+    Raises:
+        KeyError: a key that is no option of ``cls`` (``pipeline.config`` reports those first).
+    """
+    names = groups(cls)
+    if names is None:
         return dict(flat)
-    nested: dict[str, dict[str, Any]] = {name: {} for name in groups(cls) or {}}
+    group_of = {f.name: group for group, _, f in leaves(cls)}
+    nested: dict[str, dict[str, Any]] = {name: {} for name in names}
     for key, value in flat.items():
-        if key in nested and isinstance(value, dict):
-            nested[key].update(value)
-        else:
-            nested[str(group_of[key])].setdefault(key, value)  # KeyError: an unknown key (checked first)
+        nested[str(group_of[key])][key] = value
     return nested
 
 

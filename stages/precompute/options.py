@@ -168,7 +168,7 @@ class TargetOptions:
                                     "from which stage two computes exact logits)", aliases=["--logits"], metavar="MODE")
     topk_values: str = _opt("fp16", "how --logits topk stores its values: fp16 (the logits, with their logsumexp) or "
                                     "logprob (log-probabilities quantised to steps of twice --logprob-tolerance, "
-                                    "each shard recording its largest error; about a third of fp16's bytes)",
+                                    "each shard recording its largest error; a quarter fewer bytes at top-128)",
                             choices=["fp16", "logprob"])
     logprob_tolerance: float = _opt(0.01, "--topk-values logprob: the largest error of a stored log-probability")
     sample_temperature: float = _opt(1.0, "temperature of the teacher's softmax that --logits sampled:N draws from "
