@@ -54,19 +54,27 @@ def flags(cls: type, *, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     """
     from transformers import HfArgumentParser  # here, not at import: `kdcache --help` of other commands stays fast
 
-    parser = HfArgumentParser(typing.cast(Any, _shadow(cls, skip)), add_help=False)
+    named = groups(cls)
+    parts: list[tuple[str | None, type]] = list(named.items()) if named else [(None, cls)]
+    shadows = [_shadow(group, owner, skip) for group, owner in parts]
+    parser = HfArgumentParser(typing.cast(Any, shadows), add_help=False)
     for action in parser._actions:
         _finish(action)
     return parser
 
 
-def _shadow(cls: type, skip: tuple[str, ...]) -> type:
-    """A flat copy of ``cls``'s options (every group's), since HfArgumentParser rewrites the types of the fields
-    it is given (``int | None`` becomes ``int``), which would change what pydantic later accepts for ``cls``."""
-    return dataclasses.make_dataclass(cls.__name__, [
-        (f.name, typing.get_type_hints(owner)[f.name],
+def _shadow(group: str | None, owner: type, skip: tuple[str, ...]) -> type:
+    """A copy of one option group's fields, since HfArgumentParser rewrites the types of the fields it is given
+    (``int | None`` becomes ``int``), which would change what pydantic later accepts for the options. A named
+    group gets its own section of the help (HfArgumentParser's ``_argument_group_name``)."""
+    hints = typing.get_type_hints(owner)
+    shadow = dataclasses.make_dataclass(owner.__name__, [
+        (f.name, hints[f.name],
          dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
-        for _, owner, f in leaves(cls) if f.name not in skip], kw_only=True)  # groups interleave required ones
+        for f in dataclasses.fields(owner) if f.name not in skip])
+    if group is not None:
+        shadow._argument_group_name = f"{group} options"  # type: ignore[attr-defined]
+    return shadow
 
 
 def _finish(action: argparse.Action) -> None:

@@ -109,7 +109,9 @@ class Grouped:
 def test_grouped_options_keep_flat_names_and_take_nested_yaml() -> None:
     opts = build(Grouped, {"out": "o", "loss": {"gamma": "0.5"}, "steps": "none"})
     assert opts == Grouped(Run("o", None), Loss(0.5, "mse"))
-    args = argparse.ArgumentParser(parents=[flags(Grouped)]).parse_args(["--out", "x", "--gamma", "2"])
+    parser = argparse.ArgumentParser(parents=[flags(Grouped)])
+    assert "run options:\n  --out OUT" in parser.format_help() and "loss options:\n  --gamma GAMMA" in parser.format_help()
+    args = parser.parse_args(["--out", "x", "--gamma", "2"])
     assert from_args(Grouped, args) == Grouped(Run("x"), Loss(2.0))
     with pytest.raises(ConfigError) as err:
         build(Grouped, {"gamma": "big", "kind": "l1", "colour": 1})
