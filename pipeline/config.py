@@ -60,7 +60,20 @@ def flags(cls: type, *, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     parser = HfArgumentParser(typing.cast(Any, shadows), add_help=False)
     for action in parser._actions:
         _finish(action)
+    _negations(parser)
     return parser
+
+
+def _negations(parser: argparse.ArgumentParser) -> None:
+    """``--no-X`` for every boolean ``--X``, the way to turn off a YAML ``true`` from the command line
+    (HfArgumentParser adds it only where the default is true)."""
+    for group in parser._action_groups:
+        for action in list(group._group_actions):
+            flag = action.option_strings[0] if action.option_strings else ""
+            negation = "--no-" + flag[2:]
+            if action.const is True and action.nargs == "?" and negation not in parser._option_string_actions:
+                group.add_argument(negation, dest=action.dest, action="store_false", default=argparse.SUPPRESS,
+                                   help=f"turn {flag} off")
 
 
 def _shadow(group: str | None, owner: type, skip: tuple[str, ...]) -> type:
@@ -149,7 +162,7 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
             findings.
     """
     fields = {f.name: (owner, f) for _, owner, f in leaves(cls)}
-    given = {str(k).replace("-", "_"): v for k, v in _spread(cls, values).items()}
+    given = {str(k).replace("-", "_"): v for k, v in flat_values(cls, values).items()}
     problems = [f"unknown key {where}{k!r}; known keys: {', '.join(sorted(fields))}" for k in given if k not in fields]
     given = {k: _prepare(fields[k][0], k, v) for k, v in given.items() if k in fields}
     obj, type_problems = _validate(cls, given, where)
@@ -164,8 +177,9 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
     return obj
 
 
-def _spread(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with a whole group given as a mapping (``loss: {gamma: 0.5}``) spread into its options."""
+def flat_values(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (a YAML section) with a whole group given as a mapping (``loss: {gamma: 0.5}``) spread into
+    its options."""
     names = groups(cls) or {}
     flat: dict[str, Any] = {}
     for key, value in values.items():
@@ -174,13 +188,21 @@ def _spread(cls: type, values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prepare(owner: type, key: str, value: Any) -> Any:
-    """The two spellings pydantic does not read: "2,4,6" for a tuple, and none/null for an optional field."""
+    """The spellings pydantic does not read: "2,4,6" for a tuple, none/null for an optional field, and YAML
+    numbers where text is expected (``revision: 20240101``, ``layers: [1, 3]``)."""
     inner, optional = _unwrap_optional(typing.get_type_hints(owner)[key])
     if optional and isinstance(value, str) and value.lower() in ("none", "null"):
         return None
     if typing.get_origin(inner) is tuple and isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return value
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if typing.get_origin(inner) is tuple and isinstance(value, list) and typing.get_args(inner)[0] is str:
+        return [_text(v) for v in value]
+    return _text(value) if inner is str else value
+
+
+def _text(value: Any) -> Any:
+    """A YAML number as the text it was written as; anything else unchanged (pydantic judges it)."""
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:

@@ -16,6 +16,7 @@ Rerunning the same sweep into the same folder reuses finished runs and resumes i
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.children import child_env
-from kdcache.pipeline.config import ConfigError, build, flag_name
+from kdcache.pipeline.config import ConfigError, build, flag_name, flags
 from kdcache.stages.common.option_groups import flatten, leaves
 from kdcache.stages.train.eval_records import find_eval, remove_evals
 from kdcache.stages.train.options import TrainOptions
@@ -159,11 +160,31 @@ def conflicts(points: list[SweepPoint], launcher: list[str]) -> list[str]:
     for point in points:
         run_dir = Path(point.options.run.out)
         previous = read_json_object(run_dir / RUN_RECORD).get("command")
-        if previous and previous != train_command(point.options, launcher) and (
+        if previous and not same_run(previous, train_command(point.options, launcher)) and (
                 run_dir / "checkpoints" / "latest").is_file():
             problems.append(f"{run_dir} holds a run trained with other options (see its {RUN_RECORD}); use "
                             "another --out, or delete that folder")
     return problems
+
+
+def same_run(previous: list[str] | None, command: list[str]) -> bool:
+    """Whether a recorded child command trains what ``command`` trains: the same launcher and the same options,
+    whatever the order or spelling of their flags (an earlier kdcache wrote them in another order, maps as typed)."""
+    if not previous or previous == command:
+        return previous == command
+    if "train" not in previous or previous[:previous.index("train")] != command[:command.index("train")]:
+        return False
+    try:
+        return _options_of(previous) == _options_of(command)
+    except (ConfigError, SystemExit, argparse.ArgumentError):
+        return False
+
+
+def _options_of(command: list[str]) -> dict[str, object]:
+    """The train options a child command line sets (``--resume`` aside), as ``RUN/options.json`` holds them."""
+    parser = argparse.ArgumentParser(parents=[flags(TrainOptions)], add_help=False, exit_on_error=False)
+    known, _ = parser.parse_known_args([a for a in command[command.index("train") + 1:] if a != "--resume"])
+    return build(TrainOptions, vars(known)).to_dict()
 
 
 # ---- one run -----------------------------------------------------------------------------------------------
@@ -226,7 +247,7 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict[str, Any]:
     record = {"name": point.name, "values": point.values, "run_dir": str(run_dir)}
     command = train_command(point.options, settings.launcher)
     previous = read_json_object(run_dir / RUN_RECORD)
-    if previous.get("status") in ("ok", "reused") and previous.get("command") == command:
+    if previous.get("status") in ("ok", "reused") and same_run(previous.get("command"), command):
         record.update(previous, status="reused")
     else:
         # Recorded before the child starts, so a report drawn mid-sweep knows this run's grid values.

@@ -106,8 +106,11 @@ def _text(info: dict[str, Any]) -> str:
     ]
     for name, a in info["arrays"].items():
         lossy = ""
-        if "lossy" in a:
-            lossy = f"  lossy: max abs {a['lossy']['max_abs_error']:.3g}, max rel {a['lossy']['max_rel_error']:.3g}"
+        if "lossy" in a:  # bitround: abs and rel; quantised log-probs: abs, their step and any clipped value
+            err = a["lossy"]
+            lossy = f"  lossy: max abs {err['max_abs_error']:.3g}" + "".join(
+                f", {label} {err[key]:.3g}" for key, label in (("max_rel_error", "max rel"), ("step", "step"),
+                                                             ("clipped", "clipped")) if key in err)
         lines.append(f"{name:22} {a['dtype']:8} {str(a['shape_tail']):12} {a['bytes_per_token']!s:>10} "
                      f"{a['compression_ratio']!s:>7}  {a['codec_label']}{lossy}")
     # One line per group: each is a handful of keys, and a line per key would bury the table above.

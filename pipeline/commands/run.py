@@ -12,7 +12,7 @@ import argparse
 import gc
 from typing import Any
 
-from kdcache.pipeline.config import ConfigError, build, load_yaml
+from kdcache.pipeline.config import ConfigError, build, flat_values, load_yaml
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.train.options import TrainOptions
 
@@ -43,7 +43,7 @@ def load_pipeline(path: str) -> tuple[PrecomputeOptions, TrainOptions]:
             section = {}
         sections[name] = section
     built: dict[str, Any] = {}
-    train_values = {"cache": sections["precompute"].get("out"), **sections["train"]}
+    train_values = {"cache": flat_values(PrecomputeOptions, sections["precompute"]).get("out"), **sections["train"]}
     for name, cls, values in (("precompute", PrecomputeOptions, sections["precompute"]),
                               ("train", TrainOptions, train_values)):
         try:

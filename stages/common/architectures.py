@@ -76,6 +76,15 @@ def model_class(config: Any) -> Any:
     return transformers.AutoModel
 
 
+def lm_class(config: Any) -> Any:
+    """The class with the language-model head: for an encoder-decoder, ``AutoModelForSeq2SeqLM`` whatever the
+    config's ``architectures`` say (bart-base's name its bare ``BartModel``, which has no head and cannot build
+    decoder inputs from labels); else ``model_class``."""
+    import transformers
+
+    return transformers.AutoModelForSeq2SeqLM if is_encoder_decoder(config) else model_class(config)
+
+
 def is_causal_config(config: Any) -> bool:
     """Decoder-only LMs attend causally; BERT-style encoders do not (unless configured as decoders)."""
     import transformers

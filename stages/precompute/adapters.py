@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdcache.stages.common.architectures import is_encoder_decoder, model_class
+from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
 from kdcache.stages.common.option_groups import flatten
 from kdcache.stages.precompute.capture import check_ranges, cut_padding, max_abs, to_numpy, to_storage_dtype
 from kdcache.stages.precompute.data import (
@@ -121,7 +121,7 @@ class EncoderDecoderTeacher(TeacherAdapter):
 
     def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                      device: Any) -> Teacher:
-        model = load_for_inference(model_class(config), options, device, eager=targets.wants_attention,
+        model = load_for_inference(lm_class(config), options, device, eager=targets.wants_attention,
                                    optional=() if targets.logits else self._HEAD_KEYS)
         fingerprint = {**teacher_fingerprint(options, model), "num_encoder_layers": targets.streams["encoder"].depth,
                        "num_decoder_layers": targets.streams["decoder"].depth}

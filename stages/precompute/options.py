@@ -149,8 +149,6 @@ class StorageOptions:
 class TargetOptions:
     """What is cached: layers and attention blocks per token stream, heads, and the logit mode."""
 
-    # Read by pydantic when pipeline.config validates YAML values: `layers: [1, 3]` gives numbers for strings.
-    __pydantic_config__ = {"coerce_numbers_to_str": True}
 
     layers: tuple[str, ...] = _opt(("all",), "hidden layers to cache, HF numbering (0 = embeddings), or 'all'")
     features: tuple[str, ...] = _opt((), "targets to cache: hidden, attention, logits (default: hidden, plus "
@@ -170,7 +168,9 @@ class TargetOptions:
                                     "logprob (log-probabilities quantised to steps of twice --logprob-tolerance, "
                                     "each shard recording its largest error; a quarter fewer bytes at top-128)",
                             choices=["fp16", "logprob"])
-    logprob_tolerance: float = _opt(0.01, "--topk-values logprob: the largest error of a stored log-probability")
+    logprob_tolerance: float = _opt(0.01, "--topk-values logprob: the largest error of a stored log-probability, "
+                                          "0.001..1 (log-probs below 65,535 steps, -1,304 nats at 0.01, are "
+                                          "clipped and counted)")
     sample_temperature: float = _opt(1.0, "temperature of the teacher's softmax that --logits sampled:N draws from "
                                           "(stage two's KL then runs at this temperature)")
     encoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder hidden layers (0 = embeddings), 'all' or "
@@ -225,8 +225,9 @@ class TargetOptions:
         if self.full_logits and self.logits_mode != "topk":
             problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
                             f"keep one (--logits full is the same as --full-logits)")
-        if not 0 < self.logprob_tolerance <= 1:
-            problems.append(f"logprob_tolerance: got {self.logprob_tolerance}, expected a value in (0, 1]")
+        if not 1e-3 <= self.logprob_tolerance <= 1:  # 65,535 steps must reach far below any top-k's tail
+            problems.append(f"logprob_tolerance: got {self.logprob_tolerance}, expected a value in [0.001, 1] (the "
+                            f"stored range is 65,535 steps: 130 nats at 0.001)")
         mode = "no" if self.features and "logits" not in self.features else \
             "full" if self.full_logits else self.logits_mode.split(":")[0]
         if self.topk_values == "logprob" and mode != "topk":

@@ -176,8 +176,8 @@ class CompoundLoss(nn.Module):
             terms["sampled_kl"] = sampled_kl(logits, targets["logits/sample_ids"], targets["logits/sample_counts"],
                                              targets["logits/sample_logp"], mask, self.temperature)
             return
-        _target(targets, "logits/topk_values"), _target(targets, "logits/topk_ids")  # named errors if absent
-        values, ids, lse = cached_topk(targets)
+        values, ids = _target(targets, "logits/topk_values"), _target(targets, "logits/topk_ids")
+        lse = cached_topk(targets)[2]  # a log-prob cache has none: 0
         terms["topk_kl"] = topk_kl(
             logits, values, ids, mask, lse, variant=self.topk_variant, temperature=self.temperature
         )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from kdcache.stages.common.architectures import model_class, stack_depths, stack_module, with_depths
+from kdcache.stages.common.architectures import lm_class, stack_depths, stack_module, with_depths
 from kdcache.stages.train.student import StudentError, copy_tokenizer_files, load_config
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def init_student_from_teacher(teacher_path: str | Path, layers: list[int] | tupl
     chosen = {stack: list(given[stack]) for stack in stack_depths(config)}
     for stack, depth in stack_depths(config).items():
         _check(stack, chosen[stack], depth)
-    teacher = model_class(config).from_pretrained(str(teacher_path))
+    teacher = lm_class(config).from_pretrained(str(teacher_path))
     student = copy_blocks(teacher, {stack: [j - 1 for j in blocks] for stack, blocks in chosen.items()})
     out = Path(out)
     student.save_pretrained(str(out))

@@ -105,8 +105,6 @@ class MapOptions:
     Per-stream maps are not Optional: the config reads "none" as null, and "none" is a map here. The empty map
     (``LayerMap("")``) means "follow --layer-map"."""
 
-    __pydantic_config__ = {"coerce_numbers_to_str": True}
-
     layer_map: LayerMap = field(default=LayerMap("uniform"), metadata=_opt(
         "student-to-teacher hidden layer map: uniform|last (alias last-k)|reverse|all-to-one|random|none|"
         "explicit:1-2,2-4"))
@@ -125,6 +123,11 @@ class MapOptions:
         """The hidden map of token stream ``stream``: its own (``encoder``, ``decoder``), else ``--layer-map``."""
         own = getattr(self, f"{stream}_layer_map") if stream else LayerMap("")
         return own if own.kind else self.layer_map
+
+    def validate(self) -> list[str]:
+        """The empty map means "follow --layer-map", which --layer-map and --attention-layers cannot."""
+        empty = [name for name in ("layer_map", "attention_layers") if getattr(self, name) == LayerMap("")]
+        return [f"{name}: got '', expected a map such as uniform or explicit:1-2,2-4" for name in empty]
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,7 @@ class TrainOptions:
 
     def validate(self) -> list[str]:
         """Checks across fields and against the disk; returns every problem found."""
-        return [p for group in (self.data, self.loss, self.engine, self.run) for p in group.validate()]
+        return [p for group in (self.data, self.loss, self.maps, self.engine, self.run) for p in group.validate()]
 
     def to_dict(self) -> dict[str, object]:
         """Flat ``{option: value}`` (maps as their text), written to RUN/options.json."""

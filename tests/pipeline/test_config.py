@@ -86,6 +86,8 @@ def test_flags_hold_help_choices_and_defaults() -> None:
     assert "--fmt {zarr,arrow} one of: zarr, arrow (default: zarr)" in help_text
     assert "--layers LAYERS (default: 2,4)" in help_text and "--top_k" not in help_text
     assert "-k TOP_K, --top-k TOP_K" in help_text or "--top-k TOP_K, -k TOP_K" in help_text
+    assert "--no-offload turn --offload off" in help_text  # every boolean can be turned off, as a YAML true
+    assert from_args(Opts, parse(["--data", __file__, "--offload", "--no-offload"])).offload is False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,7 @@ class Grouped:
 def test_grouped_options_keep_flat_names_and_take_nested_yaml() -> None:
     opts = build(Grouped, {"out": "o", "loss": {"gamma": "0.5"}, "steps": "none"})
     assert opts == Grouped(Run("o", None), Loss(0.5, "mse"))
+    assert build(Grouped, {"out": 2024}).run.out == "2024"  # a YAML number where text is expected
     parser = argparse.ArgumentParser(parents=[flags(Grouped)])
     assert "run options:\n  --out OUT" in parser.format_help() and "loss options:\n  --gamma GAMMA" in parser.format_help()
     args = parser.parse_args(["--out", "x", "--gamma", "2"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kdcache.pipeline.cli import main
-from kdcache.pipeline.sweep import parse_grid, run_name, split_values
+from kdcache.pipeline.sweep import parse_grid, run_name, same_run, split_values
 from kdcache.stages.train.eval_records import read_evals
 
 FAKE_TRAIN = textwrap.dedent("""
@@ -47,6 +47,15 @@ def test_split_values_keeps_explicit_maps_whole() -> None:
     assert split_values("0.1, 1.0") == ["0.1", "1.0"]
     assert split_values('["explicit:1-2", "reverse"]') == ["explicit:1-2", "reverse"]
     assert run_name({"layer_map": "explicit:1-2,2-4", "gamma": "0.1"}) == "layer_map-explicit_1-2_2-4__gamma-0.1"
+
+
+def test_a_recorded_command_is_the_same_run_whatever_its_flag_order_or_map_spelling(tmp_path: Path) -> None:
+    head = [sys.executable, "-m", "kdcache", "train"]
+    now = [*head, "--cache", "c", "--student", str(tmp_path), "--out", "o", "--gamma", "0.5", "--layer-map", "last"]
+    older = [*head, "--student", str(tmp_path), "--layer-map", "last-k", "--out", "o", "--cache", "c", "--gamma", ".5"]
+    assert same_run(older, now) and same_run(now, now) and not same_run(None, now)
+    assert not same_run([*older[:-1], "1"], now)  # another gamma
+    assert not same_run(["torchrun", *older[1:]], now)  # another launcher
 
 
 def test_parse_grid_reports_every_bad_item() -> None:

@@ -74,3 +74,15 @@ def test_a_whole_copy_of_the_teacher_matches_its_cache_and_trains(teachers: dict
     first = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
     assert first["hidden"] < 1e-5 and first["attention"] < 1e-4 and first["topk_kl"] < 1e-3
     assert summary["steps"] == 2 and (tmp_path / "run" / "student" / "config.json").is_file()
+
+
+def test_encoder_decoder_teachers_load_with_their_lm_head_whatever_architectures_say() -> None:
+    """bart-base's config names its bare BartModel: stage one and init-student still need the LM head."""
+    import transformers
+
+    from kdcache.stages.common.architectures import lm_class, model_class
+
+    config = transformers.BartConfig(architectures=["BartModel"])
+    assert model_class(config) is transformers.BartModel  # a student loads as the class its config names
+    assert lm_class(config) is transformers.AutoModelForSeq2SeqLM
+    assert lm_class(transformers.GPT2Config(architectures=["GPT2LMHeadModel"])) is transformers.GPT2LMHeadModel

@@ -124,5 +124,7 @@ def test_maps_are_parsed_once_where_the_config_is_read(tmp_path) -> None:
     bad, unknown = sorted(err.value.problems)
     assert bad.startswith("decoder_layer_map: got 'explicit:1-2,2-x', cannot read layer pair '2-x'")
     assert unknown.startswith("layer_map: got 'sideways', unknown map 'sideways'") and "all-to-one" in unknown
+    with pytest.raises(ConfigError, match="layer_map: got '', expected a map"):  # only per-stream maps may be empty
+        build(TrainOptions, {**base, "layer_map": ""})
     with pytest.raises(LayerMapError, match="2-x"):
         build_layer_map("explicit:1-2,2-x", 2, 4)

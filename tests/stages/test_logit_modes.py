@@ -155,7 +155,7 @@ def test_logprob_values_need_topk_logits(tiny_llama: Path, tmp_path: Path, capsy
                  "--full-logits", "--topk-values", "logprob", "--logprob-tolerance", "0", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "topk_values: logprob stores top-k logits, and this run caches full logits" in err
-    assert "logprob_tolerance: got 0.0, expected a value in (0, 1]" in err and not (tmp_path / "c").exists()
+    assert "logprob_tolerance: got 0.0, expected a value in [0.001, 1]" in err and not (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])

@@ -319,6 +319,8 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
         got = CacheReader(tmp_path)[2]["logits/topk_values"]
         assert np.abs(got - seqs[2]["logits/topk_values"]).max() <= 0.01 + 1e-6
         assert "topk_values" not in self.spec(logits="topk").to_dict()  # fp16 manifests stay as they were
+        code, out = run_cli("inspect", str(tmp_path))
+        assert code == 0 and "step 0.02, clipped 0" in out, out
         item = make_sequences(spec, [3])[0]
         item["logits/topk_values"] = item["logits/topk_values"] + 5.0  # logits, not log-probs
         one = self.spec(num_sequences=1, logits="topk", topk_values="logprob", logprob_step=0.02)
