@@ -40,9 +40,9 @@ class ConfigError(KdcacheError):
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
 
-def flag_name(f: dataclasses.Field) -> str:
-    """The flag of field ``f`` as help and error messages print it."""
-    return "--" + f.name.replace("_", "-")
+def flag_name(option: str) -> str:
+    """The flag of an option as help and error messages print it: ``top_k`` -> ``--top-k``."""
+    return "--" + option.replace("_", "-")
 
 
 # ---- flags -------------------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def _finish(action: argparse.Action) -> None:
         text += f" (default: {default})"
     action.help = text
     if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no-X repeats --X's help
-        action.help = f"turn --{action.dest.replace('_', '-')} off"
+        action.help = f"turn {flag_name(action.dest)} off"
     elif action.const is True:  # a boolean: --X alone, or --X true|false
         action.metavar = "true|false"
     action.default, action.required = argparse.SUPPRESS, False
@@ -239,7 +239,7 @@ def _message(loc: tuple[Any, ...], error: Any, where: str) -> str:
     """One pydantic error as ``key: got VALUE, MESSAGE`` (or ``key is required (flag --key)``)."""
     key = str(loc[0])
     if error["type"] == "missing":
-        return f"{where}{key} is required (flag --{key.replace('_', '-')})"
+        return f"{where}{key} is required (flag {flag_name(key)})"
     item = "".join(f"[{i}]" for i in loc[1:])
     message = str(error["msg"]).replace("Input should be", "expected").removeprefix("Value error, ")
     return f"{where}{key}{item}: got {error['input']!r}, {message[0].lower()}{message[1:]}"

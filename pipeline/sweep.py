@@ -197,7 +197,7 @@ def train_flags(options: TrainOptions) -> list[str]:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if f.name == "config" or (not required and value == f.default):
             continue  # the YAML's values are already merged into the options
-        flag = flag_name(f)
+        flag = flag_name(f.name)
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
         else:
@@ -265,7 +265,7 @@ def _train(point: SweepPoint, settings: SweepSettings, command: list[str], previ
            ) -> dict[str, Any]:
     run_dir = Path(point.options.run.out)
     has_checkpoint = (run_dir / "checkpoints" / "latest").is_file()
-    if has_checkpoint and previous.get("command") not in (None, command):
+    if has_checkpoint and previous.get("command") is not None and not same_run(previous["command"], command):
         return {"command": command, "status": "failed", "returncode": None, "seconds": 0.0,
                 "error": f"{run_dir} holds a run trained with other options; choose another --out"}
     launched = train_command(point.options, settings.launcher, resume=has_checkpoint)

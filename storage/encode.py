@@ -155,7 +155,7 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     lossy: dict[str, dict[str, float]] = {}
     for name in spec.sequence_names():
         arrays[name] = _encode_array(spec, name, [np.asarray(item[name]) for item in sequences], lossy,
-                                     documents if spec.by_documents(name) else None)
+                                     _stream_documents(spec, name, documents))
     if spec.logits == "topk" and spec.topk_values == "fp16":
         _check_topk(spec, arrays["logits/topk_values"], arrays["logits/topk_ids"])
     for name in set(VOCAB_IDS) & set(arrays):
@@ -169,11 +169,12 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
 
 def _gaps(name: str, rows: np.ndarray) -> np.ndarray:
     """Rows non-decreasing along k, stored as gaps (``layout.to_gaps``); a row that decreases is refused."""
-    if rows.size and not (np.diff(rows.astype(np.int64), axis=1) >= 0).all():
+    gaps = to_gaps(rows.astype(np.int64))
+    if rows.size and not (gaps[:, 1:] >= 0).all():
         what = "log-probs must be sorted descending" if name == "logits/topk_values" else \
             "ids must be non-decreasing (distinct ids in order, unused slots repeating the last)"
         raise InvalidSequenceError(f"{name}: each token's {what}")
-    return to_gaps(rows)
+    return gaps.astype(rows.dtype)
 
 
 def _logprobs(spec: CacheSpec, name: str, flat: np.ndarray, lossy: dict[str, dict[str, float]]) -> np.ndarray:
@@ -191,15 +192,22 @@ def _logprobs(spec: CacheSpec, name: str, flat: np.ndarray, lossy: dict[str, dic
     return q.astype(np.uint16)
 
 
-def _documents(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]]) -> list[list[int]] | None:
-    """Each sequence's document lengths when its rows keep documents apart (the main stream's positions)."""
+def _documents(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]]) -> dict[str, list[list[int]]]:
+    """Per stream, each sequence's document lengths when rows keep documents apart (from that stream's own
+    positions, as the reader takes them); empty otherwise."""
     if "position_ids" not in spec.token_arrays:
-        return None
-    return [document_lengths(np.asarray(item[prefixed(spec.streams[-1], "position_ids")])) for item in sequences]
+        return {}
+    return {stream: [document_lengths(np.asarray(item[prefixed(stream, "position_ids")])) for item in sequences]
+            for stream in spec.streams}
+
+
+def _stream_documents(spec: CacheSpec, name: str, documents: dict[str, list[list[int]]]) -> list[list[int]] | None:
+    """The document lengths attention array ``name`` is stored by: its query stream's, if stored per document."""
+    return documents[spec.attention_geometry(name)[0]] if spec.by_documents(name) else None
 
 
 def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]],
-                 documents: list[list[int]] | None) -> dict[str, np.ndarray]:
+                 documents: dict[str, list[list[int]]]) -> dict[str, np.ndarray]:
     """Every offsets array of the shard: token offsets per stream, then rows of each attention geometry."""
     arrays = {name: np.zeros(0) for name in spec.offset_arrays()}
     for stream in spec.streams:
@@ -207,7 +215,7 @@ def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]],
     for name in spec.sequence_names():
         if kind_of(name) in ("attention", "cross_attention"):
             queries, keys, triangle = spec.attention_geometry(name)
-            docs = documents if spec.by_documents(name) else None
+            docs = _stream_documents(spec, name, documents)
             rows = [attention_rows(n[queries], triangle, n[keys], docs[i] if docs else None)
                     for i, n in enumerate(lengths)]
             arrays[spec.offsets_name(name)] = _offsets(rows)

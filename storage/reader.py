@@ -61,13 +61,16 @@ def _sequence(spec: CacheSpec, names: list[str], fetch: Fetch, offsets: dict[str
         return stop - start
 
     out: dict[str, np.ndarray] = {}
+    lengths_of: dict[str, list[int]] = {}
 
     def documents(stream: str) -> list[int]:
-        """The row's document lengths, from its positions (read once, and returned with the rest)."""
+        """The row's document lengths, from its positions (read and split once per stream, returned with the rest)."""
         positions = prefixed(stream, "position_ids")
         if positions not in out:
             out[positions] = fetch(positions, *rows(spec.offsets_name(positions)))
-        return document_lengths(out[positions])
+        if stream not in lengths_of:
+            lengths_of[stream] = document_lengths(out[positions])
+        return lengths_of[stream]
 
     for name in names:
         if name in out:  # position_ids already read for an attention map stored per document

@@ -52,7 +52,7 @@ from kdcache.storage.streams import (
 FORMAT_VERSION = 4  # what this code writes
 READABLE_FORMAT_VERSION = 4  # the newest format this code reads
 LAYOUTS = ("single", "seq2seq")  # as manifests write them
-SINGLE, ENCODER_DECODER = LAYOUTS
+ENCODER_DECODER = LAYOUTS[1]
 SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",
                   "decoder_attention_layers", "cross_attention_layers")
 BACKENDS = ("zarr", "arrow")

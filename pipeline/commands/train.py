@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.commands import print_summary
-from kdcache.pipeline.config import ConfigError, flags, from_args
+from kdcache.pipeline.config import ConfigError, flag_name, flags, from_args
 from kdcache.stages.train.options import TrainOptions
 
 
@@ -98,5 +98,5 @@ def _block_list(args: argparse.Namespace, name: str) -> list[int] | None:
     try:
         return [int(v) for v in str(value).split(",") if v.strip()]
     except ValueError:
-        flag = "--" + name.replace("_", "-")
+        flag = flag_name(name)
         raise ConfigError([f"{flag} {value!r}: expected comma-separated block numbers, e.g. 1,4,6"]) from None

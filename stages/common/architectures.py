@@ -86,9 +86,10 @@ def lm_class(config: Any) -> Any:
 
 
 def is_causal_config(config: Any) -> bool:
-    """Decoder-only LMs attend causally; BERT-style encoders do not (unless configured as decoders)."""
+    """Whether a one-stack model attends causally: decoder-only LMs do; BERT-style encoders do not (unless
+    configured as decoders); an encoder-decoder is not one stack (its decoder's masks are the model's own)."""
     import transformers
 
-    return type(config) in transformers.AutoModelForCausalLM._model_mapping and (
+    return not is_encoder_decoder(config) and type(config) in transformers.AutoModelForCausalLM._model_mapping and (
         getattr(config, "is_decoder", False)
         or config.model_type not in ("bert", "roberta", "distilbert", "electra"))

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def groups(cls: type) -> dict[str, type] | None:
@@ -43,6 +45,15 @@ def nest(cls: type, flat: dict[str, Any]) -> dict[str, Any]:
     for key, value in flat.items():
         nested[str(group_of[key])][key] = value
     return nested
+
+
+def assemble(cls: type[T], flat: dict[str, Any]) -> T:
+    """``cls`` built from flat ``{option: value}`` as the flags name them (tests, benchmarks), values read by
+    pydantic as the config would read them (a layer map may be text); no ``validate()``: ``pipeline.config.build``
+    is the checked way in."""
+    import pydantic
+
+    return pydantic.TypeAdapter(cls).validate_python(nest(cls, flat))
 
 
 def flatten(options: Any) -> dict[str, Any]:

@@ -15,8 +15,19 @@ import torch
 
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.fingerprint import hash_bytes
+from kdcache.storage.manifest import read_json
 
 HEAD_FOLDER = "teacher_head"
+
+
+def finish_logits(logits: Any, scale: float | None, softcap: float | None) -> Any:
+    """The head's output as the model's logits: times ``logit_scale`` (Cohere), then soft-capped (Gemma), in that
+    order; stage one's chunked head and stage two's copy both apply this, so their logits agree."""
+    if scale:
+        logits = logits * scale
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 def export_head(model: Any, out: str, layer: int) -> None:
@@ -57,10 +68,10 @@ def read_head(store: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """
     from safetensors.torch import load
 
+    info = read_json(store, f"{HEAD_FOLDER}/head.json", "the teacher head's record (written with --logits head)")
     try:
-        info = json.loads(store.read(f"{HEAD_FOLDER}/head.json"))
         data = store.read(f"{HEAD_FOLDER}/head.safetensors")
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise KdcacheError(f"this cache was written with --logits head but its {HEAD_FOLDER}/ cannot be read "
                            f"({exc}); rerun stage one") from None
     if hash_bytes(data) != info.get("sha256"):

@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -294,13 +296,9 @@ class FeatureCapture:
         """Once, on the first packed batch: refuse a teacher that does not keep documents apart (hooks paused)."""
         if self._documents_checked:
             return
-        self._paused = True
-        try:
-            with torch.inference_mode():
-                problem = documents_apart_problem(self.model, input_ids, attention_mask, position_ids,
-                                                  causal=self.targets.causal)
-        finally:
-            self._paused = False
+        with self._hooks_paused(), torch.inference_mode():
+            problem = documents_apart_problem(self.model, input_ids, attention_mask, position_ids,
+                                              causal=self.targets.causal)
         if problem is not None:
             raise PrecomputeError(f"packing documents: {type(self.model).__name__} does not keep packed documents "
                                   f"apart with restarting positions and a 4-D mask ({problem}); use --packing concat "
@@ -334,19 +332,24 @@ class FeatureCapture:
         return lambda logits: logit_targets(logits, t.logits, t.top_k, samples=t.samples,
                                             temperature=t.sample_temperature, generator=generator)
 
-    def _full_logits(self, kwargs: dict[str, Any]) -> torch.Tensor:
+    @contextmanager
+    def _hooks_paused(self) -> Iterator[None]:
+        """Forwards run inside only to check something: the hooks keep nothing of them."""
         self._paused = True
         try:
-            return self.model(**kwargs).logits
+            yield
         finally:
             self._paused = False
+
+    def _full_logits(self, kwargs: dict[str, Any]) -> torch.Tensor:
+        with self._hooks_paused():
+            return self.model(**kwargs).logits
 
     def _check_head(self, kwargs: dict[str, Any], last: torch.Tensor, valid: torch.Tensor, length: int) -> bool:
         """Check the chunked head once against the model's own forward on the first sequence (hooks paused);
         on disagreement the run falls back to the full forward (``head`` mode cannot: it refuses)."""
         probe = self._head.targets(last, valid, lambda logits: logit_targets(logits, "topk", 1))
-        self._paused = True
-        try:
+        with self._hooks_paused():
             first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             if self._head.agrees(self.model(**first).logits, probe, length):
                 return True
@@ -357,8 +360,6 @@ class FeatureCapture:
             print(f"kdcache precompute: note: {type(self.model).__name__}'s logits are not its output embedding of "
                   f"the last hidden state; computing them with the full forward (no chunking)", file=sys.stderr)
             return False
-        finally:
-            self._paused = False
 
     def _to_host(self) -> BatchOutput:
         self._check_range()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kdcache.stages.common.teacher_head import finish_logits
 from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES
 
 
@@ -31,12 +32,7 @@ def _head_of(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     cap = getattr(model.config, "final_logit_softcapping", None)
 
     def apply(hidden: torch.Tensor) -> torch.Tensor:
-        logits = head(hidden)
-        if scale:
-            logits = logits * scale
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return finish_logits(head(hidden), scale, cap)
     return apply
 
 
@@ -125,12 +121,13 @@ class ChunkedHead:
             keep: e.g. ``logit_targets`` with the run's settings bound.
         """
         assert self.head is not None
-        parts = [keep(self.head(rows)) for rows in last[valid].split(self.chunk)]
+        where = valid.nonzero(as_tuple=True)  # one host sync; the gather and every scatter reuse it
+        parts = [keep(self.head(rows)) for rows in last[where].split(self.chunk)]
         out = {}
         for name in parts[0]:
             flat = torch.cat([p[name] for p in parts])
             padded = torch.zeros((*valid.shape, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
-            padded[valid] = flat
+            padded[where] = flat
             out[name] = padded
         return out
 

@@ -12,12 +12,11 @@ import glob
 import json
 import os
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdcache.stages.common.option_groups import nest
+from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.precompute.rows import PACKING
 
 FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: encoder-decoder teachers only
@@ -188,8 +187,11 @@ class TargetOptions:
     @property
     def logits_kind(self) -> str | None:
         """None, "topk", "full", "sampled" or "head"."""
-        if "logits" not in self.features:
-            return None
+        return self._mode if "logits" in self.features else None
+
+    @property
+    def _mode(self) -> str:
+        """The logit mode the flags ask for, whether or not ``logits`` ends up among the features."""
         return "full" if self.full_logits else self.logits_mode.split(":")[0]
 
     @property
@@ -228,8 +230,7 @@ class TargetOptions:
         if not 1e-3 <= self.logprob_tolerance <= 1:  # 65,535 steps must reach far below any top-k's tail
             problems.append(f"logprob_tolerance: got {self.logprob_tolerance}, expected a value in [0.001, 1] (the "
                             f"stored range is 65,535 steps: 130 nats at 0.001)")
-        mode = "no" if self.features and "logits" not in self.features else \
-            "full" if self.full_logits else self.logits_mode.split(":")[0]
+        mode = "no" if self.features and "logits" not in self.features else self._mode
         if self.topk_values == "logprob" and mode != "topk":
             problems.append(f"topk_values: logprob stores top-k logits, and this run caches {mode} logits; drop "
                             f"--topk-values, or cache top-k logits")
@@ -259,8 +260,7 @@ class PrecomputeOptions:
     def of(cls, **flat: Any) -> PrecomputeOptions:
         """Build from flat keyword arguments as the flags name them (tests, benchmarks). No checks:
         ``pipeline.config.build`` is the checked way in."""
-        hints = typing.get_type_hints(cls)
-        return cls(**{name: hints[name](**values) for name, values in nest(cls, flat).items()})
+        return assemble(cls, flat)
 
 
 def _failed(group: object, checks: list[tuple[str, bool, str]]) -> list[str]:

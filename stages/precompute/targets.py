@@ -67,22 +67,13 @@ class Targets:
         return bool(self.cross_attention) or any(s.attention for s in self.streams.values())
 
 
-def is_causal(config: Any) -> bool:
-    """Whether the teacher attends causally (decoder LMs), judged from its saved architecture."""
-    archs = getattr(config, "architectures", None) or []
-    return bool(getattr(config, "is_decoder", False)) or any(a.endswith(CAUSAL_SUFFIXES) for a in archs)
-
-
-def stack_depths(config: Any) -> tuple[dict[str, int], int]:
+def depths_and_heads(config: Any) -> tuple[dict[str, int], int]:
     """Blocks per token stream and the attention heads of the teacher.
 
     Encoder-decoders (BART/mBART ``encoder_layers``, T5 ``num_layers``) have two stacks, and the heads are the
     smaller of the two stacks' counts, so a head subset valid for it is valid everywhere.
     """
-    try:
-        depths = architectures.stack_depths(config)
-    except architectures.ArchitectureError as exc:
-        raise PrecomputeError(str(exc)) from None
+    depths = architectures.stack_depths(config)  # an ArchitectureError is a KdcacheError: exit 2 as well
     if not architectures.is_encoder_decoder(config):
         return depths, int(getattr(config, "num_attention_heads", 0) or 0)
     keys = ("encoder_attention_heads", "decoder_attention_heads", "num_heads")
@@ -137,14 +128,14 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
             block left, or a triangle where no causal self-attention is kept.
     """
     t = options.targets
-    depths, num_heads = stack_depths(config)
+    depths, num_heads = depths_and_heads(config)
     streams = {name: _stream(options, name, depth) for name, depth in depths.items()}
     cross = _cross_attention(options, streams.get("decoder"))
     if "attention" in t.features and not any(s.attention for s in streams.values()):
         flags = "--attention-layers" + (" or --encoder-attention-layers/--decoder-attention-layers"
                                         if len(streams) > 1 else "")
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
-    causal = is_causal(config)
+    causal = architectures.is_causal_config(config)  # the same judgement stage two makes of the student
     if t.logits_kind == "head":
         streams = _with_last_layer(streams, causal, options.engine.teacher)
     if t.logits_kind == "sampled" and "" not in streams:

@@ -160,8 +160,8 @@ class CompoundLoss(nn.Module):
                 any_predicts: bool) -> None:
         mask = masks.predicts
         logits = getattr(out, "logits", None)
-        if logits is not None and not any_predicts:
-            terms["kl"] = logits.sum() * 0.0
+        if logits is not None and not any_predicts:  # the term keeps its name: every rank logs the same keys
+            terms[_kl_name(targets, self.teacher_head is not None)] = logits.sum() * 0.0
             return
         if logits is None:
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
@@ -188,8 +188,8 @@ class CompoundLoss(nn.Module):
         """Σ over pairs of the hidden loss; per-pair values (and wgan critic losses) go to ``logs``."""
         states = _student_field(out, "hidden_states", "output_hidden_states=True")
         total = torch.zeros((), device=mask.device)
-        if not any_trained:
-            return total + sum(states[s].sum() * 0.0 for s, _ in self.layer_map)
+        if not any_trained:  # zeros tied to the graph, under the names a full batch logs
+            return total + _zero_pairs(logs, "hidden", self.layer_map, lambda s: states[s])
         for pair in self.layer_map:
             h_s = self.projectors.project(pair, _layer(states, pair[0], "hidden state"))
             h_t = _target(targets, f"hidden/{pair[1]}")
@@ -218,7 +218,7 @@ class CompoundLoss(nn.Module):
         attention_kl = get_loss("attention_kl")
         total = torch.zeros((), device=masks.real.device)
         if not any_trained:
-            return total + sum(maps[s - 1].sum() * 0.0 for s, _ in self.attention_map)
+            return total + _zero_pairs(logs, "attention", self.attention_map, lambda s: maps[s - 1])
         for s, t in self.attention_map:
             a_s = _layer(maps, s - 1, "attention map", shown=s)
             # Rows of trained tokens, over every real key: the teacher saw the whole context.
@@ -252,6 +252,23 @@ class CompoundLoss(nn.Module):
 
 
 _FAMILY = {"ce": "ce", "kl": "kl", "topk_kl": "kl", "sampled_kl": "kl", "hidden": "hidden", "attention": "attention"}
+
+
+def _zero_pairs(logs: dict, kind: str, pairs: list[Pair], student: Any) -> torch.Tensor:
+    """A batch with no trained token: each pair adds 0 tied to its student tensor (``student(s)``), and is logged."""
+    total = torch.zeros(())
+    for s, t in pairs:
+        value = student(s).sum() * 0.0
+        logs[f"{kind}/{pair_key((s, t))}"] = value.detach()
+        total = total + value
+    return total
+
+
+def _kl_name(targets: Mapping[str, torch.Tensor], head: bool) -> str:
+    """The logged name of the logit term for a cache's targets (``kl`` for full logits and the teacher's head)."""
+    if "logits/full" in targets or head:
+        return "kl"
+    return "sampled_kl" if "logits/sample_ids" in targets else "topk_kl"
 
 
 def _target(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:

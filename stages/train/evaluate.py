@@ -196,7 +196,7 @@ class _EvalState:
 def _teacher_head(reader: CacheReader) -> Any:
     from kdcache.stages.train.teacher_head import load_teacher_head
 
-    return load_teacher_head(reader.store)
+    return load_teacher_head(reader.store, reader.spec.hidden_layers)
 
 
 def _check_inputs(reader: CacheReader, facts: Any, final: int | None, cached: list[int], kind: str,

@@ -39,6 +39,7 @@ from kdcache.stages.train.student import (
     tokenizer_fingerprint_of,
 )
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.streams import split_stream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -97,10 +98,7 @@ def _teacher_head(reader: Any, plan: TrainPlan, announce: bool) -> Any:
         return None
     from kdcache.stages.train.teacher_head import load_teacher_head
 
-    head = load_teacher_head(reader.store)
-    if head.layer not in reader.spec.hidden_layers:
-        raise TrainingError(f"the cache's teacher_head/ reads layer {head.layer}, which the cache does not hold "
-                            f"(hidden layers {list(reader.spec.hidden_layers)}); rerun stage one")
+    head = load_teacher_head(reader.store, reader.spec.hidden_layers)
     if announce:
         print(f"kdcache train: {head.describe()}", file=sys.stderr)
     return head
@@ -200,7 +198,7 @@ class _Trainer:
         torch.manual_seed((self.options.data.seed * 1_000_003 + self.micro_step) * 1_009 + self.dist.rank)
         epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
         if self.progress.enabled:  # tokens/s for the display only: nothing to count on other ranks or --quiet
-            self.progress.tokens(int(sum(int(v.sum()) for k, v in batch.items() if k.endswith("mask"))))
+            self.progress.tokens(int(sum(int(v.sum()) for k, v in batch.items() if split_stream(k)[1] == "mask")))
         out = self.engine(to_device(batch, self.dist.device))
         self.engine.backward(out["loss"])
         self.engine.step()

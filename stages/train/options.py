@@ -9,12 +9,11 @@ the error types), so ``kdcache --help`` and config validation stay fast.
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdcache.stages.common.option_groups import flatten, nest
+from kdcache.stages.common.option_groups import assemble, flatten
 from kdcache.stages.train.layer_maps import LayerMap
 
 HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
@@ -222,7 +221,4 @@ class TrainOptions:
     def of(cls, **flat: Any) -> TrainOptions:
         """Build from flat keyword arguments as the flags name them (tests, benchmarks); maps may be text. No
         checks: ``pipeline.config.build`` is the checked way in."""
-        nested = nest(cls, flat)
-        nested["maps"] = {k: LayerMap.parse(v) if isinstance(v, str) else v for k, v in nested["maps"].items()}
-        hints = typing.get_type_hints(cls)
-        return cls(**{name: hints[name](**values) for name, values in nested.items()})
+        return assemble(cls, flat)

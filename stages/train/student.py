@@ -101,7 +101,7 @@ def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:
     return StudentFacts(
         num_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size), num_heads=int(heads),
         vocab_size=int(cfg.vocab_size), has_lm_head=model.get_output_embeddings() is not None,
-        is_causal=not two_stacks and is_causal_config(cfg), pretrained=pretrained,
+        is_causal=is_causal_config(cfg), pretrained=pretrained,
         decoder_layers=stack_depths(cfg)["decoder"] if two_stacks else 0, is_encoder_decoder=two_stacks)
 
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdcache.stages.common.teacher_head import read_head
+from kdcache.stages.common.teacher_head import finish_logits, read_head
+from kdcache.storage.errors import KdcacheError
 
 
 class TeacherHead(nn.Module):
@@ -37,11 +38,7 @@ class TeacherHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden.to(self.weight.dtype), self.weight, self.bias).float()
-        if self.scale:
-            logits = logits * self.scale
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return finish_logits(logits, self.scale, self.softcap)
 
     def describe(self) -> str:
         """Its size, for the start of a training log."""
@@ -52,7 +49,16 @@ class TeacherHead(nn.Module):
                 f"({str(self.weight.dtype).replace('torch.', '')}), applied to cached layer {self.layer}")
 
 
-def load_teacher_head(store: Any) -> TeacherHead:
-    """The head of a ``--logits head`` cache (its hash checked)."""
+def load_teacher_head(store: Any, hidden_layers: tuple[int, ...] | None = None) -> TeacherHead:
+    """The head of a ``--logits head`` cache (its hash checked; ``head.json`` is not hashed, so the layer it
+    names is checked against the cache's deepest ``hidden_layers``, the one stage two streams for it).
+
+    Raises:
+        KdcacheError: the head cannot be read, is damaged, or reads another layer.
+    """
     tensors, info = read_head(store)
-    return TeacherHead(tensors, info)
+    head = TeacherHead(tensors, info)
+    if hidden_layers is not None and head.layer != max(hidden_layers, default=-1):
+        raise KdcacheError(f"the cache's teacher_head/ reads layer {head.layer}, but its last cached hidden layer is "
+                           f"{max(hidden_layers, default=None)}; rerun stage one")
+    return head

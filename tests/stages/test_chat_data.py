@@ -192,6 +192,12 @@ def test_a_micro_batch_with_no_trained_token_adds_nothing() -> None:
     assert float(logits.grad.abs().sum()) == 0.0
     targets["loss_mask"] = torch.tensor([[0, 1, 1], [0, 0, 0]])
     assert float(loss(out, targets, torch.ones(2, 3))["kl"].detach()) > 0
+    # A top-k cache logs the same term names for an empty batch as for a full one: ranks all-reduce them by name.
+    topk = {"input_ids": targets["input_ids"], "hidden/1": targets["hidden/1"],
+            "logits/topk_values": torch.randn(2, 3, 2).sort(-1, descending=True).values,
+            "logits/topk_ids": torch.randint(0, 5, (2, 3, 2)), "logits/lse": torch.randn(2, 3)}
+    full_batch = set(loss(out, {**topk, "loss_mask": torch.ones(2, 3)}, torch.ones(2, 3)))
+    assert set(loss(out, {**topk, "loss_mask": torch.zeros(2, 3)}, torch.ones(2, 3))) == full_batch
 
 
 def test_a_template_that_prints_the_date_renders_the_same_any_day(chat_teacher: Path) -> None:

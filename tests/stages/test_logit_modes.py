@@ -87,6 +87,15 @@ def test_training_and_eval_on_a_head_cache(tiny_llama: Path, tmp_path: Path,
 def test_a_damaged_or_missing_head_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
     reader = _cache(tmp_path, tiny_llama, "cache", logits_mode="head")
     weights = tmp_path / "cache" / "teacher_head" / "head.safetensors"
+    record = tmp_path / "cache" / "teacher_head" / "head.json"  # not hashed: its layer is checked instead
+    good = record.read_text()
+    record.write_text(good.replace('"layer": 3', '"layer": 1'))
+    with pytest.raises(KdcacheError, match="reads layer 1, but its last cached hidden layer is 3"):
+        load_teacher_head(reader.store, reader.spec.hidden_layers)
+    record.write_text("[]")
+    with pytest.raises(KdcacheError, match="expected a JSON object"):
+        load_teacher_head(reader.store)
+    record.write_text(good)
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))

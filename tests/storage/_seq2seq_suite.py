@@ -112,6 +112,27 @@ class Seq2SeqSuite:
         assert reader.num_tokens == sum(a + b for a, b in self.LENGTHS)
         assert verify_cache(tmp_path).ok
 
+    def test_each_stream_is_stored_by_its_own_documents(self, tmp_path):
+        """Self-attention of packed rows is kept per document of its own stream (encoder and decoder differ)."""
+        spec = self.seq2seq_spec(num_sequences=1, sequences_per_shard=1, token_arrays=("position_ids",),
+                                 logits=None, cross_attention_layers=())
+        rng = np.random.default_rng(3)
+        item = {"encoder/input_ids": np.arange(6), "decoder/input_ids": np.arange(4),
+                "encoder/position_ids": np.array([0, 1, 2, 0, 1, 2]), "decoder/position_ids": np.array([0, 1, 0, 1]),
+                "encoder/hidden/0": rng.random((6, 8)), "encoder/hidden/2": rng.random((6, 8)),
+                "decoder/hidden/2": rng.random((4, 8)), "encoder/attention/1": _probs(rng, 6, 6),
+                "decoder/attention/1": _probs(rng, 4, 4),
+                "decoder/attention/2": _probs(rng, 4, 4)}
+        with CacheWriter(tmp_path, spec, FINGERPRINTS) as writer:
+            writer.write_shard(0, [item])
+            writer.finalize()
+        got = CacheReader(tmp_path)[0]
+        for stream, docs in (("encoder", [3, 3]), ("decoder", [2, 2])):
+            same = np.repeat(np.arange(len(docs)), docs)
+            inside = same[:, None] == same[None, :]
+            want = stored(spec, np.where(inside, item[f"{stream}/attention/1"], 0))
+            np.testing.assert_array_equal(got[f"{stream}/attention/1"], want, err_msg=stream)
+
     def test_seq2seq_names_groups_and_layer_errors(self, tmp_path):
         spec = self.seq2seq_spec()
         self.write_seq2seq(tmp_path, spec)

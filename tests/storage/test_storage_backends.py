@@ -29,6 +29,7 @@ from kdcache.storage.errors import (
     UnknownCodecError,
     UnknownFeatureError,
 )
+from kdcache.storage.spec import VOCAB_IDS
 from tests.storage._format3_suite import Format3Suite
 from tests.storage._seq2seq_suite import Seq2SeqSuite, stored
 
@@ -141,7 +142,7 @@ class StorageSuite(Seq2SeqSuite, Format3Suite):
     def assert_same(self, got: dict, want: dict) -> None:
         assert set(got) == set(want)
         for name in want:
-            assert got[name].dtype == want[name].dtype or name.endswith("_ids"), name
+            assert got[name].dtype == want[name].dtype or name in VOCAB_IDS, name  # ids: the smallest type
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
     # ---- round trips ---------------------------------------------------------------------------------

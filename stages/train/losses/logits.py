@@ -36,9 +36,7 @@ def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
         Scalar mean over the valid (t, t+1) pairs (0 when there are none).
     """
     m = bool_mask(mask, logits)
-    pair_valid = m[:, :-1] & m[:, 1:]
-    if pairs is not None:
-        pair_valid = pair_valid & pairs.bool()
+    pair_valid = m[:, :-1] & m[:, 1:] if pairs is None else pairs.bool()  # masks.pairs holds real pairs only
     rows = logits[:, :-1][pair_valid]
     labels = input_ids[:, 1:][pair_valid].long()
     if rows.shape[0] == 0:
