@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
-from kdcache.storage.errors import InvalidSequenceError, ShardError
+from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, ShardError
+from kdcache.storage.hidden_codecs import ERROR_KIND, encode, error_record, is_part, part_name
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
 from kdcache.storage.spec import SAMPLED_NAMES, TOKEN_ARRAYS, VOCAB_IDS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
@@ -28,8 +29,10 @@ class EncodedShard:
         seq_start, seq_stop: global sequence range ``[seq_start, seq_stop)``.
         arrays: array name -> flat array (see ``CacheSpec.array_names``), e.g. ``hidden/3 [T, d]``.
         num_tokens: T, the valid tokens in the shard.
-        lossy: array name -> ``{"keepbits", "max_abs_error", "max_rel_error"}`` for bitrounded arrays, and
-            ``{"step", "max_abs_error"}`` for quantised top-k log-probs (the largest |stored - given| log-prob).
+        lossy: array name -> ``{"keepbits", "max_abs_error", "max_rel_error"}`` for bitrounded arrays,
+            ``{"step", "max_abs_error"}`` for quantised top-k log-probs (the largest |stored - given| log-prob),
+            and ``{"codec", "rel_rms_error", "worst_row_cosine", "max_abs_error", "decoded_sq"}`` for arrays of a
+            quantised hidden codec (``storage.hidden_codecs.error_record``).
     """
 
     index: int
@@ -57,7 +60,7 @@ def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
     length = lengths[split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")]
     if kind in ("input_ids", *TOKEN_ARRAYS) or name == "logits/lse":
         return (length,)
-    if kind == "hidden":
+    if kind == "hidden" or is_part(name):
         return (length, value.shape[-1]) if value.ndim == 2 else None
     if name == "logits/full":
         return (length, spec.vocab_size)
@@ -68,7 +71,7 @@ def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[
     """Validate one sequence's arrays; returns its length per token stream."""
     expected = spec.sequence_names()
     for name in item:
-        if name not in expected:
+        if name not in expected and kind_of(name) != ERROR_KIND:
             spec.check_name(name)  # raises the typed unknown-feature / layer error
     missing = [n for n in expected if n not in item]
     if missing:
@@ -103,7 +106,7 @@ def _check_topk(spec: CacheSpec, values: np.ndarray, ids: np.ndarray) -> None:
 
 def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[str, dict[str, float]]) -> np.ndarray:
     """Convert to the storage dtype, then bitround activations if the spec asks for it."""
-    stored = to_storage(name, values, spec.dtype)
+    stored = to_storage(name, values, spec.float_dtype(name))
     if not spec.is_lossy_target(name) or spec.bitround is None:
         return stored
     rounded = apply_bitround(name, stored, spec.dtype, spec.bitround)
@@ -149,6 +152,7 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     if len(sequences) != stop - start:
         raise ShardError(f"shard {index} covers sequences [{start}, {stop}) = {stop - start} sequences, "
                          f"got {len(sequences)}")
+    sequences = [_coded(spec, item) for item in sequences]
     lengths = [_check_sequence(spec, start + i, item) for i, item in enumerate(sequences)]
     documents = _documents(spec, sequences)
     arrays = _all_offsets(spec, lengths, documents)
@@ -156,6 +160,12 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     for name in spec.sequence_names():
         arrays[name] = _encode_array(spec, name, [np.asarray(item[name]) for item in sequences], lossy,
                                      _stream_documents(spec, name, documents))
+        if spec.coded(name):
+            if any(part_name(name, "error") not in item for item in sequences):
+                raise _fail(start, part_name(name, "error"), "missing; codes made by a codec come with their "
+                                                             "per-row errors [L, 5]")
+            errors = np.concatenate([np.asarray(item[part_name(name, "error")]) for item in sequences])
+            lossy[name] = error_record(spec.hidden_codec, errors)
     if spec.logits == "topk" and spec.topk_values == "fp16":
         _check_topk(spec, arrays["logits/topk_values"], arrays["logits/topk_ids"])
     for name in set(VOCAB_IDS) & set(arrays):
@@ -165,6 +175,26 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
         arrays[name] = _gaps(name, arrays[name])
     # A seq2seq shard's token count is both streams' tokens: what its bytes are spread over.
     return EncodedShard(index, start, stop, arrays, int(sum(sum(n.values()) for n in lengths)), lossy)
+
+
+def _coded(spec: CacheSpec, item: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A sequence whose coded arrays are given as floats ``[L, d]``, encoded here by the numpy reference codec
+    (stage one hands codes, scales and per-row errors made on its device instead, leaving nothing to do)."""
+    floats = [n for n in item if spec.coded(n) and np.asarray(item[n]).dtype.kind == "f"]
+    if not floats:
+        return item
+    out = dict(item)
+    for name in floats:
+        values = np.asarray(item[name], dtype=np.float32)
+        if values.ndim != 2:
+            raise InvalidSequenceError(f"{name}: expected [L, d] floats, got shape {values.shape}")
+        out.update(encode(spec.hidden_codec, name, values))
+        if not (np.isfinite(out[part_name(name, "scale")]).all() and np.isfinite(values).all()):
+            max_abs = float(np.nanmax(np.abs(values)))
+            raise Fp16OverflowError(f"{name}: largest |value| {max_abs:.6g} gives a scale or an outlier beyond "
+                                    f"float16, or a value is not finite; expected finite values within "
+                                    f"{np.finfo(np.float16).max * 127:g}", name=name, max_abs=max_abs)
+    return out
 
 
 def _gaps(name: str, rows: np.ndarray) -> np.ndarray:
@@ -251,4 +281,15 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
         return _integer_tokens(name, flat, spec.array_dtype(name))
     if name == "logits/topk_values" and spec.topk_values == "logprob":
         return _logprobs(spec, name, flat, lossy)
+    if spec.coded(name) or is_part(name):
+        return _coded_array(spec, name, flat)
     return _float_target(spec, name, flat, lossy)
+
+
+def _coded_array(spec: CacheSpec, name: str, flat: np.ndarray) -> np.ndarray:
+    """Codes and their companions, as given (made by a codec), in their storage dtype."""
+    dtype = spec.array_dtype(name)
+    if flat.dtype.kind != dtype.kind or flat.dtype.itemsize != dtype.itemsize:
+        raise InvalidSequenceError(f"{name}: expected {dtype} from the {spec.hidden_codec['name']} codec, got "
+                                   f"{flat.dtype}")
+    return flat.view(dtype)

@@ -35,6 +35,7 @@ from kdcache.storage.codecs import (
 )
 from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
+from kdcache.storage.hidden_codecs import applies_to, codec_of, is_part, part_name, parts, resolve_hidden_codec
 from kdcache.storage.streams import (
     CROSS,
     SEQ2SEQ_STREAMS,
@@ -124,6 +125,8 @@ class CacheSpec:
     topk_values: str = "fp16"  # of TOPK_VALUE_FORMATS; left out of to_dict() when fp16 (older manifests)
     logprob_step: float = 0.0  # "logprob": the quantisation step; every stored log-prob is within step/2
     bitround: int | None = None
+    # {name, configuration} of storage.hidden_codecs; None: the float ``dtype``. Left out of to_dict() then.
+    hidden_codec: Any = None
     sequences_per_shard: int = 256
     token_arrays: tuple[str, ...] = ()  # of TOKEN_ARRAYS, stored for every stream; absent before format 4
     # seq2seq only (layout "seq2seq"); left out of to_dict() for single-stream caches, whose manifests stay v1.
@@ -146,6 +149,8 @@ class CacheSpec:
         codec, topk_codec = default_codecs(self.backend)
         put("codec", resolve_codec(codec if self.codec is None else self.codec))
         put("topk_codec", resolve_codec(topk_codec if self.topk_codec is None else self.topk_codec))
+        put("hidden_codec", resolve_hidden_codec(self.hidden_codec, self.dtype if self.dtype in ("fp16", "bf16")
+                                                 else "fp16"))
         self._validate()
 
     def _validate(self) -> None:
@@ -168,6 +173,9 @@ class CacheSpec:
         if self.logits == "sampled" and not (1 <= self.samples <= 255 and self.sample_temperature > 0):
             raise SpecError(f"sampled logits need 1..255 samples and a temperature > 0, got {self.samples} at "
                             f"{self.sample_temperature}")
+        if self.bitround is not None and self.float_dtype("hidden/0") != self.dtype:
+            raise SpecError(f"bitround needs hidden states in the float dtype {self.dtype!r}; hidden codec "
+                            f"{self.hidden_codec['name']!r} differs")
         mantissa = STORAGE_DTYPES[self.dtype][1]
         if self.bitround is not None and not 0 < self.bitround < mantissa:
             raise SpecError(f"bitround keepbits must be in 1..{mantissa - 1} for {self.dtype}, got {self.bitround}")
@@ -284,7 +292,7 @@ class CacheSpec:
         """Names of the per-sequence arrays a reader returns (and the writer takes), in order."""
         names = self.token_names()
         for stream, hidden, attention in self.stream_layers():
-            names += [prefixed(stream, f"hidden/{j}") for j in hidden]
+            names += [n for j in hidden for n in self.with_parts(prefixed(stream, f"hidden/{j}"))]
             names += [prefixed(stream, f"attention/{j}") for j in attention]
         names += [f"{CROSS}/{j}" for j in self.cross_attention_layers]
         return names + self.logit_arrays()
@@ -293,6 +301,20 @@ class CacheSpec:
         """The per-token logit arrays of this cache (a log-prob top-k cache needs no logsumexp)."""
         names = list(LOGIT_ARRAYS[self.logits])
         return [n for n in names if n != "logits/lse"] if self.topk_values == "logprob" else names
+
+    # ---- hidden codecs (storage.hidden_codecs) ---------------------------------------------------------
+    def coded(self, name: str) -> bool:
+        """Whether ``name`` is stored as codes of a quantised hidden codec (with companion arrays)."""
+        return not codec_of(self.hidden_codec).float_dtype and applies_to(name)
+
+    def with_parts(self, name: str) -> list[str]:
+        """``name`` and, when it is coded, its companion arrays (scales, outliers kept aside, their ids)."""
+        return [name, *(part_name(name, p) for p in parts(self.hidden_codec))] if self.coded(name) else [name]
+
+    def float_dtype(self, name: str) -> str:
+        """The float type ("fp16" / "bf16") float array ``name`` is stored in: a float hidden codec's, else
+        ``dtype``."""
+        return codec_of(self.hidden_codec).float_dtype or self.dtype if applies_to(name) else self.dtype
 
     def gap_coded(self, name: str) -> bool:
         """Whether ``name`` holds rows non-decreasing along the last axis, stored as the first value and the gaps."""
@@ -322,7 +344,11 @@ class CacheSpec:
             return np.dtype(np.uint8)
         if name == "logits/topk_values" and self.topk_values == "logprob":
             return np.dtype(np.uint16)
-        return storage_dtype(self.dtype)
+        if self.coded(name):
+            return np.dtype(codec_of(self.hidden_codec).code_dtype)
+        if is_part(name):
+            return np.dtype(np.uint16) if kind_of(name) == "hidden_outlier_ids" else np.dtype(np.float16)
+        return storage_dtype(self.float_dtype(name))
 
     def codec_for(self, name: str) -> dict[str, Any]:
         """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
@@ -334,7 +360,7 @@ class CacheSpec:
 
     def is_lossy_target(self, name: str) -> bool:
         """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""
-        return self.bitround is not None and self.is_lossy_kind(name)
+        return self.bitround is not None and self.is_lossy_kind(name) and not self.coded(name)
 
     def check_name(self, name: str) -> None:
         """Raise a typed error unless ``name`` is a per-sequence array of this cache."""
@@ -360,7 +386,7 @@ class CacheSpec:
             group = [n for n in self.sequence_names() if n.startswith(name + "/")]
             if not group:
                 self.check_name(name)
-            out.extend(group or [name])
+            out.extend(group or self.with_parts(name))
         # Attention stored per document cannot be unpacked without the row's document boundaries.
         out += [prefixed(split_stream(n)[0], "position_ids") for n in out if self.by_documents(n)]
         return list(dict.fromkeys(out))
@@ -375,6 +401,8 @@ class CacheSpec:
         if not self.is_encoder_decoder:
             for key in ("layout", *SEQ2SEQ_FIELDS):
                 del out[key]
+        if self.hidden_codec == resolve_hidden_codec(None, self.dtype):  # the float dtype: what earlier writers wrote
+            del out["hidden_codec"]
         if self.topk_values == "fp16":  # what earlier writers wrote; a reader that predates logprob refuses those
             del out["topk_values"], out["logprob_step"]
         for key, value in out.items():

@@ -1,0 +1,286 @@
+"""Hidden-state codecs: a registry by name, the arrays each one stores, and the numpy reference encode/decode.
+
+A codec is recorded in the spec as ``{"name": ..., "configuration": {...}}`` (like a zarr v3 codec). Two kinds:
+
+* float codecs (``fp16``, ``bf16``): the layer is stored as that float type, as before this registry existed;
+* quantised codecs (``fp8``, ``int8``, ``int4``): the layer ``x [T, d]`` is stored as plain arrays
+
+  - ``hidden/{j}``: codes ``[T, d]`` (int8; fp8 e4m3 bit patterns as uint8) or ``[T, d/2]`` (int4: two codes
+    per uint8, the even channel in the low nibble, each stored as ``q + 8``);
+  - ``hidden_scale/{j}``: fp16 scales ``[T, G]``, one per row (G = 1) or per group of ``group`` channels (int4);
+  - ``hidden_outliers/{j}`` (fp16) and ``hidden_outlier_ids/{j}`` (uint16) ``[T, m]`` when ``outliers`` m > 0:
+    each row's m largest |values|, kept aside exactly (fp16) and subtracted before quantising.
+
+  Decoding (docs/cache-format.md): ``y = dequant(codes) * scale``; ``x = signs * H(y)`` per block of ``b``
+  channels when ``rotation`` is a seed (``H`` the orthonormal Walsh-Hadamard matrix, ``b`` the largest power
+  of two dividing d, ``signs`` = ``default_rng(seed).integers(0, 2, d) * 2 - 1``); then ``x[ids] += outliers``.
+
+Why a rotation: real activations have a few channels 100-1000x larger than the rest, and one scale per row set
+by those flattens every other channel to zero; a seeded random rotation spreads them over a block first. The
+largest few are also kept aside, because even spread they dominate the row's scale.
+
+Everything here is numpy; stage one and stage two use the torch twin in ``stages.common.hidden_codecs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kdcache.storage.errors import SpecError
+from kdcache.storage.streams import kind_of, prefixed, split_stream
+
+CODED_KINDS = ("hidden",)  # the array kinds a hidden codec applies to (issue 23 may add cached q/k/v here)
+PART_KINDS = {"scale": "hidden_scale", "outliers": "hidden_outliers", "outlier_ids": "hidden_outlier_ids"}
+ERROR_KIND = "hidden_error"  # per-row error sums stage one hands the writer; recorded per shard, never stored
+ERROR_FIELDS = ("err_sq", "ref_sq", "cosine", "max_abs", "decoded_sq")  # the columns of an error array [T, 5]
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
+@dataclass(frozen=True)
+class HiddenCodec:
+    """One registered codec.
+
+    Attributes:
+        name: as recorded.
+        float_dtype: "fp16" / "bf16" for a float codec, None for a quantised one.
+        code_dtype: numpy dtype of the stored codes (quantised codecs).
+        qmax: the largest code magnitude (127 for int8, 7 for int4, 448 for fp8).
+        per_code: values per stored code element (2 for int4's packed nibbles).
+        grouped: one scale per ``group`` channels rather than one per row.
+    """
+
+    name: str
+    float_dtype: str | None = None
+    code_dtype: np.dtype | None = None
+    qmax: float = 0.0
+    per_code: int = 1
+    grouped: bool = False
+
+
+HIDDEN_CODECS: dict[str, HiddenCodec] = {codec.name: codec for codec in (
+    HiddenCodec("fp16", float_dtype="fp16"),
+    HiddenCodec("bf16", float_dtype="bf16"),
+    HiddenCodec("fp8", code_dtype=np.dtype(np.uint8), qmax=FP8_MAX),
+    HiddenCodec("int8", code_dtype=np.dtype(np.int8), qmax=127.0),
+    HiddenCodec("int4", code_dtype=np.dtype(np.uint8), qmax=7.0, per_code=2, grouped=True),
+)}
+DEFAULTS = {"rotation": 0, "outliers": 4, "group": 64}  # a quantised codec's configuration when not given
+
+
+def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
+    """The full ``{"name", "configuration"}`` record of a codec given as a name, a record, or None (``dtype``).
+
+    Raises:
+        SpecError: an unknown name or configuration key, or a bad value.
+    """
+    record = {"name": dtype} if value is None else {"name": value} if isinstance(value, str) else dict(value)
+    name, config = record.get("name"), dict(record.get("configuration") or {})
+    if name not in HIDDEN_CODECS:
+        raise SpecError(f"unknown hidden codec {name!r}; expected one of {sorted(HIDDEN_CODECS)}")
+    if HIDDEN_CODECS[name].float_dtype:
+        if config:
+            raise SpecError(f"hidden codec {name!r} takes no configuration, got {config}")
+        return {"name": name, "configuration": {}}
+    unknown = sorted(set(config) - set(DEFAULTS))
+    if unknown:
+        raise SpecError(f"hidden codec {name!r}: unknown configuration {unknown}; expected keys {sorted(DEFAULTS)}")
+    config = {**DEFAULTS, **config}
+    if config["rotation"] is not None and (not isinstance(config["rotation"], int) or config["rotation"] < 0):
+        raise SpecError(f"hidden codec rotation must be a seed >= 0 or null, got {config['rotation']!r}")
+    if not 0 <= int(config["outliers"]) <= 64 or int(config["group"]) < 2 or int(config["group"]) % 2:
+        raise SpecError(f"hidden codec {name!r}: outliers must be 0..64 and group an even number >= 2, got "
+                        f"{config['outliers']} and {config['group']}")
+    return {"name": name, "configuration": config}
+
+
+def codec_of(record: dict[str, Any]) -> HiddenCodec:
+    """The registered codec of a resolved record."""
+    return HIDDEN_CODECS[record["name"]]
+
+
+def part_name(name: str, part: str) -> str:
+    """The companion array ``part`` ("scale", "outliers", "outlier_ids", "error") of coded array ``name``:
+    ``part_name("encoder/hidden/3", "scale") == "encoder/hidden_scale/3"``."""
+    stream, rest = split_stream(name)
+    kind = ERROR_KIND if part == "error" else PART_KINDS[part]
+    return prefixed(stream, f"{kind}/{rest.split('/', 1)[1]}")
+
+
+def coded_of(name: str) -> str:
+    """The coded array a companion belongs to: ``coded_of("hidden_scale/3") == "hidden/3"``."""
+    stream, rest = split_stream(name)
+    return prefixed(stream, "hidden/" + rest.split("/", 1)[1])
+
+
+def is_part(name: str) -> bool:
+    """Whether ``name`` is a companion (scale, outliers, their ids) or a transient error array."""
+    return kind_of(name) in (*PART_KINDS.values(), ERROR_KIND)
+
+
+def parts(record: dict[str, Any]) -> tuple[str, ...]:
+    """The companion parts a codec stores beside its codes (none for a float codec)."""
+    if codec_of(record).float_dtype:
+        return ()
+    return ("scale", "outliers", "outlier_ids") if record["configuration"]["outliers"] else ("scale",)
+
+
+def applies_to(name: str) -> bool:
+    """Whether a hidden codec applies to array ``name`` (the one predicate; see ``CODED_KINDS``)."""
+    return kind_of(name) in CODED_KINDS
+
+
+def block_size(d: int) -> int:
+    """The rotation's Hadamard block: the largest power of two dividing d (d itself when d is one)."""
+    return d & -d
+
+
+def rotation_signs(seed: int, d: int) -> np.ndarray:
+    """The rotation's random signs ``[d]`` float32 (+1/-1), from ``numpy.random.default_rng(seed)``."""
+    return (np.random.default_rng(seed).integers(0, 2, d) * 2 - 1).astype(np.float32)
+
+
+def hadamard(x: np.ndarray) -> np.ndarray:
+    """Orthonormal Walsh-Hadamard transform along the last axis in blocks of ``block_size(d)`` (its own inverse).
+
+    Args:
+        x: ``[T, d]`` float32.
+    """
+    t, d = x.shape
+    b = block_size(d)
+    y = x.reshape(t, d // b, b).astype(np.float32, copy=True)
+    h = 1
+    while h < b:
+        pairs = y.reshape(t, d // b, b // (2 * h), 2, h)
+        y = np.stack([pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]], axis=-2)
+        h *= 2
+    return (y.reshape(t, d) / np.float32(np.sqrt(b))).astype(np.float32)
+
+
+def fp8_table() -> np.ndarray:
+    """The float32 value of every e4m3fn bit pattern ``[256]`` (0x7F and 0xFF are NaN and never written)."""
+    bits = np.arange(256)
+    exponent, mantissa = (bits >> 3) & 15, (bits & 7).astype(np.float64)
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    values = np.where(bits >> 7, -magnitude, magnitude)
+    values[(bits & 0x7F) == 0x7F] = np.nan
+    return values.astype(np.float32)
+
+
+def dequantize(record: dict[str, Any], codes: np.ndarray) -> np.ndarray:
+    """Integer codes ``[T, d']`` -> quantised values ``[T, d]`` float32 (before the scale)."""
+    name = record["name"]
+    if name == "fp8":
+        return fp8_table()[codes.astype(np.intp)]
+    if name == "int4":
+        low, high = (codes & 15).astype(np.int16) - 8, (codes >> 4).astype(np.int16) - 8
+        return np.stack([low, high], axis=-1).reshape(codes.shape[0], -1).astype(np.float32)
+    return codes.astype(np.float32)
+
+
+def decode(record: dict[str, Any], arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """The numpy reference decode of coded array ``name`` -> ``[T, d]`` float32.
+
+    Args:
+        record: the resolved codec record (``spec.hidden_codec``).
+        arrays: the stored arrays by name: ``name`` (codes) and its companions (``part_name``).
+        name: e.g. ``hidden/3``.
+    """
+    config = record["configuration"]
+    y = dequantize(record, arrays[name])
+    scale = arrays[part_name(name, "scale")].astype(np.float32)
+    y = (y.reshape(len(y), scale.shape[1], -1) * scale[:, :, None]).reshape(y.shape)
+    if config["rotation"] is not None:
+        y = hadamard(y) * rotation_signs(config["rotation"], y.shape[1])
+    if config["outliers"]:
+        rows = np.arange(len(y))[:, None]
+        y[rows, arrays[part_name(name, "outlier_ids")].astype(np.intp)] += \
+            arrays[part_name(name, "outliers")].astype(np.float32)
+    return y
+
+
+def _fp8_codes(v: np.ndarray) -> np.ndarray:
+    """Nearest e4m3fn bit pattern of each value (already within +-448)."""
+    table = fp8_table()[:127]  # the non-negative finite patterns 0x00..0x7E, increasing
+    mag = np.minimum(np.abs(v), FP8_MAX)
+    upper = np.clip(np.searchsorted(table, mag), 1, 126)
+    nearer = np.where(mag - table[upper - 1] <= table[upper] - mag, upper - 1, upper)
+    return (nearer | np.where(v < 0, 128, 0)).astype(np.uint8)
+
+
+def _quantize(record: dict[str, Any], y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rotated rows ``[T, d]`` -> (codes ``[T, d']``, fp16 scales ``[T, G]``)."""
+    codec, t = codec_of(record), len(y)
+    groups = y.shape[1] // record["configuration"]["group"] if codec.grouped else 1
+    blocks = y.reshape(t, groups, -1)
+    # The fp16 scale is rounded up so that no scaled value passes qmax (fp8 would otherwise reach NaN).
+    scale = _scale_up(np.abs(blocks).max(axis=-1) / codec.qmax)
+    safe = np.where(scale > 0, scale.astype(np.float32), 1.0)[:, :, None]
+    scaled = np.clip(blocks / safe, -codec.qmax, codec.qmax).reshape(t, -1)
+    if codec.name == "fp8":
+        return _fp8_codes(scaled), scale
+    q = np.rint(scaled).astype(np.int16)
+    if codec.name == "int4":
+        nibbles = (q + 8).astype(np.uint8).reshape(t, -1, 2)
+        return (nibbles[..., 0] | (nibbles[..., 1] << 4)).astype(np.uint8), scale
+    return q.astype(np.int8), scale
+
+
+def _scale_up(scale: np.ndarray) -> np.ndarray:
+    """float32 scales -> fp16, rounded towards +inf (never below the float32 value)."""
+    half = scale.astype(np.float16)
+    low = half.astype(np.float32) < scale
+    return np.where(low, np.nextafter(half, np.float16(np.inf)), half).astype(np.float16)
+
+
+def encode(record: dict[str, Any], name: str, x: np.ndarray) -> dict[str, np.ndarray]:
+    """The numpy reference encode of ``x [T, d]`` float32 -> the stored arrays of ``name`` and its error rows.
+
+    Raises:
+        SpecError: d does not suit the codec (int4 needs d divisible by its group).
+    """
+    config, x = record["configuration"], np.ascontiguousarray(x, dtype=np.float32)
+    check_width(record, name, x.shape[1])
+    out: dict[str, np.ndarray] = {}
+    residual = x.copy()
+    if config["outliers"]:
+        m = min(config["outliers"], x.shape[1])
+        ids = np.sort(np.argpartition(-np.abs(x), m - 1, axis=1)[:, :m], axis=1)
+        rows = np.arange(len(x))[:, None]
+        values = x[rows, ids].astype(np.float16)
+        residual[rows, ids] -= values.astype(np.float32)  # the fp16 rounding stays in the quantised residual
+        out[part_name(name, "outliers")], out[part_name(name, "outlier_ids")] = values, ids.astype(np.uint16)
+    if config["rotation"] is not None:
+        residual = hadamard(residual * rotation_signs(config["rotation"], x.shape[1]))
+    out[name], out[part_name(name, "scale")] = _quantize(record, residual)
+    out[part_name(name, "error")] = row_errors(x, decode(record, out, name))
+    return out
+
+
+def check_width(record: dict[str, Any], name: str, d: int) -> None:
+    """Refuse a width the codec cannot store (int4 groups must divide d; outlier ids fit uint16)."""
+    group = record["configuration"]["group"]
+    if (codec_of(record).grouped and d % group) or d > 65535:
+        raise SpecError(f"{name}: hidden size {d} does not suit codec {record['name']!r}: expected d <= 65535"
+                        + (f" and divisible by its group {group}" if codec_of(record).grouped else ""))
+
+
+def row_errors(x: np.ndarray, decoded: np.ndarray) -> np.ndarray:
+    """Per row: squared error, squared norm, cosine (1 for two zero rows), max |error| and the decoded row's
+    squared norm (which ``verify`` recomputes from the codes) -> ``[T, 5]`` float32."""
+    err = decoded - x
+    dot, norms = (x * decoded).sum(1), np.linalg.norm(x, axis=1) * np.linalg.norm(decoded, axis=1)
+    cosine = np.where(norms > 0, dot / np.where(norms > 0, norms, 1.0), 1.0)
+    return np.stack([(err ** 2).sum(1), (x ** 2).sum(1), cosine, np.abs(err).max(1, initial=0.0),
+                     (decoded ** 2).sum(1)], axis=1).astype(np.float32)
+
+
+def error_record(record: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+    """One shard's error record of a coded array, from its per-row errors ``[T, 5]`` (``row_errors``)."""
+    sums = rows.astype(np.float64)
+    ref = float(sums[:, 1].sum())
+    return {"codec": record["name"], "rel_rms_error": float(np.sqrt(sums[:, 0].sum() / ref)) if ref else 0.0,
+            "worst_row_cosine": float(sums[:, 2].min(initial=1.0)), "max_abs_error": float(sums[:, 3].max(initial=0)),
+            "decoded_sq": float(sums[:, 4].sum())}
