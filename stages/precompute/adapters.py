@@ -25,7 +25,15 @@ import torch
 
 from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
 from kdcache.stages.common.option_groups import flatten
-from kdcache.stages.precompute.capture import check_ranges, cut_padding, max_abs, to_numpy, to_storage_dtype
+from kdcache.stages.precompute.capture import (
+    check_ranges,
+    cut_padding,
+    fp16_bounded,
+    hidden_targets,
+    max_abs,
+    to_numpy,
+    to_storage_dtype,
+)
 from kdcache.stages.precompute.data import (
     TokenStreams,
     data_fingerprint,
@@ -40,6 +48,7 @@ from kdcache.stages.precompute.logit_head import as_logprobs, logit_targets
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
+from kdcache.storage.hidden_codecs import applies_to
 from kdcache.storage.streams import prefixed
 
 # One padded batch of every stream: stream -> (ids [B, L], mask [B, L]) on the teacher's device, the B valid
@@ -100,7 +109,8 @@ class HookedTeacher(TeacherAdapter):
         from kdcache.stages.precompute.capture import FeatureCapture
 
         engine = options.engine
-        with FeatureCapture(teacher, targets, options.storage.dtype, engine.logits_chunk, engine.seed) as hooks:
+        with FeatureCapture(teacher, targets, options.storage.dtype, engine.logits_chunk, engine.seed,
+                            options.storage.hidden_codec_record) as hooks:
             yield lambda batch, lengths, positions: hooks.run(*batch[""], lengths[""], positions.get("")).split()
 
 
@@ -130,7 +140,7 @@ class EncoderDecoderTeacher(TeacherAdapter):
 
     @contextmanager
     def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Iterator[Capture]:
-        capture = OutputCapture(teacher.model, targets, options.storage.dtype)
+        capture = OutputCapture(teacher.model, targets, options.storage.dtype, options.storage.hidden_codec_record)
 
         def run(batch: dict[str, tuple[Any, Any]], lengths: dict[str, list[int]],
                 positions: dict[str, Any]) -> list[dict[str, np.ndarray]]:
@@ -159,13 +169,16 @@ class OutputCapture:
         model: an encoder-decoder LM in eval mode (eager attention when maps are captured).
         targets: what to keep.
         dtype_name: storage dtype, "fp16" or "bf16".
+        hidden_codec: the resolved hidden codec (``storage.hidden_codecs``); None: ``dtype_name``.
     """
 
-    def __init__(self, model: Any, targets: Targets, dtype_name: str) -> None:
+    def __init__(self, model: Any, targets: Targets, dtype_name: str, hidden_codec: dict[str, Any] | None = None
+                 ) -> None:
         if not hasattr(model, "prepare_decoder_input_ids_from_labels"):
             raise PrecomputeError(f"{type(model).__name__} cannot build decoder inputs from labels "
                                   f"(no prepare_decoder_input_ids_from_labels); it is not an encoder-decoder LM")
         self.model, self.targets, self.dtype_name = model, targets, dtype_name
+        self.hidden_codec = hidden_codec or {"name": dtype_name, "configuration": {}}
 
     def run(self, batch: dict[str, torch.Tensor], enc_lengths: list[int], dec_lengths: list[int]) -> list[dict]:
         """Forward one right-padded batch and cut each sequence's targets out of it.
@@ -193,7 +206,8 @@ class OutputCapture:
                              output_hidden_states=t.wants_hidden, output_attentions=t.wants_attention)
             kept = self._select(out)
             self._check_range(kept)
-            host = {name: to_numpy(self._to_storage(name, value)) for name, value in kept.items()}
+            stored = {key: part for name, value in kept.items() for key, part in self._to_storage(name, value).items()}
+            host = {name: to_numpy(value) for name, value in stored.items()}
         return [cut_padding(host, i, {"encoder": n_e, "decoder": n_d})
                 for i, (n_e, n_d) in enumerate(zip(enc_lengths, dec_lengths))]
 
@@ -212,19 +226,20 @@ class OutputCapture:
 
     def _check_range(self, kept: dict[str, torch.Tensor]) -> None:
         """Refuse the first target beyond float16's range, naming it (one host sync for all of them)."""
-        if self.dtype_name == "fp16":
-            check_ranges({n: max_abs(v) for n, v in kept.items()
-                          if v.is_floating_point() and n not in self._exact and v.numel()})
+        check_ranges({n: max_abs(v) for n, v in kept.items() if v.is_floating_point() and n not in self._exact
+                      and v.numel() and fp16_bounded(n, self.dtype_name, self.hidden_codec)})
 
     @property
     def _exact(self) -> tuple[str, ...]:
         """Arrays handed to storage as computed: ids, the fp32 logsumexp, log-probs that storage quantises."""
         return ("logits/topk_ids", "logits/lse", *(("logits/topk_values",) if self.targets.logprob_step else ()))
 
-    def _to_storage(self, name: str, value: torch.Tensor) -> torch.Tensor:
+    def _to_storage(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         if name in self._exact:
-            return value
-        return to_storage_dtype(value, self.dtype_name)
+            return {name: value}
+        if applies_to(name):
+            return hidden_targets(self.hidden_codec, name, value)
+        return {name: to_storage_dtype(value, self.dtype_name)}
 
 
 def adapter_for(config: Any) -> TeacherAdapter:

@@ -32,11 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from kdcache.stages.common import hidden_codecs
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.logit_head import ChunkedHead, as_logprobs, logit_targets
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
+from kdcache.storage.hidden_codecs import applies_to
 from kdcache.storage.streams import ragged_streams
 
 
@@ -80,6 +82,20 @@ def to_storage_dtype(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
     if dtype_name == "fp16":
         return x.to(torch.float16)
     return x.to(torch.bfloat16).view(torch.int16)
+
+
+def hidden_targets(record: dict[str, Any], name: str, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A hidden state ``[B, L, d]`` as the arrays its codec stores, made on its device: the float type of a float
+    codec, or codes, scales, outliers and per-row errors (``stages.common.hidden_codecs.encode``)."""
+    if hidden_codecs.quantised(record):
+        return hidden_codecs.encode(record, name, hidden)
+    return {name: to_storage_dtype(hidden, record["name"])}
+
+
+def fp16_bounded(name: str, dtype_name: str, record: dict[str, Any]) -> bool:
+    """Whether target ``name`` must stay within float16's range: fp16 targets, and hidden states of every codec
+    but bf16 (quantised codecs keep outliers and scales in fp16)."""
+    return record["name"] != "bf16" if applies_to(name) else dtype_name == "fp16"
 
 
 def to_numpy(x: torch.Tensor) -> np.ndarray:
@@ -151,8 +167,9 @@ class FeatureCapture:
     """
 
     def __init__(self, teacher: Teacher, targets: Targets, dtype_name: str, chunk_tokens: int = 0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, hidden_codec: dict[str, Any] | None = None) -> None:
         self.seed = seed
+        self.hidden_codec = hidden_codec or {"name": dtype_name, "configuration": {}}
         self.teacher, self.targets, self.dtype_name = teacher, targets, dtype_name
         self.model = teacher.model
         self._handles: list[Any] = []
@@ -221,15 +238,15 @@ class FeatureCapture:
     # full copy of every target. Bucketed batches carry little padding, so little extra crosses to the host.
     def _keep_range(self, name: str, values: torch.Tensor) -> None:
         """Remember the largest |value| (on the device, no sync) for the fp16 range check."""
-        if self.dtype_name == "fp16" and values.numel():
+        if fp16_bounded(name, self.dtype_name, self.hidden_codec) and values.numel():
             self._amax[name] = max_abs(values)
 
     def _keep_hidden(self, j: int, hidden: torch.Tensor) -> None:
-        """``[B, L, d]`` -> the storage dtype, padded; range recorded."""
+        """``[B, L, d]`` -> the stored arrays of its codec, padded, made on the device; range recorded."""
         if self._paused:
             return
         self._keep_range(f"hidden/{j}", hidden)
-        self._out[f"hidden/{j}"] = to_storage_dtype(hidden, self.dtype_name)
+        self._out.update(hidden_targets(self.hidden_codec, f"hidden/{j}", hidden))
 
     def _keep_attention(self, j: int, probs: torch.Tensor) -> None:
         """``[B, H, L, L]`` probabilities -> ``[B, H', L, L]`` kept heads in the storage dtype.
@@ -368,8 +385,7 @@ class FeatureCapture:
         return BatchOutput(np.asarray(self._lengths, dtype=np.int64), arrays)
 
     def _check_range(self) -> None:
-        if self.dtype_name == "fp16":
-            check_ranges(self._amax)
+        check_ranges(self._amax)  # holds only the targets fp16_bounded names
 
     def close(self) -> None:
         """Remove every hook."""

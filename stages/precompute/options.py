@@ -108,6 +108,8 @@ class StorageOptions:
     dtype: str = _opt("fp16", "storage dtype of float targets", choices=["fp16", "bf16"])
     codec: str | None = _opt(None, "numcodecs codec name (e.g. zstd, blosc-lz4) or JSON config; default blosc-lz4")
     bitround: int | None = _opt(None, "lossy: mantissa bits kept in activations (fp16 1..9, bf16 1..6)")
+    hidden_codec: str | None = _opt(None, "hidden-state codec: fp16, bf16, fp8, int8 or int4 (quantised on the "
+                                          "teacher's device), or a JSON {name, configuration}; default: --dtype")
     sequences_per_shard: int = _opt(256, "sequences per cache shard (the unit of commit, resume and partition)")
     num_shards: int = _opt(1, "job-array size: this many independent jobs share the cache")
     shard_index: int = _opt(0, "this job's index in the job array, 0..num_shards-1")
@@ -118,6 +120,15 @@ class StorageOptions:
         if self.codec and self.codec.strip().startswith("{"):
             return json.loads(self.codec)
         return self.codec
+
+    @property
+    def hidden_codec_record(self) -> dict[str, Any]:
+        """The resolved ``{name, configuration}`` of ``--hidden-codec`` (``storage.hidden_codecs``)."""
+        from kdcache.storage.hidden_codecs import resolve_hidden_codec
+
+        value = self.hidden_codec
+        return resolve_hidden_codec(json.loads(value) if value and value.strip().startswith("{") else value,
+                                    self.dtype)
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
@@ -135,13 +146,16 @@ class StorageOptions:
         from kdcache.storage.codecs import resolve_codec
         from kdcache.storage.errors import KdcacheError
 
-        try:
-            resolve_codec(self.codec_config)
-        except json.JSONDecodeError as exc:
-            return [f"codec: {self.codec!r} is not valid JSON: {exc}"]
-        except KdcacheError as exc:
-            return [f"codec: {exc}"]
-        return []
+        problems = []
+        for key, check in (("codec", lambda: resolve_codec(self.codec_config)),
+                           ("hidden_codec", lambda: self.hidden_codec_record)):
+            try:
+                check()
+            except json.JSONDecodeError as exc:
+                problems.append(f"{key}: {getattr(self, key)!r} is not valid JSON: {exc}")
+            except KdcacheError as exc:
+                problems.append(f"{key}: {exc}")
+        return problems
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,7 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
         sample_temperature=targets.sample_temperature, vocab_size=targets.vocab_size if targets.logits else 0,
         topk_values="logprob" if targets.logprob_step else "fp16", logprob_step=targets.logprob_step,
         dtype=storage.dtype, codec=storage.codec_config, bitround=storage.bitround,
-        sequences_per_shard=storage.sequences_per_shard, **layers)
+        hidden_codec=storage.hidden_codec_record, sequences_per_shard=storage.sequences_per_shard, **layers)
 
 
 def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[str, Any]:
@@ -222,4 +222,6 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             "sampling": {"seed": engine.seed, "batch_size": engine.batch_size, "logits_chunk": engine.logits_chunk}
             if targets.logits == "sampled" else None,
             "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
-            "triangle": options.targets.triangle, "format_version": FORMAT_VERSION}
+            "triangle": options.targets.triangle, "format_version": FORMAT_VERSION,
+            # Recorded only when set, so that the fingerprints of caches written before codecs stay the same.
+            **({"hidden_codec": storage.hidden_codec_record} if storage.hidden_codec else {})}

@@ -124,7 +124,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     state = _EvalState(reader, student_facts(model, pretrained=True), teacher_layer, device)
     sequences = tokens = 0
     for batch in cache_batches(reader, state.names, batch_size, limit=limit):
-        batch = to_device(batch, device)
+        batch = to_device(batch, device, reader.spec.hidden_codec)
         if not sequences:
             check_documents_apart(model, batch)
         out = model(**student_inputs(model, batch), output_hidden_states=True)

@@ -122,6 +122,7 @@ class _Trainer:
         self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
         self.progress = TrainProgress(0, 0, enabled=False)  # replaced when run() knows the total
         self.losses: list[float] = []
+        self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
         del reader  # the stream opens its own reader (in each DataLoader worker)
 
     # ---- set-up ------------------------------------------------------------------------------------
@@ -199,7 +200,7 @@ class _Trainer:
         epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
         if self.progress.enabled:  # tokens/s for the display only: nothing to count on other ranks or --quiet
             self.progress.tokens(int(sum(int(v.sum()) for k, v in batch.items() if split_stream(k)[1] == "mask")))
-        out = self.engine(to_device(batch, self.dist.device))
+        out = self.engine(to_device(batch, self.dist.device, self.hidden_codec))
         self.engine.backward(out["loss"])
         self.engine.step()
         for name, value in out.items():

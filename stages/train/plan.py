@@ -221,6 +221,7 @@ def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
 
 def _target_shapes(reader: Any, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
     """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
+    from kdcache.stages.common.hidden_codecs import hidden_width
     from kdcache.storage.streams import kind_of, split_stream
 
     hidden = [n for n in names if kind_of(n) == "hidden"]
@@ -231,7 +232,8 @@ def _target_shapes(reader: Any, names: list[str]) -> tuple[dict[str, dict[int, i
     sizes: dict[str, dict[int, int]] = {}
     for name in hidden:
         stream, rest = split_stream(name)
-        sizes.setdefault(stream, {})[int(rest.split("/")[1])] = int(first[name].shape[-1])
+        sizes.setdefault(stream, {})[int(rest.split("/")[1])] = hidden_width(reader.spec.hidden_codec,
+                                                                             int(first[name].shape[-1]))
     heads = int(first[attention[0]].shape[0]) if attention else None
     return sizes, heads
 

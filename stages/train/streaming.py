@@ -20,7 +20,8 @@ ranks together, ``k * world * batch`` after ``k`` micro-steps. Resuming needs th
 Speed. One producer thread assembles micro-batches in order while a thread pool decodes the shards the next
 ``prefetch`` micro-batches need (``reader.read_shard`` decodes only the arrays asked for; the codecs release
 the GIL). Float targets stay fp16 (or bf16 bits, as int16) through collate; ``to_device`` makes them fp32 on the
-device, so the host never holds an fp32 copy.
+device, so the host never holds an fp32 copy. Hidden states of a quantised codec (int8, fp8, int4) cross as their
+codes and fp16 scales and are decoded there too (``stages.common.hidden_codecs``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from kdcache.stages.common.hidden_codecs import decode_batch
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.spec import VOCAB_IDS
 from kdcache.storage.streams import kind_of, prefixed, ragged_streams, split_stream
@@ -164,17 +166,18 @@ def _pad_stack(name: str, arrays: list[np.ndarray], sizes: list[int]) -> np.ndar
 
 
 def _batch_dtype(name: str, stored: np.dtype) -> np.dtype:
-    if kind_of(name) in ("input_ids", "position_ids") or name in VOCAB_IDS:  # ids index, never bf16 bits
+    if kind_of(name) in ("input_ids", "position_ids", "hidden_outlier_ids") or name in VOCAB_IDS:  # never bf16 bits
         return np.dtype(np.int64)
     if stored == np.uint16:  # bf16 bits
         return np.dtype(np.int16)
     return stored
 
 
-def to_device(batch: Batch, device: torch.device | str) -> Batch:
+def to_device(batch: Batch, device: torch.device | str, hidden_codec: dict[str, Any] | None = None) -> Batch:
     """Copy a batch to ``device`` and only there turn targets into float32.
 
-    int16 tensors are bf16 bits (see ``collate``); other floating tensors are fp16 or fp32.
+    int16 tensors are bf16 bits (see ``collate``); other floating tensors are fp16 or fp32. With the cache's
+    ``hidden_codec`` (``spec.hidden_codec``), coded hidden states ``[B, L, d']`` become float32 ``[B, L, d]`` there.
     """
     out: Batch = {}
     for name, value in batch.items():
@@ -187,7 +190,7 @@ def to_device(batch: Batch, device: torch.device | str) -> Batch:
         elif moved.is_floating_point():
             moved = moved.float()
         out[name] = moved
-    return out
+    return out if hidden_codec is None else decode_batch(hidden_codec, out)
 
 
 READAHEAD_REMOTE = 2

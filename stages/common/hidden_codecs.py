@@ -1,0 +1,160 @@
+"""The torch twin of ``storage.hidden_codecs``: encode on the teacher's device, decode on the training device.
+
+Stage one calls ``encode`` on a padded ``[B, L, d]`` activation before anything crosses to the host, so the host,
+the disk and the object store carry only codes and scales. Stage two calls ``decode_batch`` right after the copy
+to its device (``streaming.to_device``), the way fp16 becomes fp32 there. The arrays and the formulas are those
+of ``storage.hidden_codecs`` (the numpy reference ``verify`` and docs/cache-format.md use); the random signs
+come from the same numpy generator, so both sides rotate alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kdcache.storage.hidden_codecs import (
+    FP8_MAX,
+    applies_to,
+    block_size,
+    codec_of,
+    is_part,
+    part_name,
+    rotation_signs,
+)
+
+Record = dict[str, Any]  # a resolved {"name", "configuration"} codec record (spec.hidden_codec)
+
+
+def quantised(record: Record) -> bool:
+    """Whether the codec stores codes (fp8, int8, int4) rather than floats."""
+    return codec_of(record).float_dtype is None
+
+
+def _signs(record: Record, d: int, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(rotation_signs(record["configuration"]["rotation"], d)).to(device)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform of ``x [N, d]`` (float32) in blocks of ``block_size(d)``."""
+    n, d = x.shape
+    b = block_size(d)
+    y, h = x.reshape(n, d // b, b), 1
+    while h < b:
+        pairs = y.reshape(n, d // b, b // (2 * h), 2, h)
+        y = torch.stack([pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]], dim=-2)
+        h *= 2
+    return y.reshape(n, d) / float(np.sqrt(b))
+
+
+def _scale_up(scale: torch.Tensor) -> torch.Tensor:
+    """float32 -> fp16, never below the float32 value (so no scaled value passes the codec's maximum)."""
+    half = scale.to(torch.float16)
+    return torch.where(half.float() < scale, torch.nextafter(half, half.new_tensor(float("inf"))), half)
+
+
+def _quantize(record: Record, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated rows ``[N, d]`` -> (codes ``[N, d']``, fp16 scales ``[N, G]``)."""
+    codec, n = codec_of(record), y.shape[0]
+    groups = y.shape[1] // record["configuration"]["group"] if codec.grouped else 1
+    blocks = y.reshape(n, groups, -1)
+    scale = _scale_up(blocks.abs().amax(-1) / codec.qmax)
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32)).unsqueeze(-1)
+    scaled = (blocks / safe).clamp(-codec.qmax, codec.qmax).reshape(n, -1)
+    if codec.name == "fp8":  # clamped to +-448 first: the cast never makes NaN
+        return scaled.to(torch.float8_e4m3fn).view(torch.uint8), scale
+    q = torch.round(scaled).to(torch.int16)
+    if codec.name == "int4":
+        nibbles = (q + 8).to(torch.uint8).reshape(n, -1, 2)
+        return nibbles[..., 0] | (nibbles[..., 1] << 4), scale
+    return q.to(torch.int8), scale
+
+
+def _dequantize(record: Record, codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[N, d']`` -> values before the scale ``[N, d]`` float32."""
+    if record["name"] == "fp8":
+        return codes.view(torch.float8_e4m3fn).float()
+    if record["name"] == "int4":
+        nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(codes.shape[0], -1)
+        return nibbles.float() - 8
+    return codes.float()
+
+
+def decode_rows(record: Record, codes: torch.Tensor, scale: torch.Tensor, outliers: torch.Tensor | None = None,
+                outlier_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode rows: codes ``[N, d']``, scales ``[N, G]``, outliers and their ids ``[N, m]`` -> ``[N, d]`` float32."""
+    y = _dequantize(record, codes)
+    n, d = y.shape
+    y = (y.reshape(n, scale.shape[1], -1) * scale.float().unsqueeze(-1)).reshape(n, d)
+    if record["configuration"]["rotation"] is not None:
+        y = hadamard(y) * _signs(record, d, y.device)
+    if outliers is not None and outlier_ids is not None and outliers.numel():
+        y = y.scatter_add(1, outlier_ids.long(), outliers.float())
+    return y
+
+
+def encode(record: Record, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Encode ``x [..., d]`` on its device -> ``name``'s codes and companions ``[..., w]`` and per-row errors
+    ``[..., 5]`` (``storage.hidden_codecs.row_errors``'s columns), all still on the device.
+
+    The outliers are kept aside in fp16 and subtracted before the rotation, so the fp16 rounding of each stays in
+    the quantised residual.
+    """
+    lead, d = x.shape[:-1], x.shape[-1]
+    rows = x.detach().reshape(-1, d).float()
+    residual, out = rows, {}
+    m = min(record["configuration"]["outliers"], d)
+    outliers = ids = None
+    if m:
+        ids = rows.abs().topk(m, dim=1).indices.sort(dim=1).values
+        outliers = rows.gather(1, ids).to(torch.float16)
+        residual = rows.scatter_add(1, ids, -outliers.float())
+        out[part_name(name, "outliers")] = outliers
+        out[part_name(name, "outlier_ids")] = ids.to(torch.int16)  # uint16 on the host (d <= 32767 here)
+    if record["configuration"]["rotation"] is not None:
+        residual = hadamard(residual * _signs(record, d, rows.device))
+    codes, scale = _quantize(record, residual)
+    out[name], out[part_name(name, "scale")] = codes, scale
+    out[part_name(name, "error")] = row_errors(rows, decode_rows(record, codes, scale, outliers, ids))
+    return {key: value.reshape(*lead, value.shape[-1]) for key, value in out.items()}
+
+
+def row_errors(x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """Per row ``[N, 5]``: squared error, squared norm, cosine (1 for two zero rows), max |error|, decoded norm²."""
+    err = decoded - x
+    norms = x.norm(dim=1) * decoded.norm(dim=1)
+    cosine = torch.where(norms > 0, (x * decoded).sum(1) / norms.clamp_min(1e-30), torch.ones_like(norms))
+    return torch.stack([err.square().sum(1), x.square().sum(1), cosine, err.abs().amax(1),
+                        decoded.square().sum(1)], dim=1)
+
+
+def decode_batch(record: Record, batch: dict[str, Any]) -> dict[str, Any]:
+    """Replace each coded ``[B, L, d']`` target of a batch on its device by its float32 ``[B, L, d]`` decode, and
+    drop the companions. A float codec's batch is returned as it is."""
+    if not quantised(record):
+        return batch
+    out = {k: v for k, v in batch.items() if not is_part(k)}
+    for name in [k for k in batch if applies_to(k)]:
+        codes = batch[name]
+        lead = codes.shape[:-1]
+        flat = lambda part: None if part_name(name, part) not in batch else (  # noqa: E731
+            batch[part_name(name, part)].reshape(-1, batch[part_name(name, part)].shape[-1]))
+        decoded = decode_rows(record, codes.reshape(-1, codes.shape[-1]), flat("scale"), flat("outliers"),
+                              flat("outlier_ids"))
+        out[name] = decoded.reshape(*lead, decoded.shape[-1])
+    return out
+
+
+def stored_width(record: Record, d: int) -> int:
+    """Columns of a coded array for hidden size d (int4 packs two channels per byte)."""
+    return d // codec_of(record).per_code
+
+
+def hidden_width(record: Record, stored: int) -> int:
+    """Hidden size d of a coded array with ``stored`` columns (the inverse of ``stored_width``)."""
+    return stored * codec_of(record).per_code
+
+
+__all__ = ["FP8_MAX", "decode_batch", "decode_rows", "encode", "hidden_width", "quantised", "row_errors",
+           "stored_width"]
