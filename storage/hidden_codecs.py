@@ -96,6 +96,11 @@ def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
     return {"name": name, "configuration": config}
 
 
+def group_count(record: dict[str, Any], d: int) -> int:
+    """Scales per row for hidden size d: one, or one per ``group`` channels (the whole row when d <= group)."""
+    return d // min(record["configuration"]["group"], d) if codec_of(record).grouped else 1
+
+
 def codec_of(record: dict[str, Any]) -> HiddenCodec:
     """The registered codec of a resolved record."""
     return HIDDEN_CODECS[record["name"]]
@@ -213,8 +218,7 @@ def _fp8_codes(v: np.ndarray) -> np.ndarray:
 def _quantize(record: dict[str, Any], y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rotated rows ``[T, d]`` -> (codes ``[T, d']``, fp16 scales ``[T, G]``)."""
     codec, t = codec_of(record), len(y)
-    groups = y.shape[1] // record["configuration"]["group"] if codec.grouped else 1
-    blocks = y.reshape(t, groups, -1)
+    blocks = y.reshape(t, group_count(record, y.shape[1]), -1)
     # The fp16 scale is rounded up so that no scaled value passes qmax (fp8 would otherwise reach NaN).
     scale = _scale_up(np.abs(blocks).max(axis=-1) / codec.qmax)
     safe = np.where(scale > 0, scale.astype(np.float32), 1.0)[:, :, None]
@@ -261,9 +265,9 @@ def encode(record: dict[str, Any], name: str, x: np.ndarray) -> dict[str, np.nda
 
 def check_width(record: dict[str, Any], name: str, d: int) -> None:
     """Refuse a width the codec cannot store (int4 groups must divide d; outlier ids fit uint16)."""
-    group = record["configuration"]["group"]
-    if (codec_of(record).grouped and d % group) or d > 65535:
-        raise SpecError(f"{name}: hidden size {d} does not suit codec {record['name']!r}: expected d <= 65535"
+    group = min(record["configuration"]["group"], d)
+    if (codec_of(record).grouped and d % group) or d > 32767:
+        raise SpecError(f"{name}: hidden size {d} does not suit codec {record['name']!r}: expected d <= 32767"
                         + (f" and divisible by its group {group}" if codec_of(record).grouped else ""))
 
 

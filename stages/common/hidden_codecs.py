@@ -18,7 +18,9 @@ from kdcache.storage.hidden_codecs import (
     FP8_MAX,
     applies_to,
     block_size,
+    check_width,
     codec_of,
+    group_count,
     is_part,
     part_name,
     rotation_signs,
@@ -57,8 +59,7 @@ def _scale_up(scale: torch.Tensor) -> torch.Tensor:
 def _quantize(record: Record, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated rows ``[N, d]`` -> (codes ``[N, d']``, fp16 scales ``[N, G]``)."""
     codec, n = codec_of(record), y.shape[0]
-    groups = y.shape[1] // record["configuration"]["group"] if codec.grouped else 1
-    blocks = y.reshape(n, groups, -1)
+    blocks = y.reshape(n, group_count(record, y.shape[1]), -1)
     scale = _scale_up(blocks.abs().amax(-1) / codec.qmax)
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32)).unsqueeze(-1)
     scaled = (blocks / safe).clamp(-codec.qmax, codec.qmax).reshape(n, -1)
@@ -102,6 +103,7 @@ def encode(record: Record, name: str, x: torch.Tensor) -> dict[str, torch.Tensor
     the quantised residual.
     """
     lead, d = x.shape[:-1], x.shape[-1]
+    check_width(record, name, d)
     rows = x.detach().reshape(-1, d).float()
     residual, out = rows, {}
     m = min(record["configuration"]["outliers"], d)

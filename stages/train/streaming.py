@@ -267,7 +267,8 @@ class _Producer:
 
     def __init__(self, reader: Any, names: Sequence[str], shard_ids: list[int], shard_ranges: list[tuple[int, int]],
                  plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]], prefetch: int, threads: int, pin: bool):
-        self.reader, self.names, self.pin = reader, list(names), pin
+        # A coded hidden state travels with its scales (and outliers) to the device, where it is decoded.
+        self.reader, self.names, self.pin = reader, [p for n in names for p in reader.spec.with_parts(n)], pin
         # Shards read ahead of need beyond the prefetch window: none from a local disk (the page cache and a
         # few threads keep up), two from an object store, where a request costs milliseconds.
         self.readahead = 0 if reader.store.is_local else READAHEAD_REMOTE
