@@ -201,8 +201,11 @@ def summarize_arrays(spec: CacheSpec, records: list[ShardRecord]) -> dict[str, d
             if worst is None:
                 summary[name]["lossy"] = dict(err)
                 continue
-            for key in set(err) & {"max_abs_error", "max_rel_error"}:
+            for key in set(err) & {"max_abs_error", "max_rel_error", "rel_rms_error"}:
                 worst[key] = max(worst[key], err[key])
+            if "worst_row_cosine" in err:  # a hidden codec: the worst shard's figures, the decoded energy summed
+                worst["worst_row_cosine"] = min(worst["worst_row_cosine"], err["worst_row_cosine"])
+                worst["decoded_sq"] += err["decoded_sq"]
             if "clipped" in err:  # quantised log-probs below the range: counted over the shards
                 worst["clipped"] += err["clipped"]
     return summary

@@ -1,5 +1,9 @@
 """verify_cache: re-read and decode every chunk of every array of every committed shard.
 
+Hidden states of a quantised codec are also decoded with the numpy reference (``storage.hidden_codecs``) and their
+sum of squares compared with the one recorded at write time, so codes, scales and outliers that no longer make
+the values the recorded error was measured on are found.
+
 Unlike the reader, verify never raises for a damaged cache: it collects every problem, so one run tells the
 user everything that is wrong (``kdcache verify`` prints them and exits 1).
 """
@@ -11,8 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kdcache.storage.backends.registry import get_backend
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.hidden_codecs import decode
 from kdcache.storage.manifest import Manifest, read_manifest, read_sidecars
 from kdcache.storage.stores import Store, open_store
 
@@ -61,10 +68,32 @@ def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, sideca
             report.problems.append(VerifyProblem(index, None, f"listed as committed but {store.url}/{record.path} "
                                                               f"is missing"))
             continue
-        for array, message in backend.verify(store, record, manifest.spec):
-            report.problems.append(VerifyProblem(index, array, message))
+        found = [VerifyProblem(index, array, message) for array, message in backend.verify(store, record, manifest.spec)]
+        if not found:  # only intact bytes are worth decoding
+            found = [VerifyProblem(index, name, message) for name, message in _decode_problems(store, record, manifest)]
+        report.problems += found
         report.shards_checked += 1
         report.arrays_checked += len(record.arrays)
+
+
+DECODED_RTOL = 1e-4  # float32 row sums made on a device against float64 sums of the numpy decode
+
+
+def _decode_problems(store: Store, record: Any, manifest: Manifest) -> list[tuple[str, str]]:
+    """Each coded array whose numpy decode's sum of squares differs from the recorded ``decoded_sq``."""
+    spec, problems = manifest.spec, []
+    coded = [name for name, err in record.lossy.items() if "decoded_sq" in err]
+    if not coded:
+        return []
+    handle = get_backend(spec.backend).open(store, record, spec)
+    for name in coded:
+        arrays = {part: handle.read(part) for part in spec.with_parts(name)}
+        got = float((decode(spec.hidden_codec, arrays, name).astype(np.float64) ** 2).sum())
+        want = record.lossy[name]["decoded_sq"]
+        if abs(got - want) > DECODED_RTOL * max(abs(want), 1e-30):
+            problems.append((name, f"decodes to a sum of squares of {got:.6g}, recorded {want:.6g} when its error "
+                                   f"was measured; the codes or scales do not decode as written"))
+    return problems
 
 
 def verify_cache(path: str | os.PathLike[str] | Store,

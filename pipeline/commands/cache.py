@@ -59,6 +59,7 @@ def describe(path: str) -> dict[str, Any]:
         "attention_triangle": spec.attention_triangle, "logits": spec.logits, "top_k": spec.top_k,
         "samples": spec.samples, "sample_temperature": spec.sample_temperature,
         "vocab_size": spec.vocab_size, "dtype": spec.dtype, "bitround": spec.bitround,
+        "hidden_codec": spec.hidden_codec,
         "codecs": {"activations": spec.codec, "topk": spec.topk_codec},
         "num_sequences": spec.num_sequences, "num_committed_sequences": sum(r.seq_stop - r.seq_start for r in records),
         "num_tokens": int(tokens), "num_shards": spec.num_shards, "num_committed_shards": len(records),
@@ -83,6 +84,14 @@ def _layer_lines(info: dict[str, Any], heads: Any) -> list[str]:
     return lines
 
 
+def _codec_text(record: dict[str, Any] | None) -> str:
+    """``, hidden codec int8 (rotation 0, outliers 4)`` for a quantised hidden codec; nothing for a float one."""
+    if not record or not record["configuration"]:
+        return f", hidden states {record['name']}" if record else ""
+    config = ", ".join(f"{key} {value}" for key, value in record["configuration"].items())
+    return f", hidden codec {record['name']} ({config})"
+
+
 def _text(info: dict[str, Any]) -> str:
     heads = "all" if info["attention_heads"] is None else info["attention_heads"]
     vocab = f"V={info['vocab_size']}"
@@ -98,7 +107,8 @@ def _text(info: dict[str, Any]) -> str:
         f"features     {', '.join(info['features']) or 'input_ids only'}",
         *_layer_lines(info, heads),
         f"logits       {logits.get(info['logits'], 'none')}",
-        f"dtype        {info['dtype']}" + (f", bitround keepbits={info['bitround']}" if info["bitround"] else ""),
+        f"dtype        {info['dtype']}" + (f", bitround keepbits={info['bitround']}" if info["bitround"] else "")
+        + _codec_text(info["hidden_codec"]),
         f"size         {info['stored_bytes']} bytes stored, {info['bytes_per_token']} B/token, "
         f"compression ratio {info['compression_ratio']}",
         "",
@@ -106,11 +116,12 @@ def _text(info: dict[str, Any]) -> str:
     ]
     for name, a in info["arrays"].items():
         lossy = ""
-        if "lossy" in a:  # bitround: abs and rel; quantised log-probs: abs, their step and any clipped value
-            err = a["lossy"]
+        if "lossy" in a:  # bitround: abs and rel; quantised log-probs: abs, their step and any clipped value;
+            err = a["lossy"]  # a hidden codec: the worst shard's relative RMS error and row cosine
             lossy = f"  lossy: max abs {err['max_abs_error']:.3g}" + "".join(
-                f", {label} {err[key]:.3g}" for key, label in (("max_rel_error", "max rel"), ("step", "step"),
-                                                             ("clipped", "clipped")) if key in err)
+                f", {label} {err[key]:.3g}" for key, label in (
+                    ("max_rel_error", "max rel"), ("step", "step"), ("clipped", "clipped"),
+                    ("rel_rms_error", "rel RMS"), ("worst_row_cosine", "worst row cos")) if key in err)
         lines.append(f"{name:22} {a['dtype']:8} {str(a['shape_tail']):12} {a['bytes_per_token']!s:>10} "
                      f"{a['compression_ratio']!s:>7}  {a['codec_label']}{lossy}")
     # One line per group: each is a handful of keys, and a line per key would bury the table above.

@@ -30,6 +30,7 @@ from kdcache.storage.errors import (
     UnknownFeatureError,
 )
 from kdcache.storage.spec import VOCAB_IDS
+from tests.storage._codec_suite import HiddenCodecSuite
 from tests.storage._format3_suite import Format3Suite
 from tests.storage._seq2seq_suite import Seq2SeqSuite, stored
 
@@ -116,7 +117,7 @@ def run_cli(*argv: str) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
-class StorageSuite(Seq2SeqSuite, Format3Suite):
+class StorageSuite(Seq2SeqSuite, Format3Suite, HiddenCodecSuite):
     """Everything the issue's "Done when" asks, for one backend (set by the subclass)."""
 
     backend = ""

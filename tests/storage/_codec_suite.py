@@ -1,0 +1,82 @@
+"""Hidden-state codecs, mixed into the shared backend suite (tests/storage/test_storage_backends.py), so each test
+runs once per backend: every codec round-trips within the error its shards record, the stored arrays decode
+with plain numpy from plain zarr / pyarrow reads, ``verify`` decodes them, and caches without a codec keep
+their manifests."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kdcache.storage import CacheReader, CacheSpec, to_float32, verify_cache
+from kdcache.storage.errors import SpecError
+from kdcache.storage.hidden_codecs import decode
+
+CODECS = ("fp16", "bf16", "fp8", "int8", "int4")
+
+
+def _decoded(spec: CacheSpec, arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """float32 values of hidden array ``name`` from a reader's arrays, by the documented formulas."""
+    if spec.coded(name):
+        return decode(spec.hidden_codec, arrays, name)
+    return to_float32(arrays[name], spec.float_dtype(name))
+
+
+class HiddenCodecSuite:
+    """Needs ``spec``, ``build`` and ``read_plainly`` from the suite it is mixed into."""
+
+    @pytest.mark.parametrize("codec", CODECS)
+    def test_every_codec_round_trips_within_its_recorded_error(self, tmp_path, codec):
+        spec = self.spec(hidden_codec=codec, logits=None, attention_layers=())
+        seqs = self.build(tmp_path, spec)
+        reader = CacheReader(tmp_path)
+        for record in reader.records:
+            data = reader.read_shard(record.index)
+            start, stop = spec.shard_range(record.index)
+            for name in (f"hidden/{j}" for j in spec.hidden_layers):
+                want = np.concatenate([seqs[i][name] for i in range(start, stop)])
+                got = _decoded(spec, data.arrays, name)
+                rel = np.sqrt(((got - want) ** 2).sum() / (want ** 2).sum())
+                assert rel < {"fp16": 1e-3, "bf16": 5e-3, "fp8": 0.05, "int8": 0.01, "int4": 0.15}[codec]
+                if spec.coded(name):  # the record is what a recomputation finds
+                    err = record.lossy[name]
+                    assert err["codec"] == codec and err["rel_rms_error"] == pytest.approx(rel, rel=1e-4)
+                    assert err["max_abs_error"] == pytest.approx(np.abs(got - want).max(), rel=1e-5)
+                    assert data.arrays[name].dtype == spec.array_dtype(name)  # codes cross, not float32
+        assert verify_cache(tmp_path).ok
+
+    @pytest.mark.parametrize("codec", ["int8", "int4"])
+    def test_codes_and_scales_read_plainly_and_decode_with_numpy(self, tmp_path, codec):
+        spec = self.spec(hidden_codec=codec, logits=None, attention_layers=())
+        seqs = self.build(tmp_path, spec)
+        local = 1
+        arrays = {name: self.read_plainly(tmp_path, 0, name, local) for name in spec.with_parts("hidden/2")}
+        assert sorted(arrays) == ["hidden/2", "hidden_outlier_ids/2", "hidden_outliers/2", "hidden_scale/2"]
+        np.testing.assert_allclose(decode(spec.hidden_codec, arrays, "hidden/2"), seqs[local]["hidden/2"],
+                                   rtol=0, atol=0.3 if codec == "int8" else 3.0)
+
+    def test_verify_finds_codes_that_no_longer_decode_as_recorded(self, tmp_path):
+        spec = self.spec(hidden_codec="int8", logits=None, attention_layers=())
+        self.build(tmp_path, spec)
+        manifest_path = tmp_path / "manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        manifest["shards"][1]["lossy"]["hidden/0"]["decoded_sq"] *= 1.01
+        manifest_path.write_text(json.dumps(manifest))
+        report = verify_cache(tmp_path)
+        assert not report.ok and report.bad_arrays == [(1, "hidden/0")]
+        assert "do not decode as written" in str(report.problems[0])
+
+    def test_caches_without_a_codec_keep_their_manifests_and_bad_codecs_are_named(self, tmp_path):
+        plain = self.spec()
+        assert "hidden_codec" not in plain.to_dict() and plain.hidden_codec == {"name": "fp16", "configuration": {}}
+        assert CacheSpec.from_dict(plain.to_dict()) == plain
+        bf16 = self.spec(dtype="bf16")
+        assert "hidden_codec" not in bf16.to_dict() and bf16.float_dtype("hidden/0") == "bf16"
+        coded = self.spec(hidden_codec={"name": "int4", "configuration": {"group": 4}})
+        assert CacheSpec.from_dict(coded.to_dict()) == coded
+        with pytest.raises(SpecError, match="unknown hidden codec 'int3'"):
+            self.spec(hidden_codec="int3")
+        with pytest.raises(SpecError, match="unknown configuration"):
+            self.spec(hidden_codec={"name": "int8", "configuration": {"bits": 3}})
