@@ -16,7 +16,7 @@ from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to
 from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, ShardError
 from kdcache.storage.hidden_codecs import ERROR_KIND, encode, error_record, is_part, part_name
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
-from kdcache.storage.spec import SAMPLED_NAMES, TOKEN_ARRAYS, VOCAB_IDS, CacheSpec
+from kdcache.storage.spec import SAMPLED_NAMES, TOKEN_ARRAYS, TOPK_MASS, VOCAB_IDS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
@@ -71,7 +71,7 @@ def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[
     """Validate one sequence's arrays; returns its length per token stream."""
     expected = spec.sequence_names()
     for name in item:
-        if name not in expected and kind_of(name) != ERROR_KIND:
+        if name not in expected and kind_of(name) != ERROR_KIND and name != TOPK_MASS:
             spec.check_name(name)  # raises the typed unknown-feature / layer error
     missing = [n for n in expected if n not in item]
     if missing:
@@ -168,6 +168,9 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
             lossy[name] = error_record(spec.hidden_codec, errors)
     if spec.logits == "topk" and spec.topk_values == "fp16":
         _check_topk(spec, arrays["logits/topk_values"], arrays["logits/topk_ids"])
+    if spec.logits == "topk" and all(TOPK_MASS in item for item in sequences):
+        mass = np.concatenate([np.asarray(item[TOPK_MASS], dtype=np.float64) for item in sequences])
+        lossy.setdefault("logits/topk_values", {}).update(_mass_record(mass))
     for name in set(VOCAB_IDS) & set(arrays):
         _check_ids(spec, name, arrays[name])
         arrays[name] = arrays[name].astype(spec.array_dtype(name))
@@ -195,6 +198,14 @@ def _coded(spec: CacheSpec, item: Mapping[str, Any]) -> Mapping[str, Any]:
                                     f"float16, or a value is not finite; expected finite values within "
                                     f"{np.finfo(np.float16).max * 127:g}", name=name, max_abs=max_abs)
     return out
+
+
+def _mass_record(mass: np.ndarray) -> dict[str, float]:
+    """How much probability a shard's top-k keep: mean, 5th percentile and minimum over its tokens."""
+    if not mass.size:
+        return {}
+    return {"kept_mass_mean": float(mass.mean()), "kept_mass_p5": float(np.percentile(mass, 5)),
+            "kept_mass_min": float(mass.min())}
 
 
 def _gaps(name: str, rows: np.ndarray) -> np.ndarray:

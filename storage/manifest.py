@@ -203,6 +203,8 @@ def summarize_arrays(spec: CacheSpec, records: list[ShardRecord]) -> dict[str, d
                 continue
             for key in set(err) & {"max_abs_error", "max_rel_error", "rel_rms_error"}:
                 worst[key] = max(worst[key], err[key])
+            for key in set(err) & {"kept_mass_mean", "kept_mass_p5", "kept_mass_min"}:  # the worst shard's
+                worst[key] = min(worst.get(key, err[key]), err[key])
             if "worst_row_cosine" in err:  # a hidden codec: the worst shard's figures, the decoded energy summed
                 worst["worst_row_cosine"] = min(worst["worst_row_cosine"], err["worst_row_cosine"])
                 worst["decoded_sq"] += err["decoded_sq"]

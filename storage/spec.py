@@ -62,6 +62,7 @@ TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
 # sampled: per token, the distinct ids of N draws from the teacher's softmax at sample_temperature, how often each
 # was drawn (0 in unused slots) and the teacher's log-probability of each, at that temperature.
 SAMPLED_NAMES = ("logits/sample_ids", "logits/sample_counts", "logits/sample_logp")
+TOPK_MASS = "logits/topk_mass"  # per token, the probability the top-k keep: handed over, recorded per shard, not stored
 LOGIT_ARRAYS: dict[str | None, tuple[str, ...]] = {None: (), "full": ("logits/full",), "topk": TOPK_NAMES,
                                                    "sampled": SAMPLED_NAMES, "head": ()}
 # How top-k values are stored: fp16 logits (with the logsumexp beside them), or log-probabilities quantised to

@@ -49,6 +49,7 @@ from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
 from kdcache.storage.hidden_codecs import applies_to
+from kdcache.storage.spec import TOPK_MASS
 from kdcache.storage.streams import prefixed
 
 # One padded batch of every stream: stream -> (ids [B, L], mask [B, L]) on the teacher's device, the B valid
@@ -232,7 +233,8 @@ class OutputCapture:
     @property
     def _exact(self) -> tuple[str, ...]:
         """Arrays handed to storage as computed: ids, the fp32 logsumexp, log-probs that storage quantises."""
-        return ("logits/topk_ids", "logits/lse", *(("logits/topk_values",) if self.targets.logprob_step else ()))
+        return ("logits/topk_ids", "logits/lse", TOPK_MASS,
+                *(("logits/topk_values",) if self.targets.logprob_step else ()))
 
     def _to_storage(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         if name in self._exact:

@@ -20,6 +20,7 @@ import torch
 
 from kdcache.stages.common.teacher_head import finish_logits
 from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES
+from kdcache.storage.spec import TOPK_MASS
 
 
 def _head_of(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -56,8 +57,12 @@ def logit_targets(logits: Any, kind: str | None, top_k: int, *, samples: int = 0
         return {}
     values, ids = torch.topk(logits, top_k, dim=-1, largest=True, sorted=True)
     # The upcast keeps the logsumexp exact for half-precision teachers (a no-op for fp32 ones).
-    return {"logits/topk_values": values, "logits/topk_ids": ids.to(torch.int32),
-            "logits/lse": torch.logsumexp(logits.float(), dim=-1)}
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    # The probability mass the k entries keep, per token, in fp32 from the full logits: storage records its
+    # mean, 5th percentile and minimum per shard (how lossy top-k is), and stores nothing of it.
+    mass = torch.exp(values.float() - lse.unsqueeze(-1)).sum(-1)
+    return {"logits/topk_values": values, "logits/topk_ids": ids.to(torch.int32), "logits/lse": lse,
+            TOPK_MASS: mass}
 
 
 def as_logprobs(kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -145,3 +145,26 @@ def test_every_codec_trains_every_hidden_loss_and_evaluates(codec: str, caches: 
         assert summary["last_loss"] is not None and np.isfinite(summary["last_loss"])
     result = evaluate_run(out, CacheReader(caches[codec]), batch_size=4)
     assert np.isfinite(result["kl"]) and np.isfinite(result["cka"]["final"])
+
+
+@pytest.mark.slow
+def test_topk_shards_record_the_probability_mass_their_k_keep(caches: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cache = precompute_cache(caches["teacher"], caches["root"] / "topk", num_sequences=16,
+                             extra=("--features", "logits", "--logits", "topk", "--top-k", "4"))
+    reader = CacheReader(cache)
+    model = AutoModelForCausalLM.from_pretrained(str(caches["teacher"])).eval()
+    for record in reader.records:
+        masses = []
+        for i in range(record.seq_start, record.seq_stop):
+            ids = torch.as_tensor(reader.get(i)["input_ids"][None].astype(np.int64))
+            with torch.no_grad():
+                probs = model(ids).logits[0].float().softmax(-1)
+            masses.append(probs.topk(4, dim=-1).values.sum(-1).numpy())
+        mass = np.concatenate(masses)
+        got = record.lossy["logits/topk_values"]
+        assert got["kept_mass_mean"] == pytest.approx(mass.mean(), rel=1e-4)
+        assert got["kept_mass_p5"] == pytest.approx(np.percentile(mass, 5), rel=1e-4)
+        assert got["kept_mass_min"] == pytest.approx(mass.min(), rel=1e-4)
+    assert 0 < reader.manifest.arrays["logits/topk_values"]["lossy"]["kept_mass_min"] < 1
