@@ -5,15 +5,15 @@ A codec is recorded in the spec as ``{"name": ..., "configuration": {...}}`` (li
 * float codecs (``fp16``, ``bf16``): the layer is stored as that float type, as before this registry existed;
 * quantised codecs (``fp8``, ``int8``, ``int4``): the layer ``x [T, d]`` is stored as plain arrays
 
-  - ``hidden/{j}``: codes ``[T, d]`` (int8; fp8 e4m3 bit patterns as uint8) or ``[T, d/2]`` (int4: two codes
+  - ``hidden/{j}``: codes ``[T, d]`` (int8 and int7 as int8; fp8 e4m3 bit patterns as uint8) or ``[T, d/2]`` (int4: two codes
     per uint8, the even channel in the low nibble, each stored as ``q + 8``);
   - ``hidden_scale/{j}``: fp16 scales ``[T, G]``, one per row (G = 1) or per group of ``group`` channels (int4);
   - ``hidden_outliers/{j}`` (fp16) and ``hidden_outlier_ids/{j}`` (uint16) ``[T, m]`` when ``outliers`` m > 0:
     each row's m largest |values|, kept aside exactly (fp16) and subtracted before quantising.
 
   Decoding (docs/cache-format.md): ``y = dequant(codes) * scale``; ``x = signs * H(y)`` per block of ``b``
-  channels when ``rotation`` is a seed (``H`` the orthonormal Walsh-Hadamard matrix, ``b`` the largest power
-  of two dividing d, ``signs`` = ``default_rng(seed).integers(0, 2, d) * 2 - 1``); then ``x[ids] += outliers``.
+  channels when ``rotation`` is a seed (``H`` the orthonormal Sylvester-Hadamard matrix, ``b`` the largest power
+  of two dividing d but at most 256, ``signs`` = ``default_rng(seed).integers(0, 2, d) * 2 - 1``); then ``x[ids] += outliers``.
 
 Why a rotation: real activations have a few channels 100-1000x larger than the rest, and one scale per row set
 by those flattens every other channel to zero; a seeded random rotation spreads them over a block first. The
@@ -65,9 +65,15 @@ HIDDEN_CODECS: dict[str, HiddenCodec] = {codec.name: codec for codec in (
     HiddenCodec("bf16", float_dtype="bf16"),
     HiddenCodec("fp8", code_dtype=np.dtype(np.uint8), qmax=FP8_MAX),
     HiddenCodec("int8", code_dtype=np.dtype(np.int8), qmax=127.0),
+    # 7-bit codes (-63..63) in int8 bytes: zstd's entropy coding stores them in ~6.4 bits (2.2x smaller than
+    # fp16 on MiniLM, benchmarks/RESULTS.md) at twice int8's error, still well inside 0.1% of every hidden loss.
+    HiddenCodec("int7", code_dtype=np.dtype(np.int8), qmax=63.0),
     HiddenCodec("int4", code_dtype=np.dtype(np.uint8), qmax=7.0, per_code=2, grouped=True),
 )}
 DEFAULTS = {"rotation": 0, "outliers": 4, "group": 64}  # a quantised codec's configuration when not given
+# Codes are near-Gaussian bytes: zstd's entropy coding shrinks them (int8 by ~7%, int7 by ~20%), and bit-shuffling
+# them first, which helps fp16, hides that (measured in benchmarks/RESULTS.md). Zarr caches compress them so.
+CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 5, "shuffle": 0, "blocksize": 0}
 
 
 def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
@@ -137,9 +143,21 @@ def applies_to(name: str) -> bool:
     return kind_of(name) in CODED_KINDS
 
 
+MAX_BLOCK = 256  # a dense block costs b multiply-adds per value; 256 spreads an outlier far enough
+
+
 def block_size(d: int) -> int:
-    """The rotation's Hadamard block: the largest power of two dividing d (d itself when d is one)."""
-    return d & -d
+    """The rotation's Hadamard block: the largest power of two dividing d, at most ``MAX_BLOCK``."""
+    return min(d & -d, MAX_BLOCK)
+
+
+def hadamard_matrix(b: int) -> np.ndarray:
+    """The orthonormal Sylvester-Hadamard matrix ``[b, b]`` float32 (b a power of two; symmetric, its own
+    inverse): ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2)``."""
+    h = np.ones((1, 1))
+    while len(h) < b:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(b)).astype(np.float32)
 
 
 def rotation_signs(seed: int, d: int) -> np.ndarray:
@@ -155,13 +173,7 @@ def hadamard(x: np.ndarray) -> np.ndarray:
     """
     t, d = x.shape
     b = block_size(d)
-    y = x.reshape(t, d // b, b).astype(np.float32, copy=True)
-    h = 1
-    while h < b:
-        pairs = y.reshape(t, d // b, b // (2 * h), 2, h)
-        y = np.stack([pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]], axis=-2)
-        h *= 2
-    return (y.reshape(t, d) / np.float32(np.sqrt(b))).astype(np.float32)
+    return (x.reshape(t, d // b, b).astype(np.float32) @ hadamard_matrix(b)).reshape(t, d)
 
 
 def fp8_table() -> np.ndarray:

@@ -35,7 +35,7 @@ from kdcache.storage.codecs import (
 )
 from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
-from kdcache.storage.hidden_codecs import applies_to, codec_of, is_part, part_name, parts, resolve_hidden_codec
+from kdcache.storage.hidden_codecs import CODES_CODEC, applies_to, codec_of, is_part, part_name, parts, resolve_hidden_codec
 from kdcache.storage.streams import (
     CROSS,
     SEQ2SEQ_STREAMS,
@@ -353,6 +353,8 @@ class CacheSpec:
 
     def codec_for(self, name: str) -> dict[str, Any]:
         """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
+        if self.backend == "zarr" and (self.coded(name) or is_part(name)):
+            return resolve_codec(CODES_CODEC)
         return self.topk_codec if name in TOPK_NAMES + SAMPLED_NAMES else self.codec
 
     def is_lossy_kind(self, name: str) -> bool:

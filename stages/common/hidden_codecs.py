@@ -9,6 +9,7 @@ come from the same numpy generator, so both sides rotate alike.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from kdcache.storage.hidden_codecs import (
     check_width,
     codec_of,
     group_count,
+    hadamard_matrix,
     is_part,
     part_name,
     rotation_signs,
@@ -38,16 +40,17 @@ def _signs(record: Record, d: int, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(rotation_signs(record["configuration"]["rotation"], d)).to(device)
 
 
+@functools.lru_cache(maxsize=8)
+def _hadamard_on(b: int, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(hadamard_matrix(b)).to(device)
+
+
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal Walsh-Hadamard transform of ``x [N, d]`` (float32) in blocks of ``block_size(d)``."""
+    """Orthonormal Hadamard transform of ``x [N, d]`` (float32) in blocks of ``block_size(d)``: one dense
+    ``[b, b]`` matmul, which a GPU runs on its matrix units (a butterfly would take log2(b) passes over memory)."""
     n, d = x.shape
     b = block_size(d)
-    y, h = x.reshape(n, d // b, b), 1
-    while h < b:
-        pairs = y.reshape(n, d // b, b // (2 * h), 2, h)
-        y = torch.stack([pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]], dim=-2)
-        h *= 2
-    return y.reshape(n, d) / float(np.sqrt(b))
+    return (x.reshape(n, d // b, b) @ _hadamard_on(b, x.device)).reshape(n, d)
 
 
 def _scale_up(scale: torch.Tensor) -> torch.Tensor:

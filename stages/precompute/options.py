@@ -108,7 +108,7 @@ class StorageOptions:
     dtype: str = _opt("fp16", "storage dtype of float targets", choices=["fp16", "bf16"])
     codec: str | None = _opt(None, "numcodecs codec name (e.g. zstd, blosc-lz4) or JSON config; default blosc-lz4")
     bitround: int | None = _opt(None, "lossy: mantissa bits kept in activations (fp16 1..9, bf16 1..6)")
-    hidden_codec: str | None = _opt(None, "hidden-state codec: fp16, bf16, fp8, int8 or int4 (quantised on the "
+    hidden_codec: str | None = _opt(None, "hidden-state codec: fp16, bf16, fp8, int8, int7 or int4 (quantised on the "
                                           "teacher's device), or a JSON {name, configuration}; default: --dtype")
     sequences_per_shard: int = _opt(256, "sequences per cache shard (the unit of commit, resume and partition)")
     num_shards: int = _opt(1, "job-array size: this many independent jobs share the cache")

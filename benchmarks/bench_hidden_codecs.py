@@ -1,0 +1,209 @@
+"""Hidden-state codecs side by side (issue 22): bytes, loss fidelity, encode/decode speed, and a trained student.
+
+Targets: all-MiniLM-L6-v2's real hidden states (layers 2, 4, 6 of stdlib sentences, the demo's teacher and data),
+and the same states with four channels planted 200-1000x larger (the "massive activations" of LLM residual
+streams; planted in the student's states too, as a student that imitates them would have them).
+
+Per codec:
+
+* stored bytes per token per layer after lossless compression (a real cache written by ``CacheWriter``, zarr,
+  default blosc-lz4 bitshuffle), against fp16's;
+* each hidden loss (MSE, cosine, CKA, CKA-sqrt) of the demo's initial student (``kdcache init-student``, teacher
+  blocks 2, 4, 6) against the decoded targets, relative to the same loss against fp16 targets, same batch;
+* encode (stage one's torch path) and decode (stage two's) throughput on this machine's CPU, in MB/s of fp16
+  hidden states, best of ``--repeats`` runs alternating codecs;
+* with ``--train``: the demo's held-out cosine and Spearman after training from each codec's cache (the same
+  fp16 held-out cache scores every student).
+
+Run: ``.venv/bin/python benchmarks/bench_hidden_codecs.py [--sentences 256] [--train] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from kdcache.pipeline.demo import teacher_path  # noqa: E402
+from kdcache.pipeline.demo_text import stdlib_sentences  # noqa: E402
+from kdcache.stages.common.hidden_codecs import decode_rows, encode  # noqa: E402
+from kdcache.stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, masked_mse  # noqa: E402
+from kdcache.storage import CacheReader, CacheSpec, CacheWriter  # noqa: E402
+from kdcache.storage.hidden_codecs import part_name, resolve_hidden_codec  # noqa: E402
+
+CODECS: dict[str, Any] = {
+    "fp16": "fp16", "bf16": "bf16", "fp8": "fp8", "int8": "int8", "int7": "int7", "int4": "int4",
+    "int8, no rotation/outliers": {"name": "int8", "configuration": {"rotation": None, "outliers": 0}},
+    "int4, no rotation/outliers": {"name": "int4", "configuration": {"rotation": None, "outliers": 0}},
+}
+LOSSES = {"mse": masked_mse, "cosine": cosine_loss, "cka": cka_loss, "cka_sqrt": cka_sqrt_loss}
+TEACHER_LAYERS, STUDENT_LAYERS = (2, 4, 6), (1, 2, 3)
+PLANTED = {17: 300.0, 101: -1000.0, 222: 500.0, 350: 200.0}  # channel -> factor
+
+
+def activations(sentences: list[str], student: Path, max_length: int = 64) -> dict[str, Any]:
+    """Teacher layers 2, 4, 6 and student layers 1, 2, 3 per sentence (valid tokens only, float32)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(teacher_path()))
+    teacher = AutoModel.from_pretrained(str(teacher_path())).eval()
+    pupil = AutoModel.from_pretrained(str(student)).eval()
+    out: dict[str, Any] = {"teacher": [], "student": []}
+    with torch.no_grad():
+        for text in sentences:
+            ids = tok(text, truncation=True, max_length=max_length, return_tensors="pt")
+            t = teacher(**ids, output_hidden_states=True).hidden_states
+            s = pupil(**ids, output_hidden_states=True).hidden_states
+            out["teacher"].append([t[j][0].numpy() for j in TEACHER_LAYERS])
+            out["student"].append([s[j][0].numpy() for j in STUDENT_LAYERS])
+            out.setdefault("ids", []).append(ids["input_ids"][0].numpy())
+    return out
+
+
+def plant(states: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
+    """The same states with the PLANTED channels scaled."""
+    planted = []
+    for layers in states:
+        copies = [x.copy() for x in layers]
+        for x in copies:
+            for channel, factor in PLANTED.items():
+                x[:, channel] *= factor
+        planted.append(copies)
+    return planted
+
+
+def stored_bytes(ids: list[np.ndarray], states: list[list[np.ndarray]], codec: Any, root: Path) -> dict[str, float]:
+    """Bytes per token per layer of a zarr cache of ``states`` with ``codec``, and its recorded errors."""
+    spec = CacheSpec(num_sequences=len(ids), hidden_layers=TEACHER_LAYERS, hidden_codec=codec,
+                     sequences_per_shard=len(ids))
+    seqs = [{"input_ids": i, **{f"hidden/{j}": x for j, x in zip(TEACHER_LAYERS, layers)}}
+            for i, layers in zip(ids, states)]
+    with CacheWriter(root, spec, {}) as writer:
+        writer.write_shard(0, seqs)
+        writer.finalize()
+    arrays = CacheReader(root).manifest.arrays
+    tokens = sum(len(i) for i in ids)
+    names = [p for j in TEACHER_LAYERS for p in spec.with_parts(f"hidden/{j}")]
+    lossy = [arrays[f"hidden/{j}"].get("lossy", {}) for j in TEACHER_LAYERS]
+    return {"bytes_per_token_layer": sum(arrays[n]["stored_bytes"] for n in names) / tokens / len(TEACHER_LAYERS),
+            "rel_rms_error": max((e.get("rel_rms_error", 0.0) for e in lossy), default=0.0),
+            "worst_row_cosine": min((e.get("worst_row_cosine", 1.0) for e in lossy), default=1.0)}
+
+
+def decoded_targets(record: dict[str, Any], flat: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    """(decoded ``[T, d]``, encode seconds, decode seconds) of one layer through the torch codec."""
+    if record["name"] in ("fp16", "bf16"):
+        dtype = torch.float16 if record["name"] == "fp16" else torch.bfloat16
+        start = time.perf_counter()
+        stored = flat.to(dtype)
+        middle = time.perf_counter()
+        return stored.float(), middle - start, time.perf_counter() - middle
+    start = time.perf_counter()
+    parts = encode(record, "hidden/1", flat)
+    middle = time.perf_counter()
+    got = decode_rows(record, parts["hidden/1"], parts[part_name("hidden/1", "scale")],
+                      parts.get(part_name("hidden/1", "outliers")), parts.get(part_name("hidden/1", "outlier_ids")))
+    return got, middle - start, time.perf_counter() - middle
+
+
+def fidelity(teacher: list[list[np.ndarray]], student: list[list[np.ndarray]], repeats: int) -> dict[str, dict]:
+    """Per codec: each loss's relative difference from fp16 targets, and encode/decode MB/s (fp16 bytes)."""
+    layers = [torch.from_numpy(np.concatenate([s[k] for s in teacher])) for k in range(len(TEACHER_LAYERS))]
+    pupils = [torch.from_numpy(np.concatenate([s[k] for s in student]))[None] for k in range(len(STUDENT_LAYERS))]
+    mask = torch.ones(1, layers[0].shape[0])
+    fp16_bytes = sum(x.numel() * 2 for x in layers)
+    timings: dict[str, list[tuple[float, float]]] = {name: [] for name in CODECS}
+    decoded: dict[str, list[torch.Tensor]] = {}
+    for _ in range(repeats):  # alternate codecs each round; keep the best round of each
+        for name, codec in CODECS.items():
+            record = resolve_hidden_codec(codec, "fp16")
+            runs = [decoded_targets(record, x) for x in layers]
+            decoded[name] = [r[0] for r in runs]
+            timings[name].append((sum(r[1] for r in runs), sum(r[2] for r in runs)))
+    results = {}
+    for name in CODECS:
+        rel = {}
+        for loss, fn in LOSSES.items():
+            ref = [float(fn(s, t[None], mask)) for s, t in zip(pupils, decoded["fp16"])]
+            got = [float(fn(s, t[None], mask)) for s, t in zip(pupils, decoded[name])]
+            rel[loss] = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
+        enc, dec = min(t[0] for t in timings[name]), min(t[1] for t in timings[name])
+        results[name] = {"loss_rel_diff": rel, "encode_MBps": fp16_bytes / enc / 1e6,
+                         "decode_MBps": fp16_bytes / dec / 1e6}
+    return results
+
+
+def train_students(root: Path, sentences: list[str], heldout: list[str], steps: int) -> dict[str, dict[str, float]]:
+    """The demo's training per codec (precompute, train, eval on one fp16 held-out cache), through the CLI."""
+    from kdcache.pipeline.cli import main as kdcache
+    from kdcache.pipeline.demo_text import write_jsonl
+    from kdcache.stages.train.eval_records import read_evals
+
+    common = ["--teacher", str(teacher_path()), "--max-length", "64", "--batch-size", "32", "--no-progress"]
+    train, held = write_jsonl(sentences, root / "train.jsonl"), write_jsonl(heldout, root / "heldout.jsonl")
+    assert kdcache(["precompute", *common, "--data", str(held), "--out", str(root / "heldout"), "--layers", "all",
+                    "--features", "hidden"]) == 0
+    results = {}
+    for name in ("fp16", "bf16", "fp8", "int8", "int7", "int4"):
+        cache, run = root / f"cache-{name}", root / f"run-{name}"
+        assert kdcache(["precompute", *common, "--data", str(train), "--out", str(cache), "--layers", "2,4,6",
+                        "--features", "hidden", "--hidden-codec", name]) == 0
+        assert kdcache(["train", "--cache", str(cache), "--student", str(root / "student"), "--out", str(run),
+                        "--zero-stage", "0", "--layer-map", "uniform", "--hidden-loss", "mse", "--alpha", "0",
+                        "--beta", "0", "--gamma", "1", "--delta", "0", "--max-steps", str(steps), "--batch-size",
+                        "16", "--lr", "1e-4", "--seed", "0", "--quiet"]) == 0
+        assert kdcache(["eval", "--cache", str(root / "heldout"), "--run", str(run)]) == 0
+        scored = [e for e in read_evals(run) if e["role"] == "trained"][0]
+        results[name] = {"cosine": scored["cosine"], "spearman": scored["spearman"]}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sentences", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--train", action="store_true", help="also train a student from each codec's cache")
+    parser.add_argument("--train-sentences", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    from kdcache.pipeline.cli import main as kdcache
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        assert kdcache(["init-student", "--teacher", str(teacher_path()), "--layers", "2,4,6", "--out",
+                        str(root / "student")]) == 0
+        texts = stdlib_sentences(limit=args.sentences + args.train_sentences + 150)
+        acts = activations(texts[:args.sentences], root / "student")
+        report: dict[str, Any] = {"machine": "2-core CPU, no GPU", "tokens": int(sum(len(i) for i in acts["ids"]))}
+        for label, teacher, student in (("minilm", acts["teacher"], acts["student"]),
+                                        ("planted", plant(acts["teacher"]), plant(acts["student"]))):
+            rows = fidelity(teacher, student, args.repeats)
+            for name, codec in CODECS.items():
+                rows[name].update(stored_bytes(acts["ids"], teacher, codec, root / f"bytes-{label}-{name}"))
+            for name in CODECS:
+                rows[name]["x_smaller_than_fp16"] = (rows["fp16"]["bytes_per_token_layer"]
+                                                     / rows[name]["bytes_per_token_layer"])
+            report[label] = rows
+        if args.train:
+            pool = texts[args.sentences:]
+            report["trained"] = train_students(root, pool[:args.train_sentences], pool[args.train_sentences:],
+                                               args.steps)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
