@@ -3,17 +3,18 @@
 A codec is recorded in the spec as ``{"name": ..., "configuration": {...}}`` (like a zarr v3 codec). Two kinds:
 
 * float codecs (``fp16``, ``bf16``): the layer is stored as that float type, as before this registry existed;
-* quantised codecs (``fp8``, ``int8``, ``int4``): the layer ``x [T, d]`` is stored as plain arrays
+* quantised codecs (``fp8``, ``int8``, ``int7``, ``int4``): the layer ``x [T, d]`` is stored as plain arrays
 
-  - ``hidden/{j}``: codes ``[T, d]`` (int8 and int7 as int8; fp8 e4m3 bit patterns as uint8) or ``[T, d/2]`` (int4: two codes
-    per uint8, the even channel in the low nibble, each stored as ``q + 8``);
+  - ``hidden/{j}``: codes ``[T, d]`` (int8 and int7 as int8; fp8 e4m3 bit patterns as uint8) or ``[T, d/2]``
+    (int4: two codes per uint8, the even channel in the low nibble, each stored as ``q + 8``);
   - ``hidden_scale/{j}``: fp16 scales ``[T, G]``, one per row (G = 1) or per group of ``group`` channels (int4);
   - ``hidden_outliers/{j}`` (fp16) and ``hidden_outlier_ids/{j}`` (uint16) ``[T, m]`` when ``outliers`` m > 0:
     each row's m largest |values|, kept aside exactly (fp16) and subtracted before quantising.
 
   Decoding (docs/cache-format.md): ``y = dequant(codes) * scale``; ``x = signs * H(y)`` per block of ``b``
   channels when ``rotation`` is a seed (``H`` the orthonormal Sylvester-Hadamard matrix, ``b`` the largest power
-  of two dividing d but at most 256, ``signs`` = ``default_rng(seed).integers(0, 2, d) * 2 - 1``); then ``x[ids] += outliers``.
+  of two dividing d but at most 256, ``signs`` = ``default_rng(seed).integers(0, 2, d) * 2 - 1``); then
+  ``x[ids] += outliers``.
 
 Why a rotation: real activations have a few channels 100-1000x larger than the rest, and one scale per row set
 by those flattens every other channel to zero; a seeded random rotation spreads them over a block first. The
@@ -82,7 +83,7 @@ def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
     Raises:
         SpecError: an unknown name or configuration key, or a bad value.
     """
-    record = {"name": dtype} if value is None else {"name": value} if isinstance(value, str) else dict(value)
+    record: dict[str, Any] = {"name": value or dtype} if value is None or isinstance(value, str) else dict(value)
     name, config = record.get("name"), dict(record.get("configuration") or {})
     if name not in HIDDEN_CODECS:
         raise SpecError(f"unknown hidden codec {name!r}; expected one of {sorted(HIDDEN_CODECS)}")
@@ -208,7 +209,8 @@ def decode(record: dict[str, Any], arrays: dict[str, np.ndarray], name: str) -> 
     config = record["configuration"]
     y = dequantize(record, arrays[name])
     scale = arrays[part_name(name, "scale")].astype(np.float32)
-    y = (y.reshape(len(y), scale.shape[1], -1) * scale[:, :, None]).reshape(y.shape)
+    n, d = y.shape
+    y = (y.reshape(n, scale.shape[1], -1) * scale[:, :, None]).reshape(n, d)
     if config["rotation"] is not None:
         y = hadamard(y) * rotation_signs(config["rotation"], y.shape[1])
     if config["outliers"]:

@@ -35,7 +35,15 @@ from kdcache.storage.codecs import (
 )
 from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
-from kdcache.storage.hidden_codecs import CODES_CODEC, applies_to, codec_of, is_part, part_name, parts, resolve_hidden_codec
+from kdcache.storage.hidden_codecs import (
+    CODES_CODEC,
+    applies_to,
+    codec_of,
+    is_part,
+    part_name,
+    parts,
+    resolve_hidden_codec,
+)
 from kdcache.storage.streams import (
     CROSS,
     SEQ2SEQ_STREAMS,

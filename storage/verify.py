@@ -68,10 +68,10 @@ def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, sideca
             report.problems.append(VerifyProblem(index, None, f"listed as committed but {store.url}/{record.path} "
                                                               f"is missing"))
             continue
-        found = [VerifyProblem(index, array, message) for array, message in backend.verify(store, record, manifest.spec)]
-        if not found:  # only intact bytes are worth decoding
-            found = [VerifyProblem(index, name, message) for name, message in _decode_problems(store, record, manifest)]
-        report.problems += found
+        damage = backend.verify(store, record, manifest.spec)
+        # Only intact bytes are worth decoding.
+        found = damage or _decode_problems(store, record, manifest)
+        report.problems += [VerifyProblem(index, array, message) for array, message in found]
         report.shards_checked += 1
         report.arrays_checked += len(record.arrays)
 

@@ -84,6 +84,11 @@ def _layer_lines(info: dict[str, Any], heads: Any) -> list[str]:
     return lines
 
 
+_LOSSY_LABELS = (("max_rel_error", "max rel"), ("step", "step"), ("clipped", "clipped"), ("rel_rms_error", "rel RMS"),
+                 ("worst_row_cosine", "worst row cos"), ("kept_mass_mean", "kept mass mean"), ("kept_mass_p5", "p5"),
+                 ("kept_mass_min", "min"))
+
+
 def _codec_text(record: dict[str, Any] | None) -> str:
     """``, hidden codec int8 (rotation 0, outliers 4)`` for a quantised hidden codec; nothing for a float one."""
     if not record or not record["configuration"]:
@@ -118,11 +123,8 @@ def _text(info: dict[str, Any]) -> str:
         lossy = ""
         if "lossy" in a:  # bitround: abs and rel; quantised log-probs: abs, their step and any clipped value;
             err = a["lossy"]  # a hidden codec: the worst shard's relative RMS error and row cosine
-            lossy = (f"  lossy: max abs {err['max_abs_error']:.3g}" if "max_abs_error" in err else "  top-k") + "".join(
-                f", {label} {err[key]:.3g}" for key, label in (
-                    ("max_rel_error", "max rel"), ("step", "step"), ("clipped", "clipped"),
-                    ("rel_rms_error", "rel RMS"), ("worst_row_cosine", "worst row cos"),
-                    ("kept_mass_mean", "kept mass mean"), ("kept_mass_p5", "p5"), ("kept_mass_min", "min")) if key in err)
+            lossy = f"  lossy: max abs {err['max_abs_error']:.3g}" if "max_abs_error" in err else "  top-k"
+            lossy += "".join(f", {label} {err[key]:.3g}" for key, label in _LOSSY_LABELS if key in err)
         lines.append(f"{name:22} {a['dtype']:8} {str(a['shape_tail']):12} {a['bytes_per_token']!s:>10} "
                      f"{a['compression_ratio']!s:>7}  {a['codec_label']}{lossy}")
     # One line per group: each is a handful of keys, and a line per key would bury the table above.

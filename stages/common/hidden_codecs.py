@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import numpy as np
 import torch
 
 from kdcache.storage.hidden_codecs import (
@@ -141,14 +140,15 @@ def decode_batch(record: Record, batch: dict[str, Any]) -> dict[str, Any]:
         return batch
     out = {k: v for k, v in batch.items() if not is_part(k)}
     for name in [k for k in batch if applies_to(k)]:
-        codes = batch[name]
-        lead = codes.shape[:-1]
-        flat = lambda part: None if part_name(name, part) not in batch else (  # noqa: E731
-            batch[part_name(name, part)].reshape(-1, batch[part_name(name, part)].shape[-1]))
-        decoded = decode_rows(record, codes.reshape(-1, codes.shape[-1]), flat("scale"), flat("outliers"),
-                              flat("outlier_ids"))
-        out[name] = decoded.reshape(*lead, decoded.shape[-1])
+        rows = [_rows(batch, part_name(name, part)) for part in ("scale", "outliers", "outlier_ids")]
+        decoded = decode_rows(record, _rows(batch, name), *rows)
+        out[name] = decoded.reshape(*batch[name].shape[:-1], decoded.shape[-1])
     return out
+
+
+def _rows(batch: dict[str, Any], name: str) -> Any:
+    """``batch[name]`` ``[..., w]`` as rows ``[N, w]``, or None when the batch has no such array."""
+    return batch[name].reshape(-1, batch[name].shape[-1]) if name in batch else None
 
 
 def stored_width(record: Record, d: int) -> int:
