@@ -12,10 +12,14 @@ Per codec:
   blocks 2, 4, 6) against the decoded targets, relative to the same loss against fp16 targets, same batch;
 * encode (stage one's torch path) and decode (stage two's) throughput on this machine's CPU, in MB/s of fp16
   hidden states, best of ``--repeats`` runs alternating codecs;
-* with ``--train``: the demo's held-out cosine and Spearman after training from each codec's cache (the same
-  fp16 held-out cache scores every student).
+* section ``train``: the demo's held-out cosine and Spearman after training from each codec's cache (the same
+  fp16 held-out cache scores every student);
+* section ``projection``: what a rank-R projection would cost (not a codec yet): a per-layer PCA basis fitted on
+  half the tokens, the other half projected onto R directions and stored as int8 with a scale per row; bytes
+  after zstd, relative RMS error, and the hidden losses' relative differences as above.
 
-Run: ``.venv/bin/python benchmarks/bench_hidden_codecs.py [--sentences 256] [--train] [--json out.json]``.
+Run: ``.venv/bin/python benchmarks/bench_hidden_codecs.py [--sentences 256] [--sections codecs,projection,train]
+[--json out.json]``.
 """
 
 from __future__ import annotations
@@ -137,9 +141,48 @@ def fidelity(teacher: list[list[np.ndarray]], student: list[list[np.ndarray]], r
             got = [float(fn(s, t[None], mask)) for s, t in zip(pupils, decoded[name])]
             rel[loss] = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
         enc, dec = min(t[0] for t in timings[name]), min(t[1] for t in timings[name])
+        # The error of the channels that were not planted: what a per-row scale set by outliers flattens.
+        small = np.setdiff1d(np.arange(layers[0].shape[1]), list(PLANTED))
+        err = sum(float(((y - x)[:, small] ** 2).sum()) for y, x in zip(decoded[name], layers))
+        ref = sum(float((x[:, small] ** 2).sum()) for x in layers)
         results[name] = {"loss_rel_diff": rel, "encode_MBps": fp16_bytes / enc / 1e6,
-                         "decode_MBps": fp16_bytes / dec / 1e6}
+                         "decode_MBps": fp16_bytes / dec / 1e6, "small_channel_rel_rms": (err / ref) ** 0.5}
     return results
+
+
+def projection(teacher: list[list[np.ndarray]], student: list[list[np.ndarray]], ranks: tuple[int, ...]) -> dict:
+    """Per rank R: bytes per token per layer (int8 coefficients + fp16 scale, zstd) and fidelity on held-out
+    tokens, the basis fitted on the first half of the tokens."""
+    import numcodecs
+
+    from kdcache.storage.hidden_codecs import CODES_CODEC
+
+    codec = numcodecs.get_codec(dict(CODES_CODEC))
+    layers = [np.concatenate([s[k] for s in teacher]) for k in range(len(TEACHER_LAYERS))]
+    pupils = [np.concatenate([s[k] for s in student]) for k in range(len(STUDENT_LAYERS))]
+    half = len(layers[0]) // 2
+    out = {}
+    for rank in ranks:
+        stored, decoded, errors = 0, [], []
+        for x in layers:
+            mean = x[:half].mean(0)
+            basis = np.linalg.svd(x[:half] - mean, full_matrices=False)[2][:rank]  # [R, d]
+            coeff = (x[half:] - mean) @ basis.T
+            scale = np.maximum(np.abs(coeff).max(1, keepdims=True) / 127, 1e-30).astype(np.float16)
+            codes = np.clip(np.rint(coeff / scale.astype(np.float32)), -127, 127).astype(np.int8)
+            y = (codes * scale.astype(np.float32)) @ basis + mean
+            stored += len(codec.encode(codes)) + len(codec.encode(scale))
+            decoded.append(y.astype(np.float32))
+            errors.append(np.sqrt(((y - x[half:]) ** 2).sum() / (x[half:] ** 2).sum()))
+        mask = torch.ones(1, len(layers[0]) - half)
+        rel = {}
+        for loss, fn in LOSSES.items():
+            pairs = [(torch.from_numpy(s[half:])[None], torch.from_numpy(t[half:]).half().float()[None],
+                      torch.from_numpy(y)[None]) for s, t, y in zip(pupils, layers, decoded)]
+            rel[loss] = max(abs(float(fn(s, y, mask)) / float(fn(s, t, mask)) - 1) for s, t, y in pairs)
+        out[f"rank {rank}"] = {"bytes_per_token_layer": stored / (len(layers[0]) - half) / len(layers),
+                               "rel_rms_error": float(max(errors)), "loss_rel_diff": rel}
+    return out
 
 
 def train_students(root: Path, sentences: list[str], heldout: list[str], steps: int) -> dict[str, dict[str, float]]:
@@ -171,7 +214,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--train", action="store_true", help="also train a student from each codec's cache")
+    parser.add_argument("--sections", default="codecs,projection", help="of codecs, projection, train")
     parser.add_argument("--train-sentences", type=int, default=600)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--json", type=Path)
@@ -186,8 +229,12 @@ def main() -> None:
         texts = stdlib_sentences(limit=args.sentences + args.train_sentences + 150)
         acts = activations(texts[:args.sentences], root / "student")
         report: dict[str, Any] = {"machine": "2-core CPU, no GPU", "tokens": int(sum(len(i) for i in acts["ids"]))}
+        sections = args.sections.split(",")
+        if "projection" in sections:
+            report["projection"] = projection(acts["teacher"], acts["student"], (192, 96, 48))
         for label, teacher, student in (("minilm", acts["teacher"], acts["student"]),
-                                        ("planted", plant(acts["teacher"]), plant(acts["student"]))):
+                                        ("planted", plant(acts["teacher"]), plant(acts["student"])))[
+                                            :2 if "codecs" in sections else 0]:
             rows = fidelity(teacher, student, args.repeats)
             for name, codec in CODECS.items():
                 rows[name].update(stored_bytes(acts["ids"], teacher, codec, root / f"bytes-{label}-{name}"))
@@ -195,7 +242,7 @@ def main() -> None:
                 rows[name]["x_smaller_than_fp16"] = (rows["fp16"]["bytes_per_token_layer"]
                                                      / rows[name]["bytes_per_token_layer"])
             report[label] = rows
-        if args.train:
+        if "train" in sections:
             pool = texts[args.sentences:]
             report["trained"] = train_students(root, pool[:args.train_sentences], pool[args.train_sentences:],
                                                args.steps)
