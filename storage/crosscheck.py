@@ -50,6 +50,9 @@ def sidecar_records(store: Store, manifest: Manifest, findings: list[Finding]) -
         except KdcacheError as exc:
             findings.append((index, name, str(exc)))
             continue
+        if record.index != index:
+            findings.append((index, name, f"index is {record.index}, but the file is named for shard {index}"))
+            continue
         if manifest.seals_files and not sidecar_is_sealed(record):
             findings.append((index, name, "carries no crc32c, though this cache's format seals every sidecar "
                                           "(damaged)"))
@@ -74,7 +77,7 @@ def manifest_findings(store: Store, manifest: Manifest, sidecars: dict[int, Shar
         sidecar = sidecars.get(record.index)
         name = f"{shard_name(record.index)}.json"
         if sidecar is None:
-            findings.append((record.index, name, f"is missing or unreadable, though {MANIFEST_NAME} lists the shard"))
+            findings.append((record.index, name, f"is missing or unusable, though {MANIFEST_NAME} lists the shard"))
         elif asdict(sidecar) != asdict(record):
             fields = [k for k, v in asdict(record).items() if asdict(sidecar)[k] != v]
             findings.append((record.index, name, f"disagrees with {MANIFEST_NAME}'s record of the shard on "
