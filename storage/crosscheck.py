@@ -87,7 +87,8 @@ def manifest_findings(store: Store, manifest: Manifest, sidecars: dict[int, Shar
 
 def record_findings(record: ShardRecord, manifest: Manifest) -> list[Finding]:
     """A record against the spec and itself: range, bytes and the file-table summary (format 3 and later)."""
-    spec, index, findings = manifest.spec, record.index, []
+    spec, index = manifest.spec, record.index
+    findings: list[Finding] = []
     name = f"{shard_name(index)}.json"
     if not 0 <= index < spec.num_shards or (record.seq_start, record.seq_stop) != spec.shard_range(index):
         findings.append((index, name, f"covers sequences [{record.seq_start}, {record.seq_stop}), but shard {index} "

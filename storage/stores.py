@@ -19,7 +19,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping

@@ -101,6 +101,12 @@ class LossOptions:
         return problems
 
 
+def resolved_temperature(loss: LossOptions) -> float:
+    """``--temperature``, or the default where nothing decided it (``TrainOptions.with_cache_defaults`` fills in
+    a sampled cache's own before training)."""
+    return DEFAULT_TEMPERATURE if loss.temperature is None else loss.temperature
+
+
 @dataclass(frozen=True)
 class MapOptions:
     """Which student layer meets which teacher layer, per token stream, parsed from the config's text once.
