@@ -15,6 +15,7 @@ Each finding is ``(shard or None, file or array or None, message)``.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 
 from kdcache.storage.backends.base import Backend, check_file, is_format3
@@ -41,10 +42,10 @@ Finding = tuple[int | None, str | None, str]
 
 def sidecar_records(store: Store, manifest: Manifest, findings: list[Finding]) -> dict[int, ShardRecord]:
     """Every readable sidecar's record; a damaged or unsealed one (in a sealed format) becomes a finding."""
-    names = sorted(n for n in store.list(SHARDS_DIR) if n.startswith("shard-") and n.endswith(".json"))
+    numbered = sorted((int(m.group(1)), m.group(0)) for n in store.list(SHARDS_DIR)
+                      if (m := re.fullmatch(r"shard-(\d+)\.json", n)))
     records = {}
-    for name in names:
-        index = int(name[len("shard-"):-len(".json")])
+    for index, name in numbered:
         try:
             record = ShardRecord.from_dict(read_json(store, f"{SHARDS_DIR}/{name}", "shard sidecar", SIDECAR_SEAL))
         except KdcacheError as exc:

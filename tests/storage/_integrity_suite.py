@@ -56,6 +56,12 @@ def edit_sidecar(root: Path, shard: int, key: str, delta: int, reseal: bool) -> 
     path.write_bytes(canonical_json(sealed(data, SIDECAR_SEAL) if reseal else data))
 
 
+def run_cli(*argv: str) -> tuple[int, str]:
+    from tests.storage.test_storage_backends import run_cli as run
+
+    return run(*argv)
+
+
 class IntegritySuite:
     backend: str
 
@@ -144,6 +150,8 @@ class IntegritySuite:
             assert report.ok, report.problems
             assert len(report.notes) == 1 and "sidecars carry no crc32c" in report.notes[0]
             assert "tokenizer/ is not checked" in report.notes[0]
+            code, out = run_cli("verify", str(source))
+            assert code == 0 and out.startswith("note: this cache was written before") and "\nok: 2 shards" in out
             copy = tmp_path / source.parent.name
             shutil.copytree(source, copy)
             sidecar = json.loads((copy / "shards" / "shard-000001.json").read_text())

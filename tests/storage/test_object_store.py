@@ -15,6 +15,9 @@ from kdcache.pipeline.cli import main
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter, encode_shard, verify_cache
 from kdcache.storage.errors import CacheLockedError, ChecksumError, PartialCacheError, StorageError
 from kdcache.storage.stores import RemoteStore, open_store
+from kdcache.storage.writer import merge_parts
+from tests.helpers.cache_files import cache_files
+from tests.storage._integrity_suite import add_folders
 from tests.storage.test_storage_backends import FINGERPRINTS, make_sequences
 
 BACKENDS = ["zarr", "arrow"]
@@ -180,14 +183,10 @@ def _identical_inputs(backend: str) -> tuple[CacheSpec, list]:
     return spec, make_sequences(spec, [(i % 7) + 2 for i in range(16)])
 
 
-def _shard_files(where) -> dict[str, bytes]:
-    """Every file or object under ``shards/`` (data and sidecars), by key."""
-    store = open_store(where)
-    if isinstance(store, RemoteStore):
-        keys = [key[len(store.root) + 1:] for key in store.fs.find(f"{store.root}/shards")]
-    else:
-        keys = [p.relative_to(where).as_posix() for p in (where / "shards").rglob("*") if p.is_file()]
-    return {key: store.read(key) for key in sorted(keys)}
+def _with_folders(where, scratch) -> None:
+    """A tokenizer and a teacher head beside the shards, then the manifest merged again to list them."""
+    add_folders(where, scratch)
+    merge_parts(where)
 
 
 def _kill_then_resume(where, backend: str) -> None:
@@ -223,13 +222,17 @@ def test_uninterrupted_resumed_and_bucket_caches_are_byte_identical(backend, s3_
     _kill_then_resume(tmp_path / "resumed", backend)
     url = f"{s3_bucket}/cache"
     _write(url, spec, seqs, shards=list(reversed(range(spec.num_shards))))  # another order of commits
-    whole = _shard_files(tmp_path / "whole")
-    assert len(whole) >= 2 * spec.num_shards and any(k.endswith(".json") for k in whole)
+    for n, where in enumerate((tmp_path / "whole", tmp_path / "resumed", url)):
+        _with_folders(where, tmp_path / f"scratch{n}")
+    whole = cache_files(tmp_path / "whole")
+    assert len(whole) >= 2 * spec.num_shards + 4 and "shards/shard-000001.json" in whole
+    assert "teacher_head/head.safetensors" in whole and "tokenizer/.kdcache-files.json" in whole
     for other in (tmp_path / "resumed", url):
-        assert _shard_files(other) == whole, other  # every data file and sidecar, byte for byte
+        assert cache_files(other) == whole, other  # every data file, sidecar and folder file, byte for byte
         assert verify_cache(other).ok
     # The manifests differ only in what names the run: its times, and the crc32c that covers them.
-    manifests = [json.loads(open_store(w).read("manifest.json")) for w in (tmp_path / "whole", tmp_path / "resumed", url)]
+    manifests = [json.loads(open_store(w).read("manifest.json")) for w in (tmp_path / "whole", tmp_path / "resumed",
+                                                                            url)]
     for manifest in manifests:
         for key in ("created_at", "updated_at", "crc32c"):
             manifest.pop(key)
