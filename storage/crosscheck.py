@@ -18,7 +18,9 @@ import json
 import re
 from dataclasses import asdict
 
-from kdcache.storage.backends.base import Backend, check_file, is_format3
+import numpy as np
+
+from kdcache.storage.backends.base import Backend, check_file, is_format3, owner_of
 from kdcache.storage.canonical import is_sealed
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.folders import TABLE, folder_is_complete, folder_names, read_table
@@ -92,8 +94,8 @@ def record_findings(record: ShardRecord, manifest: Manifest) -> list[Finding]:
     findings: list[Finding] = []
     name = f"{shard_name(index)}.json"
     if not 0 <= index < spec.num_shards or (record.seq_start, record.seq_stop) != spec.shard_range(index):
-        findings.append((index, name, f"covers sequences [{record.seq_start}, {record.seq_stop}), but shard {index} "
-                                      f"of this cache is {spec.shard_range(index)}"))
+        findings.append((index, name, f"seq_start, seq_stop are [{record.seq_start}, {record.seq_stop}), but shard "
+                                      f"{index} of this cache covers {list(spec.shard_range(index))}"))
     if not is_format3(record):
         return findings
     files = record.extra["files"]
@@ -105,6 +107,28 @@ def record_findings(record: ShardRecord, manifest: Manifest) -> list[Finding]:
                                       f"{sum(int(a.get('decoded_bytes', 0)) for a in record.arrays.values())}"))
     if record.checksum != shard_checksum(files):
         findings.append((index, name, "its checksum does not summarise its file table"))
+    return findings + array_findings(record, files)
+
+
+def array_findings(record: ShardRecord, files: dict[str, list[int]]) -> list[Finding]:
+    """Each array's byte counts against its shape and its own files (a zarr array owns its files; an Arrow
+    column shares the shard's one file, so only its decoded size can be derived)."""
+    findings: list[Finding] = []
+    for array, info in sorted(record.arrays.items()):
+        where = f"{shard_name(record.index)}.json"
+        try:
+            decoded = int(np.prod(info["shape"])) * np.dtype(info["dtype"]).itemsize
+        except TypeError:  # a dtype numpy does not name: nothing to derive
+            decoded = info["decoded_bytes"]
+        if info["decoded_bytes"] != decoded:
+            findings.append((record.index, where, f"{array}: decoded_bytes is {info['decoded_bytes']}, its shape "
+                                                  f"{info['shape']} of {info['dtype']} holds {decoded}"))
+        own = info.get("files", [])
+        if own and all(owner_of(record, path) == array for path in own):
+            stored = sum(files[path][0] for path in own if path in files)
+            if info["stored_bytes"] != stored:
+                findings.append((record.index, where, f"{array}: stored_bytes is {info['stored_bytes']}, its "
+                                                      f"files hold {stored}"))
     return findings
 
 
@@ -120,6 +144,11 @@ def token_findings(store: Store, record: ShardRecord, manifest: Manifest, backen
     findings: list[Finding] = []
     if tokens != record.num_tokens:
         findings.append((record.index, name, f"num_tokens is {record.num_tokens}, its offsets locate {tokens}"))
+    for stream, edges in zip(spec.streams, offsets):
+        ids = record.arrays.get(spec.ids_name(stream), {}).get("shape", [None])[0]
+        if ids != int(edges[-1]):
+            findings.append((record.index, name, f"{spec.ids_name(stream)} has shape {ids} rows, its offsets locate "
+                                                 f"{int(edges[-1])}"))
     sequences = record.seq_stop - record.seq_start
     if any(len(o) != sequences + 1 for o in offsets):
         findings.append((record.index, name, f"covers {sequences} sequences, its offsets locate "

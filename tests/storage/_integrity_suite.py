@@ -24,7 +24,9 @@ from kdcache.storage.stores import open_store
 from kdcache.storage.writer import merge_parts
 
 FORMATS = Path(__file__).resolve().parents[1] / "data"
-SIDECAR_FIELDS = ("index", "seq_start", "seq_stop", "num_tokens", "stored_bytes", "decoded_bytes")
+SIDECAR_FIELDS = (("index",), ("seq_start",), ("seq_stop",), ("num_tokens",), ("stored_bytes",), ("decoded_bytes",),
+                  ("arrays", "hidden/0", "decoded_bytes"), ("arrays", "input_ids", "shape", 0),
+                  ("arrays", "hidden/0", "stored_bytes"))
 
 
 def add_folders(root: Path, scratch: Path) -> None:
@@ -48,11 +50,15 @@ def flip(path: Path, offset: int, mask: int) -> bytes:
     return original
 
 
-def edit_sidecar(root: Path, shard: int, key: str, delta: int, reseal: bool) -> None:
-    """Add ``delta`` to one field of a sidecar, keeping it canonical; ``reseal``: as a tool that rewrote it would."""
+def edit_sidecar(root: Path, shard: int, key: tuple, delta: int, reseal: bool) -> None:
+    """Add ``delta`` to one (nested) field of a sidecar, keeping it canonical; ``reseal``: as a tool that rewrote
+    it would."""
     path = root / "shards" / f"shard-{shard:06d}.json"
     data = json.loads(path.read_text())
-    data[key] += delta
+    holder = data
+    for part in key[:-1]:
+        holder = holder[part]
+    holder[key[-1]] += delta
     path.write_bytes(canonical_json(sealed(data, SIDECAR_SEAL) if reseal else data))
 
 
@@ -113,6 +119,9 @@ class IntegritySuite:
         for cache in (root, partial):
             for key in SIDECAR_FIELDS:
                 for reseal in (False, True):
+                    if reseal and cache is partial and key[-1] == "stored_bytes" and len(key) > 1 and \
+                            self.backend == "arrow":
+                        continue  # an Arrow column's share of the one file: caught by the seal and the manifest
                     path = cache / "shards" / "shard-000001.json"
                     original = path.read_bytes()
                     edit_sidecar(cache, 1, key, 1, reseal)
@@ -122,8 +131,10 @@ class IntegritySuite:
                         path.write_bytes(original)
                     named = [p for p in report.problems if p.array == "shard-000001.json"]
                     assert named, (cache.name, key, reseal, [str(p) for p in report.problems])
-                    if reseal and cache is root:
-                        assert any(key in p.message for p in named), (key, [str(p) for p in named])
+                    if reseal:  # the cross-checks name the field itself
+                        assert any(str(key[-1 if cache is partial else 0]) in p.message or
+                                   (key[-1] == 0 and "shape" in p.message) for p in named), \
+                            (cache.name, key, [str(p) for p in named])
         assert verify_cache(root).ok
 
     def test_folders_are_listed_and_follow_the_umask(self, tmp_path):
