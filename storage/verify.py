@@ -85,7 +85,10 @@ def _check_index(store: Store, manifest: Manifest, report: VerifyReport) -> dict
     findings += crosscheck.manifest_findings(store, manifest, sidecars)
     records = {**sidecars, **{r.index: r for r in manifest.shards}}
     for record in records.values():
-        findings += crosscheck.record_findings(record, manifest)
+        try:
+            findings += crosscheck.record_findings(record, manifest)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a record edited out of shape
+            findings.append((record.index, f"shard-{record.index:06d}.json", f"malformed record: {exc!r}"))
     if manifest.seals_files:
         findings += crosscheck.folder_findings(store, manifest)
     report.problems += [VerifyProblem(*finding) for finding in findings]
