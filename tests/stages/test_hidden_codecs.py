@@ -168,3 +168,26 @@ def test_topk_shards_record_the_probability_mass_their_k_keep(caches: dict[str, 
         assert got["kept_mass_p5"] == pytest.approx(np.percentile(mass, 5), rel=1e-4)
         assert got["kept_mass_min"] == pytest.approx(mass.min(), rel=1e-4)
     assert 0 < reader.manifest.arrays["logits/topk_values"]["lossy"]["kept_mass_min"] < 1
+
+
+@pytest.mark.slow
+def test_encoder_decoder_teachers_quantise_both_streams(tmp_path: Path) -> None:
+    from kdcache.pipeline.cli import main
+    from tests.helpers.tiny_models import make_tiny_bart, sample_pairs, write_pair_dataset
+    from tests.stages.test_seq2seq_precompute import online
+
+    teacher = make_tiny_bart(tmp_path / "bart")
+    pairs = write_pair_dataset(tmp_path / "pairs.jsonl", sample_pairs(6))
+    assert main(["precompute", "--teacher", str(teacher), "--data", str(pairs), "--out", str(tmp_path / "cache"),
+                 "--source-column", "source", "--target-column", "target", "--max-length", "32", "--features",
+                 "hidden", "--hidden-codec", "int8", "--sequences-per-shard", "3", "--no-progress"]) == 0
+    reader = CacheReader(tmp_path / "cache")
+    coded = [n for n in reader.spec.sequence_names() if reader.spec.coded(n)]
+    assert {n.split("/")[0] for n in coded} == {"encoder", "decoder"}
+    for i in (0, 5):
+        item = reader[i]
+        ref = online(teacher, item["encoder/input_ids"].tolist(), item["decoder/input_ids"].tolist())
+        for name in coded:
+            got, want = decode(reader.spec.hidden_codec, item, name), ref[name]
+            assert np.sqrt(((got - want) ** 2).sum() / (want ** 2).sum()) < 0.02, (i, name)
+    assert verify_cache(tmp_path / "cache").ok
