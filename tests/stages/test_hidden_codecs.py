@@ -191,3 +191,12 @@ def test_encoder_decoder_teachers_quantise_both_streams(tmp_path: Path) -> None:
             got, want = decode(reader.spec.hidden_codec, item, name), ref[name]
             assert np.sqrt(((got - want) ** 2).sum() / (want ** 2).sum()) < 0.02, (i, name)
     assert verify_cache(tmp_path / "cache").ok
+
+
+def test_an_unknown_codec_is_refused_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kdcache.pipeline.cli import main
+
+    code = main(["precompute", "--teacher", str(tmp_path), "--data", str(tmp_path / "d.txt"), "--out",
+                 str(tmp_path / "c"), "--hidden-codec", "int3"])
+    out = capsys.readouterr()
+    assert code == 2 and "unknown hidden codec 'int3'" in out.out + out.err and "Traceback" not in out.err

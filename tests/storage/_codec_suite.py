@@ -90,3 +90,11 @@ class HiddenCodecSuite:
             self.spec(hidden_codec="int3")
         with pytest.raises(SpecError, match="unknown configuration"):
             self.spec(hidden_codec={"name": "int8", "configuration": {"bits": 3}})
+
+    def test_inspect_shows_the_codec_and_each_arrays_error(self, tmp_path):
+        from tests.storage.test_storage_backends import run_cli
+
+        self.build(tmp_path, self.spec(hidden_codec="int7", logits=None, attention_layers=()))
+        code, text = run_cli("inspect", str(tmp_path))
+        assert code == 0 and "hidden codec int7 (rotation 0, outliers 4, group 64)" in text
+        assert "rel RMS" in text and "worst row cos" in text and "hidden_scale/2" in text
