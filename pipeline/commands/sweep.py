@@ -70,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         points = plan_sweep(base_values(args), grid, args.sweep_out)
     except ConfigError as exc:
         problems += exc.problems
+        points = []
+    if points and args.eval_cache and cache_exists(args.eval_cache):
+        for student in dict.fromkeys(p.options.run.student for p in points):  # a grid may vary the student
+            problems += _eval_cache_problems(args.eval_cache, student)
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
     problems += conflicts(points, launcher) if not problems else []
     if problems:
@@ -86,3 +90,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(points) - len(failed)} of {len(points)} run(s) succeeded; table in {args.sweep_out}/results.csv"
           + (f"; failed: {', '.join(failed)} (logs in runs/<name>/train.log)" if failed else ""))
     return 1 if failed else 0
+
+
+def _eval_cache_problems(eval_cache: str, student: str) -> list[str]:
+    """Every run's student keeps the vocabulary and tokenizer of ``student``: one that does not fit the eval cache
+    is refused before the first run, with the sentences `kdcache eval` and `kdcache train` use."""
+    from kdcache.stages.train.checks import open_cache
+    from kdcache.stages.train.evaluate import student_folder_problems
+
+    return [f"--eval-cache {eval_cache!r}: {p}" for p in student_folder_problems(open_cache(eval_cache), student)]
