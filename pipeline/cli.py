@@ -22,6 +22,7 @@ import sys
 from typing import NoReturn
 
 import kdcache.pipeline.commands
+from kdcache.pipeline.quiet import is_quiet, quiet
 from kdcache.storage.errors import KdcacheError
 
 _STORAGE_CLIENTS = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure", "google", "fsspec"}
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                              help="an fsspec option for s3://, gs://... caches, e.g. endpoint_url=http://host:9000 "
                                   "(repeatable; credentials also come from the usual AWS_* / GOOGLE_* variables)")
+        if "--quiet" not in command._option_string_actions:  # train's is an option (YAML too), the same switch
+            command.add_argument("--quiet", action="store_true",
+                                 help="print nothing on success, not even the libraries' lines (errors still show)")
     return parser
 
 
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         _apply_storage_options(getattr(args, "storage_option", []))
-        return int(args.func(args) or 0)
+        with quiet(is_quiet(getattr(args, "quiet", False))):  # errors are printed below, after it
+            return int(args.func(args) or 0)
     except KdcacheError as exc:
         print(f"kdcache {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from typing import Any
 
 from kdcache.pipeline.commands import print_summary
 from kdcache.pipeline.config import ConfigError, flag_name, flags, from_args
+from kdcache.pipeline.quiet import quiet
 from kdcache.stages.train.options import TrainOptions
 
 
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     options = from_args(TrainOptions, args, section="train")
     from kdcache.stages.train.loop import run_training
 
-    print_summary(run_training(options), getattr(args, "json", False), format_summary)
+    with quiet(options.run.quiet):  # also when the YAML, not the flag, asks for it
+        print_summary(run_training(options), getattr(args, "json", False), format_summary)
     return 0
 
 
