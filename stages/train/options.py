@@ -193,7 +193,25 @@ class RunOptions:
         problems += tracker_problems(self.report_to)
         if not Path(self.student).exists():
             problems.append(f"student {self.student!r} does not exist (a model folder or a config.json)")
-        return problems
+        return problems + out_problems(self.out)
+
+
+# What a run folder may hold before training writes options.json: a baseline evaluated first, a sweep's logs, a
+# report. Anything else means --out names someone else's folder.
+RUN_ENTRIES = frozenset({"options.json", "plan.json", "metrics.jsonl", "checkpoints", "student", "projectors.pt",
+                         "evals", "report", "tensorboard", "wandb", "csv", "train.log", "eval.log", "sweep-run.json"})
+
+
+def out_problems(out: str) -> list[str]:
+    """``--out`` must be new, empty, or a run's folder, as precompute's ``--out`` must be new, empty or a cache."""
+    root = Path(out)
+    if root.exists() and not root.is_dir():
+        return [f"out: {out!r} is a file; expected a new or empty folder, or a run's folder to continue"]
+    if not root.is_dir() or (root / "options.json").is_file():
+        return []
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in RUN_ENTRIES and not p.name.startswith("."))
+    return [f"out: {out!r} is not empty and holds no kdcache run (found {', '.join(foreign[:5])}); choose a new "
+            "or empty folder"] if foreign else []
 
 
 @dataclass(frozen=True)

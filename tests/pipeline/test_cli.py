@@ -143,3 +143,27 @@ def test_help_lists_choices_and_no_empty_defaults(capsys: pytest.CaptureFixture[
     assert "last (alias last-k)" in texts["train"]
     for text in texts.values():
         assert "(default: None)" not in text and "(default: )" not in text
+
+
+def test_train_out_refuses_an_unrelated_folder_like_precompute(tiny_gpt2: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.helpers.tiny_models import sample_texts, write_text_dataset
+    from tests.stages._train_support import write_cache
+
+    cache = write_cache(tiny_gpt2, tmp_path / "cache", num_sequences=4, hidden_layers=(3,))
+    data = write_text_dataset(tmp_path / "data.jsonl", sample_texts(4))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not a run")
+    capsys.readouterr()
+    for argv, what in ((["train", "--cache", str(cache), "--student", str(tiny_gpt2), "--max-steps", "1"], "run"),
+                       (["precompute", "--teacher", str(tiny_gpt2), "--data", str(data)], "cache")):
+        assert main([*argv, "--out", str(mine)]) == 2
+        err = capsys.readouterr().err
+        assert f"is not empty and holds no kdcache {what} (found notes.txt)" in err and "Traceback" not in err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    evaluated_first = tmp_path / "run"  # a baseline evaluated before training leaves evals/: still a run's folder
+    (evaluated_first / "evals").mkdir(parents=True)
+    from kdcache.stages.train.options import out_problems
+
+    assert out_problems(str(evaluated_first)) == [] and out_problems(str(tmp_path / "new")) == []
