@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kdcache.pipeline.config import flags, from_args
+from kdcache.pipeline.config import from_args
 from kdcache.pipeline.demo import DemoOptions
 
 
 def register(subparsers: Any) -> None:
     """Add ``demo`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "demo", parents=[flags(DemoOptions)],
+        "demo", options=DemoOptions,
         help="the built-in end-to-end demo on real MiniLM-L6 weights (no downloads, a few CPU minutes)",
         description="Cache all-MiniLM-L6-v2's hidden layers and attention maps over English sentences from "
                     "Python's docstrings, train a 3-block student from the cache under DeepSpeed ZeRO-2 on the "

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kdcache.pipeline.config import ConfigError, flags, load_yaml
+from kdcache.pipeline.config import ConfigError, load_yaml
 from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.train.options import TrainOptions
 
@@ -21,7 +21,7 @@ from kdcache.stages.train.options import TrainOptions
 def register(subparsers: Any) -> None:
     """Add ``sweep`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "sweep", parents=[flags(TrainOptions, skip=("out", "resume"))],
+        "sweep", options=TrainOptions, skip=("out", "resume"),
         help="train one student per grid point, all from one cache, and compare them",
         description="Run `kdcache train` once per point of the cartesian product of the --grid options, one "
                     "run after another, each in its own process and its own SWEEP/runs/<name>/ folder. The "

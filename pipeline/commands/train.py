@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.commands import print_summary
-from kdcache.pipeline.config import ConfigError, flag_name, flags, from_args
+from kdcache.pipeline.config import ConfigError, flag_name, from_args
 from kdcache.pipeline.quiet import quiet
 from kdcache.stages.train.options import TrainOptions
 
@@ -23,7 +23,7 @@ from kdcache.stages.train.options import TrainOptions
 def register(subparsers: Any) -> None:
     """Add ``train`` and ``init-student`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "train", parents=[flags(TrainOptions)],
+        "train", options=TrainOptions,
         help="train a student from a cache under DeepSpeed ZeRO (the teacher is never loaded)",
         description="Stream the cached teacher targets into a student and train it with the compound loss "
                     "alpha*CE + beta*KL + gamma*hidden + delta*attention under DeepSpeed. The cache and the "

@@ -135,7 +135,8 @@ class EngineOptions:
 
     deepspeed: str | None = field(default=None, metadata=_opt(
         "your own DeepSpeed ds_config.json (overrides --zero-stage/--offload/--precision)"))
-    zero_stage: int = field(default=0, metadata=_opt("ZeRO stage (0-3) of the built-in DeepSpeed config"))
+    zero_stage: int = field(default=0, metadata=_opt("ZeRO stage of the built-in DeepSpeed config",
+                                                     choices=[0, 1, 2, 3]))
     offload: bool = field(default=False, metadata=_opt("offload optimizer states to the CPU (ZeRO >= 1)"))
     precision: str = field(default="auto", metadata=_opt(
         "auto = bf16 on GPUs that support it, else fp16 on GPU, fp32 on CPU", choices=list(PRECISIONS)))
@@ -148,8 +149,6 @@ class EngineOptions:
         """Every problem of this group."""
         problems = [f"{name} must be >= 0, got {getattr(self, name)}"
                     for name in ("weight_decay", "warmup_steps") if getattr(self, name) < 0]
-        if self.zero_stage not in (0, 1, 2, 3):
-            problems.append(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.lr <= 0:
             problems.append(f"lr must be > 0, got {self.lr}")
         if self.offload and self.zero_stage == 0 and self.deepspeed is None:
