@@ -191,9 +191,9 @@ def test_step_axis_ticks_are_whole_steps() -> None:
 
     plt = _pyplot()
     fig, ax = plt.subplots()
-    ax.plot([5, 10, 15, 20], [4.0, 3.0, 2.5, 2.0])
+    ax.plot([1, 2, 3], [4.0, 3.0, 2.5])  # matplotlib alone ticks this at 1.25, 1.5, ...
     _step_axis(ax)
     fig.canvas.draw()
-    ticks = [t for t in ax.get_xticks() if 5 <= t <= 20]
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
     assert ticks and all(float(t).is_integer() for t in ticks)
     plt.close(fig)
