@@ -23,9 +23,13 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print its report. Returns 0."""
-    from kdcache.pipeline.demo import format_report, run_demo
+    from kdcache.pipeline.demo import format_report, run_demo, teacher_path
 
-    report = run_demo(from_args(DemoOptions, args))
+    options = from_args(DemoOptions, args)
+    if options.print_teacher:  # `--teacher "$(kdcache demo --print-teacher)"` in the README's walkthrough
+        print(teacher_path())
+        return 0
+    report = run_demo(options)
     print()
     print(format_report(report))
     return 0

