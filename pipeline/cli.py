@@ -20,6 +20,7 @@ import os
 import pkgutil
 import re
 import sys
+import typing
 from typing import Any, NoReturn
 
 import kdcache.pipeline.commands
@@ -90,7 +91,7 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     return ""
 
 
-class _Commands(argparse._SubParsersAction):  # type: ignore[type-arg]
+class _Commands(argparse._SubParsersAction):
     """Subcommands whose option-class flags (``add_parser(name, options=Cls)``) are built only for the command
     being run: building them imports transformers (HfArgumentParser), which ``kdcache --help`` need not wait for.
     ``only`` None builds every command's flags."""
@@ -114,8 +115,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     # The deepspeed launcher runs `python -m kdcache --local_rank=N COMMAND ...`; ranks come from the
     # environment (LOCAL_RANK, RANK, WORLD_SIZE), so the flag is accepted and otherwise ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser,
-                                       action=_Commands)
+    subparsers = typing.cast(_Commands, parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_Parser, action=_Commands))
     # The command is the first word that is not a flag nor --local_rank's number.
     subparsers.only = None if argv is None else next((a for a in argv if a[:1] != "-" and not a.isdigit()), "")
     parser.set_defaults(commands=subparsers.choices)  # main() names the command whose flag was misspelled
@@ -134,7 +135,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _in_order_of_use(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _in_order_of_use(subparsers: argparse._SubParsersAction) -> None:
     """List the commands in ``kdcache --help`` in the order one uses them (unlisted ones last)."""
     rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
     subparsers._choices_actions.sort(key=lambda a: rank.get(a.dest, len(rank)))
