@@ -131,7 +131,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                   "(repeatable; credentials also come from the usual AWS_* / GOOGLE_* variables)")
         if "--quiet" not in command._option_string_actions:  # train's is an option (YAML too), the same switch
             command.add_argument("--quiet", action="store_true",
-                                 help="print nothing on success, not even the libraries' lines (errors still show)")
+                                 help="on success print only kdcache's notes about the run: no summary, progress or "
+                                      "library lines (errors still show)")
     return parser
 
 

@@ -1,8 +1,10 @@
-"""``--quiet``: a command that succeeds prints nothing, neither its own lines nor those of the libraries it drives.
+"""``--quiet``: a command that succeeds prints nothing but kdcache's own notes about the run (a cached target left
+unused, a temperature chosen for you): no summary, no progress, and none of the lines of the libraries it drives.
 
 kdcache's own output goes through ``print`` and tqdm, which write to whatever ``sys.stdout`` / ``sys.stderr`` are
-when they run, so the command's work runs with both pointed at a sink. The libraries need more, because they
-bind their streams early:
+when they run, so the command's work runs with stdout pointed at a sink and stderr at a filter that passes only
+lines beginning ``kdcache `` (every stage's notes do). The libraries need more, because they bind their streams
+early:
 
 * transformers: its logging handler holds the real stderr from import time (``Loading weights`` bars, load
   reports), so its verbosity goes to error and its progress bars off;
@@ -25,6 +27,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+NOTE_PREFIX = "kdcache "  # how every note of kdcache's stages begins ("kdcache train: note: ...")
 _ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
@@ -40,6 +43,32 @@ class _Sink(io.TextIOBase):
 
 
 _SINK = _Sink()
+
+
+class _NotesOnly(io.TextIOBase):
+    """stderr under --quiet: kdcache's own notes about the run (lines starting ``kdcache ``: cached targets left
+    unused, the temperature a cache chose) reach ``target``; everything else (bars, library chatter) is dropped.
+    Text is held until its line ends, since ``print`` and tqdm write a line in pieces."""
+
+    def __init__(self, target: Any):
+        super().__init__()
+        self.target, self.line = target, ""
+
+    def write(self, text: str) -> int:
+        self.line += text
+        *done, self.line = self.line.split("\n")
+        for line in done:
+            if line.startswith(NOTE_PREFIX):
+                self.target.write(line + "\n")
+        if self.line and not NOTE_PREFIX.startswith(self.line[:len(NOTE_PREFIX)]):
+            self.line = self.line[:len(NOTE_PREFIX)]  # not a note: keep only what decides that (tqdm redraws)
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def isatty(self) -> bool:
+        return False
 
 
 def _errors_only(record: logging.LogRecord) -> bool:
@@ -64,7 +93,7 @@ def quiet(enabled: bool = True) -> Iterator[None]:
         deepspeed.addFilter(_errors_only)
         stack.callback(deepspeed.removeFilter, _errors_only)
         stack.enter_context(contextlib.redirect_stdout(_SINK))
-        stack.enter_context(contextlib.redirect_stderr(_SINK))
+        stack.enter_context(contextlib.redirect_stderr(_NotesOnly(sys.stderr)))
         yield
 
 

@@ -187,7 +187,7 @@ class RunOptions:
         "trackers beside metrics.jsonl, through DeepSpeed's monitor: tensorboard, wandb, csv (comma-separated; "
         "none by default); they write under RUN/ (wandb: its own project 'kdcache')"))
     quiet: bool = field(default=False, metadata=_opt(
-        "print nothing on success: no progress, summary or notes, nor the libraries' lines (errors still show)"))
+        "on success print only kdcache's notes about the run: no progress, summary or library lines"))
     save_every: int = field(default=0, metadata=_opt("checkpoint every N optimizer steps (0: only at the end)"))
     trace_samples: bool = field(default=False, metadata=_opt(
         "record the sequence ids and loss of every micro-step in RUN/samples-rank{r}.jsonl"))

@@ -50,3 +50,21 @@ def test_quiet_precompute_train_eval_print_nothing(tiny_gpt2: Path, tmp_path: Pa
         proc = _kdcache(*argv, "--quiet")
         assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", ""), argv
     assert (run / "student" / "config.json").is_file() and list((run / "evals").glob("trained@*.json"))
+
+
+def test_quiet_keeps_kdcache_notes_on_stderr_and_drops_the_rest(capsys: pytest.CaptureFixture[str]) -> None:
+    from kdcache.pipeline.quiet import quiet
+
+    with quiet():
+        print("a summary line")
+        print("kdcache train: note: cached targets this run leaves unused: hidden layers 2", file=sys.stderr)
+        sys.stderr.write("\rprecompute:  50%|#####     | 1/2")  # a bar redrawn in place, then ended
+        sys.stderr.write("\rprecompute: 100%|##########| 2/2\n")
+        sys.stderr.write("kdcache train: ")  # a note written in pieces
+        sys.stderr.write("teacher head from the cache\n")
+        import warnings
+
+        warnings.warn("a library's warning", stacklevel=1)
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("kdcache train: note: cached targets this run leaves unused: hidden layers 2\n"
+                                 "kdcache train: teacher head from the cache\n")
