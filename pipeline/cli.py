@@ -2,8 +2,10 @@
 
 Every module in ``pipeline.commands`` that defines ``register(subparsers)`` contributes its subcommands, so a
 new command is one new file. Heavy imports (torch, deepspeed, the models) happen inside the commands' ``run``
-functions, which keeps ``kdcache --help`` under a second (most of it importing transformers for
-``HfArgumentParser``, which builds the flags).
+functions, and a command's option-class flags (``add_parser(name, options=Cls)``, built by transformers'
+``HfArgumentParser``) only for the command being run, so ``kdcache --help`` imports neither.
+
+``--quiet`` (every command) runs the command inside ``pipeline.quiet.quiet``; Ctrl-C says how to continue.
 
 Any ``KdcacheError`` (bad config, bad cache, bad input) and any ``OSError`` (a full disk, storage that cannot be
 reached) ends the run with a one-paragraph message and exit status 2, never a traceback.
