@@ -98,7 +98,8 @@ def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] |
                 _notes(state.notes)]
     if state.metrics:
         terms = {term_label(k): v for k, v in final_terms(state.metrics).items()}
-        sections += ["<h2>Loss terms at the last logged step</h2>", _key_values(terms)]
+        sections += ["<h2>Loss terms at the last logged step</h2>", _key_values(terms),
+                     _notes(["Lower is better for every loss term."])]
     sections += [image(images["losses"], "loss terms")] if "losses" in images else ["<p>No step logged yet.</p>"]
     if state.evals:
         rows = eval_rows(state.evals)
