@@ -39,7 +39,7 @@ def main() -> None:
         for side, code in SIDES.items():
             times[side].append(time_side(code))
     best = {side: min(values) for side, values in times.items()}
-    print("| `kdcache --help` | best of {} (s) | median (s) |".format(args.repeats))
+    print(f"| `kdcache --help` | best of {args.repeats} (s) | median (s) |")
     print("| --- | --- | --- |")
     for side, values in times.items():
         print(f"| {side} | {best[side]:.2f} | {sorted(values)[len(values) // 2]:.2f} |")
