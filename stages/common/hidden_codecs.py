@@ -127,10 +127,10 @@ def encode(record: Record, name: str, x: torch.Tensor) -> dict[str, torch.Tensor
 def row_errors(x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
     """Per row ``[N, 5]``: squared error, squared norm, cosine (1 for two zero rows), max |error|, decoded norm²."""
     err = decoded - x
-    norms = x.norm(dim=1) * decoded.norm(dim=1)
+    ref_sq, decoded_sq = x.square().sum(1), decoded.square().sum(1)  # each pass once: the norms reuse them
+    norms = (ref_sq * decoded_sq).sqrt()
     cosine = torch.where(norms > 0, (x * decoded).sum(1) / norms.clamp_min(1e-30), torch.ones_like(norms))
-    return torch.stack([err.square().sum(1), x.square().sum(1), cosine, err.abs().amax(1),
-                        decoded.square().sum(1)], dim=1)
+    return torch.stack([err.square().sum(1), ref_sq, cosine, err.abs().amax(1), decoded_sq], dim=1)
 
 
 def decode_batch(record: Record, batch: dict[str, Any]) -> dict[str, Any]:
