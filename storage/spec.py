@@ -68,6 +68,18 @@ LOGIT_ARRAYS: dict[str | None, tuple[str, ...]] = {None: (), "full": ("logits/fu
 TOPK_VALUE_FORMATS = ("fp16", "logprob")
 VOCAB_IDS = ("logits/topk_ids", "logits/sample_ids")  # stored in the smallest unsigned type holding V-1
 PER_SEQUENCE_FIXED = ("input_ids",)
+# Where attention targets come from: the maps themselves ("maps": attention/{j}), or the per-head queries and keys
+# (and values) they are computed from ("qk", "qkv": attention_q/{j}, attention_k/{j}, attention_v/{j}, token rows
+# [T, heads * head_dim] like hidden states, after rotary embeddings, keys and values once per key/value head). A map
+# costs H * L values per token; queries and keys (H + H_kv) * head_dim, whatever L.
+ATTENTION_SOURCES: dict[str, tuple[str, ...]] = {"maps": ("attention",), "qk": ("attention_q", "attention_k"),
+                                                 "qkv": ("attention_q", "attention_k", "attention_v")}
+QKV_KINDS = ATTENTION_SOURCES["qkv"]
+# What stage two needs to rebuild a q/k source's scores (``attention_scores`` of the spec): the head counts and
+# width, whether attention is causal, and per block (keyed by the block number as a string) the score scale, the
+# sliding window (null: none) and the logit soft-cap (null: none).
+SCORE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "causal", "blocks")
+BLOCK_SCORE_KEYS = ("scaling", "sliding_window", "softcap")
 # Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
 TOKEN_ARRAYS: dict[str, np.dtype] = {"loss_mask": np.dtype(np.uint8), "position_ids": np.dtype(np.int32)}
 
@@ -133,6 +145,9 @@ class CacheSpec:
     decoder_hidden_layers: tuple[int, ...] = ()
     decoder_attention_layers: tuple[int, ...] = ()
     cross_attention_layers: tuple[int, ...] = ()
+    # Attention as queries/keys (issue 23); left out of to_dict() when "maps" (every earlier manifest).
+    attention_source: str = "maps"
+    attention_scores: dict[str, Any] | None = None  # SCORE_KEYS, with BLOCK_SCORE_KEYS per cached block
 
     def __post_init__(self) -> None:
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
@@ -180,6 +195,27 @@ class CacheSpec:
         for config in (self.codec, self.topk_codec):  # fail at creation, not at the first shard
             to_zarr_compressors(config) if self.backend == "zarr" else to_arrow_compression(config)
         self._validate_layout()
+        self._validate_attention_source()
+
+    def _validate_attention_source(self) -> None:
+        if self.attention_source not in ATTENTION_SOURCES:
+            raise SpecError(f"unknown attention_source {self.attention_source!r}; expected one of "
+                            f"{list(ATTENTION_SOURCES)}")
+        if self.attention_source == "maps":
+            if self.attention_scores is not None:
+                raise SpecError("attention_scores describe a q/k attention source; attention_source is 'maps'")
+            return
+        if self.is_encoder_decoder or self.attention_triangle or self.attention_heads is not None:
+            raise SpecError(f"attention_source {self.attention_source!r}: one token stream only, all heads and no "
+                            f"triangle (queries and keys are per token already)")
+        scores = self.attention_scores or {}
+        blocks = scores.get("blocks") or {}
+        complete = all(k in scores for k in SCORE_KEYS) and all(
+            all(k in blocks.get(str(j), {}) for k in BLOCK_SCORE_KEYS) for j in self.attention_layers)
+        if self.attention_layers and not complete:
+            raise SpecError(f"attention_source {self.attention_source!r} needs attention_scores with "
+                            f"{list(SCORE_KEYS)}, and {list(BLOCK_SCORE_KEYS)} for each of blocks "
+                            f"{list(self.attention_layers)}; got {scores}")
 
     def _validate_layout(self) -> None:
         if self.layout not in LAYOUTS:
@@ -285,7 +321,8 @@ class CacheSpec:
         names = self.token_names()
         for stream, hidden, attention in self.stream_layers():
             names += [prefixed(stream, f"hidden/{j}") for j in hidden]
-            names += [prefixed(stream, f"attention/{j}") for j in attention]
+            names += [prefixed(stream, f"{kind}/{j}") for j in attention
+                      for kind in ATTENTION_SOURCES[self.attention_source]]
         names += [f"{CROSS}/{j}" for j in self.cross_attention_layers]
         return names + self.logit_arrays()
 
@@ -330,7 +367,7 @@ class CacheSpec:
 
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""
-        return kind_of(name) in ("hidden", "attention", CROSS) or name == "logits/full"
+        return kind_of(name) in ("hidden", "attention", CROSS, *QKV_KINDS) or name == "logits/full"
 
     def is_lossy_target(self, name: str) -> bool:
         """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""
@@ -341,7 +378,8 @@ class CacheSpec:
         if name in self.sequence_names():
             return
         groups = {prefixed(stream, "hidden"): hidden for stream, hidden, _ in self.stream_layers()}
-        groups.update({prefixed(stream, "attention"): attn for stream, _, attn in self.stream_layers()})
+        groups.update({prefixed(stream, kind): attn for stream, _, attn in self.stream_layers()
+                       for kind in ATTENTION_SOURCES[self.attention_source]})
         groups[CROSS] = self.cross_attention_layers
         kind, _, layer = name.rpartition("/")
         layers = groups.get(kind)
@@ -375,6 +413,8 @@ class CacheSpec:
         if not self.is_encoder_decoder:
             for key in ("layout", *SEQ2SEQ_FIELDS):
                 del out[key]
+        if self.attention_source == "maps":  # what writers before issue 23 wrote
+            del out["attention_source"], out["attention_scores"]
         if self.topk_values == "fp16":  # what earlier writers wrote; a reader that predates logprob refuses those
             del out["topk_values"], out["logprob_step"]
         for key, value in out.items():
