@@ -55,7 +55,8 @@ def prepare(options: TrainOptions) -> tuple[Any, PreTrainedModel, StudentFacts, 
         (reader, student, facts, plan).
     """
     reader = open_cache(options.data.cache, allow_partial=options.data.allow_partial)
-    attn = "eager" if options.loss.delta > 0 else None
+    # Maps need eager attention (fused kernels return none); a q/k cache records the student's queries and keys.
+    attn = "eager" if options.loss.delta > 0 and reader.spec.attention_source == "maps" else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
     facts = student_facts(student, pretrained=has_weights(options.run.student))
     plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.run.student))

@@ -16,13 +16,15 @@ have different widths and head counts; only R is shared.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from kdcache.stages.common.documents import document_index
-from kdcache.stages.common.qk_attention import ScoreRule, allowed_keys, block_log_probs
+from kdcache.stages.common.qk_attention import Captured, ScoreRule, allowed_keys, block_log_probs
 from kdcache.stages.train.losses._common import bool_mask, count_valid, kl_terms
 from kdcache.stages.train.losses.attention import STUDENT_PROB_FLOOR
 from kdcache.stages.train.losses.errors import LossError
@@ -113,3 +115,40 @@ def relation_kl(x_s: torch.Tensor, x_t: torch.Tensor, mask: torch.Tensor, relati
     """
     return blocked_attention_kl(relation_side(x_s, relation_heads, causal), relation_side(x_t, relation_heads, causal),
                                 mask, queries, position_ids)
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, heads, L, d]`` -> ``[B, L, heads * d]``, the cache's layout of queries, keys and values."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+
+
+def cached_qk_loss(loss: str, student: Captured, targets: Mapping[str, torch.Tensor], block: int,
+                   scores: Mapping[str, Any], mask: torch.Tensor, queries: torch.Tensor,
+                   relation_heads: int = 0) -> torch.Tensor:
+    """The attention term of one (student block, teacher block) pair read from a q/k cache.
+
+    Args:
+        loss: ``"kl"`` (``blocked_attention_kl``) or ``"relation"`` (``relation_kl`` summed over the cached kinds:
+            queries, keys, and values when cached, as MiniLMv2 sums its q-q, k-k and v-v terms).
+        student: the student block's recorded ``q [B, H_s, L, d_s]``, ``k``/``v [B, H_s_kv, L, d_s]`` and rule.
+        targets: the batch: ``attention_q/{block} [B, L, H * d]``, ``attention_k/{block}`` (and ``_v``)
+            ``[B, L, H_kv * d]``, and ``position_ids`` for rows packed with documents kept apart.
+        block: the teacher block.
+        scores: the cache's ``attention_scores`` (head counts, causality, each block's rule).
+        mask, queries: ``[B, L]`` real tokens and the counted query rows.
+        relation_heads: R for the relation loss (0: the student's query heads).
+    """
+    rule = ScoreRule.from_json(scores["blocks"][str(block)], scores["causal"])
+    positions = targets.get("position_ids")
+    if loss == "kl":
+        teacher = ScoreSide(heads_from_rows(targets[f"attention_q/{block}"], int(scores["num_heads"])),
+                            heads_from_rows(targets[f"attention_k/{block}"], int(scores["num_kv_heads"])), rule)
+        return blocked_attention_kl(ScoreSide(student.q, student.k, student.rule), teacher, mask, queries, positions)
+    heads = relation_heads or student.q.shape[1]
+    total = student.q.new_zeros((), dtype=torch.float32)
+    for kind in ("q", "k", "v"):
+        name = f"attention_{kind}/{block}"
+        if name in targets:
+            total = total + relation_kl(token_rows(getattr(student, kind)), targets[name], mask, heads,
+                                        causal=rule.causal, queries=queries, position_ids=positions)
+    return total
