@@ -18,7 +18,7 @@ META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "da
 # (column, key in an evaluation record) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
 EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval_perplexity", "perplexity"),
                 ("eval_top1", "top1_agreement"), ("eval_kl", "kl"), ("eval_cka_final", "cka.final"),
-                ("eval_cka_on_map", "cka.mean_on_map"))
+                ("eval_cka_on_map", "cka.mean_on_map"), ("eval_attention_kl", "attention.kl"))
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:

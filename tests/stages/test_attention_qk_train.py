@@ -20,9 +20,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     features = ("--features", "hidden,attention,logits", "--top-k", "8", "--layers", "1,3")
     qk = precompute_cache(teacher, root / "qk", num_sequences=16, extra=(*features, "--attention-source", "qk"))
     qkv = precompute_cache(teacher, root / "qkv", num_sequences=16, extra=(*features, "--attention-source", "qkv"))
+    maps = precompute_cache(teacher, root / "maps", num_sequences=16, extra=features)
     student = make_student_config(root / "student", teacher, num_hidden_layers=2, hidden_size=16,
                                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=32)
-    return {"root": root, "qk": qk, "qkv": qkv, "student": student}
+    return {"root": root, "qk": qk, "qkv": qkv, "maps": maps, "student": student}
 
 
 def _train(setup: dict[str, Path], cache: str, out: str, *extra: str) -> list[dict]:
@@ -41,6 +42,23 @@ def test_attention_kl_trains_from_queries_and_keys(setup: dict[str, Path]) -> No
     assert all(r["attention"] > 0 for r in records)
     assert {"attention/s1_t1", "attention/s2_t3"} <= set(records[0])  # uniform map onto the cached blocks 1, 3
     assert not (setup["root"] / "kl" / "student" / "config.json").read_text().count('"kdcache_qk"')
+
+
+@pytest.mark.slow
+def test_evaluation_reads_attention_agreement_alike_from_maps_and_queries(setup: dict[str, Path]) -> None:
+    from kdcache.stages.train.evaluate import evaluate_run
+    from kdcache.storage import CacheReader
+
+    run = setup["root"] / "kl"
+    if not (run / "student").exists():
+        _train(setup, "qk", "kl")
+    by_maps = evaluate_run(run, CacheReader(setup["maps"]), batch_size=8)["attention"]
+    by_qk = evaluate_run(run, CacheReader(setup["qk"]), batch_size=8)["attention"]
+    assert (by_maps["source"], by_qk["source"]) == ("maps", "qk")
+    assert set(by_maps["pairs"]) == set(by_qk["pairs"]) == {"s1_t1", "s2_t3"}
+    for key in by_maps["pairs"]:
+        # fp16 maps and fp16 q/k round differently: a near-uniform random teacher has tiny KLs, hence the abs term
+        assert by_qk["pairs"][key] == pytest.approx(by_maps["pairs"][key], rel=1e-3, abs=1e-7)
 
 
 @pytest.mark.slow
