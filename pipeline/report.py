@@ -30,7 +30,8 @@ from kdcache.stages.train.eval_records import alignment_panels
 from kdcache.storage.files import read_json_object
 
 TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "sampled_kl", "hidden", "attention")
-LOWER_IS_BETTER = ("eval_perplexity", "eval_kl", "eval_attention_kl", "loss", "ce", "kl", "topk_kl", "sampled_kl", "hidden", "attention")
+LOWER_IS_BETTER = ("eval_perplexity", "eval_kl", "eval_attention_kl",
+                   "loss", "ce", "kl", "topk_kl", "sampled_kl", "hidden", "attention")
 GROUP_COLOURS = {"hidden": "tab:blue", "attention": "tab:orange", "logits": "tab:green", "other": "tab:gray"}
 
 

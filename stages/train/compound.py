@@ -242,7 +242,8 @@ class CompoundLoss(nn.Module):
     def _qk_term(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict,
                  any_trained: bool) -> torch.Tensor:
         """Σ over attention pairs of the q/k cache's term (``cached_qk_loss``), logged per pair like the maps'."""
-        recorded = _student_field(out, "attention_qkv", "the q/k recorder on (DistillModel sets it for a q/k cache)")
+        # block -> qk_attention.Captured
+        recorded: Any = _student_field(out, "attention_qkv", "the q/k recorder (DistillModel runs it for a q/k cache)")
         total = torch.zeros((), device=masks.real.device)
         if not any_trained:
             return total + _zero_pairs(logs, "attention", self.attention_map, lambda s: recorded[s].q)
