@@ -8,7 +8,8 @@ The queries and keys are taken where every transformers 5 model hands them to it
 ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation)`` is called with ``query [B, H, L, d]``,
 ``key`` / ``value [B, H_kv, L, d]`` (rotary embeddings already applied, grouped-query keys once per key/value
 head) and the ``scaling``, ``sliding_window`` and ``softcap`` the model adds to its scores. ``QKRecorder``
-registers one more implementation under ``ATTENTION_NAME`` that records those arguments and delegates to SDPA, so
+registers one more implementation under ``ATTENTION_NAME`` that records those arguments and delegates to SDPA
+(soft-capped models, which SDPA refuses, to their own eager attention), so
 the forward keeps its fused kernel (and its memory) while the recorder keeps references to q, k and v (with their
 gradients, in stage two). Attention calls are numbered in the order they run: block j is the j-th call of a
 forward, which holds for every one-stack model (decoder-only and encoder).
@@ -16,6 +17,7 @@ forward, which holds for every one-stack model (decoder-only and encoder).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,16 +68,27 @@ class QKRecorderError(RuntimeError):
     """A model's attention cannot be recorded or rebuilt from its queries and keys (caught and worded by callers)."""
 
 
-def _delegate() -> Any:
+def _delegate(module: Any, kwargs: dict[str, Any]) -> Any:
+    """SDPA; for soft-capped scores, which SDPA refuses, the model's own eager attention given an additive mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_attention_forward
+    if kwargs.get("softcap") is None:
+        return sdpa_attention_forward
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise QKRecorderError(f"{type(module).__name__} soft-caps its scores and has no eager attention to run")
+
+    def run(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, **kw: Any) -> Any:
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # SDPA's mask format: True = attend
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
+        return eager(module, q, k, v, mask, **kw)
+    return run
 
 
 def _forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
              **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The registered attention function: SDPA, plus a record of its inputs when a recorder is active."""
-    output = _delegate()(module, query, key, value, attention_mask, **kwargs)
+    output = _delegate(module, kwargs)(module, query, key, value, attention_mask, **kwargs)
     if _ACTIVE:
         _ACTIVE[-1].add(module, query, key, value, kwargs, output[0])
     return output

@@ -180,3 +180,32 @@ def test_a_model_adding_to_its_scores_is_refused(tiny_gpt2: Path, tmp_path: Path
     captured.rule = ScoreRule(captured.rule.scaling * 1.5, True)  # a different score than the model used
     with pytest.raises(QKRecorderError, match="something else is added"):
         check_rule(captured, mask, None, "gpt2 block 1")
+
+
+def test_sliding_windows_and_soft_capping_are_recorded_and_reproduced() -> None:
+    """Mistral's window and Gemma 2's alternating window and logit soft-cap: each block's rule is recorded from
+    what the model hands its kernel, and the rebuilt scores reproduce its attention output (padding included)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+
+    from kdcache.stages.common.qk_attention import check_rule
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64, sliding_window=4)
+    mistral = MistralForCausalLM(MistralConfig(**shape)).eval()
+    gemma = Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=8, attn_logit_softcapping=0.5,
+                                           query_pre_attn_scalar=16)).eval()
+    ids = torch.randint(0, 100, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    rules = {}
+    for name, model in (("mistral", mistral), ("gemma", gemma)):
+        recorder = QKRecorder(model, (1, 2), True, keep_output=True)
+        with torch.no_grad(), recorder.forward():
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+        for j, captured in recorder.captured.items():
+            check_rule(captured, mask, None, f"{name} block {j}")
+            rules[name, j] = captured.rule
+    assert rules["mistral", 1].sliding_window == 4 and rules["mistral", 1].softcap is None
+    assert (rules["gemma", 1].sliding_window, rules["gemma", 2].sliding_window) == (4, None)  # alternating layers
+    assert rules["gemma", 2].softcap == 0.5 and rules["gemma", 2].scaling == pytest.approx(16 ** -0.5)
