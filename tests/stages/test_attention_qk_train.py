@@ -63,8 +63,9 @@ def test_evaluation_reads_attention_agreement_alike_from_maps_and_queries(setup:
 
 @pytest.mark.slow
 def test_relation_loss_trains_from_queries_keys_and_values(setup: dict[str, Path]) -> None:
+    """Also under gradient checkpointing: the recorded q/k/v stay in the graph the recomputation replays."""
     records = _train(setup, "qkv", "relation", "--attention-loss", "relation", "--relation-heads", "4",
-                     "--alpha", "0", "--beta", "0", "--gamma", "0")
+                     "--alpha", "0", "--beta", "0", "--gamma", "0", "--gradient-checkpointing")
     assert all(0 < r["attention"] < float("inf") for r in records)
     assert all(r["loss"] == pytest.approx(r["attention"], rel=1e-5) for r in records)  # the only term
 
