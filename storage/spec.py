@@ -6,7 +6,9 @@ Array names inside a shard (see docs/architecture.md):
 - token arrays named by ``token_arrays``, ``[T]`` like ``input_ids``: ``loss_mask`` uint8 (1 = a loss counts this
   token) and ``position_ids`` int32 (positions that restart at 0 where a packed row starts a new document);
 - ``hidden/{j} [T, d]`` per hidden layer j (0 = embeddings);
-- ``attention/{j} [R, H']`` per attention block j (1..N) and ``attention_offsets [S+1]`` int64;
+- ``attention/{j} [R, H']`` per attention block j (1..N) and ``attention_offsets [S+1]`` int64; or, with
+  ``attention_source`` "qk"/"qkv", ``attention_q/{j} [T, H*d]``, ``attention_k/{j}`` (and ``attention_v/{j}``)
+  ``[T, H_kv*d]`` token rows, with ``attention_scores`` recording how scores are formed;
 - ``logits/full [T, V]``, or ``logits/topk_values [T, k]``, ``logits/topk_ids [T, k]``, ``logits/lse [T]``.
 
 A seq2seq cache (``layout="seq2seq"``, format v2) holds two token streams, each with its own ids, offsets,
