@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kdcache.storage.attention_source import ATTENTION_SOURCES, QKV_KINDS, check_attention_source
 from kdcache.storage.codecs import (
     ARROW_DEFAULT_CODEC,
     DEFAULT_CODEC,
@@ -70,18 +71,6 @@ LOGIT_ARRAYS: dict[str | None, tuple[str, ...]] = {None: (), "full": ("logits/fu
 TOPK_VALUE_FORMATS = ("fp16", "logprob")
 VOCAB_IDS = ("logits/topk_ids", "logits/sample_ids")  # stored in the smallest unsigned type holding V-1
 PER_SEQUENCE_FIXED = ("input_ids",)
-# Where attention targets come from: the maps themselves ("maps": attention/{j}), or the per-head queries and keys
-# (and values) they are computed from ("qk", "qkv": attention_q/{j}, attention_k/{j}, attention_v/{j}, token rows
-# [T, heads * head_dim] like hidden states, after rotary embeddings, keys and values once per key/value head). A map
-# costs H * L values per token; queries and keys (H + H_kv) * head_dim, whatever L.
-ATTENTION_SOURCES: dict[str, tuple[str, ...]] = {"maps": ("attention",), "qk": ("attention_q", "attention_k"),
-                                                 "qkv": ("attention_q", "attention_k", "attention_v")}
-QKV_KINDS = ATTENTION_SOURCES["qkv"]
-# What stage two needs to rebuild a q/k source's scores (``attention_scores`` of the spec): the head counts and
-# width, whether attention is causal, and per block (keyed by the block number as a string) the score scale, the
-# sliding window (null: none) and the logit soft-cap (null: none).
-SCORE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "causal", "blocks")
-BLOCK_SCORE_KEYS = ("scaling", "sliding_window", "softcap")
 # Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
 TOKEN_ARRAYS: dict[str, np.dtype] = {"loss_mask": np.dtype(np.uint8), "position_ids": np.dtype(np.int32)}
 
@@ -149,7 +138,7 @@ class CacheSpec:
     cross_attention_layers: tuple[int, ...] = ()
     # Attention as queries/keys (issue 23); left out of to_dict() when "maps" (every earlier manifest).
     attention_source: str = "maps"
-    attention_scores: dict[str, Any] | None = None  # SCORE_KEYS, with BLOCK_SCORE_KEYS per cached block
+    attention_scores: dict[str, Any] | None = None  # attention_source.SCORE_KEYS, BLOCK_SCORE_KEYS per block
 
     def __post_init__(self) -> None:
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
@@ -197,27 +186,9 @@ class CacheSpec:
         for config in (self.codec, self.topk_codec):  # fail at creation, not at the first shard
             to_zarr_compressors(config) if self.backend == "zarr" else to_arrow_compression(config)
         self._validate_layout()
-        self._validate_attention_source()
-
-    def _validate_attention_source(self) -> None:
-        if self.attention_source not in ATTENTION_SOURCES:
-            raise SpecError(f"unknown attention_source {self.attention_source!r}; expected one of "
-                            f"{list(ATTENTION_SOURCES)}")
-        if self.attention_source == "maps":
-            if self.attention_scores is not None:
-                raise SpecError("attention_scores describe a q/k attention source; attention_source is 'maps'")
-            return
-        if self.is_encoder_decoder or self.attention_triangle or self.attention_heads is not None:
-            raise SpecError(f"attention_source {self.attention_source!r}: one token stream only, all heads and no "
-                            f"triangle (queries and keys are per token already)")
-        scores = self.attention_scores or {}
-        blocks = scores.get("blocks") or {}
-        complete = all(k in scores for k in SCORE_KEYS) and all(
-            all(k in blocks.get(str(j), {}) for k in BLOCK_SCORE_KEYS) for j in self.attention_layers)
-        if self.attention_layers and not complete:
-            raise SpecError(f"attention_source {self.attention_source!r} needs attention_scores with "
-                            f"{list(SCORE_KEYS)}, and {list(BLOCK_SCORE_KEYS)} for each of blocks "
-                            f"{list(self.attention_layers)}; got {scores}")
+        check_attention_source(self.attention_source, self.attention_scores, self.attention_layers,
+                               one_stream=not self.is_encoder_decoder, all_heads=self.attention_heads is None,
+                               triangle=self.attention_triangle)
 
     def _validate_layout(self) -> None:
         if self.layout not in LAYOUTS:

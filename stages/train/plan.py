@@ -32,7 +32,7 @@ from kdcache.stages.train.checks import (
 from kdcache.stages.train.layer_maps import LayerMap
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
-from kdcache.storage.spec import ATTENTION_SOURCES
+from kdcache.storage.attention_source import ATTENTION_SOURCES
 from kdcache.storage.streams import CROSS, prefixed, split_stream
 
 

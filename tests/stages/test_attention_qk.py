@@ -209,3 +209,32 @@ def test_sliding_windows_and_soft_capping_are_recorded_and_reproduced() -> None:
     assert rules["mistral", 1].sliding_window == 4 and rules["mistral", 1].softcap is None
     assert (rules["gemma", 1].sliding_window, rules["gemma", 2].sliding_window) == (4, None)  # alternating layers
     assert rules["gemma", 2].softcap == 0.5 and rules["gemma", 2].scaling == pytest.approx(16 ** -0.5)
+
+
+@pytest.mark.parametrize("backend", ["zarr", "arrow"])
+def test_qkv_arrays_round_trip_as_token_rows(backend: str, tmp_path: Path) -> None:
+    import numpy as np
+
+    from kdcache.storage import CacheSpec, CacheWriter
+    from kdcache.storage.errors import SpecError
+
+    scores = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "causal": True,
+              "blocks": {"2": {"scaling": 0.35, "sliding_window": None, "softcap": None}}}
+    spec = CacheSpec(num_sequences=2, backend=backend, attention_layers=(2,), attention_source="qkv",
+                     attention_scores=scores)
+    assert CacheSpec.from_dict(spec.to_dict()) == spec
+    assert "attention_source" not in CacheSpec(num_sequences=1, attention_layers=(2,)).to_dict()  # maps: as before
+    rng = np.random.default_rng(0)
+    items = [{"input_ids": np.arange(n), "attention_q/2": rng.standard_normal((n, 32)).astype(np.float32),
+              "attention_k/2": rng.standard_normal((n, 16)).astype(np.float32),
+              "attention_v/2": rng.standard_normal((n, 16)).astype(np.float32)} for n in (5, 3)]
+    writer = CacheWriter(tmp_path / "c", spec, {})
+    writer.write_shard(0, items)
+    writer.finalize()
+    back = CacheReader(tmp_path / "c").get(1, names=["attention_k"])
+    assert list(back) == ["attention_k/2"]
+    np.testing.assert_allclose(back["attention_k/2"].astype(np.float32), items[1]["attention_k/2"], atol=1e-3)
+    for bad in ({"attention_triangle": True}, {"attention_heads": (0,)}, {"attention_scores": {"num_heads": 4}}):
+        with pytest.raises(SpecError):
+            CacheSpec(**{**dict(num_sequences=2, attention_layers=(2,), attention_source="qk",
+                                attention_scores=scores), **bad})
