@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kdcache.stages.common.documents import document_index
 from kdcache.stages.common.qk_attention import Captured, ScoreRule, allowed_keys, block_log_probs
-from kdcache.stages.train.losses._common import bool_mask, count_valid, kl_terms
+from kdcache.stages.train.losses._common import bool_mask, count_valid
 from kdcache.stages.train.losses.attention import STUDENT_PROB_FLOOR
 from kdcache.stages.train.losses.errors import LossError
 
@@ -85,13 +85,21 @@ def blocked_attention_kl(student: ScoreSide, teacher: ScoreSide, mask: torch.Ten
 def _block_kl(s_q: torch.Tensor, s_k: torch.Tensor, t_q: torch.Tensor, t_k: torch.Tensor, real: torch.Tensor,
               counted: torch.Tensor, documents: torch.Tensor | None, rows: slice, s_rule: ScoreRule,
               t_rule: ScoreRule) -> torch.Tensor:
-    """Σ KL over one block's counted query rows and the student's heads (``[B, H, C, L]`` lives only here)."""
-    log_s = block_log_probs(s_q, s_k, s_rule, allowed_keys(real, rows, s_rule, documents))
-    p_t = block_log_probs(t_q, t_k, t_rule, allowed_keys(real, rows, t_rule, documents)).exp()
+    """Σ KL over one block's counted query rows and the student's heads (``[B, H, C, L]`` lives only here).
+
+    KL = Σ p_t log p_t - Σ p_t log p_s: the teacher's part carries no gradient, so it is computed without a graph
+    (half the saved tensors); ``xlogy`` gives 0 · log 0 = 0, and the student's floor keeps its log finite.
+    """
+    allowed = allowed_keys(real, rows, s_rule, documents)
+    log_s = block_log_probs(s_q, s_k, s_rule, allowed)
     b, s_heads, c, length = log_s.shape
-    p_t = p_t.reshape(b, s_heads, -1, c, length).mean(dim=2)  # contiguous groups of H_t / H_s teacher heads
-    log_t = torch.log(torch.where(p_t > 0, p_t, torch.zeros_like(p_t)))  # -inf where the teacher has no mass
-    per_row = kl_terms(log_t, log_s.clamp_min(LOG_FLOOR)).sum(dim=(1, 3))  # [B, C]
+    with torch.no_grad():
+        same_keys = (s_rule.causal, s_rule.sliding_window) == (t_rule.causal, t_rule.sliding_window)
+        p_t = block_log_probs(t_q, t_k, t_rule, allowed if same_keys else allowed_keys(real, rows, t_rule,
+                                                                                       documents)).exp()
+        p_t = p_t.reshape(b, s_heads, -1, c, length).mean(dim=2)  # contiguous groups of H_t / H_s teacher heads
+        teacher_part = torch.xlogy(p_t, p_t).sum(dim=(1, 3))  # [B, C]
+    per_row = teacher_part - (p_t * log_s.clamp_min(LOG_FLOOR)).sum(dim=(1, 3))
     return torch.where(counted, per_row, torch.zeros_like(per_row)).sum()
 
 
