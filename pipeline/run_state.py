@@ -18,7 +18,7 @@ META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "da
 # (column, key in an evaluation record) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
 EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval_perplexity", "perplexity"),
                 ("eval_top1", "top1_agreement"), ("eval_kl", "kl"), ("eval_cka_final", "cka.final"),
-                ("eval_cka_on_map", "cka.mean_on_map"))
+                ("eval_cka_on_map", "cka.mean_on_map"), ("eval_attention_kl", "attention.kl"))
 
 
 # The report's words for each column: (short header, what it measures, higher is better). Raw keys stay in
@@ -33,6 +33,8 @@ METRIC_WORDS: dict[str, tuple[str, str, bool]] = {
                 False),
     "eval_cka_final": ("CKA, final layers", "linear CKA of the student's and the teacher's final layers", True),
     "eval_cka_on_map": ("CKA on the map", "mean linear CKA over the layer map's student/teacher pairs", True),
+    "eval_attention_kl": ("attention KL", "attention KL(teacher‖student) per query row, mean over the run's block "
+                          "pairs (from maps or from queries and keys)", False),
     "loss": ("total loss", "the weighted sum of the loss terms", False),
     "ce": ("CE", "cross-entropy on the next token", False),
     "kl": ("KL", "distillation KL on the logits", False),

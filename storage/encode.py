@@ -16,7 +16,7 @@ from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to
 from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, ShardError
 from kdcache.storage.hidden_codecs import ERROR_KIND, encode, error_record, is_part, part_name
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
-from kdcache.storage.spec import SAMPLED_NAMES, TOKEN_ARRAYS, TOPK_MASS, VOCAB_IDS, CacheSpec
+from kdcache.storage.spec import QKV_KINDS, SAMPLED_NAMES, TOKEN_ARRAYS, TOPK_MASS, VOCAB_IDS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
@@ -60,7 +60,8 @@ def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
     length = lengths[split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")]
     if kind in ("input_ids", *TOKEN_ARRAYS) or name == "logits/lse":
         return (length,)
-    if kind == "hidden" or is_part(name):
+    # token rows of one width per layer: hidden states (and their codec's companions), queries, keys, values
+    if kind in ("hidden", *QKV_KINDS) or is_part(name):
         return (length, value.shape[-1]) if value.ndim == 2 else None
     if name == "logits/full":
         return (length, spec.vocab_size)
@@ -278,9 +279,9 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
                                        f"do not cover attention_heads {list(heads or [])}")
         triangle = spec.attention_geometry(name)[2]
         parts = [pack_attention(p, heads, triangle, documents[i] if documents else None) for i, p in enumerate(parts)]
-    elif kind_of(name) == "hidden" and len({p.shape[1] for p in parts}) != 1:
-        raise InvalidSequenceError(f"{name}: hidden sizes {sorted({p.shape[1] for p in parts})} differ between "
-                                   f"sequences; expected one size d per layer")
+    elif kind_of(name) in ("hidden", *QKV_KINDS) and len({p.shape[1] for p in parts}) != 1:
+        raise InvalidSequenceError(f"{name}: widths {sorted({p.shape[1] for p in parts})} differ between "
+                                   f"sequences; expected one width per layer")
     flat = np.concatenate(parts)
     if kind_of(name) in ("input_ids", *TOKEN_ARRAYS):
         return _integer_tokens(name, flat, spec.array_dtype(name))

@@ -6,7 +6,9 @@ Array names inside a shard (see docs/architecture.md):
 - token arrays named by ``token_arrays``, ``[T]`` like ``input_ids``: ``loss_mask`` uint8 (1 = a loss counts this
   token) and ``position_ids`` int32 (positions that restart at 0 where a packed row starts a new document);
 - ``hidden/{j} [T, d]`` per hidden layer j (0 = embeddings);
-- ``attention/{j} [R, H']`` per attention block j (1..N) and ``attention_offsets [S+1]`` int64;
+- ``attention/{j} [R, H']`` per attention block j (1..N) and ``attention_offsets [S+1]`` int64; or, with
+  ``attention_source`` "qk"/"qkv", ``attention_q/{j} [T, H*d]``, ``attention_k/{j}`` (and ``attention_v/{j}``)
+  ``[T, H_kv*d]`` token rows, with ``attention_scores`` recording how scores are formed;
 - ``logits/full [T, V]``, or ``logits/topk_values [T, k]``, ``logits/topk_ids [T, k]``, ``logits/lse [T]``.
 
 A seq2seq cache (``layout="seq2seq"``, format v2) holds two token streams, each with its own ids, offsets,
@@ -25,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kdcache.storage.attention_source import ATTENTION_SOURCES, QKV_KINDS, check_attention_source
 from kdcache.storage.codecs import (
     ARROW_DEFAULT_CODEC,
     DEFAULT_CODEC,
@@ -145,6 +148,9 @@ class CacheSpec:
     decoder_hidden_layers: tuple[int, ...] = ()
     decoder_attention_layers: tuple[int, ...] = ()
     cross_attention_layers: tuple[int, ...] = ()
+    # Attention as queries/keys (issue 23); left out of to_dict() when "maps" (every earlier manifest).
+    attention_source: str = "maps"
+    attention_scores: dict[str, Any] | None = None  # attention_source.SCORE_KEYS, BLOCK_SCORE_KEYS per block
 
     def __post_init__(self) -> None:
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
@@ -197,6 +203,9 @@ class CacheSpec:
         for config in (self.codec, self.topk_codec):  # fail at creation, not at the first shard
             to_zarr_compressors(config) if self.backend == "zarr" else to_arrow_compression(config)
         self._validate_layout()
+        check_attention_source(self.attention_source, self.attention_scores, self.attention_layers,
+                               one_stream=not self.is_encoder_decoder, all_heads=self.attention_heads is None,
+                               triangle=self.attention_triangle)
 
     def _validate_layout(self) -> None:
         if self.layout not in LAYOUTS:
@@ -302,7 +311,8 @@ class CacheSpec:
         names = self.token_names()
         for stream, hidden, attention in self.stream_layers():
             names += [n for j in hidden for n in self.with_parts(prefixed(stream, f"hidden/{j}"))]
-            names += [prefixed(stream, f"attention/{j}") for j in attention]
+            names += [prefixed(stream, f"{kind}/{j}") for j in attention
+                      for kind in ATTENTION_SOURCES[self.attention_source]]
         names += [f"{CROSS}/{j}" for j in self.cross_attention_layers]
         return names + self.logit_arrays()
 
@@ -367,7 +377,7 @@ class CacheSpec:
 
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""
-        return kind_of(name) in ("hidden", "attention", CROSS) or name == "logits/full"
+        return kind_of(name) in ("hidden", "attention", CROSS, *QKV_KINDS) or name == "logits/full"
 
     def is_lossy_target(self, name: str) -> bool:
         """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""
@@ -378,7 +388,8 @@ class CacheSpec:
         if name in self.sequence_names():
             return
         groups = {prefixed(stream, "hidden"): hidden for stream, hidden, _ in self.stream_layers()}
-        groups.update({prefixed(stream, "attention"): attn for stream, _, attn in self.stream_layers()})
+        groups.update({prefixed(stream, kind): attn for stream, _, attn in self.stream_layers()
+                       for kind in ATTENTION_SOURCES[self.attention_source]})
         groups[CROSS] = self.cross_attention_layers
         kind, _, layer = name.rpartition("/")
         layers = groups.get(kind)
@@ -414,6 +425,8 @@ class CacheSpec:
                 del out[key]
         if self.hidden_codec == resolve_hidden_codec(None, self.dtype):  # the float dtype: what earlier writers wrote
             del out["hidden_codec"]
+        if self.attention_source == "maps":  # what writers before issue 23 wrote
+            del out["attention_source"], out["attention_scores"]
         if self.topk_values == "fp16":  # what earlier writers wrote; a reader that predates logprob refuses those
             del out["topk_values"], out["logprob_step"]
         for key, value in out.items():

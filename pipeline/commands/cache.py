@@ -56,7 +56,8 @@ def describe(path: str) -> dict[str, Any]:
                     for stream, hidden, attention in spec.stream_layers()},
         "cross_attention_layers": list(getattr(spec, "cross_attention_layers", ()) or ()),
         "attention_heads": None if spec.attention_heads is None else list(spec.attention_heads),
-        "attention_triangle": spec.attention_triangle, "logits": spec.logits, "top_k": spec.top_k,
+        "attention_triangle": spec.attention_triangle, "attention_source": spec.attention_source,
+        "attention_scores": spec.attention_scores, "logits": spec.logits, "top_k": spec.top_k,
         "samples": spec.samples, "sample_temperature": spec.sample_temperature,
         "vocab_size": spec.vocab_size, "dtype": spec.dtype, "bitround": spec.bitround,
         "hidden_codec": spec.hidden_codec,
@@ -73,6 +74,10 @@ def describe(path: str) -> dict[str, Any]:
 def _layer_lines(info: dict[str, Any], heads: Any) -> list[str]:
     """Hidden and attention layers per token stream (one stream, or encoder and decoder for seq2seq)."""
     triangle = ", causal triangle" if info["attention_triangle"] else ""
+    scores = info.get("attention_scores") or {}
+    if info.get("attention_source", "maps") != "maps":  # queries and keys (and values) instead of maps
+        triangle = (f", stored as {info['attention_source']} ({scores.get('num_heads')} query heads, "
+                    f"{scores.get('num_kv_heads')} key/value heads of {scores.get('head_dim')})")
     lines = []
     for stream, layers in info["streams"].items():
         prefix = "" if stream == "tokens" else f"{stream} "

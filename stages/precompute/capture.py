@@ -36,6 +36,7 @@ from kdcache.stages.common import hidden_codecs
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.logit_head import ChunkedHead, as_logprobs, logit_targets
+from kdcache.stages.precompute.qk_capture import QKCapture
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
 from kdcache.storage.hidden_codecs import applies_to
@@ -186,6 +187,7 @@ class FeatureCapture:
         if targets.logits == "head" and not self._head.active:
             raise PrecomputeError(f"logits head: {type(self.model).__name__} has no plain LM head to copy; use "
                                   f"--logits topk or full")
+        self._qk = QKCapture(self.model, targets) if targets.attention_source != "maps" else None
         self._install()
 
     # ---- hooks ---------------------------------------------------------------------------------------
@@ -202,7 +204,7 @@ class FeatureCapture:
             else:
                 hook = blocks[j - 1].register_forward_hook(self._hidden_hook(j, last=False))
             self._handles.append(hook)
-        for j in t.attention:
+        for j in t.attention if self._qk is None else ():  # queries and keys are recorded, not hooked
             found = find_attention(blocks[j - 1], base)
             if found is None:
                 self._attention_fallback = True
@@ -300,7 +302,14 @@ class FeatureCapture:
         if self._attention_fallback:
             kwargs["output_attentions"] = True
         with torch.inference_mode():
-            output, kept = self._forward(kwargs, attention_mask, lengths[0])
+            if self._qk is None:
+                output, kept = self._forward(kwargs, attention_mask, lengths[0])
+            else:
+                output, kept = self._qk.run(lambda: self._forward(kwargs, attention_mask, lengths[0]),
+                                            attention_mask, position_ids)
+                for name, value in self._qk.arrays().items():
+                    self._keep_range(name, value)
+                    self._out[name] = to_storage_dtype(value, self.dtype_name)
             if self._attention_fallback:
                 for j in self.targets.streams[""].attention:
                     if f"attention/{j}" not in self._out:

@@ -170,6 +170,11 @@ class TargetOptions:
                                                           "default: --layers without 0")
     heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
     triangle: bool = _opt(False, "store only the causal triangle of attention maps (causal teachers)")
+    attention_source: str = _opt("maps", "how feature 'attention' is stored: maps (each block's [H, L, L] "
+                                         "probabilities), qk (its queries and keys after rotary embeddings, keys once "
+                                         "per key/value head: (H + H_kv) x head_dim values per token whatever L; "
+                                         "stage two rebuilds the maps block by block) or qkv (also the values, for "
+                                         "the relation loss)", choices=["maps", "qk", "qkv"])
     top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
     full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k (same as --logits full)")
     logits_mode: str = _opt("topk", "what feature 'logits' stores: topk (--top-k values, ids and the logsumexp), "

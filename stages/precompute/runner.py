@@ -28,6 +28,7 @@ from kdcache.stages.precompute.distributed import DistContext
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
+from kdcache.stages.precompute.qk_capture import with_score_rules
 from kdcache.stages.precompute.targets import Targets, build_spec, resolve_targets, settings_fingerprint
 from kdcache.stages.precompute.teacher import (
     Teacher,
@@ -102,7 +103,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True})
     device = pick_device(options.engine.device, dist.local_rank)
     teacher = adapter.load_teacher(options, config, targets, tokenizer, device)
-    targets = with_output_vocab(targets, teacher, options)
+    targets = with_score_rules(with_output_vocab(targets, teacher, options), teacher.model, data, device)
     check_token_ids(teacher, data)
     spec = build_spec(options, targets, data)
     part = Partition.of(st.shard_index, st.num_shards, dist.rank, dist.world)

@@ -56,6 +56,8 @@ class Targets:
     samples: int = 0  # logits "sampled": draws per token, at sample_temperature
     sample_temperature: float = 1.0
     logprob_step: float = 0.0  # top-k values stored as log-probs quantised to this step (0: fp16 logits)
+    attention_source: str = "maps"  # or "qk" / "qkv": queries and keys (and values) instead of maps
+    attention_scores: dict[str, Any] | None = None  # qk: how scores are formed, learnt from the loaded teacher
 
     @property
     def wants_hidden(self) -> bool:
@@ -63,8 +65,9 @@ class Targets:
 
     @property
     def wants_attention(self) -> bool:
-        """Whether any attention map is captured (the teacher then needs eager attention)."""
-        return bool(self.cross_attention) or any(s.attention for s in self.streams.values())
+        """Whether any attention map is captured (the teacher then needs eager attention; queries and keys do not)."""
+        maps = self.attention_source == "maps"
+        return bool(self.cross_attention) or (maps and any(s.attention for s in self.streams.values()))
 
 
 def depths_and_heads(config: Any) -> tuple[dict[str, int], int]:
@@ -142,6 +145,7 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
         raise PrecomputeError(f"logits sampled: not yet for encoder-decoder teachers such as "
                               f"{options.engine.teacher!r}; use --logits topk or full")
     _check_triangle(options, streams, causal)
+    _check_attention_source(options, streams, config)
     heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:
         raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
@@ -151,7 +155,24 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
     top_k = t.top_k if t.logits_kind == "topk" else 0
     step = STEP_PER_TOLERANCE * t.logprob_tolerance if top_k and t.topk_values == "logprob" else 0.0
     return Targets(streams, heads, t.logits_kind, top_k, vocab, num_heads, causal, cross, t.samples,
-                   t.sample_temperature, step)
+                   t.sample_temperature, step, t.attention_source)
+
+
+def _check_attention_source(options: PrecomputeOptions, streams: dict[str, StreamTargets], config: Any) -> None:
+    """Queries and keys are for one token stream, every head, no triangle; T5's relative position bias, added to
+    its scores inside the model, could not be rebuilt from them."""
+    t = options.targets
+    if t.attention_source == "maps" or not any(s.attention for s in streams.values()):
+        return
+    flag, teacher = f"--attention-source {t.attention_source}", options.engine.teacher
+    if "" not in streams:
+        bias = " (its relative position bias is added to the scores inside the model)" \
+            if getattr(config, "relative_attention_num_buckets", None) else ""
+        raise PrecomputeError(f"{flag}: not for encoder-decoder teachers such as {teacher!r} "
+                              f"({config.model_type}){bias}; use --attention-source maps")
+    if t.triangle or t.heads is not None:
+        raise PrecomputeError(f"{flag}: drop --triangle and --heads (queries and keys are stored per token for "
+                              f"every head; their size does not grow with the context)")
 
 
 def _with_last_layer(streams: dict[str, StreamTargets], causal: bool, teacher: str) -> dict[str, StreamTargets]:
@@ -197,6 +218,8 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
         attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k, samples=targets.samples,
         sample_temperature=targets.sample_temperature, vocab_size=targets.vocab_size if targets.logits else 0,
         topk_values="logprob" if targets.logprob_step else "fp16", logprob_step=targets.logprob_step,
+        attention_source=targets.attention_source if targets.attention_scores else "maps",
+        attention_scores=targets.attention_scores,
         dtype=storage.dtype, codec=storage.codec_config, bitround=storage.bitround,
         hidden_codec=storage.hidden_codec_record, sequences_per_shard=storage.sequences_per_shard, **layers)
 
@@ -223,5 +246,6 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             if targets.logits == "sampled" else None,
             "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
             "triangle": options.targets.triangle, "format_version": FORMAT_VERSION,
+            **({"attention_source": targets.attention_source} if targets.attention_source != "maps" else {}),
             # Recorded only when set, so that the fingerprints of caches written before codecs stay the same.
             **({"hidden_codec": storage.hidden_codec_record} if storage.hidden_codec else {})}

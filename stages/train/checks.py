@@ -137,6 +137,10 @@ def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) ->
     if loss.delta > 0 and not attention:
         problems.append(f"the attention term (--delta) needs attention maps, but the cache holds {held}; "
                         "re-run precompute with attention layers, or use --delta 0")
+    elif loss.delta > 0 and loss.attention_loss == "relation" and spec.attention_source == "maps":
+        problems.append("--attention-loss relation needs the teacher's queries and keys (and values), but the cache "
+                        "holds attention maps; re-run precompute with --attention-source qkv, or use "
+                        "--attention-loss kl")
     return problems
 
 

@@ -40,6 +40,7 @@ from kdcache.stages.train.losses import (
     topk_kl,
     wgan_student_loss,
 )
+from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.masks import TokenMasks, token_masks
 from kdcache.stages.train.projectors import Projectors, needs_projector
 
@@ -69,6 +70,9 @@ class CompoundLoss(nn.Module):
         seed: seeds the projector and critic inits.
         teacher_head: for a ``--logits head`` cache, the teacher's LM head (``teacher_head.TeacherHead``): the KL
             then rebuilds exact teacher logits from ``hidden/{head.layer}``.
+        attention_loss, relation_heads, teacher_scores: for a q/k cache (``teacher_scores`` = its
+            ``attention_scores``), the attention term is ``"kl"`` rebuilt block by block or MiniLMv2's ``"relation"``
+            over R relation heads, from ``student_out.attention_qkv`` (block -> ``qk_attention.Captured``).
     """
 
     def __init__(
@@ -92,9 +96,14 @@ class CompoundLoss(nn.Module):
         critic_in_forward: bool = True,
         seed: int = 0,
         teacher_head: nn.Module | None = None,
+        attention_loss: str = "kl",
+        relation_heads: int = 0,
+        teacher_scores: Mapping[str, Any] | None = None,
     ):
         super().__init__()
         self.teacher_head = teacher_head
+        # A q/k cache (teacher_scores: its score record): attention from the student's recorded queries and keys.
+        self.attention_loss, self.relation_heads, self.teacher_scores = attention_loss, relation_heads, teacher_scores
         self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
         self.temperature, self.hidden_loss, self.topk_variant, self.ce = temperature, hidden_loss, topk_variant, ce
         self._check_config()
@@ -214,6 +223,8 @@ class CompoundLoss(nn.Module):
         self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict, any_trained: bool
     ) -> torch.Tensor:
         """Σ over attention pairs of ``attention_kl``; student block j is ``attentions[j - 1]``."""
+        if self.teacher_scores is not None:
+            return self._qk_term(out, targets, masks, logs, any_trained)
         maps = _student_field(out, "attentions", "output_attentions=True and attn_implementation='eager'")
         attention_kl = get_loss("attention_kl")
         total = torch.zeros((), device=masks.real.device)
@@ -224,6 +235,23 @@ class CompoundLoss(nn.Module):
             # Rows of trained tokens, over every real key: the teacher saw the whole context.
             value: torch.Tensor = attention_kl(a_s, _target(targets, f"attention/{t}"), masks.real,  # type: ignore[assignment]
                                                queries=masks.trained)
+            logs[f"attention/{pair_key((s, t))}"] = value.detach()
+            total = total + value
+        return total
+
+    def _qk_term(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict,
+                 any_trained: bool) -> torch.Tensor:
+        """Σ over attention pairs of the q/k cache's term (``cached_qk_loss``), logged per pair like the maps'."""
+        # block -> qk_attention.Captured
+        recorded: Any = _student_field(out, "attention_qkv", "the q/k recorder (DistillModel runs it for a q/k cache)")
+        total = torch.zeros((), device=masks.real.device)
+        if not any_trained:
+            return total + _zero_pairs(logs, "attention", self.attention_map, lambda s: recorded[s].q)
+        for s, t in self.attention_map:
+            if s not in recorded:
+                raise LossError(f"the student's block {s} recorded no queries and keys")
+            value = cached_qk_loss(self.attention_loss, recorded[s], targets, t, self.teacher_scores or {},
+                                   masks.real, masks.trained, self.relation_heads)
             logs[f"attention/{pair_key((s, t))}"] = value.detach()
             total = total + value
         return total

@@ -26,6 +26,7 @@ from torch import nn
 
 from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
+from kdcache.stages.common.qk_attention import QKRecorder
 from kdcache.stages.train.compound import CompoundLoss
 from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses import LossError
@@ -142,7 +143,8 @@ class DistillLoss(nn.Module):
 
 
 def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts, *, main: bool,
-                 logits: str | None, seed: int, head: nn.Module | None) -> CompoundLoss | None:
+                 logits: str | None, seed: int, head: nn.Module | None,
+                 scores: Mapping[str, Any] | None = None) -> CompoundLoss | None:
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
     loss = options.loss
@@ -158,7 +160,8 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
         alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=resolved_temperature(loss),
         hidden_loss=loss.hidden_loss, topk_variant=loss.topk_kl, ce="causal" if facts.is_causal else "token",
         attention_map=pairs.attention_pairs or None, critic_steps=loss.critic_steps,
-        critic_lr=loss.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None)
+        critic_lr=loss.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None,
+        attention_loss=loss.attention_loss, relation_heads=loss.relation_heads, teacher_scores=scores)
 
 
 def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
@@ -171,7 +174,8 @@ def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
     parts: dict[str, CompoundLoss] = {}
     for i, pairs in enumerate(plan.streams):
         part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logits=plan.logits,
-                            seed=options.data.seed + i, head=head)
+                            seed=options.data.seed + i, head=head,
+                            scores=plan.attention_scores if plan.attention_source != "maps" else None)
         if part is not None:
             parts[pairs.stream] = part
     return DistillLoss(parts, plan.cross_attention_pairs if options.loss.delta > 0 else (), options.loss.delta)
@@ -235,12 +239,19 @@ class DistillModel(nn.Module):
         self.want_attention = plan.wants_attention
         self._documents_checked = False
         self._causal = is_causal_config(student.config)  # once, not per step
+        # A q/k cache: the student's queries and keys of the paired blocks are recorded as it runs (SDPA underneath).
+        self.recorder = QKRecorder(student, plan.qk_blocks, self._causal) if plan.qk_blocks else None
 
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Args: batch on the device, as ``streaming.collate`` makes it, with fp32 targets."""
         if not self._documents_checked:
             check_documents_apart(self.student, batch)
             self._documents_checked = True
-        out = self.student(**student_inputs(self.student, batch, self._causal), output_hidden_states=self.want_hidden,
-                           output_attentions=self.want_attention)
+        inputs = student_inputs(self.student, batch, self._causal)
+        if self.recorder is None:
+            out = self.student(**inputs, output_hidden_states=self.want_hidden, output_attentions=self.want_attention)
+            return self.criterion(out, batch)
+        with self.recorder.forward():
+            out = self.student(**inputs, output_hidden_states=self.want_hidden, output_attentions=False)
+        out.attention_qkv, self.recorder.captured = self.recorder.captured, {}  # the loss holds them, not the recorder
         return self.criterion(out, batch)

@@ -31,6 +31,7 @@ from kdcache.stages.train.agreement import (
     final_state_agreement,
     mean_pool,
 )
+from kdcache.stages.train.attention_agreement import AttentionAgreement
 from kdcache.stages.train.checks import CacheCheckError, stream_problems, vocab_problems
 from kdcache.stages.train.distill import check_documents_apart, student_inputs, student_view
 from kdcache.stages.train.masks import stream_masks
@@ -90,6 +91,8 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
     plan = read_json_object(run / "plan.json")
     by_stream = plan.get("streams") or {"": plan}
     pairs = {stream: [(int(s), int(t)) for s, t in part.get("hidden_pairs", [])] for stream, part in by_stream.items()}
+    # The attention pairs of a one-stream run ride along under their own key (evaluation's attention agreement).
+    pairs["attention"] = [(int(s), int(t)) for s, t in plan.get("attention_pairs", [])] if "streams" not in plan else []
     projectors: dict[str, torch.Tensor] = {}
     if student_path is None and (run / "projectors.pt").is_file():
         projectors = torch.load(run / "projectors.pt", map_location="cpu").get("projectors", {})
@@ -124,12 +127,13 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     check_student_fits(reader, facts, tokenizer_fingerprint_of(student or Path(run_dir) / "student"))
     model.to(device)
     state = _EvalState(reader, facts, teacher_layer, device)
+    state.attend(pairs.pop("attention"), model)
     sequences = tokens = 0
     for batch in cache_batches(reader, state.names, batch_size, limit=limit):
         batch = to_device(batch, device, reader.spec.hidden_codec)
         if not sequences:
             check_documents_apart(model, batch)
-        out = model(**student_inputs(model, batch), output_hidden_states=True)
+        out = state.attention.forward(model, student_inputs(model, batch), output_hidden_states=True)
         state.update(out, batch)
         sequences += int(batch["sample_ids"].shape[0])
         tokens += sum(int(stream_masks(batch, prefixed(s, ""), causal=False).trained.sum()) for s in state.streams)
@@ -163,6 +167,14 @@ class _EvalState:
         self.names += [prefixed(s, f"hidden/{j}") for s, layers in cached.items() for j in layers]
         self.names += spec.logit_arrays() if self.lm is not None else []
         _check_inputs(reader, facts, self.final, cached[self.main], self.kind, self.notes)
+        self.spec, self.causal = spec, facts.is_causal
+        self.attention = AttentionAgreement(spec, [], None, False)
+
+    def attend(self, pairs: list[Pair], model: Any) -> None:
+        """Measure the attention KL of the run's pairs whose teacher block this cache holds."""
+        cached = set(self.spec.attention_layers)
+        self.attention = AttentionAgreement(self.spec, [p for p in pairs if p[1] in cached], model, self.causal)
+        self.names += self.attention.names
 
     def update(self, out: Any, batch: dict[str, torch.Tensor]) -> None:
         for stream, cka in self.cka.items():
@@ -174,6 +186,7 @@ class _EvalState:
         ids, mask = batch[prefixed(self.main, "input_ids")], masks.trained
         if self.lm is not None:
             self.lm.update(out.logits, ids, masks, batch)
+        self.attention.update(out, batch, masks)
         if self.kind == "encoder" and self.final is not None:
             self.pooled_s.append(mean_pool(out.hidden_states[-1].float().cpu(), mask.cpu()))
             self.pooled_t.append(mean_pool(batch[f"hidden/{self.final}"].cpu(), mask.cpu()))
@@ -191,6 +204,9 @@ class _EvalState:
             result["cka"] = cka_result(self.cka[self.main], main_pairs)
         if len(self.streams) > 1 and self.cka:
             result["cka_streams"] = {s: cka_result(cka, pairs.get(s, [])) for s, cka in self.cka.items()}
+        attention = self.attention.result()
+        if attention is not None:
+            result["attention"] = attention
         result["notes"] = self.notes
         return result
 

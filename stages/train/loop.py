@@ -58,7 +58,8 @@ def prepare(options: TrainOptions) -> tuple[Any, PreTrainedModel, StudentFacts, 
     options, chosen = options.with_cache_defaults(reader.spec)
     if chosen and int(os.environ.get("RANK", "0")) == 0:
         print(f"kdcache train: {chosen}", file=sys.stderr)
-    attn = "eager" if options.loss.delta > 0 else None
+    # Maps need eager attention (fused kernels return none); a q/k cache records the student's queries and keys.
+    attn = "eager" if options.loss.delta > 0 and reader.spec.attention_source == "maps" else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
     facts = student_facts(student, pretrained=has_weights(options.run.student))
     plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.run.student))

@@ -19,6 +19,7 @@ from kdcache.stages.train.layer_maps import LayerMap
 
 HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
 TOPK_KL_VARIANTS = ("renorm", "other")
+ATTENTION_LOSSES = ("kl", "relation")  # relation: MiniLMv2's q-q / k-k / v-v relations (a q/k or q/k/v cache)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEFAULT_TEMPERATURE = 2.0  # --temperature when none is given and the cache does not fix one
 
@@ -89,11 +90,17 @@ class LossOptions:
                                                          choices=list(TOPK_KL_VARIANTS)))
     critic_steps: int = field(default=1, metadata=_opt("wgan: critic updates per student step"))
     critic_lr: float = field(default=1e-4, metadata=_opt("wgan: critic learning rate"))
+    attention_loss: str = field(default="kl", metadata=_opt(
+        "the attention term (--delta): kl (attention maps, or rebuilt block by block from a q/k cache) or relation "
+        "(MiniLMv2: query-query, key-key and value-value relations of a q/k or q/k/v cache)",
+        choices=list(ATTENTION_LOSSES)))
+    relation_heads: int = field(default=0, metadata=_opt(
+        "--attention-loss relation: relation heads R, dividing both sides' widths (0: the student's heads)"))
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
         problems = [f"{name} must be >= 0, got {getattr(self, name)}"
-                    for name in ("alpha", "beta", "gamma", "delta") if getattr(self, name) < 0]
+                    for name in ("alpha", "beta", "gamma", "delta", "relation_heads") if getattr(self, name) < 0]
         if self.temperature is not None and self.temperature <= 0:
             problems.append(f"temperature must be > 0, got {self.temperature}")
         if self.critic_steps < 1:

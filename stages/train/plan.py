@@ -32,7 +32,8 @@ from kdcache.stages.train.checks import (
 from kdcache.stages.train.layer_maps import LayerMap
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
-from kdcache.storage.streams import CROSS, prefixed
+from kdcache.storage.attention_source import ATTENTION_SOURCES
+from kdcache.storage.streams import CROSS, prefixed, split_stream
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class TrainPlan:
     names: tuple[str, ...]  # arrays streamed per sequence
     cross_attention_pairs: tuple[Pair, ...] = ()
     teacher_heads: int | None = None  # H' stored per attention layer
+    attention_source: str = "maps"  # the cache's: "maps", or "qk" / "qkv" (the student's q/k are recorded then)
+    attention_scores: dict[str, Any] | None = None  # a q/k cache's score record (CacheSpec.attention_scores)
 
     @property
     def main(self) -> StreamPairs:
@@ -84,8 +87,17 @@ class TrainPlan:
 
     @property
     def wants_attention(self) -> bool:
-        """Whether any term reads the student's attention maps (self or cross)."""
-        return bool(self.cross_attention_pairs) or any(s.attention_pairs for s in self.streams)
+        """Whether any term reads the student's attention maps (self or cross); a q/k cache's term reads the
+        student's queries and keys instead (``qk_blocks``)."""
+        maps = self.attention_source == "maps" and any(s.attention_pairs for s in self.streams)
+        return bool(self.cross_attention_pairs) or maps
+
+    @property
+    def qk_blocks(self) -> tuple[int, ...]:
+        """The student blocks whose queries and keys a q/k cache's attention term reads."""
+        if self.attention_source == "maps":
+            return ()
+        return tuple(sorted({s for pairs in self.streams for s, _ in pairs.attention_pairs}))
 
     def to_json(self) -> dict[str, Any]:
         """The plan as ``plan.json`` records it (the main stream's pairs at the top, as evaluation reads them)."""
@@ -169,12 +181,16 @@ def _cross_pairs(options: TrainOptions, spec: Any, decoder: _Stream | None, prob
                           problems)
 
 
-def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None) -> list[str]:
+def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None,
+                 attention_kinds: tuple[str, ...] = ("attention",)) -> list[str]:
     """The per-sequence arrays to stream, nothing the losses do not read: every stream's ids, the teacher layers
-    the pairs use (``pairs`` is keyed by array group, e.g. ``encoder/hidden`` or ``cross_attention``), logits."""
+    the pairs use (``pairs`` is keyed by array group, e.g. ``encoder/hidden`` or ``cross_attention``; the
+    ``attention`` group reads ``attention_kinds``: maps, or a q/k cache's ``attention_q``...), logits."""
     names = spec.token_names()  # ids, and the loss masks and document positions that decide what counts
     for group, group_pairs in pairs.items():
-        names += [f"{group}/{t}" for t in sorted({t for _, t in group_pairs})]
+        stream, kind = split_stream(group)
+        kinds = attention_kinds if kind == "attention" else (kind,)
+        names += [prefixed(stream, f"{k}/{t}") for t in sorted({t for _, t in group_pairs}) for k in kinds]
     names += spec.logit_arrays() if logits else []
     if logits == "head":  # the head's input: the last layer, which a head-mode cache always holds
         # Head mode is for one-stream (decoder-only) caches, whose last layer is the deepest one kept (stage one
@@ -210,19 +226,30 @@ def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
     if problems:
         raise CacheCheckError(problems)
     logits = spec.logits if options.loss.beta > 0 else None
-    names = stream_names(spec, pairs, logits)
+    names = stream_names(spec, pairs, logits, _attention_kinds(spec, options.loss.attention_loss))
     sizes, heads = _target_shapes(reader, names)
-    _check_heads(heads, student)
+    if spec.attention_source != "maps":
+        heads = int(spec.attention_scores["num_heads"]) if spec.attention_scores else None
+    if options.loss.attention_loss == "kl":  # relations pair any head counts
+        _check_heads(heads, student)
     plans = tuple(StreamPairs(s.name, tuple(pairs[prefixed(s.name, "hidden")]),
                               tuple(pairs[prefixed(s.name, "attention")]), sizes.get(s.name, {}), s.teacher_depth)
                   for s in streams)
-    return TrainPlan(plans, logits, tuple(names), tuple(pairs[CROSS]), heads)
+    return TrainPlan(plans, logits, tuple(names), tuple(pairs[CROSS]), heads, spec.attention_source,
+                     spec.attention_scores)
+
+
+def _attention_kinds(spec: Any, attention_loss: str) -> tuple[str, ...]:
+    """The arrays the attention term reads of a cached block: its map, its queries and keys for the KL, or every
+    cached kind (queries, keys and values when stored) for the relation loss."""
+    kinds = ATTENTION_SOURCES[spec.attention_source]
+    return kinds if attention_loss == "relation" or spec.attention_source == "maps" else kinds[:2]
 
 
 def _target_shapes(reader: Any, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
     """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
     from kdcache.stages.common.hidden_codecs import hidden_width
-    from kdcache.storage.streams import kind_of, split_stream
+    from kdcache.storage.streams import kind_of
 
     hidden = [n for n in names if kind_of(n) == "hidden"]
     attention = [n for n in names if kind_of(n) in ("attention", CROSS)][:1]

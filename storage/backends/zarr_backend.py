@@ -46,8 +46,10 @@ _DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids":
                "offsets": ("sequence_edge",), "attention_offsets": ("sequence_edge",),
                "logits/lse": ("token",), "hidden": ("token", "feature"), "attention": ("query_key", "head"),
                "logits": ("token", "rank"), "cross_attention": ("query_key", "head"),
-               "cross_attention_offsets": ("sequence_edge",), "hidden_scale": ("token", "group"),
-               "hidden_outliers": ("token", "outlier"), "hidden_outlier_ids": ("token", "outlier")}
+               "cross_attention_offsets": ("sequence_edge",), "attention_q": ("token", "head_feature"),
+               "attention_k": ("token", "head_feature"), "attention_v": ("token", "head_feature"),
+               "hidden_scale": ("token", "group"), "hidden_outliers": ("token", "outlier"),
+               "hidden_outlier_ids": ("token", "outlier")}
 
 
 def _zarr() -> Any:

@@ -9,7 +9,8 @@ Signatures by family (``mask [B, L]`` is 1 for a real token everywhere):
   temperature)``, and ``topk_kl_renorm`` / ``topk_kl_other`` with the variant fixed.
 * ``mse`` / ``cosine`` / ``cka`` / ``cka_sqrt``: ``(h_s [B,L,d], h_t [B,L,d_t], mask)``; ``h_s`` projected to
   ``d_t`` for ``mse`` and ``cosine``, raw for the CKA pair.
-* ``attention_kl(a_s [B,H_s,L,L], a_t [B,H_t,L,L], mask)``.
+* ``attention_kl(a_s [B,H_s,L,L], a_t [B,H_t,L,L], mask)``; from queries and keys, block by block,
+  ``attention_qk.blocked_attention_kl`` (and MiniLMv2's ``attention_qk.relation_kl``).
 * ``wgan(critic, h_s_proj [B,L,d_t], mask)`` — the student side; the critic side is ``critic_loss`` and
   ``CriticTrainer``.
 """

@@ -1,0 +1,101 @@
+"""Stage one's side of ``--attention-source qk|qkv``: the teacher's queries, keys and values as token rows.
+
+``stages.common.qk_attention.QKRecorder`` records what each selected block hands its attention kernel; here that
+becomes storage-ready arrays, ``attention_q/{j} [B, L, H * d]`` and ``attention_k/{j}`` / ``attention_v/{j}
+[B, L, H_kv * d]`` (padded like hidden states; ``capture.cut_padding`` cuts them per sequence), and the score rule
+of every block is learnt once, from a probe forward, before the cache's spec is written. That probe and the first
+batch also check that the rebuilt scores reproduce the teacher's attention output (``qk_attention.check_rule``):
+a model that adds anything else to its scores is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from kdcache.stages.common.documents import document_index
+from kdcache.stages.common.qk_attention import QKRecorder, QKRecorderError, check_rule
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.targets import Targets
+
+PROBE_TOKENS = 64  # tokens of the first row the probe forward runs on
+
+
+class QKCapture:
+    """Records the selected blocks' q/k/v of one teacher and turns them into padded token rows.
+
+    Args:
+        model: the teacher (any attention implementation; SDPA runs underneath the recorder).
+        targets: what to keep (``attention_source`` "qk" or "qkv", the blocks of stream ``""``).
+    """
+
+    def __init__(self, model: Any, targets: Targets) -> None:
+        self.model, self.targets = model, targets
+        self.kinds = ("q", "k", "v") if targets.attention_source == "qkv" else ("q", "k")
+        self.recorder = QKRecorder(model, targets.streams[""].attention, targets.causal, keep_output=True)
+
+    def run(self, forward: Any, attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> Any:
+        """Call ``forward()`` while recording; the first call also checks every block's rebuilt scores."""
+        with self.recorder.forward():
+            result = forward()
+        if self.recorder.keep_output:
+            documents = None if position_ids is None else document_index(position_ids)
+            self._check(attention_mask, documents)
+            self.recorder.keep_output = False  # checked once: the outputs are not kept again
+        return result
+
+    def _check(self, attention_mask: torch.Tensor, documents: torch.Tensor | None) -> None:
+        missing = sorted(set(self.targets.streams[""].attention) - set(self.recorder.captured))
+        name = type(self.model).__name__
+        if missing:
+            raise PrecomputeError(f"--attention-source {self.targets.attention_source}: {name} does not compute "
+                                  f"blocks {missing} through transformers' attention interface, so their queries "
+                                  f"and keys cannot be taken; use --attention-source maps")
+        for j, captured in self.recorder.captured.items():
+            try:
+                check_rule(captured, attention_mask, documents, f"{name} block {j}")
+            except QKRecorderError as exc:
+                raise PrecomputeError(f"--attention-source {self.targets.attention_source}: {exc}; stage two "
+                                      f"could not rebuild its attention, use --attention-source maps") from None
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """The last forward's ``attention_{q,k,v}/{j} [B, L, heads * d]`` (head-major within a token's row)."""
+        out = {}
+        for j, captured in self.recorder.captured.items():
+            for kind in self.kinds:
+                x = getattr(captured, kind)  # [B, heads, L, d]
+                out[f"attention_{kind}/{j}"] = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+        self.recorder.captured = {}
+        return out
+
+    def score_record(self, input_ids: torch.Tensor) -> dict[str, Any]:
+        """``CacheSpec.attention_scores``: a probe forward on ``input_ids [1, L]`` (checked like a batch) gives
+        each block's score rule and the head counts."""
+        mask = torch.ones_like(input_ids)
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask}
+        if self.targets.causal:
+            kwargs["use_cache"] = False
+        with torch.inference_mode():
+            self.run(lambda: self.model(**kwargs), mask, None)
+        captured = self.recorder.captured
+        self.recorder.captured, self.recorder.keep_output = {}, True  # the first real batch is checked as well
+        first = captured[min(captured)]
+        return {"num_heads": int(first.q.shape[1]), "num_kv_heads": int(first.k.shape[1]),
+                "head_dim": int(first.q.shape[-1]), "causal": bool(first.rule.causal),
+                "blocks": {str(j): c.rule.to_json() for j, c in sorted(captured.items())}}
+
+
+def probe_ids(data: Any, device: Any) -> torch.Tensor:
+    """``[1, PROBE_TOKENS]`` at most: the first tokens of the first row (a real text, as the teacher reads)."""
+    ids = data.ids[""][0][:PROBE_TOKENS]
+    return torch.as_tensor(ids, dtype=torch.long, device=device)[None]
+
+
+def with_score_rules(targets: Targets, model: Any, data: Any, device: Any) -> Targets:
+    """``targets`` with ``attention_scores`` learnt from the loaded teacher, for a q/k source; else unchanged."""
+    if targets.attention_source == "maps" or "" not in targets.streams or not targets.streams[""].attention:
+        return targets
+    record = QKCapture(model, targets).score_record(probe_ids(data, device))
+    return replace(targets, attention_scores=record)
