@@ -22,7 +22,7 @@ from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.adapters import Capture, adapter_for
 from kdcache.stages.precompute.batching import Partition, collate, plan_batches
-from kdcache.stages.precompute.commit import commit_behind, open_writer
+from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
 from kdcache.stages.precompute.data import TokenStreams
 from kdcache.stages.precompute.distributed import DistContext
 from kdcache.stages.precompute.errors import PrecomputeError
@@ -95,6 +95,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     adapter.check_options(options, config)
     targets = resolve_targets(options, config)
     tokenizer = load_tokenizer(options)
+    check_out_folder(st.out)  # before the rows are written there
     data = adapter.load_data(options, tokenizer)
     check_positions(config, data)
     finished = finished_cache(options, config, targets, tokenizer, data)
@@ -130,7 +131,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
 def check_positions(config: Any, data: TokenStreams) -> None:
     """Refuse sequences longer than the teacher's position table (they would index past it)."""
     limit = getattr(config, "max_position_embeddings", None)
-    longest = max(int(data.lengths(s).max()) for s in data.streams)
+    longest = max(data.longest(s) for s in data.streams)
     if isinstance(limit, int) and longest > limit:
         flags = "--max-length / --max-target-length" if len(data.streams) > 1 else "--max-length"
         raise PrecomputeError(f"max_length: sequences reach {longest} tokens, but the teacher has only {limit} "
@@ -152,7 +153,7 @@ def with_default_features(options: PrecomputeOptions, config: Any) -> Precompute
 def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
     """Refuse token ids the teacher's embedding table does not have (a tokenizer from another model)."""
     table = teacher.model.get_input_embeddings().num_embeddings
-    top = max(int(s.max()) for seqs in data.ids.values() for s in seqs)
+    top = data.max_id
     if top >= table:
         raise PrecomputeError(f"the tokenizer produced token id {top}, but the teacher's embedding table has only "
                               f"{table} rows; the tokenizer does not belong to this teacher")
