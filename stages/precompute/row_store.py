@@ -110,7 +110,7 @@ class RowWriter:
         import pyarrow as pa
 
         self.path, self.names = path, tuple(names)
-        self._schema = pa.schema([(n, pa.list_(pa.from_numpy_dtype(np.dtype(_ARROW_TYPES[kind_of(n)])))) for n in self.names])
+        self._schema = pa.schema([(n, pa.list_(pa.from_numpy_dtype(_dtype(n)))) for n in self.names])
         self._sink = pa.OSFile(str(path / "rows.arrow"), "wb")
         self._file = pa.ipc.new_file(self._sink, self._schema)
         self._pending: dict[str, list[np.ndarray]] = {n: [] for n in self.names}
@@ -148,7 +148,7 @@ class RowWriter:
             parts = self._pending[name]
             offsets = np.zeros(len(parts) + 1, dtype=np.int32)
             np.cumsum([len(p) for p in parts], out=offsets[1:])
-            values = pa.array(np.concatenate(parts).astype(_ARROW_TYPES[kind_of(name)], copy=False))
+            values = pa.array(np.concatenate(parts).astype(_dtype(name), copy=False))
             arrays.append(pa.ListArray.from_arrays(pa.array(offsets), values))
             parts.clear()
         self._file.write_batch(pa.record_batch(arrays, schema=self._schema))
@@ -163,6 +163,10 @@ class RowWriter:
                 "max_id": self.max_id, **extra}
         (self.path / "rows.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         return meta
+
+
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(_ARROW_TYPES[kind_of(name)])
 
 
 # Builds the rows into the writer; returns (data fingerprint without the hashes, extra fields for rows.json).

@@ -26,6 +26,7 @@ from kdcache.stages.precompute.commit import check_out_folder, commit_behind, op
 from kdcache.stages.precompute.data import TokenStreams
 from kdcache.stages.precompute.distributed import DistContext
 from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.estimate import check_room, estimate, lower_bound_bytes
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
 from kdcache.stages.precompute.targets import Targets, build_spec, resolve_targets, settings_fingerprint
@@ -98,14 +99,19 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     check_out_folder(st.out)  # before the rows are written there
     data = adapter.load_data(options, tokenizer)
     check_positions(config, data)
-    finished = finished_cache(options, config, targets, tokenizer, data)
-    if finished is not None:  # nothing to compute: don't pay for loading the weights
-        return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True})
+    rows = {"built": data.built, "build_seconds": data.meta.get("build_seconds")}
+    if not options.engine.estimate:
+        finished = finished_cache(options, config, targets, tokenizer, data)
+        if finished is not None:  # nothing to compute: don't pay for loading the weights
+            return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True, "rows": rows})
+        check_room(st.out, lower_bound_bytes(build_spec(options, targets, data), config, data))
     device = pick_device(options.engine.device, dist.local_rank)
     teacher = adapter.load_teacher(options, config, targets, tokenizer, device)
     targets = with_output_vocab(targets, teacher, options)
     check_token_ids(teacher, data)
     spec = build_spec(options, targets, data)
+    if options.engine.estimate:
+        return run_estimate(options, adapter.capture(teacher, targets, options), teacher, targets, data, spec)
     part = Partition.of(st.shard_index, st.num_shards, dist.rank, dist.world)
     writer = open_writer(st.out, spec, build_fingerprints(options, teacher, targets, data), part)
     with writer, adapter.capture(teacher, targets, options) as capture:
@@ -124,7 +130,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         manifest = merge_parts(st.out)
     extra = {"part": [part.index, part.count], "device": str(teacher.device),
              "attn_implementation": teacher.attn_implementation,
-             "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}}
+             "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}, "rows": rows}
     return summarize(stats, manifest, len(mine) - len(todo), st.out, extra)
 
 
@@ -206,6 +212,17 @@ def build_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: Ta
                 "attn_implementation": teacher.attn_implementation}
     return {"teacher": teacher.fingerprint, "tokenizer": tokenizer_fingerprint(teacher.tokenizer),
             "data": data.fingerprint, "settings": settings}
+
+
+def run_estimate(options: PrecomputeOptions, capturing: Any, teacher: Teacher, targets: Targets,
+                 data: TokenStreams, spec: Any) -> dict[str, Any]:
+    """``--estimate``: the teacher over the first shards, written to a scratch cache (``estimate.estimate``)."""
+    stats = RunStats()
+    with capturing as capture:
+        progress = Progress(0, False, stats)
+        return estimate(spec, data, options.storage.out,
+                        lambda bounds: compute_shard(capture, teacher, data, bounds, options, stats, progress),
+                        build_fingerprints(options, teacher, targets, data))
 
 
 def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds: tuple[int, int],
