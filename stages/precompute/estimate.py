@@ -45,7 +45,7 @@ def free_bytes(out: str) -> int | None:
 def lower_bound_bytes(spec: Any, config: Any, data: Any) -> int:
     """Uncompressed bytes of the cache's hidden states, attention maps and full / top-k logits (see the module
     docstring); what depends on the teacher's outputs (sampled logits, documents' attention blocks) counts 0."""
-    d = int(getattr(config, "hidden_size", None) or getattr(config, "d_model", 0))
+    d = int(getattr(config, "hidden_size", None) or getattr(config, "d_model", None) or 0)
     tokens, sum_sq = data.meta.get("tokens", {}), data.meta.get("sum_sq_lengths", {})
     total = 0
     for name in spec.array_names():
