@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.helpers.tiny_models import SENTENCES, make_tiny_llama  # noqa: E402
 
-TOKENS_PER_ROW = 33  # measured: a sample text is ~33 tokens under the tiny tokenizer (truncated at 64)
+TOKENS_PER_ROW = {"text": 33, "chat": 86}  # measured under the tiny tokenizer (text truncated at 64)
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
 
 
@@ -126,7 +126,7 @@ def main() -> None:
     print(f"host: {len(os.sched_getaffinity(0))} cores; tokenize workers {args.workers}")
     for kind in args.kinds.split(","):
         for millions in (float(s) for s in args.sizes.split(",")):
-            rows = int(millions * 1e6 / TOKENS_PER_ROW)
+            rows = int(millions * 1e6 / TOKENS_PER_ROW[kind])
             data = write_data(scratch / f"{kind}-{millions}.jsonl", rows, kind == "chat")
             out = scratch / f"cache-{kind}-{millions}"
             for mode in ("in-memory", "build", "open"):

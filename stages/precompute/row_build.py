@@ -155,17 +155,53 @@ def encoded_batches(ds: Any, encode: Encode, options: PrecomputeOptions, scratch
         return
     out = ds.map(encode, batched=True, batch_size=_BATCH, with_indices=True, num_proc=procs,
                  remove_columns=ds.column_names, cache_file_name=str(scratch / "docs.arrow"),
-                 desc="tokenizing")
-    for batch in out.data.to_batches(max_chunksize=_BATCH):
+                 features=_doc_features(), desc="tokenizing")
+    for batch in _file_batches(out) or out.data.to_batches(max_chunksize=_BATCH):
         yield {name: _lists(batch.column(name)) for name in batch.schema.names}
 
 
 def _in_process(ds: Any, encode: Encode) -> Iterator[dict[str, Any]]:
+    files = _file_batches(ds)
+    batches = (b.to_pydict() for b in files) if files is not None else ds.iter(batch_size=_BATCH)
     start = 0
-    for batch in ds.iter(batch_size=_BATCH):
+    for batch in batches:
         count = len(next(iter(batch.values())))
         yield encode(batch, list(range(start, start + count)))
         start += count
+
+
+def _doc_features() -> Any:
+    import datasets
+
+    return datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")),
+                              "mask": datasets.Sequence(datasets.Value("uint8"))})
+
+
+def _file_batches(ds: Any) -> Iterator[Any] | None:
+    """A map-style dataset's rows as Arrow record batches of at most ``_BATCH`` rows, read from its Arrow files
+    with plain reads rather than through its memory map, so the builder's resident memory stays flat in the data
+    (a map's touched pages count as resident); None for a stream or a dataset its files do not hold as is."""
+    import pyarrow as pa
+
+    files = [f["filename"] for f in getattr(ds, "cache_files", None) or []]
+    if not files or getattr(ds, "_indices", None) is not None or len(ds) != sum(_rows_in(f) for f in files):
+        return None
+
+    def read() -> Iterator[Any]:
+        for name in files:
+            with pa.OSFile(name) as source:
+                for batch in pa.ipc.open_stream(source):
+                    for start in range(0, batch.num_rows, _BATCH):
+                        yield batch.slice(start, _BATCH)
+
+    return read()
+
+
+def _rows_in(path: str) -> int:
+    import pyarrow as pa
+
+    with pa.memory_map(path) as source:  # reads the batches' headers, not their data
+        return sum(b.num_rows for b in pa.ipc.open_stream(source))
 
 
 def _lists(column: Any) -> list[np.ndarray]:
