@@ -64,7 +64,7 @@ def text_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
         encode = functools.partial(encode_batch, tokenizer=tokenizer, options=options, template=template)
         counts = Rows()
-        docs = (doc for batch in encoded_batches(load_texts(options), encode, options, writer.path)
+        docs = (doc for batch in encoded_batches(_loaded(load_texts, options), encode, options, writer.path)
                 for doc in documents(batch))
         for ids, mask, positions in iter_rows(docs, counts, d.packing, d.max_length, tokenizer.eos_token_id,
                                               d.max_sequences):
@@ -89,7 +89,7 @@ def pair_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
         encode = functools.partial(encode_pairs, tokenizer=tokenizer, options=options)
         dropped = 0
-        for batch in encoded_batches(load_pairs(options), encode, options, writer.path):
+        for batch in encoded_batches(_loaded(load_pairs, options), encode, options, writer.path):
             for src, tgt in zip(batch["src"], batch["tgt"]):
                 if not len(src):
                     dropped += 1
@@ -104,6 +104,16 @@ def pair_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
         return pair_fingerprint(options), {"dropped": {"empty": dropped, "untrained": 0}}
 
     return TokenStreams.of_table(open_or_build(rows_root(options.storage.out), key, names, PAIR_HASHES, build))
+
+
+def _loaded(load: Callable[[PrecomputeOptions], Any], options: PrecomputeOptions) -> Any:
+    """The dataset, with what Arrow's allocator kept from converting the files handed back to the system: the
+    conversion's buffers scale with the data, and the build holds nothing of them afterwards."""
+    import pyarrow as pa
+
+    ds = load(options)
+    pa.default_memory_pool().release_unused()
+    return ds
 
 
 def row_key(options: PrecomputeOptions, tokenizer: Any, kind: str, template: str | None) -> dict[str, Any]:
