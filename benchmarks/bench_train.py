@@ -74,7 +74,7 @@ def run_mode(mode: str, cache: Path, student: Path, work: Path, args: argparse.N
     options = TrainOptions.of(cache=str(cache), student=str(student), out=str(work / f"run-{mode}"), alpha=1.0,
                            beta=0.0, gamma=1.0, delta=1.0, layer_map="uniform", hidden_loss="mse",
                            batch_size=args.batch_size, lr=1e-4, seed=0)
-    _, model_s, facts, plan = prepare(options)  # eager attention for every mode: same student
+    _, model_s, facts, plan, options = prepare(options)  # eager attention for every mode: same student
     names = plan.names if mode in ("cache", "cache_io") else ("input_ids",)
     if mode in ("student", "cache_io"):  # cache_io: stream every target, train on CE only (I/O cost alone)
         bare = tuple(dataclasses.replace(s, hidden_pairs=(), attention_pairs=()) for s in plan.streams)

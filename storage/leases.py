@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from kdcache.storage.canonical import canonical_json
 from kdcache.storage.errors import CacheLockedError
 
 LEASE_SECONDS = 30 * 60  # a lease not renewed for this long belongs to a writer that died
@@ -44,7 +45,7 @@ class RemoteLock:
                 raise CacheLockedError(f"{what} of {store.url}: another writer took the lease {key} first")
 
     def _payload(self) -> bytes:
-        return json.dumps({**self.lease, "time": time.time()}).encode()
+        return canonical_json({**self.lease, "time": time.time()})
 
     def _create(self) -> bool:
         """PUT the lease unless one exists; False when another writer's lease is there."""

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kdcache.storage.canonical import SEAL, seal_problem, sealed
 from kdcache.storage.errors import FormatVersionError, ManifestError
 from kdcache.storage.spec import FORMAT_VERSION, READABLE_FORMAT_VERSION, CacheSpec
 from kdcache.storage.stores import Store, open_store
@@ -24,6 +25,8 @@ MANIFEST_NAME = "manifest.json"
 SHARDS_DIR = "shards"
 STATUSES = ("writing", "partial", "complete")
 _SIDECAR = re.compile(r"shard-\d+\.json")
+MANIFEST_SEAL: tuple[str, ...] = ()  # where each index file keeps its own crc32c (storage.canonical)
+SIDECAR_SEAL = ("extra",)  # inside ``extra``, which every ShardRecord has, so older readers still load sidecars
 
 
 def shard_name(index: int) -> str:
@@ -41,11 +44,12 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def read_json(store: Store, key: str, what: str) -> dict[str, Any]:
-    """Load a JSON object from the store, turning absence or corruption into ManifestError."""
+def load_json(store: Store, key: str, what: str) -> tuple[bytes, dict[str, Any]]:
+    """A JSON object's bytes and value from the store, turning absence or corruption into ManifestError."""
     where = f"{store.url}/{key}"
     try:
-        data = json.loads(store.read(key))
+        raw = store.read(key)
+        data = json.loads(raw)
     except FileNotFoundError:
         raise ManifestError(f"{what} not found at {where}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -54,6 +58,24 @@ def read_json(store: Store, key: str, what: str) -> dict[str, Any]:
         raise ManifestError(f"{what} at {where} cannot be read: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
         raise ManifestError(f"{what} at {where} is corrupt: expected a JSON object, got {type(data).__name__}")
+    return raw, data
+
+
+def check_seal(raw: bytes, data: dict[str, Any], seal: tuple[str, ...], what: str) -> None:
+    """Raise ManifestError naming ``what`` when a sealed object's bytes do not match its seal (storage.canonical)."""
+    problem = seal_problem(raw, data, seal)
+    if problem:
+        raise ManifestError(f"{what} is corrupt: {problem}")
+
+
+def read_json(store: Store, key: str, what: str, seal: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Load a JSON object from the store, turning absence or corruption into ManifestError.
+
+    ``seal``: where the object keeps its own crc32c, checked when it carries one (storage.canonical).
+    """
+    raw, data = load_json(store, key, what)
+    if seal is not None:
+        check_seal(raw, data, seal, f"{what} at {store.url}/{key}")
     return data
 
 
@@ -108,6 +130,9 @@ class Manifest:
     arrays: dict[str, dict[str, Any]] = field(default_factory=dict)
     created_at: str = field(default_factory=now)
     updated_at: str = field(default_factory=now)
+    # Files beside the shards (tokenizer, teacher head): ``{path: [size, crc32c]}`` (storage.folders). None: a
+    # cache written before kdcache listed them, whose index files carry no crc32c either.
+    files: dict[str, list[int]] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A cache read from disk keeps the version it was written in (1-2 are read-only); new ones get ours.
@@ -130,8 +155,13 @@ class Manifest:
             "num_sequences": self.spec.num_sequences, "num_shards": self.spec.num_shards,
             "num_committed_shards": len(self.shards), "num_tokens": self.num_tokens,
             "spec": self.spec.to_dict(), "fingerprints": self.fingerprints, "arrays": self.arrays,
-            "shards": [asdict(s) for s in self.shards],
+            "shards": [asdict(s) for s in self.shards], **({} if self.files is None else {"files": self.files}),
         }
+
+    @property
+    def seals_files(self) -> bool:
+        """Whether this cache's format checksums its index files and folders (written since they are sealed)."""
+        return self.files is not None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "manifest.json") -> Manifest:
@@ -146,8 +176,11 @@ class Manifest:
         try:
             spec = CacheSpec.from_dict(data["spec"])
             shards = [ShardRecord.from_dict(s) for s in data["shards"]]
+            files = data.get("files")
+            if files is not None and not isinstance(files, dict):
+                raise TypeError(f"'files' is a {type(files).__name__}, expected an object")
             return cls(spec, data["fingerprints"], data["status"], version, shards, data.get("arrays", {}),
-                       data.get("created_at", ""), data.get("updated_at", ""))
+                       data.get("created_at", ""), data.get("updated_at", ""), files)
         except (KeyError, TypeError) as exc:
             raise ManifestError(f"{where} is corrupt: missing or malformed field {exc}") from None
 
@@ -161,13 +194,29 @@ def read_manifest(root: str | os.PathLike[str] | Store) -> Manifest:
     store = open_store(root)
     if store.size(MANIFEST_NAME) is None:
         raise ManifestError(f"no {MANIFEST_NAME} in {store.url}: not a kdcache cache, or its writer never started")
-    return Manifest.from_dict(read_json(store, MANIFEST_NAME, MANIFEST_NAME), f"{store.url}/{MANIFEST_NAME}")
+    where = f"{store.url}/{MANIFEST_NAME}"
+    raw, data = load_json(store, MANIFEST_NAME, MANIFEST_NAME)
+    manifest = Manifest.from_dict(data, where)  # a newer format is refused as such, before its seal is read
+    check_seal(raw, data, MANIFEST_SEAL, f"{MANIFEST_NAME} at {where}")
+    return manifest
 
 
 def write_manifest(root: str | os.PathLike[str] | Store, manifest: Manifest) -> None:
-    """Atomically (re)write ``manifest.json``."""
+    """Atomically (re)write ``manifest.json``, canonical and sealed."""
     manifest.updated_at = now()
-    open_store(root).put_json(MANIFEST_NAME, manifest.to_dict())
+    open_store(root).put_json(MANIFEST_NAME, sealed(manifest.to_dict(), MANIFEST_SEAL))
+
+
+def write_sidecar(store: Store, record: ShardRecord) -> None:
+    """Write shard ``record``'s commit sidecar, sealed; ``record.extra`` gains the seal, as the manifest lists it."""
+    data = sealed(asdict(record), SIDECAR_SEAL)
+    record.extra[SEAL] = data["extra"][SEAL]
+    store.put_json(sidecar_key(record.index), data)
+
+
+def sidecar_is_sealed(record: ShardRecord) -> bool:
+    """Whether a shard's sidecar carries its own crc32c (older caches' do not)."""
+    return SEAL in record.extra
 
 
 def read_sidecars(root: str | os.PathLike[str] | Store) -> dict[int, ShardRecord]:
@@ -175,7 +224,7 @@ def read_sidecars(root: str | os.PathLike[str] | Store) -> dict[int, ShardRecord
     store = open_store(root)
     names = sorted(n for n in store.list(SHARDS_DIR) if _SIDECAR.fullmatch(n))
     with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
-        data = pool.map(lambda n: read_json(store, f"{SHARDS_DIR}/{n}", "shard sidecar"), names)
+        data = pool.map(lambda n: read_json(store, f"{SHARDS_DIR}/{n}", "shard sidecar", SIDECAR_SEAL), names)
         records = [ShardRecord.from_dict(d) for d in data]
     return {record.index: record for record in records}
 

@@ -19,13 +19,13 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from kdcache.storage.canonical import canonical_json
 from kdcache.storage.errors import CacheLockedError, StorageError
 from kdcache.storage.files import fsync_path, remove_path, write_bytes_atomic, write_tree
 
@@ -94,8 +94,10 @@ class Store(ABC):
         return contextlib.nullcontext()
 
     @abstractmethod
-    def put_folder(self, key: str, source: Path) -> None:
-        """Copy a local folder (a tokenizer) to ``key``, appearing whole; keeps an existing ``key``."""
+    def put_folder(self, key: str, files: Mapping[str, bytes], last: str) -> None:
+        """Make folder ``key`` hold ``files`` (relative paths -> bytes), appearing whole; ``last`` (one of them)
+        lands last, so a folder holding ``last`` is complete. A complete ``key`` is kept (another rank wrote it);
+        an incomplete one (its writer died) is replaced."""
 
     @abstractmethod
     def fetch_folder(self, key: str, scratch: Path) -> Path | None:
@@ -106,7 +108,8 @@ class Store(ABC):
         return None
 
     def put_json(self, key: str, obj: Any) -> None:
-        self.put(key, (json.dumps(obj, indent=1) + "\n").encode())
+        """Write ``obj`` as canonical JSON (storage.canonical), so equal values are equal bytes."""
+        self.put(key, canonical_json(obj))
 
 
 class LocalStore(Store):
@@ -169,15 +172,17 @@ class LocalStore(Store):
                                    f"({self.root / 'locks' / name}); wait for it or use another part") from None
         return _FileLock(handle)
 
-    def put_folder(self, key: str, source: Path) -> None:
+    def put_folder(self, key: str, files: Mapping[str, bytes], last: str) -> None:
         final = self.root / key
         tmp = final.parent / f".{final.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        final.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(source, tmp)
+        write_tree(tmp, files)  # os.makedirs and 0o666 files: the umask decides every mode, as for shards
         try:
+            if final.exists() and not (final / last).exists():
+                remove_path(final)  # left incomplete by a writer that died
             os.rename(tmp, final)
         except OSError:  # another rank renamed its identical copy first
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_path(tmp)
+        fsync_path(final.parent)
 
     def fetch_folder(self, key: str, scratch: Path) -> Path | None:
         return self.root / key if (self.root / key).is_dir() else None
@@ -280,11 +285,11 @@ class RemoteStore(Store):
         except FileNotFoundError:
             pass
 
-    def put_folder(self, key: str, source: Path) -> None:
-        if self.exists(key):
+    def put_folder(self, key: str, files: Mapping[str, bytes], last: str) -> None:
+        if self.exists(f"{key}/{last}"):
             return
-        files = {f"{key}/{p.relative_to(source).as_posix()}": p.read_bytes() for p in source.rglob("*") if p.is_file()}
-        self.fs.pipe({self._path(k): v for k, v in files.items()})
+        self.fs.pipe({self._path(f"{key}/{path}"): bytes(data) for path, data in files.items() if path != last})
+        self.put(f"{key}/{last}", files[last])  # the commit point, as a sidecar is a shard's
 
     def fetch_folder(self, key: str, scratch: Path) -> Path | None:
         if not self.exists(key):

@@ -1,4 +1,5 @@
-"""verify_cache: re-read and decode every chunk of every array of every committed shard.
+"""verify_cache: check every file of a cache: every chunk of every array of every committed shard against its
+checksums, and the index files and folders beside the shards (storage.crosscheck).
 
 Unlike the reader, verify never raises for a damaged cache: it collects every problem, so one run tells the
 user everything that is wrong (``kdcache verify`` prints them and exits 1).
@@ -11,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdcache.storage import crosscheck
 from kdcache.storage.backends.registry import get_backend
 from kdcache.storage.errors import KdcacheError
-from kdcache.storage.manifest import Manifest, read_manifest, read_sidecars
+from kdcache.storage.manifest import Manifest, ShardRecord, read_manifest
 from kdcache.storage.stores import Store, open_store
 
 
@@ -27,9 +29,15 @@ class VerifyProblem:
 
     def __str__(self) -> str:
         where = [f"shard {self.shard}"] if self.shard is not None else []
-        if self.array is not None:  # a path under shards/ names a file no single array owns (group metadata)
-            where.append(f"{'file' if self.array.startswith('shard-') else 'array'} {self.array}")
+        if self.array is not None:  # a path names a file no single array owns (group metadata, a sidecar)
+            where.append(f"{'file' if self.is_file else 'array'} {self.array}")
         return f"{', '.join(where) or 'cache'}: {self.message}"
+
+    @property
+    def is_file(self) -> bool:
+        """Whether ``array`` names a file (a path with a dot or a folder) rather than an array (``hidden/2``)."""
+        return self.array is not None and (self.array.startswith("shard-") or "." in self.array
+                                           or self.array.endswith("/"))
 
 
 @dataclass
@@ -41,6 +49,7 @@ class VerifyReport:
     shards_checked: int = 0
     arrays_checked: int = 0
     problems: list[VerifyProblem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what an older cache's format cannot have checked
 
     @property
     def ok(self) -> bool:
@@ -52,40 +61,61 @@ class VerifyReport:
         return [(p.shard, p.array) for p in self.problems if p.shard is not None and p.array is not None]
 
 
-def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, sidecars: dict[int, Any]) -> None:
+def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, records: dict[int, ShardRecord]) -> None:
     backend = get_backend(manifest.spec.backend)
-    records = {r.index: r for r in manifest.shards}
-    records.update(sidecars)  # also check what a running or dead writer committed
     for index, record in sorted(records.items()):
         if not store.exists(record.path):
             report.problems.append(VerifyProblem(index, None, f"listed as committed but {store.url}/{record.path} "
                                                               f"is missing"))
             continue
-        for array, message in backend.verify(store, record, manifest.spec):
-            report.problems.append(VerifyProblem(index, array, message))
+        problems = [VerifyProblem(index, array, message) for array, message in backend.verify(store, record,
+                                                                                              manifest.spec)]
+        if not problems:  # intact files: their values can be held against the record
+            problems = [VerifyProblem(*f) for f in crosscheck.token_findings(store, record, manifest, backend)]
+        report.problems += problems
         report.shards_checked += 1
         report.arrays_checked += len(record.arrays)
 
 
+def _check_index(store: Store, manifest: Manifest, report: VerifyReport) -> dict[int, ShardRecord]:
+    """The manifest, the sidecars and the folders beside the shards; returns the shard records to check (the
+    manifest's, plus whatever a running or dead writer committed since)."""
+    findings: list[crosscheck.Finding] = []
+    sidecars = crosscheck.sidecar_records(store, manifest, findings)
+    findings += crosscheck.manifest_findings(store, manifest, sidecars)
+    records = {**sidecars, **{r.index: r for r in manifest.shards}}
+    for record in records.values():
+        try:
+            findings += crosscheck.record_findings(record, manifest)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a record edited out of shape
+            findings.append((record.index, f"shard-{record.index:06d}.json", f"malformed record: {exc!r}"))
+    if manifest.seals_files:
+        findings += crosscheck.folder_findings(store, manifest)
+    report.problems += [VerifyProblem(*finding) for finding in findings]
+    report.notes += [note] if (note := crosscheck.legacy_note(store, manifest)) else []
+    return records
+
+
 def verify_cache(path: str | os.PathLike[str] | Store,
                  storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
-    """Check every committed shard of the cache at ``path``.
+    """Check every file of the cache at ``path``.
 
     Returns:
-        A report; ``report.ok`` is True only for a complete cache whose every chunk decodes and matches its
-        checksum. A missing or corrupt manifest, or a partial cache, is reported, not raised.
+        A report; ``report.ok`` is True only for a complete cache whose every file matches its checksum and whose
+        index agrees with its data. A missing or corrupt manifest, or a partial cache, is reported, not raised;
+        ``report.notes`` says what an older cache's format cannot have checked.
     """
     store = open_store(path, storage_options)
     report = VerifyReport(store.url)
     try:
         manifest = read_manifest(store)
         report.status = manifest.status
-        sidecars = read_sidecars(store) if manifest.status != "complete" else {}
         if manifest.status != "complete":
+            committed = sum(1 for n in store.list("shards") if n.startswith("shard-") and n.endswith(".json"))
             report.problems.append(VerifyProblem(None, None, f"cache is not complete (status {manifest.status!r}, "
-                                                             f"{len(sidecars)} of {manifest.spec.num_shards} "
+                                                             f"{committed} of {manifest.spec.num_shards} "
                                                              f"shards committed)"))
-        _check_shards(store, manifest, report, sidecars)
-    except KdcacheError as exc:  # manifest or sidecar unreadable: a finding, never a crash
+        _check_shards(store, manifest, report, _check_index(store, manifest, report))
+    except KdcacheError as exc:  # manifest unreadable: a finding, never a crash
         report.problems.append(VerifyProblem(None, None, str(exc)))
     return report

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from typing import Any
 
 from kdcache.storage.backends.base import Backend
@@ -29,6 +28,7 @@ from kdcache.storage.encode import EncodedShard, encode_shard
 from kdcache.storage.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
 from kdcache.storage.files import disk_full_error, is_disk_full
 from kdcache.storage.fingerprint import compare_fingerprints
+from kdcache.storage.folders import folder_tables
 from kdcache.storage.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -40,6 +40,7 @@ from kdcache.storage.manifest import (
     sidecar_key,
     summarize_arrays,
     write_manifest,
+    write_sidecar,
 )
 from kdcache.storage.spec import FORMAT_VERSION, CacheSpec
 from kdcache.storage.stores import Store, open_store
@@ -146,7 +147,7 @@ class CacheWriter:
             arrays=packed.arrays, lossy=encoded.lossy, extra={**packed.extra, "files": files})
         try:
             self.store.put_shard(key, packed.files)
-            self.store.put_json(sidecar_key(index), asdict(record))
+            write_sidecar(self.store, record)
         except OSError as exc:
             self.store.remove(key)  # data without its sidecar is never read; do not leave it to fill the disk
             raise _disk_full(self.store, exc, record.stored_bytes, f"shard {index}") from None
@@ -206,6 +207,8 @@ def merge_parts(path: str | os.PathLike[str] | Store, storage_options: Mapping[s
         backend = get_backend(manifest.spec.backend)
         manifest.shards = _valid_records(store, manifest, backend)
         manifest.arrays = summarize_arrays(manifest.spec, manifest.shards)
+        if manifest.seals_files:  # an older cache's manifest keeps its format: no table of its folders
+            manifest.files = folder_tables(store)
         complete = len(manifest.shards) == manifest.spec.num_shards
         manifest.status = "complete" if complete else "partial"
         if complete:  # no writer can still need a temp: every shard is committed

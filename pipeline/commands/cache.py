@@ -135,8 +135,11 @@ def run_verify(args: argparse.Namespace) -> int:
         print(json.dumps({"path": report.path, "ok": report.ok, "status": report.status,
                           "shards_checked": report.shards_checked, "arrays_checked": report.arrays_checked,
                           "problems": [{"shard": p.shard, "array": p.array, "message": p.message}
-                                       for p in report.problems]}, indent=2))
-    elif report.ok:
+                                       for p in report.problems], "notes": report.notes}, indent=2))
+        return 0 if report.ok else 1
+    for note in report.notes:
+        print(f"note: {note}")
+    if report.ok:
         print(f"ok: {report.shards_checked} shards, {report.arrays_checked} arrays, every chunk decoded and matched "
               f"its checksum ({report.path})")
     else:

@@ -8,11 +8,11 @@ N whose cached states the head reads, sizes, ``logit_scale`` / ``softcap`` and t
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 
+from kdcache.storage.canonical import canonical_json
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.fingerprint import hash_bytes
 from kdcache.storage.manifest import read_json
@@ -37,10 +37,11 @@ def export_head(model: Any, out: str, layer: int) -> None:
 
     from safetensors.torch import save
 
+    from kdcache.storage.folders import folder_is_complete, put_folder
     from kdcache.storage.stores import open_store
 
     store = open_store(out)
-    if store.exists(HEAD_FOLDER):  # a resumed run, or another job of the array, wrote it already
+    if folder_is_complete(store, HEAD_FOLDER):  # a resumed run, or another job of the array, wrote it already
         return
     head = model.get_output_embeddings()
     tensors = {"weight": head.weight.detach().cpu().contiguous()}
@@ -56,8 +57,8 @@ def export_head(model: Any, out: str, layer: int) -> None:
             "sha256": hash_bytes(data)}
     with tempfile.TemporaryDirectory(prefix="kdcache-head-") as tmp:
         (Path(tmp) / "head.safetensors").write_bytes(data)
-        (Path(tmp) / "head.json").write_text(json.dumps(info, indent=1))
-        store.put_folder(HEAD_FOLDER, Path(tmp))
+        (Path(tmp) / "head.json").write_bytes(canonical_json(info))
+        put_folder(store, HEAD_FOLDER, Path(tmp))  # listed with its checksums, so verify checks the copy
 
 
 def read_head(store: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -195,11 +195,12 @@ def save_tokenizer(tokenizer: Any, out: str | os.PathLike[str]) -> None:
     """Save the tokenizer into the cache's ``tokenizer/`` (it appears whole; safe for many ranks)."""
     import tempfile
 
+    from kdcache.storage.folders import folder_is_complete, put_folder
     from kdcache.storage.stores import open_store
 
     store = open_store(out)
-    if store.exists("tokenizer"):
+    if folder_is_complete(store, "tokenizer"):
         return
     with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as tmp:
         tokenizer.save_pretrained(tmp)
-        store.put_folder("tokenizer", Path(tmp))
+        put_folder(store, "tokenizer", Path(tmp))

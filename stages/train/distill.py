@@ -31,7 +31,7 @@ from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses import LossError
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
 from kdcache.stages.train.masks import stream_masks
-from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.options import TrainOptions, resolved_temperature
 from kdcache.stages.train.plan import StreamPairs, TrainPlan
 from kdcache.stages.train.student import StudentFacts
 from kdcache.storage.streams import prefixed
@@ -155,7 +155,7 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
     sizes = set(pairs.teacher_hidden_sizes.values())
     return CompoundLoss(
         layer_map=pairs.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(sizes) if sizes else None,
-        alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=loss.temperature,
+        alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=resolved_temperature(loss),
         hidden_loss=loss.hidden_loss, topk_variant=loss.topk_kl, ce="causal" if facts.is_causal else "token",
         attention_map=pairs.attention_pairs or None, critic_steps=loss.critic_steps,
         critic_lr=loss.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None)

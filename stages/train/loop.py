@@ -48,13 +48,16 @@ class TrainingError(KdcacheError):
     """Training cannot start or go on (nothing to resume, no steps to run, a diverged loss)."""
 
 
-def prepare(options: TrainOptions) -> tuple[Any, PreTrainedModel, StudentFacts, TrainPlan]:
+def prepare(options: TrainOptions) -> tuple[Any, PreTrainedModel, StudentFacts, TrainPlan, TrainOptions]:
     """Open the cache, load the student and check that they fit. Touches no teacher file.
 
     Returns:
-        (reader, student, facts, plan).
+        (reader, student, facts, plan, options with what the cache decides filled in).
     """
     reader = open_cache(options.data.cache, allow_partial=options.data.allow_partial)
+    options, chosen = options.with_cache_defaults(reader.spec)
+    if chosen and int(os.environ.get("RANK", "0")) == 0:
+        print(f"kdcache train: {chosen}", file=sys.stderr)
     attn = "eager" if options.loss.delta > 0 else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
     facts = student_facts(student, pretrained=has_weights(options.run.student))
@@ -64,7 +67,7 @@ def prepare(options: TrainOptions) -> tuple[Any, PreTrainedModel, StudentFacts, 
         print(f"kdcache train: note: cached targets this run leaves unused: {'; '.join(unused)}", file=sys.stderr)
     if options.engine.gradient_checkpointing:
         enable_gradient_checkpointing(student)
-    return reader, student, facts, plan
+    return reader, student, facts, plan, options
 
 
 def run_training(options: TrainOptions) -> dict[str, Any]:
@@ -74,7 +77,7 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
         A summary: steps, first/last loss, throughput, the run and student folders, the final data position.
     """
     # Checks first: a mismatch should cost a second, not a DeepSpeed start-up.
-    reader, student, facts, plan = prepare(options)
+    reader, student, facts, plan, options = prepare(options)
     if ckpt.has_checkpoint(options.run.out) and not options.run.resume:
         raise TrainingError(f"{options.run.out} already holds a checkpoint; pass --resume to continue it, or "
                             "choose another --out")

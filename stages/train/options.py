@@ -9,6 +9,7 @@ the error types), so ``kdcache --help`` and config validation stay fast.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from kdcache.stages.train.layer_maps import LayerMap
 HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
 TOPK_KL_VARIANTS = ("renorm", "other")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+DEFAULT_TEMPERATURE = 2.0  # --temperature when none is given and the cache does not fix one
 
 
 def _opt(help_text: str, **extra: object) -> dict[str, object]:
@@ -80,7 +82,9 @@ class LossOptions:
     beta: float = field(default=1.0, metadata=_opt("weight of the logit KL term"))
     gamma: float = field(default=1.0, metadata=_opt("weight of the hidden-state term"))
     delta: float = field(default=0.0, metadata=_opt("weight of the attention KL term"))
-    temperature: float = field(default=2.0, metadata=_opt("KD temperature T of the logit KL"))
+    temperature: float | None = field(default=None, metadata=_opt(
+        f"KD temperature T of the logit KL (default: a sampled cache's sampling temperature, else "
+        f"{DEFAULT_TEMPERATURE:g})"))
     topk_kl: str = field(default="renorm", metadata=_opt("top-k KL variant for top-k caches",
                                                          choices=list(TOPK_KL_VARIANTS)))
     critic_steps: int = field(default=1, metadata=_opt("wgan: critic updates per student step"))
@@ -90,11 +94,17 @@ class LossOptions:
         """Every problem of this group."""
         problems = [f"{name} must be >= 0, got {getattr(self, name)}"
                     for name in ("alpha", "beta", "gamma", "delta") if getattr(self, name) < 0]
-        if self.temperature <= 0:
+        if self.temperature is not None and self.temperature <= 0:
             problems.append(f"temperature must be > 0, got {self.temperature}")
         if self.critic_steps < 1:
             problems.append(f"critic_steps must be >= 1, got {self.critic_steps}")
         return problems
+
+
+def resolved_temperature(loss: LossOptions) -> float:
+    """``--temperature``, or the default where nothing decided it (``TrainOptions.with_cache_defaults`` fills in
+    a sampled cache's own before training)."""
+    return DEFAULT_TEMPERATURE if loss.temperature is None else loss.temperature
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,20 @@ class TrainOptions:
     def to_dict(self) -> dict[str, object]:
         """Flat ``{option: value}`` (maps as their text), written to RUN/options.json."""
         return {k: str(v) if isinstance(v, LayerMap) else v for k, v in flatten(self).items()}
+
+    def with_cache_defaults(self, spec: Any) -> tuple[TrainOptions, str | None]:
+        """These options with what the cache decides when the user gave nothing, and a line saying so.
+
+        A sampled cache's KL estimate exists only at its sampling temperature, so that is the default there.
+        """
+        if self.loss.temperature is not None:
+            return self, None
+        sampled = getattr(spec, "logits", None) == "sampled"
+        temperature = float(spec.sample_temperature) if sampled else DEFAULT_TEMPERATURE
+        resolved = dataclasses.replace(self, loss=dataclasses.replace(self.loss, temperature=temperature))
+        said = (f"training at temperature {temperature:g}, the cache's sampling temperature (--temperature not "
+                f"given)") if sampled else None
+        return resolved, said
 
     @classmethod
     def of(cls, **flat: Any) -> TrainOptions:

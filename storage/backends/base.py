@@ -105,10 +105,11 @@ def owner_of(record: ShardRecord, path: str) -> str:
     return owners[0] if len(owners) == 1 else path
 
 
-def check_file(store: Store, path: str, size: int, crc: int, *, read: bool = True) -> str | None:
-    """What is wrong with one file of the table (``path`` under ``shards/``); None: nothing. ``read=False``
-    checks its size only."""
-    key = f"{SHARDS_DIR}/{path}"
+def check_file(store: Store, path: str, size: int, crc: int, *, read: bool = True,
+               under: str = SHARDS_DIR) -> str | None:
+    """What is wrong with one file of the table (``path`` under ``under``, ``shards/`` by default); None: nothing.
+    ``read=False`` checks its size only."""
+    key = f"{under}/{path}" if under else path
     try:
         actual = store.size(key)
         if actual is None:

@@ -7,6 +7,7 @@ the way stage one does, so these tests need nothing from ``stages.precompute`` (
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from kdcache.stages.common.fingerprints import config_fingerprint, tokenizer_fingerprint, weights_fingerprint
+from kdcache.storage.folders import put_folder
 from tests.helpers.tiny_models import sample_texts
 
 
@@ -76,8 +78,10 @@ def write_cache(teacher_dir: str | Path, out: str | Path, *, num_sequences: int 
         for shard in range(spec.num_shards):
             start, stop = spec.shard_range(shard)
             writer.write_shard(shard, [_sequence(records[i], spec) for i in range(start, stop)])
+        with tempfile.TemporaryDirectory() as saved:  # as stage one saves it: listed in the manifest
+            tok.save_pretrained(saved)
+            put_folder(writer.store, "tokenizer", Path(saved))
         writer.finalize()
-    tok.save_pretrained(str(out / "tokenizer"))
     return out
 
 

@@ -246,3 +246,55 @@ def test_full_vocabulary_terms_in_chunks_are_exact(monkeypatch: pytest.MonkeyPat
     for a, b in zip(whole, run()):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(whole[0], whole[1])
+
+
+def test_a_sampled_cache_sets_the_temperature_when_none_is_given(tiny_llama: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    reader = _cache(tmp_path, tiny_llama, "cache", logits_mode="sampled:8")
+    assert reader.spec.sample_temperature == 1.0  # stage one's default; stage two's own default is 2
+    run = tmp_path / "run"
+    assert main(["train", "--cache", str(tmp_path / "cache"), "--student", str(tiny_llama), "--out", str(run),
+                 "--max-steps", "1", "--batch-size", "4", "--gamma", "0", "--quiet"]) == 0
+    first = capsys.readouterr().err.splitlines()[:3]
+    assert any("training at temperature 1, the cache's sampling temperature (--temperature not given)" in line
+               for line in first), first
+    assert json.loads((run / "options.json").read_text())["temperature"] == 1.0
+    assert main(["train", "--cache", str(tmp_path / "cache"), "--student", str(tiny_llama), "--out",
+                 str(tmp_path / "other"), "--temperature", "2", "--gamma", "0"]) == 2  # given and different
+    assert "temperature 2.0: the KL needs the temperature the cache's samples were drawn at, 1.0" in \
+        capsys.readouterr().err
+
+
+def test_a_head_cache_under_umask_022_reads_for_every_user(tiny_llama: Path, tmp_path: Path) -> None:
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from kdcache.storage import verify_cache
+
+    shared = Path(tempfile.mkdtemp(prefix="kdcache-shared-"))  # outside pytest's 0700 folder: others may enter
+    shared.chmod(0o755)
+    previous = os.umask(0o022)
+    try:
+        _cache(shared, tiny_llama, "cache", logits_mode="head")
+        root = shared / "cache"
+        for path in [root, *root.rglob("*")]:
+            want = 0o755 if path.is_dir() else 0o644  # others may enter every folder and read every file
+            assert path.stat().st_mode & 0o777 == want, (path, oct(path.stat().st_mode))
+        if os.geteuid() == 0:  # read every file as another user would (nobody), not only by the mode bits
+            read = subprocess.run(["find", str(root), "-type", "f", "-exec", "cat", "{}", "+"], user=65534,
+                                  group=65534, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            assert read.returncode == 0, read.stderr.decode()
+        listed = json.loads((root / "manifest.json").read_text())["files"]
+        assert {"teacher_head/head.safetensors", "teacher_head/head.json", "tokenizer/tokenizer.json"} <= set(listed)
+        assert verify_cache(root).ok
+        weights = root / "teacher_head" / "head.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        weights.write_bytes(bytes(data))
+        report = verify_cache(root)  # caught before training, wherever the cache was copied
+        assert not report.ok and any("teacher_head/head.safetensors" in str(p) for p in report.problems)
+    finally:
+        os.umask(previous)
+        shutil.rmtree(shared, ignore_errors=True)

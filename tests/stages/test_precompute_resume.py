@@ -20,6 +20,7 @@ import pytest
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import PrecomputeOptions, run_precompute
 from kdcache.storage import CacheReader, CacheWriter, verify_cache
+from tests.helpers.cache_files import cache_files
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +46,10 @@ def _argv(opts: dict) -> list[str]:
 
 
 def assert_same_cache(a: Path, b: Path) -> None:
-    """Same spec, fingerprints, shard checksums and every array of every sequence."""
+    """Same spec, fingerprints, shard checksums and every array of every sequence; the same bytes in every shard
+    file (data and sidecars) and in the tokenizer folder."""
+    files_a, files_b = cache_files(a), cache_files(b)
+    assert files_a.keys() == files_b.keys() and [k for k in files_a if files_a[k] != files_b[k]] == []
     ra, rb = CacheReader(a), CacheReader(b)
     assert ra.spec == rb.spec and ra.fingerprints == rb.fingerprints
     assert [(r.index, r.checksum, r.num_tokens) for r in ra.records] == \

@@ -15,6 +15,9 @@ from kdcache.pipeline.cli import main
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter, encode_shard, verify_cache
 from kdcache.storage.errors import CacheLockedError, ChecksumError, PartialCacheError, StorageError
 from kdcache.storage.stores import RemoteStore, open_store
+from kdcache.storage.writer import merge_parts
+from tests.helpers.cache_files import cache_files
+from tests.storage._integrity_suite import add_folders
 from tests.storage.test_storage_backends import FINGERPRINTS, make_sequences
 
 BACKENDS = ["zarr", "arrow"]
@@ -159,3 +162,78 @@ def _closed_port() -> int:
     from tests.helpers.s3_server import free_port
 
     return free_port()
+
+
+_KILLED_WRITER = """
+import sys, time
+from kdcache.storage import CacheWriter
+from tests.storage.test_object_store import _identical_inputs
+from tests.storage.test_storage_backends import FINGERPRINTS
+spec, seqs = _identical_inputs(sys.argv[2])
+with CacheWriter(sys.argv[1], spec, FINGERPRINTS) as writer:
+    for k in range(spec.num_shards):
+        writer.write_shard(k, seqs[slice(*spec.shard_range(k))])
+        time.sleep(0.5)  # the parent kills this process between shards or mid-shard
+"""
+
+
+def _identical_inputs(backend: str) -> tuple[CacheSpec, list]:
+    spec = CacheSpec(num_sequences=16, backend=backend, hidden_layers=(0, 2), attention_layers=(1,), logits="topk",
+                     top_k=5, vocab_size=300, sequences_per_shard=2, token_arrays=("loss_mask",))
+    return spec, make_sequences(spec, [(i % 7) + 2 for i in range(16)])
+
+
+def _with_folders(where, scratch) -> None:
+    """A tokenizer and a teacher head beside the shards, then the manifest merged again to list them."""
+    add_folders(where, scratch)
+    merge_parts(where)
+
+
+def _kill_then_resume(where, backend: str) -> None:
+    """A writer process killed with SIGKILL after two committed shards, then a new writer finishing the cache."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(where), backend], cwd=repo,
+                            env={**os.environ, "PYTHONPATH": str(repo)}, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if sum(n.endswith(".json") for n in open_store(where).list("shards")) >= 2:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    spec, seqs = _identical_inputs(backend)
+    with CacheWriter(where, spec, FINGERPRINTS) as writer:
+        for k in sorted(set(range(spec.num_shards)) - writer.committed_shards()):
+            writer.write_shard(k, seqs[slice(*spec.shard_range(k))])
+        assert writer.finalize().status == "complete"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_uninterrupted_resumed_and_bucket_caches_are_byte_identical(backend, s3_bucket, tmp_path):
+    spec, seqs = _identical_inputs(backend)
+    _write(tmp_path / "whole", spec, seqs)
+    _kill_then_resume(tmp_path / "resumed", backend)
+    url = f"{s3_bucket}/cache"
+    _write(url, spec, seqs, shards=list(reversed(range(spec.num_shards))))  # another order of commits
+    for n, where in enumerate((tmp_path / "whole", tmp_path / "resumed", url)):
+        _with_folders(where, tmp_path / f"scratch{n}")
+    whole = cache_files(tmp_path / "whole")
+    assert len(whole) >= 2 * spec.num_shards + 4 and "shards/shard-000001.json" in whole
+    assert "teacher_head/head.safetensors" in whole and "tokenizer/.kdcache-files.json" in whole
+    for other in (tmp_path / "resumed", url):
+        assert cache_files(other) == whole, other  # every data file, sidecar and folder file, byte for byte
+        assert verify_cache(other).ok
+    # The manifests differ only in what names the run: its times, and the crc32c that covers them.
+    manifests = [json.loads(open_store(w).read("manifest.json")) for w in (tmp_path / "whole", tmp_path / "resumed",
+                                                                            url)]
+    for manifest in manifests:
+        for key in ("created_at", "updated_at", "crc32c"):
+            manifest.pop(key)
+    assert manifests[0] == manifests[1] == manifests[2]

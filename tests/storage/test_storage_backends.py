@@ -31,6 +31,7 @@ from kdcache.storage.errors import (
 )
 from kdcache.storage.spec import VOCAB_IDS
 from tests.storage._format3_suite import Format3Suite
+from tests.storage._integrity_suite import IntegritySuite
 from tests.storage._seq2seq_suite import Seq2SeqSuite, stored
 
 D, HEADS = 8, 4
@@ -116,7 +117,7 @@ def run_cli(*argv: str) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
-class StorageSuite(Seq2SeqSuite, Format3Suite):
+class StorageSuite(Seq2SeqSuite, Format3Suite, IntegritySuite):
     """Everything the issue's "Done when" asks, for one backend (set by the subclass)."""
 
     backend = ""
