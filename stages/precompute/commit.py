@@ -18,9 +18,10 @@ from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.folders import ROWS_DIR
 
 # What a killed first run may leave in a new cache folder before its manifest exists.
-_CACHE_ENTRIES = {"shards", "locks", "tokenizer", "manifest.json", "rows"}  # rows: row_store.ROWS_DIR
+_CACHE_ENTRIES = {"shards", "locks", "tokenizer", "manifest.json", ROWS_DIR}
 
 
 def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partition) -> Any:

@@ -27,9 +27,9 @@ from typing import Any, overload
 import numpy as np
 
 from kdcache.storage.fingerprint import ArraysHash, hash_json
+from kdcache.storage.folders import ROWS_DIR
 from kdcache.storage.streams import kind_of, split_stream
 
-ROWS_DIR = "rows"
 ROWS_VERSION = 1  # bump when the file layout or the building rules change
 _BATCH_ROWS = 4096  # rows per Arrow record batch: a few MiB of tokens, so the writer's memory stays flat
 _ARROW_TYPES = {"input_ids": "int32", "loss_mask": "uint8", "position_ids": "int32"}
