@@ -2,8 +2,10 @@
 
 Every module in ``pipeline.commands`` that defines ``register(subparsers)`` contributes its subcommands, so a
 new command is one new file. Heavy imports (torch, deepspeed, the models) happen inside the commands' ``run``
-functions, which keeps ``kdcache --help`` under a second (most of it importing transformers for
-``HfArgumentParser``, which builds the flags).
+functions, and a command's option-class flags (``add_parser(name, options=Cls)``, built by transformers'
+``HfArgumentParser``) only for the command being run, so ``kdcache --help`` imports neither.
+
+``--quiet`` (every command) runs the command inside ``pipeline.quiet.quiet``; Ctrl-C says how to continue.
 
 Any ``KdcacheError`` (bad config, bad cache, bad input) and any ``OSError`` (a full disk, storage that cannot be
 reached) ends the run with a one-paragraph message and exit status 2, never a traceback.
@@ -12,6 +14,7 @@ reached) ends the run with a one-paragraph message and exit status 2, never a tr
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import importlib
 import json
@@ -19,21 +22,54 @@ import os
 import pkgutil
 import re
 import sys
-from typing import NoReturn
+import typing
+from typing import Any, NoReturn
 
 import kdcache.pipeline.commands
+from kdcache.pipeline.config import flags
+from kdcache.pipeline.quiet import is_quiet, quiet
 from kdcache.storage.errors import KdcacheError
 
 _STORAGE_CLIENTS = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure", "google", "fsspec"}
+# What rerunning does after Ctrl-C, for the commands that keep their progress.
+_RESUME = {
+    "precompute": "rerun the same command to continue after the last committed shard",
+    "run": "rerun the same command to continue the cache after its last committed shard (and `resume: true` "
+           "under train: to continue training from its last checkpoint)",
+    "sweep": "rerun the same command to continue: finished runs are reused, interrupted ones resume",
+    "train": "rerun the same command with --resume to continue from the last checkpoint (written every "
+             "--save-every steps, and at the end)",
+}
+# Stage one, its upkeep, stage two, its measures, then the commands that chain them.
+COMMAND_ORDER = ("precompute", "merge", "inspect", "verify", "init-student", "train", "eval", "report", "sweep",
+                 "run", "demo")
 DESCRIPTION = (
     "kdcache: run a Hugging Face teacher once, cache its hidden states, attention maps and logits as compressed "
     "shards, then distil students from the cache under DeepSpeed ZeRO without ever loading the teacher again."
 )
 
 
+class _Usage(argparse.HelpFormatter):
+    """Usage lines that show the flags an option class requires without brackets: argparse itself must not
+    require them, since ``--config`` may give them instead (``config._finish`` marks them ``needed``)."""
+
+    def _format_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any) -> str:
+        shown = []
+        for action in actions:
+            if getattr(action, "needed", False):
+                action = copy.copy(action)
+                action.required = True
+            shown.append(action)
+        return super()._format_usage(usage, shown, groups, prefix)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with short errors: the problem first, a did-you-mean where one is close, and where to get
     help, instead of the whole usage block (exit 2, as argparse)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Usage)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         hint = _did_you_mean(self, message)
@@ -57,23 +93,55 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     return ""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the top-level parser with every registered subcommand."""
+class _Commands(argparse._SubParsersAction):
+    """Subcommands whose option-class flags (``add_parser(name, options=Cls)``) are built only for the command
+    being run: building them imports transformers (HfArgumentParser), which ``kdcache --help`` need not wait for.
+    ``only`` None builds every command's flags."""
+
+    only: str | None = None
+
+    def add_parser(self, name: str, *, options: type | None = None, skip: tuple[str, ...] = (),
+                   **kwargs: Any) -> argparse.ArgumentParser:
+        if options is not None and self.only in (None, name):
+            kwargs["parents"] = [*kwargs.get("parents", []), flags(options, skip=skip)]
+        return super().add_parser(name, **kwargs)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Build the top-level parser with every registered subcommand.
+
+    Args:
+        argv: the command line about to be parsed: only its command gets its full flags (all do when None).
+    """
     parser = _Parser(prog="kdcache", description=DESCRIPTION)
     # The deepspeed launcher runs `python -m kdcache --local_rank=N COMMAND ...`; ranks come from the
     # environment (LOCAL_RANK, RANK, WORLD_SIZE), so the flag is accepted and otherwise ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+    subparsers = typing.cast(_Commands, parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_Parser, action=_Commands))
+    # The command is the first word that is not a flag nor --local_rank's number.
+    subparsers.only = None if argv is None else next((a for a in argv if a[:1] != "-" and not a.isdigit()), "")
     parser.set_defaults(commands=subparsers.choices)  # main() names the command whose flag was misspelled
     for info in sorted(pkgutil.iter_modules(kdcache.pipeline.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"kdcache.pipeline.commands.{info.name}")
         if hasattr(module, "register"):
             module.register(subparsers)
+    _in_order_of_use(subparsers)
     for command in subparsers.choices.values():  # every command may read or write a cache in object storage
         command.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                              help="an fsspec option for s3://, gs://... caches, e.g. endpoint_url=http://host:9000 "
                                   "(repeatable; credentials also come from the usual AWS_* / GOOGLE_* variables)")
+        if "--quiet" not in command._option_string_actions:  # train's is an option (YAML too), the same switch
+            command.add_argument("--quiet", action="store_true",
+                                 help="on success print only kdcache's notes about the run: no summary, progress or "
+                                      "library lines (errors still show)")
     return parser
+
+
+def _in_order_of_use(subparsers: argparse._SubParsersAction) -> None:
+    """List the commands in ``kdcache --help`` in the order one uses them (unlisted ones last)."""
+    rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+    subparsers._choices_actions.sort(key=lambda a: rank.get(a.dest, len(rank)))
 
 
 def _apply_storage_options(pairs: list[str]) -> None:
@@ -91,13 +159,15 @@ def _is_storage_fault(exc: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 check failed, 2 bad input)."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # name the command whose flags were misspelled, not the top level
         args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         _apply_storage_options(getattr(args, "storage_option", []))
-        return int(args.func(args) or 0)
+        with quiet(is_quiet(getattr(args, "quiet", False))):  # errors are printed below, after it
+            return int(args.func(args) or 0)
     except KdcacheError as exc:
         print(f"kdcache {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -114,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kdcache {args.command}: error: the store failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"kdcache {args.command}: interrupted", file=sys.stderr)
+        hint = _RESUME.get(args.command)
+        print(f"kdcache {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130
 
 

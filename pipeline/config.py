@@ -66,7 +66,7 @@ def flags(cls: type, *, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
 
 def _negations(parser: argparse.ArgumentParser) -> None:
     """``--no-X`` for every boolean ``--X``, the way to turn off a YAML ``true`` from the command line
-    (HfArgumentParser adds it only where the default is true)."""
+    (HfArgumentParser adds it only where the default is true), listed right after ``--X`` in the help and usage."""
     for group in parser._action_groups:
         for action in list(group._group_actions):
             flag = action.option_strings[0] if action.option_strings else ""
@@ -74,6 +74,16 @@ def _negations(parser: argparse.ArgumentParser) -> None:
             if action.const is True and action.nargs == "?" and negation not in parser._option_string_actions:
                 group.add_argument(negation, dest=action.dest, action="store_false", default=argparse.SUPPRESS,
                                    help=f"turn {flag} off")
+            if action.const is True and action.nargs == "?":
+                _move_after(parser._option_string_actions[negation], action, group._group_actions, parser._actions)
+
+
+def _move_after(moved: argparse.Action, anchor: argparse.Action, *lists: list[argparse.Action]) -> None:
+    """Place ``moved`` just after ``anchor`` in each list holding both (help and usage follow list order)."""
+    for actions in lists:
+        if moved in actions and anchor in actions:
+            actions.remove(moved)
+            actions.insert(actions.index(anchor) + 1, moved)
 
 
 def _shadow(group: str | None, owner: type, skip: tuple[str, ...]) -> type:
@@ -101,9 +111,14 @@ def _finish(action: argparse.Action) -> None:
     text = action.help or ""
     if action.choices is not None:
         text += ("; " if text else "") + f"one of: {', '.join(map(str, action.choices))}"
+    if isinstance(default, bool):
+        default = str(default).lower()  # as it is typed: --offload true|false
     if "default" not in text and default not in (None, "") and not isinstance(action, argparse._StoreFalseAction):
         text += f" (default: {default})"
-    action.help = text
+    # Required fields may come from --config instead, so argparse must not demand them; the help still says so.
+    needed = bool(action.required)
+    action.help = text + (" (required: the flag or its --config key)" if needed else "")
+    action.needed = needed  # type: ignore[attr-defined]  # read by the CLI's usage formatter
     if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no-X repeats --X's help
         action.help = f"turn {flag_name(action.dest)} off"
     elif action.const is True:  # a boolean: --X alone, or --X true|false

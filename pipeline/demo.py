@@ -48,6 +48,8 @@ class DemoOptions:
     lr: float = field(default=1e-4, metadata={"help": "student learning rate"})
     zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage", "choices": [0, 1, 2, 3]})
     format: str = field(default="zarr", metadata={"help": "cache backend", "choices": ["zarr", "arrow"]})
+    print_teacher: bool = field(default=False, metadata={
+        "help": "print the folder of the demo's teacher (all-MiniLM-L6-v2), for --teacher of your own runs, and stop"})
 
     def validate(self) -> list[str]:
         """Every out-of-range value, at once."""

@@ -23,14 +23,15 @@ from kdcache.pipeline.run_state import (
     RunState,
     eval_columns,
     final_terms,
+    higher_is_better,
     load_run_state,
+    metric_header,
     term_label,
 )
 from kdcache.stages.train.eval_records import alignment_panels
 from kdcache.storage.files import read_json_object
 
 TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "sampled_kl", "hidden", "attention")
-LOWER_IS_BETTER = ("eval_perplexity", "eval_kl", "loss", "ce", "kl", "topk_kl", "sampled_kl", "hidden", "attention")
 GROUP_COLOURS = {"hidden": "tab:blue", "attention": "tab:orange", "logits": "tab:green", "other": "tab:gray"}
 
 
@@ -129,7 +130,7 @@ def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | 
             ax.plot(steps, [r.get(key, float("nan")) for r in metrics], label=term_label(key),
                     lw=2.0 if main else 1.0, alpha=1.0 if main else 0.7, marker=marker, ms=3)
         ax.set_title(family)
-        ax.set_xlabel("optimizer step")
+        _step_axis(ax)
         ax.set_ylabel("loss value" if family != "lr" else "learning rate")
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(families):]:
@@ -212,13 +213,14 @@ def plot_sweep_metric(rows: list[dict[str, Any]], metric: str, out: Path, grid_k
         text = f"{value:.3f}" if value is not None else str(row.get("status") or "n/a")
         ax.text(i, value or 0.0, text, ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(rows)), [_bar_label(r, grid_keys) for r in rows], fontsize=6)
-    ax.set_ylabel(metric)
+    ax.set_ylabel(metric_header(metric))
     if shade and len(palette) > 1:
         from matplotlib.patches import Patch
 
         ax.legend([Patch(color=c) for c in palette.values()], [f"{shade}={v}" for v in palette], fontsize=7)
-    better = "lower is better" if metric in LOWER_IS_BETTER else "higher is better"
-    return _save(fig, out, f"{metric} at each grid point ({better})" + (f"\nranked by {why}" if why else ""))
+    better = "higher is better" if higher_is_better(metric) else "lower is better"
+    title = f"{metric_header(metric)} at each grid point ({better})"
+    return _save(fig, out, title + (f"\nranked by {why}" if why else ""))
 
 
 def _bar_label(row: dict[str, Any], grid_keys: list[str]) -> str:
@@ -239,10 +241,18 @@ def plot_sweep_losses(states: dict[str, RunState], out: Path) -> Path | None:
     for name, state in drawn.items():
         ax.plot([r["step"] for r in state.metrics], [r.get("loss", float("nan")) for r in state.metrics],
                 label=name, lw=1.2)
-    ax.set_xlabel("optimizer step")
+    _step_axis(ax)
     ax.set_ylabel("total loss")
     ax.legend(fontsize=6, ncol=2)
     return _save(fig, out, "total loss of every run (terms differ between runs: compare shapes, not levels)")
+
+
+def _step_axis(ax: Any) -> None:
+    """Optimizer steps are whole numbers: ticks at integers only (a 20-step run shows no 7.5 or 12.5)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
 
 
 def _save(fig: Any, out: Path, title: str) -> Path:

@@ -12,7 +12,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kdcache.pipeline.run_state import applied_options, eval_rows, final_terms, term_label
+from kdcache.pipeline.run_state import (
+    applied_options,
+    eval_rows,
+    final_terms,
+    metric_header,
+    metric_legend,
+    term_label,
+)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
@@ -45,8 +52,9 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def html_table(rows: list[dict[str, Any]], columns: list[str], links: dict[str, str] | None = None) -> str:
-    """An HTML table; a row's ``status`` sets its class, and ``links[name]`` turns its name into a link."""
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    """An HTML table; a row's ``status`` sets its class, and ``links[name]`` turns its name into a link.
+    Metric columns get their human name and better direction as header, the raw key as its tooltip."""
+    head = "".join(f"<th title='{html.escape(c)}'>{html.escape(metric_header(c))}</th>" for c in columns)
     body = []
     for row in rows:
         cells = []
@@ -80,7 +88,7 @@ def _key_values(pairs: dict[str, Any]) -> str:
 
 
 def _notes(notes: list[str]) -> str:
-    return "".join(f"<p class=note>{html.escape(n)}</p>" for n in notes)
+    return "".join(f"<p class=note>{html.escape(n)}</p>" for n in notes if n)
 
 
 def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] | None) -> str:
@@ -90,13 +98,15 @@ def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] |
                 _notes(state.notes)]
     if state.metrics:
         terms = {term_label(k): v for k, v in final_terms(state.metrics).items()}
-        sections += ["<h2>Loss terms at the last logged step</h2>", _key_values(terms)]
+        sections += ["<h2>Loss terms at the last logged step</h2>", _key_values(terms),
+                     _notes(["Lower is better for every loss term."])]
     sections += [image(images["losses"], "loss terms")] if "losses" in images else ["<p>No step logged yet.</p>"]
     if state.evals:
         rows = eval_rows(state.evals)
         columns = list(dict.fromkeys(c for row in rows for c in row))
         caches = {e["cache"]["label"]: e["cache"]["path"] for e in state.evals if "cache" in e}
         sections += ["<h2>Evaluations (baseline → trained, per cache)</h2>", html_table(rows, columns),
+                     _notes([metric_legend(columns)]),
                      _notes([f"cache {label}: {path}" for label, path in caches.items()]),
                      _notes((state.eval or {}).get("notes", []))]
     for key in [k for k in images if k.startswith("alignment")]:
@@ -121,10 +131,11 @@ def render_sweep(root: Path, rows: list[dict[str, Any]], columns: list[str], met
         counts[str(row.get("status"))] = counts.get(str(row.get("status")), 0) + 1
     sections = [f"<p>{html.escape(str(root))} — {len(rows)} run(s): "
                 + ", ".join(f"{n} {html.escape(s)}" for s, n in counts.items()) + "</p>",
-                "<h2>Results</h2>", html_table(rows, columns, links)]
+                "<h2>Results</h2>", html_table(rows, columns, links), _notes([metric_legend(columns)])]
     if "metric" in images and metric:
         sections += [f"<h2>{html.escape(metric)} at each grid point</h2>",
-                     f"<p class=note>Ranked by {html.escape(why)}.</p>", image(images["metric"], metric)]
+                     f"<p class=note>{html.escape(metric_header(metric))}; ranked by {html.escape(why)}.</p>",
+                     image(images["metric"], metric)]
     elif metric is None:
         sections += [f"<p class=note>No ranking chart: {html.escape(why)}.</p>"]
     if "losses" in images:

@@ -21,6 +21,49 @@ EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval
                 ("eval_cka_on_map", "cka.mean_on_map"))
 
 
+# The report's words for each column: (short header, what it measures, higher is better). Raw keys stay in
+# results.csv and --metric; the page shows these, with an arrow for the better direction.
+METRIC_WORDS: dict[str, tuple[str, str, bool]] = {
+    "eval_spearman": ("Spearman", "Spearman correlation of the pairwise sentence similarities, student vs teacher",
+                      True),
+    "eval_cosine": ("cosine", "cosine of the mean-pooled final states, student vs teacher", True),
+    "eval_perplexity": ("perplexity", "perplexity of the student on the cached tokens", False),
+    "eval_top1": ("top-1 agreement", "share of tokens where the student's top prediction is the teacher's", True),
+    "eval_kl": ("KL(teacher‖student)", "KL divergence from the teacher's to the student's prediction, per token",
+                False),
+    "eval_cka_final": ("CKA, final layers", "linear CKA of the student's and the teacher's final layers", True),
+    "eval_cka_on_map": ("CKA on the map", "mean linear CKA over the layer map's student/teacher pairs", True),
+    "loss": ("total loss", "the weighted sum of the loss terms", False),
+    "ce": ("CE", "cross-entropy on the next token", False),
+    "kl": ("KL", "distillation KL on the logits", False),
+    "topk_kl": ("top-k KL", "distillation KL on the teacher's top-k logits", False),
+    "sampled_kl": ("sampled KL", "distillation KL estimated from sampled ids", False),
+    "hidden": ("hidden", "hidden-state loss, summed over layer pairs", False),
+    "attention": ("attention", "attention KL, summed over layer pairs", False),
+}
+
+
+def metric_header(column: str) -> str:
+    """A table header or axis label: ``eval_spearman`` -> ``Spearman ↑``; other columns unchanged."""
+    if column not in METRIC_WORDS:
+        return column
+    short, _, higher = METRIC_WORDS[column]
+    return f"{short} {'↑' if higher else '↓'}"
+
+
+def higher_is_better(column: str) -> bool:
+    """Whether a larger value of a metric or loss column is better (losses, perplexity and KL: no)."""
+    return METRIC_WORDS.get(column.split("/")[0], ("", "", False))[2]
+
+
+def metric_legend(columns: list[str]) -> str:
+    """One sentence naming what each known column of a table measures and which way is better."""
+    known = [c for c in columns if c in METRIC_WORDS]
+    parts = [f"{metric_header(c)} ({c}): {METRIC_WORDS[c][1]}, "
+             f"{'higher' if METRIC_WORDS[c][2] else 'lower'} is better" for c in known]
+    return ("↑ higher is better, ↓ lower is better. " + "; ".join(parts) + ".") if parts else ""
+
+
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
     """Read ``metrics.jsonl`` written by a run that may still be writing it.
 
@@ -114,8 +157,8 @@ def term_label(key: str) -> str:
     match = re.fullmatch(r"s(\d+)_t(\d+)", pair)
     if not match:
         return key
-    unit = "block" if family == "attention" else "layer"
-    return f"{family}: student {unit} {match[1]} → teacher {unit} {match[2]}"
+    # Attention layer j is the map inside block j, as hidden layer j is its output: "layer" for both.
+    return f"{family}: student layer {match[1]} → teacher layer {match[2]}"
 
 
 def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:

@@ -79,9 +79,11 @@ def _short(value: Any) -> str:
 
 
 def _vocab_message(actual: dict[str, Any], expected: dict[str, Any]) -> str:
-    return (f"tokenizer vocab differs: the cache was built with a vocabulary of {actual.get('vocab_size', '?')} "
-            f"tokens (hash {_short(actual.get('vocab_hash'))}), the student expects "
-            f"{expected.get('vocab_size', '?')} (hash {_short(expected.get('vocab_hash'))})")
+    # A size that was not recorded is left out rather than printed as a placeholder.
+    built = f"a vocabulary of {actual['vocab_size']} tokens" if "vocab_size" in actual else "a vocabulary"
+    wanted = f"{expected['vocab_size']} " if "vocab_size" in expected else "another vocabulary "
+    return (f"tokenizer vocab differs: the cache was built with {built} (hash {_short(actual.get('vocab_hash'))}), "
+            f"the student expects {wanted}(hash {_short(expected.get('vocab_hash'))})")
 
 
 def _special_tokens_message(actual: dict[str, Any], expected: dict[str, Any]) -> list[str]:

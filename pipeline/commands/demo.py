@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kdcache.pipeline.config import flags, from_args
+from kdcache.pipeline.config import from_args
 from kdcache.pipeline.demo import DemoOptions
 
 
 def register(subparsers: Any) -> None:
     """Add ``demo`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "demo", parents=[flags(DemoOptions)],
+        "demo", options=DemoOptions,
         help="the built-in end-to-end demo on real MiniLM-L6 weights (no downloads, a few CPU minutes)",
         description="Cache all-MiniLM-L6-v2's hidden layers and attention maps over English sentences from "
                     "Python's docstrings, train a 3-block student from the cache under DeepSpeed ZeRO-2 on the "
@@ -23,9 +23,13 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print its report. Returns 0."""
-    from kdcache.pipeline.demo import format_report, run_demo
+    from kdcache.pipeline.demo import format_report, run_demo, teacher_path
 
-    report = run_demo(from_args(DemoOptions, args))
+    options = from_args(DemoOptions, args)
+    if options.print_teacher:  # `--teacher "$(kdcache demo --print-teacher)"` in the README's walkthrough
+        print(teacher_path())
+        return 0
+    report = run_demo(options)
     print()
     print(format_report(report))
     return 0

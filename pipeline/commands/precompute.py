@@ -10,14 +10,14 @@ import argparse
 from typing import Any
 
 from kdcache.pipeline.commands import print_summary
-from kdcache.pipeline.config import flags, from_args
+from kdcache.pipeline.config import from_args
 from kdcache.stages.precompute.options import PrecomputeOptions
 
 
 def register(subparsers: Any) -> None:
     """Add ``precompute`` and ``merge`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "precompute", parents=[flags(PrecomputeOptions)],
+        "precompute", options=PrecomputeOptions,
         help="run the teacher once and cache its hidden states, attention and logits",
         description="Run a Hugging Face teacher over a dataset and write the selected targets as compressed shards. "
                     "Rerun the same command to resume after a crash; run it under torchrun, or as a job array "

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kdcache.pipeline.config import ConfigError, flags, load_yaml
+from kdcache.pipeline.config import ConfigError, load_yaml
 from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.train.options import TrainOptions
 
@@ -21,7 +21,7 @@ from kdcache.stages.train.options import TrainOptions
 def register(subparsers: Any) -> None:
     """Add ``sweep`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "sweep", parents=[flags(TrainOptions, skip=("out", "resume"))],
+        "sweep", options=TrainOptions, skip=("out", "resume"),
         help="train one student per grid point, all from one cache, and compare them",
         description="Run `kdcache train` once per point of the cartesian product of the --grid options, one "
                     "run after another, each in its own process and its own SWEEP/runs/<name>/ folder. The "
@@ -70,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         points = plan_sweep(base_values(args), grid, args.sweep_out)
     except ConfigError as exc:
         problems += exc.problems
+        points = []
+    if points and args.eval_cache and cache_exists(args.eval_cache):
+        for student in dict.fromkeys(p.options.run.student for p in points):  # a grid may vary the student
+            problems += _eval_cache_problems(args.eval_cache, student)
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
     problems += conflicts(points, launcher) if not problems else []
     if problems:
@@ -86,3 +90,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(points) - len(failed)} of {len(points)} run(s) succeeded; table in {args.sweep_out}/results.csv"
           + (f"; failed: {', '.join(failed)} (logs in runs/<name>/train.log)" if failed else ""))
     return 1 if failed else 0
+
+
+def _eval_cache_problems(eval_cache: str, student: str) -> list[str]:
+    """Every run's student keeps the vocabulary and tokenizer of ``student``: one that does not fit the eval cache
+    is refused before the first run, with the sentences `kdcache eval` and `kdcache train` use."""
+    from kdcache.stages.train.checks import open_cache
+    from kdcache.stages.train.evaluate import student_folder_problems
+
+    return [f"--eval-cache {eval_cache!r}: {p}" for p in student_folder_problems(open_cache(eval_cache), student)]

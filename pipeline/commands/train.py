@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.commands import print_summary
-from kdcache.pipeline.config import ConfigError, flag_name, flags, from_args
+from kdcache.pipeline.config import ConfigError, flag_name, from_args
+from kdcache.pipeline.quiet import quiet
 from kdcache.stages.train.options import TrainOptions
 
 
 def register(subparsers: Any) -> None:
     """Add ``train`` and ``init-student`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "train", parents=[flags(TrainOptions)],
+        "train", options=TrainOptions,
         help="train a student from a cache under DeepSpeed ZeRO (the teacher is never loaded)",
         description="Stream the cached teacher targets into a student and train it with the compound loss "
                     "alpha*CE + beta*KL + gamma*hidden + delta*attention under DeepSpeed. The cache and the "
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     options = from_args(TrainOptions, args, section="train")
     from kdcache.stages.train.loop import run_training
 
-    print_summary(run_training(options), getattr(args, "json", False), format_summary)
+    with quiet(options.run.quiet):  # also when the YAML, not the flag, asks for it
+        print_summary(run_training(options), getattr(args, "json", False), format_summary)
     return 0
 
 

@@ -46,28 +46,44 @@ def open_cache(path: str | Path, *, allow_partial: bool = False) -> Any:
     return CacheReader(store, allow_partial=allow_partial)
 
 
-def vocab_problems(options: TrainOptions, reader: Any, student: StudentFacts,
-                   student_tokenizer: dict[str, Any] | None) -> list[str]:
-    """Vocabulary checks: every cached token id must embed, logits must line up, tokenizers must agree."""
-    from kdcache.storage import compare_fingerprints
+def vocab_problems(reader: Any, student_vocab: int, student_tokenizer: dict[str, Any] | None, *,
+                   logits_needed: bool) -> list[str]:
+    """Vocabulary checks: every cached token id must embed, logits must line up, tokenizers must agree.
 
+    Training (``plan.plan_training``), evaluation and the sweep's up-front check all call this, so a student
+    that does not fit a cache gets the same sentences wherever it is refused.
+
+    Args:
+        reader: an open ``storage.CacheReader``.
+        student_vocab: rows of the student's embedding (its config's ``vocab_size``).
+        student_tokenizer: the student's tokenizer fingerprint, or None when it has no tokenizer.
+        logits_needed: the caller compares the student's logits with the cached ones (the KL term, LM metrics).
+    """
     spec, fp = reader.spec, (reader.fingerprints or {}).get("tokenizer") or {}
     cache_vocab = int(fp.get("vocab_size") or spec.vocab_size or 0)
     problems = []
-    if cache_vocab and student.vocab_size < cache_vocab:
+    if cache_vocab and student_vocab < cache_vocab:
         problems.append(f"vocab size mismatch: the cache's tokenizer has {cache_vocab} tokens but the student's "
-                        f"embedding has {student.vocab_size} rows; train a student built for the teacher's "
+                        f"embedding has {student_vocab} rows; train a student built for the teacher's "
                         "tokenizer (e.g. `kdcache init-student`, or set vocab_size in its config)")
-    elif spec.logits in ("full", "head") and options.loss.beta > 0 and student.vocab_size != spec.vocab_size:
+    elif spec.logits in ("full", "head") and logits_needed and student_vocab != spec.vocab_size:
         problems.append(f"vocab size mismatch: the cache's {spec.logits} logits have {spec.vocab_size} entries per "
-                        f"token, the student's head {student.vocab_size}; the KL needs the same vocabulary")
-    elif spec.logits in ("topk", "sampled") and options.loss.beta > 0 and student.vocab_size < spec.vocab_size:
+                        f"token, the student's head {student_vocab}; the KL needs the same vocabulary")
+    elif spec.logits in ("topk", "sampled") and logits_needed and student_vocab < spec.vocab_size:
         problems.append(f"vocab size mismatch: the cache's {spec.logits} logits index a vocabulary of "
-                        f"{spec.vocab_size} ids, the student's head has {student.vocab_size}; the KL needs them all")
-    if student_tokenizer is not None and fp.get("vocab_hash") and _same_hash_kind(fp, student_tokenizer):
-        expected = {"tokenizer": {k: student_tokenizer[k] for k in ("vocab_hash",) if k in student_tokenizer}}
-        problems += compare_fingerprints({"tokenizer": fp}, expected)
-    return problems
+                        f"{spec.vocab_size} ids, the student's head has {student_vocab}; the KL needs them all")
+    return problems + tokenizer_problems(fp, student_tokenizer)
+
+
+def tokenizer_problems(cached: dict[str, Any], student_tokenizer: dict[str, Any] | None) -> list[str]:
+    """The cache's tokenizer fingerprint against the student's: one sentence naming both sizes and hashes."""
+    from kdcache.storage import compare_fingerprints
+
+    if student_tokenizer is None or not cached.get("vocab_hash") or not _same_hash_kind(cached, student_tokenizer):
+        return []
+    # The size goes with the hash, so the message names both vocabularies (not "the student expects ?").
+    expected = {k: student_tokenizer[k] for k in ("vocab_hash", "vocab_size") if k in student_tokenizer}
+    return compare_fingerprints({"tokenizer": cached}, {"tokenizer": expected})
 
 
 def _same_hash_kind(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -31,7 +31,7 @@ from kdcache.stages.train.agreement import (
     final_state_agreement,
     mean_pool,
 )
-from kdcache.stages.train.checks import stream_problems
+from kdcache.stages.train.checks import CacheCheckError, stream_problems, vocab_problems
 from kdcache.stages.train.distill import check_documents_apart, student_inputs, student_view
 from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.streaming import collate, to_device
@@ -117,11 +117,13 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
         when the cache has two), ``sequences`` evaluated and their trained ``tokens`` (the loss mask's), and
         ``notes`` explaining anything skipped.
     """
-    from kdcache.stages.train.student import student_facts
+    from kdcache.stages.train.student import student_facts, tokenizer_fingerprint_of
 
     model, pairs, projectors = load_run(run_dir, student)
+    facts = student_facts(model, pretrained=True)
+    check_student_fits(reader, facts, tokenizer_fingerprint_of(student or Path(run_dir) / "student"))
     model.to(device)
-    state = _EvalState(reader, student_facts(model, pretrained=True), teacher_layer, device)
+    state = _EvalState(reader, facts, teacher_layer, device)
     sequences = tokens = 0
     for batch in cache_batches(reader, state.names, batch_size, limit=limit):
         batch = to_device(batch, device)
@@ -199,16 +201,29 @@ def _teacher_head(reader: CacheReader) -> Any:
     return load_teacher_head(reader.store, reader.spec.hidden_layers)
 
 
+def check_student_fits(reader: CacheReader, facts: Any, tokenizer: dict[str, Any] | None) -> None:
+    """Refuse a student that does not fit the cache, with training's own sentences (``checks.vocab_problems``).
+
+    Args:
+        reader: the cache to evaluate against.
+        facts: the student's ``StudentFacts``.
+        tokenizer: the student's tokenizer fingerprint, or None when its folder holds no tokenizer.
+
+    Raises:
+        CacheCheckError: every mismatch (token streams, vocabulary, tokenizer), before anything is scored.
+    """
+    problems = stream_problems(reader.spec, facts)
+    if not problems:  # a student of the wrong family has no vocabulary worth comparing
+        logits_needed = _kind(facts) != "encoder" and bool(reader.spec.logits)
+        problems = vocab_problems(reader, facts.vocab_size, tokenizer, logits_needed=logits_needed)
+    if problems:
+        raise CacheCheckError(problems, what="evaluation cannot start")
+
+
 def _check_inputs(reader: CacheReader, facts: Any, final: int | None, cached: list[int], kind: str,
                   notes: list[str]) -> None:
-    """Refuse what cannot be compared; note what will be skipped."""
+    """Refuse a teacher layer the cache lacks; note what will be skipped."""
     spec = reader.spec
-    if facts.vocab_size < int(spec.vocab_size or 0):
-        raise EvaluationError(f"the cache's vocabulary has {spec.vocab_size} tokens, the student's "
-                              f"embedding {facts.vocab_size}: this cache was not made for this student")
-    mismatch = stream_problems(spec, facts)
-    if mismatch:
-        raise EvaluationError(f"{mismatch[0]}: this cache was not made for this student")
     if final is None:
         notes.append("the cache holds no hidden states: no CKA and no final-state agreement")
     if final is not None and final not in cached:
@@ -217,3 +232,13 @@ def _check_inputs(reader: CacheReader, facts: Any, final: int | None, cached: li
         notes.append("the cache has logits but the student is not a causal LM: logit metrics skipped")
     if kind != "encoder" and not spec.logits:
         notes.append("the cache holds no teacher logits: perplexity only (no top-1 agreement, no KL)")
+
+
+def student_folder_problems(reader: CacheReader, student: str | Path) -> list[str]:
+    """The vocabulary and tokenizer checks of ``check_student_fits`` from a student's folder alone (its config
+    and tokenizer, no weights): the sweep runs them before its first run, for its evaluation cache."""
+    from kdcache.stages.train.student import load_config, tokenizer_fingerprint_of
+
+    vocab = int(getattr(load_config(student), "vocab_size", 0) or 0)
+    # The logit comparison needs the model class (does it have a head?); the child's eval checks that part.
+    return vocab_problems(reader, vocab, tokenizer_fingerprint_of(student), logits_needed=False)

@@ -145,7 +145,8 @@ class EngineOptions:
 
     deepspeed: str | None = field(default=None, metadata=_opt(
         "your own DeepSpeed ds_config.json (overrides --zero-stage/--offload/--precision)"))
-    zero_stage: int = field(default=0, metadata=_opt("ZeRO stage (0-3) of the built-in DeepSpeed config"))
+    zero_stage: int = field(default=0, metadata=_opt("ZeRO stage of the built-in DeepSpeed config",
+                                                     choices=[0, 1, 2, 3]))
     offload: bool = field(default=False, metadata=_opt("offload optimizer states to the CPU (ZeRO >= 1)"))
     precision: str = field(default="auto", metadata=_opt(
         "auto = bf16 on GPUs that support it, else fp16 on GPU, fp32 on CPU", choices=list(PRECISIONS)))
@@ -158,8 +159,6 @@ class EngineOptions:
         """Every problem of this group."""
         problems = [f"{name} must be >= 0, got {getattr(self, name)}"
                     for name in ("weight_decay", "warmup_steps") if getattr(self, name) < 0]
-        if self.zero_stage not in (0, 1, 2, 3):
-            problems.append(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.lr <= 0:
             problems.append(f"lr must be > 0, got {self.lr}")
         if self.offload and self.zero_stage == 0 and self.deepspeed is None:
@@ -187,7 +186,8 @@ class RunOptions:
     report_to: tuple[str, ...] = field(default=(), metadata=_opt(
         "trackers beside metrics.jsonl, through DeepSpeed's monitor: tensorboard, wandb, csv (comma-separated; "
         "none by default); they write under RUN/ (wandb: its own project 'kdcache')"))
-    quiet: bool = field(default=False, metadata=_opt("no progress bar or progress lines"))
+    quiet: bool = field(default=False, metadata=_opt(
+        "on success print only kdcache's notes about the run: no progress, summary or library lines"))
     save_every: int = field(default=0, metadata=_opt("checkpoint every N optimizer steps (0: only at the end)"))
     trace_samples: bool = field(default=False, metadata=_opt(
         "record the sequence ids and loss of every micro-step in RUN/samples-rank{r}.jsonl"))
@@ -202,7 +202,25 @@ class RunOptions:
         problems += tracker_problems(self.report_to)
         if not Path(self.student).exists():
             problems.append(f"student {self.student!r} does not exist (a model folder or a config.json)")
-        return problems
+        return problems + out_problems(self.out)
+
+
+# What a run folder may hold before training writes options.json: a baseline evaluated first, a sweep's logs, a
+# report. Anything else means --out names someone else's folder.
+RUN_ENTRIES = frozenset({"options.json", "plan.json", "metrics.jsonl", "checkpoints", "student", "projectors.pt",
+                         "evals", "report", "tensorboard", "wandb", "csv", "train.log", "eval.log", "sweep-run.json"})
+
+
+def out_problems(out: str) -> list[str]:
+    """``--out`` must be new, empty, or a run's folder, as precompute's ``--out`` must be new, empty or a cache."""
+    root = Path(out)
+    if root.exists() and not root.is_dir():
+        return [f"out: {out!r} is a file; expected a new or empty folder, or a run's folder to continue"]
+    if not root.is_dir() or (root / "options.json").is_file():
+        return []
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in RUN_ENTRIES and not p.name.startswith("."))
+    return [f"out: {out!r} is not empty and holds no kdcache run (found {', '.join(foreign[:5])}); choose a new "
+            "or empty folder"] if foreign else []
 
 
 @dataclass(frozen=True)

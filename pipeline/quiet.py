@@ -1,0 +1,135 @@
+"""``--quiet``: a command that succeeds prints nothing but kdcache's own notes about the run (a cached target left
+unused, a temperature chosen for you): no summary, no progress, and none of the lines of the libraries it drives.
+
+kdcache's own output goes through ``print`` and tqdm, which write to whatever ``sys.stdout`` / ``sys.stderr`` are
+when they run, so the command's work runs with stdout pointed at a sink and stderr at a filter that passes only
+lines beginning ``kdcache `` (every stage's notes do). The libraries need more, because they bind their streams
+early:
+
+* transformers: its logging handler holds the real stderr from import time (``Loading weights`` bars, load
+  reports), so its verbosity goes to error and its progress bars off;
+* datasets: its ``Generating train split`` bars, off (the switch, or the environment variable for a first import);
+* DeepSpeed: its logger writes to the stdout of its import and announces the accelerator at import, so a
+  filter on the ``DeepSpeed`` logger, set before that import, lets only errors through; its
+  ``... built successfully`` is a plain print, caught by the sink.
+
+Errors still reach the terminal: ``cli.main`` prints them after the quiet block has restored the streams.
+Everything set here is undone on the way out (the CLI is also called in-process, by tests and the sweep).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+NOTE_PREFIX = "kdcache "  # how every note of kdcache's stages begins ("kdcache train: note: ...")
+_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
+class _Sink(io.TextIOBase):
+    """A text stream that drops what it is given; never closed, so a handler bound to it stays harmless."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def isatty(self) -> bool:
+        return False  # tqdm and our progress display draw nothing for a non-terminal
+
+
+_SINK = _Sink()
+
+
+class _NotesOnly(io.TextIOBase):
+    """stderr under --quiet: kdcache's own notes about the run (lines starting ``kdcache ``: cached targets left
+    unused, the temperature a cache chose) reach ``target``; everything else (bars, library chatter) is dropped.
+    Text is held until its line ends, since ``print`` and tqdm write a line in pieces."""
+
+    def __init__(self, target: Any):
+        super().__init__()
+        self.target, self.line = target, ""
+
+    def write(self, text: str) -> int:
+        self.line += text
+        *done, self.line = self.line.split("\n")
+        for line in done:
+            if line.startswith(NOTE_PREFIX):
+                self.target.write(line + "\n")
+        if self.line and not NOTE_PREFIX.startswith(self.line[:len(NOTE_PREFIX)]):
+            self.line = self.line[:len(NOTE_PREFIX)]  # not a note: keep only what decides that (tqdm redraws)
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+def is_quiet(value: Any) -> bool:
+    """Whether a ``--quiet`` value asks for quiet: the flag alone (True), or ``true`` / ``yes`` / ``1``."""
+    return value is True or str(value).strip().lower() in ("true", "yes", "1", "on")
+
+
+@contextlib.contextmanager
+def quiet(enabled: bool = True) -> Iterator[None]:
+    """Run the block with kdcache and its libraries silent (a no-op when not ``enabled``)."""
+    if not enabled:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_environment())
+        stack.enter_context(_library_switches())
+        deepspeed = logging.getLogger("DeepSpeed")  # the name DeepSpeed's LoggerFactory gives its logger
+        deepspeed.addFilter(_errors_only)
+        stack.callback(deepspeed.removeFilter, _errors_only)
+        stack.enter_context(contextlib.redirect_stdout(_SINK))
+        stack.enter_context(contextlib.redirect_stderr(_NotesOnly(sys.stderr)))
+        yield
+
+
+@contextlib.contextmanager
+def _environment() -> Iterator[None]:
+    """The libraries' own variables, read when they are first imported here or in a child process."""
+    saved = {key: os.environ.get(key) for key in _ENV}
+    os.environ.update(_ENV)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _library_switches() -> Iterator[None]:
+    """transformers' and datasets' switches, for the ones already imported (the CLI's parser imports
+    transformers); a library imported later reads the environment instead."""
+    undo = contextlib.ExitStack()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        undo.callback(hf_logging.set_verbosity, level)
+        undo.callback(hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)
+    if "datasets" in sys.modules:
+        from datasets.utils import logging as ds_logging
+
+        bars = ds_logging.is_progress_bar_enabled()
+        ds_logging.disable_progress_bar()
+        undo.callback(ds_logging.enable_progress_bar if bars else ds_logging.disable_progress_bar)
+    with undo:
+        yield
