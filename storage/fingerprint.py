@@ -35,17 +35,32 @@ def hash_array(array: np.ndarray) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+class ArraysHash:
+    """``hash_arrays`` fed one array at a time, so a long sequence of arrays is hashed as it streams past."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+
+    def update(self, array: np.ndarray) -> None:
+        # The length goes first, so ``[1, 2], [3]`` and ``[1], [2, 3]`` hash differently.
+        array = np.ascontiguousarray(array, dtype=np.int64)
+        self._digest.update(np.int64(array.size).tobytes())
+        self._digest.update(array.data)
+
+    def hexdigest(self) -> str:
+        """``sha256:<hex>`` of every array so far."""
+        return "sha256:" + self._digest.hexdigest()
+
+
 def hash_arrays(arrays: Iterable[np.ndarray]) -> str:
     """One hash over a sequence of arrays, e.g. the ``input_ids`` of every sequence in order.
 
     Each array's length is mixed in, so ``[1, 2], [3]`` and ``[1], [2, 3]`` hash differently.
     """
-    digest = hashlib.sha256()
+    digest = ArraysHash()
     for array in arrays:
-        array = np.ascontiguousarray(array, dtype=np.int64)
-        digest.update(np.int64(array.size).tobytes())
-        digest.update(array.data)
-    return "sha256:" + digest.hexdigest()
+        digest.update(array)
+    return digest.hexdigest()
 
 
 def hash_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 22) -> str:

@@ -17,7 +17,10 @@ from kdcache.storage.manifest import MANIFEST_NAME, SHARDS_DIR, read_json
 from kdcache.storage.stores import Store
 
 TABLE = ".kdcache-files.json"
-_NOT_FOLDERS = {SHARDS_DIR, "locks", MANIFEST_NAME}
+# Stage one's rows (tokenized data, built once per cache and memory-mapped by its ranks) live beside the cache in
+# a local folder, but are a cache of the data, not part of the cache: nothing reads them from a cache.
+ROWS_DIR = "rows"
+_NOT_FOLDERS = {SHARDS_DIR, "locks", MANIFEST_NAME, ROWS_DIR}
 
 
 def put_folder(store: Store, key: str, source: Path) -> None:

@@ -34,8 +34,10 @@ def run(args: argparse.Namespace) -> int:
     """Build and validate the options, then run stage one; print the summary on rank 0. Returns 0."""
     options = from_args(PrecomputeOptions, args, section="precompute")
     from kdcache.stages.precompute import format_summary, run_precompute
+    from kdcache.stages.precompute.estimate import format_estimate
 
-    print_summary(run_precompute(options), getattr(args, "json", False), format_summary)
+    fmt = format_estimate if options.engine.estimate else format_summary
+    print_summary(run_precompute(options), getattr(args, "json", False), fmt)
     return 0
 
 

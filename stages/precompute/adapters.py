@@ -34,15 +34,7 @@ from kdcache.stages.precompute.capture import (
     to_numpy,
     to_storage_dtype,
 )
-from kdcache.stages.precompute.data import (
-    TokenStreams,
-    data_fingerprint,
-    load_pairs,
-    load_texts,
-    paired_data_fingerprint,
-    tokenize,
-    tokenize_pairs,
-)
+from kdcache.stages.precompute.data import TokenStreams
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.logit_head import as_logprobs, logit_targets
 from kdcache.stages.precompute.options import PrecomputeOptions
@@ -50,7 +42,6 @@ from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
 from kdcache.storage.hidden_codecs import applies_to
 from kdcache.storage.spec import TOPK_MASS
-from kdcache.storage.streams import prefixed
 
 # One padded batch of every stream: stream -> (ids [B, L], mask [B, L]) on the teacher's device, the B valid
 # lengths per stream, and stream -> position_ids [B, L] for rows packed with documents kept apart (else absent).
@@ -96,10 +87,9 @@ class HookedTeacher(TeacherAdapter):
                                   f"{options.engine.teacher!r} is a {config.model_type} without a decoder stack")
 
     def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
-        rows = tokenize(load_texts(options), tokenizer, options)
-        tokens = {"loss_mask": rows.loss_masks, **({"position_ids": rows.positions} if rows.positions else {})}
-        return TokenStreams({"": rows.ids}, data_fingerprint(options, tokenizer, rows), tokens, rows.dropped_empty,
-                            rows.dropped_untrained)
+        from kdcache.stages.precompute.row_build import text_streams
+
+        return text_streams(options, tokenizer)
 
     def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                      device: Any) -> Teacher:
@@ -124,11 +114,9 @@ class EncoderDecoderTeacher(TeacherAdapter):
         return None  # every option applies; the pair loader refuses a missing --target-column and --packing
 
     def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
-        data = tokenize_pairs(load_pairs(options), tokenizer, options)
-        ids = {"encoder": data.sources, "decoder": data.targets}
-        # Every token of both sides is trained on: the masks are all ones, stored so every cache reads alike.
-        tokens = {prefixed(s, "loss_mask"): [np.ones(len(q), dtype=np.uint8) for q in seqs] for s, seqs in ids.items()}
-        return TokenStreams(ids, paired_data_fingerprint(options, data), tokens, data.dropped_empty)
+        from kdcache.stages.precompute.row_build import pair_streams
+
+        return pair_streams(options, tokenizer)
 
     def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                      device: Any) -> Teacher:

@@ -18,9 +18,10 @@ from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.folders import ROWS_DIR
 
 # What a killed first run may leave in a new cache folder before its manifest exists.
-_CACHE_ENTRIES = {"shards", "locks", "tokenizer", "manifest.json"}
+_CACHE_ENTRIES = {"shards", "locks", "tokenizer", "manifest.json", ROWS_DIR}
 
 
 def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partition) -> Any:
@@ -31,6 +32,23 @@ def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partiti
         CacheMismatchError / CacheLockedError: from storage (a different cache; a live writer of this part).
     """
     from kdcache.storage import CacheWriter
+
+    store = check_out_folder(out)
+    try:
+        return CacheWriter(store, spec, fingerprints, part=(part.index, part.count))
+    except KdcacheError:
+        raise
+    except OSError as exc:
+        raise PrecomputeError(f"out: cannot write the cache at {out!r}: {exc.strerror or exc}") from None
+
+
+def check_out_folder(out: str) -> Any:
+    """The store at ``out``, refused when it holds something other than a (partial) cache: checked before
+    anything, rows included, is written there.
+
+    Raises:
+        PrecomputeError: a non-empty folder or prefix without a manifest and with entries no cache has.
+    """
     from kdcache.storage.stores import open_store
 
     store = open_store(out)
@@ -38,12 +56,7 @@ def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partiti
     if foreign and store.size("manifest.json") is None:
         raise PrecomputeError(f"out: {out!r} is not empty and holds no kdcache cache (found "
                               f"{', '.join(foreign[:5])}); choose a new or empty folder or prefix")
-    try:
-        return CacheWriter(store, spec, fingerprints, part=(part.index, part.count))
-    except KdcacheError:
-        raise
-    except OSError as exc:
-        raise PrecomputeError(f"out: cannot write the cache at {out!r}: {exc.strerror or exc}") from None
+    return store
 
 
 def commit_behind(spec: Any, todo: list[int], writer: Any, options: PrecomputeOptions, stats: RunStats,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,19 +34,25 @@ class TokenStreams:
 
     Attributes:
         ids: stream name -> one int32 array ``[L_i]`` per sequence: ``""`` for one stream; ``encoder`` and
-            ``decoder`` (the target ids, i.e. the labels) for an encoder-decoder teacher.
+            ``decoder`` (the target ids, i.e. the labels) for an encoder-decoder teacher. Stage one hands in the
+            memory-mapped columns of its row table (``row_store.RowColumn``), read only where sliced.
         fingerprint: the data fingerprint (source, split, columns, hashes of the ids and masks).
         tokens: the token arrays stored beside the ids (``storage.spec.TOKEN_ARRAYS``), by array name
             (``loss_mask``, ``position_ids``, ``decoder/loss_mask``...): one ``[L_i]`` array per sequence.
         dropped_empty: texts or pairs skipped because they produced no tokens.
         dropped_untrained: rows skipped because no token of theirs is trained on (see ``rows.Rows``).
+        meta: what the row table recorded while it was written (``row_store.RowTable.meta``): ``longest``,
+            ``tokens`` and ``sum_sq_lengths`` per stream, ``max_id``; empty for rows held in memory.
+        built: whether this process tokenized the rows (False: it opened rows another process or run built).
     """
 
-    ids: dict[str, list[np.ndarray]]
+    ids: dict[str, Sequence[np.ndarray]]
     fingerprint: dict[str, Any]
-    tokens: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    tokens: dict[str, Sequence[np.ndarray]] = field(default_factory=dict)
     dropped_empty: int = 0
     dropped_untrained: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    built: bool = True
 
     def __len__(self) -> int:
         return len(next(iter(self.ids.values())))
@@ -58,14 +64,42 @@ class TokenStreams:
     def lengths(self, stream: str = "") -> np.ndarray:
         """``[N]`` int64 token counts of ``stream``."""
         seqs = self.ids[stream]
+        if hasattr(seqs, "lengths"):
+            return seqs.lengths()
         return np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+
+    def longest(self, stream: str = "") -> int:
+        """The longest sequence of ``stream`` (recorded while the rows were written: no pass over them)."""
+        if "longest" in self.meta:
+            return int(self.meta["longest"][stream])
+        return int(self.lengths(stream).max())
+
+    @property
+    def max_id(self) -> int:
+        """The largest token id of any stream."""
+        if "max_id" in self.meta:
+            return int(self.meta["max_id"])
+        return max(int(s.max()) for seqs in self.ids.values() for s in seqs)
+
+    @classmethod
+    def of_table(cls, table: Any) -> TokenStreams:
+        """Streams over a ``row_store.RowTable``: its ``*input_ids`` columns are the streams, the rest the
+        token arrays stored beside them."""
+        from kdcache.storage.streams import kind_of, split_stream
+
+        ids = {split_stream(n)[0]: c for n, c in table.columns.items() if kind_of(n) == "input_ids"}
+        tokens = {n: c for n, c in table.columns.items() if kind_of(n) != "input_ids"}
+        dropped = table.meta.get("dropped", {})
+        return cls(ids, table.meta["fingerprint"], tokens, dropped.get("empty", 0), dropped.get("untrained", 0),
+                   table.meta, table.built)
 
 
 def load_texts(options: PrecomputeOptions) -> Any:
     """Open the dataset split named by the options and check its text column.
 
     Returns:
-        a ``datasets.Dataset`` with at least one row and a string column ``options.dataset.text_column``.
+        a ``datasets.Dataset`` with at least one row and a string column ``options.dataset.text_column``; with
+        ``--streaming``, a ``datasets.IterableDataset`` read in file order (nothing is loaded up front).
 
     Raises:
         PrecomputeError: the data cannot be loaded, the split is empty, or the column is missing.
@@ -83,15 +117,22 @@ def load_texts(options: PrecomputeOptions) -> Any:
             raise PrecomputeError(f"dataset {d.data!r} (split {d.split!r}) is empty") from None
         raise PrecomputeError(f"cannot load dataset {d.data!r} (split {d.split!r}): "
                               f"{type(exc).__name__}: {exc}") from None
-    if isinstance(ds, datasets.IterableDataset):
-        raise PrecomputeError(f"dataset {d.data!r} loaded as a stream; stage one needs a map-style dataset")
+    streaming = isinstance(ds, datasets.IterableDataset)
+    if streaming and not d.streaming:
+        raise PrecomputeError(f"dataset {d.data!r} loaded as a stream; add --streaming to read it as one")
+    names = column_names(ds)
     for column, flag in _columns(options):
-        if column not in ds.column_names:
+        if column not in names:
             raise PrecomputeError(f"dataset {d.data!r} has no column {column!r}; its columns are: "
-                                  f"{', '.join(ds.column_names)} (set {flag})")
-    if len(ds) == 0:
+                                  f"{', '.join(names)} (set {flag})")
+    if not streaming and len(ds) == 0:
         raise PrecomputeError(f"dataset {d.data!r} (split {d.split!r}) is empty")
     return ds
+
+
+def column_names(ds: Any) -> list[str]:
+    """A dataset's columns; a stream that has not inferred its features yet shows them on its first row."""
+    return list(ds.column_names or next(iter(ds), {}))
 
 
 def _columns(options: PrecomputeOptions) -> list[tuple[str, str]]:
@@ -108,17 +149,18 @@ def _load_dataset(options: PrecomputeOptions) -> Any:
 
     d = options.dataset
 
-    files = _local_files(d.data)
+    files = local_files(d.data)
     if files is None:
-        return load_dataset(d.data, d.data_config, split=d.split, revision=None)
+        return load_dataset(d.data, d.data_config, split=d.split, revision=None, streaming=d.streaming)
     builder = _builder_for(files, d.data)
     if all(os.path.getsize(f) == 0 for f in files):  # datasets fails on these with a bare StopIteration
         raise PrecomputeError(f"dataset {d.data!r} is empty: {len(files)} file(s) of 0 bytes")
-    # Naming the split in data_files lets a local file serve any --split the user names.
-    return load_dataset(builder, data_files={d.split: files}, split=d.split)
+    # Naming the split in data_files lets a local file serve any --split the user names. Streamed files are read
+    # in this (sorted) order, as the map-style loader reads them, so both give the same rows.
+    return load_dataset(builder, data_files={d.split: files}, split=d.split, streaming=d.streaming)
 
 
-def _local_files(data: str) -> list[str] | None:
+def local_files(data: str) -> list[str] | None:
     """Files a local ``data`` argument names (a file, a folder or a glob), or None for a hub name."""
     expanded = os.path.expanduser(data)
     if os.path.isdir(expanded):
@@ -145,7 +187,8 @@ def _builder_for(files: list[str], data: str) -> str:
 
 
 def tokenize(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Rows:
-    """Tokenize the dataset into the cache's rows with their loss masks (``rows.make_rows``).
+    """Tokenize the dataset into the cache's rows with their loss masks, in memory (``rows.make_rows``; stage
+    one builds its row table from the same documents, ``row_build``).
 
     The mask is 1 on every token of plain text, on the tokens overlapping ``--mask-column``'s character spans,
     or on the assistant's tokens of ``--messages-column`` conversations. Blank texts are dropped (and counted).
@@ -154,70 +197,101 @@ def tokenize(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Rows:
         PrecomputeError: bad conversations or spans (naming the row), or no row left to cache.
     """
     d = options.dataset
-    template = chat_template(tokenizer, d.chat_template, options.engine.teacher) if d.messages_column else None
-    docs = _documents(ds, tokenizer, options, template)
+    template = text_template(tokenizer, options)
+    batches = ((ds[i:i + _TOKENIZE_BATCH], list(range(i, min(i + _TOKENIZE_BATCH, len(ds)))))
+               for i in range(0, len(ds), _TOKENIZE_BATCH))
+    docs = (doc for batch, index in batches for doc in documents(encode_batch(batch, index, tokenizer=tokenizer,
+                                                                              options=options, template=template)))
     rows = make_rows(docs, d.packing, d.max_length, tokenizer.eos_token_id, d.max_sequences)
     if not rows.ids:
-        column = d.messages_column or d.text_column
-        raise PrecomputeError(f"dataset {d.data!r}: no row of column {column!r} produced a token to train "
-                              f"on ({rows.dropped_empty} empty, {rows.dropped_untrained} with no trained token "
-                              f"within --max-length)")
+        raise no_rows_error(options, rows.dropped_empty, rows.dropped_untrained)
     return rows
 
 
-def data_fingerprint(options: PrecomputeOptions, tokenizer: Any, rows: Rows) -> dict[str, Any]:
-    """Source, split, columns, the mask rule and hashes of the ids, loss masks and positions: a cache is reused
-    only for the same rows trained the same way."""
+def no_rows_error(options: PrecomputeOptions, empty: int, untrained: int) -> PrecomputeError:
+    """The error for a dataset that left no row to cache."""
     d = options.dataset
-    from kdcache.storage import hash_arrays, hash_bytes
+    column = d.messages_column or d.text_column
+    return PrecomputeError(f"dataset {d.data!r}: no row of column {column!r} produced a token to train on "
+                           f"({empty} empty, {untrained} with no trained token within --max-length)")
 
-    out: dict[str, Any] = {"source": d.data, "split": d.split, "text_column": d.text_column,
-                           "input_ids_hash": hash_arrays(rows.ids), "num_sequences": len(rows.ids),
-                           "loss_mask_hash": hash_arrays(rows.loss_masks)}
+
+def text_template(tokenizer: Any, options: PrecomputeOptions) -> str | None:
+    """The chat template conversations are rendered with (None for plain text); checks the tokenizer."""
+    d = options.dataset
+    if (d.messages_column or d.mask_column) and not getattr(tokenizer, "is_fast", False):
+        raise PrecomputeError("--messages-column and --mask-column need a fast tokenizer (one that reports each "
+                              f"token's characters), and the tokenizer of {options.engine.teacher!r} is not one")
+    return chat_template(tokenizer, d.chat_template, options.engine.teacher) if d.messages_column else None
+
+
+def text_fingerprint(options: PrecomputeOptions, tokenizer: Any) -> dict[str, Any]:
+    """Source, split, columns and the mask rule; the row table adds the hashes of the ids, loss masks and
+    positions (``TEXT_HASHES``) and the row count: a cache is reused only for the same rows trained the same way."""
+    d = options.dataset
+    from kdcache.storage import hash_bytes
+
+    out: dict[str, Any] = {"source": d.data, "split": d.split, "text_column": d.text_column}
     if d.messages_column:
         out.update(text_column=None, messages_column=d.messages_column,
                    chat_template_hash=hash_bytes(str(tokenizer.chat_template).encode()))
     if d.mask_column:
         out["mask_column"] = d.mask_column
-    if rows.positions is not None:
-        out["position_ids_hash"] = hash_arrays(rows.positions)
     return out
 
 
-def _documents(ds: Any, tokenizer: Any, options: PrecomputeOptions, template: str | None) -> Iterator[Document | None]:
-    """Per dataset row, its ids and loss mask (cut to ``max_length`` when rows are not packed), or None if blank."""
+# Row array -> the data fingerprint's name for its hash (names as caches have always recorded them).
+TEXT_HASHES = {"input_ids": "input_ids_hash", "loss_mask": "loss_mask_hash", "position_ids": "position_ids_hash"}
+PAIR_HASHES = {"encoder/input_ids": "input_ids_hash", "decoder/input_ids": "target_ids_hash"}
+
+
+def encode_batch(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: Any, options: PrecomputeOptions,
+                 template: str | None) -> dict[str, list[Any]]:
+    """Tokenize a batch of dataset rows into documents (a ``datasets.map`` function, so it runs in worker
+    processes too).
+
+    Args:
+        batch: column -> values of the batch's dataset rows.
+        indices: the rows' positions in the dataset (for error messages).
+
+    Returns:
+        ``{"ids": [...], "mask": [...]}``: per row its token ids (cut to ``max_length`` when rows are not packed)
+        and uint8 loss mask, both empty for a blank text (a blank text yields nothing even where the tokenizer
+        would add [CLS] [SEP] to it).
+    """
     d = options.dataset
-    spans_wanted = bool(d.messages_column or d.mask_column)
-    if spans_wanted and not getattr(tokenizer, "is_fast", False):
-        raise PrecomputeError("--messages-column and --mask-column need a fast tokenizer (one that reports each "
-                              f"token's characters), and the tokenizer of {options.engine.teacher!r} is not one")
+    texts, spans = _texts_and_spans(batch, indices, tokenizer, options, template)
     cut = {"truncation": True, "max_length": d.max_length} if d.packing == "none" else {}
-    for start in range(0, len(ds), _TOKENIZE_BATCH):
-        texts, spans = _texts_and_spans(ds[start:start + _TOKENIZE_BATCH], start, tokenizer, options, template)
-        encoded = tokenizer(texts, add_special_tokens=template is None, return_offsets_mapping=spans_wanted, **cut)
-        for i, (text, ids) in enumerate(zip(texts, encoded["input_ids"])):
-            # A blank text yields None (counted as dropped) even where the tokenizer would add [CLS] [SEP] to it.
-            if not text.strip():
-                yield None
-            elif spans is None:
-                yield ids, np.ones(len(ids), dtype=np.uint8)
-            else:
-                yield ids, span_mask(encoded["offset_mapping"][i], spans[i])
+    encoded = tokenizer(texts, add_special_tokens=template is None, return_offsets_mapping=spans is not None, **cut)
+    ids_out: list[Any] = []
+    masks: list[Any] = []
+    for i, (text, ids) in enumerate(zip(texts, encoded["input_ids"])):
+        blank = not text.strip()
+        ids_out.append([] if blank else ids)
+        mask = np.ones(len(ids), dtype=np.uint8) if spans is None else span_mask(encoded["offset_mapping"][i], spans[i])
+        masks.append(mask[:0] if blank else mask)
+    return {"ids": ids_out, "mask": masks}
 
 
-def _texts_and_spans(rows: dict[str, list[Any]], start: int, tokenizer: Any, options: PrecomputeOptions,
+def documents(encoded: dict[str, list[Any]]) -> Iterator[Document | None]:
+    """``encode_batch``'s output as ``rows`` documents (None for a blank row)."""
+    for ids, mask in zip(encoded["ids"], encoded["mask"]):
+        yield (ids, np.asarray(mask, dtype=np.uint8)) if len(ids) else None
+
+
+def _texts_and_spans(rows: dict[str, list[Any]], index: list[int], tokenizer: Any, options: PrecomputeOptions,
                      template: str | None) -> tuple[list[str], list[list[tuple[int, int]]] | None]:
     """A batch's texts, and per text the character spans to train on (None: train on every token)."""
     d = options.dataset
     if d.messages_column and template is not None:
-        rendered = [render(start + i, check_conversation(start + i, m), template, tokenizer)
-                    for i, m in enumerate(rows[d.messages_column])]
+        rendered = [render(row, check_conversation(row, m), template, tokenizer)
+                    for row, m in zip(index, rows[d.messages_column])]
         return [text for text, _ in rendered], [spans for _, spans in rendered]
     texts = ["" if t is None else str(t) for t in rows[d.text_column]]
     if not d.mask_column:
         return texts, None
-    return texts, [_char_spans(start + i, value, len(text)) for i, (value, text) in
-                   enumerate(zip(rows[d.mask_column], texts))]
+    return texts, [_char_spans(row, value, len(text)) for row, value, text in
+                   zip(index, rows[d.mask_column], texts)]
 
 
 def _char_spans(row: int, value: Any, length: int) -> list[tuple[int, int]]:
@@ -232,29 +306,6 @@ def _char_spans(row: int, value: Any, length: int) -> list[tuple[int, int]]:
 
 
 # ---- source/target pairs (encoder-decoder teachers) ----------------------------------------------------
-@dataclass
-class PairedData:
-    """Token ids of every (source, target) pair to cache, in cache order.
-
-    Attributes:
-        sources: one int32 array ``[L_enc_i]`` per pair: the encoder's input ids.
-        targets: one int32 array ``[L_dec_i]`` per pair: the target ids (the labels; the decoder reads them
-            shifted right by the model's own ``decoder_start_token_id``).
-        dropped_empty: pairs skipped because a side produced no tokens.
-    """
-
-    sources: list[np.ndarray]
-    targets: list[np.ndarray]
-    dropped_empty: int = 0
-
-    def __len__(self) -> int:
-        return len(self.sources)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(len(s) for s in self.sources) + sum(len(t) for t in self.targets))
-
-
 def source_column(options: PrecomputeOptions) -> str:
     """The source column: ``--source-column``, else ``--text-column``."""
     d = options.dataset
@@ -276,54 +327,43 @@ def load_pairs(options: PrecomputeOptions) -> Any:
     if d.messages_column or d.mask_column:
         raise PrecomputeError("messages_column / mask_column: an encoder-decoder teacher is trained on its whole "
                               "target text; use --source-column and --target-column")
-    ds = load_texts(replace(options, dataset=replace(options.dataset, text_column=source_column(options))))
-    if d.target_column not in ds.column_names:
+    ds = load_texts(replace(options, dataset=replace(d, text_column=source_column(options))))
+    names = column_names(ds)
+    if d.target_column not in names:
         raise PrecomputeError(f"dataset {d.data!r} has no column {d.target_column!r}; its columns are: "
-                              f"{', '.join(ds.column_names)} (set --target-column)")
+                              f"{', '.join(names)} (set --target-column)")
     return ds
 
 
-def _batches(ds: Any, source: str, target: str) -> Iterator[tuple[list[str], list[str]]]:
-    for start in range(0, len(ds), _TOKENIZE_BATCH):
-        rows = ds[start:start + _TOKENIZE_BATCH]
-        clean = lambda texts: ["" if t is None else str(t) for t in texts]  # noqa: E731
-        yield clean(rows[source]), clean(rows[target])
+def encode_pairs(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: Any,
+                 options: PrecomputeOptions) -> dict[str, list[Any]]:
+    """Tokenize a batch of (source, target) rows, each side truncated to its own maximum (``--max-length``,
+    ``--max-target-length``); targets go through ``text_target=``, so tokenizers with per-side settings (mBART's
+    language codes) apply their target-side rules.
 
-
-def tokenize_pairs(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> PairedData:
-    """Tokenize both columns, each truncated to its own maximum (``--max-length``, ``--max-target-length``).
-
-    Targets go through ``text_target=``, so tokenizers with per-side settings (mBART's language codes) apply
-    their target-side rules.
-
-    Raises:
-        PrecomputeError: no pair produced tokens on both sides.
+    Returns:
+        ``{"src": [...], "tgt": [...]}``: per row both sides' ids, both empty where either side is blank (a
+        sequence needs at least one encoder token and one target token).
     """
     d = options.dataset
-    max_target = d.max_target_length or d.max_length
-    sources, targets, dropped = [], [], 0
-    for src_texts, tgt_texts in _batches(ds, source_column(options), d.target_column or ""):
-        src_ids = tokenizer(src_texts, truncation=True, max_length=d.max_length)["input_ids"]
-        tgt_ids = tokenizer(text_target=tgt_texts, truncation=True, max_length=max_target)["input_ids"]
-        for src_text, tgt_text, src, tgt in zip(src_texts, tgt_texts, src_ids, tgt_ids):
-            if not (src_text.strip() and tgt_text.strip() and src and tgt):
-                dropped += 1
-                continue
-            sources.append(np.asarray(src, dtype=np.int32))
-            targets.append(np.asarray(tgt, dtype=np.int32))
-            if d.max_sequences is not None and len(sources) >= d.max_sequences:
-                return PairedData(sources, targets, dropped)
-    if not sources:
-        raise PrecomputeError(f"dataset {d.data!r}: no pair of columns {source_column(options)!r} / "
-                              f"{d.target_column!r} produced tokens on both sides ({dropped} dropped)")
-    return PairedData(sources, targets, dropped)
+    clean = lambda texts: ["" if t is None else str(t) for t in texts]  # noqa: E731
+    src_texts, tgt_texts = clean(batch[source_column(options)]), clean(batch[d.target_column or ""])
+    src_ids = tokenizer(src_texts, truncation=True, max_length=d.max_length)["input_ids"]
+    tgt_ids = tokenizer(text_target=tgt_texts, truncation=True,
+                        max_length=d.max_target_length or d.max_length)["input_ids"]
+    keep = [bool(a.strip() and b.strip() and x and y) for a, b, x, y in zip(src_texts, tgt_texts, src_ids, tgt_ids)]
+    return {"src": [x if k else [] for k, x in zip(keep, src_ids)],
+            "tgt": [y if k else [] for k, y in zip(keep, tgt_ids)]}
 
 
-def paired_data_fingerprint(options: PrecomputeOptions, data: PairedData) -> dict[str, Any]:
-    """Source, split, both columns and hashes of both sides' ids."""
+def pair_fingerprint(options: PrecomputeOptions) -> dict[str, Any]:
+    """Source, split and both columns; the row table adds both sides' hashes (``PAIR_HASHES``) and the count."""
     d = options.dataset
-    from kdcache.storage import hash_arrays
-
     return {"source": d.data, "split": d.split, "source_column": source_column(options),
-            "target_column": d.target_column, "input_ids_hash": hash_arrays(data.sources),
-            "target_ids_hash": hash_arrays(data.targets), "num_sequences": len(data)}
+            "target_column": d.target_column}
+
+
+def no_pairs_error(options: PrecomputeOptions, dropped: int) -> PrecomputeError:
+    """The error for a dataset that left no pair to cache."""
+    return PrecomputeError(f"dataset {options.dataset.data!r}: no pair of columns {source_column(options)!r} / "
+                           f"{options.dataset.target_column!r} produced tokens on both sides ({dropped} dropped)")

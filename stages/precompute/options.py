@@ -46,6 +46,9 @@ class EngineOptions:
     seed: int = _opt(0, "torch seed (the teacher runs in eval mode; this pins anything stochastic)")
     queue_size: int = _opt(2, "shards waiting for the background writer (bounds host memory)")
     progress: bool = _opt(True, "show a progress bar on rank 0")
+    estimate: bool = _opt(False, "write no cache: print the rows and tokens, the bytes per token of each target (a "
+                                 "short timed sample of the teacher, compressed with the real codecs), the total "
+                                 "size and time, and whether the destination has room")
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
@@ -81,6 +84,9 @@ class DatasetOptions:
     target_column: str | None = _opt(None, "encoder-decoder: column holding the target text the decoder is "
                                            "teacher-forced on (required for encoder-decoder teachers)")
     max_target_length: int | None = _opt(None, "encoder-decoder: target tokens per sequence (default: --max-length)")
+    streaming: bool = _opt(False, "read the dataset as a stream (files of any size, in file order; the same rows "
+                                  "as without it)")
+    tokenize_workers: int = _opt(0, "processes that tokenize the data once per cache (0: the host's cores)")
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
@@ -88,7 +94,8 @@ class DatasetOptions:
                   ("max_sequences", self.max_sequences is None or self.max_sequences >= 1, "must be >= 1"),
                   ("max_target_length", self.max_target_length is None or self.max_target_length >= 1,
                    "must be >= 1"),
-                  ("packing", self.packing in PACKING, f"expected one of {', '.join(PACKING)}")]
+                  ("packing", self.packing in PACKING, f"expected one of {', '.join(PACKING)}"),
+                  ("tokenize_workers", self.tokenize_workers >= 0, "must be >= 0 (0: the host's cores)")]
         problems = _data_problems(self.data) + _failed(self, checks)
         if self.messages_column and self.mask_column:
             problems.append("mask_column: conversations (--messages-column) are masked by role; drop --mask-column")

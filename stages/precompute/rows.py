@@ -24,7 +24,8 @@ import numpy as np
 
 PACKING = ("none", "documents", "concat")
 
-Document = tuple[list[int], np.ndarray]  # token ids, uint8 loss mask of the same length
+Document = tuple["list[int] | np.ndarray", np.ndarray]  # token ids, uint8 loss mask of the same length
+Row = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]  # int32 ids, uint8 loss mask, int32 positions or None
 
 
 @dataclass
@@ -46,16 +47,14 @@ class Rows:
     dropped_empty: int = 0
     dropped_untrained: int = 0
 
-    def add(self, ids: list[int], mask: np.ndarray, positions: np.ndarray | None = None) -> None:
-        """Keep a row, unless no token of it is trained on (a block cut from untrained stretches)."""
-        if not mask.any():
-            self.dropped_untrained += 1
-            return
-        self.ids.append(np.asarray(ids, dtype=np.int32))
-        self.loss_masks.append(np.asarray(mask, dtype=np.uint8))
+    def add(self, row: Row) -> None:
+        """Keep a row (``iter_rows`` has already dropped those with no trained token)."""
+        ids, mask, positions = row
+        self.ids.append(ids)
+        self.loss_masks.append(mask)
         if positions is not None:
             self.positions = [] if self.positions is None else self.positions
-            self.positions.append(positions.astype(np.int32))
+            self.positions.append(positions)
 
 
 def span_mask(offsets: Iterable[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -76,41 +75,57 @@ def span_mask(offsets: Iterable[tuple[int, int]], spans: list[tuple[int, int]]) 
 
 def make_rows(documents: Iterable[Document | None], mode: str, block: int, eos: int | None,
               cap: int | None = None) -> Rows:
-    """Rows from documents (None = a blank one) by packing ``mode`` (see the module docstring).
+    """Rows from documents (None = a blank one) by packing ``mode``, all in memory (small data and tests; stage
+    one streams ``iter_rows`` into its row table instead)."""
+    rows = Rows()
+    for row in iter_rows(documents, rows, mode, block, eos, cap):
+        rows.add(row)
+    return rows
+
+
+def iter_rows(documents: Iterable[Document | None], counts: Rows, mode: str, block: int, eos: int | None,
+              cap: int | None = None) -> Iterator[Row]:
+    """Rows from documents by packing ``mode`` (see the module docstring), one at a time, so memory stays flat.
 
     Args:
         documents: per dataset row, its ids and loss mask (already cut to ``block`` for mode ``none``), or None.
+        counts: receives ``dropped_empty`` / ``dropped_untrained`` (its row lists stay untouched).
         mode: one of ``PACKING``.
         block: ``max_length``.
         eos: the tokenizer's EOS id, appended between packed documents; None when it has none.
         cap: stop after this many rows (``--max-sequences``).
+
+    Yields:
+        ``(ids [L] int32, loss_mask [L] uint8, positions [L] int32 or None)`` with at least one trained token.
     """
-    rows = Rows()
-    pieces = _pieces(documents, rows, mode, block, eos)
+    pieces = _pieces(documents, counts, mode, block, eos)
     if mode == "none":
-        for ids, mask in pieces:
-            rows.add(ids, mask)
-            if cap is not None and len(rows.ids) >= cap:
-                break
-        return rows
-    fill = _fill_documents if mode == "documents" else _fill_concat
-    for ids, mask, positions in fill(pieces, block):
-        rows.add(ids, mask, positions)
-        if cap is not None and len(rows.ids) >= cap:
-            break
-    return rows
+        made: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = (
+            (np.asarray(ids), mask, None) for ids, mask in pieces)
+    else:
+        made = (_fill_documents if mode == "documents" else _fill_concat)(pieces, block)
+    kept = 0
+    for ids, mask, positions in made:
+        if not mask.any():  # a block cut from untrained stretches
+            counts.dropped_untrained += 1
+            continue
+        yield (np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8),
+               None if positions is None else positions.astype(np.int32))
+        kept += 1
+        if cap is not None and kept >= cap:
+            return
 
 
 def _pieces(documents: Iterable[Document | None], rows: Rows, mode: str, block: int,
             eos: int | None) -> Iterator[Document]:
     """Documents worth a row, with EOS appended when packing, counting the ones dropped in ``rows``."""
     for doc in documents:
-        if doc is None or not doc[0]:
+        if doc is None or not len(doc[0]):
             rows.dropped_empty += 1
             continue
-        ids, mask = doc
+        ids, mask = np.asarray(doc[0], dtype=np.int32), doc[1]
         if mode != "none" and eos is not None and ids[-1] != eos:
-            ids, mask = [*ids, eos], np.append(mask, mask[-1])
+            ids, mask = np.append(ids, np.int32(eos)), np.append(mask, mask[-1])
         # Kept apart, a document longer than a row becomes row-sized pieces, each a document of its own.
         step = block if mode == "documents" else len(ids)
         for start in range(0, len(ids), step):
@@ -120,7 +135,7 @@ def _pieces(documents: Iterable[Document | None], rows: Rows, mode: str, block: 
             yield ids[start:start + step], mask[start:start + step]
 
 
-def _fill_documents(pieces: Iterable[Document], block: int) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+def _fill_documents(pieces: Iterable[Document], block: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     row: list[Document] = []
     used = 0
     for part in pieces:  # at most a row long (``_pieces``)
@@ -133,22 +148,28 @@ def _fill_documents(pieces: Iterable[Document], block: int) -> Iterator[tuple[li
         yield _join(row)
 
 
-def _join(row: list[Document]) -> tuple[list[int], np.ndarray, np.ndarray]:
-    ids = [t for part, _ in row for t in part]
+def _join(row: list[Document]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ids = np.concatenate([part for part, _ in row])
     mask = np.concatenate([m for _, m in row])
     positions = np.concatenate([np.arange(len(part)) for part, _ in row])
     return ids, mask, positions
 
 
-def _fill_concat(pieces: Iterable[Document], block: int) -> Iterator[tuple[list[int], np.ndarray, None]]:
-    ids: list[int] = []
+def _fill_concat(pieces: Iterable[Document], block: int) -> Iterator[tuple[np.ndarray, np.ndarray, None]]:
+    ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
+    held = 0
     for part, mask in pieces:
-        ids.extend(part)
+        ids.append(np.asarray(part))
         masks.append(mask)
-        while len(ids) >= block:
-            joined = np.concatenate(masks)
-            yield ids[:block], joined[:block], None
-            ids, masks = ids[block:], [joined[block:]]
-    if ids:
-        yield ids, np.concatenate(masks), None
+        held += len(part)
+        if held < block:
+            continue
+        # Join once per filled block rather than per document: long runs of short documents stay linear.
+        joined_ids, joined_mask = np.concatenate(ids), np.concatenate(masks)
+        whole = len(joined_ids) // block * block
+        for start in range(0, whole, block):
+            yield joined_ids[start:start + block], joined_mask[start:start + block], None
+        ids, masks, held = [joined_ids[whole:]], [joined_mask[whole:]], len(joined_ids) - whole
+    if held:
+        yield np.concatenate(ids), np.concatenate(masks), None

@@ -22,10 +22,11 @@ from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.adapters import Capture, adapter_for
 from kdcache.stages.precompute.batching import Partition, collate, plan_batches
-from kdcache.stages.precompute.commit import commit_behind, open_writer
+from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
 from kdcache.stages.precompute.data import TokenStreams
 from kdcache.stages.precompute.distributed import DistContext
 from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.estimate import check_room, estimate, lower_bound_bytes
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
 from kdcache.stages.precompute.qk_capture import with_score_rules
@@ -96,16 +97,22 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     adapter.check_options(options, config)
     targets = resolve_targets(options, config)
     tokenizer = load_tokenizer(options)
+    check_out_folder(st.out)  # before the rows are written there
     data = adapter.load_data(options, tokenizer)
     check_positions(config, data)
-    finished = finished_cache(options, config, targets, tokenizer, data)
-    if finished is not None:  # nothing to compute: don't pay for loading the weights
-        return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True})
+    rows = {"built": data.built, "build_seconds": data.meta.get("build_seconds")}
+    if not options.engine.estimate:
+        finished = finished_cache(options, config, targets, tokenizer, data)
+        if finished is not None:  # nothing to compute: don't pay for loading the weights
+            return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True, "rows": rows})
+        check_room(st.out, lower_bound_bytes(build_spec(options, targets, data), config, data))
     device = pick_device(options.engine.device, dist.local_rank)
     teacher = adapter.load_teacher(options, config, targets, tokenizer, device)
     targets = with_score_rules(with_output_vocab(targets, teacher, options), teacher.model, data, device)
     check_token_ids(teacher, data)
     spec = build_spec(options, targets, data)
+    if options.engine.estimate:
+        return run_estimate(options, adapter.capture(teacher, targets, options), teacher, targets, data, spec)
     part = Partition.of(st.shard_index, st.num_shards, dist.rank, dist.world)
     writer = open_writer(st.out, spec, build_fingerprints(options, teacher, targets, data), part)
     with writer, adapter.capture(teacher, targets, options) as capture:
@@ -124,14 +131,14 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         manifest = merge_parts(st.out)
     extra = {"part": [part.index, part.count], "device": str(teacher.device),
              "attn_implementation": teacher.attn_implementation,
-             "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}}
+             "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}, "rows": rows}
     return summarize(stats, manifest, len(mine) - len(todo), st.out, extra)
 
 
 def check_positions(config: Any, data: TokenStreams) -> None:
     """Refuse sequences longer than the teacher's position table (they would index past it)."""
     limit = getattr(config, "max_position_embeddings", None)
-    longest = max(int(data.lengths(s).max()) for s in data.streams)
+    longest = max(data.longest(s) for s in data.streams)
     if isinstance(limit, int) and longest > limit:
         flags = "--max-length / --max-target-length" if len(data.streams) > 1 else "--max-length"
         raise PrecomputeError(f"max_length: sequences reach {longest} tokens, but the teacher has only {limit} "
@@ -153,7 +160,7 @@ def with_default_features(options: PrecomputeOptions, config: Any) -> Precompute
 def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
     """Refuse token ids the teacher's embedding table does not have (a tokenizer from another model)."""
     table = teacher.model.get_input_embeddings().num_embeddings
-    top = max(int(s.max()) for seqs in data.ids.values() for s in seqs)
+    top = data.max_id
     if top >= table:
         raise PrecomputeError(f"the tokenizer produced token id {top}, but the teacher's embedding table has only "
                               f"{table} rows; the tokenizer does not belong to this teacher")
@@ -206,6 +213,17 @@ def build_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: Ta
                 "attn_implementation": teacher.attn_implementation}
     return {"teacher": teacher.fingerprint, "tokenizer": tokenizer_fingerprint(teacher.tokenizer),
             "data": data.fingerprint, "settings": settings}
+
+
+def run_estimate(options: PrecomputeOptions, capturing: Any, teacher: Teacher, targets: Targets,
+                 data: TokenStreams, spec: Any) -> dict[str, Any]:
+    """``--estimate``: the teacher over the first shards, written to a scratch cache (``estimate.estimate``)."""
+    stats = RunStats()
+    with capturing as capture:
+        progress = Progress(0, False, stats)
+        return estimate(spec, data, options.storage.out,
+                        lambda bounds: compute_shard(capture, teacher, data, bounds, options, stats, progress),
+                        build_fingerprints(options, teacher, targets, data))
 
 
 def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds: tuple[int, int],

@@ -1,0 +1,171 @@
+"""The cache's size before the run: ``--estimate`` and the up-front refusal of a destination that cannot hold it.
+
+Two figures, for two moments:
+
+* Before the teacher loads, ``lower_bound_bytes`` sizes what the spec alone fixes: hidden states
+  (``layers x tokens x d``), attention maps (``layers x heads x sum L_i^2``, halved for the triangle) and full or
+  top-k logits, at their storage dtype and uncompressed. A real run refuses a local destination whose free
+  space is below a quarter of that (``check_room``): lossless codecs shrink fp16 activations by ~1.1x, so a
+  destination that could not hold the cache even at 4x is clearly too small, and the refusal costs seconds
+  rather than hours of teacher time.
+* ``--estimate`` runs the real teacher over the first shards (at least ``SAMPLE_ROWS`` rows), writes them with
+  the real codecs into a scratch cache, and scales each array's bytes to the whole data: attention by the sum of
+  squared lengths, everything else by tokens; the time follows from the sample's measured rate.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.storage.files import format_bytes
+from kdcache.storage.streams import kind_of, split_stream
+
+SAMPLE_ROWS = 64  # rows the estimate runs the teacher on (whole shards, so per-shard overheads are counted)
+CLEAR_MARGIN = 4  # refuse only when even this compression ratio would not make the cache fit
+
+
+def free_bytes(out: str) -> int | None:
+    """Free bytes where a local cache folder ``out`` goes (its nearest existing folder); None for a URL."""
+    from kdcache.storage.stores import is_url
+
+    if is_url(out) and not out.startswith("file://"):
+        return None
+    path = Path(out.removeprefix("file://")).expanduser().absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def lower_bound_bytes(spec: Any, config: Any, data: Any) -> int:
+    """Uncompressed bytes of the cache's hidden states, attention maps and full / top-k logits (see the module
+    docstring); what depends on the teacher's outputs (sampled logits, documents' attention blocks) counts 0."""
+    d = int(getattr(config, "hidden_size", None) or getattr(config, "d_model", None) or 0)
+    tokens, sum_sq = data.meta.get("tokens", {}), data.meta.get("sum_sq_lengths", {})
+    total = 0
+    for name in spec.array_names():
+        kind, stream = kind_of(name), split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")
+        item = spec.array_dtype(name).itemsize
+        if kind == "hidden":
+            total += tokens.get(stream, 0) * d * item
+        elif kind == "attention" and not spec.by_documents(name):
+            heads = len(spec.attention_heads) if spec.attention_heads else _heads(config)
+            total += int(sum_sq.get(stream, 0) * heads * item / (2 if spec.attention_triangle else 1))
+        elif name in ("logits/full", "logits/topk_values", "logits/topk_ids"):
+            width = spec.vocab_size if name == "logits/full" else spec.top_k
+            total += tokens.get(stream, 0) * width * item
+    return total
+
+
+def _heads(config: Any) -> int:
+    return int(getattr(config, "num_attention_heads", None) or getattr(config, "encoder_attention_heads", 0) or 0)
+
+
+def check_room(out: str, needed: int) -> None:
+    """Refuse a local destination that clearly cannot hold ``needed`` bytes (a lower bound of the cache),
+    counting the shards a resumed run already has there.
+
+    Raises:
+        PrecomputeError: free space below ``needed / CLEAR_MARGIN``, naming both.
+    """
+    free = free_bytes(out)
+    if free is None:
+        return
+    shards = Path(out.removeprefix("file://")).expanduser() / "shards"
+    written = sum(p.stat().st_size for p in shards.rglob("*") if p.is_file()) if shards.is_dir() else 0
+    remaining = max(0, needed - written * CLEAR_MARGIN)
+    if free * CLEAR_MARGIN < remaining:
+        raise PrecomputeError(f"out: the cache needs at least {format_bytes(remaining / CLEAR_MARGIN)} (its targets "
+                              f"take {format_bytes(remaining)} before compression), and {out!r} has only "
+                              f"{format_bytes(free)} free; free space, choose another --out, or cache fewer "
+                              f"targets (run with --estimate for the expected size)")
+
+
+def sample_shards(spec: Any) -> list[int]:
+    """The first shards, enough to hold ``SAMPLE_ROWS`` rows (all of them for small data)."""
+    return list(range(min(spec.num_shards, math.ceil(SAMPLE_ROWS / spec.sequences_per_shard))))
+
+
+def estimate(spec: Any, data: Any, out: str, compute: Any, fingerprints: dict[str, Any]) -> dict[str, Any]:
+    """Run ``compute(bounds)`` (the teacher over a shard's rows) on the sample shards, write them into a scratch
+    cache with the real codecs, and scale to the whole data.
+
+    Returns:
+        ``{"status": "estimate", "num_sequences", "tokens", "bytes_per_token" (per target), "total_bytes",
+        "seconds", "sample_rows", "sample_tokens_per_second", "free_bytes", "fits"}``.
+    """
+    from kdcache.storage import CacheWriter
+
+    shards = sample_shards(spec)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kdcache-estimate-") as scratch:
+        with CacheWriter(scratch, spec, fingerprints, part=(0, 1)) as writer:
+            computed = 0.0
+            records = []
+            for k in shards:
+                begun = time.perf_counter()
+                items = compute(spec.shard_range(k))
+                computed += time.perf_counter() - begun
+                records.append(writer.write_shard(k, items))
+    rows = spec.shard_range(shards[-1])[1]
+    return _scale(spec, data, out, records, rows, computed, time.perf_counter() - started)
+
+
+def _scale(spec: Any, data: Any, out: str, records: list[Any], rows: int, computed: float,
+           wall: float) -> dict[str, Any]:
+    """Per-array bytes of the sample shards, scaled by tokens (or squared lengths for attention)."""
+    tokens, sum_sq = data.meta["tokens"], data.meta["sum_sq_lengths"]
+    seen = _sample_sizes(data, rows)
+    per_array: dict[str, float] = {}
+    for record in records:
+        for name, info in record.arrays.items():
+            stream = split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")
+            by_sq = kind_of(name) in ("attention", "cross_attention")
+            scale = (sum_sq if by_sq else tokens)[stream] / max(seen[by_sq][stream], 1)
+            per_array[name] = per_array.get(name, 0.0) + info["stored_bytes"] * scale
+    shard_bytes = sum(r.stored_bytes - sum(a["stored_bytes"] for a in r.arrays.values()) for r in records)
+    total = sum(per_array.values()) + shard_bytes / len(records) * spec.num_shards
+    all_tokens = sum(tokens.values())
+    rate = sum(seen[False].values()) / computed if computed > 0 else 0.0
+    free = free_bytes(out)
+    return {"status": "estimate", "out": out, "num_sequences": len(data), "tokens": all_tokens,
+            "bytes_per_token": _per_target(per_array, all_tokens), "total_bytes": int(total),
+            "seconds": round(all_tokens / rate, 1) if rate else None, "sample_rows": rows,
+            "sample_tokens_per_second": round(rate, 1), "sample_seconds": round(wall, 2),
+            "free_bytes": free, "fits": None if free is None else bool(free >= total)}
+
+
+def _sample_sizes(data: Any, rows: int) -> dict[bool, dict[str, int]]:
+    """Tokens (False) and summed squared lengths (True) of the sample's rows, per stream."""
+    lengths = {s: data.lengths(s)[:rows] for s in data.streams}
+    return {False: {s: int(v.sum()) for s, v in lengths.items()},
+            True: {s: int((v * v).sum()) for s, v in lengths.items()}}
+
+
+def _per_target(per_array: dict[str, float], tokens: int) -> dict[str, float]:
+    from kdcache.stages.precompute.progress import target_of
+
+    out: dict[str, float] = {}
+    for name, size in per_array.items():
+        out[target_of(name)] = out.get(target_of(name), 0.0) + size / max(tokens, 1)
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def format_estimate(summary: dict[str, Any]) -> str:
+    """A few human lines for ``--estimate``."""
+    seconds = summary["seconds"]
+    room = ("unknown (object store)" if summary["fits"] is None else
+            f"{format_bytes(summary['free_bytes'])} free: {'fits' if summary['fits'] else 'DOES NOT FIT'}")
+    return "\n".join([
+        f"estimate for {summary['out']}: {summary['num_sequences']:,} rows, {summary['tokens']:,} tokens",
+        "bytes/token: " + ", ".join(f"{k} {v:,.1f}" for k, v in summary["bytes_per_token"].items()),
+        f"total: {format_bytes(summary['total_bytes'])}; time at {summary['sample_tokens_per_second']:,.0f} "
+        f"tokens/s (measured on {summary['sample_rows']:,} rows): "
+        + (f"{seconds / 3600:,.2f} h" if seconds else "unknown"),
+        f"destination: {room}",
+    ])

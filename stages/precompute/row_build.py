@@ -1,0 +1,220 @@
+"""Stage one's rows, built once per cache: the dataset, tokenized in parallel over the host's cores, packed, and
+written to the row table (``row_store``) that every rank, job-array part and rerun opens.
+
+The *row key* names everything the rows depend on: where the data comes from (for local files, each file's path,
+size and modification time), the dataset options (split, columns, max length, packing, cap...), the tokenizer
+(vocabulary, special tokens and, for fast tokenizers, its whole pipeline: normaliser, pre-tokenizer, added BOS)
+and the chat template. Whether the data is streamed, and over how many workers it is tokenized, is left out:
+those give the same rows in the same order.
+
+Row order is the dataset's order whatever the worker count: ``datasets.map`` with ``num_proc`` splits the data
+into contiguous pieces and concatenates the results in order, and packing then runs once, in one pass, over
+the documents in that order.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.precompute.data import (
+    PAIR_HASHES,
+    TEXT_HASHES,
+    TokenStreams,
+    documents,
+    encode_batch,
+    encode_pairs,
+    load_pairs,
+    load_texts,
+    local_files,
+    no_pairs_error,
+    no_rows_error,
+    pair_fingerprint,
+    text_fingerprint,
+    text_template,
+)
+from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.row_store import ROWS_VERSION, RowWriter, open_or_build, rows_root
+from kdcache.stages.precompute.rows import Rows, iter_rows
+from kdcache.storage.fingerprint import hash_bytes, hash_json
+
+_BATCH = 1000  # dataset rows per tokenizer call
+_ROWS_PER_WORKER = 20_000  # below this many dataset rows per worker, a process costs more than it saves
+Encode = Callable[[dict[str, list[Any]], list[int]], dict[str, list[Any]]]
+
+
+def text_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
+    """The rows of a decoder-only or encoder teacher: ``input_ids``, ``loss_mask`` and, with packing
+    ``documents``, ``position_ids``; built here or opened where another process built them.
+
+    Raises:
+        PrecomputeError: the data cannot be read, holds bad rows, or leaves no row to cache.
+    """
+    d = options.dataset
+    template = text_template(tokenizer, options)
+    names = ("input_ids", "loss_mask", *(("position_ids",) if d.packing == "documents" else ()))
+    key = row_key(options, tokenizer, "text", template)
+
+    def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
+        encode = functools.partial(encode_batch, tokenizer=tokenizer, options=options, template=template)
+        counts = Rows()
+        docs = (doc for batch in encoded_batches(_loaded(load_texts, options), encode, options, writer.path)
+                for doc in documents(batch))
+        for ids, mask, positions in iter_rows(docs, counts, d.packing, d.max_length, tokenizer.eos_token_id,
+                                              d.max_sequences):
+            writer.add({"input_ids": ids, "loss_mask": mask, **({} if positions is None else
+                                                               {"position_ids": positions})})
+        if not writer.rows:
+            raise no_rows_error(options, counts.dropped_empty, counts.dropped_untrained)
+        dropped = {"empty": counts.dropped_empty, "untrained": counts.dropped_untrained}
+        return text_fingerprint(options, tokenizer), {"dropped": dropped}
+
+    hashes = {n: TEXT_HASHES[n] for n in names}
+    return TokenStreams.of_table(open_or_build(rows_root(options.storage.out), key, names, hashes, build))
+
+
+def pair_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
+    """The rows of an encoder-decoder teacher: both sides' ids, and loss masks of ones (every token of both
+    sides is trained on; stored so every cache reads alike)."""
+    d = options.dataset
+    names = ("encoder/input_ids", "encoder/loss_mask", "decoder/input_ids", "decoder/loss_mask")
+    key = row_key(options, tokenizer, "pairs", None)
+
+    def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
+        encode = functools.partial(encode_pairs, tokenizer=tokenizer, options=options)
+        dropped = 0
+        for batch in encoded_batches(_loaded(load_pairs, options), encode, options, writer.path):
+            for src, tgt in zip(batch["src"], batch["tgt"]):
+                if not len(src):
+                    dropped += 1
+                    continue
+                src, tgt = np.asarray(src, dtype=np.int32), np.asarray(tgt, dtype=np.int32)
+                writer.add({"encoder/input_ids": src, "encoder/loss_mask": np.ones(len(src), dtype=np.uint8),
+                            "decoder/input_ids": tgt, "decoder/loss_mask": np.ones(len(tgt), dtype=np.uint8)})
+                if d.max_sequences is not None and writer.rows >= d.max_sequences:
+                    return pair_fingerprint(options), {"dropped": {"empty": dropped, "untrained": 0}}
+        if not writer.rows:
+            raise no_pairs_error(options, dropped)
+        return pair_fingerprint(options), {"dropped": {"empty": dropped, "untrained": 0}}
+
+    return TokenStreams.of_table(open_or_build(rows_root(options.storage.out), key, names, PAIR_HASHES, build))
+
+
+def _loaded(load: Callable[[PrecomputeOptions], Any], options: PrecomputeOptions) -> Any:
+    """The dataset, with what Arrow's allocator kept from converting the files handed back to the system: the
+    conversion's buffers scale with the data, and the build holds nothing of them afterwards."""
+    import pyarrow as pa
+
+    ds = load(options)
+    pa.default_memory_pool().release_unused()
+    return ds
+
+
+def row_key(options: PrecomputeOptions, tokenizer: Any, kind: str, template: str | None) -> dict[str, Any]:
+    """Everything the rows depend on (see the module docstring); equal keys give equal rows."""
+    dataset = {k: v for k, v in asdict(options.dataset).items()
+               if k not in ("streaming", "tokenize_workers", "chat_template")}  # the template's text counts instead
+    files = local_files(options.dataset.data)
+    return {"version": ROWS_VERSION, "kind": kind, "dataset": dataset,
+            "files": [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files or []],
+            "tokenizer": tokenizer_key(tokenizer),
+            "template": hash_bytes(template.encode()) if template is not None else None}
+
+
+def tokenizer_key(tokenizer: Any) -> dict[str, Any]:
+    """The tokenizer's fingerprint plus what else changes its ids: a fast tokenizer's whole serialised pipeline,
+    else its class and settings."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    pipeline = backend.to_str() if backend is not None else hash_json([type(tokenizer).__name__,
+                                                                        tokenizer.init_kwargs])
+    return {**tokenizer_fingerprint(tokenizer), "pipeline": hash_bytes(pipeline.encode()),
+            "eos": tokenizer.eos_token_id}
+
+
+def workers(options: PrecomputeOptions, rows: int) -> int:
+    """Processes to tokenize ``rows`` dataset rows with: ``--tokenize-workers``, else the host's cores, fewer
+    for small data."""
+    wanted = options.dataset.tokenize_workers
+    if wanted:
+        return wanted
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, rows // _ROWS_PER_WORKER))
+
+
+def encoded_batches(ds: Any, encode: Encode, options: PrecomputeOptions, scratch: Any) -> Iterator[dict[str, Any]]:
+    """``encode``'s output over the dataset, batch by batch, in dataset order.
+
+    A stream, a capped run (``--max-sequences``: only the rows it needs are read) and small data are encoded
+    here, lazily; otherwise ``datasets.map`` encodes on every core into Arrow files under ``scratch`` (removed
+    with the finished build), read back a batch at a time.
+    """
+    import datasets
+
+    if isinstance(ds, datasets.IterableDataset) or options.dataset.max_sequences is not None:
+        yield from _in_process(ds, encode)
+        return
+    procs = workers(options, len(ds))
+    if procs == 1:
+        yield from _in_process(ds, encode)
+        return
+    out = ds.map(encode, batched=True, batch_size=_BATCH, with_indices=True, num_proc=procs,
+                 remove_columns=ds.column_names, cache_file_name=str(scratch / "docs.arrow"),
+                 features=_doc_features(), desc="tokenizing")
+    for batch in _file_batches(out) or out.data.to_batches(max_chunksize=_BATCH):
+        yield {name: _lists(batch.column(name)) for name in batch.schema.names}
+
+
+def _in_process(ds: Any, encode: Encode) -> Iterator[dict[str, Any]]:
+    files = _file_batches(ds)
+    batches = (b.to_pydict() for b in files) if files is not None else ds.iter(batch_size=_BATCH)
+    start = 0
+    for batch in batches:
+        count = len(next(iter(batch.values())))
+        yield encode(batch, list(range(start, start + count)))
+        start += count
+
+
+def _doc_features() -> Any:
+    import datasets
+
+    return datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")),
+                              "mask": datasets.Sequence(datasets.Value("uint8"))})
+
+
+def _file_batches(ds: Any) -> Iterator[Any] | None:
+    """A map-style dataset's rows as Arrow record batches of at most ``_BATCH`` rows, read from its Arrow files
+    with plain reads rather than through its memory map, so the builder's resident memory stays flat in the data
+    (a map's touched pages count as resident); None for a stream or a dataset its files do not hold as is."""
+    import pyarrow as pa
+
+    files = [f["filename"] for f in getattr(ds, "cache_files", None) or []]
+    if not files or getattr(ds, "_indices", None) is not None or len(ds) != sum(_rows_in(f) for f in files):
+        return None
+
+    def read() -> Iterator[Any]:
+        for name in files:
+            with pa.OSFile(name) as source:
+                for batch in pa.ipc.open_stream(source):
+                    for start in range(0, batch.num_rows, _BATCH):
+                        yield batch.slice(start, _BATCH)
+
+    return read()
+
+
+def _rows_in(path: str) -> int:
+    import pyarrow as pa
+
+    with pa.memory_map(path) as source:  # reads the batches' headers, not their data
+        return sum(b.num_rows for b in pa.ipc.open_stream(source))
+
+
+def _lists(column: Any) -> list[np.ndarray]:
+    """A ``list<...>`` Arrow column as one numpy view per row (offsets index the unsliced values)."""
+    offsets, values = column.offsets.to_numpy(), column.values.to_numpy()
+    return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]

@@ -1,0 +1,179 @@
+"""Rows built once per cache (issue 26): one build shared by ranks, parts and reruns, invalidated by what the rows
+depend on; streaming input; the size estimate and the up-front refusal of a destination too small."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kdcache.pipeline.cli import main
+from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+from kdcache.stages.precompute.row_build import text_streams
+from kdcache.stages.precompute.teacher import load_tokenizer
+from kdcache.storage import CacheReader
+from tests.helpers.tiny_models import sample_texts, write_text_dataset
+from tests.stages.test_precompute_resume import assert_same_cache
+
+
+def _opts(teacher: Path, data: Path, out: Path, **more: Any) -> PrecomputeOptions:
+    flat = dict(teacher=str(teacher), data=str(data), out=str(out), max_length=40, batch_size=4,
+                sequences_per_shard=4, layers=("0", "2"), features=("hidden", "attention", "logits"), top_k=8,
+                attention_layers=("1",), progress=False)
+    return PrecomputeOptions.of(**{**flat, **more})
+
+
+def _streams(options: PrecomputeOptions) -> Any:
+    return text_streams(options, load_tokenizer(options))
+
+
+def _row_folders(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "rows").iterdir() if p.is_dir())
+
+
+def _same_rows(a: Any, b: Any) -> None:
+    assert a.fingerprint == b.fingerprint and len(a) == len(b)
+    for name in ("loss_mask", "position_ids"):
+        assert (name in a.tokens) == (name in b.tokens)
+    for i in range(len(a)):
+        np.testing.assert_array_equal(a.ids[""][i], b.ids[""][i])
+        for name in a.tokens:
+            np.testing.assert_array_equal(a.tokens[name][i], b.tokens[name][i])
+
+
+@pytest.fixture()
+def corpus(tmp_path: Path) -> Path:
+    return write_text_dataset(tmp_path / "corpus.jsonl", sample_texts(120, seed=3))
+
+
+def test_rerun_and_job_array_parts_reuse_the_rows(tiny_gpt2: Path, corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cache"
+    first = run_precompute(_opts(tiny_gpt2, corpus, out, num_shards=2, shard_index=0))
+    second = run_precompute(_opts(tiny_gpt2, corpus, out, num_shards=2, shard_index=1))
+    rerun = run_precompute(_opts(tiny_gpt2, corpus, out, num_shards=2, shard_index=1))
+    assert first["rows"]["built"] and not second["rows"]["built"] and not rerun["rows"]["built"]
+    assert len(_row_folders(out)) == 1
+    single = tmp_path / "single"
+    run_precompute(_opts(tiny_gpt2, corpus, single))
+    assert main(["merge", str(out)]) == 0
+    assert_same_cache(single, out)
+
+
+def _build_in_child(options: PrecomputeOptions, queue: Any) -> None:
+    data = _streams(options)
+    queue.put((data.built, data.fingerprint, [a.tolist() for a in data.ids[""][:]]))
+
+
+def test_concurrent_ranks_build_once_and_see_the_same_rows(tiny_gpt2: Path, corpus: Path, tmp_path: Path) -> None:
+    options = _opts(tiny_gpt2, corpus, tmp_path / "cache", packing="documents")
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child, args=(options, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert sorted(built for built, _, _ in results) == [False, True]  # one built, the other waited and opened
+    assert results[0][1:] == results[1][1:]
+    _same_rows(_streams(options), _streams(_opts(tiny_gpt2, corpus, tmp_path / "alone", packing="documents")))
+
+
+def test_parallel_tokenizing_gives_the_rows_of_one_process(tiny_llama: Path, corpus: Path, tmp_path: Path) -> None:
+    for packing in ("none", "documents", "concat"):
+        one = _streams(_opts(tiny_llama, corpus, tmp_path / f"one-{packing}", packing=packing, tokenize_workers=1))
+        two = _streams(_opts(tiny_llama, corpus, tmp_path / f"two-{packing}", packing=packing, tokenize_workers=2))
+        assert one.built and two.built
+        _same_rows(one, two)
+
+
+def test_data_tokenizer_and_packing_changes_invalidate_the_rows(tiny_gpt2: Path, tiny_llama: Path, corpus: Path,
+                                                                  tmp_path: Path) -> None:
+    out = tmp_path / "cache"
+    base = _streams(_opts(tiny_gpt2, corpus, out))
+    assert base.built and not _streams(_opts(tiny_gpt2, corpus, out)).built
+    changed = [_opts(tiny_gpt2, corpus, out, packing="documents"), _opts(tiny_gpt2, corpus, out, max_length=20),
+               _opts(tiny_llama, corpus, out)]
+    for options in changed:
+        assert _streams(options).built
+    with corpus.open("a") as fh:
+        fh.write(json.dumps({"text": "one more line of data"}) + "\n")
+    grown = _streams(_opts(tiny_gpt2, corpus, out))
+    assert grown.built and len(grown) == len(base) + 1
+    assert grown.fingerprint["input_ids_hash"] != base.fingerprint["input_ids_hash"]
+    assert len(_row_folders(out)) == 5
+
+
+def test_chat_template_change_invalidates_the_rows(tiny_llama: Path, tmp_path: Path) -> None:
+    chats = [[{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]
+             for t in sample_texts(20, seed=1)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    out = tmp_path / "cache"
+    templates = ["{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+                 "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"]
+    hashes = []
+    for i, text in enumerate(templates):
+        (tmp_path / f"t{i}.jinja").write_text(text)
+        options = _opts(tiny_llama, data, out, messages_column="messages", chat_template=str(tmp_path / f"t{i}.jinja"))
+        rows = _streams(options)
+        assert rows.built
+        hashes.append(rows.fingerprint["input_ids_hash"])
+    assert hashes[0] != hashes[1] and len(_row_folders(out)) == 2
+
+
+def test_streaming_a_jsonl_folder_gives_the_same_cache(tiny_gpt2: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    texts = sample_texts(90, seed=5)
+    for i in range(3):
+        write_text_dataset(folder / f"part-{i}.jsonl", texts[i * 30:(i + 1) * 30])
+    plain, streamed = tmp_path / "plain", tmp_path / "streamed"
+    run_precompute(_opts(tiny_gpt2, folder, plain, packing="documents"))
+    summary = run_precompute(_opts(tiny_gpt2, folder, streamed, packing="documents", streaming=True))
+    assert summary["status"] == "complete" and summary["rows"]["built"]
+    assert_same_cache(plain, streamed)
+
+
+def test_estimate_is_within_15_percent_of_the_real_cache(tiny_gpt2: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    data = write_text_dataset(tmp_path / "big.jsonl", sample_texts(600, seed=7))
+    out = tmp_path / "cache"
+    argv = ["precompute", "--teacher", str(tiny_gpt2), "--data", str(data), "--out", str(out), "--max-length", "40",
+            "--sequences-per-shard", "8", "--features", "hidden,attention,logits", "--layers", "0,3",
+            "--attention-layers", "2", "--top-k", "8", "--no-progress"]
+    assert main([*argv, "--estimate", "--json"]) == 0
+    guess = json.loads(capsys.readouterr().out)
+    assert guess["status"] == "estimate" and guess["sample_rows"] < guess["num_sequences"] / 4
+    assert guess["fits"] is True and not (out / "manifest.json").exists()
+    assert main(argv) == 0
+    real = CacheReader(out)
+    stored = sum(r.stored_bytes for r in real.records)
+    assert guess["tokens"] == real.manifest.num_tokens
+    assert abs(guess["total_bytes"] - stored) <= 0.15 * stored, (guess["total_bytes"], stored)
+    assert {"hidden/0", "attention/2", "logits/topk"} <= set(guess["bytes_per_token"])
+
+
+def test_a_destination_too_small_is_refused_before_the_teacher_loads(tiny_gpt2: Path, corpus: Path,
+                                                                    small_tmpfs: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    teacher = tmp_path / "config-only"  # no weights: loading the teacher would fail with another error
+    teacher.mkdir()
+    for f in tiny_gpt2.iterdir():
+        if not f.name.endswith((".safetensors", ".bin")):
+            shutil.copy(f, teacher / f.name)
+    config = json.loads((teacher / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps({**config, "vocab_size": 1 << 20}))
+    out = small_tmpfs / "cache"  # 8 MiB; full logits over 2^20 ids take 2 MiB a token
+    code = main(["precompute", "--teacher", str(teacher), "--data", str(corpus), "--out", str(out),
+                 "--max-length", "40", "--full-logits", "--features", "hidden,logits", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "out: the cache needs at least" in err and "free" in err and str(out) in err, err
+    assert not (out / "shards").exists()
