@@ -29,6 +29,19 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     }
 
 
+def clear_call_state(tokenizer: Any) -> None:
+    """Drop the truncation and padding that an earlier call left on a fast tokenizer's backend.
+
+    HF fast tokenizers keep the last call's ``truncation=``/``padding=`` in their backend, and its serialised
+    pipeline and a saved ``tokenizer.json`` carry them; cleared, both are the same bytes whichever process (or rank)
+    tokenized. Every call sets its own again, so this changes no ids.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_truncation()
+        backend.no_padding()
+
+
 def config_fingerprint(config: Any) -> str:
     """Hash of a HF ``PretrainedConfig``, leaving out fields that do not change the outputs."""
     data = config.to_dict()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.common.fingerprints import clear_call_state, tokenizer_fingerprint
 from kdcache.stages.precompute.data import (
     PAIR_HASHES,
     TEXT_HASHES,
@@ -130,6 +130,7 @@ def row_key(options: PrecomputeOptions, tokenizer: Any, kind: str, template: str
 def tokenizer_key(tokenizer: Any) -> dict[str, Any]:
     """The tokenizer's fingerprint plus what else changes its ids: a fast tokenizer's whole serialised pipeline,
     else its class and settings."""
+    clear_call_state(tokenizer)  # an earlier call's truncation is no part of what maps text to ids
     backend = getattr(tokenizer, "backend_tokenizer", None)
     pipeline = backend.to_str() if backend is not None else hash_json([type(tokenizer).__name__,
                                                                         tokenizer.init_kwargs])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kdcache.stages.common.fingerprints import config_fingerprint, weights_fingerprint
+from kdcache.stages.common.fingerprints import clear_call_state, config_fingerprint, weights_fingerprint
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES, Targets
@@ -201,6 +201,7 @@ def save_tokenizer(tokenizer: Any, out: str | os.PathLike[str]) -> None:
     store = open_store(out)
     if folder_is_complete(store, "tokenizer"):
         return
+    clear_call_state(tokenizer)  # the same tokenizer.json whichever rank saves it, whether or not it tokenized
     with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as tmp:
         tokenizer.save_pretrained(tmp)
         put_folder(store, "tokenizer", Path(tmp))

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kdcache.pipeline.children import child_env
 from kdcache.pipeline.cli import main
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
 
 def _kdcache(*argv: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = child_env(HF_HUB_OFFLINE="1")  # no rank variables from a training test run earlier in this process
     return subprocess.run([sys.executable, "-m", "kdcache", *argv], capture_output=True, text=True, env=env,
                           timeout=600)
 

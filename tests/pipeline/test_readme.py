@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from kdcache.pipeline.children import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,7 +43,7 @@ def test_first_run_walkthrough_runs_as_pasted(tmp_path: Path) -> None:
     assert lines[0] == "source .venv/bin/activate" and any("--print-teacher" in line for line in lines)
     script = "set -e\n" + "\n".join(lines) + "\n"
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          env=child_env(HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run" / "report" / "report.html").is_file()
     assert "mean cosine" in proc.stdout and "report written to run/report/report.html" in proc.stdout
