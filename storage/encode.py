@@ -14,7 +14,7 @@ import numpy as np
 
 from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
 from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, ShardError
-from kdcache.storage.hidden_codecs import ERROR_KIND, encode, error_record, is_part, part_name
+from kdcache.storage.hidden_codecs import encode, error_record, is_part, part_name, part_of
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
 from kdcache.storage.spec import QKV_KINDS, SAMPLED_NAMES, TOKEN_ARRAYS, TOPK_MASS, VOCAB_IDS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
@@ -72,7 +72,7 @@ def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[
     """Validate one sequence's arrays; returns its length per token stream."""
     expected = spec.sequence_names()
     for name in item:
-        if name not in expected and kind_of(name) != ERROR_KIND and name != TOPK_MASS:
+        if name not in expected and part_of(name) != "error" and name != TOPK_MASS:
             spec.check_name(name)  # raises the typed unknown-feature / layer error
     missing = [n for n in expected if n not in item]
     if missing:

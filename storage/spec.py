@@ -44,6 +44,7 @@ from kdcache.storage.hidden_codecs import (
     codec_of,
     is_part,
     part_name,
+    part_of,
     parts,
     resolve_hidden_codec,
 )
@@ -311,8 +312,8 @@ class CacheSpec:
         names = self.token_names()
         for stream, hidden, attention in self.stream_layers():
             names += [n for j in hidden for n in self.with_parts(prefixed(stream, f"hidden/{j}"))]
-            names += [prefixed(stream, f"{kind}/{j}") for j in attention
-                      for kind in ATTENTION_SOURCES[self.attention_source]]
+            names += [n for j in attention for kind in ATTENTION_SOURCES[self.attention_source]
+                      for n in self.with_parts(prefixed(stream, f"{kind}/{j}"))]
         names += [f"{CROSS}/{j}" for j in self.cross_attention_layers]
         return names + self.logit_arrays()
 
@@ -366,7 +367,7 @@ class CacheSpec:
         if self.coded(name):
             return np.dtype(codec_of(self.hidden_codec).code_dtype)
         if is_part(name):
-            return np.dtype(np.uint16) if kind_of(name) == "hidden_outlier_ids" else np.dtype(np.float16)
+            return np.dtype(np.uint16) if part_of(name) == "outlier_ids" else np.dtype(np.float16)
         return storage_dtype(self.float_dtype(name))
 
     def codec_for(self, name: str) -> dict[str, Any]:

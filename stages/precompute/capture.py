@@ -86,16 +86,17 @@ def to_storage_dtype(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
 
 
 def hidden_targets(record: dict[str, Any], name: str, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A hidden state ``[B, L, d]`` as the arrays its codec stores, made on its device: the float type of a float
-    codec, or codes, scales, outliers and per-row errors (``stages.common.hidden_codecs.encode``)."""
+    """A hidden state (or cached queries/keys/values) ``[B, L, d]`` as the arrays its codec stores, made on its
+    device: the float type of a float codec, or codes, scales, outliers and per-row errors
+    (``stages.common.hidden_codecs.encode``)."""
     if hidden_codecs.quantised(record):
         return hidden_codecs.encode(record, name, hidden)
     return {name: to_storage_dtype(hidden, record["name"])}
 
 
 def fp16_bounded(name: str, dtype_name: str, record: dict[str, Any]) -> bool:
-    """Whether target ``name`` must stay within float16's range: fp16 targets, and hidden states of every codec
-    but bf16 (quantised codecs keep outliers and scales in fp16)."""
+    """Whether target ``name`` must stay within float16's range: fp16 targets, and coded arrays (hidden states,
+    queries/keys/values) of every codec but bf16 (quantised codecs keep outliers and scales in fp16)."""
     return record["name"] != "bf16" if applies_to(name) else dtype_name == "fp16"
 
 
@@ -307,9 +308,9 @@ class FeatureCapture:
             else:
                 output, kept = self._qk.run(lambda: self._forward(kwargs, attention_mask, lengths[0]),
                                             attention_mask, position_ids)
-                for name, value in self._qk.arrays().items():
+                for name, value in self._qk.arrays().items():  # activations: the hidden codec applies
                     self._keep_range(name, value)
-                    self._out[name] = to_storage_dtype(value, self.dtype_name)
+                    self._out.update(hidden_targets(self.hidden_codec, name, value))
             if self._attention_fallback:
                 for j in self.targets.streams[""].attention:
                     if f"attention/{j}" not in self._out:

@@ -35,6 +35,7 @@ from kdcache.storage.backends.shard_file import ShardFileError, plain_layout, re
 from kdcache.storage.codecs import to_zarr_compressors
 from kdcache.storage.errors import ChecksumError
 from kdcache.storage.files import crc32c
+from kdcache.storage.hidden_codecs import CODED_KINDS
 from kdcache.storage.manifest import ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store
@@ -48,8 +49,8 @@ _DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids":
                "logits": ("token", "rank"), "cross_attention": ("query_key", "head"),
                "cross_attention_offsets": ("sequence_edge",), "attention_q": ("token", "head_feature"),
                "attention_k": ("token", "head_feature"), "attention_v": ("token", "head_feature"),
-               "hidden_scale": ("token", "group"), "hidden_outliers": ("token", "outlier"),
-               "hidden_outlier_ids": ("token", "outlier")}
+               **{f"{kind}_{part}": ("token", dim) for kind in CODED_KINDS
+                  for part, dim in (("scale", "group"), ("outliers", "outlier"), ("outlier_ids", "outlier"))}}
 
 
 def _zarr() -> Any:

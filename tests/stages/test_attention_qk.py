@@ -10,19 +10,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from kdcache.pipeline.cli import main
 from kdcache.stages.common.qk_attention import QKRecorder, ScoreRule, allowed_keys, block_log_probs
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.train.distill import student_inputs
+from kdcache.stages.train.evaluate import evaluate_run
 from kdcache.stages.train.losses.attention import attention_kl
 from kdcache.stages.train.losses.attention_qk import ScoreSide, blocked_attention_kl, heads_from_rows, relation_kl
 from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.streaming import collate, to_device
-from kdcache.storage import CacheReader
+from kdcache.storage import CacheReader, verify_cache
 from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, sample_texts, write_text_dataset
 
 STUDENTS = {"gpt2": (make_tiny_gpt2, {"heads": 2, "layers": 2, "initializer_range": 0.3}),
@@ -31,13 +34,14 @@ STUDENTS = {"gpt2": (make_tiny_gpt2, {"heads": 2, "layers": 2, "initializer_rang
 REL = 1e-3
 
 
-def _cache(tmp_path: Path, teacher: Path, source: str, packing: str) -> CacheReader:
+def _cache(tmp_path: Path, teacher: Path, source: str, packing: str, codec: str | None = None,
+           layers: tuple[str, ...] = ("1", "2")) -> CacheReader:
     data = write_text_dataset(tmp_path / "data.jsonl", sample_texts(10, seed=5))
-    out = tmp_path / f"cache-{source}"
+    out = tmp_path / f"cache-{source}-{codec or 'float'}"
     run_precompute(PrecomputeOptions.of(
         teacher=str(teacher), data=str(data), out=str(out), max_length=40, batch_size=4, sequences_per_shard=8,
-        progress=False, packing=packing, features=("hidden", "attention", "logits"), layers=("1", "2"), top_k=4,
-        attention_source=source))
+        progress=False, packing=packing, features=("hidden", "attention", "logits"), layers=layers, top_k=4,
+        attention_source=source, hidden_codec=codec))
     return CacheReader(out)
 
 
@@ -100,6 +104,41 @@ def test_qk_kl_equals_maps_kl_in_value_and_gradient(family: str, packing: str, t
     assert value_qk.item() == pytest.approx(value_maps.item(), rel=REL)
     g_maps, g_qk = _grads(eager), _grads(sdpa)
     assert float((g_qk - g_maps).norm() / g_maps.norm()) < REL
+
+
+@pytest.mark.parametrize("codec,code_dtype", [("int8", np.int8), ("fp8", np.uint8)])
+def test_coded_queries_and_keys_give_the_kl_of_fp16_ones(codec: str, code_dtype: type, tmp_path: Path,
+                                                         tiny_llama: Path) -> None:
+    """``--hidden-codec`` applies to the cached q/k (activations): codes and companions are stored, verified,
+    decoded on the device by ``to_device``, and the blocked KL stays within 2% of the fp16 cache's."""
+    every = ("1", "2", "3")  # the last block too: the training step's uniform layer map reads it
+    plain = _cache(tmp_path, tiny_llama, "qk", "none", layers=every)
+    coded = _cache(tmp_path, tiny_llama, "qk", "none", codec, layers=every)
+    item = coded.get(0)
+    for kind in ("attention_q", "attention_k"):
+        assert item[f"{kind}/2"].dtype == code_dtype and item[f"{kind}_scale/2"].dtype == np.float16
+        assert item[f"{kind}_outlier_ids/2"].dtype == np.uint16 and f"{kind}_outliers/2" in item
+        record = coded.records[0].lossy[f"{kind}/2"]
+        assert record["codec"] == codec and 0 < record["rel_rms_error"] < 0.06 and record["worst_row_cosine"] > 0.99
+    assert plain.get(0)["attention_q/2"].dtype == np.float16 and "attention_q_scale/2" not in plain.get(0)
+    assert verify_cache(tmp_path / f"cache-qk-{codec}").ok
+    ids = list(range(6))
+    b_plain = _batch(plain)
+    b_coded = to_device(collate([coded[i] for i in ids], ids), "cpu", coded.spec.hidden_codec)
+    assert not [n for n in b_coded if "_scale/" in n or "_outlier" in n]  # companions dropped once decoded
+    assert b_coded["attention_q/2"].dtype == torch.float32
+    assert b_coded["attention_q/2"].shape == b_plain["attention_q/2"].shape
+    student = _student("llama", tiny_llama, tmp_path / "student", "sdpa")
+    with torch.no_grad():
+        want = _qk_kl(student, b_plain, plain.spec.attention_scores, True, block=5)
+        got = _qk_kl(student, b_coded, coded.spec.attention_scores, True, block=5)
+    assert want.item() > 1e-2 and got.item() == pytest.approx(want.item(), rel=2e-2)
+    run = tmp_path / "run"
+    assert main(["train", "--cache", str(tmp_path / f"cache-qk-{codec}"), "--student", str(tmp_path / "student"),
+                 "--out", str(run), "--zero-stage", "0", "--max-steps", "1", "--batch-size", "4", "--delta", "1",
+                 "--json"]) == 0  # one step: the loop decodes the coded q/k on its device before the blocked KL
+    result = evaluate_run(run, coded, batch_size=4)
+    assert all(np.isfinite(v) for v in result["attention"]["pairs"].values())
 
 
 def test_blocks_equal_one_pass_and_the_full_maps_exactly() -> None:
