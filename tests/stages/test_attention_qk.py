@@ -182,6 +182,27 @@ def test_a_model_adding_to_its_scores_is_refused(tiny_gpt2: Path, tmp_path: Path
         check_rule(captured, mask, None, "gpt2 block 1")
 
 
+def test_the_check_in_blocks_of_query_rows_agrees_with_the_model(tiny_gpt2: Path) -> None:
+    """The check rebuilds the first sequence a few query rows at a time (never the batch's [B, H, L, L] maps):
+    blocks that do not divide the length, with padding, still reproduce the model and still catch a wrong rule."""
+    import transformers
+
+    from kdcache.stages.common.qk_attention import QKRecorderError, check_rule
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_gpt2), dtype=torch.float32)
+    recorder = QKRecorder(model, (1, 2), True, keep_output=True)
+    ids = torch.randint(5, 100, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0
+    with torch.no_grad(), recorder.forward():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    for block in (1, 4, 128):
+        check_rule(recorder.captured[2], mask, None, "gpt2 block 2", block=block)
+    recorder.captured[2].rule = ScoreRule(recorder.captured[2].rule.scaling * 1.5, True)
+    with pytest.raises(QKRecorderError, match="gpt2 block 2: its attention output differs"):
+        check_rule(recorder.captured[2], mask, None, "gpt2 block 2", block=4)
+
+
 def test_sliding_windows_and_soft_capping_are_recorded_and_reproduced() -> None:
     """Mistral's window and Gemma 2's alternating window and logit soft-cap: each block's rule is recorded from
     what the model hands its kernel, and the rebuilt scores reproduce its attention output (padding included)."""
