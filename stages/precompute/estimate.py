@@ -7,9 +7,9 @@ Two figures, for two moments:
   top-k logits, at their storage dtype and uncompressed. Attention kept as queries and keys (``--attention-source
   qk``/``qkv``) counts ``tokens x (H + H_kv) x head_dim`` per block (plus ``H_kv x head_dim`` for the values),
   whatever the lengths, since the spec sized before the teacher loads still names maps. A real run refuses a
-  local destination whose free space is below a quarter of that (``check_room``): lossless codecs shrink fp16 activations by ~1.1x, so a
-  destination that could not hold the cache even at 4x is clearly too small, and the refusal costs seconds
-  rather than hours of teacher time.
+  local destination whose free space is below a quarter of that (``check_room``): lossless codecs shrink fp16
+  activations by ~1.1x, so a destination that could not hold the cache even at 4x is clearly too small, and the
+  refusal costs seconds rather than hours of teacher time.
 * ``--estimate`` runs the real teacher over the first shards (at least ``SAMPLE_ROWS`` rows), writes them with
   the real codecs into a scratch cache, and scales each array's bytes to the whole data: attention by the sum of
   squared lengths, everything else by tokens; the time follows from the sample's measured rate.
