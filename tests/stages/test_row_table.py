@@ -203,3 +203,22 @@ def test_a_destination_too_small_is_refused_before_the_teacher_loads(tiny_gpt2: 
     assert code == 2 and "Traceback" not in err
     assert "out: the cache needs at least" in err and "free" in err and str(out) in err, err
     assert not (out / "shards").exists()
+
+
+def test_only_the_process_that_built_removes_the_lock_file(tmp_path: Path) -> None:
+    from kdcache.stages.precompute.row_store import open_or_build
+    from kdcache.storage.fingerprint import hash_json
+
+    def refuse(writer: Any) -> Any:
+        raise ValueError("bad data")
+
+    root = tmp_path / "cache" / "rows"
+    with pytest.raises(ValueError, match="bad data"):
+        open_or_build(root, {"data": 1}, ("input_ids",), {}, refuse)
+    assert not (tmp_path / "cache").exists()  # the builder left nothing behind, its lock file included
+    folder = root / hash_json({"data": 2})[7:23]
+    folder.mkdir(parents=True)
+    (folder / "rows.json").write_text("{")  # another process's rows, unreadable: this one only opens them
+    with pytest.raises((ValueError, OSError)):
+        open_or_build(root, {"data": 2}, ("input_ids",), {}, refuse)
+    assert (root / f"{folder.name}.lock").is_file()
