@@ -128,3 +128,19 @@ def test_room_for_queries_and_keys_is_sized_per_token_not_as_maps() -> None:
     assert lower_bound_bytes(spec, config, data) == 2 * 8 * 4 * 4096 ** 2 * 2  # blocks x H x sum L^2 x fp16
     assert lower_bound_bytes(spec, config, data, "qk") == 2 * tokens * (8 + 2) * 8 * 2  # (H + H_kv) x head_dim
     assert lower_bound_bytes(spec, config, data, "qkv") == 2 * tokens * (8 + 2 + 2) * 8 * 2
+
+
+def test_an_explicit_default_hidden_codec_keeps_the_settings_fingerprint(tiny_gpt2: Path, tmp_path: Path) -> None:
+    from kdcache.stages.precompute.targets import resolve_targets, settings_fingerprint
+    from kdcache.stages.precompute.teacher import read_config
+
+    def settings(**more: object) -> dict[str, object]:
+        options = PrecomputeOptions.of(teacher=str(tiny_gpt2), data=str(tmp_path / "d.jsonl"),
+                                       out=str(tmp_path / "c"), features=("hidden",), **more)
+        return settings_fingerprint(options, resolve_targets(options, read_config(options)))
+
+    plain = settings()
+    assert "hidden_codec" not in plain
+    assert settings(hidden_codec="fp16") == plain  # the fp16 dtype's own codec, given explicitly
+    assert settings(hidden_codec="bf16", dtype="bf16") == settings(dtype="bf16")
+    assert settings(hidden_codec="int8")["hidden_codec"]["name"] == "int8"
