@@ -169,12 +169,14 @@ def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
     import dataclasses
 
     from kdcache.stages.common.option_groups import leaves
-    from kdcache.stages.train.options import TrainOptions
+    from kdcache.stages.train.options import DEFAULT_TEMPERATURE, TrainOptions
 
     # options.json holds maps as their text, so the defaults are compared as text too.
     plain = (bool, int, float, str, tuple, type(None))
     defaults = {f.name: f.default if isinstance(f.default, plain) else str(f.default)
                 for _, _, f in leaves(TrainOptions) if f.default is not dataclasses.MISSING}
+    # options.json holds the temperature the run used: an ungiven one is resolved (2, or a sampled cache's own).
+    defaults["temperature"] = DEFAULT_TEMPERATURE
     kept = {k: v for k, v in options.items()
             if k in ("cache", "student", "out") or k not in defaults or _differs(v, defaults[k])}
     return kept, len(options) - len(kept)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 ATTENTION_NAME = "kdcache_qk"
+CHECK_BLOCK = 128  # query rows rebuilt at a time by check_rule: a [1, H, 128, L] fp32 block
 _ACTIVE: list[QKRecorder] = []  # the recorder of the forward running now (innermost last)
 
 
@@ -193,25 +194,37 @@ def block_log_probs(q: torch.Tensor, k: torch.Tensor, rule: ScoreRule, allowed: 
     return torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
-def check_rule(captured: Captured, mask: torch.Tensor, documents: torch.Tensor | None, what: str) -> None:
+def check_rule(captured: Captured, mask: torch.Tensor, documents: torch.Tensor | None, what: str,
+               block: int = CHECK_BLOCK) -> None:
     """Refuse a block whose attention output is not ``softmax(rebuilt scores) · v``: the model adds something to
     its scores (a relative position bias, ALiBi, another mask) that its queries and keys do not carry.
+
+    Only the batch's first sequence is checked, ``block`` query rows at a time: a bias shows in any sequence, and
+    the whole batch's ``[B, H, L, L]`` fp32 maps would not fit on a GPU at long contexts.
 
     Args:
         captured: a block recorded with ``keep_output``.
         mask, documents: ``[B, L]`` the batch's real tokens and document index (or None).
         what: names the model and block in the message.
+        block: query rows rebuilt at a time.
     """
     assert captured.output is not None
-    q, v = captured.q, captured.v
-    rows = slice(0, q.shape[2])
-    probs = block_log_probs(q, captured.k, captured.rule, allowed_keys(mask, rows, captured.rule, documents)).exp()
-    b, heads, length, _ = probs.shape
-    grouped = probs.reshape(b, v.shape[1], heads // v.shape[1], length, length) @ v.float()[:, :, None]
-    rebuilt = grouped.reshape(b, heads, length, -1).transpose(1, 2)  # [B, L, H, d] like the delegate's output
-    real = mask.bool()
-    gap = float((rebuilt[real] - captured.output.float()[real]).abs().max())
-    scale = max(1.0, float(captured.output.float()[real].abs().max()))
+    q, k, v, rule = captured.q[:1], captured.k[:1], captured.v[:1].float(), captured.rule
+    mask, documents = mask[:1], None if documents is None else documents[:1]
+    output, real = captured.output[0].float(), mask[0].bool()  # [L, H, d] like the delegate's output
+    gap, scale = 0.0, 1.0
+    for start in range(0, q.shape[2], block):
+        rows = slice(start, min(start + block, q.shape[2]))
+        keep = real[rows]
+        if not keep.any():
+            continue
+        probs = block_log_probs(q[:, :, rows], k, rule, allowed_keys(mask, rows, rule, documents)).exp()
+        _, heads, count, length = probs.shape
+        grouped = probs.reshape(1, v.shape[1], heads // v.shape[1], count, length) @ v[:, :, None]
+        rebuilt = grouped.reshape(heads, count, -1).transpose(0, 1)[keep]  # [C', H, d]
+        want = output[rows][keep]
+        gap = max(gap, float((rebuilt - want).abs().max()))
+        scale = max(scale, float(want.abs().max()))
     tolerance = 1e-3 if q.dtype == torch.float32 else 3e-2
     if gap > tolerance * scale:
         raise QKRecorderError(f"{what}: its attention output differs by {gap:.3g} from softmax(scaling * q.k + "

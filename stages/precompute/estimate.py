@@ -4,10 +4,12 @@ Two figures, for two moments:
 
 * Before the teacher loads, ``lower_bound_bytes`` sizes what the spec alone fixes: hidden states
   (``layers x tokens x d``), attention maps (``layers x heads x sum L_i^2``, halved for the triangle) and full or
-  top-k logits, at their storage dtype and uncompressed. A real run refuses a local destination whose free
-  space is below a quarter of that (``check_room``): lossless codecs shrink fp16 activations by ~1.1x, so a
-  destination that could not hold the cache even at 4x is clearly too small, and the refusal costs seconds
-  rather than hours of teacher time.
+  top-k logits, at their storage dtype and uncompressed. Attention kept as queries and keys (``--attention-source
+  qk``/``qkv``) counts ``tokens x (H + H_kv) x head_dim`` per block (plus ``H_kv x head_dim`` for the values),
+  whatever the lengths, since the spec sized before the teacher loads still names maps. A real run refuses a
+  local destination whose free space is below a quarter of that (``check_room``): lossless codecs shrink fp16
+  activations by ~1.1x, so a destination that could not hold the cache even at 4x is clearly too small, and the
+  refusal costs seconds rather than hours of teacher time.
 * ``--estimate`` runs the real teacher over the first shards (at least ``SAMPLE_ROWS`` rows), writes them with
   the real codecs into a scratch cache, and scales each array's bytes to the whole data: attention by the sum of
   squared lengths, everything else by tokens; the time follows from the sample's measured rate.
@@ -42,9 +44,10 @@ def free_bytes(out: str) -> int | None:
     return shutil.disk_usage(path).free
 
 
-def lower_bound_bytes(spec: Any, config: Any, data: Any) -> int:
-    """Uncompressed bytes of the cache's hidden states, attention maps and full / top-k logits (see the module
-    docstring); what depends on the teacher's outputs (sampled logits, documents' attention blocks) counts 0."""
+def lower_bound_bytes(spec: Any, config: Any, data: Any, source: str = "maps") -> int:
+    """Uncompressed bytes of the cache's hidden states, attention (maps, or per ``source`` queries/keys/values)
+    and full / top-k logits (see the module docstring); what depends on the teacher's outputs (sampled logits,
+    documents' attention blocks) counts 0."""
     d = int(getattr(config, "hidden_size", None) or getattr(config, "d_model", None) or 0)
     tokens, sum_sq = data.meta.get("tokens", {}), data.meta.get("sum_sq_lengths", {})
     total = 0
@@ -53,6 +56,8 @@ def lower_bound_bytes(spec: Any, config: Any, data: Any) -> int:
         item = spec.array_dtype(name).itemsize
         if kind == "hidden":
             total += tokens.get(stream, 0) * d * item
+        elif kind == "attention" and source != "maps":
+            total += tokens.get(stream, 0) * _qkv_width(config, source) * item
         elif kind == "attention" and not spec.by_documents(name):
             heads = len(spec.attention_heads) if spec.attention_heads else _heads(config)
             total += int(sum_sq.get(stream, 0) * heads * item / (2 if spec.attention_triangle else 1))
@@ -64,6 +69,16 @@ def lower_bound_bytes(spec: Any, config: Any, data: Any) -> int:
 
 def _heads(config: Any) -> int:
     return int(getattr(config, "num_attention_heads", None) or getattr(config, "encoder_attention_heads", 0) or 0)
+
+
+def _qkv_width(config: Any, source: str) -> int:
+    """Values per token of one block's queries and keys (``H x head_dim``, ``H_kv x head_dim``), and for
+    ``qkv`` its values too (``H_kv x head_dim``)."""
+    heads = _heads(config)
+    d = int(getattr(config, "hidden_size", None) or 0)
+    head_dim = int(getattr(config, "head_dim", None) or (d // heads if heads else 0))
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    return (heads + kv_heads * (2 if source == "qkv" else 1)) * head_dim
 
 
 def check_room(out: str, needed: int) -> None:

@@ -162,6 +162,8 @@ class StorageOptions:
                 problems.append(f"{key}: {getattr(self, key)!r} is not valid JSON: {exc}")
             except KdcacheError as exc:
                 problems.append(f"{key}: {exc}")
+            except (ValueError, TypeError) as exc:  # a configuration value of the wrong type (int("x"), int(None))
+                problems.append(f"{key}: {getattr(self, key)!r} has a bad value: {exc}")
         return problems
 
 

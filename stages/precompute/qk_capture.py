@@ -38,8 +38,12 @@ class QKCapture:
 
     def run(self, forward: Any, attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> Any:
         """Call ``forward()`` while recording; the first call also checks every block's rebuilt scores."""
-        with self.recorder.forward():
-            result = forward()
+        try:
+            with self.recorder.forward():
+                result = forward()
+        except QKRecorderError as exc:  # raised inside the forward: attention sinks, soft-capping without eager
+            raise PrecomputeError(f"--attention-source {self.targets.attention_source}: {exc}, so its attention "
+                                  f"cannot be rebuilt from queries and keys; use --attention-source maps") from None
         if self.recorder.keep_output:
             documents = None if position_ids is None else document_index(position_ids)
             self._check(attention_mask, documents)

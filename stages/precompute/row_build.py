@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
@@ -47,6 +48,9 @@ from kdcache.storage.fingerprint import hash_bytes, hash_json
 _BATCH = 1000  # dataset rows per tokenizer call
 _ROWS_PER_WORKER = 20_000  # below this many dataset rows per worker, a process costs more than it saves
 Encode = Callable[[dict[str, list[Any]], list[int]], dict[str, list[Any]]]
+# The columns each kind of data's encoder returns, with their Arrow value types.
+TEXT_COLUMNS = {"ids": "int32", "mask": "uint8"}
+PAIR_COLUMNS = {"src": "int32", "tgt": "int32"}
 
 
 def text_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
@@ -64,7 +68,8 @@ def text_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
         encode = functools.partial(encode_batch, tokenizer=tokenizer, options=options, template=template)
         counts = Rows()
-        docs = (doc for batch in encoded_batches(_loaded(load_texts, options), encode, options, writer.path)
+        docs = (doc for batch in encoded_batches(_loaded(load_texts, options), encode, options, writer.path,
+                                                   TEXT_COLUMNS)
                 for doc in documents(batch))
         for ids, mask, positions in iter_rows(docs, counts, d.packing, d.max_length, tokenizer.eos_token_id,
                                               d.max_sequences):
@@ -89,7 +94,8 @@ def pair_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
         encode = functools.partial(encode_pairs, tokenizer=tokenizer, options=options)
         dropped = 0
-        for batch in encoded_batches(_loaded(load_pairs, options), encode, options, writer.path):
+        for batch in encoded_batches(_loaded(load_pairs, options), encode, options, writer.path,
+                                     PAIR_COLUMNS):
             for src, tgt in zip(batch["src"], batch["tgt"]):
                 if not len(src):
                     dropped += 1
@@ -148,12 +154,14 @@ def workers(options: PrecomputeOptions, rows: int) -> int:
     return max(1, min(cores, rows // _ROWS_PER_WORKER))
 
 
-def encoded_batches(ds: Any, encode: Encode, options: PrecomputeOptions, scratch: Any) -> Iterator[dict[str, Any]]:
+def encoded_batches(ds: Any, encode: Encode, options: PrecomputeOptions, scratch: Any,
+                    columns: dict[str, str]) -> Iterator[dict[str, Any]]:
     """``encode``'s output over the dataset, batch by batch, in dataset order.
 
     A stream, a capped run (``--max-sequences``: only the rows it needs are read) and small data are encoded
-    here, lazily; otherwise ``datasets.map`` encodes on every core into Arrow files under ``scratch`` (removed
-    with the finished build), read back a batch at a time.
+    here, lazily; otherwise ``datasets.map`` encodes on every core into Arrow files in a temporary folder under
+    ``scratch`` (removed when the batches are read, so the row table keeps no second copy of the tokens), read
+    back a batch at a time. ``columns`` names ``encode``'s output columns and their Arrow value types.
     """
     import datasets
 
@@ -164,11 +172,12 @@ def encoded_batches(ds: Any, encode: Encode, options: PrecomputeOptions, scratch
     if procs == 1:
         yield from _in_process(ds, encode)
         return
-    out = ds.map(encode, batched=True, batch_size=_BATCH, with_indices=True, num_proc=procs,
-                 remove_columns=ds.column_names, cache_file_name=str(scratch / "docs.arrow"),
-                 features=_doc_features(), desc="tokenizing")
-    for batch in _file_batches(out) or out.data.to_batches(max_chunksize=_BATCH):
-        yield {name: _lists(batch.column(name)) for name in batch.schema.names}
+    with tempfile.TemporaryDirectory(dir=scratch, prefix="tokenized-") as folder:
+        out = ds.map(encode, batched=True, batch_size=_BATCH, with_indices=True, num_proc=procs,
+                     remove_columns=ds.column_names, cache_file_name=os.path.join(folder, "docs.arrow"),
+                     features=_doc_features(columns), desc="tokenizing")
+        for batch in _file_batches(out) or out.data.to_batches(max_chunksize=_BATCH):
+            yield {name: _lists(batch.column(name)) for name in batch.schema.names}
 
 
 def _in_process(ds: Any, encode: Encode) -> Iterator[dict[str, Any]]:
@@ -181,11 +190,10 @@ def _in_process(ds: Any, encode: Encode) -> Iterator[dict[str, Any]]:
         start += count
 
 
-def _doc_features() -> Any:
+def _doc_features(columns: dict[str, str]) -> Any:
     import datasets
 
-    return datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")),
-                              "mask": datasets.Sequence(datasets.Value("uint8"))})
+    return datasets.Features({name: datasets.Sequence(datasets.Value(kind)) for name, kind in columns.items()})
 
 
 def _file_batches(ds: Any) -> Iterator[Any] | None:

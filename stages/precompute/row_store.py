@@ -202,15 +202,19 @@ def open_or_build(root: Path, key: dict[str, Any], names: Sequence[str], hashes:
     folder = root / hash_json(key)[7:23]
     created = [p for p in (root.parent, root) if not p.exists()]  # removed again if the build fails
     root.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(folder) + ".lock")
+    lock, building = FileLock(str(folder) + ".lock"), False
     try:
         with lock:  # other ranks and parts wait here while one builds
             if (folder / "rows.json").is_file():
                 return RowTable.open(folder)
+            building = True
             _build(folder, key, names, hashes, build)
     except BaseException:
-        # Refused data leaves nothing behind: no rows folder, and no cache folder this run created.
-        Path(lock.lock_file).unlink(missing_ok=True)
+        # Refused data leaves nothing behind: no rows folder, and no cache folder this run created. Only the
+        # process that built removes the lock file: a waiting one removing it would let a newcomer lock a new
+        # file beside the builder's, and build too.
+        if building:
+            Path(lock.lock_file).unlink(missing_ok=True)
         for path in reversed(created):
             if path.is_dir() and not any(path.iterdir()):
                 path.rmdir()

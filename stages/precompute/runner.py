@@ -105,7 +105,8 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         finished = finished_cache(options, config, targets, tokenizer, data)
         if finished is not None:  # nothing to compute: don't pay for loading the weights
             return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True, "rows": rows})
-        check_room(st.out, lower_bound_bytes(build_spec(options, targets, data), config, data))
+        check_room(st.out, lower_bound_bytes(build_spec(options, targets, data), config, data,
+                                             targets.attention_source))
     device = pick_device(options.engine.device, dist.local_rank)
     teacher = adapter.load_teacher(options, config, targets, tokenizer, device)
     targets = with_score_rules(with_output_vocab(targets, teacher, options), teacher.model, data, device)

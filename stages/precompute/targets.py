@@ -22,6 +22,7 @@ from typing import Any
 from kdcache.stages.common import architectures
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
+from kdcache.storage.hidden_codecs import resolve_hidden_codec
 from kdcache.storage.spec import ENCODER_DECODER, FORMAT_VERSION
 from kdcache.storage.streams import kind_of
 
@@ -247,5 +248,7 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
             "triangle": options.targets.triangle, "format_version": FORMAT_VERSION,
             **({"attention_source": targets.attention_source} if targets.attention_source != "maps" else {}),
-            # Recorded only when set, so that the fingerprints of caches written before codecs stay the same.
-            **({"hidden_codec": storage.hidden_codec_record} if storage.hidden_codec else {})}
+            # Recorded only when it is not the dtype's own (also when given explicitly, as --hidden-codec fp16), so
+            # that the fingerprints of caches written before codecs stay the same.
+            **({"hidden_codec": storage.hidden_codec_record}
+               if storage.hidden_codec_record != resolve_hidden_codec(None, storage.dtype) else {})}

@@ -9,16 +9,34 @@ evaluation reads alike for both sources: ``attention: {"kl": mean over pairs, "p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from kdcache.stages.common.qk_attention import QKRecorder
+from kdcache.stages.common.qk_attention import QKRecorder, QKRecorderError
 from kdcache.stages.train.layer_maps import Pair, pair_key
-from kdcache.stages.train.losses import attention_kl
+from kdcache.stages.train.losses import LossError, attention_kl
 from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.masks import TokenMasks
+
+
+def recorded(recorder: QKRecorder, run: Callable[[], Any]) -> Any:
+    """``run()`` (the student's forward) under ``recorder``, its outputs given ``attention_qkv`` (block -> the
+    recorded queries, keys and values).
+
+    Raises:
+        LossError: the student's attention cannot be rebuilt from its queries and keys (attention sinks, soft-capped
+            scores without an eager kernel), naming the way out.
+    """
+    try:
+        with recorder.forward():
+            out = run()
+    except QKRecorderError as exc:
+        raise LossError(f"the student's attention cannot be compared with a q/k cache: {exc}; precompute the cache "
+                        f"with --attention-source maps, or train without attention pairs") from None
+    out.attention_qkv, recorder.captured = recorder.captured, {}  # the loss holds them, not the recorder
+    return out
 
 
 class AttentionAgreement:
@@ -50,10 +68,7 @@ class AttentionAgreement:
         """The student's outputs, with its maps or its recorded ``attention_qkv`` when pairs need them."""
         if self.recorder is None:
             return model(**inputs, output_attentions=bool(self.pairs), **kwargs)
-        with self.recorder.forward():
-            out = model(**inputs, **kwargs)
-        out.attention_qkv, self.recorder.captured = self.recorder.captured, {}
-        return out
+        return recorded(self.recorder, lambda: model(**inputs, **kwargs))
 
     def update(self, out: Any, batch: Mapping[str, torch.Tensor], masks: TokenMasks) -> None:
         """Add one batch: each pair's KL times the batch's counted query rows."""

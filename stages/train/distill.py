@@ -27,6 +27,7 @@ from torch import nn
 from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.common.qk_attention import QKRecorder
+from kdcache.stages.train.attention_agreement import recorded
 from kdcache.stages.train.compound import CompoundLoss
 from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses import LossError
@@ -251,7 +252,6 @@ class DistillModel(nn.Module):
         if self.recorder is None:
             out = self.student(**inputs, output_hidden_states=self.want_hidden, output_attentions=self.want_attention)
             return self.criterion(out, batch)
-        with self.recorder.forward():
-            out = self.student(**inputs, output_hidden_states=self.want_hidden, output_attentions=False)
-        out.attention_qkv, self.recorder.captured = self.recorder.captured, {}  # the loss holds them, not the recorder
+        out = recorded(self.recorder, lambda: self.student(**inputs, output_hidden_states=self.want_hidden,
+                                                           output_attentions=False))
         return self.criterion(out, batch)

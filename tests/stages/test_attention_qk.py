@@ -221,6 +221,64 @@ def test_a_model_adding_to_its_scores_is_refused(tiny_gpt2: Path, tmp_path: Path
         check_rule(captured, mask, None, "gpt2 block 1")
 
 
+def test_the_check_in_blocks_of_query_rows_agrees_with_the_model(tiny_gpt2: Path) -> None:
+    """The check rebuilds the first sequence a few query rows at a time (never the batch's [B, H, L, L] maps):
+    blocks that do not divide the length, with padding, still reproduce the model and still catch a wrong rule."""
+    import transformers
+
+    from kdcache.stages.common.qk_attention import QKRecorderError, check_rule
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_gpt2), dtype=torch.float32)
+    recorder = QKRecorder(model, (1, 2), True, keep_output=True)
+    ids = torch.randint(5, 100, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0
+    with torch.no_grad(), recorder.forward():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    for block in (1, 4, 128):
+        check_rule(recorder.captured[2], mask, None, "gpt2 block 2", block=block)
+    recorder.captured[2].rule = ScoreRule(recorder.captured[2].rule.scaling * 1.5, True)
+    with pytest.raises(QKRecorderError, match="gpt2 block 2: its attention output differs"):
+        check_rule(recorder.captured[2], mask, None, "gpt2 block 2", block=4)
+
+
+def _tiny_gpt_oss(path: Path | None = None) -> Any:
+    """A random GPT-OSS (attention sinks: a softmax column that queries and keys do not give), saved with a
+    tokenizer when ``path`` is given."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from tests.helpers.tiny_models import _save, train_bpe_tokenizer
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, intermediate_size=32, num_local_experts=2,
+                          num_experts_per_tok=1, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    if path is None:
+        return GptOssForCausalLM(config).eval()
+    tokenizer = train_bpe_tokenizer(path, vocab_size=320, add_bos=True)
+    config.vocab_size, config.eos_token_id = len(tokenizer), tokenizer.eos_token_id
+    config.bos_token_id, config.pad_token_id = tokenizer.bos_token_id, tokenizer.pad_token_id
+    return _save(GptOssForCausalLM(config), tokenizer, path)
+
+
+def test_attention_sinks_are_refused_by_stage_one_naming_the_maps(tmp_path: Path) -> None:
+    teacher = _tiny_gpt_oss(tmp_path / "gpt-oss")
+    data = write_text_dataset(tmp_path / "d.jsonl", sample_texts(4))
+    with pytest.raises(PrecomputeError, match="attention sinks.*--attention-source maps"):
+        run_precompute(PrecomputeOptions.of(teacher=str(teacher), data=str(data), out=str(tmp_path / "c"),
+                                            features=("hidden", "attention"), attention_source="qk", progress=False))
+
+
+def test_attention_sinks_are_refused_by_stage_two_as_a_loss_error() -> None:
+    from kdcache.stages.train.attention_agreement import recorded
+    from kdcache.stages.train.losses import LossError
+
+    student = _tiny_gpt_oss()
+    recorder = QKRecorder(student, (1,), True)
+    with torch.no_grad(), pytest.raises(LossError, match="attention sinks.*--attention-source maps"):
+        recorded(recorder, lambda: student(input_ids=torch.randint(0, 100, (1, 5)), use_cache=False))
+
+
 def test_sliding_windows_and_soft_capping_are_recorded_and_reproduced() -> None:
     """Mistral's window and Gemma 2's alternating window and logit soft-cap: each block's rule is recorded from
     what the model hands its kernel, and the rebuilt scores reproduce its attention output (padding included)."""

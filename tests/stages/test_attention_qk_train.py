@@ -76,3 +76,19 @@ def test_relation_loss_on_a_maps_cache_is_refused(tmp_path: Path, tiny_gpt2: Pat
     code = main(["train", "--cache", str(cache), "--student", str(student), "--out", str(tmp_path / "run"),
                  "--delta", "1", "--attention-loss", "relation", "--max-steps", "1"])
     assert code == 2
+
+
+def test_relation_heads_not_dividing_the_widths_are_refused_before_training(
+        tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Teacher queries 4 x 8 wide and keys 2 x 8; student queries 2 x 8 and keys 1 x 8: R = 3 divides none."""
+    cache = precompute_cache(tiny_llama, tmp_path / "qkv", num_sequences=8, extra=(
+        "--features", "hidden,attention", "--layers", "1", "--attention-source", "qkv"))
+    student = make_student_config(tmp_path / "student", tiny_llama, num_hidden_layers=1, hidden_size=16,
+                                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=32)
+    argv = ["train", "--cache", str(cache), "--student", str(student), "--out", str(tmp_path / "run"), "--delta",
+            "1", "--attention-loss", "relation", "--max-steps", "1"]
+    assert main([*argv, "--relation-heads", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--relation-heads 3 does not divide" in err
+    assert "the teacher's queries (32)" in err and "the student's keys and values (8)" in err
+    assert not (tmp_path / "run" / "options.json").exists()  # refused before the run started

@@ -155,3 +155,12 @@ def test_validate_lists_every_problem(tmp_path: Path) -> None:
 def test_merge_of_a_folder_without_cache(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["merge", str(tmp_path)]) == 2
     assert "no kdcache cache" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("codec", ['{"name": "int8", "configuration": {"group": "x"}}',
+                                   '{"name": "int8", "configuration": {"outliers": null}}'])
+def test_hidden_codec_with_a_badly_typed_value(tiny_gpt2: Path, corpus: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture, codec: str) -> None:
+    err = _bad(capsys, "--teacher", str(tiny_gpt2), "--data", str(corpus), "--out", str(tmp_path / "c"),
+               "--features", "hidden", "--hidden-codec", codec)
+    assert "hidden_codec" in err

@@ -110,3 +110,37 @@ def test_sizes_are_binary_units_labelled_as_such() -> None:
                "tokens_per_second": 10.0, "wall_seconds": 1.0, "bytes_written": 37_224_448, "bytes_per_token": {}}
     text = format_summary(summary)
     assert "35.5 MiB written" in text and " MB" not in text and " KB" not in text
+
+
+def test_room_for_queries_and_keys_is_sized_per_token_not_as_maps() -> None:
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from kdcache.stages.precompute.estimate import lower_bound_bytes
+    from kdcache.storage import CacheSpec
+
+    # The spec sized before the teacher loads names maps whatever --attention-source says.
+    spec = CacheSpec(num_sequences=4, hidden_layers=(), attention_layers=(1, 2), logits=None)
+    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2)
+    tokens = 4 * 4096
+    data = SimpleNamespace(meta={"tokens": {"": tokens}, "sum_sq_lengths": {"": 4 * 4096 ** 2}})
+    assert lower_bound_bytes(spec, config, data) == 2 * 8 * 4 * 4096 ** 2 * 2  # blocks x H x sum L^2 x fp16
+    assert lower_bound_bytes(spec, config, data, "qk") == 2 * tokens * (8 + 2) * 8 * 2  # (H + H_kv) x head_dim
+    assert lower_bound_bytes(spec, config, data, "qkv") == 2 * tokens * (8 + 2 + 2) * 8 * 2
+
+
+def test_an_explicit_default_hidden_codec_keeps_the_settings_fingerprint(tiny_gpt2: Path, tmp_path: Path) -> None:
+    from kdcache.stages.precompute.targets import resolve_targets, settings_fingerprint
+    from kdcache.stages.precompute.teacher import read_config
+
+    def settings(**more: object) -> dict[str, object]:
+        options = PrecomputeOptions.of(teacher=str(tiny_gpt2), data=str(tmp_path / "d.jsonl"),
+                                       out=str(tmp_path / "c"), features=("hidden",), **more)
+        return settings_fingerprint(options, resolve_targets(options, read_config(options)))
+
+    plain = settings()
+    assert "hidden_codec" not in plain
+    assert settings(hidden_codec="fp16") == plain  # the fp16 dtype's own codec, given explicitly
+    assert settings(hidden_codec="bf16", dtype="bf16") == settings(dtype="bf16")
+    assert settings(hidden_codec="int8")["hidden_codec"]["name"] == "int8"

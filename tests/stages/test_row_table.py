@@ -14,10 +14,10 @@ import pytest
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import PrecomputeOptions, run_precompute
-from kdcache.stages.precompute.row_build import text_streams
+from kdcache.stages.precompute.row_build import pair_streams, text_streams
 from kdcache.stages.precompute.teacher import load_tokenizer
 from kdcache.storage import CacheReader
-from tests.helpers.tiny_models import sample_texts, write_text_dataset
+from tests.helpers.tiny_models import make_tiny_bart, sample_pairs, sample_texts, write_pair_dataset, write_text_dataset
 from tests.stages.test_precompute_resume import assert_same_cache
 
 
@@ -91,6 +91,32 @@ def test_parallel_tokenizing_gives_the_rows_of_one_process(tiny_llama: Path, cor
         two = _streams(_opts(tiny_llama, corpus, tmp_path / f"two-{packing}", packing=packing, tokenize_workers=2))
         assert one.built and two.built
         _same_rows(one, two)
+
+
+def _row_files(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "rows").rglob("*") if p.is_file() and p.suffix != ".lock")
+
+
+def test_parallel_tokenizing_keeps_no_second_copy_of_the_tokens(tiny_llama: Path, corpus: Path,
+                                                                tmp_path: Path) -> None:
+    assert _streams(_opts(tiny_llama, corpus, tmp_path / "two", tokenize_workers=2)).built
+    assert _row_files(tmp_path / "two") == ["rows.arrow", "rows.json"]  # no datasets.map output left inside
+
+
+def test_pairs_tokenized_by_two_workers_give_the_rows_of_one(tmp_path: Path) -> None:
+    teacher = make_tiny_bart(tmp_path / "bart")
+    data = write_pair_dataset(tmp_path / "pairs.jsonl", sample_pairs(30, seed=4))
+    built = {}
+    for procs in (1, 2):
+        options = PrecomputeOptions.of(teacher=str(teacher), data=str(data), out=str(tmp_path / f"c{procs}"),
+                                       source_column="source", target_column="target", max_length=40,
+                                       tokenize_workers=procs, progress=False)
+        built[procs] = pair_streams(options, load_tokenizer(options))
+        assert built[procs].built and _row_files(tmp_path / f"c{procs}") == ["rows.arrow", "rows.json"]
+    assert built[1].fingerprint == built[2].fingerprint and len(built[1]) == len(built[2]) > 0
+    for name in built[1].tokens:
+        for i in range(len(built[1])):
+            np.testing.assert_array_equal(built[1].tokens[name][i], built[2].tokens[name][i])
 
 
 def test_data_tokenizer_and_packing_changes_invalidate_the_rows(tiny_gpt2: Path, tiny_llama: Path, corpus: Path,
@@ -177,3 +203,22 @@ def test_a_destination_too_small_is_refused_before_the_teacher_loads(tiny_gpt2: 
     assert code == 2 and "Traceback" not in err
     assert "out: the cache needs at least" in err and "free" in err and str(out) in err, err
     assert not (out / "shards").exists()
+
+
+def test_only_the_process_that_built_removes_the_lock_file(tmp_path: Path) -> None:
+    from kdcache.stages.precompute.row_store import open_or_build
+    from kdcache.storage.fingerprint import hash_json
+
+    def refuse(writer: Any) -> Any:
+        raise ValueError("bad data")
+
+    root = tmp_path / "cache" / "rows"
+    with pytest.raises(ValueError, match="bad data"):
+        open_or_build(root, {"data": 1}, ("input_ids",), {}, refuse)
+    assert not (tmp_path / "cache").exists()  # the builder left nothing behind, its lock file included
+    folder = root / hash_json({"data": 2})[7:23]
+    folder.mkdir(parents=True)
+    (folder / "rows.json").write_text("{")  # another process's rows, unreadable: this one only opens them
+    with pytest.raises((ValueError, OSError)):
+        open_or_build(root, {"data": 2}, ("input_ids",), {}, refuse)
+    assert (root / f"{folder.name}.lock").is_file()
