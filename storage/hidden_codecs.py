@@ -83,8 +83,13 @@ def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
     Raises:
         SpecError: an unknown name or configuration key, or a bad value.
     """
+    if value is not None and not isinstance(value, (str, dict)):
+        raise SpecError(f"hidden codec {value!r}: expected a codec name or a {{name, configuration}} object")
     record: dict[str, Any] = {"name": value or dtype} if value is None or isinstance(value, str) else dict(value)
-    name, config = record.get("name"), dict(record.get("configuration") or {})
+    name, config = record.get("name"), record.get("configuration") or {}
+    if not isinstance(config, dict):
+        raise SpecError(f"hidden codec {name!r}: configuration {config!r} is not an object; expected keys "
+                        f"{sorted(DEFAULTS)}")
     if name not in HIDDEN_CODECS:
         raise SpecError(f"unknown hidden codec {name!r}; expected one of {sorted(HIDDEN_CODECS)}")
     if HIDDEN_CODECS[name].float_dtype:
@@ -95,12 +100,18 @@ def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
     if unknown:
         raise SpecError(f"hidden codec {name!r}: unknown configuration {unknown}; expected keys {sorted(DEFAULTS)}")
     config = {**DEFAULTS, **config}
-    if config["rotation"] is not None and (not isinstance(config["rotation"], int) or config["rotation"] < 0):
-        raise SpecError(f"hidden codec rotation must be a seed >= 0 or null, got {config['rotation']!r}")
-    if not 0 <= int(config["outliers"]) <= 64 or int(config["group"]) < 2 or int(config["group"]) % 2:
-        raise SpecError(f"hidden codec {name!r}: outliers must be 0..64 and group an even number >= 2, got "
-                        f"{config['outliers']} and {config['group']}")
+    rotation, outliers, group = config["rotation"], config["outliers"], config["group"]
+    if rotation is not None and not (_is_int(rotation) and rotation >= 0):
+        raise SpecError(f"hidden codec rotation must be a seed >= 0 or null, got {rotation!r}")
+    if not (_is_int(outliers) and 0 <= outliers <= 64 and _is_int(group) and group >= 2 and group % 2 == 0):
+        raise SpecError(f"hidden codec {name!r}: outliers must be an integer 0..64 and group an even integer >= 2, "
+                        f"got {outliers!r} and {group!r}")
     return {"name": name, "configuration": config}
+
+
+def _is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer, and not a bool (JSON's true would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def group_count(record: dict[str, Any], d: int) -> int:
