@@ -1,0 +1,70 @@
+"""Bad input to storage/ gets a typed error naming the bad value: hidden codec records, attention scores, coded
+hidden states out of range, per-row arrays of the wrong shape."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kdcache.storage.encode import encode_shard
+from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, NonFiniteValueError, SpecError
+from kdcache.storage.hidden_codecs import encode
+from kdcache.storage.spec import CacheSpec
+
+D = 8
+
+
+@pytest.mark.parametrize("value", [5, ["int8"], {"name": "int8", "configuration": [1]},
+                                   {"name": "int8", "configuration": {"outliers": "x"}},
+                                   {"name": "int8", "configuration": {"outliers": True}},
+                                   {"name": "int4", "configuration": {"group": None}},
+                                   {"name": "int4", "configuration": {"group": 64.5}},
+                                   {"name": "int8", "configuration": {"rotation": True}},
+                                   {"name": "int8", "configuration": {"rotation": 1.5}}])
+def test_malformed_hidden_codecs_are_spec_errors_naming_the_value(value):
+    with pytest.raises(SpecError, match="hidden codec") as info:
+        CacheSpec(num_sequences=1, hidden_layers=(0,), hidden_codec=value)
+    bad = value if not isinstance(value, dict) else next(iter(value["configuration"].values())) \
+        if isinstance(value["configuration"], dict) else value["configuration"]
+    assert repr(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("scores", [[1, 2], "x", {"num_heads": 2, "num_kv_heads": 2, "head_dim": 4, "causal": True,
+                                                  "blocks": [1]},
+                                    {"num_heads": 2, "num_kv_heads": 2, "head_dim": 4, "causal": True,
+                                     "blocks": {"1": 3}}])
+def test_malformed_attention_scores_are_spec_errors(scores):
+    with pytest.raises(SpecError, match="needs attention_scores"):
+        CacheSpec(num_sequences=1, attention_layers=(1,), attention_source="qk", attention_scores=scores)
+
+
+def _coded_spec(**config) -> CacheSpec:
+    return CacheSpec(num_sequences=1, hidden_layers=(0,), hidden_codec={"name": "int8", "configuration": config})
+
+
+def test_coded_nan_is_a_non_finite_error_and_overflow_names_the_real_limit():
+    spec = _coded_spec()
+    x = np.ones((3, D), np.float32)
+    x[1, 2] = np.nan
+    with pytest.raises(NonFiniteValueError, match="hidden/0: 1 value"):
+        encode_shard(spec, 0, [{"input_ids": np.arange(3), "hidden/0": x}])
+    with pytest.raises(Fp16OverflowError, match=r"within \+-65504 "):
+        encode_shard(spec, 0, [{"input_ids": np.arange(3), "hidden/0": np.full((3, D), 7e4, np.float32)}])
+    no_outliers = _coded_spec(outliers=0, rotation=None)
+    encode_shard(no_outliers, 0, [{"input_ids": np.arange(3), "hidden/0": np.full((3, D), 7e4, np.float32)}])
+    with pytest.raises(Fp16OverflowError, match=r"within \+-8\.31901e\+06 "):  # 65504 * 127
+        encode_shard(no_outliers, 0, [{"input_ids": np.arange(3), "hidden/0": np.full((3, D), 1e7, np.float32)}])
+
+
+def test_per_row_errors_and_topk_mass_of_the_wrong_shape_are_refused():
+    spec = _coded_spec()
+    item = {"input_ids": np.arange(3), **encode(spec.hidden_codec, "hidden/0", np.ones((3, D), np.float32))}
+    encode_shard(spec, 0, [item])
+    with pytest.raises(InvalidSequenceError, match="'hidden_error/0': shape \\(3, 4\\), expected \\(3, 5\\)"):
+        encode_shard(spec, 0, [{**item, "hidden_error/0": np.zeros((3, 4), np.float32)}])
+    topk = CacheSpec(num_sequences=1, logits="topk", top_k=2, vocab_size=10)
+    seq = {"input_ids": np.arange(3), "logits/topk_values": np.tile([1.0, 0.0], (3, 1)).astype(np.float32),
+           "logits/topk_ids": np.tile([1, 2], (3, 1)), "logits/lse": np.zeros(3, np.float32)}
+    encode_shard(topk, 0, [{**seq, "logits/topk_mass": np.ones(3)}])
+    with pytest.raises(InvalidSequenceError, match="'logits/topk_mass': shape \\(2,\\), expected \\(3,\\)"):
+        encode_shard(topk, 0, [{**seq, "logits/topk_mass": np.ones(2)}])
