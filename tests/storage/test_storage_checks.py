@@ -1,7 +1,10 @@
 """Bad input to storage/ gets a typed error naming the bad value: hidden codec records, attention scores, coded
-hidden states out of range, per-row arrays of the wrong shape."""
+hidden states out of range, per-row arrays of the wrong shape; a folder that cannot be renamed into place is an error."""
 
 from __future__ import annotations
+
+import errno
+import os
 
 import numpy as np
 import pytest
@@ -68,3 +71,21 @@ def test_per_row_errors_and_topk_mass_of_the_wrong_shape_are_refused():
     encode_shard(topk, 0, [{**seq, "logits/topk_mass": np.ones(3)}])
     with pytest.raises(InvalidSequenceError, match="'logits/topk_mass': shape \\(2,\\), expected \\(3,\\)"):
         encode_shard(topk, 0, [{**seq, "logits/topk_mass": np.ones(2)}])
+
+
+def test_put_folder_tolerates_only_a_copy_already_landed(tmp_path, monkeypatch):
+    from kdcache.storage import stores
+
+    store = stores.open_store(tmp_path)
+    files = {"a.txt": b"one", "table.json": b"{}\n"}
+    store.put_folder("tok", files, "table.json")
+    store.put_folder("tok", files, "table.json")  # another rank's copy is there: the rename fails, and that is fine
+    assert sorted(os.listdir(tmp_path)) == ["tok"]
+
+    def full_disk(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(stores.os, "rename", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        store.put_folder("head", files, "table.json")
+    assert sorted(os.listdir(tmp_path)) == ["tok"]  # no temp left behind, no folder that looks written
