@@ -89,3 +89,12 @@ def test_put_folder_tolerates_only_a_copy_already_landed(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         store.put_folder("head", files, "table.json")
     assert sorted(os.listdir(tmp_path)) == ["tok"]  # no temp left behind, no folder that looks written
+
+
+def test_the_rotation_is_built_once_and_each_caller_gets_its_own_copy():
+    from kdcache.storage.hidden_codecs import hadamard_matrix, rotation_signs
+
+    h, signs = hadamard_matrix(8), rotation_signs(3, 8)
+    np.testing.assert_allclose(h @ h, np.eye(8), atol=1e-6)
+    h[:], signs[:] = 0, 0  # a caller writing into its array changes nobody else's
+    assert (hadamard_matrix(8) != 0).all() and set(rotation_signs(3, 8)) == {-1.0, 1.0}
