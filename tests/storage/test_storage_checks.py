@@ -98,3 +98,17 @@ def test_the_rotation_is_built_once_and_each_caller_gets_its_own_copy():
     np.testing.assert_allclose(h @ h, np.eye(8), atol=1e-6)
     h[:], signs[:] = 0, 0  # a caller writing into its array changes nobody else's
     assert (hadamard_matrix(8) != 0).all() and set(rotation_signs(3, 8)) == {-1.0, 1.0}
+
+
+@pytest.mark.parametrize("codec, want", [("bf16", {b"kdcache_dtype": b"bf16"}),
+                                         ("int8", {b"kdcache_hidden_codec": b"int8"})])
+def test_arrow_columns_name_the_type_they_really_hold(tmp_path, codec, want):
+    import pyarrow as pa
+
+    from kdcache.storage import CacheWriter
+
+    spec = CacheSpec(num_sequences=1, backend="arrow", hidden_layers=(0,), hidden_codec=codec)  # dtype fp16
+    with CacheWriter(tmp_path, spec, {"teacher": "t"}) as writer:
+        writer.write_shard(0, [{"input_ids": np.arange(3), "hidden/0": np.ones((3, D), np.float32)}])
+    with pa.ipc.open_stream(pa.OSFile(str(tmp_path / "shards" / "shard-000000.arrow"))) as stream:
+        assert stream.schema.field("hidden/0").metadata == want
