@@ -112,3 +112,17 @@ def test_arrow_columns_name_the_type_they_really_hold(tmp_path, codec, want):
         writer.write_shard(0, [{"input_ids": np.arange(3), "hidden/0": np.ones((3, D), np.float32)}])
     with pa.ipc.open_stream(pa.OSFile(str(tmp_path / "shards" / "shard-000000.arrow"))) as stream:
         assert stream.schema.field("hidden/0").metadata == want
+
+
+def test_a_first_run_killed_after_its_folders_can_be_rerun(tmp_path):
+    from kdcache.stages.precompute.commit import check_out_folder
+    from kdcache.stages.precompute.errors import PrecomputeError
+    from kdcache.storage.folders import STAGE_ONE_FOLDERS
+
+    for key in STAGE_ONE_FOLDERS:  # tokenizer/ and teacher_head/ land before the manifest
+        (tmp_path / key).mkdir()
+        (tmp_path / key / ".kdcache-files.json").write_text("{}\n")
+    check_out_folder(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(PrecomputeError, match="found notes.txt"):
+        check_out_folder(str(tmp_path))
