@@ -126,3 +126,19 @@ def test_a_first_run_killed_after_its_folders_can_be_rerun(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(PrecomputeError, match="found notes.txt"):
         check_out_folder(str(tmp_path))
+
+
+def test_verify_reports_a_record_it_cannot_decode_and_goes_on(tmp_path):
+    from kdcache.storage import CacheWriter, verify_cache
+
+    spec = CacheSpec(num_sequences=2, hidden_layers=(0,), hidden_codec="int8", sequences_per_shard=1)
+    with CacheWriter(tmp_path, spec, {"teacher": "t"}) as writer:
+        for k in range(2):
+            encoded = encode_shard(spec, k, [{"input_ids": np.arange(3), "hidden/0": np.ones((3, D), np.float32)}])
+            if k == 0:  # a record naming an array that is not coded: the numpy decode cannot even start
+                encoded.lossy["input_ids"] = {"decoded_sq": 1.0}
+            writer.commit(encoded)
+        writer.finalize()
+    report = verify_cache(tmp_path)
+    assert [(p.shard, p.array) for p in report.problems] == [(0, None)]
+    assert "cannot decode its coded hidden states" in str(report.problems[0]) and report.shards_checked == 2
