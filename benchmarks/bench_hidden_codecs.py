@@ -185,26 +185,34 @@ def projection(teacher: list[list[np.ndarray]], student: list[list[np.ndarray]],
     return out
 
 
+def kdcache(args: list[str]) -> None:
+    """Run one CLI command; stop the benchmark when it fails (an explicit check: ``python -O`` drops asserts)."""
+    from kdcache.pipeline.cli import main as cli
+
+    code = cli(args)
+    if code != 0:
+        raise SystemExit(f"kdcache {args[0]} exited {code}: {' '.join(args)}")
+
+
 def train_students(root: Path, sentences: list[str], heldout: list[str], steps: int) -> dict[str, dict[str, float]]:
     """The demo's training per codec (precompute, train, eval on one fp16 held-out cache), through the CLI."""
-    from kdcache.pipeline.cli import main as kdcache
     from kdcache.pipeline.demo_text import write_jsonl
     from kdcache.stages.train.eval_records import read_evals
 
     common = ["--teacher", str(teacher_path()), "--max-length", "64", "--batch-size", "32", "--no-progress"]
     train, held = write_jsonl(sentences, root / "train.jsonl"), write_jsonl(heldout, root / "heldout.jsonl")
-    assert kdcache(["precompute", *common, "--data", str(held), "--out", str(root / "heldout"), "--layers", "all",
-                    "--features", "hidden"]) == 0
+    kdcache(["precompute", *common, "--data", str(held), "--out", str(root / "heldout"), "--layers", "all",
+             "--features", "hidden"])
     results = {}
     for name in ("fp16", "bf16", "fp8", "int8", "int7", "int4"):
         cache, run = root / f"cache-{name}", root / f"run-{name}"
-        assert kdcache(["precompute", *common, "--data", str(train), "--out", str(cache), "--layers", "2,4,6",
-                        "--features", "hidden", "--hidden-codec", name]) == 0
-        assert kdcache(["train", "--cache", str(cache), "--student", str(root / "student"), "--out", str(run),
-                        "--zero-stage", "0", "--layer-map", "uniform", "--hidden-loss", "mse", "--alpha", "0",
-                        "--beta", "0", "--gamma", "1", "--delta", "0", "--max-steps", str(steps), "--batch-size",
-                        "16", "--lr", "1e-4", "--seed", "0", "--quiet"]) == 0
-        assert kdcache(["eval", "--cache", str(root / "heldout"), "--run", str(run)]) == 0
+        kdcache(["precompute", *common, "--data", str(train), "--out", str(cache), "--layers", "2,4,6",
+                 "--features", "hidden", "--hidden-codec", name])
+        kdcache(["train", "--cache", str(cache), "--student", str(root / "student"), "--out", str(run),
+                 "--zero-stage", "0", "--layer-map", "uniform", "--hidden-loss", "mse", "--alpha", "0",
+                 "--beta", "0", "--gamma", "1", "--delta", "0", "--max-steps", str(steps), "--batch-size",
+                 "16", "--lr", "1e-4", "--seed", "0", "--quiet"])
+        kdcache(["eval", "--cache", str(root / "heldout"), "--run", str(run)])
         scored = [e for e in read_evals(run) if e["role"] == "trained"][0]
         results[name] = {"cosine": scored["cosine"], "spearman": scored["spearman"]}
     return results
@@ -220,12 +228,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-    from kdcache.pipeline.cli import main as kdcache
-
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        assert kdcache(["init-student", "--teacher", str(teacher_path()), "--layers", "2,4,6", "--out",
-                        str(root / "student")]) == 0
+        kdcache(["init-student", "--teacher", str(teacher_path()), "--layers", "2,4,6", "--out",
+                 str(root / "student")])
         texts = stdlib_sentences(limit=args.sentences + args.train_sentences + 150)
         acts = activations(texts[:args.sentences], root / "student")
         report: dict[str, Any] = {"machine": "2-core CPU, no GPU", "tokens": int(sum(len(i) for i in acts["ids"]))}

@@ -35,9 +35,16 @@ def check_attention_source(source: str, scores: dict[str, Any] | None, layers: t
     if not one_stream or triangle or not all_heads:
         raise SpecError(f"attention_source {source!r}: one token stream only, all heads and no triangle (queries "
                         f"and keys are per token already)")
-    blocks = (scores or {}).get("blocks") or {}
-    complete = all(k in (scores or {}) for k in SCORE_KEYS) and all(
-        all(k in blocks.get(str(j), {}) for k in BLOCK_SCORE_KEYS) for j in layers)
-    if layers and not complete:
+    if layers and not _complete(scores, layers):
         raise SpecError(f"attention_source {source!r} needs attention_scores with {list(SCORE_KEYS)}, and "
                         f"{list(BLOCK_SCORE_KEYS)} for each of blocks {list(layers)}; got {scores}")
+
+
+def _complete(scores: Any, layers: tuple[int, ...]) -> bool:
+    """Whether ``scores`` is an object with every key of ``SCORE_KEYS`` and, under ``blocks``, an object of
+    ``BLOCK_SCORE_KEYS`` per layer (an edited manifest may hold anything)."""
+    if not isinstance(scores, dict) or not all(k in scores for k in SCORE_KEYS):
+        return False
+    blocks = scores["blocks"]
+    return isinstance(blocks, dict) and all(
+        isinstance(blocks.get(str(j)), dict) and all(k in blocks[str(j)] for k in BLOCK_SCORE_KEYS) for j in layers)

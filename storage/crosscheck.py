@@ -14,9 +14,8 @@ Each finding is ``(shard or None, file or array or None, message)``.
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 
@@ -27,11 +26,10 @@ from kdcache.storage.folders import TABLE, folder_is_complete, folder_names, rea
 from kdcache.storage.manifest import (
     MANIFEST_NAME,
     MANIFEST_SEAL,
-    SHARDS_DIR,
-    SIDECAR_SEAL,
     Manifest,
     ShardRecord,
-    read_json,
+    load_sidecars,
+    range_problem,
     shard_checksum,
     shard_name,
     sidecar_is_sealed,
@@ -44,14 +42,11 @@ Finding = tuple[int | None, str | None, str]
 
 def sidecar_records(store: Store, manifest: Manifest, findings: list[Finding]) -> dict[int, ShardRecord]:
     """Every readable sidecar's record; a damaged or unsealed one (in a sealed format) becomes a finding."""
-    numbered = sorted((int(m.group(1)), m.group(0)) for n in store.list(SHARDS_DIR)
-                      if (m := re.fullmatch(r"shard-(\d+)\.json", n)))
     records = {}
-    for index, name in numbered:
-        try:
-            record = ShardRecord.from_dict(read_json(store, f"{SHARDS_DIR}/{name}", "shard sidecar", SIDECAR_SEAL))
-        except KdcacheError as exc:
-            findings.append((index, name, str(exc)))
+    for name, record in load_sidecars(store):
+        index = int(name[len("shard-"):-len(".json")])
+        if isinstance(record, KdcacheError):
+            findings.append((index, name, str(record)))
             continue
         if record.index != index:
             findings.append((index, name, f"index is {record.index}, but the file is named for shard {index}"))
@@ -63,9 +58,12 @@ def sidecar_records(store: Store, manifest: Manifest, findings: list[Finding]) -
     return records
 
 
-def manifest_findings(store: Store, manifest: Manifest, sidecars: dict[int, ShardRecord]) -> list[Finding]:
-    """The manifest's own seal, its totals, and its shard records against the sidecars."""
-    raw = json.loads(store.read(MANIFEST_NAME))  # read_manifest has checked its seal, when it has one
+def manifest_findings(raw: dict[str, Any], manifest: Manifest, sidecars: dict[int, ShardRecord]) -> list[Finding]:
+    """The manifest's own seal, its totals, and its shard records against the sidecars.
+
+    Args:
+        raw: the JSON object ``manifest`` was read from (``load_manifest``, which has checked its seal if any).
+    """
     findings: list[Finding] = []
     if manifest.seals_files and not is_sealed(raw, MANIFEST_SEAL):
         findings.append((None, None, f"{MANIFEST_NAME} carries no crc32c, though it lists the cache's files "
@@ -93,9 +91,8 @@ def record_findings(record: ShardRecord, manifest: Manifest) -> list[Finding]:
     spec, index = manifest.spec, record.index
     findings: list[Finding] = []
     name = f"{shard_name(index)}.json"
-    if not 0 <= index < spec.num_shards or (record.seq_start, record.seq_stop) != spec.shard_range(index):
-        findings.append((index, name, f"seq_start, seq_stop are [{record.seq_start}, {record.seq_stop}), but shard "
-                                      f"{index} of this cache covers {list(spec.shard_range(index))}"))
+    if problem := range_problem(record, spec):
+        findings.append((index, name, problem))
     if not is_format3(record):
         return findings
     files = record.extra["files"]

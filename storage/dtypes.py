@@ -55,7 +55,8 @@ def _fp16_finite(values: np.ndarray) -> bool:
     return not values.size or int((np.ascontiguousarray(values).view(np.uint16) & 0x7FFF).max()) < 0x7C00
 
 
-def _check_finite(name: str, values: np.ndarray) -> None:
+def check_finite(name: str, values: np.ndarray) -> None:
+    """Raise ``NonFiniteValueError`` naming ``name`` and the count when any value is NaN or inf."""
     finite = _fp16_finite(values) if values.dtype == np.float16 else np.isfinite(values).all()
     if values.size and not finite:
         bad = int(np.size(values) - np.count_nonzero(np.isfinite(values)))
@@ -110,12 +111,12 @@ def to_storage(name: str, values: np.ndarray, dtype_name: str) -> np.ndarray:
     target = storage_dtype(dtype_name)
     if values.dtype == target:  # already converted by the caller
         if dtype_name == "fp16":
-            _check_finite(name, values)
+            check_finite(name, values)
         return values
     if values.dtype.kind != "f":
         raise InvalidSequenceError(f"{name}: expected float32 or {target} values, got dtype {values.dtype}")
     if dtype_name == "bf16":
-        _check_finite(name, values)
+        check_finite(name, values)
         out = float32_to_bf16_bits(values.astype(np.float32, copy=False))
         if values.size and ((out & 0x7F80) == 0x7F80).any():  # float32 values near max round up to inf
             max_abs = float(np.abs(values).max())
@@ -124,7 +125,7 @@ def to_storage(name: str, values: np.ndarray, dtype_name: str) -> np.ndarray:
     with np.errstate(over="ignore"):
         out = values.astype(np.float16)
     if not _fp16_finite(out):  # one pass over the small output; diagnose only on failure
-        _check_finite(name, values)
+        check_finite(name, values)
         check_fp16_range(name, float(np.abs(values).max()))
     return out
 

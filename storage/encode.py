@@ -12,9 +12,18 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.storage.dtypes import apply_bitround, measure_error, to_float32, to_storage
+from kdcache.storage.dtypes import FP16_MAX, apply_bitround, check_finite, measure_error, to_float32, to_storage
 from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, ShardError
-from kdcache.storage.hidden_codecs import encode, error_record, is_part, part_name, part_of
+from kdcache.storage.hidden_codecs import (
+    ERROR_FIELDS,
+    codec_of,
+    encode,
+    error_record,
+    is_part,
+    part_name,
+    part_of,
+    parts,
+)
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
 from kdcache.storage.spec import QKV_KINDS, SAMPLED_NAMES, TOKEN_ARRAYS, TOPK_MASS, VOCAB_IDS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
@@ -58,8 +67,10 @@ def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
         queries, keys, _ = spec.attention_geometry(name)
         return (value.shape[0], lengths[queries], lengths[keys]) if value.ndim == 3 else None
     length = lengths[split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")]
-    if kind in ("input_ids", *TOKEN_ARRAYS) or name == "logits/lse":
+    if kind in ("input_ids", *TOKEN_ARRAYS) or name in ("logits/lse", TOPK_MASS):
         return (length,)
+    if part_of(name) == "error":  # a coded layer's per-row errors (hidden_codecs.ERROR_FIELDS)
+        return (length, len(ERROR_FIELDS))
     # token rows of one width per layer: hidden states (and their codec's companions), queries, keys, values
     if kind in ("hidden", *QKV_KINDS) or is_part(name):
         return (length, value.shape[-1]) if value.ndim == 2 else None
@@ -84,7 +95,7 @@ def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[
             raise _fail(seq, spec.ids_name(stream), f"expected a non-empty 1-D integer array, got {ids.dtype} "
                                                     f"{ids.shape}")
         lengths[stream] = int(ids.size)
-    for name in expected:
+    for name in expected + [n for n in item if part_of(n) == "error" or n == TOPK_MASS]:
         value = np.asarray(item[name])
         shape = _expected_shape(spec, name, lengths, value)
         if shape != value.shape:
@@ -192,13 +203,23 @@ def _coded(spec: CacheSpec, item: Mapping[str, Any]) -> Mapping[str, Any]:
         values = np.asarray(item[name], dtype=np.float32)
         if values.ndim != 2:
             raise InvalidSequenceError(f"{name}: expected [L, d] floats, got shape {values.shape}")
-        out.update(encode(spec.hidden_codec, name, values))
-        if not (np.isfinite(out[part_name(name, "scale")]).all() and np.isfinite(values).all()):
-            max_abs = float(np.nanmax(np.abs(values)))
+        check_finite(name, values)  # NaN is not an overflow: name it for what it is
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is found below and named with its limit
+            out.update(encode(spec.hidden_codec, name, values))
+        stored = [out[part_name(name, p)] for p in parts(spec.hidden_codec) if p != "outlier_ids"]
+        if not all(np.isfinite(a).all() for a in stored):
+            max_abs = float(np.abs(values).max())
             raise Fp16OverflowError(f"{name}: largest |value| {max_abs:.6g} gives a scale or an outlier beyond "
-                                    f"float16, or a value is not finite; expected finite values within "
-                                    f"{np.finfo(np.float16).max * 127:g}", name=name, max_abs=max_abs)
+                                    f"float16; expected values within +-{_coded_limit(spec):g} for hidden codec "
+                                    f"{spec.hidden_codec['name']!r}", name=name, max_abs=max_abs)
     return out
+
+
+def _coded_limit(spec: CacheSpec) -> float:
+    """The largest |value| a quantised codec stores: outliers are kept as float16, else the fp16 scale
+    (max / qmax) bounds it (a Python float: numpy's float16 max times qmax would overflow to inf)."""
+    codec = codec_of(spec.hidden_codec)
+    return FP16_MAX * (1.0 if spec.hidden_codec["configuration"]["outliers"] else codec.qmax)
 
 
 def _mass_record(mass: np.ndarray) -> dict[str, float]:

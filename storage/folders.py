@@ -21,6 +21,10 @@ TABLE = ".kdcache-files.json"
 # a local folder, but are a cache of the data, not part of the cache: nothing reads them from a cache.
 ROWS_DIR = "rows"
 _NOT_FOLDERS = {SHARDS_DIR, "locks", MANIFEST_NAME, ROWS_DIR}
+# The folders stage one writes (its teacher head is stages.common.teacher_head.HEAD_FOLDER): with the entries
+# above, all that a killed first run may leave in a new cache folder before its manifest exists.
+STAGE_ONE_FOLDERS = ("tokenizer", "teacher_head")
+CACHE_ENTRIES = frozenset({*_NOT_FOLDERS, *STAGE_ONE_FOLDERS})
 
 
 def put_folder(store: Store, key: str, source: Path) -> None:

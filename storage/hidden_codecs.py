@@ -25,6 +25,7 @@ Everything here is numpy; stage one and stage two use the torch twin in ``stages
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +90,13 @@ def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
     Raises:
         SpecError: an unknown name or configuration key, or a bad value.
     """
+    if value is not None and not isinstance(value, (str, dict)):
+        raise SpecError(f"hidden codec {value!r}: expected a codec name or a {{name, configuration}} object")
     record: dict[str, Any] = {"name": value or dtype} if value is None or isinstance(value, str) else dict(value)
-    name, config = record.get("name"), dict(record.get("configuration") or {})
+    name, config = record.get("name"), record.get("configuration") or {}
+    if not isinstance(config, dict):
+        raise SpecError(f"hidden codec {name!r}: configuration {config!r} is not an object; expected keys "
+                        f"{sorted(DEFAULTS)}")
     if name not in HIDDEN_CODECS:
         raise SpecError(f"unknown hidden codec {name!r}; expected one of {sorted(HIDDEN_CODECS)}")
     if HIDDEN_CODECS[name].float_dtype:
@@ -101,12 +107,18 @@ def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
     if unknown:
         raise SpecError(f"hidden codec {name!r}: unknown configuration {unknown}; expected keys {sorted(DEFAULTS)}")
     config = {**DEFAULTS, **config}
-    if config["rotation"] is not None and (not isinstance(config["rotation"], int) or config["rotation"] < 0):
-        raise SpecError(f"hidden codec rotation must be a seed >= 0 or null, got {config['rotation']!r}")
-    if not 0 <= int(config["outliers"]) <= 64 or int(config["group"]) < 2 or int(config["group"]) % 2:
-        raise SpecError(f"hidden codec {name!r}: outliers must be 0..64 and group an even number >= 2, got "
-                        f"{config['outliers']} and {config['group']}")
+    rotation, outliers, group = config["rotation"], config["outliers"], config["group"]
+    if rotation is not None and not (_is_int(rotation) and rotation >= 0):
+        raise SpecError(f"hidden codec rotation must be a seed >= 0 or null, got {rotation!r}")
+    if not (_is_int(outliers) and 0 <= outliers <= 64 and _is_int(group) and group >= 2 and group % 2 == 0):
+        raise SpecError(f"hidden codec {name!r}: outliers must be an integer 0..64 and group an even integer >= 2, "
+                        f"got {outliers!r} and {group!r}")
     return {"name": name, "configuration": config}
+
+
+def _is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer, and not a bool (JSON's true would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def group_count(record: dict[str, Any], d: int) -> int:
@@ -167,16 +179,35 @@ def block_size(d: int) -> int:
 
 def hadamard_matrix(b: int) -> np.ndarray:
     """The orthonormal Sylvester-Hadamard matrix ``[b, b]`` float32 (b a power of two; symmetric, its own
-    inverse): ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2)``."""
-    h = np.ones((1, 1))
-    while len(h) < b:
-        h = np.block([[h, h], [h, -h]])
-    return (h / np.sqrt(b)).astype(np.float32)
+    inverse): ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2)``. The caller's own copy."""
+    return _hadamard_matrix(b).copy()
 
 
 def rotation_signs(seed: int, d: int) -> np.ndarray:
-    """The rotation's random signs ``[d]`` float32 (+1/-1), from ``numpy.random.default_rng(seed)``."""
-    return (np.random.default_rng(seed).integers(0, 2, d) * 2 - 1).astype(np.float32)
+    """The rotation's random signs ``[d]`` float32 (+1/-1), from ``numpy.random.default_rng(seed)``. The caller's
+    own copy."""
+    return _rotation_signs(seed, d).copy()
+
+
+# Built once per size (the writer and verify rotate every coded array of every shard), kept read-only so that no
+# caller can change the shared array; a copy costs microseconds, the build (log2 b block doublings, a generator)
+# far more, and a copy is writable, as torch.from_numpy wants.
+@functools.lru_cache(maxsize=16)
+def _hadamard_matrix(b: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while len(h) < b:
+        h = np.block([[h, h], [h, -h]])
+    return _read_only((h / np.sqrt(b)).astype(np.float32))
+
+
+@functools.lru_cache(maxsize=64)
+def _rotation_signs(seed: int, d: int) -> np.ndarray:
+    return _read_only((np.random.default_rng(seed).integers(0, 2, d) * 2 - 1).astype(np.float32))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 def hadamard(x: np.ndarray) -> np.ndarray:
@@ -187,7 +218,7 @@ def hadamard(x: np.ndarray) -> np.ndarray:
     """
     t, d = x.shape
     b = block_size(d)
-    return (x.reshape(t, d // b, b).astype(np.float32) @ hadamard_matrix(b)).reshape(t, d)
+    return (x.reshape(t, d // b, b).astype(np.float32) @ _hadamard_matrix(b)).reshape(t, d)
 
 
 def fp8_table() -> np.ndarray:
@@ -225,7 +256,7 @@ def decode(record: dict[str, Any], arrays: dict[str, np.ndarray], name: str) -> 
     n, d = y.shape
     y = (y.reshape(n, scale.shape[1], -1) * scale[:, :, None]).reshape(n, d)
     if config["rotation"] is not None:
-        y = hadamard(y) * rotation_signs(config["rotation"], y.shape[1])
+        y = hadamard(y) * _rotation_signs(config["rotation"], y.shape[1])
     if config["outliers"]:
         rows = np.arange(len(y))[:, None]
         y[rows, arrays[part_name(name, "outlier_ids")].astype(np.intp)] += \
@@ -284,7 +315,7 @@ def encode(record: dict[str, Any], name: str, x: np.ndarray) -> dict[str, np.nda
         residual[rows, ids] -= values.astype(np.float32)  # the fp16 rounding stays in the quantised residual
         out[part_name(name, "outliers")], out[part_name(name, "outlier_ids")] = values, ids.astype(np.uint16)
     if config["rotation"] is not None:
-        residual = hadamard(residual * rotation_signs(config["rotation"], x.shape[1]))
+        residual = hadamard(residual * _rotation_signs(config["rotation"], x.shape[1]))
     out[name], out[part_name(name, "scale")] = _quantize(record, residual)
     out[part_name(name, "error")] = row_errors(x, decode(record, out, name))
     return out
@@ -302,10 +333,11 @@ def row_errors(x: np.ndarray, decoded: np.ndarray) -> np.ndarray:
     """Per row: squared error, squared norm, cosine (1 for two zero rows), max |error| and the decoded row's
     squared norm (which ``verify`` recomputes from the codes) -> ``[T, 5]`` float32."""
     err = decoded - x
-    dot, norms = (x * decoded).sum(1), np.linalg.norm(x, axis=1) * np.linalg.norm(decoded, axis=1)
+    ref_sq, decoded_sq = (x ** 2).sum(1), (decoded ** 2).sum(1)  # each once: the norms reuse them
+    dot, norms = (x * decoded).sum(1), np.sqrt(ref_sq * decoded_sq)
     cosine = np.where(norms > 0, dot / np.where(norms > 0, norms, 1.0), 1.0)
-    return np.stack([(err ** 2).sum(1), (x ** 2).sum(1), cosine, np.abs(err).max(1, initial=0.0),
-                     (decoded ** 2).sum(1)], axis=1).astype(np.float32)
+    return np.stack([(err ** 2).sum(1), ref_sq, cosine, np.abs(err).max(1, initial=0.0), decoded_sq],
+                    axis=1).astype(np.float32)
 
 
 def error_record(record: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:

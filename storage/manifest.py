@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kdcache.storage.canonical import SEAL, seal_problem, sealed
-from kdcache.storage.errors import FormatVersionError, ManifestError
+from kdcache.storage.errors import FormatVersionError, KdcacheError, ManifestError
 from kdcache.storage.spec import FORMAT_VERSION, READABLE_FORMAT_VERSION, CacheSpec
 from kdcache.storage.stores import Store, open_store
 
@@ -191,14 +191,18 @@ def read_manifest(root: str | os.PathLike[str] | Store) -> Manifest:
     Raises:
         ManifestError: missing or corrupt; FormatVersionError: written by a newer format.
     """
-    store = open_store(root)
+    return load_manifest(open_store(root))[0]
+
+
+def load_manifest(store: Store) -> tuple[Manifest, dict[str, Any]]:
+    """``read_manifest``, with the JSON object it was read from (its totals and seal, for ``verify``)."""
     if store.size(MANIFEST_NAME) is None:
         raise ManifestError(f"no {MANIFEST_NAME} in {store.url}: not a kdcache cache, or its writer never started")
     where = f"{store.url}/{MANIFEST_NAME}"
     raw, data = load_json(store, MANIFEST_NAME, MANIFEST_NAME)
     manifest = Manifest.from_dict(data, where)  # a newer format is refused as such, before its seal is read
     check_seal(raw, data, MANIFEST_SEAL, f"{MANIFEST_NAME} at {where}")
-    return manifest
+    return manifest, data
 
 
 def write_manifest(root: str | os.PathLike[str] | Store, manifest: Manifest) -> None:
@@ -220,13 +224,47 @@ def sidecar_is_sealed(record: ShardRecord) -> bool:
 
 
 def read_sidecars(root: str | os.PathLike[str] | Store) -> dict[int, ShardRecord]:
-    """Every committed shard's record, from the sidecars under ``shards/`` (fetched in parallel)."""
-    store = open_store(root)
-    names = sorted(n for n in store.list(SHARDS_DIR) if _SIDECAR.fullmatch(n))
+    """Every committed shard's record, from the sidecars under ``shards/`` (fetched in parallel).
+
+    Raises:
+        ManifestError: a sidecar is unreadable, damaged or malformed.
+    """
+    records = {}
+    for _, loaded in load_sidecars(open_store(root)):
+        if isinstance(loaded, KdcacheError):
+            raise loaded
+        records[loaded.index] = loaded
+    return records
+
+
+def sidecar_names(store: Store) -> list[str]:
+    """The sidecar files under ``shards/`` (``shard-000007.json``...), sorted."""
+    return sorted(n for n in store.list(SHARDS_DIR) if _SIDECAR.fullmatch(n))
+
+
+def load_sidecars(store: Store) -> list[tuple[str, ShardRecord | KdcacheError]]:
+    """Each sidecar's name and record, or the error that reading it raised (``verify`` reports every one), fetched
+    in parallel: on an object store each is a GET."""
+    def load(name: str) -> ShardRecord | KdcacheError:
+        try:
+            return ShardRecord.from_dict(read_json(store, f"{SHARDS_DIR}/{name}", "shard sidecar", SIDECAR_SEAL))
+        except KdcacheError as exc:
+            return exc
+
+    names = sidecar_names(store)
     with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
-        data = pool.map(lambda n: read_json(store, f"{SHARDS_DIR}/{n}", "shard sidecar", SIDECAR_SEAL), names)
-        records = [ShardRecord.from_dict(d) for d in data]
-    return {record.index: record for record in records}
+        return list(zip(names, pool.map(load, names)))
+
+
+def range_problem(record: ShardRecord, spec: CacheSpec) -> str | None:
+    """What is wrong with a record's index and sequence range for ``spec`` (they tile the cache), or None."""
+    index = record.index
+    if 0 <= index < spec.num_shards and (record.seq_start, record.seq_stop) == spec.shard_range(index):
+        return None
+    want = list(spec.shard_range(index)) if 0 <= index < spec.num_shards else \
+        f"nothing (its shards are 0..{spec.num_shards - 1})"
+    return (f"seq_start, seq_stop are [{record.seq_start}, {record.seq_stop}), but shard {index} of this cache "
+            f"covers {want}")
 
 
 def summarize_arrays(spec: CacheSpec, records: list[ShardRecord]) -> dict[str, dict[str, Any]]:

@@ -406,7 +406,8 @@ class CacheSpec:
             return self.sequence_names()
         out: list[str] = []
         for name in names:
-            group = [n for n in self.sequence_names() if n.startswith(name + "/")]
+            # a group's coded layers bring their companions (hidden_scale/j...), which lie outside "hidden/"
+            group = [p for n in self.sequence_names() if n.startswith(name + "/") for p in self.with_parts(n)]
             if not group:
                 self.check_name(name)
             out.extend(group or self.with_parts(name))

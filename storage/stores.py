@@ -180,8 +180,10 @@ class LocalStore(Store):
             if final.exists() and not (final / last).exists():
                 remove_path(final)  # left incomplete by a writer that died
             os.rename(tmp, final)
-        except OSError:  # another rank renamed its identical copy first
+        except OSError:
             remove_path(tmp)
+            if not (final / last).exists():  # not another rank's identical copy landing first: a real failure
+                raise
         fsync_path(final.parent)
 
     def fetch_folder(self, key: str, scratch: Path) -> Path | None:

@@ -22,7 +22,7 @@ from kdcache.storage import crosscheck
 from kdcache.storage.backends.registry import get_backend
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.hidden_codecs import decode
-from kdcache.storage.manifest import Manifest, ShardRecord, read_manifest
+from kdcache.storage.manifest import Manifest, ShardRecord, load_manifest, sidecar_names
 from kdcache.storage.stores import Store, open_store
 
 
@@ -79,8 +79,8 @@ def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, record
                                                                                               manifest.spec)]
         if not problems:  # intact files: their values can be held against the record
             problems = [VerifyProblem(*f) for f in crosscheck.token_findings(store, record, manifest, backend)]
-            problems += [VerifyProblem(index, name, message) for name, message in _decode_problems(store, record,
-                                                                                                   manifest)]
+            problems += [VerifyProblem(index, name, message) for name, message in _guarded_decode(store, record,
+                                                                                                  manifest)]
         report.problems += problems
         report.shards_checked += 1
         report.arrays_checked += len(record.arrays)
@@ -89,9 +89,19 @@ def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, record
 DECODED_RTOL = 1e-4  # float32 row sums made on a device against float64 sums of the numpy decode
 
 
-def _decode_problems(store: Store, record: Any, manifest: Manifest) -> list[tuple[str, str]]:
+def _guarded_decode(store: Store, record: ShardRecord, manifest: Manifest) -> list[tuple[str | None, str]]:
+    """``_decode_problems``, any failure (a record edited out of shape, arrays that do not fit each other) being one
+    more finding: verify reports, never raises."""
+    try:
+        return _decode_problems(store, record, manifest)
+    except Exception as exc:  # noqa: BLE001 - whatever the damage, the rest of the cache is still checked
+        return [(None, f"cannot decode its coded hidden states: {type(exc).__name__}: {exc}")]
+
+
+def _decode_problems(store: Store, record: Any, manifest: Manifest) -> list[tuple[str | None, str]]:
     """Each coded array whose numpy decode's sum of squares differs from the recorded ``decoded_sq``."""
-    spec, problems = manifest.spec, []
+    spec = manifest.spec
+    problems: list[tuple[str | None, str]] = []
     coded = [name for name, err in record.lossy.items() if "decoded_sq" in err]
     if not coded:
         return []
@@ -106,12 +116,13 @@ def _decode_problems(store: Store, record: Any, manifest: Manifest) -> list[tupl
     return problems
 
 
-def _check_index(store: Store, manifest: Manifest, report: VerifyReport) -> dict[int, ShardRecord]:
+def _check_index(store: Store, manifest: Manifest, raw: dict[str, Any],
+                 report: VerifyReport) -> dict[int, ShardRecord]:
     """The manifest, the sidecars and the folders beside the shards; returns the shard records to check (the
     manifest's, plus whatever a running or dead writer committed since)."""
     findings: list[crosscheck.Finding] = []
     sidecars = crosscheck.sidecar_records(store, manifest, findings)
-    findings += crosscheck.manifest_findings(store, manifest, sidecars)
+    findings += crosscheck.manifest_findings(raw, manifest, sidecars)
     records = {**sidecars, **{r.index: r for r in manifest.shards}}
     for record in records.values():
         try:
@@ -137,14 +148,14 @@ def verify_cache(path: str | os.PathLike[str] | Store,
     store = open_store(path, storage_options)
     report = VerifyReport(store.url)
     try:
-        manifest = read_manifest(store)
+        manifest, raw = load_manifest(store)
         report.status = manifest.status
         if manifest.status != "complete":
-            committed = sum(1 for n in store.list("shards") if n.startswith("shard-") and n.endswith(".json"))
+            committed = len(sidecar_names(store))
             report.problems.append(VerifyProblem(None, None, f"cache is not complete (status {manifest.status!r}, "
                                                              f"{committed} of {manifest.spec.num_shards} "
                                                              f"shards committed)"))
-        _check_shards(store, manifest, report, _check_index(store, manifest, report))
+        _check_shards(store, manifest, report, _check_index(store, manifest, raw, report))
     except KdcacheError as exc:  # manifest unreadable: a finding, never a crash
         report.problems.append(VerifyProblem(None, None, str(exc)))
     return report

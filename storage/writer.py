@@ -33,6 +33,7 @@ from kdcache.storage.manifest import (
     MANIFEST_NAME,
     Manifest,
     ShardRecord,
+    range_problem,
     read_manifest,
     read_sidecars,
     shard_checksum,
@@ -180,10 +181,9 @@ class CacheWriter:
 def _valid_records(store: Store, manifest: Manifest, backend: Backend) -> list[ShardRecord]:
     records = []
     for index, record in sorted(read_sidecars(store).items()):
-        in_range = 0 <= index < manifest.spec.num_shards
-        if not in_range or (record.seq_start, record.seq_stop) != manifest.spec.shard_range(index):
-            raise ManifestError(f"sidecar of shard {index} covers [{record.seq_start}, {record.seq_stop}); "
-                                f"this cache's shard {index} is {manifest.spec.shard_range(index)}")
+        problem = range_problem(record, manifest.spec)
+        if problem:
+            raise ManifestError(f"sidecar of shard {index}: {problem}")
         if set(record.arrays) != set(manifest.spec.array_names()):
             raise ManifestError(f"shard {index} holds arrays {sorted(record.arrays)}, expected "
                                 f"{sorted(manifest.spec.array_names())}")

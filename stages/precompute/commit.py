@@ -18,10 +18,7 @@ from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats
 from kdcache.storage.errors import KdcacheError
-from kdcache.storage.folders import ROWS_DIR
-
-# What a killed first run may leave in a new cache folder before its manifest exists.
-_CACHE_ENTRIES = {"shards", "locks", "tokenizer", "manifest.json", ROWS_DIR}
+from kdcache.storage.folders import CACHE_ENTRIES
 
 
 def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partition) -> Any:
@@ -52,7 +49,7 @@ def check_out_folder(out: str) -> Any:
     from kdcache.storage.stores import open_store
 
     store = open_store(out)
-    foreign = sorted(name for name in store.list("") if name not in _CACHE_ENTRIES and not name.startswith("."))
+    foreign = sorted(name for name in store.list("") if name not in CACHE_ENTRIES and not name.startswith("."))
     if foreign and store.size("manifest.json") is None:
         raise PrecomputeError(f"out: {out!r} is not empty and holds no kdcache cache (found "
                               f"{', '.join(foreign[:5])}); choose a new or empty folder or prefix")

@@ -26,6 +26,7 @@ from typing import Any, overload
 
 import numpy as np
 
+from kdcache.storage.canonical import canonical_json
 from kdcache.storage.fingerprint import ArraysHash, hash_json
 from kdcache.storage.folders import ROWS_DIR
 from kdcache.storage.streams import kind_of, split_stream
@@ -161,7 +162,7 @@ class RowWriter:
         meta = {"version": ROWS_VERSION, "key": key, "fingerprint": fingerprint, "num_rows": self.rows,
                 "tokens": self.tokens, "longest": self.longest, "sum_sq_lengths": self.sum_sq,
                 "max_id": self.max_id, **extra}
-        (self.path / "rows.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        (self.path / "rows.json").write_bytes(canonical_json(meta))
         return meta
 
 

@@ -227,7 +227,10 @@ class ArrowBackend(Backend):
             columns.append(_column(arrays[name], offsets))
             values = name == "logits/topk_values"
             is_float = spec.is_lossy_kind(name) or (values and spec.topk_values == "fp16")
-            meta = {"kdcache_dtype": spec.dtype} if is_float else None  # tells plain users uint16 means bf16
+            # tells plain users uint16 means bf16 (a bf16 hidden codec's, whatever spec.dtype); codes name their codec
+            meta = {"kdcache_dtype": spec.float_dtype(name)} if is_float and not spec.coded(name) else None
+            if spec.coded(name):
+                meta = {"kdcache_hidden_codec": spec.hidden_codec["name"]}
             if values and spec.topk_values == "logprob":  # and that these are gaps of -log-prob / step
                 meta = {"kdcache_logprob_step": str(spec.logprob_step)}
             fields.append(pa.field(name, columns[-1].type, nullable=False, metadata=meta))

@@ -17,6 +17,7 @@ from kdcache.stages.precompute import PrecomputeOptions, run_precompute
 from kdcache.stages.precompute.row_build import pair_streams, text_streams
 from kdcache.stages.precompute.teacher import load_tokenizer
 from kdcache.storage import CacheReader
+from kdcache.storage.canonical import canonical_json
 from tests.helpers.tiny_models import make_tiny_bart, sample_pairs, sample_texts, write_pair_dataset, write_text_dataset
 from tests.stages.test_precompute_resume import assert_same_cache
 
@@ -58,6 +59,8 @@ def test_rerun_and_job_array_parts_reuse_the_rows(tiny_gpt2: Path, corpus: Path,
     rerun = run_precompute(_opts(tiny_gpt2, corpus, out, num_shards=2, shard_index=1))
     assert first["rows"]["built"] and not second["rows"]["built"] and not rerun["rows"]["built"]
     assert len(_row_folders(out)) == 1
+    meta = out / "rows" / _row_folders(out)[0] / "rows.json"  # canonical, like every JSON kdcache writes
+    assert meta.read_bytes() == canonical_json(json.loads(meta.read_bytes()))
     single = tmp_path / "single"
     run_precompute(_opts(tiny_gpt2, corpus, single))
     assert main(["merge", str(out)]) == 0

@@ -62,6 +62,13 @@ class HiddenCodecSuite:
         np.testing.assert_allclose(decode(spec.hidden_codec, arrays, "hidden/2"), seqs[local]["hidden/2"],
                                    rtol=0, atol=0.3 if codec == "int8" else 3.0)
 
+    def test_reading_the_hidden_group_brings_each_layers_companions(self, tmp_path):
+        spec = self.spec(hidden_codec="int8", logits=None, attention_layers=())
+        seqs = self.build(tmp_path, spec)
+        got = CacheReader(tmp_path).get(1, names=["hidden"])
+        assert set(spec.with_parts("hidden/0") + spec.with_parts("hidden/2")) <= set(got)
+        np.testing.assert_allclose(decode(spec.hidden_codec, got, "hidden/2"), seqs[1]["hidden/2"], rtol=0, atol=0.3)
+
     def test_verify_finds_codes_that_no_longer_decode_as_recorded(self, tmp_path):
         """Intact bytes whose decode differs from what the writer measured (a device encode that disagrees with
         the reference decode) are a finding."""
