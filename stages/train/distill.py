@@ -249,9 +249,10 @@ class DistillModel(nn.Module):
             check_documents_apart(self.student, batch)
             self._documents_checked = True
         inputs = student_inputs(self.student, batch, self._causal)
-        if self.recorder is None:
-            out = self.student(**inputs, output_hidden_states=self.want_hidden, output_attentions=self.want_attention)
-            return self.criterion(out, batch)
-        out = recorded(self.recorder, lambda: self.student(**inputs, output_hidden_states=self.want_hidden,
-                                                           output_attentions=False))
+
+        def run(attentions: bool) -> Any:
+            return self.student(**inputs, output_hidden_states=self.want_hidden, output_attentions=attentions)
+
+        # A q/k cache needs no maps from the student: its recorder takes the queries and keys as it runs.
+        out = run(self.want_attention) if self.recorder is None else recorded(self.recorder, lambda: run(False))
         return self.criterion(out, batch)
