@@ -38,6 +38,7 @@ from kdcache.storage.codecs import (
 )
 from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
+from kdcache.storage.formats import FORMAT_VERSION  # the format history and older formats: storage.formats
 from kdcache.storage.hidden_codecs import (
     CODES_CODEC,
     applies_to,
@@ -59,11 +60,6 @@ from kdcache.storage.streams import (
     token_offsets_name,
 )
 
-# Format history: 1 single-stream caches, 2 seq2seq caches (two token streams), 3 both layouts with one sharded
-# file per zarr array, Arrow IPC streams and a crc32c per file, 4 token arrays (loss masks, document positions)
-# (docs/cache-format.md). Versions 1-3 are read-only.
-FORMAT_VERSION = 4  # what this code writes
-READABLE_FORMAT_VERSION = 4  # the newest format this code reads
 LAYOUTS = ("single", "seq2seq")  # as manifests write them
 ENCODER_DECODER = LAYOUTS[1]
 SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",

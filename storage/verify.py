@@ -69,7 +69,7 @@ class VerifyReport:
 
 
 def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, records: dict[int, ShardRecord]) -> None:
-    backend = get_backend(manifest.spec.backend)
+    backend = get_backend(manifest.spec.backend, manifest.format)
     for index, record in sorted(records.items()):
         if not store.exists(record.path):
             report.problems.append(VerifyProblem(index, None, f"listed as committed but {store.url}/{record.path} "
@@ -105,7 +105,7 @@ def _decode_problems(store: Store, record: Any, manifest: Manifest) -> list[tupl
     coded = [name for name, err in record.lossy.items() if "decoded_sq" in err]
     if not coded:
         return []
-    handle = get_backend(spec.backend).open(store, record, spec)
+    handle = get_backend(spec.backend, manifest.format).open(store, record, spec)
     for name in coded:
         arrays = {part: handle.read(part) for part in spec.with_parts(name)}
         got = float((decode(spec.hidden_codec, arrays, name).astype(np.float64) ** 2).sum())

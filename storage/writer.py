@@ -43,7 +43,7 @@ from kdcache.storage.manifest import (
     write_manifest,
     write_sidecar,
 )
-from kdcache.storage.spec import FORMAT_VERSION, CacheSpec
+from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store, open_store
 
 
@@ -99,10 +99,9 @@ class CacheWriter:
             write_manifest(self.store, Manifest(self.spec, self.fingerprints, "writing"))
             return
         existing = read_manifest(self.store)
-        if existing.format_version != FORMAT_VERSION:
-            raise FormatVersionError(f"{self.root} is a format {existing.format_version} cache; this kdcache reads it "
-                                     f"but writes format {FORMAT_VERSION} only, so it cannot add shards to it. "
-                                     f"Write to a new directory.")
+        refusal = existing.format.refusal(self.root)  # this code writes only its own format
+        if refusal:
+            raise FormatVersionError(refusal)
         differences = spec_differences(existing.spec, self.spec)
         differences += compare_fingerprints(existing.fingerprints, self.fingerprints, strict=True)
         if differences:
@@ -204,7 +203,7 @@ def merge_parts(path: str | os.PathLike[str] | Store, storage_options: Mapping[s
     store = open_store(path, storage_options)
     with store.merge_lock():
         manifest = read_manifest(store)
-        backend = get_backend(manifest.spec.backend)
+        backend = get_backend(manifest.spec.backend, manifest.format)
         manifest.shards = _valid_records(store, manifest, backend)
         manifest.arrays = summarize_arrays(manifest.spec, manifest.shards)
         if manifest.seals_files:  # an older cache's manifest keeps its format: no table of its folders
