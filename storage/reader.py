@@ -200,7 +200,7 @@ class CacheReader:
         return [self.spec.shard_range(k) for k in range(self.spec.num_shards)]
 
     def __len__(self) -> int:
-        return self.num_sequences
+        return self.spec.num_sequences
 
     # ---- opening shards ------------------------------------------------------------------------------
     def _shard(self, index: int) -> ShardHandle:

@@ -150,7 +150,9 @@ class CacheSpec:
     attention_scores: dict[str, Any] | None = None  # attention_source.SCORE_KEYS, BLOCK_SCORE_KEYS per block
 
     def __post_init__(self) -> None:
-        put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
+        def put(key: str, value: object) -> None:  # a frozen dataclass sets its own fields this way
+            object.__setattr__(self, key, value)
+
         put("hidden_layers", _layers("hidden_layers", self.hidden_layers, 0))
         put("attention_layers", _layers("attention_layers", self.attention_layers, 1))
         for key in SEQ2SEQ_FIELDS:
@@ -370,7 +372,8 @@ class CacheSpec:
         """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
         if self.backend == "zarr" and (self.coded(name) or is_part(name)):
             return resolve_codec(CODES_CODEC)
-        return self.topk_codec if name in TOPK_NAMES + SAMPLED_NAMES else self.codec
+        codec: dict[str, Any] = self.topk_codec if name in TOPK_NAMES + SAMPLED_NAMES else self.codec
+        return codec
 
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""

@@ -98,7 +98,7 @@ def _guarded_decode(store: Store, record: ShardRecord, manifest: Manifest) -> li
         return [(None, f"cannot decode its coded hidden states: {type(exc).__name__}: {exc}")]
 
 
-def _decode_problems(store: Store, record: Any, manifest: Manifest) -> list[tuple[str | None, str]]:
+def _decode_problems(store: Store, record: ShardRecord, manifest: Manifest) -> list[tuple[str | None, str]]:
     """Each coded array whose numpy decode's sum of squares differs from the recorded ``decoded_sq``."""
     spec = manifest.spec
     problems: list[tuple[str | None, str]] = []

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +34,8 @@ from kdcache.storage.manifest import ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store
 from kdcache.storage.streams import is_offsets
+
+IpcReader: TypeAlias = "ipc.RecordBatchFileReader | ipc.RecordBatchStreamReader"  # format 1-2 files, 3+ streams
 
 
 def file_codec(spec: CacheSpec) -> tuple[str, int | None]:
@@ -76,10 +78,11 @@ def _present(position: int | None) -> int:
 
 
 def _ref(data: bytes, position: int) -> int:
-    return position + struct.unpack_from("<I", data, position)[0]
+    offset: int = struct.unpack_from("<I", data, position)[0]
+    return position + offset
 
 
-def message_layout(stream: Any) -> tuple[int, list[tuple[int, int]]]:
+def message_layout(stream: pa.Buffer | bytes) -> tuple[int, list[tuple[int, int]]]:
     """``(header length, [(offset in body, length)] per body buffer)`` of an IPC stream with one record batch.
 
     pyarrow reports no per-column stored sizes, so the record batch's flatbuffer metadata (Message.header ->
@@ -109,7 +112,7 @@ def _split(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return offsets, flat
 
 
-def _open(source: Any, options: ipc.IpcReadOptions | None = None) -> Any:
+def _open(source: pa.NativeFile, options: ipc.IpcReadOptions | None = None) -> IpcReader:
     """A reader of either IPC flavour: the stream (format 3) or the file with its footer (format 1-2)."""
     if source.read(6) == b"ARROW1":
         source.seek(0)
@@ -118,7 +121,7 @@ def _open(source: Any, options: ipc.IpcReadOptions | None = None) -> Any:
     return ipc.open_stream(source, options=options)
 
 
-def _first_batch(reader: Any) -> pa.RecordBatch:
+def _first_batch(reader: IpcReader) -> pa.RecordBatch:
     return reader.get_batch(0) if isinstance(reader, ipc.RecordBatchFileReader) else reader.read_next_batch()
 
 
@@ -137,7 +140,7 @@ class ArrowShard(ShardHandle):
         self._fields: dict[str, int] | None = None  # column positions, from the header parsed once
         self._lock = threading.Lock()
 
-    def _source(self) -> Any:
+    def _source(self) -> pa.NativeFile:
         local = self.store.local_path(self.key)
         if local is not None:
             return pa.memory_map(str(local))

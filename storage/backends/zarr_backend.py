@@ -16,7 +16,8 @@ import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numcodecs
 import numpy as np
@@ -40,6 +41,9 @@ from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store
 from kdcache.storage.streams import split_stream
 
+if TYPE_CHECKING:  # zarr itself loads on first use: importing storage stays light
+    import zarr
+
 CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one or two; bigger ones barely read faster
 CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0 beside zarr.json: no c/0/ folders
 _DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids": ("token",),
@@ -52,7 +56,7 @@ _DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids":
                   for part, dim in (("scale", "group"), ("outliers", "outlier"), ("outlier_ids", "outlier"))}}
 
 
-def _zarr() -> Any:
+def _zarr() -> ModuleType:
     import zarr
 
     return zarr
@@ -70,7 +74,7 @@ def _dimension_names(name: str) -> tuple[str, ...]:
     return ("token", "vocab") if name == "logits/full" else names
 
 
-def _create_array(store: Any, name: str, array: np.ndarray, spec: CacheSpec) -> None:
+def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray, spec: CacheSpec) -> None:
     """One array as a single zarr shard whose inner chunks carry a crc32c each."""
     zarr = _zarr()
     rows = chunk_rows(array)
@@ -94,7 +98,7 @@ class ZarrShard(ShardHandle):
     def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec, cache_format: CacheFormat) -> None:
         self.store, self.key, self.record, self.spec = store, record.path, record, spec
         self.file_table = cache_format.file_table  # else formats 1-2: per-array crc32s, checked when opened
-        self._arrays: dict[str, Any] = {}
+        self._arrays: dict[str, zarr.Array[Any]] = {}
         self._decoded: dict[str, np.ndarray] = {}  # object stores only: whole arrays that slices were cut from
         self._metadata: dict[str, dict[str, Any]] = {}
         self._fetched: dict[str, bytes] = {}  # an object store's files, fetched together by prefetch()
@@ -141,7 +145,7 @@ class ZarrShard(ShardHandle):
                 self._metadata[name] = cached
         return cached
 
-    def _array(self, name: str) -> Any:
+    def _array(self, name: str) -> zarr.Array[Any]:
         with self._lock:
             if name in self._arrays:
                 return self._arrays[name]
