@@ -38,7 +38,7 @@ from kdcache.storage.codecs import (
 )
 from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
-from kdcache.storage.formats import FORMAT_VERSION  # the format history and older formats: storage.formats
+from kdcache.storage.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
 from kdcache.storage.hidden_codecs import (
     CODES_CODEC,
     applies_to,

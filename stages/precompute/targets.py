@@ -22,9 +22,8 @@ from typing import Any
 from kdcache.stages.common import architectures
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
-from kdcache.storage.formats import FORMAT_VERSION
 from kdcache.storage.hidden_codecs import resolve_hidden_codec
-from kdcache.storage.spec import ENCODER_DECODER
+from kdcache.storage.spec import ENCODER_DECODER, FORMAT_VERSION
 from kdcache.storage.streams import kind_of
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
