@@ -66,16 +66,16 @@ def fit_bases(batches: Iterable[list[dict[str, np.ndarray]]], names: list[str], 
     Raises:
         PrecomputeError: fewer tokens than R + 1 to fit on.
     """
-    moments: dict[str, list[Any]] = {}
+    moments: dict[str, tuple[int, Any, Any]] = {}
     for items in batches:
         for name in names:
             rows = torch.from_numpy(np.concatenate([item[name] for item in items])).to(device, torch.float64)
             count, total, gram = moments.get(name, (0, 0.0, 0.0))
-            moments[name] = [count + len(rows), total + rows.sum(0), gram + rows.T @ rows]
-    return {name: _principal(name, *moments[name], rank) for name in names}
+            moments[name] = (count + len(rows), total + rows.sum(0), gram + rows.T @ rows)
+    return {name: _principal(name, *moments[name], rank=rank) for name in names}
 
 
-def _principal(name: str, count: int, total: torch.Tensor, gram: torch.Tensor, rank: int
+def _principal(name: str, count: int, total: torch.Tensor, gram: torch.Tensor, *, rank: int
                ) -> tuple[np.ndarray, np.ndarray]:
     """(basis ``[R, d]``, mean ``[d]``) from the token count, the sum ``[d]`` and the Gram matrix ``[d, d]``."""
     if count <= rank:

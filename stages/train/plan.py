@@ -278,7 +278,7 @@ def _target_shapes(reader: Any, names: list[str]) -> tuple[dict[str, dict[int, i
     for name in hidden:
         stream, rest = split_stream(name)
         sizes.setdefault(stream, {})[int(rest.split("/")[1])] = hidden_width(
-            reader.spec.hidden_codec, int(first[name].shape[-1]), projection and projection.width(name))
+            reader.spec.hidden_codec, int(first[name].shape[-1]), projection.width(name) if projection else None)
     heads = int(first[attention[0]].shape[0]) if attention else None
     return sizes, heads
 
