@@ -5,7 +5,9 @@ leading sequences of the data, up to ``FIT_TOKENS`` tokens: deterministic in the
 job-array part and a resumed run would fit the same one. They need not: the first process to find the cache
 without a complete ``projection/`` folder fits it and stores it before any shard (the create-once protocol of the
 tokenizer and teacher-head folders, ``storage.folders``), and every process then codes with the stored bytes,
-read back, so a basis fitted twice in a race (float sums differ between devices) can never mix in one cache.
+read back. Under torchrun the main rank fits while the others wait at a barrier (the runner); job-array parts
+started together on an object store could still both fit, which is safe when they run on the same kind of device
+(the fit is deterministic there).
 
 The moments are accumulated on the teacher's device in float64 (sum ``[d]`` and Gram matrix ``[d, d]`` per
 layer, one batch of rows at a time) and the covariance is diagonalised there.

@@ -122,7 +122,13 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
                             spec)
     part = Partition.of(st.shard_index, st.num_shards, dist.rank, dist.world)
     writer = open_writer(st.out, spec, build_fingerprints(options, teacher, targets, data), part)
-    projection = _projection(options, adapter, teacher, targets, data, spec, store=True)  # before any shard
+    # Before any shard; under torchrun the main rank fits and stores a rank codec's basis while the others wait.
+    waits = rank_of(spec.hidden_codec) is not None
+    if waits and not dist.is_main:
+        dist.barrier()
+    projection = _projection(options, adapter, teacher, targets, data, spec, store=True)
+    if waits and dist.is_main:
+        dist.barrier()
     with writer, adapter.capture(teacher, targets, options, projection) as capture:
         save_tokenizer(tokenizer, st.out)
         if targets.logits == "head" and dist.is_main:

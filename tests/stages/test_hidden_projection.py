@@ -137,3 +137,26 @@ def test_a_bad_rank_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixt
                  str(tmp_path / "c"), "--no-progress", *extra])
     out = capsys.readouterr()
     assert code == 2 and message in out.out + out.err and "Traceback" not in out.err
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_store_one_basis_and_equal_one_process(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.stages.test_precompute_resume import REPO, _env, assert_same_cache
+
+    teacher = make_tiny_gpt2(tmp_path / "teacher", layers=2, hidden=32, heads=4)
+    one = precompute_cache(teacher, tmp_path / "one", num_sequences=16, extra=RANK_CODEC)
+    data = tmp_path / "one-texts.txt"  # the same texts
+    argv = ["precompute", "--teacher", str(teacher), "--data", str(data), "--out", str(tmp_path / "ranks"),
+            "--max-length", "24", "--sequences-per-shard", "8", "--batch-size", "16", "--no-progress", *RANK_CODEC]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "kdcache",
+           *argv]
+    done = subprocess.run(cmd, cwd=REPO, env={**_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _plain_bases(tmp_path / "ranks").keys() == _plain_bases(one).keys()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ranks" / "projection").iterdir()} == \
+        {p.name: p.read_bytes() for p in (one / "projection").iterdir()}
+    assert_same_cache(one, tmp_path / "ranks")
