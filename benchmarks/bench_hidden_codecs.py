@@ -280,7 +280,13 @@ def kdcache(args: list[str]) -> None:
         raise SystemExit(f"kdcache {args[0]} exited {code}: {' '.join(args)}")
 
 
-def train_students(root: Path, sentences: list[str], heldout: list[str], steps: int) -> dict[str, dict[str, float]]:
+TRAIN_CODECS = {name: ("--hidden-codec", name) for name in ("fp16", "bf16", "fp8", "int8", "int7", "int4")}
+TRAIN_CODECS.update({"int8, R=64": ("--hidden-codec", "int8", "--hidden-rank", "64"),
+                     "int4, R=128": ("--hidden-codec", "int4", "--hidden-rank", "128")})
+
+
+def train_students(root: Path, sentences: list[str], heldout: list[str], steps: int,
+                   codecs: list[str]) -> dict[str, dict[str, float]]:
     """The demo's training per codec (precompute, train, eval on one fp16 held-out cache), through the CLI."""
     from kdcache.pipeline.demo_text import write_jsonl
     from kdcache.stages.train.eval_records import read_evals
@@ -290,10 +296,11 @@ def train_students(root: Path, sentences: list[str], heldout: list[str], steps: 
     kdcache(["precompute", *common, "--data", str(held), "--out", str(root / "heldout"), "--layers", "all",
              "--features", "hidden"])
     results = {}
-    for name in ("fp16", "bf16", "fp8", "int8", "int7", "int4"):
-        cache, run = root / f"cache-{name}", root / f"run-{name}"
+    for name in codecs:
+        slug = name.replace(", ", "-").replace("=", "")
+        cache, run = root / f"cache-{slug}", root / f"run-{slug}"
         kdcache(["precompute", *common, "--data", str(train), "--out", str(cache), "--layers", "2,4,6",
-                 "--features", "hidden", "--hidden-codec", name])
+                 "--features", "hidden", *TRAIN_CODECS[name]])
         kdcache(["train", "--cache", str(cache), "--student", str(root / "student"), "--out", str(run),
                  "--zero-stage", "0", "--layer-map", "uniform", "--hidden-loss", "mse", "--alpha", "0",
                  "--beta", "0", "--gamma", "1", "--delta", "0", "--max-steps", str(steps), "--batch-size",
@@ -311,6 +318,7 @@ def main() -> None:
     parser.add_argument("--sections", default="codecs,projection", help="of codecs, projection, transform, train")
     parser.add_argument("--train-sentences", type=int, default=600)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--train-codecs", default=";".join(TRAIN_CODECS), help="';'-separated, of TRAIN_CODECS")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
@@ -341,7 +349,7 @@ def main() -> None:
         if "train" in sections:
             pool = texts[args.sentences:]
             report["trained"] = train_students(root, pool[:args.train_sentences], pool[args.train_sentences:],
-                                               args.steps)
+                                               args.steps, args.train_codecs.split(";"))
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
