@@ -66,6 +66,25 @@ def test_a_record_without_a_rank_is_the_record_of_before() -> None:
     assert "rank" not in resolve_hidden_codec("int4", "fp16")["configuration"]
 
 
+def test_a_cache_without_a_rank_has_no_projection_and_decodes_as_before(tmp_path: Path) -> None:
+    from kdcache.stages.common.hidden_codecs import load_projection
+    from kdcache.storage import CacheSpec, CacheWriter
+
+    spec = CacheSpec(num_sequences=2, hidden_layers=(1,), hidden_codec="int8", sequences_per_shard=2)
+    rng = np.random.default_rng(0)
+    seqs = [{"input_ids": np.arange(5), "hidden/1": rng.standard_normal((5, 16)).astype(np.float32)} for _ in "ab"]
+    with CacheWriter(tmp_path, spec, {}) as writer:
+        writer.write_shard(0, seqs)
+        writer.finalize()
+    reader = CacheReader(tmp_path)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert "rank" not in manifest["spec"]["hidden_codec"]["configuration"] and not (tmp_path / "projection").exists()
+    assert not any(k.startswith("projection/") for k in manifest.get("files", {}))
+    assert load_projection(reader) is None
+    got = decode(reader.spec.hidden_codec, reader.get(1), "hidden/1")  # no basis needed
+    np.testing.assert_allclose(got, seqs[1]["hidden/1"], atol=0.05)
+
+
 @pytest.mark.slow
 def test_the_basis_is_stored_plainly_and_the_recorded_error_matches_a_recomputation(
         rank_cache: dict[str, Path]) -> None:
