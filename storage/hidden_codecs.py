@@ -176,8 +176,7 @@ def parts(record: dict[str, Any]) -> tuple[str, ...]:
 
 def rank_of(record: dict[str, Any]) -> int | None:
     """The projection's rank R of a resolved record (``configuration.rank``), None without a projection."""
-    rank: int | None = record["configuration"].get("rank")
-    return rank
+    return record["configuration"].get("rank")
 
 
 def projected(record: dict[str, Any], name: str) -> bool:
@@ -281,11 +280,17 @@ def decode(record: dict[str, Any], arrays: dict[str, np.ndarray], name: str,
     y = _decode_codes(record, arrays, name)
     if not projected(record, name):
         return y
-    if projection is None or name not in projection:
-        raise SpecError(f"{name}: stored as rank-{rank_of(record)} projection coefficients, but the cache's "
-                        f"projection/ folder has no basis for it")
-    basis, mean = projection[name]
+    basis, mean = _basis(record, name, projection)
     return y @ basis.astype(np.float32) + mean.astype(np.float32)
+
+
+def _basis(record: dict[str, Any], name: str, projection: dict[str, tuple[np.ndarray, np.ndarray]] | None
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """(basis ``[R, d]``, mean ``[d]``) of projected array ``name``, or a SpecError naming what is missing."""
+    if projection is None or name not in projection:
+        raise SpecError(f"{name}: stored as rank-{rank_of(record)} projection coefficients, but no basis for it "
+                        f"was given (a cache holds them in its projection/ folder)")
+    return projection[name]
 
 
 def _decode_codes(record: dict[str, Any], arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
@@ -352,9 +357,7 @@ def encode(record: dict[str, Any], name: str, x: np.ndarray,
     x = np.ascontiguousarray(x, dtype=np.float32)
     coded = x
     if projected(record, name):
-        if projection is None or name not in projection:
-            raise SpecError(f"{name}: a rank-{rank_of(record)} codec needs its projection basis to encode")
-        basis, mean = projection[name]
+        basis, mean = _basis(record, name, projection)
         coded = np.ascontiguousarray((x - mean) @ basis.T, dtype=np.float32)
     out = _encode_rows(record, name, coded)
     out[part_name(name, "error")] = row_errors(x, decode(record, out, name, projection))
