@@ -97,7 +97,8 @@ def load_student(path: str | Path, *, seed: int = 0,
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         return cls.from_pretrained(str(path), config=config, **kwargs)
     torch.manual_seed(seed)
-    return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
+    # An Auto class builds with from_config, a model class with _from_config (which ModelClass leaves out).
+    return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)  # type: ignore[attr-defined]
 
 
 def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:
