@@ -18,7 +18,8 @@ from kdcache.stages.common.architectures import is_causal_config, is_encoder_dec
 from kdcache.storage.errors import KdcacheError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
+
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 
@@ -55,7 +56,7 @@ def has_weights(path: str | Path) -> bool:
     return root.is_dir() and any(next(root.glob(p), None) for p in WEIGHT_PATTERNS)
 
 
-def load_config(path: str | Path) -> Any:
+def load_config(path: str | Path) -> PretrainedConfig:
     """The HF config of a student given as a folder or as a ``config.json`` file.
 
     Raises:
