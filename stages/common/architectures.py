@@ -33,7 +33,6 @@ class ModelClass(Protocol):
     """
 
     def from_pretrained(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
-
         """Load a checkpoint (a folder or a hub id)."""
 
 

@@ -44,7 +44,6 @@ def document_attention_mask(position_ids: torch.Tensor, mask: torch.Tensor, *, c
 
 def documents_apart_problem(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor,
                             position_ids: torch.Tensor, *, causal: bool) -> str | None:
-
     """Why ``model`` does not keep packed documents apart, or None when it does.
 
     Some families compute positions or attention biases their own way (RoBERTa offsets positions by its padding

@@ -46,7 +46,6 @@ def clear_call_state(tokenizer: PreTrainedTokenizerBase) -> None:
 
 
 def config_fingerprint(config: PretrainedConfig) -> str:
-
     """Hash of a HF ``PretrainedConfig``, leaving out fields that do not change the outputs."""
     data = config.to_dict()
     for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "_attn_implementation",

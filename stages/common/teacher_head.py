@@ -67,7 +67,6 @@ def export_head(model: PreTrainedModel, out: str, layer: int) -> None:
 
 
 def read_head(store: Store) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-
     """The head's tensors and ``head.json`` from a cache's store, its sha256 checked.
 
     Raises:

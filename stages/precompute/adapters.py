@@ -217,7 +217,6 @@ class OutputCapture:
             kept.update({f"{stream}/attention/{j}": getattr(out, f"{stream}_attentions")[j - 1]
                          for j in layers.attention})
         kept.update({f"cross_attention/{j}": (out.cross_attentions or ())[j - 1] for j in t.cross_attention})
-
         logits = logit_targets(out.logits, t.logits, t.top_k)
         kept.update(as_logprobs(logits) if t.logprob_step else logits)
         return kept

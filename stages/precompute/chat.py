@@ -124,7 +124,6 @@ def _pin_date(template: str) -> None:
 
 def _by_prefixes(row: int, messages: list[dict[str, Any]], template: str,
                  tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[Span]]:
-
     full, _ = _render(messages, template, tokenizer)
     spans = []
     for i, message in enumerate(messages):

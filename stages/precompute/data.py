@@ -96,7 +96,6 @@ class TokenStreams:
         ids: dict[str, Sequence[np.ndarray]] = {split_stream(n)[0]: c for n, c in table.columns.items()
                                                 if kind_of(n) == "input_ids"}
         tokens: dict[str, Sequence[np.ndarray]] = {n: c for n, c in table.columns.items() if kind_of(n) != "input_ids"}
-
         dropped = table.meta.get("dropped", {})
         return cls(ids, table.meta["fingerprint"], tokens, dropped.get("empty", 0), dropped.get("untrained", 0),
                    table.meta, table.built)
@@ -290,7 +289,6 @@ def documents(encoded: dict[str, list[Any]]) -> Iterator[Document | None]:
 def _texts_and_spans(rows: dict[str, list[Any]], index: list[int], tokenizer: PreTrainedTokenizerBase,
                      options: PrecomputeOptions,
                      template: str | None) -> tuple[list[str], list[list[tuple[int, int]]] | None]:
-
     """A batch's texts, and per text the character spans to train on (None: train on every token)."""
     d = options.dataset
     if d.messages_column and template is not None:
@@ -323,7 +321,6 @@ def source_column(options: PrecomputeOptions) -> str:
 
 
 def load_pairs(options: PrecomputeOptions) -> Dataset | IterableDataset:
-
     """Open the dataset split and check both columns.
 
     Raises:

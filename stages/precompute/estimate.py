@@ -167,7 +167,6 @@ def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRec
 
 
 def _sample_sizes(data: TokenStreams, rows: int) -> dict[bool, dict[str, int]]:
-
     """Tokens (False) and summed squared lengths (True) of the sample's rows, per stream."""
     lengths = {s: data.lengths(s)[:rows] for s in data.streams}
     return {False: {s: int(v.sum()) for s, v in lengths.items()},

@@ -102,7 +102,6 @@ def _target_order(name: str) -> tuple[int, int, str]:
 
 
 def summarize(stats: RunStats, manifest: Manifest, skipped: int, out: str, extra: dict[str, Any]) -> dict[str, Any]:
-
     """The run's summary: this process's work and the cache's totals."""
     wall, compute = stats.elapsed, stats.compute_seconds
     return {

@@ -106,7 +106,6 @@ def probe_ids(data: TokenStreams, device: torch.device) -> torch.Tensor:
 
 
 def with_score_rules(targets: Targets, model: PreTrainedModel, data: TokenStreams, device: torch.device) -> Targets:
-
     """``targets`` with ``attention_scores`` learnt from the loaded teacher, for a q/k source; else unchanged."""
     if targets.attention_source == "maps" or "" not in targets.streams or not targets.streams[""].attention:
         return targets

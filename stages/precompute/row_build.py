@@ -132,7 +132,6 @@ def _loaded(load: Callable[[PrecomputeOptions], Dataset | IterableDataset],
 
 def row_key(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase, kind: str,
             template: str | None) -> dict[str, Any]:
-
     """Everything the rows depend on (see the module docstring); equal keys give equal rows."""
     dataset = {k: v for k, v in asdict(options.dataset).items()
                if k not in ("streaming", "tokenize_workers", "chat_template")}  # the template's text counts instead
@@ -234,7 +233,6 @@ def _rows_in(path: str) -> int:
 
 
 def _lists(column: pa.ListArray) -> list[np.ndarray]:
-
     """A ``list<...>`` Arrow column as one numpy view per row (offsets index the unsliced values)."""
     offsets, values = column.offsets.to_numpy(), column.values.to_numpy()
     return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]

@@ -63,7 +63,6 @@ class AttentionAgreement:
         pairs: the run's attention pairs whose teacher block is cached.
         student: the student; maps need its eager attention, a q/k cache records its queries and keys (None only
             where there is no pair).
-
         causal: the student's causality.
     """
 
@@ -90,7 +89,6 @@ class AttentionAgreement:
         return recorded(self.recorder, lambda: model(**inputs, **kwargs))
 
     def update(self, out: StudentOutputs, batch: Mapping[str, torch.Tensor], masks: TokenMasks) -> None:
-
         """Add one batch: each pair's KL times the batch's counted query rows."""
         rows = int(masks.trained.sum())
         if not self.pairs or not rows:

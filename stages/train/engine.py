@@ -149,7 +149,6 @@ def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) 
 
 
 def _warmup(warmup: int) -> Callable[[int], float]:
-
     """LR factor: linear warm-up over ``warmup`` optimizer steps, then constant."""
     def factor(step: int) -> float:
         return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0

@@ -83,7 +83,6 @@ class LayerMap:
         from pydantic_core import core_schema
 
         def read(value: object) -> object:
-
             return cls.parse(value) if isinstance(value, str) else value
 
         return core_schema.no_info_before_validator_function(read, core_schema.is_instance_schema(cls))

@@ -32,7 +32,6 @@ class MetricsLogger:
         self._start = time.perf_counter()
 
     def log(self, step: int, values: dict[str, float], **extra: object) -> None:
-
         """Write ``{"step": step, "time_s": ..., **values, **extra}`` (rank 0 only)."""
         if self.rank != 0:
             return

@@ -273,7 +273,6 @@ class _Producer:
     def __init__(self, reader: CacheReader, names: Sequence[str], shard_ids: list[int],
                  shard_ranges: list[tuple[int, int]], plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]],
                  prefetch: int, threads: int, pin: bool):
-
         # A coded hidden state travels with its scales (and outliers) to the device, where it is decoded.
         self.reader, self.names, self.pin = reader, [p for n in names for p in reader.spec.with_parts(n)], pin
         # Shards read ahead of need beyond the prefetch window: none from a local disk (the page cache and a
@@ -331,7 +330,6 @@ class _Producer:
                 self._put(batch)
 
     def _put(self, item: object) -> None:
-
         while not self.stop.is_set():
             try:
                 self.queue.put(item, timeout=0.1)
