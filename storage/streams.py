@@ -9,13 +9,69 @@ offsets (``encoder/input_ids``, ``encoder/offsets``...), plus cross-attention ma
 tokens and whose keys are encoder tokens (``cross_attention/{j}``, located by ``cross_attention_offsets``).
 Logits belong to the decoder stream.
 
+A spec names its cached layers as data, one mapping ``{stream: {kind: layers}}`` (``layer_mapping``): stream ``""``
+alone, or ``encoder`` and ``decoder``, whose cross-attention blocks are the decoder's kind ``cross_attention``.
+Manifests keep the flat keys they have always had (``MANIFEST_LAYER_KEYS``).
+
 Everything here is pure name arithmetic; nothing reads data.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from kdcache.storage.errors import SpecError
+
 SEQ2SEQ_STREAMS = ("encoder", "decoder")
 CROSS = "cross_attention"
+# The layer kinds each stream may cache, and the first layer of each kind (0 = embeddings; blocks from 1).
+STREAM_KINDS = {"": ("hidden", "attention"), "encoder": ("hidden", "attention"),
+                "decoder": ("hidden", "attention", CROSS)}
+FIRST_LAYER = {"hidden": 0, "attention": 1, CROSS: 1}
+STREAM_SETS = (("",), SEQ2SEQ_STREAMS)  # the token streams a cache can have
+# How manifests spell each (stream, kind) list, unchanged since format 2 (a seq2seq manifest also says
+# ``"layout": "seq2seq"`` and leaves hidden_layers / attention_layers empty): CacheSpec.to_dict / from_dict.
+MANIFEST_LAYER_KEYS = {("", "hidden"): "hidden_layers", ("", "attention"): "attention_layers",
+                       ("encoder", "hidden"): "encoder_hidden_layers",
+                       ("encoder", "attention"): "encoder_attention_layers",
+                       ("decoder", "hidden"): "decoder_hidden_layers",
+                       ("decoder", "attention"): "decoder_attention_layers",
+                       ("decoder", CROSS): "cross_attention_layers"}
+SEQ2SEQ_LAYOUT = "seq2seq"  # the manifest's "layout" of a two-stream cache (one stream writes no layout)
+
+
+def layer_mapping(given: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """``{stream: {kind: layers}}`` checked and complete: every kind of each stream present, layers sorted and
+    de-duplicated.
+
+    Args:
+        given: ``{stream: {kind: iterable of int}}``; kinds left out hold no layer.
+
+    Raises:
+        SpecError: streams other than ``""`` or ``encoder`` + ``decoder``, a kind the stream cannot hold, or a
+            layer below the kind's first.
+    """
+    streams = tuple(s for s in STREAM_SETS if set(s) == set(given))
+    if not streams:
+        raise SpecError(f"layers has streams {sorted(given)}; expected [''] (one token stream) or "
+                        f"{list(SEQ2SEQ_STREAMS)}")
+    out = {}
+    for stream in streams[0]:
+        kinds = given[stream] or {}
+        stray = sorted(set(kinds) - set(STREAM_KINDS[stream]))
+        if stray:
+            raise SpecError(f"layers[{stream!r}] has kinds {stray}; expected some of {list(STREAM_KINDS[stream])}")
+        out[stream] = {kind: _sorted_layers(f"{prefixed(stream, kind)} layers", kinds.get(kind, ()), FIRST_LAYER[kind])
+                       for kind in STREAM_KINDS[stream]}
+    return out
+
+
+def _sorted_layers(what: str, values: Any, minimum: int) -> tuple[int, ...]:
+    layers = tuple(sorted({int(v) for v in values}))
+    if any(j < minimum for j in layers):
+        raise SpecError(f"{what} {list(values)} has a layer below {minimum}; expected layers >= {minimum}")
+    return layers
 
 
 def split_stream(name: str) -> tuple[str, str]:
