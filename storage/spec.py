@@ -154,7 +154,7 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
-        put("layers", self._layer_mapping())
+        put("layers", self._resolve_layers())
         one = self.layers.get("", {})
         put("hidden_layers", one.get("hidden", ()))
         put("attention_layers", one.get("attention", ()))
@@ -206,7 +206,7 @@ class CacheSpec:
                                one_stream=not self.is_encoder_decoder, all_heads=self.attention_heads is None,
                                triangle=self.attention_triangle)
 
-    def _layer_mapping(self) -> dict[str, dict[str, tuple[int, ...]]]:
+    def _resolve_layers(self) -> dict[str, dict[str, tuple[int, ...]]]:
         """``layers`` complete and checked; built from ``hidden_layers`` / ``attention_layers`` when not given."""
         one = {"hidden": _layers("hidden_layers", self.hidden_layers, 0),
                "attention": _layers("attention_layers", self.attention_layers, 1)}
