@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,9 @@ def test_bad_per_stream_values_are_named(places) -> None:
     with pytest.raises(ConfigError, match="attention_layers: got 'encoder:1 encoder:2', stream 'encoder' is given "
                                           "twice"):
         build(PrecomputeOptions, {**required, "attention_layers": "encoder:1 encoder:2", "cross_attention_layers": 1})
+    with pytest.raises(ConfigError, match="attention_layers: got 'encoder:1 encoder:2', stream 'encoder' is given "
+                                          "twice"):  # the same message without an alias to merge
+        build(PrecomputeOptions, {**required, "attention_layers": "encoder:1 encoder:2"})
     with pytest.raises(ConfigError, match="layer_map: got 'last cross:none'; the cross-attention map is "
                                           "--attention-layers cross:MAP"):
         build(TrainOptions, {**places["train"], "layer_map": "last cross:none"})
@@ -139,3 +143,15 @@ def test_bad_per_stream_values_are_named(places) -> None:
 def test_an_alias_of_another_command_is_an_unknown_key(places) -> None:
     with pytest.raises(ConfigError, match="unknown key 'decoder_layers'"):
         build(TrainOptions, {**places["train"], "decoder_layers": "1"})
+
+
+def test_the_note_passes_quiet(places, capsys) -> None:
+    """Under --quiet only lines beginning ``kdcache `` reach stderr: the deprecation note is one of them."""
+    from kdcache.pipeline.quiet import quiet
+
+    with quiet():
+        print("a library line", file=sys.stderr)
+        build(TrainOptions, {**places["train"], "decoder_layer_map": "last"})
+    err = capsys.readouterr().err
+    assert "a library line" not in err
+    assert "--decoder-layer-map (YAML decoder_layer_map) is deprecated; write --layer-map decoder:last" in err
