@@ -50,15 +50,15 @@ from kdcache.storage.hidden_codecs import (
 )
 from kdcache.storage.streams import (
     CROSS,
-    MANIFEST_LAYER_KEYS,
-    SEQ2SEQ_LAYOUT,
-    STREAM_KINDS,
+    SEQ2SEQ_MANIFEST_KEYS,
     attention_offsets_name,
     is_offsets,
     kind_of,
-    layer_mapping,
     prefixed,
+    spec_layers,
     split_stream,
+    stream_layers_of_manifest,
+    stream_manifest_keys,
     token_offsets_name,
 )
 
@@ -154,7 +154,7 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
-        put("layers", self._resolve_layers())
+        put("layers", spec_layers(self.layers, self.hidden_layers, self.attention_layers))
         one = self.layers.get("", {})
         put("hidden_layers", one.get("hidden", ()))
         put("attention_layers", one.get("attention", ()))
@@ -205,21 +205,6 @@ class CacheSpec:
         check_attention_source(self.attention_source, self.attention_scores, self.attention_layers,
                                one_stream=not self.is_encoder_decoder, all_heads=self.attention_heads is None,
                                triangle=self.attention_triangle)
-
-    def _resolve_layers(self) -> dict[str, dict[str, tuple[int, ...]]]:
-        """``layers`` complete and checked; built from ``hidden_layers`` / ``attention_layers`` when not given."""
-        one = {"hidden": _layers("hidden_layers", self.hidden_layers, 0),
-               "attention": _layers("attention_layers", self.attention_layers, 1)}
-        if not self.layers:
-            return layer_mapping({"": one})
-        mapping = layer_mapping(self.layers)
-        if any(one.values()) and "" not in mapping:
-            raise SpecError("a seq2seq spec names its layers per stream (layers={'encoder': ..., 'decoder': "
-                            "...}); hidden_layers and attention_layers must be empty")
-        if any(one.values()) and one != mapping[""]:
-            raise SpecError(f"hidden_layers {list(one['hidden'])} / attention_layers {list(one['attention'])} "
-                            f"differ from layers {mapping}; give the layers once")
-        return mapping
 
     # ---- derived streams -----------------------------------------------------------------------------
     @property
@@ -426,15 +411,12 @@ class CacheSpec:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (tuples become lists), in the manifest's keys of every format: the layer mapping
         becomes ``hidden_layers`` / ``attention_layers`` for one stream, and for two ``"layout": "seq2seq"`` plus
-        one key per stream and kind (``streams.MANIFEST_LAYER_KEYS``), so manifests stay byte-identical."""
+        one key per stream and kind (``streams.stream_manifest_keys``), so manifests stay byte-identical."""
         out = dataclasses.asdict(self)
         del out["layers"]
         if not self.token_arrays:  # what format-3 writers wrote
             del out["token_arrays"]
-        if self.is_encoder_decoder:
-            out["layout"] = SEQ2SEQ_LAYOUT
-            out.update({key: self.layers_of(kind, stream) for (stream, kind), key in MANIFEST_LAYER_KEYS.items()
-                        if stream})
+        out.update(stream_manifest_keys(self.layers))
         if self.hidden_codec == resolve_hidden_codec(None, self.dtype):  # the float dtype: what earlier writers wrote
             del out["hidden_codec"]
         if self.attention_source == "maps":  # what writers before issue 23 wrote
@@ -448,23 +430,12 @@ class CacheSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheSpec:
-        """Rebuild a spec from ``to_dict`` output (the manifest's keys, translated to the layer mapping here and
-        nowhere else); unknown keys are an error (a newer writer wrote them)."""
-        per_stream = {key: sk for sk, key in MANIFEST_LAYER_KEYS.items() if sk[0]}
-        known = ({f.name for f in dataclasses.fields(cls)} - {"layers"}) | set(per_stream) | {"layout"}
+        """Rebuild a spec from ``to_dict`` output (the manifest's keys, translated to the layer mapping by
+        ``streams.stream_layers_of_manifest``); unknown keys are an error (a newer writer wrote them)."""
+        known = ({f.name for f in dataclasses.fields(cls)} - {"layers"}) | set(SEQ2SEQ_MANIFEST_KEYS)
         extra = sorted(set(data) - known)
         if extra:
             raise SpecError(f"unknown spec field(s) {extra}; expected only {sorted(known)}")
-        values = {k: v for k, v in data.items() if k not in per_stream and k != "layout"}
-        layout = data.get("layout", "single")
-        if layout not in ("single", SEQ2SEQ_LAYOUT):
-            raise SpecError(f"unknown layout {layout!r}; expected one of ['single', {SEQ2SEQ_LAYOUT!r}]")
-        stray = [key for key in per_stream if data.get(key)]
-        if layout == SEQ2SEQ_LAYOUT:
-            layers: dict[str, dict[str, Any]] = {stream: {} for stream in STREAM_KINDS if stream}
-            for key, (stream, kind) in per_stream.items():
-                layers[stream][kind] = data.get(key, ())
-            values["layers"] = layers
-        elif stray:
-            raise SpecError(f"{stray} are seq2seq fields; set layout='seq2seq' to use them")
-        return cls(**values)
+        values = {k: v for k, v in data.items() if k not in SEQ2SEQ_MANIFEST_KEYS}
+        layers = stream_layers_of_manifest(data)
+        return cls(**values, **({"layers": layers} if layers else {}))

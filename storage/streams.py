@@ -39,6 +39,38 @@ MANIFEST_LAYER_KEYS = {("", "hidden"): "hidden_layers", ("", "attention"): "atte
                        ("decoder", "attention"): "decoder_attention_layers",
                        ("decoder", CROSS): "cross_attention_layers"}
 SEQ2SEQ_LAYOUT = "seq2seq"  # the manifest's "layout" of a two-stream cache (one stream writes no layout)
+SEQ2SEQ_MANIFEST_KEYS = ("layout", *(key for (stream, _), key in MANIFEST_LAYER_KEYS.items() if stream))
+
+
+def stream_manifest_keys(layers: Mapping[str, Mapping[str, tuple[int, ...]]]) -> dict[str, Any]:
+    """What a manifest adds for a complete ``layer_mapping`` beside ``hidden_layers`` / ``attention_layers``:
+    nothing for one stream (format v1's spec), ``layout`` and each stream's lists for two."""
+    if "" in layers:
+        return {}
+    return {"layout": SEQ2SEQ_LAYOUT, **{key: layers[stream][kind] for (stream, kind), key in
+                                         MANIFEST_LAYER_KEYS.items() if stream}}
+
+
+def stream_layers_of_manifest(spec: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """The layer mapping of a two-stream manifest spec, or None for one stream (whose ``hidden_layers`` /
+    ``attention_layers`` build it).
+
+    Raises:
+        SpecError: an unknown ``layout``, or per-stream keys without ``layout: seq2seq``.
+    """
+    layout = spec.get("layout", "single")
+    if layout not in ("single", SEQ2SEQ_LAYOUT):
+        raise SpecError(f"unknown layout {layout!r}; expected one of ['single', {SEQ2SEQ_LAYOUT!r}]")
+    per_stream = {key: sk for sk, key in MANIFEST_LAYER_KEYS.items() if sk[0]}
+    if layout == "single":
+        stray = [key for key in per_stream if spec.get(key)]
+        if stray:
+            raise SpecError(f"{stray} are seq2seq fields; set layout='seq2seq' to use them")
+        return None
+    layers: dict[str, dict[str, Any]] = {stream: {} for stream in SEQ2SEQ_STREAMS}
+    for key, (stream, kind) in per_stream.items():
+        layers[stream][kind] = spec.get(key, ())
+    return layers
 
 
 def layer_mapping(given: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -65,6 +97,26 @@ def layer_mapping(given: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ..
         out[stream] = {kind: _sorted_layers(f"{prefixed(stream, kind)} layers", kinds.get(kind, ()), FIRST_LAYER[kind])
                        for kind in STREAM_KINDS[stream]}
     return out
+
+
+def spec_layers(layers: Mapping[str, Any], hidden: Any, attention: Any) -> dict[str, dict[str, tuple[int, ...]]]:
+    """A spec's complete ``layer_mapping``: ``layers``, or stream ``""`` of the one-stream conveniences
+    ``hidden`` / ``attention`` when ``layers`` is empty.
+
+    Raises:
+        SpecError: the conveniences given beside two streams, or beside a different stream ``""``.
+    """
+    one = layer_mapping({"": {"hidden": hidden, "attention": attention}})[""]
+    if not layers:
+        return {"": one}
+    mapping = layer_mapping(layers)
+    if any(one.values()) and "" not in mapping:
+        raise SpecError("a seq2seq spec names its layers per stream (layers={'encoder': ..., 'decoder': ...}); "
+                        "hidden_layers and attention_layers must be empty")
+    if any(one.values()) and one != mapping[""]:
+        raise SpecError(f"hidden_layers {list(one['hidden'])} / attention_layers {list(one['attention'])} differ "
+                        f"from layers {mapping}; give the layers once")
+    return mapping
 
 
 def _sorted_layers(what: str, values: Any, minimum: int) -> tuple[int, ...]:
