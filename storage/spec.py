@@ -436,6 +436,6 @@ class CacheSpec:
         extra = sorted(set(data) - known)
         if extra:
             raise SpecError(f"unknown spec field(s) {extra}; expected only {sorted(known)}")
-        values = {k: v for k, v in data.items() if k not in SEQ2SEQ_MANIFEST_KEYS}
-        layers = stream_layers_of_manifest(data)
-        return cls(**values, **({"layers": layers} if layers else {}))
+        values: dict[str, Any] = {k: v for k, v in data.items() if k not in SEQ2SEQ_MANIFEST_KEYS}
+        values["layers"] = stream_layers_of_manifest(data) or {}  # {}: hidden_layers / attention_layers build it
+        return cls(**values)
