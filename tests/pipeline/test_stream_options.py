@@ -155,3 +155,20 @@ def test_the_note_passes_quiet(places, capsys) -> None:
     err = capsys.readouterr().err
     assert "a library line" not in err
     assert "--decoder-layer-map (YAML decoder_layer_map) is deprecated; write --layer-map decoder:last" in err
+
+
+def test_init_student_takes_per_stack_blocks_and_the_old_flags(tmp_path, capsys) -> None:
+    from kdcache.pipeline.cli import main
+    from tests.helpers.tiny_models import make_tiny_bart
+
+    teacher = str(make_tiny_bart(tmp_path / "bart"))
+    assert main(["init-student", "--teacher", teacher, "--layers", "encoder:2", "decoder:1,2", "--out",
+                 str(tmp_path / "new")]) == 0
+    assert "deprecated" not in capsys.readouterr().err
+    assert main(["init-student", "--teacher", teacher, "--encoder-layers", "2", "--decoder-layers", "1,2", "--out",
+                 str(tmp_path / "old")]) == 0
+    assert capsys.readouterr().err.count("deprecated") == 2
+    new, old = ((tmp_path / name / "kdcache_init.json").read_text() for name in ("new", "old"))
+    assert new == old and '"teacher_encoder_blocks": [\n    2\n  ]' in new
+    assert main(["init-student", "--teacher", teacher, "--layers", "decoder:x", "--out", str(tmp_path / "x")]) == 2
+    assert "--layers decoder:'x': expected comma-separated block numbers" in capsys.readouterr().err
