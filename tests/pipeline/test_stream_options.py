@@ -172,3 +172,15 @@ def test_init_student_takes_per_stack_blocks_and_the_old_flags(tmp_path, capsys)
     assert new == old and '"teacher_encoder_blocks": [\n    2\n  ]' in new
     assert main(["init-student", "--teacher", teacher, "--layers", "decoder:x", "--out", str(tmp_path / "x")]) == 2
     assert "--layers decoder:'x': expected comma-separated block numbers" in capsys.readouterr().err
+
+
+def test_a_stack_value_for_a_one_stream_teacher_is_refused(tmp_path, capsys) -> None:
+    from kdcache.pipeline.cli import main
+    from tests.helpers.tiny_models import make_tiny_gpt2, sample_texts, write_text_dataset
+
+    gpt2, data = make_tiny_gpt2(tmp_path / "gpt2"), write_text_dataset(tmp_path / "t.jsonl", sample_texts(4))
+    assert main(["precompute", "--teacher", str(gpt2), "--data", str(data), "--out", str(tmp_path / "c"),
+                 "--layers", "1", "decoder:2", "--attention-layers", "cross:1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "layers decoder:2, attention_layers cross:1: only for encoder-decoder teachers" in err
+    assert not (tmp_path / "c" / "manifest.json").exists()
