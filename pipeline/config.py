@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import yaml
 
 from kdcache.stages.common.option_groups import flatten, groups, leaves, nest
+from kdcache.stages.common.stream_options import ALIASES, alias_flags, fold_aliases
 from kdcache.storage.errors import KdcacheError
 
 T = TypeVar("T")
@@ -61,6 +62,7 @@ def flags(cls: type, *, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     for action in parser._actions:
         _finish(action)
     _negations(parser)
+    alias_flags(parser, [f.name for _, _, f in leaves(cls) if f.name not in skip])  # --encoder-layers...
     return parser
 
 
@@ -139,7 +141,7 @@ def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = N
             if not isinstance(data, dict):
                 raise ConfigError([f"section {section!r} of {config_path!r} must be a mapping"])
         values.update(data)
-    names = {f.name for _, _, f in leaves(cls)}
+    names = {f.name for _, _, f in leaves(cls)} | set(ALIASES)
     values.update({k: v for k, v in vars(args).items() if k in names})
     return build(cls, values)
 
@@ -178,7 +180,9 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
     """
     fields = {f.name: (owner, f) for _, owner, f in leaves(cls)}
     given = {str(k).replace("-", "_"): v for k, v in flat_values(cls, values).items()}
-    problems = [f"unknown key {where}{k!r}; known keys: {', '.join(sorted(fields))}" for k in given if k not in fields]
+    given, problems = fold_aliases(given, {k: typing.get_type_hints(o)[k] for k, (o, _) in fields.items()},
+                                   where=where)
+    problems += [f"unknown key {where}{k!r}; known keys: {', '.join(sorted(fields))}" for k in given if k not in fields]
     given = {k: _prepare(fields[k][0], k, v) for k, v in given.items() if k in fields}
     obj, type_problems = _validate(cls, given, where)
     problems += type_problems

@@ -34,6 +34,7 @@ from typing import Any
 from kdcache.pipeline.children import child_env
 from kdcache.pipeline.config import ConfigError, build, flag_name, flags
 from kdcache.stages.common.option_groups import flatten, leaves
+from kdcache.stages.common.stream_options import ALIASES
 from kdcache.stages.train.eval_records import find_eval, remove_evals
 from kdcache.stages.train.options import TrainOptions
 from kdcache.storage.files import read_json_object
@@ -92,6 +93,7 @@ def parse_grid(items: list[str]) -> tuple[dict[str, list[str]], list[str]]:
         (grid, problems): every malformed item, unknown or reserved key and repeated key is a problem.
     """
     fields = {f.name for _, _, f in leaves(TrainOptions)}
+    fields |= {alias for alias, (option, _) in ALIASES.items() if option in fields}  # decoder_layer_map=...
     grid: dict[str, list[str]] = {}
     problems: list[str] = []
     for item in items:

@@ -11,8 +11,8 @@ Array names inside a shard (see docs/architecture.md):
   ``[T, H_kv*d]`` token rows, with ``attention_scores`` recording how scores are formed;
 - ``logits/full [T, V]``, or ``logits/topk_values [T, k]``, ``logits/topk_ids [T, k]``, ``logits/lse [T]``.
 
-A seq2seq cache (``layout="seq2seq"``, format v2) holds two token streams, each with its own ids, offsets,
-hidden and self-attention layers (``encoder/input_ids``, ``encoder/offsets``, ``encoder/hidden/{j}``,
+A seq2seq cache (``layers`` keyed by ``encoder`` and ``decoder``; format v2) holds two token streams, each with its
+own ids, offsets, hidden and self-attention layers (``encoder/input_ids``, ``encoder/offsets``, ``encoder/hidden/{j}``,
 ``encoder/attention/{j}``, ``encoder/attention_offsets``, and the same under ``decoder/``), plus cross-attention
 ``cross_attention/{j} [R, H']`` (per sequence ``L_dec * L_enc`` rows) with ``cross_attention_offsets``; logits
 are on decoder tokens. See ``storage.streams``.
@@ -51,19 +51,18 @@ from kdcache.storage.hidden_codecs import (
 )
 from kdcache.storage.streams import (
     CROSS,
-    SEQ2SEQ_STREAMS,
+    SEQ2SEQ_MANIFEST_KEYS,
     attention_offsets_name,
     is_offsets,
     kind_of,
     prefixed,
+    spec_layers,
     split_stream,
+    stream_layers_of_manifest,
+    stream_manifest_keys,
     token_offsets_name,
 )
 
-LAYOUTS = ("single", "seq2seq")  # as manifests write them
-ENCODER_DECODER = LAYOUTS[1]
-SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",
-                  "decoder_attention_layers", "cross_attention_layers")
 BACKENDS = ("zarr", "arrow")
 LOGIT_KINDS = (None, "full", "topk", "sampled", "head")  # head: no per-token logits; the LM head beside the cache
 TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
@@ -115,6 +114,12 @@ class CacheSpec:
 
     Layers are stored sorted and de-duplicated; codecs are stored as full numcodecs config dicts.
     ``bitround`` (keepbits) applies to activations (hidden, attention, full logits), never to top-k.
+
+    ``layers`` is the one record of the cached layers: ``{stream: {kind: layers}}`` (``storage.streams``), e.g.
+    ``{"": {"hidden": (2, 4), "attention": (4,)}}``, or ``{"encoder": {...}, "decoder": {"hidden": ...,
+    "attention": ..., "cross_attention": ...}}``. ``hidden_layers`` / ``attention_layers`` are a one-stream
+    convenience: given instead of ``layers`` they build stream ``""``; afterwards they mirror that stream (empty
+    for two streams).
     """
 
     num_sequences: int
@@ -138,13 +143,7 @@ class CacheSpec:
     hidden_codec: Any = None
     sequences_per_shard: int = 256
     token_arrays: tuple[str, ...] = ()  # of TOKEN_ARRAYS, stored for every stream; absent before format 4
-    # seq2seq only (layout "seq2seq"); left out of to_dict() for single-stream caches, whose manifests stay v1.
-    layout: str = "single"
-    encoder_hidden_layers: tuple[int, ...] = ()
-    encoder_attention_layers: tuple[int, ...] = ()
-    decoder_hidden_layers: tuple[int, ...] = ()
-    decoder_attention_layers: tuple[int, ...] = ()
-    cross_attention_layers: tuple[int, ...] = ()
+    layers: dict[str, dict[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)  # {}: see above
     # Attention as queries/keys (issue 23); left out of to_dict() when "maps" (every earlier manifest).
     attention_source: str = "maps"
     attention_scores: dict[str, Any] | None = None  # attention_source.SCORE_KEYS, BLOCK_SCORE_KEYS per block
@@ -153,10 +152,10 @@ class CacheSpec:
         def put(key: str, value: object) -> None:  # a frozen dataclass sets its own fields this way
             object.__setattr__(self, key, value)
 
-        put("hidden_layers", _layers("hidden_layers", self.hidden_layers, 0))
-        put("attention_layers", _layers("attention_layers", self.attention_layers, 1))
-        for key in SEQ2SEQ_FIELDS:
-            put(key, _layers(key, getattr(self, key), 0 if "hidden" in key else 1))
+        put("layers", spec_layers(self.layers, self.hidden_layers, self.attention_layers))
+        one = self.layers.get("", {})
+        put("hidden_layers", one.get("hidden", ()))
+        put("attention_layers", one.get("attention", ()))
         put("token_arrays", tuple(self.token_arrays))
         if self.attention_heads is not None:
             put("attention_heads", _layers("attention_heads", self.attention_heads, 0))
@@ -201,43 +200,39 @@ class CacheSpec:
                             f"{list(TOKEN_ARRAYS)}")
         for config in (self.codec, self.topk_codec):  # fail at creation, not at the first shard
             to_zarr_compressors(config) if self.backend == "zarr" else to_arrow_compression(config)
-        self._validate_layout()
         check_attention_source(self.attention_source, self.attention_scores, self.attention_layers,
                                one_stream=not self.is_encoder_decoder, all_heads=self.attention_heads is None,
                                triangle=self.attention_triangle)
 
-    def _validate_layout(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise SpecError(f"unknown layout {self.layout!r}; expected one of {list(LAYOUTS)}")
-        if self.is_encoder_decoder and (self.hidden_layers or self.attention_layers):
-            raise SpecError("a seq2seq spec names its layers per stream (encoder_hidden_layers, "
-                            "decoder_hidden_layers, ...); hidden_layers and attention_layers must be empty")
-        stray = [key for key in SEQ2SEQ_FIELDS if getattr(self, key) and not self.is_encoder_decoder]
-        if stray:
-            raise SpecError(f"{stray} are seq2seq fields; set layout='seq2seq' to use them")
-
-    # ---- derived layout ------------------------------------------------------------------------------
+    # ---- derived streams -----------------------------------------------------------------------------
     @property
     def is_encoder_decoder(self) -> bool:
         """Whether the cache holds two token streams (encoder and decoder)."""
-        return self.layout == ENCODER_DECODER
+        return "" not in self.layers
+
+    def layers_of(self, kind: str, stream: str = "") -> tuple[int, ...]:
+        """The cached layers of ``kind`` ("hidden", "attention", "cross_attention") in ``stream`` (() if none)."""
+        return self.layers.get(stream, {}).get(kind, ())
+
+    def layer_groups(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(array group, layers)`` in array order: ``hidden`` / ``encoder/attention`` ... then
+        ``cross_attention`` (whose arrays carry no stream prefix: they span both streams)."""
+        return [(kind if kind == CROSS else prefixed(stream, kind), layers)
+                for stream, kinds in self.layers.items() for kind, layers in kinds.items()]
 
     @property
     def format_version(self) -> int:
-        """Format version of caches written with this spec (both layouts share it)."""
+        """Format version of caches written with this spec (one stream or two alike)."""
         return FORMAT_VERSION
 
     @property
     def streams(self) -> tuple[str, ...]:
         """Token streams: ``("",)`` for a single-stream cache, ``("encoder", "decoder")`` for seq2seq."""
-        return SEQ2SEQ_STREAMS if self.is_encoder_decoder else ("",)
+        return tuple(self.layers)
 
     def stream_layers(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
         """``(stream, hidden layers, self-attention layers)`` per token stream."""
-        if not self.is_encoder_decoder:
-            return [("", self.hidden_layers, self.attention_layers)]
-        return [("encoder", self.encoder_hidden_layers, self.encoder_attention_layers),
-                ("decoder", self.decoder_hidden_layers, self.decoder_attention_layers)]
+        return [(stream, kinds["hidden"], kinds["attention"]) for stream, kinds in self.layers.items()]
 
     def ids_name(self, stream: str = "") -> str:
         """The token-id array of ``stream`` (``input_ids``, ``encoder/input_ids``...)."""
@@ -257,8 +252,8 @@ class CacheSpec:
         return token_offsets_name(stream or logits_stream)
 
     def by_documents(self, name: str) -> bool:
-        """Whether attention array ``name`` is stored per document (self-attention of rows with ``position_ids``:
-        ``storage.layout``)."""
+        """Whether attention array ``name`` is stored per document (self-attention of rows with ``position_ids``,
+        packed by document as ``pack_attention`` does)."""
         return "position_ids" in self.token_arrays and kind_of(name) == "attention"
 
     def attention_geometry(self, name: str) -> tuple[str, str, bool]:
@@ -299,20 +294,16 @@ class CacheSpec:
     def features(self) -> tuple[str, ...]:
         """Target kinds held: "hidden", "attention" (per stream for seq2seq, e.g. "encoder/hidden"),
         "cross_attention", "logits/full" or "logits/topk"."""
-        kinds = []
-        for stream, hidden, attention in self.stream_layers():
-            kinds += [(prefixed(stream, "hidden"), bool(hidden)), (prefixed(stream, "attention"), bool(attention))]
-        kinds += [(CROSS, bool(self.cross_attention_layers)), (f"logits/{self.logits}", bool(self.logits))]
+        kinds = [*self.layer_groups(), (f"logits/{self.logits}", bool(self.logits))]
         return tuple(name for name, present in kinds if present)
 
     def sequence_names(self) -> list[str]:
         """Names of the per-sequence arrays a reader returns (and the writer takes), in order."""
         names = self.token_names()
-        for stream, hidden, attention in self.stream_layers():
-            names += [n for j in hidden for n in self.with_parts(prefixed(stream, f"hidden/{j}"))]
-            names += [n for j in attention for kind in ATTENTION_SOURCES[self.attention_source]
-                      for n in self.with_parts(prefixed(stream, f"{kind}/{j}"))]
-        names += [f"{CROSS}/{j}" for j in self.cross_attention_layers]
+        for group, layers in self.layer_groups():
+            stream, kind = split_stream(group)
+            kinds = ATTENTION_SOURCES[self.attention_source] if kind == "attention" else (kind,)
+            names += [n for j in layers for k in kinds for n in self.with_parts(prefixed(stream, f"{k}/{j}"))]
         return names + self.logit_arrays()
 
     def logit_arrays(self) -> list[str]:
@@ -387,10 +378,11 @@ class CacheSpec:
         """Raise a typed error unless ``name`` is a per-sequence array of this cache."""
         if name in self.sequence_names():
             return
-        groups = {prefixed(stream, "hidden"): hidden for stream, hidden, _ in self.stream_layers()}
-        groups.update({prefixed(stream, kind): attn for stream, _, attn in self.stream_layers()
-                       for kind in ATTENTION_SOURCES[self.attention_source]})
-        groups[CROSS] = self.cross_attention_layers
+        groups: dict[str, tuple[int, ...]] = {}
+        for group, held in self.layer_groups():
+            stream, kind = split_stream(group)
+            kinds = ATTENTION_SOURCES[self.attention_source] if kind == "attention" else (kind,)
+            groups.update({prefixed(stream, k): held for k in kinds})
         kind, _, layer = name.rpartition("/")
         layers = groups.get(kind)
         if layers is not None and layer.lstrip("-").isdigit():
@@ -416,14 +408,14 @@ class CacheSpec:
 
     # ---- JSON ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (tuples become lists). Single-stream specs leave out the seq2seq fields, so their
-        manifests are exactly those of format v1."""
+        """A JSON-ready dict (tuples become lists), in the manifest's keys of every format: the layer mapping
+        becomes ``hidden_layers`` / ``attention_layers`` for one stream, and for two ``"layout": "seq2seq"`` plus
+        one key per stream and kind (``streams.stream_manifest_keys``), so manifests stay byte-identical."""
         out = dataclasses.asdict(self)
+        del out["layers"]
         if not self.token_arrays:  # what format-3 writers wrote
             del out["token_arrays"]
-        if not self.is_encoder_decoder:
-            for key in ("layout", *SEQ2SEQ_FIELDS):
-                del out[key]
+        out.update(stream_manifest_keys(self.layers))
         if self.hidden_codec == resolve_hidden_codec(None, self.dtype):  # the float dtype: what earlier writers wrote
             del out["hidden_codec"]
         if self.attention_source == "maps":  # what writers before issue 23 wrote
@@ -437,9 +429,12 @@ class CacheSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheSpec:
-        """Rebuild a spec from ``to_dict`` output; unknown keys are an error (a newer writer wrote them)."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        """Rebuild a spec from ``to_dict`` output (the manifest's keys, translated to the layer mapping by
+        ``streams.stream_layers_of_manifest``); unknown keys are an error (a newer writer wrote them)."""
+        known = ({f.name for f in dataclasses.fields(cls)} - {"layers"}) | set(SEQ2SEQ_MANIFEST_KEYS)
         extra = sorted(set(data) - known)
         if extra:
             raise SpecError(f"unknown spec field(s) {extra}; expected only {sorted(known)}")
-        return cls(**data)
+        values: dict[str, Any] = {k: v for k, v in data.items() if k not in SEQ2SEQ_MANIFEST_KEYS}
+        values["layers"] = stream_layers_of_manifest(data) or {}  # {}: hidden_layers / attention_layers build it
+        return cls(**values)

@@ -82,12 +82,14 @@ class TeacherAdapter(ABC):
 class HookedTeacher(TeacherAdapter):
     """Decoder-only and encoder teachers: one token stream, targets captured by forward hooks."""
 
-    _ENCODER_DECODER_ONLY = ("source_column", "target_column", "max_target_length", "encoder_layers", "decoder_layers",
-                     "encoder_attention_layers", "decoder_attention_layers", "cross_attention_layers")
+    _ENCODER_DECODER_ONLY = ("source_column", "target_column", "max_target_length")
 
     def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
         values = flatten(options)
-        given = [name for name in self._ENCODER_DECODER_ONLY if values[name] not in (None, ())]
+        given = [name for name in self._ENCODER_DECODER_ONLY if values[name] is not None]
+        per_stream = (options.targets.layers, options.targets.attention_layers)  # a stack's or cross's own value
+        given += [f"{name} {s}:{value.text_of(s)}" for name, value in zip(("layers", "attention_layers"), per_stream)
+                  if value is not None for s in value.streams if s]
         if "cross_attention" in options.targets.features:
             given.append("features cross_attention")
         if given:

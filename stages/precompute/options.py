@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.stages.common.option_groups import assemble
+from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.precompute.rows import PACKING
 
 FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: encoder-decoder teachers only
@@ -181,14 +182,24 @@ class StorageOptions:
 
 @dataclass(frozen=True)
 class TargetOptions:
-    """What is cached: layers and attention blocks per token stream, heads, and the logit mode."""
+    """What is cached: layers and attention blocks per token stream, heads, and the logit mode.
 
+    ``layers`` and ``attention_layers`` hold a value per token stream (``stages.common.stream_options``): the
+    unprefixed one for a one-stream teacher and as both stacks' default, ``encoder:`` / ``decoder:`` per stack,
+    ``cross:`` for cross-attention blocks. ``layers`` always holds the unprefixed value ("all" unless given).
+    """
 
-    layers: tuple[str, ...] = _opt(("all",), "hidden layers to cache, HF numbering (0 = embeddings), or 'all'")
+    layers: StreamLayers = _opt(StreamLayers.parse("all"), "hidden layers to cache, HF numbering (0 = embeddings), "
+                                "or 'all'; an encoder-decoder's stacks apart as encoder:0,2 decoder:1,2 ('none': no "
+                                "layer of that stack; an unprefixed value covers both)", nargs="+",
+                                metavar="[STREAM:]LAYERS")
     features: tuple[str, ...] = _opt((), "targets to cache: hidden, attention, logits (default: hidden, plus "
                                          "logits when the teacher has a language-model head)")
-    attention_layers: tuple[str, ...] | None = _opt(None, "attention blocks to cache (1..N) or 'all'; "
-                                                          "default: --layers without 0")
+    attention_layers: StreamLayers | None = _opt(None, "attention blocks to cache (1..N) or 'all', per stack as "
+                                                       "--layers; cross:1,2 for cross-attention blocks (with feature "
+                                                       "cross_attention; default the decoder's attention blocks); "
+                                                       "default: --layers without 0", nargs="+",
+                                                 metavar="[STREAM:]BLOCKS")
     heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
     triangle: bool = _opt(False, "store only the causal triangle of attention maps (causal teachers)")
     attention_source: str = _opt("maps", "how feature 'attention' is stored: maps (each block's [H, L, L] "
@@ -212,18 +223,10 @@ class TargetOptions:
                                           "clipped and counted)")
     sample_temperature: float = _opt(1.0, "temperature of the teacher's softmax that --logits sampled:N draws from "
                                           "(stage two's KL then runs at this temperature)")
-    encoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder hidden layers (0 = embeddings), 'all' or "
-                                                        "'none'; default --layers")
-    decoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: decoder hidden layers, 'all' or 'none'; "
-                                                        "default --layers")
-    encoder_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder self-attention blocks, 'all' "
-                                                                  "or 'none'; default --attention-layers")
-    decoder_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: decoder self-attention blocks, 'all' "
-                                                                  "or 'none'; default --attention-layers")
-    cross_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: cross-attention blocks (with feature "
-                                                                "cross_attention); default the decoder attention "
-                                                                "blocks")
 
+    def __post_init__(self) -> None:
+        if "" not in self.layers.streams:  # only stacks given: the rest follow the default, "all"
+            object.__setattr__(self, "layers", self.layers.with_stream("", "all"))
     @property
     def logits_kind(self) -> str | None:
         """None, "topk", "full", "sampled" or "head"."""
@@ -244,14 +247,9 @@ class TargetOptions:
         problems = []
         if any(f not in FEATURES for f in self.features):
             problems.append(f"features: got {list(self.features)}, expected a non-empty subset of {list(FEATURES)}")
-        problems += _layer_list_problems("layers", self.layers)
+        problems += _stream_problems("layers", self.layers, ("", "encoder", "decoder"))
         if self.attention_layers is not None:
-            problems += _layer_list_problems("attention_layers", self.attention_layers)
-        for name in ("encoder_layers", "decoder_layers", "encoder_attention_layers", "decoder_attention_layers",
-                     "cross_attention_layers"):
-            values = getattr(self, name)
-            if values and tuple(v.lower() for v in values) != ("none",):
-                problems += _layer_list_problems(name, values)
+            problems += _stream_problems("attention_layers", self.attention_layers, ("", *STREAM_PREFIXES))
         if self.heads is not None and (not self.heads or min(self.heads) < 0):
             problems.append(f"heads: got {list(self.heads)}, expected non-negative head indices")
         return problems + self._logit_problems()
@@ -335,6 +333,17 @@ def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name
                              f"{', 0 = embeddings' if minimum == 0 else ''})")
         layers.add(resolved)
     return tuple(sorted(layers))
+
+
+def _stream_problems(name: str, value: StreamLayers, streams: tuple[str, ...]) -> list[str]:
+    """Streams ``name`` does not take, and layer lists that do not read (a stack may keep 'none')."""
+    problems = [f"{name}: got {str(value)!r}, stream {s!r} has no {name}; expected streams among "
+                f"{[p for p in streams if p]}" for s in value.streams if s not in streams]
+    for stream in (s for s in value.streams if s in streams):
+        layers = value.get(stream)
+        if not (stream and tuple(v.lower() for v in layers) == ("none",)):
+            problems += _layer_list_problems(f"{stream}_{name}" if stream else name, layers)
+    return problems
 
 
 def _layer_list_problems(name: str, values: tuple[str, ...]) -> list[str]:

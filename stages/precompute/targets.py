@@ -23,8 +23,8 @@ from kdcache.stages.common import architectures
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
 from kdcache.storage.hidden_codecs import resolve_hidden_codec
-from kdcache.storage.spec import ENCODER_DECODER, FORMAT_VERSION
-from kdcache.storage.streams import kind_of
+from kdcache.storage.spec import FORMAT_VERSION
+from kdcache.storage.streams import CROSS, kind_of
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 # --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value
@@ -98,14 +98,15 @@ def _select(values: tuple[str, ...], depth: int, minimum: int, name: str) -> tup
 
 
 def _stream(options: PrecomputeOptions, stream: str, depth: int) -> StreamTargets:
-    """The hidden layers and self-attention blocks kept of one stream (its own flags, else the shared ones)."""
+    """The hidden layers and self-attention blocks kept of one stream (its own values, else the unprefixed ones)."""
     t, prefix = options.targets, f"{stream}_" if stream else ""
-    hidden_values = (getattr(t, f"{stream}_layers") if stream else ()) or t.layers
+    hidden_values = t.layers.get(stream) or t.layers.get("")
     hidden = _select(hidden_values, depth, 0, f"{prefix}layers") if "hidden" in t.features else ()
     if "attention" not in t.features:
         return StreamTargets(hidden, (), depth)
-    attention_flag = (getattr(t, f"{stream}_attention_layers") if stream else None) or t.attention_layers
-    if attention_flag is not None:
+    given = t.attention_layers
+    attention_flag = given and (given.get(stream) or given.get(""))
+    if attention_flag:
         return StreamTargets(hidden, _select(attention_flag, depth, 1, f"{prefix}attention_layers"), depth)
     # Default: the blocks of this stream's hidden selection (layer 0, the embeddings, has no attention map).
     blocks = tuple(j for j in _select(hidden_values, depth, 0, f"{prefix}layers") if j >= 1)
@@ -116,11 +117,11 @@ def _cross_attention(options: PrecomputeOptions, decoder: StreamTargets | None) 
     t = options.targets
     if "cross_attention" not in t.features or decoder is None:
         return ()
-    values = t.cross_attention_layers
+    values = t.attention_layers.get("cross") if t.attention_layers else None
     cross = _select(values, decoder.depth, 1, "cross_attention_layers") if values else (
         decoder.attention or tuple(j for j in decoder.hidden if j >= 1))
     if not cross:
-        raise PrecomputeError("cross_attention: no decoder block selected; set --cross-attention-layers")
+        raise PrecomputeError("cross_attention: no decoder block selected; set --attention-layers cross:BLOCKS")
     return cross
 
 
@@ -136,8 +137,7 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
     streams = {name: _stream(options, name, depth) for name, depth in depths.items()}
     cross = _cross_attention(options, streams.get("decoder"))
     if "attention" in t.features and not any(s.attention for s in streams.values()):
-        flags = "--attention-layers" + (" or --encoder-attention-layers/--decoder-attention-layers"
-                                        if len(streams) > 1 else "")
+        flags = "--attention-layers" + (" (per stack: encoder:BLOCKS decoder:BLOCKS)" if len(streams) > 1 else "")
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
     causal = architectures.is_causal_config(config)  # the same judgement stage two makes of the student
     if t.logits_kind == "head":
@@ -203,15 +203,12 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
     arrays ``data`` (a ``data.TokenStreams``) carries beside the ids."""
     from kdcache.storage import CacheSpec
 
-    if "" in targets.streams:
-        one = targets.streams[""]
-        layers: dict[str, Any] = {"hidden_layers": one.hidden, "attention_layers": one.attention}
-        triangle = bool(one.attention and options.targets.triangle)
-    else:
-        layers = {f"{s}_{kind}_layers": getattr(t, kind) for s, t in targets.streams.items()
-                  for kind in ("hidden", "attention")}
-        layers.update(layout=ENCODER_DECODER, cross_attention_layers=targets.cross_attention)
-        triangle = bool(targets.streams["decoder"].attention and options.targets.triangle)
+    layers: dict[str, dict[str, Any]] = {s: {"hidden": t.hidden, "attention": t.attention}
+                                         for s, t in targets.streams.items()}
+    if "decoder" in layers:  # cross-attention blocks are the decoder's (decoder queries, encoder keys)
+        layers["decoder"][CROSS] = targets.cross_attention
+    causal = targets.streams.get("") or targets.streams["decoder"]  # the self-attention a triangle can hold
+    triangle = bool(causal.attention and options.targets.triangle)
     token_arrays = tuple(dict.fromkeys(kind_of(name) for name in data.tokens))
     storage = options.storage
     return CacheSpec(
@@ -222,7 +219,7 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
         attention_source=targets.attention_source if targets.attention_scores else "maps",
         attention_scores=targets.attention_scores,
         dtype=storage.dtype, codec=storage.codec_config, bitround=storage.bitround,
-        hidden_codec=storage.hidden_codec_record, sequences_per_shard=storage.sequences_per_shard, **layers)
+        hidden_codec=storage.hidden_codec_record, sequences_per_shard=storage.sequences_per_shard, layers=layers)
 
 
 def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[str, Any]:

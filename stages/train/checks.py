@@ -108,8 +108,8 @@ def stream_problems(spec: Any, student: StudentFacts) -> list[str]:
 def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) -> list[str]:
     """Each nonzero loss weight needs its feature in the cache (and logits need a student head)."""
     held = ", ".join(spec.features) or "nothing but input_ids"
-    hidden = any(h for _, h, _ in spec.stream_layers())
-    attention = any(a for _, _, a in spec.stream_layers()) or bool(spec.cross_attention_layers)
+    hidden = any(layers for group, layers in spec.layer_groups() if group.endswith("hidden"))
+    attention = any(layers for group, layers in spec.layer_groups() if not group.endswith("hidden"))
     problems = []
     loss = options.loss
     if loss.alpha > 0 and not student.has_lm_head:
@@ -131,7 +131,7 @@ def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) ->
         problems.append(f"--topk-kl other rebuilds full-vocabulary probabilities from the cached logsumexp, which "
                         f"is exact only at T=1, but --temperature is {loss.temperature:g}; use --temperature 1, "
                         "or --topk-kl renorm (which applies any temperature)")
-    if loss.gamma > 0 and options.maps.layer_map.kind != "none" and not hidden:
+    if loss.gamma > 0 and options.maps.for_stream("").kind != "none" and not hidden:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "
                         "re-run precompute with --layers, or use --gamma 0 / --layer-map none")
     if loss.delta > 0 and not attention:

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kdcache.stages.common.stream_options import StreamValues
 from kdcache.storage.errors import KdcacheError
 
 if TYPE_CHECKING:
@@ -86,6 +87,16 @@ class LayerMap:
             return cls.parse(value) if isinstance(value, str) else value
 
         return core_schema.no_info_before_validator_function(read, core_schema.is_instance_schema(cls))
+
+
+class StreamMaps(StreamValues):
+    """A ``LayerMap`` per token stream (``stages.common.stream_options``): ``last decoder:explicit:1-2``, or a
+    YAML mapping ``{encoder: last, decoder: "explicit:1-2"}``; the map ``""`` means "not given"."""
+
+    @staticmethod
+    def read(text: str) -> LayerMap:
+        """One stream's map from its text (``LayerMap.parse``)."""
+        return LayerMap.parse(text)
 
 
 def build_layer_map(

@@ -134,9 +134,7 @@ def teacher_depth(reader: Any, stream: str = "") -> int:
     for key in keys:
         if isinstance(teacher.get(key), int) and teacher[key]:
             return int(teacher[key])
-    layers = {s: [*h, *a] for s, h, a in reader.spec.stream_layers()}[stream]
-    if stream == "decoder":
-        layers += list(reader.spec.cross_attention_layers)
+    layers = [j for kind in reader.spec.layers[stream].values() for j in kind]  # the decoder's: cross too
     return max(layers, default=0)
 
 
@@ -160,9 +158,9 @@ def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str]) -> tup
     what = prefixed(s.name, "attention").replace("/", " ")
     attention: list[Pair] = []
     if options.loss.delta > 0 and s.attention:
-        if options.maps.attention_layers is not None:
-            attention = checked_map(options.maps.attention_layers, seed, s.student_depth, s.teacher_depth,
-                                    s.attention, what, problems)
+        given = options.maps.attention_map(s.name)
+        if given is not None:
+            attention = checked_map(given, seed, s.student_depth, s.teacher_depth, s.attention, what, problems)
         else:
             attention = restricted_map(s.layer_map, s.student_depth, s.teacher_depth, s.attention, seed, what,
                                        problems)
@@ -171,11 +169,11 @@ def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str]) -> tup
 
 def _cross_pairs(options: TrainOptions, spec: Any, decoder: _Stream | None, problems: list[str]) -> list[Pair]:
     """(student decoder block, teacher decoder block) pairs of the cross-attention term."""
-    cross, seed = options.maps.cross_attention_map, options.data.seed
-    if decoder is None or options.loss.delta <= 0 or not spec.cross_attention_layers or cross.kind == "none":
+    cross, seed = options.maps.attention_map("cross"), options.data.seed
+    cached, what = spec.layers_of(CROSS, "decoder"), "cross attention"
+    if decoder is None or options.loss.delta <= 0 or not cached or cross is not None and cross.kind == "none":
         return []
-    cached, what = spec.cross_attention_layers, "cross attention"
-    if cross.kind:
+    if cross is not None:
         return checked_map(cross, seed, decoder.student_depth, decoder.teacher_depth, cached, what, problems)
     return restricted_map(decoder.layer_map, decoder.student_depth, decoder.teacher_depth, cached, seed, what,
                           problems)
