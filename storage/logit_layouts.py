@@ -130,8 +130,8 @@ def _topk_arrays(spec: LogitFields) -> tuple[LogitArray, ...]:
     if spec.topk_values == "logprob":
         values = LogitArray("logits/topk_values", "uint16", gap_coded=True, width="top_k")
         return values, LogitArray("logits/topk_ids", VOCAB_ID, width="top_k")
-    return (LogitArray("logits/topk_values", FLOAT, width="top_k"), LogitArray("logits/topk_ids", VOCAB_ID, width="top_k"),
-            LogitArray("logits/lse", "float32"))
+    return (LogitArray("logits/topk_values", FLOAT, width="top_k"),
+            LogitArray("logits/topk_ids", VOCAB_ID, width="top_k"), LogitArray("logits/lse", "float32"))
 
 
 def _topk_validate(spec: LogitFields) -> None:

@@ -38,15 +38,6 @@ from kdcache.storage.codecs import (
 )
 from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
-from kdcache.storage.logit_layouts import (  # noqa: F401 (TOPK_MASS, TOPK_VALUE_FORMATS: re-exported)
-    FLOAT,
-    TOPK_MASS,
-    TOPK_VALUE_FORMATS,
-    VOCAB_ID,
-    logit_array,
-    logit_arrays,
-    validate_logits,
-)
 from kdcache.storage.hidden_codecs import (
     CODES_CODEC,
     applies_to,
@@ -56,6 +47,15 @@ from kdcache.storage.hidden_codecs import (
     part_of,
     parts,
     resolve_hidden_codec,
+)
+from kdcache.storage.logit_layouts import (  # noqa: F401 (TOPK_MASS, TOPK_VALUE_FORMATS: re-exported)
+    FLOAT,
+    TOPK_MASS,
+    TOPK_VALUE_FORMATS,
+    VOCAB_ID,
+    logit_array,
+    logit_arrays,
+    validate_logits,
 )
 from kdcache.storage.streams import (
     CROSS,
