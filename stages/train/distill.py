@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.common.qk_attention import QKRecorder
@@ -41,7 +42,8 @@ from kdcache.storage.streams import prefixed
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-UNPREFIXED_TERMS = ("ce", "kl", "topk_kl", "sampled_kl")  # logged under their own names whatever the stream
+# Logged under their own names whatever the stream: CE and every logit kind's term.
+UNPREFIXED_TERMS = tuple(dict.fromkeys(("ce", "kl", *(logit_kinds.get(name).term for name in logit_kinds.names()))))
 
 
 def stream_view(batch: Mapping[str, torch.Tensor], stream: str, main: bool) -> dict[str, torch.Tensor]:
