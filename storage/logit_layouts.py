@@ -25,16 +25,21 @@ TOPK_VALUE_FORMATS = ("fp16", "logprob")  # how top-k values are stored (see Cac
 TOPK_MASS = "logits/topk_mass"  # per token, the probability the top-k keep: handed over, recorded per shard, not stored
 
 
-class LogitFields(Protocol):
-    """The spec fields a layout reads (``CacheSpec`` has them all)."""
+class LayoutFields(Protocol):
+    """What decides a layout's arrays (``CacheSpec`` and stage one's ``Targets`` both have it)."""
 
     logits: str | None
+    logprob_step: float  # > 0: top-k values stored as quantised log-probabilities (topk_values "logprob")
+
+
+class LogitFields(LayoutFields, Protocol):
+    """The spec fields a layout validates (``CacheSpec`` has them all)."""
+
     top_k: int
     samples: int
     sample_temperature: float
     vocab_size: int
     topk_values: str
-    logprob_step: float
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class LogitLayout:
     """A registered layout: ``arrays(spec)`` what it stores, ``validate(spec)`` raises ``SpecError`` on its fields."""
 
     name: str
-    arrays: Callable[[LogitFields], tuple[LogitArray, ...]]
+    arrays: Callable[[LayoutFields], tuple[LogitArray, ...]]
     validate: Callable[[LogitFields], None]
 
 
@@ -74,7 +79,7 @@ def register_layout(layout: LogitLayout) -> LogitLayout:
     return layout
 
 
-def layout_of(spec: LogitFields) -> LogitLayout | None:
+def layout_of(spec: LayoutFields) -> LogitLayout | None:
     """The spec's layout (None for a cache without logits).
 
     Raises:
@@ -87,13 +92,13 @@ def layout_of(spec: LogitFields) -> LogitLayout | None:
     return LAYOUTS[spec.logits]
 
 
-def logit_arrays(spec: LogitFields) -> tuple[LogitArray, ...]:
+def logit_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
     """The per-token logit arrays ``spec`` stores, in order."""
     layout = layout_of(spec)
     return layout.arrays(spec) if layout else ()
 
 
-def logit_array(spec: LogitFields, name: str) -> LogitArray | None:
+def logit_array(spec: LayoutFields, name: str) -> LogitArray | None:
     """The record of logit array ``name`` of ``spec``, or None where it stores no such array."""
     return next((a for a in logit_arrays(spec) if a.name == name), None)
 
@@ -125,9 +130,9 @@ def _no_fields(spec: LogitFields) -> None:
     """A layout without fields of its own."""
 
 
-def _topk_arrays(spec: LogitFields) -> tuple[LogitArray, ...]:
+def _topk_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
     # fp16: logits with their logsumexp; logprob: log-probs quantised to uint16 steps, rising along k in -logp.
-    if spec.topk_values == "logprob":
+    if spec.logprob_step > 0:
         values = LogitArray("logits/topk_values", "uint16", gap_coded=True, width="top_k")
         return values, LogitArray("logits/topk_ids", VOCAB_ID, width="top_k")
     return (LogitArray("logits/topk_values", FLOAT, width="top_k"),
@@ -140,7 +145,7 @@ def _topk_validate(spec: LogitFields) -> None:
     _check_value_format(spec, logprob_allowed=True)
 
 
-def _sampled_arrays(spec: LogitFields) -> tuple[LogitArray, ...]:
+def _sampled_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
     # per token, the distinct ids of N draws at sample_temperature (ascending, so gap-coded), how often each was
     # drawn (0 in unused slots) and the teacher's log-probability of each at that temperature
     return (LogitArray("logits/sample_ids", VOCAB_ID, gap_coded=True, width="samples"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.precompute.rows import PACKING
 
@@ -214,18 +215,25 @@ class TargetOptions:
 
     @property
     def logits_kind(self) -> str | None:
-        """None, "topk", "full", "sampled" or "head"."""
+        """The logit mode (a name of ``stages.common.logit_kinds``), or None without feature ``logits``."""
         return self._mode if "logits" in self.features else None
 
     @property
     def _mode(self) -> str:
         """The logit mode the flags ask for, whether or not ``logits`` ends up among the features."""
-        return "full" if self.full_logits else self.logits_mode.split(":")[0]
+        return "full" if self.full_logits else self.logits_mode.partition(":")[0]
 
     @property
     def samples(self) -> int:
-        """N of ``--logits sampled:N`` (0 for other modes)."""
-        return int(self.logits_mode.split(":")[1]) if self.logits_kind == "sampled" else 0
+        """N of ``--logits sampled:N`` (0 for other modes and without feature ``logits``)."""
+        return int(self.logit_fields["samples"]) if self.logits_kind else 0
+
+    @property
+    def logit_fields(self) -> dict[str, Any]:
+        """The ``CacheSpec`` logit fields the mode writes (``top_k``, ``samples``, ``logprob_step``); options that
+        passed ``validate``."""
+        kind, argument = logit_kinds.parse("full" if self.full_logits else self.logits_mode)
+        return kind.spec_fields(self, argument)
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
@@ -246,12 +254,12 @@ class TargetOptions:
 
     def _logit_problems(self) -> list[str]:
         problems = []
-        if self.logits_kind == "topk" and self.top_k < 1:
-            problems.append(f"top_k: got {self.top_k}, must be >= 1")
-        if not re.fullmatch(r"topk|full|head|sampled:([1-9]\d*)", self.logits_mode) or (
-                self.logits_mode.startswith("sampled") and int(self.logits_mode[8:]) > 255):
-            problems.append(f"logits: got {self.logits_mode!r}, expected topk, full, head or sampled:N with N in "
-                            f"1..255 (e.g. sampled:12)")
+        try:
+            kind = logit_kinds.parse(self.logits_mode)[0]
+        except logit_kinds.LogitKindError as exc:
+            problems.append(str(exc))
+        else:  # the mode's own options (top-k's k), when it is the one cached
+            problems += kind.option_problems(self) if self.logits_kind == kind.name else []
         if self.full_logits and self.logits_mode != "topk":
             problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
                             f"keep one (--logits full is the same as --full-logits)")
@@ -259,7 +267,7 @@ class TargetOptions:
             problems.append(f"logprob_tolerance: got {self.logprob_tolerance}, expected a value in [0.001, 1] (the "
                             f"stored range is 65,535 steps: 130 nats at 0.001)")
         mode = "no" if self.features and "logits" not in self.features else self._mode
-        if self.topk_values == "logprob" and mode != "topk":
+        if self.topk_values == "logprob" and not (mode in logit_kinds.names() and logit_kinds.get(mode).logprob_values):
             problems.append(f"topk_values: logprob stores top-k logits, and this run caches {mode} logits; drop "
                             f"--topk-values, or cache top-k logits")
         if not self.sample_temperature > 0:

@@ -89,6 +89,7 @@ class LogitKind:
         exact_vocab: the student's head must have exactly the cache's V outputs (else at least V).
         teacher_head: stage two rebuilds the teacher's logits from its last layer and ``teacher_head/``.
         draws: the capture draws at random (it is handed a seeded generator).
+        logprob_values: takes ``--topk-values logprob`` (values stored as quantised log-probabilities).
         key_array: the batch array whose presence marks this kind's targets (None: marked by the head).
     """
 
@@ -99,6 +100,7 @@ class LogitKind:
     exact_vocab: ClassVar[bool] = False
     teacher_head: ClassVar[bool] = False
     draws: ClassVar[bool] = False
+    logprob_values: ClassVar[bool] = False
     key_array: ClassVar[str | None] = None
 
     # ---- stage one -------------------------------------------------------------------------------------------

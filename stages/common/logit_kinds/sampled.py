@@ -47,10 +47,6 @@ class Sampled(LogitKind):
                                  f"(e.g. sampled:12)")
         return int(text)
 
-    def option_problems(self, options: LogitOptions) -> list[str]:
-        return [] if options.sample_temperature > 0 else [
-            f"sample_temperature: got {options.sample_temperature}, must be > 0"]
-
     def teacher_problems(self, teacher: str, one_stream: bool, causal: bool, vocab: int, top_k: int) -> list[str]:
         if not one_stream:
             return [f"logits sampled: not yet for encoder-decoder teachers such as {teacher!r}; use --logits topk "

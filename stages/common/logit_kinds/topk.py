@@ -40,6 +40,7 @@ class TopK(LogitKind):
     name = "topk"
     term = "topk_kl"
     kl_form = "top-k + other bucket"
+    logprob_values = True
     key_array = "logits/topk_ids"
 
     def option_problems(self, options: LogitOptions) -> list[str]:
