@@ -28,18 +28,25 @@ TOPK_MASS = "logits/topk_mass"  # per token, the probability the top-k keep: han
 class LayoutFields(Protocol):
     """What decides a layout's arrays (``CacheSpec`` and stage one's ``Targets`` both have it)."""
 
-    logits: str | None
-    logprob_step: float  # > 0: top-k values stored as quantised log-probabilities (topk_values "logprob")
+    @property
+    def logits(self) -> str | None: ...
+    @property
+    def logprob_step(self) -> float: ...  # > 0: top-k values stored as quantised log-probs (topk_values logprob)
 
 
 class LogitFields(LayoutFields, Protocol):
     """The spec fields a layout validates (``CacheSpec`` has them all)."""
 
-    top_k: int
-    samples: int
-    sample_temperature: float
-    vocab_size: int
-    topk_values: str
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def sample_temperature(self) -> float: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def topk_values(self) -> str: ...
 
 
 @dataclass(frozen=True)

@@ -149,8 +149,8 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
     if heads is not None and max(heads) >= num_heads:
         raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
     fields = t.logit_fields if kind else {"top_k": 0, "samples": 0, "logprob_step": 0.0}
-    return Targets(streams, heads, t.logits_kind, fields["top_k"], vocab, num_heads, causal, cross, fields["samples"],
-                   t.sample_temperature, fields["logprob_step"], t.attention_source)
+    return Targets(streams, heads, t.logits_kind, int(fields["top_k"]), vocab, num_heads, causal, cross,
+                   int(fields["samples"]), t.sample_temperature, float(fields["logprob_step"]), t.attention_source)
 
 
 def _check_attention_source(options: PrecomputeOptions, streams: dict[str, StreamTargets], config: Any) -> None:

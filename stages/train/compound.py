@@ -19,7 +19,7 @@ Inputs (``B`` batch, ``L`` padded length):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from kdcache.stages.train.losses import (
 from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.masks import TokenMasks, token_masks
 from kdcache.stages.train.projectors import Projectors, needs_projector
+
+if TYPE_CHECKING:
+    from kdcache.stages.train.teacher_head import TeacherHead
 
 CE_KINDS = ("causal", "token")
 
@@ -92,7 +95,7 @@ class CompoundLoss(nn.Module):
         critic_lr: float = 1e-4,
         critic_in_forward: bool = True,
         seed: int = 0,
-        teacher_head: nn.Module | None = None,
+        teacher_head: TeacherHead | None = None,
         attention_loss: str = "kl",
         relation_heads: int = 0,
         teacher_scores: Mapping[str, Any] | None = None,

@@ -42,6 +42,8 @@ from kdcache.storage.streams import prefixed
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from kdcache.stages.train.teacher_head import TeacherHead
+
 # Logged under their own names whatever the stream: CE and every logit kind's term.
 UNPREFIXED_TERMS = tuple(dict.fromkeys(("ce", "kl", *(logit_kinds.get(name).term for name in logit_kinds.names()))))
 
@@ -146,7 +148,7 @@ class DistillLoss(nn.Module):
 
 
 def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts, *, main: bool,
-                 logits: str | None, seed: int, head: nn.Module | None,
+                 logits: str | None, seed: int, head: TeacherHead | None,
                  scores: Mapping[str, Any] | None = None) -> CompoundLoss | None:
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
@@ -168,7 +170,7 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
 
 
 def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
-                    head: nn.Module | None = None) -> DistillLoss:
+                    head: TeacherHead | None = None) -> DistillLoss:
     """The distillation loss for this plan (``head``: the teacher's LM head of a ``--logits head`` cache)."""
     if options.loss.alpha > 0 and facts.has_lm_head and not facts.is_causal and not facts.is_encoder_decoder:
         # The cache holds unmasked inputs, so an encoder's per-token CE predicts each token from itself.

@@ -29,42 +29,58 @@ class LogitKindError(KdcacheError, ValueError):
 class CaptureSettings(Protocol):
     """What a capture reads of the run (``precompute.targets.Targets`` and ``CacheSpec`` both have it)."""
 
-    top_k: int
-    samples: int
-    sample_temperature: float
-    logprob_step: float
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def sample_temperature(self) -> float: ...
+    @property
+    def logprob_step(self) -> float: ...
 
 
 class LogitOptions(Protocol):
     """Stage one's logit options (``precompute.options.TargetOptions``)."""
 
-    top_k: int
-    sample_temperature: float
-    topk_values: str
-    logprob_tolerance: float
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def sample_temperature(self) -> float: ...
+    @property
+    def topk_values(self) -> str: ...
+    @property
+    def logprob_tolerance(self) -> float: ...
 
 
 class CacheLogits(Protocol):
     """The logit fields of a cache's spec (``storage.CacheSpec``)."""
 
-    logits: str | None
-    top_k: int
-    samples: int
-    sample_temperature: float
-    vocab_size: int
+    @property
+    def logits(self) -> str | None: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def sample_temperature(self) -> float: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 class LossSettings(Protocol):
     """Stage two's loss options the checks read (``train.options.LossOptions``)."""
 
-    topk_kl: str
-    temperature: float | None
+    @property
+    def topk_kl(self) -> str: ...
+    @property
+    def temperature(self) -> float | None: ...
 
 
 class TeacherHead(Protocol):
     """The teacher's LM head of a ``head`` cache (``stages.train.teacher_head.TeacherHead``): ``[N, d] -> [N, V]``."""
 
-    layer: int
+    @property
+    def layer(self) -> int: ...
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
