@@ -26,6 +26,8 @@ DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet":
 # A hub id is "name" or "org/name"; anything else that names no existing file is a missing local path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+DEFAULT_LOGITS = "topk"  # the --logits mode when none is given (a name of stages.common.logit_kinds)
+FULL_LOGITS = "full"  # the mode the older flag --full-logits asks for
 
 
 def _opt(default: Any, help_text: str, **meta: Any) -> Any:
@@ -187,8 +189,8 @@ class TargetOptions:
                                          "the relation loss)", choices=["maps", "qk", "qkv"])
     top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
     full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k (same as --logits full)")
-    logits_mode: str = _opt("topk", "what feature 'logits' stores: topk (--top-k values, ids and the logsumexp), "
-                                    "full, sampled:N (N draws per token from the teacher's softmax at "
+    logits_mode: str = _opt(DEFAULT_LOGITS, "what feature 'logits' stores: topk (--top-k values, ids and the "
+                                    "logsumexp), full, sampled:N (N draws per token from the teacher's softmax at "
                                     "--sample-temperature, kept as distinct ids, counts and log-probs), or head "
                                     "(nothing per token: the last hidden layer plus a copy of the teacher's LM head, "
                                     "from which stage two computes exact logits)", aliases=["--logits"], metavar="MODE")
@@ -221,7 +223,7 @@ class TargetOptions:
     @property
     def _mode(self) -> str:
         """The logit mode the flags ask for, whether or not ``logits`` ends up among the features."""
-        return "full" if self.full_logits else self.logits_mode.partition(":")[0]
+        return FULL_LOGITS if self.full_logits else self.logits_mode.partition(":")[0]
 
     @property
     def samples(self) -> int:
@@ -232,7 +234,7 @@ class TargetOptions:
     def logit_fields(self) -> dict[str, Any]:
         """The ``CacheSpec`` logit fields the mode writes (``top_k``, ``samples``, ``logprob_step``); options that
         passed ``validate``."""
-        kind, argument = logit_kinds.parse("full" if self.full_logits else self.logits_mode)
+        kind, argument = logit_kinds.parse(FULL_LOGITS if self.full_logits else self.logits_mode)
         return kind.spec_fields(self, argument)
 
     def validate(self) -> list[str]:
@@ -260,7 +262,7 @@ class TargetOptions:
             problems.append(str(exc))
         else:  # the mode's own options (top-k's k), when it is the one cached
             problems += kind.option_problems(self) if self.logits_kind == kind.name else []
-        if self.full_logits and self.logits_mode != "topk":
+        if self.full_logits and self.logits_mode != DEFAULT_LOGITS:
             problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
                             f"keep one (--logits full is the same as --full-logits)")
         if not 1e-3 <= self.logprob_tolerance <= 1:  # 65,535 steps must reach far below any top-k's tail

@@ -51,7 +51,7 @@ class Targets:
     num_heads: int
     causal: bool
     cross_attention: tuple[int, ...] = field(default=())
-    samples: int = 0  # logits "sampled": draws per token, at sample_temperature
+    samples: int = 0  # a logit kind that draws (--logits sampled:N): draws per token, at sample_temperature
     sample_temperature: float = 1.0
     logprob_step: float = 0.0  # top-k values stored as log-probs quantised to this step (0: fp16 logits)
     attention_source: str = "maps"  # or "qk" / "qkv": queries and keys (and values) instead of maps

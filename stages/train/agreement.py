@@ -118,7 +118,8 @@ class LmStats:
             (no teacher logits: perplexity only).
         shift: position i predicts token i+1 (causal LMs); False when logits[i] already predicts ids[i]
             (encoder-decoders, whose decoder ids are the labels).
-        head: for "head", the teacher's LM head (``teacher_head.TeacherHead``), applied to its cached last layer.
+        head: for a kind that needs it (``--logits head``), the teacher's LM head (``teacher_head.TeacherHead``),
+            applied to its cached last layer.
         sample_temperature: the cache's sampling temperature (the KL of a sampled cache exists only there).
     """
 

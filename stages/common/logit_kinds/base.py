@@ -112,7 +112,7 @@ class LogitKind:
     name: ClassVar[str] = ""
     argument: ClassVar[str] = ""
     term: ClassVar[str] = "kl"
-    kl_form: ClassVar[str] = "full"
+    kl_form: ClassVar[str] = "exact"
     exact_vocab: ClassVar[bool] = False
     teacher_head: ClassVar[bool] = False
     draws: ClassVar[bool] = False
@@ -220,7 +220,7 @@ def get(name: str) -> LogitKind:
 
 
 def parse(value: str) -> tuple[LogitKind, int]:
-    """``"sampled:12"`` -> (the sampled kind, 12); ``"topk"`` -> (the top-k kind, 0).
+    """``name:N`` -> (the kind registered as ``name``, N); a bare ``name`` -> (that kind, 0).
 
     Raises:
         LogitKindError: an unknown mode, or an argument it does not take.

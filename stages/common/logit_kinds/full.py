@@ -21,6 +21,7 @@ class Full(LogitKind):
     """The full logits (see the module docstring)."""
 
     name = "full"
+    kl_form = "full"
     exact_vocab = True
     key_array = "logits/full"
 

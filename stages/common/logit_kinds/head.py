@@ -25,6 +25,7 @@ class Head(LogitKind):
     """The teacher's LM head on its cached last layer (see the module docstring)."""
 
     name = "head"
+    kl_form = "full"  # the full distribution, rebuilt
     exact_vocab = True
     teacher_head = True
 
