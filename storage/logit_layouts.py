@@ -59,6 +59,9 @@ class LogitArray:
         sparse: compressed with the top-k codec (True) or the activation codec.
         gap_coded: rows non-decreasing along the last axis, stored as the first value and the gaps.
         width: the spec field giving the last axis (``"top_k"``, ``"samples"``, ``"vocab_size"``), or None.
+        descending: float rows that must be sorted in descending order (checked when a shard is encoded).
+        mass: the per-token kept probability (``TOPK_MASS``) handed over with it is recorded in its ``lossy``
+            record (what the array keeps of the teacher's distribution), and stored nowhere.
     """
 
     name: str
@@ -66,6 +69,8 @@ class LogitArray:
     sparse: bool = True
     gap_coded: bool = False
     width: str | None = None
+    descending: bool = False
+    mass: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,9 +145,9 @@ def _no_fields(spec: LogitFields) -> None:
 def _topk_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
     # fp16: logits with their logsumexp; logprob: log-probs quantised to uint16 steps, rising along k in -logp.
     if spec.logprob_step > 0:
-        values = LogitArray("logits/topk_values", "uint16", gap_coded=True, width="top_k")
+        values = LogitArray("logits/topk_values", "uint16", gap_coded=True, width="top_k", mass=True)
         return values, LogitArray("logits/topk_ids", VOCAB_ID, width="top_k")
-    return (LogitArray("logits/topk_values", FLOAT, width="top_k"),
+    return (LogitArray("logits/topk_values", FLOAT, width="top_k", descending=True, mass=True),
             LogitArray("logits/topk_ids", VOCAB_ID, width="top_k"), LogitArray("logits/lse", "float32"))
 
 

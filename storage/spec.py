@@ -79,8 +79,7 @@ SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_
                   "decoder_attention_layers", "cross_attention_layers")
 BACKENDS = ("zarr", "arrow")
 # The stored logit arrays, their dtypes and codecs are the layouts' (storage.logit_layouts); these names are for
-# the readers and writers that handle a kind of array whatever the mode.
-SAMPLED_NAMES = ("logits/sample_ids", "logits/sample_counts", "logits/sample_logp")
+# the readers that handle a kind of array whatever the mode.
 VOCAB_IDS = ("logits/topk_ids", "logits/sample_ids")  # stored in the smallest unsigned type holding V-1
 PER_SEQUENCE_FIXED = ("input_ids",)
 # Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
