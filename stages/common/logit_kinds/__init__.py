@@ -1,9 +1,15 @@
 """Logit kinds: one module per ``--logits`` mode, registered by name (see ``base`` and docs/architecture.md,
-"Adding a target kind"). Importing this package registers the modes below, in this order."""
+"Adding a target kind").
+
+Importing this package imports every module beside ``base`` (in name order), and each registers its kind: a new
+mode is one new file here (plus its storage layout in ``storage.logit_layouts`` when it stores new arrays).
+"""
 
 from __future__ import annotations
 
-from kdcache.stages.common.logit_kinds import full, head, sampled, topk  # noqa: F401 (each registers its kind)
+import importlib
+import pkgutil
+
 from kdcache.stages.common.logit_kinds.base import (
     CaptureSettings,
     KlSetup,
@@ -16,6 +22,10 @@ from kdcache.stages.common.logit_kinds.base import (
     register,
     usage,
 )
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "from_targets", "get", "names", "parse",
            "register", "usage"]
