@@ -60,7 +60,7 @@ def test_an_unknown_mode_names_the_value_and_the_registered_modes(value: str) ->
         logit_kinds.get("bogus")
 
 
-@pytest.mark.parametrize("value", ["sampled", "sampled:0", "sampled:256", "sampled:x", "sampled:012", "topk:3",
+@pytest.mark.parametrize("value", ["sampled", "sampled:0", "sampled:256", "sampled:x", "sampled:012", "sampled:²", "topk:3",
                                    "full:1"])
 def test_a_bad_argument_is_refused_naming_it(value: str) -> None:
     with pytest.raises(LogitKindError, match=value.partition(":")[0]):

@@ -9,6 +9,7 @@ Not yet for encoder-decoder teachers.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ class Sampled(LogitKind):
     key_array = "logits/sample_ids"
 
     def parse_argument(self, text: str) -> int:
-        if not (text.isdigit() and not text.startswith("0") and int(text) <= MAX_SAMPLES):
+        if not (re.fullmatch(r"[1-9][0-9]*", text) and int(text) <= MAX_SAMPLES):
             raise LogitKindError(f"logits: got 'sampled:{text}', expected sampled:N with N in 1..{MAX_SAMPLES} "
                                  f"(e.g. sampled:12)")
         return int(text)
