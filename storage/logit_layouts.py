@@ -75,11 +75,13 @@ class LogitArray:
 
 @dataclass(frozen=True)
 class LogitLayout:
-    """A registered layout: ``arrays(spec)`` what it stores, ``validate(spec)`` raises ``SpecError`` on its fields."""
+    """A registered layout: ``arrays(spec)`` what it stores, ``validate(spec)`` raises ``SpecError`` on its fields;
+    ``logprob``: its values may be stored as quantised log-probabilities (``topk_values`` "logprob")."""
 
     name: str
     arrays: Callable[[LayoutFields], tuple[LogitArray, ...]]
     validate: Callable[[LogitFields], None]
+    logprob: bool = False
 
 
 LAYOUTS: dict[str, LogitLayout] = {}
@@ -124,10 +126,9 @@ def validate_logits(spec: LogitFields) -> None:
     layout = layout_of(spec)
     if layout and spec.vocab_size < 1:
         raise SpecError(f"logits={spec.logits!r} needs vocab_size >= 1, got {spec.vocab_size}")
-    if layout is None or layout.name != "topk":  # only top-k values have another format
-        _check_value_format(spec, logprob_allowed=False)
     if layout:
         layout.validate(spec)
+    _check_value_format(spec, logprob_allowed=layout is not None and layout.logprob)
 
 
 def _check_value_format(spec: LogitFields, logprob_allowed: bool) -> None:
@@ -154,7 +155,6 @@ def _topk_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
 def _topk_validate(spec: LogitFields) -> None:
     if not 1 <= spec.top_k <= spec.vocab_size:
         raise SpecError(f"top_k must be in 1..vocab_size ({spec.vocab_size}), got {spec.top_k}")
-    _check_value_format(spec, logprob_allowed=True)
 
 
 def _sampled_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
@@ -173,7 +173,7 @@ def _sampled_validate(spec: LogitFields) -> None:
 
 register_layout(LogitLayout("full", lambda spec: (LogitArray("logits/full", FLOAT, sparse=False, width="vocab_size"),),
                             _no_fields))
-register_layout(LogitLayout("topk", _topk_arrays, _topk_validate))
+register_layout(LogitLayout("topk", _topk_arrays, _topk_validate, logprob=True))
 register_layout(LogitLayout("sampled", _sampled_arrays, _sampled_validate))
 # head: nothing per token; the teacher's LM head is stored beside the cache (teacher_head/) and reads the last layer
 register_layout(LogitLayout("head", lambda spec: (), _no_fields))
