@@ -119,7 +119,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     writer = open_writer(st.out, spec, build_fingerprints(options, teacher, targets, data), part)
     with writer, adapter.capture(teacher, targets, options) as capture:
         save_tokenizer(tokenizer, st.out)
-        if targets.logits and logit_kinds.get(targets.logits).teacher_head and dist.is_main:
+        if logit_kinds.uses_head(targets.logits) and dist.is_main:
             export_head(teacher.model, st.out, targets.streams[""].depth)
         mine = part.shards(spec.num_shards)
         todo = [k for k in mine if k not in writer.committed_shards()]

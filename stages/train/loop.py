@@ -99,7 +99,7 @@ DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which
 
 def _teacher_head(reader: Any, plan: TrainPlan, announce: bool) -> Any:
     """The teacher's LM head of a ``--logits head`` cache when the KL uses it, its size stated on rank 0."""
-    if not (plan.logits and logit_kinds.get(plan.logits).teacher_head):
+    if not logit_kinds.uses_head(plan.logits):
         return None
     from kdcache.stages.train.teacher_head import load_teacher_head
 

@@ -193,7 +193,7 @@ def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None,
         kinds = attention_kinds if kind == "attention" else (kind,)
         names += [prefixed(stream, f"{k}/{t}") for t in sorted({t for _, t in group_pairs}) for k in kinds]
     names += spec.logit_arrays() if logits else []
-    if logits and logit_kinds.get(logits).teacher_head:  # the head's input: the last layer, which such a cache holds
+    if logit_kinds.uses_head(logits):  # the head's input: the last layer, which such a cache holds
         # Head mode is for one-stream (decoder-only) caches, whose last layer is the deepest one kept (stage one
         # always keeps it; the loop checks the head's own record against it).
         names.append(f"hidden/{max(spec.hidden_layers)}")

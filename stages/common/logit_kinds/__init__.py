@@ -21,6 +21,7 @@ from kdcache.stages.common.logit_kinds.base import (
     parse,
     register,
     usage,
+    uses_head,
 )
 
 for _module in pkgutil.iter_modules(__path__):
@@ -28,4 +29,4 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "from_targets", "get", "names", "parse",
-           "register", "usage"]
+           "register", "usage", "uses_head"]

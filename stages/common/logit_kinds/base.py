@@ -239,6 +239,11 @@ def usage() -> str:
     return ", ".join(forms[:-1]) + f" or {forms[-1]}" if len(forms) > 1 else "".join(forms)
 
 
+def uses_head(name: str | None) -> bool:
+    """Whether a cache of mode ``name`` (None: no logits) has stage two rebuild its logits with the teacher's head."""
+    return bool(name) and get(str(name)).teacher_head
+
+
 def from_targets(arrays: Iterable[str], head: bool) -> LogitKind | None:
     """The kind whose targets a batch holds (its ``key_array``), or the head's when stage two has one."""
     held = set(arrays)
