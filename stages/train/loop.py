@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.hidden_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.checks import open_cache
 from kdcache.stages.train.distill import DistillModel, build_criterion
@@ -128,6 +129,7 @@ class _Trainer:
         self.progress = TrainProgress(0, 0, enabled=False)  # replaced when run() knows the total
         self.losses: list[float] = []
         self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
+        self.projection = load_projection(reader)  # a rank codec's bases, for that decode
         del reader  # the stream opens its own reader (in each DataLoader worker)
 
     # ---- set-up ------------------------------------------------------------------------------------
@@ -205,7 +207,7 @@ class _Trainer:
         epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
         if self.progress.enabled:  # tokens/s for the display only: nothing to count on other ranks or --quiet
             self.progress.tokens(int(sum(int(v.sum()) for k, v in batch.items() if split_stream(k)[1] == "mask")))
-        out = self.engine(to_device(batch, self.dist.device, self.hidden_codec))
+        out = self.engine(to_device(batch, self.dist.device, self.hidden_codec, self.projection))
         self.engine.backward(out["loss"])
         self.engine.step()
         for name, value in out.items():
