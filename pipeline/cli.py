@@ -23,6 +23,7 @@ import pkgutil
 import re
 import sys
 import typing
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import kdcache.pipeline.commands
@@ -53,7 +54,8 @@ class _Usage(argparse.HelpFormatter):
     """Usage lines that show the flags an option class requires without brackets: argparse itself must not
     require them, since ``--config`` may give them instead (``config._finish`` marks them ``needed``)."""
 
-    def _format_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any) -> str:
+    def _format_usage(self, usage: str | None, actions: Iterable[argparse.Action],
+                      groups: Iterable[argparse._MutuallyExclusiveGroup], prefix: str | None) -> str:
         shown = []
         for action in actions:
             if getattr(action, "needed", False):

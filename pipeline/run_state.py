@@ -142,7 +142,7 @@ def eval_columns(evaluation: dict[str, Any] | None) -> dict[str, Any]:
     """The scalar metrics of one evaluation as table columns (absent ones left out)."""
     out: dict[str, Any] = {}
     for column, key in EVAL_COLUMNS:
-        value: Any = evaluation or {}
+        value: object = evaluation or {}
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         if isinstance(value, (int, float)):
@@ -182,6 +182,6 @@ def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
     return kept, len(options) - len(kept)
 
 
-def _differs(value: Any, default: Any) -> bool:
+def _differs(value: object, default: object) -> bool:
     return (list(value) if isinstance(value, (list, tuple)) else value) != \
         (list(default) if isinstance(default, (list, tuple)) else default)

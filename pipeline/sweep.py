@@ -26,6 +26,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,7 +292,7 @@ def _evaluate(run_dir: Path, settings: SweepSettings) -> dict[str, Any]:
     return {"eval_status": "ok", "eval_seconds": round(seconds, 1)}
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def _write_json(path: Path, obj: object) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
     os.replace(tmp, path)  # a report reading mid-sweep never sees half a file
@@ -299,7 +300,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 # ---- the whole sweep ---------------------------------------------------------------------------------------
 def run_sweep(points: list[SweepPoint], sweep_dir: str | Path, settings: SweepSettings,
-              grid: dict[str, list[str]], *, echo: Any = print) -> dict[str, Any]:
+              grid: dict[str, list[str]], *, echo: Callable[..., None] = print) -> dict[str, Any]:
     """Run every point in order; a failed point is recorded and the sweep goes on.
 
     Returns:

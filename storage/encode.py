@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kdcache.storage.attention_source import QKV_KINDS
 from kdcache.storage.dtypes import FP16_MAX, apply_bitround, check_finite, measure_error, to_float32, to_storage
 from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, ShardError
 from kdcache.storage.hidden_codecs import (
@@ -26,7 +27,7 @@ from kdcache.storage.hidden_codecs import (
 )
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
 from kdcache.storage.logit_layouts import logit_array, logit_arrays
-from kdcache.storage.spec import QKV_KINDS, TOKEN_ARRAYS, TOPK_MASS, VOCAB_IDS, CacheSpec
+from kdcache.storage.spec import TOKEN_ARRAYS, TOPK_MASS, VOCAB_IDS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
@@ -253,7 +254,8 @@ def _logprobs(spec: CacheSpec, name: str, flat: np.ndarray, lossy: dict[str, dic
     clipped = q == 65535
     lossy[name] = {"step": step, "max_abs_error": float(error[~clipped].max(initial=0.0)),
                    "clipped": int(clipped.sum())}
-    return q.astype(np.uint16)
+    codes: np.ndarray = q.astype(np.uint16)
+    return codes
 
 
 def _documents(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]]) -> dict[str, list[list[int]]]:

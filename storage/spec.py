@@ -38,6 +38,7 @@ from kdcache.storage.codecs import (
 )
 from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
+from kdcache.storage.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
 from kdcache.storage.hidden_codecs import (
     CODES_CODEC,
     applies_to,
@@ -48,15 +49,9 @@ from kdcache.storage.hidden_codecs import (
     parts,
     resolve_hidden_codec,
 )
-from kdcache.storage.logit_layouts import (  # noqa: F401 (TOPK_MASS, TOPK_VALUE_FORMATS: re-exported)
-    FLOAT,
-    TOPK_MASS,
-    TOPK_VALUE_FORMATS,
-    VOCAB_ID,
-    logit_array,
-    logit_arrays,
-    validate_logits,
-)
+from kdcache.storage.logit_layouts import FLOAT, VOCAB_ID, logit_array, logit_arrays, validate_logits
+from kdcache.storage.logit_layouts import TOPK_MASS as TOPK_MASS  # re-exported: spec's name for it before layouts
+from kdcache.storage.logit_layouts import TOPK_VALUE_FORMATS as TOPK_VALUE_FORMATS
 from kdcache.storage.streams import (
     CROSS,
     SEQ2SEQ_STREAMS,
@@ -68,11 +63,6 @@ from kdcache.storage.streams import (
     token_offsets_name,
 )
 
-# Format history: 1 single-stream caches, 2 seq2seq caches (two token streams), 3 both layouts with one sharded
-# file per zarr array, Arrow IPC streams and a crc32c per file, 4 token arrays (loss masks, document positions)
-# (docs/cache-format.md). Versions 1-3 are read-only.
-FORMAT_VERSION = 4  # what this code writes
-READABLE_FORMAT_VERSION = 4  # the newest format this code reads
 LAYOUTS = ("single", "seq2seq")  # as manifests write them
 ENCODER_DECODER = LAYOUTS[1]
 SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",
@@ -154,7 +144,9 @@ class CacheSpec:
     attention_scores: dict[str, Any] | None = None  # attention_source.SCORE_KEYS, BLOCK_SCORE_KEYS per block
 
     def __post_init__(self) -> None:
-        put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
+        def put(key: str, value: object) -> None:  # a frozen dataclass sets its own fields this way
+            object.__setattr__(self, key, value)
+
         put("hidden_layers", _layers("hidden_layers", self.hidden_layers, 0))
         put("attention_layers", _layers("attention_layers", self.attention_layers, 1))
         for key in SEQ2SEQ_FIELDS:
@@ -358,7 +350,8 @@ class CacheSpec:
         if self.backend == "zarr" and (self.coded(name) or is_part(name)):
             return resolve_codec(CODES_CODEC)
         array = logit_array(self, name)
-        return self.topk_codec if array is not None and array.sparse else self.codec
+        codec: dict[str, Any] = self.topk_codec if array is not None and array.sparse else self.codec
+        return codec
 
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""

@@ -198,7 +198,7 @@ def with_default_features(options: PrecomputeOptions, config: Any) -> Precompute
 
 def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
     """Refuse token ids the teacher's embedding table does not have (a tokenizer from another model)."""
-    table = teacher.model.get_input_embeddings().num_embeddings
+    table: int = teacher.model.get_input_embeddings().num_embeddings  # type: ignore[assignment]  # an nn.Embedding
     top = data.max_id
     if top >= table:
         raise PrecomputeError(f"the tokenizer produced token id {top}, but the teacher's embedding table has only "

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from kdcache.storage.errors import KdcacheError
 from kdcache.storage.hidden_codecs import part_of
 from kdcache.storage.spec import VOCAB_IDS
 from kdcache.storage.streams import kind_of, prefixed, ragged_streams, split_stream
+
+if TYPE_CHECKING:
+    from kdcache.storage.reader import CacheReader
 
 Batch = dict[str, Any]
 
@@ -231,7 +234,7 @@ class CacheStream(IterableDataset):
             raise StreamStateError(f"sample index {start.sample_index} is not a multiple of world size x batch "
                                    f"size ({world_size} x {batch_size})")
 
-    def _open(self) -> Any:
+    def _open(self) -> CacheReader:
         from kdcache.storage import CacheReader  # opened again in each worker process: readers hold file handles
 
         return CacheReader(self.cache, allow_partial=self.allow_partial, decode_threads=self.decode_threads or None)
@@ -269,8 +272,9 @@ class _Producer:
 
     _DONE = object()
 
-    def __init__(self, reader: Any, names: Sequence[str], shard_ids: list[int], shard_ranges: list[tuple[int, int]],
-                 plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]], prefetch: int, threads: int, pin: bool):
+    def __init__(self, reader: CacheReader, names: Sequence[str], shard_ids: list[int],
+                 shard_ranges: list[tuple[int, int]], plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]],
+                 prefetch: int, threads: int, pin: bool):
         # A coded hidden state travels with its scales (and outliers) to the device, where it is decoded.
         self.reader, self.names, self.pin = reader, [p for n in names for p in reader.spec.with_parts(n)], pin
         # Shards read ahead of need beyond the prefetch window: none from a local disk (the page cache and a
@@ -327,7 +331,7 @@ class _Producer:
                     del decoded[s]
                 self._put(batch)
 
-    def _put(self, item: Any) -> None:
+    def _put(self, item: object) -> None:
         while not self.stop.is_set():
             try:
                 self.queue.put(item, timeout=0.1)
