@@ -49,6 +49,9 @@ from kdcache.storage.hidden_codecs import (
     parts,
     resolve_hidden_codec,
 )
+from kdcache.storage.logit_layouts import FLOAT, VOCAB_ID, logit_array, logit_arrays, validate_logits
+from kdcache.storage.logit_layouts import TOPK_MASS as TOPK_MASS  # re-exported: spec's name for it before layouts
+from kdcache.storage.logit_layouts import TOPK_VALUE_FORMATS as TOPK_VALUE_FORMATS
 from kdcache.storage.streams import (
     CROSS,
     SEQ2SEQ_MANIFEST_KEYS,
@@ -64,17 +67,8 @@ from kdcache.storage.streams import (
 )
 
 BACKENDS = ("zarr", "arrow")
-LOGIT_KINDS = (None, "full", "topk", "sampled", "head")  # head: no per-token logits; the LM head beside the cache
-TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
-# sampled: per token, the distinct ids of N draws from the teacher's softmax at sample_temperature, how often each
-# was drawn (0 in unused slots) and the teacher's log-probability of each, at that temperature.
-SAMPLED_NAMES = ("logits/sample_ids", "logits/sample_counts", "logits/sample_logp")
-TOPK_MASS = "logits/topk_mass"  # per token, the probability the top-k keep: handed over, recorded per shard, not stored
-LOGIT_ARRAYS: dict[str | None, tuple[str, ...]] = {None: (), "full": ("logits/full",), "topk": TOPK_NAMES,
-                                                   "sampled": SAMPLED_NAMES, "head": ()}
-# How top-k values are stored: fp16 logits (with the logsumexp beside them), or log-probabilities quantised to
-# multiples of logprob_step as uint16, non-decreasing along k in -logp and so gap-coded; no logsumexp needed.
-TOPK_VALUE_FORMATS = ("fp16", "logprob")
+# The stored logit arrays, their dtypes and codecs are the layouts' (storage.logit_layouts); these names are for
+# the readers that handle a kind of array whatever the mode.
 VOCAB_IDS = ("logits/topk_ids", "logits/sample_ids")  # stored in the smallest unsigned type holding V-1
 PER_SEQUENCE_FIXED = ("input_ids",)
 # Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
@@ -173,19 +167,7 @@ class CacheSpec:
         if self.num_sequences < 1 or self.sequences_per_shard < 1:
             raise SpecError(f"num_sequences ({self.num_sequences}) and sequences_per_shard "
                             f"({self.sequences_per_shard}) must both be >= 1")
-        if self.logits not in LOGIT_KINDS:
-            raise SpecError(f"unknown logits kind {self.logits!r}; expected one of {list(LOGIT_KINDS)}")
-        if self.logits and self.vocab_size < 1:
-            raise SpecError(f"logits={self.logits!r} needs vocab_size >= 1, got {self.vocab_size}")
-        if self.logits == "topk" and not 1 <= self.top_k <= self.vocab_size:
-            raise SpecError(f"top_k must be in 1..vocab_size ({self.vocab_size}), got {self.top_k}")
-        if self.topk_values not in TOPK_VALUE_FORMATS or (self.topk_values == "logprob") != (
-                self.logits == "topk" and self.logprob_step > 0):
-            raise SpecError(f"topk_values {self.topk_values!r} (logprob_step {self.logprob_step}): expected fp16, or "
-                            f"logprob with top-k logits and a step > 0")
-        if self.logits == "sampled" and not (1 <= self.samples <= 255 and self.sample_temperature > 0):
-            raise SpecError(f"sampled logits need 1..255 samples and a temperature > 0, got {self.samples} at "
-                            f"{self.sample_temperature}")
+        validate_logits(self)
         if self.bitround is not None and self.float_dtype("hidden/0") != self.dtype:
             raise SpecError(f"bitround needs hidden states in the float dtype {self.dtype!r}; hidden codec "
                             f"{self.hidden_codec['name']!r} differs")
@@ -308,8 +290,7 @@ class CacheSpec:
 
     def logit_arrays(self) -> list[str]:
         """The per-token logit arrays of this cache (a log-prob top-k cache needs no logsumexp)."""
-        names = list(LOGIT_ARRAYS[self.logits])
-        return [n for n in names if n != "logits/lse"] if self.topk_values == "logprob" else names
+        return [a.name for a in logit_arrays(self)]
 
     # ---- hidden codecs (storage.hidden_codecs) ---------------------------------------------------------
     def coded(self, name: str) -> bool:
@@ -327,7 +308,8 @@ class CacheSpec:
 
     def gap_coded(self, name: str) -> bool:
         """Whether ``name`` holds rows non-decreasing along the last axis, stored as the first value and the gaps."""
-        return name == "logits/sample_ids" or (name == "logits/topk_values" and self.topk_values == "logprob")
+        array = logit_array(self, name)
+        return array is not None and array.gap_coded
 
     def array_names(self) -> list[str]:
         """Every array each shard holds (per-sequence names plus the offsets arrays)."""
@@ -345,14 +327,9 @@ class CacheSpec:
             return np.dtype(np.int32)
         if kind_of(name) in TOKEN_ARRAYS:
             return TOKEN_ARRAYS[kind_of(name)]
-        if name == "logits/lse":
-            return np.dtype(np.float32)
-        if name in VOCAB_IDS:
-            return topk_id_dtype(self.vocab_size)
-        if name == "logits/sample_counts":
-            return np.dtype(np.uint8)
-        if name == "logits/topk_values" and self.topk_values == "logprob":
-            return np.dtype(np.uint16)
+        array = logit_array(self, name)
+        if array is not None and array.dtype != FLOAT:
+            return topk_id_dtype(self.vocab_size) if array.dtype == VOCAB_ID else np.dtype(array.dtype)
         if self.coded(name):
             return np.dtype(codec_of(self.hidden_codec).code_dtype)
         if is_part(name):
@@ -363,12 +340,14 @@ class CacheSpec:
         """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
         if self.backend == "zarr" and (self.coded(name) or is_part(name)):
             return resolve_codec(CODES_CODEC)
-        codec: dict[str, Any] = self.topk_codec if name in TOPK_NAMES + SAMPLED_NAMES else self.codec
+        array = logit_array(self, name)
+        codec: dict[str, Any] = self.topk_codec if array is not None and array.sparse else self.codec
         return codec
 
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""
-        return kind_of(name) in ("hidden", "attention", CROSS, *QKV_KINDS) or name == "logits/full"
+        array = logit_array(self, name) if name.startswith("logits/") else None
+        return kind_of(name) in ("hidden", "attention", CROSS, *QKV_KINDS) or (array is not None and not array.sparse)
 
     def is_lossy_target(self, name: str) -> bool:
         """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""

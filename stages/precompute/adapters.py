@@ -37,7 +37,7 @@ from kdcache.stages.precompute.capture import (
 )
 from kdcache.stages.precompute.data import TokenStreams
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.logit_head import as_logprobs, logit_targets
+from kdcache.stages.precompute.logit_head import logit_targets
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
@@ -225,8 +225,7 @@ class OutputCapture:
             kept.update({f"{stream}/attention/{j}": getattr(out, f"{stream}_attentions")[j - 1]
                          for j in layers.attention})
         kept.update({f"cross_attention/{j}": (out.cross_attentions or ())[j - 1] for j in t.cross_attention})
-        logits = logit_targets(out.logits, t.logits, t.top_k)
-        kept.update(as_logprobs(logits) if t.logprob_step else logits)
+        kept.update(logit_targets(out.logits, t))  # log-probs already, with --topk-values logprob
         return kept
 
     def _check_range(self, kept: dict[str, torch.Tensor]) -> None:

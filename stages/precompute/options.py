@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.precompute.rows import PACKING
@@ -26,6 +27,8 @@ DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet":
 # A hub id is "name" or "org/name"; anything else that names no existing file is a missing local path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+DEFAULT_LOGITS = "topk"  # the --logits mode when none is given (a name of stages.common.logit_kinds)
+FULL_LOGITS = "full"  # the mode the older flag --full-logits asks for
 
 
 def _opt(default: Any, help_text: str, **meta: Any) -> Any:
@@ -209,8 +212,8 @@ class TargetOptions:
                                          "the relation loss)", choices=["maps", "qk", "qkv"])
     top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
     full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k (same as --logits full)")
-    logits_mode: str = _opt("topk", "what feature 'logits' stores: topk (--top-k values, ids and the logsumexp), "
-                                    "full, sampled:N (N draws per token from the teacher's softmax at "
+    logits_mode: str = _opt(DEFAULT_LOGITS, "what feature 'logits' stores: topk (--top-k values, ids and the "
+                                    "logsumexp), full, sampled:N (N draws per token from the teacher's softmax at "
                                     "--sample-temperature, kept as distinct ids, counts and log-probs), or head "
                                     "(nothing per token: the last hidden layer plus a copy of the teacher's LM head, "
                                     "from which stage two computes exact logits)", aliases=["--logits"], metavar="MODE")
@@ -229,18 +232,25 @@ class TargetOptions:
             object.__setattr__(self, "layers", self.layers.with_stream("", "all"))
     @property
     def logits_kind(self) -> str | None:
-        """None, "topk", "full", "sampled" or "head"."""
+        """The logit mode (a name of ``stages.common.logit_kinds``), or None without feature ``logits``."""
         return self._mode if "logits" in self.features else None
 
     @property
     def _mode(self) -> str:
         """The logit mode the flags ask for, whether or not ``logits`` ends up among the features."""
-        return "full" if self.full_logits else self.logits_mode.split(":")[0]
+        return FULL_LOGITS if self.full_logits else self.logits_mode.partition(":")[0]
 
     @property
     def samples(self) -> int:
-        """N of ``--logits sampled:N`` (0 for other modes)."""
-        return int(self.logits_mode.split(":")[1]) if self.logits_kind == "sampled" else 0
+        """N of ``--logits sampled:N`` (0 for other modes and without feature ``logits``)."""
+        return int(self.logit_fields["samples"]) if self.logits_kind else 0
+
+    @property
+    def logit_fields(self) -> dict[str, Any]:
+        """The ``CacheSpec`` logit fields the mode writes (``top_k``, ``samples``, ``logprob_step``); options that
+        passed ``validate``."""
+        kind, argument = logit_kinds.parse(FULL_LOGITS if self.full_logits else self.logits_mode)
+        return kind.spec_fields(self, argument)
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
@@ -256,20 +266,20 @@ class TargetOptions:
 
     def _logit_problems(self) -> list[str]:
         problems = []
-        if self.logits_kind == "topk" and self.top_k < 1:
-            problems.append(f"top_k: got {self.top_k}, must be >= 1")
-        if not re.fullmatch(r"topk|full|head|sampled:([1-9]\d*)", self.logits_mode) or (
-                self.logits_mode.startswith("sampled") and int(self.logits_mode[8:]) > 255):
-            problems.append(f"logits: got {self.logits_mode!r}, expected topk, full, head or sampled:N with N in "
-                            f"1..255 (e.g. sampled:12)")
-        if self.full_logits and self.logits_mode != "topk":
+        try:
+            kind = logit_kinds.parse(self.logits_mode)[0]
+        except logit_kinds.LogitKindError as exc:
+            problems.append(str(exc))
+        else:  # the mode's own options (top-k's k), when it is the one cached
+            problems += kind.option_problems(self) if self.logits_kind == kind.name else []
+        if self.full_logits and self.logits_mode != DEFAULT_LOGITS:
             problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
                             f"keep one (--logits full is the same as --full-logits)")
         if not 1e-3 <= self.logprob_tolerance <= 1:  # 65,535 steps must reach far below any top-k's tail
             problems.append(f"logprob_tolerance: got {self.logprob_tolerance}, expected a value in [0.001, 1] (the "
                             f"stored range is 65,535 steps: 130 nats at 0.001)")
         mode = "no" if self.features and "logits" not in self.features else self._mode
-        if self.topk_values == "logprob" and mode != "topk":
+        if self.topk_values == "logprob" and not (mode in logit_kinds.names() and logit_kinds.get(mode).logprob_values):
             problems.append(f"topk_values: logprob stores top-k logits, and this run caches {mode} logits; drop "
                             f"--topk-values, or cache top-k logits")
         if not self.sample_temperature > 0:

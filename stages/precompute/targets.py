@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdcache.stages.common import architectures
+from kdcache.stages.common import architectures, logit_kinds
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
 from kdcache.storage.hidden_codecs import resolve_hidden_codec
@@ -27,9 +27,6 @@ from kdcache.storage.spec import FORMAT_VERSION
 from kdcache.storage.streams import CROSS, kind_of
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
-# --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value
-# (within step/2 of the fp32 log-prob) stays within the tolerance of the exact one despite fp32 rounding (~1e-6).
-STEP_PER_TOLERANCE = 1.99
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ class Targets:
     num_heads: int
     causal: bool
     cross_attention: tuple[int, ...] = field(default=())
-    samples: int = 0  # logits "sampled": draws per token, at sample_temperature
+    samples: int = 0  # a logit kind that draws (--logits sampled:N): draws per token, at sample_temperature
     sample_temperature: float = 1.0
     logprob_step: float = 0.0  # top-k values stored as log-probs quantised to this step (0: fp16 logits)
     attention_source: str = "maps"  # or "qk" / "qkv": queries and keys (and values) instead of maps
@@ -140,23 +137,20 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
         flags = "--attention-layers" + (" (per stack: encoder:BLOCKS decoder:BLOCKS)" if len(streams) > 1 else "")
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
     causal = architectures.is_causal_config(config)  # the same judgement stage two makes of the student
-    if t.logits_kind == "head":
-        streams = _with_last_layer(streams, causal, options.engine.teacher)
-    if t.logits_kind == "sampled" and "" not in streams:
-        raise PrecomputeError(f"logits sampled: not yet for encoder-decoder teachers such as "
-                              f"{options.engine.teacher!r}; use --logits topk or full")
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    kind = logit_kinds.get(t.logits_kind) if t.logits_kind else None
+    for problem in kind.teacher_problems(options.engine.teacher, "" in streams, causal, vocab, t.top_k) if kind else ():
+        raise PrecomputeError(problem)
+    if kind and kind.teacher_head:
+        streams = _with_last_layer(streams)
     _check_triangle(options, streams, causal)
     _check_attention_source(options, streams, config)
     heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:
         raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    if t.logits_kind == "topk" and t.top_k > vocab:
-        raise PrecomputeError(f"top_k {t.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
-    top_k = t.top_k if t.logits_kind == "topk" else 0
-    step = STEP_PER_TOLERANCE * t.logprob_tolerance if top_k and t.topk_values == "logprob" else 0.0
-    return Targets(streams, heads, t.logits_kind, top_k, vocab, num_heads, causal, cross, t.samples,
-                   t.sample_temperature, step, t.attention_source)
+    fields = t.logit_fields if kind else {"top_k": 0, "samples": 0, "logprob_step": 0.0}
+    return Targets(streams, heads, t.logits_kind, int(fields["top_k"]), vocab, num_heads, causal, cross,
+                   int(fields["samples"]), t.sample_temperature, float(fields["logprob_step"]), t.attention_source)
 
 
 def _check_attention_source(options: PrecomputeOptions, streams: dict[str, StreamTargets], config: Any) -> None:
@@ -176,12 +170,9 @@ def _check_attention_source(options: PrecomputeOptions, streams: dict[str, Strea
                               f"every head; their size does not grow with the context)")
 
 
-def _with_last_layer(streams: dict[str, StreamTargets], causal: bool, teacher: str) -> dict[str, StreamTargets]:
-    """``--logits head`` keeps the last hidden layer (the LM head's input, after the final norm) whatever
-    ``--layers`` says: stage two computes the logits from it."""
-    if "" not in streams or not causal:
-        raise PrecomputeError(f"logits head: only for decoder-only causal LMs, and {teacher!r} is not one; use "
-                              f"--logits topk or full")
+def _with_last_layer(streams: dict[str, StreamTargets]) -> dict[str, StreamTargets]:
+    """A mode whose logits stage two computes with the teacher's head (``--logits head``, one causal stream) keeps
+    the last hidden layer (the LM head's input, after the final norm) whatever ``--layers`` says."""
     one = streams[""]
     return {"": StreamTargets(tuple(sorted({*one.hidden, one.depth})), one.attention, one.depth)}
 
@@ -241,7 +232,7 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             **({"logprob_step": targets.logprob_step} if targets.logprob_step else {}),
             # Draws follow the seed, the batches and the head's chunks: a resume must form them alike.
             "sampling": {"seed": engine.seed, "batch_size": engine.batch_size, "logits_chunk": engine.logits_chunk}
-            if targets.logits == "sampled" else None,
+            if targets.logits and logit_kinds.get(targets.logits).draws else None,
             "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
             "triangle": options.targets.triangle, "format_version": FORMAT_VERSION,
             **({"attention_source": targets.attention_source} if targets.attention_source != "maps" else {}),

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.logit_kinds.topk import TOPK_VARIANTS as TOPK_KL_VARIANTS
 from kdcache.stages.common.option_groups import assemble, flatten
 from kdcache.stages.train.layer_maps import LayerMap, StreamMaps
 
 HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
-TOPK_KL_VARIANTS = ("renorm", "other")
 ATTENTION_LOSSES = ("kl", "relation")  # relation: MiniLMv2's q-q / k-k / v-v relations (a q/k or q/k/v cache)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEFAULT_TEMPERATURE = 2.0  # --temperature when none is given and the cache does not fix one
@@ -270,15 +271,17 @@ class TrainOptions:
     def with_cache_defaults(self, spec: Any) -> tuple[TrainOptions, str | None]:
         """These options with what the cache decides when the user gave nothing, and a line saying so.
 
-        A sampled cache's KL estimate exists only at its sampling temperature, so that is the default there.
+        A sampled cache's KL estimate exists only at its sampling temperature, so that is the default there (its
+        logit kind's ``default_temperature``).
         """
         if self.loss.temperature is not None:
             return self, None
-        sampled = getattr(spec, "logits", None) == "sampled"
-        temperature = float(spec.sample_temperature) if sampled else DEFAULT_TEMPERATURE
+        mode = getattr(spec, "logits", None)
+        fixed = logit_kinds.get(mode).default_temperature(spec) if mode else None
+        temperature = DEFAULT_TEMPERATURE if fixed is None else fixed
         resolved = dataclasses.replace(self, loss=dataclasses.replace(self.loss, temperature=temperature))
         said = (f"training at temperature {temperature:g}, the cache's sampling temperature (--temperature not "
-                f"given)") if sampled else None
+                f"given)") if fixed is not None else None
         return resolved, said
 
     @classmethod

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.train.checks import (
     CacheCheckError,
     Pair,
@@ -56,7 +57,7 @@ class TrainPlan:
     """
 
     streams: tuple[StreamPairs, ...]
-    logits: str | None  # "full" | "topk" | None: what the KL term reads
+    logits: str | None  # the cache's logit mode (stages.common.logit_kinds) the KL term reads, or None
     names: tuple[str, ...]  # arrays streamed per sequence
     cross_attention_pairs: tuple[Pair, ...] = ()
     teacher_heads: int | None = None  # H' stored per attention layer
@@ -190,7 +191,7 @@ def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None,
         kinds = attention_kinds if kind == "attention" else (kind,)
         names += [prefixed(stream, f"{k}/{t}") for t in sorted({t for _, t in group_pairs}) for k in kinds]
     names += spec.logit_arrays() if logits else []
-    if logits == "head":  # the head's input: the last layer, which a head-mode cache always holds
+    if logit_kinds.uses_head(logits):  # the head's input: the last layer, which such a cache holds
         # Head mode is for one-stream (decoder-only) caches, whose last layer is the deepest one kept (stage one
         # always keeps it; the loop checks the head's own record against it).
         names.append(f"hidden/{max(spec.hidden_layers)}")
