@@ -62,6 +62,10 @@ class HiddenCodec:
         qmax: the largest code magnitude (127 for int8, 7 for int4, 448 for fp8).
         per_code: values per stored code element (2 for int4's packed nibbles).
         grouped: one scale per ``group`` channels rather than one per row.
+        rms_step: the row's scale is ``step`` x the RMS of its values (a uniform quantiser, codes clipped at qmax)
+            rather than its largest |value| / qmax; for decorrelated coefficients that spend the bits evenly.
+        full_rank: coded only as full-rank projection coefficients (``rank`` = d: a PCA basis, no reduction).
+        column_major: zarr stores its codes direction by direction (a byte shuffle of each row before zstd).
     """
 
     name: str
@@ -70,6 +74,9 @@ class HiddenCodec:
     qmax: float = 0.0
     per_code: int = 1
     grouped: bool = False
+    rms_step: bool = False
+    full_rank: bool = False
+    column_major: bool = False
 
 
 HIDDEN_CODECS: dict[str, HiddenCodec] = {codec.name: codec for codec in (
@@ -81,11 +88,22 @@ HIDDEN_CODECS: dict[str, HiddenCodec] = {codec.name: codec for codec in (
     # fp16 on MiniLM, benchmarks/RESULTS.md) at twice int8's error, still well inside 0.1% of every hidden loss.
     HiddenCodec("int7", code_dtype=np.dtype(np.int8), qmax=63.0),
     HiddenCodec("int4", code_dtype=np.dtype(np.uint8), qmax=7.0, per_code=2, grouped=True),
+    # Transform coding (issue 22): a full-rank PCA decorrelates the channels and sorts them by variance, so one
+    # uniform step per row spends ~4 bits on the leading directions and ~0 on the tail once zstd sees each
+    # direction's codes together (4.05x smaller than fp16 within 1% of every hidden loss on MiniLM at step 0.24).
+    HiddenCodec("pca8", code_dtype=np.dtype(np.int8), qmax=127.0, rms_step=True, full_rank=True, column_major=True),
 )}
 DEFAULTS = {"rotation": 0, "outliers": 4, "group": 64}  # a quantised codec's configuration when not given
+# An RMS-step codec's own: no rotation (it would mix the sorted directions again), no outliers (a PCA
+# coefficient has none worth an fp16 copy), and the step measured best (benchmarks/RESULTS.md).
+RMS_DEFAULTS = {"rotation": None, "outliers": 0, "group": 64, "step": 0.24}
 # Codes are near-Gaussian bytes: zstd's entropy coding shrinks them (int8 by ~7%, int7 by ~20%), and bit-shuffling
 # them first, which helps fp16, hides that (measured in benchmarks/RESULTS.md). Zarr caches compress them so.
 CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 5, "shuffle": 0, "blocksize": 0}
+# A column-major codec's codes: after the row shuffle each zstd block holds a few directions of one variance
+# each; level 9 over 1 MiB blocks is what reached 4.05x (level 5 loses ~0.1x of it).
+COLUMN_CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 9, "shuffle": 0,
+                                      "blocksize": 1 << 20}
 
 
 def resolve_hidden_codec(value: object, dtype: str) -> dict[str, Any]:
@@ -107,11 +125,14 @@ def resolve_hidden_codec(value: object, dtype: str) -> dict[str, Any]:
         if config:
             raise SpecError(f"hidden codec {name!r} takes no configuration, got {config}")
         return {"name": name, "configuration": {}}
-    unknown = sorted(set(config) - set(DEFAULTS) - {"rank"})
+    defaults = RMS_DEFAULTS if HIDDEN_CODECS[name].rms_step else DEFAULTS
+    unknown = sorted(set(config) - set(defaults) - {"rank"})
     if unknown:
         raise SpecError(f"hidden codec {name!r}: unknown configuration {unknown}; expected keys "
-                        f"{sorted([*DEFAULTS, 'rank'])}")
-    config = {**DEFAULTS, **config}
+                        f"{sorted([*defaults, 'rank'])}")
+    config = {**defaults, **config}
+    if HIDDEN_CODECS[name].rms_step:
+        _check_rms_step(name, config)
     if config.get("rank", 0) is None:  # no projection: the record of a codec without one (same fingerprint)
         del config["rank"]
     if "rank" in config and not (_is_int(config["rank"]) and config["rank"] >= 1):
@@ -124,6 +145,17 @@ def resolve_hidden_codec(value: object, dtype: str) -> dict[str, Any]:
         raise SpecError(f"hidden codec {name!r}: outliers must be an integer 0..64 and group an even integer >= 2, "
                         f"got {outliers!r} and {group!r}")
     return {"name": name, "configuration": config}
+
+
+def _check_rms_step(name: str, config: dict[str, Any]) -> None:
+    """Refuse an RMS-step codec's bad step, and a rotation or outliers (its decode applies neither)."""
+    step = config["step"]
+    if not (isinstance(step, (int, float)) and not isinstance(step, bool) and 0 < step <= 8):
+        raise SpecError(f"hidden codec {name!r}: step must be a number in (0, 8] (the quantisation step as a "
+                        f"fraction of each row's RMS), got {step!r}")
+    if config["rotation"] is not None or config["outliers"] != 0:
+        raise SpecError(f"hidden codec {name!r} takes no rotation and no outliers (expected rotation null and "
+                        f"outliers 0), got rotation {config['rotation']!r} and outliers {config['outliers']!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -327,8 +359,10 @@ def _quantize(record: dict[str, Any], y: np.ndarray) -> tuple[np.ndarray, np.nda
     """Rotated rows ``[T, d]`` -> (codes ``[T, d']``, fp16 scales ``[T, G]``)."""
     codec, t = codec_of(record), len(y)
     blocks = y.reshape(t, group_count(record, y.shape[1]), -1)
-    # The fp16 scale is rounded up so that no scaled value passes qmax (fp8 would otherwise reach NaN).
-    scale = _scale_up(np.abs(blocks).max(axis=-1) / codec.qmax)
+    if codec.rms_step:  # a uniform step; the rare value past qmax steps is clipped
+        scale = (record["configuration"]["step"] * np.sqrt((blocks ** 2).mean(axis=-1))).astype(np.float16)
+    else:  # the fp16 scale is rounded up so that no scaled value passes qmax (fp8 would otherwise reach NaN)
+        scale = _scale_up(np.abs(blocks).max(axis=-1) / codec.qmax)
     safe = np.where(scale > 0, scale.astype(np.float32), 1.0)[:, :, None]
     scaled = np.clip(blocks / safe, -codec.qmax, codec.qmax).reshape(t, -1)
     if codec.name == "fp8":

@@ -41,6 +41,7 @@ from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatu
 from kdcache.storage.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
 from kdcache.storage.hidden_codecs import (
     CODES_CODEC,
+    COLUMN_CODES_CODEC,
     applies_to,
     codec_of,
     is_part,
@@ -339,7 +340,8 @@ class CacheSpec:
     def codec_for(self, name: str) -> dict[str, Any]:
         """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
         if self.backend == "zarr" and (self.coded(name) or is_part(name)):
-            return resolve_codec(CODES_CODEC)
+            column = self.coded(name) and codec_of(self.hidden_codec).column_major  # its rows shuffled first
+            return resolve_codec(COLUMN_CODES_CODEC if column else CODES_CODEC)
         array = logit_array(self, name)
         codec: dict[str, Any] = self.topk_codec if array is not None and array.sparse else self.codec
         return codec

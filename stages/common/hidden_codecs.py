@@ -99,7 +99,10 @@ def _quantize(record: Record, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """Rotated rows ``[N, d]`` -> (codes ``[N, d']``, fp16 scales ``[N, G]``)."""
     codec, n = codec_of(record), y.shape[0]
     blocks = y.reshape(n, group_count(record, y.shape[1]), -1)
-    scale = _scale_up(blocks.abs().amax(-1) / codec.qmax)
+    if codec.rms_step:  # ``storage.hidden_codecs._quantize``'s uniform step, clipped at qmax steps
+        scale = (record["configuration"]["step"] * blocks.square().mean(-1).sqrt()).to(torch.float16)
+    else:
+        scale = _scale_up(blocks.abs().amax(-1) / codec.qmax)
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32)).unsqueeze(-1)
     scaled = (blocks / safe).clamp(-codec.qmax, codec.qmax).reshape(n, -1)
     if codec.name == "fp8":  # clamped to +-448 first: the cast never makes NaN

@@ -31,20 +31,42 @@ def plain_layout(metadata: dict[str, Any]) -> dict[str, Any] | None:
     """The inner chunk rows and compressor of a sharded array as kdcache writes it, or None for any other layout.
 
     kdcache writes ``[sharding_indexed(chunk_shape, [bytes(little), COMPRESSOR, crc32c], index [bytes, crc32c],
-    end)]`` with one shard covering the whole array; only that is read here.
+    end)]`` with one shard covering the whole array (a column-major codec's codes with ``numcodecs.shuffle``
+    before the compressor: ``"shuffle"`` is then its element size); only that is read here.
     """
     codecs = metadata.get("codecs", [])
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
         return None
     config = codecs[0]["configuration"]
     inner = [c.get("name") for c in config["codecs"]]
+    shuffle = None  # a column-major codec's codes: [bytes, numcodecs.shuffle(row bytes), COMPRESSOR, crc32c]
+    if len(inner) == 4 and inner[1] == "numcodecs.shuffle":
+        shuffle = int(config["codecs"][1].get("configuration", {}).get("elementsize") or 0) or None
+        if shuffle is None:
+            return None
+        inner = [inner[0], *inner[2:]]
     index = [c.get("name") for c in config["index_codecs"]]
     grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
     if (len(inner) != 3 or inner[0] != "bytes" or inner[2] != "crc32c" or index != ["bytes", "crc32c"]
             or config.get("index_location", "end") != "end" or grid[0] < metadata["shape"][0]
             or list(grid[1:]) != list(metadata["shape"][1:])):
         return None
-    return {"rows": int(config["chunk_shape"][0]), "compressor": config["codecs"][1]}
+    return {"rows": int(config["chunk_shape"][0]), "compressor": config["codecs"][-2], "shuffle": shuffle}
+
+
+class ShuffledCodec(numcodecs.abc.Codec):  # type: ignore[misc]
+    """Decode-only pair for ``read_whole``: the compressor's bytes, then numcodecs' unshuffle into ``out``."""
+
+    codec_id = "kdcache.shuffled"
+
+    def __init__(self, compressor: numcodecs.abc.Codec, shuffle: numcodecs.abc.Codec) -> None:
+        self.compressor, self.shuffle = compressor, shuffle
+
+    def encode(self, buf: Any) -> Any:
+        return self.compressor.encode(self.shuffle.encode(buf))
+
+    def decode(self, buf: Any, out: Any = None) -> Any:
+        return self.shuffle.decode(self.compressor.decode(buf), out=out)
 
 
 def _chunk_index(data: memoryview, count: int) -> np.ndarray:

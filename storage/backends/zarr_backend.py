@@ -30,12 +30,12 @@ from kdcache.storage.backends.base import (
     check_file,
     verify_file_table,
 )
-from kdcache.storage.backends.shard_file import ShardFileError, plain_layout, read_whole
+from kdcache.storage.backends.shard_file import ShardFileError, ShuffledCodec, plain_layout, read_whole
 from kdcache.storage.codecs import to_zarr_compressors
 from kdcache.storage.errors import ChecksumError
 from kdcache.storage.files import crc32c
 from kdcache.storage.formats import CacheFormat, zarr_problems
-from kdcache.storage.hidden_codecs import CODED_KINDS
+from kdcache.storage.hidden_codecs import CODED_KINDS, codec_of
 from kdcache.storage.manifest import ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store
@@ -79,13 +79,26 @@ def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray,
     zarr = _zarr()
     rows = chunk_rows(array)
     shard_rows = -(-max(array.shape[0], 1) // rows) * rows  # a whole number of inner chunks covering the array
-    compressors = [*to_zarr_compressors(spec.codec_for(name)), zarr.codecs.Crc32cCodec()]
+    compressors = [*_row_shuffle(spec, name, array), *to_zarr_compressors(spec.codec_for(name)),
+                   zarr.codecs.Crc32cCodec()]
     with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn on every use; the choice is deliberate
         warnings.simplefilter("ignore")
         zarr.create_array(store, name=name, data=array, shards=(shard_rows, *array.shape[1:]),
                           chunks=(rows, *array.shape[1:]), compressors=compressors, filters=None,
                           chunk_key_encoding=CHUNK_KEYS, dimension_names=_dimension_names(name), zarr_format=3,
                           config={"write_empty_chunks": True})  # skips an all-equal scan of every chunk
+
+
+def _row_shuffle(spec: CacheSpec, name: str, array: np.ndarray) -> list[Any]:
+    """A column-major codec's codes ``[T, d]``: numcodecs' byte shuffle with one row as its element, so that the
+    compressor sees the codes direction by direction (column 0 of every row, then column 1, ...); else none."""
+    if not (spec.coded(name) and codec_of(spec.hidden_codec).column_major):
+        return []
+    import zarr.codecs.numcodecs as zn
+
+    with warnings.catch_warnings():  # "numcodecs codecs are not in the zarr v3 spec": chosen knowingly
+        warnings.simplefilter("ignore")
+        return [zn.Shuffle(elementsize=max(1, array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))))]
 
 
 class ZarrShard(ShardHandle):
@@ -170,6 +183,8 @@ class ZarrShard(ShardHandle):
         if layout is None or len(data) != 1:
             return None
         codec = numcodecs.get_codec(self.spec.codec_for(name))
+        if layout["shuffle"]:  # a column-major codec's codes: unshuffled after the compressor
+            codec = ShuffledCodec(codec, numcodecs.Shuffle(elementsize=layout["shuffle"]))
         size = self.record.extra["files"][data[0]][0]
         try:
             raw = self._read_file(f"{self.key.rsplit('/', 1)[0]}/{data[0]}")

@@ -13,7 +13,7 @@ from kdcache.storage.encode import encode_shard
 from kdcache.storage.errors import SpecError
 from kdcache.storage.hidden_codecs import decode
 
-CODECS = ("fp16", "bf16", "fp8", "int8", "int7", "int4")
+CODECS = ("fp16", "bf16", "fp8", "int8", "int7", "int4", "pca8")
 
 
 def _decoded(spec: CacheSpec, arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
@@ -44,7 +44,8 @@ class HiddenCodecSuite:
                 want = np.concatenate([seqs[i][name] for i in range(start, stop)])
                 got = _decoded(spec, data.arrays, name)
                 rel = np.sqrt(((got - want) ** 2).sum() / (want ** 2).sum())
-                assert rel < {"fp16": 1e-3, "bf16": 5e-3, "fp8": 0.05, "int8": 0.01, "int7": 0.02, "int4": 0.15}[codec]
+                assert rel < {"fp16": 1e-3, "bf16": 5e-3, "fp8": 0.05, "int8": 0.01, "int7": 0.02, "int4": 0.15,
+                               "pca8": 0.09}[codec]  # without its basis: a uniform step of 0.24 RMS
                 if spec.coded(name):  # the record is what a recomputation finds
                     err = record.lossy[name]
                     assert err["codec"] == codec and err["rel_rms_error"] == pytest.approx(rel, rel=1e-4)
@@ -150,3 +151,66 @@ class HiddenCodecSuite:
                 rel = np.sqrt(((got - want) ** 2).sum() / (want ** 2).sum())
                 assert rel < 0.05 and record.lossy[name]["rel_rms_error"] == pytest.approx(rel, rel=1e-4)
         assert verify_cache(tmp_path).ok
+
+    def test_pca8_codes_full_rank_coefficients_column_major_in_zarr(self, tmp_path):
+        """``pca8``: R = d coefficients coded with a step of 0.24 x each row's RMS, decoded through the stored
+        bases within the recorded error; zarr shuffles each codes row (direction by direction before zstd) and a
+        plain zarr read undoes it; the scales and every other codec keep their bytes' layout."""
+        from kdcache.storage.hidden_codecs import encode
+        from kdcache.storage.projection import write_projection
+        from kdcache.storage.stores import open_store
+
+        spec = self.spec(hidden_codec={"name": "pca8", "configuration": {"rank": 8}}, logits=None,
+                         attention_layers=())
+        assert spec.hidden_codec["configuration"] == {"rotation": None, "outliers": 0, "group": 64, "step": 0.24,
+                                                      "rank": 8}
+        seqs = self._sequences(spec)
+        flat = {n: np.concatenate([s[n] for s in seqs]) for n in ("hidden/0", "hidden/2")}
+        bases = {n: (np.linalg.svd(x - x.mean(0))[2].astype(np.float32), x.mean(0).astype(np.float32))
+                 for n, x in flat.items()}  # [8, 8]: every direction
+        write_projection(open_store(tmp_path), bases)
+        coded = [{**item, **{k: v for n in bases for k, v in encode(spec.hidden_codec, n, item[n], bases).items()}}
+                 for item in seqs]
+        with CacheWriter(tmp_path, spec, self.fingerprints) as writer:
+            for k in range(spec.num_shards):
+                writer.write_shard(k, coded[slice(*spec.shard_range(k))])
+            writer.finalize()
+        reader = CacheReader(tmp_path)
+        for record in reader.records:
+            data = reader.read_shard(record.index)
+            lo, hi = (sum(len(s["input_ids"]) for s in seqs[:i]) for i in spec.shard_range(record.index))
+            for name in bases:
+                got, want = decode(spec.hidden_codec, data.arrays, name, bases), flat[name][lo:hi]
+                rel = np.sqrt(((got - want) ** 2).sum() / (want ** 2).sum())
+                assert 0.01 < rel < 0.09 and record.lossy[name]["rel_rms_error"] == pytest.approx(rel, rel=1e-4)
+                assert record.lossy[name]["codec"] == "pca8" and data.arrays[name].dtype == np.int8
+        first = np.concatenate([c["hidden/2"] for c in coded[:spec.sequences_per_shard]])
+        np.testing.assert_array_equal(self.read_plainly(tmp_path, 0, "hidden/2", 1), coded[1]["hidden/2"])
+        assert np.array_equal(reader.read_shard(0).arrays["hidden/2"], first)
+        assert verify_cache(tmp_path).ok
+        if spec.backend == "zarr":
+            self._assert_shuffled_only(tmp_path, spec)
+
+    def _assert_shuffled_only(self, root, spec: CacheSpec) -> None:
+        """The codes of ``pca8`` go through numcodecs.shuffle (one row per element); its scales do not."""
+        import json
+
+        def inner(name: str) -> list:
+            meta = json.loads((root / "shards" / "shard-000000" / name / "zarr.json").read_text())
+            return meta["codecs"][0]["configuration"]["codecs"]
+
+        codes, scales = inner("hidden/2"), inner("hidden_scale/2")
+        assert [c["name"] for c in codes] == ["bytes", "numcodecs.shuffle", "blosc", "crc32c"]
+        assert codes[1]["configuration"]["elementsize"] == 8 and codes[2]["configuration"]["clevel"] == 9
+        assert [c["name"] for c in scales] == ["bytes", "blosc", "crc32c"]
+        assert spec.codec_for("hidden_scale/2") == self.spec(hidden_codec="int8").codec_for("hidden/2")
+
+    def test_pca8_bad_configurations_are_named(self):
+        with pytest.raises(SpecError, match="step must be a number in \\(0, 8\\].*got -1"):
+            self.spec(hidden_codec={"name": "pca8", "configuration": {"step": -1}})
+        with pytest.raises(SpecError, match="takes no rotation and no outliers.*rotation 0"):
+            self.spec(hidden_codec={"name": "pca8", "configuration": {"rotation": 0}})
+        with pytest.raises(SpecError, match="unknown configuration \\['bits'\\]"):
+            self.spec(hidden_codec={"name": "pca8", "configuration": {"bits": 3}})
+        with pytest.raises(SpecError, match="unknown configuration \\['step'\\]"):
+            self.spec(hidden_codec={"name": "int8", "configuration": {"step": 0.2}})
