@@ -119,11 +119,12 @@ class StorageOptions:
     dtype: str = _opt("fp16", "storage dtype of float targets", choices=["fp16", "bf16"])
     codec: str | None = _opt(None, "numcodecs codec name (e.g. zstd, blosc-lz4) or JSON config; default blosc-lz4")
     bitround: int | None = _opt(None, "lossy: mantissa bits kept in activations (fp16 1..9, bf16 1..6)")
-    hidden_codec: str | None = _opt(None, "hidden-state codec: fp16, bf16, fp8, int8, int7 or int4 (quantised on the "
-                                          "teacher's device), or a JSON {name, configuration}; default: --dtype")
+    hidden_codec: str | None = _opt(None, "hidden-state codec: fp16, bf16, fp8, int8, int7, int4 or pca8 (quantised "
+                                          "on the teacher's device; pca8 with --hidden-rank = hidden size), or a "
+                                          "JSON {name, configuration}; default: --dtype")
     hidden_rank: int | None = _opt(None, "project hidden states onto R principal directions per layer, fitted on the "
                                          "teacher's first tokens and stored in the cache, before --hidden-codec "
-                                         "(a quantised one) codes them; 1 <= R < hidden size")
+                                         "(a quantised one) codes them; 1 <= R < hidden size (R = hidden size: pca8)")
     sequences_per_shard: int = _opt(256, "sequences per cache shard (the unit of commit, resume and partition)")
     num_shards: int = _opt(1, "job-array size: this many independent jobs share the cache")
     shard_index: int = _opt(0, "this job's index in the job array, 0..num_shards-1")
@@ -138,18 +139,20 @@ class StorageOptions:
     @property
     def hidden_codec_record(self) -> dict[str, Any]:
         """The resolved ``{name, configuration}`` of ``--hidden-codec`` (``storage.hidden_codecs``)."""
-        from kdcache.storage.hidden_codecs import resolve_hidden_codec
+        from kdcache.storage.errors import SpecError
+        from kdcache.storage.hidden_codecs import codec_of, resolve_hidden_codec
 
         value = self.hidden_codec
         record = resolve_hidden_codec(json.loads(value) if value and value.strip().startswith("{") else value,
                                       self.dtype)
         if self.hidden_rank is None:
+            if codec_of(record).full_rank:
+                raise SpecError(f"--hidden-codec {record['name']} codes full-rank PCA coefficients: give "
+                                f"--hidden-rank d, the teacher's hidden size (e.g. 384 for MiniLM)")
             return record
         if record["name"] in ("fp16", "bf16"):
-            from kdcache.storage.errors import SpecError
-
             raise SpecError(f"--hidden-rank {self.hidden_rank} codes the projection's coefficients with a quantised "
-                            f"--hidden-codec (fp8, int8, int7 or int4), not {record['name']!r}")
+                            f"--hidden-codec (fp8, int8, int7, int4 or pca8), not {record['name']!r}")
         config = {**record["configuration"], "rank": self.hidden_rank}
         return resolve_hidden_codec({"name": record["name"], "configuration": config}, self.dtype)
 

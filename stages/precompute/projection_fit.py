@@ -23,7 +23,7 @@ import torch
 
 from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.storage.hidden_codecs import rank_of
+from kdcache.storage.hidden_codecs import codec_of, rank_of
 from kdcache.storage.projection import has_projection, read_projection, write_projection
 from kdcache.storage.stores import open_store
 
@@ -32,14 +32,18 @@ Bases = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
 def check_rank(record: dict[str, Any], config: Any) -> None:
-    """Refuse a rank outside 1..d-1 for the teacher's hidden size d (``hidden_size``, or ``d_model``).
+    """Refuse a rank outside 1..d-1 for the teacher's hidden size d (``hidden_size``, or ``d_model``), and a
+    full-rank codec's (``pca8``) rank other than d.
 
     Raises:
         PrecomputeError: names R and d.
     """
     rank = rank_of(record)
     d = getattr(config, "hidden_size", None) or getattr(config, "d_model", None)
-    if rank is not None and isinstance(d, int) and not 1 <= rank < d:
+    if rank is not None and isinstance(d, int) and codec_of(record).full_rank and rank != d:
+        raise PrecomputeError(f"hidden_rank: R = {rank}, but codec {record['name']!r} codes full-rank PCA "
+                              f"coefficients: expected R = d = {d}, the teacher's hidden size")
+    if rank is not None and isinstance(d, int) and not codec_of(record).full_rank and not 1 <= rank < d:
         raise PrecomputeError(f"hidden_rank: R = {rank} must be in 1..{d - 1}: the teacher's hidden size is d = {d} "
                               f"(a projection to R >= d directions stores no fewer values than the states)")
 
