@@ -14,6 +14,9 @@ Per codec:
   hidden states, best of ``--repeats`` runs alternating codecs;
 * section ``transform``: a measurement, not a codec: full-rank PCA, a step per row relative to its RMS, int8
   codes entropy-coded by zstd row- and column-major (issue 22's second try at >= 4x within 1%);
+* section ``pca8``: the registered transform codec (full-rank PCA, ``--hidden-rank 384``) at steps around its
+  default 0.24, through the real writer as in ``projection``, zarr (codes column-major) and Arrow (row-major),
+  on MiniLM and with planted outliers;
 * section ``train``: the demo's held-out cosine and Spearman after training from each codec's cache (the same
   fp16 held-out cache scores every student);
 * section ``projection``: the rank-R codec (``--hidden-rank``): stage one's fit on the first half of the
@@ -88,11 +91,12 @@ def plant(states: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
     return planted
 
 
-def stored_bytes(ids: list[np.ndarray], states: list[Any], codec: Any, root: Path) -> dict[str, float]:
-    """Bytes per token per layer of a zarr cache of ``states`` (per sequence, its layers' float32 states, or
-    the arrays stage one's encode made of them, by name) with ``codec``, and its recorded errors."""
+def stored_bytes(ids: list[np.ndarray], states: list[Any], codec: Any, root: Path,
+                 backend: str = "zarr") -> dict[str, float]:
+    """Bytes per token per layer of a zarr (or Arrow) cache of ``states`` (per sequence, its layers' float32
+    states, or the arrays stage one's encode made of them, by name) with ``codec``, and its recorded errors."""
     spec = CacheSpec(num_sequences=len(ids), hidden_layers=TEACHER_LAYERS, hidden_codec=codec,
-                     sequences_per_shard=len(ids))
+                     sequences_per_shard=len(ids), backend=backend)
     seqs = [{"input_ids": i, **(layers if isinstance(layers, dict) else
                                 {f"hidden/{j}": x for j, x in zip(TEACHER_LAYERS, layers)})}
             for i, layers in zip(ids, states)]
@@ -178,12 +182,17 @@ def low_rank_ish(states: list[list[np.ndarray]], keep: int = 32, shrink: float =
     return out
 
 
+FULL_RANK = {f"pca8, step {step}": {"name": "pca8", "configuration": {"rank": 384, "step": step}}
+             for step in (0.22, 0.24, 0.25)}  # MiniLM's d = 384: every direction
+
+
 def projection(ids: list[np.ndarray], teacher: list[list[np.ndarray]], student: list[list[np.ndarray]],
-               root: Path) -> dict[str, Any]:
-    """Per projection setting: the real rank codec (bases fitted by stage one's ``fit_bases`` on the first half of
-    the sequences, the other half written to a zarr cache through the torch encode with the bases stored in
-    ``projection/``): bytes per token per layer, the recorded error, and each hidden loss on the decoded targets
-    (``decode_batch``) against fp16 targets, relative."""
+               root: Path, settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Per projection setting (``PROJECTIONS`` unless given): the real rank codec (bases fitted by stage one's
+    ``fit_bases`` on the first half of the sequences, the other half written to a zarr cache through the torch
+    encode with the bases stored in ``projection/``): bytes per token per layer (and an Arrow cache's), the
+    recorded error, each hidden loss on the decoded targets (``decode_batch``) against fp16 targets, relative,
+    and the torch encode/decode MB/s of fp16 bytes on this CPU (one run: this is the writer's path)."""
     from kdcache.stages.common.hidden_codecs import Projection, decode_batch
     from kdcache.stages.precompute.projection_fit import fit_bases
     from kdcache.storage.projection import write_projection
@@ -195,14 +204,23 @@ def projection(ids: list[np.ndarray], teacher: list[list[np.ndarray]], student: 
     held_ids, held, pupils = ids[half:], teacher[half:], student[half:]
     fp16 = stored_bytes(held_ids, held, "fp16", root / "fp16")["bytes_per_token_layer"]
     out: dict[str, Any] = {"fp16": {"bytes_per_token_layer": fp16}}
-    for label, codec in PROJECTIONS.items():
+    fp16_arrow = stored_bytes(held_ids, held, "fp16", root / "fp16-arrow", "arrow")["bytes_per_token_layer"]
+    fp16_bytes = 2 * sum(x.size for layers in held for x in layers)
+    for label, codec in (settings or PROJECTIONS).items():
         record = resolve_hidden_codec(codec, "fp16")
         bases = fit_bases([fit_items], names, record["configuration"]["rank"], torch.device("cpu"))
         write_projection(open_store(root / label), bases)
+        start = time.perf_counter()
         coded = [_encoded(record, dict(zip(names, layers)), Projection.from_arrays(bases)) for layers in held]
+        encode_s = time.perf_counter() - start
         row = stored_bytes(held_ids, coded, record, root / label)
+        arrow = stored_bytes(held_ids, coded, record, root / f"{label}-arrow", "arrow")["bytes_per_token_layer"]
         parts = {k: torch.from_numpy(np.concatenate([c[k] for c in coded]))[None] for k in coded[0]}
+        start = time.perf_counter()
         decoded = decode_batch(record, parts, Projection.from_arrays(bases))
+        row["encode_MBps"], row["decode_MBps"] = fp16_bytes / encode_s / 1e6, fp16_bytes / (
+            time.perf_counter() - start) / 1e6
+        row["arrow_x_smaller_than_fp16"] = fp16_arrow / arrow
         row["loss_rel_diff"] = _loss_diffs([decoded[n][0] for n in names], held, pupils)
         row["basis_bytes_per_layer"] = sum(b.nbytes + m.nbytes for b, m in bases.values()) / len(bases)
         row["x_smaller_than_fp16"] = fp16 / row["bytes_per_token_layer"]
@@ -282,7 +300,8 @@ def kdcache(args: list[str]) -> None:
 
 TRAIN_CODECS = {name: ("--hidden-codec", name) for name in ("fp16", "bf16", "fp8", "int8", "int7", "int4")}
 TRAIN_CODECS.update({"int8, R=64": ("--hidden-codec", "int8", "--hidden-rank", "64"),
-                     "int4, R=128": ("--hidden-codec", "int4", "--hidden-rank", "128")})
+                     "int4, R=128": ("--hidden-codec", "int4", "--hidden-rank", "128"),
+                     "pca8": ("--hidden-codec", "pca8", "--hidden-rank", "384")})
 
 
 def train_students(root: Path, sentences: list[str], heldout: list[str], steps: int,
@@ -315,7 +334,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sections", default="codecs,projection", help="of codecs, projection, transform, train")
+    parser.add_argument("--sections", default="codecs,projection", help="of codecs, projection, pca8, transform, "
+                        "train")
     parser.add_argument("--train-sentences", type=int, default=600)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--train-codecs", default=";".join(TRAIN_CODECS), help="';'-separated, of TRAIN_CODECS")
@@ -334,6 +354,10 @@ def main() -> None:
             report["projection"] = projection(acts["ids"], acts["teacher"], acts["student"], root / "rank")
             report["projection_low_rank_ish"] = projection(acts["ids"], low_rank_ish(acts["teacher"]),
                                                            acts["student"], root / "rank-low")
+        if "pca8" in sections:  # the registered transform codec, on MiniLM and with planted outliers
+            report["pca8"] = projection(acts["ids"], acts["teacher"], acts["student"], root / "pca8", FULL_RANK)
+            report["pca8_planted"] = projection(acts["ids"], plant(acts["teacher"]), plant(acts["student"]),
+                                                root / "pca8-planted", FULL_RANK)
         if "transform" in sections:
             report["transform_coding"] = transform_coding(acts["teacher"], acts["student"])
         for label, teacher, student in (("minilm", acts["teacher"], acts["student"]),
