@@ -44,13 +44,18 @@ from kdcache.storage.errors import KdcacheError
 from kdcache.storage.streams import split_stream
 
 if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedModel
+
+    from kdcache.stages.train.teacher_head import TeacherHead
+    from kdcache.storage import CacheReader
+
 
 class TrainingError(KdcacheError):
     """Training cannot start or go on (nothing to resume, no steps to run, a diverged loss)."""
 
 
-def prepare(options: TrainOptions) -> tuple[Any, PreTrainedModel, StudentFacts, TrainPlan, TrainOptions]:
+def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, StudentFacts, TrainPlan, TrainOptions]:
     """Open the cache, load the student and check that they fit. Touches no teacher file.
 
     Returns:
@@ -98,7 +103,7 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
 DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which the log says so
 
 
-def _teacher_head(reader: Any, plan: TrainPlan, announce: bool) -> Any:
+def _teacher_head(reader: CacheReader, plan: TrainPlan, announce: bool) -> TeacherHead | None:
     """The teacher's LM head of a ``--logits head`` cache when the KL uses it, its size stated on rank 0."""
     if not logit_kinds.uses_head(plan.logits):
         return None
@@ -113,7 +118,8 @@ def _teacher_head(reader: Any, plan: TrainPlan, announce: bool) -> Any:
 class _Trainer:
     """The step loop and its bookkeeping (position, logs, checkpoints)."""
 
-    def __init__(self, options: TrainOptions, plan: TrainPlan, engine: Any, dist_info: DistInfo, reader: Any):
+    def __init__(self, options: TrainOptions, plan: TrainPlan, engine: DeepSpeedEngine, dist_info: DistInfo,
+                 reader: CacheReader):
         self.options, self.plan, self.engine, self.dist = options, plan, engine, dist_info
         self.run_dir = Path(options.run.out)
         self.batch_size = int(engine.train_micro_batch_size_per_gpu())
@@ -145,7 +151,7 @@ class _Trainer:
         if critics is not None and "critics" in state:
             critics.load_state_dict(state["critics"])
 
-    def _stream(self) -> tuple[CacheStream, Any]:
+    def _stream(self) -> tuple[CacheStream, torch.utils.data.DataLoader[dict[str, torch.Tensor]]]:
         o = self.options.data
         stream = CacheStream(o.cache, self.plan.names, batch_size=self.batch_size, seed=o.seed,
                              rank=self.dist.rank, world_size=self.dist.world_size, start=self.position,
