@@ -16,7 +16,7 @@ layer, one batch of rows at a time) and the covariance is diagonalised there.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,11 +27,14 @@ from kdcache.storage.hidden_codecs import rank_of
 from kdcache.storage.projection import has_projection, read_projection, write_projection
 from kdcache.storage.stores import open_store
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 FIT_TOKENS = 16384  # leading tokens the basis is fitted on: several times any d it is used at, one pass
 Bases = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
-def check_rank(record: dict[str, Any], config: Any) -> None:
+def check_rank(record: dict[str, Any], config: PretrainedConfig) -> None:
     """Refuse a rank outside 1..d-1 for the teacher's hidden size d (``hidden_size``, or ``d_model``).
 
     Raises:

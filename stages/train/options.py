@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds.topk import TOPK_VARIANTS as TOPK_KL_VARIANTS
 from kdcache.stages.common.option_groups import assemble, flatten
 from kdcache.stages.train.layer_maps import LayerMap, StreamMaps
+
+if TYPE_CHECKING:
+    from kdcache.storage import CacheSpec
 
 HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
 ATTENTION_LOSSES = ("kl", "relation")  # relation: MiniLMv2's q-q / k-k / v-v relations (a q/k or q/k/v cache)
@@ -268,7 +271,7 @@ class TrainOptions:
         """Flat ``{option: value}`` (maps as their text), written to RUN/options.json."""
         return {k: str(v) if isinstance(v, (LayerMap, StreamMaps)) else v for k, v in flatten(self).items()}
 
-    def with_cache_defaults(self, spec: Any) -> tuple[TrainOptions, str | None]:
+    def with_cache_defaults(self, spec: CacheSpec) -> tuple[TrainOptions, str | None]:
         """These options with what the cache decides when the user gave nothing, and a line saying so.
 
         A sampled cache's KL estimate exists only at its sampling temperature, so that is the default there (its
