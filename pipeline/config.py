@@ -3,10 +3,11 @@
 Each stage owns a frozen dataclass of its options (``stages.precompute.options.PrecomputeOptions``,
 ``stages.train.options.TrainOptions``), plain or made of groups (``TrainOptions.loss``...,
 ``stages.common.option_groups``) whose option names stay flat in flags and YAML; the stages never import this
-module. Two kept libraries do the mapping:
+module. Two libraries do the mapping:
 
-* transformers' ``HfArgumentParser`` turns the fields into flags (``top_k`` -> ``--top-k``, booleans with
-  ``--no-...``, help and choices from ``field.metadata``, extra flag names from ``metadata["aliases"]``);
+* argparse, through its public API only, takes one flag per field (``top_k`` -> ``--top-k``, booleans with
+  ``--no-...`` right after them, help and choices from ``field.metadata``, extra flag names from
+  ``metadata["aliases"]``), built here from the dataclass fields;
 * pydantic validates the merged YAML + CLI values against the field types and reports *every* error at once.
 
 Here we only merge the two sources (CLI wins), list unknown keys and bad choices, and add the dataclass's own
@@ -47,85 +48,73 @@ def flag_name(option: str) -> str:
 
 # ---- flags -------------------------------------------------------------------------------------------------
 def flags(cls: type, *, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    """A parent parser (``add_parser(..., parents=[flags(cls)])``) with one flag per field of dataclass ``cls``.
+    """A parent parser (``ArgumentParser(parents=[flags(cls)])``) with one flag per field of dataclass ``cls``.
 
     Flags given on the command line land in the namespace as the strings typed (choices checked by argparse);
     absent ones stay absent, so ``from_args`` can tell them from YAML values and pydantic converts them all.
     """
-    from transformers import HfArgumentParser  # here, not at import: `kdcache --help` of other commands stays fast
-
-    named = groups(cls)
-    parts: list[tuple[str | None, type]] = list(named.items()) if named else [(None, cls)]
-    shadows = [_shadow(group, owner, skip) for group, owner in parts]
-    parser = HfArgumentParser(typing.cast(Any, shadows), add_help=False)
-    for action in parser._actions:
-        _finish(action)
-    _negations(parser)
+    parser = argparse.ArgumentParser(add_help=False)
+    add_flags(parser, cls, skip=skip)
     return parser
 
 
-def _negations(parser: argparse.ArgumentParser) -> None:
-    """``--no-X`` for every boolean ``--X``, the way to turn off a YAML ``true`` from the command line
-    (HfArgumentParser adds it only where the default is true), listed right after ``--X`` in the help and usage."""
-    for group in parser._action_groups:
-        for action in list(group._group_actions):
-            flag = action.option_strings[0] if action.option_strings else ""
-            negation = "--no-" + flag[2:]
-            if action.const is True and action.nargs == "?" and negation not in parser._option_string_actions:
-                group.add_argument(negation, dest=action.dest, action="store_false", default=argparse.SUPPRESS,
-                                   help=f"turn {flag} off")
-            if action.const is True and action.nargs == "?":
-                _move_after(parser._option_string_actions[negation], action, group._group_actions, parser._actions)
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> list[argparse.Action]:
+    """Add a flag for every leaf option of ``cls`` (all but ``skip``) to ``parser``, a named group's under its own
+    heading ("loss options"), in field order.
+
+    Returns:
+        the actions of the fields without a default: argparse must not demand them (``--config`` may give them
+        instead), so the caller's usage line marks them itself (``pipeline.cli``).
+    """
+    named = groups(cls)
+    needed: list[argparse.Action] = []
+    for group, owner in (named.items() if named else [(None, cls)]):
+        section = parser.add_argument_group(f"{group} options") if group else parser
+        hints = typing.get_type_hints(owner)
+        needed += [action for f in dataclasses.fields(owner) if f.name not in skip
+                   for action in [_add_flag(section, f, hints[f.name])] if action is not None]
+    return needed
 
 
-def _move_after(moved: argparse.Action, anchor: argparse.Action, *lists: list[argparse.Action]) -> None:
-    """Place ``moved`` just after ``anchor`` in each list holding both (help and usage follow list order)."""
-    for actions in lists:
-        if moved in actions and anchor in actions:
-            actions.remove(moved)
-            actions.insert(actions.index(anchor) + 1, moved)
+def _add_flag(section: Any, f: dataclasses.Field, hint: Any) -> argparse.Action | None:
+    """One option's flag (``top_k`` -> ``--top-k`` plus ``metadata["aliases"]``), a boolean's ``--no-X`` right
+    after it; returns the action when the field is required, else None.
+
+    Every value stays the raw string typed (no ``type=``) so that pydantic converts them all and reports every
+    error at once; only a flag with choices converts, since argparse compares the choices to the value.
+    """
+    meta = dict(f.metadata)
+    aliases = meta.pop("aliases", [])
+    inner = _unwrap_optional(hint)[0]
+    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    default = None if required else (f.default_factory() if f.default is dataclasses.MISSING  # type: ignore[misc]
+                                     else f.default)
+    meta["help"] = _help_text(meta.get("help") or "", meta.get("choices"), default, required)
+    if inner is bool:  # --X alone, or --X true|false (a YAML true is turned off by --no-X)
+        meta.update(nargs="?", const=True, metavar=meta.get("metavar", "true|false"))
+    if meta.get("choices") is not None and inner in (int, float, str):
+        meta["type"] = inner
+    flag = flag_name(f.name)
+    action = section.add_argument(flag, *aliases, dest=f.name, default=argparse.SUPPRESS, **meta)
+    if inner is bool:
+        section.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                             help=f"turn {flag} off")
+    return action if required else None
 
 
-def _shadow(group: str | None, owner: type, skip: tuple[str, ...]) -> type:
-    """A copy of one option group's fields, since HfArgumentParser rewrites the types of the fields it is given
-    (``int | None`` becomes ``int``), which would change what pydantic later accepts for the options. A named
-    group gets its own section of the help (HfArgumentParser's ``_argument_group_name``)."""
-    hints = typing.get_type_hints(owner)
-    shadow = dataclasses.make_dataclass(owner.__name__, [
-        (f.name, hints[f.name],
-         dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
-        for f in dataclasses.fields(owner) if f.name not in skip])
-    if group is not None:
-        shadow._argument_group_name = f"{group} options"  # type: ignore[attr-defined]
-    return shadow
-
-
-def _finish(action: argparse.Action) -> None:
-    """Dash-only flag names, the default and choices in the help, raw strings in, nothing when absent."""
-    action.option_strings = [s for s in action.option_strings if "_" not in s]  # --top-k, not also --top_k
-    default = action.default
+def _help_text(text: str, choices: Any, default: Any, required: bool) -> str:
+    """A flag's help with its choices, its default as one would type it, and whether it is required."""
+    if choices is not None:
+        text += ("; " if text else "") + f"one of: {', '.join(map(str, choices))}"
     if isinstance(default, tuple):
         default = ",".join(map(str, default))
-    elif default is not None and not isinstance(default, (bool, int, float, str)):
-        default = str(default)  # a value with its own text (a layer map)
-    text = action.help or ""
-    if action.choices is not None:
-        text += ("; " if text else "") + f"one of: {', '.join(map(str, action.choices))}"
-    if isinstance(default, bool):
+    elif isinstance(default, bool):
         default = str(default).lower()  # as it is typed: --offload true|false
-    if "default" not in text and default not in (None, "") and not isinstance(action, argparse._StoreFalseAction):
+    elif default is not None and not isinstance(default, (int, float, str)):
+        default = str(default)  # a value with its own text (a layer map)
+    if "default" not in text and default not in (None, ""):
         text += f" (default: {default})"
-    # Required fields may come from --config instead, so argparse must not demand them; the help still says so.
-    needed = bool(action.required)
-    action.help = text + (" (required: the flag or its --config key)" if needed else "")
-    action.needed = needed  # type: ignore[attr-defined]  # read by the CLI's usage formatter
-    if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no-X repeats --X's help
-        action.help = f"turn {flag_name(action.dest)} off"
-    elif action.const is True:  # a boolean: --X alone, or --X true|false
-        action.metavar = "true|false"
-    action.default, action.required = argparse.SUPPRESS, False
-    if action.choices is None and action.nargs != 0:  # pydantic converts every value, so all errors show at once
-        action.type = None
+    return text + (" (required: the flag or its --config key)" if required else "")
 
 
 def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = None) -> T:
