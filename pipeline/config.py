@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from kdcache.stages.common.option_groups import flatten, groups, leaves, nest
+from kdcache.stages.common.option_groups import flatten, groups, leaves, nest, required
 from kdcache.storage.errors import KdcacheError
 
 T = TypeVar("T")
@@ -66,40 +66,41 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
         the actions of the fields without a default: argparse must not demand them (``--config`` may give them
         instead), so the caller's usage line marks them itself (``pipeline.cli``).
     """
-    named = groups(cls)
+    sections: dict[str | None, Any] = {}
     needed: list[argparse.Action] = []
-    for group, owner in (named.items() if named else [(None, cls)]):
-        section = parser.add_argument_group(f"{group} options") if group else parser
-        hints = typing.get_type_hints(owner)
-        needed += [action for f in dataclasses.fields(owner) if f.name not in skip
-                   for action in [_add_flag(section, f, hints[f.name])] if action is not None]
+    for group, owner, f in leaves(cls):
+        if f.name in skip:
+            continue
+        if group not in sections:
+            sections[group] = parser.add_argument_group(f"{group} options") if group else parser
+        action = _add_flag(sections[group], f, typing.get_type_hints(owner)[f.name])
+        needed += [action] if required(f) else []
     return needed
 
 
-def _add_flag(section: Any, f: dataclasses.Field, hint: Any) -> argparse.Action | None:
+def _add_flag(section: Any, f: dataclasses.Field, hint: Any) -> argparse.Action:
     """One option's flag (``top_k`` -> ``--top-k`` plus ``metadata["aliases"]``), a boolean's ``--no-X`` right
-    after it; returns the action when the field is required, else None.
+    after it; returns the flag's action.
 
     Every value stays the raw string typed (no ``type=``) so that pydantic converts them all and reports every
     error at once; only a flag with choices converts, since argparse compares the choices to the value.
     """
-    meta = dict(f.metadata)
-    aliases = meta.pop("aliases", [])
-    inner = _unwrap_optional(hint)[0]
-    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    default = None if required else (f.default_factory() if f.default is dataclasses.MISSING  # type: ignore[misc]
-                                     else f.default)
-    meta["help"] = _help_text(meta.get("help") or "", meta.get("choices"), default, required)
+    meta = {k: v for k, v in f.metadata.items() if k not in ("aliases", "stage", "required")}  # ours, not argparse's
+    inner, needed = _unwrap_optional(hint)[0], required(f)
+    default = None if needed else (f.default_factory() if f.default is dataclasses.MISSING  # type: ignore[misc]
+                                   else f.default)
+    meta["help"] = _help_text(meta.get("help") or "", meta.get("choices"), default, needed)
     if inner is bool:  # --X alone, or --X true|false (a YAML true is turned off by --no-X)
         meta.update(nargs="?", const=True, metavar=meta.get("metavar", "true|false"))
     if meta.get("choices") is not None and inner in (int, float, str):
         meta["type"] = inner
     flag = flag_name(f.name)
-    action = section.add_argument(flag, *aliases, dest=f.name, default=argparse.SUPPRESS, **meta)
+    action: argparse.Action = section.add_argument(flag, *f.metadata.get("aliases", []), dest=f.name,
+                                                   default=argparse.SUPPRESS, **meta)
     if inner is bool:
         section.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", default=argparse.SUPPRESS,
                              help=f"turn {flag} off")
-    return action if required else None
+    return action
 
 
 def _help_text(text: str, choices: Any, default: Any, required: bool) -> str:
@@ -169,6 +170,10 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
     given = {str(k).replace("-", "_"): v for k, v in flat_values(cls, values).items()}
     problems = [f"unknown key {where}{k!r}; known keys: {', '.join(sorted(fields))}" for k in given if k not in fields]
     given = {k: _prepare(fields[k][0], k, v) for k, v in given.items() if k in fields}
+    # A field with a default that this class still requires (a shared group's, see option_groups.required):
+    # pydantic would take the default, so it is named here as pydantic names a missing field.
+    problems += [f"{where}{k} is required (flag {flag_name(k)})" for k, (_, f) in fields.items()
+                 if f.metadata.get("required") and given.get(k) in (None, "")]
     obj, type_problems = _validate(cls, given, where)
     problems += type_problems
     if obj is not None:
