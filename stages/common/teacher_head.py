@@ -16,6 +16,7 @@ from kdcache.storage.canonical import canonical_json
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.fingerprint import hash_bytes
 from kdcache.storage.manifest import read_json
+from kdcache.storage.stores import Store
 
 HEAD_FOLDER = "teacher_head"
 
@@ -30,17 +31,16 @@ def finish_logits(logits: Any, scale: float | None, softcap: float | None) -> An
     return logits
 
 
-def export_head(model: Any, out: str, layer: int) -> None:
-    """Save a copy of the teacher's LM head (see the module docstring) into the cache ``out`` (it appears whole)."""
+def export_head(model: Any, store: Store, layer: int) -> None:
+    """Save a copy of the teacher's LM head (see the module docstring) into the cache's ``store`` (it appears
+    whole)."""
     import tempfile
     from pathlib import Path
 
     from safetensors.torch import save
 
     from kdcache.storage.folders import folder_is_complete, put_folder
-    from kdcache.storage.stores import open_store
 
-    store = open_store(out)
     if folder_is_complete(store, HEAD_FOLDER):  # a resumed run, or another job of the array, wrote it already
         return
     head = model.get_output_embeddings()

@@ -41,6 +41,7 @@ from kdcache.stages.precompute.teacher import (
     teacher_files_fingerprint,
 )
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.stores import Store
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
@@ -48,6 +49,10 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     """Compute and cache the teacher's targets for this process's part of the data.
 
     Under torchrun (RANK / WORLD_SIZE set) every rank runs this; rank 0 merges the parts after a barrier.
+
+    Args:
+        options: validated options (``pipeline.config.build`` runs ``options.validate()`` once, with the type
+            checks, so that a user sees every problem together); ``PrecomputeOptions.of`` builds unchecked ones.
 
     Returns:
         the summary (see ``stages.precompute.progress.summarize``): status, tokens, bytes per token per target,
@@ -58,9 +63,6 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     """
     import torch
 
-    problems = options.validate()
-    if problems:
-        raise PrecomputeError("invalid precompute options:\n" + "\n".join(f"  - {p}" for p in problems))
     torch.manual_seed(options.engine.seed)
     dist = DistContext.from_env()
     try:
@@ -97,12 +99,12 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     adapter.check_options(options, config)
     targets = resolve_targets(options, config)
     tokenizer = load_tokenizer(options)
-    check_out_folder(st.out)  # before the rows are written there
+    store = check_out_folder(st.out)  # before the rows are written there; the one store of the output below
     data = adapter.load_data(options, tokenizer)
     check_positions(config, data)
     rows = {"built": data.built, "build_seconds": data.meta.get("build_seconds")}
     if not options.engine.estimate:
-        finished = finished_cache(options, config, targets, tokenizer, data)
+        finished = finished_cache(store, options, config, targets, tokenizer, data)
         if finished is not None:  # nothing to compute: don't pay for loading the weights
             return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True, "rows": rows})
         check_room(st.out, lower_bound_bytes(build_spec(options, targets, data), config, data,
@@ -115,21 +117,22 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     if options.engine.estimate:
         return run_estimate(options, adapter.capture(teacher, targets, options), teacher, targets, data, spec)
     part = Partition.of(st.shard_index, st.num_shards, dist.rank, dist.world)
-    writer = open_writer(st.out, spec, build_fingerprints(options, teacher, targets, data), part)
+    writer = open_writer(store, spec, build_fingerprints(options, teacher, targets, data), part)
     with writer, adapter.capture(teacher, targets, options) as capture:
-        save_tokenizer(tokenizer, st.out)
+        save_tokenizer(tokenizer, store)
         if targets.logits == "head" and dist.is_main:
-            export_head(teacher.model, st.out, targets.streams[""].depth)
+            export_head(teacher.model, store, targets.streams[""].depth)
         mine = part.shards(spec.num_shards)
         todo = [k for k in mine if k not in writer.committed_shards()]
-        commit_behind(spec, todo, writer, options, stats, dist.is_main,
-                      lambda bounds, progress: compute_shard(capture, teacher, data, bounds, options, stats, progress))
+        commit_behind(spec, todo, writer, stats,
+                      lambda bounds, progress: compute_shard(capture, teacher, data, bounds, options, stats, progress),
+                      show_progress=options.engine.progress and dist.is_main, queue_size=options.engine.queue_size)
     manifest = writer.finalize()  # the last part to finish turns the manifest "complete"
     dist.barrier()
     if dist.world > 1 and dist.is_main:
         from kdcache.storage import merge_parts
 
-        manifest = merge_parts(st.out)
+        manifest = merge_parts(store)
     extra = {"part": [part.index, part.count], "device": str(teacher.device),
              "attn_implementation": teacher.attn_implementation,
              "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}, "rows": rows}
@@ -179,24 +182,22 @@ def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOpt
     return replace(targets, vocab_size=vocab)
 
 
-def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
+def finished_cache(store: Store, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                    data: TokenStreams) -> Any:
-    """The manifest of a complete cache at ``st.out`` that this run would reproduce, else None.
+    """The manifest of a complete cache in the output ``store`` that this run would reproduce, else None.
 
     Checked before the weights load, from what is known without them (weight-file hashes, config, tokenizer,
     data, settings), so rerunning a finished precompute, or ``kdcache run`` over its cache, never loads the
     teacher. What only the loaded model tells (runtime dtype, attention kernel) is left to the writer's full
     check on a real run.
     """
-    st = options.storage
     from kdcache.storage import CacheReader, compare_fingerprints
-    from kdcache.storage.stores import open_store
 
     teacher_fp = teacher_files_fingerprint(options, config)
-    if teacher_fp is None or open_store(st.out).size("manifest.json") is None:
+    if teacher_fp is None or store.size("manifest.json") is None:
         return None
     try:
-        reader = CacheReader(st.out)
+        reader = CacheReader(store)
     except KdcacheError:  # partial, corrupt or foreign: the normal path resumes it or explains the problem
         return None
     expected = {"teacher": teacher_fp, "tokenizer": tokenizer_fingerprint(tokenizer), "data": data.fingerprint,

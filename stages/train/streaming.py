@@ -26,6 +26,7 @@ codes and fp16 scales and are decoded there too (``stages.common.hidden_codecs``
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -205,17 +206,22 @@ class CacheStream(IterableDataset):
     record the position reached. Use it with ``DataLoader(stream, batch_size=None, num_workers=...)``.
     """
 
-    def __init__(self, cache: str, names: Sequence[str], *, batch_size: int, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, start: DataPosition = DataPosition(), epochs: int | None = None,
+    def __init__(self, cache: str | os.PathLike[str] | Any, names: Sequence[str], *, batch_size: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, start: DataPosition = DataPosition(), epochs: int | None = None,
                  shuffle_block: int = 256, prefetch: int = 4, decode_threads: int = 0,
                  allow_partial: bool = False, pin_memory: bool = False):
+        """``cache`` is a cache folder or URL, or an open ``CacheReader``, which this process then reads through
+        (a DataLoader worker opens its own from the reader's folder or URL)."""
         super().__init__()
-        self.cache, self.names = str(cache), tuple(names)
+        self.names = tuple(names)
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.start, self.epochs = start, epochs
         self.shuffle_block, self.prefetch, self.decode_threads = shuffle_block, prefetch, decode_threads
         self.allow_partial, self.pin_memory = allow_partial, pin_memory
-        reader = self._open()
+        opened = not isinstance(cache, (str, os.PathLike))
+        self.cache = str(cache.root if opened else cache)
+        self._reader = cache if opened else self._open()
+        reader = self._reader
         # Only committed shards (all of them for a complete cache; some with --allow-partial).
         self.shard_ids = [int(k) for k in reader.committed_shards]
         self.shard_ranges = [reader.spec.shard_range(k) for k in self.shard_ids]
@@ -230,9 +236,14 @@ class CacheStream(IterableDataset):
                                    f"size ({world_size} x {batch_size})")
 
     def _open(self) -> Any:
-        from kdcache.storage import CacheReader  # opened again in each worker process: readers hold file handles
+        from kdcache.storage import CacheReader
 
         return CacheReader(self.cache, allow_partial=self.allow_partial, decode_threads=self.decode_threads or None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a DataLoader worker receives: no reader (it holds file handles, a lock and threads), so the
+        worker opens its own."""
+        return {**self.__dict__, "_reader": None}
 
     def plan(self) -> Iterator[tuple[int, list[tuple[int, np.ndarray]]]]:
         """This rank's micro-batches from the start position on, grouped by epoch: (epoch, [(step, ids)])."""
@@ -246,7 +257,7 @@ class CacheStream(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        reader = self._open()
+        reader = self._reader if self._reader is not None else self._open()  # None in a worker process
         producer = _Producer(reader, self.names, self.shard_ids, self.shard_ranges, self._worker_plan(worker, workers),
                              self.prefetch, reader.decode_threads, self.pin_memory)
         try:
