@@ -87,8 +87,11 @@ def _add_flag(section: Any, f: dataclasses.Field, hint: Any) -> argparse.Action:
     """
     meta = {k: v for k, v in f.metadata.items() if k not in ("aliases", "stage", "required")}  # ours, not argparse's
     inner, needed = _unwrap_optional(hint)[0], required(f)
-    default = None if needed else (f.default_factory() if f.default is dataclasses.MISSING  # type: ignore[misc]
-                                   else f.default)
+    default = f.default
+    if needed:
+        default = None
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
     meta["help"] = _help_text(meta.get("help") or "", meta.get("choices"), default, needed)
     if inner is bool:  # --X alone, or --X true|false (a YAML true is turned off by --no-X)
         meta.update(nargs="?", const=True, metavar=meta.get("metavar", "true|false"))

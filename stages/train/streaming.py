@@ -218,10 +218,9 @@ class CacheStream(IterableDataset):
         self.start, self.epochs = start, epochs
         self.shuffle_block, self.prefetch, self.decode_threads = shuffle_block, prefetch, decode_threads
         self.allow_partial, self.pin_memory = allow_partial, pin_memory
-        opened = not isinstance(cache, (str, os.PathLike))
-        self.cache = str(cache.root if opened else cache)
-        self._reader = cache if opened else self._open()
-        reader = self._reader
+        self.cache = str(cache) if isinstance(cache, (str, os.PathLike)) else str(cache.root)
+        reader: Any = self._open() if isinstance(cache, (str, os.PathLike)) else cache
+        self._reader: Any = reader
         # Only committed shards (all of them for a complete cache; some with --allow-partial).
         self.shard_ids = [int(k) for k in reader.committed_shards]
         self.shard_ranges = [reader.spec.shard_range(k) for k in self.shard_ids]

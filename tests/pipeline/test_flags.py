@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,9 @@ class Both:
     engine: Engine = dataclasses.field(default_factory=Engine)
 
 
-def _private_names(module: object) -> set[str]:
+def _private_names(module: types.ModuleType) -> set[str]:
     """Attribute names starting with one underscore read off anything in ``module``'s source."""
-    tree = ast.parse(Path(str(getattr(module, "__file__"))).read_text())
+    tree = ast.parse(Path(str(module.__file__)).read_text())
     return {node.attr for node in ast.walk(tree)
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")}
 
