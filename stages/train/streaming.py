@@ -240,8 +240,7 @@ class CacheStream(IterableDataset):
         return CacheReader(self.cache, allow_partial=self.allow_partial, decode_threads=self.decode_threads or None)
 
     def __getstate__(self) -> dict[str, Any]:
-        """What a DataLoader worker receives: no reader (it holds file handles, a lock and threads), so the
-        worker opens its own."""
+        """What a spawned DataLoader worker receives: no reader (it holds file handles, a lock and threads)."""
         return {**self.__dict__, "_reader": None}
 
     def plan(self) -> Iterator[tuple[int, list[tuple[int, np.ndarray]]]]:
@@ -256,7 +255,9 @@ class CacheStream(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        reader = self._reader if self._reader is not None else self._open()  # None in a worker process
+        # A DataLoader worker opens its own reader: a forked one inherits this process's reader, whose decode
+        # threads and locks did not come along.
+        reader = self._reader if info is None and self._reader is not None else self._open()
         producer = _Producer(reader, self.names, self.shard_ids, self.shard_ranges, self._worker_plan(worker, workers),
                              self.prefetch, reader.decode_threads, self.pin_memory)
         try:

@@ -106,3 +106,25 @@ def test_one_engine_options_class_each_stage_its_own_fields(tmp_path: Path) -> N
     assert "teacher" not in options.to_dict() and options.to_dict()["lr"] == 0.5
     with pytest.raises(ConfigError, match="unknown key 'teacher'"):
         build(TrainOptions, {"cache": "c", "student": str(tmp_path), "out": str(tmp_path / "r"), "teacher": "t"})
+
+
+def test_a_stream_over_the_commands_reader_reads_it_in_process_and_reopens_in_workers(tiny_gpt2: Path,
+                                                                                     tmp_path: Path,
+                                                                                     counted: list[str]) -> None:
+    import torch
+
+    from kdcache.stages.train.checks import open_cache
+    from kdcache.stages.train.streaming import CacheStream
+    from tests.stages._train_support import write_cache
+
+    cache = write_cache(tiny_gpt2, tmp_path / "cache", num_sequences=12, hidden_layers=(1,))
+    counted.clear()
+    reader = open_cache(cache)
+    kwargs: dict[str, Any] = dict(batch_size=2, seed=4, epochs=1, shuffle_block=4)
+    in_process = [b["sample_ids"].tolist() for b in CacheStream(reader, ["input_ids", "hidden/1"], **kwargs)]
+    assert len(counted) == 1  # the stream read through the reader it was given
+    by_path = [b["sample_ids"].tolist() for b in CacheStream(cache, ["input_ids", "hidden/1"], **kwargs)]
+    loader = torch.utils.data.DataLoader(CacheStream(reader, ["input_ids", "hidden/1"], **kwargs), batch_size=None,
+                                         num_workers=2)
+    in_workers = sorted(b["sample_ids"].tolist() for b in loader)  # each worker opened its own reader
+    assert in_process == by_path and sorted(in_process) == in_workers and len(in_process) == 6
