@@ -23,7 +23,7 @@ ROWS_DIR = "rows"
 _NOT_FOLDERS = {SHARDS_DIR, "locks", MANIFEST_NAME, ROWS_DIR}
 # The folders stage one writes (its teacher head is stages.common.teacher_head.HEAD_FOLDER): with the entries
 # above, all that a killed first run may leave in a new cache folder before its manifest exists.
-STAGE_ONE_FOLDERS = ("tokenizer", "teacher_head")
+STAGE_ONE_FOLDERS = ("tokenizer", "teacher_head", "projection")
 CACHE_ENTRIES = frozenset({*_NOT_FOLDERS, *STAGE_ONE_FOLDERS})
 
 
@@ -32,7 +32,12 @@ def put_folder(store: Store, key: str, source: Path) -> None:
     ``key`` already there (a resumed run, another rank) is kept."""
     if folder_is_complete(store, key):
         return
-    files = {path.name: path.read_bytes() for path in sorted(source.iterdir()) if path.is_file()}
+    put_files(store, key, {path.name: path.read_bytes() for path in sorted(source.iterdir()) if path.is_file()})
+
+
+def put_files(store: Store, key: str, files: dict[str, bytes]) -> None:
+    """Write folder ``key`` from ``files`` (name -> bytes) with its file table, landing last; a complete ``key``
+    already there is kept (``Store.put_folder``)."""
     table = {"files": {name: [len(data), crc32c(data)] for name, data in files.items()}}
     store.put_folder(key, {**files, TABLE: canonical_json(sealed(table))}, TABLE)
 

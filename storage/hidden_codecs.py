@@ -16,6 +16,10 @@ A codec is recorded in the spec as ``{"name": ..., "configuration": {...}}`` (li
   of two dividing d but at most 256, ``signs`` = ``default_rng(seed).integers(0, 2, d) * 2 - 1``); then
   ``x[ids] += outliers``.
 
+  With a ``rank`` R (``--hidden-rank``), a hidden layer's rows are first projected onto R principal directions
+  fitted on the teacher's own states and stored in the cache (``storage.projection``): the codec stores the
+  coefficients ``(x - mean) @ basis.T`` ``[T, R]`` as above, and decoding ends with ``coef @ basis + mean``.
+
 Why a rotation: real activations have a few channels 100-1000x larger than the rest, and one scale per row set
 by those flattens every other channel to zero; a seeded random rotation spreads them over a block first. The
 largest few are also kept aside, because even spread they dominate the row's scale.
@@ -103,10 +107,16 @@ def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
         if config:
             raise SpecError(f"hidden codec {name!r} takes no configuration, got {config}")
         return {"name": name, "configuration": {}}
-    unknown = sorted(set(config) - set(DEFAULTS))
+    unknown = sorted(set(config) - set(DEFAULTS) - {"rank"})
     if unknown:
-        raise SpecError(f"hidden codec {name!r}: unknown configuration {unknown}; expected keys {sorted(DEFAULTS)}")
+        raise SpecError(f"hidden codec {name!r}: unknown configuration {unknown}; expected keys "
+                        f"{sorted([*DEFAULTS, 'rank'])}")
     config = {**DEFAULTS, **config}
+    if config.get("rank", 0) is None:  # no projection: the record of a codec without one (same fingerprint)
+        del config["rank"]
+    if "rank" in config and not (_is_int(config["rank"]) and config["rank"] >= 1):
+        raise SpecError(f"hidden codec {name!r}: rank must be an integer >= 1 (the projection's R), got "
+                        f"{config['rank']!r}")
     rotation, outliers, group = config["rotation"], config["outliers"], config["group"]
     if rotation is not None and not (_is_int(rotation) and rotation >= 0):
         raise SpecError(f"hidden codec rotation must be a seed >= 0 or null, got {rotation!r}")
@@ -162,6 +172,17 @@ def parts(record: dict[str, Any]) -> tuple[str, ...]:
     if codec_of(record).float_dtype:
         return ()
     return ("scale", "outliers", "outlier_ids") if record["configuration"]["outliers"] else ("scale",)
+
+
+def rank_of(record: dict[str, Any]) -> int | None:
+    """The projection's rank R of a resolved record (``configuration.rank``), None without a projection."""
+    return record["configuration"].get("rank")
+
+
+def projected(record: dict[str, Any], name: str) -> bool:
+    """Whether coded array ``name`` stores projection coefficients ``[T, R]``: hidden states of a codec with a
+    rank (queries/keys/values are coded as they are)."""
+    return rank_of(record) is not None and kind_of(name) == "hidden"
 
 
 def applies_to(name: str) -> bool:
@@ -242,14 +263,38 @@ def dequantize(record: dict[str, Any], codes: np.ndarray) -> np.ndarray:
     return codes.astype(np.float32)
 
 
-def decode(record: dict[str, Any], arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
+def decode(record: dict[str, Any], arrays: dict[str, np.ndarray], name: str,
+           projection: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
     """The numpy reference decode of coded array ``name`` -> ``[T, d]`` float32.
 
     Args:
         record: the resolved codec record (``spec.hidden_codec``).
         arrays: the stored arrays by name: ``name`` (codes) and its companions (``part_name``).
         name: e.g. ``hidden/3``.
+        projection: a rank codec's ``{name: (basis [R, d], mean [d])}`` (``storage.projection``): the decoded
+            coefficients ``[T, R]`` become ``coef @ basis + mean``.
+
+    Raises:
+        SpecError: ``name`` is projected and ``projection`` has no basis for it.
     """
+    y = _decode_codes(record, arrays, name)
+    if not projected(record, name):
+        return y
+    basis, mean = _basis(record, name, projection)
+    return y @ basis.astype(np.float32) + mean.astype(np.float32)
+
+
+def _basis(record: dict[str, Any], name: str, projection: dict[str, tuple[np.ndarray, np.ndarray]] | None
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """(basis ``[R, d]``, mean ``[d]``) of projected array ``name``, or a SpecError naming what is missing."""
+    if projection is None or name not in projection:
+        raise SpecError(f"{name}: stored as rank-{rank_of(record)} projection coefficients, but no basis for it "
+                        f"was given (a cache holds them in its projection/ folder)")
+    return projection[name]
+
+
+def _decode_codes(record: dict[str, Any], arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """Codes and companions of ``name`` -> the coded rows ``[T, w]`` float32 (coefficients when projected)."""
     config = record["configuration"]
     y = dequantize(record, arrays[name])
     scale = arrays[part_name(name, "scale")].astype(np.float32)
@@ -297,13 +342,31 @@ def _scale_up(scale: np.ndarray) -> np.ndarray:
     return np.where(low, np.nextafter(half, np.float16(np.inf)), half).astype(np.float16)
 
 
-def encode(record: dict[str, Any], name: str, x: np.ndarray) -> dict[str, np.ndarray]:
-    """The numpy reference encode of ``x [T, d]`` float32 -> the stored arrays of ``name`` and its error rows.
+def encode(record: dict[str, Any], name: str, x: np.ndarray,
+           projection: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+    """The numpy reference encode of ``x [T, d]`` float32 -> the stored arrays of ``name`` and its error rows
+    (measured against ``x`` itself, so a projection's loss shows in them).
+
+    Args:
+        projection: a rank codec's ``{name: (basis [R, d], mean [d])}``: ``(x - mean) @ basis.T`` ``[T, R]`` is
+            what is coded.
 
     Raises:
-        SpecError: d does not suit the codec (int4 needs d divisible by its group).
+        SpecError: d does not suit the codec (int4 needs d divisible by its group); no basis for a projected name.
     """
-    config, x = record["configuration"], np.ascontiguousarray(x, dtype=np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    coded = x
+    if projected(record, name):
+        basis, mean = _basis(record, name, projection)
+        coded = np.ascontiguousarray((x - mean) @ basis.T, dtype=np.float32)
+    out = _encode_rows(record, name, coded)
+    out[part_name(name, "error")] = row_errors(x, decode(record, out, name, projection))
+    return out
+
+
+def _encode_rows(record: dict[str, Any], name: str, x: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows ``[T, w]`` float32 -> codes and companions of ``name`` (outliers kept aside, rotated, quantised)."""
+    config = record["configuration"]
     check_width(record, name, x.shape[1])
     out: dict[str, np.ndarray] = {}
     residual = x.copy()
@@ -317,15 +380,16 @@ def encode(record: dict[str, Any], name: str, x: np.ndarray) -> dict[str, np.nda
     if config["rotation"] is not None:
         residual = hadamard(residual * _rotation_signs(config["rotation"], x.shape[1]))
     out[name], out[part_name(name, "scale")] = _quantize(record, residual)
-    out[part_name(name, "error")] = row_errors(x, decode(record, out, name))
     return out
 
 
 def check_width(record: dict[str, Any], name: str, d: int) -> None:
-    """Refuse a width the codec cannot store (int4 groups must divide d; outlier ids fit uint16)."""
+    """Refuse a width the codec cannot store (int4 groups must divide d; outlier ids fit uint16); d is the rank
+    R for projection coefficients."""
     group = min(record["configuration"]["group"], d)
     if (codec_of(record).grouped and d % group) or d > 32767:
-        raise SpecError(f"{name}: hidden size {d} does not suit codec {record['name']!r}: expected d <= 32767"
+        what = f"projection rank {d}" if projected(record, name) else f"hidden size {d}"
+        raise SpecError(f"{name}: {what} does not suit codec {record['name']!r}: expected d <= 32767"
                         + (f" and divisible by its group {group}" if codec_of(record).grouped else ""))
 
 

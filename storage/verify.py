@@ -21,8 +21,9 @@ import numpy as np
 from kdcache.storage import crosscheck
 from kdcache.storage.backends.registry import get_backend
 from kdcache.storage.errors import KdcacheError
-from kdcache.storage.hidden_codecs import decode
+from kdcache.storage.hidden_codecs import decode, projected, rank_of
 from kdcache.storage.manifest import Manifest, ShardRecord, load_manifest, sidecar_names
+from kdcache.storage.projection import read_projection
 from kdcache.storage.stores import Store, open_store
 
 
@@ -106,9 +107,11 @@ def _decode_problems(store: Store, record: Any, manifest: Manifest) -> list[tupl
     if not coded:
         return []
     handle = get_backend(spec.backend).open(store, record, spec)
+    rank = rank_of(spec.hidden_codec)  # a rank codec decodes through the cache's stored bases
+    bases = read_projection(store, [n for n in coded if projected(spec.hidden_codec, n)], rank) if rank else None
     for name in coded:
         arrays = {part: handle.read(part) for part in spec.with_parts(name)}
-        got = float((decode(spec.hidden_codec, arrays, name).astype(np.float64) ** 2).sum())
+        got = float((decode(spec.hidden_codec, arrays, name, bases).astype(np.float64) ** 2).sum())
         want = record.lossy[name]["decoded_sq"]
         if abs(got - want) > DECODED_RTOL * max(abs(want), 1e-30):
             problems.append((name, f"decodes to a sum of squares of {got:.6g}, recorded {want:.6g} when its error "

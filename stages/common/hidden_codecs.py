@@ -10,6 +10,7 @@ come from the same numpy generator, so both sides rotate alike.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,10 +25,46 @@ from kdcache.storage.hidden_codecs import (
     hadamard_matrix,
     is_part,
     part_name,
+    projected,
+    rank_of,
     rotation_signs,
 )
 
 Record = dict[str, Any]  # a resolved {"name", "configuration"} codec record (spec.hidden_codec)
+
+
+@dataclass
+class Projection:
+    """A rank codec's bases as torch tensors (``storage.projection``), copied to each device once.
+
+    Attributes:
+        bases: array name -> (basis ``[R, d]``, mean ``[d]``) float32, on the host.
+        fitting: stage one's fit mode: no bases yet, and projected layers come out of ``encode``'s caller as
+            float32 states for the fit to read (``capture.hidden_targets``), never for storage.
+    """
+
+    bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    fitting: bool = False
+    _on: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_arrays(cls, bases: dict[str, tuple[Any, Any]]) -> Projection:
+        """From ``storage.projection.read_projection``'s numpy pairs."""
+        return cls({name: (torch.from_numpy(b.copy()), torch.from_numpy(m.copy())) for name, (b, m) in bases.items()})
+
+    def on(self, name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(basis ``[R, d]``, mean ``[d]``) of ``name`` on ``device``."""
+        key = (name, str(device))
+        if key not in self._on:
+            if name not in self.bases:
+                raise KeyError(f"{name}: no projection basis for it (the cache's projection/ holds "
+                               f"{sorted(self.bases)})")
+            self._on[key] = tuple(t.to(device) for t in self.bases[name])  # type: ignore[assignment]
+        return self._on[key]
+
+    def width(self, name: str) -> int:
+        """The hidden size d that ``name``'s basis maps back to."""
+        return int(self.on(name, torch.device("cpu"))[0].shape[1])
 
 
 def quantised(record: Record) -> bool:
@@ -97,16 +134,37 @@ def decode_rows(record: Record, codes: torch.Tensor, scale: torch.Tensor, outlie
     return y
 
 
-def encode(record: Record, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+def encode(record: Record, name: str, x: torch.Tensor, projection: Projection | None = None
+           ) -> dict[str, torch.Tensor]:
     """Encode ``x [..., d]`` on its device -> ``name``'s codes and companions ``[..., w]`` and per-row errors
     ``[..., 5]`` (``storage.hidden_codecs.row_errors``'s columns), all still on the device.
+
+    With a rank codec, ``name``'s rows are projected first, ``(x - mean) @ basis.T`` ``[..., R]``, and the errors
+    are measured against the unprojected rows, so the projection's loss shows in them.
+    """
+    lead, d = x.shape[:-1], x.shape[-1]
+    rows = x.detach().reshape(-1, d).float()
+    coded = rows
+    if projected(record, name):
+        if projection is None:
+            raise ValueError(f"{name}: a rank-{rank_of(record)} codec needs its projection basis to encode")
+        basis, mean = projection.on(name, rows.device)
+        coded = (rows - mean) @ basis.T
+    out, decoded = _encode_rows(record, name, coded)
+    if projected(record, name):
+        decoded = decoded @ basis + mean
+    out[part_name(name, "error")] = row_errors(rows, decoded)
+    return {key: value.reshape(*lead, value.shape[-1]) for key, value in out.items()}
+
+
+def _encode_rows(record: Record, name: str, rows: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Rows ``[N, w]`` float32 -> (codes and companions of ``name``, their decode ``[N, w]``).
 
     The outliers are kept aside in fp16 and subtracted before the rotation, so the fp16 rounding of each stays in
     the quantised residual.
     """
-    lead, d = x.shape[:-1], x.shape[-1]
+    d = rows.shape[1]
     check_width(record, name, d)
-    rows = x.detach().reshape(-1, d).float()
     residual, out = rows, {}
     m = min(record["configuration"]["outliers"], d)
     outliers = ids = None
@@ -120,8 +178,7 @@ def encode(record: Record, name: str, x: torch.Tensor) -> dict[str, torch.Tensor
         residual = hadamard(residual * _signs(record, d, rows.device))
     codes, scale = _quantize(record, residual)
     out[name], out[part_name(name, "scale")] = codes, scale
-    out[part_name(name, "error")] = row_errors(rows, decode_rows(record, codes, scale, outliers, ids))
-    return {key: value.reshape(*lead, value.shape[-1]) for key, value in out.items()}
+    return out, decode_rows(record, codes, scale, outliers, ids)
 
 
 def row_errors(x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
@@ -133,15 +190,21 @@ def row_errors(x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
     return torch.stack([err.square().sum(1), ref_sq, cosine, err.abs().amax(1), decoded_sq], dim=1)
 
 
-def decode_batch(record: Record, batch: dict[str, Any]) -> dict[str, Any]:
+def decode_batch(record: Record, batch: dict[str, Any], projection: Projection | None = None) -> dict[str, Any]:
     """Replace each coded ``[B, L, d']`` target of a batch on its device by its float32 ``[B, L, d]`` decode, and
-    drop the companions. A float codec's batch is returned as it is."""
+    drop the companions; a rank codec's coefficients ``[B, L, R]`` are mapped back through ``projection``
+    (``coef @ basis + mean``). A float codec's batch is returned as it is."""
     if not quantised(record):
         return batch
     out = {k: v for k, v in batch.items() if not is_part(k)}
     for name in [k for k in batch if applies_to(k)]:
         rows = [_rows(batch, part_name(name, part)) for part in ("scale", "outliers", "outlier_ids")]
         decoded = decode_rows(record, _rows(batch, name), *rows)
+        if projected(record, name):
+            if projection is None:
+                raise ValueError(f"{name}: a rank-{rank_of(record)} cache decodes through its projection bases")
+            basis, mean = projection.on(name, decoded.device)
+            decoded = decoded @ basis + mean
         out[name] = decoded.reshape(*batch[name].shape[:-1], decoded.shape[-1])
     return out
 
@@ -151,15 +214,29 @@ def _rows(batch: dict[str, Any], name: str) -> Any:
     return batch[name].reshape(-1, batch[name].shape[-1]) if name in batch else None
 
 
+def load_projection(reader: Any) -> Projection | None:
+    """The bases of a rank cache (``storage.projection``) from a ``CacheReader``; None without a projection."""
+    from kdcache.storage.projection import read_projection
+
+    record, rank = reader.spec.hidden_codec, rank_of(reader.spec.hidden_codec)
+    if rank is None:
+        return None
+    names = [n for n in reader.spec.sequence_names() if projected(record, n)]
+    return Projection.from_arrays(read_projection(reader.store, names, rank))
+
+
 def stored_width(record: Record, d: int) -> int:
     """Columns of a coded array for hidden size d (int4 packs two channels per byte)."""
     return d // codec_of(record).per_code
 
 
-def hidden_width(record: Record, stored: int) -> int:
-    """Hidden size d of a coded array with ``stored`` columns (the inverse of ``stored_width``)."""
+def hidden_width(record: Record, stored: int, projected_width: int | None = None) -> int:
+    """Hidden size d of a coded array with ``stored`` columns (the inverse of ``stored_width``); a projected
+    array's is its basis's width, ``projected_width``."""
+    if rank_of(record) is not None and projected_width is not None:
+        return projected_width
     return stored * codec_of(record).per_code
 
 
-__all__ = ["FP8_MAX", "decode_batch", "decode_rows", "encode", "hidden_width", "quantised", "row_errors",
-           "stored_width"]
+__all__ = ["FP8_MAX", "Projection", "decode_batch", "decode_rows", "encode", "hidden_width", "load_projection",
+           "quantised", "row_errors", "stored_width"]

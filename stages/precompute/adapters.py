@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
+from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.option_groups import flatten
 from kdcache.stages.precompute.capture import (
     check_ranges,
@@ -67,8 +68,10 @@ class TeacherAdapter(ABC):
         """The weights, for inference (eager attention only when maps are captured)."""
 
     @abstractmethod
-    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Any:
-        """A context manager giving the ``Capture`` function of this teacher."""
+    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions,
+                projection: Projection | None = None) -> Any:
+        """A context manager giving the ``Capture`` function of this teacher (a rank codec's layers coded through
+        ``projection``, or handed out as float32 while it is fitted)."""
 
 
 class HookedTeacher(TeacherAdapter):
@@ -96,12 +99,13 @@ class HookedTeacher(TeacherAdapter):
         return load_teacher(options, config, targets, tokenizer, device)
 
     @contextmanager
-    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Iterator[Capture]:
+    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions,
+                projection: Projection | None = None) -> Iterator[Capture]:
         from kdcache.stages.precompute.capture import FeatureCapture
 
         engine = options.engine
         with FeatureCapture(teacher, targets, options.storage.dtype, engine.logits_chunk, engine.seed,
-                            options.storage.hidden_codec_record) as hooks:
+                            options.storage.hidden_codec_record, projection) as hooks:
             yield lambda batch, lengths, positions: hooks.run(*batch[""], lengths[""], positions.get("")).split()
 
 
@@ -128,8 +132,10 @@ class EncoderDecoderTeacher(TeacherAdapter):
         return Teacher(model, tokenizer, model.config, device, fingerprint, impl)
 
     @contextmanager
-    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions) -> Iterator[Capture]:
-        capture = OutputCapture(teacher.model, targets, options.storage.dtype, options.storage.hidden_codec_record)
+    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions,
+                projection: Projection | None = None) -> Iterator[Capture]:
+        capture = OutputCapture(teacher.model, targets, options.storage.dtype, options.storage.hidden_codec_record,
+                                projection)
 
         def run(batch: dict[str, tuple[Any, Any]], lengths: dict[str, list[int]],
                 positions: dict[str, Any]) -> list[dict[str, np.ndarray]]:
@@ -161,13 +167,14 @@ class OutputCapture:
         hidden_codec: the resolved hidden codec (``storage.hidden_codecs``); None: ``dtype_name``.
     """
 
-    def __init__(self, model: Any, targets: Targets, dtype_name: str, hidden_codec: dict[str, Any] | None = None
-                 ) -> None:
+    def __init__(self, model: Any, targets: Targets, dtype_name: str, hidden_codec: dict[str, Any] | None = None,
+                 projection: Projection | None = None) -> None:
         if not hasattr(model, "prepare_decoder_input_ids_from_labels"):
             raise PrecomputeError(f"{type(model).__name__} cannot build decoder inputs from labels "
                                   f"(no prepare_decoder_input_ids_from_labels); it is not an encoder-decoder LM")
         self.model, self.targets, self.dtype_name = model, targets, dtype_name
         self.hidden_codec = hidden_codec or {"name": dtype_name, "configuration": {}}
+        self.projection = projection  # a rank codec's bases (or its fit mode)
 
     def run(self, batch: dict[str, torch.Tensor], enc_lengths: list[int], dec_lengths: list[int]) -> list[dict]:
         """Forward one right-padded batch and cut each sequence's targets out of it.
@@ -228,7 +235,7 @@ class OutputCapture:
         if name in self._exact:
             return {name: value}
         if applies_to(name):
-            return hidden_targets(self.hidden_codec, name, value)
+            return hidden_targets(self.hidden_codec, name, value, self.projection)
         return {name: to_storage_dtype(value, self.dtype_name)}
 
 

@@ -39,7 +39,7 @@ from kdcache.stages.precompute.logit_head import ChunkedHead, as_logprobs, logit
 from kdcache.stages.precompute.qk_capture import QKCapture
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
-from kdcache.storage.hidden_codecs import applies_to
+from kdcache.storage.hidden_codecs import applies_to, projected
 from kdcache.storage.streams import ragged_streams
 
 
@@ -85,12 +85,16 @@ def to_storage_dtype(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
     return x.to(torch.bfloat16).view(torch.int16)
 
 
-def hidden_targets(record: dict[str, Any], name: str, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+def hidden_targets(record: dict[str, Any], name: str, hidden: torch.Tensor,
+                   projection: hidden_codecs.Projection | None = None) -> dict[str, torch.Tensor]:
     """A hidden state (or cached queries/keys/values) ``[B, L, d]`` as the arrays its codec stores, made on its
     device: the float type of a float codec, or codes, scales, outliers and per-row errors
-    (``stages.common.hidden_codecs.encode``)."""
+    (``stages.common.hidden_codecs.encode``; a rank codec's layers through ``projection``). While the projection
+    is being fitted, its layers come out as float32 ``[B, L, d]`` for the fit (never stored)."""
+    if projection is not None and projection.fitting and projected(record, name):
+        return {name: hidden.float()}
     if hidden_codecs.quantised(record):
-        return hidden_codecs.encode(record, name, hidden)
+        return hidden_codecs.encode(record, name, hidden, projection)
     return {name: to_storage_dtype(hidden, record["name"])}
 
 
@@ -169,9 +173,11 @@ class FeatureCapture:
     """
 
     def __init__(self, teacher: Teacher, targets: Targets, dtype_name: str, chunk_tokens: int = 0,
-                 seed: int = 0, hidden_codec: dict[str, Any] | None = None) -> None:
+                 seed: int = 0, hidden_codec: dict[str, Any] | None = None,
+                 projection: hidden_codecs.Projection | None = None) -> None:
         self.seed = seed
         self.hidden_codec = hidden_codec or {"name": dtype_name, "configuration": {}}
+        self.projection = projection  # a rank codec's bases (or its fit mode)
         self.teacher, self.targets, self.dtype_name = teacher, targets, dtype_name
         self.model = teacher.model
         self._handles: list[Any] = []
@@ -249,7 +255,7 @@ class FeatureCapture:
         if self._paused:
             return
         self._keep_range(f"hidden/{j}", hidden)
-        self._out.update(hidden_targets(self.hidden_codec, f"hidden/{j}", hidden))
+        self._out.update(hidden_targets(self.hidden_codec, f"hidden/{j}", hidden, self.projection))
 
     def _keep_attention(self, j: int, probs: torch.Tensor) -> None:
         """``[B, H, L, L]`` probabilities -> ``[B, H', L, L]`` kept heads in the storage dtype.

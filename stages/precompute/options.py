@@ -88,6 +88,9 @@ class StorageOptions:
     bitround: int | None = _opt(None, "lossy: mantissa bits kept in activations (fp16 1..9, bf16 1..6)")
     hidden_codec: str | None = _opt(None, "hidden-state codec: fp16, bf16, fp8, int8, int7 or int4 (quantised on the "
                                           "teacher's device), or a JSON {name, configuration}; default: --dtype")
+    hidden_rank: int | None = _opt(None, "project hidden states onto R principal directions per layer, fitted on the "
+                                         "teacher's first tokens and stored in the cache, before --hidden-codec "
+                                         "(a quantised one) codes them; 1 <= R < hidden size")
     sequences_per_shard: int = _opt(256, "sequences per cache shard (the unit of commit, resume and partition)")
     num_shards: int = _opt(1, "job-array size: this many independent jobs share the cache")
     shard_index: int = _opt(0, "this job's index in the job array, 0..num_shards-1")
@@ -105,8 +108,17 @@ class StorageOptions:
         from kdcache.storage.hidden_codecs import resolve_hidden_codec
 
         value = self.hidden_codec
-        return resolve_hidden_codec(json.loads(value) if value and value.strip().startswith("{") else value,
-                                    self.dtype)
+        record = resolve_hidden_codec(json.loads(value) if value and value.strip().startswith("{") else value,
+                                      self.dtype)
+        if self.hidden_rank is None:
+            return record
+        if record["name"] in ("fp16", "bf16"):
+            from kdcache.storage.errors import SpecError
+
+            raise SpecError(f"--hidden-rank {self.hidden_rank} codes the projection's coefficients with a quantised "
+                            f"--hidden-codec (fp8, int8, int7 or int4), not {record['name']!r}")
+        config = {**record["configuration"], "rank": self.hidden_rank}
+        return resolve_hidden_codec({"name": record["name"], "configuration": config}, self.dtype)
 
     def validate(self) -> list[str]:
         """Every problem of this group."""

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.adapters import Capture, adapter_for
 from kdcache.stages.precompute.batching import Partition, collate, plan_batches
@@ -29,6 +30,7 @@ from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.estimate import check_room, estimate, lower_bound_bytes
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
+from kdcache.stages.precompute.projection_fit import check_rank, fit_bases, fit_bounds, stored_projection
 from kdcache.stages.precompute.qk_capture import with_score_rules
 from kdcache.stages.precompute.targets import Targets, build_spec, resolve_targets, settings_fingerprint
 from kdcache.stages.precompute.teacher import (
@@ -41,6 +43,7 @@ from kdcache.stages.precompute.teacher import (
     teacher_files_fingerprint,
 )
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.hidden_codecs import projected, rank_of
 from kdcache.storage.stores import Store
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
@@ -98,6 +101,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     adapter = adapter_for(config)
     adapter.check_options(options, config)
     targets = resolve_targets(options, config)
+    check_rank(options.storage.hidden_codec_record, config)
     tokenizer = load_tokenizer(options)
     store = check_out_folder(st.out)  # before the rows are written there; the one store of the output below
     data = adapter.load_data(options, tokenizer)
@@ -115,10 +119,19 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     check_token_ids(teacher, data)
     spec = build_spec(options, targets, data)
     if options.engine.estimate:
-        return run_estimate(options, adapter.capture(teacher, targets, options), teacher, targets, data, spec)
+        projection = _projection(options, adapter, teacher, targets, data, spec, into=None)
+        return run_estimate(options, adapter.capture(teacher, targets, options, projection), teacher, targets, data,
+                            spec)
     part = Partition.of(st.shard_index, st.num_shards, dist.rank, dist.world)
     writer = open_writer(store, spec, build_fingerprints(options, teacher, targets, data), part)
-    with writer, adapter.capture(teacher, targets, options) as capture:
+    # Before any shard; under torchrun the main rank fits and stores a rank codec's basis while the others wait.
+    waits = rank_of(spec.hidden_codec) is not None
+    if waits and not dist.is_main:
+        dist.barrier()
+    projection = _projection(options, adapter, teacher, targets, data, spec, into=store)
+    if waits and dist.is_main:
+        dist.barrier()
+    with writer, adapter.capture(teacher, targets, options, projection) as capture:
         save_tokenizer(tokenizer, store)
         if targets.logits == "head" and dist.is_main:
             export_head(teacher.model, store, targets.streams[""].depth)
@@ -137,6 +150,30 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
              "attn_implementation": teacher.attn_implementation,
              "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}, "rows": rows}
     return summarize(stats, manifest, len(mine) - len(todo), st.out, extra)
+
+
+def _projection(options: PrecomputeOptions, adapter: Any, teacher: Teacher, targets: Targets, data: TokenStreams,
+                spec: Any, *, into: Store | None) -> Projection | None:
+    """A rank codec's bases (``projection_fit``): the cache's stored ones, else fitted on the leading sequences
+    (and stored first in the output store ``into``, unless None); None without a rank."""
+    record = spec.hidden_codec
+    rank = rank_of(record)
+    if rank is None:
+        return None
+    names = [n for n in spec.sequence_names() if projected(record, n)]
+    first = next(iter(data.ids.values()))
+    bounds = fit_bounds([len(s) for s in first], 4 * options.engine.batch_size)
+
+    def fit() -> dict[str, Any]:
+        stats = RunStats()
+        with adapter.capture(teacher, targets, options, Projection(fitting=True)) as capture:
+            shards = (compute_shard(capture, teacher, data, b, options, stats, Progress(0, False, stats))
+                      for b in bounds)
+            return fit_bases(shards, names, rank, teacher.device)
+
+    if into is None:
+        return Projection.from_arrays(fit())
+    return stored_projection(into, record, names, fit)
 
 
 def check_positions(config: Any, data: TokenStreams) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kdcache.stages.common.hidden_codecs import load_projection
 from kdcache.stages.train.agreement import (
     CkaMatrix,
     LmStats,
@@ -129,8 +130,9 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     state = _EvalState(reader, facts, teacher_layer, device)
     state.attend(pairs.pop("attention"), model)
     sequences = tokens = 0
+    projection = load_projection(reader)  # a rank codec's bases
     for batch in cache_batches(reader, state.names, batch_size, limit=limit):
-        batch = to_device(batch, device, reader.spec.hidden_codec)
+        batch = to_device(batch, device, reader.spec.hidden_codec, projection)
         if not sequences:
             check_documents_apart(model, batch)
         out = state.attention.forward(model, student_inputs(model, batch), output_hidden_states=True)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kdcache.stages.common.hidden_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.checks import open_cache
 from kdcache.stages.train.distill import DistillModel, build_criterion
@@ -130,6 +131,7 @@ class _Trainer:
         self.losses: list[float] = []
         self.reader = reader  # streamed from in this process (a DataLoader worker opens its own)
         self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
+        self.projection = load_projection(reader)  # a rank codec's bases, for that decode
 
     # ---- set-up ------------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -206,7 +208,7 @@ class _Trainer:
         epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
         if self.progress.enabled:  # tokens/s for the display only: nothing to count on other ranks or --quiet
             self.progress.tokens(int(sum(int(v.sum()) for k, v in batch.items() if split_stream(k)[1] == "mask")))
-        out = self.engine(to_device(batch, self.dist.device, self.hidden_codec))
+        out = self.engine(to_device(batch, self.dist.device, self.hidden_codec, self.projection))
         self.engine.backward(out["loss"])
         self.engine.step()
         for name, value in out.items():

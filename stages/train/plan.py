@@ -265,7 +265,7 @@ def _attention_kinds(spec: Any, attention_loss: str) -> tuple[str, ...]:
 
 def _target_shapes(reader: Any, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
     """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
-    from kdcache.stages.common.hidden_codecs import hidden_width
+    from kdcache.stages.common.hidden_codecs import hidden_width, load_projection
     from kdcache.storage.streams import kind_of
 
     hidden = [n for n in names if kind_of(n) == "hidden"]
@@ -274,10 +274,11 @@ def _target_shapes(reader: Any, names: list[str]) -> tuple[dict[str, dict[int, i
         return {}, None
     first = reader.get(reader.shard_ranges[0][0], names=hidden + attention)
     sizes: dict[str, dict[int, int]] = {}
+    projection = load_projection(reader)  # a rank cache's layers are as wide as their bases
     for name in hidden:
         stream, rest = split_stream(name)
-        sizes.setdefault(stream, {})[int(rest.split("/")[1])] = hidden_width(reader.spec.hidden_codec,
-                                                                             int(first[name].shape[-1]))
+        sizes.setdefault(stream, {})[int(rest.split("/")[1])] = hidden_width(
+            reader.spec.hidden_codec, int(first[name].shape[-1]), projection.width(name) if projection else None)
     heads = int(first[attention[0]].shape[0]) if attention else None
     return sizes, heads
 

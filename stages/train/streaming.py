@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kdcache.stages.common.hidden_codecs import decode_batch
+from kdcache.stages.common.hidden_codecs import Projection, decode_batch
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.hidden_codecs import part_of
 from kdcache.storage.spec import VOCAB_IDS
@@ -176,11 +176,13 @@ def _batch_dtype(name: str, stored: np.dtype) -> np.dtype:
     return stored
 
 
-def to_device(batch: Batch, device: torch.device | str, hidden_codec: dict[str, Any] | None = None) -> Batch:
+def to_device(batch: Batch, device: torch.device | str, hidden_codec: dict[str, Any] | None = None,
+              projection: Projection | None = None) -> Batch:
     """Copy a batch to ``device`` and only there turn targets into float32.
 
     int16 tensors are bf16 bits (see ``collate``); other floating tensors are fp16 or fp32. With the cache's
-    ``hidden_codec`` (``spec.hidden_codec``), coded hidden states ``[B, L, d']`` become float32 ``[B, L, d]`` there.
+    ``hidden_codec`` (``spec.hidden_codec``), coded hidden states ``[B, L, d']`` become float32 ``[B, L, d]`` there
+    (through ``projection``'s bases for a rank codec, ``hidden_codecs.load_projection``).
     """
     out: Batch = {}
     for name, value in batch.items():
@@ -193,7 +195,7 @@ def to_device(batch: Batch, device: torch.device | str, hidden_codec: dict[str, 
         elif moved.is_floating_point():
             moved = moved.float()
         out[name] = moved
-    return out if hidden_codec is None else decode_batch(hidden_codec, out)
+    return out if hidden_codec is None else decode_batch(hidden_codec, out, projection)
 
 
 READAHEAD_REMOTE = 2

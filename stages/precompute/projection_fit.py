@@ -1,0 +1,105 @@
+"""Fitting a rank codec's projection (``--hidden-rank R``) on the teacher's own states, once per cache.
+
+The basis of every cached hidden layer is the top-R principal directions of the teacher's states over the
+leading sequences of the data, up to ``FIT_TOKENS`` tokens: deterministic in the data order, so every rank, every
+job-array part and a resumed run would fit the same one. They need not: the first process to find the cache
+without a complete ``projection/`` folder fits it and stores it before any shard (the create-once protocol of the
+tokenizer and teacher-head folders, ``storage.folders``), and every process then codes with the stored bytes,
+read back. Under torchrun the main rank fits while the others wait at a barrier (the runner); job-array parts
+started together on an object store could still both fit, which is safe when they run on the same kind of device
+(the fit is deterministic there).
+
+The moments are accumulated on the teacher's device in float64 (sum ``[d]`` and Gram matrix ``[d, d]`` per
+layer, one batch of rows at a time) and the covariance is diagonalised there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kdcache.stages.common.hidden_codecs import Projection
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.storage.hidden_codecs import rank_of
+from kdcache.storage.projection import has_projection, read_projection, write_projection
+from kdcache.storage.stores import Store, open_store
+
+FIT_TOKENS = 16384  # leading tokens the basis is fitted on: several times any d it is used at, one pass
+Bases = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def check_rank(record: dict[str, Any], config: Any) -> None:
+    """Refuse a rank outside 1..d-1 for the teacher's hidden size d (``hidden_size``, or ``d_model``).
+
+    Raises:
+        PrecomputeError: names R and d.
+    """
+    rank = rank_of(record)
+    d = getattr(config, "hidden_size", None) or getattr(config, "d_model", None)
+    if rank is not None and isinstance(d, int) and not 1 <= rank < d:
+        raise PrecomputeError(f"hidden_rank: R = {rank} must be in 1..{d - 1}: the teacher's hidden size is d = {d} "
+                              f"(a projection to R >= d directions stores no fewer values than the states)")
+
+
+def fit_bounds(lengths: list[int], chunk: int, tokens: int = FIT_TOKENS) -> list[tuple[int, int]]:
+    """Sequence ranges ``[start, stop)`` of ``chunk`` sequences covering the leading sequences up to ``tokens``
+    tokens (the first sequence to reach it included), in data order."""
+    stop = int(np.searchsorted(np.cumsum(lengths), tokens)) + 1
+    stop = min(stop, len(lengths))
+    return [(start, min(start + chunk, stop)) for start in range(0, stop, chunk)]
+
+
+def fit_bases(batches: Iterable[list[dict[str, np.ndarray]]], names: list[str], rank: int,
+              device: torch.device) -> Bases:
+    """Top-``rank`` principal directions of each array in ``names`` over the sequences of ``batches``.
+
+    Args:
+        batches: lists of per-sequence dicts holding each name's float32 rows ``[L_i, d]``.
+        names: the projected arrays (``hidden/3``, ...).
+        rank: R.
+        device: where the moments are summed and the covariance diagonalised (the teacher's).
+
+    Returns:
+        ``{name: (basis [R, d], mean [d])}`` float32 numpy, the basis rows orthonormal, by decreasing variance.
+
+    Raises:
+        PrecomputeError: fewer tokens than R + 1 to fit on.
+    """
+    moments: dict[str, tuple[int, Any, Any]] = {}
+    for items in batches:
+        for name in names:
+            rows = torch.from_numpy(np.concatenate([item[name] for item in items])).to(device, torch.float64)
+            count, total, gram = moments.get(name, (0, 0.0, 0.0))
+            moments[name] = (count + len(rows), total + rows.sum(0), gram + rows.T @ rows)
+    return {name: _principal(name, *moments[name], rank=rank) for name in names}
+
+
+def _principal(name: str, count: int, total: torch.Tensor, gram: torch.Tensor, *, rank: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(basis ``[R, d]``, mean ``[d]``) from the token count, the sum ``[d]`` and the Gram matrix ``[d, d]``."""
+    if count <= rank:
+        raise PrecomputeError(f"hidden_rank: {name} has only {count} tokens to fit R = {rank} directions on; "
+                              f"cache more data or lower --hidden-rank")
+    mean = total / count
+    values, vectors = torch.linalg.eigh(gram / count - torch.outer(mean, mean))  # ascending eigenvalues
+    basis = vectors[:, -rank:].flip(1).T  # [R, d], largest variance first
+    # An eigenvector's sign is arbitrary; fix it (largest entry positive) so equal data gives equal bases.
+    signs = torch.sign(basis.gather(1, basis.abs().argmax(1, keepdim=True)))
+    return (basis * signs).float().cpu().numpy(), mean.float().cpu().numpy()
+
+
+def stored_projection(out: str | Store, record: dict[str, Any], names: list[str],
+                      fit: Callable[[], Bases]) -> Projection:
+    """The cache's projection: read from ``out``'s ``projection/`` folder (the run's output store), or fitted
+    (``fit``) and stored there
+    first when it is absent; always the stored bytes (another process may have stored its own first)."""
+    rank = rank_of(record)
+    if rank is None:
+        raise ValueError(f"hidden codec {record['name']!r} has no rank: it has no projection")
+    store = open_store(out)
+    if not has_projection(store):
+        write_projection(store, fit())
+    return Projection.from_arrays(read_projection(store, names, rank))
