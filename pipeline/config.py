@@ -78,6 +78,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
     return needed
 
 
+# What a field's metadata may hand to argparse; the rest (aliases, stage, required...) is read by kdcache itself.
+_ARGPARSE_KEYS = ("help", "choices", "metavar", "nargs", "const")
+
+
 def _add_flag(section: Any, f: dataclasses.Field, hint: Any) -> argparse.Action:
     """One option's flag (``top_k`` -> ``--top-k`` plus ``metadata["aliases"]``), a boolean's ``--no-X`` right
     after it; returns the flag's action.
@@ -85,7 +89,7 @@ def _add_flag(section: Any, f: dataclasses.Field, hint: Any) -> argparse.Action:
     Every value stays the raw string typed (no ``type=``) so that pydantic converts them all and reports every
     error at once; only a flag with choices converts, since argparse compares the choices to the value.
     """
-    meta = {k: v for k, v in f.metadata.items() if k not in ("aliases", "stage", "required")}  # ours, not argparse's
+    meta = {k: v for k, v in f.metadata.items() if k in _ARGPARSE_KEYS}  # other keys are the options' own
     inner, needed = _unwrap_optional(hint)[0], required(f)
     default = f.default
     if needed:
