@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.bench
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kdcache.stages.precompute.logit_head import as_logprobs, logit_targets  # noqa: E402
-from kdcache.stages.precompute.targets import STEP_PER_TOLERANCE  # noqa: E402
+from kdcache.stages.common import logit_kinds  # noqa: E402
+from kdcache.stages.common.logit_kinds.topk import STEP_PER_TOLERANCE, as_logprobs  # noqa: E402
 from kdcache.stages.train.losses import kd_kl, sampled_kl  # noqa: E402
 from kdcache.storage import CacheSpec, CacheWriter, read_manifest  # noqa: E402
 
@@ -126,7 +127,7 @@ def modes(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> l
     exact = torch.log_softmax(logits.float(), -1)
     rows = []
     for k in (64, 128):
-        kept = logit_targets(logits, "topk", k)
+        kept = logit_kinds.get("topk").capture(logits, SimpleNamespace(top_k=k, logprob_step=0.0))
         values16 = kept["logits/topk_values"].half().float()
         error = (values16 - kept["logits/lse"][:, None] - exact.gather(1, kept["logits/topk_ids"].long())).abs().max()
         arrays = {n: v.numpy() for n, v in kept.items()}
@@ -135,7 +136,8 @@ def modes(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> l
         rows.append(logprob_row(kept, exact, k, vocab))
     student = logits[torch.randperm(len(logits), generator=torch.Generator().manual_seed(2))]  # a fixed "student"
     true_kl = float(kd_kl(student[None], logits[None], torch.ones(1, len(logits)), 1.0))
-    drawn = logit_targets(logits, "sampled", 0, samples=12, generator=torch.Generator().manual_seed(3))
+    drawn = logit_kinds.get("sampled").capture(logits, SimpleNamespace(samples=12, sample_temperature=1.0),
+                                               torch.Generator().manual_seed(3))
     estimate = float(sampled_kl(student[None], *(drawn[n][None] for n in ("logits/sample_ids", "logits/sample_counts",
                                                                            "logits/sample_logp")),
                                 torch.ones(1, len(logits)), 1.0))

@@ -37,10 +37,10 @@ def describe(path: str) -> dict[str, Any]:
     return {
         "path": str(path), "status": manifest.status, "format_version": manifest.format_version,
         "backend": spec.backend, "features": list(spec.features), "hidden_layers": list(spec.hidden_layers),
-        "attention_layers": list(spec.attention_layers), "layout": spec.layout,
+        "attention_layers": list(spec.attention_layers), "layout": "seq2seq" if spec.is_encoder_decoder else "single",
         "streams": {stream or "tokens": {"hidden_layers": list(hidden), "attention_layers": list(attention)}
                     for stream, hidden, attention in spec.stream_layers()},
-        "cross_attention_layers": list(getattr(spec, "cross_attention_layers", ()) or ()),
+        "cross_attention_layers": list(spec.layers_of("cross_attention", "decoder")),
         "attention_heads": None if spec.attention_heads is None else list(spec.attention_heads),
         "attention_triangle": spec.attention_triangle, "attention_source": spec.attention_source,
         "attention_scores": spec.attention_scores, "logits": spec.logits, "top_k": spec.top_k,

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import yaml
 
 from kdcache.stages.common.option_groups import flatten, groups, leaves, nest, required
+from kdcache.stages.common.stream_options import ALIASES, alias_flags, fold_aliases
 from kdcache.storage.errors import KdcacheError
 
 T = TypeVar("T")
@@ -75,6 +76,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
             sections[group] = parser.add_argument_group(f"{group} options") if group else parser
         action = _add_flag(sections[group], f, typing.get_type_hints(owner)[f.name])
         needed += [action] if required(f) else []
+    alias_flags(parser, [f.name for _, _, f in leaves(cls) if f.name not in skip])  # --encoder-layers...
     return needed
 
 
@@ -136,7 +138,7 @@ def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = N
             if not isinstance(data, dict):
                 raise ConfigError([f"section {section!r} of {config_path!r} must be a mapping"])
         values.update(data)
-    names = {f.name for _, _, f in leaves(cls)}
+    names = {f.name for _, _, f in leaves(cls)} | set(ALIASES)
     values.update({k: v for k, v in vars(args).items() if k in names})
     return build(cls, values)
 
@@ -175,7 +177,9 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
     """
     fields = {f.name: (owner, f) for _, owner, f in leaves(cls)}
     given = {str(k).replace("-", "_"): v for k, v in flat_values(cls, values).items()}
-    problems = [f"unknown key {where}{k!r}; known keys: {', '.join(sorted(fields))}" for k in given if k not in fields]
+    given, problems = fold_aliases(given, {k: typing.get_type_hints(o)[k] for k, (o, _) in fields.items()},
+                                   where=where)
+    problems += [f"unknown key {where}{k!r}; known keys: {', '.join(sorted(fields))}" for k in given if k not in fields]
     given = {k: _prepare(fields[k][0], k, v) for k, v in given.items() if k in fields}
     # A field with a default that this class still requires (a shared group's, see option_groups.required):
     # pydantic would take the default, so it is named here as pydantic names a missing field.

@@ -15,7 +15,7 @@ import csv
 import math
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdcache.pipeline.run_state import (
     EVAL_COLUMNS,
@@ -30,6 +30,12 @@ from kdcache.pipeline.run_state import (
 )
 from kdcache.stages.train.eval_records import alignment_panels
 from kdcache.storage.files import read_json_object
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "sampled_kl", "hidden", "attention")
 GROUP_COLOURS = {"hidden": "tab:blue", "attention": "tab:orange", "logits": "tab:green", "other": "tab:gray"}
@@ -102,7 +108,7 @@ def write_tables(sweep_dir: str | Path, rows: list[dict[str, Any]], grid_keys: l
 
 
 # ---- plots -------------------------------------------------------------------------------------------------
-def _pyplot() -> Any:
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a display
@@ -247,7 +253,7 @@ def plot_sweep_losses(states: dict[str, RunState], out: Path) -> Path | None:
     return _save(fig, out, "total loss of every run (terms differ between runs: compare shapes, not levels)")
 
 
-def _step_axis(ax: Any) -> None:
+def _step_axis(ax: Axes) -> None:
     """Optimizer steps are whole numbers: ticks at integers only (a 20-step run shows no 7.5 or 12.5)."""
     from matplotlib.ticker import MaxNLocator
 
@@ -255,7 +261,7 @@ def _step_axis(ax: Any) -> None:
     ax.set_xlabel("optimizer step")
 
 
-def _save(fig: Any, out: Path, title: str) -> Path:
+def _save(fig: Figure, out: Path, title: str) -> Path:
     plt = _pyplot()
     # Run names of sweep points are long: wrap the title to the figure's width rather than let it run off the page.
     width = max(20, int(fig.get_figwidth() * 11))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.run_state import (
+    RunState,
     applied_options,
     eval_rows,
     final_terms,
@@ -32,7 +33,7 @@ img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
 """
 
 
-def fmt(value: Any) -> str:
+def fmt(value: object) -> str:
     """A table cell: 4 significant digits for floats, blank for missing values."""
     if value is None:
         return ""
@@ -43,7 +44,7 @@ def fmt(value: Any) -> str:
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """A GitHub-flavoured Markdown table of ``rows`` restricted to ``columns``."""
-    def cell(value: Any) -> str:
+    def cell(value: object) -> str:
         return fmt(value).replace("|", "\\|")
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
@@ -91,7 +92,8 @@ def _notes(notes: list[str]) -> str:
     return "".join(f"<p class=note>{html.escape(n)}</p>" for n in notes if n)
 
 
-def render_run(state: Any, images: dict[str, Path], cache_info: dict[str, Any] | None) -> str:
+def render_run(state: RunState, images:
+ dict[str, Path], cache_info: dict[str, Any] | None) -> str:
     """The page of one run: status, final terms, eval metrics, plots, options."""
 
     sections = [f"<p>{html.escape(str(state.run_dir))} — <b>{html.escape(state.status)}</b></p>",

@@ -142,7 +142,7 @@ def eval_columns(evaluation: dict[str, Any] | None) -> dict[str, Any]:
     """The scalar metrics of one evaluation as table columns (absent ones left out)."""
     out: dict[str, Any] = {}
     for column, key in EVAL_COLUMNS:
-        value: Any = evaluation or {}
+        value: object = evaluation or {}
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         if isinstance(value, (int, float)):
@@ -169,12 +169,14 @@ def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
     import dataclasses
 
     from kdcache.stages.common.option_groups import leaves
+    from kdcache.stages.common.stream_options import ALIASES
     from kdcache.stages.train.options import DEFAULT_TEMPERATURE, TrainOptions
 
     # options.json holds maps as their text, so the defaults are compared as text too.
     plain = (bool, int, float, str, tuple, type(None))
     defaults = {f.name: f.default if isinstance(f.default, plain) else str(f.default)
                 for _, _, f in leaves(TrainOptions) if f.default is not dataclasses.MISSING}
+    defaults.update(dict.fromkeys(ALIASES, ""))  # runs before per-stream maps wrote each stack's map, "" if not given
     # options.json holds the temperature the run used: an ungiven one is resolved (2, or a sampled cache's own).
     defaults["temperature"] = DEFAULT_TEMPERATURE
     kept = {k: v for k, v in options.items()
@@ -182,6 +184,6 @@ def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
     return kept, len(options) - len(kept)
 
 
-def _differs(value: Any, default: Any) -> bool:
+def _differs(value: object, default: object) -> bool:
     return (list(value) if isinstance(value, (list, tuple)) else value) != \
         (list(default) if isinstance(default, (list, tuple)) else default)

@@ -26,6 +26,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 from kdcache.pipeline.children import child_env
 from kdcache.pipeline.config import ConfigError, build, flag_name, flags
 from kdcache.stages.common.option_groups import flatten, leaves
+from kdcache.stages.common.stream_options import ALIASES
 from kdcache.stages.train.eval_records import find_eval, remove_evals
 from kdcache.stages.train.options import TrainOptions
 from kdcache.storage.files import read_json_object
@@ -91,6 +93,7 @@ def parse_grid(items: list[str]) -> tuple[dict[str, list[str]], list[str]]:
         (grid, problems): every malformed item, unknown or reserved key and repeated key is a problem.
     """
     fields = {f.name for _, _, f in leaves(TrainOptions)}
+    fields |= {alias for alias, (option, _) in ALIASES.items() if option in fields}  # decoder_layer_map=...
     grid: dict[str, list[str]] = {}
     problems: list[str] = []
     for item in items:
@@ -291,7 +294,7 @@ def _evaluate(run_dir: Path, settings: SweepSettings) -> dict[str, Any]:
     return {"eval_status": "ok", "eval_seconds": round(seconds, 1)}
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def _write_json(path: Path, obj: object) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
     os.replace(tmp, path)  # a report reading mid-sweep never sees half a file
@@ -299,7 +302,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 # ---- the whole sweep ---------------------------------------------------------------------------------------
 def run_sweep(points: list[SweepPoint], sweep_dir: str | Path, settings: SweepSettings,
-              grid: dict[str, list[str]], *, echo: Any = print) -> dict[str, Any]:
+              grid: dict[str, list[str]], *, echo: Callable[..., None] = print) -> dict[str, Any]:
     """Run every point in order; a failed point is recorded and the sweep goes on.
 
     Returns:

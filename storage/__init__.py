@@ -14,7 +14,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {  # name -> its module under kdcache.storage
-    "CacheSpec": "spec", "FORMAT_VERSION": "spec", "topk_id_dtype": "spec",
+    "CacheSpec": "spec", "FORMAT_VERSION": "formats", "topk_id_dtype": "spec",
     "CacheWriter": "writer", "merge_parts": "writer",
     "CacheReader": "reader", "ShardData": "reader",
     "Manifest": "manifest", "ShardRecord": "manifest", "read_manifest": "manifest", "cache_exists": "manifest",

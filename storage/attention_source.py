@@ -40,7 +40,7 @@ def check_attention_source(source: str, scores: dict[str, Any] | None, layers: t
                         f"{list(BLOCK_SCORE_KEYS)} for each of blocks {list(layers)}; got {scores}")
 
 
-def _complete(scores: Any, layers: tuple[int, ...]) -> bool:
+def _complete(scores: object, layers: tuple[int, ...]) -> bool:
     """Whether ``scores`` is an object with every key of ``SCORE_KEYS`` and, under ``blocks``, an object of
     ``BLOCK_SCORE_KEYS`` per layer (an edited manifest may hold anything)."""
     if not isinstance(scores, dict) or not all(k in scores for k in SCORE_KEYS):

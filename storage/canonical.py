@@ -21,7 +21,7 @@ from kdcache.storage.files import crc32c
 SEAL = "crc32c"
 
 
-def canonical_json(obj: Any) -> bytes:
+def canonical_json(obj: object) -> bytes:
     """The canonical bytes of a JSON value: sorted keys, one line, ``", "`` / ``": "``, ASCII, ending in a newline.
 
     No indent: with one, ``json`` falls back to its pure-Python encoder, ~3x slower on a large manifest.

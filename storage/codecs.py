@@ -9,7 +9,7 @@ compression, which only knows LZ4 frame and ZSTD.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import numcodecs
 
@@ -23,7 +23,8 @@ DEFAULT_TOPK_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 
                                       "blocksize": 0}
 ARROW_DEFAULT_CODEC: dict[str, Any] = {"id": "zstd", "level": 3}
 ALIASES: dict[str, dict[str, Any]] = {"blosc-lz4": DEFAULT_CODEC, "blosc-zstd": DEFAULT_TOPK_CODEC}
-_SHUFFLE_NAMES = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle"}
+_SHUFFLE_NAMES: dict[int, Literal["noshuffle", "shuffle", "bitshuffle"]] = {0: "noshuffle", 1: "shuffle",
+                                                                           2: "bitshuffle"}
 
 
 def known_codecs() -> list[str]:
@@ -76,7 +77,7 @@ def to_zarr_compressors(config: dict[str, Any]) -> list[Any]:
 
     name, params = config["id"], {k: v for k, v in config.items() if k != "id"}
     if name == "blosc":
-        shuffle: Any = _SHUFFLE_NAMES.get(params.get("shuffle", -1))  # None lets zarr pick from the dtype
+        shuffle = _SHUFFLE_NAMES.get(params.get("shuffle", -1))  # None lets zarr pick from the dtype
         return [zarr.codecs.BloscCodec(cname=params["cname"], clevel=params["clevel"], shuffle=shuffle,
                                        blocksize=params.get("blocksize", 0))]
     if name == "zstd":

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.storage.backends.base import Backend, check_file, is_format3, owner_of
+from kdcache.storage.backends.base import Backend, check_file, owner_of
 from kdcache.storage.canonical import is_sealed
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.folders import TABLE, folder_is_complete, folder_names, read_table
@@ -87,13 +87,13 @@ def manifest_findings(raw: dict[str, Any], manifest: Manifest, sidecars: dict[in
 
 
 def record_findings(record: ShardRecord, manifest: Manifest) -> list[Finding]:
-    """A record against the spec and itself: range, bytes and the file-table summary (format 3 and later)."""
+    """A record against the spec and itself: range, bytes and the file-table summary (where the format has one)."""
     spec, index = manifest.spec, record.index
     findings: list[Finding] = []
     name = f"{shard_name(index)}.json"
     if problem := range_problem(record, spec):
         findings.append((index, name, problem))
-    if not is_format3(record):
+    if not manifest.format.file_table:
         return findings
     files = record.extra["files"]
     if record.stored_bytes != sum(size for size, _ in files.values()):
@@ -177,12 +177,5 @@ def folder_findings(store: Store, manifest: Manifest) -> list[Finding]:
 
 
 def legacy_note(store: Store, manifest: Manifest) -> str | None:
-    """What a cache written before the seals cannot have checked; None for a sealed cache."""
-    if manifest.seals_files:
-        return None
-    folders = [f"{key}/" for key in folder_names(store)]
-    return (f"this cache was written before kdcache checksummed its index files (format {manifest.format_version}, "
-            f"no 'files' in {MANIFEST_NAME}): {MANIFEST_NAME} and the shard sidecars carry no crc32c of their own"
-            + (f", and {', '.join(folders)} {'is' if len(folders) == 1 else 'are'} not checked" if folders else "")
-            + "; their values are still cross-checked against the data")
-
+    """What a cache of an older format cannot have checked (storage.formats); None for a sealed cache."""
+    return manifest.format.note([f"{key}/" for key in folder_names(store)])

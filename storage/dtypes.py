@@ -144,7 +144,7 @@ def bitround_bits(bits: np.ndarray, mantissa_bits: int, keepbits: int) -> np.nda
     drop = mantissa_bits - keepbits
     wide = bits.astype(np.uint32)
     half_minus_one = (1 << (drop - 1)) - 1
-    rounded = (wide + half_minus_one + ((wide >> drop) & 1)) & ~np.uint32((1 << drop) - 1)
+    rounded: np.ndarray = (wide + half_minus_one + ((wide >> drop) & 1)) & ~np.uint32((1 << drop) - 1)
     return rounded.astype(np.uint16)
 
 

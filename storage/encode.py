@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kdcache.storage.attention_source import QKV_KINDS
 from kdcache.storage.dtypes import FP16_MAX, apply_bitround, check_finite, measure_error, to_float32, to_storage
 from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, ShardError
 from kdcache.storage.hidden_codecs import (
@@ -25,7 +26,8 @@ from kdcache.storage.hidden_codecs import (
     parts,
 )
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
-from kdcache.storage.spec import QKV_KINDS, SAMPLED_NAMES, TOKEN_ARRAYS, TOPK_MASS, VOCAB_IDS, CacheSpec
+from kdcache.storage.logit_layouts import logit_array, logit_arrays
+from kdcache.storage.spec import TOKEN_ARRAYS, TOPK_MASS, VOCAB_IDS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
@@ -74,9 +76,8 @@ def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
     # token rows of one width per layer: hidden states (and their codec's companions), queries, keys, values
     if kind in ("hidden", *QKV_KINDS) or is_part(name):
         return (length, value.shape[-1]) if value.ndim == 2 else None
-    if name == "logits/full":
-        return (length, spec.vocab_size)
-    return (length, spec.samples if name in SAMPLED_NAMES else spec.top_k)  # top-k or sampled arrays
+    array = logit_array(spec, name)  # a logit array: its layout names the spec field of its width
+    return (length, int(getattr(spec, array.width)) if array and array.width else spec.top_k)
 
 
 def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[str, int]:
@@ -110,10 +111,10 @@ def _check_ids(spec: CacheSpec, name: str, ids: np.ndarray) -> None:
                                    f"got dtype {ids.dtype} range {ids.min()}..{ids.max()}")
 
 
-def _check_topk(spec: CacheSpec, values: np.ndarray, ids: np.ndarray) -> None:
+def _check_descending(spec: CacheSpec, name: str, values: np.ndarray) -> None:
     wide = values if values.dtype.kind == "f" else to_float32(values, spec.dtype)
     if values.size and not (wide[:, :-1] >= wide[:, 1:]).all():
-        raise InvalidSequenceError("logits/topk_values: each token's values must be sorted in descending order")
+        raise InvalidSequenceError(f"{name}: each token's values must be sorted in descending order")
 
 
 def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[str, dict[str, float]]) -> np.ndarray:
@@ -178,11 +179,12 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
                                                              "per-row errors [L, 5]")
             errors = np.concatenate([np.asarray(item[part_name(name, "error")]) for item in sequences])
             lossy[name] = error_record(spec.hidden_codec, errors)
-    if spec.logits == "topk" and spec.topk_values == "fp16":
-        _check_topk(spec, arrays["logits/topk_values"], arrays["logits/topk_ids"])
-    if spec.logits == "topk" and all(TOPK_MASS in item for item in sequences):
-        mass = np.concatenate([np.asarray(item[TOPK_MASS], dtype=np.float64) for item in sequences])
-        lossy.setdefault("logits/topk_values", {}).update(_mass_record(mass))
+    for array in logit_arrays(spec):  # the layout's rules: sorted rows, the kept probability mass
+        if array.descending:
+            _check_descending(spec, array.name, arrays[array.name])
+        if array.mass and all(TOPK_MASS in item for item in sequences):
+            mass = np.concatenate([np.asarray(item[TOPK_MASS], dtype=np.float64) for item in sequences])
+            lossy.setdefault(array.name, {}).update(_mass_record(mass))
     for name in set(VOCAB_IDS) & set(arrays):
         _check_ids(spec, name, arrays[name])
         arrays[name] = arrays[name].astype(spec.array_dtype(name))
@@ -252,7 +254,8 @@ def _logprobs(spec: CacheSpec, name: str, flat: np.ndarray, lossy: dict[str, dic
     clipped = q == 65535
     lossy[name] = {"step": step, "max_abs_error": float(error[~clipped].max(initial=0.0)),
                    "clipped": int(clipped.sum())}
-    return q.astype(np.uint16)
+    codes: np.ndarray = q.astype(np.uint16)
+    return codes
 
 
 def _documents(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]]) -> dict[str, list[list[int]]]:

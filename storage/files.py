@@ -24,10 +24,11 @@ import numpy as np
 from kdcache.storage.errors import DiskFullError
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+BytesLike = bytes | bytearray | memoryview | np.ndarray  # what the checksums and writes below take
 _IO_THREADS = 8  # fsyncs in flight; beyond a handful the device queue, not the thread count, sets the pace
 
 
-def crc32c(data: Any, start: int = 0) -> int:
+def crc32c(data: BytesLike, start: int = 0) -> int:
     """crc32c (Castagnoli, as zarr's ``crc32c`` codec) of a bytes-like object, continuing from ``start``."""
     # google_crc32c takes numpy arrays (not memoryviews) without a copy, so every buffer is viewed as bytes.
     flat = np.ascontiguousarray(data).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
@@ -43,7 +44,7 @@ def fsync_path(path: Path | str) -> None:
         os.close(fd)
 
 
-def _write_file(path: str, data: Any) -> None:
+def _write_file(path: str, data: bytes | bytearray | memoryview) -> None:
     # os.open with 0o666 lets the umask decide the mode, like any file a user creates (mkstemp would force 0600).
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
@@ -70,7 +71,7 @@ def write_tree(root: Path, files: Mapping[str, Any]) -> None:
         list(pool.map(fsync_path, dirs))
 
 
-def write_bytes_atomic(path: Path, data: Any) -> None:
+def write_bytes_atomic(path: Path, data: bytes | bytearray | memoryview) -> None:
     """Write to a temp file beside ``path``, fsync it, ``os.replace`` it over ``path``, fsync the directory."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"

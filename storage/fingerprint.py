@@ -22,7 +22,7 @@ def hash_bytes(data: bytes | memoryview) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def hash_json(obj: Any) -> str:
+def hash_json(obj: object) -> str:
     """Hash of canonical JSON (sorted keys, no spaces), e.g. for a model config dict."""
     return hash_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
 
@@ -72,7 +72,7 @@ def hash_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 22) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     if isinstance(value, str) and value.startswith("sha256:"):
         return value[7:19] + ".."
     return json.dumps(value, sort_keys=True, default=str) if not isinstance(value, str) else repr(value)
@@ -95,7 +95,7 @@ def _special_tokens_message(actual: dict[str, Any], expected: dict[str, Any]) ->
     return out
 
 
-def _compare(actual: Any, expected: Any, path: list[str], strict: bool, out: list[str]) -> None:
+def _compare(actual: object, expected: object, path: list[str], strict: bool, out: list[str]) -> None:
     label = " ".join([_SECTION_WORDS.get(path[0], path[0])] + path[1:]) if path else "fingerprints"
     if isinstance(actual, dict) and isinstance(expected, dict):
         if path == ["tokenizer"] and ("vocab_hash" in expected or "vocab_size" in expected) and any(

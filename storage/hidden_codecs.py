@@ -88,7 +88,7 @@ DEFAULTS = {"rotation": 0, "outliers": 4, "group": 64}  # a quantised codec's co
 CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 5, "shuffle": 0, "blocksize": 0}
 
 
-def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
+def resolve_hidden_codec(value: object, dtype: str) -> dict[str, Any]:
     """The full ``{"name", "configuration"}`` record of a codec given as a name, a record, or None (``dtype``).
 
     Raises:
@@ -126,7 +126,7 @@ def resolve_hidden_codec(value: Any, dtype: str) -> dict[str, Any]:
     return {"name": name, "configuration": config}
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     """Whether ``value`` is an integer, and not a bool (JSON's true would otherwise pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -176,7 +176,8 @@ def parts(record: dict[str, Any]) -> tuple[str, ...]:
 
 def rank_of(record: dict[str, Any]) -> int | None:
     """The projection's rank R of a resolved record (``configuration.rank``), None without a projection."""
-    return record["configuration"].get("rank")
+    rank: int | None = record["configuration"].get("rank")
+    return rank
 
 
 def projected(record: dict[str, Any], name: str) -> bool:
@@ -201,13 +202,15 @@ def block_size(d: int) -> int:
 def hadamard_matrix(b: int) -> np.ndarray:
     """The orthonormal Sylvester-Hadamard matrix ``[b, b]`` float32 (b a power of two; symmetric, its own
     inverse): ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2)``. The caller's own copy."""
-    return _hadamard_matrix(b).copy()
+    matrix: np.ndarray = _hadamard_matrix(b).copy()
+    return matrix
 
 
 def rotation_signs(seed: int, d: int) -> np.ndarray:
     """The rotation's random signs ``[d]`` float32 (+1/-1), from ``numpy.random.default_rng(seed)``. The caller's
     own copy."""
-    return _rotation_signs(seed, d).copy()
+    signs: np.ndarray = _rotation_signs(seed, d).copy()
+    return signs
 
 
 # Built once per size (the writer and verify rotate every coded array of every shard), kept read-only so that no
@@ -239,7 +242,8 @@ def hadamard(x: np.ndarray) -> np.ndarray:
     """
     t, d = x.shape
     b = block_size(d)
-    return (x.reshape(t, d // b, b).astype(np.float32) @ _hadamard_matrix(b)).reshape(t, d)
+    rotated: np.ndarray = (x.reshape(t, d // b, b).astype(np.float32) @ _hadamard_matrix(b)).reshape(t, d)
+    return rotated
 
 
 def fp8_table() -> np.ndarray:
@@ -315,7 +319,8 @@ def _fp8_codes(v: np.ndarray) -> np.ndarray:
     mag = np.minimum(np.abs(v), FP8_MAX)
     upper = np.clip(np.searchsorted(table, mag), 1, 126)
     nearer = np.where(mag - table[upper - 1] <= table[upper] - mag, upper - 1, upper)
-    return (nearer | np.where(v < 0, 128, 0)).astype(np.uint8)
+    codes: np.ndarray = (nearer | np.where(v < 0, 128, 0)).astype(np.uint8)
+    return codes
 
 
 def _quantize(record: dict[str, Any], y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

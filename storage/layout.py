@@ -37,7 +37,8 @@ def document_lengths(position_ids: np.ndarray) -> list[int]:
     """Token counts of the documents of one packed row: a document starts at the row's start and wherever a
     position is 0."""
     starts = sorted({0, *np.flatnonzero(np.asarray(position_ids) == 0).tolist()})
-    return np.diff([*starts, len(position_ids)]).tolist()
+    lengths: list[int] = np.diff([*starts, len(position_ids)]).tolist()
+    return lengths
 
 
 def attention_rows(length: int, triangle: bool, keys: int | None = None, documents: list[int] | None = None) -> int:

@@ -14,12 +14,26 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from kdcache.storage.canonical import canonical_json
 from kdcache.storage.errors import CacheLockedError
 
 LEASE_SECONDS = 30 * 60  # a lease not renewed for this long belongs to a writer that died
+
+
+class LeaseStore(Protocol):
+    """What a lease needs of its store (``storage.stores.RemoteStore``, which imports this module)."""
+
+    url: str
+
+    def put_if_absent(self, key: str, data: bytes) -> bool: ...
+
+    def read(self, key: str, start: int | None = None, stop: int | None = None) -> bytes: ...
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def remove(self, key: str) -> None: ...
 
 
 class RemoteLock:
@@ -29,7 +43,7 @@ class RemoteLock:
     ``remove``).
     """
 
-    def __init__(self, store: Any, key: str, what: str) -> None:
+    def __init__(self, store: LeaseStore, key: str, what: str) -> None:
         self.store, self.key, self.what = store, key, what
         self.lease = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
         if not self._create():

@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kdcache.storage.canonical import SEAL, seal_problem, sealed
-from kdcache.storage.errors import FormatVersionError, KdcacheError, ManifestError
-from kdcache.storage.spec import FORMAT_VERSION, READABLE_FORMAT_VERSION, CacheSpec
+from kdcache.storage.errors import KdcacheError, ManifestError
+from kdcache.storage.formats import FORMAT_VERSION, CacheFormat, cache_format, read_format
+from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store, open_store
 
 MANIFEST_NAME = "manifest.json"
@@ -125,7 +126,7 @@ class Manifest:
     spec: CacheSpec
     fingerprints: dict[str, Any]
     status: str = "writing"
-    format_version: int | None = None  # None: a new cache, written in this code's FORMAT_VERSION
+    format_version: int = FORMAT_VERSION  # a cache read from disk keeps the version it was written in
     shards: list[ShardRecord] = field(default_factory=list)
     arrays: dict[str, dict[str, Any]] = field(default_factory=dict)
     created_at: str = field(default_factory=now)
@@ -133,11 +134,6 @@ class Manifest:
     # Files beside the shards (tokenizer, teacher head): ``{path: [size, crc32c]}`` (storage.folders). None: a
     # cache written before kdcache listed them, whose index files carry no crc32c either.
     files: dict[str, list[int]] | None = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        # A cache read from disk keeps the version it was written in (1-2 are read-only); new ones get ours.
-        if self.format_version is None:
-            self.format_version = FORMAT_VERSION
 
     @property
     def num_tokens(self) -> int:
@@ -159,18 +155,18 @@ class Manifest:
         }
 
     @property
+    def format(self) -> CacheFormat:
+        """This cache's format as a reader sees it (storage.formats): what its bytes let a reader check."""
+        return cache_format(self.format_version, self.files is not None)
+
+    @property
     def seals_files(self) -> bool:
         """Whether this cache's format checksums its index files and folders (written since they are sealed)."""
-        return self.files is not None
+        return self.format.sealed_index
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "manifest.json") -> Manifest:
-        version = data.get("format_version")
-        if not isinstance(version, int):
-            raise ManifestError(f"{where} has no integer format_version (got {version!r}); not a kdcache cache?")
-        if version > READABLE_FORMAT_VERSION:
-            raise FormatVersionError(f"{where} has format_version {version}; this code reads versions up to "
-                                     f"{READABLE_FORMAT_VERSION}. Upgrade kdcache to read this cache.")
+        version = read_format(data, where).version  # an older format reads as the current structures
         if data.get("status") not in STATUSES:
             raise ManifestError(f"{where} has status {data.get('status')!r}; expected one of {list(STATUSES)}")
         try:

@@ -145,7 +145,7 @@ class CacheReader:
         self.manifest: Manifest = read_manifest(self.store)
         self.spec: CacheSpec = self.manifest.spec
         self.fingerprints: dict[str, Any] = self.manifest.fingerprints
-        self._backend = get_backend(self.spec.backend)
+        self._backend = get_backend(self.spec.backend, self.manifest.format)  # how its shards are checked
         self._records = self._visible_records(allow_partial)
         self._handles: OrderedDict[int, ShardHandle] = OrderedDict()
         self._checked: set[int] = set()
@@ -200,7 +200,7 @@ class CacheReader:
         return [self.spec.shard_range(k) for k in range(self.spec.num_shards)]
 
     def __len__(self) -> int:
-        return self.num_sequences
+        return self.spec.num_sequences
 
     # ---- opening shards ------------------------------------------------------------------------------
     def _shard(self, index: int) -> ShardHandle:

@@ -11,8 +11,8 @@ Array names inside a shard (see docs/architecture.md):
   ``[T, H_kv*d]`` token rows, with ``attention_scores`` recording how scores are formed;
 - ``logits/full [T, V]``, or ``logits/topk_values [T, k]``, ``logits/topk_ids [T, k]``, ``logits/lse [T]``.
 
-A seq2seq cache (``layout="seq2seq"``, format v2) holds two token streams, each with its own ids, offsets,
-hidden and self-attention layers (``encoder/input_ids``, ``encoder/offsets``, ``encoder/hidden/{j}``,
+A seq2seq cache (``layers`` keyed by ``encoder`` and ``decoder``; format v2) holds two token streams, each with its
+own ids, offsets, hidden and self-attention layers (``encoder/input_ids``, ``encoder/offsets``, ``encoder/hidden/{j}``,
 ``encoder/attention/{j}``, ``encoder/attention_offsets``, and the same under ``decoder/``), plus cross-attention
 ``cross_attention/{j} [R, H']`` (per sequence ``L_dec * L_enc`` rows) with ``cross_attention_offsets``; logits
 are on decoder tokens. See ``storage.streams``.
@@ -38,6 +38,7 @@ from kdcache.storage.codecs import (
 )
 from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
+from kdcache.storage.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
 from kdcache.storage.hidden_codecs import (
     CODES_CODEC,
     applies_to,
@@ -48,38 +49,26 @@ from kdcache.storage.hidden_codecs import (
     parts,
     resolve_hidden_codec,
 )
+from kdcache.storage.logit_layouts import FLOAT, VOCAB_ID, logit_array, logit_arrays, validate_logits
+from kdcache.storage.logit_layouts import TOPK_MASS as TOPK_MASS  # re-exported: spec's name for it before layouts
+from kdcache.storage.logit_layouts import TOPK_VALUE_FORMATS as TOPK_VALUE_FORMATS
 from kdcache.storage.streams import (
     CROSS,
-    SEQ2SEQ_STREAMS,
+    SEQ2SEQ_MANIFEST_KEYS,
     attention_offsets_name,
     is_offsets,
     kind_of,
     prefixed,
+    spec_layers,
     split_stream,
+    stream_layers_of_manifest,
+    stream_manifest_keys,
     token_offsets_name,
 )
 
-# Format history: 1 single-stream caches, 2 seq2seq caches (two token streams), 3 both layouts with one sharded
-# file per zarr array, Arrow IPC streams and a crc32c per file, 4 token arrays (loss masks, document positions)
-# (docs/cache-format.md). Versions 1-3 are read-only.
-FORMAT_VERSION = 4  # what this code writes
-READABLE_FORMAT_VERSION = 4  # the newest format this code reads
-LAYOUTS = ("single", "seq2seq")  # as manifests write them
-ENCODER_DECODER = LAYOUTS[1]
-SEQ2SEQ_FIELDS = ("encoder_hidden_layers", "encoder_attention_layers", "decoder_hidden_layers",
-                  "decoder_attention_layers", "cross_attention_layers")
 BACKENDS = ("zarr", "arrow")
-LOGIT_KINDS = (None, "full", "topk", "sampled", "head")  # head: no per-token logits; the LM head beside the cache
-TOPK_NAMES = ("logits/topk_values", "logits/topk_ids", "logits/lse")
-# sampled: per token, the distinct ids of N draws from the teacher's softmax at sample_temperature, how often each
-# was drawn (0 in unused slots) and the teacher's log-probability of each, at that temperature.
-SAMPLED_NAMES = ("logits/sample_ids", "logits/sample_counts", "logits/sample_logp")
-TOPK_MASS = "logits/topk_mass"  # per token, the probability the top-k keep: handed over, recorded per shard, not stored
-LOGIT_ARRAYS: dict[str | None, tuple[str, ...]] = {None: (), "full": ("logits/full",), "topk": TOPK_NAMES,
-                                                   "sampled": SAMPLED_NAMES, "head": ()}
-# How top-k values are stored: fp16 logits (with the logsumexp beside them), or log-probabilities quantised to
-# multiples of logprob_step as uint16, non-decreasing along k in -logp and so gap-coded; no logsumexp needed.
-TOPK_VALUE_FORMATS = ("fp16", "logprob")
+# The stored logit arrays, their dtypes and codecs are the layouts' (storage.logit_layouts); these names are for
+# the readers that handle a kind of array whatever the mode.
 VOCAB_IDS = ("logits/topk_ids", "logits/sample_ids")  # stored in the smallest unsigned type holding V-1
 PER_SEQUENCE_FIXED = ("input_ids",)
 # Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
@@ -119,6 +108,12 @@ class CacheSpec:
 
     Layers are stored sorted and de-duplicated; codecs are stored as full numcodecs config dicts.
     ``bitround`` (keepbits) applies to activations (hidden, attention, full logits), never to top-k.
+
+    ``layers`` is the one record of the cached layers: ``{stream: {kind: layers}}`` (``storage.streams``), e.g.
+    ``{"": {"hidden": (2, 4), "attention": (4,)}}``, or ``{"encoder": {...}, "decoder": {"hidden": ...,
+    "attention": ..., "cross_attention": ...}}``. ``hidden_layers`` / ``attention_layers`` are a one-stream
+    convenience: given instead of ``layers`` they build stream ``""``; afterwards they mirror that stream (empty
+    for two streams).
     """
 
     num_sequences: int
@@ -142,23 +137,19 @@ class CacheSpec:
     hidden_codec: Any = None
     sequences_per_shard: int = 256
     token_arrays: tuple[str, ...] = ()  # of TOKEN_ARRAYS, stored for every stream; absent before format 4
-    # seq2seq only (layout "seq2seq"); left out of to_dict() for single-stream caches, whose manifests stay v1.
-    layout: str = "single"
-    encoder_hidden_layers: tuple[int, ...] = ()
-    encoder_attention_layers: tuple[int, ...] = ()
-    decoder_hidden_layers: tuple[int, ...] = ()
-    decoder_attention_layers: tuple[int, ...] = ()
-    cross_attention_layers: tuple[int, ...] = ()
+    layers: dict[str, dict[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)  # {}: see above
     # Attention as queries/keys (issue 23); left out of to_dict() when "maps" (every earlier manifest).
     attention_source: str = "maps"
     attention_scores: dict[str, Any] | None = None  # attention_source.SCORE_KEYS, BLOCK_SCORE_KEYS per block
 
     def __post_init__(self) -> None:
-        put = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen dataclass)
-        put("hidden_layers", _layers("hidden_layers", self.hidden_layers, 0))
-        put("attention_layers", _layers("attention_layers", self.attention_layers, 1))
-        for key in SEQ2SEQ_FIELDS:
-            put(key, _layers(key, getattr(self, key), 0 if "hidden" in key else 1))
+        def put(key: str, value: object) -> None:  # a frozen dataclass sets its own fields this way
+            object.__setattr__(self, key, value)
+
+        put("layers", spec_layers(self.layers, self.hidden_layers, self.attention_layers))
+        one = self.layers.get("", {})
+        put("hidden_layers", one.get("hidden", ()))
+        put("attention_layers", one.get("attention", ()))
         put("token_arrays", tuple(self.token_arrays))
         if self.attention_heads is not None:
             put("attention_heads", _layers("attention_heads", self.attention_heads, 0))
@@ -176,19 +167,7 @@ class CacheSpec:
         if self.num_sequences < 1 or self.sequences_per_shard < 1:
             raise SpecError(f"num_sequences ({self.num_sequences}) and sequences_per_shard "
                             f"({self.sequences_per_shard}) must both be >= 1")
-        if self.logits not in LOGIT_KINDS:
-            raise SpecError(f"unknown logits kind {self.logits!r}; expected one of {list(LOGIT_KINDS)}")
-        if self.logits and self.vocab_size < 1:
-            raise SpecError(f"logits={self.logits!r} needs vocab_size >= 1, got {self.vocab_size}")
-        if self.logits == "topk" and not 1 <= self.top_k <= self.vocab_size:
-            raise SpecError(f"top_k must be in 1..vocab_size ({self.vocab_size}), got {self.top_k}")
-        if self.topk_values not in TOPK_VALUE_FORMATS or (self.topk_values == "logprob") != (
-                self.logits == "topk" and self.logprob_step > 0):
-            raise SpecError(f"topk_values {self.topk_values!r} (logprob_step {self.logprob_step}): expected fp16, or "
-                            f"logprob with top-k logits and a step > 0")
-        if self.logits == "sampled" and not (1 <= self.samples <= 255 and self.sample_temperature > 0):
-            raise SpecError(f"sampled logits need 1..255 samples and a temperature > 0, got {self.samples} at "
-                            f"{self.sample_temperature}")
+        validate_logits(self)
         if self.bitround is not None and self.float_dtype("hidden/0") != self.dtype:
             raise SpecError(f"bitround needs hidden states in the float dtype {self.dtype!r}; hidden codec "
                             f"{self.hidden_codec['name']!r} differs")
@@ -203,43 +182,39 @@ class CacheSpec:
                             f"{list(TOKEN_ARRAYS)}")
         for config in (self.codec, self.topk_codec):  # fail at creation, not at the first shard
             to_zarr_compressors(config) if self.backend == "zarr" else to_arrow_compression(config)
-        self._validate_layout()
         check_attention_source(self.attention_source, self.attention_scores, self.attention_layers,
                                one_stream=not self.is_encoder_decoder, all_heads=self.attention_heads is None,
                                triangle=self.attention_triangle)
 
-    def _validate_layout(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise SpecError(f"unknown layout {self.layout!r}; expected one of {list(LAYOUTS)}")
-        if self.is_encoder_decoder and (self.hidden_layers or self.attention_layers):
-            raise SpecError("a seq2seq spec names its layers per stream (encoder_hidden_layers, "
-                            "decoder_hidden_layers, ...); hidden_layers and attention_layers must be empty")
-        stray = [key for key in SEQ2SEQ_FIELDS if getattr(self, key) and not self.is_encoder_decoder]
-        if stray:
-            raise SpecError(f"{stray} are seq2seq fields; set layout='seq2seq' to use them")
-
-    # ---- derived layout ------------------------------------------------------------------------------
+    # ---- derived streams -----------------------------------------------------------------------------
     @property
     def is_encoder_decoder(self) -> bool:
         """Whether the cache holds two token streams (encoder and decoder)."""
-        return self.layout == ENCODER_DECODER
+        return "" not in self.layers
+
+    def layers_of(self, kind: str, stream: str = "") -> tuple[int, ...]:
+        """The cached layers of ``kind`` ("hidden", "attention", "cross_attention") in ``stream`` (() if none)."""
+        return self.layers.get(stream, {}).get(kind, ())
+
+    def layer_groups(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(array group, layers)`` in array order: ``hidden`` / ``encoder/attention`` ... then
+        ``cross_attention`` (whose arrays carry no stream prefix: they span both streams)."""
+        return [(kind if kind == CROSS else prefixed(stream, kind), layers)
+                for stream, kinds in self.layers.items() for kind, layers in kinds.items()]
 
     @property
     def format_version(self) -> int:
-        """Format version of caches written with this spec (both layouts share it)."""
+        """Format version of caches written with this spec (one stream or two alike)."""
         return FORMAT_VERSION
 
     @property
     def streams(self) -> tuple[str, ...]:
         """Token streams: ``("",)`` for a single-stream cache, ``("encoder", "decoder")`` for seq2seq."""
-        return SEQ2SEQ_STREAMS if self.is_encoder_decoder else ("",)
+        return tuple(self.layers)
 
     def stream_layers(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
         """``(stream, hidden layers, self-attention layers)`` per token stream."""
-        if not self.is_encoder_decoder:
-            return [("", self.hidden_layers, self.attention_layers)]
-        return [("encoder", self.encoder_hidden_layers, self.encoder_attention_layers),
-                ("decoder", self.decoder_hidden_layers, self.decoder_attention_layers)]
+        return [(stream, kinds["hidden"], kinds["attention"]) for stream, kinds in self.layers.items()]
 
     def ids_name(self, stream: str = "") -> str:
         """The token-id array of ``stream`` (``input_ids``, ``encoder/input_ids``...)."""
@@ -259,8 +234,8 @@ class CacheSpec:
         return token_offsets_name(stream or logits_stream)
 
     def by_documents(self, name: str) -> bool:
-        """Whether attention array ``name`` is stored per document (self-attention of rows with ``position_ids``:
-        ``storage.layout``)."""
+        """Whether attention array ``name`` is stored per document (self-attention of rows with ``position_ids``,
+        packed by document as ``pack_attention`` does)."""
         return "position_ids" in self.token_arrays and kind_of(name) == "attention"
 
     def attention_geometry(self, name: str) -> tuple[str, str, bool]:
@@ -301,26 +276,21 @@ class CacheSpec:
     def features(self) -> tuple[str, ...]:
         """Target kinds held: "hidden", "attention" (per stream for seq2seq, e.g. "encoder/hidden"),
         "cross_attention", "logits/full" or "logits/topk"."""
-        kinds = []
-        for stream, hidden, attention in self.stream_layers():
-            kinds += [(prefixed(stream, "hidden"), bool(hidden)), (prefixed(stream, "attention"), bool(attention))]
-        kinds += [(CROSS, bool(self.cross_attention_layers)), (f"logits/{self.logits}", bool(self.logits))]
+        kinds = [*self.layer_groups(), (f"logits/{self.logits}", bool(self.logits))]
         return tuple(name for name, present in kinds if present)
 
     def sequence_names(self) -> list[str]:
         """Names of the per-sequence arrays a reader returns (and the writer takes), in order."""
         names = self.token_names()
-        for stream, hidden, attention in self.stream_layers():
-            names += [n for j in hidden for n in self.with_parts(prefixed(stream, f"hidden/{j}"))]
-            names += [n for j in attention for kind in ATTENTION_SOURCES[self.attention_source]
-                      for n in self.with_parts(prefixed(stream, f"{kind}/{j}"))]
-        names += [f"{CROSS}/{j}" for j in self.cross_attention_layers]
+        for group, layers in self.layer_groups():
+            stream, kind = split_stream(group)
+            kinds = ATTENTION_SOURCES[self.attention_source] if kind == "attention" else (kind,)
+            names += [n for j in layers for k in kinds for n in self.with_parts(prefixed(stream, f"{k}/{j}"))]
         return names + self.logit_arrays()
 
     def logit_arrays(self) -> list[str]:
         """The per-token logit arrays of this cache (a log-prob top-k cache needs no logsumexp)."""
-        names = list(LOGIT_ARRAYS[self.logits])
-        return [n for n in names if n != "logits/lse"] if self.topk_values == "logprob" else names
+        return [a.name for a in logit_arrays(self)]
 
     # ---- hidden codecs (storage.hidden_codecs) ---------------------------------------------------------
     def coded(self, name: str) -> bool:
@@ -338,7 +308,8 @@ class CacheSpec:
 
     def gap_coded(self, name: str) -> bool:
         """Whether ``name`` holds rows non-decreasing along the last axis, stored as the first value and the gaps."""
-        return name == "logits/sample_ids" or (name == "logits/topk_values" and self.topk_values == "logprob")
+        array = logit_array(self, name)
+        return array is not None and array.gap_coded
 
     def array_names(self) -> list[str]:
         """Every array each shard holds (per-sequence names plus the offsets arrays)."""
@@ -356,14 +327,9 @@ class CacheSpec:
             return np.dtype(np.int32)
         if kind_of(name) in TOKEN_ARRAYS:
             return TOKEN_ARRAYS[kind_of(name)]
-        if name == "logits/lse":
-            return np.dtype(np.float32)
-        if name in VOCAB_IDS:
-            return topk_id_dtype(self.vocab_size)
-        if name == "logits/sample_counts":
-            return np.dtype(np.uint8)
-        if name == "logits/topk_values" and self.topk_values == "logprob":
-            return np.dtype(np.uint16)
+        array = logit_array(self, name)
+        if array is not None and array.dtype != FLOAT:
+            return topk_id_dtype(self.vocab_size) if array.dtype == VOCAB_ID else np.dtype(array.dtype)
         if self.coded(name):
             return np.dtype(codec_of(self.hidden_codec).code_dtype)
         if is_part(name):
@@ -374,11 +340,14 @@ class CacheSpec:
         """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
         if self.backend == "zarr" and (self.coded(name) or is_part(name)):
             return resolve_codec(CODES_CODEC)
-        return self.topk_codec if name in TOPK_NAMES + SAMPLED_NAMES else self.codec
+        array = logit_array(self, name)
+        codec: dict[str, Any] = self.topk_codec if array is not None and array.sparse else self.codec
+        return codec
 
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""
-        return kind_of(name) in ("hidden", "attention", CROSS, *QKV_KINDS) or name == "logits/full"
+        array = logit_array(self, name) if name.startswith("logits/") else None
+        return kind_of(name) in ("hidden", "attention", CROSS, *QKV_KINDS) or (array is not None and not array.sparse)
 
     def is_lossy_target(self, name: str) -> bool:
         """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""
@@ -388,10 +357,11 @@ class CacheSpec:
         """Raise a typed error unless ``name`` is a per-sequence array of this cache."""
         if name in self.sequence_names():
             return
-        groups = {prefixed(stream, "hidden"): hidden for stream, hidden, _ in self.stream_layers()}
-        groups.update({prefixed(stream, kind): attn for stream, _, attn in self.stream_layers()
-                       for kind in ATTENTION_SOURCES[self.attention_source]})
-        groups[CROSS] = self.cross_attention_layers
+        groups: dict[str, tuple[int, ...]] = {}
+        for group, held in self.layer_groups():
+            stream, kind = split_stream(group)
+            kinds = ATTENTION_SOURCES[self.attention_source] if kind == "attention" else (kind,)
+            groups.update({prefixed(stream, k): held for k in kinds})
         kind, _, layer = name.rpartition("/")
         layers = groups.get(kind)
         if layers is not None and layer.lstrip("-").isdigit():
@@ -417,14 +387,14 @@ class CacheSpec:
 
     # ---- JSON ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (tuples become lists). Single-stream specs leave out the seq2seq fields, so their
-        manifests are exactly those of format v1."""
+        """A JSON-ready dict (tuples become lists), in the manifest's keys of every format: the layer mapping
+        becomes ``hidden_layers`` / ``attention_layers`` for one stream, and for two ``"layout": "seq2seq"`` plus
+        one key per stream and kind (``streams.stream_manifest_keys``), so manifests stay byte-identical."""
         out = dataclasses.asdict(self)
+        del out["layers"]
         if not self.token_arrays:  # what format-3 writers wrote
             del out["token_arrays"]
-        if not self.is_encoder_decoder:
-            for key in ("layout", *SEQ2SEQ_FIELDS):
-                del out[key]
+        out.update(stream_manifest_keys(self.layers))
         if self.hidden_codec == resolve_hidden_codec(None, self.dtype):  # the float dtype: what earlier writers wrote
             del out["hidden_codec"]
         if self.attention_source == "maps":  # what writers before issue 23 wrote
@@ -438,9 +408,12 @@ class CacheSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheSpec:
-        """Rebuild a spec from ``to_dict`` output; unknown keys are an error (a newer writer wrote them)."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        """Rebuild a spec from ``to_dict`` output (the manifest's keys, translated to the layer mapping by
+        ``streams.stream_layers_of_manifest``); unknown keys are an error (a newer writer wrote them)."""
+        known = ({f.name for f in dataclasses.fields(cls)} - {"layers"}) | set(SEQ2SEQ_MANIFEST_KEYS)
         extra = sorted(set(data) - known)
         if extra:
             raise SpecError(f"unknown spec field(s) {extra}; expected only {sorted(known)}")
-        return cls(**data)
+        values: dict[str, Any] = {k: v for k, v in data.items() if k not in SEQ2SEQ_MANIFEST_KEYS}
+        values["layers"] = stream_layers_of_manifest(data) or {}  # {}: hidden_layers / attention_layers build it
+        return cls(**values)

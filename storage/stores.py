@@ -23,7 +23,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Protocol
 
 from kdcache.storage.canonical import canonical_json
 from kdcache.storage.errors import CacheLockedError, StorageError
@@ -32,6 +32,16 @@ from kdcache.storage.files import fsync_path, remove_path, write_bytes_atomic, w
 OPTIONS_ENV = "KDCACHE_STORAGE_OPTIONS"
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
                      "abfss": "adlfs", "hf": "huggingface_hub"}
+
+
+class WriterLock(Protocol):
+    """A writer's exclusive lock (``Store.lock``): an flock, or a lease on an object store."""
+
+    def renew(self) -> None:
+        """Show that the holder is alive (an object-store lease expires otherwise)."""
+
+    def close(self) -> None:
+        """Release the lock."""
 
 
 class Store(ABC):
@@ -82,14 +92,14 @@ class Store(ABC):
         return None
 
     @abstractmethod
-    def lock(self, name: str, what: str) -> Any:
+    def lock(self, name: str, what: str) -> WriterLock:
         """Take the exclusive lock ``locks/{name}`` without waiting; the handle has ``renew()`` and ``close()``.
 
         Raises:
             CacheLockedError: another live writer holds it.
         """
 
-    def merge_lock(self) -> Any:
+    def merge_lock(self) -> contextlib.AbstractContextManager[None]:
         """Serialises manifest merges between processes, where the store can (a context manager)."""
         return contextlib.nullcontext()
 
@@ -107,7 +117,7 @@ class Store(ABC):
         """The file behind ``key`` when the store is a local folder (for memory maps), else None."""
         return None
 
-    def put_json(self, key: str, obj: Any) -> None:
+    def put_json(self, key: str, obj: object) -> None:
         """Write ``obj`` as canonical JSON (storage.canonical), so equal values are equal bytes."""
         self.put(key, canonical_json(obj))
 
@@ -161,7 +171,7 @@ class LocalStore(Store):
         for stale in (self.root / "shards").glob(f".tmp-{prefix}*"):
             remove_path(stale)
 
-    def lock(self, name: str, what: str) -> Any:
+    def lock(self, name: str, what: str) -> WriterLock:
         (self.root / "locks").mkdir(parents=True, exist_ok=True)
         handle = open(self.root / "locks" / name, "a")
         try:
@@ -206,7 +216,7 @@ class LocalStore(Store):
 class _FileLock:
     """An flock held through an open file; nothing to renew (the kernel drops it when the process dies)."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: IO[str]) -> None:
         self.handle = handle
 
     def renew(self) -> None:
@@ -300,7 +310,7 @@ class RemoteStore(Store):
         self.fs.get(self._path(key) + "/", str(dest) + "/", recursive=True)
         return dest
 
-    def lock(self, name: str, what: str) -> Any:
+    def lock(self, name: str, what: str) -> WriterLock:
         from kdcache.storage.leases import RemoteLock
 
         return RemoteLock(self, f"locks/{name}", what)

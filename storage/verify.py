@@ -70,7 +70,7 @@ class VerifyReport:
 
 
 def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, records: dict[int, ShardRecord]) -> None:
-    backend = get_backend(manifest.spec.backend)
+    backend = get_backend(manifest.spec.backend, manifest.format)
     for index, record in sorted(records.items()):
         if not store.exists(record.path):
             report.problems.append(VerifyProblem(index, None, f"listed as committed but {store.url}/{record.path} "
@@ -99,14 +99,14 @@ def _guarded_decode(store: Store, record: ShardRecord, manifest: Manifest) -> li
         return [(None, f"cannot decode its coded hidden states: {type(exc).__name__}: {exc}")]
 
 
-def _decode_problems(store: Store, record: Any, manifest: Manifest) -> list[tuple[str | None, str]]:
+def _decode_problems(store: Store, record: ShardRecord, manifest: Manifest) -> list[tuple[str | None, str]]:
     """Each coded array whose numpy decode's sum of squares differs from the recorded ``decoded_sq``."""
     spec = manifest.spec
     problems: list[tuple[str | None, str]] = []
     coded = [name for name, err in record.lossy.items() if "decoded_sq" in err]
     if not coded:
         return []
-    handle = get_backend(spec.backend).open(store, record, spec)
+    handle = get_backend(spec.backend, manifest.format).open(store, record, spec)
     rank = rank_of(spec.hidden_codec)  # a rank codec decodes through the cache's stored bases
     bases = read_projection(store, [n for n in coded if projected(spec.hidden_codec, n)], rank) if rank else None
     for name in coded:

@@ -43,8 +43,8 @@ from kdcache.storage.manifest import (
     write_manifest,
     write_sidecar,
 )
-from kdcache.storage.spec import FORMAT_VERSION, CacheSpec
-from kdcache.storage.stores import Store, open_store
+from kdcache.storage.spec import CacheSpec
+from kdcache.storage.stores import Store, WriterLock, open_store
 
 
 def spec_differences(cached: CacheSpec, wanted: CacheSpec) -> list[str]:
@@ -85,7 +85,8 @@ class CacheWriter:
         self.root, self.spec, self.part = self.store.url, spec, (index, count)
         self.fingerprints = dict(fingerprints)
         self.backend: Backend = get_backend(spec.backend)
-        self._lock = self.store.lock(f"part-{index:05d}-of-{count:05d}.lock", f"part {index} of {count}")
+        self._lock: WriterLock | None = self.store.lock(f"part-{index:05d}-of-{count:05d}.lock",
+                                                        f"part {index} of {count}")
         try:
             with self.store.merge_lock():
                 self._open_manifest()
@@ -99,10 +100,9 @@ class CacheWriter:
             write_manifest(self.store, Manifest(self.spec, self.fingerprints, "writing"))
             return
         existing = read_manifest(self.store)
-        if existing.format_version != FORMAT_VERSION:
-            raise FormatVersionError(f"{self.root} is a format {existing.format_version} cache; this kdcache reads it "
-                                     f"but writes format {FORMAT_VERSION} only, so it cannot add shards to it. "
-                                     f"Write to a new directory.")
+        refusal = existing.format.refusal(self.root)  # this code writes only its own format
+        if refusal:
+            raise FormatVersionError(refusal)
         differences = spec_differences(existing.spec, self.spec)
         differences += compare_fingerprints(existing.fingerprints, self.fingerprints, strict=True)
         if differences:
@@ -152,7 +152,8 @@ class CacheWriter:
         except OSError as exc:
             self.store.remove(key)  # data without its sidecar is never read; do not leave it to fill the disk
             raise _disk_full(self.store, exc, record.stored_bytes, f"shard {index}") from None
-        self._lock.renew()  # an object-store lease shows this writer is alive
+        if self._lock is not None:  # an object-store lease shows this writer is alive
+            self._lock.renew()
         return record
 
     def _clear_stale(self, index: int) -> None:
@@ -167,8 +168,9 @@ class CacheWriter:
 
     def close(self) -> None:
         """Release this part's lock (a local lock is also released if the process dies)."""
-        if getattr(self, "_lock", None) is not None:
-            self._lock.close()
+        lock = getattr(self, "_lock", None)  # None: closed, or __init__ failed before taking it
+        if lock is not None:
+            lock.close()
             self._lock = None
 
     def __enter__(self) -> CacheWriter:
@@ -204,7 +206,7 @@ def merge_parts(path: str | os.PathLike[str] | Store, storage_options: Mapping[s
     store = open_store(path, storage_options)
     with store.merge_lock():
         manifest = read_manifest(store)
-        backend = get_backend(manifest.spec.backend)
+        backend = get_backend(manifest.spec.backend, manifest.format)
         manifest.shards = _valid_records(store, manifest, backend)
         manifest.arrays = summarize_arrays(manifest.spec, manifest.shards)
         if manifest.seals_files:  # an older cache's manifest keeps its format: no table of its folders

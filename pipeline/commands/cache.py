@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from kdcache.pipeline.cache_info import describe
+from kdcache.stages.common import logit_kinds
 
 CACHE_HELP = "cache folder or URL (s3://bucket/cache, gs://..., any fsspec URL)"
 
@@ -57,10 +58,7 @@ def _codec_text(record: dict[str, Any] | None) -> str:
 
 def _text(info: dict[str, Any]) -> str:
     heads = "all" if info["attention_heads"] is None else info["attention_heads"]
-    vocab = f"V={info['vocab_size']}"
-    logits = {"topk": f"top-{info['top_k']} of {vocab}", "full": f"full, {vocab}",
-              "sampled": f"{info['samples']} draws per token at T={info['sample_temperature']:g}, {vocab}",
-              "head": f"the teacher's LM head on its last layer (teacher_head/), {vocab}"}
+    logits = logit_kinds.get(info["logits"]).describe(info) if info["logits"] else "none"
     lines = [
         f"cache        {info['path']}",
         f"status       {info['status']} (format v{info['format_version']}, backend {info['backend']})",
@@ -69,7 +67,7 @@ def _text(info: dict[str, Any]) -> str:
         f"tokens       {info['num_tokens']}",
         f"features     {', '.join(info['features']) or 'input_ids only'}",
         *_layer_lines(info, heads),
-        f"logits       {logits.get(info['logits'], 'none')}",
+        f"logits       {logits}",
         f"dtype        {info['dtype']}" + (f", bitround keepbits={info['bitround']}" if info["bitround"] else "")
         + _codec_text(info["hidden_codec"]),
         f"size         {info['stored_bytes']} bytes stored, {info['bytes_per_token']} B/token, "

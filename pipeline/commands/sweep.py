@@ -15,6 +15,7 @@ from typing import Any
 
 from kdcache.pipeline.config import ConfigError, load_yaml
 from kdcache.stages.common.option_groups import leaves
+from kdcache.stages.common.stream_options import ALIASES
 from kdcache.stages.train.options import TrainOptions
 
 
@@ -50,7 +51,7 @@ def base_values(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(section, dict):
             raise ConfigError([f"section 'train' of {args.config!r} must be a mapping"])
         values.update(section)
-    names = {f.name for _, _, f in leaves(TrainOptions)} - {"out", "resume"}
+    names = ({f.name for _, _, f in leaves(TrainOptions)} | set(ALIASES)) - {"out", "resume"}
     values.update({k: v for k, v in vars(args).items() if k in names})
     values.pop("out", None)
     return values

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.commands import print_summary
-from kdcache.pipeline.config import ConfigError, flag_name, from_args
+from kdcache.pipeline.config import ConfigError, from_args
 from kdcache.pipeline.quiet import quiet
+from kdcache.stages.common.stream_options import StreamLayers, alias_flags, fold_aliases
 from kdcache.stages.train.options import TrainOptions
 
 
@@ -36,12 +37,10 @@ def register(subparsers: Any) -> None:
         description="Copy the embeddings, the chosen blocks (1-based, as hidden_states numbers them) and the "
                     "head of a teacher into a new model folder. Run it once before `kdcache train`.")
     init.add_argument("--teacher", required=True, metavar="T", help="teacher model folder")
-    init.add_argument("--layers", metavar="1,4,6", help="teacher blocks to keep, comma separated (both stacks "
-                                                        "of an encoder-decoder)")
-    init.add_argument("--encoder-layers", metavar="1,4", help="encoder-decoder teachers: encoder blocks to keep "
-                                                              "(default --layers)")
-    init.add_argument("--decoder-layers", metavar="2,4", help="encoder-decoder teachers: decoder blocks to keep "
-                                                              "(default --layers)")
+    init.add_argument("--layers", nargs="+", metavar="[STREAM:]1,4,6",
+                      help="teacher blocks to keep, comma separated (both stacks of an encoder-decoder, or each "
+                           "apart: encoder:1,4 decoder:2,4)")
+    alias_flags(init, ["layers"])  # --encoder-layers / --decoder-layers, with a note naming --layers STACK:...
     init.add_argument("--out", required=True, metavar="S", help="folder for the new student")
     init.set_defaults(func=run_init_student)
 
@@ -79,9 +78,17 @@ def _loader(student_dir: str) -> str:
 
 def run_init_student(args: argparse.Namespace) -> int:
     """Parse ``--layers`` and copy the blocks; problems exit 2 through ConfigError / StudentError."""
-    layers, encoder, decoder = (_block_list(args, name) for name in ("layers", "encoder_layers", "decoder_layers"))
+    given = {k: v for k, v in vars(args).items() if k in ("layers", "encoder_layers", "decoder_layers")}
+    values, problems = fold_aliases(given, {"layers": StreamLayers})
+    try:
+        stacks = StreamLayers.parse(values["layers"]) if "layers" in values else StreamLayers()
+    except ValueError as exc:
+        problems.append(f"--layers {values['layers']!r}: {exc}")
+    if problems:
+        raise ConfigError(problems)
+    layers, encoder, decoder = (_block_list(stacks, name) for name in ("", "encoder", "decoder"))
     if not (layers or (encoder and decoder)):
-        raise ConfigError(["--layers is required (or both --encoder-layers and --decoder-layers)"])
+        raise ConfigError(["--layers is required (or both stacks: --layers encoder:BLOCKS decoder:BLOCKS)"])
     if not os.path.isdir(args.teacher):
         raise ConfigError([f"--teacher {args.teacher!r} is not a model folder"])
     from kdcache.stages.train.init_student import init_student_from_teacher
@@ -92,13 +99,14 @@ def run_init_student(args: argparse.Namespace) -> int:
     return 0
 
 
-def _block_list(args: argparse.Namespace, name: str) -> list[int] | None:
-    """A comma-separated block list flag as ints (None when the flag is absent)."""
-    value = getattr(args, name, None)
+def _block_list(stacks: StreamLayers, stream: str) -> list[int] | None:
+    """One stack's blocks of ``--layers`` as ints (None when not given)."""
+    value = stacks.get(stream)
     if value is None:
         return None
     try:
-        return [int(v) for v in str(value).split(",") if v.strip()]
+        return [int(v) for v in value]
     except ValueError:
-        flag = flag_name(name)
-        raise ConfigError([f"{flag} {value!r}: expected comma-separated block numbers, e.g. 1,4,6"]) from None
+        flag = f"--layers {stream}:" if stream else "--layers "
+        raise ConfigError([f"{flag}{stacks.text_of(stream)!r}: expected comma-separated block numbers, e.g. "
+                           f"1,4,6"]) from None

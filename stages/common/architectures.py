@@ -9,9 +9,13 @@ each family spells these facts, so every other one handles a stack list, whateve
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kdcache.storage.errors import KdcacheError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # Config keys holding a stack's depth, BART/mBART spelling first, then T5's.
 DEPTH_KEYS = {"": ("num_hidden_layers",), "encoder": ("encoder_layers", "num_layers"),
@@ -22,12 +26,22 @@ class ArchitectureError(KdcacheError):
     """A config whose stacks cannot be read."""
 
 
-def is_encoder_decoder(config: Any) -> bool:
+class ModelClass(Protocol):
+    """A transformers class a model is loaded with: a model class (``GPT2LMHeadModel``) or an Auto class.
+
+    The result stays untyped: ``output_loading_info=True`` makes it a ``(model, info)`` pair.
+    """
+
+    def from_pretrained(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Load a checkpoint (a folder or a hub id)."""
+
+
+def is_encoder_decoder(config: PretrainedConfig) -> bool:
     """Whether the model has separate encoder and decoder stacks (BART, mBART, T5...)."""
     return bool(getattr(config, "is_encoder_decoder", False))
 
 
-def stack_depths(config: Any) -> dict[str, int]:
+def stack_depths(config: PretrainedConfig) -> dict[str, int]:
     """Blocks per stack: ``{"": N}``, or ``{"encoder": N_e, "decoder": N_d}`` (the decoder defaults to N_e).
 
     Raises:
@@ -43,7 +57,7 @@ def stack_depths(config: Any) -> dict[str, int]:
     return {"encoder": encoder, "decoder": decoder}
 
 
-def with_depths(config: Any, depths: dict[str, int]) -> Any:
+def with_depths(config: PretrainedConfig, depths: dict[str, int]) -> PretrainedConfig:
     """A copy of ``config`` whose stacks have ``depths`` blocks (every key the config spells a depth with)."""
     config = copy.deepcopy(config)
     data = config.to_dict()
@@ -55,12 +69,12 @@ def with_depths(config: Any, depths: dict[str, int]) -> Any:
     return config
 
 
-def stack_module(model: Any, stack: str) -> Any:
+def stack_module(model: PreTrainedModel, stack: str) -> torch.nn.Module:
     """The module holding ``stack``'s blocks: the model itself for ``""``, else its encoder or decoder."""
     return {"": lambda: model, "encoder": model.get_encoder, "decoder": model.get_decoder}[stack]()
 
 
-def model_class(config: Any) -> Any:
+def model_class(config: PretrainedConfig) -> ModelClass:
     """The transformers class to build: the config's own architecture, else the family's LM, else the bare model."""
     import transformers
 
@@ -76,7 +90,7 @@ def model_class(config: Any) -> Any:
     return transformers.AutoModel
 
 
-def lm_class(config: Any) -> Any:
+def lm_class(config: PretrainedConfig) -> ModelClass:
     """The class with the language-model head: for an encoder-decoder, ``AutoModelForSeq2SeqLM`` whatever the
     config's ``architectures`` say (bart-base's name its bare ``BartModel``, which has no head and cannot build
     decoder inputs from labels); else ``model_class``."""
@@ -85,7 +99,7 @@ def lm_class(config: Any) -> Any:
     return transformers.AutoModelForSeq2SeqLM if is_encoder_decoder(config) else model_class(config)
 
 
-def is_causal_config(config: Any) -> bool:
+def is_causal_config(config: PretrainedConfig) -> bool:
     """Whether a one-stack model attends causally: decoder-only LMs do; BERT-style encoders do not (unless
     configured as decoders); an encoder-decoder is not one stack (its decoder's masks are the model's own)."""
     import transformers

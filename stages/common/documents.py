@@ -8,8 +8,6 @@ is additive (0 or the dtype's minimum), the form both eager and SDPA attention i
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 
@@ -44,8 +42,8 @@ def document_attention_mask(position_ids: torch.Tensor, mask: torch.Tensor, *, c
     return additive.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def documents_apart_problem(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
-                            *, causal: bool) -> str | None:
+def documents_apart_problem(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor,
+                            position_ids: torch.Tensor, *, causal: bool) -> str | None:
     """Why ``model`` does not keep packed documents apart, or None when it does.
 
     Some families compute positions or attention biases their own way (RoBERTa offsets positions by its padding

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdcache.storage.fingerprint import hash_json
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """Vocabulary hash, size and special tokens of a HF tokenizer.
 
     Two tokenizers with the same fingerprint map every string to the same ids, which is what makes a teacher's
@@ -29,7 +32,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def clear_call_state(tokenizer: Any) -> None:
+def clear_call_state(tokenizer: PreTrainedTokenizerBase) -> None:
     """Drop the truncation and padding that an earlier call left on a fast tokenizer's backend.
 
     HF fast tokenizers keep the last call's ``truncation=``/``padding=`` in their backend, and its serialised
@@ -42,7 +45,7 @@ def clear_call_state(tokenizer: Any) -> None:
         backend.no_padding()
 
 
-def config_fingerprint(config: Any) -> str:
+def config_fingerprint(config: PretrainedConfig) -> str:
     """Hash of a HF ``PretrainedConfig``, leaving out fields that do not change the outputs."""
     data = config.to_dict()
     for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "_attn_implementation",

@@ -69,6 +69,12 @@ def assemble(cls: type[T], flat: dict[str, Any]) -> T:
     is the checked way in."""
     import pydantic
 
+    from kdcache.stages.common.stream_options import StreamValueError, fold_aliases
+
+    types = {f.name: typing.get_type_hints(owner)[f.name] for _, owner, f in leaves(cls)}
+    flat, problems = fold_aliases(flat, types)  # decoder_layer_map=... as the config reads it
+    if problems:
+        raise StreamValueError("; ".join(problems))
     return pydantic.TypeAdapter(cls).validate_python(nest(cls, flat))
 
 

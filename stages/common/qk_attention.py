@@ -18,14 +18,20 @@ forward, which holds for every one-stack model (decoder-only and encoder).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION_NAME = "kdcache_qk"
 CHECK_BLOCK = 128  # query rows rebuilt at a time by check_rule: a [1, H, 128, L] fp32 block
 _ACTIVE: list[QKRecorder] = []  # the recorder of the forward running now (innermost last)
+# transformers' attention interface: (module, query, key, value, mask, **settings) -> (output [B, L, H, d], weights)
+AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class QKRecorderError(RuntimeError):
     """A model's attention cannot be recorded or rebuilt from its queries and keys (caught and worded by callers)."""
 
 
-def _delegate(module: Any, kwargs: dict[str, Any]) -> Any:
+def _delegate(module: torch.nn.Module, kwargs: dict[str, Any]) -> AttentionFunction:
     """SDPA; for soft-capped scores, which SDPA refuses, the model's own eager attention given an additive mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -79,15 +85,16 @@ def _delegate(module: Any, kwargs: dict[str, Any]) -> Any:
     if eager is None:
         raise QKRecorderError(f"{type(module).__name__} soft-caps its scores and has no eager attention to run")
 
-    def run(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, **kw: Any) -> Any:
+    def run(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # SDPA's mask format: True = attend
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
         return eager(module, q, k, v, mask, **kw)
     return run
 
 
-def _forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-             **kwargs: Any) -> tuple[torch.Tensor, Any]:
+def _forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The registered attention function: SDPA, plus a record of its inputs when a recorder is active."""
     output = _delegate(module, kwargs)(module, query, key, value, attention_mask, **kwargs)
     if _ACTIVE:
@@ -114,7 +121,7 @@ class QKRecorder:
         keep_output: also keep each block's attention output, to check the rebuilt scores (``check_rule``).
     """
 
-    def __init__(self, model: Any, blocks: tuple[int, ...] | list[int], causal: bool,
+    def __init__(self, model: PreTrainedModel, blocks: tuple[int, ...] | list[int], causal: bool,
                  keep_output: bool = False) -> None:
         register()
         model.set_attn_implementation(ATTENTION_NAME)
@@ -134,7 +141,8 @@ class QKRecorder:
     def __exit__(self, *exc: object) -> None:
         _ACTIVE.remove(self)
 
-    def add(self, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any],
+    def add(self, module: torch.nn.Module, q: torch.Tensor,
+ k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any],
             output: torch.Tensor) -> None:
         """Called by the attention function for every block, in order."""
         self._calls += 1

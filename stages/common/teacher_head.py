@@ -8,7 +8,7 @@ N whose cached states the head reads, sizes, ``logit_scale`` / ``softcap`` and t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,12 +16,16 @@ from kdcache.storage.canonical import canonical_json
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.fingerprint import hash_bytes
 from kdcache.storage.manifest import read_json
-from kdcache.storage.stores import Store
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kdcache.storage.stores import Store
 
 HEAD_FOLDER = "teacher_head"
 
 
-def finish_logits(logits: Any, scale: float | None, softcap: float | None) -> Any:
+def finish_logits(logits: torch.Tensor, scale: float | None, softcap: float | None) -> torch.Tensor:
     """The head's output as the model's logits: times ``logit_scale`` (Cohere), then soft-capped (Gemma), in that
     order; stage one's chunked head and stage two's copy both apply this, so their logits agree."""
     if scale:
@@ -31,7 +35,7 @@ def finish_logits(logits: Any, scale: float | None, softcap: float | None) -> An
     return logits
 
 
-def export_head(model: Any, store: Store, layer: int) -> None:
+def export_head(model: PreTrainedModel, store: Store, layer: int) -> None:
     """Save a copy of the teacher's LM head (see the module docstring) into the cache's ``store`` (it appears
     whole)."""
     import tempfile
@@ -61,7 +65,7 @@ def export_head(model: Any, store: Store, layer: int) -> None:
         put_folder(store, HEAD_FOLDER, Path(tmp))  # listed with its checksums, so verify checks the copy
 
 
-def read_head(store: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_head(store: Store) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The head's tensors and ``head.json`` from a cache's store, its sha256 checked.
 
     Raises:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,17 +37,22 @@ from kdcache.stages.precompute.capture import (
 )
 from kdcache.stages.precompute.data import TokenStreams
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.logit_head import as_logprobs, logit_targets
+from kdcache.stages.precompute.logit_head import logit_targets
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
 from kdcache.storage.hidden_codecs import applies_to
 from kdcache.storage.spec import TOPK_MASS
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers.modeling_outputs import Seq2SeqLMOutput
+
 # One padded batch of every stream: stream -> (ids [B, L], mask [B, L]) on the teacher's device, the B valid
 # lengths per stream, and stream -> position_ids [B, L] for rows packed with documents kept apart (else absent).
 # A capture returns one dict of storage-ready arrays per sequence.
-Capture = Callable[[dict[str, tuple[Any, Any]], dict[str, list[int]], dict[str, Any]], list[dict[str, np.ndarray]]]
+Capture = Callable[[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, list[int]], dict[str, torch.Tensor]],
+                   list[dict[str, np.ndarray]]]
 
 
 class TeacherAdapter(ABC):
@@ -55,21 +60,21 @@ class TeacherAdapter(ABC):
     keep, the spec and the settings fingerprint follow from the token streams (``targets.py``)."""
 
     @abstractmethod
-    def check_options(self, options: PrecomputeOptions, config: Any) -> None:
+    def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
         """Refuse options that do not apply to this family, rather than ignore them."""
 
     @abstractmethod
-    def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
+    def load_data(self, options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
         """The dataset as token streams, in cache order."""
 
     @abstractmethod
-    def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
-                     device: Any) -> Teacher:
+    def load_teacher(self, options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,
+                     tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
         """The weights, for inference (eager attention only when maps are captured)."""
 
     @abstractmethod
     def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions,
-                projection: Projection | None = None) -> Any:
+                projection: Projection | None = None) -> AbstractContextManager[Capture]:
         """A context manager giving the ``Capture`` function of this teacher (a rank codec's layers coded through
         ``projection``, or handed out as float32 while it is fitted)."""
 
@@ -77,25 +82,27 @@ class TeacherAdapter(ABC):
 class HookedTeacher(TeacherAdapter):
     """Decoder-only and encoder teachers: one token stream, targets captured by forward hooks."""
 
-    _ENCODER_DECODER_ONLY = ("source_column", "target_column", "max_target_length", "encoder_layers", "decoder_layers",
-                     "encoder_attention_layers", "decoder_attention_layers", "cross_attention_layers")
+    _ENCODER_DECODER_ONLY = ("source_column", "target_column", "max_target_length")
 
-    def check_options(self, options: PrecomputeOptions, config: Any) -> None:
+    def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
         values = flatten(options)
-        given = [name for name in self._ENCODER_DECODER_ONLY if values[name] not in (None, ())]
+        given = [name for name in self._ENCODER_DECODER_ONLY if values[name] is not None]
+        per_stream = (options.targets.layers, options.targets.attention_layers)  # a stack's or cross's own value
+        given += [f"{name} {s}:{value.text_of(s)}" for name, value in zip(("layers", "attention_layers"), per_stream)
+                  if value is not None for s in value.streams if s]
         if "cross_attention" in options.targets.features:
             given.append("features cross_attention")
         if given:
             raise PrecomputeError(f"{', '.join(given)}: only for encoder-decoder teachers, and "
                                   f"{options.engine.teacher!r} is a {config.model_type} without a decoder stack")
 
-    def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
+    def load_data(self, options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
         from kdcache.stages.precompute.row_build import text_streams
 
         return text_streams(options, tokenizer)
 
-    def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
-                     device: Any) -> Teacher:
+    def load_teacher(self, options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,
+                     tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
         return load_teacher(options, config, targets, tokenizer, device)
 
     @contextmanager
@@ -114,16 +121,16 @@ class EncoderDecoderTeacher(TeacherAdapter):
 
     _HEAD_KEYS = ("lm_head", "final_logits_bias")  # what a checkpoint without an LM head lacks
 
-    def check_options(self, options: PrecomputeOptions, config: Any) -> None:
+    def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
         return None  # every option applies; the pair loader refuses a missing --target-column and --packing
 
-    def load_data(self, options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
+    def load_data(self, options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
         from kdcache.stages.precompute.row_build import pair_streams
 
         return pair_streams(options, tokenizer)
 
-    def load_teacher(self, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
-                     device: Any) -> Teacher:
+    def load_teacher(self, options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,
+                     tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
         model = load_for_inference(lm_class(config), options, device, eager=targets.wants_attention,
                                    optional=() if targets.logits else self._HEAD_KEYS)
         fingerprint = {**teacher_fingerprint(options, model), "num_encoder_layers": targets.streams["encoder"].depth,
@@ -137,8 +144,8 @@ class EncoderDecoderTeacher(TeacherAdapter):
         capture = OutputCapture(teacher.model, targets, options.storage.dtype, options.storage.hidden_codec_record,
                                 projection)
 
-        def run(batch: dict[str, tuple[Any, Any]], lengths: dict[str, list[int]],
-                positions: dict[str, Any]) -> list[dict[str, np.ndarray]]:
+        def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
+                positions: dict[str, torch.Tensor]) -> list[dict[str, np.ndarray]]:
             (src, src_mask), (tgt, tgt_mask) = batch["encoder"], batch["decoder"]
             inputs = {"input_ids": src, "attention_mask": src_mask, "labels": tgt, "decoder_attention_mask": tgt_mask}
             return capture.run(inputs, lengths["encoder"], lengths["decoder"])
@@ -167,8 +174,8 @@ class OutputCapture:
         hidden_codec: the resolved hidden codec (``storage.hidden_codecs``); None: ``dtype_name``.
     """
 
-    def __init__(self, model: Any, targets: Targets, dtype_name: str, hidden_codec: dict[str, Any] | None = None,
-                 projection: Projection | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, targets: Targets, dtype_name: str,
+                 hidden_codec: dict[str, Any] | None = None, projection: Projection | None = None) -> None:
         if not hasattr(model, "prepare_decoder_input_ids_from_labels"):
             raise PrecomputeError(f"{type(model).__name__} cannot build decoder inputs from labels "
                                   f"(no prepare_decoder_input_ids_from_labels); it is not an encoder-decoder LM")
@@ -195,7 +202,9 @@ class OutputCapture:
         """
         t = self.targets
         with torch.inference_mode():
-            decoder_input_ids = self.model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+            # checked in __init__ (PreTrainedModel does not declare it)
+            decoder_input_ids = self.model.prepare_decoder_input_ids_from_labels(  # type: ignore[operator]
+                labels=batch["labels"])
             out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              decoder_input_ids=decoder_input_ids,
                              decoder_attention_mask=batch["decoder_attention_mask"], use_cache=False,
@@ -207,7 +216,7 @@ class OutputCapture:
         return [cut_padding(host, i, {"encoder": n_e, "decoder": n_d})
                 for i, (n_e, n_d) in enumerate(zip(enc_lengths, dec_lengths))]
 
-    def _select(self, out: Any) -> dict[str, torch.Tensor]:
+    def _select(self, out: Seq2SeqLMOutput) -> dict[str, torch.Tensor]:
         """The selected layers as padded device tensors, by array name."""
         t = self.targets
         kept: dict[str, torch.Tensor] = {}
@@ -215,9 +224,8 @@ class OutputCapture:
             kept.update({f"{stream}/hidden/{j}": getattr(out, f"{stream}_hidden_states")[j] for j in layers.hidden})
             kept.update({f"{stream}/attention/{j}": getattr(out, f"{stream}_attentions")[j - 1]
                          for j in layers.attention})
-        kept.update({f"cross_attention/{j}": out.cross_attentions[j - 1] for j in t.cross_attention})
-        logits = logit_targets(out.logits, t.logits, t.top_k)
-        kept.update(as_logprobs(logits) if t.logprob_step else logits)
+        kept.update({f"cross_attention/{j}": (out.cross_attentions or ())[j - 1] for j in t.cross_attention})
+        kept.update(logit_targets(out.logits, t))  # log-probs already, with --topk-values logprob
         return kept
 
     def _check_range(self, kept: dict[str, torch.Tensor]) -> None:
@@ -239,6 +247,6 @@ class OutputCapture:
         return {name: to_storage_dtype(value, self.dtype_name)}
 
 
-def adapter_for(config: Any) -> TeacherAdapter:
+def adapter_for(config: PretrainedConfig) -> TeacherAdapter:
     """The adapter of this teacher's family, from its config."""
     return EncoderDecoderTeacher() if is_encoder_decoder(config) else HookedTeacher()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,14 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdcache.stages.common import hidden_codecs
+from kdcache.stages.common import hidden_codecs, logit_kinds
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.logit_head import ChunkedHead, as_logprobs, logit_targets
+from kdcache.stages.precompute.logit_head import ChunkedHead, head_probe, logit_targets
 from kdcache.stages.precompute.qk_capture import QKCapture
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
 from kdcache.storage.hidden_codecs import applies_to, projected
+from kdcache.storage.logit_layouts import FLOAT, logit_arrays
 from kdcache.storage.streams import ragged_streams
 
 
@@ -188,10 +189,9 @@ class FeatureCapture:
         self._paused = False  # hooks ignore forwards run only to check the chunked head or packed documents
         self._documents_checked = False
         # Full logits are stored whole anyway; head mode runs the head once, on the first batch, to check it.
-        chunks = {"topk": chunk_tokens, "sampled": chunk_tokens, "head": chunk_tokens or 512}
-        chunk = chunks.get(targets.logits or "", 0)
-        self._head = ChunkedHead(self.model, chunk)
-        if targets.logits == "head" and not self._head.active:
+        self._kind = logit_kinds.get(targets.logits) if targets.logits else None
+        self._head = ChunkedHead(self.model, self._kind.capture_chunk(chunk_tokens) if self._kind else 0)
+        if self._kind and self._kind.teacher_head and not self._head.active:
             raise PrecomputeError(f"logits head: {type(self.model).__name__} has no plain LM head to copy; use "
                                   f"--logits topk or full")
         self._qk = QKCapture(self.model, targets) if targets.attention_source != "maps" else None
@@ -270,14 +270,13 @@ class FeatureCapture:
         self._out[f"attention/{j}"] = to_storage_dtype(probs, self.dtype_name)
 
     def _keep_logits(self, kept: dict[str, torch.Tensor]) -> None:
-        """Top-k or full logits (``logit_targets``), still padded: range recorded, values in the storage dtype
-        (or, for ``--topk-values logprob``, fp32 log-probs that storage quantises)."""
-        if self.targets.logprob_step:
-            kept = as_logprobs(kept)
-        for name in ("logits/full", "logits/topk_values", "logits/sample_logp"):
-            if name in kept and not (name == "logits/topk_values" and self.targets.logprob_step):
-                self._keep_range(name, kept[name])
-                kept[name] = to_storage_dtype(kept[name], self.dtype_name)
+        """The logit kind's arrays (``logit_targets``), still padded: those its storage layout keeps in the float
+        dtype range-checked and converted; the rest (ids, the fp32 logsumexp, log-probs that storage quantises)
+        handed over as computed."""
+        for array in logit_arrays(self.targets):
+            if array.dtype == FLOAT and array.name in kept:
+                self._keep_range(array.name, kept[array.name])
+                kept[array.name] = to_storage_dtype(kept[array.name], self.dtype_name)
         self._out.update(kept)
 
     # ---- one batch ----------------------------------------------------------------------------------
@@ -350,20 +349,19 @@ class FeatureCapture:
         valid = attention_mask.bool()
         if not self._head.checked and not self._check_head(kwargs, output.last_hidden_state, valid, first_length):
             return output, keep(self._full_logits(kwargs))
-        return output, {} if self.targets.logits == "head" else self._head.targets(output.last_hidden_state, valid,
-                                                                                   keep)
+        stores = bool(logit_arrays(self.targets))  # head mode stores nothing per token
+        return output, self._head.targets(output.last_hidden_state, valid, keep) if stores else {}
 
-    def _keeper(self, input_ids: torch.Tensor) -> Any:
-        """``logit_targets`` with this run's settings; sampling draws from a generator seeded by the batch's own
-        tokens, so a shard's samples are the same on every rerun and every rank."""
+    def _keeper(self, input_ids: torch.Tensor) -> Callable[[torch.Tensor | None], dict[str, torch.Tensor]]:
+        """``logit_targets`` with this run's settings; a kind that draws does so from a generator seeded by the
+        batch's own tokens, so a shard's samples are the same on every rerun and every rank."""
         t = self.targets
         generator = None
-        if t.logits == "sampled":
+        if self._kind and self._kind.draws:
             digest = hashlib.sha256(input_ids.cpu().numpy().tobytes()).digest()
             generator = torch.Generator(device=input_ids.device)
             generator.manual_seed(int.from_bytes(digest[:7], "little") ^ self.seed)
-        return lambda logits: logit_targets(logits, t.logits, t.top_k, samples=t.samples,
-                                            temperature=t.sample_temperature, generator=generator)
+        return lambda logits: logit_targets(logits, t, generator)
 
     @contextmanager
     def _hooks_paused(self) -> Iterator[None]:
@@ -381,12 +379,12 @@ class FeatureCapture:
     def _check_head(self, kwargs: dict[str, Any], last: torch.Tensor, valid: torch.Tensor, length: int) -> bool:
         """Check the chunked head once against the model's own forward on the first sequence (hooks paused);
         on disagreement the run falls back to the full forward (``head`` mode cannot: it refuses)."""
-        probe = self._head.targets(last, valid, lambda logits: logit_targets(logits, "topk", 1))
+        probe = self._head.targets(last, valid, head_probe)
         with self._hooks_paused():
             first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             if self._head.agrees(self.model(**first).logits, probe, length):
                 return True
-            if self.targets.logits == "head":
+            if self._kind and self._kind.teacher_head:
                 raise PrecomputeError(f"logits head: {type(self.model).__name__}'s logits are not its LM head "
                                       f"applied to the last hidden layer, so stage two could not rebuild them; use "
                                       f"--logits topk or full")

@@ -18,9 +18,12 @@ from __future__ import annotations
 import datetime
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kdcache.stages.precompute.errors import PrecomputeError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant", "tool")
 CHAT_DATE = datetime.date(2024, 7, 26)  # what Llama 3.1's template prints when it has no clock
@@ -29,7 +32,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Span = tuple[int, int]  # [start, end) characters of the rendered text
 
 
-def chat_template(tokenizer: Any, path: str | None, teacher: str) -> str:
+def chat_template(tokenizer: PreTrainedTokenizerBase, path: str | None, teacher: str) -> str:
     """The template to render with: ``--chat-template FILE`` (which then also replaces the tokenizer's, so the
     cache's saved tokenizer carries it), else the tokenizer's own.
 
@@ -50,7 +53,7 @@ def chat_template(tokenizer: Any, path: str | None, teacher: str) -> str:
     return template
 
 
-def check_conversation(row: int, messages: Any) -> list[dict[str, Any]]:
+def check_conversation(row: int, messages: object) -> list[dict[str, Any]]:
     """The conversation of dataset row ``row`` as plain message dicts (keys set to null by ``datasets``, which
     unifies the keys of every row, are dropped).
 
@@ -71,12 +74,13 @@ def check_conversation(row: int, messages: Any) -> list[dict[str, Any]]:
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
-def _preview(value: Any) -> str:
+def _preview(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def render(row: int, messages: list[dict[str, Any]], template: str, tokenizer: Any) -> tuple[str, list[Span]]:
+def render(row: int, messages: list[dict[str, Any]], template: str,
+           tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[Span]]:
     """The rendered conversation and the character spans of its assistant turns.
 
     Raises:
@@ -96,16 +100,17 @@ def render(row: int, messages: list[dict[str, Any]], template: str, tokenizer: A
     return text, [_rstrip(text, span) for span in spans]
 
 
-def _render(messages: list[dict[str, Any]], template: str, tokenizer: Any, *, prompt: bool = False,
-            tagged: bool = False) -> tuple[str, list[Span]]:
+def _render(messages: list[dict[str, Any]], template: str, tokenizer: PreTrainedTokenizerBase, *,
+            prompt: bool = False, tagged: bool = False) -> tuple[str, list[Span]]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     # transformers annotates the result as str; it is (texts, generation indices), one entry per conversation.
     _pin_date(template)
-    rendered: Any = render_jinja_template([messages], chat_template=template, add_generation_prompt=prompt,
-                                          return_assistant_tokens_mask=tagged, **tokenizer.special_tokens_map)
-    texts, indices = rendered
-    return texts[0], [tuple(span) for span in indices[0]] if tagged else []
+    special: dict[str, Any] = tokenizer.special_tokens_map  # bos_token, eos_token...: template variables
+    rendered = render_jinja_template([messages], chat_template=template, add_generation_prompt=prompt,
+                                     return_assistant_tokens_mask=tagged, **special)
+    texts, indices = cast("tuple[list[str], list[list[list[int]]]]", rendered)
+    return texts[0], [(start, end) for start, end in indices[0]] if tagged else []
 
 
 def _pin_date(template: str) -> None:
@@ -117,7 +122,8 @@ def _pin_date(template: str) -> None:
     _compile_jinja_template(template).environment.globals["strftime_now"] = CHAT_DATE.strftime
 
 
-def _by_prefixes(row: int, messages: list[dict[str, Any]], template: str, tokenizer: Any) -> tuple[str, list[Span]]:
+def _by_prefixes(row: int, messages: list[dict[str, Any]], template: str,
+                 tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[Span]]:
     full, _ = _render(messages, template, tokenizer)
     spans = []
     for i, message in enumerate(messages):

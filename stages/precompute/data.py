@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,12 @@ from kdcache.stages.precompute.chat import chat_template, check_conversation, re
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import DATA_EXTENSIONS, PrecomputeOptions, looks_like_path
 from kdcache.stages.precompute.rows import Document, Rows, make_rows, span_mask
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+    from transformers import PreTrainedTokenizerBase
+
+    from kdcache.stages.precompute.row_store import RowTable
 
 _TOKENIZE_BATCH = 1000
 
@@ -82,19 +88,20 @@ class TokenStreams:
         return max(int(s.max()) for seqs in self.ids.values() for s in seqs)
 
     @classmethod
-    def of_table(cls, table: Any) -> TokenStreams:
+    def of_table(cls, table: RowTable) -> TokenStreams:
         """Streams over a ``row_store.RowTable``: its ``*input_ids`` columns are the streams, the rest the
         token arrays stored beside them."""
         from kdcache.storage.streams import kind_of, split_stream
 
-        ids = {split_stream(n)[0]: c for n, c in table.columns.items() if kind_of(n) == "input_ids"}
-        tokens = {n: c for n, c in table.columns.items() if kind_of(n) != "input_ids"}
+        ids: dict[str, Sequence[np.ndarray]] = {split_stream(n)[0]: c for n, c in table.columns.items()
+                                                if kind_of(n) == "input_ids"}
+        tokens: dict[str, Sequence[np.ndarray]] = {n: c for n, c in table.columns.items() if kind_of(n) != "input_ids"}
         dropped = table.meta.get("dropped", {})
         return cls(ids, table.meta["fingerprint"], tokens, dropped.get("empty", 0), dropped.get("untrained", 0),
                    table.meta, table.built)
 
 
-def load_texts(options: PrecomputeOptions) -> Any:
+def load_texts(options: PrecomputeOptions) -> Dataset | IterableDataset:
     """Open the dataset split named by the options and check its text column.
 
     Returns:
@@ -130,7 +137,7 @@ def load_texts(options: PrecomputeOptions) -> Any:
     return ds
 
 
-def column_names(ds: Any) -> list[str]:
+def column_names(ds: Dataset | IterableDataset) -> list[str]:
     """A dataset's columns; a stream that has not inferred its features yet shows them on its first row."""
     return list(ds.column_names or next(iter(ds), {}))
 
@@ -144,7 +151,7 @@ def _columns(options: PrecomputeOptions) -> list[tuple[str, str]]:
     return wanted + ([(d.mask_column, "--mask-column")] if d.mask_column else [])
 
 
-def _load_dataset(options: PrecomputeOptions) -> Any:
+def _load_dataset(options: PrecomputeOptions) -> Dataset | IterableDataset:
     from datasets import load_dataset
 
     d = options.dataset
@@ -186,7 +193,7 @@ def _builder_for(files: list[str], data: str) -> str:
     return kind
 
 
-def tokenize(ds: Any, tokenizer: Any, options: PrecomputeOptions) -> Rows:
+def tokenize(ds: Dataset, tokenizer: PreTrainedTokenizerBase, options: PrecomputeOptions) -> Rows:
     """Tokenize the dataset into the cache's rows with their loss masks, in memory (``rows.make_rows``; stage
     one builds its row table from the same documents, ``row_build``).
 
@@ -216,7 +223,7 @@ def no_rows_error(options: PrecomputeOptions, empty: int, untrained: int) -> Pre
                            f"({empty} empty, {untrained} with no trained token within --max-length)")
 
 
-def text_template(tokenizer: Any, options: PrecomputeOptions) -> str | None:
+def text_template(tokenizer: PreTrainedTokenizerBase, options: PrecomputeOptions) -> str | None:
     """The chat template conversations are rendered with (None for plain text); checks the tokenizer."""
     d = options.dataset
     if (d.messages_column or d.mask_column) and not getattr(tokenizer, "is_fast", False):
@@ -225,7 +232,7 @@ def text_template(tokenizer: Any, options: PrecomputeOptions) -> str | None:
     return chat_template(tokenizer, d.chat_template, options.engine.teacher) if d.messages_column else None
 
 
-def text_fingerprint(options: PrecomputeOptions, tokenizer: Any) -> dict[str, Any]:
+def text_fingerprint(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """Source, split, columns and the mask rule; the row table adds the hashes of the ids, loss masks and
     positions (``TEXT_HASHES``) and the row count: a cache is reused only for the same rows trained the same way."""
     d = options.dataset
@@ -245,8 +252,8 @@ TEXT_HASHES = {"input_ids": "input_ids_hash", "loss_mask": "loss_mask_hash", "po
 PAIR_HASHES = {"encoder/input_ids": "input_ids_hash", "decoder/input_ids": "target_ids_hash"}
 
 
-def encode_batch(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: Any, options: PrecomputeOptions,
-                 template: str | None) -> dict[str, list[Any]]:
+def encode_batch(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,
+                 options: PrecomputeOptions, template: str | None) -> dict[str, list[Any]]:
     """Tokenize a batch of dataset rows into documents (a ``datasets.map`` function, so it runs in worker
     processes too).
 
@@ -279,7 +286,8 @@ def documents(encoded: dict[str, list[Any]]) -> Iterator[Document | None]:
         yield (ids, np.asarray(mask, dtype=np.uint8)) if len(ids) else None
 
 
-def _texts_and_spans(rows: dict[str, list[Any]], index: list[int], tokenizer: Any, options: PrecomputeOptions,
+def _texts_and_spans(rows: dict[str, list[Any]], index: list[int], tokenizer: PreTrainedTokenizerBase,
+                     options: PrecomputeOptions,
                      template: str | None) -> tuple[list[str], list[list[tuple[int, int]]] | None]:
     """A batch's texts, and per text the character spans to train on (None: train on every token)."""
     d = options.dataset
@@ -294,7 +302,7 @@ def _texts_and_spans(rows: dict[str, list[Any]], index: list[int], tokenizer: An
                    zip(index, rows[d.mask_column], texts)]
 
 
-def _char_spans(row: int, value: Any, length: int) -> list[tuple[int, int]]:
+def _char_spans(row: int, value: object, length: int) -> list[tuple[int, int]]:
     """A ``--mask-column`` value: a list of ``[start, end)`` character spans inside the row's text."""
     pairs = value if isinstance(value, list) else None
     ok = pairs is not None and all(isinstance(p, (list, tuple)) and len(p) == 2 and all(
@@ -312,7 +320,7 @@ def source_column(options: PrecomputeOptions) -> str:
     return d.source_column or d.text_column
 
 
-def load_pairs(options: PrecomputeOptions) -> Any:
+def load_pairs(options: PrecomputeOptions) -> Dataset | IterableDataset:
     """Open the dataset split and check both columns.
 
     Raises:
@@ -335,7 +343,7 @@ def load_pairs(options: PrecomputeOptions) -> Any:
     return ds
 
 
-def encode_pairs(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: Any,
+def encode_pairs(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,
                  options: PrecomputeOptions) -> dict[str, list[Any]]:
     """Tokenize a batch of (source, target) rows, each side truncated to its own maximum (``--max-length``,
     ``--max-target-length``); targets go through ``text_target=``, so tokenizers with per-side settings (mBART's

@@ -21,12 +21,21 @@ import math
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.storage.files import format_bytes
 from kdcache.storage.streams import kind_of, split_stream
+
+if TYPE_CHECKING:
+    import numpy as np
+    from transformers import PretrainedConfig
+
+    from kdcache.stages.precompute.data import TokenStreams
+    from kdcache.storage.manifest import ShardRecord
+    from kdcache.storage.spec import CacheSpec
 
 SAMPLE_ROWS = 64  # rows the estimate runs the teacher on (whole shards, so per-shard overheads are counted)
 CLEAR_MARGIN = 4  # refuse only when even this compression ratio would not make the cache fit
@@ -44,7 +53,7 @@ def free_bytes(out: str) -> int | None:
     return shutil.disk_usage(path).free
 
 
-def lower_bound_bytes(spec: Any, config: Any, data: Any, source: str = "maps") -> int:
+def lower_bound_bytes(spec: CacheSpec, config: PretrainedConfig, data: TokenStreams, source: str = "maps") -> int:
     """Uncompressed bytes of the cache's hidden states, attention (maps, or per ``source`` queries/keys/values)
     and full / top-k logits (see the module docstring); what depends on the teacher's outputs (sampled logits,
     documents' attention blocks) counts 0."""
@@ -67,11 +76,11 @@ def lower_bound_bytes(spec: Any, config: Any, data: Any, source: str = "maps") -
     return total
 
 
-def _heads(config: Any) -> int:
+def _heads(config: PretrainedConfig) -> int:
     return int(getattr(config, "num_attention_heads", None) or getattr(config, "encoder_attention_heads", 0) or 0)
 
 
-def _qkv_width(config: Any, source: str) -> int:
+def _qkv_width(config: PretrainedConfig, source: str) -> int:
     """Values per token of one block's queries and keys (``H x head_dim``, ``H_kv x head_dim``), and for
     ``qkv`` its values too (``H_kv x head_dim``)."""
     heads = _heads(config)
@@ -101,12 +110,14 @@ def check_room(out: str, needed: int) -> None:
                               f"targets (run with --estimate for the expected size)")
 
 
-def sample_shards(spec: Any) -> list[int]:
+def sample_shards(spec: CacheSpec) -> list[int]:
     """The first shards, enough to hold ``SAMPLE_ROWS`` rows (all of them for small data)."""
     return list(range(min(spec.num_shards, math.ceil(SAMPLE_ROWS / spec.sequences_per_shard))))
 
 
-def estimate(spec: Any, data: Any, out: str, compute: Any, fingerprints: dict[str, Any]) -> dict[str, Any]:
+def estimate(spec: CacheSpec, data: TokenStreams, out: str,
+             compute: Callable[[tuple[int, int]], list[dict[str, np.ndarray]]],
+             fingerprints: dict[str, Any]) -> dict[str, Any]:
     """Run ``compute(bounds)`` (the teacher over a shard's rows) on the sample shards, write them into a scratch
     cache with the real codecs, and scale to the whole data.
 
@@ -131,7 +142,7 @@ def estimate(spec: Any, data: Any, out: str, compute: Any, fingerprints: dict[st
     return _scale(spec, data, out, records, rows, computed, time.perf_counter() - started)
 
 
-def _scale(spec: Any, data: Any, out: str, records: list[Any], rows: int, computed: float,
+def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRecord], rows: int, computed: float,
            wall: float) -> dict[str, Any]:
     """Per-array bytes of the sample shards, scaled by tokens (or squared lengths for attention)."""
     tokens, sum_sq = data.meta["tokens"], data.meta["sum_sq_lengths"]
@@ -155,7 +166,7 @@ def _scale(spec: Any, data: Any, out: str, records: list[Any], rows: int, comput
             "free_bytes": free, "fits": None if free is None else bool(free >= total)}
 
 
-def _sample_sizes(data: Any, rows: int) -> dict[bool, dict[str, int]]:
+def _sample_sizes(data: TokenStreams, rows: int) -> dict[bool, dict[str, int]]:
     """Tokens (False) and summed squared lengths (True) of the sample's rows, per stream."""
     lengths = {s: data.lengths(s)[:rows] for s in data.streams}
     return {False: {s: int(v.sum()) for s, v in lengths.items()},

@@ -16,14 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.engine_options import PRECOMPUTE, EngineOptions, failed
 from kdcache.stages.common.engine_options import looks_like_path as common_looks_like_path
 from kdcache.stages.common.option_groups import assemble
+from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.precompute.rows import PACKING
 
 FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: encoder-decoder teachers only
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
                    ".text": "text", ".arrow": "arrow"}
+DEFAULT_LOGITS = "topk"  # the --logits mode when none is given (a name of stages.common.logit_kinds)
+FULL_LOGITS = "full"  # the mode the older flag --full-logits asks for
 
 
 def _opt(default: Any, help_text: str, **meta: Any) -> Any:
@@ -152,14 +156,24 @@ class StorageOptions:
 
 @dataclass(frozen=True)
 class TargetOptions:
-    """What is cached: layers and attention blocks per token stream, heads, and the logit mode."""
+    """What is cached: layers and attention blocks per token stream, heads, and the logit mode.
 
+    ``layers`` and ``attention_layers`` hold a value per token stream (``stages.common.stream_options``): the
+    unprefixed one for a one-stream teacher and as both stacks' default, ``encoder:`` / ``decoder:`` per stack,
+    ``cross:`` for cross-attention blocks. ``layers`` always holds the unprefixed value ("all" unless given).
+    """
 
-    layers: tuple[str, ...] = _opt(("all",), "hidden layers to cache, HF numbering (0 = embeddings), or 'all'")
+    layers: StreamLayers = _opt(StreamLayers.parse("all"), "hidden layers to cache, HF numbering (0 = embeddings), "
+                                "or 'all'; an encoder-decoder's stacks apart as encoder:0,2 decoder:1,2 ('none': no "
+                                "layer of that stack; an unprefixed value covers both)", nargs="+",
+                                metavar="[STREAM:]LAYERS")
     features: tuple[str, ...] = _opt((), "targets to cache: hidden, attention, logits (default: hidden, plus "
                                          "logits when the teacher has a language-model head)")
-    attention_layers: tuple[str, ...] | None = _opt(None, "attention blocks to cache (1..N) or 'all'; "
-                                                          "default: --layers without 0")
+    attention_layers: StreamLayers | None = _opt(None, "attention blocks to cache (1..N) or 'all', per stack as "
+                                                       "--layers; cross:1,2 for cross-attention blocks (with feature "
+                                                       "cross_attention; default the decoder's attention blocks); "
+                                                       "default: --layers without 0", nargs="+",
+                                                 metavar="[STREAM:]BLOCKS")
     heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
     triangle: bool = _opt(False, "store only the causal triangle of attention maps (causal teachers)")
     attention_source: str = _opt("maps", "how feature 'attention' is stored: maps (each block's [H, L, L] "
@@ -169,8 +183,8 @@ class TargetOptions:
                                          "the relation loss)", choices=["maps", "qk", "qkv"])
     top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
     full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k (same as --logits full)")
-    logits_mode: str = _opt("topk", "what feature 'logits' stores: topk (--top-k values, ids and the logsumexp), "
-                                    "full, sampled:N (N draws per token from the teacher's softmax at "
+    logits_mode: str = _opt(DEFAULT_LOGITS, "what feature 'logits' stores: topk (--top-k values, ids and the "
+                                    "logsumexp), full, sampled:N (N draws per token from the teacher's softmax at "
                                     "--sample-temperature, kept as distinct ids, counts and log-probs), or head "
                                     "(nothing per token: the last hidden layer plus a copy of the teacher's LM head, "
                                     "from which stage two computes exact logits)", aliases=["--logits"], metavar="MODE")
@@ -183,66 +197,60 @@ class TargetOptions:
                                           "clipped and counted)")
     sample_temperature: float = _opt(1.0, "temperature of the teacher's softmax that --logits sampled:N draws from "
                                           "(stage two's KL then runs at this temperature)")
-    encoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder hidden layers (0 = embeddings), 'all' or "
-                                                        "'none'; default --layers")
-    decoder_layers: tuple[str, ...] = _opt((), "encoder-decoder: decoder hidden layers, 'all' or 'none'; "
-                                                        "default --layers")
-    encoder_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: encoder self-attention blocks, 'all' "
-                                                                  "or 'none'; default --attention-layers")
-    decoder_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: decoder self-attention blocks, 'all' "
-                                                                  "or 'none'; default --attention-layers")
-    cross_attention_layers: tuple[str, ...] = _opt((), "encoder-decoder: cross-attention blocks (with feature "
-                                                                "cross_attention); default the decoder attention "
-                                                                "blocks")
 
+    def __post_init__(self) -> None:
+        if "" not in self.layers.streams:  # only stacks given: the rest follow the default, "all"
+            object.__setattr__(self, "layers", self.layers.with_stream("", "all"))
     @property
     def logits_kind(self) -> str | None:
-        """None, "topk", "full", "sampled" or "head"."""
+        """The logit mode (a name of ``stages.common.logit_kinds``), or None without feature ``logits``."""
         return self._mode if "logits" in self.features else None
 
     @property
     def _mode(self) -> str:
         """The logit mode the flags ask for, whether or not ``logits`` ends up among the features."""
-        return "full" if self.full_logits else self.logits_mode.split(":")[0]
+        return FULL_LOGITS if self.full_logits else self.logits_mode.partition(":")[0]
 
     @property
     def samples(self) -> int:
-        """N of ``--logits sampled:N`` (0 for other modes)."""
-        return int(self.logits_mode.split(":")[1]) if self.logits_kind == "sampled" else 0
+        """N of ``--logits sampled:N`` (0 for other modes and without feature ``logits``)."""
+        return int(self.logit_fields["samples"]) if self.logits_kind else 0
+
+    @property
+    def logit_fields(self) -> dict[str, Any]:
+        """The ``CacheSpec`` logit fields the mode writes (``top_k``, ``samples``, ``logprob_step``); options that
+        passed ``validate``."""
+        kind, argument = logit_kinds.parse(FULL_LOGITS if self.full_logits else self.logits_mode)
+        return kind.spec_fields(self, argument)
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
         problems = []
         if any(f not in FEATURES for f in self.features):
             problems.append(f"features: got {list(self.features)}, expected a non-empty subset of {list(FEATURES)}")
-        problems += _layer_list_problems("layers", self.layers)
+        problems += _stream_problems("layers", self.layers, ("", "encoder", "decoder"))
         if self.attention_layers is not None:
-            problems += _layer_list_problems("attention_layers", self.attention_layers)
-        for name in ("encoder_layers", "decoder_layers", "encoder_attention_layers", "decoder_attention_layers",
-                     "cross_attention_layers"):
-            values = getattr(self, name)
-            if values and tuple(v.lower() for v in values) != ("none",):
-                problems += _layer_list_problems(name, values)
+            problems += _stream_problems("attention_layers", self.attention_layers, ("", *STREAM_PREFIXES))
         if self.heads is not None and (not self.heads or min(self.heads) < 0):
             problems.append(f"heads: got {list(self.heads)}, expected non-negative head indices")
         return problems + self._logit_problems()
 
     def _logit_problems(self) -> list[str]:
         problems = []
-        if self.logits_kind == "topk" and self.top_k < 1:
-            problems.append(f"top_k: got {self.top_k}, must be >= 1")
-        if not re.fullmatch(r"topk|full|head|sampled:([1-9]\d*)", self.logits_mode) or (
-                self.logits_mode.startswith("sampled") and int(self.logits_mode[8:]) > 255):
-            problems.append(f"logits: got {self.logits_mode!r}, expected topk, full, head or sampled:N with N in "
-                            f"1..255 (e.g. sampled:12)")
-        if self.full_logits and self.logits_mode != "topk":
+        try:
+            kind = logit_kinds.parse(self.logits_mode)[0]
+        except logit_kinds.LogitKindError as exc:
+            problems.append(str(exc))
+        else:  # the mode's own options (top-k's k), when it is the one cached
+            problems += kind.option_problems(self) if self.logits_kind == kind.name else []
+        if self.full_logits and self.logits_mode != DEFAULT_LOGITS:
             problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
                             f"keep one (--logits full is the same as --full-logits)")
         if not 1e-3 <= self.logprob_tolerance <= 1:  # 65,535 steps must reach far below any top-k's tail
             problems.append(f"logprob_tolerance: got {self.logprob_tolerance}, expected a value in [0.001, 1] (the "
                             f"stored range is 65,535 steps: 130 nats at 0.001)")
         mode = "no" if self.features and "logits" not in self.features else self._mode
-        if self.topk_values == "logprob" and mode != "topk":
+        if self.topk_values == "logprob" and not (mode in logit_kinds.names() and logit_kinds.get(mode).logprob_values):
             problems.append(f"topk_values: logprob stores top-k logits, and this run caches {mode} logits; drop "
                             f"--topk-values, or cache top-k logits")
         if not self.sample_temperature > 0:
@@ -301,6 +309,17 @@ def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name
                              f"{', 0 = embeddings' if minimum == 0 else ''})")
         layers.add(resolved)
     return tuple(sorted(layers))
+
+
+def _stream_problems(name: str, value: StreamLayers, streams: tuple[str, ...]) -> list[str]:
+    """Streams ``name`` does not take, and layer lists that do not read (a stack may keep 'none')."""
+    problems = [f"{name}: got {str(value)!r}, stream {s!r} has no {name}; expected streams among "
+                f"{[p for p in streams if p]}" for s in value.streams if s not in streams]
+    for stream in (s for s in value.streams if s in streams):
+        layers = value.get(stream)
+        if not (stream and tuple(v.lower() for v in layers) == ("none",)):
+            problems += _layer_list_problems(f"{stream}_{name}" if stream else name, layers)
+    return problems
 
 
 def _layer_list_problems(name: str, values: tuple[str, ...]) -> list[str]:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdcache.storage.files import format_bytes
+
+if TYPE_CHECKING:
+    from kdcache.storage.manifest import Manifest, ShardRecord
 
 
 @dataclass
@@ -29,7 +32,7 @@ class RunStats:
     wait_seconds: float = 0.0  # main thread blocked on a full writer queue
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add_shard(self, record: Any) -> None:
+    def add_shard(self, record: ShardRecord) -> None:
         with self.lock:
             self.shards_written += 1
             self.stored_bytes += int(record.stored_bytes)
@@ -82,7 +85,7 @@ def target_of(array: str) -> str:
     return array
 
 
-def bytes_per_token(manifest: Any) -> dict[str, float]:
+def bytes_per_token(manifest: Manifest) -> dict[str, float]:
     """Stored bytes per valid token of every target of the cache (committed shards)."""
     tokens = max(manifest.num_tokens, 1)
     per_target: dict[str, float] = {}
@@ -98,7 +101,7 @@ def _target_order(name: str) -> tuple[int, int, str]:
     return rank, int(layer) if layer.isdigit() else 0, name
 
 
-def summarize(stats: RunStats, manifest: Any, skipped: int, out: str, extra: dict[str, Any]) -> dict[str, Any]:
+def summarize(stats: RunStats, manifest: Manifest, skipped: int, out: str, extra: dict[str, Any]) -> dict[str, Any]:
     """The run's summary: this process's work and the cache's totals."""
     wall, compute = stats.elapsed, stats.compute_seconds
     return {

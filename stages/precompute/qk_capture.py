@@ -10,8 +10,9 @@ a model that adds anything else to its scores is refused by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -20,7 +21,13 @@ from kdcache.stages.common.qk_attention import QKRecorder, QKRecorderError, chec
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.targets import Targets
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kdcache.stages.precompute.data import TokenStreams
+
 PROBE_TOKENS = 64  # tokens of the first row the probe forward runs on
+Result = TypeVar("Result")
 
 
 class QKCapture:
@@ -31,12 +38,13 @@ class QKCapture:
         targets: what to keep (``attention_source`` "qk" or "qkv", the blocks of stream ``""``).
     """
 
-    def __init__(self, model: Any, targets: Targets) -> None:
+    def __init__(self, model: PreTrainedModel, targets: Targets) -> None:
         self.model, self.targets = model, targets
         self.kinds = ("q", "k", "v") if targets.attention_source == "qkv" else ("q", "k")
         self.recorder = QKRecorder(model, targets.streams[""].attention, targets.causal, keep_output=True)
 
-    def run(self, forward: Any, attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> Any:
+    def run(self, forward: Callable[[], Result], attention_mask: torch.Tensor,
+            position_ids: torch.Tensor | None) -> Result:
         """Call ``forward()`` while recording; the first call also checks every block's rebuilt scores."""
         try:
             with self.recorder.forward():
@@ -91,13 +99,13 @@ class QKCapture:
                 "blocks": {str(j): c.rule.to_json() for j, c in sorted(captured.items())}}
 
 
-def probe_ids(data: Any, device: Any) -> torch.Tensor:
+def probe_ids(data: TokenStreams, device: torch.device) -> torch.Tensor:
     """``[1, PROBE_TOKENS]`` at most: the first tokens of the first row (a real text, as the teacher reads)."""
     ids = data.ids[""][0][:PROBE_TOKENS]
     return torch.as_tensor(ids, dtype=torch.long, device=device)[None]
 
 
-def with_score_rules(targets: Targets, model: Any, data: Any, device: Any) -> Targets:
+def with_score_rules(targets: Targets, model: PreTrainedModel, data: TokenStreams, device: torch.device) -> Targets:
     """``targets`` with ``attention_scores`` learnt from the loaded teacher, for a q/k source; else unchanged."""
     if targets.attention_source == "maps" or "" not in targets.streams or not targets.streams[""].attention:
         return targets

@@ -19,7 +19,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,13 @@ from kdcache.stages.precompute.row_store import ROWS_VERSION, RowWriter, open_or
 from kdcache.stages.precompute.rows import Rows, iter_rows
 from kdcache.storage.fingerprint import hash_bytes, hash_json
 
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import pyarrow as pa
+    from datasets import Dataset, Features, IterableDataset
+    from transformers import PreTrainedTokenizerBase
+
 _BATCH = 1000  # dataset rows per tokenizer call
 _ROWS_PER_WORKER = 20_000  # below this many dataset rows per worker, a process costs more than it saves
 Encode = Callable[[dict[str, list[Any]], list[int]], dict[str, list[Any]]]
@@ -53,7 +60,7 @@ TEXT_COLUMNS = {"ids": "int32", "mask": "uint8"}
 PAIR_COLUMNS = {"src": "int32", "tgt": "int32"}
 
 
-def text_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
+def text_streams(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
     """The rows of a decoder-only or encoder teacher: ``input_ids``, ``loss_mask`` and, with packing
     ``documents``, ``position_ids``; built here or opened where another process built them.
 
@@ -84,7 +91,7 @@ def text_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
     return TokenStreams.of_table(open_or_build(rows_root(options.storage.out), key, names, hashes, build))
 
 
-def pair_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
+def pair_streams(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
     """The rows of an encoder-decoder teacher: both sides' ids, and loss masks of ones (every token of both
     sides is trained on; stored so every cache reads alike)."""
     d = options.dataset
@@ -112,7 +119,8 @@ def pair_streams(options: PrecomputeOptions, tokenizer: Any) -> TokenStreams:
     return TokenStreams.of_table(open_or_build(rows_root(options.storage.out), key, names, PAIR_HASHES, build))
 
 
-def _loaded(load: Callable[[PrecomputeOptions], Any], options: PrecomputeOptions) -> Any:
+def _loaded(load: Callable[[PrecomputeOptions], Dataset | IterableDataset],
+            options: PrecomputeOptions) -> Dataset | IterableDataset:
     """The dataset, with what Arrow's allocator kept from converting the files handed back to the system: the
     conversion's buffers scale with the data, and the build holds nothing of them afterwards."""
     import pyarrow as pa
@@ -122,7 +130,8 @@ def _loaded(load: Callable[[PrecomputeOptions], Any], options: PrecomputeOptions
     return ds
 
 
-def row_key(options: PrecomputeOptions, tokenizer: Any, kind: str, template: str | None) -> dict[str, Any]:
+def row_key(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase, kind: str,
+            template: str | None) -> dict[str, Any]:
     """Everything the rows depend on (see the module docstring); equal keys give equal rows."""
     dataset = {k: v for k, v in asdict(options.dataset).items()
                if k not in ("streaming", "tokenize_workers", "chat_template")}  # the template's text counts instead
@@ -133,7 +142,7 @@ def row_key(options: PrecomputeOptions, tokenizer: Any, kind: str, template: str
             "template": hash_bytes(template.encode()) if template is not None else None}
 
 
-def tokenizer_key(tokenizer: Any) -> dict[str, Any]:
+def tokenizer_key(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """The tokenizer's fingerprint plus what else changes its ids: a fast tokenizer's whole serialised pipeline,
     else its class and settings."""
     clear_call_state(tokenizer)  # an earlier call's truncation is no part of what maps text to ids
@@ -154,7 +163,7 @@ def workers(options: PrecomputeOptions, rows: int) -> int:
     return max(1, min(cores, rows // _ROWS_PER_WORKER))
 
 
-def encoded_batches(ds: Any, encode: Encode, options: PrecomputeOptions, scratch: Any,
+def encoded_batches(ds: Dataset | IterableDataset, encode: Encode, options: PrecomputeOptions, scratch: Path,
                     columns: dict[str, str]) -> Iterator[dict[str, Any]]:
     """``encode``'s output over the dataset, batch by batch, in dataset order.
 
@@ -180,7 +189,7 @@ def encoded_batches(ds: Any, encode: Encode, options: PrecomputeOptions, scratch
             yield {name: _lists(batch.column(name)) for name in batch.schema.names}
 
 
-def _in_process(ds: Any, encode: Encode) -> Iterator[dict[str, Any]]:
+def _in_process(ds: Dataset | IterableDataset, encode: Encode) -> Iterator[dict[str, Any]]:
     files = _file_batches(ds)
     batches = (b.to_pydict() for b in files) if files is not None else ds.iter(batch_size=_BATCH)
     start = 0
@@ -190,13 +199,13 @@ def _in_process(ds: Any, encode: Encode) -> Iterator[dict[str, Any]]:
         start += count
 
 
-def _doc_features(columns: dict[str, str]) -> Any:
+def _doc_features(columns: dict[str, str]) -> Features:
     import datasets
 
     return datasets.Features({name: datasets.Sequence(datasets.Value(kind)) for name, kind in columns.items()})
 
 
-def _file_batches(ds: Any) -> Iterator[Any] | None:
+def _file_batches(ds: Dataset | IterableDataset) -> Iterator[pa.RecordBatch] | None:
     """A map-style dataset's rows as Arrow record batches of at most ``_BATCH`` rows, read from its Arrow files
     with plain reads rather than through its memory map, so the builder's resident memory stays flat in the data
     (a map's touched pages count as resident); None for a stream or a dataset its files do not hold as is."""
@@ -206,7 +215,7 @@ def _file_batches(ds: Any) -> Iterator[Any] | None:
     if not files or getattr(ds, "_indices", None) is not None or len(ds) != sum(_rows_in(f) for f in files):
         return None
 
-    def read() -> Iterator[Any]:
+    def read() -> Iterator[pa.RecordBatch]:
         for name in files:
             with pa.OSFile(name) as source:
                 for batch in pa.ipc.open_stream(source):
@@ -223,7 +232,7 @@ def _rows_in(path: str) -> int:
         return sum(b.num_rows for b in pa.ipc.open_stream(source))
 
 
-def _lists(column: Any) -> list[np.ndarray]:
+def _lists(column: pa.ListArray) -> list[np.ndarray]:
     """A ``list<...>`` Arrow column as one numpy view per row (offsets index the unsliced values)."""
     offsets, values = column.offsets.to_numpy(), column.values.to_numpy()
     return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.teacher_head import export_head
@@ -133,7 +134,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         dist.barrier()
     with writer, adapter.capture(teacher, targets, options, projection) as capture:
         save_tokenizer(tokenizer, store)
-        if targets.logits == "head" and dist.is_main:
+        if logit_kinds.uses_head(targets.logits) and dist.is_main:
             export_head(teacher.model, store, targets.streams[""].depth)
         mine = part.shards(spec.num_shards)
         todo = [k for k in mine if k not in writer.committed_shards()]
@@ -200,7 +201,7 @@ def with_default_features(options: PrecomputeOptions, config: Any) -> Precompute
 
 def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
     """Refuse token ids the teacher's embedding table does not have (a tokenizer from another model)."""
-    table = teacher.model.get_input_embeddings().num_embeddings
+    table: int = teacher.model.get_input_embeddings().num_embeddings  # type: ignore[assignment]  # an nn.Embedding
     top = data.max_id
     if top >= table:
         raise PrecomputeError(f"the tokenizer produced token id {top}, but the teacher's embedding table has only "
@@ -213,9 +214,10 @@ def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOpt
     if targets.logits is None or head is None:
         return targets
     vocab = int(head.weight.shape[0])
-    top_k = options.targets.top_k
-    if targets.logits == "topk" and top_k > vocab:
-        raise PrecomputeError(f"top_k {top_k} is larger than the teacher's vocabulary of {vocab} tokens")
+    kind = logit_kinds.get(targets.logits)
+    for problem in kind.teacher_problems(options.engine.teacher, "" in targets.streams, targets.causal, vocab,
+                                         options.targets.top_k):
+        raise PrecomputeError(problem)
     return replace(targets, vocab_size=vocab)
 
 

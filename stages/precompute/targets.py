@@ -19,17 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdcache.stages.common import architectures
+from kdcache.stages.common import architectures, logit_kinds
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
 from kdcache.storage.hidden_codecs import resolve_hidden_codec
-from kdcache.storage.spec import ENCODER_DECODER, FORMAT_VERSION
-from kdcache.storage.streams import kind_of
+from kdcache.storage.spec import FORMAT_VERSION
+from kdcache.storage.streams import CROSS, kind_of
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
-# --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value
-# (within step/2 of the fp32 log-prob) stays within the tolerance of the exact one despite fp32 rounding (~1e-6).
-STEP_PER_TOLERANCE = 1.99
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ class Targets:
     num_heads: int
     causal: bool
     cross_attention: tuple[int, ...] = field(default=())
-    samples: int = 0  # logits "sampled": draws per token, at sample_temperature
+    samples: int = 0  # a logit kind that draws (--logits sampled:N): draws per token, at sample_temperature
     sample_temperature: float = 1.0
     logprob_step: float = 0.0  # top-k values stored as log-probs quantised to this step (0: fp16 logits)
     attention_source: str = "maps"  # or "qk" / "qkv": queries and keys (and values) instead of maps
@@ -98,14 +95,15 @@ def _select(values: tuple[str, ...], depth: int, minimum: int, name: str) -> tup
 
 
 def _stream(options: PrecomputeOptions, stream: str, depth: int) -> StreamTargets:
-    """The hidden layers and self-attention blocks kept of one stream (its own flags, else the shared ones)."""
+    """The hidden layers and self-attention blocks kept of one stream (its own values, else the unprefixed ones)."""
     t, prefix = options.targets, f"{stream}_" if stream else ""
-    hidden_values = (getattr(t, f"{stream}_layers") if stream else ()) or t.layers
+    hidden_values = t.layers.get(stream) or t.layers.get("")
     hidden = _select(hidden_values, depth, 0, f"{prefix}layers") if "hidden" in t.features else ()
     if "attention" not in t.features:
         return StreamTargets(hidden, (), depth)
-    attention_flag = (getattr(t, f"{stream}_attention_layers") if stream else None) or t.attention_layers
-    if attention_flag is not None:
+    given = t.attention_layers
+    attention_flag = given and (given.get(stream) or given.get(""))
+    if attention_flag:
         return StreamTargets(hidden, _select(attention_flag, depth, 1, f"{prefix}attention_layers"), depth)
     # Default: the blocks of this stream's hidden selection (layer 0, the embeddings, has no attention map).
     blocks = tuple(j for j in _select(hidden_values, depth, 0, f"{prefix}layers") if j >= 1)
@@ -116,11 +114,11 @@ def _cross_attention(options: PrecomputeOptions, decoder: StreamTargets | None) 
     t = options.targets
     if "cross_attention" not in t.features or decoder is None:
         return ()
-    values = t.cross_attention_layers
+    values = t.attention_layers.get("cross") if t.attention_layers else None
     cross = _select(values, decoder.depth, 1, "cross_attention_layers") if values else (
         decoder.attention or tuple(j for j in decoder.hidden if j >= 1))
     if not cross:
-        raise PrecomputeError("cross_attention: no decoder block selected; set --cross-attention-layers")
+        raise PrecomputeError("cross_attention: no decoder block selected; set --attention-layers cross:BLOCKS")
     return cross
 
 
@@ -136,27 +134,23 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
     streams = {name: _stream(options, name, depth) for name, depth in depths.items()}
     cross = _cross_attention(options, streams.get("decoder"))
     if "attention" in t.features and not any(s.attention for s in streams.values()):
-        flags = "--attention-layers" + (" or --encoder-attention-layers/--decoder-attention-layers"
-                                        if len(streams) > 1 else "")
+        flags = "--attention-layers" + (" (per stack: encoder:BLOCKS decoder:BLOCKS)" if len(streams) > 1 else "")
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
     causal = architectures.is_causal_config(config)  # the same judgement stage two makes of the student
-    if t.logits_kind == "head":
-        streams = _with_last_layer(streams, causal, options.engine.teacher)
-    if t.logits_kind == "sampled" and "" not in streams:
-        raise PrecomputeError(f"logits sampled: not yet for encoder-decoder teachers such as "
-                              f"{options.engine.teacher!r}; use --logits topk or full")
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    kind = logit_kinds.get(t.logits_kind) if t.logits_kind else None
+    for problem in kind.teacher_problems(options.engine.teacher, "" in streams, causal, vocab, t.top_k) if kind else ():
+        raise PrecomputeError(problem)
+    if kind and kind.teacher_head:
+        streams = _with_last_layer(streams)
     _check_triangle(options, streams, causal)
     _check_attention_source(options, streams, config)
     heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:
         raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    if t.logits_kind == "topk" and t.top_k > vocab:
-        raise PrecomputeError(f"top_k {t.top_k} is larger than the teacher's vocabulary of {vocab} tokens")
-    top_k = t.top_k if t.logits_kind == "topk" else 0
-    step = STEP_PER_TOLERANCE * t.logprob_tolerance if top_k and t.topk_values == "logprob" else 0.0
-    return Targets(streams, heads, t.logits_kind, top_k, vocab, num_heads, causal, cross, t.samples,
-                   t.sample_temperature, step, t.attention_source)
+    fields = t.logit_fields if kind else {"top_k": 0, "samples": 0, "logprob_step": 0.0}
+    return Targets(streams, heads, t.logits_kind, int(fields["top_k"]), vocab, num_heads, causal, cross,
+                   int(fields["samples"]), t.sample_temperature, float(fields["logprob_step"]), t.attention_source)
 
 
 def _check_attention_source(options: PrecomputeOptions, streams: dict[str, StreamTargets], config: Any) -> None:
@@ -176,12 +170,9 @@ def _check_attention_source(options: PrecomputeOptions, streams: dict[str, Strea
                               f"every head; their size does not grow with the context)")
 
 
-def _with_last_layer(streams: dict[str, StreamTargets], causal: bool, teacher: str) -> dict[str, StreamTargets]:
-    """``--logits head`` keeps the last hidden layer (the LM head's input, after the final norm) whatever
-    ``--layers`` says: stage two computes the logits from it."""
-    if "" not in streams or not causal:
-        raise PrecomputeError(f"logits head: only for decoder-only causal LMs, and {teacher!r} is not one; use "
-                              f"--logits topk or full")
+def _with_last_layer(streams: dict[str, StreamTargets]) -> dict[str, StreamTargets]:
+    """A mode whose logits stage two computes with the teacher's head (``--logits head``, one causal stream) keeps
+    the last hidden layer (the LM head's input, after the final norm) whatever ``--layers`` says."""
     one = streams[""]
     return {"": StreamTargets(tuple(sorted({*one.hidden, one.depth})), one.attention, one.depth)}
 
@@ -203,15 +194,12 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
     arrays ``data`` (a ``data.TokenStreams``) carries beside the ids."""
     from kdcache.storage import CacheSpec
 
-    if "" in targets.streams:
-        one = targets.streams[""]
-        layers: dict[str, Any] = {"hidden_layers": one.hidden, "attention_layers": one.attention}
-        triangle = bool(one.attention and options.targets.triangle)
-    else:
-        layers = {f"{s}_{kind}_layers": getattr(t, kind) for s, t in targets.streams.items()
-                  for kind in ("hidden", "attention")}
-        layers.update(layout=ENCODER_DECODER, cross_attention_layers=targets.cross_attention)
-        triangle = bool(targets.streams["decoder"].attention and options.targets.triangle)
+    layers: dict[str, dict[str, Any]] = {s: {"hidden": t.hidden, "attention": t.attention}
+                                         for s, t in targets.streams.items()}
+    if "decoder" in layers:  # cross-attention blocks are the decoder's (decoder queries, encoder keys)
+        layers["decoder"][CROSS] = targets.cross_attention
+    causal = targets.streams.get("") or targets.streams["decoder"]  # the self-attention a triangle can hold
+    triangle = bool(causal.attention and options.targets.triangle)
     token_arrays = tuple(dict.fromkeys(kind_of(name) for name in data.tokens))
     storage = options.storage
     return CacheSpec(
@@ -222,7 +210,7 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
         attention_source=targets.attention_source if targets.attention_scores else "maps",
         attention_scores=targets.attention_scores,
         dtype=storage.dtype, codec=storage.codec_config, bitround=storage.bitround,
-        hidden_codec=storage.hidden_codec_record, sequences_per_shard=storage.sequences_per_shard, **layers)
+        hidden_codec=storage.hidden_codec_record, sequences_per_shard=storage.sequences_per_shard, layers=layers)
 
 
 def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[str, Any]:
@@ -244,7 +232,7 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             **({"logprob_step": targets.logprob_step} if targets.logprob_step else {}),
             # Draws follow the seed, the batches and the head's chunks: a resume must form them alike.
             "sampling": {"seed": engine.seed, "batch_size": engine.batch_size, "logits_chunk": engine.logits_chunk}
-            if targets.logits == "sampled" else None,
+            if targets.logits and logit_kinds.get(targets.logits).draws else None,
             "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
             "triangle": options.targets.triangle, "format_version": FORMAT_VERSION,
             **({"attention_source": targets.attention_source} if targets.attention_source != "maps" else {}),

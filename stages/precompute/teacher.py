@@ -9,13 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kdcache.stages.common.architectures import ModelClass
 from kdcache.stages.common.fingerprints import clear_call_state, config_fingerprint, weights_fingerprint
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES, Targets
 from kdcache.storage.stores import Store
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -24,15 +29,15 @@ _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 class Teacher:
     """A loaded teacher: the model in eval/inference mode on its device, its tokenizer and fingerprints."""
 
-    model: Any
-    tokenizer: Any
-    config: Any
-    device: Any
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    config: PretrainedConfig
+    device: torch.device
     fingerprint: dict[str, Any]
     attn_implementation: str
 
 
-def read_config(options: PrecomputeOptions) -> Any:
+def read_config(options: PrecomputeOptions) -> PretrainedConfig:
     """Load the teacher's ``AutoConfig`` (small, no weights).
 
     Raises:
@@ -47,7 +52,7 @@ def read_config(options: PrecomputeOptions) -> Any:
     return config  # the family (decoder-only or encoder, encoder-decoder) picks the adapter (adapters.adapter_for)
 
 
-def load_tokenizer(options: PrecomputeOptions) -> Any:
+def load_tokenizer(options: PrecomputeOptions) -> PreTrainedTokenizerBase:
     """The teacher's tokenizer.
 
     Raises:
@@ -61,7 +66,7 @@ def load_tokenizer(options: PrecomputeOptions) -> Any:
         raise PrecomputeError(f"cannot load the tokenizer of {options.engine.teacher!r}: {exc}") from None
 
 
-def pick_device(name: str, local_rank: int = 0) -> Any:
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
     """``auto`` means this rank's GPU when CUDA is available, else the CPU."""
     import torch
 
@@ -72,14 +77,14 @@ def pick_device(name: str, local_rank: int = 0) -> Any:
     return torch.device(name)
 
 
-def has_lm_head(config: Any) -> bool:
+def has_lm_head(config: PretrainedConfig) -> bool:
     """Whether the teacher's checkpoint has a language-model head (a causal or masked LM, or an encoder-decoder LM)."""
     archs = getattr(config, "architectures", None) or []
     heads = (*CAUSAL_SUFFIXES, "ForMaskedLM", "ForConditionalGeneration")
     return any(a.endswith(heads) for a in archs) or (not archs and bool(getattr(config, "is_decoder", False)))
 
 
-def _model_class(config: Any, targets: Targets, teacher: str) -> Any:
+def _model_class(config: PretrainedConfig, targets: Targets, teacher: str) -> ModelClass:
     import transformers
 
     archs = getattr(config, "architectures", None) or []
@@ -93,7 +98,7 @@ def _model_class(config: Any, targets: Targets, teacher: str) -> Any:
                           f"so it has no logits to cache; drop 'logits' from --features")
 
 
-def _torch_dtype(options: PrecomputeOptions, device: Any) -> Any:
+def _torch_dtype(options: PrecomputeOptions, device: torch.device) -> torch.dtype | str:
     import torch
 
     if options.engine.teacher_dtype != "auto":
@@ -101,7 +106,8 @@ def _torch_dtype(options: PrecomputeOptions, device: Any) -> Any:
     return "auto" if device.type != "cpu" else torch.float32  # half precision on a CPU is slow, not faster
 
 
-def load_teacher(options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any, device: Any) -> Teacher:
+def load_teacher(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,
+                 tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
     """Load the weights for inference.
 
     Eager attention is used only when attention maps are captured (fused kernels never materialise them);
@@ -120,8 +126,8 @@ def load_teacher(options: PrecomputeOptions, config: Any, targets: Targets, toke
     return Teacher(model, tokenizer, model.config, device, fingerprint, impl)
 
 
-def load_for_inference(cls: Any, options: PrecomputeOptions, device: Any, *, eager: bool,
-                       optional: tuple[str, ...] = ()) -> Any:
+def load_for_inference(cls: ModelClass, options: PrecomputeOptions, device: torch.device, *, eager: bool,
+                       optional: tuple[str, ...] = ()) -> PreTrainedModel:
     """``cls.from_pretrained`` in the requested dtype, eval mode, no grads, on ``device``.
 
     Args:
@@ -150,7 +156,7 @@ def load_for_inference(cls: Any, options: PrecomputeOptions, device: Any, *, eag
     return model.eval().requires_grad_(False).to(device)
 
 
-def teacher_fingerprint(options: PrecomputeOptions, model: Any) -> dict[str, Any]:
+def teacher_fingerprint(options: PrecomputeOptions, model: PreTrainedModel) -> dict[str, Any]:
     """name_or_path, revision, config hash and weights hash (of the weight files where they can be found)."""
     folder = _weights_folder(options)
     state = None if folder is not None else model.state_dict()
@@ -159,7 +165,7 @@ def teacher_fingerprint(options: PrecomputeOptions, model: Any) -> dict[str, Any
             "num_layers": _depth(model.config)}
 
 
-def teacher_files_fingerprint(options: PrecomputeOptions, config: Any) -> dict[str, Any] | None:
+def teacher_files_fingerprint(options: PrecomputeOptions, config: PretrainedConfig) -> dict[str, Any] | None:
     """The teacher fingerprint from its files alone (no weights loaded), or None where no files are found."""
     folder = _weights_folder(options)
     if folder is None:
@@ -172,7 +178,7 @@ def teacher_files_fingerprint(options: PrecomputeOptions, config: Any) -> dict[s
             "config_hash": config_fingerprint(config), "weights_hash": weights, "num_layers": _depth(config)}
 
 
-def _depth(config: Any) -> int | None:
+def _depth(config: PretrainedConfig) -> int | None:
     """N, the teacher's block count. Stage two's formula layer maps (uniform, reverse, all-to-one) need the
     real N: the deepest cached layer is only a guess when the cache leaves out the teacher's top block."""
     depth = getattr(config, "num_hidden_layers", None)
@@ -191,7 +197,7 @@ def _weights_folder(options: PrecomputeOptions) -> Path | None:
         return None
 
 
-def save_tokenizer(tokenizer: Any, store: Store) -> None:
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, store: Store) -> None:
     """Save the tokenizer into the cache's ``tokenizer/`` in the output ``store`` (it appears whole; safe for many
     ranks)."""
     import tempfile

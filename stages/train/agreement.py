@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from scipy.stats import spearmanr
 
-from kdcache.stages.train.losses import cached_topk, head_kl, kd_kl, sampled_kl, topk_kl
-from kdcache.stages.train.losses._common import LOSS_CHUNK
+from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.logit_kinds import KlSetup
+from kdcache.stages.common.logit_kinds.base import TeacherHead
 from kdcache.stages.train.masks import TokenMasks
 
 
@@ -35,10 +37,8 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman rank correlation of two 1-D arrays (average ranks are not needed: ties are rare in floats)."""
-    ranks_a = np.argsort(np.argsort(a)).astype(np.float64)
-    ranks_b = np.argsort(np.argsort(b)).astype(np.float64)
-    return float(np.corrcoef(ranks_a, ranks_b)[0, 1])
+    """Spearman rank correlation of two 1-D arrays (scipy's, with average ranks for ties)."""
+    return float(spearmanr(a, b).statistic)
 
 
 def similarity_agreement(student_emb: torch.Tensor, teacher_emb: torch.Tensor) -> dict[str, float]:
@@ -110,24 +110,23 @@ class CkaMatrix:
         store[key] = value if key not in store else store[key] + value
 
 
-_KL_FORMS = {"full": "full", "head": "full", "topk": "top-k + other bucket",
-             "sampled": "sampled estimate (unbiased)"}
-
-
 class LmStats:
     """Running sums of the LM metrics: NLL of the labels, top-1 agreement and KL to the teacher.
 
     Args:
-        logits_kind: the cached teacher logits, "full" | "topk" | "head" | None (no teacher logits: perplexity
-            only).
+        logits_kind: the cached teacher logits, a registered logit mode (``stages.common.logit_kinds``), or None
+            (no teacher logits: perplexity only).
         shift: position i predicts token i+1 (causal LMs); False when logits[i] already predicts ids[i]
             (encoder-decoders, whose decoder ids are the labels).
-        head: for "head", the teacher's LM head (``teacher_head.TeacherHead``), applied to its cached last layer.
+        head: for a kind that needs it (``--logits head``), the teacher's LM head (``teacher_head.TeacherHead``),
+            applied to its cached last layer.
+        sample_temperature: the cache's sampling temperature (the KL of a sampled cache exists only there).
     """
 
-    def __init__(self, logits_kind: str | None, shift: bool = True, head: Any = None,
+    def __init__(self, logits_kind: str | None, shift: bool = True, head: TeacherHead | None = None,
                  sample_temperature: float = 1.0):
-        self.kind, self.shift, self.head = logits_kind, shift, head
+        self.kind = logit_kinds.get(logits_kind) if logits_kind else None
+        self.shift, self.head = shift, head
         self.sample_temperature = sample_temperature
         self.nll = self.predicted = self.agree = self.kl = self.tokens = 0.0
 
@@ -147,36 +146,11 @@ class LmStats:
         n_valid = int(valid.sum())
         if n_valid == 0:  # nothing of this batch is trained on
             return
-        self.agree += int((logits[valid].argmax(-1) == self._teacher_top1(targets, valid)).sum())
-        self.kl += float(self._kl(logits, valid, targets)) * n_valid  # the losses return a mean over valid tokens
+        self.agree += int((logits[valid].argmax(-1) == self.kind.teacher_top1(targets, valid, self.head)).sum())
+        setup = KlSetup(self.sample_temperature, head=self.head)
+        # the kinds' KLs return a mean over valid tokens
+        self.kl += float(self.kind.eval_kl(logits, targets, valid, setup)) * n_valid
         self.tokens += n_valid
-
-    def _teacher_top1(self, targets: dict[str, torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
-        """``[N_v]`` the teacher's most likely token at each counted position."""
-        if self.kind == "full":
-            return targets["logits/full"][valid].argmax(-1)
-        if self.kind == "head":  # chunk by chunk: [N_v, V] teacher logits never exist at once
-            rows = targets[f"hidden/{self.head.layer}"][valid]
-            return torch.cat([self.head(part).argmax(-1) for part in rows.split(LOSS_CHUNK)])
-        if self.kind == "sampled":  # the likeliest of the drawn ids: the top-1 whenever it was drawn
-            logp = targets["logits/sample_logp"][valid].masked_fill(targets["logits/sample_counts"][valid] == 0,
-                                                                     float("-inf"))
-            return targets["logits/sample_ids"][valid].gather(1, logp.argmax(-1, keepdim=True))[:, 0]
-        return targets["logits/topk_ids"][valid][:, 0]
-
-    def _kl(self, logits: torch.Tensor, mask: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.kind == "full":
-            return kd_kl(logits, targets["logits/full"], mask, temperature=1.0)
-        if self.kind == "head":
-            return head_kl(logits, targets[f"hidden/{self.head.layer}"], self.head, mask, temperature=1.0)
-        if self.kind == "sampled":  # the estimate exists only at the cache's temperature; reported without T²
-            return sampled_kl(logits, targets["logits/sample_ids"], targets["logits/sample_counts"],
-                              targets["logits/sample_logp"], mask,
-                              temperature=self.sample_temperature) / self.sample_temperature**2
-        # The other-bucket form puts the teacher's tail mass in one bucket: a true KL over a coarsened
-        # vocabulary, unlike the renormalised form, which ignores the tail altogether.
-        values, ids, lse = cached_topk(targets)
-        return topk_kl(logits, values, ids, mask, lse, variant="other", temperature=1.0)
 
     def result(self) -> dict[str, Any]:
         """``perplexity``, and with teacher logits ``top1_agreement`` and ``kl`` (nats per valid token)."""
@@ -184,8 +158,7 @@ class LmStats:
                                "predicted_tokens": int(self.predicted)}
         if self.kind is not None:
             out.update(top1_agreement=self.agree / max(1.0, self.tokens), kl=self.kl / max(1.0, self.tokens),
-                       kl_form=_KL_FORMS[self.kind] + (f" at T={self.sample_temperature:g}" if self.kind == "sampled"
-                                                       and self.sample_temperature != 1 else ""),
+                       kl_form=self.kind.kl_label(self.sample_temperature),
                        tokens=int(self.tokens))
         return out
 

@@ -10,18 +10,34 @@ evaluation reads alike for both sources: ``attention: {"kl": mean over pairs, "p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
-from kdcache.stages.common.qk_attention import QKRecorder, QKRecorderError
+from kdcache.stages.common.qk_attention import Captured, QKRecorder, QKRecorderError
 from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses import LossError, attention_kl
 from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.masks import TokenMasks
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def recorded(recorder: QKRecorder, run: Callable[[], Any]) -> Any:
+    from kdcache.storage.spec import CacheSpec
+
+
+class StudentOutputs(Protocol):
+    """A student's forward outputs (a transformers ``ModelOutput``) as the attention losses read them: its maps
+    ``attentions`` (one ``[B, H, L, L]`` per block, eager attention), or, under a recorder, ``attention_qkv``."""
+
+    attentions: tuple[torch.Tensor, ...]
+    attention_qkv: dict[int, Captured]
+
+
+Outputs = TypeVar("Outputs", bound=StudentOutputs)
+
+
+def recorded(recorder: QKRecorder, run: Callable[[], Outputs]) -> Outputs:
     """``run()`` (the student's forward) under ``recorder``, its outputs given ``attention_qkv`` (block -> the
     recorded queries, keys and values).
 
@@ -45,17 +61,19 @@ class AttentionAgreement:
     Args:
         spec: the cache's spec (its ``attention_source`` and ``attention_scores``).
         pairs: the run's attention pairs whose teacher block is cached.
-        student: the student; maps need its eager attention, a q/k cache records its queries and keys.
+        student: the student; maps need its eager attention, a q/k cache records its queries and keys (None only
+            where there is no pair).
         causal: the student's causality.
     """
 
-    def __init__(self, spec: Any, pairs: list[Pair], student: Any, causal: bool) -> None:
+    def __init__(self, spec: CacheSpec, pairs: list[Pair], student: PreTrainedModel | None, causal: bool) -> None:
         self.source, self.scores, self.pairs = spec.attention_source, spec.attention_scores, pairs
         self.sums = dict.fromkeys((pair_key(p) for p in pairs), 0.0)
         self.rows = 0
         blocks = sorted({s for s, _ in pairs})
-        self.recorder = QKRecorder(student, blocks, causal) if self.source != "maps" and pairs else None
-        if self.source == "maps" and pairs:
+        self.recorder = (QKRecorder(student, blocks, causal)
+                         if self.source != "maps" and pairs and student is not None else None)
+        if self.source == "maps" and pairs and student is not None:
             student.set_attn_implementation("eager")  # fused kernels return no maps
 
     @property
@@ -64,13 +82,13 @@ class AttentionAgreement:
         kinds = ("attention",) if self.source == "maps" else ("attention_q", "attention_k")
         return [f"{kind}/{t}" for t in sorted({t for _, t in self.pairs}) for kind in kinds]
 
-    def forward(self, model: Any, inputs: Mapping[str, Any], **kwargs: Any) -> Any:
+    def forward(self, model: PreTrainedModel, inputs: Mapping[str, torch.Tensor], **kwargs: bool) -> StudentOutputs:
         """The student's outputs, with its maps or its recorded ``attention_qkv`` when pairs need them."""
         if self.recorder is None:
             return model(**inputs, output_attentions=bool(self.pairs), **kwargs)
         return recorded(self.recorder, lambda: model(**inputs, **kwargs))
 
-    def update(self, out: Any, batch: Mapping[str, torch.Tensor], masks: TokenMasks) -> None:
+    def update(self, out: StudentOutputs, batch: Mapping[str, torch.Tensor], masks: TokenMasks) -> None:
         """Add one batch: each pair's KL times the batch's counted query rows."""
         rows = int(masks.trained.sum())
         if not self.pairs or not rows:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedModel
 
 CHECKPOINT_DIR = "checkpoints"
@@ -38,7 +39,7 @@ def has_checkpoint(run_dir: str | Path) -> bool:
     return (checkpoint_dir(run_dir) / "latest").is_file()
 
 
-def save_checkpoint(engine: Any, run_dir: str | Path, *, step: int, micro_step: int,
+def save_checkpoint(engine: DeepSpeedEngine, run_dir: str | Path, *, step: int, micro_step: int,
                     data_state: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
     """Save model, projectors, optimizer, scheduler and the data position. Every rank must call it.
 
@@ -57,7 +58,8 @@ def save_checkpoint(engine: Any, run_dir: str | Path, *, step: int, micro_step: 
     return root / tag
 
 
-def load_latest(engine: Any, run_dir: str | Path) -> dict[str, Any] | None:
+def load_latest(engine: DeepSpeedEngine,
+ run_dir: str | Path) -> dict[str, Any] | None:
     """Load the newest checkpoint into ``engine``; returns our client state, or None when there is none."""
     if not has_checkpoint(run_dir):
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.train.layer_maps import LayerMap, validate_layer_map
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
@@ -71,12 +72,8 @@ def vocab_problems(reader: Any, student_vocab: int, student_tokenizer: dict[str,
         problems.append(f"vocab size mismatch: the cache's tokenizer has {cache_vocab} tokens but the student's "
                         f"embedding has {student_vocab} rows; train a student built for the teacher's "
                         "tokenizer (e.g. `kdcache init-student`, or set vocab_size in its config)")
-    elif spec.logits in ("full", "head") and logits_needed and student_vocab != spec.vocab_size:
-        problems.append(f"vocab size mismatch: the cache's {spec.logits} logits have {spec.vocab_size} entries per "
-                        f"token, the student's head {student_vocab}; the KL needs the same vocabulary")
-    elif spec.logits in ("topk", "sampled") and logits_needed and student_vocab < spec.vocab_size:
-        problems.append(f"vocab size mismatch: the cache's {spec.logits} logits index a vocabulary of "
-                        f"{spec.vocab_size} ids, the student's head has {student_vocab}; the KL needs them all")
+    elif spec.logits and logits_needed:  # the KL's rule of this cache's logit kind
+        problems += logit_kinds.get(spec.logits).vocab_problems(spec, student_vocab)
     return problems + tokenizer_problems(fp, student_tokenizer)
 
 
@@ -113,8 +110,8 @@ def stream_problems(spec: Any, student: StudentFacts) -> list[str]:
 def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) -> list[str]:
     """Each nonzero loss weight needs its feature in the cache (and logits need a student head)."""
     held = ", ".join(spec.features) or "nothing but input_ids"
-    hidden = any(h for _, h, _ in spec.stream_layers())
-    attention = any(a for _, _, a in spec.stream_layers()) or bool(spec.cross_attention_layers)
+    hidden = any(layers for group, layers in spec.layer_groups() if group.endswith("hidden"))
+    attention = any(layers for group, layers in spec.layer_groups() if not group.endswith("hidden"))
     problems = []
     loss = options.loss
     if loss.alpha > 0 and not student.has_lm_head:
@@ -125,18 +122,9 @@ def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) ->
                         "precompute with logits (full or top-k), or use --beta 0")
     elif loss.beta > 0 and not student.has_lm_head:
         problems.append("the KL term (--beta) needs student logits, but the student has no LM head")
-    elif loss.beta > 0 and loss.topk_kl == "other" and spec.logits != "topk":
-        problems.append(f"--topk-kl other is a KL for caches written with --logits topk, and this cache holds "
-                        f"{spec.logits} logits, whose KL needs no variant; drop --topk-kl")
-    elif loss.beta > 0 and spec.logits == "sampled" and loss.temperature != spec.sample_temperature:
-        problems.append(f"temperature {loss.temperature}: the KL needs the temperature the cache's samples were "
-                        f"drawn at, {spec.sample_temperature} (its --sample-temperature); train with --temperature "
-                        f"{spec.sample_temperature}, or re-run stage one at {loss.temperature}")
-    elif loss.beta > 0 and spec.logits == "topk" and loss.topk_kl == "other" and loss.temperature != 1:
-        problems.append(f"--topk-kl other rebuilds full-vocabulary probabilities from the cached logsumexp, which "
-                        f"is exact only at T=1, but --temperature is {loss.temperature:g}; use --temperature 1, "
-                        "or --topk-kl renorm (which applies any temperature)")
-    if loss.gamma > 0 and options.maps.layer_map.kind != "none" and not hidden:
+    elif loss.beta > 0:  # the top-k variant and the temperature against this cache's logit kind
+        problems += logit_kinds.get(spec.logits).loss_problems(spec, loss)
+    if loss.gamma > 0 and options.maps.for_stream("").kind != "none" and not hidden:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "
                         "re-run precompute with --layers, or use --gamma 0 / --layer-map none")
     if loss.delta > 0 and not attention:

@@ -19,30 +19,30 @@ Inputs (``B`` batch, ``L`` padded length):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.logit_kinds import KlSetup, LogitKind
 from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses import (
     HIDDEN_LOSSES,
     TOPK_VARIANTS,
     CriticTrainer,
     LossError,
-    cached_topk,
     causal_ce,
     get_loss,
-    head_kl,
-    kd_kl,
-    sampled_kl,
     token_ce,
-    topk_kl,
     wgan_student_loss,
 )
 from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.masks import TokenMasks, token_masks
 from kdcache.stages.train.projectors import Projectors, needs_projector
+
+if TYPE_CHECKING:
+    from kdcache.stages.train.teacher_head import TeacherHead
 
 CE_KINDS = ("causal", "token")
 
@@ -95,7 +95,7 @@ class CompoundLoss(nn.Module):
         critic_lr: float = 1e-4,
         critic_in_forward: bool = True,
         seed: int = 0,
-        teacher_head: nn.Module | None = None,
+        teacher_head: TeacherHead | None = None,
         attention_loss: str = "kl",
         relation_heads: int = 0,
         teacher_scores: Mapping[str, Any] | None = None,
@@ -170,26 +170,13 @@ class CompoundLoss(nn.Module):
         mask = masks.predicts
         logits = getattr(out, "logits", None)
         if logits is not None and not any_predicts:  # the term keeps its name: every rank logs the same keys
-            terms[_kl_name(targets, self.teacher_head is not None)] = logits.sum() * 0.0
+            terms[_logit_kind(targets, self.teacher_head is not None).term] = logits.sum() * 0.0
             return
         if logits is None:
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
-        if "logits/full" in targets:
-            terms["kl"] = kd_kl(logits, targets["logits/full"], mask, self.temperature)
-            return
-        if self.teacher_head is not None:
-            hidden = _target(targets, f"hidden/{self.teacher_head.layer}")
-            terms["kl"] = head_kl(logits, hidden, self.teacher_head, mask, self.temperature)
-            return
-        if "logits/sample_ids" in targets:
-            terms["sampled_kl"] = sampled_kl(logits, targets["logits/sample_ids"], targets["logits/sample_counts"],
-                                             targets["logits/sample_logp"], mask, self.temperature)
-            return
-        values, ids = _target(targets, "logits/topk_values"), _target(targets, "logits/topk_ids")
-        lse = cached_topk(targets)[2]  # a log-prob cache has none: 0
-        terms["topk_kl"] = topk_kl(
-            logits, values, ids, mask, lse, variant=self.topk_variant, temperature=self.temperature
-        )
+        kind = _logit_kind(targets, self.teacher_head is not None)
+        setup = KlSetup(self.temperature, self.topk_variant, self.teacher_head)
+        terms[kind.term] = kind.loss(logits, targets, mask, setup)
 
     def _hidden_term(
         self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict, any_trained: bool
@@ -279,7 +266,9 @@ class CompoundLoss(nn.Module):
             raise LossError("; ".join(problems))
 
 
-_FAMILY = {"ce": "ce", "kl": "kl", "topk_kl": "kl", "sampled_kl": "kl", "hidden": "hidden", "attention": "attention"}
+# Which weight scales a term: every logit kind's term is the KL's.
+_FAMILY = {"ce": "ce", "kl": "kl", "hidden": "hidden", "attention": "attention",
+           **{logit_kinds.get(name).term: "kl" for name in logit_kinds.names()}}
 
 
 def _zero_pairs(logs: dict, kind: str, pairs: list[Pair], student: Any) -> torch.Tensor:
@@ -292,11 +281,13 @@ def _zero_pairs(logs: dict, kind: str, pairs: list[Pair], student: Any) -> torch
     return total
 
 
-def _kl_name(targets: Mapping[str, torch.Tensor], head: bool) -> str:
-    """The logged name of the logit term for a cache's targets (``kl`` for full logits and the teacher's head)."""
-    if "logits/full" in targets or head:
-        return "kl"
-    return "sampled_kl" if "logits/sample_ids" in targets else "topk_kl"
+def _logit_kind(targets: Mapping[str, torch.Tensor], head: bool) -> LogitKind:
+    """The logit kind of a cache's targets (the head's when the loss holds the teacher's head)."""
+    kind = logit_kinds.from_targets(targets, head)
+    if kind is None:
+        raise LossError(f"the KL term needs cached teacher logits, but the batch holds {', '.join(sorted(targets))}; "
+                        f"set beta 0, or cache logits ({logit_kinds.usage()})")
+    return kind
 
 
 def _target(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:

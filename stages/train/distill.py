@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.common.qk_attention import QKRecorder
@@ -41,7 +42,10 @@ from kdcache.storage.streams import prefixed
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-UNPREFIXED_TERMS = ("ce", "kl", "topk_kl", "sampled_kl")  # logged under their own names whatever the stream
+    from kdcache.stages.train.teacher_head import TeacherHead
+
+# Logged under their own names whatever the stream: CE and every logit kind's term.
+UNPREFIXED_TERMS = tuple(dict.fromkeys(("ce", "kl", *(logit_kinds.get(name).term for name in logit_kinds.names()))))
 
 
 def stream_view(batch: Mapping[str, torch.Tensor], stream: str, main: bool) -> dict[str, torch.Tensor]:
@@ -144,7 +148,7 @@ class DistillLoss(nn.Module):
 
 
 def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts, *, main: bool,
-                 logits: str | None, seed: int, head: nn.Module | None,
+                 logits: str | None, seed: int, head: TeacherHead | None,
                  scores: Mapping[str, Any] | None = None) -> CompoundLoss | None:
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
@@ -166,7 +170,7 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
 
 
 def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
-                    head: nn.Module | None = None) -> DistillLoss:
+                    head: TeacherHead | None = None) -> DistillLoss:
     """The distillation loss for this plan (``head``: the teacher's LM head of a ``--logits head`` cache)."""
     if options.loss.alpha > 0 and facts.has_lm_head and not facts.is_causal and not facts.is_encoder_decoder:
         # The cache holds unmasked inputs, so an encoder's per-token CE predicts each token from itself.

@@ -10,15 +10,19 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from kdcache.stages.train.options import TrainOptions
 from kdcache.storage.errors import KdcacheError
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 class EngineConfigError(KdcacheError):
@@ -122,7 +126,7 @@ def _user_config(options: TrainOptions) -> dict[str, Any]:
     return config
 
 
-def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) -> Any:
+def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) -> DeepSpeedEngine:
     """``deepspeed.initialize`` the wrapper (student + projectors) with AdamW and a linear warm-up.
 
     Returns:
@@ -144,7 +148,7 @@ def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) 
     return engine
 
 
-def _warmup(warmup: int) -> Any:
+def _warmup(warmup: int) -> Callable[[int], float]:
     """LR factor: linear warm-up over ``warmup`` optimizer steps, then constant."""
     def factor(step: int) -> float:
         return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0

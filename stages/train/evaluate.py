@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.hidden_codecs import load_projection
 from kdcache.stages.train.agreement import (
     CkaMatrix,
@@ -159,7 +160,8 @@ class _EvalState:
         depths = {"": facts.num_layers, "encoder": facts.num_layers, "decoder": facts.decoder_layers}
         self.cka = {s: CkaMatrix(list(range(depths[s] + 1)), layers) for s, layers in cached.items() if layers}
         self.final = teacher_layer if teacher_layer is not None else (cached[self.main] or [None])[-1]
-        head = _teacher_head(reader).to(device) if spec.logits == "head" and self.kind != "encoder" else None
+        uses_head = logit_kinds.uses_head(spec.logits) and self.kind != "encoder"
+        head = _teacher_head(reader).to(device) if uses_head else None
         self.lm = (LmStats(spec.logits, self.kind == "causal_lm", head, spec.sample_temperature)
                    if self.kind != "encoder" else None)
         self.pooled_s: list[torch.Tensor] = []  # [B, d_s] per batch: the student's last layer, mean-pooled

@@ -24,9 +24,14 @@ import operator
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+from kdcache.stages.common.stream_options import StreamValues
 from kdcache.storage.errors import KdcacheError
+
+if TYPE_CHECKING:
+    from pydantic import GetCoreSchemaHandler
+    from pydantic_core import CoreSchema
 
 LAYER_MAP_KINDS = ("uniform", "last", "reverse", "all-to-one", "random", "explicit", "none")
 _ALIASES = {"last-k": "last", "all_to_one": "all-to-one", "alltoone": "all-to-one", "skip": "uniform"}
@@ -74,14 +79,24 @@ class LayerMap:
                                explicit=self.pairs or None)
 
     @classmethod
-    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+    def __get_pydantic_core_schema__(cls, source: object, handler: GetCoreSchemaHandler) -> CoreSchema:
         """Let pydantic read a map from its text (``pipeline.config``); a bad text becomes a config problem."""
         from pydantic_core import core_schema
 
-        def read(value: Any) -> Any:
+        def read(value: object) -> object:
             return cls.parse(value) if isinstance(value, str) else value
 
         return core_schema.no_info_before_validator_function(read, core_schema.is_instance_schema(cls))
+
+
+class StreamMaps(StreamValues):
+    """A ``LayerMap`` per token stream (``stages.common.stream_options``): ``last decoder:explicit:1-2``, or a
+    YAML mapping ``{encoder: last, decoder: "explicit:1-2"}``; the map ``""`` means "not given"."""
+
+    @staticmethod
+    def read(text: str) -> LayerMap:
+        """One stream's map from its text (``LayerMap.parse``)."""
+        return LayerMap.parse(text)
 
 
 def build_layer_map(

@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deepspeed.monitor.monitor import MonitorMaster
 
 
 class MetricsLogger:
@@ -21,14 +24,14 @@ class MetricsLogger:
     the source of ``kdcache report``.
     """
 
-    def __init__(self, run_dir: str | Path, *, rank: int = 0, monitor: Any = None):
+    def __init__(self, run_dir: str | Path, *, rank: int = 0, monitor: MonitorMaster | None = None):
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.path = self.run_dir / "metrics.jsonl"
         self._monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self._start = time.perf_counter()
 
-    def log(self, step: int, values: dict[str, float], **extra: Any) -> None:
+    def log(self, step: int, values: dict[str, float], **extra: object) -> None:
         """Write ``{"step": step, "time_s": ..., **values, **extra}`` (rank 0 only)."""
         if self.rank != 0:
             return

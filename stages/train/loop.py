@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.hidden_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.checks import open_cache
@@ -101,7 +102,7 @@ DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which
 
 def _teacher_head(reader: Any, plan: TrainPlan, announce: bool) -> Any:
     """The teacher's LM head of a ``--logits head`` cache when the KL uses it, its size stated on rank 0."""
-    if plan.logits != "head":
+    if not logit_kinds.uses_head(plan.logits):
         return None
     from kdcache.stages.train.teacher_head import load_teacher_head
 

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.engine_options import TRAIN, EngineOptions
+from kdcache.stages.common.logit_kinds.topk import TOPK_VARIANTS as TOPK_KL_VARIANTS
 from kdcache.stages.common.option_groups import assemble, flatten
-from kdcache.stages.train.layer_maps import LayerMap
+from kdcache.stages.train.layer_maps import LayerMap, StreamMaps
 
 HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
-TOPK_KL_VARIANTS = ("renorm", "other")
 ATTENTION_LOSSES = ("kl", "relation")  # relation: MiniLMv2's q-q / k-k / v-v relations (a q/k or q/k/v cache)
 DEFAULT_TEMPERATURE = 2.0  # --temperature when none is given and the cache does not fix one
 
@@ -118,32 +119,47 @@ def resolved_temperature(loss: LossOptions) -> float:
 class MapOptions:
     """Which student layer meets which teacher layer, per token stream, parsed from the config's text once.
 
-    Per-stream maps are not Optional: the config reads "none" as null, and "none" is a map here. The empty map
-    (``LayerMap("")``) means "follow --layer-map"."""
+    Each option holds a map per stream (``StreamMaps``): the unprefixed one for every stream, ``encoder:`` /
+    ``decoder:`` for one stack, and for ``attention_layers`` also ``cross:`` (the cross-attention KL, whose
+    default is the decoder map restricted to the cached cross-attention blocks; ``cross:none`` drops the term).
+    The empty map (``LayerMap("")``) of a stream means "follow the unprefixed one"."""
 
-    layer_map: LayerMap = field(default=LayerMap("uniform"), metadata=_opt(
+    layer_map: StreamMaps = field(default=StreamMaps.parse("uniform"), metadata=_opt(
         "student-to-teacher hidden layer map: uniform|last (alias last-k)|reverse|all-to-one|random|none|"
-        "explicit:1-2,2-4"))
-    attention_layers: LayerMap | None = field(default=None, metadata=_opt(
-        "student-to-teacher attention map for the delta term, same syntax as --layer-map "
-        "(default: the hidden map restricted to the cache's attention layers)"))
-    encoder_layer_map: LayerMap = field(default=LayerMap(""), metadata=_opt(
-        "encoder-decoder: encoder student-to-teacher map, same syntax as --layer-map (default: --layer-map)"))
-    decoder_layer_map: LayerMap = field(default=LayerMap(""), metadata=_opt(
-        "encoder-decoder: decoder student-to-teacher map (default: --layer-map)"))
-    cross_attention_map: LayerMap = field(default=LayerMap(""), metadata=_opt(
-        "encoder-decoder: decoder-block map of the cross-attention KL (weight --delta; default: the decoder map "
-        "restricted to the cached cross-attention blocks; none = no cross-attention term)"))
+        "explicit:1-2,2-4; an encoder-decoder's stacks apart as encoder:MAP decoder:MAP (an unprefixed map covers "
+        "both)", nargs="+", metavar="[STREAM:]MAP"))
+    attention_layers: StreamMaps | None = field(default=None, metadata=_opt(
+        "student-to-teacher attention map for the delta term, same syntax as --layer-map, and cross:MAP for the "
+        "cross-attention blocks (cross:none: no cross-attention term) (default: the hidden map restricted to the "
+        "cache's attention layers)", nargs="+", metavar="[STREAM:]MAP"))
+
+    def __post_init__(self) -> None:
+        if "" not in self.layer_map.streams:  # only stacks given: the rest follow the default, uniform
+            object.__setattr__(self, "layer_map", self.layer_map.with_stream("", LayerMap("uniform")))
 
     def for_stream(self, stream: str) -> LayerMap:
-        """The hidden map of token stream ``stream``: its own (``encoder``, ``decoder``), else ``--layer-map``."""
-        own = getattr(self, f"{stream}_layer_map") if stream else LayerMap("")
-        return own if own.kind else self.layer_map
+        """The hidden map of token stream ``stream``: its own (``encoder``, ``decoder``), else the unprefixed."""
+        own = self.layer_map.get(stream) if stream else None
+        return own if own and own.kind else self.layer_map.get("")
+
+    def attention_map(self, stream: str) -> LayerMap | None:
+        """The attention map given for ``stream`` (``cross``: the cross-attention term): its own, else (but for
+        ``cross``) the unprefixed one; None when none is given (the hidden map, restricted, stands in)."""
+        given = self.attention_layers
+        own = given.get(stream) if given else None
+        if not (own and own.kind) and stream != "cross":
+            own = given.get("") if given else None
+        return own if own and own.kind else None
 
     def validate(self) -> list[str]:
-        """The empty map means "follow --layer-map", which --layer-map and --attention-layers cannot."""
-        empty = [name for name in ("layer_map", "attention_layers") if getattr(self, name) == LayerMap("")]
-        return [f"{name}: got '', expected a map such as uniform or explicit:1-2,2-4" for name in empty]
+        """The empty map means "follow the unprefixed map", which the unprefixed maps cannot; no cross hidden map."""
+        problems = [f"{name}: got '', expected a map such as uniform or explicit:1-2,2-4"
+                    for name, value in (("layer_map", self.layer_map), ("attention_layers", self.attention_layers))
+                    if value is not None and value.get("") == LayerMap("")]
+        if "cross" in self.layer_map.streams:
+            problems.append(f"layer_map: got {str(self.layer_map)!r}; the cross-attention map is --attention-layers "
+                            f"cross:MAP")
+        return problems
 
 
 @dataclass(frozen=True)
@@ -221,20 +237,22 @@ class TrainOptions:
 
     def to_dict(self) -> dict[str, object]:
         """Flat ``{option: value}`` (maps as their text), written to RUN/options.json."""
-        return {k: str(v) if isinstance(v, LayerMap) else v for k, v in flatten(self).items()}
+        return {k: str(v) if isinstance(v, (LayerMap, StreamMaps)) else v for k, v in flatten(self).items()}
 
     def with_cache_defaults(self, spec: Any) -> tuple[TrainOptions, str | None]:
         """These options with what the cache decides when the user gave nothing, and a line saying so.
 
-        A sampled cache's KL estimate exists only at its sampling temperature, so that is the default there.
+        A sampled cache's KL estimate exists only at its sampling temperature, so that is the default there (its
+        logit kind's ``default_temperature``).
         """
         if self.loss.temperature is not None:
             return self, None
-        sampled = getattr(spec, "logits", None) == "sampled"
-        temperature = float(spec.sample_temperature) if sampled else DEFAULT_TEMPERATURE
+        mode = getattr(spec, "logits", None)
+        fixed = logit_kinds.get(mode).default_temperature(spec) if mode else None
+        temperature = DEFAULT_TEMPERATURE if fixed is None else fixed
         resolved = dataclasses.replace(self, loss=dataclasses.replace(self.loss, temperature=temperature))
         said = (f"training at temperature {temperature:g}, the cache's sampling temperature (--temperature not "
-                f"given)") if sampled else None
+                f"given)") if fixed is not None else None
         return resolved, said
 
     @classmethod

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.train.checks import (
     CacheCheckError,
     Pair,
@@ -56,7 +57,7 @@ class TrainPlan:
     """
 
     streams: tuple[StreamPairs, ...]
-    logits: str | None  # "full" | "topk" | None: what the KL term reads
+    logits: str | None  # the cache's logit mode (stages.common.logit_kinds) the KL term reads, or None
     names: tuple[str, ...]  # arrays streamed per sequence
     cross_attention_pairs: tuple[Pair, ...] = ()
     teacher_heads: int | None = None  # H' stored per attention layer
@@ -134,9 +135,7 @@ def teacher_depth(reader: Any, stream: str = "") -> int:
     for key in keys:
         if isinstance(teacher.get(key), int) and teacher[key]:
             return int(teacher[key])
-    layers = {s: [*h, *a] for s, h, a in reader.spec.stream_layers()}[stream]
-    if stream == "decoder":
-        layers += list(reader.spec.cross_attention_layers)
+    layers = [j for kind in reader.spec.layers[stream].values() for j in kind]  # the decoder's: cross too
     return max(layers, default=0)
 
 
@@ -160,9 +159,9 @@ def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str]) -> tup
     what = prefixed(s.name, "attention").replace("/", " ")
     attention: list[Pair] = []
     if options.loss.delta > 0 and s.attention:
-        if options.maps.attention_layers is not None:
-            attention = checked_map(options.maps.attention_layers, seed, s.student_depth, s.teacher_depth,
-                                    s.attention, what, problems)
+        given = options.maps.attention_map(s.name)
+        if given is not None:
+            attention = checked_map(given, seed, s.student_depth, s.teacher_depth, s.attention, what, problems)
         else:
             attention = restricted_map(s.layer_map, s.student_depth, s.teacher_depth, s.attention, seed, what,
                                        problems)
@@ -171,11 +170,11 @@ def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str]) -> tup
 
 def _cross_pairs(options: TrainOptions, spec: Any, decoder: _Stream | None, problems: list[str]) -> list[Pair]:
     """(student decoder block, teacher decoder block) pairs of the cross-attention term."""
-    cross, seed = options.maps.cross_attention_map, options.data.seed
-    if decoder is None or options.loss.delta <= 0 or not spec.cross_attention_layers or cross.kind == "none":
+    cross, seed = options.maps.attention_map("cross"), options.data.seed
+    cached, what = spec.layers_of(CROSS, "decoder"), "cross attention"
+    if decoder is None or options.loss.delta <= 0 or not cached or cross is not None and cross.kind == "none":
         return []
-    cached, what = spec.cross_attention_layers, "cross attention"
-    if cross.kind:
+    if cross is not None:
         return checked_map(cross, seed, decoder.student_depth, decoder.teacher_depth, cached, what, problems)
     return restricted_map(decoder.layer_map, decoder.student_depth, decoder.teacher_depth, cached, seed, what,
                           problems)
@@ -192,7 +191,7 @@ def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None,
         kinds = attention_kinds if kind == "attention" else (kind,)
         names += [prefixed(stream, f"{k}/{t}") for t in sorted({t for _, t in group_pairs}) for k in kinds]
     names += spec.logit_arrays() if logits else []
-    if logits == "head":  # the head's input: the last layer, which a head-mode cache always holds
+    if logit_kinds.uses_head(logits):  # the head's input: the last layer, which such a cache holds
         # Head mode is for one-stream (decoder-only) caches, whose last layer is the deepest one kept (stage one
         # always keeps it; the loop checks the head's own record against it).
         names.append(f"hidden/{max(spec.hidden_layers)}")

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from kdcache.storage.errors import KdcacheError
 from kdcache.storage.hidden_codecs import part_of
 from kdcache.storage.spec import VOCAB_IDS
 from kdcache.storage.streams import kind_of, prefixed, ragged_streams, split_stream
+
+if TYPE_CHECKING:
+    from kdcache.storage.reader import CacheReader
 
 Batch = dict[str, Any]
 
@@ -208,9 +211,9 @@ class CacheStream(IterableDataset):
     record the position reached. Use it with ``DataLoader(stream, batch_size=None, num_workers=...)``.
     """
 
-    def __init__(self, cache: str | os.PathLike[str] | Any, names: Sequence[str], *, batch_size: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, start: DataPosition = DataPosition(), epochs: int | None = None,
-                 shuffle_block: int = 256, prefetch: int = 4, decode_threads: int = 0,
+    def __init__(self, cache: str | os.PathLike[str] | CacheReader, names: Sequence[str], *, batch_size: int,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, start: DataPosition = DataPosition(),
+                 epochs: int | None = None, shuffle_block: int = 256, prefetch: int = 4, decode_threads: int = 0,
                  allow_partial: bool = False, pin_memory: bool = False):
         """``cache`` is a cache folder or URL, or an open ``CacheReader``, which this process then reads through
         (a DataLoader worker opens its own from the reader's folder or URL)."""
@@ -220,9 +223,9 @@ class CacheStream(IterableDataset):
         self.start, self.epochs = start, epochs
         self.shuffle_block, self.prefetch, self.decode_threads = shuffle_block, prefetch, decode_threads
         self.allow_partial, self.pin_memory = allow_partial, pin_memory
-        self.cache = str(cache) if isinstance(cache, (str, os.PathLike)) else str(cache.root)
-        reader: Any = self._open() if isinstance(cache, (str, os.PathLike)) else cache
-        self._reader: Any = reader
+        self.cache = str(cache) if isinstance(cache, (str, os.PathLike)) else cache.root
+        reader = self._open() if isinstance(cache, (str, os.PathLike)) else cache
+        self._reader: CacheReader | None = reader
         # Only committed shards (all of them for a complete cache; some with --allow-partial).
         self.shard_ids = [int(k) for k in reader.committed_shards]
         self.shard_ranges = [reader.spec.shard_range(k) for k in self.shard_ids]
@@ -236,7 +239,7 @@ class CacheStream(IterableDataset):
             raise StreamStateError(f"sample index {start.sample_index} is not a multiple of world size x batch "
                                    f"size ({world_size} x {batch_size})")
 
-    def _open(self) -> Any:
+    def _open(self) -> CacheReader:
         from kdcache.storage import CacheReader
 
         return CacheReader(self.cache, allow_partial=self.allow_partial, decode_threads=self.decode_threads or None)
@@ -280,8 +283,9 @@ class _Producer:
 
     _DONE = object()
 
-    def __init__(self, reader: Any, names: Sequence[str], shard_ids: list[int], shard_ranges: list[tuple[int, int]],
-                 plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]], prefetch: int, threads: int, pin: bool):
+    def __init__(self, reader: CacheReader, names: Sequence[str], shard_ids: list[int],
+                 shard_ranges: list[tuple[int, int]], plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]],
+                 prefetch: int, threads: int, pin: bool):
         # A coded hidden state travels with its scales (and outliers) to the device, where it is decoded.
         self.reader, self.names, self.pin = reader, [p for n in names for p in reader.spec.with_parts(n)], pin
         # Shards read ahead of need beyond the prefetch window: none from a local disk (the page cache and a
@@ -338,7 +342,7 @@ class _Producer:
                     del decoded[s]
                 self._put(batch)
 
-    def _put(self, item: Any) -> None:
+    def _put(self, item: object) -> None:
         while not self.stop.is_set():
             try:
                 self.queue.put(item, timeout=0.1)

@@ -18,7 +18,8 @@ from kdcache.stages.common.architectures import is_causal_config, is_encoder_dec
 from kdcache.storage.errors import KdcacheError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
+
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 
@@ -55,7 +56,7 @@ def has_weights(path: str | Path) -> bool:
     return root.is_dir() and any(next(root.glob(p), None) for p in WEIGHT_PATTERNS)
 
 
-def load_config(path: str | Path) -> Any:
+def load_config(path: str | Path) -> PretrainedConfig:
     """The HF config of a student given as a folder or as a ``config.json`` file.
 
     Raises:
@@ -97,7 +98,8 @@ def load_student(path: str | Path, *, seed: int = 0,
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         return cls.from_pretrained(str(path), config=config, **kwargs)
     torch.manual_seed(seed)
-    return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
+    # An Auto class builds with from_config, a model class with _from_config (which ModelClass leaves out).
+    return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)  # type: ignore[attr-defined]
 
 
 def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:

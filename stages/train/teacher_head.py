@@ -8,7 +8,7 @@ head's weights are buffers, not parameters: nothing trains them and checkpoints 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,9 @@ from torch import nn
 
 from kdcache.stages.common.teacher_head import finish_logits, read_head
 from kdcache.storage.errors import KdcacheError
+
+if TYPE_CHECKING:
+    from kdcache.storage.stores import Store
 
 
 class TeacherHead(nn.Module):
@@ -49,7 +52,8 @@ class TeacherHead(nn.Module):
                 f"({str(self.weight.dtype).replace('torch.', '')}), applied to cached layer {self.layer}")
 
 
-def load_teacher_head(store: Any, hidden_layers: tuple[int, ...] | None = None) -> TeacherHead:
+def load_teacher_head(store: Store,
+ hidden_layers: tuple[int, ...] | None = None) -> TeacherHead:
     """The head of a ``--logits head`` cache (its hash checked; ``head.json`` is not hashed, so the layer it
     names is checked against the cache's deepest ``hidden_layers``, the one stage two streams for it).
 

@@ -19,21 +19,23 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from kdcache.storage.backends.base import Backend, PackedShard, Problem, ShardHandle, is_format3, verify_file_table
-from kdcache.storage.backends.legacy import arrow_file_problem, value_crc32
+from kdcache.storage.backends.base import Backend, PackedShard, Problem, ShardHandle, verify_file_table
 from kdcache.storage.codecs import to_arrow_compression
 from kdcache.storage.errors import ChecksumError
 from kdcache.storage.files import crc32c
+from kdcache.storage.formats import CacheFormat, arrow_file_problem, value_crc32
 from kdcache.storage.manifest import ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store
 from kdcache.storage.streams import is_offsets
+
+IpcReader: TypeAlias = "ipc.RecordBatchFileReader | ipc.RecordBatchStreamReader"  # format 1-2 files, 3+ streams
 
 
 def file_codec(spec: CacheSpec) -> tuple[str, int | None]:
@@ -76,10 +78,11 @@ def _present(position: int | None) -> int:
 
 
 def _ref(data: bytes, position: int) -> int:
-    return position + struct.unpack_from("<I", data, position)[0]
+    offset: int = struct.unpack_from("<I", data, position)[0]
+    return position + offset
 
 
-def message_layout(stream: Any) -> tuple[int, list[tuple[int, int]]]:
+def message_layout(stream: pa.Buffer | bytes) -> tuple[int, list[tuple[int, int]]]:
     """``(header length, [(offset in body, length)] per body buffer)`` of an IPC stream with one record batch.
 
     pyarrow reports no per-column stored sizes, so the record batch's flatbuffer metadata (Message.header ->
@@ -109,7 +112,7 @@ def _split(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return offsets, flat
 
 
-def _open(source: Any, options: ipc.IpcReadOptions | None = None) -> Any:
+def _open(source: pa.NativeFile, options: ipc.IpcReadOptions | None = None) -> IpcReader:
     """A reader of either IPC flavour: the stream (format 3) or the file with its footer (format 1-2)."""
     if source.read(6) == b"ARROW1":
         source.seek(0)
@@ -118,7 +121,7 @@ def _open(source: Any, options: ipc.IpcReadOptions | None = None) -> Any:
     return ipc.open_stream(source, options=options)
 
 
-def _first_batch(reader: Any) -> pa.RecordBatch:
+def _first_batch(reader: IpcReader) -> pa.RecordBatch:
     return reader.get_batch(0) if isinstance(reader, ipc.RecordBatchFileReader) else reader.read_next_batch()
 
 
@@ -129,14 +132,15 @@ class ArrowShard(ShardHandle):
     fetched whole, once, and decoded from memory.
     """
 
-    def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec) -> None:
+    def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec, cache_format: CacheFormat) -> None:
         self.store, self.key, self.record, self.spec = store, record.path, record, spec
+        self.file_table = cache_format.file_table  # else formats 1-2: a crc32 per column and one per file
         self._columns: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._remote: pa.Buffer | None = None
         self._fields: dict[str, int] | None = None  # column positions, from the header parsed once
         self._lock = threading.Lock()
 
-    def _source(self) -> Any:
+    def _source(self) -> pa.NativeFile:
         local = self.store.local_path(self.key)
         if local is not None:
             return pa.memory_map(str(local))
@@ -170,15 +174,15 @@ class ArrowShard(ShardHandle):
             offsets, flat = self.decode(name)
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:  # damaged bytes, not a bug
             raise self._fail(name, f"cannot decode: {exc}") from None
-        if is_format3(self.record) and column_crc(offsets, flat) != self.record.arrays[name]["crc32c"]:
+        if self.file_table and column_crc(offsets, flat) != self.record.arrays[name]["crc32c"]:
             raise self._fail(name, "decoded values differ from those written (crc32c mismatch)")
         with self._lock:
             self._columns[name] = offsets, flat
         return offsets, flat
 
     def check(self) -> list[Problem]:
-        if not is_format3(self.record):
-            problem = arrow_file_problem(self.store, self.key, self.record)
+        if not self.file_table:
+            problem = arrow_file_problem(self.store, self.key, self.record.extra["file_crc32"])
             return [] if problem is None else (locate(self) or [problem])
         try:
             header = self.store.read(self.key, 0, self.record.extra["header_bytes"])
@@ -197,7 +201,7 @@ class ArrowShard(ShardHandle):
 def locate(handle: ArrowShard) -> list[Problem]:
     """Decode every column afresh and compare its checksum: names the damaged arrays of a damaged file."""
     problems = []
-    format3 = is_format3(handle.record)
+    table = handle.file_table  # else formats 1-2's crc32 over the same offsets and values
     for name, info in handle.record.arrays.items():
         if is_offsets(name):
             continue
@@ -206,8 +210,8 @@ def locate(handle: ArrowShard) -> list[Problem]:
         except Exception as exc:  # noqa: BLE001 - a decode failure is a finding
             problems.append((name, f"cannot decode: {type(exc).__name__}: {exc}"))
             continue
-        crc = column_crc(offsets, flat) if format3 else value_crc32(offsets, flat)
-        if crc != info["crc32c" if format3 else "value_crc32"] or list(flat.shape) != info["shape"]:
+        crc = column_crc(offsets, flat) if table else value_crc32(offsets, flat)
+        if crc != info["crc32c" if table else "value_crc32"] or list(flat.shape) != info["shape"]:
             problems.append((name, "decoded values differ from those written (checksum mismatch)"))
     return problems
 
@@ -257,12 +261,12 @@ class ArrowBackend(Backend):
         return PackedShard({path: data}, info, extra)
 
     def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        return ArrowShard(store, record, spec)
+        return ArrowShard(store, record, spec, self.format)
 
     def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
-        handle = ArrowShard(store, record, spec)
-        if not is_format3(record):
-            problem = arrow_file_problem(store, record.path, record)
+        handle = ArrowShard(store, record, spec, self.format)
+        if not self.format.file_table:
+            problem = arrow_file_problem(store, record.path, record.extra["file_crc32"])
             problems = locate(handle)  # format 1-2 verify always decoded every column
             return problems + [problem] if problem is not None and not problems else problems
         problems = verify_file_table(store, record)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.files import crc32c
+from kdcache.storage.formats import CURRENT, CacheFormat
 from kdcache.storage.manifest import SHARDS_DIR, ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store
@@ -48,7 +49,7 @@ class ShardHandle(ABC):
 
     @abstractmethod
     def check(self) -> list[Problem]:
-        """Checks due when the shard is opened (format 3: only the bytes the open itself reads)."""
+        """Checks due when the shard is opened (with a file table: only the bytes the open itself reads)."""
 
     def prefetch(self, names: list[str]) -> None:
         """Fetch what reading ``names`` will need, in one round of requests where that helps (object stores).
@@ -71,6 +72,10 @@ class Backend(ABC):
     name: str = ""
     suffix: str = ""  # "" for a directory per shard, ".arrow" for one file per shard
 
+    def __init__(self, cache_format: CacheFormat = CURRENT) -> None:
+        # How the cache's shards are checked (storage.formats): chosen once, when the cache is opened.
+        self.format = cache_format
+
     def shard_key(self, index: int) -> str:
         """Where committed shard ``index`` lives, relative to the cache root (``shards/shard-000003[.arrow]``)."""
         return f"{SHARDS_DIR}/{shard_name(index)}{self.suffix}"
@@ -92,11 +97,6 @@ class Backend(ABC):
     @abstractmethod
     def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
         """Check every stored byte of a shard; never raises for corruption."""
-
-
-def is_format3(record: ShardRecord) -> bool:
-    """Whether ``record`` carries a per-file table (format 3); format 1-2 records hold per-array crc32s."""
-    return "files" in record.extra
 
 
 def owner_of(record: ShardRecord, path: str) -> str:
@@ -124,7 +124,7 @@ def check_file(store: Store, path: str, size: int, crc: int, *, read: bool = Tru
 
 
 def verify_file_table(store: Store, record: ShardRecord) -> list[Problem]:
-    """Every file of a format-3 shard against its recorded size and crc32c."""
+    """Every file of a shard with a file table (storage.formats.FILE_TABLE) against its recorded size and crc32c."""
     problems = []
     for path, (size, crc) in sorted(record.extra["files"].items()):
         message = check_file(store, path, size, crc)

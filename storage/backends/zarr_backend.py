@@ -16,7 +16,8 @@ import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numcodecs
 import numpy as np
@@ -27,19 +28,21 @@ from kdcache.storage.backends.base import (
     Problem,
     ShardHandle,
     check_file,
-    is_format3,
     verify_file_table,
 )
-from kdcache.storage.backends.legacy import legacy_path, zarr_problems
 from kdcache.storage.backends.shard_file import ShardFileError, plain_layout, read_whole
 from kdcache.storage.codecs import to_zarr_compressors
 from kdcache.storage.errors import ChecksumError
 from kdcache.storage.files import crc32c
+from kdcache.storage.formats import CacheFormat, zarr_problems
 from kdcache.storage.hidden_codecs import CODED_KINDS
 from kdcache.storage.manifest import ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store
 from kdcache.storage.streams import split_stream
+
+if TYPE_CHECKING:  # zarr itself loads on first use: importing storage stays light
+    import zarr
 
 CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one or two; bigger ones barely read faster
 CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0 beside zarr.json: no c/0/ folders
@@ -53,7 +56,7 @@ _DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids":
                   for part, dim in (("scale", "group"), ("outliers", "outlier"), ("outlier_ids", "outlier"))}}
 
 
-def _zarr() -> Any:
+def _zarr() -> ModuleType:
     import zarr
 
     return zarr
@@ -71,7 +74,7 @@ def _dimension_names(name: str) -> tuple[str, ...]:
     return ("token", "vocab") if name == "logits/full" else names
 
 
-def _create_array(store: Any, name: str, array: np.ndarray, spec: CacheSpec) -> None:
+def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray, spec: CacheSpec) -> None:
     """One array as a single zarr shard whose inner chunks carry a crc32c each."""
     zarr = _zarr()
     rows = chunk_rows(array)
@@ -92,9 +95,10 @@ class ZarrShard(ShardHandle):
     in memory, since training reads whole shards anyway.
     """
 
-    def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec) -> None:
+    def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec, cache_format: CacheFormat) -> None:
         self.store, self.key, self.record, self.spec = store, record.path, record, spec
-        self._arrays: dict[str, Any] = {}
+        self.file_table = cache_format.file_table  # else formats 1-2: per-array crc32s, checked when opened
+        self._arrays: dict[str, zarr.Array[Any]] = {}
         self._decoded: dict[str, np.ndarray] = {}  # object stores only: whole arrays that slices were cut from
         self._metadata: dict[str, dict[str, Any]] = {}
         self._fetched: dict[str, bytes] = {}  # an object store's files, fetched together by prefetch()
@@ -111,7 +115,7 @@ class ZarrShard(ShardHandle):
 
     def prefetch(self, names: list[str]) -> None:
         """Fetch the files of ``names`` from an object store in one round of concurrent requests."""
-        if self.store.is_local or not is_format3(self.record):
+        if self.store.is_local or not self.file_table:
             return
         keys = [k for name in names for k in self._files(name) if k not in self._fetched]
         if keys:
@@ -141,11 +145,11 @@ class ZarrShard(ShardHandle):
                 self._metadata[name] = cached
         return cached
 
-    def _array(self, name: str) -> Any:
+    def _array(self, name: str) -> zarr.Array[Any]:
         with self._lock:
             if name in self._arrays:
                 return self._arrays[name]
-        if is_format3(self.record):
+        if self.file_table:
             self.metadata(name)
             for path in self.record.arrays[name]["files"]:  # zarr reads a missing chunk as zeros: refuse that
                 message = check_file(self.store, path, *self.record.extra["files"][path], read=False)
@@ -178,14 +182,12 @@ class ZarrShard(ShardHandle):
             raise self._fail(name, f"stored bytes do not decode ({exc})") from None
 
     def check(self) -> list[Problem]:
-        if is_format3(self.record):
-            return []
-        return zarr_problems(legacy_path(self.store, self.key), self.record)
+        return [] if self.file_table else zarr_problems(self.store, self.key, self.record.arrays)
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
         whole_read = start is None and stop is None
         remote = self.store.local_path(self.key) is None
-        if is_format3(self.record) and (whole_read or remote):
+        if self.file_table and (whole_read or remote):
             with self._lock:
                 whole = self._decoded.get(name)
             whole = self._read_whole(name) if whole is None else whole
@@ -229,12 +231,12 @@ class ZarrBackend(Backend):
         return PackedShard(files, info)
 
     def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        return ZarrShard(store, record, spec)
+        return ZarrShard(store, record, spec, self.format)
 
     def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
-        if is_format3(record):
+        if self.format.file_table:
             return verify_file_table(store, record)
-        handle = ZarrShard(store, record, spec)
+        handle = ZarrShard(store, record, spec, self.format)
         problems = handle.check()
         for name, info in record.arrays.items():
             try:

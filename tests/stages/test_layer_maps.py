@@ -117,8 +117,10 @@ def test_maps_are_parsed_once_where_the_config_is_read(tmp_path) -> None:
     assert LayerMap.parse("explicit:1-2,2-4").build(2, 4) == build_layer_map("explicit:1-2,2-4", 2, 4)
     base = {"cache": "c", "student": str(tmp_path), "out": "o"}
     options = build(TrainOptions, {**base, "layer_map": "last-k", "decoder_layer_map": "explicit:1-2"})
-    assert options.maps.layer_map == LayerMap("last") and options.maps.for_stream("decoder").pairs == ((1, 2),)
-    assert options.maps.for_stream("encoder") == LayerMap("last") and options.to_dict()["layer_map"] == "last"
+    assert options.maps.layer_map.get("") == LayerMap("last") and options.maps.for_stream("decoder").pairs == ((1, 2),)
+    # options.json holds the per-stream map as its canonical text (the unprefixed map first)
+    assert options.maps.for_stream("encoder") == LayerMap("last")
+    assert options.to_dict()["layer_map"] == "last decoder:explicit:1-2"
     with pytest.raises(ConfigError) as err:
         build(TrainOptions, {**base, "layer_map": "sideways", "decoder_layer_map": "explicit:1-2,2-x"})
     bad, unknown = sorted(err.value.problems)

@@ -70,7 +70,7 @@ def test_cached_targets_equal_the_online_teacher(name, seq2seq_teachers, pairs_f
     reader = CacheReader(tmp_path / "cache")
     spec = reader.spec
     assert spec.is_encoder_decoder and reader.manifest.format_version == 4 and reader.num_sequences == 10
-    assert spec.encoder_hidden_layers == (0, 1, 2) and spec.cross_attention_layers == (1, 2)
+    assert spec.layers_of("hidden", "encoder") == (0, 1, 2) and spec.layers_of("cross_attention", "decoder") == (1, 2)
     assert reader.fingerprints["teacher"]["num_decoder_layers"] == 2
     for i in (0, 3, 7):
         item = reader[i]
@@ -90,8 +90,9 @@ def test_per_side_layer_flags_and_resume(seq2seq_teachers, pairs_file, tmp_path,
             "--cross-attention-layers", "1", "--full-logits", "--dtype", "bf16")
     assert precompute(seq2seq_teachers["bart"], pairs_file, tmp_path / "c", *args) == 0
     spec = CacheReader(tmp_path / "c").spec
-    assert (spec.encoder_hidden_layers, spec.decoder_hidden_layers, spec.cross_attention_layers) == ((2,), (), (1,))
-    assert spec.logits == "full" and spec.dtype == "bf16" and not spec.encoder_attention_layers
+    assert (spec.layers_of("hidden", "encoder"), spec.layers_of("hidden", "decoder"),
+            spec.layers_of("cross_attention", "decoder")) == ((2,), (), (1,))
+    assert spec.logits == "full" and spec.dtype == "bf16" and not spec.layers_of("attention", "encoder")
     before = [r.checksum for r in CacheReader(tmp_path / "c").records]
     capsys.readouterr()
     assert precompute(seq2seq_teachers["bart"], pairs_file, tmp_path / "c", *args) == 0  # nothing left to do

@@ -31,11 +31,11 @@ def make_seq2seq_sequences(spec: CacheSpec, lengths: list[tuple[int, int]], seed
         item = {"encoder/input_ids": rng.integers(0, spec.vocab_size, l_enc),
                 "decoder/input_ids": rng.integers(0, spec.vocab_size, l_dec)}
         for stream, size, n in (("encoder", D_ENC, l_enc), ("decoder", D_DEC, l_dec)):
-            for j in getattr(spec, f"{stream}_hidden_layers"):
+            for j in spec.layers_of("hidden", stream):
                 item[f"{stream}/hidden/{j}"] = (rng.normal(size=(n, size)) * 3).astype(np.float32)
-            for j in getattr(spec, f"{stream}_attention_layers"):
+            for j in spec.layers_of("attention", stream):
                 item[f"{stream}/attention/{j}"] = _probs(rng, n, n)
-        for j in spec.cross_attention_layers:
+        for j in spec.layers_of("cross_attention", "decoder"):
             item[f"cross_attention/{j}"] = _probs(rng, l_dec, l_enc)
         if spec.logits == "full":
             item["logits/full"] = (rng.normal(size=(l_dec, spec.vocab_size)) * 5).astype(np.float32)
@@ -81,7 +81,7 @@ class Seq2SeqSuite:
         base = dict(num_sequences=5, backend=self.backend, layout="seq2seq", encoder_hidden_layers=(0, 2),
                     encoder_attention_layers=(1,), decoder_hidden_layers=(2,), decoder_attention_layers=(1, 2),
                     cross_attention_layers=(2,), logits="topk", top_k=4, vocab_size=300, sequences_per_shard=2)
-        return CacheSpec(**{**base, **kwargs})
+        return CacheSpec.from_dict({**base, **kwargs})  # the manifest's keys, translated to the layer mapping
 
     def write_seq2seq(self, path: Path, spec: CacheSpec) -> list[dict]:
         seqs = make_seq2seq_sequences(spec, self.LENGTHS)
@@ -164,7 +164,7 @@ class Seq2SeqSuite:
         with pytest.raises(SpecError, match="per stream"):
             self.seq2seq_spec(hidden_layers=(1,))
         with pytest.raises(SpecError, match="seq2seq fields"):
-            CacheSpec(num_sequences=1, encoder_hidden_layers=(1,))
+            CacheSpec.from_dict({"num_sequences": 1, "encoder_hidden_layers": [1]})
         spec = self.seq2seq_spec()
         seqs = make_seq2seq_sequences(spec, self.LENGTHS[:2])
         seqs[0]["cross_attention/2"] = seqs[0]["cross_attention/2"].transpose(0, 2, 1)  # [H, L_enc, L_dec]

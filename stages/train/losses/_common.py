@@ -1,90 +1,15 @@
-"""Helpers shared by the loss modules: masks, valid-row selection, safe KL terms, chunks over tokens."""
+"""The loss helpers, under the names the loss modules import (they live in ``stages.common.loss_rows``)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from kdcache.stages.common.loss_rows import (
+    LOSS_CHUNK,
+    bool_mask,
+    chunked_sum,
+    count_valid,
+    full_precision,
+    kl_terms,
+    valid_rows,
+)
 
-import torch
-from torch.utils.checkpoint import checkpoint
-
-from kdcache.stages.train.losses.errors import LossError
-
-
-def bool_mask(mask: torch.Tensor, like: torch.Tensor, name: str = "mask") -> torch.Tensor:
-    """Return ``mask`` as bool after checking it matches the leading ``[B, L]`` of ``like``.
-
-    Args:
-        mask: ``[B, L]``, 1 (or True) for a real token; any numeric or bool dtype.
-        like: a tensor whose first two dimensions must be ``[B, L]``.
-        name: how to call the mask in an error message.
-    """
-    if mask.dim() != 2 or tuple(like.shape[:2]) != tuple(mask.shape):
-        raise LossError(f"{name} has shape {tuple(mask.shape)} but the tensor it masks has {tuple(like.shape)}")
-    return mask.bool() if mask.dtype != torch.bool else mask
-
-
-def valid_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Select the valid token rows of ``x``.
-
-    Selection (rather than multiplying by the mask) is what keeps inf or NaN at padded positions out of both
-    the value and the gradient: ``0 * nan`` is ``nan``, a row that is never read is nothing.
-
-    Args:
-        x: ``[B, L, ...]``.
-        mask: ``[B, L]``.
-
-    Returns:
-        ``[N_v, ...]`` in batch-major token order.
-    """
-    return x[bool_mask(mask, x)]
-
-
-LOSS_CHUNK = 256  # valid tokens per chunk of a term over the full vocabulary: [256, 128k] fp32 is 128 MiB
-
-
-def chunked_sum(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
-    """``Σ fn(*chunk)`` over chunks of ``LOSS_CHUNK`` rows of ``rows`` (tensors ``[N, ...]`` with one N).
-
-    A term over the vocabulary (a softmax, a logsumexp) upcasts ``[N_v, V]`` student logits to fp32, and autograd
-    keeps those copies for the backward pass: at V = 128k that is several times the logits themselves. Here each
-    chunk runs under activation checkpointing, so only one chunk's ``[C, V]`` intermediates exist at a time; they
-    are recomputed in the backward pass. Value and gradient are exactly those of one pass (``torch.split``'s
-    backward joins the chunks' gradients in one step).
-    """
-    total = rows[0].new_zeros((), dtype=torch.float32)
-    for chunk in zip(*(r.split(LOSS_CHUNK) for r in rows)):
-        total = total + checkpoint(fn, *chunk, use_reentrant=False)
-    return total
-
-
-def count_valid(mask: torch.Tensor) -> int:
-    """N_v, refusing an all-padding batch (every mean here would be 0/0)."""
-    n = int(mask.sum().item())
-    if n == 0:
-        raise LossError("the batch has no valid tokens (the mask is all zeros)")
-    return n
-
-
-def kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """Elementwise ``p * (log p - log q)`` with the convention ``0 * log 0 = 0``.
-
-    ``log_p`` may hold ``-inf`` where the target has no mass (a causal row, an empty leftover bucket); those
-    entries contribute exactly 0 to the value and to the gradient, never NaN.
-
-    Args:
-        log_p: target log-probabilities, any shape.
-        log_q: model log-probabilities, same shape, finite where ``p > 0``.
-    """
-    has_mass = log_p > float("-inf")
-    safe_log_p = torch.where(has_mass, log_p, torch.zeros_like(log_p))
-    safe_log_q = torch.where(has_mass, log_q, torch.zeros_like(log_q))
-    return torch.where(has_mass, safe_log_p.exp() * (safe_log_p - safe_log_q), torch.zeros_like(log_p))
-
-
-@contextlib.contextmanager
-def full_precision(device: torch.device) -> Iterator[None]:
-    """Turn autocast off inside, so that reductions that lose accuracy in bf16 (CKA's d x d products) run in
-    the float32 the inputs were cast to."""
-    with torch.autocast(device_type=device.type, enabled=False):
-        yield
+__all__ = ["LOSS_CHUNK", "bool_mask", "chunked_sum", "count_valid", "full_precision", "kl_terms", "valid_rows"]

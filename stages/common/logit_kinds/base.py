@@ -1,0 +1,252 @@
+"""The logit kind interface and its registry: one ``LogitKind`` per ``--logits`` mode, looked up by name.
+
+A kind owns a mode's whole life in both stages: parsing its ``--logits`` value, the ``CacheSpec`` fields stage one
+writes, its capture of the teacher's ``[N, V]`` logits on the device, its checks against the student and the loss
+options, its stage-two loss term, its eval metric and its ``kdcache inspect`` line. Its storage side (arrays,
+dtypes, codecs) is the layout of the same name in ``storage.logit_layouts``. Callers ask the registry
+(``get``, ``parse``, ``names``, ``from_targets``) and never compare mode names.
+
+This module and the kind modules import torch only inside the functions that compute, so that the option
+classes and ``kdcache inspect`` can parse and describe modes without loading it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+from kdcache.storage.errors import KdcacheError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class LogitKindError(KdcacheError, ValueError):
+    """An unknown logit mode, or a ``--logits`` value a mode cannot parse."""
+
+
+class CaptureSettings(Protocol):
+    """What a capture reads of the run (``precompute.targets.Targets`` and ``CacheSpec`` both have it)."""
+
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def sample_temperature(self) -> float: ...
+    @property
+    def logprob_step(self) -> float: ...
+
+
+class LogitOptions(Protocol):
+    """Stage one's logit options (``precompute.options.TargetOptions``)."""
+
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def sample_temperature(self) -> float: ...
+    @property
+    def topk_values(self) -> str: ...
+    @property
+    def logprob_tolerance(self) -> float: ...
+
+
+class CacheLogits(Protocol):
+    """The logit fields of a cache's spec (``storage.CacheSpec``)."""
+
+    @property
+    def logits(self) -> str | None: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def sample_temperature(self) -> float: ...
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class LossSettings(Protocol):
+    """Stage two's loss options the checks read (``train.options.LossOptions``)."""
+
+    @property
+    def topk_kl(self) -> str: ...
+    @property
+    def temperature(self) -> float | None: ...
+
+
+class TeacherHead(Protocol):
+    """The teacher's LM head of a ``head`` cache (``stages.train.teacher_head.TeacherHead``): ``[N, d] -> [N, V]``."""
+
+    @property
+    def layer(self) -> int: ...
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class KlSetup:
+    """How stage two forms a logit term: the KD temperature, the top-k variant, the teacher's head (``head``)."""
+
+    temperature: float = 1.0
+    topk_variant: str = "renorm"
+    head: TeacherHead | None = None
+
+
+class LogitKind:
+    """One logit mode. Subclasses set the class attributes and override what differs from these defaults.
+
+    Attributes:
+        name: the ``--logits`` value and ``CacheSpec.logits``; also the name of its storage layout.
+        argument: what follows ``name:`` in ``--logits`` (``"N"`` for ``sampled:N``); empty: nothing may.
+        term: the name stage two logs its loss term under.
+        kl_form: eval's label of the KL it reports.
+        exact_vocab: the student's head must have exactly the cache's V outputs (else at least V).
+        teacher_head: stage two rebuilds the teacher's logits from its last layer and ``teacher_head/``.
+        draws: the capture draws at random (it is handed a seeded generator).
+        logprob_values: takes ``--topk-values logprob`` (values stored as quantised log-probabilities).
+        key_array: the batch array whose presence marks this kind's targets (None: marked by the head).
+    """
+
+    name: ClassVar[str] = ""
+    argument: ClassVar[str] = ""
+    term: ClassVar[str] = "kl"
+    kl_form: ClassVar[str] = "exact"
+    exact_vocab: ClassVar[bool] = False
+    teacher_head: ClassVar[bool] = False
+    draws: ClassVar[bool] = False
+    logprob_values: ClassVar[bool] = False
+    key_array: ClassVar[str | None] = None
+
+    # ---- stage one -------------------------------------------------------------------------------------------
+    def parse_argument(self, text: str) -> int:
+        """The integer after ``name:`` (0 when the mode takes none). Raises ``LogitKindError`` on a bad one."""
+        if text:
+            raise LogitKindError(f"logits: {self.name} takes no argument, got {self.name}:{text}")
+        return 0
+
+    def option_problems(self, options: LogitOptions) -> list[str]:
+        """Problems of stage one's options for this mode."""
+        return []
+
+    def teacher_problems(self, teacher: str, one_stream: bool, causal: bool, vocab: int, top_k: int) -> list[str]:
+        """Problems of this mode with a teacher: of one token stream or two, causal or not, of ``vocab`` outputs."""
+        return []
+
+    def spec_fields(self, options: LogitOptions, argument: int) -> dict[str, Any]:
+        """The ``CacheSpec`` logit fields stage one writes: ``top_k``, ``samples``, ``logprob_step``."""
+        return {"top_k": 0, "samples": 0, "logprob_step": 0.0}
+
+    def capture_chunk(self, chunk_tokens: int) -> int:
+        """Valid tokens per chunk of the LM head (``precompute.logit_head.ChunkedHead``); 0: the model's forward."""
+        return 0
+
+    def capture(self, logits: torch.Tensor, settings: CaptureSettings,
+                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """What the cache keeps of ``[..., V]`` teacher logits, on their device: array name -> ``[..., w]``."""
+        return {}
+
+    # ---- stage two -------------------------------------------------------------------------------------------
+    def vocab_problems(self, spec: CacheLogits, student_vocab: int) -> list[str]:
+        """The student head's size against the cache's vocabulary."""
+        if self.exact_vocab and student_vocab != spec.vocab_size:
+            return [f"vocab size mismatch: the cache's {self.name} logits have {spec.vocab_size} entries per token, "
+                    f"the student's head {student_vocab}; the KL needs the same vocabulary"]
+        if student_vocab < spec.vocab_size:
+            return [f"vocab size mismatch: the cache's {self.name} logits index a vocabulary of {spec.vocab_size} "
+                    f"ids, the student's head has {student_vocab}; the KL needs them all"]
+        return []
+
+    def loss_problems(self, spec: CacheLogits, loss: LossSettings) -> list[str]:
+        """The loss options against this cache (the top-k variant is for top-k caches only)."""
+        if loss.topk_kl == "other":
+            return [f"--topk-kl other is a KL for caches written with --logits topk, and this cache holds "
+                    f"{self.name} logits, whose KL needs no variant; drop --topk-kl"]
+        return []
+
+    def default_temperature(self, spec: CacheLogits) -> float | None:
+        """The training temperature this cache fixes when none is given (None: the general default)."""
+        return None
+
+    def loss(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+             setup: KlSetup) -> torch.Tensor:
+        """Stage two's term ``term``: a scalar, from student ``logits [B, L, V]`` and the batch's cached arrays."""
+        raise NotImplementedError
+
+    def eval_kl(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+                setup: KlSetup) -> torch.Tensor:
+        """The KL eval reports, per valid token, at T=1 (or the cache's own temperature, ``setup.temperature``)."""
+        return self.loss(logits, targets, mask, KlSetup(1.0, "other", setup.head))
+
+    def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
+                     head: TeacherHead | None) -> torch.Tensor:
+        """``[N_v]`` the teacher's likeliest token at each position of ``valid [B, L]``."""
+        raise NotImplementedError
+
+    def kl_label(self, spec_temperature: float) -> str:
+        """Eval's name of its KL."""
+        return self.kl_form
+
+    def describe(self, info: Mapping[str, Any]) -> str:
+        """The ``logits`` line of ``kdcache inspect`` from the manifest's spec fields."""
+        return f"{self.name}, V={info['vocab_size']}"
+
+
+_KINDS: dict[str, LogitKind] = {}
+K = TypeVar("K", bound=type[LogitKind])
+
+
+def register(cls: K) -> K:
+    """Class decorator: register one instance of a ``LogitKind`` subclass under its ``name``."""
+    _KINDS[cls.name] = cls()
+    return cls
+
+
+def names() -> list[str]:
+    """Every registered mode, in registration order."""
+    return list(_KINDS)
+
+
+def get(name: str) -> LogitKind:
+    """The kind registered as ``name``.
+
+    Raises:
+        LogitKindError: naming ``name`` and the registered modes.
+    """
+    if name not in _KINDS:
+        raise LogitKindError(f"unknown logit mode {name!r}; expected one of {', '.join(names())}")
+    return _KINDS[name]
+
+
+def parse(value: str) -> tuple[LogitKind, int]:
+    """``name:N`` -> (the kind registered as ``name``, N); a bare ``name`` -> (that kind, 0).
+
+    Raises:
+        LogitKindError: an unknown mode, or an argument it does not take.
+    """
+    name, _, argument = value.partition(":")
+    try:
+        kind = get(name)
+    except LogitKindError:
+        raise LogitKindError(f"logits: got {value!r}, expected {usage()}") from None
+    return kind, kind.parse_argument(argument)
+
+
+def usage() -> str:
+    """The accepted ``--logits`` values, e.g. ``topk, full, head or sampled:N``."""
+    forms = [f"{k.name}:{k.argument}" if k.argument else k.name for k in _KINDS.values()]
+    return ", ".join(forms[:-1]) + f" or {forms[-1]}" if len(forms) > 1 else "".join(forms)
+
+
+def uses_head(name: str | None) -> bool:
+    """Whether a cache of mode ``name`` (None: no logits) has stage two rebuild its logits with the teacher's head."""
+    return bool(name) and get(str(name)).teacher_head
+
+
+def from_targets(arrays: Iterable[str], head: bool) -> LogitKind | None:
+    """The kind whose targets a batch holds (its ``key_array``), or the head's when stage two has one."""
+    held = set(arrays)
+    if head:
+        return next(k for k in _KINDS.values() if k.teacher_head)
+    return next((k for k in _KINDS.values() if k.key_array in held), None)

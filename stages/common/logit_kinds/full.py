@@ -1,0 +1,67 @@
+"""``--logits full``: every token's ``[V]`` teacher logits, stored whole in the cache's float dtype.
+
+Its stage-two term is the KD KL ``kl`` (``kd_kl``: T² · KL at temperature T over the full vocabulary); eval
+reports the same KL at T=1. The student's head must have exactly V outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kdcache.stages.common.logit_kinds.base import CaptureSettings, KlSetup, LogitKind, TeacherHead, register
+from kdcache.stages.common.loss_errors import LossError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@register
+class Full(LogitKind):
+    """The full logits (see the module docstring)."""
+
+    name = "full"
+    kl_form = "full"
+    exact_vocab = True
+    key_array = "logits/full"
+
+    def capture(self, logits: torch.Tensor, settings: CaptureSettings,
+                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """``logits/full [..., V]`` as computed (the caller checks the range and converts to the float dtype)."""
+        return {"logits/full": logits}
+
+    def loss(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+             setup: KlSetup) -> torch.Tensor:
+        return kd_kl(logits, targets["logits/full"], mask, setup.temperature)
+
+    def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
+                     head: TeacherHead | None) -> torch.Tensor:
+        return targets["logits/full"][valid].argmax(-1)
+
+    def describe(self, info: Mapping[str, Any]) -> str:
+        return f"full, V={info['vocab_size']}"
+
+
+def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+          temperature: float = 1.0) -> torch.Tensor:
+    """T² · mean over valid tokens of KL(softmax(z_t/T) ‖ softmax(z_s/T)): ``batchmean`` over ``[N_v, V]``.
+
+    Args:
+        student_logits: ``[B, L, V]``.
+        teacher_logits: ``[B, L, V]`` (the cache's ``logits/full``).
+        mask: ``[B, L]``.
+        temperature: T > 0.
+
+    Returns:
+        Scalar.
+    """
+    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, count_valid, kl_rows, valid_rows
+
+    check_temperature(temperature)
+    if student_logits.shape != teacher_logits.shape:
+        raise LossError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} "
+            "differ; the student and the cache must share one vocabulary"
+        )
+    n_valid = count_valid(bool_mask(mask, student_logits))
+    return kl_rows(valid_rows(student_logits, mask), valid_rows(teacher_logits, mask), n_valid, temperature)

@@ -1,0 +1,253 @@
+"""``--logits topk``: per token the k largest teacher logits (sorted descending), their ids and the fp32
+logsumexp at T=1, from which exact full-vocabulary log-probabilities of the k are rebuilt; or, with
+``--topk-values logprob``, the k log-probabilities themselves (storage quantises them; no logsumexp).
+
+Its stage-two term is ``topk_kl``: ``renorm`` (both softmaxes over the teacher's k ids, any T) or ``other``
+(k+1 buckets, the teacher's tail mass in one, exact at T=1 only). Eval reports the ``other`` form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kdcache.stages.common.logit_kinds.base import (
+    CacheLogits,
+    CaptureSettings,
+    KlSetup,
+    LogitKind,
+    LogitOptions,
+    LossSettings,
+    TeacherHead,
+    register,
+)
+from kdcache.stages.common.loss_errors import LossError
+from kdcache.storage.logit_layouts import TOPK_MASS
+
+if TYPE_CHECKING:
+    import torch
+
+TOPK_VARIANTS = ("renorm", "other")  # as train.options.TOPK_KL_VARIANTS offers them
+# --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value
+# (within step/2 of the fp32 log-prob) stays within the tolerance of the exact one despite fp32 rounding (~1e-6).
+STEP_PER_TOLERANCE = 1.99
+
+
+@register
+class TopK(LogitKind):
+    """The top-k logits with their logsumexp (see the module docstring)."""
+
+    name = "topk"
+    term = "topk_kl"
+    kl_form = "top-k + other bucket"
+    logprob_values = True
+    key_array = "logits/topk_ids"
+
+    def option_problems(self, options: LogitOptions) -> list[str]:
+        return [f"top_k: got {options.top_k}, must be >= 1"] if options.top_k < 1 else []
+
+    def teacher_problems(self, teacher: str, one_stream: bool, causal: bool, vocab: int, top_k: int) -> list[str]:
+        if top_k > vocab:
+            return [f"top_k {top_k} is larger than the teacher's vocabulary of {vocab} tokens"]
+        return []
+
+    def spec_fields(self, options: LogitOptions, argument: int) -> dict[str, Any]:
+        step = STEP_PER_TOLERANCE * options.logprob_tolerance if options.topk_values == "logprob" else 0.0
+        return {"top_k": options.top_k, "samples": 0, "logprob_step": step}
+
+    def capture_chunk(self, chunk_tokens: int) -> int:
+        return chunk_tokens
+
+    def capture(self, logits: torch.Tensor, settings: CaptureSettings,
+                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """``logits/topk_values [..., k]`` in the teacher's dtype (the caller checks their range, then converts
+        them), ``logits/topk_ids`` int32, ``logits/lse [...]`` fp32 and the kept mass ``TOPK_MASS [...]``; with a
+        ``logprob_step``, fp32 log-probabilities instead of values and no logsumexp."""
+        import torch
+
+        values, ids = torch.topk(logits, settings.top_k, dim=-1, largest=True, sorted=True)
+        # The upcast keeps the logsumexp exact for half-precision teachers (a no-op for fp32 ones).
+        lse = torch.logsumexp(logits.float(), dim=-1)
+        # The probability mass the k entries keep, per token, in fp32 from the full logits: storage records its
+        # mean, 5th percentile and minimum per shard (how lossy top-k is), and stores nothing of it.
+        mass = torch.exp(values.float() - lse.unsqueeze(-1)).sum(-1)
+        kept = {"logits/topk_values": values, "logits/topk_ids": ids.to(torch.int32), "logits/lse": lse,
+                TOPK_MASS: mass}
+        return as_logprobs(kept) if settings.logprob_step else kept
+
+    def loss_problems(self, spec: CacheLogits, loss: LossSettings) -> list[str]:
+        if loss.topk_kl == "other" and loss.temperature != 1:
+            return [f"--topk-kl other rebuilds full-vocabulary probabilities from the cached logsumexp, which "
+                    f"is exact only at T=1, but --temperature is {loss.temperature:g}; use --temperature 1, "
+                    "or --topk-kl renorm (which applies any temperature)"]
+        return []
+
+    def loss(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+             setup: KlSetup) -> torch.Tensor:
+        # The other-bucket form puts the teacher's tail mass in one bucket: a true KL over a coarsened
+        # vocabulary, unlike the renormalised form, which ignores the tail altogether.
+        values, ids, lse = cached_topk(targets)  # a log-prob cache has no logsumexp: 0
+        return topk_kl(logits, values, ids, mask, lse, variant=setup.topk_variant, temperature=setup.temperature)
+
+    def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
+                     head: TeacherHead | None) -> torch.Tensor:
+        return targets["logits/topk_ids"][valid][:, 0]
+
+    def describe(self, info: Mapping[str, Any]) -> str:
+        return f"top-{info['top_k']} of V={info['vocab_size']}"
+
+
+def as_logprobs(kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Top-k values as fp32 log-probabilities (values minus the logsumexp), the logsumexp dropped: what a cache
+    with ``--topk-values logprob`` keeps (storage quantises them and records the error per shard)."""
+    if "logits/lse" not in kept:
+        return kept
+    out = {k: v for k, v in kept.items() if k != "logits/lse"}
+    out["logits/topk_values"] = kept["logits/topk_values"].float() - kept["logits/lse"][..., None]
+    return out
+
+
+# ---- the top-k KL ------------------------------------------------------------------------------------------
+def topk_kl(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor, mask: torch.Tensor,
+            lse: torch.Tensor | None = None, *, variant: str = "renorm", temperature: float = 1.0) -> torch.Tensor:
+    """KL against a cached top-k teacher, mean over valid tokens. See the two variants below.
+
+    Args:
+        student_logits: ``[B, L, V]``.
+        topk_values: ``[B, L, k]`` teacher logits at T=1, sorted descending.
+        topk_ids: ``[B, L, k]`` their vocabulary ids, any int or float dtype holding integers.
+        mask: ``[B, L]``.
+        lse: ``[B, L]`` teacher logsumexp over the full vocabulary at T=1; required by ``other``.
+        variant: ``"renorm"`` or ``"other"``.
+        temperature: T for ``renorm``; ``other`` accepts only 1.0 (see ``topk_kl_other``).
+    """
+    if variant == "renorm":
+        return topk_kl_renorm(student_logits, topk_values, topk_ids, mask, temperature=temperature)
+    if variant == "other":
+        if lse is None:
+            raise LossError("the 'other' top-k KL needs the cached logsumexp (logits/lse)")
+        return topk_kl_other(student_logits, topk_values, topk_ids, lse, mask, temperature=temperature)
+    raise LossError(f"unknown top-k KL variant {variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
+
+
+def cached_topk(targets: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A top-k cache's teacher as ``topk_kl`` takes it: ``(values [B, L, k], ids [B, L, k], lse [B, L])``.
+
+    fp16 caches store the logits and their logsumexp; log-prob caches (``--topk-values logprob``) store
+    log-probabilities, whose logsumexp is 0. Both variants of ``topk_kl`` then read either alike (``renorm`` is
+    blind to a per-token shift; ``other`` takes ``exp(value - lse)``).
+    """
+    for name in ("logits/topk_values", "logits/topk_ids"):
+        if name not in targets:
+            raise LossError(f"the loss needs the cached target {name!r}, but the batch holds "
+                            f"{', '.join(sorted(targets))}")
+    values, lse = targets["logits/topk_values"], targets.get("logits/lse")
+    return values, targets["logits/topk_ids"], values.new_zeros(values.shape[:-1]) if lse is None else lse
+
+
+def topk_kl_renorm(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+                   mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Renormalised top-k KL: both sides' softmax taken over the teacher's k ids only, at temperature T.
+
+    T applies exactly here (both distributions live on the same k ids), and the result is scaled by T² like
+    ``kd_kl``, so the gradient scale does not depend on T.
+
+    Args:
+        student_logits: ``[B, L, V]``; topk_values, topk_ids: ``[B, L, k]``; mask: ``[B, L]``.
+
+    Returns:
+        Scalar: T² · mean over valid tokens of KL(p_t^k ‖ p_s^k).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, count_valid, kl_terms
+
+    check_temperature(temperature)
+    n_valid = count_valid(bool_mask(mask, student_logits))
+    z_s, values, ids = _topk_rows(student_logits, topk_values, topk_ids, mask)
+    student_on_ids = torch.gather(z_s, 1, ids).float()  # k of V: no full-vocabulary term, no chunks needed
+    log_t = F.log_softmax(values / temperature, dim=-1)
+    log_s = F.log_softmax(student_on_ids / temperature, dim=-1)
+    return kl_terms(log_t, log_s).sum() / n_valid * temperature**2
+
+
+def topk_kl_other(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+                  lse: torch.Tensor, mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Other-bucket top-k KL over k+1 buckets: the k ids' full-vocabulary probabilities, plus the leftover mass.
+
+    The teacher's buckets are ``exp(value - lse)`` and ``1 - Σ`` of those. The cached lse is the T=1
+    logsumexp, and the tail logits are not cached, so the teacher's full-vocabulary probabilities are known
+    exactly only at T=1. This variant therefore always works at T=1 on both sides (no T² factor) and refuses
+    any other temperature rather than silently approximating; use ``renorm`` for T != 1.
+
+    Args:
+        student_logits: ``[B, L, V]``; topk_values, topk_ids: ``[B, L, k]``; lse: ``[B, L]``; mask: ``[B, L]``.
+
+    Returns:
+        Scalar: mean over valid tokens of KL(teacher buckets ‖ student buckets).
+    """
+    from kdcache.stages.common.loss_rows import bool_mask, chunked_sum, count_valid, kl_terms, valid_rows
+
+    if temperature != 1.0:
+        raise LossError(
+            f"the 'other' top-k KL is exact only at temperature 1 (the cached logsumexp is taken at T=1), "
+            f"got {temperature}; use temperature 1, or the 'renorm' variant for T != 1"
+        )
+    n_valid = count_valid(bool_mask(mask, student_logits))
+    z_s, values, ids = _topk_rows(student_logits, topk_values, topk_ids, mask)
+    # k == V: there is no tail. Drop the leftover bucket on both sides; the teacher's 1 − Σ would only be
+    # rounding noise facing the student's exact −inf.
+    buckets = ids.shape[1] if ids.shape[1] >= z_s.shape[1] else ids.shape[1] + 1
+
+    def chunk_kl(z: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor, lse_t: torch.Tensor) -> torch.Tensor:
+        log_t = _teacher_buckets(top, lse_t)[:, :buckets]
+        return kl_terms(log_t, _student_buckets(z.float(), top_ids)[:, :buckets]).sum()
+    return chunked_sum(chunk_kl, z_s, values, ids, valid_rows(lse, mask).float()) / n_valid
+
+
+def _teacher_buckets(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Teacher log-probabilities of the k+1 buckets, ``[N_v, k+1]``, from values ``[N_v, k]`` and lse ``[N_v]``."""
+    import torch
+
+    log_top = values - lse[:, None]
+    # fp16 rounding of the values can push the top-k mass a hair above 1: clamp so the leftover is >= 0.
+    leftover = (1.0 - log_top.exp().sum(-1)).clamp_min(0.0)
+    return torch.cat([log_top, leftover.log()[:, None]], dim=-1)
+
+
+def _student_buckets(z_s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Student log-probabilities of the k+1 buckets, ``[N_v, k+1]``, from its full logits ``[N_v, V]``.
+
+    The leftover is ``logsumexp`` over the ids *not* in the top-k minus the full logsumexp: exact even when the
+    leftover is tiny, where ``log(1 - Σp)`` would cancel to noise. With k == V (no tail) it is −inf, built
+    without a logsumexp over an all −inf row, whose backward would be NaN.
+    """
+    import torch
+
+    lse_s = torch.logsumexp(z_s, dim=-1, keepdim=True)
+    log_top = torch.gather(z_s, 1, ids) - lse_s
+    if ids.shape[1] >= z_s.shape[1]:
+        return torch.cat([log_top, torch.full_like(lse_s, float("-inf")).detach()], dim=-1)
+    tail = z_s.scatter(1, ids, float("-inf"))
+    return torch.cat([log_top, torch.logsumexp(tail, dim=-1, keepdim=True) - lse_s], dim=-1)
+
+
+def _topk_rows(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Valid rows: student logits ``[N_v, V]`` (their own dtype), float32 values ``[N_v, k]``, int64 ids ``[N_v, k]``.
+
+    Ids are converted after selection: padded rows may hold anything, and a NaN cast to int would otherwise
+    become an out-of-range index.
+    """
+    from kdcache.stages.common.loss_rows import valid_rows
+
+    if topk_values.shape != topk_ids.shape or topk_values.shape[:2] != student_logits.shape[:2]:
+        raise LossError(
+            f"top-k values {tuple(topk_values.shape)}, ids {tuple(topk_ids.shape)} and student logits "
+            f"{tuple(student_logits.shape)} do not line up as [B, L, k], [B, L, k], [B, L, V]"
+        )
+    z_s = valid_rows(student_logits, mask)
+    values = valid_rows(topk_values, mask).float()
+    ids = valid_rows(topk_ids, mask).long()
+    return z_s, values, ids
