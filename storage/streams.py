@@ -18,13 +18,14 @@ Everything here is pure name arithmetic; nothing reads data.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, SupportsInt
 
 from kdcache.storage.errors import SpecError
 
 SEQ2SEQ_STREAMS = ("encoder", "decoder")
 CROSS = "cross_attention"
+LayerValues = Iterable[SupportsInt | str]  # layer numbers as given: ints, or digits from a flag or YAML
 # The layer kinds each stream may cache, and the first layer of each kind (0 = embeddings; blocks from 1).
 STREAM_KINDS = {"": ("hidden", "attention"), "encoder": ("hidden", "attention"),
                 "decoder": ("hidden", "attention", CROSS)}
@@ -99,7 +100,8 @@ def layer_mapping(given: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ..
     return out
 
 
-def spec_layers(layers: Mapping[str, Any], hidden: Any, attention: Any) -> dict[str, dict[str, tuple[int, ...]]]:
+def spec_layers(layers: Mapping[str, Any], hidden: LayerValues, attention: LayerValues
+                ) -> dict[str, dict[str, tuple[int, ...]]]:
     """A spec's complete ``layer_mapping``: ``layers``, or stream ``""`` of the one-stream conveniences
     ``hidden`` / ``attention`` when ``layers`` is empty.
 
@@ -119,7 +121,7 @@ def spec_layers(layers: Mapping[str, Any], hidden: Any, attention: Any) -> dict[
     return mapping
 
 
-def _sorted_layers(what: str, values: Any, minimum: int) -> tuple[int, ...]:
+def _sorted_layers(what: str, values: LayerValues, minimum: int) -> tuple[int, ...]:
     layers = tuple(sorted({int(v) for v in values}))
     if any(j < minimum for j in layers):
         raise SpecError(f"{what} {list(values)} has a layer below {minimum}; expected layers >= {minimum}")

@@ -25,7 +25,7 @@ from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.storage.hidden_codecs import rank_of
 from kdcache.storage.projection import has_projection, read_projection, write_projection
-from kdcache.storage.stores import open_store
+from kdcache.storage.stores import Store, open_store
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -94,8 +94,10 @@ def _principal(name: str, count: int, total: torch.Tensor, gram: torch.Tensor, *
     return (basis * signs).float().cpu().numpy(), mean.float().cpu().numpy()
 
 
-def stored_projection(out: str, record: dict[str, Any], names: list[str], fit: Callable[[], Bases]) -> Projection:
-    """The cache's projection: read from ``out``'s ``projection/`` folder, or fitted (``fit``) and stored there
+def stored_projection(out: str | Store, record: dict[str, Any], names: list[str],
+                      fit: Callable[[], Bases]) -> Projection:
+    """The cache's projection: read from ``out``'s ``projection/`` folder (the run's output store), or fitted
+    (``fit``) and stored there
     first when it is absent; always the stored bytes (another process may have stored its own first)."""
     rank = rank_of(record)
     if rank is None:
