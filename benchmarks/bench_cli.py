@@ -2,8 +2,8 @@
 
 Side by side in one run, alternating, best of several: a fresh interpreter that
 
-* ``lazy``: runs ``kdcache --help`` as the CLI does now (only the command being run builds its option flags, so
-  transformers, which HfArgumentParser needs, is not imported for the top-level help);
+* ``lazy``: runs ``kdcache --help`` as the CLI does now (only the command being run builds its option flags;
+  until issue 21 that kept transformers, which HfArgumentParser needed, out of the top-level help);
 * ``eager``: builds every command's flags first (``build_parser()`` with no command line, the parser before
   issue 25), then prints the same help.
 

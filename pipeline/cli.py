@@ -2,8 +2,8 @@
 
 Every module in ``pipeline.commands`` that defines ``register(subparsers)`` contributes its subcommands, so a
 new command is one new file. Heavy imports (torch, deepspeed, the models) happen inside the commands' ``run``
-functions, and a command's option-class flags (``add_parser(name, options=Cls)``, built by transformers'
-``HfArgumentParser``) only for the command being run, so ``kdcache --help`` imports neither.
+functions, and a command's option-class flags (``add_parser(name, options=Cls)``, built by
+``pipeline.config.add_flags``) only for the command being run.
 
 ``--quiet`` (every command) runs the command inside ``pipeline.quiet.quiet``; Ctrl-C says how to continue.
 
@@ -14,7 +14,7 @@ reached) ends the run with a one-paragraph message and exit status 2, never a tr
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import difflib
 import importlib
 import json
@@ -22,12 +22,11 @@ import os
 import pkgutil
 import re
 import sys
-import typing
-from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import kdcache.pipeline.commands
-from kdcache.pipeline.config import flags
+from kdcache.pipeline.config import add_flags
 from kdcache.pipeline.quiet import is_quiet, quiet
 from kdcache.storage.errors import KdcacheError
 
@@ -50,39 +49,48 @@ DESCRIPTION = (
 )
 
 
-class _Usage(argparse.HelpFormatter):
-    """Usage lines that show the flags an option class requires without brackets: argparse itself must not
-    require them, since ``--config`` may give them instead (``config._finish`` marks them ``needed``)."""
-
-    def _format_usage(self, usage: str | None, actions: Iterable[argparse.Action],
-                      groups: Iterable[argparse._MutuallyExclusiveGroup], prefix: str | None) -> str:
-        shown = []
-        for action in actions:
-            if getattr(action, "needed", False):
-                action = copy.copy(action)
-                action.required = True
-            shown.append(action)
-        return super()._format_usage(usage, shown, groups, prefix)
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with short errors: the problem first, a did-you-mean where one is close, and where to get
-    help, instead of the whole usage block (exit 2, as argparse)."""
+    help, instead of the whole usage block (exit 2, as argparse).
+
+    ``needed`` holds the flags an option class requires: argparse itself must not require them, since
+    ``--config`` may give them instead, yet the usage shows them without brackets, as required flags.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _Usage)
         super().__init__(*args, **kwargs)
+        self.needed: list[argparse.Action] = []
+
+    def format_usage(self) -> str:
+        with _required(self.needed):
+            return super().format_usage()
+
+    def format_help(self) -> str:
+        with _required(self.needed):
+            return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         hint = _did_you_mean(self, message)
         self.exit(2, f"{self.prog}: error: {message}{hint}\n(`{self.prog} --help` lists every flag)\n")
 
 
+@contextlib.contextmanager
+def _required(actions: list[argparse.Action]) -> Iterator[None]:
+    """``actions`` marked required while a usage line is written (parsing never sees the mark)."""
+    for action in actions:
+        action.required = True
+    try:
+        yield
+    finally:
+        for action in actions:
+            action.required = False
+
+
 def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     """``; did you mean --max-steps?`` for an unknown flag, or a bad choice, close to a known one."""
     if message.startswith("unrecognized arguments: "):
         words = message.split(": ", 1)[1].split()
-        known = [s for action in parser._actions for s in action.option_strings]
+        known = sorted(set(re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", parser.format_help())))
     else:  # argparse's own message lists the choices: "invalid choice: 'zar' (choose from 'zarr', 'arrow')"
         match = re.search(r"invalid choice: '?([^' ]+)'? \(choose from (.*)\)", message)
         if not match:
@@ -95,18 +103,35 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     return ""
 
 
-class _Commands(argparse._SubParsersAction):
-    """Subcommands whose option-class flags (``add_parser(name, options=Cls)``) are built only for the command
-    being run: building them imports transformers (HfArgumentParser), which ``kdcache --help`` need not wait for.
-    ``only`` None builds every command's flags."""
+class _Commands:
+    """What each command module's ``register`` adds its subcommands to: ``add_parser(name, options=Cls)`` as
+    argparse's, and the option class's flags built only for the command being run (``only``; every command's
+    when None). The commands are parsers of their own until ``install`` adds them to the real subcommands in
+    the order one uses them."""
 
-    only: str | None = None
+    def __init__(self, only: str | None) -> None:
+        self.only = only
+        self.made: dict[str, tuple[_Parser, dict[str, Any]]] = {}
 
     def add_parser(self, name: str, *, options: type | None = None, skip: tuple[str, ...] = (),
                    **kwargs: Any) -> argparse.ArgumentParser:
+        parser = _Parser(add_help=False)
         if options is not None and self.only in (None, name):
-            kwargs["parents"] = [*kwargs.get("parents", []), flags(options, skip=skip)]
-        return super().add_parser(name, **kwargs)
+            parser.needed = add_flags(parser, options, skip=skip)
+        self.made[name] = (parser, kwargs)
+        return parser
+
+    def install(self, subparsers: Any) -> dict[str, _Parser]:
+        """Add every command to ``subparsers`` (``COMMAND_ORDER`` first, then the rest by name); returns them
+        by name."""
+        rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+        commands = {}
+        for name in sorted(self.made, key=lambda n: (rank.get(n, len(rank)), n)):
+            own, kwargs = self.made[name]
+            command = subparsers.add_parser(name, parents=[*kwargs.pop("parents", []), own], **kwargs)
+            command.needed = own.needed
+            commands[name] = command
+        return commands
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -119,31 +144,31 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     # The deepspeed launcher runs `python -m kdcache --local_rank=N COMMAND ...`; ranks come from the
     # environment (LOCAL_RANK, RANK, WORLD_SIZE), so the flag is accepted and otherwise ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    subparsers = typing.cast(_Commands, parser.add_subparsers(
-        dest="command", metavar="COMMAND", required=True, parser_class=_Parser, action=_Commands))
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     # The command is the first word that is not a flag nor --local_rank's number.
-    subparsers.only = None if argv is None else next((a for a in argv if a[:1] != "-" and not a.isdigit()), "")
-    parser.set_defaults(commands=subparsers.choices)  # main() names the command whose flag was misspelled
+    registry = _Commands(None if argv is None else next((a for a in argv if a[:1] != "-" and not a.isdigit()), ""))
     for info in sorted(pkgutil.iter_modules(kdcache.pipeline.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"kdcache.pipeline.commands.{info.name}")
         if hasattr(module, "register"):
-            module.register(subparsers)
-    _in_order_of_use(subparsers)
-    for command in subparsers.choices.values():  # every command may read or write a cache in object storage
-        command.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                             help="an fsspec option for s3://, gs://... caches, e.g. endpoint_url=http://host:9000 "
-                                  "(repeatable; credentials also come from the usual AWS_* / GOOGLE_* variables)")
-        if "--quiet" not in command._option_string_actions:  # train's is an option (YAML too), the same switch
-            command.add_argument("--quiet", action="store_true",
-                                 help="on success print only kdcache's notes about the run: no summary, progress or "
-                                      "library lines (errors still show)")
+            module.register(registry)
+    commands = registry.install(subparsers)
+    parser.set_defaults(commands=commands)  # main() names the command whose flag was misspelled
+    for command in commands.values():  # every command may read or write a cache in object storage
+        _add_common_flags(command)
     return parser
 
 
-def _in_order_of_use(subparsers: argparse._SubParsersAction) -> None:
-    """List the commands in ``kdcache --help`` in the order one uses them (unlisted ones last)."""
-    rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
-    subparsers._choices_actions.sort(key=lambda a: rank.get(a.dest, len(rank)))
+def _add_common_flags(command: argparse.ArgumentParser) -> None:
+    """``--storage-option`` and ``--quiet``, which every command takes."""
+    command.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                         help="an fsspec option for s3://, gs://... caches, e.g. endpoint_url=http://host:9000 "
+                              "(repeatable; credentials also come from the usual AWS_* / GOOGLE_* variables)")
+    try:
+        command.add_argument("--quiet", action="store_true",
+                             help="on success print only kdcache's notes about the run: no summary, progress or "
+                                  "library lines (errors still show)")
+    except argparse.ArgumentError:  # train's --quiet is an option (YAML too), the same switch
+        pass
 
 
 def _apply_storage_options(pairs: list[str]) -> None:

@@ -3,10 +3,11 @@
 Each stage owns a frozen dataclass of its options (``stages.precompute.options.PrecomputeOptions``,
 ``stages.train.options.TrainOptions``), plain or made of groups (``TrainOptions.loss``...,
 ``stages.common.option_groups``) whose option names stay flat in flags and YAML; the stages never import this
-module. Two kept libraries do the mapping:
+module. Two libraries do the mapping:
 
-* transformers' ``HfArgumentParser`` turns the fields into flags (``top_k`` -> ``--top-k``, booleans with
-  ``--no-...``, help and choices from ``field.metadata``, extra flag names from ``metadata["aliases"]``);
+* argparse, through its public API only, takes one flag per field (``top_k`` -> ``--top-k``, booleans with
+  ``--no-...`` right after them, help and choices from ``field.metadata``, extra flag names from
+  ``metadata["aliases"]``), built here from the dataclass fields;
 * pydantic validates the merged YAML + CLI values against the field types and reports *every* error at once.
 
 Here we only merge the two sources (CLI wins), list unknown keys and bad choices, and add the dataclass's own
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from kdcache.stages.common.option_groups import flatten, groups, leaves, nest
+from kdcache.stages.common.option_groups import flatten, groups, leaves, nest, required
 from kdcache.stages.common.stream_options import ALIASES, alias_flags, fold_aliases
 from kdcache.storage.errors import KdcacheError
 
@@ -48,86 +49,82 @@ def flag_name(option: str) -> str:
 
 # ---- flags -------------------------------------------------------------------------------------------------
 def flags(cls: type, *, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    """A parent parser (``add_parser(..., parents=[flags(cls)])``) with one flag per field of dataclass ``cls``.
+    """A parent parser (``ArgumentParser(parents=[flags(cls)])``) with one flag per field of dataclass ``cls``.
 
     Flags given on the command line land in the namespace as the strings typed (choices checked by argparse);
     absent ones stay absent, so ``from_args`` can tell them from YAML values and pydantic converts them all.
     """
-    from transformers import HfArgumentParser  # here, not at import: `kdcache --help` of other commands stays fast
-
-    named = groups(cls)
-    parts: list[tuple[str | None, type]] = list(named.items()) if named else [(None, cls)]
-    shadows = [_shadow(group, owner, skip) for group, owner in parts]
-    parser = HfArgumentParser(typing.cast(Any, shadows), add_help=False)
-    for action in parser._actions:
-        _finish(action)
-    _negations(parser)
-    alias_flags(parser, [f.name for _, _, f in leaves(cls) if f.name not in skip])  # --encoder-layers...
+    parser = argparse.ArgumentParser(add_help=False)
+    add_flags(parser, cls, skip=skip)
     return parser
 
 
-def _negations(parser: argparse.ArgumentParser) -> None:
-    """``--no-X`` for every boolean ``--X``, the way to turn off a YAML ``true`` from the command line
-    (HfArgumentParser adds it only where the default is true), listed right after ``--X`` in the help and usage."""
-    for group in parser._action_groups:
-        for action in list(group._group_actions):
-            flag = action.option_strings[0] if action.option_strings else ""
-            negation = "--no-" + flag[2:]
-            if action.const is True and action.nargs == "?" and negation not in parser._option_string_actions:
-                group.add_argument(negation, dest=action.dest, action="store_false", default=argparse.SUPPRESS,
-                                   help=f"turn {flag} off")
-            if action.const is True and action.nargs == "?":
-                _move_after(parser._option_string_actions[negation], action, group._group_actions, parser._actions)
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> list[argparse.Action]:
+    """Add a flag for every leaf option of ``cls`` (all but ``skip``) to ``parser``, a named group's under its own
+    heading ("loss options"), in field order.
+
+    Returns:
+        the actions of the fields without a default: argparse must not demand them (``--config`` may give them
+        instead), so the caller's usage line marks them itself (``pipeline.cli``).
+    """
+    sections: dict[str | None, Any] = {}
+    needed: list[argparse.Action] = []
+    for group, owner, f in leaves(cls):
+        if f.name in skip:
+            continue
+        if group not in sections:
+            sections[group] = parser.add_argument_group(f"{group} options") if group else parser
+        action = _add_flag(sections[group], f, typing.get_type_hints(owner)[f.name])
+        needed += [action] if required(f) else []
+    alias_flags(parser, [f.name for _, _, f in leaves(cls) if f.name not in skip])  # --encoder-layers...
+    return needed
 
 
-def _move_after(moved: argparse.Action, anchor: argparse.Action, *lists: list[argparse.Action]) -> None:
-    """Place ``moved`` just after ``anchor`` in each list holding both (help and usage follow list order)."""
-    for actions in lists:
-        if moved in actions and anchor in actions:
-            actions.remove(moved)
-            actions.insert(actions.index(anchor) + 1, moved)
+# What a field's metadata may hand to argparse; the rest (aliases, stage, required...) is read by kdcache itself.
+_ARGPARSE_KEYS = ("help", "choices", "metavar", "nargs", "const")
 
 
-def _shadow(group: str | None, owner: type, skip: tuple[str, ...]) -> type:
-    """A copy of one option group's fields, since HfArgumentParser rewrites the types of the fields it is given
-    (``int | None`` becomes ``int``), which would change what pydantic later accepts for the options. A named
-    group gets its own section of the help (HfArgumentParser's ``_argument_group_name``)."""
-    hints = typing.get_type_hints(owner)
-    shadow = dataclasses.make_dataclass(owner.__name__, [
-        (f.name, hints[f.name],
-         dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
-        for f in dataclasses.fields(owner) if f.name not in skip])
-    if group is not None:
-        shadow._argument_group_name = f"{group} options"  # type: ignore[attr-defined]
-    return shadow
+def _add_flag(section: Any, f: dataclasses.Field, hint: Any) -> argparse.Action:
+    """One option's flag (``top_k`` -> ``--top-k`` plus ``metadata["aliases"]``), a boolean's ``--no-X`` right
+    after it; returns the flag's action.
+
+    Every value stays the raw string typed (no ``type=``) so that pydantic converts them all and reports every
+    error at once; only a flag with choices converts, since argparse compares the choices to the value.
+    """
+    meta = {k: v for k, v in f.metadata.items() if k in _ARGPARSE_KEYS}  # other keys are the options' own
+    inner, needed = _unwrap_optional(hint)[0], required(f)
+    default = f.default
+    if needed:
+        default = None
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    meta["help"] = _help_text(meta.get("help") or "", meta.get("choices"), default, needed)
+    if inner is bool:  # --X alone, or --X true|false (a YAML true is turned off by --no-X)
+        meta.update(nargs="?", const=True, metavar=meta.get("metavar", "true|false"))
+    if meta.get("choices") is not None and inner in (int, float, str):
+        meta["type"] = inner
+    flag = flag_name(f.name)
+    action: argparse.Action = section.add_argument(flag, *f.metadata.get("aliases", []), dest=f.name,
+                                                   default=argparse.SUPPRESS, **meta)
+    if inner is bool:
+        section.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                             help=f"turn {flag} off")
+    return action
 
 
-def _finish(action: argparse.Action) -> None:
-    """Dash-only flag names, the default and choices in the help, raw strings in, nothing when absent."""
-    action.option_strings = [s for s in action.option_strings if "_" not in s]  # --top-k, not also --top_k
-    default = action.default
+def _help_text(text: str, choices: Any, default: Any, required: bool) -> str:
+    """A flag's help with its choices, its default as one would type it, and whether it is required."""
+    if choices is not None:
+        text += ("; " if text else "") + f"one of: {', '.join(map(str, choices))}"
     if isinstance(default, tuple):
         default = ",".join(map(str, default))
-    elif default is not None and not isinstance(default, (bool, int, float, str)):
-        default = str(default)  # a value with its own text (a layer map)
-    text = action.help or ""
-    if action.choices is not None:
-        text += ("; " if text else "") + f"one of: {', '.join(map(str, action.choices))}"
-    if isinstance(default, bool):
+    elif isinstance(default, bool):
         default = str(default).lower()  # as it is typed: --offload true|false
-    if "default" not in text and default not in (None, "") and not isinstance(action, argparse._StoreFalseAction):
+    elif default is not None and not isinstance(default, (int, float, str)):
+        default = str(default)  # a value with its own text (a layer map)
+    if "default" not in text and default not in (None, ""):
         text += f" (default: {default})"
-    # Required fields may come from --config instead, so argparse must not demand them; the help still says so.
-    needed = bool(action.required)
-    action.help = text + (" (required: the flag or its --config key)" if needed else "")
-    action.needed = needed  # type: ignore[attr-defined]  # read by the CLI's usage formatter
-    if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no-X repeats --X's help
-        action.help = f"turn {flag_name(action.dest)} off"
-    elif action.const is True:  # a boolean: --X alone, or --X true|false
-        action.metavar = "true|false"
-    action.default, action.required = argparse.SUPPRESS, False
-    if action.choices is None and action.nargs != 0:  # pydantic converts every value, so all errors show at once
-        action.type = None
+    return text + (" (required: the flag or its --config key)" if required else "")
 
 
 def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = None) -> T:
@@ -184,6 +181,10 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
                                    where=where)
     problems += [f"unknown key {where}{k!r}; known keys: {', '.join(sorted(fields))}" for k in given if k not in fields]
     given = {k: _prepare(fields[k][0], k, v) for k, v in given.items() if k in fields}
+    # A field with a default that this class still requires (a shared group's, see option_groups.required):
+    # pydantic would take the default, so it is named here as pydantic names a missing field.
+    problems += [f"{where}{k} is required (flag {flag_name(k)})" for k, (_, f) in fields.items()
+                 if f.metadata.get("required") and given.get(k) in (None, "")]
     obj, type_problems = _validate(cls, given, where)
     problems += type_problems
     if obj is not None:

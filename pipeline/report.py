@@ -170,7 +170,7 @@ def plot_alignment(cka: dict[str, Any], out: Path, title: str) -> Path | None:
 
 def cache_stats(cache: str | Path) -> dict[str, Any] | None:
     """``kdcache inspect``'s facts about a cache (bytes per token per array), or None if it cannot be read."""
-    from kdcache.pipeline.commands.cache import describe
+    from kdcache.pipeline.cache_info import describe
     from kdcache.storage import cache_exists
     from kdcache.storage.errors import KdcacheError
 

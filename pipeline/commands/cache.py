@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from kdcache.pipeline.cache_info import describe
 from kdcache.stages.common import logit_kinds
 
 CACHE_HELP = "cache folder or URL (s3://bucket/cache, gs://..., any fsspec URL)"
@@ -22,55 +23,6 @@ def register(subparsers: Any) -> None:
     verify.add_argument("cache", metavar="CACHE", help=CACHE_HELP)
     verify.add_argument("--json", action="store_true", help="print the report as JSON")
     verify.set_defaults(func=run_verify)
-
-
-def _ratio(decoded: int, stored: int) -> float | None:
-    return round(decoded / stored, 3) if stored else None
-
-
-def describe(path: str) -> dict[str, Any]:
-    """Everything ``inspect`` shows, as a JSON-ready dict (``num_tokens`` is a plain integer).
-
-    Raises:
-        KdcacheError: missing or corrupt manifest, newer format version.
-    """
-    from kdcache.storage.codecs import describe_codec
-    from kdcache.storage.manifest import summarize_arrays
-    from kdcache.storage.reader import CacheReader
-
-    reader = CacheReader(path, allow_partial=True)
-    spec, manifest = reader.spec, reader.manifest
-    tokens = reader.num_tokens
-    records = reader.records  # for a partial cache: what is committed so far
-    arrays = summarize_arrays(spec, records)
-    for info in arrays.values():
-        info["bytes_per_token"] = round(info["stored_bytes"] / tokens, 2) if tokens else None
-        info["decoded_bytes_per_token"] = round(info["decoded_bytes"] / tokens, 2) if tokens else None
-        info["compression_ratio"] = _ratio(info["decoded_bytes"], info["stored_bytes"])
-        info["codec_label"] = describe_codec(info["codec"])
-    stored = sum(r.stored_bytes for r in records)
-    decoded = sum(r.decoded_bytes for r in records)
-    return {
-        "path": str(path), "status": manifest.status, "format_version": manifest.format_version,
-        "backend": spec.backend, "features": list(spec.features), "hidden_layers": list(spec.hidden_layers),
-        "attention_layers": list(spec.attention_layers), "layout": "seq2seq" if spec.is_encoder_decoder else "single",
-        "streams": {stream or "tokens": {"hidden_layers": list(hidden), "attention_layers": list(attention)}
-                    for stream, hidden, attention in spec.stream_layers()},
-        "cross_attention_layers": list(spec.layers_of("cross_attention", "decoder")),
-        "attention_heads": None if spec.attention_heads is None else list(spec.attention_heads),
-        "attention_triangle": spec.attention_triangle, "attention_source": spec.attention_source,
-        "attention_scores": spec.attention_scores, "logits": spec.logits, "top_k": spec.top_k,
-        "samples": spec.samples, "sample_temperature": spec.sample_temperature,
-        "vocab_size": spec.vocab_size, "dtype": spec.dtype, "bitround": spec.bitround,
-        "hidden_codec": spec.hidden_codec,
-        "codecs": {"activations": spec.codec, "topk": spec.topk_codec},
-        "num_sequences": spec.num_sequences, "num_committed_sequences": sum(r.seq_stop - r.seq_start for r in records),
-        "num_tokens": int(tokens), "num_shards": spec.num_shards, "num_committed_shards": len(records),
-        "stored_bytes": stored, "decoded_bytes": decoded,
-        "bytes_per_token": round(stored / tokens, 2) if tokens else None,
-        "compression_ratio": _ratio(decoded, stored), "arrays": arrays, "fingerprints": reader.fingerprints,
-        "created_at": manifest.created_at, "updated_at": manifest.updated_at,
-    }
 
 
 def _layer_lines(info: dict[str, Any], heads: Any) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from kdcache.storage.hidden_codecs import (
     rank_of,
     rotation_signs,
 )
+
+if TYPE_CHECKING:
+    from kdcache.storage import CacheReader
 
 Record = dict[str, Any]  # a resolved {"name", "configuration"} codec record (spec.hidden_codec)
 
@@ -217,7 +220,7 @@ def _rows(batch: dict[str, Any], name: str) -> Any:
     return batch[name].reshape(-1, batch[name].shape[-1]) if name in batch else None
 
 
-def load_projection(reader: Any) -> Projection | None:
+def load_projection(reader: CacheReader) -> Projection | None:
     """The bases of a rank cache (``storage.projection``) from a ``CacheReader``; None without a projection."""
     from kdcache.storage.projection import read_projection
 

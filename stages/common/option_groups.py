@@ -3,6 +3,11 @@
 Flags, YAML keys, sweep grids and ``RUN/options.json`` stay flat (``--gamma``, ``gamma: 0.5``): every leaf name
 is unique across the groups, so a flat mapping routes to its group without ambiguity. A class whose fields are
 plain values is its own single group, so the same helpers serve flat option classes too.
+
+A group class shared by both stages (``stages.common.engine_options.EngineOptions``) marks each field with the
+stage using it (``metadata["stage"]``), and each stage's options mark the group field the same way: a stage's
+leaves are the group's fields of its stage (and any unmarked ones), so the other stage's never become its flags
+or keys.
 """
 
 from __future__ import annotations
@@ -25,10 +30,21 @@ def groups(cls: type) -> dict[str, type] | None:
 
 
 def leaves(cls: type) -> Iterator[tuple[str | None, type, dataclasses.Field]]:
-    """(group name or None, the class holding the field, the field) for every leaf option of ``cls``."""
-    for group, group_cls in (groups(cls) or {None: cls}).items():  # type: ignore[dict-item]
+    """(group name or None, the class holding the field, the field) for every leaf option of ``cls``: of a group
+    marked with a stage, only the fields of that stage."""
+    named = groups(cls)
+    stage_of = {f.name: f.metadata.get("stage") for f in dataclasses.fields(cls)} if named else {}
+    for group, group_cls in (named or {None: cls}).items():  # type: ignore[dict-item]
         for f in dataclasses.fields(group_cls):
-            yield group, group_cls, f
+            if f.metadata.get("stage") in (None, stage_of.get(group)):
+                yield group, group_cls, f
+
+
+def required(f: dataclasses.Field) -> bool:
+    """Whether leaf ``f`` must be given: it has no default, or a shared group's default stands in only for the
+    stage that does not use it (``metadata["required"]``)."""
+    no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    return no_default or bool(f.metadata.get("required"))
 
 
 def nest(cls: type, flat: dict[str, Any]) -> dict[str, Any]:

@@ -210,8 +210,7 @@ def alias_flags(parser: argparse.ArgumentParser, options: Iterable[str]) -> None
     names = set(options)
     for alias, (option, _) in ALIASES.items():
         if option in names:
-            action = parser.add_argument(_flag(alias), dest=alias, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-            action.needed = False  # type: ignore[attr-defined]  # read by the CLI's usage formatter
+            parser.add_argument(_flag(alias), dest=alias, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _flag(name: str) -> str:

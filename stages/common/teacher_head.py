@@ -35,17 +35,16 @@ def finish_logits(logits: torch.Tensor, scale: float | None, softcap: float | No
     return logits
 
 
-def export_head(model: PreTrainedModel, out: str, layer: int) -> None:
-    """Save a copy of the teacher's LM head (see the module docstring) into the cache ``out`` (it appears whole)."""
+def export_head(model: PreTrainedModel, store: Store, layer: int) -> None:
+    """Save a copy of the teacher's LM head (see the module docstring) into the cache's ``store`` (it appears
+    whole)."""
     import tempfile
     from pathlib import Path
 
     from safetensors.torch import save
 
     from kdcache.storage.folders import folder_is_complete, put_folder
-    from kdcache.storage.stores import open_store
 
-    store = open_store(out)
     if folder_is_complete(store, HEAD_FOLDER):  # a resumed run, or another job of the array, wrote it already
         return
     head = model.get_output_embeddings()

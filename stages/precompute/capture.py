@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -42,6 +42,14 @@ from kdcache.stages.precompute.teacher import Teacher
 from kdcache.storage.hidden_codecs import applies_to, projected
 from kdcache.storage.logit_layouts import FLOAT, logit_arrays
 from kdcache.storage.streams import ragged_streams
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+    from transformers import PreTrainedModel
+
+# A forward hook's signature: (module, positional args, output); a pre-hook's with kwargs: (module, args, kwargs).
+ForwardHook = Callable[[torch.nn.Module, tuple, Any], None]
+PreHook = Callable[[torch.nn.Module, tuple, dict], None]
 
 
 @dataclass
@@ -136,7 +144,7 @@ def check_ranges(maxima: dict[str, torch.Tensor]) -> None:
             check_fp16_range(name, value, fix="Rerun with --dtype bf16, or leave this layer out.")
 
 
-def find_blocks(model: Any, num_layers: int) -> Any:
+def find_blocks(model: PreTrainedModel, num_layers: int) -> torch.nn.ModuleList:
     """The ``ModuleList`` of the teacher's N transformer blocks (``h``, ``layers``, ``encoder.layer``...)."""
     base = model.base_model
     candidates = [m for _, m in base.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
@@ -145,7 +153,7 @@ def find_blocks(model: Any, num_layers: int) -> Any:
     return candidates[0]  # named_modules walks outer to inner; the first list of N modules is the block stack
 
 
-def _attention_recorder(base: Any) -> tuple[type | None, str | None, int]:
+def _attention_recorder(base: torch.nn.Module) -> tuple[type[torch.nn.Module] | None, str | None, int]:
     """(class, name fragment, output index) of the attention module, from transformers' own recorder table."""
     spec = (getattr(type(base), "_can_record_outputs", None) or {}).get("attentions")
     if spec is None:
@@ -155,7 +163,7 @@ def _attention_recorder(base: Any) -> tuple[type | None, str | None, int]:
     return getattr(spec, "target_class", None), getattr(spec, "layer_name", None), getattr(spec, "index", 1)
 
 
-def find_attention(block: Any, base: Any) -> tuple[Any, int] | None:
+def find_attention(block: torch.nn.Module, base: torch.nn.Module) -> tuple[torch.nn.Module, int] | None:
     """The self-attention module inside ``block`` and where its probabilities sit in its output tuple."""
     cls, fragment, index = _attention_recorder(base)
     if cls is None:
@@ -181,7 +189,7 @@ class FeatureCapture:
         self.projection = projection  # a rank codec's bases (or its fit mode)
         self.teacher, self.targets, self.dtype_name = teacher, targets, dtype_name
         self.model = teacher.model
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._lengths: list[int] = []
         self._out: dict[str, Any] = {}
         self._amax: dict[str, torch.Tensor] = {}
@@ -219,14 +227,14 @@ class FeatureCapture:
             module, index = found
             self._handles.append(module.register_forward_hook(self._attention_hook(j, index)))
 
-    def _pre_hook(self) -> Any:
-        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+    def _pre_hook(self) -> PreHook:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             hidden = args[0] if args else kwargs["hidden_states"]
             self._keep_hidden(0, hidden)
         return hook
 
-    def _hidden_hook(self, j: int, *, last: bool) -> Any:
-        def hook(module: Any, args: tuple, output: Any) -> None:
+    def _hidden_hook(self, j: int, *, last: bool) -> ForwardHook:
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             if last:
                 hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
             else:
@@ -234,8 +242,8 @@ class FeatureCapture:
             self._keep_hidden(j, hidden)
         return hook
 
-    def _attention_hook(self, j: int, index: int) -> Any:
-        def hook(module: Any, args: tuple, output: Any) -> None:
+    def _attention_hook(self, j: int, index: int) -> ForwardHook:
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             probs = output[index] if isinstance(output, (tuple, list)) else None
             if probs is None:
                 raise PrecomputeError(f"attention block {j} returned no probabilities; is attention eager?")

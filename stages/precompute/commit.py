@@ -15,33 +15,32 @@ import numpy as np
 from kdcache.stages.precompute.background import BackgroundWriter
 from kdcache.stages.precompute.batching import Partition
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.folders import CACHE_ENTRIES
+from kdcache.storage.stores import Store
 
 
-def open_writer(out: str, spec: Any, fingerprints: dict[str, Any], part: Partition) -> Any:
-    """Open (create or resume) this part's writer.
+def open_writer(store: Store, spec: Any, fingerprints: dict[str, Any], part: Partition) -> Any:
+    """Open (create or resume) this part's writer on the output ``store`` (``check_out_folder``'s).
 
     Raises:
-        PrecomputeError: the folder holds something other than a cache, or cannot be written.
+        PrecomputeError: the folder cannot be written.
         CacheMismatchError / CacheLockedError: from storage (a different cache; a live writer of this part).
     """
     from kdcache.storage import CacheWriter
 
-    store = check_out_folder(out)
     try:
         return CacheWriter(store, spec, fingerprints, part=(part.index, part.count))
     except KdcacheError:
         raise
     except OSError as exc:
-        raise PrecomputeError(f"out: cannot write the cache at {out!r}: {exc.strerror or exc}") from None
+        raise PrecomputeError(f"out: cannot write the cache at {store.url!r}: {exc.strerror or exc}") from None
 
 
-def check_out_folder(out: str) -> Any:
-    """The store at ``out``, refused when it holds something other than a (partial) cache: checked before
-    anything, rows included, is written there.
+def check_out_folder(out: str) -> Store:
+    """The store at ``out``, opened once for the whole run, refused when it holds something other than a
+    (partial) cache: checked before anything, rows included, is written there.
 
     Raises:
         PrecomputeError: a non-empty folder or prefix without a manifest and with entries no cache has.
@@ -56,14 +55,20 @@ def check_out_folder(out: str) -> Any:
     return store
 
 
-def commit_behind(spec: Any, todo: list[int], writer: Any, options: PrecomputeOptions, stats: RunStats,
-                  is_main: bool, compute: Callable[[tuple[int, int], Progress], list[dict[str, np.ndarray]]]) -> None:
+def commit_behind(spec: Any, todo: list[int], writer: Any, stats: RunStats,
+                  compute: Callable[[tuple[int, int], Progress], list[dict[str, np.ndarray]]], *,
+                  show_progress: bool, queue_size: int) -> None:
     """Run ``compute(shard_range, progress)`` for every shard in ``todo``; a background writer commits each
-    result while the next one is computed."""
+    result while the next one is computed.
+
+    Args:
+        show_progress: draw the progress bar (``--progress`` on rank 0).
+        queue_size: computed shards that may wait for the writer (``--queue-size``).
+    """
     total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
     stats.compute_started = time.perf_counter()
-    progress = Progress(total, options.engine.progress and is_main, stats)
-    background = BackgroundWriter(writer.write_shard, options.engine.queue_size,
+    progress = Progress(total, show_progress, stats)
+    background = BackgroundWriter(writer.write_shard, queue_size,
                                   on_written=lambda index, record, seconds: stats.add_shard(record))
     try:
         for k in todo:

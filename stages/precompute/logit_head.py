@@ -15,7 +15,7 @@ model's own forward on its first sequence; on any disagreement the run falls bac
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,8 +25,11 @@ from kdcache.stages.common.logit_kinds.topk import as_logprobs  # noqa: F401 (it
 from kdcache.stages.common.teacher_head import finish_logits
 from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES, Targets
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def _head_of(model: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+
+def _head_of(model: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The map from the base model's last hidden state to logits, or None where it is not a plain head."""
     head = model.get_output_embeddings()
     causal_lm = type(model).__name__.endswith(CAUSAL_SUFFIXES)
@@ -67,7 +70,7 @@ class ChunkedHead:
         chunk: valid tokens per chunk; 0 turns chunking off (the full forward computes the logits).
     """
 
-    def __init__(self, model: Any, chunk: int) -> None:
+    def __init__(self, model: PreTrainedModel, chunk: int) -> None:
         self.chunk = chunk
         self.head = _head_of(model) if chunk > 0 else None
         self.checked = False

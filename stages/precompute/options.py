@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.engine_options import PRECOMPUTE, EngineOptions, failed
+from kdcache.stages.common.engine_options import looks_like_path as common_looks_like_path
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.precompute.rows import PACKING
@@ -24,43 +26,12 @@ from kdcache.stages.precompute.rows import PACKING
 FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: encoder-decoder teachers only
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
                    ".text": "text", ".arrow": "arrow"}
-# A hub id is "name" or "org/name"; anything else that names no existing file is a missing local path.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 DEFAULT_LOGITS = "topk"  # the --logits mode when none is given (a name of stages.common.logit_kinds)
 FULL_LOGITS = "full"  # the mode the older flag --full-logits asks for
 
 
 def _opt(default: Any, help_text: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help_text, **meta})
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """The teacher and how it runs."""
-
-    teacher: str = field(metadata={"help": "teacher: a local folder or a hub id"})
-    revision: str | None = _opt(None, "hub revision of the teacher")
-    teacher_dtype: str = _opt("auto", "dtype the teacher runs in (auto: the checkpoint's, fp32 on cpu)",
-                              choices=["auto", "fp32", "fp16", "bf16"])
-    device: str = _opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N")
-    batch_size: int = _opt(32, "sequences per forward pass")
-    logits_chunk: int = _opt(512, "valid tokens per pass through the LM head for top-k logits, which bounds the "
-                                  "teacher's memory for logits by chunk x vocab; 0 = the whole batch at once")
-    seed: int = _opt(0, "torch seed (the teacher runs in eval mode; this pins anything stochastic)")
-    queue_size: int = _opt(2, "shards waiting for the background writer (bounds host memory)")
-    progress: bool = _opt(True, "show a progress bar on rank 0")
-    estimate: bool = _opt(False, "write no cache: print the rows and tokens, the bytes per token of each target (a "
-                                 "short timed sample of the teacher, compressed with the real codecs), the total "
-                                 "size and time, and whether the destination has room")
-
-    def validate(self) -> list[str]:
-        """Every problem of this group."""
-        checks = [("batch_size", self.batch_size >= 1, "must be >= 1"),
-                  ("queue_size", self.queue_size >= 1, "must be >= 1"),
-                  ("logits_chunk", self.logits_chunk >= 0, "must be >= 0"),
-                  ("device", bool(_DEVICE.match(self.device)), "expected auto, cpu, mps, cuda or cuda:N")]
-        return _teacher_problems(self.teacher) + _failed(self, checks)
 
 
 @dataclass(frozen=True)
@@ -100,7 +71,7 @@ class DatasetOptions:
                    "must be >= 1"),
                   ("packing", self.packing in PACKING, f"expected one of {', '.join(PACKING)}"),
                   ("tokenize_workers", self.tokenize_workers >= 0, "must be >= 0 (0: the host's cores)")]
-        problems = _data_problems(self.data) + _failed(self, checks)
+        problems = _data_problems(self.data) + failed(self, checks)
         if self.messages_column and self.mask_column:
             problems.append("mask_column: conversations (--messages-column) are masked by role; drop --mask-column")
         if self.chat_template and not self.messages_column:
@@ -162,7 +133,7 @@ class StorageOptions:
                   ("num_shards", self.num_shards >= 1, "must be >= 1"),
                   ("shard_index", 0 <= self.shard_index < max(self.num_shards, 1),
                    f"must be in 0..num_shards-1 ({self.num_shards - 1})")]
-        problems = _out_problems(self.out) + _failed(self, checks) + self._codec_problems()
+        problems = _out_problems(self.out) + failed(self, checks) + self._codec_problems()
         limit = 9 if self.dtype == "fp16" else 6
         if self.bitround is not None and not 1 <= self.bitround <= limit:
             problems.append(f"bitround: got {self.bitround}, expected 1..{limit} for dtype {self.dtype}")
@@ -298,7 +269,7 @@ class PrecomputeOptions:
     groups (``stages.common.option_groups``).
     """
 
-    engine: EngineOptions
+    engine: EngineOptions = field(metadata={"stage": PRECOMPUTE})  # the teacher's fields of the shared group
     dataset: DatasetOptions
     storage: StorageOptions
     targets: TargetOptions = field(default_factory=TargetOptions)
@@ -312,11 +283,6 @@ class PrecomputeOptions:
         """Build from flat keyword arguments as the flags name them (tests, benchmarks). No checks:
         ``pipeline.config.build`` is the checked way in."""
         return assemble(cls, flat)
-
-
-def _failed(group: object, checks: list[tuple[str, bool, str]]) -> list[str]:
-    """``name: got VALUE, RULE`` for each (name, passed, rule) that did not pass."""
-    return [f"{name}: got {getattr(group, name)!r}, {rule}" for name, ok, rule in checks if not ok]
 
 
 def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name: str) -> tuple[int, ...]:
@@ -369,28 +335,9 @@ def _layer_list_problems(name: str, values: tuple[str, ...]) -> list[str]:
 
 
 def looks_like_path(value: str, *, data: bool = False) -> bool:
-    """True when ``value`` can only be a local path, never a hub id ("name" or "org/name").
-
-    Args:
-        value: the teacher or data string.
-        data: also count a data-file extension (``train.jsonl``) as a path.
-    """
-    if value.startswith(("/", ".", "~")) or not _HUB_ID.match(value):
-        return True
-    return data and Path(value).suffix.lower() in DATA_EXTENSIONS
-
-
-def _teacher_problems(teacher: str) -> list[str]:
-    path = Path(teacher).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            return [f"teacher: {teacher!r} is a file; expected a model folder (with config.json) or a hub id"]
-        if not (path / "config.json").is_file():
-            return [f"teacher: folder {teacher!r} has no config.json; is it a saved Hugging Face model?"]
-        return []
-    if looks_like_path(teacher):
-        return [f"teacher: path {teacher!r} does not exist"]
-    return []
+    """True when ``value`` can only be a local path, never a hub id; with ``data``, a data-file name
+    (``train.jsonl``) counts as a path too."""
+    return common_looks_like_path(value, data=data, data_extensions=tuple(DATA_EXTENSIONS))
 
 
 def _data_problems(data: str) -> list[str]:

@@ -16,7 +16,7 @@ layer, one batch of rows at a time) and the covariance is diagonalised there.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,13 +25,16 @@ from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.storage.hidden_codecs import codec_of, rank_of
 from kdcache.storage.projection import has_projection, read_projection, write_projection
-from kdcache.storage.stores import open_store
+from kdcache.storage.stores import Store, open_store
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FIT_TOKENS = 16384  # leading tokens the basis is fitted on: several times any d it is used at, one pass
 Bases = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
-def check_rank(record: dict[str, Any], config: Any) -> None:
+def check_rank(record: dict[str, Any], config: PretrainedConfig) -> None:
     """Refuse a rank outside 1..d-1 for the teacher's hidden size d (``hidden_size``, or ``d_model``), and a
     full-rank codec's (``pca8``) rank other than d.
 
@@ -95,8 +98,10 @@ def _principal(name: str, count: int, total: torch.Tensor, gram: torch.Tensor, *
     return (basis * signs).float().cpu().numpy(), mean.float().cpu().numpy()
 
 
-def stored_projection(out: str, record: dict[str, Any], names: list[str], fit: Callable[[], Bases]) -> Projection:
-    """The cache's projection: read from ``out``'s ``projection/`` folder, or fitted (``fit``) and stored there
+def stored_projection(out: str | Store, record: dict[str, Any], names: list[str],
+                      fit: Callable[[], Bases]) -> Projection:
+    """The cache's projection: read from ``out``'s ``projection/`` folder (the run's output store), or fitted
+    (``fit``) and stored there
     first when it is absent; always the stored bytes (another process may have stored its own first)."""
     rank = rank_of(record)
     if rank is None:

@@ -45,6 +45,7 @@ from kdcache.stages.precompute.teacher import (
 )
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.hidden_codecs import projected, rank_of
+from kdcache.storage.stores import Store
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
@@ -52,6 +53,10 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     """Compute and cache the teacher's targets for this process's part of the data.
 
     Under torchrun (RANK / WORLD_SIZE set) every rank runs this; rank 0 merges the parts after a barrier.
+
+    Args:
+        options: validated options (``pipeline.config.build`` runs ``options.validate()`` once, with the type
+            checks, so that a user sees every problem together); ``PrecomputeOptions.of`` builds unchecked ones.
 
     Returns:
         the summary (see ``stages.precompute.progress.summarize``): status, tokens, bytes per token per target,
@@ -62,9 +67,6 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     """
     import torch
 
-    problems = options.validate()
-    if problems:
-        raise PrecomputeError("invalid precompute options:\n" + "\n".join(f"  - {p}" for p in problems))
     torch.manual_seed(options.engine.seed)
     dist = DistContext.from_env()
     try:
@@ -102,12 +104,12 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     targets = resolve_targets(options, config)
     check_rank(options.storage.hidden_codec_record, config)
     tokenizer = load_tokenizer(options)
-    check_out_folder(st.out)  # before the rows are written there
+    store = check_out_folder(st.out)  # before the rows are written there; the one store of the output below
     data = adapter.load_data(options, tokenizer)
     check_positions(config, data)
     rows = {"built": data.built, "build_seconds": data.meta.get("build_seconds")}
     if not options.engine.estimate:
-        finished = finished_cache(options, config, targets, tokenizer, data)
+        finished = finished_cache(store, options, config, targets, tokenizer, data)
         if finished is not None:  # nothing to compute: don't pay for loading the weights
             return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True, "rows": rows})
         check_room(st.out, lower_bound_bytes(build_spec(options, targets, data), config, data,
@@ -118,32 +120,33 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     check_token_ids(teacher, data)
     spec = build_spec(options, targets, data)
     if options.engine.estimate:
-        projection = _projection(options, adapter, teacher, targets, data, spec, store=False)
+        projection = _projection(options, adapter, teacher, targets, data, spec, into=None)
         return run_estimate(options, adapter.capture(teacher, targets, options, projection), teacher, targets, data,
                             spec)
     part = Partition.of(st.shard_index, st.num_shards, dist.rank, dist.world)
-    writer = open_writer(st.out, spec, build_fingerprints(options, teacher, targets, data), part)
+    writer = open_writer(store, spec, build_fingerprints(options, teacher, targets, data), part)
     # Before any shard; under torchrun the main rank fits and stores a rank codec's basis while the others wait.
     waits = rank_of(spec.hidden_codec) is not None
     if waits and not dist.is_main:
         dist.barrier()
-    projection = _projection(options, adapter, teacher, targets, data, spec, store=True)
+    projection = _projection(options, adapter, teacher, targets, data, spec, into=store)
     if waits and dist.is_main:
         dist.barrier()
     with writer, adapter.capture(teacher, targets, options, projection) as capture:
-        save_tokenizer(tokenizer, st.out)
+        save_tokenizer(tokenizer, store)
         if logit_kinds.uses_head(targets.logits) and dist.is_main:
-            export_head(teacher.model, st.out, targets.streams[""].depth)
+            export_head(teacher.model, store, targets.streams[""].depth)
         mine = part.shards(spec.num_shards)
         todo = [k for k in mine if k not in writer.committed_shards()]
-        commit_behind(spec, todo, writer, options, stats, dist.is_main,
-                      lambda bounds, progress: compute_shard(capture, teacher, data, bounds, options, stats, progress))
+        commit_behind(spec, todo, writer, stats,
+                      lambda bounds, progress: compute_shard(capture, teacher, data, bounds, options, stats, progress),
+                      show_progress=options.engine.progress and dist.is_main, queue_size=options.engine.queue_size)
     manifest = writer.finalize()  # the last part to finish turns the manifest "complete"
     dist.barrier()
     if dist.world > 1 and dist.is_main:
         from kdcache.storage import merge_parts
 
-        manifest = merge_parts(st.out)
+        manifest = merge_parts(store)
     extra = {"part": [part.index, part.count], "device": str(teacher.device),
              "attn_implementation": teacher.attn_implementation,
              "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}, "rows": rows}
@@ -151,9 +154,9 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
 
 
 def _projection(options: PrecomputeOptions, adapter: Any, teacher: Teacher, targets: Targets, data: TokenStreams,
-                spec: Any, *, store: bool) -> Projection | None:
+                spec: Any, *, into: Store | None) -> Projection | None:
     """A rank codec's bases (``projection_fit``): the cache's stored ones, else fitted on the leading sequences
-    (and stored first when ``store``); None without a rank."""
+    (and stored first in the output store ``into``, unless None); None without a rank."""
     record = spec.hidden_codec
     rank = rank_of(record)
     if rank is None:
@@ -169,9 +172,9 @@ def _projection(options: PrecomputeOptions, adapter: Any, teacher: Teacher, targ
                       for b in bounds)
             return fit_bases(shards, names, rank, teacher.device)
 
-    if not store:
+    if into is None:
         return Projection.from_arrays(fit())
-    return stored_projection(options.storage.out, record, names, fit)
+    return stored_projection(into, record, names, fit)
 
 
 def check_positions(config: Any, data: TokenStreams) -> None:
@@ -218,24 +221,22 @@ def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOpt
     return replace(targets, vocab_size=vocab)
 
 
-def finished_cache(options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
+def finished_cache(store: Store, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
                    data: TokenStreams) -> Any:
-    """The manifest of a complete cache at ``st.out`` that this run would reproduce, else None.
+    """The manifest of a complete cache in the output ``store`` that this run would reproduce, else None.
 
     Checked before the weights load, from what is known without them (weight-file hashes, config, tokenizer,
     data, settings), so rerunning a finished precompute, or ``kdcache run`` over its cache, never loads the
     teacher. What only the loaded model tells (runtime dtype, attention kernel) is left to the writer's full
     check on a real run.
     """
-    st = options.storage
     from kdcache.storage import CacheReader, compare_fingerprints
-    from kdcache.storage.stores import open_store
 
     teacher_fp = teacher_files_fingerprint(options, config)
-    if teacher_fp is None or open_store(st.out).size("manifest.json") is None:
+    if teacher_fp is None or store.size("manifest.json") is None:
         return None
     try:
-        reader = CacheReader(st.out)
+        reader = CacheReader(store)
     except KdcacheError:  # partial, corrupt or foreign: the normal path resumes it or explains the problem
         return None
     expected = {"teacher": teacher_fp, "tokenizer": tokenizer_fingerprint(tokenizer), "data": data.fingerprint,

@@ -17,7 +17,7 @@ Flags, and why they default the way they do:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import architectures, logit_kinds
 from kdcache.stages.precompute.errors import PrecomputeError
@@ -25,6 +25,12 @@ from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
 from kdcache.storage.hidden_codecs import resolve_hidden_codec
 from kdcache.storage.spec import FORMAT_VERSION
 from kdcache.storage.streams import CROSS, kind_of
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from kdcache.stages.precompute.data import TokenStreams
+    from kdcache.storage import CacheSpec
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
@@ -68,7 +74,7 @@ class Targets:
         return bool(self.cross_attention) or (maps and any(s.attention for s in self.streams.values()))
 
 
-def depths_and_heads(config: Any) -> tuple[dict[str, int], int]:
+def depths_and_heads(config: PretrainedConfig) -> tuple[dict[str, int], int]:
     """Blocks per token stream and the attention heads of the teacher.
 
     Encoder-decoders (BART/mBART ``encoder_layers``, T5 ``num_layers``) have two stacks, and the heads are the
@@ -122,7 +128,7 @@ def _cross_attention(options: PrecomputeOptions, decoder: StreamTargets | None) 
     return cross
 
 
-def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
+def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Targets:
     """Turn the layer/head/logit options into concrete numbers for this teacher.
 
     Raises:
@@ -153,7 +159,8 @@ def resolve_targets(options: PrecomputeOptions, config: Any) -> Targets:
                    int(fields["samples"]), t.sample_temperature, float(fields["logprob_step"]), t.attention_source)
 
 
-def _check_attention_source(options: PrecomputeOptions, streams: dict[str, StreamTargets], config: Any) -> None:
+def _check_attention_source(options: PrecomputeOptions, streams: dict[str, StreamTargets],
+                            config: PretrainedConfig) -> None:
     """Queries and keys are for one token stream, every head, no triangle; T5's relative position bias, added to
     its scores inside the model, could not be rebuilt from them."""
     t = options.targets
@@ -189,7 +196,7 @@ def _check_triangle(options: PrecomputeOptions, streams: dict[str, StreamTargets
                               f"not triangular; drop --triangle")
 
 
-def build_spec(options: PrecomputeOptions, targets: Targets, data: Any) -> Any:
+def build_spec(options: PrecomputeOptions, targets: Targets, data: TokenStreams) -> CacheSpec:
     """The ``CacheSpec`` of this run (storage validates it): one stream's layers, or each stack's, and the token
     arrays ``data`` (a ``data.TokenStreams``) carries beside the ids."""
     from kdcache.storage import CacheSpec

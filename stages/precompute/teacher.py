@@ -7,7 +7,6 @@ asked for. Loading an LM head that the checkpoint does not have would give rando
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from kdcache.stages.common.fingerprints import clear_call_state, config_fingerpr
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES, Targets
+from kdcache.storage.stores import Store
 
 if TYPE_CHECKING:
     import torch
@@ -197,14 +197,13 @@ def _weights_folder(options: PrecomputeOptions) -> Path | None:
         return None
 
 
-def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out: str | os.PathLike[str]) -> None:
-    """Save the tokenizer into the cache's ``tokenizer/`` (it appears whole; safe for many ranks)."""
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, store: Store) -> None:
+    """Save the tokenizer into the cache's ``tokenizer/`` in the output ``store`` (it appears whole; safe for many
+    ranks)."""
     import tempfile
 
     from kdcache.storage.folders import folder_is_complete, put_folder
-    from kdcache.storage.stores import open_store
 
-    store = open_store(out)
     if folder_is_complete(store, "tokenizer"):
         return
     clear_call_state(tokenizer)  # the same tokenizer.json whichever rank saves it, whether or not it tokenized

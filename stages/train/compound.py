@@ -18,8 +18,8 @@ Inputs (``B`` batch, ``L`` padded length):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -42,9 +42,23 @@ from kdcache.stages.train.masks import TokenMasks, token_masks
 from kdcache.stages.train.projectors import Projectors, needs_projector
 
 if TYPE_CHECKING:
+    from kdcache.stages.common.qk_attention import Captured
     from kdcache.stages.train.teacher_head import TeacherHead
 
 CE_KINDS = ("causal", "token")
+
+
+class StudentOutput(Protocol):
+    """What the loss reads of a student's forward outputs: a transformers ``ModelOutput`` or one stream's view of it
+    (``distill.student_view``). ``logits [B, L, V]`` is None for an encoder without an LM head; the optional
+    fields (``hidden_states``, ``attentions``, ``attention_qkv``) are looked up by name, so a missing one is
+    reported with the flag that asks for it (``_student_field``)."""
+
+    @property
+    def logits(self) -> torch.Tensor | None: ...
+
+    @property
+    def hidden_states(self) -> Sequence[torch.Tensor]: ...  # [B, L, d_s] each, 0 = embeddings (when asked for)
 
 
 class CompoundLoss(nn.Module):
@@ -121,7 +135,7 @@ class CompoundLoss(nn.Module):
             )
 
     def forward(
-        self, student_out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor
+        self, student_out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """Compute every term with a non-zero weight.
 
@@ -152,7 +166,7 @@ class CompoundLoss(nn.Module):
         total = torch.stack([self.weights[_FAMILY[name]] * value for name, value in terms.items()]).sum()
         return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs}
 
-    def _add_ce(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
+    def _add_ce(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
                 any_trained: bool) -> None:
         logits = getattr(out, "logits", None)
         if logits is None:
@@ -165,7 +179,7 @@ class CompoundLoss(nn.Module):
         else:  # a masked-LM loop puts its own "labels" (-100 where unmasked) in the batch
             terms["ce"] = token_ce(logits, targets.get("labels", ids), masks.trained)
 
-    def _add_kl(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
+    def _add_kl(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
                 any_predicts: bool) -> None:
         mask = masks.predicts
         logits = getattr(out, "logits", None)
@@ -179,7 +193,7 @@ class CompoundLoss(nn.Module):
         terms[kind.term] = kind.loss(logits, targets, mask, setup)
 
     def _hidden_term(
-        self, out: Any, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict, any_trained: bool
+        self, out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict, any_trained: bool
     ) -> torch.Tensor:
         """Σ over pairs of the hidden loss; per-pair values (and wgan critic losses) go to ``logs``."""
         states = _student_field(out, "hidden_states", "output_hidden_states=True")
@@ -207,7 +221,7 @@ class CompoundLoss(nn.Module):
         return wgan_student_loss(self.critics[key], h_s, mask)
 
     def _attention_term(
-        self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict, any_trained: bool
+        self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict, any_trained: bool
     ) -> torch.Tensor:
         """Σ over attention pairs of ``attention_kl``; student block j is ``attentions[j - 1]``."""
         if self.teacher_scores is not None:
@@ -226,11 +240,12 @@ class CompoundLoss(nn.Module):
             total = total + value
         return total
 
-    def _qk_term(self, out: Any, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict,
+    def _qk_term(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict,
                  any_trained: bool) -> torch.Tensor:
         """Σ over attention pairs of the q/k cache's term (``cached_qk_loss``), logged per pair like the maps'."""
         # block -> qk_attention.Captured
-        recorded: Any = _student_field(out, "attention_qkv", "the q/k recorder (DistillModel runs it for a q/k cache)")
+        recorded = cast("Mapping[int, Captured]", _student_field(
+            out, "attention_qkv", "the q/k recorder (DistillModel runs it for a q/k cache)"))
         total = torch.zeros((), device=masks.real.device)
         if not any_trained:
             return total + _zero_pairs(logs, "attention", self.attention_map, lambda s: recorded[s].q)
@@ -271,7 +286,8 @@ _FAMILY = {"ce": "ce", "kl": "kl", "hidden": "hidden", "attention": "attention",
            **{logit_kinds.get(name).term: "kl" for name in logit_kinds.names()}}
 
 
-def _zero_pairs(logs: dict, kind: str, pairs: list[Pair], student: Any) -> torch.Tensor:
+def _zero_pairs(logs: dict, kind: str, pairs: list[Pair],
+                student: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """A batch with no trained token: each pair adds 0 tied to its student tensor (``student(s)``), and is logged."""
     total = torch.zeros(())
     for s, t in pairs:
@@ -296,7 +312,7 @@ def _target(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     return targets[name]
 
 
-def _student_field(out: Any, field: str, how: str) -> Sequence[torch.Tensor]:
+def _student_field(out: StudentOutput, field: str, how: str) -> Sequence[torch.Tensor]:
     value = getattr(out, field, None)
     if value is None:
         raise LossError(f"the student returned no {field}; call it with {how}")

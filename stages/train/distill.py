@@ -29,7 +29,7 @@ from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.common.qk_attention import QKRecorder
 from kdcache.stages.train.attention_agreement import recorded
-from kdcache.stages.train.compound import CompoundLoss
+from kdcache.stages.train.compound import CompoundLoss, StudentOutput
 from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses import LossError
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
@@ -60,7 +60,7 @@ def stream_view(batch: Mapping[str, torch.Tensor], stream: str, main: bool) -> d
     return view
 
 
-def student_view(out: Any, stream: str, main: bool) -> Any:
+def student_view(out: StudentOutput, stream: str, main: bool) -> StudentOutput:
     """The student's outputs for one stream: HF names them ``hidden_states`` for one stack and
     ``encoder_hidden_states`` / ``decoder_hidden_states`` (same for attentions) for two."""
     if not stream:

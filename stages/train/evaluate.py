@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,12 @@ from kdcache.storage import CacheReader
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.files import read_json_object
 from kdcache.storage.streams import prefixed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kdcache.stages.train.student import StudentFacts
+    from kdcache.stages.train.teacher_head import TeacherHead
 
 Pair = tuple[int, int]
 
@@ -72,7 +78,7 @@ def cache_batches(reader: CacheReader, names: list[str], batch_size: int, *, lim
 
 # ---- one run against one cache -----------------------------------------------------------------------------
 def load_run(run_dir: str | Path, student_path: str | Path | None = None
-             ) -> tuple[Any, dict[str, list[Pair]], dict[str, torch.Tensor]]:
+             ) -> tuple[PreTrainedModel, dict[str, list[Pair]], dict[str, torch.Tensor]]:
     """The student (eval mode), the run's hidden layer map per stream and its projector weights.
 
     Args:
@@ -127,7 +133,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     model, pairs, projectors = load_run(run_dir, student)
     facts = student_facts(model, pretrained=True)
     check_student_fits(reader, facts, tokenizer_fingerprint_of(student or Path(run_dir) / "student"))
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to; its stub takes no device
     state = _EvalState(reader, facts, teacher_layer, device)
     state.attend(pairs.pop("attention"), model)
     sequences = tokens = 0
@@ -143,7 +149,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     return {**state.result(pairs, projectors), "sequences": sequences, "tokens": tokens}
 
 
-def _kind(facts: Any) -> str:
+def _kind(facts: StudentFacts) -> str:
     if facts.is_encoder_decoder:
         return "encoder_decoder_lm"
     return "causal_lm" if facts.is_causal and facts.has_lm_head else "encoder"
@@ -152,7 +158,8 @@ def _kind(facts: Any) -> str:
 class _EvalState:
     """What one pass over the cache accumulates: CKA sums per stream, LM sums, pooled final states."""
 
-    def __init__(self, reader: CacheReader, facts: Any, teacher_layer: int | None, device: Any = "cpu"):
+    def __init__(self, reader: CacheReader, facts: StudentFacts, teacher_layer: int | None,
+                 device: str | torch.device = "cpu"):
         spec = reader.spec
         self.kind, self.streams, self.main = _kind(facts), list(spec.streams), spec.streams[-1]
         self.depth = facts.decoder_layers if self.main == "decoder" else facts.num_layers
@@ -174,7 +181,7 @@ class _EvalState:
         self.spec, self.causal = spec, facts.is_causal
         self.attention = AttentionAgreement(spec, [], None, False)
 
-    def attend(self, pairs: list[Pair], model: Any) -> None:
+    def attend(self, pairs: list[Pair], model: PreTrainedModel) -> None:
         """Measure the attention KL of the run's pairs whose teacher block this cache holds."""
         cached = set(self.spec.attention_layers)
         self.attention = AttentionAgreement(self.spec, [p for p in pairs if p[1] in cached], model, self.causal)
@@ -215,13 +222,13 @@ class _EvalState:
         return result
 
 
-def _teacher_head(reader: CacheReader) -> Any:
+def _teacher_head(reader: CacheReader) -> TeacherHead:
     from kdcache.stages.train.teacher_head import load_teacher_head
 
     return load_teacher_head(reader.store, reader.spec.hidden_layers)
 
 
-def check_student_fits(reader: CacheReader, facts: Any, tokenizer: dict[str, Any] | None) -> None:
+def check_student_fits(reader: CacheReader, facts: StudentFacts, tokenizer: dict[str, Any] | None) -> None:
     """Refuse a student that does not fit the cache, with training's own sentences (``checks.vocab_problems``).
 
     Args:
@@ -240,7 +247,7 @@ def check_student_fits(reader: CacheReader, facts: Any, tokenizer: dict[str, Any
         raise CacheCheckError(problems, what="evaluation cannot start")
 
 
-def _check_inputs(reader: CacheReader, facts: Any, final: int | None, cached: list[int], kind: str,
+def _check_inputs(reader: CacheReader, facts: StudentFacts, final: int | None, cached: list[int], kind: str,
                   notes: list[str]) -> None:
     """Refuse a teacher layer the cache lacks; note what will be skipped."""
     spec = reader.spec

@@ -44,19 +44,26 @@ from kdcache.storage.errors import KdcacheError
 from kdcache.storage.streams import split_stream
 
 if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedModel
+
+    from kdcache.stages.train.teacher_head import TeacherHead
+    from kdcache.storage import CacheReader
+
 
 class TrainingError(KdcacheError):
     """Training cannot start or go on (nothing to resume, no steps to run, a diverged loss)."""
 
 
-def prepare(options: TrainOptions) -> tuple[Any, PreTrainedModel, StudentFacts, TrainPlan, TrainOptions]:
+def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, StudentFacts, TrainPlan, TrainOptions]:
     """Open the cache, load the student and check that they fit. Touches no teacher file.
 
     Returns:
         (reader, student, facts, plan, options with what the cache decides filled in).
     """
-    reader = open_cache(options.data.cache, allow_partial=options.data.allow_partial)
+    # The run's one reader of the cache: the checks, the teacher head, the stream and the export all use it.
+    reader = open_cache(options.data.cache, allow_partial=options.data.allow_partial,
+                        decode_threads=options.data.decode_threads or None)
     options, chosen = options.with_cache_defaults(reader.spec)
     if chosen and int(os.environ.get("RANK", "0")) == 0:
         print(f"kdcache train: {chosen}", file=sys.stderr)
@@ -98,7 +105,7 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
 DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which the log says so
 
 
-def _teacher_head(reader: Any, plan: TrainPlan, announce: bool) -> Any:
+def _teacher_head(reader: CacheReader, plan: TrainPlan, announce: bool) -> TeacherHead | None:
     """The teacher's LM head of a ``--logits head`` cache when the KL uses it, its size stated on rank 0."""
     if not logit_kinds.uses_head(plan.logits):
         return None
@@ -113,7 +120,8 @@ def _teacher_head(reader: Any, plan: TrainPlan, announce: bool) -> Any:
 class _Trainer:
     """The step loop and its bookkeeping (position, logs, checkpoints)."""
 
-    def __init__(self, options: TrainOptions, plan: TrainPlan, engine: Any, dist_info: DistInfo, reader: Any):
+    def __init__(self, options: TrainOptions, plan: TrainPlan, engine: DeepSpeedEngine, dist_info: DistInfo,
+                 reader: CacheReader):
         self.options, self.plan, self.engine, self.dist = options, plan, engine, dist_info
         self.run_dir = Path(options.run.out)
         self.batch_size = int(engine.train_micro_batch_size_per_gpu())
@@ -128,9 +136,9 @@ class _Trainer:
         self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
         self.progress = TrainProgress(0, 0, enabled=False)  # replaced when run() knows the total
         self.losses: list[float] = []
+        self.reader = reader  # streamed from in this process (a DataLoader worker opens its own)
         self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
         self.projection = load_projection(reader)  # a rank codec's bases, for that decode
-        del reader  # the stream opens its own reader (in each DataLoader worker)
 
     # ---- set-up ------------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -145,9 +153,9 @@ class _Trainer:
         if critics is not None and "critics" in state:
             critics.load_state_dict(state["critics"])
 
-    def _stream(self) -> tuple[CacheStream, Any]:
+    def _stream(self) -> tuple[CacheStream, torch.utils.data.DataLoader[dict[str, torch.Tensor]]]:
         o = self.options.data
-        stream = CacheStream(o.cache, self.plan.names, batch_size=self.batch_size, seed=o.seed,
+        stream = CacheStream(self.reader, self.plan.names, batch_size=self.batch_size, seed=o.seed,
                              rank=self.dist.rank, world_size=self.dist.world_size, start=self.position,
                              shuffle_block=o.shuffle_block, prefetch=o.prefetch, decode_threads=o.decode_threads,
                              allow_partial=o.allow_partial, pin_memory=self.dist.device.type == "cuda")
@@ -273,11 +281,9 @@ class _Trainer:
                              micro_step=self.micro_step, data_state=data, extra=extra)
 
     def _export(self) -> Path:
-        from kdcache.storage.stores import open_store
-
         module = self.engine.module
         with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as scratch:  # a remote cache's copy
-            tokenizer = (open_store(self.options.data.cache).fetch_folder("tokenizer", Path(scratch))
+            tokenizer = (self.reader.store.fetch_folder("tokenizer", Path(scratch))
                          if self.dist.rank == 0 else None)
             out = ckpt.export_student(module.student, {"projectors": module.criterion.projectors}, self.run_dir,
                                       rank=self.dist.rank, zero_stage=self.zero_stage, tokenizer_dir=tokenizer)

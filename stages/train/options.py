@@ -12,16 +12,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.engine_options import TRAIN, EngineOptions
 from kdcache.stages.common.logit_kinds.topk import TOPK_VARIANTS as TOPK_KL_VARIANTS
 from kdcache.stages.common.option_groups import assemble, flatten
 from kdcache.stages.train.layer_maps import LayerMap, StreamMaps
 
+if TYPE_CHECKING:
+    from kdcache.storage import CacheSpec
+
 HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
 ATTENTION_LOSSES = ("kl", "relation")  # relation: MiniLMv2's q-q / k-k / v-v relations (a q/k or q/k/v cache)
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEFAULT_TEMPERATURE = 2.0  # --temperature when none is given and the cache does not fix one
 
 
@@ -163,35 +166,6 @@ class MapOptions:
 
 
 @dataclass(frozen=True)
-class EngineOptions:
-    """DeepSpeed and the optimizer."""
-
-    deepspeed: str | None = field(default=None, metadata=_opt(
-        "your own DeepSpeed ds_config.json (overrides --zero-stage/--offload/--precision)"))
-    zero_stage: int = field(default=0, metadata=_opt("ZeRO stage of the built-in DeepSpeed config",
-                                                     choices=[0, 1, 2, 3]))
-    offload: bool = field(default=False, metadata=_opt("offload optimizer states to the CPU (ZeRO >= 1)"))
-    precision: str = field(default="auto", metadata=_opt(
-        "auto = bf16 on GPUs that support it, else fp16 on GPU, fp32 on CPU", choices=list(PRECISIONS)))
-    gradient_checkpointing: bool = field(default=False, metadata=_opt("recompute student activations"))
-    lr: float = field(default=1e-4, metadata=_opt("AdamW learning rate"))
-    weight_decay: float = field(default=0.0, metadata=_opt("AdamW weight decay"))
-    warmup_steps: int = field(default=0, metadata=_opt("linear LR warm-up steps"))
-
-    def validate(self) -> list[str]:
-        """Every problem of this group."""
-        problems = [f"{name} must be >= 0, got {getattr(self, name)}"
-                    for name in ("weight_decay", "warmup_steps") if getattr(self, name) < 0]
-        if self.lr <= 0:
-            problems.append(f"lr must be > 0, got {self.lr}")
-        if self.offload and self.zero_stage == 0 and self.deepspeed is None:
-            problems.append("offload needs --zero-stage 1, 2 or 3 (ZeRO 0 has no optimizer offload)")
-        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
-            problems.append(f"deepspeed config {self.deepspeed!r} does not exist")
-        return problems
-
-
-@dataclass(frozen=True)
 class RunOptions:
     """The student, where the run goes, how long it lasts, and what it logs."""
 
@@ -258,7 +232,7 @@ class TrainOptions:
     run: RunOptions
     loss: LossOptions = field(default_factory=LossOptions)
     maps: MapOptions = field(default_factory=MapOptions)
-    engine: EngineOptions = field(default_factory=EngineOptions)
+    engine: EngineOptions = field(default_factory=EngineOptions, metadata={"stage": TRAIN})  # DeepSpeed's fields
 
     def validate(self) -> list[str]:
         """Checks across fields and against the disk; returns every problem found."""
@@ -268,7 +242,7 @@ class TrainOptions:
         """Flat ``{option: value}`` (maps as their text), written to RUN/options.json."""
         return {k: str(v) if isinstance(v, (LayerMap, StreamMaps)) else v for k, v in flatten(self).items()}
 
-    def with_cache_defaults(self, spec: Any) -> tuple[TrainOptions, str | None]:
+    def with_cache_defaults(self, spec: CacheSpec) -> tuple[TrainOptions, str | None]:
         """These options with what the cache decides when the user gave nothing, and a line saying so.
 
         A sampled cache's KL estimate exists only at its sampling temperature, so that is the default there (its

@@ -18,7 +18,7 @@ Every problem is collected and reported at once (``checks.CacheCheckError``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.train.checks import (
@@ -35,6 +35,9 @@ from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
 from kdcache.storage.attention_source import ATTENTION_SOURCES
 from kdcache.storage.streams import CROSS, prefixed, split_stream
+
+if TYPE_CHECKING:
+    from kdcache.storage import CacheReader, CacheSpec
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ class _Stream:
     layer_map: LayerMap
 
 
-def teacher_depth(reader: Any, stream: str = "") -> int:
+def teacher_depth(reader: CacheReader, stream: str = "") -> int:
     """N, the block count of the teacher stack behind ``stream``, needed by the formula layer maps.
 
     Stage one records it (``fingerprints.teacher.num_layers``, or ``num_encoder_layers`` /
@@ -139,7 +142,7 @@ def teacher_depth(reader: Any, stream: str = "") -> int:
     return max(layers, default=0)
 
 
-def _streams(options: TrainOptions, reader: Any, student: StudentFacts) -> list[_Stream]:
+def _streams(options: TrainOptions, reader: CacheReader, student: StudentFacts) -> list[_Stream]:
     """The cache's token streams as the pair builder sees them."""
     depths = {"": student.num_layers, "encoder": student.num_layers, "decoder": student.decoder_layers}
     out = []
@@ -168,7 +171,7 @@ def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str]) -> tup
     return hidden, attention
 
 
-def _cross_pairs(options: TrainOptions, spec: Any, decoder: _Stream | None, problems: list[str]) -> list[Pair]:
+def _cross_pairs(options: TrainOptions, spec: CacheSpec, decoder: _Stream | None, problems: list[str]) -> list[Pair]:
     """(student decoder block, teacher decoder block) pairs of the cross-attention term."""
     cross, seed = options.maps.attention_map("cross"), options.data.seed
     cached, what = spec.layers_of(CROSS, "decoder"), "cross attention"
@@ -180,7 +183,7 @@ def _cross_pairs(options: TrainOptions, spec: Any, decoder: _Stream | None, prob
                           problems)
 
 
-def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None,
+def stream_names(spec: CacheSpec, pairs: dict[str, list[Pair]], logits: str | None,
                  attention_kinds: tuple[str, ...] = ("attention",)) -> list[str]:
     """The per-sequence arrays to stream, nothing the losses do not read: every stream's ids, the teacher layers
     the pairs use (``pairs`` is keyed by array group, e.g. ``encoder/hidden`` or ``cross_attention``; the
@@ -198,7 +201,7 @@ def stream_names(spec: Any, pairs: dict[str, list[Pair]], logits: str | None,
     return list(dict.fromkeys(names))
 
 
-def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
+def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFacts,
                   student_tokenizer: dict[str, Any] | None) -> TrainPlan:
     """Compare cache and student; return the plan, or raise listing every problem.
 
@@ -239,7 +242,7 @@ def plan_training(options: TrainOptions, reader: Any, student: StudentFacts,
                      spec.attention_scores)
 
 
-def _relation_problems(options: TrainOptions, spec: Any, student: StudentFacts) -> list[str]:
+def _relation_problems(options: TrainOptions, spec: CacheSpec, student: StudentFacts) -> list[str]:
     """The relation loss splits each side's query and key/value rows into R heads: R must divide every width,
     checked here rather than at the first step, after DeepSpeed has started."""
     loss, scores = options.loss, spec.attention_scores
@@ -255,14 +258,14 @@ def _relation_problems(options: TrainOptions, spec: Any, student: StudentFacts) 
             f"divide the width of {', '.join(bad)}; choose R dividing {sorted(set(widths.values()))}"] if bad else []
 
 
-def _attention_kinds(spec: Any, attention_loss: str) -> tuple[str, ...]:
+def _attention_kinds(spec: CacheSpec, attention_loss: str) -> tuple[str, ...]:
     """The arrays the attention term reads of a cached block: its map, its queries and keys for the KL, or every
     cached kind (queries, keys and values when stored) for the relation loss."""
     kinds = ATTENTION_SOURCES[spec.attention_source]
     return kinds if attention_loss == "relation" or spec.attention_source == "maps" else kinds[:2]
 
 
-def _target_shapes(reader: Any, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
+def _target_shapes(reader: CacheReader, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
     """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
     from kdcache.stages.common.hidden_codecs import hidden_width, load_projection
     from kdcache.storage.streams import kind_of
@@ -293,7 +296,7 @@ def _layers_text(layers: list[int]) -> str:
     return ", ".join(str(j) for j in layers)
 
 
-def unused_targets(spec: Any, plan: TrainPlan, options: TrainOptions) -> list[str]:
+def unused_targets(spec: CacheSpec, plan: TrainPlan, options: TrainOptions) -> list[str]:
     """Cached targets this run's weights and maps leave unused, each with the reason and how to use it.
 
     An empty list when every cached target is used.

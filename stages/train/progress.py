@@ -10,7 +10,7 @@ import shutil
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TextIO
 
 TERMS_SHOWN = 3  # loss terms beside the total; the rest stay in metrics.jsonl
 
@@ -34,7 +34,7 @@ class TrainProgress:
         stream: where to write (stderr, like stage one's bar).
     """
 
-    def __init__(self, total: int, start: int, *, enabled: bool, stream: Any = None) -> None:
+    def __init__(self, total: int, start: int, *, enabled: bool, stream: TextIO | None = None) -> None:
         self.total, self.start, self.enabled = total, start, enabled
         self.stream = stream or sys.stderr
         self._tokens, self._since, self._began = 0, time.perf_counter(), time.perf_counter()

@@ -26,6 +26,7 @@ codes and fp16 scales and are decoded there too (``stages.common.hidden_codecs``
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -210,17 +211,21 @@ class CacheStream(IterableDataset):
     record the position reached. Use it with ``DataLoader(stream, batch_size=None, num_workers=...)``.
     """
 
-    def __init__(self, cache: str, names: Sequence[str], *, batch_size: int, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, start: DataPosition = DataPosition(), epochs: int | None = None,
-                 shuffle_block: int = 256, prefetch: int = 4, decode_threads: int = 0,
+    def __init__(self, cache: str | os.PathLike[str] | CacheReader, names: Sequence[str], *, batch_size: int,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, start: DataPosition = DataPosition(),
+                 epochs: int | None = None, shuffle_block: int = 256, prefetch: int = 4, decode_threads: int = 0,
                  allow_partial: bool = False, pin_memory: bool = False):
+        """``cache`` is a cache folder or URL, or an open ``CacheReader``, which this process then reads through
+        (a DataLoader worker opens its own from the reader's folder or URL)."""
         super().__init__()
-        self.cache, self.names = str(cache), tuple(names)
+        self.names = tuple(names)
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.start, self.epochs = start, epochs
         self.shuffle_block, self.prefetch, self.decode_threads = shuffle_block, prefetch, decode_threads
         self.allow_partial, self.pin_memory = allow_partial, pin_memory
-        reader = self._open()
+        self.cache = str(cache) if isinstance(cache, (str, os.PathLike)) else cache.root
+        reader = self._open() if isinstance(cache, (str, os.PathLike)) else cache
+        self._reader: CacheReader | None = reader
         # Only committed shards (all of them for a complete cache; some with --allow-partial).
         self.shard_ids = [int(k) for k in reader.committed_shards]
         self.shard_ranges = [reader.spec.shard_range(k) for k in self.shard_ids]
@@ -235,9 +240,13 @@ class CacheStream(IterableDataset):
                                    f"size ({world_size} x {batch_size})")
 
     def _open(self) -> CacheReader:
-        from kdcache.storage import CacheReader  # opened again in each worker process: readers hold file handles
+        from kdcache.storage import CacheReader
 
         return CacheReader(self.cache, allow_partial=self.allow_partial, decode_threads=self.decode_threads or None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a spawned DataLoader worker receives: no reader (it holds file handles, a lock and threads)."""
+        return {**self.__dict__, "_reader": None}
 
     def plan(self) -> Iterator[tuple[int, list[tuple[int, np.ndarray]]]]:
         """This rank's micro-batches from the start position on, grouped by epoch: (epoch, [(step, ids)])."""
@@ -251,7 +260,9 @@ class CacheStream(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        reader = self._open()
+        # A DataLoader worker opens its own reader: a forked one inherits this process's reader, whose decode
+        # threads and locks did not come along.
+        reader = self._reader if info is None and self._reader is not None else self._open()
         producer = _Producer(reader, self.names, self.shard_ids, self.shard_ranges, self._worker_plan(worker, workers),
                              self.prefetch, reader.decode_threads, self.pin_memory)
         try:

@@ -1,4 +1,4 @@
-"""The loss registry of stage two: every definition in shared/DESIGN.md, by name.
+"""The loss registry of stage two: every definition of docs/losses.md, by name.
 
 ``get_loss(name)`` returns the callable; an unknown name raises ``LossError`` listing ``registered_losses()``.
 Signatures by family (``mask [B, L]`` is 1 for a real token everywhere):
