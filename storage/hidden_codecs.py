@@ -20,6 +20,9 @@ A codec is recorded in the spec as ``{"name": ..., "configuration": {...}}`` (li
   fitted on the teacher's own states and stored in the cache (``storage.projection``): the codec stores the
   coefficients ``(x - mean) @ basis.T`` ``[T, R]`` as above, and decoding ends with ``coef @ basis + mean``.
 
+  ``pca8`` (transform coding) always has R = d: int8 codes of the full-rank coefficients at a scale of ``step``
+  x each row's RMS, no rotation, no outliers; zarr stores its codes column-major (``COLUMN_CODES_CODEC``).
+
 Why a rotation: real activations have a few channels 100-1000x larger than the rest, and one scale per row set
 by those flattens every other channel to zero; a seeded random rotation spreads them over a block first. The
 largest few are also kept aside, because even spread they dominate the row's scale.
