@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from kdcache.storage.errors import KdcacheError
+from kdcache.storage.logit_layouts import LogitFields as CacheLogits  # the spec's logit fields, as storage reads them
 
 if TYPE_CHECKING:
     import torch
@@ -50,21 +51,6 @@ class LogitOptions(Protocol):
     def topk_values(self) -> str: ...
     @property
     def logprob_tolerance(self) -> float: ...
-
-
-class CacheLogits(Protocol):
-    """The logit fields of a cache's spec (``storage.CacheSpec``)."""
-
-    @property
-    def logits(self) -> str | None: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def samples(self) -> int: ...
-    @property
-    def sample_temperature(self) -> float: ...
-    @property
-    def vocab_size(self) -> int: ...
 
 
 class LossSettings(Protocol):
