@@ -32,7 +32,6 @@ Everything here is numpy; stage one and stage two use the torch twin in ``stages
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,10 @@ import numpy as np
 
 from kdcache.storage.attention_source import QKV_KINDS
 from kdcache.storage.errors import SpecError
+from kdcache.storage.rotation import block_size as block_size  # re-exported: the codecs' rotation, by its old path
+from kdcache.storage.rotation import hadamard as hadamard
+from kdcache.storage.rotation import hadamard_matrix as hadamard_matrix
+from kdcache.storage.rotation import rotation_signs as rotation_signs
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 # The array kinds a hidden codec applies to: hidden states and the cached queries/keys/values, all activation
@@ -226,61 +229,6 @@ def applies_to(name: str) -> bool:
     return kind_of(name) in CODED_KINDS
 
 
-MAX_BLOCK = 256  # a dense block costs b multiply-adds per value; 256 spreads an outlier far enough
-
-
-def block_size(d: int) -> int:
-    """The rotation's Hadamard block: the largest power of two dividing d, at most ``MAX_BLOCK``."""
-    return min(d & -d, MAX_BLOCK)
-
-
-def hadamard_matrix(b: int) -> np.ndarray:
-    """The orthonormal Sylvester-Hadamard matrix ``[b, b]`` float32 (b a power of two; symmetric, its own
-    inverse): ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2)``. The caller's own copy."""
-    matrix: np.ndarray = _hadamard_matrix(b).copy()
-    return matrix
-
-
-def rotation_signs(seed: int, d: int) -> np.ndarray:
-    """The rotation's random signs ``[d]`` float32 (+1/-1), from ``numpy.random.default_rng(seed)``. The caller's
-    own copy."""
-    signs: np.ndarray = _rotation_signs(seed, d).copy()
-    return signs
-
-
-# Built once per size (the writer and verify rotate every coded array of every shard), kept read-only so that no
-# caller can change the shared array; a copy costs microseconds, the build (log2 b block doublings, a generator)
-# far more, and a copy is writable, as torch.from_numpy wants.
-@functools.lru_cache(maxsize=16)
-def _hadamard_matrix(b: int) -> np.ndarray:
-    h = np.ones((1, 1))
-    while len(h) < b:
-        h = np.block([[h, h], [h, -h]])
-    return _read_only((h / np.sqrt(b)).astype(np.float32))
-
-
-@functools.lru_cache(maxsize=64)
-def _rotation_signs(seed: int, d: int) -> np.ndarray:
-    return _read_only((np.random.default_rng(seed).integers(0, 2, d) * 2 - 1).astype(np.float32))
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
-    return array
-
-
-def hadamard(x: np.ndarray) -> np.ndarray:
-    """Orthonormal Walsh-Hadamard transform along the last axis in blocks of ``block_size(d)`` (its own inverse).
-
-    Args:
-        x: ``[T, d]`` float32.
-    """
-    t, d = x.shape
-    b = block_size(d)
-    rotated: np.ndarray = (x.reshape(t, d // b, b).astype(np.float32) @ _hadamard_matrix(b)).reshape(t, d)
-    return rotated
-
-
 def fp8_table() -> np.ndarray:
     """The float32 value of every e4m3fn bit pattern ``[256]`` (0x7F and 0xFF are NaN and never written)."""
     bits = np.arange(256)
@@ -340,7 +288,7 @@ def _decode_codes(record: dict[str, Any], arrays: dict[str, np.ndarray], name: s
     n, d = y.shape
     y = (y.reshape(n, scale.shape[1], -1) * scale[:, :, None]).reshape(n, d)
     if config["rotation"] is not None:
-        y = hadamard(y) * _rotation_signs(config["rotation"], y.shape[1])
+        y = hadamard(y) * rotation_signs(config["rotation"], y.shape[1])
     if config["outliers"]:
         rows = np.arange(len(y))[:, None]
         y[rows, arrays[part_name(name, "outlier_ids")].astype(np.intp)] += \
@@ -420,7 +368,7 @@ def _encode_rows(record: dict[str, Any], name: str, x: np.ndarray) -> dict[str, 
         residual[rows, ids] -= values.astype(np.float32)  # the fp16 rounding stays in the quantised residual
         out[part_name(name, "outliers")], out[part_name(name, "outlier_ids")] = values, ids.astype(np.uint16)
     if config["rotation"] is not None:
-        residual = hadamard(residual * _rotation_signs(config["rotation"], x.shape[1]))
+        residual = hadamard(residual * rotation_signs(config["rotation"], x.shape[1]))
     out[name], out[part_name(name, "scale")] = _quantize(record, residual)
     return out
 
