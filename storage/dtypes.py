@@ -96,7 +96,7 @@ def to_float32(array: np.ndarray, dtype_name: str) -> np.ndarray:
     return np.asarray(array).astype(np.float32)
 
 
-def to_storage(name: str, values: np.ndarray, dtype_name: str) -> np.ndarray:
+def to_storage(name: str, values: np.ndarray, dtype_name: str, *, finite: bool = False) -> np.ndarray:
     """Convert one float target to its storage dtype, refusing overflow and non-finite values.
 
     Args:
@@ -104,13 +104,14 @@ def to_storage(name: str, values: np.ndarray, dtype_name: str) -> np.ndarray:
         values: float32/float64 values, or values already in the storage dtype (float16 for fp16, uint16 bits
             for bf16), any shape.
         dtype_name: "fp16" or "bf16".
+        finite: values already in the storage dtype were checked finite by their producer (on its device).
 
     Returns:
         array of the storage dtype, same shape.
     """
     target = storage_dtype(dtype_name)
     if values.dtype == target:  # already converted by the caller
-        if dtype_name == "fp16":
+        if dtype_name == "fp16" and not finite:
             check_finite(name, values)
         return values
     if values.dtype.kind != "f":

@@ -117,9 +117,10 @@ def _check_descending(spec: CacheSpec, name: str, values: np.ndarray) -> None:
         raise InvalidSequenceError(f"{name}: each token's values must be sorted in descending order")
 
 
-def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[str, dict[str, float]]) -> np.ndarray:
+def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[str, dict[str, float]],
+                  finite: bool = False) -> np.ndarray:
     """Convert to the storage dtype, then bitround activations if the spec asks for it."""
-    stored = to_storage(name, values, spec.float_dtype(name))
+    stored = to_storage(name, values, spec.float_dtype(name), finite=finite)
     if not spec.is_lossy_target(name) or spec.bitround is None:
         return stored
     rounded = apply_bitround(name, stored, spec.dtype, spec.bitround)
@@ -141,7 +142,8 @@ def _offsets(lengths: Sequence[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
 
 
-def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, Any]]) -> EncodedShard:
+def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, Any]], *,
+                 finite: frozenset[str] = frozenset()) -> EncodedShard:
     """Encode shard ``index`` from one dict per sequence.
 
     Args:
@@ -152,6 +154,8 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
             ``logits/topk_ids [L, k]``, ``logits/lse [L]``. Floats as float32 or already in the storage dtype.
             A seq2seq spec takes ``encoder/input_ids [L_e]``, ``decoder/input_ids [L_d]``, the same targets
             under ``encoder/`` and ``decoder/``, ``cross_attention/{j} [H, L_d, L_e]``, and logits ``[L_d, ...]``.
+        finite: float arrays already in the storage dtype whose every value the producer checked finite (stage
+            one does on its device): the host pass over them is skipped, being work done twice.
 
     Returns:
         The shard's flat arrays, ready for a backend.
@@ -172,7 +176,7 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     lossy: dict[str, dict[str, float]] = {}
     for name in spec.sequence_names():
         arrays[name] = _encode_array(spec, name, [np.asarray(item[name]) for item in sequences], lossy,
-                                     _stream_documents(spec, name, documents))
+                                     _stream_documents(spec, name, documents), finite=name in finite)
         if spec.coded(name):
             if any(part_name(name, "error") not in item for item in sequences):
                 raise _fail(start, part_name(name, "error"), "missing; codes made by a codec come with their "
@@ -289,7 +293,7 @@ def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]],
 
 
 def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: dict[str, dict[str, float]],
-                  documents: list[list[int]] | None = None) -> np.ndarray:
+                  documents: list[list[int]] | None = None, *, finite: bool = False) -> np.ndarray:
     """Concatenate one array over the shard's sequences and give it its storage dtype."""
     if kind_of(name) in ("attention", "cross_attention"):
         num_heads = {p.shape[0] for p in parts}
@@ -319,7 +323,7 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
         return _logprobs(spec, name, flat, lossy)
     if spec.coded(name) or is_part(name):
         return _coded_array(spec, name, flat)
-    return _float_target(spec, name, flat, lossy)
+    return _float_target(spec, name, flat, lossy, finite)
 
 
 def _coded_array(spec: CacheSpec, name: str, flat: np.ndarray) -> np.ndarray:

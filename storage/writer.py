@@ -122,14 +122,16 @@ class CacheWriter:
         """Shards committed so far by any part (sidecar present and data in place)."""
         return {k for k in read_sidecars(self.store) if self.store.exists(self.backend.shard_key(k))}
 
-    def write_shard(self, index: int, sequences: Sequence[Mapping[str, Any]]) -> ShardRecord:
-        """Encode and atomically commit shard ``index`` (see ``storage.encode.encode_shard`` for ``sequences``)."""
+    def write_shard(self, index: int, sequences: Sequence[Mapping[str, Any]], *,
+                    finite: frozenset[str] = frozenset()) -> ShardRecord:
+        """Encode and atomically commit shard ``index`` (see ``storage.encode.encode_shard`` for ``sequences``;
+        ``finite`` names float arrays whose producer already checked every value finite on its device)."""
         if not self.owns(index):
             raise ShardError(f"shard {index} belongs to part {index % self.part[1]} of {self.part[1]}, "
                              f"not to this writer's part {self.part[0]}")
         if self.store.size(sidecar_key(index)) is not None and self.store.exists(self.backend.shard_key(index)):
             raise ShardError(f"shard {index} is already committed; skip writer.committed_shards() when resuming")
-        return self.commit(encode_shard(self.spec, index, sequences))
+        return self.commit(encode_shard(self.spec, index, sequences, finite=finite))
 
     def commit(self, encoded: EncodedShard) -> ShardRecord:
         """Pack an encoded shard in memory, hand its files to the store, then write its sidecar (the commit point).

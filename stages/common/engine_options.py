@@ -43,7 +43,11 @@ class EngineOptions:
                                               "bounds the teacher's memory for logits by chunk x vocab; 0 = the "
                                               "whole batch at once")
     seed: int = _opt(0, PRECOMPUTE, "torch seed (the teacher runs in eval mode; this pins anything stochastic)")
-    queue_size: int = _opt(2, PRECOMPUTE, "shards waiting for the background writer (bounds host memory)")
+    queue_size: int = _opt(2, PRECOMPUTE, "computed shards that may wait for a writer thread; host memory holds at "
+                                          "most queue-size + writers shards beside the one being computed, and "
+                                          "on a GPU two batches in pinned memory on their way to the host")
+    writers: int = _opt(0, PRECOMPUTE, "threads that encode, compress and write shards side by side (0: half the "
+                                       "host's cores, 1 to 8)")
     progress: bool = _opt(True, PRECOMPUTE, "show a progress bar on rank 0")
     estimate: bool = _opt(False, PRECOMPUTE, "write no cache: print the rows and tokens, the bytes per token of each "
                                              "target (a short timed sample of the teacher, compressed with the real "
@@ -67,6 +71,7 @@ class EngineOptions:
     def _teacher_side(self) -> list[str]:
         checks = [("batch_size", self.batch_size >= 1, "must be >= 1"),
                   ("queue_size", self.queue_size >= 1, "must be >= 1"),
+                  ("writers", self.writers >= 0, "must be >= 0 (0: half the host's cores)"),
                   ("logits_chunk", self.logits_chunk >= 0, "must be >= 0"),
                   ("device", bool(_DEVICE.match(self.device)), "expected auto, cpu, mps, cuda or cuda:N")]
         return teacher_problems(self.teacher) + failed(self, checks)

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
@@ -28,7 +27,7 @@ from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.option_groups import flatten
 from kdcache.stages.precompute.capture import (
     check_ranges,
-    cut_padding,
+    finish,
     fp16_bounded,
     hidden_targets,
     max_abs,
@@ -41,6 +40,7 @@ from kdcache.stages.precompute.logit_head import logit_targets
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
+from kdcache.stages.precompute.transfer import ShardItems, cut_padding
 from kdcache.storage.hidden_codecs import applies_to
 from kdcache.storage.spec import TOPK_MASS
 
@@ -50,9 +50,12 @@ if TYPE_CHECKING:
 
 # One padded batch of every stream: stream -> (ids [B, L], mask [B, L]) on the teacher's device, the B valid
 # lengths per stream, and stream -> position_ids [B, L] for rows packed with documents kept apart (else absent).
-# A capture returns one dict of storage-ready arrays per sequence.
+# A capture queues the batch's work and returns at once; calling what it returns waits for the batch's targets
+# and gives one dict of storage-ready arrays per sequence. The caller queues the next batch before it waits, so
+# the device never idles while the host takes a batch in (``runner.compute_shard``).
+Pending = Callable[[], ShardItems]
 Capture = Callable[[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, list[int]], dict[str, torch.Tensor]],
-                   list[dict[str, np.ndarray]]]
+                   Pending]
 
 
 class TeacherAdapter(ABC):
@@ -113,7 +116,13 @@ class HookedTeacher(TeacherAdapter):
         engine = options.engine
         with FeatureCapture(teacher, targets, options.storage.dtype, engine.logits_chunk, engine.seed,
                             options.storage.hidden_codec_record, projection) as hooks:
-            yield lambda batch, lengths, positions: hooks.run(*batch[""], lengths[""], positions.get("")).split()
+
+            def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
+                    positions: dict[str, torch.Tensor]) -> Pending:
+                host = hooks.run(*batch[""], lengths[""], positions.get(""))
+                return lambda: finish(host)
+
+            yield run
 
 
 class EncoderDecoderTeacher(TeacherAdapter):
@@ -145,10 +154,11 @@ class EncoderDecoderTeacher(TeacherAdapter):
                                 projection)
 
         def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
-                positions: dict[str, torch.Tensor]) -> list[dict[str, np.ndarray]]:
+                positions: dict[str, torch.Tensor]) -> Pending:
             (src, src_mask), (tgt, tgt_mask) = batch["encoder"], batch["decoder"]
             inputs = {"input_ids": src, "attention_mask": src_mask, "labels": tgt, "decoder_attention_mask": tgt_mask}
-            return capture.run(inputs, lengths["encoder"], lengths["decoder"])
+            items = ShardItems(capture.run(inputs, lengths["encoder"], lengths["decoder"]))
+            return lambda: items
 
         yield run
 

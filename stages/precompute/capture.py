@@ -26,7 +26,6 @@ import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,9 +38,9 @@ from kdcache.stages.precompute.logit_head import ChunkedHead, head_probe, logit_
 from kdcache.stages.precompute.qk_capture import QKCapture
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
+from kdcache.stages.precompute.transfer import HostBatch, HostCopier, ShardItems, valid_rows
 from kdcache.storage.hidden_codecs import applies_to, projected
 from kdcache.storage.logit_layouts import FLOAT, logit_arrays
-from kdcache.storage.streams import ragged_streams
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -50,41 +49,6 @@ if TYPE_CHECKING:
 # A forward hook's signature: (module, positional args, output); a pre-hook's with kwargs: (module, args, kwargs).
 ForwardHook = Callable[[torch.nn.Module, tuple, Any], None]
 PreHook = Callable[[torch.nn.Module, tuple, dict], None]
-
-
-@dataclass
-class BatchOutput:
-    """One batch's targets on the host, still padded: ``[B, L, ...]`` with the batch first.
-
-    Attributes:
-        lengths: ``[B]`` valid tokens per sequence (the batch's order).
-        arrays: name -> padded array. ``hidden/{j}`` ``[B, L, d]``; ``logits/topk_values`` / ``logits/topk_ids``
-            ``[B, L, k]``; ``logits/lse`` ``[B, L]``; ``logits/full`` ``[B, L, V]``; ``attention/{j}``
-            ``[B, H, L, L]``.
-    """
-
-    lengths: np.ndarray
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def split(self) -> list[dict[str, np.ndarray]]:
-        """Per-sequence dicts of views that cut the padding off (``[L_i, ...]``, attention ``[H, L_i, L_i]``)."""
-        return [cut_padding(self.arrays, i, {"": n}) for i, n in enumerate(self.lengths.tolist())]
-
-
-def cut_padding(arrays: dict[str, np.ndarray], i: int, lengths: dict[str, int]) -> dict[str, np.ndarray]:
-    """Sequence ``i``'s valid part of every padded ``[B, ...]`` array, as views (the writer copies once).
-
-    Args:
-        arrays: padded arrays by name; token rows ``[B, L, ...]``, attention maps ``[B, H, L_q, L_k]``.
-        i: the sequence's row in the batch.
-        lengths: its valid length in each token stream (``{"": L}``, or ``encoder`` and ``decoder``).
-    """
-    streams = list(lengths)
-    item = {}
-    for name, value in arrays.items():
-        dims = [lengths[s] for s in ragged_streams(name, streams)]
-        item[name] = value[i, :, :dims[0], :dims[1]] if len(dims) == 2 else value[i, :dims[0]]
-    return item
 
 
 def to_storage_dtype(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
@@ -127,21 +91,31 @@ def max_abs(values: torch.Tensor) -> torch.Tensor:
 
 
 def check_ranges(maxima: dict[str, torch.Tensor]) -> None:
-    """One host sync for every target's largest |value|; refuse the first beyond float16, naming it.
+    """One host sync for every target's largest |value|; refuse the first beyond float16 (``check_maxima``)."""
+    if maxima:
+        names = list(maxima)
+        check_maxima(dict(zip(names, torch.stack([maxima[n] for n in names]).cpu().tolist())))
+
+
+def check_maxima(maxima: dict[str, float]) -> frozenset[str]:
+    """Refuse the first target whose largest |value| is beyond float16, naming it; return the names found finite.
 
     Raises:
         Fp16OverflowError: names the array, the value and ``--dtype bf16`` (T5-family activations often
             overflow float16; storage must never see an inf). A NaN is left to storage, which reports it as the
-            teacher bug it is.
+            teacher bug it is: such a target is not in the returned set, so storage checks it on the host.
     """
     from kdcache.storage import check_fp16_range
 
-    if not maxima:
-        return
-    names = list(maxima)
-    for name, value in zip(names, torch.stack([maxima[n] for n in names]).cpu().tolist()):
+    for name, value in maxima.items():
         if not math.isnan(value):
             check_fp16_range(name, value, fix="Rerun with --dtype bf16, or leave this layer out.")
+    return frozenset(name for name, value in maxima.items() if not math.isnan(value))
+
+
+def finish(batch: HostBatch) -> ShardItems:
+    """A batch's per-sequence targets once its copy has landed, range-checked (``check_maxima``)."""
+    return ShardItems(batch.split(), finite=check_maxima(batch.maxima()))
 
 
 def find_blocks(model: PreTrainedModel, num_layers: int) -> torch.nn.ModuleList:
@@ -203,6 +177,7 @@ class FeatureCapture:
             raise PrecomputeError(f"logits head: {type(self.model).__name__} has no plain LM head to copy; use "
                                   f"--logits topk or full")
         self._qk = QKCapture(self.model, targets) if targets.attention_source != "maps" else None
+        self._copier = HostCopier(teacher.device)
         self._install()
 
     # ---- hooks ---------------------------------------------------------------------------------------
@@ -289,7 +264,7 @@ class FeatureCapture:
 
     # ---- one batch ----------------------------------------------------------------------------------
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: list[int],
-            position_ids: torch.Tensor | None = None) -> BatchOutput:
+            position_ids: torch.Tensor | None = None) -> HostBatch:
         """Run the teacher on one right-padded batch and collect its targets.
 
         Args:
@@ -300,10 +275,8 @@ class FeatureCapture:
                 and attention stays inside each (``stages.common.documents``).
 
         Returns:
-            the batch's targets on the host, padding removed.
-
-        Raises:
-            Fp16OverflowError: a target exceeds the float16 range (names the layer).
+            the batch's targets on their way to the host, padding removed (``transfer.HostBatch``; ``finish``
+            waits for them and checks their range: an fp16 overflow is raised there, naming the layer).
         """
         self._lengths, self._out, self._amax = list(lengths), {}, {}
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -358,7 +331,8 @@ class FeatureCapture:
         if not self._head.checked and not self._check_head(kwargs, output.last_hidden_state, valid, first_length):
             return output, keep(self._full_logits(kwargs))
         stores = bool(logit_arrays(self.targets))  # head mode stores nothing per token
-        return output, self._head.targets(output.last_hidden_state, valid, keep) if stores else {}
+        rows = valid_rows(self._lengths, valid.shape[1], valid.device)
+        return output, self._head.targets(output.last_hidden_state, valid, keep, rows) if stores else {}
 
     def _keeper(self, input_ids: torch.Tensor) -> Callable[[torch.Tensor | None], dict[str, torch.Tensor]]:
         """``logit_targets`` with this run's settings; a kind that draws does so from a generator seeded by the
@@ -400,14 +374,12 @@ class FeatureCapture:
                   f"the last hidden state; computing them with the full forward (no chunking)", file=sys.stderr)
             return False
 
-    def _to_host(self) -> BatchOutput:
-        self._check_range()
-        arrays = {name: to_numpy(value) for name, value in self._out.items()}
-        self._out = {}
-        return BatchOutput(np.asarray(self._lengths, dtype=np.int64), arrays)
-
-    def _check_range(self) -> None:
-        check_ranges(self._amax)  # holds only the targets fp16_bounded names
+    def _to_host(self) -> HostBatch:
+        """Start the batch's way to the host (``transfer.HostCopier``: on a GPU the padding is dropped there and
+        the rest copied on a side stream)."""
+        lengths, out, amax = self._lengths, self._out, self._amax
+        self._out, self._amax = {}, {}
+        return self._copier.start(out, amax, lengths)
 
     def close(self) -> None:
         """Remove every hook."""

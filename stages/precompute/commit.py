@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.stages.precompute.background import BackgroundWriter
+from kdcache.stages.precompute.background import BackgroundWriter, default_workers
 from kdcache.stages.precompute.batching import Partition
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.progress import Progress, RunStats
@@ -57,19 +57,22 @@ def check_out_folder(out: str) -> Store:
 
 def commit_behind(spec: Any, todo: list[int], writer: Any, stats: RunStats,
                   compute: Callable[[tuple[int, int], Progress], list[dict[str, np.ndarray]]], *,
-                  show_progress: bool, queue_size: int) -> None:
+                  show_progress: bool, queue_size: int, workers: int = 0) -> None:
     """Run ``compute(shard_range, progress)`` for every shard in ``todo``; a background writer commits each
     result while the next one is computed.
 
     Args:
         show_progress: draw the progress bar (``--progress`` on rank 0).
         queue_size: computed shards that may wait for the writer (``--queue-size``).
+        workers: threads writing shards side by side (``--writers``; 0: ``background.default_workers``).
     """
     total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
     stats.compute_started = time.perf_counter()
     progress = Progress(total, show_progress, stats)
-    background = BackgroundWriter(writer.write_shard, queue_size,
-                                  on_written=lambda index, record, seconds: stats.add_shard(record))
+    background = BackgroundWriter(
+        lambda index, items: writer.write_shard(index, items, finite=getattr(items, "finite", frozenset())),
+        queue_size, on_written=lambda index, record, seconds: stats.add_shard(record),
+        workers=workers or default_workers())
     try:
         for k in todo:
             items = compute(spec.shard_range(k), progress)

@@ -79,24 +79,27 @@ class ChunkedHead:
     def active(self) -> bool:
         return self.head is not None
 
-    def targets(self, last: torch.Tensor, valid: torch.Tensor,
-                keep: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def targets(self, last: torch.Tensor, valid: torch.Tensor, keep: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+                rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """What ``keep`` makes of each chunk's ``[C, V]`` logits, padded back to ``[B, L, ...]`` (zero at padding).
 
         Args:
             last: ``[B, L, d]`` the base model's last hidden state.
             valid: ``[B, L]`` bool, the real tokens.
             keep: e.g. ``logit_targets`` with the run's settings bound, or ``head_probe``.
+            rows: ``[N_v]`` flat row numbers of the valid tokens (``transfer.valid_index``), on the device; when
+                the caller knows the lengths this saves the host sync of finding them in ``valid``.
         """
         assert self.head is not None
-        where = valid.nonzero(as_tuple=True)  # one host sync; the gather and every scatter reuse it
-        parts = [keep(self.head(rows)) for rows in last[where].split(self.chunk)]
+        if rows is None:
+            rows = valid.flatten().nonzero().flatten()  # one host sync
+        flat_last = last.flatten(0, 1).index_select(0, rows)
+        parts = [keep(self.head(chunk)) for chunk in flat_last.split(self.chunk)]
         out = {}
         for name in parts[0]:
             flat = torch.cat([p[name] for p in parts])
-            padded = torch.zeros((*valid.shape, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
-            padded[where] = flat
-            out[name] = padded
+            padded = torch.zeros((valid.numel(), *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
+            out[name] = padded.index_copy_(0, rows, flat).view(*valid.shape, *flat.shape[1:])
         return out
 
     def agrees(self, full_logits: torch.Tensor, kept: dict[str, torch.Tensor], length: int) -> bool:

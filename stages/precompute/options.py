@@ -96,7 +96,9 @@ class StorageOptions:
     hidden_rank: int | None = _opt(None, "project hidden states onto R principal directions per layer, fitted on the "
                                          "teacher's first tokens and stored in the cache, before --hidden-codec "
                                          "(a quantised one) codes them; 1 <= R < hidden size (R = hidden size: pca8)")
-    sequences_per_shard: int = _opt(256, "sequences per cache shard (the unit of commit, resume and partition)")
+    sequences_per_shard: int = _opt(0, "sequences per cache shard, the unit of commit, resume and partition (0: as "
+                                       "many as hold 32,768 tokens at the longest row, at most 256: rows of up to "
+                                       "128 tokens get 256, 2,048-token rows 16, so that the writers start early)")
     num_shards: int = _opt(1, "job-array size: this many independent jobs share the cache")
     shard_index: int = _opt(0, "this job's index in the job array, 0..num_shards-1")
 
@@ -129,7 +131,7 @@ class StorageOptions:
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
-        checks = [("sequences_per_shard", self.sequences_per_shard >= 1, "must be >= 1"),
+        checks = [("sequences_per_shard", self.sequences_per_shard >= 0, "must be >= 0 (0: sized by tokens)"),
                   ("num_shards", self.num_shards >= 1, "must be >= 1"),
                   ("shard_index", 0 <= self.shard_index < max(self.num_shards, 1),
                    f"must be in 0..num_shards-1 ({self.num_shards - 1})")]

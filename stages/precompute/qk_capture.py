@@ -2,7 +2,7 @@
 
 ``stages.common.qk_attention.QKRecorder`` records what each selected block hands its attention kernel; here that
 becomes storage-ready arrays, ``attention_q/{j} [B, L, H * d]`` and ``attention_k/{j}`` / ``attention_v/{j}
-[B, L, H_kv * d]`` (padded like hidden states; ``capture.cut_padding`` cuts them per sequence), and the score rule
+[B, L, H_kv * d]`` (padded like hidden states; ``transfer.cut_padding`` cuts them per sequence), and the score rule
 of every block is learnt once, from a probe forward, before the cache's spec is written. That probe and the first
 batch also check that the rebuilt scores reproduce the teacher's attention output (``qk_attention.check_rule``):
 a model that adds anything else to its scores is refused by name.

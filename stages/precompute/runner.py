@@ -22,7 +22,7 @@ from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.teacher_head import export_head
-from kdcache.stages.precompute.adapters import Capture, adapter_for
+from kdcache.stages.precompute.adapters import Capture, Pending, adapter_for
 from kdcache.stages.precompute.batching import Partition, collate, plan_batches
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
 from kdcache.stages.precompute.data import TokenStreams
@@ -43,6 +43,7 @@ from kdcache.stages.precompute.teacher import (
     save_tokenizer,
     teacher_files_fingerprint,
 )
+from kdcache.stages.precompute.transfer import ShardItems
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.hidden_codecs import projected, rank_of
 from kdcache.storage.stores import Store
@@ -140,7 +141,8 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         todo = [k for k in mine if k not in writer.committed_shards()]
         commit_behind(spec, todo, writer, stats,
                       lambda bounds, progress: compute_shard(capture, teacher, data, bounds, options, stats, progress),
-                      show_progress=options.engine.progress and dist.is_main, queue_size=options.engine.queue_size)
+                      show_progress=options.engine.progress and dist.is_main, queue_size=options.engine.queue_size,
+                      workers=options.engine.writers)
     manifest = writer.finalize()  # the last part to finish turns the manifest "complete"
     dist.barrier()
     if dist.world > 1 and dist.is_main:
@@ -268,39 +270,69 @@ def run_estimate(options: PrecomputeOptions, capturing: Any, teacher: Teacher, t
 
 
 def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds: tuple[int, int],
-                  options: PrecomputeOptions, stats: RunStats, progress: Progress) -> list[dict[str, np.ndarray]]:
+                  options: PrecomputeOptions, stats: RunStats, progress: Progress) -> ShardItems:
     """Run the teacher over one shard's sequences in batches bucketed by the first stream's lengths.
+
+    Batch ``i`` is taken in (its copy awaited, its range checked, its sequences cut out) only after batch ``i + 1``
+    is queued on the device, so the host's work overlaps the next forward instead of stalling it.
 
     Returns:
         one dict per sequence of the shard, in data order: every stream's ``input_ids [L]`` and token arrays
-        (``loss_mask``, ``position_ids``), plus every target.
+        (``loss_mask``, ``position_ids``), plus every target; ``finite`` names the float targets the device found
+        finite in every batch.
     """
-    import torch
-
     start, stop = bounds
     shard = {stream: seqs[start:stop] for stream, seqs in data.ids.items()}
     tokens = {name: seqs[start:stop] for name, seqs in data.tokens.items()}
     first = next(iter(shard.values()))
     items: list[dict[str, np.ndarray] | None] = [None] * len(first)
-    pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
-    on_device = lambda a: torch.from_numpy(a).to(teacher.device)  # noqa: E731
-    for batch in plan_batches(np.array([len(s) for s in first]), options.engine.batch_size):
-        padded = {stream: tuple(on_device(a) for a in collate([seqs[i] for i in batch], pad_id))
-                  for stream, seqs in shard.items()}
-        positions = {split_stream(name)[0]: on_device(collate([seqs[i] for i in batch], 0)[0])
-                     for name, seqs in tokens.items() if kind_of(name) == "position_ids"}
-        lengths = {stream: [len(seqs[i]) for i in batch] for stream, seqs in shard.items()}
-        started = time.perf_counter()
-        output = capture(padded, lengths, positions)  # type: ignore[arg-type]
-        stats.forward_seconds += time.perf_counter() - started
+    finite: list[frozenset[str]] = []
+
+    def take(batch: np.ndarray, pending: Pending) -> None:
+        waited = time.perf_counter()
+        output = pending()
+        stats.forward_seconds += time.perf_counter() - waited  # the device's time the host waited for
+        finite.append(output.finite)
         for i, item in zip(batch, output):
             item.update({prefixed(stream, "input_ids"): seqs[i] for stream, seqs in shard.items()})
             item.update({name: seqs[i] for name, seqs in tokens.items()})
             items[i] = item
-        stats.tokens += sum(sum(n) for n in lengths.values())
         stats.sequences += len(batch)
         progress.update(len(batch))
-    return items  # type: ignore[return-value]
+
+    queued: tuple[np.ndarray, Pending] | None = None
+    for batch in plan_batches(np.array([len(s) for s in first]), options.engine.batch_size):
+        started = time.perf_counter()
+        pending = capture(*_device_batch(teacher, shard, tokens, batch))
+        stats.forward_seconds += time.perf_counter() - started
+        stats.tokens += sum(len(seqs[i]) for seqs in shard.values() for i in batch)
+        if queued is not None:
+            take(*queued)
+        queued = (batch, pending)
+    if queued is not None:
+        take(*queued)
+    return ShardItems(items, finite=frozenset.intersection(*finite) if finite else frozenset())  # type: ignore[arg-type]
+
+
+def _device_batch(teacher: Teacher, shard: dict[str, list[np.ndarray]], tokens: dict[str, list[np.ndarray]],
+                  batch: np.ndarray) -> tuple[dict[str, tuple[Any, Any]], dict[str, list[int]], dict[str, Any]]:
+    """One batch's padded ids and masks per stream, lengths, and restarting positions, on the teacher's device
+    (copied from pinned memory without blocking where it is a GPU)."""
+    import torch
+
+    pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
+    cuda = teacher.device.type == "cuda"
+
+    def on_device(a: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(a)
+        return host.pin_memory().to(teacher.device, non_blocking=True) if cuda else host.to(teacher.device)
+
+    padded = {stream: tuple(on_device(a) for a in collate([seqs[i] for i in batch], pad_id))
+              for stream, seqs in shard.items()}
+    positions = {split_stream(name)[0]: on_device(collate([seqs[i] for i in batch], 0)[0])
+                 for name, seqs in tokens.items() if kind_of(name) == "position_ids"}
+    lengths = {stream: [len(seqs[i]) for i in batch] for stream, seqs in shard.items()}
+    return padded, lengths, positions
 
 
 def merge_cache(path: str | os.PathLike[str]) -> dict[str, Any]:

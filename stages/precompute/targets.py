@@ -217,7 +217,22 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: TokenStreams)
         attention_source=targets.attention_source if targets.attention_scores else "maps",
         attention_scores=targets.attention_scores,
         dtype=storage.dtype, codec=storage.codec_config, bitround=storage.bitround,
-        hidden_codec=storage.hidden_codec_record, sequences_per_shard=storage.sequences_per_shard, layers=layers)
+        hidden_codec=storage.hidden_codec_record, layers=layers,
+        sequences_per_shard=shard_sequences(storage.sequences_per_shard, data))
+
+
+SHARD_TOKENS = 32_768  # tokens per shard when sized automatically: at d = 2,048 and four fp16 layers 512 MiB
+MAX_SHARD_SEQUENCES = 256
+
+
+def shard_sequences(given: int, data: TokenStreams) -> int:
+    """Sequences per shard: ``given``, or (0) as many rows of the longest length as ``SHARD_TOKENS`` holds, at
+    most ``MAX_SHARD_SEQUENCES``. A shard is the unit the writer threads take: one that holds the whole run (256
+    rows of 2,048 tokens) would leave them idle until the teacher is done, then write everything at once."""
+    if given:
+        return given
+    longest = max(data.longest(stream) for stream in data.streams)
+    return max(1, min(MAX_SHARD_SEQUENCES, SHARD_TOKENS // max(1, longest)))
 
 
 def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Whole-array reads of a format-3 zarr array file, straight into the output array.
+"""Whole-array reads and writes of a format-3 zarr array file, straight from and into numpy arrays.
 
 Every kdcache zarr array is ONE zarr shard (``sharding_indexed``): inner chunks, each ``bytes -> compressor ->
 crc32c``, then an index of ``(offset, nbytes)`` uint64 pairs that ends in its own crc32c, at the end of the file
@@ -9,6 +9,11 @@ of that: this module takes the file's bytes (one read, or one GET from an object
 every chunk's crc32c exactly as zarr's ``crc32c`` codec does, and decodes each chunk with the same numcodecs codec
 directly into its rows of the result.
 Anything else (a slice, a layout this code did not write) goes through zarr.
+
+Writing is the mirror image (``write_whole``): zarr writes the array's ``zarr.json``, and this module the data
+file, byte for byte what zarr's pipeline would write (a test compares them for every codec and dtype kdcache
+uses), but compressing each inner chunk straight from the rows of the input array, without zarr's copies of
+every chunk into its buffers and of the buffers into the file.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import numcodecs
 import numpy as np
 
 from kdcache.storage.files import crc32c
+
+_SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
 _NO_CHUNK = np.iinfo(np.uint64).max  # offset and nbytes of an inner chunk that was never written
 
@@ -123,3 +130,49 @@ def _decode_into(codec: numcodecs.abc.Codec, chunk: memoryview, target: np.ndarr
     codec.decode(chunk, out=full)
     target[...] = full[: len(target)]
 
+
+
+def inner_codec(metadata: dict[str, Any]) -> numcodecs.abc.Codec | None:
+    """The numcodecs codec that writes the same inner chunks as a ``plain_layout`` array's zarr codecs (its
+    compressor as zarr configured it for the dtype, after the row shuffle if any), or None for a compressor this
+    module does not know (zarr then writes the data too)."""
+    layout = plain_layout(metadata)
+    if layout is None:
+        return None
+    name, config = layout["compressor"]["name"], dict(layout["compressor"].get("configuration", {}))
+    if name == "blosc":
+        codec = numcodecs.Blosc.from_config({**config, "shuffle": _SHUFFLES[config["shuffle"]]})
+    elif name == "zstd":
+        codec = numcodecs.Zstd(level=config.get("level", 0), checksum=bool(config.get("checksum", False)))
+    elif name.startswith("numcodecs."):
+        codec = numcodecs.get_codec({"id": name.removeprefix("numcodecs."), **config})
+    else:
+        return None
+    shuffle = layout["shuffle"]
+    return ShuffledCodec(codec, numcodecs.Shuffle(elementsize=shuffle)) if shuffle else codec
+
+
+def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_value: Any = 0) -> bytes:
+    """The data file of a one-shard array: its inner chunks of ``rows`` rows (the last padded with
+    ``fill_value`` to full size, as zarr does), each compressed and followed by its crc32c, then the
+    ``(offset, nbytes)`` index and the index's crc32c.
+
+    Args:
+        array: ``[T, ...]`` little-endian, T >= 1.
+        rows: rows per inner chunk.
+        codec: from ``inner_codec``.
+    """
+    count = -(-array.shape[0] // rows)
+    pieces: list[bytes] = []
+    index = np.zeros((count, 2), "<u8")
+    offset = 0
+    for k in range(count):
+        chunk = array[k * rows: (k + 1) * rows]
+        if len(chunk) < rows:
+            chunk = np.concatenate([chunk, np.full((rows - len(chunk), *array.shape[1:]), fill_value, array.dtype)])
+        encoded = bytes(codec.encode(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)))
+        pieces += [encoded, crc32c(encoded).to_bytes(4, "little")]
+        index[k] = (offset, len(encoded) + 4)
+        offset += len(encoded) + 4
+    table = index.tobytes()
+    return b"".join([*pieces, table, crc32c(table).to_bytes(4, "little")])

@@ -30,7 +30,14 @@ from kdcache.storage.backends.base import (
     check_file,
     verify_file_table,
 )
-from kdcache.storage.backends.shard_file import ShardFileError, ShuffledCodec, plain_layout, read_whole
+from kdcache.storage.backends.shard_file import (
+    ShardFileError,
+    ShuffledCodec,
+    inner_codec,
+    plain_layout,
+    read_whole,
+    write_whole,
+)
 from kdcache.storage.codecs import to_zarr_compressors
 from kdcache.storage.errors import ChecksumError
 from kdcache.storage.files import crc32c
@@ -74,8 +81,10 @@ def _dimension_names(name: str) -> tuple[str, ...]:
     return ("token", "vocab") if name == "logits/full" else names
 
 
-def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray, spec: CacheSpec) -> None:
-    """One array as a single zarr shard whose inner chunks carry a crc32c each."""
+def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray, spec: CacheSpec) -> bytes | None:
+    """One array as a single zarr shard whose inner chunks carry a crc32c each: zarr writes its ``zarr.json``, and
+    ``shard_file.write_whole`` its data file, returned (zarr writes that too for a layout or codec it does not
+    know, or an empty array, and None is returned)."""
     zarr = _zarr()
     rows = chunk_rows(array)
     shard_rows = -(-max(array.shape[0], 1) // rows) * rows  # a whole number of inner chunks covering the array
@@ -83,10 +92,17 @@ def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray,
                    zarr.codecs.Crc32cCodec()]
     with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn on every use; the choice is deliberate
         warnings.simplefilter("ignore")
-        zarr.create_array(store, name=name, data=array, shards=(shard_rows, *array.shape[1:]),
-                          chunks=(rows, *array.shape[1:]), compressors=compressors, filters=None,
-                          chunk_key_encoding=CHUNK_KEYS, dimension_names=_dimension_names(name), zarr_format=3,
-                          config={"write_empty_chunks": True})  # skips an all-equal scan of every chunk
+        created = zarr.create_array(store, name=name, shape=array.shape, dtype=array.dtype,
+                                    shards=(shard_rows, *array.shape[1:]), chunks=(rows, *array.shape[1:]),
+                                    compressors=compressors, filters=None, chunk_key_encoding=CHUNK_KEYS,
+                                    dimension_names=_dimension_names(name), zarr_format=3,
+                                    config={"write_empty_chunks": True})  # skips an all-equal scan of every chunk
+        metadata = created.metadata.to_dict()
+        codec = inner_codec(metadata) if array.size else None
+        if codec is None:
+            created[...] = array
+            return None
+    return write_whole(array, rows, codec, metadata.get("fill_value", 0))
 
 
 def _row_shuffle(spec: CacheSpec, name: str, array: np.ndarray) -> list[Any]:
@@ -235,9 +251,12 @@ class ZarrBackend(Backend):
             group.require_group(parent)  # implicit groups first: concurrent arrays would race to create them
         # Arrays compress concurrently: blosc and crc32c release the GIL.
         with ThreadPoolExecutor(max(1, min(len(arrays), os.cpu_count() or 1))) as pool:
-            list(pool.map(lambda name: _create_array(store, name, arrays[name], spec), arrays))
+            data = dict(zip(arrays, pool.map(lambda name: _create_array(store, name, arrays[name], spec), arrays)))
         base = shard_name(index)
-        files = {f"{base}/{key}": buffer.as_numpy_array() for key, buffer in contents.items()}
+        files: dict[str, Any] = {f"{base}/{key}": buffer.as_numpy_array() for key, buffer in contents.items()}
+        for name, raw in data.items():
+            if raw is not None:
+                files[f"{base}/{name}/c.{'.'.join('0' * arrays[name].ndim)}"] = np.frombuffer(raw, np.uint8)
         info = {}
         for name, array in arrays.items():
             own = sorted(path for path in files if path.startswith(f"{base}/{name}/"))

@@ -63,6 +63,39 @@ def test_background_writer_overlaps_and_keeps_order() -> None:
     assert written == [0, 1, 2, 3, 4] and main_thread not in threads
 
 
+def test_background_writers_share_the_shards_and_stop_at_the_first_error() -> None:
+    """Several workers write different shards at once (each exactly once); after an error nothing more is written,
+    and the error reaches the main thread."""
+    written: list[int] = []
+    threads: set[int] = set()
+    lock = threading.Lock()
+
+    def write(index: int, sequences: list) -> object:
+        time.sleep(0.02)
+        with lock:
+            threads.add(threading.get_ident())
+            written.append(index)
+        return index
+
+    writer = BackgroundWriter(write, queue_size=2, workers=3)
+    for k in range(12):
+        writer.submit(k, [])
+    writer.close()
+    assert sorted(written) == list(range(12)) and len(threads) > 1
+
+    def failing(index: int, sequences: list) -> object:
+        if index == 2:
+            raise OSError("disk full")
+        time.sleep(0.01)
+        return index
+
+    writer = BackgroundWriter(failing, queue_size=1, workers=2)
+    with pytest.raises(OSError, match="disk full"):
+        for k in range(40):
+            writer.submit(k, [])
+        writer.close()
+
+
 def test_background_writer_reraises_in_main_thread() -> None:
     def write(index: int, sequences: list) -> object:
         if index == 1:
@@ -79,7 +112,7 @@ def test_background_writer_reraises_in_main_thread() -> None:
 
 def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
     """A hidden state beyond 65504 is refused with the layer's name, never stored as inf."""
-    from kdcache.stages.precompute.capture import FeatureCapture
+    from kdcache.stages.precompute.capture import FeatureCapture, finish
     from kdcache.stages.precompute.targets import resolve_targets
     from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config
 
@@ -92,11 +125,13 @@ def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
         teacher.model.h[1].mlp.c_proj.bias.fill_(1e5)  # block 2's output blows past the fp16 range
     ids = torch.tensor([[5, 6, 7]])
     with FeatureCapture(teacher, targets, "fp16") as capture:
+        pending = capture.run(ids, torch.ones_like(ids), [3])  # queued: the check comes when the host takes it
         with pytest.raises(Fp16OverflowError, match="hidden/2"):
-            capture.run(ids, torch.ones_like(ids), [3])
+            finish(pending)
     with FeatureCapture(teacher, targets, "bf16") as capture:  # bf16 has float32's range
         out = capture.run(ids, torch.ones_like(ids), [3])
-    assert out.arrays["hidden/2"].dtype == np.uint16 and out.split()[0]["hidden/2"].shape == (3, 32)
+    stored = finish(out)[0]["hidden/2"]
+    assert stored.dtype == np.uint16 and stored.shape == (3, 32)
 
 
 def test_sizes_are_binary_units_labelled_as_such() -> None:
@@ -144,3 +179,32 @@ def test_an_explicit_default_hidden_codec_keeps_the_settings_fingerprint(tiny_gp
     assert settings(hidden_codec="fp16") == plain  # the fp16 dtype's own codec, given explicitly
     assert settings(hidden_codec="bf16", dtype="bf16") == settings(dtype="bf16")
     assert settings(hidden_codec="int8")["hidden_codec"]["name"] == "int8"
+
+
+def test_the_devices_gather_cuts_the_same_sequences_as_the_hosts_views(tiny_llama: Path, tmp_path: Path) -> None:
+    """The GPU's path (padding dropped by a gather before the copy) run on the CPU gives every sequence's arrays
+    exactly as the CPU's path (views of the padded arrays) does: hidden states, q/k, attention maps, logits."""
+    from kdcache.stages.precompute.capture import FeatureCapture, finish
+    from kdcache.stages.precompute.targets import resolve_targets
+    from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config
+    from kdcache.stages.precompute.transfer import HostCopier
+
+    opts = PrecomputeOptions.of(teacher=str(tiny_llama), data="unused", out=str(tmp_path / "c"), layers=("0", "2"),
+                                features=("hidden", "attention", "logits"), top_k=8, topk_values="logprob")
+    config = read_config(opts)
+    targets = resolve_targets(opts, config)
+    teacher = load_teacher(opts, config, targets, load_tokenizer(opts), torch.device("cpu"))
+    ids = torch.randint(3, 200, (3, 9))
+    lengths = [9, 5, 2]
+    mask = (torch.arange(9)[None] < torch.tensor(lengths)[:, None]).long()
+    runs = []
+    for gather in (False, True):
+        with FeatureCapture(teacher, targets, "fp16") as capture:
+            capture._copier = HostCopier(torch.device("cpu"), gather=gather)
+            runs.append(finish(capture.run(ids, mask, lengths)))
+    views, gathered = runs
+    assert views.finite == gathered.finite and "hidden/2" in views.finite
+    for a, b, n in zip(views, gathered, lengths):
+        assert sorted(a) == sorted(b) and a["hidden/2"].shape[0] == n and a["attention/2"].shape[-2:] == (n, n)
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
