@@ -150,12 +150,15 @@ def _disk_bytes(root: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in root.rglob("*"))
 
 
+@pytest.mark.parametrize("writers", [1, 3])
 def test_full_disk_exits_2_then_rerun_gives_identical_cache(tiny_gpt2: Path, corpus: Path, reference: Path,
-                                                             small_tmpfs: Path, capsys: pytest.CaptureFixture) -> None:
+                                                             small_tmpfs: Path, capsys: pytest.CaptureFixture,
+                                                             writers: int) -> None:
+    """Also with several writer threads: the first one to fill the disk stops the run with the same message."""
     out, filler = small_tmpfs / "cache", small_tmpfs / "filler"
     room = _disk_bytes(reference) // 2  # about half the cache fits
     filler.write_bytes(bytes(max(0, shutil.disk_usage(small_tmpfs).free - room)))
-    code = main(_argv(_options(tiny_gpt2, corpus, out)))
+    code = main(_argv(_options(tiny_gpt2, corpus, out, writers=writers, queue_size=1)))
     err = capsys.readouterr().err
     assert code == 2 and "disk full while writing" in err and str(out) in err and "free" in err, err
     assert "Traceback" not in err and err.count("\n") == 1
@@ -163,6 +166,6 @@ def test_full_disk_exits_2_then_rerun_gives_identical_cache(tiny_gpt2: Path, cor
     assert 0 < len(list((out / "shards").glob("shard-*.json"))) < 20
     assert not verify_cache(out).ok  # never looks complete
     filler.unlink()
-    assert main(_argv(_options(tiny_gpt2, corpus, out))) == 0
+    assert main(_argv(_options(tiny_gpt2, corpus, out, writers=writers))) == 0
     assert_same_cache(reference, out)
     assert verify_cache(out).ok

@@ -96,6 +96,28 @@ def test_background_writers_share_the_shards_and_stop_at_the_first_error() -> No
         writer.close()
 
 
+def test_background_writers_hold_at_most_queue_size_plus_workers_shards() -> None:
+    """The bound the help states: shards handed over but not yet written never exceed --queue-size + --writers."""
+    lock = threading.Lock()
+    state = {"held": 0, "peak": 0}
+
+    def write(index: int, sequences: list) -> object:
+        time.sleep(0.03)  # a slow disk: the producer must wait in submit
+        with lock:
+            state["held"] -= 1
+        return index
+
+    writer = BackgroundWriter(write, queue_size=2, workers=3)
+    for k in range(20):
+        with lock:
+            state["held"] += 1
+        writer.submit(k, [])
+        with lock:
+            state["peak"] = max(state["peak"], state["held"])
+    writer.close()
+    assert state["held"] == 0 and 3 <= state["peak"] <= 2 + 3
+
+
 def test_background_writer_reraises_in_main_thread() -> None:
     def write(index: int, sequences: list) -> object:
         if index == 1:

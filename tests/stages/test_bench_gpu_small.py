@@ -1,0 +1,30 @@
+"""``benchmarks/bench_gpu.py --small`` on the CPU: the GPU benchmark's own code runs in every test run, so that it
+never rots between the sessions that have a GPU. Its figures here mean nothing; its rows and ratios must be there."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_gpu_small_runs_every_row(tmp_path: Path) -> None:
+    sys.path.append(str(REPO))
+    from benchmarks.bench_gpu import main, stage_one_configs
+
+    out = tmp_path / "gpu.json"
+    assert main(["--small", "--no-train", "--tokens", "1024", "--work", str(tmp_path), "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["disk_write_mb_s"] > 0 and set(results["reference"]) == {"bare_forward", "forward_head_topk"}
+    rows = results["stage_one"]
+    assert [r["run"] for r in rows] == list(stage_one_configs(small=True))
+    for row in rows:
+        assert row["tokens"] == 1024 and row["tokens_per_s"] > 0 and row["bytes_per_token"] > 0
+        assert row["vs_limit"] == pytest.approx(row["tokens_per_s"] / min(
+            results["reference"]["forward_head_topk"], row["disk_allows_tokens_per_s"]), rel=1e-2)
+    assert rows[1]["bytes_per_token"] > rows[0]["bytes_per_token"] > 0  # hidden layers cost bytes
