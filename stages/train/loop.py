@@ -135,6 +135,7 @@ class _Trainer:
         self._count = 0
         self._tokens = torch.zeros((), dtype=torch.long)  # valid tokens since the last log (host)
         self.tokens_seen = 0
+        self._checkpoint_bytes = 0  # one checkpoint's estimated size, set before training (_check_checkpoint_room)
         self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
         self.progress = TrainProgress(0, 0, enabled=False)  # replaced when run() knows the total
         self.losses: list[float] = []
@@ -181,6 +182,7 @@ class _Trainer:
         stream, loader = self._stream()
         total = self.total_steps(stream.steps_per_epoch)
         self._write_run_files(total)
+        self._check_checkpoint_room(total)
         start, start_step = time.perf_counter(), self.engine.global_steps
         quiet = self.options.run.quiet
         self.progress = TrainProgress(total, int(start_step), enabled=self.dist.rank == 0 and not quiet)
@@ -280,13 +282,24 @@ class _Trainer:
         self._waited, self._since_log = 0.0, now
         return out
 
+    def _check_checkpoint_room(self, total: int) -> None:
+        """State each checkpoint's size and the free space (rank 0); refuse a destination that cannot hold one."""
+        half = bool(self.engine.bfloat16_enabled() or self.engine.fp16_enabled())
+        self._checkpoint_bytes = ckpt.estimate_bytes(self.engine.module, half)
+        every = self.options.run.save_every
+        count = (total - 1) // every + 1 if every else 1  # the periodic ones, and the last
+        line = ckpt.check_room(self.run_dir, self._checkpoint_bytes, count)
+        if self.dist.rank == 0:
+            print(f"kdcache train: {line}", file=sys.stderr)
+
     def _save(self) -> None:
         data = {**self.position.to_dict(), "world_size": self.dist.world_size, "batch_size": self.batch_size,
                 "seed": self.options.data.seed}
         critics = self.engine.module.criterion.critics
         extra = {"critics": critics.state_dict()} if critics is not None else {}
         ckpt.save_checkpoint(self.engine, self.run_dir, step=int(self.engine.global_steps),
-                             micro_step=self.micro_step, data_state=data, extra=extra)
+                             micro_step=self.micro_step, data_state=data, extra=extra,
+                             estimate=self._checkpoint_bytes)
 
     def _export(self) -> Path:
         module = self.engine.module
