@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from kdcache.stages.common.head_logits import HeadLogits, HeadRows, Rows, chunk_builder, split_rows
+from kdcache.stages.common.head_logits import HeadLogits, HeadRows, Rows, chunk_builder, head_sum, split_rows
 from kdcache.stages.common.loss_errors import LossError
 
 
@@ -79,8 +79,13 @@ def chunked_sum(fn: Callable[..., torch.Tensor], *rows: Rows) -> torch.Tensor:
     chunk runs under activation checkpointing, so only one chunk's ``[C, V]`` intermediates exist at a time; they
     are recomputed in the backward pass. Value and gradient are exactly those of one pass (``torch.split``'s
     backward joins the chunks' gradients in one step). A ``HeadRows`` argument reaches ``fn`` as its chunk's
-    ``[C, V]`` logits, built inside the checkpoint: the full ``[N, V]`` logits never exist.
+    ``[C, V]`` logits, built inside the chunk: the full ``[N, V]`` logits never exist; when it is the first argument
+    and the rest are targets, ``head_logits.HeadSum`` takes each chunk's gradient as it goes, with no recomputation.
     """
+    first_rows, others = rows[0], rows[1:]
+    if isinstance(first_rows, HeadRows) and not any(isinstance(r, HeadRows) or r.requires_grad for r in others):
+        # The student's rows behind targets: gradients taken chunk by chunk in the forward pass (HeadSum).
+        return head_sum(fn, first_rows, others, LOSS_CHUNK)  # type: ignore[arg-type]
     build = [chunk_builder(r) for r in rows]
 
     def run(*chunk: torch.Tensor) -> torch.Tensor:
