@@ -3,8 +3,9 @@
 A vocabulary loss needs ``[N_v, V]`` logits, but only one chunk of them at a time. ``HeadLogits`` stands for the
 student's ``[B, L, V]`` logits as ``hidden [B, L, d] @ weight [V, d]ᵀ (+ bias [V])``; the losses select its
 valid rows (``select``: ``HeadRows [N_v, d]``) and ``loss_rows.chunked_sum`` applies the head to one chunk of rows
-inside activation checkpointing, so the chunk's ``[C, V]`` logits exist only while that chunk is summed and are
-recomputed in the backward pass: peak memory ∝ C × V, whatever B × L.
+at a time (``HeadSum``: the chunk's gradient is taken in the forward pass and its logits dropped, liger-kernel's
+way; rows that need a gradient of their own go through activation checkpointing instead, recomputed in backward),
+so the chunk's ``[C, V]`` logits exist only while that chunk is summed: peak memory ∝ C × V, whatever B × L.
 
 On a CUDA device with ``liger-kernel`` installed (the optional extra ``kdcache[gpu]``), cross-entropy goes through
 its fused linear cross-entropy kernel instead (``fused_ce_sum``); every other term uses the chunks above.
@@ -160,5 +161,5 @@ def vocab_path(device: torch.device) -> str:
     """The path the vocabulary losses take from the last hidden state, in words (train's first lines say it)."""
     if fused_ce_available(device):
         return ("fused: cross-entropy in liger-kernel's fused linear cross-entropy, the KL terms in chunks of "
-                "the LM head recomputed in backward")
-    return "chunked: every vocabulary term in chunks of the LM head recomputed in backward (pure torch)"
+                "the LM head (pure torch)")
+    return "chunked: every vocabulary term in chunks of the LM head, [B, L, V] never built (pure torch)"

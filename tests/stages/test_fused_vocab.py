@@ -189,7 +189,7 @@ def test_bfloat16_head_matches_materialised_bfloat16_logits() -> None:
 
 
 def test_head_rows_peak_memory_is_one_chunk() -> None:
-    """The chunk's logits are recomputed in backward: autograd keeps nothing of size [N, V] for the head path."""
+    """Each chunk's logits are dropped once summed: autograd keeps nothing of size [N, V] for the head path."""
     s = _setup(9)
     h, w = s["hidden"].clone().requires_grad_(True), s["weight"].clone().requires_grad_(True)
     saved: list[int] = []
