@@ -158,12 +158,15 @@ class _Trainer:
 
     def _stream(self) -> tuple[CacheStream, torch.utils.data.DataLoader[dict[str, torch.Tensor]]]:
         o = self.options.data
+        # Pinned batches let to_device copy without blocking. A worker process's pinned pages do not survive the
+        # trip to this one, so with workers the DataLoader pins here; without, the stream's threads pin ahead.
+        cuda = self.dist.device.type == "cuda"
         stream = CacheStream(self.reader, self.plan.names, batch_size=self.batch_size, seed=o.seed,
                              rank=self.dist.rank, world_size=self.dist.world_size, start=self.position,
                              shuffle_block=o.shuffle_block, prefetch=o.prefetch, decode_threads=o.decode_threads,
-                             allow_partial=o.allow_partial, pin_memory=self.dist.device.type == "cuda")
+                             allow_partial=o.allow_partial, pin_memory=cuda and o.num_workers == 0)
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=o.num_workers,
-                                             persistent_workers=False)
+                                             persistent_workers=False, pin_memory=cuda and o.num_workers > 0)
         return stream, loader
 
     def total_steps(self, steps_per_epoch: int) -> int:
