@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from kdcache.stages.common.head_logits import HeadLogits, HeadRows, Rows, chunk_builder, head_sum, split_rows
 from kdcache.stages.common.loss_errors import LossError
 
 
-def bool_mask(mask: torch.Tensor, like: torch.Tensor, name: str = "mask") -> torch.Tensor:
+def bool_mask(mask: torch.Tensor, like: torch.Tensor | HeadLogits, name: str = "mask") -> torch.Tensor:
     """Return ``mask`` as bool after checking it matches the leading ``[B, L]`` of ``like``.
 
     Args:
@@ -46,30 +47,68 @@ def valid_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x[bool_mask(mask, x)]
 
 
+def logit_rows(logits: torch.Tensor | HeadLogits, mask: torch.Tensor) -> Rows:
+    """The valid rows of student logits ``[B, L, V]``: ``[N_v, V]`` logits, or for ``HeadLogits`` the
+    ``HeadRows [N_v, d]`` that ``chunked_sum`` turns into logits chunk by chunk."""
+    if isinstance(logits, HeadLogits):
+        return logits.select(bool_mask(mask, logits))
+    return valid_rows(logits, mask)
+
+
+def rows_on_ids(rows: Rows, ids: torch.Tensor) -> torch.Tensor:
+    """``[N, k]`` float32 student logits at ``ids [N, k]`` (for ``HeadRows`` without building ``[N, V]``)."""
+    if isinstance(rows, HeadRows):
+        return rows.on_ids(ids)
+    return torch.gather(rows, 1, ids).float()
+
+
+def tied_zero(logits: torch.Tensor | HeadLogits) -> torch.Tensor:
+    """A 0 tied to the student's graph: a term with nothing to count still lets ``backward()`` run."""
+    # An empty slice sums to an exact 0 with a grad_fn, whatever garbage (NaN) the padded positions hold.
+    return (logits.hidden if isinstance(logits, HeadLogits) else logits)[:, :0].sum(dtype=torch.float32)
+
+
 LOSS_CHUNK = 256  # valid tokens per chunk of a term over the full vocabulary: [256, 128k] fp32 is 128 MiB
 
 
-def chunked_sum(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
-    """``Σ fn(*chunk)`` over chunks of ``LOSS_CHUNK`` rows of ``rows`` (tensors ``[N, ...]`` with one N).
+def chunked_sum(fn: Callable[..., torch.Tensor], *rows: Rows) -> torch.Tensor:
+    """``Σ fn(*chunk)`` over chunks of ``LOSS_CHUNK`` rows of ``rows`` (``[N, ...]`` with one N).
 
     A term over the vocabulary (a softmax, a logsumexp) upcasts ``[N_v, V]`` student logits to fp32, and autograd
     keeps those copies for the backward pass: at V = 128k that is several times the logits themselves. Here each
     chunk runs under activation checkpointing, so only one chunk's ``[C, V]`` intermediates exist at a time; they
     are recomputed in the backward pass. Value and gradient are exactly those of one pass (``torch.split``'s
-    backward joins the chunks' gradients in one step).
+    backward joins the chunks' gradients in one step). A ``HeadRows`` argument reaches ``fn`` as its chunk's
+    ``[C, V]`` logits, built inside the chunk: the full ``[N, V]`` logits never exist; when it is the first argument
+    and the rest are targets, ``head_logits.HeadSum`` takes each chunk's gradient as it goes, with no recomputation.
     """
-    total = rows[0].new_zeros((), dtype=torch.float32)
-    for chunk in zip(*(r.split(LOSS_CHUNK) for r in rows)):
-        total = total + checkpoint(fn, *chunk, use_reentrant=False)
+    first_rows, others = rows[0], rows[1:]
+    if isinstance(first_rows, HeadRows) and not any(isinstance(r, HeadRows) or r.requires_grad for r in others):
+        # The student's rows behind targets: gradients taken chunk by chunk in the forward pass (HeadSum).
+        return head_sum(fn, first_rows, others, LOSS_CHUNK)  # type: ignore[arg-type]
+    build = [chunk_builder(r) for r in rows]
+
+    def run(*chunk: torch.Tensor) -> torch.Tensor:
+        return fn(*(b(c) for b, c in zip(build, chunk)))
+    first = rows[0].hidden if isinstance(rows[0], HeadRows) else rows[0]
+    total = first.new_zeros((), dtype=torch.float32)
+    for chunk in zip(*(split_rows(r, LOSS_CHUNK) for r in rows)):
+        total = total + checkpoint(run, *chunk, use_reentrant=False)
     return total
 
 
 def count_valid(mask: torch.Tensor) -> int:
-    """N_v, refusing an all-padding batch (every mean here would be 0/0)."""
+    """N_v, refusing an all-padding batch (every mean here would be 0/0). Reads the device: a host sync."""
     n = int(mask.sum().item())
     if n == 0:
         raise LossError("the batch has no valid tokens (the mask is all zeros)")
     return n
+
+
+def valid_count(mask: torch.Tensor) -> torch.Tensor:
+    """N_v as a float32 tensor on the mask's device, at least 1: the divisor of a mean that needs no host sync
+    (a batch with nothing to count sums no rows, and 0 / 1 is the 0 it should add)."""
+    return mask.sum(dtype=torch.float32).clamp_min(1.0)
 
 
 def kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -102,12 +141,12 @@ def check_temperature(temperature: float) -> None:
         raise LossError(f"the temperature must be > 0, got {temperature}")
 
 
-def kl_rows(z_s: torch.Tensor, teacher_rows: torch.Tensor, n_valid: int, temperature: float,
+def kl_rows(z_s: Rows, teacher_rows: torch.Tensor, n_valid: torch.Tensor | int, temperature: float,
             to_logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """T² · Σ KL(softmax(z_t/T) ‖ softmax(z_s/T)) / n_valid over valid rows, in chunks (``chunked_sum``).
 
     Args:
-        z_s: ``[N_v, V]`` student logits.
+        z_s: ``[N_v, V]`` student logits, or the ``HeadRows`` behind them.
         teacher_rows: ``[N_v, V]`` teacher logits, or what ``to_logits`` maps to them chunk by chunk (a head
             cache's ``[N_v, d]`` last layer: its ``[N_v, V]`` logits never exist at once).
         n_valid: the divisor.

@@ -9,17 +9,27 @@ Layout of a run directory::
 
 The data position (epoch, global sample index), the optimizer step and the micro-step travel in DeepSpeed's
 ``client_state``; resuming restores them with the weights, so a resumed run reads exactly the remaining samples.
+
+A checkpoint fails cleanly: train states each one's size before it starts and refuses a destination that cannot
+hold one (``check_room``); a save that fails on a full disk removes its partial tag and raises ``CheckpointError``
+(exit 2), and ``latest`` moves only once a tag is complete, by an atomic rename (DeepSpeed's own ``latest`` is
+rewritten in place, so a full disk could leave it empty), so the previous checkpoint stays the one resumed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from kdcache.storage.errors import KdcacheError
+from kdcache.storage.files import format_bytes
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -39,8 +49,52 @@ def has_checkpoint(run_dir: str | Path) -> bool:
     return (checkpoint_dir(run_dir) / "latest").is_file()
 
 
+class CheckpointError(KdcacheError):
+    """A checkpoint cannot be written: no room for one, or the disk filled up while writing it."""
+
+
+ADAM_MOMENTS = 2  # fp32 tensors of optimizer state per trainable parameter (AdamW, the default optimizer)
+
+
+def estimate_bytes(module: nn.Module, half_precision: bool) -> int:
+    """What one checkpoint of ``module`` takes on disk, summed over ranks: every parameter in its dtype, an fp32
+    master copy of each trainable one when training in bf16/fp16, and Adam's two fp32 moments. A 714 M student in
+    bf16: 714 M x (2 + 4 + 8) B = 10.0 GB, as measured on the GPU."""
+    total = 0
+    for p in module.parameters():
+        total += p.numel() * p.element_size()
+        if p.requires_grad:
+            total += p.numel() * 4 * (ADAM_MOMENTS + (1 if half_precision else 0))
+    return total
+
+
+def check_room(run_dir: str | Path, one: int, count: int) -> str:
+    """A line stating the checkpoints' size and the free space; ``CheckpointError`` when not even one fits.
+
+    Args:
+        run_dir: the run directory (checkpoints go to ``RUN/checkpoints``).
+        one: ``estimate_bytes`` of one checkpoint.
+        count: checkpoints this run writes (DeepSpeed keeps them all).
+    """
+    free = shutil.disk_usage(_existing(checkpoint_dir(run_dir))).free
+    line = (f"each checkpoint ~{format_bytes(one)} ({count} this run, ~{format_bytes(one * count)} in all); "
+            f"{format_bytes(free)} free in {checkpoint_dir(run_dir)}")
+    if free < one:
+        raise CheckpointError(f"{checkpoint_dir(run_dir)} has {format_bytes(free)} free, and one checkpoint of this "
+                              f"student needs ~{format_bytes(one)}; free space there or choose another --out")
+    return line
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (where the free space is measured)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
 def save_checkpoint(engine: DeepSpeedEngine, run_dir: str | Path, *, step: int, micro_step: int,
-                    data_state: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+                    data_state: dict[str, Any], extra: dict[str, Any] | None = None,
+                    estimate: int = 0) -> Path:
     """Save model, projectors, optimizer, scheduler and the data position. Every rank must call it.
 
     Args:
@@ -50,12 +104,63 @@ def save_checkpoint(engine: DeepSpeedEngine, run_dir: str | Path, *, step: int, 
         micro_step: micro-batches consumed (seeds per-step dropout, see ``loop``).
         data_state: ``DataPosition.to_dict()`` plus the settings the order depends on.
         extra: more state kept beside it (the wgan critics, which live outside the engine).
+        estimate: ``estimate_bytes`` of one checkpoint, for the message when the disk fills up.
+
+    Raises:
+        CheckpointError: the disk filled up; the partial tag is removed and ``latest`` still names the previous one.
     """
     root = checkpoint_dir(run_dir)
     tag = f"step{step}"
     client_state = {"kdcache": {"step": step, "micro_step": micro_step, "data": dict(data_state), **(extra or {})}}
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state)
+    try:
+        engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+        if engine.global_rank == 0:
+            _point_latest(root, tag)
+    except (OSError, RuntimeError) as exc:
+        if not _disk_full(exc, root, estimate):
+            raise
+        raise _full_disk_error(root, tag, estimate, engine.global_rank == 0) from None
+    _barrier()
     return root / tag
+
+
+def _point_latest(root: Path, tag: str) -> None:
+    """Write ``latest`` (DeepSpeed's pointer) by an atomic rename: it names the old tag or the new, never nothing."""
+    scratch = root / "latest.tmp"
+    with open(scratch, "w") as fh:
+        fh.write(tag)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(scratch, root / "latest")
+
+
+def _disk_full(exc: BaseException, root: Path, estimate: int) -> bool:
+    """Whether a failed save ran out of disk: ENOSPC anywhere in its chain, or torch's zip writer failing with less
+    room left than a checkpoint needs (it reports ``unexpected pos``, not the errno)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return shutil.disk_usage(_existing(root)).free < max(estimate, 1)
+
+
+def _full_disk_error(root: Path, tag: str, estimate: int, main: bool) -> CheckpointError:
+    """Remove the partial tag (it would only hold space) and say what is left to resume from."""
+    latest = root / "latest"
+    previous = latest.read_text().strip() if latest.is_file() else None
+    if main and previous != tag:
+        shutil.rmtree(root / tag, ignore_errors=True)
+    need = f"; one checkpoint needs ~{format_bytes(estimate)}" if estimate else ""
+    kept = (f"the previous checkpoint {previous} is intact: free space, then --resume" if previous
+            else "no earlier checkpoint exists")
+    return CheckpointError(f"the disk filled up while writing checkpoint {tag} in {root} "
+                           f"({format_bytes(shutil.disk_usage(_existing(root)).free)} free{need}); {kept}")
+
+
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def load_latest(engine: DeepSpeedEngine,

@@ -6,7 +6,8 @@ submodule (the critics have their own optimizer). Terms whose weight is 0 are ne
 
 Inputs (``B`` batch, ``L`` padded length):
 
-* ``student_out``: an HF ``ModelOutput``-like object with ``.logits [B, L, V]`` (absent for encoders),
+* ``student_out``: an HF ``ModelOutput``-like object with ``.logits [B, L, V]`` (absent for encoders) or the
+  ``HeadLogits`` behind them (the last hidden state and the LM head, applied chunk by chunk in the losses),
   ``.hidden_states`` (tuple, 0 = embeddings; needs ``output_hidden_states=True``) and ``.attentions``
   (tuple, block j at index j−1; needs ``output_attentions=True`` and eager attention).
 * ``targets``: the collated cache arrays as float32 tensors on the device: ``input_ids [B, L]``,
@@ -26,6 +27,7 @@ from torch import nn
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import KlSetup, LogitKind
+from kdcache.stages.common.loss_rows import tied_zero
 from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses import (
     HIDDEN_LOSSES,
@@ -42,10 +44,12 @@ from kdcache.stages.train.masks import TokenMasks, token_masks
 from kdcache.stages.train.projectors import Projectors, needs_projector
 
 if TYPE_CHECKING:
+    from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.common.qk_attention import Captured
     from kdcache.stages.train.teacher_head import TeacherHead
 
 CE_KINDS = ("causal", "token")
+EMPTY_SAFE_HIDDEN = ("mse", "cosine")  # hidden losses that give 0 on a micro-batch with no trained token
 
 
 class StudentOutput(Protocol):
@@ -55,7 +59,7 @@ class StudentOutput(Protocol):
     reported with the flag that asks for it (``_student_field``)."""
 
     @property
-    def logits(self) -> torch.Tensor | None: ...
+    def logits(self) -> torch.Tensor | HeadLogits | None: ...
 
     @property
     def hidden_states(self) -> Sequence[torch.Tensor]: ...  # [B, L, d_s] each, 0 = embeddings (when asked for)
@@ -147,8 +151,9 @@ class CompoundLoss(nn.Module):
         logs: dict[str, torch.Tensor] = {}
         masks = token_masks(mask, targets.get("loss_mask"), targets.get("position_ids"), causal=self.ce == "causal")
         # A micro-batch with nothing to count (rare: a loss mask leaves no trained token or no prediction) adds 0 to
-        # a term, tied to the graph, rather than stopping the run.
-        any_trained, any_predicts = masks.counted()
+        # a term, tied to the graph, rather than stopping the run. The vocabulary terms, mse and cosine divide by a
+        # count on the device and add that 0 themselves; asking the others costs a host sync, so only they ask.
+        any_trained, any_predicts = masks.counted() if self._needs_counts() else (True, True)
         if self.weights["ce"] > 0:
             self._add_ce(student_out, targets, masks, terms, any_trained)
         if self.weights["kl"] > 0:
@@ -158,6 +163,10 @@ class CompoundLoss(nn.Module):
         if self.attention_map:
             terms["attention"] = self._attention_term(student_out, targets, masks, logs, any_trained)
         return self._total(terms, logs)
+
+    def _needs_counts(self) -> bool:
+        """Whether a term of this loss cannot take a micro-batch with nothing to count (attention, CKA, wgan)."""
+        return bool(self.attention_map) or (bool(self.layer_map) and self.hidden_loss not in EMPTY_SAFE_HIDDEN)
 
     def _total(self, terms: dict[str, torch.Tensor], logs: dict[str, torch.Tensor]) -> dict[str, Any]:
         if not terms:
@@ -175,7 +184,7 @@ class CompoundLoss(nn.Module):
         if self.ce == "causal":
             terms["ce"] = causal_ce(logits, ids, masks.real, pairs=masks.pairs)
         elif not any_trained:
-            terms["ce"] = logits.sum() * 0.0
+            terms["ce"] = tied_zero(logits)
         else:  # a masked-LM loop puts its own "labels" (-100 where unmasked) in the batch
             terms["ce"] = token_ce(logits, targets.get("labels", ids), masks.trained)
 
@@ -184,13 +193,13 @@ class CompoundLoss(nn.Module):
         mask = masks.predicts
         logits = getattr(out, "logits", None)
         if logits is not None and not any_predicts:  # the term keeps its name: every rank logs the same keys
-            terms[_logit_kind(targets, self.teacher_head is not None).term] = logits.sum() * 0.0
+            terms[_logit_kind(targets, self.teacher_head is not None).term] = tied_zero(logits)
             return
         if logits is None:
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
         kind = _logit_kind(targets, self.teacher_head is not None)
         setup = KlSetup(self.temperature, self.topk_variant, self.teacher_head)
-        terms[kind.term] = kind.loss(logits, targets, mask, setup)
+        terms[kind.term] = kind.loss(logits, targets, mask, setup) + tied_zero(logits)
 
     def _hidden_term(
         self, out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict, any_trained: bool

@@ -37,6 +37,7 @@ from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.options import TrainOptions, resolved_temperature
 from kdcache.stages.train.plan import StreamPairs, TrainPlan
 from kdcache.stages.train.student import StudentFacts
+from kdcache.stages.train.student_head import base_forward, choose_head
 from kdcache.storage.streams import prefixed
 
 if TYPE_CHECKING:
@@ -243,6 +244,9 @@ class DistillModel(nn.Module):
         self.want_hidden = plan.wants_hidden
         self.want_attention = plan.wants_attention
         self._documents_checked = False
+        # The LM head the losses apply chunk by chunk, decided on the first batch (``student_head``); None: undecided.
+        # Held in a tuple so that it is not registered a second time as a submodule (state dicts stay the student's).
+        self._head: tuple[nn.Linear | None] | None = None
         self._causal = is_causal_config(student.config)  # once, not per step
         # A q/k cache: the student's queries and keys of the paired blocks are recorded as it runs (SDPA underneath).
         self.recorder = QKRecorder(student, plan.qk_blocks, self._causal) if plan.qk_blocks else None
@@ -253,8 +257,13 @@ class DistillModel(nn.Module):
             check_documents_apart(self.student, batch)
             self._documents_checked = True
         inputs = student_inputs(self.student, batch, self._causal)
+        if self._head is None:
+            self._head = (choose_head(self.student, inputs, one_stream="input_ids" in batch),)
+        head = self._head[0]
 
         def run(attentions: bool) -> Any:
+            if head is not None:  # the losses apply the head: the base model only
+                return base_forward(self.student, head, inputs, hidden=self.want_hidden, attentions=attentions)
             return self.student(**inputs, output_hidden_states=self.want_hidden, output_attentions=attentions)
 
         # A q/k cache needs no maps from the student: its recorder takes the queries and keys as it runs.

@@ -131,8 +131,11 @@ class _Trainer:
         self.resumed_from: int | None = None
         self.logger = MetricsLogger(self.run_dir, rank=dist_info.rank, monitor=getattr(engine, "monitor", None))
         self.trace = SampleTrace(self.run_dir, dist_info.rank, enabled=options.run.trace_samples)
-        self._sums: dict[str, torch.Tensor] = {}
+        self._sums: dict[str, torch.Tensor] = {}  # on the device, read only at a log step
         self._count = 0
+        self._tokens = torch.zeros((), dtype=torch.long)  # valid tokens since the last log (host)
+        self.tokens_seen = 0
+        self._checkpoint_bytes = 0  # one checkpoint's estimated size, set before training (_check_checkpoint_room)
         self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
         self.progress = TrainProgress(0, 0, enabled=False)  # replaced when run() knows the total
         self.losses: list[float] = []
@@ -155,12 +158,15 @@ class _Trainer:
 
     def _stream(self) -> tuple[CacheStream, torch.utils.data.DataLoader[dict[str, torch.Tensor]]]:
         o = self.options.data
+        # Pinned batches let to_device copy without blocking. A worker process's pinned pages do not survive the
+        # trip to this one, so with workers the DataLoader pins here; without, the stream's threads pin ahead.
+        cuda = self.dist.device.type == "cuda"
         stream = CacheStream(self.reader, self.plan.names, batch_size=self.batch_size, seed=o.seed,
                              rank=self.dist.rank, world_size=self.dist.world_size, start=self.position,
                              shuffle_block=o.shuffle_block, prefetch=o.prefetch, decode_threads=o.decode_threads,
-                             allow_partial=o.allow_partial, pin_memory=self.dist.device.type == "cuda")
+                             allow_partial=o.allow_partial, pin_memory=cuda and o.num_workers == 0)
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=o.num_workers,
-                                             persistent_workers=False)
+                                             persistent_workers=False, pin_memory=cuda and o.num_workers > 0)
         return stream, loader
 
     def total_steps(self, steps_per_epoch: int) -> int:
@@ -179,6 +185,7 @@ class _Trainer:
         stream, loader = self._stream()
         total = self.total_steps(stream.steps_per_epoch)
         self._write_run_files(total)
+        self._check_checkpoint_room(total)
         start, start_step = time.perf_counter(), self.engine.global_steps
         quiet = self.options.run.quiet
         self.progress = TrainProgress(total, int(start_step), enabled=self.dist.rank == 0 and not quiet)
@@ -202,6 +209,7 @@ class _Trainer:
         steps = self.engine.global_steps - start_step
         return {"steps": int(self.engine.global_steps), "steps_this_run": int(steps),
                 "micro_steps": self.micro_step, "steps_per_s": steps / elapsed if elapsed > 0 else 0.0,
+                "tokens_per_s": self.tokens_seen / elapsed if elapsed > 0 else 0.0,
                 "first_loss": self.losses[0] if self.losses else None,
                 "last_loss": self.losses[-1] if self.losses else None, "resumed_from": self.resumed_from,
                 "position": self.position.to_dict(), "run_dir": str(self.run_dir),
@@ -213,8 +221,10 @@ class _Trainer:
         self._last_global = self.engine.global_steps
         torch.manual_seed((self.options.data.seed * 1_000_003 + self.micro_step) * 1_009 + self.dist.rank)
         epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
-        if self.progress.enabled:  # tokens/s for the display only: nothing to count on other ranks or --quiet
-            self.progress.tokens(int(sum(int(v.sum()) for k, v in batch.items() if split_stream(k)[1] == "mask")))
+        # Valid tokens, summed on the host batch (before its copy) and read only at the next log: no sync here.
+        for name, value in batch.items():
+            if split_stream(name)[1] == "mask":
+                self._tokens += value.sum()
         out = self.engine(to_device(batch, self.dist.device, self.hidden_codec, self.projection))
         self.engine.backward(out["loss"])
         self.engine.step()
@@ -223,7 +233,7 @@ class _Trainer:
         self._count += 1
         self.micro_step += 1
         self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.batch_size, steps_per_epoch)
-        if self.trace.enabled:
+        if self.trace.enabled:  # reads the loss on the host: a sync per micro-step (the option's help says so)
             self.trace.record(self.micro_step - 1, epoch, step_in_epoch, ids.tolist(), float(out["loss"]))
 
     def _stepped(self) -> bool:
@@ -251,8 +261,11 @@ class _Trainer:
             raise TrainingError(f"the loss diverged at step {step}: {record}; lower --lr or check the cache")
         lr = self.engine.get_lr()[0] if self.engine.get_lr() else None
         wait = self._data_wait(step)
+        tokens, self._tokens = int(self._tokens), torch.zeros((), dtype=torch.long)
+        self.tokens_seen += tokens
+        self.progress.tokens(tokens)
         self.logger.log(step, record, lr=lr, epoch=self.position.epoch, sample_index=self.position.sample_index,
-                        **wait)
+                        tokens=tokens, **wait)
         self.progress.update(step, record, wait["data_wait_share"])
         self._sums, self._count = {}, 0
 
@@ -272,13 +285,24 @@ class _Trainer:
         self._waited, self._since_log = 0.0, now
         return out
 
+    def _check_checkpoint_room(self, total: int) -> None:
+        """State each checkpoint's size and the free space (rank 0); refuse a destination that cannot hold one."""
+        half = bool(self.engine.bfloat16_enabled() or self.engine.fp16_enabled())
+        self._checkpoint_bytes = ckpt.estimate_bytes(self.engine.module, half)
+        every = self.options.run.save_every
+        count = (total - 1) // every + 1 if every else 1  # the periodic ones, and the last
+        line = ckpt.check_room(self.run_dir, self._checkpoint_bytes, count)
+        if self.dist.rank == 0:
+            print(f"kdcache train: {line}", file=sys.stderr)
+
     def _save(self) -> None:
         data = {**self.position.to_dict(), "world_size": self.dist.world_size, "batch_size": self.batch_size,
                 "seed": self.options.data.seed}
         critics = self.engine.module.criterion.critics
         extra = {"critics": critics.state_dict()} if critics is not None else {}
         ckpt.save_checkpoint(self.engine, self.run_dir, step=int(self.engine.global_steps),
-                             micro_step=self.micro_step, data_state=data, extra=extra)
+                             micro_step=self.micro_step, data_state=data, extra=extra,
+                             estimate=self._checkpoint_bytes)
 
     def _export(self) -> Path:
         module = self.engine.module

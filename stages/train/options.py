@@ -187,7 +187,8 @@ class RunOptions:
         "on success print only kdcache's notes about the run: no progress, summary or library lines"))
     save_every: int = field(default=0, metadata=_opt("checkpoint every N optimizer steps (0: only at the end)"))
     trace_samples: bool = field(default=False, metadata=_opt(
-        "record the sequence ids and loss of every micro-step in RUN/samples-rank{r}.jsonl"))
+        "record the sequence ids and loss of every micro-step in RUN/samples-rank{r}.jsonl (reads the loss on the "
+        "host each micro-step: a GPU sync that costs speed)"))
     export: bool = field(default=True, metadata=_opt("save the student with save_pretrained at the end"))
 
     def validate(self) -> list[str]:

@@ -22,6 +22,8 @@ from kdcache.storage.logit_layouts import LogitFields as CacheLogits  # the spec
 if TYPE_CHECKING:
     import torch
 
+    from kdcache.stages.common.head_logits import HeadLogits
+
 
 class LogitKindError(KdcacheError, ValueError):
     """An unknown logit mode, or a ``--logits`` value a mode cannot parse."""
@@ -155,7 +157,7 @@ class LogitKind:
         """The training temperature this cache fixes when none is given (None: the general default)."""
         return None
 
-    def loss(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+    def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         """Stage two's term ``term``: a scalar, from student ``logits [B, L, V]`` and the batch's cached arrays."""
         raise NotImplementedError

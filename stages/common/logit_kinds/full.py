@@ -15,6 +15,8 @@ from kdcache.stages.common.loss_errors import LossError
 if TYPE_CHECKING:
     import torch
 
+    from kdcache.stages.common.head_logits import HeadLogits
+
 
 @register
 class Full(LogitKind):
@@ -30,7 +32,7 @@ class Full(LogitKind):
         """``logits/full [..., V]`` as computed (the caller checks the range and converts to the float dtype)."""
         return {"logits/full": logits}
 
-    def loss(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+    def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         return kd_kl(logits, targets["logits/full"], mask, setup.temperature)
 
@@ -42,12 +44,12 @@ class Full(LogitKind):
         return f"full, V={info['vocab_size']}"
 
 
-def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+def kd_kl(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tensor, mask: torch.Tensor,
           temperature: float = 1.0) -> torch.Tensor:
     """T² · mean over valid tokens of KL(softmax(z_t/T) ‖ softmax(z_s/T)): ``batchmean`` over ``[N_v, V]``.
 
     Args:
-        student_logits: ``[B, L, V]``.
+        student_logits: ``[B, L, V]``, or the ``HeadLogits`` behind them (built chunk by chunk).
         teacher_logits: ``[B, L, V]`` (the cache's ``logits/full``).
         mask: ``[B, L]``.
         temperature: T > 0.
@@ -55,7 +57,14 @@ def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torc
     Returns:
         Scalar.
     """
-    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, count_valid, kl_rows, valid_rows
+    from kdcache.stages.common.loss_rows import (
+        bool_mask,
+        check_temperature,
+        kl_rows,
+        logit_rows,
+        valid_count,
+        valid_rows,
+    )
 
     check_temperature(temperature)
     if student_logits.shape != teacher_logits.shape:
@@ -63,5 +72,5 @@ def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torc
             f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} "
             "differ; the student and the cache must share one vocabulary"
         )
-    n_valid = count_valid(bool_mask(mask, student_logits))
-    return kl_rows(valid_rows(student_logits, mask), valid_rows(teacher_logits, mask), n_valid, temperature)
+    n_valid = valid_count(bool_mask(mask, student_logits))
+    return kl_rows(logit_rows(student_logits, mask), valid_rows(teacher_logits, mask), n_valid, temperature)

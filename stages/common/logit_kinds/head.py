@@ -17,6 +17,8 @@ from kdcache.stages.common.loss_errors import LossError
 if TYPE_CHECKING:
     import torch
 
+    from kdcache.stages.common.head_logits import HeadLogits
+
 HEAD_CHUNK = 512  # valid tokens per chunk of the check when --logits-chunk leaves chunking off
 
 
@@ -38,7 +40,7 @@ class Head(LogitKind):
     def capture_chunk(self, chunk_tokens: int) -> int:
         return chunk_tokens or HEAD_CHUNK
 
-    def loss(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+    def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         head = _head(setup.head)
         return head_kl(logits, _last_layer(targets, head), head, mask, setup.temperature)
@@ -70,20 +72,27 @@ def _last_layer(targets: Mapping[str, torch.Tensor], head: TeacherHead) -> torch
     return targets[name]
 
 
-def head_kl(student_logits: torch.Tensor, hidden_t: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
-            mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def head_kl(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
+            head: Callable[[torch.Tensor], torch.Tensor], mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``kd_kl`` with the teacher's logits rebuilt from its cached last hidden layer through its LM head (caches
     written with ``--logits head``), for the valid tokens only: no ``[B, L, V]`` teacher tensor exists.
 
     Args:
-        student_logits: ``[B, L, V]``.
+        student_logits: ``[B, L, V]``, or the ``HeadLogits`` behind them.
         hidden_t: ``[B, L, d]`` the teacher's last hidden layer (after its final norm).
         head: maps ``[N_v, d]`` to ``[N_v, V]`` float32 logits (``stages.train.teacher_head.TeacherHead``).
         mask: ``[B, L]``.
         temperature: T > 0; exact at any T, since the full distribution is rebuilt.
     """
-    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, count_valid, kl_rows, valid_rows
+    from kdcache.stages.common.loss_rows import (
+        bool_mask,
+        check_temperature,
+        kl_rows,
+        logit_rows,
+        valid_count,
+        valid_rows,
+    )
 
     check_temperature(temperature)
-    n_valid = count_valid(bool_mask(mask, student_logits))
-    return kl_rows(valid_rows(student_logits, mask), valid_rows(hidden_t, mask), n_valid, temperature, head)
+    n_valid = valid_count(bool_mask(mask, student_logits))
+    return kl_rows(logit_rows(student_logits, mask), valid_rows(hidden_t, mask), n_valid, temperature, head)

@@ -28,6 +28,8 @@ from kdcache.stages.common.logit_kinds.base import (
 if TYPE_CHECKING:
     import torch
 
+    from kdcache.stages.common.head_logits import HeadLogits
+
 MAX_SAMPLES = 255  # the counts are stored as uint8
 
 
@@ -75,7 +77,7 @@ class Sampled(LogitKind):
     def default_temperature(self, spec: CacheLogits) -> float | None:
         return float(spec.sample_temperature)
 
-    def loss(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+    def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         return sampled_kl(logits, targets["logits/sample_ids"], targets["logits/sample_counts"],
                           targets["logits/sample_logp"], mask, setup.temperature)
@@ -125,7 +127,7 @@ def sample_logits(logits: torch.Tensor, samples: int, temperature: float,
             "logits/sample_counts": counts.to(torch.uint8).reshape(shape), "logits/sample_logp": logp.reshape(shape)}
 
 
-def sampled_kl(student_logits: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, logp: torch.Tensor,
+def sampled_kl(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, counts: torch.Tensor, logp: torch.Tensor,
                mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """KD KL estimated from draws of the teacher's distribution (caches written with ``--logits sampled:N``).
 
@@ -139,7 +141,7 @@ def sampled_kl(student_logits: torch.Tensor, ids: torch.Tensor, counts: torch.Te
     the cache drew at.
 
     Args:
-        student_logits: ``[B, L, V]``.
+        student_logits: ``[B, L, V]``, or the ``HeadLogits`` behind them.
         ids, counts, logp: ``[B, L, N]`` the cached ``logits/sample_*`` arrays (count 0 marks an unused slot).
         mask: ``[B, L]``.
         temperature: T, the cache's ``sample_temperature``.
@@ -149,14 +151,21 @@ def sampled_kl(student_logits: torch.Tensor, ids: torch.Tensor, counts: torch.Te
     """
     import torch.nn.functional as F
 
-    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, chunked_sum, count_valid, valid_rows
+    from kdcache.stages.common.loss_rows import (
+        bool_mask,
+        check_temperature,
+        chunked_sum,
+        logit_rows,
+        valid_count,
+        valid_rows,
+    )
 
     check_temperature(temperature)
-    n_valid = count_valid(bool_mask(mask, student_logits))
+    n_valid = valid_count(bool_mask(mask, student_logits))
 
     def chunk_estimate(z: torch.Tensor, drawn: torch.Tensor, count: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
         log_s = F.log_softmax(z.float() / temperature, dim=-1).gather(1, drawn.long())
         weights = count.float() / count.float().sum(-1, keepdim=True).clamp_min(1.0)
         return (weights * (log_p.float() - log_s)).sum()
-    rows = (valid_rows(t, mask) for t in (student_logits, ids, counts, logp))
-    return chunked_sum(chunk_estimate, *rows) / n_valid * temperature**2
+    rows = (valid_rows(t, mask) for t in (ids, counts, logp))
+    return chunked_sum(chunk_estimate, logit_rows(student_logits, mask), *rows) / n_valid * temperature**2

@@ -27,6 +27,8 @@ from kdcache.storage.logit_layouts import TOPK_MASS
 if TYPE_CHECKING:
     import torch
 
+    from kdcache.stages.common.head_logits import HeadLogits, Rows
+
 TOPK_VARIANTS = ("renorm", "other")  # as train.options.TOPK_KL_VARIANTS offers them
 # --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value
 # (within step/2 of the fp32 log-prob) stays within the tolerance of the exact one despite fp32 rounding (~1e-6).
@@ -82,7 +84,7 @@ class TopK(LogitKind):
                     "or --topk-kl renorm (which applies any temperature)"]
         return []
 
-    def loss(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+    def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         # The other-bucket form puts the teacher's tail mass in one bucket: a true KL over a coarsened
         # vocabulary, unlike the renormalised form, which ignores the tail altogether.
@@ -108,8 +110,9 @@ def as_logprobs(kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # ---- the top-k KL ------------------------------------------------------------------------------------------
-def topk_kl(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor, mask: torch.Tensor,
-            lse: torch.Tensor | None = None, *, variant: str = "renorm", temperature: float = 1.0) -> torch.Tensor:
+def topk_kl(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+            mask: torch.Tensor, lse: torch.Tensor | None = None, *, variant: str = "renorm",
+            temperature: float = 1.0) -> torch.Tensor:
     """KL against a cached top-k teacher, mean over valid tokens. See the two variants below.
 
     Args:
@@ -145,7 +148,7 @@ def cached_topk(targets: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torc
     return values, targets["logits/topk_ids"], values.new_zeros(values.shape[:-1]) if lse is None else lse
 
 
-def topk_kl_renorm(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+def topk_kl_renorm(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
                    mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """Renormalised top-k KL: both sides' softmax taken over the teacher's k ids only, at temperature T.
 
@@ -158,21 +161,20 @@ def topk_kl_renorm(student_logits: torch.Tensor, topk_values: torch.Tensor, topk
     Returns:
         Scalar: T² · mean over valid tokens of KL(p_t^k ‖ p_s^k).
     """
-    import torch
     import torch.nn.functional as F
 
-    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, count_valid, kl_terms
+    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, kl_terms, rows_on_ids, valid_count
 
     check_temperature(temperature)
-    n_valid = count_valid(bool_mask(mask, student_logits))
+    n_valid = valid_count(bool_mask(mask, student_logits))
     z_s, values, ids = _topk_rows(student_logits, topk_values, topk_ids, mask)
-    student_on_ids = torch.gather(z_s, 1, ids).float()  # k of V: no full-vocabulary term, no chunks needed
+    student_on_ids = rows_on_ids(z_s, ids)  # k of V: no full-vocabulary term (a head builds only these k)
     log_t = F.log_softmax(values / temperature, dim=-1)
     log_s = F.log_softmax(student_on_ids / temperature, dim=-1)
     return kl_terms(log_t, log_s).sum() / n_valid * temperature**2
 
 
-def topk_kl_other(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+def topk_kl_other(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
                   lse: torch.Tensor, mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """Other-bucket top-k KL over k+1 buckets: the k ids' full-vocabulary probabilities, plus the leftover mass.
 
@@ -187,14 +189,14 @@ def topk_kl_other(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_
     Returns:
         Scalar: mean over valid tokens of KL(teacher buckets ‖ student buckets).
     """
-    from kdcache.stages.common.loss_rows import bool_mask, chunked_sum, count_valid, kl_terms, valid_rows
+    from kdcache.stages.common.loss_rows import bool_mask, chunked_sum, kl_terms, valid_count, valid_rows
 
     if temperature != 1.0:
         raise LossError(
             f"the 'other' top-k KL is exact only at temperature 1 (the cached logsumexp is taken at T=1), "
             f"got {temperature}; use temperature 1, or the 'renorm' variant for T != 1"
         )
-    n_valid = count_valid(bool_mask(mask, student_logits))
+    n_valid = valid_count(bool_mask(mask, student_logits))
     z_s, values, ids = _topk_rows(student_logits, topk_values, topk_ids, mask)
     # k == V: there is no tail. Drop the leftover bucket on both sides; the teacher's 1 − Σ would only be
     # rounding noise facing the student's exact −inf.
@@ -233,21 +235,22 @@ def _student_buckets(z_s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([log_top, torch.logsumexp(tail, dim=-1, keepdim=True) - lse_s], dim=-1)
 
 
-def _topk_rows(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor,
-               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Valid rows: student logits ``[N_v, V]`` (their own dtype), float32 values ``[N_v, k]``, int64 ids ``[N_v, k]``.
+def _topk_rows(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+               mask: torch.Tensor) -> tuple[Rows, torch.Tensor, torch.Tensor]:
+    """Valid rows: student logits ``[N_v, V]`` (their own dtype, or ``HeadRows``), float32 values ``[N_v, k]``,
+    int64 ids ``[N_v, k]``.
 
     Ids are converted after selection: padded rows may hold anything, and a NaN cast to int would otherwise
     become an out-of-range index.
     """
-    from kdcache.stages.common.loss_rows import valid_rows
+    from kdcache.stages.common.loss_rows import logit_rows, valid_rows
 
     if topk_values.shape != topk_ids.shape or topk_values.shape[:2] != student_logits.shape[:2]:
         raise LossError(
             f"top-k values {tuple(topk_values.shape)}, ids {tuple(topk_ids.shape)} and student logits "
             f"{tuple(student_logits.shape)} do not line up as [B, L, k], [B, L, k], [B, L, V]"
         )
-    z_s = valid_rows(student_logits, mask)
+    z_s = logit_rows(student_logits, mask)
     values = valid_rows(topk_values, mask).float()
     ids = valid_rows(topk_ids, mask).long()
     return z_s, values, ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdcache.stages.common.loss_rows import valid_count
 from kdcache.stages.train.losses._common import bool_mask, count_valid, full_precision, valid_rows
 from kdcache.stages.train.losses.errors import LossError
 
@@ -27,7 +28,7 @@ def masked_mse(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torc
         Scalar.
     """
     _check_same_shape(h_s, h_t, "mse")
-    n_valid = count_valid(bool_mask(mask, h_s))
+    n_valid = valid_count(bool_mask(mask, h_s))  # on the device: no host sync
     diff = valid_rows(h_s, mask).float() - valid_rows(h_t, mask).float()
     return diff.pow(2).sum() / (n_valid * h_t.shape[-1])
 
@@ -42,9 +43,9 @@ def cosine_loss(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> tor
         Scalar in [0, 2].
     """
     _check_same_shape(h_s, h_t, "cosine")
-    count_valid(bool_mask(mask, h_s))
+    n_valid = valid_count(bool_mask(mask, h_s))
     s, t = valid_rows(h_s, mask).float(), valid_rows(h_t, mask).float()
-    return (1.0 - F.cosine_similarity(s, t, dim=-1, eps=COSINE_EPS)).mean()
+    return (1.0 - F.cosine_similarity(s, t, dim=-1, eps=COSINE_EPS)).sum() / n_valid
 
 
 def cka_loss(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdcache.stages.common.head_logits import HeadLogits, HeadRows, Rows, fused_ce_available, fused_ce_sum
+
 # The KLs against cached teacher logits belong to their logit kinds (stages.common.logit_kinds); they are
 # re-exported here under the names the loss registry and earlier code use.
 from kdcache.stages.common.logit_kinds.full import kd_kl
@@ -23,13 +25,14 @@ from kdcache.stages.common.logit_kinds.topk import (
     topk_kl_other,
     topk_kl_renorm,
 )
-from kdcache.stages.train.losses._common import bool_mask, chunked_sum, count_valid
+from kdcache.stages.common.loss_rows import logit_rows, tied_zero, valid_count
+from kdcache.stages.train.losses._common import bool_mask, chunked_sum
 
 __all__ = ["TOPK_VARIANTS", "cached_topk", "causal_ce", "head_kl", "kd_kl", "sampled_kl", "token_ce", "topk_kl",
            "topk_kl_other", "topk_kl_renorm"]
 
 
-def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
+def causal_ce(logits: torch.Tensor | HeadLogits, input_ids: torch.Tensor, mask: torch.Tensor,
               pairs: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy with the HF causal shift: the logits at position t predict the token at t+1.
 
@@ -38,42 +41,47 @@ def causal_ce(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
     whose logits are garbage and must not count.
 
     Args:
-        logits: ``[B, L, V]`` student logits.
+        logits: ``[B, L, V]`` student logits, or the ``HeadLogits`` behind them (built chunk by chunk).
         input_ids: ``[B, L]`` token ids (any numeric dtype; float32 from the cache is fine).
         mask: ``[B, L]``.
         pairs: ``[B, L-1]``, the pairs (t, t+1) to count, when a loss mask or document boundaries leave some
             out (``masks.token_masks``); default every pair of real tokens.
 
     Returns:
-        Scalar mean over the valid (t, t+1) pairs (0 when there are none).
+        Scalar mean over the valid (t, t+1) pairs (0, tied to the graph, when there are none).
     """
     m = bool_mask(mask, logits)
     pair_valid = m[:, :-1] & m[:, 1:] if pairs is None else pairs.bool()  # masks.pairs holds real pairs only
-    rows = logits[:, :-1][pair_valid]
+    predicting = torch.zeros_like(m)
+    predicting[:, :-1] = pair_valid  # the positions whose logits predict a counted next token
     labels = input_ids[:, 1:][pair_valid].long()
-    if rows.shape[0] == 0:
-        # Every sequence is one token long: nothing to predict. A zero still tied to the graph keeps
-        # backward() working; the empty sum reads no logits, so it cannot be NaN.
-        return rows.float().sum()
-    return chunked_sum(_ce_sum, rows, labels) / rows.shape[0]
+    return _ce_sum_rows(logit_rows(logits, predicting), labels) / valid_count(pair_valid) + tied_zero(logits)
 
 
-def token_ce(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_ce(logits: torch.Tensor | HeadLogits, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Unshifted cross-entropy (masked-LM / encoder heads): position t predicts ``labels[t]``.
 
     Positions with ``mask == 0`` or ``labels == -100`` are ignored.
 
     Args:
-        logits: ``[B, L, V]``.
+        logits: ``[B, L, V]``, or the ``HeadLogits`` behind them.
         labels: ``[B, L]`` target ids, ``-100`` to ignore.
         mask: ``[B, L]``.
 
     Returns:
-        Scalar mean over the counted positions.
+        Scalar mean over the counted positions (0, tied to the graph, when there are none).
     """
     keep = bool_mask(mask, logits)
     keep = keep & (labels != -100)
-    return chunked_sum(_ce_sum, logits[keep], labels[keep].long()) / count_valid(keep)
+    return _ce_sum_rows(logit_rows(logits, keep), labels[keep].long()) / valid_count(keep) + tied_zero(logits)
+
+
+def _ce_sum_rows(rows: Rows, labels: torch.Tensor) -> torch.Tensor:
+    """Σ cross-entropy of rows ``[N, V]`` against ``labels [N]``: liger-kernel's fused kernel for ``HeadRows`` on
+    a GPU that has it, else fp32 chunks (``chunked_sum``)."""
+    if isinstance(rows, HeadRows) and fused_ce_available(rows.hidden.device):
+        return fused_ce_sum(rows, labels)
+    return chunked_sum(_ce_sum, rows, labels)
 
 
 def _ce_sum(rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

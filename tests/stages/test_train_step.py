@@ -1,0 +1,144 @@
+"""Stage two's step on the CPU, for real (tiny GPT-2 cache from stage one, DeepSpeed ZeRO-0): no host read of a
+device value between log steps, and checkpoints that fail cleanly (sizes announced, a full disk exits 2 and leaves
+the previous checkpoint usable)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdcache.pipeline.cli import main
+from kdcache.stages.train import loop
+from kdcache.stages.train.logging import read_jsonl
+from kdcache.stages.train.loop import run_training
+from kdcache.stages.train.options import TrainOptions
+from tests.helpers.tiny_models import make_tiny_gpt2
+from tests.stages._train_support import make_student_config, precompute_cache
+
+REPO = Path(loop.__file__).resolve().parents[2]  # the checkout whose stages/ and pipeline/ are kdcache
+SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")  # every way a tensor's value reaches the host
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("step")
+    teacher = make_tiny_gpt2(root / "teacher", layers=3, hidden=32, heads=4)
+    cache = precompute_cache(teacher, root / "cache", num_sequences=32,
+                             extra=("--features", "hidden,logits", "--top-k", "8"))
+    student = make_student_config(root / "student", teacher, n_layer=2, n_embd=16, n_head=2)
+    return {"root": root, "cache": cache, "student": student}
+
+
+def _options(setup: dict[str, Path], name: str, **kw: object) -> TrainOptions:
+    base = dict(cache=str(setup["cache"]), student=str(setup["student"]), out=str(setup["root"] / name),
+                batch_size=4, lr=3e-3, log_every=4, max_steps=8, zero_stage=0)
+    base.update(kw)
+    return TrainOptions.of(**base)  # type: ignore[arg-type]
+
+
+class SyncCounter:
+    """Counts the host reads of tensor values made by kdcache's own code inside ``_Trainer._micro_step``, from the
+    second micro-step on (the first runs the one-off checks of the student); records ``file:line`` of each."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.inside, self.micro_steps, self.calls = False, 0, []  # type: ignore[var-annotated]
+        for name in SYNCS:
+            monkeypatch.setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name)))
+        original = loop._Trainer._micro_step
+
+        def micro_step(trainer: loop._Trainer, *args: object) -> None:
+            self.inside = self.micro_steps > 0
+            try:
+                original(trainer, *args)  # type: ignore[arg-type]
+            finally:
+                self.inside, self.micro_steps = False, self.micro_steps + 1
+        monkeypatch.setattr(loop._Trainer, "_micro_step", micro_step)
+
+    def _counting(self, method):  # type: ignore[no-untyped-def]
+        def counted(tensor: torch.Tensor, *args: object):  # type: ignore[no-untyped-def]
+            if self.inside:
+                caller = sys._getframe(1)
+                path = Path(caller.f_code.co_filename)
+                if path.is_relative_to(REPO) and path.parts[len(REPO.parts)] in ("stages", "pipeline", "storage"):
+                    self.calls.append(f"{path.relative_to(REPO)}:{caller.f_lineno}")
+            return method(tensor, *args)
+        return counted
+
+
+@pytest.fixture
+def counter(monkeypatch: pytest.MonkeyPatch) -> Iterator[SyncCounter]:
+    yield SyncCounter(monkeypatch)
+
+
+def test_the_step_reads_nothing_back_between_log_steps(setup: dict[str, Path], counter: SyncCounter) -> None:
+    """CE + top-k KL + hidden MSE (the default run): 0 host reads in 7 micro-steps."""
+    summary = run_training(_options(setup, "nosync", export=False))
+    assert counter.micro_steps == 8 and summary["steps"] == 8
+    assert counter.calls == []
+    records = read_jsonl(setup["root"] / "nosync" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [4, 8] and all(r["tokens"] > 0 for r in records)
+    assert summary["tokens_per_s"] > 0
+
+
+def test_the_counter_sees_a_sync_when_there_is_one(setup: dict[str, Path], counter: SyncCounter) -> None:
+    """--trace-samples reads the loss every micro-step (its help says so): the counter must see it."""
+    run_training(_options(setup, "traced", export=False, trace_samples=True, max_steps=2))
+    assert any(call.startswith("stages/train/loop.py") for call in counter.calls)
+
+
+@contextlib.contextmanager
+def _small_disk(path: Path, size: int) -> Iterator[Path]:
+    """A real filesystem of ``size`` bytes at ``path`` (tmpfs): writes past it fail with ENOSPC, as a full disk's."""
+    path.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def _argv(setup: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return ["train", "--cache", str(setup["cache"]), "--student", str(setup["student"]), "--out", str(out),
+            "--zero-stage", "0", "--batch-size", "4", "--log-every", "2", "--no-export", *extra]
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_a_destination_that_cannot_hold_one_checkpoint_is_refused(setup: dict[str, Path], tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with _small_disk(tmp_path / "small", 64 * 1024) as disk:
+        assert main(_argv(setup, disk / "run", "--max-steps", "2")) == 2
+    err = capsys.readouterr().err
+    assert "free, and one checkpoint of this student needs ~" in err and "Traceback" not in err
+
+
+def test_a_disk_filling_during_a_save_exits_2_and_the_run_resumes_from_the_previous(
+        setup: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Room for the run's files and one checkpoint and a half: step 2's checkpoint fits, step 4's does not."""
+    assert main(_argv(setup, tmp_path / "measure", "--max-steps", "2")) == 0
+    one = _size(tmp_path / "measure" / "checkpoints")
+    assert "each checkpoint ~" in capsys.readouterr().err
+    room = _size(tmp_path / "measure") + one // 2 + 64 * 1024  # the log and run files grow a little meanwhile
+    with _small_disk(tmp_path / "disk", room) as disk:
+        assert main(_argv(setup, disk / "run", "--max-steps", "4", "--save-every", "2")) == 2
+        err = capsys.readouterr().err
+        assert "the disk filled up while writing checkpoint step4" in err and "Traceback" not in err
+        assert "the previous checkpoint step2 is intact" in err
+        assert (disk / "run" / "checkpoints" / "latest").read_text() == "step2"
+        assert not (disk / "run" / "checkpoints" / "step4").exists()  # the partial tag is gone
+        shutil.copytree(disk / "run", tmp_path / "moved")
+    summary = run_training(_options(setup, "unused", out=str(tmp_path / "moved"), resume=True, max_steps=4,
+                                    save_every=2, export=False))
+    assert summary["resumed_from"] == 2 and summary["steps"] == 4
