@@ -94,18 +94,18 @@ def make_teacher(root: Path, width: int) -> Path:
 def write_data(root: Path, rows: int) -> Path:
     from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
-    texts = sample_texts(rows * 300, seed=1)  # ~10 tokens each: enough for ``rows`` packed rows of 2,048
+    texts = sample_texts(rows * 300, seed=1)  # >= 7 tokens each: enough for ``rows`` packed rows of 2,048
     return write_text_dataset(root / "data.jsonl", texts)
 
 
-def run_once(teacher: Path, data: Path, out: Path, stub: StubLayers, sleep: float,
-             writers: int | None) -> dict[str, Any]:
+def run_once(teacher: Path, data: Path, out: Path, stub: StubLayers, sleep: float, writers: int | None,
+             rows: int) -> dict[str, Any]:
     """One precompute; the compute phase's wall time and CPU time, and the stub's total sleep."""
     fields = {f.name for f in dataclasses.fields(PrecomputeOptions.of(teacher="x", data="x", out="x").engine)}
     extra = {"writers": writers} if writers is not None and "writers" in fields else {}
     options = PrecomputeOptions.of(teacher=str(teacher), data=str(data), out=str(out), layers=tuple(
         str(j) for j in range(1, LAYERS + 1)), features=("hidden",), packing="concat", max_length=ROW,
-        batch_size=8, sequences_per_shard=8, teacher_dtype="fp32", progress=False, **extra)
+        batch_size=8, sequences_per_shard=8, max_sequences=rows, teacher_dtype="fp32", progress=False, **extra)
     measured: dict[str, float] = {}
     original = runner.commit_behind
 
@@ -130,21 +130,21 @@ def best(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
     return min(runs, key=lambda r: r[key])
 
 
-def measure_width(root: Path, width: int, data: Path, repeats: int) -> dict[str, Any]:
+def measure_width(root: Path, width: int, data: Path, repeats: int, rows: int) -> dict[str, Any]:
     teacher = make_teacher(root, width)
     runs: dict[str, list[dict[str, Any]]] = {"w1": [], "w2": [], "slow": []}
     counter = 0
     with StubLayers() as stub:
-        run_once(teacher, data, root / "warm", stub, 0.0, 1)  # warm-up (imports, allocator, page cache)
+        run_once(teacher, data, root / "warm", stub, 0.0, 1, rows)  # warm-up (imports, allocator, page cache)
         for _ in range(repeats):  # alternate the sides, keep the best of each
             for name, writers in (("w1", 1), ("w2", 2)):
                 counter += 1
-                runs[name].append(run_once(teacher, data, root / f"c{counter}", stub, 0.0, writers))
+                runs[name].append(run_once(teacher, data, root / f"c{counter}", stub, 0.0, writers, rows))
         host = best(runs["w1"], "wall")
         per_batch = host["wall"] / max(1, host["batches"])
         for _ in range(repeats):
             counter += 1
-            runs["slow"].append(run_once(teacher, data, root / f"c{counter}", stub, 1.5 * per_batch, 2))
+            runs["slow"].append(run_once(teacher, data, root / f"c{counter}", stub, 1.5 * per_batch, 2, rows))
     token_layers = host["tokens"] * LAYERS
     w1, w2, slow = best(runs["w1"], "wall"), best(runs["w2"], "wall"), best(runs["slow"], "wall")
     return {"width": width, "tokens": host["tokens"],
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         data = write_data(root, args.rows)
         for width in (int(w) for w in args.widths.split(",")):
-            results.append(measure_width(root, width, data, args.repeats))
+            results.append(measure_width(root, width, data, args.repeats, args.rows))
             print(json.dumps(results[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

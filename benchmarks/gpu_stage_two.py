@@ -64,9 +64,11 @@ def _in_process(run: str, student: str, teacher: str, cache: str, work: Path, sm
                 warmup: int) -> dict[str, Any]:
     """Run ``run`` in a fresh Python process (its own peak memory) and read back its row."""
     args = json.dumps([run, student, teacher, cache, str(work), small, steps, warmup])
-    code = ("import json, sys; from benchmarks.gpu_stage_two import run_one; "
+    # The repository is appended to the path and not the working directory: an installed kdcache (not the bare
+    # kdcache/ folder at the root, which holds none of its subpackages without an editable install) is imported.
+    code = (f"import json, sys; sys.path.append({str(REPO)!r}); from benchmarks.gpu_stage_two import run_one; "
             "print('ROW', json.dumps(run_one(*json.loads(sys.argv[1]))))")
-    proc = subprocess.run([sys.executable, "-c", code, args], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code, args], cwd=work, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")), None)
     if line is None:
