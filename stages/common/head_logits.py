@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from kdcache.stages.common.loss_errors import LossError
 
@@ -46,14 +45,51 @@ class HeadRows:
         return torch.nn.functional.linear(self.hidden, self.weight, self.bias)
 
     def on_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[N, k]`` float32: the logits at ``ids [N, k]`` only, chunk by chunk, never the full ``[N, V]``."""
-        parts = [checkpoint(self._on_ids, h, i, use_reentrant=False)
-                 for h, i in zip(self.hidden.split(IDS_CHUNK), ids.split(IDS_CHUNK))]
-        return torch.cat(parts) if parts else self.hidden.new_zeros((0, ids.shape[1]), dtype=torch.float32)
+        """``[N, k]`` float32: the logits at ``ids [N, k]`` only, chunk by chunk, never the full ``[N, V]``
+        (``IdsLogits``)."""
+        if not ids.shape[0]:
+            return self.hidden.new_zeros((0, ids.shape[1]), dtype=torch.float32)
+        return IdsLogits.apply(self.hidden, self.weight, self.bias, ids)
 
-    def _on_ids(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        z = torch.einsum("cd,ckd->ck", hidden, self.weight[ids])
-        return (z if self.bias is None else z + self.bias[ids]).float()
+
+class IdsLogits(torch.autograd.Function):
+    """``z [N, k] = hidden [N, d] · weight[ids] [N, k, d] (+ bias[ids])`` in float32, ``IDS_CHUNK`` rows at a time.
+
+    Autograd's own backward of ``weight[ids]`` builds a dense ``[V, d]`` gradient for every chunk (at V = 128k,
+    d = 2,048: 512 MiB written and added per 64 rows). Here the backward adds every chunk's rows into one float32
+    ``[V, d]`` accumulator with ``index_add_``, and nothing is kept from the forward pass but its inputs.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                ids: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for h, i in zip(hidden.split(IDS_CHUNK), ids.split(IDS_CHUNK)):
+            z = torch.einsum("cd,ckd->ck", h, weight[i])
+            parts.append((z if bias is None else z + bias[i]).float())
+        ctx.save_for_backward(hidden, weight, ids)
+        ctx.has_bias = bias is not None
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, ids = ctx.saved_tensors
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if ctx.has_bias and ctx.needs_input_grad[2] else None
+        start = 0
+        for h, i, g in zip(hidden.split(IDS_CHUNK), ids.split(IDS_CHUNK), grad.split(IDS_CHUNK)):
+            if grad_h is not None:
+                grad_h[start:start + len(h)] = torch.einsum("ck,ckd->cd", g.to(weight.dtype), weight[i])
+            if grad_w is not None:  # row ids[c, j] gains grad[c, j] * hidden[c]
+                grad_w.index_add_(0, i.reshape(-1), (g[..., None] * h.float()[:, None, :]).reshape(-1, h.shape[1]))
+            if grad_b is not None:
+                grad_b.index_add_(0, i.reshape(-1), g.reshape(-1))
+            start += len(h)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(weight.dtype), None)
 
 
 @dataclass(frozen=True)

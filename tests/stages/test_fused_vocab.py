@@ -252,3 +252,25 @@ def test_a_student_whose_logits_are_not_its_head_keeps_its_own_forward(capsys: p
     s = _setup(11)
     assert choose_head(model, {"input_ids": s["ids"], "attention_mask": s["mask"]}, one_stream=True) is None
     assert "materialised logits from Gemma2ForCausalLM" in capsys.readouterr().err
+
+
+def test_logits_at_ids_match_a_gather_of_full_logits_in_value_and_gradient() -> None:
+    """``HeadRows.on_ids`` (one float32 accumulator for the head's gradient) against a gather from full logits,
+    with ids repeated across rows and within a row (unused top-k slots repeat the last id), over several chunks."""
+    from kdcache.stages.common.head_logits import IDS_CHUNK, HeadRows
+
+    torch.manual_seed(0)
+    n, d, v, k = 2 * IDS_CHUNK + 5, 16, 50, 6
+    hidden = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, d, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(v, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, v, (n, k))
+    ids[:, -2:] = ids[:, -3:-2]  # repeats within a row
+    upstream = torch.randn(n, k, dtype=torch.float64)
+    got = HeadRows(hidden, weight, bias).on_ids(ids)
+    got_grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias))
+    want = (hidden @ weight.T + bias).gather(1, ids)
+    want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight, bias))
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)  # float32 out
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
