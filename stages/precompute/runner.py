@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -22,7 +24,7 @@ from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.teacher_head import export_head
-from kdcache.stages.precompute.adapters import Capture, Pending, adapter_for
+from kdcache.stages.precompute.adapters import Capture, adapter_for
 from kdcache.stages.precompute.batching import Partition, collate, plan_batches
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
 from kdcache.stages.precompute.data import TokenStreams
@@ -273,8 +275,10 @@ def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds
                   options: PrecomputeOptions, stats: RunStats, progress: Progress) -> ShardItems:
     """Run the teacher over one shard's sequences in batches bucketed by the first stream's lengths.
 
-    Batch ``i`` is taken in (its copy awaited, its range checked, its sequences cut out) only after batch ``i + 1``
-    is queued on the device, so the host's work overlaps the next forward instead of stalling it.
+    Each batch is taken in (its copy awaited and moved out of pinned memory, its range checked, its sequences cut
+    out) by a helper thread while this one queues the next batches on the device, so the forward never waits on
+    the host. At most ``IN_FLIGHT`` batches are queued ahead of the helper, which bounds the device's and the pinned
+    memory they hold; an error found there (an fp16 overflow) is raised here before the shard is handed on.
 
     Returns:
         one dict per sequence of the shard, in data order: every stream's ``input_ids [L]`` and token arrays
@@ -288,10 +292,10 @@ def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds
     items: list[dict[str, np.ndarray] | None] = [None] * len(first)
     finite: list[frozenset[str]] = []
 
-    def take(batch: np.ndarray, pending: Pending) -> None:
+    def place(batch: np.ndarray, taken: Future[ShardItems]) -> None:
         waited = time.perf_counter()
-        output = pending()
-        stats.forward_seconds += time.perf_counter() - waited  # the device's time the host waited for
+        output = taken.result()
+        stats.forward_seconds += time.perf_counter() - waited  # the device's (or the helper's) time waited for
         finite.append(output.finite)
         for i, item in zip(batch, output):
             item.update({prefixed(stream, "input_ids"): seqs[i] for stream, seqs in shard.items()})
@@ -300,18 +304,22 @@ def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds
         stats.sequences += len(batch)
         progress.update(len(batch))
 
-    queued: tuple[np.ndarray, Pending] | None = None
-    for batch in plan_batches(np.array([len(s) for s in first]), options.engine.batch_size):
-        started = time.perf_counter()
-        pending = capture(*_device_batch(teacher, shard, tokens, batch))
-        stats.forward_seconds += time.perf_counter() - started
-        stats.tokens += sum(len(seqs[i]) for seqs in shard.values() for i in batch)
-        if queued is not None:
-            take(*queued)
-        queued = (batch, pending)
-    if queued is not None:
-        take(*queued)
+    queued: deque[tuple[np.ndarray, Future[ShardItems]]] = deque()
+    with ThreadPoolExecutor(1, thread_name_prefix="kdcache-take") as taker:
+        for batch in plan_batches(np.array([len(s) for s in first]), options.engine.batch_size):
+            started = time.perf_counter()
+            pending = capture(*_device_batch(teacher, shard, tokens, batch))
+            stats.forward_seconds += time.perf_counter() - started
+            stats.tokens += sum(len(seqs[i]) for seqs in shard.values() for i in batch)
+            queued.append((batch, taker.submit(pending)))
+            if len(queued) > IN_FLIGHT:
+                place(*queued.popleft())
+        while queued:
+            place(*queued.popleft())
     return ShardItems(items, finite=frozenset.intersection(*finite) if finite else frozenset())  # type: ignore[arg-type]
+
+
+IN_FLIGHT = 2  # batches queued on the device ahead of the host's taking them in
 
 
 def _device_batch(teacher: Teacher, shard: dict[str, list[np.ndarray]], tokens: dict[str, list[np.ndarray]],
