@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
@@ -322,8 +322,9 @@ def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds
 IN_FLIGHT = 2  # batches queued on the device ahead of the host's taking them in
 
 
-def _device_batch(teacher: Teacher, shard: dict[str, list[np.ndarray]], tokens: dict[str, list[np.ndarray]],
-                  batch: np.ndarray) -> tuple[dict[str, tuple[Any, Any]], dict[str, list[int]], dict[str, Any]]:
+def _device_batch(teacher: Teacher, shard: Mapping[str, Sequence[np.ndarray]],
+                  tokens: Mapping[str, Sequence[np.ndarray]],
+                  batch: np.ndarray) -> tuple[Any, dict[str, list[int]], Any]:
     """One batch's padded ids and masks per stream, lengths, and restarting positions, on the teacher's device
     (copied from pinned memory without blocking where it is a GPU)."""
     import torch

@@ -74,7 +74,7 @@ def gather_valid(arrays: dict[str, torch.Tensor], lengths: list[int]) -> tuple[d
     return flats, maps
 
 
-class ShardItems(list):  # type: ignore[type-arg]
+class ShardItems(list[dict[str, np.ndarray]]):
     """Per-sequence target dicts (a list, in order), plus the float targets the device found finite in all of them:
     storage skips its own host-side pass over those (``CacheWriter.write_shard``'s ``finite``)."""
 
