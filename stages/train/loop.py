@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.attention_maps import MAPS_ATTENTION
 from kdcache.stages.common.hidden_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.checks import open_cache
@@ -67,8 +68,9 @@ def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, Studen
     options, chosen = options.with_cache_defaults(reader.spec)
     if chosen and int(os.environ.get("RANK", "0")) == 0:
         print(f"kdcache train: {chosen}", file=sys.stderr)
-    # Maps need eager attention (fused kernels return none); a q/k cache records the student's queries and keys.
-    attn = "eager" if options.loss.delta > 0 and reader.spec.attention_source == "maps" else None
+    # Maps need eager attention (fused kernels return none), taken before its dropout (attention_maps); a q/k cache
+    # records the student's queries and keys.
+    attn = MAPS_ATTENTION if options.loss.delta > 0 and reader.spec.attention_source == "maps" else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
     facts = student_facts(student, pretrained=has_weights(options.run.student))
     plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.run.student))
