@@ -28,6 +28,7 @@ from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.checks import open_cache
 from kdcache.stages.train.distill import DistillModel, build_criterion
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
+from kdcache.stages.train.interrupt import StopOnSignal, TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.plan import TrainPlan, plan_training, unused_targets
@@ -187,19 +188,25 @@ class _Trainer:
         self._since_log = start
         self.engine.train()
         batches = iter(loader)
-        while self.engine.global_steps < total:
-            asked = time.perf_counter()
-            batch = next(batches, None)
-            self._waited += time.perf_counter() - asked  # the step stood still: the data was not ready
-            if batch is None:
-                break
-            self._micro_step(batch, stream.steps_per_epoch)
-            if self._stepped():
-                self._after_optimizer_step(total)
-        elapsed = time.perf_counter() - start
-        if self.engine.global_steps > (self.resumed_from or 0) or not ckpt.has_checkpoint(self.run_dir):
-            self._save()
+        # Ctrl-C / SIGTERM: finish the optimizer step, then save below and say how to resume (interrupt.py).
+        with StopOnSignal(self.dist.world_size, announce=self.dist.rank == 0) as stop:
+            while self.engine.global_steps < total:
+                asked = time.perf_counter()
+                batch = next(batches, None)
+                self._waited += time.perf_counter() - asked  # the step stood still: the data was not ready
+                if batch is None:
+                    break
+                self._micro_step(batch, stream.steps_per_epoch)
+                if self._stepped():
+                    self._after_optimizer_step(total)
+                    if stop.requested():
+                        break
+            elapsed = time.perf_counter() - start
+            if self.engine.global_steps > (self.resumed_from or 0) or not ckpt.has_checkpoint(self.run_dir):
+                self._save()
         self.progress.close()
+        if stop.signum:
+            raise TrainingInterrupted(stop.signum, int(self.engine.global_steps), str(self.run_dir))
         student_dir = self._export() if self.options.run.export else None
         steps = self.engine.global_steps - start_step
         return {"steps": int(self.engine.global_steps), "steps_this_run": int(steps),
