@@ -96,11 +96,30 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_rows(cache: str, report: Any) -> None:
+    """Add the problems of the cache's rows (stage one's row table, in the rows folder outside the cache) to
+    ``report``: found by the data fingerprint their sealed table records; rows nobody built are no problem."""
+    from kdcache.stages.precompute.row_store import row_problems
+    from kdcache.storage import open_store
+    from kdcache.storage.errors import KdcacheError
+    from kdcache.storage.manifest import load_manifest
+    from kdcache.storage.verify import VerifyProblem
+
+    try:
+        fingerprint = load_manifest(open_store(cache))[0].fingerprints.get("data")
+    except KdcacheError:
+        return  # verify_cache has reported the manifest
+    if fingerprint:
+        report.problems += [VerifyProblem(None, path, f"rows: {message}") for path, message in
+                            row_problems(fingerprint)]
+
+
 def run_verify(args: argparse.Namespace) -> int:
     """Verify every chunk; exit 0 when clean, 1 naming each bad shard and array. Never a traceback."""
     from kdcache.storage.verify import verify_cache
 
     report = verify_cache(args.cache)
+    _verify_rows(args.cache, report)
     if getattr(args, "json", False):
         print(json.dumps({"path": report.path, "ok": report.ok, "status": report.status,
                           "shards_checked": report.shards_checked, "arrays_checked": report.arrays_checked,
