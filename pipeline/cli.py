@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import kdcache.pipeline.commands
 from kdcache.pipeline.config import add_flags
-from kdcache.pipeline.quiet import is_quiet, quiet
+from kdcache.pipeline.quiet import is_quiet, libraries_on_terminal, quiet
 from kdcache.stages.train.interrupt import TrainingInterrupted
 from kdcache.storage.errors import KdcacheError
 
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         _apply_storage_options(getattr(args, "storage_option", []))
-        with quiet(is_quiet(getattr(args, "quiet", False))):  # errors are printed below, after it
+        with libraries_on_terminal(), quiet(is_quiet(getattr(args, "quiet", False))):  # errors: printed below
             return int(args.func(args) or 0)
     except TrainingInterrupted as exc:  # a checkpoint was saved first: say where, and how to go on
         print(f"kdcache {args.command}: {exc.message()}", file=sys.stderr)
