@@ -74,6 +74,10 @@ def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, Studen
     attn = MAPS_ATTENTION if options.loss.delta > 0 and reader.spec.attention_source == "maps" else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
     facts = student_facts(student, pretrained=has_weights(options.run.student))
+    options, said = options.with_student_defaults(facts.has_lm_head, not facts.is_causal and
+                                                  not facts.is_encoder_decoder)
+    if said and int(os.environ.get("RANK", "0")) == 0:
+        print(f"kdcache train: {said}", file=sys.stderr)
     plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.run.student))
     unused = unused_targets(reader.spec, plan, options)
     if unused and int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for all
