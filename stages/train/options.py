@@ -104,6 +104,16 @@ class LossOptions:
     relation_heads: int = field(default=0, metadata=_opt(
         "--attention-loss relation: relation heads R, dividing both sides' widths (0: the student's heads)"))
 
+    @property
+    def ce_weight(self) -> float:
+        """--alpha as resolved (``TrainOptions.with_student_defaults``); 1 where nothing has resolved it."""
+        return 1.0 if self.alpha is None else self.alpha
+
+    @property
+    def kl_weight(self) -> float:
+        """--beta as resolved (``TrainOptions.with_cache_defaults``); 1 where nothing has resolved it."""
+        return 1.0 if self.beta is None else self.beta
+
     def validate(self) -> list[str]:
         """Every problem of this group."""
         problems = [f"{name} must be >= 0, got {getattr(self, name)}"
