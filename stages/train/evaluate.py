@@ -107,7 +107,6 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
     return student, pairs, projectors
 
 
-@torch.no_grad()
 def default_pairs(student_layers: list[int], teacher_layers: list[int]) -> list[Pair]:
     """The uniform map (``--layer-map``'s default) from the student's blocks to the teacher's, j -> floor(jN/M),
     keeping the pairs whose teacher layer the evaluation cache holds."""
@@ -117,6 +116,7 @@ def default_pairs(student_layers: list[int], teacher_layers: list[int]) -> list[
     return [(s, t) for s, t in build_layer_map("uniform", blocks, depth) if t in teacher_layers and s > 0]
 
 
+@torch.no_grad()
 def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 16, limit: int | None = None,
                  teacher_layer: int | None = None, device: str | torch.device = "cpu",
                  student: str | Path | None = None) -> dict[str, Any]:
