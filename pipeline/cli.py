@@ -27,7 +27,8 @@ from typing import Any, NoReturn
 
 import kdcache.pipeline.commands
 from kdcache.pipeline.config import add_flags
-from kdcache.pipeline.quiet import is_quiet, quiet
+from kdcache.pipeline.quiet import is_quiet, libraries_on_terminal, quiet
+from kdcache.stages.train.interrupt import TrainingInterrupted
 from kdcache.storage.errors import KdcacheError
 
 _STORAGE_CLIENTS = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure", "google", "fsspec"}
@@ -38,7 +39,7 @@ _RESUME = {
            "under train: to continue training from its last checkpoint)",
     "sweep": "rerun the same command to continue: finished runs are reused, interrupted ones resume",
     "train": "rerun the same command with --resume to continue from the last checkpoint (written every "
-             "--save-every steps, and at the end)",
+             "--save-every steps, at the end, and after the step a first Ctrl-C lets finish)",
 }
 # Stage one, its upkeep, stage two, its measures, then the commands that chain them.
 COMMAND_ORDER = ("precompute", "merge", "inspect", "verify", "init-student", "train", "eval", "report", "sweep",
@@ -193,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         _apply_storage_options(getattr(args, "storage_option", []))
-        with quiet(is_quiet(getattr(args, "quiet", False))):  # errors are printed below, after it
+        with libraries_on_terminal(), quiet(is_quiet(getattr(args, "quiet", False))):  # errors: printed below
             return int(args.func(args) or 0)
+    except TrainingInterrupted as exc:  # a checkpoint was saved first: say where, and how to go on
+        print(f"kdcache {args.command}: {exc.message()}", file=sys.stderr)
+        return exc.exit_code
     except KdcacheError as exc:
         print(f"kdcache {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -28,8 +28,10 @@ from collections.abc import Iterator
 from typing import Any
 
 NOTE_PREFIX = "kdcache "  # how every note of kdcache's stages begins ("kdcache train: note: ...")
-_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+_BARS_ENV = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+# KDCACHE_QUIET: our own progress lines (a log's stand-in for a bar) stay off, though they begin "kdcache ".
+_ENV = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "KDCACHE_QUIET": "1",
+        **_BARS_ENV}
 
 
 class _Sink(io.TextIOBase):
@@ -75,6 +77,33 @@ def _errors_only(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.ERROR
 
 
+_DEEPSPEED_FORMAT = logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
+                                      "%(message)s")
+
+
+def _deepspeed_to_stderr(record: logging.LogRecord) -> bool:
+    """A filter on DeepSpeed's logger: its records go to stderr, never to the stdout its own handler holds, and
+    below ERROR only when stderr is a terminal (a log file keeps no accelerator banner). Returns False so that
+    its handler never sees them."""
+    if record.levelno >= logging.ERROR or sys.stderr.isatty():
+        sys.stderr.write(_DEEPSPEED_FORMAT.format(record) + "\n")
+    return False
+
+
+@contextlib.contextmanager
+def libraries_on_terminal() -> Iterator[None]:
+    """Every command, quiet or not: the libraries' banners and progress bars go to stderr when it is a terminal,
+    and nowhere otherwise; never to stdout, which holds kdcache's own lines (a summary, JSON) and nothing else."""
+    with contextlib.ExitStack() as stack:
+        if not sys.stderr.isatty():  # carriage-return bars make a log file unreadable
+            stack.enter_context(_environment(_BARS_ENV))
+            stack.enter_context(_library_switches(verbosity=False))
+        deepspeed = logging.getLogger("DeepSpeed")  # the name DeepSpeed's LoggerFactory gives its logger
+        deepspeed.addFilter(_deepspeed_to_stderr)
+        stack.callback(deepspeed.removeFilter, _deepspeed_to_stderr)
+        yield
+
+
 def is_quiet(value: Any) -> bool:
     """Whether a ``--quiet`` value asks for quiet: the flag alone (True), or ``true`` / ``yes`` / ``1``."""
     return value is True or str(value).strip().lower() in ("true", "yes", "1", "on")
@@ -98,10 +127,10 @@ def quiet(enabled: bool = True) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _environment() -> Iterator[None]:
+def _environment(values: dict[str, str] = _ENV) -> Iterator[None]:
     """The libraries' own variables, read when they are first imported here or in a child process."""
-    saved = {key: os.environ.get(key) for key in _ENV}
-    os.environ.update(_ENV)
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -113,18 +142,20 @@ def _environment() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _library_switches() -> Iterator[None]:
-    """transformers' and datasets' switches, for the ones already imported (the CLI's parser imports
-    transformers); a library imported later reads the environment instead."""
+def _library_switches(verbosity: bool = True) -> Iterator[None]:
+    """transformers' and datasets' switches (progress bars off; with ``verbosity``, transformers' logs to errors),
+    for the ones already imported (the CLI's parser may import transformers); a library imported later reads the
+    environment instead (transformers: ``HF_HUB_DISABLE_PROGRESS_BARS``)."""
     undo = contextlib.ExitStack()
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-        hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        undo.callback(hf_logging.set_verbosity, level)
         undo.callback(hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)
+        if verbosity:
+            hf_logging.set_verbosity_error()
+            undo.callback(hf_logging.set_verbosity, level)
     if "datasets" in sys.modules:
         from datasets.utils import logging as ds_logging
 

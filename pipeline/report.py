@@ -127,7 +127,7 @@ def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | 
     plt = _pyplot()
     cols = min(3, len(families))
     rows = math.ceil(len(families) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.8 * rows), squeeze=False)
     steps = [r["step"] for r in metrics]
     marker = "o" if len(steps) < 20 else None  # a few points of a young run stay visible
     for ax, family in zip(axes.flat, families):
@@ -138,7 +138,8 @@ def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | 
         ax.set_title(family)
         _step_axis(ax)
         ax.set_ylabel("loss value" if family != "lr" else "learning rate")
-        ax.legend(fontsize=7)
+        # Below the panel, never on it: a falling curve and its per-pair terms fill every corner of the axes.
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
     for ax in list(axes.flat)[len(families):]:
         ax.axis("off")
     return _save(fig, out, title)

@@ -9,16 +9,18 @@ listed file, each table against the manifest, and that a folder holds nothing it
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
-from kdcache.storage.canonical import canonical_json, sealed
-from kdcache.storage.files import crc32c
+from kdcache.storage.canonical import canonical_json, is_sealed, seal_problem, sealed
+from kdcache.storage.files import crc32c, write_bytes_atomic
 from kdcache.storage.manifest import MANIFEST_NAME, SHARDS_DIR, read_json
 from kdcache.storage.stores import Store
 
 TABLE = ".kdcache-files.json"
-# Stage one's rows (tokenized data, built once per cache and memory-mapped by its ranks) live beside the cache in
-# a local folder, but are a cache of the data, not part of the cache: nothing reads them from a cache.
+# Stage one's rows (tokenized data, memory-mapped by its ranks) live outside every cache, in one rows folder
+# (stages.precompute.row_store.rows_root); caches written before that may still hold a rows/ folder, never read.
 ROWS_DIR = "rows"
 _NOT_FOLDERS = {SHARDS_DIR, "locks", MANIFEST_NAME, ROWS_DIR}
 # The folders stage one writes (its teacher head is stages.common.teacher_head.HEAD_FOLDER): with the entries
@@ -74,3 +76,56 @@ def folder_tables(store: Store) -> dict[str, list[int]]:
         if folder_is_complete(store, key):
             files.update(read_table(store, key))
     return files
+
+
+# ---- local folders too large to hold in memory (stage one's row tables) ------------------------------------------
+_BLOCK = 16 << 20  # bytes read at a time when checksumming a large file
+
+
+def file_entry(path: Path) -> list[int]:
+    """``[size, crc32c]`` of a local file, read a block at a time (a row table may not fit in memory)."""
+    crc, size = 0, 0
+    with open(path, "rb") as handle:
+        while block := handle.read(_BLOCK):
+            crc, size = crc32c(block, crc), size + len(block)
+    return [size, crc]
+
+
+def seal_local_folder(folder: Path, extra: dict[str, Any] | None = None) -> None:
+    """Write ``folder``'s file table (``TABLE``: every file's ``[size, crc32c]``, plus ``extra``), sealed, last:
+    the same table and seal as ``put_files`` gives a cache's folders, for a folder written file by file."""
+    files = {p.name: file_entry(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != TABLE}
+    write_bytes_atomic(folder / TABLE, canonical_json(sealed({"files": files, **(extra or {})})))
+
+
+def read_local_table(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``folder``'s file table if intact (seal checked), else ``(None, what is wrong with it)``."""
+    try:
+        raw = (folder / TABLE).read_bytes()
+        table = json.loads(raw)
+    except FileNotFoundError:
+        return None, f"{TABLE} is missing"
+    except (OSError, ValueError) as exc:
+        return None, f"{TABLE} is unreadable ({exc})"
+    if not isinstance(table, dict) or not isinstance(table.get("files"), dict) or not is_sealed(table):
+        return None, f"{TABLE} is not a sealed file table"
+    problem = seal_problem(raw, table)
+    return (None, f"{TABLE}: {problem}") if problem else (table, None)
+
+
+def local_folder_problems(folder: Path) -> list[str]:
+    """What is wrong with a folder sealed by ``seal_local_folder``: its table, each listed file's size and crc32c,
+    and files its table does not list; empty when every byte is as written."""
+    table, problem = read_local_table(folder)
+    if table is None:
+        return [problem or f"{TABLE} is damaged"]
+    problems = []
+    for name, entry in sorted(table["files"].items()):
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif file_entry(path) != list(entry):
+            problems.append(f"{name} does not match its size and crc32c (damaged)")
+    listed = set(table["files"]) | {TABLE}
+    problems += [f"{p.name} is not in the folder's table" for p in sorted(folder.iterdir()) if p.name not in listed]
+    return problems

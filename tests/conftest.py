@@ -6,6 +6,7 @@ Each fixture returns the folder a model and its tokenizer were saved to; tests m
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Stage one's rows live outside the caches (stages.precompute.row_store.rows_root): never in the user's datasets
+# cache from a test, and one folder per test, so that a test sees its own builds.
+os.environ.setdefault("KDCACHE_ROWS", tempfile.mkdtemp(prefix="kdcache-test-rows-"))
+
+
+@pytest.fixture(autouse=True)
+def _own_rows_folder(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KDCACHE_ROWS", str(tmp_path_factory.mktemp("rows")))
 
 
 @pytest.fixture(scope="session")

@@ -49,11 +49,21 @@ _LOSSY_LABELS = (("max_rel_error", "max rel"), ("step", "step"), ("clipped", "cl
 
 
 def _codec_text(record: dict[str, Any] | None) -> str:
-    """``, hidden codec int8 (rotation 0, outliers 4)`` for a quantised hidden codec; nothing for a float one."""
+    """``, hidden codec int8 (rotation seed 0, outliers 4)`` for a quantised hidden codec; nothing for a float one.
+    Only the settings the codec uses: a group for a grouped one, outliers when kept, the rotation by its seed."""
     if not record or not record["configuration"]:
         return f", hidden states {record['name']}" if record else ""
-    config = ", ".join(f"{key} {value}" for key, value in record["configuration"].items())
-    return f", hidden codec {record['name']} ({config})"
+    from kdcache.storage.hidden_codecs import codec_of
+
+    codec, shown = codec_of(record), []
+    for key, value in record["configuration"].items():
+        if key == "rotation":
+            shown.append(f"rotation seed {value}" if value is not None else "no rotation")
+        elif key == "group" and not codec.grouped or key == "outliers" and not value:
+            continue
+        else:
+            shown.append(f"{key} {value}")
+    return f", hidden codec {record['name']} ({', '.join(shown)})"
 
 
 def _text(info: dict[str, Any]) -> str:
@@ -73,7 +83,8 @@ def _text(info: dict[str, Any]) -> str:
         f"size         {info['stored_bytes']} bytes stored, {info['bytes_per_token']} B/token, "
         f"compression ratio {info['compression_ratio']}",
         "",
-        f"{'array':22} {'dtype':8} {'shape/token':12} {'B/token':>10} {'ratio':>7}  codec",
+        f"{'array':22} {'dtype':8} {'shape/token':12} {'B/token':>10} {'ratio':>7}  codec   (ratio: against the "
+        f"array's own dtype)",
     ]
     for name, a in info["arrays"].items():
         lossy = ""
@@ -81,8 +92,9 @@ def _text(info: dict[str, Any]) -> str:
             err = a["lossy"]  # a hidden codec: the worst shard's relative RMS error and row cosine
             lossy = f"  lossy: max abs {err['max_abs_error']:.3g}" if "max_abs_error" in err else "  top-k"
             lossy += "".join(f", {label} {err[key]:.3g}" for key, label in _LOSSY_LABELS if key in err)
+        fp16 = f"  {a['fp16_ratio']}x smaller than fp16 (with its scales and any outliers)" if "fp16_ratio" in a else ""
         lines.append(f"{name:22} {a['dtype']:8} {str(a['shape_tail']):12} {a['bytes_per_token']!s:>10} "
-                     f"{a['compression_ratio']!s:>7}  {a['codec_label']}{lossy}")
+                     f"{a['compression_ratio']!s:>7}  {a['codec_label']}{lossy}{fp16}")
     # One line per group: each is a handful of keys, and a line per key would bury the table above.
     lines += ["", "fingerprints"] + [f"  {group:<10} {json.dumps(values, sort_keys=True)}"
                                      for group, values in sorted(info["fingerprints"].items())]
@@ -96,11 +108,30 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_rows(cache: str, report: Any) -> None:
+    """Add the problems of the cache's rows (stage one's row table, in the rows folder outside the cache) to
+    ``report``: found by the data fingerprint their sealed table records; rows nobody built are no problem."""
+    from kdcache.stages.precompute.row_store import row_problems
+    from kdcache.storage import open_store
+    from kdcache.storage.errors import KdcacheError
+    from kdcache.storage.manifest import load_manifest
+    from kdcache.storage.verify import VerifyProblem
+
+    try:
+        fingerprint = load_manifest(open_store(cache))[0].fingerprints.get("data")
+    except KdcacheError:
+        return  # verify_cache has reported the manifest
+    if fingerprint:
+        report.problems += [VerifyProblem(None, path, f"rows: {message}") for path, message in
+                            row_problems(fingerprint)]
+
+
 def run_verify(args: argparse.Namespace) -> int:
     """Verify every chunk; exit 0 when clean, 1 naming each bad shard and array. Never a traceback."""
     from kdcache.storage.verify import verify_cache
 
     report = verify_cache(args.cache)
+    _verify_rows(args.cache, report)
     if getattr(args, "json", False):
         print(json.dumps({"path": report.path, "ok": report.ok, "status": report.status,
                           "shards_checked": report.shards_checked, "arrays_checked": report.arrays_checked,

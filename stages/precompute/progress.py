@@ -6,6 +6,8 @@ per target, the bytes each token costs on disk: the figure that decides which la
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,22 +44,41 @@ class RunStats:
         return time.perf_counter() - self.started
 
 
+LINE_EVERY = 30.0  # seconds between progress lines in a log (stderr not a terminal)
+
+
 class Progress:
-    """A tqdm bar over sequences, or nothing (other ranks, ``--no-progress``)."""
+    """A tqdm bar over sequences on a terminal; in a log, a ``kdcache precompute:`` line every ``LINE_EVERY``
+    seconds and at the end (a bar's carriage returns make a log file unreadable); nothing on other ranks or with
+    ``--no-progress``."""
 
     def __init__(self, total: int, enabled: bool, stats: RunStats) -> None:
-        self.stats = stats
+        self.stats, self.total, self.done = stats, total, 0
         self.bar = None
-        if enabled and total:
+        self.lines = enabled and bool(total) and not sys.stderr.isatty() and not os.environ.get("KDCACHE_QUIET")
+        self._last_line = time.perf_counter()
+        if enabled and total and not self.lines:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, unit="seq", desc="precompute", dynamic_ncols=True)
 
     def update(self, sequences: int) -> None:
+        self.done += sequences
+        if self.lines:
+            self._line()
         if self.bar is None:
             return
         self._postfix()
         self.bar.update(sequences)
+
+    def _line(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_line < LINE_EVERY and self.done < self.total:
+            return
+        self._last_line = now
+        rate = self.stats.tokens / max(now - self.stats.compute_started, 1e-9)
+        print(f"kdcache precompute: {self.done:,}/{self.total:,} sequences | {rate:,.0f} tok/s | "
+              f"{format_bytes(self.stats.stored_bytes)} written", file=sys.stderr, flush=True)
 
     def _postfix(self) -> None:
         assert self.bar is not None

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 
 from kdcache.stages.common.documents import document_index
@@ -101,8 +102,8 @@ class QKCapture:
 
 def probe_ids(data: TokenStreams, device: torch.device) -> torch.Tensor:
     """``[1, PROBE_TOKENS]`` at most: the first tokens of the first row (a real text, as the teacher reads)."""
-    ids = data.ids[""][0][:PROBE_TOKENS]
-    return torch.as_tensor(ids, dtype=torch.long, device=device)[None]
+    ids = np.array(data.ids[""][0][:PROBE_TOKENS], dtype=np.int64)  # a copy: the row is a read-only memory map
+    return torch.from_numpy(ids).to(device)[None]
 
 
 def with_score_rules(targets: Targets, model: PreTrainedModel, data: TokenStreams, device: torch.device) -> Targets:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,7 +43,14 @@ from kdcache.stages.precompute.data import (
     text_template,
 )
 from kdcache.stages.precompute.options import PrecomputeOptions
-from kdcache.stages.precompute.row_store import ROWS_VERSION, RowWriter, open_or_build, rows_root
+from kdcache.stages.precompute.row_store import (
+    ROWS_VERSION,
+    Build,
+    RowTable,
+    RowWriter,
+    open_or_build,
+    rows_root,
+)
 from kdcache.stages.precompute.rows import Rows, iter_rows
 from kdcache.storage.fingerprint import hash_bytes, hash_json
 
@@ -88,7 +97,7 @@ def text_streams(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase)
         return text_fingerprint(options, tokenizer), {"dropped": dropped}
 
     hashes = {n: TEXT_HASHES[n] for n in names}
-    return TokenStreams.of_table(open_or_build(rows_root(options.storage.out), key, names, hashes, build))
+    return TokenStreams.of_table(_open_or_build(options, key, names, hashes, build))
 
 
 def pair_streams(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
@@ -116,7 +125,20 @@ def pair_streams(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase)
             raise no_pairs_error(options, dropped)
         return pair_fingerprint(options), {"dropped": {"empty": dropped, "untrained": 0}}
 
-    return TokenStreams.of_table(open_or_build(rows_root(options.storage.out), key, names, PAIR_HASHES, build))
+    return TokenStreams.of_table(_open_or_build(options, key, names, PAIR_HASHES, build))
+
+
+def _open_or_build(options: PrecomputeOptions, key: dict[str, Any], names: tuple[str, ...], hashes: dict[str, str],
+                   build: Build) -> RowTable:
+    """The rows from the rows folder (``row_store.rows_root``); ``--estimate``'s in a scratch folder it removes
+    at once (the open table reads on through its memory map), so an estimate leaves no file anywhere."""
+    if not options.engine.estimate:
+        return open_or_build(rows_root(), key, names, hashes, build)
+    scratch = Path(tempfile.mkdtemp(prefix="kdcache-estimate-rows-"))
+    try:
+        return open_or_build(scratch / "rows", key, names, hashes, build)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _loaded(load: Callable[[PrecomputeOptions], Dataset | IterableDataset],

@@ -8,9 +8,14 @@ file. A rank then touches only the pages of its own shards' rows, so its residen
 data beyond what the memory map shares with the page cache.
 
 Layout of ``<root>/<key>/``: ``rows.arrow`` (an Arrow IPC file, one ``list<...>`` column per token array:
-``input_ids``, ``loss_mask``, ``position_ids``, or ``encoder/input_ids``...) and ``rows.json`` (the key, the
-data fingerprint, row and token counts), written last: a folder without it is an interrupted build and is
-rebuilt. ``<root>`` is the cache folder's ``rows/`` for a local cache, and the ``datasets`` cache otherwise.
+``input_ids``, ``loss_mask``, ``position_ids``, or ``encoder/input_ids``...), ``rows.json`` (the key, the data
+fingerprint, row and token counts) and, written last, ``.kdcache-files.json``: the sealed file table every folder
+of a cache carries (``storage.folders``), plus the data fingerprint, so ``kdcache verify`` finds a cache's rows.
+Every open checks the table against the files first; a folder without an intact table (an interrupted build, a
+flipped byte) is rebuilt with a note, never used. ``<key>.lock`` beside it is an empty ``flock`` handle.
+
+``<root>`` is one folder for every cache, local or in object storage (``rows_root``): the rows are a cache of
+the data, not part of any cache, so ``--out`` holds only the cache, and a run refused there leaves it untouched.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +34,7 @@ import numpy as np
 
 from kdcache.storage.canonical import canonical_json
 from kdcache.storage.fingerprint import ArraysHash, hash_json
-from kdcache.storage.folders import ROWS_DIR
+from kdcache.storage.folders import TABLE, local_folder_problems, read_local_table, seal_local_folder
 from kdcache.storage.streams import kind_of, split_stream
 
 ROWS_VERSION = 1  # bump when the file layout or the building rules change
@@ -174,16 +180,32 @@ def _dtype(name: str) -> np.dtype:
 Build = Callable[[RowWriter], tuple[dict[str, Any], dict[str, Any]]]
 
 
-def rows_root(out: str) -> Path:
-    """Where the rows of the cache at ``out`` live: its ``rows/`` folder, or the ``datasets`` cache for an
-    object-store cache (memory maps need a local file)."""
-    from kdcache.storage.stores import is_url
+ROWS_ENV = "KDCACHE_ROWS"
 
-    if not is_url(out) or out.startswith("file://"):
-        return Path(out.removeprefix("file://")).expanduser() / ROWS_DIR
+
+def rows_root() -> Path:
+    """Where every cache's rows live: ``$KDCACHE_ROWS``, else ``$HF_DATASETS_CACHE/kdcache-rows``; a local folder
+    (memory maps need a local file), the same for local and object-storage caches. Point ``KDCACHE_ROWS`` at a
+    shared filesystem for the ranks of several nodes to build the rows once."""
+    if os.environ.get(ROWS_ENV):
+        return Path(os.environ[ROWS_ENV]).expanduser()
     import datasets
 
     return Path(datasets.config.HF_DATASETS_CACHE) / "kdcache-rows"
+
+
+def row_problems(fingerprint: dict[str, Any], root: Path | None = None) -> list[tuple[str, str]]:
+    """``(file, problem)`` for each damaged file of the rows whose table names data ``fingerprint`` (a cache's
+    ``fingerprints["data"]``), and for each table too damaged to say whose rows it covers."""
+    root = rows_root() if root is None else root
+    found: list[tuple[str, str]] = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and "." not in p.name) if root.is_dir() else ():
+        table, problem = read_local_table(folder)
+        if table is None:
+            found.append((str(folder / TABLE), problem or "damaged"))
+        elif table.get("fingerprint") == fingerprint:
+            found += [(str(folder), p) for p in local_folder_problems(folder)]
+    return found
 
 
 def open_or_build(root: Path, key: dict[str, Any], names: Sequence[str], hashes: dict[str, str],
@@ -206,8 +228,12 @@ def open_or_build(root: Path, key: dict[str, Any], names: Sequence[str], hashes:
     lock, building = FileLock(str(folder) + ".lock"), False
     try:
         with lock:  # other ranks and parts wait here while one builds
-            if (folder / "rows.json").is_file():
+            damaged = local_folder_problems(folder) if folder.is_dir() else None
+            if folder.is_dir() and not damaged:
                 return RowTable.open(folder)
+            if damaged:  # never used: a flipped byte in the ids would cache the wrong tokens
+                print(f"kdcache precompute: note: the rows at {folder} are damaged ({'; '.join(damaged)}); "
+                      f"building them again", file=sys.stderr)
             building = True
             _build(folder, key, names, hashes, build)
     except BaseException:
@@ -236,6 +262,7 @@ def _build(folder: Path, key: dict[str, Any], names: Sequence[str], hashes: dict
         fingerprint = {**fingerprint, **{field: writer.hashes[name].hexdigest() for name, field in hashes.items()},
                        "num_sequences": writer.rows}
         writer.finish(key, fingerprint, {**extra, "build_seconds": round(time.perf_counter() - started, 3)})
+        seal_local_folder(tmp, {"fingerprint": fingerprint})  # last: the folder's commit point
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

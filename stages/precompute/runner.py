@@ -88,13 +88,17 @@ def _quiet_libraries(quiet: bool) -> Iterator[None]:
     if not quiet:
         yield
         return
+    # Put back what was there: enabling bars that a log (pipeline.quiet) turned off would only warn.
+    was = datasets.is_progress_bar_enabled(), transformers.utils.logging.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     try:
         yield
     finally:
-        datasets.enable_progress_bars()
-        transformers.utils.logging.enable_progress_bar()
+        if was[0]:
+            datasets.enable_progress_bars()
+        if was[1]:
+            transformers.utils.logging.enable_progress_bar()
 
 
 def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:

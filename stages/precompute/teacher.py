@@ -45,10 +45,14 @@ def read_config(options: PrecomputeOptions) -> PretrainedConfig:
     """
     from transformers import AutoConfig
 
+    from kdcache.stages.common.hub import offline_unless_reachable
+
+    unreachable = offline_unless_reachable(options.engine.teacher)  # one try, not five per file
     try:
         config = AutoConfig.from_pretrained(options.engine.teacher, revision=options.engine.revision)
     except Exception as exc:  # OSError for missing repos/files, ValueError for unknown model types
-        raise PrecomputeError(f"cannot load the teacher config from {options.engine.teacher!r}: {exc}") from None
+        why = unreachable or exc
+        raise PrecomputeError(f"cannot load the teacher config from {options.engine.teacher!r}: {why}") from None
     return config  # the family (decoder-only or encoder, encoder-decoder) picks the adapter (adapters.adapter_for)
 
 

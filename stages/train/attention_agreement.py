@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
+from kdcache.stages.common.attention_maps import use_maps_attention
 from kdcache.stages.common.qk_attention import Captured, QKRecorder, QKRecorderError
 from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses import LossError, attention_kl
@@ -74,7 +75,7 @@ class AttentionAgreement:
         self.recorder = (QKRecorder(student, blocks, causal)
                          if self.source != "maps" and pairs and student is not None else None)
         if self.source == "maps" and pairs and student is not None:
-            student.set_attn_implementation("eager")  # fused kernels return no maps
+            use_maps_attention(student)  # fused kernels return no maps; eager's come after dropout
 
     @property
     def names(self) -> list[str]:

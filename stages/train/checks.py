@@ -114,15 +114,15 @@ def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) ->
     attention = any(layers for group, layers in spec.layer_groups() if not group.endswith("hidden"))
     problems = []
     loss = options.loss
-    if loss.alpha > 0 and not student.has_lm_head:
+    if loss.ce_weight > 0 and not student.has_lm_head:
         problems.append("the CE term (--alpha) needs a student with an LM head; this student has none "
                         "(use --alpha 0, or a *ForCausalLM / *ForMaskedLM student)")
-    if loss.beta > 0 and not spec.logits:
+    if loss.kl_weight > 0 and not spec.logits:
         problems.append(f"the KL term (--beta) needs the teacher's logits, but the cache holds {held}; re-run "
                         "precompute with logits (full or top-k), or use --beta 0")
-    elif loss.beta > 0 and not student.has_lm_head:
+    elif loss.kl_weight > 0 and not student.has_lm_head:
         problems.append("the KL term (--beta) needs student logits, but the student has no LM head")
-    elif loss.beta > 0:  # the top-k variant and the temperature against this cache's logit kind
+    elif loss.kl_weight > 0:  # the top-k variant and the temperature against this cache's logit kind
         problems += logit_kinds.get(spec.logits).loss_problems(spec, loss)
     if loss.gamma > 0 and options.maps.for_stream("").kind != "none" and not hidden:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "

@@ -9,7 +9,8 @@ Inputs (``B`` batch, ``L`` padded length):
 * ``student_out``: an HF ``ModelOutput``-like object with ``.logits [B, L, V]`` (absent for encoders) or the
   ``HeadLogits`` behind them (the last hidden state and the LM head, applied chunk by chunk in the losses),
   ``.hidden_states`` (tuple, 0 = embeddings; needs ``output_hidden_states=True``) and ``.attentions``
-  (tuple, block j at index j−1; needs ``output_attentions=True`` and eager attention).
+  (tuple, block j at index j−1; needs ``output_attentions=True`` and ``attention_maps.MAPS_ATTENTION``, eager
+  attention returning its probabilities before dropout).
 * ``targets``: the collated cache arrays as float32 tensors on the device: ``input_ids [B, L]``,
   ``hidden/{j} [B, L, d_t]``, ``attention/{j} [B, H', L, L]``, ``logits/full [B, L, V]`` or
   ``logits/topk_values``/``logits/topk_ids [B, L, k]`` and ``logits/lse [B, L]``.
@@ -235,7 +236,7 @@ class CompoundLoss(nn.Module):
         """Σ over attention pairs of ``attention_kl``; student block j is ``attentions[j - 1]``."""
         if self.teacher_scores is not None:
             return self._qk_term(out, targets, masks, logs, any_trained)
-        maps = _student_field(out, "attentions", "output_attentions=True and attn_implementation='eager'")
+        maps = _student_field(out, "attentions", "output_attentions=True and attention_maps.MAPS_ATTENTION")
         attention_kl = get_loss("attention_kl")
         total = torch.zeros((), device=masks.real.device)
         if not any_trained:

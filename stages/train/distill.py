@@ -154,8 +154,8 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
     loss = options.loss
-    alpha = loss.alpha if main and facts.has_lm_head else 0.0
-    beta = loss.beta if main and logits else 0.0
+    alpha = loss.ce_weight if main and facts.has_lm_head else 0.0
+    beta = loss.kl_weight if main and logits else 0.0
     gamma = loss.gamma if pairs.hidden_pairs else 0.0
     delta = loss.delta if pairs.attention_pairs else 0.0
     if not main and not (gamma > 0 or delta > 0):
@@ -173,7 +173,7 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
 def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
                     head: TeacherHead | None = None) -> DistillLoss:
     """The distillation loss for this plan (``head``: the teacher's LM head of a ``--logits head`` cache)."""
-    if options.loss.alpha > 0 and facts.has_lm_head and not facts.is_causal and not facts.is_encoder_decoder:
+    if options.loss.ce_weight > 0 and facts.has_lm_head and not facts.is_causal and not facts.is_encoder_decoder:
         # The cache holds unmasked inputs, so an encoder's per-token CE predicts each token from itself.
         print("kdcache train: note: CE on an encoder (masked-LM) student is a near-trivial objective here, "
               "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)

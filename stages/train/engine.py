@@ -7,9 +7,12 @@ make a world of one. gloo on the CPU, nccl on GPUs.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,8 +56,10 @@ def init_distributed() -> DistInfo:
     if cuda:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
-                                   verbose=False)
+        # It prints "DeepSpeed deepspeed_shm_comm_op built successfully" on stdout: a terminal's stderr at most.
+        with contextlib.redirect_stdout(sys.stderr if sys.stderr.isatty() else io.StringIO()):
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
+                                       verbose=False)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 

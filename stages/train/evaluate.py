@@ -107,6 +107,15 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
     return student, pairs, projectors
 
 
+def default_pairs(student_layers: list[int], teacher_layers: list[int]) -> list[Pair]:
+    """The uniform map (``--layer-map``'s default) from the student's blocks to the teacher's, j -> floor(jN/M),
+    keeping the pairs whose teacher layer the evaluation cache holds."""
+    from kdcache.stages.train.layer_maps import build_layer_map
+
+    blocks, depth = max(student_layers), max(teacher_layers)
+    return [(s, t) for s, t in build_layer_map("uniform", blocks, depth) if t in teacher_layers and s > 0]
+
+
 @torch.no_grad()
 def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 16, limit: int | None = None,
                  teacher_layer: int | None = None, device: str | torch.device = "cpu",
@@ -212,7 +221,11 @@ class _EvalState:
             result.update(final_state_agreement(torch.cat(self.pooled_s), torch.cat(self.pooled_t), projectors,
                                                 self.depth, self.final, self.notes))
         if self.main in self.cka:
-            result["cka"] = cka_result(self.cka[self.main], main_pairs)
+            cka = self.cka[self.main]
+            if not main_pairs:  # a baseline scored before training has no map yet: the default one, uniform
+                main_pairs = default_pairs(cka.student_layers, cka.teacher_layers)
+                result["layer_map_note"] = "no layer map in the run yet: CKA on the uniform map"
+            result["cka"] = cka_result(cka, main_pairs)
         if len(self.streams) > 1 and self.cka:
             result["cka_streams"] = {s: cka_result(cka, pairs.get(s, [])) for s, cka in self.cka.items()}
         attention = self.attention.result()

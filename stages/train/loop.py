@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.attention_maps import MAPS_ATTENTION
 from kdcache.stages.common.hidden_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.checks import open_cache
 from kdcache.stages.train.distill import DistillModel, build_criterion
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
+from kdcache.stages.train.interrupt import StopOnSignal, TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.plan import TrainPlan, plan_training, unused_targets
@@ -67,10 +69,15 @@ def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, Studen
     options, chosen = options.with_cache_defaults(reader.spec)
     if chosen and int(os.environ.get("RANK", "0")) == 0:
         print(f"kdcache train: {chosen}", file=sys.stderr)
-    # Maps need eager attention (fused kernels return none); a q/k cache records the student's queries and keys.
-    attn = "eager" if options.loss.delta > 0 and reader.spec.attention_source == "maps" else None
+    # Maps need eager attention (fused kernels return none), taken before its dropout (attention_maps); a q/k cache
+    # records the student's queries and keys.
+    attn = MAPS_ATTENTION if options.loss.delta > 0 and reader.spec.attention_source == "maps" else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
     facts = student_facts(student, pretrained=has_weights(options.run.student))
+    options, said = options.with_student_defaults(facts.has_lm_head, not facts.is_causal and
+                                                  not facts.is_encoder_decoder)
+    if said and int(os.environ.get("RANK", "0")) == 0:
+        print(f"kdcache train: {said}", file=sys.stderr)
     plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.run.student))
     unused = unused_targets(reader.spec, plan, options)
     if unused and int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for all
@@ -192,19 +199,25 @@ class _Trainer:
         self._since_log = start
         self.engine.train()
         batches = iter(loader)
-        while self.engine.global_steps < total:
-            asked = time.perf_counter()
-            batch = next(batches, None)
-            self._waited += time.perf_counter() - asked  # the step stood still: the data was not ready
-            if batch is None:
-                break
-            self._micro_step(batch, stream.steps_per_epoch)
-            if self._stepped():
-                self._after_optimizer_step(total)
-        elapsed = time.perf_counter() - start
-        if self.engine.global_steps > (self.resumed_from or 0) or not ckpt.has_checkpoint(self.run_dir):
-            self._save()
+        # Ctrl-C / SIGTERM: finish the optimizer step, then save below and say how to resume (interrupt.py).
+        with StopOnSignal(self.dist.world_size, announce=self.dist.rank == 0) as stop:
+            while self.engine.global_steps < total:
+                asked = time.perf_counter()
+                batch = next(batches, None)
+                self._waited += time.perf_counter() - asked  # the step stood still: the data was not ready
+                if batch is None:
+                    break
+                self._micro_step(batch, stream.steps_per_epoch)
+                if self._stepped():
+                    self._after_optimizer_step(total)
+                    if stop.requested():
+                        break
+            elapsed = time.perf_counter() - start
+            if self.engine.global_steps > (self.resumed_from or 0) or not ckpt.has_checkpoint(self.run_dir):
+                self._save()
         self.progress.close()
+        if stop.signum:
+            raise TrainingInterrupted(stop.signum, int(self.engine.global_steps), str(self.run_dir))
         student_dir = self._export() if self.options.run.export else None
         steps = self.engine.global_steps - start_step
         return {"steps": int(self.engine.global_steps), "steps_this_run": int(steps),

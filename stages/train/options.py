@@ -83,8 +83,11 @@ class LossOptions:
     """The compound loss: the weight of each term, the hidden-state loss, the KD temperature."""
 
     hidden_loss: str = field(default="mse", metadata=_opt("hidden-state loss", choices=list(HIDDEN_LOSSES)))
-    alpha: float = field(default=1.0, metadata=_opt("weight of the CE term (causal shift)"))
-    beta: float = field(default=1.0, metadata=_opt("weight of the logit KL term"))
+    alpha: float | None = field(default=None, metadata=_opt(
+        "weight of the CE term (causal shift; default 1, 0 for a student without an LM head or an encoder's, whose "
+        "CE on unmasked cached tokens is near-trivial)"))
+    beta: float | None = field(default=None, metadata=_opt(
+        "weight of the logit KL term (default 1, 0 when the cache holds no logits)"))
     gamma: float = field(default=1.0, metadata=_opt("weight of the hidden-state term"))
     delta: float = field(default=0.0, metadata=_opt("weight of the attention KL term"))
     temperature: float | None = field(default=None, metadata=_opt(
@@ -101,10 +104,21 @@ class LossOptions:
     relation_heads: int = field(default=0, metadata=_opt(
         "--attention-loss relation: relation heads R, dividing both sides' widths (0: the student's heads)"))
 
+    @property
+    def ce_weight(self) -> float:
+        """--alpha as resolved (``TrainOptions.with_student_defaults``); 1 where nothing has resolved it."""
+        return 1.0 if self.alpha is None else self.alpha
+
+    @property
+    def kl_weight(self) -> float:
+        """--beta as resolved (``TrainOptions.with_cache_defaults``); 1 where nothing has resolved it."""
+        return 1.0 if self.beta is None else self.beta
+
     def validate(self) -> list[str]:
         """Every problem of this group."""
         problems = [f"{name} must be >= 0, got {getattr(self, name)}"
-                    for name in ("alpha", "beta", "gamma", "delta", "relation_heads") if getattr(self, name) < 0]
+                    for name in ("alpha", "beta", "gamma", "delta", "relation_heads")
+                    if getattr(self, name) is not None and getattr(self, name) < 0]
         if self.temperature is not None and self.temperature <= 0:
             problems.append(f"temperature must be > 0, got {self.temperature}")
         if self.critic_steps < 1:
@@ -247,17 +261,33 @@ class TrainOptions:
         """These options with what the cache decides when the user gave nothing, and a line saying so.
 
         A sampled cache's KL estimate exists only at its sampling temperature, so that is the default there (its
-        logit kind's ``default_temperature``).
+        logit kind's ``default_temperature``); a cache without logits has no KL term (``--beta`` 0).
         """
-        if self.loss.temperature is not None:
+        said: list[str] = []
+        loss = self.loss
+        if loss.beta is None:
+            loss = dataclasses.replace(loss, beta=1.0 if getattr(spec, "logits", None) else 0.0)
+            if not loss.beta:
+                said.append("--beta 0: the cache holds no logits (--beta not given)")
+        if loss.temperature is None:
+            mode = getattr(spec, "logits", None)
+            fixed = logit_kinds.get(mode).default_temperature(spec) if mode else None
+            loss = dataclasses.replace(loss, temperature=DEFAULT_TEMPERATURE if fixed is None else fixed)
+            if fixed is not None:
+                said.append(f"training at temperature {fixed:g}, the cache's sampling temperature (--temperature "
+                            f"not given)")
+        return dataclasses.replace(self, loss=loss), "; ".join(said) or None
+
+    def with_student_defaults(self, lm_head: bool, encoder: bool) -> tuple[TrainOptions, str | None]:
+        """``--alpha`` when not given: 1, or 0 for a student without an LM head (no CE to take) or an encoder
+        (its CE on the cache's unmasked tokens predicts each token from itself); and a line saying why."""
+        if self.loss.alpha is not None:
             return self, None
-        mode = getattr(spec, "logits", None)
-        fixed = logit_kinds.get(mode).default_temperature(spec) if mode else None
-        temperature = DEFAULT_TEMPERATURE if fixed is None else fixed
-        resolved = dataclasses.replace(self, loss=dataclasses.replace(self.loss, temperature=temperature))
-        said = (f"training at temperature {temperature:g}, the cache's sampling temperature (--temperature not "
-                f"given)") if fixed is not None else None
-        return resolved, said
+        alpha = 1.0 if lm_head and not encoder else 0.0
+        resolved = dataclasses.replace(self, loss=dataclasses.replace(self.loss, alpha=alpha))
+        why = ("the student has no LM head" if not lm_head
+               else "an encoder's CE on unmasked cached tokens is near-trivial")
+        return resolved, None if alpha else f"--alpha 0: {why} (--alpha not given)"
 
     @classmethod
     def of(cls, **flat: Any) -> TrainOptions:

@@ -218,7 +218,7 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     problems = stream_problems(spec, student)
     if problems:  # the layer maps below would only add noise
         raise CacheCheckError(problems)
-    problems += vocab_problems(reader, student.vocab_size, student_tokenizer, logits_needed=options.loss.beta > 0)
+    problems += vocab_problems(reader, student.vocab_size, student_tokenizer, logits_needed=options.loss.kl_weight > 0)
     problems += feature_problems(options, spec, student)
     streams = _streams(options, reader, student)
     pairs: dict[str, list[Pair]] = {}
@@ -228,7 +228,7 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     problems += _relation_problems(options, spec, student)
     if problems:
         raise CacheCheckError(problems)
-    logits = spec.logits if options.loss.beta > 0 else None
+    logits = spec.logits if options.loss.kl_weight > 0 else None
     names = stream_names(spec, pairs, logits, _attention_kinds(spec, options.loss.attention_loss))
     sizes, heads = _target_shapes(reader, names)
     if spec.attention_source != "maps":

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.common.architectures import is_causal_config, is_encoder_decoder, model_class, stack_depths
+from kdcache.stages.common.attention_maps import MAPS_ATTENTION
+from kdcache.stages.common.attention_maps import register as register_maps_attention
 from kdcache.storage.errors import KdcacheError
 
 if TYPE_CHECKING:
@@ -84,13 +86,16 @@ def load_student(path: str | Path, *, seed: int = 0,
     Args:
         path: a HF model folder, a folder with only ``config.json``, or a ``config.json`` file.
         seed: seeds the random init (the same seed gives the same student on every rank).
-        attn_implementation: "eager" when attention maps are needed (SDPA kernels return none).
+        attn_implementation: ``attention_maps.MAPS_ATTENTION`` when attention maps are needed (SDPA kernels return
+            none; plain "eager" returns them after dropout).
 
     Returns:
         A model with an LM head when its architecture has one (``*ForCausalLM``, ``*ForMaskedLM``, ...),
         else the bare encoder.
     """
     config = load_config(path)
+    if attn_implementation == MAPS_ATTENTION:
+        register_maps_attention()
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     cls = model_class(config)

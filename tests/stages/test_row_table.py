@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,14 +16,22 @@ import pytest
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import PrecomputeOptions, run_precompute
 from kdcache.stages.precompute.row_build import pair_streams, text_streams
+from kdcache.stages.precompute.row_store import ROWS_ENV
 from kdcache.stages.precompute.teacher import load_tokenizer
 from kdcache.storage import CacheReader
 from kdcache.storage.canonical import canonical_json
+from kdcache.storage.folders import TABLE, seal_local_folder
 from tests.helpers.tiny_models import make_tiny_bart, sample_pairs, sample_texts, write_pair_dataset, write_text_dataset
 from tests.stages.test_precompute_resume import assert_same_cache
 
 
+def _rows_of(out: Path) -> Path:
+    """The rows folder these tests give the cache at ``out`` (``KDCACHE_ROWS``; conftest restores it after each)."""
+    return out.parent / f"{out.name}.rows"
+
+
 def _opts(teacher: Path, data: Path, out: Path, **more: Any) -> PrecomputeOptions:
+    os.environ[ROWS_ENV] = str(_rows_of(out))  # one rows folder per cache here, so each test sees its own builds
     flat = dict(teacher=str(teacher), data=str(data), out=str(out), max_length=40, batch_size=4,
                 sequences_per_shard=4, layers=("0", "2"), features=("hidden", "attention", "logits"), top_k=8,
                 attention_layers=("1",), progress=False)
@@ -34,7 +43,7 @@ def _streams(options: PrecomputeOptions) -> Any:
 
 
 def _row_folders(out: Path) -> list[str]:
-    return sorted(p.name for p in (out / "rows").iterdir() if p.is_dir())
+    return sorted(p.name for p in _rows_of(out).iterdir() if p.is_dir())
 
 
 def _same_rows(a: Any, b: Any) -> None:
@@ -59,7 +68,7 @@ def test_rerun_and_job_array_parts_reuse_the_rows(tiny_gpt2: Path, corpus: Path,
     rerun = run_precompute(_opts(tiny_gpt2, corpus, out, num_shards=2, shard_index=1))
     assert first["rows"]["built"] and not second["rows"]["built"] and not rerun["rows"]["built"]
     assert len(_row_folders(out)) == 1
-    meta = out / "rows" / _row_folders(out)[0] / "rows.json"  # canonical, like every JSON kdcache writes
+    meta = _rows_of(out) / _row_folders(out)[0] / "rows.json"  # canonical, like every JSON kdcache writes
     assert meta.read_bytes() == canonical_json(json.loads(meta.read_bytes()))
     single = tmp_path / "single"
     run_precompute(_opts(tiny_gpt2, corpus, single))
@@ -97,13 +106,13 @@ def test_parallel_tokenizing_gives_the_rows_of_one_process(tiny_llama: Path, cor
 
 
 def _row_files(out: Path) -> list[str]:
-    return sorted(p.name for p in (out / "rows").rglob("*") if p.is_file() and p.suffix != ".lock")
+    return sorted(p.name for p in _rows_of(out).rglob("*") if p.is_file() and p.suffix != ".lock")
 
 
 def test_parallel_tokenizing_keeps_no_second_copy_of_the_tokens(tiny_llama: Path, corpus: Path,
                                                                 tmp_path: Path) -> None:
     assert _streams(_opts(tiny_llama, corpus, tmp_path / "two", tokenize_workers=2)).built
-    assert _row_files(tmp_path / "two") == ["rows.arrow", "rows.json"]  # no datasets.map output left inside
+    assert _row_files(tmp_path / "two") == [TABLE, "rows.arrow", "rows.json"]  # no datasets.map output left inside
 
 
 def test_pairs_tokenized_by_two_workers_give_the_rows_of_one(tmp_path: Path) -> None:
@@ -111,11 +120,12 @@ def test_pairs_tokenized_by_two_workers_give_the_rows_of_one(tmp_path: Path) -> 
     data = write_pair_dataset(tmp_path / "pairs.jsonl", sample_pairs(30, seed=4))
     built = {}
     for procs in (1, 2):
+        os.environ[ROWS_ENV] = str(_rows_of(tmp_path / f"c{procs}"))
         options = PrecomputeOptions.of(teacher=str(teacher), data=str(data), out=str(tmp_path / f"c{procs}"),
                                        source_column="source", target_column="target", max_length=40,
                                        tokenize_workers=procs, progress=False)
         built[procs] = pair_streams(options, load_tokenizer(options))
-        assert built[procs].built and _row_files(tmp_path / f"c{procs}") == ["rows.arrow", "rows.json"]
+        assert built[procs].built and _row_files(tmp_path / f"c{procs}") == [TABLE, "rows.arrow", "rows.json"]
     assert built[1].fingerprint == built[2].fingerprint and len(built[1]) == len(built[2]) > 0
     for name in built[1].tokens:
         for i in range(len(built[1])):
@@ -221,7 +231,8 @@ def test_only_the_process_that_built_removes_the_lock_file(tmp_path: Path) -> No
     assert not (tmp_path / "cache").exists()  # the builder left nothing behind, its lock file included
     folder = root / hash_json({"data": 2})[7:23]
     folder.mkdir(parents=True)
-    (folder / "rows.json").write_text("{")  # another process's rows, unreadable: this one only opens them
+    (folder / "rows.json").write_text("{")  # another process's rows, sealed as written but unreadable:
+    seal_local_folder(folder)  # intact by their table, so this process only opens them (damaged ones it rebuilds)
     with pytest.raises((ValueError, OSError)):
         open_or_build(root, {"data": 2}, ("input_ids",), {}, refuse)
     assert (root / f"{folder.name}.lock").is_file()
