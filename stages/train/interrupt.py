@@ -3,7 +3,8 @@
 A signal only sets a flag (``StopOnSignal``); the loop reads it after each optimizer step, saves a checkpoint at
 that boundary (never inside a gradient accumulation, whose partial gradients a checkpoint does not hold) and
 raises ``TrainingInterrupted``, which the CLI turns into its message and exit status ``128 + signal``. A second
-signal stops at once (``KeyboardInterrupt``), for a user who will not wait for the save.
+signal, sent more than ``DUPLICATE_WINDOW`` seconds after the first, stops at once (``KeyboardInterrupt``), for a
+user who will not wait for the save; one arriving with the first is the same request delivered twice.
 
 Several ranks agree before stopping: a signal may reach one rank a step before another, and a checkpoint is a
 collective, so each optimizer step all-reduces the flag (one integer; only when ``world_size > 1``).
@@ -16,10 +17,12 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from types import FrameType, TracebackType
 from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+DUPLICATE_WINDOW = 2.0  # seconds within which a second signal is the same request delivered twice
 
 
 class TrainingInterrupted(Exception):
@@ -49,7 +52,7 @@ class StopOnSignal:
 
     def __init__(self, world_size: int = 1, announce: bool = True) -> None:
         self.world_size, self.announce = world_size, announce
-        self.signum = 0
+        self.signum, self._first = 0, 0.0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopOnSignal:
@@ -62,9 +65,13 @@ class StopOnSignal:
             signal.signal(s, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum:  # the second signal: stop now, without the checkpoint
-            raise KeyboardInterrupt
-        self.signum = signum
+        if self.signum:
+            # A signal sent to the process and to its group (a launcher, `timeout`, Ctrl-C under a parent) arrives
+            # twice at once: only one sent later says "stop now, without the checkpoint".
+            if time.monotonic() - self._first > DUPLICATE_WINDOW:
+                raise KeyboardInterrupt
+            return
+        self.signum, self._first = signum, time.monotonic()
         if self.announce:
             print(f"kdcache train: {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
                   f"(send it again to stop at once)", file=sys.stderr, flush=True)
