@@ -14,9 +14,10 @@ its probabilities from there), so no other layer's ``[B, H, L, L]`` tensor is ke
 declare where their attention is recorded fall back to ``output_attentions=True``.
 
 Inside each hook the tensor is turned into what is stored: converted to the storage dtype on the device, with its
-min/max kept on the device for the fp16 overflow check (one host sync per batch). Padding is cut off on the host
-by views (``BatchOutput.split``), never written: the writer only ever sees each sequence's valid tokens. The
-range check also sees padded positions; they are ordinary activations of pad tokens, finite like the rest.
+largest |value| kept on the device for the fp16 overflow check, read when the batch reaches the host
+(``finish``: no sync of its own). Padding never reaches the writer: on a GPU it is dropped on the device before
+the copy, on the CPU cut off by views (``transfer``). The range check also sees padded positions; they are
+ordinary activations of pad tokens, finite like the rest.
 """
 
 from __future__ import annotations
