@@ -237,8 +237,9 @@ class DistillModel(nn.Module):
     ``forward(batch)`` runs the student on the cached token ids and returns the loss terms.
     """
 
-    def __init__(self, student: PreTrainedModel, criterion: DistillLoss, plan: TrainPlan):
+    def __init__(self, student: PreTrainedModel, criterion: DistillLoss, plan: TrainPlan, *, announce: bool = True):
         super().__init__()
+        self.announce = announce  # say which path the vocabulary losses take (rank 0, without --quiet)
         self.student: PreTrainedModel = student
         self.criterion = criterion
         self.want_hidden = plan.wants_hidden
@@ -258,7 +259,7 @@ class DistillModel(nn.Module):
             self._documents_checked = True
         inputs = student_inputs(self.student, batch, self._causal)
         if self._head is None:
-            self._head = (choose_head(self.student, inputs, one_stream="input_ids" in batch),)
+            self._head = (choose_head(self.student, inputs, one_stream="input_ids" in batch, announce=self.announce),)
         head = self._head[0]
 
         def run(attentions: bool) -> Any:

@@ -104,7 +104,8 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     run_dir = Path(options.run.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     head = _teacher_head(reader, plan, dist_info.rank == 0)
-    model = DistillModel(student, build_criterion(options, plan, facts, head), plan)
+    model = DistillModel(student, build_criterion(options, plan, facts, head), plan,
+                         announce=dist_info.rank == 0 and not options.run.quiet)
     engine = build_engine(model, options, dist_info.device)
     return _Trainer(options, plan, engine, dist_info, reader).run()
 
@@ -305,7 +306,7 @@ class _Trainer:
         every = self.options.run.save_every
         count = (total - 1) // every + 1 if every else 1  # the periodic ones, and the last
         line = ckpt.check_room(self.run_dir, self._checkpoint_bytes, count)
-        if self.dist.rank == 0:
+        if self.dist.rank == 0 and not self.options.run.quiet:
             print(f"kdcache train: {line}", file=sys.stderr)
 
     def _save(self) -> None:

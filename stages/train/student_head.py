@@ -58,8 +58,10 @@ def head_problem(student: PreTrainedModel, head: nn.Linear, inputs: Mapping[str,
     return None
 
 
-def choose_head(student: PreTrainedModel, inputs: Mapping[str, Any], one_stream: bool) -> nn.Linear | None:
-    """The head the losses apply themselves (None: the model's own forward), said once on rank 0."""
+def choose_head(student: PreTrainedModel, inputs: Mapping[str, Any], one_stream: bool,
+                announce: bool = True) -> nn.Linear | None:
+    """The head the losses apply themselves (None: the model's own forward), said once when ``announce`` (rank 0,
+    without --quiet)."""
     head = plain_head(student) if one_stream else None
     problem = None if head is None else head_problem(student, head, inputs)
     device = next(student.parameters()).device
@@ -69,7 +71,7 @@ def choose_head(student: PreTrainedModel, inputs: Mapping[str, Any], one_stream:
         why = problem or "its LM head is not a plain linear layer beside a base model (or is split by ZeRO-3)"
         words = f"materialised logits from {type(student).__name__}'s own forward ({why})"
         head = None
-    if int(os.environ.get("RANK", "0")) == 0:
+    if announce and int(os.environ.get("RANK", "0")) == 0:
         print(f"kdcache train: vocabulary losses: {words}", file=sys.stderr)
     return head
 
