@@ -109,11 +109,16 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
 
 def default_pairs(student_layers: list[int], teacher_layers: list[int]) -> list[Pair]:
     """The uniform map (``--layer-map``'s default) from the student's blocks to the teacher's, j -> floor(jN/M),
-    keeping the pairs whose teacher layer the evaluation cache holds."""
-    from kdcache.stages.train.layer_maps import build_layer_map
+    keeping the pairs whose teacher layer the evaluation cache holds; none when the student has more blocks than
+    the cache's deepest layer (no uniform map exists then)."""
+    from kdcache.stages.train.layer_maps import LayerMapError, build_layer_map
 
     blocks, depth = max(student_layers), max(teacher_layers)
-    return [(s, t) for s, t in build_layer_map("uniform", blocks, depth) if t in teacher_layers and s > 0]
+    try:
+        pairs = build_layer_map("uniform", blocks, depth)
+    except LayerMapError:
+        return []
+    return [(s, t) for s, t in pairs if t in teacher_layers and s > 0]
 
 
 @torch.no_grad()
@@ -224,7 +229,8 @@ class _EvalState:
             cka = self.cka[self.main]
             if not main_pairs:  # a baseline scored before training has no map yet: the default one, uniform
                 main_pairs = default_pairs(cka.student_layers, cka.teacher_layers)
-                result["layer_map_note"] = "no layer map in the run yet: CKA on the uniform map"
+                if main_pairs:
+                    result["layer_map_note"] = "no layer map in the run yet: CKA on the uniform map"
             result["cka"] = cka_result(cka, main_pairs)
         if len(self.streams) > 1 and self.cka:
             result["cka_streams"] = {s: cka_result(cka, pairs.get(s, [])) for s, cka in self.cka.items()}
