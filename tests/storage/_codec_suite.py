@@ -104,7 +104,7 @@ class HiddenCodecSuite:
 
         self.build(tmp_path, self.spec(hidden_codec="int7", logits=None, attention_layers=()))
         code, text = run_cli("inspect", str(tmp_path))
-        assert code == 0 and "hidden codec int7 (rotation 0, outliers 4, group 64)" in text
+        assert code == 0 and "hidden codec int7 (rotation seed 0, outliers 4)" in text
         assert "rel RMS" in text and "worst row cos" in text and "hidden_scale/2" in text
 
     def test_a_rank_codec_round_trips_through_bases_plain_numpy_reads(self, tmp_path):
