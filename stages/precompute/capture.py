@@ -39,7 +39,7 @@ from kdcache.stages.precompute.logit_head import ChunkedHead, head_probe, logit_
 from kdcache.stages.precompute.qk_capture import QKCapture
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
-from kdcache.stages.precompute.transfer import HostBatch, HostCopier, ShardItems, valid_rows
+from kdcache.stages.precompute.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
 from kdcache.storage.hidden_codecs import applies_to, projected
 from kdcache.storage.logit_layouts import FLOAT, logit_arrays
 
@@ -79,9 +79,8 @@ def fp16_bounded(name: str, dtype_name: str, record: dict[str, Any]) -> bool:
 
 
 def to_numpy(x: torch.Tensor) -> np.ndarray:
-    """Host copy as numpy; int16 bf16 bits come back as uint16, the storage form."""
-    array = x.cpu().numpy()
-    return array.view(np.uint16) if x.dtype == torch.int16 else array
+    """Host copy as numpy; int16 bf16 bits come back as uint16, the storage form (``transfer.as_numpy``)."""
+    return as_numpy(x.cpu())
 
 
 def max_abs(values: torch.Tensor) -> torch.Tensor:

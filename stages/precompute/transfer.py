@@ -37,6 +37,14 @@ def valid_index(lengths: list[int], padded_length: int) -> np.ndarray:
     return np.concatenate([np.arange(n, dtype=np.int64) + b * padded_length for b, n in enumerate(lengths)])
 
 
+def valid_rows(lengths: list[int], padded_length: int, device: torch.device) -> torch.Tensor:
+    """``valid_index`` on ``device``, copied from pinned memory without blocking: no wait for the device."""
+    index = torch.from_numpy(valid_index(lengths, padded_length))
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def cut_padding(arrays: dict[str, np.ndarray], i: int, lengths: dict[str, int]) -> dict[str, np.ndarray]:
     """Sequence ``i``'s valid part of every padded ``[B, ...]`` array, as views (the writer copies once).
 
@@ -83,14 +91,6 @@ class ShardItems(list[dict[str, np.ndarray]]):
         self.finite = finite
 
 
-def valid_rows(lengths: list[int], padded_length: int, device: torch.device) -> torch.Tensor:
-    """``valid_index`` on ``device``, copied from pinned memory without blocking: no wait for the device."""
-    index = torch.from_numpy(valid_index(lengths, padded_length))
-    if device.type != "cuda":
-        return index.to(device)
-    return index.pin_memory().to(device, non_blocking=True)
-
-
 @dataclass
 class HostBatch:
     """One batch's targets on their way to (or arrived on) the host, padding already removed.
@@ -130,7 +130,7 @@ class HostBatch:
             self.event = None
             self.tensors = {name: _pageable(t) for name, t in self.tensors.items()}
         if self.tensors:
-            self.arrays = {name: _as_numpy(t) for name, t in self.tensors.items()}
+            self.arrays = {name: as_numpy(t) for name, t in self.tensors.items()}
             self.tensors = {}
 
     def maxima(self) -> dict[str, float]:
@@ -210,7 +210,7 @@ def _pageable(pinned: torch.Tensor) -> torch.Tensor:
     return out.copy_(pinned)
 
 
-def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A host tensor as numpy without a copy; int16 bf16 bits come back as uint16, the storage form."""
     array = tensor.numpy()
     return array.view(np.uint16) if tensor.dtype == torch.int16 else array
