@@ -163,7 +163,8 @@ def stage_one_rows(teacher: Path, data: Path, work: Path, rows: int, length: int
         summary = run_precompute(options)
         out.append({"run": name, "tokens": summary["tokens"], "tokens_per_s": summary["tokens_per_second"],
                     "compute_s": summary["compute_seconds"], "forward_s": summary["forward_seconds"],
-                    "writer_wait_s": summary["writer_wait_seconds"], "wall_s": summary["wall_seconds"],
+                    "writer_wait_s": summary["writer_wait_seconds"],
+                    "take_s": summary["take_seconds"], "wall_s": summary["wall_seconds"],
                     "bytes_per_token": round(sum(summary["bytes_per_token"].values()), 1),
                     "bytes_written": summary["bytes_written"]})
         print(json.dumps(out[-1]), flush=True)

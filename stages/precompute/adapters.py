@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 # lengths per stream, and stream -> position_ids [B, L] for rows packed with documents kept apart (else absent).
 # A capture queues the batch's work and returns at once; calling what it returns waits for the batch's targets
 # and gives one dict of storage-ready arrays per sequence. The caller queues the next batch before it waits, so
-# the device never idles while the host takes a batch in (``runner.compute_shard``).
+# the device never idles while the host takes a batch in (``stream.stream_shards``).
 Pending = Callable[[], ShardItems]
 Capture = Callable[[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, list[int]], dict[str, torch.Tensor]],
                    Pending]

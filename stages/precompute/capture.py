@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -115,7 +116,10 @@ def check_maxima(maxima: dict[str, float]) -> frozenset[str]:
 
 def finish(batch: HostBatch) -> ShardItems:
     """A batch's per-sequence targets once its copy has landed, range-checked (``check_maxima``)."""
-    return ShardItems(batch.split(), finite=check_maxima(batch.maxima()))
+    batch.wait()
+    started = time.perf_counter()
+    finite = check_maxima(batch.maxima())
+    return ShardItems(batch.split(), finite=finite, host_seconds=time.perf_counter() - started)
 
 
 def find_blocks(model: PreTrainedModel, num_layers: int) -> torch.nn.ModuleList:

@@ -7,7 +7,7 @@ Both teacher adapters (decoder-only or encoder teachers, and encoder-decoder tea
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -56,10 +56,10 @@ def check_out_folder(out: str) -> Store:
 
 
 def commit_behind(spec: Any, todo: list[int], writer: Any, stats: RunStats,
-                  compute: Callable[[tuple[int, int], Progress], list[dict[str, np.ndarray]]], *,
+                  stream: Callable[[list[tuple[int, int]], Progress], Iterator[list[dict[str, np.ndarray]]]], *,
                   show_progress: bool, queue_size: int, workers: int = 0) -> None:
-    """Run ``compute(shard_range, progress)`` for every shard in ``todo``; a background writer commits each
-    result while the next one is computed.
+    """Compute every shard in ``todo`` (``stream(shard_ranges, progress)`` yields them in order); a background
+    writer commits each while the next ones are computed.
 
     Args:
         show_progress: draw the progress bar (``--progress`` on rank 0).
@@ -73,13 +73,14 @@ def commit_behind(spec: Any, todo: list[int], writer: Any, stats: RunStats,
         lambda index, items: writer.write_shard(index, items, finite=getattr(items, "finite", frozenset())),
         queue_size, on_written=lambda index, record, seconds: stats.add_shard(record),
         workers=workers or default_workers())
+    shards = stream([spec.shard_range(k) for k in todo], progress)
     try:
-        for k in todo:
-            items = compute(spec.shard_range(k), progress)
+        for k, items in zip(todo, shards, strict=True):
             waited = time.perf_counter()
             background.submit(k, items)
             stats.wait_seconds += time.perf_counter() - waited
     finally:
+        shards.close()  # an error in the writers: the teacher's pipeline stops before close() waits for them
         background.close()
         progress.close()
         stats.compute_seconds = time.perf_counter() - stats.compute_started

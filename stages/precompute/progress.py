@@ -32,6 +32,7 @@ class RunStats:
     stored_bytes: int = 0
     forward_seconds: float = 0.0
     wait_seconds: float = 0.0  # main thread blocked on a full writer queue
+    take_seconds: float = 0.0  # the helper thread's host work taking batches in, after each copy landed
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_shard(self, record: ShardRecord) -> None:
@@ -133,6 +134,7 @@ def summarize(stats: RunStats, manifest: Manifest, skipped: int, out: str, extra
         "bytes_written": stats.stored_bytes, "wall_seconds": round(wall, 3), "compute_seconds": round(compute, 3),
         "tokens_per_second": round(stats.tokens / compute, 1) if compute > 0 else 0.0,
         "forward_seconds": round(stats.forward_seconds, 3), "writer_wait_seconds": round(stats.wait_seconds, 3),
+        "take_seconds": round(stats.take_seconds, 3),
         "cache_tokens": manifest.num_tokens, "bytes_per_token": {k: round(v, 2) for k, v in
                                                                  bytes_per_token(manifest).items()},
         **extra,

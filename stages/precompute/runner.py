@@ -10,22 +10,17 @@ What depends on the teacher's family (its token streams, its layers, how it is r
 from __future__ import annotations
 
 import os
-import time
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
-
-import numpy as np
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.teacher_head import export_head
-from kdcache.stages.precompute.adapters import Capture, adapter_for
-from kdcache.stages.precompute.batching import Partition, collate, plan_batches
+from kdcache.stages.precompute.adapters import adapter_for
+from kdcache.stages.precompute.batching import Partition
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
 from kdcache.stages.precompute.data import TokenStreams
 from kdcache.stages.precompute.distributed import DistContext
@@ -35,6 +30,7 @@ from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
 from kdcache.stages.precompute.projection_fit import check_rank, fit_bases, fit_bounds, stored_projection
 from kdcache.stages.precompute.qk_capture import with_score_rules
+from kdcache.stages.precompute.stream import compute_shard, stream_shards
 from kdcache.stages.precompute.targets import Targets, build_spec, resolve_targets, settings_fingerprint
 from kdcache.stages.precompute.teacher import (
     Teacher,
@@ -45,11 +41,9 @@ from kdcache.stages.precompute.teacher import (
     save_tokenizer,
     teacher_files_fingerprint,
 )
-from kdcache.stages.precompute.transfer import ShardItems
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.hidden_codecs import projected, rank_of
 from kdcache.storage.stores import Store
-from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
 def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
@@ -146,7 +140,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         mine = part.shards(spec.num_shards)
         todo = [k for k in mine if k not in writer.committed_shards()]
         commit_behind(spec, todo, writer, stats,
-                      lambda bounds, progress: compute_shard(capture, teacher, data, bounds, options, stats, progress),
+                      lambda bounds, progress: stream_shards(capture, teacher, data, bounds, options, stats, progress),
                       show_progress=options.engine.progress and dist.is_main, queue_size=options.engine.queue_size,
                       workers=options.engine.writers)
     manifest = writer.finalize()  # the last part to finish turns the manifest "complete"
@@ -176,8 +170,7 @@ def _projection(options: PrecomputeOptions, adapter: Any, teacher: Teacher, targ
     def fit() -> dict[str, Any]:
         stats = RunStats()
         with adapter.capture(teacher, targets, options, Projection(fitting=True)) as capture:
-            shards = (compute_shard(capture, teacher, data, b, options, stats, Progress(0, False, stats))
-                      for b in bounds)
+            shards = stream_shards(capture, teacher, data, bounds, options, stats, Progress(0, False, stats))
             return fit_bases(shards, names, rank, teacher.device)
 
     if into is None:
@@ -273,79 +266,6 @@ def run_estimate(options: PrecomputeOptions, capturing: Any, teacher: Teacher, t
         return estimate(spec, data, options.storage.out,
                         lambda bounds: compute_shard(capture, teacher, data, bounds, options, stats, progress),
                         build_fingerprints(options, teacher, targets, data))
-
-
-def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds: tuple[int, int],
-                  options: PrecomputeOptions, stats: RunStats, progress: Progress) -> ShardItems:
-    """Run the teacher over one shard's sequences in batches bucketed by the first stream's lengths.
-
-    Each batch is taken in (its copy awaited and moved out of pinned memory, its range checked, its sequences cut
-    out) by a helper thread while this one queues the next batches on the device, so the forward never waits on
-    the host. At most ``IN_FLIGHT`` batches are queued ahead of the helper, which bounds the device's and the pinned
-    memory they hold; an error found there (an fp16 overflow) is raised here before the shard is handed on.
-
-    Returns:
-        one dict per sequence of the shard, in data order: every stream's ``input_ids [L]`` and token arrays
-        (``loss_mask``, ``position_ids``), plus every target; ``finite`` names the float targets the device found
-        finite in every batch.
-    """
-    start, stop = bounds
-    shard = {stream: seqs[start:stop] for stream, seqs in data.ids.items()}
-    tokens = {name: seqs[start:stop] for name, seqs in data.tokens.items()}
-    first = next(iter(shard.values()))
-    items: list[dict[str, np.ndarray] | None] = [None] * len(first)
-    finite: list[frozenset[str]] = []
-
-    def place(batch: np.ndarray, taken: Future[ShardItems]) -> None:
-        waited = time.perf_counter()
-        output = taken.result()
-        stats.forward_seconds += time.perf_counter() - waited  # the device's (or the helper's) time waited for
-        finite.append(output.finite)
-        for i, item in zip(batch, output):
-            item.update({prefixed(stream, "input_ids"): seqs[i] for stream, seqs in shard.items()})
-            item.update({name: seqs[i] for name, seqs in tokens.items()})
-            items[i] = item
-        stats.sequences += len(batch)
-        progress.update(len(batch))
-
-    queued: deque[tuple[np.ndarray, Future[ShardItems]]] = deque()
-    with ThreadPoolExecutor(1, thread_name_prefix="kdcache-take") as taker:
-        for batch in plan_batches(np.array([len(s) for s in first]), options.engine.batch_size):
-            started = time.perf_counter()
-            pending = capture(*_device_batch(teacher, shard, tokens, batch))
-            stats.forward_seconds += time.perf_counter() - started
-            stats.tokens += sum(len(seqs[i]) for seqs in shard.values() for i in batch)
-            queued.append((batch, taker.submit(pending)))
-            if len(queued) > IN_FLIGHT:
-                place(*queued.popleft())
-        while queued:
-            place(*queued.popleft())
-    return ShardItems(items, finite=frozenset.intersection(*finite) if finite else frozenset())  # type: ignore[arg-type]
-
-
-IN_FLIGHT = 2  # batches queued on the device ahead of the host's taking them in
-
-
-def _device_batch(teacher: Teacher, shard: Mapping[str, Sequence[np.ndarray]],
-                  tokens: Mapping[str, Sequence[np.ndarray]],
-                  batch: np.ndarray) -> tuple[Any, dict[str, list[int]], Any]:
-    """One batch's padded ids and masks per stream, lengths, and restarting positions, on the teacher's device
-    (copied from pinned memory without blocking where it is a GPU)."""
-    import torch
-
-    pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
-    cuda = teacher.device.type == "cuda"
-
-    def on_device(a: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(a)
-        return host.pin_memory().to(teacher.device, non_blocking=True) if cuda else host.to(teacher.device)
-
-    padded = {stream: tuple(on_device(a) for a in collate([seqs[i] for i in batch], pad_id))
-              for stream, seqs in shard.items()}
-    positions = {split_stream(name)[0]: on_device(collate([seqs[i] for i in batch], 0)[0])
-                 for name, seqs in tokens.items() if kind_of(name) == "position_ids"}
-    lengths = {stream: [len(seqs[i]) for i in batch] for stream, seqs in shard.items()}
-    return padded, lengths, positions
 
 
 def merge_cache(path: str | os.PathLike[str]) -> dict[str, Any]:

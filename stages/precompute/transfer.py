@@ -5,7 +5,7 @@ index comes from the host's known lengths, so building it needs no sync), which 
 of valid tokens only. They are then copied on a side CUDA stream into pinned host memory, from PyTorch's caching
 host allocator (freed blocks are reused once the host is done with them), and an event marks the copy's end.
 The host waits on that event only when it needs the values: the caller resolves batch ``i`` after it has queued
-batch ``i + 1``'s forward, so the device always has work (``runner.compute_shard``).
+batch ``i + 1``'s forward, so the device always has work (``stream.stream_shards``).
 
 On the CPU there is nothing to copy: the padded arrays are handed over as they are, and each sequence is a view
 that cuts its padding off; the writer's concatenation into the shard's flat arrays is then the one copy, as it is
@@ -84,11 +84,14 @@ def gather_valid(arrays: dict[str, torch.Tensor], lengths: list[int]) -> tuple[d
 
 class ShardItems(list[dict[str, np.ndarray]]):
     """Per-sequence target dicts (a list, in order), plus the float targets the device found finite in all of them:
-    storage skips its own host-side pass over those (``CacheWriter.write_shard``'s ``finite``)."""
+    storage skips its own host-side pass over those (``CacheWriter.write_shard``'s ``finite``), and the host time
+    spent taking them in (the run summary's ``take_seconds``)."""
 
-    def __init__(self, items: list[dict[str, np.ndarray]] = (), *, finite: frozenset[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, items: list[dict[str, np.ndarray]] = (), *, finite: frozenset[str] = frozenset(),  # type: ignore[assignment]
+                 host_seconds: float = 0.0) -> None:
         super().__init__(items)
         self.finite = finite
+        self.host_seconds = host_seconds  # the host's work taking the batch in, after the device's copy landed
 
 
 @dataclass
@@ -106,6 +109,7 @@ class HostBatch:
         range_names: the targets whose largest |value| ``range_values`` holds, for the fp16 range check.
         range_values: ``[len(range_names)]`` float host tensor (None without such targets).
         event: marks the end of the device -> host copy (None on the CPU).
+        pinned: the copy has landed and the tensors are still the pinned ones.
     """
 
     lengths: np.ndarray
@@ -116,6 +120,7 @@ class HostBatch:
     range_names: list[str] = field(default_factory=list)
     range_values: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
+    pinned: bool = False
 
     def ready(self) -> None:
         """Block until the device -> host copy is done, then take the arrays in.
@@ -125,13 +130,20 @@ class HostBatch:
         at about two batches, however many shards wait for the writers (allocating pinned memory anew for every
         batch ran at about 1.5 GB/s on the H200's host, slower than the disk).
         """
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
+        self.wait()
+        if self.pinned:
             self.tensors = {name: _pageable(t) for name, t in self.tensors.items()}
+            self.pinned = False
         if self.tensors:
             self.arrays = {name: as_numpy(t) for name, t in self.tensors.items()}
             self.tensors = {}
+
+    def wait(self) -> None:
+        """Block until the device -> host copy is done (at once on the CPU)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+            self.pinned = True
 
     def maxima(self) -> dict[str, float]:
         """Each range-checked target's largest |value| (NaN when it holds a NaN)."""

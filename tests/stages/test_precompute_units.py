@@ -230,3 +230,39 @@ def test_the_devices_gather_cuts_the_same_sequences_as_the_hosts_views(tiny_llam
         assert sorted(a) == sorted(b) and a["hidden/2"].shape[0] == n and a["attention/2"].shape[-2:] == (n, n)
         for name in a:
             np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_the_teachers_pipeline_runs_on_across_shard_boundaries() -> None:
+    """A shard is handed on with the next shard's batches already queued on the device (the pipeline never drains
+    between shards), every sequence lands in its own shard in data order, and the device-finite set is the
+    intersection over the shard's batches."""
+    from types import SimpleNamespace
+
+    from kdcache.stages.precompute.progress import Progress, RunStats
+    from kdcache.stages.precompute.stream import IN_FLIGHT, stream_shards
+    from kdcache.stages.precompute.transfer import ShardItems
+
+    seqs = [np.arange(3 + i % 3, dtype=np.int64) + 10 * i for i in range(12)]  # 3 shards of 4, batches of 2
+    data = SimpleNamespace(ids={"": seqs}, tokens={})
+    teacher = SimpleNamespace(device=torch.device("cpu"), tokenizer=SimpleNamespace(pad_token_id=0))
+    options = PrecomputeOptions.of(teacher="t", data="d", out="o", batch_size=2)
+    events: list[str] = []
+
+    def capture(padded: dict, lengths: dict, positions: dict):  # noqa: ANN202 - the Capture protocol's shape
+        events.append("capture")
+        first = padded[""][0].numpy()
+        finite = frozenset({"a", "b"}) if len(events) != 2 else frozenset({"a"})  # batch 2 of shard 0: a only
+        return lambda: ShardItems([{"first": row[:n]} for row, n in zip(first, lengths[""])], finite=finite)
+
+    stats = RunStats()
+    out = []
+    for shard in stream_shards(capture, teacher, data, [(0, 4), (4, 8), (8, 12)], options, stats,  # type: ignore[arg-type]
+                               Progress(0, False, stats)):
+        out.append((events.count("capture"), shard))
+    assert [captured for captured, _ in out[:2]] == [4 + IN_FLIGHT - 2, 6 + IN_FLIGHT - 2]  # next shard queued
+    assert [shard.finite for _, shard in out] == [frozenset({"a"}), frozenset({"a", "b"}), frozenset({"a", "b"})]
+    flat = [item for _, shard in out for item in shard]
+    assert len(flat) == 12 and stats.sequences == 12 and stats.tokens == sum(len(s) for s in seqs)
+    for item, seq in zip(flat, seqs):
+        np.testing.assert_array_equal(item["input_ids"], seq)
+        np.testing.assert_array_equal(item["first"], seq)
