@@ -76,7 +76,15 @@ def quantised(record: Record) -> bool:
 
 
 def _signs(record: Record, d: int, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(rotation_signs(record["configuration"]["rotation"], d)).to(device)
+    return _signs_on(record["configuration"]["rotation"], d, device)
+
+
+@functools.lru_cache(maxsize=32)
+def _signs_on(seed: int, d: int, device: torch.device) -> torch.Tensor:
+    """The rotation's ``[d]`` signs on ``device``, made once: a copy from pageable host memory at every layer of
+    every batch made the host wait for the device each time (CUDA syncs the stream before such a copy), so the
+    GPU's queue of batches ahead ran dry in stage one and in stage two's decode."""
+    return torch.from_numpy(rotation_signs(seed, d)).to(device)
 
 
 @functools.lru_cache(maxsize=8)
