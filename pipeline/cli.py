@@ -29,7 +29,7 @@ import kdcache.pipeline.commands
 from kdcache.pipeline.config import add_flags
 from kdcache.pipeline.quiet import is_quiet, libraries_on_terminal, quiet
 from kdcache.stages.train.interrupt import TrainingInterrupted
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
 
 _STORAGE_CLIENTS = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure", "google", "fsspec"}
 # What rerunning does after Ctrl-C, for the commands that keep their progress.
@@ -122,7 +122,7 @@ class _Commands:
         self.made[name] = (parser, kwargs)
         return parser
 
-    def install(self, subparsers: Any) -> dict[str, _Parser]:
+    def install(self, subparsers: argparse._SubParsersAction[_Parser]) -> dict[str, _Parser]:
         """Add every command to ``subparsers`` (``COMMAND_ORDER`` first, then the rest by name); returns them
         by name."""
         rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
@@ -174,7 +174,7 @@ def _add_common_flags(command: argparse.ArgumentParser) -> None:
 
 def _apply_storage_options(pairs: list[str]) -> None:
     """Hand ``--storage-option`` pairs to every store this process, and each process it starts, opens."""
-    from kdcache.storage.stores import OPTIONS_ENV, default_storage_options, parse_storage_options
+    from kdcache.storage import OPTIONS_ENV, default_storage_options, parse_storage_options
 
     if pairs:
         os.environ[OPTIONS_ENV] = json.dumps({**default_storage_options(), **parse_storage_options(pairs)})
