@@ -23,7 +23,7 @@ import pkgutil
 import re
 import sys
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import kdcache.pipeline.commands
 from kdcache.pipeline.config import add_flags
@@ -48,6 +48,12 @@ DESCRIPTION = (
     "kdcache: run a Hugging Face teacher once, cache its hidden states, attention maps and logits as compressed "
     "shards, then distil students from the cache under DeepSpeed ZeRO without ever loading the teacher again."
 )
+
+
+class CommandParsers(Protocol):
+    """What ``ArgumentParser.add_subparsers`` returns, as far as ``install`` uses it."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> _Parser: ...
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,7 +128,7 @@ class _Commands:
         self.made[name] = (parser, kwargs)
         return parser
 
-    def install(self, subparsers: argparse._SubParsersAction[_Parser]) -> dict[str, _Parser]:
+    def install(self, subparsers: CommandParsers) -> dict[str, _Parser]:
         """Add every command to ``subparsers`` (``COMMAND_ORDER`` first, then the rest by name); returns them
         by name."""
         rank = {name: i for i, name in enumerate(COMMAND_ORDER)}

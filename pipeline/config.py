@@ -88,7 +88,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
 _ARGPARSE_KEYS = ("help", "choices", "metavar", "nargs", "const")
 
 
-def _add_flag(section: argparse._ActionsContainer, f: dataclasses.Field, hint: Any) -> argparse.Action:
+class FlagSection(typing.Protocol):
+    """Where flags go: a parser or one of its argument groups (argparse's public ``add_argument``)."""
+
+    def add_argument(self, *name_or_flags: str, **kwargs: Any) -> argparse.Action: ...
+
+
+def _add_flag(section: FlagSection, f: dataclasses.Field, hint: Any) -> argparse.Action:
     """One option's flag (``top_k`` -> ``--top-k`` plus ``metadata["aliases"]``), a boolean's ``--no-X`` right
     after it; returns the flag's action.
 
