@@ -5,19 +5,22 @@ A module of its own, below the commands, so that ``pipeline.report`` need not im
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kdcache.storage import CacheSpec
 
 
 def _ratio(decoded: int, stored: int) -> float | None:
     return round(decoded / stored, 3) if stored else None
 
 
-def _against_fp16(spec: Any, arrays: dict[str, dict[str, Any]], tokens: int) -> None:
+def _against_fp16(spec: CacheSpec, arrays: dict[str, dict[str, Any]], tokens: int) -> None:
     """Give each coded hidden array ``fp16_ratio``: the fp16 bytes of the values it stands for over the stored bytes
     of its codes and companions (scales, outliers). Its own ``compression_ratio`` compares the codes with their
     int8 bytes only (int7's 1.26 is 2.2x against fp16). Projected (rank < d) codecs are left out: their fp16
     width is not the codes'."""
-    from kdcache.storage.hidden_codecs import codec_of, rank_of
+    from kdcache.storage import codec_of, rank_of
 
     record = spec.hidden_codec
     if not record or codec_of(record).float_dtype or (rank_of(record) and not codec_of(record).full_rank):
@@ -36,9 +39,7 @@ def describe(path: str) -> dict[str, Any]:
     Raises:
         KdcacheError: missing or corrupt manifest, newer format version.
     """
-    from kdcache.storage.codecs import describe_codec
-    from kdcache.storage.manifest import summarize_arrays
-    from kdcache.storage.reader import CacheReader
+    from kdcache.storage import CacheReader, describe_codec, summarize_arrays
 
     reader = CacheReader(path, allow_partial=True)
     spec, manifest = reader.spec, reader.manifest

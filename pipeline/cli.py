@@ -23,13 +23,13 @@ import pkgutil
 import re
 import sys
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import kdcache.pipeline.commands
 from kdcache.pipeline.config import add_flags
 from kdcache.pipeline.quiet import is_quiet, libraries_on_terminal, quiet
 from kdcache.stages.train.interrupt import TrainingInterrupted
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
 
 _STORAGE_CLIENTS = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure", "google", "fsspec"}
 # What rerunning does after Ctrl-C, for the commands that keep their progress.
@@ -48,6 +48,12 @@ DESCRIPTION = (
     "kdcache: run a Hugging Face teacher once, cache its hidden states, attention maps and logits as compressed "
     "shards, then distil students from the cache under DeepSpeed ZeRO without ever loading the teacher again."
 )
+
+
+class CommandParsers(Protocol):
+    """What ``ArgumentParser.add_subparsers`` returns, as far as ``install`` uses it."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> _Parser: ...
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,7 +128,7 @@ class _Commands:
         self.made[name] = (parser, kwargs)
         return parser
 
-    def install(self, subparsers: Any) -> dict[str, _Parser]:
+    def install(self, subparsers: CommandParsers) -> dict[str, _Parser]:
         """Add every command to ``subparsers`` (``COMMAND_ORDER`` first, then the rest by name); returns them
         by name."""
         rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
@@ -174,7 +180,7 @@ def _add_common_flags(command: argparse.ArgumentParser) -> None:
 
 def _apply_storage_options(pairs: list[str]) -> None:
     """Hand ``--storage-option`` pairs to every store this process, and each process it starts, opens."""
-    from kdcache.storage.stores import OPTIONS_ENV, default_storage_options, parse_storage_options
+    from kdcache.storage import OPTIONS_ENV, default_storage_options, parse_storage_options
 
     if pairs:
         os.environ[OPTIONS_ENV] = json.dumps({**default_storage_options(), **parse_storage_options(pairs)})

@@ -21,14 +21,18 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from kdcache.stages.common.option_groups import flatten, groups, leaves, nest, required
 from kdcache.stages.common.stream_options import ALIASES, alias_flags, fold_aliases
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 T = TypeVar("T")
 
@@ -84,7 +88,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
 _ARGPARSE_KEYS = ("help", "choices", "metavar", "nargs", "const")
 
 
-def _add_flag(section: Any, f: dataclasses.Field, hint: Any) -> argparse.Action:
+class FlagSection(typing.Protocol):
+    """Where flags go: a parser or one of its argument groups (argparse's public ``add_argument``)."""
+
+    def add_argument(self, *name_or_flags: str, **kwargs: Any) -> argparse.Action: ...
+
+
+def _add_flag(section: FlagSection, f: dataclasses.Field, hint: Any) -> argparse.Action:
     """One option's flag (``top_k`` -> ``--top-k`` plus ``metadata["aliases"]``), a boolean's ``--no-X`` right
     after it; returns the flag's action.
 
@@ -112,7 +122,7 @@ def _add_flag(section: Any, f: dataclasses.Field, hint: Any) -> argparse.Action:
     return action
 
 
-def _help_text(text: str, choices: Any, default: Any, required: bool) -> str:
+def _help_text(text: str, choices: Iterable[object] | None, default: object, required: bool) -> str:
     """A flag's help with its choices, its default as one would type it, and whether it is required."""
     if choices is not None:
         text += ("; " if text else "") + f"one of: {', '.join(map(str, choices))}"
@@ -220,7 +230,7 @@ def _prepare(owner: type, key: str, value: Any) -> Any:
     return _text(value) if inner is str else value
 
 
-def _text(value: Any) -> Any:
+def _text(value: object) -> object:
     """A YAML number as the text it was written as; anything else unchanged (pydantic judges it)."""
     return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
@@ -255,7 +265,7 @@ def _validate(cls: type[T], values: dict[str, Any], where: str) -> tuple[T | Non
         return None, problems
 
 
-def _message(loc: tuple[Any, ...], error: Any, where: str) -> str:
+def _message(loc: tuple[Any, ...], error: ErrorDetails, where: str) -> str:
     """One pydantic error as ``key: got VALUE, MESSAGE`` (or ``key is required (flag --key)``)."""
     key = str(loc[0])
     if error["type"] == "missing":

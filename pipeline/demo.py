@@ -28,7 +28,7 @@ from typing import Any
 
 from kdcache.pipeline.children import child_env
 from kdcache.pipeline.demo_text import stdlib_sentences, write_jsonl
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import DEFAULT_BACKEND, KdcacheError, backend_names
 
 
 class DemoError(KdcacheError):
@@ -47,7 +47,7 @@ class DemoOptions:
     batch_size: int = field(default=16, metadata={"help": "sentences per step"})
     lr: float = field(default=1e-4, metadata={"help": "student learning rate"})
     zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage", "choices": [0, 1, 2, 3]})
-    format: str = field(default="zarr", metadata={"help": "cache backend", "choices": ["zarr", "arrow"]})
+    format: str = field(default=DEFAULT_BACKEND, metadata={"help": "cache backend", "choices": backend_names()})
     print_teacher: bool = field(default=False, metadata={
         "help": "print the folder of the demo's teacher (all-MiniLM-L6-v2), for --teacher of your own runs, and stop"})
 

@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TextIO
 
 NOTE_PREFIX = "kdcache "  # how every note of kdcache's stages begins ("kdcache train: note: ...")
 _BARS_ENV = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -52,7 +52,7 @@ class _NotesOnly(io.TextIOBase):
     unused, the temperature a cache chose) reach ``target``; everything else (bars, library chatter) is dropped.
     Text is held until its line ends, since ``print`` and tqdm write a line in pieces."""
 
-    def __init__(self, target: Any):
+    def __init__(self, target: TextIO):
         super().__init__()
         self.target, self.line = target, ""
 
@@ -104,7 +104,7 @@ def libraries_on_terminal() -> Iterator[None]:
         yield
 
 
-def is_quiet(value: Any) -> bool:
+def is_quiet(value: object) -> bool:
     """Whether a ``--quiet`` value asks for quiet: the flag alone (True), or ``true`` / ``yes`` / ``1``."""
     return value is True or str(value).strip().lower() in ("true", "yes", "1", "on")
 

@@ -29,7 +29,7 @@ from kdcache.pipeline.run_state import (
     term_label,
 )
 from kdcache.stages.train.eval_records import alignment_panels
-from kdcache.storage.files import read_json_object
+from kdcache.storage import read_json_object
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -172,8 +172,7 @@ def plot_alignment(cka: dict[str, Any], out: Path, title: str) -> Path | None:
 def cache_stats(cache: str | Path) -> dict[str, Any] | None:
     """``kdcache inspect``'s facts about a cache (bytes per token per array), or None if it cannot be read."""
     from kdcache.pipeline.cache_info import describe
-    from kdcache.storage import cache_exists
-    from kdcache.storage.errors import KdcacheError
+    from kdcache.storage import KdcacheError, cache_exists
 
     try:
         if not cache or not cache_exists(cache):

@@ -37,7 +37,7 @@ from kdcache.stages.common.option_groups import flatten, leaves
 from kdcache.stages.common.stream_options import ALIASES
 from kdcache.stages.train.eval_records import find_eval, remove_evals
 from kdcache.stages.train.options import TrainOptions
-from kdcache.storage.files import read_json_object
+from kdcache.storage import read_json_object
 
 # Keys a grid may not vary: the sweep owns `out`, and "one cache" is the point of a sweep.
 RESERVED_KEYS = ("out", "cache", "resume", "config")

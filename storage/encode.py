@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.storage.attention_source import QKV_KINDS
+from kdcache.storage.attention_source import token_row_kinds
 from kdcache.storage.dtypes import FP16_MAX, apply_bitround, check_finite, measure_error, to_float32, to_storage
 from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, ShardError
 from kdcache.storage.hidden_codecs import (
@@ -26,8 +26,8 @@ from kdcache.storage.hidden_codecs import (
     parts,
 )
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
-from kdcache.storage.logit_layouts import logit_array, logit_arrays
-from kdcache.storage.spec import TOKEN_ARRAYS, TOPK_MASS, VOCAB_IDS, CacheSpec
+from kdcache.storage.logit_layouts import VOCAB_ID, LogitArray, logit_array, logit_arrays
+from kdcache.storage.spec import TOKEN_ARRAYS, TOPK_MASS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
 
 
@@ -69,14 +69,14 @@ def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
         queries, keys, _ = spec.attention_geometry(name)
         return (value.shape[0], lengths[queries], lengths[keys]) if value.ndim == 3 else None
     length = lengths[split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")]
-    if kind in ("input_ids", *TOKEN_ARRAYS) or name in ("logits/lse", TOPK_MASS):
+    array = logit_array(spec, name)  # a logit array: its layout names the spec field of its width (None: [T])
+    if kind in ("input_ids", *TOKEN_ARRAYS) or name == TOPK_MASS or (array is not None and array.width is None):
         return (length,)
     if part_of(name) == "error":  # a coded layer's per-row errors (hidden_codecs.ERROR_FIELDS)
         return (length, len(ERROR_FIELDS))
     # token rows of one width per layer: hidden states (and their codec's companions), queries, keys, values
-    if kind in ("hidden", *QKV_KINDS) or is_part(name):
+    if kind in ("hidden", *token_row_kinds()) or is_part(name):
         return (length, value.shape[-1]) if value.ndim == 2 else None
-    array = logit_array(spec, name)  # a logit array: its layout names the spec field of its width
     return (length, int(getattr(spec, array.width)) if array and array.width else spec.top_k)
 
 
@@ -189,11 +189,11 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
         if array.mass and all(TOPK_MASS in item for item in sequences):
             mass = np.concatenate([np.asarray(item[TOPK_MASS], dtype=np.float64) for item in sequences])
             lossy.setdefault(array.name, {}).update(_mass_record(mass))
-    for name in set(VOCAB_IDS) & set(arrays):
+    for name in (a.name for a in logit_arrays(spec) if a.dtype == VOCAB_ID and a.name in arrays):
         _check_ids(spec, name, arrays[name])
         arrays[name] = arrays[name].astype(spec.array_dtype(name))
     for name in filter(spec.gap_coded, spec.sequence_names()):
-        arrays[name] = _gaps(name, arrays[name])
+        arrays[name] = _gaps(spec, name, arrays[name])
     # A seq2seq shard's token count is both streams' tokens: what its bytes are spread over.
     return EncodedShard(index, start, stop, arrays, int(sum(sum(n.values()) for n in lengths)), lossy)
 
@@ -236,11 +236,12 @@ def _mass_record(mass: np.ndarray) -> dict[str, float]:
             "kept_mass_min": float(mass.min())}
 
 
-def _gaps(name: str, rows: np.ndarray) -> np.ndarray:
+def _gaps(spec: CacheSpec, name: str, rows: np.ndarray) -> np.ndarray:
     """Rows non-decreasing along k, stored as gaps (``layout.to_gaps``); a row that decreases is refused."""
     gaps = to_gaps(rows.astype(np.int64))
     if rows.size and not (gaps[:, 1:] >= 0).all():
-        what = "log-probs must be sorted descending" if name == "logits/topk_values" else \
+        array = logit_array(spec, name)
+        what = "log-probs must be sorted descending" if array and array.logprob else \
             "ids must be non-decreasing (distinct ids in order, unused slots repeating the last)"
         raise InvalidSequenceError(f"{name}: each token's {what}")
     return gaps.astype(rows.dtype)
@@ -307,23 +308,30 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
                                        f"do not cover attention_heads {list(heads or [])}")
         triangle = spec.attention_geometry(name)[2]
         parts = [pack_attention(p, heads, triangle, documents[i] if documents else None) for i, p in enumerate(parts)]
-    elif kind_of(name) in ("hidden", *QKV_KINDS) and len({p.shape[1] for p in parts}) != 1:
+    elif kind_of(name) in ("hidden", *token_row_kinds()) and len({p.shape[1] for p in parts}) != 1:
         raise InvalidSequenceError(f"{name}: widths {sorted({p.shape[1] for p in parts})} differ between "
                                    f"sequences; expected one width per layer")
     flat = np.concatenate(parts)
     if kind_of(name) in ("input_ids", *TOKEN_ARRAYS):
         return _integer_tokens(name, flat, spec.array_dtype(name))
-    if name == "logits/lse":
-        return flat.astype(np.float32)
-    if name in VOCAB_IDS:
-        return flat  # range-checked and narrowed once the whole shard is known
-    if name == "logits/sample_counts":
-        return _integer_tokens(name, flat, spec.array_dtype(name))
-    if name == "logits/topk_values" and spec.topk_values == "logprob":
-        return _logprobs(spec, name, flat, lossy)
+    array = logit_array(spec, name)
+    if array is not None and array.exact:
+        return _exact_logits(spec, array, flat, lossy)
     if spec.coded(name) or is_part(name):
         return _coded_array(spec, name, flat)
     return _float_target(spec, name, flat, lossy, finite)
+
+
+def _exact_logits(spec: CacheSpec, array: LogitArray, flat: np.ndarray,
+                  lossy: dict[str, dict[str, float]]) -> np.ndarray:
+    """A logit array of a fixed type, as its layout records it: log-probs quantised, vocabulary ids as given
+    (range-checked and narrowed once the whole shard is known), integers range-checked, floats in their dtype."""
+    if array.logprob:
+        return _logprobs(spec, array.name, flat, lossy)
+    if array.dtype == VOCAB_ID:
+        return flat
+    dtype = spec.array_dtype(array.name)
+    return _integer_tokens(array.name, flat, dtype) if dtype.kind in "iu" else flat.astype(dtype)
 
 
 def _coded_array(spec: CacheSpec, name: str, flat: np.ndarray) -> np.ndarray:

@@ -62,6 +62,8 @@ class LogitArray:
         descending: float rows that must be sorted in descending order (checked when a shard is encoded).
         mass: the per-token kept probability (``TOPK_MASS``) handed over with it is recorded in its ``lossy``
             record (what the array keeps of the teacher's distribution), and stored nowhere.
+        logprob: log-probabilities handed over as floats, stored as gaps of ``-logp / spec.logprob_step`` and read
+            back as float32.
     """
 
     name: str
@@ -71,17 +73,27 @@ class LogitArray:
     width: str | None = None
     descending: bool = False
     mass: bool = False
+    logprob: bool = False
+
+    @property
+    def exact(self) -> bool:
+        """Handed to storage as computed (ids, counts, fp32 values, log-probs storage quantises), not rounded to
+        the cache's float dtype first."""
+        return self.dtype != FLOAT
 
 
 @dataclass(frozen=True)
 class LogitLayout:
     """A registered layout: ``arrays(spec)`` what it stores, ``validate(spec)`` raises ``SpecError`` on its fields;
-    ``logprob``: its values may be stored as quantised log-probabilities (``topk_values`` "logprob")."""
+    ``logprob``: its values may be stored as quantised log-probabilities (``topk_values`` "logprob");
+    ``file_sparse``: a backend that compresses a whole shard with one codec (Arrow) takes the top-k codec for a
+    cache whose only arrays are this layout's (else the activation codec, as every cache before layouts had)."""
 
     name: str
     arrays: Callable[[LayoutFields], tuple[LogitArray, ...]]
     validate: Callable[[LogitFields], None]
     logprob: bool = False
+    file_sparse: bool = False
 
 
 LAYOUTS: dict[str, LogitLayout] = {}
@@ -117,6 +129,30 @@ def logit_array(spec: LayoutFields, name: str) -> LogitArray | None:
     return next((a for a in logit_arrays(spec) if a.name == name), None)
 
 
+def vocab_id_array(spec: LayoutFields, name: str) -> bool:
+    """Whether ``name`` is a logit array of vocabulary ids (stored in the smallest unsigned type holding V-1)."""
+    array = logit_array(spec, name)
+    return array is not None and array.dtype == VOCAB_ID
+
+
+@dataclass(frozen=True)
+class _Fields:
+    logits: str | None
+    logprob_step: float
+
+
+def vocab_id_names() -> frozenset[str]:
+    """Every array name any registered layout stores as vocabulary ids, in any of its forms (for readers that
+    see a batch's names without its spec)."""
+    forms = (_Fields(name, step) for name in LAYOUTS for step in (0.0, 1.0))
+    return frozenset(a.name for spec in forms for a in logit_arrays(spec) if a.dtype == VOCAB_ID)
+
+
+def exact_arrays(spec: LayoutFields) -> tuple[str, ...]:
+    """The logit arrays (and the kept mass) a capture hands to storage as computed (``LogitArray.exact``)."""
+    return (*(a.name for a in logit_arrays(spec) if a.exact), TOPK_MASS)
+
+
 def validate_logits(spec: LogitFields) -> None:
     """The logit part of ``CacheSpec._validate``: the layout exists, has a vocabulary, and its fields hold.
 
@@ -146,7 +182,7 @@ def _no_fields(spec: LogitFields) -> None:
 def _topk_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
     # fp16: logits with their logsumexp; logprob: log-probs quantised to uint16 steps, rising along k in -logp.
     if spec.logprob_step > 0:
-        values = LogitArray("logits/topk_values", "uint16", gap_coded=True, width="top_k", mass=True)
+        values = LogitArray("logits/topk_values", "uint16", gap_coded=True, width="top_k", mass=True, logprob=True)
         return values, LogitArray("logits/topk_ids", VOCAB_ID, width="top_k")
     return (LogitArray("logits/topk_values", FLOAT, width="top_k", descending=True, mass=True),
             LogitArray("logits/topk_ids", VOCAB_ID, width="top_k"), LogitArray("logits/lse", "float32"))
@@ -173,7 +209,7 @@ def _sampled_validate(spec: LogitFields) -> None:
 
 register_layout(LogitLayout("full", lambda spec: (LogitArray("logits/full", FLOAT, sparse=False, width="vocab_size"),),
                             _no_fields))
-register_layout(LogitLayout("topk", _topk_arrays, _topk_validate, logprob=True))
+register_layout(LogitLayout("topk", _topk_arrays, _topk_validate, logprob=True, file_sparse=True))
 register_layout(LogitLayout("sampled", _sampled_arrays, _sampled_validate))
 # head: nothing per token; the teacher's LM head is stored beside the cache (teacher_head/) and reads the last layer
 register_layout(LogitLayout("head", lambda spec: (), _no_fields))

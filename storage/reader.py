@@ -22,6 +22,7 @@ from kdcache.storage.backends.base import ShardHandle
 from kdcache.storage.backends.registry import get_backend
 from kdcache.storage.errors import ChecksumError, PartialCacheError, ShardError
 from kdcache.storage.layout import decode_rows, document_lengths, unpack_attention
+from kdcache.storage.logit_layouts import logit_array
 from kdcache.storage.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store, open_store
@@ -41,7 +42,8 @@ Fetch = Callable[[str, int, int], np.ndarray]  # (array name, start row, stop ro
 
 def _decoded(spec: CacheSpec, name: str, rows: np.ndarray) -> np.ndarray:
     """Stored rows as readers return them (gaps summed, quantised log-probs as float32)."""
-    step = spec.logprob_step if name == "logits/topk_values" else 0.0
+    array = logit_array(spec, name)
+    step = spec.logprob_step if array is not None and array.logprob else 0.0
     return decode_rows(rows, gaps=spec.gap_coded(name), logprob_step=step)
 
 

@@ -22,20 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kdcache.storage.attention_source import ATTENTION_SOURCES, QKV_KINDS, check_attention_source
-from kdcache.storage.codecs import (
-    ARROW_DEFAULT_CODEC,
-    DEFAULT_CODEC,
-    DEFAULT_TOPK_CODEC,
-    resolve_codec,
-    to_arrow_compression,
-    to_zarr_compressors,
+from kdcache.storage.attention_source import (
+    DEFAULT_ATTENTION_SOURCE,
+    attention_layout,
+    check_attention_source,
+    token_row_kinds,
 )
+from kdcache.storage.backends.registry import DEFAULT_BACKEND, backend_class
+from kdcache.storage.codecs import CodecConfig, resolve_codec
 from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
 from kdcache.storage.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
@@ -67,25 +67,9 @@ from kdcache.storage.streams import (
     token_offsets_name,
 )
 
-BACKENDS = ("zarr", "arrow")
-# The stored logit arrays, their dtypes and codecs are the layouts' (storage.logit_layouts); these names are for
-# the readers that handle a kind of array whatever the mode.
-VOCAB_IDS = ("logits/topk_ids", "logits/sample_ids")  # stored in the smallest unsigned type holding V-1
 PER_SEQUENCE_FIXED = ("input_ids",)
 # Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
 TOKEN_ARRAYS: dict[str, np.dtype] = {"loss_mask": np.dtype(np.uint8), "position_ids": np.dtype(np.int32)}
-
-
-def default_codecs(backend: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(activation codec, top-k codec) used when a spec names none.
-
-    Zarr gets Blosc with bitshuffle (lz4 for activations, zstd for top-k). Arrow IPC has no bitshuffle and one
-    codec per file, and its plain LZ4 barely shrinks fp16 activations (ratio ~1.01, measured in
-    benchmarks/RESULTS.md), so Arrow defaults to zstd, which reaches ~1.12.
-    """
-    if backend == "arrow":
-        return dict(ARROW_DEFAULT_CODEC), dict(ARROW_DEFAULT_CODEC)
-    return dict(DEFAULT_CODEC), dict(DEFAULT_TOPK_CODEC)
 
 
 def topk_id_dtype(vocab_size: int) -> np.dtype:
@@ -96,7 +80,7 @@ def topk_id_dtype(vocab_size: int) -> np.dtype:
     raise SpecError(f"vocab_size {vocab_size} does not fit in 64 bits")
 
 
-def _layers(name: str, values: Any, minimum: int) -> tuple[int, ...]:
+def _layers(name: str, values: Iterable[int | str], minimum: int) -> tuple[int, ...]:
     layers = tuple(sorted({int(v) for v in values}))
     if any(j < minimum for j in layers):
         raise SpecError(f"{name} {list(values)} has a layer below {minimum}; expected layers >= {minimum}")
@@ -118,7 +102,7 @@ class CacheSpec:
     """
 
     num_sequences: int
-    backend: str = "zarr"
+    backend: str = DEFAULT_BACKEND  # a name of storage.backends.registry
     hidden_layers: tuple[int, ...] = ()
     attention_layers: tuple[int, ...] = ()
     attention_heads: tuple[int, ...] | None = None
@@ -129,8 +113,10 @@ class CacheSpec:
     sample_temperature: float = 1.0
     vocab_size: int = 0
     dtype: str = "fp16"
-    codec: Any = None  # None: the backend's default (see default_codecs)
-    topk_codec: Any = None
+    # A numcodecs configuration, its name or alias, or None: the backend's default (Backend.default_codecs);
+    # always the resolved configuration once constructed (``codec_configs``).
+    codec: CodecConfig | str | None = None
+    topk_codec: CodecConfig | str | None = None
     topk_values: str = "fp16"  # of TOPK_VALUE_FORMATS; left out of to_dict() when fp16 (older manifests)
     logprob_step: float = 0.0  # "logprob": the quantisation step; every stored log-prob is within step/2
     bitround: int | None = None
@@ -140,7 +126,7 @@ class CacheSpec:
     token_arrays: tuple[str, ...] = ()  # of TOKEN_ARRAYS, stored for every stream; absent before format 4
     layers: dict[str, dict[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)  # {}: see above
     # Attention as queries/keys (issue 23); left out of to_dict() when "maps" (every earlier manifest).
-    attention_source: str = "maps"
+    attention_source: str = DEFAULT_ATTENTION_SOURCE
     attention_scores: dict[str, Any] | None = None  # attention_source.SCORE_KEYS, BLOCK_SCORE_KEYS per block
 
     def __post_init__(self) -> None:
@@ -154,16 +140,22 @@ class CacheSpec:
         put("token_arrays", tuple(self.token_arrays))
         if self.attention_heads is not None:
             put("attention_heads", _layers("attention_heads", self.attention_heads, 0))
-        codec, topk_codec = default_codecs(self.backend)
+        codec, topk_codec = backend_class(self.backend).default_codecs()  # a SpecError names the backends
         put("codec", resolve_codec(codec if self.codec is None else self.codec))
         put("topk_codec", resolve_codec(topk_codec if self.topk_codec is None else self.topk_codec))
         put("hidden_codec", resolve_hidden_codec(self.hidden_codec, self.dtype if self.dtype in ("fp16", "bf16")
                                                  else "fp16"))
         self._validate()
 
+    @property
+    def codec_configs(self) -> tuple[CodecConfig, CodecConfig]:
+        """(activation codec, top-k codec): the resolved numcodecs configurations construction made of the
+        ``codec`` and ``topk_codec`` fields."""
+        if not isinstance(self.codec, dict) or not isinstance(self.topk_codec, dict):
+            raise SpecError(f"codecs not resolved: {self.codec!r}, {self.topk_codec!r}")  # only a bypassed __init__
+        return self.codec, self.topk_codec
+
     def _validate(self) -> None:
-        if self.backend not in BACKENDS:
-            raise SpecError(f"unknown backend {self.backend!r}; expected one of {list(BACKENDS)}")
         storage_dtype(self.dtype)
         if self.num_sequences < 1 or self.sequences_per_shard < 1:
             raise SpecError(f"num_sequences ({self.num_sequences}) and sequences_per_shard "
@@ -181,8 +173,8 @@ class CacheSpec:
         if unknown or len(set(self.token_arrays)) != len(self.token_arrays):
             raise SpecError(f"token_arrays {list(self.token_arrays)}: expected distinct names among "
                             f"{list(TOKEN_ARRAYS)}")
-        for config in (self.codec, self.topk_codec):  # fail at creation, not at the first shard
-            to_zarr_compressors(config) if self.backend == "zarr" else to_arrow_compression(config)
+        for config in self.codec_configs:  # fail at creation, not at the first shard
+            backend_class(self.backend).check_codec(config)
         check_attention_source(self.attention_source, self.attention_scores, self.attention_layers,
                                one_stream=not self.is_encoder_decoder, all_heads=self.attention_heads is None,
                                triangle=self.attention_triangle)
@@ -285,7 +277,7 @@ class CacheSpec:
         names = self.token_names()
         for group, layers in self.layer_groups():
             stream, kind = split_stream(group)
-            kinds = ATTENTION_SOURCES[self.attention_source] if kind == "attention" else (kind,)
+            kinds = attention_layout(self.attention_source).kinds if kind == "attention" else (kind,)
             names += [n for j in layers for k in kinds for n in self.with_parts(prefixed(stream, f"{k}/{j}"))]
         return names + self.logit_arrays()
 
@@ -339,17 +331,18 @@ class CacheSpec:
 
     def codec_for(self, name: str) -> dict[str, Any]:
         """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
-        if self.backend == "zarr" and (self.coded(name) or is_part(name)):
+        if backend_class(self.backend).codec_per_array and (self.coded(name) or is_part(name)):
             column = self.coded(name) and codec_of(self.hidden_codec).column_major  # its rows shuffled first
             return resolve_codec(COLUMN_CODES_CODEC if column else CODES_CODEC)
         array = logit_array(self, name)
-        codec: dict[str, Any] = self.topk_codec if array is not None and array.sparse else self.codec
-        return codec
+        activations, sparse = self.codec_configs
+        return sparse if array is not None and array.sparse else activations
 
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""
         array = logit_array(self, name) if name.startswith("logits/") else None
-        return kind_of(name) in ("hidden", "attention", CROSS, *QKV_KINDS) or (array is not None and not array.sparse)
+        activations = ("hidden", "attention", CROSS, *token_row_kinds())
+        return kind_of(name) in activations or (array is not None and not array.sparse)
 
     def is_lossy_target(self, name: str) -> bool:
         """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""
@@ -362,7 +355,7 @@ class CacheSpec:
         groups: dict[str, tuple[int, ...]] = {}
         for group, held in self.layer_groups():
             stream, kind = split_stream(group)
-            kinds = ATTENTION_SOURCES[self.attention_source] if kind == "attention" else (kind,)
+            kinds = attention_layout(self.attention_source).kinds if kind == "attention" else (kind,)
             groups.update({prefixed(stream, k): held for k in kinds})
         kind, _, layer = name.rpartition("/")
         layers = groups.get(kind)
@@ -399,7 +392,7 @@ class CacheSpec:
         out.update(stream_manifest_keys(self.layers))
         if self.hidden_codec == resolve_hidden_codec(None, self.dtype):  # the float dtype: what earlier writers wrote
             del out["hidden_codec"]
-        if self.attention_source == "maps":  # what writers before issue 23 wrote
+        if attention_layout(self.attention_source).default:  # what writers before issue 23 wrote
             del out["attention_source"], out["attention_scores"]
         if self.topk_values == "fp16":  # what earlier writers wrote; a reader that predates logprob refuses those
             del out["topk_values"], out["logprob_step"]

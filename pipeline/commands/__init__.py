@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
+
+
+class Subcommands(Protocol):
+    """What ``register`` is handed (``pipeline.cli``'s command collector): ``add_parser`` builds a command's
+    parser, its flags from the option class ``options`` (every field but ``skip``) when that command runs."""
+
+    def add_parser(self, name: str, *, options: type | None = None, skip: tuple[str, ...] = (),
+                   **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
 def print_summary(summary: dict[str, Any], as_json: bool, formatter: Callable[[dict[str, Any]], str]) -> None:

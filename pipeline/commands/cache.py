@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdcache.pipeline.cache_info import describe
-from kdcache.stages.common import logit_kinds
+from kdcache.pipeline.commands import Subcommands
+from kdcache.stages.common import attention_sources, logit_kinds
+
+if TYPE_CHECKING:
+    from kdcache.storage import VerifyReport
 
 CACHE_HELP = "cache folder or URL (s3://bucket/cache, gs://..., any fsspec URL)"
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add the ``inspect`` and ``verify`` subcommands to an argparse subparsers object."""
     inspect = subparsers.add_parser("inspect", help="show what a cache holds: features, layers, sizes, fingerprints")
     inspect.add_argument("cache", metavar="CACHE", help=CACHE_HELP)
@@ -25,13 +29,9 @@ def register(subparsers: Any) -> None:
     verify.set_defaults(func=run_verify)
 
 
-def _layer_lines(info: dict[str, Any], heads: Any) -> list[str]:
+def _layer_lines(info: dict[str, Any], heads: object) -> list[str]:
     """Hidden and attention layers per token stream (one stream, or encoder and decoder for seq2seq)."""
-    triangle = ", causal triangle" if info["attention_triangle"] else ""
-    scores = info.get("attention_scores") or {}
-    if info.get("attention_source", "maps") != "maps":  # queries and keys (and values) instead of maps
-        triangle = (f", stored as {info['attention_source']} ({scores.get('num_heads')} query heads, "
-                    f"{scores.get('num_kv_heads')} key/value heads of {scores.get('head_dim')})")
+    triangle = attention_sources.get(info.get("attention_source")).describe(info)
     lines = []
     for stream, layers in info["streams"].items():
         prefix = "" if stream == "tokens" else f"{stream} "
@@ -53,7 +53,7 @@ def _codec_text(record: dict[str, Any] | None) -> str:
     Only the settings the codec uses: a group for a grouped one, outliers when kept, the rotation by its seed."""
     if not record or not record["configuration"]:
         return f", hidden states {record['name']}" if record else ""
-    from kdcache.storage.hidden_codecs import codec_of
+    from kdcache.storage import codec_of
 
     codec, shown = codec_of(record), []
     for key, value in record["configuration"].items():
@@ -108,14 +108,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_rows(cache: str, report: Any) -> None:
+def _verify_rows(cache: str, report: VerifyReport) -> None:
     """Add the problems of the cache's rows (stage one's row table, in the rows folder outside the cache) to
     ``report``: found by the data fingerprint their sealed table records; rows nobody built are no problem."""
     from kdcache.stages.precompute.row_store import row_problems
-    from kdcache.storage import open_store
-    from kdcache.storage.errors import KdcacheError
-    from kdcache.storage.manifest import load_manifest
-    from kdcache.storage.verify import VerifyProblem
+    from kdcache.storage import KdcacheError, VerifyProblem, load_manifest, open_store
 
     try:
         fingerprint = load_manifest(open_store(cache))[0].fingerprints.get("data")
@@ -128,7 +125,7 @@ def _verify_rows(cache: str, report: Any) -> None:
 
 def run_verify(args: argparse.Namespace) -> int:
     """Verify every chunk; exit 0 when clean, 1 naming each bad shard and array. Never a traceback."""
-    from kdcache.storage.verify import verify_cache
+    from kdcache.storage import verify_cache
 
     report = verify_cache(args.cache)
     _verify_rows(args.cache, report)

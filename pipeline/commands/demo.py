@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
+from kdcache.pipeline.commands import Subcommands
 from kdcache.pipeline.config import from_args
 from kdcache.pipeline.demo import DemoOptions
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``demo`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
         "demo", options=DemoOptions,

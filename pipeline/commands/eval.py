@@ -6,10 +6,15 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kdcache.pipeline.commands import Subcommands
+
+if TYPE_CHECKING:
+    from kdcache.storage import CacheReader
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``eval`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
         "eval", help="evaluate a student against a cache (teacher-free); writes RUN/evals/{role}@{cache}.json",
@@ -38,10 +43,9 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def teacher_notes(eval_cache: Any, run_dir: Path) -> list[str]:
+def teacher_notes(eval_cache: CacheReader, run_dir: Path) -> list[str]:
     """A warning when the eval cache's teacher differs from the one the run was trained against."""
-    from kdcache.storage import CacheReader, cache_exists, compare_fingerprints
-    from kdcache.storage.files import read_json_object
+    from kdcache.storage import CacheReader, cache_exists, compare_fingerprints, read_json_object
 
     options = read_json_object(run_dir / "options.json")
     train_cache = options.get("cache")

@@ -7,14 +7,13 @@ also be set in the ``precompute:`` section of ``--config file.yaml``, with the c
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from kdcache.pipeline.commands import print_summary
+from kdcache.pipeline.commands import Subcommands, print_summary
 from kdcache.pipeline.config import from_args
 from kdcache.stages.precompute.options import PrecomputeOptions
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``precompute`` and ``merge`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
         "precompute", options=PrecomputeOptions,

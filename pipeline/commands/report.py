@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
+from kdcache.pipeline.commands import Subcommands
 from kdcache.pipeline.config import ConfigError
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``report`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
         "report", help="PNG plots and an HTML page for a run or a sweep (works mid-run)",

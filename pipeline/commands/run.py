@@ -12,6 +12,7 @@ import argparse
 import gc
 from typing import Any
 
+from kdcache.pipeline.commands import Subcommands
 from kdcache.pipeline.config import ConfigError, build, flat_values, load_yaml
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.train.options import TrainOptions
@@ -19,7 +20,7 @@ from kdcache.stages.train.options import TrainOptions
 SECTIONS = ("precompute", "train")
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``run`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
         "run", help="run both stages from one YAML file (reusing a matching complete cache)",

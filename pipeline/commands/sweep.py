@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kdcache.pipeline.commands import Subcommands
 from kdcache.pipeline.config import ConfigError, load_yaml
 from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.common.stream_options import ALIASES
 from kdcache.stages.train.options import TrainOptions
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``sweep`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
         "sweep", options=TrainOptions, skip=("out", "resume"),

@@ -14,14 +14,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kdcache.pipeline.commands import print_summary
+from kdcache.pipeline.commands import Subcommands, print_summary
 from kdcache.pipeline.config import ConfigError, from_args
 from kdcache.pipeline.quiet import quiet
 from kdcache.stages.common.stream_options import StreamLayers, alias_flags, fold_aliases
 from kdcache.stages.train.options import TrainOptions
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``train`` and ``init-student`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
         "train", options=TrainOptions,
@@ -70,7 +70,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def _loader(student_dir: str) -> str:
     """The class the exported student loads with, from its config (``BartForConditionalGeneration``...)."""
-    from kdcache.storage.files import read_json_object
+    from kdcache.storage import read_json_object
 
     archs = read_json_object(Path(student_dir) / "config.json").get("architectures") or []
     return f"{archs[0]}.from_pretrained" if archs else "transformers' from_pretrained"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
     import torch

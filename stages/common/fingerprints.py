@@ -11,7 +11,7 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kdcache.storage.fingerprint import hash_json
+from kdcache.storage import hash_json
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

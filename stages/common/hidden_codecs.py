@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdcache.storage.hidden_codecs import (
+from kdcache.storage import (
     FP8_MAX,
     applies_to,
     block_size,
@@ -230,7 +230,7 @@ def _rows(batch: dict[str, Any], name: str) -> Any:
 
 def load_projection(reader: CacheReader) -> Projection | None:
     """The bases of a rank cache (``storage.projection``) from a ``CacheReader``; None without a projection."""
-    from kdcache.storage.projection import read_projection
+    from kdcache.storage import read_projection
 
     record, rank = reader.spec.hidden_codec, rank_of(reader.spec.hidden_codec)
     if rank is None:

@@ -6,7 +6,7 @@ derives from ``storage.errors.KdcacheError``: the CLI turns it into a message an
 
 from __future__ import annotations
 
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
 
 
 class LossError(KdcacheError, ValueError):

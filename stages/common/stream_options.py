@@ -28,7 +28,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
+
+if typing.TYPE_CHECKING:
+    from pydantic import GetCoreSchemaHandler
+    from pydantic_core import CoreSchema
 
 STREAM_PREFIXES = ("encoder", "decoder", "cross")
 _ORDER = ("", *STREAM_PREFIXES)
@@ -69,7 +73,7 @@ class StreamValues:
         return tuple(t for t in re.split(r"[,\s]+", text) if t)
 
     @classmethod
-    def parse(cls: type[S], value: Any) -> S:
+    def parse(cls: type[S], value: object) -> S:
         """Read text, a list of items, a mapping ``{stream: value}`` or an instance (returned as is).
 
         Raises:
@@ -107,7 +111,7 @@ class StreamValues:
         """The streams given, ``""`` included."""
         return tuple(s for s, _ in self.entries)
 
-    def with_stream(self: S, stream: str, value: Any) -> S:
+    def with_stream(self: S, stream: str, value: object) -> S:
         """A copy with ``stream`` set to ``value`` (text is read), replacing what it held."""
         kept = [(s, v) for s, v in self.entries if s != stream]
         return type(self).of([*kept, (stream, self.read(value) if isinstance(value, str) else value)])
@@ -121,7 +125,7 @@ class StreamValues:
         return " ".join(f"{s}:{self.text_of(s)}" if s else self.text_of(s) for s in self.streams)
 
     @classmethod
-    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+    def __get_pydantic_core_schema__(cls, source: object, handler: GetCoreSchemaHandler) -> CoreSchema:
         """Let pydantic read the value from text, a list or a mapping; a bad one becomes a config problem."""
         from pydantic_core import core_schema
 
@@ -132,7 +136,7 @@ class StreamLayers(StreamValues):
     """Layer lists per stream (``("all",)``, ``("2", "4")``, ``("none",)``), as stage one's options take them."""
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     """YAML numbers and lists as the text they stand for: ``[1, 3]`` -> ``"1 3"``."""
     if isinstance(value, (list, tuple)):
         return " ".join(_text(v) for v in value)
@@ -144,7 +148,7 @@ def _split_item(item: str) -> tuple[str, str]:
     return (head.lower(), rest) if sep and head.lower() in STREAM_PREFIXES else ("", item.strip())
 
 
-def value_class(tp: Any) -> type[StreamValues] | None:
+def value_class(tp: object) -> type[StreamValues] | None:
     """The ``StreamValues`` class of a field type (``X`` or ``X | None``), or None for other fields."""
     for candidate in (tp, *typing.get_args(tp)):
         if isinstance(candidate, type) and issubclass(candidate, StreamValues):

@@ -12,15 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdcache.storage.canonical import canonical_json
-from kdcache.storage.errors import KdcacheError
-from kdcache.storage.fingerprint import hash_bytes
-from kdcache.storage.manifest import read_json
+from kdcache.storage import KdcacheError, canonical_json, hash_bytes, read_json
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.storage.stores import Store
+    from kdcache.storage import Store
 
 HEAD_FOLDER = "teacher_head"
 
@@ -43,7 +40,7 @@ def export_head(model: PreTrainedModel, store: Store, layer: int) -> None:
 
     from safetensors.torch import save
 
-    from kdcache.storage.folders import folder_is_complete, put_folder
+    from kdcache.storage import folder_is_complete, put_folder
 
     if folder_is_complete(store, HEAD_FOLDER):  # a resumed run, or another job of the array, wrote it already
         return

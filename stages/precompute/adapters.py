@@ -41,8 +41,7 @@ from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
 from kdcache.stages.precompute.transfer import ShardItems, cut_padding
-from kdcache.storage.hidden_codecs import applies_to
-from kdcache.storage.spec import TOPK_MASS
+from kdcache.storage import applies_to, exact_arrays
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -245,9 +244,9 @@ class OutputCapture:
 
     @property
     def _exact(self) -> tuple[str, ...]:
-        """Arrays handed to storage as computed: ids, the fp32 logsumexp, log-probs that storage quantises."""
-        return ("logits/topk_ids", "logits/lse", TOPK_MASS,
-                *(("logits/topk_values",) if self.targets.logprob_step else ()))
+        """Arrays handed to storage as computed (ids, the fp32 logsumexp, log-probs that storage quantises): the
+        layout's fixed-type arrays."""
+        return exact_arrays(self.targets)
 
     def _to_storage(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         if name in self._exact:

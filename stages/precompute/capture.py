@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kdcache.stages.common import hidden_codecs, logit_kinds
+from kdcache.stages.common import attention_sources, hidden_codecs, logit_kinds
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.logit_head import ChunkedHead, head_probe, logit_targets
@@ -41,8 +41,7 @@ from kdcache.stages.precompute.qk_capture import QKCapture
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
 from kdcache.stages.precompute.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
-from kdcache.storage.hidden_codecs import applies_to, projected
-from kdcache.storage.logit_layouts import FLOAT, logit_arrays
+from kdcache.storage import FLOAT, applies_to, logit_arrays, projected
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -180,7 +179,8 @@ class FeatureCapture:
         if self._kind and self._kind.teacher_head and not self._head.active:
             raise PrecomputeError(f"logits head: {type(self.model).__name__} has no plain LM head to copy; use "
                                   f"--logits topk or full")
-        self._qk = QKCapture(self.model, targets) if targets.attention_source != "maps" else None
+        recorded = attention_sources.get(targets.attention_source).recorded_parts
+        self._qk = QKCapture(self.model, targets) if recorded else None
         self._copier = HostCopier(teacher.device)
         self._install()
 

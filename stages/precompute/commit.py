@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,12 +16,13 @@ from kdcache.stages.precompute.background import BackgroundWriter, default_worke
 from kdcache.stages.precompute.batching import Partition
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.progress import Progress, RunStats
-from kdcache.storage.errors import KdcacheError
-from kdcache.storage.folders import CACHE_ENTRIES
-from kdcache.storage.stores import Store
+from kdcache.storage import CACHE_ENTRIES, KdcacheError, Store
+
+if TYPE_CHECKING:
+    from kdcache.storage import CacheSpec, CacheWriter
 
 
-def open_writer(store: Store, spec: Any, fingerprints: dict[str, Any], part: Partition) -> Any:
+def open_writer(store: Store, spec: CacheSpec, fingerprints: dict[str, Any], part: Partition) -> CacheWriter:
     """Open (create or resume) this part's writer on the output ``store`` (``check_out_folder``'s).
 
     Raises:
@@ -45,7 +46,7 @@ def check_out_folder(out: str) -> Store:
     Raises:
         PrecomputeError: a non-empty folder or prefix without a manifest and with entries no cache has.
     """
-    from kdcache.storage.stores import open_store
+    from kdcache.storage import open_store
 
     store = open_store(out)
     foreign = sorted(name for name in store.list("") if name not in CACHE_ENTRIES and not name.startswith("."))
@@ -55,7 +56,7 @@ def check_out_folder(out: str) -> Store:
     return store
 
 
-def commit_behind(spec: Any, todo: list[int], writer: Any, stats: RunStats,
+def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: RunStats,
                   stream: Callable[[list[tuple[int, int]], Progress], Iterator[list[dict[str, np.ndarray]]]], *,
                   show_progress: bool, queue_size: int, workers: int = 0) -> None:
     """Compute every shard in ``todo`` (``stream(shard_ranges, progress)`` yields them in order); a background

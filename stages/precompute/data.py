@@ -91,7 +91,7 @@ class TokenStreams:
     def of_table(cls, table: RowTable) -> TokenStreams:
         """Streams over a ``row_store.RowTable``: its ``*input_ids`` columns are the streams, the rest the
         token arrays stored beside them."""
-        from kdcache.storage.streams import kind_of, split_stream
+        from kdcache.storage import kind_of, split_stream
 
         ids: dict[str, Sequence[np.ndarray]] = {split_stream(n)[0]: c for n, c in table.columns.items()
                                                 if kind_of(n) == "input_ids"}

@@ -6,7 +6,7 @@ teacher at a missing folder or asks for layer 40 of a 12-layer model sees what t
 
 from __future__ import annotations
 
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
 
 
 class PrecomputeError(KdcacheError):

@@ -3,10 +3,11 @@
 Two figures, for two moments:
 
 * Before the teacher loads, ``lower_bound_bytes`` sizes what the spec alone fixes: hidden states
-  (``layers x tokens x d``), attention maps (``layers x heads x sum L_i^2``, halved for the triangle) and full or
-  top-k logits, at their storage dtype and uncompressed. Attention kept as queries and keys (``--attention-source
-  qk``/``qkv``) counts ``tokens x (H + H_kv) x head_dim`` per block (plus ``H_kv x head_dim`` for the values),
-  whatever the lengths, since the spec sized before the teacher loads still names maps. A real run refuses a
+  (``layers x tokens x d``), attention maps (``layers x heads x sum L_i^2``, halved for the triangle) and every
+  array of the logit layout (``tokens x`` its width), at their storage dtype and uncompressed. Attention kept as
+  token rows (an attention source such as ``qk``/``qkv``) counts what the source says, ``tokens x (H + H_kv) x
+  head_dim`` per block (plus ``H_kv x head_dim`` for the values), whatever the lengths, since the spec sized before
+  the teacher loads still names maps. A real run refuses a
   local destination whose free space is below a quarter of that (``check_room``): lossless codecs shrink fp16
   activations by ~1.1x, so a destination that could not hold the cache even at 4x is clearly too small, and the
   refusal costs seconds rather than hours of teacher time.
@@ -25,17 +26,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kdcache.stages.common import attention_sources
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.storage.files import format_bytes
-from kdcache.storage.streams import kind_of, split_stream
+from kdcache.storage import format_bytes, kind_of, logit_array, split_stream
 
 if TYPE_CHECKING:
     import numpy as np
     from transformers import PretrainedConfig
 
     from kdcache.stages.precompute.data import TokenStreams
-    from kdcache.storage.manifest import ShardRecord
-    from kdcache.storage.spec import CacheSpec
+    from kdcache.storage import CacheSpec, ShardRecord
 
 SAMPLE_ROWS = 64  # rows the estimate runs the teacher on (whole shards, so per-shard overheads are counted)
 CLEAR_MARGIN = 4  # refuse only when even this compression ratio would not make the cache fit
@@ -43,7 +43,7 @@ CLEAR_MARGIN = 4  # refuse only when even this compression ratio would not make 
 
 def free_bytes(out: str) -> int | None:
     """Free bytes where a local cache folder ``out`` goes (its nearest existing folder); None for a URL."""
-    from kdcache.storage.stores import is_url
+    from kdcache.storage import is_url
 
     if is_url(out) and not out.startswith("file://"):
         return None
@@ -53,10 +53,11 @@ def free_bytes(out: str) -> int | None:
     return shutil.disk_usage(path).free
 
 
-def lower_bound_bytes(spec: CacheSpec, config: PretrainedConfig, data: TokenStreams, source: str = "maps") -> int:
+def lower_bound_bytes(spec: CacheSpec, config: PretrainedConfig, data: TokenStreams, source: str | None = None) -> int:
     """Uncompressed bytes of the cache's hidden states, attention (maps, or per ``source`` queries/keys/values)
-    and full / top-k logits (see the module docstring); what depends on the teacher's outputs (sampled logits,
-    documents' attention blocks) counts 0."""
+    and the logit layout's arrays (see the module docstring); what depends on the teacher's outputs (documents'
+    attention blocks) counts 0. ``source``: the run's attention source (None: the default), whose
+    rows the spec sized before the teacher loads still names as maps."""
     d = int(getattr(config, "hidden_size", None) or getattr(config, "d_model", None) or 0)
     tokens, sum_sq = data.meta.get("tokens", {}), data.meta.get("sum_sq_lengths", {})
     total = 0
@@ -65,29 +66,12 @@ def lower_bound_bytes(spec: CacheSpec, config: PretrainedConfig, data: TokenStre
         item = spec.array_dtype(name).itemsize
         if kind == "hidden":
             total += tokens.get(stream, 0) * d * item
-        elif kind == "attention" and source != "maps":
-            total += tokens.get(stream, 0) * _qkv_width(config, source) * item
-        elif kind == "attention" and not spec.by_documents(name):
-            heads = len(spec.attention_heads) if spec.attention_heads else _heads(config)
-            total += int(sum_sq.get(stream, 0) * heads * item / (2 if spec.attention_triangle else 1))
-        elif name in ("logits/full", "logits/topk_values", "logits/topk_ids"):
-            width = spec.vocab_size if name == "logits/full" else spec.top_k
-            total += tokens.get(stream, 0) * width * item
+        elif kind == "attention":
+            total += attention_sources.get(source).estimate_bytes(spec, name, config, tokens.get(stream, 0),
+                                                                  sum_sq.get(stream, 0), item)
+        elif (array := logit_array(spec, name)) is not None:  # [T, width] of its layout's spec field, or [T]
+            total += tokens.get(stream, 0) * (int(getattr(spec, array.width)) if array.width else 1) * item
     return total
-
-
-def _heads(config: PretrainedConfig) -> int:
-    return int(getattr(config, "num_attention_heads", None) or getattr(config, "encoder_attention_heads", 0) or 0)
-
-
-def _qkv_width(config: PretrainedConfig, source: str) -> int:
-    """Values per token of one block's queries and keys (``H x head_dim``, ``H_kv x head_dim``), and for
-    ``qkv`` its values too (``H_kv x head_dim``)."""
-    heads = _heads(config)
-    d = int(getattr(config, "hidden_size", None) or 0)
-    head_dim = int(getattr(config, "head_dim", None) or (d // heads if heads else 0))
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    return (heads + kv_heads * (2 if source == "qkv" else 1)) * head_dim
 
 
 def check_room(out: str, needed: int) -> None:
@@ -160,7 +144,7 @@ def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRec
     rate = sum(seen[False].values()) / computed if computed > 0 else 0.0
     free = free_bytes(out)
     return {"status": "estimate", "out": out, "num_sequences": len(data), "tokens": all_tokens,
-            "bytes_per_token": _per_target(per_array, all_tokens), "total_bytes": int(total),
+            "bytes_per_token": _per_target(spec, per_array, all_tokens), "total_bytes": int(total),
             "seconds": round(all_tokens / rate, 1) if rate else None, "sample_rows": rows,
             "sample_tokens_per_second": round(rate, 1), "sample_seconds": round(wall, 2),
             "free_bytes": free, "fits": None if free is None else bool(free >= total)}
@@ -173,12 +157,12 @@ def _sample_sizes(data: TokenStreams, rows: int) -> dict[bool, dict[str, int]]:
             True: {s: int((v * v).sum()) for s, v in lengths.items()}}
 
 
-def _per_target(per_array: dict[str, float], tokens: int) -> dict[str, float]:
+def _per_target(spec: CacheSpec, per_array: dict[str, float], tokens: int) -> dict[str, float]:
     from kdcache.stages.precompute.progress import target_of
 
     out: dict[str, float] = {}
     for name, size in per_array.items():
-        out[target_of(name)] = out.get(target_of(name), 0.0) + size / max(tokens, 1)
+        out[target_of(name, spec)] = out.get(target_of(name, spec), 0.0) + size / max(tokens, 1)
     return {k: round(v, 2) for k, v in out.items()}
 
 

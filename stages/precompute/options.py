@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdcache.stages.common import logit_kinds
+from kdcache.stages.common import attention_sources, logit_kinds
 from kdcache.stages.common.engine_options import PRECOMPUTE, EngineOptions, failed
 from kdcache.stages.common.engine_options import looks_like_path as common_looks_like_path
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.precompute.rows import PACKING
+from kdcache.storage import DEFAULT_ATTENTION_SOURCE, DEFAULT_BACKEND, backend_names
 
 FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: encoder-decoder teachers only
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
@@ -86,7 +87,7 @@ class StorageOptions:
     """Where the cache goes, how it is encoded, and this job's part of it."""
 
     out: str = field(metadata={"help": "cache folder to create or resume"})
-    format: str = _opt("zarr", "storage backend", choices=["zarr", "arrow"])
+    format: str = _opt(DEFAULT_BACKEND, "storage backend", choices=backend_names())
     dtype: str = _opt("fp16", "storage dtype of float targets", choices=["fp16", "bf16"])
     codec: str | None = _opt(None, "numcodecs codec name (e.g. zstd, blosc-lz4) or JSON config; default blosc-lz4")
     bitround: int | None = _opt(None, "lossy: mantissa bits kept in activations (fp16 1..9, bf16 1..6)")
@@ -112,8 +113,7 @@ class StorageOptions:
     @property
     def hidden_codec_record(self) -> dict[str, Any]:
         """The resolved ``{name, configuration}`` of ``--hidden-codec`` (``storage.hidden_codecs``)."""
-        from kdcache.storage.errors import SpecError
-        from kdcache.storage.hidden_codecs import codec_of, resolve_hidden_codec
+        from kdcache.storage import SpecError, codec_of, resolve_hidden_codec
 
         value = self.hidden_codec
         record = resolve_hidden_codec(json.loads(value) if value and value.strip().startswith("{") else value,
@@ -142,8 +142,7 @@ class StorageOptions:
         return problems
 
     def _codec_problems(self) -> list[str]:
-        from kdcache.storage.codecs import resolve_codec
-        from kdcache.storage.errors import KdcacheError
+        from kdcache.storage import KdcacheError, resolve_codec
 
         problems = []
         for key, check in (("codec", lambda: resolve_codec(self.codec_config)),
@@ -181,11 +180,8 @@ class TargetOptions:
                                                  metavar="[STREAM:]BLOCKS")
     heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
     triangle: bool = _opt(False, "store only the causal triangle of attention maps (causal teachers)")
-    attention_source: str = _opt("maps", "how feature 'attention' is stored: maps (each block's [H, L, L] "
-                                         "probabilities), qk (its queries and keys after rotary embeddings, keys once "
-                                         "per key/value head: (H + H_kv) x head_dim values per token whatever L; "
-                                         "stage two rebuilds the maps block by block) or qkv (also the values, for "
-                                         "the relation loss)", choices=["maps", "qk", "qkv"])
+    attention_source: str = _opt(DEFAULT_ATTENTION_SOURCE, attention_sources.usage(),
+                                 choices=attention_sources.choices())
     top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
     full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k (same as --logits full)")
     logits_mode: str = _opt(DEFAULT_LOGITS, "what feature 'logits' stores: topk (--top-k values, ids and the "

@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kdcache.storage.files import format_bytes
+from kdcache.storage import LayoutFields, format_bytes, logit_array
 
 if TYPE_CHECKING:
-    from kdcache.storage.manifest import Manifest, ShardRecord
+    from kdcache.storage import Manifest, ShardRecord
 
 
 @dataclass
@@ -94,16 +94,16 @@ class Progress:
             self.bar.close()
 
 
-def target_of(array: str) -> str:
-    """Group arrays into targets: hidden/3, attention/2, logits/topk (values+ids+lse), logits/full, index (what
-    locates and masks the tokens).
+def target_of(array: str, spec: LayoutFields) -> str:
+    """Group arrays into targets: hidden/3, attention/2, ``logits/{mode}`` (every array of the cache's logit
+    layout: values+ids+lse for topk), index (what locates and masks the tokens).
 
     Encoder-decoder names (``encoder/hidden/3``, ``cross_attention/2``) are targets of their own too.
     """
     if array.endswith(("input_ids", "offsets", "loss_mask", "position_ids")):
         return "index"  # ids, token arrays, offsets, attention_offsets (and their encoder/, decoder/ forms)
-    if array.startswith("logits/") and array != "logits/full":
-        return "logits/topk"
+    if logit_array(spec, array) is not None:
+        return f"logits/{spec.logits}"
     return array
 
 
@@ -112,7 +112,7 @@ def bytes_per_token(manifest: Manifest) -> dict[str, float]:
     tokens = max(manifest.num_tokens, 1)
     per_target: dict[str, float] = {}
     for name, info in manifest.arrays.items():
-        key = target_of(name)
+        key = target_of(name, manifest.spec)
         per_target[key] = per_target.get(key, 0.0) + info["stored_bytes"] / tokens
     return dict(sorted(per_target.items(), key=lambda kv: _target_order(kv[0])))
 

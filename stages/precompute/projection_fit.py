@@ -23,9 +23,7 @@ import torch
 
 from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.storage.hidden_codecs import codec_of, rank_of
-from kdcache.storage.projection import has_projection, read_projection, write_projection
-from kdcache.storage.stores import Store, open_store
+from kdcache.storage import Store, codec_of, has_projection, open_store, rank_of, read_projection, write_projection
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
+from kdcache.stages.common import attention_sources
 from kdcache.stages.common.documents import document_index
 from kdcache.stages.common.qk_attention import QKRecorder, QKRecorderError, check_rule
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.targets import Targets
+from kdcache.storage import DEFAULT_ATTENTION_SOURCE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -36,12 +38,14 @@ class QKCapture:
 
     Args:
         model: the teacher (any attention implementation; SDPA runs underneath the recorder).
-        targets: what to keep (``attention_source`` "qk" or "qkv", the blocks of stream ``""``).
+        targets: what to keep (an ``attention_source`` of token rows, the blocks of stream ``""``).
     """
 
     def __init__(self, model: PreTrainedModel, targets: Targets) -> None:
         self.model, self.targets = model, targets
-        self.kinds = ("q", "k", "v") if targets.attention_source == "qkv" else ("q", "k")
+        self.kinds = attention_sources.get(targets.attention_source).recorded_parts
+        self.flag = f"--attention-source {targets.attention_source}"
+        self.fallback = f"use --attention-source {DEFAULT_ATTENTION_SOURCE}"
         self.recorder = QKRecorder(model, targets.streams[""].attention, targets.causal, keep_output=True)
 
     def run(self, forward: Callable[[], Result], attention_mask: torch.Tensor,
@@ -51,8 +55,8 @@ class QKCapture:
             with self.recorder.forward():
                 result = forward()
         except QKRecorderError as exc:  # raised inside the forward: attention sinks, soft-capping without eager
-            raise PrecomputeError(f"--attention-source {self.targets.attention_source}: {exc}, so its attention "
-                                  f"cannot be rebuilt from queries and keys; use --attention-source maps") from None
+            raise PrecomputeError(f"{self.flag}: {exc}, so its attention cannot be rebuilt from queries and keys; "
+                                  f"{self.fallback}") from None
         if self.recorder.keep_output:
             documents = None if position_ids is None else document_index(position_ids)
             self._check(attention_mask, documents)
@@ -63,15 +67,14 @@ class QKCapture:
         missing = sorted(set(self.targets.streams[""].attention) - set(self.recorder.captured))
         name = type(self.model).__name__
         if missing:
-            raise PrecomputeError(f"--attention-source {self.targets.attention_source}: {name} does not compute "
-                                  f"blocks {missing} through transformers' attention interface, so their queries "
-                                  f"and keys cannot be taken; use --attention-source maps")
+            raise PrecomputeError(f"{self.flag}: {name} does not compute blocks {missing} through transformers' "
+                                  f"attention interface, so their queries and keys cannot be taken; {self.fallback}")
         for j, captured in self.recorder.captured.items():
             try:
                 check_rule(captured, attention_mask, documents, f"{name} block {j}")
             except QKRecorderError as exc:
-                raise PrecomputeError(f"--attention-source {self.targets.attention_source}: {exc}; stage two "
-                                      f"could not rebuild its attention, use --attention-source maps") from None
+                raise PrecomputeError(f"{self.flag}: {exc}; stage two could not rebuild its attention, "
+                                      f"{self.fallback}") from None
 
     def arrays(self) -> dict[str, torch.Tensor]:
         """The last forward's ``attention_{q,k,v}/{j} [B, L, heads * d]`` (head-major within a token's row)."""
@@ -107,8 +110,10 @@ def probe_ids(data: TokenStreams, device: torch.device) -> torch.Tensor:
 
 
 def with_score_rules(targets: Targets, model: PreTrainedModel, data: TokenStreams, device: torch.device) -> Targets:
-    """``targets`` with ``attention_scores`` learnt from the loaded teacher, for a q/k source; else unchanged."""
-    if targets.attention_source == "maps" or "" not in targets.streams or not targets.streams[""].attention:
+    """``targets`` with ``attention_scores`` learnt from the loaded teacher, for a source of token rows; else
+    unchanged."""
+    recorded = attention_sources.get(targets.attention_source).recorded_parts
+    if not recorded or "" not in targets.streams or not targets.streams[""].attention:
         return targets
     record = QKCapture(model, targets).score_record(probe_ids(data, device))
     return replace(targets, attention_scores=record)

@@ -52,7 +52,7 @@ from kdcache.stages.precompute.row_store import (
     rows_root,
 )
 from kdcache.stages.precompute.rows import Rows, iter_rows
-from kdcache.storage.fingerprint import hash_bytes, hash_json
+from kdcache.storage import hash_bytes, hash_json
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -32,10 +32,17 @@ from typing import Any, overload
 
 import numpy as np
 
-from kdcache.storage.canonical import canonical_json
-from kdcache.storage.fingerprint import ArraysHash, hash_json
-from kdcache.storage.folders import TABLE, local_folder_problems, read_local_table, seal_local_folder
-from kdcache.storage.streams import kind_of, split_stream
+from kdcache.storage import (
+    TABLE,
+    ArraysHash,
+    canonical_json,
+    hash_json,
+    kind_of,
+    local_folder_problems,
+    read_local_table,
+    seal_local_folder,
+    split_stream,
+)
 
 ROWS_VERSION = 1  # bump when the file layout or the building rules change
 _BATCH_ROWS = 4096  # rows per Arrow record batch: a few MiB of tokens, so the writer's memory stays flat

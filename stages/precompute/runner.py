@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.teacher_head import export_head
-from kdcache.stages.precompute.adapters import adapter_for
+from kdcache.stages.precompute.adapters import Capture, TeacherAdapter, adapter_for
 from kdcache.stages.precompute.batching import Partition
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
 from kdcache.stages.precompute.data import TokenStreams
@@ -41,9 +41,12 @@ from kdcache.stages.precompute.teacher import (
     save_tokenizer,
     teacher_files_fingerprint,
 )
-from kdcache.storage.errors import KdcacheError
-from kdcache.storage.hidden_codecs import projected, rank_of
-from kdcache.storage.stores import Store
+from kdcache.storage import KdcacheError, Store, projected, rank_of
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from kdcache.storage import CacheSpec, Manifest
 
 
 def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
@@ -155,8 +158,8 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     return summarize(stats, manifest, len(mine) - len(todo), st.out, extra)
 
 
-def _projection(options: PrecomputeOptions, adapter: Any, teacher: Teacher, targets: Targets, data: TokenStreams,
-                spec: Any, *, into: Store | None) -> Projection | None:
+def _projection(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Teacher, targets: Targets,
+                data: TokenStreams, spec: CacheSpec, *, into: Store | None) -> Projection | None:
     """A rank codec's bases (``projection_fit``): the cache's stored ones, else fitted on the leading sequences
     (and stored first in the output store ``into``, unless None); None without a rank."""
     record = spec.hidden_codec
@@ -178,7 +181,7 @@ def _projection(options: PrecomputeOptions, adapter: Any, teacher: Teacher, targ
     return stored_projection(into, record, names, fit)
 
 
-def check_positions(config: Any, data: TokenStreams) -> None:
+def check_positions(config: PretrainedConfig, data: TokenStreams) -> None:
     """Refuse sequences longer than the teacher's position table (they would index past it)."""
     limit = getattr(config, "max_position_embeddings", None)
     longest = max(data.longest(s) for s in data.streams)
@@ -188,7 +191,7 @@ def check_positions(config: Any, data: TokenStreams) -> None:
                               f"positions; lower {flags} to {limit} or less")
 
 
-def with_default_features(options: PrecomputeOptions, config: Any) -> PrecomputeOptions:
+def with_default_features(options: PrecomputeOptions, config: PretrainedConfig) -> PrecomputeOptions:
     """Without ``--features``: hidden states, plus logits when the teacher has a language-model head (an
     encoder such as MiniLM has none, so it caches hidden states only)."""
     if options.targets.features:
@@ -222,8 +225,8 @@ def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOpt
     return replace(targets, vocab_size=vocab)
 
 
-def finished_cache(store: Store, options: PrecomputeOptions, config: Any, targets: Targets, tokenizer: Any,
-                   data: TokenStreams) -> Any:
+def finished_cache(store: Store, options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,
+                   tokenizer: PreTrainedTokenizerBase, data: TokenStreams) -> Manifest | None:
     """The manifest of a complete cache in the output ``store`` that this run would reproduce, else None.
 
     Checked before the weights load, from what is known without them (weight-file hashes, config, tokenizer,
@@ -257,8 +260,8 @@ def build_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: Ta
             "data": data.fingerprint, "settings": settings}
 
 
-def run_estimate(options: PrecomputeOptions, capturing: Any, teacher: Teacher, targets: Targets,
-                 data: TokenStreams, spec: Any) -> dict[str, Any]:
+def run_estimate(options: PrecomputeOptions, capturing: AbstractContextManager[Capture], teacher: Teacher,
+                 targets: Targets, data: TokenStreams, spec: CacheSpec) -> dict[str, Any]:
     """``--estimate``: the teacher over the first shards, written to a scratch cache (``estimate.estimate``)."""
     stats = RunStats()
     with capturing as capture:
@@ -274,8 +277,7 @@ def merge_cache(path: str | os.PathLike[str]) -> dict[str, Any]:
     Returns:
         ``{"out", "status", "committed_shards", "num_shards", "num_tokens"}``.
     """
-    from kdcache.storage import merge_parts
-    from kdcache.storage.stores import open_store
+    from kdcache.storage import merge_parts, open_store
 
     store = open_store(path)
     if store.size("manifest.json") is None:

@@ -19,12 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common import architectures, logit_kinds
+from kdcache.stages.common import architectures, attention_sources, logit_kinds
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
-from kdcache.storage.hidden_codecs import resolve_hidden_codec
-from kdcache.storage.spec import FORMAT_VERSION
-from kdcache.storage.streams import CROSS, kind_of
+from kdcache.storage import CROSS, DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, kind_of, resolve_hidden_codec
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -60,7 +58,7 @@ class Targets:
     samples: int = 0  # a logit kind that draws (--logits sampled:N): draws per token, at sample_temperature
     sample_temperature: float = 1.0
     logprob_step: float = 0.0  # top-k values stored as log-probs quantised to this step (0: fp16 logits)
-    attention_source: str = "maps"  # or "qk" / "qkv": queries and keys (and values) instead of maps
+    attention_source: str = DEFAULT_ATTENTION_SOURCE  # a name of stages.common.attention_sources
     attention_scores: dict[str, Any] | None = None  # qk: how scores are formed, learnt from the loaded teacher
 
     @property
@@ -70,7 +68,7 @@ class Targets:
     @property
     def wants_attention(self) -> bool:
         """Whether any attention map is captured (the teacher then needs eager attention; queries and keys do not)."""
-        maps = self.attention_source == "maps"
+        maps = attention_sources.get(self.attention_source).teacher_maps
         return bool(self.cross_attention) or (maps and any(s.attention for s in self.streams.values()))
 
 
@@ -161,20 +159,13 @@ def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Tar
 
 def _check_attention_source(options: PrecomputeOptions, streams: dict[str, StreamTargets],
                             config: PretrainedConfig) -> None:
-    """Queries and keys are for one token stream, every head, no triangle; T5's relative position bias, added to
-    its scores inside the model, could not be rebuilt from them."""
+    """The attention source's refusals of this teacher and the map options, when any block is kept."""
     t = options.targets
-    if t.attention_source == "maps" or not any(s.attention for s in streams.values()):
+    if not any(s.attention for s in streams.values()):
         return
-    flag, teacher = f"--attention-source {t.attention_source}", options.engine.teacher
-    if "" not in streams:
-        bias = " (its relative position bias is added to the scores inside the model)" \
-            if getattr(config, "relative_attention_num_buckets", None) else ""
-        raise PrecomputeError(f"{flag}: not for encoder-decoder teachers such as {teacher!r} "
-                              f"({config.model_type}){bias}; use --attention-source maps")
-    if t.triangle or t.heads is not None:
-        raise PrecomputeError(f"{flag}: drop --triangle and --heads (queries and keys are stored per token for "
-                              f"every head; their size does not grow with the context)")
+    source = attention_sources.get(t.attention_source)
+    for problem in source.teacher_problems(options.engine.teacher, config, streams, t.triangle, t.heads):
+        raise PrecomputeError(problem)
 
 
 def _with_last_layer(streams: dict[str, StreamTargets]) -> dict[str, StreamTargets]:
@@ -214,7 +205,7 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: TokenStreams)
         attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k, samples=targets.samples,
         sample_temperature=targets.sample_temperature, vocab_size=targets.vocab_size if targets.logits else 0,
         topk_values="logprob" if targets.logprob_step else "fp16", logprob_step=targets.logprob_step,
-        attention_source=targets.attention_source if targets.attention_scores else "maps",
+        attention_source=attention_sources.get(targets.attention_source).spec_name(targets.attention_scores),
         attention_scores=targets.attention_scores,
         dtype=storage.dtype, codec=storage.codec_config, bitround=storage.bitround,
         hidden_codec=storage.hidden_codec_record, layers=layers,
@@ -257,7 +248,7 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             if targets.logits and logit_kinds.get(targets.logits).draws else None,
             "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
             "triangle": options.targets.triangle, "format_version": FORMAT_VERSION,
-            **({"attention_source": targets.attention_source} if targets.attention_source != "maps" else {}),
+            **attention_sources.get(targets.attention_source).fingerprint(),
             # Recorded only when it is not the dtype's own (also when given explicitly, as --hidden-codec fp16), so
             # that the fingerprints of caches written before codecs stay the same.
             **({"hidden_codec": storage.hidden_codec_record}

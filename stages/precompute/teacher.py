@@ -16,7 +16,7 @@ from kdcache.stages.common.fingerprints import clear_call_state, config_fingerpr
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES, Targets
-from kdcache.storage.stores import Store
+from kdcache.storage import Store
 
 if TYPE_CHECKING:
     import torch
@@ -206,7 +206,7 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, store: Store) -> None:
     ranks)."""
     import tempfile
 
-    from kdcache.storage.folders import folder_is_complete, put_folder
+    from kdcache.storage import folder_is_complete, put_folder
 
     if folder_is_complete(store, "tokenizer"):
         return

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kdcache.storage.streams import ragged_streams
+from kdcache.storage import ragged_streams
 
 
 def valid_index(lengths: list[int], padded_length: int) -> np.ndarray:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
+from kdcache.stages.common import attention_sources
 from kdcache.stages.common.attention_maps import use_maps_attention
 from kdcache.stages.common.qk_attention import Captured, QKRecorder, QKRecorderError
 from kdcache.stages.train.layer_maps import Pair, pair_key
@@ -24,7 +25,7 @@ from kdcache.stages.train.masks import TokenMasks
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.storage.spec import CacheSpec
+    from kdcache.storage import CacheSpec
 
 
 class StudentOutputs(Protocol):
@@ -68,19 +69,20 @@ class AttentionAgreement:
     """
 
     def __init__(self, spec: CacheSpec, pairs: list[Pair], student: PreTrainedModel | None, causal: bool) -> None:
-        self.source, self.scores, self.pairs = spec.attention_source, spec.attention_scores, pairs
+        self.source, self.scores = attention_sources.get(spec.attention_source), spec.attention_scores
+        self.pairs = pairs
         self.sums = dict.fromkeys((pair_key(p) for p in pairs), 0.0)
         self.rows = 0
         blocks = sorted({s for s, _ in pairs})
         self.recorder = (QKRecorder(student, blocks, causal)
-                         if self.source != "maps" and pairs and student is not None else None)
-        if self.source == "maps" and pairs and student is not None:
+                         if not self.source.student_maps and pairs and student is not None else None)
+        if self.source.student_maps and pairs and student is not None:
             use_maps_attention(student)  # fused kernels return no maps; eager's come after dropout
 
     @property
     def names(self) -> list[str]:
         """The cached arrays the pairs read."""
-        kinds = ("attention",) if self.source == "maps" else ("attention_q", "attention_k")
+        kinds = self.source.stream_kinds("kl")
         return [f"{kind}/{t}" for t in sorted({t for _, t in self.pairs}) for kind in kinds]
 
     def forward(self, model: PreTrainedModel, inputs: Mapping[str, torch.Tensor], **kwargs: bool) -> StudentOutputs:
@@ -108,4 +110,4 @@ class AttentionAgreement:
         if not self.pairs or not self.rows:
             return None
         pairs = {key: total / self.rows for key, total in self.sums.items()}
-        return {"kl": sum(pairs.values()) / len(pairs), "pairs": pairs, "source": self.source}
+        return {"kl": sum(pairs.values()) / len(pairs), "pairs": pairs, "source": self.source.name}

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kdcache.storage.errors import KdcacheError
-from kdcache.storage.files import format_bytes
+from kdcache.storage import KdcacheError, format_bytes
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine

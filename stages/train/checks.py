@@ -8,13 +8,16 @@ these findings; the helpers here know nothing of token streams beyond what the s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common import logit_kinds
+from kdcache.stages.common import attention_sources, logit_kinds
 from kdcache.stages.train.layer_maps import LayerMap, validate_layer_map
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
+
+if TYPE_CHECKING:
+    from kdcache.storage import CacheReader, CacheSpec
 
 Pair = tuple[int, int]
 
@@ -28,7 +31,7 @@ class CacheCheckError(KdcacheError):
         super().__init__(f"{what} ({len(self.problems)} problem(s)):\n{body}")
 
 
-def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads: int | None = None) -> Any:
+def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads: int | None = None) -> CacheReader:
     """Open a cache for reading, with a clear message when there is none: the one reader a command uses.
 
     Args:
@@ -40,8 +43,7 @@ def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads:
         CacheCheckError: no directory or no manifest at ``path``.
         storage.errors.KdcacheError: the cache is partial, corrupt or from a newer format.
     """
-    from kdcache.storage import CacheReader
-    from kdcache.storage.stores import open_store
+    from kdcache.storage import CacheReader, open_store
 
     store = open_store(path)
     if store.size("manifest.json") is None:
@@ -52,7 +54,7 @@ def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads:
     return CacheReader(store, allow_partial=allow_partial, decode_threads=decode_threads)
 
 
-def vocab_problems(reader: Any, student_vocab: int, student_tokenizer: dict[str, Any] | None, *,
+def vocab_problems(reader: CacheReader, student_vocab: int, student_tokenizer: dict[str, Any] | None, *,
                    logits_needed: bool) -> list[str]:
     """Vocabulary checks: every cached token id must embed, logits must line up, tokenizers must agree.
 
@@ -94,7 +96,7 @@ def _same_hash_kind(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return ha.startswith("sha256:") == hb.startswith("sha256:") and len(ha) == len(hb)
 
 
-def stream_problems(spec: Any, student: StudentFacts) -> list[str]:
+def stream_problems(spec: CacheSpec, student: StudentFacts) -> list[str]:
     """A cache of two token streams needs an encoder-decoder student, and one stream needs one stack."""
     if spec.is_encoder_decoder and not student.is_encoder_decoder:
         return ["the cache was written by an encoder-decoder teacher (two token streams), but the student "
@@ -107,7 +109,7 @@ def stream_problems(spec: Any, student: StudentFacts) -> list[str]:
     return []
 
 
-def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) -> list[str]:
+def feature_problems(options: TrainOptions, spec: CacheSpec, student: StudentFacts) -> list[str]:
     """Each nonzero loss weight needs its feature in the cache (and logits need a student head)."""
     held = ", ".join(spec.features) or "nothing but input_ids"
     hidden = any(layers for group, layers in spec.layer_groups() if group.endswith("hidden"))
@@ -122,7 +124,7 @@ def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) ->
                         "precompute with logits (full or top-k), or use --beta 0")
     elif loss.kl_weight > 0 and not student.has_lm_head:
         problems.append("the KL term (--beta) needs student logits, but the student has no LM head")
-    elif loss.kl_weight > 0:  # the top-k variant and the temperature against this cache's logit kind
+    elif loss.kl_weight > 0 and spec.logits:  # the top-k variant and the temperature against its logit kind
         problems += logit_kinds.get(spec.logits).loss_problems(spec, loss)
     if loss.gamma > 0 and options.maps.for_stream("").kind != "none" and not hidden:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "
@@ -130,10 +132,8 @@ def feature_problems(options: TrainOptions, spec: Any, student: StudentFacts) ->
     if loss.delta > 0 and not attention:
         problems.append(f"the attention term (--delta) needs attention maps, but the cache holds {held}; "
                         "re-run precompute with attention layers, or use --delta 0")
-    elif loss.delta > 0 and loss.attention_loss == "relation" and spec.attention_source == "maps":
-        problems.append("--attention-loss relation needs the teacher's queries and keys (and values), but the cache "
-                        "holds attention maps; re-run precompute with --attention-source qkv, or use "
-                        "--attention-loss kl")
+    elif loss.delta > 0:
+        problems += attention_sources.get(spec.attention_source).loss_problems(loss.attention_loss)
     return problems
 
 

@@ -38,7 +38,7 @@ from kdcache.stages.train.options import TrainOptions, resolved_temperature
 from kdcache.stages.train.plan import StreamPairs, TrainPlan
 from kdcache.stages.train.student import StudentFacts
 from kdcache.stages.train.student_head import base_forward, choose_head
-from kdcache.storage.streams import prefixed
+from kdcache.storage import prefixed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -181,7 +181,7 @@ def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
     for i, pairs in enumerate(plan.streams):
         part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logits=plan.logits,
                             seed=options.data.seed + i, head=head,
-                            scores=plan.attention_scores if plan.attention_source != "maps" else None)
+                            scores=None if plan.source.student_maps else plan.attention_scores)
         if part is not None:
             parts[pairs.stream] = part
     return DistillLoss(parts, plan.cross_attention_pairs if options.loss.delta > 0 else (), options.loss.delta)

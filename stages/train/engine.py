@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kdcache.stages.train.options import TrainOptions
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine

@@ -38,10 +38,7 @@ from kdcache.stages.train.checks import CacheCheckError, stream_problems, vocab_
 from kdcache.stages.train.distill import check_documents_apart, student_inputs, student_view
 from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.streaming import collate, to_device
-from kdcache.storage import CacheReader
-from kdcache.storage.errors import KdcacheError
-from kdcache.storage.files import read_json_object
-from kdcache.storage.streams import prefixed
+from kdcache.storage import CacheReader, KdcacheError, prefixed, read_json_object
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -180,7 +177,8 @@ class _EvalState:
         cached = {s: sorted(hidden) for s, hidden, _ in spec.stream_layers()}
         depths = {"": facts.num_layers, "encoder": facts.num_layers, "decoder": facts.decoder_layers}
         self.cka = {s: CkaMatrix(list(range(depths[s] + 1)), layers) for s, layers in cached.items() if layers}
-        self.final = teacher_layer if teacher_layer is not None else (cached[self.main] or [None])[-1]
+        deepest = cached[self.main][-1] if cached[self.main] else None
+        self.final = teacher_layer if teacher_layer is not None else deepest
         uses_head = logit_kinds.uses_head(spec.logits) and self.kind != "encoder"
         head = _teacher_head(reader).to(device) if uses_head else None
         self.lm = (LmStats(spec.logits, self.kind == "causal_lm", head, spec.sample_temperature)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kdcache.stages.common.stream_options import StreamValues
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
     from pydantic import GetCoreSchemaHandler

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdcache.stages.common import logit_kinds
+from kdcache.stages.common import attention_sources, logit_kinds
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION
 from kdcache.stages.common.hidden_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
@@ -42,8 +42,7 @@ from kdcache.stages.train.student import (
     student_facts,
     tokenizer_fingerprint_of,
 )
-from kdcache.storage.errors import KdcacheError
-from kdcache.storage.streams import split_stream
+from kdcache.storage import KdcacheError, split_stream
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -71,7 +70,8 @@ def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, Studen
         print(f"kdcache train: {chosen}", file=sys.stderr)
     # Maps need eager attention (fused kernels return none), taken before its dropout (attention_maps); a q/k cache
     # records the student's queries and keys.
-    attn = MAPS_ATTENTION if options.loss.delta > 0 and reader.spec.attention_source == "maps" else None
+    maps = attention_sources.get(reader.spec.attention_source).student_maps
+    attn = MAPS_ATTENTION if options.loss.delta > 0 and maps else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
     facts = student_facts(student, pretrained=has_weights(options.run.student))
     options, said = options.with_student_defaults(facts.has_lm_head, not facts.is_causal and

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common import logit_kinds
+from kdcache.stages.common import attention_sources, logit_kinds
+from kdcache.stages.common.attention_sources import AttentionSource
 from kdcache.stages.train.checks import (
     CacheCheckError,
     Pair,
@@ -33,8 +34,7 @@ from kdcache.stages.train.checks import (
 from kdcache.stages.train.layer_maps import LayerMap
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
-from kdcache.storage.attention_source import ATTENTION_SOURCES
-from kdcache.storage.streams import CROSS, prefixed, split_stream
+from kdcache.storage import CROSS, DEFAULT_ATTENTION_SOURCE, prefixed, split_stream
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader, CacheSpec
@@ -64,8 +64,13 @@ class TrainPlan:
     names: tuple[str, ...]  # arrays streamed per sequence
     cross_attention_pairs: tuple[Pair, ...] = ()
     teacher_heads: int | None = None  # H' stored per attention layer
-    attention_source: str = "maps"  # the cache's: "maps", or "qk" / "qkv" (the student's q/k are recorded then)
+    attention_source: str = DEFAULT_ATTENTION_SOURCE  # the cache's (a name of stages.common.attention_sources)
     attention_scores: dict[str, Any] | None = None  # a q/k cache's score record (CacheSpec.attention_scores)
+
+    @property
+    def source(self) -> AttentionSource:
+        """The cache's attention source (what the attention term reads of teacher and student)."""
+        return attention_sources.get(self.attention_source)
 
     @property
     def main(self) -> StreamPairs:
@@ -93,13 +98,13 @@ class TrainPlan:
     def wants_attention(self) -> bool:
         """Whether any term reads the student's attention maps (self or cross); a q/k cache's term reads the
         student's queries and keys instead (``qk_blocks``)."""
-        maps = self.attention_source == "maps" and any(s.attention_pairs for s in self.streams)
+        maps = self.source.student_maps and any(s.attention_pairs for s in self.streams)
         return bool(self.cross_attention_pairs) or maps
 
     @property
     def qk_blocks(self) -> tuple[int, ...]:
         """The student blocks whose queries and keys a q/k cache's attention term reads."""
-        if self.attention_source == "maps":
+        if self.source.student_maps:
             return ()
         return tuple(sorted({s for pairs in self.streams for s, _ in pairs.attention_pairs}))
 
@@ -231,8 +236,7 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     logits = spec.logits if options.loss.kl_weight > 0 else None
     names = stream_names(spec, pairs, logits, _attention_kinds(spec, options.loss.attention_loss))
     sizes, heads = _target_shapes(reader, names)
-    if spec.attention_source != "maps":
-        heads = int(spec.attention_scores["num_heads"]) if spec.attention_scores else None
+    heads = attention_sources.get(spec.attention_source).teacher_heads(spec.attention_scores, heads)
     if options.loss.attention_loss == "kl":  # relations pair any head counts
         _check_heads(heads, student)
     plans = tuple(StreamPairs(s.name, tuple(pairs[prefixed(s.name, "hidden")]),
@@ -261,14 +265,13 @@ def _relation_problems(options: TrainOptions, spec: CacheSpec, student: StudentF
 def _attention_kinds(spec: CacheSpec, attention_loss: str) -> tuple[str, ...]:
     """The arrays the attention term reads of a cached block: its map, its queries and keys for the KL, or every
     cached kind (queries, keys and values when stored) for the relation loss."""
-    kinds = ATTENTION_SOURCES[spec.attention_source]
-    return kinds if attention_loss == "relation" or spec.attention_source == "maps" else kinds[:2]
+    return attention_sources.get(spec.attention_source).stream_kinds(attention_loss)
 
 
 def _target_shapes(reader: CacheReader, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
     """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
     from kdcache.stages.common.hidden_codecs import hidden_width, load_projection
-    from kdcache.storage.streams import kind_of
+    from kdcache.storage import kind_of
 
     hidden = [n for n in names if kind_of(n) == "hidden"]
     attention = [n for n in names if kind_of(n) in ("attention", CROSS)][:1]

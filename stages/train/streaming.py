@@ -40,13 +40,10 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kdcache.stages.common.hidden_codecs import Projection, decode_batch
-from kdcache.storage.errors import KdcacheError
-from kdcache.storage.hidden_codecs import part_of
-from kdcache.storage.spec import VOCAB_IDS
-from kdcache.storage.streams import kind_of, prefixed, ragged_streams, split_stream
+from kdcache.storage import KdcacheError, kind_of, part_of, prefixed, ragged_streams, split_stream, vocab_id_names
 
 if TYPE_CHECKING:
-    from kdcache.storage.reader import CacheReader
+    from kdcache.storage import CacheReader
 
 Batch = dict[str, Any]
 
@@ -171,7 +168,7 @@ def _pad_stack(name: str, arrays: list[np.ndarray], sizes: list[int]) -> np.ndar
 
 
 def _batch_dtype(name: str, stored: np.dtype) -> np.dtype:
-    if kind_of(name) in ("input_ids", "position_ids") or part_of(name) == "outlier_ids" or name in VOCAB_IDS:
+    if kind_of(name) in ("input_ids", "position_ids") or part_of(name) == "outlier_ids" or name in vocab_id_names():
         # never bf16 bits
         return np.dtype(np.int64)
     if stored == np.uint16:  # bf16 bits

@@ -17,7 +17,7 @@ import torch
 from kdcache.stages.common.architectures import is_causal_config, is_encoder_decoder, model_class, stack_depths
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION
 from kdcache.stages.common.attention_maps import register as register_maps_attention
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdcache.stages.common.teacher_head import finish_logits, read_head
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
-    from kdcache.storage.stores import Store
+    from kdcache.storage import Store
 
 
 class TeacherHead(nn.Module):

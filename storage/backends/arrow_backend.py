@@ -19,17 +19,18 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from kdcache.storage.backends.base import Backend, PackedShard, Problem, ShardHandle, verify_file_table
-from kdcache.storage.codecs import to_arrow_compression
+from kdcache.storage.codecs import ARROW_DEFAULT_CODEC, to_arrow_compression
 from kdcache.storage.errors import ChecksumError
 from kdcache.storage.files import crc32c
 from kdcache.storage.formats import CacheFormat, arrow_file_problem, value_crc32
+from kdcache.storage.logit_layouts import layout_of, logit_array
 from kdcache.storage.manifest import ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store
@@ -39,8 +40,12 @@ IpcReader: TypeAlias = "ipc.RecordBatchFileReader | ipc.RecordBatchStreamReader"
 
 
 def file_codec(spec: CacheSpec) -> tuple[str, int | None]:
-    """IPC compression of a shard file: the activation codec if any activation is stored, else top-k's."""
-    return to_arrow_compression(spec.codec if spec.has_activations or spec.logits != "topk" else spec.topk_codec)
+    """IPC compression of a shard file: the activation codec if any activation is stored, else the one its logit
+    layout names (``LogitLayout.file_sparse``: top-k's)."""
+    layout = layout_of(spec)
+    sparse = layout is not None and layout.file_sparse
+    activations, top_k = spec.codec_configs
+    return to_arrow_compression(top_k if sparse and not spec.has_activations else activations)
 
 
 def offsets_source(spec: CacheSpec, offsets_name: str) -> str:
@@ -221,6 +226,17 @@ class ArrowBackend(Backend):
 
     name = "arrow"
     suffix = ".arrow"
+    codec_per_array = False
+
+    @staticmethod
+    def default_codecs() -> tuple[dict[str, Any], dict[str, Any]]:
+        """Arrow IPC has no bitshuffle and one codec per file, and its plain LZ4 barely shrinks fp16 activations
+        (ratio ~1.01, measured in benchmarks/RESULTS.md), so Arrow defaults to zstd, which reaches ~1.12."""
+        return dict(ARROW_DEFAULT_CODEC), dict(ARROW_DEFAULT_CODEC)
+
+    @staticmethod
+    def check_codec(config: dict[str, Any]) -> None:
+        to_arrow_compression(config)
 
     def pack(self, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> PackedShard:
         codec, level = file_codec(spec)
@@ -229,13 +245,14 @@ class ArrowBackend(Backend):
         for name in spec.sequence_names():
             offsets = arrays[spec.offsets_name(name)]
             columns.append(_column(arrays[name], offsets))
-            values = name == "logits/topk_values"
-            is_float = spec.is_lossy_kind(name) or (values and spec.topk_values == "fp16")
+            logits = logit_array(spec, name)
+            # the float dtype of activations and of sorted top-k logits (not of other float logit arrays)
+            is_float = spec.is_lossy_kind(name) or (logits is not None and logits.descending)
             # tells plain users uint16 means bf16 (a bf16 hidden codec's, whatever spec.dtype); codes name their codec
             meta = {"kdcache_dtype": spec.float_dtype(name)} if is_float and not spec.coded(name) else None
             if spec.coded(name):
                 meta = {"kdcache_hidden_codec": spec.hidden_codec["name"]}
-            if values and spec.topk_values == "logprob":  # and that these are gaps of -log-prob / step
+            if logits is not None and logits.logprob:  # and that these are gaps of -log-prob / step
                 meta = {"kdcache_logprob_step": str(spec.logprob_step)}
             fields.append(pa.field(name, columns[-1].type, nullable=False, metadata=meta))
             info[name] = {"shape": list(arrays[name].shape), "dtype": arrays[name].dtype.name, "files": [path],

@@ -71,6 +71,19 @@ class Backend(ABC):
 
     name: str = ""
     suffix: str = ""  # "" for a directory per shard, ".arrow" for one file per shard
+    # Each array compressed with its own codec (a hidden codec's codes with storage.codecs.CODES_CODEC); False:
+    # one codec per shard file.
+    codec_per_array: bool = True
+
+    @staticmethod
+    @abstractmethod
+    def default_codecs() -> tuple[dict[str, Any], dict[str, Any]]:
+        """(activation codec, top-k codec) of a spec that names none (numcodecs configurations)."""
+
+    @staticmethod
+    @abstractmethod
+    def check_codec(config: dict[str, Any]) -> None:
+        """Raise ``UnknownCodecError`` unless this backend can store with numcodecs configuration ``config``."""
 
     def __init__(self, cache_format: CacheFormat = CURRENT) -> None:
         # How the cache's shards are checked (storage.formats): chosen once, when the cache is opened.

@@ -1,19 +1,50 @@
-"""Backends by name. Kept apart from ``base`` so that the interface never imports its implementations."""
+"""Backends by name: the one list of them, which the spec, the readers, the writer and the ``--format`` flag ask.
+
+Kept apart from ``base`` so that the interface never imports its implementations, and each implementation loads
+on first use (``backend_class``): the option classes list the names without importing zarr or pyarrow.
+"""
 
 from __future__ import annotations
 
-from kdcache.storage.backends.arrow_backend import ArrowBackend
-from kdcache.storage.backends.base import Backend
-from kdcache.storage.backends.zarr_backend import ZarrBackend
+import importlib
+from typing import TYPE_CHECKING
+
 from kdcache.storage.errors import SpecError
 from kdcache.storage.formats import CURRENT, CacheFormat
 
-BACKENDS: dict[str, type[Backend]] = {"zarr": ZarrBackend, "arrow": ArrowBackend}
+if TYPE_CHECKING:
+    from kdcache.storage.backends.base import Backend
+
+# name -> (module, class) of its implementation; the first is the default of CacheSpec.backend and --format
+_IMPLEMENTATIONS: dict[str, tuple[str, str]] = {"zarr": ("kdcache.storage.backends.zarr_backend", "ZarrBackend"),
+                                                "arrow": ("kdcache.storage.backends.arrow_backend", "ArrowBackend")}
+DEFAULT_BACKEND = next(iter(_IMPLEMENTATIONS))
+
+
+def register_backend(name: str, module: str, cls: str) -> None:
+    """Add backend ``name``, implemented by class ``cls`` of ``module`` (imported on first use)."""
+    _IMPLEMENTATIONS[name] = (module, cls)
+
+
+def backend_names() -> list[str]:
+    """Every registered backend, the default first."""
+    return list(_IMPLEMENTATIONS)
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class registered under ``name`` (its module imported now).
+
+    Raises:
+        SpecError: naming ``name`` and the registered backends.
+    """
+    if name not in _IMPLEMENTATIONS:
+        raise SpecError(f"unknown backend {name!r}; expected one of {backend_names()}")
+    module, cls = _IMPLEMENTATIONS[name]
+    found: type[Backend] = getattr(importlib.import_module(module), cls)
+    return found
 
 
 def get_backend(name: str, cache_format: CacheFormat = CURRENT) -> Backend:
-    """The backend registered under ``name`` ("zarr" or "arrow"), reading shards of ``cache_format`` (an open
-    cache's ``manifest.format``; the current format by default, the only one written)."""
-    if name not in BACKENDS:
-        raise SpecError(f"unknown backend {name!r}; expected one of {sorted(BACKENDS)}")
-    return BACKENDS[name](cache_format)
+    """The backend registered under ``name``, reading shards of ``cache_format`` (an open cache's
+    ``manifest.format``; the current format by default, the only one written)."""
+    return backend_class(name)(cache_format)

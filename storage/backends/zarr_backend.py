@@ -38,11 +38,12 @@ from kdcache.storage.backends.shard_file import (
     read_whole,
     write_whole,
 )
-from kdcache.storage.codecs import to_zarr_compressors
+from kdcache.storage.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, to_zarr_compressors
 from kdcache.storage.errors import ChecksumError
 from kdcache.storage.files import crc32c
 from kdcache.storage.formats import CacheFormat, zarr_problems
 from kdcache.storage.hidden_codecs import CODED_KINDS, codec_of
+from kdcache.storage.logit_layouts import logit_array
 from kdcache.storage.manifest import ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
 from kdcache.storage.stores import Store
@@ -55,8 +56,8 @@ CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one o
 CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0 beside zarr.json: no c/0/ folders
 _DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids": ("token",),
                "offsets": ("sequence_edge",), "attention_offsets": ("sequence_edge",),
-               "logits/lse": ("token",), "hidden": ("token", "feature"), "attention": ("query_key", "head"),
-               "logits": ("token", "rank"), "cross_attention": ("query_key", "head"),
+               "hidden": ("token", "feature"), "attention": ("query_key", "head"),
+               "cross_attention": ("query_key", "head"),
                "cross_attention_offsets": ("sequence_edge",), "attention_q": ("token", "head_feature"),
                "attention_k": ("token", "head_feature"), "attention_v": ("token", "head_feature"),
                **{f"{kind}_{part}": ("token", dim) for kind in CODED_KINDS
@@ -75,10 +76,14 @@ def chunk_rows(array: np.ndarray) -> int:
     return int(max(1, min(max(array.shape[0], 1), CHUNK_BYTES // row_bytes)))
 
 
-def _dimension_names(name: str) -> tuple[str, ...]:
-    name = split_stream(name)[1]  # encoder/hidden/3 has the dimensions of hidden/3
-    names = _DIMENSIONS.get(name) or _DIMENSIONS[name.split("/")[0]]
-    return ("token", "vocab") if name == "logits/full" else names
+def _dimension_names(spec: CacheSpec, name: str) -> tuple[str, ...]:
+    """zarr's ``dimension_names`` of an array: a logit array's from its layout record ([T], [T, V] or [T, k]
+    ranks), any other's from its kind (encoder/hidden/3 has the dimensions of hidden/3)."""
+    array = logit_array(spec, name)
+    if array is not None:
+        return ("token",) if array.width is None else ("token", "vocab" if array.width == "vocab_size" else "rank")
+    name = split_stream(name)[1]
+    return _DIMENSIONS.get(name) or _DIMENSIONS[name.split("/")[0]]
 
 
 def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray, spec: CacheSpec) -> bytes | None:
@@ -95,7 +100,7 @@ def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray,
         created = zarr.create_array(store, name=name, shape=array.shape, dtype=array.dtype,
                                     shards=(shard_rows, *array.shape[1:]), chunks=(rows, *array.shape[1:]),
                                     compressors=compressors, filters=None, chunk_key_encoding=CHUNK_KEYS,
-                                    dimension_names=_dimension_names(name), zarr_format=3,
+                                    dimension_names=_dimension_names(spec, name), zarr_format=3,
                                     config={"write_empty_chunks": True})  # skips an all-equal scan of every chunk
         metadata = created.metadata.to_dict()
         codec = inner_codec(metadata) if array.size else None
@@ -239,6 +244,15 @@ class ZarrBackend(Backend):
 
     name = "zarr"
     suffix = ""
+
+    @staticmethod
+    def default_codecs() -> tuple[dict[str, Any], dict[str, Any]]:
+        """Blosc with bitshuffle: lz4 for activations, zstd for top-k."""
+        return dict(DEFAULT_CODEC), dict(DEFAULT_TOPK_CODEC)
+
+    @staticmethod
+    def check_codec(config: dict[str, Any]) -> None:
+        to_zarr_compressors(config)
 
     def pack(self, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> PackedShard:
         zarr = _zarr()

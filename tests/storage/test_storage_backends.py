@@ -29,7 +29,7 @@ from kdcache.storage.errors import (
     UnknownCodecError,
     UnknownFeatureError,
 )
-from kdcache.storage.spec import VOCAB_IDS
+from kdcache.storage.logit_layouts import vocab_id_names
 from tests.storage._codec_suite import HiddenCodecSuite
 from tests.storage._format3_suite import Format3Suite
 from tests.storage._integrity_suite import IntegritySuite
@@ -144,7 +144,7 @@ class StorageSuite(Seq2SeqSuite, Format3Suite, IntegritySuite, HiddenCodecSuite)
     def assert_same(self, got: dict, want: dict) -> None:
         assert set(got) == set(want)
         for name in want:
-            assert got[name].dtype == want[name].dtype or name in VOCAB_IDS, name  # ids: the smallest type
+            assert got[name].dtype == want[name].dtype or name in vocab_id_names(), name  # ids: the smallest type
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
     # ---- round trips ---------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from kdcache.storage.errors import KdcacheError
-from kdcache.storage.logit_layouts import LogitFields as CacheLogits  # the spec's logit fields, as storage reads them
+from kdcache.storage import KdcacheError
+from kdcache.storage import LogitFields as CacheLogits  # the spec's logit fields, as storage reads them
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ from kdcache.stages.common.logit_kinds.base import (
     register,
 )
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.storage.logit_layouts import TOPK_MASS
+from kdcache.storage import TOPK_MASS
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,12 @@
+"""``--attention-source maps``: each block's ``[H', L, L]`` probabilities, hooked from the teacher's eager
+attention and compared with the student's maps. Every default of ``base.AttentionSource`` is this source's."""
+
+from __future__ import annotations
+
+from kdcache.stages.common.attention_sources.base import AttentionSource, register
+
+
+@register
+class Maps(AttentionSource):
+    name = "maps"
+    summary = "each block's [H, L, L] probabilities (H x L values per token)"

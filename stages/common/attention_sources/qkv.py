@@ -1,0 +1,13 @@
+"""``--attention-source qkv``: ``qk`` plus each block's values (``H_kv x head_dim`` per token), which the relation
+loss reads; the KL reads the queries and keys alone."""
+
+from __future__ import annotations
+
+from kdcache.stages.common.attention_sources.base import register
+from kdcache.stages.common.attention_sources.qk import QK
+
+
+@register
+class QKV(QK):
+    name = "qkv"
+    summary = "also the values, for the relation loss"

@@ -1,0 +1,130 @@
+"""Rules the code keeps, checked by reading its source (docs/architecture.md, sections 2 and 3).
+
+* No file outside a registry compares a registered name: an attention source (``stages.common.attention_sources``,
+  ``storage.attention_source``), a logit mode (``stages.common.logit_kinds``, ``storage.logit_layouts``) or a
+  backend (``storage.backends``). Code asks the registry what an entry does, so a new entry needs no edit
+  elsewhere, and a forgotten comparison cannot quietly send a new entry down another entry's branch.
+* ``stages`` and ``pipeline`` import storage through its front door, ``kdcache.storage``, never a submodule (its
+  errors included), so that storage's file split is not public API.
+
+Each checker is also run on planted snippets, so that a checker that finds nothing cannot pass for a clean tree.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Collection, Iterator
+from pathlib import Path
+
+import pytest
+
+from kdcache.stages.common import attention_sources, logit_kinds
+from kdcache.storage import backend_names
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("pipeline", "stages", "storage")
+# The registries: the only files that may compare their own names.
+REGISTRIES = ("stages/common/attention_sources/", "storage/attention_source.py", "stages/common/logit_kinds/",
+              "storage/logit_layouts.py", "storage/backends/")
+
+
+def registered_names() -> set[str]:
+    """Every attention source, logit mode and backend name."""
+    return {*attention_sources.names(), *logit_kinds.names(), *backend_names()}
+
+
+def _constants(node: ast.expr) -> Iterator[str]:
+    """The string constants ``node`` is, or holds as a tuple, list or set of literals."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+    elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        for element in node.elts:
+            yield from _constants(element)
+
+
+def name_comparisons(source: str, names: Collection[str]) -> list[tuple[int, str]]:
+    """``(line, name)`` of each comparison in ``source`` against a string in ``names``: ``x == "maps"``,
+    ``"zarr" != x``, ``x in ("topk", "full")``, and ``case "qk":`` of a match statement."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        operands: list[ast.expr] = []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.MatchValue):
+            operands = [node.value]
+        found += [(node.lineno, text) for operand in operands for text in _constants(operand) if text in names]
+    return sorted(found)
+
+
+def storage_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of each import of a storage submodule (``kdcache.storage.X``) in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [(node.lineno, m) for m in modules if m.startswith("kdcache.storage.")]
+    return found
+
+
+def _files(*packages: str) -> Iterator[tuple[str, str]]:
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            yield path.relative_to(ROOT).as_posix(), path.read_text()
+
+
+PLANTED = '''
+def pick(spec, options, backend, mode):
+    if spec.attention_source == "maps":
+        return 1
+    if "zarr" != backend and mode in ("topk", "other"):
+        return 2
+    match options.attention_source:
+        case "qkv":
+            return 3
+    return 0 if mode == "other" else 4
+'''
+
+
+def test_the_comparison_checker_finds_planted_comparisons() -> None:
+    assert name_comparisons(PLANTED, {"maps", "zarr", "topk", "qkv"}) == [(3, "maps"), (5, "topk"), (5, "zarr"),
+                                                                         (8, "qkv")]
+    assert name_comparisons("name = 'maps'\nx = {'zarr': 1}\nf(backend='arrow')\n", {"maps", "zarr", "arrow"}) == []
+
+
+def test_no_file_outside_a_registry_compares_a_registered_name() -> None:
+    names = registered_names()
+    assert {"maps", "qk", "qkv", "topk", "full", "sampled", "head", "zarr", "arrow"} <= names
+    found = [f"{path}:{line}: compares {text!r}" for path, text in _files(*PACKAGES)
+             if not path.startswith(REGISTRIES) for line, text in name_comparisons(text, names)]
+    assert not found, "ask the registry instead:\n" + "\n".join(found)
+
+
+def test_the_import_checker_finds_planted_imports() -> None:
+    planted = ("from kdcache.storage import CacheSpec\nfrom kdcache.storage.errors import KdcacheError\n"
+               "def f():\n    import kdcache.storage.spec\n    from kdcache.storage.backends.registry import x\n")
+    assert storage_imports(planted) == [(2, "kdcache.storage.errors"), (4, "kdcache.storage.spec"),
+                                        (5, "kdcache.storage.backends.registry")]
+
+
+@pytest.mark.parametrize("package", ["stages", "pipeline"])
+def test_stages_and_pipeline_import_storage_through_its_front_door(package: str) -> None:
+    found = [f"{path}:{line}: imports {module}" for path, text in _files(package)
+             for line, module in storage_imports(text)]
+    assert not found, "import these from kdcache.storage (add the name to its _EXPORTS):\n" + "\n".join(found)
+
+
+def test_the_front_door_exports_resolve_and_are_typed() -> None:
+    """Every exported name loads, and the ``TYPE_CHECKING`` block (what mypy sees) lists the same names."""
+    import kdcache.storage as storage
+
+    for name in storage.__all__:
+        assert getattr(storage, name) is not None, name
+    tree = ast.parse((ROOT / "storage" / "__init__.py").read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If))
+    typed = {alias.asname or alias.name for n in ast.walk(guarded) if isinstance(n, ast.ImportFrom)
+             for alias in n.names}
+    assert typed == set(storage.__all__) - {"errors"}
