@@ -20,7 +20,7 @@ configured by its typed dataclass (``codec_of(record).config``). Two kinds:
   ``x[ids] += outliers``; with a ``rank``, ``coef @ basis + mean`` (``coding``).
 
 Importing this package imports every codec module beside the shared ones, and each registers its codec: a new
-codec is one new module here (or anywhere that calls ``register``; tests/storage/test_codec_plugin.py does).
+codec is one new module here (or anywhere that calls ``register``; tests/stages/test_codec_plugin.py does).
 """
 
 from __future__ import annotations
@@ -39,7 +39,17 @@ from kdcache.storage.hidden_codecs.arrays import (
     register_ops,
     row_errors,
 )
-from kdcache.storage.hidden_codecs.base import HIDDEN_CODECS, HiddenCodec, NoConfig, Record, get, names, register, usage
+from kdcache.storage.hidden_codecs.base import (
+    HIDDEN_CODECS,
+    HiddenCodec,
+    NoConfig,
+    Record,
+    get,
+    listing,
+    names,
+    register,
+    usage,
+)
 from kdcache.storage.hidden_codecs.coding import (
     check_width,
     codec_of,
@@ -84,6 +94,6 @@ COLUMN_CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 
 __all__ = ["CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "ERROR_FIELDS", "FP8_MAX",
            "HIDDEN_CODECS", "PARTS", "ArrayOps", "HiddenCodec", "NoConfig", "QuantConfig", "QuantisedCodec", "Record",
            "applies_to", "block_size", "check_width", "codec_of", "coded_of", "decode", "encode", "error_record",
-           "fp8_table", "get", "group_count", "hadamard", "hadamard_matrix", "is_part", "names", "namespace",
+           "fp8_table", "get", "group_count", "hadamard", "hadamard_matrix", "is_part", "listing", "names", "namespace",
            "ops_for", "part_name", "part_of", "parts", "projected", "rank_of", "register", "register_ops",
            "resolve_hidden_codec", "rotation_signs", "row_errors", "usage"]

@@ -2,7 +2,7 @@
 plus the four operations the standard lacks, registered once per array library.
 
 A codec's encode and decode are one definition: they take the namespace ``xp`` of their input
-(``array_namespace(x)``) and call only its standard functions and ``ops_for(xp)``. Storage runs them on numpy
+(``namespace(x)``) and call only its standard functions and ``ops_for(xp)``. Storage runs them on numpy
 (the writer given floats, ``verify``, plain reads); stage one and stage two pass torch tensors on their device
 through the same functions. Storage never imports torch: numpy's operations are registered here, torch's by
 ``stages.common.hidden_codecs`` (``register_ops``), and a test runs every codec on both and requires the same bytes.
@@ -70,8 +70,16 @@ def ops_for(xp: Any) -> ArrayOps:
 
 
 def namespace(*arrays: Array) -> Any:
-    """The array API namespace of ``arrays`` (all of one library)."""
-    return array_namespace(*arrays)
+    """The array API namespace of ``arrays`` (all of one library): numpy itself where it implements the standard
+    (2.1 on), else array-api-compat's wrapper of the library."""
+    return _native(array_namespace(*arrays))
+
+
+@functools.cache
+def _native(xp: Any) -> Any:
+    # numpy >= 2.1 is an array API namespace of its own, and the compat wrapper's clip writes through boolean
+    # masks (several times slower on a [32768, 2048] layer); torch needs the wrapper.
+    return np if xp.__name__ == "array_api_compat.numpy" and hasattr(np, "astype") else xp
 
 
 @functools.lru_cache(maxsize=64)
@@ -83,13 +91,13 @@ def _constant(xp: Any, device: Any, build: Callable[..., np.ndarray], args: tupl
 
 def constant(like: Array, build: Callable[..., np.ndarray], *args: int) -> Array:
     """The numpy array ``build(*args)`` in the library and on the device of ``like`` (cached)."""
-    return _constant(array_namespace(like), device_of(like), build, args)
+    return _constant(namespace(like), device_of(like), build, args)
 
 
 def hadamard(x: Array) -> Array:
     """Orthonormal Hadamard transform of ``x [N, d]`` float32 in blocks of ``block_size(d)`` (its own inverse):
     one dense ``[b, b]`` matmul per block, which a GPU runs on its matrix units."""
-    xp, (n, d) = array_namespace(x), x.shape
+    xp, (n, d) = namespace(x), x.shape
     b = block_size(d)
     return xp.reshape(xp.reshape(x, (n, d // b, b)) @ constant(x, hadamard_matrix, b), (n, d))
 
@@ -103,7 +111,7 @@ def row_errors(x: Array, decoded: Array) -> Array:
     """Per row of ``x`` and its decode ``[N, d]`` float32: squared error, squared norm, cosine (1 for two zero
     rows), max |error| and the decoded row's squared norm (which ``verify`` recomputes from the codes) -> ``[N, 5]``
     float32 (``ERROR_FIELDS``)."""
-    xp = array_namespace(x, decoded)
+    xp = namespace(x, decoded)
     err = decoded - x
     ref_sq, decoded_sq = xp.sum(x * x, axis=1), xp.sum(decoded * decoded, axis=1)  # each once: the norms reuse them
     dot, norms = xp.sum(x * decoded, axis=1), xp.sqrt(ref_sq * decoded_sq)
@@ -116,7 +124,7 @@ def row_errors(x: Array, decoded: Array) -> Array:
 def scale_up(scale: Array) -> Array:
     """float32 scales -> float16, rounded towards +inf (never below the float32 value, so that no scaled value
     passes the codec's largest code)."""
-    xp = array_namespace(scale)
+    xp = namespace(scale)
     half = xp.astype(scale, xp.float16)
     up = xp.nextafter(half, xp.full_like(half, float("inf")))
     return xp.where(xp.astype(half, xp.float32) < scale, up, half)
@@ -169,3 +177,4 @@ def fp8_table() -> np.ndarray:
 
 
 register_ops(array_namespace(np.empty(0)).__name__, NumpyOps())
+register_ops(np.__name__, NumpyOps())  # numpy as its own namespace (``namespace``)

@@ -123,6 +123,13 @@ def names() -> list[str]:
     return sorted(HIDDEN_CODECS, key=lambda name: (HIDDEN_CODECS[name].order, name))
 
 
+def listing(quantised: bool = False) -> str:
+    """The registered names as prose, ``"fp16, bf16, fp8, ... or pca8"`` (only those that store codes when
+    ``quantised``), for help and error texts."""
+    shown = [name for name in names() if not (quantised and HIDDEN_CODECS[name].float_dtype)]
+    return " or ".join([", ".join(shown[:-1]), shown[-1]] if len(shown) > 1 else shown)
+
+
 def usage() -> str:
     """``--hidden-codec``'s help: each codec's line, from the registry."""
     return "; ".join(f"{name}: {HIDDEN_CODECS[name].help}" for name in names())

@@ -21,7 +21,7 @@ from kdcache.storage.hidden_codecs.naming import PARTS, part_name
 from kdcache.storage.streams import kind_of
 
 Bases = Mapping[str, tuple[Array, Array]]  # array name -> (basis [R, d], mean [d]), in the coded rows' library
-_CONFIGURED: dict[str, HiddenCodec] = {}
+_CONFIGURED: dict[tuple[type[HiddenCodec], str], HiddenCodec] = {}
 
 
 def resolve_hidden_codec(value: object, dtype: str) -> Record:
@@ -43,9 +43,10 @@ def codec_of(record: Record | HiddenCodec) -> HiddenCodec:
     """The configured codec of a resolved record (built once per record)."""
     if isinstance(record, HiddenCodec):
         return record
-    key = repr(sorted(record["configuration"].items())) + record["name"]
+    cls = get(record["name"])  # looked up each time: a codec unregistered (a test's own) is no longer found
+    key = (cls, repr(sorted(record["configuration"].items())))
     if key not in _CONFIGURED:
-        _CONFIGURED[key] = get(record["name"]).configure(dict(record["configuration"]))
+        _CONFIGURED[key] = cls.configure(dict(record["configuration"]))
     return _CONFIGURED[key]
 
 
