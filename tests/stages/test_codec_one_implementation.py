@@ -9,10 +9,14 @@ float32 (|values| <= d, blocks of 256: every Hadamard entry is +-1/16): any diff
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+import kdcache.storage
 from kdcache.stages.common.hidden_codecs import TorchOps, decode_batch
 from kdcache.storage.hidden_codecs import (
     FP8_MAX,
@@ -114,6 +118,26 @@ def test_the_added_operations_agree() -> None:
     assert (NumpyOps().add_at_rows(a, ids, values) == want).all()
     got = TorchOps().add_at_rows(torch.from_numpy(a), torch.from_numpy(ids).to(torch.int16), torch.from_numpy(values))
     assert (got.numpy() == want).all()
+
+
+def _compares_a_codec_name(source: str) -> list[str]:
+    """The lines of ``source`` that compare a quantised codec's name (``== "int8"``, ``in ("fp8", ...``)."""
+    quantised = "|".join(QUANTISED)
+    pattern = re.compile(rf"""(==|!=|\bin\s*[(\[{{])\s*['"]({quantised})['"]|['"]({quantised})['"]\s*(==|!=)""")
+    return [line for line in source.splitlines() if pattern.search(line)]
+
+
+def test_no_file_compares_a_codec_name() -> None:
+    """What a codec does is its class's business: no module of the package compares a codec's name (fp16 and
+    bf16 are dtype names too, and stay out of this check)."""
+    root = Path(kdcache.storage.__file__).parent.parent
+    paths = [p for top in ("storage", "stages", "pipeline") for p in (root / top).rglob("*.py")
+             if p.parent != root / "storage" / "hidden_codecs"]
+    assert len(paths) > 100
+    found = {str(p): lines for p in paths for lines in [_compares_a_codec_name(p.read_text())] if lines}
+    assert not found
+    assert _compares_a_codec_name('    if record["name"] == "fp8":\n    x = 1\n    if name in ("int4", "int8"):') == [
+        '    if record["name"] == "fp8":', '    if name in ("int4", "int8"):']  # a planted example is caught
 
 
 def test_the_codecs_are_written_once() -> None:
