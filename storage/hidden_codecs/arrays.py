@@ -147,8 +147,8 @@ class NumpyOps:
         mag = np.minimum(np.abs(v), FP8_MAX)
         upper = np.clip(np.searchsorted(table, mag), 1, 126)
         below, above = mag - table[upper - 1], table[upper] - mag  # exact: neighbours within a factor of two
-        lower = (below < above) | ((below == above) & ((upper - 1) % 2 == 0))  # a tie goes to the even mantissa
-        codes: np.ndarray = (np.where(lower, upper - 1, upper) | np.where(np.signbit(v), 128, 0)).astype(np.uint8)
+        down = (below < above) | ((below == above) & (upper & 1).astype(bool))  # a tie goes to the even mantissa
+        codes: np.ndarray = (upper - down).astype(np.uint8) | (np.signbit(v).view(np.uint8) << 7)
         return codes
 
     def fp8_values(self, codes: np.ndarray) -> np.ndarray:
