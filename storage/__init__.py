@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kdcache.storage import hidden_codecs as hidden_codecs
     from kdcache.storage.attention_source import (
         DEFAULT_ATTENTION_SOURCE as DEFAULT_ATTENTION_SOURCE,
     )
@@ -158,6 +159,9 @@ if TYPE_CHECKING:
         FP8_MAX as FP8_MAX,
     )
     from kdcache.storage.hidden_codecs import (
+        PARTS as PARTS,
+    )
+    from kdcache.storage.hidden_codecs import (
         applies_to as applies_to,
     )
     from kdcache.storage.hidden_codecs import (
@@ -191,10 +195,16 @@ if TYPE_CHECKING:
         rank_of as rank_of,
     )
     from kdcache.storage.hidden_codecs import (
+        register_ops as register_ops,
+    )
+    from kdcache.storage.hidden_codecs import (
         resolve_hidden_codec as resolve_hidden_codec,
     )
     from kdcache.storage.hidden_codecs import (
         rotation_signs as rotation_signs,
+    )
+    from kdcache.storage.hidden_codecs import (
+        row_errors as row_errors,
     )
     from kdcache.storage.logit_layouts import (
         FLOAT as FLOAT,
@@ -324,6 +334,8 @@ _EXPORTS = {  # name -> its module under kdcache.storage
     "KdcacheError": "errors", "LayerNotInCacheError": "errors", "ManifestError": "errors",
     "NonFiniteValueError": "errors", "PartialCacheError": "errors", "ShardError": "errors", "SpecError": "errors",
     "StorageError": "errors", "UnknownCodecError": "errors", "UnknownFeatureError": "errors", "errors": "errors",
+    "hidden_codecs": "hidden_codecs", "PARTS": "hidden_codecs", "register_ops": "hidden_codecs",
+    "row_errors": "hidden_codecs",
     "format_bytes": "files", "read_json_object": "files",
     "ArraysHash": "fingerprint", "compare_fingerprints": "fingerprint", "hash_array": "fingerprint",
     "hash_arrays": "fingerprint", "hash_bytes": "fingerprint", "hash_file": "fingerprint", "hash_json": "fingerprint",
@@ -350,6 +362,7 @@ _EXPORTS = {  # name -> its module under kdcache.storage
     "VerifyProblem": "verify", "VerifyReport": "verify", "verify_cache": "verify",
     "CacheWriter": "writer", "merge_parts": "writer",
 }
+_MODULES = {"errors", "hidden_codecs"}  # exported as modules: their names are read through them
 __all__ = sorted(_EXPORTS)
 
 
@@ -357,7 +370,7 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
-    value = module if name == "errors" else getattr(module, name)
+    value = module if name in _MODULES else getattr(module, name)
     globals()[name] = value
     return value
 

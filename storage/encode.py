@@ -225,7 +225,7 @@ def _coded_limit(spec: CacheSpec) -> float:
     """The largest |value| a quantised codec stores: outliers are kept as float16, else the fp16 scale
     (max / qmax) bounds it (a Python float: numpy's float16 max times qmax would overflow to inf)."""
     codec = codec_of(spec.hidden_codec)
-    return FP16_MAX * (1.0 if spec.hidden_codec["configuration"]["outliers"] else codec.qmax)
+    return FP16_MAX * (1.0 if getattr(codec.config, "outliers", 0) else codec.qmax)
 
 
 def _mass_record(mass: np.ndarray) -> dict[str, float]:

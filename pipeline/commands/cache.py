@@ -55,15 +55,7 @@ def _codec_text(record: dict[str, Any] | None) -> str:
         return f", hidden states {record['name']}" if record else ""
     from kdcache.storage import codec_of
 
-    codec, shown = codec_of(record), []
-    for key, value in record["configuration"].items():
-        if key == "rotation":
-            shown.append(f"rotation seed {value}" if value is not None else "no rotation")
-        elif key == "group" and not codec.grouped or key == "outliers" and not value:
-            continue
-        else:
-            shown.append(f"{key} {value}")
-    return f", hidden codec {record['name']} ({', '.join(shown)})"
+    return f", hidden codec {record['name']} ({codec_of(record).describe()})"
 
 
 def _text(info: dict[str, Any]) -> str:

@@ -1,39 +1,61 @@
-"""The torch twin of ``storage.hidden_codecs``: encode on the teacher's device, decode on the training device.
+"""Hidden codecs on the devices: torch tensors through the one implementation in ``storage.hidden_codecs``.
 
 Stage one calls ``encode`` on a padded ``[B, L, d]`` activation before anything crosses to the host, so the host,
 the disk and the object store carry only codes and scales. Stage two calls ``decode_batch`` right after the copy
-to its device (``streaming.to_device``), the way fp16 becomes fp32 there. The arrays and the formulas are those
-of ``storage.hidden_codecs`` (the numpy reference ``verify`` and docs/cache-format.md use); the random signs
-come from the same numpy generator, so both sides rotate alike.
+to its device (``streaming.to_device``), the way fp16 becomes fp32 there. The codecs themselves are written once
+against the array API (``storage.hidden_codecs.arrays``); this module registers the few operations torch adds to
+it (``TorchOps``: a top-k, a scatter-add, the float8 cast) and reshapes the batches into rows.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from array_api_compat import array_namespace
 
 from kdcache.storage import (
     FP8_MAX,
+    PARTS,
     applies_to,
-    block_size,
-    check_width,
     codec_of,
-    group_count,
-    hadamard_matrix,
     is_part,
     part_name,
     projected,
     rank_of,
-    rotation_signs,
+    register_ops,
+    row_errors,
 )
+from kdcache.storage import hidden_codecs as storage_codecs
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader
 
 Record = dict[str, Any]  # a resolved {"name", "configuration"} codec record (spec.hidden_codec)
+
+
+class TorchOps:
+    """torch's additions to the array API for the codecs (``storage.hidden_codecs.arrays.ArrayOps``): kernels
+    that stay on the device, with no host sync."""
+
+    def top_ids(self, a: torch.Tensor, m: int) -> torch.Tensor:
+        return a.topk(m, dim=1).indices.sort(dim=1).values
+
+    def add_at_rows(self, y: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return y.scatter_add(1, ids.long(), values)
+
+    def fp8_bits(self, v: torch.Tensor) -> torch.Tensor:
+        return v.to(torch.float8_e4m3fn).view(torch.uint8)  # round to nearest even, as NumpyOps.fp8_bits
+
+    def fp8_values(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.view(torch.float8_e4m3fn).float()
+
+    def id_dtype(self) -> torch.dtype:
+        return torch.int16  # uint16 on the host (d <= 32767): torch has few uint16 kernels
+
+
+register_ops(array_namespace(torch.empty(0)).__name__, TorchOps())
 
 
 @dataclass
@@ -70,82 +92,19 @@ class Projection:
         return int(self.on(name, torch.device("cpu"))[0].shape[1])
 
 
+def _bases(record: Record, name: str, projection: Projection | None, device: torch.device, what: str
+           ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """``{name: (basis, mean)}`` on ``device`` for a projected ``name``; None for one coded as it is."""
+    if not projected(record, name):
+        return None
+    if projection is None:
+        raise ValueError(f"{name}: a rank-{rank_of(record)} {what}")
+    return {name: projection.on(name, device)}
+
+
 def quantised(record: Record) -> bool:
-    """Whether the codec stores codes (fp8, int8, int4) rather than floats."""
+    """Whether the codec stores codes (fp8, int8, int4, ...) rather than floats."""
     return codec_of(record).float_dtype is None
-
-
-def _signs(record: Record, d: int, device: torch.device) -> torch.Tensor:
-    return _signs_on(record["configuration"]["rotation"], d, device)
-
-
-@functools.lru_cache(maxsize=32)
-def _signs_on(seed: int, d: int, device: torch.device) -> torch.Tensor:
-    """The rotation's ``[d]`` signs on ``device``, made once: a copy from pageable host memory at every layer of
-    every batch made the host wait for the device each time (CUDA syncs the stream before such a copy), so the
-    GPU's queue of batches ahead ran dry in stage one and in stage two's decode."""
-    return torch.from_numpy(rotation_signs(seed, d)).to(device)
-
-
-@functools.lru_cache(maxsize=8)
-def _hadamard_on(b: int, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(hadamard_matrix(b)).to(device)
-
-
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal Hadamard transform of ``x [N, d]`` (float32) in blocks of ``block_size(d)``: one dense
-    ``[b, b]`` matmul, which a GPU runs on its matrix units (a butterfly would take log2(b) passes over memory)."""
-    n, d = x.shape
-    b = block_size(d)
-    return (x.reshape(n, d // b, b) @ _hadamard_on(b, x.device)).reshape(n, d)
-
-
-def _scale_up(scale: torch.Tensor) -> torch.Tensor:
-    """float32 -> fp16, never below the float32 value (so no scaled value passes the codec's maximum)."""
-    half = scale.to(torch.float16)
-    return torch.where(half.float() < scale, torch.nextafter(half, half.new_tensor(float("inf"))), half)
-
-
-def _quantize(record: Record, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated rows ``[N, d]`` -> (codes ``[N, d']``, fp16 scales ``[N, G]``)."""
-    codec, n = codec_of(record), y.shape[0]
-    blocks = y.reshape(n, group_count(record, y.shape[1]), -1)
-    if codec.rms_step:  # ``storage.hidden_codecs._quantize``'s uniform step, clipped at qmax steps
-        scale = (record["configuration"]["step"] * blocks.square().mean(-1).sqrt()).to(torch.float16)
-    else:
-        scale = _scale_up(blocks.abs().amax(-1) / codec.qmax)
-    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32)).unsqueeze(-1)
-    scaled = (blocks / safe).clamp(-codec.qmax, codec.qmax).reshape(n, -1)
-    if codec.name == "fp8":  # clamped to +-448 first: the cast never makes NaN
-        return scaled.to(torch.float8_e4m3fn).view(torch.uint8), scale
-    q = torch.round(scaled).to(torch.int16)
-    if codec.name == "int4":
-        nibbles = (q + 8).to(torch.uint8).reshape(n, -1, 2)
-        return nibbles[..., 0] | (nibbles[..., 1] << 4), scale
-    return q.to(torch.int8), scale
-
-
-def _dequantize(record: Record, codes: torch.Tensor) -> torch.Tensor:
-    """Codes ``[N, d']`` -> values before the scale ``[N, d]`` float32."""
-    if record["name"] == "fp8":
-        return codes.view(torch.float8_e4m3fn).float()
-    if record["name"] == "int4":
-        nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(codes.shape[0], -1)
-        return nibbles.float() - 8
-    return codes.float()
-
-
-def decode_rows(record: Record, codes: torch.Tensor, scale: torch.Tensor, outliers: torch.Tensor | None = None,
-                outlier_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode rows: codes ``[N, d']``, scales ``[N, G]``, outliers and their ids ``[N, m]`` -> ``[N, d]`` float32."""
-    y = _dequantize(record, codes)
-    n, d = y.shape
-    y = (y.reshape(n, scale.shape[1], -1) * scale.float().unsqueeze(-1)).reshape(n, d)
-    if record["configuration"]["rotation"] is not None:
-        y = hadamard(y) * _signs(record, d, y.device)
-    if outliers is not None and outlier_ids is not None and outliers.numel():
-        y = y.scatter_add(1, outlier_ids.long(), outliers.float())
-    return y
 
 
 def encode(record: Record, name: str, x: torch.Tensor, projection: Projection | None = None
@@ -158,50 +117,16 @@ def encode(record: Record, name: str, x: torch.Tensor, projection: Projection | 
     """
     lead, d = x.shape[:-1], x.shape[-1]
     rows = x.detach().reshape(-1, d).float()
-    coded = rows
-    if projected(record, name):
-        if projection is None:
-            raise ValueError(f"{name}: a rank-{rank_of(record)} codec needs its projection basis to encode")
-        basis, mean = projection.on(name, rows.device)
-        coded = (rows - mean) @ basis.T
-    out, decoded = _encode_rows(record, name, coded)
-    if projected(record, name):
-        decoded = decoded @ basis + mean
-    out[part_name(name, "error")] = row_errors(rows, decoded)
+    bases = _bases(record, name, projection, rows.device, "codec needs its projection basis to encode")
+    out = storage_codecs.encode(record, name, rows, bases)
     return {key: value.reshape(*lead, value.shape[-1]) for key, value in out.items()}
 
 
-def _encode_rows(record: Record, name: str, rows: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Rows ``[N, w]`` float32 -> (codes and companions of ``name``, their decode ``[N, w]``).
-
-    The outliers are kept aside in fp16 and subtracted before the rotation, so the fp16 rounding of each stays in
-    the quantised residual.
-    """
-    d = rows.shape[1]
-    check_width(record, name, d)
-    residual, out = rows, {}
-    m = min(record["configuration"]["outliers"], d)
-    outliers = ids = None
-    if m:
-        ids = rows.abs().topk(m, dim=1).indices.sort(dim=1).values
-        outliers = rows.gather(1, ids).to(torch.float16)
-        residual = rows.scatter_add(1, ids, -outliers.float())
-        out[part_name(name, "outliers")] = outliers
-        out[part_name(name, "outlier_ids")] = ids.to(torch.int16)  # uint16 on the host (d <= 32767 here)
-    if record["configuration"]["rotation"] is not None:
-        residual = hadamard(residual * _signs(record, d, rows.device))
-    codes, scale = _quantize(record, residual)
-    out[name], out[part_name(name, "scale")] = codes, scale
-    return out, decode_rows(record, codes, scale, outliers, ids)
-
-
-def row_errors(x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-    """Per row ``[N, 5]``: squared error, squared norm, cosine (1 for two zero rows), max |error|, decoded norm²."""
-    err = decoded - x
-    ref_sq, decoded_sq = x.square().sum(1), decoded.square().sum(1)  # each pass once: the norms reuse them
-    norms = (ref_sq * decoded_sq).sqrt()
-    cosine = torch.where(norms > 0, (x * decoded).sum(1) / norms.clamp_min(1e-30), torch.ones_like(norms))
-    return torch.stack([err.square().sum(1), ref_sq, cosine, err.abs().amax(1), decoded_sq], dim=1)
+def decode_rows(record: Record, codes: torch.Tensor, scale: torch.Tensor, outliers: torch.Tensor | None = None,
+                outlier_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode rows: codes ``[N, d']``, scales ``[N, G]``, outliers and their ids ``[N, m]`` -> ``[N, d]`` float32."""
+    stored = {"codes": codes, "scale": scale, "outliers": outliers, "outlier_ids": outlier_ids}
+    return codec_of(record).decode_rows({k: v for k, v in stored.items() if v is not None})
 
 
 def decode_batch(record: Record, batch: dict[str, Any], projection: Projection | None = None) -> dict[str, Any]:
@@ -212,20 +137,17 @@ def decode_batch(record: Record, batch: dict[str, Any], projection: Projection |
         return batch
     out = {k: v for k, v in batch.items() if not is_part(k)}
     for name in [k for k in batch if applies_to(k)]:
-        rows = [_rows(batch, part_name(name, part)) for part in ("scale", "outliers", "outlier_ids")]
-        decoded = decode_rows(record, _rows(batch, name), *rows)
-        if projected(record, name):
-            if projection is None:
-                raise ValueError(f"{name}: a rank-{rank_of(record)} cache decodes through its projection bases")
-            basis, mean = projection.on(name, decoded.device)
-            decoded = decoded @ basis + mean
+        rows = {key: _rows(batch, key) for key in (name, *(part_name(name, p) for p in PARTS)) if key in batch}
+        device = batch[name].device
+        bases = _bases(record, name, projection, device, "cache decodes through its projection bases")
+        decoded = storage_codecs.decode(record, rows, name, bases)
         out[name] = decoded.reshape(*batch[name].shape[:-1], decoded.shape[-1])
     return out
 
 
 def _rows(batch: dict[str, Any], name: str) -> Any:
-    """``batch[name]`` ``[..., w]`` as rows ``[N, w]``, or None when the batch has no such array."""
-    return batch[name].reshape(-1, batch[name].shape[-1]) if name in batch else None
+    """``batch[name]`` ``[..., w]`` as rows ``[N, w]``."""
+    return batch[name].reshape(-1, batch[name].shape[-1])
 
 
 def load_projection(reader: CacheReader) -> Projection | None:
@@ -241,7 +163,7 @@ def load_projection(reader: CacheReader) -> Projection | None:
 
 def stored_width(record: Record, d: int) -> int:
     """Columns of a coded array for hidden size d (int4 packs two channels per byte)."""
-    return d // codec_of(record).per_code
+    return codec_of(record).stored_width(d)
 
 
 def hidden_width(record: Record, stored: int, projected_width: int | None = None) -> int:
@@ -252,5 +174,5 @@ def hidden_width(record: Record, stored: int, projected_width: int | None = None
     return stored * codec_of(record).per_code
 
 
-__all__ = ["FP8_MAX", "Projection", "decode_batch", "decode_rows", "encode", "hidden_width", "load_projection",
-           "quantised", "row_errors", "stored_width"]
+__all__ = ["FP8_MAX", "Projection", "TorchOps", "decode_batch", "decode_rows", "encode", "hidden_width",
+           "load_projection", "quantised", "row_errors", "stored_width"]

@@ -41,7 +41,7 @@ from kdcache.stages.precompute.qk_capture import QKCapture
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
 from kdcache.stages.precompute.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
-from kdcache.storage import FLOAT, applies_to, logit_arrays, projected
+from kdcache.storage import FLOAT, applies_to, codec_of, logit_arrays, projected
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -69,13 +69,13 @@ def hidden_targets(record: dict[str, Any], name: str, hidden: torch.Tensor,
         return {name: hidden.float()}
     if hidden_codecs.quantised(record):
         return hidden_codecs.encode(record, name, hidden, projection)
-    return {name: to_storage_dtype(hidden, record["name"])}
+    return {name: to_storage_dtype(hidden, str(codec_of(record).float_dtype))}
 
 
 def fp16_bounded(name: str, dtype_name: str, record: dict[str, Any]) -> bool:
     """Whether target ``name`` must stay within float16's range: fp16 targets, and coded arrays (hidden states,
     queries/keys/values) of every codec but bf16 (quantised codecs keep outliers and scales in fp16)."""
-    return record["name"] != "bf16" if applies_to(name) else dtype_name == "fp16"
+    return codec_of(record).float_dtype != "bf16" if applies_to(name) else dtype_name == "fp16"
 
 
 def to_numpy(x: torch.Tensor) -> np.ndarray:

@@ -22,7 +22,7 @@ from kdcache.stages.common.engine_options import looks_like_path as common_looks
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.precompute.rows import PACKING
-from kdcache.storage import DEFAULT_ATTENTION_SOURCE, DEFAULT_BACKEND, backend_names
+from kdcache.storage import DEFAULT_ATTENTION_SOURCE, DEFAULT_BACKEND, backend_names, hidden_codecs
 
 FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: encoder-decoder teachers only
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
@@ -91,9 +91,9 @@ class StorageOptions:
     dtype: str = _opt("fp16", "storage dtype of float targets", choices=["fp16", "bf16"])
     codec: str | None = _opt(None, "numcodecs codec name (e.g. zstd, blosc-lz4) or JSON config; default blosc-lz4")
     bitround: int | None = _opt(None, "lossy: mantissa bits kept in activations (fp16 1..9, bf16 1..6)")
-    hidden_codec: str | None = _opt(None, "hidden-state codec: fp16, bf16, fp8, int8, int7, int4 or pca8 (quantised "
-                                          "on the teacher's device; pca8 with --hidden-rank = hidden size), or a "
-                                          "JSON {name, configuration}; default: --dtype")
+    hidden_codec: str | None = _opt(None, f"hidden-state codec: {hidden_codecs.listing()} (quantised on the teacher's "
+                                          "device; pca8 with --hidden-rank = hidden size), or a JSON {name, "
+                                          "configuration}; default: --dtype")
     hidden_rank: int | None = _opt(None, "project hidden states onto R principal directions per layer, fitted on the "
                                          "teacher's first tokens and stored in the cache, before --hidden-codec "
                                          "(a quantised one) codes them; 1 <= R < hidden size (R = hidden size: pca8)")
@@ -123,9 +123,9 @@ class StorageOptions:
                 raise SpecError(f"--hidden-codec {record['name']} codes full-rank PCA coefficients: give "
                                 f"--hidden-rank d, the teacher's hidden size (e.g. 384 for MiniLM)")
             return record
-        if record["name"] in ("fp16", "bf16"):
+        if codec_of(record).float_dtype:
             raise SpecError(f"--hidden-rank {self.hidden_rank} codes the projection's coefficients with a quantised "
-                            f"--hidden-codec (fp8, int8, int7, int4 or pca8), not {record['name']!r}")
+                            f"--hidden-codec ({hidden_codecs.listing(quantised=True)}), not {record['name']!r}")
         config = {**record["configuration"], "rank": self.hidden_rank}
         return resolve_hidden_codec({"name": record["name"], "configuration": config}, self.dtype)
 

@@ -1,0 +1,99 @@
+"""Hidden-state codecs: one module per codec, registered by name (``base.register``), each encoding and decoding
+once against the array API (``arrays``), so storage's numpy and the devices' torch run the same code.
+
+A codec is recorded in the spec as ``{"name": ..., "configuration": {...}}`` (like a zarr v3 codec) and
+configured by its typed dataclass (``codec_of(record).config``). Two kinds:
+
+* float codecs (``fp16``, ``bf16``): the layer is stored as that float type, as before this registry existed;
+* quantised codecs (``fp8``, ``int8``, ``int7``, ``int4``, ``pca8``; ``quantised``): the layer ``x [T, d]`` is
+  stored as plain arrays
+
+  - ``hidden/{j}``: codes ``[T, d]`` (int8 and int7 as int8; fp8 e4m3 bit patterns as uint8) or ``[T, d/2]``
+    (int4: two codes per uint8, the even channel in the low nibble, each stored as ``q + 8``);
+  - ``hidden_scale/{j}``: fp16 scales ``[T, G]``, one per row (G = 1) or per group of ``group`` channels (int4);
+  - ``hidden_outliers/{j}`` (fp16) and ``hidden_outlier_ids/{j}`` (uint16) ``[T, m]`` when ``outliers`` m > 0:
+    each row's m largest |values|, kept aside exactly (fp16) and subtracted before quantising.
+
+  Decoding (docs/cache-format.md): ``y = dequant(codes) * scale``; ``x = signs * H(y)`` per block of ``b``
+  channels when ``rotation`` is a seed (``H`` the orthonormal Sylvester-Hadamard matrix, ``b`` the largest power
+  of two dividing d but at most 256, ``signs`` = ``default_rng(seed).integers(0, 2, d) * 2 - 1``); then
+  ``x[ids] += outliers``; with a ``rank``, ``coef @ basis + mean`` (``coding``).
+
+Importing this package imports every codec module beside the shared ones, and each registers its codec: a new
+codec is one new module here (or anywhere that calls ``register``; tests/stages/test_codec_plugin.py does).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+from kdcache.storage.hidden_codecs.arrays import (
+    FP8_MAX,
+    ArrayOps,
+    fp8_table,
+    hadamard,
+    namespace,
+    ops_for,
+    register_ops,
+    row_errors,
+)
+from kdcache.storage.hidden_codecs.base import (
+    HIDDEN_CODECS,
+    HiddenCodec,
+    NoConfig,
+    Record,
+    get,
+    listing,
+    names,
+    register,
+    usage,
+)
+from kdcache.storage.hidden_codecs.coding import (
+    check_width,
+    codec_of,
+    decode,
+    encode,
+    error_record,
+    group_count,
+    parts,
+    projected,
+    rank_of,
+    resolve_hidden_codec,
+)
+from kdcache.storage.hidden_codecs.naming import (
+    CODED_KINDS,
+    COMPANION_KINDS,
+    ERROR_FIELDS,
+    PARTS,
+    applies_to,
+    coded_of,
+    is_part,
+    part_name,
+    part_of,
+)
+from kdcache.storage.hidden_codecs.quantised import QuantConfig, QuantisedCodec
+from kdcache.storage.rotation import block_size as block_size  # re-exported: the codecs' rotation, by its old path
+from kdcache.storage.rotation import hadamard_matrix as hadamard_matrix
+from kdcache.storage.rotation import rotation_signs as rotation_signs
+
+_SHARED = {"arrays", "base", "coding", "naming", "quantised"}
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in _SHARED:
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+# Codes are near-Gaussian bytes: zstd's entropy coding shrinks them (int8 by ~7%, int7 by ~20%), and bit-shuffling
+# them first, which helps fp16, hides that (measured in benchmarks/RESULTS.md). Zarr caches compress them so.
+CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 5, "shuffle": 0, "blocksize": 0}
+# A column-major codec's codes: after the row shuffle each zstd block holds a few directions of one variance
+# each; level 9 over 1 MiB blocks is what reached 4.05x (level 5 loses ~0.1x of it).
+COLUMN_CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 9, "shuffle": 0,
+                                      "blocksize": 1 << 20}
+
+__all__ = ["CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "ERROR_FIELDS", "FP8_MAX",
+           "HIDDEN_CODECS", "PARTS", "ArrayOps", "HiddenCodec", "NoConfig", "QuantConfig", "QuantisedCodec", "Record",
+           "applies_to", "block_size", "check_width", "codec_of", "coded_of", "decode", "encode", "error_record",
+           "fp8_table", "get", "group_count", "hadamard", "hadamard_matrix", "is_part", "listing", "names", "namespace",
+           "ops_for", "part_name", "part_of", "parts", "projected", "rank_of", "register", "register_ops",
+           "resolve_hidden_codec", "rotation_signs", "row_errors", "usage"]

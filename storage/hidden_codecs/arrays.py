@@ -1,0 +1,180 @@
+"""The array layer every hidden codec is written against: the array API standard, through ``array-api-compat``,
+plus the four operations the standard lacks, registered once per array library.
+
+A codec's encode and decode are one definition: they take the namespace ``xp`` of their input
+(``namespace(x)``) and call only its standard functions and ``ops_for(xp)``. Storage runs them on numpy
+(the writer given floats, ``verify``, plain reads); stage one and stage two pass torch tensors on their device
+through the same functions. Storage never imports torch: numpy's operations are registered here, torch's by
+``stages.common.hidden_codecs`` (``register_ops``), and a test runs every codec on both and requires the same bytes.
+
+The standard lacks: selecting each row's m largest entries, adding values at per-row indices, and float8 e4m3fn
+(neither numpy nor the standard has that dtype; torch casts to it natively).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol, TypeAlias
+
+import numpy as np
+from array_api_compat import array_namespace
+from array_api_compat import device as device_of
+
+from kdcache.storage.rotation import block_size, hadamard_matrix, rotation_signs
+
+# An array of whichever library the caller uses (numpy ndarray, torch Tensor): the standard has no static type.
+Array: TypeAlias = Any
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
+class ArrayOps(Protocol):
+    """What one array library adds to the standard for the codecs (arrays ``[N, d]``, one row per token)."""
+
+    def top_ids(self, a: Array, m: int) -> Array:
+        """Column indices ``[N, m]`` int64 of each row's m largest entries, in increasing column order."""
+
+    def add_at_rows(self, y: Array, ids: Array, values: Array) -> Array:
+        """``y [N, d]`` with ``values [N, m]`` added at columns ``ids [N, m]`` (distinct within a row)."""
+
+    def fp8_bits(self, v: Array) -> Array:
+        """uint8 e4m3fn bit patterns of float32 values within +-448, rounded to nearest, ties to even; -0.0 keeps
+        its sign bit (as a float8 cast does)."""
+
+    def fp8_values(self, codes: Array) -> Array:
+        """float32 values of uint8 e4m3fn bit patterns."""
+
+    def id_dtype(self) -> Any:
+        """The dtype of stored outlier ids (uint16 on the host; int16 where the library lacks uint16 kernels)."""
+
+
+_OPS: dict[str, ArrayOps] = {}
+
+
+def register_ops(namespace: str, ops: ArrayOps) -> None:
+    """Make ``ops`` the added operations of the array library whose compat namespace is named ``namespace``
+    (``array_namespace(x).__name__``, e.g. ``"array_api_compat.torch"``)."""
+    _OPS[namespace] = ops
+
+
+def ops_for(xp: Any) -> ArrayOps:
+    """The added operations of namespace ``xp``.
+
+    Raises:
+        TypeError: no library registered them (torch's come with ``kdcache.stages.common.hidden_codecs``).
+    """
+    if xp.__name__ not in _OPS:
+        raise TypeError(f"hidden codecs: no array operations registered for {xp.__name__!r}; expected one of "
+                        f"{sorted(_OPS)} (torch's are registered by importing kdcache.stages.common.hidden_codecs)")
+    return _OPS[xp.__name__]
+
+
+def namespace(*arrays: Array) -> Any:
+    """The array API namespace of ``arrays`` (all of one library): numpy itself where it implements the standard
+    (2.1 on), else array-api-compat's wrapper of the library."""
+    return _native(array_namespace(*arrays))
+
+
+@functools.cache
+def _native(xp: Any) -> Any:
+    # numpy >= 2.1 is an array API namespace of its own, and the compat wrapper's clip writes through boolean
+    # masks (several times slower on a [32768, 2048] layer); torch needs the wrapper.
+    return np if xp.__name__ == "array_api_compat.numpy" and hasattr(np, "astype") else xp
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(xp: Any, device: Any, build: Callable[..., np.ndarray], args: tuple[int, ...]) -> Array:
+    # Built and copied to each device once: the writer, verify and stage one rotate every coded array of every
+    # shard, and a host-to-device copy per call would cost a transfer each time.
+    return xp.asarray(build(*args), device=device)
+
+
+def constant(like: Array, build: Callable[..., np.ndarray], *args: int) -> Array:
+    """The numpy array ``build(*args)`` in the library and on the device of ``like`` (cached)."""
+    return _constant(namespace(like), device_of(like), build, args)
+
+
+def hadamard(x: Array) -> Array:
+    """Orthonormal Hadamard transform of ``x [N, d]`` float32 in blocks of ``block_size(d)`` (its own inverse):
+    one dense ``[b, b]`` matmul per block, which a GPU runs on its matrix units."""
+    xp, (n, d) = namespace(x), x.shape
+    b = block_size(d)
+    return xp.reshape(xp.reshape(x, (n, d // b, b)) @ constant(x, hadamard_matrix, b), (n, d))
+
+
+def signs(like: Array, seed: int, d: int) -> Array:
+    """The rotation's random signs ``[d]`` float32 (``storage.rotation.rotation_signs``) beside ``like``."""
+    return constant(like, rotation_signs, seed, d)
+
+
+def row_errors(x: Array, decoded: Array) -> Array:
+    """Per row of ``x`` and its decode ``[N, d]`` float32: squared error, squared norm, cosine (1 for two zero
+    rows), max |error| and the decoded row's squared norm (which ``verify`` recomputes from the codes) -> ``[N, 5]``
+    float32 (``ERROR_FIELDS``)."""
+    xp = namespace(x, decoded)
+    err = decoded - x
+    ref_sq, decoded_sq = xp.sum(x * x, axis=1), xp.sum(decoded * decoded, axis=1)  # each once: the norms reuse them
+    dot, norms = xp.sum(x * decoded, axis=1), xp.sqrt(ref_sq * decoded_sq)
+    positive = norms > 0
+    cosine = xp.where(positive, dot / xp.where(positive, norms, xp.ones_like(norms)), xp.ones_like(norms))
+    columns = [xp.sum(err * err, axis=1), ref_sq, cosine, xp.max(xp.abs(err), axis=1), decoded_sq]
+    return xp.astype(xp.stack(columns, axis=1), xp.float32)
+
+
+def scale_up(scale: Array) -> Array:
+    """float32 scales -> float16, rounded towards +inf (never below the float32 value, so that no scaled value
+    passes the codec's largest code)."""
+    xp = namespace(scale)
+    half = xp.astype(scale, xp.float16)
+    up = xp.nextafter(half, xp.full_like(half, float("inf")))
+    return xp.where(xp.astype(half, xp.float32) < scale, up, half)
+
+
+class NumpyOps:
+    """numpy's added operations (the host: the writer given floats, ``verify``, plain reads)."""
+
+    def top_ids(self, a: np.ndarray, m: int) -> np.ndarray:
+        ids: np.ndarray = np.sort(np.argpartition(-a, m - 1, axis=1)[:, :m], axis=1)
+        return ids
+
+    def add_at_rows(self, y: np.ndarray, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        out: np.ndarray = y.copy()
+        out[np.arange(len(y))[:, None], ids.astype(np.intp)] += values
+        return out
+
+    def fp8_bits(self, v: np.ndarray) -> np.ndarray:
+        table = fp8_table()[:127]  # the non-negative finite patterns 0x00..0x7E, increasing
+        mag = np.minimum(np.abs(v), FP8_MAX)
+        upper = np.clip(np.searchsorted(table, mag), 1, 126)
+        below, above = mag - table[upper - 1], table[upper] - mag  # exact: neighbours within a factor of two
+        down = (below < above) | ((below == above) & (upper & 1).astype(bool))  # a tie goes to the even mantissa
+        codes: np.ndarray = (upper - down).astype(np.uint8) | (np.signbit(v).view(np.uint8) << 7)
+        return codes
+
+    def fp8_values(self, codes: np.ndarray) -> np.ndarray:
+        values: np.ndarray = fp8_table()[codes.astype(np.intp)]
+        return values
+
+    def id_dtype(self) -> Any:
+        return np.uint16
+
+
+@functools.lru_cache(maxsize=1)
+def _fp8_table() -> np.ndarray:
+    bits = np.arange(256)
+    exponent, mantissa = (bits >> 3) & 15, (bits & 7).astype(np.float64)
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    values = np.where(bits >> 7, -magnitude, magnitude)
+    values[(bits & 0x7F) == 0x7F] = np.nan
+    table = values.astype(np.float32)
+    table.flags.writeable = False
+    return table
+
+
+def fp8_table() -> np.ndarray:
+    """The float32 value of every e4m3fn bit pattern ``[256]`` (0x7F and 0xFF are NaN and never written)."""
+    return _fp8_table()
+
+
+register_ops(array_namespace(np.empty(0)).__name__, NumpyOps())
+register_ops(np.__name__, NumpyOps())  # numpy as its own namespace (``namespace``)

@@ -1,0 +1,148 @@
+"""A cache's codec record and the coded arrays of one name: resolve the record, encode and decode ``name`` with
+its companions and projection, and summarise the per-row errors. Any array library (``arrays``): numpy here
+and in ``verify``, torch tensors on stage one's and stage two's devices (``stages.common.hidden_codecs``).
+
+With a ``rank`` R (``--hidden-rank``), a hidden layer's rows are first projected onto R principal directions
+fitted on the teacher's own states and stored in the cache (``storage.projection``): the codec stores the
+coefficients ``(x - mean) @ basis.T`` ``[T, R]``, and decoding ends with ``coef @ basis + mean``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kdcache.storage.errors import SpecError
+from kdcache.storage.hidden_codecs.arrays import Array, namespace, row_errors
+from kdcache.storage.hidden_codecs.base import HiddenCodec, Record, get
+from kdcache.storage.hidden_codecs.naming import PARTS, part_name
+from kdcache.storage.streams import kind_of
+
+Bases = Mapping[str, tuple[Array, Array]]  # array name -> (basis [R, d], mean [d]), in the coded rows' library
+_CONFIGURED: dict[tuple[type[HiddenCodec], str], HiddenCodec] = {}
+
+
+def resolve_hidden_codec(value: object, dtype: str) -> Record:
+    """The full ``{"name", "configuration"}`` record of a codec given as a name, a record, or None (``dtype``).
+
+    Raises:
+        SpecError: an unknown name or configuration key, or a bad value.
+    """
+    if value is not None and not isinstance(value, (str, dict)):
+        raise SpecError(f"hidden codec {value!r}: expected a codec name or a {{name, configuration}} object")
+    record: dict[str, Any] = {"name": value or dtype} if value is None or isinstance(value, str) else dict(value)
+    name, config = record.get("name"), record.get("configuration") or {}
+    if not isinstance(config, dict):
+        raise SpecError(f"hidden codec {name!r}: configuration {config!r} is not an object of the codec's keys")
+    return get(name).configure(config).record()
+
+
+def codec_of(record: Record | HiddenCodec) -> HiddenCodec:
+    """The configured codec of a resolved record (built once per record)."""
+    if isinstance(record, HiddenCodec):
+        return record
+    cls = get(record["name"])  # looked up each time: a codec unregistered (a test's own) is no longer found
+    key = (cls, repr(sorted(record["configuration"].items())))
+    if key not in _CONFIGURED:
+        _CONFIGURED[key] = cls.configure(dict(record["configuration"]))
+    return _CONFIGURED[key]
+
+
+def group_count(record: Record, d: int) -> int:
+    """Scales per row for hidden size d: one, or one per ``group`` channels (the whole row when d <= group)."""
+    return codec_of(record).group_count(d)
+
+
+def parts(record: Record) -> tuple[str, ...]:
+    """The companion parts a codec stores beside its codes (none for a float codec)."""
+    return codec_of(record).parts()
+
+
+def rank_of(record: Record) -> int | None:
+    """The projection's rank R of a resolved record (``configuration.rank``), None without a projection."""
+    return codec_of(record).rank
+
+
+def projected(record: Record, name: str) -> bool:
+    """Whether coded array ``name`` stores projection coefficients ``[T, R]``: hidden states of a codec with a
+    rank (queries/keys/values are coded as they are)."""
+    return rank_of(record) is not None and kind_of(name) == "hidden"
+
+
+def check_width(record: Record, name: str, d: int) -> None:
+    """Refuse a width the codec cannot store (int4 groups must divide d; outlier ids fit uint16); d is the rank
+    R for projection coefficients."""
+    expected = codec_of(record).width_expectation(d)
+    if expected:
+        what = f"projection rank {d}" if projected(record, name) else f"hidden size {d}"
+        raise SpecError(f"{name}: {what} does not suit codec {record['name']!r}: expected {expected}")
+
+
+def _basis(record: Record, name: str, projection: Bases | None) -> tuple[Array, Array]:
+    """(basis ``[R, d]``, mean ``[d]``) of projected array ``name``, or a SpecError naming what is missing."""
+    if projection is None or name not in projection:
+        raise SpecError(f"{name}: stored as rank-{rank_of(record)} projection coefficients, but no basis for it "
+                        f"was given (a cache holds them in its projection/ folder)")
+    return projection[name]
+
+
+def encode(record: Record, name: str, x: Array, projection: Bases | None = None) -> dict[str, Array]:
+    """Encode ``x [T, d]`` (any array library, on its device) -> the stored arrays of ``name`` (codes and
+    companions, ``part_name``) and its per-row errors ``[T, 5]`` (``row_errors``), measured against ``x`` itself
+    so that a projection's loss shows in them.
+
+    Args:
+        projection: a rank codec's ``{name: (basis [R, d], mean [d])}``: ``(x - mean) @ basis.T`` ``[T, R]`` is
+            what is coded.
+
+    Raises:
+        SpecError: d does not suit the codec (int4 needs d divisible by its group); no basis for a projected name.
+    """
+    xp, codec = namespace(x), codec_of(record)
+    x = xp.astype(x, xp.float32, copy=False)
+    coded = x
+    if projected(record, name):
+        basis, mean = _basis(record, name, projection)
+        coded = xp.astype((x - mean) @ basis.T, xp.float32)
+    check_width(record, name, coded.shape[1])
+    stored = codec.encode_rows(coded)
+    decoded = codec.decode_rows(stored)
+    if projected(record, name):
+        decoded = decoded @ xp.astype(basis, xp.float32) + xp.astype(mean, xp.float32)
+    out = {name: stored["codes"], **{part_name(name, p): stored[p] for p in PARTS if p in stored}}
+    out[part_name(name, "error")] = row_errors(x, decoded)
+    return out
+
+
+def decode(record: Record, arrays: Mapping[str, Array], name: str, projection: Bases | None = None) -> Array:
+    """Decode coded array ``name`` -> ``[T, d]`` float32 (any array library).
+
+    Args:
+        record: the resolved codec record (``spec.hidden_codec``).
+        arrays: the stored arrays by name: ``name`` (codes ``[T, d']``) and its companions (``part_name``).
+        name: e.g. ``hidden/3``.
+        projection: a rank codec's ``{name: (basis [R, d], mean [d])}`` (``storage.projection``): the decoded
+            coefficients ``[T, R]`` become ``coef @ basis + mean``.
+
+    Raises:
+        SpecError: ``name`` is projected and ``projection`` has no basis for it.
+    """
+    stored = {"codes": arrays[name], **{p: arrays[part_name(name, p)] for p in PARTS
+                                        if part_name(name, p) in arrays}}
+    y = codec_of(record).decode_rows(stored)
+    if not projected(record, name):
+        return y
+    xp = namespace(y)
+    basis, mean = _basis(record, name, projection)
+    return y @ xp.astype(basis, xp.float32) + xp.astype(mean, xp.float32)
+
+
+def error_record(record: Record, rows: np.ndarray) -> dict[str, Any]:
+    """One shard's error record of a coded array, from its per-row errors ``[T, 5]`` (``row_errors``)."""
+    sums = rows.astype(np.float64)
+    ref = float(sums[:, 1].sum())
+    return {"codec": record["name"], "rel_rms_error": float(np.sqrt(sums[:, 0].sum() / ref)) if ref else 0.0,
+            "worst_row_cosine": float(sums[:, 2].min(initial=1.0)), "max_abs_error": float(sums[:, 3].max(initial=0)),
+            "decoded_sq": float(sums[:, 4].sum())}

@@ -1,0 +1,158 @@
+"""The hidden codecs are one implementation: ``storage.hidden_codecs`` encodes and decodes numpy arrays and torch
+tensors with the same functions, so the same rows give the same stored bytes on either library.
+
+The only library-specific pieces are the operations the array API lacks (``ArrayOps``: top-k, scatter-add, the
+float8 rounding), checked here against each other value by value, and each library's own matmul and sums. Those
+round in each library's own order, so the rows below are integers whose rotation and RMS sums are exact in
+float32 (|values| <= d, blocks of 256: every Hadamard entry is +-1/16): any difference left is the codecs'.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kdcache.storage
+from kdcache.stages.common.hidden_codecs import TorchOps, decode_batch
+from kdcache.storage.hidden_codecs import (
+    FP8_MAX,
+    HIDDEN_CODECS,
+    codec_of,
+    decode,
+    encode,
+    fp8_table,
+    names,
+    resolve_hidden_codec,
+)
+from kdcache.storage.hidden_codecs.arrays import NumpyOps
+
+QUANTISED = [n for n in names() if not HIDDEN_CODECS[n].float_dtype]
+VARIANTS = [{}, {"rotation": None}, {"outliers": 0}, {"rotation": 7, "outliers": 3}, {"group": 16}]
+
+
+def _configurations() -> list[tuple[str, dict]]:
+    """Every quantised codec with each configuration it accepts (pca8 takes its step only)."""
+    out = []
+    for name in QUANTISED:
+        variants = [{}, {"step": 0.5}] if HIDDEN_CODECS[name].full_rank else VARIANTS
+        out += [(name, v) for v in variants]
+    return out
+
+
+def _integer_rows(n: int = 40, d: int = 256, seed: int = 0, zeros: bool = False) -> np.ndarray:
+    """``[n, d]`` float32: each row a signed permutation of 1..d (distinct magnitudes, so the top-m outliers have
+    no ties: each library breaks those its own way); with ``zeros``, an all-zero row and one of a single value
+    (where the rotation makes -0.0)."""
+    rng = np.random.default_rng(seed)
+    rows = np.stack([rng.permutation(d) + 1 for _ in range(n)]) * rng.choice([-1, 1], (n, d))
+    if zeros:
+        rows[3] = 0
+        rows[5, :] = 0
+        rows[5, 17] = -d
+    return rows.astype(np.float32)
+
+
+@pytest.mark.parametrize(("name", "configuration"), _configurations())
+def test_numpy_and_torch_store_the_same_bytes(name: str, configuration: dict) -> None:
+    record = resolve_hidden_codec({"name": name, "configuration": configuration}, "fp16")
+    x = _integer_rows(zeros=not codec_of(record).config.outliers)
+    on_numpy = encode(record, "hidden/1", x)
+    on_torch = {k: v.numpy() for k, v in encode(record, "hidden/1", torch.from_numpy(x)).items()}
+    assert set(on_numpy) == set(on_torch)
+    for key in on_numpy:
+        got, want = on_torch[key], on_numpy[key]
+        if key.startswith("hidden_error"):  # sums over the decoded rows: each library's own order
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            continue
+        assert got.shape == want.shape and got.tobytes() == want.tobytes(), key  # int16 ids read as uint16
+    stored = {k: v for k, v in on_numpy.items() if "error" not in k}
+    from_numpy = decode(record, stored, "hidden/1")
+    batch = {k: torch.from_numpy(v.view(np.int16) if v.dtype == np.uint16 else v) for k, v in stored.items()}
+    from_torch = decode_batch(record, batch)["hidden/1"].numpy()
+    if configuration.get("rotation", 0) is None or codec_of(record).full_rank:  # no matmul: bit for bit
+        assert from_torch.tobytes() == from_numpy.tobytes()
+    else:
+        np.testing.assert_allclose(from_torch, from_numpy, rtol=1e-6, atol=1e-5 * np.abs(from_numpy).max())
+
+
+def _fp8_probe_values() -> np.ndarray:
+    """Every finite e4m3fn value, every midpoint between neighbours (the ties) and the float32 values next to
+    each, signed zeros, subnormals and random values within +-448."""
+    table = fp8_table()[:127].astype(np.float64)
+    mids = (table[:-1] + table[1:]) / 2
+    near = np.concatenate([np.nextafter(mids.astype(np.float32), np.float32(0)),
+                           np.nextafter(mids.astype(np.float32), np.float32(np.inf))])
+    rng = np.random.default_rng(1)
+    rand = rng.uniform(-FP8_MAX, FP8_MAX, 20000) * 2.0 ** rng.integers(-20, 1, 20000)
+    positive = np.concatenate([table, mids, near, [0.0, 1e-30, 2.0 ** -10, FP8_MAX]]).astype(np.float32)
+    return np.concatenate([positive, -positive, rand.astype(np.float32), np.float32([-0.0])])
+
+
+def test_float8_rounding_is_the_same_on_both_libraries() -> None:
+    values = _fp8_probe_values()
+    got = TorchOps().fp8_bits(torch.from_numpy(values)).numpy()
+    want = NumpyOps().fp8_bits(values)
+    assert (got == want).all(), values[got != want][:10]
+    assert want[-1] == 0x80  # -0.0 keeps its sign, as a float8 cast does
+    table = fp8_table()
+    mids = (table[1:126].astype(np.float64) + table[2:127]) / 2  # a tie rounds to the even mantissa
+    codes = NumpyOps().fp8_bits(mids.astype(np.float32))
+    assert (codes % 2 == 0).all()
+    finite = np.setdiff1d(np.arange(256), [0x7F, 0xFF]).astype(np.uint8)
+    assert (TorchOps().fp8_values(torch.from_numpy(finite)).numpy() == NumpyOps().fp8_values(finite)).all()
+
+
+def test_the_added_operations_agree() -> None:
+    a = np.abs(_integer_rows())
+    ids = NumpyOps().top_ids(a, 5)
+    assert (TorchOps().top_ids(torch.from_numpy(a), 5).numpy() == ids).all()
+    assert (ids == np.sort(np.argsort(-a, axis=1)[:, :5], axis=1)).all()
+    values = np.random.default_rng(2).standard_normal(ids.shape).astype(np.float32)
+    want = a.copy()
+    for row in range(len(a)):
+        want[row, ids[row]] += values[row]
+    assert (NumpyOps().add_at_rows(a, ids, values) == want).all()
+    got = TorchOps().add_at_rows(torch.from_numpy(a), torch.from_numpy(ids).to(torch.int16), torch.from_numpy(values))
+    assert (got.numpy() == want).all()
+
+
+def _compares_a_codec_name(source: str) -> list[str]:
+    """The lines of ``source`` that compare a quantised codec's name (``== "int8"``, ``in ("fp8", ...``)."""
+    quantised = "|".join(QUANTISED)
+    pattern = re.compile(rf"""(==|!=|\bin\s*[(\[{{])\s*['"]({quantised})['"]|['"]({quantised})['"]\s*(==|!=)""")
+    return [line for line in source.splitlines() if pattern.search(line)]
+
+
+def test_no_file_compares_a_codec_name() -> None:
+    """What a codec does is its class's business: no module of the package compares a codec's name (fp16 and
+    bf16 are dtype names too, and stay out of this check)."""
+    root = Path(kdcache.storage.__file__).parent.parent
+    paths = [p for top in ("storage", "stages", "pipeline") for p in (root / top).rglob("*.py")
+             if p.parent != root / "storage" / "hidden_codecs"]
+    assert len(paths) > 100
+    found = {str(p): lines for p in paths for lines in [_compares_a_codec_name(p.read_text())] if lines}
+    assert not found
+    assert _compares_a_codec_name('    if record["name"] == "fp8":\n    x = 1\n    if name in ("int4", "int8"):') == [
+        '    if record["name"] == "fp8":', '    if name in ("int4", "int8"):']  # a planted example is caught
+
+
+def test_the_codecs_are_written_once() -> None:
+    """No codec module, and neither side, compares a codec name or names an array library."""
+    import inspect
+
+    import kdcache.stages.common.hidden_codecs as device_side
+    import kdcache.storage.hidden_codecs.coding as coding
+    import kdcache.storage.hidden_codecs.quantised as quantised
+
+    sources = [inspect.getsource(m) for m in (device_side, coding, quantised)]
+    sources += [inspect.getsource(inspect.getmodule(cls)) for cls in HIDDEN_CODECS.values()]  # type: ignore[arg-type]
+    for source in sources:
+        for name in HIDDEN_CODECS:
+            assert f'== "{name}"' not in source and f"'{name}' ==" not in source, name
+    for cls in HIDDEN_CODECS.values():
+        module = inspect.getsource(inspect.getmodule(cls))  # type: ignore[arg-type]
+        assert "import numpy" not in module and "import torch" not in module, cls.name
