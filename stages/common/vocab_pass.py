@@ -117,7 +117,7 @@ def _run(fn: Callable[..., torch.Tensor], rows: torch.Tensor | HeadRows, flat: S
         return fn(z, *others)
 
     def run(first: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
-        return checkpoint(build, first, *others, use_reentrant=False)  # type: ignore[no-any-return]
+        return checkpoint(build, first, *others, use_reentrant=False)
     values = _sum_chunks(run, rows.hidden if isinstance(rows, HeadRows) else rows, flat, chunk,
                          len(weights))
     return (weights * values).sum(), values.detach()
