@@ -2,19 +2,18 @@
 
 A vocabulary loss needs ``[N_v, V]`` logits, but only one chunk of them at a time. ``HeadLogits`` stands for the
 student's ``[B, L, V]`` logits as ``hidden [B, L, d] @ weight [V, d]ᵀ (+ bias [V])``; the losses select its
-valid rows (``select``: ``HeadRows [N_v, d]``) and ``loss_rows.chunked_sum`` applies the head to one chunk of rows
-at a time (``HeadSum``: the chunk's gradient is taken in the forward pass and its logits dropped, liger-kernel's
-way; rows that need a gradient of their own go through activation checkpointing instead, recomputed in backward),
-so the chunk's ``[C, V]`` logits exist only while that chunk is summed: peak memory ∝ C × V, whatever B × L.
+valid rows (``select``: ``HeadRows [N_v, d]``) and ``vocab_pass`` applies the head to one chunk of rows at a time
+for every vocabulary term of the step together (``vocab_pass.HeadPass``: the chunk's gradient is taken in the
+forward pass and its logits dropped, liger-kernel's way), so the chunk's ``[C, V]`` logits exist only while that
+chunk is evaluated: peak memory ∝ C × V, whatever B × L.
 
-On a CUDA device with ``liger-kernel`` installed (the optional extra ``kdcache[gpu]``), cross-entropy goes through
-its fused linear cross-entropy kernel instead (``fused_ce_sum``); every other term uses the chunks above.
+On a CUDA device with ``liger-kernel`` installed (the optional extra ``kdcache[gpu]``), cross-entropy as the only
+vocabulary term goes through its fused linear cross-entropy kernel instead (``fused_ce_sum``).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,66 +120,6 @@ class HeadLogits:
 Rows = torch.Tensor | HeadRows  # [N, V] logits, or what builds them
 
 
-class HeadSum(torch.autograd.Function):
-    """``Σ fn(chunk's [C, V] logits, *chunk's rows)`` over chunks of ``hidden [N, d]``, each chunk's gradient taken in
-    the forward pass (liger-kernel's way): the chunk's logits live only while it is summed, the backward pass only
-    scales the stored ``[N, d]`` and ``[V, d]`` gradients. Three matmuls per chunk, as for materialised logits (a
-    recomputing checkpoint needs four). The other rows are targets: they take no gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                fn: Callable[..., torch.Tensor], chunk: int, *rows: torch.Tensor) -> torch.Tensor:
-        grad_h = torch.zeros_like(hidden)
-        grad_w = torch.zeros_like(weight, dtype=torch.float32)  # fp32: summed over every chunk
-        grad_b = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], chunk):
-            h, part = hidden[start:start + chunk], [r[start:start + chunk] for r in rows]
-            with torch.enable_grad():
-                z = torch.nn.functional.linear(h, weight, bias).detach().requires_grad_(True)
-                value = fn(z, *part)
-                (dz,) = torch.autograd.grad(value, z)
-            grad_h[start:start + chunk] = dz @ weight
-            grad_w += dz.t() @ h
-            if grad_b is not None:
-                grad_b += dz.float().sum(0)
-            total += value.detach().float()
-        ctx.save_for_backward(grad_h, grad_w, *(() if grad_b is None else (grad_b,)))
-        ctx.weight_dtype, ctx.extra = weight.dtype, len(rows)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_h, grad_w, *grad_b = ctx.saved_tensors
-        bias = (grad_b[0] * grad).to(ctx.weight_dtype) if grad_b else None
-        return (grad_h * grad.to(grad_h.dtype), (grad_w * grad).to(ctx.weight_dtype), bias, None, None,
-                *(None,) * ctx.extra)
-
-
-def head_sum(fn: Callable[..., torch.Tensor], rows: HeadRows, others: Sequence[torch.Tensor],
-             chunk: int) -> torch.Tensor:
-    """``Σ fn(logits, *others)`` in chunks of ``chunk`` rows through ``HeadSum`` (no gradient wanted: a plain loop)."""
-    wants_grad = torch.is_grad_enabled() and (rows.hidden.requires_grad or rows.weight.requires_grad)
-    if not wants_grad:
-        with torch.no_grad():
-            return sum((fn(rows.with_hidden(h).logits(), *o).float()
-                        for h, *o in zip(rows.hidden.split(chunk), *(r.split(chunk) for r in others))),
-                       rows.hidden.new_zeros((), dtype=torch.float32))
-    return HeadSum.apply(rows.hidden, rows.weight, rows.bias, fn, chunk, *others)
-
-
-def split_rows(rows: Rows, size: int) -> tuple[torch.Tensor, ...]:
-    """The tensors a chunked sum splits: the logits themselves, or the hidden rows behind them."""
-    return (rows.hidden if isinstance(rows, HeadRows) else rows).split(size)
-
-
-def chunk_builder(rows: Rows) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How one chunk of ``split_rows(rows)`` becomes ``[C, V]`` logits (the identity for logits themselves)."""
-    if isinstance(rows, HeadRows):
-        return lambda hidden: rows.with_hidden(hidden).logits()
-    return lambda chunk: chunk
-
-
 def fused_ce_available(device: torch.device) -> bool:
     """Whether cross-entropy runs in liger-kernel's fused linear cross-entropy here (CUDA + liger-kernel)."""
     return device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None
@@ -196,6 +135,6 @@ def fused_ce_sum(rows: HeadRows, labels: torch.Tensor) -> torch.Tensor:
 def vocab_path(device: torch.device) -> str:
     """The path the vocabulary losses take from the last hidden state, in words (train's first lines say it)."""
     if fused_ce_available(device):
-        return ("fused: cross-entropy in liger-kernel's fused linear cross-entropy, the KL terms in chunks of "
-                "the LM head (pure torch)")
-    return "chunked: every vocabulary term in chunks of the LM head, [B, L, V] never built (pure torch)"
+        return ("fused: cross-entropy alone in liger-kernel's fused linear cross-entropy; with a KL term, one pass "
+                "of the LM head in chunks for every term (pure torch)")
+    return "chunked: one pass of the LM head in chunks for every vocabulary term, [B, L, V] never built (pure torch)"

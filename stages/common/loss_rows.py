@@ -1,5 +1,5 @@
 """Helpers shared by the loss modules of stage two and the logit kinds: masks, valid-row selection, safe KL
-terms, chunks over tokens.
+terms, the chunk size of the vocabulary pass (``vocab_pass``).
 
 They live in ``stages.common`` because the logit kinds (``stages.common.logit_kinds``), whose losses use them,
 are shared by both stages; ``stages.train.losses._common`` re-exports them under their old names.
@@ -8,13 +8,12 @@ are shared by both stages; ``stages.train.losses._common`` re-exports them under
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from kdcache.stages.common.head_logits import HeadLogits, HeadRows, Rows, chunk_builder, head_sum, split_rows
+from kdcache.stages.common.head_logits import HeadLogits, HeadRows, Rows
 from kdcache.stages.common.loss_errors import LossError
 
 
@@ -49,7 +48,7 @@ def valid_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def logit_rows(logits: torch.Tensor | HeadLogits, mask: torch.Tensor) -> Rows:
     """The valid rows of student logits ``[B, L, V]``: ``[N_v, V]`` logits, or for ``HeadLogits`` the
-    ``HeadRows [N_v, d]`` that ``chunked_sum`` turns into logits chunk by chunk."""
+    ``HeadRows [N_v, d]`` that ``vocab_pass`` turns into logits chunk by chunk."""
     if isinstance(logits, HeadLogits):
         return logits.select(bool_mask(mask, logits))
     return valid_rows(logits, mask)
@@ -69,32 +68,6 @@ def tied_zero(logits: torch.Tensor | HeadLogits) -> torch.Tensor:
 
 
 LOSS_CHUNK = 256  # valid tokens per chunk of a term over the full vocabulary: [256, 128k] fp32 is 128 MiB
-
-
-def chunked_sum(fn: Callable[..., torch.Tensor], *rows: Rows) -> torch.Tensor:
-    """``Σ fn(*chunk)`` over chunks of ``LOSS_CHUNK`` rows of ``rows`` (``[N, ...]`` with one N).
-
-    A term over the vocabulary (a softmax, a logsumexp) upcasts ``[N_v, V]`` student logits to fp32, and autograd
-    keeps those copies for the backward pass: at V = 128k that is several times the logits themselves. Here each
-    chunk runs under activation checkpointing, so only one chunk's ``[C, V]`` intermediates exist at a time; they
-    are recomputed in the backward pass. Value and gradient are exactly those of one pass (``torch.split``'s
-    backward joins the chunks' gradients in one step). A ``HeadRows`` argument reaches ``fn`` as its chunk's
-    ``[C, V]`` logits, built inside the chunk: the full ``[N, V]`` logits never exist; when it is the first argument
-    and the rest are targets, ``head_logits.HeadSum`` takes each chunk's gradient as it goes, with no recomputation.
-    """
-    first_rows, others = rows[0], rows[1:]
-    if isinstance(first_rows, HeadRows) and not any(isinstance(r, HeadRows) or r.requires_grad for r in others):
-        # The student's rows behind targets: gradients taken chunk by chunk in the forward pass (HeadSum).
-        return head_sum(fn, first_rows, others, LOSS_CHUNK)  # type: ignore[arg-type]
-    build = [chunk_builder(r) for r in rows]
-
-    def run(*chunk: torch.Tensor) -> torch.Tensor:
-        return fn(*(b(c) for b, c in zip(build, chunk)))
-    first = rows[0].hidden if isinstance(rows[0], HeadRows) else rows[0]
-    total = first.new_zeros((), dtype=torch.float32)
-    for chunk in zip(*(split_rows(r, LOSS_CHUNK) for r in rows)):
-        total = total + checkpoint(run, *chunk, use_reentrant=False)
-    return total
 
 
 def count_valid(mask: torch.Tensor) -> int:
@@ -141,22 +114,13 @@ def check_temperature(temperature: float) -> None:
         raise LossError(f"the temperature must be > 0, got {temperature}")
 
 
-def kl_rows(z_s: Rows, teacher_rows: torch.Tensor, n_valid: torch.Tensor | int, temperature: float,
-            to_logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """T² · Σ KL(softmax(z_t/T) ‖ softmax(z_s/T)) / n_valid over valid rows, in chunks (``chunked_sum``).
+def kl_row_values(z: torch.Tensor, z_t: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[C]`` KL(softmax(z_t/T) ‖ softmax(z/T)) per row of student logits ``z [C, V]`` and teacher's ``z_t [C, V]``.
 
-    Args:
-        z_s: ``[N_v, V]`` student logits, or the ``HeadRows`` behind them.
-        teacher_rows: ``[N_v, V]`` teacher logits, or what ``to_logits`` maps to them chunk by chunk (a head
-            cache's ``[N_v, d]`` last layer: its ``[N_v, V]`` logits never exist at once).
-        n_valid: the divisor.
-        temperature: T > 0.
+    Raises:
+        LossError: the two differ in shape (the student and the cache must share one vocabulary).
     """
-
-    def chunk_kl(z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        z_t = rows if to_logits is None else to_logits(rows)
-        if z.shape != z_t.shape:
-            raise LossError(f"student logits {tuple(z.shape)} and teacher logits {tuple(z_t.shape)} differ on the "
-                            f"valid tokens; the student and the cache must share one vocabulary")
-        return kl_terms(F.log_softmax(z_t.float() / temperature, -1), F.log_softmax(z.float() / temperature, -1)).sum()
-    return chunked_sum(chunk_kl, z_s, teacher_rows) / n_valid * temperature**2
+    if z.shape != z_t.shape:
+        raise LossError(f"student logits {tuple(z.shape)} and teacher logits {tuple(z_t.shape)} differ on the "
+                        f"valid tokens; the student and the cache must share one vocabulary")
+    return kl_terms(F.log_softmax(z_t.float() / temperature, -1), F.log_softmax(z.float() / temperature, -1)).sum(-1)

@@ -29,18 +29,18 @@ from torch import nn
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import KlSetup, LogitKind
 from kdcache.stages.common.loss_rows import tied_zero
+from kdcache.stages.common.vocab_pass import ChunkTerm, vocab_pass
 from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses import (
     HIDDEN_LOSSES,
     TOPK_VARIANTS,
     CriticTrainer,
     LossError,
-    causal_ce,
     get_loss,
-    token_ce,
     wgan_student_loss,
 )
 from kdcache.stages.train.losses.attention_qk import cached_qk_loss
+from kdcache.stages.train.losses.logits import causal_ce_term, token_ce_term
 from kdcache.stages.train.masks import TokenMasks, token_masks
 from kdcache.stages.train.projectors import Projectors, needs_projector
 
@@ -149,6 +149,7 @@ class CompoundLoss(nn.Module):
             everything but ``loss`` is detached, unweighted, for logging. Absent terms are absent keys.
         """
         terms: dict[str, torch.Tensor] = {}
+        vocab: dict[str, ChunkTerm] = {}  # CE and the KL: one pass over the LM head together (vocab_pass)
         logs: dict[str, torch.Tensor] = {}
         masks = token_masks(mask, targets.get("loss_mask"), targets.get("position_ids"), causal=self.ce == "causal")
         # A micro-batch with nothing to count (rare: a loss mask leaves no trained token or no prediction) adds 0 to
@@ -156,41 +157,57 @@ class CompoundLoss(nn.Module):
         # count on the device and add that 0 themselves; asking the others costs a host sync, so only they ask.
         any_trained, any_predicts = masks.counted() if self._needs_counts() else (True, True)
         if self.weights["ce"] > 0:
-            self._add_ce(student_out, targets, masks, terms, any_trained)
+            self._add_ce(student_out, targets, masks, terms, vocab, any_trained)
         if self.weights["kl"] > 0:
-            self._add_kl(student_out, targets, masks, terms, any_predicts)
+            self._add_kl(student_out, targets, masks, terms, vocab, any_predicts)
+        vocab_total = self._vocab_pass(student_out, vocab, terms)
         if self.layer_map:
             terms["hidden"] = self._hidden_term(student_out, targets, masks.trained, logs, any_trained)
         if self.attention_map:
             terms["attention"] = self._attention_term(student_out, targets, masks, logs, any_trained)
-        return self._total(terms, logs)
+        return self._total(terms, logs, vocab_total, set(vocab))
 
     def _needs_counts(self) -> bool:
         """Whether a term of this loss cannot take a micro-batch with nothing to count (attention, CKA, wgan)."""
         return bool(self.attention_map) or (bool(self.layer_map) and self.hidden_loss not in EMPTY_SAFE_HIDDEN)
 
-    def _total(self, terms: dict[str, torch.Tensor], logs: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def _vocab_pass(self, out: StudentOutput, vocab: dict[str, ChunkTerm],
+                    terms: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """α·CE + β·KL (with its graph) in one pass over the student's logits; their values (detached) go to
+        ``terms``. None without a vocabulary term."""
+        if not vocab:
+            return None
+        weights = [self.weights[_FAMILY[name]] for name in vocab]
+        total, values = vocab_pass(out.logits, list(vocab.values()), weights)  # type: ignore[arg-type]
+        terms.update(zip(vocab, values.unbind()))
+        return total
+
+    def _total(self, terms: dict[str, torch.Tensor], logs: dict[str, torch.Tensor],
+               vocab_total: torch.Tensor | None = None, in_pass: set[str] | None = None) -> dict[str, Any]:
+        """The weighted sum of ``terms`` (those ``in_pass`` are already in ``vocab_total``, weighted) and the logs."""
         if not terms:
             raise LossError("no loss term was computed: every weight is 0, or the terms it has need outputs "
                             "this student lacks (CE needs logits)")
-        total = torch.stack([self.weights[_FAMILY[name]] * value for name, value in terms.items()]).sum()
+        rest = [self.weights[_FAMILY[name]] * value for name, value in terms.items() if name not in (in_pass or ())]
+        parts = rest + ([] if vocab_total is None else [vocab_total])
+        total = torch.stack(parts).sum()
         return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs}
 
     def _add_ce(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
-                any_trained: bool) -> None:
+                vocab: dict[str, ChunkTerm], any_trained: bool) -> None:
         logits = getattr(out, "logits", None)
         if logits is None:
             return  # an encoder without an LM head: no CE, by design
         ids = _target(targets, "input_ids")
         if self.ce == "causal":
-            terms["ce"] = causal_ce(logits, ids, masks.real, pairs=masks.pairs)
+            vocab["ce"] = causal_ce_term(logits, ids, masks.real, pairs=masks.pairs)
         elif not any_trained:
             terms["ce"] = tied_zero(logits)
         else:  # a masked-LM loop puts its own "labels" (-100 where unmasked) in the batch
-            terms["ce"] = token_ce(logits, targets.get("labels", ids), masks.trained)
+            vocab["ce"] = token_ce_term(logits, targets.get("labels", ids), masks.trained)
 
     def _add_kl(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
-                any_predicts: bool) -> None:
+                vocab: dict[str, ChunkTerm], any_predicts: bool) -> None:
         mask = masks.predicts
         logits = getattr(out, "logits", None)
         if logits is not None and not any_predicts:  # the term keeps its name: every rank logs the same keys
@@ -200,7 +217,7 @@ class CompoundLoss(nn.Module):
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
         kind = _logit_kind(targets, self.teacher_head is not None)
         setup = KlSetup(self.temperature, self.topk_variant, self.teacher_head)
-        terms[kind.term] = kind.loss(logits, targets, mask, setup) + tied_zero(logits)
+        vocab[kind.term] = kind.chunk_term(logits, targets, mask, setup)
 
     def _hidden_term(
         self, out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict, any_trained: bool

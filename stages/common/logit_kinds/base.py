@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from kdcache.stages.common.head_logits import HeadLogits
+    from kdcache.stages.common.vocab_pass import ChunkTerm
 
 
 class LogitKindError(KdcacheError, ValueError):
@@ -160,6 +161,13 @@ class LogitKind:
     def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         """Stage two's term ``term``: a scalar, from student ``logits [B, L, V]`` and the batch's cached arrays."""
+        from kdcache.stages.common.vocab_pass import term_value
+
+        return term_value(logits, self.chunk_term(logits, targets, mask, setup))
+
+    def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+                   setup: KlSetup) -> ChunkTerm:
+        """``loss`` as a term of the step's one pass over the LM head (``vocab_pass``, beside the CE)."""
         raise NotImplementedError
 
     def eval_kl(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,

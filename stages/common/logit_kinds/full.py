@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from kdcache.stages.common.head_logits import HeadLogits
+    from kdcache.stages.common.vocab_pass import ChunkTerm
 
 
 @register
@@ -32,9 +33,9 @@ class Full(LogitKind):
         """``logits/full [..., V]`` as computed (the caller checks the range and converts to the float dtype)."""
         return {"logits/full": logits}
 
-    def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
-             setup: KlSetup) -> torch.Tensor:
-        return kd_kl(logits, targets["logits/full"], mask, setup.temperature)
+    def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+                   setup: KlSetup) -> ChunkTerm:
+        return kd_kl_term(logits, targets["logits/full"], mask, setup.temperature)
 
     def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
                      head: TeacherHead | None) -> torch.Tensor:
@@ -57,14 +58,16 @@ def kd_kl(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tenso
     Returns:
         Scalar.
     """
-    from kdcache.stages.common.loss_rows import (
-        bool_mask,
-        check_temperature,
-        kl_rows,
-        logit_rows,
-        valid_count,
-        valid_rows,
-    )
+    from kdcache.stages.common.vocab_pass import term_value
+
+    return term_value(student_logits, kd_kl_term(student_logits, teacher_logits, mask, temperature))
+
+
+def kd_kl_term(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tensor, mask: torch.Tensor,
+               temperature: float = 1.0) -> ChunkTerm:
+    """``kd_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
+    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, kl_row_values, valid_count
+    from kdcache.stages.common.vocab_pass import ChunkTerm
 
     check_temperature(temperature)
     if student_logits.shape != teacher_logits.shape:
@@ -72,5 +75,6 @@ def kd_kl(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tenso
             f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} "
             "differ; the student and the cache must share one vocabulary"
         )
-    n_valid = valid_count(bool_mask(mask, student_logits))
-    return kl_rows(logit_rows(student_logits, mask), valid_rows(teacher_logits, mask), n_valid, temperature)
+    m = bool_mask(mask, student_logits)
+    return ChunkTerm(lambda z, z_t: kl_row_values(z, z_t, temperature), m, (teacher_logits,),
+                     temperature**2 / valid_count(m))

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from kdcache.stages.common.head_logits import HeadLogits
+    from kdcache.stages.common.vocab_pass import ChunkTerm
 
 HEAD_CHUNK = 512  # valid tokens per chunk of the check when --logits-chunk leaves chunking off
 
@@ -40,10 +41,10 @@ class Head(LogitKind):
     def capture_chunk(self, chunk_tokens: int) -> int:
         return chunk_tokens or HEAD_CHUNK
 
-    def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
-             setup: KlSetup) -> torch.Tensor:
+    def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+                   setup: KlSetup) -> ChunkTerm:
         head = _head(setup.head)
-        return head_kl(logits, _last_layer(targets, head), head, mask, setup.temperature)
+        return head_kl_term(logits, _last_layer(targets, head), head, mask, setup.temperature)
 
     def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
                      head: TeacherHead | None) -> torch.Tensor:
@@ -84,15 +85,20 @@ def head_kl(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
         mask: ``[B, L]``.
         temperature: T > 0; exact at any T, since the full distribution is rebuilt.
     """
-    from kdcache.stages.common.loss_rows import (
-        bool_mask,
-        check_temperature,
-        kl_rows,
-        logit_rows,
-        valid_count,
-        valid_rows,
-    )
+    from kdcache.stages.common.vocab_pass import term_value
+
+    return term_value(student_logits, head_kl_term(student_logits, hidden_t, head, mask, temperature))
+
+
+def head_kl_term(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
+                 head: Callable[[torch.Tensor], torch.Tensor], mask: torch.Tensor,
+                 temperature: float = 1.0) -> ChunkTerm:
+    """``head_kl`` as a term of a vocabulary pass (``vocab_pass``): the teacher's ``[C, V]`` logits are rebuilt
+    chunk by chunk beside the student's."""
+    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, kl_row_values, valid_count
+    from kdcache.stages.common.vocab_pass import ChunkTerm
 
     check_temperature(temperature)
-    n_valid = valid_count(bool_mask(mask, student_logits))
-    return kl_rows(logit_rows(student_logits, mask), valid_rows(hidden_t, mask), n_valid, temperature, head)
+    m = bool_mask(mask, student_logits)
+    return ChunkTerm(lambda z, rows: kl_row_values(z, head(rows), temperature), m, (hidden_t,),
+                     temperature**2 / valid_count(m))

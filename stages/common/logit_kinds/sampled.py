@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from kdcache.stages.common.head_logits import HeadLogits
+    from kdcache.stages.common.vocab_pass import ChunkTerm
 
 MAX_SAMPLES = 255  # the counts are stored as uint8
 
@@ -77,10 +78,10 @@ class Sampled(LogitKind):
     def default_temperature(self, spec: CacheLogits) -> float | None:
         return float(spec.sample_temperature)
 
-    def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
-             setup: KlSetup) -> torch.Tensor:
-        return sampled_kl(logits, targets["logits/sample_ids"], targets["logits/sample_counts"],
-                          targets["logits/sample_logp"], mask, setup.temperature)
+    def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+                   setup: KlSetup) -> ChunkTerm:
+        return sampled_kl_term(logits, targets["logits/sample_ids"], targets["logits/sample_counts"],
+                               targets["logits/sample_logp"], mask, setup.temperature)
 
     def eval_kl(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
                 setup: KlSetup) -> torch.Tensor:
@@ -149,23 +150,24 @@ def sampled_kl(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, cou
     Returns:
         Scalar: T² · mean over valid tokens of the estimate.
     """
+    from kdcache.stages.common.vocab_pass import term_value
+
+    return term_value(student_logits, sampled_kl_term(student_logits, ids, counts, logp, mask, temperature))
+
+
+def sampled_kl_term(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, counts: torch.Tensor,
+                    logp: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> ChunkTerm:
+    """``sampled_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
     import torch.nn.functional as F
 
-    from kdcache.stages.common.loss_rows import (
-        bool_mask,
-        check_temperature,
-        chunked_sum,
-        logit_rows,
-        valid_count,
-        valid_rows,
-    )
+    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, valid_count
+    from kdcache.stages.common.vocab_pass import ChunkTerm
 
     check_temperature(temperature)
-    n_valid = valid_count(bool_mask(mask, student_logits))
+    m = bool_mask(mask, student_logits)
 
-    def chunk_estimate(z: torch.Tensor, drawn: torch.Tensor, count: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
-        log_s = F.log_softmax(z.float() / temperature, dim=-1).gather(1, drawn.long())
+    def row_estimate(z: torch.Tensor, drawn: torch.Tensor, count: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+        log_s = F.log_softmax(z / temperature, dim=-1).gather(1, drawn.long())
         weights = count.float() / count.float().sum(-1, keepdim=True).clamp_min(1.0)
-        return (weights * (log_p.float() - log_s)).sum()
-    rows = (valid_rows(t, mask) for t in (ids, counts, logp))
-    return chunked_sum(chunk_estimate, logit_rows(student_logits, mask), *rows) / n_valid * temperature**2
+        return (weights * (log_p.float() - log_s)).sum(-1)
+    return ChunkTerm(row_estimate, m, (ids, counts, logp), temperature**2 / valid_count(m))

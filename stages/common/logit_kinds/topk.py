@@ -27,7 +27,8 @@ from kdcache.storage import TOPK_MASS
 if TYPE_CHECKING:
     import torch
 
-    from kdcache.stages.common.head_logits import HeadLogits, Rows
+    from kdcache.stages.common.head_logits import HeadLogits
+    from kdcache.stages.common.vocab_pass import ChunkTerm
 
 TOPK_VARIANTS = ("renorm", "other")  # as train.options.TOPK_KL_VARIANTS offers them
 # --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value
@@ -84,12 +85,12 @@ class TopK(LogitKind):
                     "or --topk-kl renorm (which applies any temperature)"]
         return []
 
-    def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
-             setup: KlSetup) -> torch.Tensor:
+    def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+                   setup: KlSetup) -> ChunkTerm:
         # The other-bucket form puts the teacher's tail mass in one bucket: a true KL over a coarsened
         # vocabulary, unlike the renormalised form, which ignores the tail altogether.
         values, ids, lse = cached_topk(targets)  # a log-prob cache has no logsumexp: 0
-        return topk_kl(logits, values, ids, mask, lse, variant=setup.topk_variant, temperature=setup.temperature)
+        return topk_kl_term(logits, values, ids, mask, lse, variant=setup.topk_variant, temperature=setup.temperature)
 
     def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
                      head: TeacherHead | None) -> torch.Tensor:
@@ -124,12 +125,22 @@ def topk_kl(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor
         variant: ``"renorm"`` or ``"other"``.
         temperature: T for ``renorm``; ``other`` accepts only 1.0 (see ``topk_kl_other``).
     """
+    from kdcache.stages.common.vocab_pass import term_value
+
+    term = topk_kl_term(student_logits, topk_values, topk_ids, mask, lse, variant=variant, temperature=temperature)
+    return term_value(student_logits, term)
+
+
+def topk_kl_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+                 mask: torch.Tensor, lse: torch.Tensor | None = None, *, variant: str = "renorm",
+                 temperature: float = 1.0) -> ChunkTerm:
+    """``topk_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
     if variant == "renorm":
-        return topk_kl_renorm(student_logits, topk_values, topk_ids, mask, temperature=temperature)
+        return _renorm_term(student_logits, topk_values, topk_ids, mask, temperature)
     if variant == "other":
         if lse is None:
             raise LossError("the 'other' top-k KL needs the cached logsumexp (logits/lse)")
-        return topk_kl_other(student_logits, topk_values, topk_ids, lse, mask, temperature=temperature)
+        return _other_term(student_logits, topk_values, topk_ids, lse, mask, temperature)
     raise LossError(f"unknown top-k KL variant {variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
 
 
@@ -161,17 +172,46 @@ def topk_kl_renorm(student_logits: torch.Tensor | HeadLogits, topk_values: torch
     Returns:
         Scalar: T² · mean over valid tokens of KL(p_t^k ‖ p_s^k).
     """
-    import torch.nn.functional as F
+    return topk_kl(student_logits, topk_values, topk_ids, mask, variant="renorm", temperature=temperature)
 
-    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, kl_terms, rows_on_ids, valid_count
+
+def _renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+                 mask: torch.Tensor, temperature: float) -> ChunkTerm:
+    """The renormalised KL reads k logits per token: in a pass beside a term that builds the full logits, a gather
+    of them; alone, only those k (``rows_on_ids``: a gather of k head rows per token, never ``[N, V]``)."""
+    from kdcache.stages.common.loss_rows import (
+        bool_mask,
+        check_temperature,
+        logit_rows,
+        rows_on_ids,
+        valid_count,
+        valid_rows,
+    )
+    from kdcache.stages.common.vocab_pass import ChunkTerm
 
     check_temperature(temperature)
-    n_valid = valid_count(bool_mask(mask, student_logits))
-    z_s, values, ids = _topk_rows(student_logits, topk_values, topk_ids, mask)
-    student_on_ids = rows_on_ids(z_s, ids)  # k of V: no full-vocabulary term (a head builds only these k)
-    log_t = F.log_softmax(values / temperature, dim=-1)
-    log_s = F.log_softmax(student_on_ids / temperature, dim=-1)
-    return kl_terms(log_t, log_s).sum() / n_valid * temperature**2
+    _check_topk(student_logits, topk_values, topk_ids)
+    m = bool_mask(mask, student_logits)
+    scale = temperature**2 / valid_count(m)
+
+    def row_kl(z: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return _renorm_rows(z.gather(1, ids.long()), values, temperature)
+
+    def alone() -> torch.Tensor:
+        on_ids = rows_on_ids(logit_rows(student_logits, m), valid_rows(topk_ids, m).long())
+        return _renorm_rows(on_ids, valid_rows(topk_values, m), temperature).sum() * scale
+    return ChunkTerm(row_kl, m, (topk_values, topk_ids), scale, alone)
+
+
+def _renorm_rows(student_on_ids: torch.Tensor, values: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[C]`` KL over the k ids, from the student's ``[C, k]`` logits at them and the teacher's ``[C, k]``."""
+    import torch.nn.functional as F
+
+    from kdcache.stages.common.loss_rows import kl_terms
+
+    log_t = F.log_softmax(values.float() / temperature, dim=-1)
+    log_s = F.log_softmax(student_on_ids.float() / temperature, dim=-1)
+    return kl_terms(log_t, log_s).sum(-1)
 
 
 def topk_kl_other(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
@@ -189,23 +229,30 @@ def topk_kl_other(student_logits: torch.Tensor | HeadLogits, topk_values: torch.
     Returns:
         Scalar: mean over valid tokens of KL(teacher buckets ‖ student buckets).
     """
-    from kdcache.stages.common.loss_rows import bool_mask, chunked_sum, kl_terms, valid_count, valid_rows
+    return topk_kl(student_logits, topk_values, topk_ids, mask, lse, variant="other", temperature=temperature)
+
+
+def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+                lse: torch.Tensor, mask: torch.Tensor, temperature: float) -> ChunkTerm:
+    from kdcache.stages.common.loss_rows import bool_mask, kl_terms, valid_count
+    from kdcache.stages.common.vocab_pass import ChunkTerm
 
     if temperature != 1.0:
         raise LossError(
             f"the 'other' top-k KL is exact only at temperature 1 (the cached logsumexp is taken at T=1), "
             f"got {temperature}; use temperature 1, or the 'renorm' variant for T != 1"
         )
-    n_valid = valid_count(bool_mask(mask, student_logits))
-    z_s, values, ids = _topk_rows(student_logits, topk_values, topk_ids, mask)
+    _check_topk(student_logits, topk_values, topk_ids)
+    m = bool_mask(mask, student_logits)
     # k == V: there is no tail. Drop the leftover bucket on both sides; the teacher's 1 − Σ would only be
     # rounding noise facing the student's exact −inf.
-    buckets = ids.shape[1] if ids.shape[1] >= z_s.shape[1] else ids.shape[1] + 1
+    k = topk_ids.shape[-1]
+    buckets = k if k >= student_logits.shape[-1] else k + 1
 
-    def chunk_kl(z: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor, lse_t: torch.Tensor) -> torch.Tensor:
-        log_t = _teacher_buckets(top, lse_t)[:, :buckets]
-        return kl_terms(log_t, _student_buckets(z.float(), top_ids)[:, :buckets]).sum()
-    return chunked_sum(chunk_kl, z_s, values, ids, valid_rows(lse, mask).float()) / n_valid
+    def row_kl(z: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, lse_t: torch.Tensor) -> torch.Tensor:
+        log_t = _teacher_buckets(values.float(), lse_t.float())[:, :buckets]
+        return kl_terms(log_t, _student_buckets(z, ids.long())[:, :buckets]).sum(-1)
+    return ChunkTerm(row_kl, m, (topk_values, topk_ids, lse), 1.0 / valid_count(m))
 
 
 def _teacher_buckets(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -235,22 +282,15 @@ def _student_buckets(z_s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([log_top, torch.logsumexp(tail, dim=-1, keepdim=True) - lse_s], dim=-1)
 
 
-def _topk_rows(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
-               mask: torch.Tensor) -> tuple[Rows, torch.Tensor, torch.Tensor]:
-    """Valid rows: student logits ``[N_v, V]`` (their own dtype, or ``HeadRows``), float32 values ``[N_v, k]``,
-    int64 ids ``[N_v, k]``.
+def _check_topk(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor,
+                topk_ids: torch.Tensor) -> None:
+    """Values and ids ``[B, L, k]`` beside student logits ``[B, L, V]``, else a ``LossError`` naming the shapes.
 
-    Ids are converted after selection: padded rows may hold anything, and a NaN cast to int would otherwise
-    become an out-of-range index.
+    The ids are converted to int64 only on the rows a pass selects: padded rows may hold anything, and a NaN cast
+    to int would become an out-of-range index.
     """
-    from kdcache.stages.common.loss_rows import logit_rows, valid_rows
-
     if topk_values.shape != topk_ids.shape or topk_values.shape[:2] != student_logits.shape[:2]:
         raise LossError(
             f"top-k values {tuple(topk_values.shape)}, ids {tuple(topk_ids.shape)} and student logits "
             f"{tuple(student_logits.shape)} do not line up as [B, L, k], [B, L, k], [B, L, V]"
         )
-    z_s = logit_rows(student_logits, mask)
-    values = valid_rows(topk_values, mask).float()
-    ids = valid_rows(topk_ids, mask).long()
-    return z_s, values, ids

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common.head_logits import HeadLogits, HeadRows, Rows, fused_ce_available, fused_ce_sum
+from kdcache.stages.common.head_logits import HeadLogits, fused_ce_available, fused_ce_sum
 
 # The KLs against cached teacher logits belong to their logit kinds (stages.common.logit_kinds); they are
 # re-exported here under the names the loss registry and earlier code use.
@@ -25,11 +25,11 @@ from kdcache.stages.common.logit_kinds.topk import (
     topk_kl_other,
     topk_kl_renorm,
 )
-from kdcache.stages.common.loss_rows import logit_rows, tied_zero, valid_count
-from kdcache.stages.train.losses._common import bool_mask, chunked_sum
+from kdcache.stages.common.loss_rows import bool_mask, valid_count
+from kdcache.stages.common.vocab_pass import ChunkTerm, term_value
 
-__all__ = ["TOPK_VARIANTS", "cached_topk", "causal_ce", "head_kl", "kd_kl", "sampled_kl", "token_ce", "topk_kl",
-           "topk_kl_other", "topk_kl_renorm"]
+__all__ = ["TOPK_VARIANTS", "cached_topk", "causal_ce", "causal_ce_term", "head_kl", "kd_kl", "sampled_kl", "token_ce",
+           "token_ce_term", "topk_kl", "topk_kl_other", "topk_kl_renorm"]
 
 
 def causal_ce(logits: torch.Tensor | HeadLogits, input_ids: torch.Tensor, mask: torch.Tensor,
@@ -50,12 +50,20 @@ def causal_ce(logits: torch.Tensor | HeadLogits, input_ids: torch.Tensor, mask: 
     Returns:
         Scalar mean over the valid (t, t+1) pairs (0, tied to the graph, when there are none).
     """
+    return term_value(logits, causal_ce_term(logits, input_ids, mask, pairs))
+
+
+def causal_ce_term(logits: torch.Tensor | HeadLogits, input_ids: torch.Tensor, mask: torch.Tensor,
+                   pairs: torch.Tensor | None = None) -> ChunkTerm:
+    """``causal_ce`` as a term of a vocabulary pass (``vocab_pass``): rows ``[B, L]`` whose next token counts."""
     m = bool_mask(mask, logits)
     pair_valid = m[:, :-1] & m[:, 1:] if pairs is None else pairs.bool()  # masks.pairs holds real pairs only
     predicting = torch.zeros_like(m)
     predicting[:, :-1] = pair_valid  # the positions whose logits predict a counted next token
-    labels = input_ids[:, 1:][pair_valid].long()
-    return _ce_sum_rows(logit_rows(logits, predicting), labels) / valid_count(pair_valid) + tied_zero(logits)
+    labels = torch.zeros(m.shape, dtype=torch.long, device=m.device)
+    # 0 where no pair counts: a real row of another term's may sit there, and its label must be a valid id.
+    labels[:, :-1] = torch.where(pair_valid, input_ids[:, 1:], torch.zeros_like(input_ids[:, 1:])).long()
+    return _ce_term(logits, predicting, labels, valid_count(pair_valid))
 
 
 def token_ce(logits: torch.Tensor | HeadLogits, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -71,19 +79,27 @@ def token_ce(logits: torch.Tensor | HeadLogits, labels: torch.Tensor, mask: torc
     Returns:
         Scalar mean over the counted positions (0, tied to the graph, when there are none).
     """
-    keep = bool_mask(mask, logits)
-    keep = keep & (labels != -100)
-    return _ce_sum_rows(logit_rows(logits, keep), labels[keep].long()) / valid_count(keep) + tied_zero(logits)
+    return term_value(logits, token_ce_term(logits, labels, mask))
 
 
-def _ce_sum_rows(rows: Rows, labels: torch.Tensor) -> torch.Tensor:
-    """Σ cross-entropy of rows ``[N, V]`` against ``labels [N]``: liger-kernel's fused kernel for ``HeadRows`` on
-    a GPU that has it, else fp32 chunks (``chunked_sum``)."""
-    if isinstance(rows, HeadRows) and fused_ce_available(rows.hidden.device):
-        return fused_ce_sum(rows, labels)
-    return chunked_sum(_ce_sum, rows, labels)
+def token_ce_term(logits: torch.Tensor | HeadLogits, labels: torch.Tensor, mask: torch.Tensor) -> ChunkTerm:
+    """``token_ce`` as a term of a vocabulary pass."""
+    keep = bool_mask(mask, logits) & (labels != -100)
+    safe = torch.where(keep, labels, torch.zeros_like(labels)).long()
+    return _ce_term(logits, keep, safe, valid_count(keep))
 
 
-def _ce_sum(rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Σ cross-entropy of ``[C, V]`` logits against ``[C]`` labels, in fp32."""
-    return F.cross_entropy(rows.float(), labels, reduction="sum")
+def _ce_term(logits: torch.Tensor | HeadLogits, rows: torch.Tensor, labels: torch.Tensor,
+             n_valid: torch.Tensor) -> ChunkTerm:
+    """CE over ``rows [B, L]`` against ``labels [B, L]`` (valid ids everywhere), mean over ``n_valid``; alone on a
+    GPU with liger-kernel, its fused linear cross-entropy."""
+    alone = None
+    if isinstance(logits, HeadLogits) and fused_ce_available(logits.device):
+        def alone() -> torch.Tensor:
+            return fused_ce_sum(logits.select(rows), labels[rows]) / n_valid
+    return ChunkTerm(_ce_rows, rows, (labels,), 1.0 / n_valid, alone)
+
+
+def _ce_rows(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``[C]`` cross-entropy of ``[C, V]`` float32 logits against ``[C]`` labels."""
+    return F.cross_entropy(z, labels, reduction="none")

@@ -1,0 +1,171 @@
+"""One pass over the LM head for every vocabulary term of a step (CE, the full, top-k, sampled and head KLs).
+
+Each term is a ``ChunkTerm``: a function of one chunk's ``[C, V]`` student logits (float32) and the chunk's targets
+that gives a value per row, the rows it counts and its normalisation (1/n_valid, T²). ``vocab_pass`` selects the
+union of the terms' rows once, builds each chunk's logits once, evaluates every term on them and takes the gradient
+of their weighted sum (α·CE + β·KL) in the forward pass (``HeadPass``, liger-kernel's way): per token three
+``[d × V]`` matmuls for all the terms together, where one pass per term cost three each. The per-term values come
+back detached, for logging.
+
+A row a term does not count (CE at the end of a document, where the KL still counts) is evaluated on targets that
+are finite there (the cache holds every real token; CE's label is made 0) and dropped with ``torch.where``: no host
+sync decides which rows a chunk holds. A term with a cheaper road of its own (``ChunkTerm.alone``: liger-kernel's
+fused CE on a GPU, the renormalised top-k KL's k logits per token) takes it when it is the pass's only term; beside
+a term that builds the full logits anyway, it joins the pass, where it costs a gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from kdcache.stages.common import loss_rows
+from kdcache.stages.common.head_logits import HeadLogits, HeadRows
+
+
+@dataclass(frozen=True)
+class ChunkTerm:
+    """One vocabulary term as the pass evaluates it.
+
+    Attributes:
+        fn: ``fn(z [C, V] float32, *targets' chunks) -> [C]`` the term's value per row.
+        counts: ``[B, L]`` bool, the rows the term counts.
+        targets: ``[B, L, ...]`` each; the pass selects its rows. Finite at every real token.
+        scale: the sum over counted rows times this (a float, or a 0-dim tensor on the device: 1/n_valid, T²).
+        alone: the term's value (with its graph) by a cheaper road, taken when it is the only term of a pass over
+            ``HeadLogits``; None: none.
+    """
+
+    fn: Callable[..., torch.Tensor]
+    counts: torch.Tensor
+    targets: tuple[torch.Tensor, ...] = ()
+    scale: torch.Tensor | float = 1.0
+    alone: Callable[[], torch.Tensor] | None = None
+
+
+def vocab_pass(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm],
+               weights: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ_t weights[t] · value_t with its graph, values [T] detached)`` in one pass over ``logits``.
+
+    Args:
+        logits: ``[B, L, V]`` student logits, or the ``HeadLogits`` behind them.
+        terms: the terms, each ``value_t = scale_t · Σ_{counted rows} fn_t(row)``.
+        weights: one per term (α, β).
+    """
+    if len(terms) == 1 and terms[0].alone is not None and isinstance(logits, HeadLogits):
+        value = terms[0].alone()
+        return weights[0] * value + loss_rows.tied_zero(logits), value.detach()[None]
+    union = terms[0].counts
+    for term in terms[1:]:
+        union = union | term.counts
+    rows = loss_rows.logit_rows(logits, union)
+    kept = [term.counts[union] for term in terms]
+    targets = [tuple(t[union] for t in term.targets) for term in terms]
+    device = rows.hidden.device if isinstance(rows, HeadRows) else rows.device
+    scales = torch.stack([torch.as_tensor(t.scale, dtype=torch.float32, device=device) for t in terms])
+    w = torch.tensor(list(weights), dtype=torch.float32, device=device)
+    fn = _combined(terms, scales, [len(t) for t in targets])
+    flat = [r for term_rows, keep in zip(targets, kept) for r in (keep, *term_rows)]
+    total, values = _run(fn, rows, flat, w)
+    return total + loss_rows.tied_zero(logits), values
+
+
+def term_value(logits: torch.Tensor | HeadLogits, term: ChunkTerm) -> torch.Tensor:
+    """One term on its own: its value with its graph (0 tied to the graph when it counts nothing)."""
+    return vocab_pass(logits, [term], [1.0])[0]
+
+
+def _combined(terms: Sequence[ChunkTerm], scales: torch.Tensor,
+              widths: Sequence[int]) -> Callable[..., torch.Tensor]:
+    """``fn(z [C, V], *flat chunk rows) -> [T]``: every term's scaled sum over its counted rows of the chunk; the
+    flat rows are, per term, its ``[C]`` counted mask and then its targets."""
+
+    def fn(z: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
+        z = z.float()  # once for every term (a no-op for fp32 heads)
+        values, at = [], 0
+        for term, width in zip(terms, widths):
+            keep, own = flat[at], flat[at + 1:at + 1 + width]
+            per_row = term.fn(z, *own)
+            values.append(torch.where(keep, per_row, torch.zeros_like(per_row)).sum())
+            at += 1 + width
+        return torch.stack(values) * scales
+    return fn
+
+
+def _run(fn: Callable[..., torch.Tensor], rows: torch.Tensor | HeadRows, flat: Sequence[torch.Tensor],
+         weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks: ``HeadPass`` when the student's head rows are all that takes a gradient, else activation
+    checkpointing (materialised logits, or targets with a gradient of their own); a plain loop without grad."""
+    chunk = loss_rows.LOSS_CHUNK
+    if isinstance(rows, HeadRows):
+        wants = torch.is_grad_enabled() and (rows.hidden.requires_grad or rows.weight.requires_grad)
+        if not wants:
+            with torch.no_grad():
+                values = _sum_chunks(lambda h, *o: fn(rows.with_hidden(h).logits(), *o), rows.hidden, flat, chunk,
+                                     len(weights))
+            return (weights * values).sum(), values
+        if not any(r.requires_grad for r in flat):
+            total, values = HeadPass.apply(rows.hidden, rows.weight, rows.bias, fn, weights, chunk, *flat)
+            return total, values
+
+    def build(first: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+        z = rows.with_hidden(first).logits() if isinstance(rows, HeadRows) else first
+        return fn(z, *others)
+
+    def run(first: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+        return checkpoint(build, first, *others, use_reentrant=False)
+    values = _sum_chunks(run, rows.hidden if isinstance(rows, HeadRows) else rows, flat, chunk,
+                         len(weights))
+    return (weights * values).sum(), values.detach()
+
+
+def _sum_chunks(fn: Callable[..., torch.Tensor], first: torch.Tensor, flat: Sequence[torch.Tensor],
+                chunk: int, n_terms: int) -> torch.Tensor:
+    """``Σ fn(first chunk, *flat chunks)`` over chunks of ``chunk`` rows: ``[T]`` float32 (zeros for no rows)."""
+    total: torch.Tensor | None = None
+    for start in range(0, first.shape[0], chunk):
+        part = fn(first[start:start + chunk], *(r[start:start + chunk] for r in flat))
+        total = part if total is None else total + part
+    return first.new_zeros(n_terms, dtype=torch.float32) if total is None else total
+
+
+class HeadPass(torch.autograd.Function):
+    """``Σ_chunks fn(chunk's [C, V] logits, *chunk's rows)`` (``[T]``) and its weighted sum, over chunks of
+    ``hidden [N, d]``; the gradient of the weighted sum is taken chunk by chunk in the forward pass, so the chunk's
+    logits live only while it is evaluated and the backward pass only scales the stored ``[N, d]`` and ``[V, d]``
+    gradients: three matmuls per chunk for every term together. The other rows are targets: no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                fn: Callable[..., torch.Tensor], weights: torch.Tensor, chunk: int,
+                *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grad_h = torch.zeros_like(hidden)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32)  # fp32: summed over every chunk
+        grad_b = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        values = torch.zeros(len(weights), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h, part = hidden[start:start + chunk], [r[start:start + chunk] for r in rows]
+            with torch.enable_grad():
+                z = torch.nn.functional.linear(h, weight, bias).detach().requires_grad_(True)
+                chunk_values = fn(z, *part)
+                (dz,) = torch.autograd.grad((weights * chunk_values).sum(), z)
+            grad_h[start:start + chunk] = dz @ weight
+            grad_w += dz.t() @ h
+            if grad_b is not None:
+                grad_b += dz.float().sum(0)
+            values += chunk_values.detach()
+        ctx.save_for_backward(grad_h, grad_w, *(() if grad_b is None else (grad_b,)))
+        ctx.weight_dtype, ctx.extra = weight.dtype, len(rows)
+        ctx.mark_non_differentiable(values)
+        return (weights * values).sum(), values
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _values: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_h, grad_w, *grad_b = ctx.saved_tensors
+        bias = (grad_b[0] * grad).to(ctx.weight_dtype) if grad_b else None
+        return (grad_h * grad.to(grad_h.dtype), (grad_w * grad).to(ctx.weight_dtype), bias, None, None, None,
+                *(None,) * ctx.extra)
