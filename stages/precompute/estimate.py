@@ -183,7 +183,10 @@ def _per_target(per_array: dict[str, float], tokens: int) -> dict[str, float]:
 
 
 def format_estimate(summary: dict[str, Any]) -> str:
-    """A few human lines for ``--estimate``."""
+    """A few human lines for ``--estimate`` (only the memory per rank for a teacher without weights)."""
+    memory = [summary["memory"]["line"]] if summary.get("memory") else []
+    if summary["status"] == "memory":
+        return "\n".join([*memory, "no weights found: the memory per rank only (from the teacher's config)"])
     seconds = summary["seconds"]
     room = ("unknown (object store)" if summary["fits"] is None else
             f"{format_bytes(summary['free_bytes'])} free: {'fits' if summary['fits'] else 'DOES NOT FIT'}")
@@ -194,4 +197,5 @@ def format_estimate(summary: dict[str, Any]) -> str:
         f"tokens/s (measured on {summary['sample_rows']:,} rows): "
         + (f"{seconds / 3600:,.2f} h" if seconds else "unknown"),
         f"destination: {room}",
+        *memory,
     ])
