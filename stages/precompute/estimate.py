@@ -186,7 +186,8 @@ def format_estimate(summary: dict[str, Any]) -> str:
     """A few human lines for ``--estimate`` (only the memory per rank for a teacher without weights)."""
     memory = [summary["memory"]["line"]] if summary.get("memory") else []
     if summary["status"] == "memory":
-        return "\n".join([*memory, "no weights found: the memory per rank only (from the teacher's config)"])
+        return "\n".join([*memory, "the memory per rank only, from the teacher's config (the size and time need "
+                                    "its weights, run with the layout's ranks)"])
     seconds = summary["seconds"]
     room = ("unknown (object store)" if summary["fits"] is None else
             f"{format_bytes(summary['free_bytes'])} free: {'fits' if summary['fits'] else 'DOES NOT FIT'}")

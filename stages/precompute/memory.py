@@ -141,10 +141,10 @@ def check_layout(memory: RankMemory, layout: Layout) -> None:
     """
     if memory.fits:
         return
-    need = memory.weights * layout.size  # the unsplit weights
-    room = USABLE * memory.capacity - memory.activations / layout.size
-    wanted = max(1, -(-need // int(room))) if room > 0 else None
+    need = memory.weights * layout.size  # the unsplit weights (the replicated norms are negligible here)
+    room = int(USABLE * memory.capacity - memory.activations)  # what this layout's activations leave
+    wanted = -(-need // room) if room > 0 else None
     hint = (f"split it over at least {wanted} devices (--teacher-parallel tp:{wanted}, or layers:{wanted})"
-            if wanted else "lower --batch-size / --max-length / --logits-chunk")
+            if wanted else "its activations alone do not fit: lower --batch-size / --max-length / --logits-chunk")
     raise PrecomputeError(f"teacher_parallel: {memory.describe(layout)}: more than {USABLE:.0%} of the device; "
                           f"{hint}")

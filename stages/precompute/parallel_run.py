@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,9 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
             tensor parallelism, or ranks that cannot hold the teacher (``memory.check_layout``).
     """
     check_features(layout, options.targets.features, targets.attention_source, targets.logits)
+    if layout.size > 1 and importlib.util.find_spec("accelerate") is None:
+        raise PrecomputeError(f"teacher_parallel: {layout} loads the teacher through transformers' tensor "
+                              f"parallelism / device_map, which needs accelerate: pip install 'kdcache[parallel]'")
     if layout.tensor > 1 and options.storage.hidden_rank is not None:
         raise PrecomputeError(f"teacher_parallel: --hidden-rank fits its bases on the main rank alone, and {layout} "
                               f"needs every rank of a group in each forward; drop --hidden-rank, or fit the bases "
@@ -39,6 +43,18 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
     return {"layout": str(layout), "per_rank_bytes": memory.total, "weights_bytes": memory.weights,
             "activations_bytes": memory.activations, "capacity_bytes": memory.capacity, "source": memory.source,
             "line": memory.describe(layout)}
+
+
+def memory_only(options: PrecomputeOptions, config: PretrainedConfig, layout: Layout, world: int,
+                device: torch.device) -> bool:
+    """Whether ``--estimate`` stops at the memory per rank: the teacher has no weights here (a config alone), or
+    this launch cannot run the layout (fewer ranks than a tensor-parallel group, or layer placement without
+    GPUs): the memory needs only the config, the size and time need the teacher run as it will be."""
+    from kdcache.stages.precompute.teacher import teacher_files_fingerprint
+
+    if teacher_files_fingerprint(options, config) is None or world < layout.tensor:
+        return True
+    return layout.kind == "layers" and layout.size > 1 and device.type != "cuda"
 
 
 def group_todo(todo: list[int] | None, group: Any, grid: Grid) -> list[int]:

@@ -33,7 +33,7 @@ from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.estimate import check_room, estimate, lower_bound_bytes
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.parallel import Grid, Layout
-from kdcache.stages.precompute.parallel_run import check_parallel, group_todo, lend_share
+from kdcache.stages.precompute.parallel_run import check_parallel, group_todo, lend_share, memory_only
 from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
 from kdcache.stages.precompute.projection_fit import check_rank, fit_bases, fit_bounds, stored_projection
 from kdcache.stages.precompute.qk_capture import with_score_rules
@@ -124,11 +124,11 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         check_room(st.out, lower_bound_bytes(build_spec(options, targets, data), config, data,
                                              targets.attention_source))
     layout = Layout.parse(options.engine.teacher_parallel)
-    grid = Grid.of(layout, dist.rank, dist.world)
     device = pick_device(options.engine.device, dist.local_rank * (layout.size if layout.kind == "layers" else 1))
     memory = check_parallel(options, config, targets, layout, device)
-    if options.engine.estimate and teacher_files_fingerprint(options, config) is None:
-        return {"status": "memory", "out": st.out, "memory": memory}  # a config without weights: all it can tell
+    if options.engine.estimate and memory_only(options, config, layout, dist.world, device):
+        return {"status": "memory", "out": st.out, "memory": memory}
+    grid = Grid.of(layout, dist.rank, dist.world)
     teacher = adapter.load_teacher(options, config, targets, tokenizer, device)
     targets = with_score_rules(with_output_vocab(targets, teacher, options), teacher.model, data, device)
     check_token_ids(teacher, data)
