@@ -36,6 +36,7 @@ from kdcache.stages.common import hidden_codecs, logit_kinds
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.logit_head import logit_targets
+from kdcache.stages.precompute.parallel import no_autograd
 from kdcache.stages.precompute.qk_capture import QKCapture
 from kdcache.stages.precompute.sharded_head import chunked_head
 from kdcache.stages.precompute.targets import Targets
@@ -179,6 +180,7 @@ class FeatureCapture:
                                   f"--logits topk or full")
         self._qk = QKCapture(self.model, targets) if targets.attention_source != "maps" else None
         self._copier = HostCopier(teacher.device)
+        self._no_autograd = no_autograd(self.model)
         self._install()
 
     # ---- hooks ---------------------------------------------------------------------------------------
@@ -289,7 +291,7 @@ class FeatureCapture:
             kwargs["use_cache"] = False  # no KV cache: nothing is generated
         if self._attention_fallback:
             kwargs["output_attentions"] = True
-        with torch.inference_mode():
+        with self._no_autograd():
             if self._qk is None:
                 output, kept = self._forward(kwargs, attention_mask, lengths[0])
             else:
@@ -310,7 +312,7 @@ class FeatureCapture:
         """Once, on the first packed batch: refuse a teacher that does not keep documents apart (hooks paused)."""
         if self._documents_checked:
             return
-        with self._hooks_paused(), torch.inference_mode():
+        with self._hooks_paused(), self._no_autograd():
             problem = documents_apart_problem(self.model, input_ids, attention_mask, position_ids,
                                               causal=self.targets.causal)
         if problem is not None:

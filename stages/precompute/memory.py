@@ -102,7 +102,9 @@ def rank_memory(options: PrecomputeOptions, config: PretrainedConfig, targets: T
     n = layout.size
     replicated = norms if layout.kind == "tp" else 0
     weights = ((total - replicated) // n + replicated) * size
-    return RankMemory(weights, _activations(options, config, targets, n, size), *device_capacity(options, on_gpu))
+    # Layer placement splits the blocks, not a block's work: its activations are whole on each GPU in turn.
+    activations = _activations(options, config, targets, layout.tensor, size)
+    return RankMemory(weights, activations, *device_capacity(options, on_gpu))
 
 
 def _activations(options: PrecomputeOptions, config: Any, targets: Targets, n: int, size: int) -> int:
@@ -133,7 +135,16 @@ def device_capacity(options: PrecomputeOptions, on_gpu: bool) -> tuple[int, str]
     return host // per_node, f"host memory / {per_node} process(es)"
 
 
-def check_layout(memory: RankMemory, layout: Layout) -> None:
+def group_sizes(config: Any, at_least: int) -> int:
+    """The smallest group size from ``at_least`` on that divides the teacher's query and key/value heads (what
+    tensor parallelism splits); ``at_least`` itself where the config names no heads."""
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    kv = int(getattr(config, "num_key_value_heads", 0) or heads)
+    fits = [n for n in range(at_least, max(heads, at_least) + 1) if heads and heads % n == 0 and kv % n == 0]
+    return fits[0] if fits else at_least
+
+
+def check_layout(memory: RankMemory, layout: Layout, config: Any = None) -> None:
     """Refuse a layout whose ranks cannot hold the teacher, before any weight loads.
 
     Raises:
@@ -143,7 +154,7 @@ def check_layout(memory: RankMemory, layout: Layout) -> None:
         return
     need = memory.weights * layout.size  # the unsplit weights (the replicated norms are negligible here)
     room = int(USABLE * memory.capacity - memory.activations)  # what this layout's activations leave
-    wanted = -(-need // room) if room > 0 else None
+    wanted = group_sizes(config, -(-need // room)) if room > 0 else None
     hint = (f"split it over at least {wanted} devices (--teacher-parallel tp:{wanted}, or layers:{wanted})"
             if wanted else "its activations alone do not fit: lower --batch-size / --max-length / --logits-chunk")
     raise PrecomputeError(f"teacher_parallel: {memory.describe(layout)}: more than {USABLE:.0%} of the device; "

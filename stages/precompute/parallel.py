@@ -18,6 +18,8 @@ written by 2 x 2 ranks resumes on 1 x 4 (``CacheWriter.committed_shards`` counts
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +115,20 @@ def _gpu_share(size: int, local_rank: int) -> dict[int | str, int]:
                               f"per node (GPUs / {size}) or choose a smaller N")
     return {i: torch.cuda.get_device_properties(i).total_memory if first <= i < first + size else 0
             for i in range(count)}
+
+
+def no_autograd(model: Any) -> Callable[[], AbstractContextManager[Any]]:
+    """What a forward runs under: ``inference_mode``, except for a teacher that transformers wrapped in FSDP2
+    (``tp:N`` with several groups: the replicas axis comes with it), whose parameters cannot be inference tensors
+    ("Inference tensors do not track version counter"); ``no_grad`` does the same there."""
+    import torch
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 cannot have wrapped it
+        return torch.inference_mode
+    wrapped = any(isinstance(m, FSDPModule) for m in model.modules())
+    return torch.no_grad if wrapped else torch.inference_mode
 
 
 def check_features(layout: Layout, features: tuple[str, ...], attention_source: str, logits: str | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,13 +37,23 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
         raise PrecomputeError(f"teacher_parallel: --hidden-rank fits its bases on the main rank alone, and {layout} "
                               f"needs every rank of a group in each forward; drop --hidden-rank, or fit the bases "
                               f"in a run without --teacher-parallel first (the cache keeps them)")
+    heads = [int(getattr(config, k, 0) or 0) for k in ("num_attention_heads", "num_key_value_heads")]
+    if any(h % layout.tensor for h in heads if h):
+        raise PrecomputeError(f"teacher_parallel: {layout} splits the teacher's {heads[0]} attention heads "
+                              f"({heads[1]} key/value heads) into {layout.tensor} equal groups, which they do not "
+                              f"divide; choose N among {_divisors(*heads)}, or layers:N")
     if layout.kind == "none" and not options.engine.estimate:
         return None
     memory = rank_memory(options, config, targets, layout, device.type == "cuda")
-    check_layout(memory, layout)
+    check_layout(memory, layout, config)
     return {"layout": str(layout), "per_rank_bytes": memory.total, "weights_bytes": memory.weights,
             "activations_bytes": memory.activations, "capacity_bytes": memory.capacity, "source": memory.source,
             "line": memory.describe(layout)}
+
+
+def _divisors(heads: int, kv: int) -> str:
+    common = math.gcd(heads, kv or heads)
+    return ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
 
 
 def memory_only(options: PrecomputeOptions, config: PretrainedConfig, layout: Layout, world: int,
