@@ -131,6 +131,19 @@ def no_autograd(model: Any) -> Callable[[], AbstractContextManager[Any]]:
     return torch.no_grad if wrapped else torch.inference_mode
 
 
+def settle(model: Any) -> None:
+    """One forward of the whole model on one token, where transformers wrapped it in FSDP2: FSDP sets itself up
+    in the root module's first forward, and refuses a first call through a child (the base model alone, as the
+    chunked LM head runs it). Every rank of the group runs it, as it runs every forward."""
+    import torch
+
+    if no_autograd(model) is not torch.no_grad:
+        return
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+
+
 def check_features(layout: Layout, features: tuple[str, ...], attention_source: str, logits: str | None) -> None:
     """Refuse what tensor parallelism cannot capture whole: attention maps and queries/keys exist only as each
     rank's share of the heads, and ``--logits head`` would need the whole head gathered for its copy."""

@@ -15,6 +15,7 @@ from kdcache.stages.common.architectures import ModelClass
 from kdcache.stages.common.fingerprints import clear_call_state, config_fingerprint, weights_fingerprint
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.parallel import settle
 from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES, Targets
 from kdcache.storage.stores import Store
 
@@ -160,6 +161,8 @@ def load_for_inference(cls: ModelClass, options: PrecomputeOptions, device: torc
         raise PrecomputeError(f"teacher {options.engine.teacher!r} checkpoint lacks {len(missing)} weight(s) that "
                               f"{type(model).__name__} needs (e.g. {', '.join(missing[:3])}); they would be random")
     model = model.eval().requires_grad_(False)
+    if placed:
+        settle(model)
     return model if placed else model.to(device)
 
 
