@@ -155,11 +155,11 @@ def test_group_that_does_not_divide_the_heads_exits_2(tiny_llama: Path, corpus: 
 def test_estimate_from_a_config_alone_reports_memory_per_rank(tiny_llama: Path, corpus: Path, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture) -> None:
     teacher = _weightless(tiny_llama, tmp_path / "config-only")
-    argv = _argv(_options(teacher, corpus, tmp_path / "out", teacher_parallel="tp:8", device_memory="80GB",
+    argv = _argv(_options(teacher, corpus, tmp_path / "out", teacher_parallel="tp:2", device_memory="80GB",
                           estimate=True))
-    assert main(argv) == 0
+    assert main(argv) == 0  # one process, a group of two, no weights: the memory per rank is all it can tell
     out = capsys.readouterr().out
-    assert "memory per rank (tp:8)" in out and "of 74.5 GiB (--device-memory)" in out, out
+    assert "memory per rank (tp:2)" in out and "of 74.5 GiB (--device-memory)" in out, out
     assert "the memory per rank only" in out
 
 
