@@ -10,6 +10,7 @@ Stage one, as tokens/s of the compute phase (the summary's ``tokens_per_second``
 * the bare forward of the base model, and base + LM head + top-128 log-softmax over every token (the least stage
   one must do for logits: the reference of every ratio);
 * ``precompute`` for logits only (top-128 log-probs), plus 4 fp16 hidden layers, int8, pca8, and q/k attention;
+  and logits only again through ``--teacher-parallel tp:1`` (the parallel path with a group of one);
 * the disk's write speed with fsync, measured in the same run, and what it allows for each cache's bytes/token.
 
 Stage two (``benchmarks/gpu_stage_two.py``): the student alone, kdcache train with CE / CE + KL / everything, and
@@ -144,6 +145,9 @@ def stage_one_configs(small: bool) -> dict[str, dict[str, Any]]:
         "+4 hidden fp16, q/k attention": {**hidden, "features": ("hidden", "attention", "logits"),
                                            "attention_source": "qk",
                                            "attention_layers": (layers[1], layers[3])},
+        # The --teacher-parallel path with a group of one (beside "logits only": the same work). transformers
+        # makes a one-rank tensor-parallel group a plain model, so this row measures kdcache's side of the path.
+        "logits only, teacher-parallel tp:1": {"features": ("logits",), "teacher_parallel": "tp:1"},
     }
 
 

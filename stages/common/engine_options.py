@@ -22,6 +22,8 @@ PRECOMPUTE, TRAIN = "precompute", "train"
 # A hub id is "name" or "org/name"; anything else that names no existing file is a missing local path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_PARALLEL = re.compile(r"^(none|tp:[1-9]\d*|layers:[1-9]\d*)$")
+_MEMORY = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
@@ -53,6 +55,12 @@ class EngineOptions:
                                              "target (a short timed sample of the teacher, compressed with the real "
                                              "codecs), the total size and time, and whether the destination has "
                                              "room")
+    teacher_parallel: str = _opt("none", PRECOMPUTE, "a teacher larger than one device: tp:N (transformers' tensor "
+                                 "parallelism over N torchrun ranks; W ranks make W/N data-parallel groups) or "
+                                 "layers:N (layer-wise placement over N GPUs per process); none: the whole "
+                                 "teacher on each rank's device")
+    device_memory: str | None = _opt(None, PRECOMPUTE, "memory of one device for the --teacher-parallel check, "
+                                     "e.g. 80GB (default: the GPU's own; the host's memory per process on a CPU)")
     deepspeed: str | None = _opt(None, TRAIN, "your own DeepSpeed ds_config.json (overrides "
                                               "--zero-stage/--offload/--precision)")
     zero_stage: int = _opt(0, TRAIN, "ZeRO stage of the built-in DeepSpeed config", choices=[0, 1, 2, 3])
@@ -73,7 +81,11 @@ class EngineOptions:
                   ("queue_size", self.queue_size >= 1, "must be >= 1"),
                   ("writers", self.writers >= 0, "must be >= 0 (0: half the host's cores)"),
                   ("logits_chunk", self.logits_chunk >= 0, "must be >= 0"),
-                  ("device", bool(_DEVICE.match(self.device)), "expected auto, cpu, mps, cuda or cuda:N")]
+                  ("device", bool(_DEVICE.match(self.device)), "expected auto, cpu, mps, cuda or cuda:N"),
+                  ("teacher_parallel", bool(_PARALLEL.match(self.teacher_parallel)),
+                   "expected none, tp:N or layers:N with N >= 1"),
+                  ("device_memory", self.device_memory is None or bool(_MEMORY.match(self.device_memory)),
+                   "expected a size such as 80GB, 24GiB or 512MB")]
         return teacher_problems(self.teacher) + failed(self, checks)
 
     def _deepspeed_side(self) -> list[str]:

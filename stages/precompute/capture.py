@@ -36,8 +36,10 @@ import torch
 from kdcache.stages.common import attention_sources, hidden_codecs, logit_kinds
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.logit_head import ChunkedHead, head_probe, logit_targets
+from kdcache.stages.precompute.logit_head import logit_targets
+from kdcache.stages.precompute.parallel import no_autograd
 from kdcache.stages.precompute.qk_capture import QKCapture
+from kdcache.stages.precompute.sharded_head import chunked_head
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
 from kdcache.stages.precompute.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
@@ -175,13 +177,14 @@ class FeatureCapture:
         self._documents_checked = False
         # Full logits are stored whole anyway; head mode runs the head once, on the first batch, to check it.
         self._kind = logit_kinds.get(targets.logits) if targets.logits else None
-        self._head = ChunkedHead(self.model, self._kind.capture_chunk(chunk_tokens) if self._kind else 0)
+        self._head = chunked_head(self.model, self._kind.capture_chunk(chunk_tokens) if self._kind else 0, targets)
         if self._kind and self._kind.teacher_head and not self._head.active:
             raise PrecomputeError(f"logits head: {type(self.model).__name__} has no plain LM head to copy; use "
                                   f"--logits topk or full")
         recorded = attention_sources.get(targets.attention_source).recorded_parts
         self._qk = QKCapture(self.model, targets) if recorded else None
         self._copier = HostCopier(teacher.device)
+        self._no_autograd = no_autograd(self.model)
         self._install()
 
     # ---- hooks ---------------------------------------------------------------------------------------
@@ -292,7 +295,7 @@ class FeatureCapture:
             kwargs["use_cache"] = False  # no KV cache: nothing is generated
         if self._attention_fallback:
             kwargs["output_attentions"] = True
-        with torch.inference_mode():
+        with self._no_autograd():
             if self._qk is None:
                 output, kept = self._forward(kwargs, attention_mask, lengths[0])
             else:
@@ -313,7 +316,7 @@ class FeatureCapture:
         """Once, on the first packed batch: refuse a teacher that does not keep documents apart (hooks paused)."""
         if self._documents_checked:
             return
-        with self._hooks_paused(), torch.inference_mode():
+        with self._hooks_paused(), self._no_autograd():
             problem = documents_apart_problem(self.model, input_ids, attention_mask, position_ids,
                                               causal=self.targets.causal)
         if problem is not None:
@@ -365,7 +368,7 @@ class FeatureCapture:
     def _check_head(self, kwargs: dict[str, Any], last: torch.Tensor, valid: torch.Tensor, length: int) -> bool:
         """Check the chunked head once against the model's own forward on the first sequence (hooks paused);
         on disagreement the run falls back to the full forward (``head`` mode cannot: it refuses)."""
-        probe = self._head.targets(last, valid, head_probe)
+        probe = self._head.probe(last, valid)
         with self._hooks_paused():
             first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             if self._head.agrees(self.model(**first).logits, probe, length):

@@ -1,8 +1,9 @@
 """Rank discovery for torchrun / the deepspeed launcher, and the one collective stage one needs: a barrier.
 
-Ranks never exchange tensors: each writes its own shards through its own ``CacheWriter`` part, so gloo on the
-CPU is enough even when the teachers run on GPUs. The barrier only lets rank 0 merge the parts once every rank
-has committed its last shard.
+Data-parallel ranks never exchange tensors: each writes its own shards through its own ``CacheWriter`` part, so
+gloo on the CPU is enough even when the teachers run on GPUs. The barrier only lets rank 0 merge the parts once
+every rank has committed its last shard. A tensor-parallel teacher (``parallel``) does exchange activations: on
+GPUs its group then joins with NCCL for CUDA tensors beside gloo for the CPU's.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ class DistContext:
     owns_group: bool = False
 
     @classmethod
-    def from_env(cls) -> DistContext:
-        """Read RANK / WORLD_SIZE / LOCAL_RANK; join a gloo group when there is more than one process."""
+    def from_env(cls, gpu_collectives: bool = False) -> DistContext:
+        """Read RANK / WORLD_SIZE / LOCAL_RANK; join a gloo group when there is more than one process (and NCCL
+        for CUDA tensors with ``gpu_collectives``, where CUDA is there: a tensor-parallel teacher's)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -35,7 +37,10 @@ class DistContext:
             import torch.distributed as dist
 
             if not dist.is_initialized():
-                dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+                import torch
+
+                nccl = gpu_collectives and torch.cuda.is_available()
+                dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=BARRIER_TIMEOUT)
                 ctx.owns_group = True
         return ctx
 
@@ -49,6 +54,16 @@ class DistContext:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def groups_of(self, size: int) -> object | None:
+        """The process group of this rank's ``size`` consecutive ranks (every rank makes every group, as
+        ``new_group`` requires); None for groups of one."""
+        if size == 1:
+            return None
+        import torch.distributed as dist
+
+        groups = [dist.new_group(list(range(g, g + size))) for g in range(0, self.world, size)]
+        return groups[self.rank // size]
 
     def close(self) -> None:
         """Leave the process group if this context created it."""

@@ -167,7 +167,11 @@ def _per_target(spec: CacheSpec, per_array: dict[str, float], tokens: int) -> di
 
 
 def format_estimate(summary: dict[str, Any]) -> str:
-    """A few human lines for ``--estimate``."""
+    """A few human lines for ``--estimate`` (only the memory per rank for a teacher without weights)."""
+    memory = [summary["memory"]["line"]] if summary.get("memory") else []
+    if summary["status"] == "memory":
+        return "\n".join([*memory, "the memory per rank only, from the teacher's config (the size and time need "
+                                    "its weights, run with the layout's ranks)"])
     seconds = summary["seconds"]
     room = ("unknown (object store)" if summary["fits"] is None else
             f"{format_bytes(summary['free_bytes'])} free: {'fits' if summary['fits'] else 'DOES NOT FIT'}")
@@ -178,4 +182,5 @@ def format_estimate(summary: dict[str, Any]) -> str:
         f"tokens/s (measured on {summary['sample_rows']:,} rows): "
         + (f"{seconds / 3600:,.2f} h" if seconds else "unknown"),
         f"destination: {room}",
+        *memory,
     ])

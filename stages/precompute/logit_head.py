@@ -94,13 +94,23 @@ class ChunkedHead:
         if rows is None:
             rows = valid.flatten().nonzero().flatten()  # one host sync
         flat_last = last.flatten(0, 1).index_select(0, rows)
-        parts = [keep(self.head(chunk)) for chunk in flat_last.split(self.chunk)]
+        parts = [self._kept(chunk, keep) for chunk in flat_last.split(self.chunk)]
         out = {}
         for name in parts[0]:
             flat = torch.cat([p[name] for p in parts])
             padded = torch.zeros((valid.numel(), *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
             out[name] = padded.index_copy_(0, rows, flat).view(*valid.shape, *flat.shape[1:])
         return out
+
+    def _kept(self, chunk: torch.Tensor, keep: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+              ) -> dict[str, torch.Tensor]:
+        """What ``keep`` makes of one ``[C, d]`` chunk's ``[C, V]`` logits."""
+        assert self.head is not None
+        return keep(self.head(chunk))
+
+    def probe(self, last: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``head_probe`` of the chunked logits (``[B, L]`` logsumexp and top-1), for ``agrees``."""
+        return self.targets(last, valid, head_probe)
 
     def agrees(self, full_logits: torch.Tensor, kept: dict[str, torch.Tensor], length: int) -> bool:
         """Whether the chunked result for the batch's first sequence matches the model's own ``[1, L, V]`` logits

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,8 @@ from kdcache.stages.precompute.distributed import DistContext
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.estimate import check_room, estimate, lower_bound_bytes
 from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.parallel import Grid, Layout
+from kdcache.stages.precompute.parallel_run import check_parallel, group_todo, lend_share, memory_only
 from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
 from kdcache.stages.precompute.projection_fit import check_rank, fit_bases, fit_bounds, stored_projection
 from kdcache.stages.precompute.qk_capture import with_score_rules
@@ -41,6 +43,7 @@ from kdcache.stages.precompute.teacher import (
     save_tokenizer,
     teacher_files_fingerprint,
 )
+from kdcache.stages.precompute.transfer import ShardItems
 from kdcache.storage import KdcacheError, Store, projected, rank_of
 
 if TYPE_CHECKING:
@@ -68,7 +71,7 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     import torch
 
     torch.manual_seed(options.engine.seed)
-    dist = DistContext.from_env()
+    dist = DistContext.from_env(gpu_collectives=Layout.parse(options.engine.teacher_parallel).tensor > 1)
     try:
         with _quiet_libraries(not (options.engine.progress and dist.is_main)):
             return _run(options, dist)
@@ -118,17 +121,24 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
             return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True, "rows": rows})
         check_room(st.out, lower_bound_bytes(build_spec(options, targets, data), config, data,
                                              targets.attention_source))
-    device = pick_device(options.engine.device, dist.local_rank)
+    layout = Layout.parse(options.engine.teacher_parallel)
+    device = pick_device(options.engine.device, dist.local_rank * (layout.size if layout.kind == "layers" else 1))
+    memory = check_parallel(options, config, targets, layout, device)
+    if options.engine.estimate and memory_only(options, config, layout, dist.world, device):
+        return {"status": "memory", "out": st.out, "memory": memory}
+    grid = Grid.of(layout, dist.rank, dist.world)
     teacher = adapter.load_teacher(options, config, targets, tokenizer, device)
     targets = with_score_rules(with_output_vocab(targets, teacher, options), teacher.model, data, device)
     check_token_ids(teacher, data)
     spec = build_spec(options, targets, data)
     if options.engine.estimate:
         projection = _projection(options, adapter, teacher, targets, data, spec, into=None)
-        return run_estimate(options, adapter.capture(teacher, targets, options, projection), teacher, targets, data,
-                            spec)
-    part = Partition.of(st.shard_index, st.num_shards, dist.rank, dist.world)
-    writer = open_writer(store, spec, build_fingerprints(options, teacher, targets, data), part)
+        return {**run_estimate(options, adapter.capture(teacher, targets, options, projection), teacher, targets,
+                               data, spec), "memory": memory}
+    part = Partition.of(st.shard_index, st.num_shards, grid.group, grid.groups)
+    group = dist.groups_of(grid.tensor)
+    fingerprints = build_fingerprints(options, teacher, targets, data)
+    writer = open_writer(store, spec, fingerprints, part) if grid.writes else None
     # Before any shard; under torchrun the main rank fits and stores a rank codec's basis while the others wait.
     waits = rank_of(spec.hidden_codec) is not None
     if waits and not dist.is_main:
@@ -136,23 +146,32 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     projection = _projection(options, adapter, teacher, targets, data, spec, into=store)
     if waits and dist.is_main:
         dist.barrier()
-    with writer, adapter.capture(teacher, targets, options, projection) as capture:
-        save_tokenizer(tokenizer, store)
-        if logit_kinds.uses_head(targets.logits) and dist.is_main:
-            export_head(teacher.model, store, targets.streams[""].depth)
-        mine = part.shards(spec.num_shards)
-        todo = [k for k in mine if k not in writer.committed_shards()]
-        commit_behind(spec, todo, writer, stats,
-                      lambda bounds, progress: stream_shards(capture, teacher, data, bounds, options, stats, progress),
-                      show_progress=options.engine.progress and dist.is_main, queue_size=options.engine.queue_size,
-                      workers=options.engine.writers)
-    manifest = writer.finalize()  # the last part to finish turns the manifest "complete"
+    mine = part.shards(spec.num_shards)
+    with writer or nullcontext(), adapter.capture(teacher, targets, options, projection) as capture:
+        def stream(bounds: list[tuple[int, int]], progress: Progress) -> Iterator[ShardItems]:
+            return stream_shards(capture, teacher, data, bounds, options, stats, progress)
+
+        # A tensor-parallel group runs its leader's list of shards in lockstep; only the leader writes them.
+        todo = group_todo([k for k in mine if k not in writer.committed_shards()] if writer else None, group, grid)
+        if writer is None:
+            lend_share(spec, todo, stream, stats)
+        else:
+            save_tokenizer(tokenizer, store)
+            if logit_kinds.uses_head(targets.logits) and dist.is_main:
+                export_head(teacher.model, store, targets.streams[""].depth)
+            commit_behind(spec, todo, writer, stats, stream, show_progress=options.engine.progress and dist.is_main,
+                          queue_size=options.engine.queue_size, workers=options.engine.writers)
+    manifest = writer.finalize() if writer else None  # the last part to finish turns the manifest "complete"
     dist.barrier()
+    if manifest is None:
+        from kdcache.storage import read_manifest
+
+        manifest = read_manifest(store)
     if dist.world > 1 and dist.is_main:
         from kdcache.storage import merge_parts
 
         manifest = merge_parts(store)
-    extra = {"part": [part.index, part.count], "device": str(teacher.device),
+    extra = {"part": [part.index, part.count], "device": str(teacher.device), "teacher_parallel": str(layout),
              "attn_implementation": teacher.attn_implementation,
              "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}, "rows": rows}
     return summarize(stats, manifest, len(mine) - len(todo), st.out, extra)

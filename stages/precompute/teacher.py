@@ -15,6 +15,7 @@ from kdcache.stages.common.architectures import ModelClass
 from kdcache.stages.common.fingerprints import clear_call_state, config_fingerprint, weights_fingerprint
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.parallel import settle
 from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES, Targets
 from kdcache.storage import Store
 
@@ -149,6 +150,8 @@ def load_for_inference(cls: ModelClass, options: PrecomputeOptions, device: torc
                               "output_loading_info": True}
     if eager:
         kwargs["attn_implementation"] = "eager"
+    placed = teacher_placement(options)  # a sharded or layer-placed teacher lands on its devices as it loads
+    kwargs.update(placed)
     try:
         model, info = cls.from_pretrained(options.engine.teacher, **kwargs)
     except Exception as exc:
@@ -157,7 +160,23 @@ def load_for_inference(cls: ModelClass, options: PrecomputeOptions, device: torc
     if missing:
         raise PrecomputeError(f"teacher {options.engine.teacher!r} checkpoint lacks {len(missing)} weight(s) that "
                               f"{type(model).__name__} needs (e.g. {', '.join(missing[:3])}); they would be random")
-    return model.eval().requires_grad_(False).to(device)
+    model = model.eval().requires_grad_(False)
+    if placed:
+        settle(model)
+    return model if placed else model.to(device)
+
+
+def teacher_placement(options: PrecomputeOptions) -> dict[str, Any]:
+    """``from_pretrained`` keywords of ``--teacher-parallel`` for this launcher rank (``parallel.load_kwargs``)."""
+    import os
+
+    from kdcache.stages.precompute.parallel import Grid, Layout, load_kwargs
+
+    layout = Layout.parse(options.engine.teacher_parallel)
+    if layout.kind == "none" or (layout.kind == "tp" and layout.size == 1):
+        return {}
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    return load_kwargs(layout, Grid.of(layout, rank, world), int(os.environ.get("LOCAL_RANK", str(rank))))
 
 
 def teacher_fingerprint(options: PrecomputeOptions, model: PreTrainedModel) -> dict[str, Any]:

@@ -1,0 +1,161 @@
+"""Device memory per rank for a ``--teacher-parallel`` layout, from the teacher's config alone (no weights).
+
+What one rank holds, in the dtype the teacher runs in:
+
+* weights: every parameter counted on the meta device (``from_config`` allocates nothing); tensor parallelism
+  and layer-wise placement split them N ways, except the norms, which tensor parallelism copies to every rank;
+* activations of one batch (``batch_size x max_length`` tokens, T): the residual stream and the block's working
+  copies (4 x T x d), the MLP's intermediate (2 x T x I / N), eager attention's ``[B, H/N, L, L]`` scores where
+  attention maps are captured, the kept hidden layers in fp16 (layers x T x d x 2 bytes) until they reach the
+  host, and the LM head's ``[chunk, V/N]`` block in the teacher's dtype plus its fp32 copy. Two batches are in
+  flight at once (``runner.IN_FLIGHT``), so activations count twice.
+
+The sum is compared with ``USABLE`` of the device's memory (the rest is the CUDA context, the allocator's slack and
+the collectives' buffers); a layout that does not fit is refused before any weight loads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.parallel import Layout
+from kdcache.storage import format_bytes
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from kdcache.stages.precompute.options import PrecomputeOptions
+    from kdcache.stages.precompute.targets import Targets
+
+USABLE = 0.9  # share of a device's memory a run may plan to use
+IN_FLIGHT_BATCHES = 2
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank needs (``weights``, ``activations``) and has (``capacity``, from ``source``)."""
+
+    weights: int
+    activations: int
+    capacity: int
+    source: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= USABLE * self.capacity
+
+    def describe(self, layout: Layout) -> str:
+        return (f"memory per rank ({layout}): {format_bytes(self.total)} (weights {format_bytes(self.weights)}, "
+                f"activations {format_bytes(self.activations)}) of {format_bytes(self.capacity)} ({self.source})")
+
+
+def parse_size(text: str) -> int:
+    """``80GB`` / ``24GiB`` / ``512 MB`` -> bytes (decimal GB, binary GiB)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]+)", text.strip())
+    if not match or match.group(2).lower() not in _UNITS:
+        raise PrecomputeError(f"device_memory: got {text!r}, expected a size such as 80GB, 24GiB or 512MB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def param_counts(config: PretrainedConfig) -> tuple[int, int]:
+    """``(all parameters, norm parameters)`` of the causal LM the config builds, counted on the meta device."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:  # no causal-LM class for this config: its bare model
+            model = AutoModel.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name.lower())
+    return total, norms
+
+
+def run_dtype_bytes(options: PrecomputeOptions, config: PretrainedConfig, on_gpu: bool) -> int:
+    """Bytes per value of the dtype the teacher will run in (``teacher._torch_dtype``'s rule)."""
+    chosen = options.engine.teacher_dtype
+    if chosen != "auto":
+        return {"fp32": 4, "fp16": 2, "bf16": 2}[chosen]
+    if not on_gpu:
+        return 4
+    return _BYTES.get(str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", "float32"))
+                      .replace("torch.", ""), 4)
+
+
+def rank_memory(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets, layout: Layout,
+                on_gpu: bool) -> RankMemory:
+    """What one rank of ``layout`` needs and has (see the module docstring for the terms)."""
+    size = run_dtype_bytes(options, config, on_gpu)
+    total, norms = param_counts(config)
+    n = layout.size
+    replicated = norms if layout.kind == "tp" else 0
+    weights = ((total - replicated) // n + replicated) * size
+    # Layer placement splits the blocks, not a block's work: its activations are whole on each GPU in turn.
+    activations = _activations(options, config, targets, layout.tensor, size)
+    return RankMemory(weights, activations, *device_capacity(options, on_gpu))
+
+
+def _activations(options: PrecomputeOptions, config: Any, targets: Targets, n: int, size: int) -> int:
+    tokens = options.engine.batch_size * options.dataset.max_length
+    d = int(getattr(config, "hidden_size", 0) or 0)
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * d)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    blocks = (4 * tokens * d + 2 * tokens * inter // n) * size
+    if targets.wants_attention:
+        blocks += options.engine.batch_size * -(-heads // n) * options.dataset.max_length ** 2 * size
+    kept = sum(len(t.hidden) for t in targets.streams.values()) * tokens * d * 2
+    chunk = options.engine.logits_chunk or tokens
+    head = min(chunk, tokens) * -(-vocab // n) * (size + 4) if targets.logits else 0
+    return IN_FLIGHT_BATCHES * (blocks + kept) + head
+
+
+def device_capacity(options: PrecomputeOptions, on_gpu: bool) -> tuple[int, str]:
+    """``(bytes, where the figure comes from)``: --device-memory, else the GPU's, else the host's per process."""
+    if options.engine.device_memory:
+        return parse_size(options.engine.device_memory), "--device-memory"
+    if on_gpu:
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory), torch.cuda.get_device_name(0)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // per_node, f"host memory / {per_node} process(es)"
+
+
+def group_sizes(config: Any, at_least: int) -> int:
+    """The smallest group size from ``at_least`` on that divides the teacher's query and key/value heads (what
+    tensor parallelism splits); ``at_least`` itself where the config names no heads."""
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    kv = int(getattr(config, "num_key_value_heads", 0) or heads)
+    fits = [n for n in range(at_least, max(heads, at_least) + 1) if heads and heads % n == 0 and kv % n == 0]
+    return fits[0] if fits else at_least
+
+
+def check_layout(memory: RankMemory, layout: Layout, config: Any = None) -> None:
+    """Refuse a layout whose ranks cannot hold the teacher, before any weight loads.
+
+    Raises:
+        PrecomputeError: naming the need, the room, and a layout that would fit.
+    """
+    if memory.fits:
+        return
+    need = memory.weights * layout.size  # the unsplit weights (the replicated norms are negligible here)
+    room = int(USABLE * memory.capacity - memory.activations)  # what this layout's activations leave
+    wanted = group_sizes(config, -(-need // room)) if room > 0 else None
+    hint = (f"split it over at least {wanted} devices (--teacher-parallel tp:{wanted}, or layers:{wanted})"
+            if wanted else "its activations alone do not fit: lower --batch-size / --max-length / --logits-chunk")
+    raise PrecomputeError(f"teacher_parallel: {memory.describe(layout)}: more than {USABLE:.0%} of the device; "
+                          f"{hint}")

@@ -1,0 +1,92 @@
+"""The runner's side of ``--teacher-parallel``: the checks before loading, and the lockstep of a group's ranks."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.memory import check_layout, rank_memory
+from kdcache.stages.precompute.parallel import Grid, Layout, check_features
+from kdcache.stages.precompute.progress import Progress, RunStats
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+    from kdcache.stages.precompute.options import PrecomputeOptions
+    from kdcache.stages.precompute.targets import Targets
+
+
+def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets, layout: Layout,
+                   device: torch.device) -> dict[str, Any] | None:
+    """Before the weights load: refuse what the layout cannot capture or hold; the memory per rank (for
+    ``--estimate``, and whenever a layout is chosen), else None.
+
+    Raises:
+        PrecomputeError: a target the layout splits (``parallel.check_features``), a rank codec's fit under
+            tensor parallelism, or ranks that cannot hold the teacher (``memory.check_layout``).
+    """
+    check_features(layout, options.targets.features, targets.attention_source, targets.logits)
+    if layout.size > 1 and importlib.util.find_spec("accelerate") is None:
+        raise PrecomputeError(f"teacher_parallel: {layout} loads the teacher through transformers' tensor "
+                              f"parallelism / device_map, which needs accelerate: pip install 'kdcache[parallel]'")
+    if layout.tensor > 1 and options.storage.hidden_rank is not None:
+        raise PrecomputeError(f"teacher_parallel: --hidden-rank fits its bases on the main rank alone, and {layout} "
+                              f"needs every rank of a group in each forward; drop --hidden-rank, or fit the bases "
+                              f"in a run without --teacher-parallel first (the cache keeps them)")
+    heads = [int(getattr(config, k, 0) or 0) for k in ("num_attention_heads", "num_key_value_heads")]
+    if any(h % layout.tensor for h in heads if h):
+        raise PrecomputeError(f"teacher_parallel: {layout} splits the teacher's {heads[0]} attention heads "
+                              f"({heads[1]} key/value heads) into {layout.tensor} equal groups, which they do not "
+                              f"divide; choose N among {_divisors(*heads)}, or layers:N")
+    if layout.kind == "none" and not options.engine.estimate:
+        return None
+    memory = rank_memory(options, config, targets, layout, device.type == "cuda")
+    check_layout(memory, layout, config)
+    return {"layout": str(layout), "per_rank_bytes": memory.total, "weights_bytes": memory.weights,
+            "activations_bytes": memory.activations, "capacity_bytes": memory.capacity, "source": memory.source,
+            "line": memory.describe(layout)}
+
+
+def _divisors(heads: int, kv: int) -> str:
+    common = math.gcd(heads, kv or heads)
+    return ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
+
+
+def memory_only(options: PrecomputeOptions, config: PretrainedConfig, layout: Layout, world: int,
+                device: torch.device) -> bool:
+    """Whether ``--estimate`` stops at the memory per rank: the teacher has no weights here (a config alone), or
+    this launch cannot run the layout (fewer ranks than a tensor-parallel group, or layer placement without
+    GPUs): the memory needs only the config, the size and time need the teacher run as it will be."""
+    from kdcache.stages.precompute.teacher import teacher_files_fingerprint
+
+    if teacher_files_fingerprint(options, config) is None or world < layout.tensor:
+        return True
+    return layout.kind == "layers" and layout.size > 1 and device.type != "cuda"
+
+
+def group_todo(todo: list[int] | None, group: Any, grid: Grid) -> list[int]:
+    """The group leader's list of shards still to compute, on every rank of its tensor-parallel group."""
+    if group is None:
+        assert todo is not None
+        return todo
+    import torch.distributed as dist
+
+    box: list[Any] = [todo]
+    dist.broadcast_object_list(box, src=grid.group * grid.tensor, group=group)
+    return list(box[0])
+
+
+def lend_share(spec: Any, todo: list[int], stream: Callable[[list[tuple[int, int]], Progress], Iterator[Any]],
+               stats: RunStats) -> None:
+    """A group's other ranks: run the same shards' forwards (their share of the weights is needed in every
+    collective) and drop the results, which the leader writes."""
+    import time
+
+    stats.compute_started = time.perf_counter()
+    for _ in stream([spec.shard_range(k) for k in todo], Progress(0, False, stats)):
+        pass
+    stats.compute_seconds = time.perf_counter() - stats.compute_started
