@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.cache_texts import save_texts
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.teacher_head import export_head
@@ -141,6 +142,8 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         dist.barrier()
     with writer, adapter.capture(teacher, targets, options, projection) as capture:
         save_tokenizer(tokenizer, store)
+        if data.texts and dist.is_main:  # --record-text: before any shard, like the tokenizer
+            save_texts(store, data.texts["text"], data.texts["text_end"])
         if logit_kinds.uses_head(targets.logits) and dist.is_main:
             export_head(teacher.model, store, targets.streams[""].depth)
         mine = part.shards(spec.num_shards)
