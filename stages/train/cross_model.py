@@ -83,6 +83,10 @@ class SpanAligner:
         ``span_real [B, K]`` (spans beyond a row's count are -1 / 0), and ``aligned [2]`` (one-to-one teacher
         tokens, teacher tokens)."""
         rows = [self(i) for i in sample_ids]
+        for i, (_, a), t_mask in zip(sample_ids, rows, teacher_masks):
+            if len(a.teacher_span) != len(t_mask):  # the batch's ids must be global sequence ids
+                raise ValueError(f"sequence {i}: the batch holds {len(t_mask)} teacher tokens but its recorded text "
+                                 f"has {len(a.teacher_span)}; the cache's texts/ do not belong to its shards")
         out = _empty_side(len(rows), max(max(len(ids) for ids, _ in rows), 1), max(len(m) for m in teacher_masks),
                           max(max(a.spans for _, a in rows), 1))
         for b, ((ids, a), t_mask) in enumerate(zip(rows, teacher_masks)):
