@@ -105,6 +105,9 @@ if TYPE_CHECKING:
         UnknownFeatureError as UnknownFeatureError,
     )
     from kdcache.storage.files import (
+        crc32c as crc32c,
+    )
+    from kdcache.storage.files import (
         format_bytes as format_bytes,
     )
     from kdcache.storage.files import (
@@ -144,10 +147,16 @@ if TYPE_CHECKING:
         local_folder_problems as local_folder_problems,
     )
     from kdcache.storage.folders import (
+        put_files as put_files,
+    )
+    from kdcache.storage.folders import (
         put_folder as put_folder,
     )
     from kdcache.storage.folders import (
         read_local_table as read_local_table,
+    )
+    from kdcache.storage.folders import (
+        read_table as read_table,
     )
     from kdcache.storage.folders import (
         seal_local_folder as seal_local_folder,
@@ -336,11 +345,12 @@ _EXPORTS = {  # name -> its module under kdcache.storage
     "StorageError": "errors", "UnknownCodecError": "errors", "UnknownFeatureError": "errors", "errors": "errors",
     "hidden_codecs": "hidden_codecs", "PARTS": "hidden_codecs", "register_ops": "hidden_codecs",
     "row_errors": "hidden_codecs",
-    "format_bytes": "files", "read_json_object": "files",
+    "format_bytes": "files", "crc32c": "files", "read_json_object": "files",
     "ArraysHash": "fingerprint", "compare_fingerprints": "fingerprint", "hash_array": "fingerprint",
     "hash_arrays": "fingerprint", "hash_bytes": "fingerprint", "hash_file": "fingerprint", "hash_json": "fingerprint",
     "CACHE_ENTRIES": "folders", "TABLE": "folders", "folder_is_complete": "folders", "local_folder_problems": "folders",
-    "put_folder": "folders", "read_local_table": "folders", "seal_local_folder": "folders",
+    "put_folder": "folders", "put_files": "folders", "read_table": "folders", "read_local_table": "folders",
+    "seal_local_folder": "folders",
     "FORMAT_VERSION": "formats",
     "FP8_MAX": "hidden_codecs", "applies_to": "hidden_codecs", "block_size": "hidden_codecs",
     "check_width": "hidden_codecs", "codec_of": "hidden_codecs", "group_count": "hidden_codecs",

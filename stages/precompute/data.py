@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kdcache.stages.common.cache_texts import token_pieces
 from kdcache.stages.precompute.chat import chat_template, check_conversation, render
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import DATA_EXTENSIONS, PrecomputeOptions, looks_like_path
@@ -50,6 +51,8 @@ class TokenStreams:
         meta: what the row table recorded while it was written (``row_store.RowTable.meta``): ``longest``,
             ``tokens`` and ``sum_sq_lengths`` per stream, ``max_id``; empty for rows held in memory.
         built: whether this process tokenized the rows (False: it opened rows another process or run built).
+        texts: with ``--record-text``, ``text`` (one uint8 ``[C_i]`` UTF-8 array per sequence) and ``text_end``
+            (``[L_i]`` int32), what ``stages.common.cache_texts`` records; else empty.
     """
 
     ids: dict[str, Sequence[np.ndarray]]
@@ -59,6 +62,7 @@ class TokenStreams:
     dropped_untrained: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     built: bool = True
+    texts: dict[str, Sequence[np.ndarray]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(next(iter(self.ids.values())))
@@ -95,10 +99,12 @@ class TokenStreams:
 
         ids: dict[str, Sequence[np.ndarray]] = {split_stream(n)[0]: c for n, c in table.columns.items()
                                                 if kind_of(n) == "input_ids"}
-        tokens: dict[str, Sequence[np.ndarray]] = {n: c for n, c in table.columns.items() if kind_of(n) != "input_ids"}
+        tokens: dict[str, Sequence[np.ndarray]] = {n: c for n, c in table.columns.items()
+                                                   if kind_of(n) != "input_ids" and n not in TEXT_ARRAYS}
+        texts: dict[str, Sequence[np.ndarray]] = {n: c for n, c in table.columns.items() if n in TEXT_ARRAYS}
         dropped = table.meta.get("dropped", {})
         return cls(ids, table.meta["fingerprint"], tokens, dropped.get("empty", 0), dropped.get("untrained", 0),
-                   table.meta, table.built)
+                   table.meta, table.built, texts)
 
 
 def load_texts(options: PrecomputeOptions) -> Dataset | IterableDataset:
@@ -226,6 +232,9 @@ def no_rows_error(options: PrecomputeOptions, empty: int, untrained: int) -> Pre
 def text_template(tokenizer: PreTrainedTokenizerBase, options: PrecomputeOptions) -> str | None:
     """The chat template conversations are rendered with (None for plain text); checks the tokenizer."""
     d = options.dataset
+    if d.record_text and not getattr(tokenizer, "is_fast", False):
+        raise PrecomputeError("--record-text needs a fast tokenizer (one that reports each token's characters), "
+                              f"and the tokenizer of {options.engine.teacher!r} is not one")
     if (d.messages_column or d.mask_column) and not getattr(tokenizer, "is_fast", False):
         raise PrecomputeError("--messages-column and --mask-column need a fast tokenizer (one that reports each "
                               f"token's characters), and the tokenizer of {options.engine.teacher!r} is not one")
@@ -247,6 +256,8 @@ def text_fingerprint(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerB
     return out
 
 
+# Row-table columns of --record-text (not token arrays of the cache: they go to its texts/ folder).
+TEXT_ARRAYS = ("text", "text_end")
 # Row array -> the data fingerprint's name for its hash (names as caches have always recorded them).
 TEXT_HASHES = {"input_ids": "input_ids_hash", "loss_mask": "loss_mask_hash", "position_ids": "position_ids_hash"}
 PAIR_HASHES = {"encoder/input_ids": "input_ids_hash", "decoder/input_ids": "target_ids_hash"}
@@ -269,21 +280,32 @@ def encode_batch(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: 
     d = options.dataset
     texts, spans = _texts_and_spans(batch, indices, tokenizer, options, template)
     cut = {"truncation": True, "max_length": d.max_length} if d.packing == "none" else {}
-    encoded = tokenizer(texts, add_special_tokens=template is None, return_offsets_mapping=spans is not None, **cut)
+    offsets = spans is not None or d.record_text
+    encoded = tokenizer(texts, add_special_tokens=template is None, return_offsets_mapping=offsets, **cut)
     ids_out: list[Any] = []
     masks: list[Any] = []
+    pieces: list[Any] = []
     for i, (text, ids) in enumerate(zip(texts, encoded["input_ids"])):
         blank = not text.strip()
         ids_out.append([] if blank else ids)
         mask = np.ones(len(ids), dtype=np.uint8) if spans is None else span_mask(encoded["offset_mapping"][i], spans[i])
         masks.append(mask[:0] if blank else mask)
-    return {"ids": ids_out, "mask": masks}
+        if d.record_text:
+            pieces.append([] if blank else token_pieces(text, encoded["offset_mapping"][i]))
+    return {"ids": ids_out, "mask": masks, **({"pieces": pieces} if d.record_text else {})}
 
 
 def documents(encoded: dict[str, list[Any]]) -> Iterator[Document | None]:
-    """``encode_batch``'s output as ``rows`` documents (None for a blank row)."""
-    for ids, mask in zip(encoded["ids"], encoded["mask"]):
-        yield (ids, np.asarray(mask, dtype=np.uint8)) if len(ids) else None
+    """``encode_batch``'s output as ``rows`` documents (None for a blank row); with ``pieces``, each token's text
+    piece rides along as an object array."""
+    pieces = encoded.get("pieces") or [None] * len(encoded["ids"])
+    for ids, mask, text in zip(encoded["ids"], encoded["mask"], pieces):
+        if not len(ids):
+            yield None
+        elif text is None:
+            yield ids, np.asarray(mask, dtype=np.uint8)
+        else:
+            yield ids, np.asarray(mask, dtype=np.uint8), np.asarray(list(text), dtype=object)
 
 
 def _texts_and_spans(rows: dict[str, list[Any]], index: list[int], tokenizer: PreTrainedTokenizerBase,

@@ -63,6 +63,9 @@ class DatasetOptions:
     streaming: bool = _opt(False, "read the dataset as a stream (files of any size, in file order; the same rows "
                                   "as without it)")
     tokenize_workers: int = _opt(0, "processes that tokenize the data once per cache (0: the host's cores)")
+    record_text: bool = _opt(False, "record each sequence's text and its tokens' character ends in the cache "
+                                    "(texts/), so a student with another tokenizer can train from it "
+                                    "(kdcache train --cross-tokenizer); needs a fast tokenizer")
 
     def validate(self) -> list[str]:
         """Every problem of this group."""

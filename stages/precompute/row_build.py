@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kdcache.stages.common.cache_texts import row_text
 from kdcache.stages.common.fingerprints import clear_call_state, tokenizer_fingerprint
 from kdcache.stages.precompute.data import (
     PAIR_HASHES,
+    TEXT_ARRAYS,
     TEXT_HASHES,
     TokenStreams,
     documents,
@@ -78,26 +80,35 @@ def text_streams(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase)
     """
     d = options.dataset
     template = text_template(tokenizer, options)
-    names = ("input_ids", "loss_mask", *(("position_ids",) if d.packing == "documents" else ()))
+    names = ("input_ids", "loss_mask", *(("position_ids",) if d.packing == "documents" else ()),
+             *(TEXT_ARRAYS if d.record_text else ()))
     key = row_key(options, tokenizer, "text", template)
+    columns = {**TEXT_COLUMNS, **({"pieces": "string"} if d.record_text else {})}
 
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
         encode = functools.partial(encode_batch, tokenizer=tokenizer, options=options, template=template)
         counts = Rows()
         docs = (doc for batch in encoded_batches(_loaded(load_texts, options), encode, options, writer.path,
-                                                   TEXT_COLUMNS)
+                                                   columns)
                 for doc in documents(batch))
-        for ids, mask, positions in iter_rows(docs, counts, d.packing, d.max_length, tokenizer.eos_token_id,
-                                              d.max_sequences):
+        for ids, mask, positions, pieces in iter_rows(docs, counts, d.packing, d.max_length,
+                                                      tokenizer.eos_token_id, d.max_sequences):
             writer.add({"input_ids": ids, "loss_mask": mask, **({} if positions is None else
-                                                               {"position_ids": positions})})
+                                                               {"position_ids": positions}),
+                        **({} if pieces is None else _text_columns(pieces))})
         if not writer.rows:
             raise no_rows_error(options, counts.dropped_empty, counts.dropped_untrained)
         dropped = {"empty": counts.dropped_empty, "untrained": counts.dropped_untrained}
         return text_fingerprint(options, tokenizer), {"dropped": dropped}
 
-    hashes = {n: TEXT_HASHES[n] for n in names}
+    hashes = {n: TEXT_HASHES[n] for n in names if n in TEXT_HASHES}  # the texts follow from the data and ids
     return TokenStreams.of_table(_open_or_build(options, key, names, hashes, build))
+
+
+def _text_columns(pieces: np.ndarray) -> dict[str, np.ndarray]:
+    """A row's ``text`` (UTF-8 bytes, uint8) and ``text_end`` (int32) columns from its tokens' pieces."""
+    text, ends = row_text(list(pieces))
+    return {"text": np.frombuffer(text.encode("utf-8"), dtype=np.uint8), "text_end": ends}
 
 
 def pair_streams(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
@@ -157,6 +168,8 @@ def row_key(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase, kind
     """Everything the rows depend on (see the module docstring); equal keys give equal rows."""
     dataset = {k: v for k, v in asdict(options.dataset).items()
                if k not in ("streaming", "tokenize_workers", "chat_template")}  # the template's text counts instead
+    if not dataset.get("record_text"):  # rows without texts keep the key (and folder) they had before the option
+        dataset.pop("record_text", None)
     files = local_files(options.dataset.data)
     return {"version": ROWS_VERSION, "kind": kind, "dataset": dataset,
             "files": [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files or []],
@@ -256,5 +269,5 @@ def _rows_in(path: str) -> int:
 
 def _lists(column: pa.ListArray) -> list[np.ndarray]:
     """A ``list<...>`` Arrow column as one numpy view per row (offsets index the unsliced values)."""
-    offsets, values = column.offsets.to_numpy(), column.values.to_numpy()
+    offsets, values = column.offsets.to_numpy(), column.values.to_numpy(zero_copy_only=False)  # str: objects
     return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]

@@ -46,7 +46,9 @@ from kdcache.storage import (
 
 ROWS_VERSION = 1  # bump when the file layout or the building rules change
 _BATCH_ROWS = 4096  # rows per Arrow record batch: a few MiB of tokens, so the writer's memory stays flat
-_ARROW_TYPES = {"input_ids": "int32", "loss_mask": "uint8", "position_ids": "int32"}
+# text / text_end: --record-text's row text (UTF-8 bytes) and token ends (stages.common.cache_texts)
+_ARROW_TYPES = {"input_ids": "int32", "loss_mask": "uint8", "position_ids": "int32", "text": "uint8",
+                "text_end": "int32"}
 
 
 class RowColumn(Sequence[np.ndarray]):

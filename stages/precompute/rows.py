@@ -24,8 +24,13 @@ import numpy as np
 
 PACKING = ("none", "documents", "concat")
 
-Document = tuple["list[int] | np.ndarray", np.ndarray]  # token ids, uint8 loss mask of the same length
-Row = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]  # int32 ids, uint8 loss mask, int32 positions or None
+# Token ids, uint8 loss mask of the same length and, when stage one records the text (``--record-text``), each
+# token's text piece (``stages.precompute.texts.token_pieces``) as an object array of str, carried through packing
+# with the ids so a row's text is the join of its tokens' pieces.
+Document = tuple["list[int] | np.ndarray", np.ndarray] | tuple["list[int] | np.ndarray", np.ndarray, np.ndarray]
+_Piece = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]  # ids, mask, pieces or None
+# int32 ids, uint8 loss mask, int32 positions or None, object pieces or None
+Row = tuple[np.ndarray, np.ndarray, "np.ndarray | None", "np.ndarray | None"]
 
 
 @dataclass
@@ -49,7 +54,7 @@ class Rows:
 
     def add(self, row: Row) -> None:
         """Keep a row (``iter_rows`` has already dropped those with no trained token)."""
-        ids, mask, positions = row
+        ids, mask, positions, _ = row
         self.ids.append(ids)
         self.loss_masks.append(mask)
         if positions is not None:
@@ -96,47 +101,50 @@ def iter_rows(documents: Iterable[Document | None], counts: Rows, mode: str, blo
         cap: stop after this many rows (``--max-sequences``).
 
     Yields:
-        ``(ids [L] int32, loss_mask [L] uint8, positions [L] int32 or None)`` with at least one trained token.
+        ``(ids [L] int32, loss_mask [L] uint8, positions [L] int32 or None, pieces [L] object or None)`` with at
+        least one trained token; pieces when the documents carry them.
     """
     pieces = _pieces(documents, counts, mode, block, eos)
     if mode == "none":
-        made: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = (
-            (np.asarray(ids), mask, None) for ids, mask in pieces)
+        made: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]] = (
+            (np.asarray(ids), mask, None, text) for ids, mask, text in pieces)
     else:
         made = (_fill_documents if mode == "documents" else _fill_concat)(pieces, block)
     kept = 0
-    for ids, mask, positions in made:
+    for ids, mask, positions, text in made:
         if not mask.any():  # a block cut from untrained stretches
             counts.dropped_untrained += 1
             continue
         yield (np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8),
-               None if positions is None else positions.astype(np.int32))
+               None if positions is None else positions.astype(np.int32), text)
         kept += 1
         if cap is not None and kept >= cap:
             return
 
 
 def _pieces(documents: Iterable[Document | None], rows: Rows, mode: str, block: int,
-            eos: int | None) -> Iterator[Document]:
+            eos: int | None) -> Iterator[_Piece]:
     """Documents worth a row, with EOS appended when packing, counting the ones dropped in ``rows``."""
     for doc in documents:
         if doc is None or not len(doc[0]):
             rows.dropped_empty += 1
             continue
         ids, mask = np.asarray(doc[0], dtype=np.int32), doc[1]
+        text = doc[2] if len(doc) > 2 else None
         if mode != "none" and eos is not None and ids[-1] != eos:
             ids, mask = np.append(ids, np.int32(eos)), np.append(mask, mask[-1])
+            text = None if text is None else np.append(text, np.array([""], dtype=object))  # EOS covers no text
         # Kept apart, a document longer than a row becomes row-sized pieces, each a document of its own.
         step = block if mode == "documents" else len(ids)
         for start in range(0, len(ids), step):
             if not mask[start:start + step].any():  # nothing of it would be trained on
                 rows.dropped_untrained += 1
                 continue
-            yield ids[start:start + step], mask[start:start + step]
+            yield ids[start:start + step], mask[start:start + step], None if text is None else text[start:start + step]
 
 
-def _fill_documents(pieces: Iterable[Document], block: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    row: list[Document] = []
+def _fill_documents(pieces: Iterable[_Piece], block: int) -> Iterator[Row]:
+    row: list[_Piece] = []
     used = 0
     for part in pieces:  # at most a row long (``_pieces``)
         if used + len(part[0]) > block:
@@ -148,28 +156,37 @@ def _fill_documents(pieces: Iterable[Document], block: int) -> Iterator[tuple[np
         yield _join(row)
 
 
-def _join(row: list[Document]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    ids = np.concatenate([part for part, _ in row])
-    mask = np.concatenate([m for _, m in row])
-    positions = np.concatenate([np.arange(len(part)) for part, _ in row])
-    return ids, mask, positions
+def _join(row: list[_Piece]) -> Row:
+    ids = np.concatenate([part for part, _, _ in row])
+    mask = np.concatenate([m for _, m, _ in row])
+    positions = np.concatenate([np.arange(len(part)) for part, _, _ in row])
+    return ids, mask, positions, _join_text([t for _, _, t in row])
 
 
-def _fill_concat(pieces: Iterable[Document], block: int) -> Iterator[tuple[np.ndarray, np.ndarray, None]]:
+def _join_text(texts: list[np.ndarray | None]) -> np.ndarray | None:
+    """The pieces of consecutive documents as one array (None when the documents carry none)."""
+    return None if not texts or texts[0] is None else np.concatenate(texts)  # type: ignore[arg-type]
+
+
+def _fill_concat(pieces: Iterable[_Piece], block: int) -> Iterator[Row]:
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
+    texts: list[np.ndarray | None] = []
     held = 0
-    for part, mask in pieces:
+    for part, mask, text in pieces:
         ids.append(np.asarray(part))
         masks.append(mask)
+        texts.append(text)
         held += len(part)
         if held < block:
             continue
         # Join once per filled block rather than per document: long runs of short documents stay linear.
-        joined_ids, joined_mask = np.concatenate(ids), np.concatenate(masks)
+        joined_ids, joined_mask, joined = np.concatenate(ids), np.concatenate(masks), _join_text(texts)
         whole = len(joined_ids) // block * block
         for start in range(0, whole, block):
-            yield joined_ids[start:start + block], joined_mask[start:start + block], None
+            yield (joined_ids[start:start + block], joined_mask[start:start + block], None,
+                   None if joined is None else joined[start:start + block])
         ids, masks, held = [joined_ids[whole:]], [joined_mask[whole:]], len(joined_ids) - whole
+        texts = [None if joined is None else joined[whole:]]
     if held:
-        yield np.concatenate(ids), np.concatenate(masks), None
+        yield np.concatenate(ids), np.concatenate(masks), None, _join_text(texts)

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.cache_texts import save_texts
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.teacher_head import export_head
@@ -157,6 +158,8 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
             lend_share(spec, todo, stream, stats)
         else:
             save_tokenizer(tokenizer, store)
+            if data.texts and dist.is_main:  # --record-text: before any shard, like the tokenizer
+                save_texts(store, data.texts["text"], data.texts["text_end"])
             if logit_kinds.uses_head(targets.logits) and dist.is_main:
                 export_head(teacher.model, store, targets.streams[""].depth)
             commit_behind(spec, todo, writer, stats, stream, show_progress=options.engine.progress and dist.is_main,

@@ -104,10 +104,25 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     run_dir = Path(options.run.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     head = _teacher_head(reader, plan, dist_info.rank == 0)
-    model = DistillModel(student, build_criterion(options, plan, facts, head), plan,
-                         announce=dist_info.rank == 0 and not options.run.quiet)
+    announce = dist_info.rank == 0 and not options.run.quiet
+    model: torch.nn.Module
+    if options.loss.cross_tokenizer:
+        from kdcache.stages.train.cross_model import build_cross_model, without_logit_kl
+
+        model = build_cross_model(options, reader, student, build_criterion(without_logit_kl(options), plan, facts),
+                                  announce=announce)
+    else:
+        model = DistillModel(student, build_criterion(options, plan, facts, head), plan, announce=announce)
     engine = build_engine(model, options, dist_info.device)
     return _Trainer(options, plan, engine, dist_info, reader).run()
+
+
+def _student_tokenizer(student: str, scratch: str) -> Path:
+    """A cross-tokenizer student's own tokenizer, saved into ``scratch`` to go beside the exported student."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(student).save_pretrained(scratch)
+    return Path(scratch)
 
 
 DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which the log says so
@@ -321,8 +336,9 @@ class _Trainer:
     def _export(self) -> Path:
         module = self.engine.module
         with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as scratch:  # a remote cache's copy
-            tokenizer = (self.reader.store.fetch_folder("tokenizer", Path(scratch))
-                         if self.dist.rank == 0 else None)
+            tokenizer = (None if self.dist.rank != 0 else _student_tokenizer(self.options.run.student, scratch)
+                         if self.options.loss.cross_tokenizer else
+                         self.reader.store.fetch_folder("tokenizer", Path(scratch)))
             out = ckpt.export_student(module.student, {"projectors": module.criterion.projectors}, self.run_dir,
                                       rank=self.dist.rank, zero_stage=self.zero_stage, tokenizer_dir=tokenizer)
         _barrier(self.dist.world_size)

@@ -103,6 +103,10 @@ class LossOptions:
         choices=list(ATTENTION_LOSSES)))
     relation_heads: int = field(default=0, metadata=_opt(
         "--attention-loss relation: relation heads R, dividing both sides' widths (0: the student's heads)"))
+    cross_tokenizer: str | None = field(default=None, metadata=_opt(
+        "train a student whose tokenizer differs from the teacher's, from a cache written with --record-text: "
+        "tokens aligned by the text they cover; the vocabulary term is gold (exact KL on shared tokens, ULD on the "
+        "rest) or uld; --cross-tokenizer alone means gold", choices=["gold", "uld"], nargs="?", const="gold"))
 
     @property
     def ce_weight(self) -> float:

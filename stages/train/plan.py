@@ -223,7 +223,13 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     problems = stream_problems(spec, student)
     if problems:  # the layer maps below would only add noise
         raise CacheCheckError(problems)
-    problems += vocab_problems(reader, student.vocab_size, student_tokenizer, logits_needed=options.loss.kl_weight > 0)
+    if options.loss.cross_tokenizer:  # another tokenizer is the point: the checks are the cross path's own
+        from kdcache.stages.train.cross_model import cross_problems
+
+        problems += cross_problems(reader, options)
+    else:
+        problems += vocab_problems(reader, student.vocab_size, student_tokenizer,
+                                   logits_needed=options.loss.kl_weight > 0)
     problems += feature_problems(options, spec, student)
     streams = _streams(options, reader, student)
     pairs: dict[str, list[Pair]] = {}

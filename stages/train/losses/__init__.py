@@ -11,6 +11,8 @@ Signatures by family (``mask [B, L]`` is 1 for a real token everywhere):
   ``d_t`` for ``mse`` and ``cosine``, raw for the CKA pair.
 * ``attention_kl(a_s [B,H_s,L,L], a_t [B,H_t,L,L], mask)``; from queries and keys, block by block,
   ``attention_qk.blocked_attention_kl`` (and MiniLMv2's ``attention_qk.relation_kl``).
+* ``uld(student_logits [B,K,V_s], topk_values [B,K,k], lse [B,K], mask [B,K])`` and ``gold(..., topk_ids,
+  lse, mask, shared [V_t], *, temperature)``: across vocabularies, per aligned span (``cross_vocab``).
 * ``wgan(critic, h_s_proj [B,L,d_t], mask)`` — the student side; the critic side is ``critic_loss`` and
   ``CriticTrainer``.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kdcache.stages.train.losses.attention import attention_kl, group_teacher_heads
+from kdcache.stages.train.losses.cross_vocab import gold_loss, uld_loss
 from kdcache.stages.train.losses.errors import KdcacheError, LayerMapError, LossError
 from kdcache.stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
 from kdcache.stages.train.losses.logits import (
@@ -50,6 +53,8 @@ _REGISTRY: dict[str, Callable[..., object]] = {
     "cka_sqrt": cka_sqrt_loss,
     "attention_kl": attention_kl,
     "wgan": wgan_student_loss,
+    "uld": uld_loss,
+    "gold": gold_loss,
 }
 
 # The names the CLI's --hidden-loss accepts; the wgan one needs a critic, the CKA ones no projector.

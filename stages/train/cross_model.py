@@ -1,0 +1,229 @@
+"""``kdcache train --cross-tokenizer``: a student with its own tokenizer trains from a teacher's cache.
+
+The cache's batch holds the teacher's tokens and targets and each row's global sequence id; the recorded text
+(``stages.common.cache_texts``, written with ``precompute --record-text``) is tokenized with the student's
+tokenizer and aligned with the teacher's tokens once per sequence (``SpanAligner``, kept for later epochs). Then:
+
+* CE on the student's own tokens (its loss mask: the spans holding a trained teacher token, ``align.student_mask``);
+* the vocabulary term, ``gold`` or ``uld`` (``losses.cross_vocab``), between the teacher's cached top-k at each
+  span's last teacher token and the student's logits at the span's last student token, counted where the
+  teacher's own KL would count that token (``masks.token_masks(...).predicts``);
+* hidden states: both sides averaged over each span's tokens (``cross_vocab.span_mean``), then the ordinary hidden
+  term of ``CompoundLoss`` (its projectors, its losses, its logged names) over spans instead of tokens.
+
+Packed rows are tokenized by the student as one text (its positions do not restart at the teacher's document
+starts). Attention terms are not aligned (``cross_problems`` refuses ``--delta``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
+from kdcache.stages.train.align import Alignment, align, aligned_share, student_ends, student_mask
+from kdcache.stages.train.losses import causal_ce, get_loss
+from kdcache.stages.train.losses.cross_vocab import shared_vocab, span_mean, span_rows
+from kdcache.stages.train.masks import token_masks
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kdcache.stages.train.distill import DistillLoss
+    from kdcache.stages.train.options import TrainOptions
+    from kdcache.storage import CacheReader
+
+CROSS_LOSSES = ("gold", "uld")  # --cross-tokenizer's choices, names in the loss registry
+
+
+def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
+    """What stops a cross-tokenizer run on this cache (in place of ``checks.vocab_problems``' tokenizer rules)."""
+    problems = []
+    try:
+        read_texts(reader.store, "--cross-tokenizer")
+    except MissingTextError as exc:
+        problems.append(str(exc))
+    if options.loss.kl_weight > 0 and reader.spec.logits not in (None, "topk"):
+        problems.append(f"--cross-tokenizer compares the teacher's cached top-k across vocabularies, but this cache "
+                        f"holds --logits {reader.spec.logits}; use a top-k cache or --beta 0")
+    if options.loss.delta > 0:
+        problems.append("--cross-tokenizer aligns hidden states and logits, not attention maps; set --delta 0")
+    return problems
+
+
+class SpanAligner:
+    """Student tokens and spans per cached sequence, computed on first use and kept (they never change).
+
+    Args:
+        texts: the cache's recorded texts.
+        tokenizer: the student's fast tokenizer.
+        max_length: the student's position limit (its tokens are cut there).
+    """
+
+    def __init__(self, texts: CacheTexts, tokenizer: Any, max_length: int | None):
+        self.texts, self.tokenizer, self.max_length = texts, tokenizer, max_length
+        self._done: dict[int, tuple[np.ndarray, Alignment]] = {}
+
+    def __call__(self, sample_id: int) -> tuple[np.ndarray, Alignment]:
+        """``(student ids [L_s] int64, alignment)`` of global sequence ``sample_id``."""
+        if sample_id not in self._done:
+            ids, ends = student_ends(self.tokenizer, self.texts.texts[sample_id], max_length=self.max_length)
+            self._done[sample_id] = ids, align(self.texts.ends[sample_id], ends)
+        return self._done[sample_id]
+
+    def batch(self, sample_ids: list[int], teacher_masks: list[np.ndarray]) -> dict[str, torch.Tensor]:
+        """The student's side of a batch, padded: ``student/input_ids``, ``student/mask``, ``student/loss_mask``
+        ``[B, L_s]``, ``student_span [B, L_s]``, ``teacher_span [B, L_t]``, ``teacher_last``, ``student_last``,
+        ``span_real [B, K]`` (spans beyond a row's count are -1 / 0), and ``aligned [2]`` (one-to-one teacher
+        tokens, teacher tokens)."""
+        rows = [self(i) for i in sample_ids]
+        for i, (_, a), t_mask in zip(sample_ids, rows, teacher_masks):
+            if len(a.teacher_span) != len(t_mask):  # the batch's ids must be global sequence ids
+                raise ValueError(f"sequence {i}: the batch holds {len(t_mask)} teacher tokens but its recorded text "
+                                 f"has {len(a.teacher_span)}; the cache's texts/ do not belong to its shards")
+        out = _empty_side(len(rows), max(max(len(ids) for ids, _ in rows), 1), max(len(m) for m in teacher_masks),
+                          max(max(a.spans for _, a in rows), 1))
+        for b, ((ids, a), t_mask) in enumerate(zip(rows, teacher_masks)):
+            n, spans = len(ids), a.spans
+            out["student/input_ids"][b, :n], out["student/mask"][b, :n] = ids, 1
+            out["student/loss_mask"][b, :n] = student_mask(a, t_mask)
+            out["student_span"][b, :n], out["teacher_span"][b, :len(a.teacher_span)] = a.student_span, a.teacher_span
+            out["teacher_last"][b, :spans], out["student_last"][b, :spans] = a.last("teacher"), a.last("student")
+            out["span_real"][b, :spans] = 1
+        tensors = {name: torch.from_numpy(v) for name, v in out.items()}
+        one = sum(a.one_to_one() for _, a in rows)
+        tensors["aligned"] = torch.tensor([one, sum(len(a.teacher_span) for _, a in rows)], dtype=torch.float32)
+        return tensors
+
+
+def _empty_side(rows: int, ls: int, lt: int, k: int) -> dict[str, np.ndarray]:
+    """The student side's arrays of a batch before filling: zeros, and -1 (no token) for the span indexes."""
+    zeros = {name: np.zeros((rows, n), np.int64) for name, n in
+             (("student/input_ids", ls), ("student/mask", ls), ("student/loss_mask", ls), ("span_real", k))}
+    none = {name: np.full((rows, n), -1, np.int64) for name, n in
+            (("student_span", ls), ("teacher_span", lt), ("teacher_last", k), ("student_last", k))}
+    return {**zeros, **none}
+
+
+def teacher_masks(batch: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
+    """Each row's teacher loss mask ``[L_t]`` (all ones without a cached one), cut to its real tokens."""
+    real = batch["mask"].cpu().numpy().astype(bool)
+    loss = batch["loss_mask"].cpu().numpy() if "loss_mask" in batch else real.astype(np.int64)
+    return [loss[b][real[b]] for b in range(len(real))]
+
+
+class CrossDistillModel(nn.Module):
+    """What DeepSpeed trains with ``--cross-tokenizer``: the student, ``criterion`` (the ordinary ``DistillLoss``
+    with its projectors, for the span-pooled hidden term) and the vocabulary term (module docstring)."""
+
+    def __init__(self, student: PreTrainedModel, criterion: DistillLoss, aligner: SpanAligner, shared: torch.Tensor,
+                 *, vocab_loss: str, alpha: float, beta: float, temperature: float):
+        super().__init__()
+        self.student, self.criterion, self.aligner = student, criterion, aligner
+        self.register_buffer("shared", shared, persistent=False)
+        self.vocab_loss, self.alpha, self.beta, self.temperature = vocab_loss, alpha, beta, temperature
+        self.want_hidden = any(part.layer_map for part in (criterion.part(s) for s in criterion.streams))
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Args: the teacher's batch on the device (``streaming.collate`` + ``to_device``), with ``sample_ids``."""
+        device = batch["mask"].device
+        side = {k: v.to(device) for k, v in self.aligner.batch(batch["sample_ids"].tolist(),
+                                                                teacher_masks(batch)).items()}
+        out = self.student(input_ids=side["student/input_ids"], attention_mask=side["student/mask"],
+                           output_hidden_states=self.want_hidden)
+        s_masks = token_masks(side["student/mask"], side["student/loss_mask"], causal=True)
+        t_masks = token_masks(batch["mask"], batch.get("loss_mask"), batch.get("position_ids"), causal=True)
+        real = side["span_real"].bool()
+        terms: dict[str, torch.Tensor] = {"ce": causal_ce(out.logits, side["student/input_ids"], s_masks.real,
+                                                          pairs=s_masks.pairs)}
+        total = self.alpha * terms["ce"]
+        if self.beta > 0:
+            terms[self.vocab_loss] = self._vocab_term(out.logits, batch, side, real & span_rows(t_masks.predicts,
+                                                                                                side["teacher_last"]))
+            total = total + self.beta * terms[self.vocab_loss]
+        logs: dict[str, torch.Tensor] = {}
+        if self.want_hidden:
+            hidden = self._hidden_terms(out.hidden_states, batch, side, t_masks.trained)
+            total = total + hidden.pop("loss")
+            logs.update(hidden)
+        share = side["aligned"]
+        return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs,
+                "aligned_share": (share[0] / share[1].clamp_min(1.0)).to(device)}
+
+    def _vocab_term(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor], side: Mapping[str, torch.Tensor],
+                    mask: torch.Tensor) -> torch.Tensor:
+        t_last, s_last = side["teacher_last"], side["student_last"]
+        values = span_rows(batch["logits/topk_values"], t_last)
+        lse = span_rows(batch["logits/lse"], t_last) if "logits/lse" in batch else values.new_zeros(values.shape[:2])
+        z_s = span_rows(logits, s_last)
+        if self.vocab_loss == "uld":
+            return get_loss("uld")(z_s, values, lse, mask)  # type: ignore[return-value]
+        ids = span_rows(batch["logits/topk_ids"], t_last)
+        return get_loss("gold")(z_s, values, ids, lse, mask, self.shared,  # type: ignore[return-value]
+                                temperature=self.temperature)
+
+    def _hidden_terms(self, states: tuple[torch.Tensor, ...], batch: Mapping[str, torch.Tensor],
+                      side: Mapping[str, torch.Tensor], trained: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ordinary hidden term over spans: both sides' states pooled per span, trained spans counted."""
+        part = self.criterion.part(self.criterion.streams[-1])
+        k = side["span_real"].shape[1]
+        used = {s for s, _ in part.layer_map}
+        pooled = tuple(span_mean(h, side["student_span"], k) if i in used else h for i, h in enumerate(states))
+        t_span = side["teacher_span"]
+        targets = {f"hidden/{t}": span_mean(batch[f"hidden/{t}"], t_span, k) for _, t in part.layer_map}
+        targets["loss_mask"] = span_mean(trained.float()[..., None], t_span, k)[..., 0] > 0
+        return part(SimpleNamespace(logits=None, hidden_states=pooled, attentions=None), targets,
+                    side["span_real"])
+
+
+def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, criterion: DistillLoss,
+                      *, announce: bool) -> CrossDistillModel:
+    """The cross-tokenizer model for this run: texts read (and checked) once, the student's tokenizer loaded, the
+    shared vocabulary mapped."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from kdcache.stages.train.options import resolved_temperature
+
+    texts = read_texts(reader.store, "--cross-tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(options.run.student)
+    teacher = _cache_tokenizer(reader)
+    size = int(reader.spec.vocab_size or len(teacher))
+    shared = shared_vocab(teacher.get_vocab(), tokenizer.get_vocab(), size)
+    if announce:
+        sample = [align(texts.ends[i], student_ends(tokenizer, texts.texts[i])[1]) for i in range(min(len(texts), 64))]
+        print(f"kdcache train: --cross-tokenizer {options.loss.cross_tokenizer}: {int((shared >= 0).sum())} of "
+              f"{size} teacher tokens share a string with the student's vocabulary; aligned share "
+              f"{aligned_share(sample):.3f} on the first {len(sample)} sequences", file=sys.stderr)
+    max_length = getattr(student.config, "max_position_embeddings", None)
+    loss = options.loss
+    return CrossDistillModel(student, criterion, SpanAligner(texts, tokenizer, max_length), shared,
+                             vocab_loss=loss.cross_tokenizer or "gold", alpha=loss.ce_weight, beta=loss.kl_weight,
+                             temperature=resolved_temperature(loss))
+
+
+def _cache_tokenizer(reader: CacheReader) -> Any:
+    """The teacher's tokenizer, from the cache's ``tokenizer/`` folder (copied to a temporary folder to load)."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from kdcache.storage import read_table
+
+    with tempfile.TemporaryDirectory(prefix="kdcache-teacher-tokenizer-") as tmp:
+        for key in read_table(reader.store, "tokenizer"):
+            (Path(tmp) / key.split("/", 1)[1]).write_bytes(reader.store.read(key))
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def without_logit_kl(options: TrainOptions) -> TrainOptions:
+    """The options the ordinary criterion is built from: the vocabulary term is this module's, not a logit kind's."""
+    return replace(options, loss=replace(options.loss, beta=0.0))

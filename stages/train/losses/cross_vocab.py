@@ -1,0 +1,136 @@
+"""Losses across vocabularies (``--cross-tokenizer``): the teacher's cached top-k against a student with its own
+tokenizer, compared span by span (``stages.train.align``).
+
+Shapes: ``B`` batch, ``K`` spans (padded per batch), ``k`` cached top-k, ``V_s`` the student's vocabulary,
+``L_t`` / ``L_s`` teacher / student tokens. Span-level inputs are gathered first (``span_rows`` at each span's
+last token, ``span_mean`` over its tokens), so every loss here reads ``[B, K, ...]`` tensors and a span mask
+``[B, K]``, and a padded span is never read (rows are selected, as in ``losses.logits``).
+
+* ``uld_loss``: Universal Logit Distillation (Boizard et al., 2024, "Towards Cross-Tokenizer Distillation: the
+  Universal Logit Distillation Loss for LLMs"): the L1 (Wasserstein-1 between sorted supports) distance between
+  the teacher's sorted probabilities and the student's, here the cached top-k ``exp(value - lse)`` against the
+  student's own k largest softmax probabilities.
+* ``gold_loss``: the hybrid of TRL's GOLD trainer: exact KL over the teacher's top-k ids whose token strings the
+  student's vocabulary also holds (``shared_vocab``), ULD over the rest, weighted by the teacher's renormalised
+  top-k mass on each part. With one tokenizer on both sides every id is shared and it is the ordinary renormalised
+  top-k KL (``topk_kl_renorm``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from kdcache.stages.common.loss_rows import kl_terms, valid_count
+from kdcache.stages.train.losses._common import bool_mask, valid_rows
+from kdcache.stages.train.losses.errors import LossError
+
+
+def span_rows(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """``[B, K, ...]``: the rows of ``x [B, L, ...]`` at each span's last token ``last [B, K]`` (``-1``: a padded
+    span, which reads row 0 and is masked by the caller)."""
+    index = last.clamp_min(0).long()
+    index = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+    return torch.gather(x, 1, index)
+
+
+def span_mean(x: torch.Tensor, span: torch.Tensor, spans: int) -> torch.Tensor:
+    """``[B, K, d]``: the mean of ``x [B, L, d]`` over each span's tokens (``span [B, L]``, ``-1`` for none).
+
+    A span with no token (padding) is 0.
+    """
+    b, _, d = x.shape
+    kept = span >= 0
+    slot = torch.where(kept, span, torch.full_like(span, spans)).long()  # an extra slot for tokens in no span
+    sums = x.new_zeros(b, spans + 1, d, dtype=torch.float32).scatter_add_(
+        1, slot[..., None].expand(-1, -1, d), x.float())
+    counts = x.new_zeros(b, spans + 1, dtype=torch.float32).scatter_add_(1, slot, kept.float())
+    return (sums / counts.clamp_min(1.0)[..., None])[:, :spans]
+
+
+def shared_vocab(teacher_vocab: Mapping[str, int], student_vocab: Mapping[str, int], size: int) -> torch.Tensor:
+    """``[V_t]`` int64: per teacher id the student id of the same token string, ``-1`` where the student has none.
+
+    Args:
+        teacher_vocab, student_vocab: token string -> id (``tokenizer.get_vocab()``).
+        size: the teacher's vocabulary size (ids beyond its tokenizer's, e.g. padded embeddings, stay ``-1``).
+    """
+    out = torch.full((size,), -1, dtype=torch.long)
+    for token, t_id in teacher_vocab.items():
+        s_id = student_vocab.get(token)
+        if s_id is not None and t_id < size:
+            out[t_id] = s_id
+    return out
+
+
+def _sorted_student(z_s: torch.Tensor, k: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, k]`` the student's k largest probabilities (softmax over its whole vocabulary), descending, zero padded
+    when ``V_s < k``; ids flagged in ``hidden [N, V_s]`` count as 0 (GOLD's ULD part skips the shared ones)."""
+    p = F.softmax(z_s.float(), dim=-1)
+    if hidden is not None:
+        p = p.masked_fill(hidden, 0.0)
+    top = torch.topk(p, min(k, p.shape[-1]), dim=-1).values
+    return F.pad(top, (0, k - top.shape[-1]))
+
+
+def uld_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, lse: torch.Tensor,
+             mask: torch.Tensor) -> torch.Tensor:
+    """Mean over valid spans of Σ_j |p_t(j) − p_s(j)|, both sides' probabilities sorted descending.
+
+    Args:
+        student_logits: ``[B, K, V_s]`` at each span's last student token.
+        topk_values: ``[B, K, k]`` the cached teacher top-k at its last teacher token (logits at T=1, or
+            log-probabilities with ``lse`` 0), sorted descending.
+        lse: ``[B, K]`` the teacher's logsumexp (0 for a log-prob cache).
+        mask: ``[B, K]`` spans that count.
+    """
+    n_valid = valid_count(bool_mask(mask, student_logits))
+    p_t = (valid_rows(topk_values, mask).float() - valid_rows(lse, mask).float()[:, None]).exp()
+    p_s = _sorted_student(valid_rows(student_logits, mask), p_t.shape[-1])
+    return (p_t - p_s).abs().sum() / n_valid
+
+
+def gold_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor, lse: torch.Tensor,
+              mask: torch.Tensor, shared: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """GOLD's hybrid, mean over valid spans of ``w · T² KL(q_S ‖ r_S) + (1 − w) · ULD_U``.
+
+    ``q = softmax(values / T)`` over the teacher's k ids; ``S`` the ids the student shares (``shared[id] >= 0``),
+    ``U`` the rest; ``w = Σ_S q``; ``q_S`` and ``r_S`` the teacher's and the student's softmax (at T) over the
+    shared ids alone (the student's at their student ids); ``ULD_U = Σ_j |a(j) − b(j)|`` with ``a`` the teacher's
+    probabilities ``exp(value − lse)`` on ``U`` sorted descending (zero padded to k) and ``b`` the student's k
+    largest probabilities among the ids no shared teacher id maps to.
+
+    Args:
+        student_logits: ``[B, K, V_s]``; topk_values, topk_ids: ``[B, K, k]``; lse, mask: ``[B, K]``.
+        shared: ``[V_t]`` int64 from ``shared_vocab``, on the same device.
+        temperature: T of the exact part (ULD compares probabilities at T=1).
+    """
+    if temperature <= 0:
+        raise LossError(f"temperature must be > 0, got {temperature}")
+    n_valid = valid_count(bool_mask(mask, student_logits))
+    z_s = valid_rows(student_logits, mask).float()
+    values, ids = valid_rows(topk_values, mask).float(), valid_rows(topk_ids, mask).long()
+    mapped = shared[ids]  # [N, k] student ids, -1 where unshared
+    is_shared = mapped >= 0
+    w = (F.softmax(values / temperature, dim=-1) * is_shared).sum(-1)
+    exact = _shared_kl(z_s, values, mapped, is_shared, temperature)
+    a = torch.where(is_shared, torch.zeros_like(values), (values - valid_rows(lse, mask).float()[:, None]).exp())
+    a = torch.sort(a, dim=-1, descending=True).values
+    hide = torch.zeros_like(z_s, dtype=torch.bool).scatter_(1, mapped.clamp_min(0), is_shared)
+    uld = (a - _sorted_student(z_s, a.shape[-1], hide)).abs().sum(-1)
+    return (w * exact + (1.0 - w) * uld).sum() / n_valid
+
+
+def _shared_kl(z_s: torch.Tensor, values: torch.Tensor, mapped: torch.Tensor, is_shared: torch.Tensor,
+               temperature: float) -> torch.Tensor:
+    """``[N]`` T² KL(q_S ‖ r_S) per row; 0 for a row with no shared id."""
+    any_shared = is_shared.any(-1, keepdim=True)
+    keep = is_shared | ~any_shared  # a row with none keeps its ids (finite softmax) and is zeroed below
+    neg = torch.tensor(float("-inf"), device=values.device)
+    log_t = F.log_softmax(torch.where(keep, values / temperature, neg), dim=-1)
+    on_ids = torch.gather(z_s, 1, mapped.clamp_min(0)) / temperature
+    log_s = F.log_softmax(torch.where(keep, on_ids, neg), dim=-1)
+    kl = kl_terms(log_t, torch.where(keep, log_s, torch.zeros_like(log_s))).sum(-1) * temperature**2
+    return torch.where(any_shared.squeeze(-1), kl, torch.zeros_like(kl))

@@ -1,0 +1,157 @@
+"""``kdcache train --cross-tokenizer`` end to end on the CPU (issue 35): a tiny Llama teacher's cache (BPE, with
+``--record-text``) trains a tiny Llama student with a WordPiece tokenizer; a cache without texts is refused with a
+clear message, and without the option another tokenizer is refused as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdcache.pipeline.cli import main
+from kdcache.stages.train.cross_model import CrossDistillModel, SpanAligner, build_cross_model, without_logit_kl
+from kdcache.stages.train.logging import read_jsonl
+from tests.helpers.tiny_models import make_tiny_llama, train_wordpiece_tokenizer
+from tests.stages._train_support import precompute_cache
+
+STEPS = 6
+pytestmark = pytest.mark.slow  # end to end: stage one twice and DeepSpeed runs
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from transformers import LlamaConfig
+
+    root = tmp_path_factory.mktemp("cross")
+    teacher = make_tiny_llama(root / "teacher", layers=2, hidden=32)
+    features = ("--features", "hidden,logits", "--layers", "0,2", "--top-k", "8")
+    cache = precompute_cache(teacher, root / "cache", num_sequences=16, extra=(*features, "--record-text"))
+    old = precompute_cache(teacher, root / "old", num_sequences=8, extra=features)
+    student = root / "student"
+    tok = train_wordpiece_tokenizer(student, vocab_size=150)
+    LlamaConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, intermediate_size=32, max_position_embeddings=128,
+                pad_token_id=tok.pad_token_id).save_pretrained(str(student))
+    return {"root": root, "cache": cache, "old": old, "student": student}
+
+
+def _argv(setup: dict[str, Path], cache: str, out: str, *extra: str) -> list[str]:
+    return ["train", "--cache", str(setup[cache]), "--student", str(setup["student"]), "--out",
+            str(setup["root"] / out), "--max-steps", str(STEPS), "--batch-size", "4", "--lr", "3e-3",
+            "--log-every", "1", "--layer-map", "explicit:1-2", "--json", *extra]
+
+
+def test_a_student_with_another_tokenizer_trains(setup: dict[str, Path]) -> None:
+    assert main(_argv(setup, "cache", "gold", "--cross-tokenizer")) == 0
+    rows = read_jsonl(setup["root"] / "gold" / "metrics.jsonl")
+    assert len(rows) == STEPS
+    for key in ("ce", "gold", "hidden", "aligned_share"):
+        assert all(torch.isfinite(torch.tensor(r[key])) for r in rows), key
+    assert 0 < rows[0]["aligned_share"] < 1  # WordPiece and byte-level BPE split differently
+    assert (setup["root"] / "gold" / "student" / "config.json").is_file()
+
+
+def test_span_agreement_of_the_run_and_of_an_untrained_student(setup: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    from kdcache.stages.common.cache_texts import read_texts
+    from kdcache.stages.train.align import align, student_ends
+    from kdcache.stages.train.span_eval import evaluate_spans, same_next_text
+    from kdcache.stages.train.student import load_student
+    from kdcache.storage import CacheReader
+
+    reader = CacheReader(setup["cache"])
+    run = setup["root"] / "gold"
+    trained = evaluate_spans(run, reader, batch_size=3)
+    untrained = evaluate_spans(run, reader, student=setup["student"], batch_size=5)
+    assert trained["spans"] == untrained["spans"] > 0 and 0 < trained["aligned_share"] < 1
+    assert set(trained["span_cka"]) == {"s1_t2"} and 0 <= trained["span_cka"]["s1_t2"] <= 1
+    assert -1 <= trained["span_cosine"]["s1_t2"] <= 1  # through the run's projector (16 -> 32)
+    # reference for the untrained student: sequence by sequence; plain text trains every token, so every span
+    # counts (the teacher's KL counts a row's last token too: it predicts from the teacher's cached distribution)
+    model = load_student(setup["student"], seed=0).eval()
+    s_tok, t_tok = AutoTokenizer.from_pretrained(str(setup["student"])), AutoTokenizer.from_pretrained(
+        str(setup["cache"] / "tokenizer"))
+    texts, agree, spans = read_texts(reader.store), 0, 0
+    for i in range(len(reader)):
+        ids, ends = student_ends(s_tok, texts.texts[i], max_length=128)
+        a = align(texts.ends[i], ends)
+        with torch.no_grad():
+            top = model(torch.as_tensor(ids)[None]).logits[0].argmax(-1)
+        t_ids = reader[i]["logits/topk_ids"][:, 0]
+        for t, s in zip(a.last("teacher"), a.last("student")):
+            spans += 1
+            agree += same_next_text(t_tok.decode([int(t_ids[t])]), s_tok.decode([int(top[s])]))
+    assert untrained["spans"] == spans
+    assert untrained["span_top1"] == pytest.approx(agree / spans)
+
+
+def test_next_text_agreement_rule() -> None:
+    from kdcache.stages.train.span_eval import same_next_text
+
+    assert same_next_text(" Quick", "quick") and same_next_text("qu", "quick") and not same_next_text("", "a")
+    assert not same_next_text("fox", "dog")
+
+
+def test_without_the_option_another_tokenizer_is_refused(setup: dict[str, Path],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_argv(setup, "cache", "plain")) == 2
+    err = capsys.readouterr().err
+    assert "vocab" in err and "Traceback" not in err
+
+
+def test_a_cache_without_texts_says_what_it_lacks(setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_argv(setup, "old", "old-run", "--cross-tokenizer", "uld")) == 2
+    err = capsys.readouterr().err
+    assert "no recorded text" in err and "--record-text" in err and "Traceback" not in err
+
+
+def test_same_tokenizer_cross_model_equals_the_ordinary_losses(setup: dict[str, Path]) -> None:
+    """The cross path with the teacher's own tokenizer: every span one token, so each term is the ordinary one."""
+    from kdcache.stages.train.checks import open_cache
+    from kdcache.stages.train.distill import DistillModel, build_criterion
+    from kdcache.stages.train.loop import prepare
+    from kdcache.stages.train.options import TrainOptions
+    from kdcache.stages.train.streaming import collate, to_device
+
+    reader = open_cache(str(setup["cache"]))
+    # a student built on the teacher's own tokenizer
+    teacher_like = setup["root"] / "same"
+    if not teacher_like.exists():
+        from tests.stages._train_support import make_student_config
+
+        make_student_config(teacher_like, setup["root"] / "teacher", hidden_size=16, num_attention_heads=2,
+                            num_key_value_heads=1, intermediate_size=32)
+        for f in (setup["root"] / "teacher").glob("tok*"):
+            (teacher_like / f.name).write_bytes(f.read_bytes())
+        for f in (setup["root"] / "teacher").glob("special*"):
+            (teacher_like / f.name).write_bytes(f.read_bytes())
+    options = TrainOptions.of(cache=str(setup["cache"]), student=str(teacher_like), out=str(setup["root"] / "x"),
+                              layer_map=["explicit:1-2"], cross_tokenizer="gold", temperature=2.0)
+    reader, student, facts, plan, options = prepare(options)
+    torch.manual_seed(0)
+    cross = build_cross_model(options, reader, student, build_criterion(without_logit_kl(options), plan, facts),
+                              announce=False)
+    assert isinstance(cross, CrossDistillModel) and isinstance(cross.aligner, SpanAligner)
+    ordinary = DistillModel(student, build_criterion(options, plan, facts), plan, announce=False)
+    ordinary.criterion.load_state_dict(cross.criterion.state_dict())  # the same projector weights
+    seqs = [reader.get(i, list(plan.names)) for i in range(4)]
+    batch = to_device(collate(seqs, list(range(4))), "cpu")
+    # the student's own tokenization of the text adds no BOS: give the cross path the teacher's rows as they are
+    cross.aligner.tokenizer = _with_bos(cross.aligner.tokenizer)
+    cross.eval(), ordinary.eval()
+    with torch.no_grad():
+        a, b = cross(batch), ordinary(batch)
+    assert a["aligned_share"].item() == 1.0
+    for key_a, key_b in (("ce", "ce"), ("gold", "topk_kl"), ("hidden/s1_t2", "hidden/s1_t2")):
+        assert a[key_a].item() == pytest.approx(b[key_b].item(), abs=1e-5), key_a
+
+
+def _with_bos(tokenizer: object) -> object:
+    """The tokenizer, adding its BOS as stage one did (the teacher's rows start with it)."""
+
+    def call(text: str, **kw: object) -> object:
+        return tokenizer(text, **{**kw, "add_special_tokens": True})  # type: ignore[operator]
+    return call
