@@ -10,8 +10,10 @@ back detached, for logging.
 A row a term does not count (CE at the end of a document, where the KL still counts) is evaluated on targets that
 are finite there (the cache holds every real token; CE's label is made 0) and dropped with ``torch.where``: no host
 sync decides which rows a chunk holds. A term with a cheaper road of its own (``ChunkTerm.alone``: liger-kernel's
-fused CE on a GPU, the renormalised top-k KL's k logits per token) takes it when it is the pass's only term; beside
-a term that builds the full logits anyway, it joins the pass, where it costs a gather.
+fused CE on a GPU, the renormalised top-k KL's k logits per token) takes it when every term of the pass has one;
+beside a term that builds the full logits anyway, it joins the pass, where it costs a gather. On an H200 (issue 31's
+student, CE + top-128 renormalised KL) liger's CE beside the k-logit KL ran at 63,700 tokens/s and the one shared
+pure-torch pass at 60,100 (benchmarks/RESULTS.md): liger's fused softmax outweighs the second pass's gather.
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ def vocab_pass(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm],
         terms: the terms, each ``value_t = scale_t · Σ_{counted rows} fn_t(row)``.
         weights: one per term (α, β).
     """
-    if len(terms) == 1 and terms[0].alone is not None and isinstance(logits, HeadLogits):
-        value = terms[0].alone()
-        return weights[0] * value + loss_rows.tied_zero(logits), value.detach()[None]
+    if isinstance(logits, HeadLogits) and all(term.alone is not None for term in terms):
+        values = torch.stack([term.alone() for term in terms])  # type: ignore[misc]  # checked just above
+        total = (torch.as_tensor(list(weights), dtype=values.dtype, device=values.device) * values).sum()
+        return total + loss_rows.tied_zero(logits), values.detach()
     union = terms[0].counts
     for term in terms[1:]:
         union = union | term.counts

@@ -224,3 +224,26 @@ def test_a_step_with_dropout_is_its_terms_weighted_sum() -> None:
     torch.testing.assert_close(terms["topk_kl"], _other(z, s).detach(), rtol=RTOL, atol=ATOL)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_terms_that_each_have_a_road_of_their_own_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every term has its own cheaper road (a GPU with liger's CE beside the renorm KL), each takes it: no
+    shared pass, and the weighted total, its values and gradients are the shared pass's (the same terms with
+    their roads removed)."""
+    from dataclasses import replace
+
+    s = _setup(15)
+    runs = []
+    for apart in (True, False):
+        w = s["weight"].clone().requires_grad_(True)
+        h = s["hidden"].clone().requires_grad_(True)
+        calls = _HeadCalls(monkeypatch, w)
+        z = HeadLogits(h, w)
+        terms = [KINDS["renorm_t2"][0](z, s), KINDS["renorm_t2"][0](z, s)]
+        terms = terms if apart else [replace(t, alone=None) for t in terms]
+        total, values = vocab_pass.vocab_pass(z, terms, [ALPHA, BETA])
+        total.backward()
+        assert calls.passes == (0 if apart else 1) and not values.requires_grad
+        runs.append((total.detach(), values, h.grad, w.grad))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
