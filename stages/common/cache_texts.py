@@ -24,7 +24,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -155,7 +155,7 @@ def read_texts(store: Store, what: str = "aligning a student's tokens with the t
             "written without --record-text (or before it existed); rerun `kdcache precompute` with --record-text "
             "into a new folder")
     data = store.read(f"{TEXTS_FOLDER}/{TEXTS_FILE}")
-    entry: Any = read_table(store, TEXTS_FOLDER).get(f"{TEXTS_FOLDER}/{TEXTS_FILE}")
+    entry: list[int] | None = read_table(store, TEXTS_FOLDER).get(f"{TEXTS_FOLDER}/{TEXTS_FILE}")
     if entry is None or [len(data), crc32c(data)] != list(entry):
         raise KdcacheError(f"{store.url}/{TEXTS_FOLDER}/{TEXTS_FILE} does not match its file table (damaged)")
     return CacheTexts.from_bytes(data)

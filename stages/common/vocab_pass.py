@@ -59,22 +59,44 @@ def vocab_pass(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm],
         weights: one per term (α, β).
     """
     if isinstance(logits, HeadLogits) and all(term.alone is not None for term in terms):
-        values = torch.stack([term.alone() for term in terms])  # type: ignore[misc]  # checked just above
-        total = (torch.as_tensor(list(weights), dtype=values.dtype, device=values.device) * values).sum()
-        return total + loss_rows.tied_zero(logits), values.detach()
-    union = terms[0].counts
+        alone = [term.alone() for term in terms]  # type: ignore[misc]  # checked just above
+        total = torch.stack([w * value for w, value in zip(weights, alone)]).sum()  # Python floats: no copy
+        return total + loss_rows.tied_zero(logits), torch.stack(alone).detach()
+    union = loss_rows.bool_mask(terms[0].counts, logits)
     for term in terms[1:]:
         union = union | term.counts
-    rows = loss_rows.logit_rows(logits, union)
-    kept = [term.counts[union] for term in terms]
-    targets = [tuple(t[union] for t in term.targets) for term in terms]
+    # One index of the union's rows for every selection (a boolean index syncs with the device each time).
+    index = union.flatten().nonzero().squeeze(1)
+    rows = _select(logits, index)
+    kept = [_rows(term.counts, index) for term in terms]
+    targets = [tuple(_rows(t, index) for t in term.targets) for term in terms]
     device = rows.hidden.device if isinstance(rows, HeadRows) else rows.device
-    scales = torch.stack([torch.as_tensor(t.scale, dtype=torch.float32, device=device) for t in terms])
-    w = torch.tensor(list(weights), dtype=torch.float32, device=device)
+    scales = torch.stack([_scalar(t.scale, device) for t in terms])
+    w = torch.stack([_scalar(x, device) for x in weights])
     fn = _combined(terms, scales, [len(t) for t in targets])
     flat = [r for term_rows, keep in zip(targets, kept) for r in (keep, *term_rows)]
     total, values = _run(fn, rows, flat, w)
     return total + loss_rows.tied_zero(logits), values
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index [N]`` of ``x [B, L, ...]`` -> ``[N, ...]``."""
+    return x.flatten(0, 1).index_select(0, index)
+
+
+def _select(logits: torch.Tensor | HeadLogits, index: torch.Tensor) -> torch.Tensor | HeadRows:
+    """The rows ``index`` of the logits ``[N, V]``, or of the hidden state behind them (``HeadRows [N, d]``)."""
+    if isinstance(logits, HeadLogits):
+        return HeadRows(_rows(logits.hidden, index), logits.weight, logits.bias)
+    return _rows(logits, index)
+
+
+def _scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 tensor on ``device``; a Python number is filled there, never copied from pageable host
+    memory (a copy the host would wait on)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32)
+    return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
 def term_value(logits: torch.Tensor | HeadLogits, term: ChunkTerm) -> torch.Tensor:

@@ -7,7 +7,7 @@ Both teacher adapters (decoder-only or encoder teachers, and encoder-decoder tea
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,8 +56,11 @@ def check_out_folder(out: str) -> Store:
     return store
 
 
+Shards = Generator[list[dict[str, np.ndarray]], None, None]  # per shard, its sequences' arrays, in order
+
+
 def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: RunStats,
-                  stream: Callable[[list[tuple[int, int]], Progress], Iterator[list[dict[str, np.ndarray]]]], *,
+                  stream: Callable[[list[tuple[int, int]], Progress], Shards], *,
                   show_progress: bool, queue_size: int, workers: int = 0) -> None:
     """Compute every shard in ``todo`` (``stream(shard_ranges, progress)`` yields them in order); a background
     writer commits each while the next ones are computed.

@@ -11,9 +11,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 # Ranks may finish far apart (a resumed rank has little left to do), so the barrier waits long.
 BARRIER_TIMEOUT = timedelta(hours=24)
+
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass
@@ -55,7 +60,7 @@ class DistContext:
 
             dist.barrier()
 
-    def groups_of(self, size: int) -> object | None:
+    def groups_of(self, size: int) -> ProcessGroup | None:
         """The process group of this rank's ``size`` consecutive ranks (every rank makes every group, as
         ``new_group`` requires); None for groups of one."""
         if size == 1:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.parallel import Layout
@@ -107,7 +107,7 @@ def rank_memory(options: PrecomputeOptions, config: PretrainedConfig, targets: T
     return RankMemory(weights, activations, *device_capacity(options, on_gpu))
 
 
-def _activations(options: PrecomputeOptions, config: Any, targets: Targets, n: int, size: int) -> int:
+def _activations(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets, n: int, size: int) -> int:
     tokens = options.engine.batch_size * options.dataset.max_length
     d = int(getattr(config, "hidden_size", 0) or 0)
     inter = int(getattr(config, "intermediate_size", 0) or 4 * d)
@@ -135,7 +135,7 @@ def device_capacity(options: PrecomputeOptions, on_gpu: bool) -> tuple[int, str]
     return host // per_node, f"host memory / {per_node} process(es)"
 
 
-def group_sizes(config: Any, at_least: int) -> int:
+def group_sizes(config: PretrainedConfig, at_least: int) -> int:
     """The smallest group size from ``at_least`` on that divides the teacher's query and key/value heads (what
     tensor parallelism splits); ``at_least`` itself where the config names no heads."""
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
@@ -144,7 +144,7 @@ def group_sizes(config: Any, at_least: int) -> int:
     return fits[0] if fits else at_least
 
 
-def check_layout(memory: RankMemory, layout: Layout, config: Any = None) -> None:
+def check_layout(memory: RankMemory, layout: Layout, config: PretrainedConfig | None = None) -> None:
     """Refuse a layout whose ranks cannot hold the teacher, before any weight loads.
 
     Raises:
@@ -154,7 +154,7 @@ def check_layout(memory: RankMemory, layout: Layout, config: Any = None) -> None
         return
     need = memory.weights * layout.size  # the unsplit weights (the replicated norms are negligible here)
     room = int(USABLE * memory.capacity - memory.activations)  # what this layout's activations leave
-    wanted = group_sizes(config, -(-need // room)) if room > 0 else None
+    wanted = group_sizes(config, -(-need // room)) if room > 0 and config is not None else None
     hint = (f"split it over at least {wanted} devices (--teacher-parallel tp:{wanted}, or layers:{wanted})"
             if wanted else "its activations alone do not fit: lower --batch-size / --max-length / --logits-chunk")
     raise PrecomputeError(f"teacher_parallel: {memory.describe(layout)}: more than {USABLE:.0%} of the device; "

@@ -21,9 +21,13 @@ import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.precompute.errors import PrecomputeError
+
+if TYPE_CHECKING:
+    import torch
 
 _LAYOUT = re.compile(r"^(none|tp:[1-9]\d*|layers:[1-9]\d*)$")
 
@@ -117,7 +121,7 @@ def _gpu_share(size: int, local_rank: int) -> dict[int | str, int]:
             for i in range(count)}
 
 
-def no_autograd(model: Any) -> Callable[[], AbstractContextManager[Any]]:
+def no_autograd(model: torch.nn.Module) -> Callable[[], AbstractContextManager[Any]]:
     """What a forward runs under: ``inference_mode``, except for a teacher that transformers wrapped in FSDP2
     (``tp:N`` with several groups: the replicas axis comes with it), whose parameters cannot be inference tensors
     ("Inference tensors do not track version counter"); ``no_grad`` does the same there."""
@@ -131,7 +135,7 @@ def no_autograd(model: Any) -> Callable[[], AbstractContextManager[Any]]:
     return torch.no_grad if wrapped else torch.inference_mode
 
 
-def settle(model: Any) -> None:
+def settle(model: torch.nn.Module) -> None:
     """One forward of the whole model on one token, where transformers wrapped it in FSDP2: FSDP sets itself up
     in the root module's first forward, and refuses a first call through a child (the base model alone, as the
     chunked LM head runs it). Every rank of the group runs it, as it runs every forward."""
@@ -153,6 +157,6 @@ def check_features(layout: Layout, features: tuple[str, ...], attention_source: 
         raise PrecomputeError(f"teacher_parallel: {layout} splits every attention block's heads across ranks, so "
                               f"attention ({attention_source}) is not whole on any rank; drop 'attention' from "
                               f"--features, or use --teacher-parallel layers:{layout.size}")
-    if logits == "head":
+    if logit_kinds.uses_head(logits):
         raise PrecomputeError(f"teacher_parallel: {layout} shards the LM head across ranks; --logits head copies "
                               f"it whole: use --logits topk, or --teacher-parallel layers:{layout.size}")

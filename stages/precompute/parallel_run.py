@@ -14,10 +14,12 @@ from kdcache.stages.precompute.progress import Progress, RunStats
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
     from transformers import PretrainedConfig
 
     from kdcache.stages.precompute.options import PrecomputeOptions
     from kdcache.stages.precompute.targets import Targets
+    from kdcache.storage import CacheSpec
 
 
 def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets, layout: Layout,
@@ -68,7 +70,7 @@ def memory_only(options: PrecomputeOptions, config: PretrainedConfig, layout: La
     return layout.kind == "layers" and layout.size > 1 and device.type != "cuda"
 
 
-def group_todo(todo: list[int] | None, group: Any, grid: Grid) -> list[int]:
+def group_todo(todo: list[int] | None, group: ProcessGroup | None, grid: Grid) -> list[int]:
     """The group leader's list of shards still to compute, on every rank of its tensor-parallel group."""
     if group is None:
         assert todo is not None
@@ -80,7 +82,7 @@ def group_todo(todo: list[int] | None, group: Any, grid: Grid) -> list[int]:
     return list(box[0])
 
 
-def lend_share(spec: Any, todo: list[int], stream: Callable[[list[tuple[int, int]], Progress], Iterator[Any]],
+def lend_share(spec: CacheSpec, todo: list[int], stream: Callable[[list[tuple[int, int]], Progress], Iterator[Any]],
                stats: RunStats) -> None:
     """A group's other ranks: run the same shards' forwards (their share of the weights is needed in every
     collective) and drop the results, which the leader writes."""

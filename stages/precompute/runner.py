@@ -10,7 +10,7 @@ What depends on the teacher's family (its token streams, its layers, how it is r
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -149,7 +149,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         dist.barrier()
     mine = part.shards(spec.num_shards)
     with writer or nullcontext(), adapter.capture(teacher, targets, options, projection) as capture:
-        def stream(bounds: list[tuple[int, int]], progress: Progress) -> Iterator[ShardItems]:
+        def stream(bounds: list[tuple[int, int]], progress: Progress) -> Generator[ShardItems, None, None]:
             return stream_shards(capture, teacher, data, bounds, options, stats, progress)
 
         # A tensor-parallel group runs its leader's list of shards in lockstep; only the leader writes them.

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds.topk import as_logprobs
 from kdcache.stages.common.teacher_head import finish_logits
 from kdcache.stages.precompute.logit_head import ChunkedHead
@@ -27,6 +28,7 @@ from kdcache.stages.precompute.targets import Targets
 from kdcache.storage import TOPK_MASS
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from transformers import PreTrainedModel
 
 def vocab_shards(model: PreTrainedModel) -> tuple[Any, int, int] | None:
@@ -50,7 +52,7 @@ def vocab_shards(model: PreTrainedModel) -> tuple[Any, int, int] | None:
 
 
 def merge_topk(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, k: int,
-               group: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The whole row's top-k and logsumexp from each rank's shard results.
 
     Args:
@@ -123,5 +125,6 @@ def chunked_head(model: PreTrainedModel, chunk: int, settings: Targets) -> Chunk
     """The head for this run: ``ShardedTopK`` for top-k logits from a vocabulary-sharded head, else the plain
     ``ChunkedHead`` (whose head module, under tensor parallelism, gathers each ``[chunk, V]`` block: full and
     sampled logits need the whole row)."""
-    shards = vocab_shards(model) if chunk > 0 and settings.logits == "topk" else None
+    ranked = settings.logits is not None and logit_kinds.get(settings.logits).ranked
+    shards = vocab_shards(model) if chunk > 0 and ranked else None
     return ShardedTopK(model, chunk, settings, shards) if shards else ChunkedHead(model, chunk)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +55,7 @@ class _Shard:
 
 
 def stream_shards(capture: Capture, teacher: Teacher, data: TokenStreams, bounds: Iterable[tuple[int, int]],
-                  options: PrecomputeOptions, stats: RunStats, progress: Progress) -> Iterator[ShardItems]:
+                  options: PrecomputeOptions, stats: RunStats, progress: Progress) -> Generator[ShardItems, None, None]:
     """Run the teacher over each shard's sequences in batches bucketed by the first stream's lengths; yield the
     shards in order.
 

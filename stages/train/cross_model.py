@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
 from kdcache.stages.train.align import Alignment, align, aligned_share, student_ends, student_mask
 from kdcache.stages.train.losses import causal_ce, get_loss
@@ -33,7 +34,7 @@ from kdcache.stages.train.losses.cross_vocab import shared_vocab, span_mean, spa
 from kdcache.stages.train.masks import token_masks
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from kdcache.stages.train.distill import DistillLoss
     from kdcache.stages.train.options import TrainOptions
@@ -49,7 +50,7 @@ def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
         read_texts(reader.store, "--cross-tokenizer")
     except MissingTextError as exc:
         problems.append(str(exc))
-    if options.loss.kl_weight > 0 and reader.spec.logits not in (None, "topk"):
+    if options.loss.kl_weight > 0 and reader.spec.logits and not logit_kinds.get(reader.spec.logits).ranked:
         problems.append(f"--cross-tokenizer compares the teacher's cached top-k across vocabularies, but this cache "
                         f"holds --logits {reader.spec.logits}; use a top-k cache or --beta 0")
     if options.loss.delta > 0:
@@ -66,7 +67,7 @@ class SpanAligner:
         max_length: the student's position limit (its tokens are cut there).
     """
 
-    def __init__(self, texts: CacheTexts, tokenizer: Any, max_length: int | None):
+    def __init__(self, texts: CacheTexts, tokenizer: PreTrainedTokenizerBase, max_length: int | None):
         self.texts, self.tokenizer, self.max_length = texts, tokenizer, max_length
         self._done: dict[int, tuple[np.ndarray, Alignment]] = {}
 
@@ -209,7 +210,7 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
                              temperature=resolved_temperature(loss))
 
 
-def _cache_tokenizer(reader: CacheReader) -> Any:
+def _cache_tokenizer(reader: CacheReader) -> PreTrainedTokenizerBase:
     """The teacher's tokenizer, from the cache's ``tokenizer/`` folder (copied to a temporary folder to load)."""
     import tempfile
     from pathlib import Path

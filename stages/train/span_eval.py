@@ -30,6 +30,9 @@ from kdcache.stages.train.losses.hidden import linear_cka
 from kdcache.stages.train.masks import token_masks
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from kdcache.stages.train.streaming import Batch
     from kdcache.storage import CacheReader
 
 
@@ -75,7 +78,7 @@ def evaluate_spans(run_dir: str | Path, reader: CacheReader, *, student: str | P
     return _result(sums)
 
 
-def _batches(reader: CacheReader, names: list[str], batch_size: int, limit: int | None) -> Any:
+def _batches(reader: CacheReader, names: list[str], batch_size: int, limit: int | None) -> Iterator[Batch]:
     """Collated batches in cache order carrying each row's global sequence id (the texts are looked up by it)."""
     from kdcache.stages.train.streaming import collate
 
@@ -85,8 +88,8 @@ def _batches(reader: CacheReader, names: list[str], batch_size: int, limit: int 
         yield collate([reader.get(i, names) for i in ids], ids)
 
 
-def _update(sums: _Sums, model: Any, batch: dict[str, torch.Tensor], aligner: SpanAligner, tokenizers: tuple[Any, Any],
-            pairs: list[Pair], projectors: dict[str, torch.Tensor]) -> None:
+def _update(sums: _Sums, model: torch.nn.Module, batch: dict[str, torch.Tensor], aligner: SpanAligner,
+            tokenizers: tuple[Any, Any], pairs: list[Pair], projectors: dict[str, torch.Tensor]) -> None:
     side = aligner.batch(batch["sample_ids"].tolist(), teacher_masks(batch))
     with torch.no_grad():
         out = model(input_ids=side["student/input_ids"], attention_mask=side["student/mask"], output_hidden_states=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, Protocol, TypeAlias
 
 import numpy as np
@@ -44,7 +45,7 @@ class ArrayOps(Protocol):
     def fp8_values(self, codes: Array) -> Array:
         """float32 values of uint8 e4m3fn bit patterns."""
 
-    def id_dtype(self) -> Any:
+    def id_dtype(self) -> object:
         """The dtype of stored outlier ids (uint16 on the host; int16 where the library lacks uint16 kernels)."""
 
 
@@ -57,7 +58,7 @@ def register_ops(namespace: str, ops: ArrayOps) -> None:
     _OPS[namespace] = ops
 
 
-def ops_for(xp: Any) -> ArrayOps:
+def ops_for(xp: ModuleType) -> ArrayOps:
     """The added operations of namespace ``xp``.
 
     Raises:
@@ -69,21 +70,21 @@ def ops_for(xp: Any) -> ArrayOps:
     return _OPS[xp.__name__]
 
 
-def namespace(*arrays: Array) -> Any:
+def namespace(*arrays: Array) -> ModuleType:
     """The array API namespace of ``arrays`` (all of one library): numpy itself where it implements the standard
     (2.1 on), else array-api-compat's wrapper of the library."""
     return _native(array_namespace(*arrays))
 
 
 @functools.cache
-def _native(xp: Any) -> Any:
+def _native(xp: ModuleType) -> ModuleType:
     # numpy >= 2.1 is an array API namespace of its own, and the compat wrapper's clip writes through boolean
     # masks (several times slower on a [32768, 2048] layer); torch needs the wrapper.
     return np if xp.__name__ == "array_api_compat.numpy" and hasattr(np, "astype") else xp
 
 
 @functools.lru_cache(maxsize=64)
-def _constant(xp: Any, device: Any, build: Callable[..., np.ndarray], args: tuple[int, ...]) -> Array:
+def _constant(xp: ModuleType, device: object, build: Callable[..., np.ndarray], args: tuple[int, ...]) -> Array:
     # Built and copied to each device once: the writer, verify and stage one rotate every coded array of every
     # shard, and a host-to-device copy per call would cost a transfer each time.
     return xp.asarray(build(*args), device=device)
@@ -155,7 +156,7 @@ class NumpyOps:
         values: np.ndarray = fp8_table()[codes.astype(np.intp)]
         return values
 
-    def id_dtype(self) -> Any:
+    def id_dtype(self) -> object:
         return np.uint16
 
 

@@ -8,7 +8,7 @@ typed dataclass (its ``Config``). The error texts and the ``--hidden-codec`` cho
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -24,6 +24,14 @@ class NoConfig:
 
     def check(self, name: str) -> None:
         """Nothing to refuse."""
+
+
+class CodecConfig(Protocol):
+    """A codec's configuration: a dataclass that refuses its own bad values."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    def check(self, name: str) -> None: ...
 
 
 class HiddenCodec:
@@ -50,9 +58,9 @@ class HiddenCodec:
     full_rank: ClassVar[bool] = False
     column_major: ClassVar[bool] = False
     Config: ClassVar[type] = NoConfig
-    config: Any
+    config: CodecConfig
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: CodecConfig | None = None) -> None:
         self.config = self.Config() if config is None else config
 
     @property

@@ -96,6 +96,8 @@ class LogitKind:
         draws: the capture draws at random (it is handed a seeded generator).
         logprob_values: takes ``--topk-values logprob`` (values stored as quantised log-probabilities).
         key_array: the batch array whose presence marks this kind's targets (None: marked by the head).
+        ranked: stores the teacher's k largest logits with their ids and the logsumexp, per token: top-ks of
+            vocabulary shards merge into it exactly, and another vocabulary can read it by token string.
     """
 
     name: ClassVar[str] = ""
@@ -107,6 +109,7 @@ class LogitKind:
     draws: ClassVar[bool] = False
     logprob_values: ClassVar[bool] = False
     key_array: ClassVar[str | None] = None
+    ranked: ClassVar[bool] = False
 
     # ---- stage one -------------------------------------------------------------------------------------------
     def parse_argument(self, text: str) -> int:

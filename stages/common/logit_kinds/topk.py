@@ -41,6 +41,7 @@ class TopK(LogitKind):
     """The top-k logits with their logsumexp (see the module docstring)."""
 
     name = "topk"
+    ranked = True
     term = "topk_kl"
     kl_form = "top-k + other bucket"
     logprob_values = True
