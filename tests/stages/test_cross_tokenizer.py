@@ -154,7 +154,7 @@ def _reference_gold(z_s: list[float], values: list[float], ids: list[int], lse: 
         qs, rs = [x / sum(qs) for x in qs], [x / sum(rs) for x in rs]
         exact = t * t * sum(a * math.log(a / b) for a, b in zip(qs, rs) if a > 0)
     total = sum(math.exp(z) for z in z_s)
-    hidden = {shared[ids[i]] for i in s_idx}
+    hidden = {s for s in shared if s >= 0}  # the whole shared student vocabulary
     p_s = [math.exp(z) / total if j not in hidden else 0.0 for j, z in enumerate(z_s)]
     a = [math.exp(values[i] - lse) for i in range(len(ids)) if i not in s_idx]
     a += [0.0] * (len(ids) - len(a))

@@ -100,7 +100,9 @@ def gold_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids:
     ``U`` the rest; ``w = Σ_S q``; ``q_S`` and ``r_S`` the teacher's and the student's softmax (at T) over the
     shared ids alone (the student's at their student ids); ``ULD_U = Σ_j |a(j) − b(j)|`` with ``a`` the teacher's
     probabilities ``exp(value − lse)`` on ``U`` sorted descending (zero padded to k) and ``b`` the student's k
-    largest probabilities among the ids no shared teacher id maps to.
+    largest probabilities outside the shared vocabulary (every student id that some teacher id maps to, as TRL's
+    GOLD excludes matched tokens from its ULD part). The weight ``w`` is kdcache's choice: TRL weighs the parts
+    by fixed or count-based weights.
 
     Args:
         student_logits: ``[B, K, V_s]``; topk_values, topk_ids: ``[B, K, k]``; lse, mask: ``[B, K]``.
@@ -118,9 +120,16 @@ def gold_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids:
     exact = _shared_kl(z_s, values, mapped, is_shared, temperature)
     a = torch.where(is_shared, torch.zeros_like(values), (values - valid_rows(lse, mask).float()[:, None]).exp())
     a = torch.sort(a, dim=-1, descending=True).values
-    hide = torch.zeros_like(z_s, dtype=torch.bool).scatter_(1, mapped.clamp_min(0), is_shared)
-    uld = (a - _sorted_student(z_s, a.shape[-1], hide)).abs().sum(-1)
+    uld = (a - _sorted_student(z_s, a.shape[-1], _shared_student_ids(shared, z_s.shape[-1])[None])).abs().sum(-1)
     return (w * exact + (1.0 - w) * uld).sum() / n_valid
+
+
+def _shared_student_ids(shared: torch.Tensor, student_vocab: int) -> torch.Tensor:
+    """``[V_s]`` bool: the student ids some teacher id maps to (the shared vocabulary, TRL's GOLD rule). A scatter
+    into one spare slot for the unshared -1s, then dropped: no boolean index, so no host sync."""
+    slots = torch.where(shared >= 0, shared, torch.full_like(shared, student_vocab))
+    found = torch.zeros(student_vocab + 1, dtype=torch.bool, device=shared.device)
+    return found.scatter_(0, slots, True)[:student_vocab]
 
 
 def _shared_kl(z_s: torch.Tensor, values: torch.Tensor, mapped: torch.Tensor, is_shared: torch.Tensor,
