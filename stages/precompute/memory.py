@@ -155,7 +155,7 @@ def check_layout(memory: RankMemory, layout: Layout, config: PretrainedConfig | 
     need = memory.weights * layout.size  # the unsplit weights (the replicated norms are negligible here)
     room = int(USABLE * memory.capacity - memory.activations)  # what this layout's activations leave
     wanted = group_sizes(config, -(-need // room)) if room > 0 and config is not None else None
-    hint = (f"split it over at least {wanted} devices (--teacher-parallel tp:{wanted}, or layers:{wanted})"
+    hint = (f"split it over at least {wanted} devices (--teacher-parallel tp:{wanted})"
             if wanted else "its activations alone do not fit: lower --batch-size / --max-length / --logits-chunk")
     raise PrecomputeError(f"teacher_parallel: {memory.describe(layout)}: more than {USABLE:.0%} of the device; "
                           f"{hint}")

@@ -156,7 +156,7 @@ def check_features(layout: Layout, features: tuple[str, ...], attention_source: 
     if "attention" in features or "cross_attention" in features:
         raise PrecomputeError(f"teacher_parallel: {layout} splits every attention block's heads across ranks, so "
                               f"attention ({attention_source}) is not whole on any rank; drop 'attention' from "
-                              f"--features, or use --teacher-parallel layers:{layout.size}")
+                              f"--features, or run without --teacher-parallel")
     if logit_kinds.uses_head(logits):
         raise PrecomputeError(f"teacher_parallel: {layout} shards the LM head across ranks; --logits head copies "
-                              f"it whole: use --logits topk, or --teacher-parallel layers:{layout.size}")
+                              f"it whole: use --logits topk, or run without --teacher-parallel")

@@ -32,6 +32,15 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
             tensor parallelism, or ranks that cannot hold the teacher (``memory.check_layout``).
     """
     check_features(layout, options.targets.features, targets.attention_source, targets.logits)
+    if layout.kind == "layers" and layout.size > 1 and not options.engine.estimate:
+        # Review found the capture unready for it: blocks on several GPUs leave the hooked states, the last
+        # hidden state and the copy stream's event on different devices. Refused until a multi-GPU test covers it.
+        raise PrecomputeError(f"teacher_parallel: {layout} places the blocks over {layout.size} GPUs, whose targets "
+                              f"stage one cannot yet gather on one device; use --teacher-parallel tp:N (hidden "
+                              f"states and top-k logits), or --estimate to size the layout")
+    if layout.size > 1 and getattr(config, "is_encoder_decoder", False):
+        raise PrecomputeError(f"teacher_parallel: {layout}: an encoder-decoder teacher runs on one device (its "
+                              f"capture has no parallel path); drop --teacher-parallel")
     if layout.size > 1 and importlib.util.find_spec("accelerate") is None:
         raise PrecomputeError(f"teacher_parallel: {layout} loads the teacher through transformers' tensor "
                               f"parallelism / device_map, which needs accelerate: pip install 'kdcache[parallel]'")

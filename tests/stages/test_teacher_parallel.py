@@ -152,6 +152,16 @@ def test_group_that_does_not_divide_the_heads_exits_2(tiny_llama: Path, corpus: 
     assert "splits the teacher's 4 attention heads (2 key/value heads) into 3" in err and "among 1, 2," in err, err
 
 
+def test_layer_placement_over_several_gpus_is_refused_before_loading(tiny_llama: Path, corpus: Path, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    """layers:N (N > 1) is sized by --estimate but refused for a run: its targets would land on several GPUs."""
+    teacher = _weightless(tiny_llama, tmp_path / "config-only")
+    assert main(_argv(_options(teacher, corpus, tmp_path / "out", teacher_parallel="layers:2"))) == 2
+    err = capsys.readouterr().err
+    assert "layers:2 places the blocks over 2 GPUs" in err and "use --teacher-parallel tp:N" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_estimate_from_a_config_alone_reports_memory_per_rank(tiny_llama: Path, corpus: Path, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture) -> None:
     teacher = _weightless(tiny_llama, tmp_path / "config-only")
