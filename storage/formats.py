@@ -12,7 +12,7 @@ Format history (docs/cache-format.md):
 
 Everything else reads the current structures. ``read_format`` turns a raw ``manifest.json`` into a
 ``CacheFormat``, chosen once when a cache is opened: its version, and as data what that format's bytes let a
-reader check (``features``). The backends take it when they are built (``backends.registry.get_backend``) and
+reader check (``features``). The backends take it when they are built (``backends.base.get_backend``) and
 read an older shard through the checks below; ``verify`` takes its note from it. This code writes only
 ``FORMAT_VERSION``; resuming an older cache is refused (``CacheFormat.refusal``).
 """

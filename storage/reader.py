@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.storage.backends.base import ShardHandle
-from kdcache.storage.backends.registry import get_backend
+from kdcache.storage.backends.base import ShardHandle, get_backend
 from kdcache.storage.errors import ChecksumError, PartialCacheError, ShardError
 from kdcache.storage.layout import decode_rows, document_lengths, unpack_attention
 from kdcache.storage.logit_layouts import logit_array

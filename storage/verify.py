@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage import crosscheck
-from kdcache.storage.backends.registry import get_backend
+from kdcache.storage.backends.base import get_backend
 from kdcache.storage.errors import KdcacheError
 from kdcache.storage.hidden_codecs import decode, projected, rank_of
 from kdcache.storage.manifest import Manifest, ShardRecord, load_manifest, sidecar_names

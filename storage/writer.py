@@ -22,8 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kdcache.storage.backends.base import Backend
-from kdcache.storage.backends.registry import get_backend
+from kdcache.storage.backends.base import Backend, get_backend
 from kdcache.storage.encode import EncodedShard, encode_shard
 from kdcache.storage.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
 from kdcache.storage.files import disk_full_error, is_disk_full

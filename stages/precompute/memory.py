@@ -8,7 +8,7 @@ What one rank holds, in the dtype the teacher runs in:
   copies (4 x T x d), the MLP's intermediate (2 x T x I / N), eager attention's ``[B, H/N, L, L]`` scores where
   attention maps are captured, the kept hidden layers in fp16 (layers x T x d x 2 bytes) until they reach the
   host, and the LM head's ``[chunk, V/N]`` block in the teacher's dtype plus its fp32 copy. Two batches are in
-  flight at once (``runner.IN_FLIGHT``), so activations count twice.
+  flight at once (``stream.IN_FLIGHT``), so activations count twice.
 
 The sum is compared with ``USABLE`` of the device's memory (the rest is the CUDA context, the allocator's slack and
 the collectives' buffers); a layout that does not fit is refused before any weight loads.
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.parallel import Layout
+from kdcache.stages.precompute.stream import IN_FLIGHT
 from kdcache.storage import format_bytes
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from kdcache.stages.precompute.targets import Targets
 
 USABLE = 0.9  # share of a device's memory a run may plan to use
-IN_FLIGHT_BATCHES = 2
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -119,7 +119,7 @@ def _activations(options: PrecomputeOptions, config: PretrainedConfig, targets: 
     kept = sum(len(t.hidden) for t in targets.streams.values()) * tokens * d * 2
     chunk = options.engine.logits_chunk or tokens
     head = min(chunk, tokens) * -(-vocab // n) * (size + 4) if targets.logits else 0
-    return IN_FLIGHT_BATCHES * (blocks + kept) + head
+    return IN_FLIGHT * (blocks + kept) + head
 
 
 def device_capacity(options: PrecomputeOptions, on_gpu: bool) -> tuple[int, str]:

@@ -12,7 +12,7 @@ tokenizer and aligned with the teacher's tokens once per sequence (``SpanAligner
   term of ``CompoundLoss`` (its projectors, its losses, its logged names) over spans instead of tokens.
 
 Packed rows are tokenized by the student as one text (its positions do not restart at the teacher's document
-starts). Attention terms are not aligned (``cross_problems`` refuses ``--delta``).
+starts). Attention terms are not aligned (``cross_checks.cross_problems`` refuses ``--delta``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
 from kdcache.stages.train.align import Alignment, align, aligned_share, student_ends, student_mask
 from kdcache.stages.train.losses import causal_ce, get_loss
@@ -41,21 +40,6 @@ if TYPE_CHECKING:
     from kdcache.storage import CacheReader
 
 CROSS_LOSSES = ("gold", "uld")  # --cross-tokenizer's choices, names in the loss registry
-
-
-def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
-    """What stops a cross-tokenizer run on this cache (in place of ``checks.vocab_problems``' tokenizer rules)."""
-    problems = []
-    try:
-        read_texts(reader.store, "--cross-tokenizer")
-    except MissingTextError as exc:
-        problems.append(str(exc))
-    if options.loss.kl_weight > 0 and reader.spec.logits and not logit_kinds.get(reader.spec.logits).ranked:
-        problems.append(f"--cross-tokenizer compares the teacher's cached top-k across vocabularies, but this cache "
-                        f"holds --logits {reader.spec.logits}; use a top-k cache or --beta 0")
-    if options.loss.delta > 0:
-        problems.append("--cross-tokenizer aligns hidden states and logits, not attention maps; set --delta 0")
-    return problems
 
 
 class SpanAligner:
@@ -86,8 +70,9 @@ class SpanAligner:
         rows = [self(i) for i in sample_ids]
         for i, (_, a), t_mask in zip(sample_ids, rows, teacher_masks):
             if len(a.teacher_span) != len(t_mask):  # the batch's ids must be global sequence ids
-                raise ValueError(f"sequence {i}: the batch holds {len(t_mask)} teacher tokens but its recorded text "
-                                 f"has {len(a.teacher_span)}; the cache's texts/ do not belong to its shards")
+                raise MissingTextError(f"sequence {i}: the batch holds {len(t_mask)} teacher tokens but its recorded "
+                                       f"text has {len(a.teacher_span)}; the cache's texts/ do not belong to its "
+                                       f"shards")
         out = _empty_side(len(rows), max(max(len(ids) for ids, _ in rows), 1), max(len(m) for m in teacher_masks),
                           max(max(a.spans for _, a in rows), 1))
         for b, ((ids, a), t_mask) in enumerate(zip(rows, teacher_masks)):
@@ -195,6 +180,10 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
 
     texts = read_texts(reader.store, "--cross-tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(options.run.student)
+    if not tokenizer.is_fast:  # alignment reads each token's characters (offsets), which only fast tokenizers give
+        raise MissingTextError(f"--cross-tokenizer: the student's tokenizer at {options.run.student!r} is a slow "
+                               f"(Python) tokenizer without character offsets; save it with its tokenizer.json "
+                               f"(a fast tokenizer)")
     teacher = _cache_tokenizer(reader)
     size = int(reader.spec.vocab_size or len(teacher))
     shared = shared_vocab(teacher.get_vocab(), tokenizer.get_vocab(), size)

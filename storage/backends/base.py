@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kdcache.storage.backends.registry import backend_class
 from kdcache.storage.files import crc32c
 from kdcache.storage.formats import CURRENT, CacheFormat
 from kdcache.storage.manifest import SHARDS_DIR, ShardRecord, shard_name
@@ -144,3 +145,10 @@ def verify_file_table(store: Store, record: ShardRecord) -> list[Problem]:
         if message:
             problems.append((owner_of(record, path), message))
     return problems
+
+
+def get_backend(name: str, cache_format: CacheFormat = CURRENT) -> Backend:
+    """The backend registered under ``name`` (``registry.backend_class``), reading shards of ``cache_format`` (an
+    open cache's ``manifest.format``; the current format by default, the only one written)."""
+    cls: type[Backend] = backend_class(name)  # type: ignore[assignment]  # registered classes are Backends
+    return cls(cache_format)

@@ -7,13 +7,21 @@ on first use (``backend_class``): the option classes list the names without impo
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kdcache.storage.errors import SpecError
-from kdcache.storage.formats import CURRENT, CacheFormat
 
-if TYPE_CHECKING:
-    from kdcache.storage.backends.base import Backend
+
+class BackendClass(Protocol):
+    """What the spec asks of a backend's class before any shard exists (``base.Backend``'s static members); typed
+    here so that the registry never imports ``base``, which imports the spec."""
+
+    codec_per_array: bool
+
+    def default_codecs(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def check_codec(self, config: dict[str, Any]) -> None: ...
+
 
 # name -> (module, class) of its implementation; the first is the default of CacheSpec.backend and --format
 _IMPLEMENTATIONS: dict[str, tuple[str, str]] = {"zarr": ("kdcache.storage.backends.zarr_backend", "ZarrBackend"),
@@ -31,7 +39,7 @@ def backend_names() -> list[str]:
     return list(_IMPLEMENTATIONS)
 
 
-def backend_class(name: str) -> type[Backend]:
+def backend_class(name: str) -> BackendClass:
     """The class registered under ``name`` (its module imported now).
 
     Raises:
@@ -40,11 +48,5 @@ def backend_class(name: str) -> type[Backend]:
     if name not in _IMPLEMENTATIONS:
         raise SpecError(f"unknown backend {name!r}; expected one of {backend_names()}")
     module, cls = _IMPLEMENTATIONS[name]
-    found: type[Backend] = getattr(importlib.import_module(module), cls)
+    found: BackendClass = getattr(importlib.import_module(module), cls)
     return found
-
-
-def get_backend(name: str, cache_format: CacheFormat = CURRENT) -> Backend:
-    """The backend registered under ``name``, reading shards of ``cache_format`` (an open cache's
-    ``manifest.format``; the current format by default, the only one written)."""
-    return backend_class(name)(cache_format)

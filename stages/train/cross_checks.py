@@ -1,0 +1,37 @@
+"""What a ``--cross-tokenizer`` run needs of its cache, checked before the student loads (``plan`` asks it).
+
+Kept apart from ``cross_model`` (the run itself), which imports the loss stack that imports ``plan``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.cache_texts import MissingTextError, read_texts
+
+if TYPE_CHECKING:
+    from kdcache.stages.train.options import TrainOptions
+    from kdcache.storage import CacheReader
+
+
+def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
+    """What stops a cross-tokenizer run on this cache (in place of ``checks.vocab_problems``' tokenizer rules):
+    no recorded texts, or fewer than its sequences; two token streams; logits that are not a ranked top-k."""
+    problems = []
+    try:
+        texts = read_texts(reader.store, "--cross-tokenizer")
+        if len(texts) != len(reader):
+            problems.append(f"--cross-tokenizer: the cache's texts/ hold {len(texts)} texts for its {len(reader)} "
+                            f"sequences; it is damaged or from another cache (rebuild it with --record-text)")
+    except MissingTextError as exc:
+        problems.append(str(exc))
+    if len(reader.spec.streams) > 1:
+        problems.append(f"--cross-tokenizer aligns one token stream, but this cache holds {list(reader.spec.streams)} "
+                        f"(an encoder-decoder teacher's); train it without --cross-tokenizer")
+    if options.loss.kl_weight > 0 and reader.spec.logits and not logit_kinds.get(reader.spec.logits).ranked:
+        problems.append(f"--cross-tokenizer compares the teacher's cached top-k across vocabularies, but this cache "
+                        f"holds --logits {reader.spec.logits}; use a top-k cache or --beta 0")
+    if options.loss.delta > 0:
+        problems.append("--cross-tokenizer aligns hidden states and logits, not attention maps; set --delta 0")
+    return problems
