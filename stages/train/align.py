@@ -3,9 +3,11 @@
 Both token sequences cover the same text (``stages.common.cache_texts``): token ``t`` covers the characters
 ``[end[t-1], end[t])``. Tokens are grouped into *spans*: the smallest runs of consecutive teacher tokens and
 consecutive student tokens whose character end boundaries agree. Walking both sequences, a span closes as soon
-as the last teacher token taken and the last student token taken end at the same character. A token that covers
-no character (a BOS, an appended EOS, a byte-level part of a character) joins the span it opens or, at the end
-of a row, the last one. Tokens after the last common boundary (a student cut shorter than the text) are in no
+as the last teacher token taken and the last student token taken end at the same character. Tokens that cover
+no character (a BOS, an EOS, the later bytes of a character in a byte-level BPE) close the span that ends where
+they do when only one side has them there, so each side's last token predicts the text after the same character;
+where both sides have them they pair up as spans of their own; before any span (a BOS) they join the first.
+Tokens after the last common boundary (a student cut shorter than the text) are in no
 span (span ``-1``).
 
 With the same tokenizer on both sides every span is one teacher and one student token. The *aligned share* is
@@ -82,10 +84,27 @@ def align(teacher_end: np.ndarray, student_end: np.ndarray) -> Alignment:
         if te[i] != se[j]:  # one side ran out inside a span: the span never closes
             t_span[t_span == k], s_span[s_span == k] = -1, -1
             return Alignment(t_span, s_span, k)
+        if _zero_width_next(te, i) != _zero_width_next(se, j):  # on one side only: they close this span
+            i, j = _absorb(te, t_span, i, k), _absorb(se, s_span, j, k)
         i, j, k = i + 1, j + 1, k + 1
     _trailing(te, t_span, i, k)
     _trailing(se, s_span, j, k)
     return Alignment(t_span, s_span, k)
+
+
+def _zero_width_next(ends: np.ndarray, at: int) -> bool:
+    return at + 1 < len(ends) and bool(ends[at + 1] == ends[at])
+
+
+def _absorb(ends: np.ndarray, span: np.ndarray, at: int, k: int) -> int:
+    """Tokens after ``at`` that end where it ends (the later bytes of one character in a byte-level BPE) cover
+    nothing new: where only one side has them, they close span ``k`` with it, so the span's last token on that side
+    is the one that predicts the next character, as the other side's does. (Where both sides have them, they pair
+    up as spans of their own: one tokenizer on both sides keeps one token a span.) Returns the span's last token."""
+    while at + 1 < len(ends) and ends[at + 1] == ends[at]:
+        at += 1
+        span[at] = k
+    return at
 
 
 def _trailing(ends: np.ndarray, span: np.ndarray, start: int, spans: int) -> None:

@@ -42,6 +42,9 @@ def test_hand_example() -> None:
     assert a.teacher_span.tolist() == [0, 0, 1, 1] and a.student_span.tolist() == [0, 1, 1, 1][:0] + [0, 0, 1, 1]
     assert a.spans == 2 and a.last("teacher").tolist() == [1, 3] and a.last("student").tolist() == [1, 3]
     assert a.one_to_one() == 0 and aligned_share([a]) == 0.0
+    split = align(np.array([1, 4, 4, 7]), np.array([1, 4, 7]))  # a character in two byte tokens on one side
+    assert split.teacher_span.tolist() == [0, 1, 1, 2] and split.student_span.tolist() == [0, 1, 2]
+    assert split.last("teacher").tolist() == [0, 2, 3]  # span 1 ends on the byte that completes the character
     same = align(np.array([1, 4, 4, 7]), np.array([1, 4, 4, 7]))  # one tokenizer: each span one token
     assert same.teacher_span.tolist() == [0, 1, 2, 3] and aligned_share([same]) == 1.0
 
@@ -96,8 +99,9 @@ def test_packed_row_with_eos_between_documents(tokenizers: tuple[Any, Any]) -> N
     a = align(te, _ends(wp, text))
     eos = np.flatnonzero(np.diff(np.concatenate([[0], te])) == 0)
     assert (a.teacher_span >= 0).all() and (a.student_span >= 0).all()
-    # the EOS between documents opens the next document's span; the last one joins the last span
-    assert a.teacher_span[eos[0]] == a.teacher_span[eos[0] + 1]
+    # the EOS between documents closes its document's last span (the student, with no EOS, predicts the next
+    # document's first text there, as the EOS does); the last one joins the last span
+    assert a.teacher_span[eos[0]] == a.teacher_span[eos[0] - 1] != a.teacher_span[eos[0] + 1]
     assert a.teacher_span[-1] == a.spans - 1
 
 
