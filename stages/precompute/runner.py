@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, closing, contextmanager, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -195,8 +195,9 @@ def _projection(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Te
     def fit() -> dict[str, Any]:
         stats = RunStats()
         with adapter.capture(teacher, targets, options, Projection(fitting=True)) as capture:
-            shards = stream_shards(capture, teacher, data, bounds, options, stats, Progress(0, False, stats))
-            return fit_bases(shards, names, rank, teacher.device)
+            with closing(stream_shards(capture, teacher, data, bounds, options, stats,
+                                       Progress(0, False, stats))) as shards:  # its helper thread ends here
+                return fit_bases(shards, names, rank, teacher.device)
 
     if into is None:
         return Projection.from_arrays(fit())

@@ -126,9 +126,11 @@ class CrossDistillModel(nn.Module):
         s_masks = token_masks(side["student/mask"], side["student/loss_mask"], causal=True)
         t_masks = token_masks(batch["mask"], batch.get("loss_mask"), batch.get("position_ids"), causal=True)
         real = side["span_real"].bool()
-        terms: dict[str, torch.Tensor] = {"ce": causal_ce(out.logits, side["student/input_ids"], s_masks.real,
-                                                          pairs=s_masks.pairs)}
-        total = self.alpha * terms["ce"]
+        terms: dict[str, torch.Tensor] = {}
+        total = torch.zeros((), device=device)
+        if self.alpha > 0:  # a student without an LM head trains on hidden states alone (α = β = 0)
+            terms["ce"] = causal_ce(out.logits, side["student/input_ids"], s_masks.real, pairs=s_masks.pairs)
+            total = self.alpha * terms["ce"]
         if self.beta > 0:
             terms[self.vocab_loss] = self._vocab_term(out.logits, batch, side, real & span_rows(t_masks.predicts,
                                                                                                 side["teacher_last"]))
