@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from transformers import PreTrainedModel
 
+
 def vocab_shards(model: PreTrainedModel) -> tuple[Any, int, int] | None:
     """``(process group, first row, ranks)`` of the head's vocabulary shards, or None where the head's weight is
     not split by rows across ranks (no tensor parallelism, or a group of one)."""
@@ -44,7 +45,8 @@ def vocab_shards(model: PreTrainedModel) -> tuple[Any, int, int] | None:
     if not dims or weight.device_mesh.size(dims[0]) == 1:
         return None
     group = weight.device_mesh.get_group(dims[0])
-    rows = torch.tensor([weight.to_local().shape[0]])
+    local = weight.to_local()
+    rows = torch.tensor([local.shape[0]], device=local.device)  # where the group's collectives run (NCCL: a GPU)
     everyone = [torch.zeros_like(rows) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(everyone, rows, group=group)
     place = torch.distributed.get_rank(group)
