@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from kdcache.stages.train.teacher_head import TeacherHead
 
+
 def unprefixed_terms() -> set[str]:
     """Logged under their own names whatever the stream: CE and every logit kind's term (the registry's, live)."""
     return {"ce", "kl", *(logit_kinds.get(name).term for name in logit_kinds.names())}
