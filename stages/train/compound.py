@@ -92,6 +92,8 @@ class CompoundLoss(nn.Module):
         attention_loss, relation_heads, teacher_scores: for a q/k cache (``teacher_scores`` = its
             ``attention_scores``), the attention term is ``"kl"`` rebuilt block by block or MiniLMv2's ``"relation"``
             over R relation heads, from ``student_out.attention_qkv`` (block -> ``qk_attention.Captured``).
+        logits: the cache's logit mode (``CacheSpec.logits``), whose kind forms the KL; None: the kind whose arrays
+            the batch holds (two modes may store the same arrays, so a run from a cache names its mode).
     """
 
     def __init__(
@@ -118,9 +120,11 @@ class CompoundLoss(nn.Module):
         attention_loss: str = "kl",
         relation_heads: int = 0,
         teacher_scores: Mapping[str, Any] | None = None,
+        logits: str | None = None,
     ):
         super().__init__()
         self.teacher_head = teacher_head
+        self.logit_kind = logit_kinds.get(logits) if logits else None
         # A q/k cache (teacher_scores: its score record): attention from the student's recorded queries and keys.
         self.attention_loss, self.relation_heads, self.teacher_scores = attention_loss, relation_heads, teacher_scores
         self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
@@ -177,7 +181,7 @@ class CompoundLoss(nn.Module):
         ``terms``. None without a vocabulary term."""
         if not vocab:
             return None
-        weights = [self.weights[_FAMILY[name]] for name in vocab]
+        weights = [self.weights[_family(name)] for name in vocab]
         total, values = vocab_pass(out.logits, list(vocab.values()), weights)  # type: ignore[arg-type]
         terms.update(zip(vocab, values.unbind()))
         return total
@@ -188,7 +192,7 @@ class CompoundLoss(nn.Module):
         if not terms:
             raise LossError("no loss term was computed: every weight is 0, or the terms it has need outputs "
                             "this student lacks (CE needs logits)")
-        rest = [self.weights[_FAMILY[name]] * value for name, value in terms.items() if name not in (in_pass or ())]
+        rest = [self.weights[_family(name)] * value for name, value in terms.items() if name not in (in_pass or ())]
         parts = rest + ([] if vocab_total is None else [vocab_total])
         total = torch.stack(parts).sum()
         return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs}
@@ -211,13 +215,17 @@ class CompoundLoss(nn.Module):
         mask = masks.predicts
         logits = getattr(out, "logits", None)
         if logits is not None and not any_predicts:  # the term keeps its name: every rank logs the same keys
-            terms[_logit_kind(targets, self.teacher_head is not None).term] = tied_zero(logits)
+            terms[self._kind_of(targets).term] = tied_zero(logits)
             return
         if logits is None:
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
-        kind = _logit_kind(targets, self.teacher_head is not None)
+        kind = self._kind_of(targets)
         setup = KlSetup(self.temperature, self.topk_variant, self.teacher_head)
         vocab[kind.term] = kind.chunk_term(logits, targets, mask, setup)
+
+    def _kind_of(self, targets: Mapping[str, torch.Tensor]) -> LogitKind:
+        """The cache's logit kind when the loss was told its mode, else the one the batch's arrays mark."""
+        return self.logit_kind or _logit_kind(targets, self.teacher_head is not None)
 
     def _hidden_term(
         self, out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict, any_trained: bool
@@ -308,9 +316,13 @@ class CompoundLoss(nn.Module):
             raise LossError("; ".join(problems))
 
 
-# Which weight scales a term: every logit kind's term is the KL's.
-_FAMILY = {"ce": "ce", "kl": "kl", "hidden": "hidden", "attention": "attention",
-           **{logit_kinds.get(name).term: "kl" for name in logit_kinds.names()}}
+def _family(term: str) -> str:
+    """Which weight scales a term: every logit kind's term is the KL's (asked of the registry when the loss runs,
+    so that a kind registered after this module was imported counts too)."""
+    if term in ("ce", "kl", "hidden", "attention"):
+        return term
+    assert term in {logit_kinds.get(name).term for name in logit_kinds.names()}, f"unknown loss term {term!r}"
+    return "kl"
 
 
 def _zero_pairs(logs: dict, kind: str, pairs: list[Pair],

@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 
     from kdcache.stages.train.teacher_head import TeacherHead
 
-# Logged under their own names whatever the stream: CE and every logit kind's term.
-UNPREFIXED_TERMS = tuple(dict.fromkeys(("ce", "kl", *(logit_kinds.get(name).term for name in logit_kinds.names()))))
+
+def unprefixed_terms() -> set[str]:
+    """Logged under their own names whatever the stream: CE and every logit kind's term (the registry's, live)."""
+    return {"ce", "kl", *(logit_kinds.get(name).term for name in logit_kinds.names())}
 
 
 def stream_view(batch: Mapping[str, torch.Tensor], stream: str, main: bool) -> dict[str, torch.Tensor]:
@@ -129,7 +131,8 @@ class DistillLoss(nn.Module):
                                                     batch[prefixed(stream, "mask")])
             loss = terms.pop("loss")
             total = loss if total is None else total + loss
-            logs.update({k if k in UNPREFIXED_TERMS else prefixed(stream, k): v for k, v in terms.items()})
+            unprefixed = unprefixed_terms()
+            logs.update({k if k in unprefixed else prefixed(stream, k): v for k, v in terms.items()})
         if self.cross_pairs:
             cross = self._cross_term(out, batch, logs)
             total = self.delta * cross if total is None else total + self.delta * cross
@@ -167,7 +170,8 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
         hidden_loss=loss.hidden_loss, topk_variant=loss.topk_kl, ce="causal" if facts.is_causal else "token",
         attention_map=pairs.attention_pairs or None, critic_steps=loss.critic_steps,
         critic_lr=loss.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None,
-        attention_loss=loss.attention_loss, relation_heads=loss.relation_heads, teacher_scores=scores)
+        attention_loss=loss.attention_loss, relation_heads=loss.relation_heads, teacher_scores=scores,
+        logits=logits if main else None)
 
 
 def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
