@@ -95,16 +95,17 @@ def run_dtype_bytes(options: PrecomputeOptions, config: PretrainedConfig, on_gpu
 
 
 def rank_memory(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets, layout: Layout,
-                on_gpu: bool) -> RankMemory:
-    """What one rank of ``layout`` needs and has (see the module docstring for the terms)."""
-    size = run_dtype_bytes(options, config, on_gpu)
+                gpu: int | None) -> RankMemory:
+    """What one rank of ``layout`` needs and has (see the module docstring for the terms); ``gpu`` is the rank's
+    CUDA device index, None off a GPU."""
+    size = run_dtype_bytes(options, config, gpu is not None)
     total, norms = param_counts(config)
     n = layout.size
     replicated = norms if layout.kind == "tp" else 0
     weights = ((total - replicated) // n + replicated) * size
     # Layer placement splits the blocks, not a block's work: its activations are whole on each GPU in turn.
     activations = _activations(options, config, targets, layout.tensor, size)
-    return RankMemory(weights, activations, *device_capacity(options, on_gpu))
+    return RankMemory(weights, activations, *device_capacity(options, gpu))
 
 
 def _activations(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets, n: int, size: int) -> int:
@@ -122,14 +123,15 @@ def _activations(options: PrecomputeOptions, config: PretrainedConfig, targets: 
     return IN_FLIGHT * (blocks + kept) + head
 
 
-def device_capacity(options: PrecomputeOptions, on_gpu: bool) -> tuple[int, str]:
-    """``(bytes, where the figure comes from)``: --device-memory, else the GPU's, else the host's per process."""
+def device_capacity(options: PrecomputeOptions, gpu: int | None) -> tuple[int, str]:
+    """``(bytes, where the figure comes from)``: --device-memory, else the rank's GPU's (``gpu``: its index; ranks
+    of one node may hold different cards), else the host's per process."""
     if options.engine.device_memory:
         return parse_size(options.engine.device_memory), "--device-memory"
-    if on_gpu:
+    if gpu is not None:
         import torch
 
-        return int(torch.cuda.get_device_properties(0).total_memory), torch.cuda.get_device_name(0)
+        return int(torch.cuda.get_device_properties(gpu).total_memory), torch.cuda.get_device_name(gpu)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return host // per_node, f"host memory / {per_node} process(es)"

@@ -55,11 +55,20 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
                               f"divide; choose N among {_divisors(*heads)}, or layers:N")
     if layout.kind == "none" and not options.engine.estimate:
         return None
-    memory = rank_memory(options, config, targets, layout, device.type == "cuda")
+    memory = rank_memory(options, config, targets, layout, _gpu_index(device))
     check_layout(memory, layout, config)
     return {"layout": str(layout), "per_rank_bytes": memory.total, "weights_bytes": memory.weights,
             "activations_bytes": memory.activations, "capacity_bytes": memory.capacity, "source": memory.source,
             "line": memory.describe(layout)}
+
+
+def _gpu_index(device: torch.device) -> int | None:
+    """The CUDA device index of ``device`` (``cuda`` alone: the current one), None off a GPU."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _divisors(heads: int, kv: int) -> str:

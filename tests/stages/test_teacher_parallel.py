@@ -118,7 +118,7 @@ def test_memory_per_rank_follows_the_config(tiny_llama: Path, corpus: Path, tmp_
     assert param_counts(config) == (total, norms)
     options = PrecomputeOptions.of(**_options(tiny_llama, corpus, tmp_path / "x", teacher_parallel="tp:2",
                                               device_memory="1GB"))
-    memory = rank_memory(options, config, resolve_targets(options, config), Layout.parse("tp:2"), False)
+    memory = rank_memory(options, config, resolve_targets(options, config), Layout.parse("tp:2"), None)
     assert memory.weights == ((total - norms) // 2 + norms) * 4 and memory.capacity == 10**9
     tokens = 2 * 40  # batch size x max length
     blocks = (4 * tokens * d + 2 * tokens * inter // 2) * 4
