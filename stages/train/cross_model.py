@@ -87,6 +87,15 @@ class SpanAligner:
         tensors["aligned"] = torch.tensor([one, sum(len(a.teacher_span) for _, a in rows)], dtype=torch.float32)
         return tensors
 
+    def extend(self, batch: dict[str, Any]) -> None:
+        """Add the student's side (``batch``'s keys above) to a collated host batch, in place: the reader's
+        ``streaming.BatchExtension``, so tokenizing and aligning run where batches are made, off the step."""
+        batch.update(self.batch(batch["sample_ids"].tolist(), teacher_masks(batch)))
+
+
+SIDE_KEYS = ("student/input_ids", "student/mask", "student/loss_mask", "student_span", "teacher_span",
+             "teacher_last", "student_last", "span_real", "aligned")  # what SpanAligner.batch adds
+
 
 def _empty_side(rows: int, ls: int, lt: int, k: int) -> dict[str, np.ndarray]:
     """The student side's arrays of a batch before filling: zeros, and -1 (no token) for the span indexes."""
@@ -111,16 +120,20 @@ class CrossDistillModel(nn.Module):
     def __init__(self, student: PreTrainedModel, criterion: DistillLoss, aligner: SpanAligner, shared: torch.Tensor,
                  *, vocab_loss: str, alpha: float, beta: float, temperature: float):
         super().__init__()
+        # The aligner runs in the reader (``aligner.extend``, the stream's extension); the model reads its arrays.
         self.student, self.criterion, self.aligner = student, criterion, aligner
         self.register_buffer("shared", shared, persistent=False)
         self.vocab_loss, self.alpha, self.beta, self.temperature = vocab_loss, alpha, beta, temperature
         self.want_hidden = any(part.layer_map for part in (criterion.part(s) for s in criterion.streams))
 
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Args: the teacher's batch on the device (``streaming.collate`` + ``to_device``), with ``sample_ids``."""
+        """Args: the teacher's batch on the device (``streaming.collate`` + ``to_device``), with the student's side
+        added by ``SpanAligner.extend`` before the copy (no host work or sync here)."""
         device = batch["mask"].device
-        side = {k: v.to(device) for k, v in self.aligner.batch(batch["sample_ids"].tolist(),
-                                                                teacher_masks(batch)).items()}
+        missing = [k for k in SIDE_KEYS if k not in batch]
+        if missing:  # a stream built without the aligner's extension: a wiring fault, not a user's
+            raise RuntimeError(f"cross-tokenizer batch lacks {missing}: stream it with SpanAligner.extend")
+        side = {k: batch[k] for k in SIDE_KEYS}
         out = self.student(input_ids=side["student/input_ids"], attention_mask=side["student/mask"],
                            output_hidden_states=self.want_hidden)
         s_masks = token_masks(side["student/mask"], side["student/loss_mask"], causal=True)

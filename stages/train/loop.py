@@ -33,7 +33,14 @@ from kdcache.stages.train.logging import MetricsLogger, SampleTrace
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.plan import TrainPlan, plan_training, unused_targets
 from kdcache.stages.train.progress import TrainProgress
-from kdcache.stages.train.streaming import CacheStream, DataPosition, check_resumable, next_position, to_device
+from kdcache.stages.train.streaming import (
+    BatchExtension,
+    CacheStream,
+    DataPosition,
+    check_resumable,
+    next_position,
+    to_device,
+)
 from kdcache.stages.train.student import (
     StudentFacts,
     enable_gradient_checkpointing,
@@ -106,15 +113,17 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     head = _teacher_head(reader, plan, dist_info.rank == 0)
     announce = dist_info.rank == 0 and not options.run.quiet
     model: torch.nn.Module
+    extend: BatchExtension | None = None
     if options.loss.cross_tokenizer:
         from kdcache.stages.train.cross_model import build_cross_model, without_logit_kl
 
-        model = build_cross_model(options, reader, student, build_criterion(without_logit_kl(options), plan, facts),
+        cross = build_cross_model(options, reader, student, build_criterion(without_logit_kl(options), plan, facts),
                                   announce=announce)
+        model, extend = cross, cross.aligner.extend  # the student's tokens are made with each batch, off the step
     else:
         model = DistillModel(student, build_criterion(options, plan, facts, head), plan, announce=announce)
     engine = build_engine(model, options, dist_info.device)
-    return _Trainer(options, plan, engine, dist_info, reader).run()
+    return _Trainer(options, plan, engine, dist_info, reader, extend).run()
 
 
 def _student_tokenizer(student: str, scratch: str) -> Path:
@@ -144,8 +153,9 @@ class _Trainer:
     """The step loop and its bookkeeping (position, logs, checkpoints)."""
 
     def __init__(self, options: TrainOptions, plan: TrainPlan, engine: DeepSpeedEngine, dist_info: DistInfo,
-                 reader: CacheReader):
+                 reader: CacheReader, extend: BatchExtension | None = None):
         self.options, self.plan, self.engine, self.dist = options, plan, engine, dist_info
+        self.extend = extend  # the run's own arrays added to each batch by the stream (cross-tokenizer runs)
         self.run_dir = Path(options.run.out)
         self.batch_size = int(engine.train_micro_batch_size_per_gpu())
         self.grad_accum = int(engine.gradient_accumulation_steps())
@@ -187,7 +197,8 @@ class _Trainer:
         stream = CacheStream(self.reader, self.plan.names, batch_size=self.batch_size, seed=o.seed,
                              rank=self.dist.rank, world_size=self.dist.world_size, start=self.position,
                              shuffle_block=o.shuffle_block, prefetch=o.prefetch, decode_threads=o.decode_threads,
-                             allow_partial=o.allow_partial, pin_memory=cuda and o.num_workers == 0)
+                             allow_partial=o.allow_partial, pin_memory=cuda and o.num_workers == 0,
+                             extend=self.extend)
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=o.num_workers,
                                              persistent_workers=False, pin_memory=cuda and o.num_workers > 0)
         return stream, loader

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -146,9 +146,23 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], p
     for name in sequences[0]:
         shape = [sizes[s] for s in ragged_streams(name, streams)]
         out[name] = torch.from_numpy(_pad_stack(name, [q[name] for q in sequences], shape))
-    if pin and torch.cuda.is_available():
-        out = {k: v.pin_memory() for k, v in out.items()}
-    return out
+    return pin_batch(out) if pin else out
+
+
+def pin_batch(batch: Batch) -> Batch:
+    """The batch's tensors in pinned host memory (for a copy to a GPU that does not block), where CUDA is."""
+    if not torch.cuda.is_available():
+        return batch
+    return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class BatchExtension(Protocol):
+    """Host arrays a run adds to every collated batch where the batch is made (the reader's thread or a
+    DataLoader worker), so that work stays off the training step: e.g. a cross-tokenizer run's student tokens and
+    spans. Picklable, for the workers."""
+
+    def __call__(self, batch: Batch) -> None:
+        """Add tensors to ``batch`` (a ``collate`` result on the host), in place."""
 
 
 def _pad_stack(name: str, arrays: list[np.ndarray], sizes: list[int]) -> np.ndarray:
@@ -211,15 +225,16 @@ class CacheStream(IterableDataset):
     def __init__(self, cache: str | os.PathLike[str] | CacheReader, names: Sequence[str], *, batch_size: int,
                  seed: int = 0, rank: int = 0, world_size: int = 1, start: DataPosition = DataPosition(),
                  epochs: int | None = None, shuffle_block: int = 256, prefetch: int = 4, decode_threads: int = 0,
-                 allow_partial: bool = False, pin_memory: bool = False):
+                 allow_partial: bool = False, pin_memory: bool = False, extend: BatchExtension | None = None):
         """``cache`` is a cache folder or URL, or an open ``CacheReader``, which this process then reads through
-        (a DataLoader worker opens its own from the reader's folder or URL)."""
+        (a DataLoader worker opens its own from the reader's folder or URL); ``extend`` adds a run's own arrays
+        to each batch as it is made."""
         super().__init__()
         self.names = tuple(names)
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.start, self.epochs = start, epochs
         self.shuffle_block, self.prefetch, self.decode_threads = shuffle_block, prefetch, decode_threads
-        self.allow_partial, self.pin_memory = allow_partial, pin_memory
+        self.allow_partial, self.pin_memory, self.extend = allow_partial, pin_memory, extend
         self.cache = str(cache) if isinstance(cache, (str, os.PathLike)) else cache.root
         reader = self._open() if isinstance(cache, (str, os.PathLike)) else cache
         self._reader: CacheReader | None = reader
@@ -261,7 +276,7 @@ class CacheStream(IterableDataset):
         # threads and locks did not come along.
         reader = self._reader if info is None and self._reader is not None else self._open()
         producer = _Producer(reader, self.names, self.shard_ids, self.shard_ranges, self._worker_plan(worker, workers),
-                             self.prefetch, reader.decode_threads, self.pin_memory)
+                             self.prefetch, reader.decode_threads, self.pin_memory, self.extend)
         try:
             yield from producer
         finally:
@@ -282,9 +297,10 @@ class _Producer:
 
     def __init__(self, reader: CacheReader, names: Sequence[str], shard_ids: list[int],
                  shard_ranges: list[tuple[int, int]], plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]],
-                 prefetch: int, threads: int, pin: bool):
+                 prefetch: int, threads: int, pin: bool, extend: BatchExtension | None = None):
         # A coded hidden state travels with its scales (and outliers) to the device, where it is decoded.
         self.reader, self.names, self.pin = reader, [p for n in names for p in reader.spec.with_parts(n)], pin
+        self.extend = extend
         # Shards read ahead of need beyond the prefetch window: none from a local disk (the page cache and a
         # few threads keep up), two from an object store, where a request costs milliseconds.
         self.readahead = 0 if reader.store.is_local else READAHEAD_REMOTE
@@ -331,7 +347,10 @@ class _Producer:
                     decoded[s] = self.pool.submit(self.reader.read_shard, self.shard_ids[s], self.names)
                 shard, local = located[b]
                 seqs = [decoded[int(s)].result().sequence(int(i)) for s, i in zip(shard, local)]
-                batch = collate([{n: q[n] for n in self.names} for q in seqs], ids.tolist(), self.pin)
+                batch = collate([{n: q[n] for n in self.names} for q in seqs], ids.tolist())
+                if self.extend is not None:
+                    self.extend(batch)
+                batch = pin_batch(batch) if self.pin else batch
                 batch.update(epoch=epoch, step_in_epoch=step)
                 # A shard is kept until its last use in this epoch, so none is decoded twice per epoch; block
                 # shuffling bounds how many are open at once (about shuffle_block / sequences_per_shard).

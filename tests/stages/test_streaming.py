@@ -83,6 +83,27 @@ def test_workers_do_not_change_the_stream(caches: dict) -> None:
     assert single == multi and len(single) == 5
 
 
+class _RowLengths:
+    """A batch extension (module level: DataLoader workers pickle it): each row's real token count."""
+
+    def __call__(self, batch: dict) -> None:
+        batch["row_lengths"] = batch["mask"].sum(1) * 10 + batch["sample_ids"] % 10
+
+
+def test_an_extension_adds_its_arrays_where_batches_are_made(caches: dict) -> None:
+    """In the stream's own thread and in a DataLoader worker alike; a reference from the cache's lengths."""
+    reader = CacheReader(caches["fp16"])
+    kwargs = dict(batch_size=3, seed=2, epochs=1, shuffle_block=6)
+    for loader in ({}, {"num_workers": 1}):
+        stream = CacheStream(caches["fp16"], ["input_ids"], extend=_RowLengths(), **kwargs)
+        batches = list(torch.utils.data.DataLoader(stream, batch_size=None, **loader))
+        assert len(batches) == 10
+        for batch in batches:
+            ids = batch["sample_ids"].tolist()
+            want = [len(reader.get(i, ["input_ids"])["input_ids"]) * 10 + i % 10 for i in ids]
+            assert batch["row_lengths"].tolist() == want
+
+
 def test_resume_from_a_position_yields_exactly_the_rest(caches: dict) -> None:
     kwargs = dict(batch_size=2, seed=9, world_size=2, rank=0, shuffle_block=5)
     full = _ids(CacheStream(caches["fp16"], ["input_ids"], epochs=3, **kwargs))
