@@ -117,6 +117,11 @@ def _pyplot() -> ModuleType:
     return plt
 
 
+# The logged values that are not loss terms, and what their panel's axis counts.
+PANEL_UNITS = {"lr": "learning rate", "tokens": "valid tokens since the previous log",
+               "aligned_share": "teacher tokens aligned one to one (share)"}
+
+
 def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | None:
     """One panel per loss family (``loss``, ``hidden``, ``attention``, ...), its per-pair terms drawn thin."""
     keys = list(dict.fromkeys(k for r in metrics for k, v in r.items()
@@ -137,7 +142,7 @@ def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | 
                     lw=2.0 if main else 1.0, alpha=1.0 if main else 0.7, marker=marker, ms=3)
         ax.set_title(family)
         _step_axis(ax)
-        ax.set_ylabel("loss value" if family != "lr" else "learning rate")
+        ax.set_ylabel(PANEL_UNITS.get(family, "loss value"))
         # Below the panel, never on it: a falling curve and its per-pair terms fill every corner of the axes.
         ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
     for ax in list(axes.flat)[len(families):]:

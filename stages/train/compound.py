@@ -321,7 +321,9 @@ def _family(term: str) -> str:
     so that a kind registered after this module was imported counts too)."""
     if term in ("ce", "kl", "hidden", "attention"):
         return term
-    assert term in {logit_kinds.get(name).term for name in logit_kinds.names()}, f"unknown loss term {term!r}"
+    if term not in {logit_kinds.get(name).term for name in logit_kinds.names()}:  # a kind's term misnamed
+        raise LossError(f"loss term {term!r} is neither ce, kl, hidden, attention nor a registered logit kind's "
+                        f"term ({sorted(logit_kinds.get(n).term for n in logit_kinds.names())})")
     return "kl"
 
 

@@ -116,6 +116,18 @@ def test_the_loss_plot_legends_sit_below_their_curves(tmp_path: Path, monkeypatc
             assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer)), ax.get_title()
 
 
+def test_only_loss_panels_are_labelled_as_losses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdcache.pipeline import report
+
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, out, title: figures.append(fig) or out)
+    metrics = [{"step": s, "loss": 1.0 / s, "tokens": 512, "aligned_share": 0.4} for s in range(1, 5)]
+    report.plot_losses(metrics, tmp_path / "losses.png", "run")
+    labels = {ax.get_title(): ax.get_ylabel() for ax in figures[0].axes if ax.get_title()}
+    assert labels == {"loss": "loss value", "tokens": "valid tokens since the previous log",
+                      "aligned_share": "teacher tokens aligned one to one (share)"}
+
+
 @pytest.mark.slow
 def test_the_baseline_scored_before_training_has_its_cka_on_the_map(tiny_gpt2: Path, data: Path,
                                                                    tmp_path: Path) -> None:
