@@ -1,6 +1,7 @@
 """Cross-tokenizer distillation from a cache (issue 35), end to end on the CPU.
 
-A tiny random Llama teacher (byte-level BPE) is cached with ``--record-text`` on a training set and on held-out
+A tiny Llama teacher (byte-level BPE; random weights, then ``--teacher-steps`` of next-token training on the
+training texts, so its predictions are worth agreeing with) is cached with ``--record-text`` on a training set and on held-out
 texts; a tiny Llama student with a WordPiece tokenizer (another vocabulary, lower-cased) trains from the training
 cache for ``--steps`` steps, three ways:
 
@@ -10,7 +11,7 @@ cache for ``--steps`` steps, three ways:
 
 Each is scored on the held-out cache by ``span_eval.evaluate_spans`` (span top-1 agreement, span CKA, aligned
 share). For the stage-two speed, the same student shape with the teacher's own tokenizer trains on the ordinary
-path (top-k KL + hidden) for the same steps. Speeds come from the run's own log (``metrics.jsonl``): steps and
+path (top-k KL + hidden) and on the cross path (``gold``, every span one token) for the same steps. Speeds come from the run's own log (``metrics.jsonl``): steps and
 teacher tokens between the first logged step and the last, over the time between them, so DeepSpeed's start and
 the first steps' warm-up are left out. The runs alternate (ce, gold, uld, same) ``--repeats`` times; the best of each
 is kept (the machine is shared).
@@ -43,6 +44,28 @@ def _precompute(teacher: Path, texts: list[str], out: Path) -> Path:
     return out
 
 
+def _train_teacher(teacher: Path, texts: list[str], steps: int) -> None:
+    """Give the random teacher something to teach: ``steps`` of next-token training on the training texts (plain
+    torch, AdamW), saved in place. A random teacher's predictions are near uniform, so no student can agree with
+    its top-1 beyond chance, whatever the loss."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(str(teacher)), AutoModelForCausalLM.from_pretrained(str(teacher))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(steps):
+        picked = [texts[int(i)] for i in torch.randint(len(texts), (16,), generator=generator)]
+        batch = tokenizer(picked, return_tensors="pt", padding=True)
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(str(teacher))
+
+
 def _student(root: Path, tokenizer: Any, name: str) -> Path:
     from transformers import LlamaConfig
 
@@ -72,7 +95,7 @@ def _train(cache: Path, student: Path, out: Path, steps: int, *extra: str) -> di
             "tokens_per_s": sum(r["tokens"] for r in rows[1:]) / seconds}
 
 
-def run(steps: int, sentences: int, repeats: int = 2) -> dict[str, Any]:
+def run(steps: int, sentences: int, repeats: int = 2, teacher_steps: int = 300) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from kdcache.stages.train.span_eval import evaluate_spans
@@ -81,14 +104,16 @@ def run(steps: int, sentences: int, repeats: int = 2) -> dict[str, Any]:
 
     root = Path(tempfile.mkdtemp(prefix="kdcache-bench-cross-"))
     teacher = make_tiny_llama(root / "teacher", layers=2, hidden=32)
+    if teacher_steps:
+        _train_teacher(teacher, sample_texts(sentences, seed=1), teacher_steps)
     train = _precompute(teacher, sample_texts(sentences, seed=1), root / "train")
     held = CacheReader(_precompute(teacher, sample_texts(sentences // 5, seed=99), root / "held"))
     wp = _student(root, train_wordpiece_tokenizer(root / "wp", vocab_size=200), "student-wp")
     same = _student(root, AutoTokenizer.from_pretrained(str(teacher)), "student-same")
-    results: dict[str, Any] = {"steps": steps, "train_sequences": len(CacheReader(train)), "held_out": len(held),
+    results: dict[str, Any] = {"steps": steps, "teacher_steps": teacher_steps, "train_sequences": len(CacheReader(train)), "held_out": len(held),
                                "root": str(root)}
     runs = {"ce": (wp, "--cross-tokenizer", "--beta", "0", "--gamma", "0"), "gold": (wp, "--cross-tokenizer", "gold"),
-            "uld": (wp, "--cross-tokenizer", "uld"), "same": (same,)}
+            "uld": (wp, "--cross-tokenizer", "uld"), "same": (same,), "same_cross": (same, "--cross-tokenizer", "gold")}
     speeds: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for _ in range(repeats):  # alternating sides, best of each kept
         for name, (student, *extra) in runs.items():
@@ -112,6 +137,8 @@ def table(r: dict[str, Any]) -> str:
                     f"{m['span_cosine'].get('s2_t2', float('nan')):.3f} | {m['aligned_share']:.3f} | "
                     + ("| |" if speed is None else f"{speed:.2f} | {speed / same:.2f}x |"))
     rows.append(f"| same tokenizer, ordinary path | | | | 1.000 | {same:.2f} | 1 |")
+    cross = r["same_cross_speed"]["steps_per_s"]
+    rows.append(f"| same tokenizer, cross path (gold) | | | | 1.000 | {cross:.2f} | {cross / same:.2f}x |")
     return "\n".join(rows)
 
 
@@ -120,8 +147,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sentences", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of the four runs (best kept)")
+    parser.add_argument("--teacher-steps", type=int, default=300,
+                        help="next-token training of the tiny teacher before it is cached (0: random weights)")
     args = parser.parse_args()
-    results = run(args.steps, args.sentences, args.repeats)
+    results = run(args.steps, args.sentences, args.repeats, args.teacher_steps)
     print(json.dumps(results, indent=1))
     print(table(results))
 

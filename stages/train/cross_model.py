@@ -118,12 +118,13 @@ class CrossDistillModel(nn.Module):
     with its projectors, for the span-pooled hidden term) and the vocabulary term (module docstring)."""
 
     def __init__(self, student: PreTrainedModel, criterion: DistillLoss, aligner: SpanAligner, shared: torch.Tensor,
-                 *, vocab_loss: str, alpha: float, beta: float, temperature: float):
+                 *, vocab_loss: str, alpha: float, beta: float, temperature: float, topk_kl: str = "renorm"):
         super().__init__()
         # The aligner runs in the reader (``aligner.extend``, the stream's extension); the model reads its arrays.
         self.student, self.criterion, self.aligner = student, criterion, aligner
         self.register_buffer("shared", shared, persistent=False)
         self.vocab_loss, self.alpha, self.beta, self.temperature = vocab_loss, alpha, beta, temperature
+        self.topk_kl = topk_kl  # GOLD's exact part follows the run's --topk-kl (losses.cross_vocab.gold_loss)
         self.want_hidden = any(part.layer_map for part in (criterion.part(s) for s in criterion.streams))
 
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -167,7 +168,7 @@ class CrossDistillModel(nn.Module):
             return get_loss("uld")(z_s, values, lse, mask)  # type: ignore[return-value]
         ids = span_rows(batch["logits/topk_ids"], t_last)
         return get_loss("gold")(z_s, values, ids, lse, mask, self.shared,  # type: ignore[return-value]
-                                temperature=self.temperature)
+                                temperature=self.temperature, variant=self.topk_kl)
 
     def _hidden_terms(self, states: tuple[torch.Tensor, ...], batch: Mapping[str, torch.Tensor],
                       side: Mapping[str, torch.Tensor], trained: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -211,7 +212,7 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
     loss = options.loss
     return CrossDistillModel(student, criterion, SpanAligner(texts, tokenizer, max_length), shared,
                              vocab_loss=loss.cross_tokenizer or "gold", alpha=loss.ce_weight, beta=loss.kl_weight,
-                             temperature=resolved_temperature(loss))
+                             temperature=resolved_temperature(loss), topk_kl=loss.topk_kl)
 
 
 def _cache_tokenizer(reader: CacheReader) -> PreTrainedTokenizerBase:

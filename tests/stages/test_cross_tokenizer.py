@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kdcache.stages.common.cache_texts import char_mask, row_text, token_pieces
-from kdcache.stages.common.logit_kinds.topk import topk_kl_renorm
+from kdcache.stages.common.logit_kinds.topk import topk_kl, topk_kl_renorm
 from kdcache.stages.precompute.rows import span_mask as token_span_mask
 from kdcache.stages.train.align import align, aligned_share, span_mask, student_ends, student_mask
 from kdcache.stages.train.losses import get_loss
@@ -139,6 +139,51 @@ def test_same_tokenizer_equals_the_ordinary_path(temperature: float) -> None:
     assert pooled.item() == pytest.approx(masked_mse(x["h_s"], x["h_t"], x["mask"]).item(), abs=1e-6)
 
 
+def test_same_tokenizer_gold_other_equals_the_ordinary_other_kl() -> None:
+    """--topk-kl other: GOLD's exact part is the ordinary k + 1 bucket KL when every id is shared (T = 1)."""
+    x = _identity_setup(4)
+    b, length = x["mask"].shape
+    span = torch.arange(length).expand(b, -1)
+    shared = torch.arange(x["z_s"].shape[-1])
+    gold = get_loss("gold")(span_rows(x["z_s"], span), span_rows(x["values"], span), span_rows(x["ids"], span),
+                            span_rows(x["lse"], span), x["mask"], shared, variant="other")
+    ordinary = topk_kl(x["z_s"], x["values"], x["ids"], x["mask"], x["lse"], variant="other")
+    assert gold.item() == pytest.approx(ordinary.item(), abs=1e-5)
+
+
+def _reference_gold_other(z_s: list[float], values: list[float], ids: list[int], lse: float,
+                          shared: list[int]) -> float:
+    """GOLD with the k + 1 bucket exact part, from the formula (docs/losses.md), at T = 1."""
+    q = [math.exp(v) for v in values]
+    q = [x / sum(q) for x in q]
+    s_idx = [i for i, tid in enumerate(ids) if shared[tid] >= 0]
+    w = sum(q[i] for i in s_idx)
+    total = sum(math.exp(z) for z in z_s)
+    p_t = [math.exp(values[i] - lse) for i in s_idx]
+    p_s = [math.exp(z_s[shared[ids[i]]]) / total for i in s_idx]
+    p_t.append(1 - sum(p_t))
+    p_s.append(1 - sum(p_s))
+    exact = sum(a * math.log(a / c) for a, c in zip(p_t, p_s) if a > 0)
+    hidden = {s for s in shared if s >= 0}
+    probs = [math.exp(z) / total if j not in hidden else 0.0 for j, z in enumerate(z_s)]
+    a = [math.exp(values[i] - lse) for i in range(len(ids)) if i not in s_idx]
+    a += [0.0] * (len(ids) - len(a))
+    return w * exact + (1 - w) * _reference_uld(a, probs)
+
+
+def test_gold_other_equals_its_formula_with_some_ids_shared() -> None:
+    x = _identity_setup(5)
+    vocab = x["z_s"].shape[-1]
+    shared = torch.tensor([(j * 7) % vocab if j % 3 else -1 for j in range(vocab)])  # a permuted two thirds
+    got = get_loss("gold")(x["z_s"], x["values"], x["ids"], x["lse"], x["mask"], shared, variant="other")
+    refs = [_reference_gold_other(x["z_s"][b, i].tolist(), x["values"][b, i].tolist(), x["ids"][b, i].tolist(),
+                                  x["lse"][b, i].item(), shared.tolist())
+            for b in range(2) for i in range(6) if x["mask"][b, i]]
+    assert got.item() == pytest.approx(sum(refs) / len(refs), rel=1e-5)
+    got.backward()
+    assert torch.isfinite(x["z_s"].grad).all()
+
+
 def _reference_uld(p_t: list[float], p_s: list[float]) -> float:
     a, b = sorted(p_t, reverse=True), sorted(p_s, reverse=True)[:len(p_t)]
     b += [0.0] * (len(a) - len(b))
@@ -219,6 +264,26 @@ def test_gold_gradient_is_finite_when_nothing_is_shared() -> None:
     assert torch.isfinite(loss) and torch.isfinite(x["z_s"].grad).all()
     uld = get_loss("uld")(x["z_s"], x["values"], x["lse"], x["mask"])
     assert loss.item() == pytest.approx(uld.item(), rel=1e-6)  # nothing shared: GOLD is ULD
+
+
+@pytest.mark.parametrize("loss", ["gold", "uld"])
+def test_spans_not_counted_get_no_gradient_and_do_not_move_the_loss(loss: str) -> None:
+    """The span losses weigh every row instead of selecting (no host sync): what they leave out must stay out."""
+    x = _identity_setup(2)
+    shared = torch.arange(x["z_s"].shape[-1]) % 3 - 1  # some ids shared, some not
+
+    def value(z_s: torch.Tensor) -> torch.Tensor:
+        if loss == "uld":
+            return get_loss("uld")(z_s, x["values"], x["lse"], x["mask"])
+        return get_loss("gold")(z_s, x["values"], x["ids"], x["lse"], x["mask"], shared, temperature=2.0)
+
+    out = value(x["z_s"])
+    out.backward()
+    left_out = x["mask"] == 0
+    assert (x["z_s"].grad[left_out] == 0).all() and (x["z_s"].grad[~left_out] != 0).any()
+    moved = x["z_s"].detach().clone()
+    moved[left_out] = torch.randn(int(left_out.sum()), moved.shape[-1]) * 50
+    assert value(moved).item() == pytest.approx(out.item(), rel=1e-6)
 
 
 def test_shared_vocab_maps_equal_strings(tokenizers: tuple[Any, Any], tmp_path: Path) -> None:

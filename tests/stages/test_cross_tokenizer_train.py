@@ -54,6 +54,21 @@ def test_a_student_with_another_tokenizer_trains(setup: dict[str, Path]) -> None
     assert (setup["root"] / "gold" / "student" / "config.json").is_file()
 
 
+def test_the_cross_step_reads_nothing_back(setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The student's tokens come with the batch (made in the reader) and the span losses weigh rows instead of
+    selecting them: no host read of a device value inside a micro-step between log steps."""
+    from kdcache.stages.train.loop import run_training
+    from kdcache.stages.train.options import TrainOptions
+    from tests.helpers.sync_counter import SyncCounter
+
+    counter = SyncCounter(monkeypatch)
+    options = TrainOptions.of(cache=str(setup["cache"]), student=str(setup["student"]),
+                              out=str(setup["root"] / "nosync"), batch_size=4, lr=3e-3, log_every=4, max_steps=4,
+                              layer_map=["explicit:1-2"], cross_tokenizer="gold", export=False)
+    assert run_training(options)["steps"] == 4
+    assert counter.micro_steps == 4 and counter.calls == []
+
+
 def test_span_agreement_of_the_run_and_of_an_untrained_student(setup: dict[str, Path]) -> None:
     from transformers import AutoTokenizer
 
@@ -101,6 +116,13 @@ def test_without_the_option_another_tokenizer_is_refused(setup: dict[str, Path],
     assert main(_argv(setup, "cache", "plain")) == 2
     err = capsys.readouterr().err
     assert "vocab" in err and "Traceback" not in err
+
+
+def test_gold_other_refuses_a_temperature_it_cannot_apply(setup: dict[str, Path],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_argv(setup, "cache", "other-t2", "--cross-tokenizer", "gold", "--topk-kl", "other")) == 2
+    err = capsys.readouterr().err
+    assert "--topk-kl other" in err and "temperature is 2" in err and "Traceback" not in err
 
 
 def test_a_cache_without_texts_says_what_it_lacks(setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,23 +7,18 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.train import loop
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.stages.train.loop import run_training
 from kdcache.stages.train.options import TrainOptions
+from tests.helpers.sync_counter import SyncCounter
 from tests.helpers.tiny_models import make_tiny_gpt2
 from tests.stages._train_support import make_student_config, precompute_cache
-
-REPO = Path(loop.__file__).resolve().parents[2]  # the checkout whose stages/ and pipeline/ are kdcache
-SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")  # every way a tensor's value reaches the host
 
 
 @pytest.fixture(scope="module")
@@ -41,35 +36,6 @@ def _options(setup: dict[str, Path], name: str, **kw: object) -> TrainOptions:
                 batch_size=4, lr=3e-3, log_every=4, max_steps=8, zero_stage=0)
     base.update(kw)
     return TrainOptions.of(**base)  # type: ignore[arg-type]
-
-
-class SyncCounter:
-    """Counts the host reads of tensor values made by kdcache's own code inside ``_Trainer._micro_step``, from the
-    second micro-step on (the first runs the one-off checks of the student); records ``file:line`` of each."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.inside, self.micro_steps, self.calls = False, 0, []  # type: ignore[var-annotated]
-        for name in SYNCS:
-            monkeypatch.setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name)))
-        original = loop._Trainer._micro_step
-
-        def micro_step(trainer: loop._Trainer, *args: object) -> None:
-            self.inside = self.micro_steps > 0
-            try:
-                original(trainer, *args)  # type: ignore[arg-type]
-            finally:
-                self.inside, self.micro_steps = False, self.micro_steps + 1
-        monkeypatch.setattr(loop._Trainer, "_micro_step", micro_step)
-
-    def _counting(self, method):  # type: ignore[no-untyped-def]
-        def counted(tensor: torch.Tensor, *args: object):  # type: ignore[no-untyped-def]
-            if self.inside:
-                caller = sys._getframe(1)
-                path = Path(caller.f_code.co_filename)
-                if path.is_relative_to(REPO) and path.parts[len(REPO.parts)] in ("stages", "pipeline", "storage"):
-                    self.calls.append(f"{path.relative_to(REPO)}:{caller.f_lineno}")
-            return method(tensor, *args)
-        return counted
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.loss_rows import kl_terms, valid_count
-from kdcache.stages.train.losses._common import bool_mask, valid_rows
+from kdcache.stages.train.losses._common import bool_mask
 from kdcache.stages.train.losses.errors import LossError
 
 
@@ -86,14 +86,15 @@ def uld_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, lse: torch
         lse: ``[B, K]`` the teacher's logsumexp (0 for a log-prob cache).
         mask: ``[B, K]`` spans that count.
     """
-    n_valid = valid_count(bool_mask(mask, student_logits))
-    p_t = (valid_rows(topk_values, mask).float() - valid_rows(lse, mask).float()[:, None]).exp()
-    p_s = _sorted_student(valid_rows(student_logits, mask), p_t.shape[-1])
-    return (p_t - p_s).abs().sum() / n_valid
+    keep = bool_mask(mask, student_logits).reshape(-1)
+    p_t = (_rows(topk_values).float() - _rows(lse).float()[:, None]).exp()
+    p_s = _sorted_student(_rows(student_logits), p_t.shape[-1])
+    return _masked_mean((p_t - p_s).abs().sum(-1), keep)
 
 
 def gold_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor, lse: torch.Tensor,
-              mask: torch.Tensor, shared: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+              mask: torch.Tensor, shared: torch.Tensor, *, temperature: float = 1.0,
+              variant: str = "renorm") -> torch.Tensor:
     """GOLD's hybrid, mean over valid spans of ``w · T² KL(q_S ‖ r_S) + (1 − w) · ULD_U``.
 
     ``q = softmax(values / T)`` over the teacher's k ids; ``S`` the ids the student shares (``shared[id] >= 0``),
@@ -104,6 +105,12 @@ def gold_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids:
     GOLD excludes matched tokens from its ULD part). The weight ``w`` is kdcache's choice: TRL weighs the parts
     by fixed or count-based weights.
 
+    ``variant`` is the run's ``--topk-kl``, so one tokenizer on both sides gives the ordinary top-k KL of either
+    kind: ``renorm`` as above; ``other`` (T = 1 only) compares full-vocabulary probabilities on the shared ids plus
+    one bucket for the rest of each side's mass: p_t = exp(value − lse), p_s the student's softmax over its whole
+    vocabulary at the mapped ids. Only ``other`` moves the student's absolute mass onto the shared tokens the
+    teacher ranks high (``renorm`` sees their ratios alone).
+
     Args:
         student_logits: ``[B, K, V_s]``; topk_values, topk_ids: ``[B, K, k]``; lse, mask: ``[B, K]``.
         shared: ``[V_t]`` int64 from ``shared_vocab``, on the same device.
@@ -111,17 +118,35 @@ def gold_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids:
     """
     if temperature <= 0:
         raise LossError(f"temperature must be > 0, got {temperature}")
-    n_valid = valid_count(bool_mask(mask, student_logits))
-    z_s = valid_rows(student_logits, mask).float()
-    values, ids = valid_rows(topk_values, mask).float(), valid_rows(topk_ids, mask).long()
+    keep = bool_mask(mask, student_logits).reshape(-1)
+    z_s = _rows(student_logits).float()
+    values, ids = _rows(topk_values).float(), _rows(topk_ids).long()
     mapped = shared[ids]  # [N, k] student ids, -1 where unshared
     is_shared = mapped >= 0
     w = (F.softmax(values / temperature, dim=-1) * is_shared).sum(-1)
-    exact = _shared_kl(z_s, values, mapped, is_shared, temperature)
-    a = torch.where(is_shared, torch.zeros_like(values), (values - valid_rows(lse, mask).float()[:, None]).exp())
+    if variant == "other":
+        exact = _shared_other_kl(z_s, values - _rows(lse).float()[:, None], mapped, is_shared)
+    elif variant == "renorm":
+        exact = _shared_kl(z_s, values, mapped, is_shared, temperature)
+    else:
+        raise LossError(f"unknown top-k KL variant {variant!r} for gold; choose renorm or other")
+    a = torch.where(is_shared, torch.zeros_like(values), (values - _rows(lse).float()[:, None]).exp())
     a = torch.sort(a, dim=-1, descending=True).values
     uld = (a - _sorted_student(z_s, a.shape[-1], _shared_student_ids(shared, z_s.shape[-1])[None])).abs().sum(-1)
-    return (w * exact + (1.0 - w) * uld).sum() / n_valid
+    return _masked_mean(w * exact + (1.0 - w) * uld, keep)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, K, ...]`` -> ``[B·K, ...]``: every span row, counted or not. Unlike the token losses, which select
+    their rows (``valid_rows``: a boolean index, so a host sync), the span losses compute every row and weigh:
+    ``span_rows`` reads a real token for every row (a padded span reads the row's first), so no row holds the
+    inf or NaN that selection guards against, and the step needs no sync."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _masked_mean(per_row: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The mean of ``per_row [N]`` over ``keep [N]`` (0 when none), on the device."""
+    return torch.where(keep, per_row, torch.zeros_like(per_row)).sum() / valid_count(keep)
 
 
 def _shared_student_ids(shared: torch.Tensor, student_vocab: int) -> torch.Tensor:
@@ -143,3 +168,25 @@ def _shared_kl(z_s: torch.Tensor, values: torch.Tensor, mapped: torch.Tensor, is
     log_s = F.log_softmax(torch.where(keep, on_ids, neg), dim=-1)
     kl = kl_terms(log_t, torch.where(keep, log_s, torch.zeros_like(log_s))).sum(-1) * temperature**2
     return torch.where(any_shared.squeeze(-1), kl, torch.zeros_like(kl))
+
+
+def _shared_other_kl(z_s: torch.Tensor, log_t: torch.Tensor, mapped: torch.Tensor,
+                     is_shared: torch.Tensor) -> torch.Tensor:
+    """``[N]`` KL over the shared ids plus one rest bucket, at T = 1 (``gold_loss``'s ``other``).
+
+    Args:
+        z_s: ``[N, V_s]`` student logits; log_t: ``[N, k]`` the teacher's full-vocabulary log-probabilities of its
+            k ids; mapped, is_shared: ``[N, k]`` (see ``gold_loss``).
+    """
+    neg = torch.tensor(float("-inf"), device=z_s.device)
+    log_p_t = torch.where(is_shared, log_t, neg)
+    log_p_s = torch.where(is_shared, torch.gather(F.log_softmax(z_s, dim=-1), 1, mapped.clamp_min(0)), neg)
+    kept = torch.cat([log_p_t, _log_rest(log_p_t)[:, None]], -1), torch.cat([log_p_s, _log_rest(log_p_s)[:, None]], -1)
+    # unshared ids are -inf on both sides: 0 · log 0 terms, which kl_terms counts as 0
+    return kl_terms(kept[0], torch.where(torch.isinf(kept[0]) & torch.isinf(kept[1]), 0.0, kept[1])).sum(-1)
+
+
+def _log_rest(log_p: torch.Tensor) -> torch.Tensor:
+    """``[N]`` log(1 − Σ_j p_j) of ``[N, k]`` log-probabilities (-inf entries add nothing), kept finite: a side
+    whose listed ids hold all its mass (up to rounding) leaves a rest of 1e-12."""
+    return torch.log1p(-torch.logsumexp(log_p, -1).exp().clamp(max=1.0 - 1e-12))

@@ -1,0 +1,46 @@
+"""Counting the host reads of device values that kdcache's own code makes inside a training micro-step."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdcache.stages.train import loop
+
+REPO = Path(loop.__file__).resolve().parents[2]  # the checkout whose stages/ and pipeline/ are kdcache
+SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")  # every way a tensor's value reaches the host
+
+
+class SyncCounter:
+    """Counts the host reads of tensor values made by kdcache's own code inside ``_Trainer._micro_step``, from the
+    second micro-step on (the first runs the one-off checks of the student); records ``file:line`` of each.
+    Only the step's own thread counts: the reader's threads make batches on the host meanwhile (no device there)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.inside, self.micro_steps, self.calls = False, 0, []  # type: ignore[var-annotated]
+        self.thread = threading.get_ident()
+        for name in SYNCS:
+            monkeypatch.setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name)))
+        original = loop._Trainer._micro_step
+
+        def micro_step(trainer: loop._Trainer, *args: object) -> None:
+            self.inside, self.thread = self.micro_steps > 0, threading.get_ident()
+            try:
+                original(trainer, *args)  # type: ignore[arg-type]
+            finally:
+                self.inside, self.micro_steps = False, self.micro_steps + 1
+        monkeypatch.setattr(loop._Trainer, "_micro_step", micro_step)
+
+    def _counting(self, method):  # type: ignore[no-untyped-def]
+        def counted(tensor: torch.Tensor, *args: object):  # type: ignore[no-untyped-def]
+            if self.inside and threading.get_ident() == self.thread:
+                caller = sys._getframe(1)
+                path = Path(caller.f_code.co_filename)
+                if path.is_relative_to(REPO) and path.parts[len(REPO.parts)] in ("stages", "pipeline", "storage"):
+                    self.calls.append(f"{path.relative_to(REPO)}:{caller.f_lineno}")
+            return method(tensor, *args)
+        return counted
