@@ -126,7 +126,9 @@ def span_lines(result: dict[str, Any]) -> list[str]:
     top1 = result.get("span_top1")
     lines = [f"  {'span top-1':<16} " + ("n/a" if top1 is None else f"{top1:.4f}") + f" over {result['spans']:,} spans",
              f"  {'aligned share':<16} {result['aligned_share']:.4f}"]
+    pairs = [(s, t, f"s{s}_t{t}") for s, t in result.get("pairs", [])]
     for key, label in (("span_cka", "span CKA"), ("span_cosine", "span cosine")):
-        values = ", ".join(f"{k}: {v:.3f}" for k, v in result[key].items()) or "no pairs"
-        lines.append(f"  {label:<16} {values}" + (f" ({result['pairs_from']} map)" if result[key] else ""))
+        values = ", ".join(f"{s}->{t}: " + (f"{result[key][k]:.3f}" if k in result[key] else "n/a")
+                           for s, t, k in pairs)
+        lines.append(f"  {label:<16} " + (f"{values} ({result['pairs_from']} map)" if pairs else "no layer pairs"))
     return lines
