@@ -1,6 +1,8 @@
 """``kdcache train --cross-tokenizer`` end to end on the CPU (issue 35): a tiny Llama teacher's cache (BPE, with
 ``--record-text``) trains a tiny Llama student with a WordPiece tokenizer; a cache without texts is refused with a
-clear message, and without the option another tokenizer is refused as before.
+clear message, and without the option another tokenizer is refused as before. ``kdcache eval`` scores such runs
+(and their baselines) span by span against references written here from the formulas, a run without a layer map
+on the uniform map, and ``kdcache report`` shows the span columns.
 """
 
 from __future__ import annotations
@@ -156,7 +158,9 @@ def test_a_run_without_a_layer_map_gets_span_cka_on_the_uniform_map(setup: dict[
     """A CE-only run (--gamma 0) records no layer map; nor does a run not trained yet, whose baseline is scored
     with --cross-tokenizer (no options.json yet): span CKA falls back to the uniform map, named in the record."""
     from kdcache.stages.train.eval_records import find_eval
-    from kdcache.storage import read_json_object
+    from kdcache.stages.train.evaluate import EvaluationError
+    from kdcache.stages.train.span_eval import evaluate_spans
+    from kdcache.storage import CacheReader, read_json_object
 
     run = setup["root"] / "ce"
     assert main(_argv(setup, "cache", "ce", "--cross-tokenizer", "--beta", "0", "--gamma", "0")) == 0
@@ -167,6 +171,12 @@ def test_a_run_without_a_layer_map_gets_span_cka_on_the_uniform_map(setup: dict[
     _, _, cka = _reference(setup, run / "student", (2, 2))
     assert record["span_cka"] == {"s2_t2": pytest.approx(cka, abs=1e-4)} and record["span_cosine"] == {}
     assert any("uniform map" in n for n in record["notes"])
+    # the caller may fix the pairs (to compare runs whose maps differ on the same ones)
+    given = evaluate_spans(run, CacheReader(setup["cache"]), pairs=[(1, 2)])
+    _, _, cka = _reference(setup, run / "student", (1, 2))
+    assert given["pairs_from"] == "given" and given["span_cka"] == {"s1_t2": pytest.approx(cka, abs=1e-4)}
+    with pytest.raises(EvaluationError, match=r"teacher layers the cache holds \(\[0, 2\]\)"):
+        evaluate_spans(run, CacheReader(setup["cache"]), pairs=[(1, 1)])
     before = setup["root"] / "not-trained"
     assert main(["eval", "--cache", str(setup["cache"]), "--run", str(before), "--student", str(setup["student"]),
                  "--cross-tokenizer", "--json"]) == 0
