@@ -312,7 +312,8 @@ def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache
     return out_dir / "report.html"
 
 
-EVAL_RANKING = ("eval_spearman", "eval_perplexity", "eval_cka_final", "eval_cka_on_map")
+# span top-1 ranks a sweep of --cross-tokenizer runs (they have no perplexity: their tokens are not the cache's)
+EVAL_RANKING = ("eval_spearman", "eval_perplexity", "eval_span_top1", "eval_cka_final", "eval_cka_on_map")
 SHARED_TERM_ORDER = TERM_ORDER[1:]  # the term to rank by when totals differ
 
 

@@ -18,7 +18,10 @@ META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "da
 # (column, key in an evaluation record) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
 EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval_perplexity", "perplexity"),
                 ("eval_top1", "top1_agreement"), ("eval_kl", "kl"), ("eval_cka_final", "cka.final"),
-                ("eval_cka_on_map", "cka.mean_on_map"), ("eval_attention_kl", "attention.kl"))
+                ("eval_cka_on_map", "cka.mean_on_map"), ("eval_attention_kl", "attention.kl"),
+                # a --cross-tokenizer run's (kind "cross_tokenizer", stages.train.span_eval)
+                ("eval_span_top1", "span_top1"), ("eval_span_cosine", "span_cosine_mean"),
+                ("eval_span_cka", "span_cka_mean"), ("eval_aligned_share", "aligned_share"))
 
 
 # The report's words for each column: (short header, what it measures, higher is better). Raw keys stay in
@@ -35,6 +38,14 @@ METRIC_WORDS: dict[str, tuple[str, str, bool]] = {
     "eval_cka_on_map": ("CKA on the map", "mean linear CKA over the layer map's student/teacher pairs", True),
     "eval_attention_kl": ("attention KL", "attention KL(teacher‖student) per query row, mean over the run's block "
                           "pairs (from maps or from queries and keys)", False),
+    "eval_span_top1": ("span top-1", "share of aligned spans where the teacher's and the student's top "
+                       "predictions name the same next text (students with their own tokenizer)", True),
+    "eval_span_cosine": ("span cosine", "cosine of span-pooled hidden states through the run's projectors, mean "
+                         "over the layer pairs", True),
+    "eval_span_cka": ("span CKA", "linear CKA of span-pooled hidden states, mean over the layer pairs (the run's "
+                      "map, or the uniform one)", True),
+    "eval_aligned_share": ("aligned share", "share of teacher tokens aligned one to one with a student token",
+                           True),
     "loss": ("total loss", "the weighted sum of the loss terms", False),
     "ce": ("CE", "cross-entropy on the next token", False),
     "kl": ("KL", "distillation KL on the logits", False),

@@ -26,7 +26,11 @@ def register(subparsers: Subcommands) -> None:
                     "map. The student comes from RUN/student (role 'trained'), or from --student (role "
                     "'baseline', e.g. the initial student before training); the teacher's targets come from the "
                     "cache only. Each (role, cache) pair has its own file, naming the cache, its fingerprint "
-                    "and the sequences and tokens scored, so evaluations of one run never overwrite each other.")
+                    "and the sequences and tokens scored, so evaluations of one run never overwrite each other. "
+                    "A --cross-tokenizer run (RUN/options.json says so) is scored span by span on a cache with "
+                    "recorded texts (--record-text): span top-1 (the teacher's and the student's next text agree), "
+                    "span cosine and CKA of span-pooled hidden states on the run's layer map (the uniform map when "
+                    "it has none), and the aligned share; its tokens are the teacher's.")
     parser.add_argument("--cache", required=True, metavar="CACHE", help="the cache to evaluate against")
     parser.add_argument("--run", required=True, metavar="RUN",
                         help="the run directory: its student is scored (unless --student) and the result is kept "
@@ -39,6 +43,9 @@ def register(subparsers: Subcommands) -> None:
     parser.add_argument("--teacher-layer", type=int, default=None, metavar="J",
                         help="teacher layer for the final-state comparison (default: the deepest cached)")
     parser.add_argument("--device", default="cpu", help="where the student runs (cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--cross-tokenizer", action="store_true",
+                        help="score span agreement even where RUN/options.json does not name --cross-tokenizer "
+                             "(a baseline with its own tokenizer, scored before the run trains)")
     parser.add_argument("--json", action="store_true", help="print the evaluation as JSON instead of a summary")
     parser.set_defaults(func=run)
 
@@ -62,11 +69,18 @@ def run(args: argparse.Namespace) -> int:
     from kdcache.stages.train.checks import open_cache
     from kdcache.stages.train.eval_records import cache_identity, cache_label, eval_path
     from kdcache.stages.train.evaluate import evaluate_run
+    from kdcache.stages.train.span_eval import evaluate_cross_run, is_cross_run
 
     reader = open_cache(args.cache)
     run_dir = Path(args.run)
-    result = evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
-                          teacher_layer=args.teacher_layer, device=args.device, student=args.student)
+    if args.cross_tokenizer or is_cross_run(run_dir):
+        result = evaluate_cross_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
+                                    device=args.device, student=args.student)
+        if args.teacher_layer is not None:
+            result["notes"].append("--teacher-layer is not used across tokenizers (spans compare the map's pairs)")
+    else:
+        result = evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
+                              teacher_layer=args.teacher_layer, device=args.device, student=args.student)
     result["notes"] = teacher_notes(reader, run_dir) + result.get("notes", [])
     path = cache_identity(args.cache)
     label = cache_label(path, reader.fingerprints or {})
@@ -87,7 +101,8 @@ def format_eval(result: dict[str, Any], out: Path) -> str:
     cache = result["cache"]
     lines = [f"{result['kind']} student ({result['role']}: {result['student']})",
              f"  against {cache['path']} ({cache['label']}): {cache['sequences']:,} of {cache['cache_sequences']:,} "
-             f"sequences, {cache['tokens']:,} tokens"]
+             f"sequences, {cache['tokens']:,} {result.get('tokens_unit', 'tokens')}"]
+    lines += span_lines(result)
     for key, label in (("perplexity", "perplexity"), ("top1_agreement", "top-1 agreement"), ("kl", "KL(t||s)"),
                        ("cosine", "mean cosine"), ("spearman", "Spearman")):
         if isinstance(result.get(key), float):
@@ -102,3 +117,18 @@ def format_eval(result: dict[str, Any], out: Path) -> str:
     lines += [f"  note: {n}" for n in result.get("notes", [])]
     lines.append(f"  written to {out}")
     return "\n".join(lines)
+
+
+def span_lines(result: dict[str, Any]) -> list[str]:
+    """The span metrics of a cross-tokenizer evaluation, one per line (none for other kinds)."""
+    if "span_cka" not in result:
+        return []
+    top1 = result.get("span_top1")
+    lines = [f"  {'span top-1':<16} " + ("n/a" if top1 is None else f"{top1:.4f}") + f" over {result['spans']:,} spans",
+             f"  {'aligned share':<16} {result['aligned_share']:.4f}"]
+    pairs = [(s, t, f"s{s}_t{t}") for s, t in result.get("pairs", [])]
+    for key, label in (("span_cka", "span CKA"), ("span_cosine", "span cosine")):
+        values = ", ".join(f"{s}->{t}: " + (f"{result[key][k]:.3f}" if k in result[key] else "n/a")
+                           for s, t, k in pairs)
+        lines.append(f"  {label:<16} " + (f"{values} ({result['pairs_from']} map)" if pairs else "no layer pairs"))
+    return lines

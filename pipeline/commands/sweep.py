@@ -74,8 +74,10 @@ def run(args: argparse.Namespace) -> int:
         problems += exc.problems
         points = []
     if points and args.eval_cache and cache_exists(args.eval_cache):
-        for student in dict.fromkeys(p.options.run.student for p in points):  # a grid may vary the student
-            problems += _eval_cache_problems(args.eval_cache, student)
+        # a grid may vary the student, and whether it keeps the teacher's tokenizer
+        for student, cross in dict.fromkeys((p.options.run.student, bool(p.options.loss.cross_tokenizer))
+                                            for p in points):
+            problems += _eval_cache_problems(args.eval_cache, student, cross)
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
     problems += conflicts(points, launcher) if not problems else []
     if problems:
@@ -94,10 +96,14 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _eval_cache_problems(eval_cache: str, student: str) -> list[str]:
+def _eval_cache_problems(eval_cache: str, student: str, cross: bool) -> list[str]:
     """Every run's student keeps the vocabulary and tokenizer of ``student``: one that does not fit the eval cache
-    is refused before the first run, with the sentences `kdcache eval` and `kdcache train` use."""
+    is refused before the first run, with the sentences `kdcache eval` and `kdcache train` use. A
+    ``--cross-tokenizer`` run is scored span by span instead: its eval cache needs recorded texts."""
     from kdcache.stages.train.checks import open_cache
+    from kdcache.stages.train.cross_checks import text_problems
     from kdcache.stages.train.evaluate import student_folder_problems
 
-    return [f"--eval-cache {eval_cache!r}: {p}" for p in student_folder_problems(open_cache(eval_cache), student)]
+    reader = open_cache(eval_cache)
+    found = text_problems(reader, "span agreement") if cross else student_folder_problems(reader, student)
+    return [f"--eval-cache {eval_cache!r}: {p}" for p in found]

@@ -17,18 +17,8 @@ if TYPE_CHECKING:
 
 def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
     """What stops a cross-tokenizer run on this cache (in place of ``checks.vocab_problems``' tokenizer rules):
-    no recorded texts, or fewer than its sequences; two token streams; logits that are not a ranked top-k."""
-    problems = []
-    try:
-        texts = read_texts(reader.store, "--cross-tokenizer")
-        if len(texts) != len(reader):
-            problems.append(f"--cross-tokenizer: the cache's texts/ hold {len(texts)} texts for its {len(reader)} "
-                            f"sequences; it is damaged or from another cache (rebuild it with --record-text)")
-    except MissingTextError as exc:
-        problems.append(str(exc))
-    if len(reader.spec.streams) > 1:
-        problems.append(f"--cross-tokenizer aligns one token stream, but this cache holds {list(reader.spec.streams)} "
-                        f"(an encoder-decoder teacher's); train it without --cross-tokenizer")
+    ``text_problems``, and logits that are not a ranked top-k."""
+    problems = text_problems(reader, "--cross-tokenizer")
     if options.loss.kl_weight > 0 and reader.spec.logits and not logit_kinds.get(reader.spec.logits).ranked:
         problems.append(f"--cross-tokenizer compares the teacher's cached top-k across vocabularies, but this cache "
                         f"holds --logits {reader.spec.logits}; use a top-k cache or --beta 0")
@@ -38,6 +28,23 @@ def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
                         f"{_temperature(options):g}; use --temperature 1, or --topk-kl renorm")
     if options.loss.delta > 0:
         problems.append("--cross-tokenizer aligns hidden states and logits, not attention maps; set --delta 0")
+    return problems
+
+
+def text_problems(reader: CacheReader, what: str) -> list[str]:
+    """What stops aligning another tokenizer's tokens with this cache's, for ``what`` (training or evaluation):
+    no recorded texts, or not one per sequence; two token streams."""
+    problems = []
+    try:
+        texts = read_texts(reader.store, what)
+        if len(texts) != len(reader):
+            problems.append(f"{what}: the cache's texts/ hold {len(texts)} texts for its {len(reader)} "
+                            f"sequences; it is damaged or from another cache (rebuild it with --record-text)")
+    except MissingTextError as exc:
+        problems.append(str(exc))
+    if len(reader.spec.streams) > 1:
+        problems.append(f"{what} aligns one token stream, but this cache holds {list(reader.spec.streams)} "
+                        f"(an encoder-decoder teacher's); use a student with the teacher's tokenizer there")
     return problems
 
 

@@ -12,6 +12,10 @@ with the teacher's (``align``). Metrics, over the spans the teacher's KL would c
 * ``span_cka``: linear CKA of the span-pooled states per pair (projector-free, so runs without trained projectors
   and untrained students compare on it);
 * ``aligned_share``: teacher tokens one to one with a student token.
+
+The pairs are the run's layer map, or the uniform map when the run has none (``span_pairs``). ``kdcache eval``
+of a ``--cross-tokenizer`` run writes ``evaluate_cross_run``'s record (kind "cross_tokenizer"), which reports
+and sweeps read like any other evaluation.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import read_texts
 from kdcache.stages.train.cross_model import SpanAligner, _cache_tokenizer, teacher_masks
 from kdcache.stages.train.layer_maps import Pair, pair_key
@@ -46,36 +51,137 @@ class _Sums:
     """Running sums of one pass."""
 
     def __init__(self, pairs: list[Pair]):
-        self.agree = self.spans = self.one = self.tokens = 0.0
-        self.cos = {pair_key(p): 0.0 for p in pairs}
+        self.agree = self.spans = self.one = self.tokens = self.sequences = 0.0
+        self.cos: dict[str, float] = {}  # only the pairs whose widths meet (through a projector or equal)
         self.pooled: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {pair_key(p): [] for p in pairs}
 
 
 def evaluate_spans(run_dir: str | Path, reader: CacheReader, *, student: str | Path | None = None,
-                   batch_size: int = 16, limit: int | None = None) -> dict[str, Any]:
-    """Span-level agreement of the run's student (or ``student``, scored with the run's layer map) on ``reader``.
+                   batch_size: int = 16, limit: int | None = None, pairs: list[Pair] | None = None,
+                   device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Span-level agreement of the run's student (or ``student``) on ``reader``.
+
+    Args:
+        pairs: the (student layer, cached teacher layer) pairs pooled states are compared on; by default the
+            run's map, or where the run has none (a CE-only run, ``--gamma 0``; a baseline before training) the
+            uniform map over the cache's hidden layers (``evaluate.default_pairs``), so those rows get span CKA too.
+            The result names the pairs used, so runs are compared on the same ones.
 
     Returns:
-        ``{"span_top1", "span_cosine": {pair: value}, "span_cka": {pair: value}, "aligned_share", "spans"}``.
+        ``{"span_top1", "span_cosine": {pair: value}, "span_cka": {pair: value}, "span_cosine_mean",
+        "span_cka_mean", "pairs": [[s, t], ...], "pairs_from": "given" | "run" | "uniform", "aligned_share",
+        "spans", "sequences", "tokens" (the teacher tokens of the scored sequences), "notes"}``; ``span_top1`` is
+        None when the cache holds no ranked top-k logits, and ``span_cosine`` leaves out pairs it cannot measure.
     """
-    from transformers import AutoTokenizer
-
+    from kdcache.stages.common.hidden_codecs import load_projection
     from kdcache.stages.train.evaluate import load_run
     from kdcache.stages.train.streaming import to_device
 
     model, pairs_by_stream, projectors = load_run(run_dir, student)
-    pairs = pairs_by_stream.get("", [])
-    s_tok = AutoTokenizer.from_pretrained(str(student or Path(run_dir) / "student"))
-    t_tok = _cache_tokenizer(reader)
+    model.to(device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to; its stub takes no device
+    notes: list[str] = []
+    depth = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+    pairs, source = span_pairs(pairs_by_stream.get("", []), pairs, depth, sorted(reader.spec.hidden_layers), notes)
+    s_tok = _student_tokenizer(student or Path(run_dir) / "student")
+    logits = reader.spec.logits
+    ranked = logit_kinds.get(logits).ranked if logits else False
+    if not ranked:
+        notes.append("the cache holds no ranked top-k logits: no span top-1")
     aligner = SpanAligner(read_texts(reader.store, "span agreement"), s_tok,
                           getattr(model.config, "max_position_embeddings", None))
     names = ["input_ids", *(n for n in ("loss_mask", "position_ids") if n in reader.spec.token_arrays),
-             "logits/topk_ids", *(f"hidden/{t}" for _, t in pairs)]
-    sums = _Sums(pairs)
+             *(["logits/topk_ids"] if ranked else []), *(f"hidden/{t}" for _, t in pairs)]
+    sums, projection = _Sums(pairs), load_projection(reader)
+    tokenizers = (_cache_tokenizer(reader) if ranked else None, s_tok)
     for batch in _batches(reader, names, batch_size, limit):
-        batch = to_device(batch, "cpu", reader.spec.hidden_codec)
-        _update(sums, model, batch, aligner, (t_tok, s_tok), pairs, projectors)
-    return _result(sums)
+        batch = to_device(batch, device, reader.spec.hidden_codec, projection)
+        _update(sums, model, batch, aligner, tokenizers, pairs, projectors)
+    return {**_result(sums, ranked, notes), "pairs": [list(p) for p in pairs], "pairs_from": source}
+
+
+CROSS_KIND = "cross_tokenizer"  # an evaluation record's kind for a student with its own tokenizer
+TOKENS_UNIT = "teacher tokens"  # what such a record's ``tokens`` count (its spans are ``spans``)
+
+
+def is_cross_run(run_dir: str | Path) -> bool:
+    """Whether the run trained with ``--cross-tokenizer`` (its ``options.json`` says so)."""
+    from kdcache.storage import read_json_object
+
+    return bool(read_json_object(Path(run_dir) / "options.json").get("cross_tokenizer"))
+
+
+def evaluate_cross_run(run_dir: str | Path, reader: CacheReader, *, student: str | Path | None = None,
+                       batch_size: int = 16, limit: int | None = None,
+                       device: str | torch.device = "cpu") -> dict[str, Any]:
+    """``kdcache eval``'s result for a cross-tokenizer run: ``evaluate_spans``' metrics with ``kind``
+    "cross_tokenizer", the run's vocabulary loss, ``sequences``, ``tokens`` (the teacher tokens of the scored
+    sequences; ``tokens_unit`` says so, ``spans`` counts the span metrics' spans) and ``notes``.
+
+    Raises:
+        CacheCheckError: the cache has no recorded texts (written without ``--record-text``), not one per
+            sequence, or two token streams.
+    """
+    from kdcache.stages.train.checks import CacheCheckError
+    from kdcache.stages.train.cross_checks import text_problems
+    from kdcache.storage import read_json_object
+
+    problems = text_problems(reader, "span agreement (evaluating a student with its own tokenizer)")
+    if problems:
+        raise CacheCheckError(problems, what="evaluation cannot start")
+    result = evaluate_spans(run_dir, reader, student=student, batch_size=batch_size, limit=limit, device=device)
+    vocab_loss = read_json_object(Path(run_dir) / "options.json").get("cross_tokenizer")
+    return {"kind": CROSS_KIND, "cross_tokenizer": vocab_loss, **result, "tokens_unit": TOKENS_UNIT}
+
+
+def span_pairs(run_pairs: list[Pair], given: list[Pair] | None, depth: int, cached: list[int],
+               notes: list[str]) -> tuple[list[Pair], str]:
+    """The pairs span CKA and cosine compare, and where they come from (``evaluate_spans``' ``pairs``).
+
+    Args:
+        run_pairs: the run's hidden map (``plan.json``), empty for a run without a hidden term.
+        given: pairs named by the caller, or None.
+        depth: the student's block count (its hidden states are 0..depth).
+        cached: the hidden layers the evaluation cache holds.
+        notes: where a dropped pair is explained.
+
+    Raises:
+        EvaluationError: a given pair names a student layer past ``depth`` or a teacher layer the cache lacks.
+    """
+    from kdcache.stages.train.evaluate import EvaluationError, default_pairs
+
+    if given is not None:
+        bad = [p for p in given if not 0 <= p[0] <= depth or p[1] not in cached]
+        if bad:
+            raise EvaluationError(f"pairs {bad}: expected student layers 0..{depth} and teacher layers the cache "
+                                  f"holds ({cached})")
+        return list(given), "given"
+    if run_pairs:
+        kept = [p for p in run_pairs if p[1] in cached]
+        if len(kept) < len(run_pairs):
+            notes.append(f"pairs {[p for p in run_pairs if p not in kept]} of the run's map skipped: the evaluation "
+                         f"cache holds teacher layers {cached}")
+        return kept, "run"
+    pairs = default_pairs(list(range(depth + 1)), cached) if cached and depth else []
+    if pairs:
+        notes.append(f"no layer map in the run: span CKA and cosine on the uniform map {[list(p) for p in pairs]}")
+    return pairs, "uniform"
+
+
+def _student_tokenizer(folder: str | Path) -> Any:
+    """The student's own fast tokenizer (its tokens are aligned by their character offsets)."""
+    from transformers import AutoTokenizer
+
+    from kdcache.stages.train.evaluate import EvaluationError
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise EvaluationError(f"span agreement tokenizes the cache's texts with the student's own tokenizer, but "
+                              f"{str(folder)!r} holds none that loads ({exc}); save it beside the student") from exc
+    if not tokenizer.is_fast:
+        raise EvaluationError(f"the tokenizer at {str(folder)!r} is a slow (Python) tokenizer without character "
+                              f"offsets; save it with its tokenizer.json (a fast tokenizer)")
+    return tokenizer
 
 
 def _batches(reader: CacheReader, names: list[str], batch_size: int, limit: int | None) -> Iterator[Batch]:
@@ -90,17 +196,22 @@ def _batches(reader: CacheReader, names: list[str], batch_size: int, limit: int 
 
 def _update(sums: _Sums, model: torch.nn.Module, batch: dict[str, torch.Tensor], aligner: SpanAligner,
             tokenizers: tuple[Any, Any], pairs: list[Pair], projectors: dict[str, torch.Tensor]) -> None:
-    side = aligner.batch(batch["sample_ids"].tolist(), teacher_masks(batch))
+    """Add one batch: its counted spans' top-1 agreement (when the teacher's tokenizer is given), the aligned
+    tokens, and per pair the span-pooled states ``[S, d]`` (and their cosine where the widths meet)."""
+    device = batch["mask"].device
+    side = {k: v.to(device) for k, v in aligner.batch(batch["sample_ids"].tolist(), teacher_masks(batch)).items()}
     with torch.no_grad():
         out = model(input_ids=side["student/input_ids"], attention_mask=side["student/mask"], output_hidden_states=True)
     t_masks = token_masks(batch["mask"], batch.get("loss_mask"), batch.get("position_ids"), causal=True)
     counted = side["span_real"].bool() & span_rows(t_masks.predicts, side["teacher_last"])
-    t_top = span_rows(batch["logits/topk_ids"][..., 0], side["teacher_last"])[counted].long().tolist()
-    s_top = span_rows(out.logits.argmax(-1), side["student_last"])[counted].tolist()
     t_tok, s_tok = tokenizers
-    sums.agree += sum(same_next_text(t_tok.decode([a]), s_tok.decode([b])) for a, b in zip(t_top, s_top))
-    sums.spans += len(t_top)
+    if t_tok is not None:
+        t_top = span_rows(batch["logits/topk_ids"][..., 0], side["teacher_last"])[counted].long().tolist()
+        s_top = span_rows(out.logits.argmax(-1), side["student_last"])[counted].tolist()
+        sums.agree += sum(same_next_text(t_tok.decode([a]), s_tok.decode([b])) for a, b in zip(t_top, s_top))
+    sums.spans += int(counted.sum())
     sums.one, sums.tokens = sums.one + float(side["aligned"][0]), sums.tokens + float(side["aligned"][1])
+    sums.sequences += len(side["span_real"])
     k = side["span_real"].shape[1]
     for s, t in pairs:
         h_s = span_mean(out.hidden_states[s], side["student_span"], k)[counted]
@@ -108,9 +219,10 @@ def _update(sums: _Sums, model: torch.nn.Module, batch: dict[str, torch.Tensor],
         sums.pooled[pair_key((s, t))].append((h_s, h_t))
         weight, bias = _projector(projectors, pair_key((s, t)))
         if weight is not None:
-            h_s = F.linear(h_s, weight, bias)
+            h_s = F.linear(h_s, weight.to(h_s), None if bias is None else bias.to(h_s))
         if h_s.shape[-1] == h_t.shape[-1]:
-            sums.cos[pair_key((s, t))] += float(F.cosine_similarity(h_s, h_t, dim=-1).sum())
+            key = pair_key((s, t))
+            sums.cos[key] = sums.cos.get(key, 0.0) + float(F.cosine_similarity(h_s, h_t, dim=-1).sum())
 
 
 def _projector(projectors: dict[str, torch.Tensor], key: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -119,11 +231,22 @@ def _projector(projectors: dict[str, torch.Tensor], key: str) -> tuple[torch.Ten
     return found.get("weight"), found.get("bias")
 
 
-def _result(sums: _Sums) -> dict[str, Any]:
+def _result(sums: _Sums, ranked: bool, notes: list[str]) -> dict[str, Any]:
+    """The metrics of a pass (``evaluate_spans``' return, less its pairs)."""
     cka = {}
-    for key, parts in sums.pooled.items():
+    for key, parts in ((k, v) for k, v in sums.pooled.items() if v):
         h_s, h_t = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        cka[key] = float(linear_cka(h_s[None], h_t[None], torch.ones(1, len(h_s))))
+        cka[key] = float(linear_cka(h_s[None].float(), h_t[None].float(), torch.ones(1, len(h_s)).to(h_s)))
+    unmeasured = [key for key in sums.pooled if key not in sums.cos]
+    if unmeasured:
+        notes.append(f"no span cosine for {unmeasured}: the widths differ and the student has no trained projector")
     spans = max(sums.spans, 1.0)
-    return {"span_top1": sums.agree / spans, "span_cosine": {k: v / spans for k, v in sums.cos.items()},
-            "span_cka": cka, "aligned_share": sums.one / max(sums.tokens, 1.0), "spans": int(sums.spans)}
+    cosine = {k: v / spans for k, v in sums.cos.items()}
+    return {"span_top1": sums.agree / spans if ranked else None, "span_cosine": cosine, "span_cka": cka,
+            "span_cosine_mean": _mean(cosine), "span_cka_mean": _mean(cka),
+            "aligned_share": sums.one / max(sums.tokens, 1.0), "spans": int(sums.spans),
+            "sequences": int(sums.sequences), "tokens": int(sums.tokens), "notes": notes}
+
+
+def _mean(values: dict[str, float]) -> float | None:
+    return sum(values.values()) / len(values) if values else None

@@ -1,6 +1,8 @@
 """``kdcache train --cross-tokenizer`` end to end on the CPU (issue 35): a tiny Llama teacher's cache (BPE, with
 ``--record-text``) trains a tiny Llama student with a WordPiece tokenizer; a cache without texts is refused with a
-clear message, and without the option another tokenizer is refused as before.
+clear message, and without the option another tokenizer is refused as before. ``kdcache eval`` scores such runs
+(and their baselines) span by span against references written here from the formulas, a run without a layer map
+on the uniform map, and ``kdcache report`` shows the span columns.
 """
 
 from __future__ import annotations
@@ -70,12 +72,7 @@ def test_the_cross_step_reads_nothing_back(setup: dict[str, Path], monkeypatch: 
 
 
 def test_span_agreement_of_the_run_and_of_an_untrained_student(setup: dict[str, Path]) -> None:
-    from transformers import AutoTokenizer
-
-    from kdcache.stages.common.cache_texts import read_texts
-    from kdcache.stages.train.align import align, student_ends
-    from kdcache.stages.train.span_eval import evaluate_spans, same_next_text
-    from kdcache.stages.train.student import load_student
+    from kdcache.stages.train.span_eval import evaluate_spans
     from kdcache.storage import CacheReader
 
     reader = CacheReader(setup["cache"])
@@ -85,23 +82,134 @@ def test_span_agreement_of_the_run_and_of_an_untrained_student(setup: dict[str, 
     assert trained["spans"] == untrained["spans"] > 0 and 0 < trained["aligned_share"] < 1
     assert set(trained["span_cka"]) == {"s1_t2"} and 0 <= trained["span_cka"]["s1_t2"] <= 1
     assert -1 <= trained["span_cosine"]["s1_t2"] <= 1  # through the run's projector (16 -> 32)
-    # reference for the untrained student: sequence by sequence; plain text trains every token, so every span
-    # counts (the teacher's KL counts a row's last token too: it predicts from the teacher's cached distribution)
-    model = load_student(setup["student"], seed=0).eval()
-    s_tok, t_tok = AutoTokenizer.from_pretrained(str(setup["student"])), AutoTokenizer.from_pretrained(
+    assert untrained["span_cosine"] == {}  # 16 -> 32 and no trained projector: not measurable
+    agree, spans, cka = _reference(setup, setup["student"], (1, 2))
+    assert untrained["spans"] == spans
+    assert untrained["span_top1"] == pytest.approx(agree / spans)
+    assert untrained["span_cka"]["s1_t2"] == pytest.approx(cka, abs=1e-4)
+
+
+def _reference(setup: dict[str, Path], student: Path, pair: tuple[int, int]) -> tuple[int, int, float]:
+    """(agreeing spans, spans, linear CKA of the span-pooled states of ``pair``) of ``student`` on the cache,
+    sequence by sequence from the formulas. Plain text trains every token, so every span counts (the teacher's KL
+    counts a row's last token too: it predicts from the teacher's cached distribution)."""
+    from transformers import AutoTokenizer
+
+    from kdcache.stages.common.cache_texts import read_texts
+    from kdcache.stages.train.align import align, student_ends
+    from kdcache.stages.train.span_eval import same_next_text
+    from kdcache.stages.train.student import load_student
+    from kdcache.storage import CacheReader
+
+    reader = CacheReader(setup["cache"])
+    model = load_student(student, seed=0).eval()
+    s_tok, t_tok = AutoTokenizer.from_pretrained(str(student)), AutoTokenizer.from_pretrained(
         str(setup["cache"] / "tokenizer"))
-    texts, agree, spans = read_texts(reader.store), 0, 0
+    texts, agree, spans, pooled = read_texts(reader.store), 0, 0, []
     for i in range(len(reader)):
         ids, ends = student_ends(s_tok, texts.texts[i], max_length=128)
         a = align(texts.ends[i], ends)
         with torch.no_grad():
-            top = model(torch.as_tensor(ids)[None]).logits[0].argmax(-1)
-        t_ids = reader[i]["logits/topk_ids"][:, 0]
-        for t, s in zip(a.last("teacher"), a.last("student")):
+            out = model(torch.as_tensor(ids)[None], output_hidden_states=True)
+        row = reader[i]
+        t_ids, h_t = row["logits/topk_ids"][:, 0], torch.as_tensor(row[f"hidden/{pair[1]}"]).double()
+        for k, (t, s) in enumerate(zip(a.last("teacher"), a.last("student"))):
             spans += 1
-            agree += same_next_text(t_tok.decode([int(t_ids[t])]), s_tok.decode([int(top[s])]))
-    assert untrained["spans"] == spans
-    assert untrained["span_top1"] == pytest.approx(agree / spans)
+            agree += same_next_text(t_tok.decode([int(t_ids[t])]), s_tok.decode([int(out.logits[0, s].argmax())]))
+            pooled.append((out.hidden_states[pair[0]][0][torch.as_tensor(a.student_span == k)].double().mean(0),
+                           h_t[torch.as_tensor(a.teacher_span == k)].mean(0)))
+    y, x = (torch.stack([p[j] for p in pooled]) for j in (0, 1))
+    y, x = y - y.mean(0), x - x.mean(0)  # CKA = ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F) of the centred rows
+    return agree, spans, float((y.T @ x).norm() ** 2 / ((x.T @ x).norm() * (y.T @ y).norm()))
+
+
+def test_kdcache_eval_scores_the_run_and_its_baseline_by_spans(setup: dict[str, Path],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from kdcache.stages.train.eval_records import find_eval
+    from kdcache.stages.train.span_eval import evaluate_spans
+    from kdcache.storage import CacheReader
+
+    run, reader = setup["root"] / "gold", CacheReader(setup["cache"])
+    assert main(["eval", "--cache", str(setup["cache"]), "--run", str(run), "--batch-size", "5"]) == 0
+    out = capsys.readouterr().out
+    trained = find_eval(run, "trained")
+    assert trained is not None and trained["kind"] == "cross_tokenizer" and trained["cross_tokenizer"] == "gold"
+    direct = evaluate_spans(run, reader, batch_size=4)
+    agree, spans, cka = _reference(setup, run / "student", (1, 2))
+    assert trained["span_top1"] == pytest.approx(direct["span_top1"]) and direct["span_top1"] == pytest.approx(
+        agree / spans)
+    assert trained["spans"] == spans and trained["pairs"] == [[1, 2]] and trained["pairs_from"] == "run"
+    assert trained["span_cka"]["s1_t2"] == pytest.approx(cka, abs=1e-4) == trained["span_cka_mean"]
+    assert trained["span_cosine_mean"] == pytest.approx(direct["span_cosine"]["s1_t2"])
+    tokens = sum(len(reader[i]["input_ids"]) for i in range(len(reader)))  # every row's teacher tokens
+    assert trained["cache"]["sequences"] == len(reader) and trained["cache"]["tokens"] == tokens
+    assert trained["tokens_unit"] == "teacher tokens" and trained["role"] == "trained"
+    assert f"span top-1       {trained['span_top1']:.4f}" in out and "teacher tokens" in out
+    assert main(["eval", "--cache", str(setup["cache"]), "--run", str(run), "--student", str(setup["student"]),
+                 "--json"]) == 0
+    baseline = find_eval(run, "baseline")
+    agree, _, cka = _reference(setup, setup["student"], (1, 2))
+    assert baseline is not None and baseline["role"] == "baseline"
+    assert baseline["span_top1"] == pytest.approx(agree / spans)
+    assert baseline["span_cka"]["s1_t2"] == pytest.approx(cka, abs=1e-4)
+
+
+def test_the_run_report_shows_the_span_columns(setup: dict[str, Path]) -> None:
+    from kdcache.pipeline.report_html import fmt
+    from kdcache.stages.train.eval_records import read_evals
+
+    run = setup["root"] / "gold"
+    evals = read_evals(run)  # the previous test's baseline and trained records
+    assert [e["role"] for e in evals] == ["baseline", "trained"]
+    assert main(["report", str(run), "--out", str(setup["root"] / "gold-report")]) == 0
+    page = (setup["root"] / "gold-report" / "report.html").read_text()
+    for header in ("span top-1 ↑", "span CKA ↑", "span cosine ↑", "aligned share ↑"):
+        assert header in page, header
+    for record in evals:
+        for key in ("span_top1", "span_cka_mean", "aligned_share"):
+            assert f"<td>{fmt(record[key])}</td>" in page, (record["role"], key)
+
+
+def test_a_run_without_a_layer_map_gets_span_cka_on_the_uniform_map(setup: dict[str, Path]) -> None:
+    """A CE-only run (--gamma 0) records no layer map; nor does a run not trained yet, whose baseline is scored
+    with --cross-tokenizer (no options.json yet): span CKA falls back to the uniform map, named in the record."""
+    from kdcache.stages.train.eval_records import find_eval
+    from kdcache.stages.train.evaluate import EvaluationError
+    from kdcache.stages.train.span_eval import evaluate_spans
+    from kdcache.storage import CacheReader, read_json_object
+
+    run = setup["root"] / "ce"
+    assert main(_argv(setup, "cache", "ce", "--cross-tokenizer", "--beta", "0", "--gamma", "0")) == 0
+    assert read_json_object(run / "plan.json")["hidden_pairs"] == []
+    assert main(["eval", "--cache", str(setup["cache"]), "--run", str(run), "--json"]) == 0
+    record = find_eval(run, "trained")
+    assert record is not None and record["pairs"] == [[2, 2]] and record["pairs_from"] == "uniform"
+    _, _, cka = _reference(setup, run / "student", (2, 2))
+    assert record["span_cka"] == {"s2_t2": pytest.approx(cka, abs=1e-4)} and record["span_cosine"] == {}
+    assert any("uniform map" in n for n in record["notes"])
+    # the caller may fix the pairs (to compare runs whose maps differ on the same ones)
+    given = evaluate_spans(run, CacheReader(setup["cache"]), pairs=[(1, 2)])
+    _, _, cka = _reference(setup, run / "student", (1, 2))
+    assert given["pairs_from"] == "given" and given["span_cka"] == {"s1_t2": pytest.approx(cka, abs=1e-4)}
+    with pytest.raises(EvaluationError, match=r"teacher layers the cache holds \(\[0, 2\]\)"):
+        evaluate_spans(run, CacheReader(setup["cache"]), pairs=[(1, 1)])
+    before = setup["root"] / "not-trained"
+    assert main(["eval", "--cache", str(setup["cache"]), "--run", str(before), "--student", str(setup["student"]),
+                 "--cross-tokenizer", "--json"]) == 0
+    baseline = find_eval(before, "baseline")
+    _, _, cka = _reference(setup, setup["student"], (2, 2))
+    assert baseline is not None and baseline["span_cka"] == {"s2_t2": pytest.approx(cka, abs=1e-4)}
+
+
+def test_eval_on_a_cache_without_texts_exits_2(setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from kdcache.pipeline.commands.sweep import _eval_cache_problems
+
+    assert main(["eval", "--cache", str(setup["old"]), "--run", str(setup["root"] / "gold")]) == 2
+    err = capsys.readouterr().err
+    assert "no recorded text" in err and "--record-text" in err and "Traceback" not in err
+    # a sweep of --cross-tokenizer runs refuses the same eval cache before its first run
+    assert any("--record-text" in p for p in _eval_cache_problems(str(setup["old"]), str(setup["student"]), True))
+    assert _eval_cache_problems(str(setup["cache"]), str(setup["student"]), True) == []
 
 
 def test_next_text_agreement_rule() -> None:
