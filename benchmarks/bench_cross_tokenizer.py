@@ -1,20 +1,21 @@
 """Cross-tokenizer distillation from a cache (issue 35), end to end on the CPU.
 
 A tiny Llama teacher (byte-level BPE; random weights, then ``--teacher-steps`` of next-token training on the
-training texts, so its predictions are worth agreeing with) is cached with ``--record-text`` on a training set and on held-out
-texts; a tiny Llama student with a WordPiece tokenizer (another vocabulary, lower-cased) trains from the training
-cache for ``--steps`` steps, three ways:
+training texts, so its predictions are worth agreeing with) is cached with ``--record-text`` on a training set and
+on held-out texts. A tiny Llama student with a WordPiece tokenizer (another vocabulary, lower-cased) trains from
+the training cache for ``--steps`` steps, four ways beside the untrained student:
 
 * ``untrained``: the random student, no step;
 * ``ce``: ``--cross-tokenizer --beta 0 --gamma 0``: CE on its own tokens only;
-* ``gold`` / ``uld``: ``--cross-tokenizer gold|uld``: CE + the vocabulary term + the span-pooled hidden term.
+* ``gold`` / ``uld``: ``--cross-tokenizer gold|uld``: CE + the vocabulary term + the span-pooled hidden term;
+* ``gold_other``: ``gold`` with ``--topk-kl other --temperature 1`` (its exact part on absolute probabilities).
 
-Each is scored on the held-out cache by ``span_eval.evaluate_spans`` (span top-1 agreement, span CKA, aligned
-share). For the stage-two speed, the same student shape with the teacher's own tokenizer trains on the ordinary
-path (top-k KL + hidden) and on the cross path (``gold``, every span one token) for the same steps. Speeds come from the run's own log (``metrics.jsonl``): steps and
-teacher tokens between the first logged step and the last, over the time between them, so DeepSpeed's start and
-the first steps' warm-up are left out. The runs alternate (ce, gold, uld, same) ``--repeats`` times; the best of each
-is kept (the machine is shared).
+Each is scored on the held-out cache by ``span_eval.evaluate_spans`` (span top-1 agreement, span CKA and cosine,
+aligned share). For the stage-two speed, the same student shape with the teacher's own tokenizer trains on the
+ordinary path (top-k KL + hidden) and on the cross path (``gold``, every span one token) for the same steps.
+Speeds come from the run's own log (``metrics.jsonl``): steps and teacher tokens between the first logged step
+and the last, over the time between them, so DeepSpeed's start and the first steps' warm-up are left out. The
+runs alternate ``--repeats`` times; the best of each is kept (the machine is shared).
 
 Usage: ``python benchmarks/bench_cross_tokenizer.py [--steps 300 --sentences 400]``; prints JSON and a table.
 """
@@ -113,6 +114,7 @@ def run(steps: int, sentences: int, repeats: int = 2, teacher_steps: int = 300) 
     results: dict[str, Any] = {"steps": steps, "teacher_steps": teacher_steps, "train_sequences": len(CacheReader(train)), "held_out": len(held),
                                "root": str(root)}
     runs = {"ce": (wp, "--cross-tokenizer", "--beta", "0", "--gamma", "0"), "gold": (wp, "--cross-tokenizer", "gold"),
+            "gold_other": (wp, "--cross-tokenizer", "gold", "--topk-kl", "other", "--temperature", "1"),
             "uld": (wp, "--cross-tokenizer", "uld"), "same": (same,), "same_cross": (same, "--cross-tokenizer", "gold")}
     speeds: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for _ in range(repeats):  # alternating sides, best of each kept
@@ -121,7 +123,7 @@ def run(steps: int, sentences: int, repeats: int = 2, teacher_steps: int = 300) 
     for name, found in speeds.items():
         results[f"{name}_speed"] = max(found, key=lambda r: r["steps_per_s"])
     results["untrained"] = evaluate_spans(root / "ce", held, student=wp)
-    for name in ("ce", "gold", "uld"):
+    for name in ("ce", "gold", "gold_other", "uld"):
         results[name] = evaluate_spans(root / name, held)
     return results
 
@@ -130,7 +132,7 @@ def table(r: dict[str, Any]) -> str:
     same = r["same_speed"]["steps_per_s"]
     rows = ["| student | span top-1 | span CKA (s2-t2) | span cosine (s2-t2) | aligned share | steps/s | vs same "
             "tokenizer |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name in ("untrained", "ce", "gold", "uld"):
+    for name in ("untrained", "ce", "gold", "gold_other", "uld"):
         m, speed = r[name], r.get(f"{name}_speed", {}).get("steps_per_s")
         rows.append(f"| {name} | {m['span_top1']:.3f} ({round(m['span_top1'] * m['spans'])} / {m['spans']}) | "
                     f"{m['span_cka'].get('s2_t2', float('nan')):.3f} | "
