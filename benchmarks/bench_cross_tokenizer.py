@@ -96,14 +96,16 @@ def _train(cache: Path, student: Path, out: Path, steps: int, *extra: str) -> di
             "tokens_per_s": sum(r["tokens"] for r in rows[1:]) / seconds}
 
 
-def run(steps: int, sentences: int, repeats: int = 2, teacher_steps: int = 300) -> dict[str, Any]:
+def run(steps: int, sentences: int, repeats: int = 2, teacher_steps: int = 300,
+        root: Path | None = None) -> dict[str, Any]:
+    """Every run of the module docstring, under ``root`` (a fresh temporary folder by default, kept)."""
     from transformers import AutoTokenizer
 
     from kdcache.stages.train.span_eval import evaluate_spans
     from kdcache.storage import CacheReader
     from tests.helpers.tiny_models import make_tiny_llama, sample_texts, train_wordpiece_tokenizer
 
-    root = Path(tempfile.mkdtemp(prefix="kdcache-bench-cross-"))
+    root = root or Path(tempfile.mkdtemp(prefix="kdcache-bench-cross-"))
     teacher = make_tiny_llama(root / "teacher", layers=2, hidden=32)
     if teacher_steps:
         _train_teacher(teacher, sample_texts(sentences, seed=1), teacher_steps)
