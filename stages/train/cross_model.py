@@ -5,6 +5,8 @@ The cache's batch holds the teacher's tokens and targets and each row's global s
 tokenizer and aligned with the teacher's tokens once per sequence (``SpanAligner``, kept for later epochs). Then:
 
 * CE on the student's own tokens (its loss mask: the spans holding a trained teacher token, ``align.student_mask``);
+  like the vocabulary term, it builds the student's logits chunk by chunk from its last hidden state and LM head
+  (``student_head``: the ordinary path's rule and fallback), never ``[B, L_s, V_s]`` at once;
 * the vocabulary term, ``gold`` or ``uld`` (``losses.cross_vocab``), between the teacher's cached top-k at each
   span's last teacher token and the student's logits at the span's last student token, counted where the
   teacher's own KL would count that token (``masks.token_masks(...).predicts``);
@@ -27,10 +29,19 @@ import torch
 from torch import nn
 
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
+from kdcache.stages.common.head_logits import HeadLogits
+from kdcache.stages.common.vocab_pass import term_value
 from kdcache.stages.train.align import Alignment, align, aligned_share, student_ends, student_mask
-from kdcache.stages.train.losses import causal_ce, get_loss
-from kdcache.stages.train.losses.cross_vocab import shared_vocab, span_mean, span_rows
+from kdcache.stages.train.losses import causal_ce
+from kdcache.stages.train.losses.cross_vocab import (
+    cross_vocab_term,
+    shared_student_ids,
+    shared_vocab,
+    span_mean,
+    span_rows,
+)
 from kdcache.stages.train.masks import token_masks
+from kdcache.stages.train.student_head import base_forward, choose_head
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -118,14 +129,21 @@ class CrossDistillModel(nn.Module):
     with its projectors, for the span-pooled hidden term) and the vocabulary term (module docstring)."""
 
     def __init__(self, student: PreTrainedModel, criterion: DistillLoss, aligner: SpanAligner, shared: torch.Tensor,
-                 *, vocab_loss: str, alpha: float, beta: float, temperature: float, topk_kl: str = "renorm"):
+                 *, vocab_loss: str, alpha: float, beta: float, temperature: float, topk_kl: str = "renorm",
+                 announce: bool = False):
         super().__init__()
         # The aligner runs in the reader (``aligner.extend``, the stream's extension); the model reads its arrays.
         self.student, self.criterion, self.aligner = student, criterion, aligner
         self.register_buffer("shared", shared, persistent=False)
         self.vocab_loss, self.alpha, self.beta, self.temperature = vocab_loss, alpha, beta, temperature
         self.topk_kl = topk_kl  # GOLD's exact part follows the run's --topk-kl (losses.cross_vocab.gold_loss)
+        vocab = int(getattr(student.config, "vocab_size", 0) or 0)
+        self.register_buffer("student_shared", shared_student_ids(shared, vocab), persistent=False)
         self.want_hidden = any(part.layer_map for part in (criterion.part(s) for s in criterion.streams))
+        # The LM head the losses apply chunk by chunk (``student_head``), decided on the first batch; a tuple keeps
+        # it out of the registered submodules (the state dict stays the student's).
+        self._head: tuple[nn.Linear | None] | None = None
+        self.announce = announce  # say which path the vocabulary terms take (rank 0, without --quiet)
 
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Args: the teacher's batch on the device (``streaming.collate`` + ``to_device``), with the student's side
@@ -135,8 +153,7 @@ class CrossDistillModel(nn.Module):
         if missing:  # a stream built without the aligner's extension: a wiring fault, not a user's
             raise RuntimeError(f"cross-tokenizer batch lacks {missing}: stream it with SpanAligner.extend")
         side = {k: batch[k] for k in SIDE_KEYS}
-        out = self.student(input_ids=side["student/input_ids"], attention_mask=side["student/mask"],
-                           output_hidden_states=self.want_hidden)
+        out = self._student_forward(side)
         s_masks = token_masks(side["student/mask"], side["student/loss_mask"], causal=True)
         t_masks = token_masks(batch["mask"], batch.get("loss_mask"), batch.get("position_ids"), causal=True)
         real = side["span_real"].bool()
@@ -158,17 +175,28 @@ class CrossDistillModel(nn.Module):
         return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs,
                 "aligned_share": (share[0] / share[1].clamp_min(1.0)).to(device)}
 
-    def _vocab_term(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor], side: Mapping[str, torch.Tensor],
-                    mask: torch.Tensor) -> torch.Tensor:
+    def _student_forward(self, side: Mapping[str, torch.Tensor]) -> Any:
+        """The student on its own tokens: ``logits`` as ``HeadLogits`` where its head is a plain linear layer (the
+        ``[B, L_s, V_s]`` logits never built, as on the ordinary path), else materialised."""
+        inputs = {"input_ids": side["student/input_ids"], "attention_mask": side["student/mask"]}
+        if self._head is None:
+            self._head = (choose_head(self.student, inputs, one_stream=True, announce=self.announce),)
+        head = self._head[0]
+        if head is None:
+            return self.student(**inputs, output_hidden_states=self.want_hidden)
+        return base_forward(self.student, head, inputs, hidden=self.want_hidden, attentions=False)
+
+    def _vocab_term(self, logits: torch.Tensor | HeadLogits, batch: Mapping[str, torch.Tensor],
+                    side: Mapping[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """``gold`` or ``uld`` over the spans ``mask [B, K]`` counts, in one chunked pass over the span rows."""
         t_last, s_last = side["teacher_last"], side["student_last"]
-        values = span_rows(batch["logits/topk_values"], t_last)
+        values, ids = span_rows(batch["logits/topk_values"], t_last), span_rows(batch["logits/topk_ids"], t_last)
         lse = span_rows(batch["logits/lse"], t_last) if "logits/lse" in batch else values.new_zeros(values.shape[:2])
-        z_s = span_rows(logits, s_last)
-        if self.vocab_loss == "uld":
-            return get_loss("uld")(z_s, values, lse, mask)  # type: ignore[return-value]
-        ids = span_rows(batch["logits/topk_ids"], t_last)
-        return get_loss("gold")(z_s, values, ids, lse, mask, self.shared,  # type: ignore[return-value]
-                                temperature=self.temperature, variant=self.topk_kl)
+        at_spans = (HeadLogits(span_rows(logits.hidden, s_last), logits.weight, logits.bias)
+                    if isinstance(logits, HeadLogits) else span_rows(logits, s_last))
+        return term_value(at_spans, cross_vocab_term(self.vocab_loss, at_spans, values, ids, lse, mask, self.shared,
+                                                     self.student_shared, temperature=self.temperature,
+                                                     variant=self.topk_kl))
 
     def _hidden_terms(self, states: tuple[torch.Tensor, ...], batch: Mapping[str, torch.Tensor],
                       side: Mapping[str, torch.Tensor], trained: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -212,7 +240,7 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
     loss = options.loss
     return CrossDistillModel(student, criterion, SpanAligner(texts, tokenizer, max_length), shared,
                              vocab_loss=loss.cross_tokenizer or "gold", alpha=loss.ce_weight, beta=loss.kl_weight,
-                             temperature=resolved_temperature(loss), topk_kl=loss.topk_kl)
+                             temperature=resolved_temperature(loss), topk_kl=loss.topk_kl, announce=announce)
 
 
 def _cache_tokenizer(reader: CacheReader) -> PreTrainedTokenizerBase:

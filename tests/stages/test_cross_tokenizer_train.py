@@ -288,3 +288,40 @@ def _with_bos(tokenizer: object) -> object:
     def call(text: str, **kw: object) -> object:
         return tokenizer(text, **{**kw, "add_special_tokens": True})  # type: ignore[operator]
     return call
+
+
+@pytest.mark.parametrize("loss", ["gold", "uld"])
+def test_the_chunked_head_gives_the_materialised_logits_values_and_gradients(setup: dict[str, Path],
+                                                                             loss: str) -> None:
+    """The cross path builds the student's span logits chunk by chunk from its head; the same step with the
+    student's own materialised logits is the reference (train mode), for every term and every gradient."""
+    from kdcache.stages.train.distill import build_criterion
+    from kdcache.stages.train.loop import prepare
+    from kdcache.stages.train.options import TrainOptions
+    from kdcache.stages.train.streaming import collate, to_device
+
+    options = TrainOptions.of(cache=str(setup["cache"]), student=str(setup["student"]), out=str(setup["root"] / "y"),
+                              layer_map=["explicit:1-2"], cross_tokenizer=loss, topk_kl="other", temperature=1.0)
+    reader, student, facts, plan, options = prepare(options)
+    cross = build_cross_model(options, reader, student, build_criterion(without_logit_kl(options), plan, facts),
+                              announce=False)
+    host = collate([reader.get(i, list(plan.names)) for i in range(6)], list(range(6)))
+    cross.aligner.extend(host)
+    batch = to_device(host, "cpu")
+    cross.train()
+    results = []
+    for head in ("chunked", "materialised"):
+        cross._head = None if head == "chunked" else (None,)
+        cross.zero_grad()
+        out = cross(batch)
+        assert (cross._head[0] is not None) == (head == "chunked")  # the Llama student's head is a plain linear
+        out["loss"].backward()
+        grads = {n: p.grad.clone() for n, p in cross.named_parameters() if p.grad is not None}
+        results.append(({k: v.item() for k, v in out.items()}, grads))
+    (chunked, g_chunked), (full, g_full) = results
+    assert chunked.keys() == full.keys() and loss in chunked
+    for key in chunked:
+        assert chunked[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
+    assert g_chunked.keys() == g_full.keys() and "student.lm_head.weight" in g_chunked
+    for name in g_chunked:
+        assert torch.allclose(g_chunked[name], g_full[name], rtol=1e-4, atol=1e-6), name

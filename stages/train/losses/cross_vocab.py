@@ -4,7 +4,8 @@ tokenizer, compared span by span (``stages.train.align``).
 Shapes: ``B`` batch, ``K`` spans (padded per batch), ``k`` cached top-k, ``V_s`` the student's vocabulary,
 ``L_t`` / ``L_s`` teacher / student tokens. Span-level inputs are gathered first (``span_rows`` at each span's
 last token, ``span_mean`` over its tokens), so every loss here reads ``[B, K, ...]`` tensors and a span mask
-``[B, K]``, and a padded span is never read (rows are selected, as in ``losses.logits``).
+``[B, K]``. A padded span reads its row's first token and is weighed out (``_rows``); ``cross_vocab_term`` gives
+either loss as a vocabulary-pass term, so the span logits are built chunk by chunk from the student's head.
 
 * ``uld_loss``: Universal Logit Distillation (Boizard et al., 2024, "Towards Cross-Tokenizer Distillation: the
   Universal Logit Distillation Loss for LLMs"): the L1 (Wasserstein-1 between sorted supports) distance between
@@ -23,7 +24,9 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from kdcache.stages.common.head_logits import HeadLogits
 from kdcache.stages.common.loss_rows import kl_terms, valid_count
+from kdcache.stages.common.vocab_pass import ChunkTerm
 from kdcache.stages.train.losses._common import bool_mask
 from kdcache.stages.train.losses.errors import LossError
 
@@ -87,9 +90,13 @@ def uld_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, lse: torch
         mask: ``[B, K]`` spans that count.
     """
     keep = bool_mask(mask, student_logits).reshape(-1)
-    p_t = (_rows(topk_values).float() - _rows(lse).float()[:, None]).exp()
-    p_s = _sorted_student(_rows(student_logits), p_t.shape[-1])
-    return _masked_mean((p_t - p_s).abs().sum(-1), keep)
+    return _masked_mean(uld_rows(_rows(student_logits).float(), _rows(topk_values), _rows(lse)), keep)
+
+
+def uld_rows(z_s: torch.Tensor, values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``[N]`` ULD per row: ``z_s [N, V_s]`` float32, ``values [N, k]``, ``lse [N]`` (``uld_loss``)."""
+    p_t = (values.float() - lse.float()[:, None]).exp()
+    return (p_t - _sorted_student(z_s, p_t.shape[-1])).abs().sum(-1)
 
 
 def gold_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids: torch.Tensor, lse: torch.Tensor,
@@ -116,31 +123,56 @@ def gold_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids:
         shared: ``[V_t]`` int64 from ``shared_vocab``, on the same device.
         temperature: T of the exact part (ULD compares probabilities at T=1).
     """
+    keep = bool_mask(mask, student_logits).reshape(-1)
+    student_shared = shared_student_ids(shared, student_logits.shape[-1])
+    rows = gold_rows(_rows(student_logits).float(), _rows(topk_values), _rows(topk_ids), _rows(lse), shared,
+                     student_shared, temperature=temperature, variant=variant)
+    return _masked_mean(rows, keep)
+
+
+def gold_rows(z_s: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, shared: torch.Tensor,
+              student_shared: torch.Tensor, *, temperature: float, variant: str) -> torch.Tensor:
+    """``[N]`` GOLD per row (``gold_loss``): ``z_s [N, V_s]`` float32, ``values`` / ``ids [N, k]``, ``lse [N]``;
+    ``student_shared [V_s]`` bool from ``shared_student_ids``."""
     if temperature <= 0:
         raise LossError(f"temperature must be > 0, got {temperature}")
-    keep = bool_mask(mask, student_logits).reshape(-1)
-    z_s = _rows(student_logits).float()
-    values, ids = _rows(topk_values).float(), _rows(topk_ids).long()
+    values, ids = values.float(), ids.long()
     mapped = shared[ids]  # [N, k] student ids, -1 where unshared
     is_shared = mapped >= 0
     w = (F.softmax(values / temperature, dim=-1) * is_shared).sum(-1)
     if variant == "other":
-        exact = _shared_other_kl(z_s, values - _rows(lse).float()[:, None], mapped, is_shared)
+        exact = _shared_other_kl(z_s, values - lse.float()[:, None], mapped, is_shared)
     elif variant == "renorm":
         exact = _shared_kl(z_s, values, mapped, is_shared, temperature)
     else:
         raise LossError(f"unknown top-k KL variant {variant!r} for gold; choose renorm or other")
-    a = torch.where(is_shared, torch.zeros_like(values), (values - _rows(lse).float()[:, None]).exp())
+    a = torch.where(is_shared, torch.zeros_like(values), (values - lse.float()[:, None]).exp())
     a = torch.sort(a, dim=-1, descending=True).values
-    uld = (a - _sorted_student(z_s, a.shape[-1], _shared_student_ids(shared, z_s.shape[-1])[None])).abs().sum(-1)
-    return _masked_mean(w * exact + (1.0 - w) * uld, keep)
+    uld = (a - _sorted_student(z_s, a.shape[-1], student_shared[None])).abs().sum(-1)
+    return w * exact + (1.0 - w) * uld
+
+
+def cross_vocab_term(kind: str, logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor,
+                     topk_ids: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor, shared: torch.Tensor,
+                     student_shared: torch.Tensor, *, temperature: float = 1.0, variant: str = "renorm") -> ChunkTerm:
+    """``uld_loss`` or ``gold_loss`` (``kind``) as a term of a vocabulary pass (``vocab_pass``), so the student's
+    ``[B, K, V_s]`` span logits are built chunk by chunk from ``HeadLogits`` (memory ∝ chunk × V_s) or read from
+    materialised logits; same value as the loss. ``mask [B, K]``: the counted spans."""
+    keep = bool_mask(mask, logits)
+    if kind == "uld":
+        return ChunkTerm(uld_rows, keep, (topk_values, lse), 1.0 / valid_count(keep))
+
+    def rows(z: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, lse_rows: torch.Tensor) -> torch.Tensor:
+        return gold_rows(z, values, ids, lse_rows, shared, student_shared, temperature=temperature, variant=variant)
+    return ChunkTerm(rows, keep, (topk_values, topk_ids, lse), 1.0 / valid_count(keep))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``[B, K, ...]`` -> ``[B·K, ...]``: every span row, counted or not. Unlike the token losses, which select
     their rows (``valid_rows``: a boolean index, so a host sync), the span losses compute every row and weigh:
     ``span_rows`` reads a real token for every row (a padded span reads the row's first), so no row holds the
-    inf or NaN that selection guards against, and the step needs no sync."""
+    inf or NaN that selection guards against, and these functions need no sync. (Training runs them through
+    ``cross_vocab_term`` in a vocabulary pass, which selects its rows with one index, as on the ordinary path.)"""
     return x.reshape(-1, *x.shape[2:])
 
 
@@ -149,7 +181,7 @@ def _masked_mean(per_row: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, per_row, torch.zeros_like(per_row)).sum() / valid_count(keep)
 
 
-def _shared_student_ids(shared: torch.Tensor, student_vocab: int) -> torch.Tensor:
+def shared_student_ids(shared: torch.Tensor, student_vocab: int) -> torch.Tensor:
     """``[V_s]`` bool: the student ids some teacher id maps to (the shared vocabulary, TRL's GOLD rule). A scatter
     into one spare slot for the unshared -1s, then dropped: no boolean index, so no host sync."""
     slots = torch.where(shared >= 0, shared, torch.full_like(shared, student_vocab))
