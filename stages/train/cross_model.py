@@ -128,6 +128,9 @@ class CrossDistillModel(nn.Module):
     """What DeepSpeed trains with ``--cross-tokenizer``: the student, ``criterion`` (the ordinary ``DistillLoss``
     with its projectors, for the span-pooled hidden term) and the vocabulary term (module docstring)."""
 
+    shared: torch.Tensor  # [V_t] buffers (registered below): per teacher id its student id, -1 where none
+    student_shared: torch.Tensor  # [V_s] bool: the student ids some teacher id maps to
+
     def __init__(self, student: PreTrainedModel, criterion: DistillLoss, aligner: SpanAligner, shared: torch.Tensor,
                  *, vocab_loss: str, alpha: float, beta: float, temperature: float, topk_kl: str = "renorm",
                  announce: bool = False):
