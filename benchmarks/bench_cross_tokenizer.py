@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,63 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def step_memory(vocab: int, rows: int, sentences: int = 64) -> dict[str, Any]:
+    """Peak host memory of one cross-tokenizer step (``gold``, CE + vocabulary term, forward and backward) with a
+    student of ``vocab`` logits, its logits built chunk by chunk from its head against materialised, each side in a
+    fresh process (``ru_maxrss`` grows only). Returns MiB above each process's state before the step."""
+    import multiprocessing
+
+    from transformers import LlamaConfig
+
+    from tests.helpers.tiny_models import make_tiny_llama, sample_texts, train_wordpiece_tokenizer
+
+    root = Path(tempfile.mkdtemp(prefix="kdcache-bench-cross-memory-"))
+    teacher = make_tiny_llama(root / "teacher", layers=2, hidden=32)
+    cache = _precompute(teacher, sample_texts(sentences, seed=1), root / "cache")
+    student = root / "student"
+    tokenizer = train_wordpiece_tokenizer(student, vocab_size=200)
+    LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=128, max_position_embeddings=128,
+                pad_token_id=tokenizer.pad_token_id).save_pretrained(str(student))
+    out: dict[str, Any] = {"student_vocab": vocab, "rows": rows}
+    context = multiprocessing.get_context("spawn")
+    for path in ("chunked", "materialised"):
+        with context.Pool(1) as pool:
+            out[path] = pool.apply(_one_step_peak, (str(cache), str(student), rows, path))
+    return out
+
+
+def _one_step_peak(cache: str, student: str, rows: int, path: str) -> dict[str, float]:
+    """``step_memory``'s child: one step on ``rows`` sequences, ``path`` "chunked" or "materialised"."""
+    import resource
+
+    from kdcache.stages.train.cross_model import build_cross_model, without_logit_kl
+    from kdcache.stages.train.distill import build_criterion
+    from kdcache.stages.train.loop import prepare
+    from kdcache.stages.train.options import TrainOptions
+    from kdcache.stages.train.streaming import collate, to_device
+    from kdcache.stages.train.student_head import plain_head
+
+    options = TrainOptions.of(cache=cache, student=student, out=str(Path(cache).parent / "unused"),
+                              cross_tokenizer="gold", gamma=0.0)
+    reader, model, facts, plan, options = prepare(options)
+    cross = build_cross_model(options, reader, model, build_criterion(without_logit_kl(options), plan, facts),
+                              announce=False)
+    host = collate([reader.get(i, list(plan.names)) for i in range(rows)], list(range(rows)))
+    cross.aligner.extend(host)
+    batch = to_device(host, "cpu")
+    # Set the head the first batch would choose (its check runs a forward, which would count in the peak);
+    # materialised is the fallback a student without a plain linear head takes.
+    cross._head = (plain_head(model) if path == "chunked" else None,)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    cross(batch)["loss"].backward()
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_mib": (peak - before) / 1024, "seconds": seconds,
+            "student_tokens": int(batch["student/mask"].sum())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
@@ -153,7 +211,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of the four runs (best kept)")
     parser.add_argument("--teacher-steps", type=int, default=300,
                         help="next-token training of the tiny teacher before it is cached (0: random weights)")
+    parser.add_argument("--memory-vocab", type=int, default=0, metavar="V",
+                        help="instead: the peak memory of one step with a student of V logits, chunked head against "
+                             "materialised logits (step_memory)")
     args = parser.parse_args()
+    if args.memory_vocab:
+        print(json.dumps(step_memory(args.memory_vocab, rows=32), indent=1))
+        return
     results = run(args.steps, args.sentences, args.repeats, args.teacher_steps)
     print(json.dumps(results, indent=1))
     print(table(results))
