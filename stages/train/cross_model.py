@@ -140,8 +140,10 @@ class CrossDistillModel(nn.Module):
         self.register_buffer("shared", shared, persistent=False)
         self.vocab_loss, self.alpha, self.beta, self.temperature = vocab_loss, alpha, beta, temperature
         self.topk_kl = topk_kl  # GOLD's exact part follows the run's --topk-kl (losses.cross_vocab.gold_loss)
-        vocab = int(getattr(student.config, "vocab_size", 0) or 0)
-        self.register_buffer("student_shared", shared_student_ids(shared, vocab), persistent=False)
+        # Only a vocabulary term reads it; a student without an LM head (α = β = 0) may have no vocabulary at all.
+        vocab = int(getattr(student.config, "vocab_size", 0) or 0) if beta > 0 else 0
+        student_shared = shared_student_ids(shared, vocab) if vocab else torch.zeros(0, dtype=torch.bool)
+        self.register_buffer("student_shared", student_shared, persistent=False)
         self.want_hidden = any(part.layer_map for part in (criterion.part(s) for s in criterion.streams))
         # The LM head the losses apply chunk by chunk (``student_head``), decided on the first batch; a tuple keeps
         # it out of the registered submodules (the state dict stays the student's).
@@ -231,6 +233,11 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
         raise MissingTextError(f"--cross-tokenizer: the student's tokenizer at {options.run.student!r} is a slow "
                                f"(Python) tokenizer without character offsets; save it with its tokenizer.json "
                                f"(a fast tokenizer)")
+    vocab = int(getattr(student.config, "vocab_size", 0) or 0)
+    if options.loss.kl_weight > 0 and len(tokenizer) > vocab:  # its ids would index past the student's logits
+        raise MissingTextError(f"--cross-tokenizer: the student's tokenizer at {options.run.student!r} has "
+                               f"{len(tokenizer)} tokens, but its model's vocabulary (config vocab_size) is {vocab}; "
+                               f"expected a tokenizer the student was built for")
     teacher = _cache_tokenizer(reader)
     size = int(reader.spec.vocab_size or len(teacher))
     shared = shared_vocab(teacher.get_vocab(), tokenizer.get_vocab(), size)

@@ -233,6 +233,22 @@ def test_gold_other_refuses_a_temperature_it_cannot_apply(setup: dict[str, Path]
     assert "--topk-kl other" in err and "temperature is 2" in err and "Traceback" not in err
 
 
+def test_a_student_smaller_than_its_tokenizer_is_refused(setup: dict[str, Path],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoTokenizer, LlamaConfig
+
+    small = setup["root"] / "small-student"
+    tok = AutoTokenizer.from_pretrained(str(setup["student"]))
+    tok.save_pretrained(str(small))
+    LlamaConfig(vocab_size=len(tok) - 10, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, intermediate_size=32, max_position_embeddings=128).save_pretrained(str(small))
+    argv = _argv(setup, "cache", "small-run", "--cross-tokenizer")
+    argv[argv.index("--student") + 1] = str(small)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"has {len(tok)} tokens" in err and f"is {len(tok) - 10}" in err and "Traceback" not in err
+
+
 def test_a_cache_without_texts_says_what_it_lacks(setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(_argv(setup, "old", "old-run", "--cross-tokenizer", "uld")) == 2
     err = capsys.readouterr().err
