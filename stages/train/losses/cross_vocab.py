@@ -213,9 +213,11 @@ def _shared_other_kl(z_s: torch.Tensor, log_t: torch.Tensor, mapped: torch.Tenso
     neg = torch.tensor(float("-inf"), device=z_s.device)
     log_p_t = torch.where(is_shared, log_t, neg)
     log_p_s = torch.where(is_shared, torch.gather(F.log_softmax(z_s, dim=-1), 1, mapped.clamp_min(0)), neg)
-    kept = torch.cat([log_p_t, _log_rest(log_p_t)[:, None]], -1), torch.cat([log_p_s, _log_rest(log_p_s)[:, None]], -1)
-    # unshared ids are -inf on both sides: 0 · log 0 terms, which kl_terms counts as 0
-    return kl_terms(kept[0], torch.where(torch.isinf(kept[0]) & torch.isinf(kept[1]), 0.0, kept[1])).sum(-1)
+    buckets_t = torch.cat([log_p_t, _log_rest(log_p_t)[:, None]], -1)  # [N, k + 1]
+    buckets_s = torch.cat([log_p_s, _log_rest(log_p_s)[:, None]], -1)
+    # unshared ids are -inf on both sides: 0 · log 0 terms, which kl_terms counts as 0 (given a finite log q)
+    both_empty = torch.isinf(buckets_t) & torch.isinf(buckets_s)
+    return kl_terms(buckets_t, torch.where(both_empty, 0.0, buckets_s)).sum(-1)
 
 
 def _log_rest(log_p: torch.Tensor) -> torch.Tensor:
