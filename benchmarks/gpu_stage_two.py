@@ -17,7 +17,6 @@ the cache must hold those layers' hidden states and top-k logits.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -66,13 +65,17 @@ def _student(teacher_dir: str, work: Path, small: bool) -> str:
 def _in_process(run: str, student: str, teacher: str, cache: str, work: Path, small: bool, steps: int,
                 warmup: int) -> dict[str, Any]:
     """Run ``run`` in a fresh Python process (its own peak memory) and read back its row."""
+    from kdcache.pipeline.children import child_env
+
     args = json.dumps([run, student, teacher, cache, str(work), small, steps, warmup])
     # The repository is appended to the path and not the working directory: an installed kdcache (not the bare
     # kdcache/ folder at the root, which holds none of its subpackages without an editable install) is imported.
     code = (f"import json, sys; sys.path.append({str(REPO)!r}); from benchmarks.gpu_stage_two import run_one; "
             "print('ROW', json.dumps(run_one(*json.loads(sys.argv[1]))))")
+    # child_env drops this process's rank variables: an in-process run before (a test's) leaves MASTER_PORT held
+    # by its process group, which the child would try to bind again.
     proc = subprocess.run([sys.executable, "-c", code, args], cwd=work, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=False)
+                          env=child_env(HF_HUB_OFFLINE="1"), check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")), None)
     if line is None:
         raise RuntimeError(f"the run {run!r} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
