@@ -87,8 +87,8 @@ class Store(ABC):
         """Delete an object or everything under a prefix; absent is fine."""
 
     def remove_temps(self, prefix: str = "") -> None:
-        """Remove leftovers of writers that died mid-shard (``shards/.tmp-{prefix}*``). Only a folder has temps:
-        an object store writes at final keys."""
+        """Remove leftovers of writers that died mid-shard (``shards/.tmp-{prefix}*``, and a sidecar's
+        ``shards/.{prefix}*.tmp``). Only a folder has temps: an object store writes at final keys."""
         return None
 
     @abstractmethod
@@ -168,7 +168,10 @@ class LocalStore(Store):
         remove_path(self.root / key)
 
     def remove_temps(self, prefix: str = "") -> None:
-        for stale in (self.root / "shards").glob(f".tmp-{prefix}*"):
+        shards = self.root / "shards"
+        # A shard's data is written as .tmp-{name}-... (put_shard), its sidecar as .{name}.json.{pid}-{id}.tmp
+        # (files.write_bytes_atomic): a writer killed in either leaves one behind.
+        for stale in [*shards.glob(f".tmp-{prefix}*"), *shards.glob(f".{prefix}*.tmp")]:
             remove_path(stale)
 
     def lock(self, name: str, what: str) -> WriterLock:

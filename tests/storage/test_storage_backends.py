@@ -241,6 +241,8 @@ class StorageSuite(Seq2SeqSuite, Format3Suite, IntegritySuite, HiddenCodecSuite)
         seqs = self.build(tmp_path, spec, shards=[0, 2], finalize=False)  # "died" before shard 1 and finalize
         temp = tmp_path / "shards" / f".tmp-shard-000001-4242-dead{'.arrow' if spec.backend == 'arrow' else ''}"
         temp.mkdir() if spec.backend == "zarr" else temp.write_bytes(b"half a shard")
+        sidecar_temp = tmp_path / "shards" / ".shard-000001.json.4242-deadbeef.tmp"  # killed while sealing it
+        sidecar_temp.write_bytes(b'{"index": 1')
         with pytest.raises(PartialCacheError, match="status 'writing'.*2 of 3 shards"):
             CacheReader(tmp_path)
         reader = CacheReader(tmp_path, allow_partial=True)
@@ -253,7 +255,8 @@ class StorageSuite(Seq2SeqSuite, Format3Suite, IntegritySuite, HiddenCodecSuite)
             assert writer.committed_shards() == {0, 2}
             writer.write_shard(1, seqs[3:6])
             assert writer.finalize().status == "complete"
-        assert not temp.exists() and verify_cache(tmp_path).ok
+        assert not temp.exists() and not sidecar_temp.exists() and verify_cache(tmp_path).ok
+        assert [p.name for p in (tmp_path / "shards").glob(".*")] == []
         self.assert_same(CacheReader(tmp_path)[4], expected(spec, seqs[4]))
 
     def test_data_without_sidecar_is_not_committed(self, tmp_path):
