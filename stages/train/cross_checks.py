@@ -22,10 +22,11 @@ def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
     if options.loss.kl_weight > 0 and reader.spec.logits and not logit_kinds.get(reader.spec.logits).ranked:
         problems.append(f"--cross-tokenizer compares the teacher's cached top-k across vocabularies, but this cache "
                         f"holds --logits {reader.spec.logits}; use a top-k cache or --beta 0")
-    if options.loss.cross_tokenizer == "gold" and options.loss.topk_kl == "other" and _temperature(options) != 1:
+    temperature = _temperature(options)
+    if options.loss.cross_tokenizer == "gold" and options.loss.topk_kl == "other" and temperature != 1:
         problems.append(f"--cross-tokenizer gold with --topk-kl other compares full-vocabulary probabilities "
                         f"rebuilt from the cached logsumexp, exact only at T=1, but the temperature is "
-                        f"{_temperature(options):g}; use --temperature 1, or --topk-kl renorm")
+                        f"{temperature:g}; use --temperature 1, or --topk-kl renorm")
     if options.loss.delta > 0:
         problems.append("--cross-tokenizer aligns hidden states and logits, not attention maps; set --delta 0")
     return problems

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import read_texts
-from kdcache.stages.train.cross_model import SpanAligner, _cache_tokenizer, teacher_masks
+from kdcache.stages.train.cross_model import SIDE_KEYS, SpanAligner, _cache_tokenizer
 from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses.cross_vocab import span_mean, span_rows
 from kdcache.stages.train.losses.hidden import linear_cka
@@ -94,8 +94,9 @@ def evaluate_spans(run_dir: str | Path, reader: CacheReader, *, student: str | P
     sums, projection = _Sums(pairs), load_projection(reader)
     tokenizers = (_cache_tokenizer(reader) if ranked else None, s_tok)
     for batch in _batches(reader, names, batch_size, limit):
+        aligner.extend(batch)  # the student's side, made on the host batch as training's reader makes it
         batch = to_device(batch, device, reader.spec.hidden_codec, projection)
-        _update(sums, model, batch, aligner, tokenizers, pairs, projectors)
+        _update(sums, model, batch, tokenizers, pairs, projectors)
     return {**_result(sums, ranked, notes), "pairs": [list(p) for p in pairs], "pairs_from": source}
 
 
@@ -194,12 +195,11 @@ def _batches(reader: CacheReader, names: list[str], batch_size: int, limit: int 
         yield collate([reader.get(i, names) for i in ids], ids)
 
 
-def _update(sums: _Sums, model: torch.nn.Module, batch: dict[str, torch.Tensor], aligner: SpanAligner,
-            tokenizers: tuple[Any, Any], pairs: list[Pair], projectors: dict[str, torch.Tensor]) -> None:
+def _update(sums: _Sums, model: torch.nn.Module, batch: dict[str, torch.Tensor], tokenizers: tuple[Any, Any],
+            pairs: list[Pair], projectors: dict[str, torch.Tensor]) -> None:
     """Add one batch: its counted spans' top-1 agreement (when the teacher's tokenizer is given), the aligned
     tokens, and per pair the span-pooled states ``[S, d]`` (and their cosine where the widths meet)."""
-    device = batch["mask"].device
-    side = {k: v.to(device) for k, v in aligner.batch(batch["sample_ids"].tolist(), teacher_masks(batch)).items()}
+    side = {k: batch[k] for k in SIDE_KEYS}  # SpanAligner.extend's arrays, copied with the batch
     with torch.no_grad():
         out = model(input_ids=side["student/input_ids"], attention_mask=side["student/mask"], output_hidden_states=True)
     t_masks = token_masks(batch["mask"], batch.get("loss_mask"), batch.get("position_ids"), causal=True)
