@@ -18,10 +18,11 @@ ranks together, ``k * world * batch`` after ``k`` micro-steps. Resuming needs th
 (``check_resumable`` explains otherwise).
 
 Speed. One producer thread assembles micro-batches in order while a thread pool decodes the shards the next
-``prefetch`` micro-batches need (``reader.read_shard`` decodes only the arrays asked for; the codecs release
-the GIL). Float targets stay fp16 (or bf16 bits, as int16) through collate; ``to_device`` makes them fp32 on the
-device, so the host never holds an fp32 copy. Hidden states of a quantised codec (int8, fp8, int4) cross as their
-codes and fp16 scales and are decoded there too (``stages.common.hidden_codecs``).
+``prefetch`` micro-batches need, the next epoch's first ones included (``decode_plan``; ``reader.read_shard``
+decodes only the arrays asked for; the codecs release the GIL). Float targets stay fp16 (or bf16 bits, as int16)
+through collate; ``to_device`` makes them fp32 on the device, so the host never holds an fp32 copy. Hidden states
+of a quantised codec (int8, fp8, int4) cross as their codes and fp16 scales and are decoded there too
+(``stages.common.hidden_codecs``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kdcache.stages.common.hidden_codecs import Projection, decode_batch
+from kdcache.stages.train.decode_plan import decode_plan
 from kdcache.storage import KdcacheError, kind_of, part_of, prefixed, ragged_streams, split_stream, vocab_id_names
 
 if TYPE_CHECKING:
@@ -314,7 +316,7 @@ class _Producer:
         self.thread.start()
 
     def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Shard index and shard-local index of each global sequence id."""
+        """Shard position and shard-local index of each global sequence id."""
         shard = np.searchsorted(self.starts, ids, side="right") - 1
         return shard, ids - self.starts[shard]
 
@@ -326,37 +328,23 @@ class _Producer:
             self._put(exc)
 
     def _produce(self) -> None:
-        for epoch, items in self.plan:
-            located = [self._locate(ids) for _, ids in items]
-            last_use: dict[int, int] = {}
-            for b, (shard, _) in enumerate(located):
-                last_use.update((int(s), b) for s in shard)
-            decoded: dict[int, Future] = {}
-            order, cursor = list(dict.fromkeys(int(s) for shard, _ in located for s in shard)), 0
-            for b, (step, ids) in enumerate(items):
-                if self.stop.is_set():
-                    return
-                # Decode ahead: every shard the next `prefetch` micro-batches need is queued now...
-                wanted = {int(s) for shard, _ in located[b:b + self.prefetch + 1] for s in shard}
-                # ...and, from an object store, the next `readahead` shards in order of first use, so a whole
-                # shuffle block's shards arrive before the step reaches them.
-                while cursor < len(order) and (order[cursor] in decoded or last_use[order[cursor]] < b):
-                    cursor += 1
-                wanted.update(s for s in order[cursor:cursor + self.readahead] if last_use[s] >= b)
-                for s in sorted(wanted - decoded.keys()):
-                    decoded[s] = self.pool.submit(self.reader.read_shard, self.shard_ids[s], self.names)
-                shard, local = located[b]
-                seqs = [decoded[int(s)].result().sequence(int(i)) for s, i in zip(shard, local)]
-                batch = collate([{n: q[n] for n in self.names} for q in seqs], ids.tolist())
-                if self.extend is not None:
-                    self.extend(batch)
-                batch = pin_batch(batch) if self.pin else batch
-                batch.update(epoch=epoch, step_in_epoch=step)
-                # A shard is kept until its last use in this epoch, so none is decoded twice per epoch; block
-                # shuffling bounds how many are open at once (about shuffle_block / sequences_per_shard).
-                for s in {int(s) for s in shard if last_use[int(s)] == b}:
-                    del decoded[s]
-                self._put(batch)
+        """Carry out ``decode_plan``: decodes queued ahead of need (across epoch boundaries too), batches
+        assembled in order, each shard dropped after its last planned use."""
+        decoded: dict[int, Future] = {}
+        for planned in decode_plan(self.plan, self._locate, self.prefetch, self.readahead):
+            if self.stop.is_set():
+                return
+            for s in planned.decode:
+                decoded[s] = self.pool.submit(self.reader.read_shard, self.shard_ids[s], self.names)
+            seqs = [decoded[int(s)].result().sequence(int(i)) for s, i in zip(planned.shards, planned.local)]
+            batch = collate([{n: q[n] for n in self.names} for q in seqs], planned.ids.tolist())
+            if self.extend is not None:
+                self.extend(batch)
+            batch = pin_batch(batch) if self.pin else batch
+            batch.update(epoch=planned.epoch, step_in_epoch=planned.step)
+            for s in planned.release:
+                del decoded[s]
+            self._put(batch)
 
     def _put(self, item: object) -> None:
         while not self.stop.is_set():
