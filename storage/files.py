@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
+import crc32c as _crc32c
 import numpy as np
 
 from kdcache.storage.errors import DiskFullError
@@ -29,10 +29,12 @@ _IO_THREADS = 8  # fsyncs in flight; beyond a handful the device queue, not the 
 
 
 def crc32c(data: BytesLike, start: int = 0) -> int:
-    """crc32c (Castagnoli, as zarr's ``crc32c`` codec) of a bytes-like object, continuing from ``start``."""
-    # google_crc32c takes numpy arrays (not memoryviews) without a copy, so every buffer is viewed as bytes.
+    """crc32c (Castagnoli, as zarr's ``crc32c`` codec) of a bytes-like object, continuing from ``start``.
+
+    The sum runs without the GIL (for buffers over 32 KiB), so writer and reader threads checksumming shards do not
+    stall the thread that feeds the device (``benchmarks/bench_gil.py``)."""
     flat = np.ascontiguousarray(data).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
-    return int(google_crc32c.extend(start, flat.view(np.uint8)))
+    return int(_crc32c.crc32c(flat.view(np.uint8), start))
 
 
 def fsync_path(path: Path | str) -> None:

@@ -152,7 +152,7 @@ def inner_codec(metadata: dict[str, Any]) -> numcodecs.abc.Codec | None:
     return ShuffledCodec(codec, numcodecs.Shuffle(elementsize=shuffle)) if shuffle else codec
 
 
-def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_value: Any = 0) -> bytes:
+def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_value: Any = 0) -> np.ndarray:
     """The data file of a one-shard array: its inner chunks of ``rows`` rows (the last padded with
     ``fill_value`` to full size, as zarr does), each compressed and followed by its crc32c, then the
     ``(offset, nbytes)`` index and the index's crc32c.
@@ -161,6 +161,10 @@ def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_v
         array: ``[T, ...]`` little-endian, T >= 1.
         rows: rows per inner chunk.
         codec: from ``inner_codec``.
+
+    Returns:
+        the file's bytes, ``uint8 [size]``. They are put together by numpy, which copies without the GIL
+        (``bytes.join`` holds it: 59 ms per 67 MB file, while the thread feeding the device waits).
     """
     count = -(-array.shape[0] // rows)
     pieces: list[bytes] = []
@@ -170,9 +174,16 @@ def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_v
         chunk = array[k * rows: (k + 1) * rows]
         if len(chunk) < rows:
             chunk = np.concatenate([chunk, np.full((rows - len(chunk), *array.shape[1:]), fill_value, array.dtype)])
-        encoded = bytes(codec.encode(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)))
+        encoded = codec.encode(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
         pieces += [encoded, crc32c(encoded).to_bytes(4, "little")]
         index[k] = (offset, len(encoded) + 4)
         offset += len(encoded) + 4
     table = index.tobytes()
-    return b"".join([*pieces, table, crc32c(table).to_bytes(4, "little")])
+    pieces += [table, crc32c(table).to_bytes(4, "little")]
+    out = np.empty(offset + len(table) + 4, np.uint8)
+    start = 0
+    for piece in pieces:
+        view = np.frombuffer(piece, np.uint8)
+        out[start:start + view.size] = view
+        start += view.size
+    return out

@@ -86,7 +86,8 @@ def _dimension_names(spec: CacheSpec, name: str) -> tuple[str, ...]:
     return _DIMENSIONS.get(name) or _DIMENSIONS[name.split("/")[0]]
 
 
-def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray, spec: CacheSpec) -> bytes | None:
+def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray,
+                  spec: CacheSpec) -> np.ndarray | None:
     """One array as a single zarr shard whose inner chunks carry a crc32c each: zarr writes its ``zarr.json``, and
     ``shard_file.write_whole`` its data file, returned (zarr writes that too for a layout or codec it does not
     know, or an empty array, and None is returned)."""
@@ -270,7 +271,7 @@ class ZarrBackend(Backend):
         files: dict[str, Any] = {f"{base}/{key}": buffer.as_numpy_array() for key, buffer in contents.items()}
         for name, raw in data.items():
             if raw is not None:
-                files[f"{base}/{name}/c.{'.'.join('0' * arrays[name].ndim)}"] = np.frombuffer(raw, np.uint8)
+                files[f"{base}/{name}/c.{'.'.join('0' * arrays[name].ndim)}"] = raw
         info = {}
         for name, array in arrays.items():
             own = sorted(path for path in files if path.startswith(f"{base}/{name}/"))
