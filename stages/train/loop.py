@@ -26,6 +26,7 @@ from kdcache.stages.common.attention_maps import MAPS_ATTENTION
 from kdcache.stages.common.hidden_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.checks import open_cache
+from kdcache.stages.train.device_feed import DeviceFeed
 from kdcache.stages.train.distill import DistillModel, build_criterion
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
 from kdcache.stages.train.interrupt import StopOnSignal, TrainingInterrupted
@@ -134,6 +135,7 @@ def _student_tokenizer(student: str, scratch: str) -> Path:
     return Path(scratch)
 
 
+VALID_TOKENS = "valid_tokens"  # a prepared batch's count of real tokens (an int from the host batch)
 DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which the log says so
 
 
@@ -166,7 +168,7 @@ class _Trainer:
         self.trace = SampleTrace(self.run_dir, dist_info.rank, enabled=options.run.trace_samples)
         self._sums: dict[str, torch.Tensor] = {}  # on the device, read only at a log step
         self._count = 0
-        self._tokens = torch.zeros((), dtype=torch.long)  # valid tokens since the last log (host)
+        self._tokens = 0  # valid tokens since the last log, counted on the host batches
         self.tokens_seen = 0
         self._checkpoint_bytes = 0  # one checkpoint's estimated size, set before training (_check_checkpoint_room)
         self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
@@ -225,7 +227,7 @@ class _Trainer:
         self.progress = TrainProgress(total, int(start_step), enabled=self.dist.rank == 0 and not quiet)
         self._since_log = start
         self.engine.train()
-        batches = iter(loader)
+        batches = iter(DeviceFeed(loader, self._prepare, self.dist.device))  # batch i+1 copied beside step i
         # Ctrl-C / SIGTERM: finish the optimizer step, then save below and say how to resume (interrupt.py).
         with StopOnSignal(self.dist.world_size, announce=self.dist.rank == 0) as stop:
             while self.engine.global_steps < total:
@@ -261,11 +263,8 @@ class _Trainer:
         self._last_global = self.engine.global_steps
         torch.manual_seed((self.options.data.seed * 1_000_003 + self.micro_step) * 1_009 + self.dist.rank)
         epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
-        # Valid tokens, summed on the host batch (before its copy) and read only at the next log: no sync here.
-        for name, value in batch.items():
-            if split_stream(name)[1] == "mask":
-                self._tokens += value.sum()
-        out = self.engine(to_device(batch, self.dist.device, self.hidden_codec, self.projection))
+        self._tokens += batch.pop(VALID_TOKENS)
+        out = self.engine(batch)
         self.engine.backward(out["loss"])
         self.engine.step()
         for name, value in out.items():
@@ -275,6 +274,14 @@ class _Trainer:
         self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.batch_size, steps_per_epoch)
         if self.trace.enabled:  # reads the loss on the host: a sync per micro-step (the option's help says so)
             self.trace.record(self.micro_step - 1, epoch, step_in_epoch, ids.tolist(), float(out["loss"]))
+
+    def _prepare(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A host batch on the device, its coded targets decoded there; its valid tokens counted on the host copy
+        (no device read), under ``VALID_TOKENS``."""
+        tokens = sum(int(value.sum()) for name, value in batch.items() if split_stream(name)[1] == "mask")
+        out = to_device(batch, self.dist.device, self.hidden_codec, self.projection)
+        out[VALID_TOKENS] = tokens
+        return out
 
     def _stepped(self) -> bool:
         return self.engine.global_steps != self._last_global
@@ -301,7 +308,7 @@ class _Trainer:
             raise TrainingError(f"the loss diverged at step {step}: {record}; lower --lr or check the cache")
         lr = self.engine.get_lr()[0] if self.engine.get_lr() else None
         wait = self._data_wait(step)
-        tokens, self._tokens = int(self._tokens), torch.zeros((), dtype=torch.long)
+        tokens, self._tokens = self._tokens, 0
         self.tokens_seen += tokens
         self.progress.tokens(tokens)
         self.logger.log(step, record, lr=lr, epoch=self.position.epoch, sample_index=self.position.sample_index,

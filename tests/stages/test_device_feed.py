@@ -1,0 +1,39 @@
+"""The device feed prepares batch i+1 before step i uses batch i, keeps the order and counts the reader's wait."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from kdcache.stages.train.device_feed import DeviceFeed
+
+
+def test_the_next_batch_is_prepared_before_the_step_uses_this_one() -> None:
+    events: list[tuple[str, int]] = []
+
+    def prepare(batch: dict) -> dict:
+        events.append(("prepare", batch["i"]))
+        return {"i": batch["i"], "x": batch["x"] * 2}
+
+    host = [{"i": i, "x": torch.full((2,), float(i))} for i in range(3)]
+    got = []
+    for batch in DeviceFeed(host, prepare, torch.device("cpu")):
+        events.append(("use", batch["i"]))
+        got.append(batch["x"].tolist())
+    assert got == [[0.0, 0.0], [2.0, 2.0], [4.0, 4.0]]
+    assert events == [("prepare", 0), ("prepare", 1), ("use", 0), ("prepare", 2), ("use", 1), ("use", 2)]
+
+
+def test_an_empty_stream_yields_nothing_and_the_readers_wait_is_counted() -> None:
+    assert list(DeviceFeed([], dict, torch.device("cpu"))) == []
+
+    def slow() -> Iterator[dict]:
+        for i in range(2):
+            time.sleep(0.05)
+            yield {"i": i}
+
+    feed = DeviceFeed(slow(), dict, torch.device("cpu"))
+    assert [b["i"] for b in feed] == [0, 1]
+    assert feed.waited >= 0.09
