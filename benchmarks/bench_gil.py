@@ -11,7 +11,12 @@ benchmark measures that on any machine:
   - ``write``: stage one's writers (``BackgroundWriter`` over ``CacheWriter.write_shard``, as ``commit_behind``
     runs them) committing shards of 8 x 2,048 tokens with four fp16 hidden layers of width 2,048;
   - ``write_topk``: the same shards with top-128 logits (ids and log-probs) beside the hidden layers;
-  - ``read``: stage two's ``CacheStream`` decoding that cache into micro-batches of 4.
+  - ``read``: stage two's ``CacheStream`` decoding that cache into micro-batches of 4;
+  - ``stage_one``: the whole of ``kdcache precompute`` (four fp16 layers, rows of 2,048 tokens, batches of 8, the
+    helper thread, the writers) over a Llama of width 2,048 whose decoder layers are replaced by the launcher:
+    each batch's forward is ``--launch-seconds`` of tiny ops on core 0 (every other thread is moved to the other
+    cores at each batch). Reported: the launches' stall share and longest stall, alone as long right after, and
+    the run's compute and forward phases beside the launches' own time.
 
 Reported per mode, as medians of ``--rounds`` rounds (the launcher beside the host path, then alone): the share of
 the time the launcher spent in ops over 1 ms (``stall_share``; alone: the machine's own noise), the longest op,
@@ -168,12 +173,83 @@ def measure(work: Callable[[threading.Event], None], seconds: float, rounds: int
             "host_tokens_per_s": round(tokens / (seconds * rounds))}
 
 
+class LaunchLayers:
+    """Llama decoder layers replaced by a fixed activation, layer 0 of each batch first running ``ops`` tiny torch
+    ops on core 0 (a forward as a GPU's launching thread sees it), after moving every other thread to ``cores``."""
+
+    def __init__(self, ops: int, cores: set[int]) -> None:
+        from transformers.models.llama import modeling_llama
+
+        self.cls, self.ops, self.cores = modeling_llama.LlamaDecoderLayer, ops, cores
+        self.original = self.cls.forward
+        self.launch_seconds, self.batches, self.spans = 0.0, 0, []  # type: ignore[var-annotated]
+        self._fixed: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _move_others(self) -> None:
+        me = threading.get_native_id()
+        for tid in (int(t) for t in os.listdir("/proc/self/task")):
+            if tid != me:
+                try:
+                    os.sched_setaffinity(tid, self.cores)
+                except OSError:  # the thread ended meanwhile
+                    pass
+
+    def __enter__(self) -> LaunchLayers:
+        stub = self
+
+        def forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if layer.self_attn.layer_idx == 0:
+                stub._move_others()
+                x = torch.zeros(64)
+                for _ in range(stub.ops):
+                    now = time.perf_counter()
+                    x.add_(1.0)
+                    stub.spans.append(time.perf_counter() - now)
+                stub.batches += 1
+            key = tuple(hidden_states.shape)
+            if key not in stub._fixed:
+                stub._fixed[key] = torch.randn(key, generator=torch.Generator().manual_seed(1)).to(hidden_states.dtype)
+            return stub._fixed[key]
+
+        self.cls.forward = forward
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cls.forward = self.original
+
+
+def stage_one(root: Path, rows: int, launch_seconds: float, writers: int, cores: set[int]) -> dict[str, Any]:
+    """``kdcache precompute`` with the launcher as its teacher's forward; its slowdown, and the run's."""
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests.helpers; appended: the installed kdcache wins
+    from benchmarks.bench_host_path import make_teacher, write_data
+    from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+
+    width, tokens = SHAPE["width"], SHAPE["tokens"]
+    teacher, data = make_teacher(root, width, positions=tokens), write_data(root, rows)
+    rate, _ = launcher(1.0)
+    ops = int(rate * launch_seconds)
+    options = PrecomputeOptions.of(teacher=str(teacher), data=str(data), out=str(root / "cache"), layers=tuple(
+        str(j) for j in LAYERS), features=("hidden",), packing="concat", max_length=tokens, batch_size=SHAPE["rows"],
+        sequences_per_shard=SHAPE["rows"], max_sequences=rows, teacher_dtype="fp32", progress=False, writers=writers)
+    with LaunchLayers(ops, cores) as stub:
+        summary = run_precompute(options)
+    spans = np.array(stub.spans)
+    during = stalls(spans, float(spans.sum()))
+    alone = stalls(launcher(float(spans.sum()))[1], float(spans.sum()))  # as long, right after
+    return {"batches": stub.batches, "stall_share": round(during["stall_share"], 4),
+            "stall_share_alone": round(alone["stall_share"], 4), "longest_stall_ms": round(during["longest_stall_ms"], 2),
+            "launches_s": round(float(spans.sum()), 3), "compute_s": round(summary["compute_seconds"], 3),
+            "forward_s": round(summary["forward_seconds"], 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="launcher time per round and side")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--writers", type=int, default=1, help="writer threads, and the reader's decode threads")
-    parser.add_argument("--modes", default="write,write_topk,read")
+    parser.add_argument("--modes", default="write,write_topk,read,stage_one")
+    parser.add_argument("--rows", type=int, default=48, help="stage_one: rows of 2,048 tokens (batches of 8)")
+    parser.add_argument("--launch-seconds", type=float, default=2.5, help="stage_one: the launcher's time per batch")
     parser.add_argument("--small", action="store_true", help="tiny shards: checks the code, measures nothing")
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (seconds) for the run")
     parser.add_argument("--json", help="also write the results here")
@@ -194,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for mode in args.modes.split(","):
             done: list[int] = []
+            if mode == "stage_one":
+                results[mode] = stage_one(root / mode, args.rows, args.launch_seconds, args.writers, host_cores)
+                print(mode, json.dumps(results[mode]), flush=True)
+                continue
             if mode == "read":
                 cache = root / "read"
                 with CacheWriter(cache, spec_for(4, False), {}) as writer:

@@ -83,12 +83,12 @@ class StubLayers:
         self.cls.forward = self.original
 
 
-def make_teacher(root: Path, width: int) -> Path:
+def make_teacher(root: Path, width: int, positions: int = ROW) -> Path:
     """A 4-layer Llama of width ``width`` (one kv head, a tiny MLP: its weights are never used)."""
     from tests.helpers.tiny_models import make_tiny_llama
 
     return make_tiny_llama(root / f"llama-{width}", layers=LAYERS, hidden=width, heads=16, kv_heads=1,
-                           intermediate=16, positions=ROW)
+                           intermediate=16, positions=positions)
 
 
 def write_data(root: Path, rows: int) -> Path:
