@@ -27,7 +27,7 @@ from typing import IO, Any, Protocol
 
 from kdcache.storage.canonical import canonical_json
 from kdcache.storage.errors import CacheLockedError, StorageError
-from kdcache.storage.files import fsync_path, remove_path, write_bytes_atomic, write_tree
+from kdcache.storage.files import fsync_path, read_reused, remove_path, write_bytes_atomic, write_tree
 
 OPTIONS_ENV = "KDCACHE_STORAGE_OPTIONS"
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
@@ -56,6 +56,11 @@ class Store(ABC):
     def read_many(self, keys: list[str]) -> dict[str, bytes]:
         """Several whole objects; an object store fetches them concurrently. Raises FileNotFoundError."""
         return {key: self.read(key) for key in keys}
+
+    def read_transient(self, key: str) -> bytes | memoryview:
+        """A whole object to decode at once: a folder reads it into a buffer the calling thread reuses
+        (``files.read_reused``), an object store returns ``read``'s bytes."""
+        return self.read(key)
 
     @property
     def is_local(self) -> bool:
@@ -133,6 +138,9 @@ class LocalStore(Store):
         with open(self.root / key, "rb") as handle:
             handle.seek(start or 0)
             return handle.read() if stop is None else handle.read(stop - (start or 0))
+
+    def read_transient(self, key: str) -> memoryview:
+        return read_reused(self.root / key)
 
     def size(self, key: str) -> int | None:
         try:

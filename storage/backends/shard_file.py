@@ -87,7 +87,7 @@ def _chunk_index(data: memoryview, count: int) -> np.ndarray:
     return np.frombuffer(table, "<u8").reshape(count, 2)
 
 
-def read_whole(raw: bytes, metadata: dict[str, Any], codec: numcodecs.abc.Codec, rows: int) -> np.ndarray:
+def read_whole(raw: bytes | memoryview, metadata: dict[str, Any], codec: numcodecs.abc.Codec, rows: int) -> np.ndarray:
     """Decode every row of a one-shard array file.
 
     Args:

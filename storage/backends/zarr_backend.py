@@ -163,6 +163,13 @@ class ZarrShard(ShardHandle):
             data = self._fetched.pop(key, None)  # used once: the decoded array is what stays
         return self.store.read(key) if data is None else data
 
+    def _read_to_decode(self, key: str) -> bytes | memoryview:
+        """A data file decoded at once: from a folder, read into the thread's reused buffer
+        (``Store.read_transient``)."""
+        with self._lock:
+            data = self._fetched.pop(key, None)
+        return self.store.read_transient(key) if data is None else data
+
     def metadata(self, name: str) -> dict[str, Any]:
         """An array's ``zarr.json``, checked against the crc32c recorded when it was written."""
         with self._lock:
@@ -209,7 +216,7 @@ class ZarrShard(ShardHandle):
             codec = ShuffledCodec(codec, numcodecs.Shuffle(elementsize=layout["shuffle"]))
         size = self.record.extra["files"][data[0]][0]
         try:
-            raw = self._read_file(f"{self.key.rsplit('/', 1)[0]}/{data[0]}")
+            raw = self._read_to_decode(f"{self.key.rsplit('/', 1)[0]}/{data[0]}")
             if len(raw) != size:
                 raise ShardFileError(f"file {data[0]} has {len(raw)} bytes, {size} were written")
             return read_whole(raw, self.metadata(name), codec, layout["rows"])
