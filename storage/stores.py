@@ -27,7 +27,7 @@ from typing import IO, Any, Protocol
 
 from kdcache.storage.canonical import canonical_json
 from kdcache.storage.errors import CacheLockedError, StorageError
-from kdcache.storage.files import fsync_path, read_reused, remove_path, write_bytes_atomic, write_tree
+from kdcache.storage.files import fsync_path, joined, read_reused, remove_path, write_bytes_atomic, write_tree
 
 OPTIONS_ENV = "KDCACHE_STORAGE_OPTIONS"
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
@@ -300,7 +300,7 @@ class RemoteStore(Store):
     def put_shard(self, key: str, files: Mapping[str, Any]) -> None:
         # One batch of PUTs (s3fs sends them concurrently); nothing refers to them until the sidecar lands.
         base = key.rsplit("/", 1)[0]
-        self.fs.pipe({self._path(f"{base}/{path}"): bytes(data) for path, data in files.items()})
+        self.fs.pipe({self._path(f"{base}/{path}"): joined(data) for path, data in files.items()})
 
     def remove(self, key: str) -> None:
         try:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.backends.registry import backend_class
-from kdcache.storage.files import crc32c
+from kdcache.storage.files import crc32c, file_size
 from kdcache.storage.formats import CURRENT, CacheFormat
 from kdcache.storage.manifest import SHARDS_DIR, ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
@@ -31,7 +31,8 @@ class PackedShard:
     """One shard's files, in memory, ready to write.
 
     Attributes:
-        files: path relative to ``shards/`` (``shard-000003/hidden/2/c.0.0``, ``shard-000003.arrow``) -> bytes.
+        files: path relative to ``shards/`` (``shard-000003/hidden/2/c.0.0``, ``shard-000003.arrow``) -> its
+            bytes, whole or in pieces (``files.FileData``).
         arrays: per array ``{"shape", "dtype", "stored_bytes", "decoded_bytes", "files", ...}``.
         extra: backend-level facts for the shard record (e.g. the Arrow header's length and crc32c).
     """
@@ -42,7 +43,7 @@ class PackedShard:
 
     def file_table(self) -> dict[str, list[int]]:
         """``{path: [size, crc32c]}`` of every file, from the in-memory bytes."""
-        return {path: [memoryview(data).nbytes, crc32c(data)] for path, data in self.files.items()}
+        return {path: [file_size(data), crc32c(data)] for path, data in self.files.items()}
 
 
 class ShardHandle(ABC):

@@ -152,7 +152,7 @@ def inner_codec(metadata: dict[str, Any]) -> numcodecs.abc.Codec | None:
     return ShuffledCodec(codec, numcodecs.Shuffle(elementsize=shuffle)) if shuffle else codec
 
 
-def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_value: Any = 0) -> np.ndarray:
+def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_value: Any = 0) -> list[bytes]:
     """The data file of a one-shard array: its inner chunks of ``rows`` rows (the last padded with
     ``fill_value`` to full size, as zarr does), each compressed and followed by its crc32c, then the
     ``(offset, nbytes)`` index and the index's crc32c.
@@ -163,8 +163,9 @@ def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_v
         codec: from ``inner_codec``.
 
     Returns:
-        the file's bytes, ``uint8 [size]``. They are put together by numpy, which copies without the GIL
-        (``bytes.join`` holds it: 59 ms per 67 MB file, while the thread feeding the device waits).
+        the file's bytes as the pieces it is written from (``files.FileData``): joining them into one buffer
+        would copy the file (``bytes.join`` holds the GIL throughout: 59 ms per 67 MB) and release that buffer
+        later (``munmap``, with the GIL held too).
     """
     count = -(-array.shape[0] // rows)
     pieces: list[bytes] = []
@@ -179,11 +180,4 @@ def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_v
         index[k] = (offset, len(encoded) + 4)
         offset += len(encoded) + 4
     table = index.tobytes()
-    pieces += [table, crc32c(table).to_bytes(4, "little")]
-    out = np.empty(offset + len(table) + 4, np.uint8)
-    start = 0
-    for piece in pieces:
-        view = np.frombuffer(piece, np.uint8)
-        out[start:start + view.size] = view
-        start += view.size
-    return out
+    return [*pieces, table, crc32c(table).to_bytes(4, "little")]

@@ -40,7 +40,7 @@ from kdcache.storage.backends.shard_file import (
 )
 from kdcache.storage.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, to_zarr_compressors
 from kdcache.storage.errors import ChecksumError
-from kdcache.storage.files import crc32c
+from kdcache.storage.files import crc32c, file_size
 from kdcache.storage.formats import CacheFormat, zarr_problems
 from kdcache.storage.hidden_codecs import CODED_KINDS, codec_of
 from kdcache.storage.logit_layouts import logit_array
@@ -87,7 +87,7 @@ def _dimension_names(spec: CacheSpec, name: str) -> tuple[str, ...]:
 
 
 def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray,
-                  spec: CacheSpec) -> np.ndarray | None:
+                  spec: CacheSpec) -> list[bytes] | None:
     """One array as a single zarr shard whose inner chunks carry a crc32c each: zarr writes its ``zarr.json``, and
     ``shard_file.write_whole`` its data file, returned (zarr writes that too for a layout or codec it does not
     know, or an empty array, and None is returned)."""
@@ -283,7 +283,8 @@ class ZarrBackend(Backend):
         for name, array in arrays.items():
             own = sorted(path for path in files if path.startswith(f"{base}/{name}/"))
             info[name] = {"shape": list(array.shape), "dtype": array.dtype.name, "files": own,
-                          "stored_bytes": sum(files[path].nbytes for path in own), "decoded_bytes": int(array.nbytes)}
+                          "stored_bytes": sum(file_size(files[path]) for path in own),
+                          "decoded_bytes": int(array.nbytes)}
         return PackedShard(files, info)
 
     def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:

@@ -14,6 +14,7 @@ import pytest
 from kdcache.pipeline.cli import main
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter, encode_shard, verify_cache
 from kdcache.storage.errors import CacheLockedError, ChecksumError, PartialCacheError, StorageError
+from kdcache.storage.files import joined
 from kdcache.storage.stores import RemoteStore, open_store
 from kdcache.storage.writer import merge_parts
 from tests.helpers.cache_files import cache_files
@@ -85,7 +86,7 @@ def test_resume_after_a_writer_died_mid_shard(backend, s3_bucket, tmp_path):
     _write(url, spec, seqs, shards=[0, 2], finalize=False)
     with CacheWriter(url, spec, FINGERPRINTS) as writer:  # died after PUTting half of shard 1, before its sidecar
         packed = writer.backend.pack(encode_shard(spec, 1, seqs[3:6]).arrays, spec, 1)
-        half = {path: bytes(data)[: len(bytes(data)) // 2] for path, data in packed.files.items()}
+        half = {path: joined(data)[: len(joined(data)) // 2] for path, data in packed.files.items()}
         writer.store.put_shard(writer.backend.shard_key(1), half)
     with pytest.raises(PartialCacheError):
         CacheReader(url)  # still "writing": refused
