@@ -74,6 +74,8 @@ def stream_once(cache: Path, epochs: int, batch: int, step: float) -> dict[str, 
 def summarise(run: dict[str, Any], window: int) -> dict[str, float]:
     """The boundary windows' wall time against mid-epoch windows of the same length, and their waits."""
     steps, ends, waits = run["steps"], run["ends"], run["waits"]
+    if window < 2 or window % 2 or steps < 2 * window:
+        raise ValueError(f"window {window}: expected an even number of steps >= 2, at most half an epoch ({steps})")
     half = window // 2
     ratios, boundary_waits = [], []
     for epoch in range(1, max(run["epochs"]) + 1):

@@ -28,7 +28,7 @@ FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 BytesLike = bytes | bytearray | memoryview | np.ndarray  # what the checksums and writes below take
 # One file's bytes: whole, or the pieces it is written from in order. Pieces spare a copy into one large buffer,
 # whose release (munmap, 10-18 ms per 67 MB here) would hold the GIL while the thread feeding the device waits.
-FileData = BytesLike | list[bytes]
+FileData = BytesLike | list[BytesLike]
 _IO_THREADS = 8  # fsyncs in flight; beyond a handful the device queue, not the thread count, sets the pace
 
 
@@ -53,15 +53,16 @@ def _view(data: BytesLike) -> memoryview:
 
 def file_size(data: FileData) -> int:
     """Bytes in a file's data, whole or in pieces."""
-    return sum(len(p) for p in data) if isinstance(data, list) else _view(data).nbytes
+    return sum(_view(p).nbytes for p in data) if isinstance(data, list) else _view(data).nbytes
 
 
 def joined(data: FileData) -> bytes:
     """A file's data as one ``bytes`` (for an object store's PUT)."""
-    return b"".join(data) if isinstance(data, list) else bytes(data)
+    return b"".join(_view(p) for p in data) if isinstance(data, list) else bytes(_view(data))
 
 
 _SCRATCH = threading.local()  # per thread: the buffer read_reused fills
+KEPT_BUFFER = 256 << 20  # larger files get a buffer of their own, released after use: none is kept beyond this
 
 
 def read_reused(path: Path | str) -> memoryview:
@@ -69,13 +70,15 @@ def read_reused(path: Path | str) -> memoryview:
 
     A fresh ``bytes`` per file costs its allocation and, worse, its release: 9-18 ms per 67 MB here, spent in
     ``munmap`` with the GIL held, when the thread feeding the device cannot run. The buffer grows to the largest
-    file a thread has read and stays.
+    file a thread has read, up to ``KEPT_BUFFER``, and stays.
     """
     with open(path, "rb", buffering=0) as handle:
         size = os.fstat(handle.fileno()).st_size
         buffer = getattr(_SCRATCH, "buffer", None)
         if buffer is None or buffer.size < size:
-            buffer = _SCRATCH.buffer = np.empty(max(size, 1), np.uint8)  # not zeroed: the read fills it
+            buffer = np.empty(max(size, 1), np.uint8)  # not zeroed: the read fills it
+            if size <= KEPT_BUFFER:
+                _SCRATCH.buffer = buffer
         view, got = buffer.data[:size], 0
         while got < size and (count := handle.readinto(view[got:])):  # the reads release the GIL
             got += count

@@ -93,7 +93,8 @@ def decode_plan(epochs: Iterable[tuple[int, list[tuple[int, np.ndarray]]]], loca
             if stop > len(current.items):  # the window reaches into the next epoch
                 following = next(upcoming, None) if following is None else following
                 if following is not None:
-                    claimed.update(following.wanted(0, stop - len(current.items), readahead, held | wanted.keys()))
+                    # Its read-ahead skips only what it has claimed: a shard held now is claimed (kept), not skipped.
+                    claimed.update(following.wanted(0, stop - len(current.items), readahead, set(claimed)))
                     wanted.update(claimed)
             # In order of need: the batch about to be assembled waits for its own shards only.
             decode = tuple(s for s in wanted if s not in held)

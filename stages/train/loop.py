@@ -135,7 +135,7 @@ def _student_tokenizer(student: str, scratch: str) -> Path:
     return Path(scratch)
 
 
-VALID_TOKENS = "valid_tokens"  # a prepared batch's count of real tokens (an int from the host batch)
+HOST = "host"  # a prepared batch's facts from its host copy: {"tokens": real tokens, "sample_ids": host tensor}
 DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which the log says so
 
 
@@ -227,16 +227,18 @@ class _Trainer:
         self.progress = TrainProgress(total, int(start_step), enabled=self.dist.rank == 0 and not quiet)
         self._since_log = start
         self.engine.train()
-        batches = iter(DeviceFeed(loader, self._prepare, self.dist.device))  # batch i+1 copied beside step i
+        feed = DeviceFeed(loader, self._prepare, self.dist.device)  # batch i+1 copied and decoded beside step i
+        batches = iter(feed)
         # Ctrl-C / SIGTERM: finish the optimizer step, then save below and say how to resume (interrupt.py).
         with StopOnSignal(self.dist.world_size, announce=self.dist.rank == 0) as stop:
             while self.engine.global_steps < total:
-                asked = time.perf_counter()
+                waited = feed.waited
                 batch = next(batches, None)
-                self._waited += time.perf_counter() - asked  # the step stood still: the data was not ready
+                self._waited += feed.waited - waited  # the step stood still: the reader was behind
                 if batch is None:
                     break
                 self._micro_step(batch, stream.steps_per_epoch)
+                batch = None  # batch i goes before batch i+2 is prepared: one batch ahead on the device, not two
                 if self._stepped():
                     self._after_optimizer_step(total)
                     if stop.requested():
@@ -262,8 +264,8 @@ class _Trainer:
         """Forward, backward and (on a boundary) the optimizer step for one micro-batch."""
         self._last_global = self.engine.global_steps
         torch.manual_seed((self.options.data.seed * 1_000_003 + self.micro_step) * 1_009 + self.dist.rank)
-        epoch, step_in_epoch, ids = batch.pop("epoch"), batch.pop("step_in_epoch"), batch["sample_ids"]
-        self._tokens += batch.pop(VALID_TOKENS)
+        epoch, step_in_epoch, host = batch.pop("epoch"), batch.pop("step_in_epoch"), batch.pop(HOST)
+        self._tokens += host["tokens"]
         out = self.engine(batch)
         self.engine.backward(out["loss"])
         self.engine.step()
@@ -273,14 +275,15 @@ class _Trainer:
         self.micro_step += 1
         self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.batch_size, steps_per_epoch)
         if self.trace.enabled:  # reads the loss on the host: a sync per micro-step (the option's help says so)
-            self.trace.record(self.micro_step - 1, epoch, step_in_epoch, ids.tolist(), float(out["loss"]))
+            self.trace.record(self.micro_step - 1, epoch, step_in_epoch, host["sample_ids"].tolist(),
+                              float(out["loss"]))
 
     def _prepare(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """A host batch on the device, its coded targets decoded there; its valid tokens counted on the host copy
-        (no device read), under ``VALID_TOKENS``."""
-        tokens = sum(int(value.sum()) for name, value in batch.items() if split_stream(name)[1] == "mask")
+        """A host batch on the device, its coded targets decoded there; under ``HOST`` what the step reads of the
+        host copy (real tokens, sample ids), so that it reads no device value."""
+        tokens = sum(int(value.numpy().sum()) for name, value in batch.items() if split_stream(name)[1] == "mask")
         out = to_device(batch, self.dist.device, self.hidden_codec, self.projection)
-        out[VALID_TOKENS] = tokens
+        out[HOST] = {"tokens": tokens, "sample_ids": batch["sample_ids"]}
         return out
 
     def _stepped(self) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.backends.registry import backend_class
-from kdcache.storage.files import crc32c, file_size
+from kdcache.storage.files import FileData, crc32c, file_size
 from kdcache.storage.formats import CURRENT, CacheFormat
 from kdcache.storage.manifest import SHARDS_DIR, ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
@@ -37,7 +37,7 @@ class PackedShard:
         extra: backend-level facts for the shard record (e.g. the Arrow header's length and crc32c).
     """
 
-    files: dict[str, Any]
+    files: dict[str, FileData]
     arrays: dict[str, dict[str, Any]]
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -175,7 +175,7 @@ def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_v
         chunk = array[k * rows: (k + 1) * rows]
         if len(chunk) < rows:
             chunk = np.concatenate([chunk, np.full((rows - len(chunk), *array.shape[1:]), fill_value, array.dtype)])
-        encoded = codec.encode(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+        encoded = bytes(codec.encode(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)))  # bytes: no copy
         pieces += [encoded, crc32c(encoded).to_bytes(4, "little")]
         index[k] = (offset, len(encoded) + 4)
         offset += len(encoded) + 4

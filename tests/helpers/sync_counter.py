@@ -16,8 +16,9 @@ SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")  # every way a te
 
 
 class SyncCounter:
-    """Counts the host reads of tensor values made by kdcache's own code inside ``_Trainer._micro_step``, from the
-    second micro-step on (the first runs the one-off checks of the student); records ``file:line`` of each.
+    """Counts the host reads of tensor values made by kdcache's own code inside ``_Trainer._micro_step`` and
+    ``_Trainer._prepare`` (the next batch's copy and decode), from the second micro-step on (the first runs the
+    one-off checks of the student); records ``file:line`` of each.
     Only the step's own thread counts: the reader's threads make batches on the host meanwhile (no device there)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,7 +26,7 @@ class SyncCounter:
         self.thread = threading.get_ident()
         for name in SYNCS:
             monkeypatch.setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name)))
-        original = loop._Trainer._micro_step
+        original, prepare = loop._Trainer._micro_step, loop._Trainer._prepare
 
         def micro_step(trainer: loop._Trainer, *args: object) -> None:
             self.inside, self.thread = self.micro_steps > 0, threading.get_ident()
@@ -33,7 +34,15 @@ class SyncCounter:
                 original(trainer, *args)  # type: ignore[arg-type]
             finally:
                 self.inside, self.micro_steps = False, self.micro_steps + 1
+
+        def prepared(trainer: loop._Trainer, batch: dict) -> dict:  # the next batch's copy and decode count too
+            self.inside, self.thread = self.micro_steps > 0, threading.get_ident()
+            try:
+                return prepare(trainer, batch)
+            finally:
+                self.inside = False
         monkeypatch.setattr(loop._Trainer, "_micro_step", micro_step)
+        monkeypatch.setattr(loop._Trainer, "_prepare", prepared)
 
     def _counting(self, method):  # type: ignore[no-untyped-def]
         def counted(tensor: torch.Tensor, *args: object):  # type: ignore[no-untyped-def]

@@ -23,8 +23,8 @@ def _locate(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return shard, ids - STARTS[shard]
 
 
-def _epochs(count: int, block: int, batch: int = 4, first: int = 0) -> Iterator[tuple[int, list]]:
-    for epoch in range(first, first + count):
+def _epochs(count: int, block: int, batch: int = 4) -> Iterator[tuple[int, list]]:
+    for epoch in range(count):
         items = list(enumerate(rank_batches(epoch_order(RANGES, 7, epoch, block), 0, 1, batch)))
         yield epoch, items
 
@@ -126,3 +126,16 @@ def test_the_stream_carries_out_the_plan(tmp_path) -> None:
     assert got == [(p.epoch, p.step, p.ids.tolist()) for p in plan]
     assert sorted(calls) == sorted(stream.shard_ids[s] for p in plan for s in p.decode)
     assert len(calls) < 2 * len(stream.shard_ids)  # shards held at the boundary were not decoded twice
+
+
+def test_read_ahead_into_the_next_epoch_keeps_a_held_shard_it_reaches() -> None:
+    # Shards of two sequences (shard = id // 2). Epoch 0 ends on shards C = 2 and X = 3; epoch 1 first uses C, then
+    # X, then A = 0: with prefetch 1 and read-ahead 2 the boundary's window reaches C, its read-ahead C and X.
+    def locate(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return ids // 2, ids % 2
+
+    epochs = [(0, [(0, np.array([0, 1])), (1, np.array([4, 6]))]),
+              (1, [(0, np.array([4, 5])), (1, np.array([6, 0])), (2, np.array([7, 1]))])]
+    batches, decodes, _ = _walk(decode_plan(epochs, locate, 1, 2))
+    assert [p.epoch for p in batches] == [0, 0, 1, 1, 1]
+    assert decodes == 4  # A twice (let go after its use in epoch 0), C and X once: held at the boundary, kept

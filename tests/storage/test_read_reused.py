@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kdcache.storage import CacheReader, CacheSpec, CacheWriter
+from kdcache.storage import CacheReader, CacheSpec, CacheWriter, files
 from kdcache.storage.files import read_reused
 from kdcache.storage.stores import LocalStore
 
@@ -31,6 +31,15 @@ def test_the_bytes_are_the_files_and_the_buffer_is_reused_and_grown(tmp_path: Pa
     assert bytes(again) == small.read_bytes() and _base(again) == _base(read_reused(large))  # kept at its size
     assert bytes(read_reused(empty)) == b""
     assert bytes(LocalStore(tmp_path).read_transient("large")) == large.read_bytes()
+
+
+def test_a_file_over_the_kept_size_gets_a_buffer_of_its_own(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "small").write_bytes(b"s" * 100)
+    (tmp_path / "big").write_bytes(b"b" * 5000)
+    monkeypatch.setattr(files, "KEPT_BUFFER", 1000)
+    kept = _base(read_reused(tmp_path / "small"))
+    assert bytes(read_reused(tmp_path / "big")) == b"b" * 5000
+    assert _base(read_reused(tmp_path / "small")) == kept  # the big file's buffer was not kept
 
 
 def test_each_thread_has_its_own_buffer(tmp_path: Path) -> None:
