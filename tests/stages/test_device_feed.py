@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 from kdcache.stages.train.device_feed import DeviceFeed
@@ -37,3 +38,13 @@ def test_an_empty_stream_yields_nothing_and_the_readers_wait_is_counted() -> Non
     feed = DeviceFeed(slow(), dict, torch.device("cpu"))
     assert [b["i"] for b in feed] == [0, 1]
     assert feed.waited >= 0.09
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream exists on CUDA only")
+def test_on_a_gpu_the_batches_arrive_whole_through_the_side_stream() -> None:
+    device = torch.device("cuda")
+    host = [{"x": torch.full((1 << 22,), float(i), dtype=torch.float16).pin_memory()} for i in range(4)]
+    feed = DeviceFeed(host, lambda b: {"x": b["x"].to(device, non_blocking=True).float()}, device)
+    for i, batch in enumerate(feed):
+        slow = torch.randn(2048, 2048, device=device) @ torch.randn(2048, 2048, device=device)  # the "step"
+        assert torch.equal(batch["x"], torch.full((1 << 22,), float(i), device=device)) and slow.isfinite().all()
