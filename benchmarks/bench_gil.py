@@ -43,9 +43,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdcache.stages.precompute.background import BackgroundWriter
-from kdcache.stages.train.streaming import CacheStream
-from kdcache.storage import CacheSpec, CacheWriter
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks, tests.helpers; the installed kdcache wins
+
+from benchmarks.bench_host_path import StubLayers, make_teacher, write_data  # noqa: E402
+from kdcache.stages.precompute.background import BackgroundWriter  # noqa: E402
+from kdcache.stages.train.streaming import CacheStream  # noqa: E402
+from kdcache.storage import CacheSpec, CacheWriter  # noqa: E402
 
 LAYERS, TOP_K = (1, 2, 3, 4), 128
 SHAPE = {"tokens": 2048, "rows": 8, "width": 2048}  # per sequence, sequences per shard, hidden width
@@ -173,17 +176,13 @@ def measure(work: Callable[[threading.Event], None], seconds: float, rounds: int
             "host_tokens_per_s": round(tokens / (seconds * rounds))}
 
 
-class LaunchLayers:
-    """Llama decoder layers replaced by a fixed activation, layer 0 of each batch first running ``ops`` tiny torch
-    ops on core 0 (a forward as a GPU's launching thread sees it), after moving every other thread to ``cores``."""
+class LaunchLayers(StubLayers):
+    """``StubLayers`` whose device time is ``ops`` tiny torch ops on core 0, each timed (a forward as a GPU's
+    launching thread sees it), after moving every other thread to ``cores``."""
 
     def __init__(self, ops: int, cores: set[int]) -> None:
-        from transformers.models.llama import modeling_llama
-
-        self.cls, self.ops, self.cores = modeling_llama.LlamaDecoderLayer, ops, cores
-        self.original = self.cls.forward
-        self.launch_seconds, self.batches, self.spans = 0.0, 0, []  # type: ignore[var-annotated]
-        self._fixed: dict[tuple[int, ...], torch.Tensor] = {}
+        super().__init__()
+        self.ops, self.cores, self.spans = ops, cores, []  # type: ignore[var-annotated]
 
     def _move_others(self) -> None:
         me = threading.get_native_id()
@@ -194,34 +193,17 @@ class LaunchLayers:
                 except OSError:  # the thread ended meanwhile
                     pass
 
-    def __enter__(self) -> LaunchLayers:
-        stub = self
-
-        def forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            if layer.self_attn.layer_idx == 0:
-                stub._move_others()
-                x = torch.zeros(64)
-                for _ in range(stub.ops):
-                    now = time.perf_counter()
-                    x.add_(1.0)
-                    stub.spans.append(time.perf_counter() - now)
-                stub.batches += 1
-            key = tuple(hidden_states.shape)
-            if key not in stub._fixed:
-                stub._fixed[key] = torch.randn(key, generator=torch.Generator().manual_seed(1)).to(hidden_states.dtype)
-            return stub._fixed[key]
-
-        self.cls.forward = forward
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.cls.forward = self.original
+    def device_time(self) -> None:
+        self._move_others()
+        x = torch.zeros(64)
+        for _ in range(self.ops):
+            now = time.perf_counter()
+            x.add_(1.0)
+            self.spans.append(time.perf_counter() - now)
 
 
 def stage_one(root: Path, rows: int, launch_seconds: float, writers: int, cores: set[int]) -> dict[str, Any]:
     """``kdcache precompute`` with the launcher as its teacher's forward; its slowdown, and the run's."""
-    sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests.helpers; appended: the installed kdcache wins
-    from benchmarks.bench_host_path import make_teacher, write_data
     from kdcache.stages.precompute import PrecomputeOptions, run_precompute
 
     width, tokens = SHAPE["width"], SHAPE["tokens"]

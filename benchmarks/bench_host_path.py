@@ -52,7 +52,8 @@ def cpu_seconds() -> float:
 
 
 class StubLayers:
-    """Replaces ``LlamaDecoderLayer.forward`` by a sleep and a fixed activation, while active."""
+    """Replaces ``LlamaDecoderLayer.forward`` by a sleep and a fixed activation, while active. The sleep, the
+    device's time, is ``device_time``: a subclass may spend it otherwise (``bench_gil.LaunchLayers``)."""
 
     def __init__(self) -> None:
         from transformers.models.llama import modeling_llama
@@ -69,7 +70,7 @@ class StubLayers:
         def forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if layer.self_attn.layer_idx == 0:
                 stub.batches += 1
-                time.sleep(stub.sleep)  # the device's time, as the host sees it: free to do other work
+                stub.device_time()
             key = tuple(hidden_states.shape)
             if key not in stub._fixed:
                 generator = torch.Generator().manual_seed(len(stub._fixed))
@@ -78,6 +79,10 @@ class StubLayers:
 
         self.cls.forward = forward
         return self
+
+    def device_time(self) -> None:
+        """The device's time per batch, as the host sees it: free to do other work."""
+        time.sleep(self.sleep)
 
     def __exit__(self, *exc: object) -> None:
         self.cls.forward = self.original

@@ -16,12 +16,22 @@ rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 Locate = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # global ids [B] -> (shard [B], index in shard [B])
+
+
+def shard_locator(shard_ranges: Sequence[tuple[int, int]]) -> Locate:
+    """``Locate`` for shards holding consecutive ``(seq_start, seq_stop)`` ranges, in that order."""
+    starts = np.array([a for a, _ in shard_ranges], dtype=np.int64)
+
+    def locate(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        shard = np.searchsorted(starts, ids, side="right") - 1
+        return shard, ids - starts[shard]
+    return locate
 
 
 @dataclass(frozen=True)

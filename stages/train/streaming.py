@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kdcache.stages.common.hidden_codecs import Projection, decode_batch
-from kdcache.stages.train.decode_plan import decode_plan
+from kdcache.stages.train.decode_plan import decode_plan, shard_locator
 from kdcache.storage import KdcacheError, kind_of, part_of, prefixed, ragged_streams, split_stream, vocab_id_names
 
 if TYPE_CHECKING:
@@ -307,18 +307,13 @@ class _Producer:
         # few threads keep up), two from an object store, where a request costs milliseconds.
         self.readahead = 0 if reader.store.is_local else READAHEAD_REMOTE
         self.shard_ids = shard_ids
-        self.starts = np.array([a for a, _ in shard_ranges], dtype=np.int64)
+        self.locate = shard_locator(shard_ranges)
         self.plan, self.prefetch = plan, prefetch
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kdcache-decode")
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kdcache-collate", daemon=True)
         self.thread.start()
-
-    def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Shard position and shard-local index of each global sequence id."""
-        shard = np.searchsorted(self.starts, ids, side="right") - 1
-        return shard, ids - self.starts[shard]
 
     def _run(self) -> None:
         try:
@@ -331,7 +326,7 @@ class _Producer:
         """Carry out ``decode_plan``: decodes queued ahead of need (across epoch boundaries too), batches
         assembled in order, each shard dropped after its last planned use."""
         decoded: dict[int, Future] = {}
-        for planned in decode_plan(self.plan, self._locate, self.prefetch, self.readahead):
+        for planned in decode_plan(self.plan, self.locate, self.prefetch, self.readahead):
             if self.stop.is_set():
                 return
             for s in planned.decode:

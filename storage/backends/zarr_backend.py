@@ -15,6 +15,7 @@ import json
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -158,17 +159,12 @@ class ZarrShard(ShardHandle):
             with self._lock:
                 self._fetched.update(fetched)
 
-    def _read_file(self, key: str) -> bytes:
+    def _read_file(self, key: str, read: Callable[[str], bytes | memoryview] | None = None) -> bytes | memoryview:
+        """A file's bytes: fetched ahead from an object store, else ``read(key)`` now (``Store.read``; a data file
+        decoded at once passes ``Store.read_transient``, the thread's reused buffer in a folder)."""
         with self._lock:
             data = self._fetched.pop(key, None)  # used once: the decoded array is what stays
-        return self.store.read(key) if data is None else data
-
-    def _read_to_decode(self, key: str) -> bytes | memoryview:
-        """A data file decoded at once: from a folder, read into the thread's reused buffer
-        (``Store.read_transient``)."""
-        with self._lock:
-            data = self._fetched.pop(key, None)
-        return self.store.read_transient(key) if data is None else data
+        return (read or self.store.read)(key) if data is None else data
 
     def metadata(self, name: str) -> dict[str, Any]:
         """An array's ``zarr.json``, checked against the crc32c recorded when it was written."""
@@ -182,7 +178,7 @@ class ZarrShard(ShardHandle):
                 raise self._fail(name, "its zarr.json is missing") from None
             if crc32c(raw) != table[f"{base}/{name}/zarr.json"][1]:
                 raise self._fail(name, "zarr.json does not match the crc32c recorded when it was written")
-            cached = json.loads(raw)
+            cached = json.loads(bytes(raw))  # bytes already: no copy
             with self._lock:
                 self._metadata[name] = cached
         return cached
@@ -216,7 +212,7 @@ class ZarrShard(ShardHandle):
             codec = ShuffledCodec(codec, numcodecs.Shuffle(elementsize=layout["shuffle"]))
         size = self.record.extra["files"][data[0]][0]
         try:
-            raw = self._read_to_decode(f"{self.key.rsplit('/', 1)[0]}/{data[0]}")
+            raw = self._read_file(f"{self.key.rsplit('/', 1)[0]}/{data[0]}", self.store.read_transient)
             if len(raw) != size:
                 raise ShardFileError(f"file {data[0]} has {len(raw)} bytes, {size} were written")
             return read_whole(raw, self.metadata(name), codec, layout["rows"])

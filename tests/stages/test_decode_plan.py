@@ -8,19 +8,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kdcache.stages.train.decode_plan import PlannedBatch, decode_plan
+from kdcache.stages.train.decode_plan import PlannedBatch, decode_plan, shard_locator
 from kdcache.stages.train.streaming import CacheStream, epoch_order, rank_batches
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_gpt2
 from tests.stages._train_support import write_cache
 
 RANGES = [(i * 6, (i + 1) * 6) for i in range(8)]  # 8 shards of 6 sequences
-STARTS = np.array([a for a, _ in RANGES])
-
-
-def _locate(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    shard = np.searchsorted(STARTS, ids, side="right") - 1
-    return shard, ids - STARTS[shard]
+_locate = shard_locator(RANGES)
 
 
 def _epochs(count: int, block: int, batch: int = 4) -> Iterator[tuple[int, list]]:
@@ -116,13 +111,7 @@ def test_the_stream_carries_out_the_plan(tmp_path) -> None:
     stream = CacheStream(reader, ["input_ids", "hidden/1"], batch_size=4, seed=2, epochs=2, shuffle_block=24,
                          prefetch=2)
     got = [(b["epoch"], b["step_in_epoch"], b["sample_ids"].tolist()) for b in stream]
-    starts = np.array([a for a, _ in stream.shard_ranges])
-
-    def locate(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        shard = np.searchsorted(starts, ids, side="right") - 1
-        return shard, ids - starts[shard]
-
-    plan = list(decode_plan(stream.plan(), locate, 2))
+    plan = list(decode_plan(stream.plan(), shard_locator(stream.shard_ranges), 2))
     assert got == [(p.epoch, p.step, p.ids.tolist()) for p in plan]
     assert sorted(calls) == sorted(stream.shard_ids[s] for p in plan for s in p.decode)
     assert len(calls) < 2 * len(stream.shard_ids)  # shards held at the boundary were not decoded twice
