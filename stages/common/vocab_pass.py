@@ -68,20 +68,26 @@ def vocab_pass(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm],
     # One index of the union's rows for every selection (a boolean index syncs with the device each time).
     index = union.flatten().nonzero().squeeze(1)
     rows = _select(logits, index)
-    kept = [_rows(term.counts, index) for term in terms]
-    targets = [tuple(_rows(t, index) for t in term.targets) for term in terms]
     device = rows.hidden.device if isinstance(rows, HeadRows) else rows.device
     scales = torch.stack([_scalar(t.scale, device) for t in terms])
     w = torch.stack([_scalar(x, device) for x in weights])
-    fn = _combined(terms, scales, [len(t) for t in targets])
-    flat = [r for term_rows, keep in zip(targets, kept) for r in (keep, *term_rows)]
-    total, values = _run(fn, rows, flat, w)
+    fn = _combined(terms, scales, [len(t.targets) for t in terms])
+    # Targets stay whole ([B·L, ...] views); each chunk gathers its own rows, so full teacher logits are never
+    # copied whole: [N_v, V] float32 is 512 MiB at 1,024 tokens and V = 128k.
+    flat = [r.flatten(0, 1) for term in terms for r in (term.counts, *term.targets)]
+    total, values = _run(fn, rows, flat, index, w)
     return total + loss_rows.tied_zero(logits), values
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows ``index [N]`` of ``x [B, L, ...]`` -> ``[N, ...]``."""
     return x.flatten(0, 1).index_select(0, index)
+
+
+def _chunk_rows(flat: Sequence[torch.Tensor], index: torch.Tensor, start: int, chunk: int) -> list[torch.Tensor]:
+    """The rows ``index[start:start + chunk]`` of each ``[B·L, ...]`` tensor of ``flat``."""
+    part = index[start:start + chunk]
+    return [r.index_select(0, part) for r in flat]
 
 
 def _select(logits: torch.Tensor | HeadLogits, index: torch.Tensor) -> torch.Tensor | HeadRows:
@@ -122,19 +128,20 @@ def _combined(terms: Sequence[ChunkTerm], scales: torch.Tensor,
 
 
 def _run(fn: Callable[..., torch.Tensor], rows: torch.Tensor | HeadRows, flat: Sequence[torch.Tensor],
-         weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+         index: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunks: ``HeadPass`` when the student's head rows are all that takes a gradient, else activation
-    checkpointing (materialised logits, or targets with a gradient of their own); a plain loop without grad."""
+    checkpointing (materialised logits, or targets with a gradient of their own); a plain loop without grad.
+    ``rows`` are the selected ``[N, ...]``; ``flat`` the whole ``[B·L, ...]`` targets, gathered by ``index [N]``."""
     chunk = loss_rows.LOSS_CHUNK
     if isinstance(rows, HeadRows):
         wants = torch.is_grad_enabled() and (rows.hidden.requires_grad or rows.weight.requires_grad)
         if not wants:
             with torch.no_grad():
-                values = _sum_chunks(lambda h, *o: fn(rows.with_hidden(h).logits(), *o), rows.hidden, flat, chunk,
-                                     len(weights))
+                values = _sum_chunks(lambda h, *o: fn(rows.with_hidden(h).logits(), *o), rows.hidden, flat, index,
+                                     chunk, len(weights))
             return (weights * values).sum(), values
         if not any(r.requires_grad for r in flat):
-            total, values = HeadPass.apply(rows.hidden, rows.weight, rows.bias, fn, weights, chunk, *flat)
+            total, values = HeadPass.apply(rows.hidden, rows.weight, rows.bias, fn, weights, chunk, index, *flat)
             return total, values
 
     def build(first: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
@@ -143,17 +150,18 @@ def _run(fn: Callable[..., torch.Tensor], rows: torch.Tensor | HeadRows, flat: S
 
     def run(first: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
         return checkpoint(build, first, *others, use_reentrant=False)
-    values = _sum_chunks(run, rows.hidden if isinstance(rows, HeadRows) else rows, flat, chunk,
+    values = _sum_chunks(run, rows.hidden if isinstance(rows, HeadRows) else rows, flat, index, chunk,
                          len(weights))
     return (weights * values).sum(), values.detach()
 
 
 def _sum_chunks(fn: Callable[..., torch.Tensor], first: torch.Tensor, flat: Sequence[torch.Tensor],
-                chunk: int, n_terms: int) -> torch.Tensor:
-    """``Σ fn(first chunk, *flat chunks)`` over chunks of ``chunk`` rows: ``[T]`` float32 (zeros for no rows)."""
+                index: torch.Tensor, chunk: int, n_terms: int) -> torch.Tensor:
+    """``Σ fn(first chunk, *flat's rows of the chunk)`` over chunks of ``chunk`` rows of ``first [N, ...]``
+    (``flat``'s rows ``index [N]``): ``[T]`` float32 (zeros for no rows)."""
     total: torch.Tensor | None = None
     for start in range(0, first.shape[0], chunk):
-        part = fn(first[start:start + chunk], *(r[start:start + chunk] for r in flat))
+        part = fn(first[start:start + chunk], *_chunk_rows(flat, index, start, chunk))
         total = part if total is None else total + part
     return first.new_zeros(n_terms, dtype=torch.float32) if total is None else total
 
@@ -162,18 +170,19 @@ class HeadPass(torch.autograd.Function):
     """``Σ_chunks fn(chunk's [C, V] logits, *chunk's rows)`` (``[T]``) and its weighted sum, over chunks of
     ``hidden [N, d]``; the gradient of the weighted sum is taken chunk by chunk in the forward pass, so the chunk's
     logits live only while it is evaluated and the backward pass only scales the stored ``[N, d]`` and ``[V, d]``
-    gradients: three matmuls per chunk for every term together. The other rows are targets: no gradient."""
+    gradients: three matmuls per chunk for every term together. ``rows`` are whole ``[B·L, ...]`` targets (no
+    gradient), each chunk gathering its rows ``index[start:start + chunk]``."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                fn: Callable[..., torch.Tensor], weights: torch.Tensor, chunk: int,
+                fn: Callable[..., torch.Tensor], weights: torch.Tensor, chunk: int, index: torch.Tensor,
                 *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         grad_h = torch.zeros_like(hidden)
         grad_w = torch.zeros_like(weight, dtype=torch.float32)  # fp32: summed over every chunk
         grad_b = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
         values = torch.zeros(len(weights), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
-            h, part = hidden[start:start + chunk], [r[start:start + chunk] for r in rows]
+            h, part = hidden[start:start + chunk], _chunk_rows(rows, index, start, chunk)
             with torch.enable_grad():
                 z = torch.nn.functional.linear(h, weight, bias).detach().requires_grad_(True)
                 chunk_values = fn(z, *part)
@@ -192,5 +201,5 @@ class HeadPass(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor, _values: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_h, grad_w, *grad_b = ctx.saved_tensors
         bias = (grad_b[0] * grad).to(ctx.weight_dtype) if grad_b else None
-        return (grad_h * grad.to(grad_h.dtype), (grad_w * grad).to(ctx.weight_dtype), bias, None, None, None,
+        return (grad_h * grad.to(grad_h.dtype), (grad_w * grad).to(ctx.weight_dtype), bias, None, None, None, None,
                 *(None,) * ctx.extra)

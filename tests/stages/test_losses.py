@@ -126,6 +126,35 @@ def test_kd_kl_zero_for_equal_inputs_and_blind_to_padding():
     assert torch.isfinite(poisoned_s.grad).all() and torch.all(poisoned_s.grad[~MASK.bool()] == 0)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_kd_kl_gradient_matches_float64_autograd(temperature):
+    """The written-out gradient (``SoftmaxKl``: (q - p) / T) against autograd through a float64 KL, with teacher
+    entries of no mass (-inf) and a student of -inf where the teacher has none."""
+    torch.manual_seed(5)
+    z_s, z_t = torch.randn(2, 4, 7) * 3, torch.randn(2, 4, 7) * 3
+    z_t[0, 1, :3] = float("-inf")
+    z_s[0, 1, 0] = float("-inf")
+    student = z_s.clone().requires_grad_(True)
+    kd_kl(student, z_t, MASK, temperature).backward()
+    ref = z_s.double().requires_grad_(True)
+    rows = MASK.bool()
+    log_p = torch.log_softmax(z_t.double()[rows] / temperature, -1)
+    log_q = torch.log_softmax(ref[rows] / temperature, -1)
+    terms = torch.where(log_p > float("-inf"), log_p.exp() * (log_p - log_q), torch.zeros_like(log_p))
+    (temperature**2 * terms.sum() / rows.sum()).backward()
+    assert torch.isfinite(student.grad).all()
+    torch.testing.assert_close(student.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_kd_kl_with_a_teacher_that_takes_a_gradient():
+    """Online KD's teacher logits with a gradient take autograd's road: both sides get theirs."""
+    torch.manual_seed(6)
+    z_s, z_t = torch.randn(2, 4, 6).requires_grad_(True), torch.randn(2, 4, 6).requires_grad_(True)
+    kd_kl(z_s, z_t, MASK).backward()
+    assert z_t.grad is not None and z_t.grad[MASK.bool()].abs().sum() > 0
+    assert torch.all(z_t.grad[~MASK.bool()] == 0) and torch.all(z_s.grad[~MASK.bool()] == 0)
+
+
 def test_kd_kl_refuses_vocab_mismatch():
     with pytest.raises(LossError, match="vocabulary"):
         kd_kl(torch.randn(1, 2, 5), torch.randn(1, 2, 6), torch.ones(1, 2))
