@@ -6,7 +6,7 @@ failed check (overflow, bad shape) never leaves anything on disk.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,8 @@ from kdcache.storage.layout import attention_rows, document_lengths, pack_attent
 from kdcache.storage.logit_layouts import VOCAB_ID, LogitArray, logit_array, logit_arrays
 from kdcache.storage.spec import TOKEN_ARRAYS, TOPK_MASS, CacheSpec
 from kdcache.storage.streams import kind_of, prefixed, split_stream
+
+Concatenate = Callable[[Sequence[np.ndarray]], np.ndarray]  # np.concatenate along axis 0, or a pooled one
 
 
 @dataclass
@@ -143,7 +145,7 @@ def _offsets(lengths: Sequence[int]) -> np.ndarray:
 
 
 def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, Any]], *,
-                 finite: frozenset[str] = frozenset()) -> EncodedShard:
+                 finite: frozenset[str] = frozenset(), concatenate: Concatenate = np.concatenate) -> EncodedShard:
     """Encode shard ``index`` from one dict per sequence.
 
     Args:
@@ -156,6 +158,8 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
             under ``encoder/`` and ``decoder/``, ``cross_attention/{j} [H, L_d, L_e]``, and logits ``[L_d, ...]``.
         finite: float arrays already in the storage dtype whose every value the producer checked finite (stage
             one does on its device): the host pass over them is skipped, being work done twice.
+        concatenate: joins an array's per-sequence parts; ``CacheWriter`` passes a ``buffers.Lease``'s, whose
+            arrays live in reused buffers until the shard is committed.
 
     Returns:
         The shard's flat arrays, ready for a backend.
@@ -176,7 +180,8 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     lossy: dict[str, dict[str, float]] = {}
     for name in spec.sequence_names():
         arrays[name] = _encode_array(spec, name, [np.asarray(item[name]) for item in sequences], lossy,
-                                     _stream_documents(spec, name, documents), finite=name in finite)
+                                     _stream_documents(spec, name, documents), finite=name in finite,
+                                     concatenate=concatenate)
         if spec.coded(name):
             if any(part_name(name, "error") not in item for item in sequences):
                 raise _fail(start, part_name(name, "error"), "missing; codes made by a codec come with their "
@@ -294,7 +299,8 @@ def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]],
 
 
 def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: dict[str, dict[str, float]],
-                  documents: list[list[int]] | None = None, *, finite: bool = False) -> np.ndarray:
+                  documents: list[list[int]] | None = None, *, finite: bool = False,
+                  concatenate: Concatenate = np.concatenate) -> np.ndarray:
     """Concatenate one array over the shard's sequences and give it its storage dtype."""
     if kind_of(name) in ("attention", "cross_attention"):
         num_heads = {p.shape[0] for p in parts}
@@ -311,7 +317,7 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
     elif kind_of(name) in ("hidden", *token_row_kinds()) and len({p.shape[1] for p in parts}) != 1:
         raise InvalidSequenceError(f"{name}: widths {sorted({p.shape[1] for p in parts})} differ between "
                                    f"sequences; expected one width per layer")
-    flat = np.concatenate(parts)
+    flat = concatenate(parts)
     if kind_of(name) in ("input_ids", *TOKEN_ARRAYS):
         return _integer_tokens(name, flat, spec.array_dtype(name))
     array = logit_array(spec, name)

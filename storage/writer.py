@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kdcache.storage.backends.base import Backend, get_backend
+from kdcache.storage.buffers import BufferPool
 from kdcache.storage.encode import EncodedShard, encode_shard
 from kdcache.storage.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
 from kdcache.storage.files import disk_full_error, is_disk_full
@@ -84,6 +85,7 @@ class CacheWriter:
         self.root, self.spec, self.part = self.store.url, spec, (index, count)
         self.fingerprints = dict(fingerprints)
         self.backend: Backend = get_backend(spec.backend)
+        self._buffers = BufferPool()
         self._lock: WriterLock | None = self.store.lock(f"part-{index:05d}-of-{count:05d}.lock",
                                                         f"part {index} of {count}")
         try:
@@ -130,7 +132,10 @@ class CacheWriter:
                              f"not to this writer's part {self.part[0]}")
         if self.store.size(sidecar_key(index)) is not None and self.store.exists(self.backend.shard_key(index)):
             raise ShardError(f"shard {index} is already committed; skip writer.committed_shards() when resuming")
-        return self.commit(encode_shard(self.spec, index, sequences, finite=finite))
+        # The shard's flat arrays live in the writer's reused buffers until it is committed (storage/buffers.py).
+        with self._buffers.lease() as lease:
+            return self.commit(encode_shard(self.spec, index, sequences, finite=finite,
+                                            concatenate=lease.concatenate))
 
     def commit(self, encoded: EncodedShard) -> ShardRecord:
         """Pack an encoded shard in memory, hand its files to the store, then write its sidecar (the commit point).
