@@ -66,7 +66,8 @@ class BufferPool:
 
 
 class Lease:
-    """The buffers one shard's arrays were concatenated into (``BufferPool.lease``)."""
+    """Buffers taken for one shard's arrays, handed back together by ``release`` (``BufferPool.lease`` does so when
+    its block ends; stage one's copies out of pinned memory release theirs once their shard is committed)."""
 
     def __init__(self, pool: BufferPool) -> None:
         self._pool = pool
@@ -83,14 +84,18 @@ class Lease:
         """
         if not parts:
             return np.concatenate(parts)  # numpy's own error
-        dtype = np.result_type(*parts)
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        return np.concatenate(parts, out=self.empty(shape, np.result_type(*parts)))
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+        """``np.empty(shape, dtype)``, in a pooled buffer when it is large; valid until the lease ends."""
+        dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes < MIN_BYTES:
-            return np.concatenate(parts)
+            return np.empty(shape, dtype)
         buffer = self._pool.take(nbytes)
         self._taken.append(buffer)
-        return np.concatenate(parts, out=buffer[:nbytes].view(dtype).reshape(shape))
+        return buffer[:nbytes].view(dtype).reshape(shape)
 
     def release(self) -> None:
         """Give every buffer back (the arrays made from them must no longer be used)."""

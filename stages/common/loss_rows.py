@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from kdcache.stages.common.head_logits import HeadLogits, HeadRows, Rows
 from kdcache.stages.common.loss_errors import LossError
@@ -157,7 +158,10 @@ class SoftmaxKl(torch.autograd.Function):
         return values
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         p, log_q = ctx.saved_tensors
-        dz = log_q.exp().sub_(p).mul_(grad.unsqueeze(-1) / ctx.temperature)
-        return dz.to(ctx.dtype), None, None
+        scale = (grad / ctx.temperature).unsqueeze(-1)
+        dz = log_q.exp().sub_(p).mul_(scale)
+        # A row the pass drops (grad 0) gets exactly 0, as autograd's chain gave, even where its p is NaN.
+        return dz.masked_fill_(scale == 0, 0.0).to(ctx.dtype), None, None

@@ -120,7 +120,8 @@ def finish(batch: HostBatch) -> ShardItems:
     batch.wait()
     started = time.perf_counter()
     finite = check_maxima(batch.maxima())
-    return ShardItems(batch.split(), finite=finite, host_seconds=time.perf_counter() - started)
+    return ShardItems(batch.split(), finite=finite, host_seconds=time.perf_counter() - started,
+                      leases=[batch.lease] if batch.lease is not None else [])
 
 
 def find_blocks(model: PreTrainedModel, num_layers: int) -> torch.nn.ModuleList:

@@ -59,6 +59,19 @@ def check_out_folder(out: str) -> Store:
 Shards = Generator[list[dict[str, np.ndarray]], None, None]  # per shard, its sequences' arrays, in order
 
 
+def write_then_release(writer: CacheWriter) -> Callable[[int, Any], Any]:
+    """``write(index, items) -> record``: commit the shard, then hand back the reused buffers its arrays are views
+    of (``ShardItems.release``), also when the commit failed: nothing reads them after the write."""
+
+    def write(index: int, items: Any) -> Any:
+        try:
+            return writer.write_shard(index, items, finite=getattr(items, "finite", frozenset()))
+        finally:
+            if hasattr(items, "release"):
+                items.release()
+    return write
+
+
 def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: RunStats,
                   stream: Callable[[list[tuple[int, int]], Progress], Shards], *,
                   show_progress: bool, queue_size: int, workers: int = 0) -> None:
@@ -73,10 +86,9 @@ def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: 
     total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
     stats.compute_started = time.perf_counter()
     progress = Progress(total, show_progress, stats)
-    background = BackgroundWriter(
-        lambda index, items: writer.write_shard(index, items, finite=getattr(items, "finite", frozenset())),
-        queue_size, on_written=lambda index, record, seconds: stats.add_shard(record),
-        workers=workers or default_workers())
+    background = BackgroundWriter(write_then_release(writer), queue_size,
+                                  on_written=lambda index, record, seconds: stats.add_shard(record),
+                                  workers=workers or default_workers())
     shards = stream([spec.shard_range(k) for k in todo], progress)
     try:
         for k, items in zip(todo, shards, strict=True):

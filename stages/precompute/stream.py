@@ -28,6 +28,7 @@ from kdcache.stages.precompute.progress import Progress, RunStats
 from kdcache.stages.precompute.teacher import Teacher
 from kdcache.stages.precompute.transfer import ShardItems
 from kdcache.storage import kind_of, prefixed, split_stream
+from kdcache.storage.buffers import Lease
 
 IN_FLIGHT = 2  # batches queued on the device ahead of the host's taking them in
 
@@ -41,6 +42,7 @@ class _Shard:
     items: list[dict[str, np.ndarray] | None]
     left: int = 0  # batches not yet taken in
     finite: list[frozenset[str]] = field(default_factory=list)
+    leases: list[Lease] = field(default_factory=list)  # the batches' reused buffers, released once written
 
     @classmethod
     def of(cls, data: TokenStreams, bounds: tuple[int, int]) -> _Shard:
@@ -52,7 +54,7 @@ class _Shard:
     def result(self) -> ShardItems:
         """Every sequence's dict in data order; ``finite``: the float targets finite in every batch."""
         return ShardItems(self.items, finite=frozenset.intersection(*self.finite)  # type: ignore[arg-type]
-                          if self.finite else frozenset())
+                          if self.finite else frozenset(), leases=self.leases)
 
 
 def stream_shards(capture: Capture, teacher: Teacher, data: TokenStreams, bounds: Iterable[tuple[int, int]],
@@ -104,6 +106,7 @@ def _place(shard: _Shard, batch: np.ndarray, taken: Future[ShardItems], stats: R
     stats.forward_seconds += time.perf_counter() - waited  # the device's (or the helper's) time waited for
     stats.take_seconds += getattr(output, "host_seconds", 0.0)
     shard.finite.append(output.finite)
+    shard.leases.extend(getattr(output, "leases", ()))
     for i, item in zip(batch, output):
         item.update({prefixed(stream, "input_ids"): seqs[i] for stream, seqs in shard.ids.items()})
         item.update({name: seqs[i] for name, seqs in shard.tokens.items()})

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kdcache.storage import ragged_streams
+from kdcache.storage.buffers import BufferPool, Lease
 
 
 def valid_index(lengths: list[int], padded_length: int) -> np.ndarray:
@@ -84,14 +85,22 @@ def gather_valid(arrays: dict[str, torch.Tensor], lengths: list[int]) -> tuple[d
 
 class ShardItems(list[dict[str, np.ndarray]]):
     """Per-sequence target dicts (a list, in order), plus the float targets the device found finite in all of them:
-    storage skips its own host-side pass over those (``CacheWriter.write_shard``'s ``finite``), and the host time
-    spent taking them in (the run summary's ``take_seconds``)."""
+    storage skips its own host-side pass over those (``CacheWriter.write_shard``'s ``finite``), the host time
+    spent taking them in (the run summary's ``take_seconds``), and the leases of the reused buffers the arrays are
+    views of (``release`` once the shard is written: the next batches' copies reuse them)."""
 
     def __init__(self, items: list[dict[str, np.ndarray]] = (), *, finite: frozenset[str] = frozenset(),  # type: ignore[assignment]
-                 host_seconds: float = 0.0) -> None:
+                 host_seconds: float = 0.0, leases: list[Lease] | None = None) -> None:
         super().__init__(items)
         self.finite = finite
         self.host_seconds = host_seconds  # the host's work taking the batch in, after the device's copy landed
+        self.leases = leases or []
+
+    def release(self) -> None:
+        """Hand the buffers back; the items' arrays must not be read again."""
+        for lease in self.leases:
+            lease.release()
+        self.leases = []
 
 
 @dataclass
@@ -110,6 +119,8 @@ class HostBatch:
         range_values: ``[len(range_names)]`` float host tensor (None without such targets).
         event: marks the end of the device -> host copy (None on the CPU).
         pinned: the copy has landed and the tensors are still the pinned ones.
+        pool: where the copies out of pinned memory go (the copier's); None: new memory each time.
+        lease: the buffers of this batch's copies out of pinned memory (set by ``ready``).
     """
 
     lengths: np.ndarray
@@ -121,6 +132,8 @@ class HostBatch:
     range_values: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
     pinned: bool = False
+    pool: BufferPool | None = None
+    lease: Lease | None = None
 
     def ready(self) -> None:
         """Block until the device -> host copy is done, then take the arrays in.
@@ -132,7 +145,8 @@ class HostBatch:
         """
         self.wait()
         if self.pinned:
-            self.tensors = {name: _pageable(t) for name, t in self.tensors.items()}
+            self.lease = Lease(self.pool) if self.pool is not None else None
+            self.tensors = {name: _pageable(t, self.lease) for name, t in self.tensors.items()}
             self.pinned = False
         if self.tensors:
             self.arrays = {name: as_numpy(t) for name, t in self.tensors.items()}
@@ -183,6 +197,9 @@ class HostCopier:
         self.cuda = device.type == "cuda"
         self.gather = self.cuda if gather is None else gather
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # Pageable memory for the copies out of pinned memory, reused batch after batch: fresh memory costs its
+        # page faults on the helper thread (about 270 MB a batch for four d = 2,048 layers) and a free under the GIL.
+        self.buffers = BufferPool() if self.cuda else None
 
     def start(self, arrays: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor],
               lengths: list[int]) -> HostBatch:
@@ -195,7 +212,8 @@ class HostCopier:
             tensors[" maxima"] = torch.stack([maxima[n] for n in names])
         host = self._copy(tensors)
         maxima_host = host.pop(" maxima", None)
-        batch = HostBatch(np.asarray(lengths, dtype=np.int64), host, {}, maps, not self.gather, names, maxima_host)
+        batch = HostBatch(np.asarray(lengths, dtype=np.int64), host, {}, maps, not self.gather, names, maxima_host,
+                          pool=self.buffers)
         if self.cuda:
             batch.event = torch.cuda.Event()
             batch.event.record(self.stream)
@@ -216,9 +234,17 @@ class HostCopier:
         return out
 
 
-def _pageable(pinned: torch.Tensor) -> torch.Tensor:
-    """A copy of a pinned host tensor in ordinary (pageable) memory."""
-    out = torch.empty(pinned.shape, dtype=pinned.dtype)
+def _pageable(pinned: torch.Tensor, lease: Lease | None = None) -> torch.Tensor:
+    """A copy of a pinned host tensor in ordinary (pageable) memory: in a buffer of ``lease`` where its dtype has a
+    numpy twin (every stored dtype; bf16 travels as int16), else new memory."""
+    try:
+        dtype = torch.empty((), dtype=pinned.dtype).numpy().dtype
+    except TypeError:  # bfloat16 and other types numpy lacks
+        dtype = None
+    if lease is None or dtype is None:
+        out = torch.empty(pinned.shape, dtype=pinned.dtype)
+    else:
+        out = torch.from_numpy(lease.empty(tuple(pinned.shape), dtype))
     return out.copy_(pinned)
 
 

@@ -146,6 +146,19 @@ def test_kd_kl_gradient_matches_float64_autograd(temperature):
     torch.testing.assert_close(student.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_kd_kl_gives_rows_it_drops_a_zero_gradient_even_with_a_nan_teacher():
+    """A row outside the mask is evaluated by the shared pass (CE may count it) and dropped; a teacher row there
+    that is not finite must not put NaN into the student's gradient."""
+    from kdcache.stages.common.loss_rows import SoftmaxKl
+
+    torch.manual_seed(7)
+    z_s, z_t = torch.randn(3, 6).requires_grad_(True), torch.randn(3, 6)
+    z_t[1] = float("-inf")  # every entry: p is NaN on that row
+    values = SoftmaxKl.apply(z_s, z_t, 2.0)
+    torch.where(torch.tensor([True, False, True]), values, torch.zeros_like(values)).sum().backward()
+    assert torch.isfinite(z_s.grad).all() and torch.all(z_s.grad[1] == 0) and z_s.grad[0].abs().sum() > 0
+
+
 def test_kd_kl_with_a_teacher_that_takes_a_gradient():
     """Online KD's teacher logits with a gradient take autograd's road: both sides get theirs."""
     torch.manual_seed(6)

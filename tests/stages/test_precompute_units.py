@@ -266,3 +266,46 @@ def test_the_teachers_pipeline_runs_on_across_shard_boundaries() -> None:
     for item, seq in zip(flat, seqs):
         np.testing.assert_array_equal(item["input_ids"], seq)
         np.testing.assert_array_equal(item["first"], seq)
+
+
+def test_copies_out_of_pinned_memory_reuse_their_buffers_once_the_shard_is_written(tmp_path: Path) -> None:
+    """The GPU's take (``HostBatch.ready`` moving a landed copy out of pinned memory) run on CPU tensors: the
+    copies are exact, live in the copier's reused buffers, and those come back only when the shard that holds
+    their views has been written (``commit.write_then_release``), also when that write failed."""
+    from kdcache.stages.precompute.capture import finish
+    from kdcache.stages.precompute.commit import write_then_release
+    from kdcache.stages.precompute.transfer import HostBatch, _pageable
+    from kdcache.storage.buffers import BufferPool, Lease
+
+    pool = BufferPool()
+    hidden = torch.randn(2 * 600, 1024).to(torch.float16)  # flat [T, d] of two sequences: 2.3 MiB, pooled
+
+    def landed() -> HostBatch:
+        batch = HostBatch(np.array([600, 600]), {"hidden/1": hidden.clone()}, pool=pool)
+        batch.pinned = True  # as after ``wait`` on a GPU: the tensors are the pinned ones
+        return batch
+
+    class Writer:  # the one call commit_behind makes of a CacheWriter
+        def __init__(self, fail: bool) -> None:
+            self.fail, self.seen = fail, []
+
+        def write_shard(self, index: int, items: list, finite: frozenset = frozenset()) -> int:
+            self.seen.append([item["hidden/1"].copy() for item in items])
+            if self.fail:
+                raise OSError(28, "No space left on device")
+            return index
+
+    items = finish(landed())
+    np.testing.assert_array_equal(np.concatenate([i["hidden/1"] for i in items]), hidden.numpy())
+    assert pool.free_bytes == 0 and len(items.leases) == 1  # held while the shard waits for its writer
+    writer = Writer(fail=False)
+    assert write_then_release(writer)(3, items) == 3
+    np.testing.assert_array_equal(np.concatenate(writer.seen[0]), hidden.numpy())  # written before release
+    assert pool.free_bytes >= hidden.numel() * 2 and items.leases == []
+    again = finish(landed())  # the next batch's copy lands in the same memory
+    assert np.shares_memory(again[0]["hidden/1"], items[0]["hidden/1"])
+    with pytest.raises(OSError):
+        write_then_release(Writer(fail=True))(4, again)
+    assert pool.free_bytes >= hidden.numel() * 2 and again.leases == []
+    bf16 = torch.randn(2048, 512).to(torch.bfloat16)  # no numpy twin (never stored as such): new memory, exact
+    assert torch.equal(_pageable(bf16, Lease(BufferPool())), bf16)
