@@ -1,4 +1,5 @@
-"""Counting the host reads of device values that kdcache's own code makes inside a training micro-step."""
+"""Counting the host syncs that kdcache's own code makes inside a training micro-step: reads of device values,
+and results whose size depends on them (``nonzero``, a boolean index)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from kdcache.stages.train import loop
 
 REPO = Path(loop.__file__).resolve().parents[2]  # the checkout whose stages/ and pipeline/ are kdcache
 SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")  # every way a tensor's value reaches the host
+# Syncs without a read: the result's size depends on the values, so the host waits for the device to count them.
+SIZED = ("nonzero", "masked_select")
+
+
+def _boolean_index(index: object) -> bool:
+    """Whether a ``__getitem__`` index holds a bool tensor (``x[mask]``: a ``nonzero`` underneath)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
 
 
 class SyncCounter:
@@ -24,8 +33,14 @@ class SyncCounter:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.inside, self.micro_steps, self.calls = False, 0, []  # type: ignore[var-annotated]
         self.thread = threading.get_ident()
-        for name in SYNCS:
+        for name in (*SYNCS, *SIZED):
             monkeypatch.setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name)))
+        for name in SIZED:
+            monkeypatch.setattr(torch, name, self._counting(getattr(torch, name)))
+        getitem = torch.Tensor.__getitem__
+        counted_getitem = self._counting(getitem)
+        monkeypatch.setattr(torch.Tensor, "__getitem__", lambda tensor, index: counted_getitem(tensor, index)
+                            if _boolean_index(index) else getitem(tensor, index))
         original, prepare = loop._Trainer._micro_step, loop._Trainer._prepare
 
         def micro_step(trainer: loop._Trainer, *args: object) -> None:
@@ -45,11 +60,13 @@ class SyncCounter:
         monkeypatch.setattr(loop._Trainer, "_prepare", prepared)
 
     def _counting(self, method):  # type: ignore[no-untyped-def]
-        def counted(tensor: torch.Tensor, *args: object):  # type: ignore[no-untyped-def]
+        def counted(tensor: torch.Tensor, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
             if self.inside and threading.get_ident() == self.thread:
                 caller = sys._getframe(1)
+                if caller.f_code.co_name == "<lambda>" and caller.f_code.co_filename == __file__:
+                    caller = caller.f_back  # the __getitem__ filter above
                 path = Path(caller.f_code.co_filename)
                 if path.is_relative_to(REPO) and path.parts[len(REPO.parts)] in ("stages", "pipeline", "storage"):
                     self.calls.append(f"{path.relative_to(REPO)}:{caller.f_lineno}")
-            return method(tensor, *args)
+            return method(tensor, *args, **kwargs)
         return counted

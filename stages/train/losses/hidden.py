@@ -28,8 +28,12 @@ def masked_mse(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torc
         Scalar.
     """
     _check_same_shape(h_s, h_t, "mse")
-    n_valid = valid_count(bool_mask(mask, h_s))  # on the device: no host sync
-    diff = valid_rows(h_s, mask).float() - valid_rows(h_t, mask).float()
+    m = bool_mask(mask, h_s)
+    n_valid = valid_count(m)  # on the device: no host sync
+    # Masked with torch.where, not selected: a boolean index waits for the device to count the rows (a host sync
+    # per layer and side). Padded positions (NaN or inf alike) add exactly 0 to the value and to the gradient:
+    # nothing between the subtraction and the square multiplies by them.
+    diff = torch.where(m.unsqueeze(-1), h_s.float() - h_t.float(), 0.0)
     return diff.pow(2).sum() / (n_valid * h_t.shape[-1])
 
 
