@@ -141,7 +141,8 @@ class HostBatch:
         Pinned memory is moved into ordinary memory at once (one parallel copy, ``torch``'s intra-op threads), so
         the pinned blocks go back to the caching host allocator for the next batches: pinned memory in flight stays
         at about two batches, however many shards wait for the writers (allocating pinned memory anew for every
-        batch ran at about 1.5 GB/s on the H200's host, slower than the disk).
+        batch ran at about 1.5 GB/s on the H200's host, slower than the disk). The ordinary memory comes from the
+        copier's pool (``lease``), handed back once the shard holding these arrays is written.
         """
         self.wait()
         if self.pinned:
