@@ -35,6 +35,12 @@ if TYPE_CHECKING:
     from kdcache.storage.backends.registry import (
         backend_names as backend_names,
     )
+    from kdcache.storage.buffers import (
+        BufferPool as BufferPool,
+    )
+    from kdcache.storage.buffers import (
+        Lease as Lease,
+    )
     from kdcache.storage.canonical import (
         canonical_json as canonical_json,
     )
@@ -334,6 +340,7 @@ _EXPORTS = {  # name -> its module under kdcache.storage
     "AttentionLayout": "attention_source", "DEFAULT_ATTENTION_SOURCE": "attention_source",
     "attention_layout": "attention_source", "register_attention_layout": "attention_source",
     "DEFAULT_BACKEND": "backends.registry", "backend_names": "backends.registry",
+    "BufferPool": "buffers", "Lease": "buffers",
     "canonical_json": "canonical",
     "describe_codec": "codecs", "resolve_codec": "codecs",
     "check_fp16_range": "dtypes", "to_float32": "dtypes",

@@ -27,8 +27,7 @@ from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.progress import Progress, RunStats
 from kdcache.stages.precompute.teacher import Teacher
 from kdcache.stages.precompute.transfer import ShardItems
-from kdcache.storage import kind_of, prefixed, split_stream
-from kdcache.storage.buffers import Lease
+from kdcache.storage import Lease, kind_of, prefixed, split_stream
 
 IN_FLIGHT = 2  # batches queued on the device ahead of the host's taking them in
 

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kdcache.storage import ragged_streams
-from kdcache.storage.buffers import BufferPool, Lease
+from kdcache.storage import BufferPool, Lease, ragged_streams
 
 
 def valid_index(lengths: list[int], padded_length: int) -> np.ndarray:

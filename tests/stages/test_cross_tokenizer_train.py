@@ -58,7 +58,8 @@ def test_a_student_with_another_tokenizer_trains(setup: dict[str, Path]) -> None
 
 def test_the_cross_step_reads_nothing_back(setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """The student's tokens come with the batch (made in the reader) and the span losses weigh rows instead of
-    selecting them: no host read of a device value inside a micro-step between log steps."""
+    selecting them: no host read of a device value inside a micro-step between log steps. The syncs by size are
+    the two vocabulary passes' indexes of their valid rows (CE on the student's tokens, the span KL), one each."""
     from kdcache.stages.train.loop import run_training
     from kdcache.stages.train.options import TrainOptions
     from tests.helpers.sync_counter import SyncCounter
@@ -68,7 +69,8 @@ def test_the_cross_step_reads_nothing_back(setup: dict[str, Path], monkeypatch: 
                               out=str(setup["root"] / "nosync"), batch_size=4, lr=3e-3, log_every=4, max_steps=4,
                               layer_map=["explicit:1-2"], cross_tokenizer="gold", export=False)
     assert run_training(options)["steps"] == 4
-    assert counter.micro_steps == 4 and counter.calls == []
+    assert counter.micro_steps == 4 and len(counter.calls) == 2 * 3, counter.calls
+    assert {call.split(":")[0] for call in counter.calls} == {"stages/common/vocab_pass.py"}, counter.calls
 
 
 def test_span_agreement_of_the_run_and_of_an_untrained_student(setup: dict[str, Path]) -> None:
