@@ -45,7 +45,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks, tests.helpers; the installed kdcache wins
 
-from benchmarks.bench_host_path import StubLayers, make_teacher, write_data  # noqa: E402
+from benchmarks.bench_host_path import StubLayers, make_teacher, pin_threads, write_data  # noqa: E402
 from kdcache.stages.precompute.background import BackgroundWriter  # noqa: E402
 from kdcache.stages.train.streaming import CacheStream  # noqa: E402
 from kdcache.storage import CacheSpec, CacheWriter  # noqa: E402
@@ -184,17 +184,8 @@ class LaunchLayers(StubLayers):
         super().__init__()
         self.ops, self.cores, self.spans = ops, cores, []  # type: ignore[var-annotated]
 
-    def _move_others(self) -> None:
-        me = threading.get_native_id()
-        for tid in (int(t) for t in os.listdir("/proc/self/task")):
-            if tid != me:
-                try:
-                    os.sched_setaffinity(tid, self.cores)
-                except OSError:  # the thread ended meanwhile
-                    pass
-
     def device_time(self) -> None:
-        self._move_others()
+        pin_threads(self.cores, skip=threading.get_native_id())
         x = torch.zeros(64)
         for _ in range(self.ops):
             now = time.perf_counter()

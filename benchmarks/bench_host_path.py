@@ -157,19 +157,20 @@ def run_once(teacher: Path, data: Path, out: Path, stub: StubLayers, sleep: floa
     stub.sleep, stub.batches = sleep, 0
     runner.commit_behind = timed
     every = os.sched_getaffinity(0)
-    _pin_threads(set(sorted(every)[:cores]))  # every thread there is; those the run starts inherit it
+    pin_threads(set(sorted(every)[:cores]))  # every thread there is; those the run starts inherit it
     try:
         summary = run_precompute(options)
     finally:
-        _pin_threads(every)
+        pin_threads(every)
         runner.commit_behind = original
         shutil.rmtree(out, ignore_errors=True)
     return {**measured, "tokens": summary["tokens"], "stub_seconds": sleep * stub.batches, "batches": stub.batches}
 
 
-def _pin_threads(cores: set[int]) -> None:
-    """Put every thread of this process (pools left by earlier runs too) on ``cores``."""
-    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+def pin_threads(cores: set[int], skip: int | None = None) -> None:
+    """Put every thread of this process (pools left by earlier runs too) on ``cores``, but the thread ``skip``
+    (a native id)."""
+    for tid in (int(t) for t in os.listdir("/proc/self/task") if int(t) != skip):
         try:
             os.sched_setaffinity(tid, cores)
         except OSError:  # the thread ended meanwhile
