@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 LOSSES = ("ce", "kl", "topk_renorm", "topk_other", "sampled")
 # CE + top-k KL as a step combines them (CompoundLoss, alpha = beta = 1): one pass over the LM head since issue 31.
 PAIRS = ("ce_topk_renorm", "ce_topk_other")
-SIDES = ("materialised", "head")  # on CUDA with liger-kernel, also "head_chunks": CE through the torch chunks
+# On CUDA, "head" takes the fused Triton kernel (issue 42) or liger-kernel's CE, and "head_chunks" the pure-torch
+# chunks (today's road before them).
+SIDES = ("materialised", "head")
 TOP_K, DRAWS = 128, 12
 
 
@@ -102,8 +104,11 @@ def run_one(name: str, side: str, tokens: int, dim: int, vocab: int, device: str
     from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.train.losses import logits as logit_losses
 
-    if side == "head_chunks":  # the pure-torch chunks even where liger-kernel would take the CE
+    if side == "head_chunks":  # the pure-torch chunks even where liger-kernel or the fused kernel would run
+        from kdcache.stages.common import fused_vocab
+
         logit_losses.fused_ce_available = lambda device: False  # type: ignore[assignment]
+        fused_vocab.available = lambda device: False  # type: ignore[assignment]
     x = _inputs(tokens, dim, vocab, device, dtype)
     if name != "kl":
         del x["teacher"]  # only the full KL reads the teacher's full logits: the others' inputs stay small
@@ -140,7 +145,7 @@ def main() -> None:
     parser.add_argument("--losses", default=",".join(LOSSES), help=f"also {', '.join(PAIRS)}")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", help="the student's dtype (bfloat16 as DeepSpeed's bf16)")
-    parser.add_argument("--sides", default=",".join(SIDES), help="also head_chunks on CUDA with liger-kernel")
+    parser.add_argument("--sides", default=",".join(SIDES), help="also head_chunks on CUDA (no fused kernel)")
     parser.add_argument("--one", nargs=2, metavar=("LOSS", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:

@@ -4,9 +4,11 @@ A module without a CLI of its own: ``benchmarks/bench_gpu.py`` builds the teache
 ``stage_two_rows``; tests/benchmarks call it with ``small=True`` on a tiny model on the CPU. The runs:
 
 * ``student alone``: the student's own HF loss (CE), a plain DeepSpeed loop over the cache's token ids;
-* ``kdcache CE only`` (``--beta 0 --gamma 0``), ``kdcache CE + top-k KL`` (``--gamma 0``) and ``kdcache CE +
-  top-k KL + hidden MSE`` (the defaults): ``run_training``, the code ``kdcache train`` runs, timed from its
-  metrics (``tokens`` and ``time_s`` per step, logged every step after ``warmup``);
+* ``kdcache CE only`` (``--beta 0 --gamma 0``), ``kdcache CE + top-k KL`` (``--gamma 0``; also ``--topk-kl other``)
+  and ``kdcache CE + top-k KL + hidden MSE`` (the defaults): ``run_training``, the code ``kdcache train`` runs,
+  timed from its metrics (``tokens`` and ``time_s`` per step, logged every step after ``warmup``); on CUDA their
+  vocabulary terms go through the fused Triton kernel, and the ``pure-torch pass`` runs beside them are the same
+  without it (today's road before issue 42);
 * ``online KD``: the teacher in memory beside the student, full KL + hidden MSE on its outputs of each batch.
 
 Each run is its own process, so each peak (``torch.cuda.max_memory_allocated``; 0 on the CPU) is its own. The
@@ -27,13 +29,19 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-RUNS = ("student alone", "kdcache CE only", "kdcache CE + top-k KL", "kdcache CE + top-k KL, passes apart",
-        "kdcache CE + top-k KL + hidden MSE", "online KD")
+RUNS = ("student alone", "kdcache CE only", "kdcache CE + top-k KL", "kdcache CE + top-k KL (other, T = 1)",
+        "kdcache CE + top-k KL, pure-torch pass", "kdcache CE + top-k KL, passes apart",
+        "kdcache CE + top-k KL + hidden MSE", "kdcache CE + top-k KL + hidden MSE, pure-torch pass", "online KD")
 KDCACHE_WEIGHTS = {"kdcache CE only": {"beta": 0.0, "gamma": 0.0}, "kdcache CE + top-k KL": {"gamma": 0.0},
-                   "kdcache CE + top-k KL, passes apart": {"gamma": 0.0}, "kdcache CE + top-k KL + hidden MSE": {}}
+                   "kdcache CE + top-k KL (other, T = 1)": {"gamma": 0.0, "topk_kl": "other", "temperature": 1.0},
+                   "kdcache CE + top-k KL, pure-torch pass": {"gamma": 0.0},
+                   "kdcache CE + top-k KL, passes apart": {"gamma": 0.0}, "kdcache CE + top-k KL + hidden MSE": {},
+                   "kdcache CE + top-k KL + hidden MSE, pure-torch pass": {}}
 # The comparison behind ``vocab_pass``'s choice: each vocabulary term through its own route (liger's fused CE, the
 # renormalised top-k KL's gather of k logits) instead of one shared pass over the LM head.
 APART = "kdcache CE + top-k KL, passes apart"
+# Today's road before the fused kernel (issue 42): the shared pass in pure torch (on the CPU every run takes it).
+TORCH_PASS = ("kdcache CE + top-k KL, pure-torch pass", "kdcache CE + top-k KL + hidden MSE, pure-torch pass")
 BATCH, SMALL_BATCH = 4, 4
 
 
@@ -90,6 +98,10 @@ def run_one(run: str, student: str, teacher: str, cache: str, work: str, small: 
     options = _options(cache, student, out, steps + warmup, small, **KDCACHE_WEIGHTS.get(run, {}))
     if run == APART:
         _passes_apart()
+    if run in TORCH_PASS:
+        from kdcache.stages.common import fused_vocab
+
+        fused_vocab.available = lambda device: False  # type: ignore[assignment]  # this process only
     if run in KDCACHE_WEIGHTS:
         rate = _kdcache_rate(options, warmup)
     else:

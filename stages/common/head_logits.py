@@ -130,12 +130,3 @@ def fused_ce_sum(rows: HeadRows, labels: torch.Tensor) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     return liger_fused_linear_cross_entropy(rows.hidden, rows.weight, labels, bias=rows.bias, reduction="sum").float()
-
-
-def vocab_path(device: torch.device) -> str:
-    """The path the vocabulary losses take from the last hidden state, in words (train's first lines say it)."""
-    if fused_ce_available(device):
-        return ("fused: cross-entropy in liger-kernel's fused linear cross-entropy, beside a renormalised top-k KL "
-                "on its k logits; with any other KL term, one pass of the LM head in chunks for every term (pure "
-                "torch)")
-    return "chunked: one pass of the LM head in chunks for every vocabulary term, [B, L, V] never built (pure torch)"

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from kdcache.stages.common import loss_rows
+from kdcache.stages.common import fused_vocab, loss_rows
 from kdcache.stages.common.head_logits import HeadLogits, HeadRows
+from kdcache.stages.common.kernel_feeds import KernelFeed
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class ChunkTerm:
         scale: the sum over counted rows times this (a float, or a 0-dim tensor on the device: 1/n_valid, T²).
         alone: the term's value (with its graph) by a cheaper road, taken when it is the only term of a pass over
             ``HeadLogits``; None: none.
+        feed: how the fused kernel computes it (``kernel_feeds``); None: the pure-torch pass only.
     """
 
     fn: Callable[..., torch.Tensor]
@@ -47,6 +49,7 @@ class ChunkTerm:
     targets: tuple[torch.Tensor, ...] = ()
     scale: torch.Tensor | float = 1.0
     alone: Callable[[], torch.Tensor] | None = None
+    feed: KernelFeed | None = None
 
 
 def vocab_pass(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm],
@@ -58,6 +61,9 @@ def vocab_pass(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm],
         terms: the terms, each ``value_t = scale_t · Σ_{counted rows} fn_t(row)``.
         weights: one per term (α, β).
     """
+    feeds = [term.feed for term in terms]
+    if isinstance(logits, HeadLogits) and _wants_grad(logits, terms) and fused_vocab.takes(logits.device, feeds):
+        return _fused(logits, terms, feeds, weights)  # type: ignore[arg-type]  # takes() checked every feed
     if isinstance(logits, HeadLogits) and all(term.alone is not None for term in terms):
         alone = [term.alone() for term in terms]  # type: ignore[misc]  # checked just above
         total = torch.stack([w * value for w, value in zip(weights, alone)]).sum()  # Python floats: no copy
@@ -79,13 +85,41 @@ def vocab_pass(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm],
     return total + loss_rows.tied_zero(logits), values
 
 
+def _wants_grad(logits: HeadLogits, terms: Sequence[ChunkTerm]) -> bool:
+    """Whether the student's head rows take a gradient and no target does (``HeadPass``'s case)."""
+    own = logits.hidden.requires_grad or logits.weight.requires_grad
+    return torch.is_grad_enabled() and own and not any(t.requires_grad for term in terms for t in term.targets)
+
+
+def _fused(logits: HeadLogits, terms: Sequence[ChunkTerm], feeds: Sequence[KernelFeed],
+           weights: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pass through the fused kernel: every row of ``[B·L]`` goes through the head and the rows a term does
+    not count are masked in the kernel's coefficients, so no index of valid rows (a host sync) is built."""
+    device = logits.device
+    scales = torch.stack([_scalar(t.scale, device) for t in terms])
+    w = torch.stack([_scalar(x, device) for x in weights])
+    grad = fused_vocab.chunk_grad(feeds, scales, [len(t.targets) for t in terms])
+    flat = [r.flatten(0, 1) for term in terms for r in (term.counts, *term.targets)]
+    union = terms[0].counts
+    for term in terms[1:]:
+        union = union | term.counts
+    # A row no term counts adds 0 to dz, and 0 · its hidden state to the head's gradient: zeroed here, since a
+    # padded position's hidden state may be NaN (a fully masked attention row) and 0 · NaN is NaN.
+    hidden = torch.where(union[..., None], logits.hidden, torch.zeros_like(logits.hidden)).flatten(0, 1)
+    total, values = HeadPass.apply(hidden, logits.weight, logits.bias, grad, w, loss_rows.LOSS_CHUNK, None, *flat)
+    return total + loss_rows.tied_zero(logits), values
+
+
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows ``index [N]`` of ``x [B, L, ...]`` -> ``[N, ...]``."""
     return x.flatten(0, 1).index_select(0, index)
 
 
-def _chunk_rows(flat: Sequence[torch.Tensor], index: torch.Tensor, start: int, chunk: int) -> list[torch.Tensor]:
-    """The rows ``index[start:start + chunk]`` of each ``[B·L, ...]`` tensor of ``flat``."""
+def _chunk_rows(flat: Sequence[torch.Tensor], index: torch.Tensor | None, start: int,
+                chunk: int) -> list[torch.Tensor]:
+    """The rows ``index[start:start + chunk]`` of each ``[B·L, ...]`` tensor of ``flat`` (None: every row)."""
+    if index is None:
+        return [r[start:start + chunk] for r in flat]
     part = index[start:start + chunk]
     return [r.index_select(0, part) for r in flat]
 
@@ -141,7 +175,8 @@ def _run(fn: Callable[..., torch.Tensor], rows: torch.Tensor | HeadRows, flat: S
                                      chunk, len(weights))
             return (weights * values).sum(), values
         if not any(r.requires_grad for r in flat):
-            total, values = HeadPass.apply(rows.hidden, rows.weight, rows.bias, fn, weights, chunk, index, *flat)
+            total, values = HeadPass.apply(rows.hidden, rows.weight, rows.bias, _autograd_grad(fn), weights, chunk,
+                                           index, *flat)
             return total, values
 
     def build(first: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
@@ -166,16 +201,33 @@ def _sum_chunks(fn: Callable[..., torch.Tensor], first: torch.Tensor, flat: Sequ
     return first.new_zeros(n_terms, dtype=torch.float32) if total is None else total
 
 
+ChunkGrad = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _autograd_grad(fn: Callable[..., torch.Tensor]) -> ChunkGrad:
+    """``HeadPass``'s chunk gradient by autograd over ``fn(z [C, V], *rows) -> [T]`` (the pure-torch terms)."""
+
+    def grad(z: torch.Tensor, weights: torch.Tensor, *part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.enable_grad():
+            z = z.detach().requires_grad_(True)
+            values = fn(z, *part)
+            (dz,) = torch.autograd.grad((weights * values).sum(), z)
+        return values.detach(), dz
+    return grad
+
+
 class HeadPass(torch.autograd.Function):
     """``Σ_chunks fn(chunk's [C, V] logits, *chunk's rows)`` (``[T]``) and its weighted sum, over chunks of
     ``hidden [N, d]``; the gradient of the weighted sum is taken chunk by chunk in the forward pass, so the chunk's
     logits live only while it is evaluated and the backward pass only scales the stored ``[N, d]`` and ``[V, d]``
     gradients: three matmuls per chunk for every term together. ``rows`` are whole ``[B·L, ...]`` targets (no
-    gradient), each chunk gathering its rows ``index[start:start + chunk]``."""
+    gradient), each chunk gathering its rows ``index[start:start + chunk]`` (None: the chunk's own rows).
+    ``grad(z [C, V], weights [T], *chunk's rows) -> (values [T], dz [C, V])`` takes a chunk's gradient: autograd
+    over the pure-torch terms (``_autograd_grad``) or the fused kernel (``fused_vocab.chunk_grad``)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                fn: Callable[..., torch.Tensor], weights: torch.Tensor, chunk: int, index: torch.Tensor,
+                grad: ChunkGrad, weights: torch.Tensor, chunk: int, index: torch.Tensor | None,
                 *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         grad_h = torch.zeros_like(hidden)
         grad_w = torch.zeros_like(weight, dtype=torch.float32)  # fp32: summed over every chunk
@@ -183,15 +235,12 @@ class HeadPass(torch.autograd.Function):
         values = torch.zeros(len(weights), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h, part = hidden[start:start + chunk], _chunk_rows(rows, index, start, chunk)
-            with torch.enable_grad():
-                z = torch.nn.functional.linear(h, weight, bias).detach().requires_grad_(True)
-                chunk_values = fn(z, *part)
-                (dz,) = torch.autograd.grad((weights * chunk_values).sum(), z)
+            chunk_values, dz = grad(torch.nn.functional.linear(h, weight, bias), weights, *part)
             grad_h[start:start + chunk] = dz @ weight
             grad_w += dz.t() @ h
             if grad_b is not None:
                 grad_b += dz.float().sum(0)
-            values += chunk_values.detach()
+            values += chunk_values
         ctx.save_for_backward(grad_h, grad_w, *(() if grad_b is None else (grad_b,)))
         ctx.weight_dtype, ctx.extra = weight.dtype, len(rows)
         ctx.mark_non_differentiable(values)

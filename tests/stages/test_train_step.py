@@ -55,6 +55,24 @@ def test_the_step_reads_nothing_back_between_log_steps(setup: dict[str, Path], c
     assert summary["tokens_per_s"] > 0
 
 
+@pytest.mark.triton
+def test_the_fused_kernel_s_step_makes_no_sync_at_all(setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                       counter: SyncCounter) -> None:
+    """The same run through the fused Triton kernel (under the interpreter here, as on a GPU): rows that count
+    nothing are masked in the kernel's coefficients, not selected, so not even the index of valid rows is built."""
+    from kdcache.stages.common import fused_vocab, vocab_kernels
+
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fused_vocab, "INTERPRET_ON_CPU", True)
+    launched: list[int] = []
+    real = vocab_kernels.row_stats
+    monkeypatch.setattr(vocab_kernels, "row_stats", lambda z, *a: launched.append(len(z)) or real(z, *a))
+    # Two rows a batch and three steps: the interpreter runs the kernel's programs one by one in Python.
+    summary = run_training(_options(setup, "fused", export=False, batch_size=2, max_steps=3, log_every=3))
+    assert counter.micro_steps == 3 and summary["steps"] == 3
+    assert counter.calls == [] and launched
+
+
 def test_the_counter_sees_a_sync_when_there_is_one(setup: dict[str, Path], counter: SyncCounter) -> None:
     """--trace-samples reads the loss every micro-step (its help says so): the counter must see it."""
     run_training(_options(setup, "traced", export=False, trace_samples=True, max_steps=2))

@@ -66,6 +66,7 @@ def kd_kl(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tenso
 def kd_kl_term(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tensor, mask: torch.Tensor,
                temperature: float = 1.0) -> ChunkTerm:
     """``kd_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
+    from kdcache.stages.common.kernel_feeds import dense_kl_feed
     from kdcache.stages.common.loss_rows import bool_mask, check_temperature, kl_row_values, valid_count
     from kdcache.stages.common.vocab_pass import ChunkTerm
 
@@ -77,4 +78,4 @@ def kd_kl_term(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.
         )
     m = bool_mask(mask, student_logits)
     return ChunkTerm(lambda z, z_t: kl_row_values(z, z_t, temperature), m, (teacher_logits,),
-                     temperature**2 / valid_count(m))
+                     temperature**2 / valid_count(m), feed=dense_kl_feed(temperature, lambda z_t: z_t))

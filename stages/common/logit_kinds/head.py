@@ -95,10 +95,12 @@ def head_kl_term(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tens
                  temperature: float = 1.0) -> ChunkTerm:
     """``head_kl`` as a term of a vocabulary pass (``vocab_pass``): the teacher's ``[C, V]`` logits are rebuilt
     chunk by chunk beside the student's."""
+    from kdcache.stages.common.kernel_feeds import dense_kl_feed
     from kdcache.stages.common.loss_rows import bool_mask, check_temperature, kl_row_values, valid_count
     from kdcache.stages.common.vocab_pass import ChunkTerm
 
     check_temperature(temperature)
     m = bool_mask(mask, student_logits)
+    # Fused: the teacher's [C, V] logits from a second matmul per chunk, read by the kernel beside the student's.
     return ChunkTerm(lambda z, rows: kl_row_values(z, head(rows), temperature), m, (hidden_t,),
-                     temperature**2 / valid_count(m))
+                     temperature**2 / valid_count(m), feed=dense_kl_feed(temperature, head))

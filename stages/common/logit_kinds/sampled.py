@@ -160,6 +160,7 @@ def sampled_kl_term(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor
     """``sampled_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
     import torch.nn.functional as F
 
+    from kdcache.stages.common.kernel_feeds import sampled_feed
     from kdcache.stages.common.loss_rows import bool_mask, check_temperature, valid_count
     from kdcache.stages.common.vocab_pass import ChunkTerm
 
@@ -170,4 +171,5 @@ def sampled_kl_term(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor
         log_s = F.log_softmax(z / temperature, dim=-1).gather(1, drawn.long())
         weights = count.float() / count.float().sum(-1, keepdim=True).clamp_min(1.0)
         return (weights * (log_p.float() - log_s)).sum(-1)
-    return ChunkTerm(row_estimate, m, (ids, counts, logp), temperature**2 / valid_count(m))
+    return ChunkTerm(row_estimate, m, (ids, counts, logp), temperature**2 / valid_count(m),
+                     feed=sampled_feed(temperature))

@@ -180,6 +180,7 @@ def _renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.T
                  mask: torch.Tensor, temperature: float) -> ChunkTerm:
     """The renormalised KL reads k logits per token: in a pass beside a term that builds the full logits, a gather
     of them; alone, only those k (``rows_on_ids``: a gather of k head rows per token, never ``[N, V]``)."""
+    from kdcache.stages.common.kernel_feeds import renorm_feed
     from kdcache.stages.common.loss_rows import (
         bool_mask,
         check_temperature,
@@ -201,7 +202,7 @@ def _renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.T
     def alone() -> torch.Tensor:
         on_ids = rows_on_ids(logit_rows(student_logits, m), valid_rows(topk_ids, m).long())
         return _renorm_rows(on_ids, valid_rows(topk_values, m), temperature).sum() * scale
-    return ChunkTerm(row_kl, m, (topk_values, topk_ids), scale, alone)
+    return ChunkTerm(row_kl, m, (topk_values, topk_ids), scale, alone, renorm_feed(temperature))
 
 
 def _renorm_rows(student_on_ids: torch.Tensor, values: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -235,6 +236,7 @@ def topk_kl_other(student_logits: torch.Tensor | HeadLogits, topk_values: torch.
 
 def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
                 lse: torch.Tensor, mask: torch.Tensor, temperature: float) -> ChunkTerm:
+    from kdcache.stages.common.kernel_feeds import other_feed
     from kdcache.stages.common.loss_rows import bool_mask, kl_terms, valid_count
     from kdcache.stages.common.vocab_pass import ChunkTerm
 
@@ -253,7 +255,8 @@ def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Te
     def row_kl(z: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, lse_t: torch.Tensor) -> torch.Tensor:
         log_t = _teacher_buckets(values.float(), lse_t.float())[:, :buckets]
         return kl_terms(log_t, _student_buckets(z, ids.long())[:, :buckets]).sum(-1)
-    return ChunkTerm(row_kl, m, (topk_values, topk_ids, lse), 1.0 / valid_count(m))
+    return ChunkTerm(row_kl, m, (topk_values, topk_ids, lse), 1.0 / valid_count(m),
+                     feed=other_feed(_teacher_buckets, tail=buckets > k))
 
 
 def _teacher_buckets(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.head_logits import HeadLogits, fused_ce_available, fused_ce_sum
+from kdcache.stages.common.kernel_feeds import ce_feed
 
 # The KLs against cached teacher logits belong to their logit kinds (stages.common.logit_kinds); they are
 # re-exported here under the names the loss registry and earlier code use.
@@ -97,7 +98,7 @@ def _ce_term(logits: torch.Tensor | HeadLogits, rows: torch.Tensor, labels: torc
     if isinstance(logits, HeadLogits) and fused_ce_available(logits.device):
         def alone() -> torch.Tensor:
             return fused_ce_sum(logits.select(rows), labels[rows]) / n_valid
-    return ChunkTerm(_ce_rows, rows, (labels,), 1.0 / n_valid, alone)
+    return ChunkTerm(_ce_rows, rows, (labels,), 1.0 / n_valid, alone, ce_feed())
 
 
 def _ce_rows(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

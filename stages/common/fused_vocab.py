@@ -1,0 +1,114 @@
+"""The vocabulary pass's chunk gradient through the fused Triton kernel (``vocab_kernels``), for every term at once.
+
+Per chunk of ``C`` rows: the student's ``[C, V]`` logits come from one matmul (``vocab_pass.HeadPass``); the
+kernel's first pass gives each row's log-sum-exps (T = 1 and T; the dense teacher's at T and the KL's cross
+term); each term's feed (``kernel_feeds``) turns those and a gather of its few logits per row into its value and
+the coefficients of its gradient; the second pass writes ``dz`` over the logits in place, and one
+``scatter_add_`` adds every term's sparse part. Where the pure-torch pass runs a dozen float32 ``[C, V]`` kernels
+per term and keeps their buffers for autograd, this reads the chunk twice and keeps nothing.
+
+It runs on CUDA with triton installed, for a pass whose terms all have feeds, at most one dense teacher and one
+KD temperature; otherwise the pure-torch pass runs (the CPU's path, and the reference the tests hold this to).
+On the CPU it runs only where ``INTERPRET_ON_CPU`` is set, under ``TRITON_INTERPRET=1``: the tests' way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kdcache.stages.common.head_logits import fused_ce_available
+from kdcache.stages.common.kernel_feeds import ChunkView, KernelFeed, RowGrad
+
+# The tests turn this on (with TRITON_INTERPRET=1 set before triton is imported) to run the kernels on the CPU.
+INTERPRET_ON_CPU = False
+
+
+def available(device: torch.device) -> bool:
+    """Whether the fused kernel can run on ``device``."""
+    on = device.type == "cuda" or (device.type == "cpu" and INTERPRET_ON_CPU)
+    return on and importlib.util.find_spec("triton") is not None
+
+
+def takes(device: torch.device, feeds: Sequence[KernelFeed | None]) -> bool:
+    """Whether a pass of terms with these feeds runs fused: every term has one, at most one reads a dense teacher,
+    and at most one temperature other than 1 is asked for."""
+    if not available(device) or any(feed is None for feed in feeds):
+        return False
+    known = [feed for feed in feeds if feed is not None]
+    teachers = sum(feed.teacher is not None for feed in known)
+    return teachers <= 1 and len({feed.temperature for feed in known} - {1.0}) <= 1
+
+
+def temperature_of(feeds: Sequence[KernelFeed]) -> float:
+    """The pass's one temperature other than 1 (1 when there is none)."""
+    return next((feed.temperature for feed in feeds if feed.temperature != 1.0), 1.0)
+
+
+def chunk_grad(feeds: Sequence[KernelFeed], scales: torch.Tensor,
+               widths: Sequence[int]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``grad(z [C, V], weights [T], *rows) -> (values [T], dz [C, V])`` for ``vocab_pass.HeadPass``; ``rows`` are,
+    per term, its ``[C]`` counted mask and then its ``widths[t]`` targets' rows. ``dz`` is ``z``, overwritten."""
+    from kdcache.stages.common import vocab_kernels  # imports triton: only when the kernel runs
+
+    temperature = temperature_of(feeds)
+
+    def grad(z: torch.Tensor, weights: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keeps, targets = _split(rows, widths)
+        teacher = next((f.teacher(*t) for f, t in zip(feeds, targets) if f.teacher is not None), None)
+        teacher = None if teacher is None else teacher.contiguous()
+        stats = vocab_kernels.row_stats(z, teacher, temperature)
+        parts = [f.rows(ChunkView(stats, z, keep), *t) for f, keep, t in zip(feeds, keeps, targets)]
+        values = torch.stack([torch.where(keep, p.value, torch.zeros_like(p.value)).sum()
+                              for p, keep in zip(parts, keeps)]) * scales
+        per_row = [torch.where(keep, c, torch.zeros_like(c)) for keep, c in zip(keeps, weights * scales)]
+        coefficients, ids, at_ids = _combine(parts, per_row, stats.lse)
+        vocab_kernels.write_grad(z, teacher, stats, coefficients, temperature)  # z holds dz from here on
+        if ids is not None:
+            z.scatter_add_(1, ids, at_ids.to(z.dtype))  # type: ignore[union-attr]  # set with ids
+        return values, z
+    return grad
+
+
+def _split(rows: Sequence[torch.Tensor],
+           widths: Sequence[int]) -> tuple[list[torch.Tensor], list[Sequence[torch.Tensor]]]:
+    """Per term: its ``[C]`` counted mask (bool) and its targets' rows."""
+    keeps, targets, at = [], [], 0
+    for width in widths:
+        keeps.append(rows[at].bool())
+        targets.append(rows[at + 1:at + 1 + width])
+        at += 1 + width
+    return keeps, targets
+
+
+def _combine(parts: Sequence[RowGrad], per_row: Sequence[torch.Tensor],
+             like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Every term's coefficients weighted by ``per_row [C]`` (weight × scale where it counts, else exactly 0):
+    ``[C, 3]`` dense coefficients ``(a, a_T, a_t)``, and the sparse ids and values ``[C, Σk]`` (None: none)."""
+    dense = torch.zeros((like.shape[0], 3), dtype=torch.float32, device=like.device)
+    ids, values = [], []
+    for part, c in zip(parts, per_row):
+        live = c != 0
+        for column, coefficient in enumerate((part.a, part.a_t, part.a_teacher)):
+            if coefficient is not None:  # where, not a product: a row that counts nothing may hold NaN
+                dense[:, column] += torch.where(live, c * coefficient, torch.zeros_like(c))
+        if part.ids is not None and part.at_ids is not None:
+            ids.append(part.ids)
+            values.append(torch.where(live[:, None], c[:, None] * part.at_ids, torch.zeros_like(part.at_ids)))
+    if not ids:
+        return dense, None, None
+    return dense, torch.cat(ids, dim=1), torch.cat(values, dim=1)
+
+
+def vocab_path(device: torch.device) -> str:
+    """The path the vocabulary losses take from the last hidden state, in words (train's first lines say it)."""
+    if available(device):
+        return ("fused: every vocabulary term of the step in one Triton kernel per chunk of the LM head, which "
+                "writes the logits' gradient in place (a cross-tokenizer term keeps the pure-torch pass)")
+    if fused_ce_available(device):
+        return ("fused: cross-entropy in liger-kernel's fused linear cross-entropy, beside a renormalised top-k KL "
+                "on its k logits; with any other KL term, one pass of the LM head in chunks for every term (pure "
+                "torch)")
+    return "chunked: one pass of the LM head in chunks for every vocabulary term, [B, L, V] never built (pure torch)"

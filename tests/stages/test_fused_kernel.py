@@ -1,0 +1,169 @@
+"""The fused Triton kernel of the vocabulary pass (``stages/common/vocab_kernels.py``, ``fused_vocab``), run on the
+CPU under Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``): every term, alone and together
+with CE, at T = 1 and 2, in float32 and bfloat16, against a float64 reference written from the formulas and
+against the pure-torch pass: value and gradient w.r.t. the hidden state, the head's weight and bias. Padded rows
+hold NaN targets (and here a NaN hidden state) that must not leak; chunks of 3 rows and vocabulary blocks of 8
+columns put boundaries everywhere. The kernel's statistics start as NaN, so a row it skipped fails."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kdcache.stages.common import fused_vocab, loss_rows, vocab_pass
+from kdcache.stages.common.head_logits import HeadLogits
+from kdcache.stages.common.logit_kinds.full import kd_kl_term
+from kdcache.stages.common.logit_kinds.head import head_kl_term
+from kdcache.stages.common.logit_kinds.sampled import sampled_kl_term
+from kdcache.stages.common.logit_kinds.topk import topk_kl_term
+from kdcache.stages.train.losses.logits import causal_ce_term
+from tests.stages import test_vocab_pass as ref  # its setup (garbage at padding) and references by formula
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.triton
+ALPHA, BETA = ref.ALPHA, ref.BETA
+
+# name -> (the KL's chunk term, its reference on full logits): ref.KINDS plus the renormalised and sampled KLs at T=1
+KINDS: dict[str, tuple[Callable, Callable]] = {
+    **ref.KINDS,
+    "renorm_t1": (lambda z, s: topk_kl_term(z, s["values"], s["topk_ids"], s["predicts"], variant="renorm"),
+                  lambda z, s: ref._renorm(z, s, 1.0)),
+    "sampled_t1": (lambda z, s: sampled_kl_term(z, s["draws"], s["counts"], s["logp"], s["predicts"], 1.0),
+                   lambda z, s: ref._sampled(z, s, 1.0)),
+    "head_t1": (lambda z, s: head_kl_term(z, s["hidden_t"], lambda x: x @ s["w_t"].T, s["predicts"], 1.0),
+                lambda z, s: ref._full(z, s, 1.0, s["hidden_t"] @ s["w_t"].T)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdcache.stages.common import vocab_kernels
+
+    monkeypatch.setattr(fused_vocab, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(vocab_kernels, "MAX_BLOCK_V", 8)  # V = 23: three blocks, the last one partial
+    monkeypatch.setattr(loss_rows, "LOSS_CHUNK", 3)  # 14 rows: five chunks, the last one of 2
+
+
+def _double(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.double() if v.is_floating_point() else v for k, v in s.items()}
+
+
+def _reference(s: dict[str, torch.Tensor], kind: str, alpha: float = ALPHA) -> tuple[torch.Tensor, ...]:
+    """α·CE + β·KL from the formulas on float64 full logits: value and gradients. A NaN hidden state at a padded
+    position is 0 here (the formulas' own gradient would carry 0 · NaN into the head's)."""
+    d = _double(s)
+    d["hidden"] = d["hidden"].nan_to_num(0.0)
+
+    def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        z = torch.nn.functional.linear(h, w, b)
+        return alpha * ref._ce(z, d) + BETA * KINDS[kind][1](z, d)
+    return ref._grads(loss, d)
+
+
+def _fused(s: dict[str, torch.Tensor], kind: str, alpha: float = ALPHA) -> tuple[torch.Tensor, ...]:
+    def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        z = HeadLogits(h, w, b)
+        terms = [causal_ce_term(z, s["ids"], s["real"], s["pairs"]), KINDS[kind][0](z, s)]
+        return vocab_pass.vocab_pass(z, terms, [alpha, BETA])[0]
+    return ref._grads(loss, s)
+
+
+def _close(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], rtol: float, atol: float) -> None:
+    for name, g, w in zip(("value", "hidden", "weight", "bias"), got, want):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g.double(), w.double(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kernel's launchers as they are called (so a test knows the kernel ran, not the torch pass)."""
+    from kdcache.stages.common import vocab_kernels
+
+    calls: list[str] = []
+    for name in ("row_stats", "write_grad"):
+        real = getattr(vocab_kernels, name)
+        monkeypatch.setattr(vocab_kernels, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    return calls
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_ce_and_each_kl_match_the_float64_reference(kind: str, kernel_calls: list[str]) -> None:
+    s = ref._setup(0)
+    s["hidden"][1, 6] = float("nan")  # a padded position's hidden state (a fully masked attention row)
+    _close(_fused(s, kind), _reference(s, kind), rtol=2e-5, atol=2e-6)
+    assert kernel_calls[:2] == ["row_stats", "write_grad"] and len(kernel_calls) == 2 * 5  # 14 rows, chunks of 3
+
+
+@pytest.mark.parametrize("kind", ["renorm_t2", "other", "full_t2", "head", "sampled"])
+def test_each_kl_alone_matches_the_reference(kind: str) -> None:
+    s = ref._setup(1)
+    _close(_fused(s, kind, alpha=0.0), _reference(s, kind, alpha=0.0), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("kind", ["renorm_t2", "other", "full_t1", "sampled"])
+def test_the_kernel_equals_the_pure_torch_pass(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = ref._setup(2)
+    fused = _fused(s, kind)
+    monkeypatch.setattr(fused_vocab, "INTERPRET_ON_CPU", False)
+    _close(fused, _fused(s, kind), rtol=1e-5, atol=1e-6)
+
+
+def test_every_term_in_one_pass(kernel_calls: list[str]) -> None:
+    """CE, the renormalised and the sampled KL and the head's KL at T = 2 in one pass: the weighted sum of each."""
+    s = ref._setup(3)
+    names, weights = ["renorm_t2", "sampled", "head"], [0.5, 0.25, 1.5]
+
+    def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        z = HeadLogits(h, w, b)
+        terms = [causal_ce_term(z, s["ids"], s["real"], s["pairs"]), *(KINDS[n][0](z, s) for n in names)]
+        return vocab_pass.vocab_pass(z, terms, [ALPHA, *weights])[0]
+
+    def reference(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        z, d = torch.nn.functional.linear(h, w, b), _double(s)
+        return ALPHA * ref._ce(z, d) + sum(c * KINDS[n][1](z, d) for c, n in zip(weights, names))
+    _close(ref._grads(loss, s), ref._grads(reference, _double(s)), rtol=2e-5, atol=2e-6)
+    assert "row_stats" in kernel_calls
+
+
+def test_a_term_that_counts_nothing_adds_exactly_zero(kernel_calls: list[str]) -> None:
+    """The KL counts no row (its mask all 0, its targets all NaN): the pass is CE's alone, bit for bit finite."""
+    s = ref._setup(4)
+    s["predicts"] = torch.zeros_like(s["predicts"])
+    s["values"].fill_(float("nan"))
+
+    def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        z = HeadLogits(h, w, b)
+        terms = [causal_ce_term(z, s["ids"], s["real"], s["pairs"]), KINDS["renorm_t2"][0](z, s)]
+        total, values = vocab_pass.vocab_pass(z, terms, [ALPHA, BETA])
+        assert values[1] == 0
+        return total
+
+    def ce(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return ALPHA * ref._ce(torch.nn.functional.linear(h, w, b), _double(s))
+    _close(ref._grads(loss, s), ref._grads(ce, _double(s)), rtol=2e-5, atol=2e-6)
+    assert kernel_calls
+
+
+@pytest.mark.parametrize("kind", ["renorm_t2", "other", "full_t2", "sampled"])
+def test_bfloat16_head_matches_the_pure_torch_pass_in_bfloat16(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 logits (the kernel writes dz in bf16, as liger does) against the pure-torch pass on the same logits."""
+    s = ref._setup(5)
+    for k in ("hidden", "weight", "bias"):
+        s[k] = s[k].bfloat16()
+    fused = _fused(s, kind)
+    monkeypatch.setattr(fused_vocab, "INTERPRET_ON_CPU", False)
+    _close(fused, _fused(s, kind), rtol=3e-2, atol=3e-2)
+
+
+def test_two_temperatures_or_a_term_without_a_feed_take_the_pure_torch_pass(kernel_calls: list[str]) -> None:
+    s = ref._setup(6)
+    z = HeadLogits(*(s[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")))
+    two_t = [kd_kl_term(z, s["teacher"], s["predicts"], 2.0), KINDS["renorm_t1"][0](z, s),
+             topk_kl_term(z, s["values"], s["topk_ids"], s["predicts"], variant="renorm", temperature=3.0)]
+    vocab_pass.vocab_pass(z, two_t, [1.0, 1.0, 1.0])
+    assert kernel_calls == []
+    no_feed = vocab_pass.ChunkTerm(lambda z_, _y: z_.logsumexp(-1), s["predicts"], (s["ids"],))
+    vocab_pass.vocab_pass(z, [causal_ce_term(z, s["ids"], s["real"], s["pairs"]), no_feed], [1.0, 1.0])
+    assert kernel_calls == []
