@@ -41,6 +41,11 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
     if layout.size > 1 and getattr(config, "is_encoder_decoder", False):
         raise PrecomputeError(f"teacher_parallel: {layout}: an encoder-decoder teacher runs on one device (its "
                               f"capture has no parallel path); drop --teacher-parallel")
+    if layout.tensor > 1 and not getattr(config, "base_model_tp_plan", None):
+        raise PrecomputeError(f"teacher_parallel: {layout} shards the teacher by its transformers tensor-parallel "
+                              f"plan, and {getattr(config, 'model_type', 'this')!r} models have none; teachers "
+                              f"whose families have one include {', '.join(_tp_families())}; drop "
+                              f"--teacher-parallel for this teacher")
     if layout.size > 1 and importlib.util.find_spec("accelerate") is None:
         raise PrecomputeError(f"teacher_parallel: {layout} loads the teacher through transformers' tensor "
                               f"parallelism / device_map, which needs accelerate: pip install 'kdcache[parallel]'")
@@ -60,6 +65,18 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
     return {"layout": str(layout), "per_rank_bytes": memory.total, "weights_bytes": memory.weights,
             "activations_bytes": memory.activations, "capacity_bytes": memory.capacity, "source": memory.source,
             "line": memory.describe(layout)}
+
+
+COMMON_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+                   "olmo2", "granite", "cohere", "deepseek_v3")
+
+
+def _tp_families() -> list[str]:
+    """The common model families whose transformers config carries a tensor-parallel plan (as installed)."""
+    from transformers import CONFIG_MAPPING
+
+    return [name for name in COMMON_FAMILIES
+            if name in CONFIG_MAPPING and getattr(CONFIG_MAPPING[name], "base_model_tp_plan", None)]
 
 
 def _gpu_index(device: torch.device) -> int | None:

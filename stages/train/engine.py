@@ -55,13 +55,60 @@ def init_distributed() -> DistInfo:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local_rank)
+    check_build_locks()
     if not dist.is_initialized():
-        # It prints "DeepSpeed deepspeed_shm_comm_op built successfully" on stdout: a terminal's stderr at most.
+        if not cuda:
+            _without_shm_op()
         with contextlib.redirect_stdout(sys.stderr if sys.stderr.isatty() else io.StringIO()):
             deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
                                        verbose=False)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+SHM_OP = "deepspeed_shm_comm"
+STALE_LOCK_S = 600.0  # a JIT build of a DeepSpeed op takes about a minute; a lock this old has lost its builder
+
+
+def _without_shm_op() -> None:
+    """Keep DeepSpeed from JIT-building its shared-memory allreduce op for a CPU process group.
+
+    It builds it on the first ``init_distributed`` of every environment (46 s with no output here, minutes when two
+    environments share ``~/.cache/torch_extensions``), and a build cut off at the wrong moment leaves a lock that
+    every later run waits on forever. Training reduces through gloo and never calls the op; marked incompatible,
+    DeepSpeed takes its plain path (``deepspeed.comm.torch.build_shm_op`` returns None).
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_OP] = False
+
+
+def extensions_root() -> Path:
+    """Where torch JIT-builds extensions (DeepSpeed's ops): ``TORCH_EXTENSIONS_DIR``, else its default root (whose
+    folders are per Python and accelerator, ``py311_cpu/``)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def check_build_locks(root: Path | None = None, now: float | None = None) -> None:
+    """Refuse to start where a JIT build's lock has outlived its builder: torch waits on it forever, silently.
+
+    Raises:
+        EngineConfigError: naming the lock's path, its age, and what to do.
+    """
+    import time
+
+    root = extensions_root() if root is None else root
+    now = time.time() if now is None else now
+    locks = sorted([*root.glob("*/lock"), *root.glob("*/*/lock")]) if root.is_dir() else []
+    for lock in locks:
+        age = now - lock.stat().st_mtime
+        if age > STALE_LOCK_S:
+            raise EngineConfigError(
+                f"a build of DeepSpeed's {lock.parent.name} op left its lock {lock} {age / 60:.0f} min ago, and "
+                f"torch would wait on it forever; if no other process is building that op, delete the lock "
+                f"(rm {lock}) and run again")
 
 
 def _free_port() -> int:

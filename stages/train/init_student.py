@@ -41,8 +41,11 @@ def init_student_from_teacher(teacher_path: str | Path, layers: list[int] | tupl
         ``out``.
 
     Raises:
-        StudentError: empty or out-of-range layers, or a model whose blocks cannot be found.
+        StudentError: empty or out-of-range layers, a model whose blocks cannot be found, or an ``out`` that is not
+            a new or empty folder.
     """
+    out = Path(out)
+    check_out(out)
     config = load_config(teacher_path)
     given = {"": layers, "encoder": encoder_layers or layers, "decoder": decoder_layers or layers}
     chosen = {stack: list(given[stack]) for stack in stack_depths(config)}
@@ -50,12 +53,32 @@ def init_student_from_teacher(teacher_path: str | Path, layers: list[int] | tupl
         _check(stack, chosen[stack], depth)
     teacher = lm_class(config).from_pretrained(str(teacher_path))
     student = copy_blocks(teacher, {stack: [j - 1 for j in blocks] for stack, blocks in chosen.items()})
-    out = Path(out)
     student.save_pretrained(str(out))
     copy_tokenizer_files(Path(teacher_path), out)
     record = {f"teacher_{stack}_blocks" if stack else "teacher_blocks": blocks for stack, blocks in chosen.items()}
     (out / "kdcache_init.json").write_text(json.dumps({"teacher": str(teacher_path), **record}, indent=2) + "\n")
     return out
+
+
+def check_out(out: Path) -> None:
+    """Refuse an ``out`` that is not a new or empty folder: a student is never written into a cache, over another
+    student or among a user's files (the rule precompute and train follow for their own folders).
+
+    Raises:
+        StudentError: naming the folder and what it holds.
+    """
+    if out.exists() and not out.is_dir():
+        raise StudentError(f"--out {str(out)!r} is a file; choose a new or empty folder for the student")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    if "kdcache_init.json" in held:
+        what = "already holds a student built by init-student; choose a new folder, or delete this one to rebuild it"
+    elif "manifest.json" in held or ".kdcache-files.json" in held:
+        what = "is a kdcache cache; choose a new or empty folder for the student"
+    else:
+        what = f"is not empty (found {', '.join(held[:5])}); choose a new or empty folder for the student"
+    raise StudentError(f"--out {str(out)!r} {what}")
 
 
 def _check(stack: str, layers: list[int], depth: int) -> None:

@@ -62,6 +62,30 @@ def test_cli_init_student_and_its_errors(teachers: dict[str, Path], tmp_path: Pa
     assert "expected comma-separated block numbers" in capsys.readouterr().err
 
 
+def test_init_student_writes_only_into_a_new_or_empty_folder(teachers: dict[str, Path], tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Into a cache, over a student, over a file or among other files: exit 2, one line naming the folder, and
+    nothing there changed."""
+    teacher = str(teachers["gpt2"])
+    cache = write_cache(teachers["gpt2"], tmp_path / "cache", num_sequences=4, sequences_per_shard=4)
+    assert main(["init-student", "--teacher", teacher, "--layers", "2", "--out", str(tmp_path / "s")]) == 0
+    capsys.readouterr()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    cases = {cache: "is a kdcache cache", tmp_path / "s": "already holds a student built by init-student",
+             tmp_path / "notes": "is not empty (found todo.txt)", tmp_path / "file": "is a file"}
+    for out, words in cases.items():
+        before = {p: p.stat().st_mtime_ns for p in [out, *out.rglob("*")]}
+        assert main(["init-student", "--teacher", teacher, "--layers", "1", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {str(out)!r} {words}" in err and "Traceback" not in err
+        assert {p: p.stat().st_mtime_ns for p in [out, *out.rglob("*")]} == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["init-student", "--teacher", teacher, "--layers", "1", "--out", str(empty)]) == 0
+
+
 def test_a_whole_copy_of_the_teacher_matches_its_cache_and_trains(teachers: dict[str, Path], tmp_path: Path) -> None:
     """Encoder path (BERT, per-token CE): a student identical to the teacher has ~0 distillation loss."""
     teacher = teachers["bert-nodrop"]

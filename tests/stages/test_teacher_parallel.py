@@ -162,6 +162,20 @@ def test_layer_placement_over_several_gpus_is_refused_before_loading(tiny_llama:
     assert "Traceback" not in err and not (tmp_path / "out" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("estimate", [False, True])
+def test_tensor_parallelism_of_a_family_without_a_plan_exits_2_before_loading(
+        tiny_gpt2: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture, estimate: bool) -> None:
+    """GPT-2 has no transformers tensor-parallel plan: refused with the families that have one, the estimate too,
+    and from the config alone (no weights in the folder, so nothing was loaded)."""
+    teacher = _weightless(tiny_gpt2, tmp_path / "config-only")
+    argv = _argv(_options(teacher, corpus, tmp_path / "out", teacher_parallel="tp:2", estimate=estimate))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "tp:2 shards the teacher by its transformers tensor-parallel plan, and 'gpt2' models have none" in err, err
+    assert "include llama, mistral" in err and "Traceback" not in err and "DistributedConfig" not in err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_estimate_from_a_config_alone_reports_memory_per_rank(tiny_llama: Path, corpus: Path, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture) -> None:
     teacher = _weightless(tiny_llama, tmp_path / "config-only")
