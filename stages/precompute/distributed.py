@@ -1,4 +1,5 @@
-"""Rank discovery for torchrun / the deepspeed launcher, and the one collective stage one needs: a barrier.
+"""Rank discovery for torchrun / the deepspeed launcher, and the collectives stage one needs: a barrier, and a sum
+of the ranks' counts for the run's summary.
 
 Data-parallel ranks never exchange tensors: each writes its own shards through its own ``CacheWriter`` part, so
 gloo on the CPU is enough even when the teachers run on GPUs. The barrier only lets rank 0 merge the parts once
@@ -59,6 +60,17 @@ class DistContext:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Each value summed over every rank (gloo, on the CPU); the values themselves for one process."""
+        if self.world == 1:
+            return list(values)
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(total)
+        return [float(v) for v in total.tolist()]
 
     def groups_of(self, size: int) -> ProcessGroup | None:
         """The process group of this rank's ``size`` consecutive ranks (every rank makes every group, as

@@ -58,8 +58,8 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
         raise PrecomputeError(f"teacher_parallel: {layout} splits the teacher's {heads[0]} attention heads "
                               f"({heads[1]} key/value heads) into {layout.tensor} equal groups, which they do not "
                               f"divide; choose N among {_divisors(*heads)}, or layers:N")
-    if layout.kind == "none" and not options.engine.estimate:
-        return None
+    if layout.kind == "none" and not (options.engine.estimate or options.engine.device_memory):
+        return None  # one device and no size given: the device itself says whether the teacher fits
     memory = rank_memory(options, config, targets, layout, _gpu_index(device))
     check_layout(memory, layout, config)
     return {"layout": str(layout), "per_rank_bytes": memory.total, "weights_bytes": memory.weights,

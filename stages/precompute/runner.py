@@ -177,7 +177,18 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     extra = {"part": [part.index, part.count], "device": str(teacher.device), "teacher_parallel": str(layout),
              "attn_implementation": teacher.attn_implementation,
              "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}, "rows": rows}
-    return summarize(stats, manifest, len(mine) - len(todo), st.out, extra)
+    return _run_totals(summarize(stats, manifest, len(mine) - len(todo), st.out, extra), dist, grid.writes)
+
+
+def _run_totals(summary: dict[str, Any], dist: DistContext, writes: bool) -> dict[str, Any]:
+    """This run's counts over every writing rank (each group's leader), not rank 0's alone: what it printed as
+    "6 shard(s) written" of 12 for two groups. Rates stay rank 0's clock over the total."""
+    keys = ("shards_written", "shards_skipped", "tokens", "sequences", "bytes_written")
+    totals = dist.sum([float(summary[k]) if writes else 0.0 for k in keys])
+    summary.update({k: int(v) for k, v in zip(keys, totals)})
+    compute = summary["compute_seconds"]
+    summary["tokens_per_second"] = round(summary["tokens"] / compute, 1) if compute > 0 else 0.0
+    return summary
 
 
 def _projection(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Teacher, targets: Targets,

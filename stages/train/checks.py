@@ -124,7 +124,9 @@ def feature_problems(options: TrainOptions, spec: CacheSpec, student: StudentFac
                         "precompute with logits (full or top-k), or use --beta 0")
     elif loss.kl_weight > 0 and not student.has_lm_head:
         problems.append("the KL term (--beta) needs student logits, but the student has no LM head")
-    elif loss.kl_weight > 0 and spec.logits:  # the top-k variant and the temperature against its logit kind
+    elif loss.kl_weight > 0 and spec.logits and not loss.cross_tokenizer:
+        # The top-k variant and the temperature against its logit kind; a cross-tokenizer run's vocabulary term
+        # has checks of its own (cross_checks: GOLD reads both, ULD neither).
         problems += logit_kinds.get(spec.logits).loss_problems(spec, loss)
     if loss.gamma > 0 and options.maps.for_stream("").kind != "none" and not hidden:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "

@@ -32,6 +32,18 @@ def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
     return problems
 
 
+def cross_hint(reader: CacheReader) -> list[str]:
+    """The line a refused vocabulary adds: a student with a tokenizer of its own trains with ``--cross-tokenizer``,
+    which needs the cache's recorded texts."""
+    line = ("if the student has a tokenizer of its own, train it with --cross-tokenizer (losses on aligned text "
+            "spans)")
+    try:
+        read_texts(reader.store, "--cross-tokenizer")
+    except MissingTextError:
+        line += ", which needs the cache's texts: this cache has none, re-run stage one with --record-text"
+    return [line]
+
+
 def text_problems(reader: CacheReader, what: str) -> list[str]:
     """What stops aligning another tokenizer's tokens with this cache's, for ``what`` (training or evaluation):
     no recorded texts, or not one per sequence; two token streams."""

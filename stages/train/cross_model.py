@@ -234,7 +234,7 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
                                f"(Python) tokenizer without character offsets; save it with its tokenizer.json "
                                f"(a fast tokenizer)")
     vocab = int(getattr(student.config, "vocab_size", 0) or 0)
-    if options.loss.kl_weight > 0 and len(tokenizer) > vocab:  # its ids would index past the student's logits
+    if vocab and len(tokenizer) > vocab:  # its ids would index past the student's embedding (and logits)
         raise MissingTextError(f"--cross-tokenizer: the student's tokenizer at {options.run.student!r} has "
                                f"{len(tokenizer)} tokens, but its model's vocabulary (config vocab_size) is {vocab}; "
                                f"expected a tokenizer the student was built for")

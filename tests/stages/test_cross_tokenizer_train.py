@@ -221,11 +221,15 @@ def test_next_text_agreement_rule() -> None:
     assert not same_next_text("fox", "dog")
 
 
-def test_without_the_option_another_tokenizer_is_refused(setup: dict[str, Path],
+@pytest.mark.parametrize("cache", ["cache", "old"])
+def test_without_the_option_another_tokenizer_is_refused(setup: dict[str, Path], cache: str,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(_argv(setup, "cache", "plain")) == 2
+    """The refusal names the mismatch and the way out: --cross-tokenizer, and --record-text for a cache without
+    texts."""
+    assert main(_argv(setup, cache, f"plain-{cache}")) == 2
     err = capsys.readouterr().err
-    assert "vocab" in err and "Traceback" not in err
+    assert "tokenizer" in err and "train it with --cross-tokenizer" in err and "Traceback" not in err
+    assert ("re-run stage one with --record-text" in err) == (cache == "old")
 
 
 def test_gold_other_refuses_a_temperature_it_cannot_apply(setup: dict[str, Path],
@@ -235,8 +239,19 @@ def test_gold_other_refuses_a_temperature_it_cannot_apply(setup: dict[str, Path]
     assert "--topk-kl other" in err and "temperature is 2" in err and "Traceback" not in err
 
 
-def test_a_student_smaller_than_its_tokenizer_is_refused(setup: dict[str, Path],
+def test_uld_takes_the_variant_and_temperature_it_does_not_read(setup: dict[str, Path]) -> None:
+    """ULD compares sorted probabilities at T = 1: --topk-kl other at T = 2 is no reason to refuse it."""
+    argv = _argv(setup, "cache", "uld-other-t2", "--cross-tokenizer", "uld", "--topk-kl", "other",
+                 "--temperature", "2", "--no-export")
+    argv[argv.index("--max-steps") + 1] = "1"
+    assert main(argv) == 0
+    assert len(read_jsonl(setup["root"] / "uld-other-t2" / "metrics.jsonl")) == 1
+
+
+@pytest.mark.parametrize("beta", [[], ["--beta", "0"]])
+def test_a_student_smaller_than_its_tokenizer_is_refused(setup: dict[str, Path], beta: list[str],
                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """With or without the KL: its tokenizer's ids would index past the student's embedding either way."""
     from transformers import AutoTokenizer, LlamaConfig
 
     small = setup["root"] / "small-student"
@@ -244,7 +259,7 @@ def test_a_student_smaller_than_its_tokenizer_is_refused(setup: dict[str, Path],
     tok.save_pretrained(str(small))
     LlamaConfig(vocab_size=len(tok) - 10, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, intermediate_size=32, max_position_embeddings=128).save_pretrained(str(small))
-    argv = _argv(setup, "cache", "small-run", "--cross-tokenizer")
+    argv = _argv(setup, "cache", "small-run", "--cross-tokenizer", *beta)
     argv[argv.index("--student") + 1] = str(small)
     assert main(argv) == 2
     err = capsys.readouterr().err

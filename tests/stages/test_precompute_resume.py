@@ -7,6 +7,7 @@ uninterrupted process: shards are fixed sequence ranges and batches never cross 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -141,6 +142,9 @@ def test_two_torchrun_ranks_equal_one_process(tiny_gpt2: Path, corpus: Path, ref
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "complete" in done.stdout and done.stdout.count("cache ") == 1  # only rank 0 prints the summary
+    # The summary counts both ranks' work: every shard of the cache, written in this run.
+    shards = int(re.search(r"complete, (\d+)/\1 shards", done.stdout).group(1))  # type: ignore[union-attr]
+    assert f"this run: {shards} shard(s) written, 0 already committed" in done.stdout, done.stdout
     sidecars = {p.name for p in (out / "locks").glob("part-*")}
     assert sidecars == {"part-00000-of-00002.lock", "part-00001-of-00002.lock"}
     assert_same_cache(reference, out)

@@ -133,14 +133,16 @@ def _weightless(teacher: Path, into: Path) -> Path:
     return into
 
 
+@pytest.mark.parametrize("layout", ["tp:1", "none"])
 def test_layout_that_cannot_hold_the_teacher_exits_2_before_loading(tiny_llama: Path, corpus: Path, tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture) -> None:
-    """No weights at all in the folder: the refusal must come from the memory check, before any loading."""
+                                                                   capsys: pytest.CaptureFixture, layout: str) -> None:
+    """No weights at all in the folder: the refusal must come from the memory check, before any loading; the
+    default layout (none) is checked as tp:1 is whenever --device-memory gives the device's size."""
     teacher = _weightless(tiny_llama, tmp_path / "config-only")
-    argv = _argv(_options(teacher, corpus, tmp_path / "out", teacher_parallel="tp:1", device_memory="500KiB"))
+    argv = _argv(_options(teacher, corpus, tmp_path / "out", teacher_parallel=layout, device_memory="500KiB"))
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "teacher_parallel: memory per rank (tp:1)" in err and "of 500.0 KiB (--device-memory)" in err, err
+    assert f"teacher_parallel: memory per rank ({layout})" in err and "of 500.0 KiB (--device-memory)" in err, err
     assert "split it over at least 4 devices" in err and "Traceback" not in err and "cannot load" not in err
     assert not (tmp_path / "out" / "manifest.json").exists()
 
