@@ -221,9 +221,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kdcache {args.command}: error: the store failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        hint = _RESUME.get(args.command)
+        hint = _interrupted_hint(args)
         print(f"kdcache {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130
+
+
+def _interrupted_hint(args: argparse.Namespace) -> str | None:
+    """How to go on after a Ctrl-C that stopped at once: for train, --resume only where a checkpoint exists (one
+    before the first checkpoint has nothing to resume)."""
+    if args.command == "train" and getattr(args, "out", None):
+        from kdcache.stages.train.checkpoint import has_checkpoint
+
+        if not has_checkpoint(args.out):
+            return (f"no checkpoint was written in {args.out} yet, so there is nothing to resume: rerun the same "
+                    f"command (without --resume) to start again")
+    return _RESUME.get(args.command)
 
 
 def entry() -> None:

@@ -64,6 +64,24 @@ def teacher_notes(eval_cache: CacheReader, run_dir: Path) -> list[str]:
     return [f"the eval cache's teacher differs from the training cache's: {p}" for p in problems]
 
 
+def check_baseline(out: Path, student: str) -> None:
+    """Refuse to replace a run's baseline on this cache with another student's: the report compares the trained
+    student with it, and a second ``--student`` would silently change what "before" means (the same student again
+    re-scores it).
+
+    Raises:
+        EvaluationError: naming the file, the student it holds and the way to replace it.
+    """
+    from kdcache.stages.train.evaluate import EvaluationError
+    from kdcache.storage import read_json_object
+
+    held = read_json_object(out) if out.is_file() else None
+    if held and held.get("role") == "baseline" and held.get("student") not in (None, student):
+        raise EvaluationError(f"{out} already holds this run's baseline on that cache, from the student "
+                              f"{held['student']!r}; to score {student!r} as the baseline instead, delete that "
+                              f"file first")
+
+
 def run(args: argparse.Namespace) -> int:
     """Evaluate, write RUN/evals/{role}@{cache label}.json, print a summary. Returns 0."""
     from kdcache.stages.train.checks import open_cache
@@ -73,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
 
     reader = open_cache(args.cache)
     run_dir = Path(args.run)
+    path = cache_identity(args.cache)
+    label = cache_label(path, reader.fingerprints or {})
+    role = "baseline" if args.student else "trained"
+    student = str(Path(args.student).resolve()) if args.student else str(run_dir / "student")
+    out = eval_path(run_dir, role, label)
+    check_baseline(out, student)
     if args.cross_tokenizer or is_cross_run(run_dir):
         result = evaluate_cross_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
                                     device=args.device, student=args.student)
@@ -82,14 +106,10 @@ def run(args: argparse.Namespace) -> int:
         result = evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
                               teacher_layer=args.teacher_layer, device=args.device, student=args.student)
     result["notes"] = teacher_notes(reader, run_dir) + result.get("notes", [])
-    path = cache_identity(args.cache)
-    label = cache_label(path, reader.fingerprints or {})
-    role = "baseline" if args.student else "trained"
-    result.update(role=role, student=str(Path(args.student).resolve()) if args.student else str(run_dir / "student"),
+    result.update(role=role, student=student,
                   cache={"path": path, "label": label, "sequences": result["sequences"], "tokens": result["tokens"],
                          "cache_sequences": reader.num_sequences, "cache_tokens": reader.num_tokens},
                   written_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    out = eval_path(run_dir, role, label)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2) if args.json else format_eval(result, out))

@@ -180,7 +180,17 @@ def format_estimate(summary: dict[str, Any]) -> str:
         "bytes/token: " + ", ".join(f"{k} {v:,.1f}" for k, v in summary["bytes_per_token"].items()),
         f"total: {format_bytes(summary['total_bytes'])}; time at {summary['sample_tokens_per_second']:,.0f} "
         f"tokens/s (measured on {summary['sample_rows']:,} rows): "
-        + (f"{seconds / 3600:,.2f} h" if seconds else "unknown"),
+        + (format_duration(seconds) if seconds else "unknown"),
         f"destination: {room}",
         *memory,
     ])
+
+
+def format_duration(seconds: float) -> str:
+    """A time in the unit that reads best: ``42 s``, ``7.5 min``, ``6.90 h`` (never ``0.00 h`` for a short run)."""
+    if seconds < 60:
+        return f"{seconds:.0f} s" if seconds >= 1 else f"{seconds:.2f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:,.2f} h"
+

@@ -74,9 +74,12 @@ class Progress:
 
     def _line(self) -> None:
         now = time.perf_counter()
-        if now - self._last_line < LINE_EVERY and self.done < self.total:
-            return
+        if now - self._last_line < LINE_EVERY:
+            return  # the last line comes from close(), once the writer has committed every shard's bytes
         self._last_line = now
+        self._print_line(now)
+
+    def _print_line(self, now: float) -> None:
         rate = self.stats.tokens / max(now - self.stats.compute_started, 1e-9)
         print(f"kdcache precompute: {self.done:,}/{self.total:,} sequences | {rate:,.0f} tok/s | "
               f"{format_bytes(self.stats.stored_bytes)} written", file=sys.stderr, flush=True)
@@ -88,7 +91,10 @@ class Progress:
                              written=format_bytes(self.stats.stored_bytes), refresh=False)
 
     def close(self) -> None:
-        """Close the bar, showing the bytes of every shard committed (call it after the writer's last commit)."""
+        """Close the bar, or print the log's last line, showing the bytes of every shard committed (call it after
+        the writer's last commit)."""
+        if self.lines:
+            self._print_line(time.perf_counter())
         if self.bar is not None:
             self._postfix()
             self.bar.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import attention_sources, logit_kinds
+from kdcache.stages.train.cross_checks import cross_hint
 from kdcache.stages.train.layer_maps import LayerMap, validate_layer_map
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
@@ -56,7 +57,8 @@ def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads:
 
 def vocab_problems(reader: CacheReader, student_vocab: int, student_tokenizer: dict[str, Any] | None, *,
                    logits_needed: bool) -> list[str]:
-    """Vocabulary checks: every cached token id must embed, logits must line up, tokenizers must agree.
+    """Vocabulary checks: every cached token id must embed, logits must line up, tokenizers must agree; a refusal
+    ends with the way a student of another tokenizer goes (``cross_checks.cross_hint``).
 
     Training (``plan.plan_training``), evaluation and the sweep's up-front check all call this, so a student
     that does not fit a cache gets the same sentences wherever it is refused.
@@ -76,7 +78,8 @@ def vocab_problems(reader: CacheReader, student_vocab: int, student_tokenizer: d
                         "tokenizer (e.g. `kdcache init-student`, or set vocab_size in its config)")
     elif spec.logits and logits_needed:  # the KL's rule of this cache's logit kind
         problems += logit_kinds.get(spec.logits).vocab_problems(spec, student_vocab)
-    return problems + tokenizer_problems(fp, student_tokenizer)
+    problems += tokenizer_problems(fp, student_tokenizer)
+    return problems + (cross_hint(reader) if problems else [])
 
 
 def tokenizer_problems(cached: dict[str, Any], student_tokenizer: dict[str, Any] | None) -> list[str]:

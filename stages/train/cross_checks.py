@@ -35,8 +35,8 @@ def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
 def cross_hint(reader: CacheReader) -> list[str]:
     """The line a refused vocabulary adds: a student with a tokenizer of its own trains with ``--cross-tokenizer``,
     which needs the cache's recorded texts."""
-    line = ("if the student has a tokenizer of its own, train it with --cross-tokenizer (losses on aligned text "
-            "spans)")
+    line = ("if the student has a tokenizer of its own, train and evaluate it with --cross-tokenizer (losses "
+            "and scores on aligned text spans)")
     try:
         read_texts(reader.store, "--cross-tokenizer")
     except MissingTextError:

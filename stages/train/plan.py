@@ -31,7 +31,6 @@ from kdcache.stages.train.checks import (
     stream_problems,
     vocab_problems,
 )
-from kdcache.stages.train.cross_checks import cross_hint
 from kdcache.stages.train.layer_maps import LayerMap
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
@@ -229,8 +228,8 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
 
         problems += cross_problems(reader, options)
     else:
-        found = vocab_problems(reader, student.vocab_size, student_tokenizer, logits_needed=options.loss.kl_weight > 0)
-        problems += found + (cross_hint(reader) if found else [])
+        problems += vocab_problems(reader, student.vocab_size, student_tokenizer,
+                                   logits_needed=options.loss.kl_weight > 0)
     problems += feature_problems(options, spec, student)
     streams = _streams(options, reader, student)
     pairs: dict[str, list[Pair]] = {}

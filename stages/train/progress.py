@@ -1,6 +1,6 @@
 """Training progress on rank 0: a tqdm bar on a terminal, one line per logged step otherwise (batch logs).
 
-Each update shows step / total, the loss and its largest terms, tokens per second, the share of time spent
+Each update shows step / total, the loss and its terms, tokens per second, the share of time spent
 waiting for data, and the time left. ``--quiet`` turns it off; metrics.jsonl is written either way.
 """
 
@@ -12,17 +12,19 @@ import time
 from collections.abc import Mapping
 from typing import TextIO
 
-TERMS_SHOWN = 3  # loss terms beside the total; the rest stay in metrics.jsonl
+# Logged values that are not loss terms: shown apart from the losses, by these words.
+METRICS = {"aligned_share": "aligned share"}
 
 
 def describe(values: Mapping[str, float], tokens_per_s: float, wait_share: float) -> str:
-    """``loss 2.31 (ce 1.90, kl 0.41) | 5,120 tok/s | data wait 3%``."""
+    """``loss 2.31 (ce 1.90, hidden 0.2, kl 0.41) | aligned share 0.92 | 5,120 tok/s | data wait 3%``: every
+    whole loss term, by name, so each line shows the same ones in the same places."""
     # Whole terms only (ce, kl, hidden...): per-pair terms such as hidden/s1_t2 stay in metrics.jsonl.
-    terms = sorted(((k, v) for k, v in values.items() if k != "loss" and "/" not in k),
-                   key=lambda kv: -abs(kv[1]))[:TERMS_SHOWN]
+    terms = [(k, v) for k, v in sorted(values.items()) if k != "loss" and "/" not in k and k not in METRICS]
     detail = f" ({', '.join(f'{k} {v:.3g}' for k, v in terms)})" if terms else ""
     loss = values.get("loss", float("nan"))
-    return f"loss {loss:.4g}{detail} | {tokens_per_s:,.0f} tok/s | data wait {wait_share:.0%}"
+    metrics = "".join(f" | {words} {values[k]:.3g}" for k, words in METRICS.items() if k in values)
+    return f"loss {loss:.4g}{detail}{metrics} | {tokens_per_s:,.0f} tok/s | data wait {wait_share:.0%}"
 
 
 class TrainProgress:

@@ -210,3 +210,22 @@ def test_demo_prints_its_teacher_for_the_walkthrough(capsys: pytest.CaptureFixtu
     assert main(["demo", "--print-teacher"]) == 0
     folder = Path(capsys.readouterr().out.strip())
     assert (folder / "config.json").is_file() and ((folder / "tokenizer.json").exists() or (folder / "vocab.txt").exists())
+
+
+def test_a_ctrl_c_before_the_first_checkpoint_does_not_send_the_user_to_resume(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Ctrl-C that stops train at once (while it loads, or a second one): --resume only where a checkpoint is."""
+    from kdcache.stages.train import loop
+
+    def interrupted(options: object) -> None:
+        raise KeyboardInterrupt
+    monkeypatch.setattr(loop, "run_training", interrupted)
+    out = tmp_path / "run"
+    argv = ["train", "--cache", str(tmp_path), "--student", str(tmp_path), "--out", str(out)]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert f"no checkpoint was written in {out} yet" in err and "without --resume" in err, err
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step4")
+    assert main(argv) == 130
+    assert "rerun the same command with --resume" in capsys.readouterr().err

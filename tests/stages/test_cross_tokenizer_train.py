@@ -228,7 +228,7 @@ def test_without_the_option_another_tokenizer_is_refused(setup: dict[str, Path],
     texts."""
     assert main(_argv(setup, cache, f"plain-{cache}")) == 2
     err = capsys.readouterr().err
-    assert "tokenizer" in err and "train it with --cross-tokenizer" in err and "Traceback" not in err
+    assert "tokenizer" in err and "train and evaluate it with --cross-tokenizer" in err and "Traceback" not in err
     assert ("re-run stage one with --record-text" in err) == (cache == "old")
 
 

@@ -113,15 +113,23 @@ def test_eval_cli_writes_eval_json_and_refuses_an_unfinished_run(tiny_gpt2: Path
     assert written["role"] == "trained" and written["cache"]["path"] == str(cache.resolve())
     assert written["cache"]["sequences"] == 4 and written["cache"]["cache_sequences"] == 6
     assert written["cache"]["tokens"] == sum(len(CacheReader(cache)[i]["input_ids"]) for i in range(4))
-    unfinished = tmp_path / "unfinished"
+    unfinished = tmp_path / "unfinished"  # training writes plan.json first, student/ at the end
     unfinished.mkdir()
+    (unfinished / "plan.json").write_text((run / "plan.json").read_text())
     capsys.readouterr()
     assert main(["eval", "--cache", str(cache), "--run", str(unfinished)]) == 2
     err = capsys.readouterr().err
     assert "no exported student/" in err and "Traceback" not in err
+    for not_a_run in (tmp_path / "nosuchrun", cache):  # a typo, or a cache given as the run
+        assert main(["eval", "--cache", str(cache), "--run", str(not_a_run)]) == 2
+        err = capsys.readouterr().err
+        assert f"--run {str(not_a_run)!r} is not a training run (no plan.json there)" in err, err
+        assert "still training" not in err and "Traceback" not in err
+    assert not (tmp_path / "nosuchrun").exists()
 
 
-def test_two_caches_and_a_baseline_keep_their_own_evaluations(tiny_gpt2: Path, tmp_path: Path) -> None:
+def test_two_caches_and_a_baseline_keep_their_own_evaluations(tiny_gpt2: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """An initial (random) student scored with --student, then the run against two caches: three records."""
     from tests.stages._train_support import make_student_config
 
@@ -139,6 +147,14 @@ def test_two_caches_and_a_baseline_keep_their_own_evaluations(tiny_gpt2: Path, t
     # The run's "trained" student is the teacher itself here, so it agrees everywhere; the random baseline does not.
     assert records[0]["top1_agreement"] < records[1]["top1_agreement"] == pytest.approx(1.0)
     assert find_eval(run, "trained", str(heldout))["cache"]["sequences"] == 5
+    # Another student as the baseline on the same cache is refused, naming the one it holds; the same one re-scores.
+    other = make_student_config(tmp_path / "other", tiny_gpt2, n_layer=1)
+    held = (run / "evals").glob("baseline@*.json").__next__().read_text()
+    assert main(["eval", "--run", str(run), "--cache", str(heldout), "--student", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds this run's baseline on that cache, from the student" in err and str(initial.resolve()) in err
+    assert next((run / "evals").glob("baseline@*.json")).read_text() == held
+    assert main(["eval", "--run", str(run), "--cache", str(heldout), "--student", str(initial)]) == 0
     assert main(["report", str(run)]) == 0
     html = (run / "report" / "report.html").read_text()
     assert "baseline → trained" in html and html.index(">baseline<") < html.index(">trained<")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -309,3 +310,22 @@ def test_copies_out_of_pinned_memory_reuse_their_buffers_once_the_shard_is_writt
     assert pool.free_bytes >= hidden.numel() * 2 and again.leases == []
     bf16 = torch.randn(2048, 512).to(torch.bfloat16)  # no numpy twin (never stored as such): new memory, exact
     assert torch.equal(_pageable(bf16, Lease(BufferPool())), bf16)
+
+
+def test_a_log_s_last_progress_line_counts_every_shard_s_bytes(tiny_gpt2: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """stderr is not a terminal here, so progress comes as lines: the last one, printed once the writer committed
+    the last shard, says the bytes the summary says (it said "0 B written" while the writers were still busy)."""
+    from kdcache.pipeline.cli import main
+    from kdcache.storage import format_bytes
+    from tests.helpers.tiny_models import sample_texts, write_text_dataset
+    from tests.stages.test_precompute_resume import _argv, _options
+
+    data = write_text_dataset(tmp_path / "data.jsonl", sample_texts(12, seed=3))
+    opts = _options(tiny_gpt2, data, tmp_path / "cache", progress=True)
+    assert main([*_argv(opts), "--json"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    lines = [ln for ln in captured.err.splitlines() if ln.startswith("kdcache precompute: ")]
+    assert lines and lines[-1].startswith("kdcache precompute: 12/12 sequences")
+    assert lines[-1].endswith(f"| {format_bytes(summary['bytes_written'])} written") and summary["bytes_written"] > 0

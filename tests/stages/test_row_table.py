@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,15 @@ def test_estimate_is_within_15_percent_of_the_real_cache(tiny_gpt2: Path, tmp_pa
     assert guess["tokens"] == real.manifest.num_tokens
     assert abs(guess["total_bytes"] - stored) <= 0.15 * stored, (guess["total_bytes"], stored)
     assert {"hidden/0", "attention/2", "logits/topk"} <= set(guess["bytes_per_token"])
+    assert main([*argv, "--estimate"]) == 0  # the human lines: a run of seconds is told in seconds, not "0.00 h"
+    time_line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("total: "))
+    assert re.search(r"rows\): \d+(\.\d+)? (s|min)$", time_line), time_line
+
+
+def test_durations_read_in_their_own_unit() -> None:
+    from kdcache.stages.precompute.estimate import format_duration
+
+    assert [format_duration(s) for s in (0.4, 42, 450, 24_840)] == ["0.40 s", "42 s", "7.5 min", "6.90 h"]
 
 
 def test_a_destination_too_small_is_refused_before_the_teacher_loads(tiny_gpt2: Path, corpus: Path,

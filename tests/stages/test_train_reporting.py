@@ -87,3 +87,15 @@ def test_a_terminal_gets_a_bar_with_the_same_facts() -> None:
     progress.close()
     text = screen.getvalue()
     assert "6/10" in text and "loss 2.5 (ce 2, kl 0.5)" in text and "tok/s" in text and "data wait 25%" in text
+
+
+def test_each_line_shows_every_loss_term_in_one_order_and_metrics_apart() -> None:
+    """A term that grows past another keeps its place; a small one is not dropped; aligned_share is no loss."""
+    from kdcache.stages.train.progress import describe
+
+    first = describe({"loss": 3.0, "ce": 2.0, "gold": 0.6, "hidden": 0.3, "attention": 0.1, "aligned_share": 0.9,
+                      "hidden/s1_t2": 0.3}, 100.0, 0.0)
+    later = describe({"loss": 3.0, "ce": 0.5, "gold": 2.0, "hidden": 0.4, "attention": 0.1, "aligned_share": 0.95,
+                      "hidden/s1_t2": 0.4}, 100.0, 0.0)
+    assert first.startswith("loss 3 (attention 0.1, ce 2, gold 0.6, hidden 0.3) | aligned share 0.9 |"), first
+    assert later.startswith("loss 3 (attention 0.1, ce 0.5, gold 2, hidden 0.4) | aligned share 0.95 |"), later

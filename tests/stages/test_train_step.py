@@ -128,3 +128,12 @@ def test_a_disk_filling_during_a_save_exits_2_and_the_run_resumes_from_the_previ
     summary = run_training(_options(setup, "unused", out=str(tmp_path / "moved"), resume=True, max_steps=4,
                                     save_every=2, export=False))
     assert summary["resumed_from"] == 2 and summary["steps"] == 4
+
+
+@pytest.mark.parametrize(("weights", "said"), [((), True), (("--alpha", "0", "--beta", "0"), False)])
+def test_the_vocabulary_path_is_said_only_where_there_are_vocabulary_losses(
+        setup: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], weights: tuple[str, ...],
+        said: bool) -> None:
+    assert main(_argv(setup, tmp_path / "run", "--max-steps", "1", *weights)) == 0
+    err = capsys.readouterr().err
+    assert ("kdcache train: vocabulary losses:" in err) == said, err[-2000:]
