@@ -244,7 +244,8 @@ class DistillModel(nn.Module):
     def __init__(self, student: PreTrainedModel, criterion: DistillLoss, plan: TrainPlan, *, announce: bool = True):
         super().__init__()
         # Say which path the vocabulary losses take (rank 0, without --quiet), where there is one (α or β > 0).
-        vocab = any(part.weights["ce"] > 0 or part.weights["kl"] > 0 for part in criterion.parts.values())
+        vocab = any(max(criterion.part(s).weights["ce"], criterion.part(s).weights["kl"]) > 0
+                    for s in criterion.streams)
         self.announce = announce and vocab
         self.student: PreTrainedModel = student
         self.criterion = criterion
