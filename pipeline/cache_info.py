@@ -39,6 +39,7 @@ def describe(path: str) -> dict[str, Any]:
     Raises:
         KdcacheError: missing or corrupt manifest, newer format version.
     """
+    from kdcache.stages.common.cache_texts import has_texts
     from kdcache.storage import CacheReader, describe_codec, summarize_arrays
 
     reader = CacheReader(path, allow_partial=True)
@@ -73,5 +74,5 @@ def describe(path: str) -> dict[str, Any]:
         "stored_bytes": stored, "decoded_bytes": decoded,
         "bytes_per_token": round(stored / tokens, 2) if tokens else None,
         "compression_ratio": _ratio(decoded, stored), "arrays": arrays, "fingerprints": reader.fingerprints,
-        "created_at": manifest.created_at, "updated_at": manifest.updated_at,
+        "created_at": manifest.created_at, "updated_at": manifest.updated_at, "texts": has_texts(reader.store),
     }

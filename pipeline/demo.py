@@ -80,16 +80,42 @@ def run_step(name: str, args: list[str], log_dir: Path) -> tuple[float, int]:
     log_path = log_dir / f"{name}.log"
     env = child_env(HF_HUB_OFFLINE="1")
     start = time.perf_counter()
+    print(f"      {name}: log {log_path}", flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kdcache", *args], stdout=log, stderr=subprocess.STDOUT,
                                 env=env)
-        # wait4 gives this child's own rusage, so each stage's peak memory is measured apart from the others.
-        _, status, usage = os.wait4(proc.pid, 0)
+        status, usage = _wait_telling(proc.pid, log_path, start)
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
         raise DemoError(f"step {name!r} failed (log: {log_path}):\n{tail}")
     return seconds, usage.ru_maxrss * 1024  # Linux reports KiB
+
+
+ECHO_EVERY = 60.0  # seconds between the echoes of a long step's progress
+
+
+def _wait_telling(pid: int, log_path: Path, start: float) -> tuple[int, os.struct_rusage]:
+    """Wait for the child, echoing its log's newest progress line every ``ECHO_EVERY`` seconds (a training step
+    runs for many minutes, and a silent terminal looks hung). wait4 gives this child's own rusage, so each stage's
+    peak memory is measured apart from the others."""
+    echoed = start
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            return status, usage
+        time.sleep(0.5)
+        if time.perf_counter() - echoed >= ECHO_EVERY:
+            echoed = time.perf_counter()
+            line = _last_progress(log_path)
+            print(f"      {echoed - start:.0f} s" + (f": {line}" if line else ""), flush=True)
+
+
+def _last_progress(log_path: Path) -> str:
+    """The newest ``kdcache ...:`` progress line of a log ("" if none yet)."""
+    lines = [ln for ln in log_path.read_text(errors="replace").splitlines()
+             if ln.startswith(("kdcache train: step", "kdcache precompute: "))]
+    return lines[-1] if lines else ""
 
 
 def prepare_data(opts: DemoOptions, out: Path) -> tuple[Path, Path]:

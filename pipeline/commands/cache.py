@@ -74,6 +74,9 @@ def _text(info: dict[str, Any]) -> str:
         + _codec_text(info["hidden_codec"]),
         f"size         {info['stored_bytes']} bytes stored, {info['bytes_per_token']} B/token, "
         f"compression ratio {info['compression_ratio']}",
+        "texts        " + ("recorded in texts/, one per sequence (a student of another tokenizer can align with "
+                           "them: train --cross-tokenizer)" if info["texts"] else
+                           "not recorded (stage one keeps them with --record-text)"),
         "",
         f"{'array':22} {'dtype':8} {'shape/token':12} {'B/token':>10} {'ratio':>7}  codec   (ratio: against the "
         f"array's own dtype)",

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kdcache.stages.common.cache_texts import token_pieces
+from kdcache.stages.common.hub import offline_unless_reachable
 from kdcache.stages.precompute.chat import chat_template, check_conversation, render
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import DATA_EXTENSIONS, PrecomputeOptions, looks_like_path
@@ -121,6 +122,7 @@ def load_texts(options: PrecomputeOptions) -> Dataset | IterableDataset:
 
     d = options.dataset
 
+    hub_note = None if local_files(d.data) is not None else offline_unless_reachable(d.data)
     try:
         ds = _load_dataset(options)
     except PrecomputeError:
@@ -128,8 +130,10 @@ def load_texts(options: PrecomputeOptions) -> Dataset | IterableDataset:
     except Exception as exc:  # datasets raises many types (FileNotFoundError, ValueError, DatasetNotFoundError...)
         if "corresponds to no data" in str(exc):  # a split with no rows (e.g. a csv with only a header)
             raise PrecomputeError(f"dataset {d.data!r} (split {d.split!r}) is empty") from None
-        raise PrecomputeError(f"cannot load dataset {d.data!r} (split {d.split!r}): "
-                              f"{type(exc).__name__}: {exc}") from None
+        # A hub name is also what a mistyped local file looks like (data/trian.jsnol): say both were looked for.
+        local = "" if local_files(d.data) is not None else f"there is no local file or folder {d.data!r}, and "
+        raise PrecomputeError(f"cannot load dataset {d.data!r} (split {d.split!r}): {local}the hub says "
+                              f"{type(exc).__name__}: {exc}" + (f"; {hub_note}" if hub_note else "")) from None
     streaming = isinstance(ds, datasets.IterableDataset)
     if streaming and not d.streaming:
         raise PrecomputeError(f"dataset {d.data!r} loaded as a stream; add --streaming to read it as one")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,7 +103,8 @@ def test_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
                            "--heldout-sentences", "40", "--steps", "6", "--batch-size", "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for needle in ("kdcache demo report", "KiB/token", "precompute", "peak RSS", "Spearman", str(out)):
+    for needle in ("kdcache demo report", "KiB/token", "precompute", "peak RSS", "Spearman", str(out),
+                   f"train: log {out / 'logs' / 'train.log'}"):  # each step names its log as it starts
         assert needle in proc.stdout
     report = json.loads((out / "report.json").read_text())
     assert report["cache_tokens"] > 0 and len(report["loss_curve"]) >= 1
@@ -229,3 +232,18 @@ def test_a_ctrl_c_before_the_first_checkpoint_does_not_send_the_user_to_resume(
     (out / "checkpoints" / "latest").write_text("step4")
     assert main(argv) == 130
     assert "rerun the same command with --resume" in capsys.readouterr().err
+
+
+def test_a_long_demo_step_echoes_its_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo's training runs for many minutes: while it does, its newest progress line is echoed."""
+    from kdcache.pipeline import demo
+
+    monkeypatch.setattr(demo, "ECHO_EVERY", 0.4)
+    log = tmp_path / "train.log"
+    code = "import time; print('kdcache train: step 3/150 | loss 1.2', flush=True); time.sleep(1.5)"
+    with open(log, "w") as fh:
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=fh)
+        status, _ = demo._wait_telling(child.pid, log, time.perf_counter())
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert "s: kdcache train: step 3/150 | loss 1.2" in capsys.readouterr().out

@@ -74,6 +74,7 @@ def test_recorded_text_is_the_datas_and_token_ends_match(packing: str, tiny_llam
             piece = texts.texts[i][a:b]
             special = int(ids[t]) in tokenizer.all_special_ids
             assert (piece == "") if special else tokenizer.decode([int(ids[t])]).strip() in piece, (i, t, piece)
+    assert _inspect_texts_line(tmp_path / "cache").startswith("texts        recorded in texts/, one per sequence")
     if packing == "documents":  # packed rows: the documents in order, nothing between them
         assert joined == "".join(d for d in docs)
     else:  # truncation keeps each document's text up to its last kept token
@@ -86,6 +87,26 @@ def test_without_the_option_no_texts_and_a_clear_message(tiny_llama: Path, tmp_p
     assert not any(k.startswith(TEXTS_FOLDER) for k in reader.manifest.files or {})
     with pytest.raises(MissingTextError, match="--record-text"):
         read_texts(reader.store)
+    assert _inspect_texts_line(tmp_path / "cache") == \
+        "texts        not recorded (stage one keeps them with --record-text)"
+
+
+def _inspect_texts_line(cache: Path) -> str:
+    """The ``texts`` line of ``kdcache inspect``, and its JSON field checked against it."""
+    import contextlib
+    import io
+    import json
+
+    from kdcache.pipeline.cli import main
+
+    outputs = []
+    for argv in (["inspect", str(cache)], ["inspect", str(cache), "--json"]):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert main(argv) == 0
+        outputs.append(out.getvalue())
+    line = next(ln for ln in outputs[0].splitlines() if ln.startswith("texts "))
+    assert json.loads(outputs[1])["texts"] == line.startswith("texts        recorded")
+    return line
 
 
 def test_damaged_texts_fail_verify(tiny_llama: Path, tmp_path: Path) -> None:

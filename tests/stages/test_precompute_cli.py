@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,3 +167,17 @@ def test_hidden_codec_with_a_badly_typed_value(tiny_gpt2: Path, corpus: Path, tm
     err = _bad(capsys, "--teacher", str(tiny_gpt2), "--data", str(corpus), "--out", str(tmp_path / "c"),
                "--features", "hidden", "--hidden-codec", codec)
     assert "hidden_codec" in err
+
+
+def test_a_mistyped_data_file_is_named_as_missing_and_the_hub_tried_once(tiny_gpt2: Path, tmp_path: Path) -> None:
+    """``data/trian.jsnol`` reads as a hub name too: the error says no such local file exists, and an unreachable
+    hub is tried once (then its cache only), not retried for most of a minute."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # nothing listens there: the connection is refused at once
+    proc = subprocess.run([sys.executable, "-m", "kdcache", "precompute", "--teacher", str(tiny_gpt2), "--data",
+                           "data/trian.jsnol", "--out", str(tmp_path / "out")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "there is no local file or folder 'data/trian.jsnol'" in proc.stderr
+    assert "the hub (http://127.0.0.1:9) cannot be reached" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
