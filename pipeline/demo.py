@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -95,7 +96,7 @@ def run_step(name: str, args: list[str], log_dir: Path) -> tuple[float, int]:
 ECHO_EVERY = 60.0  # seconds between the echoes of a long step's progress
 
 
-def _wait_telling(pid: int, log_path: Path, start: float) -> tuple[int, os.struct_rusage]:
+def _wait_telling(pid: int, log_path: Path, start: float) -> tuple[int, resource.struct_rusage]:
     """Wait for the child, echoing its log's newest progress line every ``ECHO_EVERY`` seconds (a training step
     runs for many minutes, and a silent terminal looks hung). wait4 gives this child's own rusage, so each stage's
     peak memory is measured apart from the others."""
