@@ -3,7 +3,8 @@
 A tiny Llama teacher (byte-level BPE; random weights, then ``--teacher-steps`` of next-token training on the
 training texts, so its predictions are worth agreeing with) is cached with ``--record-text`` on a training set and
 on held-out texts. A tiny Llama student with a WordPiece tokenizer (another vocabulary, lower-cased) trains from
-the training cache for ``--steps`` steps, four ways beside the untrained student:
+the training cache for ``--steps`` steps, four ways, each with ``--seeds`` training seeds, beside the untrained
+student and the teacher itself (the ceiling: its own tokenizer through the cross path):
 
 * ``untrained``: the random student, no step;
 * ``ce``: ``--cross-tokenizer --beta 0 --gamma 0``: CE on its own tokens only;
@@ -97,8 +98,11 @@ def _train(cache: Path, student: Path, out: Path, steps: int, *extra: str) -> di
             "tokens_per_s": sum(r["tokens"] for r in rows[1:]) / seconds}
 
 
+QUALITY = ("ce", "gold", "gold_other", "uld")  # the runs scored on the held-out cache, once per seed
+
+
 def run(steps: int, sentences: int, repeats: int = 2, teacher_steps: int = 300,
-        root: Path | None = None) -> dict[str, Any]:
+        root: Path | None = None, seeds: int = 3) -> dict[str, Any]:
     """Every run of the module docstring, under ``root`` (a fresh temporary folder by default, kept)."""
     from transformers import AutoTokenizer
 
@@ -120,30 +124,50 @@ def run(steps: int, sentences: int, repeats: int = 2, teacher_steps: int = 300,
             "gold_other": (wp, "--cross-tokenizer", "gold", "--topk-kl", "other", "--temperature", "1"),
             "uld": (wp, "--cross-tokenizer", "uld"), "same": (same,), "same_cross": (same, "--cross-tokenizer", "gold")}
     speeds: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
-    for _ in range(repeats):  # alternating sides, best of each kept
-        for name, (student, *extra) in runs.items():
+    scores: dict[str, list[dict[str, Any]]] = {name: [] for name in QUALITY}
+    for seed in range(seeds):  # the runs alternate within each seed; the speeds of every seed count
+        for name in QUALITY:
+            student, *extra = runs[name]
+            out = root / f"{name}-seed{seed}"
+            speeds[name].append(_train(train, student, out, steps, *extra, "--seed", str(seed)))
+            scores[name].append(evaluate_spans(out, held))
+    for _ in range(repeats):  # the same-tokenizer pair, alternating, best of each kept
+        for name in ("same", "same_cross"):
+            student, *extra = runs[name]
             speeds[name].append(_train(train, student, root / name, steps, *extra))
     for name, found in speeds.items():
         results[f"{name}_speed"] = max(found, key=lambda r: r["steps_per_s"])
-    results["untrained"] = evaluate_spans(root / "ce", held, student=wp)
-    for name in ("ce", "gold", "gold_other", "uld"):
-        results[name] = evaluate_spans(root / name, held)
+    # The floor and the ceiling of span top-1 on these spans: the untrained student, the best constant prediction
+    # (span_top1_floor) and the teacher itself through the cross path (its own tokenizer and cache: 1.0).
+    results["untrained"] = [evaluate_spans(root / "ce-seed0", held, student=wp)]
+    results["teacher"] = [evaluate_spans(root / "ce-seed0", held, student=teacher)]
+    results.update(scores)
     return results
+
+
+def _spread(runs: list[dict[str, Any]], key: str) -> str:
+    """``mean ± half the range`` of ``key`` over the seeds' runs (the value alone for one run)."""
+    values = [r[key] for r in runs]
+    mean = sum(values) / len(values)
+    return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ± {(max(values) - min(values)) / 2:.3f}"
 
 
 def table(r: dict[str, Any]) -> str:
     same = r["same_speed"]["steps_per_s"]
-    rows = ["| student | span top-1 | span CKA (s2-t2) | span cosine (s2-t2) | aligned share | steps/s | vs same "
-            "tokenizer |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name in ("untrained", "ce", "gold", "gold_other", "uld"):
-        m, speed = r[name], r.get(f"{name}_speed", {}).get("steps_per_s")
-        rows.append(f"| {name} | {m['span_top1']:.3f} ({round(m['span_top1'] * m['spans'])} / {m['spans']}) | "
-                    f"{m['span_cka'].get('s2_t2', float('nan')):.3f} | "
-                    f"{m['span_cosine'].get('s2_t2', float('nan')):.3f} | {m['aligned_share']:.3f} | "
-                    + ("| |" if speed is None else f"{speed:.2f} | {speed / same:.2f}x |"))
-    rows.append(f"| same tokenizer, ordinary path | | | | 1.000 | {same:.2f} | 1 |")
+    seeds = len(r["ce"])
+    rows = [f"span top-1 over {r['ce'][0]['spans']} held-out spans; mean ± half the range over {seeds} seed(s); the "
+            f"best constant prediction scores {r['ce'][0]['span_top1_floor']:.3f} on them", "",
+            "| student | span top-1 | span CKA (s2-t2) | aligned share | steps/s | vs same tokenizer |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for name in ("teacher", "untrained", *QUALITY):
+        runs, speed = r[name], r.get(f"{name}_speed", {}).get("steps_per_s")
+        cka = [{"cka": m["span_cka"].get("s2_t2", float("nan"))} for m in runs]
+        cells = [name, _spread(runs, "span_top1"), _spread(cka, "cka"), _spread(runs, "aligned_share"),
+                 *(("", "") if speed is None else (f"{speed:.2f}", f"{speed / same:.2f}x"))]
+        rows.append("| " + " | ".join(cells) + " |")
+    rows.append(f"| same tokenizer, ordinary path | | | 1.000 | {same:.2f} | 1 |")
     cross = r["same_cross_speed"]["steps_per_s"]
-    rows.append(f"| same tokenizer, cross path (gold) | | | | 1.000 | {cross:.2f} | {cross / same:.2f}x |")
+    rows.append(f"| same tokenizer, cross path (gold) | | | 1.000 | {cross:.2f} | {cross / same:.2f}x |")
     return "\n".join(rows)
 
 
@@ -208,7 +232,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sentences", type=int, default=400)
-    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of the four runs (best kept)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="alternating rounds of the same-tokenizer speed pair (best kept)")
+    parser.add_argument("--seeds", type=int, default=3, help="training seeds of each scored run (mean and spread)")
     parser.add_argument("--teacher-steps", type=int, default=300,
                         help="next-token training of the tiny teacher before it is cached (0: random weights)")
     parser.add_argument("--memory-vocab", type=int, default=0, metavar="V",
@@ -218,7 +244,7 @@ def main() -> None:
     if args.memory_vocab:
         print(json.dumps(step_memory(args.memory_vocab, rows=32), indent=1))
         return
-    results = run(args.steps, args.sentences, args.repeats, args.teacher_steps)
+    results = run(args.steps, args.sentences, args.repeats, args.teacher_steps, seeds=args.seeds)
     print(json.dumps(results, indent=1))
     print(table(results))
 

@@ -20,7 +20,8 @@ EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval
                 ("eval_top1", "top1_agreement"), ("eval_kl", "kl"), ("eval_cka_final", "cka.final"),
                 ("eval_cka_on_map", "cka.mean_on_map"), ("eval_attention_kl", "attention.kl"),
                 # a --cross-tokenizer run's (kind "cross_tokenizer", stages.train.span_eval)
-                ("eval_span_top1", "span_top1"), ("eval_span_cosine", "span_cosine_mean"),
+                ("eval_span_top1", "span_top1"), ("eval_span_top1_floor", "span_top1_floor"),
+                ("eval_span_cosine", "span_cosine_mean"),
                 ("eval_span_cka", "span_cka_mean"), ("eval_aligned_share", "aligned_share"))
 
 
@@ -40,6 +41,8 @@ METRIC_WORDS: dict[str, tuple[str, str, bool]] = {
                           "pairs (from maps or from queries and keys)", False),
     "eval_span_top1": ("span top-1", "share of aligned spans where the teacher's and the student's top "
                        "predictions name the same next text (students with their own tokenizer)", True),
+    "eval_span_top1_floor": ("span top-1 floor", "what always predicting the teacher's most frequent next text "
+                             "scores on the same spans: span top-1 means something only above it", True),
     "eval_span_cosine": ("span cosine", "cosine of span-pooled hidden states through the run's projectors, mean "
                          "over the layer pairs", True),
     "eval_span_cka": ("span CKA", "linear CKA of span-pooled hidden states, mean over the layer pairs (the run's "

@@ -143,8 +143,9 @@ def span_lines(result: dict[str, Any]) -> list[str]:
     """The span metrics of a cross-tokenizer evaluation, one per line (none for other kinds)."""
     if "span_cka" not in result:
         return []
-    top1 = result.get("span_top1")
-    lines = [f"  {'span top-1':<16} " + ("n/a" if top1 is None else f"{top1:.4f}") + f" over {result['spans']:,} spans",
+    top1, floor = result.get("span_top1"), result.get("span_top1_floor")
+    lines = [f"  {'span top-1':<16} " + ("n/a" if top1 is None else f"{top1:.4f}") + f" over {result['spans']:,} spans"
+             + ("" if floor is None else f" (the best constant prediction scores {floor:.4f})"),
              f"  {'aligned share':<16} {result['aligned_share']:.4f}"]
     pairs = [(s, t, f"s{s}_t{t}") for s, t in result.get("pairs", [])]
     for key, label in (("span_cka", "span CKA"), ("span_cosine", "span cosine")):

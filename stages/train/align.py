@@ -137,7 +137,7 @@ def span_mask(alignment: Alignment, teacher_mask: np.ndarray) -> np.ndarray:
 
 
 def student_ends(tokenizer: object, text: str, *, max_length: int | None = None,
-                 add_special_tokens: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                 add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The student's ``(ids [L_s] int64, ends [L_s] int32)`` for a row's text, ends by the same piece rule as the
     teacher's (``cache_texts.token_pieces``).
 
@@ -145,7 +145,9 @@ def student_ends(tokenizer: object, text: str, *, max_length: int | None = None,
         tokenizer: the student's fast tokenizer.
         text: the row's recorded text.
         max_length: cut the student's tokens here (its position limit).
-        add_special_tokens: let the tokenizer add its BOS/EOS (they cover no character).
+        add_special_tokens: let the tokenizer add its BOS/EOS (they cover no character), as it does for the
+            student in its own training and use: a Llama-style student without its BOS predicts worse than it can,
+            and the teacher scored against its own cache would fall short of agreeing with itself.
     """
     from kdcache.stages.common.cache_texts import row_text, token_pieces
 

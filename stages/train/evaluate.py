@@ -89,9 +89,9 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
     from kdcache.stages.train.student import load_student
 
     run = Path(run_dir)
-    if not (run / "plan.json").is_file():
+    if student_path is None and not (run / "plan.json").is_file():  # with --student, a run to be (its baseline)
         raise EvaluationError(f"--run {str(run)!r} is not a training run (no plan.json there); expected the --out "
-                              f"folder of a `kdcache train`")
+                              f"folder of a `kdcache train`, or name a student with --student to score it there")
     if student_path is None and not (run / "student" / "config.json").is_file():
         raise EvaluationError(f"{run} has no exported student/ (still training, failed, or --no-export); "
                               "evaluate a finished run, or name a student with --student")

@@ -4,9 +4,13 @@ One pass over a cache with recorded texts; per batch the student tokenizes the t
 with the teacher's (``align``). Metrics, over the spans the teacher's KL would count (``evaluate_spans``):
 
 * ``span_top1``: the share of spans where the teacher's top-1 token at its last token and the student's top-1 at
-  its last token name the same next text: both decoded, stripped of surrounding whitespace and case-folded, one a
-  prefix of the other and neither empty (a byte-level BPE's "Ġquick" and a WordPiece's "quick" agree; "qu" and
-  "quick" agree, for they start the same text);
+  its last token name the same next text (``next_text``): both decoded, case-folded, stripped of surrounding
+  whitespace and of WordPiece's "##", and equal (a byte-level BPE's "Ġquick" and a WordPiece's "quick" agree;
+  "qu" and "quick" do not: a prefix gets no credit, or a one-letter guess would agree with every word it starts);
+  two whitespace-only predictions agree with each other and with nothing else;
+* ``span_top1_floor``: what the best constant predictor scores on the same spans, the share of the teacher's most
+  frequent next text: a student at or below it has learnt nothing ``span_top1`` can see (report it beside the
+  untrained student's baseline);
 * ``span_cosine``: the mean cosine of span-pooled hidden states per layer pair (student side through the run's
   projector when it has one, else only where the widths match);
 * ``span_cka``: linear CKA of the span-pooled states per pair (projector-free, so runs without trained projectors
@@ -20,6 +24,7 @@ and sweeps read like any other evaluation.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,10 +46,18 @@ if TYPE_CHECKING:
     from kdcache.storage import CacheReader
 
 
+WHITESPACE = " "  # what every whitespace-only prediction reads as
+
+
+def next_text(decoded: str) -> str:
+    """The next text a decoded top-1 token names, as ``span_top1`` compares it (module docstring)."""
+    word = decoded.strip().casefold()
+    return word.removeprefix("##") if word else WHITESPACE
+
+
 def same_next_text(a: str, b: str) -> bool:
     """Whether two decoded top-1 tokens name the same next text (module docstring)."""
-    a, b = a.strip().casefold(), b.strip().casefold()
-    return bool(a) and bool(b) and (a.startswith(b) or b.startswith(a))
+    return next_text(a) == next_text(b)
 
 
 class _Sums:
@@ -52,6 +65,7 @@ class _Sums:
 
     def __init__(self, pairs: list[Pair]):
         self.agree = self.spans = self.one = self.tokens = self.sequences = 0.0
+        self.teacher_texts: Counter[str] = Counter()  # the teacher's next texts: the best constant's score
         self.cos: dict[str, float] = {}  # only the pairs whose widths meet (through a projector or equal)
         self.pooled: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {pair_key(p): [] for p in pairs}
 
@@ -208,7 +222,9 @@ def _update(sums: _Sums, model: torch.nn.Module, batch: dict[str, torch.Tensor],
     if t_tok is not None:
         t_top = span_rows(batch["logits/topk_ids"][..., 0], side["teacher_last"])[counted].long().tolist()
         s_top = span_rows(out.logits.argmax(-1), side["student_last"])[counted].tolist()
-        sums.agree += sum(same_next_text(t_tok.decode([a]), s_tok.decode([b])) for a, b in zip(t_top, s_top))
+        t_text = [next_text(t_tok.decode([a])) for a in t_top]
+        sums.agree += sum(t == next_text(s_tok.decode([b])) for t, b in zip(t_text, s_top))
+        sums.teacher_texts.update(t_text)
     sums.spans += int(counted.sum())
     sums.one, sums.tokens = sums.one + float(side["aligned"][0]), sums.tokens + float(side["aligned"][1])
     sums.sequences += len(side["span_real"])
@@ -242,7 +258,9 @@ def _result(sums: _Sums, ranked: bool, notes: list[str]) -> dict[str, Any]:
         notes.append(f"no span cosine for {unmeasured}: the widths differ and the student has no trained projector")
     spans = max(sums.spans, 1.0)
     cosine = {k: v / spans for k, v in sums.cos.items()}
-    return {"span_top1": sums.agree / spans if ranked else None, "span_cosine": cosine, "span_cka": cka,
+    floor = max(sums.teacher_texts.values(), default=0) / spans
+    return {"span_top1": sums.agree / spans if ranked else None, "span_top1_floor": floor if ranked else None,
+            "span_cosine": cosine, "span_cka": cka,
             "span_cosine_mean": _mean(cosine), "span_cka_mean": _mean(cka),
             "aligned_share": sums.one / max(sums.tokens, 1.0), "spans": int(sums.spans),
             "sequences": int(sums.sequences), "tokens": int(sums.tokens), "notes": notes}
