@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -38,7 +39,14 @@ def test_deepspeed_launcher_trains_with_two_processes(tiny_gpt2: Path, tmp_path:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "on 2 process(es)" in proc.stdout
+    # The launcher's summary against the run's own records: both ranks, every step logged, the loss it printed.
+    from kdcache.stages.train.logging import read_jsonl
+
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    first, last = records[0]["loss"], records[-1]["loss"]
+    assert f"trained 3 steps on 2 process(es), ZeRO-2" in proc.stdout, proc.stdout
+    assert f"loss {first:.4f} -> {last:.4f}" in proc.stdout
     assert (run / "student" / "config.json").is_file()
 
 
@@ -49,10 +57,14 @@ def test_a_working_directory_with_its_own_pipeline_stages_and_storage_changes_no
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text("raise SystemExit('the user module was imported instead of kdcache')\n")
     cache = REPO / "tests" / "data" / "format1" / "cache-zarr"
-    proc = subprocess.run([sys.executable, "-m", "kdcache", "inspect", str(cache)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "sequences" in proc.stdout
+    shadowed, clean = (subprocess.run([sys.executable, "-m", "kdcache", "inspect", str(cache), "--json"], cwd=cwd,
+                                      capture_output=True, text=True, timeout=120) for cwd in (tmp_path, REPO))
+    assert shadowed.returncode == 0, shadowed.stderr
+    assert shadowed.stdout == clean.stdout  # the same inspect, whatever the working directory holds
+    from kdcache.storage import CacheReader
+
+    info, reader = json.loads(shadowed.stdout), CacheReader(cache)
+    assert (info["num_sequences"], info["num_tokens"]) == (reader.num_sequences, reader.num_tokens)
 
 
 def test_every_package_folder_is_installed_under_kdcache() -> None:

@@ -45,5 +45,38 @@ def test_first_run_walkthrough_runs_as_pasted(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=1200,
                           env=child_env(HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "report written to run/report/report.html" in proc.stdout
     assert (tmp_path / "run" / "report" / "report.html").is_file()
-    assert "mean cosine" in proc.stdout and "report written to run/report/report.html" in proc.stdout
+    _printed_figures_are_the_files(proc.stdout, proc.stderr, tmp_path)
+    _readme_figures_are_the_run_s(proc.stdout + proc.stderr)
+
+
+def _printed_figures_are_the_files(out: str, err: str, root: Path) -> None:
+    """What the walkthrough printed against what it wrote: the cache's sequences, tokens and bytes, the run's first
+    and last logged loss, and each evaluation's mean cosine."""
+    from kdcache.stages.train.eval_records import read_evals
+    from kdcache.stages.train.logging import read_jsonl
+    from kdcache.storage import CacheReader, format_bytes
+
+    reader = CacheReader(root / "cache")
+    assert f"cache cache: complete, 1/1 shards, {reader.num_sequences} sequences, {reader.num_tokens:,} tokens" in out
+    assert f"{format_bytes(sum(r.stored_bytes for r in reader.records))} written" in out
+    records = read_jsonl(root / "run" / "metrics.jsonl")
+    assert f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}" in out
+    printed = [float(v) for v in re.findall(r"mean cosine +([0-9.]+)", out)]
+    evals = sorted(read_evals(root / "run"), key=lambda r: r["role"] != "baseline")  # baseline first, as printed
+    assert printed == [pytest.approx(e["cosine"], abs=5e-5) for e in evals] and len(printed) == 2
+
+
+def _readme_figures_are_the_run_s(printed: str) -> None:
+    """The README's sample output shows what a run prints: each of its lines without a speed, a time or a home
+    folder appears as printed, and the losses and metrics of the others too."""
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("## First run on your own data"):].split("```console\n", 1)[1].split("```", 1)[0]
+    shown = [line for line in block.splitlines() if line and not line.startswith("$ ") and line.strip() != "..."]
+    for line in shown:
+        if "/home/me" in line or re.search(r"tok/s|steps/s|tokens/s| s of compute", line):
+            for figure in re.findall(r"(?:loss|hidden|cosine) ([0-9.]+)", line):  # the deterministic parts
+                assert figure in printed, (figure, line)
+        else:
+            assert line in printed, line

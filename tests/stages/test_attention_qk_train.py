@@ -70,12 +70,19 @@ def test_relation_loss_trains_from_queries_keys_and_values(setup: dict[str, Path
     assert all(r["loss"] == pytest.approx(r["attention"], rel=1e-5) for r in records)  # the only term
 
 
-def test_relation_loss_on_a_maps_cache_is_refused(tmp_path: Path, tiny_gpt2: Path) -> None:
+def test_relation_loss_on_a_maps_cache_is_refused(tmp_path: Path, tiny_gpt2: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused for its cause alone (one problem: the maps cache), before any step, naming both ways out."""
     cache = precompute_cache(tiny_gpt2, tmp_path / "maps", num_sequences=8)
     student = make_student_config(tmp_path / "student", tiny_gpt2, n_layer=2, n_embd=16, n_head=2)
+    capsys.readouterr()
     code = main(["train", "--cache", str(cache), "--student", str(student), "--out", str(tmp_path / "run"),
                  "--delta", "1", "--attention-loss", "relation", "--max-steps", "1"])
-    assert code == 2
+    err = capsys.readouterr().err
+    assert code == 2 and "training cannot start (1 problem(s))" in err and "Traceback" not in err, err
+    assert ("--attention-loss relation needs the teacher's queries and keys (and values), but the cache holds "
+            "attention maps") in err and "--attention-source qk or qkv" in err and "--attention-loss kl" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_relation_heads_not_dividing_the_widths_are_refused_before_training(
