@@ -25,11 +25,14 @@ lint: $(STAMP)
 	for p in pipeline stages storage; do ln -s $(CURDIR)/$$p $(TYPECHECK)/kdcache/$$p; done
 	cd $(TYPECHECK) && $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kdcache
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each test module whole on one of them, so a module's
+# shared fixtures (a cache, a trained run) are built once; TEST_WORKERS=0 runs it in this process alone.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not demo"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow and not demo"
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kdcache demo

@@ -71,8 +71,10 @@ def test_bad_trackers_exit_2(setup: dict[str, Path], capsys: pytest.CaptureFixtu
     assert message in err and "Traceback" not in err
 
 
-def test_a_terminal_gets_a_bar_with_the_same_facts() -> None:
+def test_a_terminal_gets_a_bar_with_the_same_facts(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
+
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal, whatever runs the test (a worker has none of its own)
 
     from kdcache.stages.train.progress import TrainProgress
 
