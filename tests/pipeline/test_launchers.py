@@ -45,7 +45,7 @@ def test_deepspeed_launcher_trains_with_two_processes(tiny_gpt2: Path, tmp_path:
     records = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     first, last = records[0]["loss"], records[-1]["loss"]
-    assert f"trained 3 steps on 2 process(es), ZeRO-2" in proc.stdout, proc.stdout
+    assert "trained 3 steps on 2 process(es), ZeRO-2" in proc.stdout, proc.stdout
     assert f"loss {first:.4f} -> {last:.4f}" in proc.stdout
     assert (run / "student" / "config.json").is_file()
 
