@@ -23,4 +23,8 @@ def test_stage_two_rows_small_on_the_cpu(tmp_path: Path) -> None:
         assert set(row) == {"run", "tokens_per_s", "peak_gib", "vs_student_alone"}
         assert row["tokens_per_s"] > 0 and row["peak_gib"] == 0.0  # no GPU here: no GPU memory
     assert rows[0]["vs_student_alone"] == 1.0
+    alone = rows[0]["tokens_per_s"]
+    for row in rows:  # each ratio is its own rate over the student's, and no rate is a broken clock's (0 s)
+        assert row["vs_student_alone"] == round(row["tokens_per_s"] / alone, 3), row
+        assert row["tokens_per_s"] < 1e7, row  # a tiny model on two cores: far below ten million tokens a second
     assert not any((tmp_path / "work").glob("run-*/checkpoints"))  # each run's checkpoint is removed
