@@ -85,10 +85,15 @@ for _module in pkgutil.iter_modules(__path__):
 
 # Codes are near-Gaussian bytes: zstd's entropy coding shrinks them (int8 by ~7%, int7 by ~20%), and bit-shuffling
 # them first, which helps fp16, hides that (measured in benchmarks/RESULTS.md). Zarr caches compress them so.
-CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 5, "shuffle": 0, "blocksize": 0}
+# Each compressor is chosen by bytes saved per CPU-second on the codec's real output (MiniLM's layers 2, 4, 6;
+# RESULTS.md, "Compressors that keep up"): zstd level 1 over 1 MiB blocks saves what level 5 saved on int8 codes
+# (ratio 1.078 both) at 1.0 GB/s a core against 0.7-0.8. Caches written before keep theirs (zarr reads each
+# array's codecs from its own metadata), and the codes' compressor is no part of the fingerprints.
+CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shuffle": 0, "blocksize": 1 << 20}
 # A column-major codec's codes: after the row shuffle each zstd block holds a few directions of one variance
-# each; level 9 over 1 MiB blocks is what reached 4.05x (level 5 loses ~0.1x of it).
-COLUMN_CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 9, "shuffle": 0,
+# each. Level 9 reached 2.33x on pca8's codes at 3.6 MB/s a core (a teacher writing 2 GB/s of codes would need
+# hundreds of cores: the 0.037x of benchmarks/RESULTS.md run 4); level 1 keeps 2.25x (97% of it) at 474 MB/s.
+COLUMN_CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shuffle": 0,
                                       "blocksize": 1 << 20}
 
 __all__ = ["CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "ERROR_FIELDS", "FP8_MAX",

@@ -3,7 +3,8 @@
 A full-rank PCA (``rank`` = d, ``storage.projection``) decorrelates the channels and sorts them by variance, so
 one uniform step per row, ``step`` x the row's RMS, spends ~4 bits on the leading directions and ~0 on the tail
 once zstd sees each direction's codes together: zarr stores the codes column-major (``COLUMN_CODES_CODEC``).
-4.05x smaller than fp16 within 1% of every hidden loss on MiniLM at step 0.24 (benchmarks/RESULTS.md). No
+4.05x smaller than fp16 within 1% of every hidden loss on MiniLM at step 0.24 (benchmarks/RESULTS.md; about 3.9x with
+the zstd level 1 that new caches use for speed, "Compressors that keep up"). No
 rotation (it would mix the sorted directions again) and no outliers (a PCA coefficient has none worth an fp16
 copy).
 """
