@@ -250,7 +250,11 @@ def test_grid_2x2_equals_1x4_and_a_killed_rank_resumes(tiny_llama: Path, corpus:
     assert_close_cache(flat, grid)
     assert_close_cache(reference, flat)
     argv = _argv(_options(tiny_llama, corpus, killed, teacher_parallel="tp:2"))
-    committed = _kill_one_rank(_torchrun(4, "-m", "kdcache", *argv), killed, env)
+    for _ in range(3):  # on a loaded machine the kill may land after the last shard: then it proves nothing, again
+        shutil.rmtree(killed, ignore_errors=True)
+        committed = _kill_one_rank(_torchrun(4, "-m", "kdcache", *argv), killed, env)
+        if committed < 8:
+            break
     assert 3 <= committed < 8 and not verify_cache(killed).ok
     done = subprocess.run(_torchrun(4, "-m", "kdcache", *argv, "--json"), cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=400)
