@@ -3,12 +3,14 @@
 Per chunk of ``C`` rows: the student's ``[C, V]`` logits come from one matmul (``vocab_pass.HeadPass``); the
 kernel's first pass gives each row's log-sum-exps (T = 1 and T; the dense teacher's at T and the KL's cross
 term); each term's feed (``kernel_feeds``) turns those and a gather of its few logits per row into its value and
-the coefficients of its gradient; the second pass writes ``dz`` over the logits in place, and one
-``scatter_add_`` adds every term's sparse part. Where the pure-torch pass runs a dozen float32 ``[C, V]`` kernels
-per term and keeps their buffers for autograd, this reads the chunk twice and keeps nothing.
+the coefficients of its gradient; the second pass writes ``dz`` over the logits in place, and the gradient at the
+terms' sparse ids (labels, top-k and drawn ids) is formed in float32 and written once (``_at_ids``). Where the
+pure-torch pass runs a dozen float32 ``[C, V]`` kernels per term and keeps their buffers for autograd, this reads
+the chunk twice and keeps nothing.
 
-It runs on CUDA with triton installed, for a pass whose terms all have feeds, at most one dense teacher and one
-KD temperature; otherwise the pure-torch pass runs (the CPU's path, and the reference the tests hold this to).
+It runs on CUDA with triton installed, for a pass whose terms all have feeds (every KL kind but the top-k KL's
+``other`` variant, and CE), at most one dense teacher and one temperature among the terms that read statistics at T;
+otherwise the pure-torch pass runs (the CPU's path, and the reference the tests hold this to).
 On the CPU it runs only where ``INTERPRET_ON_CPU`` is set, under ``TRITON_INTERPRET=1``: the tests' way.
 """
 
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kdcache.stages.common.head_logits import fused_ce_available
-from kdcache.stages.common.kernel_feeds import ChunkView, KernelFeed, RowGrad
+from kdcache.stages.common.kernel_feeds import ChunkView, KernelFeed, RowGrad, RowStats
 
 # The tests turn this on (with TRITON_INTERPRET=1 set before triton is imported) to run the kernels on the CPU.
 INTERPRET_ON_CPU = False
@@ -34,17 +36,17 @@ def available(device: torch.device) -> bool:
 
 def takes(device: torch.device, feeds: Sequence[KernelFeed | None]) -> bool:
     """Whether a pass of terms with these feeds runs fused: every term has one, at most one reads a dense teacher,
-    and at most one temperature other than 1 is asked for."""
+    and the feeds that read the statistics at T (``KernelFeed.temperature`` not None) ask for one T."""
     if not available(device) or any(feed is None for feed in feeds):
         return False
     known = [feed for feed in feeds if feed is not None]
     teachers = sum(feed.teacher is not None for feed in known)
-    return teachers <= 1 and len({feed.temperature for feed in known} - {1.0}) <= 1
+    return teachers <= 1 and len({feed.temperature for feed in known} - {None}) <= 1
 
 
 def temperature_of(feeds: Sequence[KernelFeed]) -> float:
-    """The pass's one temperature other than 1 (1 when there is none)."""
-    return next((feed.temperature for feed in feeds if feed.temperature != 1.0), 1.0)
+    """The pass's temperature: the one its T-reading feeds share (1 when none reads T)."""
+    return next((feed.temperature for feed in feeds if feed.temperature is not None), 1.0)
 
 
 def chunk_grad(feeds: Sequence[KernelFeed], scales: torch.Tensor,
@@ -65,11 +67,40 @@ def chunk_grad(feeds: Sequence[KernelFeed], scales: torch.Tensor,
                               for p, keep in zip(parts, keeps)]) * scales
         per_row = [torch.where(keep, c, torch.zeros_like(c)) for keep, c in zip(keeps, weights * scales)]
         coefficients, ids, at_ids = _combine(parts, per_row, stats.lse)
+        exact = None if ids is None or at_ids is None else _at_ids(z, teacher, stats, coefficients, ids, at_ids,
+                                                                   temperature)
         vocab_kernels.write_grad(z, teacher, stats, coefficients, temperature)  # z holds dz from here on
-        if ids is not None:
-            z.scatter_add_(1, ids, at_ids.to(z.dtype))  # type: ignore[union-attr]  # set with ids
+        if exact is not None:
+            z.scatter_(1, ids, exact.to(z.dtype))  # type: ignore[arg-type]  # set with exact
         return values, z
     return grad
+
+
+def _at_ids(z: torch.Tensor, teacher: torch.Tensor | None, stats: RowStats, coefficients: torch.Tensor,
+            ids: torch.Tensor, at_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[C, K]`` float32: the whole gradient at ``ids`` (the kernel's dense part there, recomputed from the logits
+    before they are overwritten, plus every sparse part at that id), to be written once in the logits' dtype.
+
+    Adding the sparse parts to bf16 dense values would round twice: CE's label at s_y = 0.9995 would read
+    bf16(0.9995) - 1 = 0, where liger's kernel and the pure-torch pass give -0.0005. An id listed twice in a row (a
+    label among the top-k, a sampled id repeated in unused slots) gets the sum of all its parts in each slot."""
+    z_ids = z.gather(1, ids).float()
+    dense = _part(coefficients[:, 0:1], z_ids, stats.lse[:, None])
+    if temperature != 1.0:
+        dense = dense + _part(coefficients[:, 1:2], z_ids / temperature, stats.lse_t[:, None])
+    else:
+        dense = dense + _part(coefficients[:, 1:2], z_ids, stats.lse[:, None])
+    if teacher is not None and stats.teacher_lse is not None:
+        t_ids = teacher.gather(1, ids).float() / temperature
+        dense = dense + _part(coefficients[:, 2:3], t_ids, stats.teacher_lse[:, None])
+    same = ids[:, :, None] == ids[:, None, :]  # [C, K, K]: K is one label plus k ids, a few hundred at most
+    sparse = torch.where(same, at_ids[:, None, :], torch.zeros_like(at_ids[:, None, :])).sum(-1)
+    return dense + sparse
+
+
+def _part(coefficient: torch.Tensor, x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``coefficient · exp(x − lse)``, exactly 0 where the coefficient is 0 (the kernel's rule)."""
+    return torch.where(coefficient != 0, coefficient * torch.exp(x - lse), torch.zeros_like(x))
 
 
 def _split(rows: Sequence[torch.Tensor],
@@ -106,7 +137,8 @@ def vocab_path(device: torch.device) -> str:
     """The path the vocabulary losses take from the last hidden state, in words (train's first lines say it)."""
     if available(device):
         return ("fused: every vocabulary term of the step in one Triton kernel per chunk of the LM head, which "
-                "writes the logits' gradient in place (a cross-tokenizer term keeps the pure-torch pass)")
+                "writes the logits' gradient in place (a cross-tokenizer term and the top-k KL's other variant keep "
+                "the pure-torch pass)")
     if fused_ce_available(device):
         return ("fused: cross-entropy in liger-kernel's fused linear cross-entropy, beside a renormalised top-k KL "
                 "on its k logits; with any other KL term, one pass of the LM head in chunks for every term (pure "

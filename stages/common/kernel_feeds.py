@@ -13,9 +13,10 @@ so the kernel needs only the coefficients ``a``, ``a_T``, ``a_t`` per row and a 
 | full / head KL at T | cross − lse(z_t/T) + lse(z/T) | | 1/T | −1/T | |
 | sampled at T | Σ w_i (log p_i − z_i/T + lse(z/T)) | | W/T | | ids, −w/T |
 | top-k renormalised at T | KL over the k ids | | | | ids, (q_k − p_k)/T |
-| top-k + other bucket (T = 1) | KL over k + 1 buckets | P − p_o/q_o | | | ids, s_i p_o/q_o − p_i |
 
-(w_i = c_i / Σ c, W = Σ w; P = Σ of the teacher's buckets, p_o and q_o the two sides' tail masses, s = softmax(z)).
+(w_i = c_i / Σ c, W = Σ w). The top-k KL with the tail in one bucket (``--topk-kl other``) keeps the pure-torch
+pass: its student tail mass 1 − Σ_k softmax(z) cancels to noise in float32 for a confident row, and its exact
+form, a logsumexp over the vocabulary less the k ids, needs a masked sum the kernel does not have yet.
 The derivations are in docs/losses.md; the pure-torch terms (``vocab_pass``) are the reference the tests hold
 these to. A logit kind attaches its feed to its ``ChunkTerm``; a term without one keeps the pure-torch pass.
 """
@@ -86,13 +87,14 @@ class KernelFeed:
 
     Attributes:
         rows: ``rows(view, *the term's target rows of the chunk) -> RowGrad``.
-        temperature: the T of its softmax at T (1: it reads only T = 1's).
+        temperature: the T of the statistics at T it reads (``lse_t``, the teacher's, ``a_t``); None: it reads
+            none (CE, the renormalised KL), so it shares a pass with a term at any T.
         teacher: ``teacher(*target rows) -> [C, V]`` dense teacher logits the kernel reads beside the student's
             (the full cache's rows, or the teacher's head on its cached last layer); None: none.
     """
 
     rows: Callable[..., RowGrad]
-    temperature: float = 1.0
+    temperature: float | None = None
     teacher: Callable[..., torch.Tensor] | None = None
 
 
@@ -139,29 +141,4 @@ def renorm_feed(temperature: float) -> KernelFeed:
         log_s = F.log_softmax(view.at(ids) / temperature, dim=-1)
         at_ids = (log_s.exp() - log_t.exp()) / temperature
         return RowGrad(kl_terms(log_t, log_s).sum(-1), ids=ids, at_ids=at_ids)
-    return KernelFeed(rows, temperature)
-
-
-def other_feed(teacher_buckets: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tail: bool) -> KernelFeed:
-    """The top-k KL with the tail in one bucket, at T = 1, from ``values``, ``ids`` ``[C, k]`` and ``lse [C]``.
-
-    The student's tail mass is ``1 − Σ_k softmax(z)_ids`` in float32: its relative error is about k·ε / q_o, where
-    the pure-torch term's logsumexp over the tail is exact; a tail of 1e-6 is off by ~1e-5 relative. ``tail``
-    False (k = V): no tail bucket on either side.
-    """
-
-    def rows(view: ChunkView, values: torch.Tensor, raw_ids: torch.Tensor, lse: torch.Tensor) -> RowGrad:
-        ids = view.ids(raw_ids)
-        log_t = teacher_buckets(values.float(), lse.float())  # [C, k + 1]
-        log_top = view.at(ids) - view.stats.lse[:, None]
-        p = torch.where(log_t > float("-inf"), log_t.exp(), torch.zeros_like(log_t))
-        s_top = log_top.exp()
-        if not tail:
-            p = p[:, :-1]
-            return RowGrad(kl_terms(log_t[:, :-1], log_top).sum(-1), a=p.sum(-1), ids=ids, at_ids=-p)
-        q_tail = (1.0 - s_top.sum(-1)).clamp_min(torch.finfo(torch.float32).tiny)
-        log_s = torch.cat([log_top, q_tail.log()[:, None]], dim=-1)
-        ratio = p[:, -1] / q_tail
-        return RowGrad(kl_terms(log_t, log_s).sum(-1), a=p.sum(-1) - ratio, ids=ids,
-                       at_ids=ratio[:, None] * s_top - p[:, :-1])
-    return KernelFeed(rows)
+    return KernelFeed(rows)  # its T is its own: it reads k logits, no statistic at T

@@ -47,17 +47,28 @@ if TYPE_CHECKING:
 
 
 WHITESPACE = " "  # what every whitespace-only prediction reads as
+UNDECODABLE = "\ufffd"  # what a byte-level piece of a character decodes to, whichever piece it is
 
 
 def next_text(decoded: str) -> str:
     """The next text a decoded top-1 token names, as ``span_top1`` compares it (module docstring)."""
-    word = decoded.strip().casefold()
-    return word.removeprefix("##") if word else WHITESPACE
+    word = decoded.strip().casefold().removeprefix("##")
+    return word or WHITESPACE
 
 
 def same_next_text(a: str, b: str) -> bool:
     """Whether two decoded top-1 tokens name the same next text (module docstring)."""
     return next_text(a) == next_text(b)
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """``next_text`` of a token; a piece of a character (it decodes to U+FFFD, as every such piece does) is named
+    by its own vocabulary string instead, which is the same piece's in another byte-level vocabulary and no
+    other's: two different pieces must not agree because both decode to U+FFFD."""
+    decoded = tokenizer.decode([token_id])
+    if UNDECODABLE in decoded:
+        return "bytes:" + str(tokenizer.convert_ids_to_tokens(token_id))
+    return next_text(decoded)
 
 
 class _Sums:
@@ -222,8 +233,8 @@ def _update(sums: _Sums, model: torch.nn.Module, batch: dict[str, torch.Tensor],
     if t_tok is not None:
         t_top = span_rows(batch["logits/topk_ids"][..., 0], side["teacher_last"])[counted].long().tolist()
         s_top = span_rows(out.logits.argmax(-1), side["student_last"])[counted].tolist()
-        t_text = [next_text(t_tok.decode([a])) for a in t_top]
-        sums.agree += sum(t == next_text(s_tok.decode([b])) for t, b in zip(t_text, s_top))
+        t_text = [token_text(t_tok, a) for a in t_top]
+        sums.agree += sum(t == token_text(s_tok, b) for t, b in zip(t_text, s_top))
         sums.teacher_texts.update(t_text)
     sums.spans += int(counted.sum())
     sums.one, sums.tokens = sums.one + float(side["aligned"][0]), sums.tokens + float(side["aligned"][1])

@@ -8,6 +8,7 @@ on the uniform map, and ``kdcache report`` shows the span columns.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,13 +93,17 @@ def test_span_agreement_of_the_run_and_of_an_untrained_student(setup: dict[str, 
     assert untrained["span_cka"]["s1_t2"] == pytest.approx(cka, abs=1e-4)
 
 
-TEACHER_WORDS: dict[str, int] = {}  # the teacher's next texts over the spans of the last _reference call
+TEACHER_WORDS: dict[tuple[str, str], int] = {}  # the teacher's next texts over the spans of the last _reference call
 
 
-def _word(decoded: str) -> str:
-    """The rule of span top-1, written again: case-folded, without surrounding spaces or "##"; blank is " "."""
+def _word(tokenizer: Any, token: int) -> tuple[str, str]:
+    """The rule of span top-1, written again: case-folded, without surrounding spaces or "##", blank is " "; a
+    piece of a character (decoded to U+FFFD) is its vocabulary string."""
+    decoded = tokenizer.decode([token])
+    if "\ufffd" in decoded:
+        return ("piece", tokenizer.convert_ids_to_tokens(token))
     word = decoded.strip().lower()
-    return (word[2:] if word.startswith("##") else word) or " "
+    return ("text", (word[2:] if word.startswith("##") else word) or " ")
 
 
 def _reference(setup: dict[str, Path], student: Path, pair: tuple[int, int]) -> tuple[int, int, float]:
@@ -127,8 +132,8 @@ def _reference(setup: dict[str, Path], student: Path, pair: tuple[int, int]) -> 
         t_ids, h_t = row["logits/topk_ids"][:, 0], torch.as_tensor(row[f"hidden/{pair[1]}"]).double()
         for k, (t, s) in enumerate(zip(a.last("teacher"), a.last("student"))):
             spans += 1
-            word = _word(t_tok.decode([int(t_ids[t])]))
-            agree += word == _word(s_tok.decode([int(out.logits[0, s].argmax())]))
+            word = _word(t_tok, int(t_ids[t]))
+            agree += word == _word(s_tok, int(out.logits[0, s].argmax()))
             TEACHER_WORDS[word] = TEACHER_WORDS.get(word, 0) + 1
             pooled.append((out.hidden_states[pair[0]][0][torch.as_tensor(a.student_span == k)].double().mean(0),
                            h_t[torch.as_tensor(a.teacher_span == k)].mean(0)))
@@ -232,6 +237,7 @@ def test_next_text_agreement_rule() -> None:
 
     assert same_next_text(" Quick", "quick") and same_next_text("##ing", "ing") and same_next_text(" ", "\n")
     assert not same_next_text("qu", "quick") and not same_next_text(" ", "a") and not same_next_text("q", "quick")
+    assert same_next_text("##", " ")
     assert not same_next_text("fox", "dog")
 
 
@@ -374,3 +380,17 @@ def test_the_chunked_head_gives_the_materialised_logits_values_and_gradients(set
     assert g_chunked.keys() == g_full.keys() and "student.lm_head.weight" in g_chunked
     for name in g_chunked:
         assert torch.allclose(g_chunked[name], g_full[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_pieces_of_characters_agree_only_with_the_same_piece() -> None:
+    """Every byte-level piece of a character decodes to U+FFFD: two different pieces must not agree by it, and the
+    same piece must (the teacher with itself)."""
+    from types import SimpleNamespace
+
+    from kdcache.stages.train.span_eval import token_text
+
+    pieces = {1: "Ã", 2: "Â", 3: "Ġquick"}
+    tok = SimpleNamespace(decode=lambda ids: "\ufffd" if ids[0] in (1, 2) else " quick",
+                          convert_ids_to_tokens=lambda i: pieces[i])
+    assert token_text(tok, 1) == token_text(tok, 1) != token_text(tok, 2)
+    assert token_text(tok, 3) == "quick"

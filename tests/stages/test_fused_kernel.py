@@ -27,7 +27,9 @@ ALPHA, BETA = ref.ALPHA, ref.BETA
 
 # name -> (the KL's chunk term, its reference on full logits): ref.KINDS plus the renormalised and sampled KLs at T=1
 KINDS: dict[str, tuple[Callable, Callable]] = {
-    **ref.KINDS,
+    **{name: kind for name, kind in ref.KINDS.items() if name != "other"},  # "other" keeps the pure-torch pass
+    "renorm_t3": (lambda z, s: topk_kl_term(z, s["values"], s["topk_ids"], s["predicts"], variant="renorm",
+                                            temperature=3.0), lambda z, s: ref._renorm(z, s, 3.0)),
     "renorm_t1": (lambda z, s: topk_kl_term(z, s["values"], s["topk_ids"], s["predicts"], variant="renorm"),
                   lambda z, s: ref._renorm(z, s, 1.0)),
     "sampled_t1": (lambda z, s: sampled_kl_term(z, s["draws"], s["counts"], s["logp"], s["predicts"], 1.0),
@@ -96,13 +98,13 @@ def test_ce_and_each_kl_match_the_float64_reference(kind: str, kernel_calls: lis
     assert kernel_calls[:2] == ["row_stats", "write_grad"] and len(kernel_calls) == 2 * 5  # 14 rows, chunks of 3
 
 
-@pytest.mark.parametrize("kind", ["renorm_t2", "other", "full_t2", "head", "sampled"])
+@pytest.mark.parametrize("kind", ["renorm_t2", "full_t2", "head", "sampled"])
 def test_each_kl_alone_matches_the_reference(kind: str) -> None:
     s = ref._setup(1)
     _close(_fused(s, kind, alpha=0.0), _reference(s, kind, alpha=0.0), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("kind", ["renorm_t2", "other", "full_t1", "sampled"])
+@pytest.mark.parametrize("kind", ["renorm_t2", "full_t1", "sampled"])
 def test_the_kernel_equals_the_pure_torch_pass(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     s = ref._setup(2)
     fused = _fused(s, kind)
@@ -111,9 +113,10 @@ def test_the_kernel_equals_the_pure_torch_pass(kind: str, monkeypatch: pytest.Mo
 
 
 def test_every_term_in_one_pass(kernel_calls: list[str]) -> None:
-    """CE, the renormalised and the sampled KL and the head's KL at T = 2 in one pass: the weighted sum of each."""
+    """CE, the renormalised KL at T = 3 (it reads no statistic at T, so it joins any pass), and the sampled and the
+    head's KL at T = 2 in one pass: the weighted sum of each."""
     s = ref._setup(3)
-    names, weights = ["renorm_t2", "sampled", "head"], [0.5, 0.25, 1.5]
+    names, weights = ["renorm_t3", "sampled", "head"], [0.5, 0.25, 1.5]
 
     def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         z = HeadLogits(h, w, b)
@@ -146,7 +149,7 @@ def test_a_term_that_counts_nothing_adds_exactly_zero(kernel_calls: list[str]) -
     assert kernel_calls
 
 
-@pytest.mark.parametrize("kind", ["renorm_t2", "other", "full_t2", "sampled"])
+@pytest.mark.parametrize("kind", ["renorm_t2", "full_t2", "sampled"])
 def test_bfloat16_head_matches_the_pure_torch_pass_in_bfloat16(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 logits (the kernel writes dz in bf16, as liger does) against the pure-torch pass on the same logits."""
     s = ref._setup(5)
@@ -158,12 +161,35 @@ def test_bfloat16_head_matches_the_pure_torch_pass_in_bfloat16(kind: str, monkey
 
 
 def test_two_temperatures_or_a_term_without_a_feed_take_the_pure_torch_pass(kernel_calls: list[str]) -> None:
+    """Two terms reading the statistics at different T (the full KL at 2, the sampled at 1), a term without a feed,
+    and the other-bucket KL (its tail mass needs a masked logsumexp the kernel lacks): the pure-torch pass."""
     s = ref._setup(6)
     z = HeadLogits(*(s[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")))
-    two_t = [kd_kl_term(z, s["teacher"], s["predicts"], 2.0), KINDS["renorm_t1"][0](z, s),
-             topk_kl_term(z, s["values"], s["topk_ids"], s["predicts"], variant="renorm", temperature=3.0)]
-    vocab_pass.vocab_pass(z, two_t, [1.0, 1.0, 1.0])
+    two_t = [kd_kl_term(z, s["teacher"], s["predicts"], 2.0), KINDS["sampled_t1"][0](z, s)]
+    vocab_pass.vocab_pass(z, two_t, [1.0, 1.0])
     assert kernel_calls == []
     no_feed = vocab_pass.ChunkTerm(lambda z_, _y: z_.logsumexp(-1), s["predicts"], (s["ids"],))
     vocab_pass.vocab_pass(z, [causal_ce_term(z, s["ids"], s["real"], s["pairs"]), no_feed], [1.0, 1.0])
     assert kernel_calls == []
+    other = topk_kl_term(z, s["values"], s["topk_ids"], s["predicts"], s["lse"], variant="other")
+    vocab_pass.vocab_pass(z, [causal_ce_term(z, s["ids"], s["real"], s["pairs"]), other], [1.0, 1.0])
+    assert kernel_calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_confident_row_keeps_its_label_gradient_in_the_logits_dtype(dtype: torch.dtype) -> None:
+    """s_y = 0.999: bf16(s_y) is 1.0, so a label's -1 added to the stored dense part would give 0; the kernel's
+    gradient at the ids is formed in float32 and rounded once, as the pure-torch pass and liger do. A label that is
+    also a top-k id gets both parts."""
+    from kdcache.stages.common.kernel_feeds import ce_feed
+
+    V, y = 23, 5
+    z = torch.zeros(2, V)
+    z[:, y] = 10.0
+    want = torch.softmax(z, -1)
+    want[:, y] -= 1.0
+    grad = fused_vocab.chunk_grad([ce_feed(), ce_feed()], torch.ones(2), [1, 1])
+    keep, labels = torch.ones(2, dtype=torch.bool), torch.full((2,), y)
+    _, dz = grad(z.to(dtype), torch.tensor([1.0, 0.5]), keep, labels, keep, labels)
+    torch.testing.assert_close(dz.float(), 1.5 * want.to(dtype).float(), rtol=1e-2, atol=1e-6)
+    assert (dz[:, y].float() < -1e-3).all() and abs(float(dz[:, y][0]) - 1.5 * float(want[0, y])) < 2e-5

@@ -236,7 +236,6 @@ def topk_kl_other(student_logits: torch.Tensor | HeadLogits, topk_values: torch.
 
 def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
                 lse: torch.Tensor, mask: torch.Tensor, temperature: float) -> ChunkTerm:
-    from kdcache.stages.common.kernel_feeds import other_feed
     from kdcache.stages.common.loss_rows import bool_mask, kl_terms, valid_count
     from kdcache.stages.common.vocab_pass import ChunkTerm
 
@@ -255,8 +254,8 @@ def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Te
     def row_kl(z: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, lse_t: torch.Tensor) -> torch.Tensor:
         log_t = _teacher_buckets(values.float(), lse_t.float())[:, :buckets]
         return kl_terms(log_t, _student_buckets(z, ids.long())[:, :buckets]).sum(-1)
-    return ChunkTerm(row_kl, m, (topk_values, topk_ids, lse), 1.0 / valid_count(m),
-                     feed=other_feed(_teacher_buckets, tail=buckets > k))
+    # No kernel feed: the student's tail mass needs a logsumexp over the vocabulary less the k ids (kernel_feeds).
+    return ChunkTerm(row_kl, m, (topk_values, topk_ids, lse), 1.0 / valid_count(m))
 
 
 def _teacher_buckets(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
