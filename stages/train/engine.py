@@ -59,6 +59,7 @@ def init_distributed() -> DistInfo:
     if not dist.is_initialized():
         if not cuda:
             _without_shm_op()
+        # DeepSpeed prints on stdout as it starts (an op it built, say): a terminal's stderr at most.
         with contextlib.redirect_stdout(sys.stderr if sys.stderr.isatty() else io.StringIO()):
             deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
                                        verbose=False)
