@@ -86,10 +86,7 @@ def _at_ids(z: torch.Tensor, teacher: torch.Tensor | None, stats: RowStats, coef
     label among the top-k, a sampled id repeated in unused slots) gets the sum of all its parts in each slot."""
     z_ids = z.gather(1, ids).float()
     dense = _part(coefficients[:, 0:1], z_ids, stats.lse[:, None])
-    if temperature != 1.0:
-        dense = dense + _part(coefficients[:, 1:2], z_ids / temperature, stats.lse_t[:, None])
-    else:
-        dense = dense + _part(coefficients[:, 1:2], z_ids, stats.lse[:, None])
+    dense = dense + _part(coefficients[:, 1:2], z_ids / temperature, stats.lse_t[:, None])  # lse_t is lse at T = 1
     if teacher is not None and stats.teacher_lse is not None:
         t_ids = teacher.gather(1, ids).float() / temperature
         dense = dense + _part(coefficients[:, 2:3], t_ids, stats.teacher_lse[:, None])

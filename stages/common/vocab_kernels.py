@@ -8,9 +8,10 @@ way). With a dense teacher (``--logits full`` or ``head``) its ``[C, V]`` logits
   ``Σ_j softmax(z_t/T)_j (z_t − z)_j / T``. Every term's value is a function of these and of a gather of a few
   logits per row (``kernel_feeds``).
 - ``write_grad``: ``dz = a·softmax(z) + a_T·softmax(z/T) + a_t·softmax(z_t/T)`` with per-row coefficients, written
-  over ``z`` in place; the sparse parts (the label's −1, the top-k ids' corrections) are a ``scatter_add_`` of
-  ``[C, k]`` afterwards. A coefficient of 0 adds exactly 0, even where its softmax is NaN (a masked row's
-  garbage teacher), so rows that count nothing are masked, never selected: no host sync.
+  over ``z`` in place; at the sparse ids (a label, top-k or drawn ids) ``fused_vocab`` then writes the whole
+  gradient, formed in float32, over what the kernel wrote. A coefficient of 0 adds exactly 0, even where its
+  softmax is NaN (a masked row's garbage teacher), so rows that count nothing are masked, never selected: no host
+  sync.
 
 Under ``TRITON_INTERPRET=1`` (set before triton is imported) the same kernels run on CPU tensors: that is how the
 tests check their values and gradients on a machine without a GPU. This module imports triton at the top; it is

@@ -14,6 +14,9 @@ fused CE on a GPU, the renormalised top-k KL's k logits per token) takes it when
 beside a term that builds the full logits anyway, it joins the pass, where it costs a gather. On an H200 (issue 31's
 student, CE + top-128 renormalised KL) liger's CE beside the k-logit KL ran at 63,700 tokens/s and the one shared
 pure-torch pass at 60,100 (benchmarks/RESULTS.md): liger's fused softmax outweighs the second pass's gather.
+
+On CUDA with triton, a pass whose terms all have a ``ChunkTerm.feed`` takes the fused kernel instead (``_fused``,
+``fused_vocab``): the same ``HeadPass`` over every row, the rows no term counts masked rather than selected.
 """
 
 from __future__ import annotations
@@ -68,15 +71,10 @@ def vocab_pass(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm],
         alone = [term.alone() for term in terms]  # type: ignore[misc]  # checked just above
         total = torch.stack([w * value for w, value in zip(weights, alone)]).sum()  # Python floats: no copy
         return total + loss_rows.tied_zero(logits), torch.stack(alone).detach()
-    union = loss_rows.bool_mask(terms[0].counts, logits)
-    for term in terms[1:]:
-        union = union | term.counts
     # One index of the union's rows for every selection (a boolean index syncs with the device each time).
-    index = union.flatten().nonzero().squeeze(1)
+    index = _union(logits, terms).flatten().nonzero().squeeze(1)
     rows = _select(logits, index)
-    device = rows.hidden.device if isinstance(rows, HeadRows) else rows.device
-    scales = torch.stack([_scalar(t.scale, device) for t in terms])
-    w = torch.stack([_scalar(x, device) for x in weights])
+    scales, w = _scales_and_weights(terms, weights, logits.device)
     fn = _combined(terms, scales, [len(t.targets) for t in terms])
     # Targets stay whole ([B·L, ...] views); each chunk gathers its own rows, so full teacher logits are never
     # copied whole: [N_v, V] float32 is 512 MiB at 1,024 tokens and V = 128k.
@@ -95,19 +93,30 @@ def _fused(logits: HeadLogits, terms: Sequence[ChunkTerm], feeds: Sequence[Kerne
            weights: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """The pass through the fused kernel: every row of ``[B·L]`` goes through the head and the rows a term does
     not count are masked in the kernel's coefficients, so no index of valid rows (a host sync) is built."""
-    device = logits.device
-    scales = torch.stack([_scalar(t.scale, device) for t in terms])
-    w = torch.stack([_scalar(x, device) for x in weights])
+    scales, w = _scales_and_weights(terms, weights, logits.device)
     grad = fused_vocab.chunk_grad(feeds, scales, [len(t.targets) for t in terms])
     flat = [r.flatten(0, 1) for term in terms for r in (term.counts, *term.targets)]
-    union = terms[0].counts
-    for term in terms[1:]:
-        union = union | term.counts
+    union = _union(logits, terms)
     # A row no term counts adds 0 to dz, and 0 · its hidden state to the head's gradient: zeroed here, since a
     # padded position's hidden state may be NaN (a fully masked attention row) and 0 · NaN is NaN.
     hidden = torch.where(union[..., None], logits.hidden, torch.zeros_like(logits.hidden)).flatten(0, 1)
     total, values = HeadPass.apply(hidden, logits.weight, logits.bias, grad, w, loss_rows.LOSS_CHUNK, None, *flat)
     return total + loss_rows.tied_zero(logits), values
+
+
+def _union(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm]) -> torch.Tensor:
+    """``[B, L]`` bool: the rows some term counts."""
+    union = loss_rows.bool_mask(terms[0].counts, logits)
+    for term in terms[1:]:
+        union = union | term.counts
+    return union
+
+
+def _scales_and_weights(terms: Sequence[ChunkTerm], weights: Sequence[float],
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([T], [T])`` float32 on ``device``: each term's scale and its weight in the pass."""
+    return (torch.stack([_scalar(t.scale, device) for t in terms]),
+            torch.stack([_scalar(x, device) for x in weights]))
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -122,16 +122,17 @@ def load_texts(options: PrecomputeOptions) -> Dataset | IterableDataset:
 
     d = options.dataset
 
-    hub_note = None if local_files(d.data) is not None else offline_unless_reachable(d.data)
+    files = local_files(d.data)  # once: a folder's files are a recursive glob
+    hub_note = None if files is not None else offline_unless_reachable(d.data)
     try:
-        ds = _load_dataset(options)
+        ds = _load_dataset(options, files)
     except PrecomputeError:
         raise
     except Exception as exc:  # datasets raises many types (FileNotFoundError, ValueError, DatasetNotFoundError...)
         if "corresponds to no data" in str(exc):  # a split with no rows (e.g. a csv with only a header)
             raise PrecomputeError(f"dataset {d.data!r} (split {d.split!r}) is empty") from None
         # A hub name is also what a mistyped local file looks like (data/trian.jsnol): say both were looked for.
-        local = "" if local_files(d.data) is not None else f"there is no local file or folder {d.data!r}, and "
+        local = "" if files is not None else f"there is no local file or folder {d.data!r}, and "
         raise PrecomputeError(f"cannot load dataset {d.data!r} (split {d.split!r}): {local}the hub says "
                               f"{type(exc).__name__}: {exc}" + (f"; {hub_note}" if hub_note else "")) from None
     streaming = isinstance(ds, datasets.IterableDataset)
@@ -161,12 +162,11 @@ def _columns(options: PrecomputeOptions) -> list[tuple[str, str]]:
     return wanted + ([(d.mask_column, "--mask-column")] if d.mask_column else [])
 
 
-def _load_dataset(options: PrecomputeOptions) -> Dataset | IterableDataset:
+def _load_dataset(options: PrecomputeOptions, files: list[str] | None) -> Dataset | IterableDataset:
+    """The dataset from ``files`` (``local_files``' answer), or from the hub when that is None."""
     from datasets import load_dataset
 
     d = options.dataset
-
-    files = local_files(d.data)
     if files is None:
         return load_dataset(d.data, d.data_config, split=d.split, revision=None, streaming=d.streaming)
     builder = _builder_for(files, d.data)

@@ -74,7 +74,7 @@ def check_out(out: Path) -> None:
         return
     if "kdcache_init.json" in held:
         what = "already holds a student built by init-student; choose a new folder, or delete this one to rebuild it"
-    elif "manifest.json" in held or ".kdcache-files.json" in held:
+    elif "manifest.json" in held:
         what = "is a kdcache cache; choose a new or empty folder for the student"
     else:
         what = f"is not empty (found {', '.join(held[:5])}); choose a new or empty folder for the student"
