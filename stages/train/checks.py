@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import attention_sources, logit_kinds
 from kdcache.stages.train.cross_checks import cross_hint
-from kdcache.stages.train.layer_maps import LayerMap, validate_layer_map
+from kdcache.stages.train.layer_maps import LayerMap, build_layer_map, pair_key, validate_layer_map
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
 from kdcache.storage import KdcacheError
@@ -159,6 +159,20 @@ def restricted_map(layer_map: LayerMap, student_depth: int, depth: int, cached: 
         problems.append(f"no pair of the {what} map {str(layer_map)!r} meets a cached {what} layer (cached: "
                         f"{list(cached)}); pass an explicit:S-T map naming cached layers")
     return kept
+
+
+def uniform_note(student_depth: int, depth: int, kept: list[Pair], what: str) -> list[str]:
+    """The line that says which of the uniform map's pairs a cache of fewer layers left out (none when it kept all,
+    or none: the problem restricted_map appended says that)."""
+    pairs = build_layer_map("uniform", student_depth, depth) if 1 <= student_depth <= depth else []
+    dropped = [p for p in pairs if p not in kept]
+    if not kept or not dropped:
+        return []
+    named = ", ".join(pair_key(p) for p in kept)
+    needed = ",".join(str(t) for t in sorted({t for _, t in pairs}))
+    return [f"the uniform {what} map keeps the pairs whose teacher layer the cache holds: {named} (of "
+            f"{len(pairs)}; precompute with --layers {needed} for all of them, or name pairs with --layer-map "
+            "explicit:S-T)"]
 
 
 def checked_map(layer_map: LayerMap, seed: int, student_depth: int, depth: int, cached: tuple[int, ...], what: str,

@@ -87,6 +87,8 @@ def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, Studen
     if said and int(os.environ.get("RANK", "0")) == 0:
         print(f"kdcache train: {said}", file=sys.stderr)
     plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.run.student))
+    for note in plan.notes if int(os.environ.get("RANK", "0")) == 0 else ():
+        print(f"kdcache train: note: {note}", file=sys.stderr)
     unused = unused_targets(reader.spec, plan, options)
     if unused and int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for all
         print(f"kdcache train: note: cached targets this run leaves unused: {'; '.join(unused)}", file=sys.stderr)

@@ -29,6 +29,7 @@ from kdcache.stages.train.checks import (
     feature_problems,
     restricted_map,
     stream_problems,
+    uniform_note,
     vocab_problems,
 )
 from kdcache.stages.train.layer_maps import LayerMap
@@ -66,6 +67,7 @@ class TrainPlan:
     teacher_heads: int | None = None  # H' stored per attention layer
     attention_source: str = DEFAULT_ATTENTION_SOURCE  # the cache's (a name of stages.common.attention_sources)
     attention_scores: dict[str, Any] | None = None  # a q/k cache's score record (CacheSpec.attention_scores)
+    notes: tuple[str, ...] = ()  # what the plan chose for the user that they should hear (train prints them)
 
     @property
     def source(self) -> AttentionSource:
@@ -157,12 +159,18 @@ def _streams(options: TrainOptions, reader: CacheReader, student: StudentFacts) 
     return out
 
 
-def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str]) -> tuple[list[Pair], list[Pair]]:
-    """(hidden pairs, self-attention pairs) of one stream; problems are appended."""
+def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str],
+                  notes: list[str]) -> tuple[list[Pair], list[Pair]]:
+    """(hidden pairs, self-attention pairs) of one stream; problems and notes are appended."""
     what = prefixed(s.name, "hidden").replace("/", " ")
     hidden: list[Pair] = []
     seed = options.data.seed
-    if options.loss.gamma > 0 and s.layer_map.kind != "none" and s.hidden:
+    if options.loss.gamma > 0 and s.layer_map.kind == "uniform" and s.hidden:
+        # uniform (the default) keeps its pairs the cache holds, as evaluation does: a cache of a few layers
+        # trains on them without a map naming them; a map the user spells out must be met in full.
+        hidden = restricted_map(s.layer_map, s.student_depth, s.teacher_depth, s.hidden, seed, what, problems)
+        notes += uniform_note(s.student_depth, s.teacher_depth, hidden, what)
+    elif options.loss.gamma > 0 and s.layer_map.kind != "none" and s.hidden:
         hidden = checked_map(s.layer_map, seed, s.student_depth, s.teacher_depth, s.hidden, what, problems)
     what = prefixed(s.name, "attention").replace("/", " ")
     attention: list[Pair] = []
@@ -233,8 +241,10 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     problems += feature_problems(options, spec, student)
     streams = _streams(options, reader, student)
     pairs: dict[str, list[Pair]] = {}
+    notes: list[str] = []
     for s in streams:
-        pairs[prefixed(s.name, "hidden")], pairs[prefixed(s.name, "attention")] = _stream_pairs(options, s, problems)
+        pairs[prefixed(s.name, "hidden")], pairs[prefixed(s.name, "attention")] = _stream_pairs(options, s, problems,
+                                                                                              notes)
     pairs[CROSS] = _cross_pairs(options, spec, next((s for s in streams if s.name == "decoder"), None), problems)
     problems += _relation_problems(options, spec, student)
     if problems:
@@ -249,7 +259,7 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
                               tuple(pairs[prefixed(s.name, "attention")]), sizes.get(s.name, {}), s.teacher_depth)
                   for s in streams)
     return TrainPlan(plans, logits, tuple(names), tuple(pairs[CROSS]), heads, spec.attention_source,
-                     spec.attention_scores)
+                     spec.attention_scores, tuple(notes))
 
 
 def _relation_problems(options: TrainOptions, spec: CacheSpec, student: StudentFacts) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -68,6 +69,44 @@ def _printed_figures_are_the_files(out: str, err: str, root: Path) -> None:
     printed = [float(v) for v in re.findall(r"mean cosine +([0-9.]+)", out)]
     evals = sorted(read_evals(root / "run"), key=lambda r: r["role"] != "baseline")  # baseline first, as printed
     assert printed == [pytest.approx(e["cosine"], abs=5e-5) for e in evals] and len(printed) == 2
+
+
+def bash_lines(heading: str) -> list[str]:
+    """The commands of the first ``bash`` block after ``heading`` in README.md, continued lines joined."""
+    text = (REPO / "README.md").read_text()
+    block = text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_cross_tokenizer_walkthrough_runs_as_written(tmp_path: Path) -> None:
+    """The README's names made here (a 16-block Llama teacher with byte-level BPE, a 4-block Llama student with a
+    WordPiece tokenizer of its own, a corpus and a held-out file), then its lines in turn: one cached layer meets
+    the default map in the pair (4, 16), said by train, and eval prints what it records."""
+    from transformers import LlamaConfig
+
+    from kdcache.stages.train.eval_records import read_evals
+    from tests.helpers.tiny_models import make_tiny_llama, sample_texts, train_wordpiece_tokenizer, write_text_dataset
+
+    make_tiny_llama(tmp_path / "my-llama", layers=16, hidden=16, heads=2, kv_heads=1, intermediate=32)
+    tok = train_wordpiece_tokenizer(tmp_path / "my-other-student", vocab_size=150)
+    LlamaConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=32, pad_token_id=tok.pad_token_id).save_pretrained(str(tmp_path / "my-other-student"))
+    texts = sample_texts(40)
+    write_text_dataset(tmp_path / "corpus.jsonl", texts[:32])
+    write_text_dataset(tmp_path / "heldout.jsonl", texts[32:])
+    lines = bash_lines("## A student with another tokenizer")
+    assert [line.split()[1] for line in lines] == ["precompute", "train", "precompute", "eval"], lines
+    env = child_env(HF_HUB_OFFLINE="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run(["bash", "-c", "set -e\n" + "\n".join(lines)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the uniform hidden map keeps the pairs whose teacher layer the cache holds: s4_t16 (of 4;" in proc.stderr
+    [record] = read_evals(tmp_path / "run-cross")
+    assert record["kind"] == "cross_tokenizer" and record["pairs"] == [[4, 16]] and record["pairs_from"] == "run"
+    assert f"span top-1       {record['span_top1']:.4f} over {record['spans']} spans" in proc.stdout
+    assert f"aligned share    {record['aligned_share']:.4f}" in proc.stdout
+    assert 0 < record["aligned_share"] < 1  # WordPiece and byte-level BPE split the text differently
 
 
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")

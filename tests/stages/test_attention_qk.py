@@ -230,14 +230,16 @@ def test_the_check_in_blocks_of_query_rows_agrees_with_the_model(tiny_gpt2: Path
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_gpt2), dtype=torch.float32)
     recorder = QKRecorder(model, (1, 2), True, keep_output=True)
-    ids = torch.randint(5, 100, (2, 11))
+    ids = torch.randint(5, 100, (2, 11), generator=torch.Generator().manual_seed(0))  # not the suite's RNG state
     mask = torch.ones_like(ids)
     mask[0, 9:] = 0
     with torch.no_grad(), recorder.forward():
         model(input_ids=ids, attention_mask=mask, use_cache=False)
     for block in (1, 4, 128):
         check_rule(recorder.captured[2], mask, None, "gpt2 block 2", block=block)
-    recorder.captured[2].rule = ScoreRule(recorder.captured[2].rule.scaling * 1.5, True)
+    # A random tiny model's scores are small, so a 1.5x scaling can move the output less than the tolerance; 8x
+    # moves it by far more for any ids.
+    recorder.captured[2].rule = ScoreRule(recorder.captured[2].rule.scaling * 8, True)
     with pytest.raises(QKRecorderError, match="gpt2 block 2: its attention output differs"):
         check_rule(recorder.captured[2], mask, None, "gpt2 block 2", block=4)
 
