@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kdcache.storage.errors import SpecError
+from kdcache.storage.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,12 @@ class AttentionLayout:
     default: bool = False
 
 
-ATTENTION_LAYOUTS: dict[str, AttentionLayout] = {}
+ATTENTION_LAYOUTS: Registry[AttentionLayout] = Registry("attention_source", SpecError)
 
 
 def register_attention_layout(layout: AttentionLayout) -> AttentionLayout:
     """Add ``layout`` to the registry (a test may add its own); returns it."""
-    ATTENTION_LAYOUTS[layout.name] = layout
-    return layout
+    return ATTENTION_LAYOUTS.add(layout.name, layout)
 
 
 MAPS = register_attention_layout(AttentionLayout("maps", ("attention",), token_rows=False, default=True))
@@ -69,9 +69,7 @@ def attention_layout(source: str) -> AttentionLayout:
     Raises:
         SpecError: naming ``source`` and the registered sources.
     """
-    if source not in ATTENTION_LAYOUTS:
-        raise SpecError(f"unknown attention_source {source!r}; expected one of {list(ATTENTION_LAYOUTS)}")
-    return ATTENTION_LAYOUTS[source]
+    return ATTENTION_LAYOUTS.lookup(source)
 
 
 def check_attention_source(source: str, scores: dict[str, Any] | None, layers: tuple[int, ...], *,

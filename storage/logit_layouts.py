@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kdcache.storage.errors import SpecError
+from kdcache.storage.registry import Registry
 
 VOCAB_ID = "vocab id"
 FLOAT = "float"
@@ -34,8 +35,8 @@ class LayoutFields(Protocol):
     def logprob_step(self) -> float: ...  # > 0: top-k values stored as quantised log-probs (topk_values logprob)
 
 
-class LogitFields(LayoutFields, Protocol):
-    """The spec fields a layout validates (``CacheSpec`` has them all)."""
+class SamplingFields(Protocol):
+    """How many logits a token keeps and how they are drawn (``CacheSpec`` and stage one's ``Targets`` have it)."""
 
     @property
     def top_k(self) -> int: ...
@@ -43,6 +44,11 @@ class LogitFields(LayoutFields, Protocol):
     def samples(self) -> int: ...
     @property
     def sample_temperature(self) -> float: ...
+
+
+class LogitFields(LayoutFields, SamplingFields, Protocol):
+    """The spec fields a layout validates (``CacheSpec`` has them all)."""
+
     @property
     def vocab_size(self) -> int: ...
     @property
@@ -96,13 +102,12 @@ class LogitLayout:
     file_sparse: bool = False
 
 
-LAYOUTS: dict[str, LogitLayout] = {}
+LAYOUTS: Registry[LogitLayout] = Registry("logits kind", SpecError)
 
 
 def register_layout(layout: LogitLayout) -> LogitLayout:
     """Add ``layout`` under its name (the value of ``CacheSpec.logits``)."""
-    LAYOUTS[layout.name] = layout
-    return layout
+    return LAYOUTS.add(layout.name, layout)
 
 
 def layout_of(spec: LayoutFields) -> LogitLayout | None:
@@ -113,9 +118,7 @@ def layout_of(spec: LayoutFields) -> LogitLayout | None:
     """
     if spec.logits is None:
         return None
-    if spec.logits not in LAYOUTS:
-        raise SpecError(f"unknown logits kind {spec.logits!r}; expected one of {[None, *LAYOUTS]}")
-    return LAYOUTS[spec.logits]
+    return LAYOUTS.lookup(spec.logits)
 
 
 def logit_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:

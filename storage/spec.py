@@ -50,9 +50,15 @@ from kdcache.storage.hidden_codecs import (
     parts,
     resolve_hidden_codec,
 )
-from kdcache.storage.logit_layouts import FLOAT, VOCAB_ID, logit_array, logit_arrays, validate_logits
-from kdcache.storage.logit_layouts import TOPK_MASS as TOPK_MASS  # re-exported: spec's name for it before layouts
-from kdcache.storage.logit_layouts import TOPK_VALUE_FORMATS as TOPK_VALUE_FORMATS
+from kdcache.storage.logit_layouts import (
+    FLOAT,
+    TOPK_MASS as TOPK_MASS,  # re-exported: spec's name for it before layouts
+    TOPK_VALUE_FORMATS as TOPK_VALUE_FORMATS,
+    VOCAB_ID,
+    logit_array,
+    logit_arrays,
+    validate_logits,
+)
 from kdcache.storage.streams import (
     CROSS,
     SEQ2SEQ_MANIFEST_KEYS,

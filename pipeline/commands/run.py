@@ -60,8 +60,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate both sections, precompute (or reuse), release the teacher, then train. Returns 0."""
     pre, train = load_pipeline(args.config)
     from kdcache.pipeline.commands.train import format_summary as format_train
-    from kdcache.stages.precompute import format_summary as format_pre
-    from kdcache.stages.precompute import run_precompute
+    from kdcache.stages.precompute import format_summary as format_pre, run_precompute
     from kdcache.stages.train.loop import run_training
 
     summary = run_precompute(pre)

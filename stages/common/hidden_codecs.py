@@ -20,6 +20,7 @@ from kdcache.storage import (
     PARTS,
     applies_to,
     codec_of,
+    hidden_codecs as storage_codecs,
     is_part,
     part_name,
     projected,
@@ -27,7 +28,6 @@ from kdcache.storage import (
     register_ops,
     row_errors,
 )
-from kdcache.storage import hidden_codecs as storage_codecs
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader

@@ -17,8 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.stages.common import attention_sources, logit_kinds
-from kdcache.stages.common.engine_options import PRECOMPUTE, EngineOptions, failed
-from kdcache.stages.common.engine_options import looks_like_path as common_looks_like_path
+from kdcache.stages.common.engine_options import (
+    PRECOMPUTE,
+    EngineOptions,
+    failed,
+    looks_like_path as common_looks_like_path,
+)
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.precompute.rows import PACKING

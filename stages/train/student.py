@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.common.architectures import is_causal_config, is_encoder_decoder, model_class, stack_depths
-from kdcache.stages.common.attention_maps import MAPS_ATTENTION
-from kdcache.stages.common.attention_maps import register as register_maps_attention
+from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:

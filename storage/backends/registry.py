@@ -10,6 +10,7 @@ import importlib
 from typing import Any, Protocol
 
 from kdcache.storage.errors import SpecError
+from kdcache.storage.registry import Registry
 
 
 class BackendClass(Protocol):
@@ -24,19 +25,20 @@ class BackendClass(Protocol):
 
 
 # name -> (module, class) of its implementation; the first is the default of CacheSpec.backend and --format
-_IMPLEMENTATIONS: dict[str, tuple[str, str]] = {"zarr": ("kdcache.storage.backends.zarr_backend", "ZarrBackend"),
-                                                "arrow": ("kdcache.storage.backends.arrow_backend", "ArrowBackend")}
+_IMPLEMENTATIONS: Registry[tuple[str, str]] = Registry("backend", SpecError)
+_IMPLEMENTATIONS.add("zarr", ("kdcache.storage.backends.zarr_backend", "ZarrBackend"))
+_IMPLEMENTATIONS.add("arrow", ("kdcache.storage.backends.arrow_backend", "ArrowBackend"))
 DEFAULT_BACKEND = next(iter(_IMPLEMENTATIONS))
 
 
 def register_backend(name: str, module: str, cls: str) -> None:
     """Add backend ``name``, implemented by class ``cls`` of ``module`` (imported on first use)."""
-    _IMPLEMENTATIONS[name] = (module, cls)
+    _IMPLEMENTATIONS.add(name, (module, cls))
 
 
 def backend_names() -> list[str]:
     """Every registered backend, the default first."""
-    return list(_IMPLEMENTATIONS)
+    return _IMPLEMENTATIONS.names()
 
 
 def backend_class(name: str) -> BackendClass:
@@ -45,8 +47,6 @@ def backend_class(name: str) -> BackendClass:
     Raises:
         SpecError: naming ``name`` and the registered backends.
     """
-    if name not in _IMPLEMENTATIONS:
-        raise SpecError(f"unknown backend {name!r}; expected one of {backend_names()}")
-    module, cls = _IMPLEMENTATIONS[name]
+    module, cls = _IMPLEMENTATIONS.lookup(name)
     found: BackendClass = getattr(importlib.import_module(module), cls)
     return found

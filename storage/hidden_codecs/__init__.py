@@ -74,9 +74,11 @@ from kdcache.storage.hidden_codecs.naming import (
     part_of,
 )
 from kdcache.storage.hidden_codecs.quantised import QuantConfig, QuantisedCodec
-from kdcache.storage.rotation import block_size as block_size  # re-exported: the codecs' rotation, by its old path
-from kdcache.storage.rotation import hadamard_matrix as hadamard_matrix
-from kdcache.storage.rotation import rotation_signs as rotation_signs
+from kdcache.storage.rotation import (
+    block_size as block_size,  # re-exported: the codecs' rotation, by its old path
+    hadamard_matrix as hadamard_matrix,
+    rotation_signs as rotation_signs,
+)
 
 _SHARED = {"arrays", "base", "coding", "naming", "quantised"}
 for _module in pkgutil.iter_modules(__path__):

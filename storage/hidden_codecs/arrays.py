@@ -19,8 +19,7 @@ from types import ModuleType
 from typing import Any, Protocol, TypeAlias
 
 import numpy as np
-from array_api_compat import array_namespace
-from array_api_compat import device as device_of
+from array_api_compat import array_namespace, device as device_of
 
 from kdcache.storage.rotation import block_size, hadamard_matrix, rotation_signs
 

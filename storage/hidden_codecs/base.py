@@ -14,6 +14,7 @@ import numpy as np
 
 from kdcache.storage.errors import SpecError
 from kdcache.storage.hidden_codecs.arrays import Array
+from kdcache.storage.registry import Registry
 
 Record = dict[str, Any]  # the JSON form of a codec in a spec: {"name": str, "configuration": {key: value}}
 
@@ -117,12 +118,12 @@ class HiddenCodec:
 
 
 C = TypeVar("C", bound=type[HiddenCodec])
-HIDDEN_CODECS: dict[str, type[HiddenCodec]] = {}
+HIDDEN_CODECS: Registry[type[HiddenCodec]] = Registry("hidden codec", SpecError)
 
 
 def register(cls: C) -> C:
     """Class decorator: make ``cls`` the codec named ``cls.name``."""
-    HIDDEN_CODECS[cls.name] = cls
+    HIDDEN_CODECS.add(cls.name, cls)
     return cls
 
 
@@ -145,9 +146,7 @@ def usage() -> str:
 
 def get(name: object) -> type[HiddenCodec]:
     """The codec class named ``name``, or a SpecError listing the registered ones."""
-    if not isinstance(name, str) or name not in HIDDEN_CODECS:
-        raise SpecError(f"unknown hidden codec {name!r}; expected one of {sorted(HIDDEN_CODECS)}")
-    return HIDDEN_CODECS[name]
+    return HIDDEN_CODECS.lookup(name)
 
 
 def is_int(value: object) -> bool:

@@ -7,9 +7,6 @@ source is one new file here, plus its storage layout in ``storage.attention_sour
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from kdcache.stages.common.attention_sources.base import (
     AttentionSource,
     AttentionSourceError,
@@ -20,9 +17,8 @@ from kdcache.stages.common.attention_sources.base import (
     register,
     usage,
 )
+from kdcache.storage import import_members
 
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "base":
-        importlib.import_module(f"{__name__}.{_module.name}")
+import_members(__name__, __path__)
 
 __all__ = ["AttentionSource", "AttentionSourceError", "choices", "config_heads", "get", "names", "register", "usage"]

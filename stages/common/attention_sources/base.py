@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection, KeysView, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from kdcache.storage import DEFAULT_ATTENTION_SOURCE, AttentionLayout, KdcacheError, attention_layout
+from kdcache.storage import DEFAULT_ATTENTION_SOURCE, AttentionLayout, KdcacheError, Registry, attention_layout
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -113,7 +113,7 @@ def config_heads(config: PretrainedConfig) -> int:
     return int(getattr(config, "num_attention_heads", None) or getattr(config, "encoder_attention_heads", 0) or 0)
 
 
-_SOURCES: dict[str, AttentionSource] = {}
+_SOURCES: Registry[AttentionSource] = Registry("attention source", AttentionSourceError)
 S = TypeVar("S", bound=type[AttentionSource])
 
 
@@ -121,13 +121,13 @@ def register(cls: S) -> S:
     """Class decorator: register one instance of an ``AttentionSource`` subclass under its ``name`` (its storage
     layout must be registered already)."""
     attention_layout(cls.name)  # a SpecError naming the registered layouts when it is not
-    _SOURCES[cls.name] = cls()
+    _SOURCES.add(cls.name, cls())
     return cls
 
 
 def names() -> list[str]:
     """Every registered source, in registration order."""
-    return list(_SOURCES)
+    return _SOURCES.names()
 
 
 def choices() -> KeysView[str]:
@@ -142,9 +142,7 @@ def get(name: str | None) -> AttentionSource:
         AttentionSourceError: naming ``name`` and the registered sources.
     """
     name = DEFAULT_ATTENTION_SOURCE if name is None else name
-    if name not in _SOURCES:
-        raise AttentionSourceError(f"unknown attention source {name!r}; expected one of {', '.join(names())}")
-    return _SOURCES[name]
+    return _SOURCES.lookup(name)
 
 
 def usage() -> str:

@@ -7,9 +7,6 @@ mode is one new file here (plus its storage layout in ``storage.logit_layouts`` 
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from kdcache.stages.common.logit_kinds.base import (
     CaptureSettings,
     KlSetup,
@@ -23,10 +20,9 @@ from kdcache.stages.common.logit_kinds.base import (
     usage,
     uses_head,
 )
+from kdcache.storage import import_members
 
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "base":
-        importlib.import_module(f"{__name__}.{_module.name}")
+import_members(__name__, __path__)
 
 __all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "from_targets", "get", "names", "parse",
            "register", "usage", "uses_head"]

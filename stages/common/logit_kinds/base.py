@@ -16,8 +16,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from kdcache.storage import KdcacheError
-from kdcache.storage import LogitFields as CacheLogits  # the spec's logit fields, as storage reads them
+from kdcache.storage import (
+    KdcacheError,
+    LayoutFields,
+    LogitFields as CacheLogits,  # the spec's logit fields, as storage reads them
+    Registry,
+    SamplingFields,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -30,17 +35,9 @@ class LogitKindError(KdcacheError, ValueError):
     """An unknown logit mode, or a ``--logits`` value a mode cannot parse."""
 
 
-class CaptureSettings(Protocol):
-    """What a capture reads of the run (``precompute.targets.Targets`` and ``CacheSpec`` both have it)."""
-
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def samples(self) -> int: ...
-    @property
-    def sample_temperature(self) -> float: ...
-    @property
-    def logprob_step(self) -> float: ...
+class CaptureSettings(LayoutFields, SamplingFields, Protocol):
+    """What a capture reads of the run, as storage names the fields (``precompute.targets.Targets`` and
+    ``CacheSpec`` both have them)."""
 
 
 class LogitOptions(Protocol):
@@ -192,19 +189,19 @@ class LogitKind:
         return f"{self.name}, V={info['vocab_size']}"
 
 
-_KINDS: dict[str, LogitKind] = {}
+_KINDS: Registry[LogitKind] = Registry("logit mode", LogitKindError)
 K = TypeVar("K", bound=type[LogitKind])
 
 
 def register(cls: K) -> K:
     """Class decorator: register one instance of a ``LogitKind`` subclass under its ``name``."""
-    _KINDS[cls.name] = cls()
+    _KINDS.add(cls.name, cls())
     return cls
 
 
 def names() -> list[str]:
     """Every registered mode, in registration order."""
-    return list(_KINDS)
+    return _KINDS.names()
 
 
 def get(name: str) -> LogitKind:
@@ -213,9 +210,7 @@ def get(name: str) -> LogitKind:
     Raises:
         LogitKindError: naming ``name`` and the registered modes.
     """
-    if name not in _KINDS:
-        raise LogitKindError(f"unknown logit mode {name!r}; expected one of {', '.join(names())}")
-    return _KINDS[name]
+    return _KINDS.lookup(name)
 
 
 def parse(value: str) -> tuple[LogitKind, int]:

@@ -1,0 +1,50 @@
+"""Front doors that load lazily and list each name once (the idea of Scientific Python's SPEC 1 and lazy_loader's
+stubs, without a stub file).
+
+A package's ``__init__`` imports its public names inside ``if TYPE_CHECKING:``, which is what mypy and a reader
+see; ``attach`` reads that block from the file's source and loads each name from its module on first use, so that
+importing the package imports none of its submodules (the CLI starts without torch, zarr or pyarrow)::
+
+    if TYPE_CHECKING:
+        from kdcache.storage.spec import CacheSpec as CacheSpec
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def exported_names(init_file: str) -> dict[str, tuple[str, str]]:
+    """``{exported name: (module, attribute)}`` of the ``if TYPE_CHECKING:`` block in ``init_file``, in order."""
+    tree = ast.parse(Path(init_file).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    return {alias.asname or alias.name: (node.module, alias.name) for node in block.body
+            if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+
+
+def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """``(__getattr__, __dir__, __all__)`` for ``package``, whose ``__init__`` is ``init_file``.
+
+    A name imported from the package itself (``from kdcache.storage import errors as errors``) is its submodule.
+    """
+    exports = exported_names(init_file)
+    names = sorted(exports)
+
+    def load(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module, attribute = exports[name]
+        if module == package:
+            value: Any = importlib.import_module(f"{package}.{attribute}")
+        else:
+            value = getattr(importlib.import_module(module), attribute)
+        setattr(sys.modules[package], name, value)  # loaded once: later reads skip this function
+        return value
+
+    return load, lambda: names, names
