@@ -45,10 +45,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kdcache.pipeline.demo import teacher_path  # noqa: E402
 from kdcache.pipeline.demo_text import stdlib_sentences  # noqa: E402
-from kdcache.stages.common.hidden_codecs import decode_rows, encode  # noqa: E402
+from kdcache.stages.common.device_codecs import decode_rows, encode  # noqa: E402
 from kdcache.stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, masked_mse  # noqa: E402
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter  # noqa: E402
-from kdcache.storage.hidden_codecs import part_name, resolve_hidden_codec  # noqa: E402
+from kdcache.storage.hidden_codecs import hidden_codec_of, part_name  # noqa: E402
 
 CODECS: dict[str, Any] = {
     "fp16": "fp16", "bf16": "bf16", "fp8": "fp8", "int8": "int8", "int7": "int7", "int4": "int4",
@@ -114,8 +114,8 @@ def stored_bytes(ids: list[np.ndarray], states: list[Any], codec: Any, root: Pat
 
 def decoded_targets(record: dict[str, Any], flat: torch.Tensor) -> tuple[torch.Tensor, float, float]:
     """(decoded ``[T, d]``, encode seconds, decode seconds) of one layer through the torch codec."""
-    if record["name"] in ("fp16", "bf16"):
-        dtype = torch.float16 if record["name"] == "fp16" else torch.bfloat16
+    if record.name in ("fp16", "bf16"):
+        dtype = torch.float16 if record.name == "fp16" else torch.bfloat16
         start = time.perf_counter()
         stored = flat.to(dtype)
         middle = time.perf_counter()
@@ -138,7 +138,7 @@ def fidelity(teacher: list[list[np.ndarray]], student: list[list[np.ndarray]], r
     decoded: dict[str, list[torch.Tensor]] = {}
     for _ in range(repeats):  # alternate codecs each round; keep the best round of each
         for name, codec in CODECS.items():
-            record = resolve_hidden_codec(codec, "fp16")
+            record = hidden_codec_of(codec, "fp16")
             runs = [decoded_targets(record, x) for x in layers]
             decoded[name] = [r[0] for r in runs]
             timings[name].append((sum(r[1] for r in runs), sum(r[2] for r in runs)))
@@ -193,7 +193,7 @@ def projection(ids: list[np.ndarray], teacher: list[list[np.ndarray]], student: 
     encode with the bases stored in ``projection/``): bytes per token per layer (and an Arrow cache's), the
     recorded error, each hidden loss on the decoded targets (``decode_batch``) against fp16 targets, relative,
     and the torch encode/decode MB/s of fp16 bytes on this CPU (one run: this is the writer's path)."""
-    from kdcache.stages.common.hidden_codecs import Projection, decode_batch
+    from kdcache.stages.common.device_codecs import Projection, decode_batch
     from kdcache.stages.precompute.projection_fit import fit_bases
     from kdcache.storage.projection import write_projection
     from kdcache.storage.stores import open_store
@@ -207,8 +207,8 @@ def projection(ids: list[np.ndarray], teacher: list[list[np.ndarray]], student: 
     fp16_arrow = stored_bytes(held_ids, held, "fp16", root / "fp16-arrow", "arrow")["bytes_per_token_layer"]
     fp16_bytes = 2 * sum(x.size for layers in held for x in layers)
     for label, codec in (settings or PROJECTIONS).items():
-        record = resolve_hidden_codec(codec, "fp16")
-        bases = fit_bases([fit_items], names, record["configuration"]["rank"], torch.device("cpu"))
+        record = hidden_codec_of(codec, "fp16")
+        bases = fit_bases([fit_items], names, record.rank, torch.device("cpu"))
         write_projection(open_store(root / label), bases)
         coded = [_encoded(record, dict(zip(names, layers)), Projection.from_arrays(bases)) for layers in held]
         row = stored_bytes(held_ids, coded, record, root / label)
@@ -233,7 +233,7 @@ def _timed(record: dict[str, Any], held: list[list[np.ndarray]], parts: dict[str
            bases: dict[str, tuple[np.ndarray, np.ndarray]], repeats: int = 3) -> tuple[float, float]:
     """Best of ``repeats`` seconds of stage one's torch encode of every held-out layer (all rows at once, as a
     batch is) and of stage two's decode of its arrays."""
-    from kdcache.stages.common.hidden_codecs import Projection, decode_batch
+    from kdcache.stages.common.device_codecs import Projection, decode_batch
 
     flat = {n: torch.from_numpy(np.concatenate([x[k] for x in held])) for k, n in enumerate(bases)}
     encode_s, decode_s = [], []

@@ -20,15 +20,13 @@ def _against_fp16(spec: CacheSpec, arrays: dict[str, dict[str, Any]], tokens: in
     of its codes and companions (scales, outliers). Its own ``compression_ratio`` compares the codes with their
     int8 bytes only (int7's 1.26 is 2.2x against fp16). Projected (rank < d) codecs are left out: their fp16
     width is not the codes'."""
-    from kdcache.storage import codec_of, rank_of
-
-    record = spec.hidden_codec
-    if not record or codec_of(record).float_dtype or (rank_of(record) and not codec_of(record).full_rank):
+    codec = spec.hidden_codec
+    if codec.float_dtype or (codec.rank and not codec.full_rank):
         return
     for name, info in arrays.items():
         if not spec.coded(name) or not tokens:
             continue
-        width = int(info["shape_tail"][-1]) * codec_of(record).per_code
+        width = int(info["shape_tail"][-1]) * codec.per_code
         stored = sum(arrays[part]["stored_bytes"] for part in spec.with_parts(name) if part in arrays)
         info["fp16_ratio"] = _ratio(2 * width * tokens, stored)
 
@@ -67,7 +65,7 @@ def describe(path: str) -> dict[str, Any]:
         "attention_scores": spec.attention_scores, "logits": spec.logits, "top_k": spec.top_k,
         "samples": spec.samples, "sample_temperature": spec.sample_temperature,
         "vocab_size": spec.vocab_size, "dtype": spec.dtype, "bitround": spec.bitround,
-        "hidden_codec": spec.hidden_codec,
+        "hidden_codec": spec.hidden_codec.record(), "hidden_codec_text": spec.hidden_codec.describe(),
         "codecs": {"activations": spec.codec, "topk": spec.topk_codec},
         "num_sequences": spec.num_sequences, "num_committed_sequences": sum(r.seq_stop - r.seq_start for r in records),
         "num_tokens": int(tokens), "num_shards": spec.num_shards, "num_committed_shards": len(records),

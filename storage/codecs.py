@@ -16,7 +16,7 @@ import numcodecs
 from kdcache.storage.errors import UnknownCodecError
 
 BITSHUFFLE = 2
-CodecConfig: TypeAlias = dict[str, Any]  # a numcodecs configuration: {"id": ..., its parameters}
+CompressorConfig: TypeAlias = dict[str, Any]  # a compressor as numcodecs configures it: {"id": ..., its parameters}
 # Defaults measured in shared/DESIGN.md: lz4 matches zstd's ratio on fp16 activations at ~2.5x the speed;
 # sorted top-k values compress much better, so they get zstd.
 DEFAULT_CODEC: dict[str, Any] = {"id": "blosc", "cname": "lz4", "clevel": 5, "shuffle": BITSHUFFLE, "blocksize": 0}

@@ -17,7 +17,6 @@ from kdcache.storage.dtypes import FP16_MAX, apply_bitround, check_finite, measu
 from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, ShardError
 from kdcache.storage.hidden_codecs import (
     ERROR_FIELDS,
-    codec_of,
     encode,
     error_record,
     is_part,
@@ -222,14 +221,14 @@ def _coded(spec: CacheSpec, item: Mapping[str, Any]) -> Mapping[str, Any]:
             max_abs = float(np.abs(values).max())
             raise Fp16OverflowError(f"{name}: largest |value| {max_abs:.6g} gives a scale or an outlier beyond "
                                     f"float16; expected values within +-{_coded_limit(spec):g} for hidden codec "
-                                    f"{spec.hidden_codec['name']!r}", name=name, max_abs=max_abs)
+                                    f"{spec.hidden_codec.name!r}", name=name, max_abs=max_abs)
     return out
 
 
 def _coded_limit(spec: CacheSpec) -> float:
     """The largest |value| a quantised codec stores: outliers are kept as float16, else the fp16 scale
     (max / qmax) bounds it (a Python float: numpy's float16 max times qmax would overflow to inf)."""
-    codec = codec_of(spec.hidden_codec)
+    codec = spec.hidden_codec
     return FP16_MAX * (1.0 if getattr(codec.config, "outliers", 0) else codec.qmax)
 
 
@@ -344,6 +343,6 @@ def _coded_array(spec: CacheSpec, name: str, flat: np.ndarray) -> np.ndarray:
     """Codes and their companions, as given (made by a codec), in their storage dtype."""
     dtype = spec.array_dtype(name)
     if flat.dtype.kind != dtype.kind or flat.dtype.itemsize != dtype.itemsize:
-        raise InvalidSequenceError(f"{name}: expected {dtype} from the {spec.hidden_codec['name']} codec, got "
+        raise InvalidSequenceError(f"{name}: expected {dtype} from the {spec.hidden_codec.name} codec, got "
                                    f"{flat.dtype}")
     return flat.view(dtype)

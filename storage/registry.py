@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -48,9 +48,10 @@ class Registry(dict[str, T]):
         return self[name]
 
 
-def import_members(package: str, path: Iterable[str], *, but: str = "base") -> None:
-    """Import every module of ``package`` (its ``__path__``) beside ``but``, in name order: a registry package
-    whose modules each register one entry is complete once its ``__init__`` calls this."""
+def import_members(package: str, path: Iterable[str], *, but: Collection[str] = ("base",)) -> None:
+    """Import every module of ``package`` (its ``__path__``) but those named in ``but`` (the interface and its
+    helpers), in name order: a registry package whose modules each register one entry is complete once its
+    ``__init__`` calls this."""
     for module in pkgutil.iter_modules(path):
-        if module.name != but:
+        if module.name not in but:
             importlib.import_module(f"{package}.{module.name}")

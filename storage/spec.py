@@ -35,20 +35,20 @@ from kdcache.storage.attention_source import (
     token_row_kinds,
 )
 from kdcache.storage.backends.registry import DEFAULT_BACKEND, backend_class
-from kdcache.storage.codecs import CodecConfig, resolve_codec
+from kdcache.storage.codecs import CompressorConfig, resolve_codec
 from kdcache.storage.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
 from kdcache.storage.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
 from kdcache.storage.hidden_codecs import (
     CODES_CODEC,
     COLUMN_CODES_CODEC,
+    HiddenCodec,
     applies_to,
-    codec_of,
+    hidden_codec_of,
     is_part,
     part_name,
     part_of,
     parts,
-    resolve_hidden_codec,
 )
 from kdcache.storage.logit_layouts import (
     FLOAT,
@@ -121,13 +121,15 @@ class CacheSpec:
     dtype: str = "fp16"
     # A numcodecs configuration, its name or alias, or None: the backend's default (Backend.default_codecs);
     # always the resolved configuration once constructed (``codec_configs``).
-    codec: CodecConfig | str | None = None
-    topk_codec: CodecConfig | str | None = None
+    codec: CompressorConfig | str | None = None
+    topk_codec: CompressorConfig | str | None = None
     topk_values: str = "fp16"  # of TOPK_VALUE_FORMATS; left out of to_dict() when fp16 (older manifests)
     logprob_step: float = 0.0  # "logprob": the quantisation step; every stored log-prob is within step/2
     bitround: int | None = None
-    # {name, configuration} of storage.hidden_codecs; None: the float ``dtype``. Left out of to_dict() then.
-    hidden_codec: Any = None
+    # The codec of hidden states (and queries/keys/values): given as a codec of storage.hidden_codecs, its name,
+    # its {name, configuration} record or None (the float ``dtype``); always the configured codec once constructed.
+    # Its record is what to_dict() writes, left out for the float dtype's.
+    hidden_codec: HiddenCodec = None  # type: ignore[assignment]
     sequences_per_shard: int = 256
     token_arrays: tuple[str, ...] = ()  # of TOKEN_ARRAYS, stored for every stream; absent before format 4
     layers: dict[str, dict[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)  # {}: see above
@@ -149,12 +151,12 @@ class CacheSpec:
         codec, topk_codec = backend_class(self.backend).default_codecs()  # a SpecError names the backends
         put("codec", resolve_codec(codec if self.codec is None else self.codec))
         put("topk_codec", resolve_codec(topk_codec if self.topk_codec is None else self.topk_codec))
-        put("hidden_codec", resolve_hidden_codec(self.hidden_codec, self.dtype if self.dtype in ("fp16", "bf16")
-                                                 else "fp16"))
+        put("hidden_codec", hidden_codec_of(self.hidden_codec, self.dtype if self.dtype in ("fp16", "bf16")
+                                            else "fp16"))
         self._validate()
 
     @property
-    def codec_configs(self) -> tuple[CodecConfig, CodecConfig]:
+    def codec_configs(self) -> tuple[CompressorConfig, CompressorConfig]:
         """(activation codec, top-k codec): the resolved numcodecs configurations construction made of the
         ``codec`` and ``topk_codec`` fields."""
         if not isinstance(self.codec, dict) or not isinstance(self.topk_codec, dict):
@@ -169,7 +171,7 @@ class CacheSpec:
         validate_logits(self)
         if self.bitround is not None and self.float_dtype("hidden/0") != self.dtype:
             raise SpecError(f"bitround needs hidden states in the float dtype {self.dtype!r}; hidden codec "
-                            f"{self.hidden_codec['name']!r} differs")
+                            f"{self.hidden_codec.name!r} differs")
         mantissa = STORAGE_DTYPES[self.dtype][1]
         if self.bitround is not None and not 0 < self.bitround < mantissa:
             raise SpecError(f"bitround keepbits must be in 1..{mantissa - 1} for {self.dtype}, got {self.bitround}")
@@ -294,7 +296,7 @@ class CacheSpec:
     # ---- hidden codecs (storage.hidden_codecs) ---------------------------------------------------------
     def coded(self, name: str) -> bool:
         """Whether ``name`` is stored as codes of a quantised hidden codec (with companion arrays)."""
-        return not codec_of(self.hidden_codec).float_dtype and applies_to(name)
+        return not self.hidden_codec.float_dtype and applies_to(name)
 
     def with_parts(self, name: str) -> list[str]:
         """``name`` and, when it is coded, its companion arrays (scales, outliers kept aside, their ids)."""
@@ -303,7 +305,7 @@ class CacheSpec:
     def float_dtype(self, name: str) -> str:
         """The float type ("fp16" / "bf16") float array ``name`` is stored in: a float hidden codec's, else
         ``dtype``."""
-        return codec_of(self.hidden_codec).float_dtype or self.dtype if applies_to(name) else self.dtype
+        return self.hidden_codec.float_dtype or self.dtype if applies_to(name) else self.dtype
 
     def gap_coded(self, name: str) -> bool:
         """Whether ``name`` holds rows non-decreasing along the last axis, stored as the first value and the gaps."""
@@ -330,7 +332,7 @@ class CacheSpec:
         if array is not None and array.dtype != FLOAT:
             return topk_id_dtype(self.vocab_size) if array.dtype == VOCAB_ID else np.dtype(array.dtype)
         if self.coded(name):
-            return np.dtype(codec_of(self.hidden_codec).code_dtype)
+            return self.hidden_codec.numpy_code_dtype()
         if is_part(name):
             return np.dtype(np.uint16) if part_of(name) == "outlier_ids" else np.dtype(np.float16)
         return storage_dtype(self.float_dtype(name))
@@ -338,7 +340,7 @@ class CacheSpec:
     def codec_for(self, name: str) -> dict[str, Any]:
         """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
         if backend_class(self.backend).codec_per_array and (self.coded(name) or is_part(name)):
-            column = self.coded(name) and codec_of(self.hidden_codec).column_major  # its rows shuffled first
+            column = self.coded(name) and self.hidden_codec.column_major  # its rows shuffled first
             return resolve_codec(COLUMN_CODES_CODEC if column else CODES_CODEC)
         array = logit_array(self, name)
         activations, sparse = self.codec_configs
@@ -396,7 +398,8 @@ class CacheSpec:
         if not self.token_arrays:  # what format-3 writers wrote
             del out["token_arrays"]
         out.update(stream_manifest_keys(self.layers))
-        if self.hidden_codec == resolve_hidden_codec(None, self.dtype):  # the float dtype: what earlier writers wrote
+        out["hidden_codec"] = self.hidden_codec.record()
+        if self.hidden_codec.is_plain(self.dtype):  # the float dtype: what earlier writers wrote
             del out["hidden_codec"]
         if attention_layout(self.attention_source).default:  # what writers before issue 23 wrote
             del out["attention_source"], out["attention_scores"]

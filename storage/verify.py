@@ -21,7 +21,7 @@ import numpy as np
 from kdcache.storage import crosscheck
 from kdcache.storage.backends.base import get_backend
 from kdcache.storage.errors import KdcacheError
-from kdcache.storage.hidden_codecs import decode, projected, rank_of
+from kdcache.storage.hidden_codecs import decode, projected
 from kdcache.storage.manifest import Manifest, ShardRecord, load_manifest, sidecar_names
 from kdcache.storage.projection import read_projection
 from kdcache.storage.stores import Store, open_store
@@ -107,7 +107,7 @@ def _decode_problems(store: Store, record: ShardRecord, manifest: Manifest) -> l
     if not coded:
         return []
     handle = get_backend(spec.backend, manifest.format).open(store, record, spec)
-    rank = rank_of(spec.hidden_codec)  # a rank codec decodes through the cache's stored bases
+    rank = spec.hidden_codec.rank  # a rank codec decodes through the cache's stored bases
     bases = read_projection(store, [n for n in coded if projected(spec.hidden_codec, n)], rank) if rank else None
     for name in coded:
         arrays = {part: handle.read(part) for part in spec.with_parts(name)}

@@ -48,14 +48,14 @@ _LOSSY_LABELS = (("max_rel_error", "max rel"), ("step", "step"), ("clipped", "cl
                  ("kept_mass_min", "min"))
 
 
-def _codec_text(record: dict[str, Any] | None) -> str:
+def _codec_text(info: dict[str, Any]) -> str:
     """``, hidden codec int8 (rotation seed 0, outliers 4)`` for a quantised hidden codec; nothing for a float one.
-    Only the settings the codec uses: a group for a grouped one, outliers when kept, the rotation by its seed."""
-    if not record or not record["configuration"]:
-        return f", hidden states {record['name']}" if record else ""
-    from kdcache.storage import codec_of
-
-    return f", hidden codec {record['name']} ({codec_of(record).describe()})"
+    Only the settings the codec uses (``HiddenCodec.describe``): a group for a grouped one, outliers when kept, the
+    rotation by its seed."""
+    record = info["hidden_codec"]
+    if not record["configuration"]:
+        return f", hidden states {record['name']}"
+    return f", hidden codec {record['name']} ({info['hidden_codec_text']})"
 
 
 def _text(info: dict[str, Any]) -> str:
@@ -71,7 +71,7 @@ def _text(info: dict[str, Any]) -> str:
         *_layer_lines(info, heads),
         f"logits       {logits}",
         f"dtype        {info['dtype']}" + (f", bitround keepbits={info['bitround']}" if info["bitround"] else "")
-        + _codec_text(info["hidden_codec"]),
+        + _codec_text(info),
         f"size         {info['stored_bytes']} bytes stored, {info['bytes_per_token']} B/token, "
         f"compression ratio {info['compression_ratio']}",
         "texts        " + ("recorded in texts/, one per sequence (a student of another tokenizer can align with "

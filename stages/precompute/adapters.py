@@ -18,12 +18,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
-from kdcache.stages.common.hidden_codecs import Projection
+from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.common.option_groups import flatten
 from kdcache.stages.precompute.capture import (
     check_ranges,
@@ -41,7 +41,7 @@ from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
 from kdcache.stages.precompute.transfer import ShardItems, cut_padding
-from kdcache.storage import applies_to, exact_arrays
+from kdcache.storage import HiddenCodec, applies_to, exact_arrays
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -114,7 +114,7 @@ class HookedTeacher(TeacherAdapter):
 
         engine = options.engine
         with FeatureCapture(teacher, targets, options.storage.dtype, engine.logits_chunk, engine.seed,
-                            options.storage.hidden_codec_record, projection) as hooks:
+                            options.storage.resolved_hidden_codec, projection) as hooks:
 
             def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
                     positions: dict[str, torch.Tensor]) -> Pending:
@@ -149,7 +149,7 @@ class EncoderDecoderTeacher(TeacherAdapter):
     @contextmanager
     def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions,
                 projection: Projection | None = None) -> Iterator[Capture]:
-        capture = OutputCapture(teacher.model, targets, options.storage.dtype, options.storage.hidden_codec_record,
+        capture = OutputCapture(teacher.model, targets, options.storage.dtype, options.storage.resolved_hidden_codec,
                                 projection)
 
         def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
@@ -180,16 +180,16 @@ class OutputCapture:
         model: an encoder-decoder LM in eval mode (eager attention when maps are captured).
         targets: what to keep.
         dtype_name: storage dtype, "fp16" or "bf16".
-        hidden_codec: the resolved hidden codec (``storage.hidden_codecs``); None: ``dtype_name``.
+        hidden_codec: the configured hidden codec (``StorageOptions.resolved_hidden_codec``).
     """
 
-    def __init__(self, model: PreTrainedModel, targets: Targets, dtype_name: str,
-                 hidden_codec: dict[str, Any] | None = None, projection: Projection | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, targets: Targets, dtype_name: str, hidden_codec: HiddenCodec,
+                 projection: Projection | None = None) -> None:
         if not hasattr(model, "prepare_decoder_input_ids_from_labels"):
             raise PrecomputeError(f"{type(model).__name__} cannot build decoder inputs from labels "
                                   f"(no prepare_decoder_input_ids_from_labels); it is not an encoder-decoder LM")
         self.model, self.targets, self.dtype_name = model, targets, dtype_name
-        self.hidden_codec = hidden_codec or {"name": dtype_name, "configuration": {}}
+        self.hidden_codec = hidden_codec
         self.projection = projection  # a rank codec's bases (or its fit mode)
 
     def run(self, batch: dict[str, torch.Tensor], enc_lengths: list[int], dec_lengths: list[int]) -> list[dict]:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kdcache.stages.common import attention_sources, hidden_codecs, logit_kinds
+from kdcache.stages.common import attention_sources, device_codecs, logit_kinds
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.logit_head import logit_targets
@@ -43,7 +43,7 @@ from kdcache.stages.precompute.sharded_head import chunked_head
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher
 from kdcache.stages.precompute.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
-from kdcache.storage import FLOAT, applies_to, codec_of, logit_arrays, projected
+from kdcache.storage import FLOAT, HiddenCodec, applies_to, hidden_codec_of, logit_arrays, projected
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -61,23 +61,23 @@ def to_storage_dtype(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
     return x.to(torch.bfloat16).view(torch.int16)
 
 
-def hidden_targets(record: dict[str, Any], name: str, hidden: torch.Tensor,
-                   projection: hidden_codecs.Projection | None = None) -> dict[str, torch.Tensor]:
+def hidden_targets(codec: HiddenCodec, name: str, hidden: torch.Tensor,
+                   projection: device_codecs.Projection | None = None) -> dict[str, torch.Tensor]:
     """A hidden state (or cached queries/keys/values) ``[B, L, d]`` as the arrays its codec stores, made on its
     device: the float type of a float codec, or codes, scales, outliers and per-row errors
-    (``stages.common.hidden_codecs.encode``; a rank codec's layers through ``projection``). While the projection
+    (``stages.common.device_codecs.encode``; a rank codec's layers through ``projection``). While the projection
     is being fitted, its layers come out as float32 ``[B, L, d]`` for the fit (never stored)."""
-    if projection is not None and projection.fitting and projected(record, name):
+    if projection is not None and projection.fitting and projected(codec, name):
         return {name: hidden.float()}
-    if hidden_codecs.quantised(record):
-        return hidden_codecs.encode(record, name, hidden, projection)
-    return {name: to_storage_dtype(hidden, str(codec_of(record).float_dtype))}
+    if device_codecs.quantised(codec):
+        return device_codecs.encode(codec, name, hidden, projection)
+    return {name: to_storage_dtype(hidden, str(codec.float_dtype))}
 
 
-def fp16_bounded(name: str, dtype_name: str, record: dict[str, Any]) -> bool:
+def fp16_bounded(name: str, dtype_name: str, codec: HiddenCodec) -> bool:
     """Whether target ``name`` must stay within float16's range: fp16 targets, and coded arrays (hidden states,
     queries/keys/values) of every codec but bf16 (quantised codecs keep outliers and scales in fp16)."""
-    return codec_of(record).float_dtype != "bf16" if applies_to(name) else dtype_name == "fp16"
+    return codec.float_dtype != "bf16" if applies_to(name) else dtype_name == "fp16"
 
 
 def to_numpy(x: torch.Tensor) -> np.ndarray:
@@ -162,10 +162,10 @@ class FeatureCapture:
     """
 
     def __init__(self, teacher: Teacher, targets: Targets, dtype_name: str, chunk_tokens: int = 0,
-                 seed: int = 0, hidden_codec: dict[str, Any] | None = None,
-                 projection: hidden_codecs.Projection | None = None) -> None:
+                 seed: int = 0, hidden_codec: HiddenCodec | None = None,
+                 projection: device_codecs.Projection | None = None) -> None:
         self.seed = seed
-        self.hidden_codec = hidden_codec or {"name": dtype_name, "configuration": {}}
+        self.hidden_codec = hidden_codec or hidden_codec_of(None, dtype_name)  # None: the float dtype itself
         self.projection = projection  # a rank codec's bases (or its fit mode)
         self.teacher, self.targets, self.dtype_name = teacher, targets, dtype_name
         self.model = teacher.model

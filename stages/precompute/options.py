@@ -26,7 +26,7 @@ from kdcache.stages.common.engine_options import (
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.precompute.rows import PACKING
-from kdcache.storage import DEFAULT_ATTENTION_SOURCE, DEFAULT_BACKEND, backend_names, hidden_codecs
+from kdcache.storage import DEFAULT_ATTENTION_SOURCE, DEFAULT_BACKEND, HiddenCodec, backend_names, hidden_codecs
 
 FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: encoder-decoder teachers only
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
@@ -118,23 +118,22 @@ class StorageOptions:
         return self.codec
 
     @property
-    def hidden_codec_record(self) -> dict[str, Any]:
-        """The resolved ``{name, configuration}`` of ``--hidden-codec`` (``storage.hidden_codecs``)."""
-        from kdcache.storage import SpecError, codec_of, resolve_hidden_codec
+    def resolved_hidden_codec(self) -> HiddenCodec:
+        """``--hidden-codec`` (a name or a JSON record) and ``--hidden-rank`` as the configured codec that stage one
+        carries and the spec records: the one place stage one resolves it."""
+        from kdcache.storage import SpecError, hidden_codec_of
 
         value = self.hidden_codec
-        record = resolve_hidden_codec(json.loads(value) if value and value.strip().startswith("{") else value,
-                                      self.dtype)
+        codec = hidden_codec_of(json.loads(value) if value and value.strip().startswith("{") else value, self.dtype)
         if self.hidden_rank is None:
-            if codec_of(record).full_rank:
-                raise SpecError(f"--hidden-codec {record['name']} codes full-rank PCA coefficients: give "
+            if codec.full_rank:
+                raise SpecError(f"--hidden-codec {codec.name} codes full-rank PCA coefficients: give "
                                 f"--hidden-rank d, the teacher's hidden size (e.g. 384 for MiniLM)")
-            return record
-        if codec_of(record).float_dtype:
+            return codec
+        if codec.float_dtype:
             raise SpecError(f"--hidden-rank {self.hidden_rank} codes the projection's coefficients with a quantised "
-                            f"--hidden-codec ({hidden_codecs.listing(quantised=True)}), not {record['name']!r}")
-        config = {**record["configuration"], "rank": self.hidden_rank}
-        return resolve_hidden_codec({"name": record["name"], "configuration": config}, self.dtype)
+                            f"--hidden-codec ({hidden_codecs.listing(quantised=True)}), not {codec.name!r}")
+        return codec.configure({**codec.record()["configuration"], "rank": self.hidden_rank})
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
@@ -153,7 +152,7 @@ class StorageOptions:
 
         problems = []
         for key, check in (("codec", lambda: resolve_codec(self.codec_config)),
-                           ("hidden_codec", lambda: self.hidden_codec_record)):
+                           ("hidden_codec", lambda: self.resolved_hidden_codec)):
             try:
                 check()
             except json.JSONDecodeError as exc:

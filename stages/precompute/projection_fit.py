@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kdcache.stages.common.hidden_codecs import Projection
+from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.storage import Store, codec_of, has_projection, open_store, rank_of, read_projection, write_projection
+from kdcache.storage import HiddenCodec, Store, has_projection, open_store, read_projection, write_projection
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -32,19 +32,19 @@ FIT_TOKENS = 16384  # leading tokens the basis is fitted on: several times any d
 Bases = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
-def check_rank(record: dict[str, Any], config: PretrainedConfig) -> None:
+def check_rank(codec: HiddenCodec, config: PretrainedConfig) -> None:
     """Refuse a rank outside 1..d-1 for the teacher's hidden size d (``hidden_size``, or ``d_model``), and a
     full-rank codec's (``pca8``) rank other than d.
 
     Raises:
         PrecomputeError: names R and d.
     """
-    rank = rank_of(record)
+    rank = codec.rank
     d = getattr(config, "hidden_size", None) or getattr(config, "d_model", None)
-    if rank is not None and isinstance(d, int) and codec_of(record).full_rank and rank != d:
-        raise PrecomputeError(f"hidden_rank: R = {rank}, but codec {record['name']!r} codes full-rank PCA "
+    if rank is not None and isinstance(d, int) and codec.full_rank and rank != d:
+        raise PrecomputeError(f"hidden_rank: R = {rank}, but codec {codec.name!r} codes full-rank PCA "
                               f"coefficients: expected R = d = {d}, the teacher's hidden size")
-    if rank is not None and isinstance(d, int) and not codec_of(record).full_rank and not 1 <= rank < d:
+    if rank is not None and isinstance(d, int) and not codec.full_rank and not 1 <= rank < d:
         raise PrecomputeError(f"hidden_rank: R = {rank} must be in 1..{d - 1}: the teacher's hidden size is d = {d} "
                               f"(a projection to R >= d directions stores no fewer values than the states)")
 
@@ -96,14 +96,14 @@ def _principal(name: str, count: int, total: torch.Tensor, gram: torch.Tensor, *
     return (basis * signs).float().cpu().numpy(), mean.float().cpu().numpy()
 
 
-def stored_projection(out: str | Store, record: dict[str, Any], names: list[str],
+def stored_projection(out: str | Store, codec: HiddenCodec, names: list[str],
                       fit: Callable[[], Bases]) -> Projection:
     """The cache's projection: read from ``out``'s ``projection/`` folder (the run's output store), or fitted
     (``fit``) and stored there
     first when it is absent; always the stored bytes (another process may have stored its own first)."""
-    rank = rank_of(record)
+    rank = codec.rank
     if rank is None:
-        raise ValueError(f"hidden codec {record['name']!r} has no rank: it has no projection")
+        raise ValueError(f"hidden codec {codec.name!r} has no rank: it has no projection")
     store = open_store(out)
     if not has_projection(store):
         write_projection(store, fit())

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import save_texts
+from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
-from kdcache.stages.common.hidden_codecs import Projection
 from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.adapters import Capture, TeacherAdapter, adapter_for
 from kdcache.stages.precompute.batching import Partition
@@ -45,7 +45,7 @@ from kdcache.stages.precompute.teacher import (
     teacher_files_fingerprint,
 )
 from kdcache.stages.precompute.transfer import ShardItems
-from kdcache.storage import KdcacheError, Store, projected, rank_of
+from kdcache.storage import KdcacheError, Store, projected
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -110,7 +110,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     adapter = adapter_for(config)
     adapter.check_options(options, config)
     targets = resolve_targets(options, config)
-    check_rank(options.storage.hidden_codec_record, config)
+    check_rank(options.storage.resolved_hidden_codec, config)
     tokenizer = load_tokenizer(options)
     store = check_out_folder(st.out)  # before the rows are written there; the one store of the output below
     data = adapter.load_data(options, tokenizer)
@@ -141,7 +141,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     fingerprints = build_fingerprints(options, teacher, targets, data)
     writer = open_writer(store, spec, fingerprints, part) if grid.writes else None
     # Before any shard; under torchrun the main rank fits and stores a rank codec's basis while the others wait.
-    waits = rank_of(spec.hidden_codec) is not None
+    waits = spec.hidden_codec.rank is not None
     if waits and not dist.is_main:
         dist.barrier()
     projection = _projection(options, adapter, teacher, targets, data, spec, into=store)
@@ -195,11 +195,10 @@ def _projection(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Te
                 data: TokenStreams, spec: CacheSpec, *, into: Store | None) -> Projection | None:
     """A rank codec's bases (``projection_fit``): the cache's stored ones, else fitted on the leading sequences
     (and stored first in the output store ``into``, unless None); None without a rank."""
-    record = spec.hidden_codec
-    rank = rank_of(record)
+    codec, rank = spec.hidden_codec, spec.hidden_codec.rank
     if rank is None:
         return None
-    names = [n for n in spec.sequence_names() if projected(record, n)]
+    names = [n for n in spec.sequence_names() if projected(codec, n)]
     first = next(iter(data.ids.values()))
     bounds = fit_bounds([len(s) for s in first], 4 * options.engine.batch_size)
 
@@ -212,7 +211,7 @@ def _projection(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Te
 
     if into is None:
         return Projection.from_arrays(fit())
-    return stored_projection(into, record, names, fit)
+    return stored_projection(into, codec, names, fit)
 
 
 def check_positions(config: PretrainedConfig, data: TokenStreams) -> None:

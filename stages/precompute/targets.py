@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kdcache.stages.common import architectures, attention_sources, logit_kinds
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
-from kdcache.storage import CROSS, DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, kind_of, resolve_hidden_codec
+from kdcache.storage import CROSS, DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, kind_of
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -208,7 +208,7 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: TokenStreams)
         attention_source=attention_sources.get(targets.attention_source).spec_name(targets.attention_scores),
         attention_scores=targets.attention_scores,
         dtype=storage.dtype, codec=storage.codec_config, bitround=storage.bitround,
-        hidden_codec=storage.hidden_codec_record, layers=layers,
+        hidden_codec=storage.resolved_hidden_codec, layers=layers,
         sequences_per_shard=shard_sequences(storage.sequences_per_shard, data))
 
 
@@ -251,5 +251,5 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             **attention_sources.get(targets.attention_source).fingerprint(),
             # Recorded only when it is not the dtype's own (also when given explicitly, as --hidden-codec fp16), so
             # that the fingerprints of caches written before codecs stay the same.
-            **({"hidden_codec": storage.hidden_codec_record}
-               if storage.hidden_codec_record != resolve_hidden_codec(None, storage.dtype) else {})}
+            **({"hidden_codec": codec.record()} if not (codec := storage.resolved_hidden_codec).is_plain(storage.dtype)
+               else {})}

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.common import logit_kinds
-from kdcache.stages.common.hidden_codecs import load_projection
+from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.train.agreement import (
     CkaMatrix,
     LmStats,

@@ -23,7 +23,7 @@ import torch
 
 from kdcache.stages.common import attention_sources, logit_kinds
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION
-from kdcache.stages.common.hidden_codecs import load_projection
+from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.checks import open_cache
 from kdcache.stages.train.device_feed import DeviceFeed

@@ -286,7 +286,7 @@ def _attention_kinds(spec: CacheSpec, attention_loss: str) -> tuple[str, ...]:
 
 def _target_shapes(reader: CacheReader, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
     """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
-    from kdcache.stages.common.hidden_codecs import hidden_width, load_projection
+    from kdcache.stages.common.device_codecs import hidden_width, load_projection
     from kdcache.storage import kind_of
 
     hidden = [n for n in names if kind_of(n) == "hidden"]

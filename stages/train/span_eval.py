@@ -98,7 +98,7 @@ def evaluate_spans(run_dir: str | Path, reader: CacheReader, *, student: str | P
         "spans", "sequences", "tokens" (the teacher tokens of the scored sequences), "notes"}``; ``span_top1`` is
         None when the cache holds no ranked top-k logits, and ``span_cosine`` leaves out pairs it cannot measure.
     """
-    from kdcache.stages.common.hidden_codecs import load_projection
+    from kdcache.stages.common.device_codecs import load_projection
     from kdcache.stages.train.evaluate import load_run
     from kdcache.stages.train.streaming import to_device
 

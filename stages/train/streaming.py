@@ -22,7 +22,7 @@ Speed. One producer thread assembles micro-batches in order while a thread pool 
 decodes only the arrays asked for; the codecs release the GIL). Float targets stay fp16 (or bf16 bits, as int16)
 through collate; ``to_device`` makes them fp32 on the device, so the host never holds an fp32 copy. Hidden states
 of a quantised codec (int8, fp8, int4) cross as their codes and fp16 scales and are decoded there too
-(``stages.common.hidden_codecs``).
+(``stages.common.device_codecs``).
 """
 
 from __future__ import annotations
@@ -40,9 +40,18 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kdcache.stages.common.hidden_codecs import Projection, decode_batch
+from kdcache.stages.common.device_codecs import Projection, decode_batch
 from kdcache.stages.train.decode_plan import decode_plan, shard_locator
-from kdcache.storage import KdcacheError, kind_of, part_of, prefixed, ragged_streams, split_stream, vocab_id_names
+from kdcache.storage import (
+    HiddenCodec,
+    KdcacheError,
+    kind_of,
+    part_of,
+    prefixed,
+    ragged_streams,
+    split_stream,
+    vocab_id_names,
+)
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader
@@ -192,7 +201,7 @@ def _batch_dtype(name: str, stored: np.dtype) -> np.dtype:
     return stored
 
 
-def to_device(batch: Batch, device: torch.device | str, hidden_codec: dict[str, Any] | None = None,
+def to_device(batch: Batch, device: torch.device | str, hidden_codec: HiddenCodec | None = None,
               projection: Projection | None = None) -> Batch:
     """Copy a batch to ``device`` and only there turn targets into float32.
 

@@ -251,7 +251,7 @@ class ArrowBackend(Backend):
             # tells plain users uint16 means bf16 (a bf16 hidden codec's, whatever spec.dtype); codes name their codec
             meta = {"kdcache_dtype": spec.float_dtype(name)} if is_float and not spec.coded(name) else None
             if spec.coded(name):
-                meta = {"kdcache_hidden_codec": spec.hidden_codec["name"]}
+                meta = {"kdcache_hidden_codec": spec.hidden_codec.name}
             if logits is not None and logits.logprob:  # and that these are gaps of -log-prob / step
                 meta = {"kdcache_logprob_step": str(spec.logprob_step)}
             fields.append(pa.field(name, columns[-1].type, nullable=False, metadata=meta))

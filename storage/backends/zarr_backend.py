@@ -43,7 +43,7 @@ from kdcache.storage.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, to_zarr_co
 from kdcache.storage.errors import ChecksumError
 from kdcache.storage.files import crc32c, file_size
 from kdcache.storage.formats import CacheFormat, zarr_problems
-from kdcache.storage.hidden_codecs import CODED_KINDS, codec_of
+from kdcache.storage.hidden_codecs import CODED_KINDS
 from kdcache.storage.logit_layouts import logit_array
 from kdcache.storage.manifest import ShardRecord, shard_name
 from kdcache.storage.spec import CacheSpec
@@ -115,7 +115,7 @@ def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray,
 def _row_shuffle(spec: CacheSpec, name: str, array: np.ndarray) -> list[Any]:
     """A column-major codec's codes ``[T, d]``: numcodecs' byte shuffle with one row as its element, so that the
     compressor sees the codes direction by direction (column 0 of every row, then column 1, ...); else none."""
-    if not (spec.coded(name) and codec_of(spec.hidden_codec).column_major):
+    if not (spec.coded(name) and spec.hidden_codec.column_major):
         return []
     import zarr.codecs.numcodecs as zn
 

@@ -25,8 +25,6 @@ codec is one new module here (or anywhere that calls ``register``; tests/stages/
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
 from kdcache.storage.hidden_codecs.arrays import (
@@ -42,6 +40,7 @@ from kdcache.storage.hidden_codecs.arrays import (
 from kdcache.storage.hidden_codecs.base import (
     HIDDEN_CODECS,
     HiddenCodec,
+    HiddenCodecConfig,
     NoConfig,
     Record,
     get,
@@ -57,6 +56,7 @@ from kdcache.storage.hidden_codecs.coding import (
     encode,
     error_record,
     group_count,
+    hidden_codec_of,
     parts,
     projected,
     rank_of,
@@ -74,16 +74,14 @@ from kdcache.storage.hidden_codecs.naming import (
     part_of,
 )
 from kdcache.storage.hidden_codecs.quantised import QuantConfig, QuantisedCodec
+from kdcache.storage.registry import import_members
 from kdcache.storage.rotation import (
     block_size as block_size,  # re-exported: the codecs' rotation, by its old path
     hadamard_matrix as hadamard_matrix,
     rotation_signs as rotation_signs,
 )
 
-_SHARED = {"arrays", "base", "coding", "naming", "quantised"}
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name not in _SHARED:
-        importlib.import_module(f"{__name__}.{_module.name}")
+import_members(__name__, __path__, but=("arrays", "base", "coding", "naming", "quantised"))
 
 # Codes are near-Gaussian bytes: zstd's entropy coding shrinks them (int8 by ~7%, int7 by ~20%), and bit-shuffling
 # them first, which helps fp16, hides that (measured in benchmarks/RESULTS.md). Zarr caches compress them so.
@@ -98,9 +96,10 @@ CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shu
 COLUMN_CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shuffle": 0,
                                       "blocksize": 1 << 20}
 
-__all__ = ["CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "ERROR_FIELDS", "FP8_MAX",
-           "HIDDEN_CODECS", "PARTS", "ArrayOps", "HiddenCodec", "NoConfig", "QuantConfig", "QuantisedCodec", "Record",
-           "applies_to", "block_size", "check_width", "codec_of", "coded_of", "decode", "encode", "error_record",
-           "fp8_table", "get", "group_count", "hadamard", "hadamard_matrix", "is_part", "listing", "names", "namespace",
-           "ops_for", "part_name", "part_of", "parts", "projected", "rank_of", "register", "register_ops",
-           "resolve_hidden_codec", "rotation_signs", "row_errors", "usage"]
+__all__ = ["ArrayOps", "CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "ERROR_FIELDS",
+           "FP8_MAX", "HIDDEN_CODECS", "HiddenCodec", "HiddenCodecConfig", "NoConfig", "PARTS", "QuantConfig",
+           "QuantisedCodec", "Record", "applies_to", "block_size", "check_width", "codec_of", "coded_of", "decode",
+           "encode", "error_record", "fp8_table", "get", "group_count", "hadamard", "hadamard_matrix",
+           "hidden_codec_of", "is_part", "listing", "names", "namespace", "ops_for", "part_name", "part_of", "parts",
+           "projected", "rank_of", "register", "register_ops", "resolve_hidden_codec", "rotation_signs", "row_errors",
+           "usage"]

@@ -27,8 +27,8 @@ class NoConfig:
         """Nothing to refuse."""
 
 
-class CodecConfig(Protocol):
-    """A codec's configuration: a dataclass that refuses its own bad values."""
+class HiddenCodecConfig(Protocol):
+    """A hidden codec's configuration: a dataclass that refuses its own bad values."""
 
     __dataclass_fields__: ClassVar[dict[str, Any]]
 
@@ -59,10 +59,20 @@ class HiddenCodec:
     full_rank: ClassVar[bool] = False
     column_major: ClassVar[bool] = False
     Config: ClassVar[type] = NoConfig
-    config: CodecConfig
+    config: HiddenCodecConfig
 
-    def __init__(self, config: CodecConfig | None = None) -> None:
+    def __init__(self, config: HiddenCodecConfig | None = None) -> None:
         self.config = self.Config() if config is None else config
+
+    def __eq__(self, other: object) -> bool:
+        """Two codecs are one when their records are (a spec read back equals the spec written)."""
+        return isinstance(other, HiddenCodec) and self.record() == other.record()
+
+    def __hash__(self) -> int:
+        return hash(repr(self.record()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.record()})"
 
     @property
     def rank(self) -> int | None:
@@ -75,6 +85,11 @@ class HiddenCodec:
         fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config) if f.name != "rank"}
         rank = {"rank": self.rank} if self.rank is not None else {}
         return {"name": self.name, "configuration": {**fields, **rank}}
+
+    def is_plain(self, dtype: str) -> bool:
+        """Whether this is float ``dtype`` itself without configuration: what a cache written before hidden codecs
+        holds, and records nowhere (its manifest and fingerprints leave ``hidden_codec`` out)."""
+        return self.name == dtype and not self.record()["configuration"]
 
     def describe(self) -> str:
         """Its configuration as ``inspect`` shows it (empty for a codec that takes none)."""

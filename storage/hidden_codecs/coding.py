@@ -1,6 +1,6 @@
 """A cache's codec record and the coded arrays of one name: resolve the record, encode and decode ``name`` with
 its companions and projection, and summarise the per-row errors. Any array library (``arrays``): numpy here
-and in ``verify``, torch tensors on stage one's and stage two's devices (``stages.common.hidden_codecs``).
+and in ``verify``, torch tensors on stage one's and stage two's devices (``stages.common.device_codecs``).
 
 With a ``rank`` R (``--hidden-rank``), a hidden layer's rows are first projected onto R principal directions
 fitted on the teacher's own states and stored in the cache (``storage.projection``): the codec stores the
@@ -25,11 +25,14 @@ _CONFIGURED: dict[tuple[type[HiddenCodec], str], HiddenCodec] = {}
 
 
 def resolve_hidden_codec(value: object, dtype: str) -> Record:
-    """The full ``{"name", "configuration"}`` record of a codec given as a name, a record, or None (``dtype``).
+    """The full ``{"name", "configuration"}`` record of a codec given as a name, a record, a codec, or None
+    (``dtype``).
 
     Raises:
         SpecError: an unknown name or configuration key, or a bad value.
     """
+    if isinstance(value, HiddenCodec):
+        return value.record()
     if value is not None and not isinstance(value, (str, dict)):
         raise SpecError(f"hidden codec {value!r}: expected a codec name or a {{name, configuration}} object")
     record: dict[str, Any] = {"name": value or dtype} if value is None or isinstance(value, str) else dict(value)
@@ -37,6 +40,12 @@ def resolve_hidden_codec(value: object, dtype: str) -> Record:
     if not isinstance(config, dict):
         raise SpecError(f"hidden codec {name!r}: configuration {config!r} is not an object of the codec's keys")
     return get(name).configure(config).record()
+
+
+def hidden_codec_of(value: object, dtype: str) -> HiddenCodec:
+    """The codec a name, a record, a codec or None (``dtype``) stands for, configured: what an option or a
+    manifest's ``hidden_codec`` becomes at the edge, and then travels as (``resolve_hidden_codec``'s errors)."""
+    return codec_of(resolve_hidden_codec(value, dtype))
 
 
 def codec_of(record: Record | HiddenCodec) -> HiddenCodec:
@@ -50,37 +59,37 @@ def codec_of(record: Record | HiddenCodec) -> HiddenCodec:
     return _CONFIGURED[key]
 
 
-def group_count(record: Record, d: int) -> int:
+def group_count(record: Record | HiddenCodec, d: int) -> int:
     """Scales per row for hidden size d: one, or one per ``group`` channels (the whole row when d <= group)."""
     return codec_of(record).group_count(d)
 
 
-def parts(record: Record) -> tuple[str, ...]:
+def parts(record: Record | HiddenCodec) -> tuple[str, ...]:
     """The companion parts a codec stores beside its codes (none for a float codec)."""
     return codec_of(record).parts()
 
 
-def rank_of(record: Record) -> int | None:
+def rank_of(record: Record | HiddenCodec) -> int | None:
     """The projection's rank R of a resolved record (``configuration.rank``), None without a projection."""
     return codec_of(record).rank
 
 
-def projected(record: Record, name: str) -> bool:
+def projected(record: Record | HiddenCodec, name: str) -> bool:
     """Whether coded array ``name`` stores projection coefficients ``[T, R]``: hidden states of a codec with a
     rank (queries/keys/values are coded as they are)."""
     return rank_of(record) is not None and kind_of(name) == "hidden"
 
 
-def check_width(record: Record, name: str, d: int) -> None:
+def check_width(record: Record | HiddenCodec, name: str, d: int) -> None:
     """Refuse a width the codec cannot store (int4 groups must divide d; outlier ids fit uint16); d is the rank
     R for projection coefficients."""
     expected = codec_of(record).width_expectation(d)
     if expected:
         what = f"projection rank {d}" if projected(record, name) else f"hidden size {d}"
-        raise SpecError(f"{name}: {what} does not suit codec {record['name']!r}: expected {expected}")
+        raise SpecError(f"{name}: {what} does not suit codec {codec_of(record).name!r}: expected {expected}")
 
 
-def _basis(record: Record, name: str, projection: Bases | None) -> tuple[Array, Array]:
+def _basis(record: Record | HiddenCodec, name: str, projection: Bases | None) -> tuple[Array, Array]:
     """(basis ``[R, d]``, mean ``[d]``) of projected array ``name``, or a SpecError naming what is missing."""
     if projection is None or name not in projection:
         raise SpecError(f"{name}: stored as rank-{rank_of(record)} projection coefficients, but no basis for it "
@@ -88,7 +97,7 @@ def _basis(record: Record, name: str, projection: Bases | None) -> tuple[Array, 
     return projection[name]
 
 
-def encode(record: Record, name: str, x: Array, projection: Bases | None = None) -> dict[str, Array]:
+def encode(record: Record | HiddenCodec, name: str, x: Array, projection: Bases | None = None) -> dict[str, Array]:
     """Encode ``x [T, d]`` (any array library, on its device) -> the stored arrays of ``name`` (codes and
     companions, ``part_name``) and its per-row errors ``[T, 5]`` (``row_errors``), measured against ``x`` itself
     so that a projection's loss shows in them.
@@ -116,11 +125,12 @@ def encode(record: Record, name: str, x: Array, projection: Bases | None = None)
     return out
 
 
-def decode(record: Record, arrays: Mapping[str, Array], name: str, projection: Bases | None = None) -> Array:
+def decode(record: Record | HiddenCodec, arrays: Mapping[str, Array], name: str,
+           projection: Bases | None = None) -> Array:
     """Decode coded array ``name`` -> ``[T, d]`` float32 (any array library).
 
     Args:
-        record: the resolved codec record (``spec.hidden_codec``).
+        record: the codec (``spec.hidden_codec``), or its resolved record.
         arrays: the stored arrays by name: ``name`` (codes ``[T, d']``) and its companions (``part_name``).
         name: e.g. ``hidden/3``.
         projection: a rank codec's ``{name: (basis [R, d], mean [d])}`` (``storage.projection``): the decoded
@@ -139,10 +149,10 @@ def decode(record: Record, arrays: Mapping[str, Array], name: str, projection: B
     return y @ xp.astype(basis, xp.float32) + xp.astype(mean, xp.float32)
 
 
-def error_record(record: Record, rows: np.ndarray) -> dict[str, Any]:
+def error_record(record: Record | HiddenCodec, rows: np.ndarray) -> dict[str, Any]:
     """One shard's error record of a coded array, from its per-row errors ``[T, 5]`` (``row_errors``)."""
     sums = rows.astype(np.float64)
     ref = float(sums[:, 1].sum())
-    return {"codec": record["name"], "rel_rms_error": float(np.sqrt(sums[:, 0].sum() / ref)) if ref else 0.0,
+    return {"codec": codec_of(record).name, "rel_rms_error": float(np.sqrt(sums[:, 0].sum() / ref)) if ref else 0.0,
             "worst_row_cosine": float(sums[:, 2].min(initial=1.0)), "max_abs_error": float(sums[:, 3].max(initial=0)),
             "decoded_sq": float(sums[:, 4].sum())}

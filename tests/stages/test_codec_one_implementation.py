@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kdcache.storage
-from kdcache.stages.common.hidden_codecs import TorchOps, decode_batch
+from kdcache.stages.common.device_codecs import TorchOps, decode_batch
 from kdcache.storage.hidden_codecs import (
     FP8_MAX,
     HIDDEN_CODECS,
@@ -25,8 +25,8 @@ from kdcache.storage.hidden_codecs import (
     decode,
     encode,
     fp8_table,
+    hidden_codec_of,
     names,
-    resolve_hidden_codec,
 )
 from kdcache.storage.hidden_codecs.arrays import NumpyOps
 
@@ -58,7 +58,7 @@ def _integer_rows(n: int = 40, d: int = 256, seed: int = 0, zeros: bool = False)
 
 @pytest.mark.parametrize(("name", "configuration"), _configurations())
 def test_numpy_and_torch_store_the_same_bytes(name: str, configuration: dict) -> None:
-    record = resolve_hidden_codec({"name": name, "configuration": configuration}, "fp16")
+    record = hidden_codec_of({"name": name, "configuration": configuration}, "fp16")
     x = _integer_rows(zeros=not codec_of(record).config.outliers)
     on_numpy = encode(record, "hidden/1", x)
     on_torch = {k: v.numpy() for k, v in encode(record, "hidden/1", torch.from_numpy(x)).items()}
@@ -144,7 +144,7 @@ def test_the_codecs_are_written_once() -> None:
     """No codec module, and neither side, compares a codec name or names an array library."""
     import inspect
 
-    import kdcache.stages.common.hidden_codecs as device_side
+    import kdcache.stages.common.device_codecs as device_side
     import kdcache.storage.hidden_codecs.coding as coding
     import kdcache.storage.hidden_codecs.quantised as quantised
 

@@ -62,8 +62,8 @@ def test_a_codec_defined_in_a_test_module_runs_end_to_end(int6: type[Int6], tmp_
     cache = precompute_cache(teacher, tmp_path / "cache", num_sequences=16, extra=(
         "--features", "hidden,logits", "--top-k", "8", "--hidden-codec", "test_int6", "--device", "cpu"))
     reader = CacheReader(cache)
-    assert reader.spec.hidden_codec == {"name": "test_int6",
-                                        "configuration": {"rotation": 0, "outliers": 4, "group": 64}}
+    assert reader.spec.hidden_codec.record() == {"name": "test_int6",
+                                                 "configuration": {"rotation": 0, "outliers": 4, "group": 64}}
     item = reader.get(0)
     assert item["hidden/1"].dtype == np.int8 and np.abs(item["hidden/1"]).max() <= 31  # its own codes
     want = _teacher_hidden(teacher, [item["input_ids"]])[0][1]

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.common.hidden_codecs import decode_batch, encode
+from kdcache.stages.common.device_codecs import decode_batch, encode
 from kdcache.stages.train.evaluate import evaluate_run
 from kdcache.stages.train.loop import run_training
 from kdcache.stages.train.options import TrainOptions
 from kdcache.storage import CacheReader
-from kdcache.storage.hidden_codecs import decode, resolve_hidden_codec
+from kdcache.storage.hidden_codecs import decode, hidden_codec_of
 from kdcache.storage.verify import verify_cache
 from tests.helpers.tiny_models import make_tiny_gpt2
 from tests.stages._train_support import make_student_config, precompute_cache
@@ -42,7 +42,7 @@ def _activations(outlier_scale: float = 1.0, seed: int = 0) -> np.ndarray:
 
 @pytest.mark.parametrize("name", QUANTISED)
 def test_torch_encode_decodes_like_the_numpy_reference(name: str) -> None:
-    record = resolve_hidden_codec(name, "fp16")
+    record = hidden_codec_of(name, "fp16")
     x = _activations(300.0)
     parts = encode(record, "hidden/2", torch.from_numpy(x))
     host = _host(parts)
@@ -61,7 +61,7 @@ def test_small_channels_survive_outliers_only_with_the_outlier_handling(name: st
     small = np.setdiff1d(np.arange(256), [7, 100])
 
     def small_channel_error(configuration: dict) -> float:
-        record = resolve_hidden_codec({"name": name, "configuration": configuration}, "fp16")
+        record = hidden_codec_of({"name": name, "configuration": configuration}, "fp16")
         host = _host(encode(record, "hidden/1", torch.from_numpy(x)))
         got, want = decode(record, host, "hidden/1")[:, small], x.reshape(-1, 256)[:, small]
         return float(np.sqrt(((got - want) ** 2).sum() / (want ** 2).sum()))
@@ -76,7 +76,7 @@ def test_small_channels_survive_outliers_only_with_the_outlier_handling(name: st
 
 
 def test_fp8_never_makes_nan_or_inf() -> None:
-    record = resolve_hidden_codec({"name": "fp8", "configuration": {"rotation": None, "outliers": 0}}, "fp16")
+    record = hidden_codec_of({"name": "fp8", "configuration": {"rotation": None, "outliers": 0}}, "fp16")
     x = np.array([[60000.0, -60000.0, 448.0, 1e-8, 0.0, 5e4, -3.3, 449.0]] * 3, dtype=np.float32)
     x[1] = 0.0  # an all-zero row: scale 0
     x[2, :2] = [1e-20, -1e-20]

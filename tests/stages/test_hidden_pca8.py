@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.common.hidden_codecs import Projection, decode_batch, encode
+from kdcache.stages.common.device_codecs import Projection, decode_batch, encode
 from kdcache.stages.train.evaluate import evaluate_run
 from kdcache.stages.train.loop import run_training
 from kdcache.stages.train.options import TrainOptions
 from kdcache.storage import CacheReader
-from kdcache.storage.hidden_codecs import decode, resolve_hidden_codec
+from kdcache.storage.hidden_codecs import decode, hidden_codec_of
 from kdcache.storage.verify import verify_cache
 from tests.helpers.tiny_models import make_tiny_gpt2
 from tests.stages._train_support import make_student_config, precompute_cache
@@ -36,7 +36,7 @@ def pca8_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_torch_encode_steps_by_the_row_rms_and_decodes_like_the_numpy_reference() -> None:
-    record = resolve_hidden_codec({"name": "pca8", "configuration": {"rank": 64, "step": 0.3}}, "fp16")
+    record = hidden_codec_of({"name": "pca8", "configuration": {"rank": 64, "step": 0.3}}, "fp16")
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((2, 9, 64)) * np.geomspace(10, 0.01, 64)).astype(np.float32)  # decaying variances
     mean = x.reshape(-1, 64).mean(0)

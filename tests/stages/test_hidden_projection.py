@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.common.hidden_codecs import Projection, decode_batch, encode
+from kdcache.stages.common.device_codecs import Projection, decode_batch, encode
 from kdcache.stages.train.evaluate import evaluate_run
 from kdcache.stages.train.loop import run_training
 from kdcache.stages.train.options import TrainOptions
 from kdcache.storage import CacheReader
-from kdcache.storage.hidden_codecs import decode, resolve_hidden_codec
+from kdcache.storage.hidden_codecs import decode, hidden_codec_of, resolve_hidden_codec
 from kdcache.storage.verify import verify_cache
 from tests.helpers.tiny_models import make_tiny_gpt2
 from tests.stages._train_support import make_student_config, precompute_cache
@@ -42,7 +42,7 @@ def rank_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_torch_encode_with_a_basis_decodes_like_the_numpy_reference() -> None:
-    record = resolve_hidden_codec({"name": "int8", "configuration": {"rank": 16}}, "fp16")
+    record = hidden_codec_of({"name": "int8", "configuration": {"rank": 16}}, "fp16")
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((2, 9, 16)) @ rng.standard_normal((16, 64))).astype(np.float32)  # rank 16 in d = 64
     mean = x.reshape(-1, 64).mean(0)
@@ -67,7 +67,7 @@ def test_a_record_without_a_rank_is_the_record_of_before() -> None:
 
 
 def test_a_cache_without_a_rank_has_no_projection_and_decodes_as_before(tmp_path: Path) -> None:
-    from kdcache.stages.common.hidden_codecs import load_projection
+    from kdcache.stages.common.device_codecs import load_projection
     from kdcache.storage import CacheSpec, CacheWriter
 
     spec = CacheSpec(num_sequences=2, hidden_layers=(1,), hidden_codec="int8", sequences_per_shard=2)

@@ -88,7 +88,7 @@ class HiddenCodecSuite:
 
     def test_caches_without_a_codec_keep_their_manifests_and_bad_codecs_are_named(self, tmp_path):
         plain = self.spec()
-        assert "hidden_codec" not in plain.to_dict() and plain.hidden_codec == {"name": "fp16", "configuration": {}}
+        assert "hidden_codec" not in plain.to_dict() and plain.hidden_codec.record() == {"name": "fp16", "configuration": {}}
         assert CacheSpec.from_dict(plain.to_dict()) == plain
         bf16 = self.spec(dtype="bf16")
         assert "hidden_codec" not in bf16.to_dict() and bf16.float_dtype("hidden/0") == "bf16"
@@ -137,7 +137,7 @@ class HiddenCodecSuite:
                      np.load(tmp_path / "projection" / f"{n.replace('/', '.')}.mean.npy")) for n in bases}
         assert all(np.array_equal(plain[n][0], bases[n][0]) and plain[n][0].shape == (4, 8) for n in bases)
         manifest = CacheReader(tmp_path).manifest
-        assert "projection/hidden.2.basis.npy" in manifest.files and manifest.spec.hidden_codec["configuration"][
+        assert "projection/hidden.2.basis.npy" in manifest.files and manifest.spec.hidden_codec.record()["configuration"][
             "rank"] == 4
         reader = CacheReader(tmp_path)
         stored = read_projection(reader.store, list(bases), 4)
@@ -162,7 +162,7 @@ class HiddenCodecSuite:
 
         spec = self.spec(hidden_codec={"name": "pca8", "configuration": {"rank": 8}}, logits=None,
                          attention_layers=())
-        assert spec.hidden_codec["configuration"] == {"rotation": None, "outliers": 0, "group": 64, "step": 0.24,
+        assert spec.hidden_codec.record()["configuration"] == {"rotation": None, "outliers": 0, "group": 64, "step": 0.24,
                                                       "rank": 8}
         seqs = self._sequences(spec)
         flat = {n: np.concatenate([s[n] for s in seqs]) for n in ("hidden/0", "hidden/2")}

@@ -1,5 +1,8 @@
 """Hidden codecs on the devices: torch tensors through the one implementation in ``storage.hidden_codecs``.
 
+Every function takes the configured codec (``storage.HiddenCodec``, ``spec.hidden_codec``), resolved once where
+the options or the manifest are read.
+
 Stage one calls ``encode`` on a padded ``[B, L, d]`` activation before anything crosses to the host, so the host,
 the disk and the object store carry only codes and scales. Stage two calls ``decode_batch`` right after the copy
 to its device (``streaming.to_device``), the way fp16 becomes fp32 there. The codecs themselves are written once
@@ -18,22 +21,18 @@ from array_api_compat import array_namespace
 from kdcache.storage import (
     FP8_MAX,
     PARTS,
+    HiddenCodec,
     applies_to,
-    codec_of,
     hidden_codecs as storage_codecs,
     is_part,
     part_name,
     projected,
-    rank_of,
     register_ops,
     row_errors,
 )
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader
-
-Record = dict[str, Any]  # a resolved {"name", "configuration"} codec record (spec.hidden_codec)
-
 
 class TorchOps:
     """torch's additions to the array API for the codecs (``storage.hidden_codecs.arrays.ArrayOps``): kernels
@@ -92,22 +91,22 @@ class Projection:
         return int(self.on(name, torch.device("cpu"))[0].shape[1])
 
 
-def _bases(record: Record, name: str, projection: Projection | None, device: torch.device, what: str
+def _bases(codec: HiddenCodec, name: str, projection: Projection | None, device: torch.device, what: str
            ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
     """``{name: (basis, mean)}`` on ``device`` for a projected ``name``; None for one coded as it is."""
-    if not projected(record, name):
+    if not projected(codec, name):
         return None
     if projection is None:
-        raise ValueError(f"{name}: a rank-{rank_of(record)} {what}")
+        raise ValueError(f"{name}: a rank-{codec.rank} {what}")
     return {name: projection.on(name, device)}
 
 
-def quantised(record: Record) -> bool:
+def quantised(codec: HiddenCodec) -> bool:
     """Whether the codec stores codes (fp8, int8, int4, ...) rather than floats."""
-    return codec_of(record).float_dtype is None
+    return codec.float_dtype is None
 
 
-def encode(record: Record, name: str, x: torch.Tensor, projection: Projection | None = None
+def encode(codec: HiddenCodec, name: str, x: torch.Tensor, projection: Projection | None = None
            ) -> dict[str, torch.Tensor]:
     """Encode ``x [..., d]`` on its device -> ``name``'s codes and companions ``[..., w]`` and per-row errors
     ``[..., 5]`` (``storage.hidden_codecs.row_errors``'s columns), all still on the device.
@@ -117,30 +116,30 @@ def encode(record: Record, name: str, x: torch.Tensor, projection: Projection | 
     """
     lead, d = x.shape[:-1], x.shape[-1]
     rows = x.detach().reshape(-1, d).float()
-    bases = _bases(record, name, projection, rows.device, "codec needs its projection basis to encode")
-    out = storage_codecs.encode(record, name, rows, bases)
+    bases = _bases(codec, name, projection, rows.device, "codec needs its projection basis to encode")
+    out = storage_codecs.encode(codec, name, rows, bases)
     return {key: value.reshape(*lead, value.shape[-1]) for key, value in out.items()}
 
 
-def decode_rows(record: Record, codes: torch.Tensor, scale: torch.Tensor, outliers: torch.Tensor | None = None,
+def decode_rows(codec: HiddenCodec, codes: torch.Tensor, scale: torch.Tensor, outliers: torch.Tensor | None = None,
                 outlier_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Decode rows: codes ``[N, d']``, scales ``[N, G]``, outliers and their ids ``[N, m]`` -> ``[N, d]`` float32."""
     stored = {"codes": codes, "scale": scale, "outliers": outliers, "outlier_ids": outlier_ids}
-    return codec_of(record).decode_rows({k: v for k, v in stored.items() if v is not None})
+    return codec.decode_rows({k: v for k, v in stored.items() if v is not None})
 
 
-def decode_batch(record: Record, batch: dict[str, Any], projection: Projection | None = None) -> dict[str, Any]:
+def decode_batch(codec: HiddenCodec, batch: dict[str, Any], projection: Projection | None = None) -> dict[str, Any]:
     """Replace each coded ``[B, L, d']`` target of a batch on its device by its float32 ``[B, L, d]`` decode, and
     drop the companions; a rank codec's coefficients ``[B, L, R]`` are mapped back through ``projection``
     (``coef @ basis + mean``). A float codec's batch is returned as it is."""
-    if not quantised(record):
+    if not quantised(codec):
         return batch
     out = {k: v for k, v in batch.items() if not is_part(k)}
     for name in [k for k in batch if applies_to(k)]:
         rows = {key: _rows(batch, key) for key in (name, *(part_name(name, p) for p in PARTS)) if key in batch}
         device = batch[name].device
-        bases = _bases(record, name, projection, device, "cache decodes through its projection bases")
-        decoded = storage_codecs.decode(record, rows, name, bases)
+        bases = _bases(codec, name, projection, device, "cache decodes through its projection bases")
+        decoded = storage_codecs.decode(codec, rows, name, bases)
         out[name] = decoded.reshape(*batch[name].shape[:-1], decoded.shape[-1])
     return out
 
@@ -154,24 +153,24 @@ def load_projection(reader: CacheReader) -> Projection | None:
     """The bases of a rank cache (``storage.projection``) from a ``CacheReader``; None without a projection."""
     from kdcache.storage import read_projection
 
-    record, rank = reader.spec.hidden_codec, rank_of(reader.spec.hidden_codec)
+    codec, rank = reader.spec.hidden_codec, reader.spec.hidden_codec.rank
     if rank is None:
         return None
-    names = [n for n in reader.spec.sequence_names() if projected(record, n)]
+    names = [n for n in reader.spec.sequence_names() if projected(codec, n)]
     return Projection.from_arrays(read_projection(reader.store, names, rank))
 
 
-def stored_width(record: Record, d: int) -> int:
+def stored_width(codec: HiddenCodec, d: int) -> int:
     """Columns of a coded array for hidden size d (int4 packs two channels per byte)."""
-    return codec_of(record).stored_width(d)
+    return codec.stored_width(d)
 
 
-def hidden_width(record: Record, stored: int, projected_width: int | None = None) -> int:
+def hidden_width(codec: HiddenCodec, stored: int, projected_width: int | None = None) -> int:
     """Hidden size d of a coded array with ``stored`` columns (the inverse of ``stored_width``); a projected
     array's is its basis's width, ``projected_width``."""
-    if rank_of(record) is not None and projected_width is not None:
+    if codec.rank is not None and projected_width is not None:
         return projected_width
-    return stored * codec_of(record).per_code
+    return stored * codec.per_code
 
 
 __all__ = ["FP8_MAX", "Projection", "TorchOps", "decode_batch", "decode_rows", "encode", "hidden_width",
