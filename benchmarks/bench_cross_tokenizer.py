@@ -106,7 +106,7 @@ def run(steps: int, sentences: int, repeats: int = 2, teacher_steps: int = 300,
     """Every run of the module docstring, under ``root`` (a fresh temporary folder by default, kept)."""
     from transformers import AutoTokenizer
 
-    from kdcache.stages.train.span_eval import evaluate_spans
+    from kdcache.stages.train.evaluation.span_eval import evaluate_spans
     from kdcache.storage import CacheReader
     from tests.helpers.tiny_models import make_tiny_llama, sample_texts, train_wordpiece_tokenizer
 
@@ -201,11 +201,11 @@ def _one_step_peak(cache: str, student: str, rows: int, path: str) -> dict[str, 
     """``step_memory``'s child: one step on ``rows`` sequences, ``path`` "chunked" or "materialised"."""
     import resource
 
-    from kdcache.stages.train.cross_model import build_cross_model, without_logit_kl
+    from kdcache.stages.train.cross.cross_model import build_cross_model, without_logit_kl
     from kdcache.stages.train.distill import build_criterion
+    from kdcache.stages.train.feed.streaming import collate, to_device
     from kdcache.stages.train.loop import prepare
     from kdcache.stages.train.options import TrainOptions
-    from kdcache.stages.train.streaming import collate, to_device
     from kdcache.stages.train.student_head import plain_head
 
     options = TrainOptions.of(cache=cache, student=student, out=str(Path(cache).parent / "unused"),

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.stages.train.streaming import CacheStream
+from kdcache.stages.train.feed.streaming import CacheStream
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter
 
 

@@ -47,7 +47,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks, tests.h
 
 from benchmarks.bench_host_path import StubLayers, make_teacher, pin_threads, write_data  # noqa: E402
 from kdcache.stages.precompute.background import BackgroundWriter  # noqa: E402
-from kdcache.stages.train.streaming import CacheStream  # noqa: E402
+from kdcache.stages.train.feed.streaming import CacheStream  # noqa: E402
 from kdcache.storage import CacheSpec, CacheWriter  # noqa: E402
 
 LAYERS, TOP_K = (1, 2, 3, 4), 128

@@ -328,7 +328,7 @@ def train_students(root: Path, sentences: list[str], heldout: list[str], steps: 
                    codecs: list[str]) -> dict[str, dict[str, float]]:
     """The demo's training per codec (precompute, train, eval on one fp16 held-out cache), through the CLI."""
     from kdcache.pipeline.demo_text import write_jsonl
-    from kdcache.stages.train.eval_records import read_evals
+    from kdcache.stages.train.evaluation.eval_records import read_evals
 
     common = ["--teacher", str(teacher_path()), "--max-length", "64", "--batch-size", "32", "--no-progress"]
     train, held = write_jsonl(sentences, root / "train.jsonl"), write_jsonl(heldout, root / "heldout.jsonl")

@@ -71,7 +71,7 @@ class StubLayers:
     def __init__(self) -> None:
         from transformers.models.llama import modeling_llama
 
-        from kdcache.stages.precompute import transfer
+        from kdcache.stages.precompute.capture import transfer
 
         self.cls, self.norm, self.transfer = modeling_llama.LlamaDecoderLayer, modeling_llama.LlamaRMSNorm, transfer
         self.originals = (self.cls.forward, self.norm.forward, transfer.HostCopier.start, transfer.HostBatch.wait)

@@ -175,7 +175,7 @@ def bench_shape(label: str, seqs: list[dict[str, np.ndarray]], vocab: int, per_s
 def stream_wait(cache: str, steps: int, step_s: float, batch_size: int = 16) -> float:
     """Mean seconds a training step waits for its batch, with ``step_s`` of simulated compute per step; the
     first two steps (the stream's start-up, paid once per run) are left out."""
-    from kdcache.stages.train.streaming import CacheStream
+    from kdcache.stages.train.feed.streaming import CacheStream
 
     names = [n for n in CacheReader(cache).spec.sequence_names() if n.startswith(("input_ids", "hidden/", "logits/"))]
     stream = iter(CacheStream(cache, names, batch_size=batch_size, seed=0, prefetch=4))

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: the tiny models
 
 from kdcache.pipeline.cli import main as kdcache  # noqa: E402
-from kdcache.stages.train.eval_records import read_evals  # noqa: E402
+from kdcache.stages.train.evaluation.eval_records import read_evals  # noqa: E402
 from tests.helpers.tiny_models import make_tiny_gpt2, sample_texts, write_text_dataset  # noqa: E402
 
 MODES = {"full": ["--logits", "full"], "top-64": ["--top-k", "64"], "top-128": ["--top-k", "128"],

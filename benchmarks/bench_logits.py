@@ -160,7 +160,7 @@ def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from benchmarks.bench_logits import llama_model
-from kdcache.stages.precompute.capture import FeatureCapture
+from kdcache.stages.precompute.capture.features import FeatureCapture
 from kdcache.stages.precompute.targets import StreamTargets, Targets
 from kdcache.stages.precompute.teacher import Teacher
 model = llama_model()

@@ -66,9 +66,9 @@ def run_mode(mode: str, cache: Path, student: Path, work: Path, args: argparse.N
 
     from kdcache.stages.train.distill import DistillModel, build_criterion
     from kdcache.stages.train.engine import build_engine, init_distributed
+    from kdcache.stages.train.feed.streaming import CacheStream
     from kdcache.stages.train.loop import prepare
     from kdcache.stages.train.options import TrainOptions
-    from kdcache.stages.train.streaming import CacheStream
 
     baseline = _rss()
     options = TrainOptions.of(cache=str(cache), student=str(student), out=str(work / f"run-{mode}"), alpha=1.0,
@@ -120,7 +120,7 @@ def _loop(engine: Any, stream: Any, teacher: Any, plan: Any, timed: _Timed, args
           device: Any) -> dict[str, Any]:
     import torch
 
-    from kdcache.stages.train.streaming import to_device
+    from kdcache.stages.train.feed.streaming import to_device
 
     loader, parts, start = iter(stream), {}, 0.0
     for step in range(args.warmup + args.steps):

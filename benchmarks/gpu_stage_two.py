@@ -147,7 +147,7 @@ def _loop_rate(options: Any, teacher_dir: str | None, steps: int, warmup: int) -
     """Tokens/s of a plain DeepSpeed loop (same config as ``run_training``'s) over the cache's token ids: the
     student's own loss, or with ``teacher_dir`` online KD against the teacher run on each batch."""
     from kdcache.stages.train.engine import build_engine, init_distributed
-    from kdcache.stages.train.streaming import CacheStream, to_device
+    from kdcache.stages.train.feed.streaming import CacheStream, to_device
     from kdcache.stages.train.student import load_student
 
     dist = init_distributed()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable
     """``(__getattr__, __dir__, __all__)`` for ``package``, whose ``__init__`` is ``init_file``.
 
     A name imported from the package itself (``from kdcache.storage import errors as errors``) is its submodule.
+    ``from package import name`` at a module's top reads it once; the lookup costs a dict and ``sys.modules``.
     """
     exports = exported_names(init_file)
     names = sorted(exports)
@@ -41,10 +41,8 @@ def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module, attribute = exports[name]
         if module == package:
-            value: Any = importlib.import_module(f"{package}.{attribute}")
-        else:
-            value = getattr(importlib.import_module(module), attribute)
-        setattr(sys.modules[package], name, value)  # loaded once: later reads skip this function
-        return value
+            return importlib.import_module(f"{package}.{attribute}")
+        # Read from its module each time, not kept here: a test that patches the module is seen through the door.
+        return getattr(importlib.import_module(module), attribute)
 
     return load, lambda: names, names

@@ -37,7 +37,7 @@ def describe(path: str) -> dict[str, Any]:
     Raises:
         KdcacheError: missing or corrupt manifest, newer format version.
     """
-    from kdcache.stages.common.cache_texts import has_texts
+    from kdcache.stages.common import has_texts
     from kdcache.storage import CacheReader, describe_codec, summarize_arrays
 
     reader = CacheReader(path, allow_partial=True)

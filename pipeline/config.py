@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
-from kdcache.stages.common.option_groups import flatten, groups, leaves, nest, required
-from kdcache.stages.common.stream_options import ALIASES, alias_flags, fold_aliases
+from kdcache.stages.common import ALIASES, alias_flags, flatten, fold_aliases, groups, leaves, nest, required
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:

@@ -133,7 +133,7 @@ def prepare_data(opts: DemoOptions, out: Path) -> tuple[Path, Path]:
 
 def agreement(run_dir: Path, role: str) -> dict[str, float]:
     """Cosine and Spearman of a ``kdcache eval`` record (the held-out cache's targets; no teacher)."""
-    from kdcache.stages.train.eval_records import find_eval
+    from kdcache.stages.train import find_eval
 
     record = find_eval(run_dir, role) or {}
     return {key: record[key] for key in ("cosine", "spearman", "sentences") if key in record}
@@ -185,7 +185,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
 def _facts(cache: Path, run_dir: Path, teacher: Path) -> dict[str, Any]:
     """Cache size, the loss curve and the teacher's size, read from what the steps left on disk."""
-    from kdcache.stages.train.logging import read_jsonl
+    from kdcache.stages.train import read_jsonl
     from kdcache.storage import CacheReader
 
     manifest = CacheReader(cache).manifest

@@ -19,7 +19,7 @@ META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "da
 EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval_perplexity", "perplexity"),
                 ("eval_top1", "top1_agreement"), ("eval_kl", "kl"), ("eval_cka_final", "cka.final"),
                 ("eval_cka_on_map", "cka.mean_on_map"), ("eval_attention_kl", "attention.kl"),
-                # a --cross-tokenizer run's (kind "cross_tokenizer", stages.train.span_eval)
+                # a --cross-tokenizer run's (kind "cross_tokenizer", stages.train.evaluation.span_eval)
                 ("eval_span_top1", "span_top1"), ("eval_span_top1_floor", "span_top1_floor"),
                 ("eval_span_cosine", "span_cosine_mean"),
                 ("eval_span_cka", "span_cka_mean"), ("eval_aligned_share", "aligned_share"))
@@ -87,7 +87,7 @@ def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
         (records, skipped): every line that parses as a JSON object, and how many did not (a truncated last
         line of a live run, typically).
     """
-    from kdcache.stages.train.logging import read_records
+    from kdcache.stages.train import read_records
 
     parsed, skipped = read_records(path)
     records = [r for r in parsed if isinstance(r, dict) and "step" in r]
@@ -125,7 +125,7 @@ class RunState:
 
 def load_run_state(run_dir: str | Path) -> RunState:
     """Read options, plan, metrics (tolerantly), evaluations (RUN/evals/) and whether the student was exported."""
-    from kdcache.stages.train.eval_records import newest, read_evals
+    from kdcache.stages.train import newest, read_evals
 
     root = Path(run_dir)
     metrics, skipped = read_metrics(root / "metrics.jsonl")
@@ -182,9 +182,8 @@ def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
     stayed at their defaults; encoder-decoder options left empty are not options this run used."""
     import dataclasses
 
-    from kdcache.stages.common.option_groups import leaves
-    from kdcache.stages.common.stream_options import ALIASES
-    from kdcache.stages.train.options import DEFAULT_TEMPERATURE, TrainOptions
+    from kdcache.stages.common import ALIASES, leaves
+    from kdcache.stages.train import DEFAULT_TEMPERATURE, TrainOptions
 
     # options.json holds maps as their text, so the defaults are compared as text too.
     plain = (bool, int, float, str, tuple, type(None))

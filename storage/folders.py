@@ -20,7 +20,7 @@ from kdcache.storage.stores import Store
 
 TABLE = ".kdcache-files.json"
 # Stage one's rows (tokenized data, memory-mapped by its ranks) live outside every cache, in one rows folder
-# (stages.precompute.row_store.rows_root); caches written before that may still hold a rows/ folder, never read.
+# (stages.precompute.rows.row_store.rows_root); caches written before that may still hold a rows/ folder, never read.
 ROWS_DIR = "rows"
 _NOT_FOLDERS = {SHARDS_DIR, "locks", MANIFEST_NAME, ROWS_DIR}
 # The folders stage one writes (its teacher head is stages.common.teacher_head.HEAD_FOLDER): with the entries

@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Triton's kernels run on CPU tensors under its interpreter (read when triton is imported): the fused vocabulary
 # kernel's tests (tests/stages/test_fused_kernel.py) need no GPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Stage one's rows live outside the caches (stages.precompute.row_store.rows_root): never in the user's datasets
+# Stage one's rows live outside the caches (stages.precompute.rows.row_store.rows_root): never in the user's datasets
 # cache from a test, and one folder per test, so that a test sees its own builds.
 os.environ.setdefault("KDCACHE_ROWS", tempfile.mkdtemp(prefix="kdcache-test-rows-"))
 

@@ -6,6 +6,9 @@
   elsewhere, and a forgotten comparison cannot quietly send a new entry down another entry's branch.
 * ``stages`` and ``pipeline`` import storage through its front door, ``kdcache.storage``, never a submodule (its
   errors included), so that storage's file split is not public API.
+* ``pipeline`` imports a stage through its front door (``kdcache.stages.train``, ``.precompute``, ``.common``), and
+  no module imports a module of a sub-package (``train.feed``, ``precompute.rows``, ``common.logit_kinds``...)
+  that does not hold it, but through that sub-package's door.
 
 Each checker is also run on planted snippets, so that a checker that finds nothing cannot pass for a clean tree.
 """
@@ -70,6 +73,33 @@ def storage_imports(source: str) -> list[tuple[int, str]]:
     return found
 
 
+def module_name(path: str) -> str:
+    """``stages/train/loop.py`` -> ``kdcache.stages.train.loop`` (a package's ``__init__`` names the package)."""
+    parts = path.removesuffix(".py").split("/")
+    return "kdcache." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def past_a_door(importer: str, source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of each import in ``source`` (the module ``importer``) of a stages module behind a door:
+    from ``pipeline``, anything below ``kdcache.stages.X``; from anywhere, a module of a package two levels below
+    ``kdcache.stages`` (or deeper) that does not hold ``importer``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        for module in (m for m in modules if m.startswith("kdcache.stages.")):
+            package = module.rsplit(".", 1)[0]
+            inside = importer == package or importer.startswith(package + ".")
+            depth = package.count(".") - 1  # kdcache.stages.train -> 1
+            if not inside and (depth >= 2 or depth >= 1 and importer.startswith("kdcache.pipeline")):
+                found.append((node.lineno, module))
+    return found
+
+
 def _files(*packages: str) -> Iterator[tuple[str, str]]:
     for package in packages:
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -110,6 +140,27 @@ def test_the_import_checker_finds_planted_imports() -> None:
                                         (5, "kdcache.storage.backends.registry")]
 
 
+def test_the_door_checker_finds_planted_imports() -> None:
+    planted = ("from kdcache.stages.train import run_training\nfrom kdcache.stages.train.loop import prepare\n"
+               "from kdcache.stages.common import logit_kinds\nimport kdcache.stages.precompute.runner\n")
+    assert past_a_door("kdcache.pipeline.cli", planted) == [(2, "kdcache.stages.train.loop"),
+                                                            (4, "kdcache.stages.precompute.runner")]
+    planted = ("from kdcache.stages.train.feed import to_device\nfrom kdcache.stages.train.feed.streaming import collate\n"
+               "from kdcache.stages.common.vocab_pass import HeadPass\n"
+               "from kdcache.stages.common.logit_kinds.topk import topk_kl\n")
+    assert past_a_door("kdcache.stages.train.loop", planted) == [(2, "kdcache.stages.train.feed.streaming"),
+                                                                 (4, "kdcache.stages.common.logit_kinds.topk")]
+    assert past_a_door("kdcache.stages.train.feed.device_feed", planted) == [(4, "kdcache.stages.common.logit_kinds.topk")]
+
+
+@pytest.mark.parametrize("package", ["stages", "pipeline"])
+def test_modules_import_a_stage_and_its_parts_through_their_front_doors(package: str) -> None:
+    found = [f"{path}:{line}: imports {module}" for path, text in _files(package)
+             for line, module in past_a_door(module_name(path), text)]
+    assert not found, "import these from the package's door (add the name to its TYPE_CHECKING block):\n" + \
+        "\n".join(found)
+
+
 @pytest.mark.parametrize("package", ["stages", "pipeline"])
 def test_stages_and_pipeline_import_storage_through_its_front_door(package: str) -> None:
     found = [f"{path}:{line}: imports {module}" for path, text in _files(package)
@@ -117,14 +168,21 @@ def test_stages_and_pipeline_import_storage_through_its_front_door(package: str)
     assert not found, "import these from kdcache.storage (add the name to its _EXPORTS):\n" + "\n".join(found)
 
 
-def test_the_front_door_exports_resolve_and_are_listed_once() -> None:
+LAZY_DOORS = ["storage", "stages/train", "stages/common", "stages/precompute", "stages/train/feed",
+              "stages/train/evaluation", "stages/train/cross", "stages/precompute/rows", "stages/precompute/parallel",
+              "stages/precompute/capture"]
+
+
+@pytest.mark.parametrize("door", LAZY_DOORS)
+def test_the_front_door_exports_resolve_and_are_listed_once(door: str) -> None:
     """Every exported name loads, and the names are listed once: in the ``TYPE_CHECKING`` block mypy reads, which
     is also where the lazy loader finds each name's module (``kdcache.lazy_exports``)."""
-    import kdcache.storage as storage
+    import importlib
 
+    storage = importlib.import_module(module_name(f"{door}/__init__.py"))
     for name in storage.__all__:
         assert getattr(storage, name) is not None, name
-    tree = ast.parse((ROOT / "storage" / "__init__.py").read_text())
+    tree = ast.parse((ROOT / door / "__init__.py").read_text())
     guarded = next(n for n in tree.body if isinstance(n, ast.If))
     typed = [alias.asname or alias.name for n in ast.walk(guarded) if isinstance(n, ast.ImportFrom)
              for alias in n.names]

@@ -106,7 +106,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 def _verify_rows(cache: str, report: VerifyReport) -> None:
     """Add the problems of the cache's rows (stage one's row table, in the rows folder outside the cache) to
     ``report``: found by the data fingerprint their sealed table records; rows nobody built are no problem."""
-    from kdcache.stages.precompute.row_store import row_problems
+    from kdcache.stages.precompute import row_problems
     from kdcache.storage import KdcacheError, VerifyProblem, load_manifest, open_store
 
     try:

@@ -72,7 +72,7 @@ def check_baseline(out: Path, student: str) -> None:
     Raises:
         EvaluationError: naming the file, the student it holds and the way to replace it.
     """
-    from kdcache.stages.train.evaluate import EvaluationError
+    from kdcache.stages.train import EvaluationError
     from kdcache.storage import read_json_object
 
     held = read_json_object(out) if out.is_file() else None
@@ -84,10 +84,15 @@ def check_baseline(out: Path, student: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate, write RUN/evals/{role}@{cache label}.json, print a summary. Returns 0."""
-    from kdcache.stages.train.checks import open_cache
-    from kdcache.stages.train.eval_records import cache_identity, cache_label, eval_path
-    from kdcache.stages.train.evaluate import evaluate_run
-    from kdcache.stages.train.span_eval import evaluate_cross_run, is_cross_run
+    from kdcache.stages.train import (
+        cache_identity,
+        cache_label,
+        eval_path,
+        evaluate_cross_run,
+        evaluate_run,
+        is_cross_run,
+        open_cache,
+    )
 
     reader = open_cache(args.cache)
     run_dir = Path(args.run)
@@ -127,7 +132,7 @@ def format_eval(result: dict[str, Any], out: Path) -> str:
                        ("cosine", "mean cosine"), ("spearman", "Spearman")):
         if isinstance(result.get(key), float):
             lines.append(f"  {label:<16} {result[key]:.4f}")
-    from kdcache.stages.train.eval_records import alignment_panels
+    from kdcache.stages.train import alignment_panels
 
     for stream, cka in alignment_panels(result).items():
         on_map = ", ".join(f"{p['student']}->{p['teacher']}: " + ("n/a" if p["cka"] is None else f"{p['cka']:.3f}")

@@ -10,7 +10,7 @@ import argparse
 
 from kdcache.pipeline.commands import Subcommands, print_summary
 from kdcache.pipeline.config import from_args
-from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute import PrecomputeOptions
 
 
 def register(subparsers: Subcommands) -> None:
@@ -32,8 +32,7 @@ def register(subparsers: Subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build and validate the options, then run stage one; print the summary on rank 0. Returns 0."""
     options = from_args(PrecomputeOptions, args, section="precompute")
-    from kdcache.stages.precompute import format_summary, run_precompute
-    from kdcache.stages.precompute.estimate import format_estimate
+    from kdcache.stages.precompute import format_estimate, format_summary, run_precompute
 
     fmt = format_estimate if options.engine.estimate else format_summary
     print_summary(run_precompute(options), getattr(args, "json", False), fmt)

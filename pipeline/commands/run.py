@@ -14,8 +14,8 @@ from typing import Any
 
 from kdcache.pipeline.commands import Subcommands
 from kdcache.pipeline.config import ConfigError, build, flat_values, load_yaml
-from kdcache.stages.precompute.options import PrecomputeOptions
-from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.precompute import PrecomputeOptions
+from kdcache.stages.train import TrainOptions
 
 SECTIONS = ("precompute", "train")
 
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     pre, train = load_pipeline(args.config)
     from kdcache.pipeline.commands.train import format_summary as format_train
     from kdcache.stages.precompute import format_summary as format_pre, run_precompute
-    from kdcache.stages.train.loop import run_training
+    from kdcache.stages.train import run_training
 
     summary = run_precompute(pre)
     if summary["shards_written"] == 0 and summary["status"] == "complete":

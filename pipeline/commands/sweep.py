@@ -15,9 +15,8 @@ from typing import Any
 
 from kdcache.pipeline.commands import Subcommands
 from kdcache.pipeline.config import ConfigError, load_yaml
-from kdcache.stages.common.option_groups import leaves
-from kdcache.stages.common.stream_options import ALIASES
-from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.common import ALIASES, leaves
+from kdcache.stages.train import TrainOptions
 
 
 def register(subparsers: Subcommands) -> None:
@@ -100,9 +99,7 @@ def _eval_cache_problems(eval_cache: str, student: str, cross: bool) -> list[str
     """Every run's student keeps the vocabulary and tokenizer of ``student``: one that does not fit the eval cache
     is refused before the first run, with the sentences `kdcache eval` and `kdcache train` use. A
     ``--cross-tokenizer`` run is scored span by span instead: its eval cache needs recorded texts."""
-    from kdcache.stages.train.checks import open_cache
-    from kdcache.stages.train.cross_checks import text_problems
-    from kdcache.stages.train.evaluate import student_folder_problems
+    from kdcache.stages.train import open_cache, student_folder_problems, text_problems
 
     reader = open_cache(eval_cache)
     found = text_problems(reader, "span agreement") if cross else student_folder_problems(reader, student)

@@ -17,8 +17,8 @@ from typing import Any
 from kdcache.pipeline.commands import Subcommands, print_summary
 from kdcache.pipeline.config import ConfigError, from_args
 from kdcache.pipeline.quiet import quiet
-from kdcache.stages.common.stream_options import StreamLayers, alias_flags, fold_aliases
-from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.common import StreamLayers, alias_flags, fold_aliases
+from kdcache.stages.train import TrainOptions
 
 
 def register(subparsers: Subcommands) -> None:
@@ -48,7 +48,7 @@ def register(subparsers: Subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build and validate the options, train, and print the summary on rank 0. Returns 0."""
     options = from_args(TrainOptions, args, section="train")
-    from kdcache.stages.train.loop import run_training
+    from kdcache.stages.train import run_training
 
     with quiet(options.run.quiet):  # also when the YAML, not the flag, asks for it
         print_summary(run_training(options), getattr(args, "json", False), format_summary)
@@ -91,7 +91,7 @@ def run_init_student(args: argparse.Namespace) -> int:
         raise ConfigError(["--layers is required (or both stacks: --layers encoder:BLOCKS decoder:BLOCKS)"])
     if not os.path.isdir(args.teacher):
         raise ConfigError([f"--teacher {args.teacher!r} is not a model folder"])
-    from kdcache.stages.train.init_student import init_student_from_teacher
+    from kdcache.stages.train import init_student_from_teacher
 
     out = init_student_from_teacher(args.teacher, layers or [], args.out, encoder_layers=encoder,
                                     decoder_layers=decoder)

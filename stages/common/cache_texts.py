@@ -1,5 +1,5 @@
 """The text a cache's sequences were tokenized from, recorded by stage one with ``--record-text`` so that stage two
-can tokenize the same characters with a student's own tokenizer (``stages.train.align``).
+can tokenize the same characters with a student's own tokenizer (``stages.train.cross.align``).
 
 Both stages agree on it here. Per sequence (global index ``i``, cache order) the cache holds:
 

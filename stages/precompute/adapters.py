@@ -26,21 +26,22 @@ from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
 from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.common.option_groups import flatten
 from kdcache.stages.precompute.capture import (
+    ShardItems,
     check_ranges,
+    cut_padding,
     finish,
     fp16_bounded,
     hidden_targets,
+    logit_targets,
     max_abs,
     to_numpy,
     to_storage_dtype,
 )
-from kdcache.stages.precompute.data import TokenStreams
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.logit_head import logit_targets
 from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.rows import TokenStreams
 from kdcache.stages.precompute.targets import Targets
 from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
-from kdcache.stages.precompute.transfer import ShardItems, cut_padding
 from kdcache.storage import HiddenCodec, applies_to, exact_arrays
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class HookedTeacher(TeacherAdapter):
                                   f"{options.engine.teacher!r} is a {config.model_type} without a decoder stack")
 
     def load_data(self, options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
-        from kdcache.stages.precompute.row_build import text_streams
+        from kdcache.stages.precompute.rows import text_streams
 
         return text_streams(options, tokenizer)
 
@@ -133,7 +134,7 @@ class EncoderDecoderTeacher(TeacherAdapter):
         return None  # every option applies; the pair loader refuses a missing --target-column and --packing
 
     def load_data(self, options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
-        from kdcache.stages.precompute.row_build import pair_streams
+        from kdcache.stages.precompute.rows import pair_streams
 
         return pair_streams(options, tokenizer)
 

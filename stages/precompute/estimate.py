@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import numpy as np
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.data import TokenStreams
+    from kdcache.stages.precompute.rows import TokenStreams
     from kdcache.storage import CacheSpec, ShardRecord
 
 SAMPLE_ROWS = 64  # rows the estimate runs the teacher on (whole shards, so per-shard overheads are counted)

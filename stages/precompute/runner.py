@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Generator, Iterator
 from contextlib import AbstractContextManager, closing, contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import logit_kinds
@@ -21,36 +21,46 @@ from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.adapters import Capture, TeacherAdapter, adapter_for
-from kdcache.stages.precompute.batching import Partition
+from kdcache.stages.precompute.capture import ShardItems, with_score_rules
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
-from kdcache.stages.precompute.data import TokenStreams
-from kdcache.stages.precompute.distributed import DistContext
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.estimate import check_room, estimate, lower_bound_bytes
 from kdcache.stages.precompute.options import PrecomputeOptions
-from kdcache.stages.precompute.parallel import Grid, Layout
-from kdcache.stages.precompute.parallel_run import check_parallel, group_todo, lend_share, memory_only
+from kdcache.stages.precompute.parallel import (
+    DistContext,
+    Grid,
+    Layout,
+    check_parallel,
+    group_todo,
+    lend_share,
+    memory_only,
+)
 from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
 from kdcache.stages.precompute.projection_fit import check_rank, fit_bases, fit_bounds, stored_projection
-from kdcache.stages.precompute.qk_capture import with_score_rules
+from kdcache.stages.precompute.rows import Partition, TokenStreams
 from kdcache.stages.precompute.stream import compute_shard, stream_shards
 from kdcache.stages.precompute.targets import Targets, build_spec, resolve_targets, settings_fingerprint
 from kdcache.stages.precompute.teacher import (
     Teacher,
-    has_lm_head,
     load_tokenizer,
     pick_device,
     read_config,
     save_tokenizer,
     teacher_files_fingerprint,
 )
-from kdcache.stages.precompute.transfer import ShardItems
+from kdcache.stages.precompute.teacher_checks import (
+    check_positions,
+    check_token_ids,
+    with_default_features,
+    with_output_vocab,
+)
 from kdcache.storage import KdcacheError, Store, projected
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-    from kdcache.storage import CacheSpec, Manifest
+    from kdcache.storage import CacheSpec, CacheWriter, Manifest
 
 
 def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
@@ -102,9 +112,57 @@ def _quiet_libraries(quiet: bool) -> Iterator[None]:
             transformers.utils.logging.enable_progress_bar()
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """Stage one before the weights load: the options with the teacher's defaults, and what was read and checked
+    without the weights (config, targets, tokenizer, the output store, the rows)."""
+
+    options: PrecomputeOptions
+    config: PretrainedConfig
+    adapter: TeacherAdapter
+    targets: Targets
+    tokenizer: PreTrainedTokenizerBase
+    store: Store
+    data: TokenStreams
+
+    @property
+    def rows(self) -> dict[str, Any]:
+        """How the rows came about, for the summary."""
+        return {"built": self.data.built, "build_seconds": self.data.meta.get("build_seconds")}
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """The teacher on its device(s) in its place of the rank grid, its targets as the weights tell them, and the
+    spec of the cache it writes."""
+
+    layout: Layout
+    grid: Grid
+    teacher: Teacher
+    targets: Targets
+    spec: CacheSpec
+
+
 def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
-    st = options.storage
+    """The cheap checks, then a finished cache's summary, a memory estimate, a size estimate, or the run."""
     stats = RunStats()
+    ready = _prepare(options)
+    engine = ready.options.engine
+    if not engine.estimate and (reused := _reused(ready, stats)) is not None:
+        return reused  # nothing to compute: the weights are never loaded
+    layout = Layout.parse(engine.teacher_parallel)
+    device = pick_device(engine.device, dist.local_rank * (layout.size if layout.kind == "layers" else 1))
+    memory = check_parallel(ready.options, ready.config, ready.targets, layout, device)
+    if engine.estimate and memory_only(ready.options, ready.config, layout, dist.world, device):
+        return {"status": "memory", "out": ready.options.storage.out, "memory": memory}
+    loaded = _load(ready, layout, Grid.of(layout, dist.rank, dist.world), device)
+    if engine.estimate:
+        return {**_estimate(ready, loaded), "memory": memory}
+    return _write(ready, loaded, dist, stats)
+
+
+def _prepare(options: PrecomputeOptions) -> _Prepared:
+    """Everything checked before the weights load, cheapest first."""
     config = read_config(options)
     options = with_default_features(options, config)
     adapter = adapter_for(config)
@@ -112,59 +170,109 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     targets = resolve_targets(options, config)
     check_rank(options.storage.resolved_hidden_codec, config)
     tokenizer = load_tokenizer(options)
-    store = check_out_folder(st.out)  # before the rows are written there; the one store of the output below
+    store = check_out_folder(options.storage.out)  # before the rows are written there; the one store of the output
     data = adapter.load_data(options, tokenizer)
     check_positions(config, data)
-    rows = {"built": data.built, "build_seconds": data.meta.get("build_seconds")}
-    if not options.engine.estimate:
-        finished = finished_cache(store, options, config, targets, tokenizer, data)
-        if finished is not None:  # nothing to compute: don't pay for loading the weights
-            return summarize(stats, finished, finished.spec.num_shards, st.out, {"reused": True, "rows": rows})
-        check_room(st.out, lower_bound_bytes(build_spec(options, targets, data), config, data,
-                                             targets.attention_source))
-    layout = Layout.parse(options.engine.teacher_parallel)
-    device = pick_device(options.engine.device, dist.local_rank * (layout.size if layout.kind == "layers" else 1))
-    memory = check_parallel(options, config, targets, layout, device)
-    if options.engine.estimate and memory_only(options, config, layout, dist.world, device):
-        return {"status": "memory", "out": st.out, "memory": memory}
-    grid = Grid.of(layout, dist.rank, dist.world)
-    teacher = adapter.load_teacher(options, config, targets, tokenizer, device)
-    targets = with_score_rules(with_output_vocab(targets, teacher, options), teacher.model, data, device)
-    check_token_ids(teacher, data)
-    spec = build_spec(options, targets, data)
-    if options.engine.estimate:
-        projection = _projection(options, adapter, teacher, targets, data, spec, into=None)
-        return {**run_estimate(options, adapter.capture(teacher, targets, options, projection), teacher, targets,
-                               data, spec), "memory": memory}
+    return _Prepared(options, config, adapter, targets, tokenizer, store, data)
+
+
+def _reused(ready: _Prepared, stats: RunStats) -> dict[str, Any] | None:
+    """The summary of a complete cache this run would reproduce; else None, once the destination is known to hold
+    at least the cache's lower bound of bytes."""
+    options, targets, data = ready.options, ready.targets, ready.data
+    finished = finished_cache(ready.store, options, ready.config, targets, ready.tokenizer, data)
+    if finished is not None:
+        return summarize(stats, finished, finished.spec.num_shards, options.storage.out,
+                         {"reused": True, "rows": ready.rows})
+    check_room(options.storage.out, lower_bound_bytes(build_spec(options, targets, data), ready.config, data,
+                                                      targets.attention_source))
+    return None
+
+
+def _load(ready: _Prepared, layout: Layout, grid: Grid, device: torch.device) -> _Loaded:
+    """The weights on ``device``, and what they tell: the output vocabulary, the score rules, the token ids."""
+    teacher = ready.adapter.load_teacher(ready.options, ready.config, ready.targets, ready.tokenizer, device)
+    targets = with_score_rules(with_output_vocab(ready.targets, teacher, ready.options), teacher.model, ready.data,
+                               device)
+    check_token_ids(teacher, ready.data)
+    return _Loaded(layout, grid, teacher, targets, build_spec(ready.options, targets, ready.data))
+
+
+def _estimate(ready: _Prepared, loaded: _Loaded) -> dict[str, Any]:
+    """``--estimate``: the first shards into a scratch cache (a rank codec fits its basis there too)."""
+    options, teacher, targets = ready.options, loaded.teacher, loaded.targets
+    projection = _projection(options, ready.adapter, teacher, targets, ready.data, loaded.spec, into=None)
+    return run_estimate(options, ready.adapter.capture(teacher, targets, options, projection), teacher, targets,
+                        ready.data, loaded.spec)
+
+
+def _write(ready: _Prepared, loaded: _Loaded, dist: DistContext, stats: RunStats) -> dict[str, Any]:
+    """This part's shards computed and committed (or lent to the group's leader), then the manifest finished."""
+    st, grid = ready.options.storage, loaded.grid
     part = Partition.of(st.shard_index, st.num_shards, grid.group, grid.groups)
     group = dist.groups_of(grid.tensor)
-    fingerprints = build_fingerprints(options, teacher, targets, data)
-    writer = open_writer(store, spec, fingerprints, part) if grid.writes else None
-    # Before any shard; under torchrun the main rank fits and stores a rank codec's basis while the others wait.
-    waits = spec.hidden_codec.rank is not None
+    fingerprints = build_fingerprints(ready.options, loaded.teacher, loaded.targets, ready.data)
+    writer = open_writer(ready.store, loaded.spec, fingerprints, part) if grid.writes else None
+    projection = _projection_in_turn(ready, loaded, dist)
+    mine = part.shards(loaded.spec.num_shards)
+    todo = _compute(ready, loaded, writer, mine, group, dist, stats, projection)
+    manifest = _finish(writer, ready.store, dist)
+    extra = {"part": [part.index, part.count], "device": str(loaded.teacher.device),
+             "teacher_parallel": str(loaded.layout), "attn_implementation": loaded.teacher.attn_implementation,
+             "dropped_rows": {"empty": ready.data.dropped_empty, "untrained": ready.data.dropped_untrained},
+             "rows": ready.rows}
+    return _run_totals(summarize(stats, manifest, len(mine) - len(todo), st.out, extra), dist, grid.writes)
+
+
+def _projection_in_turn(ready: _Prepared, loaded: _Loaded, dist: DistContext) -> Projection | None:
+    """A rank codec's basis before any shard: under torchrun the main rank fits and stores it while the others
+    wait, then read it."""
+    waits = loaded.spec.hidden_codec.rank is not None
     if waits and not dist.is_main:
         dist.barrier()
-    projection = _projection(options, adapter, teacher, targets, data, spec, into=store)
+    projection = _projection(ready.options, ready.adapter, loaded.teacher, loaded.targets, ready.data, loaded.spec,
+                             into=ready.store)
     if waits and dist.is_main:
         dist.barrier()
-    mine = part.shards(spec.num_shards)
-    with writer or nullcontext(), adapter.capture(teacher, targets, options, projection) as capture:
+    return projection
+
+
+def _compute(ready: _Prepared, loaded: _Loaded, writer: CacheWriter | None, mine: list[int], group: Any,
+             dist: DistContext, stats: RunStats, projection: Projection | None) -> list[int]:
+    """Run the teacher over this part's shards not yet committed, committing behind it (a writing rank) or
+    lending its share to the group's leader; returns the shards it ran."""
+    options, teacher, spec = ready.options, loaded.teacher, loaded.spec
+    with writer or nullcontext(), ready.adapter.capture(teacher, loaded.targets, options, projection) as capture:
         def stream(bounds: list[tuple[int, int]], progress: Progress) -> Generator[ShardItems, None, None]:
-            return stream_shards(capture, teacher, data, bounds, options, stats, progress)
+            return stream_shards(capture, teacher, ready.data, bounds, options, stats, progress)
 
         # A tensor-parallel group runs its leader's list of shards in lockstep; only the leader writes them.
-        todo = group_todo([k for k in mine if k not in writer.committed_shards()] if writer else None, group, grid)
+        todo = group_todo([k for k in mine if k not in writer.committed_shards()] if writer else None, group,
+                          loaded.grid)
         if writer is None:
             lend_share(spec, todo, stream, stats)
-        else:
-            save_tokenizer(tokenizer, store)
-            if data.texts and dist.is_main:  # --record-text: before any shard, like the tokenizer
-                save_texts(store, data.texts["text"], data.texts["text_end"])
-            if logit_kinds.uses_head(targets.logits) and dist.is_main:
-                export_head(teacher.model, store, targets.streams[""].depth)
-            commit_behind(spec, todo, writer, stats, stream, show_progress=options.engine.progress and dist.is_main,
-                          queue_size=options.engine.queue_size, workers=options.engine.writers)
-    manifest = writer.finalize() if writer else None  # the last part to finish turns the manifest "complete"
+            return todo
+        _save_beside_shards(ready, loaded, dist)
+        engine = options.engine
+        commit_behind(spec, todo, writer, stats, stream, show_progress=engine.progress and dist.is_main,
+                      queue_size=engine.queue_size, workers=engine.writers)
+    return todo
+
+
+def _save_beside_shards(ready: _Prepared, loaded: _Loaded, dist: DistContext) -> None:
+    """The tokenizer, and on the main rank the texts (``--record-text``) and a head cache's LM head: before any
+    shard, so that a killed run leaves them with its first shard."""
+    save_tokenizer(ready.tokenizer, ready.store)
+    if ready.data.texts and dist.is_main:
+        save_texts(ready.store, ready.data.texts["text"], ready.data.texts["text_end"])
+    if logit_kinds.uses_head(loaded.targets.logits) and dist.is_main:
+        export_head(loaded.teacher.model, ready.store, loaded.targets.streams[""].depth)
+
+
+def _finish(writer: CacheWriter | None, store: Store, dist: DistContext) -> Manifest:
+    """The manifest once every rank is done: the last part to finish turns it "complete"; rank 0 of a torchrun
+    joins the ranks' parts."""
+    manifest = writer.finalize() if writer else None
     dist.barrier()
     if manifest is None:
         from kdcache.storage import read_manifest
@@ -174,10 +282,7 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         from kdcache.storage import merge_parts
 
         manifest = merge_parts(store)
-    extra = {"part": [part.index, part.count], "device": str(teacher.device), "teacher_parallel": str(layout),
-             "attn_implementation": teacher.attn_implementation,
-             "dropped_rows": {"empty": data.dropped_empty, "untrained": data.dropped_untrained}, "rows": rows}
-    return _run_totals(summarize(stats, manifest, len(mine) - len(todo), st.out, extra), dist, grid.writes)
+    return manifest
 
 
 def _run_totals(summary: dict[str, Any], dist: DistContext, writes: bool) -> dict[str, Any]:
@@ -212,50 +317,6 @@ def _projection(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Te
     if into is None:
         return Projection.from_arrays(fit())
     return stored_projection(into, codec, names, fit)
-
-
-def check_positions(config: PretrainedConfig, data: TokenStreams) -> None:
-    """Refuse sequences longer than the teacher's position table (they would index past it)."""
-    limit = getattr(config, "max_position_embeddings", None)
-    longest = max(data.longest(s) for s in data.streams)
-    if isinstance(limit, int) and longest > limit:
-        flags = "--max-length / --max-target-length" if len(data.streams) > 1 else "--max-length"
-        raise PrecomputeError(f"max_length: sequences reach {longest} tokens, but the teacher has only {limit} "
-                              f"positions; lower {flags} to {limit} or less")
-
-
-def with_default_features(options: PrecomputeOptions, config: PretrainedConfig) -> PrecomputeOptions:
-    """Without ``--features``: hidden states, plus logits when the teacher has a language-model head (an
-    encoder such as MiniLM has none, so it caches hidden states only)."""
-    if options.targets.features:
-        return options
-    if options.targets.topk_values == "logprob" and not has_lm_head(config):
-        raise PrecomputeError(f"topk_values: teacher {options.engine.teacher!r} has no language-model head, so no "
-                              f"logits are cached and --topk-values logprob has nothing to store; drop it")
-    features = ("hidden", "logits") if has_lm_head(config) else ("hidden",)
-    return replace(options, targets=replace(options.targets, features=features))
-
-
-def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
-    """Refuse token ids the teacher's embedding table does not have (a tokenizer from another model)."""
-    table: int = teacher.model.get_input_embeddings().num_embeddings  # type: ignore[assignment]  # an nn.Embedding
-    top = data.max_id
-    if top >= table:
-        raise PrecomputeError(f"the tokenizer produced token id {top}, but the teacher's embedding table has only "
-                              f"{table} rows; the tokenizer does not belong to this teacher")
-
-
-def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOptions) -> Targets:
-    """Use the LM head's real output size as the vocabulary (checkpoints may pad it beyond config.vocab_size)."""
-    head = teacher.model.get_output_embeddings()
-    if targets.logits is None or head is None:
-        return targets
-    vocab = int(head.weight.shape[0])
-    kind = logit_kinds.get(targets.logits)
-    for problem in kind.teacher_problems(options.engine.teacher, "" in targets.streams, targets.causal, vocab,
-                                         options.targets.top_k):
-        raise PrecomputeError(problem)
-    return replace(targets, vocab_size=vocab)
 
 
 def finished_cache(store: Store, options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,

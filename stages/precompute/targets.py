@@ -27,7 +27,7 @@ from kdcache.storage import CROSS, DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, kin
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.data import TokenStreams
+    from kdcache.stages.precompute.rows import TokenStreams
     from kdcache.storage import CacheSpec
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")

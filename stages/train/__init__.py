@@ -1,1 +1,41 @@
-"""Stage two: train a student from cached teacher targets, teacher-free."""
+"""Stage two: train a student from cached teacher targets, teacher-free.
+
+This is stage two's front door: ``pipeline`` imports from ``kdcache.stages.train`` only, never from its modules
+(``tests/test_source_rules.py`` reads the source to keep it so). Its parts are the loop and its plan (``loop``,
+``plan``, ``checks``, ``distill``, ``engine``), the losses (``losses``, ``compound``), and three sub-packages
+with doors of their own: ``feed`` (the cache into the device), ``evaluation`` (scores against a cache) and
+``cross`` (a student with its own tokenizer). Names load on first use (``kdcache.lazy_exports``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kdcache.lazy_exports import attach
+
+if TYPE_CHECKING:
+    from kdcache.stages.train.checkpoint import has_checkpoint as has_checkpoint
+    from kdcache.stages.train.checks import open_cache as open_cache
+    from kdcache.stages.train.cross import text_problems as text_problems
+    from kdcache.stages.train.evaluation import (
+        EvaluationError as EvaluationError,
+        alignment_panels as alignment_panels,
+        cache_identity as cache_identity,
+        cache_label as cache_label,
+        eval_path as eval_path,
+        evaluate_cross_run as evaluate_cross_run,
+        evaluate_run as evaluate_run,
+        find_eval as find_eval,
+        is_cross_run as is_cross_run,
+        newest as newest,
+        read_evals as read_evals,
+        remove_evals as remove_evals,
+        student_folder_problems as student_folder_problems,
+    )
+    from kdcache.stages.train.init_student import init_student_from_teacher as init_student_from_teacher
+    from kdcache.stages.train.interrupt import TrainingInterrupted as TrainingInterrupted
+    from kdcache.stages.train.logging import read_jsonl as read_jsonl, read_records as read_records
+    from kdcache.stages.train.loop import run_training as run_training
+    from kdcache.stages.train.options import DEFAULT_TEMPERATURE as DEFAULT_TEMPERATURE, TrainOptions as TrainOptions
+
+__getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import attention_sources, logit_kinds
-from kdcache.stages.train.cross_checks import cross_hint
+from kdcache.stages.train.cross import cross_hint
 from kdcache.stages.train.layer_maps import LayerMap, build_layer_map, pair_key, validate_layer_map
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts

@@ -36,11 +36,12 @@ from kdcache.stages.train.losses import (
     TOPK_VARIANTS,
     CriticTrainer,
     LossError,
+    cached_qk_loss,
+    causal_ce_term,
     get_loss,
+    token_ce_term,
     wgan_student_loss,
 )
-from kdcache.stages.train.losses.attention_qk import cached_qk_loss
-from kdcache.stages.train.losses.logits import causal_ce_term, token_ce_term
 from kdcache.stages.train.masks import TokenMasks, token_masks
 from kdcache.stages.train.projectors import Projectors, needs_projector
 

@@ -28,11 +28,10 @@ from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.common.qk_attention import QKRecorder
-from kdcache.stages.train.attention_agreement import recorded
 from kdcache.stages.train.compound import CompoundLoss, StudentOutput
+from kdcache.stages.train.evaluation import recorded
 from kdcache.stages.train.layer_maps import Pair, pair_key
-from kdcache.stages.train.losses import LossError
-from kdcache.stages.train.losses.cross_attention import cross_attention_kl
+from kdcache.stages.train.losses import LossError, cross_attention_kl
 from kdcache.stages.train.masks import stream_masks
 from kdcache.stages.train.options import TrainOptions, resolved_temperature
 from kdcache.stages.train.plan import StreamPairs, TrainPlan

@@ -26,22 +26,22 @@ from kdcache.stages.common.attention_maps import MAPS_ATTENTION
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.checks import open_cache
-from kdcache.stages.train.device_feed import DeviceFeed
 from kdcache.stages.train.distill import DistillModel, build_criterion
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
+from kdcache.stages.train.feed import (
+    BatchExtension,
+    CacheStream,
+    DataPosition,
+    DeviceFeed,
+    check_resumable,
+    next_position,
+    to_device,
+)
 from kdcache.stages.train.interrupt import StopOnSignal, TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.plan import TrainPlan, plan_training, unused_targets
 from kdcache.stages.train.progress import TrainProgress
-from kdcache.stages.train.streaming import (
-    BatchExtension,
-    CacheStream,
-    DataPosition,
-    check_resumable,
-    next_position,
-    to_device,
-)
 from kdcache.stages.train.student import (
     StudentFacts,
     enable_gradient_checkpointing,
@@ -118,7 +118,7 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     model: torch.nn.Module
     extend: BatchExtension | None = None
     if options.loss.cross_tokenizer:
-        from kdcache.stages.train.cross_model import build_cross_model, without_logit_kl
+        from kdcache.stages.train.cross import build_cross_model, without_logit_kl
 
         cross = build_cross_model(options, reader, student, build_criterion(without_logit_kl(options), plan, facts),
                                   announce=announce)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.engine_options import TRAIN, EngineOptions
-from kdcache.stages.common.logit_kinds.topk import TOPK_VARIANTS as TOPK_KL_VARIANTS
+from kdcache.stages.common.logit_kinds import TOPK_VARIANTS as TOPK_KL_VARIANTS
 from kdcache.stages.common.option_groups import assemble, flatten
 from kdcache.stages.train.layer_maps import LayerMap, StreamMaps
 

@@ -232,7 +232,7 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     if problems:  # the layer maps below would only add noise
         raise CacheCheckError(problems)
     if options.loss.cross_tokenizer:  # another tokenizer is the point: the checks are the cross path's own
-        from kdcache.stages.train.cross_checks import cross_problems
+        from kdcache.stages.train.cross import cross_problems
 
         problems += cross_problems(reader, options)
     else:

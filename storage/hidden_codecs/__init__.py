@@ -39,10 +39,10 @@ from kdcache.storage.hidden_codecs.arrays import (
 )
 from kdcache.storage.hidden_codecs.base import (
     HIDDEN_CODECS,
+    CodecRecord,
     HiddenCodec,
     HiddenCodecConfig,
     NoConfig,
-    Record,
     get,
     listing,
     names,
@@ -96,10 +96,10 @@ CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shu
 COLUMN_CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shuffle": 0,
                                       "blocksize": 1 << 20}
 
-__all__ = ["ArrayOps", "CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "ERROR_FIELDS",
-           "FP8_MAX", "HIDDEN_CODECS", "HiddenCodec", "HiddenCodecConfig", "NoConfig", "PARTS", "QuantConfig",
-           "QuantisedCodec", "Record", "applies_to", "block_size", "check_width", "codec_of", "coded_of", "decode",
-           "encode", "error_record", "fp8_table", "get", "group_count", "hadamard", "hadamard_matrix",
+__all__ = ["ArrayOps", "CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "CodecRecord",
+           "ERROR_FIELDS", "FP8_MAX", "HIDDEN_CODECS", "HiddenCodec", "HiddenCodecConfig", "NoConfig", "PARTS",
+           "QuantConfig", "QuantisedCodec", "applies_to", "block_size", "check_width", "codec_of", "coded_of",
+           "decode", "encode", "error_record", "fp8_table", "get", "group_count", "hadamard", "hadamard_matrix",
            "hidden_codec_of", "is_part", "listing", "names", "namespace", "ops_for", "part_name", "part_of", "parts",
            "projected", "rank_of", "register", "register_ops", "resolve_hidden_codec", "rotation_signs", "row_errors",
            "usage"]

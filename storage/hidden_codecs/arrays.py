@@ -21,9 +21,12 @@ from typing import Any, Protocol, TypeAlias
 import numpy as np
 from array_api_compat import array_namespace, device as device_of
 
+from kdcache.storage.registry import Registry
 from kdcache.storage.rotation import block_size, hadamard_matrix, rotation_signs
 
-# An array of whichever library the caller uses (numpy ndarray, torch Tensor): the standard has no static type.
+# An array of whichever library the caller uses (numpy ndarray on the host, torch Tensor on a device). The standard
+# has no static type, and a Protocol of the operators the codecs use fails mypy --strict here: each library types
+# its operators' results its own way (no-any-return), and NumpyOps' ndarray parameters cannot implement one.
 Array: TypeAlias = Any
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
@@ -48,13 +51,13 @@ class ArrayOps(Protocol):
         """The dtype of stored outlier ids (uint16 on the host; int16 where the library lacks uint16 kernels)."""
 
 
-_OPS: dict[str, ArrayOps] = {}
+_OPS: Registry[ArrayOps] = Registry("array library", TypeError)
 
 
 def register_ops(namespace: str, ops: ArrayOps) -> None:
     """Make ``ops`` the added operations of the array library whose compat namespace is named ``namespace``
     (``array_namespace(x).__name__``, e.g. ``"array_api_compat.torch"``)."""
-    _OPS[namespace] = ops
+    _OPS.add(namespace, ops)
 
 
 def ops_for(xp: ModuleType) -> ArrayOps:
@@ -63,10 +66,11 @@ def ops_for(xp: ModuleType) -> ArrayOps:
     Raises:
         TypeError: no library registered them (torch's come with ``kdcache.stages.common.device_codecs``).
     """
-    if xp.__name__ not in _OPS:
-        raise TypeError(f"hidden codecs: no array operations registered for {xp.__name__!r}; expected one of "
-                        f"{sorted(_OPS)} (torch's are registered by importing kdcache.stages.common.device_codecs)")
-    return _OPS[xp.__name__]
+    try:
+        return _OPS.lookup(xp.__name__)
+    except TypeError as exc:
+        raise TypeError(f"hidden codecs: {exc} (torch's operations are registered by importing "
+                        "kdcache.stages.common.device_codecs)") from None
 
 
 def namespace(*arrays: Array) -> ModuleType:

@@ -16,7 +16,7 @@ from kdcache.storage.errors import SpecError
 from kdcache.storage.hidden_codecs.arrays import Array
 from kdcache.storage.registry import Registry
 
-Record = dict[str, Any]  # the JSON form of a codec in a spec: {"name": str, "configuration": {key: value}}
+CodecRecord = dict[str, Any]  # the JSON form of a codec in a spec: {"name": str, "configuration": {key: value}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class HiddenCodec:
         rank: int | None = getattr(self.config, "rank", None)
         return rank
 
-    def record(self) -> Record:
+    def record(self) -> CodecRecord:
         """The JSON record ``{"name", "configuration"}`` (keys in field order, ``rank`` last and only when set)."""
         fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config) if f.name != "rank"}
         rank = {"rank": self.rank} if self.rank is not None else {}

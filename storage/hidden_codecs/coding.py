@@ -16,7 +16,7 @@ import numpy as np
 
 from kdcache.storage.errors import SpecError
 from kdcache.storage.hidden_codecs.arrays import Array, namespace, row_errors
-from kdcache.storage.hidden_codecs.base import HiddenCodec, Record, get
+from kdcache.storage.hidden_codecs.base import CodecRecord, HiddenCodec, get
 from kdcache.storage.hidden_codecs.naming import PARTS, part_name
 from kdcache.storage.streams import kind_of
 
@@ -24,7 +24,7 @@ Bases = Mapping[str, tuple[Array, Array]]  # array name -> (basis [R, d], mean [
 _CONFIGURED: dict[tuple[type[HiddenCodec], str], HiddenCodec] = {}
 
 
-def resolve_hidden_codec(value: object, dtype: str) -> Record:
+def resolve_hidden_codec(value: object, dtype: str) -> CodecRecord:
     """The full ``{"name", "configuration"}`` record of a codec given as a name, a record, a codec, or None
     (``dtype``).
 
@@ -48,7 +48,7 @@ def hidden_codec_of(value: object, dtype: str) -> HiddenCodec:
     return codec_of(resolve_hidden_codec(value, dtype))
 
 
-def codec_of(record: Record | HiddenCodec) -> HiddenCodec:
+def codec_of(record: CodecRecord | HiddenCodec) -> HiddenCodec:
     """The configured codec of a resolved record (built once per record)."""
     if isinstance(record, HiddenCodec):
         return record
@@ -59,28 +59,28 @@ def codec_of(record: Record | HiddenCodec) -> HiddenCodec:
     return _CONFIGURED[key]
 
 
-def group_count(record: Record | HiddenCodec, d: int) -> int:
+def group_count(record: CodecRecord | HiddenCodec, d: int) -> int:
     """Scales per row for hidden size d: one, or one per ``group`` channels (the whole row when d <= group)."""
     return codec_of(record).group_count(d)
 
 
-def parts(record: Record | HiddenCodec) -> tuple[str, ...]:
+def parts(record: CodecRecord | HiddenCodec) -> tuple[str, ...]:
     """The companion parts a codec stores beside its codes (none for a float codec)."""
     return codec_of(record).parts()
 
 
-def rank_of(record: Record | HiddenCodec) -> int | None:
+def rank_of(record: CodecRecord | HiddenCodec) -> int | None:
     """The projection's rank R of a resolved record (``configuration.rank``), None without a projection."""
     return codec_of(record).rank
 
 
-def projected(record: Record | HiddenCodec, name: str) -> bool:
+def projected(record: CodecRecord | HiddenCodec, name: str) -> bool:
     """Whether coded array ``name`` stores projection coefficients ``[T, R]``: hidden states of a codec with a
     rank (queries/keys/values are coded as they are)."""
     return rank_of(record) is not None and kind_of(name) == "hidden"
 
 
-def check_width(record: Record | HiddenCodec, name: str, d: int) -> None:
+def check_width(record: CodecRecord | HiddenCodec, name: str, d: int) -> None:
     """Refuse a width the codec cannot store (int4 groups must divide d; outlier ids fit uint16); d is the rank
     R for projection coefficients."""
     expected = codec_of(record).width_expectation(d)
@@ -89,7 +89,7 @@ def check_width(record: Record | HiddenCodec, name: str, d: int) -> None:
         raise SpecError(f"{name}: {what} does not suit codec {codec_of(record).name!r}: expected {expected}")
 
 
-def _basis(record: Record | HiddenCodec, name: str, projection: Bases | None) -> tuple[Array, Array]:
+def _basis(record: CodecRecord | HiddenCodec, name: str, projection: Bases | None) -> tuple[Array, Array]:
     """(basis ``[R, d]``, mean ``[d]``) of projected array ``name``, or a SpecError naming what is missing."""
     if projection is None or name not in projection:
         raise SpecError(f"{name}: stored as rank-{rank_of(record)} projection coefficients, but no basis for it "
@@ -97,7 +97,7 @@ def _basis(record: Record | HiddenCodec, name: str, projection: Bases | None) ->
     return projection[name]
 
 
-def encode(record: Record | HiddenCodec, name: str, x: Array, projection: Bases | None = None) -> dict[str, Array]:
+def encode(record: CodecRecord | HiddenCodec, name: str, x: Array, projection: Bases | None = None) -> dict[str, Array]:
     """Encode ``x [T, d]`` (any array library, on its device) -> the stored arrays of ``name`` (codes and
     companions, ``part_name``) and its per-row errors ``[T, 5]`` (``row_errors``), measured against ``x`` itself
     so that a projection's loss shows in them.
@@ -125,7 +125,7 @@ def encode(record: Record | HiddenCodec, name: str, x: Array, projection: Bases 
     return out
 
 
-def decode(record: Record | HiddenCodec, arrays: Mapping[str, Array], name: str,
+def decode(record: CodecRecord | HiddenCodec, arrays: Mapping[str, Array], name: str,
            projection: Bases | None = None) -> Array:
     """Decode coded array ``name`` -> ``[T, d]`` float32 (any array library).
 
@@ -149,7 +149,7 @@ def decode(record: Record | HiddenCodec, arrays: Mapping[str, Array], name: str,
     return y @ xp.astype(basis, xp.float32) + xp.astype(mean, xp.float32)
 
 
-def error_record(record: Record | HiddenCodec, rows: np.ndarray) -> dict[str, Any]:
+def error_record(record: CodecRecord | HiddenCodec, rows: np.ndarray) -> dict[str, Any]:
     """One shard's error record of a coded array, from its per-row errors ``[T, 5]`` (``row_errors``)."""
     sums = rows.astype(np.float64)
     ref = float(sums[:, 1].sum())

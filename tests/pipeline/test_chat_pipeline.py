@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.train.eval_records import read_evals
+from kdcache.stages.train.evaluation.eval_records import read_evals
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_llama
 from tests.stages.test_chat_data import CHATML, MARKERS, conversations, write_chats

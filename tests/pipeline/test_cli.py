@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from kdcache.pipeline.cli import build_parser, main
-from kdcache.stages.train.eval_records import read_evals
+from kdcache.stages.train.evaluation.eval_records import read_evals
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = ("precompute", "merge", "inspect", "verify", "init-student", "train", "run", "demo")

@@ -57,7 +57,7 @@ def test_first_run_walkthrough_runs_as_pasted(tmp_path: Path) -> None:
 def _printed_figures_are_the_files(out: str, err: str, root: Path) -> None:
     """What the walkthrough printed against what it wrote: the cache's sequences, tokens and bytes, the run's first
     and last logged loss, and each evaluation's mean cosine."""
-    from kdcache.stages.train.eval_records import read_evals
+    from kdcache.stages.train.evaluation.eval_records import read_evals
     from kdcache.stages.train.logging import read_jsonl
     from kdcache.storage import CacheReader, format_bytes
 
@@ -85,7 +85,7 @@ def test_cross_tokenizer_walkthrough_runs_as_written(tmp_path: Path) -> None:
     the default map in the pair (4, 16), said by train, and eval prints what it records."""
     from transformers import LlamaConfig
 
-    from kdcache.stages.train.eval_records import read_evals
+    from kdcache.stages.train.evaluation.eval_records import read_evals
     from tests.helpers.tiny_models import make_tiny_llama, sample_texts, train_wordpiece_tokenizer, write_text_dataset
 
     make_tiny_llama(tmp_path / "my-llama", layers=16, hidden=16, heads=2, kv_heads=1, intermediate=32)

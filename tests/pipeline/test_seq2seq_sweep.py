@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.train.eval_records import read_evals
+from kdcache.stages.train.evaluation.eval_records import read_evals
 from tests.helpers.images import assert_png
 from tests.helpers.tiny_models import make_tiny_bart, make_tiny_t5, sample_pairs, write_pair_dataset
 from tests.stages._train_support import make_student_config
@@ -96,7 +96,7 @@ def test_mbart_with_language_codes_through_both_stages(tmp_path: Path) -> None:
 def test_the_teacher_scored_as_its_own_student_agrees_with_its_cache(tmp_path: Path) -> None:
     """The eval path of two streams (collate, decoder inputs from the labels, per-stack CKA) checked against the
     one answer known exactly: the teacher itself matches its own cache."""
-    from kdcache.stages.train.evaluate import evaluate_run
+    from kdcache.stages.train.evaluation.evaluate import evaluate_run
     from kdcache.storage import CacheReader
 
     teacher = make_tiny_bart(tmp_path / "teacher")

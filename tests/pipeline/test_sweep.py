@@ -17,7 +17,7 @@ import pytest
 
 from kdcache.pipeline.cli import main
 from kdcache.pipeline.sweep import parse_grid, run_name, same_run, split_values
-from kdcache.stages.train.eval_records import read_evals
+from kdcache.stages.train.evaluation.eval_records import read_evals
 
 FAKE_TRAIN = textwrap.dedent("""
     import json, sys

@@ -22,10 +22,10 @@ from kdcache.stages.common.qk_attention import QKRecorder
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.options import PrecomputeOptions
 from kdcache.stages.train.distill import student_inputs
+from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.losses.attention import attention_kl
 from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.masks import stream_masks
-from kdcache.stages.train.streaming import collate, to_device
 from kdcache.stages.train.student import load_student
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, sample_texts, write_text_dataset

@@ -46,7 +46,7 @@ def test_attention_kl_trains_from_queries_and_keys(setup: dict[str, Path]) -> No
 
 @pytest.mark.slow
 def test_evaluation_reads_attention_agreement_alike_from_maps_and_queries(setup: dict[str, Path]) -> None:
-    from kdcache.stages.train.evaluate import evaluate_run
+    from kdcache.stages.train.evaluation.evaluate import evaluate_run
     from kdcache.storage import CacheReader
 
     run = setup["root"] / "kl"

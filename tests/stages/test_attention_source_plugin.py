@@ -81,7 +81,7 @@ def test_stage_two_trains_and_eval_reports_the_new_source(setup: dict[str, Path]
                  "--log-every", "1", "--json"]) == 0
     records = read_jsonl(run / "metrics.jsonl")
     assert len(records) == 2 and all(r["attention"] > 0 for r in records)
-    from kdcache.stages.train.evaluate import evaluate_run
+    from kdcache.stages.train.evaluation.evaluate import evaluate_run
     from kdcache.storage import CacheReader
 
     attention = evaluate_run(run, CacheReader(setup["cache"]), batch_size=4)["attention"]

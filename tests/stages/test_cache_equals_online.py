@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kdcache.stages.train.compound import CompoundLoss
+from kdcache.stages.train.feed.streaming import CacheStream, to_device
 from kdcache.stages.train.losses import critic_loss, get_loss
 from kdcache.stages.train.losses.wgan import Critic
-from kdcache.stages.train.streaming import CacheStream, to_device
 from tests.helpers.tiny_models import make_tiny_gpt2, sample_texts
 from tests.stages._train_support import write_cache
 

@@ -21,7 +21,7 @@ from kdcache.stages.common.cache_texts import (
 )
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.options import PrecomputeOptions
-from kdcache.stages.precompute.rows import Rows, iter_rows
+from kdcache.stages.precompute.rows.packing import Rows, iter_rows
 from kdcache.storage import CacheReader, verify_cache
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 

@@ -15,12 +15,12 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import run_precompute
-from kdcache.stages.precompute.chat import render
-from kdcache.stages.precompute.data import load_texts, tokenize
 from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.rows.chat import render
+from kdcache.stages.precompute.rows.data import load_texts, tokenize
 from kdcache.stages.train.compound import CompoundLoss
 from kdcache.stages.train.distill import student_inputs
-from kdcache.stages.train.streaming import collate, to_device
+from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_llama, sample_texts
 

@@ -52,7 +52,7 @@ def test_the_registry_lists_the_new_codec_and_the_flag_offers_it(int6: type[Int6
 
 @pytest.mark.slow
 def test_a_codec_defined_in_a_test_module_runs_end_to_end(int6: type[Int6], tmp_path: Path) -> None:
-    from kdcache.stages.train.evaluate import evaluate_run
+    from kdcache.stages.train.evaluation.evaluate import evaluate_run
     from kdcache.stages.train.loop import run_training
     from kdcache.stages.train.options import TrainOptions
     from tests.stages.test_hidden_codecs import _teacher_hidden

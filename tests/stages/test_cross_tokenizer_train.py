@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.train.cross_model import CrossDistillModel, SpanAligner, build_cross_model, without_logit_kl
+from kdcache.stages.train.cross.cross_model import CrossDistillModel, SpanAligner, build_cross_model, without_logit_kl
 from kdcache.stages.train.logging import read_jsonl
 from tests.helpers.tiny_models import make_tiny_llama, train_wordpiece_tokenizer
 from tests.stages._train_support import precompute_cache
@@ -75,7 +75,7 @@ def test_the_cross_step_reads_nothing_back(setup: dict[str, Path], monkeypatch: 
 
 
 def test_span_agreement_of_the_run_and_of_an_untrained_student(setup: dict[str, Path]) -> None:
-    from kdcache.stages.train.span_eval import evaluate_spans
+    from kdcache.stages.train.evaluation.span_eval import evaluate_spans
     from kdcache.storage import CacheReader
 
     reader = CacheReader(setup["cache"])
@@ -113,7 +113,7 @@ def _reference(setup: dict[str, Path], student: Path, pair: tuple[int, int]) -> 
     from transformers import AutoTokenizer
 
     from kdcache.stages.common.cache_texts import read_texts
-    from kdcache.stages.train.align import align, student_ends
+    from kdcache.stages.train.cross.align import align, student_ends
     from kdcache.stages.train.student import load_student
     from kdcache.storage import CacheReader
 
@@ -144,8 +144,8 @@ def _reference(setup: dict[str, Path], student: Path, pair: tuple[int, int]) -> 
 
 def test_kdcache_eval_scores_the_run_and_its_baseline_by_spans(setup: dict[str, Path],
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from kdcache.stages.train.eval_records import find_eval
-    from kdcache.stages.train.span_eval import evaluate_spans
+    from kdcache.stages.train.evaluation.eval_records import find_eval
+    from kdcache.stages.train.evaluation.span_eval import evaluate_spans
     from kdcache.storage import CacheReader
 
     run, reader = setup["root"] / "gold", CacheReader(setup["cache"])
@@ -175,7 +175,7 @@ def test_kdcache_eval_scores_the_run_and_its_baseline_by_spans(setup: dict[str, 
 
 def test_the_run_report_shows_the_span_columns(setup: dict[str, Path]) -> None:
     from kdcache.pipeline.report_html import fmt
-    from kdcache.stages.train.eval_records import read_evals
+    from kdcache.stages.train.evaluation.eval_records import read_evals
 
     run = setup["root"] / "gold"
     evals = read_evals(run)  # the previous test's baseline and trained records
@@ -192,9 +192,9 @@ def test_the_run_report_shows_the_span_columns(setup: dict[str, Path]) -> None:
 def test_a_run_without_a_layer_map_gets_span_cka_on_the_uniform_map(setup: dict[str, Path]) -> None:
     """A CE-only run (--gamma 0) records no layer map; nor does a run not trained yet, whose baseline is scored
     with --cross-tokenizer (no options.json yet): span CKA falls back to the uniform map, named in the record."""
-    from kdcache.stages.train.eval_records import find_eval
-    from kdcache.stages.train.evaluate import EvaluationError
-    from kdcache.stages.train.span_eval import evaluate_spans
+    from kdcache.stages.train.evaluation.eval_records import find_eval
+    from kdcache.stages.train.evaluation.evaluate import EvaluationError
+    from kdcache.stages.train.evaluation.span_eval import evaluate_spans
     from kdcache.storage import CacheReader, read_json_object
 
     run = setup["root"] / "ce"
@@ -233,7 +233,7 @@ def test_eval_on_a_cache_without_texts_exits_2(setup: dict[str, Path], capsys: p
 
 def test_next_text_agreement_rule() -> None:
     """Same word across tokenizers agrees; a prefix or a lone space does not; whitespace agrees with whitespace."""
-    from kdcache.stages.train.span_eval import same_next_text
+    from kdcache.stages.train.evaluation.span_eval import same_next_text
 
     assert same_next_text(" Quick", "quick") and same_next_text("##ing", "ing") and same_next_text(" ", "\n")
     assert not same_next_text("qu", "quick") and not same_next_text(" ", "a") and not same_next_text("q", "quick")
@@ -244,7 +244,7 @@ def test_next_text_agreement_rule() -> None:
 def test_the_teacher_agrees_with_its_own_cache_through_the_cross_path(setup: dict[str, Path]) -> None:
     """The ceiling: the teacher as the student, its own tokenizer with its own BOS, scored against its cache: every
     span one token and every top-1 the cached one, whitespace predictions included. The best constant scores less."""
-    from kdcache.stages.train.span_eval import evaluate_spans
+    from kdcache.stages.train.evaluation.span_eval import evaluate_spans
     from kdcache.storage import CacheReader
 
     scored = evaluate_spans(setup["root"] / "gold", CacheReader(setup["cache"]), student=setup["root"] / "teacher",
@@ -308,9 +308,9 @@ def test_same_tokenizer_cross_model_equals_the_ordinary_losses(setup: dict[str, 
     """The cross path with the teacher's own tokenizer: every span one token, so each term is the ordinary one."""
     from kdcache.stages.train.checks import open_cache
     from kdcache.stages.train.distill import DistillModel, build_criterion
+    from kdcache.stages.train.feed.streaming import collate, to_device
     from kdcache.stages.train.loop import prepare
     from kdcache.stages.train.options import TrainOptions
-    from kdcache.stages.train.streaming import collate, to_device
 
     reader = open_cache(str(setup["cache"]))
     # a student built on the teacher's own tokenizer
@@ -351,9 +351,9 @@ def test_the_chunked_head_gives_the_materialised_logits_values_and_gradients(set
     """The cross path builds the student's span logits chunk by chunk from its head; the same step with the
     student's own materialised logits is the reference (train mode), for every term and every gradient."""
     from kdcache.stages.train.distill import build_criterion
+    from kdcache.stages.train.feed.streaming import collate, to_device
     from kdcache.stages.train.loop import prepare
     from kdcache.stages.train.options import TrainOptions
-    from kdcache.stages.train.streaming import collate, to_device
 
     options = TrainOptions.of(cache=str(setup["cache"]), student=str(setup["student"]), out=str(setup["root"] / "y"),
                               layer_map=["explicit:1-2"], cross_tokenizer=loss, topk_kl="other", temperature=1.0)
@@ -387,7 +387,7 @@ def test_pieces_of_characters_agree_only_with_the_same_piece() -> None:
     same piece must (the teacher with itself)."""
     from types import SimpleNamespace
 
-    from kdcache.stages.train.span_eval import token_text
+    from kdcache.stages.train.evaluation.span_eval import token_text
 
     pieces = {1: "Ã", 2: "Â", 3: "Ġquick"}
     tok = SimpleNamespace(decode=lambda ids: "\ufffd" if ids[0] in (1, 2) else " quick",

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kdcache.stages.train.decode_plan import PlannedBatch, decode_plan, shard_locator
-from kdcache.stages.train.streaming import CacheStream, epoch_order, rank_batches
+from kdcache.stages.train.feed.decode_plan import PlannedBatch, decode_plan, shard_locator
+from kdcache.stages.train.feed.streaming import CacheStream, epoch_order, rank_batches
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_gpt2
 from tests.stages._train_support import write_cache

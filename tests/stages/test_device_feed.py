@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kdcache.stages.train.device_feed import DeviceFeed
+from kdcache.stages.train.feed.device_feed import DeviceFeed
 
 
 def test_the_next_batch_is_prepared_before_the_step_uses_this_one() -> None:

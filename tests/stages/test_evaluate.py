@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.train.agreement import CkaMatrix, LmStats
-from kdcache.stages.train.eval_records import find_eval, read_evals
-from kdcache.stages.train.evaluate import evaluate_run
+from kdcache.stages.train.evaluation.agreement import CkaMatrix, LmStats
+from kdcache.stages.train.evaluation.eval_records import find_eval, read_evals
+from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.losses import kd_kl, linear_cka
 from kdcache.stages.train.masks import token_masks
 from kdcache.storage import CacheReader

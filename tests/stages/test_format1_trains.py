@@ -32,7 +32,7 @@ FORMAT2_SEQ2SEQ = Path(__file__).resolve().parents[1] / "data" / "format2-seq2se
 @pytest.mark.parametrize("backend", ["zarr", "arrow"])
 def test_a_format2_encoder_decoder_cache_still_reads_trains_and_evaluates(backend: str, tmp_path: Path) -> None:
     """tests/data/format2-seq2seq: written by the last format-2 writer (a tiny BART; see tests/data/README.md)."""
-    from kdcache.stages.train.eval_records import read_evals
+    from kdcache.stages.train.evaluation.eval_records import read_evals
     from kdcache.storage import CacheReader, verify_cache
 
     cache = tmp_path / "cache"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kdcache.stages.common.device_codecs import Projection, decode_batch, encode
-from kdcache.stages.train.evaluate import evaluate_run
+from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.loop import run_training
 from kdcache.stages.train.options import TrainOptions
 from kdcache.storage import CacheReader

@@ -95,7 +95,7 @@ def test_stage_two_logs_the_new_term_and_eval_labels_its_kl(setup: dict[str, Pat
     assert len(records) == 2
     assert all(r[TERM] > 0 and math.isfinite(r[TERM]) for r in records)
     assert not any("topk_kl" in r for r in records)  # the built-in kind's term is not what ran
-    from kdcache.stages.train.evaluate import evaluate_run
+    from kdcache.stages.train.evaluation.evaluate import evaluate_run
     from kdcache.storage import CacheReader
 
     lm = evaluate_run(run, CacheReader(setup["cache"]), batch_size=4)

@@ -16,8 +16,8 @@ import torch
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.losses import head_kl, kd_kl
-from kdcache.stages.train.streaming import collate, to_device
 from kdcache.stages.train.teacher_head import load_teacher_head
 from kdcache.storage import CacheReader
 from kdcache.storage.errors import KdcacheError
@@ -171,7 +171,7 @@ def test_logprob_values_need_topk_logits(tiny_llama: Path, tmp_path: Path, capsy
 def test_the_sampled_kl_is_unbiased(temperature: float) -> None:
     """Stage one's sampler and stage two's estimator together: the mean over many draws is the exact KL, on a small
     vocabulary, while any one draw of N=4 is far from it."""
-    from kdcache.stages.precompute.logit_head import sample_logits
+    from kdcache.stages.precompute.capture.logit_head import sample_logits
     from kdcache.stages.train.losses import sampled_kl
 
     torch.manual_seed(0)

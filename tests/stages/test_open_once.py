@@ -114,7 +114,7 @@ def test_a_stream_over_the_commands_reader_reads_it_in_process_and_reopens_in_wo
     import torch
 
     from kdcache.stages.train.checks import open_cache
-    from kdcache.stages.train.streaming import CacheStream
+    from kdcache.stages.train.feed.streaming import CacheStream
     from tests.stages._train_support import write_cache
 
     cache = write_cache(tiny_gpt2, tmp_path / "cache", num_sequences=12, hidden_layers=(1,))

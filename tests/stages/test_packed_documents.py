@@ -15,7 +15,7 @@ import torch
 from kdcache.stages.common.documents import document_attention_mask, document_index
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.options import PrecomputeOptions
-from kdcache.stages.precompute.rows import make_rows
+from kdcache.stages.precompute.rows.packing import make_rows
 from kdcache.storage import CacheReader, to_float32
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
@@ -111,7 +111,7 @@ def test_the_student_sees_the_same_document_boundaries(tiny_gpt2: Path, tmp_path
 
     from kdcache.stages.train.compound import CompoundLoss
     from kdcache.stages.train.distill import student_inputs
-    from kdcache.stages.train.streaming import collate, to_device
+    from kdcache.stages.train.feed.streaming import collate, to_device
 
     reader = _precompute(tmp_path, tiny_gpt2, sample_texts(24, seed=4), layers=("2", "3"), features=("hidden", "logits"),
                          top_k=16)
@@ -156,8 +156,8 @@ def test_a_student_that_cannot_keep_documents_apart_is_refused(tiny_gpt2: Path, 
     from transformers import AutoModelForCausalLM, RobertaConfig, RobertaModel
 
     from kdcache.stages.train.distill import check_documents_apart
+    from kdcache.stages.train.feed.streaming import collate, to_device
     from kdcache.stages.train.losses import LossError
-    from kdcache.stages.train.streaming import collate, to_device
 
     reader = _precompute(tmp_path, tiny_gpt2, sample_texts(24, seed=4), layers=("1",), features=("hidden",))
     batch = to_device(collate([reader[i] for i in range(4)], range(4)), "cpu")

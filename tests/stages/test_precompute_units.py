@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kdcache.stages.precompute.background import BackgroundWriter
-from kdcache.stages.precompute.batching import Partition, collate, plan_batches
 from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
+from kdcache.stages.precompute.rows.batching import Partition, collate, plan_batches
 from kdcache.storage.errors import Fp16OverflowError
 
 
@@ -135,7 +135,7 @@ def test_background_writer_reraises_in_main_thread() -> None:
 
 def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
     """A hidden state beyond 65504 is refused with the layer's name, never stored as inf."""
-    from kdcache.stages.precompute.capture import FeatureCapture, finish
+    from kdcache.stages.precompute.capture.features import FeatureCapture, finish
     from kdcache.stages.precompute.targets import resolve_targets
     from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config
 
@@ -207,10 +207,10 @@ def test_an_explicit_default_hidden_codec_keeps_the_settings_fingerprint(tiny_gp
 def test_the_devices_gather_cuts_the_same_sequences_as_the_hosts_views(tiny_llama: Path, tmp_path: Path) -> None:
     """The GPU's path (padding dropped by a gather before the copy) run on the CPU gives every sequence's arrays
     exactly as the CPU's path (views of the padded arrays) does: hidden states, q/k, attention maps, logits."""
-    from kdcache.stages.precompute.capture import FeatureCapture, finish
+    from kdcache.stages.precompute.capture.features import FeatureCapture, finish
+    from kdcache.stages.precompute.capture.transfer import HostCopier
     from kdcache.stages.precompute.targets import resolve_targets
     from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config
-    from kdcache.stages.precompute.transfer import HostCopier
 
     opts = PrecomputeOptions.of(teacher=str(tiny_llama), data="unused", out=str(tmp_path / "c"), layers=("0", "2"),
                                 features=("hidden", "attention", "logits"), top_k=8, topk_values="logprob")
@@ -239,9 +239,9 @@ def test_the_teachers_pipeline_runs_on_across_shard_boundaries() -> None:
     intersection over the shard's batches."""
     from types import SimpleNamespace
 
+    from kdcache.stages.precompute.capture.transfer import ShardItems
     from kdcache.stages.precompute.progress import Progress, RunStats
     from kdcache.stages.precompute.stream import IN_FLIGHT, stream_shards
-    from kdcache.stages.precompute.transfer import ShardItems
 
     seqs = [np.arange(3 + i % 3, dtype=np.int64) + 10 * i for i in range(12)]  # 3 shards of 4, batches of 2
     data = SimpleNamespace(ids={"": seqs}, tokens={})
@@ -273,9 +273,9 @@ def test_copies_out_of_pinned_memory_reuse_their_buffers_once_the_shard_is_writt
     """The GPU's take (``HostBatch.ready`` moving a landed copy out of pinned memory) run on CPU tensors: the
     copies are exact, live in the copier's reused buffers, and those come back only when the shard that holds
     their views has been written (``commit.write_then_release``), also when that write failed."""
-    from kdcache.stages.precompute.capture import finish
+    from kdcache.stages.precompute.capture.features import finish
+    from kdcache.stages.precompute.capture.transfer import HostBatch, _pageable
     from kdcache.stages.precompute.commit import write_then_release
-    from kdcache.stages.precompute.transfer import HostBatch, _pageable
     from kdcache.storage.buffers import BufferPool, Lease
 
     pool = BufferPool()

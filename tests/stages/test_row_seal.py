@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.precompute.row_store import ROWS_ENV
+from kdcache.stages.precompute.rows.row_store import ROWS_ENV
 from kdcache.storage.folders import TABLE
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 

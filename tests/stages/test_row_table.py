@@ -16,8 +16,8 @@ import pytest
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import PrecomputeOptions, run_precompute
-from kdcache.stages.precompute.row_build import pair_streams, text_streams
-from kdcache.stages.precompute.row_store import ROWS_ENV
+from kdcache.stages.precompute.rows.row_build import pair_streams, text_streams
+from kdcache.stages.precompute.rows.row_store import ROWS_ENV
 from kdcache.stages.precompute.teacher import load_tokenizer
 from kdcache.storage import CacheReader
 from kdcache.storage.canonical import canonical_json
@@ -229,7 +229,7 @@ def test_a_destination_too_small_is_refused_before_the_teacher_loads(tiny_gpt2: 
 
 
 def test_only_the_process_that_built_removes_the_lock_file(tmp_path: Path) -> None:
-    from kdcache.stages.precompute.row_store import open_or_build
+    from kdcache.stages.precompute.rows.row_store import open_or_build
     from kdcache.storage.fingerprint import hash_json
 
     def refuse(writer: Any) -> Any:

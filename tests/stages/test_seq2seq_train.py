@@ -11,12 +11,12 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.train.checks import CacheCheckError
+from kdcache.stages.train.feed.streaming import collate
 from kdcache.stages.train.init_student import block_list_prefix
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.stages.train.loop import run_training
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
 from kdcache.stages.train.options import TrainOptions
-from kdcache.stages.train.streaming import collate
 from tests.helpers.tiny_models import make_tiny_bart, make_tiny_gpt2, make_tiny_t5, sample_pairs, write_pair_dataset
 from tests.stages._train_support import make_student_config, write_cache
 

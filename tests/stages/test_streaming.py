@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.train.streaming import (
+from kdcache.stages.train.feed.streaming import (
     CacheStream,
     DataPosition,
     StreamStateError,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kdcache.stages.train.feed.streaming import epoch_order, rank_batches
 from kdcache.stages.train.logging import read_jsonl
-from kdcache.stages.train.streaming import epoch_order, rank_batches
 from tests.helpers.tiny_models import make_tiny_gpt2
 from tests.stages._train_support import make_student_config, write_cache
 

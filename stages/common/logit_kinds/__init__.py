@@ -23,6 +23,20 @@ from kdcache.stages.common.logit_kinds.base import (
 from kdcache.storage import import_members
 
 import_members(__name__, __path__)
+# Names the kinds' own modules define, after every kind has registered (registration order is the choices').
+from kdcache.stages.common.logit_kinds.base import TeacherHead  # noqa: E402
+from kdcache.stages.common.logit_kinds.full import kd_kl  # noqa: E402
+from kdcache.stages.common.logit_kinds.head import head_kl  # noqa: E402
+from kdcache.stages.common.logit_kinds.sampled import sample_logits, sampled_kl  # noqa: E402
+from kdcache.stages.common.logit_kinds.topk import (  # noqa: E402
+    TOPK_VARIANTS,
+    as_logprobs,
+    cached_topk,
+    topk_kl,
+    topk_kl_other,
+    topk_kl_renorm,
+)
 
-__all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "from_targets", "get", "names", "parse",
-           "register", "usage", "uses_head"]
+__all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "TOPK_VARIANTS", "TeacherHead", "as_logprobs",
+           "cached_topk", "from_targets", "get", "head_kl", "kd_kl", "names", "parse", "register", "sample_logits",
+           "sampled_kl", "topk_kl", "topk_kl_other", "topk_kl_renorm", "usage", "uses_head"]

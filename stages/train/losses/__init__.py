@@ -22,40 +22,55 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kdcache.stages.train.losses.attention import attention_kl, group_teacher_heads
-from kdcache.stages.train.losses.cross_vocab import gold_loss, uld_loss
+from kdcache.stages.train.losses.attention_qk import cached_qk_loss
+from kdcache.stages.train.losses.cross_attention import cross_attention_kl
+from kdcache.stages.train.losses.cross_vocab import (
+    cross_vocab_term,
+    gold_loss,
+    shared_student_ids,
+    shared_vocab,
+    span_mean,
+    span_rows,
+    uld_loss,
+)
 from kdcache.stages.train.losses.errors import KdcacheError, LayerMapError, LossError
 from kdcache.stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
 from kdcache.stages.train.losses.logits import (
     TOPK_VARIANTS,
     cached_topk,
     causal_ce,
+    causal_ce_term,
     head_kl,
     kd_kl,
     sampled_kl,
     token_ce,
+    token_ce_term,
     topk_kl,
     topk_kl_other,
     topk_kl_renorm,
 )
 from kdcache.stages.train.losses.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
-from kdcache.stages.train.options import HIDDEN_LOSSES  # the option's choices are the registry's names
+from kdcache.stages.train.options import HIDDEN_LOSSES
+from kdcache.storage import Registry  # the option's choices are the registry's names
 
-_REGISTRY: dict[str, Callable[..., object]] = {
-    "ce": causal_ce,
-    "ce_token": token_ce,
-    "kl": kd_kl,
-    "topk_kl": topk_kl,
-    "topk_kl_renorm": topk_kl_renorm,
-    "topk_kl_other": topk_kl_other,
-    "mse": masked_mse,
-    "cosine": cosine_loss,
-    "cka": cka_loss,
-    "cka_sqrt": cka_sqrt_loss,
-    "attention_kl": attention_kl,
-    "wgan": wgan_student_loss,
-    "uld": uld_loss,
-    "gold": gold_loss,
-}
+_REGISTRY: Registry[Callable[..., object]] = Registry("loss", LossError)
+for _name, _loss in (
+    ("ce", causal_ce),
+    ("ce_token", token_ce),
+    ("kl", kd_kl),
+    ("topk_kl", topk_kl),
+    ("topk_kl_renorm", topk_kl_renorm),
+    ("topk_kl_other", topk_kl_other),
+    ("mse", masked_mse),
+    ("cosine", cosine_loss),
+    ("cka", cka_loss),
+    ("cka_sqrt", cka_sqrt_loss),
+    ("attention_kl", attention_kl),
+    ("wgan", wgan_student_loss),
+    ("uld", uld_loss),
+    ("gold", gold_loss),
+):
+    _REGISTRY.add(_name, _loss)
 
 # The names the CLI's --hidden-loss accepts; the wgan one needs a critic, the CKA ones no projector.
 PROJECTOR_FREE_LOSSES = ("cka", "cka_sqrt")
@@ -68,16 +83,13 @@ def registered_losses() -> list[str]:
 
 def get_loss(name: str) -> Callable[..., object]:
     """The loss callable registered as ``name``; ``LossError`` listing the registered names otherwise."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise LossError(
-            f"unknown loss {name!r}; registered losses: {', '.join(registered_losses())}"
-        ) from None
+    return _REGISTRY.lookup(name)
 
 
 __all__ = [
     "HIDDEN_LOSSES",
+    "cached_qk_loss", "cross_attention_kl", "cross_vocab_term", "shared_student_ids", "shared_vocab", "span_mean",
+    "span_rows", "causal_ce_term", "token_ce_term",
     "PROJECTOR_FREE_LOSSES",
     "TOPK_VARIANTS",
     "Critic",

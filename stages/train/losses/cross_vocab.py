@@ -1,5 +1,5 @@
 """Losses across vocabularies (``--cross-tokenizer``): the teacher's cached top-k against a student with its own
-tokenizer, compared span by span (``stages.train.align``).
+tokenizer, compared span by span (``stages.train.cross.align``).
 
 Shapes: ``B`` batch, ``K`` spans (padded per batch), ``k`` cached top-k, ``V_s`` the student's vocabulary,
 ``L_t`` / ``L_s`` teacher / student tokens. Span-level inputs are gathered first (``span_rows`` at each span's

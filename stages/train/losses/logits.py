@@ -16,12 +16,12 @@ from kdcache.stages.common.kernel_feeds import ce_feed
 
 # The KLs against cached teacher logits belong to their logit kinds (stages.common.logit_kinds); they are
 # re-exported here under the names the loss registry and earlier code use.
-from kdcache.stages.common.logit_kinds.full import kd_kl
-from kdcache.stages.common.logit_kinds.head import head_kl
-from kdcache.stages.common.logit_kinds.sampled import sampled_kl
-from kdcache.stages.common.logit_kinds.topk import (
+from kdcache.stages.common.logit_kinds import (
     TOPK_VARIANTS,
     cached_topk,
+    head_kl,
+    kd_kl,
+    sampled_kl,
     topk_kl,
     topk_kl_other,
     topk_kl_renorm,

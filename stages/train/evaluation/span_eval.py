@@ -33,16 +33,15 @@ import torch.nn.functional as F
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import read_texts
-from kdcache.stages.train.cross_model import SIDE_KEYS, SpanAligner, _cache_tokenizer
+from kdcache.stages.train.cross import SIDE_KEYS, SpanAligner, cache_tokenizer
 from kdcache.stages.train.layer_maps import Pair, pair_key
-from kdcache.stages.train.losses.cross_vocab import span_mean, span_rows
-from kdcache.stages.train.losses.hidden import linear_cka
+from kdcache.stages.train.losses import linear_cka, span_mean, span_rows
 from kdcache.stages.train.masks import token_masks
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from kdcache.stages.train.streaming import Batch
+    from kdcache.stages.train.feed import Batch
     from kdcache.storage import CacheReader
 
 
@@ -99,8 +98,8 @@ def evaluate_spans(run_dir: str | Path, reader: CacheReader, *, student: str | P
         None when the cache holds no ranked top-k logits, and ``span_cosine`` leaves out pairs it cannot measure.
     """
     from kdcache.stages.common.device_codecs import load_projection
-    from kdcache.stages.train.evaluate import load_run
-    from kdcache.stages.train.streaming import to_device
+    from kdcache.stages.train.evaluation.evaluate import load_run
+    from kdcache.stages.train.feed import to_device
 
     model, pairs_by_stream, projectors = load_run(run_dir, student)
     model.to(device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to; its stub takes no device
@@ -117,7 +116,7 @@ def evaluate_spans(run_dir: str | Path, reader: CacheReader, *, student: str | P
     names = ["input_ids", *(n for n in ("loss_mask", "position_ids") if n in reader.spec.token_arrays),
              *(["logits/topk_ids"] if ranked else []), *(f"hidden/{t}" for _, t in pairs)]
     sums, projection = _Sums(pairs), load_projection(reader)
-    tokenizers = (_cache_tokenizer(reader) if ranked else None, s_tok)
+    tokenizers = (cache_tokenizer(reader) if ranked else None, s_tok)
     for batch in _batches(reader, names, batch_size, limit):
         aligner.extend(batch)  # the student's side, made on the host batch as training's reader makes it
         batch = to_device(batch, device, reader.spec.hidden_codec, projection)
@@ -148,7 +147,7 @@ def evaluate_cross_run(run_dir: str | Path, reader: CacheReader, *, student: str
             sequence, or two token streams.
     """
     from kdcache.stages.train.checks import CacheCheckError
-    from kdcache.stages.train.cross_checks import text_problems
+    from kdcache.stages.train.cross import text_problems
     from kdcache.storage import read_json_object
 
     problems = text_problems(reader, "span agreement (evaluating a student with its own tokenizer)")
@@ -173,7 +172,7 @@ def span_pairs(run_pairs: list[Pair], given: list[Pair] | None, depth: int, cach
     Raises:
         EvaluationError: a given pair names a student layer past ``depth`` or a teacher layer the cache lacks.
     """
-    from kdcache.stages.train.evaluate import EvaluationError, default_pairs
+    from kdcache.stages.train.evaluation.evaluate import EvaluationError, default_pairs
 
     if given is not None:
         bad = [p for p in given if not 0 <= p[0] <= depth or p[1] not in cached]
@@ -197,7 +196,7 @@ def _student_tokenizer(folder: str | Path) -> Any:
     """The student's own fast tokenizer (its tokens are aligned by their character offsets)."""
     from transformers import AutoTokenizer
 
-    from kdcache.stages.train.evaluate import EvaluationError
+    from kdcache.stages.train.evaluation.evaluate import EvaluationError
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -212,7 +211,7 @@ def _student_tokenizer(folder: str | Path) -> Any:
 
 def _batches(reader: CacheReader, names: list[str], batch_size: int, limit: int | None) -> Iterator[Batch]:
     """Collated batches in cache order carrying each row's global sequence id (the texts are looked up by it)."""
-    from kdcache.stages.train.streaming import collate
+    from kdcache.stages.train.feed import collate
 
     count = len(reader) if limit is None else min(limit, len(reader))
     for start in range(0, count, batch_size):

@@ -22,16 +22,16 @@ import numpy as np
 
 from kdcache.stages.common.cache_texts import token_pieces
 from kdcache.stages.common.hub import offline_unless_reachable
-from kdcache.stages.precompute.chat import chat_template, check_conversation, render
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.options import DATA_EXTENSIONS, PrecomputeOptions, looks_like_path
-from kdcache.stages.precompute.rows import Document, Rows, make_rows, span_mask
+from kdcache.stages.precompute.rows.chat import chat_template, check_conversation, render
+from kdcache.stages.precompute.rows.packing import Document, Rows, make_rows, span_mask
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
     from transformers import PreTrainedTokenizerBase
 
-    from kdcache.stages.precompute.row_store import RowTable
+    from kdcache.stages.precompute.rows.row_store import RowTable
 
 _TOKENIZE_BATCH = 1000
 

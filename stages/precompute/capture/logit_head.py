@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kdcache.stages.common import logit_kinds
-from kdcache.stages.common.logit_kinds.sampled import sample_logits  # noqa: F401 (its earlier home)
-from kdcache.stages.common.logit_kinds.topk import as_logprobs  # noqa: F401 (its earlier home)
+from kdcache.stages.common.logit_kinds import (
+    as_logprobs,  # noqa: F401 (its earlier home)
+    sample_logits,  # noqa: F401 (its earlier home)
+)
 from kdcache.stages.common.teacher_head import finish_logits
 from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES, Targets
 

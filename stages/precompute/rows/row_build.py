@@ -27,7 +27,8 @@ import numpy as np
 
 from kdcache.stages.common.cache_texts import row_text
 from kdcache.stages.common.fingerprints import clear_call_state, tokenizer_fingerprint
-from kdcache.stages.precompute.data import (
+from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.rows.data import (
     PAIR_HASHES,
     TEXT_ARRAYS,
     TEXT_HASHES,
@@ -44,8 +45,8 @@ from kdcache.stages.precompute.data import (
     text_fingerprint,
     text_template,
 )
-from kdcache.stages.precompute.options import PrecomputeOptions
-from kdcache.stages.precompute.row_store import (
+from kdcache.stages.precompute.rows.packing import Rows, iter_rows
+from kdcache.stages.precompute.rows.row_store import (
     ROWS_VERSION,
     Build,
     RowTable,
@@ -53,7 +54,6 @@ from kdcache.stages.precompute.row_store import (
     open_or_build,
     rows_root,
 )
-from kdcache.stages.precompute.rows import Rows, iter_rows
 from kdcache.storage import hash_bytes, hash_json
 
 if TYPE_CHECKING:

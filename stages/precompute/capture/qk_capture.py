@@ -27,7 +27,7 @@ from kdcache.storage import DEFAULT_ATTENTION_SOURCE
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.stages.precompute.data import TokenStreams
+    from kdcache.stages.precompute.rows import TokenStreams
 
 PROBE_TOKENS = 64  # tokens of the first row the probe forward runs on
 Result = TypeVar("Result")

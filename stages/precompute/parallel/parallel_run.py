@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.memory import check_layout, rank_memory
-from kdcache.stages.precompute.parallel import Grid, Layout, check_features
+from kdcache.stages.precompute.parallel.layouts import Grid, Layout, check_features
+from kdcache.stages.precompute.parallel.memory import check_layout, rank_memory
 from kdcache.stages.precompute.progress import Progress, RunStats
 
 if TYPE_CHECKING:

@@ -18,8 +18,7 @@ from kdcache.stages.common import attention_sources
 from kdcache.stages.common.attention_maps import use_maps_attention
 from kdcache.stages.common.qk_attention import Captured, QKRecorder, QKRecorderError
 from kdcache.stages.train.layer_maps import Pair, pair_key
-from kdcache.stages.train.losses import LossError, attention_kl
-from kdcache.stages.train.losses.attention_qk import cached_qk_loss
+from kdcache.stages.train.losses import LossError, attention_kl, cached_qk_loss
 from kdcache.stages.train.masks import TokenMasks
 
 if TYPE_CHECKING:

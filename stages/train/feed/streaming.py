@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kdcache.stages.common.device_codecs import Projection, decode_batch
-from kdcache.stages.train.decode_plan import decode_plan, shard_locator
+from kdcache.stages.train.feed.decode_plan import decode_plan, shard_locator
 from kdcache.storage import (
     HiddenCodec,
     KdcacheError,
@@ -56,6 +56,9 @@ from kdcache.storage import (
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader
 
+# A batch: array name -> tensor ([B, L, ...] targets, [B, L] ids and masks, [B] sample ids), padded per token
+# stream (``collate``), beside which the stream puts its position (``epoch``, ``step_in_epoch``: ints) and the
+# loop its host record; on the host until ``to_device`` copies and decodes it. Defined here only.
 Batch = dict[str, Any]
 
 

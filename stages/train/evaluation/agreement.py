@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from scipy.stats import spearmanr
 
 from kdcache.stages.common import logit_kinds
-from kdcache.stages.common.logit_kinds import KlSetup
-from kdcache.stages.common.logit_kinds.base import TeacherHead
+from kdcache.stages.common.logit_kinds import KlSetup, TeacherHead
 from kdcache.stages.train.masks import TokenMasks
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.parallel import Layout
+from kdcache.stages.precompute.parallel.layouts import Layout
 from kdcache.stages.precompute.stream import IN_FLIGHT
 from kdcache.storage import format_bytes
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import torch
 
-Batch = dict[str, Any]
+from kdcache.stages.train.feed.streaming import Batch
 
 
 class DeviceFeed:

@@ -26,18 +26,18 @@ import torch
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.device_codecs import load_projection
-from kdcache.stages.train.agreement import (
+from kdcache.stages.train.checks import CacheCheckError, stream_problems, vocab_problems
+from kdcache.stages.train.distill import check_documents_apart, student_inputs, student_view
+from kdcache.stages.train.evaluation.agreement import (
     CkaMatrix,
     LmStats,
     cka_result,
     final_state_agreement,
     mean_pool,
 )
-from kdcache.stages.train.attention_agreement import AttentionAgreement
-from kdcache.stages.train.checks import CacheCheckError, stream_problems, vocab_problems
-from kdcache.stages.train.distill import check_documents_apart, student_inputs, student_view
+from kdcache.stages.train.evaluation.attention_agreement import AttentionAgreement
+from kdcache.stages.train.feed import collate, to_device
 from kdcache.stages.train.masks import stream_masks
-from kdcache.stages.train.streaming import collate, to_device
 from kdcache.storage import CacheReader, KdcacheError, prefixed, read_json_object
 
 if TYPE_CHECKING:

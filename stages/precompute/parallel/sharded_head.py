@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.common import logit_kinds
-from kdcache.stages.common.logit_kinds.topk import as_logprobs
+from kdcache.stages.common.logit_kinds import as_logprobs
 from kdcache.stages.common.teacher_head import finish_logits
-from kdcache.stages.precompute.logit_head import ChunkedHead
+from kdcache.stages.precompute.capture import ChunkedHead
 from kdcache.stages.precompute.targets import Targets
 from kdcache.storage import TOPK_MASS
 

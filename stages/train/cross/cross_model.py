@@ -31,9 +31,9 @@ from torch import nn
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
 from kdcache.stages.common.head_logits import HeadLogits
 from kdcache.stages.common.vocab_pass import term_value
-from kdcache.stages.train.align import Alignment, align, aligned_share, student_ends, student_mask
-from kdcache.stages.train.losses import causal_ce
-from kdcache.stages.train.losses.cross_vocab import (
+from kdcache.stages.train.cross.align import Alignment, align, aligned_share, student_ends, student_mask
+from kdcache.stages.train.losses import (
+    causal_ce,
     cross_vocab_term,
     shared_student_ids,
     shared_vocab,
@@ -238,7 +238,7 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
         raise MissingTextError(f"--cross-tokenizer: the student's tokenizer at {options.run.student!r} has "
                                f"{len(tokenizer)} tokens, but its model's vocabulary (config vocab_size) is {vocab}; "
                                f"expected a tokenizer the student was built for")
-    teacher = _cache_tokenizer(reader)
+    teacher = cache_tokenizer(reader)
     size = int(reader.spec.vocab_size or len(teacher))
     shared = shared_vocab(teacher.get_vocab(), tokenizer.get_vocab(), size)
     if announce:
@@ -253,7 +253,7 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
                              temperature=resolved_temperature(loss), topk_kl=loss.topk_kl, announce=announce)
 
 
-def _cache_tokenizer(reader: CacheReader) -> PreTrainedTokenizerBase:
+def cache_tokenizer(reader: CacheReader) -> PreTrainedTokenizerBase:
     """The teacher's tokenizer, from the cache's ``tokenizer/`` folder (copied to a temporary folder to load)."""
     import tempfile
     from pathlib import Path
