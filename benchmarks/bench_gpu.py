@@ -10,7 +10,10 @@ Stage one, as tokens/s of the compute phase (the summary's ``tokens_per_second``
 * the bare forward of the base model, and base + LM head + top-128 log-softmax over every token (the least stage
   one must do for logits: the reference of every ratio);
 * ``precompute`` for logits only (top-128 log-probs), plus 4 fp16 hidden layers, int8, pca8, and q/k attention;
-  and logits only again through ``--teacher-parallel tp:1`` (the parallel path with a group of one);
+  and logits only again through ``--teacher-parallel tp:1`` (the parallel path with a group of one); and the
+  hidden and q/k rows again with ``--writer-processes`` (no writer thread in the teacher's process);
+* per row, ``forward_vs_base`` (the forward's seconds in the run over the bare base forward's for the same tokens)
+  and ``host_cpu_s`` (CPU seconds of the process and its writer processes);
 * the disk's write speed with fsync, measured in the same run, and what it allows for each cache's bytes/token.
 
 Stage two (``benchmarks/gpu_stage_two.py``): the student alone, kdcache train with CE / CE + KL / everything, and
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -148,6 +152,16 @@ def stage_one_configs(small: bool) -> dict[str, dict[str, Any]]:
         # The --teacher-parallel path with a group of one (beside "logits only": the same work). transformers
         # makes a one-rank tensor-parallel group a plain model, so this row measures kdcache's side of the path.
         "logits only, teacher-parallel tp:1": {"features": ("logits",), "teacher_parallel": "tp:1"},
+        # The same rows with the shards written by worker processes (issue 43): no writer thread in the teacher's
+        # process to hold the GIL its kernel launches wait for.
+        "+4 hidden fp16, writer processes": {**hidden, "writer_processes": True},
+        "+4 hidden int8, writer processes": {**hidden, "hidden_codec": "int8", "writer_processes": True},
+        "+4 hidden pca8, writer processes": {**hidden, "hidden_codec": "pca8", "hidden_rank": width, "rows_share": 4,
+                                             "writer_processes": True},
+        "+4 hidden fp16, q/k attention, writer processes": {**hidden, "features": ("hidden", "attention", "logits"),
+                                                             "attention_source": "qk",
+                                                             "attention_layers": (layers[1], layers[3]),
+                                                             "writer_processes": True},
     }
 
 
@@ -164,8 +178,9 @@ def stage_one_rows(teacher: Path, data: Path, work: Path, rows: int, length: int
         options = PrecomputeOptions.of(teacher=str(teacher), data=str(data), out=str(cache), packing="concat",
                                        max_length=length, max_sequences=max(8, rows // share), batch_size=8, top_k=128,
                                        topk_values="logprob", device=str(device), progress=False, **extra)
+        used = _cpu_seconds()
         summary = run_precompute(options)
-        out.append({"run": name, "tokens": summary["tokens"], "tokens_per_s": summary["tokens_per_second"],
+        out.append({"run": name, "host_cpu_s": round(_cpu_seconds() - used, 2), "tokens": summary["tokens"], "tokens_per_s": summary["tokens_per_second"],
                     "compute_s": summary["compute_seconds"], "forward_s": summary["forward_seconds"],
                     "writer_wait_s": summary["writer_wait_seconds"],
                     "take_s": summary["take_seconds"], "wall_s": summary["wall_seconds"],
@@ -176,9 +191,20 @@ def stage_one_rows(teacher: Path, data: Path, work: Path, rows: int, length: int
     return out
 
 
-def with_ratios(rows: list[dict[str, Any]], reference: float, disk_mb_s: float) -> list[dict[str, Any]]:
-    """Each row's ratio to the forward + head reference, and to what the disk allows for its bytes/token."""
+def _cpu_seconds() -> float:
+    """User and system CPU seconds of this process and its finished children (writer processes, tokenizers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def with_ratios(rows: list[dict[str, Any]], reference: float, disk_mb_s: float,
+                base: float | None = None) -> list[dict[str, Any]]:
+    """Each row's ratio to the forward + head reference, and to what the disk allows for its bytes/token; with the
+    base model's tokens/s, ``forward_vs_base``: the teacher's forward time in the run over the bare base forward's
+    for the same tokens (1.0: our hooks and the host cost the forward nothing)."""
     for row in rows:
+        if base:
+            row["forward_vs_base"] = round(row["forward_s"] / (row["tokens"] / base), 3)
         disk_limit = disk_mb_s * 1e6 / max(1.0, row["bytes_per_token"])
         row["vs_forward_head"] = round(row["tokens_per_s"] / reference, 3)
         row["disk_allows_tokens_per_s"] = round(disk_limit)
@@ -218,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "host_cores": os.cpu_count(), "disk_write_mb_s": round(disk_write_mb_s(work), 1)}
         results["reference"] = bare_forward(teacher, rows, length, device)
         print(json.dumps(results), flush=True)
+        reference = results["reference"]
         results["stage_one"] = with_ratios(stage_one_rows(teacher, data, work, rows, length, device),
-                                           results["reference"]["forward_head_topk"], results["disk_write_mb_s"])
+                                           reference["forward_head_topk"], results["disk_write_mb_s"],
+                                           reference["bare_forward"])
         if args.json:  # stage one's figures are kept even if stage two fails
             Path(args.json).write_text(json.dumps(results, indent=2))
         if not args.no_train:

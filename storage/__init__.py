@@ -145,6 +145,10 @@ if TYPE_CHECKING:
         VerifyReport as VerifyReport,
         verify_cache as verify_cache,
     )
-    from kdcache.storage.writer import CacheWriter as CacheWriter, merge_parts as merge_parts
+    from kdcache.storage.writer import (
+        CacheWriter as CacheWriter,
+        ShardCommitter as ShardCommitter,
+        merge_parts as merge_parts,
+    )
 
 __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -61,6 +61,60 @@ def _disk_full(store: Store, exc: OSError, needed: int, what: str) -> Exception:
     return disk_full_error(local, needed, what) if local is not None and is_disk_full(exc) else exc
 
 
+class ShardCommitter:
+    """Encodes and commits shards of one cache: pure encode, pack, the files handed to the store, the sidecar last
+    (the commit point). What a writer does per shard, without the part's lock or the manifest, so that a process
+    that does not hold the part (stage one's writer processes) commits the shards of the one that does.
+
+    Args:
+        store: the cache's store.
+        spec: what the cache holds.
+    """
+
+    def __init__(self, store: Store, spec: CacheSpec) -> None:
+        self.store, self.spec = store, spec
+        self.backend: Backend = get_backend(spec.backend)
+        self._buffers = BufferPool()
+
+    def write_shard(self, index: int, sequences: Sequence[Mapping[str, Any]], *,
+                    finite: frozenset[str] = frozenset()) -> ShardRecord:
+        """Encode and atomically commit shard ``index`` (see ``storage.encode.encode_shard`` for ``sequences``;
+        ``finite`` names float arrays whose producer already checked every value finite on its device)."""
+        # The shard's flat arrays live in reused buffers until it is committed (storage/buffers.py).
+        with self._buffers.lease() as lease:
+            return self.commit(encode_shard(self.spec, index, sequences, finite=finite,
+                                            concatenate=lease.concatenate))
+
+    def commit(self, encoded: EncodedShard) -> ShardRecord:
+        """Pack an encoded shard in memory, hand its files to the store, then write its sidecar (the commit point).
+
+        Raises:
+            DiskFullError: the local file system filled up; nothing of this shard is left behind.
+        """
+        index, key = encoded.index, self.backend.shard_key(encoded.index)
+        self._clear_stale(index)
+        packed = self.backend.pack(encoded.arrays, self.spec, index)
+        files = packed.file_table()
+        record = ShardRecord(
+            index=index, seq_start=encoded.seq_start, seq_stop=encoded.seq_stop, num_tokens=encoded.num_tokens,
+            path=key, stored_bytes=sum(size for size, _ in files.values()),
+            decoded_bytes=sum(a["decoded_bytes"] for a in packed.arrays.values()), checksum=shard_checksum(files),
+            arrays=packed.arrays, lossy=encoded.lossy, extra={**packed.extra, "files": files})
+        try:
+            self.store.put_shard(key, packed.files)
+            write_sidecar(self.store, record)
+        except OSError as exc:
+            self.store.remove(key)  # data without its sidecar is never read; do not leave it to fill the disk
+            raise _disk_full(self.store, exc, record.stored_bytes, f"shard {index}") from None
+        return record
+
+    def _clear_stale(self, index: int) -> None:
+        """Remove leftovers of a writer of this shard that died: temps, and data whose sidecar never landed."""
+        self.store.remove_temps(shard_name(index))
+        if self.store.size(sidecar_key(index)) is None:
+            self.store.remove(self.backend.shard_key(index))
+
+
 class CacheWriter:
     """Writes one part of a cache; see docs/architecture.md for the contract.
 
@@ -84,8 +138,8 @@ class CacheWriter:
         self.store = open_store(path, storage_options)
         self.root, self.spec, self.part = self.store.url, spec, (index, count)
         self.fingerprints = dict(fingerprints)
-        self.backend: Backend = get_backend(spec.backend)
-        self._buffers = BufferPool()
+        self.committer = ShardCommitter(self.store, spec)
+        self.backend: Backend = self.committer.backend
         self._lock: WriterLock | None = self.store.lock(f"part-{index:05d}-of-{count:05d}.lock",
                                                         f"part {index} of {count}")
         try:
@@ -132,41 +186,21 @@ class CacheWriter:
                              f"not to this writer's part {self.part[0]}")
         if self.store.size(sidecar_key(index)) is not None and self.store.exists(self.backend.shard_key(index)):
             raise ShardError(f"shard {index} is already committed; skip writer.committed_shards() when resuming")
-        # The shard's flat arrays live in the writer's reused buffers until it is committed (storage/buffers.py).
-        with self._buffers.lease() as lease:
-            return self.commit(encode_shard(self.spec, index, sequences, finite=finite,
-                                            concatenate=lease.concatenate))
-
-    def commit(self, encoded: EncodedShard) -> ShardRecord:
-        """Pack an encoded shard in memory, hand its files to the store, then write its sidecar (the commit point).
-
-        Raises:
-            DiskFullError: the local file system filled up; nothing of this shard is left behind.
-        """
-        index, key = encoded.index, self.backend.shard_key(encoded.index)
-        self._clear_stale(index)
-        packed = self.backend.pack(encoded.arrays, self.spec, index)
-        files = packed.file_table()
-        record = ShardRecord(
-            index=index, seq_start=encoded.seq_start, seq_stop=encoded.seq_stop, num_tokens=encoded.num_tokens,
-            path=key, stored_bytes=sum(size for size, _ in files.values()),
-            decoded_bytes=sum(a["decoded_bytes"] for a in packed.arrays.values()), checksum=shard_checksum(files),
-            arrays=packed.arrays, lossy=encoded.lossy, extra={**packed.extra, "files": files})
-        try:
-            self.store.put_shard(key, packed.files)
-            write_sidecar(self.store, record)
-        except OSError as exc:
-            self.store.remove(key)  # data without its sidecar is never read; do not leave it to fill the disk
-            raise _disk_full(self.store, exc, record.stored_bytes, f"shard {index}") from None
-        if self._lock is not None:  # an object-store lease shows this writer is alive
-            self._lock.renew()
+        record = self.committer.write_shard(index, sequences, finite=finite)
+        self.renew()
         return record
 
-    def _clear_stale(self, index: int) -> None:
-        """Remove leftovers of a writer of this shard that died: temps, and data whose sidecar never landed."""
-        self.store.remove_temps(shard_name(index))
-        if self.store.size(sidecar_key(index)) is None:
-            self.store.remove(self.backend.shard_key(index))
+    def commit(self, encoded: EncodedShard) -> ShardRecord:
+        """Commit an encoded shard (``ShardCommitter.commit``)."""
+        record = self.committer.commit(encoded)
+        self.renew()
+        return record
+
+    def renew(self) -> None:
+        """Show that this writer is alive: an object-store lease is renewed after each shard, wherever the shard
+        was committed (this process, or a writer process of stage one)."""
+        if self._lock is not None:
+            self._lock.renew()
 
     def finalize(self) -> Manifest:
         """Fold every committed shard into manifest.json; status "complete" once every shard is present."""

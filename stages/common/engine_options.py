@@ -50,6 +50,9 @@ class EngineOptions:
                                           "on a GPU two batches in pinned memory on their way to the host")
     writers: int = _opt(0, PRECOMPUTE, "threads that encode, compress and write shards side by side (0: half the "
                                        "host's cores, 1 to 8)")
+    writer_processes: bool = _opt(False, PRECOMPUTE, "write shards in --writers worker processes fed through shared "
+                                  "memory instead of threads, so that no thread of ours holds the teacher process's "
+                                  "GIL while it launches kernels (each shard in flight takes its size in /dev/shm)")
     progress: bool = _opt(True, PRECOMPUTE, "show a progress bar on rank 0")
     estimate: bool = _opt(False, PRECOMPUTE, "write no cache: print the rows and tokens, the bytes per token of each "
                                              "target (a short timed sample of the teacher, compressed with the real "

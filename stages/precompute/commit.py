@@ -16,6 +16,7 @@ from kdcache.stages.precompute.background import BackgroundWriter, default_worke
 from kdcache.stages.precompute.errors import PrecomputeError
 from kdcache.stages.precompute.progress import Progress, RunStats
 from kdcache.stages.precompute.rows import Partition
+from kdcache.stages.precompute.writer_processes import ProcessWriter
 from kdcache.storage import CACHE_ENTRIES, KdcacheError, Store
 
 if TYPE_CHECKING:
@@ -72,9 +73,22 @@ def write_then_release(writer: CacheWriter) -> Callable[[int, Any], Any]:
     return write
 
 
+def _background(writer: CacheWriter, stats: RunStats, queue_size: int, workers: int,
+                processes: bool) -> BackgroundWriter | ProcessWriter:
+    """The shards' writer: threads of this process, or worker processes fed through shared memory."""
+    def written(index: int, record: Any, seconds: float) -> None:
+        stats.add_shard(record)
+        if processes:  # the part's lease is this process's to renew
+            writer.renew()
+
+    if processes:
+        return ProcessWriter(writer.store.url, writer.spec.to_dict(), queue_size, written, workers)
+    return BackgroundWriter(write_then_release(writer), queue_size, on_written=written, workers=workers)
+
+
 def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: RunStats,
                   stream: Callable[[list[tuple[int, int]], Progress], Shards], *,
-                  show_progress: bool, queue_size: int, workers: int = 0) -> None:
+                  show_progress: bool, queue_size: int, workers: int = 0, processes: bool = False) -> None:
     """Compute every shard in ``todo`` (``stream(shard_ranges, progress)`` yields them in order); a background
     writer commits each while the next ones are computed.
 
@@ -82,13 +96,12 @@ def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: 
         show_progress: draw the progress bar (``--progress`` on rank 0).
         queue_size: computed shards that may wait for the writer (``--queue-size``).
         workers: threads writing shards side by side (``--writers``; 0: ``background.default_workers``).
+        processes: write in worker processes instead (``--writer-processes``, ``writer_processes``).
     """
     total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
     stats.compute_started = time.perf_counter()
     progress = Progress(total, show_progress, stats)
-    background = BackgroundWriter(write_then_release(writer), queue_size,
-                                  on_written=lambda index, record, seconds: stats.add_shard(record),
-                                  workers=workers or default_workers())
+    background = _background(writer, stats, queue_size, workers or default_workers(), processes)
     shards = stream([spec.shard_range(k) for k in todo], progress)
     try:
         for k, items in zip(todo, shards, strict=True):

@@ -255,7 +255,7 @@ def _compute(ready: _Prepared, loaded: _Loaded, writer: CacheWriter | None, mine
         _save_beside_shards(ready, loaded, dist)
         engine = options.engine
         commit_behind(spec, todo, writer, stats, stream, show_progress=engine.progress and dist.is_main,
-                      queue_size=engine.queue_size, workers=engine.writers)
+                      queue_size=engine.queue_size, workers=engine.writers, processes=engine.writer_processes)
     return todo
 
 

@@ -1,4 +1,7 @@
-"""Preemption and scale-out of stage one: kill -9 and rerun, a second writer, job arrays, torchrun ranks.
+"""Preemption and scale-out of stage one: kill -9 and rerun, a second writer, job arrays, torchrun ranks, and the
+shards written by worker processes (``--writer-processes``, issue 43: the same bytes as writer threads; a writer
+process killed with -9, a full disk and Ctrl-C each stop the run clearly and resume). What those cannot show is
+whether the teacher's kernel launches still wait for the GIL: that needs a GPU run (``benchmarks/bench_gpu.py``).
 
 Every variant must give the same cache, array for array and shard checksum for shard checksum, as one
 uninterrupted process: shards are fixed sequence ranges and batches never cross a shard.
@@ -20,6 +23,7 @@ import pytest
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+from kdcache.stages.precompute.writer_processes import WORKER_MARK, pack, unpack
 from kdcache.storage import CacheReader, CacheWriter, verify_cache
 from tests.helpers.cache_files import cache_files
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
@@ -173,3 +177,133 @@ def test_full_disk_exits_2_then_rerun_gives_identical_cache(tiny_gpt2: Path, cor
     assert main(_argv(_options(tiny_gpt2, corpus, out, writers=writers))) == 0
     assert_same_cache(reference, out)
     assert verify_cache(out).ok
+
+
+def test_a_shard_crosses_in_one_block_and_comes_back_equal() -> None:
+    rng = np.random.default_rng(0)
+    padded = rng.standard_normal((3, 7, 5)).astype(np.float16)
+    items = [{"input_ids": np.arange(7, dtype=np.int32), "hidden/2": padded[0, :6]},  # a view, as cut_padding's
+             {"input_ids": np.arange(3, dtype=np.int32), "hidden/2": padded[1, :3, ::2],  # not contiguous
+              "logits/topk_ids": rng.integers(0, 300, (3, 8)).astype(np.uint16)},
+             {"input_ids": np.zeros(0, dtype=np.int32), "hidden/2": padded[2, :0]}]  # empty
+    block, layout = pack(items)
+    try:
+        back = unpack(block, layout, len(items))
+        assert [list(b) for b in back] == [list(i) for i in items]
+        for got, want in zip(back, items):
+            for name in want:
+                assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
+                np.testing.assert_array_equal(got[name], want[name])
+        assert all(start % 64 == 0 for *_, start in layout)
+        del back, got
+    finally:
+        block.close()
+        block.unlink()
+
+
+def test_writer_processes_write_the_bytes_writer_threads_write(tiny_gpt2: Path, corpus: Path, reference: Path,
+                                                               tmp_path: Path) -> None:
+    out = tmp_path / "processes"
+    summary = run_precompute(PrecomputeOptions.of(**_options(tiny_gpt2, corpus, out, writer_processes=True,
+                                                             writers=2, queue_size=1)))
+    assert summary["status"] == "complete" and summary["shards_written"] == 20
+    assert_same_cache(reference, out)
+    assert verify_cache(out).ok
+
+
+def _writer_processes(parent: int) -> list[int]:
+    """The live writer processes of ``parent`` (children whose environment carries ``WORKER_MARK``)."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = next(line for line in status.read_text().splitlines() if line.startswith("PPid:"))
+            environ = (status.parent / "environ").read_bytes()
+        except (OSError, StopIteration):
+            continue
+        if int(ppid.split()[1]) == parent and f"{WORKER_MARK}=1".encode() in environ.split(b"\0"):
+            found.append(int(status.parent.name))
+    return found
+
+
+def _run_until(out: Path, argv: list[str], committed: int, act: object) -> subprocess.CompletedProcess:
+    """Start ``kdcache precompute``; once ``committed`` shards are in, ``act(pid)``; wait for it to end."""
+    proc = subprocess.Popen([sys.executable, "-m", "kdcache", *argv], cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if len(list((out / "shards").glob("shard-*.json"))) >= committed and act(proc.pid):  # type: ignore[operator]
+            break
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(argv, proc.returncode, "", err)
+
+
+def _slow_options(tiny_gpt2: Path, corpus: Path, out: Path) -> dict:
+    """One sequence a shard and one at a time: 40 shards, so that a signal lands mid-run."""
+    return _options(tiny_gpt2, corpus, out, writer_processes=True, writers=2, queue_size=1, batch_size=1,
+                    sequences_per_shard=1)
+
+
+@pytest.mark.slow
+def test_a_writer_process_killed_with_9_stops_the_run_clearly_and_the_rerun_resumes(tiny_gpt2: Path, corpus: Path,
+                                                                                     tmp_path: Path) -> None:
+    def kill_one(pid: int) -> bool:
+        writers = _writer_processes(pid)
+        if writers:
+            os.kill(writers[0], signal.SIGKILL)
+        return bool(writers)
+
+    for _attempt in range(3):  # a kill that lands after the last shard stops nothing: run again
+        out = shutil.rmtree(tmp_path / "killed", ignore_errors=True) or tmp_path / "killed"
+        done = _run_until(out, _argv(_slow_options(tiny_gpt2, corpus, out)), 2, kill_one)
+        if done.returncode != 0:
+            break
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "writer process" in done.stderr and "killed by signal 9 (SIGKILL)" in done.stderr, done.stderr
+    assert "rerun the same command to resume" in done.stderr and "Traceback" not in done.stderr
+    committed = len(list((out / "shards").glob("shard-*.json")))
+    assert 2 <= committed < 40 and not verify_cache(out).ok  # never looks complete
+    summary = run_precompute(PrecomputeOptions.of(**_slow_options(tiny_gpt2, corpus, out)))
+    assert summary["status"] == "complete" and summary["shards_skipped"] == committed
+    whole = tmp_path / "whole"
+    run_precompute(PrecomputeOptions.of(**_options(tiny_gpt2, corpus, whole, batch_size=1, sequences_per_shard=1)))
+    assert_same_cache(whole, out)
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_writer_processes_stops_as_with_threads_and_the_rerun_resumes(tiny_gpt2: Path, corpus: Path,
+                                                                                  tmp_path: Path) -> None:
+    out = tmp_path / "interrupted"
+    seen: list[int] = []
+
+    def interrupt(pid: int) -> bool:
+        seen.extend(_writer_processes(pid))
+        os.kill(pid, signal.SIGINT)
+        return True
+
+    done = _run_until(out, _argv(_slow_options(tiny_gpt2, corpus, out)), 3, interrupt)
+    assert done.returncode == 130 and "kdcache precompute: interrupted" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and seen  # the writers were running when the signal came
+    time.sleep(0.5)
+    assert not [pid for pid in seen if Path(f"/proc/{pid}").exists()], "a writer process outlived the run"
+    summary = run_precompute(PrecomputeOptions.of(**_slow_options(tiny_gpt2, corpus, out)))
+    assert summary["status"] == "complete"
+    whole = tmp_path / "whole"
+    run_precompute(PrecomputeOptions.of(**_options(tiny_gpt2, corpus, whole, batch_size=1, sequences_per_shard=1)))
+    assert_same_cache(whole, out)
+
+
+def test_a_full_disk_under_writer_processes_exits_2_then_resumes(tiny_gpt2: Path, corpus: Path, reference: Path,
+                                                                  small_tmpfs: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    out, filler = small_tmpfs / "cache", small_tmpfs / "filler"
+    room = _disk_bytes(reference) // 2  # about half the cache fits
+    filler.write_bytes(bytes(max(0, shutil.disk_usage(small_tmpfs).free - room)))
+    argv = _argv(_options(tiny_gpt2, corpus, out, writer_processes=True, writers=2, queue_size=1))
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and "disk full while writing" in err and "Traceback" not in err, err
+    assert 0 < len(list((out / "shards").glob("shard-*.json"))) < 20 and not verify_cache(out).ok
+    filler.unlink()
+    assert main(argv) == 0
+    assert_same_cache(reference, out)

@@ -1,0 +1,245 @@
+"""Shards encoded, checksummed and committed in worker processes (``--writer-processes``), so that none of the host
+work after the teacher's forward holds the teacher process's GIL.
+
+The teacher's process copies each shard's arrays once into a block of shared memory and releases the reused
+buffers they were views of; a worker process maps the block, commits the shard through the same code a writer
+thread runs (``storage.ShardCommitter``: encode, pack, put the files, the sidecar last), and answers with the
+shard's record. The part's lock, the manifest and the run's statistics stay with the teacher's process.
+
+What a thread pool did, this does too: at most ``queue_size`` shards wait beside one in each worker's hands, an
+error in a worker is raised at the next ``submit`` or at ``close``, and ``close`` waits for every queued shard
+(Ctrl-C included: the workers ignore SIGINT, and the teacher's process decides). A worker that dies (kill -9,
+out of memory) is an error that names it: its shard was not committed, every committed one stays, and the same
+command resumes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+
+from kdcache.stages.precompute.errors import PrecomputeError
+
+# Set in a worker's environment: what tells a writer process from the process's other children (a monitoring
+# script, a test that kills one).
+WORKER_MARK = "KDCACHE_SHARD_WRITER"
+Layout = list[tuple[int, str, str, tuple[int, ...], int]]  # (sequence, array name, dtype, shape, byte offset)
+
+
+def pack(items: list[dict[str, np.ndarray]]) -> tuple[SharedMemory, Layout]:
+    """One shard's arrays copied once into a new shared-memory block, and where each one lies in it."""
+    layout: Layout = []
+    offset = 0
+    for i, item in enumerate(items):
+        for name, array in item.items():
+            layout.append((i, name, array.dtype.str, tuple(array.shape), offset))
+            offset += -(-array.nbytes // 64) * 64  # 64-byte aligned: each view starts on a cache line
+    _check_room(offset)
+    block = SharedMemory(create=True, size=max(offset, 1))
+    for i, name, dtype, shape, start in layout:
+        np.copyto(np.ndarray(shape, dtype, buffer=block.buf, offset=start), items[i][name])
+    return block, layout
+
+
+def _check_room(size: int, where: str = "/dev/shm") -> None:
+    """Refuse a block that the shared-memory file system cannot hold: its pages are only claimed when written, and a
+    write past a full tmpfs kills the process with SIGBUS instead of raising."""
+    try:
+        stat = os.statvfs(where)
+    except OSError:  # no such file system here (macOS keeps shared memory elsewhere)
+        return
+    free = stat.f_bavail * stat.f_frsize
+    if size > free:
+        from kdcache.storage import format_bytes
+
+        raise PrecomputeError(f"--writer-processes: a shard needs {format_bytes(size)} of shared memory, but {where} "
+                              f"has {format_bytes(free)} free; give it more (a container's --shm-size), lower "
+                              f"--sequences-per-shard, or write in threads (without --writer-processes)")
+
+
+def unpack(block: SharedMemory, layout: Layout, count: int) -> list[dict[str, np.ndarray]]:
+    """The shard's sequences as views of ``block`` (``pack``'s inverse; nothing is copied)."""
+    items: list[dict[str, np.ndarray]] = [{} for _ in range(count)]
+    for i, name, dtype, shape, start in layout:
+        items[i][name] = np.ndarray(shape, dtype, buffer=block.buf, offset=start)
+    return items
+
+
+def _serve(url: str, spec: dict[str, Any], tasks: Connection, results: Connection) -> None:
+    """A worker: commit each shard handed over until ``None``; answer each with its record or its error."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the teacher process's to handle
+    from kdcache.storage import CacheSpec, ShardCommitter, open_store
+
+    committer = ShardCommitter(open_store(url), CacheSpec.from_dict(spec))
+    while (task := tasks.recv()) is not None:
+        index, name, layout, count, finite = task
+        block = SharedMemory(name=name)
+        started = time.perf_counter()
+        try:
+            items = unpack(block, layout, count)
+            record = committer.write_shard(index, items, finite=finite)
+            results.send(("done", index, asdict(record), time.perf_counter() - started))
+        except BaseException as exc:  # noqa: BLE001 - handed to the teacher's process
+            results.send(("error", index, _portable(exc), 0.0))
+        finally:
+            items = []
+            block.close()
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (storage's errors do), else a PrecomputeError with its words."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return PrecomputeError(f"{type(exc).__name__}: {exc}")
+
+
+@dataclass
+class _Worker:
+    """One writer process and its two pipes (a pipe each, so that a worker killed while it waits or answers holds
+    no lock another worker needs)."""
+
+    process: Any
+    tasks: Connection
+    results: Connection
+    pending: set[int] = field(default_factory=set)
+
+
+class ProcessWriter:
+    """``BackgroundWriter``'s contract (``submit``, ``close``, ``busy_seconds``) with worker processes.
+
+    Args:
+        url: the output store's URL (``Store.url``); each worker opens its own.
+        spec: the cache's spec, as ``CacheSpec.to_dict`` writes it.
+        queue_size: shards that may wait for a worker (beside one in each worker's hands).
+        on_written: called with ``(index, record, seconds)`` after each commit, in this process.
+        workers: worker processes.
+    """
+
+    def __init__(self, url: str, spec: dict[str, Any], queue_size: int = 2,
+                 on_written: Callable[[int, Any, float], None] | None = None, workers: int = 1) -> None:
+        self._on_written = on_written
+        self._limit = max(1, queue_size) + max(1, workers)
+        self._blocks: dict[int, SharedMemory] = {}  # shards handed over and not yet answered
+        self._error: BaseException | None = None
+        self._reported = False
+        self.busy_seconds = 0.0
+        context = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA state
+        self._workers = []
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()  # started now, so that it does not carry the writers' mark
+        os.environ[WORKER_MARK] = "1"  # a spawned process starts with this process's environment
+        try:
+            for i in range(max(1, workers)):
+                task_out, task_in = context.Pipe(duplex=False)
+                result_out, result_in = context.Pipe(duplex=False)
+                process = context.Process(target=_serve, args=(url, spec, task_out, result_in), daemon=True,
+                                          name=f"kdcache-shard-writer-{i}")
+                process.start()
+                task_out.close()  # the child's ends
+                result_in.close()
+                self._workers.append(_Worker(process, task_in, result_out))
+        finally:
+            del os.environ[WORKER_MARK]
+
+    def submit(self, index: int, items: Any) -> None:
+        """Hand shard ``index`` to the least busy worker (blocks while ``queue_size`` shards wait); raises an
+        earlier error."""
+        self._collect()
+        while len(self._blocks) >= self._limit and self._error is None:
+            self._collect(wait=0.2)
+        self._raise_pending()
+        block, layout = pack(list(items))
+        if hasattr(items, "release"):
+            items.release()  # copied: the buffers go back to the next batches now, not after the commit
+        self._blocks[index] = block
+        worker = min(self._workers, key=lambda w: len(w.pending))
+        worker.pending.add(index)
+        worker.tasks.send((index, block.name, layout, len(items), frozenset(getattr(items, "finite", ()))))
+
+    def close(self) -> None:
+        """Wait for every handed-over shard to be answered, stop the workers, and raise the first error."""
+        try:
+            while self._blocks and self._error is None:
+                self._collect(wait=0.2)
+        finally:
+            self._stop()
+        self._raise_pending()
+
+    def _collect(self, wait: float = 0.0) -> None:
+        """Take every answer in (waiting up to ``wait`` s for one); a worker that ended is an error."""
+        from multiprocessing.connection import wait as ready
+
+        readers = {w.results: w for w in self._workers} | {w.process.sentinel: w for w in self._workers}
+        for source in ready(list(readers), timeout=wait):
+            worker = readers[source]
+            while not worker.results.closed and worker.results.poll():
+                try:
+                    self._answered(worker, *worker.results.recv())
+                except EOFError:  # the worker is gone; its sentinel says so
+                    worker.results.close()
+            if worker.process.exitcode is not None and self._error is None:
+                self._error = PrecomputeError(_death(worker.process, sorted(worker.pending)))
+
+    def _answered(self, worker: _Worker, kind: str, index: int, payload: Any, seconds: float) -> None:
+        worker.pending.discard(index)
+        block = self._blocks.pop(index, None)
+        if block is not None:
+            block.close()
+            block.unlink()
+        if kind == "error":
+            self._error = self._error or payload
+            return
+        from kdcache.storage import ShardRecord
+
+        self.busy_seconds += seconds
+        if self._on_written is not None and self._error is None:
+            self._on_written(index, ShardRecord.from_dict(payload), seconds)
+
+    def _stop(self) -> None:
+        """Stop the workers (each finishes the shard in its hands), and free the blocks no answer came for."""
+        for worker in self._workers:
+            if worker.process.exitcode is None:
+                try:
+                    worker.tasks.send(None)
+                except OSError:  # its pipe broke: it is ending anyway
+                    pass
+        for worker in self._workers:
+            worker.process.join(timeout=60)
+            if worker.process.exitcode is None:
+                worker.process.terminate()
+                worker.process.join()
+            worker.tasks.close()
+            if not worker.results.closed:
+                worker.results.close()
+        for block in self._blocks.values():
+            block.close()
+            block.unlink()
+        self._blocks.clear()
+
+    def _raise_pending(self) -> None:
+        if self._error is not None and not self._reported:
+            self._reported = True  # raise once; a close() in a finally block must not mask it
+            raise self._error
+
+
+def _death(worker: Any, pending: list[int]) -> str:
+    """What to tell the user of a writer process that died."""
+    code = worker.exitcode
+    how = f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+    shards = f"shard(s) {', '.join(map(str, pending))} not committed" if pending else "no shard was in its hands"
+    return (f"writer process {worker.pid} {how} ({shards}); every committed shard is kept: rerun the same command "
+            f"to resume the cache")
