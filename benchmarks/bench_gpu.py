@@ -11,7 +11,8 @@ Stage one, as tokens/s of the compute phase (the summary's ``tokens_per_second``
   one must do for logits: the reference of every ratio);
 * ``precompute`` for logits only (top-128 log-probs), plus 4 fp16 hidden layers, int8, pca8, and q/k attention;
   and logits only again through ``--teacher-parallel tp:1`` (the parallel path with a group of one); and the
-  hidden and q/k rows again with ``--writer-processes`` (no writer thread in the teacher's process);
+  hidden and q/k rows again with ``--writer-processes`` (no writer thread in the teacher's process), and with
+  ``--compile-teacher`` (the forward through torch.compile);
 * per row, ``forward_vs_base`` (the forward's seconds in the run over the bare base forward's for the same tokens)
   and ``host_cpu_s`` (CPU seconds of the process and its writer processes);
 * the disk's write speed with fsync, measured in the same run, and what it allows for each cache's bytes/token.
@@ -33,6 +34,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +164,9 @@ def stage_one_configs(small: bool) -> dict[str, dict[str, Any]]:
                                                              "attention_source": "qk",
                                                              "attention_layers": (layers[1], layers[3]),
                                                              "writer_processes": True},
+        # The teacher through torch.compile (fused kernels, fewer launches), alone and with both changes.
+        "logits only, compiled": {"features": ("logits",), "compile_teacher": True},
+        "+4 hidden fp16, compiled, writer processes": {**hidden, "compile_teacher": True, "writer_processes": True},
     }
 
 
@@ -178,6 +183,9 @@ def stage_one_rows(teacher: Path, data: Path, work: Path, rows: int, length: int
         options = PrecomputeOptions.of(teacher=str(teacher), data=str(data), out=str(cache), packing="concat",
                                        max_length=length, max_sequences=max(8, rows // share), batch_size=8, top_k=128,
                                        topk_values="logprob", device=str(device), progress=False, **extra)
+        if extra.get("compile_teacher"):  # compile once beforehand: a real run amortises it over hours
+            run_precompute(replace(options, dataset=replace(options.dataset, max_sequences=8)))
+            shutil.rmtree(cache, ignore_errors=True)
         used = _cpu_seconds()
         summary = run_precompute(options)
         out.append({"run": name, "host_cpu_s": round(_cpu_seconds() - used, 2), "tokens": summary["tokens"], "tokens_per_s": summary["tokens_per_second"],

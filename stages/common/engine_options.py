@@ -53,6 +53,9 @@ class EngineOptions:
     writer_processes: bool = _opt(False, PRECOMPUTE, "write shards in --writers worker processes fed through shared "
                                   "memory instead of threads, so that no thread of ours holds the teacher process's "
                                   "GIL while it launches kernels (each shard in flight takes its size in /dev/shm)")
+    compile_teacher: bool = _opt(False, PRECOMPUTE, "run the teacher's forward through torch.compile (inductor: fused "
+                                 "kernels, fewer launches; decoder-only and encoder teachers); where compiling "
+                                 "fails, a line says why and it runs eagerly")
     progress: bool = _opt(True, PRECOMPUTE, "show a progress bar on rank 0")
     estimate: bool = _opt(False, PRECOMPUTE, "write no cache: print the rows and tokens, the bytes per token of each "
                                              "target (a short timed sample of the teacher, compressed with the real "

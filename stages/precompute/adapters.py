@@ -115,7 +115,7 @@ class HookedTeacher(TeacherAdapter):
 
         engine = options.engine
         with FeatureCapture(teacher, targets, options.storage.dtype, engine.logits_chunk, engine.seed,
-                            options.storage.resolved_hidden_codec, projection) as hooks:
+                            options.storage.resolved_hidden_codec, projection, engine.compile_teacher) as hooks:
 
             def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
                     positions: dict[str, torch.Tensor]) -> Pending:

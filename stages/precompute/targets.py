@@ -248,6 +248,9 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             if targets.logits and logit_kinds.get(targets.logits).draws else None,
             "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
             "triangle": options.targets.triangle, "format_version": FORMAT_VERSION,
+            # Fused kernels round otherwise than eager ones: a resume must not mix them (absent when off, so that
+            # earlier caches' fingerprints stay the same).
+            **({"compile_teacher": True} if engine.compile_teacher else {}),
             **attention_sources.get(targets.attention_source).fingerprint(),
             # Recorded only when it is not the dtype's own (also when given explicitly, as --hidden-codec fp16), so
             # that the fingerprints of caches written before codecs stay the same.

@@ -43,27 +43,41 @@ def pack(items: list[dict[str, np.ndarray]]) -> tuple[SharedMemory, Layout]:
         for name, array in item.items():
             layout.append((i, name, array.dtype.str, tuple(array.shape), offset))
             offset += -(-array.nbytes // 64) * 64  # 64-byte aligned: each view starts on a cache line
-    _check_room(offset)
     block = SharedMemory(create=True, size=max(offset, 1))
-    for i, name, dtype, shape, start in layout:
-        np.copyto(np.ndarray(shape, dtype, buffer=block.buf, offset=start), items[i][name])
+    try:
+        _claim(block, offset)
+        for i, name, dtype, shape, start in layout:
+            np.copyto(np.ndarray(shape, dtype, buffer=block.buf, offset=start), items[i][name])
+    except BaseException:  # Ctrl-C in the copy included: the block is nobody's yet
+        _free(block)
+        raise
     return block, layout
 
 
-def _check_room(size: int, where: str = "/dev/shm") -> None:
-    """Refuse a block that the shared-memory file system cannot hold: its pages are only claimed when written, and a
-    write past a full tmpfs kills the process with SIGBUS instead of raising."""
-    try:
-        stat = os.statvfs(where)
-    except OSError:  # no such file system here (macOS keeps shared memory elsewhere)
+def _claim(block: SharedMemory, size: int) -> None:
+    """Claim the block's pages now: a tmpfs claims them only when written, and a write past a full one kills the
+    process with SIGBUS instead of raising (ranks on one host share /dev/shm, so free space checked before is no
+    guarantee)."""
+    fd = getattr(block, "_fd", -1)
+    if fd < 0 or not hasattr(os, "posix_fallocate") or size == 0:  # not POSIX shared memory: nothing to claim
         return
-    free = stat.f_bavail * stat.f_frsize
-    if size > free:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
         from kdcache.storage import format_bytes
 
-        raise PrecomputeError(f"--writer-processes: a shard needs {format_bytes(size)} of shared memory, but {where} "
-                              f"has {format_bytes(free)} free; give it more (a container's --shm-size), lower "
-                              f"--sequences-per-shard, or write in threads (without --writer-processes)")
+        raise PrecomputeError(f"--writer-processes: a shard needs {format_bytes(size)} of shared memory, and "
+                              f"/dev/shm cannot hold it ({exc.strerror}); give it more (a container's --shm-size), "
+                              "lower --sequences-per-shard, or write in threads (without --writer-processes)"
+                              ) from None
+
+
+def _free(block: SharedMemory) -> None:
+    """Close and remove a block (its name first: a block whose close fails is still not left behind)."""
+    try:
+        block.unlink()
+    finally:
+        block.close()
 
 
 def unpack(block: SharedMemory, layout: Layout, count: int) -> list[dict[str, np.ndarray]]:
@@ -74,14 +88,28 @@ def unpack(block: SharedMemory, layout: Layout, count: int) -> list[dict[str, np
     return items
 
 
-def _serve(url: str, spec: dict[str, Any], tasks: Connection, results: Connection) -> None:
-    """A worker: commit each shard handed over until ``None``; answer each with its record or its error."""
+def _serve(url: str, spec: dict[str, Any], modules: list[str], tasks: Connection, results: Connection,
+           stop: Any) -> None:
+    """A worker: commit each shard handed over until ``None`` (or, once ``stop`` is set, pass them by); answer each
+    with its record or its error. ``modules`` register what the spec names beyond the built-in kinds (a codec of
+    the user's own)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the teacher process's to handle
-    from kdcache.storage import CacheSpec, ShardCommitter, open_store
+    try:
+        import importlib
 
-    committer = ShardCommitter(open_store(url), CacheSpec.from_dict(spec))
+        from kdcache.storage import CacheSpec, ShardCommitter, open_store
+
+        for module in modules:
+            importlib.import_module(module)
+        committer = ShardCommitter(open_store(url), CacheSpec.from_dict(spec))
+    except BaseException as exc:  # noqa: BLE001 - the parent names it
+        results.send(("error", -1, _portable(exc), 0.0))
+        return
     while (task := tasks.recv()) is not None:
         index, name, layout, count, finite = task
+        if stop.is_set():  # after an error, as the writer threads do: nothing more is written
+            results.send(("skipped", index, None, 0.0))
+            continue
         block = SharedMemory(name=name)
         started = time.perf_counter()
         try:
@@ -133,10 +161,13 @@ class ProcessWriter:
         self._on_written = on_written
         self._limit = max(1, queue_size) + max(1, workers)
         self._blocks: dict[int, SharedMemory] = {}  # shards handed over and not yet answered
+        self._stop_flag: Any = None
         self._error: BaseException | None = None
         self._reported = False
         self.busy_seconds = 0.0
         context = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA state
+        self._stop_flag = context.Event()
+        modules = _plugin_modules(spec)
         self._workers = []
         from multiprocessing import resource_tracker
 
@@ -146,8 +177,9 @@ class ProcessWriter:
             for i in range(max(1, workers)):
                 task_out, task_in = context.Pipe(duplex=False)
                 result_out, result_in = context.Pipe(duplex=False)
-                process = context.Process(target=_serve, args=(url, spec, task_out, result_in), daemon=True,
-                                          name=f"kdcache-shard-writer-{i}")
+                process = context.Process(target=_serve, args=(url, spec, modules, task_out, result_in,
+                                                               self._stop_flag),
+                                          daemon=True, name=f"kdcache-shard-writer-{i}")
                 process.start()
                 task_out.close()  # the child's ends
                 result_in.close()
@@ -165,10 +197,14 @@ class ProcessWriter:
         block, layout = pack(list(items))
         if hasattr(items, "release"):
             items.release()  # copied: the buffers go back to the next batches now, not after the commit
-        self._blocks[index] = block
         worker = min(self._workers, key=lambda w: len(w.pending))
+        try:
+            worker.tasks.send((index, block.name, layout, len(items), frozenset(getattr(items, "finite", ()))))
+        except BaseException:  # not handed over (a broken pipe, Ctrl-C): no answer will come for it
+            _free(block)
+            raise
+        self._blocks[index] = block
         worker.pending.add(index)
-        worker.tasks.send((index, block.name, layout, len(items), frozenset(getattr(items, "finite", ()))))
 
     def close(self) -> None:
         """Wait for every handed-over shard to be answered, stop the workers, and raise the first error."""
@@ -183,25 +219,32 @@ class ProcessWriter:
         """Take every answer in (waiting up to ``wait`` s for one); a worker that ended is an error."""
         from multiprocessing.connection import wait as ready
 
-        readers = {w.results: w for w in self._workers} | {w.process.sentinel: w for w in self._workers}
+        readers: dict[Any, _Worker] = {w.process.sentinel: w for w in self._workers}
+        readers |= {w.results: w for w in self._workers if not w.results.closed}
         for source in ready(list(readers), timeout=wait):
             worker = readers[source]
             while not worker.results.closed and worker.results.poll():
                 try:
                     self._answered(worker, *worker.results.recv())
-                except EOFError:  # the worker is gone; its sentinel says so
+                except EOFError:  # the worker is gone (its pipe closes before its exit code is known)
                     worker.results.close()
-            if worker.process.exitcode is not None and self._error is None:
+                    worker.process.join(timeout=5)
+            if (worker.results.closed or worker.process.exitcode is not None) and self._error is None:
                 self._error = PrecomputeError(_death(worker.process, sorted(worker.pending)))
 
     def _answered(self, worker: _Worker, kind: str, index: int, payload: Any, seconds: float) -> None:
         worker.pending.discard(index)
         block = self._blocks.pop(index, None)
         if block is not None:
-            block.close()
-            block.unlink()
+            _free(block)
+        if kind == "error" and index < 0:  # the worker could not start
+            payload = PrecomputeError(f"--writer-processes: a writer process could not start ({payload}); a hidden "
+                                      "codec of your own must register itself when its module is imported (each "
+                                      "writer imports it anew), or write in threads (without --writer-processes)")
         if kind == "error":
             self._error = self._error or payload
+            return
+        if kind == "skipped":
             return
         from kdcache.storage import ShardRecord
 
@@ -210,25 +253,30 @@ class ProcessWriter:
             self._on_written(index, ShardRecord.from_dict(payload), seconds)
 
     def _stop(self) -> None:
-        """Stop the workers (each finishes the shard in its hands), and free the blocks no answer came for."""
-        for worker in self._workers:
-            if worker.process.exitcode is None:
-                try:
-                    worker.tasks.send(None)
-                except OSError:  # its pipe broke: it is ending anyway
-                    pass
-        for worker in self._workers:
-            worker.process.join(timeout=60)
-            if worker.process.exitcode is None:
-                worker.process.terminate()
-                worker.process.join()
-            worker.tasks.close()
-            if not worker.results.closed:
-                worker.results.close()
-        for block in self._blocks.values():
-            block.close()
-            block.unlink()
-        self._blocks.clear()
+        """Stop the workers (each finishes the shard in its hands; after an error none starts another), and free
+        the blocks no answer came for, whatever interrupts the wait."""
+        if self._error is not None:
+            self._stop_flag.set()
+        try:
+            for worker in self._workers:
+                if worker.process.exitcode is None:
+                    try:
+                        worker.tasks.send(None)
+                    except OSError:  # its pipe broke: it is ending anyway
+                        pass
+            for worker in self._workers:
+                worker.process.join(timeout=60)
+        finally:
+            for worker in self._workers:
+                if worker.process.exitcode is None:
+                    worker.process.terminate()
+                    worker.process.join()
+                worker.tasks.close()
+                if not worker.results.closed:
+                    worker.results.close()
+            for block in self._blocks.values():
+                _free(block)
+            self._blocks.clear()
 
     def _raise_pending(self) -> None:
         if self._error is not None and not self._reported:
@@ -236,10 +284,24 @@ class ProcessWriter:
             raise self._error
 
 
+def _plugin_modules(spec: dict[str, Any]) -> list[str]:
+    """Modules a worker imports before it reads ``spec``: the hidden codec's, where it is not one of kdcache's own
+    (a codec registered by the user's module exists in a spawned process only once that module is imported)."""
+    from kdcache.storage import hidden_codec_of
+
+    module = type(hidden_codec_of(spec.get("hidden_codec"), spec.get("dtype", "fp16"))).__module__
+    return [] if module.startswith("kdcache.") else [module]
+
+
 def _death(worker: Any, pending: list[int]) -> str:
     """What to tell the user of a writer process that died."""
     code = worker.exitcode
-    how = f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+    try:
+        name = f" ({signal.Signals(-code).name})" if code is not None and code < 0 else ""
+    except ValueError:  # a signal without a name (a real-time one)
+        name = ""
+    how = (f"was killed by signal {-code}{name}" if code is not None and code < 0 else
+           f"exited with code {code}" if code is not None else "closed its pipe")
     shards = f"shard(s) {', '.join(map(str, pending))} not committed" if pending else "no shard was in its hands"
     return (f"writer process {worker.pid} {how} ({shards}); every committed shard is kept: rerun the same command "
             f"to resume the cache")

@@ -166,8 +166,8 @@ def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str],
     hidden: list[Pair] = []
     seed = options.data.seed
     if options.loss.gamma > 0 and s.layer_map.kind == "uniform" and s.hidden:
-        # uniform (the default) keeps its pairs the cache holds, as evaluation does: a cache of a few layers
-        # trains on them without a map naming them; a map the user spells out must be met in full.
+        # uniform (the default, or named) keeps its pairs the cache holds, as evaluation does: a cache of a few
+        # layers trains on them without a map naming them; every other map must be met in full.
         hidden = restricted_map(s.layer_map, s.student_depth, s.teacher_depth, s.hidden, seed, what, problems)
         notes += uniform_note(s.student_depth, s.teacher_depth, hidden, what)
     elif options.loss.gamma > 0 and s.layer_map.kind != "none" and s.hidden:

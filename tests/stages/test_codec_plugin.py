@@ -80,3 +80,20 @@ def test_a_codec_defined_in_a_test_module_runs_end_to_end(int6: type[Int6], tmp_
                                            lr=3e-3, max_steps=2, hidden_loss="mse", layer_map="last"))
     assert summary["last_loss"] is not None and np.isfinite(summary["last_loss"])
     assert np.isfinite(evaluate_run(out, CacheReader(cache), batch_size=4)["kl"])
+
+
+def test_writer_processes_say_when_a_codec_of_a_test_s_own_is_not_theirs(int6: type[Int6], tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """This module registers its codec in a fixture, not on import, so a writer process (which imports the codec's
+    module anew) cannot find it: the run stops with a message saying so, not a hang or a traceback."""
+    from kdcache.pipeline.cli import main
+    from tests.helpers.tiny_models import sample_texts, write_text_dataset
+
+    teacher = make_tiny_gpt2(tmp_path / "teacher", layers=2, hidden=32, heads=4)
+    data = write_text_dataset(tmp_path / "data.jsonl", sample_texts(6))
+    code = main(["precompute", "--teacher", str(teacher), "--data", str(data), "--out", str(tmp_path / "cache"),
+                 "--features", "hidden", "--hidden-codec", "test_int6", "--writer-processes", "--writers", "1",
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "a writer process could not start" in err and "unknown hidden codec 'test_int6'" in err
+    assert "must register itself when its module is imported" in err and "Traceback" not in err

@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +36,7 @@ import torch
 
 from kdcache.stages.common import attention_sources, device_codecs, logit_kinds
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
+from kdcache.stages.precompute.capture.compiled import TeacherCalls
 from kdcache.stages.precompute.capture.logit_head import logit_targets
 from kdcache.stages.precompute.capture.qk_capture import QKCapture
 from kdcache.stages.precompute.capture.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
@@ -162,12 +164,13 @@ class FeatureCapture:
 
     def __init__(self, teacher: Teacher, targets: Targets, dtype_name: str, chunk_tokens: int = 0,
                  seed: int = 0, hidden_codec: HiddenCodec | None = None,
-                 projection: device_codecs.Projection | None = None) -> None:
+                 projection: device_codecs.Projection | None = None, compiled: bool = False) -> None:
         self.seed = seed
         self.hidden_codec = hidden_codec or hidden_codec_of(None, dtype_name)  # None: the float dtype itself
         self.projection = projection  # a rank codec's bases (or its fit mode)
         self.teacher, self.targets, self.dtype_name = teacher, targets, dtype_name
         self.model = teacher.model
+        self.calls = TeacherCalls(self.model, compiled)  # the forward, through torch.compile or eager
         self._handles: list[RemovableHandle] = []
         self._lengths: list[int] = []
         self._out: dict[str, Any] = {}
@@ -296,20 +299,23 @@ class FeatureCapture:
         if self._attention_fallback:
             kwargs["output_attentions"] = True
         with self._no_autograd():
-            if self._qk is None:
-                output, kept = self._forward(kwargs, attention_mask, lengths[0])
-            else:
-                output, kept = self._qk.run(lambda: self._forward(kwargs, attention_mask, lengths[0]),
-                                            attention_mask, position_ids)
-                for name, value in self._qk.arrays().items():  # activations: the hidden codec applies
-                    self._keep_range(name, value)
-                    self._out.update(hidden_targets(self.hidden_codec, name, value))
+            forward = partial(self._forward, kwargs, attention_mask, lengths[0])
+            if self._qk is not None:
+                forward = partial(self._qk.run, forward, attention_mask, position_ids)
+            output, kept = self.calls.run(forward, reset=self._reset)
+            for name, value in self._qk.arrays().items() if self._qk is not None else ():  # the hidden codec applies
+                self._keep_range(name, value)
+                self._out.update(hidden_targets(self.hidden_codec, name, value))
             if self._attention_fallback:
                 for j in self.targets.streams[""].attention:
                     if f"attention/{j}" not in self._out:
                         self._keep_attention(j, output.attentions[j - 1])
             self._keep_logits(kept)
         return self._to_host()
+
+    def _reset(self) -> None:
+        """Forget what a failed forward kept, before the batch runs again."""
+        self._out, self._amax = {}, {}
 
     def _check_documents(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          position_ids: torch.Tensor) -> None:
@@ -331,9 +337,9 @@ class FeatureCapture:
         applies (top-k, and ``head`` mode, which stores no logits), else the model's own forward."""
         keep = self._keeper(kwargs["input_ids"])
         if not self._head.active:
-            output = self.model(**kwargs)
+            output = self.calls.model(**kwargs)
             return output, keep(getattr(output, "logits", None))
-        output = self.model.base_model(**kwargs)
+        output = self.calls.base(**kwargs)
         valid = attention_mask.bool()
         if not self._head.checked and not self._check_head(kwargs, output.last_hidden_state, valid, first_length):
             return output, keep(self._full_logits(kwargs))
@@ -363,7 +369,7 @@ class FeatureCapture:
 
     def _full_logits(self, kwargs: dict[str, Any]) -> torch.Tensor:
         with self._hooks_paused():
-            return self.model(**kwargs).logits
+            return self.calls.model(**kwargs).logits
 
     def _check_head(self, kwargs: dict[str, Any], last: torch.Tensor, valid: torch.Tensor, length: int) -> bool:
         """Check the chunked head once against the model's own forward on the first sequence (hooks paused);
@@ -371,7 +377,7 @@ class FeatureCapture:
         probe = self._head.probe(last, valid)
         with self._hooks_paused():
             first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            if self._head.agrees(self.model(**first).logits, probe, length):
+            if self._head.agrees(self.calls.model(**first).logits, probe, length):
                 return True
             if self._kind and self._kind.teacher_head:
                 raise PrecomputeError(f"logits head: {type(self.model).__name__}'s logits are not its LM head "
