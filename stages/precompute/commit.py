@@ -82,7 +82,7 @@ def _background(writer: CacheWriter, stats: RunStats, queue_size: int, workers: 
             writer.renew()
 
     if processes:
-        return ProcessWriter(writer.store.url, writer.spec.to_dict(), queue_size, written, workers)
+        return ProcessWriter(writer.store.url, writer.spec, queue_size, written, workers)
     return BackgroundWriter(write_then_release(writer), queue_size, on_written=written, workers=workers)
 
 

@@ -23,11 +23,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kdcache.stages.precompute.errors import PrecomputeError
+
+if TYPE_CHECKING:
+    from kdcache.storage import CacheSpec
 
 # Set in a worker's environment: what tells a writer process from the process's other children (a monitoring
 # script, a test that kills one).
@@ -150,13 +153,13 @@ class ProcessWriter:
 
     Args:
         url: the output store's URL (``Store.url``); each worker opens its own.
-        spec: the cache's spec, as ``CacheSpec.to_dict`` writes it.
+        spec: the cache's spec (each worker reads it back from ``to_dict``'s JSON form).
         queue_size: shards that may wait for a worker (beside one in each worker's hands).
         on_written: called with ``(index, record, seconds)`` after each commit, in this process.
         workers: worker processes.
     """
 
-    def __init__(self, url: str, spec: dict[str, Any], queue_size: int = 2,
+    def __init__(self, url: str, spec: CacheSpec, queue_size: int = 2,
                  on_written: Callable[[int, Any, float], None] | None = None, workers: int = 1) -> None:
         self._on_written = on_written
         self._limit = max(1, queue_size) + max(1, workers)
@@ -177,7 +180,7 @@ class ProcessWriter:
             for i in range(max(1, workers)):
                 task_out, task_in = context.Pipe(duplex=False)
                 result_out, result_in = context.Pipe(duplex=False)
-                process = context.Process(target=_serve, args=(url, spec, modules, task_out, result_in,
+                process = context.Process(target=_serve, args=(url, spec.to_dict(), modules, task_out, result_in,
                                                                self._stop_flag),
                                           daemon=True, name=f"kdcache-shard-writer-{i}")
                 process.start()
@@ -284,12 +287,10 @@ class ProcessWriter:
             raise self._error
 
 
-def _plugin_modules(spec: dict[str, Any]) -> list[str]:
+def _plugin_modules(spec: CacheSpec) -> list[str]:
     """Modules a worker imports before it reads ``spec``: the hidden codec's, where it is not one of kdcache's own
     (a codec registered by the user's module exists in a spawned process only once that module is imported)."""
-    from kdcache.storage import hidden_codec_of
-
-    module = type(hidden_codec_of(spec.get("hidden_codec"), spec.get("dtype", "fp16"))).__module__
+    module = type(spec.hidden_codec).__module__
     return [] if module.startswith("kdcache.") else [module]
 
 
