@@ -13,6 +13,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,7 @@ class StorageOptions:
             return json.loads(self.codec)
         return self.codec
 
-    @property
+    @cached_property
     def resolved_hidden_codec(self) -> HiddenCodec:
         """``--hidden-codec`` (a name or a JSON record) and ``--hidden-rank`` as the configured codec that stage one
         carries and the spec records: the one place stage one resolves it."""
