@@ -1,5 +1,5 @@
-"""The one registry every kind in kdcache uses: hidden codecs, backends, attention layouts and logit layouts here,
-attention sources and logit kinds in stages.
+"""The one registry every kind in kdcache uses: hidden codecs, their array operations, backends, attention layouts
+and logit layouts here; attention sources, logit kinds and losses in stages.
 
 A registry is a dict from a name to its entry, in the order entries were added (the order the flags' choices and
 the errors list them); a test may add an entry of its own and delete it again. ``lookup`` is the one place an
