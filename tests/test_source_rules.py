@@ -165,7 +165,7 @@ def test_modules_import_a_stage_and_its_parts_through_their_front_doors(package:
 def test_stages_and_pipeline_import_storage_through_its_front_door(package: str) -> None:
     found = [f"{path}:{line}: imports {module}" for path, text in _files(package)
              for line, module in storage_imports(text)]
-    assert not found, "import these from kdcache.storage (add the name to its _EXPORTS):\n" + "\n".join(found)
+    assert not found, "import these from kdcache.storage (add the name to its TYPE_CHECKING block):\n" + "\n".join(found)
 
 
 LAZY_DOORS = ["storage", "stages/train", "stages/common", "stages/precompute", "stages/train/feed",
