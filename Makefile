@@ -28,11 +28,12 @@ lint: $(STAMP)
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test module whole on one of them, so a module's
 # shared fixtures (a cache, a trained run) are built once; TEST_WORKERS=0 runs it in this process alone.
 TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadscope
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	$(PY) -m pytest -q $(XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow and not demo"
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not demo"
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kdcache demo

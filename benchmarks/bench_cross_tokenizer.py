@@ -241,6 +241,8 @@ def main() -> None:
                         help="instead: the peak memory of one step with a student of V logits, chunked head against "
                              "materialised logits (step_memory)")
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error(f"--seeds: got {args.seeds}, expected at least 1 (each scored run trains once per seed)")
     if args.memory_vocab:
         print(json.dumps(step_memory(args.memory_vocab, rows=32), indent=1))
         return

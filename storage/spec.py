@@ -41,7 +41,6 @@ from kdcache.storage.errors import LayerNotInCacheError, SpecError, UnknownFeatu
 from kdcache.storage.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
 from kdcache.storage.hidden_codecs import (
     CODES_CODEC,
-    COLUMN_CODES_CODEC,
     HiddenCodec,
     applies_to,
     hidden_codec_of,
@@ -340,8 +339,7 @@ class CacheSpec:
     def codec_for(self, name: str) -> dict[str, Any]:
         """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
         if backend_class(self.backend).codec_per_array and (self.coded(name) or is_part(name)):
-            column = self.coded(name) and self.hidden_codec.column_major  # its rows shuffled first
-            return resolve_codec(COLUMN_CODES_CODEC if column else CODES_CODEC)
+            return resolve_codec(CODES_CODEC)  # a column-major codec's too (COLUMN_CODES_CODEC is the same)
         array = logit_array(self, name)
         activations, sparse = self.codec_configs
         return sparse if array is not None and array.sparse else activations

@@ -90,9 +90,20 @@ def _at_ids(z: torch.Tensor, teacher: torch.Tensor | None, stats: RowStats, coef
     if teacher is not None and stats.teacher_lse is not None:
         t_ids = teacher.gather(1, ids).float() / temperature
         dense = dense + _part(coefficients[:, 2:3], t_ids, stats.teacher_lse[:, None])
-    same = ids[:, :, None] == ids[:, None, :]  # [C, K, K]: K is one label plus k ids, a few hundred at most
-    sparse = torch.where(same, at_ids[:, None, :], torch.zeros_like(at_ids[:, None, :])).sum(-1)
-    return dense + sparse
+    return dense + _summed_per_id(ids, at_ids)
+
+
+def _summed_per_id(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[C, K]``: in each slot, the sum of ``values`` over the row's slots holding the same id. Sorted runs of equal
+    ids are summed (``scatter_add``) and put back in place: ``[C, K]`` work, not the ``[C, K, K]`` of comparing every
+    pair (38 MB and 58 ms a chunk at C = 256, K = 193 on a CPU), and no host sync."""
+    order = ids.argsort(dim=1)
+    sorted_ids = ids.gather(1, order)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    run = starts.cumsum(1) - 1  # [C, K]: each sorted slot's run of equal ids
+    sums = torch.zeros_like(values).scatter_add_(1, run, values.gather(1, order))
+    return torch.empty_like(values).scatter_(1, order, sums.gather(1, run))
 
 
 def _part(coefficient: torch.Tensor, x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,7 @@ class BackgroundWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None  # sticky: once set, nothing more is written
         self._reported = False
-        self._lock = threading.Lock()  # guards busy_seconds, the first error and on_written's callers
-        self.busy_seconds = 0.0
+        self._lock = threading.Lock()  # guards the first error and on_written's callers
         self._threads = [threading.Thread(target=self._loop, name=f"kdcache-shard-writer-{i}", daemon=True)
                          for i in range(max(1, workers))]
         for thread in self._threads:
@@ -65,7 +64,6 @@ class BackgroundWriter:
                 record = self._write(index, sequences)
                 seconds = time.perf_counter() - started
                 with self._lock:
-                    self.busy_seconds += seconds
                     if self._on_written is not None:
                         self._on_written(index, record, seconds)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread

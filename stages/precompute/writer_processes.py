@@ -149,7 +149,7 @@ class _Worker:
 
 
 class ProcessWriter:
-    """``BackgroundWriter``'s contract (``submit``, ``close``, ``busy_seconds``) with worker processes.
+    """``BackgroundWriter``'s contract (``submit``, ``close``, ``on_written``) with worker processes.
 
     Args:
         url: the output store's URL (``Store.url``); each worker opens its own.
@@ -167,7 +167,6 @@ class ProcessWriter:
         self._stop_flag: Any = None
         self._error: BaseException | None = None
         self._reported = False
-        self.busy_seconds = 0.0
         context = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA state
         self._stop_flag = context.Event()
         modules = _plugin_modules(spec)
@@ -251,7 +250,6 @@ class ProcessWriter:
             return
         from kdcache.storage import ShardRecord
 
-        self.busy_seconds += seconds
         if self._on_written is not None and self._error is None:
             self._on_written(index, ShardRecord.from_dict(payload), seconds)
 

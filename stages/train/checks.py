@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import attention_sources, logit_kinds
 from kdcache.stages.train.cross import cross_hint
-from kdcache.stages.train.layer_maps import LayerMap, build_layer_map, pair_key, validate_layer_map
+from kdcache.stages.train.layer_maps import LayerMap, pair_key, validate_layer_map
 from kdcache.stages.train.options import TrainOptions
 from kdcache.stages.train.student import StudentFacts
 from kdcache.storage import KdcacheError
@@ -143,11 +143,12 @@ def feature_problems(options: TrainOptions, spec: CacheSpec, student: StudentFac
 
 
 def restricted_map(layer_map: LayerMap, student_depth: int, depth: int, cached: tuple[int, ...], seed: int, what: str,
-                   problems: list[str]) -> list[Pair]:
+                   problems: list[str], notes: list[str] | None = None) -> list[Pair]:
     """A map's pairs restricted to student blocks (s >= 1) whose teacher layer is cached.
 
     ``none`` counts as ``uniform`` here: it switches off the hidden term, not the attention term that follows it.
-    A map that keeps no pair is a problem (appended to ``problems``), since the term would silently vanish.
+    A map that keeps no pair is a problem (appended to ``problems``), since the term would silently vanish; with
+    ``notes``, a map that keeps some but not all says which it kept, and the ``--layers`` that would keep all.
     """
     try:
         pairs = (layer_map if layer_map.kind != "none" else LayerMap("uniform")).build(student_depth, depth, seed=seed)
@@ -158,21 +159,12 @@ def restricted_map(layer_map: LayerMap, student_depth: int, depth: int, cached: 
     if not kept:
         problems.append(f"no pair of the {what} map {str(layer_map)!r} meets a cached {what} layer (cached: "
                         f"{list(cached)}); pass an explicit:S-T map naming cached layers")
+    elif notes is not None and len(kept) < len(pairs):
+        needed = ",".join(str(t) for t in sorted({t for _, t in pairs}))
+        notes.append(f"the {layer_map} {what} map keeps the pairs whose teacher layer the cache holds: "
+                     f"{', '.join(pair_key(p) for p in kept)} (of {len(pairs)}; precompute with --layers {needed} for "
+                     "all of them, or name pairs with --layer-map explicit:S-T)")
     return kept
-
-
-def uniform_note(student_depth: int, depth: int, kept: list[Pair], what: str) -> list[str]:
-    """The line that says which of the uniform map's pairs a cache of fewer layers left out (none when it kept all,
-    or none: the problem restricted_map appended says that)."""
-    pairs = build_layer_map("uniform", student_depth, depth) if 1 <= student_depth <= depth else []
-    dropped = [p for p in pairs if p not in kept]
-    if not kept or not dropped:
-        return []
-    named = ", ".join(pair_key(p) for p in kept)
-    needed = ",".join(str(t) for t in sorted({t for _, t in pairs}))
-    return [f"the uniform {what} map keeps the pairs whose teacher layer the cache holds: {named} (of "
-            f"{len(pairs)}; precompute with --layers {needed} for all of them, or name pairs with --layer-map "
-            "explicit:S-T)"]
 
 
 def checked_map(layer_map: LayerMap, seed: int, student_depth: int, depth: int, cached: tuple[int, ...], what: str,

@@ -68,9 +68,6 @@ def init_distributed() -> DistInfo:
 
 
 SHM_OP = "deepspeed_shm_comm"
-# The ops DeepSpeed may JIT-build for a training run (optimizers, offload, communication).
-DEEPSPEED_JIT_OPS = frozenset({"cpu_adam", "cpu_adagrad", "cpu_lion", "fused_adam", "fused_lamb", "fused_lion",
-                               SHM_OP, "deepspeed_ccl_comm", "async_io", "gds"})
 STALE_LOCK_S = 600.0  # a JIT build of a DeepSpeed op takes about a minute; a lock this old has lost its builder
 
 
@@ -106,7 +103,10 @@ def check_build_locks(root: Path | None = None, now: float | None = None) -> Non
     root = extensions_root() if root is None else root
     now = time.time() if now is None else now
     locks = sorted([*root.glob("*/lock"), *root.glob("*/*/lock")]) if root.is_dir() else []
-    for lock in (found for found in locks if found.parent.name in DEEPSPEED_JIT_OPS):  # another project's: not ours
+    import deepspeed.ops
+
+    ops = set(deepspeed.ops.__compatible_ops__)  # the ops this accelerator's DeepSpeed may JIT-build: its own list
+    for lock in (found for found in locks if found.parent.name in ops):  # another project's: not ours
         age = now - lock.stat().st_mtime
         if age > STALE_LOCK_S:
             raise EngineConfigError(

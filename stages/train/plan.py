@@ -29,7 +29,6 @@ from kdcache.stages.train.checks import (
     feature_problems,
     restricted_map,
     stream_problems,
-    uniform_note,
     vocab_problems,
 )
 from kdcache.stages.train.layer_maps import LayerMap
@@ -168,8 +167,7 @@ def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str],
     if options.loss.gamma > 0 and s.layer_map.kind == "uniform" and s.hidden:
         # uniform (the default, or named) keeps its pairs the cache holds, as evaluation does: a cache of a few
         # layers trains on them without a map naming them; every other map must be met in full.
-        hidden = restricted_map(s.layer_map, s.student_depth, s.teacher_depth, s.hidden, seed, what, problems)
-        notes += uniform_note(s.student_depth, s.teacher_depth, hidden, what)
+        hidden = restricted_map(s.layer_map, s.student_depth, s.teacher_depth, s.hidden, seed, what, problems, notes)
     elif options.loss.gamma > 0 and s.layer_map.kind != "none" and s.hidden:
         hidden = checked_map(s.layer_map, seed, s.student_depth, s.teacher_depth, s.hidden, what, problems)
     what = prefixed(s.name, "attention").replace("/", " ")

@@ -90,11 +90,10 @@ import_members(__name__, __path__, but=("arrays", "base", "coding", "naming", "q
 # (ratio 1.078 both) at 1.0 GB/s a core against 0.7-0.8. Caches written before keep theirs (zarr reads each
 # array's codecs from its own metadata), and the codes' compressor is no part of the fingerprints.
 CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shuffle": 0, "blocksize": 1 << 20}
-# A column-major codec's codes: after the row shuffle each zstd block holds a few directions of one variance
-# each. Level 9 reached 2.33x on pca8's codes at 3.6 MB/s a core (a teacher writing 2 GB/s of codes would need
-# hundreds of cores: the 0.037x of benchmarks/RESULTS.md run 4); level 1 keeps 2.25x (97% of it) at 474 MB/s.
-COLUMN_CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shuffle": 0,
-                                      "blocksize": 1 << 20}
+# A column-major codec's codes (after the row shuffle each zstd block holds a few directions of one variance each)
+# take the same: level 9 reached 2.33x on pca8's codes at 3.6 MB/s a core (a teacher writing 2 GB/s of codes would
+# need hundreds of cores: the 0.037x of benchmarks/RESULTS.md run 4); level 1 keeps 2.25x (97% of it) at 474 MB/s.
+COLUMN_CODES_CODEC = CODES_CODEC
 
 __all__ = ["ArrayOps", "CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "CodecRecord",
            "ERROR_FIELDS", "FP8_MAX", "HIDDEN_CODECS", "HiddenCodec", "HiddenCodecConfig", "NoConfig", "PARTS",

@@ -15,10 +15,15 @@ from kdcache.pipeline.children import child_env
 REPO = Path(__file__).resolve().parents[2]
 
 
+def readme_block(heading: str, fence: str) -> str:
+    """The first ```` ```fence ```` block after ``heading`` in README.md."""
+    text = (REPO / "README.md").read_text()
+    return text[text.index(heading):].split(f"```{fence}\n", 1)[1].split("```", 1)[0]
+
+
 def console_lines(heading: str) -> list[str]:
     """The ``$ `` lines of the first console block after ``heading`` in README.md, comments dropped."""
-    text = (REPO / "README.md").read_text()
-    block = text[text.index(heading):].split("```console\n", 1)[1].split("```", 1)[0]
+    block = readme_block(heading, "console")
     return [line[2:].split("  #")[0].rstrip() for line in block.splitlines() if line.startswith("$ ")]
 
 
@@ -73,8 +78,7 @@ def _printed_figures_are_the_files(out: str, err: str, root: Path) -> None:
 
 def bash_lines(heading: str) -> list[str]:
     """The commands of the first ``bash`` block after ``heading`` in README.md, continued lines joined."""
-    text = (REPO / "README.md").read_text()
-    block = text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
+    block = readme_block(heading, "bash")
     return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
@@ -116,8 +120,7 @@ def _readme_figures_are_the_run_s(printed: str) -> None:
     """The README's sample output shows what a run prints: each of its lines without a speed or a home folder
     appears as printed, and the losses of the others too. A figure may differ by two in its last printed digit (the
     float sums of a process with fewer threads, under load, round otherwise); words and every other digit must not."""
-    text = (REPO / "README.md").read_text()
-    block = text[text.index("## First run on your own data"):].split("```console\n", 1)[1].split("```", 1)[0]
+    block = readme_block("## First run on your own data", "console")
     shown = [line for line in block.splitlines() if line and not line.startswith("$ ") and line.strip() != "..."]
     lines = printed.splitlines()
     for line in shown:

@@ -7,6 +7,7 @@ on the uniform map, and ``kdcache report`` shows the span columns.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -86,14 +87,13 @@ def test_span_agreement_of_the_run_and_of_an_untrained_student(setup: dict[str, 
     assert set(trained["span_cka"]) == {"s1_t2"} and 0 <= trained["span_cka"]["s1_t2"] <= 1
     assert -1 <= trained["span_cosine"]["s1_t2"] <= 1  # through the run's projector (16 -> 32)
     assert untrained["span_cosine"] == {}  # 16 -> 32 and no trained projector: not measurable
-    agree, spans, cka = _reference(setup, setup["student"], (1, 2))
+    agree, spans, cka, teacher_words = _reference(setup, setup["student"], (1, 2))
     assert untrained["spans"] == spans
     assert untrained["span_top1"] == pytest.approx(agree / spans)
-    assert untrained["span_top1_floor"] == pytest.approx(max(TEACHER_WORDS.values()) / spans)
+    assert untrained["span_top1_floor"] == pytest.approx(max(teacher_words.values()) / spans)
     assert untrained["span_cka"]["s1_t2"] == pytest.approx(cka, abs=1e-4)
 
 
-TEACHER_WORDS: dict[tuple[str, str], int] = {}  # the teacher's next texts over the spans of the last _reference call
 
 
 def _word(tokenizer: Any, token: int) -> tuple[str, str]:
@@ -106,8 +106,10 @@ def _word(tokenizer: Any, token: int) -> tuple[str, str]:
     return ("text", (word[2:] if word.startswith("##") else word) or " ")
 
 
-def _reference(setup: dict[str, Path], student: Path, pair: tuple[int, int]) -> tuple[int, int, float]:
-    """(agreeing spans, spans, linear CKA of the span-pooled states of ``pair``) of ``student`` on the cache,
+def _reference(setup: dict[str, Path], student: Path,
+               pair: tuple[int, int]) -> tuple[int, int, float, Counter[tuple[str, str]]]:
+    """(agreeing spans, spans, linear CKA of the span-pooled states of ``pair``, the teacher's next texts counted
+    over the spans) of ``student`` on the cache,
     sequence by sequence from the formulas. Plain text trains every token, so every span counts (the teacher's KL
     counts a row's last token too: it predicts from the teacher's cached distribution)."""
     from transformers import AutoTokenizer
@@ -122,7 +124,7 @@ def _reference(setup: dict[str, Path], student: Path, pair: tuple[int, int]) -> 
     s_tok, t_tok = AutoTokenizer.from_pretrained(str(student)), AutoTokenizer.from_pretrained(
         str(setup["cache"] / "tokenizer"))
     texts, agree, spans, pooled = read_texts(reader.store), 0, 0, []
-    TEACHER_WORDS.clear()
+    teacher_words: Counter[tuple[str, str]] = Counter()
     for i in range(len(reader)):
         ids, ends = student_ends(s_tok, texts.texts[i], max_length=128)
         a = align(texts.ends[i], ends)
@@ -134,12 +136,12 @@ def _reference(setup: dict[str, Path], student: Path, pair: tuple[int, int]) -> 
             spans += 1
             word = _word(t_tok, int(t_ids[t]))
             agree += word == _word(s_tok, int(out.logits[0, s].argmax()))
-            TEACHER_WORDS[word] = TEACHER_WORDS.get(word, 0) + 1
+            teacher_words[word] += 1
             pooled.append((out.hidden_states[pair[0]][0][torch.as_tensor(a.student_span == k)].double().mean(0),
                            h_t[torch.as_tensor(a.teacher_span == k)].mean(0)))
     y, x = (torch.stack([p[j] for p in pooled]) for j in (0, 1))
     y, x = y - y.mean(0), x - x.mean(0)  # CKA = ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F) of the centred rows
-    return agree, spans, float((y.T @ x).norm() ** 2 / ((x.T @ x).norm() * (y.T @ y).norm()))
+    return agree, spans, float((y.T @ x).norm() ** 2 / ((x.T @ x).norm() * (y.T @ y).norm())), teacher_words
 
 
 def test_kdcache_eval_scores_the_run_and_its_baseline_by_spans(setup: dict[str, Path],
@@ -154,7 +156,7 @@ def test_kdcache_eval_scores_the_run_and_its_baseline_by_spans(setup: dict[str, 
     trained = find_eval(run, "trained")
     assert trained is not None and trained["kind"] == "cross_tokenizer" and trained["cross_tokenizer"] == "gold"
     direct = evaluate_spans(run, reader, batch_size=4)
-    agree, spans, cka = _reference(setup, run / "student", (1, 2))
+    agree, spans, cka, _ = _reference(setup, run / "student", (1, 2))
     assert trained["span_top1"] == pytest.approx(direct["span_top1"]) and direct["span_top1"] == pytest.approx(
         agree / spans)
     assert trained["spans"] == spans and trained["pairs"] == [[1, 2]] and trained["pairs_from"] == "run"
@@ -167,7 +169,7 @@ def test_kdcache_eval_scores_the_run_and_its_baseline_by_spans(setup: dict[str, 
     assert main(["eval", "--cache", str(setup["cache"]), "--run", str(run), "--student", str(setup["student"]),
                  "--json"]) == 0
     baseline = find_eval(run, "baseline")
-    agree, _, cka = _reference(setup, setup["student"], (1, 2))
+    agree, _, cka, _ = _reference(setup, setup["student"], (1, 2))
     assert baseline is not None and baseline["role"] == "baseline"
     assert baseline["span_top1"] == pytest.approx(agree / spans)
     assert baseline["span_cka"]["s1_t2"] == pytest.approx(cka, abs=1e-4)
@@ -203,12 +205,12 @@ def test_a_run_without_a_layer_map_gets_span_cka_on_the_uniform_map(setup: dict[
     assert main(["eval", "--cache", str(setup["cache"]), "--run", str(run), "--json"]) == 0
     record = find_eval(run, "trained")
     assert record is not None and record["pairs"] == [[2, 2]] and record["pairs_from"] == "uniform"
-    _, _, cka = _reference(setup, run / "student", (2, 2))
+    _, _, cka, _ = _reference(setup, run / "student", (2, 2))
     assert record["span_cka"] == {"s2_t2": pytest.approx(cka, abs=1e-4)} and record["span_cosine"] == {}
     assert any("uniform map" in n for n in record["notes"])
     # the caller may fix the pairs (to compare runs whose maps differ on the same ones)
     given = evaluate_spans(run, CacheReader(setup["cache"]), pairs=[(1, 2)])
-    _, _, cka = _reference(setup, run / "student", (1, 2))
+    _, _, cka, _ = _reference(setup, run / "student", (1, 2))
     assert given["pairs_from"] == "given" and given["span_cka"] == {"s1_t2": pytest.approx(cka, abs=1e-4)}
     with pytest.raises(EvaluationError, match=r"teacher layers the cache holds \(\[0, 2\]\)"):
         evaluate_spans(run, CacheReader(setup["cache"]), pairs=[(1, 1)])
@@ -216,7 +218,7 @@ def test_a_run_without_a_layer_map_gets_span_cka_on_the_uniform_map(setup: dict[
     assert main(["eval", "--cache", str(setup["cache"]), "--run", str(before), "--student", str(setup["student"]),
                  "--cross-tokenizer", "--json"]) == 0
     baseline = find_eval(before, "baseline")
-    _, _, cka = _reference(setup, setup["student"], (2, 2))
+    _, _, cka, _ = _reference(setup, setup["student"], (2, 2))
     assert baseline is not None and baseline["span_cka"] == {"s2_t2": pytest.approx(cka, abs=1e-4)}
 
 
@@ -233,7 +235,10 @@ def test_eval_on_a_cache_without_texts_exits_2(setup: dict[str, Path], capsys: p
 
 def test_next_text_agreement_rule() -> None:
     """Same word across tokenizers agrees; a prefix or a lone space does not; whitespace agrees with whitespace."""
-    from kdcache.stages.train.evaluation.span_eval import same_next_text
+    from kdcache.stages.train.evaluation.span_eval import next_text
+
+    def same_next_text(a: str, b: str) -> bool:  # the rule _update applies to two decoded top-1 tokens
+        return next_text(a) == next_text(b)
 
     assert same_next_text(" Quick", "quick") and same_next_text("##ing", "ing") and same_next_text(" ", "\n")
     assert not same_next_text("qu", "quick") and not same_next_text(" ", "a") and not same_next_text("q", "quick")

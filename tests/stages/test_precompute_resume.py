@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -225,13 +226,14 @@ def _writer_processes(parent: int) -> list[int]:
     return found
 
 
-def _run_until(out: Path, argv: list[str], committed: int, act: object) -> subprocess.CompletedProcess:
+def _run_until(out: Path, argv: list[str], committed: int,
+               act: Callable[[int], bool]) -> subprocess.CompletedProcess:
     """Start ``kdcache precompute``; once ``committed`` shards are in, ``act(pid)``; wait for it to end."""
     proc = subprocess.Popen([sys.executable, "-m", "kdcache", *argv], cwd=REPO, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if len(list((out / "shards").glob("shard-*.json"))) >= committed and act(proc.pid):  # type: ignore[operator]
+        if len(list((out / "shards").glob("shard-*.json"))) >= committed and act(proc.pid):
             break
         time.sleep(0.005)
     _, err = proc.communicate(timeout=120)
@@ -254,7 +256,8 @@ def test_a_writer_process_killed_with_9_stops_the_run_clearly_and_the_rerun_resu
         return bool(writers)
 
     for _attempt in range(3):  # a kill that lands after the last shard stops nothing: run again
-        out = shutil.rmtree(tmp_path / "killed", ignore_errors=True) or tmp_path / "killed"
+        out = tmp_path / "killed"
+        shutil.rmtree(out, ignore_errors=True)
         done = _run_until(out, _argv(_slow_options(tiny_gpt2, corpus, out)), 2, kill_one)
         if done.returncode != 0:
             break

@@ -55,11 +55,6 @@ def next_text(decoded: str) -> str:
     return word or WHITESPACE
 
 
-def same_next_text(a: str, b: str) -> bool:
-    """Whether two decoded top-1 tokens name the same next text (module docstring)."""
-    return next_text(a) == next_text(b)
-
-
 def token_text(tokenizer: Any, token_id: int) -> str:
     """``next_text`` of a token; a piece of a character (it decodes to U+FFFD, as every such piece does) is named
     by its own vocabulary string instead, which is the same piece's in another byte-level vocabulary and no
