@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kdcache-installed
 
-.PHONY: install lint test test-fast demo bench clean
+.PHONY: install lint test test-fast demo demo-clean bench clean
 
 install: $(STAMP)
 
@@ -35,11 +35,17 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow and not demo"
 
+# A second `make demo` reuses the first one's caches, student and run (and prints the same figures);
+# `make demo-clean` removes the demo's outputs only, so that the next `make demo` starts over.
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kdcache demo
+
+demo-clean:
+	rm -rf demo-out
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
 
+# Everything make built, the environment included (`make demo-clean` keeps it).
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

@@ -81,16 +81,21 @@ def spec_for(shards: int, topk: bool) -> CacheSpec:
                      **extra)
 
 
-def launcher(seconds: float) -> tuple[float, np.ndarray]:
-    """Tiny torch ops for ``seconds``: (ops per second, each op's duration in seconds)."""
+def launcher(seconds: float, op: Callable[[], object] | None = None) -> tuple[float, np.ndarray]:
+    """Tiny torch ops (or ``op``) back to back for ``seconds``: (the seconds the loop took, each op's duration).
+
+    The last op starts before ``seconds`` are up and may end well after (a stall in it), so the time taken, not
+    ``seconds``, is what holds every op: a share or a rate over ``seconds`` could pass 1 or overstate the rate.
+    """
     x = torch.zeros(64)
+    op = op or (lambda: x.add_(1.0))
     durations = []
-    end = time.perf_counter() + seconds
+    start = time.perf_counter()
+    end = start + seconds
     while (now := time.perf_counter()) < end:
-        x.add_(1.0)
+        op()
         durations.append(time.perf_counter() - now)
-    spans = np.array(durations)
-    return len(spans) / seconds, spans
+    return time.perf_counter() - start, np.array(durations)
 
 
 def on_host_cores(work: Callable[[threading.Event], None],
@@ -145,9 +150,15 @@ def read_work(cache: Path, threads: int, done: list[int]) -> Callable[[threading
 
 def stalls(spans: np.ndarray, seconds: float) -> dict[str, float]:
     """The launcher's rate, its longest op and the share of the time spent in ops over 1 ms (GIL waits, or the
-    machine's own noise: measured alone too)."""
+    machine's own noise: measured alone too), over the ``seconds`` that hold every span (at most 1 then)."""
     return {"launches_per_s": len(spans) / seconds, "longest_stall_ms": 1e3 * float(spans.max()),
             "stall_share": float(spans[spans > 1e-3].sum()) / seconds}
+
+
+def launch_stalls(seconds: float, op: Callable[[], object] | None = None) -> dict[str, float]:
+    """``stalls`` of the launcher run for ``seconds``, over the time its loop took."""
+    taken, spans = launcher(seconds, op)
+    return stalls(spans, taken)
 
 
 def measure(work: Callable[[threading.Event], None], seconds: float, rounds: int, done: list[int],
@@ -159,13 +170,13 @@ def measure(work: Callable[[threading.Event], None], seconds: float, rounds: int
         thread, stop, errors = on_host_cores(work, cores)
         time.sleep(0.5)  # the host path in its steady state
         first = len(done)
-        during.append(stalls(launcher(seconds)[1], seconds))
+        during.append(launch_stalls(seconds))
         tokens += sum(done[first:])
         stop.set()
         thread.join()
         if errors:
             raise errors[0]
-        alone.append(stalls(launcher(seconds)[1], seconds))
+        alone.append(launch_stalls(seconds))
     med = {side: {key: float(np.median([r[key] for r in runs])) for key in runs[0]}
            for side, runs in (("during", during), ("alone", alone))}
     return {"launches_vs_alone": round(med["during"]["launches_per_s"] / med["alone"]["launches_per_s"], 3),
@@ -199,8 +210,8 @@ def stage_one(root: Path, rows: int, launch_seconds: float, writers: int, cores:
 
     width, tokens = SHAPE["width"], SHAPE["tokens"]
     teacher, data = make_teacher(root, width, positions=tokens), write_data(root, rows)
-    rate, _ = launcher(1.0)
-    ops = int(rate * launch_seconds)
+    taken, spans = launcher(1.0)
+    ops = int(len(spans) / taken * launch_seconds)
     options = PrecomputeOptions.of(teacher=str(teacher), data=str(data), out=str(root / "cache"), layers=tuple(
         str(j) for j in LAYERS), features=("hidden",), packing="concat", max_length=tokens, batch_size=SHAPE["rows"],
         sequences_per_shard=SHAPE["rows"], max_sequences=rows, teacher_dtype="fp32", progress=False, writers=writers)
@@ -208,7 +219,7 @@ def stage_one(root: Path, rows: int, launch_seconds: float, writers: int, cores:
         summary = run_precompute(options)
     spans = np.array(stub.spans)
     during = stalls(spans, float(spans.sum()))
-    alone = stalls(launcher(float(spans.sum()))[1], float(spans.sum()))  # as long, right after
+    alone = launch_stalls(float(spans.sum()))  # as long, right after
     return {"batches": stub.batches, "stall_share": round(during["stall_share"], 4),
             "stall_share_alone": round(alone["stall_share"], 4), "longest_stall_ms": round(during["longest_stall_ms"], 2),
             "launches_s": round(float(spans.sum()), 3), "compute_s": round(summary["compute_seconds"], 3),

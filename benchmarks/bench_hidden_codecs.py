@@ -195,8 +195,8 @@ def projection(ids: list[np.ndarray], teacher: list[list[np.ndarray]], student: 
     and the torch encode/decode MB/s of fp16 bytes on this CPU (one run: this is the writer's path)."""
     from kdcache.stages.common.device_codecs import Projection, decode_batch
     from kdcache.stages.precompute.projection_fit import fit_bases
+    from kdcache.storage.core.stores import open_store
     from kdcache.storage.projection import write_projection
-    from kdcache.storage.stores import open_store
 
     half = len(ids) // 2
     names = [f"hidden/{j}" for j in TEACHER_LAYERS]

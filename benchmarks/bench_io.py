@@ -10,7 +10,7 @@ Two shapes:
 The baseline is plain zarr v3 writing the same flat, token-major arrays (what ``encode_shard`` produces) with the
 same codec (Blosc lz4 + bitshuffle for activations, zstd for top-k) in big chunks (about 16 MiB decoded), one
 group per shard, made durable the way kdcache's are (issue 26): every file, then every folder, fsynced, in a pool of
-``storage.files._IO_THREADS`` threads (``--no-fsync`` for the earlier baseline without). kdcache's write is ``CacheWriter.write_shard`` on per-sequence fp16 arrays, so it
+``storage.core.files._IO_THREADS`` threads (``--no-fsync`` for the earlier baseline without). kdcache's write is ``CacheWriter.write_shard`` on per-sequence fp16 arrays, so it
 also pays what the baseline skips: concatenation, fp16 range checks, checksums, fsync and the commit. Reads are
 a fresh ``CacheReader.read_shard`` per shard (page cache warm; arrays decode in parallel, one thread per core,
 and again with one thread) against ``zarr.open_array(...)[:]`` per array, one after the other.
@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 from bench_storage import stdlib_sentences, teacher_outputs, write_cache  # noqa: E402
 
 from kdcache.storage import CacheReader, CacheSpec, encode_shard  # noqa: E402
-from kdcache.storage.codecs import to_zarr_compressors  # noqa: E402
+from kdcache.storage.core.codecs import to_zarr_compressors  # noqa: E402
 
 BIG_CHUNK = 16 << 20
 V_LLAMA, D_LLAMA, TOP_K = 128_256, 4096, 64
@@ -92,7 +92,7 @@ def make_durable(group: Path) -> None:
     """fsync every file of a zarr group, then its folders, deepest first (what a crash-safe baseline pays)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kdcache.storage.files import _IO_THREADS, fsync_path
+    from kdcache.storage.core.files import _IO_THREADS, fsync_path
 
     paths = sorted(group.rglob("*"), key=lambda p: -len(p.parts))
     with ThreadPoolExecutor(_IO_THREADS) as pool:

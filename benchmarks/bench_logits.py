@@ -161,8 +161,8 @@ def rss(field):
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from benchmarks.bench_logits import llama_model
 from kdcache.stages.precompute.capture.features import FeatureCapture
-from kdcache.stages.precompute.targets import StreamTargets, Targets
-from kdcache.stages.precompute.teacher import Teacher
+from kdcache.stages.precompute.core.targets import StreamTargets, Targets
+from kdcache.stages.precompute.core.teacher_id import Teacher
 model = llama_model()
 teacher = Teacher(model, None, model.config, torch.device("cpu"), {{}}, "sdpa")
 targets = Targets({{"": StreamTargets((), (), 2)}}, None, "topk", 64, {LLAMA_VOCAB}, 4, True)

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from kdcache.storage import CacheSpec, CacheWriter
-from kdcache.storage.canonical import SEAL, canonical_json, sealed
-from kdcache.storage.manifest import Manifest, load_json, read_manifest
-from kdcache.storage.stores import open_store
+from kdcache.storage.core.canonical import SEAL, canonical_json, sealed
+from kdcache.storage.core.stores import open_store
+from kdcache.storage.schema.manifest import Manifest, load_json, read_manifest
 
 FINGERPRINTS = {"teacher": {"name_or_path": "bench"}, "tokenizer": {"vocab_hash": "sha256:00"},
                 "data": {"source": "bench"}, "settings": {"max_length": 8}}

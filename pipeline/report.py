@@ -123,6 +123,12 @@ PANEL_UNITS = {"lr": "learning rate", "tokens": "valid tokens since the previous
 
 
 def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | None:
+    """``loss_figure`` saved to ``out`` (None before the first logged step)."""
+    fig = loss_figure(metrics)
+    return None if fig is None else _save(fig, out, title)
+
+
+def loss_figure(metrics: list[dict[str, Any]]) -> Figure | None:
     """One panel per loss family (``loss``, ``hidden``, ``attention``, ...), its per-pair terms drawn thin."""
     keys = list(dict.fromkeys(k for r in metrics for k, v in r.items()
                               if k not in META_KEYS and isinstance(v, (int, float))))
@@ -136,18 +142,30 @@ def plot_losses(metrics: list[dict[str, Any]], out: Path, title: str) -> Path | 
     steps = [r["step"] for r in metrics]
     marker = "o" if len(steps) < 20 else None  # a few points of a young run stay visible
     for ax, family in zip(axes.flat, families):
-        for key in [k for k in keys if k == family or k.startswith(family + "/")]:
+        members = [k for k in keys if k == family or k.startswith(family + "/")]
+        for key in members:
             main = key == family
-            ax.plot(steps, [r.get(key, float("nan")) for r in metrics], label=term_label(key),
+            ax.plot(steps, [r.get(key, float("nan")) for r in metrics], label=_panel_label(key, len(members) > 1),
                     lw=2.0 if main else 1.0, alpha=1.0 if main else 0.7, marker=marker, ms=3)
         ax.set_title(family)
         _step_axis(ax)
         ax.set_ylabel(PANEL_UNITS.get(family, "loss value"))
-        # Below the panel, never on it: a falling curve and its per-pair terms fill every corner of the axes.
-        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
+        # Below the panel, never on it: a falling curve and its per-pair terms fill every corner of the axes. One
+        # column, named without the panel's family, stays as narrow as its panel: two columns of full names were
+        # wider, and ran into the next panel's legend.
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=1, frameon=False)
     for ax in list(axes.flat)[len(families):]:
         ax.axis("off")
-    return _save(fig, out, title)
+    return fig
+
+
+def _panel_label(key: str, has_pairs: bool) -> str:
+    """A curve's name inside its family's panel: ``student layer 1 → teacher layer 2`` for a pair, ``sum over the
+    pairs`` for the family's total beside its pairs, else the term's own name."""
+    label = term_label(key)
+    if "/" in key:
+        return label.split(": ", 1)[-1]
+    return f"{key}: sum over the pairs" if has_pairs else label
 
 
 def plot_alignment(cka: dict[str, Any], out: Path, title: str) -> Path | None:
@@ -266,12 +284,17 @@ def _step_axis(ax: Axes) -> None:
     ax.set_xlabel("optimizer step")
 
 
-def _save(fig: Figure, out: Path, title: str) -> Path:
-    plt = _pyplot()
+def lay_out(fig: Figure, title: str) -> None:
+    """The figure's title, then the layout that keeps titles, labels and legends apart (as ``_save`` saves it)."""
     # Run names of sweep points are long: wrap the title to the figure's width rather than let it run off the page.
     width = max(20, int(fig.get_figwidth() * 11))
     fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=10)
     fig.tight_layout()
+
+
+def _save(fig: Figure, out: Path, title: str) -> Path:
+    plt = _pyplot()
+    lay_out(fig, title)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -6,6 +6,10 @@ reads their source to keep it so), so that storage's file split is not public AP
 
     from kdcache.storage import CacheSpec, CacheWriter, CacheReader, KdcacheError, compare_fingerprints, verify_cache
 
+Its folders are floors, each importing only those below it: ``core`` (errors, registries, names, files, stores),
+``hidden_codecs``, ``schema`` (spec and manifest), ``backends``, and on top the modules here that encode, write,
+read and verify a cache.
+
 Attributes load lazily, so importing one name (``KdcacheError``, done by the CLI at start-up) does not import zarr,
 pyarrow or numcodecs; the ``TYPE_CHECKING`` block lists them once: mypy reads their types there, and ``attach``
 (``kdcache.lazy_exports``) reads which module holds each.
@@ -18,20 +22,20 @@ from typing import TYPE_CHECKING
 from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
-    from kdcache.storage import errors as errors, hidden_codecs as hidden_codecs
-    from kdcache.storage.attention_source import (
+    from kdcache.storage import hidden_codecs as hidden_codecs
+    from kdcache.storage.buffers import BufferPool as BufferPool, Lease as Lease
+    from kdcache.storage.core import errors as errors
+    from kdcache.storage.core.attention_source import (
         DEFAULT_ATTENTION_SOURCE as DEFAULT_ATTENTION_SOURCE,
         AttentionLayout as AttentionLayout,
         attention_layout as attention_layout,
         register_attention_layout as register_attention_layout,
     )
-    from kdcache.storage.backends.registry import DEFAULT_BACKEND as DEFAULT_BACKEND, backend_names as backend_names
-    from kdcache.storage.buffers import BufferPool as BufferPool, Lease as Lease
-    from kdcache.storage.canonical import canonical_json as canonical_json
-    from kdcache.storage.codecs import describe_codec as describe_codec, resolve_codec as resolve_codec
-    from kdcache.storage.dtypes import check_fp16_range as check_fp16_range, to_float32 as to_float32
-    from kdcache.storage.encode import encode_shard as encode_shard
-    from kdcache.storage.errors import (
+    from kdcache.storage.core.backend_registry import DEFAULT_BACKEND as DEFAULT_BACKEND, backend_names as backend_names
+    from kdcache.storage.core.canonical import canonical_json as canonical_json
+    from kdcache.storage.core.codecs import describe_codec as describe_codec, resolve_codec as resolve_codec
+    from kdcache.storage.core.dtypes import check_fp16_range as check_fp16_range, to_float32 as to_float32
+    from kdcache.storage.core.errors import (
         CacheLockedError as CacheLockedError,
         CacheMismatchError as CacheMismatchError,
         ChecksumError as ChecksumError,
@@ -50,11 +54,40 @@ if TYPE_CHECKING:
         UnknownCodecError as UnknownCodecError,
         UnknownFeatureError as UnknownFeatureError,
     )
-    from kdcache.storage.files import (
+    from kdcache.storage.core.files import (
         crc32c as crc32c,
         format_bytes as format_bytes,
         read_json_object as read_json_object,
     )
+    from kdcache.storage.core.formats import FORMAT_VERSION as FORMAT_VERSION
+    from kdcache.storage.core.logit_layouts import (
+        FLOAT as FLOAT,
+        TOPK_MASS as TOPK_MASS,
+        LayoutFields as LayoutFields,
+        LogitFields as LogitFields,
+        SamplingFields as SamplingFields,
+        exact_arrays as exact_arrays,
+        logit_array as logit_array,
+        logit_arrays as logit_arrays,
+        vocab_id_names as vocab_id_names,
+    )
+    from kdcache.storage.core.registry import Registry as Registry, import_members as import_members
+    from kdcache.storage.core.stores import (
+        OPTIONS_ENV as OPTIONS_ENV,
+        Store as Store,
+        default_storage_options as default_storage_options,
+        is_url as is_url,
+        open_store as open_store,
+        parse_storage_options as parse_storage_options,
+    )
+    from kdcache.storage.core.streams import (
+        CROSS as CROSS,
+        kind_of as kind_of,
+        prefixed as prefixed,
+        ragged_streams as ragged_streams,
+        split_stream as split_stream,
+    )
+    from kdcache.storage.encode import encode_shard as encode_shard
     from kdcache.storage.fingerprint import (
         ArraysHash as ArraysHash,
         compare_fingerprints as compare_fingerprints,
@@ -75,7 +108,6 @@ if TYPE_CHECKING:
         read_table as read_table,
         seal_local_folder as seal_local_folder,
     )
-    from kdcache.storage.formats import FORMAT_VERSION as FORMAT_VERSION
     from kdcache.storage.hidden_codecs import (
         FP8_MAX as FP8_MAX,
         PARTS as PARTS,
@@ -97,18 +129,13 @@ if TYPE_CHECKING:
         rotation_signs as rotation_signs,
         row_errors as row_errors,
     )
-    from kdcache.storage.logit_layouts import (
-        FLOAT as FLOAT,
-        TOPK_MASS as TOPK_MASS,
-        LayoutFields as LayoutFields,
-        LogitFields as LogitFields,
-        SamplingFields as SamplingFields,
-        exact_arrays as exact_arrays,
-        logit_array as logit_array,
-        logit_arrays as logit_arrays,
-        vocab_id_names as vocab_id_names,
+    from kdcache.storage.projection import (
+        has_projection as has_projection,
+        read_projection as read_projection,
+        write_projection as write_projection,
     )
-    from kdcache.storage.manifest import (
+    from kdcache.storage.reader import CacheReader as CacheReader, ShardData as ShardData
+    from kdcache.storage.schema.manifest import (
         Manifest as Manifest,
         ShardRecord as ShardRecord,
         cache_exists as cache_exists,
@@ -117,29 +144,7 @@ if TYPE_CHECKING:
         read_manifest as read_manifest,
         summarize_arrays as summarize_arrays,
     )
-    from kdcache.storage.projection import (
-        has_projection as has_projection,
-        read_projection as read_projection,
-        write_projection as write_projection,
-    )
-    from kdcache.storage.reader import CacheReader as CacheReader, ShardData as ShardData
-    from kdcache.storage.registry import Registry as Registry, import_members as import_members
-    from kdcache.storage.spec import CacheSpec as CacheSpec, topk_id_dtype as topk_id_dtype
-    from kdcache.storage.stores import (
-        OPTIONS_ENV as OPTIONS_ENV,
-        Store as Store,
-        default_storage_options as default_storage_options,
-        is_url as is_url,
-        open_store as open_store,
-        parse_storage_options as parse_storage_options,
-    )
-    from kdcache.storage.streams import (
-        CROSS as CROSS,
-        kind_of as kind_of,
-        prefixed as prefixed,
-        ragged_streams as ragged_streams,
-        split_stream as split_stream,
-    )
+    from kdcache.storage.schema.spec import CacheSpec as CacheSpec, topk_id_dtype as topk_id_dtype
     from kdcache.storage.verify import (
         VerifyProblem as VerifyProblem,
         VerifyReport as VerifyReport,
@@ -150,5 +155,5 @@ if TYPE_CHECKING:
         ShardCommitter as ShardCommitter,
         merge_parts as merge_parts,
     )
-
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

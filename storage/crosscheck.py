@@ -1,6 +1,6 @@
 """What ``verify`` checks beyond each data file's own checksum: the index files and the folders beside the shards.
 
-- ``manifest.json`` and every sidecar carry their own crc32c (storage.canonical); the manifest's shard records must
+- ``manifest.json`` and every sidecar carry their own crc32c (storage.core.canonical); the manifest's shard records must
   equal the sidecars, and its totals must equal their sums;
 - each record agrees with itself and with the data: its range is the spec's range for its index (so the ranges
   tile the cache), ``num_tokens`` is the last value of its token offsets, ``stored_bytes`` the sum of its files'
@@ -20,10 +20,12 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.backends.base import Backend, check_file, owner_of
-from kdcache.storage.canonical import is_sealed
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage.core.canonical import is_sealed
+from kdcache.storage.core.errors import KdcacheError
+from kdcache.storage.core.stores import Store
+from kdcache.storage.core.streams import token_offsets_name
 from kdcache.storage.folders import TABLE, folder_is_complete, folder_names, read_table
-from kdcache.storage.manifest import (
+from kdcache.storage.schema.manifest import (
     MANIFEST_NAME,
     MANIFEST_SEAL,
     Manifest,
@@ -34,8 +36,6 @@ from kdcache.storage.manifest import (
     shard_name,
     sidecar_is_sealed,
 )
-from kdcache.storage.stores import Store
-from kdcache.storage.streams import token_offsets_name
 
 Finding = tuple[int | None, str | None, str]
 
@@ -168,14 +168,25 @@ def folder_findings(store: Store, manifest: Manifest) -> list[Finding]:
         except KdcacheError as exc:
             findings.append((None, f"{key}/{TABLE}", str(exc)))
             continue
-        if table != {p: e for p, e in listed.items() if p.startswith(f"{key}/")}:
-            findings.append((None, f"{key}/{TABLE}", f"{key}/{TABLE} and {MANIFEST_NAME} list different files"))
+        findings += _table_findings(store, manifest, key, table)
         extra = sorted(set(store.list(key)) - {TABLE} - {p.split("/", 1)[1] for p in table})
         findings += [(None, f"{key}/{n}", f"file {key}/{n} is not in its folder's table: no checksum covers it")
                      for n in extra]
     return findings
 
 
+def _table_findings(store: Store, manifest: Manifest, key: str, table: dict[str, list[int]]) -> list[Finding]:
+    """Folder ``key``'s table against the manifest's list of its files, or, while the shards are being written
+    (the manifest lists the folders' files only once they are merged: a killed precompute's never does), each of
+    its files against the table itself."""
+    if manifest.status == "writing":
+        return [(None, path, message) for path, (size, crc) in sorted(table.items())
+                if (message := check_file(store, path, size, crc, under=""))]
+    if table != {p: e for p, e in (manifest.files or {}).items() if p.startswith(f"{key}/")}:
+        return [(None, f"{key}/{TABLE}", f"{key}/{TABLE} and {MANIFEST_NAME} list different files")]
+    return []
+
+
 def legacy_note(store: Store, manifest: Manifest) -> str | None:
-    """What a cache of an older format cannot have checked (storage.formats); None for a sealed cache."""
+    """What a cache of an older format cannot have checked (storage.core.formats); None for a sealed cache."""
     return manifest.format.note([f"{key}/" for key in folder_names(store)])

@@ -12,9 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.storage.attention_source import token_row_kinds
-from kdcache.storage.dtypes import FP16_MAX, apply_bitround, check_finite, measure_error, to_float32, to_storage
-from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, ShardError
+from kdcache.storage.core.attention_source import token_row_kinds
+from kdcache.storage.core.dtypes import FP16_MAX, apply_bitround, check_finite, measure_error, to_float32, to_storage
+from kdcache.storage.core.errors import Fp16OverflowError, InvalidSequenceError, ShardError
+from kdcache.storage.core.logit_layouts import VOCAB_ID, LogitArray, logit_array, logit_arrays
+from kdcache.storage.core.streams import kind_of, prefixed, split_stream
 from kdcache.storage.hidden_codecs import (
     ERROR_FIELDS,
     encode,
@@ -25,9 +27,7 @@ from kdcache.storage.hidden_codecs import (
     parts,
 )
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
-from kdcache.storage.logit_layouts import VOCAB_ID, LogitArray, logit_array, logit_arrays
-from kdcache.storage.spec import TOKEN_ARRAYS, TOPK_MASS, CacheSpec
-from kdcache.storage.streams import kind_of, prefixed, split_stream
+from kdcache.storage.schema.spec import TOKEN_ARRAYS, TOPK_MASS, CacheSpec
 
 Concatenate = Callable[[Sequence[np.ndarray]], np.ndarray]  # np.concatenate along axis 0, or a pooled one
 

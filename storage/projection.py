@@ -15,9 +15,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from kdcache.storage.errors import ManifestError
+from kdcache.storage.core.errors import ManifestError
+from kdcache.storage.core.stores import Store
 from kdcache.storage.folders import folder_is_complete, put_files
-from kdcache.storage.stores import Store
 
 PROJECTION_DIR = "projection"
 Bases = dict[str, tuple[np.ndarray, np.ndarray]]  # array name -> (basis [R, d], mean [d]) float32

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.backends.base import ShardHandle, get_backend
-from kdcache.storage.errors import ChecksumError, PartialCacheError, ShardError
+from kdcache.storage.core.errors import ChecksumError, PartialCacheError, ShardError
+from kdcache.storage.core.logit_layouts import logit_array
+from kdcache.storage.core.stores import Store, open_store
+from kdcache.storage.core.streams import kind_of, prefixed
 from kdcache.storage.layout import decode_rows, document_lengths, unpack_attention
-from kdcache.storage.logit_layouts import logit_array
-from kdcache.storage.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
-from kdcache.storage.spec import CacheSpec
-from kdcache.storage.stores import Store, open_store
-from kdcache.storage.streams import kind_of, prefixed
+from kdcache.storage.schema.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
+from kdcache.storage.schema.spec import CacheSpec
 
 
 def default_decode_threads() -> int:
@@ -165,8 +165,9 @@ class CacheReader:
         if not allow_partial:
             raise PartialCacheError(
                 f"{self.root} is not complete (status {self.manifest.status!r}, {committed} of "
-                f"{self.spec.num_shards} shards committed): its writer is still running or died. Resume the "
-                f"precompute, run `kdcache merge`, or pass allow_partial=True to read the committed shards only.")
+                f"{self.spec.num_shards} shards committed): its writer is still running or died. Rerun the same "
+                f"`kdcache precompute` command to finish it (`kdcache merge` for a job array's parts), or read "
+                f"its committed shards only with `kdcache train --allow-partial` (allow_partial=True from Python).")
         # While writing, the manifest lags behind: committed shards are the sidecars whose data is in place.
         for index, record in sidecars.items():
             if self.store.exists(self._backend.shard_key(index)):

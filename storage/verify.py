@@ -20,11 +20,12 @@ import numpy as np
 
 from kdcache.storage import crosscheck
 from kdcache.storage.backends.base import get_backend
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage.core.errors import KdcacheError
+from kdcache.storage.core.stores import Store, open_store
+from kdcache.storage.folders import CACHE_ENTRIES
 from kdcache.storage.hidden_codecs import decode, projected
-from kdcache.storage.manifest import Manifest, ShardRecord, load_manifest, sidecar_names
 from kdcache.storage.projection import read_projection
-from kdcache.storage.stores import Store, open_store
+from kdcache.storage.schema.manifest import MANIFEST_NAME, Manifest, ShardRecord, load_manifest, sidecar_names
 
 
 @dataclass
@@ -139,6 +140,19 @@ def _check_index(store: Store, manifest: Manifest, raw: dict[str, Any],
     return records
 
 
+def _stage_one_leftovers(store: Store) -> list[str]:
+    """The entries of a folder holding nothing but what stage one writes before its manifest; [] otherwise."""
+    names = sorted(store.list(""))
+    return names if names and all(n in CACHE_ENTRIES or n.startswith(".") for n in names) else []
+
+
+def _incomplete(manifest: Manifest, committed: int) -> str:
+    """What an unfinished cache is, and how to finish it."""
+    return (f"cache is not complete (status {manifest.status!r}, {committed} of {manifest.spec.num_shards} shards "
+            f"committed): its precompute stopped (or is still running); rerun the same `kdcache precompute` command "
+            f"to finish it, keeping the committed shards (`kdcache merge` joins a job array's parts)")
+
+
 def verify_cache(path: str | os.PathLike[str] | Store,
                  storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Check every file of the cache at ``path``.
@@ -150,14 +164,17 @@ def verify_cache(path: str | os.PathLike[str] | Store,
     """
     store = open_store(path, storage_options)
     report = VerifyReport(store.url)
+    if store.size(MANIFEST_NAME) is None and (left := _stage_one_leftovers(store)):
+        report.problems.append(VerifyProblem(None, None, f"no {MANIFEST_NAME} in {store.url}: a precompute stopped "
+                                                         f"before writing it (the folder holds {', '.join(left)}); "
+                                                         f"rerun the same `kdcache precompute` command"))
+        return report
     try:
         manifest, raw = load_manifest(store)
         report.status = manifest.status
         if manifest.status != "complete":
             committed = len(sidecar_names(store))
-            report.problems.append(VerifyProblem(None, None, f"cache is not complete (status {manifest.status!r}, "
-                                                             f"{committed} of {manifest.spec.num_shards} "
-                                                             f"shards committed)"))
+            report.problems.append(VerifyProblem(None, None, _incomplete(manifest, committed)))
         _check_shards(store, manifest, report, _check_index(store, manifest, raw, report))
     except KdcacheError as exc:  # manifest unreadable: a finding, never a crash
         report.problems.append(VerifyProblem(None, None, str(exc)))

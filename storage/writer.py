@@ -6,7 +6,7 @@ Commit protocol for shard k:
 2. the backend packs them into the shard's files, still in memory; each file's size and crc32c are taken there;
 3. the store makes them visible whole: a local folder writes them under ``shards/.tmp-shard-k-...``, fsyncs
    them and renames the temp to ``shards/shard-k``; an object store PUTs them at their final keys, where
-   nothing refers to them yet (storage/stores.py);
+   nothing refers to them yet (storage/core/stores.py);
 4. the sidecar ``shards/shard-k.json`` (range, tokens, bytes, file table) is written atomically: the commit point.
 
 ``finalize`` / ``merge_parts`` fold every sidecar into ``manifest.json``, written last. A writer killed at any
@@ -24,12 +24,13 @@ from typing import Any
 
 from kdcache.storage.backends.base import Backend, get_backend
 from kdcache.storage.buffers import BufferPool
+from kdcache.storage.core.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
+from kdcache.storage.core.files import disk_full_error, is_disk_full
+from kdcache.storage.core.stores import Store, WriterLock, open_store
 from kdcache.storage.encode import EncodedShard, encode_shard
-from kdcache.storage.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
-from kdcache.storage.files import disk_full_error, is_disk_full
 from kdcache.storage.fingerprint import compare_fingerprints
 from kdcache.storage.folders import folder_tables
-from kdcache.storage.manifest import (
+from kdcache.storage.schema.manifest import (
     MANIFEST_NAME,
     Manifest,
     ShardRecord,
@@ -43,8 +44,7 @@ from kdcache.storage.manifest import (
     write_manifest,
     write_sidecar,
 )
-from kdcache.storage.spec import CacheSpec
-from kdcache.storage.stores import Store, WriterLock, open_store
+from kdcache.storage.schema.spec import CacheSpec
 
 
 def spec_differences(cached: CacheSpec, wanted: CacheSpec) -> list[str]:

@@ -10,17 +10,36 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 # No hub here: make every from_pretrained resolve locally, and fail fast instead of retrying the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Triton's kernels run on CPU tensors under its interpreter (read when triton is imported): the fused vocabulary
-# kernel's tests (tests/stages/test_fused_kernel.py) need no GPU.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton's kernels run on CPU tensors under its interpreter (read when a kernel is defined): the fused vocabulary
+# kernel's tests (tests/stages/test_fused_kernel.py) need no GPU. Where there is one, they run compiled on it instead
+# (one mode a process), and their CPU cases skip.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 # Stage one's rows live outside the caches (stages.precompute.rows.row_store.rows_root): never in the user's datasets
 # cache from a test, and one folder per test, so that a test sees its own builds.
 os.environ.setdefault("KDCACHE_ROWS", tempfile.mkdtemp(prefix="kdcache-test-rows-"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_vocab_road() -> None:
+    """Each test starts on the default road with nothing trusted or given up (a planted kernel's failure is the
+    process's state, as in a run)."""
+    from kdcache.stages.common import kernel_guard
+
+    kernel_guard.set_road("auto")
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def kernel_device(request: pytest.FixtureRequest) -> torch.device:
+    """Each device the fused vocabulary kernel can run on in this process (tests/helpers/kernel_devices.py)."""
+    from tests.helpers.kernel_devices import kernel_device
+
+    return kernel_device(request.param)
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """Rules the code keeps, checked by reading its source (docs/architecture.md, sections 2 and 3).
 
 * No file outside a registry compares a registered name: an attention source (``stages.common.attention_sources``,
-  ``storage.attention_source``), a logit mode (``stages.common.logit_kinds``, ``storage.logit_layouts``) or a
+  ``storage.core.attention_source``), a logit mode (``stages.common.logit_kinds``, ``storage.core.logit_layouts``) or a
   backend (``storage.backends``). Code asks the registry what an entry does, so a new entry needs no edit
   elsewhere, and a forgotten comparison cannot quietly send a new entry down another entry's branch.
 * ``stages`` and ``pipeline`` import storage through its front door, ``kdcache.storage``, never a submodule (its
@@ -27,8 +27,8 @@ from kdcache.storage import backend_names
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "stages", "storage")
 # The registries: the only files that may compare their own names.
-REGISTRIES = ("stages/common/attention_sources/", "storage/attention_source.py", "stages/common/logit_kinds/",
-              "storage/logit_layouts.py", "storage/backends/")
+REGISTRIES = ("stages/common/attention_sources/", "storage/core/attention_source.py", "stages/common/logit_kinds/",
+              "storage/core/logit_layouts.py", "storage/backends/")
 
 
 def registered_names() -> set[str]:
@@ -170,7 +170,7 @@ def test_stages_and_pipeline_import_storage_through_its_front_door(package: str)
 
 LAZY_DOORS = ["storage", "stages/train", "stages/common", "stages/precompute", "stages/train/feed",
               "stages/train/evaluation", "stages/train/cross", "stages/precompute/rows", "stages/precompute/parallel",
-              "stages/precompute/capture"]
+              "stages/precompute/capture", "stages/precompute/core"]
 
 
 @pytest.mark.parametrize("door", LAZY_DOORS)
@@ -189,3 +189,40 @@ def test_the_front_door_exports_resolve_and_are_listed_once(door: str) -> None:
     assert sorted(typed) == sorted(set(typed)) == storage.__all__
     listed = [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in set(typed)]
     assert not listed, f"names spelled again outside the block: {[n.value for n in listed]}"
+
+
+def _typecheck_tree(tmp: Path) -> Path:
+    """The installed layout mypy reads (``make lint`` builds the same): kdcache/ with the three folders linked in."""
+    package = tmp / "kdcache"
+    package.mkdir()
+    for file in (ROOT / "kdcache").glob("*.py"):
+        (package / file.name).write_text(file.read_text())
+    for folder in PACKAGES:
+        (package / folder).symlink_to(ROOT / folder)
+    return tmp
+
+
+def test_a_misspelled_name_from_a_door_fails_the_type_check(tmp_path: Path) -> None:
+    """Each door hides its lazy ``__getattr__`` from mypy (``else:`` of its ``TYPE_CHECKING`` block), so importing
+    a name it does not export is an error in ``make lint``, not ``Any``. Planted: one misspelt and one real name
+    from every door; mypy checks the doors themselves and skips what they import (a second, not a minute)."""
+    import subprocess
+    import sys
+
+    doors = ["kdcache", *(module_name(f"{door}/__init__.py") for door in LAZY_DOORS)]
+    lines = []
+    for door in doors:
+        name = ast.parse(next(ROOT.glob(door.removeprefix("kdcache.").replace(".", "/") + "/__init__.py")).read_text())
+        first = next(alias.asname or alias.name for n in ast.walk(name) if isinstance(n, ast.ImportFrom)
+                     and n.module != "__future__" and n.module != "typing" and n.module != "kdcache.lazy_exports"
+                     for alias in n.names)
+        lines += [f"from {door} import {first}", f"from {door} import {first}Typo"]
+    tree = _typecheck_tree(tmp_path)
+    (tree / "planted.py").write_text("\n".join(lines) + "\n")
+    modules = [arg for module in ("planted", *doors) for arg in ("-m", module)]
+    run = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+                          "--follow-imports=skip", "--no-incremental", *modules], cwd=tree, capture_output=True,
+                         text=True)
+    errors = [line for line in run.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == len(doors) and all("Typo\"" in e and "[attr-defined]" in e for e in errors), run.stdout
+    assert {int(e.split(":")[1]) for e in errors} == set(range(2, 2 * len(doors) + 1, 2))  # the misspelt lines only

@@ -25,5 +25,5 @@ if TYPE_CHECKING:
         alias_flags as alias_flags,
         fold_aliases as fold_aliases,
     )
-
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

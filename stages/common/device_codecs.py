@@ -53,6 +53,9 @@ class TorchOps:
     def id_dtype(self) -> torch.dtype:
         return torch.int16  # uint16 on the host (d <= 32767): torch has few uint16 kernels
 
+    def sum_dtype(self, like: torch.Tensor) -> torch.dtype:
+        return torch.float32 if like.device.type == "mps" else torch.float64  # MPS has no float64
+
 
 register_ops(array_namespace(torch.empty(0)).__name__, TorchOps())
 

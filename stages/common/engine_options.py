@@ -54,8 +54,10 @@ class EngineOptions:
                                   "memory instead of threads, so that no thread of ours holds the teacher process's "
                                   "GIL while it launches kernels (each shard in flight takes its size in /dev/shm)")
     compile_teacher: bool = _opt(False, PRECOMPUTE, "run the teacher's forward through torch.compile (inductor: fused "
-                                 "kernels, fewer launches; decoder-only and encoder teachers); where compiling "
-                                 "fails, a line says why and it runs eagerly")
+                                 "kernels, fewer launches; decoder-only and encoder teachers); each batch shape "
+                                 "compiles once (seconds to a minute), so it pays on a GPU over many batches of "
+                                 "one shape (--packing concat); on a CPU the eager forward is faster (a note says "
+                                 "so); where compiling fails, a line says why and it runs eagerly")
     progress: bool = _opt(True, PRECOMPUTE, "show a progress bar on rank 0")
     estimate: bool = _opt(False, PRECOMPUTE, "write no cache: print the rows and tokens, the bytes per token of each "
                                              "target (a short timed sample of the teacher, compressed with the real "
@@ -73,6 +75,10 @@ class EngineOptions:
     offload: bool = _opt(False, TRAIN, "offload optimizer states to the CPU (ZeRO >= 1)")
     precision: str = _opt("auto", TRAIN, "auto = bf16 on GPUs that support it, else fp16 on GPU, fp32 on CPU",
                           choices=list(PRECISIONS))
+    vocab_kernel: str = _opt("auto", TRAIN, "road of the vocabulary losses on a CUDA device: auto (the fused Triton "
+                             "kernel, checked against the pure-torch pass on its first chunk; where it fails, a line "
+                             "says so and the pure-torch pass runs), fused (the same, but a failure stops the run), "
+                             "torch (never the kernel)", choices=["auto", "fused", "torch"])
     gradient_checkpointing: bool = _opt(False, TRAIN, "recompute student activations")
     lr: float = _opt(1e-4, TRAIN, "AdamW learning rate")
     weight_decay: float = _opt(0.0, TRAIN, "AdamW weight decay")

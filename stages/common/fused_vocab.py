@@ -21,8 +21,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kdcache.stages.common import kernel_guard
 from kdcache.stages.common.head_logits import fused_ce_available
 from kdcache.stages.common.kernel_feeds import ChunkView, KernelFeed, RowGrad, RowStats
+from kdcache.stages.common.kernel_guard import VocabRoad
+from kdcache.stages.common.loss_errors import LossError
 
 # The tests turn this on (with TRITON_INTERPRET=1 set before triton is imported) to run the kernels on the CPU.
 INTERPRET_ON_CPU = False
@@ -34,10 +37,23 @@ def available(device: torch.device) -> bool:
     return on and importlib.util.find_spec("triton") is not None
 
 
+def use_road(road: VocabRoad | str, device: torch.device) -> VocabRoad:
+    """Set this process's road (``--vocab-kernel``) for a run on ``device``; ``fused`` where the kernel cannot run
+    is refused here, before the run starts, rather than quietly taking the pure-torch pass."""
+    road = VocabRoad.of(road)
+    if road is VocabRoad.FUSED and not available(device):
+        need = "a CUDA device" if device.type != "cuda" else "the triton package"
+        raise LossError(f"--vocab-kernel fused needs {need} (this run is on {device.type}); use --vocab-kernel "
+                        "auto (the kernel where it can run) or torch")
+    kernel_guard.set_road(road)
+    return road
+
+
 def takes(device: torch.device, feeds: Sequence[KernelFeed | None]) -> bool:
-    """Whether a pass of terms with these feeds runs fused: every term has one, at most one reads a dense teacher,
-    and the feeds that read the statistics at T (``KernelFeed.temperature`` not None) ask for one T."""
-    if not available(device) or any(feed is None for feed in feeds):
+    """Whether a pass of terms with these feeds runs fused: the road allows the kernel, every term has a feed, at
+    most one reads a dense teacher, and the feeds that read the statistics at T (``KernelFeed.temperature`` not
+    None) ask for one T."""
+    if not kernel_guard.GUARD.allows() or not available(device) or any(feed is None for feed in feeds):
         return False
     known = [feed for feed in feeds if feed is not None]
     teachers = sum(feed.teacher is not None for feed in known)
@@ -143,10 +159,11 @@ def _combine(parts: Sequence[RowGrad], per_row: Sequence[torch.Tensor],
 
 def vocab_path(device: torch.device) -> str:
     """The path the vocabulary losses take from the last hidden state, in words (train's first lines say it)."""
-    if available(device):
+    if available(device) and kernel_guard.GUARD.allows():
         return ("fused: every vocabulary term of the step in one Triton kernel per chunk of the LM head, which "
-                "writes the logits' gradient in place (a cross-tokenizer term and the top-k KL's other variant keep "
-                "the pure-torch pass)")
+                "writes the logits' gradient in place, checked against the pure-torch pass on its first chunk "
+                f"(--vocab-kernel {kernel_guard.GUARD.road.value}; a cross-tokenizer term and the top-k KL's other "
+                "variant keep the pure-torch pass)")
     if fused_ce_available(device):
         return ("fused: cross-entropy in liger-kernel's fused linear cross-entropy, beside a renormalised top-k KL "
                 "on its k logits; with any other KL term, one pass of the LM head in chunks for every term (pure "

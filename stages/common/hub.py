@@ -16,9 +16,15 @@ from urllib.parse import urlsplit
 CONNECT_TIMEOUT = 5.0  # seconds for the one connection
 
 
-def offline_unless_reachable(name: str, timeout: float = CONNECT_TIMEOUT) -> str | None:
+def offline_unless_reachable(name: str, timeout: float = CONNECT_TIMEOUT, *,
+                             local: str = "--teacher a local model folder", kind: str = "model") -> str | None:
     """For a hub id ``name`` (not a local path), check once that the hub answers; if it does not, switch this
-    process to offline mode and return a sentence for the error message (None when nothing was switched)."""
+    process to offline mode and return a sentence for the error message (None when nothing was switched).
+
+    Args:
+        local: what to give instead, flag first (``--data a local data file``): the sentence's next step.
+        kind: what ``name`` names on the hub ("model", "dataset").
+    """
     import huggingface_hub.constants as hub
 
     if Path(name).expanduser().exists() or hub.HF_HUB_OFFLINE:
@@ -32,4 +38,4 @@ def offline_unless_reachable(name: str, timeout: float = CONNECT_TIMEOUT) -> str
         os.environ["HF_HUB_OFFLINE"] = "1"  # children (torchrun ranks, dataloader workers) inherit it
         hub.HF_HUB_OFFLINE = True
         return (f"the hub ({hub.ENDPOINT}) cannot be reached ({exc.strerror or exc}), so only its local cache "
-                f"was looked in; give a local model folder, or download {name!r} where the hub can be reached")
+                f"was looked in; give {local}, or download {kind} {name!r} where the hub can be reached")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from kdcache.stages.common import fused_vocab, loss_rows
+from kdcache.stages.common import fused_vocab, kernel_guard, loss_rows
 from kdcache.stages.common.head_logits import HeadLogits, HeadRows
 from kdcache.stages.common.kernel_feeds import KernelFeed
 
@@ -94,7 +94,11 @@ def _fused(logits: HeadLogits, terms: Sequence[ChunkTerm], feeds: Sequence[Kerne
     """The pass through the fused kernel: every row of ``[B·L]`` goes through the head and the rows a term does
     not count are masked in the kernel's coefficients, so no index of valid rows (a host sync) is built."""
     scales, w = _scales_and_weights(terms, weights, logits.device)
-    grad = fused_vocab.chunk_grad(feeds, scales, [len(t.targets) for t in terms])
+    widths = [len(t.targets) for t in terms]
+    # The kernel on its first chunk of each kind of pass is checked against the pure-torch chunk (kernel_guard).
+    kind = (tuple(widths), tuple(f.teacher is not None for f in feeds), fused_vocab.temperature_of(feeds))
+    grad = kernel_guard.GUARD.guarded(fused_vocab.chunk_grad(feeds, scales, widths),
+                                      _autograd_grad(_combined(terms, scales, widths)), widths, kind)
     flat = [r.flatten(0, 1) for term in terms for r in (term.counts, *term.targets)]
     union = _union(logits, terms)
     # A row no term counts adds 0 to dz, and 0 · its hidden state to the head's gradient: zeroed here, since a

@@ -7,11 +7,12 @@ Public API (what ``pipeline`` and the demo call)::
     summary = run_precompute(PrecomputeOptions.of(teacher=..., data=..., out=...))
     print(format_summary(summary))
 
-This is stage one's front door: ``pipeline`` imports nothing else of it. Its parts are the runner and its
-options (``runner``, ``options``, ``targets``, ``teacher``, ``adapters``, ``stream``, ``commit``), and three
-sub-packages with doors of their own: ``rows`` (the dataset into the cache's rows), ``parallel`` (a teacher
-larger than one device) and ``capture`` (what the forward keeps, and its way to the host). Names load on first
-use, so importing this package imports neither torch nor transformers.
+This is stage one's front door: ``pipeline`` imports nothing else of it. Its folders are floors, each importing
+only those below it: ``core`` (the options, the targets, the loaded teacher's record, progress, errors), ``rows``
+(the dataset into the cache's rows), ``parallel`` (a teacher larger than one device) and ``capture`` (what the
+forward keeps, and its way to the host), each with a door of its own; on top, this package's modules run them
+(``runner``, ``teacher``, ``adapters``, ``stream``, ``cache_spec``, ``commit``). Names load on first use, so
+importing this package imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from typing import TYPE_CHECKING
 from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
-    from kdcache.stages.precompute.errors import PrecomputeError as PrecomputeError
+    from kdcache.stages.precompute.core import (
+        PrecomputeError as PrecomputeError,
+        PrecomputeOptions as PrecomputeOptions,
+        format_summary as format_summary,
+        reused_cache as reused_cache,
+    )
     from kdcache.stages.precompute.estimate import format_estimate as format_estimate
-    from kdcache.stages.precompute.options import PrecomputeOptions as PrecomputeOptions
-    from kdcache.stages.precompute.progress import format_summary as format_summary
     from kdcache.stages.precompute.rows import row_problems as row_problems
     from kdcache.stages.precompute.runner import merge_cache as merge_cache, run_precompute as run_precompute
-
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -1,6 +1,6 @@
 """Teacher adapters: how one family of teachers is read, loaded and run; the runner is the same for all.
 
-A cache holds named token streams (``storage.streams``). An adapter turns the dataset into those streams, resolves
+A cache holds named token streams (``storage.core.streams``). An adapter turns the dataset into those streams, resolves
 which layers to keep, loads the teacher and runs it on a padded batch of every stream, returning named arrays
 per sequence. Two adapters cover the Hugging Face families:
 
@@ -37,11 +37,9 @@ from kdcache.stages.precompute.capture import (
     to_numpy,
     to_storage_dtype,
 )
-from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.core import PrecomputeError, PrecomputeOptions, Targets, Teacher, teacher_fingerprint
 from kdcache.stages.precompute.rows import TokenStreams
-from kdcache.stages.precompute.targets import Targets
-from kdcache.stages.precompute.teacher import Teacher, load_for_inference, load_teacher, teacher_fingerprint
+from kdcache.stages.precompute.teacher import load_for_inference, load_teacher
 from kdcache.storage import HiddenCodec, applies_to, exact_arrays
 
 if TYPE_CHECKING:

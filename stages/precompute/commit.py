@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kdcache.stages.precompute.background import BackgroundWriter, default_workers
-from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.progress import Progress, RunStats
+from kdcache.stages.precompute.core import PrecomputeError, Progress, RunStats
 from kdcache.stages.precompute.rows import Partition
 from kdcache.stages.precompute.writer_processes import ProcessWriter
 from kdcache.storage import CACHE_ENTRIES, KdcacheError, Store

@@ -13,7 +13,8 @@ Two figures, for two moments:
   refusal costs seconds rather than hours of teacher time.
 * ``--estimate`` runs the real teacher over the first shards (at least ``SAMPLE_ROWS`` rows), writes them with
   the real codecs into a scratch cache, and scales each array's bytes to the whole data: attention by the sum of
-  squared lengths, everything else by tokens; the time follows from the sample's measured rate.
+  squared lengths, everything else by tokens. The time follows from the sample's rate, timed over ``TIMED_PASSES``
+  runs of it (the median, with the fastest and slowest as a range: one timing on a shared machine is a draw).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import attention_sources
-from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.core import PrecomputeError
 from kdcache.storage import format_bytes, kind_of, logit_array, split_stream
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from kdcache.storage import CacheSpec, ShardRecord
 
 SAMPLE_ROWS = 64  # rows the estimate runs the teacher on (whole shards, so per-shard overheads are counted)
+TIMED_PASSES = 3  # times the sample is run: the median pass gives the time, the fastest and slowest its range
 CLEAR_MARGIN = 4  # refuse only when even this compression ratio would not make the cache fit
 
 
@@ -103,11 +105,13 @@ def estimate(spec: CacheSpec, data: TokenStreams, out: str,
              compute: Callable[[tuple[int, int]], list[dict[str, np.ndarray]]],
              fingerprints: dict[str, Any]) -> dict[str, Any]:
     """Run ``compute(bounds)`` (the teacher over a shard's rows) on the sample shards, write them into a scratch
-    cache with the real codecs, and scale to the whole data.
+    cache with the real codecs, and scale to the whole data. The sample is run ``TIMED_PASSES`` times (written
+    once): one timing on a shared machine is a draw, and the spread of several says how far to trust it.
 
     Returns:
         ``{"status": "estimate", "num_sequences", "tokens", "bytes_per_token" (per target), "total_bytes",
-        "seconds", "sample_rows", "sample_tokens_per_second", "free_bytes", "fits"}``.
+        "seconds" (at the median pass's rate), "seconds_range" (fastest and slowest pass), "sample_rows",
+        "sample_rates" (tokens/s of each pass), "sample_tokens_per_second" (their median), "free_bytes", "fits"}``.
     """
     from kdcache.storage import CacheWriter
 
@@ -115,20 +119,24 @@ def estimate(spec: CacheSpec, data: TokenStreams, out: str,
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kdcache-estimate-") as scratch:
         with CacheWriter(scratch, spec, fingerprints, part=(0, 1)) as writer:
-            computed = 0.0
-            records = []
-            for k in shards:
-                begun = time.perf_counter()
-                items = compute(spec.shard_range(k))
-                computed += time.perf_counter() - begun
-                records.append(writer.write_shard(k, items))
+            records, passes = [], []
+            for round_ in range(TIMED_PASSES):
+                computed = 0.0
+                for k in shards:
+                    begun = time.perf_counter()
+                    items = compute(spec.shard_range(k))
+                    computed += time.perf_counter() - begun
+                    if round_ == 0:
+                        records.append(writer.write_shard(k, items))
+                passes.append(computed)
     rows = spec.shard_range(shards[-1])[1]
-    return _scale(spec, data, out, records, rows, computed, time.perf_counter() - started)
+    return _scale(spec, data, out, records, rows, passes, time.perf_counter() - started)
 
 
-def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRecord], rows: int, computed: float,
-           wall: float) -> dict[str, Any]:
-    """Per-array bytes of the sample shards, scaled by tokens (or squared lengths for attention)."""
+def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRecord], rows: int,
+           passes: list[float], wall: float) -> dict[str, Any]:
+    """Per-array bytes of the sample shards, scaled by tokens (or squared lengths for attention); the time from
+    each timed pass's rate."""
     tokens, sum_sq = data.meta["tokens"], data.meta["sum_sq_lengths"]
     seen = _sample_sizes(data, rows)
     per_array: dict[str, float] = {}
@@ -141,13 +149,24 @@ def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRec
     shard_bytes = sum(r.stored_bytes - sum(a["stored_bytes"] for a in r.arrays.values()) for r in records)
     total = sum(per_array.values()) + shard_bytes / len(records) * spec.num_shards
     all_tokens = sum(tokens.values())
-    rate = sum(seen[False].values()) / computed if computed > 0 else 0.0
     free = free_bytes(out)
     return {"status": "estimate", "out": out, "num_sequences": len(data), "tokens": all_tokens,
             "bytes_per_token": _per_target(spec, per_array, all_tokens), "total_bytes": int(total),
-            "seconds": round(all_tokens / rate, 1) if rate else None, "sample_rows": rows,
-            "sample_tokens_per_second": round(rate, 1), "sample_seconds": round(wall, 2),
-            "free_bytes": free, "fits": None if free is None else bool(free >= total)}
+            **_timing(all_tokens, sum(seen[False].values()), passes), "sample_rows": rows,
+            "sample_seconds": round(wall, 2), "free_bytes": free, "fits": None if free is None else bool(free >= total)}
+
+
+def _timing(all_tokens: int, sample_tokens: int, passes: list[float]) -> dict[str, Any]:
+    """The whole run's time at the median pass's rate, and at the fastest and the slowest pass's."""
+    rates = sorted(sample_tokens / s for s in passes if s > 0)
+    if not rates or not all_tokens:
+        return {"seconds": None, "seconds_range": None, "sample_rates": [round(r, 1) for r in rates],
+                "sample_tokens_per_second": round(rates[len(rates) // 2], 1) if rates else 0.0}
+    median = rates[len(rates) // 2]
+    # Three decimals: a small run's fraction of a second is told as such (``0.04 s``), not rounded to nothing.
+    return {"seconds": round(all_tokens / median, 3),
+            "seconds_range": [round(all_tokens / rates[-1], 3), round(all_tokens / rates[0], 3)],
+            "sample_rates": [round(r, 1) for r in rates], "sample_tokens_per_second": round(median, 1)}
 
 
 def _sample_sizes(data: TokenStreams, rows: int) -> dict[bool, dict[str, int]]:
@@ -158,7 +177,7 @@ def _sample_sizes(data: TokenStreams, rows: int) -> dict[bool, dict[str, int]]:
 
 
 def _per_target(spec: CacheSpec, per_array: dict[str, float], tokens: int) -> dict[str, float]:
-    from kdcache.stages.precompute.progress import target_of
+    from kdcache.stages.precompute.core import target_of
 
     out: dict[str, float] = {}
     for name, size in per_array.items():
@@ -172,18 +191,30 @@ def format_estimate(summary: dict[str, Any]) -> str:
     if summary["status"] == "memory":
         return "\n".join([*memory, "the memory per rank only, from the teacher's config (the size and time need "
                                     "its weights, run with the layout's ranks)"])
-    seconds = summary["seconds"]
     room = ("unknown (object store)" if summary["fits"] is None else
             f"{format_bytes(summary['free_bytes'])} free: {'fits' if summary['fits'] else 'DOES NOT FIT'}")
     return "\n".join([
         f"estimate for {summary['out']}: {summary['num_sequences']:,} rows, {summary['tokens']:,} tokens",
         "bytes/token: " + ", ".join(f"{k} {v:,.1f}" for k, v in summary["bytes_per_token"].items()),
-        f"total: {format_bytes(summary['total_bytes'])}; time at {summary['sample_tokens_per_second']:,.0f} "
-        f"tokens/s (measured on {summary['sample_rows']:,} rows): "
-        + (format_duration(seconds) if seconds else "unknown"),
+        f"total: {format_bytes(summary['total_bytes'])}; time: {_time_words(summary)}",
         f"destination: {room}",
         *memory,
     ])
+
+
+def _time_words(summary: dict[str, Any]) -> str:
+    """``35 s at 1,200 tokens/s, the median of 3 timed passes over 64 rows (18 s to 58 s from the fastest pass to
+    the slowest; a busy machine runs slower)``; ``unknown`` without a measured rate."""
+    seconds, spread = summary["seconds"], summary.get("seconds_range")
+    if seconds is None:
+        return "unknown"
+    passes = len(summary.get("sample_rates") or [1])
+    rate = f"{summary['sample_tokens_per_second']:,.0f} tokens/s"
+    if not spread or passes < 2:
+        return f"{format_duration(seconds)} at {rate} (measured on {summary['sample_rows']:,} rows)"
+    return (f"{format_duration(seconds)} at {rate}, the median of {passes} timed passes over "
+            f"{summary['sample_rows']:,} rows ({format_duration(spread[0])} to {format_duration(spread[1])} from "
+            "the fastest pass to the slowest; a busy machine runs slower)")
 
 
 def format_duration(seconds: float) -> str:

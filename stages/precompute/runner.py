@@ -21,32 +21,41 @@ from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.adapters import Capture, TeacherAdapter, adapter_for
-from kdcache.stages.precompute.capture import ShardItems, with_score_rules
+from kdcache.stages.precompute.cache_spec import build_spec
+from kdcache.stages.precompute.capture import ShardItems, say_compile_cost, with_score_rules
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
-from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.estimate import check_room, estimate, lower_bound_bytes
-from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.core import (
+    PrecomputeError,
+    PrecomputeOptions,
+    Progress,
+    RunStats,
+    Targets,
+    Teacher,
+    format_summary,
+    resolve_targets,
+    settings_fingerprint,
+    summarize,
+    teacher_files_fingerprint,
+)
+from kdcache.stages.precompute.estimate import check_room, estimate, lower_bound_bytes, sample_shards
 from kdcache.stages.precompute.parallel import (
     DistContext,
     Grid,
     Layout,
     check_parallel,
+    check_tensor_plan,
     group_todo,
     lend_share,
     memory_only,
 )
-from kdcache.stages.precompute.progress import Progress, RunStats, format_summary, summarize
 from kdcache.stages.precompute.projection_fit import check_rank, fit_bases, fit_bounds, stored_projection
 from kdcache.stages.precompute.rows import Partition, TokenStreams
 from kdcache.stages.precompute.stream import compute_shard, stream_shards
-from kdcache.stages.precompute.targets import Targets, build_spec, resolve_targets, settings_fingerprint
 from kdcache.stages.precompute.teacher import (
-    Teacher,
     load_tokenizer,
     pick_device,
     read_config,
     save_tokenizer,
-    teacher_files_fingerprint,
 )
 from kdcache.stages.precompute.teacher_checks import (
     check_positions,
@@ -73,7 +82,7 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
             checks, so that a user sees every problem together); ``PrecomputeOptions.of`` builds unchecked ones.
 
     Returns:
-        the summary (see ``stages.precompute.progress.summarize``): status, tokens, bytes per token per target,
+        the summary (see ``stages.precompute.core.progress.summarize``): status, tokens, bytes per token per target,
         wall time and throughput.
 
     Raises:
@@ -82,7 +91,10 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     import torch
 
     torch.manual_seed(options.engine.seed)
-    dist = DistContext.from_env(gpu_collectives=Layout.parse(options.engine.teacher_parallel).tensor > 1)
+    layout = Layout.parse(options.engine.teacher_parallel)
+    if layout.tensor > 1:  # before the process group: every rank refuses on its own, none waits in the group
+        check_tensor_plan(layout, read_config(options))
+    dist = DistContext.from_env(gpu_collectives=layout.tensor > 1)
     try:
         with _quiet_libraries(not (options.engine.progress and dist.is_main)):
             return _run(options, dist)
@@ -156,6 +168,9 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
     if engine.estimate and memory_only(ready.options, ready.config, layout, dist.world, device):
         return {"status": "memory", "out": ready.options.storage.out, "memory": memory}
     loaded = _load(ready, layout, Grid.of(layout, dist.rank, dist.world), device)
+    if engine.compile_teacher and dist.is_main:  # what compiling will cost here, said before it is paid
+        shards = sample_shards(loaded.spec) if engine.estimate else range(loaded.spec.num_shards)
+        say_compile_cost(device, ready.data, loaded.spec, shards, engine.batch_size)
     if engine.estimate:
         return {**_estimate(ready, loaded), "memory": memory}
     return _write(ready, loaded, dist, stats)

@@ -22,13 +22,9 @@ import numpy as np
 
 from kdcache.stages.precompute.adapters import Capture
 from kdcache.stages.precompute.capture import ShardItems
-from kdcache.stages.precompute.options import PrecomputeOptions
-from kdcache.stages.precompute.progress import Progress, RunStats
+from kdcache.stages.precompute.core import IN_FLIGHT, PrecomputeOptions, Progress, RunStats, Teacher
 from kdcache.stages.precompute.rows import TokenStreams, collate, plan_batches
-from kdcache.stages.precompute.teacher import Teacher
 from kdcache.storage import Lease, kind_of, prefixed, split_stream
-
-IN_FLIGHT = 2  # batches queued on the device ahead of the host's taking them in
 
 
 @dataclass

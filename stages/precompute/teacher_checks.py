@@ -8,16 +8,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kdcache.stages.common import logit_kinds
-from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.core import PrecomputeError
 from kdcache.stages.precompute.teacher import has_lm_head
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.options import PrecomputeOptions
+    from kdcache.stages.precompute.core import PrecomputeOptions, Targets, Teacher
     from kdcache.stages.precompute.rows import TokenStreams
-    from kdcache.stages.precompute.targets import Targets
-    from kdcache.stages.precompute.teacher import Teacher
 
 
 def check_positions(config: PretrainedConfig, data: TokenStreams) -> None:

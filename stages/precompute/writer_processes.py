@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.core import PrecomputeError
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheSpec

@@ -2,7 +2,8 @@
 
 This is stage two's front door: ``pipeline`` imports from ``kdcache.stages.train`` only, never from its modules
 (``tests/test_source_rules.py`` reads the source to keep it so). Its parts are the loop and its plan (``loop``,
-``plan``, ``checks``, ``distill``, ``engine``), the losses (``losses``, ``compound``), and three sub-packages
+``plan``, ``checks``, ``distill``, ``engine``), the losses (``losses``, ``compound``), the Python API that the loop
+is built on (``api``: ``DistillationLoss``, ``CacheDataset``; ``hf_trainer``: ``CacheTrainer``), and three sub-packages
 with doors of their own: ``feed`` (the cache into the device), ``evaluation`` (scores against a cache) and
 ``cross`` (a student with its own tokenizer). Names load on first use (``kdcache.lazy_exports``).
 """
@@ -14,6 +15,11 @@ from typing import TYPE_CHECKING
 from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
+    from kdcache.stages.train.api import (
+        ApiError as ApiError,
+        CacheDataset as CacheDataset,
+        DistillationLoss as DistillationLoss,
+    )
     from kdcache.stages.train.checkpoint import has_checkpoint as has_checkpoint
     from kdcache.stages.train.checks import open_cache as open_cache
     from kdcache.stages.train.cross import text_problems as text_problems
@@ -32,10 +38,12 @@ if TYPE_CHECKING:
         remove_evals as remove_evals,
         student_folder_problems as student_folder_problems,
     )
+    from kdcache.stages.train.feed import DataPosition as DataPosition
+    from kdcache.stages.train.hf_trainer import CacheTrainer as CacheTrainer
     from kdcache.stages.train.init_student import init_student_from_teacher as init_student_from_teacher
     from kdcache.stages.train.interrupt import TrainingInterrupted as TrainingInterrupted
     from kdcache.stages.train.logging import read_jsonl as read_jsonl, read_records as read_records
     from kdcache.stages.train.loop import run_training as run_training
     from kdcache.stages.train.options import DEFAULT_TEMPERATURE as DEFAULT_TEMPERATURE, TrainOptions as TrainOptions
-
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -42,7 +42,7 @@ def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads:
 
     Raises:
         CacheCheckError: no directory or no manifest at ``path``.
-        storage.errors.KdcacheError: the cache is partial, corrupt or from a newer format.
+        storage.core.errors.KdcacheError: the cache is partial, corrupt or from a newer format.
     """
     from kdcache.storage import CacheReader, open_store
 

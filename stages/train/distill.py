@@ -234,45 +234,79 @@ def check_documents_apart(student: PreTrainedModel, batch: Mapping[str, torch.Te
                         f"concat or none for this student")
 
 
-class DistillModel(nn.Module):
-    """The module DeepSpeed trains: the HF student and the loss (with its projectors) side by side.
+def unwrapped_student(student: Any) -> PreTrainedModel:
+    """The transformers model that runs: a PEFT model's own (its adapters are injected into that model's layers, so
+    they run with it and its hidden states are the adapted ones), else ``student`` itself."""
+    get_base = getattr(student, "get_base_model", None)
+    return cast("PreTrainedModel", get_base() if callable(get_base) else student)
 
-    ``forward(batch)`` runs the student on the cached token ids and returns the loss terms.
+
+class StudentRunner:
+    """The student's forward on a cached batch, as every loss of this package wants it: hidden states and attention
+    maps when the plan pairs them, the LM head applied by the losses chunk by chunk when it is a plain linear layer
+    (``student_head.choose_head``, decided on the first batch), the queries and keys recorded for a q/k cache, and
+    packed rows checked once to keep documents apart. ``kdcache train`` (``DistillModel``), ``DistillationLoss`` and
+    ``CacheTrainer`` all run the student through it.
+
+    Args:
+        student: a transformers model, or a PEFT model wrapping one (``unwrapped_student``).
+        plan: the training plan (which outputs to ask for, which blocks to record).
+        vocab: whether a vocabulary term (CE or KL) is on, so that the head choice is worth announcing.
+        announce: say which path the vocabulary losses take (rank 0, without --quiet).
     """
 
-    def __init__(self, student: PreTrainedModel, criterion: DistillLoss, plan: TrainPlan, *, announce: bool = True):
-        super().__init__()
-        # Say which path the vocabulary losses take (rank 0, without --quiet), where there is one (α or β > 0).
-        vocab = any(max(criterion.part(s).weights["ce"], criterion.part(s).weights["kl"]) > 0
-                    for s in criterion.streams)
+    def __init__(self, student: Any, plan: TrainPlan, *, vocab: bool, announce: bool = True):
+        model = unwrapped_student(student)
         self.announce = announce and vocab
-        self.student: PreTrainedModel = student
-        self.criterion = criterion
-        self.want_hidden = plan.wants_hidden
-        self.want_attention = plan.wants_attention
+        self.want_hidden, self.want_attention = plan.wants_hidden, plan.wants_attention
         self._documents_checked = False
-        # The LM head the losses apply chunk by chunk, decided on the first batch (``student_head``); None: undecided.
-        # Held in a tuple so that it is not registered a second time as a submodule (state dicts stay the student's).
-        self._head: tuple[nn.Linear | None] | None = None
-        self._causal = is_causal_config(student.config)  # once, not per step
+        self._head: tuple[nn.Linear | None] | None = None  # None: undecided until the first batch
+        self._causal = is_causal_config(model.config)  # once, not per step
         # A q/k cache: the student's queries and keys of the paired blocks are recorded as it runs (SDPA underneath).
-        self.recorder = QKRecorder(student, plan.qk_blocks, self._causal) if plan.qk_blocks else None
+        self.recorder = QKRecorder(model, plan.qk_blocks, self._causal) if plan.qk_blocks else None
 
-    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Args: batch on the device, as ``streaming.collate`` makes it, with fp32 targets."""
+    def __call__(self, student: Any, batch: Mapping[str, Any]) -> Any:
+        """The student's outputs on ``batch`` (on the device, as ``streaming.to_device`` makes it)."""
+        model = unwrapped_student(student)
         if not self._documents_checked:
-            check_documents_apart(self.student, batch)
+            check_documents_apart(model, batch)
             self._documents_checked = True
-        inputs = student_inputs(self.student, batch, self._causal)
+        inputs = student_inputs(model, batch, self._causal)
         if self._head is None:
-            self._head = (choose_head(self.student, inputs, one_stream="input_ids" in batch, announce=self.announce),)
+            self._head = (choose_head(model, inputs, one_stream="input_ids" in batch, announce=self.announce),)
         head = self._head[0]
 
         def run(attentions: bool) -> Any:
             if head is not None:  # the losses apply the head: the base model only
-                return base_forward(self.student, head, inputs, hidden=self.want_hidden, attentions=attentions)
-            return self.student(**inputs, output_hidden_states=self.want_hidden, output_attentions=attentions)
+                return base_forward(model, head, inputs, hidden=self.want_hidden, attentions=attentions)
+            return model(**inputs, output_hidden_states=self.want_hidden, output_attentions=attentions)
 
         # A q/k cache needs no maps from the student: its recorder takes the queries and keys as it runs.
-        out = run(self.want_attention) if self.recorder is None else recorded(self.recorder, lambda: run(False))
-        return self.criterion(out, batch)
+        return run(self.want_attention) if self.recorder is None else recorded(self.recorder, lambda: run(False))
+
+
+def has_vocab_term(criterion: DistillLoss) -> bool:
+    """Whether any stream's loss has CE or a logit KL (α or β > 0)."""
+    return any(max(criterion.part(s).weights["ce"], criterion.part(s).weights["kl"]) > 0 for s in criterion.streams)
+
+
+class DistillModel(nn.Module):
+    """The module DeepSpeed trains: the HF student and the loss (with its projectors) side by side.
+
+    ``forward(batch)`` runs the student on the cached token ids (``StudentRunner``) and returns the loss terms.
+    """
+
+    def __init__(self, student: PreTrainedModel, criterion: DistillLoss, plan: TrainPlan, *, announce: bool = True):
+        super().__init__()
+        self.student: PreTrainedModel = student
+        self.criterion = criterion
+        self.runner = StudentRunner(student, plan, vocab=has_vocab_term(criterion), announce=announce)
+
+    @property
+    def recorder(self) -> QKRecorder | None:
+        """The q/k recorder of a q/k cache's run, else None."""
+        return self.runner.recorder
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Args: batch on the device, as ``streaming.collate`` makes it, with fp32 targets."""
+        return self.criterion(self.runner(self.student, batch), batch)

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdcache.stages.common import attention_sources, logit_kinds
+from kdcache.stages.common import attention_sources, fused_vocab
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
+from kdcache.stages.train.api import fit_student, seed_dropout, teacher_head_for
 from kdcache.stages.train.checks import open_cache
 from kdcache.stages.train.distill import DistillModel, build_criterion
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
@@ -40,14 +41,13 @@ from kdcache.stages.train.feed import (
 from kdcache.stages.train.interrupt import StopOnSignal, TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
 from kdcache.stages.train.options import TrainOptions
-from kdcache.stages.train.plan import TrainPlan, plan_training, unused_targets
+from kdcache.stages.train.plan import TrainPlan
 from kdcache.stages.train.progress import TrainProgress
 from kdcache.stages.train.student import (
     StudentFacts,
     enable_gradient_checkpointing,
     has_weights,
     load_student,
-    student_facts,
     tokenizer_fingerprint_of,
 )
 from kdcache.storage import KdcacheError, split_stream
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedModel
 
-    from kdcache.stages.train.teacher_head import TeacherHead
     from kdcache.storage import CacheReader
 
 
@@ -81,17 +80,9 @@ def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, Studen
     maps = attention_sources.get(reader.spec.attention_source).student_maps
     attn = MAPS_ATTENTION if options.loss.delta > 0 and maps else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
-    facts = student_facts(student, pretrained=has_weights(options.run.student))
-    options, said = options.with_student_defaults(facts.has_lm_head, not facts.is_causal and
-                                                  not facts.is_encoder_decoder)
-    if said and int(os.environ.get("RANK", "0")) == 0:
-        print(f"kdcache train: {said}", file=sys.stderr)
-    plan = plan_training(options, reader, facts, tokenizer_fingerprint_of(options.run.student))
-    for note in plan.notes if int(os.environ.get("RANK", "0")) == 0 else ():
-        print(f"kdcache train: note: {note}", file=sys.stderr)
-    unused = unused_targets(reader.spec, plan, options)
-    if unused and int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for all
-        print(f"kdcache train: note: cached targets this run leaves unused: {'; '.join(unused)}", file=sys.stderr)
+    options, facts, plan = fit_student(options, reader, student, pretrained=has_weights(options.run.student),
+                                       tokenizer=tokenizer_fingerprint_of(options.run.student),
+                                       announce=int(os.environ.get("RANK", "0")) == 0)
     if options.engine.gradient_checkpointing:
         enable_gradient_checkpointing(student)
     return reader, student, facts, plan, options
@@ -111,9 +102,10 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     if options.run.resume and not ckpt.has_checkpoint(options.run.out):
         raise TrainingError(f"--resume: no checkpoint in {Path(options.run.out) / ckpt.CHECKPOINT_DIR}")
     dist_info = init_distributed()
+    fused_vocab.use_road(options.engine.vocab_kernel, dist_info.device)  # before the first step takes a road
     run_dir = Path(options.run.out)
     run_dir.mkdir(parents=True, exist_ok=True)
-    head = _teacher_head(reader, plan, dist_info.rank == 0)
+    head = teacher_head_for(reader, plan, announce=dist_info.rank == 0)
     announce = dist_info.rank == 0 and not options.run.quiet
     model: torch.nn.Module
     extend: BatchExtension | None = None
@@ -139,18 +131,6 @@ def _student_tokenizer(student: str, scratch: str) -> Path:
 
 HOST = "host"  # a prepared batch's facts from its host copy: {"tokens": real tokens, "sample_ids": host tensor}
 DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which the log says so
-
-
-def _teacher_head(reader: CacheReader, plan: TrainPlan, announce: bool) -> TeacherHead | None:
-    """The teacher's LM head of a ``--logits head`` cache when the KL uses it, its size stated on rank 0."""
-    if not logit_kinds.uses_head(plan.logits):
-        return None
-    from kdcache.stages.train.teacher_head import load_teacher_head
-
-    head = load_teacher_head(reader.store, reader.spec.hidden_layers)
-    if announce:
-        print(f"kdcache train: {head.describe()}", file=sys.stderr)
-    return head
 
 
 class _Trainer:
@@ -265,7 +245,7 @@ class _Trainer:
     def _micro_step(self, batch: dict[str, Any], steps_per_epoch: int) -> None:
         """Forward, backward and (on a boundary) the optimizer step for one micro-batch."""
         self._last_global = self.engine.global_steps
-        torch.manual_seed((self.options.data.seed * 1_000_003 + self.micro_step) * 1_009 + self.dist.rank)
+        seed_dropout(self.options.data.seed, self.micro_step, self.dist.rank)
         epoch, step_in_epoch, host = batch.pop("epoch"), batch.pop("step_in_epoch"), batch.pop(HOST)
         self._tokens += host["tokens"]
         out = self.engine(batch)

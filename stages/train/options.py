@@ -194,7 +194,8 @@ class RunOptions:
     epochs: int | None = field(default=None, metadata=_opt("passes over the cache (default 1 if no --max-steps)"))
     max_steps: int | None = field(default=None, metadata=_opt("optimizer steps to run (wins over --epochs)"))
     resume: bool = field(default=False, metadata=_opt("continue from the latest checkpoint in --out"))
-    config: str | None = field(default=None, metadata=_opt("YAML file; its `train:` section gives defaults"))
+    config: str | None = field(default=None, metadata=_opt(
+        "YAML file of flag names giving defaults: flat, or under a `train:` section; an unknown key is refused"))
     log_every: int = field(default=10, metadata=_opt(
         "write metrics.jsonl (and trackers, and a progress line when the output is not a terminal) every N "
         "optimizer steps"))

@@ -1,6 +1,6 @@
 """The training plan: which cached arrays stage two streams and which student layer meets which teacher layer.
 
-A cache holds named token streams (``storage.streams``): one, named ``""``, for decoder-only and encoder
+A cache holds named token streams (``storage.core.streams``): one, named ``""``, for decoder-only and encoder
 teachers; ``encoder`` and ``decoder`` for encoder-decoder teachers, plus cross-attention maps between them. The
 plan has one ``StreamPairs`` per stream, built by the same code for every architecture; only the depths and the
 layer map of each stream differ:

@@ -26,15 +26,15 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from kdcache.storage.backends.base import Backend, PackedShard, Problem, ShardHandle, verify_file_table
-from kdcache.storage.codecs import ARROW_DEFAULT_CODEC, to_arrow_compression
-from kdcache.storage.errors import ChecksumError
-from kdcache.storage.files import crc32c
-from kdcache.storage.formats import CacheFormat, arrow_file_problem, value_crc32
-from kdcache.storage.logit_layouts import layout_of, logit_array
-from kdcache.storage.manifest import ShardRecord, shard_name
-from kdcache.storage.spec import CacheSpec
-from kdcache.storage.stores import Store
-from kdcache.storage.streams import is_offsets
+from kdcache.storage.core.codecs import ARROW_DEFAULT_CODEC, to_arrow_compression
+from kdcache.storage.core.errors import ChecksumError
+from kdcache.storage.core.files import crc32c
+from kdcache.storage.core.formats import CacheFormat, arrow_file_problem, value_crc32
+from kdcache.storage.core.logit_layouts import layout_of, logit_array
+from kdcache.storage.core.stores import Store
+from kdcache.storage.core.streams import is_offsets
+from kdcache.storage.schema.manifest import ShardRecord, shard_name
+from kdcache.storage.schema.spec import CacheSpec
 
 IpcReader: TypeAlias = "ipc.RecordBatchFileReader | ipc.RecordBatchStreamReader"  # format 1-2 files, 3+ streams
 

@@ -2,7 +2,7 @@
 
 A backend is a pure packer and a reader. ``pack`` turns one encoded shard (flat numpy arrays) into the shard's
 files, in memory; the writer hands those bytes to the cache's store (a local folder or an object store, see
-``storage.stores``) and records each file's size and crc32c, taken from the same bytes. ``open`` reads a
+``storage.core.stores``) and records each file's size and crc32c, taken from the same bytes. ``open`` reads a
 committed shard back, checking what it reads; ``verify`` checks every file against that table. Commit (temp
 name, rename, sidecar) and the manifest belong to the writer.
 """
@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.storage.backends.registry import backend_class
-from kdcache.storage.files import FileData, crc32c, file_size
-from kdcache.storage.formats import CURRENT, CacheFormat
-from kdcache.storage.manifest import SHARDS_DIR, ShardRecord, shard_name
-from kdcache.storage.spec import CacheSpec
-from kdcache.storage.stores import Store
+from kdcache.storage.core.backend_registry import backend_class
+from kdcache.storage.core.files import FileData, crc32c, file_size
+from kdcache.storage.core.formats import CURRENT, CacheFormat
+from kdcache.storage.core.stores import Store
+from kdcache.storage.schema.manifest import SHARDS_DIR, ShardRecord, shard_name
+from kdcache.storage.schema.spec import CacheSpec
 
 # (array name, what is wrong); a file path stands in for the array when the bytes belong to no single array.
 Problem = tuple[str, str]
@@ -73,7 +73,7 @@ class Backend(ABC):
 
     name: str = ""
     suffix: str = ""  # "" for a directory per shard, ".arrow" for one file per shard
-    # Each array compressed with its own codec (a hidden codec's codes with storage.codecs.CODES_CODEC); False:
+    # Each array compressed with its own codec (a hidden codec's codes with storage.core.codecs.CODES_CODEC); False:
     # one codec per shard file.
     codec_per_array: bool = True
 
@@ -88,7 +88,7 @@ class Backend(ABC):
         """Raise ``UnknownCodecError`` unless this backend can store with numcodecs configuration ``config``."""
 
     def __init__(self, cache_format: CacheFormat = CURRENT) -> None:
-        # How the cache's shards are checked (storage.formats): chosen once, when the cache is opened.
+        # How the cache's shards are checked (storage.core.formats): chosen once, when the cache is opened.
         self.format = cache_format
 
     def shard_key(self, index: int) -> str:
@@ -139,7 +139,8 @@ def check_file(store: Store, path: str, size: int, crc: int, *, read: bool = Tru
 
 
 def verify_file_table(store: Store, record: ShardRecord) -> list[Problem]:
-    """Every file of a shard with a file table (storage.formats.FILE_TABLE) against its recorded size and crc32c."""
+    """Every file of a shard with a file table (storage.core.formats.FILE_TABLE) against its recorded size and
+    crc32c."""
     problems = []
     for path, (size, crc) in sorted(record.extra["files"].items()):
         message = check_file(store, path, size, crc)

@@ -23,7 +23,7 @@ from typing import Any
 import numcodecs
 import numpy as np
 
-from kdcache.storage.files import crc32c
+from kdcache.storage.core.files import crc32c
 
 _SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 

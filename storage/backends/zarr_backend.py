@@ -39,16 +39,16 @@ from kdcache.storage.backends.shard_file import (
     read_whole,
     write_whole,
 )
-from kdcache.storage.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, to_zarr_compressors
-from kdcache.storage.errors import ChecksumError
-from kdcache.storage.files import crc32c, file_size
-from kdcache.storage.formats import CacheFormat, zarr_problems
+from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, to_zarr_compressors
+from kdcache.storage.core.errors import ChecksumError
+from kdcache.storage.core.files import crc32c, file_size
+from kdcache.storage.core.formats import CacheFormat, zarr_problems
+from kdcache.storage.core.logit_layouts import logit_array
+from kdcache.storage.core.stores import Store
+from kdcache.storage.core.streams import split_stream
 from kdcache.storage.hidden_codecs import CODED_KINDS
-from kdcache.storage.logit_layouts import logit_array
-from kdcache.storage.manifest import ShardRecord, shard_name
-from kdcache.storage.spec import CacheSpec
-from kdcache.storage.stores import Store
-from kdcache.storage.streams import split_stream
+from kdcache.storage.schema.manifest import ShardRecord, shard_name
+from kdcache.storage.schema.spec import CacheSpec
 
 if TYPE_CHECKING:  # zarr itself loads on first use: importing storage stays light
     import zarr

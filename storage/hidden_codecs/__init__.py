@@ -27,6 +27,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from kdcache.storage.core.registry import import_members
+from kdcache.storage.core.rotation import (
+    block_size as block_size,  # re-exported: the codecs' rotation, by its old path
+    hadamard_matrix as hadamard_matrix,
+    rotation_signs as rotation_signs,
+)
 from kdcache.storage.hidden_codecs.arrays import (
     FP8_MAX,
     ArrayOps,
@@ -74,12 +80,6 @@ from kdcache.storage.hidden_codecs.naming import (
     part_of,
 )
 from kdcache.storage.hidden_codecs.quantised import QuantConfig, QuantisedCodec
-from kdcache.storage.registry import import_members
-from kdcache.storage.rotation import (
-    block_size as block_size,  # re-exported: the codecs' rotation, by its old path
-    hadamard_matrix as hadamard_matrix,
-    rotation_signs as rotation_signs,
-)
 
 import_members(__name__, __path__, but=("arrays", "base", "coding", "naming", "quantised"))
 

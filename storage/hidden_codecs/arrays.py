@@ -21,8 +21,8 @@ from typing import Any, Protocol, TypeAlias
 import numpy as np
 from array_api_compat import array_namespace, device as device_of
 
-from kdcache.storage.registry import Registry
-from kdcache.storage.rotation import block_size, hadamard_matrix, rotation_signs
+from kdcache.storage.core.registry import Registry
+from kdcache.storage.core.rotation import block_size, hadamard_matrix, rotation_signs
 
 # An array of whichever library the caller uses (numpy ndarray on the host, torch Tensor on a device). The standard
 # has no static type, and a Protocol of the operators the codecs use fails mypy --strict here: each library types
@@ -49,6 +49,10 @@ class ArrayOps(Protocol):
 
     def id_dtype(self) -> object:
         """The dtype of stored outlier ids (uint16 on the host; int16 where the library lacks uint16 kernels)."""
+
+    def sum_dtype(self, like: Array) -> object:
+        """The dtype ``row_errors`` sums in beside ``like``: float64, or float32 on a device that has no float64
+        (Apple's MPS)."""
 
 
 _OPS: Registry[ArrayOps] = Registry("array library", TypeError)
@@ -107,22 +111,35 @@ def hadamard(x: Array) -> Array:
 
 
 def signs(like: Array, seed: int, d: int) -> Array:
-    """The rotation's random signs ``[d]`` float32 (``storage.rotation.rotation_signs``) beside ``like``."""
+    """The rotation's random signs ``[d]`` float32 (``storage.core.rotation.rotation_signs``) beside ``like``."""
     return constant(like, rotation_signs, seed, d)
 
 
 def row_errors(x: Array, decoded: Array) -> Array:
     """Per row of ``x`` and its decode ``[N, d]`` float32: squared error, squared norm, cosine (1 for two zero
     rows), max |error| and the decoded row's squared norm (which ``verify`` recomputes from the codes) -> ``[N, 5]``
-    float32 (``ERROR_FIELDS``)."""
+    float32 (``ERROR_FIELDS``).
+
+    Each product is a float32 operation, rounded element by element alike by every library; the sums over a row
+    are accumulated in float64 (``ArrayOps.sum_dtype``) and rounded to float32 once. Summed in float32 they
+    rounded in each library's own order (numpy's pairwise blocks, torch's vector lanes, whose width depends on
+    the CPU), so the record stored by the writer and by stage one differed in its last bits.
+    """
     xp = namespace(x, decoded)
+    wide = ops_for(xp).sum_dtype(x)
     err = decoded - x
-    ref_sq, decoded_sq = xp.sum(x * x, axis=1), xp.sum(decoded * decoded, axis=1)  # each once: the norms reuse them
-    dot, norms = xp.sum(x * decoded, axis=1), xp.sqrt(ref_sq * decoded_sq)
+    ref_sq, decoded_sq = _row_sum(xp, x * x, wide), _row_sum(xp, decoded * decoded, wide)  # the norms reuse them
+    dot, norms = _row_sum(xp, x * decoded, wide), xp.sqrt(ref_sq * decoded_sq)
     positive = norms > 0
     cosine = xp.where(positive, dot / xp.where(positive, norms, xp.ones_like(norms)), xp.ones_like(norms))
-    columns = [xp.sum(err * err, axis=1), ref_sq, cosine, xp.max(xp.abs(err), axis=1), decoded_sq]
+    max_abs = xp.astype(xp.max(xp.abs(err), axis=1), wide)
+    columns = [_row_sum(xp, err * err, wide), ref_sq, cosine, max_abs, decoded_sq]
     return xp.astype(xp.stack(columns, axis=1), xp.float32)
+
+
+def _row_sum(xp: ModuleType, a: Array, dtype: object) -> Array:
+    """Each row's sum of ``a [N, d]``, accumulated in ``dtype``."""
+    return xp.sum(a, axis=1, dtype=dtype)
 
 
 def scale_up(scale: Array) -> Array:
@@ -161,6 +178,9 @@ class NumpyOps:
 
     def id_dtype(self) -> object:
         return np.uint16
+
+    def sum_dtype(self, like: np.ndarray) -> object:
+        return np.float64
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,9 +12,9 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
-from kdcache.storage.errors import SpecError
+from kdcache.storage.core.errors import SpecError
+from kdcache.storage.core.registry import Registry
 from kdcache.storage.hidden_codecs.arrays import Array
-from kdcache.storage.registry import Registry
 
 CodecRecord = dict[str, Any]  # the JSON form of a codec in a spec: {"name": str, "configuration": {key: value}}
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.storage.errors import SpecError
+from kdcache.storage.core.errors import SpecError
+from kdcache.storage.core.streams import kind_of
 from kdcache.storage.hidden_codecs.arrays import Array, namespace, row_errors
 from kdcache.storage.hidden_codecs.base import CodecRecord, HiddenCodec, get
 from kdcache.storage.hidden_codecs.naming import PARTS, part_name
-from kdcache.storage.streams import kind_of
 
 Bases = Mapping[str, tuple[Array, Array]]  # array name -> (basis [R, d], mean [d]), in the coded rows' library
 _CONFIGURED: dict[tuple[type[HiddenCodec], str], HiddenCodec] = {}

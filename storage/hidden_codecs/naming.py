@@ -8,8 +8,8 @@ per shard, never stored).
 
 from __future__ import annotations
 
-from kdcache.storage.attention_source import QKV_KINDS
-from kdcache.storage.streams import kind_of, prefixed, split_stream
+from kdcache.storage.core.attention_source import QKV_KINDS
+from kdcache.storage.core.streams import kind_of, prefixed, split_stream
 
 CODED_KINDS = ("hidden", *QKV_KINDS)
 PARTS = ("scale", "outliers", "outlier_ids")

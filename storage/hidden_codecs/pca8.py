@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kdcache.storage.errors import SpecError
+from kdcache.storage.core.errors import SpecError
 from kdcache.storage.hidden_codecs.arrays import Array, namespace
 from kdcache.storage.hidden_codecs.base import register
 from kdcache.storage.hidden_codecs.int8 import Int8

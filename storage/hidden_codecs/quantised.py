@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kdcache.storage.errors import SpecError
+from kdcache.storage.core.errors import SpecError
 from kdcache.storage.hidden_codecs.arrays import Array, hadamard, namespace, ops_for, scale_up, signs
 from kdcache.storage.hidden_codecs.base import HiddenCodec, is_int
 
@@ -134,13 +134,20 @@ class QuantisedCodec(HiddenCodec):
         return self.to_codes(xp.reshape(scaled, (n, -1))), scale
 
     def decode_rows(self, parts: dict[str, Array]) -> Array:
-        scale = parts["scale"]
         y = self.from_codes(parts["codes"])
         xp, (n, d) = namespace(y), y.shape
-        scaled = xp.reshape(y, (n, scale.shape[1], -1)) * xp.expand_dims(xp.astype(scale, xp.float32), axis=-1)
-        y = xp.reshape(scaled, (n, d))
-        if self.config.rotation is not None:
-            y = hadamard(y) * signs(y, self.config.rotation, d)
+        scale = xp.astype(parts["scale"], xp.float32)
+        if self.config.rotation is not None and scale.shape[1] == 1:
+            # One scale per row: rotate the codes, then scale. Integer codes times +-1/16 (blocks of 256) sum
+            # exactly in float32, so every library's matmul gives the same bits and the scale rounds once.
+            # Scaled first, the sums of code * scale rounded in each BLAS's own order (numpy's and torch's
+            # kernels differ with the CPU's vector width), and one ulp of a decoded 256 is 0.4% of the error of
+            # a row that decodes almost exactly: the stored error record then differed between libraries.
+            y = hadamard(y) * scale * signs(y, self.config.rotation, d)
+        else:
+            y = xp.reshape(xp.reshape(y, (n, scale.shape[1], -1)) * xp.expand_dims(scale, axis=-1), (n, d))
+            if self.config.rotation is not None:
+                y = hadamard(y) * signs(y, self.config.rotation, d)
         outliers, ids = parts.get("outliers"), parts.get("outlier_ids")
         if self.config.outliers and outliers is not None and ids is not None:
             y = ops_for(xp).add_at_rows(y, ids, xp.astype(outliers, xp.float32))

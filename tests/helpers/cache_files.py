@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kdcache.storage.stores import RemoteStore, open_store
+from kdcache.storage.core.stores import RemoteStore, open_store
 
 FOLDERS = ("shards", "tokenizer", "teacher_head")
 

@@ -23,10 +23,10 @@ def main(teacher: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from kdcache.stages.precompute.capture.logit_head import ChunkedHead
-    from kdcache.stages.precompute.options import PrecomputeOptions
+    from kdcache.stages.precompute.capture.sharded_head import ShardedTopK, chunked_head, vocab_shards
+    from kdcache.stages.precompute.core.options import PrecomputeOptions
+    from kdcache.stages.precompute.core.targets import Targets
     from kdcache.stages.precompute.parallel.distributed import DistContext
-    from kdcache.stages.precompute.parallel.sharded_head import ShardedTopK, chunked_head, vocab_shards
-    from kdcache.stages.precompute.targets import Targets
     from kdcache.stages.precompute.teacher import load_for_inference
 
     ctx = DistContext.from_env(gpu_collectives=True)

@@ -95,14 +95,27 @@ def test_run_trains_from_a_fresh_cache_then_reuses_it(tiny_gpt2: Path, tmp_path:
     assert "already holds a different cache" in capsys.readouterr().err
 
 
-@pytest.mark.demo
-@pytest.mark.slow
-def test_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
-    out = tmp_path / "demo"
+def _demo(out: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``kdcache demo`` on small settings into ``out``; the process and its wall seconds."""
+    started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "kdcache", "demo", "--out", str(out), "--train-sentences", "200",
                            "--heldout-sentences", "40", "--steps", "6", "--batch-size", "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, time.perf_counter() - started
+
+
+@pytest.fixture(scope="module")
+def first_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str], float]:
+    """One demo run, shared by the end-to-end test and the rerun test (a demo costs minutes)."""
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    return (out, *_demo(out))
+
+
+@pytest.mark.demo
+@pytest.mark.slow
+def test_demo_runs_end_to_end_and_reports(first_demo: tuple[Path, subprocess.CompletedProcess[str], float]) -> None:
+    out, proc, _ = first_demo
     for needle in ("kdcache demo report", "KiB/token", "precompute", "peak RSS", "Spearman", str(out),
                    f"train: log {out / 'logs' / 'train.log'}"):  # each step names its log as it starts
         assert needle in proc.stdout
@@ -116,6 +129,29 @@ def test_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
     trained = [e for e in read_evals(out / "run") if e["role"] == "trained"][0]
     assert trained["cka"]["teacher_layers"] == list(range(7))  # every teacher layer: a full heatmap
     assert -1.0 <= report["agreement_before"]["spearman"] <= 1.0
+    curves = report["term_curves"]  # the attention loss the README quotes (1.62 -> 0.50), in the summary too
+    assert f"attention {curves['attention'][0]:.2f} -> {curves['attention'][1]:.2f}" in proc.stdout
+
+
+def _report_lines(stdout: str) -> list[str]:
+    """The demo's printed report, less the line that says what was reused."""
+    report = stdout[stdout.index("kdcache demo report"):]
+    return [ln for ln in report.splitlines() if not ln.lstrip().startswith("reused")]
+
+
+@pytest.mark.demo
+@pytest.mark.slow
+def test_a_second_demo_reuses_the_first_and_prints_the_same_figures(
+        first_demo: tuple[Path, subprocess.CompletedProcess[str], float]) -> None:
+    """Issue 53: the second `make demo` stopped at step 3/6. It must exit 0, faster, with the same figures."""
+    out, first, first_seconds = first_demo
+    assert "reused" not in first.stdout
+    second, second_seconds = _demo(out)
+    assert _report_lines(second.stdout) == _report_lines(first.stdout)
+    reused = next(ln for ln in second.stdout.splitlines() if ln.lstrip().startswith("reused"))
+    for what in ("cache", "held-out cache", "student-init", "trained run", "make demo-clean"):
+        assert what in reused, reused
+    assert second_seconds < first_seconds, (first_seconds, second_seconds)
 
 
 @pytest.mark.parametrize("argv, wanted", [
@@ -247,3 +283,17 @@ def test_a_long_demo_step_echoes_its_progress(tmp_path: Path, monkeypatch: pytes
         status, _ = demo._wait_telling(child.pid, log, time.perf_counter())
     assert os.waitstatus_to_exitcode(status) == 0
     assert "s: kdcache train: step 3/150 | loss 1.2" in capsys.readouterr().out
+
+
+def test_a_flat_config_is_read_by_precompute_and_refused_by_run(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "f.yaml"
+    config.write_text(yaml.safe_dump({"teacher": str(tmp_path / "no-teacher"), "data": str(tmp_path / "d.jsonl"),
+                                      "out": str(tmp_path / "cache"), "layers": "2,4", "top_kk": 4}))
+    assert main(["precompute", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "teacher is required" not in err and "no-teacher" in err and "Traceback" not in err, err
+    assert f"{config}: unknown key 'top_kk'; did you mean top_k?" in err, err
+    assert main(["run", "--config", str(config)]) == 2  # whose is `out` there: the cache's or the run's?
+    assert f"{config} has no sections: `kdcache run` reads a 'precompute:' and a 'train:' section" in \
+        capsys.readouterr().err

@@ -124,3 +124,41 @@ def test_grouped_options_keep_flat_names_and_take_nested_yaml() -> None:
     assert "out is required (flag --out)" in problems
     with pytest.raises(ConfigError, match="kind: got 'l1', expected one of mse, cka"):
         build(Grouped, {"out": "o", "kind": "l1"})
+
+
+def test_a_flat_file_is_read_for_the_command_and_its_typos_are_named(tmp_path: Path) -> None:
+    cfg = tmp_path / "flat.yaml"
+    cfg.write_text(f"data: {__file__}\nlayers: [1, 3]\nlr: 0.5\n")
+    assert from_args(Opts, parse(["--config", str(cfg)]), section="section") == Opts(__file__, (1, 3), lr=0.5)
+    cfg.write_text(f"data: {__file__}\ntop_kk: 8\nfmt: csv\nwidth: 3\n")
+    with pytest.raises(ConfigError) as err:
+        from_args(Opts, parse(["--config", str(cfg), "--lr", "fast"]), section="section")
+    problems = err.value.problems
+    assert f"{cfg}: unknown key 'top_kk'; did you mean top_k?" in problems, problems
+    assert any(p.startswith(f"{cfg}: unknown key 'width'; known keys: data, fmt") for p in problems), problems
+    assert any("lr: got 'fast'" in p for p in problems) and any("fmt: got 'csv'" in p for p in problems)
+    assert len(problems) == 4, problems  # the file's two keys and the two bad values, at once
+
+
+def test_a_sectioned_file_names_its_unknown_keys_and_stray_top_level_keys(tmp_path: Path) -> None:
+    cfg = tmp_path / "sections.yaml"
+    cfg.write_text(f"section:\n  data: {__file__}\n  top-kk: 8\ntrain:\n  student: s\nlr: 0.5\n")
+    with pytest.raises(ConfigError) as err:
+        from_args(Opts, parse(["--config", str(cfg)]), section="section")
+    assert err.value.problems == [
+        f"{cfg}: top-level key 'lr' beside the sections precompute, section, train; a file with sections keeps "
+        "each key in one", f"{cfg} (section: section): unknown key 'top-kk'; did you mean top_k?"]
+
+
+def test_a_flat_file_with_the_other_commands_keys_says_whose_they_are(tmp_path: Path) -> None:
+    from kdcache.stages.precompute import PrecomputeOptions
+
+    cfg = tmp_path / "both.yaml"
+    cfg.write_text("teacher: t\ndata: d.jsonl\nout: cache\nlayers: 2,4\nstudent: s\nmax_steps: 5\ntop_kk: 4\n")
+    with pytest.raises(ConfigError) as err:
+        from_args(PrecomputeOptions, argparse.Namespace(config=str(cfg)), section="precompute")
+    problems = "\n".join(err.value.problems)
+    assert "teacher is required" not in problems and "out is required" not in problems  # the flat keys were read
+    assert f"{cfg}: key 'student' is an option of `kdcache train`, not of `kdcache precompute`" in problems
+    assert f"{cfg}: key 'max_steps' is an option of `kdcache train`" in problems
+    assert f"{cfg}: unknown key 'top_kk'; did you mean top_k?" in problems

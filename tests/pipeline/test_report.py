@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -212,3 +213,40 @@ def test_step_axis_ticks_are_whole_steps() -> None:
     ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
     assert ticks and all(float(t).is_integer() for t in ticks)
     plt.close(fig)
+
+
+def _demo_like_metrics(steps: int = 30) -> list[dict]:
+    """What the demo's run logs: the total, three hidden pairs, three attention pairs and the token count."""
+    pairs = ("s1_t2", "s2_t4", "s3_t6")
+    return [{"step": s, "loss": 3.0 / s, "hidden": 1.0 / s, **{f"hidden/{p}": 0.3 / s for p in pairs},
+             "attention": 2.0 / s, **{f"attention/{p}": 0.6 / s for p in pairs}, "tokens": 1600 + s}
+            for s in range(5, 5 * steps + 1, 5)]
+
+
+def _boxes_of(ax: Any, renderer: Any) -> Any:
+    """The axes' own ink, its legend left out: the frame, both axes' ticks and labels, and the title."""
+    from matplotlib.transforms import Bbox
+
+    return Bbox.union([ax.get_window_extent(renderer), ax.xaxis.get_tightbbox(renderer),
+                       ax.yaxis.get_tightbbox(renderer), ax.title.get_window_extent(renderer)])
+
+
+def test_loss_legends_overlap_neither_each_other_nor_any_panel() -> None:
+    """The demo's losses.png (issue 53): the legends of the hidden and attention panels ran into each other.
+    Measured on the laid-out figure the way it is saved, with matplotlib's own renderer extents."""
+    from kdcache.pipeline.report import lay_out, loss_figure
+
+    fig = loss_figure(_demo_like_metrics())
+    assert fig is not None
+    lay_out(fig, "run: loss terms")
+    renderer = fig.canvas.get_renderer()
+    page = fig.bbox
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.axison]
+    legends = [(ax.get_title(), ax.get_legend().get_window_extent(renderer)) for ax in panels if ax.get_legend()]
+    assert len(legends) == len(panels) == 4
+    for i, (title, box) in enumerate(legends):
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, title
+        for other, other_box in legends[i + 1:]:
+            assert not box.overlaps(other_box), (title, other)
+        for ax in panels:
+            assert not box.overlaps(_boxes_of(ax, renderer)), (title, ax.get_title())

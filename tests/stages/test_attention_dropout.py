@@ -20,7 +20,7 @@ import torch
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION
 from kdcache.stages.common.qk_attention import QKRecorder
 from kdcache.stages.precompute import run_precompute
-from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.train.distill import student_inputs
 from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.losses.attention import attention_kl

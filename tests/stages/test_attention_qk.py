@@ -17,8 +17,8 @@ import torch
 from kdcache.pipeline.cli import main
 from kdcache.stages.common.qk_attention import QKRecorder, ScoreRule, allowed_keys, block_log_probs
 from kdcache.stages.precompute import run_precompute
-from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.train.distill import student_inputs
 from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.feed.streaming import collate, to_device
@@ -315,7 +315,7 @@ def test_qkv_arrays_round_trip_as_token_rows(backend: str, tmp_path: Path) -> No
     import numpy as np
 
     from kdcache.storage import CacheSpec, CacheWriter
-    from kdcache.storage.errors import SpecError
+    from kdcache.storage.core.errors import SpecError
 
     scores = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "causal": True,
               "blocks": {"2": {"scaling": 0.35, "sliding_window": None, "softcap": None}}}

@@ -54,7 +54,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_the_flag_offers_the_new_source() -> None:
-    from kdcache.stages.precompute.options import TargetOptions
+    from kdcache.stages.precompute.core.options import TargetOptions
 
     # the flag's choices are the registry's live names, whenever the options module was imported
 

@@ -31,3 +31,16 @@ def test_bench_gpu_small_runs_every_row(tmp_path: Path) -> None:
         assert row["forward_vs_base"] == pytest.approx(row["forward_s"] / base_seconds, rel=1e-2, abs=1e-3)
         assert row["host_cpu_s"] > 0
     assert rows[1]["bytes_per_token"] > rows[0]["bytes_per_token"] > 0  # hidden layers cost bytes
+    _check_report(tmp_path, results)
+
+
+def _check_report(folder: Path, results: dict) -> None:
+    """The prepared check's report (benchmarks/gpu_report.py) on this run's JSON: each stage one target shows the
+    figure measured, stage two's (not run) and the steps that did not run show as missing, never as met."""
+    from benchmarks.gpu_report import report
+
+    text = report(folder)
+    fp16 = next(r for r in results["stage_one"] if r["run"] == "+4 hidden fp16")["vs_forward_head"]
+    assert f"| stage one 4 fp16 hidden layers vs forward + head | {fp16} | ≥ 0.85 |" in text
+    assert "| stage two all terms vs the student alone | — | ≥ 0.9 | missing |" in text
+    assert "card unknown" in text and "Kernel tests on CUDA: missing" in text and "bench_vocab_losses: missing" in text

@@ -15,7 +15,7 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import run_precompute
-from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.rows.chat import render
 from kdcache.stages.precompute.rows.data import load_texts, tokenize
 from kdcache.stages.train.compound import CompoundLoss

@@ -223,7 +223,7 @@ def test_a_run_without_a_layer_map_gets_span_cka_on_the_uniform_map(setup: dict[
 
 
 def test_eval_on_a_cache_without_texts_exits_2(setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    from kdcache.pipeline.commands.sweep import _eval_cache_problems
+    from kdcache.pipeline.cli.commands.sweep import _eval_cache_problems
 
     assert main(["eval", "--cache", str(setup["old"]), "--run", str(setup["root"] / "gold")]) == 2
     err = capsys.readouterr().err

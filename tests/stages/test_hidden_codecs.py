@@ -52,7 +52,10 @@ def test_torch_encode_decodes_like_the_numpy_reference(name: str) -> None:
     errors = host["hidden_error/2"]  # the per-row errors measured on the device match a recomputation
     flat = x.reshape(-1, 256)
     assert errors[:, 0].sum() == pytest.approx(((reference - flat) ** 2).sum(), rel=1e-4)
-    assert errors[:, 3].max() == pytest.approx(np.abs(reference - flat).max(), rel=1e-5)
+    # The largest |error| cancels (decoded - x): where the two decodes differ (each library's matmul order),
+    # it moves by up to their largest difference, plus the rounding of the subtraction, not by a relative 1e-5.
+    gap, want = float(np.abs(on_device.reshape(-1, 256).numpy() - reference).max()), np.abs(reference - flat).max()
+    assert abs(errors[:, 3].max() - want) <= gap + 2 * np.spacing(want)
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])

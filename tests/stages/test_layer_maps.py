@@ -14,7 +14,7 @@ from kdcache.stages.train.layer_maps import (
     validate_layer_map,
 )
 from kdcache.stages.train.losses import LayerMapError
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage.core.errors import KdcacheError
 
 DEPTHS = [(4, 12), (6, 12), (3, 4), (5, 7), (1, 6), (6, 6), (1, 1)]
 

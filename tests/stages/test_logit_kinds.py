@@ -18,9 +18,9 @@ import torch
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import KlSetup, LogitKindError
-from kdcache.stages.precompute.options import TargetOptions
+from kdcache.stages.precompute.core.options import TargetOptions
 from kdcache.storage import CacheSpec
-from kdcache.storage.logit_layouts import LAYOUTS, TOPK_MASS
+from kdcache.storage.core.logit_layouts import LAYOUTS, TOPK_MASS
 
 V, B, L = 13, 2, 5
 VALUES = {"topk": "topk", "full": "full", "sampled": "sampled:40", "head": "head"}
@@ -125,7 +125,7 @@ def test_the_checks_of_each_kind_against_the_student_and_the_loss() -> None:
 
 
 def test_the_registry_and_the_option_classes_import_without_torch() -> None:
-    code = ("import sys; import kdcache.stages.common.logit_kinds, kdcache.stages.precompute.options, "
-            "kdcache.stages.train.options, kdcache.pipeline.commands.cache; "
+    code = ("import sys; import kdcache.stages.common.logit_kinds, kdcache.stages.precompute.core.options, "
+            "kdcache.stages.train.options, kdcache.pipeline.cli.commands.cache; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import LlamaConfig
 
+from kdcache.stages.precompute.core.progress import target_of
 from kdcache.stages.precompute.estimate import lower_bound_bytes
-from kdcache.stages.precompute.progress import target_of
 from kdcache.storage import TOPK_MASS, CacheSpec, exact_arrays, vocab_id_names
 
 TOKENS = 1000

@@ -15,13 +15,13 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import run_precompute
-from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.losses import head_kl, kd_kl
 from kdcache.stages.train.teacher_head import load_teacher_head
 from kdcache.storage import CacheReader
-from kdcache.storage.errors import KdcacheError
-from kdcache.storage.stores import open_store
+from kdcache.storage.core.errors import KdcacheError
+from kdcache.storage.core.stores import open_store
 from tests.helpers.tiny_models import make_tiny_llama, sample_texts, write_text_dataset
 
 

@@ -24,7 +24,7 @@ from kdcache.stages.train.losses import (
     topk_kl_other,
     topk_kl_renorm,
 )
-from kdcache.storage.errors import KdcacheError
+from kdcache.storage.core.errors import KdcacheError
 from tests.stages._loss_support import MASK, _poison, _valid
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-import kdcache.storage.stores as stores
+import kdcache.storage.core.stores as stores
 from kdcache.pipeline.cli import build_parser, main
 from kdcache.pipeline.config import ConfigError, build
-from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.train.options import TrainOptions
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
@@ -93,7 +93,7 @@ def test_one_engine_options_class_each_stage_its_own_fields(tmp_path: Path) -> N
     pre = {f.name: f for f in dataclasses.fields(PrecomputeOptions)}["engine"].type
     train = {f.name: f for f in dataclasses.fields(TrainOptions)}["engine"].type
     assert pre == train == "EngineOptions"
-    from kdcache.stages.precompute.options import EngineOptions as PrecomputeEngine
+    from kdcache.stages.precompute.core.options import EngineOptions as PrecomputeEngine
     from kdcache.stages.train.options import EngineOptions as TrainEngine
 
     assert PrecomputeEngine is TrainEngine

@@ -180,4 +180,6 @@ def test_a_mistyped_data_file_is_named_as_missing_and_the_hub_tried_once(tiny_gp
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "there is no local file or folder 'data/trian.jsnol'" in proc.stderr
     assert "the hub (http://127.0.0.1:9) cannot be reached" in proc.stderr and "Traceback" not in proc.stderr
+    assert "give --data a local data file (.json, .jsonl, .csv" in proc.stderr, proc.stderr[-2000:]
+    assert "download dataset 'data/trian.jsnol'" in proc.stderr and "model folder" not in proc.stderr
     assert not (tmp_path / "out").exists()

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kdcache.stages.precompute.background import BackgroundWriter
-from kdcache.stages.precompute.options import PrecomputeOptions, parse_layers
+from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
 from kdcache.stages.precompute.rows.batching import Partition, collate, plan_batches
-from kdcache.storage.errors import Fp16OverflowError
+from kdcache.storage.core.errors import Fp16OverflowError
 
 
 def test_plan_batches_sorts_by_length_and_covers_everything() -> None:
@@ -136,7 +136,7 @@ def test_background_writer_reraises_in_main_thread() -> None:
 def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
     """A hidden state beyond 65504 is refused with the layer's name, never stored as inf."""
     from kdcache.stages.precompute.capture.features import FeatureCapture, finish
-    from kdcache.stages.precompute.targets import resolve_targets
+    from kdcache.stages.precompute.core.targets import resolve_targets
     from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config
 
     opts = PrecomputeOptions.of(teacher=str(tiny_gpt2), data="unused", out=str(tmp_path / "c"), layers=("2",),
@@ -158,8 +158,8 @@ def test_fp16_overflow_names_the_layer(tiny_gpt2: Path, tmp_path: Path) -> None:
 
 
 def test_sizes_are_binary_units_labelled_as_such() -> None:
-    from kdcache.stages.precompute.progress import format_summary
-    from kdcache.storage.files import format_bytes
+    from kdcache.stages.precompute.core.progress import format_summary
+    from kdcache.storage.core.files import format_bytes
 
     assert [format_bytes(n) for n in (512, 1536, 5 * 2 ** 20, 3 * 2 ** 30)] == ["512 B", "1.5 KiB", "5.0 MiB",
                                                                                 "3.0 GiB"]
@@ -189,7 +189,7 @@ def test_room_for_queries_and_keys_is_sized_per_token_not_as_maps() -> None:
 
 
 def test_an_explicit_default_hidden_codec_keeps_the_settings_fingerprint(tiny_gpt2: Path, tmp_path: Path) -> None:
-    from kdcache.stages.precompute.targets import resolve_targets, settings_fingerprint
+    from kdcache.stages.precompute.core.targets import resolve_targets, settings_fingerprint
     from kdcache.stages.precompute.teacher import read_config
 
     def settings(**more: object) -> dict[str, object]:
@@ -209,7 +209,7 @@ def test_the_devices_gather_cuts_the_same_sequences_as_the_hosts_views(tiny_llam
     exactly as the CPU's path (views of the padded arrays) does: hidden states, q/k, attention maps, logits."""
     from kdcache.stages.precompute.capture.features import FeatureCapture, finish
     from kdcache.stages.precompute.capture.transfer import HostCopier
-    from kdcache.stages.precompute.targets import resolve_targets
+    from kdcache.stages.precompute.core.targets import resolve_targets
     from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config
 
     opts = PrecomputeOptions.of(teacher=str(tiny_llama), data="unused", out=str(tmp_path / "c"), layers=("0", "2"),
@@ -240,8 +240,9 @@ def test_the_teachers_pipeline_runs_on_across_shard_boundaries() -> None:
     from types import SimpleNamespace
 
     from kdcache.stages.precompute.capture.transfer import ShardItems
-    from kdcache.stages.precompute.progress import Progress, RunStats
-    from kdcache.stages.precompute.stream import IN_FLIGHT, stream_shards
+    from kdcache.stages.precompute.core.options import IN_FLIGHT
+    from kdcache.stages.precompute.core.progress import Progress, RunStats
+    from kdcache.stages.precompute.stream import stream_shards
 
     seqs = [np.arange(3 + i % 3, dtype=np.int64) + 10 * i for i in range(12)]  # 3 shards of 4, batches of 2
     data = SimpleNamespace(ids={"": seqs}, tokens={})

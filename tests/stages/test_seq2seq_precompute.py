@@ -15,7 +15,7 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.storage import CacheReader, to_float32
-from kdcache.storage.errors import Fp16OverflowError
+from kdcache.storage.core.errors import Fp16OverflowError
 from tests.helpers.tiny_models import make_tiny_bart, make_tiny_gpt2, make_tiny_t5, sample_pairs, write_pair_dataset
 
 FEATURES = "hidden,attention,cross_attention,logits"

@@ -23,7 +23,7 @@ import pytest
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import PrecomputeOptions, run_precompute
-from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.parallel.layouts import Grid, Layout, check_features
 from kdcache.stages.precompute.parallel.memory import param_counts, rank_memory
 from kdcache.storage import CacheReader, verify_cache
@@ -105,10 +105,25 @@ def test_tensor_parallelism_refuses_split_attention() -> None:
     check_features(Layout.parse("layers:2"), ("hidden", "attention"), "maps", "head")  # whole on its devices
 
 
+def test_counting_an_encoders_parameters_prints_no_transformers_line(capfd: pytest.CaptureFixture[str]) -> None:
+    """--estimate counts MiniLM's parameters through its causal-LM class, which warns that BERT is no decoder:
+    a stray line about a model that never runs. The count is silent, and leaves transformers' verbosity as it was."""
+    from transformers import BertConfig
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64)
+    assert param_counts(config)[0] > 0
+    captured = capfd.readouterr()
+    assert "is_decoder" not in captured.err + captured.out, captured.err
+    assert hf_logging.get_verbosity() == level
+
+
 def test_memory_per_rank_follows_the_config(tiny_llama: Path, corpus: Path, tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    from kdcache.stages.precompute.targets import resolve_targets
+    from kdcache.stages.precompute.core.targets import resolve_targets
 
     config = AutoConfig.from_pretrained(tiny_llama)
     d, inter, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, 320
@@ -176,6 +191,27 @@ def test_tensor_parallelism_of_a_family_without_a_plan_exits_2_before_loading(
     assert "tp:2 shards the teacher by its transformers tensor-parallel plan, and 'gpt2' models have none" in err, err
     assert "include llama, mistral" in err and "Traceback" not in err and "DistributedConfig" not in err
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_rank_is_refused_tp_without_a_plan_before_any_process_group(tiny_gpt2: Path, corpus: Path,
+                                                                      tmp_path: Path) -> None:
+    """Rank 0 of 2 whose partner never comes: had it joined the process group first, it would wait there (for
+    hours) instead of refusing. It must exit 2 at once with the one message, as each torchrun rank then does."""
+    from tests.helpers.s3_server import free_port
+
+    argv = _argv(_options(_weightless(tiny_gpt2, tmp_path / "config-only"), corpus, tmp_path / "out",
+                          teacher_parallel="tp:2"))
+    env = {**_env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    try:
+        done = subprocess.run([sys.executable, "-m", "kdcache", *argv], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the rank waited for its partner in the process group instead of refusing tp:2 first")
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("kdcache precompute: error:")]
+    assert len(errors) == 1 and "'gpt2' models have none" in errors[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_estimate_from_a_config_alone_reports_memory_per_rank(tiny_llama: Path, corpus: Path, tmp_path: Path,

@@ -137,3 +137,63 @@ def test_the_vocabulary_path_is_said_only_where_there_are_vocabulary_losses(
     assert main(_argv(setup, tmp_path / "run", "--max-steps", "1", *weights)) == 0
     err = capsys.readouterr().err
     assert ("kdcache train: vocabulary losses:" in err) == said, err[-2000:]
+
+
+def _plant_kernel(monkeypatch: pytest.MonkeyPatch, wrong: str) -> None:
+    """The fused kernel forced on under the interpreter, its gradient launcher planted: ``raise`` raises as a
+    compile error would; ``scale`` writes dz 2% too large."""
+    from kdcache.stages.common import fused_vocab, vocab_kernels
+
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fused_vocab, "INTERPRET_ON_CPU", True)
+    real = vocab_kernels.write_grad
+
+    def planted(z: object, *args: object) -> None:
+        if wrong == "raise":
+            raise RuntimeError("planted: the kernel failed to compile")
+        real(z, *args)
+        z.mul_(1.02)  # type: ignore[attr-defined]
+    monkeypatch.setattr(vocab_kernels, "write_grad", planted)
+
+
+def _weights(run: Path) -> dict[str, object]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "student" / "model.safetensors"))
+
+
+@pytest.mark.triton
+def test_a_wrong_kernel_on_auto_trains_as_the_pure_torch_pass_does(setup: dict[str, Path], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A planted kernel writing dz 2% too large (unguarded, it trained on silently) is caught on its first chunk;
+    the run says so in one line and its weights after 3 steps are the pure-torch road's."""
+    import torch
+
+    argv = ("--max-steps", "3", "--batch-size", "2", "--export")
+    assert main(_argv(setup, tmp_path / "torch", *argv, "--vocab-kernel", "torch")) == 0
+    _plant_kernel(monkeypatch, "scale")
+    assert main(_argv(setup, tmp_path / "auto", *argv)) == 0
+    err = capsys.readouterr().err
+    assert err.count("kdcache: the fused vocabulary kernel disagrees with the pure-torch pass") == 1, err[-3000:]
+    want, got = _weights(tmp_path / "torch"), _weights(tmp_path / "auto")
+    gap = max(float((got[k] - want[k]).abs().max()) for k in want)  # type: ignore[operator]
+    assert gap < 1e-6 and all(torch.isfinite(v).all() for v in got.values())  # type: ignore[arg-type]
+
+
+@pytest.mark.triton
+def test_a_failing_kernel_on_fused_exits_2_naming_it(setup: dict[str, Path], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    _plant_kernel(monkeypatch, "raise")
+    assert main(_argv(setup, tmp_path / "run", "--max-steps", "1", "--vocab-kernel", "fused")) == 2
+    err = capsys.readouterr().err
+    assert "the fused vocabulary kernel raised RuntimeError: planted" in err and "Traceback" not in err
+
+
+def test_fused_on_a_cpu_is_refused_before_training(setup: dict[str, Path], tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_argv(setup, tmp_path / "run", "--max-steps", "1", "--vocab-kernel", "fused")) == 2
+    err = capsys.readouterr().err
+    assert "--vocab-kernel fused needs a CUDA device (this run is on cpu)" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "checkpoints").exists()

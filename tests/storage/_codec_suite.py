@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter, to_float32, verify_cache
+from kdcache.storage.core.errors import SpecError
 from kdcache.storage.encode import encode_shard
-from kdcache.storage.errors import SpecError
 from kdcache.storage.hidden_codecs import decode
 
 CODECS = ("fp16", "bf16", "fp8", "int8", "int7", "int4", "pca8")
@@ -110,9 +110,9 @@ class HiddenCodecSuite:
     def test_a_rank_codec_round_trips_through_bases_plain_numpy_reads(self, tmp_path):
         """``--hidden-rank``: coefficients coded, bases stored as plain ``.npy`` in ``projection/`` (listed in
         the manifest's file table), decoded through them within the error the shard records; verify agrees."""
+        from kdcache.storage.core.stores import open_store
         from kdcache.storage.hidden_codecs import encode
         from kdcache.storage.projection import read_projection, write_projection
-        from kdcache.storage.stores import open_store
 
         spec = self.spec(hidden_codec={"name": "int8", "configuration": {"rank": 4}}, logits=None,
                          attention_layers=())
@@ -156,9 +156,9 @@ class HiddenCodecSuite:
         """``pca8``: R = d coefficients coded with a step of 0.24 x each row's RMS, decoded through the stored
         bases within the recorded error; zarr shuffles each codes row (direction by direction before zstd) and a
         plain zarr read undoes it; the scales and every other codec keep their bytes' layout."""
+        from kdcache.storage.core.stores import open_store
         from kdcache.storage.hidden_codecs import encode
         from kdcache.storage.projection import write_projection
-        from kdcache.storage.stores import open_store
 
         spec = self.spec(hidden_codec={"name": "pca8", "configuration": {"rank": 8}}, logits=None,
                          attention_layers=())

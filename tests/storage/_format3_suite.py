@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kdcache.storage import CacheReader, CacheWriter, verify_cache
-from kdcache.storage.errors import ChecksumError, DiskFullError, FormatVersionError
+from kdcache.storage.core.errors import ChecksumError, DiskFullError, FormatVersionError
 
 FORMAT1 = Path(__file__).resolve().parents[1] / "data" / "format1"
 

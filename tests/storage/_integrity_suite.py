@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from kdcache.storage import verify_cache
-from kdcache.storage.canonical import canonical_json, sealed
+from kdcache.storage.core.canonical import canonical_json, sealed
+from kdcache.storage.core.stores import open_store
 from kdcache.storage.folders import TABLE, put_folder
-from kdcache.storage.manifest import SIDECAR_SEAL
-from kdcache.storage.stores import open_store
+from kdcache.storage.schema.manifest import SIDECAR_SEAL
 from kdcache.storage.writer import merge_parts
 
 FORMATS = Path(__file__).resolve().parents[1] / "data"

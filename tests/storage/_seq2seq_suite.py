@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter, verify_cache
-from kdcache.storage.errors import CacheMismatchError, InvalidSequenceError, LayerNotInCacheError, SpecError
+from kdcache.storage.core.errors import CacheMismatchError, InvalidSequenceError, LayerNotInCacheError, SpecError
 
 D_ENC, D_DEC, HEADS = 6, 8, 4
 FINGERPRINTS = {"teacher": {"name_or_path": "tiny-t5"}, "tokenizer": {"vocab_hash": "h", "vocab_size": 300}}
@@ -49,7 +49,7 @@ def make_seq2seq_sequences(spec: CacheSpec, lengths: list[tuple[int, int]], seed
 
 def stored(spec: CacheSpec, x: np.ndarray) -> np.ndarray:
     """Float values as the cache keeps them: fp16, or bf16 bits in uint16."""
-    from kdcache.storage.dtypes import float32_to_bf16_bits
+    from kdcache.storage.core.dtypes import float32_to_bf16_bits
 
     return float32_to_bf16_bits(x) if spec.dtype == "bf16" else x.astype(np.float16)
 

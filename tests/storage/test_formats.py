@@ -1,4 +1,4 @@
-"""storage.formats, the one old-format adapter: older caches read as the current structures, and no other file of
+"""storage.core.formats, the one old-format adapter: older caches read as the current structures, and no other file of
 pipeline/, stages/ or storage/ compares a format version."""
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ import pytest
 import zarr
 
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter, verify_cache
-from kdcache.storage.canonical import canonical_json, sealed
-from kdcache.storage.errors import FormatVersionError
-from kdcache.storage.formats import FILE_TABLE, SEALED_INDEX, WRITABLE, CacheFormat
-from kdcache.storage.manifest import MANIFEST_SEAL
+from kdcache.storage.core.canonical import canonical_json, sealed
+from kdcache.storage.core.errors import FormatVersionError
+from kdcache.storage.core.formats import FILE_TABLE, SEALED_INDEX, WRITABLE, CacheFormat
+from kdcache.storage.schema.manifest import MANIFEST_SEAL
 from tests.storage.test_storage_backends import FINGERPRINTS, make_sequences
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"
-ADAPTER = Path("storage") / "formats.py"
+ADAPTER = Path("storage") / "core" / "formats.py"
 # crc32 over every sequence's arrays (name, dtype, shape, bytes, in name order) as CacheReader returned them
-# before storage.formats existed (commit 88158b7): the adapter must hand back the same values.
+# before storage.core.formats existed (commit 88158b7): the adapter must hand back the same values.
 BEFORE = {"format1": "674fcba4", "format2-seq2seq": "5ca7d803"}
 
 

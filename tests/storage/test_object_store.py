@@ -13,9 +13,9 @@ import pytest
 
 from kdcache.pipeline.cli import main
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter, encode_shard, verify_cache
-from kdcache.storage.errors import CacheLockedError, ChecksumError, PartialCacheError, StorageError
-from kdcache.storage.files import joined
-from kdcache.storage.stores import RemoteStore, open_store
+from kdcache.storage.core.errors import CacheLockedError, ChecksumError, PartialCacheError, StorageError
+from kdcache.storage.core.files import joined
+from kdcache.storage.core.stores import RemoteStore, open_store
 from kdcache.storage.writer import merge_parts
 from tests.helpers.cache_files import cache_files
 from tests.storage._integrity_suite import add_folders

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kdcache.storage import CacheReader, CacheSpec, CacheWriter, files
-from kdcache.storage.files import read_reused
-from kdcache.storage.stores import LocalStore
+from kdcache.storage import CacheReader, CacheSpec, CacheWriter
+from kdcache.storage.core import files
+from kdcache.storage.core.files import read_reused
+from kdcache.storage.core.stores import LocalStore
 
 
 def _base(view: memoryview) -> int:

@@ -22,9 +22,9 @@ def test_a_lookup_finds_an_entry_and_an_unknown_name_names_the_registered_ones()
 
 
 def test_every_registry_of_storage_is_one() -> None:
-    from kdcache.storage.attention_source import ATTENTION_LAYOUTS
-    from kdcache.storage.backends.registry import _IMPLEMENTATIONS
-    from kdcache.storage.logit_layouts import LAYOUTS
+    from kdcache.storage.core.attention_source import ATTENTION_LAYOUTS
+    from kdcache.storage.core.backend_registry import _IMPLEMENTATIONS
+    from kdcache.storage.core.logit_layouts import LAYOUTS
 
     for registry in (ATTENTION_LAYOUTS, _IMPLEMENTATIONS, LAYOUTS, hidden_codecs.HIDDEN_CODECS):
         assert isinstance(registry, Registry)

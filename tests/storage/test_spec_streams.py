@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kdcache.storage import CacheSpec
-from kdcache.storage.canonical import canonical_json
-from kdcache.storage.errors import SpecError
+from kdcache.storage.core.canonical import canonical_json
+from kdcache.storage.core.errors import SpecError
 
 # Each case's "to_dict" is what the code before the layer mapping (commit 88158b7) wrote for "given": the specs of
 # the format 1 and 2 fixtures, and format-4 specs of both kinds (tests/data/README.md).

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdcache.pipeline.commands import cache as cache_cmd
+from kdcache.pipeline.cli.commands import cache as cache_cmd
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter, merge_parts, to_float32, verify_cache
-from kdcache.storage.errors import (
+from kdcache.storage.core.errors import (
     CacheLockedError,
     CacheMismatchError,
     FormatVersionError,
@@ -29,7 +29,9 @@ from kdcache.storage.errors import (
     UnknownCodecError,
     UnknownFeatureError,
 )
-from kdcache.storage.logit_layouts import vocab_id_names
+from kdcache.storage.core.logit_layouts import vocab_id_names
+from kdcache.storage.core.stores import open_store
+from kdcache.storage.folders import put_files
 from tests.storage._codec_suite import HiddenCodecSuite
 from tests.storage._format3_suite import Format3Suite
 from tests.storage._integrity_suite import IntegritySuite
@@ -104,7 +106,7 @@ def expected(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarr
 
 
 def run_cli(*argv: str) -> tuple[int, str]:
-    """A tiny argparse harness around pipeline.commands.cache (what pipeline/cli.py does)."""
+    """A tiny argparse harness around pipeline.cli.commands.cache (what pipeline/cli/__init__.py does)."""
     parser = argparse.ArgumentParser(prog="kdcache")
     cache_cmd.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(list(argv))
@@ -243,8 +245,10 @@ class StorageSuite(Seq2SeqSuite, Format3Suite, IntegritySuite, HiddenCodecSuite)
         temp.mkdir() if spec.backend == "zarr" else temp.write_bytes(b"half a shard")
         sidecar_temp = tmp_path / "shards" / ".shard-000001.json.4242-deadbeef.tmp"  # killed while sealing it
         sidecar_temp.write_bytes(b'{"index": 1')
-        with pytest.raises(PartialCacheError, match="status 'writing'.*2 of 3 shards"):
+        with pytest.raises(PartialCacheError, match="status 'writing'.*2 of 3 shards") as refused:
             CacheReader(tmp_path)
+        assert "Rerun the same `kdcache precompute` command" in str(refused.value)  # the next step, as a user types it
+        assert "`kdcache train --allow-partial` (allow_partial=True from Python)" in str(refused.value)
         reader = CacheReader(tmp_path, allow_partial=True)
         assert reader.committed_shards == [0, 2]
         self.assert_same(reader[6], expected(spec, seqs[6]))
@@ -258,6 +262,24 @@ class StorageSuite(Seq2SeqSuite, Format3Suite, IntegritySuite, HiddenCodecSuite)
         assert not temp.exists() and not sidecar_temp.exists() and verify_cache(tmp_path).ok
         assert [p.name for p in (tmp_path / "shards").glob(".*")] == []
         self.assert_same(CacheReader(tmp_path)[4], expected(spec, seqs[4]))
+
+    def test_verify_on_a_killed_precompute_says_it_is_unfinished_and_how_to_finish(self, tmp_path):
+        """Killed after its tokenizer folder and one shard: the manifest lists no folder file yet (the shards'
+        merge does that), so verify checks the folder against its own table and says how to go on."""
+        self.build(tmp_path, self.spec(), shards=[0], finalize=False)
+        put_files(open_store(tmp_path), "tokenizer", {"tokenizer.json": b"{}", "vocab.txt": b"a\nb\n"})
+        report = verify_cache(tmp_path)
+        assert [str(p) for p in report.problems] == [
+            "cache: cache is not complete (status 'writing', 1 of 3 shards committed): its precompute stopped (or "
+            "is still running); rerun the same `kdcache precompute` command to finish it, keeping the committed "
+            "shards (`kdcache merge` joins a job array's parts)"]
+        (tmp_path / "tokenizer" / "vocab.txt").write_bytes(b"a\nc\n")  # the folder's own table still guards it
+        assert "file tokenizer/vocab.txt does not match the crc32c" in str(verify_cache(tmp_path).problems)
+        early = tmp_path / "early"  # killed before its manifest: only the tokenizer folder landed
+        put_files(open_store(early), "tokenizer", {"tokenizer.json": b"{}"})
+        assert [str(p) for p in verify_cache(early).problems] == [
+            f"cache: no manifest.json in {open_store(early).url}: a precompute stopped before writing it (the "
+            "folder holds tokenizer); rerun the same `kdcache precompute` command"]
 
     def test_data_without_sidecar_is_not_committed(self, tmp_path):
         spec = self.spec()

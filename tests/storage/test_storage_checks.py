@@ -9,10 +9,10 @@ import os
 import numpy as np
 import pytest
 
+from kdcache.storage.core.errors import Fp16OverflowError, InvalidSequenceError, NonFiniteValueError, SpecError
 from kdcache.storage.encode import encode_shard
-from kdcache.storage.errors import Fp16OverflowError, InvalidSequenceError, NonFiniteValueError, SpecError
 from kdcache.storage.hidden_codecs import encode
-from kdcache.storage.spec import CacheSpec
+from kdcache.storage.schema.spec import CacheSpec
 
 D = 8
 
@@ -74,7 +74,7 @@ def test_per_row_errors_and_topk_mass_of_the_wrong_shape_are_refused():
 
 
 def test_put_folder_tolerates_only_a_copy_already_landed(tmp_path, monkeypatch):
-    from kdcache.storage import stores
+    from kdcache.storage.core import stores
 
     store = stores.open_store(tmp_path)
     files = {"a.txt": b"one", "table.json": b"{}\n"}
@@ -116,7 +116,7 @@ def test_arrow_columns_name_the_type_they_really_hold(tmp_path, codec, want):
 
 def test_a_first_run_killed_after_its_folders_can_be_rerun(tmp_path):
     from kdcache.stages.precompute.commit import check_out_folder
-    from kdcache.stages.precompute.errors import PrecomputeError
+    from kdcache.stages.precompute.core.errors import PrecomputeError
     from kdcache.storage.folders import STAGE_ONE_FOLDERS
 
     for key in STAGE_ONE_FOLDERS:  # tokenizer/ and teacher_head/ land before the manifest

@@ -8,10 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from kdcache.storage.codecs import resolve_codec
-from kdcache.storage.dtypes import bitround_bits, check_fp16_range, float32_to_bf16_bits, to_float32
-from kdcache.storage.encode import encode_shard
-from kdcache.storage.errors import (
+from kdcache.storage.core.codecs import resolve_codec
+from kdcache.storage.core.dtypes import bitround_bits, check_fp16_range, float32_to_bf16_bits, to_float32
+from kdcache.storage.core.errors import (
     Fp16OverflowError,
     InvalidSequenceError,
     LayerNotInCacheError,
@@ -20,9 +19,10 @@ from kdcache.storage.errors import (
     UnknownCodecError,
     UnknownFeatureError,
 )
+from kdcache.storage.encode import encode_shard
 from kdcache.storage.fingerprint import compare_fingerprints, hash_arrays
 from kdcache.storage.layout import attention_rows, pack_attention, unpack_attention
-from kdcache.storage.spec import CacheSpec, topk_id_dtype
+from kdcache.storage.schema.spec import CacheSpec, topk_id_dtype
 
 
 def test_bf16_rounds_to_nearest_even_like_torch():

@@ -2,7 +2,7 @@
 docs/architecture.md, "Adding a target kind").
 
 Importing this package imports every module beside ``base`` (in name order), and each registers its source: a new
-source is one new file here, plus its storage layout in ``storage.attention_source``.
+source is one new file here, plus its storage layout in ``storage.core.attention_source``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ through hooks, or the queries, keys and values its blocks hand the attention ker
 cache's size per token for ``--estimate``, which arrays stage two streams and how it rebuilds scores from them,
 what it records of the student (its maps, or its queries and keys), the refusals of the loss options, and its
 ``kdcache inspect`` line. What it stores (array kinds, token rows or maps) is the storage layout of the same name in
-``storage.attention_source``. Callers ask the registry (``get``, ``names``, ``usage``) and never compare source
+``storage.core.attention_source``. Callers ask the registry (``get``, ``names``, ``usage``) and never compare source
 names.
 
 Nothing here imports torch, so that the option classes and ``kdcache inspect`` describe sources without it.

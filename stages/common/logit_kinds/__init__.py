@@ -2,7 +2,7 @@
 "Adding a target kind").
 
 Importing this package imports every module beside ``base`` (in name order), and each registers its kind: a new
-mode is one new file here (plus its storage layout in ``storage.logit_layouts`` when it stores new arrays).
+mode is one new file here (plus its storage layout in ``storage.core.logit_layouts`` when it stores new arrays).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A kind owns a mode's whole life in both stages: parsing its ``--logits`` value, the ``CacheSpec`` fields stage one
 writes, its capture of the teacher's ``[N, V]`` logits on the device, its checks against the student and the loss
 options, its stage-two loss term, its eval metric and its ``kdcache inspect`` line. Its storage side (arrays,
-dtypes, codecs) is the layout of the same name in ``storage.logit_layouts``. Callers ask the registry
+dtypes, codecs) is the layout of the same name in ``storage.core.logit_layouts``. Callers ask the registry
 (``get``, ``parse``, ``names``, ``from_targets``) and never compare mode names.
 
 This module and the kind modules import torch only inside the functions that compute, so that the option
@@ -36,12 +36,12 @@ class LogitKindError(KdcacheError, ValueError):
 
 
 class CaptureSettings(LayoutFields, SamplingFields, Protocol):
-    """What a capture reads of the run, as storage names the fields (``precompute.targets.Targets`` and
+    """What a capture reads of the run, as storage names the fields (``precompute.core.targets.Targets`` and
     ``CacheSpec`` both have them)."""
 
 
 class LogitOptions(Protocol):
-    """Stage one's logit options (``precompute.options.TargetOptions``)."""
+    """Stage one's logit options (``precompute.core.options.TargetOptions``)."""
 
     @property
     def top_k(self) -> int: ...

@@ -1,6 +1,8 @@
 """What the teacher's forward keeps: hooks on the selected layers (``features``, and ``qk_capture`` for
-queries and keys), logits through the LM head in chunks (``logit_head``), and the device-to-host transfer that
-never makes the forward wait (``transfer``). The rest of stage one imports it through this door.
+queries and keys), logits through the LM head in chunks (``logit_head``, and ``sharded_head`` for a head split
+across ranks), and the device-to-host transfer that never makes the forward wait (``transfer``). The top floor of
+stage one's sub-packages, above ``core``, ``rows`` and ``parallel``; the rest of stage one imports it through this
+door.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import TYPE_CHECKING
 from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
+    from kdcache.stages.precompute.capture.compiled import say_compile_cost as say_compile_cost
     from kdcache.stages.precompute.capture.features import (
         FeatureCapture as FeatureCapture,
         check_ranges as check_ranges,
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
     )
     from kdcache.stages.precompute.capture.logit_head import ChunkedHead as ChunkedHead, logit_targets as logit_targets
     from kdcache.stages.precompute.capture.qk_capture import with_score_rules as with_score_rules
+    from kdcache.stages.precompute.capture.sharded_head import chunked_head as chunked_head
     from kdcache.stages.precompute.capture.transfer import ShardItems as ShardItems, cut_padding as cut_padding
-
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -39,11 +39,10 @@ from kdcache.stages.common.documents import document_attention_mask, documents_a
 from kdcache.stages.precompute.capture.compiled import TeacherCalls
 from kdcache.stages.precompute.capture.logit_head import logit_targets
 from kdcache.stages.precompute.capture.qk_capture import QKCapture
+from kdcache.stages.precompute.capture.sharded_head import chunked_head
 from kdcache.stages.precompute.capture.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
-from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.parallel import chunked_head, no_autograd
-from kdcache.stages.precompute.targets import Targets
-from kdcache.stages.precompute.teacher import Teacher
+from kdcache.stages.precompute.core import PrecomputeError, Targets, Teacher
+from kdcache.stages.precompute.parallel import no_autograd
 from kdcache.storage import FLOAT, HiddenCodec, applies_to, hidden_codec_of, logit_arrays, projected
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from kdcache.stages.common.logit_kinds import (
     sample_logits,  # noqa: F401 (its earlier home)
 )
 from kdcache.stages.common.teacher_head import finish_logits
-from kdcache.stages.precompute.targets import CAUSAL_SUFFIXES, Targets
+from kdcache.stages.precompute.core import CAUSAL_SUFFIXES, Targets
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -20,8 +20,7 @@ import torch
 from kdcache.stages.common import attention_sources
 from kdcache.stages.common.documents import document_index
 from kdcache.stages.common.qk_attention import QKRecorder, QKRecorderError, check_rule
-from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.targets import Targets
+from kdcache.stages.precompute.core import PrecomputeError, Targets
 from kdcache.storage import DEFAULT_ATTENTION_SOURCE
 
 if TYPE_CHECKING:

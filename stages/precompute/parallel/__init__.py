@@ -1,6 +1,7 @@
 """A teacher larger than one device (``--teacher-parallel``): the layouts and the grid of ranks they make
-(``layouts``), the memory each rank needs (``memory``), the runner's side (``parallel_run``), the collectives
-(``distributed``) and top-k logits from a split LM head (``sharded_head``). Imported through this door.
+(``layouts``), the memory each rank needs (``memory``), the runner's side (``parallel_run``) and the collectives
+(``distributed``). Above ``core`` and ``rows``, below ``capture`` (whose ``sharded_head`` takes top-k logits from
+a split LM head). Imported through this door.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ if TYPE_CHECKING:
     )
     from kdcache.stages.precompute.parallel.parallel_run import (
         check_parallel as check_parallel,
+        check_tensor_plan as check_tensor_plan,
         group_todo as group_todo,
         lend_share as lend_share,
         memory_only as memory_only,
     )
-    from kdcache.stages.precompute.parallel.sharded_head import chunked_head as chunked_head
-
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import logit_kinds
-from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.core import PrecomputeError
 
 if TYPE_CHECKING:
     import torch

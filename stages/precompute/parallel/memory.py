@@ -8,7 +8,7 @@ What one rank holds, in the dtype the teacher runs in:
   copies (4 x T x d), the MLP's intermediate (2 x T x I / N), eager attention's ``[B, H/N, L, L]`` scores where
   attention maps are captured, the kept hidden layers in fp16 (layers x T x d x 2 bytes) until they reach the
   host, and the LM head's ``[chunk, V/N]`` block in the teacher's dtype plus its fp32 copy. Two batches are in
-  flight at once (``stream.IN_FLIGHT``), so activations count twice.
+  flight at once (``core.IN_FLIGHT``), so activations count twice.
 
 The sum is compared with ``USABLE`` of the device's memory (the rest is the CUDA context, the allocator's slack and
 the collectives' buffers); a layout that does not fit is refused before any weight loads.
@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.core import IN_FLIGHT, PrecomputeError
 from kdcache.stages.precompute.parallel.layouts import Layout
-from kdcache.stages.precompute.stream import IN_FLIGHT
 from kdcache.storage import format_bytes
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.options import PrecomputeOptions
-    from kdcache.stages.precompute.targets import Targets
+    from kdcache.stages.precompute.core import PrecomputeOptions, Targets
 
 USABLE = 0.9  # share of a device's memory a run may plan to use
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -73,7 +73,7 @@ def param_counts(config: PretrainedConfig) -> tuple[int, int]:
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with torch.device("meta"), _errors_only():
         try:
             model = AutoModelForCausalLM.from_config(config)
         except ValueError:  # no causal-LM class for this config: its bare model
@@ -81,6 +81,21 @@ def param_counts(config: PretrainedConfig) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name.lower())
     return total, norms
+
+
+@contextmanager
+def _errors_only() -> Iterator[None]:
+    """transformers' logs at errors only, for the block inside: building an encoder's causal-LM class only to
+    count its parameters (``BertLMHeadModel`` for MiniLM) warns that it is no decoder, a line about a model that
+    never runs (``pipeline.quiet`` turns the same switch for ``--quiet``)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def run_dtype_bytes(options: PrecomputeOptions, config: PretrainedConfig, on_gpu: bool) -> int:

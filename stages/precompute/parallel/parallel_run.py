@@ -7,18 +7,16 @@ import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.precompute.errors import PrecomputeError
+from kdcache.stages.precompute.core import PrecomputeError, Progress, RunStats
 from kdcache.stages.precompute.parallel.layouts import Grid, Layout, check_features
 from kdcache.stages.precompute.parallel.memory import check_layout, rank_memory
-from kdcache.stages.precompute.progress import Progress, RunStats
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.options import PrecomputeOptions
-    from kdcache.stages.precompute.targets import Targets
+    from kdcache.stages.precompute.core import PrecomputeOptions, Targets
     from kdcache.storage import CacheSpec
 
 
@@ -41,11 +39,7 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
     if layout.size > 1 and getattr(config, "is_encoder_decoder", False):
         raise PrecomputeError(f"teacher_parallel: {layout}: an encoder-decoder teacher runs on one device (its "
                               f"capture has no parallel path); drop --teacher-parallel")
-    if layout.tensor > 1 and not getattr(config, "base_model_tp_plan", None):
-        raise PrecomputeError(f"teacher_parallel: {layout} shards the teacher by its transformers tensor-parallel "
-                              f"plan, and {getattr(config, 'model_type', 'this')!r} models have none; teachers "
-                              f"whose families have one include {', '.join(_tp_families())}; drop "
-                              f"--teacher-parallel for this teacher")
+    check_tensor_plan(layout, config)
     if layout.size > 1 and importlib.util.find_spec("accelerate") is None:
         raise PrecomputeError(f"teacher_parallel: {layout} loads the teacher through transformers' tensor "
                               f"parallelism / device_map, which needs accelerate: pip install 'kdcache[parallel]'")
@@ -65,6 +59,21 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
     return {"layout": str(layout), "per_rank_bytes": memory.total, "weights_bytes": memory.weights,
             "activations_bytes": memory.activations, "capacity_bytes": memory.capacity, "source": memory.source,
             "line": memory.describe(layout)}
+
+
+def check_tensor_plan(layout: Layout, config: PretrainedConfig) -> None:
+    """Refuse ``tp:N`` for a teacher whose transformers config has no tensor-parallel plan. The runner calls this
+    before the ranks join their process group too: a rank that refused after joining would leave its partners
+    waiting in the group, and torchrun would report the collapse rather than the reason.
+
+    Raises:
+        PrecomputeError: naming the model type and the common families that have a plan.
+    """
+    if layout.tensor > 1 and not getattr(config, "base_model_tp_plan", None):
+        raise PrecomputeError(f"teacher_parallel: {layout} shards the teacher by its transformers tensor-parallel "
+                              f"plan, and {getattr(config, 'model_type', 'this')!r} models have none; teachers "
+                              f"whose families have one include {', '.join(_tp_families())}; drop "
+                              f"--teacher-parallel for this teacher")
 
 
 COMMON_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
@@ -98,7 +107,7 @@ def memory_only(options: PrecomputeOptions, config: PretrainedConfig, layout: La
     """Whether ``--estimate`` stops at the memory per rank: the teacher has no weights here (a config alone), or
     this launch cannot run the layout (fewer ranks than a tensor-parallel group, or layer placement without
     GPUs): the memory needs only the config, the size and time need the teacher run as it will be."""
-    from kdcache.stages.precompute.teacher import teacher_files_fingerprint
+    from kdcache.stages.precompute.core import teacher_files_fingerprint
 
     if teacher_files_fingerprint(options, config) is None or world < layout.tensor:
         return True

@@ -16,8 +16,7 @@ if TYPE_CHECKING:
         plan_batches as plan_batches,
     )
     from kdcache.stages.precompute.rows.data import TokenStreams as TokenStreams
-    from kdcache.stages.precompute.rows.packing import PACKING as PACKING
     from kdcache.stages.precompute.rows.row_build import pair_streams as pair_streams, text_streams as text_streams
     from kdcache.stages.precompute.rows.row_store import row_problems as row_problems
-
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

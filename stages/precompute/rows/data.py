@@ -22,8 +22,7 @@ import numpy as np
 
 from kdcache.stages.common.cache_texts import token_pieces
 from kdcache.stages.common.hub import offline_unless_reachable
-from kdcache.stages.precompute.errors import PrecomputeError
-from kdcache.stages.precompute.options import DATA_EXTENSIONS, PrecomputeOptions, looks_like_path
+from kdcache.stages.precompute.core import DATA_EXTENSIONS, PrecomputeError, PrecomputeOptions, looks_like_path
 from kdcache.stages.precompute.rows.chat import chat_template, check_conversation, render
 from kdcache.stages.precompute.rows.packing import Document, Rows, make_rows, span_mask
 
@@ -45,7 +44,7 @@ class TokenStreams:
             ``decoder`` (the target ids, i.e. the labels) for an encoder-decoder teacher. Stage one hands in the
             memory-mapped columns of its row table (``row_store.RowColumn``), read only where sliced.
         fingerprint: the data fingerprint (source, split, columns, hashes of the ids and masks).
-        tokens: the token arrays stored beside the ids (``storage.spec.TOKEN_ARRAYS``), by array name
+        tokens: the token arrays stored beside the ids (``storage.schema.spec.TOKEN_ARRAYS``), by array name
             (``loss_mask``, ``position_ids``, ``decoder/loss_mask``...): one ``[L_i]`` array per sequence.
         dropped_empty: texts or pairs skipped because they produced no tokens.
         dropped_untrained: rows skipped because no token of theirs is trained on (see ``rows.Rows``).
@@ -123,7 +122,8 @@ def load_texts(options: PrecomputeOptions) -> Dataset | IterableDataset:
     d = options.dataset
 
     files = local_files(d.data)  # once: a folder's files are a recursive glob
-    hub_note = None if files is not None else offline_unless_reachable(d.data)
+    hub_note = None if files is not None else offline_unless_reachable(
+        d.data, local=f"--data a local data file ({', '.join(DATA_EXTENSIONS)}) or a folder of them", kind="dataset")
     try:
         ds = _load_dataset(options, files)
     except PrecomputeError:

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PACKING = ("none", "documents", "concat")
-
 # Token ids, uint8 loss mask of the same length and, when stage one records the text (``--record-text``), each
 # token's text piece (``stages.precompute.texts.token_pieces``) as an object array of str, carried through packing
 # with the ids so a row's text is the join of its tokens' pieces.
@@ -95,7 +93,7 @@ def iter_rows(documents: Iterable[Document | None], counts: Rows, mode: str, blo
     Args:
         documents: per dataset row, its ids and loss mask (already cut to ``block`` for mode ``none``), or None.
         counts: receives ``dropped_empty`` / ``dropped_untrained`` (its row lists stay untouched).
-        mode: one of ``PACKING``.
+        mode: one of ``core.PACKING`` (the ``--packing`` choices).
         block: ``max_length``.
         eos: the tokenizer's EOS id, appended between packed documents; None when it has none.
         cap: stop after this many rows (``--max-sequences``).

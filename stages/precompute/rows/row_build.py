@@ -27,7 +27,7 @@ import numpy as np
 
 from kdcache.stages.common.cache_texts import row_text
 from kdcache.stages.common.fingerprints import clear_call_state, tokenizer_fingerprint
-from kdcache.stages.precompute.options import PrecomputeOptions
+from kdcache.stages.precompute.core import PrecomputeOptions
 from kdcache.stages.precompute.rows.data import (
     PAIR_HASHES,
     TEXT_ARRAYS,

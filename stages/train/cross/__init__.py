@@ -22,5 +22,5 @@ if TYPE_CHECKING:
         cache_tokenizer as cache_tokenizer,
         without_logit_kl as without_logit_kl,
     )
-
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

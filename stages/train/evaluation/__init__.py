@@ -31,5 +31,5 @@ if TYPE_CHECKING:
         evaluate_spans as evaluate_spans,
         is_cross_run as is_cross_run,
     )
-
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -20,5 +20,5 @@ if TYPE_CHECKING:
         next_position as next_position,
         to_device as to_device,
     )
-
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -134,7 +134,7 @@ def check_resumable(saved: dict[str, Any], world_size: int, batch_size: int, see
 
 def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], pin: bool = False) -> Batch:
     """Pad a list of cached sequences into one batch, keeping the stored dtypes; every token stream is padded
-    on its own (one stream, or ``encoder`` and ``decoder``, see ``storage.streams``).
+    on its own (one stream, or ``encoder`` and ``decoder``, see ``storage.core.streams``).
 
     Args:
         sequences: per sequence, each stream's ``input_ids [L]`` and any of ``hidden/{j} [L, d]``,

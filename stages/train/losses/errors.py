@@ -1,7 +1,7 @@
 """Errors raised by the stage-two loss components.
 
 ``LayerMapError`` lives in ``layer_maps`` (the options check map syntax without importing torch). Both derive
-from ``storage.errors.KdcacheError``, so the CLI turns them into a one-paragraph message and exit status 2
+from ``storage.core.errors.KdcacheError``, so the CLI turns them into a one-paragraph message and exit status 2
 instead of a traceback; like storage's own errors they are also ``ValueError`` s.
 """
 

@@ -1,0 +1,89 @@
+"""What a second ``kdcache demo`` into the same folder keeps from the first, so that it reruns in a fraction of the
+time and prints the same figures.
+
+* The caches: the precompute steps always run, and stage one itself reuses a complete cache whose fingerprints
+  match without loading the teacher (the check ``kdcache run`` relies on, ``stages.precompute.reused_cache``,
+  read from the child's JSON summary).
+* The student-init: kept when its ``kdcache_init.json`` names the same teacher folder and blocks. The step is
+  skipped rather than run again, since ``init-student`` refuses a folder that already holds a student.
+* The trained run: kept when the same ``kdcache train`` arguments finished in ``run/`` (its student exported) from
+  a reused cache and student-init; anything else in ``run/`` is the demo's own leftover and is trained again.
+* The evaluations: kept when both what they score and the cache they score on were kept.
+
+The measured figures (seconds, peak memory) of a kept step are those of the step that did the work: each step's
+measurements are written to ``OUT/logs/steps.json`` beside the arguments it ran with, as it finishes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STEPS_FILE = "steps.json"
+
+
+@dataclass
+class StepLog:
+    """Each demo step's arguments and measurements, kept across demos in one folder (``LOGS/steps.json``)."""
+
+    path: Path
+    steps: dict[str, Any]
+
+    @classmethod
+    def open(cls, logs: Path) -> StepLog:
+        """The record in ``logs``; an empty one where there is none or it cannot be read (a demo cut off)."""
+        path = Path(logs) / STEPS_FILE
+        try:
+            steps = json.loads(path.read_text())
+        except (OSError, ValueError):
+            steps = {}
+        return cls(path, steps if isinstance(steps, dict) else {})
+
+    def measured(self, name: str, args: list[str]) -> tuple[float, int] | None:
+        """(seconds, peak RSS bytes) of step ``name`` run with exactly ``args``; None if it never was."""
+        record = self.steps.get(name)
+        if not isinstance(record, dict) or record.get("args") != args:
+            return None
+        try:
+            return float(record["seconds"]), int(record["peak_rss"])
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def record(self, name: str, args: list[str], seconds: float, peak_rss: int) -> None:
+        """Keep step ``name``'s measurements, written at once so that a demo stopped later still has them."""
+        self.steps[name] = {"args": args, "seconds": seconds, "peak_rss": peak_rss}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.steps, indent=2) + "\n")
+
+
+def matching_student(folder: Path, teacher: Path, blocks: list[int]) -> bool:
+    """Whether ``folder`` holds a whole student that ``init-student`` built from ``teacher``'s ``blocks``: its
+    record, written after the weights and the tokenizer, names both."""
+    try:
+        record = json.loads((Path(folder) / "kdcache_init.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(record, dict) and record.get("teacher") == str(teacher)
+            and record.get("teacher_blocks") == list(blocks) and (Path(folder) / "config.json").is_file()
+            and any(Path(folder).glob("*.safetensors")))
+
+
+def finished_run(run_dir: Path) -> bool:
+    """Whether a training run got to its end: it exports ``student/`` last."""
+    return (Path(run_dir) / "student" / "config.json").is_file()
+
+
+def json_summary(path: Path) -> dict[str, Any]:
+    """The summary a ``--json`` child printed to ``path``: the last ``{``-line to the end (a library may have
+    printed a line of its own before it)."""
+    lines = Path(path).read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line == "{"]
+    if not starts:
+        return {}
+    try:
+        summary = json.loads("\n".join(lines[starts[-1]:]))
+    except ValueError:
+        return {}
+    return summary if isinstance(summary, dict) else {}

@@ -1,0 +1,217 @@
+"""What a precompute keeps, per token stream, resolved against the teacher's config.
+
+Layer numbering is HF's (docs/architecture.md): hidden layer j is ``hidden_states[j]`` (0 = embeddings) of the
+stream's stack, attention block j is ``attentions[j-1]``; an encoder-decoder has an ``encoder`` and a ``decoder``
+stack, each numbered on its own, and cross-attention blocks on the decoder.
+
+Flags, and why they default the way they do:
+
+* ``--layers`` selects hidden layers (of both stacks: the common case is "layers 2 and 4 of each stack");
+  ``--encoder-layers`` / ``--decoder-layers`` override one stack, and ``none`` drops it.
+* ``--attention-layers`` selects self-attention blocks (default: the blocks of the hidden selection);
+  ``--encoder-attention-layers`` / ``--decoder-attention-layers`` override one stack.
+* feature ``cross_attention`` adds cross-attention maps, by default at the decoder's self-attention blocks
+  (or its hidden blocks), since those are the layers a student's decoder is matched on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kdcache.stages.common import architectures, attention_sources, logit_kinds
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
+from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+@dataclass(frozen=True)
+class StreamTargets:
+    """The layers kept of one token stream's stack of ``depth`` blocks."""
+
+    hidden: tuple[int, ...] = ()
+    attention: tuple[int, ...] = ()
+    depth: int = 0
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Concrete layers, heads and logits of one precompute, per token stream (``""``, or ``encoder`` and
+    ``decoder``); logits belong to the last stream."""
+
+    streams: dict[str, StreamTargets]
+    heads: tuple[int, ...] | None
+    logits: str | None
+    top_k: int
+    vocab_size: int
+    num_heads: int
+    causal: bool
+    cross_attention: tuple[int, ...] = field(default=())
+    samples: int = 0  # a logit kind that draws (--logits sampled:N): draws per token, at sample_temperature
+    sample_temperature: float = 1.0
+    logprob_step: float = 0.0  # top-k values stored as log-probs quantised to this step (0: fp16 logits)
+    attention_source: str = DEFAULT_ATTENTION_SOURCE  # a name of stages.common.attention_sources
+    attention_scores: dict[str, Any] | None = None  # qk: how scores are formed, learnt from the loaded teacher
+
+    @property
+    def wants_hidden(self) -> bool:
+        return any(s.hidden for s in self.streams.values())
+
+    @property
+    def wants_attention(self) -> bool:
+        """Whether any attention map is captured (the teacher then needs eager attention; queries and keys do not)."""
+        maps = attention_sources.get(self.attention_source).teacher_maps
+        return bool(self.cross_attention) or (maps and any(s.attention for s in self.streams.values()))
+
+
+def depths_and_heads(config: PretrainedConfig) -> tuple[dict[str, int], int]:
+    """Blocks per token stream and the attention heads of the teacher.
+
+    Encoder-decoders (BART/mBART ``encoder_layers``, T5 ``num_layers``) have two stacks, and the heads are the
+    smaller of the two stacks' counts, so a head subset valid for it is valid everywhere.
+    """
+    depths = architectures.stack_depths(config)  # an ArchitectureError is a KdcacheError: exit 2 as well
+    if not architectures.is_encoder_decoder(config):
+        return depths, int(getattr(config, "num_attention_heads", 0) or 0)
+    keys = ("encoder_attention_heads", "decoder_attention_heads", "num_heads")
+    heads = [int(h) for h in (getattr(config, k, None) for k in keys) if h]
+    if not heads:
+        raise PrecomputeError(f"cannot read the attention heads of a {config.model_type} config")
+    return depths, min(heads)
+
+
+def _select(values: tuple[str, ...], depth: int, minimum: int, name: str) -> tuple[int, ...]:
+    """Parse a layer list (``none`` = no layer) for a stack of ``depth`` blocks."""
+    if tuple(v.strip().lower() for v in values) == ("none",):
+        return ()
+    try:
+        return parse_layers(values, depth, minimum=minimum, name=name)
+    except ValueError as exc:
+        raise PrecomputeError(str(exc)) from None
+
+
+def _stream(options: PrecomputeOptions, stream: str, depth: int) -> StreamTargets:
+    """The hidden layers and self-attention blocks kept of one stream (its own values, else the unprefixed ones)."""
+    t, prefix = options.targets, f"{stream}_" if stream else ""
+    hidden_values = t.layers.get(stream) or t.layers.get("")
+    hidden = _select(hidden_values, depth, 0, f"{prefix}layers") if "hidden" in t.features else ()
+    if "attention" not in t.features:
+        return StreamTargets(hidden, (), depth)
+    given = t.attention_layers
+    attention_flag = given and (given.get(stream) or given.get(""))
+    if attention_flag:
+        return StreamTargets(hidden, _select(attention_flag, depth, 1, f"{prefix}attention_layers"), depth)
+    # Default: the blocks of this stream's hidden selection (layer 0, the embeddings, has no attention map).
+    blocks = tuple(j for j in _select(hidden_values, depth, 0, f"{prefix}layers") if j >= 1)
+    return StreamTargets(hidden, blocks, depth)
+
+
+def _cross_attention(options: PrecomputeOptions, decoder: StreamTargets | None) -> tuple[int, ...]:
+    t = options.targets
+    if "cross_attention" not in t.features or decoder is None:
+        return ()
+    values = t.attention_layers.get("cross") if t.attention_layers else None
+    cross = _select(values, decoder.depth, 1, "cross_attention_layers") if values else (
+        decoder.attention or tuple(j for j in decoder.hidden if j >= 1))
+    if not cross:
+        raise PrecomputeError("cross_attention: no decoder block selected; set --attention-layers cross:BLOCKS")
+    return cross
+
+
+def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Targets:
+    """Turn the layer/head/logit options into concrete numbers for this teacher.
+
+    Raises:
+        PrecomputeError: a layer or head out of range, top-k above the vocabulary, attention asked for with no
+            block left, or a triangle where no causal self-attention is kept.
+    """
+    t = options.targets
+    depths, num_heads = depths_and_heads(config)
+    streams = {name: _stream(options, name, depth) for name, depth in depths.items()}
+    cross = _cross_attention(options, streams.get("decoder"))
+    if "attention" in t.features and not any(s.attention for s in streams.values()):
+        flags = "--attention-layers" + (" (per stack: encoder:BLOCKS decoder:BLOCKS)" if len(streams) > 1 else "")
+        raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
+    causal = architectures.is_causal_config(config)  # the same judgement stage two makes of the student
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    kind = logit_kinds.get(t.logits_kind) if t.logits_kind else None
+    for problem in kind.teacher_problems(options.engine.teacher, "" in streams, causal, vocab, t.top_k) if kind else ():
+        raise PrecomputeError(problem)
+    if kind and kind.teacher_head:
+        streams = _with_last_layer(streams)
+    _check_triangle(options, streams, causal)
+    _check_attention_source(options, streams, config)
+    heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
+    if heads is not None and max(heads) >= num_heads:
+        raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
+    fields = t.logit_fields if kind else {"top_k": 0, "samples": 0, "logprob_step": 0.0}
+    return Targets(streams, heads, t.logits_kind, int(fields["top_k"]), vocab, num_heads, causal, cross,
+                   int(fields["samples"]), t.sample_temperature, float(fields["logprob_step"]), t.attention_source)
+
+
+def _check_attention_source(options: PrecomputeOptions, streams: dict[str, StreamTargets],
+                            config: PretrainedConfig) -> None:
+    """The attention source's refusals of this teacher and the map options, when any block is kept."""
+    t = options.targets
+    if not any(s.attention for s in streams.values()):
+        return
+    source = attention_sources.get(t.attention_source)
+    for problem in source.teacher_problems(options.engine.teacher, config, streams, t.triangle, t.heads):
+        raise PrecomputeError(problem)
+
+
+def _with_last_layer(streams: dict[str, StreamTargets]) -> dict[str, StreamTargets]:
+    """A mode whose logits stage two computes with the teacher's head (``--logits head``, one causal stream) keeps
+    the last hidden layer (the LM head's input, after the final norm) whatever ``--layers`` says."""
+    one = streams[""]
+    return {"": StreamTargets(tuple(sorted({*one.hidden, one.depth})), one.attention, one.depth)}
+
+
+def _check_triangle(options: PrecomputeOptions, streams: dict[str, StreamTargets], causal: bool) -> None:
+    """Only a causal self-attention map (a decoder LM's, or an encoder-decoder's decoder) is a triangle."""
+    if not options.targets.triangle:
+        return
+    if "decoder" in streams and not streams["decoder"].attention:
+        raise PrecomputeError("triangle: only the decoder's causal self-attention can be stored as a triangle, "
+                              "and no decoder attention block is selected; drop --triangle")
+    if "" in streams and streams[""].attention and not causal:
+        raise PrecomputeError(f"triangle: teacher {options.engine.teacher!r} is not causal, so its attention maps are "
+                              f"not triangular; drop --triangle")
+
+
+def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[str, Any]:
+    """The settings the targets depend on, as far as they are known before the weights load (key names as
+    caches have always recorded them: ``layers`` for one stream, ``encoder_layers``... for two)."""
+    out: dict[str, Any] = {"max_length": options.dataset.max_length}
+    if "" in targets.streams:
+        out.update(packing=options.dataset.packing, layers=list(targets.streams[""].hidden),
+                   attention_layers=list(targets.streams[""].attention))
+    else:
+        out["max_target_length"] = options.dataset.max_target_length or options.dataset.max_length
+        out.update({f"{s}_layers": list(t.hidden) for s, t in targets.streams.items()})
+        out.update({f"{s}_attention_layers": list(t.attention) for s, t in targets.streams.items()})
+        out["cross_attention_layers"] = list(targets.cross_attention)
+    engine, storage = options.engine, options.storage
+    return {**out, "heads": list(targets.heads) if targets.heads is not None else None,
+            "features": list(options.targets.features), "top_k": targets.top_k, "logits": targets.logits,
+            "samples": targets.samples, "sample_temperature": targets.sample_temperature,
+            **({"logprob_step": targets.logprob_step} if targets.logprob_step else {}),
+            # Draws follow the seed, the batches and the head's chunks: a resume must form them alike.
+            "sampling": {"seed": engine.seed, "batch_size": engine.batch_size, "logits_chunk": engine.logits_chunk}
+            if targets.logits and logit_kinds.get(targets.logits).draws else None,
+            "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
+            "triangle": options.targets.triangle, "format_version": FORMAT_VERSION,
+            # Fused kernels round otherwise than eager ones: a resume must not mix them (absent when off, so that
+            # earlier caches' fingerprints stay the same).
+            **({"compile_teacher": True} if engine.compile_teacher else {}),
+            **attention_sources.get(targets.attention_source).fingerprint(),
+            # Recorded only when it is not the dtype's own (also when given explicitly, as --hidden-codec fp16), so
+            # that the fingerprints of caches written before codecs stay the same.
+            **({"hidden_codec": codec.record()} if not (codec := storage.resolved_hidden_codec).is_plain(storage.dtype)
+               else {})}

@@ -1,0 +1,259 @@
+"""Stage two from your own training code: a cache's batches as a torch dataset and the compound loss as a module.
+
+``kdcache train`` is built on these same pieces: ``fit_student`` (the options a cache and a student decide, the
+plan and its checks), ``build_criterion`` (the loss with its projectors and critics), ``StudentRunner`` (the
+student's forward as the losses want it) and ``CacheStream`` / ``to_device`` (the batches, their targets decoded
+on the device). This module only puts a friendlier face on them, so the CLI, ``DistillationLoss`` and
+``CacheTrainer`` cannot compute different losses from the same cache.
+
+A plain loop (``B`` micro-batch, ``L`` padded length)::
+
+    loss = DistillationLoss("cache", student, gamma=1.0)
+    data = loss.dataset(batch_size=8)
+    for batch in torch.utils.data.DataLoader(data, batch_size=None):
+        batch = data.to_device(batch, "cpu")           # [B, L] ids and masks, fp32 targets [B, L, d] ...
+        terms = loss(student(**loss.inputs(batch)), batch)
+        terms["loss"].backward()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from kdcache.stages.common import attention_sources, logit_kinds
+from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
+from kdcache.stages.common.device_codecs import load_projection
+from kdcache.stages.train.checks import open_cache
+from kdcache.stages.train.distill import (
+    DistillLoss,
+    StudentRunner,
+    build_criterion,
+    has_vocab_term,
+    student_inputs,
+    unwrapped_student,
+)
+from kdcache.stages.train.feed import Batch, CacheStream, DataPosition, next_position, to_device
+from kdcache.stages.train.options import LossOptions, MapOptions, TrainOptions
+from kdcache.stages.train.plan import TrainPlan, plan_training, unused_targets
+from kdcache.stages.train.student import StudentFacts, student_facts, tokenizer_fingerprint_of
+from kdcache.storage import KdcacheError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kdcache.stages.train.teacher_head import TeacherHead
+    from kdcache.storage import CacheReader
+
+# The keyword options of ``DistillationLoss``: those of ``kdcache train``'s loss and maps groups, and the seed.
+LOSS_OPTIONS = tuple(f.name for group in (LossOptions, MapOptions) for f in dataclasses.fields(group)) + ("seed",)
+
+
+class ApiError(KdcacheError):
+    """The Python API was given something it cannot use (an unknown option, a cache it cannot train from)."""
+
+
+def _say(speaker: str, line: str, announce: bool) -> None:
+    if announce and int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for all
+        print(f"{speaker}: {line}", file=sys.stderr)
+
+
+def seed_dropout(seed: int, micro_step: int, rank: int) -> None:
+    """Seed this micro-step's dropout from (seed, micro-step, rank) rather than carrying RNG state, so that a resumed
+    run repeats an uninterrupted one's dropout masks (``kdcache train`` and ``CacheTrainer`` both call it)."""
+    torch.manual_seed((seed * 1_000_003 + micro_step) * 1_009 + rank)
+
+
+def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, *, pretrained: bool,
+                tokenizer: dict[str, Any] | None, speaker: str = "kdcache train",
+                announce: bool = True) -> tuple[TrainOptions, StudentFacts, TrainPlan]:
+    """What the student decides of the options (``--alpha``), and the plan, checked against the cache.
+
+    Args:
+        options: the run's options, with the cache's defaults already filled in (``with_cache_defaults``).
+        reader: the open cache.
+        student: the transformers model (a PEFT model's own, ``unwrapped_student``).
+        pretrained: whether the student came with weights (a random init is told apart in the checks).
+        tokenizer: the student's tokenizer fingerprint, or None when its folder has none.
+        speaker, announce: how the notes are headed, and whether to print them (rank 0).
+
+    Raises:
+        CacheCheckError: every mismatch between cache and student, at once.
+    """
+    facts = student_facts(student, pretrained=pretrained)
+    options, said = options.with_student_defaults(facts.has_lm_head, not facts.is_causal and
+                                                  not facts.is_encoder_decoder)
+    if said:
+        _say(speaker, said, announce)
+    plan = plan_training(options, reader, facts, tokenizer)
+    for note in plan.notes:
+        _say(speaker, f"note: {note}", announce)
+    unused = unused_targets(reader.spec, plan, options)
+    if unused:
+        _say(speaker, f"note: cached targets this run leaves unused: {'; '.join(unused)}", announce)
+    return options, facts, plan
+
+
+def teacher_head_for(reader: CacheReader, plan: TrainPlan, *, speaker: str = "kdcache train",
+                     announce: bool = True) -> TeacherHead | None:
+    """The teacher's LM head of a ``--logits head`` cache when the KL uses it (its size stated), else None."""
+    if not logit_kinds.uses_head(plan.logits):
+        return None
+    from kdcache.stages.train.teacher_head import load_teacher_head
+
+    head = load_teacher_head(reader.store, reader.spec.hidden_layers)
+    _say(speaker, head.describe(), announce)
+    return head
+
+
+def loss_options(reader: CacheReader, options: Mapping[str, Any]) -> TrainOptions:
+    """``kdcache train``'s options from keyword options named as its flags (``gamma=1.0``, ``layer_map="last"``),
+    with what the cache decides filled in.
+
+    Raises:
+        ApiError: an option that is not a loss or map option, or a value its group refuses.
+    """
+    unknown = sorted(set(options) - set(LOSS_OPTIONS))
+    if unknown:
+        raise ApiError(f"unknown option(s) {', '.join(map(repr, unknown))}; expected any of {', '.join(LOSS_OPTIONS)}")
+    if options.get("cross_tokenizer"):
+        raise ApiError(f"cross_tokenizer={options['cross_tokenizer']!r}: a student with another tokenizer trains "
+                       "through `kdcache train --cross-tokenizer` only, for now; expected None")
+    built = TrainOptions.of(cache=str(reader.root), student="", out="", **options)
+    problems = built.loss.validate() + built.maps.validate()
+    if problems:
+        raise ApiError("bad loss options: " + "; ".join(problems))
+    return built.with_cache_defaults(reader.spec)[0]
+
+
+def use_maps_attention(student: Any, reader: CacheReader, delta: float) -> None:
+    """Switch the student to the attention that returns its maps before dropout when the attention term reads maps
+    (``kdcache train`` loads it so; a model loaded by the user has SDPA, which returns none)."""
+    if delta > 0 and attention_sources.get(reader.spec.attention_source).student_maps:
+        register_maps_attention()
+        unwrapped_student(student).set_attn_implementation(MAPS_ATTENTION)
+
+
+class CacheDataset(CacheStream):
+    """A rank's micro-batches of a cache, in ``kdcache train``'s deterministic order; use it with
+    ``DataLoader(dataset, batch_size=None)``.
+
+    Each item is a dict on the host: per token stream ``input_ids`` and ``mask`` ``[B, L]`` (plus ``loss_mask`` and
+    ``position_ids`` when the cache has them), the targets ``[B, L, ...]`` still in their stored dtype (coded
+    hidden states as their codes), ``sample_ids [B]``, and ``epoch`` / ``step_in_epoch`` (ints) saying where it
+    came from. ``to_device`` moves a batch and decodes its targets there; ``position_after`` is the exact resume
+    state once a batch is consumed (give it back as ``start=``).
+
+    Args:
+        cache: a cache folder or URL, or an open ``CacheReader``.
+        arrays: the cached arrays to read (``DistillationLoss.arrays``: what the loss needs).
+        batch_size: sequences per micro-batch on this rank.
+        seed: the order's seed (shards, then blocks of ``shuffle_block`` sequences, are shuffled per epoch).
+        rank, world_size: this rank's share; None: from ``torch.distributed`` when it is initialised, else 0 of 1.
+        start: where to begin (a ``position_after`` of an earlier run, or its ``to_dict()``).
+    """
+
+    def __init__(self, cache: str | os.PathLike[str] | CacheReader, arrays: tuple[str, ...] | list[str], *,
+                 batch_size: int, seed: int = 0, rank: int | None = None, world_size: int | None = None,
+                 start: DataPosition | Mapping[str, int] | None = None, shuffle_block: int = 256, prefetch: int = 4,
+                 decode_threads: int = 0, pin_memory: bool = False):
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank = (torch.distributed.get_rank() if dist else 0) if rank is None else rank
+        world_size = (torch.distributed.get_world_size() if dist else 1) if world_size is None else world_size
+        if not 0 <= rank < world_size:
+            raise ApiError(f"rank {rank} of world size {world_size}: expected 0 <= rank < world_size")
+        if isinstance(start, Mapping):
+            start = DataPosition(int(start["epoch"]), int(start["sample_index"]))
+        reader = open_cache(os.fspath(cache)) if isinstance(cache, (str, os.PathLike)) else cache
+        super().__init__(reader, arrays, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
+                         start=start or DataPosition(), shuffle_block=shuffle_block, prefetch=prefetch,
+                         decode_threads=decode_threads, pin_memory=pin_memory)
+        self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
+        self.projection = load_projection(reader)  # a rank codec's bases, for that decode
+
+    def to_device(self, batch: Batch, device: torch.device | str) -> Batch:
+        """``batch`` on ``device`` with float32 targets, coded hidden states decoded there (as ``kdcache train``)."""
+        return to_device(batch, device, self.hidden_codec, self.projection)
+
+    def position_after(self, batch: Mapping[str, Any]) -> DataPosition:
+        """Where this rank's stream stands once ``batch`` (one of its items) is consumed on every rank."""
+        return next_position(int(batch["epoch"]), int(batch["step_in_epoch"]), self.world_size, self.batch_size,
+                             self.steps_per_epoch)
+
+
+class DistillationLoss(nn.Module):
+    """``kdcache train``'s compound loss as a module: it owns the projectors (and any wgan critics) and is called as
+    ``loss(student_outputs, batch) -> {"loss": total, "ce": ..., "topk_kl": ..., "hidden/s1_t2": ...}``: the
+    total with its graph, every term detached and unweighted, named as ``kdcache train`` logs them.
+
+    Args:
+        cache: a cache folder or URL, or an open ``CacheReader``; the teacher is never loaded.
+        student: the transformers model being trained, or a PEFT model wrapping one. When the attention term reads
+            maps, it is switched to the attention that returns them before dropout.
+        announce: print the notes ``kdcache train`` prints (rank 0).
+        **options: ``kdcache train``'s loss and map options by their flag names: ``alpha``, ``beta``, ``gamma``,
+            ``delta``, ``temperature``, ``hidden_loss``, ``topk_kl``, ``attention_loss``, ``relation_heads``,
+            ``critic_steps``, ``critic_lr``, ``layer_map``, ``attention_layers`` (maps as text, e.g.
+            ``"explicit:1-2,2-4"``), ``seed`` (projector init); unset ones take the CLI's defaults.
+
+    The module is built on the CPU: move it with the student (``loss.to(device)``) and give its parameters to the
+    optimizer with the student's.
+
+    Raises:
+        ApiError: an unknown option or a refused value; CacheCheckError: the cache does not fit the student.
+    """
+
+    def __init__(self, cache: str | os.PathLike[str] | CacheReader, student: Any, *, announce: bool = True,
+                 **options: Any):
+        super().__init__()
+        reader = open_cache(os.fspath(cache)) if isinstance(cache, (str, os.PathLike)) else cache
+        resolved = loss_options(reader, options)
+        use_maps_attention(student, reader, resolved.loss.delta)
+        model = unwrapped_student(student)
+        path = getattr(model, "name_or_path", "") or ""
+        tokenizer = tokenizer_fingerprint_of(path) if path and Path(path).is_dir() else None
+        resolved, facts, plan = fit_student(resolved, reader, model, pretrained=True, tokenizer=tokenizer,
+                                            speaker="kdcache", announce=announce)
+        head = teacher_head_for(reader, plan, speaker="kdcache", announce=announce)
+        self.criterion: DistillLoss = build_criterion(resolved, plan, facts, head)
+        self.reader, self.plan, self.options = reader, plan, resolved
+        self.runner = StudentRunner(student, plan, vocab=has_vocab_term(self.criterion), announce=announce)
+        self._student = (student,)  # a tuple: the student is not a submodule (its weights are not the loss's)
+
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        """The cached arrays this loss reads (what ``CacheDataset`` should stream)."""
+        return self.plan.names
+
+    @property
+    def projectors(self) -> nn.Module:
+        """The projectors, to save beside the student (``kdcache train`` exports them to ``projectors.pt``)."""
+        return self.criterion.projectors
+
+    def dataset(self, *, batch_size: int, **kwargs: Any) -> CacheDataset:
+        """A ``CacheDataset`` of this cache streaming exactly ``arrays`` (``kwargs``: its other arguments)."""
+        return CacheDataset(self.reader, self.arrays, batch_size=batch_size, **kwargs)
+
+    def inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The student's forward arguments for ``batch`` (on the device), asking for the hidden states and
+        attention maps the loss reads. For a q/k cache use ``student_outputs``, which records the queries and keys."""
+        model = unwrapped_student(self._student[0])
+        return {**student_inputs(model, batch), "output_hidden_states": self.plan.wants_hidden,
+                "output_attentions": self.plan.wants_attention}
+
+    def student_outputs(self, student: Any, batch: Mapping[str, Any]) -> Any:
+        """The student's outputs on ``batch`` as ``kdcache train`` takes them (``StudentRunner``: the LM head applied
+        chunk by chunk inside the losses when it is a plain linear layer, q/k recorded for a q/k cache)."""
+        return self.runner(student, batch)
+
+    def forward(self, student_outputs: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every term of the loss: ``student_outputs`` (a transformers ``ModelOutput`` with ``hidden_states`` /
+        ``attentions`` when asked for) against ``batch`` (on the device, from ``CacheDataset.to_device``)."""
+        return self.criterion(student_outputs, batch)

@@ -1,0 +1,421 @@
+"""CacheSpec: what a cache holds, and the naming and dtype rules derived from it.
+
+Array names inside a shard (see docs/architecture.md):
+
+- ``input_ids [T]`` int32 and ``offsets [S+1]`` int64;
+- token arrays named by ``token_arrays``, ``[T]`` like ``input_ids``: ``loss_mask`` uint8 (1 = a loss counts this
+  token) and ``position_ids`` int32 (positions that restart at 0 where a packed row starts a new document);
+- ``hidden/{j} [T, d]`` per hidden layer j (0 = embeddings);
+- ``attention/{j} [R, H']`` per attention block j (1..N) and ``attention_offsets [S+1]`` int64; or, with
+  ``attention_source`` "qk"/"qkv", ``attention_q/{j} [T, H*d]``, ``attention_k/{j}`` (and ``attention_v/{j}``)
+  ``[T, H_kv*d]`` token rows, with ``attention_scores`` recording how scores are formed;
+- ``logits/full [T, V]``, or ``logits/topk_values [T, k]``, ``logits/topk_ids [T, k]``, ``logits/lse [T]``.
+
+A seq2seq cache (``layers`` keyed by ``encoder`` and ``decoder``; format v2) holds two token streams, each with its
+own ids, offsets, hidden and self-attention layers (``encoder/input_ids``, ``encoder/offsets``, ``encoder/hidden/{j}``,
+``encoder/attention/{j}``, ``encoder/attention_offsets``, and the same under ``decoder/``), plus cross-attention
+``cross_attention/{j} [R, H']`` (per sequence ``L_dec * L_enc`` rows) with ``cross_attention_offsets``; logits
+are on decoder tokens. See ``storage.core.streams``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kdcache.storage.core.attention_source import (
+    DEFAULT_ATTENTION_SOURCE,
+    attention_layout,
+    check_attention_source,
+    token_row_kinds,
+)
+from kdcache.storage.core.backend_registry import DEFAULT_BACKEND, backend_class
+from kdcache.storage.core.codecs import CompressorConfig, resolve_codec
+from kdcache.storage.core.dtypes import STORAGE_DTYPES, storage_dtype
+from kdcache.storage.core.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
+from kdcache.storage.core.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
+from kdcache.storage.core.logit_layouts import (
+    FLOAT,
+    TOPK_MASS as TOPK_MASS,  # re-exported: spec's name for it before layouts
+    TOPK_VALUE_FORMATS as TOPK_VALUE_FORMATS,
+    VOCAB_ID,
+    logit_array,
+    logit_arrays,
+    validate_logits,
+)
+from kdcache.storage.core.streams import (
+    CROSS,
+    SEQ2SEQ_MANIFEST_KEYS,
+    attention_offsets_name,
+    is_offsets,
+    kind_of,
+    prefixed,
+    spec_layers,
+    split_stream,
+    stream_layers_of_manifest,
+    stream_manifest_keys,
+    token_offsets_name,
+)
+from kdcache.storage.hidden_codecs import (
+    CODES_CODEC,
+    HiddenCodec,
+    applies_to,
+    hidden_codec_of,
+    is_part,
+    part_name,
+    part_of,
+    parts,
+)
+
+PER_SEQUENCE_FIXED = ("input_ids",)
+# Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
+TOKEN_ARRAYS: dict[str, np.dtype] = {"loss_mask": np.dtype(np.uint8), "position_ids": np.dtype(np.int32)}
+
+
+def topk_id_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned integer dtype that holds every id in ``range(vocab_size)``."""
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise SpecError(f"vocab_size {vocab_size} does not fit in 64 bits")
+
+
+def _layers(name: str, values: Iterable[int | str], minimum: int) -> tuple[int, ...]:
+    layers = tuple(sorted({int(v) for v in values}))
+    if any(j < minimum for j in layers):
+        raise SpecError(f"{name} {list(values)} has a layer below {minimum}; expected layers >= {minimum}")
+    return layers
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a cache holds and how. Frozen; round-trips through JSON via ``to_dict`` / ``from_dict``.
+
+    Layers are stored sorted and de-duplicated; codecs are stored as full numcodecs config dicts.
+    ``bitround`` (keepbits) applies to activations (hidden, attention, full logits), never to top-k.
+
+    ``layers`` is the one record of the cached layers: ``{stream: {kind: layers}}`` (``storage.core.streams``), e.g.
+    ``{"": {"hidden": (2, 4), "attention": (4,)}}``, or ``{"encoder": {...}, "decoder": {"hidden": ...,
+    "attention": ..., "cross_attention": ...}}``. ``hidden_layers`` / ``attention_layers`` are a one-stream
+    convenience: given instead of ``layers`` they build stream ``""``; afterwards they mirror that stream (empty
+    for two streams).
+    """
+
+    num_sequences: int
+    backend: str = DEFAULT_BACKEND  # a name of storage.core.backend_registry
+    hidden_layers: tuple[int, ...] = ()
+    attention_layers: tuple[int, ...] = ()
+    attention_heads: tuple[int, ...] | None = None
+    attention_triangle: bool = False
+    logits: str | None = None
+    top_k: int = 0
+    samples: int = 0  # logits "sampled": N, the draws per token (also the width of its arrays)
+    sample_temperature: float = 1.0
+    vocab_size: int = 0
+    dtype: str = "fp16"
+    # A numcodecs configuration, its name or alias, or None: the backend's default (Backend.default_codecs);
+    # always the resolved configuration once constructed (``codec_configs``).
+    codec: CompressorConfig | str | None = None
+    topk_codec: CompressorConfig | str | None = None
+    topk_values: str = "fp16"  # of TOPK_VALUE_FORMATS; left out of to_dict() when fp16 (older manifests)
+    logprob_step: float = 0.0  # "logprob": the quantisation step; every stored log-prob is within step/2
+    bitround: int | None = None
+    # The codec of hidden states (and queries/keys/values): given as a codec of storage.hidden_codecs, its name,
+    # its {name, configuration} record or None (the float ``dtype``); always the configured codec once constructed.
+    # Its record is what to_dict() writes, left out for the float dtype's.
+    hidden_codec: HiddenCodec = None  # type: ignore[assignment]
+    sequences_per_shard: int = 256
+    token_arrays: tuple[str, ...] = ()  # of TOKEN_ARRAYS, stored for every stream; absent before format 4
+    layers: dict[str, dict[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)  # {}: see above
+    # Attention as queries/keys (issue 23); left out of to_dict() when "maps" (every earlier manifest).
+    attention_source: str = DEFAULT_ATTENTION_SOURCE
+    attention_scores: dict[str, Any] | None = None  # attention_source.SCORE_KEYS, BLOCK_SCORE_KEYS per block
+
+    def __post_init__(self) -> None:
+        def put(key: str, value: object) -> None:  # a frozen dataclass sets its own fields this way
+            object.__setattr__(self, key, value)
+
+        put("layers", spec_layers(self.layers, self.hidden_layers, self.attention_layers))
+        one = self.layers.get("", {})
+        put("hidden_layers", one.get("hidden", ()))
+        put("attention_layers", one.get("attention", ()))
+        put("token_arrays", tuple(self.token_arrays))
+        if self.attention_heads is not None:
+            put("attention_heads", _layers("attention_heads", self.attention_heads, 0))
+        codec, topk_codec = backend_class(self.backend).default_codecs()  # a SpecError names the backends
+        put("codec", resolve_codec(codec if self.codec is None else self.codec))
+        put("topk_codec", resolve_codec(topk_codec if self.topk_codec is None else self.topk_codec))
+        put("hidden_codec", hidden_codec_of(self.hidden_codec, self.dtype if self.dtype in ("fp16", "bf16")
+                                            else "fp16"))
+        self._validate()
+
+    @property
+    def codec_configs(self) -> tuple[CompressorConfig, CompressorConfig]:
+        """(activation codec, top-k codec): the resolved numcodecs configurations construction made of the
+        ``codec`` and ``topk_codec`` fields."""
+        if not isinstance(self.codec, dict) or not isinstance(self.topk_codec, dict):
+            raise SpecError(f"codecs not resolved: {self.codec!r}, {self.topk_codec!r}")  # only a bypassed __init__
+        return self.codec, self.topk_codec
+
+    def _validate(self) -> None:
+        storage_dtype(self.dtype)
+        if self.num_sequences < 1 or self.sequences_per_shard < 1:
+            raise SpecError(f"num_sequences ({self.num_sequences}) and sequences_per_shard "
+                            f"({self.sequences_per_shard}) must both be >= 1")
+        validate_logits(self)
+        if self.bitround is not None and self.float_dtype("hidden/0") != self.dtype:
+            raise SpecError(f"bitround needs hidden states in the float dtype {self.dtype!r}; hidden codec "
+                            f"{self.hidden_codec.name!r} differs")
+        mantissa = STORAGE_DTYPES[self.dtype][1]
+        if self.bitround is not None and not 0 < self.bitround < mantissa:
+            raise SpecError(f"bitround keepbits must be in 1..{mantissa - 1} for {self.dtype}, got {self.bitround}")
+        if self.attention_heads is not None and not self.attention_heads:
+            raise SpecError("attention_heads is empty; use None for all heads")
+        unknown = [a for a in self.token_arrays if a not in TOKEN_ARRAYS]
+        if unknown or len(set(self.token_arrays)) != len(self.token_arrays):
+            raise SpecError(f"token_arrays {list(self.token_arrays)}: expected distinct names among "
+                            f"{list(TOKEN_ARRAYS)}")
+        for config in self.codec_configs:  # fail at creation, not at the first shard
+            backend_class(self.backend).check_codec(config)
+        check_attention_source(self.attention_source, self.attention_scores, self.attention_layers,
+                               one_stream=not self.is_encoder_decoder, all_heads=self.attention_heads is None,
+                               triangle=self.attention_triangle)
+
+    # ---- derived streams -----------------------------------------------------------------------------
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """Whether the cache holds two token streams (encoder and decoder)."""
+        return "" not in self.layers
+
+    def layers_of(self, kind: str, stream: str = "") -> tuple[int, ...]:
+        """The cached layers of ``kind`` ("hidden", "attention", "cross_attention") in ``stream`` (() if none)."""
+        return self.layers.get(stream, {}).get(kind, ())
+
+    def layer_groups(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(array group, layers)`` in array order: ``hidden`` / ``encoder/attention`` ... then
+        ``cross_attention`` (whose arrays carry no stream prefix: they span both streams)."""
+        return [(kind if kind == CROSS else prefixed(stream, kind), layers)
+                for stream, kinds in self.layers.items() for kind, layers in kinds.items()]
+
+    @property
+    def format_version(self) -> int:
+        """Format version of caches written with this spec (one stream or two alike)."""
+        return FORMAT_VERSION
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        """Token streams: ``("",)`` for a single-stream cache, ``("encoder", "decoder")`` for seq2seq."""
+        return tuple(self.layers)
+
+    def stream_layers(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """``(stream, hidden layers, self-attention layers)`` per token stream."""
+        return [(stream, kinds["hidden"], kinds["attention"]) for stream, kinds in self.layers.items()]
+
+    def ids_name(self, stream: str = "") -> str:
+        """The token-id array of ``stream`` (``input_ids``, ``encoder/input_ids``...)."""
+        return prefixed(stream, "input_ids")
+
+    def token_names(self) -> list[str]:
+        """Every stream's ids, then every stream's token arrays (``loss_mask``, ``position_ids``...)."""
+        names = [self.ids_name(s) for s in self.streams]
+        return names + [prefixed(s, a) for s in self.streams for a in self.token_arrays]
+
+    def offsets_name(self, name: str) -> str:
+        """The offsets array that locates per-sequence array ``name``'s rows."""
+        if kind_of(name) in ("attention", CROSS):
+            return attention_offsets_name(name)
+        stream, _ = split_stream(name)
+        logits_stream = "decoder" if self.is_encoder_decoder and name.startswith("logits/") else ""
+        return token_offsets_name(stream or logits_stream)
+
+    def by_documents(self, name: str) -> bool:
+        """Whether attention array ``name`` is stored per document (self-attention of rows with ``position_ids``,
+        packed by document as ``pack_attention`` does)."""
+        return "position_ids" in self.token_arrays and kind_of(name) == "attention"
+
+    def attention_geometry(self, name: str) -> tuple[str, str, bool]:
+        """``(query stream, key stream, triangle)`` of an attention array.
+
+        Cross-attention has decoder queries and encoder keys; only a (decoder) self-attention map can be
+        stored as its causal triangle.
+        """
+        if kind_of(name) == CROSS:
+            return "decoder", "encoder", False
+        stream, _ = split_stream(name)
+        return stream, stream, self.attention_triangle and stream in ("", "decoder")
+
+    def offset_arrays(self) -> list[str]:
+        """Every offsets array of a shard (token offsets per stream, then attention offsets)."""
+        names = [token_offsets_name(s) for s in self.streams]
+        for name in self.sequence_names():
+            if kind_of(name) in ("attention", CROSS) and self.offsets_name(name) not in names:
+                names.append(self.offsets_name(name))
+        return names
+
+    @property
+    def has_activations(self) -> bool:
+        """Whether any hidden state, attention map or full logits are stored (bitround's targets)."""
+        return any(self.is_lossy_kind(n) for n in self.sequence_names())
+
+    @property
+    def num_shards(self) -> int:
+        """Number of shards; fixed at creation so resumption and rank partitions always agree."""
+        return math.ceil(self.num_sequences / self.sequences_per_shard)
+
+    def shard_range(self, index: int) -> tuple[int, int]:
+        """Global sequence range ``[start, stop)`` of shard ``index``."""
+        start = index * self.sequences_per_shard
+        return start, min(start + self.sequences_per_shard, self.num_sequences)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """Target kinds held: "hidden", "attention" (per stream for seq2seq, e.g. "encoder/hidden"),
+        "cross_attention", "logits/full" or "logits/topk"."""
+        kinds = [*self.layer_groups(), (f"logits/{self.logits}", bool(self.logits))]
+        return tuple(name for name, present in kinds if present)
+
+    def sequence_names(self) -> list[str]:
+        """Names of the per-sequence arrays a reader returns (and the writer takes), in order."""
+        names = self.token_names()
+        for group, layers in self.layer_groups():
+            stream, kind = split_stream(group)
+            kinds = attention_layout(self.attention_source).kinds if kind == "attention" else (kind,)
+            names += [n for j in layers for k in kinds for n in self.with_parts(prefixed(stream, f"{k}/{j}"))]
+        return names + self.logit_arrays()
+
+    def logit_arrays(self) -> list[str]:
+        """The per-token logit arrays of this cache (a log-prob top-k cache needs no logsumexp)."""
+        return [a.name for a in logit_arrays(self)]
+
+    # ---- hidden codecs (storage.hidden_codecs) ---------------------------------------------------------
+    def coded(self, name: str) -> bool:
+        """Whether ``name`` is stored as codes of a quantised hidden codec (with companion arrays)."""
+        return not self.hidden_codec.float_dtype and applies_to(name)
+
+    def with_parts(self, name: str) -> list[str]:
+        """``name`` and, when it is coded, its companion arrays (scales, outliers kept aside, their ids)."""
+        return [name, *(part_name(name, p) for p in parts(self.hidden_codec))] if self.coded(name) else [name]
+
+    def float_dtype(self, name: str) -> str:
+        """The float type ("fp16" / "bf16") float array ``name`` is stored in: a float hidden codec's, else
+        ``dtype``."""
+        return self.hidden_codec.float_dtype or self.dtype if applies_to(name) else self.dtype
+
+    def gap_coded(self, name: str) -> bool:
+        """Whether ``name`` holds rows non-decreasing along the last axis, stored as the first value and the gaps."""
+        array = logit_array(self, name)
+        return array is not None and array.gap_coded
+
+    def array_names(self) -> list[str]:
+        """Every array each shard holds (per-sequence names plus the offsets arrays)."""
+        names = self.sequence_names()
+        offsets = self.offset_arrays()
+        if not self.is_encoder_decoder:  # the v1 order: input_ids, offsets, ..., attention_offsets
+            return [names[0], offsets[0], *names[1:], *offsets[1:]]
+        return names + offsets
+
+    def array_dtype(self, name: str) -> np.dtype:
+        """On-disk dtype of array ``name``."""
+        if is_offsets(name):
+            return np.dtype(np.int64)
+        if kind_of(name) == "input_ids":
+            return np.dtype(np.int32)
+        if kind_of(name) in TOKEN_ARRAYS:
+            return TOKEN_ARRAYS[kind_of(name)]
+        array = logit_array(self, name)
+        if array is not None and array.dtype != FLOAT:
+            return topk_id_dtype(self.vocab_size) if array.dtype == VOCAB_ID else np.dtype(array.dtype)
+        if self.coded(name):
+            return self.hidden_codec.numpy_code_dtype()
+        if is_part(name):
+            return np.dtype(np.uint16) if part_of(name) == "outlier_ids" else np.dtype(np.float16)
+        return storage_dtype(self.float_dtype(name))
+
+    def codec_for(self, name: str) -> dict[str, Any]:
+        """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
+        if backend_class(self.backend).codec_per_array and (self.coded(name) or is_part(name)):
+            return resolve_codec(CODES_CODEC)  # a column-major codec's too (COLUMN_CODES_CODEC is the same)
+        array = logit_array(self, name)
+        activations, sparse = self.codec_configs
+        return sparse if array is not None and array.sparse else activations
+
+    def is_lossy_kind(self, name: str) -> bool:
+        """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""
+        array = logit_array(self, name) if name.startswith("logits/") else None
+        activations = ("hidden", "attention", CROSS, *token_row_kinds())
+        return kind_of(name) in activations or (array is not None and not array.sparse)
+
+    def is_lossy_target(self, name: str) -> bool:
+        """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""
+        return self.bitround is not None and self.is_lossy_kind(name) and not self.coded(name)
+
+    def check_name(self, name: str) -> None:
+        """Raise a typed error unless ``name`` is a per-sequence array of this cache."""
+        if name in self.sequence_names():
+            return
+        groups: dict[str, tuple[int, ...]] = {}
+        for group, held in self.layer_groups():
+            stream, kind = split_stream(group)
+            kinds = attention_layout(self.attention_source).kinds if kind == "attention" else (kind,)
+            groups.update({prefixed(stream, k): held for k in kinds})
+        kind, _, layer = name.rpartition("/")
+        layers = groups.get(kind)
+        if layers is not None and layer.lstrip("-").isdigit():
+            raise LayerNotInCacheError(f"{kind} layer {layer} is not in this cache; cached {kind} layers: "
+                                       f"{list(layers) or 'none'}")
+        raise UnknownFeatureError(f"unknown array or feature {name!r}; this cache holds: "
+                                  f"{', '.join(self.sequence_names())}")
+
+    def expand_names(self, names: list[str] | tuple[str, ...] | None) -> list[str]:
+        """Expand group names ("hidden", "attention", "logits") and validate the rest; None = all."""
+        if names is None:
+            return self.sequence_names()
+        out: list[str] = []
+        for name in names:
+            # a group's coded layers bring their companions (hidden_scale/j...), which lie outside "hidden/"
+            group = [p for n in self.sequence_names() if n.startswith(name + "/") for p in self.with_parts(n)]
+            if not group:
+                self.check_name(name)
+            out.extend(group or self.with_parts(name))
+        # Attention stored per document cannot be unpacked without the row's document boundaries.
+        out += [prefixed(split_stream(n)[0], "position_ids") for n in out if self.by_documents(n)]
+        return list(dict.fromkeys(out))
+
+    # ---- JSON ----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists), in the manifest's keys of every format: the layer mapping
+        becomes ``hidden_layers`` / ``attention_layers`` for one stream, and for two ``"layout": "seq2seq"`` plus
+        one key per stream and kind (``streams.stream_manifest_keys``), so manifests stay byte-identical."""
+        out = dataclasses.asdict(self)
+        del out["layers"]
+        if not self.token_arrays:  # what format-3 writers wrote
+            del out["token_arrays"]
+        out.update(stream_manifest_keys(self.layers))
+        out["hidden_codec"] = self.hidden_codec.record()
+        if self.hidden_codec.is_plain(self.dtype):  # the float dtype: what earlier writers wrote
+            del out["hidden_codec"]
+        if attention_layout(self.attention_source).default:  # what writers before issue 23 wrote
+            del out["attention_source"], out["attention_scores"]
+        if self.topk_values == "fp16":  # what earlier writers wrote; a reader that predates logprob refuses those
+            del out["topk_values"], out["logprob_step"]
+        for key, value in out.items():
+            if isinstance(value, tuple):
+                out[key] = list(value)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheSpec:
+        """Rebuild a spec from ``to_dict`` output (the manifest's keys, translated to the layer mapping by
+        ``streams.stream_layers_of_manifest``); unknown keys are an error (a newer writer wrote them)."""
+        known = ({f.name for f in dataclasses.fields(cls)} - {"layers"}) | set(SEQ2SEQ_MANIFEST_KEYS)
+        extra = sorted(set(data) - known)
+        if extra:
+            raise SpecError(f"unknown spec field(s) {extra}; expected only {sorted(known)}")
+        values: dict[str, Any] = {k: v for k, v in data.items() if k not in SEQ2SEQ_MANIFEST_KEYS}
+        values["layers"] = stream_layers_of_manifest(data) or {}  # {}: hidden_layers / attention_layers build it
+        return cls(**values)

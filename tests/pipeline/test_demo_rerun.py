@@ -1,0 +1,71 @@
+"""A second ``kdcache demo`` into the same folder (issue 53): it stopped at step 3/6, since ``init-student`` refuses a
+folder that holds a student, and ``make clean`` was the only way to start over (it deletes ``.venv`` too).
+
+The decisions are tested here on folders written by hand, the way the steps leave them; the whole rerun in
+``test_cli.py``, on the first demo that module runs anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from kdcache.pipeline.demo_reuse import StepLog, finished_run, matching_student
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _student(folder: Path, teacher: str, blocks: list[int], *, weights: bool = True) -> Path:
+    """A folder as ``init-student`` leaves it: config, weights, then its record, written last."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    if weights:
+        (folder / "model.safetensors").write_bytes(b"\0" * 8)
+    (folder / "kdcache_init.json").write_text(json.dumps({"teacher": teacher, "teacher_blocks": blocks}))
+    return folder
+
+
+def test_a_student_is_reused_only_when_built_from_the_same_teacher_and_blocks(tmp_path: Path) -> None:
+    teacher = tmp_path / "minilm"
+    built = _student(tmp_path / "s", str(teacher), [2, 4, 6])
+    assert matching_student(built, teacher, [2, 4, 6])
+    assert not matching_student(built, teacher, [1, 3, 5])  # other blocks
+    assert not matching_student(built, tmp_path / "other", [2, 4, 6])  # another teacher
+    assert not matching_student(_student(tmp_path / "half", str(teacher), [2, 4, 6], weights=False), teacher, [2, 4, 6])
+    assert not matching_student(tmp_path / "none", teacher, [2, 4, 6])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "kdcache_init.json").write_text("[not a record")
+    assert not matching_student(tmp_path / "bad", teacher, [2, 4, 6])
+
+
+def test_step_measurements_are_kept_with_the_arguments_they_ran_with(tmp_path: Path) -> None:
+    log = StepLog.open(tmp_path)
+    assert log.measured("train", ["--max-steps", "6"]) is None
+    log.record("train", ["--max-steps", "6"], 12.5, 1 << 30)
+    again = StepLog.open(tmp_path)  # read back from the file, as a second demo does
+    assert again.measured("train", ["--max-steps", "6"]) == (12.5, 1 << 30)
+    assert again.measured("train", ["--max-steps", "7"]) is None  # other settings: measured again
+    (tmp_path / "steps.json").write_text("{half a file")
+    assert StepLog.open(tmp_path).measured("train", ["--max-steps", "6"]) is None
+
+
+def test_only_a_run_that_exported_its_student_counts_as_finished(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    assert not finished_run(run)  # stopped mid-training: trained again
+    (run / "student").mkdir()
+    (run / "student" / "config.json").write_text("{}")
+    assert finished_run(run)
+
+
+def test_make_demo_clean_removes_the_demo_outputs_and_keeps_the_environment(tmp_path: Path) -> None:
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").write_text("")
+    (tmp_path / "demo-out" / "cache").mkdir(parents=True)
+    done = subprocess.run(["make", "-f", str(REPO / "Makefile"), "demo-clean"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "demo-out").exists() and (tmp_path / ".venv" / "bin" / "python").is_file()
+    readme = (REPO / "README.md").read_text()
+    assert "make demo-clean" in readme and "make clean" in readme
