@@ -201,12 +201,12 @@ def _one_step_peak(cache: str, student: str, rows: int, path: str) -> dict[str, 
     """``step_memory``'s child: one step on ``rows`` sequences, ``path`` "chunked" or "materialised"."""
     import resource
 
+    from kdcache.stages.train.core.options import TrainOptions
+    from kdcache.stages.train.core.student_head import plain_head
     from kdcache.stages.train.cross.cross_model import build_cross_model, without_logit_kl
-    from kdcache.stages.train.distill import build_criterion
     from kdcache.stages.train.feed.streaming import collate, to_device
     from kdcache.stages.train.loop import prepare
-    from kdcache.stages.train.options import TrainOptions
-    from kdcache.stages.train.student_head import plain_head
+    from kdcache.stages.train.objective.distill import build_criterion
 
     options = TrainOptions.of(cache=cache, student=student, out=str(Path(cache).parent / "unused"),
                               cross_tokenizer="gold", gamma=0.0)

@@ -55,6 +55,7 @@ def write_data(path: Path, rows: int, chat: bool, seed: int = 0) -> Path:
 def child(args: argparse.Namespace) -> None:
     """One measurement in this process; prints a JSON line."""
     from kdcache.stages.precompute import PrecomputeOptions
+    from kdcache.stages.precompute.core import PrecomputePlan
     from kdcache.stages.precompute.rows.data import load_texts, tokenize
     from kdcache.stages.precompute.rows.row_build import text_streams
     from kdcache.stages.precompute.teacher import load_tokenizer
@@ -66,17 +67,18 @@ def child(args: argparse.Namespace) -> None:
         if args.chat else {}
     options = PrecomputeOptions.of(teacher=args.teacher, data=args.data, out=args.out, max_length=64,
                                    tokenize_workers=args.workers, progress=False, **extra)
-    tokenizer = load_tokenizer(options)
+    plan = PrecomputePlan.of(options)
+    tokenizer = load_tokenizer(plan.teacher)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started, cpu = time.perf_counter(), time.process_time()
     if args.mode == "in-memory":
-        rows = tokenize(load_texts(options), tokenizer, options)
+        rows = tokenize(load_texts(plan.rows), tokenizer, plan.rows)
         hashes = [hash_arrays(rows.ids), hash_arrays(rows.loss_masks)]
         tokens, built = sum(len(r) for r in rows.ids), True
         first = rows.ids[:256]
         del hashes
     else:
-        data = text_streams(options, tokenizer)
+        data = text_streams(plan.rows, tokenizer)
         tokens, built = sum(data.meta["tokens"].values()), data.built
         first = data.ids[""][:256]  # the rank's first shard
     sum(int(a.sum()) for a in first)

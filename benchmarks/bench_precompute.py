@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kdcache.stages.precompute import PrecomputeOptions, run_precompute  # noqa: E402
+from kdcache.stages.precompute.core import PrecomputePlan  # noqa: E402
 from kdcache.stages.precompute.core.targets import resolve_targets  # noqa: E402
 from kdcache.stages.precompute.rows.batching import collate, plan_batches  # noqa: E402
 from kdcache.stages.precompute.rows.data import load_texts, tokenize  # noqa: E402
@@ -68,11 +69,12 @@ def make_gpt2_teacher(path: Path, texts: list[str]) -> Path:
 
 def bare_forward_seconds(options: PrecomputeOptions) -> float:
     """Time the teacher alone over stage one's exact batches (no hooks, no copies, no writes)."""
-    config = read_config(options)
+    plan = PrecomputePlan.of(options)
+    config = read_config(plan.teacher)
     targets = resolve_targets(options, config)
-    tokenizer = load_tokenizer(options)
-    data = tokenize(load_texts(options), tokenizer, options)
-    teacher = load_teacher(options, config, targets, tokenizer, torch.device("cpu"))
+    tokenizer = load_tokenizer(plan.teacher)
+    data = tokenize(load_texts(plan.rows), tokenizer, plan.rows)
+    teacher = load_teacher(plan.teacher, config, targets, tokenizer, torch.device("cpu"))
     pad = tokenizer.pad_token_id or 0
     batches = []
     for start in range(0, len(data.sequences), options.storage.sequences_per_shard):

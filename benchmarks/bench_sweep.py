@@ -43,7 +43,7 @@ OUTPUT_PAIR = (3, 6)  # student block 3 -> teacher block 6: the "prediction" eve
 
 def strategy_maps(seed: int) -> dict[str, str]:
     """Each strategy as an explicit map: the output pair, then the strategy's own pairs (M=3, N=6)."""
-    from kdcache.stages.train.layer_maps import build_layer_map
+    from kdcache.stages.train.core.layer_maps import build_layer_map
 
     maps = {}
     for name in STRATEGIES:

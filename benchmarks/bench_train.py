@@ -64,11 +64,11 @@ def run_mode(mode: str, cache: Path, student: Path, work: Path, args: argparse.N
     """One configuration, in this process; returns steps/s, timings and peak memory."""
     import torch
 
-    from kdcache.stages.train.distill import DistillModel, build_criterion
+    from kdcache.stages.train.core.options import TrainOptions
     from kdcache.stages.train.engine import build_engine, init_distributed
     from kdcache.stages.train.feed.streaming import CacheStream
     from kdcache.stages.train.loop import prepare
-    from kdcache.stages.train.options import TrainOptions
+    from kdcache.stages.train.objective.distill import DistillModel, build_criterion
 
     baseline = _rss()
     options = TrainOptions.of(cache=str(cache), student=str(student), out=str(work / f"run-{mode}"), alpha=1.0,

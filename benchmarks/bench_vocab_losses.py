@@ -53,16 +53,18 @@ def _inputs(tokens: int, dim: int, vocab: int, device: str, dtype: str) -> dict[
     """Targets as the loss takes them (float32 on the device, ``to_device``'s job), the student in ``dtype``."""
     import torch
 
-    g = torch.Generator().manual_seed(0)
-    teacher = torch.randn(1, tokens, vocab, generator=g)
+    # Built on the device: at V = 128,256 the teacher's logits are 2 GB of float32, slow to draw and sort on a host.
+    g = torch.Generator(device=device).manual_seed(0)
+    teacher = torch.randn(1, tokens, vocab, generator=g, device=device)
     values, ids = teacher.topk(TOP_K, dim=-1)
-    x = {"h": torch.randn(1, tokens, dim, generator=g) / dim**0.5, "w": torch.randn(vocab, dim, generator=g),
-         "ids": torch.randint(0, vocab, (1, tokens), generator=g), "mask": torch.ones(1, tokens, dtype=torch.long),
+    on = {"generator": g, "device": device}
+    x = {"h": torch.randn(1, tokens, dim, **on) / dim**0.5, "w": torch.randn(vocab, dim, **on),
+         "ids": torch.randint(0, vocab, (1, tokens), **on), "mask": torch.ones(1, tokens, dtype=torch.long,
+                                                                              device=device),
          "teacher": teacher, "values": values, "topk_ids": ids.int(), "lse": torch.logsumexp(teacher, -1),
-         "draws": torch.randint(0, vocab, (1, tokens, DRAWS), generator=g).sort(-1).values,
-         "counts": torch.ones(1, tokens, DRAWS, dtype=torch.uint8),
-         "logp": -torch.rand(1, tokens, DRAWS, generator=g) * 5}
-    x = {k: v.to(device) for k, v in x.items()}
+         "draws": torch.randint(0, vocab, (1, tokens, DRAWS), **on).sort(-1).values,
+         "counts": torch.ones(1, tokens, DRAWS, dtype=torch.uint8, device=device),
+         "logp": -torch.rand(1, tokens, DRAWS, **on) * 5}
     for k in ("h", "w"):
         x[k] = x[k].to(getattr(torch, dtype)).requires_grad_(True)
     return x
@@ -86,7 +88,7 @@ def _step_loss(variant: str, logits: Any, x: dict[str, Any]) -> Any:
     """CE + top-k KL of ``variant`` as ``CompoundLoss`` forms a step's loss from them."""
     from types import SimpleNamespace
 
-    from kdcache.stages.train.compound import CompoundLoss
+    from kdcache.stages.train.objective.compound import CompoundLoss
 
     targets = {"input_ids": x["ids"].float(), "logits/topk_values": x["values"], "logits/topk_ids": x["topk_ids"],
                "logits/lse": x["lse"]}
@@ -165,10 +167,10 @@ def main() -> None:
                 key = (name, side)
                 best[key] = r if key not in best else {**r, "seconds": min(r["seconds"], best[key]["seconds"]),
                                                        "peak_bytes": min(r["peak_bytes"], best[key]["peak_bytes"])}
+                if args.json:  # row by row: a run cut off by a time limit keeps what it measured
+                    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": [*best.values()]}, indent=1))
     print(_table(best, args))
     print(json.dumps([*best.values()]))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": [*best.values()]}, indent=1))
 
 
 def _subprocess(name: str, side: str, args: argparse.Namespace) -> dict[str, Any]:

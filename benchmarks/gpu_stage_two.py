@@ -112,7 +112,7 @@ def run_one(run: str, student: str, teacher: str, cache: str, work: str, small: 
 
 def _passes_apart() -> None:
     """Make ``CompoundLoss`` run each vocabulary term in its own ``vocab_pass`` (this process only)."""
-    from kdcache.stages.train import compound
+    from kdcache.stages.train.objective import compound
 
     shared = compound.vocab_pass
 
@@ -124,7 +124,7 @@ def _passes_apart() -> None:
 
 
 def _options(cache: str, student: str, out: Path, max_steps: int, small: bool, **weights: float | str) -> Any:
-    from kdcache.stages.train.options import TrainOptions
+    from kdcache.stages.train.core.options import TrainOptions
 
     return TrainOptions.of(cache=cache, student=student, out=str(out), batch_size=SMALL_BATCH if small else BATCH,
                            max_steps=max_steps, log_every=1, export=False, quiet=True, lr=1e-4, **weights)
@@ -145,9 +145,9 @@ def _kdcache_rate(options: Any, warmup: int) -> float:
 def _loop_rate(options: Any, teacher_dir: str | None, steps: int, warmup: int) -> float:
     """Tokens/s of a plain DeepSpeed loop (same config as ``run_training``'s) over the cache's token ids: the
     student's own loss, or with ``teacher_dir`` online KD against the teacher run on each batch."""
+    from kdcache.stages.train.core.student import load_student
     from kdcache.stages.train.engine import build_engine, init_distributed
     from kdcache.stages.train.feed.streaming import CacheStream, to_device
-    from kdcache.stages.train.student import load_student
 
     dist = init_distributed()
     student = load_student(options.run.student)
@@ -194,7 +194,7 @@ class Online(torch.nn.Module):
     def __init__(self, student: Any, teacher_dir: str, student_dir: str, device: torch.device):
         from transformers import AutoModelForCausalLM
 
-        from kdcache.stages.train.compound import CompoundLoss
+        from kdcache.stages.train.objective.compound import CompoundLoss
 
         super().__init__()
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -207,7 +207,7 @@ class Online(torch.nn.Module):
         self._teacher = (teacher.requires_grad_(False),)  # a tuple: not a submodule, DeepSpeed leaves it alone
 
     def forward(self, batch: dict[str, Any]) -> Any:
-        from kdcache.stages.train.student_head import base_forward, plain_head
+        from kdcache.stages.train.core.student_head import base_forward, plain_head
 
         ids, mask = batch["input_ids"].long(), batch["mask"]
         with torch.no_grad():

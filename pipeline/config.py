@@ -1,7 +1,7 @@
 """Typed configs: dataclass fields become CLI flags and YAML keys, validated before any model loads.
 
 Each stage owns a frozen dataclass of its options (``stages.precompute.core.options.PrecomputeOptions``,
-``stages.train.options.TrainOptions``), plain or made of groups (``TrainOptions.loss``...,
+``stages.train.core.options.TrainOptions``), plain or made of groups (``TrainOptions.loss``...,
 ``stages.common.option_groups``) whose option names stay flat in flags and YAML; the stages never import this
 module. Two libraries do the mapping:
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.children import child_env
-from kdcache.pipeline.demo_reuse import StepLog, finished_run, json_summary, matching_student
+from kdcache.pipeline.demo_reuse import StepLog, cache_id, finished_run, json_summary, matching_student
 from kdcache.pipeline.demo_text import stdlib_sentences, write_jsonl
 from kdcache.storage import DEFAULT_BACKEND, KdcacheError, backend_names
 
@@ -186,7 +186,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     run_dir = out / "run"
     run_kept = _student_steps(demo, cache, heldout_cache, run_dir, caches_kept)
     print("[5/6] scoring the trained student on the held-out sentences", flush=True)
-    if not _kept(demo, "evaluations", run_kept and caches_kept[1] and _has_eval(run_dir, "trained")):
+    if not _kept(demo, "evaluations", run_kept and caches_kept[1] and _has_eval(run_dir, "trained", heldout_cache)):
         run_step("eval", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir)], demo.logs)
     report = demo.report
     report["agreement_before"], report["agreement_after"] = agreement(run_dir, "baseline"), agreement(run_dir,
@@ -200,10 +200,12 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     return report
 
 
-def _has_eval(run_dir: Path, role: str) -> bool:
+def _has_eval(run_dir: Path, role: str, cache: Path) -> bool:
+    """Whether ``run_dir`` holds an evaluation of ``role`` against this very cache: its folder and fingerprints."""
     from kdcache.stages.train import find_eval
 
-    return find_eval(run_dir, role) is not None
+    record = find_eval(run_dir, role, str(cache))
+    return record is not None and record.get("cache", {}).get("label") == cache_id(cache) != ""
 
 
 def _kept(demo: _Demo, what: str, kept: bool) -> bool:
@@ -261,11 +263,14 @@ def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
             shutil.rmtree(student_init)  # an earlier demo's, cut off or from another teacher folder: built again
         run_step("init-student", ["init-student", "--teacher", str(demo.teacher), "--layers", "2,4,6", "--out",
                                   str(student_init)], demo.logs)
-    earlier = demo.steps.measured("train", train_args)
+    # The record names the cache by its fingerprints too: the same arguments on a cache rebuilt with other
+    # settings (deleted by hand, then made again) are another run.
+    record_args = [*train_args, f"cache={cache_id(cache)}"]
+    earlier = demo.steps.measured("train", record_args)
     run_kept = caches_kept[0] and student_kept and earlier is not None and finished_run(run_dir)
     if not run_kept and ((run_dir / "options.json").is_file() or (run_dir / "evals").is_dir()):
         shutil.rmtree(run_dir)  # made by an earlier demo with other inputs, or stopped: trained again from scratch
-    if not (run_kept and caches_kept[1] and _has_eval(run_dir, "baseline")):
+    if not (run_kept and caches_kept[1] and _has_eval(run_dir, "baseline", heldout_cache)):
         run_step("eval-baseline", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir), "--student",
                                    str(student_init)], demo.logs)
     print(f"[4/6] training the student for {opts.steps} steps under DeepSpeed ZeRO-{opts.zero_stage} "
@@ -273,8 +278,9 @@ def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
     if _kept(demo, "trained run", run_kept) and earlier is not None:
         demo.report["train_seconds"], demo.report["train_peak_rss"] = earlier
     else:
+        demo.steps.forget("train")
         demo.report["train_seconds"], demo.report["train_peak_rss"] = demo.keep(
-            "train", train_args, *run_step("train", train_args, demo.logs), reused=False)
+            "train", record_args, *run_step("train", train_args, demo.logs), reused=False)
     return run_kept
 
 

@@ -51,6 +51,12 @@ class StepLog:
         except (KeyError, TypeError, ValueError):
             return None
 
+    def forget(self, name: str) -> None:
+        """Drop step ``name``'s record before the step runs again: a run stopped half-way must not be taken for
+        the one the record describes."""
+        if self.steps.pop(name, None) is not None:
+            self.path.write_text(json.dumps(self.steps, indent=2) + "\n")
+
     def record(self, name: str, args: list[str], seconds: float, peak_rss: int) -> None:
         """Keep step ``name``'s measurements, written at once so that a demo stopped later still has them."""
         self.steps[name] = {"args": args, "seconds": seconds, "peak_rss": peak_rss}
@@ -71,8 +77,24 @@ def matching_student(folder: Path, teacher: Path, blocks: list[int]) -> bool:
 
 
 def finished_run(run_dir: Path) -> bool:
-    """Whether a training run got to its end: it exports ``student/`` last."""
-    return (Path(run_dir) / "student" / "config.json").is_file()
+    """Whether a training run got to its end: its export writes the student's config, then its weights, then the
+    projectors beside it (``projectors.pt``, last)."""
+    run = Path(run_dir)
+    return ((run / "student" / "config.json").is_file() and any((run / "student").glob("*.safetensors"))
+            and (run / "projectors.pt").is_file())
+
+
+def cache_id(cache: Path) -> str:
+    """The cache's label with its fingerprints' hash (``heldout-1a2b3c4d``); "" without a readable manifest. A
+    reused step is tied to it, so that a cache rebuilt with other settings in the same folder is not taken for
+    the one an earlier step read."""
+    from kdcache.stages.train import cache_label
+
+    try:
+        fingerprints = json.loads((Path(cache) / "manifest.json").read_text())["fingerprints"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return cache_label(str(cache), fingerprints)
 
 
 def json_summary(path: Path) -> dict[str, Any]:

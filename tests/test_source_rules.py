@@ -170,7 +170,7 @@ def test_stages_and_pipeline_import_storage_through_its_front_door(package: str)
 
 LAZY_DOORS = ["storage", "stages/train", "stages/common", "stages/precompute", "stages/train/feed",
               "stages/train/evaluation", "stages/train/cross", "stages/precompute/rows", "stages/precompute/parallel",
-              "stages/precompute/capture", "stages/precompute/core"]
+              "stages/precompute/capture", "stages/precompute/core", "stages/train/core", "stages/train/objective"]
 
 
 @pytest.mark.parametrize("door", LAZY_DOORS)

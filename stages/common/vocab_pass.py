@@ -96,9 +96,9 @@ def _fused(logits: HeadLogits, terms: Sequence[ChunkTerm], feeds: Sequence[Kerne
     scales, w = _scales_and_weights(terms, weights, logits.device)
     widths = [len(t.targets) for t in terms]
     # The kernel on its first chunk of each kind of pass is checked against the pure-torch chunk (kernel_guard).
-    kind = (tuple(widths), tuple(f.teacher is not None for f in feeds), fused_vocab.temperature_of(feeds))
+    facts = kernel_guard.PassFacts(tuple(widths), _kind(feeds), scales, fused_vocab.temperature_of(feeds))
     grad = kernel_guard.GUARD.guarded(fused_vocab.chunk_grad(feeds, scales, widths),
-                                      _autograd_grad(_combined(terms, scales, widths)), widths, kind)
+                                      _autograd_grad(_combined(terms, scales, widths)), facts)
     flat = [r.flatten(0, 1) for term in terms for r in (term.counts, *term.targets)]
     union = _union(logits, terms)
     # A row no term counts adds 0 to dz, and 0 · its hidden state to the head's gradient: zeroed here, since a
@@ -106,6 +106,13 @@ def _fused(logits: HeadLogits, terms: Sequence[ChunkTerm], feeds: Sequence[Kerne
     hidden = torch.where(union[..., None], logits.hidden, torch.zeros_like(logits.hidden)).flatten(0, 1)
     total, values = HeadPass.apply(hidden, logits.weight, logits.bias, grad, w, loss_rows.LOSS_CHUNK, None, *flat)
     return total + loss_rows.tied_zero(logits), values
+
+
+def _kind(feeds: Sequence[KernelFeed]) -> tuple[object, ...]:
+    """What sets one fused pass apart from another for the guard: each feed's code (a full and a head KL share the
+    kernel but not their teacher's logits), the temperature and which feeds read a dense teacher."""
+    return (tuple((f.rows.__qualname__, None if f.teacher is None else f.teacher.__qualname__) for f in feeds),
+            fused_vocab.temperature_of(feeds))
 
 
 def _union(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm]) -> torch.Tensor:

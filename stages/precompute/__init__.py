@@ -8,11 +8,11 @@ Public API (what ``pipeline`` and the demo call)::
     print(format_summary(summary))
 
 This is stage one's front door: ``pipeline`` imports nothing else of it. Its folders are floors, each importing
-only those below it: ``core`` (the options, the targets, the loaded teacher's record, progress, errors), ``rows``
-(the dataset into the cache's rows), ``parallel`` (a teacher larger than one device) and ``capture`` (what the
-forward keeps, and its way to the host), each with a door of its own; on top, this package's modules run them
-(``runner``, ``teacher``, ``adapters``, ``stream``, ``cache_spec``, ``commit``). Names load on first use, so
-importing this package imports neither torch nor transformers.
+only those below it: ``core`` (the options, the plan made of them, the targets, the loaded teacher's record,
+progress, errors), ``rows`` (the dataset into the cache's rows), ``parallel`` (a teacher larger than one device)
+and ``capture`` (what the forward keeps, and its way to the host), each with a door of its own; on top, this
+package's modules run them (``runner``, ``teacher``, ``adapters``, ``stream``, ``cache_spec``, ``commit``). Names
+load on first use, so importing this package imports neither torch nor transformers.
 """
 
 from __future__ import annotations

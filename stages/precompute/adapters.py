@@ -24,7 +24,6 @@ import torch
 
 from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
 from kdcache.stages.common.device_codecs import Projection
-from kdcache.stages.common.option_groups import flatten
 from kdcache.stages.precompute.capture import (
     ShardItems,
     check_ranges,
@@ -37,7 +36,16 @@ from kdcache.stages.precompute.capture import (
     to_numpy,
     to_storage_dtype,
 )
-from kdcache.stages.precompute.core import PrecomputeError, PrecomputeOptions, Targets, Teacher, teacher_fingerprint
+from kdcache.stages.precompute.core import (
+    PrecomputeError,
+    PrecomputeOptions,
+    PrecomputePlan,
+    RowSetup,
+    Targets,
+    Teacher,
+    TeacherSetup,
+    teacher_fingerprint,
+)
 from kdcache.stages.precompute.rows import TokenStreams
 from kdcache.stages.precompute.teacher import load_for_inference, load_teacher
 from kdcache.storage import HiddenCodec, applies_to, exact_arrays
@@ -65,16 +73,16 @@ class TeacherAdapter(ABC):
         """Refuse options that do not apply to this family, rather than ignore them."""
 
     @abstractmethod
-    def load_data(self, options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
+    def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
         """The dataset as token streams, in cache order."""
 
     @abstractmethod
-    def load_teacher(self, options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,
+    def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
                      tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
         """The weights, for inference (eager attention only when maps are captured)."""
 
     @abstractmethod
-    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions,
+    def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
                 projection: Projection | None = None) -> AbstractContextManager[Capture]:
         """A context manager giving the ``Capture`` function of this teacher (a rank codec's layers coded through
         ``projection``, or handed out as float32 while it is fitted)."""
@@ -83,11 +91,10 @@ class TeacherAdapter(ABC):
 class HookedTeacher(TeacherAdapter):
     """Decoder-only and encoder teachers: one token stream, targets captured by forward hooks."""
 
-    _ENCODER_DECODER_ONLY = ("source_column", "target_column", "max_target_length")
+    _ENCODER_DECODER_ONLY = ("source_column", "target_column", "max_target_length")  # of DatasetOptions
 
     def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
-        values = flatten(options)
-        given = [name for name in self._ENCODER_DECODER_ONLY if values[name] is not None]
+        given = [name for name in self._ENCODER_DECODER_ONLY if getattr(options.dataset, name) is not None]
         per_stream = (options.targets.layers, options.targets.attention_layers)  # a stack's or cross's own value
         given += [f"{name} {s}:{value.text_of(s)}" for name, value in zip(("layers", "attention_layers"), per_stream)
                   if value is not None for s in value.streams if s]
@@ -97,23 +104,23 @@ class HookedTeacher(TeacherAdapter):
             raise PrecomputeError(f"{', '.join(given)}: only for encoder-decoder teachers, and "
                                   f"{options.engine.teacher!r} is a {config.model_type} without a decoder stack")
 
-    def load_data(self, options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
+    def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
         from kdcache.stages.precompute.rows import text_streams
 
-        return text_streams(options, tokenizer)
+        return text_streams(rows, tokenizer)
 
-    def load_teacher(self, options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,
+    def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
                      tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
-        return load_teacher(options, config, targets, tokenizer, device)
+        return load_teacher(setup, config, targets, tokenizer, device)
 
     @contextmanager
-    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions,
+    def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
                 projection: Projection | None = None) -> Iterator[Capture]:
         from kdcache.stages.precompute.capture import FeatureCapture
 
-        engine = options.engine
-        with FeatureCapture(teacher, targets, options.storage.dtype, engine.logits_chunk, engine.seed,
-                            options.storage.resolved_hidden_codec, projection, engine.compile_teacher) as hooks:
+        batch, write = plan.batch, plan.write
+        with FeatureCapture(teacher, targets, write.dtype, batch.logits_chunk, plan.teacher.seed, write.hidden_codec,
+                            projection, batch.compile_teacher) as hooks:
 
             def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
                     positions: dict[str, torch.Tensor]) -> Pending:
@@ -131,25 +138,24 @@ class EncoderDecoderTeacher(TeacherAdapter):
     def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
         return None  # every option applies; the pair loader refuses a missing --target-column and --packing
 
-    def load_data(self, options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
+    def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
         from kdcache.stages.precompute.rows import pair_streams
 
-        return pair_streams(options, tokenizer)
+        return pair_streams(rows, tokenizer)
 
-    def load_teacher(self, options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,
+    def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
                      tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
-        model = load_for_inference(lm_class(config), options, device, eager=targets.wants_attention,
+        model = load_for_inference(lm_class(config), setup, device, eager=targets.wants_attention,
                                    optional=() if targets.logits else self._HEAD_KEYS)
-        fingerprint = {**teacher_fingerprint(options, model), "num_encoder_layers": targets.streams["encoder"].depth,
+        fingerprint = {**teacher_fingerprint(setup, model), "num_encoder_layers": targets.streams["encoder"].depth,
                        "num_decoder_layers": targets.streams["decoder"].depth}
         impl = getattr(model.config, "_attn_implementation", None) or "default"
         return Teacher(model, tokenizer, model.config, device, fingerprint, impl)
 
     @contextmanager
-    def capture(self, teacher: Teacher, targets: Targets, options: PrecomputeOptions,
+    def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
                 projection: Projection | None = None) -> Iterator[Capture]:
-        capture = OutputCapture(teacher.model, targets, options.storage.dtype, options.storage.resolved_hidden_codec,
-                                projection)
+        capture = OutputCapture(teacher.model, targets, plan.write.dtype, plan.write.hidden_codec, projection)
 
         def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
                 positions: dict[str, torch.Tensor]) -> Pending:
@@ -179,7 +185,7 @@ class OutputCapture:
         model: an encoder-decoder LM in eval mode (eager attention when maps are captured).
         targets: what to keep.
         dtype_name: storage dtype, "fp16" or "bf16".
-        hidden_codec: the configured hidden codec (``StorageOptions.resolved_hidden_codec``).
+        hidden_codec: the configured hidden codec (``WriteSetup.hidden_codec``).
     """
 
     def __init__(self, model: PreTrainedModel, targets: Targets, dtype_name: str, hidden_codec: HiddenCodec,

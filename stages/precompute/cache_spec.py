@@ -1,5 +1,5 @@
-"""The cache's spec of a run: the resolved targets (``core.targets``) with the options' encoding and the rows'
-token arrays and lengths, which the targets, on the floor below the rows, never see.
+"""The cache's spec of a run: the resolved targets (``core.targets``) with the plan's encoding (``WriteSetup``) and
+the rows' token arrays and lengths, which the targets, on the floor below the rows, never see.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from kdcache.stages.common import attention_sources
 from kdcache.storage import CROSS, kind_of
 
 if TYPE_CHECKING:
-    from kdcache.stages.precompute.core import PrecomputeOptions, Targets
+    from kdcache.stages.precompute.core import Targets, WriteSetup
     from kdcache.stages.precompute.rows import TokenStreams
     from kdcache.storage import CacheSpec
 
 
-def build_spec(options: PrecomputeOptions, targets: Targets, data: TokenStreams) -> CacheSpec:
+def build_spec(write: WriteSetup, targets: Targets, data: TokenStreams) -> CacheSpec:
     """The ``CacheSpec`` of this run (storage validates it): one stream's layers, or each stack's, and the token
     arrays ``data`` (a ``data.TokenStreams``) carries beside the ids."""
     from kdcache.storage import CacheSpec
@@ -25,19 +25,17 @@ def build_spec(options: PrecomputeOptions, targets: Targets, data: TokenStreams)
     if "decoder" in layers:  # cross-attention blocks are the decoder's (decoder queries, encoder keys)
         layers["decoder"][CROSS] = targets.cross_attention
     causal = targets.streams.get("") or targets.streams["decoder"]  # the self-attention a triangle can hold
-    triangle = bool(causal.attention and options.targets.triangle)
+    triangle = bool(causal.attention and write.triangle)
     token_arrays = tuple(dict.fromkeys(kind_of(name) for name in data.tokens))
-    storage = options.storage
     return CacheSpec(
-        num_sequences=len(data), token_arrays=token_arrays, backend=storage.format, attention_heads=targets.heads,
+        num_sequences=len(data), token_arrays=token_arrays, backend=write.backend, attention_heads=targets.heads,
         attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k, samples=targets.samples,
         sample_temperature=targets.sample_temperature, vocab_size=targets.vocab_size if targets.logits else 0,
         topk_values="logprob" if targets.logprob_step else "fp16", logprob_step=targets.logprob_step,
         attention_source=attention_sources.get(targets.attention_source).spec_name(targets.attention_scores),
         attention_scores=targets.attention_scores,
-        dtype=storage.dtype, codec=storage.codec_config, bitround=storage.bitround,
-        hidden_codec=storage.resolved_hidden_codec, layers=layers,
-        sequences_per_shard=shard_sequences(storage.sequences_per_shard, data))
+        dtype=write.dtype, codec=write.codec, bitround=write.bitround, hidden_codec=write.hidden_codec, layers=layers,
+        sequences_per_shard=shard_sequences(write.sequences_per_shard, data))
 
 
 SHARD_TOKENS = 32_768  # tokens per shard when sized automatically: at d = 2,048 and four fp16 layers 512 MiB

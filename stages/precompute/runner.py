@@ -5,13 +5,16 @@ cache is opened (which refuses a different cache and a second writer of the same
 skipped, and the rest are computed shard by shard with a background writer committing behind the forward.
 What depends on the teacher's family (its token streams, its layers, how it is run) is the adapter's
 (``adapters.py``).
+
+The runner is the edge of stage one: it reads the options, resolves them once into the targets and the plan
+(``core.plan``), and hands the parts below the plan's objects, never the options.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Generator, Iterator
-from contextlib import AbstractContextManager, closing, contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,17 +23,19 @@ from kdcache.stages.common.cache_texts import save_texts
 from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.teacher_head import export_head
-from kdcache.stages.precompute.adapters import Capture, TeacherAdapter, adapter_for
+from kdcache.stages.precompute.adapters import TeacherAdapter, adapter_for
 from kdcache.stages.precompute.cache_spec import build_spec
 from kdcache.stages.precompute.capture import ShardItems, say_compile_cost, with_score_rules
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
 from kdcache.stages.precompute.core import (
     PrecomputeError,
     PrecomputeOptions,
+    PrecomputePlan,
     Progress,
     RunStats,
     Targets,
     Teacher,
+    TeacherSetup,
     format_summary,
     resolve_targets,
     settings_fingerprint,
@@ -93,7 +98,7 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     torch.manual_seed(options.engine.seed)
     layout = Layout.parse(options.engine.teacher_parallel)
     if layout.tensor > 1:  # before the process group: every rank refuses on its own, none waits in the group
-        check_tensor_plan(layout, read_config(options))
+        check_tensor_plan(layout, read_config(TeacherSetup.of(options.engine)))
     dist = DistContext.from_env(gpu_collectives=layout.tensor > 1)
     try:
         with _quiet_libraries(not (options.engine.progress and dist.is_main)):
@@ -126,10 +131,11 @@ def _quiet_libraries(quiet: bool) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class _Prepared:
-    """Stage one before the weights load: the options with the teacher's defaults, and what was read and checked
-    without the weights (config, targets, tokenizer, the output store, the rows)."""
+    """Stage one before the weights load: the options with the teacher's defaults and the plan made of them, and
+    what was read and checked without the weights (config, targets, tokenizer, the output store, the rows)."""
 
     options: PrecomputeOptions
+    plan: PrecomputePlan
     config: PretrainedConfig
     adapter: TeacherAdapter
     targets: Targets
@@ -164,8 +170,8 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
         return reused  # nothing to compute: the weights are never loaded
     layout = Layout.parse(engine.teacher_parallel)
     device = pick_device(engine.device, dist.local_rank * (layout.size if layout.kind == "layers" else 1))
-    memory = check_parallel(ready.options, ready.config, ready.targets, layout, device)
-    if engine.estimate and memory_only(ready.options, ready.config, layout, dist.world, device):
+    memory = check_parallel(ready.plan, ready.config, ready.targets, layout, device)
+    if engine.estimate and memory_only(ready.plan, ready.config, layout, dist.world, device):
         return {"status": "memory", "out": ready.options.storage.out, "memory": memory}
     loaded = _load(ready, layout, Grid.of(layout, dist.rank, dist.world), device)
     if engine.compile_teacher and dist.is_main:  # what compiling will cost here, said before it is paid
@@ -177,53 +183,59 @@ def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
 
 
 def _prepare(options: PrecomputeOptions) -> _Prepared:
-    """Everything checked before the weights load, cheapest first."""
-    config = read_config(options)
+    """Everything checked before the weights load, cheapest first; the plan once the options are complete."""
+    config = read_config(TeacherSetup.of(options.engine))
     options = with_default_features(options, config)
     adapter = adapter_for(config)
     adapter.check_options(options, config)
     targets = resolve_targets(options, config)
     check_rank(options.storage.resolved_hidden_codec, config)
-    tokenizer = load_tokenizer(options)
-    store = check_out_folder(options.storage.out)  # before the rows are written there; the one store of the output
-    data = adapter.load_data(options, tokenizer)
+    plan = PrecomputePlan.of(options)
+    tokenizer = load_tokenizer(plan.teacher)
+    store = check_out_folder(plan.write.out)  # before the rows are written there; the one store of the output
+    data = adapter.load_data(plan.rows, tokenizer)
     check_positions(config, data)
-    return _Prepared(options, config, adapter, targets, tokenizer, store, data)
+    return _Prepared(options, plan, config, adapter, targets, tokenizer, store, data)
 
 
 def _reused(ready: _Prepared, stats: RunStats) -> dict[str, Any] | None:
     """The summary of a complete cache this run would reproduce; else None, once the destination is known to hold
     at least the cache's lower bound of bytes."""
-    options, targets, data = ready.options, ready.targets, ready.data
-    finished = finished_cache(ready.store, options, ready.config, targets, ready.tokenizer, data)
+    write, targets, data = ready.plan.write, ready.targets, ready.data
+    finished = finished_cache(ready)
     if finished is not None:
-        return summarize(stats, finished, finished.spec.num_shards, options.storage.out,
-                         {"reused": True, "rows": ready.rows})
-    check_room(options.storage.out, lower_bound_bytes(build_spec(options, targets, data), ready.config, data,
-                                                      targets.attention_source))
+        return summarize(stats, finished, finished.spec.num_shards, write.out, {"reused": True, "rows": ready.rows})
+    check_room(write.out, lower_bound_bytes(build_spec(write, targets, data), ready.config, data,
+                                            targets.attention_source))
     return None
 
 
 def _load(ready: _Prepared, layout: Layout, grid: Grid, device: torch.device) -> _Loaded:
     """The weights on ``device``, and what they tell: the output vocabulary, the score rules, the token ids."""
-    teacher = ready.adapter.load_teacher(ready.options, ready.config, ready.targets, ready.tokenizer, device)
-    targets = with_score_rules(with_output_vocab(ready.targets, teacher, ready.options), teacher.model, ready.data,
+    plan = ready.plan
+    teacher = ready.adapter.load_teacher(plan.teacher, ready.config, ready.targets, ready.tokenizer, device)
+    targets = with_score_rules(with_output_vocab(ready.targets, teacher, plan.teacher), teacher.model, ready.data,
                                device)
     check_token_ids(teacher, ready.data)
-    return _Loaded(layout, grid, teacher, targets, build_spec(ready.options, targets, ready.data))
+    return _Loaded(layout, grid, teacher, targets, build_spec(plan.write, targets, ready.data))
 
 
 def _estimate(ready: _Prepared, loaded: _Loaded) -> dict[str, Any]:
-    """``--estimate``: the first shards into a scratch cache (a rank codec fits its basis there too)."""
-    options, teacher, targets = ready.options, loaded.teacher, loaded.targets
-    projection = _projection(options, ready.adapter, teacher, targets, ready.data, loaded.spec, into=None)
-    return run_estimate(options, ready.adapter.capture(teacher, targets, options, projection), teacher, targets,
-                        ready.data, loaded.spec)
+    """``--estimate``: the teacher over the first shards, written to a scratch cache (``estimate.estimate``; a rank
+    codec fits its basis there too)."""
+    plan, teacher, targets, data, stats = ready.plan, loaded.teacher, loaded.targets, ready.data, RunStats()
+    projection = _projection(plan, ready.adapter, teacher, targets, data, loaded.spec, into=None)
+    with ready.adapter.capture(teacher, targets, plan, projection) as capture:
+        progress = Progress(0, False, stats)
+        return estimate(loaded.spec, data, plan.write.out,
+                        lambda bounds: compute_shard(capture, teacher, data, bounds, plan.batch.batch_size, stats,
+                                                     progress),
+                        build_fingerprints(ready.options, teacher, targets, data))
 
 
 def _write(ready: _Prepared, loaded: _Loaded, dist: DistContext, stats: RunStats) -> dict[str, Any]:
     """This part's shards computed and committed (or lent to the group's leader), then the manifest finished."""
-    st, grid = ready.options.storage, loaded.grid
+    st, grid = ready.plan.write, loaded.grid
     part = Partition.of(st.shard_index, st.num_shards, grid.group, grid.groups)
     group = dist.groups_of(grid.tensor)
     fingerprints = build_fingerprints(ready.options, loaded.teacher, loaded.targets, ready.data)
@@ -245,7 +257,7 @@ def _projection_in_turn(ready: _Prepared, loaded: _Loaded, dist: DistContext) ->
     waits = loaded.spec.hidden_codec.rank is not None
     if waits and not dist.is_main:
         dist.barrier()
-    projection = _projection(ready.options, ready.adapter, loaded.teacher, loaded.targets, ready.data, loaded.spec,
+    projection = _projection(ready.plan, ready.adapter, loaded.teacher, loaded.targets, ready.data, loaded.spec,
                              into=ready.store)
     if waits and dist.is_main:
         dist.barrier()
@@ -256,10 +268,10 @@ def _compute(ready: _Prepared, loaded: _Loaded, writer: CacheWriter | None, mine
              dist: DistContext, stats: RunStats, projection: Projection | None) -> list[int]:
     """Run the teacher over this part's shards not yet committed, committing behind it (a writing rank) or
     lending its share to the group's leader; returns the shards it ran."""
-    options, teacher, spec = ready.options, loaded.teacher, loaded.spec
-    with writer or nullcontext(), ready.adapter.capture(teacher, loaded.targets, options, projection) as capture:
+    plan, teacher, spec = ready.plan, loaded.teacher, loaded.spec
+    with writer or nullcontext(), ready.adapter.capture(teacher, loaded.targets, plan, projection) as capture:
         def stream(bounds: list[tuple[int, int]], progress: Progress) -> Generator[ShardItems, None, None]:
-            return stream_shards(capture, teacher, ready.data, bounds, options, stats, progress)
+            return stream_shards(capture, teacher, ready.data, bounds, plan.batch.batch_size, stats, progress)
 
         # A tensor-parallel group runs its leader's list of shards in lockstep; only the leader writes them.
         todo = group_todo([k for k in mine if k not in writer.committed_shards()] if writer else None, group,
@@ -268,7 +280,7 @@ def _compute(ready: _Prepared, loaded: _Loaded, writer: CacheWriter | None, mine
             lend_share(spec, todo, stream, stats)
             return todo
         _save_beside_shards(ready, loaded, dist)
-        engine = options.engine
+        engine = ready.options.engine
         commit_behind(spec, todo, writer, stats, stream, show_progress=engine.progress and dist.is_main,
                       queue_size=engine.queue_size, workers=engine.writers, processes=engine.writer_processes)
     return todo
@@ -311,7 +323,7 @@ def _run_totals(summary: dict[str, Any], dist: DistContext, writes: bool) -> dic
     return summary
 
 
-def _projection(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Teacher, targets: Targets,
+def _projection(plan: PrecomputePlan, adapter: TeacherAdapter, teacher: Teacher, targets: Targets,
                 data: TokenStreams, spec: CacheSpec, *, into: Store | None) -> Projection | None:
     """A rank codec's bases (``projection_fit``): the cache's stored ones, else fitted on the leading sequences
     (and stored first in the output store ``into``, unless None); None without a rank."""
@@ -320,12 +332,13 @@ def _projection(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Te
         return None
     names = [n for n in spec.sequence_names() if projected(codec, n)]
     first = next(iter(data.ids.values()))
-    bounds = fit_bounds([len(s) for s in first], 4 * options.engine.batch_size)
+    batch_size = plan.batch.batch_size
+    bounds = fit_bounds([len(s) for s in first], 4 * batch_size)
 
     def fit() -> dict[str, Any]:
         stats = RunStats()
-        with adapter.capture(teacher, targets, options, Projection(fitting=True)) as capture:
-            with closing(stream_shards(capture, teacher, data, bounds, options, stats,
+        with adapter.capture(teacher, targets, plan, Projection(fitting=True)) as capture:
+            with closing(stream_shards(capture, teacher, data, bounds, batch_size, stats,
                                        Progress(0, False, stats))) as shards:  # its helper thread ends here
                 return fit_bases(shards, names, rank, teacher.device)
 
@@ -334,9 +347,8 @@ def _projection(options: PrecomputeOptions, adapter: TeacherAdapter, teacher: Te
     return stored_projection(into, codec, names, fit)
 
 
-def finished_cache(store: Store, options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,
-                   tokenizer: PreTrainedTokenizerBase, data: TokenStreams) -> Manifest | None:
-    """The manifest of a complete cache in the output ``store`` that this run would reproduce, else None.
+def finished_cache(ready: _Prepared) -> Manifest | None:
+    """The manifest of a complete cache in the output store that this run would reproduce, else None.
 
     Checked before the weights load, from what is known without them (weight-file hashes, config, tokenizer,
     data, settings), so rerunning a finished precompute, or ``kdcache run`` over its cache, never loads the
@@ -345,15 +357,15 @@ def finished_cache(store: Store, options: PrecomputeOptions, config: PretrainedC
     """
     from kdcache.storage import CacheReader, compare_fingerprints
 
-    teacher_fp = teacher_files_fingerprint(options, config)
-    if teacher_fp is None or store.size("manifest.json") is None:
+    teacher_fp = teacher_files_fingerprint(ready.plan.teacher, ready.config)
+    if teacher_fp is None or ready.store.size("manifest.json") is None:
         return None
     try:
-        reader = CacheReader(store)
+        reader = CacheReader(ready.store)
     except KdcacheError:  # partial, corrupt or foreign: the normal path resumes it or explains the problem
         return None
-    expected = {"teacher": teacher_fp, "tokenizer": tokenizer_fingerprint(tokenizer), "data": data.fingerprint,
-                "settings": settings_fingerprint(options, targets)}
+    expected = {"teacher": teacher_fp, "tokenizer": tokenizer_fingerprint(ready.tokenizer),
+                "data": ready.data.fingerprint, "settings": settings_fingerprint(ready.options, ready.targets)}
     if compare_fingerprints(reader.fingerprints, expected):
         return None  # a different cache: the writer explains every difference (spec included) and refuses
     return reader.manifest
@@ -367,17 +379,6 @@ def build_fingerprints(options: PrecomputeOptions, teacher: Teacher, targets: Ta
                 "attn_implementation": teacher.attn_implementation}
     return {"teacher": teacher.fingerprint, "tokenizer": tokenizer_fingerprint(teacher.tokenizer),
             "data": data.fingerprint, "settings": settings}
-
-
-def run_estimate(options: PrecomputeOptions, capturing: AbstractContextManager[Capture], teacher: Teacher,
-                 targets: Targets, data: TokenStreams, spec: CacheSpec) -> dict[str, Any]:
-    """``--estimate``: the teacher over the first shards, written to a scratch cache (``estimate.estimate``)."""
-    stats = RunStats()
-    with capturing as capture:
-        progress = Progress(0, False, stats)
-        return estimate(spec, data, options.storage.out,
-                        lambda bounds: compute_shard(capture, teacher, data, bounds, options, stats, progress),
-                        build_fingerprints(options, teacher, targets, data))
 
 
 def merge_cache(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from kdcache.stages.precompute.adapters import Capture
 from kdcache.stages.precompute.capture import ShardItems
-from kdcache.stages.precompute.core import IN_FLIGHT, PrecomputeOptions, Progress, RunStats, Teacher
+from kdcache.stages.precompute.core import IN_FLIGHT, Progress, RunStats, Teacher
 from kdcache.stages.precompute.rows import TokenStreams, collate, plan_batches
 from kdcache.storage import Lease, kind_of, prefixed, split_stream
 
@@ -52,9 +52,9 @@ class _Shard:
 
 
 def stream_shards(capture: Capture, teacher: Teacher, data: TokenStreams, bounds: Iterable[tuple[int, int]],
-                  options: PrecomputeOptions, stats: RunStats, progress: Progress) -> Generator[ShardItems, None, None]:
-    """Run the teacher over each shard's sequences in batches bucketed by the first stream's lengths; yield the
-    shards in order.
+                  batch_size: int, stats: RunStats, progress: Progress) -> Generator[ShardItems, None, None]:
+    """Run the teacher over each shard's sequences in batches of at most ``batch_size`` sequences, bucketed by the
+    first stream's lengths; yield the shards in order.
 
     At most ``IN_FLIGHT`` batches are queued ahead of the helper thread, which bounds the device's and the pinned
     memory they hold; an error found there (an fp16 overflow) is raised here before its shard is yielded.
@@ -68,7 +68,7 @@ def stream_shards(capture: Capture, teacher: Teacher, data: TokenStreams, bounds
     with ThreadPoolExecutor(1, thread_name_prefix="kdcache-take") as taker:
         for shard in (_Shard.of(data, b) for b in bounds):
             first = next(iter(shard.ids.values()))
-            batches = plan_batches(np.array([len(s) for s in first]), options.engine.batch_size)
+            batches = plan_batches(np.array([len(s) for s in first]), batch_size)
             shard.left = len(batches)
             for batch in batches:
                 started = time.perf_counter()
@@ -83,9 +83,9 @@ def stream_shards(capture: Capture, teacher: Teacher, data: TokenStreams, bounds
 
 
 def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds: tuple[int, int],
-                  options: PrecomputeOptions, stats: RunStats, progress: Progress) -> ShardItems:
+                  batch_size: int, stats: RunStats, progress: Progress) -> ShardItems:
     """One shard on its own (``stream_shards`` of one): the estimate's and the projection fit's unit."""
-    shards = stream_shards(capture, teacher, data, [bounds], options, stats, progress)
+    shards = stream_shards(capture, teacher, data, [bounds], batch_size, stats, progress)
     try:
         return next(shards)
     finally:

@@ -15,9 +15,9 @@ from kdcache.stages.common.fingerprints import clear_call_state
 from kdcache.stages.precompute.core import (
     CAUSAL_SUFFIXES,
     PrecomputeError,
-    PrecomputeOptions,
     Targets,
     Teacher,
+    TeacherSetup,
     teacher_fingerprint,
 )
 from kdcache.stages.precompute.parallel import settle
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-def read_config(options: PrecomputeOptions) -> PretrainedConfig:
+def read_config(setup: TeacherSetup) -> PretrainedConfig:
     """Load the teacher's ``AutoConfig`` (small, no weights).
 
     Raises:
@@ -40,16 +40,16 @@ def read_config(options: PrecomputeOptions) -> PretrainedConfig:
 
     from kdcache.stages.common.hub import offline_unless_reachable
 
-    unreachable = offline_unless_reachable(options.engine.teacher)  # one try, not five per file
+    unreachable = offline_unless_reachable(setup.name)  # one try, not five per file
     try:
-        config = AutoConfig.from_pretrained(options.engine.teacher, revision=options.engine.revision)
+        config = AutoConfig.from_pretrained(setup.name, revision=setup.revision)
     except Exception as exc:  # OSError for missing repos/files, ValueError for unknown model types
         why = unreachable or exc
-        raise PrecomputeError(f"cannot load the teacher config from {options.engine.teacher!r}: {why}") from None
+        raise PrecomputeError(f"cannot load the teacher config from {setup.name!r}: {why}") from None
     return config  # the family (decoder-only or encoder, encoder-decoder) picks the adapter (adapters.adapter_for)
 
 
-def load_tokenizer(options: PrecomputeOptions) -> PreTrainedTokenizerBase:
+def load_tokenizer(setup: TeacherSetup) -> PreTrainedTokenizerBase:
     """The teacher's tokenizer.
 
     Raises:
@@ -58,9 +58,9 @@ def load_tokenizer(options: PrecomputeOptions) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(options.engine.teacher, revision=options.engine.revision)
+        return AutoTokenizer.from_pretrained(setup.name, revision=setup.revision)
     except Exception as exc:
-        raise PrecomputeError(f"cannot load the tokenizer of {options.engine.teacher!r}: {exc}") from None
+        raise PrecomputeError(f"cannot load the tokenizer of {setup.name!r}: {exc}") from None
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -95,15 +95,15 @@ def _model_class(config: PretrainedConfig, targets: Targets, teacher: str) -> Mo
                           f"so it has no logits to cache; drop 'logits' from --features")
 
 
-def _torch_dtype(options: PrecomputeOptions, device: torch.device) -> torch.dtype | str:
+def _torch_dtype(setup: TeacherSetup, device: torch.device) -> torch.dtype | str:
     import torch
 
-    if options.engine.teacher_dtype != "auto":
-        return getattr(torch, _DTYPES[options.engine.teacher_dtype])
+    if setup.dtype != "auto":
+        return getattr(torch, _DTYPES[setup.dtype])
     return "auto" if device.type != "cpu" else torch.float32  # half precision on a CPU is slow, not faster
 
 
-def load_teacher(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets,
+def load_teacher(setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
                  tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
     """Load the weights for inference.
 
@@ -115,21 +115,21 @@ def load_teacher(options: PrecomputeOptions, config: PretrainedConfig, targets: 
     """
     import torch
 
-    model = load_for_inference(_model_class(config, targets, options.engine.teacher), options, device,
+    model = load_for_inference(_model_class(config, targets, setup.name), setup, device,
                                eager=targets.wants_attention)
-    torch.manual_seed(options.engine.seed)
-    fingerprint = teacher_fingerprint(options, model)
+    torch.manual_seed(setup.seed)
+    fingerprint = teacher_fingerprint(setup, model)
     impl = getattr(model.config, "_attn_implementation", None) or "default"
     return Teacher(model, tokenizer, model.config, device, fingerprint, impl)
 
 
-def load_for_inference(cls: ModelClass, options: PrecomputeOptions, device: torch.device, *, eager: bool,
+def load_for_inference(cls: ModelClass, setup: TeacherSetup, device: torch.device, *, eager: bool,
                        optional: tuple[str, ...] = ()) -> PreTrainedModel:
     """``cls.from_pretrained`` in the requested dtype, eval mode, no grads, on ``device``.
 
     Args:
         cls: the Auto class (or model class) to load with.
-        options: teacher path, revision and dtype.
+        setup: teacher path, revision, dtype and placement.
         device: where the model runs.
         eager: eager attention (needed to capture attention maps; fused kernels never materialise them).
         optional: prefixes of weights that may be missing (e.g. an LM head when no logits are cached).
@@ -138,19 +138,19 @@ def load_for_inference(cls: ModelClass, options: PrecomputeOptions, device: torc
         PrecomputeError: the weights cannot be loaded, or some are missing (random weights would silently
             corrupt the targets).
     """
-    kwargs: dict[str, Any] = {"revision": options.engine.revision, "dtype": _torch_dtype(options, device),
+    kwargs: dict[str, Any] = {"revision": setup.revision, "dtype": _torch_dtype(setup, device),
                               "output_loading_info": True}
     if eager:
         kwargs["attn_implementation"] = "eager"
-    placed = teacher_placement(options)  # a sharded or layer-placed teacher lands on its devices as it loads
+    placed = teacher_placement(setup)  # a sharded or layer-placed teacher lands on its devices as it loads
     kwargs.update(placed)
     try:
-        model, info = cls.from_pretrained(options.engine.teacher, **kwargs)
+        model, info = cls.from_pretrained(setup.name, **kwargs)
     except Exception as exc:
-        raise PrecomputeError(f"cannot load the teacher weights from {options.engine.teacher!r}: {exc}") from None
+        raise PrecomputeError(f"cannot load the teacher weights from {setup.name!r}: {exc}") from None
     missing = sorted(k for k in info.get("missing_keys") or [] if not (optional and k.startswith(optional)))
     if missing:
-        raise PrecomputeError(f"teacher {options.engine.teacher!r} checkpoint lacks {len(missing)} weight(s) that "
+        raise PrecomputeError(f"teacher {setup.name!r} checkpoint lacks {len(missing)} weight(s) that "
                               f"{type(model).__name__} needs (e.g. {', '.join(missing[:3])}); they would be random")
     model = model.eval().requires_grad_(False)
     if placed:
@@ -158,13 +158,13 @@ def load_for_inference(cls: ModelClass, options: PrecomputeOptions, device: torc
     return model if placed else model.to(device)
 
 
-def teacher_placement(options: PrecomputeOptions) -> dict[str, Any]:
+def teacher_placement(setup: TeacherSetup) -> dict[str, Any]:
     """``from_pretrained`` keywords of ``--teacher-parallel`` for this launcher rank (``parallel.load_kwargs``)."""
     import os
 
     from kdcache.stages.precompute.parallel import Grid, Layout, load_kwargs
 
-    layout = Layout.parse(options.engine.teacher_parallel)
+    layout = Layout.parse(setup.parallel)
     if layout.kind == "none" or (layout.kind == "tp" and layout.size == 1):
         return {}
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))

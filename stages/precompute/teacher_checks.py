@@ -14,7 +14,7 @@ from kdcache.stages.precompute.teacher import has_lm_head
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.core import PrecomputeOptions, Targets, Teacher
+    from kdcache.stages.precompute.core import PrecomputeOptions, Targets, Teacher, TeacherSetup
     from kdcache.stages.precompute.rows import TokenStreams
 
 
@@ -49,14 +49,14 @@ def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
                               f"{table} rows; the tokenizer does not belong to this teacher")
 
 
-def with_output_vocab(targets: Targets, teacher: Teacher, options: PrecomputeOptions) -> Targets:
+def with_output_vocab(targets: Targets, teacher: Teacher, setup: TeacherSetup) -> Targets:
     """Use the LM head's real output size as the vocabulary (checkpoints may pad it beyond config.vocab_size)."""
     head = teacher.model.get_output_embeddings()
     if targets.logits is None or head is None:
         return targets
     vocab = int(head.weight.shape[0])
     kind = logit_kinds.get(targets.logits)
-    for problem in kind.teacher_problems(options.engine.teacher, "" in targets.streams, targets.causal, vocab,
-                                         options.targets.top_k):
+    # targets.top_k is --top-k for the one mode that reads it (topk), 0 for the modes that ignore it
+    for problem in kind.teacher_problems(setup.name, "" in targets.streams, targets.causal, vocab, targets.top_k):
         raise PrecomputeError(problem)
     return replace(targets, vocab_size=vocab)

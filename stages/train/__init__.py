@@ -1,11 +1,13 @@
 """Stage two: train a student from cached teacher targets, teacher-free.
 
 This is stage two's front door: ``pipeline`` imports from ``kdcache.stages.train`` only, never from its modules
-(``tests/test_source_rules.py`` reads the source to keep it so). Its parts are the loop and its plan (``loop``,
-``plan``, ``checks``, ``distill``, ``engine``), the losses (``losses``, ``compound``), the Python API that the loop
-is built on (``api``: ``DistillationLoss``, ``CacheDataset``; ``hf_trainer``: ``CacheTrainer``), and three sub-packages
-with doors of their own: ``feed`` (the cache into the device), ``evaluation`` (scores against a cache) and
-``cross`` (a student with its own tokenizer). Names load on first use (``kdcache.lazy_exports``).
+(``tests/test_source_rules.py`` reads the source to keep it so). Its folders are floors, each importing only
+those below it: ``core`` (options, layer maps, the student, masks, and the plan with its checks), ``losses`` (every
+loss by name), ``objective`` (the run's loss over its streams: ``compound``, ``distill``), ``cross`` (a student with
+its own tokenizer) and ``evaluation`` (scores against a cache), with ``feed`` (the cache into the device) beside
+them. This package's own modules are the top floor: the loop (``loop``, ``engine``, ``checkpoint``...) and the
+Python API it is built on (``api``: ``DistillationLoss``, ``CacheDataset``; ``hf_trainer``: ``CacheTrainer``).
+Names load on first use (``kdcache.lazy_exports``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ if TYPE_CHECKING:
         DistillationLoss as DistillationLoss,
     )
     from kdcache.stages.train.checkpoint import has_checkpoint as has_checkpoint
-    from kdcache.stages.train.checks import open_cache as open_cache
-    from kdcache.stages.train.cross import text_problems as text_problems
+    from kdcache.stages.train.core import (
+        DEFAULT_TEMPERATURE as DEFAULT_TEMPERATURE,
+        TrainOptions as TrainOptions,
+        open_cache as open_cache,
+        text_problems as text_problems,
+    )
     from kdcache.stages.train.evaluation import (
         EvaluationError as EvaluationError,
         alignment_panels as alignment_panels,
@@ -44,6 +50,5 @@ if TYPE_CHECKING:
     from kdcache.stages.train.interrupt import TrainingInterrupted as TrainingInterrupted
     from kdcache.stages.train.logging import read_jsonl as read_jsonl, read_records as read_records
     from kdcache.stages.train.loop import run_training as run_training
-    from kdcache.stages.train.options import DEFAULT_TEMPERATURE as DEFAULT_TEMPERATURE, TrainOptions as TrainOptions
 else:  # mypy reads the names above and nothing else; at run time each loads on first use
     __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -31,8 +31,20 @@ from torch import nn
 from kdcache.stages.common import attention_sources, logit_kinds
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
 from kdcache.stages.common.device_codecs import load_projection
-from kdcache.stages.train.checks import open_cache
-from kdcache.stages.train.distill import (
+from kdcache.stages.train.core import (
+    LossOptions,
+    MapOptions,
+    StudentFacts,
+    TrainOptions,
+    TrainPlan,
+    open_cache,
+    plan_training,
+    student_facts,
+    tokenizer_fingerprint_of,
+    unused_targets,
+)
+from kdcache.stages.train.feed import Batch, CacheStream, DataPosition, next_position, to_device
+from kdcache.stages.train.objective import (
     DistillLoss,
     StudentRunner,
     build_criterion,
@@ -40,16 +52,12 @@ from kdcache.stages.train.distill import (
     student_inputs,
     unwrapped_student,
 )
-from kdcache.stages.train.feed import Batch, CacheStream, DataPosition, next_position, to_device
-from kdcache.stages.train.options import LossOptions, MapOptions, TrainOptions
-from kdcache.stages.train.plan import TrainPlan, plan_training, unused_targets
-from kdcache.stages.train.student import StudentFacts, student_facts, tokenizer_fingerprint_of
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.stages.train.teacher_head import TeacherHead
+    from kdcache.stages.train.core import TeacherHead
     from kdcache.storage import CacheReader
 
 # The keyword options of ``DistillationLoss``: those of ``kdcache train``'s loss and maps groups, and the seed.
@@ -106,7 +114,7 @@ def teacher_head_for(reader: CacheReader, plan: TrainPlan, *, speaker: str = "kd
     """The teacher's LM head of a ``--logits head`` cache when the KL uses it (its size stated), else None."""
     if not logit_kinds.uses_head(plan.logits):
         return None
-    from kdcache.stages.train.teacher_head import load_teacher_head
+    from kdcache.stages.train.core import load_teacher_head
 
     head = load_teacher_head(reader.store, reader.spec.hidden_layers)
     _say(speaker, head.describe(), announce)

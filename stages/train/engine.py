@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.core import TrainOptions
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:

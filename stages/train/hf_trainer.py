@@ -7,6 +7,7 @@ Everything kdcache-specific is the same code ``kdcache train`` runs (``api``): t
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -20,11 +21,13 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from kdcache.stages.train.api import ApiError, CacheDataset, DistillationLoss, seed_dropout
 from kdcache.stages.train.checkpoint import PROJECTORS_FILE
-from kdcache.stages.train.checks import open_cache
+from kdcache.stages.train.core import open_cache
 from kdcache.stages.train.feed import DataPosition, check_resumable
 
 STATE_FILE = "kdcache_state.json"  # beside each checkpoint's weights: the stream position and the micro-step
-REFUSED = ("train_dataset", "data_collator", "compute_loss_func")  # the cache decides these
+# The cache decides the first three; evaluation through Trainer would batch a CacheDataset a second time and run the
+# student on a cache batch as if it were model inputs (see the class docstring).
+REFUSED = ("train_dataset", "data_collator", "compute_loss_func", "eval_dataset")
 LOSS_MODULE = "kdcache_loss"  # under DeepSpeed, the loss module's name inside the model DeepSpeed wraps
 
 
@@ -62,8 +65,12 @@ class CacheTrainer(Trainer):
     * **Steps and epochs.** With ``max_steps`` unset, ``num_train_epochs`` passes over the cache. The stream has no
       length (``Trainer`` would restart it each epoch), so the logged ``epoch`` is the stream's own: epochs of the
       cache consumed, from its position.
-    * **Evaluation.** Not the cache's: ``evaluate`` is ``Trainer``'s own, on an ``eval_dataset`` you give it. The
-      loss terms on a held-out cache are ``DistillationLoss`` over its ``CacheDataset``, in eval mode.
+    * **Evaluation.** Not through ``Trainer``: an ``eval_dataset``, an ``eval_strategy`` other than ``"no"`` and
+      ``evaluate()`` are refused (its loop would batch a ``CacheDataset`` a second time and call the student on a
+      cache batch). Score the saved student with ``kdcache eval --cache HELDOUT``, or take the loss terms on a
+      held-out cache as ``DistillationLoss`` over its ``CacheDataset``, in eval mode.
+    * **Optimizer.** One you pass (``optimizers=(optimizer, scheduler)``) must already hold the loss's parameters
+      (``loss.parameters()``: the projectors); otherwise they would never train, and it is refused.
     * **DeepSpeed.** ``TrainingArguments(deepspeed=...)`` works up to ZeRO-2. DeepSpeed optimizes only parameters
       of the module it wraps, so there the loss module is attached to the model as ``model.kdcache_loss`` (and
       left out of every saved student: ``_save`` drops its keys); DeepSpeed then clips, steps and checkpoints the
@@ -88,14 +95,16 @@ class CacheTrainer(Trainer):
         given = sorted(set(kwargs) & set(REFUSED))
         if given:
             raise ApiError(f"CacheTrainer takes its {', '.join(given)} from the cache; leave them out")
+        args = copy.copy(args)  # ignore_data_skip and max_steps are set below: the caller's arguments stay theirs
+        _check_parallel(args)
         reader = open_cache(os.fspath(cache)) if isinstance(cache, (str, os.PathLike)) else cache
         options = {"seed": args.seed, **(loss_options or {})}  # the projectors' init follows the run's seed
         self.distill = loss if loss is not None else DistillationLoss(reader, model, **options)
+        _check_optimizer(kwargs.get("optimizers"), self.distill)
         self._stream_options = {"shuffle_block": shuffle_block, "prefetch": prefetch}
         self._position, self._micro_step = DataPosition(), 0
         self._sums: dict[str, torch.Tensor] = {}  # each term's sum since the last log, on the device
         self._count = 0
-        _check_parallel(args)
         self._data = self._dataset(args)
         args.ignore_data_skip = True  # the stream resumes from its own position (see the class docstring)
         if args.deepspeed:
@@ -135,14 +144,15 @@ class CacheTrainer(Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-        """``DistillationLoss`` on the student's outputs; the terms are kept for the next log."""
+        """``DistillationLoss`` on the student's outputs; the terms of a training step are kept for the next log."""
         student = self.accelerator.unwrap_model(model)
         out = self.distill.student_outputs(student, inputs)
         terms = self.distill(out, inputs)
-        for name, value in terms.items():
-            if name != "loss":
-                self._sums[name] = self._sums.get(name, 0.0) + value.detach().float()
-        self._count += 1
+        if model.training:
+            for name, value in terms.items():
+                if name != "loss":
+                    self._sums[name] = self._sums.get(name, 0.0) + value.detach().float()
+            self._count += 1
         return (terms["loss"], out) if return_outputs else terms["loss"]
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -174,6 +184,12 @@ class CacheTrainer(Trainer):
             logs.update(zip(names, (float(v) for v in values)))
             self._sums, self._count = {}, 0
         super().log(logs, start_time)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Refused: see the class docstring's Evaluation."""
+        raise ApiError("CacheTrainer does not evaluate through Trainer.evaluate; score the saved student with "
+                       "`kdcache eval --cache HELDOUT --run RUN --student STUDENT`, or run DistillationLoss over a "
+                       "held-out cache's CacheDataset in eval mode")
 
     # ---- saving and resuming --------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -232,6 +248,28 @@ def _check_parallel(args: Any) -> None:
     if stage >= 3:
         raise ApiError(f"deepspeed zero_optimization.stage {stage}: CacheTrainer supports ZeRO 0-2 (the projectors "
                        "train beside the student, outside ZeRO-3's partitions); use stage 2, or `kdcache train`")
+    strategy = str(getattr(getattr(args, "eval_strategy", "no"), "value", getattr(args, "eval_strategy", "no")))
+    if strategy != "no":
+        raise ApiError(f"eval_strategy {strategy!r}: CacheTrainer does not evaluate through Trainer (see its "
+                       "docstring); set eval_strategy='no' and score the saved student with `kdcache eval`")
+    if getattr(args, "n_gpu", 1) > 1:
+        raise ApiError(f"{args.n_gpu} GPUs in one process (torch.nn.DataParallel): CacheTrainer runs the student "
+                       "outside that wrapper; start one process per GPU with DeepSpeed (TrainingArguments("
+                       "deepspeed=...)), or make one GPU visible")
     if args.world_size > 1 and not args.deepspeed:
         raise ApiError(f"{args.world_size} processes without DeepSpeed: CacheTrainer runs the student outside DDP's "
                        "wrapper; pass TrainingArguments(deepspeed=...) (ZeRO 0-2)")
+
+
+def _check_optimizer(optimizers: Any, loss: nn.Module) -> None:
+    """Refuse an optimizer of the caller's that lacks the loss's trainable parameters (the projectors would stay
+    as initialised); ``create_optimizer`` adds them to ``Trainer``'s own."""
+    optimizer = optimizers[0] if isinstance(optimizers, (tuple, list)) and optimizers else None
+    wanted = {id(p) for p in loss.parameters() if p.requires_grad}
+    if optimizer is None or not wanted:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not wanted <= held:
+        raise ApiError("optimizers=(optimizer, ...): the optimizer must hold the loss's parameters too (the "
+                       "projectors); build DistillationLoss first, pass it as loss=, and give the optimizer "
+                       "[*student.parameters(), *loss.parameters()]")

@@ -26,8 +26,16 @@ from kdcache.stages.common.attention_maps import MAPS_ATTENTION
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.api import fit_student, seed_dropout, teacher_head_for
-from kdcache.stages.train.checks import open_cache
-from kdcache.stages.train.distill import DistillModel, build_criterion
+from kdcache.stages.train.core import (
+    StudentFacts,
+    TrainOptions,
+    TrainPlan,
+    enable_gradient_checkpointing,
+    has_weights,
+    load_student,
+    open_cache,
+    tokenizer_fingerprint_of,
+)
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
 from kdcache.stages.train.feed import (
     BatchExtension,
@@ -40,16 +48,8 @@ from kdcache.stages.train.feed import (
 )
 from kdcache.stages.train.interrupt import StopOnSignal, TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
-from kdcache.stages.train.options import TrainOptions
-from kdcache.stages.train.plan import TrainPlan
+from kdcache.stages.train.objective import DistillModel, build_criterion
 from kdcache.stages.train.progress import TrainProgress
-from kdcache.stages.train.student import (
-    StudentFacts,
-    enable_gradient_checkpointing,
-    has_weights,
-    load_student,
-    tokenizer_fingerprint_of,
-)
 from kdcache.storage import KdcacheError, split_stream
 
 if TYPE_CHECKING:

@@ -28,6 +28,13 @@ def hadamard_matrix(b: int) -> np.ndarray:
     return matrix
 
 
+def sylvester_matrix(b: int) -> np.ndarray:
+    """``hadamard_matrix(b) * sqrt(b)``: the same matrix of +1/-1, float32, the caller's own copy. Integer codes
+    times it sum exactly in float32 (|sum| ≤ 127 · 256 < 2²⁴), whatever order a library's matmul adds them in."""
+    matrix: np.ndarray = _sylvester_matrix(b).copy()
+    return matrix
+
+
 def rotation_signs(seed: int, d: int) -> np.ndarray:
     """The rotation's random signs ``[d]`` float32 (+1/-1), from ``numpy.random.default_rng(seed)``. The caller's
     own copy."""
@@ -39,11 +46,16 @@ def rotation_signs(seed: int, d: int) -> np.ndarray:
 # caller can change the shared array; a copy costs microseconds, the build (log2 b block doublings, a generator)
 # far more, and a copy is writable, as torch.from_numpy wants.
 @functools.lru_cache(maxsize=16)
-def _hadamard_matrix(b: int) -> np.ndarray:
+def _sylvester_matrix(b: int) -> np.ndarray:
     h = np.ones((1, 1))
     while len(h) < b:
         h = np.block([[h, h], [h, -h]])
-    return _read_only((h / np.sqrt(b)).astype(np.float32))
+    return _read_only(h.astype(np.float32))
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_matrix(b: int) -> np.ndarray:
+    return _read_only((_sylvester_matrix(b).astype(np.float64) / np.sqrt(b)).astype(np.float32))
 
 
 @functools.lru_cache(maxsize=64)

@@ -22,7 +22,7 @@ import numpy as np
 from array_api_compat import array_namespace, device as device_of
 
 from kdcache.storage.core.registry import Registry
-from kdcache.storage.core.rotation import block_size, hadamard_matrix, rotation_signs
+from kdcache.storage.core.rotation import block_size, hadamard_matrix, rotation_signs, sylvester_matrix
 
 # An array of whichever library the caller uses (numpy ndarray on the host, torch Tensor on a device). The standard
 # has no static type, and a Protocol of the operators the codecs use fails mypy --strict here: each library types
@@ -108,6 +108,15 @@ def hadamard(x: Array) -> Array:
     xp, (n, d) = namespace(x), x.shape
     b = block_size(d)
     return xp.reshape(xp.reshape(x, (n, d // b, b)) @ constant(x, hadamard_matrix, b), (n, d))
+
+
+def integer_hadamard(x: Array) -> tuple[Array, float]:
+    """``(x [N, d]`` times the blocks' +1/-1 matrix, ``1 / sqrt(b))``: ``hadamard(x)`` is their product. For integer
+    codes the matmul is exact in float32, so that every library's matmul gives the same bits."""
+    xp, (n, d) = namespace(x), x.shape
+    b = block_size(d)
+    summed = xp.reshape(xp.reshape(x, (n, d // b, b)) @ constant(x, sylvester_matrix, b), (n, d))
+    return summed, float(np.float32(1.0 / np.sqrt(b)))
 
 
 def signs(like: Array, seed: int, d: int) -> Array:

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from kdcache.storage.core.errors import SpecError
-from kdcache.storage.hidden_codecs.arrays import Array, hadamard, namespace, ops_for, scale_up, signs
+from kdcache.storage.hidden_codecs.arrays import Array, hadamard, integer_hadamard, namespace, ops_for, scale_up, signs
 from kdcache.storage.hidden_codecs.base import HiddenCodec, is_int
 
 MAX_WIDTH = 32767  # outlier ids are stored as uint16 (int16 on a device without uint16 kernels)
@@ -138,12 +138,14 @@ class QuantisedCodec(HiddenCodec):
         xp, (n, d) = namespace(y), y.shape
         scale = xp.astype(parts["scale"], xp.float32)
         if self.config.rotation is not None and scale.shape[1] == 1:
-            # One scale per row: rotate the codes, then scale. Integer codes times +-1/16 (blocks of 256) sum
-            # exactly in float32, so every library's matmul gives the same bits and the scale rounds once.
-            # Scaled first, the sums of code * scale rounded in each BLAS's own order (numpy's and torch's
-            # kernels differ with the CPU's vector width), and one ulp of a decoded 256 is 0.4% of the error of
-            # a row that decodes almost exactly: the stored error record then differed between libraries.
-            y = hadamard(y) * scale * signs(y, self.config.rotation, d)
+            # One scale per row: rotate the integer codes by the +-1 matrix (sums exact in float32, so every
+            # library's matmul gives the same bits), then one elementwise product by scale / sqrt(b), rounded
+            # alike everywhere. Scaled first, the sums of code * scale rounded in each BLAS's own order (numpy's
+            # and torch's kernels differ with the CPU's vector width), and one ulp of a decoded 256 is 0.4% of the
+            # error of a row that decodes almost exactly: the stored error record then differed between libraries.
+            # (1/sqrt(b) is exact for b = 256 only: folding it into the matrix kept d = 384's sums inexact.)
+            summed, gain = integer_hadamard(y)
+            y = summed * (scale * gain) * signs(y, self.config.rotation, d)
         else:
             y = xp.reshape(xp.reshape(y, (n, scale.shape[1], -1)) * xp.expand_dims(scale, axis=-1), (n, d))
             if self.config.rotation is not None:

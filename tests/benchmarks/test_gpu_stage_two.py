@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.gpu_stage_two import RUNS, stage_two_rows
 from tests.helpers.tiny_models import make_tiny_llama
-from tests.stages._train_support import precompute_cache
+from tests.stages.train._train_support import precompute_cache
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ def main(teacher: str, out: Path) -> None:
 
     from kdcache.stages.precompute.capture.logit_head import ChunkedHead
     from kdcache.stages.precompute.capture.sharded_head import ShardedTopK, chunked_head, vocab_shards
+    from kdcache.stages.precompute.core import PrecomputePlan
     from kdcache.stages.precompute.core.options import PrecomputeOptions
     from kdcache.stages.precompute.core.targets import Targets
     from kdcache.stages.precompute.parallel.distributed import DistContext
@@ -31,7 +32,8 @@ def main(teacher: str, out: Path) -> None:
 
     ctx = DistContext.from_env(gpu_collectives=True)
     options = PrecomputeOptions.of(teacher=teacher, data=teacher, out=str(out / "unused"), teacher_parallel="tp:2")
-    model = load_for_inference(AutoModelForCausalLM, options, torch.device("cpu"), eager=False)
+    setup = PrecomputePlan.of(options).teacher
+    model = load_for_inference(AutoModelForCausalLM, setup, torch.device("cpu"), eager=False)
     whole = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
     shards = vocab_shards(model)
     assert shards is not None and shards[2] == 2, shards

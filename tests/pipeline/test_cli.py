@@ -187,7 +187,7 @@ def test_help_lists_choices_and_no_empty_defaults(capsys: pytest.CaptureFixture[
 def test_train_out_refuses_an_unrelated_folder_like_precompute(tiny_gpt2: Path, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     from tests.helpers.tiny_models import sample_texts, write_text_dataset
-    from tests.stages._train_support import write_cache
+    from tests.stages.train._train_support import write_cache
 
     cache = write_cache(tiny_gpt2, tmp_path / "cache", num_sequences=4, hidden_layers=(3,))
     data = write_text_dataset(tmp_path / "data.jsonl", sample_texts(4))
@@ -203,7 +203,7 @@ def test_train_out_refuses_an_unrelated_folder_like_precompute(tiny_gpt2: Path, 
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
     evaluated_first = tmp_path / "run"  # a baseline evaluated before training leaves evals/: still a run's folder
     (evaluated_first / "evals").mkdir(parents=True)
-    from kdcache.stages.train.options import out_problems
+    from kdcache.stages.train.core.options import out_problems
 
     assert out_problems(str(evaluated_first)) == [] and out_problems(str(tmp_path / "new")) == []
 

@@ -11,7 +11,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from kdcache.pipeline.demo_reuse import StepLog, finished_run, matching_student
+from kdcache.pipeline.demo_reuse import StepLog, cache_id, finished_run, matching_student
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,12 +51,37 @@ def test_step_measurements_are_kept_with_the_arguments_they_ran_with(tmp_path: P
 
 
 def test_only_a_run_that_exported_its_student_counts_as_finished(tmp_path: Path) -> None:
+    """The export writes the config, then the weights, then projectors.pt: a run stopped before the last is not
+    finished."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     assert not finished_run(run)  # stopped mid-training: trained again
     (run / "student").mkdir()
     (run / "student" / "config.json").write_text("{}")
+    assert not finished_run(run)  # stopped in save_pretrained, before the weights
+    (run / "student" / "model.safetensors").write_bytes(b"\0" * 8)
+    assert not finished_run(run)  # stopped before the projectors
+    (run / "projectors.pt").write_bytes(b"\0")
     assert finished_run(run)
+
+
+def test_a_step_record_is_forgotten_before_the_step_runs_again(tmp_path: Path) -> None:
+    log = StepLog.open(tmp_path)
+    log.record("train", ["--max-steps", "6"], 12.5, 1 << 30)
+    log.forget("train")
+    assert StepLog.open(tmp_path).measured("train", ["--max-steps", "6"]) is None
+
+
+def test_a_cache_is_named_by_its_fingerprints(tmp_path: Path) -> None:
+    """Two caches in the same folder, made with other settings, get other ids (a trained run's record names the
+    id of the cache it read); a folder without a manifest gets none."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    assert cache_id(cache) == ""
+    (cache / "manifest.json").write_text(json.dumps({"fingerprints": {"settings": {"max_length": 64}}}))
+    first = cache_id(cache)
+    (cache / "manifest.json").write_text(json.dumps({"fingerprints": {"settings": {"max_length": 128}}}))
+    assert first.startswith("cache-") and cache_id(cache).startswith("cache-") and cache_id(cache) != first
 
 
 def test_make_demo_clean_removes_the_demo_outputs_and_keeps_the_environment(tmp_path: Path) -> None:

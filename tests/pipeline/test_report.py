@@ -50,7 +50,7 @@ def write_run(root: Path, cache: Path | None, steps: int, *, finished: bool, tru
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.helpers.tiny_models import make_tiny_gpt2
-    from tests.stages._train_support import write_cache
+    from tests.stages.train._train_support import write_cache
 
     root = tmp_path_factory.mktemp("report")
     return write_cache(make_tiny_gpt2(root / "teacher"), root / "cache", num_sequences=8, hidden_layers=(1, 3))
@@ -182,7 +182,7 @@ def test_an_ungiven_temperature_is_not_listed_as_set(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from kdcache.pipeline.run_state import applied_options
-    from kdcache.stages.train.options import TrainOptions
+    from kdcache.stages.train.core.options import TrainOptions
 
     topk = SimpleNamespace(logits="topk")
     for given, listed in ((None, False), (3.0, True)):

@@ -12,7 +12,7 @@ from kdcache.pipeline.cli import main
 from kdcache.stages.train.evaluation.eval_records import read_evals
 from tests.helpers.images import assert_png
 from tests.helpers.tiny_models import make_tiny_bart, make_tiny_t5, sample_pairs, write_pair_dataset
-from tests.stages._train_support import make_student_config
+from tests.stages.train._train_support import make_student_config
 
 SHALLOW = {"bart": {"encoder_layers": 1, "decoder_layers": 1}, "t5": {"num_layers": 1, "num_decoder_layers": 1}}
 

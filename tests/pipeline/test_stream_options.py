@@ -13,8 +13,8 @@ from kdcache.pipeline.config import ConfigError, build, flags, from_args
 from kdcache.pipeline.quiet import NOTE_PREFIX
 from kdcache.stages.common.stream_options import ALIASES, StreamLayers, StreamValueError
 from kdcache.stages.precompute.core.options import PrecomputeOptions
-from kdcache.stages.train.layer_maps import LayerMap, StreamMaps
-from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
+from kdcache.stages.train.core.options import TrainOptions
 
 
 @pytest.fixture

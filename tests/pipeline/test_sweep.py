@@ -139,7 +139,7 @@ def test_a_failing_point_is_recorded_and_the_others_finish(tmp_path: Path,
 def test_real_sweep_from_one_cache_with_eval_and_report(tmp_path: Path) -> None:
     """Tiny GPT-2 teacher, cached then deleted; 2 real trainings, 1 point failing its cache check; eval; report."""
     from tests.helpers.tiny_models import make_tiny_gpt2
-    from tests.stages._train_support import make_student_config, write_cache
+    from tests.stages.train._train_support import make_student_config, write_cache
 
     teacher = make_tiny_gpt2(tmp_path / "teacher", layers=3, hidden=32, heads=4)
     cache = write_cache(teacher, tmp_path / "cache", num_sequences=24)

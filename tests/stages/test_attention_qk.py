@@ -19,12 +19,12 @@ from kdcache.stages.common.qk_attention import QKRecorder, ScoreRule, allowed_ke
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions
-from kdcache.stages.train.distill import student_inputs
+from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.losses.attention import attention_kl
 from kdcache.stages.train.losses.attention_qk import ScoreSide, blocked_attention_kl, heads_from_rows, relation_kl
-from kdcache.stages.train.masks import stream_masks
+from kdcache.stages.train.objective.distill import student_inputs
 from kdcache.storage import CacheReader, verify_cache
 from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, sample_texts, write_text_dataset
 
@@ -272,8 +272,8 @@ def test_attention_sinks_are_refused_by_stage_one_naming_the_maps(tmp_path: Path
 
 
 def test_attention_sinks_are_refused_by_stage_two_as_a_loss_error() -> None:
-    from kdcache.stages.train.evaluation.attention_agreement import recorded
     from kdcache.stages.train.losses import LossError
+    from kdcache.stages.train.objective.recording import recorded
 
     student = _tiny_gpt_oss()
     recorder = QKRecorder(student, (1,), True)

@@ -19,7 +19,7 @@ from kdcache.stages.common.attention_sources.qk import QK
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.storage import AttentionLayout, attention_layout, register_attention_layout
 from tests.helpers.tiny_models import make_tiny_llama
-from tests.stages._train_support import make_student_config, precompute_cache
+from tests.stages.train._train_support import make_student_config, precompute_cache
 
 NAME = "rows_test"
 

@@ -15,12 +15,13 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import run_precompute
+from kdcache.stages.precompute.core import PrecomputePlan
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.rows.chat import render
 from kdcache.stages.precompute.rows.data import load_texts, tokenize
-from kdcache.stages.train.compound import CompoundLoss
-from kdcache.stages.train.distill import student_inputs
 from kdcache.stages.train.feed.streaming import collate, to_device
+from kdcache.stages.train.objective.compound import CompoundLoss
+from kdcache.stages.train.objective.distill import student_inputs
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_llama, sample_texts
 
@@ -84,7 +85,8 @@ def test_assistant_tokens_are_exactly_the_assistant_messages(name: str, chat_tea
     chats = conversations(6)
     options = chat_options(tmp_path, chat_teacher, template, chats)
     tokenizer = AutoTokenizer.from_pretrained(str(chat_teacher))
-    rows = tokenize(load_texts(options), tokenizer, options)
+    setup = PrecomputePlan.of(options).rows
+    rows = tokenize(load_texts(setup), tokenizer, setup)
     assert len(rows.ids) == len(chats)
     for ids, mask, chat in zip(rows.ids, rows.loss_masks, chats):
         wanted = [m["content"] + end for m in chat if m["role"] == "assistant"]

@@ -15,7 +15,7 @@ from kdcache.storage.hidden_codecs import HIDDEN_CODECS, QuantisedCodec, decode,
 from kdcache.storage.hidden_codecs.arrays import Array
 from kdcache.storage.verify import verify_cache
 from tests.helpers.tiny_models import make_tiny_gpt2
-from tests.stages._train_support import make_student_config, precompute_cache
+from tests.stages.train._train_support import make_student_config, precompute_cache
 
 
 class Int6(QuantisedCodec):
@@ -52,9 +52,9 @@ def test_the_registry_lists_the_new_codec_and_the_flag_offers_it(int6: type[Int6
 
 @pytest.mark.slow
 def test_a_codec_defined_in_a_test_module_runs_end_to_end(int6: type[Int6], tmp_path: Path) -> None:
+    from kdcache.stages.train.core.options import TrainOptions
     from kdcache.stages.train.evaluation.evaluate import evaluate_run
     from kdcache.stages.train.loop import run_training
-    from kdcache.stages.train.options import TrainOptions
     from tests.stages.test_hidden_codecs import _teacher_hidden
     from tests.storage.test_storage_backends import run_cli
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from kdcache.stages.common.device_codecs import decode_batch, encode
+from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.loop import run_training
-from kdcache.stages.train.options import TrainOptions
 from kdcache.storage import CacheReader
 from kdcache.storage.hidden_codecs import decode, hidden_codec_of
 from kdcache.storage.verify import verify_cache
 from tests.helpers.tiny_models import make_tiny_gpt2
-from tests.stages._train_support import make_student_config, precompute_cache
+from tests.stages.train._train_support import make_student_config, precompute_cache
 
 QUANTISED = ("fp8", "int8", "int4")
 
@@ -177,7 +177,7 @@ def test_topk_shards_record_the_probability_mass_their_k_keep(caches: dict[str, 
 def test_encoder_decoder_teachers_quantise_both_streams(tmp_path: Path) -> None:
     from kdcache.pipeline.cli import main
     from tests.helpers.tiny_models import make_tiny_bart, sample_pairs, write_pair_dataset
-    from tests.stages.test_seq2seq_precompute import online
+    from tests.stages.precompute.test_seq2seq_precompute import online
 
     teacher = make_tiny_bart(tmp_path / "bart")
     pairs = write_pair_dataset(tmp_path / "pairs.jsonl", sample_pairs(6))

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from kdcache.stages.common.device_codecs import Projection, decode_batch, encode
+from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.loop import run_training
-from kdcache.stages.train.options import TrainOptions
 from kdcache.storage import CacheReader
 from kdcache.storage.hidden_codecs import decode, hidden_codec_of, resolve_hidden_codec
 from kdcache.storage.verify import verify_cache
 from tests.helpers.tiny_models import make_tiny_gpt2
-from tests.stages._train_support import make_student_config, precompute_cache
 from tests.stages.test_hidden_codecs import _host, _teacher_hidden
+from tests.stages.train._train_support import make_student_config, precompute_cache
 
 RANK = 8
 RANK_CODEC = ("--features", "hidden,logits", "--logits", "head", "--layers", "0,1,2", "--hidden-codec", "int8",
@@ -163,7 +163,7 @@ def test_two_torchrun_ranks_store_one_basis_and_equal_one_process(tmp_path: Path
     import subprocess
     import sys
 
-    from tests.stages.test_precompute_resume import REPO, _env, assert_same_cache
+    from tests.stages.precompute.test_precompute_resume import REPO, _env, assert_same_cache
 
     teacher = make_tiny_gpt2(tmp_path / "teacher", layers=2, hidden=32, heads=4)
     one = precompute_cache(teacher, tmp_path / "one", num_sequences=16, extra=RANK_CODEC)

@@ -25,7 +25,7 @@ from kdcache.stages.common.logit_kinds.topk import TopK
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.storage.core.logit_layouts import LAYOUTS, LogitLayout, register_layout
 from tests.helpers.tiny_models import make_tiny_llama
-from tests.stages._train_support import make_student_config, precompute_cache
+from tests.stages.train._train_support import make_student_config, precompute_cache
 
 pytestmark = pytest.mark.slow
 

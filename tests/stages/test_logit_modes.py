@@ -16,9 +16,9 @@ import torch
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.train.core.teacher_head import load_teacher_head
 from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.losses import head_kl, kd_kl
-from kdcache.stages.train.teacher_head import load_teacher_head
 from kdcache.storage import CacheReader
 from kdcache.storage.core.errors import KdcacheError
 from kdcache.storage.core.stores import open_store

@@ -21,8 +21,8 @@ from kdcache.pipeline.cli import main
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.storage import open_store, verify_cache
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
-from tests.stages._train_support import make_student_config
-from tests.stages.test_precompute_resume import REPO, _argv, _env, _options, assert_same_cache
+from tests.stages.precompute.test_precompute_resume import REPO, _argv, _env, _options, assert_same_cache
+from tests.stages.train._train_support import make_student_config
 
 
 @pytest.fixture()

@@ -13,7 +13,7 @@ import kdcache.storage.core.stores as stores
 from kdcache.pipeline.cli import build_parser, main
 from kdcache.pipeline.config import ConfigError, build
 from kdcache.stages.precompute.core.options import PrecomputeOptions
-from kdcache.stages.train.options import TrainOptions
+from kdcache.stages.train.core.options import TrainOptions
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 
 
@@ -66,7 +66,7 @@ def test_precompute_validates_once_and_opens_its_out_store_once(tiny_gpt2: Path,
 def test_train_validates_once_and_reads_through_one_reader(tiny_gpt2: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            counted: list[str]) -> None:
-    from tests.stages._train_support import write_cache
+    from tests.stages.train._train_support import write_cache
 
     cache = write_cache(tiny_gpt2, tmp_path / "cache", num_sequences=8)
     counted.clear()
@@ -94,7 +94,7 @@ def test_one_engine_options_class_each_stage_its_own_fields(tmp_path: Path) -> N
     train = {f.name: f for f in dataclasses.fields(TrainOptions)}["engine"].type
     assert pre == train == "EngineOptions"
     from kdcache.stages.precompute.core.options import EngineOptions as PrecomputeEngine
-    from kdcache.stages.train.options import EngineOptions as TrainEngine
+    from kdcache.stages.train.core.options import EngineOptions as TrainEngine
 
     assert PrecomputeEngine is TrainEngine
     train_help = build_parser(["train"]).parse_args(["train"]).commands["train"].format_help()
@@ -113,9 +113,9 @@ def test_a_stream_over_the_commands_reader_reads_it_in_process_and_reopens_in_wo
                                                                                      counted: list[str]) -> None:
     import torch
 
-    from kdcache.stages.train.checks import open_cache
+    from kdcache.stages.train.core.checks import open_cache
     from kdcache.stages.train.feed.streaming import CacheStream
-    from tests.stages._train_support import write_cache
+    from tests.stages.train._train_support import write_cache
 
     cache = write_cache(tiny_gpt2, tmp_path / "cache", num_sequences=12, hidden_layers=(1,))
     counted.clear()

@@ -109,9 +109,9 @@ def test_the_student_sees_the_same_document_boundaries(tiny_gpt2: Path, tmp_path
     every document (it would not, past the first, if attention crossed documents)."""
     from transformers import AutoModelForCausalLM
 
-    from kdcache.stages.train.compound import CompoundLoss
-    from kdcache.stages.train.distill import student_inputs
     from kdcache.stages.train.feed.streaming import collate, to_device
+    from kdcache.stages.train.objective.compound import CompoundLoss
+    from kdcache.stages.train.objective.distill import student_inputs
 
     reader = _precompute(tmp_path, tiny_gpt2, sample_texts(24, seed=4), layers=("2", "3"), features=("hidden", "logits"),
                          top_k=16)
@@ -155,9 +155,9 @@ def test_a_teacher_that_cannot_keep_documents_apart_is_refused(tmp_path: Path,
 def test_a_student_that_cannot_keep_documents_apart_is_refused(tiny_gpt2: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, RobertaConfig, RobertaModel
 
-    from kdcache.stages.train.distill import check_documents_apart
     from kdcache.stages.train.feed.streaming import collate, to_device
     from kdcache.stages.train.losses import LossError
+    from kdcache.stages.train.objective.distill import check_documents_apart
 
     reader = _precompute(tmp_path, tiny_gpt2, sample_texts(24, seed=4), layers=("1",), features=("hidden",))
     batch = to_device(collate([reader[i] for i in range(4)], range(4)), "cpu")

@@ -1,6 +1,6 @@
 """``kdcache train`` and ``kdcache init-student``: stage two, and building a student from teacher blocks.
 
-Flags of ``train`` come from ``stages.train.options.TrainOptions``; every flag can also be set in ``--config
+Flags of ``train`` come from ``stages.train.core.options.TrainOptions``; every flag can also be set in ``--config
 file.yaml``, flat or in its ``train:`` section, the command line winning. torch, transformers and deepspeed are imported
 inside ``run`` so ``kdcache --help`` stays fast.
 

@@ -54,7 +54,7 @@ class LogitOptions(Protocol):
 
 
 class LossSettings(Protocol):
-    """Stage two's loss options the checks read (``train.options.LossOptions``)."""
+    """Stage two's loss options the checks read (``train.core.options.LossOptions``)."""
 
     @property
     def topk_kl(self) -> str: ...
@@ -63,7 +63,8 @@ class LossSettings(Protocol):
 
 
 class TeacherHead(Protocol):
-    """The teacher's LM head of a ``head`` cache (``stages.train.teacher_head.TeacherHead``): ``[N, d] -> [N, V]``."""
+    """The teacher's LM head of a ``head`` cache (``stages.train.core.teacher_head.TeacherHead``):
+    ``[N, d] -> [N, V]``."""
 
     @property
     def layer(self) -> int: ...

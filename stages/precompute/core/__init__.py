@@ -1,4 +1,5 @@
-"""Stage one's ground floor: what every part of it reads and nothing of it below: the options (``options``), the
+"""Stage one's ground floor: what every part of it reads and nothing of it below: the options (``options``) and
+the plan the parts take instead (``plan``), the
 targets they resolve to against the teacher's config (``targets``), the loaded teacher and its fingerprints
 (``teacher_id``), progress and the run's summary (``progress``), and ``PrecomputeError`` (``errors``).
 
@@ -21,6 +22,13 @@ if TYPE_CHECKING:
         PACKING as PACKING,
         PrecomputeOptions as PrecomputeOptions,
         looks_like_path as looks_like_path,
+    )
+    from kdcache.stages.precompute.core.plan import (
+        BatchSetup as BatchSetup,
+        PrecomputePlan as PrecomputePlan,
+        RowSetup as RowSetup,
+        TeacherSetup as TeacherSetup,
+        WriteSetup as WriteSetup,
     )
     from kdcache.stages.precompute.core.progress import (
         Progress as Progress,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-    from kdcache.stages.precompute.core.options import PrecomputeOptions
+    from kdcache.stages.precompute.core.plan import TeacherSetup
 
 
 @dataclass
@@ -32,25 +32,25 @@ class Teacher:
     attn_implementation: str
 
 
-def teacher_fingerprint(options: PrecomputeOptions, model: PreTrainedModel) -> dict[str, Any]:
+def teacher_fingerprint(teacher: TeacherSetup, model: PreTrainedModel) -> dict[str, Any]:
     """name_or_path, revision, config hash and weights hash (of the weight files where they can be found)."""
-    folder = _weights_folder(options)
+    folder = _weights_folder(teacher)
     state = None if folder is not None else model.state_dict()
-    return {"name_or_path": options.engine.teacher, "revision": options.engine.revision,
+    return {"name_or_path": teacher.name, "revision": teacher.revision,
             "config_hash": config_fingerprint(model.config), "weights_hash": weights_fingerprint(folder, state),
             "num_layers": _depth(model.config)}
 
 
-def teacher_files_fingerprint(options: PrecomputeOptions, config: PretrainedConfig) -> dict[str, Any] | None:
+def teacher_files_fingerprint(teacher: TeacherSetup, config: PretrainedConfig) -> dict[str, Any] | None:
     """The teacher fingerprint from its files alone (no weights loaded), or None where no files are found."""
-    folder = _weights_folder(options)
+    folder = _weights_folder(teacher)
     if folder is None:
         return None
     try:
         weights = weights_fingerprint(folder)
     except ValueError:  # a folder without weight files
         return None
-    return {"name_or_path": options.engine.teacher, "revision": options.engine.revision,
+    return {"name_or_path": teacher.name, "revision": teacher.revision,
             "config_hash": config_fingerprint(config), "weights_hash": weights, "num_layers": _depth(config)}
 
 
@@ -61,13 +61,13 @@ def _depth(config: PretrainedConfig) -> int | None:
     return int(depth) if isinstance(depth, int) else None
 
 
-def _weights_folder(options: PrecomputeOptions) -> Path | None:
-    local = Path(options.engine.teacher).expanduser()
+def _weights_folder(teacher: TeacherSetup) -> Path | None:
+    local = Path(teacher.name).expanduser()
     if local.is_dir():
         return local
     try:  # a hub id: the files transformers just loaded sit in the local hub cache
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(options.engine.teacher, revision=options.engine.revision, local_files_only=True))
+        return Path(snapshot_download(teacher.name, revision=teacher.revision, local_files_only=True))
     except Exception:
         return None

@@ -30,7 +30,7 @@ from kdcache.storage import format_bytes
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.core import PrecomputeOptions, Targets
+    from kdcache.stages.precompute.core import BatchSetup, PrecomputePlan, Targets
 
 USABLE = 0.9  # share of a device's memory a run may plan to use
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -98,9 +98,9 @@ def _errors_only() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def run_dtype_bytes(options: PrecomputeOptions, config: PretrainedConfig, on_gpu: bool) -> int:
-    """Bytes per value of the dtype the teacher will run in (``teacher._torch_dtype``'s rule)."""
-    chosen = options.engine.teacher_dtype
+def run_dtype_bytes(chosen: str, config: PretrainedConfig, on_gpu: bool) -> int:
+    """Bytes per value of the dtype the teacher will run in (``chosen``, the ``TeacherSetup.dtype``, by
+    ``teacher._torch_dtype``'s rule)."""
     if chosen != "auto":
         return {"fp32": 4, "fp16": 2, "bf16": 2}[chosen]
     if not on_gpu:
@@ -109,40 +109,40 @@ def run_dtype_bytes(options: PrecomputeOptions, config: PretrainedConfig, on_gpu
                       .replace("torch.", ""), 4)
 
 
-def rank_memory(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets, layout: Layout,
+def rank_memory(plan: PrecomputePlan, config: PretrainedConfig, targets: Targets, layout: Layout,
                 gpu: int | None) -> RankMemory:
     """What one rank of ``layout`` needs and has (see the module docstring for the terms); ``gpu`` is the rank's
     CUDA device index, None off a GPU."""
-    size = run_dtype_bytes(options, config, gpu is not None)
+    size = run_dtype_bytes(plan.teacher.dtype, config, gpu is not None)
     total, norms = param_counts(config)
     n = layout.size
     replicated = norms if layout.kind == "tp" else 0
     weights = ((total - replicated) // n + replicated) * size
     # Layer placement splits the blocks, not a block's work: its activations are whole on each GPU in turn.
-    activations = _activations(options, config, targets, layout.tensor, size)
-    return RankMemory(weights, activations, *device_capacity(options, gpu))
+    activations = _activations(plan.batch, config, targets, layout.tensor, size)
+    return RankMemory(weights, activations, *device_capacity(plan.teacher.device_memory, gpu))
 
 
-def _activations(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets, n: int, size: int) -> int:
-    tokens = options.engine.batch_size * options.dataset.max_length
+def _activations(batch: BatchSetup, config: PretrainedConfig, targets: Targets, n: int, size: int) -> int:
+    tokens = batch.batch_size * batch.max_length
     d = int(getattr(config, "hidden_size", 0) or 0)
     inter = int(getattr(config, "intermediate_size", 0) or 4 * d)
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     blocks = (4 * tokens * d + 2 * tokens * inter // n) * size
     if targets.wants_attention:
-        blocks += options.engine.batch_size * -(-heads // n) * options.dataset.max_length ** 2 * size
+        blocks += batch.batch_size * -(-heads // n) * batch.max_length ** 2 * size
     kept = sum(len(t.hidden) for t in targets.streams.values()) * tokens * d * 2
-    chunk = options.engine.logits_chunk or tokens
+    chunk = batch.logits_chunk or tokens
     head = min(chunk, tokens) * -(-vocab // n) * (size + 4) if targets.logits else 0
     return IN_FLIGHT * (blocks + kept) + head
 
 
-def device_capacity(options: PrecomputeOptions, gpu: int | None) -> tuple[int, str]:
-    """``(bytes, where the figure comes from)``: --device-memory, else the rank's GPU's (``gpu``: its index; ranks
-    of one node may hold different cards), else the host's per process."""
-    if options.engine.device_memory:
-        return parse_size(options.engine.device_memory), "--device-memory"
+def device_capacity(given: str | None, gpu: int | None) -> tuple[int, str]:
+    """``(bytes, where the figure comes from)``: ``given`` (--device-memory), else the rank's GPU's (``gpu``: its
+    index; ranks of one node may hold different cards), else the host's per process."""
+    if given:
+        return parse_size(given), "--device-memory"
     if gpu is not None:
         import torch
 

@@ -16,11 +16,11 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.core import PrecomputeOptions, Targets
+    from kdcache.stages.precompute.core import PrecomputePlan, Targets
     from kdcache.storage import CacheSpec
 
 
-def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets: Targets, layout: Layout,
+def check_parallel(plan: PrecomputePlan, config: PretrainedConfig, targets: Targets, layout: Layout,
                    device: torch.device) -> dict[str, Any] | None:
     """Before the weights load: refuse what the layout cannot capture or hold; the memory per rank (for
     ``--estimate``, and whenever a layout is chosen), else None.
@@ -29,8 +29,8 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
         PrecomputeError: a target the layout splits (``parallel.check_features``), a rank codec's fit under
             tensor parallelism, or ranks that cannot hold the teacher (``memory.check_layout``).
     """
-    check_features(layout, options.targets.features, targets.attention_source, targets.logits)
-    if layout.kind == "layers" and layout.size > 1 and not options.engine.estimate:
+    check_features(layout, plan.features, targets.attention_source, targets.logits)
+    if layout.kind == "layers" and layout.size > 1 and not plan.batch.estimate:
         # Review found the capture unready for it: blocks on several GPUs leave the hooked states, the last
         # hidden state and the copy stream's event on different devices. Refused until a multi-GPU test covers it.
         raise PrecomputeError(f"teacher_parallel: {layout} places the blocks over {layout.size} GPUs, whose targets "
@@ -43,7 +43,7 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
     if layout.size > 1 and importlib.util.find_spec("accelerate") is None:
         raise PrecomputeError(f"teacher_parallel: {layout} loads the teacher through transformers' tensor "
                               f"parallelism / device_map, which needs accelerate: pip install 'kdcache[parallel]'")
-    if layout.tensor > 1 and options.storage.hidden_rank is not None:
+    if layout.tensor > 1 and plan.write.hidden_codec.rank is not None:
         raise PrecomputeError(f"teacher_parallel: --hidden-rank fits its bases on the main rank alone, and {layout} "
                               f"needs every rank of a group in each forward; drop --hidden-rank, or fit the bases "
                               f"in a run without --teacher-parallel first (the cache keeps them)")
@@ -52,9 +52,9 @@ def check_parallel(options: PrecomputeOptions, config: PretrainedConfig, targets
         raise PrecomputeError(f"teacher_parallel: {layout} splits the teacher's {heads[0]} attention heads "
                               f"({heads[1]} key/value heads) into {layout.tensor} equal groups, which they do not "
                               f"divide; choose N among {_divisors(*heads)}, or layers:N")
-    if layout.kind == "none" and not (options.engine.estimate or options.engine.device_memory):
+    if layout.kind == "none" and not (plan.batch.estimate or plan.teacher.device_memory):
         return None  # one device and no size given: the device itself says whether the teacher fits
-    memory = rank_memory(options, config, targets, layout, _gpu_index(device))
+    memory = rank_memory(plan, config, targets, layout, _gpu_index(device))
     check_layout(memory, layout, config)
     return {"layout": str(layout), "per_rank_bytes": memory.total, "weights_bytes": memory.weights,
             "activations_bytes": memory.activations, "capacity_bytes": memory.capacity, "source": memory.source,
@@ -102,14 +102,14 @@ def _divisors(heads: int, kv: int) -> str:
     return ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
 
 
-def memory_only(options: PrecomputeOptions, config: PretrainedConfig, layout: Layout, world: int,
+def memory_only(plan: PrecomputePlan, config: PretrainedConfig, layout: Layout, world: int,
                 device: torch.device) -> bool:
     """Whether ``--estimate`` stops at the memory per rank: the teacher has no weights here (a config alone), or
     this launch cannot run the layout (fewer ranks than a tensor-parallel group, or layer placement without
     GPUs): the memory needs only the config, the size and time need the teacher run as it will be."""
     from kdcache.stages.precompute.core import teacher_files_fingerprint
 
-    if teacher_files_fingerprint(options, config) is None or world < layout.tensor:
+    if teacher_files_fingerprint(plan.teacher, config) is None or world < layout.tensor:
         return True
     return layout.kind == "layers" and layout.size > 1 and device.type != "cuda"
 

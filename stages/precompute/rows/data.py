@@ -22,7 +22,7 @@ import numpy as np
 
 from kdcache.stages.common.cache_texts import token_pieces
 from kdcache.stages.common.hub import offline_unless_reachable
-from kdcache.stages.precompute.core import DATA_EXTENSIONS, PrecomputeError, PrecomputeOptions, looks_like_path
+from kdcache.stages.precompute.core import DATA_EXTENSIONS, PrecomputeError, RowSetup, looks_like_path
 from kdcache.stages.precompute.rows.chat import chat_template, check_conversation, render
 from kdcache.stages.precompute.rows.packing import Document, Rows, make_rows, span_mask
 
@@ -107,11 +107,11 @@ class TokenStreams:
                    table.meta, table.built, texts)
 
 
-def load_texts(options: PrecomputeOptions) -> Dataset | IterableDataset:
-    """Open the dataset split named by the options and check its text column.
+def load_texts(setup: RowSetup) -> Dataset | IterableDataset:
+    """Open the dataset split ``setup`` names and check its text column.
 
     Returns:
-        a ``datasets.Dataset`` with at least one row and a string column ``options.dataset.text_column``; with
+        a ``datasets.Dataset`` with at least one row and a string column ``setup.text_column``; with
         ``--streaming``, a ``datasets.IterableDataset`` read in file order (nothing is loaded up front).
 
     Raises:
@@ -119,32 +119,31 @@ def load_texts(options: PrecomputeOptions) -> Dataset | IterableDataset:
     """
     import datasets
 
-    d = options.dataset
-
-    files = local_files(d.data)  # once: a folder's files are a recursive glob
+    files = local_files(setup.data)  # once: a folder's files are a recursive glob
     hub_note = None if files is not None else offline_unless_reachable(
-        d.data, local=f"--data a local data file ({', '.join(DATA_EXTENSIONS)}) or a folder of them", kind="dataset")
+        setup.data, local=f"--data a local data file ({', '.join(DATA_EXTENSIONS)}) or a folder of them",
+        kind="dataset")
     try:
-        ds = _load_dataset(options, files)
+        ds = _load_dataset(setup, files)
     except PrecomputeError:
         raise
     except Exception as exc:  # datasets raises many types (FileNotFoundError, ValueError, DatasetNotFoundError...)
         if "corresponds to no data" in str(exc):  # a split with no rows (e.g. a csv with only a header)
-            raise PrecomputeError(f"dataset {d.data!r} (split {d.split!r}) is empty") from None
+            raise PrecomputeError(f"dataset {setup.data!r} (split {setup.split!r}) is empty") from None
         # A hub name is also what a mistyped local file looks like (data/trian.jsnol): say both were looked for.
-        local = "" if files is not None else f"there is no local file or folder {d.data!r}, and "
-        raise PrecomputeError(f"cannot load dataset {d.data!r} (split {d.split!r}): {local}the hub says "
+        local = "" if files is not None else f"there is no local file or folder {setup.data!r}, and "
+        raise PrecomputeError(f"cannot load dataset {setup.data!r} (split {setup.split!r}): {local}the hub says "
                               f"{type(exc).__name__}: {exc}" + (f"; {hub_note}" if hub_note else "")) from None
     streaming = isinstance(ds, datasets.IterableDataset)
-    if streaming and not d.streaming:
-        raise PrecomputeError(f"dataset {d.data!r} loaded as a stream; add --streaming to read it as one")
+    if streaming and not setup.streaming:
+        raise PrecomputeError(f"dataset {setup.data!r} loaded as a stream; add --streaming to read it as one")
     names = column_names(ds)
-    for column, flag in _columns(options):
+    for column, flag in _columns(setup):
         if column not in names:
-            raise PrecomputeError(f"dataset {d.data!r} has no column {column!r}; its columns are: "
+            raise PrecomputeError(f"dataset {setup.data!r} has no column {column!r}; its columns are: "
                                   f"{', '.join(names)} (set {flag})")
     if not streaming and len(ds) == 0:
-        raise PrecomputeError(f"dataset {d.data!r} (split {d.split!r}) is empty")
+        raise PrecomputeError(f"dataset {setup.data!r} (split {setup.split!r}) is empty")
     return ds
 
 
@@ -153,28 +152,27 @@ def column_names(ds: Dataset | IterableDataset) -> list[str]:
     return list(ds.column_names or next(iter(ds), {}))
 
 
-def _columns(options: PrecomputeOptions) -> list[tuple[str, str]]:
+def _columns(setup: RowSetup) -> list[tuple[str, str]]:
     """(column, flag that names it) of every column this run reads."""
-    d = options.dataset
-    if d.messages_column:
-        return [(d.messages_column, "--messages-column")]
-    wanted = [(d.text_column, "--text-column")]
-    return wanted + ([(d.mask_column, "--mask-column")] if d.mask_column else [])
+    if setup.messages_column:
+        return [(setup.messages_column, "--messages-column")]
+    wanted = [(setup.text_column, "--text-column")]
+    return wanted + ([(setup.mask_column, "--mask-column")] if setup.mask_column else [])
 
 
-def _load_dataset(options: PrecomputeOptions, files: list[str] | None) -> Dataset | IterableDataset:
+def _load_dataset(setup: RowSetup, files: list[str] | None) -> Dataset | IterableDataset:
     """The dataset from ``files`` (``local_files``' answer), or from the hub when that is None."""
     from datasets import load_dataset
 
-    d = options.dataset
     if files is None:
-        return load_dataset(d.data, d.data_config, split=d.split, revision=None, streaming=d.streaming)
-    builder = _builder_for(files, d.data)
+        return load_dataset(setup.data, setup.data_config, split=setup.split, revision=None,
+                            streaming=setup.streaming)
+    builder = _builder_for(files, setup.data)
     if all(os.path.getsize(f) == 0 for f in files):  # datasets fails on these with a bare StopIteration
-        raise PrecomputeError(f"dataset {d.data!r} is empty: {len(files)} file(s) of 0 bytes")
+        raise PrecomputeError(f"dataset {setup.data!r} is empty: {len(files)} file(s) of 0 bytes")
     # Naming the split in data_files lets a local file serve any --split the user names. Streamed files are read
     # in this (sorted) order, as the map-style loader reads them, so both give the same rows.
-    return load_dataset(builder, data_files={d.split: files}, split=d.split, streaming=d.streaming)
+    return load_dataset(builder, data_files={setup.split: files}, split=setup.split, streaming=setup.streaming)
 
 
 def local_files(data: str) -> list[str] | None:
@@ -203,7 +201,7 @@ def _builder_for(files: list[str], data: str) -> str:
     return kind
 
 
-def tokenize(ds: Dataset, tokenizer: PreTrainedTokenizerBase, options: PrecomputeOptions) -> Rows:
+def tokenize(ds: Dataset, tokenizer: PreTrainedTokenizerBase, setup: RowSetup) -> Rows:
     """Tokenize the dataset into the cache's rows with their loss masks, in memory (``rows.make_rows``; stage
     one builds its row table from the same documents, ``row_build``).
 
@@ -213,50 +211,46 @@ def tokenize(ds: Dataset, tokenizer: PreTrainedTokenizerBase, options: Precomput
     Raises:
         PrecomputeError: bad conversations or spans (naming the row), or no row left to cache.
     """
-    d = options.dataset
-    template = text_template(tokenizer, options)
+    template = text_template(tokenizer, setup)
     batches = ((ds[i:i + _TOKENIZE_BATCH], list(range(i, min(i + _TOKENIZE_BATCH, len(ds)))))
                for i in range(0, len(ds), _TOKENIZE_BATCH))
     docs = (doc for batch, index in batches for doc in documents(encode_batch(batch, index, tokenizer=tokenizer,
-                                                                              options=options, template=template)))
-    rows = make_rows(docs, d.packing, d.max_length, tokenizer.eos_token_id, d.max_sequences)
+                                                                              setup=setup, template=template)))
+    rows = make_rows(docs, setup.packing, setup.max_length, tokenizer.eos_token_id, setup.max_sequences)
     if not rows.ids:
-        raise no_rows_error(options, rows.dropped_empty, rows.dropped_untrained)
+        raise no_rows_error(setup, rows.dropped_empty, rows.dropped_untrained)
     return rows
 
 
-def no_rows_error(options: PrecomputeOptions, empty: int, untrained: int) -> PrecomputeError:
+def no_rows_error(setup: RowSetup, empty: int, untrained: int) -> PrecomputeError:
     """The error for a dataset that left no row to cache."""
-    d = options.dataset
-    column = d.messages_column or d.text_column
-    return PrecomputeError(f"dataset {d.data!r}: no row of column {column!r} produced a token to train on "
+    column = setup.messages_column or setup.text_column
+    return PrecomputeError(f"dataset {setup.data!r}: no row of column {column!r} produced a token to train on "
                            f"({empty} empty, {untrained} with no trained token within --max-length)")
 
 
-def text_template(tokenizer: PreTrainedTokenizerBase, options: PrecomputeOptions) -> str | None:
+def text_template(tokenizer: PreTrainedTokenizerBase, setup: RowSetup) -> str | None:
     """The chat template conversations are rendered with (None for plain text); checks the tokenizer."""
-    d = options.dataset
-    if d.record_text and not getattr(tokenizer, "is_fast", False):
+    if setup.record_text and not getattr(tokenizer, "is_fast", False):
         raise PrecomputeError("--record-text needs a fast tokenizer (one that reports each token's characters), "
-                              f"and the tokenizer of {options.engine.teacher!r} is not one")
-    if (d.messages_column or d.mask_column) and not getattr(tokenizer, "is_fast", False):
+                              f"and the tokenizer of {setup.teacher!r} is not one")
+    if (setup.messages_column or setup.mask_column) and not getattr(tokenizer, "is_fast", False):
         raise PrecomputeError("--messages-column and --mask-column need a fast tokenizer (one that reports each "
-                              f"token's characters), and the tokenizer of {options.engine.teacher!r} is not one")
-    return chat_template(tokenizer, d.chat_template, options.engine.teacher) if d.messages_column else None
+                              f"token's characters), and the tokenizer of {setup.teacher!r} is not one")
+    return chat_template(tokenizer, setup.chat_template, setup.teacher) if setup.messages_column else None
 
 
-def text_fingerprint(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+def text_fingerprint(setup: RowSetup, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """Source, split, columns and the mask rule; the row table adds the hashes of the ids, loss masks and
     positions (``TEXT_HASHES``) and the row count: a cache is reused only for the same rows trained the same way."""
-    d = options.dataset
     from kdcache.storage import hash_bytes
 
-    out: dict[str, Any] = {"source": d.data, "split": d.split, "text_column": d.text_column}
-    if d.messages_column:
-        out.update(text_column=None, messages_column=d.messages_column,
+    out: dict[str, Any] = {"source": setup.data, "split": setup.split, "text_column": setup.text_column}
+    if setup.messages_column:
+        out.update(text_column=None, messages_column=setup.messages_column,
                    chat_template_hash=hash_bytes(str(tokenizer.chat_template).encode()))
-    if d.mask_column:
-        out["mask_column"] = d.mask_column
+    if setup.mask_column:
+        out["mask_column"] = setup.mask_column
     return out
 
 
@@ -268,7 +262,7 @@ PAIR_HASHES = {"encoder/input_ids": "input_ids_hash", "decoder/input_ids": "targ
 
 
 def encode_batch(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,
-                 options: PrecomputeOptions, template: str | None) -> dict[str, list[Any]]:
+                 setup: RowSetup, template: str | None) -> dict[str, list[Any]]:
     """Tokenize a batch of dataset rows into documents (a ``datasets.map`` function, so it runs in worker
     processes too).
 
@@ -281,10 +275,9 @@ def encode_batch(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: 
         and uint8 loss mask, both empty for a blank text (a blank text yields nothing even where the tokenizer
         would add [CLS] [SEP] to it).
     """
-    d = options.dataset
-    texts, spans = _texts_and_spans(batch, indices, tokenizer, options, template)
-    cut = {"truncation": True, "max_length": d.max_length} if d.packing == "none" else {}
-    offsets = spans is not None or d.record_text
+    texts, spans = _texts_and_spans(batch, indices, tokenizer, setup, template)
+    cut = {"truncation": True, "max_length": setup.max_length} if setup.packing == "none" else {}
+    offsets = spans is not None or setup.record_text
     encoded = tokenizer(texts, add_special_tokens=template is None, return_offsets_mapping=offsets, **cut)
     ids_out: list[Any] = []
     masks: list[Any] = []
@@ -294,9 +287,9 @@ def encode_batch(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: 
         ids_out.append([] if blank else ids)
         mask = np.ones(len(ids), dtype=np.uint8) if spans is None else span_mask(encoded["offset_mapping"][i], spans[i])
         masks.append(mask[:0] if blank else mask)
-        if d.record_text:
+        if setup.record_text:
             pieces.append([] if blank else token_pieces(text, encoded["offset_mapping"][i]))
-    return {"ids": ids_out, "mask": masks, **({"pieces": pieces} if d.record_text else {})}
+    return {"ids": ids_out, "mask": masks, **({"pieces": pieces} if setup.record_text else {})}
 
 
 def documents(encoded: dict[str, list[Any]]) -> Iterator[Document | None]:
@@ -313,19 +306,18 @@ def documents(encoded: dict[str, list[Any]]) -> Iterator[Document | None]:
 
 
 def _texts_and_spans(rows: dict[str, list[Any]], index: list[int], tokenizer: PreTrainedTokenizerBase,
-                     options: PrecomputeOptions,
+                     setup: RowSetup,
                      template: str | None) -> tuple[list[str], list[list[tuple[int, int]]] | None]:
     """A batch's texts, and per text the character spans to train on (None: train on every token)."""
-    d = options.dataset
-    if d.messages_column and template is not None:
+    if setup.messages_column and template is not None:
         rendered = [render(row, check_conversation(row, m), template, tokenizer)
-                    for row, m in zip(index, rows[d.messages_column])]
+                    for row, m in zip(index, rows[setup.messages_column])]
         return [text for text, _ in rendered], [spans for _, spans in rendered]
-    texts = ["" if t is None else str(t) for t in rows[d.text_column]]
-    if not d.mask_column:
+    texts = ["" if t is None else str(t) for t in rows[setup.text_column]]
+    if not setup.mask_column:
         return texts, None
     return texts, [_char_spans(row, value, len(text)) for row, value, text in
-                   zip(index, rows[d.mask_column], texts)]
+                   zip(index, rows[setup.mask_column], texts)]
 
 
 def _char_spans(row: int, value: object, length: int) -> list[tuple[int, int]]:
@@ -340,37 +332,30 @@ def _char_spans(row: int, value: object, length: int) -> list[tuple[int, int]]:
 
 
 # ---- source/target pairs (encoder-decoder teachers) ----------------------------------------------------
-def source_column(options: PrecomputeOptions) -> str:
-    """The source column: ``--source-column``, else ``--text-column``."""
-    d = options.dataset
-    return d.source_column or d.text_column
-
-
-def load_pairs(options: PrecomputeOptions) -> Dataset | IterableDataset:
+def load_pairs(setup: RowSetup) -> Dataset | IterableDataset:
     """Open the dataset split and check both columns.
 
     Raises:
         PrecomputeError: no ``--target-column``, packing asked for, or a column missing.
     """
-    d = options.dataset
-    if not d.target_column:
+    if not setup.target_column:
         raise PrecomputeError("target_column: teacher is an encoder-decoder, so its decoder needs a target text to "
                               "be teacher-forced on; set --target-column (and --source-column)")
-    if d.packing != "none":
+    if setup.packing != "none":
         raise PrecomputeError("packing: source/target pairs cannot be packed into blocks; drop --packing")
-    if d.messages_column or d.mask_column:
+    if setup.messages_column or setup.mask_column:
         raise PrecomputeError("messages_column / mask_column: an encoder-decoder teacher is trained on its whole "
                               "target text; use --source-column and --target-column")
-    ds = load_texts(replace(options, dataset=replace(d, text_column=source_column(options))))
+    ds = load_texts(replace(setup, text_column=setup.source))
     names = column_names(ds)
-    if d.target_column not in names:
-        raise PrecomputeError(f"dataset {d.data!r} has no column {d.target_column!r}; its columns are: "
+    if setup.target_column not in names:
+        raise PrecomputeError(f"dataset {setup.data!r} has no column {setup.target_column!r}; its columns are: "
                               f"{', '.join(names)} (set --target-column)")
     return ds
 
 
 def encode_pairs(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,
-                 options: PrecomputeOptions) -> dict[str, list[Any]]:
+                 setup: RowSetup) -> dict[str, list[Any]]:
     """Tokenize a batch of (source, target) rows, each side truncated to its own maximum (``--max-length``,
     ``--max-target-length``); targets go through ``text_target=``, so tokenizers with per-side settings (mBART's
     language codes) apply their target-side rules.
@@ -379,25 +364,23 @@ def encode_pairs(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: 
         ``{"src": [...], "tgt": [...]}``: per row both sides' ids, both empty where either side is blank (a
         sequence needs at least one encoder token and one target token).
     """
-    d = options.dataset
     clean = lambda texts: ["" if t is None else str(t) for t in texts]  # noqa: E731
-    src_texts, tgt_texts = clean(batch[source_column(options)]), clean(batch[d.target_column or ""])
-    src_ids = tokenizer(src_texts, truncation=True, max_length=d.max_length)["input_ids"]
+    src_texts, tgt_texts = clean(batch[setup.source]), clean(batch[setup.target_column or ""])
+    src_ids = tokenizer(src_texts, truncation=True, max_length=setup.max_length)["input_ids"]
     tgt_ids = tokenizer(text_target=tgt_texts, truncation=True,
-                        max_length=d.max_target_length or d.max_length)["input_ids"]
+                        max_length=setup.max_target_length or setup.max_length)["input_ids"]
     keep = [bool(a.strip() and b.strip() and x and y) for a, b, x, y in zip(src_texts, tgt_texts, src_ids, tgt_ids)]
     return {"src": [x if k else [] for k, x in zip(keep, src_ids)],
             "tgt": [y if k else [] for k, y in zip(keep, tgt_ids)]}
 
 
-def pair_fingerprint(options: PrecomputeOptions) -> dict[str, Any]:
+def pair_fingerprint(setup: RowSetup) -> dict[str, Any]:
     """Source, split and both columns; the row table adds both sides' hashes (``PAIR_HASHES``) and the count."""
-    d = options.dataset
-    return {"source": d.data, "split": d.split, "source_column": source_column(options),
-            "target_column": d.target_column}
+    return {"source": setup.data, "split": setup.split, "source_column": setup.source,
+            "target_column": setup.target_column}
 
 
-def no_pairs_error(options: PrecomputeOptions, dropped: int) -> PrecomputeError:
+def no_pairs_error(setup: RowSetup, dropped: int) -> PrecomputeError:
     """The error for a dataset that left no pair to cache."""
-    return PrecomputeError(f"dataset {options.dataset.data!r}: no pair of columns {source_column(options)!r} / "
-                           f"{options.dataset.target_column!r} produced tokens on both sides ({dropped} dropped)")
+    return PrecomputeError(f"dataset {setup.data!r}: no pair of columns {setup.source!r} / "
+                           f"{setup.target_column!r} produced tokens on both sides ({dropped} dropped)")

@@ -2,9 +2,9 @@
 written to the row table (``row_store``) that every rank, job-array part and rerun opens.
 
 The *row key* names everything the rows depend on: where the data comes from (for local files, each file's path,
-size and modification time), the dataset options (split, columns, max length, packing, cap...), the tokenizer
-(vocabulary, special tokens and, for fast tokenizers, its whole pipeline: normaliser, pre-tokenizer, added BOS)
-and the chat template. Whether the data is streamed, and over how many workers it is tokenized, is left out:
+size and modification time), the dataset's fields (``RowSetup``: split, columns, max length, packing, cap...),
+the tokenizer (vocabulary, special tokens and, for fast tokenizers, its whole pipeline: normaliser, pre-tokenizer,
+added BOS) and the chat template. Whether the data is streamed, and over how many workers it is tokenized, is left out:
 those give the same rows in the same order.
 
 Row order is the dataset's order whatever the worker count: ``datasets.map`` with ``num_proc`` splits the data
@@ -19,7 +19,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ import numpy as np
 
 from kdcache.stages.common.cache_texts import row_text
 from kdcache.stages.common.fingerprints import clear_call_state, tokenizer_fingerprint
-from kdcache.stages.precompute.core import PrecomputeOptions
+from kdcache.stages.precompute.core import RowSetup
 from kdcache.stages.precompute.rows.data import (
     PAIR_HASHES,
     TEXT_ARRAYS,
@@ -71,38 +70,37 @@ TEXT_COLUMNS = {"ids": "int32", "mask": "uint8"}
 PAIR_COLUMNS = {"src": "int32", "tgt": "int32"}
 
 
-def text_streams(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
+def text_streams(setup: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
     """The rows of a decoder-only or encoder teacher: ``input_ids``, ``loss_mask`` and, with packing
     ``documents``, ``position_ids``; built here or opened where another process built them.
 
     Raises:
         PrecomputeError: the data cannot be read, holds bad rows, or leaves no row to cache.
     """
-    d = options.dataset
-    template = text_template(tokenizer, options)
-    names = ("input_ids", "loss_mask", *(("position_ids",) if d.packing == "documents" else ()),
-             *(TEXT_ARRAYS if d.record_text else ()))
-    key = row_key(options, tokenizer, "text", template)
-    columns = {**TEXT_COLUMNS, **({"pieces": "string"} if d.record_text else {})}
+    template = text_template(tokenizer, setup)
+    names = ("input_ids", "loss_mask", *(("position_ids",) if setup.packing == "documents" else ()),
+             *(TEXT_ARRAYS if setup.record_text else ()))
+    key = row_key(setup, tokenizer, "text", template)
+    columns = {**TEXT_COLUMNS, **({"pieces": "string"} if setup.record_text else {})}
 
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
-        encode = functools.partial(encode_batch, tokenizer=tokenizer, options=options, template=template)
+        encode = functools.partial(encode_batch, tokenizer=tokenizer, setup=setup, template=template)
         counts = Rows()
-        docs = (doc for batch in encoded_batches(_loaded(load_texts, options), encode, options, writer.path,
+        docs = (doc for batch in encoded_batches(_loaded(load_texts, setup), encode, setup, writer.path,
                                                    columns)
                 for doc in documents(batch))
-        for ids, mask, positions, pieces in iter_rows(docs, counts, d.packing, d.max_length,
-                                                      tokenizer.eos_token_id, d.max_sequences):
+        for ids, mask, positions, pieces in iter_rows(docs, counts, setup.packing, setup.max_length,
+                                                      tokenizer.eos_token_id, setup.max_sequences):
             writer.add({"input_ids": ids, "loss_mask": mask, **({} if positions is None else
                                                                {"position_ids": positions}),
                         **({} if pieces is None else _text_columns(pieces))})
         if not writer.rows:
-            raise no_rows_error(options, counts.dropped_empty, counts.dropped_untrained)
+            raise no_rows_error(setup, counts.dropped_empty, counts.dropped_untrained)
         dropped = {"empty": counts.dropped_empty, "untrained": counts.dropped_untrained}
-        return text_fingerprint(options, tokenizer), {"dropped": dropped}
+        return text_fingerprint(setup, tokenizer), {"dropped": dropped}
 
     hashes = {n: TEXT_HASHES[n] for n in names if n in TEXT_HASHES}  # the texts follow from the data and ids
-    return TokenStreams.of_table(_open_or_build(options, key, names, hashes, build))
+    return TokenStreams.of_table(_open_or_build(setup, key, names, hashes, build))
 
 
 def _text_columns(pieces: np.ndarray) -> dict[str, np.ndarray]:
@@ -111,17 +109,16 @@ def _text_columns(pieces: np.ndarray) -> dict[str, np.ndarray]:
     return {"text": np.frombuffer(text.encode("utf-8"), dtype=np.uint8), "text_end": ends}
 
 
-def pair_streams(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
+def pair_streams(setup: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
     """The rows of an encoder-decoder teacher: both sides' ids, and loss masks of ones (every token of both
     sides is trained on; stored so every cache reads alike)."""
-    d = options.dataset
     names = ("encoder/input_ids", "encoder/loss_mask", "decoder/input_ids", "decoder/loss_mask")
-    key = row_key(options, tokenizer, "pairs", None)
+    key = row_key(setup, tokenizer, "pairs", None)
 
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
-        encode = functools.partial(encode_pairs, tokenizer=tokenizer, options=options)
+        encode = functools.partial(encode_pairs, tokenizer=tokenizer, setup=setup)
         dropped = 0
-        for batch in encoded_batches(_loaded(load_pairs, options), encode, options, writer.path,
+        for batch in encoded_batches(_loaded(load_pairs, setup), encode, setup, writer.path,
                                      PAIR_COLUMNS):
             for src, tgt in zip(batch["src"], batch["tgt"]):
                 if not len(src):
@@ -130,20 +127,20 @@ def pair_streams(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase)
                 src, tgt = np.asarray(src, dtype=np.int32), np.asarray(tgt, dtype=np.int32)
                 writer.add({"encoder/input_ids": src, "encoder/loss_mask": np.ones(len(src), dtype=np.uint8),
                             "decoder/input_ids": tgt, "decoder/loss_mask": np.ones(len(tgt), dtype=np.uint8)})
-                if d.max_sequences is not None and writer.rows >= d.max_sequences:
-                    return pair_fingerprint(options), {"dropped": {"empty": dropped, "untrained": 0}}
+                if setup.max_sequences is not None and writer.rows >= setup.max_sequences:
+                    return pair_fingerprint(setup), {"dropped": {"empty": dropped, "untrained": 0}}
         if not writer.rows:
-            raise no_pairs_error(options, dropped)
-        return pair_fingerprint(options), {"dropped": {"empty": dropped, "untrained": 0}}
+            raise no_pairs_error(setup, dropped)
+        return pair_fingerprint(setup), {"dropped": {"empty": dropped, "untrained": 0}}
 
-    return TokenStreams.of_table(_open_or_build(options, key, names, PAIR_HASHES, build))
+    return TokenStreams.of_table(_open_or_build(setup, key, names, PAIR_HASHES, build))
 
 
-def _open_or_build(options: PrecomputeOptions, key: dict[str, Any], names: tuple[str, ...], hashes: dict[str, str],
+def _open_or_build(setup: RowSetup, key: dict[str, Any], names: tuple[str, ...], hashes: dict[str, str],
                    build: Build) -> RowTable:
     """The rows from the rows folder (``row_store.rows_root``); ``--estimate``'s in a scratch folder it removes
     at once (the open table reads on through its memory map), so an estimate leaves no file anywhere."""
-    if not options.engine.estimate:
+    if not setup.scratch:
         return open_or_build(rows_root(), key, names, hashes, build)
     scratch = Path(tempfile.mkdtemp(prefix="kdcache-estimate-rows-"))
     try:
@@ -152,25 +149,24 @@ def _open_or_build(options: PrecomputeOptions, key: dict[str, Any], names: tuple
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _loaded(load: Callable[[PrecomputeOptions], Dataset | IterableDataset],
-            options: PrecomputeOptions) -> Dataset | IterableDataset:
+def _loaded(load: Callable[[RowSetup], Dataset | IterableDataset],
+            setup: RowSetup) -> Dataset | IterableDataset:
     """The dataset, with what Arrow's allocator kept from converting the files handed back to the system: the
     conversion's buffers scale with the data, and the build holds nothing of them afterwards."""
     import pyarrow as pa
 
-    ds = load(options)
+    ds = load(setup)
     pa.default_memory_pool().release_unused()
     return ds
 
 
-def row_key(options: PrecomputeOptions, tokenizer: PreTrainedTokenizerBase, kind: str,
+def row_key(setup: RowSetup, tokenizer: PreTrainedTokenizerBase, kind: str,
             template: str | None) -> dict[str, Any]:
     """Everything the rows depend on (see the module docstring); equal keys give equal rows."""
-    dataset = {k: v for k, v in asdict(options.dataset).items()
-               if k not in ("streaming", "tokenize_workers", "chat_template")}  # the template's text counts instead
+    dataset = setup.key()  # without the chat template's file: its text counts instead
     if not dataset.get("record_text"):  # rows without texts keep the key (and folder) they had before the option
         dataset.pop("record_text", None)
-    files = local_files(options.dataset.data)
+    files = local_files(setup.data)
     return {"version": ROWS_VERSION, "kind": kind, "dataset": dataset,
             "files": [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files or []],
             "tokenizer": tokenizer_key(tokenizer),
@@ -188,17 +184,17 @@ def tokenizer_key(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
             "eos": tokenizer.eos_token_id}
 
 
-def workers(options: PrecomputeOptions, rows: int) -> int:
+def workers(setup: RowSetup, rows: int) -> int:
     """Processes to tokenize ``rows`` dataset rows with: ``--tokenize-workers``, else the host's cores, fewer
     for small data."""
-    wanted = options.dataset.tokenize_workers
+    wanted = setup.tokenize_workers
     if wanted:
         return wanted
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, rows // _ROWS_PER_WORKER))
 
 
-def encoded_batches(ds: Dataset | IterableDataset, encode: Encode, options: PrecomputeOptions, scratch: Path,
+def encoded_batches(ds: Dataset | IterableDataset, encode: Encode, setup: RowSetup, scratch: Path,
                     columns: dict[str, str]) -> Iterator[dict[str, Any]]:
     """``encode``'s output over the dataset, batch by batch, in dataset order.
 
@@ -209,10 +205,10 @@ def encoded_batches(ds: Dataset | IterableDataset, encode: Encode, options: Prec
     """
     import datasets
 
-    if isinstance(ds, datasets.IterableDataset) or options.dataset.max_sequences is not None:
+    if isinstance(ds, datasets.IterableDataset) or setup.max_sequences is not None:
         yield from _in_process(ds, encode)
         return
-    procs = workers(options, len(ds))
+    procs = workers(setup, len(ds))
     if procs == 1:
         yield from _in_process(ds, encode)
         return

@@ -1,6 +1,7 @@
 """A student with its own tokenizer (``--cross-tokenizer``): the alignment of two tokenizations by the
-text they cover (``align``), the model that trains across them (``cross_model``) and what such a run needs of its
-cache (``cross_checks``). The rest of the code imports it through this door.
+text they cover (``align``) and the model that trains across them (``cross_model``), which wraps the run's loss
+(``objective``). What such a run needs of its cache is checked with the plan, on the ground floor
+(``core.cross_checks``). The rest of the code imports it through this door.
 """
 
 from __future__ import annotations
@@ -10,11 +11,6 @@ from typing import TYPE_CHECKING
 from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
-    from kdcache.stages.train.cross.cross_checks import (
-        cross_hint as cross_hint,
-        cross_problems as cross_problems,
-        text_problems as text_problems,
-    )
     from kdcache.stages.train.cross.cross_model import (
         SIDE_KEYS as SIDE_KEYS,
         SpanAligner as SpanAligner,

@@ -14,7 +14,7 @@ tokenizer and aligned with the teacher's tokens once per sequence (``SpanAligner
   term of ``CompoundLoss`` (its projectors, its losses, its logged names) over spans instead of tokens.
 
 Packed rows are tokenized by the student as one text (its positions do not restart at the teacher's document
-starts). Attention terms are not aligned (``cross_checks.cross_problems`` refuses ``--delta``).
+starts). Attention terms are not aligned (``core.cross_checks.cross_problems`` refuses ``--delta``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch import nn
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
 from kdcache.stages.common.head_logits import HeadLogits
 from kdcache.stages.common.vocab_pass import term_value
+from kdcache.stages.train.core import base_forward, choose_head, token_masks
 from kdcache.stages.train.cross.align import Alignment, align, aligned_share, student_ends, student_mask
 from kdcache.stages.train.losses import (
     causal_ce,
@@ -40,14 +41,12 @@ from kdcache.stages.train.losses import (
     span_mean,
     span_rows,
 )
-from kdcache.stages.train.masks import token_masks
-from kdcache.stages.train.student_head import base_forward, choose_head
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from kdcache.stages.train.distill import DistillLoss
-    from kdcache.stages.train.options import TrainOptions
+    from kdcache.stages.train.core import TrainOptions
+    from kdcache.stages.train.objective import DistillLoss
     from kdcache.storage import CacheReader
 
 CROSS_LOSSES = ("gold", "uld")  # --cross-tokenizer's choices, names in the loss registry
@@ -225,7 +224,7 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
 
     from transformers import AutoTokenizer
 
-    from kdcache.stages.train.options import resolved_temperature
+    from kdcache.stages.train.core import resolved_temperature
 
     texts = read_texts(reader.store, "--cross-tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(options.run.student)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
-    from kdcache.stages.train.evaluation.attention_agreement import recorded as recorded
     from kdcache.stages.train.evaluation.eval_records import (
         alignment_panels as alignment_panels,
         cache_identity as cache_identity,

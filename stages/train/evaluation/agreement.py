@@ -18,7 +18,7 @@ from scipy.stats import spearmanr
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import KlSetup, TeacherHead
-from kdcache.stages.train.masks import TokenMasks
+from kdcache.stages.train.core import TokenMasks
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -9,51 +9,22 @@ evaluation reads alike for both sources: ``attention: {"kl": mean over pairs, "p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kdcache.stages.common import attention_sources
 from kdcache.stages.common.attention_maps import use_maps_attention
-from kdcache.stages.common.qk_attention import Captured, QKRecorder, QKRecorderError
-from kdcache.stages.train.layer_maps import Pair, pair_key
-from kdcache.stages.train.losses import LossError, attention_kl, cached_qk_loss
-from kdcache.stages.train.masks import TokenMasks
+from kdcache.stages.common.qk_attention import QKRecorder
+from kdcache.stages.train.core import Pair, TokenMasks, pair_key
+from kdcache.stages.train.losses import attention_kl, cached_qk_loss
+from kdcache.stages.train.objective import StudentOutputs, recorded
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from kdcache.storage import CacheSpec
-
-
-class StudentOutputs(Protocol):
-    """A student's forward outputs (a transformers ``ModelOutput``) as the attention losses read them: its maps
-    ``attentions`` (one ``[B, H, L, L]`` per block, eager attention), or, under a recorder, ``attention_qkv``."""
-
-    attentions: tuple[torch.Tensor, ...]
-    attention_qkv: dict[int, Captured]
-
-
-Outputs = TypeVar("Outputs", bound=StudentOutputs)
-
-
-def recorded(recorder: QKRecorder, run: Callable[[], Outputs]) -> Outputs:
-    """``run()`` (the student's forward) under ``recorder``, its outputs given ``attention_qkv`` (block -> the
-    recorded queries, keys and values).
-
-    Raises:
-        LossError: the student's attention cannot be rebuilt from its queries and keys (attention sinks, soft-capped
-            scores without an eager kernel), naming the way out.
-    """
-    try:
-        with recorder.forward():
-            out = run()
-    except QKRecorderError as exc:
-        raise LossError(f"the student's attention cannot be compared with a q/k cache: {exc}; precompute the cache "
-                        f"with --attention-source maps, or train without attention pairs") from None
-    out.attention_qkv, recorder.captured = recorder.captured, {}  # the loss holds them, not the recorder
-    return out
 
 
 class AttentionAgreement:

@@ -26,8 +26,7 @@ import torch
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.device_codecs import load_projection
-from kdcache.stages.train.checks import CacheCheckError, stream_problems, vocab_problems
-from kdcache.stages.train.distill import check_documents_apart, student_inputs, student_view
+from kdcache.stages.train.core import CacheCheckError, stream_masks, stream_problems, vocab_problems
 from kdcache.stages.train.evaluation.agreement import (
     CkaMatrix,
     LmStats,
@@ -37,14 +36,13 @@ from kdcache.stages.train.evaluation.agreement import (
 )
 from kdcache.stages.train.evaluation.attention_agreement import AttentionAgreement
 from kdcache.stages.train.feed import collate, to_device
-from kdcache.stages.train.masks import stream_masks
+from kdcache.stages.train.objective import check_documents_apart, student_inputs, student_view
 from kdcache.storage import CacheReader, KdcacheError, prefixed, read_json_object
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.stages.train.student import StudentFacts
-    from kdcache.stages.train.teacher_head import TeacherHead
+    from kdcache.stages.train.core import StudentFacts, TeacherHead
 
 Pair = tuple[int, int]
 
@@ -86,7 +84,7 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
     Raises:
         EvaluationError: no student to score (the run has no ``student/`` and none was named).
     """
-    from kdcache.stages.train.student import load_student
+    from kdcache.stages.train.core import load_student
 
     run = Path(run_dir)
     if student_path is None and not (run / "plan.json").is_file():  # with --student, a run to be (its baseline)
@@ -111,7 +109,7 @@ def default_pairs(student_layers: list[int], teacher_layers: list[int]) -> list[
     """The uniform map (``--layer-map``'s default) from the student's blocks to the teacher's, j -> floor(jN/M),
     keeping the pairs whose teacher layer the evaluation cache holds; none when the student has more blocks than
     the cache's deepest layer (no uniform map exists then)."""
-    from kdcache.stages.train.layer_maps import LayerMapError, build_layer_map
+    from kdcache.stages.train.core import LayerMapError, build_layer_map
 
     blocks, depth = max(student_layers), max(teacher_layers)
     try:
@@ -142,7 +140,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
         when the cache has two), ``sequences`` evaluated and their trained ``tokens`` (the loss mask's), and
         ``notes`` explaining anything skipped.
     """
-    from kdcache.stages.train.student import student_facts, tokenizer_fingerprint_of
+    from kdcache.stages.train.core import student_facts, tokenizer_fingerprint_of
 
     model, pairs, projectors = load_run(run_dir, student)
     facts = student_facts(model, pretrained=True)
@@ -243,7 +241,7 @@ class _EvalState:
 
 
 def _teacher_head(reader: CacheReader) -> TeacherHead:
-    from kdcache.stages.train.teacher_head import load_teacher_head
+    from kdcache.stages.train.core import load_teacher_head
 
     return load_teacher_head(reader.store, reader.spec.hidden_layers)
 
@@ -284,7 +282,7 @@ def _check_inputs(reader: CacheReader, facts: StudentFacts, final: int | None, c
 def student_folder_problems(reader: CacheReader, student: str | Path) -> list[str]:
     """The vocabulary and tokenizer checks of ``check_student_fits`` from a student's folder alone (its config
     and tokenizer, no weights): the sweep runs them before its first run, for its evaluation cache."""
-    from kdcache.stages.train.student import load_config, tokenizer_fingerprint_of
+    from kdcache.stages.train.core import load_config, tokenizer_fingerprint_of
 
     vocab = int(getattr(load_config(student), "vocab_size", 0) or 0)
     # The logit comparison needs the model class (does it have a head?); the child's eval checks that part.

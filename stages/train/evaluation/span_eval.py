@@ -33,10 +33,9 @@ import torch.nn.functional as F
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import read_texts
+from kdcache.stages.train.core import Pair, pair_key, token_masks
 from kdcache.stages.train.cross import SIDE_KEYS, SpanAligner, cache_tokenizer
-from kdcache.stages.train.layer_maps import Pair, pair_key
 from kdcache.stages.train.losses import linear_cka, span_mean, span_rows
-from kdcache.stages.train.masks import token_masks
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -141,8 +140,7 @@ def evaluate_cross_run(run_dir: str | Path, reader: CacheReader, *, student: str
         CacheCheckError: the cache has no recorded texts (written without ``--record-text``), not one per
             sequence, or two token streams.
     """
-    from kdcache.stages.train.checks import CacheCheckError
-    from kdcache.stages.train.cross import text_problems
+    from kdcache.stages.train.core import CacheCheckError, text_problems
     from kdcache.storage import read_json_object
 
     problems = text_problems(reader, "span agreement (evaluating a student with its own tokenizer)")

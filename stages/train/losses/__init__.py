@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kdcache.stages.train.core import HIDDEN_LOSSES
 from kdcache.stages.train.losses.attention import attention_kl, group_teacher_heads
 from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
@@ -50,7 +51,6 @@ from kdcache.stages.train.losses.logits import (
     topk_kl_renorm,
 )
 from kdcache.stages.train.losses.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
-from kdcache.stages.train.options import HIDDEN_LOSSES
 from kdcache.storage import Registry  # the option's choices are the registry's names
 
 _REGISTRY: Registry[Callable[..., object]] = Registry("loss", LossError)

@@ -8,7 +8,7 @@ instead of a traceback; like storage's own errors they are also ``ValueError`` s
 from __future__ import annotations
 
 from kdcache.stages.common.loss_errors import LossError  # shared with the logit kinds (stages.common)
-from kdcache.stages.train.layer_maps import LayerMapError  # defined with the maps, torch-free for the config
+from kdcache.stages.train.core import LayerMapError  # defined with the maps, torch-free for the config
 from kdcache.storage import KdcacheError
 
 __all__ = ["KdcacheError", "LossError", "LayerMapError"]

@@ -1,0 +1,366 @@
+"""The compound distillation loss: α·CE + β·KL + γ·Σ_pairs hidden + δ·Σ_pairs attention.
+
+``CompoundLoss`` holds the projectors (so the DeepSpeed engine sees them as parameters of the wrapper that
+contains this module) and, for the ``wgan`` hidden loss, a ``CriticTrainer`` that is deliberately *not* a
+submodule (the critics have their own optimizer). Terms whose weight is 0 are never computed.
+
+Inputs (``B`` batch, ``L`` padded length):
+
+* ``student_out``: an HF ``ModelOutput``-like object with ``.logits [B, L, V]`` (absent for encoders) or the
+  ``HeadLogits`` behind them (the last hidden state and the LM head, applied chunk by chunk in the losses),
+  ``.hidden_states`` (tuple, 0 = embeddings; needs ``output_hidden_states=True``) and ``.attentions``
+  (tuple, block j at index j−1; needs ``output_attentions=True`` and ``attention_maps.MAPS_ATTENTION``, eager
+  attention returning its probabilities before dropout).
+* ``targets``: the collated cache arrays as float32 tensors on the device: ``input_ids [B, L]``,
+  ``hidden/{j} [B, L, d_t]``, ``attention/{j} [B, H', L, L]``, ``logits/full [B, L, V]`` or
+  ``logits/topk_values``/``logits/topk_ids [B, L, k]`` and ``logits/lse [B, L]``.
+* ``mask [B, L]``: 1 for a real token. ``targets`` may also hold ``loss_mask`` and ``position_ids`` ``[B, L]``;
+  which positions each term counts follows from the three (``masks.token_masks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import torch
+from torch import nn
+
+from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.logit_kinds import KlSetup, LogitKind
+from kdcache.stages.common.loss_rows import tied_zero
+from kdcache.stages.common.vocab_pass import ChunkTerm, vocab_pass
+from kdcache.stages.train.core import Pair, TokenMasks, pair_key, token_masks
+from kdcache.stages.train.losses import (
+    HIDDEN_LOSSES,
+    TOPK_VARIANTS,
+    CriticTrainer,
+    LossError,
+    cached_qk_loss,
+    causal_ce_term,
+    get_loss,
+    token_ce_term,
+    wgan_student_loss,
+)
+from kdcache.stages.train.objective.projectors import Projectors, needs_projector
+
+if TYPE_CHECKING:
+    from kdcache.stages.common.head_logits import HeadLogits
+    from kdcache.stages.common.qk_attention import Captured
+    from kdcache.stages.train.core import TeacherHead
+
+CE_KINDS = ("causal", "token")
+EMPTY_SAFE_HIDDEN = ("mse", "cosine")  # hidden losses that give 0 on a micro-batch with no trained token
+
+
+class StudentOutput(Protocol):
+    """What the loss reads of a student's forward outputs: a transformers ``ModelOutput`` or one stream's view of it
+    (``distill.student_view``). ``logits [B, L, V]`` is None for an encoder without an LM head; the optional
+    fields (``hidden_states``, ``attentions``, ``attention_qkv``) are looked up by name, so a missing one is
+    reported with the flag that asks for it (``_student_field``)."""
+
+    @property
+    def logits(self) -> torch.Tensor | HeadLogits | None: ...
+
+    @property
+    def hidden_states(self) -> Sequence[torch.Tensor]: ...  # [B, L, d_s] each, 0 = embeddings (when asked for)
+
+
+class CompoundLoss(nn.Module):
+    """α·CE + β·KL (full or top-k) + γ·Σ hidden + δ·Σ attention, each term also returned on its own.
+
+    Args:
+        layer_map: (student, teacher) pairs for the hidden term (``build_layer_map``).
+        student_dim: d_s; needed when projectors are (γ > 0 with mse, cosine or wgan).
+        teacher_dim: d_t; likewise.
+        alpha, beta, gamma, delta: weights of CE, KL, hidden and attention; a 0 weight skips the term.
+        temperature: KD temperature for ``kl`` and ``topk_kl`` renorm. ``other`` requires 1.0 and raises on the
+            first batch otherwise; it is not refused here because with a full-logit cache the variant is unused
+            (a check that knows the cache's logit kind belongs in the pre-training checks).
+        hidden_loss: one of ``HIDDEN_LOSSES``.
+        topk_variant: ``"renorm"`` or ``"other"``, used when the cache holds top-k logits.
+        ce: ``"causal"`` (shifted, decoders, on ``input_ids``) or ``"token"`` (unshifted, masked-LM heads, on
+            ``targets["labels"]`` when present, else ``input_ids``).
+        attention_map: pairs for the attention term; default: ``layer_map`` without embedding pairs.
+        gp_weight, critic_steps, critic_lr: the wgan critic's λ, steps per student step and learning rate.
+        critic_in_forward: run the critic steps inside ``forward`` (training mode, grad enabled), so a
+            training loop that only calls the wrapped model needs nothing else. Set False to call
+            ``self.critics.step`` yourself.
+        seed: seeds the projector and critic inits.
+        teacher_head: for a ``--logits head`` cache, the teacher's LM head (``teacher_head.TeacherHead``): the KL
+            then rebuilds exact teacher logits from ``hidden/{head.layer}``.
+        attention_loss, relation_heads, teacher_scores: for a q/k cache (``teacher_scores`` = its
+            ``attention_scores``), the attention term is ``"kl"`` rebuilt block by block or MiniLMv2's ``"relation"``
+            over R relation heads, from ``student_out.attention_qkv`` (block -> ``qk_attention.Captured``).
+        logits: the cache's logit mode (``CacheSpec.logits``), whose kind forms the KL; None: the kind whose arrays
+            the batch holds (two modes may store the same arrays, so a run from a cache names its mode).
+    """
+
+    def __init__(
+        self,
+        *,
+        layer_map: Sequence[Pair] = (),
+        student_dim: int | None = None,
+        teacher_dim: int | None = None,
+        alpha: float = 1.0,
+        beta: float = 1.0,
+        gamma: float = 0.0,
+        delta: float = 0.0,
+        temperature: float = 1.0,
+        hidden_loss: str = "mse",
+        topk_variant: str = "renorm",
+        ce: str = "causal",
+        attention_map: Sequence[Pair] | None = None,
+        gp_weight: float = 10.0,
+        critic_steps: int = 5,
+        critic_lr: float = 1e-4,
+        critic_in_forward: bool = True,
+        seed: int = 0,
+        teacher_head: TeacherHead | None = None,
+        attention_loss: str = "kl",
+        relation_heads: int = 0,
+        teacher_scores: Mapping[str, Any] | None = None,
+        logits: str | None = None,
+    ):
+        super().__init__()
+        self.teacher_head = teacher_head
+        self.logit_kind = logit_kinds.get(logits) if logits else None
+        # A q/k cache (teacher_scores: its score record): attention from the student's recorded queries and keys.
+        self.attention_loss, self.relation_heads, self.teacher_scores = attention_loss, relation_heads, teacher_scores
+        self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
+        self.temperature, self.hidden_loss, self.topk_variant, self.ce = temperature, hidden_loss, topk_variant, ce
+        self._check_config()
+        self.layer_map: list[Pair] = [(int(s), int(t)) for s, t in layer_map] if gamma > 0 else []
+        default_attention = [p for p in layer_map if p[0] > 0 and p[1] > 0]
+        self.attention_map: list[Pair] = ([(int(s), int(t)) for s, t in (attention_map or default_attention)]
+                                          if delta > 0 else [])
+        self.projectors = self._build_projectors(student_dim, teacher_dim, seed)
+        self.critic_in_forward = critic_in_forward
+        self.critics: CriticTrainer | None = None
+        if hidden_loss == "wgan" and self.layer_map:
+            keys = list(dict.fromkeys(pair_key(p) for p in self.layer_map))
+            self.critics = CriticTrainer(
+                keys, int(teacher_dim or 0), n_steps=critic_steps, gp_weight=gp_weight, lr=critic_lr, seed=seed
+            )
+
+    def forward(
+        self, student_out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Compute every term with a non-zero weight.
+
+        Returns:
+            ``{"loss": total (with graph), "ce", "kl" | "topk_kl", "hidden", "attention", "hidden/s2_t4", ...}``;
+            everything but ``loss`` is detached, unweighted, for logging. Absent terms are absent keys.
+        """
+        terms: dict[str, torch.Tensor] = {}
+        vocab: dict[str, ChunkTerm] = {}  # CE and the KL: one pass over the LM head together (vocab_pass)
+        logs: dict[str, torch.Tensor] = {}
+        masks = token_masks(mask, targets.get("loss_mask"), targets.get("position_ids"), causal=self.ce == "causal")
+        # A micro-batch with nothing to count (rare: a loss mask leaves no trained token or no prediction) adds 0 to
+        # a term, tied to the graph, rather than stopping the run. The vocabulary terms, mse and cosine divide by a
+        # count on the device and add that 0 themselves; asking the others costs a host sync, so only they ask.
+        any_trained, any_predicts = masks.counted() if self._needs_counts() else (True, True)
+        if self.weights["ce"] > 0:
+            self._add_ce(student_out, targets, masks, terms, vocab, any_trained)
+        if self.weights["kl"] > 0:
+            self._add_kl(student_out, targets, masks, terms, vocab, any_predicts)
+        vocab_total = self._vocab_pass(student_out, vocab, terms)
+        if self.layer_map:
+            terms["hidden"] = self._hidden_term(student_out, targets, masks.trained, logs, any_trained)
+        if self.attention_map:
+            terms["attention"] = self._attention_term(student_out, targets, masks, logs, any_trained)
+        return self._total(terms, logs, vocab_total, set(vocab))
+
+    def _needs_counts(self) -> bool:
+        """Whether a term of this loss cannot take a micro-batch with nothing to count (attention, CKA, wgan)."""
+        return bool(self.attention_map) or (bool(self.layer_map) and self.hidden_loss not in EMPTY_SAFE_HIDDEN)
+
+    def _vocab_pass(self, out: StudentOutput, vocab: dict[str, ChunkTerm],
+                    terms: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """α·CE + β·KL (with its graph) in one pass over the student's logits; their values (detached) go to
+        ``terms``. None without a vocabulary term."""
+        if not vocab:
+            return None
+        weights = [self.weights[_family(name)] for name in vocab]
+        total, values = vocab_pass(out.logits, list(vocab.values()), weights)  # type: ignore[arg-type]
+        terms.update(zip(vocab, values.unbind()))
+        return total
+
+    def _total(self, terms: dict[str, torch.Tensor], logs: dict[str, torch.Tensor],
+               vocab_total: torch.Tensor | None = None, in_pass: set[str] | None = None) -> dict[str, Any]:
+        """The weighted sum of ``terms`` (those ``in_pass`` are already in ``vocab_total``, weighted) and the logs."""
+        if not terms:
+            raise LossError("no loss term was computed: every weight is 0, or the terms it has need outputs "
+                            "this student lacks (CE needs logits)")
+        rest = [self.weights[_family(name)] * value for name, value in terms.items() if name not in (in_pass or ())]
+        parts = rest + ([] if vocab_total is None else [vocab_total])
+        total = torch.stack(parts).sum()
+        return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs}
+
+    def _add_ce(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
+                vocab: dict[str, ChunkTerm], any_trained: bool) -> None:
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            return  # an encoder without an LM head: no CE, by design
+        ids = _target(targets, "input_ids")
+        if self.ce == "causal":
+            vocab["ce"] = causal_ce_term(logits, ids, masks.real, pairs=masks.pairs)
+        elif not any_trained:
+            terms["ce"] = tied_zero(logits)
+        else:  # a masked-LM loop puts its own "labels" (-100 where unmasked) in the batch
+            vocab["ce"] = token_ce_term(logits, targets.get("labels", ids), masks.trained)
+
+    def _add_kl(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
+                vocab: dict[str, ChunkTerm], any_predicts: bool) -> None:
+        mask = masks.predicts
+        logits = getattr(out, "logits", None)
+        if logits is not None and not any_predicts:  # the term keeps its name: every rank logs the same keys
+            terms[self._kind_of(targets).term] = tied_zero(logits)
+            return
+        if logits is None:
+            raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
+        kind = self._kind_of(targets)
+        setup = KlSetup(self.temperature, self.topk_variant, self.teacher_head)
+        vocab[kind.term] = kind.chunk_term(logits, targets, mask, setup)
+
+    def _kind_of(self, targets: Mapping[str, torch.Tensor]) -> LogitKind:
+        """The cache's logit kind when the loss was told its mode, else the one the batch's arrays mark."""
+        return self.logit_kind or _logit_kind(targets, self.teacher_head is not None)
+
+    def _hidden_term(
+        self, out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict, any_trained: bool
+    ) -> torch.Tensor:
+        """Σ over pairs of the hidden loss; per-pair values (and wgan critic losses) go to ``logs``."""
+        states = _student_field(out, "hidden_states", "output_hidden_states=True")
+        total = torch.zeros((), device=mask.device)
+        if not any_trained:  # zeros tied to the graph, under the names a full batch logs
+            return total + _zero_pairs(logs, "hidden", self.layer_map, lambda s: states[s])
+        for pair in self.layer_map:
+            h_s = self.projectors.project(pair, _layer(states, pair[0], "hidden state"))
+            h_t = _target(targets, f"hidden/{pair[1]}")
+            value = self._one_hidden(pair, h_s, h_t, mask, logs)
+            logs[f"hidden/{pair_key(pair)}"] = value.detach()
+            total = total + value
+        return total
+
+    def _one_hidden(
+        self, pair: Pair, h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor, logs: dict
+    ) -> torch.Tensor:
+        if self.hidden_loss != "wgan":
+            return get_loss(self.hidden_loss)(h_s, h_t, mask)  # type: ignore[return-value]
+        key = pair_key(pair)
+        assert self.critics is not None
+        self.critics.to(h_s.device)
+        if self.critic_in_forward and self.training and torch.is_grad_enabled():
+            logs[f"critic/{key}"] = torch.tensor(self.critics.step(key, h_s, h_t, mask))
+        return wgan_student_loss(self.critics[key], h_s, mask)
+
+    def _attention_term(
+        self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict, any_trained: bool
+    ) -> torch.Tensor:
+        """Σ over attention pairs of ``attention_kl``; student block j is ``attentions[j - 1]``."""
+        if self.teacher_scores is not None:
+            return self._qk_term(out, targets, masks, logs, any_trained)
+        maps = _student_field(out, "attentions", "output_attentions=True and attention_maps.MAPS_ATTENTION")
+        attention_kl = get_loss("attention_kl")
+        total = torch.zeros((), device=masks.real.device)
+        if not any_trained:
+            return total + _zero_pairs(logs, "attention", self.attention_map, lambda s: maps[s - 1])
+        for s, t in self.attention_map:
+            a_s = _layer(maps, s - 1, "attention map", shown=s)
+            # Rows of trained tokens, over every real key: the teacher saw the whole context.
+            value: torch.Tensor = attention_kl(a_s, _target(targets, f"attention/{t}"), masks.real,  # type: ignore[assignment]
+                                               queries=masks.trained)
+            logs[f"attention/{pair_key((s, t))}"] = value.detach()
+            total = total + value
+        return total
+
+    def _qk_term(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict,
+                 any_trained: bool) -> torch.Tensor:
+        """Σ over attention pairs of the q/k cache's term (``cached_qk_loss``), logged per pair like the maps'."""
+        # block -> qk_attention.Captured
+        recorded = cast("Mapping[int, Captured]", _student_field(
+            out, "attention_qkv", "the q/k recorder (DistillModel runs it for a q/k cache)"))
+        total = torch.zeros((), device=masks.real.device)
+        if not any_trained:
+            return total + _zero_pairs(logs, "attention", self.attention_map, lambda s: recorded[s].q)
+        for s, t in self.attention_map:
+            if s not in recorded:
+                raise LossError(f"the student's block {s} recorded no queries and keys")
+            value = cached_qk_loss(self.attention_loss, recorded[s], targets, t, self.teacher_scores or {},
+                                   masks.real, masks.trained, self.relation_heads)
+            logs[f"attention/{pair_key((s, t))}"] = value.detach()
+            total = total + value
+        return total
+
+    def _build_projectors(self, student_dim: int | None, teacher_dim: int | None, seed: int) -> Projectors:
+        wanted = bool(self.layer_map) and needs_projector(self.hidden_loss)
+        if wanted and (student_dim is None or teacher_dim is None):
+            raise LossError(f"the {self.hidden_loss} hidden loss needs student_dim and teacher_dim for its projectors")
+        return Projectors(
+            self.layer_map if wanted else [], student_dim or 0, teacher_dim or 0, hidden_loss=self.hidden_loss,
+            seed=seed,
+        )
+
+    def _check_config(self) -> None:
+        problems = [f"weight {k} must be >= 0, got {w}" for k, w in self.weights.items() if not w >= 0]
+        if self.hidden_loss not in HIDDEN_LOSSES:
+            problems.append(f"unknown hidden loss {self.hidden_loss!r}; choose one of {', '.join(HIDDEN_LOSSES)}")
+        if self.topk_variant not in TOPK_VARIANTS:
+            problems.append(f"unknown top-k variant {self.topk_variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
+        if self.ce not in CE_KINDS:
+            problems.append(f"unknown CE kind {self.ce!r}; choose one of {', '.join(CE_KINDS)}")
+        if not self.temperature > 0:
+            problems.append(f"the temperature must be > 0, got {self.temperature}")
+        if problems:
+            raise LossError("; ".join(problems))
+
+
+def _family(term: str) -> str:
+    """Which weight scales a term: every logit kind's term is the KL's (asked of the registry when the loss runs,
+    so that a kind registered after this module was imported counts too)."""
+    if term in ("ce", "kl", "hidden", "attention"):
+        return term
+    if term not in {logit_kinds.get(name).term for name in logit_kinds.names()}:  # a kind's term misnamed
+        raise LossError(f"loss term {term!r} is neither ce, kl, hidden, attention nor a registered logit kind's "
+                        f"term ({sorted(logit_kinds.get(n).term for n in logit_kinds.names())})")
+    return "kl"
+
+
+def _zero_pairs(logs: dict, kind: str, pairs: list[Pair],
+                student: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """A batch with no trained token: each pair adds 0 tied to its student tensor (``student(s)``), and is logged."""
+    total = torch.zeros(())
+    for s, t in pairs:
+        value = student(s).sum() * 0.0
+        logs[f"{kind}/{pair_key((s, t))}"] = value.detach()
+        total = total + value
+    return total
+
+
+def _logit_kind(targets: Mapping[str, torch.Tensor], head: bool) -> LogitKind:
+    """The logit kind of a cache's targets (the head's when the loss holds the teacher's head)."""
+    kind = logit_kinds.from_targets(targets, head)
+    if kind is None:
+        raise LossError(f"the KL term needs cached teacher logits, but the batch holds {', '.join(sorted(targets))}; "
+                        f"set beta 0, or cache logits ({logit_kinds.usage()})")
+    return kind
+
+
+def _target(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in targets:
+        raise LossError(f"the loss needs the cached target {name!r}, but the batch holds {', '.join(sorted(targets))}")
+    return targets[name]
+
+
+def _student_field(out: StudentOutput, field: str, how: str) -> Sequence[torch.Tensor]:
+    value = getattr(out, field, None)
+    if value is None:
+        raise LossError(f"the student returned no {field}; call it with {how}")
+    return value
+
+
+def _layer(seq: Sequence[torch.Tensor], index: int, what: str, shown: int | None = None) -> torch.Tensor:
+    if not 0 <= index < len(seq):
+        raise LossError(f"the student has no {what} for layer {index if shown is None else shown}")
+    return seq[index]

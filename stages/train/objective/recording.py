@@ -1,0 +1,45 @@
+"""The student's forward with its queries and keys recorded, for a q/k cache (``--attention-source qk``/``qkv``).
+
+Training (``distill.StudentRunner``) and evaluation (``evaluation.attention_agreement``) run the student through the
+same ``recorded``, so both compare the same rebuilt attention with the cache; it lives on this floor, below
+evaluation, so that training need not import evaluation for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import torch
+
+from kdcache.stages.common.qk_attention import Captured, QKRecorder, QKRecorderError
+from kdcache.stages.train.losses import LossError
+
+
+class StudentOutputs(Protocol):
+    """A student's forward outputs (a transformers ``ModelOutput``) as the attention losses read them: its maps
+    ``attentions`` (one ``[B, H, L, L]`` per block, eager attention), or, under a recorder, ``attention_qkv``."""
+
+    attentions: tuple[torch.Tensor, ...]
+    attention_qkv: dict[int, Captured]
+
+
+Outputs = TypeVar("Outputs", bound=StudentOutputs)
+
+
+def recorded(recorder: QKRecorder, run: Callable[[], Outputs]) -> Outputs:
+    """``run()`` (the student's forward) under ``recorder``, its outputs given ``attention_qkv`` (block -> the
+    recorded queries, keys and values).
+
+    Raises:
+        LossError: the student's attention cannot be rebuilt from its queries and keys (attention sinks, soft-capped
+            scores without an eager kernel), naming the way out.
+    """
+    try:
+        with recorder.forward():
+            out = run()
+    except QKRecorderError as exc:
+        raise LossError(f"the student's attention cannot be compared with a q/k cache: {exc}; precompute the cache "
+                        f"with --attention-source maps, or train without attention pairs") from None
+    out.attention_qkv, recorder.captured = recorder.captured, {}  # the loss holds them, not the recorder
+    return out

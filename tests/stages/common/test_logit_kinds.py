@@ -1,0 +1,131 @@
+"""The logit kinds registry (issue 21): each ``--logits`` mode one module, looked up by name.
+
+Each kind round-trips on a tiny tensor: its ``--logits`` value parses, its spec fields make a valid ``CacheSpec``
+whose storage layout lists exactly the arrays the capture returns, and its loss is 0 for a student equal to the
+teacher and positive for another one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.logit_kinds import KlSetup, LogitKindError
+from kdcache.stages.precompute.core.options import TargetOptions
+from kdcache.storage import CacheSpec
+from kdcache.storage.core.logit_layouts import LAYOUTS, TOPK_MASS
+
+V, B, L = 13, 2, 5
+VALUES = {"topk": "topk", "full": "full", "sampled": "sampled:40", "head": "head"}
+
+
+class _Head(torch.nn.Module):
+    """A teacher head as stage two loads it: ``[N, d] -> [N, V]`` fp32 logits, reading cached layer ``layer``."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.layer = 3
+        self.proj = torch.nn.Linear(d, V)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden.float())
+
+
+def _options(**overrides: Any) -> TargetOptions:
+    return TargetOptions(**{"features": ("logits",), "top_k": 4, **overrides})
+
+
+def _spec(name: str, fields: dict[str, Any]) -> CacheSpec:
+    return CacheSpec(num_sequences=1, logits=name, vocab_size=V, sample_temperature=1.0,
+                     topk_values="logprob" if fields["logprob_step"] else "fp16", **fields)
+
+
+def test_every_kind_has_a_storage_layout_of_its_name() -> None:
+    assert sorted(logit_kinds.names()) == sorted(LAYOUTS) == ["full", "head", "sampled", "topk"]
+
+
+@pytest.mark.parametrize("value", ["bogus", "topk2", ""])
+def test_an_unknown_mode_names_the_value_and_the_registered_modes(value: str) -> None:
+    with pytest.raises(LogitKindError, match=f"got {value!r}") as info:
+        logit_kinds.parse(value)
+    assert all(name in str(info.value) for name in logit_kinds.names()) and "sampled:N" in str(info.value)
+    with pytest.raises(LogitKindError, match=r"unknown logit mode 'bogus'; expected one of full, head, sampled, topk"):
+        logit_kinds.get("bogus")
+
+
+@pytest.mark.parametrize("value", ["sampled", "sampled:0", "sampled:256", "sampled:x", "sampled:012", "sampled:²", "topk:3",
+                                   "full:1"])
+def test_a_bad_argument_is_refused_naming_it(value: str) -> None:
+    with pytest.raises(LogitKindError, match=value.partition(":")[0]):
+        logit_kinds.parse(value)
+
+
+def test_the_options_report_a_bad_mode_as_a_problem() -> None:
+    problems = _options(logits_mode="sampled:300").validate()
+    assert any("sampled:300" in p and "1..255" in p for p in problems)
+    assert _options(logits_mode="sampled:255").samples == 255 and _options(logits_mode="topk").samples == 0
+    assert _options(top_k=0).validate() == ["top_k: got 0, must be >= 1"]
+
+
+@pytest.mark.parametrize("name", ["topk", "full", "sampled", "head"])
+def test_each_kind_round_trips_parse_spec_capture_and_loss(name: str) -> None:
+    kind, argument = logit_kinds.parse(VALUES[name])
+    assert kind.name == name and argument == (40 if name == "sampled" else 0)
+    spec = _spec(name, kind.spec_fields(_options(), argument))
+    torch.manual_seed(0)
+    teacher, mask = torch.randn(B, L, V), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    captured = kind.capture(teacher, spec, torch.Generator().manual_seed(1))
+    assert sorted(set(captured) - {TOPK_MASS}) == sorted(spec.logit_arrays())  # the layout stores what it captures
+    targets = {n: t.float() for n, t in captured.items()}
+    head = _Head() if kind.teacher_head else None
+    if head is not None:  # the teacher's logits come from its last layer through its head
+        targets[f"hidden/{head.layer}"] = torch.randn(B, L, 6)
+        teacher = head(targets[f"hidden/{head.layer}"]).detach()
+    assert logit_kinds.from_targets(targets, head is not None) is kind
+    setup = KlSetup(spec.sample_temperature, "renorm", head)
+    same = kind.loss(teacher.clone().requires_grad_(), targets, mask, setup)
+    other = kind.loss(torch.randn(B, L, V, requires_grad=True), targets, mask, setup)
+    assert float(same.detach()) == pytest.approx(0.0, abs=1e-5) and float(other.detach()) > 0.05
+    other.backward()
+    top1 = kind.teacher_top1(targets, mask.bool(), head)
+    assert torch.equal(top1, teacher[mask.bool()].argmax(-1))  # 40 draws of 13 ids include each row's top-1
+    assert isinstance(kind.describe(spec.to_dict()), str) and kind.term in ("kl", f"{name}_kl")
+
+
+def test_topk_with_logprob_values_captures_log_probabilities_without_the_logsumexp() -> None:
+    kind = logit_kinds.get("topk")
+    spec = _spec("topk", kind.spec_fields(_options(topk_values="logprob"), 0))
+    logits = torch.randn(3, V)
+    kept = kind.capture(logits, spec)
+    assert "logits/lse" not in kept and sorted(set(kept) - {TOPK_MASS}) == sorted(spec.logit_arrays())
+    exact = torch.log_softmax(logits, -1).gather(1, kept["logits/topk_ids"].long())
+    assert torch.allclose(kept["logits/topk_values"], exact, atol=1e-6)
+    assert spec.array_dtype("logits/topk_values") == np.uint16 and spec.gap_coded("logits/topk_values")
+
+
+def test_the_checks_of_each_kind_against_the_student_and_the_loss() -> None:
+    spec = SimpleNamespace(vocab_size=V, sample_temperature=0.5)
+    assert logit_kinds.get("full").vocab_problems(spec, V + 1) and not logit_kinds.get("full").vocab_problems(spec, V)
+    assert not logit_kinds.get("topk").vocab_problems(spec, V + 1) and logit_kinds.get("sampled").vocab_problems(
+        spec, V - 1)
+    other = SimpleNamespace(topk_kl="other", temperature=2.0)
+    assert "exact only at T=1" in logit_kinds.get("topk").loss_problems(spec, other)[0]
+    assert "--topk-kl other is a KL for caches written with --logits topk" in logit_kinds.get(
+        "head").loss_problems(spec, other)[0]
+    sampled = logit_kinds.get("sampled")
+    assert "drawn at, 0.5" in sampled.loss_problems(spec, SimpleNamespace(topk_kl="renorm", temperature=2.0))[0]
+    assert sampled.default_temperature(spec) == 0.5 and logit_kinds.get("topk").default_temperature(spec) is None
+
+
+def test_the_registry_and_the_option_classes_import_without_torch() -> None:
+    code = ("import sys; import kdcache.stages.common.logit_kinds, kdcache.stages.precompute.core.options, "
+            "kdcache.stages.train.core.options, kdcache.pipeline.cli.commands.cache; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
