@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kdcache import storage
+from kdcache.stages import common
+
 if TYPE_CHECKING:
     from kdcache.storage import CacheSpec
 
@@ -37,19 +40,16 @@ def describe(path: str) -> dict[str, Any]:
     Raises:
         KdcacheError: missing or corrupt manifest, newer format version.
     """
-    from kdcache.stages.common import has_texts
-    from kdcache.storage import CacheReader, describe_codec, summarize_arrays
-
-    reader = CacheReader(path, allow_partial=True)
+    reader = storage.CacheReader(path, allow_partial=True)
     spec, manifest = reader.spec, reader.manifest
     tokens = reader.num_tokens
     records = reader.records  # for a partial cache: what is committed so far
-    arrays = summarize_arrays(spec, records)
+    arrays = storage.summarize_arrays(spec, records)
     for info in arrays.values():
         info["bytes_per_token"] = round(info["stored_bytes"] / tokens, 2) if tokens else None
         info["decoded_bytes_per_token"] = round(info["decoded_bytes"] / tokens, 2) if tokens else None
         info["compression_ratio"] = _ratio(info["decoded_bytes"], info["stored_bytes"])
-        info["codec_label"] = describe_codec(info["codec"])
+        info["codec_label"] = storage.describe_codec(info["codec"])
     _against_fp16(spec, arrays, tokens)
     stored = sum(r.stored_bytes for r in records)
     decoded = sum(r.decoded_bytes for r in records)
@@ -72,5 +72,5 @@ def describe(path: str) -> dict[str, Any]:
         "stored_bytes": stored, "decoded_bytes": decoded,
         "bytes_per_token": round(stored / tokens, 2) if tokens else None,
         "compression_ratio": _ratio(decoded, stored), "arrays": arrays, "fingerprints": reader.fingerprints,
-        "created_at": manifest.created_at, "updated_at": manifest.updated_at, "texts": has_texts(reader.store),
+        "created_at": manifest.created_at, "updated_at": manifest.updated_at, "texts": common.has_texts(reader.store),
     }

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
+from kdcache.stages import precompute, train
 from kdcache.stages.common import ALIASES, alias_flags, flatten, fold_aliases, groups, leaves, nest, required
 from kdcache.storage import KdcacheError
 
@@ -94,7 +95,7 @@ class FlagSection(typing.Protocol):
     def add_argument(self, *name_or_flags: str, **kwargs: Any) -> argparse.Action: ...
 
 
-def _add_flag(section: FlagSection, f: dataclasses.Field, hint: Any) -> argparse.Action:
+def _add_flag(section: FlagSection, f: dataclasses.Field, hint: object) -> argparse.Action:
     """One option's flag (``top_k`` -> ``--top-k`` plus ``metadata["aliases"]``), a boolean's ``--no-X`` right
     after it; returns the flag's action.
 
@@ -213,10 +214,7 @@ def _names(cls: type) -> set[str]:
 
 def _section_classes() -> dict[str, type]:
     """Each section's options class (imported here: the stages never import this module)."""
-    from kdcache.stages.precompute import PrecomputeOptions
-    from kdcache.stages.train import TrainOptions
-
-    return {"precompute": PrecomputeOptions, "train": TrainOptions}
+    return {"precompute": precompute.PrecomputeOptions, "train": train.TrainOptions}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -283,7 +281,7 @@ def flat_values(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _prepare(owner: type, key: str, value: Any) -> Any:
+def _prepare(owner: type, key: str, value: object) -> object:
     """The spellings pydantic does not read: "2,4,6" for a tuple, none/null for an optional field, and YAML
     numbers where text is expected (``revision: 20240101``, ``layers: [1, 3]``)."""
     inner, optional = _unwrap_optional(typing.get_type_hints(owner)[key])
@@ -301,7 +299,7 @@ def _text(value: object) -> object:
     return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+def _unwrap_optional(tp: object) -> tuple[object, bool]:
     """(inner type, is optional) of ``X | None``."""
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:

@@ -32,9 +32,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdcache import storage
 from kdcache.pipeline.children import child_env
 from kdcache.pipeline.demo_reuse import StepLog, cache_id, finished_run, json_summary, matching_student
 from kdcache.pipeline.demo_text import stdlib_sentences, write_jsonl
+from kdcache.stages import precompute, train as stage_two
 from kdcache.storage import DEFAULT_BACKEND, KdcacheError, backend_names
 
 STUDENT_BLOCKS = [2, 4, 6]  # the teacher blocks the student copies, and the layers the training cache holds
@@ -142,9 +144,7 @@ def prepare_data(opts: DemoOptions, out: Path) -> tuple[Path, Path]:
 
 def agreement(run_dir: Path, role: str) -> dict[str, float]:
     """Cosine and Spearman of a ``kdcache eval`` record (the held-out cache's targets; no teacher)."""
-    from kdcache.stages.train import find_eval
-
-    record = find_eval(run_dir, role) or {}
+    record = stage_two.find_eval(run_dir, role) or {}
     return {key: record[key] for key in ("cosine", "spearman", "sentences") if key in record}
 
 
@@ -202,9 +202,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
 def _has_eval(run_dir: Path, role: str, cache: Path) -> bool:
     """Whether ``run_dir`` holds an evaluation of ``role`` against this very cache: its folder and fingerprints."""
-    from kdcache.stages.train import find_eval
-
-    record = find_eval(run_dir, role, str(cache))
+    record = stage_two.find_eval(run_dir, role, str(cache))
     return record is not None and record.get("cache", {}).get("label") == cache_id(cache) != ""
 
 
@@ -238,11 +236,9 @@ def _cache_steps(demo: _Demo, train_data: Path, heldout_data: Path, cache: Path,
 def _precompute(demo: _Demo, name: str, args: list[str]) -> tuple[float, int, bool]:
     """``kdcache precompute ARGS --json``: (seconds, peak RSS, whether it reused a matching complete cache), read
     from its summary as ``kdcache run`` reads it; a reused cache's figures are those of the run that made it."""
-    from kdcache.stages.precompute import reused_cache
-
     summary = demo.logs / f"{name}.json"
     seconds, rss = run_step(name, ["precompute", *args, "--json"], demo.logs, summary)
-    reused = reused_cache(json_summary(summary))
+    reused = precompute.reused_cache(json_summary(summary))
     return (*demo.keep(name, args, seconds, rss, reused), reused)
 
 
@@ -286,12 +282,9 @@ def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
 
 def _facts(cache: Path, run_dir: Path, teacher: Path) -> dict[str, Any]:
     """Cache size, the loss curve and the teacher's size, read from what the steps left on disk."""
-    from kdcache.stages.train import read_jsonl
-    from kdcache.storage import CacheReader
-
-    manifest = CacheReader(cache).manifest
+    manifest = storage.CacheReader(cache).manifest
     stored = sum(s.stored_bytes for s in manifest.shards)
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = stage_two.read_jsonl(run_dir / "metrics.jsonl")
     curve = [(r["step"], r["loss"]) for r in metrics]
     # Each loss term at the first and the last logged step: the attention figure the README quotes among them.
     terms = {t: [metrics[0][t], metrics[-1][t]] for t in ("attention", "hidden")

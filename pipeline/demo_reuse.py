@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kdcache.stages import train
+
 STEPS_FILE = "steps.json"
 
 
@@ -88,13 +90,11 @@ def cache_id(cache: Path) -> str:
     """The cache's label with its fingerprints' hash (``heldout-1a2b3c4d``); "" without a readable manifest. A
     reused step is tied to it, so that a cache rebuilt with other settings in the same folder is not taken for
     the one an earlier step read."""
-    from kdcache.stages.train import cache_label
-
     try:
         fingerprints = json.loads((Path(cache) / "manifest.json").read_text())["fingerprints"]
     except (OSError, ValueError, KeyError, TypeError):
         return ""
-    return cache_label(str(cache), fingerprints)
+    return train.cache_label(str(cache), fingerprints)
 
 
 def json_summary(path: Path) -> dict[str, Any]:

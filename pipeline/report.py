@@ -17,6 +17,9 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kdcache import storage
+from kdcache.pipeline.cache_info import describe
+from kdcache.pipeline.report_html import markdown_table, render_run, render_sweep
 from kdcache.pipeline.run_state import (
     EVAL_COLUMNS,
     META_KEYS,
@@ -94,8 +97,6 @@ def table_columns(rows: list[dict[str, Any]], grid_keys: list[str], *, per_pair:
 
 def write_tables(sweep_dir: str | Path, rows: list[dict[str, Any]], grid_keys: list[str]) -> tuple[Path, Path]:
     """Write ``results.csv`` (every term, per-pair ones too) and ``results.md`` (top-level terms)."""
-    from kdcache.pipeline.report_html import markdown_table
-
     root = Path(sweep_dir)
     columns = table_columns(rows, grid_keys, per_pair=True)
     with open(root / "results.csv", "w", newline="") as fh:
@@ -194,14 +195,11 @@ def plot_alignment(cka: dict[str, Any], out: Path, title: str) -> Path | None:
 
 def cache_stats(cache: str | Path) -> dict[str, Any] | None:
     """``kdcache inspect``'s facts about a cache (bytes per token per array), or None if it cannot be read."""
-    from kdcache.pipeline.cache_info import describe
-    from kdcache.storage import KdcacheError, cache_exists
-
     try:
-        if not cache or not cache_exists(cache):
+        if not cache or not storage.cache_exists(cache):
             return None
         return describe(str(cache))
-    except (KdcacheError, OSError, ValueError):
+    except (storage.KdcacheError, OSError, ValueError):
         return None
 
 
@@ -254,8 +252,6 @@ def plot_sweep_metric(rows: list[dict[str, Any]], metric: str, out: Path, grid_k
 
 def _bar_label(row: dict[str, Any], grid_keys: list[str]) -> str:
     """Grid values, one per line, long ones (explicit maps) wrapped at their commas."""
-    import textwrap
-
     values = [str(row.get(k, "")).replace(",", ", ") for k in grid_keys] or [row["name"]]
     return "\n".join(line for v in values for line in textwrap.wrap(v, 13))
 
@@ -314,8 +310,6 @@ def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache
                state: RunState | None = None) -> Path:
     """Plots and ``report.html`` for one run (finished or not; ``state`` when the caller has read it already).
     Returns the HTML path."""
-    from kdcache.pipeline.report_html import render_run
-
     state = state or load_run_state(run_dir)
     out_dir = Path(out) if out else state.run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -365,8 +359,6 @@ def default_metric(rows: list[dict[str, Any]], states: dict[str, RunState]) -> t
 
 def report_sweep(sweep_dir: str | Path, out: str | Path | None = None, *, metric: str | None = None) -> Path:
     """The sweep page (table, metric bars, loss curves) and a report per run. Returns the HTML path."""
-    from kdcache.pipeline.report_html import render_sweep
-
     root = Path(sweep_dir)
     out_dir = Path(out) if out else root / "report"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from typing import Any
 
 from kdcache.pipeline.children import child_env
 from kdcache.pipeline.config import ConfigError, build, flag_name, flags
+from kdcache.pipeline.report import collect_rows, write_tables
 from kdcache.stages.common import ALIASES, flatten, leaves
 from kdcache.stages.train import TrainOptions, find_eval, remove_evals
 from kdcache.storage import read_json_object
@@ -306,8 +307,6 @@ def run_sweep(points: list[SweepPoint], sweep_dir: str | Path, settings: SweepSe
     Returns:
         The sweep summary (also ``SWEEP/sweep.json``), with ``rows``: the comparison table.
     """
-    from kdcache.pipeline.report import collect_rows, write_tables
-
     root = Path(sweep_dir)
     root.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"grid": grid, "cache": points[0].options.data.cache, "eval_cache": settings.eval_cache,

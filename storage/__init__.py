@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from kdcache.storage.core import errors as errors
     from kdcache.storage.core.attention_source import (
         DEFAULT_ATTENTION_SOURCE as DEFAULT_ATTENTION_SOURCE,
+        MAPS_LAYOUT as MAPS_LAYOUT,
+        QK_LAYOUT as QK_LAYOUT,
+        QKV_LAYOUT as QKV_LAYOUT,
         AttentionLayout as AttentionLayout,
         attention_layout as attention_layout,
         register_attention_layout as register_attention_layout,
@@ -62,13 +65,20 @@ if TYPE_CHECKING:
     from kdcache.storage.core.formats import FORMAT_VERSION as FORMAT_VERSION
     from kdcache.storage.core.logit_layouts import (
         FLOAT as FLOAT,
+        FULL_LAYOUT as FULL_LAYOUT,
+        HEAD_LAYOUT as HEAD_LAYOUT,
+        SAMPLED_LAYOUT as SAMPLED_LAYOUT,
+        TOPK_LAYOUT as TOPK_LAYOUT,
         TOPK_MASS as TOPK_MASS,
         LayoutFields as LayoutFields,
         LogitFields as LogitFields,
+        LogitLayout as LogitLayout,
         SamplingFields as SamplingFields,
         exact_arrays as exact_arrays,
+        layout_named as layout_named,
         logit_array as logit_array,
         logit_arrays as logit_arrays,
+        register_layout as register_layout,
         vocab_id_names as vocab_id_names,
     )
     from kdcache.storage.core.registry import Registry as Registry, import_members as import_members

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.storage.core.canonical import canonical_json, is_sealed, seal_problem, sealed
+from kdcache.storage.core.errors import ManifestError
 from kdcache.storage.core.files import crc32c, write_bytes_atomic
 from kdcache.storage.core.stores import Store
 from kdcache.storage.schema.manifest import MANIFEST_NAME, SHARDS_DIR, read_json
@@ -63,8 +64,6 @@ def read_table(store: Store, key: str) -> dict[str, list[int]]:
     data = read_json(store, f"{key}/{TABLE}", f"the file table of {key}/", ())
     files = data.get("files")
     if not isinstance(files, dict):
-        from kdcache.storage.core.errors import ManifestError
-
         raise ManifestError(f"the file table of {key}/ at {store.url}/{key}/{TABLE} holds no 'files' object")
     return {f"{key}/{name}": entry for name, entry in files.items()}
 

@@ -29,8 +29,10 @@ from collections.abc import Iterator
 from typing import Any, NoReturn, Protocol
 
 import kdcache.pipeline.cli.commands
+from kdcache import storage
 from kdcache.pipeline.config import add_flags
 from kdcache.pipeline.quiet import is_quiet, libraries_on_terminal, quiet
+from kdcache.stages import train
 from kdcache.stages.train import TrainingInterrupted
 from kdcache.storage import KdcacheError
 
@@ -183,10 +185,9 @@ def _add_common_flags(command: argparse.ArgumentParser) -> None:
 
 def _apply_storage_options(pairs: list[str]) -> None:
     """Hand ``--storage-option`` pairs to every store this process, and each process it starts, opens."""
-    from kdcache.storage import OPTIONS_ENV, default_storage_options, parse_storage_options
-
     if pairs:
-        os.environ[OPTIONS_ENV] = json.dumps({**default_storage_options(), **parse_storage_options(pairs)})
+        options = {**storage.default_storage_options(), **storage.parse_storage_options(pairs)}
+        os.environ[storage.OPTIONS_ENV] = json.dumps(options)
 
 
 def _is_storage_fault(exc: BaseException) -> bool:
@@ -233,9 +234,7 @@ def _interrupted_hint(args: argparse.Namespace) -> str | None:
     """How to go on after a Ctrl-C that stopped at once: for train, --resume only where a checkpoint exists (one
     before the first checkpoint has nothing to resume)."""
     if args.command == "train" and getattr(args, "out", None):
-        from kdcache.stages.train import has_checkpoint
-
-        if not has_checkpoint(args.out):
+        if not train.has_checkpoint(args.out):
             return (f"no checkpoint was written in {args.out} yet, so there is nothing to resume: rerun the same "
                     f"command (without --resume) to start again")
     return _RESUME.get(args.command)

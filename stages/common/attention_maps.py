@@ -16,6 +16,7 @@ GPT-2, Llama, BART, T5, ...), self- and cross-attention alike. The softmax is ta
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,14 +37,15 @@ class _LastSoftmax(TorchFunctionMode):
         super().__init__()
         self.last: torch.Tensor | None = None
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., Any], types: object, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in _SOFTMAX:
             self.last = out
         return out
 
 
-def _eager_of(module: torch.nn.Module) -> Any:
+def _eager_of(module: torch.nn.Module) -> Callable[..., Any]:
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
         raise AttentionMapsError(f"{type(module).__name__} has no eager attention to return maps from")
@@ -51,7 +53,7 @@ def _eager_of(module: torch.nn.Module) -> Any:
 
 
 def maps_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                           attention_mask: torch.Tensor | None, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's eager attention; returns ``(output [B, L, H, d], probabilities [B, H, L, L_k])``.
 
     The output is the eager one (with dropout in training mode); the probabilities are its softmax before

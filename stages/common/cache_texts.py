@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kdcache.storage import KdcacheError
+from kdcache.storage import KdcacheError, crc32c, folder_is_complete, put_files, read_table
 
 if TYPE_CHECKING:
     from kdcache.storage import Store
@@ -99,8 +99,6 @@ def save_texts(store: Store, texts: Sequence[np.ndarray], ends: Sequence[np.ndar
         texts: per sequence its text as UTF-8 bytes (uint8 ``[C_i]``, the row table's column).
         ends: per sequence its ``text_end`` ``[L_i]``.
     """
-    from kdcache.storage import put_files
-
     if has_texts(store):
         return
     decoded = [bytes(np.asarray(t, dtype=np.uint8)).decode("utf-8") for t in texts]
@@ -135,8 +133,6 @@ class CacheTexts:
 
 def has_texts(store: Store) -> bool:
     """Whether the cache in ``store`` holds its texts (written whole)."""
-    from kdcache.storage import folder_is_complete
-
     return folder_is_complete(store, TEXTS_FOLDER)
 
 
@@ -147,8 +143,6 @@ def read_texts(store: Store, what: str = "aligning a student's tokens with the t
         MissingTextError: the cache has no ``texts/`` (written before ``--record-text`` existed, or without it).
         KdcacheError: the file does not match its table.
     """
-    from kdcache.storage import crc32c, read_table
-
     if not has_texts(store):
         raise MissingTextError(
             f"the cache at {store.url} holds no recorded text ({TEXTS_FOLDER}/), which {what} needs: it was "

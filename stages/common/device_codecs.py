@@ -27,6 +27,7 @@ from kdcache.storage import (
     is_part,
     part_name,
     projected,
+    read_projection,
     register_ops,
     row_errors,
 )
@@ -154,8 +155,6 @@ def _rows(batch: dict[str, Any], name: str) -> Any:
 
 def load_projection(reader: CacheReader) -> Projection | None:
     """The bases of a rank cache (``storage.projection``) from a ``CacheReader``; None without a projection."""
-    from kdcache.storage import read_projection
-
     codec, rank = reader.spec.hidden_codec, reader.spec.hidden_codec.rank
     if rank is None:
         return None

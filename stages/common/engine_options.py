@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 PRECOMPUTE, TRAIN = "precompute", "train"
 # A hub id is "name" or "org/name"; anything else that names no existing file is a missing local path.
@@ -25,9 +25,10 @@ _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 _PARALLEL = re.compile(r"^(none|tp:[1-9]\d*|layers:[1-9]\d*)$")
 _MEMORY = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+T = TypeVar("T")
 
 
-def _opt(default: Any, stage: str, help_text: str, **meta: Any) -> Any:
+def _opt(default: T, stage: str, help_text: str, **meta: object) -> T:
     return field(default=default, metadata={"help": help_text, "stage": stage, **meta})
 
 

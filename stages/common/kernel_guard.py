@@ -16,6 +16,7 @@ and wrong on another of the same kind (nothing here compiles per chunk: the rows
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import sys
 from collections.abc import Callable, Hashable, Sequence
@@ -229,8 +230,6 @@ def _beyond(name: str, fast: torch.Tensor, reference: torch.Tensor, bound: torch
 
 def _device_words(device: torch.device) -> str:
     """The device and the versions a report needs."""
-    import importlib.metadata
-
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     try:
         triton = importlib.metadata.version("triton")

@@ -17,6 +17,8 @@ import typing
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
+from kdcache.stages.common.stream_options import StreamValueError, fold_aliases
+
 T = TypeVar("T")
 
 
@@ -69,8 +71,6 @@ def assemble(cls: type[T], flat: dict[str, Any]) -> T:
     is the checked way in."""
     import pydantic
 
-    from kdcache.stages.common.stream_options import StreamValueError, fold_aliases
-
     types = {f.name: typing.get_type_hints(owner)[f.name] for _, owner, f in leaves(cls)}
     flat, problems = fold_aliases(flat, types)  # decoder_layer_map=... as the config reads it
     if problems:
@@ -78,7 +78,7 @@ def assemble(cls: type[T], flat: dict[str, Any]) -> T:
     return pydantic.TypeAdapter(cls).validate_python(nest(cls, flat))
 
 
-def flatten(options: Any) -> dict[str, Any]:
+def flatten(options: object) -> dict[str, Any]:
     """``{leaf: value}`` of an options object, grouped or flat (values as they are)."""
     return {f.name: getattr(getattr(options, group) if group else options, f.name)
             for group, _, f in leaves(type(options))}

@@ -86,7 +86,7 @@ def _delegate(module: torch.nn.Module, kwargs: dict[str, Any]) -> AttentionFunct
         raise QKRecorderError(f"{type(module).__name__} soft-caps its scores and has no eager attention to run")
 
     def run(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            **kw: object) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # SDPA's mask format: True = attend
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
         return eager(module, q, k, v, mask, **kw)

@@ -102,7 +102,7 @@ class StreamValues:
             entries[stream] = cls.read(value) if isinstance(value, str) else value
         return cls(tuple((s, entries[s]) for s in _ORDER if s in entries))
 
-    def get(self, stream: str, default: Any = None) -> Any:
+    def get(self, stream: str, default: object = None) -> Any:
         """The value of ``stream`` (``""``: the unprefixed item), or ``default``."""
         return dict(self.entries).get(stream, default)
 
@@ -194,7 +194,7 @@ def fold_aliases(values: dict[str, Any], options: Mapping[str, Any], *,
     return out, problems
 
 
-def _merged(current: Any, stream: str, text: str) -> Any:
+def _merged(current: object, stream: str, text: str) -> dict[str, str]:
     """``current`` (any spelling the option takes, or None) with ``stream`` set to ``text``, as a mapping."""
     if current is None or str(current).strip().lower() in ("none", "null"):  # the option's own default
         items: list[tuple[str, str]] = []

@@ -8,11 +8,14 @@ N whose cached states the head reads, sizes, ``logit_scale`` / ``softcap`` and t
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors.torch import load, save
 
-from kdcache.storage import KdcacheError, canonical_json, hash_bytes, read_json
+from kdcache.storage import KdcacheError, canonical_json, folder_is_complete, hash_bytes, put_folder, read_json
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -35,13 +38,6 @@ def finish_logits(logits: torch.Tensor, scale: float | None, softcap: float | No
 def export_head(model: PreTrainedModel, store: Store, layer: int) -> None:
     """Save a copy of the teacher's LM head (see the module docstring) into the cache's ``store`` (it appears
     whole)."""
-    import tempfile
-    from pathlib import Path
-
-    from safetensors.torch import save
-
-    from kdcache.storage import folder_is_complete, put_folder
-
     if folder_is_complete(store, HEAD_FOLDER):  # a resumed run, or another job of the array, wrote it already
         return
     head = model.get_output_embeddings()
@@ -68,8 +64,6 @@ def read_head(store: Store) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     Raises:
         KdcacheError: the files are missing or the weights do not match their recorded hash.
     """
-    from safetensors.torch import load
-
     info = read_json(store, f"{HEAD_FOLDER}/head.json", "the teacher head's record (written with --logits head)")
     try:
         data = store.read(f"{HEAD_FOLDER}/head.safetensors")

@@ -25,6 +25,7 @@ import torch
 from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
 from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.precompute.capture import (
+    FeatureCapture,
     ShardItems,
     check_ranges,
     cut_padding,
@@ -46,7 +47,7 @@ from kdcache.stages.precompute.core import (
     TeacherSetup,
     teacher_fingerprint,
 )
-from kdcache.stages.precompute.rows import TokenStreams
+from kdcache.stages.precompute.rows import TokenStreams, pair_streams, text_streams
 from kdcache.stages.precompute.teacher import load_for_inference, load_teacher
 from kdcache.storage import HiddenCodec, applies_to, exact_arrays
 
@@ -105,8 +106,6 @@ class HookedTeacher(TeacherAdapter):
                                   f"{options.engine.teacher!r} is a {config.model_type} without a decoder stack")
 
     def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
-        from kdcache.stages.precompute.rows import text_streams
-
         return text_streams(rows, tokenizer)
 
     def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
@@ -116,8 +115,6 @@ class HookedTeacher(TeacherAdapter):
     @contextmanager
     def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
                 projection: Projection | None = None) -> Iterator[Capture]:
-        from kdcache.stages.precompute.capture import FeatureCapture
-
         batch, write = plan.batch, plan.write
         with FeatureCapture(teacher, targets, write.dtype, batch.logits_chunk, plan.teacher.seed, write.hidden_codec,
                             projection, batch.compile_teacher) as hooks:
@@ -139,8 +136,6 @@ class EncoderDecoderTeacher(TeacherAdapter):
         return None  # every option applies; the pair loader refuses a missing --target-column and --packing
 
     def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
-        from kdcache.stages.precompute.rows import pair_streams
-
         return pair_streams(rows, tokenizer)
 
     def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,

@@ -6,20 +6,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common import attention_sources
-from kdcache.storage import CROSS, kind_of
+from kdcache.storage import CROSS, CacheSpec, kind_of
 
 if TYPE_CHECKING:
     from kdcache.stages.precompute.core import Targets, WriteSetup
     from kdcache.stages.precompute.rows import TokenStreams
-    from kdcache.storage import CacheSpec
 
 
 def build_spec(write: WriteSetup, targets: Targets, data: TokenStreams) -> CacheSpec:
     """The ``CacheSpec`` of this run (storage validates it): one stream's layers, or each stack's, and the token
     arrays ``data`` (a ``data.TokenStreams``) carries beside the ids."""
-    from kdcache.storage import CacheSpec
-
     layers: dict[str, dict[str, Any]] = {s: {"hidden": t.hidden, "attention": t.attention}
                                          for s, t in targets.streams.items()}
     if "decoder" in layers:  # cross-attention blocks are the decoder's (decoder queries, encoder keys)
@@ -32,7 +28,7 @@ def build_spec(write: WriteSetup, targets: Targets, data: TokenStreams) -> Cache
         attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k, samples=targets.samples,
         sample_temperature=targets.sample_temperature, vocab_size=targets.vocab_size if targets.logits else 0,
         topk_values="logprob" if targets.logprob_step else "fp16", logprob_step=targets.logprob_step,
-        attention_source=attention_sources.get(targets.attention_source).spec_name(targets.attention_scores),
+        attention_source=targets.source.spec_name(targets.attention_scores),
         attention_scores=targets.attention_scores,
         dtype=write.dtype, codec=write.codec, bitround=write.bitround, hidden_codec=write.hidden_codec, layers=layers,
         sequences_per_shard=shard_sequences(write.sequences_per_shard, data))

@@ -16,10 +16,10 @@ from kdcache.stages.precompute.background import BackgroundWriter, default_worke
 from kdcache.stages.precompute.core import PrecomputeError, Progress, RunStats
 from kdcache.stages.precompute.rows import Partition
 from kdcache.stages.precompute.writer_processes import ProcessWriter
-from kdcache.storage import CACHE_ENTRIES, KdcacheError, Store
+from kdcache.storage import CACHE_ENTRIES, CacheWriter, KdcacheError, ShardRecord, Store, open_store
 
 if TYPE_CHECKING:
-    from kdcache.storage import CacheSpec, CacheWriter
+    from kdcache.storage import CacheSpec
 
 
 def open_writer(store: Store, spec: CacheSpec, fingerprints: dict[str, Any], part: Partition) -> CacheWriter:
@@ -29,8 +29,6 @@ def open_writer(store: Store, spec: CacheSpec, fingerprints: dict[str, Any], par
         PrecomputeError: the folder cannot be written.
         CacheMismatchError / CacheLockedError: from storage (a different cache; a live writer of this part).
     """
-    from kdcache.storage import CacheWriter
-
     try:
         return CacheWriter(store, spec, fingerprints, part=(part.index, part.count))
     except KdcacheError:
@@ -46,8 +44,6 @@ def check_out_folder(out: str) -> Store:
     Raises:
         PrecomputeError: a non-empty folder or prefix without a manifest and with entries no cache has.
     """
-    from kdcache.storage import open_store
-
     store = open_store(out)
     foreign = sorted(name for name in store.list("") if name not in CACHE_ENTRIES and not name.startswith("."))
     if foreign and store.size("manifest.json") is None:
@@ -59,11 +55,11 @@ def check_out_folder(out: str) -> Store:
 Shards = Generator[list[dict[str, np.ndarray]], None, None]  # per shard, its sequences' arrays, in order
 
 
-def write_then_release(writer: CacheWriter) -> Callable[[int, Any], Any]:
+def write_then_release(writer: CacheWriter) -> Callable[[int, list[dict[str, np.ndarray]]], ShardRecord]:
     """``write(index, items) -> record``: commit the shard, then hand back the reused buffers its arrays are views
     of (``ShardItems.release``), also when the commit failed: nothing reads them after the write."""
 
-    def write(index: int, items: Any) -> Any:
+    def write(index: int, items: list[dict[str, np.ndarray]]) -> ShardRecord:
         try:
             return writer.write_shard(index, items, finite=getattr(items, "finite", frozenset()))
         finally:
@@ -75,7 +71,7 @@ def write_then_release(writer: CacheWriter) -> Callable[[int, Any], Any]:
 def _background(writer: CacheWriter, stats: RunStats, queue_size: int, workers: int,
                 processes: bool) -> BackgroundWriter | ProcessWriter:
     """The shards' writer: threads of this process, or worker processes fed through shared memory."""
-    def written(index: int, record: Any, seconds: float) -> None:
+    def written(index: int, record: ShardRecord, seconds: float) -> None:
         stats.add_shard(record)
         if processes:  # the part's lease is this process's to renew
             writer.renew()

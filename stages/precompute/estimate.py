@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import attention_sources
-from kdcache.stages.precompute.core import PrecomputeError
-from kdcache.storage import format_bytes, kind_of, logit_array, split_stream
+from kdcache.stages.precompute.core import PrecomputeError, target_of
+from kdcache.storage import CacheWriter, format_bytes, is_url, kind_of, logit_array, split_stream
 
 if TYPE_CHECKING:
     import numpy as np
@@ -46,8 +46,6 @@ CLEAR_MARGIN = 4  # refuse only when even this compression ratio would not make 
 
 def free_bytes(out: str) -> int | None:
     """Free bytes where a local cache folder ``out`` goes (its nearest existing folder); None for a URL."""
-    from kdcache.storage import is_url
-
     if is_url(out) and not out.startswith("file://"):
         return None
     path = Path(out.removeprefix("file://")).expanduser().absolute()
@@ -115,8 +113,6 @@ def estimate(spec: CacheSpec, data: TokenStreams, out: str,
         "seconds" (at the median pass's rate), "seconds_range" (fastest and slowest pass), "sample_rows",
         "sample_rates" (tokens/s of each pass), "sample_tokens_per_second" (their median), "free_bytes", "fits"}``.
     """
-    from kdcache.storage import CacheWriter
-
     shards = sample_shards(spec)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kdcache-estimate-") as scratch:
@@ -182,8 +178,6 @@ def _sample_sizes(data: TokenStreams, rows: int) -> dict[bool, dict[str, int]]:
 
 
 def _per_target(spec: CacheSpec, per_array: dict[str, float], tokens: int) -> dict[str, float]:
-    from kdcache.stages.precompute.core import target_of
-
     out: dict[str, float] = {}
     for name, size in per_array.items():
         out[target_of(name, spec)] = out.get(target_of(name, spec), 0.0) + size / max(tokens, 1)

@@ -18,6 +18,8 @@ from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import save_texts
 from kdcache.stages.common.device_codecs import Projection
@@ -68,10 +70,19 @@ from kdcache.stages.precompute.teacher_checks import (
     with_default_features,
     with_output_vocab,
 )
-from kdcache.storage import KdcacheError, Store, projected
+from kdcache.storage import (
+    CacheReader,
+    KdcacheError,
+    Store,
+    compare_fingerprints,
+    merge_parts,
+    open_store,
+    projected,
+    read_manifest,
+)
 
 if TYPE_CHECKING:
-    import torch
+    from torch.distributed import ProcessGroup
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from kdcache.storage import CacheSpec, CacheWriter, Manifest
@@ -93,8 +104,6 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     Raises:
         KdcacheError: any bad input (``PrecomputeError``) or cache problem (mismatch, lock, overflow).
     """
-    import torch
-
     torch.manual_seed(options.engine.seed)
     layout = Layout.parse(options.engine.teacher_parallel)
     if layout.tensor > 1:  # before the process group: every rank refuses on its own, none waits in the group
@@ -264,8 +273,9 @@ def _projection_in_turn(ready: _Prepared, loaded: _Loaded, dist: DistContext) ->
     return projection
 
 
-def _compute(ready: _Prepared, loaded: _Loaded, writer: CacheWriter | None, mine: list[int], group: Any,
-             dist: DistContext, stats: RunStats, projection: Projection | None) -> list[int]:
+def _compute(ready: _Prepared, loaded: _Loaded, writer: CacheWriter | None, mine: list[int],
+             group: ProcessGroup | None, dist: DistContext, stats: RunStats,
+             projection: Projection | None) -> list[int]:
     """Run the teacher over this part's shards not yet committed, committing behind it (a writing rank) or
     lending its share to the group's leader; returns the shards it ran."""
     plan, teacher, spec = ready.plan, loaded.teacher, loaded.spec
@@ -302,12 +312,8 @@ def _finish(writer: CacheWriter | None, store: Store, dist: DistContext) -> Mani
     manifest = writer.finalize() if writer else None
     dist.barrier()
     if manifest is None:
-        from kdcache.storage import read_manifest
-
         manifest = read_manifest(store)
     if dist.world > 1 and dist.is_main:
-        from kdcache.storage import merge_parts
-
         manifest = merge_parts(store)
     return manifest
 
@@ -355,8 +361,6 @@ def finished_cache(ready: _Prepared) -> Manifest | None:
     teacher. What only the loaded model tells (runtime dtype, attention kernel) is left to the writer's full
     check on a real run.
     """
-    from kdcache.storage import CacheReader, compare_fingerprints
-
     teacher_fp = teacher_files_fingerprint(ready.plan.teacher, ready.config)
     if teacher_fp is None or ready.store.size("manifest.json") is None:
         return None
@@ -387,8 +391,6 @@ def merge_cache(path: str | os.PathLike[str]) -> dict[str, Any]:
     Returns:
         ``{"out", "status", "committed_shards", "num_shards", "num_tokens"}``.
     """
-    from kdcache.storage import merge_parts, open_store
-
     store = open_store(path)
     if store.size("manifest.json") is None:
         raise PrecomputeError(f"merge: {str(path)!r} holds no kdcache cache (no manifest.json)")

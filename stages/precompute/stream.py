@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from kdcache.stages.precompute.adapters import Capture
 from kdcache.stages.precompute.capture import ShardItems
@@ -117,8 +118,6 @@ def _device_batch(teacher: Teacher, ids: Mapping[str, Sequence[np.ndarray]],
                   batch: np.ndarray) -> tuple[Any, dict[str, list[int]], Any]:
     """One batch's padded ids and masks per stream, lengths, and restarting positions, on the teacher's device
     (copied from pinned memory without blocking where it is a GPU)."""
-    import torch
-
     pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
     cuda = teacher.device.type == "cuda"
 

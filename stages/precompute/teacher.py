@@ -7,11 +7,14 @@ asked for. Loading an LM head that the checkpoint does not have would give rando
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common.architectures import ModelClass
 from kdcache.stages.common.fingerprints import clear_call_state
+from kdcache.stages.common.hub import offline_unless_reachable
 from kdcache.stages.precompute.core import (
     CAUSAL_SUFFIXES,
     PrecomputeError,
@@ -20,8 +23,8 @@ from kdcache.stages.precompute.core import (
     TeacherSetup,
     teacher_fingerprint,
 )
-from kdcache.stages.precompute.parallel import settle
-from kdcache.storage import Store
+from kdcache.stages.precompute.parallel import Grid, Layout, load_kwargs, settle
+from kdcache.storage import Store, folder_is_complete, put_folder
 
 if TYPE_CHECKING:
     import torch
@@ -37,8 +40,6 @@ def read_config(setup: TeacherSetup) -> PretrainedConfig:
         PrecomputeError: the teacher cannot be found or read.
     """
     from transformers import AutoConfig
-
-    from kdcache.stages.common.hub import offline_unless_reachable
 
     unreachable = offline_unless_reachable(setup.name)  # one try, not five per file
     try:
@@ -160,10 +161,6 @@ def load_for_inference(cls: ModelClass, setup: TeacherSetup, device: torch.devic
 
 def teacher_placement(setup: TeacherSetup) -> dict[str, Any]:
     """``from_pretrained`` keywords of ``--teacher-parallel`` for this launcher rank (``parallel.load_kwargs``)."""
-    import os
-
-    from kdcache.stages.precompute.parallel import Grid, Layout, load_kwargs
-
     layout = Layout.parse(setup.parallel)
     if layout.kind == "none" or (layout.kind == "tp" and layout.size == 1):
         return {}
@@ -174,10 +171,6 @@ def teacher_placement(setup: TeacherSetup) -> dict[str, Any]:
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, store: Store) -> None:
     """Save the tokenizer into the cache's ``tokenizer/`` in the output ``store`` (it appears whole; safe for many
     ranks)."""
-    import tempfile
-
-    from kdcache.storage import folder_is_complete, put_folder
-
     if folder_is_complete(store, "tokenizer"):
         return
     clear_call_state(tokenizer)  # the same tokenizer.json whichever rank saves it, whether or not it tokenized

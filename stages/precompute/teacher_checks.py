@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kdcache.stages.common import logit_kinds
 from kdcache.stages.precompute.core import PrecomputeError
 from kdcache.stages.precompute.teacher import has_lm_head
 
@@ -52,10 +51,10 @@ def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
 def with_output_vocab(targets: Targets, teacher: Teacher, setup: TeacherSetup) -> Targets:
     """Use the LM head's real output size as the vocabulary (checkpoints may pad it beyond config.vocab_size)."""
     head = teacher.model.get_output_embeddings()
-    if targets.logits is None or head is None:
+    kind = targets.logit_kind
+    if kind is None or head is None:
         return targets
     vocab = int(head.weight.shape[0])
-    kind = logit_kinds.get(targets.logits)
     # targets.top_k is --top-k for the one mode that reads it (topk), 0 for the modes that ignore it
     for problem in kind.teacher_problems(setup.name, "" in targets.streams, targets.causal, vocab, targets.top_k):
         raise PrecomputeError(problem)

@@ -15,21 +15,28 @@ command resumes.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
+import pickle
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Connection, wait as ready
+from multiprocessing.process import BaseProcess
 from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.storage import ShardRecord, format_bytes
 
 if TYPE_CHECKING:
+    from multiprocessing.synchronize import Event
+
     from kdcache.storage import CacheSpec
 
 # Set in a worker's environment: what tells a writer process from the process's other children (a monitoring
@@ -67,8 +74,6 @@ def _claim(block: SharedMemory, size: int) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
-        from kdcache.storage import format_bytes
-
         raise PrecomputeError(f"--writer-processes: a shard needs {format_bytes(size)} of shared memory, and "
                               f"/dev/shm cannot hold it ({exc.strerror}); give it more (a container's --shm-size), "
                               "lower --sequences-per-shard, or write in threads (without --writer-processes)"
@@ -92,14 +97,12 @@ def unpack(block: SharedMemory, layout: Layout, count: int) -> list[dict[str, np
 
 
 def _serve(url: str, spec: dict[str, Any], modules: list[str], tasks: Connection, results: Connection,
-           stop: Any) -> None:
+           stop: Event) -> None:
     """A worker: commit each shard handed over until ``None`` (or, once ``stop`` is set, pass them by); answer each
     with its record or its error. ``modules`` register what the spec names beyond the built-in kinds (a codec of
     the user's own)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the teacher process's to handle
-    try:
-        import importlib
-
+    try:  # storage loads inside the try, so that a worker that cannot load it answers with the error
         from kdcache.storage import CacheSpec, ShardCommitter, open_store
 
         for module in modules:
@@ -128,8 +131,6 @@ def _serve(url: str, spec: dict[str, Any], modules: list[str], tasks: Connection
 
 def _portable(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling (storage's errors do), else a PrecomputeError with its words."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
@@ -142,7 +143,7 @@ class _Worker:
     """One writer process and its two pipes (a pipe each, so that a worker killed while it waits or answers holds
     no lock another worker needs)."""
 
-    process: Any
+    process: BaseProcess
     tasks: Connection
     results: Connection
     pending: set[int] = field(default_factory=set)
@@ -164,15 +165,12 @@ class ProcessWriter:
         self._on_written = on_written
         self._limit = max(1, queue_size) + max(1, workers)
         self._blocks: dict[int, SharedMemory] = {}  # shards handed over and not yet answered
-        self._stop_flag: Any = None
         self._error: BaseException | None = None
         self._reported = False
         context = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA state
         self._stop_flag = context.Event()
         modules = _plugin_modules(spec)
         self._workers = []
-        from multiprocessing import resource_tracker
-
         resource_tracker.ensure_running()  # started now, so that it does not carry the writers' mark
         os.environ[WORKER_MARK] = "1"  # a spawned process starts with this process's environment
         try:
@@ -189,7 +187,7 @@ class ProcessWriter:
         finally:
             del os.environ[WORKER_MARK]
 
-    def submit(self, index: int, items: Any) -> None:
+    def submit(self, index: int, items: list[dict[str, np.ndarray]]) -> None:
         """Hand shard ``index`` to the least busy worker (blocks while ``queue_size`` shards wait); raises an
         earlier error."""
         self._collect()
@@ -219,8 +217,6 @@ class ProcessWriter:
 
     def _collect(self, wait: float = 0.0) -> None:
         """Take every answer in (waiting up to ``wait`` s for one); a worker that ended is an error."""
-        from multiprocessing.connection import wait as ready
-
         readers: dict[Any, _Worker] = {w.process.sentinel: w for w in self._workers}
         readers |= {w.results: w for w in self._workers if not w.results.closed}
         for source in ready(list(readers), timeout=wait):
@@ -248,8 +244,6 @@ class ProcessWriter:
             return
         if kind == "skipped":
             return
-        from kdcache.storage import ShardRecord
-
         if self._on_written is not None and self._error is None:
             self._on_written(index, ShardRecord.from_dict(payload), seconds)
 
@@ -292,7 +286,7 @@ def _plugin_modules(spec: CacheSpec) -> list[str]:
     return [] if module.startswith("kdcache.") else [module]
 
 
-def _death(worker: Any, pending: list[int]) -> str:
+def _death(worker: BaseProcess, pending: list[int]) -> str:
     """What to tell the user of a writer process that died."""
     code = worker.exitcode
     try:

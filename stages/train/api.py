@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kdcache.stages.common import attention_sources, logit_kinds
+from kdcache.stages.common import attention_sources
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.train.core import (
@@ -37,6 +37,7 @@ from kdcache.stages.train.core import (
     StudentFacts,
     TrainOptions,
     TrainPlan,
+    load_teacher_head,
     open_cache,
     plan_training,
     student_facts,
@@ -112,10 +113,8 @@ def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedM
 def teacher_head_for(reader: CacheReader, plan: TrainPlan, *, speaker: str = "kdcache train",
                      announce: bool = True) -> TeacherHead | None:
     """The teacher's LM head of a ``--logits head`` cache when the KL uses it (its size stated), else None."""
-    if not logit_kinds.uses_head(plan.logits):
+    if plan.logit_kind is None or not plan.logit_kind.teacher_head:
         return None
-    from kdcache.stages.train.core import load_teacher_head
-
     head = load_teacher_head(reader.store, reader.spec.hidden_layers)
     _say(speaker, head.describe(), announce)
     return head
@@ -141,10 +140,10 @@ def loss_options(reader: CacheReader, options: Mapping[str, Any]) -> TrainOption
     return built.with_cache_defaults(reader.spec)[0]
 
 
-def use_maps_attention(student: Any, reader: CacheReader, delta: float) -> None:
+def use_maps_attention(student: object, reader: CacheReader, delta: float) -> None:
     """Switch the student to the attention that returns its maps before dropout when the attention term reads maps
     (``kdcache train`` loads it so; a model loaded by the user has SDPA, which returns none)."""
-    if delta > 0 and attention_sources.get(reader.spec.attention_source).student_maps:
+    if delta > 0 and attention_sources.of(reader.spec.attention_layout).student_maps:
         register_maps_attention()
         unwrapped_student(student).set_attn_implementation(MAPS_ATTENTION)
 
@@ -218,8 +217,8 @@ class DistillationLoss(nn.Module):
         ApiError: an unknown option or a refused value; CacheCheckError: the cache does not fit the student.
     """
 
-    def __init__(self, cache: str | os.PathLike[str] | CacheReader, student: Any, *, announce: bool = True,
-                 **options: Any):
+    def __init__(self, cache: str | os.PathLike[str] | CacheReader, student: object, *, announce: bool = True,
+                 **options: object):
         super().__init__()
         reader = open_cache(os.fspath(cache)) if isinstance(cache, (str, os.PathLike)) else cache
         resolved = loss_options(reader, options)
@@ -256,12 +255,12 @@ class DistillationLoss(nn.Module):
         return {**student_inputs(model, batch), "output_hidden_states": self.plan.wants_hidden,
                 "output_attentions": self.plan.wants_attention}
 
-    def student_outputs(self, student: Any, batch: Mapping[str, Any]) -> Any:
+    def student_outputs(self, student: object, batch: Mapping[str, Any]) -> Any:
         """The student's outputs on ``batch`` as ``kdcache train`` takes them (``StudentRunner``: the LM head applied
         chunk by chunk inside the losses when it is a plain linear layer, q/k recorded for a q/k cache)."""
         return self.runner(student, batch)
 
-    def forward(self, student_outputs: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def forward(self, student_outputs: object, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every term of the loss: ``student_outputs`` (a transformers ``ModelOutput`` with ``hidden_states`` /
         ``attentions`` when asked for) against ``batch`` (on the device, from ``CacheDataset.to_device``)."""
         return self.criterion(student_outputs, batch)

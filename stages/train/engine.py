@@ -13,12 +13,14 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kdcache.stages.train.core import TrainOptions
@@ -45,7 +47,6 @@ class DistInfo:
 def init_distributed() -> DistInfo:
     """Join (or create) the process group; idempotent, so tests can train several times in one process."""
     import deepspeed
-    import torch.distributed as dist
 
     if "RANK" not in os.environ:  # no launcher: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
@@ -98,8 +99,6 @@ def check_build_locks(root: Path | None = None, now: float | None = None) -> Non
     Raises:
         EngineConfigError: naming the lock's path, its age, and what to do.
     """
-    import time
-
     root = extensions_root() if root is None else root
     now = time.time() if now is None else now
     locks = sorted([*root.glob("*/lock"), *root.glob("*/*/lock")]) if root.is_dir() else []

@@ -12,17 +12,20 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from kdcache.stages.train.api import ApiError, CacheDataset, DistillationLoss, seed_dropout
 from kdcache.stages.train.checkpoint import PROJECTORS_FILE
 from kdcache.stages.train.core import open_cache
 from kdcache.stages.train.feed import DataPosition, check_resumable
+
+if TYPE_CHECKING:
+    from kdcache.storage import CacheReader
 
 STATE_FILE = "kdcache_state.json"  # beside each checkpoint's weights: the stream position and the micro-step
 # The cache decides the first three; evaluation through Trainer would batch a CacheDataset a second time and run the
@@ -38,7 +41,8 @@ class _ZeroLossGrads(TrainerCallback):
     def __init__(self, module: nn.Module):
         self.module = module
 
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                          **kwargs: object) -> None:
         self.module.zero_grad(set_to_none=True)
 
 
@@ -89,7 +93,8 @@ class CacheTrainer(Trainer):
         **kwargs: the rest of ``Trainer``'s arguments (callbacks, ``processing_class``, ``optimizers``...).
     """
 
-    def __init__(self, model: Any, args: Any, cache: Any, *, loss: DistillationLoss | None = None,
+    def __init__(self, model: nn.Module, args: TrainingArguments, cache: str | os.PathLike[str] | CacheReader, *,
+                 loss: DistillationLoss | None = None,
                  loss_options: dict[str, Any] | None = None, shuffle_block: int = 256, prefetch: int = 4,
                  **kwargs: Any):
         given = sorted(set(kwargs) & set(REFUSED))
@@ -117,7 +122,7 @@ class CacheTrainer(Trainer):
         self.model_accepts_loss_kwargs = False  # the loss is ours: Trainer scales it for accumulation
         self.add_callback(_ZeroLossGrads(self.distill))
 
-    def _dataset(self, args: Any) -> CacheDataset:
+    def _dataset(self, args: TrainingArguments) -> CacheDataset:
         return self.distill.dataset(batch_size=args.per_device_train_batch_size, seed=args.seed,
                                     rank=args.process_index, world_size=args.world_size, start=self._position,
                                     **self._stream_options)
@@ -143,7 +148,7 @@ class CacheTrainer(Trainer):
         return loss
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """``DistillationLoss`` on the student's outputs; the terms of a training step are kept for the next log."""
         student = self.accelerator.unwrap_model(model)
         out = self.distill.student_outputs(student, inputs)
@@ -185,7 +190,7 @@ class CacheTrainer(Trainer):
             self._sums, self._count = {}, 0
         super().log(logs, start_time)
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+    def evaluate(self, *args: object, **kwargs: object) -> dict[str, float]:
         """Refused: see the class docstring's Evaluation."""
         raise ApiError("CacheTrainer does not evaluate through Trainer.evaluate; score the saved student with "
                        "`kdcache eval --cache HELDOUT --run RUN --student STUDENT`, or run DistillationLoss over a "
@@ -211,7 +216,7 @@ class CacheTrainer(Trainer):
         (out / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``; resuming also loads the projectors and the stream position of the checkpoint."""
         folder: str | None = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         if resume_from_checkpoint is True:
@@ -238,7 +243,7 @@ class CacheTrainer(Trainer):
             critics.load_state_dict(extras["critics"])
 
 
-def _check_parallel(args: Any) -> None:
+def _check_parallel(args: TrainingArguments) -> None:
     """Refuse what would train silently wrong: ZeRO-3 (projectors outside its partitions), several processes
     without DeepSpeed (the student's forward bypasses DDP's)."""
     config = args.deepspeed
@@ -261,7 +266,7 @@ def _check_parallel(args: Any) -> None:
                        "wrapper; pass TrainingArguments(deepspeed=...) (ZeRO 0-2)")
 
 
-def _check_optimizer(optimizers: Any, loss: nn.Module) -> None:
+def _check_optimizer(optimizers: object, loss: nn.Module) -> None:
     """Refuse an optimizer of the caller's that lacks the loss's trainable parameters (the projectors would stay
     as initialised); ``create_optimizer`` adds them to ``Trainer``'s own."""
     optimizer = optimizers[0] if isinstance(optimizers, (tuple, list)) and optimizers else None

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from kdcache.stages.common import attention_sources, fused_vocab
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION
@@ -36,6 +37,7 @@ from kdcache.stages.train.core import (
     open_cache,
     tokenizer_fingerprint_of,
 )
+from kdcache.stages.train.cross import build_cross_model, without_logit_kl
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
 from kdcache.stages.train.feed import (
     BatchExtension,
@@ -77,7 +79,7 @@ def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, Studen
         print(f"kdcache train: {chosen}", file=sys.stderr)
     # Maps need eager attention (fused kernels return none), taken before its dropout (attention_maps); a q/k cache
     # records the student's queries and keys.
-    maps = attention_sources.get(reader.spec.attention_source).student_maps
+    maps = attention_sources.of(reader.spec.attention_layout).student_maps
     attn = MAPS_ATTENTION if options.loss.delta > 0 and maps else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
     options, facts, plan = fit_student(options, reader, student, pretrained=has_weights(options.run.student),
@@ -110,8 +112,6 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     model: torch.nn.Module
     extend: BatchExtension | None = None
     if options.loss.cross_tokenizer:
-        from kdcache.stages.train.cross import build_cross_model, without_logit_kl
-
         cross = build_cross_model(options, reader, student, build_criterion(without_logit_kl(options), plan, facts),
                                   announce=announce)
         model, extend = cross, cross.aligner.extend  # the student's tokens are made with each batch, off the step
@@ -283,8 +283,6 @@ class _Trainer:
         names = sorted(self._sums)
         values = torch.stack([self._sums[n] / max(1, self._count) for n in names]).cpu()
         if self.dist.world_size > 1:
-            import torch.distributed as dist
-
             dist.all_reduce(values, op=dist.ReduceOp.SUM)
             values /= self.dist.world_size
         record = dict(zip(names, (float(v) for v in values)))
@@ -359,6 +357,4 @@ class _Trainer:
 
 def _barrier(world_size: int) -> None:
     if world_size > 1:
-        import torch.distributed as dist
-
         dist.barrier()

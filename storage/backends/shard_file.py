@@ -69,10 +69,10 @@ class ShuffledCodec(numcodecs.abc.Codec):  # type: ignore[misc]
     def __init__(self, compressor: numcodecs.abc.Codec, shuffle: numcodecs.abc.Codec) -> None:
         self.compressor, self.shuffle = compressor, shuffle
 
-    def encode(self, buf: Any) -> Any:
+    def encode(self, buf: object) -> object:
         return self.compressor.encode(self.shuffle.encode(buf))
 
-    def decode(self, buf: Any, out: Any = None) -> Any:
+    def decode(self, buf: object, out: object = None) -> object:
         return self.shuffle.decode(self.compressor.decode(buf), out=out)
 
 
@@ -152,7 +152,7 @@ def inner_codec(metadata: dict[str, Any]) -> numcodecs.abc.Codec | None:
     return ShuffledCodec(codec, numcodecs.Shuffle(elementsize=shuffle)) if shuffle else codec
 
 
-def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_value: Any = 0) -> list[bytes]:
+def write_whole(array: np.ndarray, rows: int, codec: numcodecs.abc.Codec, fill_value: object = 0) -> list[bytes]:
     """The data file of a one-shard array: its inner chunks of ``rows`` rows (the last padded with
     ``fill_value`` to full size, as zarr does), each compressed and followed by its crc32c, then the
     ``(offset, nbytes)`` index and the index's crc32c.

@@ -6,8 +6,11 @@ states, after rotary embeddings, keys and values once per key/value head. A map 
 queries and keys (H + H_kv) x head_dim whatever L. The spec's ``attention_scores`` records what rebuilding the
 scores needs (see docs/cache-format.md). Pure names and checks; nothing reads data.
 
-The stage facet of the same names (capture, loss, estimate, inspect) is ``stages.common.attention_sources``; the
-two meet only through the source's name, and nothing outside these two registries compares it.
+The stage facet (capture, loss, estimate, inspect) is ``stages.common.attention_sources``: each ``AttentionSource``
+holds its layout object, and registering the source registers the layout, so a source is registered once (the
+built-in layouts are in the table from the start, so that storage reads every built-in cache without stages).
+``CacheSpec.attention_layout`` is the object its ``attention_source`` name resolves to, at construction; nothing
+outside these two registries compares a source's name.
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ def register_attention_layout(layout: AttentionLayout) -> AttentionLayout:
     return ATTENTION_LAYOUTS.add(layout.name, layout)
 
 
-MAPS = register_attention_layout(AttentionLayout("maps", ("attention",), token_rows=False, default=True))
-register_attention_layout(AttentionLayout("qk", ("attention_q", "attention_k"), token_rows=True))
-register_attention_layout(AttentionLayout("qkv", ("attention_q", "attention_k", "attention_v"), token_rows=True))
-DEFAULT_ATTENTION_SOURCE = MAPS.name
+MAPS_LAYOUT = register_attention_layout(AttentionLayout("maps", ("attention",), token_rows=False, default=True))
+QK_LAYOUT = register_attention_layout(AttentionLayout("qk", ("attention_q", "attention_k"), token_rows=True))
+QKV_LAYOUT = register_attention_layout(AttentionLayout("qkv", ("attention_q", "attention_k", "attention_v"),
+                                                         token_rows=True))
+DEFAULT_ATTENTION_SOURCE = MAPS_LAYOUT.name
 
 
 def token_row_kinds() -> tuple[str, ...]:
@@ -72,11 +76,11 @@ def attention_layout(source: str) -> AttentionLayout:
     return ATTENTION_LAYOUTS.lookup(source)
 
 
-def check_attention_source(source: str, scores: dict[str, Any] | None, layers: tuple[int, ...], *,
+def check_attention_source(layout: AttentionLayout, scores: dict[str, Any] | None, layers: tuple[int, ...], *,
                            one_stream: bool, all_heads: bool, triangle: bool) -> None:
-    """Raise ``SpecError`` unless ``source`` is known and, for token rows, the spec is one stream with every
-    head and no triangle, and ``scores`` describe every block of ``layers``."""
-    layout = attention_layout(source)
+    """Raise ``SpecError`` unless, for token rows, the spec is one stream with every head and no triangle, and
+    ``scores`` describe every block of ``layers``."""
+    source = layout.name
     if not layout.token_rows:
         if scores is not None:
             raise SpecError(f"attention_scores describe an attention source of token rows; attention_source is "

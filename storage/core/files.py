@@ -10,6 +10,7 @@ device overlaps many flushes), and nothing per array beyond that: a format-3 zar
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import threading
@@ -151,8 +152,6 @@ def is_disk_full(exc: BaseException) -> bool:
 def read_json_object(path: Path | str) -> dict[str, Any]:
     """A JSON object from a local file, or ``{}`` when it is missing, unreadable or not an object (run folders are
     read while their runs still write them)."""
-    import json
-
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):

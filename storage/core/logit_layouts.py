@@ -3,8 +3,11 @@
 A *layout* is the storage side of a logit mode (``CacheSpec.logits``): model-free, numpy only, so that ``kdcache
 verify`` / ``inspect`` and the storage tests read any cache without torch. The stage side of a mode (capture,
 checks, loss, metric) lives in ``stages.common.logit_kinds``; a new mode whose arrays follow an existing layout
-registers only there. ``CacheSpec`` asks this registry for its logit arrays, their dtypes and codecs, which rows
-are gap-coded, and the checks of the fields a layout uses; the manifest's fields stay those of format 4.
+registers only there. A layout is an object from the edge on: ``CacheSpec.logit_layout`` is the one its
+``logits`` name resolves to (here, the one place a name is looked up), and the functions below take a holder of
+that object (``LayoutFields``), never the name. Each mode is registered once: the stage side's ``LogitKind`` holds
+its layout and registering the kind registers the layout (the built-in layouts are also in the table from the start,
+so that storage reads every built-in cache without stages); the manifest's fields stay those of format 4.
 
 Dtype rules of a ``LogitArray``: ``"vocab id"`` (the smallest unsigned type holding V-1), ``"float"`` (the
 cache's float dtype, fp16 or bf16), or a numpy dtype name. Codec groups: ``"sparse"`` (the spec's ``topk_codec``,
@@ -30,7 +33,7 @@ class LayoutFields(Protocol):
     """What decides a layout's arrays (``CacheSpec`` and stage one's ``Targets`` both have it)."""
 
     @property
-    def logits(self) -> str | None: ...
+    def logit_layout(self) -> LogitLayout | None: ...  # None: no logits
     @property
     def logprob_step(self) -> float: ...  # > 0: top-k values stored as quantised log-probs (topk_values logprob)
 
@@ -110,15 +113,19 @@ def register_layout(layout: LogitLayout) -> LogitLayout:
     return LAYOUTS.add(layout.name, layout)
 
 
-def layout_of(spec: LayoutFields) -> LogitLayout | None:
-    """The spec's layout (None for a cache without logits).
+def layout_named(name: str | None) -> LogitLayout | None:
+    """The layout registered as ``name`` (None: no logits): the edge where a manifest's or a flag's name becomes
+    the object.
 
     Raises:
-        SpecError: ``spec.logits`` names no registered layout.
+        SpecError: ``name`` is no registered layout.
     """
-    if spec.logits is None:
-        return None
-    return LAYOUTS.lookup(spec.logits)
+    return None if name is None else LAYOUTS.lookup(name)
+
+
+def layout_of(spec: LayoutFields) -> LogitLayout | None:
+    """The spec's layout (None for a cache without logits)."""
+    return spec.logit_layout
 
 
 def logit_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
@@ -140,14 +147,14 @@ def vocab_id_array(spec: LayoutFields, name: str) -> bool:
 
 @dataclass(frozen=True)
 class _Fields:
-    logits: str | None
+    logit_layout: LogitLayout | None
     logprob_step: float
 
 
 def vocab_id_names() -> frozenset[str]:
     """Every array name any registered layout stores as vocabulary ids, in any of its forms (for readers that
     see a batch's names without its spec)."""
-    forms = (_Fields(name, step) for name in LAYOUTS for step in (0.0, 1.0))
+    forms = (_Fields(layout, step) for layout in LAYOUTS.values() for step in (0.0, 1.0))
     return frozenset(a.name for spec in forms for a in logit_arrays(spec) if a.dtype == VOCAB_ID)
 
 
@@ -164,7 +171,7 @@ def validate_logits(spec: LogitFields) -> None:
     """
     layout = layout_of(spec)
     if layout and spec.vocab_size < 1:
-        raise SpecError(f"logits={spec.logits!r} needs vocab_size >= 1, got {spec.vocab_size}")
+        raise SpecError(f"logits={layout.name!r} needs vocab_size >= 1, got {spec.vocab_size}")
     if layout:
         layout.validate(spec)
     _check_value_format(spec, logprob_allowed=layout is not None and layout.logprob)
@@ -210,9 +217,19 @@ def _sampled_validate(spec: LogitFields) -> None:
                         f"{spec.sample_temperature}")
 
 
-register_layout(LogitLayout("full", lambda spec: (LogitArray("logits/full", FLOAT, sparse=False, width="vocab_size"),),
-                            _no_fields))
-register_layout(LogitLayout("topk", _topk_arrays, _topk_validate, logprob=True, file_sparse=True))
-register_layout(LogitLayout("sampled", _sampled_arrays, _sampled_validate))
-# head: nothing per token; the teacher's LM head is stored beside the cache (teacher_head/) and reads the last layer
-register_layout(LogitLayout("head", lambda spec: (), _no_fields))
+def _full_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
+    return (LogitArray("logits/full", FLOAT, sparse=False, width="vocab_size"),)
+
+
+def _no_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
+    # head: nothing per token; the teacher's LM head is stored beside the cache (teacher_head/) and reads the last
+    # layer
+    return ()
+
+
+# The built-in layouts, each the object its stage-side kind holds (``LogitKind.layout``). Module-level functions,
+# not lambdas, so that a spec holding its layout pickles (the writer processes receive it).
+FULL_LAYOUT = register_layout(LogitLayout("full", _full_arrays, _no_fields))
+TOPK_LAYOUT = register_layout(LogitLayout("topk", _topk_arrays, _topk_validate, logprob=True, file_sparse=True))
+SAMPLED_LAYOUT = register_layout(LogitLayout("sampled", _sampled_arrays, _sampled_validate))
+HEAD_LAYOUT = register_layout(LogitLayout("head", _no_arrays, _no_fields))

@@ -28,6 +28,7 @@ from typing import IO, Any, Protocol
 from kdcache.storage.core.canonical import canonical_json
 from kdcache.storage.core.errors import CacheLockedError, StorageError
 from kdcache.storage.core.files import fsync_path, joined, read_reused, remove_path, write_bytes_atomic, write_tree
+from kdcache.storage.core.leases import RemoteLock
 
 OPTIONS_ENV = "KDCACHE_STORAGE_OPTIONS"
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
@@ -322,8 +323,6 @@ class RemoteStore(Store):
         return dest
 
     def lock(self, name: str, what: str) -> WriterLock:
-        from kdcache.storage.core.leases import RemoteLock
-
         return RemoteLock(self, f"locks/{name}", what)
 
     def check(self) -> None:

@@ -21,6 +21,7 @@ are on decoder tokens. See ``storage.core.streams``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ import numpy as np
 
 from kdcache.storage.core.attention_source import (
     DEFAULT_ATTENTION_SOURCE,
-    attention_layout,
+    AttentionLayout,
+    attention_layout as layout_of_source,
     check_attention_source,
     token_row_kinds,
 )
@@ -44,6 +46,8 @@ from kdcache.storage.core.logit_layouts import (
     TOPK_MASS as TOPK_MASS,  # re-exported: spec's name for it before layouts
     TOPK_VALUE_FORMATS as TOPK_VALUE_FORMATS,
     VOCAB_ID,
+    LogitLayout,
+    layout_named,
     logit_array,
     logit_arrays,
     validate_logits,
@@ -154,6 +158,16 @@ class CacheSpec:
                                             else "fp16"))
         self._validate()
 
+    # The names as objects, resolved once where a name enters (``_validate`` refuses an unknown one): what storage
+    # reads of them, and what the stages join their kinds to (``logit_kinds.of``, ``attention_sources.of``).
+    @functools.cached_property
+    def logit_layout(self) -> LogitLayout | None:
+        return layout_named(self.logits)
+
+    @functools.cached_property
+    def attention_layout(self) -> AttentionLayout:
+        return layout_of_source(self.attention_source)
+
     @property
     def codec_configs(self) -> tuple[CompressorConfig, CompressorConfig]:
         """(activation codec, top-k codec): the resolved numcodecs configurations construction made of the
@@ -182,7 +196,7 @@ class CacheSpec:
                             f"{list(TOKEN_ARRAYS)}")
         for config in self.codec_configs:  # fail at creation, not at the first shard
             backend_class(self.backend).check_codec(config)
-        check_attention_source(self.attention_source, self.attention_scores, self.attention_layers,
+        check_attention_source(self.attention_layout, self.attention_scores, self.attention_layers,
                                one_stream=not self.is_encoder_decoder, all_heads=self.attention_heads is None,
                                triangle=self.attention_triangle)
 
@@ -284,7 +298,7 @@ class CacheSpec:
         names = self.token_names()
         for group, layers in self.layer_groups():
             stream, kind = split_stream(group)
-            kinds = attention_layout(self.attention_source).kinds if kind == "attention" else (kind,)
+            kinds = self.attention_layout.kinds if kind == "attention" else (kind,)
             names += [n for j in layers for k in kinds for n in self.with_parts(prefixed(stream, f"{k}/{j}"))]
         return names + self.logit_arrays()
 
@@ -361,7 +375,7 @@ class CacheSpec:
         groups: dict[str, tuple[int, ...]] = {}
         for group, held in self.layer_groups():
             stream, kind = split_stream(group)
-            kinds = attention_layout(self.attention_source).kinds if kind == "attention" else (kind,)
+            kinds = self.attention_layout.kinds if kind == "attention" else (kind,)
             groups.update({prefixed(stream, k): held for k in kinds})
         kind, _, layer = name.rpartition("/")
         layers = groups.get(kind)
@@ -399,7 +413,7 @@ class CacheSpec:
         out["hidden_codec"] = self.hidden_codec.record()
         if self.hidden_codec.is_plain(self.dtype):  # the float dtype: what earlier writers wrote
             del out["hidden_codec"]
-        if attention_layout(self.attention_source).default:  # what writers before issue 23 wrote
+        if self.attention_layout.default:  # what writers before issue 23 wrote
             del out["attention_source"], out["attention_scores"]
         if self.topk_values == "fp16":  # what earlier writers wrote; a reader that predates logprob refuses those
             del out["topk_values"], out["logprob_step"]

@@ -1,7 +1,8 @@
 """A new attention source is one registered class (issue 33): this module adds one, ``rows_test``, and runs it
 through stage one, ``inspect``, ``verify``, stage two and eval without touching any other file.
 
-``rows_test`` stores what ``qk`` stores under its own name (its storage layout is registered here too) and says so
+``rows_test`` stores what ``qk`` stores under its own name (its class holds a storage layout of that name, which
+registering the source registers) and says so
 in its own words in ``kdcache inspect``. Were any file to compare source names, the new name would take another
 source's branch there (or be refused), and one of these steps would fail or report another source.
 """
@@ -17,7 +18,7 @@ from kdcache.pipeline.cli import main
 from kdcache.stages.common import attention_sources
 from kdcache.stages.common.attention_sources.qk import QK
 from kdcache.stages.train.logging import read_jsonl
-from kdcache.storage import AttentionLayout, attention_layout, register_attention_layout
+from kdcache.storage import QK_LAYOUT, AttentionLayout
 from tests.helpers.tiny_models import make_tiny_llama
 from tests.stages.train._train_support import make_student_config, precompute_cache
 
@@ -27,11 +28,9 @@ NAME = "rows_test"
 def _register() -> None:
     if NAME in attention_sources.names():
         return
-    register_attention_layout(AttentionLayout(NAME, attention_layout("qk").kinds, token_rows=True))
-
     @attention_sources.register
     class RowsTest(QK):
-        name = NAME
+        layout = AttentionLayout(NAME, QK_LAYOUT.kinds, token_rows=True)
         summary = "a test's queries and keys"
 
         def describe(self, info: dict) -> str:

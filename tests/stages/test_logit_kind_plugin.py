@@ -1,9 +1,9 @@
 """A new logit kind is one registered class (issue 33): this module adds one, ``topk_test``, and runs it through
 stage one, ``inspect``, ``verify``, stage two and eval without touching any other file.
 
-``topk_test`` stores what ``topk`` stores under its own name (its storage layout is registered here too, with the
-same arrays), logs its stage-two term under its own name, labels eval's KL in its own words and describes itself in
-its own words in ``kdcache inspect``. Were any file to compare mode names, or to pick the kind by its arrays rather
+``topk_test`` stores what ``topk`` stores under its own name (its class holds a storage layout of that name, with
+the same arrays, which registering the kind registers), logs its stage-two term under its own name, labels eval's
+KL in its own words and describes itself in its own words in ``kdcache inspect``. Were any file to compare mode names, or to pick the kind by its arrays rather
 than by the cache's mode, the new name would take ``topk``'s branch there (or be refused), and one of these steps
 would fail or report ``topk``.
 """
@@ -23,7 +23,8 @@ from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import base as kinds_base
 from kdcache.stages.common.logit_kinds.topk import TopK
 from kdcache.stages.train.logging import read_jsonl
-from kdcache.storage.core.logit_layouts import LAYOUTS, LogitLayout, register_layout
+from kdcache.storage import TOPK_LAYOUT as TOPK
+from kdcache.storage.core.logit_layouts import LAYOUTS, LogitLayout
 from tests.helpers.tiny_models import make_tiny_llama
 from tests.stages.train._train_support import make_student_config, precompute_cache
 
@@ -37,7 +38,7 @@ KL_FORM = "a test's top-k + other bucket"
 class TopKTest(TopK):
     """``topk``'s capture and loss under a name, a term, an eval label and an ``inspect`` line of its own."""
 
-    name = NAME
+    layout = LogitLayout(NAME, TOPK.arrays, TOPK.validate, logprob=TOPK.logprob, file_sparse=TOPK.file_sparse)
     term = TERM
     kl_form = KL_FORM
 
@@ -47,9 +48,7 @@ class TopKTest(TopK):
 
 @pytest.fixture(scope="module")
 def registered() -> Iterator[None]:
-    """The kind and its layout, registered for this module only (other tests list the built-in modes)."""
-    topk = LAYOUTS["topk"]
-    register_layout(LogitLayout(NAME, topk.arrays, topk.validate, logprob=topk.logprob, file_sparse=topk.file_sparse))
+    """The kind with its layout, registered for this module only (other tests list the built-in modes)."""
     logit_kinds.register(TopKTest)
     yield
     del kinds_base._KINDS[NAME]

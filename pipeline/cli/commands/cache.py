@@ -6,8 +6,10 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from kdcache import storage
 from kdcache.pipeline.cache_info import describe
 from kdcache.pipeline.cli.commands import Subcommands
+from kdcache.stages import precompute
 from kdcache.stages.common import attention_sources, logit_kinds
 
 if TYPE_CHECKING:
@@ -106,23 +108,18 @@ def run_inspect(args: argparse.Namespace) -> int:
 def _verify_rows(cache: str, report: VerifyReport) -> None:
     """Add the problems of the cache's rows (stage one's row table, in the rows folder outside the cache) to
     ``report``: found by the data fingerprint their sealed table records; rows nobody built are no problem."""
-    from kdcache.stages.precompute import row_problems
-    from kdcache.storage import KdcacheError, VerifyProblem, load_manifest, open_store
-
     try:
-        fingerprint = load_manifest(open_store(cache))[0].fingerprints.get("data")
-    except KdcacheError:
+        fingerprint = storage.load_manifest(storage.open_store(cache))[0].fingerprints.get("data")
+    except storage.KdcacheError:
         return  # verify_cache has reported the manifest
     if fingerprint:
-        report.problems += [VerifyProblem(None, path, f"rows: {message}") for path, message in
-                            row_problems(fingerprint)]
+        report.problems += [storage.VerifyProblem(None, path, f"rows: {message}") for path, message in
+                            precompute.row_problems(fingerprint)]
 
 
 def run_verify(args: argparse.Namespace) -> int:
     """Verify every chunk; exit 0 when clean, 1 naming each bad shard and array. Never a traceback."""
-    from kdcache.storage import verify_cache
-
-    report = verify_cache(args.cache)
+    report = storage.verify_cache(args.cache)
     _verify_rows(args.cache, report)
     if getattr(args, "json", False):
         print(json.dumps({"path": report.path, "ok": report.ok, "status": report.status,

@@ -6,7 +6,7 @@ import argparse
 
 from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.pipeline.config import from_args
-from kdcache.pipeline.demo import DemoOptions
+from kdcache.pipeline.demo import DemoOptions, format_report, run_demo, teacher_path
 
 
 def register(subparsers: Subcommands) -> None:
@@ -25,8 +25,6 @@ def register(subparsers: Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print its report. Returns 0."""
-    from kdcache.pipeline.demo import format_report, run_demo, teacher_path
-
     options = from_args(DemoOptions, args)
     if options.print_teacher:  # `--teacher "$(kdcache demo --print-teacher)"` in the README's walkthrough
         print(teacher_path())

@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kdcache import storage
 from kdcache.pipeline.cli.commands import Subcommands
+from kdcache.stages import train
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader
@@ -52,15 +54,13 @@ def register(subparsers: Subcommands) -> None:
 
 def teacher_notes(eval_cache: CacheReader, run_dir: Path) -> list[str]:
     """A warning when the eval cache's teacher differs from the one the run was trained against."""
-    from kdcache.storage import CacheReader, cache_exists, compare_fingerprints, read_json_object
-
-    options = read_json_object(run_dir / "options.json")
+    options = storage.read_json_object(run_dir / "options.json")
     train_cache = options.get("cache")
-    if not train_cache or not cache_exists(train_cache):
+    if not train_cache or not storage.cache_exists(train_cache):
         return []
-    trained = (CacheReader(train_cache, allow_partial=True).fingerprints or {}).get("teacher") or {}
+    trained = (storage.CacheReader(train_cache, allow_partial=True).fingerprints or {}).get("teacher") or {}
     wanted = {"teacher": {k: trained.get(k) for k in ("config_hash", "weights_hash")}}
-    problems = compare_fingerprints({"teacher": (eval_cache.fingerprints or {}).get("teacher") or {}}, wanted)
+    problems = storage.compare_fingerprints({"teacher": (eval_cache.fingerprints or {}).get("teacher") or {}}, wanted)
     return [f"the eval cache's teacher differs from the training cache's: {p}" for p in problems]
 
 
@@ -72,44 +72,31 @@ def check_baseline(out: Path, student: str) -> None:
     Raises:
         EvaluationError: naming the file, the student it holds and the way to replace it.
     """
-    from kdcache.stages.train import EvaluationError
-    from kdcache.storage import read_json_object
-
-    held = read_json_object(out) if out.is_file() else None
+    held = storage.read_json_object(out) if out.is_file() else None
     if held and held.get("role") == "baseline" and held.get("student") not in (None, student):
-        raise EvaluationError(f"{out} already holds this run's baseline on that cache, from the student "
-                              f"{held['student']!r}; to score {student!r} as the baseline instead, delete that "
-                              f"file first")
+        raise train.EvaluationError(f"{out} already holds this run's baseline on that cache, from the student "
+                                    f"{held['student']!r}; to score {student!r} as the baseline instead, delete "
+                                    f"that file first")
 
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate, write RUN/evals/{role}@{cache label}.json, print a summary. Returns 0."""
-    from kdcache.stages.train import (
-        cache_identity,
-        cache_label,
-        eval_path,
-        evaluate_cross_run,
-        evaluate_run,
-        is_cross_run,
-        open_cache,
-    )
-
-    reader = open_cache(args.cache)
+    reader = train.open_cache(args.cache)
     run_dir = Path(args.run)
-    path = cache_identity(args.cache)
-    label = cache_label(path, reader.fingerprints or {})
+    path = train.cache_identity(args.cache)
+    label = train.cache_label(path, reader.fingerprints or {})
     role = "baseline" if args.student else "trained"
     student = str(Path(args.student).resolve()) if args.student else str(run_dir / "student")
-    out = eval_path(run_dir, role, label)
+    out = train.eval_path(run_dir, role, label)
     check_baseline(out, student)
-    if args.cross_tokenizer or is_cross_run(run_dir):
-        result = evaluate_cross_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
+    if args.cross_tokenizer or train.is_cross_run(run_dir):
+        result = train.evaluate_cross_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
                                     device=args.device, student=args.student)
         if args.teacher_layer is not None:
             result["notes"].append("--teacher-layer is not used across tokenizers (spans compare the map's pairs)")
     else:
-        result = evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
-                              teacher_layer=args.teacher_layer, device=args.device, student=args.student)
+        result = train.evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
+                                    teacher_layer=args.teacher_layer, device=args.device, student=args.student)
     result["notes"] = teacher_notes(reader, run_dir) + result.get("notes", [])
     result.update(role=role, student=student,
                   cache={"path": path, "label": label, "sequences": result["sequences"], "tokens": result["tokens"],
@@ -132,9 +119,7 @@ def format_eval(result: dict[str, Any], out: Path) -> str:
                        ("cosine", "mean cosine"), ("spearman", "Spearman")):
         if isinstance(result.get(key), float):
             lines.append(f"  {label:<16} {result[key]:.4f}")
-    from kdcache.stages.train import alignment_panels
-
-    for stream, cka in alignment_panels(result).items():
+    for stream, cka in train.alignment_panels(result).items():
         on_map = ", ".join(f"{p['student']}->{p['teacher']}: " + ("n/a" if p["cka"] is None else f"{p['cka']:.3f}")
                            for p in cka["on_map"]) or "no hidden pairs"
         lines.append(f"  CKA{' (' + stream + ')' if stream else ''} final layers {cka['final']:.4f}; "

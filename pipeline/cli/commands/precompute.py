@@ -11,6 +11,7 @@ import argparse
 
 from kdcache.pipeline.cli.commands import Subcommands, print_summary
 from kdcache.pipeline.config import from_args
+from kdcache.stages import precompute
 from kdcache.stages.precompute import PrecomputeOptions
 
 
@@ -36,18 +37,14 @@ def register(subparsers: Subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build and validate the options, then run stage one; print the summary on rank 0. Returns 0."""
     options = from_args(PrecomputeOptions, args, section="precompute")
-    from kdcache.stages.precompute import format_estimate, format_summary, run_precompute
-
-    fmt = format_estimate if options.engine.estimate else format_summary
-    print_summary(run_precompute(options), getattr(args, "json", False), fmt)
+    fmt = precompute.format_estimate if options.engine.estimate else precompute.format_summary
+    print_summary(precompute.run_precompute(options), getattr(args, "json", False), fmt)
     return 0
 
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge a cache's committed parts; exit 0 when complete, 1 when shards are still missing."""
-    from kdcache.stages.precompute import merge_cache
-
-    result = merge_cache(args.cache)
+    result = precompute.merge_cache(args.cache)
     print(f"{result['out']}: {result['status']}, {result['committed_shards']}/{result['num_shards']} shards, "
           f"{result['num_tokens']:,} tokens")
     return 0 if result["status"] == "complete" else 1

@@ -27,7 +27,7 @@ def register(subparsers: Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the report and print where it is. Returns 0."""
-    from kdcache.pipeline.report import is_run, is_sweep, report_run, report_sweep
+    from kdcache.pipeline.report import is_run, is_sweep, report_run, report_sweep  # not at `kdcache --help`
 
     path = Path(args.path)
     if is_sweep(path):

@@ -13,7 +13,9 @@ import gc
 from typing import Any
 
 from kdcache.pipeline.cli.commands import Subcommands
+from kdcache.pipeline.cli.commands.train import format_summary as format_train
 from kdcache.pipeline.config import SECTIONS, ConfigError, build, flat_values, load_yaml
+from kdcache.stages import precompute, train as stage_two
 from kdcache.stages.precompute import PrecomputeOptions
 from kdcache.stages.train import TrainOptions
 
@@ -62,18 +64,14 @@ def load_pipeline(path: str) -> tuple[PrecomputeOptions, TrainOptions]:
 def run(args: argparse.Namespace) -> int:
     """Validate both sections, precompute (or reuse), release the teacher, then train. Returns 0."""
     pre, train = load_pipeline(args.config)
-    from kdcache.pipeline.cli.commands.train import format_summary as format_train
-    from kdcache.stages.precompute import format_summary as format_pre, reused_cache, run_precompute
-    from kdcache.stages.train import run_training
-
-    summary = run_precompute(pre)
-    if reused_cache(summary):
+    summary = precompute.run_precompute(pre)
+    if precompute.reused_cache(summary):
         print(f"reusing the complete cache at {pre.storage.out}: its fingerprints match, nothing was recomputed")
     else:
-        print(format_pre(summary))
+        print(precompute.format_summary(summary))
     gc.collect()  # the teacher's last references go with stage one's frames; free them before the student
     _empty_device_cache()
-    print(format_train(run_training(train)))
+    print(format_train(stage_two.run_training(train)))
     return 0
 
 

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kdcache import storage
 from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.pipeline.config import ConfigError, config_values
+from kdcache.stages import train
 from kdcache.stages.common import ALIASES, leaves
 from kdcache.stages.train import TrainOptions
 
@@ -58,20 +60,20 @@ def base_values(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the whole grid, then run it. Returns 0 when every run succeeded, 1 when any failed."""
+    # loaded when the command runs, not at `kdcache --help`
     from kdcache.pipeline.sweep import SweepSettings, conflicts, parse_grid, plan_sweep, run_sweep, train_command
-    from kdcache.storage import cache_exists
 
     grid, problems = parse_grid(args.grid)
     if not grid and not problems:
         problems.append("no --grid given; name at least one option to vary, e.g. --grid layer_map=uniform,reverse")
-    if args.eval_cache and not cache_exists(args.eval_cache):
+    if args.eval_cache and not storage.cache_exists(args.eval_cache):
         problems.append(f"--eval-cache {args.eval_cache!r} is not a finished cache (no manifest.json)")
     try:
         points = plan_sweep(base_values(args), grid, args.sweep_out)
     except ConfigError as exc:
         problems += exc.problems
         points = []
-    if points and args.eval_cache and cache_exists(args.eval_cache):
+    if points and args.eval_cache and storage.cache_exists(args.eval_cache):
         # a grid may vary the student, and whether it keeps the teacher's tokenizer
         for student, cross in dict.fromkeys((p.options.run.student, bool(p.options.loss.cross_tokenizer))
                                             for p in points):
@@ -98,8 +100,6 @@ def _eval_cache_problems(eval_cache: str, student: str, cross: bool) -> list[str
     """Every run's student keeps the vocabulary and tokenizer of ``student``: one that does not fit the eval cache
     is refused before the first run, with the sentences `kdcache eval` and `kdcache train` use. A
     ``--cross-tokenizer`` run is scored span by span instead: its eval cache needs recorded texts."""
-    from kdcache.stages.train import open_cache, student_folder_problems, text_problems
-
-    reader = open_cache(eval_cache)
-    found = text_problems(reader, "span agreement") if cross else student_folder_problems(reader, student)
+    reader = train.open_cache(eval_cache)
+    found = train.text_problems(reader, "span agreement") if cross else train.student_folder_problems(reader, student)
     return [f"--eval-cache {eval_cache!r}: {p}" for p in found]

@@ -14,9 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kdcache import storage
 from kdcache.pipeline.cli.commands import Subcommands, print_summary
 from kdcache.pipeline.config import ConfigError, from_args
 from kdcache.pipeline.quiet import quiet
+from kdcache.stages import train
 from kdcache.stages.common import StreamLayers, alias_flags, fold_aliases
 from kdcache.stages.train import TrainOptions
 
@@ -48,10 +50,8 @@ def register(subparsers: Subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build and validate the options, train, and print the summary on rank 0. Returns 0."""
     options = from_args(TrainOptions, args, section="train")
-    from kdcache.stages.train import run_training
-
     with quiet(options.run.quiet):  # also when the YAML, not the flag, asks for it
-        print_summary(run_training(options), getattr(args, "json", False), format_summary)
+        print_summary(train.run_training(options), getattr(args, "json", False), format_summary)
     return 0
 
 
@@ -70,9 +70,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def _loader(student_dir: str) -> str:
     """The class the exported student loads with, from its config (``BartForConditionalGeneration``...)."""
-    from kdcache.storage import read_json_object
-
-    archs = read_json_object(Path(student_dir) / "config.json").get("architectures") or []
+    archs = storage.read_json_object(Path(student_dir) / "config.json").get("architectures") or []
     return f"{archs[0]}.from_pretrained" if archs else "transformers' from_pretrained"
 
 
@@ -91,10 +89,8 @@ def run_init_student(args: argparse.Namespace) -> int:
         raise ConfigError(["--layers is required (or both stacks: --layers encoder:BLOCKS decoder:BLOCKS)"])
     if not os.path.isdir(args.teacher):
         raise ConfigError([f"--teacher {args.teacher!r} is not a model folder"])
-    from kdcache.stages.train import init_student_from_teacher
-
-    out = init_student_from_teacher(args.teacher, layers or [], args.out, encoder_layers=encoder,
-                                    decoder_layers=decoder)
+    out = train.init_student_from_teacher(args.teacher, layers or [], args.out, encoder_layers=encoder,
+                                          decoder_layers=decoder)
     print(f"student with teacher blocks {layers} written to {out}")
     return 0
 

@@ -2,7 +2,8 @@
 docs/architecture.md, "Adding a target kind").
 
 Importing this package imports every module beside ``base`` (in name order), and each registers its source: a new
-source is one new file here, plus its storage layout in ``storage.core.attention_source``.
+source is one new file here, whose class holds its storage layout (an ``AttentionLayout`` of
+``storage.core.attention_source``) and registers it with itself.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from kdcache.stages.common.attention_sources.base import (
     config_heads,
     get,
     names,
+    of,
     register,
     usage,
 )
@@ -21,4 +23,5 @@ from kdcache.storage import import_members
 
 import_members(__name__, __path__)
 
-__all__ = ["AttentionSource", "AttentionSourceError", "choices", "config_heads", "get", "names", "register", "usage"]
+__all__ = ["AttentionSource", "AttentionSourceError", "choices", "config_heads", "get", "names", "of", "register",
+           "usage"]

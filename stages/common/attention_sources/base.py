@@ -4,9 +4,10 @@ A source owns how feature ``attention`` lives in both stages: what stage one cap
 through hooks, or the queries, keys and values its blocks hand the attention kernel), what stage one refuses, the
 cache's size per token for ``--estimate``, which arrays stage two streams and how it rebuilds scores from them,
 what it records of the student (its maps, or its queries and keys), the refusals of the loss options, and its
-``kdcache inspect`` line. What it stores (array kinds, token rows or maps) is the storage layout of the same name in
-``storage.core.attention_source``. Callers ask the registry (``get``, ``names``, ``usage``) and never compare source
-names.
+``kdcache inspect`` line. What it stores (array kinds, token rows or maps) is the ``AttentionLayout`` object it
+holds (``layout``, from ``storage.core.attention_source``), whose name is the source's: registering the source
+registers the layout, so a source is registered once. A name is looked up where it enters (``get``); past that
+edge a cache's source is ``of(spec.attention_layout)``, by the object. Callers never compare source names.
 
 Nothing here imports torch, so that the option classes and ``kdcache inspect`` describe sources without it.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, KeysView, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from kdcache.storage import DEFAULT_ATTENTION_SOURCE, AttentionLayout, KdcacheError, Registry, attention_layout
+from kdcache.storage import DEFAULT_ATTENTION_SOURCE, AttentionLayout, KdcacheError, Registry, register_attention_layout
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -33,17 +34,21 @@ class AttentionSource:
     which are those of maps.
 
     Attributes:
-        name: the ``--attention-source`` value and ``CacheSpec.attention_source``; also its storage layout's name.
+        layout: its storage facet, the array kinds stored per block and whether they are token rows; a subclass
+            sets it, and takes its ``name`` from it.
+        name: the ``--attention-source`` value and ``CacheSpec.attention_source``: its layout's name.
         summary: what it stores, for the flag's help.
     """
 
+    layout: ClassVar[AttentionLayout]
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
 
-    @property
-    def layout(self) -> AttentionLayout:
-        """Its storage facet: the array kinds stored per block, and whether they are token rows."""
-        return attention_layout(self.name)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The name is the layout's, written once (a subclass that keeps its parent's layout keeps its name)."""
+        super().__init_subclass__(**kwargs)
+        if "layout" in cls.__dict__:
+            cls.name = cls.layout.name
 
     # ---- stage one -------------------------------------------------------------------------------------------
     @property
@@ -118,9 +123,9 @@ S = TypeVar("S", bound=type[AttentionSource])
 
 
 def register(cls: S) -> S:
-    """Class decorator: register one instance of an ``AttentionSource`` subclass under its ``name`` (its storage
-    layout must be registered already)."""
-    attention_layout(cls.name)  # a SpecError naming the registered layouts when it is not
+    """Class decorator: register one instance of an ``AttentionSource`` subclass under its ``name``, and its layout
+    in storage's table (a built-in layout is there already; a new source's arrives with it)."""
+    register_attention_layout(cls.layout)
     _SOURCES.add(cls.name, cls())
     return cls
 
@@ -143,6 +148,19 @@ def get(name: str | None) -> AttentionSource:
     """
     name = DEFAULT_ATTENTION_SOURCE if name is None else name
     return _SOURCES.lookup(name)
+
+
+def of(layout: AttentionLayout) -> AttentionSource:
+    """The source that holds ``layout`` (a cache's ``spec.attention_layout``, resolved from its name at the edge).
+
+    Raises:
+        AttentionSourceError: no registered source holds it (a layout registered without its source).
+    """
+    source = next((s for s in _SOURCES.values() if s.layout == layout), None)  # equal: a spec that was pickled
+    if source is None:
+        raise AttentionSourceError(f"no attention source holds the layout {layout.name!r}; expected one of "
+                                   f"{', '.join(_SOURCES)}")
+    return source
 
 
 def usage() -> str:

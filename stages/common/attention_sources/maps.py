@@ -4,9 +4,10 @@ attention and compared with the student's maps. Every default of ``base.Attentio
 from __future__ import annotations
 
 from kdcache.stages.common.attention_sources.base import AttentionSource, register
+from kdcache.storage import MAPS_LAYOUT
 
 
 @register
 class Maps(AttentionSource):
-    name = "maps"
+    layout = MAPS_LAYOUT
     summary = "each block's [H, L, L] probabilities (H x L values per token)"

@@ -8,7 +8,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common.attention_sources.base import AttentionSource, config_heads, register
-from kdcache.storage import DEFAULT_ATTENTION_SOURCE
+from kdcache.storage import DEFAULT_ATTENTION_SOURCE, QK_LAYOUT
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 @register
 class QK(AttentionSource):
-    name = "qk"
+    layout = QK_LAYOUT
     summary = ("its queries after rotary embeddings and its keys once per key/value head: (H + H_kv) x head_dim "
                "values per token whatever L; stage two rebuilds the maps block by block")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from kdcache.stages.common.attention_sources.base import register
 from kdcache.stages.common.attention_sources.qk import QK
+from kdcache.storage import QKV_LAYOUT
 
 
 @register
 class QKV(QK):
-    name = "qkv"
+    layout = QKV_LAYOUT
     summary = "also the values, for the relation loss"

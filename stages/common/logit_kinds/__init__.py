@@ -2,7 +2,8 @@
 "Adding a target kind").
 
 Importing this package imports every module beside ``base`` (in name order), and each registers its kind: a new
-mode is one new file here (plus its storage layout in ``storage.core.logit_layouts`` when it stores new arrays).
+mode is one new file here, whose class holds its storage layout (a ``LogitLayout`` of ``storage.core.logit_layouts``,
+an existing one when it stores the same arrays) and registers it with itself.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from kdcache.stages.common.logit_kinds.base import (
     LogitKindError,
     from_targets,
     get,
+    kinds,
     names,
+    of,
     parse,
     register,
     usage,
@@ -38,5 +41,5 @@ from kdcache.stages.common.logit_kinds.topk import (  # noqa: E402
 )
 
 __all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "TOPK_VARIANTS", "TeacherHead", "as_logprobs",
-           "cached_topk", "from_targets", "get", "head_kl", "kd_kl", "names", "parse", "register", "sample_logits",
-           "sampled_kl", "topk_kl", "topk_kl_other", "topk_kl_renorm", "usage", "uses_head"]
+           "cached_topk", "from_targets", "get", "head_kl", "kd_kl", "kinds", "names", "of", "parse", "register",
+           "sample_logits", "sampled_kl", "topk_kl", "topk_kl_other", "topk_kl_renorm", "usage", "uses_head"]

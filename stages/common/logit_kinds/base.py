@@ -3,8 +3,10 @@
 A kind owns a mode's whole life in both stages: parsing its ``--logits`` value, the ``CacheSpec`` fields stage one
 writes, its capture of the teacher's ``[N, V]`` logits on the device, its checks against the student and the loss
 options, its stage-two loss term, its eval metric and its ``kdcache inspect`` line. Its storage side (arrays,
-dtypes, codecs) is the layout of the same name in ``storage.core.logit_layouts``. Callers ask the registry
-(``get``, ``parse``, ``names``, ``from_targets``) and never compare mode names.
+dtypes, codecs) is the ``LogitLayout`` object it holds (``layout``, from ``storage.core.logit_layouts``), whose
+name is the mode's: registering the kind registers the layout, so a mode is registered once. A name is looked up
+where it enters (``parse``, ``get``); past that edge a cache's kind is ``of(spec.logit_layout)``, by the object.
+Callers never compare mode names.
 
 This module and the kind modules import torch only inside the functions that compute, so that the option
 classes and ``kdcache inspect`` can parse and describe modes without loading it.
@@ -20,8 +22,10 @@ from kdcache.storage import (
     KdcacheError,
     LayoutFields,
     LogitFields as CacheLogits,  # the spec's logit fields, as storage reads them
+    LogitLayout,
     Registry,
     SamplingFields,
+    register_layout,
 )
 
 if TYPE_CHECKING:
@@ -85,7 +89,8 @@ class LogitKind:
     """One logit mode. Subclasses set the class attributes and override what differs from these defaults.
 
     Attributes:
-        name: the ``--logits`` value and ``CacheSpec.logits``; also the name of its storage layout.
+        layout: its storage side, the arrays it stores; a subclass sets it, and takes its ``name`` from it.
+        name: the ``--logits`` value and ``CacheSpec.logits``: its layout's name.
         argument: what follows ``name:`` in ``--logits`` (``"N"`` for ``sampled:N``); empty: nothing may.
         term: the name stage two logs its loss term under.
         kl_form: eval's label of the KL it reports.
@@ -98,6 +103,7 @@ class LogitKind:
             vocabulary shards merge into it exactly, and another vocabulary can read it by token string.
     """
 
+    layout: ClassVar[LogitLayout]
     name: ClassVar[str] = ""
     argument: ClassVar[str] = ""
     term: ClassVar[str] = "kl"
@@ -108,6 +114,12 @@ class LogitKind:
     logprob_values: ClassVar[bool] = False
     key_array: ClassVar[str | None] = None
     ranked: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The name is the layout's, written once (a subclass that keeps its parent's layout keeps its name)."""
+        super().__init_subclass__(**kwargs)
+        if "layout" in cls.__dict__:
+            cls.name = cls.layout.name
 
     # ---- stage one -------------------------------------------------------------------------------------------
     def parse_argument(self, text: str) -> int:
@@ -195,7 +207,9 @@ K = TypeVar("K", bound=type[LogitKind])
 
 
 def register(cls: K) -> K:
-    """Class decorator: register one instance of a ``LogitKind`` subclass under its ``name``."""
+    """Class decorator: register one instance of a ``LogitKind`` subclass under its ``name``, and its layout in
+    storage's table (a built-in layout is there already; a new mode's arrives with its kind)."""
+    register_layout(cls.layout)
     _KINDS.add(cls.name, cls())
     return cls
 
@@ -205,6 +219,11 @@ def names() -> list[str]:
     return _KINDS.names()
 
 
+def kinds() -> list[LogitKind]:
+    """Every registered kind, in registration order (live: a kind registered later counts too)."""
+    return list(_KINDS.values())
+
+
 def get(name: str) -> LogitKind:
     """The kind registered as ``name``.
 
@@ -212,6 +231,21 @@ def get(name: str) -> LogitKind:
         LogitKindError: naming ``name`` and the registered modes.
     """
     return _KINDS.lookup(name)
+
+
+def of(layout: LogitLayout | None) -> LogitKind | None:
+    """The kind that holds ``layout`` (a cache's ``spec.logit_layout``, resolved from its name at the edge); None
+    for a cache without logits.
+
+    Raises:
+        LogitKindError: no registered kind holds it (a layout registered without its kind).
+    """
+    if layout is None:
+        return None
+    kind = next((k for k in _KINDS.values() if k.layout == layout), None)  # equal: a spec that was pickled
+    if kind is None:
+        raise LogitKindError(f"no logit kind holds the layout {layout.name!r}; expected one of {', '.join(_KINDS)}")
+    return kind
 
 
 def parse(value: str) -> tuple[LogitKind, int]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common.logit_kinds.base import CaptureSettings, KlSetup, LogitKind, TeacherHead, register
 from kdcache.stages.common.loss_errors import LossError
+from kdcache.storage import FULL_LAYOUT
 
 if TYPE_CHECKING:
     import torch
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 class Full(LogitKind):
     """The full logits (see the module docstring)."""
 
-    name = "full"
+    layout = FULL_LAYOUT
     kl_form = "full"
     exact_vocab = True
     key_array = "logits/full"

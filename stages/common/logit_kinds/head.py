@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common.logit_kinds.base import KlSetup, LogitKind, TeacherHead, register
 from kdcache.stages.common.loss_errors import LossError
+from kdcache.storage import HEAD_LAYOUT
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +28,7 @@ HEAD_CHUNK = 512  # valid tokens per chunk of the check when --logits-chunk leav
 class Head(LogitKind):
     """The teacher's LM head on its cached last layer (see the module docstring)."""
 
-    name = "head"
+    layout = HEAD_LAYOUT
     kl_form = "full"  # the full distribution, rebuilt
     exact_vocab = True
     teacher_head = True

@@ -24,6 +24,7 @@ from kdcache.stages.common.logit_kinds.base import (
     TeacherHead,
     register,
 )
+from kdcache.storage import SAMPLED_LAYOUT
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +39,7 @@ MAX_SAMPLES = 255  # the counts are stored as uint8
 class Sampled(LogitKind):
     """Draws of the teacher's distribution (see the module docstring)."""
 
-    name = "sampled"
+    layout = SAMPLED_LAYOUT
     argument = "N"
     term = "sampled_kl"
     kl_form = "sampled estimate (unbiased)"

@@ -22,7 +22,7 @@ from kdcache.stages.common.logit_kinds.base import (
     register,
 )
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.storage import TOPK_MASS
+from kdcache.storage import TOPK_LAYOUT, TOPK_MASS
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,7 @@ STEP_PER_TOLERANCE = 1.99
 class TopK(LogitKind):
     """The top-k logits with their logsumexp (see the module docstring)."""
 
-    name = "topk"
+    layout = TOPK_LAYOUT
     ranked = True
     term = "topk_kl"
     kl_form = "top-k + other bucket"

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kdcache.stages.precompute.rows import plan_batches
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -62,11 +64,11 @@ class TeacherCalls:
         self.compiled = compiled
         self._say = say or (lambda line: print(line, file=sys.stderr))
 
-    def model(self, **kwargs: Any) -> Any:
+    def model(self, **kwargs: object) -> Any:
         """The whole model's forward."""
         return self._calls["model"](**kwargs)
 
-    def base(self, **kwargs: Any) -> Any:
+    def base(self, **kwargs: object) -> Any:
         """The base model's forward (no LM head)."""
         return self._calls["base"](**kwargs)
 
@@ -88,8 +90,6 @@ class TeacherCalls:
 def batch_shapes(lengths: np.ndarray, bounds: Iterable[tuple[int, int]], batch_size: int) -> int:
     """How many distinct ``(rows, length)`` batch shapes the shards in ``bounds`` make, batched as the stream
     batches them (``rows.plan_batches``): with static shapes, each is one compile."""
-    from kdcache.stages.precompute.rows import plan_batches
-
     shapes: set[tuple[int, int]] = set()
     for start, stop in bounds:
         shard = lengths[start:stop]

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kdcache.stages.common import attention_sources, device_codecs, logit_kinds
+from kdcache.stages.common import device_codecs
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.capture.compiled import TeacherCalls
 from kdcache.stages.precompute.capture.logit_head import logit_targets
@@ -43,7 +43,7 @@ from kdcache.stages.precompute.capture.sharded_head import chunked_head
 from kdcache.stages.precompute.capture.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
 from kdcache.stages.precompute.core import PrecomputeError, Targets, Teacher
 from kdcache.stages.precompute.parallel import no_autograd
-from kdcache.storage import FLOAT, HiddenCodec, applies_to, hidden_codec_of, logit_arrays, projected
+from kdcache.storage import FLOAT, HiddenCodec, applies_to, check_fp16_range, hidden_codec_of, logit_arrays, projected
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -107,8 +107,6 @@ def check_maxima(maxima: dict[str, float]) -> frozenset[str]:
             overflow float16; storage must never see an inf). A NaN is left to storage, which reports it as the
             teacher bug it is: such a target is not in the returned set, so storage checks it on the host.
     """
-    from kdcache.storage import check_fp16_range
-
     for name, value in maxima.items():
         if not math.isnan(value):
             check_fp16_range(name, value, fix="Rerun with --dtype bf16, or leave this layer out.")
@@ -178,12 +176,12 @@ class FeatureCapture:
         self._paused = False  # hooks ignore forwards run only to check the chunked head or packed documents
         self._documents_checked = False
         # Full logits are stored whole anyway; head mode runs the head once, on the first batch, to check it.
-        self._kind = logit_kinds.get(targets.logits) if targets.logits else None
+        self._kind = targets.logit_kind
         self._head = chunked_head(self.model, self._kind.capture_chunk(chunk_tokens) if self._kind else 0, targets)
         if self._kind and self._kind.teacher_head and not self._head.active:
             raise PrecomputeError(f"logits head: {type(self.model).__name__} has no plain LM head to copy; use "
                                   f"--logits topk or full")
-        recorded = attention_sources.get(targets.attention_source).recorded_parts
+        recorded = targets.source.recorded_parts
         self._qk = QKCapture(self.model, targets) if recorded else None
         self._copier = HostCopier(teacher.device)
         self._no_autograd = no_autograd(self.model)

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import (
     as_logprobs,  # noqa: F401 (its earlier home)
     sample_logits,  # noqa: F401 (its earlier home)
@@ -54,9 +53,9 @@ def logit_targets(logits: torch.Tensor | None, settings: Targets,
         settings: the run's targets (mode, top-k, draws, temperature, log-prob step).
         generator: seeded, for a kind that draws (``LogitKind.draws``).
     """
-    if logits is None or not settings.logits:
+    if logits is None or settings.logit_kind is None:
         return {}
-    return logit_kinds.get(settings.logits).capture(logits, settings, generator)
+    return settings.logit_kind.capture(logits, settings, generator)
 
 
 def head_probe(logits: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
-from kdcache.stages.common import attention_sources
 from kdcache.stages.common.documents import document_index
 from kdcache.stages.common.qk_attention import QKRecorder, QKRecorderError, check_rule
 from kdcache.stages.precompute.core import PrecomputeError, Targets
@@ -42,7 +41,7 @@ class QKCapture:
 
     def __init__(self, model: PreTrainedModel, targets: Targets) -> None:
         self.model, self.targets = model, targets
-        self.kinds = attention_sources.get(targets.attention_source).recorded_parts
+        self.kinds = targets.source.recorded_parts
         self.flag = f"--attention-source {targets.attention_source}"
         self.fallback = f"use --attention-source {DEFAULT_ATTENTION_SOURCE}"
         self.recorder = QKRecorder(model, targets.streams[""].attention, targets.causal, keep_output=True)
@@ -111,7 +110,7 @@ def probe_ids(data: TokenStreams, device: torch.device) -> torch.Tensor:
 def with_score_rules(targets: Targets, model: PreTrainedModel, data: TokenStreams, device: torch.device) -> Targets:
     """``targets`` with ``attention_scores`` learnt from the loaded teacher, for a source of token rows; else
     unchanged."""
-    recorded = attention_sources.get(targets.attention_source).recorded_parts
+    recorded = targets.source.recorded_parts
     if not recorded or "" not in targets.streams or not targets.streams[""].attention:
         return targets
     record = QKCapture(model, targets).score_record(probe_ids(data, device))

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import as_logprobs
 from kdcache.stages.common.teacher_head import finish_logits
 from kdcache.stages.precompute.capture.logit_head import ChunkedHead
@@ -127,6 +126,6 @@ def chunked_head(model: PreTrainedModel, chunk: int, settings: Targets) -> Chunk
     """The head for this run: ``ShardedTopK`` for top-k logits from a vocabulary-sharded head, else the plain
     ``ChunkedHead`` (whose head module, under tensor parallelism, gathers each ``[chunk, V]`` block: full and
     sampled logits need the whole row)."""
-    ranked = settings.logits is not None and logit_kinds.get(settings.logits).ranked
+    ranked = settings.logit_kind is not None and settings.logit_kind.ranked
     shards = vocab_shards(model) if chunk > 0 and ranked else None
     return ShardedTopK(model, chunk, settings, shards) if shards else ChunkedHead(model, chunk)

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kdcache.stages.common import attention_sources, logit_kinds
 from kdcache.stages.common.engine_options import (
@@ -26,7 +26,15 @@ from kdcache.stages.common.engine_options import (
 )
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
-from kdcache.storage import DEFAULT_ATTENTION_SOURCE, DEFAULT_BACKEND, HiddenCodec, backend_names, hidden_codecs
+from kdcache.storage import (
+    DEFAULT_ATTENTION_SOURCE,
+    DEFAULT_BACKEND,
+    HiddenCodec,
+    SpecError,
+    backend_names,
+    hidden_codec_of,
+    hidden_codecs,
+)
 
 FEATURES = ("hidden", "attention", "cross_attention", "logits")  # cross_attention: encoder-decoder teachers only
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
@@ -38,9 +46,10 @@ PACKING = ("none", "documents", "concat")
 IN_FLIGHT = 2
 DEFAULT_LOGITS = "topk"  # the --logits mode when none is given (a name of stages.common.logit_kinds)
 FULL_LOGITS = "full"  # the mode the older flag --full-logits asks for
+T = TypeVar("T")
 
 
-def _opt(default: Any, help_text: str, **meta: Any) -> Any:
+def _opt(default: T, help_text: str, **meta: object) -> T:
     return field(default=default, metadata={"help": help_text, **meta})
 
 
@@ -126,8 +135,6 @@ class StorageOptions:
     def resolved_hidden_codec(self) -> HiddenCodec:
         """``--hidden-codec`` (a name or a JSON record) and ``--hidden-rank`` as the configured codec that stage one
         carries and the spec records: the one place stage one resolves it."""
-        from kdcache.storage import SpecError, hidden_codec_of
-
         value = self.hidden_codec
         codec = hidden_codec_of(json.loads(value) if value and value.strip().startswith("{") else value, self.dtype)
         if self.hidden_rank is None:
@@ -153,7 +160,7 @@ class StorageOptions:
         return problems
 
     def _codec_problems(self) -> list[str]:
-        from kdcache.storage import KdcacheError, resolve_codec
+        from kdcache.storage import KdcacheError, resolve_codec  # imports numcodecs: only when checked
 
         problems = []
         for key, check in (("codec", lambda: resolve_codec(self.codec_config)),
@@ -288,7 +295,7 @@ class PrecomputeOptions:
         return [p for group in (self.engine, self.dataset, self.storage, self.targets) for p in group.validate()]
 
     @classmethod
-    def of(cls, **flat: Any) -> PrecomputeOptions:
+    def of(cls, **flat: object) -> PrecomputeOptions:
         """Build from flat keyword arguments as the flags name them (tests, benchmarks). No checks:
         ``pipeline.config.build`` is the checked way in."""
         return assemble(cls, flat)

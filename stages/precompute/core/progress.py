@@ -108,8 +108,8 @@ def target_of(array: str, spec: LayoutFields) -> str:
     """
     if array.endswith(("input_ids", "offsets", "loss_mask", "position_ids")):
         return "index"  # ids, token arrays, offsets, attention_offsets (and their encoder/, decoder/ forms)
-    if logit_array(spec, array) is not None:
-        return f"logits/{spec.logits}"
+    if spec.logit_layout is not None and logit_array(spec, array) is not None:
+        return f"logits/{spec.logit_layout.name}"
     return array
 
 

@@ -16,6 +16,7 @@ Flags, and why they default the way they do:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,10 @@ from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from kdcache.stages.common.attention_sources import AttentionSource
+    from kdcache.stages.common.logit_kinds import LogitKind
+    from kdcache.storage import LogitLayout
 
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -59,6 +64,21 @@ class Targets:
     attention_source: str = DEFAULT_ATTENTION_SOURCE  # a name of stages.common.attention_sources
     attention_scores: dict[str, Any] | None = None  # qk: how scores are formed, learnt from the loaded teacher
 
+    # The names as objects, resolved once per Targets on first use (``logits`` and ``attention_source`` stay the
+    # names the fingerprint and the spec record): what capture, checks and the spec ask of the mode and source.
+    @functools.cached_property
+    def logit_kind(self) -> LogitKind | None:
+        return logit_kinds.get(self.logits) if self.logits else None
+
+    @functools.cached_property
+    def source(self) -> AttentionSource:
+        return attention_sources.get(self.attention_source)
+
+    @property
+    def logit_layout(self) -> LogitLayout | None:
+        """The mode's storage layout (storage's ``LayoutFields``: what the capture hands over)."""
+        return self.logit_kind.layout if self.logit_kind else None
+
     @property
     def wants_hidden(self) -> bool:
         return any(s.hidden for s in self.streams.values())
@@ -66,7 +86,7 @@ class Targets:
     @property
     def wants_attention(self) -> bool:
         """Whether any attention map is captured (the teacher then needs eager attention; queries and keys do not)."""
-        maps = attention_sources.get(self.attention_source).teacher_maps
+        maps = self.source.teacher_maps
         return bool(self.cross_attention) or (maps and any(s.attention for s in self.streams.values()))
 
 
@@ -204,13 +224,13 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             **({"logprob_step": targets.logprob_step} if targets.logprob_step else {}),
             # Draws follow the seed, the batches and the head's chunks: a resume must form them alike.
             "sampling": {"seed": engine.seed, "batch_size": engine.batch_size, "logits_chunk": engine.logits_chunk}
-            if targets.logits and logit_kinds.get(targets.logits).draws else None,
+            if targets.logit_kind and targets.logit_kind.draws else None,
             "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
             "triangle": options.targets.triangle, "format_version": FORMAT_VERSION,
             # Fused kernels round otherwise than eager ones: a resume must not mix them (absent when off, so that
             # earlier caches' fingerprints stay the same).
             **({"compile_teacher": True} if engine.compile_teacher else {}),
-            **attention_sources.get(targets.attention_source).fingerprint(),
+            **targets.source.fingerprint(),
             # Recorded only when it is not the dtype's own (also when given explicitly, as --hidden-codec fp16), so
             # that the fingerprints of caches written before codecs stay the same.
             **({"hidden_codec": codec.record()} if not (codec := storage.resolved_hidden_codec).is_plain(storage.dtype)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.precompute.core import PrecomputeError, Progress, RunStats
+from kdcache.stages.precompute.core import PrecomputeError, Progress, RunStats, teacher_files_fingerprint
 from kdcache.stages.precompute.parallel.layouts import Grid, Layout, check_features
 from kdcache.stages.precompute.parallel.memory import check_layout, rank_memory
 
@@ -107,8 +108,6 @@ def memory_only(plan: PrecomputePlan, config: PretrainedConfig, layout: Layout, 
     """Whether ``--estimate`` stops at the memory per rank: the teacher has no weights here (a config alone), or
     this launch cannot run the layout (fewer ranks than a tensor-parallel group, or layer placement without
     GPUs): the memory needs only the config, the size and time need the teacher run as it will be."""
-    from kdcache.stages.precompute.core import teacher_files_fingerprint
-
     if teacher_files_fingerprint(plan.teacher, config) is None or world < layout.tensor:
         return True
     return layout.kind == "layers" and layout.size > 1 and device.type != "cuda"
@@ -130,8 +129,6 @@ def lend_share(spec: CacheSpec, todo: list[int], stream: Callable[[list[tuple[in
                stats: RunStats) -> None:
     """A group's other ranks: run the same shards' forwards (their share of the weights is needed in every
     collective) and drop the results, which the leader writes."""
-    import time
-
     stats.compute_started = time.perf_counter()
     for _ in stream([spec.shard_range(k) for k in todo], Progress(0, False, stats)):
         pass

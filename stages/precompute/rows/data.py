@@ -25,6 +25,7 @@ from kdcache.stages.common.hub import offline_unless_reachable
 from kdcache.stages.precompute.core import DATA_EXTENSIONS, PrecomputeError, RowSetup, looks_like_path
 from kdcache.stages.precompute.rows.chat import chat_template, check_conversation, render
 from kdcache.stages.precompute.rows.packing import Document, Rows, make_rows, span_mask
+from kdcache.storage import hash_bytes, kind_of, split_stream
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
@@ -95,8 +96,6 @@ class TokenStreams:
     def of_table(cls, table: RowTable) -> TokenStreams:
         """Streams over a ``row_store.RowTable``: its ``*input_ids`` columns are the streams, the rest the
         token arrays stored beside them."""
-        from kdcache.storage import kind_of, split_stream
-
         ids: dict[str, Sequence[np.ndarray]] = {split_stream(n)[0]: c for n, c in table.columns.items()
                                                 if kind_of(n) == "input_ids"}
         tokens: dict[str, Sequence[np.ndarray]] = {n: c for n, c in table.columns.items()
@@ -243,8 +242,6 @@ def text_template(tokenizer: PreTrainedTokenizerBase, setup: RowSetup) -> str | 
 def text_fingerprint(setup: RowSetup, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """Source, split, columns and the mask rule; the row table adds the hashes of the ids, loss masks and
     positions (``TEXT_HASHES``) and the row count: a cache is reused only for the same rows trained the same way."""
-    from kdcache.storage import hash_bytes
-
     out: dict[str, Any] = {"source": setup.data, "split": setup.split, "text_column": setup.text_column}
     if setup.messages_column:
         out.update(text_column=None, messages_column=setup.messages_column,

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
+from filelock import FileLock
 
 from kdcache.storage import (
     TABLE,
@@ -229,8 +230,6 @@ def open_or_build(root: Path, key: dict[str, Any], names: Sequence[str], hashes:
         hashes: array name -> the data fingerprint's key for that array's hash (``input_ids_hash``...).
         build: fills a ``RowWriter``; called by one process only, under the lock.
     """
-    from filelock import FileLock
-
     folder = root / hash_json(key)[7:23]
     created = [p for p in (root.parent, root) if not p.exists()]  # removed again if the build fails
     root.mkdir(parents=True, exist_ok=True)

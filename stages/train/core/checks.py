@@ -15,10 +15,10 @@ from kdcache.stages.train.core.cross_checks import cross_hint
 from kdcache.stages.train.core.layer_maps import LayerMap, pair_key, validate_layer_map
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.student import StudentFacts
-from kdcache.storage import KdcacheError
+from kdcache.storage import CacheReader, KdcacheError, compare_fingerprints, open_store
 
 if TYPE_CHECKING:
-    from kdcache.storage import CacheReader, CacheSpec
+    from kdcache.storage import CacheSpec
 
 Pair = tuple[int, int]
 
@@ -44,8 +44,6 @@ def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads:
         CacheCheckError: no directory or no manifest at ``path``.
         storage.core.errors.KdcacheError: the cache is partial, corrupt or from a newer format.
     """
-    from kdcache.storage import CacheReader, open_store
-
     store = open_store(path)
     if store.size("manifest.json") is None:
         why = "does not exist" if not store.exists("") else "has no manifest.json (not a finished cache)"
@@ -76,16 +74,14 @@ def vocab_problems(reader: CacheReader, student_vocab: int, student_tokenizer: d
         problems.append(f"vocab size mismatch: the cache's tokenizer has {cache_vocab} tokens but the student's "
                         f"embedding has {student_vocab} rows; train a student built for the teacher's "
                         "tokenizer (e.g. `kdcache init-student`, or set vocab_size in its config)")
-    elif spec.logits and logits_needed:  # the KL's rule of this cache's logit kind
-        problems += logit_kinds.get(spec.logits).vocab_problems(spec, student_vocab)
+    elif (kind := logit_kinds.of(spec.logit_layout)) and logits_needed:  # the KL's rule of this cache's kind
+        problems += kind.vocab_problems(spec, student_vocab)
     problems += tokenizer_problems(fp, student_tokenizer)
     return problems + (cross_hint(reader) if problems else [])
 
 
 def tokenizer_problems(cached: dict[str, Any], student_tokenizer: dict[str, Any] | None) -> list[str]:
     """The cache's tokenizer fingerprint against the student's: one sentence naming both sizes and hashes."""
-    from kdcache.storage import compare_fingerprints
-
     if student_tokenizer is None or not cached.get("vocab_hash") or not _same_hash_kind(cached, student_tokenizer):
         return []
     # The size goes with the hash, so the message names both vocabularies (not "the student expects ?").
@@ -127,10 +123,10 @@ def feature_problems(options: TrainOptions, spec: CacheSpec, student: StudentFac
                         "precompute with logits (full or top-k), or use --beta 0")
     elif loss.kl_weight > 0 and not student.has_lm_head:
         problems.append("the KL term (--beta) needs student logits, but the student has no LM head")
-    elif loss.kl_weight > 0 and spec.logits and not loss.cross_tokenizer:
+    elif loss.kl_weight > 0 and (kind := logit_kinds.of(spec.logit_layout)) and not loss.cross_tokenizer:
         # The top-k variant and the temperature against its logit kind; a cross-tokenizer run's vocabulary term
         # has checks of its own (cross_checks: GOLD reads both, ULD neither).
-        problems += logit_kinds.get(spec.logits).loss_problems(spec, loss)
+        problems += kind.loss_problems(spec, loss)
     if loss.gamma > 0 and options.maps.for_stream("").kind != "none" and not hidden:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "
                         "re-run precompute with --layers, or use --gamma 0 / --layer-map none")
@@ -138,7 +134,7 @@ def feature_problems(options: TrainOptions, spec: CacheSpec, student: StudentFac
         problems.append(f"the attention term (--delta) needs attention maps, but the cache holds {held}; "
                         "re-run precompute with attention layers, or use --delta 0")
     elif loss.delta > 0:
-        problems += attention_sources.get(spec.attention_source).loss_problems(loss.attention_loss)
+        problems += attention_sources.of(spec.attention_layout).loss_problems(loss.attention_loss)
     return problems
 
 

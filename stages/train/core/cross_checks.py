@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import MissingTextError, has_texts, read_texts
+from kdcache.stages.train.core.options import resolved_temperature
 
 if TYPE_CHECKING:
     from kdcache.stages.train.core.options import TrainOptions
@@ -20,7 +21,8 @@ def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
     """What stops a cross-tokenizer run on this cache (in place of ``checks.vocab_problems``' tokenizer rules):
     ``text_problems``, and logits that are not a ranked top-k."""
     problems = text_problems(reader, "--cross-tokenizer")
-    if options.loss.kl_weight > 0 and reader.spec.logits and not logit_kinds.get(reader.spec.logits).ranked:
+    kind = logit_kinds.of(reader.spec.logit_layout)
+    if options.loss.kl_weight > 0 and kind is not None and not kind.ranked:
         problems.append(f"--cross-tokenizer compares the teacher's cached top-k across vocabularies, but this cache "
                         f"holds --logits {reader.spec.logits}; use a top-k cache or --beta 0")
     temperature = _temperature(options)
@@ -61,6 +63,4 @@ def text_problems(reader: CacheReader, what: str) -> list[str]:
 
 
 def _temperature(options: TrainOptions) -> float:
-    from kdcache.stages.train.core.options import resolved_temperature
-
     return resolved_temperature(options.loss)

@@ -10,9 +10,10 @@ the error types), so ``kdcache --help`` and config validation stay fast.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.engine_options import TRAIN, EngineOptions
@@ -37,8 +38,6 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv": None}  # trac
 
 def tracker_problems(report_to: tuple[str, ...]) -> list[str]:
     """Unknown tracker names, and trackers whose package is not installed (naming the extra to install)."""
-    import importlib.util
-
     problems = []
     for name in report_to:
         if name == "none":
@@ -275,8 +274,8 @@ class TrainOptions:
             if not loss.beta:
                 said.append("--beta 0: the cache holds no logits (--beta not given)")
         if loss.temperature is None:
-            mode = getattr(spec, "logits", None)
-            fixed = logit_kinds.get(mode).default_temperature(spec) if mode else None
+            kind = logit_kinds.of(getattr(spec, "logit_layout", None))
+            fixed = kind.default_temperature(spec) if kind else None
             loss = dataclasses.replace(loss, temperature=DEFAULT_TEMPERATURE if fixed is None else fixed)
             if fixed is not None:
                 said.append(f"training at temperature {fixed:g}, the cache's sampling temperature (--temperature "
@@ -295,7 +294,7 @@ class TrainOptions:
         return resolved, None if alpha else f"--alpha 0: {why} (--alpha not given)"
 
     @classmethod
-    def of(cls, **flat: Any) -> TrainOptions:
+    def of(cls, **flat: object) -> TrainOptions:
         """Build from flat keyword arguments as the flags name them (tests, benchmarks); maps may be text. No
         checks: ``pipeline.config.build`` is the checked way in."""
         return assemble(cls, flat)

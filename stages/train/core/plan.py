@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import attention_sources, logit_kinds
 from kdcache.stages.common.attention_sources import AttentionSource
+from kdcache.stages.common.device_codecs import hidden_width, load_projection
+from kdcache.stages.common.logit_kinds import LogitKind
 from kdcache.stages.train.core.checks import (
     CacheCheckError,
     Pair,
@@ -35,7 +37,7 @@ from kdcache.stages.train.core.cross_checks import cross_problems
 from kdcache.stages.train.core.layer_maps import LayerMap
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.student import StudentFacts
-from kdcache.storage import CROSS, DEFAULT_ATTENTION_SOURCE, prefixed, split_stream
+from kdcache.storage import CROSS, kind_of, prefixed, split_stream
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader, CacheSpec
@@ -61,18 +63,18 @@ class TrainPlan:
     """
 
     streams: tuple[StreamPairs, ...]
-    logits: str | None  # the cache's logit mode (stages.common.logit_kinds) the KL term reads, or None
+    logit_kind: LogitKind | None  # the cache's logit kind, which forms the KL term, or None (no KL)
     names: tuple[str, ...]  # arrays streamed per sequence
+    source: AttentionSource  # the cache's attention source (what the attention term reads of teacher and student)
     cross_attention_pairs: tuple[Pair, ...] = ()
     teacher_heads: int | None = None  # H' stored per attention layer
-    attention_source: str = DEFAULT_ATTENTION_SOURCE  # the cache's (a name of stages.common.attention_sources)
     attention_scores: dict[str, Any] | None = None  # a q/k cache's score record (CacheSpec.attention_scores)
     notes: tuple[str, ...] = ()  # what the plan chose for the user that they should hear (train prints them)
 
     @property
-    def source(self) -> AttentionSource:
-        """The cache's attention source (what the attention term reads of teacher and student)."""
-        return attention_sources.get(self.attention_source)
+    def logits(self) -> str | None:
+        """The logit mode's name, as ``plan.json`` records it."""
+        return self.logit_kind.name if self.logit_kind else None
 
     @property
     def main(self) -> StreamPairs:
@@ -195,7 +197,7 @@ def _cross_pairs(options: TrainOptions, spec: CacheSpec, decoder: _Stream | None
                           problems)
 
 
-def stream_names(spec: CacheSpec, pairs: dict[str, list[Pair]], logits: str | None,
+def stream_names(spec: CacheSpec, pairs: dict[str, list[Pair]], logits: LogitKind | None,
                  attention_kinds: tuple[str, ...] = ("attention",)) -> list[str]:
     """The per-sequence arrays to stream, nothing the losses do not read: every stream's ids, the teacher layers
     the pairs use (``pairs`` is keyed by array group, e.g. ``encoder/hidden`` or ``cross_attention``; the
@@ -206,7 +208,7 @@ def stream_names(spec: CacheSpec, pairs: dict[str, list[Pair]], logits: str | No
         kinds = attention_kinds if kind == "attention" else (kind,)
         names += [prefixed(stream, f"{k}/{t}") for t in sorted({t for _, t in group_pairs}) for k in kinds]
     names += spec.logit_arrays() if logits else []
-    if logit_kinds.uses_head(logits):  # the head's input: the last layer, which such a cache holds
+    if logits is not None and logits.teacher_head:  # the head's input: the last layer, which such a cache holds
         # Head mode is for one-stream (decoder-only) caches, whose last layer is the deepest one kept (stage one
         # always keeps it; the loop checks the head's own record against it).
         names.append(f"hidden/{max(spec.hidden_layers)}")
@@ -246,17 +248,18 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     problems += _relation_problems(options, spec, student)
     if problems:
         raise CacheCheckError(problems)
-    logits = spec.logits if options.loss.kl_weight > 0 else None
+    logits = logit_kinds.of(spec.logit_layout) if options.loss.kl_weight > 0 else None
     names = stream_names(spec, pairs, logits, _attention_kinds(spec, options.loss.attention_loss))
     sizes, heads = _target_shapes(reader, names)
-    heads = attention_sources.get(spec.attention_source).teacher_heads(spec.attention_scores, heads)
+    source = attention_sources.of(spec.attention_layout)
+    heads = source.teacher_heads(spec.attention_scores, heads)
     if options.loss.attention_loss == "kl":  # relations pair any head counts
         _check_heads(heads, student)
     plans = tuple(StreamPairs(s.name, tuple(pairs[prefixed(s.name, "hidden")]),
                               tuple(pairs[prefixed(s.name, "attention")]), sizes.get(s.name, {}), s.teacher_depth)
                   for s in streams)
-    return TrainPlan(plans, logits, tuple(names), tuple(pairs[CROSS]), heads, spec.attention_source,
-                     spec.attention_scores, tuple(notes))
+    return TrainPlan(plans, logits, tuple(names), source, tuple(pairs[CROSS]), heads, spec.attention_scores,
+                     tuple(notes))
 
 
 def _relation_problems(options: TrainOptions, spec: CacheSpec, student: StudentFacts) -> list[str]:
@@ -278,14 +281,11 @@ def _relation_problems(options: TrainOptions, spec: CacheSpec, student: StudentF
 def _attention_kinds(spec: CacheSpec, attention_loss: str) -> tuple[str, ...]:
     """The arrays the attention term reads of a cached block: its map, its queries and keys for the KL, or every
     cached kind (queries, keys and values when stored) for the relation loss."""
-    return attention_sources.get(spec.attention_source).stream_kinds(attention_loss)
+    return attention_sources.of(spec.attention_layout).stream_kinds(attention_loss)
 
 
 def _target_shapes(reader: CacheReader, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
     """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
-    from kdcache.stages.common.device_codecs import hidden_width, load_projection
-    from kdcache.storage import kind_of
-
     hidden = [n for n in names if kind_of(n) == "hidden"]
     attention = [n for n in names if kind_of(n) in ("attention", CROSS)][:1]
     if not hidden + attention:
@@ -333,6 +333,6 @@ def unused_targets(spec: CacheSpec, plan: TrainPlan, options: TrainOptions) -> l
                    else "the attention map pairs no student block with them")
             notes.append(f"{prefixed(stream, 'attention').replace('/', ' ')} layers {_layers_text(attention)} "
                          f"({why})")
-    if spec.logits and plan.logits is None:
+    if spec.logits and plan.logit_kind is None:
         notes.append(f"logits/{spec.logits} (--beta is 0)")
     return notes

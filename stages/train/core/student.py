@@ -16,6 +16,7 @@ import torch
 
 from kdcache.stages.common.architectures import is_causal_config, is_encoder_decoder, model_class, stack_depths
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
+from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
@@ -127,8 +128,6 @@ def tokenizer_fingerprint_of(path: str | Path) -> dict[str, Any] | None:
                                                                       "vocab.txt", "vocab.json")):
         return None
     from transformers import AutoTokenizer
-
-    from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 
     try:
         return tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(root)))

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kdcache.stages.common.cache_texts import row_text, token_pieces
+
 
 @dataclass(frozen=True)
 class Alignment:
@@ -149,8 +151,6 @@ def student_ends(tokenizer: object, text: str, *, max_length: int | None = None,
             student in its own training and use: a Llama-style student without its BOS predicts worse than it can,
             and the teacher scored against its own cache would fall short of agreeing with itself.
     """
-    from kdcache.stages.common.cache_texts import row_text, token_pieces
-
     enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)  # type: ignore[operator]
     ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
     if max_length is not None:

@@ -19,8 +19,11 @@ starts). Attention terms are not aligned (``core.cross_checks.cross_problems`` r
 
 from __future__ import annotations
 
+import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +34,7 @@ from torch import nn
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
 from kdcache.stages.common.head_logits import HeadLogits
 from kdcache.stages.common.vocab_pass import term_value
-from kdcache.stages.train.core import base_forward, choose_head, token_masks
+from kdcache.stages.train.core import base_forward, choose_head, resolved_temperature, token_masks
 from kdcache.stages.train.cross.align import Alignment, align, aligned_share, student_ends, student_mask
 from kdcache.stages.train.losses import (
     causal_ce,
@@ -41,6 +44,7 @@ from kdcache.stages.train.losses import (
     span_mean,
     span_rows,
 )
+from kdcache.storage import read_table
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -220,11 +224,7 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
                       *, announce: bool) -> CrossDistillModel:
     """The cross-tokenizer model for this run: texts read (and checked) once, the student's tokenizer loaded, the
     shared vocabulary mapped."""
-    import sys
-
     from transformers import AutoTokenizer
-
-    from kdcache.stages.train.core import resolved_temperature
 
     texts = read_texts(reader.store, "--cross-tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(options.run.student)
@@ -254,12 +254,7 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
 
 def cache_tokenizer(reader: CacheReader) -> PreTrainedTokenizerBase:
     """The teacher's tokenizer, from the cache's ``tokenizer/`` folder (copied to a temporary folder to load)."""
-    import tempfile
-    from pathlib import Path
-
     from transformers import AutoTokenizer
-
-    from kdcache.storage import read_table
 
     with tempfile.TemporaryDirectory(prefix="kdcache-teacher-tokenizer-") as tmp:
         for key in read_table(reader.store, "tokenizer"):

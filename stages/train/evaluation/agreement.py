@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
 
-from kdcache.stages.common import logit_kinds
-from kdcache.stages.common.logit_kinds import KlSetup, TeacherHead
+from kdcache.stages.common.logit_kinds import KlSetup, LogitKind, TeacherHead
 from kdcache.stages.train.core import TokenMasks
 
 
@@ -113,7 +112,7 @@ class LmStats:
     """Running sums of the LM metrics: NLL of the labels, top-1 agreement and KL to the teacher.
 
     Args:
-        logits_kind: the cached teacher logits, a registered logit mode (``stages.common.logit_kinds``), or None
+        kind: the cached teacher logits' kind (the cache's, ``logit_kinds.of(spec.logit_layout)``), or None
             (no teacher logits: perplexity only).
         shift: position i predicts token i+1 (causal LMs); False when logits[i] already predicts ids[i]
             (encoder-decoders, whose decoder ids are the labels).
@@ -122,9 +121,9 @@ class LmStats:
         sample_temperature: the cache's sampling temperature (the KL of a sampled cache exists only there).
     """
 
-    def __init__(self, logits_kind: str | None, shift: bool = True, head: TeacherHead | None = None,
+    def __init__(self, kind: LogitKind | None, shift: bool = True, head: TeacherHead | None = None,
                  sample_temperature: float = 1.0):
-        self.kind = logit_kinds.get(logits_kind) if logits_kind else None
+        self.kind = kind
         self.shift, self.head = shift, head
         self.sample_temperature = sample_temperature
         self.nll = self.predicted = self.agree = self.kl = self.tokens = 0.0

@@ -39,7 +39,7 @@ class AttentionAgreement:
     """
 
     def __init__(self, spec: CacheSpec, pairs: list[Pair], student: PreTrainedModel | None, causal: bool) -> None:
-        self.source, self.scores = attention_sources.get(spec.attention_source), spec.attention_scores
+        self.source, self.scores = attention_sources.of(spec.attention_layout), spec.attention_scores
         self.pairs = pairs
         self.sums = dict.fromkeys((pair_key(p) for p in pairs), 0.0)
         self.rows = 0

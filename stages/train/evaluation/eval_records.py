@@ -13,15 +13,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kdcache.storage import read_json_object
+from kdcache.storage import hash_json, is_url, read_json_object
 
 EVALS_DIR = "evals"
 
 
 def cache_label(path: str, fingerprints: Mapping[str, Any]) -> str:
     """``heldout-1a2b3c4d``: the cache folder's name and 8 hex digits of its fingerprints' hash."""
-    from kdcache.storage import hash_json
-
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(path).rstrip("/").rsplit("/", 1)[-1]).strip("-") or "cache"
     return f"{name}-{hash_json(dict(fingerprints)).rsplit(':', 1)[-1][:8]}"
 
@@ -41,8 +39,6 @@ def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def cache_identity(cache: str) -> str:
     """How an evaluation names its cache: a folder resolved to an absolute path, a URL as written."""
-    from kdcache.storage import is_url
-
     return str(cache) if is_url(cache) else str(Path(cache).resolve())
 
 

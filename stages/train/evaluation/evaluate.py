@@ -26,7 +26,19 @@ import torch
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.device_codecs import load_projection
-from kdcache.stages.train.core import CacheCheckError, stream_masks, stream_problems, vocab_problems
+from kdcache.stages.train.core import (
+    CacheCheckError,
+    LayerMapError,
+    build_layer_map,
+    load_config,
+    load_student,
+    load_teacher_head,
+    stream_masks,
+    stream_problems,
+    student_facts,
+    tokenizer_fingerprint_of,
+    vocab_problems,
+)
 from kdcache.stages.train.evaluation.agreement import (
     CkaMatrix,
     LmStats,
@@ -84,8 +96,6 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
     Raises:
         EvaluationError: no student to score (the run has no ``student/`` and none was named).
     """
-    from kdcache.stages.train.core import load_student
-
     run = Path(run_dir)
     if student_path is None and not (run / "plan.json").is_file():  # with --student, a run to be (its baseline)
         raise EvaluationError(f"--run {str(run)!r} is not a training run (no plan.json there); expected the --out "
@@ -109,8 +119,6 @@ def default_pairs(student_layers: list[int], teacher_layers: list[int]) -> list[
     """The uniform map (``--layer-map``'s default) from the student's blocks to the teacher's, j -> floor(jN/M),
     keeping the pairs whose teacher layer the evaluation cache holds; none when the student has more blocks than
     the cache's deepest layer (no uniform map exists then)."""
-    from kdcache.stages.train.core import LayerMapError, build_layer_map
-
     blocks, depth = max(student_layers), max(teacher_layers)
     try:
         pairs = build_layer_map("uniform", blocks, depth)
@@ -140,8 +148,6 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
         when the cache has two), ``sequences`` evaluated and their trained ``tokens`` (the loss mask's), and
         ``notes`` explaining anything skipped.
     """
-    from kdcache.stages.train.core import student_facts, tokenizer_fingerprint_of
-
     model, pairs, projectors = load_run(run_dir, student)
     facts = student_facts(model, pretrained=True)
     check_student_fits(reader, facts, tokenizer_fingerprint_of(student or Path(run_dir) / "student"))
@@ -180,9 +186,10 @@ class _EvalState:
         self.cka = {s: CkaMatrix(list(range(depths[s] + 1)), layers) for s, layers in cached.items() if layers}
         deepest = cached[self.main][-1] if cached[self.main] else None
         self.final = teacher_layer if teacher_layer is not None else deepest
-        uses_head = logit_kinds.uses_head(spec.logits) and self.kind != "encoder"
+        kind = logit_kinds.of(spec.logit_layout)
+        uses_head = kind is not None and kind.teacher_head and self.kind != "encoder"
         head = _teacher_head(reader).to(device) if uses_head else None
-        self.lm = (LmStats(spec.logits, self.kind == "causal_lm", head, spec.sample_temperature)
+        self.lm = (LmStats(kind, self.kind == "causal_lm", head, spec.sample_temperature)
                    if self.kind != "encoder" else None)
         self.pooled_s: list[torch.Tensor] = []  # [B, d_s] per batch: the student's last layer, mean-pooled
         self.pooled_t: list[torch.Tensor] = []  # [B, d_t]: the teacher's final cached layer
@@ -241,8 +248,6 @@ class _EvalState:
 
 
 def _teacher_head(reader: CacheReader) -> TeacherHead:
-    from kdcache.stages.train.core import load_teacher_head
-
     return load_teacher_head(reader.store, reader.spec.hidden_layers)
 
 
@@ -282,8 +287,6 @@ def _check_inputs(reader: CacheReader, facts: StudentFacts, final: int | None, c
 def student_folder_problems(reader: CacheReader, student: str | Path) -> list[str]:
     """The vocabulary and tokenizer checks of ``check_student_fits`` from a student's folder alone (its config
     and tokenizer, no weights): the sweep runs them before its first run, for its evaluation cache."""
-    from kdcache.stages.train.core import load_config, tokenizer_fingerprint_of
-
     vocab = int(getattr(load_config(student), "vocab_size", 0) or 0)
     # The logit comparison needs the model class (does it have a head?); the child's eval checks that part.
     return vocab_problems(reader, vocab, tokenizer_fingerprint_of(student), logits_needed=False)

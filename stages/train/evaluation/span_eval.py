@@ -33,12 +33,18 @@ import torch.nn.functional as F
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import read_texts
-from kdcache.stages.train.core import Pair, pair_key, token_masks
+from kdcache.stages.common.device_codecs import load_projection
+from kdcache.stages.train.core import CacheCheckError, Pair, pair_key, text_problems, token_masks
 from kdcache.stages.train.cross import SIDE_KEYS, SpanAligner, cache_tokenizer
+from kdcache.stages.train.evaluation.evaluate import EvaluationError, default_pairs, load_run
+from kdcache.stages.train.feed import collate, to_device
 from kdcache.stages.train.losses import linear_cka, span_mean, span_rows
+from kdcache.storage import read_json_object
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from transformers import PreTrainedTokenizerBase
 
     from kdcache.stages.train.feed import Batch
     from kdcache.storage import CacheReader
@@ -91,18 +97,14 @@ def evaluate_spans(run_dir: str | Path, reader: CacheReader, *, student: str | P
         "spans", "sequences", "tokens" (the teacher tokens of the scored sequences), "notes"}``; ``span_top1`` is
         None when the cache holds no ranked top-k logits, and ``span_cosine`` leaves out pairs it cannot measure.
     """
-    from kdcache.stages.common.device_codecs import load_projection
-    from kdcache.stages.train.evaluation.evaluate import load_run
-    from kdcache.stages.train.feed import to_device
-
     model, pairs_by_stream, projectors = load_run(run_dir, student)
     model.to(device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to; its stub takes no device
     notes: list[str] = []
     depth = int(getattr(model.config, "num_hidden_layers", 0) or 0)
     pairs, source = span_pairs(pairs_by_stream.get("", []), pairs, depth, sorted(reader.spec.hidden_layers), notes)
     s_tok = _student_tokenizer(student or Path(run_dir) / "student")
-    logits = reader.spec.logits
-    ranked = logit_kinds.get(logits).ranked if logits else False
+    kind = logit_kinds.of(reader.spec.logit_layout)
+    ranked = kind is not None and kind.ranked
     if not ranked:
         notes.append("the cache holds no ranked top-k logits: no span top-1")
     aligner = SpanAligner(read_texts(reader.store, "span agreement"), s_tok,
@@ -124,8 +126,6 @@ TOKENS_UNIT = "teacher tokens"  # what such a record's ``tokens`` count (its spa
 
 def is_cross_run(run_dir: str | Path) -> bool:
     """Whether the run trained with ``--cross-tokenizer`` (its ``options.json`` says so)."""
-    from kdcache.storage import read_json_object
-
     return bool(read_json_object(Path(run_dir) / "options.json").get("cross_tokenizer"))
 
 
@@ -140,9 +140,6 @@ def evaluate_cross_run(run_dir: str | Path, reader: CacheReader, *, student: str
         CacheCheckError: the cache has no recorded texts (written without ``--record-text``), not one per
             sequence, or two token streams.
     """
-    from kdcache.stages.train.core import CacheCheckError, text_problems
-    from kdcache.storage import read_json_object
-
     problems = text_problems(reader, "span agreement (evaluating a student with its own tokenizer)")
     if problems:
         raise CacheCheckError(problems, what="evaluation cannot start")
@@ -165,8 +162,6 @@ def span_pairs(run_pairs: list[Pair], given: list[Pair] | None, depth: int, cach
     Raises:
         EvaluationError: a given pair names a student layer past ``depth`` or a teacher layer the cache lacks.
     """
-    from kdcache.stages.train.evaluation.evaluate import EvaluationError, default_pairs
-
     if given is not None:
         bad = [p for p in given if not 0 <= p[0] <= depth or p[1] not in cached]
         if bad:
@@ -185,11 +180,9 @@ def span_pairs(run_pairs: list[Pair], given: list[Pair] | None, depth: int, cach
     return pairs, "uniform"
 
 
-def _student_tokenizer(folder: str | Path) -> Any:
+def _student_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
     """The student's own fast tokenizer (its tokens are aligned by their character offsets)."""
     from transformers import AutoTokenizer
-
-    from kdcache.stages.train.evaluation.evaluate import EvaluationError
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -204,8 +197,6 @@ def _student_tokenizer(folder: str | Path) -> Any:
 
 def _batches(reader: CacheReader, names: list[str], batch_size: int, limit: int | None) -> Iterator[Batch]:
     """Collated batches in cache order carrying each row's global sequence id (the texts are looked up by it)."""
-    from kdcache.stages.train.feed import collate
-
     count = len(reader) if limit is None else min(limit, len(reader))
     for start in range(0, count, batch_size):
         ids = list(range(start, min(start + batch_size, count)))

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from kdcache.stages.common.device_codecs import Projection, decode_batch
 from kdcache.stages.train.feed.decode_plan import decode_plan, shard_locator
 from kdcache.storage import (
+    CacheReader,
     HiddenCodec,
     KdcacheError,
     kind_of,
@@ -52,9 +53,6 @@ from kdcache.storage import (
     split_stream,
     vocab_id_names,
 )
-
-if TYPE_CHECKING:
-    from kdcache.storage import CacheReader
 
 # A batch: array name -> tensor ([B, L, ...] targets, [B, L] ids and masks, [B] sample ids), padded per token
 # stream (``collate``), beside which the stream puts its position (``epoch``, ``step_in_epoch``: ints) and the
@@ -266,8 +264,6 @@ class CacheStream(IterableDataset):
                                    f"size ({world_size} x {batch_size})")
 
     def _open(self) -> CacheReader:
-        from kdcache.storage import CacheReader
-
         return CacheReader(self.cache, allow_partial=self.allow_partial, decode_threads=self.decode_threads or None)
 
     def __getstate__(self) -> dict[str, Any]:

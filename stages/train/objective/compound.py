@@ -92,8 +92,8 @@ class CompoundLoss(nn.Module):
         attention_loss, relation_heads, teacher_scores: for a q/k cache (``teacher_scores`` = its
             ``attention_scores``), the attention term is ``"kl"`` rebuilt block by block or MiniLMv2's ``"relation"``
             over R relation heads, from ``student_out.attention_qkv`` (block -> ``qk_attention.Captured``).
-        logits: the cache's logit mode (``CacheSpec.logits``), whose kind forms the KL; None: the kind whose arrays
-            the batch holds (two modes may store the same arrays, so a run from a cache names its mode).
+        logit_kind: the cache's logit kind (``TrainPlan.logit_kind``), which forms the KL; None: the kind whose
+            arrays the batch holds (two modes may store the same arrays, so a run from a cache names its kind).
     """
 
     def __init__(
@@ -120,11 +120,11 @@ class CompoundLoss(nn.Module):
         attention_loss: str = "kl",
         relation_heads: int = 0,
         teacher_scores: Mapping[str, Any] | None = None,
-        logits: str | None = None,
+        logit_kind: LogitKind | None = None,
     ):
         super().__init__()
         self.teacher_head = teacher_head
-        self.logit_kind = logit_kinds.get(logits) if logits else None
+        self.logit_kind = logit_kind
         # A q/k cache (teacher_scores: its score record): attention from the student's recorded queries and keys.
         self.attention_loss, self.relation_heads, self.teacher_scores = attention_loss, relation_heads, teacher_scores
         self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
@@ -321,9 +321,10 @@ def _family(term: str) -> str:
     so that a kind registered after this module was imported counts too)."""
     if term in ("ce", "kl", "hidden", "attention"):
         return term
-    if term not in {logit_kinds.get(name).term for name in logit_kinds.names()}:  # a kind's term misnamed
+    terms = {kind.term for kind in logit_kinds.kinds()}
+    if term not in terms:  # a kind's term misnamed
         raise LossError(f"loss term {term!r} is neither ce, kl, hidden, attention nor a registered logit kind's "
-                        f"term ({sorted(logit_kinds.get(n).term for n in logit_kinds.names())})")
+                        f"term ({sorted(terms)})")
     return "kl"
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
+from kdcache.stages.common.logit_kinds import LogitKind
 from kdcache.stages.common.qk_attention import QKRecorder
 from kdcache.stages.train.core import (
     Pair,
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 
 def unprefixed_terms() -> set[str]:
     """Logged under their own names whatever the stream: CE and every logit kind's term (the registry's, live)."""
-    return {"ce", "kl", *(logit_kinds.get(name).term for name in logit_kinds.names())}
+    return {"ce", "kl", *(kind.term for kind in logit_kinds.kinds())}
 
 
 def stream_view(batch: Mapping[str, torch.Tensor], stream: str, main: bool) -> dict[str, torch.Tensor]:
@@ -157,13 +158,13 @@ class DistillLoss(nn.Module):
 
 
 def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts, *, main: bool,
-                 logits: str | None, seed: int, head: TeacherHead | None,
+                 logit_kind: LogitKind | None, seed: int, head: TeacherHead | None,
                  scores: Mapping[str, Any] | None = None) -> CompoundLoss | None:
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
     loss = options.loss
     alpha = loss.ce_weight if main and facts.has_lm_head else 0.0
-    beta = loss.kl_weight if main and logits else 0.0
+    beta = loss.kl_weight if main and logit_kind else 0.0
     gamma = loss.gamma if pairs.hidden_pairs else 0.0
     delta = loss.delta if pairs.attention_pairs else 0.0
     if not main and not (gamma > 0 or delta > 0):
@@ -176,7 +177,7 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
         attention_map=pairs.attention_pairs or None, critic_steps=loss.critic_steps,
         critic_lr=loss.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None,
         attention_loss=loss.attention_loss, relation_heads=loss.relation_heads, teacher_scores=scores,
-        logits=logits if main else None)
+        logit_kind=logit_kind if main else None)
 
 
 def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
@@ -188,7 +189,7 @@ def build_criterion(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
               "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)
     parts: dict[str, CompoundLoss] = {}
     for i, pairs in enumerate(plan.streams):
-        part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logits=plan.logits,
+        part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logit_kind=plan.logit_kind,
                             seed=options.data.seed + i, head=head,
                             scores=None if plan.source.student_maps else plan.attention_scores)
         if part is not None:
@@ -240,7 +241,7 @@ def check_documents_apart(student: PreTrainedModel, batch: Mapping[str, torch.Te
                         f"concat or none for this student")
 
 
-def unwrapped_student(student: Any) -> PreTrainedModel:
+def unwrapped_student(student: object) -> PreTrainedModel:
     """The transformers model that runs: a PEFT model's own (its adapters are injected into that model's layers, so
     they run with it and its hidden states are the adapted ones), else ``student`` itself."""
     get_base = getattr(student, "get_base_model", None)
@@ -261,7 +262,7 @@ class StudentRunner:
         announce: say which path the vocabulary losses take (rank 0, without --quiet).
     """
 
-    def __init__(self, student: Any, plan: TrainPlan, *, vocab: bool, announce: bool = True):
+    def __init__(self, student: object, plan: TrainPlan, *, vocab: bool, announce: bool = True):
         model = unwrapped_student(student)
         self.announce = announce and vocab
         self.want_hidden, self.want_attention = plan.wants_hidden, plan.wants_attention
@@ -271,7 +272,7 @@ class StudentRunner:
         # A q/k cache: the student's queries and keys of the paired blocks are recorded as it runs (SDPA underneath).
         self.recorder = QKRecorder(model, plan.qk_blocks, self._causal) if plan.qk_blocks else None
 
-    def __call__(self, student: Any, batch: Mapping[str, Any]) -> Any:
+    def __call__(self, student: object, batch: Mapping[str, Any]) -> Any:
         """The student's outputs on ``batch`` (on the device, as ``streaming.to_device`` makes it)."""
         model = unwrapped_student(student)
         if not self._documents_checked:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
+from kdcache.stages.common import logit_kinds
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.evaluation.agreement import CkaMatrix, LmStats
 from kdcache.stages.train.evaluation.eval_records import find_eval, read_evals
@@ -51,12 +52,12 @@ def test_lm_stats_on_a_student_equal_to_its_teacher() -> None:
     torch.manual_seed(1)
     logits, mask = torch.randn(2, 5, 11), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     ids = torch.randint(0, 11, (2, 5))
-    stats = LmStats("full")
+    stats = LmStats(logit_kinds.get("full"))
     stats.update(logits, ids, token_masks(mask, causal=True), {"logits/full": logits})
     result = stats.result()
     assert result["kl"] == pytest.approx(0.0, abs=1e-6) and result["top1_agreement"] == 1.0
     other = torch.randn(2, 5, 11)
-    stats = LmStats("full")
+    stats = LmStats(logit_kinds.get("full"))
     stats.update(other, ids, token_masks(mask, causal=True), {"logits/full": logits})
     assert stats.result()["kl"] == pytest.approx(float(kd_kl(other, logits, mask)), rel=1e-5)
     log_p = torch.log_softmax(other, -1)
