@@ -92,6 +92,8 @@ if TYPE_CHECKING:
     )
     from kdcache.storage.core.streams import (
         CROSS as CROSS,
+        MAP_KINDS as MAP_KINDS,
+        ArrayKind as ArrayKind,
         kind_of as kind_of,
         prefixed as prefixed,
         ragged_streams as ragged_streams,

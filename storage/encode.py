@@ -16,7 +16,7 @@ from kdcache.storage.core.attention_source import token_row_kinds
 from kdcache.storage.core.dtypes import FP16_MAX, apply_bitround, check_finite, measure_error, to_float32, to_storage
 from kdcache.storage.core.errors import Fp16OverflowError, InvalidSequenceError, ShardError
 from kdcache.storage.core.logit_layouts import VOCAB_ID, LogitArray, logit_array, logit_arrays
-from kdcache.storage.core.streams import kind_of, prefixed, split_stream
+from kdcache.storage.core.streams import MAP_KINDS, ArrayKind, kind_of, prefixed, split_stream
 from kdcache.storage.hidden_codecs import (
     ERROR_FIELDS,
     encode,
@@ -27,7 +27,8 @@ from kdcache.storage.hidden_codecs import (
     parts,
 )
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
-from kdcache.storage.schema.spec import TOKEN_ARRAYS, TOPK_MASS, CacheSpec
+from kdcache.storage.schema.spec import TOPK_MASS, CacheSpec
+from kdcache.storage.schema.spec_checks import TOKEN_KINDS
 
 Concatenate = Callable[[Sequence[np.ndarray]], np.ndarray]  # np.concatenate along axis 0, or a pooled one
 
@@ -66,19 +67,25 @@ def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
     ``lengths`` maps each token stream ("" or "encoder"/"decoder") to this sequence's token count.
     """
     kind = kind_of(name)
-    if kind in ("attention", "cross_attention"):
+    if kind in MAP_KINDS:
         queries, keys, _ = spec.attention_geometry(name)
         return (value.shape[0], lengths[queries], lengths[keys]) if value.ndim == 3 else None
     length = lengths[split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")]
     array = logit_array(spec, name)  # a logit array: its layout names the spec field of its width (None: [T])
-    if kind in ("input_ids", *TOKEN_ARRAYS) or name == TOPK_MASS or (array is not None and array.width is None):
+    if kind in TOKEN_KINDS or name == TOPK_MASS or (array is not None and array.width is None):
         return (length,)
     if part_of(name) == "error":  # a coded layer's per-row errors (hidden_codecs.ERROR_FIELDS)
         return (length, len(ERROR_FIELDS))
     # token rows of one width per layer: hidden states (and their codec's companions), queries, keys, values
-    if kind in ("hidden", *token_row_kinds()) or is_part(name):
+    if _token_rows(kind) or is_part(name):
         return (length, value.shape[-1]) if value.ndim == 2 else None
     return (length, int(getattr(spec, array.width)) if array and array.width else spec.top_k)
+
+
+def _token_rows(kind: str) -> bool:
+    """Whether arrays of ``kind`` are token rows ``[T, width]`` of one width per layer: hidden states, and the
+    queries/keys/values of a row attention source (read from the registry: a test may register its own)."""
+    return kind == ArrayKind.HIDDEN or kind in token_row_kinds()
 
 
 def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[str, int]:
@@ -132,7 +139,7 @@ def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[st
 
 def _integer_tokens(name: str, flat: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Range-check a token array (ids, loss mask, positions) and narrow it to its storage dtype."""
-    top = 1 if kind_of(name) == "loss_mask" else np.iinfo(dtype).max
+    top = 1 if kind_of(name) == ArrayKind.LOSS_MASK else np.iinfo(dtype).max
     if flat.dtype.kind not in "iub" or flat.min() < 0 or flat.max() > top:
         raise InvalidSequenceError(f"{name}: expected integers in 0..{top}, got {flat.dtype} values "
                                    f"{flat.min()}..{flat.max()}")
@@ -270,7 +277,7 @@ def _logprobs(spec: CacheSpec, name: str, flat: np.ndarray, lossy: dict[str, dic
 def _documents(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]]) -> dict[str, list[list[int]]]:
     """Per stream, each sequence's document lengths when rows keep documents apart (from that stream's own
     positions, as the reader takes them); empty otherwise."""
-    if "position_ids" not in spec.token_arrays:
+    if ArrayKind.POSITION_IDS not in spec.token_arrays:
         return {}
     return {stream: [document_lengths(np.asarray(item[prefixed(stream, "position_ids")])) for item in sequences]
             for stream in spec.streams}
@@ -288,7 +295,7 @@ def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]],
     for stream in spec.streams:
         arrays[spec.offsets_name(spec.ids_name(stream))] = _offsets([n[stream] for n in lengths])
     for name in spec.sequence_names():
-        if kind_of(name) in ("attention", "cross_attention"):
+        if kind_of(name) in MAP_KINDS:
             queries, keys, triangle = spec.attention_geometry(name)
             docs = _stream_documents(spec, name, documents)
             rows = [attention_rows(n[queries], triangle, n[keys], docs[i] if docs else None)
@@ -301,7 +308,7 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
                   documents: list[list[int]] | None = None, *, finite: bool = False,
                   concatenate: Concatenate = np.concatenate) -> np.ndarray:
     """Concatenate one array over the shard's sequences and give it its storage dtype."""
-    if kind_of(name) in ("attention", "cross_attention"):
+    if kind_of(name) in MAP_KINDS:
         num_heads = {p.shape[0] for p in parts}
         heads = spec.attention_heads
         if heads is not None and num_heads == {len(heads)}:
@@ -313,11 +320,11 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
                                        f"do not cover attention_heads {list(heads or [])}")
         triangle = spec.attention_geometry(name)[2]
         parts = [pack_attention(p, heads, triangle, documents[i] if documents else None) for i, p in enumerate(parts)]
-    elif kind_of(name) in ("hidden", *token_row_kinds()) and len({p.shape[1] for p in parts}) != 1:
+    elif _token_rows(kind_of(name)) and len({p.shape[1] for p in parts}) != 1:
         raise InvalidSequenceError(f"{name}: widths {sorted({p.shape[1] for p in parts})} differ between "
                                    f"sequences; expected one width per layer")
     flat = concatenate(parts)
-    if kind_of(name) in ("input_ids", *TOKEN_ARRAYS):
+    if kind_of(name) in TOKEN_KINDS:
         return _integer_tokens(name, flat, spec.array_dtype(name))
     array = logit_array(spec, name)
     if array is not None and array.exact:

@@ -22,7 +22,7 @@ from kdcache.storage.backends.base import ShardHandle, get_backend
 from kdcache.storage.core.errors import ChecksumError, PartialCacheError, ShardError
 from kdcache.storage.core.logit_layouts import logit_array
 from kdcache.storage.core.stores import Store, open_store
-from kdcache.storage.core.streams import kind_of, prefixed
+from kdcache.storage.core.streams import MAP_KINDS, kind_of, prefixed
 from kdcache.storage.layout import decode_rows, document_lengths, unpack_attention
 from kdcache.storage.schema.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
 from kdcache.storage.schema.spec import CacheSpec
@@ -77,7 +77,7 @@ def _sequence(spec: CacheSpec, names: list[str], fetch: Fetch, offsets: dict[str
         if name in out:  # position_ids already read for an attention map stored per document
             continue
         rows_ = fetch(name, *rows(spec.offsets_name(name)))
-        if kind_of(name) in ("attention", "cross_attention"):
+        if kind_of(name) in MAP_KINDS:
             queries, keys, triangle = spec.attention_geometry(name)
             docs = documents(queries) if spec.by_documents(name) else None
             rows_ = unpack_attention(rows_, length(queries), triangle, length(keys), docs)

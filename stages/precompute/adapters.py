@@ -49,7 +49,7 @@ from kdcache.stages.precompute.core import (
 )
 from kdcache.stages.precompute.rows import TokenStreams, pair_streams, text_streams
 from kdcache.stages.precompute.teacher import load_for_inference, load_teacher
-from kdcache.storage import HiddenCodec, applies_to, exact_arrays
+from kdcache.storage import ArrayKind, HiddenCodec, applies_to, exact_arrays
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -99,7 +99,7 @@ class HookedTeacher(TeacherAdapter):
         per_stream = (options.targets.layers, options.targets.attention_layers)  # a stack's or cross's own value
         given += [f"{name} {s}:{value.text_of(s)}" for name, value in zip(("layers", "attention_layers"), per_stream)
                   if value is not None for s in value.streams if s]
-        if "cross_attention" in options.targets.features:
+        if ArrayKind.CROSS_ATTENTION in options.targets.features:
             given.append("features cross_attention")
         if given:
             raise PrecomputeError(f"{', '.join(given)}: only for encoder-decoder teachers, and "

@@ -22,7 +22,7 @@ def build_spec(write: WriteSetup, targets: Targets, data: TokenStreams) -> Cache
         layers["decoder"][CROSS] = targets.cross_attention
     causal = targets.streams.get("") or targets.streams["decoder"]  # the self-attention a triangle can hold
     triangle = bool(causal.attention and write.triangle)
-    token_arrays = tuple(dict.fromkeys(kind_of(name) for name in data.tokens))
+    token_arrays = tuple(dict.fromkeys(str(kind_of(name)) for name in data.tokens))  # plain names, as manifests hold
     return CacheSpec(
         num_sequences=len(data), token_arrays=token_arrays, backend=write.backend, attention_heads=targets.heads,
         attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k, samples=targets.samples,

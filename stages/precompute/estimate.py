@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import attention_sources
 from kdcache.stages.precompute.core import PrecomputeError, target_of
-from kdcache.storage import CacheWriter, format_bytes, is_url, kind_of, logit_array, split_stream
+from kdcache.storage import MAP_KINDS, ArrayKind, CacheWriter, format_bytes, is_url, kind_of, logit_array, split_stream
 
 if TYPE_CHECKING:
     import numpy as np
@@ -65,9 +65,9 @@ def lower_bound_bytes(spec: CacheSpec, config: PretrainedConfig, data: TokenStre
     for name in spec.array_names():
         kind, stream = kind_of(name), split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")
         item = spec.array_dtype(name).itemsize
-        if kind == "hidden":
+        if kind == ArrayKind.HIDDEN:
             total += tokens.get(stream, 0) * d * item
-        elif kind == "attention":
+        elif kind == ArrayKind.ATTENTION:
             total += attention_sources.get(source).estimate_bytes(spec, name, config, tokens.get(stream, 0),
                                                                   sum_sq.get(stream, 0), item)
         elif (array := logit_array(spec, name)) is not None:  # [T, width] of its layout's spec field, or [T]
@@ -144,7 +144,7 @@ def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRec
     for record in records:
         for name, info in record.arrays.items():
             stream = split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")
-            by_sq = kind_of(name) in ("attention", "cross_attention")
+            by_sq = kind_of(name) in MAP_KINDS
             scale = (sum_sq if by_sq else tokens)[stream] / max(seen[by_sq][stream], 1)
             per_array[name] = per_array.get(name, 0.0) + info["stored_bytes"] * scale
     shard_bytes = sum(r.stored_bytes - sum(a["stored_bytes"] for a in r.arrays.values()) for r in records)

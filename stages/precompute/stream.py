@@ -25,7 +25,7 @@ from kdcache.stages.precompute.adapters import Capture
 from kdcache.stages.precompute.capture import ShardItems
 from kdcache.stages.precompute.core import IN_FLIGHT, Progress, RunStats, Teacher
 from kdcache.stages.precompute.rows import TokenStreams, collate, plan_batches
-from kdcache.storage import Lease, kind_of, prefixed, split_stream
+from kdcache.storage import ArrayKind, Lease, kind_of, prefixed, split_stream
 
 
 @dataclass
@@ -128,6 +128,6 @@ def _device_batch(teacher: Teacher, ids: Mapping[str, Sequence[np.ndarray]],
     padded = {stream: tuple(on_device(a) for a in collate([seqs[i] for i in batch], pad_id))
               for stream, seqs in ids.items()}
     positions = {split_stream(name)[0]: on_device(collate([seqs[i] for i in batch], 0)[0])
-                 for name, seqs in tokens.items() if kind_of(name) == "position_ids"}
+                 for name, seqs in tokens.items() if kind_of(name) == ArrayKind.POSITION_IDS}
     lengths = {stream: [len(seqs[i]) for i in batch] for stream, seqs in ids.items()}
     return padded, lengths, positions

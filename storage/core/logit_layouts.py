@@ -164,7 +164,8 @@ def exact_arrays(spec: LayoutFields) -> tuple[str, ...]:
 
 
 def validate_logits(spec: LogitFields) -> None:
-    """The logit part of ``CacheSpec._validate``: the layout exists, has a vocabulary, and its fields hold.
+    """The logit part of ``storage.schema.spec_checks.check_spec``: the layout exists, has a vocabulary, and its
+    fields hold.
 
     Raises:
         SpecError: naming the bad field and what was expected.

@@ -19,10 +19,42 @@ Everything here is pure name arithmetic; nothing reads data.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from enum import Enum
 from typing import Any, SupportsInt
 
 from kdcache.storage.core.errors import SpecError
 
+
+class ArrayKind(str, Enum):
+    """The kind of an array, its name's first part after the stream (``kind_of``): what code switches on.
+
+    A ``str`` so that a member equals, hashes and formats as its name (``ArrayKind.HIDDEN == "hidden"``, and
+    ``f"{ArrayKind.HIDDEN}/3" == "hidden/3"``): manifests, array names and dict keys are unchanged whichever a
+    caller holds. ``__str__`` returns the value because Python 3.11+ would print ``ArrayKind.HIDDEN`` otherwise.
+    """
+
+    INPUT_IDS = "input_ids"
+    LOSS_MASK = "loss_mask"
+    POSITION_IDS = "position_ids"
+    OFFSETS = "offsets"
+    ATTENTION_OFFSETS = "attention_offsets"
+    CROSS_ATTENTION_OFFSETS = "cross_attention_offsets"
+    HIDDEN = "hidden"
+    ATTENTION = "attention"  # maps [H', L, L], or the group of an attention source's arrays (attention_q...)
+    CROSS_ATTENTION = "cross_attention"
+    ATTENTION_Q = "attention_q"  # token rows of the qk / qkv attention sources (storage.core.attention_source)
+    ATTENTION_K = "attention_k"
+    ATTENTION_V = "attention_v"
+    LOGITS = "logits"
+
+    def __str__(self) -> str:
+        """The name itself, as a plain string would print."""
+        return self.value
+
+
+_KINDS: dict[str, ArrayKind] = {kind.value: kind for kind in ArrayKind}  # a dict: kind_of runs per array name
+# Per-sequence attention maps ``[H', L_q, L_k]`` (self- and cross-attention), stored by rows of their own offsets.
+MAP_KINDS = frozenset({ArrayKind.ATTENTION, ArrayKind.CROSS_ATTENTION})
 SEQ2SEQ_STREAMS = ("encoder", "decoder")
 CROSS = "cross_attention"
 LayerValues = Iterable[SupportsInt | str]  # layer numbers as given: ints, or digits from a flag or YAML
@@ -140,14 +172,13 @@ def split_stream(name: str) -> tuple[str, str]:
     return "", name
 
 
-def kind_of(name: str) -> str:
-    """The kind of an array, whatever its stream.
-
-    One of ``input_ids``, ``offsets``, ``attention_offsets``, ``cross_attention_offsets``, ``hidden``,
-    ``attention``, ``cross_attention``, ``logits`` (or the name itself for anything unknown).
+def kind_of(name: str) -> ArrayKind | str:
+    """The kind of an array, whatever its stream: an ``ArrayKind`` (``hidden/3`` -> ``ArrayKind.HIDDEN``), or the
+    name's first part as it is for a kind outside the vocabulary (a test's own attention source, row-store text).
     """
     _, rest = split_stream(name)
-    return rest.split("/")[0]
+    head = rest.split("/")[0]
+    return _KINDS.get(head, head)
 
 
 def prefixed(stream: str, name: str) -> str:
@@ -175,8 +206,8 @@ def ragged_streams(name: str, streams: tuple[str, ...] | list[str]) -> tuple[str
     kind = kind_of(name)
     if kind == CROSS:
         return ("decoder", "encoder")
-    stream = streams[-1] if kind == "logits" else split_stream(name)[0]
-    return (stream, stream) if kind == "attention" else (stream,)
+    stream = streams[-1] if kind == ArrayKind.LOGITS else split_stream(name)[0]
+    return (stream, stream) if kind == ArrayKind.ATTENTION else (stream,)
 
 
 def is_offsets(name: str) -> bool:

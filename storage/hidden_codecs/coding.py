@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.core.errors import SpecError
-from kdcache.storage.core.streams import kind_of
+from kdcache.storage.core.streams import ArrayKind, kind_of
 from kdcache.storage.hidden_codecs.arrays import Array, namespace, row_errors
 from kdcache.storage.hidden_codecs.base import CodecRecord, HiddenCodec, get
 from kdcache.storage.hidden_codecs.naming import PARTS, part_name
@@ -77,7 +77,7 @@ def rank_of(record: CodecRecord | HiddenCodec) -> int | None:
 def projected(record: CodecRecord | HiddenCodec, name: str) -> bool:
     """Whether coded array ``name`` stores projection coefficients ``[T, R]``: hidden states of a codec with a
     rank (queries/keys/values are coded as they are)."""
-    return rank_of(record) is not None and kind_of(name) == "hidden"
+    return rank_of(record) is not None and kind_of(name) == ArrayKind.HIDDEN
 
 
 def check_width(record: CodecRecord | HiddenCodec, name: str, d: int) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +32,11 @@ from kdcache.storage.core.attention_source import (
     DEFAULT_ATTENTION_SOURCE,
     AttentionLayout,
     attention_layout as layout_of_source,
-    check_attention_source,
     token_row_kinds,
 )
 from kdcache.storage.core.backend_registry import DEFAULT_BACKEND, backend_class
 from kdcache.storage.core.codecs import CompressorConfig, resolve_codec
-from kdcache.storage.core.dtypes import STORAGE_DTYPES, storage_dtype
+from kdcache.storage.core.dtypes import storage_dtype
 from kdcache.storage.core.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
 from kdcache.storage.core.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
 from kdcache.storage.core.logit_layouts import (
@@ -50,11 +48,12 @@ from kdcache.storage.core.logit_layouts import (
     layout_named,
     logit_array,
     logit_arrays,
-    validate_logits,
 )
 from kdcache.storage.core.streams import (
     CROSS,
+    MAP_KINDS,
     SEQ2SEQ_MANIFEST_KEYS,
+    ArrayKind,
     attention_offsets_name,
     is_offsets,
     kind_of,
@@ -75,25 +74,15 @@ from kdcache.storage.hidden_codecs import (
     part_of,
     parts,
 )
+from kdcache.storage.schema.spec_checks import (  # re-exported: spec's names before spec_checks
+    TOKEN_ARRAYS as TOKEN_ARRAYS,
+    TOKEN_KINDS as TOKEN_KINDS,
+    check_spec,
+    sorted_layers,
+    topk_id_dtype as topk_id_dtype,
+)
 
 PER_SEQUENCE_FIXED = ("input_ids",)
-# Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
-TOKEN_ARRAYS: dict[str, np.dtype] = {"loss_mask": np.dtype(np.uint8), "position_ids": np.dtype(np.int32)}
-
-
-def topk_id_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned integer dtype that holds every id in ``range(vocab_size)``."""
-    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
-        if vocab_size - 1 <= np.iinfo(dtype).max:
-            return np.dtype(dtype)
-    raise SpecError(f"vocab_size {vocab_size} does not fit in 64 bits")
-
-
-def _layers(name: str, values: Iterable[int | str], minimum: int) -> tuple[int, ...]:
-    layers = tuple(sorted({int(v) for v in values}))
-    if any(j < minimum for j in layers):
-        raise SpecError(f"{name} {list(values)} has a layer below {minimum}; expected layers >= {minimum}")
-    return layers
 
 
 @dataclass(frozen=True)
@@ -150,15 +139,15 @@ class CacheSpec:
         put("attention_layers", one.get("attention", ()))
         put("token_arrays", tuple(self.token_arrays))
         if self.attention_heads is not None:
-            put("attention_heads", _layers("attention_heads", self.attention_heads, 0))
+            put("attention_heads", sorted_layers("attention_heads", self.attention_heads, 0))
         codec, topk_codec = backend_class(self.backend).default_codecs()  # a SpecError names the backends
         put("codec", resolve_codec(codec if self.codec is None else self.codec))
         put("topk_codec", resolve_codec(topk_codec if self.topk_codec is None else self.topk_codec))
         put("hidden_codec", hidden_codec_of(self.hidden_codec, self.dtype if self.dtype in ("fp16", "bf16")
                                             else "fp16"))
-        self._validate()
+        check_spec(self)
 
-    # The names as objects, resolved once where a name enters (``_validate`` refuses an unknown one): what storage
+    # The names as objects, resolved once where a name enters (``check_spec`` refuses an unknown one): what storage
     # reads of them, and what the stages join their kinds to (``logit_kinds.of``, ``attention_sources.of``).
     @functools.cached_property
     def logit_layout(self) -> LogitLayout | None:
@@ -175,30 +164,6 @@ class CacheSpec:
         if not isinstance(self.codec, dict) or not isinstance(self.topk_codec, dict):
             raise SpecError(f"codecs not resolved: {self.codec!r}, {self.topk_codec!r}")  # only a bypassed __init__
         return self.codec, self.topk_codec
-
-    def _validate(self) -> None:
-        storage_dtype(self.dtype)
-        if self.num_sequences < 1 or self.sequences_per_shard < 1:
-            raise SpecError(f"num_sequences ({self.num_sequences}) and sequences_per_shard "
-                            f"({self.sequences_per_shard}) must both be >= 1")
-        validate_logits(self)
-        if self.bitround is not None and self.float_dtype("hidden/0") != self.dtype:
-            raise SpecError(f"bitround needs hidden states in the float dtype {self.dtype!r}; hidden codec "
-                            f"{self.hidden_codec.name!r} differs")
-        mantissa = STORAGE_DTYPES[self.dtype][1]
-        if self.bitround is not None and not 0 < self.bitround < mantissa:
-            raise SpecError(f"bitround keepbits must be in 1..{mantissa - 1} for {self.dtype}, got {self.bitround}")
-        if self.attention_heads is not None and not self.attention_heads:
-            raise SpecError("attention_heads is empty; use None for all heads")
-        unknown = [a for a in self.token_arrays if a not in TOKEN_ARRAYS]
-        if unknown or len(set(self.token_arrays)) != len(self.token_arrays):
-            raise SpecError(f"token_arrays {list(self.token_arrays)}: expected distinct names among "
-                            f"{list(TOKEN_ARRAYS)}")
-        for config in self.codec_configs:  # fail at creation, not at the first shard
-            backend_class(self.backend).check_codec(config)
-        check_attention_source(self.attention_layout, self.attention_scores, self.attention_layers,
-                               one_stream=not self.is_encoder_decoder, all_heads=self.attention_heads is None,
-                               triangle=self.attention_triangle)
 
     # ---- derived streams -----------------------------------------------------------------------------
     @property
@@ -241,7 +206,7 @@ class CacheSpec:
 
     def offsets_name(self, name: str) -> str:
         """The offsets array that locates per-sequence array ``name``'s rows."""
-        if kind_of(name) in ("attention", CROSS):
+        if kind_of(name) in MAP_KINDS:
             return attention_offsets_name(name)
         stream, _ = split_stream(name)
         logits_stream = "decoder" if self.is_encoder_decoder and name.startswith("logits/") else ""
@@ -250,7 +215,7 @@ class CacheSpec:
     def by_documents(self, name: str) -> bool:
         """Whether attention array ``name`` is stored per document (self-attention of rows with ``position_ids``,
         packed by document as ``pack_attention`` does)."""
-        return "position_ids" in self.token_arrays and kind_of(name) == "attention"
+        return ArrayKind.POSITION_IDS in self.token_arrays and kind_of(name) == ArrayKind.ATTENTION
 
     def attention_geometry(self, name: str) -> tuple[str, str, bool]:
         """``(query stream, key stream, triangle)`` of an attention array.
@@ -267,7 +232,7 @@ class CacheSpec:
         """Every offsets array of a shard (token offsets per stream, then attention offsets)."""
         names = [token_offsets_name(s) for s in self.streams]
         for name in self.sequence_names():
-            if kind_of(name) in ("attention", CROSS) and self.offsets_name(name) not in names:
+            if kind_of(name) in MAP_KINDS and self.offsets_name(name) not in names:
                 names.append(self.offsets_name(name))
         return names
 
@@ -298,7 +263,7 @@ class CacheSpec:
         names = self.token_names()
         for group, layers in self.layer_groups():
             stream, kind = split_stream(group)
-            kinds = self.attention_layout.kinds if kind == "attention" else (kind,)
+            kinds = self.attention_layout.kinds if kind == ArrayKind.ATTENTION else (kind,)
             names += [n for j in layers for k in kinds for n in self.with_parts(prefixed(stream, f"{k}/{j}"))]
         return names + self.logit_arrays()
 
@@ -337,7 +302,7 @@ class CacheSpec:
         """On-disk dtype of array ``name``."""
         if is_offsets(name):
             return np.dtype(np.int64)
-        if kind_of(name) == "input_ids":
+        if kind_of(name) == ArrayKind.INPUT_IDS:
             return np.dtype(np.int32)
         if kind_of(name) in TOKEN_ARRAYS:
             return TOKEN_ARRAYS[kind_of(name)]
@@ -361,7 +326,7 @@ class CacheSpec:
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""
         array = logit_array(self, name) if name.startswith("logits/") else None
-        activations = ("hidden", "attention", CROSS, *token_row_kinds())
+        activations = (ArrayKind.HIDDEN, *MAP_KINDS, *token_row_kinds())
         return kind_of(name) in activations or (array is not None and not array.sparse)
 
     def is_lossy_target(self, name: str) -> bool:
@@ -375,7 +340,7 @@ class CacheSpec:
         groups: dict[str, tuple[int, ...]] = {}
         for group, held in self.layer_groups():
             stream, kind = split_stream(group)
-            kinds = self.attention_layout.kinds if kind == "attention" else (kind,)
+            kinds = self.attention_layout.kinds if kind == ArrayKind.ATTENTION else (kind,)
             groups.update({prefixed(stream, k): held for k in kinds})
         kind, _, layer = name.rpartition("/")
         layers = groups.get(kind)

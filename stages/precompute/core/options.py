@@ -29,6 +29,7 @@ from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.storage import (
     DEFAULT_ATTENTION_SOURCE,
     DEFAULT_BACKEND,
+    ArrayKind,
     HiddenCodec,
     SpecError,
     backend_names,
@@ -223,7 +224,7 @@ class TargetOptions:
     @property
     def logits_kind(self) -> str | None:
         """The logit mode (a name of ``stages.common.logit_kinds``), or None without feature ``logits``."""
-        return self._mode if "logits" in self.features else None
+        return self._mode if ArrayKind.LOGITS in self.features else None
 
     @property
     def _mode(self) -> str:
@@ -268,7 +269,7 @@ class TargetOptions:
         if not 1e-3 <= self.logprob_tolerance <= 1:  # 65,535 steps must reach far below any top-k's tail
             problems.append(f"logprob_tolerance: got {self.logprob_tolerance}, expected a value in [0.001, 1] (the "
                             f"stored range is 65,535 steps: 130 nats at 0.001)")
-        mode = "no" if self.features and "logits" not in self.features else self._mode
+        mode = "no" if self.features and ArrayKind.LOGITS not in self.features else self._mode
         if self.topk_values == "logprob" and not (mode in logit_kinds.names() and logit_kinds.get(mode).logprob_values):
             problems.append(f"topk_values: logprob stores top-k logits, and this run caches {mode} logits; drop "
                             f"--topk-values, or cache top-k logits")

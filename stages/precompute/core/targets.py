@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kdcache.stages.common import architectures, attention_sources, logit_kinds
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
-from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION
+from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, ArrayKind
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -120,8 +120,8 @@ def _stream(options: PrecomputeOptions, stream: str, depth: int) -> StreamTarget
     """The hidden layers and self-attention blocks kept of one stream (its own values, else the unprefixed ones)."""
     t, prefix = options.targets, f"{stream}_" if stream else ""
     hidden_values = t.layers.get(stream) or t.layers.get("")
-    hidden = _select(hidden_values, depth, 0, f"{prefix}layers") if "hidden" in t.features else ()
-    if "attention" not in t.features:
+    hidden = _select(hidden_values, depth, 0, f"{prefix}layers") if ArrayKind.HIDDEN in t.features else ()
+    if ArrayKind.ATTENTION not in t.features:
         return StreamTargets(hidden, (), depth)
     given = t.attention_layers
     attention_flag = given and (given.get(stream) or given.get(""))
@@ -134,7 +134,7 @@ def _stream(options: PrecomputeOptions, stream: str, depth: int) -> StreamTarget
 
 def _cross_attention(options: PrecomputeOptions, decoder: StreamTargets | None) -> tuple[int, ...]:
     t = options.targets
-    if "cross_attention" not in t.features or decoder is None:
+    if ArrayKind.CROSS_ATTENTION not in t.features or decoder is None:
         return ()
     values = t.attention_layers.get("cross") if t.attention_layers else None
     cross = _select(values, decoder.depth, 1, "cross_attention_layers") if values else (
@@ -155,7 +155,7 @@ def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Tar
     depths, num_heads = depths_and_heads(config)
     streams = {name: _stream(options, name, depth) for name, depth in depths.items()}
     cross = _cross_attention(options, streams.get("decoder"))
-    if "attention" in t.features and not any(s.attention for s in streams.values()):
+    if ArrayKind.ATTENTION in t.features and not any(s.attention for s in streams.values()):
         flags = "--attention-layers" + (" (per stack: encoder:BLOCKS decoder:BLOCKS)" if len(streams) > 1 else "")
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
     causal = architectures.is_causal_config(config)  # the same judgement stage two makes of the student

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.storage import MAP_KINDS
 
 if TYPE_CHECKING:
     import torch
@@ -153,7 +154,7 @@ def check_features(layout: Layout, features: tuple[str, ...], attention_source: 
     rank's share of the heads, and ``--logits head`` would need the whole head gathered for its copy."""
     if layout.kind != "tp" or layout.tensor == 1:
         return
-    if "attention" in features or "cross_attention" in features:
+    if not MAP_KINDS.isdisjoint(features):
         raise PrecomputeError(f"teacher_parallel: {layout} splits every attention block's heads across ranks, so "
                               f"attention ({attention_source}) is not whole on any rank; drop 'attention' from "
                               f"--features, or run without --teacher-parallel")

@@ -25,7 +25,7 @@ from kdcache.stages.common.hub import offline_unless_reachable
 from kdcache.stages.precompute.core import DATA_EXTENSIONS, PrecomputeError, RowSetup, looks_like_path
 from kdcache.stages.precompute.rows.chat import chat_template, check_conversation, render
 from kdcache.stages.precompute.rows.packing import Document, Rows, make_rows, span_mask
-from kdcache.storage import hash_bytes, kind_of, split_stream
+from kdcache.storage import ArrayKind, hash_bytes, kind_of, split_stream
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
@@ -97,9 +97,9 @@ class TokenStreams:
         """Streams over a ``row_store.RowTable``: its ``*input_ids`` columns are the streams, the rest the
         token arrays stored beside them."""
         ids: dict[str, Sequence[np.ndarray]] = {split_stream(n)[0]: c for n, c in table.columns.items()
-                                                if kind_of(n) == "input_ids"}
+                                                if kind_of(n) == ArrayKind.INPUT_IDS}
         tokens: dict[str, Sequence[np.ndarray]] = {n: c for n, c in table.columns.items()
-                                                   if kind_of(n) != "input_ids" and n not in TEXT_ARRAYS}
+                                                   if kind_of(n) != ArrayKind.INPUT_IDS and n not in TEXT_ARRAYS}
         texts: dict[str, Sequence[np.ndarray]] = {n: c for n, c in table.columns.items() if n in TEXT_ARRAYS}
         dropped = table.meta.get("dropped", {})
         return cls(ids, table.meta["fingerprint"], tokens, dropped.get("empty", 0), dropped.get("untrained", 0),

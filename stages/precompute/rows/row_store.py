@@ -35,6 +35,7 @@ from filelock import FileLock
 
 from kdcache.storage import (
     TABLE,
+    ArrayKind,
     ArraysHash,
     canonical_json,
     hash_json,
@@ -133,7 +134,7 @@ class RowWriter:
         self._pending: dict[str, list[np.ndarray]] = {n: [] for n in self.names}
         self.hashes = {n: ArraysHash() for n in self.names}
         self.rows, self.max_id = 0, -1
-        streams = {split_stream(n)[0] for n in self.names if kind_of(n) == "input_ids"}
+        streams = {split_stream(n)[0] for n in self.names if kind_of(n) == ArrayKind.INPUT_IDS}
         self.tokens, self.longest, self.sum_sq = ({s: 0 for s in streams} for _ in range(3))
 
     def add(self, row: dict[str, np.ndarray]) -> None:
@@ -142,7 +143,7 @@ class RowWriter:
             value = row[name]
             self._pending[name].append(value)
             self.hashes[name].update(value)
-            if kind_of(name) == "input_ids":
+            if kind_of(name) == ArrayKind.INPUT_IDS:
                 self._count(split_stream(name)[0], value)
         self.rows += 1
         if len(self._pending[self.names[0]]) >= _BATCH_ROWS:

@@ -37,7 +37,7 @@ from kdcache.stages.train.core.cross_checks import cross_problems
 from kdcache.stages.train.core.layer_maps import LayerMap
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.student import StudentFacts
-from kdcache.storage import CROSS, kind_of, prefixed, split_stream
+from kdcache.storage import CROSS, MAP_KINDS, ArrayKind, kind_of, prefixed, split_stream
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader, CacheSpec
@@ -205,7 +205,7 @@ def stream_names(spec: CacheSpec, pairs: dict[str, list[Pair]], logits: LogitKin
     names = spec.token_names()  # ids, and the loss masks and document positions that decide what counts
     for group, group_pairs in pairs.items():
         stream, kind = split_stream(group)
-        kinds = attention_kinds if kind == "attention" else (kind,)
+        kinds = attention_kinds if kind == ArrayKind.ATTENTION else (kind,)
         names += [prefixed(stream, f"{k}/{t}") for t in sorted({t for _, t in group_pairs}) for k in kinds]
     names += spec.logit_arrays() if logits else []
     if logits is not None and logits.teacher_head:  # the head's input: the last layer, which such a cache holds
@@ -286,8 +286,8 @@ def _attention_kinds(spec: CacheSpec, attention_loss: str) -> tuple[str, ...]:
 
 def _target_shapes(reader: CacheReader, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
     """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
-    hidden = [n for n in names if kind_of(n) == "hidden"]
-    attention = [n for n in names if kind_of(n) in ("attention", CROSS)][:1]
+    hidden = [n for n in names if kind_of(n) == ArrayKind.HIDDEN]
+    attention = [n for n in names if kind_of(n) in MAP_KINDS][:1]
     if not hidden + attention:
         return {}, None
     first = reader.get(reader.shard_ranges[0][0], names=hidden + attention)

@@ -44,7 +44,7 @@ from kdcache.stages.train.losses import (
     span_mean,
     span_rows,
 )
-from kdcache.storage import read_table
+from kdcache.storage import ArrayKind, read_table
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -123,7 +123,7 @@ def _empty_side(rows: int, ls: int, lt: int, k: int) -> dict[str, np.ndarray]:
 def teacher_masks(batch: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
     """Each row's teacher loss mask ``[L_t]`` (all ones without a cached one), cut to its real tokens."""
     real = batch["mask"].cpu().numpy().astype(bool)
-    loss = batch["loss_mask"].cpu().numpy() if "loss_mask" in batch else real.astype(np.int64)
+    loss = batch["loss_mask"].cpu().numpy() if ArrayKind.LOSS_MASK in batch else real.astype(np.int64)
     return [loss[b][real[b]] for b in range(len(real))]
 
 

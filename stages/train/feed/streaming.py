@@ -43,6 +43,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from kdcache.stages.common.device_codecs import Projection, decode_batch
 from kdcache.stages.train.feed.decode_plan import decode_plan, shard_locator
 from kdcache.storage import (
+    ArrayKind,
     CacheReader,
     HiddenCodec,
     KdcacheError,
@@ -147,7 +148,7 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], p
         stream's prefix; ``sample_ids`` [B]; targets [B, L, ...] and attention [B, H', L_q, L_k], zero-padded.
         fp16 stays fp16; bf16 bits become int16 (torch has few uint16 kernels); ids become int64 for gather.
     """
-    streams = [split_stream(n)[0] for n in sequences[0] if kind_of(n) == "input_ids"]
+    streams = [split_stream(n)[0] for n in sequences[0] if kind_of(n) == ArrayKind.INPUT_IDS]
     sizes = {s: max(len(q[prefixed(s, "input_ids")]) for q in sequences) for s in streams}
     out: Batch = {"sample_ids": torch.tensor(list(sample_ids), dtype=torch.int64)}
     for stream in streams:
@@ -193,8 +194,12 @@ def _pad_stack(name: str, arrays: list[np.ndarray], sizes: list[int]) -> np.ndar
     return out
 
 
+# Integer arrays collated as int64 for gather and embedding lookups, never reinterpreted as bf16 bits.
+_ID_KINDS = frozenset({ArrayKind.INPUT_IDS, ArrayKind.POSITION_IDS})
+
+
 def _batch_dtype(name: str, stored: np.dtype) -> np.dtype:
-    if kind_of(name) in ("input_ids", "position_ids") or part_of(name) == "outlier_ids" or name in vocab_id_names():
+    if kind_of(name) in _ID_KINDS or part_of(name) == "outlier_ids" or name in vocab_id_names():
         # never bf16 bits
         return np.dtype(np.int64)
     if stored == np.uint16:  # bf16 bits

@@ -44,7 +44,7 @@ from kdcache.stages.train.core import (
 from kdcache.stages.train.losses import LossError, cross_attention_kl
 from kdcache.stages.train.objective.compound import CompoundLoss, StudentOutput
 from kdcache.stages.train.objective.recording import recorded
-from kdcache.storage import prefixed
+from kdcache.storage import ArrayKind, prefixed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -206,11 +206,11 @@ def student_inputs(student: PreTrainedModel, batch: Mapping[str, torch.Tensor],
     and mask, and the decoder teacher-forced on the cached decoder ids (the labels), shifted by the student's
     own rule. ``causal``: whether the student attends causally (worked out from its config when None).
     """
-    if "input_ids" in batch and "position_ids" in batch:
+    if ArrayKind.INPUT_IDS in batch and ArrayKind.POSITION_IDS in batch:
         causal = is_causal_config(student.config) if causal is None else causal
         mask = document_attention_mask(batch["position_ids"], batch["mask"], causal=causal, dtype=student.dtype)
         return {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": batch["position_ids"]}
-    if "input_ids" in batch:
+    if ArrayKind.INPUT_IDS in batch:
         return {"input_ids": batch["input_ids"], "attention_mask": batch["mask"]}
     labels = batch["decoder/input_ids"]
     return {"input_ids": batch["encoder/input_ids"], "attention_mask": batch["encoder/mask"],
@@ -225,7 +225,7 @@ def check_documents_apart(student: PreTrainedModel, batch: Mapping[str, torch.Te
     Raises:
         LossError: naming the student class and the difference.
     """
-    if "position_ids" not in batch:
+    if ArrayKind.POSITION_IDS not in batch:
         return
     training = student.training
     student.eval()
@@ -280,7 +280,7 @@ class StudentRunner:
             self._documents_checked = True
         inputs = student_inputs(model, batch, self._causal)
         if self._head is None:
-            self._head = (choose_head(model, inputs, one_stream="input_ids" in batch, announce=self.announce),)
+            self._head = (choose_head(model, inputs, one_stream=ArrayKind.INPUT_IDS in batch, announce=self.announce),)
         head = self._head[0]
 
         def run(attentions: bool) -> Any:
