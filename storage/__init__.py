@@ -71,6 +71,7 @@ if TYPE_CHECKING:
         TOPK_LAYOUT as TOPK_LAYOUT,
         TOPK_MASS as TOPK_MASS,
         LayoutFields as LayoutFields,
+        LogitArray as LogitArray,
         LogitFields as LogitFields,
         LogitLayout as LogitLayout,
         SamplingFields as SamplingFields,
@@ -147,6 +148,7 @@ if TYPE_CHECKING:
         write_projection as write_projection,
     )
     from kdcache.storage.reader import CacheReader as CacheReader, ShardData as ShardData
+    from kdcache.storage.schema.arrays import CachedArray as CachedArray, Geometry as Geometry
     from kdcache.storage.schema.manifest import (
         Manifest as Manifest,
         ShardRecord as ShardRecord,

@@ -12,21 +12,18 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.storage.core.attention_source import token_row_kinds
 from kdcache.storage.core.dtypes import FP16_MAX, apply_bitround, check_finite, measure_error, to_float32, to_storage
 from kdcache.storage.core.errors import Fp16OverflowError, InvalidSequenceError, ShardError
-from kdcache.storage.core.logit_layouts import VOCAB_ID, LogitArray, logit_array, logit_arrays
-from kdcache.storage.core.streams import MAP_KINDS, ArrayKind, kind_of, prefixed, split_stream
+from kdcache.storage.core.streams import ArrayKind, prefixed
 from kdcache.storage.hidden_codecs import (
     ERROR_FIELDS,
     encode,
     error_record,
-    is_part,
     part_name,
-    part_of,
     parts,
 )
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
+from kdcache.storage.schema.arrays import CachedArray
 from kdcache.storage.schema.spec import TOPK_MASS, CacheSpec
 from kdcache.storage.schema.spec_checks import TOKEN_KINDS
 
@@ -60,40 +57,33 @@ def _fail(seq: int, name: str, problem: str) -> InvalidSequenceError:
     return InvalidSequenceError(f"sequence {seq} (global), array {name!r}: {problem}")
 
 
-def _expected_shape(spec: CacheSpec, name: str, lengths: Mapping[str, int],
+def _expected_shape(spec: CacheSpec, array: CachedArray, lengths: Mapping[str, int],
                     value: np.ndarray) -> tuple[int, ...] | None:
     """The shape ``value`` must have; None entries in the rule are free dims fixed by the first sequence.
 
     ``lengths`` maps each token stream ("" or "encoder"/"decoder") to this sequence's token count.
     """
-    kind = kind_of(name)
-    if kind in MAP_KINDS:
-        queries, keys, _ = spec.attention_geometry(name)
+    if array.geometry is not None:
+        queries, keys = array.geometry.queries, array.geometry.keys
         return (value.shape[0], lengths[queries], lengths[keys]) if value.ndim == 3 else None
-    length = lengths[split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")]
-    array = logit_array(spec, name)  # a logit array: its layout names the spec field of its width (None: [T])
-    if kind in TOKEN_KINDS or name == TOPK_MASS or (array is not None and array.width is None):
+    length, logit = lengths[array.stream], array.logit  # a logit array's layout names its width's field
+    if array.kind in TOKEN_KINDS or array.name == TOPK_MASS or (logit is not None and logit.width is None):
         return (length,)
-    if part_of(name) == "error":  # a coded layer's per-row errors (hidden_codecs.ERROR_FIELDS)
+    if array.part == "error":  # a coded layer's per-row errors (hidden_codecs.ERROR_FIELDS)
         return (length, len(ERROR_FIELDS))
     # token rows of one width per layer: hidden states (and their codec's companions), queries, keys, values
-    if _token_rows(kind) or is_part(name):
+    if array.token_rows or array.part is not None:
         return (length, value.shape[-1]) if value.ndim == 2 else None
-    return (length, int(getattr(spec, array.width)) if array and array.width else spec.top_k)
-
-
-def _token_rows(kind: str) -> bool:
-    """Whether arrays of ``kind`` are token rows ``[T, width]`` of one width per layer: hidden states, and the
-    queries/keys/values of a row attention source (read from the registry: a test may register its own)."""
-    return kind == ArrayKind.HIDDEN or kind in token_row_kinds()
+    return (length, int(getattr(spec, logit.width)) if logit and logit.width else spec.top_k)
 
 
 def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[str, int]:
     """Validate one sequence's arrays; returns its length per token stream."""
     expected = spec.sequence_names()
-    for name in item:
-        if name not in expected and part_of(name) != "error" and name != TOPK_MASS:
-            spec.check_name(name)  # raises the typed unknown-feature / layer error
+    extra = [spec.array(name) for name in item if name not in expected]
+    for array in extra:
+        if array.part != "error" and array.name != TOPK_MASS:
+            spec.check_name(array.name)  # raises the typed unknown-feature / layer error
     missing = [n for n in expected if n not in item]
     if missing:
         raise _fail(seq, missing[0], f"missing; every sequence needs {expected}")
@@ -104,11 +94,11 @@ def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[
             raise _fail(seq, spec.ids_name(stream), f"expected a non-empty 1-D integer array, got {ids.dtype} "
                                                     f"{ids.shape}")
         lengths[stream] = int(ids.size)
-    for name in expected + [n for n in item if part_of(n) == "error" or n == TOPK_MASS]:
-        value = np.asarray(item[name])
-        shape = _expected_shape(spec, name, lengths, value)
+    for array in spec.arrays() + extra:
+        value = np.asarray(item[array.name])
+        shape = _expected_shape(spec, array, lengths, value)
         if shape != value.shape:
-            raise _fail(seq, name, f"shape {value.shape}, expected {shape or 'a different rank'} for lengths "
+            raise _fail(seq, array.name, f"shape {value.shape}, expected {shape or 'a different rank'} for lengths "
                                    f"{lengths}")
     return lengths
 
@@ -137,9 +127,10 @@ def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[st
     return rounded
 
 
-def _integer_tokens(name: str, flat: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Range-check a token array (ids, loss mask, positions) and narrow it to its storage dtype."""
-    top = 1 if kind_of(name) == ArrayKind.LOSS_MASK else np.iinfo(dtype).max
+def _integer_tokens(array: CachedArray, flat: np.ndarray) -> np.ndarray:
+    """Range-check an integer array (ids, loss mask, positions, a logit array's) and narrow it to its dtype."""
+    name, dtype = array.name, array.dtype
+    top = 1 if array.kind == ArrayKind.LOSS_MASK else np.iinfo(dtype).max
     if flat.dtype.kind not in "iub" or flat.min() < 0 or flat.max() > top:
         raise InvalidSequenceError(f"{name}: expected integers in 0..{top}, got {flat.dtype} values "
                                    f"{flat.min()}..{flat.max()}")
@@ -184,29 +175,40 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     documents = _documents(spec, sequences)
     arrays = _all_offsets(spec, lengths, documents)
     lossy: dict[str, dict[str, float]] = {}
-    for name in spec.sequence_names():
-        arrays[name] = _encode_array(spec, name, [np.asarray(item[name]) for item in sequences], lossy,
-                                     _stream_documents(spec, name, documents), finite=name in finite,
+    for array in spec.arrays():
+        name = array.name
+        arrays[name] = _encode_array(spec, array, [np.asarray(item[name]) for item in sequences], lossy,
+                                     _stream_documents(spec, array, documents), finite=name in finite,
                                      concatenate=concatenate)
-        if spec.coded(name):
+        if array.coded:
             if any(part_name(name, "error") not in item for item in sequences):
                 raise _fail(start, part_name(name, "error"), "missing; codes made by a codec come with their "
                                                              "per-row errors [L, 5]")
             errors = np.concatenate([np.asarray(item[part_name(name, "error")]) for item in sequences])
             lossy[name] = error_record(spec.hidden_codec, errors)
-    for array in logit_arrays(spec):  # the layout's rules: sorted rows, the kept probability mass
-        if array.descending:
-            _check_descending(spec, array.name, arrays[array.name])
-        if array.mass and all(TOPK_MASS in item for item in sequences):
-            mass = np.concatenate([np.asarray(item[TOPK_MASS], dtype=np.float64) for item in sequences])
-            lossy.setdefault(array.name, {}).update(_mass_record(mass))
-    for name in (a.name for a in logit_arrays(spec) if a.dtype == VOCAB_ID and a.name in arrays):
-        _check_ids(spec, name, arrays[name])
-        arrays[name] = arrays[name].astype(spec.array_dtype(name))
-    for name in filter(spec.gap_coded, spec.sequence_names()):
-        arrays[name] = _gaps(spec, name, arrays[name])
+    _logit_rules(spec, sequences, arrays, lossy)
     # A seq2seq shard's token count is both streams' tokens: what its bytes are spread over.
     return EncodedShard(index, start, stop, arrays, int(sum(sum(n.values()) for n in lengths)), lossy)
+
+
+def _logit_rules(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]], arrays: dict[str, np.ndarray],
+                 lossy: dict[str, dict[str, float]]) -> None:
+    """The layout's rules over a shard's logit arrays: sorted rows, the kept probability mass, ids in range and
+    narrowed to their dtype, rising rows stored as gaps."""
+    for array in spec.arrays():
+        logit, name = array.logit, array.name
+        if logit is None:
+            continue
+        if logit.descending:
+            _check_descending(spec, name, arrays[name])
+        if logit.mass and all(TOPK_MASS in item for item in sequences):
+            mass = np.concatenate([np.asarray(item[TOPK_MASS], dtype=np.float64) for item in sequences])
+            lossy.setdefault(name, {}).update(_mass_record(mass))
+        if array.vocab_ids:
+            _check_ids(spec, name, arrays[name])
+            arrays[name] = arrays[name].astype(array.dtype)
+        if array.gap_coded:
+            arrays[name] = _gaps(array, arrays[name])
 
 
 def _coded(spec: CacheSpec, item: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -247,14 +249,13 @@ def _mass_record(mass: np.ndarray) -> dict[str, float]:
             "kept_mass_min": float(mass.min())}
 
 
-def _gaps(spec: CacheSpec, name: str, rows: np.ndarray) -> np.ndarray:
+def _gaps(array: CachedArray, rows: np.ndarray) -> np.ndarray:
     """Rows non-decreasing along k, stored as gaps (``layout.to_gaps``); a row that decreases is refused."""
     gaps = to_gaps(rows.astype(np.int64))
     if rows.size and not (gaps[:, 1:] >= 0).all():
-        array = logit_array(spec, name)
-        what = "log-probs must be sorted descending" if array and array.logprob else \
+        what = "log-probs must be sorted descending" if array.logit and array.logit.logprob else \
             "ids must be non-decreasing (distinct ids in order, unused slots repeating the last)"
-        raise InvalidSequenceError(f"{name}: each token's {what}")
+        raise InvalidSequenceError(f"{array.name}: each token's {what}")
     return gaps.astype(rows.dtype)
 
 
@@ -283,9 +284,11 @@ def _documents(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]]) -> dict[
             for stream in spec.streams}
 
 
-def _stream_documents(spec: CacheSpec, name: str, documents: dict[str, list[list[int]]]) -> list[list[int]] | None:
-    """The document lengths attention array ``name`` is stored by: its query stream's, if stored per document."""
-    return documents[spec.attention_geometry(name)[0]] if spec.by_documents(name) else None
+def _stream_documents(spec: CacheSpec, array: CachedArray,
+                      documents: dict[str, list[list[int]]]) -> list[list[int]] | None:
+    """The document lengths attention ``array`` is stored by: its query stream's, if stored per document."""
+    geometry = array.geometry
+    return documents[geometry.queries] if geometry is not None and geometry.by_documents else None
 
 
 def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]],
@@ -294,21 +297,22 @@ def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]],
     arrays = {name: np.zeros(0) for name in spec.offset_arrays()}
     for stream in spec.streams:
         arrays[spec.offsets_name(spec.ids_name(stream))] = _offsets([n[stream] for n in lengths])
-    for name in spec.sequence_names():
-        if kind_of(name) in MAP_KINDS:
-            queries, keys, triangle = spec.attention_geometry(name)
-            docs = _stream_documents(spec, name, documents)
+    for array in spec.arrays():
+        if array.geometry is not None:
+            queries, keys, triangle = array.geometry.queries, array.geometry.keys, array.geometry.triangle
+            docs = _stream_documents(spec, array, documents)
             rows = [attention_rows(n[queries], triangle, n[keys], docs[i] if docs else None)
                     for i, n in enumerate(lengths)]
-            arrays[spec.offsets_name(name)] = _offsets(rows)
+            arrays[array.offsets] = _offsets(rows)
     return arrays
 
 
-def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: dict[str, dict[str, float]],
+def _encode_array(spec: CacheSpec, array: CachedArray, parts: list[np.ndarray], lossy: dict[str, dict[str, float]],
                   documents: list[list[int]] | None = None, *, finite: bool = False,
                   concatenate: Concatenate = np.concatenate) -> np.ndarray:
     """Concatenate one array over the shard's sequences and give it its storage dtype."""
-    if kind_of(name) in MAP_KINDS:
+    name = array.name
+    if array.geometry is not None:
         num_heads = {p.shape[0] for p in parts}
         heads = spec.attention_heads
         if heads is not None and num_heads == {len(heads)}:
@@ -318,37 +322,35 @@ def _encode_array(spec: CacheSpec, name: str, parts: list[np.ndarray], lossy: di
         if len(num_heads) != 1 or (heads and max(heads) >= min(num_heads)):
             raise InvalidSequenceError(f"{name}: head counts {sorted(num_heads)} differ between sequences or "
                                        f"do not cover attention_heads {list(heads or [])}")
-        triangle = spec.attention_geometry(name)[2]
+        triangle = array.geometry.triangle
         parts = [pack_attention(p, heads, triangle, documents[i] if documents else None) for i, p in enumerate(parts)]
-    elif _token_rows(kind_of(name)) and len({p.shape[1] for p in parts}) != 1:
+    elif array.token_rows and len({p.shape[1] for p in parts}) != 1:
         raise InvalidSequenceError(f"{name}: widths {sorted({p.shape[1] for p in parts})} differ between "
                                    f"sequences; expected one width per layer")
     flat = concatenate(parts)
-    if kind_of(name) in TOKEN_KINDS:
-        return _integer_tokens(name, flat, spec.array_dtype(name))
-    array = logit_array(spec, name)
-    if array is not None and array.exact:
+    if array.kind in TOKEN_KINDS:
+        return _integer_tokens(array, flat)
+    if array.exact:
         return _exact_logits(spec, array, flat, lossy)
-    if spec.coded(name) or is_part(name):
-        return _coded_array(spec, name, flat)
+    if array.coded or array.part is not None:
+        return _coded_array(spec, array, flat)
     return _float_target(spec, name, flat, lossy, finite)
 
 
-def _exact_logits(spec: CacheSpec, array: LogitArray, flat: np.ndarray,
+def _exact_logits(spec: CacheSpec, array: CachedArray, flat: np.ndarray,
                   lossy: dict[str, dict[str, float]]) -> np.ndarray:
     """A logit array of a fixed type, as its layout records it: log-probs quantised, vocabulary ids as given
     (range-checked and narrowed once the whole shard is known), integers range-checked, floats in their dtype."""
-    if array.logprob:
+    if array.logit is not None and array.logit.logprob:
         return _logprobs(spec, array.name, flat, lossy)
-    if array.dtype == VOCAB_ID:
+    if array.vocab_ids:
         return flat
-    dtype = spec.array_dtype(array.name)
-    return _integer_tokens(array.name, flat, dtype) if dtype.kind in "iu" else flat.astype(dtype)
+    return _integer_tokens(array, flat) if array.dtype.kind in "iu" else flat.astype(array.dtype)
 
 
-def _coded_array(spec: CacheSpec, name: str, flat: np.ndarray) -> np.ndarray:
+def _coded_array(spec: CacheSpec, array: CachedArray, flat: np.ndarray) -> np.ndarray:
     """Codes and their companions, as given (made by a codec), in their storage dtype."""
-    dtype = spec.array_dtype(name)
+    name, dtype = array.name, array.dtype
     if flat.dtype.kind != dtype.kind or flat.dtype.itemsize != dtype.itemsize:
         raise InvalidSequenceError(f"{name}: expected {dtype} from the {spec.hidden_codec.name} codec, got "
                                    f"{flat.dtype}")

@@ -20,9 +20,8 @@ import numpy as np
 
 from kdcache.storage.backends.base import ShardHandle, get_backend
 from kdcache.storage.core.errors import ChecksumError, PartialCacheError, ShardError
-from kdcache.storage.core.logit_layouts import logit_array
 from kdcache.storage.core.stores import Store, open_store
-from kdcache.storage.core.streams import MAP_KINDS, kind_of, prefixed
+from kdcache.storage.core.streams import prefixed
 from kdcache.storage.layout import decode_rows, document_lengths, unpack_attention
 from kdcache.storage.schema.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
 from kdcache.storage.schema.spec import CacheSpec
@@ -41,9 +40,9 @@ Fetch = Callable[[str, int, int], np.ndarray]  # (array name, start row, stop ro
 
 def _decoded(spec: CacheSpec, name: str, rows: np.ndarray) -> np.ndarray:
     """Stored rows as readers return them (gaps summed, quantised log-probs as float32)."""
-    array = logit_array(spec, name)
-    step = spec.logprob_step if array is not None and array.logprob else 0.0
-    return decode_rows(rows, gaps=spec.gap_coded(name), logprob_step=step)
+    array = spec.array(name)
+    step = spec.logprob_step if array.logit is not None and array.logit.logprob else 0.0
+    return decode_rows(rows, gaps=array.gap_coded, logprob_step=step)
 
 
 def _sequence(spec: CacheSpec, names: list[str], fetch: Fetch, offsets: dict[str, np.ndarray],
@@ -73,15 +72,14 @@ def _sequence(spec: CacheSpec, names: list[str], fetch: Fetch, offsets: dict[str
             lengths_of[stream] = document_lengths(out[positions])
         return lengths_of[stream]
 
-    for name in names:
-        if name in out:  # position_ids already read for an attention map stored per document
+    for array in map(spec.array, names):
+        if array.name in out:  # position_ids already read for an attention map stored per document
             continue
-        rows_ = fetch(name, *rows(spec.offsets_name(name)))
-        if kind_of(name) in MAP_KINDS:
-            queries, keys, triangle = spec.attention_geometry(name)
-            docs = documents(queries) if spec.by_documents(name) else None
-            rows_ = unpack_attention(rows_, length(queries), triangle, length(keys), docs)
-        out[name] = rows_
+        rows_ = fetch(array.name, *rows(array.offsets))
+        if (geometry := array.geometry) is not None:
+            docs = documents(geometry.queries) if geometry.by_documents else None
+            rows_ = unpack_attention(rows_, length(geometry.queries), geometry.triangle, length(geometry.keys), docs)
+        out[array.name] = rows_
     return out
 
 

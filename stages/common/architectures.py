@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any, Protocol
 
+import transformers
+
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
@@ -76,8 +78,6 @@ def stack_module(model: PreTrainedModel, stack: str) -> torch.nn.Module:
 
 def model_class(config: PretrainedConfig) -> ModelClass:
     """The transformers class to build: the config's own architecture, else the family's LM, else the bare model."""
-    import transformers
-
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if cls is not None:
@@ -94,16 +94,12 @@ def lm_class(config: PretrainedConfig) -> ModelClass:
     """The class with the language-model head: for an encoder-decoder, ``AutoModelForSeq2SeqLM`` whatever the
     config's ``architectures`` say (bart-base's name its bare ``BartModel``, which has no head and cannot build
     decoder inputs from labels); else ``model_class``."""
-    import transformers
-
     return transformers.AutoModelForSeq2SeqLM if is_encoder_decoder(config) else model_class(config)
 
 
 def is_causal_config(config: PretrainedConfig) -> bool:
     """Whether a one-stack model attends causally: decoder-only LMs do; BERT-style encoders do not (unless
     configured as decoders); an encoder-decoder is not one stack (its decoder's masks are the model's own)."""
-    import transformers
-
     return not is_encoder_decoder(config) and type(config) in transformers.AutoModelForCausalLM._model_mapping and (
         getattr(config, "is_decoder", False)
         or config.model_type not in ("bert", "roberta", "distilbert", "electra"))

@@ -11,6 +11,8 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kdcache.storage import hash_json
 
 if TYPE_CHECKING:
@@ -71,8 +73,6 @@ def weights_fingerprint(model_dir: str | Path | None, state_dict: dict[str, Any]
         return "sha256:" + h.hexdigest()
     if state_dict is None:
         raise ValueError(f"no weight files found in {model_dir!r} and no state_dict given")
-    import torch  # only this fallback needs torch
-
     for name in sorted(state_dict):
         tensor = state_dict[name].detach().cpu().contiguous()
         h.update(name.encode())

@@ -49,7 +49,7 @@ from kdcache.stages.precompute.core import (
 )
 from kdcache.stages.precompute.rows import TokenStreams, pair_streams, text_streams
 from kdcache.stages.precompute.teacher import load_for_inference, load_teacher
-from kdcache.storage import ArrayKind, HiddenCodec, applies_to, exact_arrays
+from kdcache.storage import ArrayKind, HiddenCodec, applies_to
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -239,17 +239,12 @@ class OutputCapture:
 
     def _check_range(self, kept: dict[str, torch.Tensor]) -> None:
         """Refuse the first target beyond float16's range, naming it (one host sync for all of them)."""
-        check_ranges({n: max_abs(v) for n, v in kept.items() if v.is_floating_point() and n not in self._exact
+        exact = self.targets.exact_arrays
+        check_ranges({n: max_abs(v) for n, v in kept.items() if v.is_floating_point() and n not in exact
                       and v.numel() and fp16_bounded(n, self.dtype_name, self.hidden_codec)})
 
-    @property
-    def _exact(self) -> tuple[str, ...]:
-        """Arrays handed to storage as computed (ids, the fp32 logsumexp, log-probs that storage quantises): the
-        layout's fixed-type arrays."""
-        return exact_arrays(self.targets)
-
     def _to_storage(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        if name in self._exact:
+        if name in self.targets.exact_arrays:
             return {name: value}
         if applies_to(name):
             return hidden_targets(self.hidden_codec, name, value, self.projection)

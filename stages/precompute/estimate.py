@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import attention_sources
 from kdcache.stages.precompute.core import PrecomputeError, target_of
-from kdcache.storage import MAP_KINDS, ArrayKind, CacheWriter, format_bytes, is_url, kind_of, logit_array, split_stream
+from kdcache.storage import ArrayKind, CacheWriter, format_bytes, is_url
 
 if TYPE_CHECKING:
     import numpy as np
@@ -54,23 +54,23 @@ def free_bytes(out: str) -> int | None:
     return shutil.disk_usage(path).free
 
 
-def lower_bound_bytes(spec: CacheSpec, config: PretrainedConfig, data: TokenStreams, source: str | None = None) -> int:
+def lower_bound_bytes(spec: CacheSpec, config: PretrainedConfig, data: TokenStreams,
+                      source: attention_sources.AttentionSource | None = None) -> int:
     """Uncompressed bytes of the cache's hidden states, attention (maps, or per ``source`` queries/keys/values)
     and the logit layout's arrays (see the module docstring); what depends on the teacher's outputs (documents'
-    attention blocks) counts 0. ``source``: the run's attention source (None: the default), whose
+    attention blocks) counts 0. ``source``: the run's attention source (None: the one the spec names), whose
     rows the spec sized before the teacher loads still names as maps."""
+    source = attention_sources.of(spec.attention_layout) if source is None else source
     d = int(getattr(config, "hidden_size", None) or getattr(config, "d_model", None) or 0)
     tokens, sum_sq = data.meta.get("tokens", {}), data.meta.get("sum_sq_lengths", {})
     total = 0
-    for name in spec.array_names():
-        kind, stream = kind_of(name), split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")
-        item = spec.array_dtype(name).itemsize
+    for described in spec.arrays():
+        name, kind, stream, item = described.name, described.kind, described.stream, described.dtype.itemsize
         if kind == ArrayKind.HIDDEN:
             total += tokens.get(stream, 0) * d * item
         elif kind == ArrayKind.ATTENTION:
-            total += attention_sources.get(source).estimate_bytes(spec, name, config, tokens.get(stream, 0),
-                                                                  sum_sq.get(stream, 0), item)
-        elif (array := logit_array(spec, name)) is not None:  # [T, width] of its layout's spec field, or [T]
+            total += source.estimate_bytes(spec, name, config, tokens.get(stream, 0), sum_sq.get(stream, 0), item)
+        elif (array := described.logit) is not None:  # [T, width] of its layout's spec field, or [T]
             total += tokens.get(stream, 0) * (int(getattr(spec, array.width)) if array.width else 1) * item
     return total
 
@@ -143,8 +143,8 @@ def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRec
     per_array: dict[str, float] = {}
     for record in records:
         for name, info in record.arrays.items():
-            stream = split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")
-            by_sq = kind_of(name) in MAP_KINDS
+            array = spec.array(name)
+            stream, by_sq = array.stream, array.is_map
             scale = (sum_sq if by_sq else tokens)[stream] / max(seen[by_sq][stream], 1)
             per_array[name] = per_array.get(name, 0.0) + info["stored_bytes"] * scale
     shard_bytes = sum(r.stored_bytes - sum(a["stored_bytes"] for a in r.arrays.values()) for r in records)

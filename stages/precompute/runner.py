@@ -18,7 +18,9 @@ from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import datasets
 import torch
+import transformers
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import save_texts
@@ -119,9 +121,6 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
 @contextmanager
 def _quiet_libraries(quiet: bool) -> Iterator[None]:
     """Hide the datasets/transformers loading bars on other ranks and with --no-progress."""
-    import datasets
-    import transformers
-
     if not quiet:
         yield
         return
@@ -214,8 +213,7 @@ def _reused(ready: _Prepared, stats: RunStats) -> dict[str, Any] | None:
     finished = finished_cache(ready)
     if finished is not None:
         return summarize(stats, finished, finished.spec.num_shards, write.out, {"reused": True, "rows": ready.rows})
-    check_room(write.out, lower_bound_bytes(build_spec(write, targets, data), ready.config, data,
-                                            targets.attention_source))
+    check_room(write.out, lower_bound_bytes(build_spec(write, targets, data), ready.config, data, targets.source))
     return None
 
 

@@ -12,6 +12,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer
+
 from kdcache.stages.common.architectures import ModelClass
 from kdcache.stages.common.fingerprints import clear_call_state
 from kdcache.stages.common.hub import offline_unless_reachable
@@ -27,7 +31,6 @@ from kdcache.stages.precompute.parallel import Grid, Layout, load_kwargs, settle
 from kdcache.storage import Store, folder_is_complete, put_folder
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -39,8 +42,6 @@ def read_config(setup: TeacherSetup) -> PretrainedConfig:
     Raises:
         PrecomputeError: the teacher cannot be found or read.
     """
-    from transformers import AutoConfig
-
     unreachable = offline_unless_reachable(setup.name)  # one try, not five per file
     try:
         config = AutoConfig.from_pretrained(setup.name, revision=setup.revision)
@@ -56,8 +57,6 @@ def load_tokenizer(setup: TeacherSetup) -> PreTrainedTokenizerBase:
     Raises:
         PrecomputeError: it cannot be loaded.
     """
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(setup.name, revision=setup.revision)
     except Exception as exc:
@@ -66,8 +65,6 @@ def load_tokenizer(setup: TeacherSetup) -> PreTrainedTokenizerBase:
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
     """``auto`` means this rank's GPU when CUDA is available, else the CPU."""
-    import torch
-
     if name == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -83,8 +80,6 @@ def has_lm_head(config: PretrainedConfig) -> bool:
 
 
 def _model_class(config: PretrainedConfig, targets: Targets, teacher: str) -> ModelClass:
-    import transformers
-
     archs = getattr(config, "architectures", None) or []
     if targets.logits is None:
         return transformers.AutoModel
@@ -97,8 +92,6 @@ def _model_class(config: PretrainedConfig, targets: Targets, teacher: str) -> Mo
 
 
 def _torch_dtype(setup: TeacherSetup, device: torch.device) -> torch.dtype | str:
-    import torch
-
     if setup.dtype != "auto":
         return getattr(torch, _DTYPES[setup.dtype])
     return "auto" if device.type != "cpu" else torch.float32  # half precision on a CPU is slow, not faster
@@ -114,8 +107,6 @@ def load_teacher(setup: TeacherSetup, config: PretrainedConfig, targets: Targets
     Raises:
         PrecomputeError: weights missing or not loadable (a random head would silently corrupt targets).
     """
-    import torch
-
     model = load_for_inference(_model_class(config, targets, setup.name), setup, device,
                                eager=targets.wants_attention)
     torch.manual_seed(setup.seed)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.cpp_extension import get_default_build_root
 
 from kdcache.stages.train.core import TrainOptions
 from kdcache.storage import KdcacheError
@@ -88,8 +89,6 @@ def _without_shm_op() -> None:
 def extensions_root() -> Path:
     """Where torch JIT-builds extensions (DeepSpeed's ops): ``TORCH_EXTENSIONS_DIR``, else its default root (whose
     folders are per Python and accelerator, ``py311_cpu/``)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from transformers import AutoTokenizer
 
 from kdcache.stages.common import attention_sources, fused_vocab
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION
@@ -123,8 +124,6 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
 
 def _student_tokenizer(student: str, scratch: str) -> Path:
     """A cross-tokenizer student's own tokenizer, saved into ``scratch`` to go beside the exported student."""
-    from transformers import AutoTokenizer
-
     AutoTokenizer.from_pretrained(student).save_pretrained(scratch)
     return Path(scratch)
 

@@ -12,6 +12,8 @@ import time
 from collections.abc import Mapping
 from typing import TextIO
 
+from tqdm import tqdm
+
 # Logged values that are not loss terms: shown apart from the losses, by these words.
 METRICS = {"aligned_share": "aligned share"}
 
@@ -42,8 +44,6 @@ class TrainProgress:
         self._tokens, self._since, self._began = 0, time.perf_counter(), time.perf_counter()
         self._bar = None
         if enabled and getattr(self.stream, "isatty", lambda: False)():
-            from tqdm import tqdm
-
             width = shutil.get_terminal_size((120, 20)).columns or 120  # a pty without a size reports 0
             self._bar = tqdm(total=total, initial=start, unit="step", desc="kdcache train", file=self.stream,
                              ncols=width)
@@ -66,8 +66,6 @@ class TrainProgress:
             return
         done = step - self.start
         left = (now - self._began) / max(done, 1) * (self.total - step)
-        from tqdm import tqdm
-
         print(f"kdcache train: step {step}/{self.total} | {text} | eta {tqdm.format_interval(left)}",
               file=self.stream, flush=True)
 

@@ -30,7 +30,6 @@ from kdcache.storage.core.codecs import ARROW_DEFAULT_CODEC, to_arrow_compressio
 from kdcache.storage.core.errors import ChecksumError
 from kdcache.storage.core.files import crc32c
 from kdcache.storage.core.formats import CacheFormat, arrow_file_problem, value_crc32
-from kdcache.storage.core.logit_layouts import layout_of, logit_array
 from kdcache.storage.core.stores import Store
 from kdcache.storage.core.streams import is_offsets
 from kdcache.storage.schema.manifest import ShardRecord, shard_name
@@ -42,8 +41,7 @@ IpcReader: TypeAlias = "ipc.RecordBatchFileReader | ipc.RecordBatchStreamReader"
 def file_codec(spec: CacheSpec) -> tuple[str, int | None]:
     """IPC compression of a shard file: the activation codec if any activation is stored, else the one its logit
     layout names (``LogitLayout.file_sparse``: top-k's)."""
-    layout = layout_of(spec)
-    sparse = layout is not None and layout.file_sparse
+    sparse = spec.logit_layout is not None and spec.logit_layout.file_sparse
     activations, top_k = spec.codec_configs
     return to_arrow_compression(top_k if sparse and not spec.has_activations else activations)
 
@@ -242,15 +240,15 @@ class ArrowBackend(Backend):
         codec, level = file_codec(spec)
         columns, fields, info = [], [], {}
         path = f"{shard_name(index)}{self.suffix}"
-        for name in spec.sequence_names():
-            offsets = arrays[spec.offsets_name(name)]
+        for array in spec.arrays():
+            name, logits = array.name, array.logit
+            offsets = arrays[array.offsets]
             columns.append(_column(arrays[name], offsets))
-            logits = logit_array(spec, name)
             # the float dtype of activations and of sorted top-k logits (not of other float logit arrays)
-            is_float = spec.is_lossy_kind(name) or (logits is not None and logits.descending)
+            is_float = array.lossy or (logits is not None and logits.descending)
             # tells plain users uint16 means bf16 (a bf16 hidden codec's, whatever spec.dtype); codes name their codec
-            meta = {"kdcache_dtype": spec.float_dtype(name)} if is_float and not spec.coded(name) else None
-            if spec.coded(name):
+            meta = {"kdcache_dtype": spec.float_dtype(name)} if is_float and not array.coded else None
+            if array.coded:
                 meta = {"kdcache_hidden_codec": spec.hidden_codec.name}
             if logits is not None and logits.logprob:  # and that these are gaps of -log-prob / step
                 meta = {"kdcache_logprob_step": str(spec.logprob_step)}

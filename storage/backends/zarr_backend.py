@@ -43,7 +43,6 @@ from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, to_za
 from kdcache.storage.core.errors import ChecksumError
 from kdcache.storage.core.files import crc32c, file_size
 from kdcache.storage.core.formats import CacheFormat, zarr_problems
-from kdcache.storage.core.logit_layouts import logit_array
 from kdcache.storage.core.stores import Store
 from kdcache.storage.core.streams import split_stream
 from kdcache.storage.hidden_codecs import CODED_KINDS
@@ -80,7 +79,7 @@ def chunk_rows(array: np.ndarray) -> int:
 def _dimension_names(spec: CacheSpec, name: str) -> tuple[str, ...]:
     """zarr's ``dimension_names`` of an array: a logit array's from its layout record ([T], [T, V] or [T, k]
     ranks), any other's from its kind (encoder/hidden/3 has the dimensions of hidden/3)."""
-    array = logit_array(spec, name)
+    array = spec.array(name).logit
     if array is not None:
         return ("token",) if array.width is None else ("token", "vocab" if array.width == "vocab_size" else "rank")
     name = split_stream(name)[1]

@@ -32,21 +32,16 @@ from kdcache.storage.core.attention_source import (
     DEFAULT_ATTENTION_SOURCE,
     AttentionLayout,
     attention_layout as layout_of_source,
-    token_row_kinds,
 )
 from kdcache.storage.core.backend_registry import DEFAULT_BACKEND, backend_class
 from kdcache.storage.core.codecs import CompressorConfig, resolve_codec
-from kdcache.storage.core.dtypes import storage_dtype
 from kdcache.storage.core.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
 from kdcache.storage.core.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
 from kdcache.storage.core.logit_layouts import (
-    FLOAT,
     TOPK_MASS as TOPK_MASS,  # re-exported: spec's name for it before layouts
     TOPK_VALUE_FORMATS as TOPK_VALUE_FORMATS,
-    VOCAB_ID,
     LogitLayout,
     layout_named,
-    logit_array,
     logit_arrays,
 )
 from kdcache.storage.core.streams import (
@@ -55,7 +50,6 @@ from kdcache.storage.core.streams import (
     SEQ2SEQ_MANIFEST_KEYS,
     ArrayKind,
     attention_offsets_name,
-    is_offsets,
     kind_of,
     prefixed,
     spec_layers,
@@ -65,15 +59,13 @@ from kdcache.storage.core.streams import (
     token_offsets_name,
 )
 from kdcache.storage.hidden_codecs import (
-    CODES_CODEC,
     HiddenCodec,
     applies_to,
     hidden_codec_of,
-    is_part,
     part_name,
-    part_of,
     parts,
 )
+from kdcache.storage.schema.arrays import CachedArray, describe
 from kdcache.storage.schema.spec_checks import (  # re-exported: spec's names before spec_checks
     TOKEN_ARRAYS as TOKEN_ARRAYS,
     TOKEN_KINDS as TOKEN_KINDS,
@@ -157,6 +149,20 @@ class CacheSpec:
     def attention_layout(self) -> AttentionLayout:
         return layout_of_source(self.attention_source)
 
+    # Each array of a shard with its name read once (``schema.arrays``), built on first use.
+    @functools.cached_property
+    def _arrays(self) -> dict[str, CachedArray]:
+        return {name: describe(self, name) for name in self.array_names()}
+
+    def array(self, name: str) -> CachedArray:
+        """Array ``name`` described: its kind, stream, logit record, dtype, codec and where its rows are. A shard's
+        arrays are described once per spec; another name (a coded layer's error rows, the kept mass) each call."""
+        return self._arrays.get(name) or describe(self, name)
+
+    def arrays(self) -> list[CachedArray]:
+        """The per-sequence arrays a reader returns and the writer takes (``sequence_names``), described."""
+        return [self._arrays[name] for name in self.sequence_names()]
+
     @property
     def codec_configs(self) -> tuple[CompressorConfig, CompressorConfig]:
         """(activation codec, top-k codec): the resolved numcodecs configurations construction made of the
@@ -206,35 +212,30 @@ class CacheSpec:
 
     def offsets_name(self, name: str) -> str:
         """The offsets array that locates per-sequence array ``name``'s rows."""
-        if kind_of(name) in MAP_KINDS:
-            return attention_offsets_name(name)
-        stream, _ = split_stream(name)
-        logits_stream = "decoder" if self.is_encoder_decoder and name.startswith("logits/") else ""
-        return token_offsets_name(stream or logits_stream)
+        return self.array(name).offsets
 
     def by_documents(self, name: str) -> bool:
         """Whether attention array ``name`` is stored per document (self-attention of rows with ``position_ids``,
         packed by document as ``pack_attention`` does)."""
-        return ArrayKind.POSITION_IDS in self.token_arrays and kind_of(name) == ArrayKind.ATTENTION
+        geometry = self.array(name).geometry
+        return geometry is not None and geometry.by_documents
 
     def attention_geometry(self, name: str) -> tuple[str, str, bool]:
-        """``(query stream, key stream, triangle)`` of an attention array.
+        """``(query stream, key stream, triangle)`` of attention map ``name`` (``CachedArray.geometry``).
 
-        Cross-attention has decoder queries and encoder keys; only a (decoder) self-attention map can be
-        stored as its causal triangle.
+        Raises:
+            SpecError: ``name`` is no attention map.
         """
-        if kind_of(name) == CROSS:
-            return "decoder", "encoder", False
-        stream, _ = split_stream(name)
-        return stream, stream, self.attention_triangle and stream in ("", "decoder")
+        geometry = self.array(name).geometry
+        if geometry is None:
+            raise SpecError(f"{name!r} is no attention map; expected one of {list(MAP_KINDS)}")
+        return geometry.queries, geometry.keys, geometry.triangle
 
     def offset_arrays(self) -> list[str]:
         """Every offsets array of a shard (token offsets per stream, then attention offsets)."""
         names = [token_offsets_name(s) for s in self.streams]
-        for name in self.sequence_names():
-            if kind_of(name) in MAP_KINDS and self.offsets_name(name) not in names:
-                names.append(self.offsets_name(name))
-        return names
+        maps = (n for n in self.sequence_names() if kind_of(n) in MAP_KINDS)
+        return names + list(dict.fromkeys(attention_offsets_name(n) for n in maps))
 
     @property
     def has_activations(self) -> bool:
@@ -287,8 +288,7 @@ class CacheSpec:
 
     def gap_coded(self, name: str) -> bool:
         """Whether ``name`` holds rows non-decreasing along the last axis, stored as the first value and the gaps."""
-        array = logit_array(self, name)
-        return array is not None and array.gap_coded
+        return self.array(name).gap_coded
 
     def array_names(self) -> list[str]:
         """Every array each shard holds (per-sequence names plus the offsets arrays)."""
@@ -300,34 +300,15 @@ class CacheSpec:
 
     def array_dtype(self, name: str) -> np.dtype:
         """On-disk dtype of array ``name``."""
-        if is_offsets(name):
-            return np.dtype(np.int64)
-        if kind_of(name) == ArrayKind.INPUT_IDS:
-            return np.dtype(np.int32)
-        if kind_of(name) in TOKEN_ARRAYS:
-            return TOKEN_ARRAYS[kind_of(name)]
-        array = logit_array(self, name)
-        if array is not None and array.dtype != FLOAT:
-            return topk_id_dtype(self.vocab_size) if array.dtype == VOCAB_ID else np.dtype(array.dtype)
-        if self.coded(name):
-            return self.hidden_codec.numpy_code_dtype()
-        if is_part(name):
-            return np.dtype(np.uint16) if part_of(name) == "outlier_ids" else np.dtype(np.float16)
-        return storage_dtype(self.float_dtype(name))
+        return self.array(name).dtype
 
     def codec_for(self, name: str) -> dict[str, Any]:
         """numcodecs config used to compress array ``name``: the top-k codec for sparse logits."""
-        if backend_class(self.backend).codec_per_array and (self.coded(name) or is_part(name)):
-            return resolve_codec(CODES_CODEC)  # a column-major codec's too (COLUMN_CODES_CODEC is the same)
-        array = logit_array(self, name)
-        activations, sparse = self.codec_configs
-        return sparse if array is not None and array.sparse else activations
+        return self.array(name).codec
 
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""
-        array = logit_array(self, name) if name.startswith("logits/") else None
-        activations = (ArrayKind.HIDDEN, *MAP_KINDS, *token_row_kinds())
-        return kind_of(name) in activations or (array is not None and not array.sparse)
+        return self.array(name).lossy
 
     def is_lossy_target(self, name: str) -> bool:
         """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""

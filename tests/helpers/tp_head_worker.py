@@ -22,6 +22,7 @@ import torch.distributed as dist
 def main(teacher: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
+    from kdcache.stages.common import attention_sources, logit_kinds
     from kdcache.stages.precompute.capture.logit_head import ChunkedHead
     from kdcache.stages.precompute.capture.sharded_head import ShardedTopK, chunked_head, vocab_shards
     from kdcache.stages.precompute.core import PrecomputePlan
@@ -37,7 +38,8 @@ def main(teacher: str, out: Path) -> None:
     whole = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
     shards = vocab_shards(model)
     assert shards is not None and shards[2] == 2, shards
-    settings = Targets(streams={}, heads=None, logits="topk", top_k=8, vocab_size=320, num_heads=4, causal=True)
+    settings = Targets(streams={}, heads=None, logits="topk", top_k=8, vocab_size=320, num_heads=4, causal=True,
+                       logit_kind=logit_kinds.get("topk"), source=attention_sources.get(None))
     head = chunked_head(model, 5, settings)  # 5-token chunks: several per batch, the last one short
     ids = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(7))
     valid = torch.ones_like(ids, dtype=torch.bool)

@@ -21,11 +21,12 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+
 from kdcache.stages.precompute.rows import plan_batches
 
 if TYPE_CHECKING:
     import numpy as np
-    import torch
     from transformers import PreTrainedModel
 
     from kdcache.stages.precompute.rows import TokenStreams
@@ -52,8 +53,6 @@ class TeacherCalls:
     """
 
     def __init__(self, model: PreTrainedModel, compiled: bool, say: Callable[[str], None] | None = None) -> None:
-        import torch
-
         self._eager = {"model": model, "base": model.base_model}
         self._calls: dict[str, Callable[..., Any]] = dict(self._eager)
         if compiled:

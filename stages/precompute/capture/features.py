@@ -43,7 +43,7 @@ from kdcache.stages.precompute.capture.sharded_head import chunked_head
 from kdcache.stages.precompute.capture.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
 from kdcache.stages.precompute.core import PrecomputeError, Targets, Teacher
 from kdcache.stages.precompute.parallel import no_autograd
-from kdcache.storage import FLOAT, HiddenCodec, applies_to, check_fp16_range, hidden_codec_of, logit_arrays, projected
+from kdcache.storage import FLOAT, HiddenCodec, applies_to, check_fp16_range, hidden_codec_of, projected
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -263,7 +263,7 @@ class FeatureCapture:
         """The logit kind's arrays (``logit_targets``), still padded: those its storage layout keeps in the float
         dtype range-checked and converted; the rest (ids, the fp32 logsumexp, log-probs that storage quantises)
         handed over as computed."""
-        for array in logit_arrays(self.targets):
+        for array in self.targets.logit_arrays:
             if array.dtype == FLOAT and array.name in kept:
                 self._keep_range(array.name, kept[array.name])
                 kept[array.name] = to_storage_dtype(kept[array.name], self.dtype_name)
@@ -340,7 +340,7 @@ class FeatureCapture:
         valid = attention_mask.bool()
         if not self._head.checked and not self._check_head(kwargs, output.last_hidden_state, valid, first_length):
             return output, keep(self._full_logits(kwargs))
-        stores = bool(logit_arrays(self.targets))  # head mode stores nothing per token
+        stores = bool(self.targets.logit_arrays)  # head mode stores nothing per token
         rows = valid_rows(self._lengths, valid.shape[1], valid.device)
         return output, self._head.targets(output.last_hidden_state, valid, keep, rows) if stores else {}
 

@@ -231,6 +231,22 @@ class TargetOptions:
         """The logit mode the flags ask for, whether or not ``logits`` ends up among the features."""
         return FULL_LOGITS if self.full_logits else self.logits_mode.partition(":")[0]
 
+    # The flags' names as objects, looked up here where they enter: the targets, capture and the checks hold these.
+    @property
+    def logit_kind(self) -> logit_kinds.LogitKind | None:
+        """The kind of ``logits_kind`` (None without feature ``logits``)."""
+        return self._mode_kind if self.logits_kind else None
+
+    @property
+    def _mode_kind(self) -> logit_kinds.LogitKind | None:
+        """The kind of the logit mode the flags ask for (None: no kind has that name, which ``validate`` reports)."""
+        return logit_kinds.get(self._mode) if self._mode in logit_kinds.names() else None
+
+    @property
+    def source(self) -> attention_sources.AttentionSource:
+        """The source ``--attention-source`` names (an ``AttentionSourceError`` for a name no source has)."""
+        return attention_sources.get(self.attention_source)
+
     @property
     def samples(self) -> int:
         """N of ``--logits sampled:N`` (0 for other modes and without feature ``logits``)."""
@@ -262,17 +278,18 @@ class TargetOptions:
         except logit_kinds.LogitKindError as exc:
             problems.append(str(exc))
         else:  # the mode's own options (top-k's k), when it is the one cached
-            problems += kind.option_problems(self) if self.logits_kind == kind.name else []
+            problems += kind.option_problems(self) if self.logit_kind is kind else []
         if self.full_logits and self.logits_mode != DEFAULT_LOGITS:
             problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
                             f"keep one (--logits full is the same as --full-logits)")
         if not 1e-3 <= self.logprob_tolerance <= 1:  # 65,535 steps must reach far below any top-k's tail
             problems.append(f"logprob_tolerance: got {self.logprob_tolerance}, expected a value in [0.001, 1] (the "
                             f"stored range is 65,535 steps: 130 nats at 0.001)")
-        mode = "no" if self.features and ArrayKind.LOGITS not in self.features else self._mode
-        if self.topk_values == "logprob" and not (mode in logit_kinds.names() and logit_kinds.get(mode).logprob_values):
-            problems.append(f"topk_values: logprob stores top-k logits, and this run caches {mode} logits; drop "
-                            f"--topk-values, or cache top-k logits")
+        cached = not self.features or ArrayKind.LOGITS in self.features  # no features given: logits by default
+        stored = self._mode_kind if cached else None
+        if self.topk_values == "logprob" and not (stored is not None and stored.logprob_values):
+            problems.append(f"topk_values: logprob stores top-k logits, and this run caches "
+                            f"{self._mode if cached else 'no'} logits; drop --topk-values, or cache top-k logits")
         if not self.sample_temperature > 0:
             problems.append(f"sample_temperature: got {self.sample_temperature}, must be > 0")
         return problems

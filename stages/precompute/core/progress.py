@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kdcache.storage import LayoutFields, format_bytes, logit_array
+from tqdm.auto import tqdm
+
+from kdcache.storage import ArrayKind, CacheSpec, format_bytes
 
 if TYPE_CHECKING:
     from kdcache.storage import Manifest, ShardRecord
@@ -59,8 +61,6 @@ class Progress:
         self.lines = enabled and bool(total) and not sys.stderr.isatty() and not os.environ.get("KDCACHE_QUIET")
         self._last_line = time.perf_counter()
         if enabled and total and not self.lines:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=total, unit="seq", desc="precompute", dynamic_ncols=True)
 
     def update(self, sequences: int) -> None:
@@ -100,15 +100,21 @@ class Progress:
             self.bar.close()
 
 
-def target_of(array: str, spec: LayoutFields) -> str:
+# What locates and masks the tokens: ids, token arrays and offsets (and their encoder/, decoder/ forms).
+INDEX_KINDS = frozenset({ArrayKind.INPUT_IDS, ArrayKind.LOSS_MASK, ArrayKind.POSITION_IDS, ArrayKind.OFFSETS,
+                         ArrayKind.ATTENTION_OFFSETS, ArrayKind.CROSS_ATTENTION_OFFSETS})
+
+
+def target_of(array: str, spec: CacheSpec) -> str:
     """Group arrays into targets: hidden/3, attention/2, ``logits/{mode}`` (every array of the cache's logit
     layout: values+ids+lse for topk), index (what locates and masks the tokens).
 
     Encoder-decoder names (``encoder/hidden/3``, ``cross_attention/2``) are targets of their own too.
     """
-    if array.endswith(("input_ids", "offsets", "loss_mask", "position_ids")):
-        return "index"  # ids, token arrays, offsets, attention_offsets (and their encoder/, decoder/ forms)
-    if spec.logit_layout is not None and logit_array(spec, array) is not None:
+    described = spec.array(array)
+    if described.kind in INDEX_KINDS:
+        return "index"
+    if spec.logit_layout is not None and described.logit is not None:
         return f"logits/{spec.logit_layout.name}"
     return array
 

@@ -20,10 +20,10 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common import architectures, attention_sources, logit_kinds
+from kdcache.stages.common import architectures
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
-from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, ArrayKind
+from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, ArrayKind, LogitArray, exact_arrays
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -63,21 +63,27 @@ class Targets:
     logprob_step: float = 0.0  # top-k values stored as log-probs quantised to this step (0: fp16 logits)
     attention_source: str = DEFAULT_ATTENTION_SOURCE  # a name of stages.common.attention_sources
     attention_scores: dict[str, Any] | None = None  # qk: how scores are formed, learnt from the loaded teacher
-
-    # The names as objects, resolved once per Targets on first use (``logits`` and ``attention_source`` stay the
-    # names the fingerprint and the spec record): what capture, checks and the spec ask of the mode and source.
-    @functools.cached_property
-    def logit_kind(self) -> LogitKind | None:
-        return logit_kinds.get(self.logits) if self.logits else None
-
-    @functools.cached_property
-    def source(self) -> AttentionSource:
-        return attention_sources.get(self.attention_source)
+    # The names as objects, looked up once where the flags enter (``TargetOptions``) and handed over with them
+    # (``logits`` and ``attention_source`` stay the names the fingerprint and the spec record): what capture, checks
+    # and the spec ask of the mode and the source. Equality stays the names' (a pickled copy's objects differ).
+    logit_kind: LogitKind | None = field(kw_only=True, compare=False, repr=False)
+    source: AttentionSource = field(kw_only=True, compare=False, repr=False)
 
     @property
     def logit_layout(self) -> LogitLayout | None:
         """The mode's storage layout (storage's ``LayoutFields``: what the capture hands over)."""
         return self.logit_kind.layout if self.logit_kind else None
+
+    @functools.cached_property
+    def logit_arrays(self) -> tuple[LogitArray, ...]:
+        """The per-token logit arrays the mode stores, for these fields (none for ``head``), read once."""
+        return self.logit_layout.arrays(self) if self.logit_layout else ()
+
+    @functools.cached_property
+    def exact_arrays(self) -> frozenset[str]:
+        """Arrays handed to storage as computed (ids, the fp32 logsumexp, log-probs that storage quantises, the
+        kept mass): the layout's fixed-type arrays."""
+        return frozenset(exact_arrays(self))
 
     @property
     def wants_hidden(self) -> bool:
@@ -160,28 +166,28 @@ def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Tar
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
     causal = architectures.is_causal_config(config)  # the same judgement stage two makes of the student
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    kind = logit_kinds.get(t.logits_kind) if t.logits_kind else None
+    kind, source = t.logit_kind, t.source
     for problem in kind.teacher_problems(options.engine.teacher, "" in streams, causal, vocab, t.top_k) if kind else ():
         raise PrecomputeError(problem)
     if kind and kind.teacher_head:
         streams = _with_last_layer(streams)
     _check_triangle(options, streams, causal)
-    _check_attention_source(options, streams, config)
+    _check_attention_source(options, source, streams, config)
     heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:
         raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
     fields = t.logit_fields if kind else {"top_k": 0, "samples": 0, "logprob_step": 0.0}
     return Targets(streams, heads, t.logits_kind, int(fields["top_k"]), vocab, num_heads, causal, cross,
-                   int(fields["samples"]), t.sample_temperature, float(fields["logprob_step"]), t.attention_source)
+                   int(fields["samples"]), t.sample_temperature, float(fields["logprob_step"]), t.attention_source,
+                   logit_kind=kind, source=source)
 
 
-def _check_attention_source(options: PrecomputeOptions, streams: dict[str, StreamTargets],
+def _check_attention_source(options: PrecomputeOptions, source: AttentionSource, streams: dict[str, StreamTargets],
                             config: PretrainedConfig) -> None:
     """The attention source's refusals of this teacher and the map options, when any block is kept."""
     t = options.targets
     if not any(s.attention for s in streams.values()):
         return
-    source = attention_sources.get(t.attention_source)
     for problem in source.teacher_problems(options.engine.teacher, config, streams, t.triangle, t.heads):
         raise PrecomputeError(problem)
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from huggingface_hub import snapshot_download
+
 from kdcache.stages.common.fingerprints import config_fingerprint, weights_fingerprint
 
 if TYPE_CHECKING:
@@ -66,8 +68,6 @@ def _weights_folder(teacher: TeacherSetup) -> Path | None:
     if local.is_dir():
         return local
     try:  # a hub id: the files transformers just loaded sit in the local hub cache
-        from huggingface_hub import snapshot_download
-
         return Path(snapshot_download(teacher.name, revision=teacher.revision, local_files_only=True))
     except Exception:
         return None

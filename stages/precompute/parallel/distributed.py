@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+
 # Ranks may finish far apart (a resumed rank has little left to do), so the barrier waits long.
 BARRIER_TIMEOUT = timedelta(hours=24)
 
@@ -40,11 +43,7 @@ class DistContext:
         local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
         ctx = cls(rank, world, local_rank)
         if world > 1:
-            import torch.distributed as dist
-
             if not dist.is_initialized():
-                import torch
-
                 nccl = gpu_collectives and torch.cuda.is_available()
                 dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=BARRIER_TIMEOUT)
                 ctx.owns_group = True
@@ -57,17 +56,12 @@ class DistContext:
     def barrier(self) -> None:
         """Wait for every rank (no-op for one process)."""
         if self.world > 1:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def sum(self, values: list[float]) -> list[float]:
         """Each value summed over every rank (gloo, on the CPU); the values themselves for one process."""
         if self.world == 1:
             return list(values)
-        import torch
-        import torch.distributed as dist
-
         total = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(total)
         return [float(v) for v in total.tolist()]
@@ -77,15 +71,11 @@ class DistContext:
         ``new_group`` requires); None for groups of one."""
         if size == 1:
             return None
-        import torch.distributed as dist
-
         groups = [dist.new_group(list(range(g, g + size))) for g in range(0, self.world, size)]
         return groups[self.rank // size]
 
     def close(self) -> None:
         """Leave the process group if this context created it."""
         if self.owns_group:
-            import torch.distributed as dist
-
             dist.destroy_process_group()
             self.owns_group = False

@@ -21,14 +21,14 @@ import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from transformers.distributed import DistributedConfig
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.precompute.core import PrecomputeError
 from kdcache.storage import MAP_KINDS
-
-if TYPE_CHECKING:
-    import torch
 
 _LAYOUT = re.compile(r"^(none|tp:[1-9]\d*|layers:[1-9]\d*)$")
 
@@ -99,8 +99,6 @@ class Grid:
 def load_kwargs(layout: Layout, grid: Grid, local_rank: int) -> dict[str, Any]:
     """Extra ``from_pretrained`` keywords for the layout (none for ``none``)."""
     if layout.kind == "tp":
-        from transformers.distributed import DistributedConfig
-
         # Groups of consecutive ranks; the replicas axis makes W / N of them (transformers' own mesh order).
         return {"distributed_config": DistributedConfig(tp_size=grid.tensor, dp_replicate_size=grid.groups)}
     if layout.kind == "layers":
@@ -110,8 +108,6 @@ def load_kwargs(layout: Layout, grid: Grid, local_rank: int) -> dict[str, Any]:
 
 def _gpu_share(size: int, local_rank: int) -> dict[int | str, int]:
     """``max_memory`` that confines ``device_map="auto"`` to this process's N GPUs."""
-    import torch
-
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     first = local_rank * size
     if first + size > count:
@@ -126,8 +122,6 @@ def no_autograd(model: torch.nn.Module) -> Callable[[], AbstractContextManager[A
     """What a forward runs under: ``inference_mode``, except for a teacher that transformers wrapped in FSDP2
     (``tp:N`` with several groups: the replicas axis comes with it), whose parameters cannot be inference tensors
     ("Inference tensors do not track version counter"); ``no_grad`` does the same there."""
-    import torch
-
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2 cannot have wrapped it
@@ -140,8 +134,6 @@ def settle(model: torch.nn.Module) -> None:
     """One forward of the whole model on one token, where transformers wrapped it in FSDP2: FSDP sets itself up
     in the root module's first forward, and refuses a first call through a child (the base model alone, as the
     chunked LM head runs it). Every rank of the group runs it, as it runs every forward."""
-    import torch
-
     if no_autograd(model) is not torch.no_grad:
         return
     device = next(model.parameters()).device

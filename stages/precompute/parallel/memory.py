@@ -23,6 +23,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+from transformers import AutoModel, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
 from kdcache.stages.precompute.core import IN_FLIGHT, PrecomputeError
 from kdcache.stages.precompute.parallel.layouts import Layout
 from kdcache.storage import format_bytes
@@ -70,9 +74,6 @@ def parse_size(text: str) -> int:
 
 def param_counts(config: PretrainedConfig) -> tuple[int, int]:
     """``(all parameters, norm parameters)`` of the causal LM the config builds, counted on the meta device."""
-    import torch
-    from transformers import AutoModel, AutoModelForCausalLM
-
     with torch.device("meta"), _errors_only():
         try:
             model = AutoModelForCausalLM.from_config(config)
@@ -88,8 +89,6 @@ def _errors_only() -> Iterator[None]:
     """transformers' logs at errors only, for the block inside: building an encoder's causal-LM class only to
     count its parameters (``BertLMHeadModel`` for MiniLM) warns that it is no decoder, a line about a model that
     never runs (``pipeline.quiet`` turns the same switch for ``--quiet``)."""
-    from transformers.utils import logging as hf_logging
-
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -144,8 +143,6 @@ def device_capacity(given: str | None, gpu: int | None) -> tuple[int, str]:
     if given:
         return parse_size(given), "--device-memory"
     if gpu is not None:
-        import torch
-
         return int(torch.cuda.get_device_properties(gpu).total_memory), torch.cuda.get_device_name(gpu)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

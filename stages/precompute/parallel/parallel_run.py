@@ -8,12 +8,15 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+from transformers import CONFIG_MAPPING
+
 from kdcache.stages.precompute.core import PrecomputeError, Progress, RunStats, teacher_files_fingerprint
 from kdcache.stages.precompute.parallel.layouts import Grid, Layout, check_features
 from kdcache.stages.precompute.parallel.memory import check_layout, rank_memory
 
 if TYPE_CHECKING:
-    import torch
     from torch.distributed import ProcessGroup
     from transformers import PretrainedConfig
 
@@ -83,8 +86,6 @@ COMMON_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "ge
 
 def _tp_families() -> list[str]:
     """The common model families whose transformers config carries a tensor-parallel plan (as installed)."""
-    from transformers import CONFIG_MAPPING
-
     return [name for name in COMMON_FAMILIES
             if name in CONFIG_MAPPING and getattr(CONFIG_MAPPING[name], "base_model_tp_plan", None)]
 
@@ -93,8 +94,6 @@ def _gpu_index(device: torch.device) -> int | None:
     """The CUDA device index of ``device`` (``cuda`` alone: the current one), None off a GPU."""
     if device.type != "cuda":
         return None
-    import torch
-
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
@@ -118,8 +117,6 @@ def group_todo(todo: list[int] | None, group: ProcessGroup | None, grid: Grid) -
     if group is None:
         assert todo is not None
         return todo
-    import torch.distributed as dist
-
     box: list[Any] = [todo]
     dist.broadcast_object_list(box, src=grid.group * grid.tensor, group=group)
     return list(box[0])

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import datasets
 import numpy as np
 
 from kdcache.stages.common.cache_texts import token_pieces
@@ -116,8 +117,6 @@ def load_texts(setup: RowSetup) -> Dataset | IterableDataset:
     Raises:
         PrecomputeError: the data cannot be loaded, the split is empty, or the column is missing.
     """
-    import datasets
-
     files = local_files(setup.data)  # once: a folder's files are a recursive glob
     hub_note = None if files is not None else offline_unless_reachable(
         setup.data, local=f"--data a local data file ({', '.join(DATA_EXTENSIONS)}) or a folder of them",
@@ -161,17 +160,16 @@ def _columns(setup: RowSetup) -> list[tuple[str, str]]:
 
 def _load_dataset(setup: RowSetup, files: list[str] | None) -> Dataset | IterableDataset:
     """The dataset from ``files`` (``local_files``' answer), or from the hub when that is None."""
-    from datasets import load_dataset
-
     if files is None:
-        return load_dataset(setup.data, setup.data_config, split=setup.split, revision=None,
-                            streaming=setup.streaming)
+        return datasets.load_dataset(setup.data, setup.data_config, split=setup.split, revision=None,
+                                     streaming=setup.streaming)
     builder = _builder_for(files, setup.data)
     if all(os.path.getsize(f) == 0 for f in files):  # datasets fails on these with a bare StopIteration
         raise PrecomputeError(f"dataset {setup.data!r} is empty: {len(files)} file(s) of 0 bytes")
     # Naming the split in data_files lets a local file serve any --split the user names. Streamed files are read
     # in this (sorted) order, as the map-style loader reads them, so both give the same rows.
-    return load_dataset(builder, data_files={setup.split: files}, split=setup.split, streaming=setup.streaming)
+    return datasets.load_dataset(builder, data_files={setup.split: files}, split=setup.split,
+                                 streaming=setup.streaming)
 
 
 def local_files(data: str) -> list[str] | None:

@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import datasets
 import numpy as np
+import pyarrow as pa
 
 from kdcache.stages.common.cache_texts import row_text
 from kdcache.stages.common.fingerprints import clear_call_state, tokenizer_fingerprint
@@ -58,7 +60,6 @@ from kdcache.storage import hash_bytes, hash_json
 if TYPE_CHECKING:
     from pathlib import Path
 
-    import pyarrow as pa
     from datasets import Dataset, Features, IterableDataset
     from transformers import PreTrainedTokenizerBase
 
@@ -153,8 +154,6 @@ def _loaded(load: Callable[[RowSetup], Dataset | IterableDataset],
             setup: RowSetup) -> Dataset | IterableDataset:
     """The dataset, with what Arrow's allocator kept from converting the files handed back to the system: the
     conversion's buffers scale with the data, and the build holds nothing of them afterwards."""
-    import pyarrow as pa
-
     ds = load(setup)
     pa.default_memory_pool().release_unused()
     return ds
@@ -203,8 +202,6 @@ def encoded_batches(ds: Dataset | IterableDataset, encode: Encode, setup: RowSet
     ``scratch`` (removed when the batches are read, so the row table keeps no second copy of the tokens), read
     back a batch at a time. ``columns`` names ``encode``'s output columns and their Arrow value types.
     """
-    import datasets
-
     if isinstance(ds, datasets.IterableDataset) or setup.max_sequences is not None:
         yield from _in_process(ds, encode)
         return
@@ -231,8 +228,6 @@ def _in_process(ds: Dataset | IterableDataset, encode: Encode) -> Iterator[dict[
 
 
 def _doc_features(columns: dict[str, str]) -> Features:
-    import datasets
-
     return datasets.Features({name: datasets.Sequence(datasets.Value(kind)) for name, kind in columns.items()})
 
 
@@ -240,8 +235,6 @@ def _file_batches(ds: Dataset | IterableDataset) -> Iterator[pa.RecordBatch] | N
     """A map-style dataset's rows as Arrow record batches of at most ``_BATCH`` rows, read from its Arrow files
     with plain reads rather than through its memory map, so the builder's resident memory stays flat in the data
     (a map's touched pages count as resident); None for a stream or a dataset its files do not hold as is."""
-    import pyarrow as pa
-
     files = [f["filename"] for f in getattr(ds, "cache_files", None) or []]
     if not files or getattr(ds, "_indices", None) is not None or len(ds) != sum(_rows_in(f) for f in files):
         return None
@@ -257,8 +250,6 @@ def _file_batches(ds: Dataset | IterableDataset) -> Iterator[pa.RecordBatch] | N
 
 
 def _rows_in(path: str) -> int:
-    import pyarrow as pa
-
     with pa.memory_map(path) as source:  # reads the batches' headers, not their data
         return sum(b.num_rows for b in pa.ipc.open_stream(source))
 

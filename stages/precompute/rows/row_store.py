@@ -128,14 +128,16 @@ class RowWriter:
         import pyarrow as pa
 
         self.path, self.names = path, tuple(names)
-        self._schema = pa.schema([(n, pa.list_(pa.from_numpy_dtype(_dtype(n)))) for n in self.names])
+        self._dtypes = {n: _dtype(n) for n in self.names}
+        self._schema = pa.schema([(n, pa.list_(pa.from_numpy_dtype(self._dtypes[n]))) for n in self.names])
         self._sink = pa.OSFile(str(path / "rows.arrow"), "wb")
         self._file = pa.ipc.new_file(self._sink, self._schema)
         self._pending: dict[str, list[np.ndarray]] = {n: [] for n in self.names}
         self.hashes = {n: ArraysHash() for n in self.names}
         self.rows, self.max_id = 0, -1
-        streams = {split_stream(n)[0] for n in self.names if kind_of(n) == ArrayKind.INPUT_IDS}
-        self.tokens, self.longest, self.sum_sq = ({s: 0 for s in streams} for _ in range(3))
+        # The ids arrays by name, with their stream: each row counts its tokens per stream.
+        self._streams = {n: split_stream(n)[0] for n in self.names if kind_of(n) == ArrayKind.INPUT_IDS}
+        self.tokens, self.longest, self.sum_sq = ({s: 0 for s in self._streams.values()} for _ in range(3))
 
     def add(self, row: dict[str, np.ndarray]) -> None:
         """Append one row: every array of ``names``, 1-D, the same length within a stream."""
@@ -143,8 +145,8 @@ class RowWriter:
             value = row[name]
             self._pending[name].append(value)
             self.hashes[name].update(value)
-            if kind_of(name) == ArrayKind.INPUT_IDS:
-                self._count(split_stream(name)[0], value)
+            if name in self._streams:
+                self._count(self._streams[name], value)
         self.rows += 1
         if len(self._pending[self.names[0]]) >= _BATCH_ROWS:
             self._flush()
@@ -166,7 +168,7 @@ class RowWriter:
             parts = self._pending[name]
             offsets = np.zeros(len(parts) + 1, dtype=np.int32)
             np.cumsum([len(p) for p in parts], out=offsets[1:])
-            values = pa.array(np.concatenate(parts).astype(_dtype(name), copy=False))
+            values = pa.array(np.concatenate(parts).astype(self._dtypes[name], copy=False))
             arrays.append(pa.ListArray.from_arrays(pa.array(offsets), values))
             parts.clear()
         self._file.write_batch(pa.record_batch(arrays, schema=self._schema))

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     )
     from kdcache.stages.train.core.cross_checks import text_problems as text_problems
     from kdcache.stages.train.core.layer_maps import (
+        LayerMap as LayerMap,
         LayerMapError as LayerMapError,
         Pair as Pair,
         build_layer_map as build_layer_map,

@@ -127,7 +127,7 @@ def feature_problems(options: TrainOptions, spec: CacheSpec, student: StudentFac
         # The top-k variant and the temperature against its logit kind; a cross-tokenizer run's vocabulary term
         # has checks of its own (cross_checks: GOLD reads both, ULD neither).
         problems += kind.loss_problems(spec, loss)
-    if loss.gamma > 0 and options.maps.for_stream("").kind != "none" and not hidden:
+    if loss.gamma > 0 and options.maps.for_stream("").maps_layers and not hidden:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "
                         "re-run precompute with --layers, or use --gamma 0 / --layer-map none")
     if loss.delta > 0 and not attention:
@@ -147,7 +147,7 @@ def restricted_map(layer_map: LayerMap, student_depth: int, depth: int, cached: 
     ``notes``, a map that keeps some but not all says which it kept, and the ``--layers`` that would keep all.
     """
     try:
-        pairs = (layer_map if layer_map.kind != "none" else LayerMap("uniform")).build(student_depth, depth, seed=seed)
+        pairs = layer_map.or_uniform().build(student_depth, depth, seed=seed)
     except KdcacheError as exc:
         problems.append(f"{what} map {str(layer_map)!r}: {exc}")
         return []

@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 import operator
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 from kdcache.stages.common.stream_options import StreamValues
@@ -33,7 +34,31 @@ if TYPE_CHECKING:
     from pydantic import GetCoreSchemaHandler
     from pydantic_core import CoreSchema
 
-LAYER_MAP_KINDS = ("uniform", "last", "reverse", "all-to-one", "random", "explicit", "none")
+
+class LayerMapKind(str, Enum):
+    """The kind of a layer map, read from its name once (``LayerMap.parse``): what the map code switches on.
+
+    A ``str`` so that a member equals, hashes and formats as its name (``LayerMapKind.ALL_TO_ONE == "all-to-one"``,
+    ``f"{LayerMapKind.LAST}" == "last"``): configs, sweep folders and messages are unchanged whichever a caller
+    holds. ``__str__`` returns the value because Python 3.11+ would print ``LayerMapKind.LAST`` otherwise.
+    """
+
+    UNIFORM = "uniform"
+    LAST = "last"
+    REVERSE = "reverse"
+    ALL_TO_ONE = "all-to-one"
+    RANDOM = "random"
+    EXPLICIT = "explicit"
+    NONE = "none"
+    UNSET = ""  # not given: a per-stream map that follows the unprefixed one; never built
+
+    def __str__(self) -> str:
+        """The name itself, as a plain string would print."""
+        return self.value
+
+
+LAYER_MAP_KINDS = tuple(kind for kind in LayerMapKind if kind is not LayerMapKind.UNSET)  # the maps one can build
+_BY_NAME = {kind.value: kind for kind in LayerMapKind}
 _ALIASES = {"last-k": "last", "all_to_one": "all-to-one", "alltoone": "all-to-one", "skip": "uniform"}
 
 Pair = tuple[int, int]
@@ -45,14 +70,19 @@ class LayerMapError(KdcacheError, ValueError):
 
 @dataclass(frozen=True)
 class LayerMap:
-    """A layer map as the config gives it, parsed once: a kind of ``LAYER_MAP_KINDS`` and, for ``explicit``, its
-    pairs. The empty kind ``""`` means "not given" (a per-stream map then follows ``--layer-map``).
+    """A layer map as the config gives it, parsed once: a ``LayerMapKind`` and, for ``explicit``, its pairs. The
+    kind ``UNSET`` (``""``) means "not given" (a per-stream map then follows ``--layer-map``). Callers ask the map
+    what they need (``given``, ``maps_layers``, ``restricts_to_cache``), never compare its kind.
 
     ``str(m)`` is the canonical text (``uniform``, ``explicit:1-2,2-4``), which parses back to ``m``.
     """
 
-    kind: str = "uniform"
+    kind: LayerMapKind = LayerMapKind.UNIFORM
     pairs: tuple[Pair, ...] = ()
+
+    def __post_init__(self) -> None:
+        # A kind given by its name (``LayerMap("last")``, as tests write it) becomes its member, so that ``is`` holds.
+        object.__setattr__(self, "kind", LayerMapKind(self.kind))
 
     @classmethod
     def parse(cls, text: str) -> LayerMap:
@@ -63,20 +93,45 @@ class LayerMap:
         """
         name = text.strip().lower()
         if name.startswith("explicit:"):
-            return cls("explicit", tuple(parse_layer_map(text.split(":", 1)[1])))
-        name = _ALIASES.get(name, name)
-        if name in LAYER_MAP_KINDS and name != "explicit" or name == "":
-            return cls(name)
-        named = [k for k in LAYER_MAP_KINDS if k != "explicit"]
+            return cls(LayerMapKind.EXPLICIT, tuple(parse_layer_map(text.split(":", 1)[1])))
+        kind = _BY_NAME.get(_ALIASES.get(name, name))
+        if kind is not None and kind is not LayerMapKind.EXPLICIT:  # explicit comes with its pairs, as above
+            return cls(kind)
+        named = [k for k in LAYER_MAP_KINDS if k is not LayerMapKind.EXPLICIT]
         raise LayerMapError(f"unknown map {text!r}; use one of {', '.join(named)} or explicit:S-T,S-T")
 
     def __str__(self) -> str:
-        return f"explicit:{','.join(f'{s}-{t}' for s, t in self.pairs)}" if self.kind == "explicit" else self.kind
+        if self.kind is LayerMapKind.EXPLICIT:
+            return f"explicit:{','.join(f'{s}-{t}' for s, t in self.pairs)}"
+        return self.kind.value  # the plain name: str() would hand back the member itself, whose repr differs
+
+    @property
+    def given(self) -> bool:
+        """Whether the config gave this map (not ``UNSET``, a per-stream map that follows the unprefixed one)."""
+        return self.kind is not LayerMapKind.UNSET
+
+    @property
+    def maps_layers(self) -> bool:
+        """Whether the map pairs any layer: ``none`` switches its term off (the hidden one, or as ``cross:none`` the
+        cross-attention one)."""
+        return self.kind is not LayerMapKind.NONE
+
+    @property
+    def restricts_to_cache(self) -> bool:
+        """Whether the map keeps just its pairs whose teacher layer the cache holds, as evaluation does: ``uniform``
+        (the default), so that a cache of a few layers trains on them without a map naming them. Any other map must
+        be met in full."""
+        return self.kind is LayerMapKind.UNIFORM
+
+    def or_uniform(self) -> LayerMap:
+        """This map, or ``uniform`` in place of ``none``: ``none`` switches the hidden term off, not the attention
+        terms that follow the hidden map."""
+        return self if self.maps_layers else LayerMap(LayerMapKind.UNIFORM)
 
     def build(self, num_student_layers: int, num_teacher_layers: int, *, seed: int = 0) -> list[Pair]:
-        """The pairs for a student of M blocks and a teacher of N (``build_layer_map``)."""
-        return build_layer_map(self.kind, num_student_layers, num_teacher_layers, seed=seed,
-                               explicit=self.pairs or None)
+        """The pairs for a student of M blocks and a teacher of N (as ``build_layer_map``, from the kind held)."""
+        given = _as_pairs(self.pairs) if self.pairs else None
+        return _pairs(self.kind, num_student_layers, num_teacher_layers, seed, given)
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: object, handler: GetCoreSchemaHandler) -> CoreSchema:
@@ -123,20 +178,15 @@ def build_layer_map(
     """
     name = kind.strip().lower()
     if name.startswith("explicit:"):
-        name, explicit = "explicit", kind.split(":", 1)[1]
-    name = _ALIASES.get(name, name)
-    if name == "none":
-        return []
-    if name == "explicit":
-        if explicit is None:
-            raise LayerMapError("an explicit layer map needs its pairs, e.g. explicit:1-2,2-4")
-        pairs = parse_layer_map(explicit) if isinstance(explicit, str) else _as_pairs(explicit)
-    elif name in LAYER_MAP_KINDS:
-        teachers = _teacher_layers(name, num_student_layers, num_teacher_layers, seed)
-        pairs = list(zip(range(1, num_student_layers + 1), teachers))
-    else:
-        raise LayerMapError(f"unknown layer map {kind!r}; choose one of {', '.join(LAYER_MAP_KINDS)}")
-    if include_embeddings and (0, 0) not in pairs:
+        name, explicit = LayerMapKind.EXPLICIT, kind.split(":", 1)[1]
+    map_kind = _BY_NAME.get(_ALIASES.get(name, name), LayerMapKind.UNSET)
+    if map_kind is LayerMapKind.UNSET:  # an unknown name, or "" (a map that was not given)
+        raise LayerMapError(_unknown(kind))
+    given = None
+    if map_kind is LayerMapKind.EXPLICIT and explicit is not None:
+        given = parse_layer_map(explicit) if isinstance(explicit, str) else _as_pairs(explicit)
+    pairs = _pairs(map_kind, num_student_layers, num_teacher_layers, seed, given)
+    if include_embeddings and map_kind is not LayerMapKind.NONE and (0, 0) not in pairs:
         pairs.insert(0, (0, 0))
     return pairs
 
@@ -196,25 +246,53 @@ def pair_key(pair: Pair) -> str:
     return f"s{pair[0]}_t{pair[1]}"
 
 
-def _teacher_layers(kind: str, m: int, n: int, seed: int) -> list[int]:
+def _pairs(kind: LayerMapKind, m: int, n: int, seed: int, given: Sequence[Pair] | None) -> list[Pair]:
+    """The pairs of a map of ``kind``: ``given`` for ``explicit``, none for ``none``, else its formula's."""
+    if kind is LayerMapKind.NONE:
+        return []
+    if kind is LayerMapKind.EXPLICIT:
+        if given is None:
+            raise LayerMapError("an explicit layer map needs its pairs, e.g. explicit:1-2,2-4")
+        return list(given)
+    if kind not in _FORMULAS:  # UNSET: a per-stream map that was not given has no pairs of its own
+        raise LayerMapError(_unknown(kind))
+    return list(zip(range(1, m + 1), _teacher_layers(kind, m, n, seed)))
+
+
+def _unknown(kind: str) -> str:
+    return f"unknown layer map {str(kind)!r}; choose one of {', '.join(LAYER_MAP_KINDS)}"
+
+
+def _teacher_layers(kind: LayerMapKind, m: int, n: int, seed: int) -> list[int]:
     """Teacher layer for student j = 1..M under a formula map."""
     if not 1 <= m <= n:
         raise LayerMapError(
             f"the {kind} layer map needs 1 <= student depth <= teacher depth, got M={m}, N={n}; "
             "use an explicit map for anything else"
         )
-    uniform = [j * n // m for j in range(1, m + 1)]
-    if kind == "uniform":
-        return uniform
-    if kind == "last":
-        return [n - m + j for j in range(1, m + 1)]
-    if kind == "reverse":
-        return uniform[::-1]
-    if kind == "all-to-one":
-        return [math.ceil(n / 2)] * m
-    shuffled = list(uniform)  # kind == "random"
+    return _FORMULAS[kind](m, n, seed)
+
+
+def _uniform(m: int, n: int, seed: int) -> list[int]:
+    """j -> ⌊jN/M⌋: spread evenly, student M meeting teacher N."""
+    return [j * n // m for j in range(1, m + 1)]
+
+
+def _shuffled(m: int, n: int, seed: int) -> list[int]:
+    """Uniform's teacher layers in a seeded order."""
+    shuffled = _uniform(m, n, seed)
     random.Random(seed).shuffle(shuffled)
     return shuffled
+
+
+# The formula maps, by kind: the teacher layer of student j = 1..M, given M, N and the seed.
+_FORMULAS: dict[LayerMapKind, Callable[[int, int, int], list[int]]] = {
+    LayerMapKind.UNIFORM: _uniform,
+    LayerMapKind.LAST: lambda m, n, seed: [n - m + j for j in range(1, m + 1)],
+    LayerMapKind.REVERSE: lambda m, n, seed: _uniform(m, n, seed)[::-1],
+    LayerMapKind.ALL_TO_ONE: lambda m, n, seed: [math.ceil(n / 2)] * m,
+    LayerMapKind.RANDOM: _shuffled,
+}
 
 
 def _as_pairs(items: Sequence[Sequence[int]]) -> list[Pair]:

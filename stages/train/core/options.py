@@ -155,27 +155,27 @@ class MapOptions:
 
     def __post_init__(self) -> None:
         if "" not in self.layer_map.streams:  # only stacks given: the rest follow the default, uniform
-            object.__setattr__(self, "layer_map", self.layer_map.with_stream("", LayerMap("uniform")))
+            object.__setattr__(self, "layer_map", self.layer_map.with_stream("", LayerMap()))
 
     def for_stream(self, stream: str) -> LayerMap:
         """The hidden map of token stream ``stream``: its own (``encoder``, ``decoder``), else the unprefixed."""
         own = self.layer_map.get(stream) if stream else None
-        return own if own and own.kind else self.layer_map.get("")
+        return own if own and own.given else self.layer_map.get("")
 
     def attention_map(self, stream: str) -> LayerMap | None:
         """The attention map given for ``stream`` (``cross``: the cross-attention term): its own, else (but for
         ``cross``) the unprefixed one; None when none is given (the hidden map, restricted, stands in)."""
         given = self.attention_layers
         own = given.get(stream) if given else None
-        if not (own and own.kind) and stream != "cross":
+        if not (own and own.given) and stream != "cross":
             own = given.get("") if given else None
-        return own if own and own.kind else None
+        return own if own and own.given else None
 
     def validate(self) -> list[str]:
         """The empty map means "follow the unprefixed map", which the unprefixed maps cannot; no cross hidden map."""
         problems = [f"{name}: got '', expected a map such as uniform or explicit:1-2,2-4"
                     for name, value in (("layer_map", self.layer_map), ("attention_layers", self.attention_layers))
-                    if value is not None and value.get("") == LayerMap("")]
+                    if value is not None and "" in value.streams and not value.get("").given]
         if "cross" in self.layer_map.streams:
             problems.append(f"layer_map: got {str(self.layer_map)!r}; the cross-attention map is --attention-layers "
                             f"cross:MAP")

@@ -37,7 +37,7 @@ from kdcache.stages.train.core.cross_checks import cross_problems
 from kdcache.stages.train.core.layer_maps import LayerMap
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.student import StudentFacts
-from kdcache.storage import CROSS, MAP_KINDS, ArrayKind, kind_of, prefixed, split_stream
+from kdcache.storage import CROSS, ArrayKind, prefixed, split_stream
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader, CacheSpec
@@ -167,11 +167,11 @@ def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str],
     what = prefixed(s.name, "hidden").replace("/", " ")
     hidden: list[Pair] = []
     seed = options.data.seed
-    if options.loss.gamma > 0 and s.layer_map.kind == "uniform" and s.hidden:
+    if options.loss.gamma > 0 and s.layer_map.restricts_to_cache and s.hidden:
         # uniform (the default, or named) keeps its pairs the cache holds, as evaluation does: a cache of a few
         # layers trains on them without a map naming them; every other map must be met in full.
         hidden = restricted_map(s.layer_map, s.student_depth, s.teacher_depth, s.hidden, seed, what, problems, notes)
-    elif options.loss.gamma > 0 and s.layer_map.kind != "none" and s.hidden:
+    elif options.loss.gamma > 0 and s.layer_map.maps_layers and s.hidden:
         hidden = checked_map(s.layer_map, seed, s.student_depth, s.teacher_depth, s.hidden, what, problems)
     what = prefixed(s.name, "attention").replace("/", " ")
     attention: list[Pair] = []
@@ -189,7 +189,7 @@ def _cross_pairs(options: TrainOptions, spec: CacheSpec, decoder: _Stream | None
     """(student decoder block, teacher decoder block) pairs of the cross-attention term."""
     cross, seed = options.maps.attention_map("cross"), options.data.seed
     cached, what = spec.layers_of(CROSS, "decoder"), "cross attention"
-    if decoder is None or options.loss.delta <= 0 or not cached or cross is not None and cross.kind == "none":
+    if decoder is None or options.loss.delta <= 0 or not cached or cross is not None and not cross.maps_layers:
         return []
     if cross is not None:
         return checked_map(cross, seed, decoder.student_depth, decoder.teacher_depth, cached, what, problems)
@@ -286,8 +286,9 @@ def _attention_kinds(spec: CacheSpec, attention_loss: str) -> tuple[str, ...]:
 
 def _target_shapes(reader: CacheReader, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
     """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
-    hidden = [n for n in names if kind_of(n) == ArrayKind.HIDDEN]
-    attention = [n for n in names if kind_of(n) in MAP_KINDS][:1]
+    described = [reader.spec.array(name) for name in names]
+    hidden = [a.name for a in described if a.kind == ArrayKind.HIDDEN]
+    attention = [a.name for a in described if a.is_map][:1]
     if not hidden + attention:
         return {}, None
     first = reader.get(reader.shard_ranges[0][0], names=hidden + attention)
@@ -324,7 +325,7 @@ def unused_targets(spec: CacheSpec, plan: TrainPlan, options: TrainOptions) -> l
         hidden = sorted(set(hidden_cached) - {t for _, t in used.hidden_pairs})
         if hidden:
             layer_map = options.maps.for_stream(stream)
-            why = ("--gamma is 0" if options.loss.gamma <= 0 else "--layer-map is none" if layer_map.kind == "none"
+            why = ("--gamma is 0" if options.loss.gamma <= 0 else "--layer-map is none" if not layer_map.maps_layers
                    else f"the layer map {str(layer_map)!r} pairs no student layer with them")
             notes.append(f"{prefixed(stream, 'hidden').replace('/', ' ')} layers {_layers_text(hidden)} ({why})")
         attention = sorted(set(attention_cached) - {t for _, t in used.attention_pairs})

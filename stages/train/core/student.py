@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
 
 from kdcache.stages.common.architectures import is_causal_config, is_encoder_decoder, model_class, stack_depths
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
@@ -64,8 +65,6 @@ def load_config(path: str | Path) -> PretrainedConfig:
     Raises:
         StudentError: nothing loadable is there.
     """
-    from transformers import AutoConfig
-
     root = Path(path)
     try:
         if root.is_file():
@@ -127,8 +126,6 @@ def tokenizer_fingerprint_of(path: str | Path) -> dict[str, Any] | None:
     if not root.is_dir() or not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
                                                                       "vocab.txt", "vocab.json")):
         return None
-    from transformers import AutoTokenizer
-
     try:
         return tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(root)))
     except (OSError, ValueError):

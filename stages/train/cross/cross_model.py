@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch import nn
+from transformers import AutoTokenizer
 
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
 from kdcache.stages.common.head_logits import HeadLogits
@@ -224,8 +225,6 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
                       *, announce: bool) -> CrossDistillModel:
     """The cross-tokenizer model for this run: texts read (and checked) once, the student's tokenizer loaded, the
     shared vocabulary mapped."""
-    from transformers import AutoTokenizer
-
     texts = read_texts(reader.store, "--cross-tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(options.run.student)
     if not tokenizer.is_fast:  # alignment reads each token's characters (offsets), which only fast tokenizers give
@@ -254,8 +253,6 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
 
 def cache_tokenizer(reader: CacheReader) -> PreTrainedTokenizerBase:
     """The teacher's tokenizer, from the cache's ``tokenizer/`` folder (copied to a temporary folder to load)."""
-    from transformers import AutoTokenizer
-
     with tempfile.TemporaryDirectory(prefix="kdcache-teacher-tokenizer-") as tmp:
         for key in read_table(reader.store, "tokenizer"):
             (Path(tmp) / key.split("/", 1)[1]).write_bytes(reader.store.read(key))

@@ -28,8 +28,8 @@ from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.train.core import (
     CacheCheckError,
+    LayerMap,
     LayerMapError,
-    build_layer_map,
     load_config,
     load_student,
     load_teacher_head,
@@ -121,7 +121,7 @@ def default_pairs(student_layers: list[int], teacher_layers: list[int]) -> list[
     the cache's deepest layer (no uniform map exists then)."""
     blocks, depth = max(student_layers), max(teacher_layers)
     try:
-        pairs = build_layer_map("uniform", blocks, depth)
+        pairs = LayerMap().build(blocks, depth)  # the default map: uniform
     except LayerMapError:
         return []
     return [(s, t) for s, t in pairs if t in teacher_layers and s > 0]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoTokenizer
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import read_texts
@@ -182,8 +183,6 @@ def span_pairs(run_pairs: list[Pair], given: list[Pair] | None, depth: int, cach
 
 def _student_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
     """The student's own fast tokenizer (its tokens are aligned by their character offsets)."""
-    from transformers import AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:

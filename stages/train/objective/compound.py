@@ -36,6 +36,7 @@ from kdcache.stages.train.losses import (
     TOPK_VARIANTS,
     CriticTrainer,
     LossError,
+    attention_kl,
     cached_qk_loss,
     causal_ce_term,
     get_loss,
@@ -130,6 +131,8 @@ class CompoundLoss(nn.Module):
         self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
         self.temperature, self.hidden_loss, self.topk_variant, self.ce = temperature, hidden_loss, topk_variant, ce
         self._check_config()
+        # The hidden loss's function, looked up once (wgan's is its critic's, below).
+        self._hidden_fn = None if hidden_loss == "wgan" else get_loss(hidden_loss)
         self.layer_map: list[Pair] = [(int(s), int(t)) for s, t in layer_map] if gamma > 0 else []
         default_attention = [p for p in layer_map if p[0] > 0 and p[1] > 0]
         self.attention_map: list[Pair] = ([(int(s), int(t)) for s, t in (attention_map or default_attention)]
@@ -246,8 +249,8 @@ class CompoundLoss(nn.Module):
     def _one_hidden(
         self, pair: Pair, h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor, logs: dict
     ) -> torch.Tensor:
-        if self.hidden_loss != "wgan":
-            return get_loss(self.hidden_loss)(h_s, h_t, mask)  # type: ignore[return-value]
+        if self._hidden_fn is not None:
+            return self._hidden_fn(h_s, h_t, mask)  # type: ignore[return-value]
         key = pair_key(pair)
         assert self.critics is not None
         self.critics.to(h_s.device)
@@ -262,14 +265,13 @@ class CompoundLoss(nn.Module):
         if self.teacher_scores is not None:
             return self._qk_term(out, targets, masks, logs, any_trained)
         maps = _student_field(out, "attentions", "output_attentions=True and attention_maps.MAPS_ATTENTION")
-        attention_kl = get_loss("attention_kl")
         total = torch.zeros((), device=masks.real.device)
         if not any_trained:
             return total + _zero_pairs(logs, "attention", self.attention_map, lambda s: maps[s - 1])
         for s, t in self.attention_map:
             a_s = _layer(maps, s - 1, "attention map", shown=s)
             # Rows of trained tokens, over every real key: the teacher saw the whole context.
-            value: torch.Tensor = attention_kl(a_s, _target(targets, f"attention/{t}"), masks.real,  # type: ignore[assignment]
+            value: torch.Tensor = attention_kl(a_s, _target(targets, f"attention/{t}"), masks.real,
                                                queries=masks.trained)
             logs[f"attention/{pair_key((s, t))}"] = value.detach()
             total = total + value

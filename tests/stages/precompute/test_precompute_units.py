@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kdcache.stages.common import attention_sources
 from kdcache.stages.precompute.background import BackgroundWriter
 from kdcache.stages.precompute.core import PrecomputePlan
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
@@ -186,8 +187,9 @@ def test_room_for_queries_and_keys_is_sized_per_token_not_as_maps() -> None:
     tokens = 4 * 4096
     data = SimpleNamespace(meta={"tokens": {"": tokens}, "sum_sq_lengths": {"": 4 * 4096 ** 2}})
     assert lower_bound_bytes(spec, config, data) == 2 * 8 * 4 * 4096 ** 2 * 2  # blocks x H x sum L^2 x fp16
-    assert lower_bound_bytes(spec, config, data, "qk") == 2 * tokens * (8 + 2) * 8 * 2  # (H + H_kv) x head_dim
-    assert lower_bound_bytes(spec, config, data, "qkv") == 2 * tokens * (8 + 2 + 2) * 8 * 2
+    qk, qkv = attention_sources.get("qk"), attention_sources.get("qkv")
+    assert lower_bound_bytes(spec, config, data, qk) == 2 * tokens * (8 + 2) * 8 * 2  # (H + H_kv) x head_dim
+    assert lower_bound_bytes(spec, config, data, qkv) == 2 * tokens * (8 + 2 + 2) * 8 * 2
 
 
 def test_an_explicit_default_hidden_codec_keeps_the_settings_fingerprint(tiny_gpt2: Path, tmp_path: Path) -> None:
