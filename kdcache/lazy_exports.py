@@ -21,6 +21,7 @@ import ast
 import importlib
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 
@@ -56,3 +57,25 @@ def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable
         return getattr(holder, attribute)
 
     return load, lambda: names, names
+
+
+class _Deferred(ModuleType):
+    """Stands for module ``__name__`` until it is used: each attribute read imports it (the first time; then a
+    ``sys.modules`` lookup) and returns the real module's attribute, so that a patched attribute is seen. Never put
+    in ``sys.modules``: an ``import`` elsewhere loads the one real module."""
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(importlib.import_module(self.__name__), attribute)
+
+
+def deferred(*modules: str) -> tuple[ModuleType, ...]:
+    """Stand-ins for ``modules``, each imported on its first use: how a module that must load light (a registry
+    the CLI reads before torch) names its heavy dependencies once, at its top, instead of importing them in every
+    function that uses them. Pair it with the real imports under ``TYPE_CHECKING``, which mypy reads::
+
+        if TYPE_CHECKING:
+            import torch
+        else:
+            (torch,) = deferred("torch")
+    """
+    return tuple(_Deferred(name) for name in modules)

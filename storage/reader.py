@@ -144,7 +144,7 @@ class CacheReader:
         self.manifest: Manifest = read_manifest(self.store)
         self.spec: CacheSpec = self.manifest.spec
         self.fingerprints: dict[str, Any] = self.manifest.fingerprints
-        self._backend = get_backend(self.spec.backend, self.manifest.format)  # how its shards are checked
+        self._backend = get_backend(self.spec, self.manifest.format)  # how its shards are checked
         self._records = self._visible_records(allow_partial)
         self._handles: OrderedDict[int, ShardHandle] = OrderedDict()
         self._checked: set[int] = set()

@@ -71,7 +71,7 @@ class VerifyReport:
 
 
 def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, records: dict[int, ShardRecord]) -> None:
-    backend = get_backend(manifest.spec.backend, manifest.format)
+    backend = get_backend(manifest.spec, manifest.format)
     for index, record in sorted(records.items()):
         if not store.exists(record.path):
             report.problems.append(VerifyProblem(index, None, f"listed as committed but {store.url}/{record.path} "
@@ -107,7 +107,7 @@ def _decode_problems(store: Store, record: ShardRecord, manifest: Manifest) -> l
     coded = [name for name, err in record.lossy.items() if "decoded_sq" in err]
     if not coded:
         return []
-    handle = get_backend(spec.backend, manifest.format).open(store, record, spec)
+    handle = get_backend(spec, manifest.format).open(store, record, spec)
     rank = spec.hidden_codec.rank  # a rank codec decodes through the cache's stored bases
     bases = read_projection(store, [n for n in coded if projected(spec.hidden_codec, n)], rank) if rank else None
     for name in coded:

@@ -73,7 +73,7 @@ class ShardCommitter:
 
     def __init__(self, store: Store, spec: CacheSpec) -> None:
         self.store, self.spec = store, spec
-        self.backend: Backend = get_backend(spec.backend)
+        self.backend: Backend = get_backend(spec)
         self._buffers = BufferPool()
 
     def write_shard(self, index: int, sequences: Sequence[Mapping[str, Any]], *,
@@ -246,7 +246,7 @@ def merge_parts(path: str | os.PathLike[str] | Store, storage_options: Mapping[s
     store = open_store(path, storage_options)
     with store.merge_lock():
         manifest = read_manifest(store)
-        backend = get_backend(manifest.spec.backend, manifest.format)
+        backend = get_backend(manifest.spec, manifest.format)
         manifest.shards = _valid_records(store, manifest, backend)
         manifest.arrays = summarize_arrays(manifest.spec, manifest.shards)
         if manifest.seals_files:  # an older cache's manifest keeps its format: no table of its folders

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.storage.core.backend_registry import backend_class
 from kdcache.storage.core.files import FileData, crc32c, file_size
 from kdcache.storage.core.formats import CURRENT, CacheFormat
 from kdcache.storage.core.stores import Store
@@ -149,8 +148,9 @@ def verify_file_table(store: Store, record: ShardRecord) -> list[Problem]:
     return problems
 
 
-def get_backend(name: str, cache_format: CacheFormat = CURRENT) -> Backend:
-    """The backend registered under ``name`` (``registry.backend_class``), reading shards of ``cache_format`` (an
-    open cache's ``manifest.format``; the current format by default, the only one written)."""
-    cls: type[Backend] = backend_class(name)  # type: ignore[assignment]  # registered classes are Backends
+def get_backend(spec: CacheSpec, cache_format: CacheFormat = CURRENT) -> Backend:
+    """The backend of ``spec`` (``CacheSpec.backend_type``, the class registered as its ``backend``), reading
+    shards of ``cache_format`` (an open cache's ``manifest.format``; the current format by default, the only one
+    written)."""
+    cls: type[Backend] = spec.backend_type  # type: ignore[assignment]  # registered classes are Backends
     return cls(cache_format)

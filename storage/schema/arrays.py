@@ -15,10 +15,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from kdcache.storage.core.attention_source import token_row_kinds
-from kdcache.storage.core.backend_registry import backend_class
-from kdcache.storage.core.codecs import CompressorConfig, resolve_codec
+from kdcache.storage.core.codecs import resolve_codec
 from kdcache.storage.core.dtypes import storage_dtype
-from kdcache.storage.core.logit_layouts import FLOAT, VOCAB_ID, LogitArray, LogitLayout, logit_array
+from kdcache.storage.core.logit_layouts import FLOAT, VOCAB_ID, LogitArray, logit_array
 from kdcache.storage.core.streams import (
     CROSS,
     MAP_KINDS,
@@ -28,8 +27,8 @@ from kdcache.storage.core.streams import (
     split_stream,
     token_offsets_name,
 )
-from kdcache.storage.hidden_codecs import CODES_CODEC, HiddenCodec, part_of
-from kdcache.storage.schema.spec_checks import TOKEN_ARRAYS, topk_id_dtype
+from kdcache.storage.hidden_codecs import CODES_CODEC, part_of
+from kdcache.storage.schema.spec_checks import TOKEN_ARRAYS, SpecFields, topk_id_dtype
 
 
 @dataclass(frozen=True)
@@ -98,34 +97,13 @@ class CachedArray:
         return self.logit is not None and self.logit.exact
 
 
-class SpecFields(Protocol):
-    """What of a ``CacheSpec`` describes its arrays (the spec module builds on this one)."""
+class ArraySpecFields(SpecFields, Protocol):
+    """What of a ``CacheSpec`` describes its arrays beside what its checks read (the spec module builds on this)."""
 
-    @property
-    def backend(self) -> str: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def token_arrays(self) -> tuple[str, ...]: ...
-    @property
-    def attention_triangle(self) -> bool: ...
-    @property
-    def hidden_codec(self) -> HiddenCodec: ...
-    @property
-    def logit_layout(self) -> LogitLayout | None: ...
-    @property
-    def logprob_step(self) -> float: ...
-    @property
-    def is_encoder_decoder(self) -> bool: ...
-    @property
-    def codec_configs(self) -> tuple[CompressorConfig, CompressorConfig]: ...
     def coded(self, name: str) -> bool: ...
-    def float_dtype(self, name: str) -> str: ...
 
 
-def describe(spec: SpecFields, name: str) -> CachedArray:
+def describe(spec: ArraySpecFields, name: str) -> CachedArray:
     """Array ``name`` of ``spec``: the one place its name is read."""
     kind, logit, part = kind_of(name), logit_array(spec, name), part_of(name)
     stream = split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")
@@ -138,7 +116,7 @@ def describe(spec: SpecFields, name: str) -> CachedArray:
                        _geometry(spec, kind, stream) if kind in MAP_KINDS else None)
 
 
-def _dtype(spec: SpecFields, name: str, kind: str, logit: LogitArray | None, part: str | None) -> np.dtype:
+def _dtype(spec: ArraySpecFields, name: str, kind: str, logit: LogitArray | None, part: str | None) -> np.dtype:
     """The on-disk dtype: offsets int64, ids int32, token arrays and logit arrays of a fixed type their own,
     codes the codec's, companions float16 (their ids uint16), any other float array the spec's float dtype."""
     if kind.endswith("offsets"):
@@ -156,16 +134,16 @@ def _dtype(spec: SpecFields, name: str, kind: str, logit: LogitArray | None, par
     return storage_dtype(spec.float_dtype(name))
 
 
-def _codec(spec: SpecFields, logit: LogitArray | None, codes: bool) -> dict[str, Any]:
+def _codec(spec: ArraySpecFields, logit: LogitArray | None, codes: bool) -> dict[str, Any]:
     """The compressor: codes and companions get the codes' own where the backend compresses per array, sparse
     logits the top-k codec, everything else the activation codec."""
-    if codes and backend_class(spec.backend).codec_per_array:
+    if codes and spec.backend_type.codec_per_array:
         return resolve_codec(CODES_CODEC)  # a column-major codec's too (COLUMN_CODES_CODEC is the same)
     activations, sparse = spec.codec_configs
     return sparse if logit is not None and logit.sparse else activations
 
 
-def _geometry(spec: SpecFields, kind: str, stream: str) -> Geometry:
+def _geometry(spec: ArraySpecFields, kind: str, stream: str) -> Geometry:
     """Cross-attention has decoder queries and encoder keys; only a (decoder) self-attention map can be stored as
     its causal triangle, or per document."""
     if kind == CROSS:

@@ -33,7 +33,7 @@ from kdcache.storage.core.attention_source import (
     AttentionLayout,
     attention_layout as layout_of_source,
 )
-from kdcache.storage.core.backend_registry import DEFAULT_BACKEND, backend_class
+from kdcache.storage.core.backend_registry import DEFAULT_BACKEND, BackendClass, backend_class
 from kdcache.storage.core.codecs import CompressorConfig, resolve_codec
 from kdcache.storage.core.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
 from kdcache.storage.core.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
@@ -132,7 +132,7 @@ class CacheSpec:
         put("token_arrays", tuple(self.token_arrays))
         if self.attention_heads is not None:
             put("attention_heads", sorted_layers("attention_heads", self.attention_heads, 0))
-        codec, topk_codec = backend_class(self.backend).default_codecs()  # a SpecError names the backends
+        codec, topk_codec = self.backend_type.default_codecs()
         put("codec", resolve_codec(codec if self.codec is None else self.codec))
         put("topk_codec", resolve_codec(topk_codec if self.topk_codec is None else self.topk_codec))
         put("hidden_codec", hidden_codec_of(self.hidden_codec, self.dtype if self.dtype in ("fp16", "bf16")
@@ -141,6 +141,10 @@ class CacheSpec:
 
     # The names as objects, resolved once where a name enters (``check_spec`` refuses an unknown one): what storage
     # reads of them, and what the stages join their kinds to (``logit_kinds.of``, ``attention_sources.of``).
+    @functools.cached_property
+    def backend_type(self) -> BackendClass:  # a SpecError names the registered backends
+        return backend_class(self.backend)
+
     @functools.cached_property
     def logit_layout(self) -> LogitLayout | None:
         return layout_named(self.logits)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kdcache.storage.core.attention_source import AttentionLayout, check_attention_source
-from kdcache.storage.core.backend_registry import backend_class
+from kdcache.storage.core.backend_registry import BackendClass
 from kdcache.storage.core.codecs import CompressorConfig
 from kdcache.storage.core.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.core.errors import SpecError
@@ -53,7 +53,7 @@ class SpecFields(LogitFields, Protocol):
     @property
     def sequences_per_shard(self) -> int: ...
     @property
-    def backend(self) -> str: ...
+    def backend_type(self) -> BackendClass: ...  # the class registered as ``backend``
     @property
     def dtype(self) -> str: ...
     @property
@@ -105,7 +105,7 @@ def check_spec(spec: SpecFields) -> None:
         raise SpecError(f"token_arrays {list(spec.token_arrays)}: expected distinct names among "
                         f"{list(TOKEN_ARRAYS)}")
     for config in spec.codec_configs:  # fail at creation, not at the first shard
-        backend_class(spec.backend).check_codec(config)
+        spec.backend_type.check_codec(config)
     check_attention_source(spec.attention_layout, spec.attention_scores, spec.attention_layers,
                            one_stream=not spec.is_encoder_decoder, all_heads=spec.attention_heads is None,
                            triangle=spec.attention_triangle)

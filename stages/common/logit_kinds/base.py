@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
+from kdcache.lazy_exports import deferred
 from kdcache.storage import (
     KdcacheError,
     LayoutFields,
@@ -31,8 +32,11 @@ from kdcache.storage import (
 if TYPE_CHECKING:
     import torch
 
+    from kdcache.stages.common import vocab_pass
     from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.common.vocab_pass import ChunkTerm
+else:  # torch's side loads on first use, so that the registry and the option checks import without it
+    (vocab_pass,) = deferred("kdcache.stages.common.vocab_pass")
 
 
 class LogitKindError(KdcacheError, ValueError):
@@ -174,9 +178,8 @@ class LogitKind:
     def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         """Stage two's term ``term``: a scalar, from student ``logits [B, L, V]`` and the batch's cached arrays."""
-        from kdcache.stages.common.vocab_pass import term_value
 
-        return term_value(logits, self.chunk_term(logits, targets, mask, setup))
+        return vocab_pass.term_value(logits, self.chunk_term(logits, targets, mask, setup))
 
     def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
                    setup: KlSetup) -> ChunkTerm:

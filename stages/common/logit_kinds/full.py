@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kdcache.lazy_exports import deferred
 from kdcache.stages.common.logit_kinds.base import CaptureSettings, KlSetup, LogitKind, TeacherHead, register
 from kdcache.stages.common.loss_errors import LossError
 from kdcache.storage import FULL_LAYOUT
@@ -16,8 +17,12 @@ from kdcache.storage import FULL_LAYOUT
 if TYPE_CHECKING:
     import torch
 
+    from kdcache.stages.common import kernel_feeds, loss_rows, vocab_pass
     from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.common.vocab_pass import ChunkTerm
+else:  # torch's side loads on first use, so that the registry and the option checks import without it
+    kernel_feeds, loss_rows, vocab_pass = deferred(
+        "kdcache.stages.common.kernel_feeds", "kdcache.stages.common.loss_rows", "kdcache.stages.common.vocab_pass")
 
 
 @register
@@ -59,24 +64,21 @@ def kd_kl(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tenso
     Returns:
         Scalar.
     """
-    from kdcache.stages.common.vocab_pass import term_value
 
-    return term_value(student_logits, kd_kl_term(student_logits, teacher_logits, mask, temperature))
+    return vocab_pass.term_value(student_logits, kd_kl_term(student_logits, teacher_logits, mask, temperature))
 
 
 def kd_kl_term(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tensor, mask: torch.Tensor,
                temperature: float = 1.0) -> ChunkTerm:
     """``kd_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
-    from kdcache.stages.common.kernel_feeds import dense_kl_feed
-    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, kl_row_values, valid_count
-    from kdcache.stages.common.vocab_pass import ChunkTerm
 
-    check_temperature(temperature)
+    loss_rows.check_temperature(temperature)
     if student_logits.shape != teacher_logits.shape:
         raise LossError(
             f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} "
             "differ; the student and the cache must share one vocabulary"
         )
-    m = bool_mask(mask, student_logits)
-    return ChunkTerm(lambda z, z_t: kl_row_values(z, z_t, temperature), m, (teacher_logits,),
-                     temperature**2 / valid_count(m), feed=dense_kl_feed(temperature, lambda z_t: z_t))
+    m = loss_rows.bool_mask(mask, student_logits)
+    feed = kernel_feeds.dense_kl_feed(temperature, lambda z_t: z_t)
+    return vocab_pass.ChunkTerm(lambda z, z_t: loss_rows.kl_row_values(z, z_t, temperature), m, (teacher_logits,),
+                                temperature**2 / loss_rows.valid_count(m), feed=feed)

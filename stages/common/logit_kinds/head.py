@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kdcache.lazy_exports import deferred
 from kdcache.stages.common.logit_kinds.base import KlSetup, LogitKind, TeacherHead, register
 from kdcache.stages.common.loss_errors import LossError
 from kdcache.storage import HEAD_LAYOUT
@@ -18,8 +19,13 @@ from kdcache.storage import HEAD_LAYOUT
 if TYPE_CHECKING:
     import torch
 
+    from kdcache.stages.common import kernel_feeds, loss_rows, vocab_pass
     from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.common.vocab_pass import ChunkTerm
+else:  # torch's side loads on first use, so that the registry and the option checks import without it
+    torch, kernel_feeds, loss_rows, vocab_pass = deferred(
+        "torch", "kdcache.stages.common.kernel_feeds", "kdcache.stages.common.loss_rows",
+        "kdcache.stages.common.vocab_pass")
 
 HEAD_CHUNK = 512  # valid tokens per chunk of the check when --logits-chunk leaves chunking off
 
@@ -50,12 +56,10 @@ class Head(LogitKind):
     def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
                      head: TeacherHead | None) -> torch.Tensor:
         """Chunk by chunk: ``[N_v, V]`` teacher logits never exist at once."""
-        import torch
 
-        from kdcache.stages.common.loss_rows import LOSS_CHUNK
 
         rows = _last_layer(targets, _head(head))[valid]
-        return torch.cat([_head(head)(part).argmax(-1) for part in rows.split(LOSS_CHUNK)])
+        return torch.cat([_head(head)(part).argmax(-1) for part in rows.split(loss_rows.LOSS_CHUNK)])
 
     def describe(self, info: Mapping[str, Any]) -> str:
         return f"the teacher's LM head on its last layer (teacher_head/), V={info['vocab_size']}"
@@ -86,9 +90,8 @@ def head_kl(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
         mask: ``[B, L]``.
         temperature: T > 0; exact at any T, since the full distribution is rebuilt.
     """
-    from kdcache.stages.common.vocab_pass import term_value
 
-    return term_value(student_logits, head_kl_term(student_logits, hidden_t, head, mask, temperature))
+    return vocab_pass.term_value(student_logits, head_kl_term(student_logits, hidden_t, head, mask, temperature))
 
 
 def head_kl_term(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
@@ -96,12 +99,10 @@ def head_kl_term(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tens
                  temperature: float = 1.0) -> ChunkTerm:
     """``head_kl`` as a term of a vocabulary pass (``vocab_pass``): the teacher's ``[C, V]`` logits are rebuilt
     chunk by chunk beside the student's."""
-    from kdcache.stages.common.kernel_feeds import dense_kl_feed
-    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, kl_row_values, valid_count
-    from kdcache.stages.common.vocab_pass import ChunkTerm
 
-    check_temperature(temperature)
-    m = bool_mask(mask, student_logits)
+    loss_rows.check_temperature(temperature)
+    m = loss_rows.bool_mask(mask, student_logits)
     # Fused: the teacher's [C, V] logits from a second matmul per chunk, read by the kernel beside the student's.
-    return ChunkTerm(lambda z, rows: kl_row_values(z, head(rows), temperature), m, (hidden_t,),
-                     temperature**2 / valid_count(m), feed=dense_kl_feed(temperature, head))
+    feed = kernel_feeds.dense_kl_feed(temperature, head)
+    return vocab_pass.ChunkTerm(lambda z, rows: loss_rows.kl_row_values(z, head(rows), temperature), m, (hidden_t,),
+                                temperature**2 / loss_rows.valid_count(m), feed=feed)

@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kdcache.lazy_exports import deferred
 from kdcache.stages.common.logit_kinds.base import (
     CacheLogits,
     CaptureSettings,
@@ -28,9 +29,15 @@ from kdcache.storage import SAMPLED_LAYOUT
 
 if TYPE_CHECKING:
     import torch
+    import torch.nn.functional as F
 
+    from kdcache.stages.common import kernel_feeds, loss_rows, vocab_pass
     from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.common.vocab_pass import ChunkTerm
+else:  # torch's side loads on first use, so that the registry and the option checks import without it
+    torch, F, kernel_feeds, loss_rows, vocab_pass = deferred(
+        "torch", "torch.nn.functional", "kdcache.stages.common.kernel_feeds", "kdcache.stages.common.loss_rows",
+        "kdcache.stages.common.vocab_pass")
 
 MAX_SAMPLES = 255  # the counts are stored as uint8
 
@@ -112,7 +119,6 @@ def sample_logits(logits: torch.Tensor, samples: int, temperature: float,
     ``logits/sample_ids`` int32, ``logits/sample_counts`` uint8 and ``logits/sample_logp`` float32, the teacher's
     log-probability of each id at T: what the estimator of ``sampled_kl`` needs.
     """
-    import torch
 
     log_p = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]) / temperature, dim=-1)
     draws, _ = torch.multinomial(log_p.exp(), samples, replacement=True, generator=generator).sort(dim=1)
@@ -151,26 +157,21 @@ def sampled_kl(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, cou
     Returns:
         Scalar: T² · mean over valid tokens of the estimate.
     """
-    from kdcache.stages.common.vocab_pass import term_value
 
-    return term_value(student_logits, sampled_kl_term(student_logits, ids, counts, logp, mask, temperature))
+    return vocab_pass.term_value(student_logits, sampled_kl_term(student_logits, ids, counts, logp, mask, temperature))
 
 
 def sampled_kl_term(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, counts: torch.Tensor,
                     logp: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> ChunkTerm:
     """``sampled_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
-    import torch.nn.functional as F
 
-    from kdcache.stages.common.kernel_feeds import sampled_feed
-    from kdcache.stages.common.loss_rows import bool_mask, check_temperature, valid_count
-    from kdcache.stages.common.vocab_pass import ChunkTerm
 
-    check_temperature(temperature)
-    m = bool_mask(mask, student_logits)
+    loss_rows.check_temperature(temperature)
+    m = loss_rows.bool_mask(mask, student_logits)
 
     def row_estimate(z: torch.Tensor, drawn: torch.Tensor, count: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
         log_s = F.log_softmax(z / temperature, dim=-1).gather(1, drawn.long())
         weights = count.float() / count.float().sum(-1, keepdim=True).clamp_min(1.0)
         return (weights * (log_p.float() - log_s)).sum(-1)
-    return ChunkTerm(row_estimate, m, (ids, counts, logp), temperature**2 / valid_count(m),
-                     feed=sampled_feed(temperature))
+    return vocab_pass.ChunkTerm(row_estimate, m, (ids, counts, logp), temperature**2 / loss_rows.valid_count(m),
+                                feed=kernel_feeds.sampled_feed(temperature))

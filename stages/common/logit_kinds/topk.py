@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kdcache.lazy_exports import deferred
 from kdcache.stages.common.logit_kinds.base import (
     CacheLogits,
     CaptureSettings,
@@ -26,9 +27,15 @@ from kdcache.storage import TOPK_LAYOUT, TOPK_MASS
 
 if TYPE_CHECKING:
     import torch
+    import torch.nn.functional as F
 
+    from kdcache.stages.common import kernel_feeds, loss_rows, vocab_pass
     from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.common.vocab_pass import ChunkTerm
+else:  # torch's side loads on first use, so that the registry and the option checks import without it
+    torch, F, kernel_feeds, loss_rows, vocab_pass = deferred(
+        "torch", "torch.nn.functional", "kdcache.stages.common.kernel_feeds", "kdcache.stages.common.loss_rows",
+        "kdcache.stages.common.vocab_pass")
 
 TOPK_VARIANTS = ("renorm", "other")  # as train.core.options.TOPK_KL_VARIANTS offers them
 # --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value
@@ -67,7 +74,6 @@ class TopK(LogitKind):
         """``logits/topk_values [..., k]`` in the teacher's dtype (the caller checks their range, then converts
         them), ``logits/topk_ids`` int32, ``logits/lse [...]`` fp32 and the kept mass ``TOPK_MASS [...]``; with a
         ``logprob_step``, fp32 log-probabilities instead of values and no logsumexp."""
-        import torch
 
         values, ids = torch.topk(logits, settings.top_k, dim=-1, largest=True, sorted=True)
         # The upcast keeps the logsumexp exact for half-precision teachers (a no-op for fp32 ones).
@@ -126,10 +132,9 @@ def topk_kl(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor
         variant: ``"renorm"`` or ``"other"``.
         temperature: T for ``renorm``; ``other`` accepts only 1.0 (see ``topk_kl_other``).
     """
-    from kdcache.stages.common.vocab_pass import term_value
 
     term = topk_kl_term(student_logits, topk_values, topk_ids, mask, lse, variant=variant, temperature=temperature)
-    return term_value(student_logits, term)
+    return vocab_pass.term_value(student_logits, term)
 
 
 def topk_kl_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
@@ -180,40 +185,29 @@ def _renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.T
                  mask: torch.Tensor, temperature: float) -> ChunkTerm:
     """The renormalised KL reads k logits per token: in a pass beside a term that builds the full logits, a gather
     of them; alone, only those k (``rows_on_ids``: a gather of k head rows per token, never ``[N, V]``)."""
-    from kdcache.stages.common.kernel_feeds import renorm_feed
-    from kdcache.stages.common.loss_rows import (
-        bool_mask,
-        check_temperature,
-        logit_rows,
-        rows_on_ids,
-        valid_count,
-        valid_rows,
-    )
-    from kdcache.stages.common.vocab_pass import ChunkTerm
 
-    check_temperature(temperature)
+    loss_rows.check_temperature(temperature)
     _check_topk(student_logits, topk_values, topk_ids)
-    m = bool_mask(mask, student_logits)
-    scale = temperature**2 / valid_count(m)
+    m = loss_rows.bool_mask(mask, student_logits)
+    scale = temperature**2 / loss_rows.valid_count(m)
 
     def row_kl(z: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return _renorm_rows(z.gather(1, ids.long()), values, temperature)
 
     def alone() -> torch.Tensor:
-        on_ids = rows_on_ids(logit_rows(student_logits, m), valid_rows(topk_ids, m).long())
-        return _renorm_rows(on_ids, valid_rows(topk_values, m), temperature).sum() * scale
-    return ChunkTerm(row_kl, m, (topk_values, topk_ids), scale, alone, renorm_feed(temperature))
+        rows = loss_rows.logit_rows(student_logits, m)
+        on_ids = loss_rows.rows_on_ids(rows, loss_rows.valid_rows(topk_ids, m).long())
+        return _renorm_rows(on_ids, loss_rows.valid_rows(topk_values, m), temperature).sum() * scale
+    return vocab_pass.ChunkTerm(row_kl, m, (topk_values, topk_ids), scale, alone, kernel_feeds.renorm_feed(temperature))
 
 
 def _renorm_rows(student_on_ids: torch.Tensor, values: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[C]`` KL over the k ids, from the student's ``[C, k]`` logits at them and the teacher's ``[C, k]``."""
-    import torch.nn.functional as F
 
-    from kdcache.stages.common.loss_rows import kl_terms
 
     log_t = F.log_softmax(values.float() / temperature, dim=-1)
     log_s = F.log_softmax(student_on_ids.float() / temperature, dim=-1)
-    return kl_terms(log_t, log_s).sum(-1)
+    return loss_rows.kl_terms(log_t, log_s).sum(-1)
 
 
 def topk_kl_other(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
@@ -236,8 +230,6 @@ def topk_kl_other(student_logits: torch.Tensor | HeadLogits, topk_values: torch.
 
 def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
                 lse: torch.Tensor, mask: torch.Tensor, temperature: float) -> ChunkTerm:
-    from kdcache.stages.common.loss_rows import bool_mask, kl_terms, valid_count
-    from kdcache.stages.common.vocab_pass import ChunkTerm
 
     if temperature != 1.0:
         raise LossError(
@@ -245,7 +237,7 @@ def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Te
             f"got {temperature}; use temperature 1, or the 'renorm' variant for T != 1"
         )
     _check_topk(student_logits, topk_values, topk_ids)
-    m = bool_mask(mask, student_logits)
+    m = loss_rows.bool_mask(mask, student_logits)
     # k == V: there is no tail. Drop the leftover bucket on both sides; the teacher's 1 − Σ would only be
     # rounding noise facing the student's exact −inf.
     k = topk_ids.shape[-1]
@@ -253,14 +245,13 @@ def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Te
 
     def row_kl(z: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, lse_t: torch.Tensor) -> torch.Tensor:
         log_t = _teacher_buckets(values.float(), lse_t.float())[:, :buckets]
-        return kl_terms(log_t, _student_buckets(z, ids.long())[:, :buckets]).sum(-1)
+        return loss_rows.kl_terms(log_t, _student_buckets(z, ids.long())[:, :buckets]).sum(-1)
     # No kernel feed: the student's tail mass needs a logsumexp over the vocabulary less the k ids (kernel_feeds).
-    return ChunkTerm(row_kl, m, (topk_values, topk_ids, lse), 1.0 / valid_count(m))
+    return vocab_pass.ChunkTerm(row_kl, m, (topk_values, topk_ids, lse), 1.0 / loss_rows.valid_count(m))
 
 
 def _teacher_buckets(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Teacher log-probabilities of the k+1 buckets, ``[N_v, k+1]``, from values ``[N_v, k]`` and lse ``[N_v]``."""
-    import torch
 
     log_top = values - lse[:, None]
     # fp16 rounding of the values can push the top-k mass a hair above 1: clamp so the leftover is >= 0.
@@ -275,7 +266,6 @@ def _student_buckets(z_s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     leftover is tiny, where ``log(1 - Σp)`` would cancel to noise. With k == V (no tail) it is −inf, built
     without a logsumexp over an all −inf row, whose backward would be NaN.
     """
-    import torch
 
     lse_s = torch.logsumexp(z_s, dim=-1, keepdim=True)
     log_top = torch.gather(z_s, 1, ids) - lse_s
