@@ -160,12 +160,14 @@ def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from benchmarks.bench_logits import llama_model
+from kdcache.stages.common import attention_sources, logit_kinds
 from kdcache.stages.precompute.capture.features import FeatureCapture
 from kdcache.stages.precompute.core.targets import StreamTargets, Targets
 from kdcache.stages.precompute.core.teacher_id import Teacher
 model = llama_model()
 teacher = Teacher(model, None, model.config, torch.device("cpu"), {{}}, "sdpa")
-targets = Targets({{"": StreamTargets((), (), 2)}}, None, "topk", 64, {LLAMA_VOCAB}, 4, True)
+targets = Targets({{"": StreamTargets((), (), 2)}}, None, "topk", 64, {LLAMA_VOCAB}, 4, True,
+                  logit_kind=logit_kinds.get("topk"), source=attention_sources.get(None))
 ids = torch.randint(0, {LLAMA_VOCAB}, ({batch}, {length}))
 mask = torch.ones_like(ids)
 with FeatureCapture(teacher, targets, "fp16", {chunk}) as capture:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -60,12 +61,22 @@ def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable
 
 
 class _Deferred(ModuleType):
-    """Stands for module ``__name__`` until it is used: each attribute read imports it (the first time; then a
-    ``sys.modules`` lookup) and returns the real module's attribute, so that a patched attribute is seen. Never put
-    in ``sys.modules``: an ``import`` elsewhere loads the one real module."""
+    """Stands for module ``__name__`` until it is used: an attribute read imports it (the first time; after that a
+    ``sys.modules`` lookup) and returns the real module's attribute, so a patch of the real module is seen. Writes
+    are refused (a patch through the stand-in would reach no other importer, and undoing it would read the
+    stand-in's own empty ``__dict__``). Never put in ``sys.modules``: an ``import`` elsewhere loads the one real
+    module."""
 
     def __getattr__(self, attribute: str) -> Any:
-        return getattr(importlib.import_module(self.__name__), attribute)
+        name = ModuleType.__getattribute__(self, "__name__")
+        return getattr(sys.modules.get(name) or importlib.import_module(name), attribute)
+
+    def __setattr__(self, attribute: str, value: object) -> None:
+        raise AttributeError(f"{attribute!r}: set it on the module itself ({self.__name__}), not on a deferred "
+                             f"stand-in for it")
+
+    def __delattr__(self, attribute: str) -> None:
+        self.__setattr__(attribute, None)
 
 
 def deferred(*modules: str) -> tuple[ModuleType, ...]:

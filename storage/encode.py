@@ -193,22 +193,21 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
 
 def _logit_rules(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]], arrays: dict[str, np.ndarray],
                  lossy: dict[str, dict[str, float]]) -> None:
-    """The layout's rules over a shard's logit arrays: sorted rows, the kept probability mass, ids in range and
-    narrowed to their dtype, rising rows stored as gaps."""
-    for array in spec.arrays():
-        logit, name = array.logit, array.name
-        if logit is None:
-            continue
+    """The layout's rules over a shard's logit arrays, each over all of them in turn (so that which error a bad
+    shard raises first stays put): sorted rows and the kept probability mass; ids in range, narrowed to their
+    dtype; rising rows stored as gaps."""
+    logits = [(a, a.logit) for a in spec.arrays() if a.logit is not None]
+    for array, logit in logits:
         if logit.descending:
-            _check_descending(spec, name, arrays[name])
+            _check_descending(spec, array.name, arrays[array.name])
         if logit.mass and all(TOPK_MASS in item for item in sequences):
             mass = np.concatenate([np.asarray(item[TOPK_MASS], dtype=np.float64) for item in sequences])
-            lossy.setdefault(name, {}).update(_mass_record(mass))
-        if array.vocab_ids:
-            _check_ids(spec, name, arrays[name])
-            arrays[name] = arrays[name].astype(array.dtype)
-        if array.gap_coded:
-            arrays[name] = _gaps(array, arrays[name])
+            lossy.setdefault(array.name, {}).update(_mass_record(mass))
+    for array in (a for a, _ in logits if a.vocab_ids):
+        _check_ids(spec, array.name, arrays[array.name])
+        arrays[array.name] = arrays[array.name].astype(array.dtype)
+    for array in (a for a, _ in logits if a.gap_coded):
+        arrays[array.name] = _gaps(array, arrays[array.name])
 
 
 def _coded(spec: CacheSpec, item: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -78,6 +77,9 @@ class QKRecorderError(RuntimeError):
 
 def _delegate(module: torch.nn.Module, kwargs: dict[str, Any]) -> AttentionFunction:
     """SDPA; for soft-capped scores, which SDPA refuses, the model's own eager attention given an additive mask."""
+    # Here, not at the top: transformers has it from 4.48 (pyproject allows 4.45), and only the qk source calls it.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     if kwargs.get("softcap") is None:
         return sdpa_attention_forward
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)

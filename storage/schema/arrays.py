@@ -49,7 +49,8 @@ class CachedArray:
 
     Attributes:
         name: the array's name, the key of batches, shards and manifests.
-        stream: its token stream (``""``, ``encoder``, ``decoder``; logits: the last stream).
+        stream: the token stream its rows follow: its prefix's (``encoder/hidden/3``), else ``""`` in a
+            one-stream cache and ``decoder`` in a two-stream one (logits, cross-attention's queries).
         kind: an ``ArrayKind`` (``hidden``, ``attention_q``...), or the name's first part for a kind outside the
             vocabulary (a companion ``hidden_scale``, a test's own attention source).
         logit: the logit layout's record of the array; None for any other.
@@ -104,7 +105,8 @@ class ArraySpecFields(SpecFields, Protocol):
 
 
 def describe(spec: ArraySpecFields, name: str) -> CachedArray:
-    """Array ``name`` of ``spec``: the one place its name is read."""
+    """Array ``name`` of ``spec``: where its name is read, once per spec (``spec.coded`` and ``spec.float_dtype``,
+    which the spec's own naming needs before any array is described, read the hidden codec's kinds from it too)."""
     kind, logit, part = kind_of(name), logit_array(spec, name), part_of(name)
     stream = split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")
     rows = kind == ArrayKind.HIDDEN or kind in token_row_kinds()  # the registry's: a test may register a source

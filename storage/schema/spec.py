@@ -158,14 +158,19 @@ class CacheSpec:
     def _arrays(self) -> dict[str, CachedArray]:
         return {name: describe(self, name) for name in self.array_names()}
 
+    @functools.cached_property
+    def _sequence_arrays(self) -> tuple[CachedArray, ...]:
+        return tuple(self._arrays[name] for name in self.sequence_names())
+
     def array(self, name: str) -> CachedArray:
-        """Array ``name`` described: its kind, stream, logit record, dtype, codec and where its rows are. A shard's
-        arrays are described once per spec; another name (a coded layer's error rows, the kept mass) each call."""
-        return self._arrays.get(name) or describe(self, name)
+        """Array ``name`` described: its kind, stream, logit record, dtype, codec and where its rows are, once per
+        spec (a name outside the shard's arrays too: a coded layer's error rows, the kept mass)."""
+        found = self._arrays.get(name)
+        return found if found is not None else self._arrays.setdefault(name, describe(self, name))
 
     def arrays(self) -> list[CachedArray]:
         """The per-sequence arrays a reader returns and the writer takes (``sequence_names``), described."""
-        return [self._arrays[name] for name in self.sequence_names()]
+        return list(self._sequence_arrays)
 
     @property
     def codec_configs(self) -> tuple[CompressorConfig, CompressorConfig]:
@@ -223,17 +228,6 @@ class CacheSpec:
         packed by document as ``pack_attention`` does)."""
         geometry = self.array(name).geometry
         return geometry is not None and geometry.by_documents
-
-    def attention_geometry(self, name: str) -> tuple[str, str, bool]:
-        """``(query stream, key stream, triangle)`` of attention map ``name`` (``CachedArray.geometry``).
-
-        Raises:
-            SpecError: ``name`` is no attention map.
-        """
-        geometry = self.array(name).geometry
-        if geometry is None:
-            raise SpecError(f"{name!r} is no attention map; expected one of {list(MAP_KINDS)}")
-        return geometry.queries, geometry.keys, geometry.triangle
 
     def offset_arrays(self) -> list[str]:
         """Every offsets array of a shard (token offsets per stream, then attention offsets)."""

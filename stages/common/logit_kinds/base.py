@@ -178,7 +178,6 @@ class LogitKind:
     def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         """Stage two's term ``term``: a scalar, from student ``logits [B, L, V]`` and the batch's cached arrays."""
-
         return vocab_pass.term_value(logits, self.chunk_term(logits, targets, mask, setup))
 
     def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,

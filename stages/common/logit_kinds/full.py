@@ -64,14 +64,12 @@ def kd_kl(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tenso
     Returns:
         Scalar.
     """
-
     return vocab_pass.term_value(student_logits, kd_kl_term(student_logits, teacher_logits, mask, temperature))
 
 
 def kd_kl_term(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tensor, mask: torch.Tensor,
                temperature: float = 1.0) -> ChunkTerm:
     """``kd_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
-
     loss_rows.check_temperature(temperature)
     if student_logits.shape != teacher_logits.shape:
         raise LossError(

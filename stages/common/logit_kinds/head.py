@@ -56,8 +56,6 @@ class Head(LogitKind):
     def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
                      head: TeacherHead | None) -> torch.Tensor:
         """Chunk by chunk: ``[N_v, V]`` teacher logits never exist at once."""
-
-
         rows = _last_layer(targets, _head(head))[valid]
         return torch.cat([_head(head)(part).argmax(-1) for part in rows.split(loss_rows.LOSS_CHUNK)])
 
@@ -90,7 +88,6 @@ def head_kl(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
         mask: ``[B, L]``.
         temperature: T > 0; exact at any T, since the full distribution is rebuilt.
     """
-
     return vocab_pass.term_value(student_logits, head_kl_term(student_logits, hidden_t, head, mask, temperature))
 
 
@@ -99,7 +96,6 @@ def head_kl_term(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tens
                  temperature: float = 1.0) -> ChunkTerm:
     """``head_kl`` as a term of a vocabulary pass (``vocab_pass``): the teacher's ``[C, V]`` logits are rebuilt
     chunk by chunk beside the student's."""
-
     loss_rows.check_temperature(temperature)
     m = loss_rows.bool_mask(mask, student_logits)
     # Fused: the teacher's [C, V] logits from a second matmul per chunk, read by the kernel beside the student's.

@@ -119,7 +119,6 @@ def sample_logits(logits: torch.Tensor, samples: int, temperature: float,
     ``logits/sample_ids`` int32, ``logits/sample_counts`` uint8 and ``logits/sample_logp`` float32, the teacher's
     log-probability of each id at T: what the estimator of ``sampled_kl`` needs.
     """
-
     log_p = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]) / temperature, dim=-1)
     draws, _ = torch.multinomial(log_p.exp(), samples, replacement=True, generator=generator).sort(dim=1)
     first = torch.ones_like(draws, dtype=torch.bool)
@@ -157,14 +156,12 @@ def sampled_kl(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, cou
     Returns:
         Scalar: T² · mean over valid tokens of the estimate.
     """
-
     return vocab_pass.term_value(student_logits, sampled_kl_term(student_logits, ids, counts, logp, mask, temperature))
 
 
 def sampled_kl_term(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, counts: torch.Tensor,
                     logp: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> ChunkTerm:
     """``sampled_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
-
 
     loss_rows.check_temperature(temperature)
     m = loss_rows.bool_mask(mask, student_logits)

@@ -74,7 +74,6 @@ class TopK(LogitKind):
         """``logits/topk_values [..., k]`` in the teacher's dtype (the caller checks their range, then converts
         them), ``logits/topk_ids`` int32, ``logits/lse [...]`` fp32 and the kept mass ``TOPK_MASS [...]``; with a
         ``logprob_step``, fp32 log-probabilities instead of values and no logsumexp."""
-
         values, ids = torch.topk(logits, settings.top_k, dim=-1, largest=True, sorted=True)
         # The upcast keeps the logsumexp exact for half-precision teachers (a no-op for fp32 ones).
         lse = torch.logsumexp(logits.float(), dim=-1)
@@ -132,7 +131,6 @@ def topk_kl(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor
         variant: ``"renorm"`` or ``"other"``.
         temperature: T for ``renorm``; ``other`` accepts only 1.0 (see ``topk_kl_other``).
     """
-
     term = topk_kl_term(student_logits, topk_values, topk_ids, mask, lse, variant=variant, temperature=temperature)
     return vocab_pass.term_value(student_logits, term)
 
@@ -185,7 +183,6 @@ def _renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.T
                  mask: torch.Tensor, temperature: float) -> ChunkTerm:
     """The renormalised KL reads k logits per token: in a pass beside a term that builds the full logits, a gather
     of them; alone, only those k (``rows_on_ids``: a gather of k head rows per token, never ``[N, V]``)."""
-
     loss_rows.check_temperature(temperature)
     _check_topk(student_logits, topk_values, topk_ids)
     m = loss_rows.bool_mask(mask, student_logits)
@@ -203,7 +200,6 @@ def _renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.T
 
 def _renorm_rows(student_on_ids: torch.Tensor, values: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[C]`` KL over the k ids, from the student's ``[C, k]`` logits at them and the teacher's ``[C, k]``."""
-
 
     log_t = F.log_softmax(values.float() / temperature, dim=-1)
     log_s = F.log_softmax(student_on_ids.float() / temperature, dim=-1)
@@ -230,7 +226,6 @@ def topk_kl_other(student_logits: torch.Tensor | HeadLogits, topk_values: torch.
 
 def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
                 lse: torch.Tensor, mask: torch.Tensor, temperature: float) -> ChunkTerm:
-
     if temperature != 1.0:
         raise LossError(
             f"the 'other' top-k KL is exact only at temperature 1 (the cached logsumexp is taken at T=1), "
@@ -252,7 +247,6 @@ def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Te
 
 def _teacher_buckets(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Teacher log-probabilities of the k+1 buckets, ``[N_v, k+1]``, from values ``[N_v, k]`` and lse ``[N_v]``."""
-
     log_top = values - lse[:, None]
     # fp16 rounding of the values can push the top-k mass a hair above 1: clamp so the leftover is >= 0.
     leftover = (1.0 - log_top.exp().sum(-1)).clamp_min(0.0)
@@ -266,7 +260,6 @@ def _student_buckets(z_s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     leftover is tiny, where ``log(1 - Σp)`` would cancel to noise. With k == V (no tail) it is −inf, built
     without a logsumexp over an all −inf row, whose backward would be NaN.
     """
-
     lse_s = torch.logsumexp(z_s, dim=-1, keepdim=True)
     log_top = torch.gather(z_s, 1, ids) - lse_s
     if ids.shape[1] >= z_s.shape[1]:

@@ -231,16 +231,22 @@ class TargetOptions:
         """The logit mode the flags ask for, whether or not ``logits`` ends up among the features."""
         return FULL_LOGITS if self.full_logits else self.logits_mode.partition(":")[0]
 
-    # The flags' names as objects, looked up here where they enter: the targets, capture and the checks hold these.
+    # The flags' names as objects, looked up here where they enter (``resolve_targets`` reads each once and hands
+    # the objects to ``Targets``, which capture and the checks read them from).
     @property
     def logit_kind(self) -> logit_kinds.LogitKind | None:
-        """The kind of ``logits_kind`` (None without feature ``logits``)."""
-        return self._mode_kind if self.logits_kind else None
+        """The kind of ``logits_kind`` (None without feature ``logits``; a ``LogitKindError`` for a mode no kind
+        has, which ``validate`` reports first)."""
+        return self._named_kind() if self.logits_kind else None
 
     @property
     def _mode_kind(self) -> logit_kinds.LogitKind | None:
         """The kind of the logit mode the flags ask for (None: no kind has that name, which ``validate`` reports)."""
-        return logit_kinds.get(self._mode) if self._mode in logit_kinds.names() else None
+        return self._named_kind() if self._mode in logit_kinds.names() else None
+
+    def _named_kind(self) -> logit_kinds.LogitKind:
+        """The kind named by the flags' logit mode (``LogitKindError`` naming the modes when none is)."""
+        return logit_kinds.get(self._mode)
 
     @property
     def source(self) -> attention_sources.AttentionSource:

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from kdcache.storage import ArrayKind, CacheSpec, format_bytes
+from kdcache.storage import ArrayKind, format_bytes
 
 if TYPE_CHECKING:
-    from kdcache.storage import Manifest, ShardRecord
+    from kdcache.storage import CacheSpec, Manifest, ShardRecord
 
 
 @dataclass

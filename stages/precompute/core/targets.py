@@ -166,12 +166,13 @@ def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Tar
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
     causal = architectures.is_causal_config(config)  # the same judgement stage two makes of the student
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    kind, source = t.logit_kind, t.source
+    kind = t.logit_kind
     for problem in kind.teacher_problems(options.engine.teacher, "" in streams, causal, vocab, t.top_k) if kind else ():
         raise PrecomputeError(problem)
     if kind and kind.teacher_head:
         streams = _with_last_layer(streams)
     _check_triangle(options, streams, causal)
+    source = t.source
     _check_attention_source(options, source, streams, config)
     heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.distributed import DistributedConfig
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.precompute.core import PrecomputeError
@@ -99,6 +98,8 @@ class Grid:
 def load_kwargs(layout: Layout, grid: Grid, local_rank: int) -> dict[str, Any]:
     """Extra ``from_pretrained`` keywords for the layout (none for ``none``)."""
     if layout.kind == "tp":
+        from transformers.distributed import DistributedConfig  # recent transformers only (pyproject allows 4.45)
+
         # Groups of consecutive ranks; the replicas axis makes W / N of them (transformers' own mesh order).
         return {"distributed_config": DistributedConfig(tp_size=grid.tensor, dp_replicate_size=grid.groups)}
     if layout.kind == "layers":

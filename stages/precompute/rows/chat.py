@@ -20,8 +20,6 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
-
 from kdcache.stages.precompute.core import PrecomputeError
 
 if TYPE_CHECKING:
@@ -104,6 +102,9 @@ def render(row: int, messages: list[dict[str, Any]], template: str,
 
 def _render(messages: list[dict[str, Any]], template: str, tokenizer: PreTrainedTokenizerBase, *,
             prompt: bool = False, tagged: bool = False) -> tuple[str, list[Span]]:
+    # Here, not at the top: recent transformers only (pyproject allows 4.45), and only chat data renders.
+    from transformers.utils.chat_template_utils import render_jinja_template
+
     # transformers annotates the result as str; it is (texts, generation indices), one entry per conversation.
     _pin_date(template)
     special: dict[str, Any] = tokenizer.special_tokens_map  # bos_token, eos_token...: template variables
@@ -117,6 +118,8 @@ def _pin_date(template: str) -> None:
     """Make the template's ``strftime_now`` print ``CHAT_DATE``. Render arguments cannot carry a function (the
     renderer turns them into plain data), so the global is set on transformers' compiled template, which it caches
     per template text with an environment of its own."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # private: read where it is used
+
     _compile_jinja_template(template).environment.globals["strftime_now"] = CHAT_DATE.strftime
 
 
