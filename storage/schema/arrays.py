@@ -113,12 +113,13 @@ def describe(spec: ArraySpecFields, name: str) -> CachedArray:
     lossy = rows or kind in MAP_KINDS or (logit is not None and not logit.sparse)
     coded = spec.coded(name)
     return CachedArray(name, stream, kind, logit, part, coded, rows, lossy,
-                       _dtype(spec, name, kind, logit, part), _codec(spec, logit, coded or part is not None),
+                       _dtype(spec, name, kind, logit, part, coded), _codec(spec, logit, coded or part is not None),
                        attention_offsets_name(name) if kind in MAP_KINDS else token_offsets_name(stream),
                        _geometry(spec, kind, stream) if kind in MAP_KINDS else None)
 
 
-def _dtype(spec: ArraySpecFields, name: str, kind: str, logit: LogitArray | None, part: str | None) -> np.dtype:
+def _dtype(spec: ArraySpecFields, name: str, kind: str, logit: LogitArray | None, part: str | None,
+           coded: bool) -> np.dtype:
     """The on-disk dtype: offsets int64, ids int32, token arrays and logit arrays of a fixed type their own,
     codes the codec's, companions float16 (their ids uint16), any other float array the spec's float dtype."""
     if kind.endswith("offsets"):
@@ -129,7 +130,7 @@ def _dtype(spec: ArraySpecFields, name: str, kind: str, logit: LogitArray | None
         return TOKEN_ARRAYS[kind]
     if logit is not None and logit.dtype != FLOAT:
         return topk_id_dtype(spec.vocab_size) if logit.dtype == VOCAB_ID else np.dtype(logit.dtype)
-    if spec.coded(name):
+    if coded:
         return spec.hidden_codec.numpy_code_dtype()
     if part is not None:
         return np.dtype(np.uint16) if part == "outlier_ids" else np.dtype(np.float16)
