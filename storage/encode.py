@@ -79,7 +79,8 @@ def _expected_shape(spec: CacheSpec, array: CachedArray, lengths: Mapping[str, i
 
 def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[str, int]:
     """Validate one sequence's arrays; returns its length per token stream."""
-    expected = spec.sequence_names()
+    arrays = spec.arrays()
+    expected = [array.name for array in arrays]
     extra = [spec.array(name) for name in item if name not in expected]
     for array in extra:
         if array.part != "error" and array.name != TOPK_MASS:
@@ -94,12 +95,12 @@ def _check_sequence(spec: CacheSpec, seq: int, item: Mapping[str, Any]) -> dict[
             raise _fail(seq, spec.ids_name(stream), f"expected a non-empty 1-D integer array, got {ids.dtype} "
                                                     f"{ids.shape}")
         lengths[stream] = int(ids.size)
-    for array in spec.arrays() + extra:
+    for array in arrays + extra:
         value = np.asarray(item[array.name])
         shape = _expected_shape(spec, array, lengths, value)
         if shape != value.shape:
-            raise _fail(seq, array.name, f"shape {value.shape}, expected {shape or 'a different rank'} for lengths "
-                                   f"{lengths}")
+            raise _fail(seq, array.name, f"shape {value.shape}, expected {shape or 'a different rank'} for "
+                                         f"lengths {lengths}")
     return lengths
 
 

@@ -63,7 +63,7 @@ def edit_sidecar(root: Path, shard: int, key: tuple, delta: int, reseal: bool) -
 
 
 def run_cli(*argv: str) -> tuple[int, str]:
-    from tests.storage.test_storage_backends import run_cli as run
+    from tests.storage._cache_data import run_cli as run
 
     return run(*argv)
 

@@ -19,7 +19,7 @@ from kdcache.storage.core.canonical import canonical_json, sealed
 from kdcache.storage.core.errors import FormatVersionError
 from kdcache.storage.core.formats import FILE_TABLE, SEALED_INDEX, WRITABLE, CacheFormat
 from kdcache.storage.schema.manifest import MANIFEST_SEAL
-from tests.storage.test_storage_backends import FINGERPRINTS, make_sequences
+from tests.storage._cache_data import FINGERPRINTS, make_sequences
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"

@@ -18,8 +18,8 @@ from kdcache.storage.core.files import joined
 from kdcache.storage.core.stores import RemoteStore, open_store
 from kdcache.storage.writer import merge_parts
 from tests.helpers.cache_files import cache_files
+from tests.storage._cache_data import FINGERPRINTS, make_sequences
 from tests.storage._integrity_suite import add_folders
-from tests.storage.test_storage_backends import FINGERPRINTS, make_sequences
 
 BACKENDS = ["zarr", "arrow"]
 
@@ -169,7 +169,7 @@ _KILLED_WRITER = """
 import sys, time
 from kdcache.storage import CacheWriter
 from tests.storage.test_object_store import _identical_inputs
-from tests.storage.test_storage_backends import FINGERPRINTS
+from tests.storage._cache_data import FINGERPRINTS
 spec, seqs = _identical_inputs(sys.argv[2])
 with CacheWriter(sys.argv[1], spec, FINGERPRINTS) as writer:
     for k in range(spec.num_shards):

@@ -1,126 +1,39 @@
 """One shared storage suite, run once per backend (zarr, arrow). Small random arrays; no mocks.
 
-Checksums, file modes, a full disk and older formats: tests/storage/test_format3.py."""
+Its data: ``_cache_data``. Mixed in: two-stream caches (``_seq2seq_suite``), format 3 (``_format3_suite``), every
+file checked (``_integrity_suite``), hidden codecs (``_codec_suite``), partial caches and parts
+(``_partial_suite``)."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kdcache.pipeline.cli.commands import cache as cache_cmd
-from kdcache.storage import CacheReader, CacheSpec, CacheWriter, merge_parts, to_float32, verify_cache
+from kdcache.storage import CacheReader, CacheSpec, CacheWriter, to_float32
 from kdcache.storage.core.errors import (
-    CacheLockedError,
     CacheMismatchError,
     FormatVersionError,
     Fp16OverflowError,
     InvalidSequenceError,
-    KdcacheError,
     LayerNotInCacheError,
     ManifestError,
-    PartialCacheError,
     SpecError,
     UnknownCodecError,
     UnknownFeatureError,
 )
 from kdcache.storage.core.logit_layouts import vocab_id_names
-from kdcache.storage.core.stores import open_store
-from kdcache.storage.folders import put_files
+from tests.storage._cache_data import FINGERPRINTS, HEADS, D, expected, make_sequences, run_cli
 from tests.storage._codec_suite import HiddenCodecSuite
 from tests.storage._format3_suite import Format3Suite
 from tests.storage._integrity_suite import IntegritySuite
-from tests.storage._seq2seq_suite import Seq2SeqSuite, stored
-
-D, HEADS = 8, 4
-FINGERPRINTS = {
-    "teacher": {"name_or_path": "tiny-bert", "revision": "r1", "config_hash": "sha256:aa", "weights_hash": "sha256:bb"},
-    "tokenizer": {"vocab_hash": "sha256:1111", "vocab_size": 300, "special_tokens": {"pad_token": "[PAD]"}},
-    "data": {"source": "stdlib-docstrings", "split": "train", "input_ids_hash": "sha256:cc", "num_sequences": 7},
-    "settings": {"max_length": 12, "packing": False, "format_version": 1},
-}
+from tests.storage._partial_suite import PartialSuite
+from tests.storage._seq2seq_suite import Seq2SeqSuite
 
 
-def make_sequences(spec: CacheSpec, lengths: list[int], seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """Random float32 teacher outputs in the writer's input format, one dict per sequence."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for length in lengths:
-        item = {"input_ids": rng.integers(0, max(spec.vocab_size, 2), length)}
-        if "loss_mask" in spec.token_arrays:
-            item["loss_mask"] = rng.integers(0, 2, length)
-        if "position_ids" in spec.token_arrays:  # two packed documents
-            item["position_ids"] = np.concatenate([np.arange(length // 2), np.arange(length - length // 2)])
-        for j in spec.hidden_layers:
-            item[f"hidden/{j}"] = (rng.normal(size=(length, D)) * 3).astype(np.float32)
-        for j in spec.attention_layers:
-            scores = rng.random((HEADS, length, length)).astype(np.float32)
-            item[f"attention/{j}"] = scores / scores.sum(-1, keepdims=True)
-        if spec.logits == "full":
-            item["logits/full"] = (rng.normal(size=(length, spec.vocab_size)) * 5).astype(np.float32)
-        elif spec.logits == "sampled":
-            item["logits/sample_ids"] = np.sort(rng.integers(0, spec.vocab_size, (length, spec.samples)), axis=1)
-            item["logits/sample_counts"] = rng.integers(0, 4, (length, spec.samples))
-            item["logits/sample_logp"] = -rng.random((length, spec.samples)).astype(np.float32) * 9
-        elif spec.logits == "topk":
-            values = rng.normal(size=(length, spec.top_k)).astype(np.float32)
-            item["logits/topk_values"] = -np.sort(-values, axis=1)
-            item["logits/topk_ids"] = rng.integers(0, spec.vocab_size, (length, spec.top_k))
-            item["logits/lse"] = rng.normal(size=length).astype(np.float32)
-            if spec.topk_values == "logprob":  # log-probabilities, no logsumexp
-                item["logits/topk_values"] = np.sort(np.log(rng.random((length, spec.top_k))), axis=1)[:, ::-1]
-                del item["logits/lse"]
-        out.append(item)
-    return out
-
-
-def expected(spec: CacheSpec, item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """What the reader must return for one input sequence, computed independently of storage.encode."""
-    out = {"input_ids": item["input_ids"].astype(np.int32)}
-    for name in spec.token_arrays:
-        out[name] = item[name].astype(spec.array_dtype(name))
-    for name, value in item.items():
-        if name == "logits/topk_values" and spec.topk_values == "logprob":  # multiples of the step
-            out[name] = np.rint(-value / spec.logprob_step).astype(np.float32) * np.float32(-spec.logprob_step)
-        elif name.startswith("hidden/") or name in ("logits/full", "logits/topk_values", "logits/sample_logp"):
-            out[name] = stored(spec, value)
-        elif name.startswith("attention/"):
-            attn = value if spec.attention_heads is None else value[list(spec.attention_heads)]
-            if "position_ids" in spec.token_arrays:  # stored per document: nothing between documents survives
-                docs = np.cumsum(item["position_ids"] == 0)
-                attn = np.where(docs[:, None] == docs[None, :], attn, 0)
-            out[name] = stored(spec, np.tril(attn) if spec.attention_triangle else attn)
-    if spec.logits == "topk":
-        out["logits/topk_ids"] = item["logits/topk_ids"]
-        if "logits/lse" in item:
-            out["logits/lse"] = item["logits/lse"]
-    if spec.logits == "sampled":
-        out["logits/sample_ids"] = item["logits/sample_ids"]
-        out["logits/sample_counts"] = item["logits/sample_counts"].astype(np.uint8)
-    return out
-
-
-def run_cli(*argv: str) -> tuple[int, str]:
-    """A tiny argparse harness around pipeline.cli.commands.cache (what pipeline/cli/__init__.py does)."""
-    parser = argparse.ArgumentParser(prog="kdcache")
-    cache_cmd.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(list(argv))
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        try:
-            code = args.func(args)
-        except KdcacheError as exc:
-            print(f"error: {exc}")
-            code = 2
-    return code, buffer.getvalue()
-
-
-class StorageSuite(Seq2SeqSuite, Format3Suite, IntegritySuite, HiddenCodecSuite):
+class StorageSuite(Seq2SeqSuite, Format3Suite, IntegritySuite, HiddenCodecSuite, PartialSuite):
     """Everything the issue's "Done when" asks, for one backend (set by the subclass)."""
 
     backend = ""
@@ -236,72 +149,6 @@ class StorageSuite(Seq2SeqSuite, Format3Suite, IntegritySuite, HiddenCodecSuite)
                 normal = np.abs(want) >= np.finfo(np.float16).tiny  # relative error is defined on normals
                 assert (err[normal] / np.abs(want[normal])).max() <= bound["max_rel_error"]
         assert "lossy" not in reader.manifest.arrays["input_ids"]
-
-    # ---- partial caches ------------------------------------------------------------------------------
-    def test_writer_that_died_leaves_a_refused_partial_cache(self, tmp_path):
-        spec = self.spec()
-        seqs = self.build(tmp_path, spec, shards=[0, 2], finalize=False)  # "died" before shard 1 and finalize
-        temp = tmp_path / "shards" / f".tmp-shard-000001-4242-dead{'.arrow' if spec.backend == 'arrow' else ''}"
-        temp.mkdir() if spec.backend == "zarr" else temp.write_bytes(b"half a shard")
-        sidecar_temp = tmp_path / "shards" / ".shard-000001.json.4242-deadbeef.tmp"  # killed while sealing it
-        sidecar_temp.write_bytes(b'{"index": 1')
-        with pytest.raises(PartialCacheError, match="status 'writing'.*2 of 3 shards") as refused:
-            CacheReader(tmp_path)
-        assert "Rerun the same `kdcache precompute` command" in str(refused.value)  # the next step, as a user types it
-        assert "`kdcache train --allow-partial` (allow_partial=True from Python)" in str(refused.value)
-        reader = CacheReader(tmp_path, allow_partial=True)
-        assert reader.committed_shards == [0, 2]
-        self.assert_same(reader[6], expected(spec, seqs[6]))
-        with pytest.raises(PartialCacheError):
-            reader[3]
-        assert not verify_cache(tmp_path).ok
-        with CacheWriter(tmp_path, spec, FINGERPRINTS) as writer:  # resume: same spec and fingerprints
-            assert writer.committed_shards() == {0, 2}
-            writer.write_shard(1, seqs[3:6])
-            assert writer.finalize().status == "complete"
-        assert not temp.exists() and not sidecar_temp.exists() and verify_cache(tmp_path).ok
-        assert [p.name for p in (tmp_path / "shards").glob(".*")] == []
-        self.assert_same(CacheReader(tmp_path)[4], expected(spec, seqs[4]))
-
-    def test_verify_on_a_killed_precompute_says_it_is_unfinished_and_how_to_finish(self, tmp_path):
-        """Killed after its tokenizer folder and one shard: the manifest lists no folder file yet (the shards'
-        merge does that), so verify checks the folder against its own table and says how to go on."""
-        self.build(tmp_path, self.spec(), shards=[0], finalize=False)
-        put_files(open_store(tmp_path), "tokenizer", {"tokenizer.json": b"{}", "vocab.txt": b"a\nb\n"})
-        report = verify_cache(tmp_path)
-        assert [str(p) for p in report.problems] == [
-            "cache: cache is not complete (status 'writing', 1 of 3 shards committed): its precompute stopped (or "
-            "is still running); rerun the same `kdcache precompute` command to finish it, keeping the committed "
-            "shards (`kdcache merge` joins a job array's parts)"]
-        (tmp_path / "tokenizer" / "vocab.txt").write_bytes(b"a\nc\n")  # the folder's own table still guards it
-        assert "file tokenizer/vocab.txt does not match the crc32c" in str(verify_cache(tmp_path).problems)
-        early = tmp_path / "early"  # killed before its manifest: only the tokenizer folder landed
-        put_files(open_store(early), "tokenizer", {"tokenizer.json": b"{}"})
-        assert [str(p) for p in verify_cache(early).problems] == [
-            f"cache: no manifest.json in {open_store(early).url}: a precompute stopped before writing it (the "
-            "folder holds tokenizer); rerun the same `kdcache precompute` command"]
-
-    def test_data_without_sidecar_is_not_committed(self, tmp_path):
-        spec = self.spec()
-        self.build(tmp_path, spec, finalize=False)
-        (tmp_path / "shards" / "shard-000001.json").unlink()  # died between rename and sidecar
-        manifest = merge_parts(tmp_path)
-        assert manifest.status == "partial" and manifest.committed == [0, 2]
-        with pytest.raises(PartialCacheError, match="status 'partial'"):
-            CacheReader(tmp_path)
-
-    def test_parts_write_in_parallel_and_merge(self, tmp_path):
-        spec = self.spec(num_sequences=10, sequences_per_shard=2)
-        seqs = make_sequences(spec, [3] * 10)
-        first = CacheWriter(tmp_path, spec, FINGERPRINTS, part=(0, 2))
-        second = CacheWriter(tmp_path, spec, FINGERPRINTS, part=(1, 2))
-        with pytest.raises(CacheLockedError, match="part 1 of 2"):
-            CacheWriter(tmp_path, spec, FINGERPRINTS, part=(1, 2))
-        for k in range(spec.num_shards):
-            (first if first.owns(k) else second).write_shard(k, seqs[2 * k:2 * k + 2])
-        first.close(), second.close()
-        assert merge_parts(tmp_path).status == "complete"
-        self.assert_same(CacheReader(tmp_path)[9], expected(spec, seqs[9]))
 
     # ---- fingerprints and mismatches -----------------------------------------------------------------
     def test_mismatch_is_explained(self, tmp_path):
