@@ -123,3 +123,14 @@ def start_projectors(model: nn.Module, init_from: str | None) -> str | None:
     target.load_state_dict(fitting, strict=False)
     return (f"--init-from {init_from}: student from {Path(init_from) / 'student'}; {len(fitting)} of {len(own)} "
             f"projector tensors from its {PROJECTORS_FILE} (the rest start fresh)")
+
+
+def trained_on(run_dir: str | Path, cache: str, fingerprints: dict[str, Any]) -> bool:
+    """Whether the run in ``run_dir`` trained on ``cache``: the same fingerprints' hash as its ``plan.json``
+    records, or, for a run recorded before that hash, the same path."""
+    root = Path(run_dir)
+    recorded = read_json_object(root / "plan.json").get(CACHE_HASH)
+    if recorded is not None:
+        return bool(recorded == cache_hash(fingerprints))
+    path = read_json_object(root / "options.json").get("cache")
+    return path is not None and (str(path) == str(cache) or Path(str(path)).resolve() == Path(cache).resolve())

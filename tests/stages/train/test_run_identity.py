@@ -92,3 +92,21 @@ def test_init_from_a_run_without_an_exported_student_is_refused(setup: dict[str,
     code = _train(setup["cache"], setup["root"] / "x", "--init-from", str(setup["root"] / "cache"))
     err = capsys.readouterr().err
     assert code == 2 and "holds no exported student" in err and "Traceback" not in err
+
+
+def test_eval_on_the_runs_own_training_cache_says_it_scores_training_data(
+        setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 61: `eval` on the cache the run trained on gave no word that the scores are not held out; a copy of
+    that cache is the same cache, and another cache gets no note."""
+    other = precompute_cache(setup["root"] / "teacher", setup["root"] / "other", num_sequences=8,
+                             extra=("--features", "hidden"))
+    copy = setup["root"] / "copied-cache"
+    shutil.copytree(setup["cache"], copy)
+    outputs = {}
+    for name, cache in (("own", setup["cache"]), ("copy", copy), ("other", other)):
+        capsys.readouterr()
+        assert main(["eval", "--cache", str(cache), "--run", str(setup["run"])]) == 0
+        outputs[name] = capsys.readouterr().out
+    assert "is the cache this run trained on: these scores are on its training data" in outputs["own"]
+    assert "is the cache this run trained on" in outputs["copy"]
+    assert "trained on" not in outputs["other"]
