@@ -7,7 +7,9 @@ time and prints the same figures.
 * The student-init: kept when its ``kdcache_init.json`` names the same teacher folder and blocks. The step is
   skipped rather than run again, since ``init-student`` refuses a folder that already holds a student.
 * The trained run: kept when the same ``kdcache train`` arguments finished in ``run/`` (its student exported) from
-  a reused cache and student-init; anything else in ``run/`` is the demo's own leftover and is trained again.
+  a reused cache and student-init; anything else in ``run/`` (a run with other settings, or one stopped) is moved
+  beside it as ``run-earlier-N`` (``set_aside``), never deleted, and the run is trained again; so is a
+  student-init built otherwise.
 * The evaluations: kept when both what they score and the cache they score on were kept.
 
 The measured figures (seconds, peak memory) of a kept step are those of the step that did the work: each step's
@@ -84,6 +86,17 @@ def finished_run(run_dir: Path) -> bool:
     run = Path(run_dir)
     return ((run / "student" / "config.json").is_file() and any((run / "student").glob("*.safetensors"))
             and (run / "projectors.pt").is_file())
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename ``folder`` to the first free ``NAME-earlier-N`` beside it (N from 1), so that a demo with other
+    settings keeps what an earlier one made; returns the new path. A rename: nothing is copied or lost."""
+    folder = Path(folder)
+    n = 1
+    while (kept := folder.with_name(f"{folder.name}-earlier-{n}")).exists():
+        n += 1
+    folder.rename(kept)
+    return kept
 
 
 def cache_id(cache: Path) -> str:

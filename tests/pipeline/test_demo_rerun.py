@@ -11,7 +11,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from kdcache.pipeline.demo_reuse import StepLog, cache_id, finished_run, matching_student
+from kdcache.pipeline.demo_reuse import StepLog, cache_id, finished_run, matching_student, set_aside
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,3 +94,15 @@ def test_make_demo_clean_removes_the_demo_outputs_and_keeps_the_environment(tmp_
     assert not (tmp_path / "demo-out").exists() and (tmp_path / ".venv" / "bin" / "python").is_file()
     readme = (REPO / "README.md").read_text()
     assert "make demo-clean" in readme and "make clean" in readme
+
+
+def test_a_run_the_new_settings_cannot_reuse_is_kept_beside_it_under_a_new_name(tmp_path: Path) -> None:
+    """Issue 61: a demo with other settings deleted the earlier run; now it is renamed, each time to a free name."""
+    run = tmp_path / "run"
+    (run / "student").mkdir(parents=True)
+    (run / "student" / "model.safetensors").write_bytes(b"\1" * 8)
+    (run / "metrics.jsonl").write_text('{"step": 150}\n')
+    assert set_aside(run) == tmp_path / "run-earlier-1" and not run.exists()
+    assert (tmp_path / "run-earlier-1" / "student" / "model.safetensors").read_bytes() == b"\1" * 8
+    run.mkdir()
+    assert set_aside(run) == tmp_path / "run-earlier-2" and (tmp_path / "run-earlier-1" / "metrics.jsonl").is_file()
