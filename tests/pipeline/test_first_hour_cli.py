@@ -1,5 +1,8 @@
-"""Issue 61's smaller findings at the command line: no flag abbreviations, and what a command says about what it
-was given (a training cache scored by ``eval``, a cache difference listed once by ``precompute``)."""
+"""Issue 61's smaller findings about the command line and the README: no flag abbreviations, the README's note on
+disk use, and its skipped tests named by their reason. (The others are tested beside their code: eval's note on a
+training cache in tests/stages/train/test_run_identity.py, a difference listed once in
+tests/stages/precompute/test_cache_is_its_content.py, the demo's echo in tests/pipeline/test_cli.py, zarr's exit in
+tests/storage/test_zarr_exit.py, the architecture notes in tests/test_import_cycles.py.)"""
 
 from __future__ import annotations
 
@@ -44,3 +47,30 @@ def test_every_parser_the_project_builds_turns_abbreviations_off() -> None:
              for path in sorted((ROOT / folder).rglob("*.py"))
              if (lines := _parsers_allowing_abbreviations(path.read_text()))}
     assert found == {}
+
+
+def test_the_readme_says_what_the_disk_holds_and_why_a_checkpoint_is_three_students() -> None:
+    """Issue 61: the README did not mention disk use (the demo leaves ~588 MB; a checkpoint is ~204 MiB for a 66 MiB
+    student). Its reason, weights plus AdamW's two moments, is what the code's estimate counts."""
+    from torch import nn
+
+    from kdcache.stages.train.checkpoint import estimate_bytes
+
+    readme = (ROOT / "README.md").read_text()
+    note = readme[readme.index("**Disk use.**"):]
+    note = note[:note.index("\n\n")]
+    for words in ("588 MB", "204 MiB", "three times", "AdamW's two", "--save-every 0", "RUN/checkpoints/",
+                  "make demo-clean"):
+        assert words in note, words
+    student = nn.Linear(384, 384)  # fp32, trainable
+    weights = sum(p.numel() * 4 for p in student.parameters())
+    assert estimate_bytes(student, half_precision=False) == 3 * weights
+
+
+def test_the_readme_names_the_skipped_tests_by_their_reason() -> None:
+    """Issue 61: "42 CUDA-only" skips were 40 CUDA skips and the 2 zarr-layout checks the Arrow caches skip."""
+    readme = (ROOT / "README.md").read_text()
+    assert "42 of them CUDA-only" not in readme
+    assert "42 of them skipped here: 40 need CUDA, 2 check the zarr layout and skip for Arrow caches" in readme
+    suite = (ROOT / "tests" / "storage" / "_format3_suite.py").read_text()
+    assert suite.count('pytest.skip("zarr') == 2
