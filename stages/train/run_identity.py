@@ -12,6 +12,7 @@ a moved or copied cache resumes; a run written before that hash was recorded com
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from kdcache.storage import KdcacheError, hash_json, read_json_object
 # is read (threads, workers, read-ahead: the same samples arrive in the same order), and where the run's folder is.
 FREE_ON_RESUME = frozenset({"resume", "config", "out", "epochs", "max_steps", "log_every", "report_to", "quiet",
                             "save_every", "trace_samples", "export", "num_workers", "prefetch", "decode_threads"})
+PATH_OPTIONS = frozenset({"student", "deepspeed", "init_from"})  # the same file however the path is written
 CACHE_HASH = "cache_hash"  # plan.json: hash_json of the cache's fingerprints
 INIT_FROM = "init_from"  # plan.json: the run this one started from
 
@@ -54,7 +56,8 @@ def check_resume(run_dir: str | Path, options: TrainOptions, fingerprints: dict[
         return  # a checkpoint without a record (written by hand or by the API): nothing to hold it to
     now = json.loads(json.dumps(options.to_dict()))  # tuples as lists, as the record holds them
     changes = [_change(name, recorded[name], now.get(name)) for name in sorted(recorded)
-               if name not in FREE_ON_RESUME and name != "cache" and name in now and recorded[name] != now[name]]
+               if name not in FREE_ON_RESUME and name != "cache" and name in now
+               and not _same(name, recorded[name], now[name])]
     changes += _new_options(recorded, now)
     changes += _cache_change(root, recorded, options.data.cache, fingerprints)
     if changes:
@@ -67,6 +70,14 @@ def check_resume(run_dir: str | Path, options: TrainOptions, fingerprints: dict[
             f"student: --init-from {run_dir} --out NEW_RUN (nothing in {run_dir} was changed)")
 
 
+def _same(name: str, before: object, after: object) -> bool:
+    """Equal values; a path option (``PATH_OPTIONS``) also when both name the same file from another folder."""
+    if before == after:
+        return True
+    return name in PATH_OPTIONS and isinstance(before, str) and isinstance(after, str) and \
+        Path(before).resolve() == Path(after).resolve()
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -77,9 +88,9 @@ def _change(name: str, before: object, after: object) -> str:
 
 def _new_options(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Options the record predates: a run written before an option existed trained at its default."""
-    defaults = {f.name: f.default for _, _, f in leaves(TrainOptions)}
+    defaults = {f.name: f.default for _, _, f in leaves(TrainOptions) if f.default is not dataclasses.MISSING}
     return [_change(name, defaults.get(name), value) for name, value in sorted(now.items())
-            if name not in recorded and name not in FREE_ON_RESUME and value != defaults.get(name)]
+            if name not in recorded and name in defaults and name not in FREE_ON_RESUME and value != defaults[name]]
 
 
 def _cache_change(root: Path, recorded: dict[str, Any], cache: str, fingerprints: dict[str, Any]) -> list[str]:
