@@ -34,7 +34,7 @@ from typing import Any
 from kdcache import storage
 from kdcache.pipeline.children import child_env
 from kdcache.pipeline.demo_reuse import StepLog, cache_id, finished_run, json_summary, matching_student, set_aside
-from kdcache.pipeline.demo_text import stdlib_sentences, write_jsonl
+from kdcache.pipeline.demo_text import jsonl_text, stdlib_sentences, write_jsonl
 from kdcache.stages import precompute, train as stage_two
 from kdcache.storage import DEFAULT_BACKEND, KdcacheError, backend_names
 
@@ -141,9 +141,19 @@ def prepare_data(opts: DemoOptions, out: Path) -> tuple[Path, Path]:
     if len(sentences) < need:
         raise DemoError(f"only {len(sentences)} stdlib sentences are available, the demo asked for {need}; "
                         "lower --train-sentences or --heldout-sentences")
-    train = write_jsonl(sentences[:opts.train_sentences], out / "data" / "train.jsonl")
-    heldout = write_jsonl(sentences[opts.train_sentences:], out / "data" / "heldout.jsonl")
+    train = _write_data(sentences[:opts.train_sentences], out / "data" / "train.jsonl", out / "cache")
+    heldout = _write_data(sentences[opts.train_sentences:], out / "data" / "heldout.jsonl", out / "cache-heldout")
     return train, heldout
+
+
+def _write_data(sentences: list[str], path: Path, cache: Path) -> Path:
+    """Write the sentences of these settings to ``path``; an earlier demo's other sentences there, and the cache
+    made from them, are kept beside them under new names (``train-earlier-1.jsonl``, ``cache-earlier-1``)."""
+    if path.is_file() and path.read_text() != jsonl_text(sentences):
+        for earlier, what in ((path, "data file"), (cache, "cache")):
+            if earlier.exists():
+                _set_aside(earlier, f"{what} {earlier.name}")
+    return write_jsonl(sentences, path)
 
 
 def agreement(run_dir: Path, role: str) -> dict[str, float]:

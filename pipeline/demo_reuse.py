@@ -9,7 +9,7 @@ time and prints the same figures.
 * The trained run: kept when the same ``kdcache train`` arguments finished in ``run/`` (its student exported) from
   a reused cache and student-init; anything else in ``run/`` (a run with other settings, or one stopped) is moved
   beside it as ``run-earlier-N`` (``set_aside``), never deleted, and the run is trained again; so is a
-  student-init built otherwise.
+  student-init built otherwise, and a data file of other sentences with the cache made from it.
 * The evaluations: kept when both what they score and the cache they score on were kept.
 
 The measured figures (seconds, peak memory) of a kept step are those of the step that did the work: each step's
@@ -89,11 +89,12 @@ def finished_run(run_dir: Path) -> bool:
 
 
 def set_aside(folder: Path) -> Path:
-    """Rename ``folder`` to the first free ``NAME-earlier-N`` beside it (N from 1), so that a demo with other
-    settings keeps what an earlier one made; returns the new path. A rename: nothing is copied or lost."""
+    """Rename ``folder`` (or a file) to the first free ``NAME-earlier-N`` beside it (N from 1; a file keeps its
+    suffix: ``train-earlier-1.jsonl``), so that a demo with other settings keeps what an earlier one made; returns
+    the new path. A rename: nothing is copied or lost."""
     folder = Path(folder)
     n = 1
-    while (kept := folder.with_name(f"{folder.name}-earlier-{n}")).exists():
+    while (kept := folder.with_name(f"{folder.stem}-earlier-{n}{folder.suffix}")).exists():
         n += 1
     folder.rename(kept)
     return kept

@@ -106,3 +106,21 @@ def test_a_run_the_new_settings_cannot_reuse_is_kept_beside_it_under_a_new_name(
     assert (tmp_path / "run-earlier-1" / "student" / "model.safetensors").read_bytes() == b"\1" * 8
     run.mkdir()
     assert set_aside(run) == tmp_path / "run-earlier-2" and (tmp_path / "run-earlier-1" / "metrics.jsonl").is_file()
+
+
+def test_a_demo_with_other_sentences_keeps_the_earlier_data_file_and_its_cache(tmp_path: Path) -> None:
+    """Issue 61: other --train-sentences rewrote data/train.jsonl under the cache made from it; now both are kept
+    beside the new ones, and the same settings again keep everything where it is."""
+    from kdcache.pipeline.demo import DemoOptions, prepare_data
+
+    train, _ = prepare_data(DemoOptions(train_sentences=5, heldout_sentences=3), tmp_path)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "manifest.json").write_text("{}")
+    earlier = train.read_text()
+    prepare_data(DemoOptions(train_sentences=6, heldout_sentences=3), tmp_path)
+    assert (tmp_path / "data" / "train-earlier-1.jsonl").read_text() == earlier
+    assert (tmp_path / "cache-earlier-1" / "manifest.json").is_file() and not (tmp_path / "cache").exists()
+    assert len(train.read_text().splitlines()) == 6
+    assert (tmp_path / "data" / "heldout-earlier-1.jsonl").is_file()  # its sentences moved on by one too
+    prepare_data(DemoOptions(train_sentences=6, heldout_sentences=3), tmp_path)
+    assert not (tmp_path / "data" / "train-earlier-2.jsonl").exists()
