@@ -58,6 +58,16 @@ def test_resume_with_a_changed_loss_option_exits_2_naming_it_and_leaves_the_run_
     assert _folder_hashes(run) == before  # byte for byte: options.json still says mse
 
 
+def test_a_new_run_into_a_finished_runs_folder_is_refused_and_changes_nothing(
+        setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """What `kdcache run` and `kdcache sweep` rely on too: training without --resume never replaces a run."""
+    run = setup["run"]
+    before = _folder_hashes(run)
+    assert _train(setup["cache"], run, "--max-steps", "1", "--hidden-loss", "cosine", student=setup["student"]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert _folder_hashes(run) == before
+
+
 def test_a_moved_run_and_cache_resume_with_a_longer_run_and_other_logging(setup: dict[str, Path]) -> None:
     """The cache counts by its fingerprints, not its path; --max-steps and --log-every cannot change the result."""
     root = setup["root"]
