@@ -33,7 +33,15 @@ from typing import Any
 
 from kdcache import storage
 from kdcache.pipeline.children import child_env
-from kdcache.pipeline.demo_reuse import StepLog, cache_id, finished_run, json_summary, matching_student, set_aside
+from kdcache.pipeline.demo_reuse import (
+    StepLog,
+    cache_id,
+    finished_run,
+    has_eval,
+    json_summary,
+    matching_student,
+    set_aside,
+)
 from kdcache.pipeline.demo_text import jsonl_text, stdlib_sentences, write_jsonl
 from kdcache.stages import precompute, train as stage_two
 from kdcache.storage import DEFAULT_BACKEND, KdcacheError, backend_names
@@ -200,7 +208,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     run_dir = out / "run"
     run_kept = _student_steps(demo, cache, heldout_cache, run_dir, caches_kept)
     print("[5/6] scoring the trained student on the held-out sentences", flush=True)
-    if not _kept(demo, "evaluations", run_kept and caches_kept[1] and _has_eval(run_dir, "trained", heldout_cache)):
+    if not _kept(demo, "evaluations", run_kept and caches_kept[1] and has_eval(run_dir, "trained", heldout_cache)):
         run_step("eval", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir)], demo.logs)
     report = demo.report
     report["agreement_before"], report["agreement_after"] = agreement(run_dir, "baseline"), agreement(run_dir,
@@ -212,12 +220,6 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     report["reused"] = demo.reused
     _write_report(out, report)
     return report
-
-
-def _has_eval(run_dir: Path, role: str, cache: Path) -> bool:
-    """Whether ``run_dir`` holds an evaluation of ``role`` against this very cache: its folder and fingerprints."""
-    record = stage_two.find_eval(run_dir, role, str(cache))
-    return record is not None and record.get("cache", {}).get("label") == cache_id(cache) != ""
 
 
 def _kept(demo: _Demo, what: str, kept: bool) -> bool:
@@ -280,7 +282,7 @@ def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
     run_kept = caches_kept[0] and student_kept and earlier is not None and finished_run(run_dir)
     if not run_kept and ((run_dir / "options.json").is_file() or (run_dir / "evals").is_dir()):
         _set_aside(run_dir, "run")  # made by an earlier demo with other settings, or stopped: trained anew
-    if not (run_kept and caches_kept[1] and _has_eval(run_dir, "baseline", heldout_cache)):
+    if not (run_kept and caches_kept[1] and has_eval(run_dir, "baseline", heldout_cache)):
         run_step("eval-baseline", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir), "--student",
                                    str(student_init)], demo.logs)
     print(f"[4/6] training the student for {opts.steps} steps under DeepSpeed ZeRO-{opts.zero_stage} "

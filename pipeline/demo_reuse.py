@@ -12,6 +12,9 @@ time and prints the same figures.
   student-init built otherwise, and a data file of other sentences with the cache made from it.
 * The evaluations: kept when both what they score and the cache they score on were kept.
 
+Paths are no part of what a step is: the steps' record writes the demo folder as ``OUT`` and an evaluation is
+found by its cache's label, so a copied or moved demo folder reruns as quickly as in place.
+
 The measured figures (seconds, peak memory) of a kept step are those of the step that did the work: each step's
 measurements are written to ``OUT/logs/steps.json`` beside the arguments it ran with, as it finishes.
 """
@@ -45,10 +48,17 @@ class StepLog:
             steps = {}
         return cls(path, steps if isinstance(steps, dict) else {})
 
+    def inside(self, args: list[str]) -> list[str]:
+        """``args`` with the demo folder's path written ``OUT``: a copied or moved demo folder records the same
+        steps (the folder is where ``logs/`` lies)."""
+        out = str(self.path.parent.parent)
+        return [arg.replace(out, "OUT") for arg in args]
+
     def measured(self, name: str, args: list[str]) -> tuple[float, int] | None:
         """(seconds, peak RSS bytes) of step ``name`` run with exactly ``args``; None if it never was."""
         record = self.steps.get(name)
-        if not isinstance(record, dict) or record.get("args") != args:
+        # A record written before the folder was written OUT holds the paths themselves.
+        if not isinstance(record, dict) or record.get("args") not in (self.inside(args), args):
             return None
         try:
             return float(record["seconds"]), int(record["peak_rss"])
@@ -63,7 +73,7 @@ class StepLog:
 
     def record(self, name: str, args: list[str], seconds: float, peak_rss: int) -> None:
         """Keep step ``name``'s measurements, written at once so that a demo stopped later still has them."""
-        self.steps[name] = {"args": args, "seconds": seconds, "peak_rss": peak_rss}
+        self.steps[name] = {"args": self.inside(args), "seconds": seconds, "peak_rss": peak_rss}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.steps, indent=2) + "\n")
 
@@ -109,6 +119,14 @@ def cache_id(cache: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         return ""
     return train.cache_label(str(cache), fingerprints)
+
+
+def has_eval(run_dir: Path, role: str, cache: Path) -> bool:
+    """Whether ``run_dir`` holds an evaluation of ``role`` against this very cache: its folder's name and its
+    fingerprints (the label), wherever the demo folder now lies."""
+    label = cache_id(cache)
+    return label != "" and any(r.get("role") == role and r.get("cache", {}).get("label") == label
+                               for r in train.read_evals(run_dir))
 
 
 def json_summary(path: Path) -> dict[str, Any]:
