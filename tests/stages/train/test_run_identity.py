@@ -120,3 +120,22 @@ def test_eval_on_the_runs_own_training_cache_says_it_scores_training_data(
     assert "is the cache this run trained on: these scores are on its training data" in outputs["own"]
     assert "is the cache this run trained on" in outputs["copy"]
     assert "trained on" not in outputs["other"]
+
+
+def test_a_run_recorded_before_the_cache_hash_compares_the_cache_path_and_its_options(tmp_path: Path) -> None:
+    """An older run's options.json has no init_from and its plan.json no cache_hash: options it predates count at
+    their default, and its cache at its path (written another way, the same folder)."""
+    from kdcache.stages.train.core.options import TrainOptions
+    from kdcache.stages.train.run_identity import RunChangedError, check_resume
+
+    (tmp_path / "c").mkdir()
+    options = TrainOptions.of(cache=str(tmp_path / "c"), student="s", out=str(tmp_path / "run"))
+    record = {k: v for k, v in json.loads(json.dumps(options.to_dict())).items() if k != "init_from"}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "options.json").write_text(json.dumps(record))
+    check_resume(tmp_path / "run", TrainOptions.of(cache=str(tmp_path / "x" / ".." / "c"), student="s",
+                                                   out=str(tmp_path / "run"), max_steps=7), {})
+    with pytest.raises(RunChangedError) as refused:
+        check_resume(tmp_path / "run", TrainOptions.of(cache=str(tmp_path / "d"), student="s",
+                                                       out=str(tmp_path / "run"), lr=1e-3), {})
+    assert "--cache: " in str(refused.value) and "--lr: 0.0001 in the run, 0.001 now" in str(refused.value)
