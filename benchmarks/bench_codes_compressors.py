@@ -65,7 +65,7 @@ def measure(data: bytes) -> list[dict[str, float | str]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--sentences", type=int, default=600)
     args = parser.parse_args()
     from kdcache.pipeline.demo import stdlib_sentences, write_jsonl

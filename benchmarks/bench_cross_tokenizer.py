@@ -229,7 +229,7 @@ def _one_step_peak(cache: str, student: str, rows: int, path: str) -> dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sentences", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=2,

@@ -109,7 +109,7 @@ def two_ranks(teacher: Path, data: Path, out: Path, workers: int, scratch: Path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,10", help="millions of tokens")
     parser.add_argument("--workers", type=int, default=0, help="tokenizing processes (0: the host's cores)")
     parser.add_argument("--kinds", default="text,chat")

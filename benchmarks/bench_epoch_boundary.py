@@ -90,7 +90,7 @@ def summarise(run: dict[str, Any], window: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--per-shard", type=int, default=8, help="sequences per shard")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per sequence")

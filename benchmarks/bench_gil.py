@@ -227,7 +227,7 @@ def stage_one(root: Path, rows: int, launch_seconds: float, writers: int, cores:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="launcher time per round and side")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--writers", type=int, default=1, help="writer threads, and the reader's decode threads")

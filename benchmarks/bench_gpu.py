@@ -233,7 +233,7 @@ def cache_for_stage_two(teacher: Path, data: Path, work: Path, rows: int, length
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="a tiny teacher, rows of 128 tokens (CPU-friendly)")
     parser.add_argument("--tokens", type=int, default=511_000, help="stage one's tokens per run")
     parser.add_argument("--train-steps", type=int, default=30)

@@ -351,7 +351,7 @@ def train_students(root: Path, sentences: list[str], heldout: list[str], steps: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sections", default="codecs,projection", help="of codecs, projection, pca8, transform, "

@@ -208,7 +208,7 @@ def measure_width(root: Path, width: int, data: Path, repeats: int, rows: int, c
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64, help="rows of 2,048 tokens (shards of 8 rows)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--widths", default="2048,4096")

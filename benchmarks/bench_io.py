@@ -211,7 +211,7 @@ def bench_remote(label: str, local: Path, repeats: int, step_s: float = 0.05) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--llama-shards", type=int, default=3, help="2,048-token shards of the synthetic shape")

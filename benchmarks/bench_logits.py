@@ -206,7 +206,7 @@ print((rss("VmHWM") - before) / 1024, time.perf_counter() - start)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=512)

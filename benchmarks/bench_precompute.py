@@ -121,7 +121,7 @@ def configurations(minilm: Path, gpt2: Path, data: Path) -> dict[str, dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--sentences", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", default="", help="run only configurations whose name contains this")

@@ -60,7 +60,7 @@ def measure(model: Path, data: Path, out: Path, per_shard: int) -> dict[str, Any
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=160)
     parser.add_argument("--hidden", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--per-shard", type=int, nargs="+", default=[256, 32])

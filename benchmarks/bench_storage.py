@@ -127,7 +127,7 @@ def report(name: str, root: Path, write_s: float, read_s: float, get_s: float) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--per-shard", type=int, default=128)
     args = parser.parse_args()

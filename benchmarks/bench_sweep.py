@@ -146,7 +146,7 @@ def _fmt(value: Any) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="/tmp/kdcache-bench-sweep", help="work folder (caches are reused)")
     parser.add_argument("--train-sentences", type=int, default=1600)
     parser.add_argument("--heldout-sentences", type=int, default=400)

@@ -168,7 +168,7 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=40)

@@ -142,7 +142,7 @@ def run_one(name: str, side: str, tokens: int, dim: int, vocab: int, device: str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=128_256)

@@ -59,7 +59,7 @@ def flags(cls: type, *, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     Flags given on the command line land in the namespace as the strings typed (choices checked by argparse);
     absent ones stay absent, so ``from_args`` can tell them from YAML values and pydantic converts them all.
     """
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_flags(parser, cls, skip=skip)
     return parser
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import time
@@ -34,8 +33,16 @@ from typing import Any
 
 from kdcache import storage
 from kdcache.pipeline.children import child_env
-from kdcache.pipeline.demo_reuse import StepLog, cache_id, finished_run, json_summary, matching_student
-from kdcache.pipeline.demo_text import stdlib_sentences, write_jsonl
+from kdcache.pipeline.demo_reuse import (
+    StepLog,
+    cache_id,
+    finished_run,
+    has_eval,
+    json_summary,
+    matching_student,
+    set_aside,
+)
+from kdcache.pipeline.demo_text import jsonl_text, stdlib_sentences, write_jsonl
 from kdcache.stages import precompute, train as stage_two
 from kdcache.storage import DEFAULT_BACKEND, KdcacheError, backend_names
 
@@ -93,7 +100,11 @@ def run_step(name: str, args: list[str], log_dir: Path, stdout: Path | None = No
     env = child_env(HF_HUB_OFFLINE="1")
     start = time.perf_counter()
     print(f"      {name}: log {log_path}", flush=True)
-    with open(log_path, "w") as log, open(stdout or os.devnull, "w") as out:
+    # Appended, never truncated: an earlier demo's log stays readable below its own header. The --json summary
+    # is appended too; json_summary reads the last one.
+    with open(log_path, "a") as log, open(stdout or os.devnull, "a") as out:
+        log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} kdcache {' '.join(args)}\n")
+        log.flush()
         proc = subprocess.Popen([sys.executable, "-m", "kdcache", *args], stdout=out if stdout else log,
                                 stderr=subprocess.STDOUT if stdout is None else log, env=env)
         status, usage = _wait_telling(proc.pid, log_path, start)
@@ -120,7 +131,8 @@ def _wait_telling(pid: int, log_path: Path, start: float) -> tuple[int, resource
         if time.perf_counter() - echoed >= ECHO_EVERY:
             echoed = time.perf_counter()
             line = _last_progress(log_path)
-            print(f"      {echoed - start:.0f} s" + (f": {line}" if line else ""), flush=True)
+            print(f"      {echoed - start:.0f} s into this step" + (f"; its newest line: {line}" if line else
+                                                                      " (no progress line yet)"), flush=True)
 
 
 def _last_progress(log_path: Path) -> str:
@@ -137,9 +149,19 @@ def prepare_data(opts: DemoOptions, out: Path) -> tuple[Path, Path]:
     if len(sentences) < need:
         raise DemoError(f"only {len(sentences)} stdlib sentences are available, the demo asked for {need}; "
                         "lower --train-sentences or --heldout-sentences")
-    train = write_jsonl(sentences[:opts.train_sentences], out / "data" / "train.jsonl")
-    heldout = write_jsonl(sentences[opts.train_sentences:], out / "data" / "heldout.jsonl")
+    train = _write_data(sentences[:opts.train_sentences], out / "data" / "train.jsonl", out / "cache")
+    heldout = _write_data(sentences[opts.train_sentences:], out / "data" / "heldout.jsonl", out / "cache-heldout")
     return train, heldout
+
+
+def _write_data(sentences: list[str], path: Path, cache: Path) -> Path:
+    """Write the sentences of these settings to ``path``; an earlier demo's other sentences there, and the cache
+    made from them, are kept beside them under new names (``train-earlier-1.jsonl``, ``cache-earlier-1``)."""
+    if path.is_file() and path.read_text() != jsonl_text(sentences):
+        for earlier, what in ((path, "data file"), (cache, "cache")):
+            if earlier.exists():
+                _set_aside(earlier, f"{what} {earlier.name}")
+    return write_jsonl(sentences, path)
 
 
 def agreement(run_dir: Path, role: str) -> dict[str, float]:
@@ -186,7 +208,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     run_dir = out / "run"
     run_kept = _student_steps(demo, cache, heldout_cache, run_dir, caches_kept)
     print("[5/6] scoring the trained student on the held-out sentences", flush=True)
-    if not _kept(demo, "evaluations", run_kept and caches_kept[1] and _has_eval(run_dir, "trained", heldout_cache)):
+    if not _kept(demo, "evaluations", run_kept and caches_kept[1] and has_eval(run_dir, "trained", heldout_cache)):
         run_step("eval", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir)], demo.logs)
     report = demo.report
     report["agreement_before"], report["agreement_after"] = agreement(run_dir, "baseline"), agreement(run_dir,
@@ -198,12 +220,6 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     report["reused"] = demo.reused
     _write_report(out, report)
     return report
-
-
-def _has_eval(run_dir: Path, role: str, cache: Path) -> bool:
-    """Whether ``run_dir`` holds an evaluation of ``role`` against this very cache: its folder and fingerprints."""
-    record = stage_two.find_eval(run_dir, role, str(cache))
-    return record is not None and record.get("cache", {}).get("label") == cache_id(cache) != ""
 
 
 def _kept(demo: _Demo, what: str, kept: bool) -> bool:
@@ -255,8 +271,8 @@ def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
     print("[3/6] building a 3-block student from teacher blocks 2,4,6, and scoring it as the baseline", flush=True)
     student_kept = _kept(demo, "student-init", matching_student(student_init, demo.teacher, STUDENT_BLOCKS))
     if not student_kept:
-        if student_init.is_dir():
-            shutil.rmtree(student_init)  # an earlier demo's, cut off or from another teacher folder: built again
+        if student_init.is_dir():  # an earlier demo's, cut off or from another teacher folder: kept beside it
+            _set_aside(student_init, "student-init")
         run_step("init-student", ["init-student", "--teacher", str(demo.teacher), "--layers", "2,4,6", "--out",
                                   str(student_init)], demo.logs)
     # The record names the cache by its fingerprints too: the same arguments on a cache rebuilt with other
@@ -265,8 +281,8 @@ def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
     earlier = demo.steps.measured("train", record_args)
     run_kept = caches_kept[0] and student_kept and earlier is not None and finished_run(run_dir)
     if not run_kept and ((run_dir / "options.json").is_file() or (run_dir / "evals").is_dir()):
-        shutil.rmtree(run_dir)  # made by an earlier demo with other inputs, or stopped: trained again from scratch
-    if not (run_kept and caches_kept[1] and _has_eval(run_dir, "baseline", heldout_cache)):
+        _set_aside(run_dir, "run")  # made by an earlier demo with other settings, or stopped: trained anew
+    if not (run_kept and caches_kept[1] and has_eval(run_dir, "baseline", heldout_cache)):
         run_step("eval-baseline", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir), "--student",
                                    str(student_init)], demo.logs)
     print(f"[4/6] training the student for {opts.steps} steps under DeepSpeed ZeRO-{opts.zero_stage} "
@@ -278,6 +294,13 @@ def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
         demo.report["train_seconds"], demo.report["train_peak_rss"] = demo.keep(
             "train", record_args, *run_step("train", train_args, demo.logs), reused=False)
     return run_kept
+
+
+def _set_aside(folder: Path, what: str) -> None:
+    """Keep an earlier demo's ``folder`` that these settings cannot reuse beside it, and say where."""
+    kept = set_aside(folder)
+    print(f"      {what}: the earlier one (other settings, or stopped) is kept as {kept}; remove it when no longer "
+          "needed", flush=True)
 
 
 def _facts(cache: Path, run_dir: Path, teacher: Path) -> dict[str, Any]:

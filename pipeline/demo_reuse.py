@@ -7,8 +7,13 @@ time and prints the same figures.
 * The student-init: kept when its ``kdcache_init.json`` names the same teacher folder and blocks. The step is
   skipped rather than run again, since ``init-student`` refuses a folder that already holds a student.
 * The trained run: kept when the same ``kdcache train`` arguments finished in ``run/`` (its student exported) from
-  a reused cache and student-init; anything else in ``run/`` is the demo's own leftover and is trained again.
+  a reused cache and student-init; anything else in ``run/`` (a run with other settings, or one stopped) is moved
+  beside it as ``run-earlier-N`` (``set_aside``), never deleted, and the run is trained again; so is a
+  student-init built otherwise, and a data file of other sentences with the cache made from it.
 * The evaluations: kept when both what they score and the cache they score on were kept.
+
+Paths are no part of what a step is: the steps' record writes the demo folder as ``OUT`` and an evaluation is
+found by its cache's label, so a copied or moved demo folder reruns as quickly as in place.
 
 The measured figures (seconds, peak memory) of a kept step are those of the step that did the work: each step's
 measurements are written to ``OUT/logs/steps.json`` beside the arguments it ran with, as it finishes.
@@ -43,10 +48,17 @@ class StepLog:
             steps = {}
         return cls(path, steps if isinstance(steps, dict) else {})
 
+    def inside(self, args: list[str]) -> list[str]:
+        """``args`` with the demo folder's path written ``OUT``: a copied or moved demo folder records the same
+        steps (the folder is where ``logs/`` lies)."""
+        out = str(self.path.parent.parent)
+        return [arg.replace(out, "OUT") for arg in args]
+
     def measured(self, name: str, args: list[str]) -> tuple[float, int] | None:
         """(seconds, peak RSS bytes) of step ``name`` run with exactly ``args``; None if it never was."""
         record = self.steps.get(name)
-        if not isinstance(record, dict) or record.get("args") != args:
+        # A record written before the folder was written OUT holds the paths themselves.
+        if not isinstance(record, dict) or record.get("args") not in (self.inside(args), args):
             return None
         try:
             return float(record["seconds"]), int(record["peak_rss"])
@@ -61,7 +73,7 @@ class StepLog:
 
     def record(self, name: str, args: list[str], seconds: float, peak_rss: int) -> None:
         """Keep step ``name``'s measurements, written at once so that a demo stopped later still has them."""
-        self.steps[name] = {"args": args, "seconds": seconds, "peak_rss": peak_rss}
+        self.steps[name] = {"args": self.inside(args), "seconds": seconds, "peak_rss": peak_rss}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.steps, indent=2) + "\n")
 
@@ -86,6 +98,18 @@ def finished_run(run_dir: Path) -> bool:
             and (run / "projectors.pt").is_file())
 
 
+def set_aside(folder: Path) -> Path:
+    """Rename ``folder`` (or a file) to the first free ``NAME-earlier-N`` beside it (N from 1; a file keeps its
+    suffix: ``train-earlier-1.jsonl``), so that a demo with other settings keeps what an earlier one made; returns
+    the new path. A rename: nothing is copied or lost."""
+    folder = Path(folder)
+    n = 1
+    while (kept := folder.with_name(f"{folder.stem}-earlier-{n}{folder.suffix}")).exists():
+        n += 1
+    folder.rename(kept)
+    return kept
+
+
 def cache_id(cache: Path) -> str:
     """The cache's label with its fingerprints' hash (``heldout-1a2b3c4d``); "" without a readable manifest. A
     reused step is tied to it, so that a cache rebuilt with other settings in the same folder is not taken for
@@ -95,6 +119,14 @@ def cache_id(cache: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         return ""
     return train.cache_label(str(cache), fingerprints)
+
+
+def has_eval(run_dir: Path, role: str, cache: Path) -> bool:
+    """Whether ``run_dir`` holds an evaluation of ``role`` against this very cache: its folder's name and its
+    fingerprints (the label), wherever the demo folder now lies."""
+    label = cache_id(cache)
+    return label != "" and any(r.get("role") == role and r.get("cache", {}).get("label") == label
+                               for r in train.read_evals(run_dir))
 
 
 def json_summary(path: Path) -> dict[str, Any]:

@@ -74,11 +74,16 @@ def stdlib_sentences(limit: int | None = None) -> list[str]:
     return list(seen)
 
 
+def jsonl_text(sentences: list[str], column: str = "text") -> str:
+    """One ``{column: sentence}`` object per line, the format ``datasets`` loads as ``json``."""
+    return "".join(json.dumps({column: sentence}) + "\n" for sentence in sentences)
+
+
 def write_jsonl(sentences: list[str], path: str | Path, column: str = "text") -> Path:
-    """Write one ``{column: sentence}`` object per line, the format ``datasets`` loads as ``json``."""
+    """Write ``jsonl_text`` of the sentences to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = "".join(json.dumps({column: sentence}) + "\n" for sentence in sentences)
+    text = jsonl_text(sentences, column)
     # The same file is left as it is: its rows (keyed on the file's time too) and caches stay reusable.
     if not (path.is_file() and path.read_text() == text):
         path.write_text(text)

@@ -184,7 +184,8 @@ def same_run(previous: list[str] | None, command: list[str]) -> bool:
 
 def _options_of(command: list[str]) -> dict[str, object]:
     """The train options a child command line sets (``--resume`` aside), as ``RUN/options.json`` holds them."""
-    parser = argparse.ArgumentParser(parents=[flags(TrainOptions)], add_help=False, exit_on_error=False)
+    parser = argparse.ArgumentParser(parents=[flags(TrainOptions)], add_help=False, exit_on_error=False,
+                                     allow_abbrev=False)
     known, _ = parser.parse_known_args([a for a in command[command.index("train") + 1:] if a != "--resume"])
     return build(TrainOptions, vars(known)).to_dict()
 

@@ -95,29 +95,50 @@ def _special_tokens_message(actual: dict[str, Any], expected: dict[str, Any]) ->
     return out
 
 
-def _compare(actual: object, expected: object, path: list[str], strict: bool, out: list[str]) -> None:
+# Keys that name where a thing was found, not what it is: a data file's path, a teacher's folder. Where both
+# fingerprints of the section record a content hash of the same name (``input_ids_hash``, ``weights_hash``...),
+# the content decides and the label may differ, so a copied or moved cache and data folder is the same cache.
+_LABELS = {"data": "source", "teacher": "name_or_path"}
+
+
+def _labels_only(section: str, actual: dict[str, Any], expected: dict[str, Any]) -> set[str]:
+    """The label keys of ``section`` that its content hashes make irrelevant (empty without a shared hash)."""
+    hashes = [k for k in expected if k.endswith("_hash") and None not in (expected[k], actual.get(k))]
+    return {_LABELS[section]} if section in _LABELS and hashes else set()
+
+
+Difference = tuple[str, object, object]  # (sentence, the cache's value, the expected value)
+
+
+def _compare(actual: object, expected: object, path: list[str], strict: bool, out: list[Difference]) -> None:
     label = " ".join([_SECTION_WORDS.get(path[0], path[0])] + path[1:]) if path else "fingerprints"
     if isinstance(actual, dict) and isinstance(expected, dict):
+        if len(path) == 1:
+            labels = _labels_only(path[0], actual, expected)
+            actual = {k: v for k, v in actual.items() if k not in labels}
+            expected = {k: v for k, v in expected.items() if k not in labels}
         if path == ["tokenizer"] and ("vocab_hash" in expected or "vocab_size" in expected) and any(
             k in expected and actual.get(k) != expected[k] for k in ("vocab_hash", "vocab_size")
         ):
-            out.append(_vocab_message(actual, expected))
+            out.append((_vocab_message(actual, expected), None, None))
             actual = {k: v for k, v in actual.items() if k not in ("vocab_hash", "vocab_size")}
             expected = {k: v for k, v in expected.items() if k not in ("vocab_hash", "vocab_size")}
         if path == ["tokenizer", "special_tokens"]:
-            out.extend(_special_tokens_message(actual, expected))
+            out.extend((message, None, None) for message in _special_tokens_message(actual, expected))
             return
         keys = sorted(set(expected) | (set(actual) if strict else set()))
         for key in keys:
             what = f"{label} {key}" if path else f"the {key} fingerprint"
             if key not in actual:
-                out.append(f"{what} is not recorded in the cache; expected {_short(expected[key])}")
+                out.append((f"{what} is not recorded in the cache; expected {_short(expected[key])}", None, None))
             elif key not in expected:
-                out.append(f"{what} is recorded in the cache as {_short(actual[key])} but not given now")
+                out.append((f"{what} is recorded in the cache as {_short(actual[key])} but not given now", None,
+                            None))
             else:
                 _compare(actual[key], expected[key], path + [key], strict, out)
     elif actual != expected and expected is not None:
-        out.append(f"{label} differs: the cache has {_short(actual)}, expected {_short(expected)}")
+        out.append((f"{label} differs: the cache has {_short(actual)}, expected {_short(expected)}", actual,
+                    expected))
 
 
 def compare_fingerprints(actual: dict[str, Any], expected: dict[str, Any], *, strict: bool = False) -> list[str]:
@@ -129,9 +150,25 @@ def compare_fingerprints(actual: dict[str, Any], expected: dict[str, Any], *, st
             of None, are not checked, so a student may check only the tokenizer.
         strict: also report keys recorded in the cache but absent from ``expected``.
 
+    A section's label (the data's ``source`` path, the teacher's ``name_or_path``) is compared only where the
+    section records no content hash on both sides: the hashes of the rows and of the weights say what the data
+    and the teacher are, wherever they lie.
+
     Returns:
         One plain-words sentence per mismatch; empty when they agree.
     """
-    out: list[str] = []
+    return [sentence for sentence, _, _ in fingerprint_differences(actual, expected, strict=strict)]
+
+
+def fingerprint_differences(actual: dict[str, Any], expected: dict[str, Any], *,
+                            strict: bool = False) -> list[Difference]:
+    """``compare_fingerprints``' sentences with the two values each compares (None for a sentence about a
+    missing key or the tokenizer), so that a caller can leave out what another check already said."""
+    out: list[Difference] = []
     _compare(actual, expected, [], strict, out)
     return out
+
+
+def same_values(a: object, b: object) -> bool:
+    """Whether two values read the same in JSON (a tuple and a list of the same items do)."""
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)

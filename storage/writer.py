@@ -28,7 +28,7 @@ from kdcache.storage.core.errors import CacheMismatchError, FormatVersionError, 
 from kdcache.storage.core.files import disk_full_error, is_disk_full
 from kdcache.storage.core.stores import Store, WriterLock, open_store
 from kdcache.storage.encode import EncodedShard, encode_shard
-from kdcache.storage.fingerprint import compare_fingerprints
+from kdcache.storage.fingerprint import Difference, fingerprint_differences, same_values
 from kdcache.storage.folders import folder_tables
 from kdcache.storage.schema.manifest import (
     MANIFEST_NAME,
@@ -47,12 +47,22 @@ from kdcache.storage.schema.manifest import (
 from kdcache.storage.schema.spec import CacheSpec
 
 
-def spec_differences(cached: CacheSpec, wanted: CacheSpec) -> list[str]:
-    """One sentence per spec field that differs between an existing cache and a new writer."""
+def spec_differences(cached: CacheSpec, wanted: CacheSpec) -> list[Difference]:
+    """One sentence per spec field that differs between an existing cache and a new writer, with both values."""
     a, b = cached.to_dict(), wanted.to_dict()
     keys = list(dict.fromkeys([*a, *b]))  # a seq2seq spec has keys a single-stream one leaves out
-    return [f"spec {key} differs: the cache has {a.get(key)!r}, this writer has {b.get(key)!r}"
-            for key in keys if a.get(key) != b.get(key)]
+    return [(f"spec {key} differs: the cache has {a.get(key)!r}, this writer has {b.get(key)!r}", a.get(key),
+             b.get(key)) for key in keys if a.get(key) != b.get(key)]
+
+
+def cache_differences(existing: Manifest, spec: CacheSpec, fingerprints: dict[str, Any]) -> list[str]:
+    """Everything that makes an existing cache another cache than the one a writer would write, each change once:
+    a fingerprint that says again what a spec field already says (the layers, the sequence count) is left out."""
+    spec_said = spec_differences(existing.spec, spec)
+    pairs = [(a, b) for _, a, b in spec_said]
+    said = fingerprint_differences(existing.fingerprints, fingerprints, strict=True)
+    return [s for s, _, _ in spec_said] + [
+        s for s, a, b in said if a is None or not any(same_values(a, x) and same_values(b, y) for x, y in pairs)]
 
 
 def _disk_full(store: Store, exc: OSError, needed: int, what: str) -> Exception:
@@ -158,8 +168,7 @@ class CacheWriter:
         refusal = existing.format.refusal(self.root)  # this code writes only its own format
         if refusal:
             raise FormatVersionError(refusal)
-        differences = spec_differences(existing.spec, self.spec)
-        differences += compare_fingerprints(existing.fingerprints, self.fingerprints, strict=True)
+        differences = cache_differences(existing, self.spec, self.fingerprints)
         if differences:
             raise CacheMismatchError(f"{self.root} already holds a different cache:\n  - " + "\n  - ".join(differences)
                                      + "\nUse a new directory, or the same spec and fingerprints to resume.",

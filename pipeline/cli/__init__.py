@@ -70,6 +70,9 @@ class _Parser(argparse.ArgumentParser):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No abbreviations: `--max-step` taken for `--max-steps` would silently mean what was not typed, and a
+        # flag added later could turn a working abbreviation into another flag.
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.needed: list[argparse.Action] = []
 

@@ -53,6 +53,7 @@ from kdcache.stages.train.interrupt import StopOnSignal, TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
 from kdcache.stages.train.objective import DistillModel, build_criterion
 from kdcache.stages.train.progress import TrainProgress
+from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, check_resume, init_record, start_projectors
 from kdcache.storage import KdcacheError, split_stream
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
                             "choose another --out")
     if options.run.resume and not ckpt.has_checkpoint(options.run.out):
         raise TrainingError(f"--resume: no checkpoint in {Path(options.run.out) / ckpt.CHECKPOINT_DIR}")
+    if options.run.resume:  # before anything is written: a refused resume leaves the run folder as it was
+        check_resume(options.run.out, options, reader.fingerprints)
     dist_info = init_distributed()
     fused_vocab.use_road(options.engine.vocab_kernel, dist_info.device)  # before the first step takes a road
     run_dir = Path(options.run.out)
@@ -118,6 +121,9 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
         model, extend = cross, cross.aligner.extend  # the student's tokens are made with each batch, off the step
     else:
         model = DistillModel(student, build_criterion(options, plan, facts, head), plan, announce=announce)
+    said = start_projectors(model, options.run.init_from)
+    if said and announce:
+        print(f"kdcache train: {said}", file=sys.stderr)
     engine = build_engine(model, options, dist_info.device)
     return _Trainer(options, plan, engine, dist_info, reader, extend).run()
 
@@ -348,7 +354,8 @@ class _Trainer:
         if self.dist.rank != 0:
             return
         (self.run_dir / "options.json").write_text(json.dumps(self.options.to_dict(), indent=2) + "\n")
-        plan = {**self.plan.to_json(), "total_steps": total,
+        plan = {**self.plan.to_json(), "total_steps": total, CACHE_HASH: cache_hash(self.reader.fingerprints),
+                **init_record(self.options.run.init_from),
                 "batch_size": self.batch_size, "grad_accum": self.grad_accum, "world_size": self.dist.world_size,
                 "zero_stage": self.zero_stage}
         (self.run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")

@@ -45,6 +45,7 @@ from kdcache.storage.core.files import crc32c, file_size
 from kdcache.storage.core.formats import CacheFormat, zarr_problems
 from kdcache.storage.core.stores import Store
 from kdcache.storage.core.streams import split_stream
+from kdcache.storage.core.zarr_exit import stop_zarr_io_at_exit
 from kdcache.storage.hidden_codecs import CODED_KINDS
 from kdcache.storage.schema.manifest import ShardRecord, shard_name
 from kdcache.storage.schema.spec import CacheSpec
@@ -67,6 +68,7 @@ _DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids":
 def _zarr() -> ModuleType:
     import zarr
 
+    stop_zarr_io_at_exit()  # after zarr registered its exit handler, so that ours runs before it
     return zarr
 
 

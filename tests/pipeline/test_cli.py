@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import yaml
 
 from kdcache.pipeline.cli import build_parser, main
 from kdcache.stages.train.evaluation.eval_records import read_evals
+from kdcache.stages.train.logging import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = ("precompute", "merge", "inspect", "verify", "init-student", "train", "run", "demo")
@@ -95,11 +97,11 @@ def test_run_trains_from_a_fresh_cache_then_reuses_it(tiny_gpt2: Path, tmp_path:
     assert "already holds a different cache" in capsys.readouterr().err
 
 
-def _demo(out: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+def _demo(out: Path, steps: int = 6) -> tuple[subprocess.CompletedProcess[str], float]:
     """``kdcache demo`` on small settings into ``out``; the process and its wall seconds."""
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "kdcache", "demo", "--out", str(out), "--train-sentences", "200",
-                           "--heldout-sentences", "40", "--steps", "6", "--batch-size", "8"],
+                           "--heldout-sentences", "40", "--steps", str(steps), "--batch-size", "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, time.perf_counter() - started
@@ -152,6 +154,29 @@ def test_a_second_demo_reuses_the_first_and_prints_the_same_figures(
     for what in ("cache", "held-out cache", "student-init", "trained run", "make demo-clean"):
         assert what in reused, reused
     assert second_seconds < first_seconds, (first_seconds, second_seconds)
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.demo
+@pytest.mark.slow
+def test_a_demo_with_other_settings_keeps_the_earlier_run_and_appends_to_the_logs(
+        first_demo: tuple[Path, subprocess.CompletedProcess[str], float]) -> None:
+    """Issue 61: `kdcache demo --steps 5` deleted the 150-step run in the folder, and truncated its logs. After the
+    reuse test above (which changes nothing), a demo with other --steps trains anew beside the earlier run."""
+    out = first_demo[0]
+    earlier = _hashes(out / "run")
+    logs = {name: (out / "logs" / name).read_text() for name in ("precompute.log", "train.log")}
+    proc, _ = _demo(out, steps=3)
+    assert _hashes(out / "run-earlier-1") == earlier  # every file of the earlier run, byte for byte
+    assert f"kept as {out / 'run-earlier-1'}" in proc.stdout
+    assert [r["step"] for r in read_jsonl(out / "run" / "metrics.jsonl")][-1] == 3
+    for name, before in logs.items():
+        after = (out / "logs" / name).read_text()
+        assert after.startswith(before) and len(after) > len(before), name
 
 
 @pytest.mark.parametrize("argv, wanted", [
@@ -282,7 +307,8 @@ def test_a_long_demo_step_echoes_its_progress(tmp_path: Path, monkeypatch: pytes
         child = subprocess.Popen([sys.executable, "-c", code], stdout=fh)
         status, _ = demo._wait_telling(child.pid, log, time.perf_counter())
     assert os.waitstatus_to_exitcode(status) == 0
-    assert "s: kdcache train: step 3/150 | loss 1.2" in capsys.readouterr().out
+    # "1 s into this step", not a bare "1 s" (issue 61): the figure says what it counts
+    assert "s into this step; its newest line: kdcache train: step 3/150 | loss 1.2" in capsys.readouterr().out
 
 
 def test_a_flat_config_is_read_by_precompute_and_refused_by_run(tmp_path: Path,

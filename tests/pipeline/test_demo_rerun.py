@@ -8,10 +8,11 @@ The decisions are tested here on folders written by hand, the way the steps leav
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
-from kdcache.pipeline.demo_reuse import StepLog, cache_id, finished_run, matching_student
+from kdcache.pipeline.demo_reuse import StepLog, cache_id, finished_run, has_eval, matching_student, set_aside
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,3 +95,55 @@ def test_make_demo_clean_removes_the_demo_outputs_and_keeps_the_environment(tmp_
     assert not (tmp_path / "demo-out").exists() and (tmp_path / ".venv" / "bin" / "python").is_file()
     readme = (REPO / "README.md").read_text()
     assert "make demo-clean" in readme and "make clean" in readme
+
+
+def test_a_run_the_new_settings_cannot_reuse_is_kept_beside_it_under_a_new_name(tmp_path: Path) -> None:
+    """Issue 61: a demo with other settings deleted the earlier run; now it is renamed, each time to a free name."""
+    run = tmp_path / "run"
+    (run / "student").mkdir(parents=True)
+    (run / "student" / "model.safetensors").write_bytes(b"\1" * 8)
+    (run / "metrics.jsonl").write_text('{"step": 150}\n')
+    assert set_aside(run) == tmp_path / "run-earlier-1" and not run.exists()
+    assert (tmp_path / "run-earlier-1" / "student" / "model.safetensors").read_bytes() == b"\1" * 8
+    run.mkdir()
+    assert set_aside(run) == tmp_path / "run-earlier-2" and (tmp_path / "run-earlier-1" / "metrics.jsonl").is_file()
+
+
+def test_a_demo_with_other_sentences_keeps_the_earlier_data_file_and_its_cache(tmp_path: Path) -> None:
+    """Issue 61: other --train-sentences rewrote data/train.jsonl under the cache made from it; now both are kept
+    beside the new ones, and the same settings again keep everything where it is."""
+    from kdcache.pipeline.demo import DemoOptions, prepare_data
+
+    train, _ = prepare_data(DemoOptions(train_sentences=5, heldout_sentences=3), tmp_path)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "manifest.json").write_text("{}")
+    earlier = train.read_text()
+    prepare_data(DemoOptions(train_sentences=6, heldout_sentences=3), tmp_path)
+    assert (tmp_path / "data" / "train-earlier-1.jsonl").read_text() == earlier
+    assert (tmp_path / "cache-earlier-1" / "manifest.json").is_file() and not (tmp_path / "cache").exists()
+    assert len(train.read_text().splitlines()) == 6
+    assert (tmp_path / "data" / "heldout-earlier-1.jsonl").is_file()  # its sentences moved on by one too
+    prepare_data(DemoOptions(train_sentences=6, heldout_sentences=3), tmp_path)
+    assert not (tmp_path / "data" / "train-earlier-2.jsonl").exists()
+
+
+def test_a_copied_demo_folder_finds_its_steps_and_evaluations(tmp_path: Path) -> None:
+    """Issue 61: a demo folder copied elsewhere reran every step: its records named the old folder."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    StepLog.open(here / "logs").record("train", ["--out", str(here / "run")], 12.5, 1 << 30)
+    cache = here / "cache-heldout"
+    cache.mkdir(parents=True)
+    (cache / "manifest.json").write_text(json.dumps({"fingerprints": {"settings": {"max_length": 64}}}))
+    (here / "run" / "evals").mkdir(parents=True)
+    record = {"role": "baseline", "cache": {"path": str(cache), "label": cache_id(cache)}}
+    (here / "run" / "evals" / f"baseline@{cache_id(cache)}.json").write_text(json.dumps(record))
+    shutil.copytree(here, there)
+    assert StepLog.open(there / "logs").measured("train", ["--out", str(there / "run")]) == (12.5, 1 << 30)
+    assert has_eval(there / "run", "baseline", there / "cache-heldout")
+    assert not has_eval(there / "run", "trained", there / "cache-heldout")
+    (there / "cache-heldout" / "manifest.json").write_text(json.dumps({"fingerprints": {"settings": {}}}))
+    assert not has_eval(there / "run", "baseline", there / "cache-heldout")  # another cache under that name
+    # a record written before the folder was written OUT still counts where it was written
+    (here / "logs" / "steps.json").write_text(json.dumps(
+        {"train": {"args": ["--out", str(here / "run")], "seconds": 1.0, "peak_rss": 1}}))
+    assert StepLog.open(here / "logs").measured("train", ["--out", str(here / "run")]) == (1.0, 1)

@@ -64,6 +64,15 @@ def teacher_notes(eval_cache: CacheReader, run_dir: Path) -> list[str]:
     return [f"the eval cache's teacher differs from the training cache's: {p}" for p in problems]
 
 
+def training_data_notes(eval_cache: CacheReader, run_dir: Path, cache: str) -> list[str]:
+    """A note when the cache scored is the one the run trained on: its scores are not held-out scores."""
+    if not train.trained_on(run_dir, cache, eval_cache.fingerprints or {}):
+        return []
+    return [f"{cache} is the cache this run trained on: these scores are on its training data, not on held-out "
+            "data; score a cache of other text (precompute it with the same settings) to see how the student "
+            "generalises"]
+
+
 def check_baseline(out: Path, student: str) -> None:
     """Refuse to replace a run's baseline on this cache with another student's: the report compares the trained
     student with it, and a second ``--student`` would silently change what "before" means (the same student again
@@ -97,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = train.evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
                                     teacher_layer=args.teacher_layer, device=args.device, student=args.student)
-    result["notes"] = teacher_notes(reader, run_dir) + result.get("notes", [])
+    result["notes"] = teacher_notes(reader, run_dir) + training_data_notes(reader, run_dir, args.cache) + \
+        result.get("notes", [])
     result.update(role=role, student=student,
                   cache={"path": path, "label": label, "sequences": result["sequences"], "tokens": result["tokens"],
                          "cache_sequences": reader.num_sequences, "cache_tokens": reader.num_tokens},

@@ -49,6 +49,8 @@ def register(subparsers: Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build and validate the options, train, and print the summary on rank 0. Returns 0."""
+    if getattr(args, "init_from", None) and not getattr(args, "student", None):
+        args.student = str(Path(args.init_from) / "student")  # --init-from RUN starts from RUN's exported student
     options = from_args(TrainOptions, args, section="train")
     with quiet(options.run.quiet):  # also when the YAML, not the flag, asks for it
         print_summary(train.run_training(options), getattr(args, "json", False), format_summary)

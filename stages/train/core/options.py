@@ -192,7 +192,12 @@ class RunOptions:
     out: str = field(metadata=_opt("the run directory: checkpoints, metrics.jsonl, the exported student"))
     epochs: int | None = field(default=None, metadata=_opt("passes over the cache (default 1 if no --max-steps)"))
     max_steps: int | None = field(default=None, metadata=_opt("optimizer steps to run (wins over --epochs)"))
-    resume: bool = field(default=False, metadata=_opt("continue from the latest checkpoint in --out"))
+    resume: bool = field(default=False, metadata=_opt(
+        "continue from the latest checkpoint in --out, with the run's own options: only --max-steps, --epochs, "
+        "logging, --save-every and reading options may change (another loss, map or data option is refused)"))
+    init_from: str | None = field(default=None, metadata=_opt(
+        "start a new run from the student (and projectors) an earlier run exported, e.g. to go on with another "
+        "loss; --student may then be left out, and plan.json names the run it started from", metavar="RUN"))
     config: str | None = field(default=None, metadata=_opt(
         "YAML file of flag names giving defaults: flat, or under a `train:` section; an unknown key is refused"))
     log_every: int = field(default=10, metadata=_opt(
@@ -218,13 +223,28 @@ class RunOptions:
         problems += tracker_problems(self.report_to)
         if not Path(self.student).exists():
             problems.append(f"student {self.student!r} does not exist (a model folder or a config.json)")
-        return problems + out_problems(self.out)
+        return problems + init_from_problems(self.init_from, self.student) + out_problems(self.out)
 
 
 # What a run folder may hold before training writes options.json: a baseline evaluated first, a sweep's logs, a
 # report. Anything else means --out names someone else's folder.
 RUN_ENTRIES = frozenset({"options.json", "plan.json", "metrics.jsonl", "checkpoints", "student", "projectors.pt",
                          "evals", "report", "tensorboard", "wandb", "csv", "train.log", "eval.log", "sweep-run.json"})
+
+
+def init_from_problems(init_from: str | None, student: str) -> list[str]:
+    """``--init-from RUN`` needs a run that exported its student, and starts from that student: a ``--student``
+    naming another folder would leave the record unclear."""
+    if not init_from:
+        return []
+    exported = Path(init_from) / "student"
+    if not (exported / "config.json").is_file():
+        return [f"init_from: {init_from!r} holds no exported student ({exported}/config.json); a run exports it "
+                "when it finishes, and --init-from starts from it"]
+    if Path(student).resolve() != exported.resolve():
+        return [f"init_from: a new run from {init_from!r} starts from its student {str(exported)!r}, but student "
+                f"names {student!r}; leave --student out (or give that folder)"]
+    return []
 
 
 def out_problems(out: str) -> list[str]:
