@@ -1,5 +1,6 @@
-"""``CacheTrainer`` evaluated on a held-out cache (every loss term and the agreement with the teacher, as
-``kdcache eval`` computes it; best checkpoint; early stopping), and the API's smaller promises: what it exports,
+"""``CacheTrainer`` and ``kdcache train --eval-cache`` evaluated on a held-out cache (every loss term and the
+agreement with the teacher, as ``kdcache eval`` computes it; best checkpoint; early stopping), and the API's smaller
+promises: what it exports,
 its messages in its own spelling, a tokenizer given as ``processing_class``, a student's folder without training
 files, a partial cache.
 
@@ -195,3 +196,36 @@ def test_a_partial_cache_trains_where_the_message_says(setup: dict[str, Path]) -
     assert loss.dataset(batch_size=BATCH).num_sequences == 32
     opened = kdcache.DistillationLoss(kdcache.open_cache(str(partial), allow_partial=True), _student(setup))
     assert opened.arrays == loss.arrays
+
+
+# ---- kdcache train --eval-cache ----------------------------------------------------------------------------
+def test_kdcache_train_scores_its_heldout_cache_every_n_steps(setup: dict[str, Path],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from kdcache.pipeline.cli import main
+    from kdcache.stages.train import read_jsonl
+
+    run = setup["root"] / "cli"
+    common = ["train", "--cache", str(setup["cache"]), "--student", str(setup["student"]), "--batch-size", str(HELD),
+              "--max-steps", "4", "--quiet", "--eval-every", "2"]
+    assert main([*common, "--out", str(setup["root"] / "cli-other"), "--eval-cache", str(setup["other"])]) == 2
+    refused = capsys.readouterr().err  # refused before training, naming the flag and the other teacher
+    assert "--eval-cache" in refused and "other-teacher' is not the training cache's" in refused
+    assert "Traceback" not in refused and not (setup["root"] / "cli-other" / "metrics.jsonl").exists()
+    assert main([*common, "--out", str(run)]) == 2
+    assert "eval_every 2 needs eval_cache" in capsys.readouterr().err
+    assert main([*common, "--out", str(run), "--eval-cache", str(setup["heldout"])]) == 0
+    evals = read_jsonl(run / "eval.jsonl")
+    assert [r["step"] for r in evals] == [2, 4]
+    terms = set(read_jsonl(run / "metrics.jsonl")[-1]) & {"loss", "ce", "topk_kl", "hidden", "hidden/s2_t3"}
+    assert len(terms) == 5 and {f"eval_{t}" for t in terms} | {"eval_top1_agreement", "eval_kl"} <= set(evals[-1])
+
+    # The last scores are the exported student's and projectors' loss on the whole held-out cache (one batch).
+    student = load_student(run / "student", seed=0).eval()
+    loss = kdcache.DistillationLoss(str(setup["heldout"]), student)
+    loss.projectors.load_state_dict(torch.load(run / "projectors.pt")["projectors"])
+    data = loss.dataset(batch_size=HELD)
+    batch = data.to_device(next(iter(torch.utils.data.DataLoader(data, batch_size=None))), "cpu")
+    with torch.no_grad():
+        by_hand = {k: float(v) for k, v in loss(loss.student_outputs(student, batch), batch).items()}
+    for name in terms:
+        assert evals[-1][f"eval_{name}"] == pytest.approx(by_hand[name], rel=1e-5), name
