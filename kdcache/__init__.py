@@ -30,9 +30,10 @@ if TYPE_CHECKING:
         DataPosition as DataPosition,
         DistillationLoss as DistillationLoss,
         EvaluationError as EvaluationError,
-        open_cache as open_cache,
     )
+    from kdcache.stages.train.api import Cache as Cache, open_cache as open_cache
     from kdcache.stages.train.core import CacheCheckError as CacheCheckError
+    from kdcache.stages.train.hf_args import DistillationArguments as DistillationArguments
     from kdcache.storage import (
         CacheReader as CacheReader,
         ChecksumError as ChecksumError,

@@ -26,7 +26,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 from torch import nn
@@ -43,14 +43,14 @@ from kdcache.stages.train.core import (
     TrainOptions,
     TrainPlan,
     load_teacher_head,
-    open_cache,
+    open_cache as open_checked,
     plan_training,
     student_facts,
     tokenizer_fingerprint_of,
     unused_targets,
     vocab_problems,
 )
-from kdcache.stages.train.feed import Batch, CacheStream, DataPosition, next_position, to_device
+from kdcache.stages.train.feed import Batch, CacheStream, DataPosition, check_resumable, next_position, to_device
 from kdcache.stages.train.objective import (
     DistillLoss,
     StudentRunner,
@@ -59,13 +59,15 @@ from kdcache.stages.train.objective import (
     student_inputs,
     unwrapped_student,
 )
-from kdcache.storage import KdcacheError
+from kdcache.storage import CacheReader, KdcacheError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
     from kdcache.stages.train.core import TeacherHead
-    from kdcache.storage import CacheReader
 
 API_SPEAKER = "kdcache"  # how the Python API heads its notes (``kdcache train``'s are headed by the command)
 # The keyword options of ``DistillationLoss``: those of ``kdcache train``'s loss and maps groups, and the seed.
@@ -203,7 +205,9 @@ class CacheDataset(CacheStream):
     ``position_ids`` when the cache has them), the targets ``[B, L, ...]`` still in their stored dtype (coded
     hidden states as their codes), ``sample_ids [B]``, and ``epoch`` / ``step_in_epoch`` (ints) saying where it
     came from. ``to_device`` moves a batch and decodes its targets there; ``position_after`` is the exact resume
-    state once a batch is consumed (give it back as ``start=``).
+    state once a batch is consumed (give it back as ``start=``). ``state_dict()`` / ``load_state_dict()`` say the
+    same as torchdata's ``StatefulDataLoader`` does: where the stream stands after the batches it has handed out
+    (read in this process: ``DataLoader(..., num_workers=0)``, as ``CacheTrainer`` and ``kdcache train`` read it).
 
     Args:
         cache: a cache folder or URL, or an open ``CacheReader``.
@@ -235,6 +239,24 @@ class CacheDataset(CacheStream):
         self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
         self.projection = load_projection(reader)  # a rank codec's bases, for that decode
 
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in super().__iter__():
+            self.start = self.position_after(batch)  # handed out: a resume starts after it (the state_dict's)
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream resumes (after the last batch handed out), and the settings that fix its order."""
+        return {**self.start.to_dict(), "seed": self.seed, "batch_size": self.batch_size,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Start the next pass at ``state`` (a ``state_dict()``), refusing one of another seed, batch size or world.
+
+        Raises:
+            StreamStateError: naming each setting that differs.
+        """
+        self.start = check_resumable(dict(state), self.world_size, self.batch_size, self.seed)
+
     def to_device(self, batch: Batch, device: torch.device | str) -> Batch:
         """``batch`` on ``device`` with float32 targets, coded hidden states decoded there (as ``kdcache train``)."""
         return to_device(batch, device, self.hidden_codec, self.projection)
@@ -251,6 +273,43 @@ def _fingerprint(model: object, tokenizer: PreTrainedTokenizerBase | None) -> di
         return tokenizer_fingerprint(tokenizer)
     path = getattr(model, "name_or_path", "") or ""
     return tokenizer_fingerprint_of(path) if path and Path(path).is_dir() else None
+
+
+class StreamArgs(TypedDict, total=False):
+    """``CacheDataset``'s arguments besides the cache, its arrays and the batch size."""
+
+    seed: int
+    rank: int | None
+    world_size: int | None
+    start: DataPosition | Mapping[str, int] | None
+    shuffle_block: int
+    prefetch: int
+    decode_threads: int
+    pin_memory: bool
+
+
+class Cache(CacheReader):
+    """An open cache (``kdcache.open_cache``): the storage reader, and ``dataset`` to train from it."""
+
+    def dataset(self, *, batch_size: int, arrays: tuple[str, ...] | list[str] | None = None,
+                **kwargs: Unpack[StreamArgs]) -> CacheDataset:
+        """A ``CacheDataset`` of this cache: ``arrays`` (default every per-sequence array; ``CacheTrainer`` keeps
+        the order and settings and streams its loss's arrays), ``kwargs`` its other arguments."""
+        return CacheDataset(self, arrays if arrays is not None else self.spec.sequence_names(),
+                            batch_size=batch_size, **kwargs)
+
+
+def open_cache(path: str | os.PathLike[str], *, allow_partial: bool = False,
+               decode_threads: int | None = None) -> Cache:
+    """Open a cache to train from, with training's message when there is none (``core.open_cache``).
+
+    Args:
+        path: the cache folder or URL.
+        allow_partial: read the committed shards of a cache still being written.
+        decode_threads: arrays decoded at once (None: one per core).
+    """
+    opened = open_checked(os.fspath(path), allow_partial=allow_partial, decode_threads=decode_threads, reader=Cache)
+    return cast(Cache, opened)
 
 
 class DistillationLoss(nn.Module):
@@ -310,7 +369,7 @@ class DistillationLoss(nn.Module):
         """The projectors, to save beside the student (``kdcache train`` exports them to ``projectors.pt``)."""
         return self.criterion.projectors
 
-    def dataset(self, *, batch_size: int, **kwargs: Any) -> CacheDataset:
+    def dataset(self, *, batch_size: int, **kwargs: Unpack[StreamArgs]) -> CacheDataset:
         """A ``CacheDataset`` of this cache streaming exactly ``arrays`` (``kwargs``: its other arguments)."""
         return CacheDataset(self.reader, self.arrays, batch_size=batch_size, **kwargs)
 

@@ -25,6 +25,7 @@ from kdcache.stages.train.checkpoint import PROJECTORS_FILE
 from kdcache.stages.train.core import open_cache
 from kdcache.stages.train.evaluation import HeldOut, lm_kind
 from kdcache.stages.train.feed import CacheStream, DataPosition, check_resumable
+from kdcache.stages.train.hf_args import DistillationArguments, options_of
 from kdcache.storage import CacheReader
 
 STATE_FILE = "kdcache_state.json"  # beside each checkpoint's weights: the stream position and the micro-step
@@ -88,6 +89,7 @@ class CacheTrainer(Trainer):
     Args:
         model: the student (a transformers model, or a PEFT model: its adapters train, its frozen weights stay).
         args: ``TrainingArguments``; ``per_device_train_batch_size`` and ``seed`` set the cache's batches and order.
+            ``DistillationArguments`` also carry the loss options and ``eval_cache``.
         cache: a cache folder or URL, or an open ``CacheReader`` (or give it as ``train_dataset``).
         loss: a ``DistillationLoss`` built for ``model``; default: one built from ``loss_options``.
         loss_options: ``DistillationLoss``'s keyword options (``gamma``, ``layer_map``...; ``seed`` defaults to
@@ -115,7 +117,9 @@ class CacheTrainer(Trainer):
             _check_dataset(source, args)
             shuffle_block, prefetch = source.shuffle_block, source.prefetch
         reader = _reader(source, "train_dataset" if cache is None else "cache")
-        options = {"seed": args.seed, **(loss_options or {})}  # the projectors' init follows the run's seed
+        options = options_of(args, loss_options)
+        if eval_cache is None and isinstance(args, DistillationArguments):
+            eval_cache = args.eval_cache
         tokenizer = kwargs.get("processing_class")
         tokenizer = tokenizer if hasattr(tokenizer, "get_vocab") else None  # an image processor checks nothing
         self.distill = (loss if loss is not None else DistillationLoss(reader, model, tokenizer=tokenizer, **options))
@@ -123,7 +127,7 @@ class CacheTrainer(Trainer):
             check_tokenizer(self.distill.reader, model, tokenizer)
         _check_optimizer(kwargs.get("optimizers"), self.distill)
         self.heldout = self._heldout(eval_cache, kwargs.pop("eval_dataset", None), args)
-        self._stream_options = {"shuffle_block": shuffle_block, "prefetch": prefetch}
+        self._shuffle_block, self._prefetch = shuffle_block, prefetch  # the stream's settings
         self._position, self._micro_step = DataPosition(), 0
         self._sums: dict[str, torch.Tensor] = {}  # each term's sum since the last log, on the device
         self._count = 0
@@ -159,7 +163,7 @@ class CacheTrainer(Trainer):
     def _dataset(self, args: TrainingArguments) -> CacheDataset:
         return self.distill.dataset(batch_size=args.per_device_train_batch_size, seed=args.seed,
                                     rank=args.process_index, world_size=args.world_size, start=self._position,
-                                    **self._stream_options)
+                                    shuffle_block=self._shuffle_block, prefetch=self._prefetch)
 
     # ---- data -----------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:

@@ -80,9 +80,10 @@ def test_import_kdcache_stays_cheap_and_names_resolve() -> None:
     code = ("import sys, kdcache; assert 'torch' not in sys.modules and 'transformers' not in sys.modules; "
             "print(kdcache.__all__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert ast.literal_eval(out) == ["ApiError", "CacheCheckError", "CacheDataset", "CacheReader", "CacheTrainer",
-                                     "ChecksumError", "DataPosition", "DistillationLoss", "EvaluationError",
-                                     "KdcacheError", "PartialCacheError", "open_cache"]
+    assert ast.literal_eval(out) == ["ApiError", "Cache", "CacheCheckError", "CacheDataset", "CacheReader",
+                                     "CacheTrainer", "ChecksumError", "DataPosition", "DistillationArguments",
+                                     "DistillationLoss", "EvaluationError", "KdcacheError", "PartialCacheError",
+                                     "open_cache"]
     assert all(getattr(kdcache, name) is not None for name in kdcache.__all__)
 
 

@@ -46,6 +46,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {"root": root, "cache": _precompute(teacher, root / "cache", sample_texts(32)),
              "heldout": _precompute(teacher, root / "heldout", sample_texts(HELD, seed=1)),
              "logits_only": _precompute(teacher, root / "logits-only", sample_texts(8), "--features", "logits"),
+             "maps": _precompute(teacher, root / "maps", sample_texts(8), "--features", "hidden,attention"),
              "other": _precompute(other, root / "other", sample_texts(HELD, seed=1)),
              "student": make_student_config(root / "student", teacher, n_layer=2, n_embd=16, n_head=2),
              "other_tokenizer": make_tiny_gpt2(root / "other-tokenizer", texts=["a b c d e f g", "x y z"] * 4)}
@@ -229,3 +230,87 @@ def test_kdcache_train_scores_its_heldout_cache_every_n_steps(setup: dict[str, P
         by_hand = {k: float(v) for k, v in loss(loss.student_outputs(student, batch), batch).items()}
     for name in terms:
         assert evals[-1][f"eval_{name}"] == pytest.approx(by_hand[name], rel=1e-5), name
+
+
+# ---- the ecosystem's shapes --------------------------------------------------------------------------------
+def test_the_dataset_resumes_from_its_state_dict(setup: dict[str, Path]) -> None:
+    def take(data: Any, count: int) -> list[list[int]]:
+        loader = torch.utils.data.DataLoader(data, batch_size=None)
+        return [b["sample_ids"].tolist() for _, b in zip(range(count), loader)]
+
+    whole = take(kdcache.open_cache(str(setup["cache"])).dataset(batch_size=BATCH, arrays=["input_ids"]), 11)
+    first = kdcache.open_cache(str(setup["cache"])).dataset(batch_size=BATCH, arrays=["input_ids"])
+    assert take(first, 3) == whole[:3]
+    state = first.state_dict()
+    assert state == {"epoch": 0, "sample_index": 3 * BATCH, "seed": 0, "batch_size": BATCH, "world_size": 1}
+    again = kdcache.CacheDataset(str(setup["cache"]), ["input_ids"], batch_size=BATCH)
+    again.load_state_dict(state)
+    assert take(again, 8) == whole[3:]  # on into the second epoch
+    other = kdcache.CacheDataset(str(setup["cache"]), ["input_ids"], batch_size=BATCH, seed=1)
+    with pytest.raises(kdcache.KdcacheError, match="seed was 0 in the checkpoint, now 1"):
+        other.load_state_dict(state)
+
+
+def test_the_trainer_takes_the_cache_as_its_train_dataset(setup: dict[str, Path]) -> None:
+    data = kdcache.open_cache(str(setup["cache"])).dataset(batch_size=BATCH)
+    given = kdcache.CacheTrainer(_student(setup), _args(setup["root"] / "as-data", 2), train_dataset=data)
+    given.train()
+    by_path = kdcache.CacheTrainer(_student(setup), _args(setup["root"] / "by-path", 2), str(setup["cache"]))
+    by_path.train()
+    logged = [{k: v for k, v in r.items() if "runtime" not in k and "per_second" not in k}
+              for t in (given, by_path) for r in t.state.log_history]
+    assert logged[:2] == logged[3:5] and len(logged) == 6  # the same steps, terms and values
+    with pytest.raises(kdcache.ApiError, match="train_dataset: batch_size 2 where TrainingArguments has 4"):
+        kdcache.CacheTrainer(_student(setup), _args(setup["root"] / "as-data", 1),
+                             train_dataset=kdcache.open_cache(str(setup["cache"])).dataset(batch_size=2))
+
+
+def test_loss_options_ride_in_training_arguments_through_hf_argument_parser(setup: dict[str, Path]) -> None:
+    from transformers import HfArgumentParser
+
+    from kdcache.stages.train.api import LOSS_OPTIONS
+
+    fields = {f.name for f in dataclasses.fields(kdcache.DistillationArguments)}
+    assert set(LOSS_OPTIONS) - {"seed", "cross_tokenizer"} <= fields  # every loss and map option, typed
+    config = setup["root"] / "args.yaml"
+    config.write_text(f"output_dir: {setup['root'] / 'yaml'}\nper_device_train_batch_size: {BATCH}\nuse_cpu: true\n"
+                      f"report_to: none\ngamma: 0.5\ntemperature: 1.5\nlayer_map: last\n"
+                      f"eval_cache: {setup['heldout']}\n")
+    (args,) = HfArgumentParser(kdcache.DistillationArguments).parse_yaml_file(str(config))
+    assert (args.gamma, args.temperature, args.layer_map, args.alpha) == (0.5, 1.5, "last", None)
+    (flags,) = HfArgumentParser(kdcache.DistillationArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(setup["root"] / "flags"), "--gamma", "0.5", "--layer_map", "last"])
+    assert (flags.gamma, flags.layer_map) == (0.5, "last")
+    trainer = kdcache.CacheTrainer(_student(setup), args, str(setup["cache"]))
+    loss = trainer.distill.options.loss
+    assert (loss.gamma, loss.temperature, loss.alpha) == (0.5, 1.5, 1.0)  # alpha: kdcache train's default
+    pairs = [tuple(p) for p in trainer.distill.plan.to_json()["hidden_pairs"]]
+    assert pairs == [(1, 2), (2, 3)]  # last: onto the teacher's last layers (uniform would pair 1 with 1)
+    assert trainer.heldout is not None and "eval_loss" in trainer.evaluate()
+    with pytest.raises(kdcache.ApiError, match="gamma=0.5 in the arguments and 1.0 in loss_options"):
+        kdcache.CacheTrainer(_student(setup), args, str(setup["cache"]), loss_options={"gamma": 1.0})
+
+
+def test_the_loss_prints_nothing_and_says_when_it_changes_the_model(setup: dict[str, Path],
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import warnings
+
+    student = _student(setup)
+    before = student.config._attn_implementation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning either: the model stays as it was
+        kdcache.DistillationLoss(str(setup["maps"]), student)  # attention maps cached, left unused: a note once
+    assert capsys.readouterr().err == "" and student.config._attn_implementation == before
+    kdcache.DistillationLoss(str(setup["maps"]), student, announce=True)
+    assert "leaves unused" in capsys.readouterr().err  # the notes, when asked for
+    with pytest.warns(UserWarning, match=f"switched from '{before}' to 'kdcache_maps'"):
+        kdcache.DistillationLoss(str(setup["maps"]), student, delta=1.0)
+    assert student.config._attn_implementation == "kdcache_maps"
+
+
+def test_the_readme_names_every_export() -> None:
+    from tests.pipeline.test_readme import REPO
+
+    section = (REPO / "README.md").read_text().split("## From your own training code", 1)[1].split("\n## ", 1)[0]
+    missing = [name for name in kdcache.__all__ if f"`kdcache.{name}" not in section and f"`{name}" not in section]
+    assert not missing, missing
