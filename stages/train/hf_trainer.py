@@ -110,19 +110,16 @@ class CacheTrainer(Trainer):
                            "and the loss is DistillationLoss); leave them out")
         args = copy.copy(args)  # ignore_data_skip and max_steps are set below: the caller's arguments stay theirs
         _check_parallel(args)
-        if cache is not None and kwargs.get("train_dataset") is not None:
-            raise ApiError("both cache and train_dataset name the training cache; pass one of them")
-        source = cache if cache is not None else kwargs.pop("train_dataset", None)
+        source = _training_source(cache, kwargs, args)
         if isinstance(source, CacheStream):  # its order and stream settings are kept; its arrays become the loss's
-            _check_dataset(source, args)
             shuffle_block, prefetch = source.shuffle_block, source.prefetch
         reader = _reader(source, "train_dataset" if cache is None else "cache")
-        options = options_of(args, loss_options)
         if eval_cache is None and isinstance(args, DistillationArguments):
             eval_cache = args.eval_cache
         tokenizer = kwargs.get("processing_class")
         tokenizer = tokenizer if hasattr(tokenizer, "get_vocab") else None  # an image processor checks nothing
-        self.distill = (loss if loss is not None else DistillationLoss(reader, model, tokenizer=tokenizer, **options))
+        options = options_of(args, loss_options)  # the projectors' init follows args.seed unless given
+        self.distill = loss if loss is not None else DistillationLoss(reader, model, tokenizer=tokenizer, **options)
         if loss is not None and tokenizer is not None:
             check_tokenizer(self.distill.reader, model, tokenizer)
         _check_optimizer(kwargs.get("optimizers"), self.distill)
@@ -376,6 +373,17 @@ def _reader(source: object, label: str) -> CacheReader:
         return source.reader if isinstance(source, CacheDataset) else open_cache(source.cache)
     raise ApiError(f"{label}={type(source).__name__}: expected a cache: its folder or URL, kdcache.open_cache(path), "
                    "or a kdcache.CacheDataset of it")
+
+
+def _training_source(cache: CacheSource | None, kwargs: dict[str, Any], args: TrainingArguments) -> object:
+    """The training cache as given: ``cache``, or a ``train_dataset`` taken out of ``kwargs`` (a dataset's batch
+    size and seed checked against ``args``)."""
+    if cache is not None and kwargs.get("train_dataset") is not None:
+        raise ApiError("both cache and train_dataset name the training cache; pass one of them")
+    source = cache if cache is not None else kwargs.pop("train_dataset", None)
+    if isinstance(source, CacheStream):
+        _check_dataset(source, args)
+    return source
 
 
 def _check_dataset(data: CacheStream, args: TrainingArguments) -> None:
