@@ -105,6 +105,11 @@ def test_a_heldout_cache_of_another_teacher_is_refused_by_name(setup: dict[str, 
                              eval_cache=str(setup["other"]))
     with pytest.raises(kdcache.ApiError, match=r"eval_dataset=list: expected a cache"):
         kdcache.CacheTrainer(_student(setup), _args(setup["root"] / "other", 1), str(setup["cache"]), eval_dataset=[])
+    plain = kdcache.CacheTrainer(_student(setup), _args(setup["root"] / "other", 1), str(setup["cache"]))
+    once = plain.evaluate(eval_dataset=kdcache.open_cache(str(setup["heldout"])), metric_key_prefix="heldout")
+    assert {"heldout_loss", "heldout_top1_agreement"} <= set(once)  # an opened cache, this once
+    with pytest.raises(kdcache.EvaluationError, match="other-teacher"):
+        plain.evaluate(eval_dataset=str(setup["other"]))
     with pytest.raises(kdcache.ApiError, match="eval_strategy 'steps' needs a held-out cache: pass eval_cache="):
         kdcache.CacheTrainer(_student(setup), _args(setup["root"] / "other", 1, eval_strategy="steps", eval_steps=1),
                              str(setup["cache"]))
