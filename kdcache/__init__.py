@@ -11,8 +11,9 @@ The three packages live at the top of the source tree and install under this one
 Data flows one way: pipeline -> stages -> storage.
 
 The names below are the Python API for training from a cache in your own code (README, "From your own training
-code"); they load on first use (``kdcache.lazy_exports``), so ``import kdcache`` imports neither torch nor
-transformers.
+code"): the trainer, the loss, the dataset, the cache reader (``open_cache`` opens one), and the errors they raise,
+every one a ``KdcacheError``. They load on first use (``kdcache.lazy_exports``), so ``import kdcache`` imports
+neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -23,11 +24,21 @@ from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
     from kdcache.stages.train import (
+        ApiError as ApiError,
         CacheDataset as CacheDataset,
         CacheTrainer as CacheTrainer,
         DataPosition as DataPosition,
         DistillationLoss as DistillationLoss,
-        open_cache as open_cache,
+        EvaluationError as EvaluationError,
+    )
+    from kdcache.stages.train.api import Cache as Cache, open_cache as open_cache
+    from kdcache.stages.train.core import CacheCheckError as CacheCheckError
+    from kdcache.stages.train.hf_args import DistillationArguments as DistillationArguments
+    from kdcache.storage import (
+        CacheReader as CacheReader,
+        ChecksumError as ChecksumError,
+        KdcacheError as KdcacheError,
+        PartialCacheError as PartialCacheError,
     )
 else:  # mypy reads the names above and nothing else; at run time each loads on first use
     __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -165,7 +165,9 @@ class CacheReader:
                 f"{self.root} is not complete (status {self.manifest.status!r}, {committed} of "
                 f"{self.spec.num_shards} shards committed): its writer is still running or died. Rerun the same "
                 f"`kdcache precompute` command to finish it (`kdcache merge` for a job array's parts), or read "
-                f"its committed shards only with `kdcache train --allow-partial` (allow_partial=True from Python).")
+                f"its committed shards only with `kdcache train --allow-partial`, or from Python with "
+                f"`kdcache.open_cache(path, allow_partial=True)` (or `DistillationLoss(path, student, "
+                f"allow_partial=True)`).")
         # While writing, the manifest lags behind: committed shards are the sidecars whose data is in place.
         for index, record in sidecars.items():
             if self.store.exists(self._backend.shard_key(index)):

@@ -6,7 +6,8 @@ those below it: ``core`` (options, layer maps, the student, masks, and the plan 
 loss by name), ``objective`` (the run's loss over its streams: ``compound``, ``distill``), ``cross`` (a student with
 its own tokenizer) and ``evaluation`` (scores against a cache), with ``feed`` (the cache into the device) beside
 them. This package's own modules are the top floor: the loop (``loop``, ``engine``, ``checkpoint``...) and the
-Python API it is built on (``api``: ``DistillationLoss``, ``CacheDataset``; ``hf_trainer``: ``CacheTrainer``).
+Python API it is built on (``api``: ``DistillationLoss``, ``CacheDataset``; ``hf_trainer``: ``CacheTrainer``;
+``hf_args``: ``DistillationArguments``).
 Names load on first use (``kdcache.lazy_exports``).
 """
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
         student_folder_problems as student_folder_problems,
     )
     from kdcache.stages.train.feed import DataPosition as DataPosition
+    from kdcache.stages.train.hf_args import DistillationArguments as DistillationArguments
     from kdcache.stages.train.hf_trainer import CacheTrainer as CacheTrainer
     from kdcache.stages.train.init_student import init_student_from_teacher as init_student_from_teacher
     from kdcache.stages.train.interrupt import TrainingInterrupted as TrainingInterrupted

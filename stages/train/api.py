@@ -19,11 +19,14 @@ A plain loop (``B`` micro-batch, ``L`` padded length)::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 from torch import nn
@@ -31,20 +34,23 @@ from torch import nn
 from kdcache.stages.common import attention_sources
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
 from kdcache.stages.common.device_codecs import load_projection
+from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.train.core import (
+    CacheCheckError,
     LossOptions,
     MapOptions,
     StudentFacts,
     TrainOptions,
     TrainPlan,
     load_teacher_head,
-    open_cache,
+    open_cache as open_checked,
     plan_training,
     student_facts,
     tokenizer_fingerprint_of,
     unused_targets,
+    vocab_problems,
 )
-from kdcache.stages.train.feed import Batch, CacheStream, DataPosition, next_position, to_device
+from kdcache.stages.train.feed import Batch, CacheStream, DataPosition, check_resumable, next_position, to_device
 from kdcache.stages.train.objective import (
     DistillLoss,
     StudentRunner,
@@ -53,14 +59,17 @@ from kdcache.stages.train.objective import (
     student_inputs,
     unwrapped_student,
 )
-from kdcache.storage import KdcacheError
+from kdcache.storage import CacheReader, KdcacheError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from collections.abc import Iterator
+
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
     from kdcache.stages.train.core import TeacherHead
-    from kdcache.storage import CacheReader
 
+API_SPEAKER = "kdcache"  # how the Python API heads its notes (``kdcache train``'s are headed by the command)
 # The keyword options of ``DistillationLoss``: those of ``kdcache train``'s loss and maps groups, and the seed.
 LOSS_OPTIONS = tuple(f.name for group in (LossOptions, MapOptions) for f in dataclasses.fields(group)) + ("seed",)
 
@@ -69,9 +78,26 @@ class ApiError(KdcacheError):
     """The Python API was given something it cannot use (an unknown option, a cache it cannot train from)."""
 
 
+_FLAG = re.compile(r"--([a-z][a-z0-9-]*)(?: (?!/)([^\s,;)]+))?")
+
+
+def api_spelling(text: str) -> str:
+    """``text`` with the loss options' CLI flags as the API spells them: ``--gamma 0`` -> ``gamma=0``,
+    ``--layer-map none`` -> ``layer_map='none'``, ``(--gamma)`` -> ``(gamma=)``; other flags stay as they are."""
+    def one(match: re.Match[str]) -> str:
+        name, value = match.group(1).replace("-", "_"), match.group(2)
+        if name not in LOSS_OPTIONS:
+            return match.group(0)
+        if value is None:
+            return f"{name}="
+        return f"{name}={value}" if re.fullmatch(r"-?[0-9.e+-]+", value) else f"{name}={value!r}"
+
+    return _FLAG.sub(one, text)
+
+
 def _say(speaker: str, line: str, announce: bool) -> None:
     if announce and int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for all
-        print(f"{speaker}: {line}", file=sys.stderr)
+        print(f"{speaker}: {api_spelling(line) if speaker == API_SPEAKER else line}", file=sys.stderr)
 
 
 def seed_dropout(seed: int, micro_step: int, rank: int) -> None:
@@ -129,23 +155,46 @@ def loss_options(reader: CacheReader, options: Mapping[str, Any]) -> TrainOption
     """
     unknown = sorted(set(options) - set(LOSS_OPTIONS))
     if unknown:
-        raise ApiError(f"unknown option(s) {', '.join(map(repr, unknown))}; expected any of {', '.join(LOSS_OPTIONS)}")
+        guesses = [repr(name) + "".join(f" (did you mean {near!r}?)" for near in
+                                        difflib.get_close_matches(name, LOSS_OPTIONS, 1)) for name in unknown]
+        raise ApiError(f"unknown option(s) {', '.join(guesses)}; expected any of {', '.join(LOSS_OPTIONS)}")
     if options.get("cross_tokenizer"):
         raise ApiError(f"cross_tokenizer={options['cross_tokenizer']!r}: a student with another tokenizer trains "
                        "through `kdcache train --cross-tokenizer` only, for now; expected None")
     built = TrainOptions.of(cache=str(reader.root), student="", out="", **options)
     problems = built.loss.validate() + built.maps.validate()
     if problems:
-        raise ApiError("bad loss options: " + "; ".join(problems))
+        raise ApiError(api_spelling("bad loss options: " + "; ".join(problems)))
     return built.with_cache_defaults(reader.spec)[0]
 
 
 def use_maps_attention(student: object, reader: CacheReader, delta: float) -> None:
     """Switch the student to the attention that returns its maps before dropout when the attention term reads maps
-    (``kdcache train`` loads it so; a model loaded by the user has SDPA, which returns none)."""
-    if delta > 0 and attention_sources.of(reader.spec.attention_layout).student_maps:
-        register_maps_attention()
-        unwrapped_student(student).set_attn_implementation(MAPS_ATTENTION)
+    (``kdcache train`` loads it so; a model loaded by the user has SDPA, which returns none), and say so with a
+    warning: the user's model changes."""
+    if delta <= 0 or not attention_sources.of(reader.spec.attention_layout).student_maps:
+        return
+    model = unwrapped_student(student)
+    before = getattr(model.config, "_attn_implementation", None)
+    if before == MAPS_ATTENTION:
+        return
+    register_maps_attention()
+    model.set_attn_implementation(MAPS_ATTENTION)
+    warnings.warn(f"DistillationLoss: the attention term (delta={delta:g}) reads the student's attention maps, so its "
+                  f"attention implementation was switched from {before!r} to {MAPS_ATTENTION!r} (eager, maps taken "
+                  f"before dropout); set delta=0 to keep the model as it was", UserWarning, stacklevel=3)
+
+
+def check_tokenizer(reader: CacheReader, student: object, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse a tokenizer given beside the student (``processing_class``) that is not the cache's.
+
+    Raises:
+        CacheCheckError: the vocabulary or tokenizer differs from the cache's (training's own sentences).
+    """
+    vocab = int(getattr(unwrapped_student(student).config, "vocab_size", 0) or 0)
+    problems = vocab_problems(reader, vocab, tokenizer_fingerprint(tokenizer), logits_needed=False)
+    if problems:
+        raise CacheCheckError([api_spelling(p) for p in problems], what="the tokenizer does not fit the cache")
 
 
 class CacheDataset(CacheStream):
@@ -156,7 +205,9 @@ class CacheDataset(CacheStream):
     ``position_ids`` when the cache has them), the targets ``[B, L, ...]`` still in their stored dtype (coded
     hidden states as their codes), ``sample_ids [B]``, and ``epoch`` / ``step_in_epoch`` (ints) saying where it
     came from. ``to_device`` moves a batch and decodes its targets there; ``position_after`` is the exact resume
-    state once a batch is consumed (give it back as ``start=``).
+    state once a batch is consumed (give it back as ``start=``). ``state_dict()`` / ``load_state_dict()`` say the
+    same as torchdata's ``StatefulDataLoader`` does: where the stream stands after the batches it has handed out
+    (read in this process: ``DataLoader(..., num_workers=0)``, as ``CacheTrainer`` and ``kdcache train`` read it).
 
     Args:
         cache: a cache folder or URL, or an open ``CacheReader``.
@@ -176,14 +227,35 @@ class CacheDataset(CacheStream):
         world_size = (torch.distributed.get_world_size() if dist else 1) if world_size is None else world_size
         if not 0 <= rank < world_size:
             raise ApiError(f"rank {rank} of world size {world_size}: expected 0 <= rank < world_size")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ApiError(f"batch_size={batch_size!r}: expected a whole number of sequences >= 1")
         if isinstance(start, Mapping):
             start = DataPosition(int(start["epoch"]), int(start["sample_index"]))
         reader = open_cache(os.fspath(cache)) if isinstance(cache, (str, os.PathLike)) else cache
         super().__init__(reader, arrays, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
                          start=start or DataPosition(), shuffle_block=shuffle_block, prefetch=prefetch,
                          decode_threads=decode_threads, pin_memory=pin_memory)
+        self.reader = reader  # the open cache this process streams from
         self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
         self.projection = load_projection(reader)  # a rank codec's bases, for that decode
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in super().__iter__():
+            self.start = self.position_after(batch)  # handed out: a resume starts after it (the state_dict's)
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream resumes (after the last batch handed out), and the settings that fix its order."""
+        return {**self.start.to_dict(), "seed": self.seed, "batch_size": self.batch_size,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Start the next pass at ``state`` (a ``state_dict()``), refusing one of another seed, batch size or world.
+
+        Raises:
+            StreamStateError: naming each setting that differs.
+        """
+        self.start = check_resumable(dict(state), self.world_size, self.batch_size, self.seed)
 
     def to_device(self, batch: Batch, device: torch.device | str) -> Batch:
         """``batch`` on ``device`` with float32 targets, coded hidden states decoded there (as ``kdcache train``)."""
@@ -195,6 +267,51 @@ class CacheDataset(CacheStream):
                              self.steps_per_epoch)
 
 
+def _fingerprint(model: object, tokenizer: PreTrainedTokenizerBase | None) -> dict[str, Any] | None:
+    """The fingerprint of the tokenizer given, else of the one in the student's folder, else None."""
+    if tokenizer is not None:
+        return tokenizer_fingerprint(tokenizer)
+    path = getattr(model, "name_or_path", "") or ""
+    return tokenizer_fingerprint_of(path) if path and Path(path).is_dir() else None
+
+
+class StreamArgs(TypedDict, total=False):
+    """``CacheDataset``'s arguments besides the cache, its arrays and the batch size."""
+
+    seed: int
+    rank: int | None
+    world_size: int | None
+    start: DataPosition | Mapping[str, int] | None
+    shuffle_block: int
+    prefetch: int
+    decode_threads: int
+    pin_memory: bool
+
+
+class Cache(CacheReader):
+    """An open cache (``kdcache.open_cache``): the storage reader, and ``dataset`` to train from it."""
+
+    def dataset(self, *, batch_size: int, arrays: tuple[str, ...] | list[str] | None = None,
+                **kwargs: Unpack[StreamArgs]) -> CacheDataset:
+        """A ``CacheDataset`` of this cache: ``arrays`` (default every per-sequence array; ``CacheTrainer`` keeps
+        the order and settings and streams its loss's arrays), ``kwargs`` its other arguments."""
+        return CacheDataset(self, arrays if arrays is not None else self.spec.sequence_names(),
+                            batch_size=batch_size, **kwargs)
+
+
+def open_cache(path: str | os.PathLike[str], *, allow_partial: bool = False,
+               decode_threads: int | None = None) -> Cache:
+    """Open a cache to train from, with training's message when there is none (``core.open_cache``).
+
+    Args:
+        path: the cache folder or URL.
+        allow_partial: read the committed shards of a cache still being written.
+        decode_threads: arrays decoded at once (None: one per core).
+    """
+    opened = open_checked(os.fspath(path), allow_partial=allow_partial, decode_threads=decode_threads, reader=Cache)
+    return cast(Cache, opened)
+
+
 class DistillationLoss(nn.Module):
     """``kdcache train``'s compound loss as a module: it owns the projectors (and any wgan critics) and is called as
     ``loss(student_outputs, batch) -> {"loss": total, "ce": ..., "topk_kl": ..., "hidden/s1_t2": ...}``: the
@@ -203,8 +320,13 @@ class DistillationLoss(nn.Module):
     Args:
         cache: a cache folder or URL, or an open ``CacheReader``; the teacher is never loaded.
         student: the transformers model being trained, or a PEFT model wrapping one. When the attention term reads
-            maps, it is switched to the attention that returns them before dropout.
-        announce: print the notes ``kdcache train`` prints (rank 0).
+            maps, it is switched to the attention that returns them before dropout, with a ``UserWarning`` saying
+            so.
+        announce: print the notes ``kdcache train`` prints (rank 0); off by default.
+        tokenizer: the student's tokenizer, checked against the cache's; default: the one in the student's
+            folder, when it has one.
+        allow_partial: train from the committed shards of a cache still being written (a path only; an open
+            ``CacheReader`` was opened with its own choice, ``open_cache(path, allow_partial=True)``).
         **options: ``kdcache train``'s loss and map options by their flag names: ``alpha``, ``beta``, ``gamma``,
             ``delta``, ``temperature``, ``hidden_loss``, ``topk_kl``, ``attention_loss``, ``relation_heads``,
             ``critic_steps``, ``critic_lr``, ``layer_map``, ``attention_layers`` (maps as text, e.g.
@@ -217,20 +339,23 @@ class DistillationLoss(nn.Module):
         ApiError: an unknown option or a refused value; CacheCheckError: the cache does not fit the student.
     """
 
-    def __init__(self, cache: str | os.PathLike[str] | CacheReader, student: object, *, announce: bool = True,
-                 **options: object):
+    def __init__(self, cache: str | os.PathLike[str] | CacheReader, student: object, *, announce: bool = False,
+                 tokenizer: PreTrainedTokenizerBase | None = None, allow_partial: bool = False, **options: object):
         super().__init__()
-        reader = open_cache(os.fspath(cache)) if isinstance(cache, (str, os.PathLike)) else cache
+        reader = (open_cache(os.fspath(cache), allow_partial=allow_partial) if isinstance(cache, (str, os.PathLike))
+                  else cache)
         resolved = loss_options(reader, options)
         use_maps_attention(student, reader, resolved.loss.delta)
         model = unwrapped_student(student)
-        path = getattr(model, "name_or_path", "") or ""
-        tokenizer = tokenizer_fingerprint_of(path) if path and Path(path).is_dir() else None
-        resolved, facts, plan = fit_student(resolved, reader, model, pretrained=True, tokenizer=tokenizer,
-                                            speaker="kdcache", announce=announce)
-        head = teacher_head_for(reader, plan, speaker="kdcache", announce=announce)
+        try:
+            resolved, facts, plan = fit_student(resolved, reader, model, pretrained=True,
+                                                tokenizer=_fingerprint(model, tokenizer), speaker=API_SPEAKER,
+                                                announce=announce)
+        except CacheCheckError as error:  # the checks are training's: said here as the API spells the options
+            raise CacheCheckError([api_spelling(p) for p in error.problems]) from None
+        head = teacher_head_for(reader, plan, speaker=API_SPEAKER, announce=announce)
         self.criterion: DistillLoss = build_criterion(resolved, plan, facts, head)
-        self.reader, self.plan, self.options = reader, plan, resolved
+        self.reader, self.plan, self.options, self.facts = reader, plan, resolved, facts
         self.runner = StudentRunner(student, plan, vocab=has_vocab_term(self.criterion), announce=announce)
         self._student = (student,)  # a tuple: the student is not a submodule (its weights are not the loss's)
 
@@ -244,7 +369,7 @@ class DistillationLoss(nn.Module):
         """The projectors, to save beside the student (``kdcache train`` exports them to ``projectors.pt``)."""
         return self.criterion.projectors
 
-    def dataset(self, *, batch_size: int, **kwargs: Any) -> CacheDataset:
+    def dataset(self, *, batch_size: int, **kwargs: Unpack[StreamArgs]) -> CacheDataset:
         """A ``CacheDataset`` of this cache streaming exactly ``arrays`` (``kwargs``: its other arguments)."""
         return CacheDataset(self.reader, self.arrays, batch_size=batch_size, **kwargs)
 

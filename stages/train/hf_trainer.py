@@ -11,26 +11,28 @@ import copy
 import json
 import math
 import os
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_metrics
 
-from kdcache.stages.train.api import ApiError, CacheDataset, DistillationLoss, seed_dropout
+from kdcache.stages.train.api import ApiError, CacheDataset, DistillationLoss, check_tokenizer, seed_dropout
 from kdcache.stages.train.checkpoint import PROJECTORS_FILE
 from kdcache.stages.train.core import open_cache
-from kdcache.stages.train.feed import DataPosition, check_resumable
-
-if TYPE_CHECKING:
-    from kdcache.storage import CacheReader
+from kdcache.stages.train.evaluation import HeldOut, lm_kind
+from kdcache.stages.train.feed import CacheStream, DataPosition, check_resumable
+from kdcache.stages.train.hf_args import DistillationArguments, options_of
+from kdcache.storage import CacheReader
 
 STATE_FILE = "kdcache_state.json"  # beside each checkpoint's weights: the stream position and the micro-step
-# The cache decides the first three; evaluation through Trainer would batch a CacheDataset a second time and run the
-# student on a cache batch as if it were model inputs (see the class docstring).
-REFUSED = ("train_dataset", "data_collator", "compute_loss_func", "eval_dataset")
+TRAINING_ARGS_FILE = "training_args.bin"  # what Trainer._save adds to every folder it writes
+# The cache's collate pads the targets, and the loss is DistillationLoss (see the class docstring).
+REFUSED = ("data_collator", "compute_loss_func")
+CacheSource = str | os.PathLike[str] | CacheReader | CacheStream  # a cache as the API takes it
 LOSS_MODULE = "kdcache_loss"  # under DeepSpeed, the loss module's name inside the model DeepSpeed wraps
 
 
@@ -53,8 +55,9 @@ class CacheTrainer(Trainer):
 
     * **Columns.** The train dataset and collator are the cache's (``CacheDataset``, batches already padded per
       token stream with their masks); they never pass through ``remove_unused_columns``, which would drop every
-      target because the student's ``forward`` does not name them. ``train_dataset``, ``data_collator`` and
-      ``compute_loss_func`` are refused for that reason.
+      target because the student's ``forward`` does not name them. A ``train_dataset`` must be a cache (or a
+      ``CacheDataset`` of one: its order and stream settings are kept, its arrays become the loss's);
+      ``data_collator`` and ``compute_loss_func`` are refused.
     * **Targets.** Nothing pads or casts the targets but the cache's own collate; they reach the device in their
       stored dtype and are decoded there (``_prepare_inputs``), as ``kdcache train`` does.
     * **Loss.** ``compute_loss`` is ``DistillationLoss`` on the student's outputs; each term (``ce``, ``topk_kl``,
@@ -69,10 +72,11 @@ class CacheTrainer(Trainer):
     * **Steps and epochs.** With ``max_steps`` unset, ``num_train_epochs`` passes over the cache. The stream has no
       length (``Trainer`` would restart it each epoch), so the logged ``epoch`` is the stream's own: epochs of the
       cache consumed, from its position.
-    * **Evaluation.** Not through ``Trainer``: an ``eval_dataset``, an ``eval_strategy`` other than ``"no"`` and
-      ``evaluate()`` are refused (its loop would batch a ``CacheDataset`` a second time and call the student on a
-      cache batch). Score the saved student with ``kdcache eval --cache HELDOUT``, or take the loss terms on a
-      held-out cache as ``DistillationLoss`` over its ``CacheDataset``, in eval mode.
+    * **Evaluation.** On a held-out cache (``eval_cache``, or an ``eval_dataset`` that is a cache), checked
+      against the training cache's teacher and settings: ``evaluate()`` and ``eval_strategy`` report every loss
+      term and the agreement with the teacher (``HeldOut.score``) as ``eval_*``, so ``metric_for_best_model``,
+      ``load_best_model_at_end`` (the projectors are loaded with the student) and ``EarlyStoppingCallback`` work.
+      Student and loss run in eval mode there, and no training step changes (dropout is seeded per micro-step).
     * **Optimizer.** One you pass (``optimizers=(optimizer, scheduler)``) must already hold the loss's parameters
       (``loss.parameters()``: the projectors); otherwise they would never train, and it is refused.
     * **DeepSpeed.** ``TrainingArguments(deepspeed=...)`` works up to ZeRO-2. DeepSpeed optimizes only parameters
@@ -85,31 +89,46 @@ class CacheTrainer(Trainer):
     Args:
         model: the student (a transformers model, or a PEFT model: its adapters train, its frozen weights stay).
         args: ``TrainingArguments``; ``per_device_train_batch_size`` and ``seed`` set the cache's batches and order.
-        cache: a cache folder or URL, or an open ``CacheReader``.
+            ``DistillationArguments`` also carry the loss options and ``eval_cache``.
+        cache: a cache folder or URL, or an open ``CacheReader`` (or give it as ``train_dataset``).
         loss: a ``DistillationLoss`` built for ``model``; default: one built from ``loss_options``.
         loss_options: ``DistillationLoss``'s keyword options (``gamma``, ``layer_map``...; ``seed`` defaults to
             ``args.seed``).
+        eval_cache: a held-out cache (folder, URL or ``CacheReader``) of the same teacher and settings, scored by
+            ``evaluate()`` in batches of ``per_device_eval_batch_size``.
         shuffle_block, prefetch: the stream's settings (``kdcache train``'s ``--shuffle-block``, ``--prefetch``).
         **kwargs: the rest of ``Trainer``'s arguments (callbacks, ``processing_class``, ``optimizers``...).
     """
 
-    def __init__(self, model: nn.Module, args: TrainingArguments, cache: str | os.PathLike[str] | CacheReader, *,
-                 loss: DistillationLoss | None = None,
-                 loss_options: dict[str, Any] | None = None, shuffle_block: int = 256, prefetch: int = 4,
+    def __init__(self, model: nn.Module, args: TrainingArguments, cache: CacheSource | None = None, *,
+                 loss: DistillationLoss | None = None, loss_options: dict[str, Any] | None = None,
+                 eval_cache: CacheSource | None = None, shuffle_block: int = 256, prefetch: int = 4,
                  **kwargs: Any):
         given = sorted(set(kwargs) & set(REFUSED))
         if given:
-            raise ApiError(f"CacheTrainer takes its {', '.join(given)} from the cache; leave them out")
+            raise ApiError(f"CacheTrainer builds its own {', '.join(given)} (the cache's collate pads the targets, "
+                           "and the loss is DistillationLoss); leave them out")
         args = copy.copy(args)  # ignore_data_skip and max_steps are set below: the caller's arguments stay theirs
         _check_parallel(args)
-        reader = open_cache(os.fspath(cache)) if isinstance(cache, (str, os.PathLike)) else cache
-        options = {"seed": args.seed, **(loss_options or {})}  # the projectors' init follows the run's seed
-        self.distill = loss if loss is not None else DistillationLoss(reader, model, **options)
+        source = _training_source(cache, kwargs, args)
+        if isinstance(source, CacheStream):  # its order and stream settings are kept; its arrays become the loss's
+            shuffle_block, prefetch = source.shuffle_block, source.prefetch
+        reader = _reader(source, "train_dataset" if cache is None else "cache")
+        if eval_cache is None and isinstance(args, DistillationArguments):
+            eval_cache = args.eval_cache
+        tokenizer = kwargs.get("processing_class")
+        tokenizer = tokenizer if hasattr(tokenizer, "get_vocab") else None  # an image processor checks nothing
+        options = options_of(args, loss_options)  # the projectors' init follows args.seed unless given
+        self.distill = loss if loss is not None else DistillationLoss(reader, model, tokenizer=tokenizer, **options)
+        if loss is not None and tokenizer is not None:
+            check_tokenizer(self.distill.reader, model, tokenizer)
         _check_optimizer(kwargs.get("optimizers"), self.distill)
-        self._stream_options = {"shuffle_block": shuffle_block, "prefetch": prefetch}
+        self.heldout = self._heldout(eval_cache, kwargs.pop("eval_dataset", None), args)
+        self._shuffle_block, self._prefetch = shuffle_block, prefetch  # the stream's settings
         self._position, self._micro_step = DataPosition(), 0
         self._sums: dict[str, torch.Tensor] = {}  # each term's sum since the last log, on the device
         self._count = 0
+        self._exporting = False  # save_model called by the user, not by a checkpoint
         self._data = self._dataset(args)
         args.ignore_data_skip = True  # the stream resumes from its own position (see the class docstring)
         if args.deepspeed:
@@ -117,15 +136,31 @@ class CacheTrainer(Trainer):
         if args.max_steps <= 0:
             args.max_steps = max(1, math.ceil(args.num_train_epochs * self._data.steps_per_epoch
                                               / args.gradient_accumulation_steps))
-        super().__init__(model=model, args=args, train_dataset=self._data, **kwargs)
+        super().__init__(model=model, args=args, train_dataset=self._data, eval_dataset=self.heldout, **kwargs)
         self.distill.to(self.args.device)
         self.model_accepts_loss_kwargs = False  # the loss is ours: Trainer scales it for accumulation
         self.add_callback(_ZeroLossGrads(self.distill))
 
+    def _heldout(self, eval_cache: CacheSource | None, eval_dataset: object, args: TrainingArguments
+                 ) -> HeldOut | None:
+        """The held-out cache (``eval_cache`` or ``eval_dataset``), checked against the training cache."""
+        if eval_cache is not None and eval_dataset is not None:
+            raise ApiError("both eval_cache and eval_dataset name a held-out cache; pass one of them")
+        source = eval_cache if eval_cache is not None else eval_dataset
+        if source is None:
+            strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+            if strategy != "no":
+                raise ApiError(f"eval_strategy {strategy!r} needs a held-out cache: pass eval_cache=PATH (a cache "
+                               "the same teacher wrote with the same settings), or set eval_strategy='no'")
+            return None
+        label = "eval_cache" if eval_cache is not None else "eval_dataset"
+        return HeldOut(_reader(source, label), self.distill.reader, self.distill.arrays,
+                       batch_size=args.per_device_eval_batch_size, label=label)
+
     def _dataset(self, args: TrainingArguments) -> CacheDataset:
         return self.distill.dataset(batch_size=args.per_device_train_batch_size, seed=args.seed,
                                     rank=args.process_index, world_size=args.world_size, start=self._position,
-                                    **self._stream_options)
+                                    shuffle_block=self._shuffle_block, prefetch=self._prefetch)
 
     # ---- data -----------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -190,15 +225,55 @@ class CacheTrainer(Trainer):
             self._sums, self._count = {}, 0
         super().log(logs, start_time)
 
-    def evaluate(self, *args: object, **kwargs: object) -> dict[str, float]:
-        """Refused: see the class docstring's Evaluation."""
-        raise ApiError("CacheTrainer does not evaluate through Trainer.evaluate; score the saved student with "
-                       "`kdcache eval --cache HELDOUT --run RUN --student STUDENT`, or run DistillationLoss over a "
-                       "held-out cache's CacheDataset in eval mode")
+    # ---- evaluation --------------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset: object = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Every loss term and the agreement with the teacher on the held-out cache (``HeldOut.score``), named
+        as ``Trainer`` names them (``eval_loss``, ``eval_topk_kl``, ``eval_top1_agreement``...), logged and handed
+        to the callbacks (best checkpoint, early stopping). ``eval_dataset``: another held-out cache, this once."""
+        heldout = self.heldout if eval_dataset is None else self._heldout(None, eval_dataset, self.args)
+        if heldout is None:
+            raise ApiError("evaluate(): no held-out cache; pass CacheTrainer(..., eval_cache=PATH), or "
+                           "evaluate(eval_dataset=PATH), a cache the same teacher wrote with the same settings")
+        start = time.time()
+        scores = self._score(heldout)
+        metrics = {f"{metric_key_prefix}_{name}": value for name, value in scores.items()}
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=int(scores["sequences"])))
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _score(self, heldout: HeldOut) -> dict[str, float]:
+        """``heldout.score`` with the student and the loss in eval mode, put back as they were."""
+        student = self.accelerator.unwrap_model(self.model)
+        modes = student.training, self.distill.training
+        student.eval()
+        self.distill.eval()
+        try:
+            return heldout.score(lambda batch: self.distill.student_outputs(student, batch), self.distill,
+                                 lm=lm_kind(self.distill.facts), device=self.args.device)
+        finally:
+            student.train(modes[0])
+            self.distill.train(modes[1])
+
+    def predict(self, *args: object, **kwargs: object) -> NoReturn:
+        """Refused: a cache holds targets, not inputs to predict on; ``evaluate`` scores a held-out cache."""
+        raise ApiError("CacheTrainer.predict: a cache holds the teacher's targets, not inputs to predict on; use "
+                       "evaluate() for a held-out cache, or call the student on your own inputs")
 
     # ---- saving and resuming --------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The student as ``save_pretrained`` writes it, with ``projectors.pt`` beside it; a checkpoint (an
+        internal call) also holds the stream position and the training arguments, an export neither."""
+        self._exporting = not _internal_call
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._exporting = False
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """The student as ``Trainer`` saves it, and beside it the projectors and where the stream stands."""
+        """The student as ``Trainer`` saves it, and beside it the projectors and (in a checkpoint) where the stream
+        stands."""
         if self.is_deepspeed_enabled:  # the loss module rode inside the model: the student is saved without it
             whole = state_dict if state_dict is not None else cast(nn.Module, self.model).state_dict()
             state_dict = {k: v for k, v in whole.items() if LOSS_MODULE not in k.split(".")}
@@ -211,6 +286,9 @@ class CacheTrainer(Trainer):
         if critics is not None:
             extras["critics"] = critics.state_dict()
         torch.save(extras, out / PROJECTORS_FILE)
+        if self._exporting:  # a student's folder: Trainer._save wrote the arguments there unasked
+            (out / TRAINING_ARGS_FILE).unlink(missing_ok=True)
+            return
         state = {**self._position.to_dict(), "micro_step": self._micro_step, "seed": self.args.seed,
                  "world_size": self.args.world_size, "batch_size": self.args.per_device_train_batch_size}
         (out / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
@@ -236,6 +314,15 @@ class CacheTrainer(Trainer):
         self._position = check_resumable(state, self.args.world_size, self.args.per_device_train_batch_size,
                                          self.args.seed)
         self._micro_step = int(state["micro_step"])
+        self._load_projectors(folder)
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's student, and its projectors with it."""
+        super()._load_best_model()
+        if self.state.best_model_checkpoint:
+            self._load_projectors(Path(self.state.best_model_checkpoint))
+
+    def _load_projectors(self, folder: Path) -> None:
         extras = torch.load(folder / PROJECTORS_FILE, map_location="cpu")  # load_state_dict copies to the device
         self.distill.projectors.load_state_dict(extras["projectors"])
         critics = self.distill.criterion.critics
@@ -253,10 +340,6 @@ def _check_parallel(args: TrainingArguments) -> None:
     if stage >= 3:
         raise ApiError(f"deepspeed zero_optimization.stage {stage}: CacheTrainer supports ZeRO 0-2 (the projectors "
                        "train beside the student, outside ZeRO-3's partitions); use stage 2, or `kdcache train`")
-    strategy = str(getattr(getattr(args, "eval_strategy", "no"), "value", getattr(args, "eval_strategy", "no")))
-    if strategy != "no":
-        raise ApiError(f"eval_strategy {strategy!r}: CacheTrainer does not evaluate through Trainer (see its "
-                       "docstring); set eval_strategy='no' and score the saved student with `kdcache eval`")
     if getattr(args, "n_gpu", 1) > 1:
         raise ApiError(f"{args.n_gpu} GPUs in one process (torch.nn.DataParallel): CacheTrainer runs the student "
                        "outside that wrapper; start one process per GPU with DeepSpeed (TrainingArguments("
@@ -278,3 +361,36 @@ def _check_optimizer(optimizers: object, loss: nn.Module) -> None:
         raise ApiError("optimizers=(optimizer, ...): the optimizer must hold the loss's parameters too (the "
                        "projectors); build DistillationLoss first, pass it as loss=, and give the optimizer "
                        "[*student.parameters(), *loss.parameters()]")
+
+
+def _reader(source: object, label: str) -> CacheReader:
+    """The open cache of ``source``: a folder or URL, an open ``CacheReader``, or a ``CacheDataset`` of one."""
+    if isinstance(source, (str, os.PathLike)):
+        return open_cache(os.fspath(source))
+    if isinstance(source, CacheReader):
+        return source
+    if isinstance(source, CacheStream):
+        return source.reader if isinstance(source, CacheDataset) else open_cache(source.cache)
+    raise ApiError(f"{label}={type(source).__name__}: expected a cache: its folder or URL, kdcache.open_cache(path), "
+                   "or a kdcache.CacheDataset of it")
+
+
+def _training_source(cache: CacheSource | None, kwargs: dict[str, Any], args: TrainingArguments) -> object:
+    """The training cache as given: ``cache``, or a ``train_dataset`` taken out of ``kwargs`` (a dataset's batch
+    size and seed checked against ``args``)."""
+    if cache is not None and kwargs.get("train_dataset") is not None:
+        raise ApiError("both cache and train_dataset name the training cache; pass one of them")
+    source = cache if cache is not None else kwargs.pop("train_dataset", None)
+    if isinstance(source, CacheStream):
+        _check_dataset(source, args)
+    return source
+
+
+def _check_dataset(data: CacheStream, args: TrainingArguments) -> None:
+    """Refuse a ``train_dataset`` whose batch size or seed contradicts ``args`` (which set the stream)."""
+    problems = [f"{name} {mine} where TrainingArguments has {theirs}" for name, mine, theirs in
+                (("batch_size", data.batch_size, args.per_device_train_batch_size), ("seed", data.seed, args.seed))
+                if mine != theirs]
+    if problems:
+        raise ApiError(f"train_dataset: {'; '.join(problems)}; expected the same (TrainingArguments' "
+                       "per_device_train_batch_size and seed decide the cache's batches and order)")

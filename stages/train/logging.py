@@ -24,10 +24,13 @@ class MetricsLogger:
     the source of ``kdcache report``.
     """
 
-    def __init__(self, run_dir: str | Path, *, rank: int = 0, monitor: MonitorMaster | None = None):
+    def __init__(self, run_dir: str | Path, *, rank: int = 0, monitor: MonitorMaster | None = None,
+                 file: str = "metrics.jsonl", group: str = "train"):
+        """``file`` under ``run_dir`` and the trackers' ``group/`` of the tags: a held-out cache's scores go to
+        ``eval.jsonl`` and ``eval/``, apart from the training log that ``kdcache report`` reads."""
         self.run_dir = Path(run_dir)
-        self.rank = rank
-        self.path = self.run_dir / "metrics.jsonl"
+        self.rank, self.group = rank, group
+        self.path = self.run_dir / file
         self._monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self._start = time.perf_counter()
 
@@ -40,7 +43,8 @@ class MetricsLogger:
             fh.write(json.dumps(record) + "\n")
         if self._monitor is not None:
             scalars = {**values, **{k: v for k, v in extra.items() if isinstance(v, (int, float))}}
-            self._monitor.write_events([(f"train/{name}", float(value), step) for name, value in scalars.items()])
+            self._monitor.write_events([(f"{self.group}/{name}", float(value), step)
+                                        for name, value in scalars.items()])
 
 
 class SampleTrace:

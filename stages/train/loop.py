@@ -40,6 +40,7 @@ from kdcache.stages.train.core import (
 )
 from kdcache.stages.train.cross import build_cross_model, without_logit_kl
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
+from kdcache.stages.train.evaluation import HeldOut, lm_kind
 from kdcache.stages.train.feed import (
     BatchExtension,
     CacheStream,
@@ -100,6 +101,7 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     """
     # Checks first: a mismatch should cost a second, not a DeepSpeed start-up.
     reader, student, facts, plan, options = prepare(options)
+    heldout = heldout_of(options, reader, plan)
     if ckpt.has_checkpoint(options.run.out) and not options.run.resume:
         raise TrainingError(f"{options.run.out} already holds a checkpoint; pass --resume to continue it, or "
                             "choose another --out")
@@ -125,7 +127,25 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     if said and announce:
         print(f"kdcache train: {said}", file=sys.stderr)
     engine = build_engine(model, options, dist_info.device)
-    return _Trainer(options, plan, engine, dist_info, reader, extend).run()
+    trainer = _Trainer(options, plan, engine, dist_info, reader, extend)
+    trainer.heldout, trainer.lm = heldout, lm_kind(facts)
+    return trainer.run()
+
+
+def heldout_of(options: TrainOptions, reader: CacheReader, plan: TrainPlan) -> HeldOut | None:
+    """``--eval-cache`` opened and checked against the training cache (the same teacher and settings), or None.
+
+    Raises:
+        EvaluationError: the held-out cache differs from the training cache (each difference named).
+        TrainingError: a cross-tokenizer run (its batches are built from the training cache's texts).
+    """
+    if not options.run.eval_cache:
+        return None
+    if options.loss.cross_tokenizer:
+        raise TrainingError("--eval-cache with --cross-tokenizer: a held-out loss is not scored across tokenizers "
+                            "yet; score the exported student with `kdcache eval --cache HELDOUT --run RUN`")
+    return HeldOut(open_cache(options.run.eval_cache), reader, plan.names, batch_size=options.data.batch_size,
+                   label="--eval-cache")
 
 
 def _student_tokenizer(student: str, scratch: str) -> Path:
@@ -164,6 +184,10 @@ class _Trainer:
         self.reader = reader  # streamed from in this process (a DataLoader worker opens its own)
         self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
         self.projection = load_projection(reader)  # a rank codec's bases, for that decode
+        self.heldout: HeldOut | None = None  # --eval-cache, scored every --eval-every steps and at the end
+        self.lm: str | None = None
+        self.eval_logger = MetricsLogger(self.run_dir, rank=dist_info.rank, file="eval.jsonl", group="eval",
+                                         monitor=getattr(engine, "monitor", None))
 
     # ---- set-up ------------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -280,8 +304,23 @@ class _Trainer:
         step = int(self.engine.global_steps)
         if step % self.options.run.log_every == 0 or step >= total:
             self._log(step)
+        every = self.options.run.eval_every
+        if self.heldout is not None and ((every and step % every == 0) or step >= total):
+            self._evaluate(step)
         if self.options.run.save_every and step % self.options.run.save_every == 0 and step < total:
             self._save()
+
+    def _evaluate(self, step: int) -> None:
+        """Score the held-out cache with the run's loss, in eval mode; rank 0 writes ``eval.jsonl``."""
+        assert self.heldout is not None
+        module = self.engine.module
+        module.eval()
+        try:
+            scores = self.heldout.score(lambda batch: module.runner(module.student, batch), module.criterion,
+                                        lm=self.lm, device=self.dist.device)
+        finally:
+            module.train()
+        self.eval_logger.log(step, {f"eval_{name}": value for name, value in scores.items()})
 
     def _log(self, step: int) -> None:
         """Average each term over the micro-steps since the last log and over ranks; rank 0 writes it."""

@@ -27,7 +27,8 @@ class PartialSuite:
         with pytest.raises(PartialCacheError, match="status 'writing'.*2 of 3 shards") as refused:
             CacheReader(tmp_path)
         assert "Rerun the same `kdcache precompute` command" in str(refused.value)  # the next step, as a user types it
-        assert "`kdcache train --allow-partial` (allow_partial=True from Python)" in str(refused.value)
+        assert "`kdcache train --allow-partial`" in str(refused.value)
+        assert "`kdcache.open_cache(path, allow_partial=True)`" in str(refused.value)  # the way that works in Python
         reader = CacheReader(tmp_path, allow_partial=True)
         assert reader.committed_shards == [0, 2]
         self.assert_same(reader[6], expected(spec, seqs[6]))

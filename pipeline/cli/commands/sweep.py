@@ -24,7 +24,7 @@ from kdcache.stages.train import TrainOptions
 def register(subparsers: Subcommands) -> None:
     """Add ``sweep`` to the ``kdcache`` subcommands."""
     parser = subparsers.add_parser(
-        "sweep", options=TrainOptions, skip=("out", "resume"),
+        "sweep", options=TrainOptions, skip=("out", "resume", *SWEEP_EVAL),
         help="train one student per grid point, all from one cache, and compare them",
         description="Run `kdcache train` once per point of the cartesian product of the --grid options, one "
                     "run after another, each in its own process and its own SWEEP/runs/<name>/ folder. The "
@@ -45,6 +45,10 @@ def register(subparsers: Subcommands) -> None:
     parser.set_defaults(func=run)
 
 
+# The sweep's own --eval-cache scores each finished run (`kdcache eval`); train's held-out scoring stays off in it.
+SWEEP_EVAL = ("eval_cache", "eval_every")
+
+
 def base_values(args: argparse.Namespace) -> dict[str, Any]:
     """The train options shared by every point: the YAML's ``train:`` section, then the flags given."""
     values: dict[str, Any] = {}
@@ -52,7 +56,7 @@ def base_values(args: argparse.Namespace) -> dict[str, Any]:
         values, problems = config_values(TrainOptions, args.config, "train")
         if problems:
             raise ConfigError(problems)
-    names = ({f.name for _, _, f in leaves(TrainOptions)} | set(ALIASES)) - {"out", "resume"}
+    names = ({f.name for _, _, f in leaves(TrainOptions)} | set(ALIASES)) - {"out", "resume", *SWEEP_EVAL}
     values.update({k: v for k, v in vars(args).items() if k in names})
     values.pop("out", None)
     return values

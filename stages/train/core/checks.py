@@ -32,13 +32,15 @@ class CacheCheckError(KdcacheError):
         super().__init__(f"{what} ({len(self.problems)} problem(s)):\n{body}")
 
 
-def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads: int | None = None) -> CacheReader:
+def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads: int | None = None,
+               reader: type[CacheReader] = CacheReader) -> CacheReader:
     """Open a cache for reading, with a clear message when there is none: the one reader a command uses.
 
     Args:
         path: the cache folder or URL.
         allow_partial: accept a cache whose writers have not all finished (its committed shards only).
         decode_threads: arrays the reader decodes at once (None: one per core; ``CacheReader``).
+        reader: the class to open it as (the Python API's ``Cache`` adds ``dataset`` to the reader).
 
     Raises:
         CacheCheckError: no directory or no manifest at ``path``.
@@ -50,7 +52,7 @@ def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads:
         # Training, eval and sweeps all open caches here, so the headline names the cache, not a caller.
         raise CacheCheckError([f"cache {str(path)!r} {why}; run `kdcache precompute` first, or point --cache "
                                "at the folder or URL holding manifest.json"], what="cannot open the cache")
-    return CacheReader(store, allow_partial=allow_partial, decode_threads=decode_threads)
+    return reader(store, allow_partial=allow_partial, decode_threads=decode_threads)
 
 
 def vocab_problems(reader: CacheReader, student_vocab: int, student_tokenizer: dict[str, Any] | None, *,

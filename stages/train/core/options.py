@@ -213,6 +213,12 @@ class RunOptions:
         "record the sequence ids and loss of every micro-step in RUN/samples-rank{r}.jsonl (reads the loss on the "
         "host each micro-step: a GPU sync that costs speed)"))
     export: bool = field(default=True, metadata=_opt("save the student with save_pretrained at the end"))
+    eval_cache: str | None = field(default=None, metadata=_opt(
+        "a held-out cache the same teacher wrote with the same settings: every loss term, and the agreement with "
+        "the teacher (top-1, KL) where it holds logits, scored on it every --eval-every steps and at the end, "
+        "written to RUN/eval.jsonl (and the trackers, as eval/...)"))
+    eval_every: int = field(default=0, metadata=_opt(
+        "score --eval-cache every N optimizer steps (0: at the end only)"))
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
@@ -220,6 +226,10 @@ class RunOptions:
                     if getattr(self, name) is not None and getattr(self, name) < 1]
         if self.save_every < 0:
             problems.append(f"save_every must be >= 0, got {self.save_every}")
+        if self.eval_every < 0:
+            problems.append(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.eval_every and not self.eval_cache:
+            problems.append(f"eval_every {self.eval_every} needs eval_cache (the held-out cache to score)")
         problems += tracker_problems(self.report_to)
         if not Path(self.student).exists():
             problems.append(f"student {self.student!r} does not exist (a model folder or a config.json)")

@@ -1,6 +1,7 @@
 """Evaluation against a cache, no teacher in memory: agreement metrics (``agreement``,
-``attention_agreement``), a run's evaluation (``evaluate``), the span metrics of a student with its own tokenizer
-(``span_eval``) and where the records live (``eval_records``). The rest of the code imports it through this door.
+``attention_agreement``), a run's evaluation (``evaluate``), a held-out cache scored while a student trains
+(``heldout``), the span metrics of a student with its own tokenizer (``span_eval``) and where the records live
+(``eval_records``). The rest of the code imports it through this door.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
         EvaluationError as EvaluationError,
         evaluate_run as evaluate_run,
         student_folder_problems as student_folder_problems,
+    )
+    from kdcache.stages.train.evaluation.heldout import (
+        HeldOut as HeldOut,
+        heldout_problems as heldout_problems,
+        lm_kind as lm_kind,
     )
     from kdcache.stages.train.evaluation.span_eval import (
         evaluate_cross_run as evaluate_cross_run,

@@ -80,7 +80,10 @@ def test_import_kdcache_stays_cheap_and_names_resolve() -> None:
     code = ("import sys, kdcache; assert 'torch' not in sys.modules and 'transformers' not in sys.modules; "
             "print(kdcache.__all__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert ast.literal_eval(out) == ["CacheDataset", "CacheTrainer", "DataPosition", "DistillationLoss", "open_cache"]
+    assert ast.literal_eval(out) == ["ApiError", "Cache", "CacheCheckError", "CacheDataset", "CacheReader",
+                                     "CacheTrainer", "ChecksumError", "DataPosition", "DistillationArguments",
+                                     "DistillationLoss", "EvaluationError", "KdcacheError", "PartialCacheError",
+                                     "open_cache"]
     assert all(getattr(kdcache, name) is not None for name in kdcache.__all__)
 
 
@@ -237,14 +240,13 @@ def test_bad_input_is_refused_by_name(setup: dict[str, Path]) -> None:
 
 
 def test_what_the_trainer_cannot_do_right_is_refused(setup: dict[str, Path]) -> None:
-    """Evaluation through Trainer (its loop would batch a CacheDataset again and call the student on a cache
-    batch), an optimizer without the projectors (they would never train), several GPUs in one process; and the
+    """Evaluation without a held-out cache, an optimizer without the projectors (they would never train); and the
     caller's TrainingArguments are left as given."""
     student = load_student(setup["student"], seed=0)
     args = _args(setup["root"] / "refused", 2)
-    with pytest.raises(ApiError, match="eval_dataset"):
+    with pytest.raises(ApiError, match="eval_dataset=list: expected a cache"):
         kdcache.CacheTrainer(student, args, str(setup["cache"]), eval_dataset=[])
-    with pytest.raises(ApiError, match="eval_strategy 'steps'"):
+    with pytest.raises(ApiError, match="eval_strategy 'steps' needs a held-out cache"):
         kdcache.CacheTrainer(student, _args(setup["root"] / "refused", 2, eval_strategy="steps", eval_steps=1),
                              str(setup["cache"]))
     loss = kdcache.DistillationLoss(str(setup["cache"]), student, gamma=1.0)
@@ -254,7 +256,7 @@ def test_what_the_trainer_cannot_do_right_is_refused(setup: dict[str, Path]) -> 
     both = torch.optim.AdamW([*student.parameters(), *loss.parameters()], lr=LR)
     trainer = kdcache.CacheTrainer(student, args, str(setup["cache"]), loss=loss, optimizers=(both, None))
     assert args.max_steps == 2 and not args.ignore_data_skip and trainer.args.ignore_data_skip
-    with pytest.raises(ApiError, match="kdcache eval"):
+    with pytest.raises(ApiError, match="no held-out cache"):
         trainer.evaluate()
 
 
