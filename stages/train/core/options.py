@@ -239,7 +239,8 @@ class RunOptions:
 # What a run folder may hold before training writes options.json: a baseline evaluated first, a sweep's logs, a
 # report. Anything else means --out names someone else's folder.
 RUN_ENTRIES = frozenset({"options.json", "plan.json", "metrics.jsonl", "checkpoints", "student", "projectors.pt",
-                         "evals", "report", "tensorboard", "wandb", "csv", "train.log", "eval.log", "sweep-run.json"})
+                         "evals", "report", "tensorboard", "wandb", "csv", "train.log", "eval.log", "sweep-run.json",
+                         "eval.jsonl"})
 
 
 def init_from_problems(init_from: str | None, student: str) -> list[str]:
