@@ -7,6 +7,7 @@ batch of 8 x 256 tokens through DeepSpeed (ZeRO-0, fp32 on the CPU):
 
 * ``student alone, CE``: the student's own HF loss (its ``[8, 256, V]`` logits materialised), a plain DeepSpeed
   loop over the cache's token ids (``gpu_stage_two.Plain``): the reference;
+* ``kdcache CE only``: ``run_training`` with β = γ = 0, CE through the chunked pass over the LM head;
 * ``CE + top-k KL renorm`` / ``other`` (T = 1) / ``full KL`` / ``sampled KL`` / ``head KL``: ``run_training``,
   the code ``kdcache train`` runs, α = β = 1, γ = 0 (no hidden term: the vocabulary terms are what is measured).
 
@@ -39,13 +40,14 @@ ROWS, LENGTH, TOP_K = 8, 256, 128
 # run -> (cache, TrainOptions fields); None: the student alone.
 RUNS: dict[str, tuple[str, dict[str, Any]] | None] = {
     "alone": None,
+    "ce_only": ("topk", {"beta": 0.0}),
     "topk_renorm": ("topk", {"topk_kl": "renorm", "temperature": 1.0}),
     "topk_other": ("topk", {"topk_kl": "other", "temperature": 1.0}),
     "full": ("full", {"temperature": 1.0}),
     "sampled": ("sampled:12", {}),
     "head": ("head", {"temperature": 1.0}),
 }
-LABELS = {"alone": "student alone, CE", "topk_renorm": "CE + top-128 KL, renormalised",
+LABELS = {"alone": "student alone, CE", "ce_only": "kdcache CE only (β = 0)", "topk_renorm": "CE + top-128 KL, renormalised",
           "topk_other": "CE + top-128 KL, `other` (T = 1)", "full": "CE + full KL (T = 1)",
           "sampled": "CE + sampled:12 KL", "head": "CE + head KL (T = 1)"}
 ALONE = "alone"
