@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+from torch.autograd.function import BackwardCFunction, FunctionCtx, once_differentiable
 
 from kdcache.stages.common.head_logits import HeadLogits, HeadRows, Rows
 from kdcache.stages.common.loss_errors import LossError
@@ -165,3 +165,34 @@ class SoftmaxKl(torch.autograd.Function):
         dz = log_q.exp().sub_(p).mul_(scale)
         # A row the pass drops (grad 0) gets exactly 0, as autograd's chain gave, even where its p is NaN.
         return dz.masked_fill_(scale == 0, 0.0).to(ctx.dtype), None, None
+
+
+class BucketLogProbs(torch.autograd.Function):
+    """``[C, k+1]`` student log-probabilities of the other-bucket top-k KL's buckets: the k ids' full-vocabulary
+    log-probabilities ``z[ids] − lse(z)`` and the leftover ``lse(z without the ids) − lse(z)``, from ``z [C, V]``
+    and ``ids [C, k]`` (distinct per row, k < V), with the gradient written out.
+
+    Autograd's chain (a logsumexp, a ``[C, V]`` scatter of −inf for the tail and its logsumexp) kept the scattered
+    copy for its backward pass and built three more ``[C, V]`` buffers in it. Here only ``z`` (the chunk's logits,
+    alive anyway) is kept, and the backward pass holds two ``[C, V]`` buffers: with g the incoming ``[C, k+1]``
+    gradient and G = Σ g, ∂/∂z_j = g_i [j = ids_i] + g_tail · exp(z_j − lse_tail) [j ∉ ids] − G · exp(z_j − lse).
+    The tail's logsumexp is taken over the scattered logits, as before: ``log(1 − Σ p)`` would cancel to noise.
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        lse_tail = torch.logsumexp(z.scatter(1, ids, float("-inf")), dim=-1, keepdim=True)  # the copy dies here
+        ctx.save_for_backward(z, ids, lse, lse_tail)
+        return torch.cat([torch.gather(z, 1, ids) - lse, lse_tail - lse], dim=-1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: BackwardCFunction, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        z, ids, lse, lse_tail = cast(tuple[torch.Tensor, ...], ctx.saved_tensors)
+        g_top, g_tail = grad[:, :-1], grad[:, -1:]
+        dz = torch.sub(z, lse).exp_().mul_(-grad.sum(-1, keepdim=True))  # −G · softmax(z)
+        tail = torch.sub(z, lse_tail).exp_().mul_(g_tail).scatter_(1, ids, 0.0)  # the tail's softmax, 0 at the ids
+        dz.add_(tail)
+        del tail
+        return dz.scatter_add_(1, ids, g_top).to(z.dtype), None

@@ -261,6 +261,7 @@ class HeadPass(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += dz.float().sum(0)
             values += chunk_values
+            del dz  # else this chunk's [C, V] gradient lives on while the next chunk's logits and gradient are built
         ctx.save_for_backward(grad_h, grad_w, *(() if grad_b is None else (grad_b,)))
         ctx.weight_dtype, ctx.extra = weight.dtype, len(rows)
         ctx.mark_non_differentiable(values)

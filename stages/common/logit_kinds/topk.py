@@ -260,12 +260,12 @@ def _student_buckets(z_s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     leftover is tiny, where ``log(1 - Σp)`` would cancel to noise. With k == V (no tail) it is −inf, built
     without a logsumexp over an all −inf row, whose backward would be NaN.
     """
-    lse_s = torch.logsumexp(z_s, dim=-1, keepdim=True)
-    log_top = torch.gather(z_s, 1, ids) - lse_s
     if ids.shape[1] >= z_s.shape[1]:
+        lse_s = torch.logsumexp(z_s, dim=-1, keepdim=True)
+        log_top = torch.gather(z_s, 1, ids) - lse_s
         return torch.cat([log_top, torch.full_like(lse_s, float("-inf")).detach()], dim=-1)
-    tail = z_s.scatter(1, ids, float("-inf"))
-    return torch.cat([log_top, torch.logsumexp(tail, dim=-1, keepdim=True) - lse_s], dim=-1)
+    # The gradient written out (loss_rows.BucketLogProbs): autograd's chain held four more [C, V] buffers.
+    return loss_rows.BucketLogProbs.apply(z_s, ids)
 
 
 def _check_topk(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor,

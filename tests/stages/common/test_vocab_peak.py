@@ -1,0 +1,95 @@
+"""Issue 63: one step of each vocabulary term holds a bounded number of one chunk's logits, whatever N.
+
+The peak is read deterministically (``tests.helpers.live_bytes``: the heap in use after every torch operator),
+not as RSS, so a loaded machine cannot move it. The pass over ``HeadLogits`` builds a chunk's ``[C, V]`` float32
+logits and its gradient one chunk at a time; the CE and a KL together legitimately hold a few such buffers at once
+(the logits, CE's saved log-softmax, two buffers of its backward pass), and ``BOUND`` allows that with a margin.
+Before the fix, each chunk's ``dz`` outlived its iteration of ``HeadPass`` (one buffer more for every kind) and the
+other-bucket KL's autograd chain held another: CE + top-k ``other`` measured 7.2 chunks, CE + renorm 6.2, against
+5.2 after (N = 1,024; 5.15 at the N here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kdcache.stages.common import loss_rows, vocab_pass
+from kdcache.stages.common.head_logits import HeadLogits
+from kdcache.stages.common.logit_kinds.full import kd_kl_term
+from kdcache.stages.common.logit_kinds.head import head_kl_term
+from kdcache.stages.common.logit_kinds.sampled import sampled_kl_term
+from kdcache.stages.common.logit_kinds.topk import topk_kl_term
+from kdcache.stages.train.core.masks import token_masks
+from kdcache.stages.train.losses.logits import causal_ce_term
+from tests.helpers.live_bytes import MALLINFO2, LiveBytes
+
+pytestmark = pytest.mark.skipif(MALLINFO2 is None, reason="needs glibc's mallinfo2 (glibc 2.33 or later)")
+
+N, D, V, K, DRAWS, D_T = 512, 32, 8192, 16, 12, 16  # two chunks of 256 rows: a chunk's buffers meet the next one's
+CHUNK_LOGITS = loss_rows.LOSS_CHUNK * V * 4  # one chunk's [C, V] float32 logits: 8 MiB
+# Chunks' logits held at once, at most, by one step of CE + one KL (CE alone 4.2, with a KL 5.2 after the fix; the
+# fixed part, the head's [V, d] gradient and the step's [N, ...] rows, is 0.2 of a chunk here). A KL against a dense
+# teacher (full, head) also holds the teacher's [C, V] chunk: one more (6.4 after the fix).
+BOUND, DENSE = 5.6, ("full", "head")
+
+
+@pytest.fixture(scope="module")
+def inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(1, N, V, generator=g) * 2
+    values, ids = teacher.topk(K, -1)
+    masks = token_masks(torch.ones(1, N, dtype=torch.long), None, None, causal=True)
+    return {"hidden": torch.randn(1, N, D, generator=g), "weight": torch.randn(V, D, generator=g) / D**0.5,
+            "ids": torch.randint(0, V, (1, N), generator=g).float(), "real": masks.real, "pairs": masks.pairs,
+            "mask": masks.predicts,
+            "teacher": teacher, "values": values, "topk_ids": ids.float(), "lse": teacher.logsumexp(-1),
+            "draws": torch.randint(0, V, (1, N, DRAWS), generator=g), "counts": torch.ones(1, N, DRAWS),
+            "logp": -torch.rand(1, N, DRAWS, generator=g) * 5, "hidden_t": torch.randn(1, N, D_T, generator=g),
+            "w_t": torch.randn(V, D_T, generator=g)}
+
+
+KLS: dict[str, Callable[[HeadLogits, dict[str, torch.Tensor]], vocab_pass.ChunkTerm]] = {
+    "topk_renorm": lambda z, s: topk_kl_term(z, s["values"], s["topk_ids"], s["mask"], variant="renorm"),
+    "topk_other": lambda z, s: topk_kl_term(z, s["values"], s["topk_ids"], s["mask"], s["lse"], variant="other"),
+    "full": lambda z, s: kd_kl_term(z, s["teacher"], s["mask"], 1.0),
+    "sampled": lambda z, s: sampled_kl_term(z, s["draws"], s["counts"], s["logp"], s["mask"], 1.0),
+    "head": lambda z, s: head_kl_term(z, s["hidden_t"], lambda x: x @ s["w_t"].T, s["mask"], 1.0),
+}
+
+
+def _step_peak(s: dict[str, torch.Tensor], kl: str | None) -> float:
+    """The peak of one forward + backward of CE (+ the KL) over ``HeadLogits``, in chunks' logits."""
+    hidden, weight = s["hidden"].clone().requires_grad_(True), s["weight"].clone().requires_grad_(True)
+    with LiveBytes() as live:
+        z = HeadLogits(hidden, weight)
+        terms = [causal_ce_term(z, s["ids"], s["real"], s["pairs"])] + ([] if kl is None else [KLS[kl](z, s)])
+        total, _ = vocab_pass.vocab_pass(z, terms, [1.0] * len(terms))
+        total.backward()
+        del z, terms, total
+    return live.peak / CHUNK_LOGITS
+
+
+@pytest.mark.parametrize("kl", [None, *KLS])
+def test_one_step_of_each_vocabulary_term_holds_a_few_chunks_of_logits(inputs: dict[str, torch.Tensor],
+                                                                       kl: str | None) -> None:
+    """CE + each KL kind stays under ``BOUND`` chunks' logits, one more for a dense teacher and one less for CE
+    alone (the least of two steps: the first one also builds torch's lazily made state)."""
+    peak, bound = min(_step_peak(inputs, kl) for _ in range(2)), BOUND - (kl is None) + (kl in DENSE)
+    assert peak <= bound, f"CE + {kl}: {peak:.2f} chunks of [C, V] float32 logits at once (bound {bound})"
+
+
+def test_bucket_log_probs_gradient_matches_autograd_in_float64() -> None:
+    """``BucketLogProbs``' written-out gradient against autograd's chain of logsumexps, in float64."""
+    g = torch.Generator().manual_seed(1)
+    z = (torch.randn(6, 40, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    ids = torch.rand(6, 40, generator=g).argsort(-1)[:, :5]
+    weights = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    (loss_rows.BucketLogProbs.apply(z, ids) * weights).sum().backward()
+    ours, z.grad = z.grad, None
+    lse = z.logsumexp(-1, keepdim=True)
+    tail = z.scatter(1, ids, float("-inf")).logsumexp(-1, keepdim=True) - lse
+    (torch.cat([z.gather(1, ids) - lse, tail], -1) * weights).sum().backward()
+    torch.testing.assert_close(ours, z.grad, rtol=1e-12, atol=1e-12)
