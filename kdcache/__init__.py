@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         CacheTrainer as CacheTrainer,
         DataPosition as DataPosition,
         DistillationLoss as DistillationLoss,
+        TrainStep as TrainStep,
         open_cache as open_cache,
     )
 else:  # mypy reads the names above and nothing else; at run time each loads on first use

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         EvaluationError as EvaluationError,
         evaluate_run as evaluate_run,
         student_folder_problems as student_folder_problems,
+        trained_student as trained_student,
     )
     from kdcache.stages.train.evaluation.span_eval import (
         evaluate_cross_run as evaluate_cross_run,
