@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         DataPosition as DataPosition,
         DistillationLoss as DistillationLoss,
         EvaluationError as EvaluationError,
+        TrainStep as TrainStep,
     )
     from kdcache.stages.train.api import Cache as Cache, open_cache as open_cache
     from kdcache.stages.train.core import CacheCheckError as CacheCheckError

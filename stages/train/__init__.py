@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         read_evals as read_evals,
         remove_evals as remove_evals,
         student_folder_problems as student_folder_problems,
+        trained_student as trained_student,
     )
     from kdcache.stages.train.feed import DataPosition as DataPosition
     from kdcache.stages.train.hf_args import DistillationArguments as DistillationArguments
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from kdcache.stages.train.interrupt import TrainingInterrupted as TrainingInterrupted
     from kdcache.stages.train.logging import read_jsonl as read_jsonl, read_records as read_records
     from kdcache.stages.train.loop import run_training as run_training
+    from kdcache.stages.train.optimizer_step import TrainStep as TrainStep
     from kdcache.stages.train.run_identity import trained_on as trained_on
 else:  # mypy reads the names above and nothing else; at run time each loads on first use
     __getattr__, __dir__, __all__ = attach(__name__, __file__)

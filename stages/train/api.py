@@ -23,6 +23,7 @@ import difflib
 import os
 import re
 import sys
+import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,6 +36,7 @@ from kdcache.stages.common import attention_sources
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenizer, save_projectors, write_plan
 from kdcache.stages.train.core import (
     CacheCheckError,
     LossOptions,
@@ -128,12 +130,21 @@ def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedM
     if said:
         _say(speaker, said, announce)
     plan = plan_training(options, reader, facts, tokenizer)
-    for note in plan.notes:
+    for note in [*plan.notes, *idle_options(options, plan)]:
         _say(speaker, f"note: {note}", announce)
     unused = unused_targets(reader.spec, plan, options)
     if unused:
         _say(speaker, f"note: cached targets this run leaves unused: {'; '.join(unused)}", announce)
     return options, facts, plan
+
+
+def idle_options(options: TrainOptions, plan: TrainPlan) -> list[str]:
+    """Options given that change nothing on this cache: a temperature without a logit KL to scale."""
+    temperature = options.loss.temperature
+    if temperature is None or (plan.logit_kind is not None and options.loss.kl_weight > 0):
+        return []
+    why = "the cache holds no teacher logits" if plan.logit_kind is None else "the KL's weight (beta) is 0"
+    return [f"temperature {temperature} does nothing here: it scales the logit KL, and {why}"]
 
 
 def teacher_head_for(reader: CacheReader, plan: TrainPlan, *, speaker: str = "kdcache train",
@@ -369,6 +380,29 @@ class DistillationLoss(nn.Module):
         """The projectors, to save beside the student (``kdcache train`` exports them to ``projectors.pt``)."""
         return self.criterion.projectors
 
+    def save_run(self, student: object, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Write ``folder`` as ``kdcache train`` exports a run, which ``kdcache eval --run`` scores as the trained
+        student: ``student/`` (``save_pretrained``, with the cache's tokenizer), ``projectors.pt`` and ``plan.json``.
+
+        Raises:
+            ApiError: ``folder`` already holds a run's record and ``overwrite`` is False.
+        """
+        out = Path(folder)
+        if (out / PLAN_FILE).exists() and not overwrite:
+            raise ApiError(f"{str(out)!r} already holds a run ({PLAN_FILE}); pass overwrite=True to replace it, or "
+                           "choose another folder")
+        student_dir = out / STUDENT_DIR
+        save = getattr(student, "save_pretrained", None)  # a PEFT model's writes its adapters
+        if not callable(save):
+            raise ApiError(f"save_run: a {type(student).__name__} has no save_pretrained; expected the transformers "
+                           "(or PEFT) model being trained")
+        save(str(student_dir))
+        with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as scratch:  # a remote cache's copy
+            add_tokenizer(student_dir, self.reader.store.fetch_folder("tokenizer", Path(scratch)))
+        save_projectors(out, self.projectors, self.criterion.critics)
+        write_plan(out, self.plan.to_json())
+        return out
+
     def dataset(self, *, batch_size: int, **kwargs: Unpack[StreamArgs]) -> CacheDataset:
         """A ``CacheDataset`` of this cache streaming exactly ``arrays`` (``kwargs``: its other arguments)."""
         return CacheDataset(self.reader, self.arrays, batch_size=batch_size, **kwargs)
@@ -385,7 +419,9 @@ class DistillationLoss(nn.Module):
         chunk by chunk inside the losses when it is a plain linear layer, q/k recorded for a q/k cache)."""
         return self.runner(student, batch)
 
-    def forward(self, student_outputs: object, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def forward(self, student_outputs: object, batch: Mapping[str, torch.Tensor],
+                scales: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
         """Every term of the loss: ``student_outputs`` (a transformers ``ModelOutput`` with ``hidden_states`` /
-        ``attentions`` when asked for) against ``batch`` (on the device, from ``CacheDataset.to_device``)."""
-        return self.criterion(student_outputs, batch)
+        ``attentions`` when asked for) against ``batch`` (on the device, from ``CacheDataset.to_device``).
+        ``scales``: each term's share of its optimizer step (``StepCounts.scales``); None: this batch's means."""
+        return self.criterion(student_outputs, batch, scales)

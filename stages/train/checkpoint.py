@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 CHECKPOINT_DIR = "checkpoints"
 STUDENT_DIR = "student"
 PROJECTORS_FILE = "projectors.pt"
+PLAN_FILE = "plan.json"
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -174,16 +176,16 @@ def load_latest(engine: DeepSpeedEngine,
     return (client_state or {}).get("kdcache")
 
 
-def export_student(student: PreTrainedModel, extras: dict[str, nn.Module], run_dir: str | Path, *, rank: int,
+def export_student(student: PreTrainedModel, projectors: nn.Module, run_dir: str | Path, *, rank: int,
                    zero_stage: int, tokenizer_dir: str | Path | None) -> Path:
-    """Write the student as a plain HF model (``save_pretrained``) and the extras (projectors) beside it.
+    """Write the student as a plain HF model (``save_pretrained``) and the projectors beside it.
 
     Under ZeRO-3 each rank holds only a slice of every parameter, so the parameters are gathered first; this is
     collective, every rank must call it. Only rank 0 writes.
 
     Args:
         student: the HF student (inside the engine's module).
-        extras: other trained modules (projectors, critic), saved to ``RUN/projectors.pt`` as state dicts.
+        projectors: the loss's projectors, saved to ``RUN/projectors.pt`` (``save_projectors``).
         run_dir: the run directory.
         rank: this process's rank.
         zero_stage: the engine's ZeRO stage.
@@ -193,18 +195,23 @@ def export_student(student: PreTrainedModel, extras: dict[str, nn.Module], run_d
         ``RUN/student``.
     """
     out = Path(run_dir) / STUDENT_DIR
-    modules = [student, *extras.values()]
+    modules = [student, projectors]
     with _gathered([p for m in modules for p in m.parameters()], zero_stage):
         if rank == 0:
             student.save_pretrained(str(out))
-            state = {name: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
-                     for name, m in extras.items()}
-            torch.save(state, Path(run_dir) / PROJECTORS_FILE)
-    if rank == 0 and tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
-        for item in Path(tokenizer_dir).iterdir():
-            if item.is_file() and not (out / item.name).exists():  # never overwrite the model's own files
-                shutil.copy2(item, out / item.name)
+            save_projectors(run_dir, projectors)
+    if rank == 0:
+        add_tokenizer(out, tokenizer_dir)
     return out
+
+
+def add_tokenizer(student_dir: Path, tokenizer_dir: str | Path | None) -> None:
+    """Copy the cache's tokenizer files next to a saved student, so that it is usable on its own."""
+    if tokenizer_dir is None or not Path(tokenizer_dir).is_dir():
+        return
+    for item in Path(tokenizer_dir).iterdir():
+        if item.is_file() and not (student_dir / item.name).exists():  # never overwrite the model's own files
+            shutil.copy2(item, student_dir / item.name)
 
 
 def _gathered(params: list[nn.Parameter], zero_stage: int) -> contextlib.AbstractContextManager:
@@ -214,3 +221,28 @@ def _gathered(params: list[nn.Parameter], zero_stage: int) -> contextlib.Abstrac
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+class _Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+
+def save_projectors(folder: str | Path, projectors: nn.Module, critics: _Stateful | None = None) -> Path:
+    """Write ``folder/projectors.pt``, the one layout every road writes (``kdcache train``, ``CacheTrainer``, a loop's
+    ``DistillationLoss.save_run``) and ``kdcache eval --run`` reads: ``{"projectors": state dict on the CPU}``
+    (empty when the loss has none), plus ``"critics"`` (their ``state_dict()``) for a wgan loss.
+
+    Returns:
+        The file's path.
+    """
+    state: dict[str, Any] = {"projectors": {k: v.detach().cpu().clone() for k, v in projectors.state_dict().items()}}
+    if critics is not None:
+        state["critics"] = critics.state_dict()
+    path = Path(folder) / PROJECTORS_FILE
+    torch.save(state, path)
+    return path
+
+
+def write_plan(folder: str | Path, plan: dict[str, object]) -> None:
+    """Write ``folder/plan.json`` (the layer maps ``kdcache eval --run`` scores with), as ``kdcache train`` does."""
+    (Path(folder) / PLAN_FILE).write_text(json.dumps(plan, indent=2) + "\n")

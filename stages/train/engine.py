@@ -14,7 +14,6 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +24,7 @@ from torch import nn
 from torch.utils.cpp_extension import get_default_build_root
 
 from kdcache.stages.train.core import TrainOptions
+from kdcache.stages.train.optimizer_step import MAX_GRAD_NORM, train_optimizer, train_schedule
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def build_ds_config(options: TrainOptions, device: torch.device) -> dict[str, An
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": options.data.batch_size,
         "gradient_accumulation_steps": options.data.grad_accum,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": MAX_GRAD_NORM,
         "steps_per_print": 1 << 30,  # our own logs replace DeepSpeed's
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
@@ -192,18 +192,10 @@ def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = None
     if "optimizer" not in config:
-        optimizer = torch.optim.AdamW(params, lr=options.engine.lr, weight_decay=options.engine.weight_decay)
+        optimizer = train_optimizer(params, lr=options.engine.lr, weight_decay=options.engine.weight_decay)
     scheduler = None
     if "scheduler" not in config:
-        scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
-            opt, _warmup(options.engine.warmup_steps))
+        scheduler = lambda opt: train_schedule(opt, options.engine.warmup_steps)  # noqa: E731
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=config)
     return engine
-
-
-def _warmup(warmup: int) -> Callable[[int], float]:
-    """LR factor: linear warm-up over ``warmup`` optimizer steps, then constant."""
-    def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-    return factor

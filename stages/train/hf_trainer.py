@@ -12,8 +12,10 @@ import json
 import math
 import os
 import time
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -21,12 +23,16 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_metrics
 
 from kdcache.stages.train.api import ApiError, CacheDataset, DistillationLoss, check_tokenizer, seed_dropout
-from kdcache.stages.train.checkpoint import PROJECTORS_FILE
+from kdcache.stages.train.checkpoint import PROJECTORS_FILE, save_projectors, write_plan
 from kdcache.stages.train.core import open_cache
 from kdcache.stages.train.evaluation import HeldOut, lm_kind
 from kdcache.stages.train.feed import CacheStream, DataPosition, check_resumable
 from kdcache.stages.train.hf_args import DistillationArguments, options_of
+from kdcache.stages.train.objective import StepCounts, term_counts
 from kdcache.storage import CacheReader
+
+if TYPE_CHECKING:
+    from kdcache.stages.train.objective import Counts
 
 STATE_FILE = "kdcache_state.json"  # beside each checkpoint's weights: the stream position and the micro-step
 TRAINING_ARGS_FILE = "training_args.bin"  # what Trainer._save adds to every folder it writes
@@ -65,7 +71,8 @@ class CacheTrainer(Trainer):
       ``report_to`` integration.
     * **Projectors.** They join the optimizer as one more parameter group, their gradients are clipped together
       with the student's (as ``kdcache train`` clips all) and cleared after each step, and they are saved beside
-      the student (``projectors.pt``, ``kdcache train``'s format) and loaded again on resume.
+      the student (``projectors.pt``, ``kdcache train``'s format) with the run's ``plan.json``, so that
+      ``kdcache eval --run`` scores a ``save_model`` folder, and loaded again on resume.
     * **Resume.** ``resume_from_checkpoint`` restarts the stream at its saved position (``kdcache_state.json``)
       instead of letting ``Trainer`` re-read and skip the batches already trained on (``ignore_data_skip`` is set).
       Dropout is seeded per micro-step as in ``kdcache train``, so a resumed run repeats an uninterrupted one.
@@ -127,6 +134,7 @@ class CacheTrainer(Trainer):
         self._shuffle_block, self._prefetch = shuffle_block, prefetch  # the stream's settings
         self._position, self._micro_step = DataPosition(), 0
         self._sums: dict[str, torch.Tensor] = {}  # each term's sum since the last log, on the device
+        self._step_counts: deque[tuple[Counts, StepCounts]] = deque()  # the step's micro-batches not yet run
         self._count = 0
         self._exporting = False  # save_model called by the user, not by a checkpoint
         self._data = self._dataset(args)
@@ -182,12 +190,27 @@ class CacheTrainer(Trainer):
         self._micro_step += 1
         return loss
 
+    def get_batch_samples(self, epoch_iterator: Iterator[dict[str, torch.Tensor]], num_batches: int,
+                          *device: torch.device) -> tuple[list, torch.Tensor | int | None]:
+        """``Trainer``'s micro-batches of one optimizer step; each term's rows are counted over them here (and over
+        the ranks at the first forward), as ``num_items_in_batch`` counts labels, so that every term is
+        normalised by its whole step's count (``step_norm``; ``kdcache train`` does the same)."""
+        batches, items = super().get_batch_samples(epoch_iterator, num_batches, *device)  # device: since 4.48
+        counts = [term_counts(self.distill.criterion, batch) for batch in batches]
+        step = StepCounts(counts)
+        self._step_counts.extend((own, step) for own in counts)
+        return batches, items
+
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """``DistillationLoss`` on the student's outputs; the terms of a training step are kept for the next log."""
+        """``DistillationLoss`` on the student's outputs, each term scaled to its share of the optimizer step
+        (``Trainer`` divides by the accumulation steps itself); the terms of a training step are kept for the next
+        log, where their mean is the step's per-row mean."""
         student = self.accelerator.unwrap_model(model)
         out = self.distill.student_outputs(student, inputs)
-        terms = self.distill(out, inputs)
+        counted = self._step_counts.popleft() if model.training and self._step_counts else None
+        scales = None if counted is None else counted[1].scales(counted[0], self.args.world_size, self.args.device)
+        terms = self.distill(out, inputs, scales)
         if model.training:
             for name, value in terms.items():
                 if name != "loss":
@@ -281,11 +304,9 @@ class CacheTrainer(Trainer):
         if not self.args.should_save:
             return
         out = Path(output_dir or str(self.args.output_dir))
-        extras: dict[str, Any] = {"projectors": self.distill.projectors.state_dict()}
-        critics = self.distill.criterion.critics
-        if critics is not None:
-            extras["critics"] = critics.state_dict()
-        torch.save(extras, out / PROJECTORS_FILE)
+        # The run's record beside the student (kdcache train's layout): `kdcache eval --run` scores the folder.
+        save_projectors(out, self.distill.projectors, self.distill.criterion.critics)
+        write_plan(out, self.distill.plan.to_json())
         if self._exporting:  # a student's folder: Trainer._save wrote the arguments there unasked
             (out / TRAINING_ARGS_FILE).unlink(missing_ok=True)
             return
@@ -303,6 +324,7 @@ class CacheTrainer(Trainer):
                 raise ApiError(f"resume_from_checkpoint=True: no checkpoint in {self.args.output_dir!r}")
         if folder:
             self._load_state(Path(folder))
+        self._step_counts.clear()  # an earlier call stopped inside a step: its counts are not this run's
         return super().train(resume_from_checkpoint=folder, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 

@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,7 @@ from kdcache.stages.train.feed import (
 )
 from kdcache.stages.train.interrupt import StopOnSignal, TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
-from kdcache.stages.train.objective import DistillModel, build_criterion
+from kdcache.stages.train.objective import STEP_COUNTS, DistillModel, build_criterion, term_counts, with_step_counts
 from kdcache.stages.train.progress import TrainProgress
 from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, check_resume, init_record, start_projectors
 from kdcache.storage import KdcacheError, split_stream
@@ -238,7 +239,7 @@ class _Trainer:
         self.progress = TrainProgress(total, int(start_step), enabled=self.dist.rank == 0 and not quiet)
         self._since_log = start
         self.engine.train()
-        feed = DeviceFeed(loader, self._prepare, self.dist.device)  # batch i+1 copied and decoded beside step i
+        feed = DeviceFeed(self._counted(loader), self._prepare, self.dist.device)  # batch i+1 beside step i
         batches = iter(feed)
         # Ctrl-C / SIGTERM: finish the optimizer step, then save below and say how to resume (interrupt.py).
         with StopOnSignal(self.dist.world_size, announce=self.dist.rank == 0) as stop:
@@ -271,13 +272,24 @@ class _Trainer:
                 "student_dir": str(student_dir) if student_dir else None, "world_size": self.dist.world_size,
                 "zero_stage": self.zero_stage}
 
+    def _counted(self, loader: Iterable[dict[str, Any]]) -> Iterable[dict[str, Any]]:
+        """The host batches, an optimizer step's at a time with each term's counts (``step_norm``), so that every
+        term is normalised by its whole step's count. A cross-tokenizer run's loss counts spans it makes on the
+        device: its micro-batches keep their own means."""
+        module = self.engine.module
+        if not isinstance(module, DistillModel):
+            return loader
+        return with_step_counts(loader, self.grad_accum, lambda batch: term_counts(module.criterion, batch))
+
     def _micro_step(self, batch: dict[str, Any], steps_per_epoch: int) -> None:
         """Forward, backward and (on a boundary) the optimizer step for one micro-batch."""
         self._last_global = self.engine.global_steps
         seed_dropout(self.options.data.seed, self.micro_step, self.dist.rank)
         epoch, step_in_epoch, host = batch.pop("epoch"), batch.pop("step_in_epoch"), batch.pop(HOST)
         self._tokens += host["tokens"]
-        out = self.engine(batch)
+        counts = host.get(STEP_COUNTS)
+        out = self.engine(batch) if counts is None else self.engine(
+            batch, scales=counts[1].scales(counts[0], self.dist.world_size, self.dist.device))
         self.engine.backward(out["loss"])
         self.engine.step()
         for name, value in out.items():
@@ -292,9 +304,10 @@ class _Trainer:
     def _prepare(self, batch: dict[str, Any]) -> dict[str, Any]:
         """A host batch on the device, its coded targets decoded there; under ``HOST`` what the step reads of the
         host copy (real tokens, sample ids), so that it reads no device value."""
+        counts = batch.pop(STEP_COUNTS, None)
         tokens = sum(int(value.numpy().sum()) for name, value in batch.items() if split_stream(name)[1] == "mask")
         out = to_device(batch, self.dist.device, self.hidden_codec, self.projection)
-        out[HOST] = {"tokens": tokens, "sample_ids": batch["sample_ids"]}
+        out[HOST] = {"tokens": tokens, "sample_ids": batch["sample_ids"], STEP_COUNTS: counts}
         return out
 
     def _stepped(self) -> bool:
@@ -384,7 +397,7 @@ class _Trainer:
             tokenizer = (None if self.dist.rank != 0 else _student_tokenizer(self.options.run.student, scratch)
                          if self.options.loss.cross_tokenizer else
                          self.reader.store.fetch_folder("tokenizer", Path(scratch)))
-            out = ckpt.export_student(module.student, {"projectors": module.criterion.projectors}, self.run_dir,
+            out = ckpt.export_student(module.student, module.criterion.projectors, self.run_dir,
                                       rank=self.dist.rank, zero_stage=self.zero_stage, tokenizer_dir=tokenizer)
         _barrier(self.dist.world_size)
         return out
@@ -397,7 +410,7 @@ class _Trainer:
                 **init_record(self.options.run.init_from),
                 "batch_size": self.batch_size, "grad_accum": self.grad_accum, "world_size": self.dist.world_size,
                 "zero_stage": self.zero_stage}
-        (self.run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+        ckpt.write_plan(self.run_dir, plan)
 
 
 def _barrier(world_size: int) -> None:

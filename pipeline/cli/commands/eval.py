@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     path = train.cache_identity(args.cache)
     label = train.cache_label(path, reader.fingerprints or {})
     role = "baseline" if args.student else "trained"
-    student = str(Path(args.student).resolve()) if args.student else str(run_dir / "student")
+    student = str(Path(args.student).resolve()) if args.student else str(train.trained_student(run_dir))
     out = train.eval_path(run_dir, role, label)
     check_baseline(out, student)
     if args.cross_tokenizer or train.is_cross_run(run_dir):

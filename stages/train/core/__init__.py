@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         unused_targets as unused_targets,
     )
     from kdcache.stages.train.core.student import (
+        ADAPTER_CONFIG as ADAPTER_CONFIG,
         StudentError as StudentError,
         StudentFacts as StudentFacts,
         copy_tokenizer_files as copy_tokenizer_files,

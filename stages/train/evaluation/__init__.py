@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         EvaluationError as EvaluationError,
         evaluate_run as evaluate_run,
         student_folder_problems as student_folder_problems,
+        trained_student as trained_student,
     )
     from kdcache.stages.train.evaluation.heldout import (
         HeldOut as HeldOut,

@@ -27,6 +27,7 @@ import torch
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.train.core import (
+    ADAPTER_CONFIG,
     CacheCheckError,
     LayerMap,
     LayerMapError,
@@ -99,11 +100,12 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
     run = Path(run_dir)
     if student_path is None and not (run / "plan.json").is_file():  # with --student, a run to be (its baseline)
         raise EvaluationError(f"--run {str(run)!r} is not a training run (no plan.json there); expected the --out "
-                              f"folder of a `kdcache train`, or name a student with --student to score it there")
-    if student_path is None and not (run / "student" / "config.json").is_file():
+                              f"folder of a `kdcache train`, a folder CacheTrainer.save_model or "
+                              f"DistillationLoss.save_run wrote, or name a student with --student to score it there")
+    if student_path is None and not _holds_model(trained_student(run)):
         raise EvaluationError(f"{run} has no exported student/ (still training, failed, or --no-export); "
                               "evaluate a finished run, or name a student with --student")
-    student = load_student(student_path or run / "student", seed=0).eval()
+    student = load_student(student_path or trained_student(run), seed=0).eval()
     plan = read_json_object(run / "plan.json")
     by_stream = plan.get("streams") or {"": plan}
     pairs = {stream: [(int(s), int(t)) for s, t in part.get("hidden_pairs", [])] for stream, part in by_stream.items()}
@@ -113,6 +115,17 @@ def load_run(run_dir: str | Path, student_path: str | Path | None = None
     if student_path is None and (run / "projectors.pt").is_file():
         projectors = torch.load(run / "projectors.pt", map_location="cpu").get("projectors", {})
     return student, pairs, projectors
+
+
+def trained_student(run: Path) -> Path:
+    """The trained student of a run: ``RUN/student`` (``kdcache train``, ``DistillationLoss.save_run``), or the run
+    folder itself when the student was saved there with the record beside it (``CacheTrainer.save_model``). Either
+    may hold a PEFT model's adapters, which score loaded into their base model (``load_student``)."""
+    return run if _holds_model(run) and not (run / "student").is_dir() else run / "student"
+
+
+def _holds_model(folder: Path) -> bool:
+    return (folder / "config.json").is_file() or (folder / ADAPTER_CONFIG).is_file()
 
 
 def default_pairs(student_layers: list[int], teacher_layers: list[int]) -> list[Pair]:
@@ -150,7 +163,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     """
     model, pairs, projectors = load_run(run_dir, student)
     facts = student_facts(model, pretrained=True)
-    check_student_fits(reader, facts, tokenizer_fingerprint_of(student or Path(run_dir) / "student"))
+    check_student_fits(reader, facts, tokenizer_fingerprint_of(student or trained_student(Path(run_dir))))
     model.to(device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to; its stub takes no device
     state = _EvalState(reader, facts, teacher_layer, device)
     state.attend(pairs.pop("attention"), model)

@@ -147,9 +147,13 @@ class CompoundLoss(nn.Module):
             )
 
     def forward(
-        self, student_out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor
+        self, student_out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+        scales: Mapping[str, float] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Compute every term with a non-zero weight.
+
+        ``scales``: per family (``ce``, ``kl``, ``hidden``, ``attention``) the factor n / R that normalises the term
+        by its whole optimizer step's count (``step_norm``); the values returned are the scaled ones. None: 1.
 
         Returns:
             ``{"loss": total (with graph), "ce", "kl" | "topk_kl", "hidden", "attention", "hidden/s2_t4", ...}``;
@@ -167,26 +171,31 @@ class CompoundLoss(nn.Module):
             self._add_ce(student_out, targets, masks, terms, vocab, any_trained)
         if self.weights["kl"] > 0:
             self._add_kl(student_out, targets, masks, terms, vocab, any_predicts)
-        vocab_total = self._vocab_pass(student_out, vocab, terms)
+        scale = dict(scales or {})
+        vocab_total = self._vocab_pass(student_out, vocab, terms, scale)
         if self.layer_map:
             terms["hidden"] = self._hidden_term(student_out, targets, masks.trained, logs, any_trained)
         if self.attention_map:
             terms["attention"] = self._attention_term(student_out, targets, masks, logs, any_trained)
+        if scale:  # the terms outside the pass, and their per-pair logs, by their step's count
+            terms.update({k: v * scale.get(k, 1.0) for k, v in terms.items() if k not in vocab})
+            logs.update({k: v * scale.get(k.split("/")[0], 1.0) for k, v in logs.items()})
         return self._total(terms, logs, vocab_total, set(vocab))
 
     def _needs_counts(self) -> bool:
         """Whether a term of this loss cannot take a micro-batch with nothing to count (attention, CKA, wgan)."""
         return bool(self.attention_map) or (bool(self.layer_map) and self.hidden_loss not in EMPTY_SAFE_HIDDEN)
 
-    def _vocab_pass(self, out: StudentOutput, vocab: dict[str, ChunkTerm],
-                    terms: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """α·CE + β·KL (with its graph) in one pass over the student's logits; their values (detached) go to
-        ``terms``. None without a vocabulary term."""
+    def _vocab_pass(self, out: StudentOutput, vocab: dict[str, ChunkTerm], terms: dict[str, torch.Tensor],
+                    scale: Mapping[str, float]) -> torch.Tensor | None:
+        """α·CE + β·KL (with its graph) in one pass over the student's logits, each by its ``scale``; their values
+        (detached, scaled) go to ``terms``. None without a vocabulary term."""
         if not vocab:
             return None
-        weights = [self.weights[_family(name)] for name in vocab]
+        factors = [scale.get(_family(name), 1.0) for name in vocab]
+        weights = [self.weights[_family(name)] * f for name, f in zip(vocab, factors)]
         total, values = vocab_pass(out.logits, list(vocab.values()), weights)  # type: ignore[arg-type]
-        terms.update(zip(vocab, values.unbind()))
+        terms.update((name, value * f) for name, value, f in zip(vocab, values.unbind(), factors))
         return total
 
     def _total(self, terms: dict[str, torch.Tensor], logs: dict[str, torch.Tensor],

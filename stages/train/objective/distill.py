@@ -52,6 +52,9 @@ if TYPE_CHECKING:
     from kdcache.stages.train.core import TeacherHead
 
 
+FAMILIES = ("ce", "kl", "hidden", "attention")  # the weights of a stream's terms (CompoundLoss.weights)
+
+
 def unprefixed_terms() -> set[str]:
     """Logged under their own names whatever the stream: CE and every logit kind's term (the registry's, live)."""
     return {"ce", "kl", *(kind.term for kind in logit_kinds.kinds())}
@@ -127,31 +130,36 @@ class DistillLoss(nn.Module):
         """The compound loss of ``stream``."""
         return cast(CompoundLoss, self.parts[_module_key(stream)])
 
-    def forward(self, out: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Returns ``{"loss": total with graph, ...every term detached}``."""
+    def forward(self, out: Any, batch: Mapping[str, torch.Tensor],
+                scales: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
+        """Returns ``{"loss": total with graph, ...every term detached}``. ``scales``: each term's n / R for its
+        optimizer step (``step_norm``, keyed as ``step_norm.term_counts``); None: every term is this batch's mean."""
         logs: dict[str, torch.Tensor] = {}
         total: torch.Tensor | None = None
+        scales = scales or {}
         for stream in self.streams:
             main = stream == self.streams[-1]
+            own = {f: scales[prefixed(stream, f)] for f in FAMILIES if prefixed(stream, f) in scales}
             terms = self.part(stream)(student_view(out, stream, main), stream_view(batch, stream, main),
-                                                    batch[prefixed(stream, "mask")])
+                                      batch[prefixed(stream, "mask")], own)
             loss = terms.pop("loss")
             total = loss if total is None else total + loss
             unprefixed = unprefixed_terms()
             logs.update({k if k in unprefixed else prefixed(stream, k): v for k, v in terms.items()})
         if self.cross_pairs:
-            cross = self._cross_term(out, batch, logs)
+            cross = self._cross_term(out, batch, logs, scales.get("cross_attention", 1.0))
             total = self.delta * cross if total is None else total + self.delta * cross
             logs["cross_attention"] = cross.detach()
         assert total is not None, "a DistillLoss has at least one part or cross pair"
         return {"loss": total, **logs}
 
-    def _cross_term(self, out: Any, batch: Mapping[str, torch.Tensor], logs: dict) -> torch.Tensor:
+    def _cross_term(self, out: Any, batch: Mapping[str, torch.Tensor], logs: dict, scale: float) -> torch.Tensor:
         maps = out.cross_attentions
         queries = stream_masks(batch, "decoder/", causal=False).trained  # trained decoder tokens, every real key
         total = torch.zeros((), device=queries.device)
         for s, t in self.cross_pairs:
-            value = cross_attention_kl(maps[s - 1], batch[f"cross_attention/{t}"], queries, batch["encoder/mask"])
+            value = scale * cross_attention_kl(maps[s - 1], batch[f"cross_attention/{t}"], queries,
+                                               batch["encoder/mask"])
             logs[f"cross_attention/{pair_key((s, t))}"] = value.detach()
             total = total + value
         return total
@@ -314,6 +322,7 @@ class DistillModel(nn.Module):
         """The q/k recorder of a q/k cache's run, else None."""
         return self.runner.recorder
 
-    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Args: batch on the device, as ``streaming.collate`` makes it, with fp32 targets."""
-        return self.criterion(self.runner(self.student, batch), batch)
+    def forward(self, batch: dict[str, Any], scales: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
+        """Args: batch on the device, as ``streaming.collate`` makes it, with fp32 targets; ``scales``: each term's
+        share of its optimizer step (``step_norm``)."""
+        return self.criterion(self.runner(self.student, batch), batch, scales)

@@ -1,7 +1,7 @@
 """The Python API (``kdcache.DistillationLoss``, ``kdcache.CacheDataset``, ``kdcache.CacheTrainer``) against
 ``kdcache train`` on the same caches, seed and batches, on the CPU in fp32: the same loss terms at step 1, the same
-curve over 50 steps, an exact resume, ZeRO-2 through ``TrainingArguments(deepspeed=...)``, a LoRA student, and the
-README's two examples as written.
+curve over 50 steps, an exact resume, ZeRO-2 through ``TrainingArguments(deepspeed=...)`` and a LoRA student (the
+README's two examples as written: test_readme_api.py).
 
 The caches are written by stage one and the teacher is deleted before any training, so nothing here can load it.
 """
@@ -28,7 +28,6 @@ from kdcache.stages.train.core.student import load_student
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.stages.train.loop import run_training
 from tests.helpers.tiny_models import make_tiny_bart, make_tiny_gpt2, sample_pairs, write_pair_dataset
-from tests.pipeline.test_readme import readme_block
 from tests.stages.train._train_support import make_student_config, precompute_cache
 
 LR, BATCH = 1e-3, 4
@@ -83,6 +82,7 @@ def test_import_kdcache_stays_cheap_and_names_resolve() -> None:
     assert ast.literal_eval(out) == ["ApiError", "Cache", "CacheCheckError", "CacheDataset", "CacheReader",
                                      "CacheTrainer", "ChecksumError", "DataPosition", "DistillationArguments",
                                      "DistillationLoss", "EvaluationError", "KdcacheError", "PartialCacheError",
+                                     "TrainStep",
                                      "open_cache"]
     assert all(getattr(kdcache, name) is not None for name in kdcache.__all__)
 
@@ -304,28 +304,3 @@ def test_zero2_through_training_arguments_trains_on_the_cpu(setup: dict[str, Pat
         AcceleratorState._reset_state(reset_partial_state=True)
         os.environ.clear()
         os.environ.update(environ)
-
-
-def test_readme_trainer_example_runs_as_written(setup: dict[str, Path], tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    _readme_folder(setup, tmp_path, monkeypatch)
-    exec(compile(readme_block("### With transformers' Trainer", "python"), "README.md", "exec"), {})
-    assert (tmp_path / "run-hf" / "student" / "model.safetensors").is_file()
-    assert (tmp_path / "run-hf" / "student" / "projectors.pt").is_file()
-    assert (tmp_path / "run-hf" / "checkpoint-10" / "kdcache_state.json").is_file()
-
-
-def test_readme_loop_example_runs_as_written(setup: dict[str, Path], tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    _readme_folder(setup, tmp_path, monkeypatch)
-    scope: dict[str, Any] = {}
-    exec(compile(readme_block("### In a loop of your own", "python"), "README.md", "exec"), scope)
-    assert torch.isfinite(scope["terms"]["loss"]) and {"ce", "topk_kl", "hidden"} <= set(scope["terms"])
-    assert (tmp_path / "projectors.pt").is_file() and scope["position"].to_dict() == {"epoch": 2, "sample_index": 16}
-
-
-def _readme_folder(setup: dict[str, Path], folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the README's examples expect in the folder they run in: ``cache`` and a saved ``student-init``."""
-    (folder / "cache").symlink_to(setup["cache"])
-    load_student(setup["student"], seed=0).save_pretrained(folder / "student-init")
-    monkeypatch.chdir(folder)
