@@ -31,13 +31,13 @@ from torch import nn
 from kdcache.stages.common import attention_sources
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
 from kdcache.stages.common.device_codecs import load_projection
+from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.train.core import (
     LossOptions,
     MapOptions,
     StudentFacts,
     TrainOptions,
     TrainPlan,
-    load_teacher_head,
     open_cache,
     plan_training,
     student_facts,
@@ -58,7 +58,7 @@ from kdcache.storage import KdcacheError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.stages.train.core import TeacherHead
+    from kdcache.stages.common.teacher_head import TeacherHead
     from kdcache.storage import CacheReader
 
 # The keyword options of ``DistillationLoss``: those of ``kdcache train``'s loss and maps groups, and the seed.

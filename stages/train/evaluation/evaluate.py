@@ -26,13 +26,13 @@ import torch
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.device_codecs import load_projection
+from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.train.core import (
     CacheCheckError,
     LayerMap,
     LayerMapError,
     load_config,
     load_student,
-    load_teacher_head,
     stream_masks,
     stream_problems,
     student_facts,
@@ -54,7 +54,8 @@ from kdcache.storage import CacheReader, KdcacheError, prefixed, read_json_objec
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.stages.train.core import StudentFacts, TeacherHead
+    from kdcache.stages.common.teacher_head import TeacherHead
+    from kdcache.stages.train.core import StudentFacts
 
 Pair = tuple[int, int]
 
