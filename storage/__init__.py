@@ -104,10 +104,8 @@ if TYPE_CHECKING:
     from kdcache.storage.fingerprint import (
         ArraysHash as ArraysHash,
         compare_fingerprints as compare_fingerprints,
-        hash_array as hash_array,
         hash_arrays as hash_arrays,
         hash_bytes as hash_bytes,
-        hash_file as hash_file,
         hash_json as hash_json,
     )
     from kdcache.storage.folders import (

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,14 +24,6 @@ def hash_bytes(data: bytes | memoryview) -> str:
 def hash_json(obj: object) -> str:
     """Hash of canonical JSON (sorted keys, no spaces), e.g. for a model config dict."""
     return hash_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
-
-
-def hash_array(array: np.ndarray) -> str:
-    """Hash of an array's dtype, shape and contents (C order)."""
-    array = np.ascontiguousarray(array)
-    digest = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
-    digest.update(array.data)
-    return "sha256:" + digest.hexdigest()
 
 
 class ArraysHash:
@@ -61,15 +52,6 @@ def hash_arrays(arrays: Iterable[np.ndarray]) -> str:
     for array in arrays:
         digest.update(array)
     return digest.hexdigest()
-
-
-def hash_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 22) -> str:
-    """Hash of a file's bytes, read in chunks (weights files can be large)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk_bytes):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()
 
 
 def _short(value: object) -> str:

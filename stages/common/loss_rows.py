@@ -2,7 +2,7 @@
 terms, the chunk size of the vocabulary pass (``vocab_pass``).
 
 They live in ``stages.common`` because the logit kinds (``stages.common.logit_kinds``), whose losses use them,
-are shared by both stages; ``stages.train.losses._common`` re-exports them under their old names.
+are shared by both stages; stage two's loss modules import them from here.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from kdcache.stages.common import attention_sources
 from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenizer, save_projectors, write_plan
 from kdcache.stages.train.core import (
     CacheCheckError,
@@ -44,7 +45,6 @@ from kdcache.stages.train.core import (
     StudentFacts,
     TrainOptions,
     TrainPlan,
-    load_teacher_head,
     open_cache as open_checked,
     plan_training,
     student_facts,
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
     from typing_extensions import Unpack  # typing's own from Python 3.11
 
-    from kdcache.stages.train.core import TeacherHead
+    from kdcache.stages.common.teacher_head import TeacherHead
 
 API_SPEAKER = "kdcache"  # how the Python API heads its notes (``kdcache train``'s are headed by the command)
 # The keyword options of ``DistillationLoss``: those of ``kdcache train``'s loss and maps groups, and the seed.

@@ -139,12 +139,6 @@ def logit_array(spec: LayoutFields, name: str) -> LogitArray | None:
     return next((a for a in logit_arrays(spec) if a.name == name), None)
 
 
-def vocab_id_array(spec: LayoutFields, name: str) -> bool:
-    """Whether ``name`` is a logit array of vocabulary ids (stored in the smallest unsigned type holding V-1)."""
-    array = logit_array(spec, name)
-    return array is not None and array.dtype == VOCAB_ID
-
-
 @dataclass(frozen=True)
 class _Fields:
     logit_layout: LogitLayout | None

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
+from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.options import PrecomputeOptions
-from kdcache.stages.train.core.teacher_head import load_teacher_head
 from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.losses import head_kl, kd_kl
 from kdcache.storage import CacheReader
@@ -171,7 +171,7 @@ def test_logprob_values_need_topk_logits(tiny_llama: Path, tmp_path: Path, capsy
 def test_the_sampled_kl_is_unbiased(temperature: float) -> None:
     """Stage one's sampler and stage two's estimator together: the mean over many draws is the exact KL, on a small
     vocabulary, while any one draw of N=4 is far from it."""
-    from kdcache.stages.precompute.capture.logit_head import sample_logits
+    from kdcache.stages.common.logit_kinds import sample_logits
     from kdcache.stages.train.losses import sampled_kl
 
     torch.manual_seed(0)
@@ -222,7 +222,8 @@ def test_full_vocabulary_terms_in_chunks_are_exact(monkeypatch: pytest.MonkeyPat
     """Every loss over the vocabulary (CE, KL from full logits or a head, top-k with the leftover bucket, the
     sampled estimate), taken 3 valid tokens at a time with recomputation, has the value and the gradient of one
     pass."""
-    from kdcache.stages.train.losses import _common, causal_ce, sampled_kl, token_ce, topk_kl
+    from kdcache.stages.common import loss_rows
+    from kdcache.stages.train.losses import causal_ce, sampled_kl, token_ce, topk_kl
 
     torch.manual_seed(0)
     hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8)
@@ -242,7 +243,7 @@ def test_full_vocabulary_terms_in_chunks_are_exact(monkeypatch: pytest.MonkeyPat
         return [t.detach() for t in terms] + [z_s.grad]
 
     whole = run()
-    monkeypatch.setattr(_common, "LOSS_CHUNK", 3)
+    monkeypatch.setattr(loss_rows, "LOSS_CHUNK", 3)
     for a, b in zip(whole, run()):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(whole[0], whole[1])

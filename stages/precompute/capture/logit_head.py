@@ -19,10 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kdcache.stages.common.logit_kinds import (
-    as_logprobs,  # noqa: F401 (its earlier home)
-    sample_logits,  # noqa: F401 (its earlier home)
-)
 from kdcache.stages.common.teacher_head import finish_logits
 from kdcache.stages.precompute.core import CAUSAL_SUFFIXES, Targets
 

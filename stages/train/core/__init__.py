@@ -1,7 +1,7 @@
 """Stage two's ground floor: what every part of it reads and nothing of it below: the options (``options``), the
-layer maps (``layer_maps``), the student and its facts (``student``, ``student_head``), the teacher's LM head of
-a ``head`` cache (``teacher_head``), which tokens each term counts (``masks``), and the plan they resolve to
-against the cache (``plan``, with its checks: ``checks``, ``cross_checks``), which raises ``CacheCheckError``.
+layer maps (``layer_maps``), the student and its facts (``student``, ``student_head``), which tokens each term
+counts (``masks``), and the plan they resolve to against the cache (``plan``, with its checks: ``checks``,
+``cross_checks``), which raises ``CacheCheckError``.
 
 The floors above import it through this door, each only those below it: ``losses`` (every loss by name),
 ``objective`` (the loss of a run over its streams and the student's forward under it), ``cross`` (a student with
@@ -62,9 +62,5 @@ if TYPE_CHECKING:
         tokenizer_fingerprint_of as tokenizer_fingerprint_of,
     )
     from kdcache.stages.train.core.student_head import base_forward as base_forward, choose_head as choose_head
-    from kdcache.stages.train.core.teacher_head import (
-        TeacherHead as TeacherHead,
-        load_teacher_head as load_teacher_head,
-    )
 else:  # mypy reads the names above and nothing else; at run time each loads on first use
     __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -26,6 +26,7 @@ import torch
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.device_codecs import load_projection
+from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.train.core import (
     ADAPTER_CONFIG,
     CacheCheckError,
@@ -33,7 +34,6 @@ from kdcache.stages.train.core import (
     LayerMapError,
     load_config,
     load_student,
-    load_teacher_head,
     stream_masks,
     stream_problems,
     student_facts,
@@ -55,7 +55,8 @@ from kdcache.storage import CacheReader, KdcacheError, prefixed, read_json_objec
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.stages.train.core import StudentFacts, TeacherHead
+    from kdcache.stages.common.teacher_head import TeacherHead
+    from kdcache.stages.train.core import StudentFacts
 
 Pair = tuple[int, int]
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kdcache.stages.train.core import HIDDEN_LOSSES
+from kdcache.stages.common.loss_errors import LossError
+from kdcache.stages.train.core import HIDDEN_LOSSES, LayerMapError
 from kdcache.stages.train.losses.attention import attention_kl, group_teacher_heads
 from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
@@ -34,7 +35,6 @@ from kdcache.stages.train.losses.cross_vocab import (
     span_rows,
     uld_loss,
 )
-from kdcache.stages.train.losses.errors import KdcacheError, LayerMapError, LossError
 from kdcache.stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
 from kdcache.stages.train.losses.logits import (
     TOPK_VARIANTS,
@@ -51,7 +51,7 @@ from kdcache.stages.train.losses.logits import (
     topk_kl_renorm,
 )
 from kdcache.stages.train.losses.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
-from kdcache.storage import Registry  # the option's choices are the registry's names
+from kdcache.storage import KdcacheError, Registry  # the option's choices are the registry's names
 
 _REGISTRY: Registry[Callable[..., object]] = Registry("loss", LossError)
 for _name, _loss in (

@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.head_logits import HeadLogits
-from kdcache.stages.common.loss_rows import kl_terms, valid_count
+from kdcache.stages.common.loss_errors import LossError
+from kdcache.stages.common.loss_rows import bool_mask, kl_terms, valid_count
 from kdcache.stages.common.vocab_pass import ChunkTerm
-from kdcache.stages.train.losses._common import bool_mask
-from kdcache.stages.train.losses.errors import LossError
 
 
 def span_rows(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

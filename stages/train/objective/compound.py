@@ -48,7 +48,7 @@ from kdcache.stages.train.objective.projectors import Projectors, needs_projecto
 if TYPE_CHECKING:
     from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.common.qk_attention import Captured
-    from kdcache.stages.train.core import TeacherHead
+    from kdcache.stages.common.teacher_head import TeacherHead
 
 CE_KINDS = ("causal", "token")
 EMPTY_SAFE_HIDDEN = ("mse", "cosine")  # hidden losses that give 0 on a micro-batch with no trained token
