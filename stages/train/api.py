@@ -130,8 +130,13 @@ def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedM
     if said:
         _say(speaker, said, announce)
     plan = plan_training(options, reader, facts, tokenizer)
-    for note in [*plan.notes, *idle_options(options, plan)]:
+    for note in plan.notes:
         _say(speaker, f"note: {note}", announce)
+    for idle in idle_options(options, plan):  # the user's own option doing nothing: said even where notes are not
+        if announce:
+            _say(speaker, f"note: {idle}", announce)
+        else:
+            warnings.warn(f"{speaker}: {idle}", UserWarning, stacklevel=4)
     unused = unused_targets(reader.spec, plan, options)
     if unused:
         _say(speaker, f"note: cached targets this run leaves unused: {'; '.join(unused)}", announce)
