@@ -13,6 +13,7 @@ sampling rule, attention maps), then turned into the same storage-ready arrays b
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -109,6 +110,9 @@ class DecodeLoop:
         self.layers = targets.streams[""]
         self.eos = eos_ids(teacher)
         self.pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
+        # transformers 5.x names the KV cache ``cache`` and deprecates ``past_key_values``, which older ones take
+        self.cache_key = "cache" if "cache" in inspect.signature(teacher.model.forward).parameters \
+            else "past_key_values"
 
     # ---- one batch -----------------------------------------------------------------------------------
     def run(self, prompts: list[np.ndarray], keys: list[tuple[int, int]]) -> Decoded:
@@ -160,7 +164,7 @@ class DecodeLoop:
             ``[B, V]`` float32 raw logits of the last position, which the next tokens are drawn from.
         """
         out: CausalLMOutputWithPast = self.teacher.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_key: cache},
             output_hidden_states=bool(self.layers.hidden), output_attentions=bool(self.layers.attention))
         if out.logits is None:
             raise PrecomputeError(f"{type(self.teacher.model).__name__} returned no logits; it cannot generate")

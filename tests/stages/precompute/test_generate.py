@@ -268,3 +268,25 @@ def test_given_responses_are_cached_as_precompute_caches_them(teacher: Path, cha
     run_precompute(PrecomputeOptions.of(**{**precompute_opts, "out": str(tmp_path / "pre")}))
     a, b = cache_files(tmp_path / "given"), cache_files(tmp_path / "pre")
     assert a == b
+
+
+@pytest.mark.slow
+def test_kdcache_run_generates_then_trains_from_one_file(teacher: Path, chats: Path, reference: Path,
+                                                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    import yaml
+
+    cache = tmp_path / "cache"
+    shutil.copytree(reference, cache)  # complete: stage one finds every shard committed and computes nothing
+    section = {k.replace("_", "-"): list(v) if isinstance(v, tuple) else v
+               for k, v in _options(teacher, chats, cache).items()}
+    train = {"student": str(teacher), "out": str(tmp_path / "run"), "max-steps": 2, "batch-size": 4}
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(yaml.safe_dump({"generate": section, "train": train}))
+    assert main(["run", "--config", str(config)]) == 0
+    assert "reusing the complete cache" in capsys.readouterr().out
+    assert (tmp_path / "run" / "student" / "config.json").is_file()
+    config.write_text(yaml.safe_dump({"generate": section, "precompute": section, "train": train}))
+    assert main(["run", "--config", str(config)]) == 2
+    assert "sections 'precompute' and 'generate' are both given" in capsys.readouterr().err
