@@ -17,7 +17,7 @@ import json
 import os
 import time
 from collections.abc import Generator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ from kdcache.stages.precompute.core import (
     Progress,
     RunStats,
     Targets,
+    Teacher,
     TeacherSetup,
     resolve_targets,
     summarize,
@@ -76,8 +77,22 @@ def run_generate(options: GenerateOptions) -> dict[str, Any]:
         dist.close()
 
 
+@dataclass(frozen=True)
+class _Ready:
+    """What a run has checked and loaded before it writes: the options with the teacher's defaults, the plan, the
+    prompts and the sequences made of them, the loaded teacher and its targets, the sampling rule."""
+
+    options: PrecomputeOptions
+    plan: PrecomputePlan
+    prompts: Prompts
+    rows: TokenStreams
+    teacher: Teacher
+    targets: Targets
+    sampling: Sampling
+
+
 def _run(options: GenerateOptions, dist: DistContext) -> dict[str, Any]:
-    stats = RunStats()
+    """The checks of the input, cheapest first; then the weights, and an estimate or the run."""
     config = read_config(TeacherSetup.of(options.engine))
     pre = with_default_features(options.precompute, config)
     targets = _targets(pre, config)
@@ -86,14 +101,23 @@ def _run(options: GenerateOptions, dist: DistContext) -> dict[str, Any]:
     tokenizer = load_tokenizer(plan.teacher)
     prompts = load_prompts(plan.rows, tokenizer)
     _check_positions(config, prompts, sampling)
-    store = check_out_folder(plan.write.out)  # after every check of the input: a refused run writes nothing
-    rows = _sequences(prompts, sampling.num_responses)
     teacher = load_teacher(plan.teacher, config, targets, tokenizer, pick_device(options.engine.device,
                                                                                    dist.local_rank))
-    targets = with_output_vocab(targets, teacher, plan.teacher)
-    write = replace(plan.write, sequences_per_shard=plan.write.sequences_per_shard or _per_shard(prompts, sampling))
-    spec = build_spec(write, targets, rows)
-    fingerprints = build_fingerprints(pre, teacher, targets, rows)
+    ready = _Ready(pre, plan, prompts, _sequences(prompts, sampling.num_responses), teacher,
+                   with_output_vocab(targets, teacher, plan.teacher), sampling)
+    if options.engine.estimate:
+        return estimate_generation(ready)
+    return _write(ready, check_out_folder(plan.write.out), dist)  # a refused run has written nothing
+
+
+def _write(ready: _Ready, store: Store, dist: DistContext) -> dict[str, Any]:
+    """This part's shards generated and committed, then the manifest (and the generations once complete)."""
+    stats, sampling, teacher, targets = RunStats(), ready.sampling, ready.teacher, ready.targets
+    plan, engine = ready.plan, ready.options.engine
+    write = replace(plan.write, sequences_per_shard=plan.write.sequences_per_shard or _per_shard(ready.prompts,
+                                                                                                  sampling))
+    spec = build_spec(write, targets, ready.rows)
+    fingerprints = build_fingerprints(ready.options, teacher, targets, ready.rows)
     fingerprints["settings"]["generation"] = sampling.record()
     part = Partition.of(write.shard_index, write.num_shards, dist.rank, dist.world)
     writer = open_writer(store, spec, fingerprints, part)
@@ -101,13 +125,12 @@ def _run(options: GenerateOptions, dist: DistContext) -> dict[str, Any]:
     mine = part.shards(spec.num_shards)
     with writer:
         todo = [k for k in mine if k not in writer.committed_shards()]
-        save_tokenizer(tokenizer, store)
+        save_tokenizer(teacher.tokenizer, store)
         if logit_kinds.uses_head(targets.logits) and dist.is_main:
             export_head(teacher.model, store, targets.streams[""].depth)
-        engine = options.engine
 
         def stream(bounds: list[tuple[int, int]], progress: Progress) -> Generator[ShardItems, None, None]:
-            return _shards(loop, prompts, sampling.num_responses, bounds, engine.batch_size, stats, progress)
+            return _shards(loop, ready.prompts, sampling.num_responses, bounds, engine.batch_size, stats, progress)
 
         commit_behind(spec, todo, writer, stats, stream, show_progress=engine.progress and dist.is_main,
                       queue_size=engine.queue_size, workers=engine.writers)
@@ -115,8 +138,48 @@ def _run(options: GenerateOptions, dist: DistContext) -> dict[str, Any]:
     extra: dict[str, Any] = {"part": [part.index, part.count], "device": str(teacher.device),
                              "generation": sampling.record()}
     if manifest.status == "complete" and dist.is_main:
-        extra["generations"] = write_generations(store, write.out, prompts, sampling.num_responses, tokenizer)
+        extra["generations"] = write_generations(store, write.out, ready.prompts, sampling.num_responses,
+                                                 teacher.tokenizer)
     return summarize(stats, manifest, len(mine) - len(todo), write.out, extra)
+
+
+ESTIMATE_SEQUENCES = 16  # responses sampled by --estimate (at least one batch)
+
+
+def estimate_generation(ready: _Ready) -> dict[str, Any]:
+    """``--estimate``: the first responses generated (with capture, nothing written) to measure their lengths and
+    the rate, and from them the whole run's tokens and time.
+
+    Returns:
+        ``{"status": "estimate", "sequences", "sampled", "mean_response_tokens", "longest_response_tokens",
+        "tokens_per_second", "tokens", "seconds"}``: ``tokens`` and ``seconds`` projected over every sequence.
+    """
+    total = len(ready.rows)
+    count = min(total, max(ESTIMATE_SEQUENCES, ready.options.engine.batch_size))
+    loop = DecodeLoop(ready.teacher, ready.targets, ready.plan.write.dtype, ready.plan.write.hidden_codec,
+                      ready.sampling)
+    stats = RunStats()
+    stats.compute_started = time.perf_counter()
+    (items,) = _shards(loop, ready.prompts, ready.sampling.num_responses, [(0, count)],
+                       ready.options.engine.batch_size, stats, Progress(0, False, stats))
+    seconds = time.perf_counter() - stats.compute_started
+    responses = [int(item["loss_mask"].sum()) for item in items]
+    prompt_tokens = sum(len(ready.rows.ids[""][s]) for s in range(total))
+    tokens = prompt_tokens + total * float(np.mean(responses))
+    rate = stats.tokens / max(seconds, 1e-9)
+    return {"status": "estimate", "out": ready.plan.write.out, "sequences": total, "sampled": count,
+            "mean_response_tokens": round(float(np.mean(responses)), 1),
+            "longest_response_tokens": max(responses), "tokens_per_second": round(rate, 1),
+            "tokens": int(round(tokens)), "seconds": round(tokens / rate, 1)}
+
+
+def format_generate_estimate(estimate: dict[str, Any]) -> str:
+    """The estimate's lines for the command line."""
+    return (f"estimate for {estimate['out']}: {estimate['sequences']:,} responses; {estimate['sampled']} sampled: "
+            f"{estimate['mean_response_tokens']:,.1f} tokens a response on average, "
+            f"{estimate['longest_response_tokens']} at most\n"
+            f"about {estimate['tokens']:,} tokens with the prompts, at {estimate['tokens_per_second']:,.0f} "
+            f"tokens/s here: {estimate['seconds'] / 60:,.1f} min (nothing was written)")
 
 
 def _targets(options: PrecomputeOptions, config: PretrainedConfig) -> Targets:

@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     """Build and validate the options, then generate and cache; print the summary on rank 0. Returns 0."""
     options = from_args(GenerateOptions, args, section="generate")
     summary = precompute.run_generate(options)
-    print_summary(summary, getattr(args, "json", False), precompute.format_summary)
+    fmt = precompute.format_generate_estimate if options.engine.estimate else precompute.format_summary
+    print_summary(summary, getattr(args, "json", False), fmt)
     if summary.get("generations") and not getattr(args, "json", False):
         print(f"generations: {summary['generations']}")
     return 0

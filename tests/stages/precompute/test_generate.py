@@ -290,3 +290,14 @@ def test_kdcache_run_generates_then_trains_from_one_file(teacher: Path, chats: P
     config.write_text(yaml.safe_dump({"generate": section, "precompute": section, "train": train}))
     assert main(["run", "--config", str(config)]) == 2
     assert "sections 'precompute' and 'generate' are both given" in capsys.readouterr().err
+
+
+def test_estimate_samples_response_lengths_and_writes_nothing(teacher: Path, chats: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "estimated"
+    assert main([*_argv(_options(teacher, chats, out)), "--estimate", "--json"]) == 0
+    estimate = json.loads(capsys.readouterr().out)
+    assert estimate["status"] == "estimate" and estimate["sequences"] == 16 and estimate["sampled"] == 16
+    assert 1 <= estimate["mean_response_tokens"] <= estimate["longest_response_tokens"] <= 10
+    assert estimate["tokens"] > 16 * estimate["mean_response_tokens"] and estimate["seconds"] > 0
+    assert not out.exists() and not _generations(out).exists()
