@@ -143,7 +143,7 @@ def _write(ready: _Ready, store: Store, dist: DistContext) -> dict[str, Any]:
     return summarize(stats, manifest, len(mine) - len(todo), write.out, extra)
 
 
-ESTIMATE_SEQUENCES = 16  # responses sampled by --estimate (at least one batch)
+ESTIMATE_SEQUENCES = 8  # responses sampled by --estimate (at least one batch)
 
 
 def estimate_generation(ready: _Ready) -> dict[str, Any]:
