@@ -130,12 +130,7 @@ class DecodeLoop:
             cache = DynamicCache()
             last = self._forward(ids, mask, positions, cache, kept, keys)
             while rows.active:
-                active = rows.active
-                uniforms = None if self.sampling.greedy else draws.uniforms(active)
-                drawn = next_tokens(last[active], self.sampling, uniforms).tolist()
-                rows.add(active, drawn, self.sampling.max_new_tokens)
-                step = torch.full((len(prompts), 1), self.pad_id, dtype=ids.dtype, device=ids.device)
-                step[active, 0] = torch.tensor(drawn, dtype=ids.dtype, device=ids.device)
+                step = self._draw(last, rows, draws, ids)
                 mask = torch.cat([mask, mask.new_ones((len(prompts), 1))], dim=1)
                 positions = positions[:, -1:] + 1
                 last = self._forward(step, mask, positions, cache, kept, keys)
@@ -144,6 +139,17 @@ class DecodeLoop:
         full = [np.concatenate([p, np.asarray(t, dtype=np.int32)]).astype(np.int32)
                 for p, t in zip(prompts, rows.tokens)]
         return Decoded(full, [len(p) for p in prompts], items)
+
+    def _draw(self, last: torch.Tensor, rows: _Rows, draws: RowDraws, ids: torch.Tensor) -> torch.Tensor:
+        """The next token of every unfinished row from ``[B, V]`` logits, added to ``rows``; as ``[B, 1]`` ids to
+        feed (a finished row gets the pad id: its later positions are discarded)."""
+        active = rows.active
+        uniforms = None if self.sampling.greedy else draws.uniforms(active)
+        drawn = next_tokens(last[active], self.sampling, uniforms).tolist()
+        rows.add(active, drawn, self.sampling.max_new_tokens)
+        step = torch.full((len(rows.done), 1), self.pad_id, dtype=ids.dtype, device=ids.device)
+        step[active, 0] = torch.tensor(drawn, dtype=ids.dtype, device=ids.device)
+        return step
 
     def _left_padded(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[B, P]`` ids padded on the left, their mask, and positions counting each row's tokens from 0."""
