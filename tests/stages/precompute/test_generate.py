@@ -227,6 +227,24 @@ def test_kill_9_then_rerun_gives_the_same_bytes(teacher: Path, chats: Path, refe
     assert verify_cache(out).ok
 
 
+@pytest.mark.slow
+def test_two_torchrun_ranks_give_the_responses_of_one_process(teacher: Path, chats: Path, reference: Path,
+                                                              tmp_path: Path) -> None:
+    out = tmp_path / "ranks"
+    argv = _argv(_options(teacher, chats, out, max_sequences=4))  # 8 responses, 4 shards: 2 a rank
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "kdcache", *argv]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("generations: ") == 1  # rank 0 writes them once the ranks' parts are merged
+    locks = {p.name for p in (out / "locks").glob("part-*")}
+    assert locks == {"part-00000-of-00002.lock", "part-00001-of-00002.lock"}
+    _assert_same_targets(reference, out)
+    assert verify_cache(out).ok
+
+
 @pytest.fixture(scope="module")
 def gpt2_positions_32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gpt2(tmp_path_factory.mktemp("gpt2-32"), positions=32)
