@@ -99,6 +99,14 @@ class GenerateOptions:
             problems.append("mask_column: generated responses are trained on, and the prompt is not; drop it")
         if self.dataset.source_column or self.dataset.target_column:
             problems.append("source_column/target_column: kdcache generate needs a decoder-only teacher")
+        if not given:  # what the decode loop does not do (yet): refused rather than ignored
+            unsupported = {"writer_processes": self.engine.writer_processes,
+                           "compile_teacher": self.engine.compile_teacher,
+                           "teacher_parallel": self.engine.teacher_parallel != "none",
+                           "streaming": self.dataset.streaming, "record_text": self.dataset.record_text,
+                           "hidden_rank": self.storage.hidden_rank is not None}
+            problems += [f"{name}: not supported by kdcache generate yet; drop it (precompute over "
+                         f"OUT.generations.jsonl can use it)" for name, given_ in unsupported.items() if given_]
         return problems
 
     @property

@@ -250,7 +250,7 @@ def gpt2_positions_32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gpt2(tmp_path_factory.mktemp("gpt2-32"), positions=32)
 
 
-@pytest.mark.parametrize("case", ["long prompt", "no template", "beyond positions", "n = 0"])
+@pytest.mark.parametrize("case", ["long prompt", "no template", "beyond positions", "n = 0", "unsupported"])
 def test_bad_input_exits_2_naming_the_problem_with_nothing_written(case: str, teacher: Path, chats: Path,
                                                                    gpt2_positions_32: Path, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -260,11 +260,13 @@ def test_bad_input_exits_2_naming_the_problem_with_nothing_written(case: str, te
             "no template": _options(gpt2_positions_32, chats, out),
             "beyond positions": {**_options(gpt2_positions_32, texts, out, max_new_tokens=40),
                                  "messages_column": None},
-            "n = 0": _options(teacher, chats, out, num_responses=0)}[case]
+            "n = 0": _options(teacher, chats, out, num_responses=0),
+            "unsupported": _options(teacher, chats, out, compile_teacher=True)}[case]
     wanted = {"long prompt": "row 0: the prompt is .* tokens long, longer than --max-length 12",
               "no template": "has no chat template",
               "beyond positions": "plus --max-new-tokens 40 reaches .* only 32 positions",
-              "n = 0": "num_responses: got 0, must be >= 1"}[case]
+              "n = 0": "num_responses: got 0, must be >= 1",
+              "unsupported": "compile_teacher: not supported by kdcache generate yet"}[case]
     argv = _argv({k: v for k, v in opts.items() if v is not None})
     assert main(argv) == 2
     err = capsys.readouterr().err
