@@ -169,9 +169,8 @@ def test_other_sampling_settings_are_a_different_cache(teacher: Path, chats: Pat
         run_generate(GenerateOptions.of(**_options(teacher, chats, reference, temperature=0.7)))
 
 
-def test_capture_equals_precompute_teacher_forced_over_the_generated_tokens(teacher: Path, chats: Path,
-                                                                           reference: Path) -> None:
-    """Precompute's own capture (hooks, chunked head) run over the cached token ids, teacher-forced."""
+def _teacher_forced(opts: dict[str, Any], ids: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """Precompute's own capture (hooks, chunked head) over ``ids``, teacher-forced, with the run's targets."""
     from kdcache.stages.precompute.adapters import HookedTeacher
     from kdcache.stages.precompute.core import PrecomputePlan, Progress, RunStats, resolve_targets
     from kdcache.stages.precompute.rows import TokenStreams
@@ -179,27 +178,51 @@ def test_capture_equals_precompute_teacher_forced_over_the_generated_tokens(teac
     from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config
     from kdcache.stages.precompute.teacher_checks import with_output_vocab
 
-    options = GenerateOptions.of(**_options(teacher, chats, reference)).precompute
+    options = GenerateOptions.of(**opts).precompute
     plan = PrecomputePlan.of(options)
     config = read_config(plan.teacher)
     targets = resolve_targets(options, config)
     loaded = load_teacher(plan.teacher, config, targets, load_tokenizer(plan.teacher), pick_device("cpu"))
     targets = with_output_vocab(targets, loaded, plan.teacher)
-    reader = CacheReader(reference)
-    ids = [reader[i]["input_ids"] for i in range(len(reader))]
-    data = TokenStreams({"": ids}, {})
     stats = RunStats()
     with HookedTeacher().capture(loaded, targets, plan) as capture:
-        forced = compute_shard(capture, loaded, data, (0, len(ids)), 5, stats, Progress(0, False, stats))
+        return compute_shard(capture, loaded, TokenStreams({"": ids}, {}), (0, len(ids)), 5, stats,
+                             Progress(0, False, stats))
+
+
+def _assert_like_forced(cached: dict[str, np.ndarray], forced: dict[str, np.ndarray], names: list[str]) -> None:
+    for name in names:
+        want, got = forced[name].astype(np.float64), cached[name].astype(np.float64)
+        # fp32 values that agree to 1e-5 round to the same fp16 value or to its neighbour
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4, err_msg=name)
+        assert np.mean(got == want) > 0.97, name
+
+
+def test_capture_equals_precompute_teacher_forced_over_the_generated_tokens(teacher: Path, chats: Path,
+                                                                           reference: Path) -> None:
+    reader = CacheReader(reference)
+    forced = _teacher_forced(_options(teacher, chats, reference), [reader[i]["input_ids"] for i in range(len(reader))])
     for i, item in enumerate(forced):
         cached = reader[i]
-        for name in ("hidden/0", "hidden/3", "attention/2", "logits/topk_values"):
-            want, got = item[name].astype(np.float64), cached[name].astype(np.float64)
-            # fp32 values that agree to 1e-5 round to the same fp16 value or to its neighbour
-            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4, err_msg=f"{i} {name}")
-            assert np.mean(got == want) > 0.97, (i, name)
+        _assert_like_forced(cached, item, ["hidden/0", "hidden/3", "attention/2", "logits/topk_values"])
         np.testing.assert_allclose(cached["logits/lse"], item["logits/lse"], rtol=1e-5, err_msg=str(i))
         _assert_ids_equal_up_to_ties(cached["logits/topk_ids"], item["logits/topk_ids"], item["logits/topk_values"])
+
+
+@pytest.mark.parametrize("mode", ["full", "head", "sampled:4"])
+def test_every_logit_mode_is_captured_while_generating(mode: str, teacher: Path, chats: Path,
+                                                       tmp_path: Path) -> None:
+    opts = _options(teacher, chats, tmp_path / "cache", logits_mode=mode, max_sequences=2, num_responses=1,
+                    max_new_tokens=5, features=("hidden", "logits"))
+    run_generate(GenerateOptions.of(**opts))
+    reader = CacheReader(tmp_path / "cache")
+    forced = _teacher_forced(opts, [reader[i]["input_ids"] for i in range(len(reader))])
+    for i, item in enumerate(forced):
+        cached = reader[i]
+        assert cached.keys() == {*item, "loss_mask"}
+        floats = [n for n in cached if cached[n].dtype.kind == "f" and not n.startswith("logits/sample")]
+        _assert_like_forced(cached, item, floats)  # the draws of sampled:N are each response's own
+    assert (tmp_path / "cache" / "teacher_head").is_dir() == (mode == "head")
 
 
 @pytest.mark.slow
