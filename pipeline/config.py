@@ -157,8 +157,9 @@ def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = N
     return built
 
 
-# The commands a --config file may hold a section for; ``kdcache run`` reads both from one file.
-SECTIONS = ("precompute", "train")
+# The commands a --config file may hold a section for; ``kdcache run`` reads stage one's (precompute or generate)
+# and train's from one file.
+SECTIONS = ("precompute", "generate", "train")
 
 
 def config_values(cls: type, path: str | Path, section: str | None) -> tuple[dict[str, Any], list[str]]:
@@ -214,7 +215,8 @@ def _names(cls: type) -> set[str]:
 
 def _section_classes() -> dict[str, type]:
     """Each section's options class (imported here: the stages never import this module)."""
-    return {"precompute": precompute.PrecomputeOptions, "train": train.TrainOptions}
+    return {"precompute": precompute.PrecomputeOptions, "generate": precompute.GenerateOptions,
+            "train": train.TrainOptions}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

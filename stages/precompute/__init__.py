@@ -29,6 +29,11 @@ if TYPE_CHECKING:
         reused_cache as reused_cache,
     )
     from kdcache.stages.precompute.estimate import format_estimate as format_estimate
+    from kdcache.stages.precompute.generate import (
+        format_generate_estimate as format_generate_estimate,
+        run_generate as run_generate,
+    )
+    from kdcache.stages.precompute.generation import GenerateOptions as GenerateOptions
     from kdcache.stages.precompute.rows import row_problems as row_problems
     from kdcache.stages.precompute.runner import merge_cache as merge_cache, run_precompute as run_precompute
 else:  # mypy reads the names above and nothing else; at run time each loads on first use

@@ -146,7 +146,7 @@ def test_a_sectioned_file_names_its_unknown_keys_and_stray_top_level_keys(tmp_pa
     with pytest.raises(ConfigError) as err:
         from_args(Opts, parse(["--config", str(cfg)]), section="section")
     assert err.value.problems == [
-        f"{cfg}: top-level key 'lr' beside the sections precompute, section, train; a file with sections keeps "
+        f"{cfg}: top-level key 'lr' beside the sections generate, precompute, section, train; a file with sections keeps "
         "each key in one", f"{cfg} (section: section): unknown key 'top-kk'; did you mean top_k?"]
 
 

@@ -20,7 +20,10 @@ if TYPE_CHECKING:
         DATA_EXTENSIONS as DATA_EXTENSIONS,
         IN_FLIGHT as IN_FLIGHT,
         PACKING as PACKING,
+        DatasetOptions as DatasetOptions,
         PrecomputeOptions as PrecomputeOptions,
+        StorageOptions as StorageOptions,
+        TargetOptions as TargetOptions,
         looks_like_path as looks_like_path,
     )
     from kdcache.stages.precompute.core.plan import (

@@ -15,7 +15,15 @@ if TYPE_CHECKING:
         collate as collate,
         plan_batches as plan_batches,
     )
-    from kdcache.stages.precompute.rows.data import TokenStreams as TokenStreams
+    from kdcache.stages.precompute.rows.chat import (
+        check_conversation as check_conversation,
+        render as render,
+    )
+    from kdcache.stages.precompute.rows.data import (
+        TokenStreams as TokenStreams,
+        load_texts as load_texts,
+        text_template as text_template,
+    )
     from kdcache.stages.precompute.rows.row_build import pair_streams as pair_streams, text_streams as text_streams
     from kdcache.stages.precompute.rows.row_store import row_problems as row_problems
 else:  # mypy reads the names above and nothing else; at run time each loads on first use

@@ -80,8 +80,10 @@ def _preview(value: object) -> str:
 
 
 def render(row: int, messages: list[dict[str, Any]], template: str,
-           tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[Span]]:
-    """The rendered conversation and the character spans of its assistant turns.
+           tokenizer: PreTrainedTokenizerBase, *, prompt: bool = False) -> tuple[str, list[Span]]:
+    """The rendered conversation and the character spans of its assistant turns; with ``prompt``, the
+    conversation followed by the template's generation prompt (what a teacher continues with its reply,
+    ``kdcache generate``), and no spans.
 
     Raises:
         PrecomputeError: the template fails on this conversation, or (without generation tags) renders its
@@ -90,6 +92,8 @@ def render(row: int, messages: list[dict[str, Any]], template: str,
     from jinja2 import TemplateError
 
     try:
+        if prompt:
+            return _render(messages, template, tokenizer, prompt=True)[0], []
         if _GENERATION_TAG.search(template):
             text, spans = _render(messages, template, tokenizer, tagged=True)
         else:

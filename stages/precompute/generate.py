@@ -1,0 +1,286 @@
+"""``kdcache generate``: the teacher writes responses to a dataset's prompts, and the targets precompute would keep
+of the finished text are kept while it writes them (``generation.DecodeLoop``), so the teacher runs once.
+
+The cache is stage one's in every other respect, and built by the same parts: targets (``core.targets``), spec
+(``cache_spec``), writer and commit protocol (``commit``), fingerprints (``runner.build_fingerprints``, with the
+sampling settings under ``settings.generation``), parts of a job array or torchrun ranks (``rows.Partition``).
+Sequence ``s`` is response ``s % n`` to prompt ``s // n``; a shard is a fixed range of sequences, and a response
+depends only on (seed, prompt, response number), so a killed run resumes at its first uncommitted shard and gives
+the same bytes. Rows hold the prompt then the response; the loss mask covers the response (its end token
+included). Once the cache is complete, ``OUT.generations.jsonl`` beside it holds the conversations as a dataset (text
+and token ids) for plain SFT. ``--responses given`` caches a dataset's own responses with ``precompute``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kdcache.stages.common import logit_kinds
+from kdcache.stages.common.architectures import is_encoder_decoder
+from kdcache.stages.common.teacher_head import export_head
+from kdcache.stages.precompute.cache_spec import MAX_SHARD_SEQUENCES, SHARD_TOKENS, build_spec
+from kdcache.stages.precompute.capture import ShardItems
+from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
+from kdcache.stages.precompute.core import (
+    PrecomputeError,
+    PrecomputeOptions,
+    PrecomputePlan,
+    Progress,
+    RunStats,
+    Targets,
+    Teacher,
+    TeacherSetup,
+    resolve_targets,
+    summarize,
+)
+from kdcache.stages.precompute.generation import DecodeLoop, GenerateOptions, Prompts, Sampling, load_prompts
+from kdcache.stages.precompute.parallel import DistContext
+from kdcache.stages.precompute.rows import Partition, TokenStreams, plan_batches
+from kdcache.stages.precompute.runner import build_fingerprints, run_precompute
+from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config, save_tokenizer
+from kdcache.stages.precompute.teacher_checks import with_default_features, with_output_vocab
+from kdcache.storage import CacheReader, Store, merge_parts, read_manifest
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from kdcache.storage import CacheWriter, Manifest
+
+GENERATIONS_SUFFIX = ".generations.jsonl"  # the generated conversations: OUT.generations.jsonl, once complete
+
+
+def run_generate(options: GenerateOptions) -> dict[str, Any]:
+    """Generate and cache this process's part of the responses (every rank under torchrun; rank 0 merges).
+
+    Returns:
+        precompute's summary (``core.progress.summarize``) plus ``generation`` (the sampling settings) and
+        ``generations`` (the dataset file, once the cache is complete).
+
+    Raises:
+        KdcacheError: bad input (``PrecomputeError``: a prompt beyond ``--max-length``, chat data without a
+            template, responses beyond the teacher's positions, an encoder teacher) or a cache problem.
+    """
+    if options.generation.responses == "given":  # a faster engine wrote them: only cache them
+        return {**run_precompute(options.precompute), "generation": {"responses": "given"}}
+    dist = DistContext.from_env()
+    try:
+        return _run(options, dist)
+    finally:
+        dist.close()
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """What a run has checked and loaded before it writes: the options with the teacher's defaults, the plan, the
+    prompts and the sequences made of them, the loaded teacher and its targets, the sampling rule."""
+
+    options: PrecomputeOptions
+    plan: PrecomputePlan
+    prompts: Prompts
+    rows: TokenStreams
+    teacher: Teacher
+    targets: Targets
+    sampling: Sampling
+
+
+def _run(options: GenerateOptions, dist: DistContext) -> dict[str, Any]:
+    """The checks of the input, cheapest first; then the weights, and an estimate or the run."""
+    config = read_config(TeacherSetup.of(options.engine))
+    pre = with_default_features(options.precompute, config)
+    targets = _targets(pre, config)
+    plan = PrecomputePlan.of(pre)
+    sampling = options.generation.sampling(options.engine.seed)
+    tokenizer = load_tokenizer(plan.teacher)
+    prompts = load_prompts(plan.rows, tokenizer)
+    _check_positions(config, prompts, sampling)
+    teacher = load_teacher(plan.teacher, config, targets, tokenizer, pick_device(options.engine.device,
+                                                                                   dist.local_rank))
+    ready = _Ready(pre, plan, prompts, _sequences(prompts, sampling.num_responses), teacher,
+                   with_output_vocab(targets, teacher, plan.teacher), sampling)
+    if options.engine.estimate:
+        return estimate_generation(ready)
+    return _write(ready, check_out_folder(plan.write.out), dist)  # a refused run has written nothing
+
+
+def _write(ready: _Ready, store: Store, dist: DistContext) -> dict[str, Any]:
+    """This part's shards generated and committed, then the manifest (and the generations once complete)."""
+    stats, sampling, teacher, targets = RunStats(), ready.sampling, ready.teacher, ready.targets
+    plan, engine = ready.plan, ready.options.engine
+    write = replace(plan.write, sequences_per_shard=plan.write.sequences_per_shard or _per_shard(ready.prompts,
+                                                                                                  sampling))
+    spec = build_spec(write, targets, ready.rows)
+    fingerprints = build_fingerprints(ready.options, teacher, targets, ready.rows)
+    fingerprints["settings"]["generation"] = sampling.record()
+    part = Partition.of(write.shard_index, write.num_shards, dist.rank, dist.world)
+    writer = open_writer(store, spec, fingerprints, part)
+    loop = DecodeLoop(teacher, targets, write.dtype, write.hidden_codec, sampling)
+    mine = part.shards(spec.num_shards)
+    with writer:
+        todo = [k for k in mine if k not in writer.committed_shards()]
+        save_tokenizer(teacher.tokenizer, store)
+        if logit_kinds.uses_head(targets.logits) and dist.is_main:
+            export_head(teacher.model, store, targets.streams[""].depth)
+
+        def stream(bounds: list[tuple[int, int]], progress: Progress) -> Generator[ShardItems, None, None]:
+            return _shards(loop, ready.prompts, sampling.num_responses, bounds, engine.batch_size, stats, progress)
+
+        commit_behind(spec, todo, writer, stats, stream, show_progress=engine.progress and dist.is_main,
+                      queue_size=engine.queue_size, workers=engine.writers)
+    manifest = _finish(writer, store, dist)
+    extra: dict[str, Any] = {"part": [part.index, part.count], "device": str(teacher.device),
+                             "generation": sampling.record()}
+    if manifest.status == "complete" and dist.is_main:
+        extra["generations"] = write_generations(store, write.out, ready.prompts, sampling.num_responses,
+                                                 teacher.tokenizer)
+    return summarize(stats, manifest, len(mine) - len(todo), write.out, extra)
+
+
+ESTIMATE_SEQUENCES = 8  # responses sampled by --estimate (at least one batch)
+
+
+def estimate_generation(ready: _Ready) -> dict[str, Any]:
+    """``--estimate``: the first responses generated (with capture, nothing written) to measure their lengths and
+    the rate, and from them the whole run's tokens and time.
+
+    Returns:
+        ``{"status": "estimate", "sequences", "sampled", "mean_response_tokens", "longest_response_tokens",
+        "tokens_per_second", "tokens", "seconds"}``: ``tokens`` and ``seconds`` projected over every sequence.
+    """
+    total = len(ready.rows)
+    count = min(total, max(ESTIMATE_SEQUENCES, ready.options.engine.batch_size))
+    loop = DecodeLoop(ready.teacher, ready.targets, ready.plan.write.dtype, ready.plan.write.hidden_codec,
+                      ready.sampling)
+    stats = RunStats()
+    stats.compute_started = time.perf_counter()
+    (items,) = _shards(loop, ready.prompts, ready.sampling.num_responses, [(0, count)],
+                       ready.options.engine.batch_size, stats, Progress(0, False, stats))
+    seconds = time.perf_counter() - stats.compute_started
+    responses = [int(item["loss_mask"].sum()) for item in items]
+    prompt_tokens = sum(len(ready.rows.ids[""][s]) for s in range(total))
+    tokens = prompt_tokens + total * float(np.mean(responses))
+    rate = stats.tokens / max(seconds, 1e-9)
+    return {"status": "estimate", "out": ready.plan.write.out, "sequences": total, "sampled": count,
+            "mean_response_tokens": round(float(np.mean(responses)), 1),
+            "longest_response_tokens": max(responses), "tokens_per_second": round(rate, 1),
+            "tokens": int(round(tokens)), "seconds": round(tokens / rate, 1)}
+
+
+def format_generate_estimate(estimate: dict[str, Any]) -> str:
+    """The estimate's lines for the command line."""
+    return (f"estimate for {estimate['out']}: {estimate['sequences']:,} responses; {estimate['sampled']} sampled: "
+            f"{estimate['mean_response_tokens']:,.1f} tokens a response on average, "
+            f"{estimate['longest_response_tokens']} at most\n"
+            f"about {estimate['tokens']:,} tokens with the prompts, at {estimate['tokens_per_second']:,.0f} "
+            f"tokens/s here: {estimate['seconds'] / 60:,.1f} min (nothing was written)")
+
+
+def _targets(options: PrecomputeOptions, config: PretrainedConfig) -> Targets:
+    """The targets, refused where the decode loop cannot keep them."""
+    if is_encoder_decoder(config):
+        raise PrecomputeError(f"kdcache generate needs a decoder-only teacher; {options.engine.teacher!r} is an "
+                              f"encoder-decoder {config.model_type}")
+    targets = resolve_targets(options, config)
+    if not targets.causal:
+        raise PrecomputeError(f"kdcache generate needs a causal language model; {options.engine.teacher!r} is a "
+                              f"{config.model_type} encoder, which writes no text")
+    if targets.source.recorded_parts and targets.streams[""].attention:
+        raise PrecomputeError(f"attention_source {targets.attention_source}: queries and keys are not kept while "
+                              f"generating yet; cache attention maps (--attention-source maps), or run precompute "
+                              f"over OUT.generations.jsonl")
+    return targets
+
+
+def _check_positions(config: PretrainedConfig, prompts: Prompts, sampling: Sampling) -> None:
+    """Refuse responses that could run past the teacher's position table."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    longest = max(len(p) for p in prompts.ids)
+    if isinstance(limit, int) and longest + sampling.max_new_tokens > limit:
+        raise PrecomputeError(f"max_new_tokens: the longest prompt ({longest} tokens) plus --max-new-tokens "
+                              f"{sampling.max_new_tokens} reaches {longest + sampling.max_new_tokens} tokens, but the "
+                              f"teacher has only {limit} positions; lower --max-new-tokens to "
+                              f"{max(limit - longest, 0)} or less, or --max-length")
+
+
+def _sequences(prompts: Prompts, responses: int) -> TokenStreams:
+    """The cache's sequences as far as they are known before generating: each prompt ``responses`` times (what
+    the spec reads: their count and the loss mask beside the ids)."""
+    ids = [a for a in prompts.ids for _ in range(responses)]
+    return TokenStreams({"": ids}, prompts.fingerprint, {"loss_mask": ids})
+
+
+def _per_shard(prompts: Prompts, sampling: Sampling) -> int:
+    """Sequences per shard when not given: as precompute sizes them, at the longest a sequence can grow."""
+    longest = max(len(p) for p in prompts.ids) + sampling.max_new_tokens
+    return max(1, min(MAX_SHARD_SEQUENCES, SHARD_TOKENS // longest))
+
+
+def _shards(loop: DecodeLoop, prompts: Prompts, responses: int, bounds: list[tuple[int, int]], batch_size: int,
+            stats: RunStats, progress: Progress) -> Generator[ShardItems, None, None]:
+    """Each shard's responses generated in batches of prompts of similar length, in sequence order."""
+    for start, stop in bounds:
+        keys = [(s // responses, s % responses) for s in range(start, stop)]
+        items: list[dict[str, np.ndarray] | None] = [None] * len(keys)
+        for batch in plan_batches(np.array([len(prompts.ids[p]) for p, _ in keys]), batch_size):
+            started = time.perf_counter()
+            decoded = loop.run([prompts.ids[keys[i][0]] for i in batch], [keys[i] for i in batch])
+            stats.forward_seconds += time.perf_counter() - started
+            for i, item, ids, prompt in zip(batch, decoded.items, decoded.ids, decoded.prompt_lengths):
+                mask = np.zeros(len(ids), dtype=np.uint8)
+                mask[prompt:] = 1
+                items[i] = {**item, "input_ids": ids, "loss_mask": mask}
+                stats.tokens += len(ids)
+            stats.sequences += len(batch)
+            progress.update(len(batch))
+        yield ShardItems([item for item in items if item is not None])
+
+
+def _finish(writer: CacheWriter, store: Store, dist: DistContext) -> Manifest:
+    """The manifest once every rank is done (rank 0 of a torchrun joins the parts), as precompute finishes."""
+    manifest = writer.finalize()
+    dist.barrier()
+    if dist.world > 1 and dist.is_main:
+        return merge_parts(store)
+    return manifest if dist.world == 1 else read_manifest(store)
+
+
+def generations_path(out: str) -> Path:
+    """Where the generated conversations go: ``OUT.generations.jsonl``, beside the cache folder (not inside it,
+    whose every entry ``verify`` accounts for)."""
+    path = Path(out).expanduser()
+    return path.with_name(path.name + GENERATIONS_SUFFIX)
+
+
+def write_generations(store: Store, out: str, prompts: Prompts, responses: int,
+                      tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The generated conversations from the complete cache, one JSON line per sequence: its prompt and response
+    numbers, the prompt's conversation with the reply added (chat data), the response's text, the whole text and
+    its token ids (what plain SFT reads). Written whole (a temporary file renamed); None for a cache in object
+    storage (read it with ``CacheReader`` there)."""
+    if not store.is_local:
+        return None
+    reader = CacheReader(store)
+    lines = []
+    for s in range(len(reader)):
+        row = reader.get(s, ["input_ids", "loss_mask"])
+        ids, mask = row["input_ids"], row["loss_mask"].astype(bool)
+        response = tokenizer.decode(ids[mask], skip_special_tokens=True)
+        record: dict[str, Any] = {"prompt": s // responses, "response": s % responses,
+                                  "text": tokenizer.decode(ids, skip_special_tokens=False),
+                                  "response_text": response, "input_ids": ids.tolist(),
+                                  "prompt_tokens": int((~mask).sum())}
+        if prompts.messages is not None:
+            record["messages"] = [*prompts.messages[s // responses], {"role": "assistant", "content": response}]
+        lines.append(json.dumps(record, ensure_ascii=False))
+    path = generations_path(out)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    scratch.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(scratch, path)
+    return str(path)

@@ -1,0 +1,35 @@
+"""Generation with capture (issue 58): the teacher writes its own responses and its targets along them are kept
+while it writes, so it runs once. A floor above ``capture`` (it reads ``core``, ``rows`` and ``capture``):
+``options`` (the ``generate`` group and ``GenerateOptions``), ``prompts`` (the dataset into prompt ids),
+``sampling`` (per-response draws that depend only on the seed, the prompt and the response number) and ``decode``
+(the decode loop with a KV cache that keeps the targets of the prefill and of each new token). The command itself,
+which commits the shards, is ``stages.precompute.generate``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kdcache.lazy_exports import attach
+
+if TYPE_CHECKING:
+    from kdcache.stages.precompute.generation.decode import (
+        Decoded as Decoded,
+        DecodeLoop as DecodeLoop,
+    )
+    from kdcache.stages.precompute.generation.options import (
+        GenerateOptions as GenerateOptions,
+        GenerationOptions as GenerationOptions,
+        Sampling as Sampling,
+    )
+    from kdcache.stages.precompute.generation.prompts import (
+        Prompts as Prompts,
+        load_prompts as load_prompts,
+    )
+    from kdcache.stages.precompute.generation.sampling import (
+        RowDraws as RowDraws,
+        next_tokens as next_tokens,
+        response_seed as response_seed,
+    )
+else:  # mypy reads the names above and nothing else; at run time each loads on first use
+    __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -1,0 +1,271 @@
+"""The decode loop of ``kdcache generate``: the teacher writes a batch of responses with a KV cache, and every
+forward it runs for that is also the forward whose targets the cache keeps. There is no second pass.
+
+A batch of prompts is padded on the left, so that every row's next token sits in the last column; the attention
+mask hides the padding and the position ids count each row's own tokens from 0, as a right-padded teacher-forced
+batch would. The prefill gives the targets of every prompt position; each decode step feeds the tokens just drawn
+and gives theirs. A row's last token (its end-of-sequence token, a stop string's end, or the length limit) is fed
+too, so that every stored token has its targets; a finished row's later steps are discarded. What a step keeps is
+what precompute keeps (the same layers in HF's numbering, the logit kind's arrays of the raw logits, before any
+sampling rule, attention maps), then turned into the same storage-ready arrays by the same functions
+(``capture.hidden_targets``, the logit kind, ``to_storage_dtype``, the fp16 range check).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from kdcache.stages.precompute.capture import (
+    ShardItems,
+    check_ranges,
+    cut_padding,
+    fp16_bounded,
+    hidden_targets,
+    logit_targets,
+    max_abs,
+    to_numpy,
+    to_storage_dtype,
+)
+from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.stages.precompute.generation.options import Sampling
+from kdcache.stages.precompute.generation.sampling import RowDraws, next_tokens, response_seed
+from kdcache.storage import FLOAT
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from kdcache.stages.precompute.core import Targets, Teacher
+    from kdcache.storage import HiddenCodec
+
+
+@dataclass
+class Decoded:
+    """One batch's responses: per row the whole sequence's ids ``[L_i]`` (prompt then response), its prompt's
+    length, and its storage-ready targets (``ShardItems``: ``hidden/{j} [L_i, d]``, logits, attention)."""
+
+    ids: list[np.ndarray]
+    prompt_lengths: list[int]
+    items: ShardItems
+
+
+@dataclass
+class _Kept:
+    """What the forwards of one batch gave, per target, in forward order."""
+
+    hidden: dict[int, list[torch.Tensor]]
+    attention: dict[int, list[torch.Tensor]]
+    logits: dict[str, list[torch.Tensor]]
+    forwards: int = 0
+
+
+class _Rows:
+    """The batch's responses as they grow: tokens drawn, and which rows are done."""
+
+    def __init__(self, count: int, stop: tuple[str, ...], eos: frozenset[int],
+                 tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(count)]
+        self.done = [False] * count
+        self.stop, self.eos, self.tokenizer = stop, eos, tokenizer
+        self._tail = max((len(s) for s in stop), default=0) + 2  # tokens decoded to look for a stop string
+
+    @property
+    def active(self) -> list[int]:
+        return [i for i, d in enumerate(self.done) if not d]
+
+    def add(self, rows: list[int], drawn: list[int], limit: int) -> None:
+        """Append each row's token; a row ends on an EOS id, a stop string, or its ``limit``-th token."""
+        for i, token in zip(rows, drawn):
+            self.tokens[i].append(token)
+            self.done[i] = token in self.eos or len(self.tokens[i]) >= limit or self._stopped(i)
+
+    def _stopped(self, i: int) -> bool:
+        if not self.stop:
+            return False
+        text = self.tokenizer.decode(self.tokens[i][-self._tail:], skip_special_tokens=False)
+        return any(s in text for s in self.stop)
+
+
+class DecodeLoop:
+    """Runs the teacher's sampling over batches of prompts and keeps its targets on the way.
+
+    Args:
+        teacher: the loaded decoder-only teacher (eager attention when maps are kept).
+        targets: what to keep (``core.targets``).
+        dtype_name: storage dtype of float targets, ``fp16`` or ``bf16``.
+        hidden_codec: the configured hidden codec.
+        sampling: the sampling rule and the run's seed.
+    """
+
+    def __init__(self, teacher: Teacher, targets: Targets, dtype_name: str, hidden_codec: HiddenCodec,
+                 sampling: Sampling) -> None:
+        self.teacher, self.targets, self.sampling = teacher, targets, sampling
+        self.dtype_name, self.hidden_codec = dtype_name, hidden_codec
+        self.layers = targets.streams[""]
+        self.eos = eos_ids(teacher)
+        self.pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
+        # transformers 5.x names the KV cache ``cache`` and deprecates ``past_key_values``, which older ones take
+        self.cache_key = "cache" if "cache" in inspect.signature(teacher.model.forward).parameters \
+            else "past_key_values"
+
+    # ---- one batch -----------------------------------------------------------------------------------
+    def run(self, prompts: list[np.ndarray], keys: list[tuple[int, int]]) -> Decoded:
+        """Sample one response per row and cut each row's targets out.
+
+        Args:
+            prompts: per row its prompt ids ``[P_i]``.
+            keys: per row its (prompt index, response number): what its draws are seeded with.
+        """
+        draws = RowDraws(keys, self.sampling.seed)
+        kept = _Kept({j: [] for j in self.layers.hidden}, {j: [] for j in self.layers.attention}, {})
+        rows = _Rows(len(prompts), self.sampling.stop, self.eos, self.teacher.tokenizer)
+        with torch.inference_mode():
+            ids, mask, positions = self._left_padded(prompts)
+            cache = DynamicCache()
+            last = self._forward(ids, mask, positions, cache, kept, keys)
+            while rows.active:
+                step = self._draw(last, rows, draws, ids)
+                mask = torch.cat([mask, mask.new_ones((len(prompts), 1))], dim=1)
+                positions = positions[:, -1:] + 1
+                last = self._forward(step, mask, positions, cache, kept, keys)
+            lengths = [len(p) + len(t) for p, t in zip(prompts, rows.tokens)]
+            items = self._items(kept, [len(p) for p in prompts], ids.shape[1], lengths)
+        full = [np.concatenate([p, np.asarray(t, dtype=np.int32)]).astype(np.int32)
+                for p, t in zip(prompts, rows.tokens)]
+        return Decoded(full, [len(p) for p in prompts], items)
+
+    def _draw(self, last: torch.Tensor, rows: _Rows, draws: RowDraws, ids: torch.Tensor) -> torch.Tensor:
+        """The next token of every unfinished row from ``[B, V]`` logits, added to ``rows``; as ``[B, 1]`` ids to
+        feed (a finished row gets the pad id: its later positions are discarded)."""
+        active = rows.active
+        uniforms = None if self.sampling.greedy else draws.uniforms(active)
+        drawn = next_tokens(last[active], self.sampling, uniforms).tolist()
+        rows.add(active, drawn, self.sampling.max_new_tokens)
+        step = torch.full((len(rows.done), 1), self.pad_id, dtype=ids.dtype, device=ids.device)
+        step[active, 0] = torch.tensor(drawn, dtype=ids.dtype, device=ids.device)
+        return step
+
+    def _left_padded(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[B, P]`` ids padded on the left, their mask, and positions counting each row's tokens from 0."""
+        width = max(len(p) for p in prompts)
+        ids = np.full((len(prompts), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(prompts), width), dtype=np.int64)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        device = self.teacher.device
+        ids_t, mask_t = torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
+        return ids_t, mask_t, (mask_t.cumsum(-1) - 1).clamp(min=0)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                 kept: _Kept, keys: list[tuple[int, int]]) -> torch.Tensor:
+        """One forward with the KV cache; what it gives of the kept targets is appended to ``kept``.
+
+        Returns:
+            ``[B, V]`` float32 raw logits of the last position, which the next tokens are drawn from.
+        """
+        out: CausalLMOutputWithPast = self.teacher.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_key: cache},
+            output_hidden_states=bool(self.layers.hidden), output_attentions=bool(self.layers.attention))
+        if out.logits is None:
+            raise PrecomputeError(f"{type(self.teacher.model).__name__} returned no logits; it cannot generate")
+        for j, parts in kept.hidden.items():
+            parts.append(out.hidden_states[j])  # type: ignore[index]  # asked for above
+        for j, parts in kept.attention.items():
+            parts.append(out.attentions[j - 1])  # type: ignore[index]
+        for name, value in self._logits(out.logits, keys, kept.forwards).items():
+            kept.logits.setdefault(name, []).append(value)
+        kept.forwards += 1  # a logit kind that draws seeds each forward's samples by its number
+        return out.logits[:, -1].float()
+
+    def _logits(self, logits: torch.Tensor, keys: list[tuple[int, int]], step: int) -> dict[str, torch.Tensor]:
+        """The logit kind's arrays of ``[B, q, V]`` raw logits; a kind that draws does so per row, from a generator
+        of its own response and step, so that its samples too depend on nothing but the response."""
+        kind = self.targets.logit_kind
+        if kind is None:
+            return {}
+        if not kind.draws:
+            return logit_targets(logits, self.targets)
+        rows = []
+        for i, (p, r) in enumerate(keys):
+            generator = torch.Generator(device=logits.device).manual_seed(
+                response_seed(self.sampling.seed, p, r, f"logits/{step}"))
+            rows.append(logit_targets(logits[i:i + 1], self.targets, generator))
+        return {name: torch.cat([row[name] for row in rows]) for name in rows[0]}
+
+    # ---- the batch's targets, as precompute stores them ---------------------------------------------
+    def _items(self, kept: _Kept, prompt_lengths: list[int], width: int, lengths: list[int]) -> ShardItems:
+        """Every row's valid positions gathered into a right-padded batch, made storage-ready, cut per row."""
+        index = _valid_positions(prompt_lengths, width, lengths, self.teacher.device)
+        maxima: dict[str, torch.Tensor] = {}
+        stored: dict[str, torch.Tensor] = {}
+        for j, parts in kept.hidden.items():
+            value = self._bounded(f"hidden/{j}", _rows(parts, index), maxima)
+            stored.update(hidden_targets(self.hidden_codec, f"hidden/{j}", value))
+        heads = self.targets.heads
+        for j, parts in kept.attention.items():
+            maps = _maps(parts, index)
+            stored[f"attention/{j}"] = to_storage_dtype(maps[:, list(heads)] if heads is not None else maps,
+                                                        self.dtype_name)
+        floats = {a.name for a in self.targets.logit_arrays if a.dtype == FLOAT}
+        for name, parts in kept.logits.items():
+            value = _rows(parts, index)
+            stored[name] = to_storage_dtype(self._bounded(name, value, maxima), self.dtype_name) \
+                if name in floats else value
+        check_ranges(maxima)
+        host = {name: to_numpy(value) for name, value in stored.items()}
+        return ShardItems([cut_padding(host, i, {"": n}) for i, n in enumerate(lengths)])
+
+    def _bounded(self, name: str, value: torch.Tensor, maxima: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``value``, its largest |value| kept for the fp16 range check where it must fit float16."""
+        if fp16_bounded(name, self.dtype_name, self.hidden_codec) and value.numel():
+            maxima[name] = max_abs(value)
+        return value
+
+
+def eos_ids(teacher: Teacher) -> frozenset[int]:
+    """The ids that end a response: the tokenizer's EOS and the generation config's (a chat model's
+    end-of-turn token is usually among the latter)."""
+    found = {teacher.tokenizer.eos_token_id}
+    config = getattr(teacher.model, "generation_config", None)
+    value = getattr(config, "eos_token_id", None) if config is not None else None
+    found.update(value if isinstance(value, (list, tuple)) else [value])
+    return frozenset(int(i) for i in found if i is not None)
+
+
+def _valid_positions(prompt_lengths: list[int], width: int, lengths: list[int],
+                     device: torch.device) -> torch.Tensor:
+    """``[B, L]`` column of each row's t-th token in the steps' concatenation (the prompt starts at column
+    ``width - P_i``); past a row's length, its last token's column (cut off on the host)."""
+    longest = max(lengths)
+    index = np.zeros((len(lengths), longest), dtype=np.int64)
+    for i, (p, n) in enumerate(zip(prompt_lengths, lengths)):
+        start = width - p
+        index[i] = start + np.minimum(np.arange(longest), n - 1)
+    return torch.from_numpy(index).to(device)
+
+
+def _rows(parts: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """Per-token arrays ``[B, q, ...]`` of every forward, joined and gathered to ``[B, L, ...]``."""
+    joined = torch.cat(parts, dim=1)
+    shaped = index.view(*index.shape, *([1] * (joined.dim() - 2))).expand(-1, -1, *joined.shape[2:])
+    return joined.gather(1, shaped)
+
+
+def _maps(parts: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """Attention maps ``[B, H, q, k]`` of every forward (the prefill's square, then one row per step) assembled
+    to ``[B, H, T, T]`` and gathered to each row's own tokens, ``[B, H, L, L]``."""
+    first = parts[0]
+    total = first.shape[-1] + len(parts) - 1
+    full = first.new_zeros((*first.shape[:2], total, total))
+    full[:, :, :first.shape[2], :first.shape[3]] = first
+    for s, part in enumerate(parts[1:], start=first.shape[2]):
+        full[:, :, s, :part.shape[-1]] = part[:, :, 0]
+    rows_index = index[:, None, :, None].expand(-1, full.shape[1], -1, total)
+    picked = full.gather(2, rows_index)
+    return picked.gather(3, index[:, None, None, :].expand(-1, full.shape[1], index.shape[1], -1))
