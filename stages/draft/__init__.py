@@ -29,7 +29,14 @@ if TYPE_CHECKING:
         PromptLookup as PromptLookup,
         hf_target as hf_target,
     )
+    from kdcache.stages.draft.evaluation import (
+        EvalOptions as EvalOptions,
+        evaluate_drafts as evaluate_drafts,
+        format_report as format_report,
+    )
+    from kdcache.stages.draft.export import export_draft as export_draft, load_draft as load_draft
     from kdcache.stages.draft.model import DraftShape as DraftShape, Eagle3Draft as Eagle3Draft
+    from kdcache.stages.draft.training import DraftOptions as DraftOptions, run_draft as run_draft
     from kdcache.stages.draft.vocab import DraftInputError as DraftInputError, DraftVocab as DraftVocab
 else:  # mypy reads the names above and nothing else; at run time each loads on first use
     __getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -53,7 +53,7 @@ def default_heads(hidden: int) -> int:
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in float32."""
+    """``x / rms(x) * weight``, computed in float32 at least (float64 stays float64)."""
 
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -61,15 +61,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding of ``x [B, H, S, hd]`` at ``positions [S]`` (halves rotated, as Llama)."""
-    half = x.shape[-1] // 2
-    freqs = 1.0 / theta ** (torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * freqs[None]
+    half, wide = x.shape[-1] // 2, torch.promote_types(x.dtype, torch.float32)
+    freqs = 1.0 / theta ** (torch.arange(half, device=x.device, dtype=wide) / half)
+    angles = positions.to(wide)[:, None] * freqs[None]
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(x.dtype), torch.cat([angles.sin()] * 2, -1).to(x.dtype)
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -105,8 +105,8 @@ class DraftAttention(nn.Module):
         allowed = torch.arange(s0, device=x.device)[None, :] <= torch.arange(s0 - s, s0, device=x.device)[:, None]
         scores[0] = scores[0].masked_fill(~allowed, torch.finfo(scores[0].dtype).min)
         scores += [(q * kj).sum(-1, keepdim=True) for kj, _ in past[1:]]  # later steps: own position only
-        weights = torch.softmax(torch.cat(scores, -1) / self.head_dim ** 0.5, dim=-1, dtype=torch.float32)
-        weights = weights.to(q.dtype)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        weights = torch.softmax(torch.cat(scores, -1) / self.head_dim ** 0.5, dim=-1, dtype=wide).to(q.dtype)
         out = weights[..., :s0] @ v0
         for j, (_, vj) in enumerate(past[1:]):
             out = out + weights[..., s0 + j, None] * vj
