@@ -11,8 +11,7 @@ import argparse
 from pathlib import Path
 
 from kdcache.pipeline.cli.commands import Subcommands, print_summary
-from kdcache.stages import draft
-from kdcache.stages.draft import DraftInputError, DraftOptions, EvalOptions
+from kdcache.stages import draft  # a lazy door: torch loads when a draft command runs, not for --help
 
 
 def register(subparsers: Subcommands) -> None:
@@ -58,10 +57,10 @@ def register(subparsers: Subcommands) -> None:
 def run_draft(args: argparse.Namespace) -> int:
     """Check the values, train and export; prints the summary. Returns 0."""
     if (Path(args.out) / "config.json").exists():
-        raise DraftInputError(f"--out: {args.out!r} already holds a draft (config.json); choose another folder or "
-                              f"remove it")
-    options = DraftOptions(args.cache, args.out, args.ttt_steps, args.draft_vocab, args.max_steps, args.batch_size,
-                           args.lr, args.seed, args.heads)
+        raise draft.DraftInputError(f"--out: {args.out!r} already holds a draft (config.json); choose another "
+                                    f"folder or remove it")
+    options = draft.DraftOptions(args.cache, args.out, args.ttt_steps, args.draft_vocab, args.max_steps,
+                                 args.batch_size, args.lr, args.seed, args.heads)
     print_summary(draft.run_draft(options), args.json, _train_lines)
     return 0
 
@@ -74,7 +73,7 @@ def _train_lines(summary: dict[str, object]) -> str:
 
 def run_draft_eval(args: argparse.Namespace) -> int:
     """Run the evaluation and print its report. Returns 0."""
-    options = EvalOptions(args.target, args.prompts, args.draft, args.student, args.k, args.max_new,
-                          args.temperature, args.prompt_tokens, args.limit, args.seed)
+    options = draft.EvalOptions(args.target, args.prompts, args.draft, args.student, args.k, args.max_new,
+                                args.temperature, args.prompt_tokens, args.limit, args.seed)
     print_summary(draft.evaluate_drafts(options), args.json, draft.format_report)
     return 0

@@ -126,3 +126,13 @@ def test_bad_input_exits_2_with_a_clear_message(made, case, capsys):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert case == "out taken" or not (Path(out) / "config.json").exists()
+
+
+def test_the_draft_commands_leave_help_light():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom kdcache.pipeline.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "draft-eval" in out and out.strip().endswith("False")
