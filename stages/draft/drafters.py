@@ -29,8 +29,9 @@ def hf_target(model: PreTrainedModel, layers: tuple[int, ...] | None = None) -> 
 
 @dataclass
 class PromptLookup:
-    """Proposes the tokens that followed the latest earlier occurrence of the context's last n tokens (n from
-    ``longest`` down to 1); nothing when no n-gram recurs. Its proposals are certain (q one-hot)."""
+    """Proposes the tokens that followed the earliest earlier occurrence of the context's last n tokens (n from
+    ``longest`` down to 1; the earliest leaves the longest continuation, as transformers' prompt lookup takes it);
+    nothing when no n-gram recurs. Its proposals are certain (q one-hot)."""
 
     longest: int = 3
     name: str = "prompt lookup"
@@ -39,10 +40,9 @@ class PromptLookup:
         seq = ids.tolist()
         for n in range(min(self.longest, len(seq) - 1), 0, -1):
             tail = seq[-n:]
-            for start in range(len(seq) - n - 1, -1, -1):  # the latest match first
-                if seq[start:start + n] == tail:
-                    follow = seq[start + n:start + n + k]
-                    return Proposal(torch.tensor(follow, dtype=torch.int64), None)
+            start = next((i for i in range(len(seq) - n) if seq[i:i + n] == tail), None)
+            if start is not None:
+                return Proposal(torch.tensor(seq[start + n:start + n + k], dtype=torch.int64), None)
         return Proposal(torch.zeros(0, dtype=torch.int64), None)
 
 
