@@ -107,7 +107,7 @@ def train_head(work: Path, cache: Path, codec: str, steps: int) -> Path:
 def evaluate(target: Path, prompts: Path, draft: Path | None, student: Path | None, max_new: int) -> dict[str, Any]:
     extra = [*(["--draft", str(draft)] if draft else []), *(["--student", str(student)] if student else [])]
     return json.loads(kdcache("draft-eval", "--target", str(target), "--prompts", str(prompts), "-k", "4",
-                              "--max-new", str(max_new), "--prompt-tokens", "16", *extra, "--json"))
+                              "--max-new", str(max_new), "--prompt-tokens", "16", "--repeats", "3", *extra, "--json"))
 
 
 def main() -> None:

@@ -48,7 +48,9 @@ def register(subparsers: Subcommands) -> None:
     for flag, kind, default, text in (("--max-new", int, 32, "new tokens per prompt"),
                                       ("--temperature", float, 0.0, "0: greedy; else sampled at it"),
                                       ("--prompt-tokens", int, 64, "a prompt's tokens kept"),
-                                      ("--limit", int, 0, "prompts used (0: all)"), ("--seed", int, 0, "seed")):
+                                      ("--limit", int, 0, "prompts used (0: all)"), ("--seed", int, 0, "seed"),
+                                      ("--repeats", int, 1, "timed runs, alternating with the target alone; best "
+                                                            "of each")):
         judge.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
     judge.add_argument("--json", action="store_true", help="print the report as JSON")
     judge.set_defaults(func=run_draft_eval)
@@ -74,6 +76,6 @@ def _train_lines(summary: dict[str, object]) -> str:
 def run_draft_eval(args: argparse.Namespace) -> int:
     """Run the evaluation and print its report. Returns 0."""
     options = draft.EvalOptions(args.target, args.prompts, args.draft, args.student, args.k, args.max_new,
-                                args.temperature, args.prompt_tokens, args.limit, args.seed)
+                                args.temperature, args.prompt_tokens, args.limit, args.seed, args.repeats)
     print_summary(draft.evaluate_drafts(options), args.json, draft.format_report)
     return 0
