@@ -25,6 +25,13 @@ import transformers
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import save_texts
 from kdcache.stages.common.device_codecs import Projection
+from kdcache.stages.common.draft_inputs import (
+    draft_layers,
+    export_draft_inputs,
+    is_draft_preset,
+    target_embedding,
+    token_counts,
+)
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.adapters import TeacherAdapter, adapter_for
@@ -295,13 +302,18 @@ def _compute(ready: _Prepared, loaded: _Loaded, writer: CacheWriter | None, mine
 
 
 def _save_beside_shards(ready: _Prepared, loaded: _Loaded, dist: DistContext) -> None:
-    """The tokenizer, and on the main rank the texts (``--record-text``) and a head cache's LM head: before any
-    shard, so that a killed run leaves them with its first shard."""
+    """The tokenizer, and on the main rank the texts (``--record-text``), a head cache's LM head and a draft
+    cache's embedding and token counts (``--layers draft``): before any shard, so that a killed run leaves them
+    with its first shard."""
     save_tokenizer(ready.tokenizer, ready.store)
     if ready.data.texts and dist.is_main:
         save_texts(ready.store, ready.data.texts["text"], ready.data.texts["text_end"])
     if logit_kinds.uses_head(loaded.targets.logits) and dist.is_main:
         export_head(loaded.teacher.model, ready.store, loaded.targets.streams[""].depth)
+    if is_draft_preset(ready.options.targets.layers.get("")) and dist.is_main:
+        vocab = int(target_embedding(loaded.teacher.model).shape[0])
+        layers = draft_layers(loaded.targets.streams[""].depth)
+        export_draft_inputs(loaded.teacher.model, ready.store, layers, token_counts(ready.data.ids[""], vocab))
 
 
 def _finish(writer: CacheWriter | None, store: Store, dist: DistContext) -> Manifest:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kdcache.stages.common import attention_sources, logit_kinds
+from kdcache.stages.common.draft_layers import draft_layers, is_draft_preset
 from kdcache.stages.common.engine_options import (
     PRECOMPUTE,
     EngineOptions,
@@ -187,8 +188,10 @@ class TargetOptions:
     """
 
     layers: StreamLayers = _opt(StreamLayers.parse("all"), "hidden layers to cache, HF numbering (0 = embeddings), "
-                                "or 'all'; an encoder-decoder's stacks apart as encoder:0,2 decoder:1,2 ('none': no "
-                                "layer of that stack; an unprefixed value covers both)", nargs="+",
+                                "or 'all', or 'draft' (the layers an EAGLE-3 draft fuses, 2, N/2 and N-3, plus the "
+                                "target's embedding and token counts in draft/); an encoder-decoder's stacks apart as "
+                                "encoder:0,2 decoder:1,2 ('none': no layer of that stack; an unprefixed value covers "
+                                "both)", nargs="+",
                                 metavar="[STREAM:]LAYERS")
     features: tuple[str, ...] = _opt((), "targets to cache: hidden, attention, logits (default: hidden, plus "
                                          "logits when the teacher has a language-model head)")
@@ -329,7 +332,9 @@ def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name
     """Resolve a layer selection against a model with ``num_layers`` blocks.
 
     Args:
-        values: ``("all",)`` or integer strings; negative numbers count from the last layer (-1 = N).
+        values: ``("all",)``, ``("draft",)`` (hidden states only: the three layers an EAGLE-3 draft fuses,
+            ``stages.common.draft_inputs.draft_layers``) or integer strings; negative numbers count from the last
+            layer (-1 = N).
         num_layers: N, the number of blocks.
         minimum: the first valid layer (0 for hidden states, 1 for attention blocks).
         name: option name for messages.
@@ -342,6 +347,8 @@ def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name
     """
     if tuple(v.lower() for v in values) == ("all",):
         return tuple(range(minimum, num_layers + 1))
+    if minimum == 0 and is_draft_preset(values):
+        return tuple(sorted(set(draft_layers(num_layers))))
     layers = set()
     for value in values:
         j = int(value)
@@ -366,7 +373,7 @@ def _stream_problems(name: str, value: StreamLayers, streams: tuple[str, ...]) -
 
 
 def _layer_list_problems(name: str, values: tuple[str, ...]) -> list[str]:
-    if tuple(v.lower() for v in values) == ("all",):
+    if tuple(v.lower() for v in values) == ("all",) or (name == "layers" and is_draft_preset(values)):
         return []
     bad = [v for v in values if not re.fullmatch(r"-?\d+", v.strip())]
     if bad or not values:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import architectures
+from kdcache.stages.common.draft_layers import is_draft_preset
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
 from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, ArrayKind, LogitArray, exact_arrays
@@ -160,6 +161,9 @@ def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Tar
     t = options.targets
     depths, num_heads = depths_and_heads(config)
     streams = {name: _stream(options, name, depth) for name, depth in depths.items()}
+    if is_draft_preset(t.layers.get("")) and "" not in streams:
+        raise PrecomputeError("layers: the 'draft' preset (an EAGLE-3 draft's layers) is for a decoder-only target; "
+                              "this teacher is an encoder-decoder")
     cross = _cross_attention(options, streams.get("decoder"))
     if ArrayKind.ATTENTION in t.features and not any(s.attention for s in streams.values()):
         flags = "--attention-layers" + (" (per stack: encoder:BLOCKS decoder:BLOCKS)" if len(streams) > 1 else "")

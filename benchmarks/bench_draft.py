@@ -1,0 +1,155 @@
+"""One cache, two products (issue 59): acceptance length tau and speed-up of speculative decoding on the CPU.
+
+The benchmark builds everything itself:
+
+1. a tiny Llama target (8 blocks, d = 64) with a BPE tokenizer, trained briefly on stdlib docstring sentences so
+   that its distribution has structure a draft can learn;
+2. three caches of the training text with ``--layers draft --logits head``, hidden states as fp16, int8 and pca8
+   (each cache's bytes per token measured from its shard files);
+3. the KD student (a 2-block copy of the target, ``kdcache init-student``, trained with ``kdcache train`` from the
+   fp16 cache) and an EAGLE-3 head per cache (``kdcache draft``, the same steps);
+4. ``kdcache draft-eval`` on held-out sentences (greedy, K = 4): prompt lookup, the student, each head.
+
+Both sides of a speed-up rerun the whole sequence per pass (no key/value cache), so the ratio compares like with
+like; on a shared machine the ratios, not the seconds, are the figures to read.
+
+Usage: ``python benchmarks/bench_draft.py [--work DIR --target-steps 400 --draft-steps 200 --prompts 24]``;
+prints JSON and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+CODECS = ("fp16", "int8", "pca8")
+
+
+def kdcache(*argv: str) -> str:
+    """Run ``python -m kdcache ...``; its stdout."""
+    print("kdcache", *argv[:1], file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, "-m", "kdcache", *argv], check=True, cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return done.stdout
+
+
+def train_target(work: Path, texts: list[str], steps: int) -> Path:
+    """The tiny Llama, trained ``steps`` AdamW steps of 16 sequences x 32 tokens on ``texts``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    path = work / "target"
+    if (path / "trained").exists():
+        return path
+    make_tiny_llama(path, layers=8, hidden=64, heads=4, kv_heads=4, intermediate=128, vocab_size=512, texts=texts)
+    from transformers import AutoTokenizer
+
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    ids = [torch.tensor(tok(t)["input_ids"][:32]) for t in texts]
+    opt, g = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator().manual_seed(0)
+    model.train()
+    for step in range(steps):
+        if step % 50 == 0:
+            print(f"target step {step}", file=sys.stderr, flush=True)
+        pick = torch.randint(len(ids), (16,), generator=g).tolist()
+        batch = torch.nn.utils.rnn.pad_sequence([ids[i] for i in pick], batch_first=True, padding_value=-100)
+        loss = model(input_ids=batch.clamp(min=0), labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().save_pretrained(path)
+    (path / "trained").write_text(f"{float(loss):.4f}\n")
+    return path
+
+
+def build_cache(work: Path, target: Path, data: Path, codec: str) -> tuple[Path, float]:
+    """A draft cache with hidden codec ``codec``; its shard bytes per token."""
+    from kdcache.storage import CacheReader
+
+    out = work / f"cache-{codec}"
+    if not (out / "manifest.json").exists():
+        rank = ["--hidden-rank", "64"] if codec == "pca8" else []
+        kdcache("precompute", "--teacher", str(target), "--data", str(data), "--out", str(out), "--layers", "draft",
+                "--features", "hidden,logits", "--logits", "head", "--hidden-codec", codec, *rank,
+                "--max-length", "48", "--sequences-per-shard", "256", "--no-progress")
+    size = sum(p.stat().st_size for p in (out / "shards").rglob("*") if p.is_file())
+    return out, size / CacheReader(out).num_tokens
+
+
+def train_student(work: Path, target: Path, cache: Path, steps: int) -> Path:
+    """The KD student: blocks 1 and 8 of the target, trained from the fp16 cache (CE + KL on the head)."""
+    student, run = work / "student-init", work / "student-run"
+    if not (run / "student").exists():
+        kdcache("init-student", "--teacher", str(target), "--layers", "1,8", "--out", str(student))
+        kdcache("train", "--cache", str(cache), "--student", str(student), "--out", str(run), "--max-steps",
+                str(steps), "--batch-size", "8", "--gamma", "0", "--lr", "1e-3", "--quiet")
+    return run / "student"
+
+
+def train_head(work: Path, cache: Path, codec: str, steps: int) -> Path:
+    out = work / f"eagle3-{codec}"
+    if not (out / "config.json").exists():
+        kdcache("draft", "--cache", str(cache), "--out", str(out), "--max-steps", str(steps), "--batch-size", "8",
+                "--draft-vocab", "256", "--ttt-steps", "3", "--lr", "3e-3")
+    return out
+
+
+def evaluate(target: Path, prompts: Path, draft: Path | None, student: Path | None, max_new: int) -> dict[str, Any]:
+    extra = [*(["--draft", str(draft)] if draft else []), *(["--student", str(student)] if student else [])]
+    return json.loads(kdcache("draft-eval", "--target", str(target), "--prompts", str(prompts), "-k", "4",
+                              "--max-new", str(max_new), "--prompt-tokens", "16", "--repeats", "3", *extra, "--json"))
+
+
+def main() -> None:
+    from kdcache.pipeline.demo_text import stdlib_sentences
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="/tmp/kdcache-bench-draft")
+    parser.add_argument("--target-steps", type=int, default=400)
+    parser.add_argument("--draft-steps", type=int, default=200)
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--max-new", type=int, default=32)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)  # a shared 2-core box: one thread per process wastes no time spinning
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    texts = stdlib_sentences(limit=2400)
+    train, held = texts[:2000], texts[2000:2000 + args.prompts]
+    (work / "train.txt").write_text("\n".join(train) + "\n")
+    (work / "prompts.txt").write_text("\n".join(held) + "\n")
+    start = time.perf_counter()
+    target = train_target(work, train, args.target_steps)
+    caches = {c: build_cache(work, target, work / "train.txt", c) for c in CODECS}
+    student = train_student(work, target, caches["fp16"][0], args.draft_steps)
+    rows: dict[str, Any] = {}
+    for codec, (cache, per_token) in caches.items():
+        head = train_head(work, cache, codec, args.draft_steps)
+        report = evaluate(target, work / "prompts.txt", head, student if codec == "fp16" else None,
+                          args.max_new)
+        for name, figures in report["drafters"].items():
+            label = f"EAGLE-3 head ({codec} cache)" if name == "EAGLE-3 head" else name
+            rows.setdefault(label, {**figures, "bytes_per_token": per_token if "EAGLE" in label else None})
+    result = {"load": os.getloadavg(), "seconds": time.perf_counter() - start, "rows": rows,
+              "target_loss": (target / "trained").read_text().strip()}
+    print(json.dumps(result, indent=1))
+    print("| draft | tau | speed-up | accepted by position | cache bytes/token |\n|---|---|---|---|---|")
+    for label, f in rows.items():
+        per = " ".join(f"{a:.2f}" for a in f["per_position"] if a is not None)
+        size = "" if f["bytes_per_token"] is None else f"{f['bytes_per_token']:.0f}"
+        print(f"| {label} | {f['tau']:.2f} | {f['speedup']:.2f}x | {per} | {size} |")
+
+
+if __name__ == "__main__":
+    main()
