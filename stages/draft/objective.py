@@ -19,8 +19,8 @@ from kdcache.stages.draft.vocab import DraftInputError, DraftVocab, restrict_log
 
 if TYPE_CHECKING:
     from kdcache.stages.common.logit_kinds import LogitKind
+    from kdcache.stages.common.teacher_head import TeacherHead
     from kdcache.stages.draft.model import Eagle3Draft
-    from kdcache.stages.train.core import TeacherHead
     from kdcache.storage import CacheSpec
 
 STEP_DECAY = 0.8
