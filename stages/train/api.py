@@ -39,6 +39,7 @@ from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenizer, save_projectors, write_plan
 from kdcache.stages.train.core import (
+    DEFAULT_TEMPERATURE,
     CacheCheckError,
     LossOptions,
     MapOptions,
@@ -144,9 +145,11 @@ def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedM
 
 
 def idle_options(options: TrainOptions, plan: TrainPlan) -> list[str]:
-    """Options given that change nothing on this cache: a temperature without a logit KL to scale."""
+    """Options given that change nothing on this cache: a temperature without a logit KL to scale. The options
+    come with the cache's defaults filled in, so the default temperature (filled in where none was given) is
+    never named."""
     temperature = options.loss.temperature
-    if temperature is None or (plan.logit_kind is not None and options.loss.kl_weight > 0):
+    if temperature in (None, DEFAULT_TEMPERATURE) or (plan.logit_kind is not None and options.loss.kl_weight > 0):
         return []
     why = "the cache holds no teacher logits" if plan.logit_kind is None else "the KL's weight (beta) is 0"
     return [f"temperature {temperature} does nothing here: it scales the logit KL, and {why}"]

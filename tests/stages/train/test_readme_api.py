@@ -91,11 +91,11 @@ def test_a_temperature_without_logits_is_named(folder: Path, capsys: pytest.Capt
     assert main(["precompute", "--teacher", str(folder / "my-llama"), "--data", str(folder / "mine.jsonl"), "--out",
                  str(folder / "cache-hidden"), "--layers", "2,4", "--features", "hidden", "--no-progress"]) == 0
     student = AutoModelForCausalLM.from_pretrained(str(folder / "student-lm"))
-    idle = "temperature 2.0 does nothing here: it scales the logit KL, and the cache holds no teacher logits"
+    idle = "temperature 3.0 does nothing here: it scales the logit KL, and the cache holds no teacher logits"
     with pytest.warns(UserWarning, match=re.escape(idle)):  # the API prints no notes, but warns of an idle option
-        kdcache.DistillationLoss(str(folder / "cache-hidden"), student, gamma=1.0, temperature=2.0)
+        kdcache.DistillationLoss(str(folder / "cache-hidden"), student, gamma=1.0, temperature=3.0)
     capsys.readouterr()
-    options = ["--alpha", "0", "--beta", "0", "--gamma", "1", "--temperature", "2.0", "--max-steps", "1"]
+    options = ["--alpha", "0", "--beta", "0", "--gamma", "1", "--temperature", "3.0", "--max-steps", "1"]
     assert main(["train", "--cache", str(folder / "cache-hidden"), "--student", str(folder / "student-lm"),
                  "--out", str(folder / "run-idle"), *options]) == 0
     said = capsys.readouterr()

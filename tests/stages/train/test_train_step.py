@@ -125,8 +125,9 @@ def test_a_disk_filling_during_a_save_exits_2_and_the_run_resumes_from_the_previ
         assert (disk / "run" / "checkpoints" / "latest").read_text() == "step2"
         assert not (disk / "run" / "checkpoints" / "step4").exists()  # the partial tag is gone
         shutil.copytree(disk / "run", tmp_path / "moved")
+    # The run's own options (the CLI's default rate): a resume with others is refused (issue 61)
     summary = run_training(_options(setup, "unused", out=str(tmp_path / "moved"), resume=True, max_steps=4,
-                                    save_every=2, export=False))
+                                    save_every=2, export=False, lr=1e-4))  # --lr's default
     assert summary["resumed_from"] == 2 and summary["steps"] == 4
 
 
