@@ -14,7 +14,7 @@ Both sides of a speed-up rerun the whole sequence per pass (no key/value cache),
 like; on a shared machine the ratios, not the seconds, are the figures to read.
 
 Usage: ``python benchmarks/bench_draft.py [--work DIR --target-steps 400 --draft-steps 200 --prompts 24]``;
-prints JSON and a markdown table.
+prints JSON and a markdown table. The GPU check runs it smaller, with ``--codecs fp16 --device cuda``.
 """
 
 from __future__ import annotations
@@ -104,10 +104,12 @@ def train_head(work: Path, cache: Path, codec: str, steps: int) -> Path:
     return out
 
 
-def evaluate(target: Path, prompts: Path, draft: Path | None, student: Path | None, max_new: int) -> dict[str, Any]:
+def evaluate(target: Path, prompts: Path, draft: Path | None, student: Path | None, max_new: int,
+             device: str = "auto") -> dict[str, Any]:
     extra = [*(["--draft", str(draft)] if draft else []), *(["--student", str(student)] if student else [])]
     return json.loads(kdcache("draft-eval", "--target", str(target), "--prompts", str(prompts), "-k", "4",
-                              "--max-new", str(max_new), "--prompt-tokens", "16", "--repeats", "3", *extra, "--json"))
+                              "--max-new", str(max_new), "--prompt-tokens", "16", "--repeats", "3", *extra,
+                              "--device", device, "--json"))
 
 
 def main() -> None:
@@ -119,6 +121,9 @@ def main() -> None:
     parser.add_argument("--draft-steps", type=int, default=200)
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-new", type=int, default=32)
+    parser.add_argument("--codecs", default=",".join(CODECS), help="hidden codecs of the draft caches")
+    parser.add_argument("--device", default="auto", help="draft-eval's --device (the GPU check: cuda)")
+    parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args()
     import torch
 
@@ -131,19 +136,21 @@ def main() -> None:
     (work / "prompts.txt").write_text("\n".join(held) + "\n")
     start = time.perf_counter()
     target = train_target(work, train, args.target_steps)
-    caches = {c: build_cache(work, target, work / "train.txt", c) for c in CODECS}
+    caches = {c: build_cache(work, target, work / "train.txt", c) for c in args.codecs.split(",")}
     student = train_student(work, target, caches["fp16"][0], args.draft_steps)
     rows: dict[str, Any] = {}
     for codec, (cache, per_token) in caches.items():
         head = train_head(work, cache, codec, args.draft_steps)
         report = evaluate(target, work / "prompts.txt", head, student if codec == "fp16" else None,
-                          args.max_new)
+                          args.max_new, args.device)
         for name, figures in report["drafters"].items():
             label = f"EAGLE-3 head ({codec} cache)" if name == "EAGLE-3 head" else name
             rows.setdefault(label, {**figures, "bytes_per_token": per_token if "EAGLE" in label else None})
     result = {"load": os.getloadavg(), "seconds": time.perf_counter() - start, "rows": rows,
               "target_loss": (target / "trained").read_text().strip()}
     print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
     print("| draft | tau | speed-up | accepted by position | cache bytes/token |\n|---|---|---|---|---|")
     for label, f in rows.items():
         per = " ".join(f"{a:.2f}" for a in f["per_position"] if a is not None)

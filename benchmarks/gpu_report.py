@@ -2,9 +2,11 @@
 
 Reads what the check left in its folder: ``card.txt`` (the card, driver and versions), ``status.txt`` (each step's
 exit status), ``kernel_tests.xml`` (pytest's junit), ``vocab.json`` (``bench_vocab_losses``) and ``gpu.json``
-(``bench_gpu``; where it is missing, the JSON rows ``bench_gpu.log`` printed before it stopped). Writes markdown:
-the card, the kernel tests' counts, the kernel against the pure-torch chunks per loss, and each of issue 50's
-targets with the figure measured and whether it is met. A step that did not run shows as missing, never as met.
+(``bench_gpu``; where it is missing, the JSON rows ``bench_gpu.log`` printed before it stopped), ``generate.json``
+(``bench_generate``) and ``draft.json`` (``bench_draft``). Writes markdown: the card, the kernel tests' counts, the
+kernel against the pure-torch chunks per loss, each of issue 50's targets with the figure measured and whether it
+is met, generation with capture against bare ``generate`` (issue 58: ≥ 0.9×), and the drafts' tau and speed-up
+(issue 59). A step that did not run shows as missing, never as met.
 
 Usage: ``python benchmarks/gpu_report.py OUT_FOLDER > gpu.md``.
 """
@@ -38,9 +40,11 @@ def load(folder: Path) -> dict[str, Any]:
         path = folder / name
         return path.read_text().strip() if path.exists() else None
 
-    vocab = text("vocab.json")
+    vocab, generate, draft = text("vocab.json"), text("generate.json"), text("draft.json")
     return {"card": text("card.txt"), "status": text("status.txt"), "tests": _junit(folder / "kernel_tests.xml"),
-            "vocab": json.loads(vocab)["rows"] if vocab else None, "gpu": _bench_gpu(folder)}
+            "vocab": json.loads(vocab)["rows"] if vocab else None, "gpu": _bench_gpu(folder),
+            "generate": json.loads(generate) if generate else None,
+            "draft": json.loads(draft)["rows"] if draft else None}
 
 
 def _junit(path: Path) -> dict[str, int] | None:
@@ -105,6 +109,34 @@ def vocab_lines(rows: list[dict[str, Any]] | None) -> list[str]:
     return lines
 
 
+GENERATE_LEAST = 0.9  # issue 58: generation with capture at least 0.9x bare generate's tokens/s
+
+
+def generate_lines(rows: list[dict[str, Any]] | None) -> list[str]:
+    """Generation with capture against bare ``model.generate``, a row per shape, with the issue's bound."""
+    if not rows:
+        return ["bench_generate: missing"]
+    lines = ["| batch × prompt × new | generate tok/s | capture tok/s | capture × generate | verdict |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        rate = r["tokens_per_second"]
+        verdict = "**met**" if r["ratio"] >= GENERATE_LEAST else "missed"
+        lines.append(f"| {r['batch']} × {r['prompt']} × {r['new']} | {rate['generate']:,.0f} | "
+                     f"{rate['capture']:,.0f} | {r['ratio']:.2f} (≥ {GENERATE_LEAST}) | {verdict} |")
+    return lines
+
+
+def draft_lines(rows: dict[str, Any] | None) -> list[str]:
+    """Each drafter's acceptance length tau and speed-up over the target alone (draft-eval on the GPU)."""
+    if not rows:
+        return ["bench_draft: missing"]
+    lines = ["| draft | tau | speed-up |", "| --- | --- | --- |"]
+    for name, f in rows.items():
+        tau = "—" if f.get("tau") is None else f"{f['tau']:.2f}"
+        lines.append(f"| {name} | {tau} | {f['speedup']:.2f}× |")
+    return lines
+
+
 def report(folder: Path) -> str:
     found = load(folder)
     gpu = None if found["gpu"] is None else with_peak_ratios(found["gpu"])
@@ -114,7 +146,8 @@ def report(folder: Path) -> str:
              "Steps: " + "; ".join((found["status"] or "none ran").splitlines()) + ".", "",
              "Kernel tests on CUDA: " + ("missing" if tests is None else
                                          ", ".join(f"{v} {k}" for k, v in tests.items())) + ".", "",
-             *vocab_lines(found["vocab"]), "", *target_lines(gpu)]
+             *vocab_lines(found["vocab"]), "", *target_lines(gpu), "", *generate_lines(found["generate"]), "",
+             *draft_lines(found["draft"])]
     if gpu and gpu.get("cut_off"):
         lines += ["", "bench_gpu was cut off: the stage one rows above are those it printed before."]
     return "\n".join(lines) + "\n"

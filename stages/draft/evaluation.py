@@ -45,6 +45,13 @@ class EvalOptions:
     limit: int = 0  # prompts used, 0: all
     seed: int = 0
     repeats: int = 1  # timed runs per drafter, alternating with the target alone; the best of each is kept
+    device: str = "auto"  # where the target and the drafts run; auto: cuda when there is one
+
+    def torch_device(self) -> torch.device:
+        """``device`` resolved once: ``auto`` is the first GPU when torch sees one, else the CPU."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
     def problems(self) -> list[str]:
         out = [f"-k: got {self.k}, expected at least 1 (draft tokens per round)"] if self.k < 1 else []
@@ -52,7 +59,16 @@ class EvalOptions:
         out += [f"--repeats: got {self.repeats}, expected at least 1"] if self.repeats < 1 else []
         out += [f"--temperature: got {self.temperature}, expected 0 (greedy) or more"] if self.temperature < 0 else []
         out += [f"--prompts: {self.prompts!r} is not a file"] if not Path(self.prompts).is_file() else []
-        return out
+        return out + self._device_problems()
+
+    def _device_problems(self) -> list[str]:
+        try:
+            device = self.torch_device()
+        except RuntimeError as exc:
+            return [f"--device: {self.device!r} is not a device ({exc}); expected auto, cpu or cuda[:N]"]
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return [f"--device: {self.device!r}, but torch sees no CUDA device here; expected auto or cpu"]
+        return []
 
 
 def load_prompts(options: EvalOptions, tokenizer: PreTrainedTokenizerBase) -> list[torch.Tensor]:
@@ -68,9 +84,9 @@ def drafters_for(options: EvalOptions, model: PreTrainedModel) -> list[Drafter]:
     """Prompt lookup, then the student and the EAGLE-3 head when given."""
     out: list[Drafter] = [PromptLookup()]
     if options.student:
-        out.append(ModelDrafter(AutoModelForCausalLM.from_pretrained(options.student).eval()))
+        out.append(ModelDrafter(AutoModelForCausalLM.from_pretrained(options.student).to(model.device).eval()))
     if options.draft:
-        out.append(Eagle3Drafter(load_draft(options.draft, target_embedding(model).detach())))
+        out.append(Eagle3Drafter(load_draft(options.draft, target_embedding(model).detach()).to(model.device)))
     return out
 
 
@@ -88,11 +104,12 @@ def evaluate_drafts(options: EvalOptions) -> dict[str, Any]:
     problems = options.problems()
     if problems:
         raise DraftInputError("; ".join(problems))
-    model = AutoModelForCausalLM.from_pretrained(options.target).eval()
+    model = AutoModelForCausalLM.from_pretrained(options.target).to(options.torch_device()).eval()
     prompts = load_prompts(options, AutoTokenizer.from_pretrained(options.target))
     drafters = drafters_for(options, model)
     layers = next((d.draft.shape.layers for d in drafters if isinstance(d, Eagle3Drafter)), None)
-    report: dict[str, Any] = {"prompts": len(prompts), "k": options.k, "max_new": options.max_new,
+    report: dict[str, Any] = {"device": str(model.device), "prompts": len(prompts), "k": options.k,
+                              "max_new": options.max_new,
                               "temperature": options.temperature, "repeats": options.repeats, "drafters": {}}
     for drafter in drafters:
         alone, runs, alone_s, spec_s = _timed(model, layers, drafter, prompts, options)

@@ -52,6 +52,8 @@ def register(subparsers: Subcommands) -> None:
                                       ("--repeats", int, 1, "timed runs, alternating with the target alone; best "
                                                             "of each")):
         judge.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
+    judge.add_argument("--device", default="auto", help="where the target and the drafts run: auto (cuda when "
+                                                        "there is one, else cpu), cpu, cuda, cuda:1... (default auto)")
     judge.add_argument("--json", action="store_true", help="print the report as JSON")
     judge.set_defaults(func=run_draft_eval)
 
@@ -76,6 +78,7 @@ def _train_lines(summary: dict[str, object]) -> str:
 def run_draft_eval(args: argparse.Namespace) -> int:
     """Run the evaluation and print its report. Returns 0."""
     options = draft.EvalOptions(args.target, args.prompts, args.draft, args.student, args.k, args.max_new,
-                                args.temperature, args.prompt_tokens, args.limit, args.seed, args.repeats)
+                                args.temperature, args.prompt_tokens, args.limit, args.seed, args.repeats,
+                                args.device)
     print_summary(draft.evaluate_drafts(options), args.json, draft.format_report)
     return 0

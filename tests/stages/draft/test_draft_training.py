@@ -101,15 +101,18 @@ def test_kdcache_draft_exports_speculators_eagle3_layout(made):
 def test_draft_eval_reports_tau_and_keeps_the_targets_greedy_tokens(made, capsys):
     capsys.readouterr()
     assert main(["draft-eval", "--target", str(made["target"]), "--prompts", str(made["prompts"]), "--draft",
-                 str(made["draft"]), "--student", str(made["target"]), "-k", "3", "--max-new", "8", "--json"]) == 0
+                 str(made["draft"]), "--student", str(made["target"]), "-k", "3", "--max-new", "8", "--json",
+                 "--device", "auto"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # auto: the GPU where there is one
     assert set(report["drafters"]) == {"prompt lookup", "KD student", "EAGLE-3 head"}
     for figures in report["drafters"].values():
         assert figures["equals_target"] and 1 <= figures["tau"] <= 4 and len(figures["per_position"]) == 3
     assert report["drafters"]["KD student"]["per_position"] == [1.0] * 3  # the target as its own draft: all kept
 
 
-@pytest.mark.parametrize("case", ["no draft folder", "K below 1", "vocabulary above V", "eval K below 1", "out taken"])
+@pytest.mark.parametrize("case", ["no draft folder", "K below 1", "vocabulary above V", "eval K below 1", "out taken",
+                                  "eval device"])
 def test_bad_input_exits_2_with_a_clear_message(made, case, capsys):
     cache, out = str(made["cache"]), str(made["root"] / f"bad-{case.replace(' ', '-')}")
     argv, message = {
@@ -120,6 +123,8 @@ def test_bad_input_exits_2_with_a_clear_message(made, case, capsys):
         "eval K below 1": (["draft-eval", "--target", str(made["target"]), "--prompts", str(made["prompts"]),
                             "-k", "0"], "-k: got 0, expected at least 1"),
         "out taken": (["draft", "--cache", cache, "--out", str(made["draft"])], "already holds a draft"),
+        "eval device": (["draft-eval", "--target", str(made["target"]), "--prompts", str(made["prompts"]),
+                         "--device", "tpu9"], "--device: 'tpu9' is not a device"),
     }[case]
     capsys.readouterr()
     assert main(argv) == 2
