@@ -142,3 +142,73 @@ def _same(shown: str, printed: str) -> bool:
 def _close(shown: str, printed: str) -> bool:
     decimals = len(shown.split(".")[1]) if "." in shown else 0
     return abs(float(shown.replace(",", "")) - float(printed.replace(",", "").rstrip("."))) <= 2 * 10.0 ** -decimals
+
+
+def console_commands(heading: str) -> tuple[list[str], list[str]]:
+    """The commands of the first console block after ``heading`` (``$ `` lines, continued lines joined) and the
+    lines it shows as their output."""
+    block = readme_block(heading, "console").replace("\\\n", " ")
+    commands = [line[2:] for line in block.splitlines() if line.startswith("$ ")]
+    return commands, [line for line in block.splitlines() if line and not line.startswith("$ ")]
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _own_responses_setup(root: Path, first_row: str) -> None:
+    """The walkthrough's names: a 4-block Llama chat teacher (ChatML, 512 positions for the 256 new tokens), four
+    prompts (the first the one the README shows: two responses each fill one step of train's batch of 8) and one
+    held-out prompt."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tests.helpers.tiny_models import make_tiny_llama, sample_texts
+
+    teacher = make_tiny_llama(root / "my-chat-teacher", layers=4, hidden=16, heads=2, kv_heads=1, intermediate=32,
+                              positions=512, specials=["<|im_start|>", "<|im_end|>"])
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    tokenizer.chat_template = CHATML  # a chat teacher ships its template with its tokenizer
+    tokenizer.save_pretrained(teacher)
+
+    def row(text: str) -> str:
+        turns = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": text}]
+        return json.dumps({"messages": turns}) + "\n"
+
+    texts = sample_texts(4, seed=7)
+    (root / "prompts.jsonl").write_text(first_row + "\n" + "".join(row(t[:40]) for t in texts[:3]))
+    (root / "prompts-heldout.jsonl").write_text(row(texts[3][:40]))
+
+
+@pytest.mark.slow
+def test_own_responses_walkthrough_runs_as_written(tmp_path: Path) -> None:
+    """Prompts -> generate (its estimate first) -> a held-out generate -> init-student -> train -> eval, each line as
+    the README writes it: the cache holds the prompts' responses with the loss on them, the estimate wrote nothing,
+    and eval scores the trained student on the held-out responses."""
+    import json
+
+    from kdcache.stages.train.evaluation.eval_records import read_evals
+    from kdcache.storage import CacheReader
+
+    commands, shown = console_commands("## Distil on the teacher's own responses")
+    assert [c.split()[:2] for c in commands] == [["head", "-1"]] + [["kdcache", n] for n in (
+        "generate", "generate", "generate", "init-student", "train", "eval")], commands
+    _own_responses_setup(tmp_path, shown[0])
+    env = child_env(HF_HUB_OFFLINE="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run(["bash", "-c", "set -e\n" + "\n".join(commands)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(shown[0] + "\n")
+    assert "(nothing was written)" in proc.stdout
+    reader = CacheReader(tmp_path / "cache-own")
+    assert reader.num_sequences == 8  # four prompts, two responses each
+    generations = (tmp_path / "cache-own.generations.jsonl").read_text().splitlines()
+    assert len(generations) == 8 and all(json.loads(g)["messages"][-1]["role"] == "assistant" for g in generations)
+    for i in range(len(reader)):  # the loss is on the response only: a prompt precedes it, untrained
+        mask = reader[i]["loss_mask"]
+        assert mask[0] == 0 and mask.any()
+    assert "trained 20 steps" in proc.stdout
+    [record] = [r for r in read_evals(tmp_path / "run-own") if r["role"] == "trained"]
+    assert f"top-1 agreement  {record['top1_agreement']:.4f}" in proc.stdout
+    assert CacheReader(tmp_path / "heldout-own").num_sequences == 1
