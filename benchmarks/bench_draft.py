@@ -115,7 +115,7 @@ def evaluate(target: Path, prompts: Path, draft: Path | None, student: Path | No
 def main() -> None:
     from kdcache.pipeline.demo_text import stdlib_sentences
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="/tmp/kdcache-bench-draft")
     parser.add_argument("--target-steps", type=int, default=400)
     parser.add_argument("--draft-steps", type=int, default=200)

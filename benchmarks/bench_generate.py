@@ -123,7 +123,7 @@ def run(batch: int, prompt: int, new: int, repeats: int, shape: Shape = Shape())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shapes", default="8x32x64,1x32x64,16x64x32", help="BATCHxPROMPTxNEW, comma-separated")

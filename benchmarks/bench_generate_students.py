@@ -122,7 +122,7 @@ def _score(teacher: Any, student: Any, tokenizer: Any, prompts: list[str], new: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--teacher-steps", type=int, default=300)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--new", type=int, default=40)

@@ -181,7 +181,7 @@ def table(best: dict[str, dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="/tmp/kdcache-bench-s2mem", help="teacher, caches and runs go here")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)

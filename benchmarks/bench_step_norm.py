@@ -41,7 +41,7 @@ def host_batch(batch: int, length: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=50)
