@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kdcache.stages.common.draft_inputs import target_embedding
@@ -84,10 +85,16 @@ def drafters_for(options: EvalOptions, model: PreTrainedModel) -> list[Drafter]:
     """Prompt lookup, then the student and the EAGLE-3 head when given."""
     out: list[Drafter] = [PromptLookup()]
     if options.student:
-        out.append(ModelDrafter(AutoModelForCausalLM.from_pretrained(options.student).to(model.device).eval()))
+        out.append(ModelDrafter(_placed(AutoModelForCausalLM.from_pretrained(options.student), model.device)))
     if options.draft:
         out.append(Eagle3Drafter(load_draft(options.draft, target_embedding(model).detach()).to(model.device)))
     return out
+
+
+def _placed(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+    """``model`` on ``device``, in eval mode (through ``nn.Module.to``: transformers types its own ``to`` for
+    dtypes only)."""
+    return nn.Module.to(model, device).eval()
 
 
 def _run(target: TargetFn, drafter: Drafter | None, prompts: list[torch.Tensor], options: EvalOptions
@@ -104,7 +111,7 @@ def evaluate_drafts(options: EvalOptions) -> dict[str, Any]:
     problems = options.problems()
     if problems:
         raise DraftInputError("; ".join(problems))
-    model = AutoModelForCausalLM.from_pretrained(options.target).to(options.torch_device()).eval()
+    model = _placed(AutoModelForCausalLM.from_pretrained(options.target), options.torch_device())
     prompts = load_prompts(options, AutoTokenizer.from_pretrained(options.target))
     drafters = drafters_for(options, model)
     layers = next((d.draft.shape.layers for d in drafters if isinstance(d, Eagle3Drafter)), None)
