@@ -243,6 +243,12 @@ def save_projectors(folder: str | Path, projectors: nn.Module, critics: _Statefu
     return path
 
 
+def read_projectors(folder: str | Path) -> dict[str, Any]:
+    """``folder/projectors.pt`` as ``save_projectors`` wrote it, on the CPU: ``{"projectors": state dict}`` and, for a
+    wgan loss, ``"critics"``; the one reader of that layout."""
+    return dict(torch.load(Path(folder) / PROJECTORS_FILE, map_location="cpu"))
+
+
 def write_plan(folder: str | Path, plan: dict[str, object]) -> None:
     """Write ``folder/plan.json`` (the layer maps ``kdcache eval --run`` scores with), as ``kdcache train`` does."""
     (Path(folder) / PLAN_FILE).write_text(json.dumps(plan, indent=2) + "\n")

@@ -23,7 +23,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_metrics
 
 from kdcache.stages.train.api import ApiError, CacheDataset, DistillationLoss, check_tokenizer, seed_dropout
-from kdcache.stages.train.checkpoint import PROJECTORS_FILE, save_projectors, write_plan
+from kdcache.stages.train.checkpoint import PROJECTORS_FILE, read_projectors, save_projectors, write_plan
 from kdcache.stages.train.core import open_cache
 from kdcache.stages.train.evaluation import HeldOut, lm_kind
 from kdcache.stages.train.feed import CacheStream, DataPosition, check_resumable
@@ -345,7 +345,7 @@ class CacheTrainer(Trainer):
             self._load_projectors(Path(self.state.best_model_checkpoint))
 
     def _load_projectors(self, folder: Path) -> None:
-        extras = torch.load(folder / PROJECTORS_FILE, map_location="cpu")  # load_state_dict copies to the device
+        extras = read_projectors(folder)  # on the CPU: load_state_dict copies to the device
         self.distill.projectors.load_state_dict(extras["projectors"])
         critics = self.distill.criterion.critics
         if critics is not None and "critics" in extras:

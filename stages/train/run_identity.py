@@ -17,11 +17,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from kdcache.stages.common import leaves
-from kdcache.stages.train.checkpoint import PROJECTORS_FILE
+from kdcache.stages.train.checkpoint import PROJECTORS_FILE, read_projectors
 from kdcache.stages.train.core import TrainOptions
 from kdcache.storage import KdcacheError, hash_json, read_json_object
 
@@ -130,7 +129,7 @@ def start_projectors(model: nn.Module, init_from: str | None) -> str | None:
     source = Path(init_from or "") / PROJECTORS_FILE
     if not init_from or target is None or not source.is_file():
         return None
-    saved = torch.load(source, map_location="cpu").get("projectors") or {}
+    saved = read_projectors(source.parent).get("projectors") or {}
     own = target.state_dict()
     fitting = {k: v for k, v in saved.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
     target.load_state_dict(fitting, strict=False)
