@@ -19,12 +19,12 @@ from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.engine_options import TRAIN, EngineOptions
 from kdcache.stages.common.logit_kinds import TOPK_VARIANTS as TOPK_KL_VARIANTS
 from kdcache.stages.common.option_groups import assemble, flatten
+from kdcache.stages.train.core.hidden_losses import HiddenLoss, hidden_loss, hidden_loss_choices
 from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheSpec
 
-HIDDEN_LOSSES = ("mse", "cosine", "cka", "cka_sqrt", "wgan")
 ATTENTION_LOSSES = ("kl", "relation")  # relation: MiniLMv2's q-q / k-k / v-v relations (a q/k or q/k/v cache)
 DEFAULT_TEMPERATURE = 2.0  # --temperature when none is given and the cache does not fix one
 
@@ -81,7 +81,7 @@ class DataOptions:
 class LossOptions:
     """The compound loss: the weight of each term, the hidden-state loss, the KD temperature."""
 
-    hidden_loss: str = field(default="mse", metadata=_opt("hidden-state loss", choices=list(HIDDEN_LOSSES)))
+    hidden_loss: str = field(default="mse", metadata=_opt("hidden-state loss", choices=hidden_loss_choices()))
     alpha: float | None = field(default=None, metadata=_opt(
         "weight of the CE term (causal shift; default 1, 0 for a student without an LM head or an encoder's, whose "
         "CE on unmasked cached tokens is near-trivial)"))
@@ -106,6 +106,12 @@ class LossOptions:
         "train a student whose tokenizer differs from the teacher's, from a cache written with --record-text: "
         "tokens aligned by the text they cover; the vocabulary term is gold (exact KL on shared tokens, ULD on the "
         "rest) or uld; --cross-tokenizer alone means gold", choices=["gold", "uld"], nargs="?", const="gold"))
+
+    @property
+    def hidden(self) -> HiddenLoss:
+        """``--hidden-loss`` as its object, looked up here where the options are read (``LossError`` for a name no
+        loss has, which ``validate`` reports first)."""
+        return hidden_loss(self.hidden_loss)
 
     @property
     def ce_weight(self) -> float:

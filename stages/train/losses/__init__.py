@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.train.core import HIDDEN_LOSSES, LayerMapError
+from kdcache.stages.train.core import HIDDEN_LOSSES, LayerMapError, hidden_loss
 from kdcache.stages.train.losses.attention import attention_kl, group_teacher_heads
 from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
@@ -53,27 +53,24 @@ from kdcache.stages.train.losses.logits import (
 from kdcache.stages.train.losses.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
 from kdcache.storage import KdcacheError, Registry  # the option's choices are the registry's names
 
-_REGISTRY: Registry[Callable[..., object]] = Registry("loss", LossError)
-for _name, _loss in (
+# Every loss by its term's name. A hidden loss's function is its family object's (``core.hidden_losses``, the one
+# place a hidden loss is defined), listed where the definitions list it.
+_DEFINITIONS: list[tuple[str, Callable[..., object]]] = [
     ("ce", causal_ce),
     ("ce_token", token_ce),
     ("kl", kd_kl),
     ("topk_kl", topk_kl),
     ("topk_kl_renorm", topk_kl_renorm),
     ("topk_kl_other", topk_kl_other),
-    ("mse", masked_mse),
-    ("cosine", cosine_loss),
-    ("cka", cka_loss),
-    ("cka_sqrt", cka_sqrt_loss),
+    *((name, hidden_loss(name).resolved()) for name in ("mse", "cosine", "cka", "cka_sqrt")),
     ("attention_kl", attention_kl),
-    ("wgan", wgan_student_loss),
+    ("wgan", hidden_loss("wgan").resolved()),
     ("uld", uld_loss),
     ("gold", gold_loss),
-):
+]
+_REGISTRY: Registry[Callable[..., object]] = Registry("loss", LossError)
+for _name, _loss in _DEFINITIONS:
     _REGISTRY.add(_name, _loss)
-
-# The names the CLI's --hidden-loss accepts; the wgan one needs a critic, the CKA ones no projector.
-PROJECTOR_FREE_LOSSES = ("cka", "cka_sqrt")
 
 
 def registered_losses() -> list[str]:
@@ -90,7 +87,6 @@ __all__ = [
     "HIDDEN_LOSSES",
     "cached_qk_loss", "cross_attention_kl", "cross_vocab_term", "shared_student_ids", "shared_vocab", "span_mean",
     "span_rows", "causal_ce_term", "token_ce_term",
-    "PROJECTOR_FREE_LOSSES",
     "TOPK_VARIANTS",
     "Critic",
     "CriticTrainer",

@@ -30,20 +30,25 @@ from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import KlSetup, LogitKind
 from kdcache.stages.common.loss_rows import tied_zero
 from kdcache.stages.common.vocab_pass import ChunkTerm, vocab_pass
-from kdcache.stages.train.core import Pair, TokenMasks, pair_key, token_masks
-from kdcache.stages.train.losses import (
+from kdcache.stages.train.core import (
     HIDDEN_LOSSES,
+    HiddenLoss,
+    Pair,
+    TokenMasks,
+    pair_key,
+    token_masks,
+    unknown_hidden_loss,
+)
+from kdcache.stages.train.losses import (
     TOPK_VARIANTS,
     CriticTrainer,
     LossError,
     attention_kl,
     cached_qk_loss,
     causal_ce_term,
-    get_loss,
     token_ce_term,
-    wgan_student_loss,
 )
-from kdcache.stages.train.objective.projectors import Projectors, needs_projector
+from kdcache.stages.train.objective.projectors import Projectors
 
 if TYPE_CHECKING:
     from kdcache.stages.common.head_logits import HeadLogits
@@ -51,7 +56,6 @@ if TYPE_CHECKING:
     from kdcache.stages.common.teacher_head import TeacherHead
 
 CE_KINDS = ("causal", "token")
-EMPTY_SAFE_HIDDEN = ("mse", "cosine")  # hidden losses that give 0 on a micro-batch with no trained token
 
 
 class StudentOutput(Protocol):
@@ -72,13 +76,13 @@ class CompoundLoss(nn.Module):
 
     Args:
         layer_map: (student, teacher) pairs for the hidden term (``build_layer_map``).
-        student_dim: d_s; needed when projectors are (γ > 0 with mse, cosine or wgan).
+        student_dim: d_s; needed when projectors are (γ > 0 with a hidden loss that has them: mse, cosine, wgan).
         teacher_dim: d_t; likewise.
         alpha, beta, gamma, delta: weights of CE, KL, hidden and attention; a 0 weight skips the term.
         temperature: KD temperature for ``kl`` and ``topk_kl`` renorm. ``other`` requires 1.0 and raises on the
             first batch otherwise; it is not refused here because with a full-logit cache the variant is unused
             (a check that knows the cache's logit kind belongs in the pre-training checks).
-        hidden_loss: one of ``HIDDEN_LOSSES``.
+        hidden_loss: a ``HiddenLoss`` (``LossOptions.hidden``), or the name of one in ``HIDDEN_LOSSES``.
         topk_variant: ``"renorm"`` or ``"other"``, used when the cache holds top-k logits.
         ce: ``"causal"`` (shifted, decoders, on ``input_ids``) or ``"token"`` (unshifted, masked-LM heads, on
             ``targets["labels"]`` when present, else ``input_ids``).
@@ -108,7 +112,7 @@ class CompoundLoss(nn.Module):
         gamma: float = 0.0,
         delta: float = 0.0,
         temperature: float = 1.0,
-        hidden_loss: str = "mse",
+        hidden_loss: HiddenLoss | str = "mse",
         topk_variant: str = "renorm",
         ce: str = "causal",
         attention_map: Sequence[Pair] | None = None,
@@ -129,10 +133,9 @@ class CompoundLoss(nn.Module):
         # A q/k cache (teacher_scores: its score record): attention from the student's recorded queries and keys.
         self.attention_loss, self.relation_heads, self.teacher_scores = attention_loss, relation_heads, teacher_scores
         self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
-        self.temperature, self.hidden_loss, self.topk_variant, self.ce = temperature, hidden_loss, topk_variant, ce
-        self._check_config()
-        # The hidden loss's function, looked up once (wgan's is its critic's, below).
-        self._hidden_fn = None if hidden_loss == "wgan" else get_loss(hidden_loss)
+        self.temperature, self.topk_variant, self.ce = temperature, topk_variant, ce
+        self._check_config(hidden_loss)
+        self.hidden_loss: HiddenLoss = HIDDEN_LOSSES[hidden_loss] if isinstance(hidden_loss, str) else hidden_loss
         self.layer_map: list[Pair] = [(int(s), int(t)) for s, t in layer_map] if gamma > 0 else []
         default_attention = [p for p in layer_map if p[0] > 0 and p[1] > 0]
         self.attention_map: list[Pair] = ([(int(s), int(t)) for s, t in (attention_map or default_attention)]
@@ -140,7 +143,7 @@ class CompoundLoss(nn.Module):
         self.projectors = self._build_projectors(student_dim, teacher_dim, seed)
         self.critic_in_forward = critic_in_forward
         self.critics: CriticTrainer | None = None
-        if hidden_loss == "wgan" and self.layer_map:
+        if self.hidden_loss.adversarial and self.layer_map:
             keys = list(dict.fromkeys(pair_key(p) for p in self.layer_map))
             self.critics = CriticTrainer(
                 keys, int(teacher_dim or 0), n_steps=critic_steps, gp_weight=gp_weight, lr=critic_lr, seed=seed
@@ -165,7 +168,8 @@ class CompoundLoss(nn.Module):
         masks = token_masks(mask, targets.get("loss_mask"), targets.get("position_ids"), causal=self.ce == "causal")
         # A micro-batch with nothing to count (rare: a loss mask leaves no trained token or no prediction) adds 0 to
         # a term, tied to the graph, rather than stopping the run. The vocabulary terms, mse and cosine divide by a
-        # count on the device and add that 0 themselves; asking the others costs a host sync, so only they ask.
+        # count on the device and add that 0 themselves (so do the hidden losses that say they are empty-safe);
+        # asking the others costs a host sync, so only they ask.
         any_trained, any_predicts = masks.counted() if self._needs_counts() else (True, True)
         if self.weights["ce"] > 0:
             self._add_ce(student_out, targets, masks, terms, vocab, any_trained)
@@ -184,7 +188,7 @@ class CompoundLoss(nn.Module):
 
     def _needs_counts(self) -> bool:
         """Whether a term of this loss cannot take a micro-batch with nothing to count (attention, CKA, wgan)."""
-        return bool(self.attention_map) or (bool(self.layer_map) and self.hidden_loss not in EMPTY_SAFE_HIDDEN)
+        return bool(self.attention_map) or (bool(self.layer_map) and not self.hidden_loss.empty_safe)
 
     def _vocab_pass(self, out: StudentOutput, vocab: dict[str, ChunkTerm], terms: dict[str, torch.Tensor],
                     scale: Mapping[str, float]) -> torch.Tensor | None:
@@ -258,14 +262,14 @@ class CompoundLoss(nn.Module):
     def _one_hidden(
         self, pair: Pair, h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor, logs: dict
     ) -> torch.Tensor:
-        if self._hidden_fn is not None:
-            return self._hidden_fn(h_s, h_t, mask)  # type: ignore[return-value]
+        if not self.hidden_loss.adversarial:
+            return self.hidden_loss.compute(h_s, h_t, mask)
         key = pair_key(pair)
         assert self.critics is not None
         self.critics.to(h_s.device)
         if self.critic_in_forward and self.training and torch.is_grad_enabled():
             logs[f"critic/{key}"] = torch.tensor(self.critics.step(key, h_s, h_t, mask))
-        return wgan_student_loss(self.critics[key], h_s, mask)
+        return self.hidden_loss.compute(self.critics[key], h_s, mask)  # the student's side against its critic
 
     def _attention_term(
         self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict, any_trained: bool
@@ -305,18 +309,16 @@ class CompoundLoss(nn.Module):
         return total
 
     def _build_projectors(self, student_dim: int | None, teacher_dim: int | None, seed: int) -> Projectors:
-        wanted = bool(self.layer_map) and needs_projector(self.hidden_loss)
+        wanted = bool(self.layer_map) and self.hidden_loss.projector
         if wanted and (student_dim is None or teacher_dim is None):
-            raise LossError(f"the {self.hidden_loss} hidden loss needs student_dim and teacher_dim for its projectors")
-        return Projectors(
-            self.layer_map if wanted else [], student_dim or 0, teacher_dim or 0, hidden_loss=self.hidden_loss,
-            seed=seed,
-        )
+            raise LossError(f"the {self.hidden_loss.name} hidden loss needs student_dim and teacher_dim for its "
+                            f"projectors")
+        return Projectors(self.layer_map if wanted else [], student_dim or 0, teacher_dim or 0, seed=seed)
 
-    def _check_config(self) -> None:
+    def _check_config(self, hidden_loss: HiddenLoss | str) -> None:
         problems = [f"weight {k} must be >= 0, got {w}" for k, w in self.weights.items() if not w >= 0]
-        if self.hidden_loss not in HIDDEN_LOSSES:
-            problems.append(f"unknown hidden loss {self.hidden_loss!r}; choose one of {', '.join(HIDDEN_LOSSES)}")
+        if isinstance(hidden_loss, str) and hidden_loss not in HIDDEN_LOSSES:  # a name given here, not an object
+            problems.append(unknown_hidden_loss(hidden_loss))
         if self.topk_variant not in TOPK_VARIANTS:
             problems.append(f"unknown top-k variant {self.topk_variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
         if self.ce not in CE_KINDS:

@@ -15,18 +15,13 @@ import torch
 from torch import nn
 
 from kdcache.stages.train.core import Pair, pair_key
-from kdcache.stages.train.losses import PROJECTOR_FREE_LOSSES
-
-
-def needs_projector(hidden_loss: str) -> bool:
-    """Whether ``hidden_loss`` compares in the teacher's space (mse, cosine, wgan) or not (cka, cka_sqrt)."""
-    return hidden_loss not in PROJECTOR_FREE_LOSSES
 
 
 class Projectors(nn.Module):
     """One ``nn.Linear(d_s, d_t)`` per (student, teacher) pair, keyed ``"s{j}_t{i}"``.
 
-    None are created for projector-free losses (CKA) or an empty map; ``project`` is then the identity.
+    None are created for an empty map (``CompoundLoss`` gives one to a loss without a projector, CKA);
+    ``project`` is then the identity.
 
     Init (bias zero):
       * d_s == d_t: the exact identity. A student initialised from teacher layers (``init-student``) already
@@ -40,17 +35,14 @@ class Projectors(nn.Module):
         pairs: the layer map.
         student_dim: d_s.
         teacher_dim: d_t.
-        hidden_loss: the hidden loss name; CKA ones get no projectors.
         seed: seeds the semi-orthogonal inits (the same on every rank).
     """
 
-    def __init__(
-        self, pairs: Sequence[Pair], student_dim: int, teacher_dim: int, *, hidden_loss: str = "mse", seed: int = 0
-    ):
+    def __init__(self, pairs: Sequence[Pair], student_dim: int, teacher_dim: int, *, seed: int = 0):
         super().__init__()
         self.student_dim = student_dim
         self.teacher_dim = teacher_dim
-        keys = [pair_key(p) for p in pairs] if needs_projector(hidden_loss) else []
+        keys = [pair_key(p) for p in pairs]
         generator = torch.Generator().manual_seed(seed)
         # dict.fromkeys: a pair listed twice shares one projector.
         self.layers = nn.ModuleDict({k: self._make(generator) for k in dict.fromkeys(keys)})

@@ -1,0 +1,98 @@
+"""The hidden-state losses of stage two (``--hidden-loss``) as a family of objects: one ``HiddenLoss`` per loss, in
+one registry, holding everything the rest of stage two asks of it.
+
+A loss is registered once, here (or from a test, which deletes its entry again): its name is the flag's value, and
+the flag's choices are the registry's live names (``hidden_loss_choices``). Past the edge where the options are read
+(``LossOptions.hidden``) code holds the object and reads its attributes; it never compares the name.
+
+This module imports no torch, so that the option classes and ``kdcache train --help`` list the losses without it.
+A built-in loss therefore names its function the way an entry point does, ``"module:function"``, and the function
+is imported the first time a loss is computed (the losses run on torch tensors, so torch is loaded by then).
+"""
+
+from __future__ import annotations
+
+import pkgutil
+from collections.abc import Callable, KeysView
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kdcache.stages.common.loss_errors import LossError
+from kdcache.storage import Registry
+
+if TYPE_CHECKING:
+    import torch
+
+HIDDEN = "kdcache.stages.train.losses.hidden"  # the torch half of the built-in losses
+
+
+@dataclass(frozen=True)
+class HiddenLoss:
+    """One hidden-state loss.
+
+    Args:
+        name: the ``--hidden-loss`` value, the name in messages and in ``RUN/options.json``.
+        function: ``(h_s [B, L, d], h_t [B, L, d_t], mask [B, L]) -> scalar``, or, for an adversarial loss, the
+            student's side ``(critic, h_s [B, L, d_t], mask [B, L]) -> scalar``; a callable, or its
+            ``"module:attribute"`` when the module imports torch.
+        projector: the student's states are projected to the teacher's width first (``Projectors``); a loss that
+            compares the two spaces without one (CKA) says False.
+        empty_safe: the function itself gives 0 (tied to the graph) on a micro-batch with no trained token, with no
+            host sync; the compound loss asks the others' counts first and adds that 0 for them.
+        adversarial: the loss is a critic's (WGAN-GP): ``CompoundLoss`` trains one critic per layer pair
+            (``CriticTrainer``) and ``function`` is the student's side against it.
+    """
+
+    name: str
+    function: Callable[..., torch.Tensor] | str = field(repr=False, compare=False)
+    projector: bool = True
+    empty_safe: bool = False
+    adversarial: bool = False
+
+    def resolved(self) -> Callable[..., torch.Tensor]:
+        """``function`` itself: imported from its module on the first call when it is named."""
+        if isinstance(self.function, str):
+            # Resolved once; the entry stays the same object (the registry's, and every holder's).
+            object.__setattr__(self, "function", pkgutil.resolve_name(self.function))
+        return self.function  # type: ignore[return-value]
+
+    def compute(self, *args: object) -> torch.Tensor:
+        """The loss's value on ``args`` (see ``function``)."""
+        return self.resolved()(*args)
+
+
+HIDDEN_LOSSES: Registry[HiddenLoss] = Registry("hidden loss", LossError)
+
+
+def register_hidden_loss(loss: HiddenLoss) -> HiddenLoss:
+    """Add ``loss`` under its name (a later entry of the same name replaces it); returns it."""
+    return HIDDEN_LOSSES.add(loss.name, loss)
+
+
+def hidden_loss_choices() -> KeysView[str]:
+    """The registered names as a live view: the flag's choices, which follow a loss registered later (a test's)."""
+    return HIDDEN_LOSSES.keys()
+
+
+def unknown_hidden_loss(name: object) -> str:
+    """The message for a hidden loss no entry has."""
+    return f"unknown hidden loss {name!r}; choose one of {', '.join(HIDDEN_LOSSES)}"
+
+
+def hidden_loss(name: object) -> HiddenLoss:
+    """The loss registered as ``name``.
+
+    Raises:
+        LossError: ``unknown_hidden_loss(name)``, naming every registered loss.
+    """
+    if not isinstance(name, str) or name not in HIDDEN_LOSSES:
+        raise LossError(unknown_hidden_loss(name))
+    return HIDDEN_LOSSES[name]
+
+
+# The built-in losses, in the order the flag lists them (docs/losses.md defines each).
+register_hidden_loss(HiddenLoss("mse", f"{HIDDEN}:masked_mse", empty_safe=True))
+register_hidden_loss(HiddenLoss("cosine", f"{HIDDEN}:cosine_loss", empty_safe=True))
+register_hidden_loss(HiddenLoss("cka", f"{HIDDEN}:cka_loss", projector=False))
+register_hidden_loss(HiddenLoss("cka_sqrt", f"{HIDDEN}:cka_sqrt_loss", projector=False))
+register_hidden_loss(HiddenLoss("wgan", "kdcache.stages.train.losses.wgan:wgan_student_loss", adversarial=True))
