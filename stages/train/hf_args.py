@@ -9,50 +9,72 @@ coefficient of the generalised Jensen-Shannon divergence, a different thing unde
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import TrainingArguments
 
 from kdcache.stages.train.api import ApiError
 from kdcache.stages.train.core import LossOptions, MapOptions
 
+# The options the Python API refuses (``api.loss_options``: a student with another tokenizer trains through
+# ``kdcache train --cross-tokenizer`` only), so the arguments do not carry them.
+NOT_CARRIED = frozenset({"cross_tokenizer"})
+SCALARS = (bool, int, float, str)  # the option types an argument keeps; any other (a map) is given as text
+T = TypeVar("T")
 
-def _help(name: str) -> dict[str, Any]:
-    """The ``help`` of ``kdcache train``'s option ``name``, for ``HfArgumentParser``'s flag."""
-    known = {f.name: f for group in (LossOptions, MapOptions) for f in dataclasses.fields(group)}
-    text = str(known[name].metadata.get("help", "")) if name in known else ""
-    return {"help": f"kdcache: {text} (None: kdcache train's default)"}
+
+def carried_fields() -> list[dataclasses.Field[Any]]:
+    """The fields of ``kdcache train``'s loss and map options that ``DistillationArguments`` carries, in order."""
+    return [f for group in (LossOptions, MapOptions) for f in dataclasses.fields(group) if f.name not in NOT_CARRIED]
+
+
+def _argument_type(option_type: object) -> object:
+    """An option's type as an argument: ``T | None`` for an option of a scalar type ``T`` (None: the option's own
+    default), ``str | None`` for any other (a map, ``StreamMaps``, is text parsed where the options are built)."""
+    [inner] = [t for t in typing.get_args(option_type) or (option_type,) if t is not type(None)]
+    kept = typing.cast(type, inner) if inner in SCALARS else str
+    return kept | None
+
+
+def _carry_options(cls: type[T]) -> type[T]:
+    """Add to ``cls``, ahead of its own, one field per carried option (``carried_fields``): its type as an
+    argument, default None, the option's help. The one definition of each stays the option's (no copy to drift)."""
+    hints = {**typing.get_type_hints(LossOptions), **typing.get_type_hints(MapOptions)}
+    added: dict[str, object] = {}
+    for option in carried_fields():
+        added[option.name] = _argument_type(hints[option.name])
+        setattr(cls, option.name, field(default=None, metadata=_help(option)))
+    cls.__annotations__ = {**added, **cls.__annotations__}  # read next by @dataclass
+    return cls
+
+
+def _help(option: dataclasses.Field[Any]) -> dict[str, Any]:
+    """The ``help`` of ``kdcache train``'s ``option``, for ``HfArgumentParser``'s flag."""
+    return {"help": f"kdcache: {option.metadata.get('help', '')} (None: kdcache train's default)"}
 
 
 @dataclass
+@_carry_options
 class DistillationArguments(TrainingArguments):
     """``TrainingArguments`` plus the loss and map options of ``kdcache train``, by the names ``DistillationLoss``
     takes; None leaves an option to ``kdcache train``'s default (or the cache's). Maps are text
     (``"explicit:1-2,2-4"``). ``eval_cache`` names a held-out cache for ``evaluate()`` and ``eval_strategy``.
 
+    The option fields (``alpha``, ``beta``, ``gamma``, ``delta``, ``temperature``, ``hidden_loss``, ``topk_kl``,
+    ``critic_steps``, ``critic_lr``, ``attention_loss``, ``relation_heads``, ``layer_map``, ``attention_layers``)
+    are made from ``LossOptions`` and ``MapOptions`` (``carried_fields``), so a new option is carried here too.
+
     Note: ``beta`` weighs the logit KL term; TRL's GKD uses ``beta`` for its JSD interpolation instead.
     """
 
-    alpha: float | None = field(default=None, metadata=_help("alpha"))
-    beta: float | None = field(default=None, metadata=_help("beta"))
-    gamma: float | None = field(default=None, metadata=_help("gamma"))
-    delta: float | None = field(default=None, metadata=_help("delta"))
-    temperature: float | None = field(default=None, metadata=_help("temperature"))
-    hidden_loss: str | None = field(default=None, metadata=_help("hidden_loss"))
-    topk_kl: str | None = field(default=None, metadata=_help("topk_kl"))
-    attention_loss: str | None = field(default=None, metadata=_help("attention_loss"))
-    relation_heads: int | None = field(default=None, metadata=_help("relation_heads"))
-    critic_steps: int | None = field(default=None, metadata=_help("critic_steps"))
-    critic_lr: float | None = field(default=None, metadata=_help("critic_lr"))
-    layer_map: str | None = field(default=None, metadata=_help("layer_map"))
-    attention_layers: str | None = field(default=None, metadata=_help("attention_layers"))
     eval_cache: str | None = field(default=None, metadata={
         "help": "kdcache: a held-out cache the same teacher wrote with the same settings, scored by evaluate()"})
 
     def loss_options(self) -> dict[str, object]:
         """The loss and map options that are set, as ``DistillationLoss``'s keyword options."""
-        names = [f.name for f in dataclasses.fields(DistillationArguments) if f.name in LOSS_FIELDS]
+        names = [f.name for f in carried_fields()]
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
@@ -71,5 +93,3 @@ def options_of(args: TrainingArguments, given: dict[str, Any] | None) -> dict[st
                        f"{given[name]!r} in loss_options" for name in clash) + "; expected one place for each")
     return {"seed": args.seed, **from_args, **given}
 
-
-LOSS_FIELDS = frozenset(f.name for group in (LossOptions, MapOptions) for f in dataclasses.fields(group))
