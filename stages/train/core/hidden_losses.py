@@ -15,7 +15,7 @@ from __future__ import annotations
 import pkgutil
 from collections.abc import Callable, KeysView
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kdcache.stages.common.loss_errors import LossError
 from kdcache.storage import Registry
@@ -54,7 +54,7 @@ class HiddenLoss:
         if isinstance(self.function, str):
             # Resolved once; the entry stays the same object (the registry's, and every holder's).
             object.__setattr__(self, "function", pkgutil.resolve_name(self.function))
-        return self.function  # type: ignore[return-value]
+        return cast("Callable[..., torch.Tensor]", self.function)
 
     def compute(self, *args: object) -> torch.Tensor:
         """The loss's value on ``args`` (see ``function``)."""
