@@ -347,7 +347,7 @@ def test_the_name_lookup_counter_finds_planted_ones() -> None:
 # Issue 52 started at 40 registry lookups and about 67 other name reads (logit_array(s) and exact_arrays 19,
 # kind_of 31, others 17; ``.array(name)`` did not exist). Lower these when you remove more; never raise them.
 MOST_REGISTRY_LOOKUPS = 4
-MOST_NAME_READS = 35
+MOST_NAME_READS = 34
 
 
 def test_names_are_read_once_where_they_enter() -> None:
