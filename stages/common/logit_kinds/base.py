@@ -32,11 +32,9 @@ from kdcache.storage import (
 if TYPE_CHECKING:
     import torch
 
-    from kdcache.stages.common import vocab_pass
-    from kdcache.stages.common.head_logits import HeadLogits
-    from kdcache.stages.common.vocab_pass import ChunkTerm
+    from kdcache.stages.train.vocab import ChunkTerm, HeadLogits, vocab_pass
 else:  # torch's side loads on first use, so that the registry and the option checks import without it
-    (vocab_pass,) = deferred("kdcache.stages.common.vocab_pass")
+    (vocab_pass,) = deferred("kdcache.stages.train.vocab.vocab_pass")
 
 
 class LogitKindError(KdcacheError, ValueError):

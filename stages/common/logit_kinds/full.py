@@ -17,12 +17,11 @@ from kdcache.storage import FULL_LAYOUT
 if TYPE_CHECKING:
     import torch
 
-    from kdcache.stages.common import kernel_feeds, loss_rows, vocab_pass
-    from kdcache.stages.common.head_logits import HeadLogits
-    from kdcache.stages.common.vocab_pass import ChunkTerm
+    from kdcache.stages.train.vocab import ChunkTerm, HeadLogits, kernel_feeds, loss_rows, vocab_pass
 else:  # torch's side loads on first use, so that the registry and the option checks import without it
     kernel_feeds, loss_rows, vocab_pass = deferred(
-        "kdcache.stages.common.kernel_feeds", "kdcache.stages.common.loss_rows", "kdcache.stages.common.vocab_pass")
+        "kdcache.stages.train.vocab.kernel_feeds", "kdcache.stages.train.vocab.loss_rows",
+        "kdcache.stages.train.vocab.vocab_pass")
 
 
 @register

@@ -19,13 +19,11 @@ from kdcache.storage import HEAD_LAYOUT
 if TYPE_CHECKING:
     import torch
 
-    from kdcache.stages.common import kernel_feeds, loss_rows, vocab_pass
-    from kdcache.stages.common.head_logits import HeadLogits
-    from kdcache.stages.common.vocab_pass import ChunkTerm
+    from kdcache.stages.train.vocab import ChunkTerm, HeadLogits, kernel_feeds, loss_rows, vocab_pass
 else:  # torch's side loads on first use, so that the registry and the option checks import without it
     torch, kernel_feeds, loss_rows, vocab_pass = deferred(
-        "torch", "kdcache.stages.common.kernel_feeds", "kdcache.stages.common.loss_rows",
-        "kdcache.stages.common.vocab_pass")
+        "torch", "kdcache.stages.train.vocab.kernel_feeds", "kdcache.stages.train.vocab.loss_rows",
+        "kdcache.stages.train.vocab.vocab_pass")
 
 HEAD_CHUNK = 512  # valid tokens per chunk of the check when --logits-chunk leaves chunking off
 

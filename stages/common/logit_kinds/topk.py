@@ -29,13 +29,11 @@ if TYPE_CHECKING:
     import torch
     import torch.nn.functional as F
 
-    from kdcache.stages.common import kernel_feeds, loss_rows, vocab_pass
-    from kdcache.stages.common.head_logits import HeadLogits
-    from kdcache.stages.common.vocab_pass import ChunkTerm
+    from kdcache.stages.train.vocab import ChunkTerm, HeadLogits, kernel_feeds, loss_rows, vocab_pass
 else:  # torch's side loads on first use, so that the registry and the option checks import without it
     torch, F, kernel_feeds, loss_rows, vocab_pass = deferred(
-        "torch", "torch.nn.functional", "kdcache.stages.common.kernel_feeds", "kdcache.stages.common.loss_rows",
-        "kdcache.stages.common.vocab_pass")
+        "torch", "torch.nn.functional", "kdcache.stages.train.vocab.kernel_feeds",
+        "kdcache.stages.train.vocab.loss_rows",         "kdcache.stages.train.vocab.vocab_pass")
 
 TOPK_VARIANTS = ("renorm", "other")  # as train.core.options.TOPK_KL_VARIANTS offers them
 # --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value

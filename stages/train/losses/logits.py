@@ -11,9 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common.head_logits import HeadLogits, fused_ce_available, fused_ce_sum
-from kdcache.stages.common.kernel_feeds import ce_feed
-
 # The KLs against cached teacher logits belong to their logit kinds (stages.common.logit_kinds); they are
 # re-exported here under the names the loss registry and earlier code use.
 from kdcache.stages.common.logit_kinds import (
@@ -26,8 +23,16 @@ from kdcache.stages.common.logit_kinds import (
     topk_kl_other,
     topk_kl_renorm,
 )
-from kdcache.stages.common.loss_rows import bool_mask, valid_count
-from kdcache.stages.common.vocab_pass import ChunkTerm, term_value
+from kdcache.stages.train.vocab import (
+    ChunkTerm,
+    HeadLogits,
+    bool_mask,
+    ce_feed,
+    fused_ce_available,
+    fused_ce_sum,
+    term_value,
+    valid_count,
+)
 
 __all__ = ["TOPK_VARIANTS", "cached_topk", "causal_ce", "causal_ce_term", "head_kl", "kd_kl", "sampled_kl", "token_ce",
            "token_ce_term", "topk_kl", "topk_kl_other", "topk_kl_renorm"]

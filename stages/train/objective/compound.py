@@ -28,8 +28,6 @@ from torch import nn
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import KlSetup, LogitKind
-from kdcache.stages.common.loss_rows import tied_zero
-from kdcache.stages.common.vocab_pass import ChunkTerm, vocab_pass
 from kdcache.stages.train.core import Pair, TokenMasks, pair_key, token_masks
 from kdcache.stages.train.losses import (
     HIDDEN_LOSSES,
@@ -44,11 +42,12 @@ from kdcache.stages.train.losses import (
     wgan_student_loss,
 )
 from kdcache.stages.train.objective.projectors import Projectors, needs_projector
+from kdcache.stages.train.vocab import ChunkTerm, tied_zero, vocab_pass
 
 if TYPE_CHECKING:
-    from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.common.qk_attention import Captured
     from kdcache.stages.common.teacher_head import TeacherHead
+    from kdcache.stages.train.vocab import HeadLogits
 
 CE_KINDS = ("causal", "token")
 EMPTY_SAFE_HIDDEN = ("mse", "cosine")  # hidden losses that give 0 on a micro-batch with no trained token
@@ -194,7 +193,7 @@ class CompoundLoss(nn.Module):
             return None
         factors = [scale.get(_family(name), 1.0) for name in vocab]
         weights = [self.weights[_family(name)] * f for name, f in zip(vocab, factors)]
-        total, values = vocab_pass(out.logits, list(vocab.values()), weights)  # type: ignore[arg-type]
+        total, values = vocab_pass.vocab_pass(out.logits, list(vocab.values()), weights)  # type: ignore[arg-type]
         terms.update((name, value * f) for name, value, f in zip(vocab, values.unbind(), factors))
         return total
 
