@@ -171,7 +171,7 @@ def test_logprob_values_need_topk_logits(tiny_llama: Path, tmp_path: Path, capsy
 def test_the_sampled_kl_is_unbiased(temperature: float) -> None:
     """Stage one's sampler and stage two's estimator together: the mean over many draws is the exact KL, on a small
     vocabulary, while any one draw of N=4 is far from it."""
-    from kdcache.stages.common.logit_kinds import sample_logits
+    from kdcache.stages.common.logit_kinds.sampled_torch import sample_logits
     from kdcache.stages.train.losses import sampled_kl
 
     torch.manual_seed(0)

@@ -11,18 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The KLs against cached teacher logits belong to their logit kinds (stages.common.logit_kinds); they are
-# re-exported here under the names the loss registry and earlier code use.
-from kdcache.stages.common.logit_kinds import (
-    TOPK_VARIANTS,
-    cached_topk,
-    head_kl,
-    kd_kl,
-    sampled_kl,
-    topk_kl,
-    topk_kl_other,
-    topk_kl_renorm,
-)
+from kdcache.stages.common.logit_kinds import TOPK_VARIANTS, full_torch, head_torch, sampled_torch, topk_torch
 from kdcache.stages.train.vocab import (
     ChunkTerm,
     HeadLogits,
@@ -33,6 +22,12 @@ from kdcache.stages.train.vocab import (
     term_value,
     valid_count,
 )
+
+# The KLs against cached teacher logits belong to their logit kinds' torch halves (stages.common.logit_kinds); they
+# are re-exported here under the names the loss registry and earlier code use.
+kd_kl, head_kl, sampled_kl = full_torch.kd_kl, head_torch.head_kl, sampled_torch.sampled_kl
+cached_topk, topk_kl, topk_kl_other, topk_kl_renorm = (topk_torch.cached_topk, topk_torch.topk_kl,
+                                                       topk_torch.topk_kl_other, topk_torch.topk_kl_renorm)
 
 __all__ = ["TOPK_VARIANTS", "cached_topk", "causal_ce", "causal_ce_term", "head_kl", "kd_kl", "sampled_kl", "token_ce",
            "token_ce_term", "topk_kl", "topk_kl_other", "topk_kl_renorm"]

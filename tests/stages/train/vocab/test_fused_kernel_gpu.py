@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from kdcache.stages.common.logit_kinds.full import kd_kl_term
-from kdcache.stages.common.logit_kinds.sampled import sampled_kl_term
-from kdcache.stages.common.logit_kinds.topk import topk_kl_term
+from kdcache.stages.common.logit_kinds.full_torch import kd_kl_term
+from kdcache.stages.common.logit_kinds.sampled_torch import sampled_kl_term
+from kdcache.stages.common.logit_kinds.topk_torch import topk_kl_term
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.losses.logits import causal_ce_term
 from kdcache.stages.train.vocab import kernel_guard, vocab_pass
