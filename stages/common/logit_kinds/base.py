@@ -151,8 +151,9 @@ class LogitKind:
     def torch_half(self) -> TorchHalf:
         """The module that computes this mode with torch, imported on first use (then a ``sys.modules`` lookup)."""
         if not self.torch_module:
-            raise LogitKindError(f"logit mode {self.name!r} names no torch half (torch_module) and does not override "
-                                 f"the method that needs one")
+            raise LogitKindError(f"logit mode {self.name!r} has no torch half: its class, defined outside "
+                                 f"{__package__}, sets no torch_module; expected the module of its capture, "
+                                 f"chunk_term and teacher_top1, or overrides of them")
         return cast(TorchHalf, importlib.import_module(self.torch_module))
 
     # ---- stage one -------------------------------------------------------------------------------------------

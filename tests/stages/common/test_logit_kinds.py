@@ -140,3 +140,16 @@ def test_the_registry_and_the_option_classes_import_without_torch_and_a_loss_loa
             "assert halves() == ['full_torch'], halves(); print('ok')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+def test_a_kind_finds_its_torch_half_by_its_module_s_name_and_one_from_elsewhere_is_told_what_it_lacks() -> None:
+    class TopKElsewhere(type(logit_kinds.get("topk"))):  # defined here, it keeps its parent's torch half
+        pass
+
+    class Bare(logit_kinds.LogitKind):
+        layout = LAYOUTS["full"]
+
+    assert [k.torch_module.rsplit(".", 1)[1] for k in logit_kinds.kinds()] == [f"{n}_torch" for n in logit_kinds.names()]
+    assert TopKElsewhere.torch_module == "kdcache.stages.common.logit_kinds.topk_torch"
+    with pytest.raises(LogitKindError, match="logit mode 'full' has no torch half: .* sets no torch_module"):
+        Bare().capture(torch.zeros(2, V), SimpleNamespace())
