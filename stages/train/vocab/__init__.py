@@ -3,11 +3,11 @@ rows a term counts (``loss_rows``), the pass over every vocabulary term of a ste
 with triton, its fused kernel (``fused_vocab``, ``kernel_feeds``, ``kernel_guard``; ``vocab_kernels`` imports
 triton and loads only when the kernel runs).
 
-The ground floor of ``stages.train``: it imports nothing of stage two, and stage one nothing of it. Its users are
-stage two's losses and objective, and the torch halves of the logit kinds (``stages.common.logit_kinds.*_torch``),
-whose loss terms are terms of this pass. They import it through this door (``tests/test_source_rules.py``); every
-module here imports torch, so the door loads its modules at once. ``vocab_pass`` here is the module: its function
-is ``vocab_pass.vocab_pass``.
+The ground floor of ``stages.train``: it imports nothing of stage two, and stage one imports nothing of it (its
+capture loads it only with a logit kind's torch half). Its users are stage two's losses and objective, and the torch
+halves of the logit kinds (``stages.common.logit_kinds.*_torch``), whose loss terms are terms of this pass. They
+import it through this door (``tests/test_source_rules.py``); every module here imports torch, so the door loads its
+modules at once. ``vocab_pass`` here is the module: its function is ``vocab_pass.vocab_pass``.
 """
 
 from __future__ import annotations
