@@ -18,7 +18,7 @@ Peak memory for logits: one batch through ``FeatureCapture`` of the V = 128,256 
 ``--logits-chunk 0`` (one pass over the padded batch) and 512, each in a fresh process; the figure is the growth
 of peak RSS during the forward (CPU, Linux: the high-water mark is reset first).
 
-Stage two's full-vocabulary KL with and without chunks of valid tokens (``stages.common.loss_rows.LOSS_CHUNK``): peak
+Stage two's full-vocabulary KL with and without chunks of valid tokens (``stages.train.vocab.loss_rows.LOSS_CHUNK``): peak
 memory growth and time of one forward + backward on random fp32 logits, each in a fresh process.
 
 Run: ``.venv/bin/python benchmarks/bench_logits.py [--tokens 4096] [--json out.json]``.
@@ -188,7 +188,7 @@ def loss_cost(chunk: int, batch: int, length: int) -> tuple[float, float]:
     code = f"""
 import time, torch, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-from kdcache.stages.common import loss_rows
+from kdcache.stages.train.vocab import loss_rows
 from kdcache.stages.train.losses import kd_kl
 def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import ast
 import importlib
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 
@@ -58,35 +56,3 @@ def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable
         return getattr(holder, attribute)
 
     return load, lambda: names, names
-
-
-class _Deferred(ModuleType):
-    """Stands for module ``__name__`` until it is used: an attribute read imports it (the first time; after that a
-    ``sys.modules`` lookup) and returns the real module's attribute, so a patch of the real module is seen. Writes
-    are refused (a patch through the stand-in would reach no other importer, and undoing it would read the
-    stand-in's own empty ``__dict__``). Never put in ``sys.modules``: an ``import`` elsewhere loads the one real
-    module."""
-
-    def __getattr__(self, attribute: str) -> Any:
-        name = ModuleType.__getattribute__(self, "__name__")
-        return getattr(sys.modules.get(name) or importlib.import_module(name), attribute)
-
-    def __setattr__(self, attribute: str, value: object) -> None:
-        raise AttributeError(f"{attribute!r}: set it on the module itself ({self.__name__}), not on a deferred "
-                             f"stand-in for it")
-
-    def __delattr__(self, attribute: str) -> None:
-        self.__setattr__(attribute, None)
-
-
-def deferred(*modules: str) -> tuple[ModuleType, ...]:
-    """Stand-ins for ``modules``, each imported on its first use: how a module that must load light (a registry
-    the CLI reads before torch) names its heavy dependencies once, at its top, instead of importing them in every
-    function that uses them. Pair it with the real imports under ``TYPE_CHECKING``, which mypy reads::
-
-        if TYPE_CHECKING:
-            import torch
-        else:
-            (torch,) = deferred("torch")
-    """
-    return tuple(_Deferred(name) for name in modules)

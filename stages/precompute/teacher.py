@@ -18,13 +18,13 @@ from transformers import AutoConfig, AutoTokenizer
 
 from kdcache.stages.common.architectures import ModelClass
 from kdcache.stages.common.fingerprints import clear_call_state
-from kdcache.stages.common.hub import offline_unless_reachable
 from kdcache.stages.precompute.core import (
     CAUSAL_SUFFIXES,
     PrecomputeError,
     Targets,
     Teacher,
     TeacherSetup,
+    offline_unless_reachable,
     teacher_fingerprint,
 )
 from kdcache.stages.precompute.parallel import Grid, Layout, load_kwargs, settle

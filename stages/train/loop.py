@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from kdcache.stages.common import attention_sources, fused_vocab
-from kdcache.stages.common.attention_maps import MAPS_ATTENTION
+from kdcache.stages.common import attention_sources
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.api import fit_student, seed_dropout, teacher_head_for
 from kdcache.stages.train.core import (
+    MAPS_ATTENTION,
     StudentFacts,
     TrainOptions,
     TrainPlan,
@@ -56,6 +56,7 @@ from kdcache.stages.train.logging import MetricsLogger, SampleTrace
 from kdcache.stages.train.objective import STEP_COUNTS, DistillModel, build_criterion, term_counts, with_step_counts
 from kdcache.stages.train.progress import TrainProgress
 from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, check_resume, init_record, start_projectors
+from kdcache.stages.train.vocab import fused_vocab
 from kdcache.storage import KdcacheError, split_stream
 
 if TYPE_CHECKING:

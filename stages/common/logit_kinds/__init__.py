@@ -1,18 +1,25 @@
-"""Logit kinds: one module per ``--logits`` mode, registered by name (see ``base`` and docs/architecture.md,
+"""Logit kinds: one mode per ``--logits`` value, registered by name (see ``base`` and docs/architecture.md,
 "Adding a target kind").
 
-Importing this package imports every module beside ``base`` (in name order), and each registers its kind: a new
-mode is one new file here, whose class holds its storage layout (a ``LogitLayout`` of ``storage.core.logit_layouts``,
-an existing one when it stores the same arrays) and registers it with itself.
+A mode is two modules here: ``<mode>.py``, torch-free, whose class holds its storage layout (a ``LogitLayout`` of
+``storage.core.logit_layouts``, an existing one when it stores the same arrays) and registers it with itself, and
+its torch half ``<mode>_torch.py`` (capture, decode, loss term), which the kind imports on first use. Importing
+this package imports every torch-free module beside ``base`` (in name order) and no torch half, so the registry,
+the option classes and ``kdcache inspect`` load without torch. Stage two reaches a torch half's functions as a
+module of this package (``from kdcache.stages.common.logit_kinds import topk_torch``).
 """
 
 from __future__ import annotations
 
+import pkgutil
+
 from kdcache.stages.common.logit_kinds.base import (
+    TORCH_HALF,
     CaptureSettings,
     KlSetup,
     LogitKind,
     LogitKindError,
+    TeacherHead,
     from_targets,
     get,
     kinds,
@@ -25,21 +32,10 @@ from kdcache.stages.common.logit_kinds.base import (
 )
 from kdcache.storage import import_members
 
-import_members(__name__, __path__)
+import_members(__name__, __path__,
+               but=["base", *(m.name for m in pkgutil.iter_modules(__path__) if m.name.endswith(TORCH_HALF))])
 # Names the kinds' own modules define, after every kind has registered (registration order is the choices').
-from kdcache.stages.common.logit_kinds.base import TeacherHead  # noqa: E402
-from kdcache.stages.common.logit_kinds.full import kd_kl  # noqa: E402
-from kdcache.stages.common.logit_kinds.head import head_kl  # noqa: E402
-from kdcache.stages.common.logit_kinds.sampled import sample_logits, sampled_kl  # noqa: E402
-from kdcache.stages.common.logit_kinds.topk import (  # noqa: E402
-    TOPK_VARIANTS,
-    as_logprobs,
-    cached_topk,
-    topk_kl,
-    topk_kl_other,
-    topk_kl_renorm,
-)
+from kdcache.stages.common.logit_kinds.topk import TOPK_VARIANTS, as_logprobs  # noqa: E402
 
 __all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "TOPK_VARIANTS", "TeacherHead", "as_logprobs",
-           "cached_topk", "from_targets", "get", "head_kl", "kd_kl", "kinds", "names", "of", "parse", "register",
-           "sample_logits", "sampled_kl", "topk_kl", "topk_kl_other", "topk_kl_renorm", "usage", "uses_head"]
+           "from_targets", "get", "kinds", "names", "of", "parse", "register", "usage", "uses_head"]

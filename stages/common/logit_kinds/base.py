@@ -8,17 +8,21 @@ name is the mode's: registering the kind registers the layout, so a mode is regi
 where it enters (``parse``, ``get``); past that edge a cache's kind is ``of(spec.logit_layout)``, by the object.
 Callers never compare mode names.
 
-This module and the kind modules import torch only inside the functions that compute, so that the option
-classes and ``kdcache inspect`` can parse and describe modes without loading it.
+Each mode is two modules of this folder. ``<mode>.py``, torch-free, is its ``LogitKind``: name, flags, option
+checks, spec fields and ``inspect`` line, what the registry, the option classes and ``kdcache inspect`` read.
+``<mode>_torch.py`` is its torch half: the capture of the teacher's logits, the decode of the teacher's top-1 and
+the student's loss term, a term of stage two's vocabulary pass (``stages.train.vocab``). The kind finds its
+torch half by that name (``torch_half``) and imports it on the first capture or loss, so a mode is registered
+once and the light paths never load torch.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
-from kdcache.lazy_exports import deferred
 from kdcache.storage import (
     KdcacheError,
     LayoutFields,
@@ -32,11 +36,9 @@ from kdcache.storage import (
 if TYPE_CHECKING:
     import torch
 
-    from kdcache.stages.common import vocab_pass
-    from kdcache.stages.common.head_logits import HeadLogits
-    from kdcache.stages.common.vocab_pass import ChunkTerm
-else:  # torch's side loads on first use, so that the registry and the option checks import without it
-    (vocab_pass,) = deferred("kdcache.stages.common.vocab_pass")
+    from kdcache.stages.train.vocab import ChunkTerm, HeadLogits
+
+TORCH_HALF = "_torch"  # a mode's torch half is the module of its kind's name plus this, beside it
 
 
 class LogitKindError(KdcacheError, ValueError):
@@ -89,6 +91,21 @@ class KlSetup:
     head: TeacherHead | None = None
 
 
+class TorchHalf(Protocol):
+    """What a mode's torch half (the module ``<mode>_torch``) defines; ``LogitKind`` passes its calls on to it."""
+
+    def capture(self, logits: torch.Tensor, settings: CaptureSettings,
+                generator: torch.Generator | None) -> dict[str, torch.Tensor]: ...
+
+    def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+                   setup: KlSetup) -> ChunkTerm: ...
+
+    def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
+                     head: TeacherHead | None) -> torch.Tensor: ...
+
+    def term_value(self, logits: torch.Tensor | HeadLogits, term: ChunkTerm) -> torch.Tensor: ...
+
+
 class LogitKind:
     """One logit mode. Subclasses set the class attributes and override what differs from these defaults.
 
@@ -105,6 +122,8 @@ class LogitKind:
         key_array: the batch array whose presence marks this kind's targets (None: marked by the head).
         ranked: stores the teacher's k largest logits with their ids and the logsumexp, per token: top-ks of
             vocabulary shards merge into it exactly, and another vocabulary can read it by token string.
+        torch_module: its torch half, ``<the kind's module>_torch`` for a kind of this folder (a subclass defined
+            elsewhere keeps its parent's, or sets its own, or overrides the methods that use it).
     """
 
     layout: ClassVar[LogitLayout]
@@ -118,12 +137,24 @@ class LogitKind:
     logprob_values: ClassVar[bool] = False
     key_array: ClassVar[str | None] = None
     ranked: ClassVar[bool] = False
+    torch_module: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """The name is the layout's, written once (a subclass that keeps its parent's layout keeps its name)."""
+        """The name is the layout's, written once (a subclass that keeps its parent's layout keeps its name); the
+        torch half of a kind of this folder is its module's namesake."""
         super().__init_subclass__(**kwargs)
         if "layout" in cls.__dict__:
             cls.name = cls.layout.name
+        if cls.__module__.startswith(f"{__package__}."):
+            cls.torch_module = cls.__module__ + TORCH_HALF
+
+    def torch_half(self) -> TorchHalf:
+        """The module that computes this mode with torch, imported on first use (then a ``sys.modules`` lookup)."""
+        if not self.torch_module:
+            raise LogitKindError(f"logit mode {self.name!r} has no torch half: its class, defined outside "
+                                 f"{__package__}, sets no torch_module; expected the module of its capture, "
+                                 f"chunk_term and teacher_top1, or overrides of them")
+        return cast(TorchHalf, importlib.import_module(self.torch_module))
 
     # ---- stage one -------------------------------------------------------------------------------------------
     def parse_argument(self, text: str) -> int:
@@ -151,7 +182,7 @@ class LogitKind:
     def capture(self, logits: torch.Tensor, settings: CaptureSettings,
                 generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """What the cache keeps of ``[..., V]`` teacher logits, on their device: array name -> ``[..., w]``."""
-        return {}
+        return self.torch_half().capture(logits, settings, generator)
 
     # ---- stage two -------------------------------------------------------------------------------------------
     def vocab_problems(self, spec: CacheLogits, student_vocab: int) -> list[str]:
@@ -178,12 +209,12 @@ class LogitKind:
     def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         """Stage two's term ``term``: a scalar, from student ``logits [B, L, V]`` and the batch's cached arrays."""
-        return vocab_pass.term_value(logits, self.chunk_term(logits, targets, mask, setup))
+        return self.torch_half().term_value(logits, self.chunk_term(logits, targets, mask, setup))
 
     def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
                    setup: KlSetup) -> ChunkTerm:
         """``loss`` as a term of the step's one pass over the LM head (``vocab_pass``, beside the CE)."""
-        raise NotImplementedError
+        return self.torch_half().chunk_term(logits, targets, mask, setup)
 
     def eval_kl(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
                 setup: KlSetup) -> torch.Tensor:
@@ -193,7 +224,7 @@ class LogitKind:
     def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
                      head: TeacherHead | None) -> torch.Tensor:
         """``[N_v]`` the teacher's likeliest token at each position of ``valid [B, L]``."""
-        raise NotImplementedError
+        return self.torch_half().teacher_top1(targets, valid, head)
 
     def kl_label(self, spec_temperature: float) -> str:
         """Eval's name of its KL."""

@@ -1,7 +1,8 @@
 """Stage one's ground floor: what every part of it reads and nothing of it below: the options (``options``) and
 the plan the parts take instead (``plan``), the
 targets they resolve to against the teacher's config (``targets``), the loaded teacher and its fingerprints
-(``teacher_id``), progress and the run's summary (``progress``), and ``PrecomputeError`` (``errors``).
+(``teacher_id``), progress and the run's summary (``progress``), ``PrecomputeError`` (``errors``), and one try
+at the hub before its local cache only (``hub``).
 
 The floors above import it through this door, each only those below it: ``rows`` (the dataset into rows),
 ``parallel`` (a teacher larger than one device), ``capture`` (what the forward keeps), and the modules of
@@ -16,6 +17,7 @@ from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
     from kdcache.stages.precompute.core.errors import PrecomputeError as PrecomputeError
+    from kdcache.stages.precompute.core.hub import offline_unless_reachable as offline_unless_reachable
     from kdcache.stages.precompute.core.options import (
         DATA_EXTENSIONS as DATA_EXTENSIONS,
         IN_FLIGHT as IN_FLIGHT,

@@ -1,7 +1,8 @@
 """Stage two's ground floor: what every part of it reads and nothing of it below: the options (``options``), the
 layer maps (``layer_maps``), the hidden-state losses as objects (``hidden_losses``), the student and its facts
-(``student``, ``student_head``), which tokens each term counts (``masks``), and the plan they resolve to against
-the cache (``plan``, with its checks: ``checks``, ``cross_checks``), which raises ``CacheCheckError``.
+(``student``, ``student_head``, ``attention_maps``: the attention implementation that returns its maps), which tokens
+each term counts (``masks``), and the plan they resolve to against the cache (``plan``, with its checks: ``checks``,
+``cross_checks``), which raises ``CacheCheckError``.
 
 The floors above import it through this door, each only those below it: ``losses`` (every loss by name),
 ``objective`` (the loss of a run over its streams and the student's forward under it), ``cross`` (a student with
@@ -16,6 +17,11 @@ from typing import TYPE_CHECKING
 from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
+    from kdcache.stages.train.core.attention_maps import (
+        MAPS_ATTENTION as MAPS_ATTENTION,
+        register_maps_attention as register_maps_attention,
+        use_maps_attention as use_maps_attention,
+    )
     from kdcache.stages.train.core.checks import (
         CacheCheckError as CacheCheckError,
         open_cache as open_cache,

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from kdcache.stages.common.architectures import is_causal_config, is_encoder_decoder, model_class, stack_depths
-from kdcache.stages.common.attention_maps import MAPS_ATTENTION, register as register_maps_attention
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.train.core.attention_maps import MAPS_ATTENTION, register_maps_attention
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kdcache.stages.common.fused_vocab import vocab_path
-from kdcache.stages.common.head_logits import HeadLogits
+from kdcache.stages.train.vocab import HeadLogits, vocab_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -33,8 +33,6 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
-from kdcache.stages.common.head_logits import HeadLogits
-from kdcache.stages.common.vocab_pass import term_value
 from kdcache.stages.train.core import base_forward, choose_head, resolved_temperature, token_masks
 from kdcache.stages.train.cross.align import Alignment, align, aligned_share, student_ends, student_mask
 from kdcache.stages.train.losses import (
@@ -45,6 +43,7 @@ from kdcache.stages.train.losses import (
     span_mean,
     span_rows,
 )
+from kdcache.stages.train.vocab import HeadLogits, term_value
 from kdcache.storage import ArrayKind, read_table
 
 if TYPE_CHECKING:

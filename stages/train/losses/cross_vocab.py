@@ -24,10 +24,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common.head_logits import HeadLogits
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.common.loss_rows import bool_mask, kl_terms, valid_count
-from kdcache.stages.common.vocab_pass import ChunkTerm
+from kdcache.stages.train.vocab import ChunkTerm, HeadLogits, bool_mask, kl_terms, valid_count
 
 
 def span_rows(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

@@ -11,23 +11,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common.head_logits import HeadLogits, fused_ce_available, fused_ce_sum
-from kdcache.stages.common.kernel_feeds import ce_feed
-
-# The KLs against cached teacher logits belong to their logit kinds (stages.common.logit_kinds); they are
-# re-exported here under the names the loss registry and earlier code use.
-from kdcache.stages.common.logit_kinds import (
-    TOPK_VARIANTS,
-    cached_topk,
-    head_kl,
-    kd_kl,
-    sampled_kl,
-    topk_kl,
-    topk_kl_other,
-    topk_kl_renorm,
+from kdcache.stages.common.logit_kinds import TOPK_VARIANTS, full_torch, head_torch, sampled_torch, topk_torch
+from kdcache.stages.train.vocab import (
+    ChunkTerm,
+    HeadLogits,
+    bool_mask,
+    ce_feed,
+    fused_ce_available,
+    fused_ce_sum,
+    term_value,
+    valid_count,
 )
-from kdcache.stages.common.loss_rows import bool_mask, valid_count
-from kdcache.stages.common.vocab_pass import ChunkTerm, term_value
+
+# The KLs against cached teacher logits belong to their logit kinds' torch halves (stages.common.logit_kinds); they
+# are re-exported here under the names the loss registry and earlier code use.
+kd_kl, head_kl, sampled_kl = full_torch.kd_kl, head_torch.head_kl, sampled_torch.sampled_kl
+cached_topk, topk_kl, topk_kl_other, topk_kl_renorm = (topk_torch.cached_topk, topk_torch.topk_kl,
+                                                       topk_torch.topk_kl_other, topk_torch.topk_kl_renorm)
 
 __all__ = ["TOPK_VARIANTS", "cached_topk", "causal_ce", "causal_ce_term", "head_kl", "kd_kl", "sampled_kl", "token_ce",
            "token_ce_term", "topk_kl", "topk_kl_other", "topk_kl_renorm"]

@@ -28,8 +28,6 @@ from torch import nn
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import KlSetup, LogitKind
-from kdcache.stages.common.loss_rows import tied_zero
-from kdcache.stages.common.vocab_pass import ChunkTerm, vocab_pass
 from kdcache.stages.train.core import (
     HIDDEN_LOSSES,
     HiddenLoss,
@@ -49,11 +47,12 @@ from kdcache.stages.train.losses import (
     token_ce_term,
 )
 from kdcache.stages.train.objective.projectors import Projectors
+from kdcache.stages.train.vocab import ChunkTerm, tied_zero, vocab_pass
 
 if TYPE_CHECKING:
-    from kdcache.stages.common.head_logits import HeadLogits
     from kdcache.stages.common.qk_attention import Captured
     from kdcache.stages.common.teacher_head import TeacherHead
+    from kdcache.stages.train.vocab import HeadLogits
 
 CE_KINDS = ("causal", "token")
 
@@ -198,7 +197,7 @@ class CompoundLoss(nn.Module):
             return None
         factors = [scale.get(_family(name), 1.0) for name in vocab]
         weights = [self.weights[_family(name)] * f for name, f in zip(vocab, factors)]
-        total, values = vocab_pass(out.logits, list(vocab.values()), weights)  # type: ignore[arg-type]
+        total, values = vocab_pass.vocab_pass(out.logits, list(vocab.values()), weights)  # type: ignore[arg-type]
         terms.update((name, value * f) for name, value, f in zip(vocab, values.unbind(), factors))
         return total
 

@@ -124,8 +124,32 @@ def test_the_checks_of_each_kind_against_the_student_and_the_loss() -> None:
     assert sampled.default_temperature(spec) == 0.5 and logit_kinds.get("topk").default_temperature(spec) is None
 
 
-def test_the_registry_and_the_option_classes_import_without_torch() -> None:
-    code = ("import sys; import kdcache.stages.common.logit_kinds, kdcache.stages.precompute.core.options, "
+def test_the_registry_and_the_option_classes_import_without_torch_and_a_loss_loads_its_torch_half() -> None:
+    """In a fresh process: the registry and the option classes load no torch and no torch half; a kind's first loss
+    imports its own torch half (only its own), and the value is the KD KL written out in torch."""
+    code = ("import sys; import kdcache.stages.common.logit_kinds as kinds, kdcache.stages.precompute.core.options, "
             "kdcache.stages.train.core.options, kdcache.pipeline.cli.commands.cache; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True)
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "halves = lambda: sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.endswith('_torch')); "
+            "assert halves() == [], halves(); "
+            "import torch; z, t = torch.randn(2, 3, 7), torch.randn(2, 3, 7); m = torch.ones(2, 3); "
+            "got = kinds.get('full').loss(z, {'logits/full': t}, m, kinds.KlSetup(2.0)); "
+            "want = 4 * torch.nn.functional.kl_div((z / 2).log_softmax(-1), (t / 2).log_softmax(-1), "
+            "log_target=True, reduction='sum') / 6; "
+            "assert torch.allclose(got.double(), want.double(), rtol=1e-5), (got, want); "
+            "assert halves() == ['full_torch'], halves(); print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+def test_a_kind_finds_its_torch_half_by_its_module_s_name_and_one_from_elsewhere_is_told_what_it_lacks() -> None:
+    class TopKElsewhere(type(logit_kinds.get("topk"))):  # defined here, it keeps its parent's torch half
+        pass
+
+    class Bare(logit_kinds.LogitKind):
+        layout = LAYOUTS["full"]
+
+    assert [k.torch_module.rsplit(".", 1)[1] for k in logit_kinds.kinds()] == [f"{n}_torch" for n in logit_kinds.names()]
+    assert TopKElsewhere.torch_module == "kdcache.stages.common.logit_kinds.topk_torch"
+    with pytest.raises(LogitKindError, match="logit mode 'full' has no torch half: .* sets no torch_module"):
+        Bare().capture(torch.zeros(2, V), SimpleNamespace())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kdcache.stages.common.cache_texts import char_mask, row_text, token_pieces
-from kdcache.stages.common.logit_kinds.topk import topk_kl, topk_kl_renorm
+from kdcache.stages.common.logit_kinds.topk_torch import topk_kl, topk_kl_renorm
 from kdcache.stages.precompute.rows.packing import span_mask as token_span_mask
 from kdcache.stages.train.cross.align import align, aligned_share, span_mask, student_ends, student_mask
 from kdcache.stages.train.losses import get_loss

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from kdcache.stages.common.attention_maps import MAPS_ATTENTION
 from kdcache.stages.common.qk_attention import QKRecorder
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.train.core.attention_maps import MAPS_ATTENTION
 from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.core.student import load_student
 from kdcache.stages.train.feed.streaming import collate, to_device

@@ -1,8 +1,8 @@
 """Helpers shared by the loss modules of stage two and the logit kinds: masks, valid-row selection, safe KL
 terms, the chunk size of the vocabulary pass (``vocab_pass``).
 
-They live in ``stages.common`` because the logit kinds (``stages.common.logit_kinds``), whose losses use them,
-are shared by both stages; stage two's loss modules import them from here.
+They live in ``stages.train.vocab``, stage two's ground floor, with the pass they serve; stage two's loss modules
+and the logit kinds' torch halves (``stages.common.logit_kinds``) import them through its door.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import BackwardCFunction, FunctionCtx, once_differentiable
 
-from kdcache.stages.common.head_logits import HeadLogits, HeadRows, Rows
 from kdcache.stages.common.loss_errors import LossError
+from kdcache.stages.train.vocab.head_logits import HeadLogits, HeadRows, Rows
 
 
 def bool_mask(mask: torch.Tensor, like: torch.Tensor | HeadLogits, name: str = "mask") -> torch.Tensor:

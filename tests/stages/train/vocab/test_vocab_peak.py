@@ -16,14 +16,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kdcache.stages.common import loss_rows, vocab_pass
-from kdcache.stages.common.head_logits import HeadLogits
-from kdcache.stages.common.logit_kinds.full import kd_kl_term
-from kdcache.stages.common.logit_kinds.head import head_kl_term
-from kdcache.stages.common.logit_kinds.sampled import sampled_kl_term
-from kdcache.stages.common.logit_kinds.topk import topk_kl_term
+from kdcache.stages.common.logit_kinds.full_torch import kd_kl_term
+from kdcache.stages.common.logit_kinds.head_torch import head_kl_term
+from kdcache.stages.common.logit_kinds.sampled_torch import sampled_kl_term
+from kdcache.stages.common.logit_kinds.topk_torch import topk_kl_term
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.losses.logits import causal_ce_term
+from kdcache.stages.train.vocab import loss_rows, vocab_pass
+from kdcache.stages.train.vocab.head_logits import HeadLogits
 from tests.helpers.live_bytes import MALLINFO2, LiveBytes
 
 pytestmark = pytest.mark.skipif(MALLINFO2 is None, reason="needs glibc's mallinfo2 (glibc 2.33 or later)")

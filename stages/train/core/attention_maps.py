@@ -69,7 +69,7 @@ def maps_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     return output, probs.to(weights.dtype)
 
 
-def register() -> None:
+def register_maps_attention() -> None:
     """Register ``MAPS_ATTENTION`` with transformers (its function, and eager's additive mask format)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -80,5 +80,5 @@ def register() -> None:
 
 def use_maps_attention(model: torch.nn.Module) -> None:
     """Make ``model`` return pre-dropout attention maps under ``output_attentions=True``."""
-    register()
+    register_maps_attention()
     model.set_attn_implementation(MAPS_ATTENTION)  # type: ignore[operator]

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from kdcache.stages.common import fused_vocab, kernel_guard, loss_rows
-from kdcache.stages.common.head_logits import HeadLogits, HeadRows
-from kdcache.stages.common.kernel_feeds import KernelFeed
+from kdcache.stages.train.vocab import fused_vocab, kernel_guard, loss_rows
+from kdcache.stages.train.vocab.head_logits import HeadLogits, HeadRows
+from kdcache.stages.train.vocab.kernel_feeds import KernelFeed
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,66 @@
+"""The torch half of ``--logits full`` (``full``): the capture keeps the logits whole, the term is the KD KL."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kdcache.stages.common.logit_kinds.base import CaptureSettings, KlSetup, TeacherHead
+from kdcache.stages.common.loss_errors import LossError
+from kdcache.stages.train.vocab import (
+    ChunkTerm,
+    HeadLogits,
+    kernel_feeds,
+    loss_rows,
+    term_value as term_value,  # LogitKind.loss: one term's value
+    vocab_pass,
+)
+
+
+def capture(logits: torch.Tensor, settings: CaptureSettings,
+            generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """``logits/full [..., V]`` as computed (the caller checks the range and converts to the float dtype)."""
+    return {"logits/full": logits}
+
+
+def chunk_term(logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
+               setup: KlSetup) -> ChunkTerm:
+    """The KD KL against ``logits/full`` at ``setup.temperature``."""
+    return kd_kl_term(logits, targets["logits/full"], mask, setup.temperature)
+
+
+def teacher_top1(targets: Mapping[str, torch.Tensor], valid: torch.Tensor, head: TeacherHead | None) -> torch.Tensor:
+    """``[N_v]`` the argmax of the cached logits at the ``valid [B, L]`` positions."""
+    return targets["logits/full"][valid].argmax(-1)
+
+
+def kd_kl(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tensor, mask: torch.Tensor,
+          temperature: float = 1.0) -> torch.Tensor:
+    """T² · mean over valid tokens of KL(softmax(z_t/T) ‖ softmax(z_s/T)): ``batchmean`` over ``[N_v, V]``.
+
+    Args:
+        student_logits: ``[B, L, V]``, or the ``HeadLogits`` behind them (built chunk by chunk).
+        teacher_logits: ``[B, L, V]`` (the cache's ``logits/full``).
+        mask: ``[B, L]``.
+        temperature: T > 0.
+
+    Returns:
+        Scalar.
+    """
+    return vocab_pass.term_value(student_logits, kd_kl_term(student_logits, teacher_logits, mask, temperature))
+
+
+def kd_kl_term(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tensor, mask: torch.Tensor,
+               temperature: float = 1.0) -> ChunkTerm:
+    """``kd_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
+    loss_rows.check_temperature(temperature)
+    if student_logits.shape != teacher_logits.shape:
+        raise LossError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} "
+            "differ; the student and the cache must share one vocabulary"
+        )
+    m = loss_rows.bool_mask(mask, student_logits)
+    feed = kernel_feeds.dense_kl_feed(temperature, lambda z_t: z_t)
+    return vocab_pass.ChunkTerm(lambda z, z_t: loss_rows.kl_row_values(z, z_t, temperature), m, (teacher_logits,),
+                                temperature**2 / loss_rows.valid_count(m), feed=feed)
