@@ -76,12 +76,20 @@ def _step_peak(s: dict[str, torch.Tensor], kl: str | None) -> float:
     return live.peak / CHUNK_LOGITS
 
 
+@pytest.fixture(scope="module")
+def warm(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inputs after one step, once per module: the first step also builds torch's lazily made state (11.5
+    chunks for CE + the head KL), and every step after it reads the same peak to 0.003 of a chunk."""
+    _step_peak(inputs, "head")
+    return inputs
+
+
 @pytest.mark.parametrize("kl", [None, *KLS])
-def test_one_step_of_each_vocabulary_term_holds_a_few_chunks_of_logits(inputs: dict[str, torch.Tensor],
+def test_one_step_of_each_vocabulary_term_holds_a_few_chunks_of_logits(warm: dict[str, torch.Tensor],
                                                                        kl: str | None) -> None:
     """CE + each KL kind stays under ``BOUND`` chunks' logits, one more for a dense teacher and one less for CE
-    alone (the least of two steps: the first one also builds torch's lazily made state)."""
-    peak, bound = min(_step_peak(inputs, kl) for _ in range(2)), BOUND - (kl is None) + (kl in DENSE)
+    alone (one step, after the module's warm-up step)."""
+    peak, bound = _step_peak(warm, kl), BOUND - (kl is None) + (kl in DENSE)
     assert peak <= bound, f"CE + {kl}: {peak:.2f} chunks of [C, V] float32 logits at once (bound {bound})"
 
 
