@@ -370,10 +370,10 @@ class _Producer:
         assembled in order, each shard dropped after its last planned use."""
         decoded: dict[int, Future] = {}
         for planned in decode_plan(self.plan, self.locate, self.prefetch, self.readahead):
-            if not self.queue.room(self.stop):
-                return
             for s in planned.decode:
                 decoded[s] = self.pool.submit(self.reader.read_shard, self.shard_ids[s], self.names)
+            if not self.queue.room(self.stop):  # the shards decode while the queued batches take their room
+                return
             seqs = [decoded[int(s)].result().sequence(int(i)) for s, i in zip(planned.shards, planned.local)]
             batch = collate([{n: q[n] for n in self.names} for q in seqs], planned.ids.tolist())
             for name in self.rows_apart:
