@@ -81,6 +81,7 @@ if TYPE_CHECKING:
         logit_arrays as logit_arrays,
         register_layout as register_layout,
         vocab_id_names as vocab_id_names,
+        vocab_row_names as vocab_row_names,
     )
     from kdcache.storage.core.registry import Registry as Registry, import_members as import_members
     from kdcache.storage.core.stores import (

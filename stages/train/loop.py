@@ -211,9 +211,9 @@ class _Trainer:
         cuda = self.dist.device.type == "cuda"
         stream = CacheStream(self.reader, self.plan.names, batch_size=self.batch_size, seed=o.seed,
                              rank=self.dist.rank, world_size=self.dist.world_size, start=self.position,
-                             shuffle_block=o.shuffle_block, prefetch=o.prefetch, decode_threads=o.decode_threads,
-                             allow_partial=o.allow_partial, pin_memory=cuda and o.num_workers == 0,
-                             extend=self.extend)
+                             shuffle_block=o.shuffle_block, prefetch=o.prefetch, prefetch_mib=o.prefetch_mib,
+                             decode_threads=o.decode_threads, allow_partial=o.allow_partial,
+                             pin_memory=cuda and o.num_workers == 0, extend=self.extend)
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=o.num_workers,
                                              persistent_workers=False, pin_memory=cuda and o.num_workers > 0)
         return stream, loader

@@ -28,8 +28,8 @@ from kdcache.storage import KdcacheError, hash_json, read_json_object
 # is read (threads, workers, read-ahead: the same samples arrive in the same order), what held-out cache scores it
 # and how often (scoring never steps the optimizer), and where the run's folder is.
 FREE_ON_RESUME = frozenset({"resume", "config", "out", "epochs", "max_steps", "log_every", "report_to", "quiet",
-                            "save_every", "trace_samples", "export", "num_workers", "prefetch", "decode_threads",
-                            "eval_cache", "eval_every"})
+                            "save_every", "trace_samples", "export", "num_workers", "prefetch", "prefetch_mib",
+                            "decode_threads", "eval_cache", "eval_every"})
 PATH_OPTIONS = frozenset({"student", "deepspeed", "init_from"})  # the same file however the path is written
 CACHE_HASH = "cache_hash"  # plan.json: hash_json of the cache's fingerprints
 INIT_FROM = "init_from"  # plan.json: the run this one started from

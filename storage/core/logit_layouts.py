@@ -152,6 +152,15 @@ def vocab_id_names() -> frozenset[str]:
     return frozenset(a.name for spec in forms for a in logit_arrays(spec) if a.dtype == VOCAB_ID)
 
 
+def vocab_row_names() -> frozenset[str]:
+    """Every array name any registered layout stores as float rows as wide as the vocabulary (``logits/full``):
+    per token ``V`` values, the one target whose batch is ``[B, L, V]`` (stage two's feed keeps it in its stored
+    dtype and reads it per batch)."""
+    forms = (_Fields(layout, step) for layout in LAYOUTS.values() for step in (0.0, 1.0))
+    return frozenset(a.name for spec in forms for a in logit_arrays(spec)
+                     if a.dtype == FLOAT and a.width == "vocab_size")
+
+
 def exact_arrays(spec: LayoutFields) -> tuple[str, ...]:
     """The logit arrays (and the kept mass) a capture hands to storage as computed (``LogitArray.exact``)."""
     return (*(a.name for a in logit_arrays(spec) if a.exact), TOPK_MASS)

@@ -41,7 +41,8 @@ def kd_kl(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tenso
 
     Args:
         student_logits: ``[B, L, V]``, or the ``HeadLogits`` behind them (built chunk by chunk).
-        teacher_logits: ``[B, L, V]`` (the cache's ``logits/full``).
+        teacher_logits: ``[B, L, V]`` (the cache's ``logits/full``), any float dtype: the cache's fp16 / bf16 as
+            stored (``to_device`` keeps it), each chunk of the pass widening its own rows to float32.
         mask: ``[B, L]``.
         temperature: T > 0.
 

@@ -65,13 +65,17 @@ class DataOptions:
     num_workers: int = field(default=0, metadata=_opt("DataLoader worker processes (decoding already runs "
                                                       "in threads; 0 is usually right)"))
     prefetch: int = field(default=4, metadata=_opt("micro-batches decoded ahead of the step"))
+    prefetch_mib: int = field(default=512, metadata=_opt(  # feed.ahead.PREFETCH_MIB (the feed imports torch)
+        "MiB of host memory the micro-batches waiting for the step may hold together; a bigger batch (dense "
+        "--logits full targets) waits alone. --prefetch still caps their number"))
     decode_threads: int = field(default=0, metadata=_opt(
         "threads decoding cached arrays (arrays of a shard decode in parallel); 0 = one per core of the host"))
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
         problems = [f"{name} must be >= 1, got {getattr(self, name)}"
-                    for name in ("batch_size", "grad_accum", "prefetch", "shuffle_block") if getattr(self, name) < 1]
+                    for name in ("batch_size", "grad_accum", "prefetch", "prefetch_mib", "shuffle_block")
+                    if getattr(self, name) < 1]
         problems += [f"{name} must be >= 0, got {getattr(self, name)}"
                      for name in ("num_workers", "decode_threads") if getattr(self, name) < 0]
         return problems

@@ -8,8 +8,10 @@ the compute stream waits for the side stream on the device (no host wait) before
 on the side stream are marked as used by the compute stream (``record_stream``), so the caching allocator does not
 hand their memory to the next batch while the step still reads them. One more batch is held on the device.
 
-On the CPU there is no stream: the next batch is prepared one step ahead in the same thread, the same values in
-the same order (the tests' path).
+On the CPU there is no stream and nothing to overlap: by default each batch is prepared as it is handed over, the
+same values in the same order (``ahead=True`` keeps the GPU's order, for the tests). Preparing it a step ahead
+there only held one more batch, and with dense ``[B, L, V]`` teacher logits that batch is 0.5 GiB at 8 x 256
+tokens and V = 128k (issue 63).
 """
 
 from __future__ import annotations
@@ -29,18 +31,25 @@ class DeviceFeed:
         batches: host batches (the stream's DataLoader).
         prepare: host batch -> device batch (``streaming.to_device`` with the cache's decode).
         device: where the step runs; a CUDA device gets the side stream.
+        ahead: prepare the next batch before handing over this one (default: where there is a side stream).
 
     Attributes:
         waited: seconds spent waiting for host batches (the reader was behind).
     """
 
-    def __init__(self, batches: Iterable[Batch], prepare: Callable[[Batch], Batch], device: torch.device) -> None:
+    def __init__(self, batches: Iterable[Batch], prepare: Callable[[Batch], Batch], device: torch.device,
+                 ahead: bool | None = None) -> None:
         self.batches, self.prepare = batches, prepare
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ahead = self.stream is not None if ahead is None else ahead
         self.waited = 0.0
 
     def __iter__(self) -> Iterator[Batch]:
         host = iter(self.batches)
+        if not self.ahead:
+            while (batch := self._start(host)) is not None:
+                yield self._hand_over(batch)
+            return
         ahead = self._start(host)
         while ahead is not None:
             current = self._hand_over(ahead)

@@ -20,27 +20,29 @@ ranks together, ``k * world * batch`` after ``k`` micro-steps. Resuming needs th
 Speed. One producer thread assembles micro-batches in order while a thread pool decodes the shards the next
 ``prefetch`` micro-batches need, the next epoch's first ones included (``decode_plan``; ``reader.read_shard``
 decodes only the arrays asked for; the codecs release the GIL). Float targets stay fp16 (or bf16 bits, as int16)
-through collate; ``to_device`` makes them fp32 on the device, so the host never holds an fp32 copy. Hidden states
-of a quantised codec (int8, fp8, int4) cross as their codes and fp16 scales and are decoded there too
-(``stages.common.device_codecs``).
+through collate; ``to_device`` makes them fp32 on the device, so the host never holds an fp32 copy (dense
+``[B, L, V]`` teacher logits stay fp16 or bf16 there too: each chunk of the vocabulary pass widens its own rows).
+Hidden states of a quantised codec (int8, fp8, int4) cross as their codes and fp16 scales and are decoded there
+too (``stages.common.device_codecs``). At most ``prefetch`` batches of ``prefetch_mib`` MiB in all wait for the
+step (``ahead``), and dense teacher rows are read per batch, not kept with their decoded shard.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kdcache.stages.common.device_codecs import Projection, decode_batch
+from kdcache.stages.train.feed.ahead import PREFETCH_MIB, ByteQueue, batch_bytes
 from kdcache.stages.train.feed.decode_plan import decode_plan, shard_locator
 from kdcache.storage import (
     ArrayKind,
@@ -53,6 +55,7 @@ from kdcache.storage import (
     ragged_streams,
     split_stream,
     vocab_id_names,
+    vocab_row_names,
 )
 
 # A batch: array name -> tensor ([B, L, ...] targets, [B, L] ids and masks, [B] sample ids), padded per token
@@ -194,6 +197,20 @@ def _pad_stack(name: str, arrays: list[np.ndarray], sizes: list[int]) -> np.ndar
     return out
 
 
+def _read_rows(reader: CacheReader, name: str, ids: np.ndarray, batch: Batch) -> np.ndarray:
+    """``[B, L, V]`` of array ``name`` for global sequences ``ids [B]``, zero-padded to the batch's length as
+    ``collate`` pads, read one sequence's rows at a time straight into it: besides the batch, one sequence's."""
+    out: np.ndarray | None = None
+    for i, seq in enumerate(ids.tolist()):
+        rows = reader.get(seq, [name])[name]  # [L_i, V] in the stored dtype
+        if out is None:
+            length = batch[prefixed(split_stream(name)[0], "mask")].shape[1]
+            out = np.zeros((len(ids), length, *rows.shape[1:]), dtype=_batch_dtype(name, rows.dtype))
+        out[i, :len(rows)] = rows.view(out.dtype)  # bf16 bits reinterpreted as int16, as collate does
+    assert out is not None, "a micro-batch holds at least one sequence"
+    return out
+
+
 # Integer arrays collated as int64 for gather and embedding lookups, never reinterpreted as bf16 bits.
 _ID_KINDS = frozenset({ArrayKind.INPUT_IDS, ArrayKind.POSITION_IDS})
 
@@ -211,21 +228,22 @@ def to_device(batch: Batch, device: torch.device | str, hidden_codec: HiddenCode
               projection: Projection | None = None) -> Batch:
     """Copy a batch to ``device`` and only there turn targets into float32.
 
-    int16 tensors are bf16 bits (see ``collate``); other floating tensors are fp16 or fp32. With the cache's
-    ``hidden_codec`` (``spec.hidden_codec``), coded hidden states ``[B, L, d']`` become float32 ``[B, L, d]`` there
-    (through ``projection``'s bases for a rank codec, ``hidden_codecs.load_projection``).
+    int16 tensors are bf16 bits (see ``collate``); other floating tensors are fp16 or fp32. Dense teacher logits
+    ``[B, L, V]`` (``storage.vocab_row_names``) keep their stored fp16 or bf16: the vocabulary pass gathers and
+    widens each chunk's own rows, where a float32 copy of the batch would be 1 GiB at 8 x 256 tokens and V = 128k
+    (issue 63). With the cache's ``hidden_codec`` (``spec.hidden_codec``), coded hidden states ``[B, L, d']``
+    become float32 ``[B, L, d]`` there (through ``projection``'s bases for a rank codec,
+    ``hidden_codecs.load_projection``).
     """
     out: Batch = {}
+    stored = vocab_row_names()
     for name, value in batch.items():
         if not isinstance(value, torch.Tensor):
             out[name] = value
             continue
         moved = value.to(device, non_blocking=True)
-        if moved.dtype == torch.int16:
-            moved = moved.view(torch.bfloat16).float()
-        elif moved.is_floating_point():
-            moved = moved.float()
-        out[name] = moved
+        bf16 = moved.view(torch.bfloat16) if moved.dtype == torch.int16 else moved
+        out[name] = bf16 if split_stream(name)[1] in stored or not bf16.is_floating_point() else bf16.float()
     return out if hidden_codec is None else decode_batch(hidden_codec, out, projection)
 
 
@@ -242,11 +260,16 @@ class CacheStream(IterableDataset):
     def __init__(self, cache: str | os.PathLike[str] | CacheReader, names: Sequence[str], *, batch_size: int,
                  seed: int = 0, rank: int = 0, world_size: int = 1, start: DataPosition = DataPosition(),
                  epochs: int | None = None, shuffle_block: int = 256, prefetch: int = 4, decode_threads: int = 0,
-                 allow_partial: bool = False, pin_memory: bool = False, extend: BatchExtension | None = None):
+                 allow_partial: bool = False, pin_memory: bool = False, extend: BatchExtension | None = None,
+                 prefetch_mib: int = PREFETCH_MIB):
         """``cache`` is a cache folder or URL, or an open ``CacheReader``, which this process then reads through
         (a DataLoader worker opens its own from the reader's folder or URL); ``extend`` adds a run's own arrays
-        to each batch as it is made."""
+        to each batch as it is made; at most ``prefetch`` batches of about ``prefetch_mib`` MiB in all wait for
+        the step (``ahead.ByteQueue``: one at a time when one is bigger)."""
         super().__init__()
+        if isinstance(prefetch_mib, bool) or not isinstance(prefetch_mib, int) or prefetch_mib < 1:
+            raise ValueError(f"prefetch_mib must be a whole number of MiB >= 1, got {prefetch_mib!r}")
+        self.prefetch_bytes = prefetch_mib << 20
         self.names = tuple(names)
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.start, self.epochs = start, epochs
@@ -291,7 +314,8 @@ class CacheStream(IterableDataset):
         # threads and locks did not come along.
         reader = self._reader if info is None and self._reader is not None else self._open()
         producer = _Producer(reader, self.names, self.shard_ids, self.shard_ranges, self._worker_plan(worker, workers),
-                             self.prefetch, reader.decode_threads, self.pin_memory, self.extend)
+                             ByteQueue(self.prefetch, self.prefetch_bytes), self.prefetch, reader.decode_threads,
+                             self.pin_memory, self.extend)
         try:
             yield from producer
         finally:
@@ -312,9 +336,15 @@ class _Producer:
 
     def __init__(self, reader: CacheReader, names: Sequence[str], shard_ids: list[int],
                  shard_ranges: list[tuple[int, int]], plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]],
-                 prefetch: int, threads: int, pin: bool, extend: BatchExtension | None = None):
+                 ahead: ByteQueue, prefetch: int, threads: int, pin: bool, extend: BatchExtension | None = None):
         # A coded hidden state travels with its scales (and outliers) to the device, where it is decoded.
-        self.reader, self.names, self.pin = reader, [p for n in names for p in reader.spec.with_parts(n)], pin
+        names = [p for n in names for p in reader.spec.with_parts(n)]
+        # Dense [L, V] teacher rows from a local cache are read per batch, row ranges only (zarr decodes just their
+        # chunks), not decoded with their whole shard and kept beside the batch: 501 MiB per 8 x 256 tokens at
+        # V = 128k. From an object store a shard's file is fetched whole anyway, and kept with the shard.
+        apart = vocab_row_names() if reader.store.is_local else frozenset()
+        self.rows_apart = [n for n in names if split_stream(n)[1] in apart]
+        self.reader, self.names, self.pin = reader, [n for n in names if n not in self.rows_apart], pin
         self.extend = extend
         # Shards read ahead of need beyond the prefetch window: none from a local disk (the page cache and a
         # few threads keep up), two from an object store, where a request costs milliseconds.
@@ -323,7 +353,7 @@ class _Producer:
         self.locate = shard_locator(shard_ranges)
         self.plan, self.prefetch = plan, prefetch
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kdcache-decode")
-        self.queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
+        self.queue = ahead
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kdcache-collate", daemon=True)
         self.thread.start()
@@ -340,12 +370,14 @@ class _Producer:
         assembled in order, each shard dropped after its last planned use."""
         decoded: dict[int, Future] = {}
         for planned in decode_plan(self.plan, self.locate, self.prefetch, self.readahead):
-            if self.stop.is_set():
-                return
             for s in planned.decode:
                 decoded[s] = self.pool.submit(self.reader.read_shard, self.shard_ids[s], self.names)
+            if not self.queue.room(self.stop):  # the shards decode while the queued batches take their room
+                return
             seqs = [decoded[int(s)].result().sequence(int(i)) for s, i in zip(planned.shards, planned.local)]
             batch = collate([{n: q[n] for n in self.names} for q in seqs], planned.ids.tolist())
+            for name in self.rows_apart:
+                batch[name] = torch.from_numpy(_read_rows(self.reader, name, planned.ids, batch))
             if self.extend is not None:
                 self.extend(batch)
             batch = pin_batch(batch) if self.pin else batch
@@ -355,12 +387,7 @@ class _Producer:
             self._put(batch)
 
     def _put(self, item: object) -> None:
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        self.queue.put(item, batch_bytes(item) if isinstance(item, dict) else 0, self.stop)
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
@@ -369,7 +396,7 @@ class _Producer:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            yield cast(Batch, item)  # the producer puts batches, _DONE and errors only
 
     def close(self) -> None:
         if sys.is_finalizing():  # a generator dropped at interpreter exit: threads are daemons, nothing to do

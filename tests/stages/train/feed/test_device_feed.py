@@ -1,4 +1,5 @@
-"""The device feed prepares batch i+1 before step i uses batch i, keeps the order and counts the reader's wait."""
+"""The device feed prepares batch i+1 before step i uses batch i (on a GPU; on the CPU as it is handed over), keeps the
+order and counts the reader's wait."""
 
 from __future__ import annotations
 
@@ -20,11 +21,20 @@ def test_the_next_batch_is_prepared_before_the_step_uses_this_one() -> None:
 
     host = [{"i": i, "x": torch.full((2,), float(i))} for i in range(3)]
     got = []
-    for batch in DeviceFeed(host, prepare, torch.device("cpu")):
+    for batch in DeviceFeed(host, prepare, torch.device("cpu"), ahead=True):  # the GPU's order, on the CPU
         events.append(("use", batch["i"]))
         got.append(batch["x"].tolist())
     assert got == [[0.0, 0.0], [2.0, 2.0], [4.0, 4.0]]
     assert events == [("prepare", 0), ("prepare", 1), ("use", 0), ("prepare", 2), ("use", 1), ("use", 2)]
+
+
+def test_on_the_cpu_each_batch_is_prepared_as_it_is_handed_over() -> None:
+    """No side stream, nothing to overlap: holding batch i+1 during step i would only hold one more batch."""
+    events: list[tuple[str, int]] = []
+    host = [{"i": i} for i in range(3)]
+    for batch in DeviceFeed(host, lambda b: events.append(("prepare", b["i"])) or b, torch.device("cpu")):
+        events.append(("use", batch["i"]))
+    assert events == [("prepare", 0), ("use", 0), ("prepare", 1), ("use", 1), ("prepare", 2), ("use", 2)]
 
 
 def test_an_empty_stream_yields_nothing_and_the_readers_wait_is_counted() -> None:

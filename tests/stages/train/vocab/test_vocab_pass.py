@@ -247,3 +247,30 @@ def test_terms_that_each_have_a_road_of_their_own_take_it(monkeypatch: pytest.Mo
         runs.append((total.detach(), values, h.grad, w.grad))
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("stored", [torch.float16, torch.bfloat16])
+def test_a_full_kl_on_the_teacher_rows_as_stored_is_the_kl_on_their_float32_copy(stored: torch.dtype) -> None:
+    """``to_device`` hands a full cache's fp16 / bf16 rows over as stored and each chunk widens its own (issue 63):
+    value and gradients equal those from the whole float32 copy to the bit, train and no-grad, and stay within
+    float32's tolerance of the formulas in float64."""
+    s = _setup(5)
+    narrow = {**s, "teacher": s["teacher"].to(stored)}  # the padding's NaN stays NaN
+    wide = {**s, "teacher": narrow["teacher"].float()}
+    wide64 = {k: v.double() if v.is_floating_point() else v for k, v in wide.items()}
+    reference = lambda h, w, b: (ALPHA * _ce(F.linear(h, w, b), wide64)  # noqa: E731
+                                 + BETA * _full(F.linear(h, w, b), wide64, 2.0, wide64["teacher"]))
+    want64 = _grads(reference, wide64)
+    for build in (HeadLogits, F.linear):
+        got, same = (_grads(lambda h, w, b, t=t, build=build: _pass(build(h, w, b), t, "full_t2")[0], s)
+                     for t in (narrow, wide))
+        assert all(torch.equal(a, b) for a, b in zip(got, same))
+        for a, b in zip(got, want64):
+            torch.testing.assert_close(a.double(), b, rtol=RTOL, atol=ATOL)
+        with torch.no_grad():
+            values = [_pass(build(s["hidden"], s["weight"], s["bias"]), t, "full_t2")[1] for t in (narrow, wide)]
+        assert torch.equal(values[0], values[1])
+        z64 = F.linear(*(wide64[k] for k in ("hidden", "weight", "bias")))
+        torch.testing.assert_close(values[0].double(), torch.stack([_ce(z64, wide64), _full(z64, wide64, 2.0,
+                                                                                            wide64["teacher"])]),
+                                   rtol=RTOL, atol=ATOL)
