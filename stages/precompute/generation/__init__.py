@@ -1,9 +1,10 @@
 """Generation with capture (issue 58): the teacher writes its own responses and its targets along them are kept
 while it writes, so it runs once. A floor above ``capture`` (it reads ``core``, ``rows`` and ``capture``):
 ``options`` (the ``generate`` group and ``GenerateOptions``), ``prompts`` (the dataset into prompt ids),
-``sampling`` (per-response draws that depend only on the seed, the prompt and the response number) and ``decode``
-(the decode loop with a KV cache that keeps the targets of the prefill and of each new token). The command itself,
-which commits the shards, is ``stages.precompute.generate``.
+``sampling`` (per-response draws that depend only on the seed, the prompt and the response number), ``decode``
+(the decode loop with a KV cache that keeps the targets of the prefill and of each new token) and ``packed``
+(``--packing documents``: the finished responses packed into rows without running the teacher again). The command
+itself, which commits the shards, is ``stages.precompute.generate``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ if TYPE_CHECKING:
         GenerateOptions as GenerateOptions,
         GenerationOptions as GenerationOptions,
         Sampling as Sampling,
+    )
+    from kdcache.stages.precompute.generation.packed import (
+        pack_plan as pack_plan,
+        packed_streams as packed_streams,
+        unpacked_path as unpacked_path,
+        write_packed as write_packed,
     )
     from kdcache.stages.precompute.generation.prompts import (
         Prompts as Prompts,

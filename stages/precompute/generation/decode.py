@@ -14,7 +14,7 @@ sampling rule, attention maps), then turned into the same storage-ready arrays b
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from kdcache.stages.precompute.capture import (
+    QKCapture,
     ShardItems,
     check_ranges,
     cut_padding,
@@ -62,6 +63,7 @@ class _Kept:
     hidden: dict[int, list[torch.Tensor]]
     attention: dict[int, list[torch.Tensor]]
     logits: dict[str, list[torch.Tensor]]
+    token_rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # attention_{q,k,v}/{j}
     forwards: int = 0
 
 
@@ -108,6 +110,11 @@ class DecodeLoop:
         self.teacher, self.targets, self.sampling = teacher, targets, sampling
         self.dtype_name, self.hidden_codec = dtype_name, hidden_codec
         self.layers = targets.streams[""]
+        # q/k sources: the selected blocks' queries and keys as token rows, recorded at the attention kernel (rotary
+        # applied), instead of maps; else the maps, from the model's own output
+        self.qk = QKCapture(teacher.model, targets) if targets.source.recorded_parts and self.layers.attention \
+            else None
+        self.maps = () if self.qk is not None else self.layers.attention
         self.eos = eos_ids(teacher)
         self.pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
         # transformers 5.x names the KV cache ``cache`` and deprecates ``past_key_values``, which older ones take
@@ -123,7 +130,7 @@ class DecodeLoop:
             keys: per row its (prompt index, response number): what its draws are seeded with.
         """
         draws = RowDraws(keys, self.sampling.seed)
-        kept = _Kept({j: [] for j in self.layers.hidden}, {j: [] for j in self.layers.attention}, {})
+        kept = _Kept({j: [] for j in self.layers.hidden}, {j: [] for j in self.maps}, {})
         rows = _Rows(len(prompts), self.sampling.stop, self.eos, self.teacher.tokenizer)
         with torch.inference_mode():
             ids, mask, positions = self._left_padded(prompts)
@@ -169,9 +176,15 @@ class DecodeLoop:
         Returns:
             ``[B, V]`` float32 raw logits of the last position, which the next tokens are drawn from.
         """
-        out: CausalLMOutputWithPast = self.teacher.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_key: cache},
-            output_hidden_states=bool(self.layers.hidden), output_attentions=bool(self.layers.attention))
+        def call() -> CausalLMOutputWithPast:
+            return self.teacher.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{self.cache_key: cache}, output_hidden_states=bool(self.layers.hidden),
+                output_attentions=bool(self.maps))
+
+        out = call() if self.qk is None else self.qk.run(call, mask, None)
+        for name, value in self.qk.arrays(last=ids.shape[1]).items() if self.qk is not None else ():
+            kept.token_rows.setdefault(name, []).append(value)
         if out.logits is None:
             raise PrecomputeError(f"{type(self.teacher.model).__name__} returned no logits; it cannot generate")
         for j, parts in kept.hidden.items():
@@ -207,6 +220,8 @@ class DecodeLoop:
         for j, parts in kept.hidden.items():
             value = self._bounded(f"hidden/{j}", _rows(parts, index), maxima)
             stored.update(hidden_targets(self.hidden_codec, f"hidden/{j}", value))
+        for name, parts in kept.token_rows.items():  # q/k as precompute keeps them: as hidden states are kept
+            stored.update(hidden_targets(self.hidden_codec, name, self._bounded(name, _rows(parts, index), maxima)))
         heads = self.targets.heads
         for j, parts in kept.attention.items():
             maps = _maps(parts, index)

@@ -89,9 +89,10 @@ class GenerateOptions:
     def validate(self) -> list[str]:
         """Every problem found without loading the teacher."""
         problems = self.precompute.validate() + self.generation.validate()
-        if self.dataset.packing != "none":
-            problems.append(f"packing: got {self.dataset.packing!r}; kdcache generate caches one response a row "
-                            f"(packing generated rows is not supported yet): drop --packing")
+        # a response's targets were computed with it alone: a row where attention crosses responses needs a new forward
+        if self.dataset.packing == "concat" and self.generation.responses == "generate":
+            problems.append("packing: got 'concat'; generated rows are packed with each response attending only to "
+                            "itself, as the teacher computed it: use --packing documents")
         given = self.generation.responses == "given"
         if given and not self.dataset.messages_column:
             problems.append("responses: given reads the responses from conversations: set --messages-column")

@@ -1,0 +1,91 @@
+"""``kdcache generate --packing documents`` (issue 58): the responses, cached one a row in OUT.unpacked while the
+teacher writes them, packed into rows of ``--max-length`` tokens without running the teacher again.
+
+What is checked: a packed row is its responses' rows joined (every stored array, attention maps on the diagonal),
+positions restarting at each response and the loss mask over the generated spans only; the packed bytes do not
+depend on the batch size; packing that crosses responses is refused. The tiny chat Llama and the prompts are
+``test_generate``'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kdcache.stages.precompute import GenerateOptions, run_generate
+from kdcache.stages.precompute.generation.packed import pack_plan
+from kdcache.storage import CacheReader, verify_cache
+from tests.helpers.cache_files import cache_files
+from tests.stages.precompute.test_generate import (  # module fixtures, shared
+    _options,
+    chats as chats,
+    teacher as teacher,
+)
+
+ROW = 140  # two responses (a prompt of ~55 tokens and up to 10 new ones) share a packed row
+
+
+def _packed_options(teacher: Path, chats: Path, out: Path, **overrides: Any) -> dict[str, Any]:
+    return _options(teacher, chats, out, packing="documents", max_length=ROW, max_sequences=4, **overrides)
+
+
+@pytest.fixture(scope="module")
+def packed(teacher: Path, chats: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("packed") / "cache"
+    summary = run_generate(GenerateOptions.of(**_packed_options(teacher, chats, out)))
+    assert summary["status"] == "complete" and summary["unpacked"] == f"{out}.unpacked"
+    assert summary["num_sequences"] < 8  # 8 responses, fewer rows
+    return out
+
+
+def test_pack_plan_keeps_sequences_whole_and_in_order() -> None:
+    assert pack_plan([3, 4, 2, 9, 1, 5], block=8) == [[0, 1], [2], [3], [4, 5]]
+    assert pack_plan([], block=8) == []
+
+
+def test_a_packed_row_is_its_responses_rows_joined(packed: Path) -> None:
+    rows, responses = CacheReader(packed), CacheReader(f"{packed}.unpacked")
+    assert len(responses) == 8 and verify_cache(packed).ok
+    assert rows.fingerprints["settings"]["packing"] == "documents"
+    assert responses.fingerprints["settings"]["packing"] == "none"
+    s = 0
+    for r in range(len(rows)):
+        row = rows[r]
+        starts = np.flatnonzero(row["position_ids"] == 0)
+        parts = [responses[s + i] for i in range(len(starts))]
+        s += len(parts)
+        assert len(row["input_ids"]) <= ROW and (len(parts) > 1 or r == len(rows) - 1)
+        for name in parts[0]:
+            if name.startswith("attention/"):  # each response's own map on the diagonal, nothing across
+                at = 0
+                for part in parts:
+                    n = len(part["input_ids"])
+                    np.testing.assert_array_equal(row[name][:, at:at + n, at:at + n], part[name])
+                    assert not row[name][:, at:at + n, :at].any()
+                    at += n
+            else:
+                np.testing.assert_array_equal(row[name], np.concatenate([p[name] for p in parts]), err_msg=name)
+        for part, start in zip(parts, starts):  # the mask covers each generated span, never a prompt
+            prompt = int(np.argmax(part["loss_mask"]))
+            assert not part["loss_mask"][:prompt].any() and part["loss_mask"][prompt:].all()
+            assert row["position_ids"][start + len(part["input_ids"]) - 1] == len(part["input_ids"]) - 1
+    assert s == len(responses)
+
+
+@pytest.mark.slow
+def test_packed_bytes_do_not_depend_on_the_batch_size(packed: Path, teacher: Path, chats: Path,
+                                                      tmp_path: Path) -> None:
+    out = tmp_path / "batch-1"
+    run_generate(GenerateOptions.of(**_packed_options(teacher, chats, out, batch_size=1)))  # the fixture's: 4
+    a, b = cache_files(out), cache_files(packed)
+    assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == []
+    again = run_generate(GenerateOptions.of(**_packed_options(teacher, chats, out, batch_size=1)))
+    assert again["shards_written"] == 0 and cache_files(out) == a  # a rerun finds both caches complete
+
+
+def test_packing_across_responses_is_refused(teacher: Path, chats: Path, tmp_path: Path) -> None:
+    problems = GenerateOptions.of(**_options(teacher, chats, tmp_path / "out", packing="concat")).validate()
+    assert any("packing: got 'concat'" in p and "--packing documents" in p for p in problems)
