@@ -263,7 +263,7 @@ def _forced_scores(opts: dict[str, Any], ids: np.ndarray) -> dict[str, Any]:
 @pytest.mark.slow
 def test_kill_9_then_rerun_gives_the_same_bytes(teacher: Path, chats: Path, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "killed"
-    opts = _options(teacher, chats, out, batch_size=1, sequences_per_shard=2)  # the reference ran batches of 4
+    opts = _options(teacher, chats, out, batch_size=2, sequences_per_shard=2)  # the reference ran batches of 4
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kdcache", *_argv(opts)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -29,7 +29,7 @@ ROW = 140  # two responses (a prompt of ~55 tokens and up to 10 new ones) share 
 
 
 def _packed_options(teacher: Path, chats: Path, out: Path, **overrides: Any) -> dict[str, Any]:
-    return _options(teacher, chats, out, packing="documents", max_length=ROW, max_sequences=4, **overrides)
+    return _options(teacher, chats, out, packing="documents", max_length=ROW, max_sequences=3, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def packed(teacher: Path, chats: Path, tmp_path_factory: pytest.TempPathFactory)
     out = tmp_path_factory.mktemp("packed") / "cache"
     summary = run_generate(GenerateOptions.of(**_packed_options(teacher, chats, out)))
     assert summary["status"] == "complete" and summary["unpacked"] == f"{out}.unpacked"
-    assert summary["num_sequences"] < 8  # 8 responses, fewer rows
+    assert summary["num_sequences"] < 6  # 6 responses, fewer rows
     return out
 
 
@@ -48,7 +48,7 @@ def test_pack_plan_keeps_sequences_whole_and_in_order() -> None:
 
 def test_a_packed_row_is_its_responses_rows_joined(packed: Path) -> None:
     rows, responses = CacheReader(packed), CacheReader(f"{packed}.unpacked")
-    assert len(responses) == 8 and verify_cache(packed).ok
+    assert len(responses) == 6 and verify_cache(packed).ok
     assert rows.fingerprints["settings"]["packing"] == "documents"
     assert responses.fingerprints["settings"]["packing"] == "none"
     s = 0
