@@ -57,7 +57,7 @@ from kdcache.stages.precompute.rows import Partition, TokenStreams, plan_batches
 from kdcache.stages.precompute.runner import build_fingerprints, run_precompute
 from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config, save_tokenizer
 from kdcache.stages.precompute.teacher_checks import with_default_features, with_output_vocab
-from kdcache.storage import CacheReader, Store, merge_parts, read_manifest
+from kdcache.storage import CacheLockedError, CacheReader, Store, merge_parts, read_manifest
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -136,7 +136,11 @@ def _write(ready: _Ready, store: Store, dist: DistContext) -> dict[str, Any]:
                                              ready.teacher.tokenizer)
     if packing:
         extra["unpacked"] = unpacked_path(out)
-        manifest = _pack(ready, responses, store, stats)
+        packed = _pack(ready, responses, store, stats)
+        if packed is None:  # two parts of a job array found the responses complete at once: the other packs
+            extra["packing"] = "another process is packing OUT now; rerun this command to find it complete"
+            return summarize(stats, manifest, skipped, unpacked_path(out), extra)
+        manifest = packed
     return summarize(stats, manifest, skipped, out, extra)
 
 
@@ -190,17 +194,22 @@ def _save_teacher_files(ready: _Ready, store: Store, main: bool) -> None:
         export_head(ready.teacher.model, store, ready.targets.streams[""].depth)
 
 
-def _pack(ready: _Ready, responses: Store, store: Store, stats: RunStats) -> Manifest:
+def _pack(ready: _Ready, responses: Store, store: Store, stats: RunStats) -> Manifest | None:
     """The complete unpacked cache's rows packed into OUT (``generation.packed``), its shards not yet committed
-    written (a killed packing resumes): its spec counts the packed rows, its fingerprints name the packing."""
+    written (a killed packing resumes): its spec counts the packed rows, its fingerprints name the packing. None
+    when another live process holds OUT's writer (the last parts of a job array, finishing together)."""
     lengths = [len(CacheReader(responses).get(s, ["input_ids"])["input_ids"]) for s in range(len(ready.rows))]
     rows = pack_plan(lengths, ready.plan.rows.max_length)
     streams = packed_streams(lengths, rows, ready.rows.fingerprint)
     spec = build_spec(replace(ready.plan.write, shard_index=0, num_shards=1), ready.targets, streams)
     fingerprints = build_fingerprints(ready.options, ready.teacher, ready.targets, streams)
     fingerprints["settings"]["generation"] = ready.sampling.record()
+    try:
+        writer = open_writer(store, spec, fingerprints, Partition(0, 1))
+    except CacheLockedError:
+        return None
     _save_teacher_files(ready, store, main=True)
-    return write_packed(responses, open_writer(store, spec, fingerprints, Partition(0, 1)), rows, stats)
+    return write_packed(responses, writer, rows, stats)
 
 
 ESTIMATE_SEQUENCES = 8  # responses sampled by --estimate (at least one batch)

@@ -9,6 +9,7 @@ depend on the batch size; packing that crosses responses is refused. The tiny ch
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 
 from kdcache.stages.precompute import GenerateOptions, run_generate
 from kdcache.stages.precompute.generation.packed import pack_plan
-from kdcache.storage import CacheReader, verify_cache
+from kdcache.storage import CacheReader, CacheWriter, verify_cache
 from tests.helpers.cache_files import cache_files
 from tests.stages.precompute.test_generate import (  # module fixtures, shared
     _options,
@@ -84,6 +85,24 @@ def test_packed_bytes_do_not_depend_on_the_batch_size(packed: Path, teacher: Pat
     assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == []
     again = run_generate(GenerateOptions.of(**_packed_options(teacher, chats, out, batch_size=1)))
     assert again["shards_written"] == 0 and cache_files(out) == a  # a rerun finds both caches complete
+
+
+def test_packing_waits_for_a_live_packer_then_resumes_to_the_same_bytes(packed: Path, teacher: Path, chats: Path,
+                                                                        tmp_path: Path) -> None:
+    """Two parts of a job array that find the responses complete at once: the one that finds OUT's writer held
+    says so and writes nothing; a rerun, once the writer is gone, packs (the responses are not generated again)."""
+    out = tmp_path / "cache"
+    shutil.copytree(f"{packed}.unpacked", f"{out}.unpacked")  # the responses complete, nothing packed yet
+    held = CacheReader(packed)
+    opts = _packed_options(teacher, chats, out)
+    with CacheWriter(out, held.spec, held.fingerprints):  # the other part, packing
+        summary = run_generate(GenerateOptions.of(**opts))
+    assert "another process is packing" in summary["packing"] and summary["shards_written"] == 0
+    assert not list((out / "shards").glob("*"))
+    summary = run_generate(GenerateOptions.of(**opts))
+    assert summary["status"] == "complete" and summary["sequences"] == 0  # nothing generated: only packed
+    a, b = cache_files(out), cache_files(packed)
+    assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == []
 
 
 def test_packing_across_responses_is_refused(teacher: Path, chats: Path, tmp_path: Path) -> None:
