@@ -1,10 +1,10 @@
 """Generation with capture (issue 58): the teacher writes its own responses and its targets along them are kept
 while it writes, so it runs once. A floor above ``capture`` (it reads ``core``, ``rows`` and ``capture``):
 ``options`` (the ``generate`` group and ``GenerateOptions``), ``prompts`` (the dataset into prompt ids),
-``sampling`` (per-response draws that depend only on the seed, the prompt and the response number), ``decode``
-(the decode loop with a KV cache that keeps the targets of the prefill and of each new token) and ``packed``
-(``--packing documents``: the finished responses packed into rows without running the teacher again). The command
-itself, which commits the shards, is ``stages.precompute.generate``.
+``sampling`` (counter-based draws that depend only on the seed, the prompt, the response number and the step),
+``decode`` (the decode loop with a KV cache that keeps the targets of the prefill and of each new token) and
+``packed`` (``--packing documents``: the finished responses packed into rows without running the teacher again).
+The command itself, which commits the shards, is ``stages.precompute.generate``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         DecodeLoop as DecodeLoop,
     )
     from kdcache.stages.precompute.generation.options import (
+        SAMPLER as SAMPLER,
         GenerateOptions as GenerateOptions,
         GenerationOptions as GenerationOptions,
         Sampling as Sampling,
@@ -34,9 +35,11 @@ if TYPE_CHECKING:
         load_prompts as load_prompts,
     )
     from kdcache.stages.precompute.generation.sampling import (
-        RowDraws as RowDraws,
+        ResponseDraws as ResponseDraws,
         next_tokens as next_tokens,
+        philox as philox,
         response_seed as response_seed,
+        uniforms as uniforms,
     )
 else:  # mypy reads the names above and nothing else; at run time each loads on first use
     __getattr__, __dir__, __all__ = attach(__name__, __file__)

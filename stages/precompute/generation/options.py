@@ -12,6 +12,10 @@ from kdcache.stages.common.engine_options import PRECOMPUTE, EngineOptions, fail
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.precompute.core import DatasetOptions, PrecomputeOptions, StorageOptions, TargetOptions
 
+# the rule that turns (seed, prompt, response number, step) and the logits into a token (``generation.sampling``):
+# recorded with the settings, so a cache another rule began is refused rather than resumed with this one. Version 1
+# (unrecorded) drew from a torch.Generator per response; 2 draws from Philox-4x32-10 on a counter.
+SAMPLER = "philox4x32-10/inverse-cdf/2"
 RESPONSES = ("generate", "given")  # the teacher writes them; or the dataset holds them (vLLM, SGLang) and is cached
 T = TypeVar("T")
 
@@ -32,6 +36,7 @@ class Sampling:
     max_new_tokens: int
     stop: tuple[str, ...]
     num_responses: int
+    sampler: str = SAMPLER
 
     @property
     def greedy(self) -> bool:

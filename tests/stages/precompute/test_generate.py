@@ -162,12 +162,31 @@ def test_rows_are_prompt_then_response_with_the_response_trained(teacher: Path, 
     assert any(not np.array_equal(a, b) for a, b in zip(*two))  # the two responses draw apart
     settings = reader.fingerprints["settings"]["generation"]
     assert settings == {"seed": 3, "temperature": 1.0, "top_p": 0.95, "top_k": 50, "max_new_tokens": 10,
-                        "stop": ["<|im_end|>"], "num_responses": 2}
+                        "stop": ["<|im_end|>"], "num_responses": 2, "sampler": "philox4x32-10/inverse-cdf/2"}
 
 
 def test_other_sampling_settings_are_a_different_cache(teacher: Path, chats: Path, reference: Path) -> None:
     with pytest.raises(CacheMismatchError, match="generation"):
         run_generate(GenerateOptions.of(**_options(teacher, chats, reference, temperature=0.7)))
+
+
+def test_a_cache_the_earlier_sampler_began_is_refused_not_resumed(teacher: Path, chats: Path, reference: Path,
+                                                                 tmp_path: Path) -> None:
+    """The first sampler (a torch.Generator per response) recorded no ``sampler``: its partial cache is refused
+    naming the sampler, and nothing in it changes."""
+    import shutil
+
+    from kdcache.storage.schema.manifest import read_manifest, write_manifest
+
+    out = tmp_path / "earlier"
+    shutil.copytree(reference, out)
+    manifest = read_manifest(out)
+    del manifest.fingerprints["settings"]["generation"]["sampler"]
+    write_manifest(out, replace(manifest, status="writing"))
+    before = cache_files(out)
+    with pytest.raises(CacheMismatchError, match="sampler.*philox4x32-10/inverse-cdf/2"):
+        run_generate(GenerateOptions.of(**_options(teacher, chats, out)))
+    assert cache_files(out) == before
 
 
 def _teacher_forced(opts: dict[str, Any], ids: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
