@@ -46,9 +46,11 @@ from kdcache.stages.precompute.generation import (
     GenerateOptions,
     Prompts,
     Sampling,
+    discard_leftover,
     load_prompts,
     pack_plan,
     packed_streams,
+    remove_unpacked,
     unpacked_path,
     write_packed,
 )
@@ -57,7 +59,15 @@ from kdcache.stages.precompute.rows import Partition, TokenStreams, plan_batches
 from kdcache.stages.precompute.runner import build_fingerprints, run_precompute
 from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config, save_tokenizer
 from kdcache.stages.precompute.teacher_checks import with_default_features, with_output_vocab
-from kdcache.storage import CacheLockedError, CacheReader, Store, merge_parts, read_manifest
+from kdcache.storage import (
+    CacheLockedError,
+    CacheMismatchError,
+    CacheReader,
+    Store,
+    compare_fingerprints,
+    merge_parts,
+    read_manifest,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -90,7 +100,8 @@ def run_generate(options: GenerateOptions) -> dict[str, Any]:
 @dataclass(frozen=True)
 class _Ready:
     """What a run has checked and loaded before it writes: the options with the teacher's defaults, the plan, the
-    prompts and the sequences made of them, the loaded teacher and its targets, the sampling rule."""
+    prompts and the sequences made of them, the loaded teacher and its targets, the sampling rule, and whether
+    OUT.unpacked stays once packed."""
 
     options: PrecomputeOptions
     plan: PrecomputePlan
@@ -99,6 +110,7 @@ class _Ready:
     teacher: Teacher
     targets: Targets
     sampling: Sampling
+    keep_unpacked: bool = False
 
 
 def _run(options: GenerateOptions, dist: DistContext) -> dict[str, Any]:
@@ -115,7 +127,7 @@ def _run(options: GenerateOptions, dist: DistContext) -> dict[str, Any]:
                                                                                    dist.local_rank))
     rows = _sequences(prompts, sampling.num_responses)
     targets = with_score_rules(with_output_vocab(targets, teacher, plan.teacher), teacher.model, rows, teacher.device)
-    ready = _Ready(pre, plan, prompts, rows, teacher, targets, sampling)
+    ready = _Ready(pre, plan, prompts, rows, teacher, targets, sampling, options.generation.keep_unpacked)
     if options.engine.estimate:
         return estimate_generation(ready)
     return _write(ready, check_out_folder(plan.write.out), dist)  # a refused run has written nothing
@@ -123,25 +135,58 @@ def _run(options: GenerateOptions, dist: DistContext) -> dict[str, Any]:
 
 def _write(ready: _Ready, store: Store, dist: DistContext) -> dict[str, Any]:
     """This part's responses generated and committed, then the manifest; once complete, the generations and, with
-    ``--packing``, the packed cache (``generation.packed``: the responses first go one a row to OUT.unpacked)."""
+    ``--packing``, the packed cache (``generation.packed``: the responses first go one a row to OUT.unpacked,
+    removed once OUT is complete unless ``--keep-unpacked``). A complete packed OUT is left as it is."""
     stats, out = RunStats(), ready.plan.write.out
     packing = ready.options.dataset.packing != "none"
+    extra: dict[str, Any] = {"device": str(ready.teacher.device), "generation": ready.sampling.record()}
+    if packing and (packed := _packed_before(ready, store)) is not None:
+        return summarize(stats, packed, packed.spec.num_shards, out, extra)
     responses = check_out_folder(unpacked_path(out)) if packing else store
     manifest, part, skipped = _generate(ready, responses, dist, stats)
-    extra: dict[str, Any] = {"part": [part.index, part.count], "device": str(ready.teacher.device),
-                             "generation": ready.sampling.record()}
+    extra["part"] = [part.index, part.count]
     if manifest.status != "complete" or not dist.is_main:
         return summarize(stats, manifest, skipped, unpacked_path(out) if packing else out, extra)
     extra["generations"] = write_generations(responses, out, ready.prompts, ready.sampling.num_responses,
                                              ready.teacher.tokenizer)
     if packing:
-        extra["unpacked"] = unpacked_path(out)
         packed = _pack(ready, responses, store, stats)
         if packed is None:  # two parts of a job array found the responses complete at once: the other packs
             extra["packing"] = "another process is packing OUT now; rerun this command to find it complete"
-            return summarize(stats, manifest, skipped, unpacked_path(out), extra)
+            return summarize(stats, manifest, skipped, unpacked_path(out), {**extra, "unpacked": unpacked_path(out)})
         manifest = packed
+        extra.update(_unpacked_after(ready, responses))
     return summarize(stats, manifest, skipped, out, extra)
+
+
+def _packed_before(ready: _Ready, store: Store) -> Manifest | None:
+    """OUT's manifest where an earlier run packed it complete with this run's fingerprints (nothing to do, and
+    OUT.unpacked not needed); None where OUT is new or partial.
+
+    Raises:
+        CacheMismatchError: OUT holds another cache (refused before anything is generated for it).
+    """
+    if store.size("manifest.json") is None:
+        return None
+    manifest = read_manifest(store)
+    differences = compare_fingerprints(manifest.fingerprints, _fingerprints(ready, ready.options, ready.rows),
+                                       strict=True)
+    if differences:
+        raise CacheMismatchError(f"{ready.plan.write.out} already holds a different cache:\n  - "
+                                 + "\n  - ".join(differences), differences=differences)
+    if manifest.status != "complete":
+        return None
+    discard_leftover(ready.plan.write.out)  # a removal of OUT.unpacked killed midway
+    return manifest
+
+
+def _unpacked_after(ready: _Ready, responses: Store) -> dict[str, Any]:
+    """What became of OUT.unpacked once OUT is packed: kept (``--keep-unpacked``, or a cache in object storage),
+    or removed, with its size."""
+    if ready.keep_unpacked or not responses.is_local:
+        return {"unpacked": unpacked_path(ready.plan.write.out)}
+    removed = remove_unpacked(ready.plan.write.out)
+    return {"removed": {"path": removed[0], "bytes": removed[1]}} if removed is not None else {}
 
 
 def _generate(ready: _Ready, store: Store, dist: DistContext, stats: RunStats) -> tuple[Manifest, Partition, int]:
@@ -156,8 +201,7 @@ def _generate(ready: _Ready, store: Store, dist: DistContext, stats: RunStats) -
                                                                                                   sampling))
     spec = build_spec(write, targets, ready.rows)
     options = replace(ready.options, dataset=replace(ready.options.dataset, packing="none"))
-    fingerprints = build_fingerprints(options, teacher, targets, ready.rows)
-    fingerprints["settings"]["generation"] = sampling.record()
+    fingerprints = _fingerprints(ready, options, ready.rows)
     part = Partition.of(write.shard_index, write.num_shards, dist.rank, dist.world)
     writer = open_writer(store, spec, fingerprints, part)
     loop = DecodeLoop(teacher, targets, write.dtype, write.hidden_codec, sampling)
@@ -173,6 +217,14 @@ def _generate(ready: _Ready, store: Store, dist: DistContext, stats: RunStats) -
                       queue_size=engine.queue_size, workers=engine.writers, label="generate")
     manifest = _finish(writer, store, dist)
     return manifest, part, _whole_run(stats, len(mine) - len(todo), dist)
+
+
+def _fingerprints(ready: _Ready, options: PrecomputeOptions, rows: TokenStreams) -> dict[str, Any]:
+    """Precompute's fingerprints of ``rows`` under ``options``, with the sampling settings beside the others (the
+    packed rows' data fingerprint is the prompts', as the responses' is)."""
+    fingerprints = build_fingerprints(options, ready.teacher, ready.targets, rows)
+    fingerprints["settings"]["generation"] = ready.sampling.record()
+    return fingerprints
 
 
 def _whole_run(stats: RunStats, skipped: int, dist: DistContext) -> int:
@@ -202,8 +254,7 @@ def _pack(ready: _Ready, responses: Store, store: Store, stats: RunStats) -> Man
     rows = pack_plan(lengths, ready.plan.rows.max_length)
     streams = packed_streams(lengths, rows, ready.rows.fingerprint)
     spec = build_spec(replace(ready.plan.write, shard_index=0, num_shards=1), ready.targets, streams)
-    fingerprints = build_fingerprints(ready.options, ready.teacher, ready.targets, streams)
-    fingerprints["settings"]["generation"] = ready.sampling.record()
+    fingerprints = _fingerprints(ready, ready.options, streams)
     try:
         writer = open_writer(store, spec, fingerprints, Partition(0, 1))
     except CacheLockedError:

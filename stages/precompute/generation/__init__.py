@@ -25,8 +25,10 @@ if TYPE_CHECKING:
         Sampling as Sampling,
     )
     from kdcache.stages.precompute.generation.packed import (
+        discard_leftover as discard_leftover,
         pack_plan as pack_plan,
         packed_streams as packed_streams,
+        remove_unpacked as remove_unpacked,
         unpacked_path as unpacked_path,
         write_packed as write_packed,
     )

@@ -59,6 +59,8 @@ class GenerationOptions:
     stop: tuple[str, ...] = _opt((), "strings that end a response (it keeps them), beside the teacher's "
                                      "end-of-sequence tokens", nargs="+", metavar="TEXT")
     num_responses: int = _opt(1, "responses sampled per prompt (each from its own draws: seed, prompt, number)")
+    keep_unpacked: bool = _opt(False, "with --packing documents: keep OUT.unpacked (the responses one a row, "
+                                      "as large as OUT) once OUT is packed; it is removed by default")
     responses: str = _opt("generate", "generate: the teacher writes the responses; given: the conversations of "
                                       "--messages-column already hold them (written by vLLM, SGLang...) and are "
                                       "only cached", choices=list(RESPONSES))
@@ -98,6 +100,8 @@ class GenerateOptions:
         if self.dataset.packing == "concat" and self.generation.responses == "generate":
             problems.append("packing: got 'concat'; generated rows are packed with each response attending only to "
                             "itself, as the teacher computed it: use --packing documents")
+        if self.generation.keep_unpacked and self.dataset.packing == "none":
+            problems.append("keep_unpacked: there is no OUT.unpacked without --packing documents; drop it")
         given = self.generation.responses == "given"
         if given and not self.dataset.messages_column:
             problems.append("responses: given reads the responses from conversations: set --messages-column")

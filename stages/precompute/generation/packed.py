@@ -13,10 +13,16 @@ Two differences from precompute's packing, both because the teacher does not run
 response that ended without one (it would have no targets), and a sequence longer than a row is never cut (its
 targets were computed with its whole prompt before it): it gets a row of its own. ``concat`` packing, whose
 attention crosses documents, would need a new forward and is refused.
+
+Once OUT is complete (and ``OUT.generations.jsonl`` written from the responses), ``OUT.unpacked`` holds nothing OUT
+does not, at the same size again: it is removed (``remove_unpacked``) unless ``--keep-unpacked``, and a rerun that
+finds OUT complete does nothing, without it.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +43,32 @@ def unpacked_path(out: str) -> str:
     """Where the unpacked responses go (beside the cache folder, whose every entry ``verify`` accounts for)."""
     path = Path(out).expanduser()
     return str(path.with_name(path.name + UNPACKED_SUFFIX))
+
+
+def remove_unpacked(out: str) -> tuple[str, int] | None:
+    """``OUT.unpacked`` removed: renamed aside first, so that a kill mid-removal leaves no half cache under its
+    name (only a hidden ``.NAME.removing`` that the next call, or ``discard_leftover``, finishes).
+
+    Returns:
+        the removed folder and its bytes; None where there was none.
+    """
+    path = Path(unpacked_path(out))
+    discard_leftover(out)
+    if not path.is_dir():
+        return None
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    os.replace(path, _aside(path))
+    shutil.rmtree(_aside(path))
+    return str(path), size
+
+
+def discard_leftover(out: str) -> None:
+    """What a removal killed midway left aside (nothing reads it), removed."""
+    shutil.rmtree(_aside(Path(unpacked_path(out))), ignore_errors=True)
+
+
+def _aside(path: Path) -> Path:
+    return path.with_name(f".{path.name}.removing")
 
 
 def pack_plan(lengths: Sequence[int], block: int) -> list[list[int]]:

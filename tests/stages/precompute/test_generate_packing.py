@@ -3,12 +3,14 @@ teacher writes them, packed into rows of ``--max-length`` tokens without running
 
 What is checked: a packed row is its responses' rows joined (every stored array, attention maps on the diagonal),
 positions restarting at each response and the loss mask over the generated spans only; the packed bytes do not
-depend on the batch size; packing that crosses responses is refused. The tiny chat Llama and the prompts are
+depend on the batch size; OUT.unpacked is removed once OUT is packed (unless ``--keep-unpacked``) and a rerun
+does not need it; packing that crosses responses is refused. The tiny chat Llama and the prompts are
 ``test_generate``'s.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,11 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kdcache.pipeline.cli import main
 from kdcache.stages.precompute import GenerateOptions, run_generate
 from kdcache.stages.precompute.generation.packed import pack_plan
-from kdcache.storage import CacheReader, CacheWriter, verify_cache
+from kdcache.storage import CacheMismatchError, CacheReader, CacheWriter, verify_cache
 from tests.helpers.cache_files import cache_files
 from tests.stages.precompute.test_generate import (  # module fixtures, shared
+    _argv,
     _options,
     chats as chats,
     teacher as teacher,
@@ -36,8 +40,8 @@ def _packed_options(teacher: Path, chats: Path, out: Path, **overrides: Any) -> 
 @pytest.fixture(scope="module")
 def packed(teacher: Path, chats: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("packed") / "cache"
-    summary = run_generate(GenerateOptions.of(**_packed_options(teacher, chats, out)))
-    assert summary["status"] == "complete" and summary["unpacked"] == f"{out}.unpacked"
+    summary = run_generate(GenerateOptions.of(**_packed_options(teacher, chats, out, keep_unpacked=True)))
+    assert summary["status"] == "complete" and summary["unpacked"] == f"{out}.unpacked" and "removed" not in summary
     assert summary["num_sequences"] < 6  # 6 responses, fewer rows
     return out
 
@@ -84,7 +88,8 @@ def test_packed_bytes_do_not_depend_on_the_batch_size(packed: Path, teacher: Pat
     a, b = cache_files(out), cache_files(packed)
     assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == []
     again = run_generate(GenerateOptions.of(**_packed_options(teacher, chats, out, batch_size=1)))
-    assert again["shards_written"] == 0 and cache_files(out) == a  # a rerun finds both caches complete
+    assert again["shards_written"] == 0 and cache_files(out) == a  # a rerun finds OUT complete
+    assert not Path(f"{out}.unpacked").exists()  # removed by the first run, not needed by the second
 
 
 def test_packing_waits_for_a_live_packer_then_resumes_to_the_same_bytes(packed: Path, teacher: Path, chats: Path,
@@ -103,6 +108,48 @@ def test_packing_waits_for_a_live_packer_then_resumes_to_the_same_bytes(packed: 
     assert summary["status"] == "complete" and summary["sequences"] == 0  # nothing generated: only packed
     a, b = cache_files(out), cache_files(packed)
     assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == []
+
+
+def test_once_packed_the_unpacked_responses_are_removed_and_a_rerun_does_not_need_them(
+        packed: Path, teacher: Path, chats: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The responses complete in OUT.unpacked (the fixture's, copied: nothing is generated), packed by the command:
+    OUT.unpacked goes once OUT and the generations are written, and the output says so; a rerun finds OUT complete
+    and does nothing (it also clears what a removal killed midway left aside)."""
+    out = tmp_path / "cache"
+    unpacked = Path(f"{out}.unpacked")
+    shutil.copytree(f"{packed}.unpacked", unpacked)
+    size = sum(f.stat().st_size for f in unpacked.rglob("*") if f.is_file())
+    argv = _argv({k: v for k, v in _packed_options(teacher, chats, out).items() if v is not None})
+    assert main([*argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    removed = summary["removed"]
+    assert summary["status"] == "complete" and removed["path"] == str(unpacked)
+    assert abs(removed["bytes"] - size) < 100  # the resumed writer rewrote the manifest (its time, its status)
+    assert not unpacked.exists() and "unpacked" not in summary
+    assert Path(f"{out}.generations.jsonl").read_bytes() == Path(f"{packed}.generations.jsonl").read_bytes()
+    a, b = cache_files(out), cache_files(packed)
+    assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == []
+    aside = tmp_path / ".cache.unpacked.removing"  # a removal killed after its rename
+    aside.mkdir()
+    (aside / "manifest.json").write_text("{}")
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "this run: 0 shard(s) written" in printed and "removed" not in printed
+    assert not unpacked.exists() and not aside.exists() and cache_files(out) == a
+
+
+def test_a_packed_cache_of_other_settings_is_refused_before_anything_is_generated(packed: Path, teacher: Path,
+                                                                                  chats: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cache"
+    shutil.copytree(packed, out)  # complete, its OUT.unpacked gone
+    with pytest.raises(CacheMismatchError, match="generation temperature"):
+        run_generate(GenerateOptions.of(**_packed_options(teacher, chats, out, temperature=0.7)))
+    assert not Path(f"{out}.unpacked").exists()
+
+
+def test_keep_unpacked_without_packing_is_refused(teacher: Path, chats: Path, tmp_path: Path) -> None:
+    problems = GenerateOptions.of(**_options(teacher, chats, tmp_path / "out", keep_unpacked=True)).validate()
+    assert any(p.startswith("keep_unpacked: there is no OUT.unpacked without --packing documents") for p in problems)
 
 
 def test_packing_across_responses_is_refused(teacher: Path, chats: Path, tmp_path: Path) -> None:
