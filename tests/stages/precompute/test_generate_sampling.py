@@ -105,3 +105,20 @@ def test_tokens_follow_the_processed_distribution(temperature: float, top_k: int
     assert counts[expected == 0].sum() == 0 and keep.sum() >= 2
     kept = expected > 0
     assert ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum() < stats.chi2.ppf(0.999, kept.sum() - 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the prepared GPU check runs it)")
+def test_a_gpu_gives_the_cpus_integers_uniforms_and_tokens() -> None:
+    """The same words, uniforms and tokens from tensors on the GPU as on the CPU (exact integer arithmetic; the
+    tokens of fp32 logits far from any tie)."""
+    counters = torch.from_numpy(np.random.default_rng(1).integers(0, 2**32, size=(4096, 4), dtype=np.uint64)
+                                .astype(np.int64))
+    key = (0xDEADBEEF, 0x01234567)
+    assert torch.equal(philox(counters.cuda(), key).cpu(), philox(counters, key))
+    keys = torch.tensor([(p, r) for p in range(64) for r in range(4)])
+    on_cpu = uniforms(7, keys, range(100, 164))
+    assert torch.equal(uniforms(7, keys.cuda(), range(100, 164)).cpu(), on_cpu)
+    logits = torch.randn(256, 1000, generator=torch.Generator().manual_seed(2)) * 3
+    sampling = Sampling(7, 0.8, 0.9, 50, 8, (), 1)
+    cpu_tokens = next_tokens(logits, sampling, on_cpu[:, 0])
+    assert torch.equal(next_tokens(logits.cuda(), sampling, on_cpu[:, 0].cuda()).cpu(), cpu_tokens)
