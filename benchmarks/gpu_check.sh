@@ -4,7 +4,7 @@
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # Steps, each under its own limit (setup about a minute; the limits add up to 420 s, leaving room for the report
 # within 8 minutes and the call's 600 s), each log kept whatever the next step does:
-#   1. the kernel's tests on CUDA (the CPU cases skip there);
+#   1. the kernel's tests on CUDA (the CPU cases skip there), and generate's Philox draws: the GPU's against the CPU's;
 #   2. bench_vocab_losses: the kernel against the pure-torch chunks per loss, d = 2,048, V = 128,256, bf16;
 #   3. bench_gpu: stage one rows, then stage two rows beside the student alone and online KD;
 #   4. bench_generate (issue 58): generation with capture against bare model.generate, an 8-block bf16 GPT-2;
@@ -53,6 +53,7 @@ step() {  # step NAME SECONDS COMMAND...: run it under a limit, its output in $L
     tail -n 4 "$LOGS/$name.log"
 }
 step kernel_tests 70 python3 -m pytest -q -p no:cacheprovider tests/stages/train/vocab/test_fused_kernel.py \
+    tests/stages/precompute/test_generate_sampling.py \
     tests/stages/train/vocab/test_fused_kernel_gpu.py tests/stages/train/vocab/test_kernel_guard.py \
     --junitxml="$LOGS/kernel_tests.xml"
 step vocab_bench 60 python3 benchmarks/bench_vocab_losses.py --device cuda --dtype bfloat16 --dim 2048 \

@@ -83,7 +83,8 @@ def _background(writer: CacheWriter, stats: RunStats, queue_size: int, workers: 
 
 def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: RunStats,
                   stream: Callable[[list[tuple[int, int]], Progress], Shards], *,
-                  show_progress: bool, queue_size: int, workers: int = 0, processes: bool = False) -> None:
+                  show_progress: bool, queue_size: int, workers: int = 0, processes: bool = False,
+                  label: str = "precompute") -> None:
     """Compute every shard in ``todo`` (``stream(shard_ranges, progress)`` yields them in order); a background
     writer commits each while the next ones are computed.
 
@@ -92,10 +93,11 @@ def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: 
         queue_size: computed shards that may wait for the writer (``--queue-size``).
         workers: threads writing shards side by side (``--writers``; 0: ``background.default_workers``).
         processes: write in worker processes instead (``--writer-processes``, ``writer_processes``).
+        label: the command the progress names (``kdcache generate`` passes ``generate``).
     """
     total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
     stats.compute_started = time.perf_counter()
-    progress = Progress(total, show_progress, stats)
+    progress = Progress(total, show_progress, stats, label)
     background = _background(writer, stats, queue_size, workers or default_workers(), processes)
     shards = stream([spec.shard_range(k) for k in todo], progress)
     try:

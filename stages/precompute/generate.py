@@ -27,7 +27,7 @@ from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.architectures import is_encoder_decoder
 from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.cache_spec import MAX_SHARD_SEQUENCES, SHARD_TOKENS, build_spec
-from kdcache.stages.precompute.capture import ShardItems
+from kdcache.stages.precompute.capture import ShardItems, with_score_rules
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
 from kdcache.stages.precompute.core import (
     PrecomputeError,
@@ -41,13 +41,33 @@ from kdcache.stages.precompute.core import (
     resolve_targets,
     summarize,
 )
-from kdcache.stages.precompute.generation import DecodeLoop, GenerateOptions, Prompts, Sampling, load_prompts
+from kdcache.stages.precompute.generation import (
+    DecodeLoop,
+    GenerateOptions,
+    Prompts,
+    Sampling,
+    discard_leftover,
+    load_prompts,
+    pack_plan,
+    packed_streams,
+    remove_unpacked,
+    unpacked_path,
+    write_packed,
+)
 from kdcache.stages.precompute.parallel import DistContext
 from kdcache.stages.precompute.rows import Partition, TokenStreams, plan_batches
 from kdcache.stages.precompute.runner import build_fingerprints, run_precompute
 from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config, save_tokenizer
 from kdcache.stages.precompute.teacher_checks import with_default_features, with_output_vocab
-from kdcache.storage import CacheReader, Store, merge_parts, read_manifest
+from kdcache.storage import (
+    CacheLockedError,
+    CacheMismatchError,
+    CacheReader,
+    Store,
+    compare_fingerprints,
+    merge_parts,
+    read_manifest,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -80,7 +100,8 @@ def run_generate(options: GenerateOptions) -> dict[str, Any]:
 @dataclass(frozen=True)
 class _Ready:
     """What a run has checked and loaded before it writes: the options with the teacher's defaults, the plan, the
-    prompts and the sequences made of them, the loaded teacher and its targets, the sampling rule."""
+    prompts and the sequences made of them, the loaded teacher and its targets, the sampling rule, and whether
+    OUT.unpacked stays once packed."""
 
     options: PrecomputeOptions
     plan: PrecomputePlan
@@ -89,6 +110,7 @@ class _Ready:
     teacher: Teacher
     targets: Targets
     sampling: Sampling
+    keep_unpacked: bool = False
 
 
 def _run(options: GenerateOptions, dist: DistContext) -> dict[str, Any]:
@@ -103,44 +125,142 @@ def _run(options: GenerateOptions, dist: DistContext) -> dict[str, Any]:
     _check_positions(config, prompts, sampling)
     teacher = load_teacher(plan.teacher, config, targets, tokenizer, pick_device(options.engine.device,
                                                                                    dist.local_rank))
-    ready = _Ready(pre, plan, prompts, _sequences(prompts, sampling.num_responses), teacher,
-                   with_output_vocab(targets, teacher, plan.teacher), sampling)
+    rows = _sequences(prompts, sampling.num_responses)
+    targets = with_score_rules(with_output_vocab(targets, teacher, plan.teacher), teacher.model, rows, teacher.device)
+    ready = _Ready(pre, plan, prompts, rows, teacher, targets, sampling, options.generation.keep_unpacked)
     if options.engine.estimate:
         return estimate_generation(ready)
     return _write(ready, check_out_folder(plan.write.out), dist)  # a refused run has written nothing
 
 
 def _write(ready: _Ready, store: Store, dist: DistContext) -> dict[str, Any]:
-    """This part's shards generated and committed, then the manifest (and the generations once complete)."""
-    stats, sampling, teacher, targets = RunStats(), ready.sampling, ready.teacher, ready.targets
+    """This part's responses generated and committed, then the manifest; once complete, the generations and, with
+    ``--packing``, the packed cache (``generation.packed``: the responses first go one a row to OUT.unpacked,
+    removed once OUT is complete unless ``--keep-unpacked``). A complete packed OUT is left as it is."""
+    stats, out = RunStats(), ready.plan.write.out
+    packing = ready.options.dataset.packing != "none"
+    extra: dict[str, Any] = {"device": str(ready.teacher.device), "generation": ready.sampling.record()}
+    if packing and (packed := _packed_before(ready, store)) is not None:
+        return summarize(stats, packed, packed.spec.num_shards, out, extra)
+    responses = check_out_folder(unpacked_path(out)) if packing else store
+    manifest, part, skipped = _generate(ready, responses, dist, stats)
+    extra["part"] = [part.index, part.count]
+    if manifest.status != "complete" or not dist.is_main:
+        return summarize(stats, manifest, skipped, unpacked_path(out) if packing else out, extra)
+    extra["generations"] = write_generations(responses, out, ready.prompts, ready.sampling.num_responses,
+                                             ready.teacher.tokenizer)
+    if packing:
+        packed = _pack(ready, responses, store, stats)
+        if packed is None:  # two parts of a job array found the responses complete at once: the other packs
+            extra["packing"] = "another process is packing OUT now; rerun this command to find it complete"
+            return summarize(stats, manifest, skipped, unpacked_path(out), {**extra, "unpacked": unpacked_path(out)})
+        manifest = packed
+        extra.update(_unpacked_after(ready, responses))
+    return summarize(stats, manifest, skipped, out, extra)
+
+
+def _packed_before(ready: _Ready, store: Store) -> Manifest | None:
+    """OUT's manifest where an earlier run packed it complete with this run's fingerprints (nothing to do, and
+    OUT.unpacked not needed); None where OUT is new or partial.
+
+    Raises:
+        CacheMismatchError: OUT holds another cache (refused before anything is generated for it).
+    """
+    if store.size("manifest.json") is None:
+        return None
+    manifest = read_manifest(store)
+    differences = compare_fingerprints(manifest.fingerprints, _fingerprints(ready, ready.options, ready.rows),
+                                       strict=True)
+    if differences:
+        raise CacheMismatchError(f"{ready.plan.write.out} already holds a different cache:\n  - "
+                                 + "\n  - ".join(differences), differences=differences)
+    if manifest.status != "complete":
+        return None
+    discard_leftover(ready.plan.write.out)  # a removal of OUT.unpacked killed midway
+    return manifest
+
+
+def _unpacked_after(ready: _Ready, responses: Store) -> dict[str, Any]:
+    """What became of OUT.unpacked once OUT is packed: kept (``--keep-unpacked``, or a cache in object storage),
+    or removed, with its size."""
+    if ready.keep_unpacked or not responses.is_local:
+        return {"unpacked": unpacked_path(ready.plan.write.out)}
+    removed = remove_unpacked(ready.plan.write.out)
+    return {"removed": {"path": removed[0], "bytes": removed[1]}} if removed is not None else {}
+
+
+def _generate(ready: _Ready, store: Store, dist: DistContext, stats: RunStats) -> tuple[Manifest, Partition, int]:
+    """This part's shards of responses (one a row) generated and committed; the manifest once every rank is done.
+
+    Returns:
+        the manifest, this process's part, and how many of its shards an earlier run had committed.
+    """
+    sampling, teacher, targets = ready.sampling, ready.teacher, ready.targets
     plan, engine = ready.plan, ready.options.engine
     write = replace(plan.write, sequences_per_shard=plan.write.sequences_per_shard or _per_shard(ready.prompts,
                                                                                                   sampling))
     spec = build_spec(write, targets, ready.rows)
-    fingerprints = build_fingerprints(ready.options, teacher, targets, ready.rows)
-    fingerprints["settings"]["generation"] = sampling.record()
+    options = replace(ready.options, dataset=replace(ready.options.dataset, packing="none"))
+    fingerprints = _fingerprints(ready, options, ready.rows)
     part = Partition.of(write.shard_index, write.num_shards, dist.rank, dist.world)
     writer = open_writer(store, spec, fingerprints, part)
     loop = DecodeLoop(teacher, targets, write.dtype, write.hidden_codec, sampling)
     mine = part.shards(spec.num_shards)
     with writer:
         todo = [k for k in mine if k not in writer.committed_shards()]
-        save_tokenizer(teacher.tokenizer, store)
-        if logit_kinds.uses_head(targets.logits) and dist.is_main:
-            export_head(teacher.model, store, targets.streams[""].depth)
+        _save_teacher_files(ready, store, dist.is_main)
 
         def stream(bounds: list[tuple[int, int]], progress: Progress) -> Generator[ShardItems, None, None]:
             return _shards(loop, ready.prompts, sampling.num_responses, bounds, engine.batch_size, stats, progress)
 
         commit_behind(spec, todo, writer, stats, stream, show_progress=engine.progress and dist.is_main,
-                      queue_size=engine.queue_size, workers=engine.writers)
+                      queue_size=engine.queue_size, workers=engine.writers, label="generate")
     manifest = _finish(writer, store, dist)
-    extra: dict[str, Any] = {"part": [part.index, part.count], "device": str(teacher.device),
-                             "generation": sampling.record()}
-    if manifest.status == "complete" and dist.is_main:
-        extra["generations"] = write_generations(store, write.out, ready.prompts, sampling.num_responses,
-                                                 teacher.tokenizer)
-    return summarize(stats, manifest, len(mine) - len(todo), write.out, extra)
+    return manifest, part, _whole_run(stats, len(mine) - len(todo), dist)
+
+
+def _fingerprints(ready: _Ready, options: PrecomputeOptions, rows: TokenStreams) -> dict[str, Any]:
+    """Precompute's fingerprints of ``rows`` under ``options``, with the sampling settings beside the others (the
+    packed rows' data fingerprint is the prompts', as the responses' is)."""
+    fingerprints = build_fingerprints(options, ready.teacher, ready.targets, rows)
+    fingerprints["settings"]["generation"] = ready.sampling.record()
+    return fingerprints
+
+
+def _whole_run(stats: RunStats, skipped: int, dist: DistContext) -> int:
+    """Under torchrun, the counts of every rank into ``stats`` (what rank 0's summary prints as this run's: its
+    own shards alone were half the run at two ranks); the shards skipped, summed alike. Rates stay rank 0's clock
+    over the total. One process (a job array's part included): its own, unchanged."""
+    tokens, sequences, written, stored, skipped_ = dist.sum([float(stats.tokens), float(stats.sequences),
+                                                             float(stats.shards_written), float(stats.stored_bytes),
+                                                             float(skipped)])
+    stats.tokens, stats.sequences, stats.shards_written = int(tokens), int(sequences), int(written)
+    stats.stored_bytes = int(stored)
+    return int(skipped_)
+
+
+def _save_teacher_files(ready: _Ready, store: Store, main: bool) -> None:
+    """What stage two reads beside the targets: the tokenizer, and the output head for the ``head`` logit kind."""
+    save_tokenizer(ready.teacher.tokenizer, store)
+    if logit_kinds.uses_head(ready.targets.logits) and main:
+        export_head(ready.teacher.model, store, ready.targets.streams[""].depth)
+
+
+def _pack(ready: _Ready, responses: Store, store: Store, stats: RunStats) -> Manifest | None:
+    """The complete unpacked cache's rows packed into OUT (``generation.packed``), its shards not yet committed
+    written (a killed packing resumes): its spec counts the packed rows, its fingerprints name the packing. None
+    when another live process holds OUT's writer (the last parts of a job array, finishing together)."""
+    lengths = [len(CacheReader(responses).get(s, ["input_ids"])["input_ids"]) for s in range(len(ready.rows))]
+    rows = pack_plan(lengths, ready.plan.rows.max_length)
+    streams = packed_streams(lengths, rows, ready.rows.fingerprint)
+    spec = build_spec(replace(ready.plan.write, shard_index=0, num_shards=1), ready.targets, streams)
+    fingerprints = _fingerprints(ready, ready.options, streams)
+    try:
+        writer = open_writer(store, spec, fingerprints, Partition(0, 1))
+    except CacheLockedError:
+        return None
+    _save_teacher_files(ready, store, main=True)
+    return write_packed(responses, writer, rows, stats)
 
 
 ESTIMATE_SEQUENCES = 8  # responses sampled by --estimate (at least one batch)
@@ -191,10 +311,6 @@ def _targets(options: PrecomputeOptions, config: PretrainedConfig) -> Targets:
     if not targets.causal:
         raise PrecomputeError(f"kdcache generate needs a causal language model; {options.engine.teacher!r} is a "
                               f"{config.model_type} encoder, which writes no text")
-    if targets.source.recorded_parts and targets.streams[""].attention:
-        raise PrecomputeError(f"attention_source {targets.attention_source}: queries and keys are not kept while "
-                              f"generating yet; cache attention maps (--attention-source maps), or run precompute "
-                              f"over OUT.generations.jsonl")
     return targets
 
 

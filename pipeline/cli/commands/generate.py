@@ -13,6 +13,7 @@ from kdcache.pipeline.cli.commands import Subcommands, print_summary
 from kdcache.pipeline.config import from_args
 from kdcache.stages import precompute
 from kdcache.stages.precompute import GenerateOptions
+from kdcache.storage import format_bytes
 
 
 def register(subparsers: Subcommands) -> None:
@@ -39,6 +40,12 @@ def run(args: argparse.Namespace) -> int:
     summary = precompute.run_generate(options)
     fmt = precompute.format_generate_estimate if options.engine.estimate else precompute.format_summary
     print_summary(summary, getattr(args, "json", False), fmt)
-    if summary.get("generations") and not getattr(args, "json", False):
+    if getattr(args, "json", False):
+        return 0
+    if summary.get("generations"):
         print(f"generations: {summary['generations']}")
+    if summary.get("removed"):  # --packing: the responses one a row, now in OUT's packed rows
+        removed = summary["removed"]
+        print(f"removed {removed['path']} ({format_bytes(removed['bytes'])}: the responses one a row, packed into "
+              f"{summary['out']}; --keep-unpacked keeps it)")
     return 0

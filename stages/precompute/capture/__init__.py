@@ -24,7 +24,10 @@ if TYPE_CHECKING:
         to_storage_dtype as to_storage_dtype,
     )
     from kdcache.stages.precompute.capture.logit_head import ChunkedHead as ChunkedHead, logit_targets as logit_targets
-    from kdcache.stages.precompute.capture.qk_capture import with_score_rules as with_score_rules
+    from kdcache.stages.precompute.capture.qk_capture import (
+        QKCapture as QKCapture,
+        with_score_rules as with_score_rules,
+    )
     from kdcache.stages.precompute.capture.sharded_head import chunked_head as chunked_head
     from kdcache.stages.precompute.capture.transfer import ShardItems as ShardItems, cut_padding as cut_padding
 else:  # mypy reads the names above and nothing else; at run time each loads on first use

@@ -74,12 +74,18 @@ class QKCapture:
                 raise PrecomputeError(f"{self.flag}: {exc}; stage two could not rebuild its attention, "
                                       f"{self.fallback}") from None
 
-    def arrays(self) -> dict[str, torch.Tensor]:
-        """The last forward's ``attention_{q,k,v}/{j} [B, L, heads * d]`` (head-major within a token's row)."""
+    def arrays(self, last: int | None = None) -> dict[str, torch.Tensor]:
+        """The last forward's ``attention_{q,k,v}/{j} [B, L, heads * d]`` (head-major within a token's row).
+
+        Args:
+            last: keep only the last ``last`` positions: a forward with a KV cache hands the kernel every earlier
+                step's keys and values too, and only its own ``last`` tokens are new (generation's decode steps).
+        """
         out = {}
         for j, captured in self.recorder.captured.items():
             for kind in self.kinds:
                 x = getattr(captured, kind)  # [B, heads, L, d]
+                x = x if last is None else x[:, :, -last:]
                 out[f"attention_{kind}/{j}"] = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
         self.recorder.captured = {}
         return out

@@ -51,17 +51,17 @@ LINE_EVERY = 30.0  # seconds between progress lines in a log (stderr not a termi
 
 
 class Progress:
-    """A tqdm bar over sequences on a terminal; in a log, a ``kdcache precompute:`` line every ``LINE_EVERY``
-    seconds and at the end (a bar's carriage returns make a log file unreadable); nothing on other ranks or with
-    ``--no-progress``."""
+    """A tqdm bar over sequences on a terminal; in a log, a ``kdcache precompute:`` line (``label``: the command)
+    every ``LINE_EVERY`` seconds and at the end (a bar's carriage returns make a log file unreadable), with tokens/s
+    and the time left at the rate so far; nothing on other ranks or with ``--no-progress``."""
 
-    def __init__(self, total: int, enabled: bool, stats: RunStats) -> None:
-        self.stats, self.total, self.done = stats, total, 0
+    def __init__(self, total: int, enabled: bool, stats: RunStats, label: str = "precompute") -> None:
+        self.stats, self.total, self.done, self.label = stats, total, 0, label
         self.bar = None
         self.lines = enabled and bool(total) and not sys.stderr.isatty() and not os.environ.get("KDCACHE_QUIET")
         self._last_line = time.perf_counter()
         if enabled and total and not self.lines:
-            self.bar = tqdm(total=total, unit="seq", desc="precompute", dynamic_ncols=True)
+            self.bar = tqdm(total=total, unit="seq", desc=label, dynamic_ncols=True)  # its own ETA
 
     def update(self, sequences: int) -> None:
         self.done += sequences
@@ -80,8 +80,11 @@ class Progress:
         self._print_line(now)
 
     def _print_line(self, now: float) -> None:
-        rate = self.stats.tokens / max(now - self.stats.compute_started, 1e-9)
-        print(f"kdcache precompute: {self.done:,}/{self.total:,} sequences | {rate:,.0f} tok/s | "
+        elapsed = max(now - self.stats.compute_started, 1e-9)
+        rate = self.stats.tokens / elapsed
+        left = elapsed / self.done * (self.total - self.done) if self.done else None  # sequences go at one pace
+        eta = "ETA ?" if left is None else f"ETA {int(left) // 60}:{int(left) % 60:02d}"
+        print(f"kdcache {self.label}: {self.done:,}/{self.total:,} sequences | {rate:,.0f} tok/s | {eta} | "
               f"{format_bytes(self.stats.stored_bytes)} written", file=sys.stderr, flush=True)
 
     def _postfix(self) -> None:

@@ -14,7 +14,7 @@ sampling rule, attention maps), then turned into the same storage-ready arrays b
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from kdcache.stages.precompute.capture import (
+    QKCapture,
     ShardItems,
     check_ranges,
     cut_padding,
@@ -34,7 +35,7 @@ from kdcache.stages.precompute.capture import (
 )
 from kdcache.stages.precompute.core import PrecomputeError
 from kdcache.stages.precompute.generation.options import Sampling
-from kdcache.stages.precompute.generation.sampling import RowDraws, next_tokens, response_seed
+from kdcache.stages.precompute.generation.sampling import ResponseDraws, next_tokens, response_seed
 from kdcache.storage import FLOAT
 
 if TYPE_CHECKING:
@@ -62,34 +63,52 @@ class _Kept:
     hidden: dict[int, list[torch.Tensor]]
     attention: dict[int, list[torch.Tensor]]
     logits: dict[str, list[torch.Tensor]]
+    token_rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # attention_{q,k,v}/{j}
     forwards: int = 0
 
 
 class _Rows:
-    """The batch's responses as they grow: tokens drawn, and which rows are done."""
+    """The batch's responses as they grow, on the device: the tokens drawn at each step and which rows are done.
 
-    def __init__(self, count: int, stop: tuple[str, ...], eos: frozenset[int],
+    Every row draws its t-th token at step t, so a live row's length is the step count; only a stop string needs
+    the tokens on the host (a tokenizer decodes them), and then only a live row's last few.
+    """
+
+    def __init__(self, count: int, device: torch.device, limit: int, eos: frozenset[int], stop: tuple[str, ...],
                  tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokens: list[list[int]] = [[] for _ in range(count)]
-        self.done = [False] * count
-        self.stop, self.eos, self.tokenizer = stop, eos, tokenizer
+        self.steps: list[torch.Tensor] = []  # per step, ``[B]`` ids (a row done before it: whatever was drawn)
+        self.done = torch.zeros(count, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(count, dtype=torch.int64, device=device)
+        self.eos = torch.tensor(sorted(eos), dtype=torch.int64, device=device)
+        self.limit, self.stop, self.tokenizer = limit, stop, tokenizer
         self._tail = max((len(s) for s in stop), default=0) + 2  # tokens decoded to look for a stop string
 
-    @property
-    def active(self) -> list[int]:
-        return [i for i, d in enumerate(self.done) if not d]
+    def add(self, drawn: torch.Tensor) -> bool:
+        """Append ``[B]`` ids; a live row ends on an EOS id, a stop string, or its ``limit``-th token.
 
-    def add(self, rows: list[int], drawn: list[int], limit: int) -> None:
-        """Append each row's token; a row ends on an EOS id, a stop string, or its ``limit``-th token."""
-        for i, token in zip(rows, drawn):
-            self.tokens[i].append(token)
-            self.done[i] = token in self.eos or len(self.tokens[i]) >= limit or self._stopped(i)
+        Returns:
+            whether a row is still live: the one host sync of a step.
+        """
+        live = ~self.done
+        self.steps.append(drawn)
+        self.lengths += live
+        ended = torch.isin(drawn, self.eos) | (self.lengths >= self.limit)
+        if self.stop:
+            ended |= self._stopped(live)
+        self.done |= live & ended
+        return not bool(self.done.all())
 
-    def _stopped(self, i: int) -> bool:
-        if not self.stop:
-            return False
-        text = self.tokenizer.decode(self.tokens[i][-self._tail:], skip_special_tokens=False)
-        return any(s in text for s in self.stop)
+    def _stopped(self, live: torch.Tensor) -> torch.Tensor:
+        """``[B]`` whether each live row's text now holds a stop string (its last tokens decoded on the host)."""
+        tail = torch.stack(self.steps[-self._tail:], dim=1).tolist()
+        found = [bool(on) and any(s in self.tokenizer.decode(ids, skip_special_tokens=False) for s in self.stop)
+                 for on, ids in zip(live.tolist(), tail)]
+        return torch.tensor(found, dtype=torch.bool, device=live.device)
+
+    def tokens(self) -> list[np.ndarray]:
+        """Per row its response ids ``[n_i]`` (int32, on the host)."""
+        drawn = torch.stack(self.steps, dim=1).cpu().numpy().astype(np.int32)
+        return [row[:n] for row, n in zip(drawn, self.lengths.tolist())]
 
 
 class DecodeLoop:
@@ -108,6 +127,11 @@ class DecodeLoop:
         self.teacher, self.targets, self.sampling = teacher, targets, sampling
         self.dtype_name, self.hidden_codec = dtype_name, hidden_codec
         self.layers = targets.streams[""]
+        # q/k sources: the selected blocks' queries and keys as token rows, recorded at the attention kernel (rotary
+        # applied), instead of maps; else the maps, from the model's own output
+        self.qk = QKCapture(teacher.model, targets) if targets.source.recorded_parts and self.layers.attention \
+            else None
+        self.maps = () if self.qk is not None else self.layers.attention
         self.eos = eos_ids(teacher)
         self.pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
         # transformers 5.x names the KV cache ``cache`` and deprecates ``past_key_values``, which older ones take
@@ -122,34 +146,40 @@ class DecodeLoop:
             prompts: per row its prompt ids ``[P_i]``.
             keys: per row its (prompt index, response number): what its draws are seeded with.
         """
-        draws = RowDraws(keys, self.sampling.seed)
-        kept = _Kept({j: [] for j in self.layers.hidden}, {j: [] for j in self.layers.attention}, {})
-        rows = _Rows(len(prompts), self.sampling.stop, self.eos, self.teacher.tokenizer)
+        device = self.teacher.device
+        draws = ResponseDraws(keys, self.sampling.seed, device)
+        kept = _Kept({j: [] for j in self.layers.hidden}, {j: [] for j in self.maps}, {})
+        rows = _Rows(len(prompts), device, self.sampling.max_new_tokens, self.eos, self.sampling.stop,
+                     self.teacher.tokenizer)
         with torch.inference_mode():
             ids, mask, positions = self._left_padded(prompts)
             cache = DynamicCache()
             last = self._forward(ids, mask, positions, cache, kept, keys)
-            while rows.active:
-                step = self._draw(last, rows, draws, ids)
+            live = True
+            while live:
+                step, live = self._draw(last, rows, draws)
                 mask = torch.cat([mask, mask.new_ones((len(prompts), 1))], dim=1)
                 positions = positions[:, -1:] + 1
                 last = self._forward(step, mask, positions, cache, kept, keys)
-            lengths = [len(p) + len(t) for p, t in zip(prompts, rows.tokens)]
+            responses = rows.tokens()
+            lengths = [len(p) + len(t) for p, t in zip(prompts, responses)]
             items = self._items(kept, [len(p) for p in prompts], ids.shape[1], lengths)
-        full = [np.concatenate([p, np.asarray(t, dtype=np.int32)]).astype(np.int32)
-                for p, t in zip(prompts, rows.tokens)]
+        full = [np.concatenate([p, t]).astype(np.int32) for p, t in zip(prompts, responses)]
         return Decoded(full, [len(p) for p in prompts], items)
 
-    def _draw(self, last: torch.Tensor, rows: _Rows, draws: RowDraws, ids: torch.Tensor) -> torch.Tensor:
-        """The next token of every unfinished row from ``[B, V]`` logits, added to ``rows``; as ``[B, 1]`` ids to
-        feed (a finished row gets the pad id: its later positions are discarded)."""
-        active = rows.active
-        uniforms = None if self.sampling.greedy else draws.uniforms(active)
-        drawn = next_tokens(last[active], self.sampling, uniforms).tolist()
-        rows.add(active, drawn, self.sampling.max_new_tokens)
-        step = torch.full((len(rows.done), 1), self.pad_id, dtype=ids.dtype, device=ids.device)
-        step[active, 0] = torch.tensor(drawn, dtype=ids.dtype, device=ids.device)
-        return step
+    def _draw(self, last: torch.Tensor, rows: _Rows, draws: ResponseDraws) -> tuple[torch.Tensor, bool]:
+        """Every row's next token from ``[B, V]`` logits, drawn at once on their device and added to ``rows``.
+
+        Returns:
+            ``[B, 1]`` ids to feed (a row done before this step gets the pad id: its later positions are
+            discarded; a row that ends now is fed its last token, whose targets are kept), and whether a row is
+            still live.
+        """
+        uniforms = None if self.sampling.greedy else draws.at(len(rows.steps))
+        drawn = next_tokens(last, self.sampling, uniforms)
+        finished = rows.done.clone()
+        live = rows.add(drawn)
+        return drawn.masked_fill(finished, self.pad_id)[:, None], live
 
     def _left_padded(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[B, P]`` ids padded on the left, their mask, and positions counting each row's tokens from 0."""
@@ -169,9 +199,15 @@ class DecodeLoop:
         Returns:
             ``[B, V]`` float32 raw logits of the last position, which the next tokens are drawn from.
         """
-        out: CausalLMOutputWithPast = self.teacher.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_key: cache},
-            output_hidden_states=bool(self.layers.hidden), output_attentions=bool(self.layers.attention))
+        def call() -> CausalLMOutputWithPast:
+            return self.teacher.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{self.cache_key: cache}, output_hidden_states=bool(self.layers.hidden),
+                output_attentions=bool(self.maps))
+
+        out = call() if self.qk is None else self.qk.run(call, mask, None)
+        for name, value in self.qk.arrays(last=ids.shape[1]).items() if self.qk is not None else ():
+            kept.token_rows.setdefault(name, []).append(value)
         if out.logits is None:
             raise PrecomputeError(f"{type(self.teacher.model).__name__} returned no logits; it cannot generate")
         for j, parts in kept.hidden.items():
@@ -207,6 +243,8 @@ class DecodeLoop:
         for j, parts in kept.hidden.items():
             value = self._bounded(f"hidden/{j}", _rows(parts, index), maxima)
             stored.update(hidden_targets(self.hidden_codec, f"hidden/{j}", value))
+        for name, parts in kept.token_rows.items():  # q/k as precompute keeps them: as hidden states are kept
+            stored.update(hidden_targets(self.hidden_codec, name, self._bounded(name, _rows(parts, index), maxima)))
         heads = self.targets.heads
         for j, parts in kept.attention.items():
             maps = _maps(parts, index)

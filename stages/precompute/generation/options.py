@@ -12,6 +12,10 @@ from kdcache.stages.common.engine_options import PRECOMPUTE, EngineOptions, fail
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.precompute.core import DatasetOptions, PrecomputeOptions, StorageOptions, TargetOptions
 
+# the rule that turns (seed, prompt, response number, step) and the logits into a token (``generation.sampling``):
+# recorded with the settings, so a cache another rule began is refused rather than resumed with this one. Version 1
+# (unrecorded) drew from a torch.Generator per response; 2 draws from Philox-4x32-10 on a counter.
+SAMPLER = "philox4x32-10/inverse-cdf/2"
 RESPONSES = ("generate", "given")  # the teacher writes them; or the dataset holds them (vLLM, SGLang) and is cached
 T = TypeVar("T")
 
@@ -32,6 +36,7 @@ class Sampling:
     max_new_tokens: int
     stop: tuple[str, ...]
     num_responses: int
+    sampler: str = SAMPLER
 
     @property
     def greedy(self) -> bool:
@@ -54,6 +59,8 @@ class GenerationOptions:
     stop: tuple[str, ...] = _opt((), "strings that end a response (it keeps them), beside the teacher's "
                                      "end-of-sequence tokens", nargs="+", metavar="TEXT")
     num_responses: int = _opt(1, "responses sampled per prompt (each from its own draws: seed, prompt, number)")
+    keep_unpacked: bool = _opt(False, "with --packing documents: keep OUT.unpacked (the responses one a row, "
+                                      "as large as OUT) once OUT is packed; it is removed by default")
     responses: str = _opt("generate", "generate: the teacher writes the responses; given: the conversations of "
                                       "--messages-column already hold them (written by vLLM, SGLang...) and are "
                                       "only cached", choices=list(RESPONSES))
@@ -89,9 +96,12 @@ class GenerateOptions:
     def validate(self) -> list[str]:
         """Every problem found without loading the teacher."""
         problems = self.precompute.validate() + self.generation.validate()
-        if self.dataset.packing != "none":
-            problems.append(f"packing: got {self.dataset.packing!r}; kdcache generate caches one response a row "
-                            f"(packing generated rows is not supported yet): drop --packing")
+        # a response's targets were computed with it alone: a row where attention crosses responses needs a new forward
+        if self.dataset.packing == "concat" and self.generation.responses == "generate":
+            problems.append("packing: got 'concat'; generated rows are packed with each response attending only to "
+                            "itself, as the teacher computed it: use --packing documents")
+        if self.generation.keep_unpacked and self.dataset.packing == "none":
+            problems.append("keep_unpacked: there is no OUT.unpacked without --packing documents; drop it")
         given = self.generation.responses == "given"
         if given and not self.dataset.messages_column:
             problems.append("responses: given reads the responses from conversations: set --messages-column")

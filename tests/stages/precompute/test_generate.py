@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,12 +162,31 @@ def test_rows_are_prompt_then_response_with_the_response_trained(teacher: Path, 
     assert any(not np.array_equal(a, b) for a, b in zip(*two))  # the two responses draw apart
     settings = reader.fingerprints["settings"]["generation"]
     assert settings == {"seed": 3, "temperature": 1.0, "top_p": 0.95, "top_k": 50, "max_new_tokens": 10,
-                        "stop": ["<|im_end|>"], "num_responses": 2}
+                        "stop": ["<|im_end|>"], "num_responses": 2, "sampler": "philox4x32-10/inverse-cdf/2"}
 
 
 def test_other_sampling_settings_are_a_different_cache(teacher: Path, chats: Path, reference: Path) -> None:
     with pytest.raises(CacheMismatchError, match="generation"):
         run_generate(GenerateOptions.of(**_options(teacher, chats, reference, temperature=0.7)))
+
+
+def test_a_cache_the_earlier_sampler_began_is_refused_not_resumed(teacher: Path, chats: Path, reference: Path,
+                                                                 tmp_path: Path) -> None:
+    """The first sampler (a torch.Generator per response) recorded no ``sampler``: its partial cache is refused
+    naming the sampler, and nothing in it changes."""
+    import shutil
+
+    from kdcache.storage.schema.manifest import read_manifest, write_manifest
+
+    out = tmp_path / "earlier"
+    shutil.copytree(reference, out)
+    manifest = read_manifest(out)
+    del manifest.fingerprints["settings"]["generation"]["sampler"]
+    write_manifest(out, replace(manifest, status="writing"))
+    before = cache_files(out)
+    with pytest.raises(CacheMismatchError, match="sampler.*philox4x32-10/inverse-cdf/2"):
+        run_generate(GenerateOptions.of(**_options(teacher, chats, out)))
+    assert cache_files(out) == before
 
 
 def _teacher_forced(opts: dict[str, Any], ids: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -225,10 +245,44 @@ def test_every_logit_mode_is_captured_while_generating(mode: str, teacher: Path,
     assert (tmp_path / "cache" / "teacher_head").is_dir() == (mode == "head")
 
 
+def test_queries_and_keys_are_captured_while_generating(teacher: Path, chats: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The prefill's q/k and each decode step's new token's (rotary applied), as precompute's q/k source keeps
+    them teacher-forced; the score rules recorded alike. The progress (a log's line: stderr is no terminal here)
+    names the command, with tokens/s and the time left."""
+    opts = _options(teacher, chats, tmp_path / "cache", attention_source="qk", max_sequences=2, num_responses=1,
+                    max_new_tokens=5, features=("attention", "logits"), layers=(), progress=True)
+    run_generate(GenerateOptions.of(**opts))
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert re.match(r"kdcache generate: 2/2 sequences \| [\d,]+ tok/s \| ETA 0:00 \| ", line), line
+    reader = CacheReader(tmp_path / "cache")
+    forced = _teacher_forced(opts, [reader[i]["input_ids"] for i in range(len(reader))])
+    assert reader.spec.attention_scores == _forced_scores(opts, reader[0]["input_ids"])
+    for i, item in enumerate(forced):
+        cached = reader[i]
+        assert {"attention_q/2", "attention_k/2"} <= cached.keys() & item.keys()
+        _assert_like_forced(cached, item, ["attention_q/2", "attention_k/2", "logits/topk_values"])
+
+
+def _forced_scores(opts: dict[str, Any], ids: np.ndarray) -> dict[str, Any]:
+    """The score rules precompute records for ``opts`` (a probe forward over ``ids``)."""
+    from kdcache.stages.precompute.capture import with_score_rules
+    from kdcache.stages.precompute.core import PrecomputePlan, resolve_targets
+    from kdcache.stages.precompute.rows import TokenStreams
+    from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config
+
+    options = GenerateOptions.of(**opts).precompute
+    plan = PrecomputePlan.of(options)
+    config = read_config(plan.teacher)
+    targets = resolve_targets(options, config)
+    loaded = load_teacher(plan.teacher, config, targets, load_tokenizer(plan.teacher), pick_device("cpu"))
+    return with_score_rules(targets, loaded.model, TokenStreams({"": [ids]}, {}), loaded.device).attention_scores
+
+
 @pytest.mark.slow
 def test_kill_9_then_rerun_gives_the_same_bytes(teacher: Path, chats: Path, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "killed"
-    opts = _options(teacher, chats, out, batch_size=1, sequences_per_shard=2)  # the reference ran batches of 4
+    opts = _options(teacher, chats, out, batch_size=2, sequences_per_shard=2)  # the reference ran batches of 4
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kdcache", *_argv(opts)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -262,6 +316,7 @@ def test_two_torchrun_ranks_give_the_responses_of_one_process(teacher: Path, cha
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("generations: ") == 1  # rank 0 writes them once the ranks' parts are merged
+    assert "this run: 4 shard(s) written" in done.stdout  # both ranks' shards, not rank 0's 2
     locks = {p.name for p in (out / "locks").glob("part-*")}
     assert locks == {"part-00000-of-00002.lock", "part-00001-of-00002.lock"}
     _assert_same_targets(reference, out)
@@ -294,7 +349,6 @@ def test_bad_input_exits_2_naming_the_problem_with_nothing_written(case: str, te
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    import re
     assert re.search(wanted, err), err
     assert not out.exists()
 
