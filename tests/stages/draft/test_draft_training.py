@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -159,3 +160,6 @@ def test_the_draft_commands_leave_help_light():
             "    pass\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "draft-eval" in out and out.strip().endswith("False")
+    # listed after stage two's measures, before the commands that chain the stages (COMMAND_ORDER)
+    listed = re.findall(r"^    ([a-z-]+)", out, flags=re.MULTILINE)
+    assert listed[listed.index("report"):listed.index("sweep") + 1] == ["report", "draft", "draft-eval", "sweep"]
