@@ -10,10 +10,14 @@ The benchmark builds everything itself:
    fp16 cache) and an EAGLE-3 head per cache (``kdcache draft``, the same steps);
 4. ``kdcache draft-eval`` on held-out sentences (greedy, K = 4): prompt lookup, the student, each head.
 
-Both sides of a speed-up rerun the whole sequence per pass (no key/value cache), so the ratio compares like with
-like; on a shared machine the ratios, not the seconds, are the figures to read.
+Speed-up is over the target alone WITH its key/value cache (one token per pass, as it serves without a draft):
+the speculative side prefills once, verifies each chain of K drafted tokens in one pass over K+1 positions and
+crops the rejected ones off its cache; the EAGLE-3 head and the KD student keep key/value caches of their own.
+``draft-eval --repeats`` alternates the target alone with each drafter and keeps the best of each side; on a shared
+machine the ratios, not the seconds, are the figures to read.
 
-Usage: ``python benchmarks/bench_draft.py [--work DIR --target-steps 400 --draft-steps 200 --prompts 24]``;
+Usage: ``python benchmarks/bench_draft.py [--work DIR --target-steps 400 --draft-steps 200 --prompts 24 --k 4
+--repeats 3]``;
 prints JSON and a markdown table. The GPU check runs it smaller, with ``--codecs fp16 --device cuda``.
 """
 
@@ -104,12 +108,13 @@ def train_head(work: Path, cache: Path, codec: str, steps: int) -> Path:
     return out
 
 
-def evaluate(target: Path, prompts: Path, draft: Path | None, student: Path | None, max_new: int,
-             device: str = "auto") -> dict[str, Any]:
+def evaluate(target: Path, prompts: Path, draft: Path | None, student: Path | None, args: argparse.Namespace
+             ) -> dict[str, Any]:
+    """``kdcache draft-eval`` greedy on the held-out prompts, with the given drafters."""
     extra = [*(["--draft", str(draft)] if draft else []), *(["--student", str(student)] if student else [])]
-    return json.loads(kdcache("draft-eval", "--target", str(target), "--prompts", str(prompts), "-k", "4",
-                              "--max-new", str(max_new), "--prompt-tokens", "16", "--repeats", "3", *extra,
-                              "--device", device, "--json"))
+    return json.loads(kdcache("draft-eval", "--target", str(target), "--prompts", str(prompts), "-k", str(args.k),
+                              "--max-new", str(args.max_new), "--prompt-tokens", "16", "--repeats",
+                              str(args.repeats), *extra, "--device", args.device, "--json"))
 
 
 def main() -> None:
@@ -121,6 +126,8 @@ def main() -> None:
     parser.add_argument("--draft-steps", type=int, default=200)
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-new", type=int, default=32)
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side, alternating; best kept")
     parser.add_argument("--codecs", default=",".join(CODECS), help="hidden codecs of the draft caches")
     parser.add_argument("--device", default="auto", help="draft-eval's --device (the GPU check: cuda)")
     parser.add_argument("--json", default=None, help="also write the result here")
@@ -141,12 +148,12 @@ def main() -> None:
     rows: dict[str, Any] = {}
     for codec, (cache, per_token) in caches.items():
         head = train_head(work, cache, codec, args.draft_steps)
-        report = evaluate(target, work / "prompts.txt", head, student if codec == "fp16" else None,
-                          args.max_new, args.device)
+        report = evaluate(target, work / "prompts.txt", head, student if codec == "fp16" else None, args)
         for name, figures in report["drafters"].items():
             label = f"EAGLE-3 head ({codec} cache)" if name == "EAGLE-3 head" else name
             rows.setdefault(label, {**figures, "bytes_per_token": per_token if "EAGLE" in label else None})
-    result = {"load": os.getloadavg(), "seconds": time.perf_counter() - start, "rows": rows,
+    result = {"load": os.getloadavg(), "k": args.k, "repeats": args.repeats,
+              "seconds": time.perf_counter() - start, "rows": rows,
               "target_loss": (target / "trained").read_text().strip()}
     print(json.dumps(result, indent=1))
     if args.json:

@@ -46,9 +46,10 @@ _RESUME = {
     "train": "rerun the same command with --resume to continue from the last checkpoint (written every "
              "--save-every steps, at the end, and after the step a first Ctrl-C lets finish)",
 }
-# Stage one, its upkeep, stage two, its measures, then the commands that chain them.
-COMMAND_ORDER = ("precompute", "merge", "inspect", "verify", "init-student", "train", "eval", "report", "sweep",
-                 "run", "demo")
+# Stage one, its upkeep, stage two, its measures, the draft from the same cache and its judge, then the commands
+# that chain them.
+COMMAND_ORDER = ("precompute", "merge", "inspect", "verify", "init-student", "train", "eval", "report", "draft",
+                 "draft-eval", "sweep", "run", "demo")
 DESCRIPTION = (
     "kdcache: run a Hugging Face teacher once, cache its hidden states, attention maps and logits as compressed "
     "shards, then distil students from the cache under DeepSpeed ZeRO without ever loading the teacher again."

@@ -4,8 +4,8 @@ An EAGLE-3 draft fuses three of the target's layers (low, middle, high) and read
 (frozen); its reduced vocabulary is the N most frequent tokens of the data. Stage one writes these with
 ``--layers draft`` into the cache's ``draft/`` folder, the way ``teacher_head/`` carries a head:
 ``inputs.safetensors`` (``embedding [V, d]`` in the target's dtype, ``token_counts [V]`` int64) and ``draft.json``
-(the three layers, sizes, and the sha256 of the weights file). The target's next-token distribution is the cache's
-logits (``--logits head`` or top-k), not stored again here.
+(the three layers, sizes, the target's maximum positions and architectures, and the sha256 of the weights file).
+The target's next-token distribution is the cache's logits (``--logits head`` or top-k), not stored again here.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ def export_draft_inputs(model: PreTrainedModel, store: Store, layers: tuple[int,
     vocab, width = embedding.shape
     info = {"layers": [int(j) for j in layers], "vocab_size": int(vocab), "hidden_size": int(width),
             "num_blocks": int(model.config.num_hidden_layers), "tokens_counted": int(counts.sum()),
+            # for the export's config: the positions the target takes and its classes (speculators' verifier)
+            "max_positions": int(getattr(model.config, "max_position_embeddings", 0) or 0),
+            "architectures": list(getattr(model.config, "architectures", None) or []),
             "dtype": str(embedding.dtype).replace("torch.", ""), "sha256": hash_bytes(data)}
     put_files(store, DRAFT_FOLDER, {"inputs.safetensors": data, "draft.json": canonical_json(info)})
 

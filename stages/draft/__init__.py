@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from kdcache.stages.draft.decoding import (
         Generation as Generation,
         Proposal as Proposal,
+        Recompute as Recompute,
         Sampling as Sampling,
+        Target as Target,
         TargetPass as TargetPass,
         acceptance as acceptance,
         speculative_generate as speculative_generate,
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     )
     from kdcache.stages.draft.drafters import (
         Eagle3Drafter as Eagle3Drafter,
+        HFTarget as HFTarget,
         ModelDrafter as ModelDrafter,
         PromptLookup as PromptLookup,
         hf_target as hf_target,

@@ -8,9 +8,12 @@ probability ``min(1, p(x) / q(x))``; at the first rejection the next token is dr
 and after K kept tokens from p. Every emitted token then follows the target's distribution p (at the same
 temperature). A drafter that proposes deterministically (prompt lookup, a greedy draft) has q one-hot on x.
 
-The target is a callable from ids ``[S]`` to ``TargetPass``: logits ``[S, V]`` and, for an EAGLE-3 drafter, the
-fused layers' features ``[S, F]``. Both sides here rerun the whole sequence each pass (no key/value cache), the
-target alone as well, so a speed-up compares like with like.
+The target is a ``Target``: a session over one sequence that keeps its key/value cache. ``start`` runs the prompt
+(the prefill), ``extend`` runs tokens after the cached ones, each giving logits ``[S, V]`` and, for an EAGLE-3
+drafter, the fused layers' features ``[S, F]`` of the positions it ran; ``crop`` drops the cache past a length (the
+rejected draft tokens). A round verifies a chain of K drafted tokens in one target pass over K+1 positions; the
+target alone runs one position per pass over the same kind of cache, so a speed-up is measured against the target
+as it would serve without a draft.
 """
 
 from __future__ import annotations
@@ -24,11 +27,39 @@ import torch
 
 
 class TargetPass(NamedTuple):
-    logits: torch.Tensor  # [S, V]
+    logits: torch.Tensor  # [S, V] of the positions run
     features: torch.Tensor | None  # [S, F] or None
 
 
-TargetFn = Callable[[torch.Tensor], TargetPass]
+class Target(Protocol):
+    """The target as decoding drives it (module docstring); a new ``start`` begins a new sequence."""
+
+    def start(self, prompt: torch.Tensor) -> TargetPass: ...
+
+    def extend(self, tokens: torch.Tensor) -> TargetPass: ...
+
+    def crop(self, length: int) -> None: ...
+
+
+@dataclass
+class Recompute:
+    """A ``Target`` from a function of the whole sequence (ids ``[S]`` -> its ``TargetPass`` over all S
+    positions), rerun on every pass: for a target with no cache of its own (a table, in tests)."""
+
+    fn: Callable[[torch.Tensor], TargetPass]
+    ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+
+    def start(self, prompt: torch.Tensor) -> TargetPass:
+        self.ids = prompt
+        return self.fn(prompt)
+
+    def extend(self, tokens: torch.Tensor) -> TargetPass:
+        self.ids, n = torch.cat([self.ids, tokens.to(self.ids)]), tokens.shape[0]
+        out = self.fn(self.ids)
+        return TargetPass(out.logits[-n:], None if out.features is None else out.features[-n:])
+
+    def crop(self, length: int) -> None:
+        self.ids = self.ids[:length]
 
 
 class Proposal(NamedTuple):
@@ -102,33 +133,44 @@ class Generation:
     seconds: float
 
 
-def speculative_generate(target: TargetFn, drafter: Drafter, prompt: torch.Tensor, max_new: int, k: int,
+def speculative_generate(target: Target, drafter: Drafter, prompt: torch.Tensor, max_new: int, k: int,
                          sampling: Sampling) -> Generation:
     """Generate ``max_new`` tokens after ``prompt [T0]`` with ``drafter`` proposing up to ``k`` per round."""
     start = time.perf_counter()
-    first = target(prompt)
+    first = target.start(prompt)
     token, _ = sampling.pick(first.logits[-1])
     ids, features = torch.cat([prompt, prompt.new_tensor([token])]), first.features
     rounds: list[tuple[int, int]] = []
     while ids.shape[0] - prompt.shape[0] < max_new:
         room = max_new - (ids.shape[0] - prompt.shape[0]) - 1  # the target adds one token of its own
         proposal = drafter.propose(ids, features, min(k, room), sampling)
-        checked = target(torch.cat([ids, proposal.tokens.to(ids)]))
-        kept, token = verify(proposal, checked.logits[ids.shape[0] - 1:], sampling)
+        kept, token, seen = _check(target, ids, proposal, sampling)
         rounds.append((int(proposal.tokens.shape[0]), kept))
         ids = torch.cat([ids, proposal.tokens[:kept].to(ids), ids.new_tensor([token])])
-        features = None if checked.features is None else checked.features[:ids.shape[0] - 1]
+        features = None if features is None or seen is None else torch.cat([features, seen])
     return Generation(ids[prompt.shape[0]:].tolist(), rounds, time.perf_counter() - start)
 
 
-def target_generate(target: TargetFn, prompt: torch.Tensor, max_new: int, sampling: Sampling) -> Generation:
-    """The target alone, one token per pass (the speed-up's reference)."""
+def _check(target: Target, ids: torch.Tensor, proposal: Proposal, sampling: Sampling
+           ) -> tuple[int, int, torch.Tensor | None]:
+    """One target pass over the context's last token (not yet run: the target emitted it) and the ``k'`` drafted
+    ones -> (tokens kept, the target's next token, features ``[kept + 1, F]`` of the positions now in the
+    context). The cache keeps the context's positions only: the rejected tokens are cropped off."""
+    checked = target.extend(torch.cat([ids[-1:], proposal.tokens.to(ids)]))
+    kept, token = verify(proposal, checked.logits, sampling)
+    target.crop(ids.shape[0] + kept)
+    return kept, token, None if checked.features is None else checked.features[:kept + 1]
+
+
+def target_generate(target: Target, prompt: torch.Tensor, max_new: int, sampling: Sampling) -> Generation:
+    """The target alone, one token per pass over its cache (the speed-up's reference)."""
     start = time.perf_counter()
-    ids = prompt
-    while ids.shape[0] - prompt.shape[0] < max_new:
-        token, _ = sampling.pick(target(ids).logits[-1])
-        ids = torch.cat([ids, ids.new_tensor([token])])
-    return Generation(ids[prompt.shape[0]:].tolist(), [], time.perf_counter() - start)
+    token, _ = sampling.pick(target.start(prompt).logits[-1])
+    tokens = [token]
+    while len(tokens) < max_new:
+        token, _ = sampling.pick(target.extend(prompt.new_tensor([token])).logits[-1])
+        tokens.append(token)
+    return Generation(tokens, [], time.perf_counter() - start)
 
 
 def acceptance(rounds: list[tuple[int, int]], k: int) -> dict[str, object]:

@@ -1,7 +1,9 @@
 """``kdcache draft-eval``: speculative decoding with the target on held-out prompts, per drafter.
 
 Reports, per drafter: tau (mean tokens kept + 1 per target pass), per-position acceptance, and the wall-clock
-speed-up over the target alone on the same prompts; greedy runs also say whether every output equals the target's.
+speed-up over the target alone on the same prompts (both sides with a key/value cache: the target alone decodes one
+token per pass over its cache, as it would serve without a draft); greedy runs also say whether every output
+equals the target's.
 Drafters: prompt lookup always (it needs no training), the KD student with ``--student``, the EAGLE-3 head with
 ``--draft``.
 """
@@ -21,7 +23,7 @@ from kdcache.stages.draft.decoding import (
     Drafter,
     Generation,
     Sampling,
-    TargetFn,
+    Target,
     acceptance,
     speculative_generate,
     target_generate,
@@ -97,7 +99,7 @@ def _placed(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
     return nn.Module.to(model, device).eval()
 
 
-def _run(target: TargetFn, drafter: Drafter | None, prompts: list[torch.Tensor], options: EvalOptions
+def _run(target: Target, drafter: Drafter | None, prompts: list[torch.Tensor], options: EvalOptions
          ) -> list[Generation]:
     """Each prompt generated with ``drafter`` (None: the target alone), from the same seed."""
     sampling = Sampling(options.temperature, torch.Generator().manual_seed(options.seed))

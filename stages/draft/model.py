@@ -7,7 +7,9 @@ Inputs per position t: the target's hidden states of three layers ``[3d]`` (low,
 Training-time test (EAGLE-3): step k feeds the layer its own step k-1 output instead of the target's feature, with
 the token k places on. A step-k query at position t sees the step-0 keys of positions <= t and, of every later
 step j <= k, only its own position's key (what it would have seen at inference, drafting k tokens past t). The
-rotary position of step k at t is t + k. Inference runs the same steps on the last position only.
+rotary position of step k at t is t + k. Inference runs the same steps on the last position only, over a key/value
+cache (transformers' ``DynamicCache``, one layer) instead of ``Past``: step 0's keys of the context positions, then
+one key per drafted token; for a single query that is the same layout, and decoding crops the drafted keys off.
 
 Parameter names follow speculators' ``Eagle3Speculator`` (``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``,
 ``t2d``), which vLLM also reads; ``export`` writes them as they are.
@@ -16,10 +18,14 @@ Parameter names follow speculators' ``Eagle3Speculator`` (``fc``, ``layers.0.*``
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 @dataclass(frozen=True)
@@ -93,24 +99,46 @@ class DraftAttention(nn.Module):
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(*x.shape[:2], self.heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, past: Past) -> torch.Tensor:
-        """``x [B, S, 2d]`` at rotary ``positions [S]`` -> ``[B, S, d]``; appends this step's keys to ``past``."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, past: Past | DynamicCache) -> torch.Tensor:
+        """``x [B, S, 2d]`` at rotary ``positions [S]`` -> ``[B, S, d]``; this step's keys join ``past`` (a list:
+        the training layout; a cache: inference's, causal over everything cached)."""
         q = _rotate(self._split(self.q_proj(x)), positions, self.theta)
         k = _rotate(self._split(self.k_proj(x)), positions, self.theta)
-        past.append((k, self._split(self.v_proj(x))))
+        v = self._split(self.v_proj(x))
+        out = self._over_steps(q, k, v, past) if isinstance(past, list) else self._over_cache(q, k, v, past)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+    def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(scores.dtype, torch.float32)
+        return torch.softmax(scores / self.head_dim ** 0.5, dim=-1, dtype=wide).to(scores.dtype)
+
+    def _over_steps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: Past) -> torch.Tensor:
+        """Training-time-test attention, ``q, k, v [B, H, S, hd]`` -> ``[B, H, S, hd]``."""
+        past.append((k, v))
         k0, v0 = past[0]
         s, s0 = q.shape[2], k0.shape[2]
         scores = [q @ k0.transpose(-1, -2)]  # [B, H, S, S0]
         # Causal over step 0: query i (the last s of s0 positions) sees keys up to its own position.
-        allowed = torch.arange(s0, device=x.device)[None, :] <= torch.arange(s0 - s, s0, device=x.device)[:, None]
-        scores[0] = scores[0].masked_fill(~allowed, torch.finfo(scores[0].dtype).min)
+        scores[0] = scores[0].masked_fill(~_causal(s, s0, q.device), torch.finfo(scores[0].dtype).min)
         scores += [(q * kj).sum(-1, keepdim=True) for kj, _ in past[1:]]  # later steps: own position only
-        wide = torch.promote_types(q.dtype, torch.float32)
-        weights = torch.softmax(torch.cat(scores, -1) / self.head_dim ** 0.5, dim=-1, dtype=wide).to(q.dtype)
+        weights = self._softmax(torch.cat(scores, -1))
         out = weights[..., :s0] @ v0
         for j, (_, vj) in enumerate(past[1:]):
             out = out + weights[..., s0 + j, None] * vj
-        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+        return out
+
+    def _over_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """Inference: the S new positions join the cache and each sees the cached keys and the new ones up to
+        itself, ``[B, H, S, hd]``."""
+        keys, values = cache.update(k, v, 0)
+        scores = q @ keys.transpose(-1, -2)
+        scores = scores.masked_fill(~_causal(q.shape[2], keys.shape[2], q.device), torch.finfo(scores.dtype).min)
+        return self._softmax(scores) @ values
+
+
+def _causal(s: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[s, n]`` bool: query i, the (n - s + i)-th of n positions, may see key j <= n - s + i."""
+    return torch.arange(n, device=device)[None, :] <= torch.arange(n - s, n, device=device)[:, None]
 
 
 class DraftMLP(nn.Module):
@@ -139,7 +167,7 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(d, shape.intermediate_size)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                past: Past) -> torch.Tensor:
+                past: Past | DynamicCache) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         h = hidden + self.self_attn(x, positions, past)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -180,9 +208,10 @@ class Eagle3Draft(nn.Module):
         return self.fc(features.to(self.fc.weight.dtype))
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             past: Past) -> tuple[torch.Tensor, torch.Tensor]:
+             past: Past | DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: target ids ``tokens [B, S]`` and features ``hidden [B, S, d]`` at ``positions [S]`` ->
-        ``(hidden [B, S, d], logits [B, S, N])``; ``past`` gains this step's keys."""
+        ``(hidden [B, S, d], logits [B, S, N])``; ``past`` (a list of steps, or an inference cache) gains this
+        step's keys."""
         out = self.layers[0](self.embed_tokens(tokens), hidden, positions, past)
         return out, self.lm_head(self.norm(out))
 

@@ -20,7 +20,7 @@ from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.common.draft_inputs import read_draft_inputs
 from kdcache.stages.common.teacher_head import load_teacher_head
-from kdcache.stages.draft.export import export_draft
+from kdcache.stages.draft.export import LAYOUTS, export_draft
 from kdcache.stages.draft.model import DraftShape, Eagle3Draft, default_heads
 from kdcache.stages.draft.objective import DraftObjective, distribution_arrays
 from kdcache.stages.draft.vocab import DraftInputError, DraftVocab
@@ -49,14 +49,17 @@ class DraftOptions:
     seed: int = 0
     heads: int = 0  # 0: default_heads(d)
     intermediate: int = 0  # 0: 4 d
+    layout: str = "speculators"  # export.LAYOUTS: speculators (vLLM reads it) or sglang
 
     def problems(self) -> list[str]:
         """Values out of range, each with what was expected."""
         checks = [("ttt_steps", self.ttt_steps, "at least 1 (the steps a draft is trained to chain)"),
                   ("max_steps", self.max_steps, "at least 1"),
                   ("batch_size", self.batch_size, "at least 1")]
-        return [f"--{name.replace('_', '-')}: got {value}, expected {wanted}"
-                for name, value, wanted in checks if value < 1]
+        out = [f"--{name.replace('_', '-')}: got {value}, expected {wanted}"
+               for name, value, wanted in checks if value < 1]
+        return out + ([] if self.layout in LAYOUTS else
+                      [f"--layout: got {self.layout!r}, expected one of {', '.join(LAYOUTS)}"])
 
 
 def open_draft_cache(cache: str) -> tuple[CacheReader, dict[str, torch.Tensor], dict[str, Any]]:
@@ -112,9 +115,11 @@ def run_draft(options: DraftOptions) -> dict[str, Any]:
     losses = _loop(engine, stream, reader, options.max_steps, dist_info.device)
     out = Path(options.out)
     if dist_info.rank == 0:
-        export_draft(draft, out, int(info["num_blocks"]), options.ttt_steps)
+        target = {**info, "name_or_path": reader.fingerprints.get("teacher", {}).get("name_or_path")}
+        export_draft(draft, out, target, options.ttt_steps, options.layout)
         (out / "draft_run.json").write_text(json.dumps({"options": asdict(options), "losses": losses}, indent=1))
-    return {"steps": len(losses), "first_loss": losses[0]["loss"], "last_loss": losses[-1]["loss"],
+    return {"steps": len(losses), "layout": options.layout, "first_loss": losses[0]["loss"],
+            "last_loss": losses[-1]["loss"],
             "last_accuracy": losses[-1]["accuracy"], "out": str(out), "seconds": time.perf_counter() - start}
 
 

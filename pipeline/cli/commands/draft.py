@@ -33,6 +33,9 @@ def register(subparsers: Subcommands) -> None:
                                       ("--lr", float, 1e-3, "learning rate"), ("--seed", int, 0, "seed"),
                                       ("--heads", int, 0, "attention heads (0: head size 64 or 8)")):
         train.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
+    train.add_argument("--layout", choices=("speculators", "sglang"), default="speculators",
+                       help="the export's layout: speculators' (vLLM loads it) or SGLang's EAGLE-3 checkpoint "
+                            "(midlayer.* names) (default speculators)")
     train.add_argument("--json", action="store_true", help="print the summary as JSON")
     train.set_defaults(func=run_draft)
     judge = subparsers.add_parser(
@@ -64,7 +67,7 @@ def run_draft(args: argparse.Namespace) -> int:
         raise draft.DraftInputError(f"--out: {args.out!r} already holds a draft (config.json); choose another "
                                     f"folder or remove it")
     options = draft.DraftOptions(args.cache, args.out, args.ttt_steps, args.draft_vocab, args.max_steps,
-                                 args.batch_size, args.lr, args.seed, args.heads)
+                                 args.batch_size, args.lr, args.seed, args.heads, layout=args.layout)
     print_summary(draft.run_draft(options), args.json, _train_lines)
     return 0
 
@@ -72,7 +75,7 @@ def run_draft(args: argparse.Namespace) -> int:
 def _train_lines(summary: dict[str, object]) -> str:
     return (f"trained the draft {summary['steps']} steps: loss {summary['first_loss']:.4f} -> "
             f"{summary['last_loss']:.4f}, step-0 agreement {summary['last_accuracy']:.2f}\n"
-            f"draft       {summary['out']} (config.json, model.safetensors: speculators' eagle3 layout)")
+            f"draft       {summary['out']} (config.json, model.safetensors: {summary['layout']}'s EAGLE-3 layout)")
 
 
 def run_draft_eval(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.common.draft_inputs import read_draft_inputs
-from kdcache.stages.draft import DraftOptions, load_draft
+from kdcache.stages.draft import DraftOptions, export_draft, load_draft
 from kdcache.stages.draft.training import new_draft
 from kdcache.stages.draft.vocab import DraftVocab, restrict_logits, restrict_topk
 from kdcache.storage import CacheReader
@@ -87,7 +88,9 @@ def test_topk_targets_restrict_as_full_logits_do():
 def test_kdcache_draft_exports_speculators_eagle3_layout(made):
     config = json.loads((made["draft"] / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 64
-    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # block outputs from 0: hidden states 2, 4, 5
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # HF hidden states, as speculators and vLLM count
+    verifier = config["speculators_config"]["verifier"]  # speculators refuses a config without one
+    assert verifier == {"name_or_path": str(made["target"]), "architectures": ["LlamaForCausalLM"]}
     names = set(load_file(str(made["draft"] / "model.safetensors")))
     assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.hidden_norm.weight", "norm.weight",
             "lm_head.weight", "d2t", "t2d"} <= names and not any(n.startswith("embed_tokens") for n in names)
@@ -96,6 +99,22 @@ def test_kdcache_draft_exports_speculators_eagle3_layout(made):
     tensors, _ = read_draft_inputs(CacheReader(made["cache"]).store)
     loaded = load_draft(made["draft"], tensors["embedding"])
     assert torch.equal(loaded.fc.weight, load_file(str(made["draft"] / "model.safetensors"))["fc.weight"])
+
+
+def test_the_sglang_layout_names_the_layer_midlayer_and_counts_blocks_from_zero(made):
+    tensors, info = read_draft_inputs(CacheReader(made["cache"]).store)
+    draft = load_draft(made["draft"], tensors["embedding"])
+    out = made["root"] / "eagle3-sglang"
+    export_draft(draft, out, info, ttt_steps=2, layout="sglang")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 64
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang captures before id + 1
+    names = set(load_file(str(out / "model.safetensors")))
+    ours = set(load_file(str(made["draft"] / "model.safetensors")))
+    assert names == {n.replace("layers.0.", "midlayer.") for n in ours} and "midlayer.hidden_norm.weight" in names
+    back = load_draft(out, tensors["embedding"])
+    assert back.shape == draft.shape
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), draft.state_dict().values()))
 
 
 def test_draft_eval_reports_tau_and_keeps_the_targets_greedy_tokens(made, capsys):
@@ -141,3 +160,6 @@ def test_the_draft_commands_leave_help_light():
             "    pass\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "draft-eval" in out and out.strip().endswith("False")
+    # listed after stage two's measures, before the commands that chain the stages (COMMAND_ORDER)
+    listed = re.findall(r"^    ([a-z-]+)", out, flags=re.MULTILINE)
+    assert listed[listed.index("report"):listed.index("sweep") + 1] == ["report", "draft", "draft-eval", "sweep"]

@@ -16,6 +16,7 @@ from kdcache.stages.draft import (
     ModelDrafter,
     PromptLookup,
     Proposal,
+    Recompute,
     Sampling,
     TargetPass,
     acceptance,
@@ -69,6 +70,34 @@ def test_greedy_speculative_decoding_returns_the_targets_greedy_tokens(target, k
         assert sum(kept + 1 for _, kept in spec.rounds) + 1 == 12  # the prefill emits the first token
 
 
+class _Recorded:
+    """Delegates to a drafter (``fresh``: a new one for every call, so no cache is ever reused) and records what
+    it proposes."""
+
+    name = "recorded"
+
+    def __init__(self, make, fresh: bool):
+        self.make, self.fresh, self.drafter, self.proposed = make, fresh, make(), []
+
+    def propose(self, ids, features, k, sampling) -> Proposal:
+        proposal = (self.make() if self.fresh else self.drafter).propose(ids, features, k, sampling)
+        self.proposed.append(proposal.tokens.tolist())
+        return proposal
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "student"])
+def test_a_drafter_reusing_its_cache_proposes_what_a_fresh_one_does(target, kind: str):
+    # The cache is cropped to the accepted tokens each round and reused across prompts: every proposal must be the
+    # one a drafter with no cache makes from the whole context (greedy, float64: no tie can flip).
+    model, tokenizer, student = target
+    make = {"eagle3": lambda: Eagle3Drafter(_untrained_head(model)), "student": lambda: ModelDrafter(student)}[kind]
+    reused, fresh = _Recorded(make, fresh=False), _Recorded(make, fresh=True)
+    for prompt in _prompts(tokenizer):
+        for drafter in (reused, fresh):
+            speculative_generate(hf_target(model, LAYERS), drafter, prompt, 8, K, Sampling())
+    assert reused.proposed == fresh.proposed and len(reused.proposed) >= 4  # rounds over both prompts
+
+
 class _Oracle:
     """Proposes the target's own greedy continuation: every token must be kept."""
 
@@ -116,7 +145,7 @@ class _Bigram:
 def _transitions(drafter, p: torch.Tensor, seed: int) -> np.ndarray:
     """Counts ``[V, V]`` of (token, next token) over 150 generations of 24 tokens, speculative with K = 3."""
     log_p = p.log()
-    run = lambda ids: TargetPass(log_p[ids], None)  # noqa: E731  # logits: the next token's row of P
+    run = Recompute(lambda ids: TargetPass(log_p[ids], None))  # logits: the next token's row of P
     sampling = Sampling(1.0, torch.Generator().manual_seed(seed))
     counts = np.zeros((V, V), dtype=np.int64)
     for g in range(150):
