@@ -26,6 +26,25 @@ def test_an_op_that_outlasts_the_window_keeps_the_stall_share_within_one() -> No
     assert row["launches_per_s"] <= 1 / 0.02, row
 
 
+def test_the_window_beside_the_host_path_lasts_until_a_unit_lands() -> None:
+    """A loaded machine can keep the host path's first unit past the window: the launcher then runs on, a window at
+    a time, until one lands (so the test's rate > 0 checks the host path, not the load); with no unit at all it
+    stops at its limit."""
+    import threading
+
+    from benchmarks.bench_gil import launch_beside
+
+    done: list[int] = []
+    timer = threading.Timer(0.06, lambda: done.append(1))  # the first unit lands 6 windows in
+    timer.start()
+    taken, spans = launch_beside(0.01, done)
+    timer.join()
+    assert 0.06 <= taken < 1.0 and len(spans) > 0, taken  # 1 s: far past 0.06, far short of the limit
+    stuck: list[int] = []
+    taken, _ = launch_beside(0.01, stuck, limit=0.03)
+    assert 0.03 <= taken < 0.5, taken
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the launcher and the host path need a core each")
 def test_the_gil_benchmark_at_its_smallest(tmp_path: Path) -> None:
     out = tmp_path / "gil.json"

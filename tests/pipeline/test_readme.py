@@ -171,6 +171,7 @@ def _own_responses_setup(root: Path, first_row: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(teacher)
     tokenizer.chat_template = CHATML  # a chat teacher ships its template with its tokenizer
     tokenizer.save_pretrained(teacher)
+    _answers_briefly(teacher, tokenizer.convert_tokens_to_ids("<|im_end|>"))
 
     def row(text: str) -> str:
         turns = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": text}]
@@ -179,6 +180,29 @@ def _own_responses_setup(root: Path, first_row: str) -> None:
     texts = sample_texts(4, seed=7)
     (root / "prompts.jsonl").write_text(first_row + "\n" + "".join(row(t[:40]) for t in texts[:3]))
     (root / "prompts-heldout.jsonl").write_text(row(texts[3][:40]))
+
+
+def _answers_briefly(teacher: Path, stop: int) -> None:
+    """Make the random teacher end a response with ``stop`` after ~9 tokens on average instead of ~100.
+
+    A random teacher's next token is near uniform over its 320, so it meets its stop token about once in 320 draws
+    and sampling took much of the walkthrough (47 s of compute in a 106 s generate at load 9). Hidden dimension 0 is
+    held at 1 through every block (each embedding's entry 1, no block writes into it), so after the final norm it
+    is positive for every token; the LM head reads it only for ``stop``, with a weight 0.4 that gives ``stop``
+    ~1/9 of the mass at the README's temperature 0.8 and top-p 0.95 (16 seeded responses: 1 to 35 tokens). The
+    walkthrough checks the same things: every response still holds at least its end token under the loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for block in model.model.layers:
+            block.self_attn.o_proj.weight[0] = 0.0
+            block.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[stop, 0] = 0.4
+    model.save_pretrained(teacher)
 
 
 @pytest.mark.slow
