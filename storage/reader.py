@@ -182,6 +182,11 @@ class CacheReader:
     attention_layers = property(lambda self: self.spec.attention_layers)
 
     @property
+    def reads_row_ranges(self) -> bool:
+        """Whether a sequence's rows are read without decoding their whole array in the shard (``Backend``)."""
+        return self._backend.reads_row_ranges
+
+    @property
     def num_tokens(self) -> int:
         """Valid tokens in the visible (committed) shards."""
         return sum(r.num_tokens for r in self._records.values())

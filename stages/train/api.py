@@ -11,7 +11,7 @@ A plain loop (``B`` micro-batch, ``L`` padded length)::
     loss = DistillationLoss("cache", student, gamma=1.0)
     data = loss.dataset(batch_size=8)
     for batch in torch.utils.data.DataLoader(data, batch_size=None):
-        batch = data.to_device(batch, "cpu")           # [B, L] ids and masks, fp32 targets [B, L, d] ...
+        batch = data.to_device(batch, "cpu")           # [B, L] ids and masks, float32 targets [B, L, d] ...
         terms = loss(student(**loss.inputs(batch)), batch)
         terms["loss"].backward()
 """
@@ -54,7 +54,15 @@ from kdcache.stages.train.core import (
     unused_targets,
     vocab_problems,
 )
-from kdcache.stages.train.feed import Batch, CacheStream, DataPosition, check_resumable, next_position, to_device
+from kdcache.stages.train.feed import (
+    PREFETCH_MIB,
+    Batch,
+    CacheStream,
+    DataPosition,
+    check_resumable,
+    next_position,
+    to_device,
+)
 from kdcache.stages.train.objective import (
     DistillLoss,
     StudentRunner,
@@ -241,7 +249,7 @@ class CacheDataset(CacheStream):
     def __init__(self, cache: str | os.PathLike[str] | CacheReader, arrays: tuple[str, ...] | list[str], *,
                  batch_size: int, seed: int = 0, rank: int | None = None, world_size: int | None = None,
                  start: DataPosition | Mapping[str, int] | None = None, shuffle_block: int = 256, prefetch: int = 4,
-                 decode_threads: int = 0, pin_memory: bool = False):
+                 decode_threads: int = 0, pin_memory: bool = False, prefetch_mib: int = PREFETCH_MIB):
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = (torch.distributed.get_rank() if dist else 0) if rank is None else rank
         world_size = (torch.distributed.get_world_size() if dist else 1) if world_size is None else world_size
@@ -254,7 +262,7 @@ class CacheDataset(CacheStream):
         reader = open_cache(os.fspath(cache)) if isinstance(cache, (str, os.PathLike)) else cache
         super().__init__(reader, arrays, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
                          start=start or DataPosition(), shuffle_block=shuffle_block, prefetch=prefetch,
-                         decode_threads=decode_threads, pin_memory=pin_memory)
+                         decode_threads=decode_threads, pin_memory=pin_memory, prefetch_mib=prefetch_mib)
         self.reader = reader  # the open cache this process streams from
         self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
         self.projection = load_projection(reader)  # a rank codec's bases, for that decode
@@ -278,7 +286,8 @@ class CacheDataset(CacheStream):
         self.start = check_resumable(dict(state), self.world_size, self.batch_size, self.seed)
 
     def to_device(self, batch: Batch, device: torch.device | str) -> Batch:
-        """``batch`` on ``device`` with float32 targets, coded hidden states decoded there (as ``kdcache train``)."""
+        """``batch`` on ``device`` with float32 targets, coded hidden states decoded there (as ``kdcache train``); dense
+        teacher logits ``[B, L, V]`` keep their stored fp16 / bf16 (widen them yourself, a chunk at a time)."""
         return to_device(batch, device, self.hidden_codec, self.projection)
 
     def position_after(self, batch: Mapping[str, Any]) -> DataPosition:
@@ -304,6 +313,7 @@ class StreamArgs(TypedDict, total=False):
     start: DataPosition | Mapping[str, int] | None
     shuffle_block: int
     prefetch: int
+    prefetch_mib: int
     decode_threads: int
     pin_memory: bool
 

@@ -26,7 +26,7 @@ from kdcache.stages.train.api import ApiError, CacheDataset, DistillationLoss, c
 from kdcache.stages.train.checkpoint import PROJECTORS_FILE, read_projectors, save_projectors, write_plan
 from kdcache.stages.train.core import open_cache
 from kdcache.stages.train.evaluation import HeldOut, lm_kind
-from kdcache.stages.train.feed import CacheStream, DataPosition, check_resumable
+from kdcache.stages.train.feed import PREFETCH_MIB, CacheStream, DataPosition, check_resumable
 from kdcache.stages.train.hf_args import DistillationArguments, options_of
 from kdcache.stages.train.objective import StepCounts, term_counts
 from kdcache.storage import CacheReader
@@ -103,14 +103,15 @@ class CacheTrainer(Trainer):
             ``args.seed``).
         eval_cache: a held-out cache (folder, URL or ``CacheReader``) of the same teacher and settings, scored by
             ``evaluate()`` in batches of ``per_device_eval_batch_size``.
-        shuffle_block, prefetch: the stream's settings (``kdcache train``'s ``--shuffle-block``, ``--prefetch``).
+        shuffle_block, prefetch, prefetch_mib: the stream's settings (``kdcache train``'s ``--shuffle-block``,
+            ``--prefetch``, ``--prefetch-mib``).
         **kwargs: the rest of ``Trainer``'s arguments (callbacks, ``processing_class``, ``optimizers``...).
     """
 
     def __init__(self, model: nn.Module, args: TrainingArguments, cache: CacheSource | None = None, *,
                  loss: DistillationLoss | None = None, loss_options: dict[str, Any] | None = None,
                  eval_cache: CacheSource | None = None, shuffle_block: int = 256, prefetch: int = 4,
-                 **kwargs: Any):
+                 prefetch_mib: int = PREFETCH_MIB, **kwargs: Any):
         given = sorted(set(kwargs) & set(REFUSED))
         if given:
             raise ApiError(f"CacheTrainer builds its own {', '.join(given)} (the cache's collate pads the targets, "
@@ -119,7 +120,7 @@ class CacheTrainer(Trainer):
         _check_parallel(args)
         source = _training_source(cache, kwargs, args)
         if isinstance(source, CacheStream):  # its order and stream settings are kept; its arrays become the loss's
-            shuffle_block, prefetch = source.shuffle_block, source.prefetch
+            shuffle_block, prefetch, prefetch_mib = source.shuffle_block, source.prefetch, source.prefetch_bytes >> 20
         reader = _reader(source, "train_dataset" if cache is None else "cache")
         if eval_cache is None and isinstance(args, DistillationArguments):
             eval_cache = args.eval_cache
@@ -131,7 +132,7 @@ class CacheTrainer(Trainer):
             check_tokenizer(self.distill.reader, model, tokenizer)
         _check_optimizer(kwargs.get("optimizers"), self.distill)
         self.heldout = self._heldout(eval_cache, kwargs.pop("eval_dataset", None), args)
-        self._shuffle_block, self._prefetch = shuffle_block, prefetch  # the stream's settings
+        self._stream = (shuffle_block, prefetch, prefetch_mib)  # the stream's settings
         self._position, self._micro_step = DataPosition(), 0
         self._sums: dict[str, torch.Tensor] = {}  # each term's sum since the last log, on the device
         self._step_counts: deque[tuple[Counts, StepCounts]] = deque()  # the step's micro-batches not yet run
@@ -168,7 +169,8 @@ class CacheTrainer(Trainer):
     def _dataset(self, args: TrainingArguments) -> CacheDataset:
         return self.distill.dataset(batch_size=args.per_device_train_batch_size, seed=args.seed,
                                     rank=args.process_index, world_size=args.world_size, start=self._position,
-                                    shuffle_block=self._shuffle_block, prefetch=self._prefetch)
+                                    shuffle_block=self._stream[0], prefetch=self._stream[1],
+                                    prefetch_mib=self._stream[2])
 
     # ---- data -----------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:

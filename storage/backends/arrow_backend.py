@@ -225,6 +225,7 @@ class ArrowBackend(Backend):
     name = "arrow"
     suffix = ".arrow"
     codec_per_array = False
+    reads_row_ranges = False  # ArrowShard.column decodes a whole column, kept by the open handle
 
     @staticmethod
     def default_codecs() -> tuple[dict[str, Any], dict[str, Any]]:

@@ -75,6 +75,9 @@ class Backend(ABC):
     # Each array compressed with its own codec (a hidden codec's codes with storage.core.codecs.CODES_CODEC); False:
     # one codec per shard file.
     codec_per_array: bool = True
+    # Whether a handle decodes rows [start, stop) of an array without decoding the rest of it (zarr's inner chunks);
+    # False: a first read decodes the whole column and the handle keeps it (Arrow).
+    reads_row_ranges: bool = True
 
     @staticmethod
     @abstractmethod

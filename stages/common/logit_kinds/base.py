@@ -103,7 +103,16 @@ class TorchHalf(Protocol):
     def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
                      head: TeacherHead | None) -> torch.Tensor: ...
 
+
+class VocabPass(Protocol):
+    """What ``LogitKind.loss`` takes of stage two's vocabulary pass (``VOCAB_PASS``)."""
+
     def term_value(self, logits: torch.Tensor | HeadLogits, term: ChunkTerm) -> torch.Tensor: ...
+
+
+# The one pass over the LM head, stage two's (``term_value`` is the same for every kind, a plugin's included): named
+# here, imported on a loss's first call like a torch half, so that the registry loads no torch.
+VOCAB_PASS = "kdcache.stages.train.vocab.vocab_pass"
 
 
 class LogitKind:
@@ -209,7 +218,8 @@ class LogitKind:
     def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         """Stage two's term ``term``: a scalar, from student ``logits [B, L, V]`` and the batch's cached arrays."""
-        return self.torch_half().term_value(logits, self.chunk_term(logits, targets, mask, setup))
+        vocab_pass = cast(VocabPass, importlib.import_module(VOCAB_PASS))
+        return vocab_pass.term_value(logits, self.chunk_term(logits, targets, mask, setup))
 
     def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
                    setup: KlSetup) -> ChunkTerm:

@@ -16,7 +16,6 @@ from kdcache.stages.train.vocab import (
     HeadLogits,
     kernel_feeds,
     loss_rows,
-    term_value as term_value,  # LogitKind.loss: one term's value
     vocab_pass,
 )
 from kdcache.storage import TOPK_MASS

@@ -70,7 +70,8 @@ def cache_batches(reader: CacheReader, names: list[str], batch_size: int, *, lim
     """Padded batches of cached sequences, in cache order, read a whole shard at a time.
 
     Yields:
-        ``streaming.collate`` batches in the stored dtypes (``to_device`` makes targets float32 where they go):
+        ``streaming.collate`` batches in the stored dtypes (``to_device`` makes targets float32 where they go,
+        dense logits excepted):
         per stream ``input_ids`` / ``mask`` ``[B, L]``, and every other name in ``names``.
     """
     pending: list[dict[str, Any]] = []

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
+    from kdcache.stages.train.feed.ahead import PREFETCH_MIB as PREFETCH_MIB
     from kdcache.stages.train.feed.device_feed import Batch as Batch, DeviceFeed as DeviceFeed
     from kdcache.stages.train.feed.streaming import (
         BatchExtension as BatchExtension,

@@ -339,10 +339,11 @@ class _Producer:
                  ahead: ByteQueue, prefetch: int, threads: int, pin: bool, extend: BatchExtension | None = None):
         # A coded hidden state travels with its scales (and outliers) to the device, where it is decoded.
         names = [p for n in names for p in reader.spec.with_parts(n)]
-        # Dense [L, V] teacher rows from a local cache are read per batch, row ranges only (zarr decodes just their
-        # chunks), not decoded with their whole shard and kept beside the batch: 501 MiB per 8 x 256 tokens at
-        # V = 128k. From an object store a shard's file is fetched whole anyway, and kept with the shard.
-        apart = vocab_row_names() if reader.store.is_local else frozenset()
+        # Dense [L, V] teacher rows from a local zarr cache are read per batch, row ranges only (zarr decodes just
+        # their chunks), not decoded with their whole shard and kept beside the batch: 501 MiB per 8 x 256 tokens at
+        # V = 128k. Not where a read decodes the whole column anyway (Arrow: per-batch reads would decode it again
+        # for every batch its handle was closed between), nor from an object store, whose file is fetched whole.
+        apart = vocab_row_names() if reader.store.is_local and reader.reads_row_ranges else frozenset()
         self.rows_apart = [n for n in names if split_stream(n)[1] in apart]
         self.reader, self.names, self.pin = reader, [n for n in names if n not in self.rows_apart], pin
         self.extend = extend

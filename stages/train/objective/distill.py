@@ -323,6 +323,6 @@ class DistillModel(nn.Module):
         return self.runner.recorder
 
     def forward(self, batch: dict[str, Any], scales: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
-        """Args: batch on the device, as ``streaming.collate`` makes it, with fp32 targets; ``scales``: each term's
-        share of its optimizer step (``step_norm``)."""
+        """Args: batch on the device, as ``streaming.collate`` makes it, with fp32 targets (dense logits as stored,
+        fp16 / bf16); ``scales``: each term's share of its optimizer step (``step_norm``)."""
         return self.criterion(self.runner(self.student, batch), batch, scales)

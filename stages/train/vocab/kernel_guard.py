@@ -119,7 +119,8 @@ class KernelGuard:
         live_reference = _on_live_rows(reference, facts.widths)
 
         def grad(z: torch.Tensor, weights: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            key = (z.device.type, z.dtype, z.shape[1], facts.kind)
+            # Triton compiles per argument dtype: fp16 / bf16 teacher rows (issue 63) are a kernel of their own.
+            key = (z.device.type, z.dtype, z.shape[1], facts.kind, tuple(r.dtype for r in rows))
             if key in self.trusted:
                 return fast(z, weights, *rows)
             if not self.allows():  # given up on an earlier chunk of this same pass

@@ -153,3 +153,22 @@ def test_a_kind_finds_its_torch_half_by_its_module_s_name_and_one_from_elsewhere
     assert TopKElsewhere.torch_module == "kdcache.stages.common.logit_kinds.topk_torch"
     with pytest.raises(LogitKindError, match="logit mode 'full' has no torch half: .* sets no torch_module"):
         Bare().capture(torch.zeros(2, V), SimpleNamespace())
+
+
+def test_a_kind_from_elsewhere_that_overrides_its_chunk_term_computes_its_loss_and_eval_kl() -> None:
+    """``loss`` and ``eval_kl`` take the one pass's ``term_value`` from stage two, not from a torch half: a plugin's
+    kind with no torch half that overrides ``chunk_term`` gives the full KL's values."""
+    full = logit_kinds.get("full")
+
+    class Plugin(logit_kinds.LogitKind):
+        layout = LAYOUTS["full"]
+
+        def chunk_term(self, logits: Any, targets: Any, mask: torch.Tensor, setup: KlSetup) -> Any:
+            return full.chunk_term(logits, targets, mask, setup)
+
+    g = torch.Generator().manual_seed(3)
+    z_s, z_t = torch.randn(B, L, V, generator=g), torch.randn(B, L, V, generator=g)
+    targets, mask, setup = {"logits/full": z_t}, torch.ones(B, L), KlSetup(2.0)
+    assert torch.equal(Plugin().loss(z_s, targets, mask, setup), full.loss(z_s, targets, mask, setup))
+    assert torch.equal(Plugin().eval_kl(z_s, targets, mask, setup), full.eval_kl(z_s, targets, mask, setup))
+    assert Plugin().loss(z_s, targets, mask, setup) > 0

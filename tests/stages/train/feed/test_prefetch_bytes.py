@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kdcache.stages.train.api import CacheDataset
 from kdcache.stages.train.core.options import DataOptions
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB, ByteQueue
 from kdcache.stages.train.feed.streaming import CacheStream, collate, to_device
@@ -19,6 +20,8 @@ from tests.helpers.full_cache import write_full_cache
 
 V, LENGTHS = 64, [9, 5, 12, 7, 3, 11, 8, 6, 10, 4]  # 10 sequences of varied length, 4 to a shard
 NAMES = ["input_ids", "logits/full"]
+
+
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("full")
@@ -34,14 +37,17 @@ def _batches(stream: CacheStream) -> list[dict]:
 def test_dense_rows_come_per_batch_in_the_same_order_and_values_under_any_byte_budget(caches: dict[str, Path],
                                                                                       dtype: str) -> None:
     """The batches with a 1 MiB budget (one batch ahead) are those of the default budget and those ``collate``
-    makes of whole-shard reads; the shards the producer decodes hold no dense rows (they are read per batch)."""
+    makes of whole-shard reads. From zarr the shards the producer decodes hold no dense rows (they are read per
+    batch, row ranges only); from Arrow, whose handle decodes a whole column at its first read, they come with their
+    shard, decoded once rather than once per batch."""
     reader = CacheReader(caches[dtype])
     asked: list[list[str]] = []
     read_shard = reader.read_shard
     reader.read_shard = lambda index, names=None: asked.append(list(names or [])) or read_shard(index, names)  # type: ignore[method-assign]
     kwargs = dict(batch_size=3, seed=2, epochs=2, shuffle_block=4)
     small = _batches(CacheStream(reader, NAMES, prefetch_mib=1, **kwargs))
-    assert asked and all("logits/full" not in names for names in asked)
+    assert reader.reads_row_ranges == (dtype == "fp16")  # the fp16 cache is zarr, the bf16 one Arrow
+    assert asked and all(("logits/full" in names) != reader.reads_row_ranges for names in asked)
     default = _batches(CacheStream(caches[dtype], NAMES, **kwargs))
     assert len(small) == len(default) == 2 * (len(LENGTHS) // 3)
     for a, b in zip(small, default):
@@ -98,3 +104,12 @@ def test_a_bad_byte_budget_is_refused_with_its_value(caches: dict[str, Path]) ->
             CacheStream(caches["fp16"], NAMES, batch_size=2, prefetch_mib=bad)  # type: ignore[arg-type]
     assert "prefetch_mib must be >= 1, got 0" in DataOptions(cache="c", prefetch_mib=0).validate()
     assert DataOptions(cache="c").prefetch_mib == PREFETCH_MIB  # the option's default is the feed's
+
+
+def test_the_python_api_takes_the_byte_budget_and_refuses_a_bad_one(caches: dict[str, Path]) -> None:
+    """``CacheDataset`` (and so ``DistillationLoss.dataset`` and ``CacheTrainer``) passes ``prefetch_mib`` to its
+    stream, default the CLI's, and refuses a bad value by name."""
+    assert CacheDataset(caches["fp16"], NAMES, batch_size=2).prefetch_bytes == PREFETCH_MIB << 20
+    assert CacheDataset(caches["fp16"], NAMES, batch_size=2, prefetch_mib=64).prefetch_bytes == 64 << 20
+    with pytest.raises(ValueError, match="prefetch_mib must be a whole number of MiB >= 1, got 0"):
+        CacheDataset(caches["fp16"], NAMES, batch_size=2, prefetch_mib=0)

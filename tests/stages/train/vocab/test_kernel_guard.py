@@ -146,6 +146,27 @@ def test_a_kernel_that_passes_is_checked_once_per_kind_of_pass(monkeypatch: pyte
     assert reference_chunks == [5, 5] and len(kernel_guard.GUARD.trusted) == 2
 
 
+def test_teacher_rows_of_another_dtype_are_checked_again(monkeypatch: pytest.MonkeyPatch,
+                                                        kernel_device: torch.device) -> None:
+    """Triton compiles a kernel per argument dtype: a full KL trusted on float32 teacher rows is checked once more
+    when the rows come as stored (fp16, issue 63), and then trusted too."""
+    reference_chunks: list[int] = []
+    real = vocab_pass._autograd_grad
+
+    def counted(fn: Callable[..., torch.Tensor]) -> vocab_pass.ChunkGrad:
+        grad = real(fn)
+        return lambda z, *rest: reference_chunks.append(len(z)) or grad(z, *rest)
+    monkeypatch.setattr(vocab_pass, "_autograd_grad", counted)
+    s = on_device(ref._setup(0), kernel_device)
+    _pass(s, "full_t2")
+    _pass(s, "full_t2")
+    assert reference_chunks == [5] and len(kernel_guard.GUARD.trusted) == 1
+    half = {**s, "teacher": s["teacher"].half()}
+    _pass(half, "full_t2")
+    _pass(half, "full_t2")
+    assert reference_chunks == [5, 5] and len(kernel_guard.GUARD.trusted) == 2
+
+
 def test_fused_where_the_kernel_cannot_run_is_refused_before_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_vocab, "INTERPRET_ON_CPU", False)
     with pytest.raises(kernel_guard.LossError, match="--vocab-kernel fused needs a CUDA device"):
