@@ -112,15 +112,15 @@ def run_one(run: str, student: str, teacher: str, cache: str, work: str, small: 
 
 def _passes_apart() -> None:
     """Make ``CompoundLoss`` run each vocabulary term in its own ``vocab_pass`` (this process only)."""
-    from kdcache.stages.train.objective import compound
+    from kdcache.stages.train.vocab import vocab_pass  # the module, whose function CompoundLoss calls
 
-    shared = compound.vocab_pass
+    shared = vocab_pass.vocab_pass
 
     def apart(logits: Any, terms: Any, weights: Any) -> tuple[Any, Any]:
         runs = [shared(logits, [term], [weight]) for term, weight in zip(terms, weights)]
         return torch.stack([total for total, _ in runs]).sum(), torch.cat([values for _, values in runs])
 
-    compound.vocab_pass = apart
+    vocab_pass.vocab_pass = apart  # type: ignore[assignment]
 
 
 def _options(cache: str, student: str, out: Path, max_steps: int, small: bool, **weights: float | str) -> Any:
