@@ -127,10 +127,8 @@ def test_the_torch_road_never_runs_the_kernel(monkeypatch: pytest.MonkeyPatch, k
     assert calls == [] and "pure torch" in fused_vocab.vocab_path(torch.device("cpu"))
 
 
-def test_a_kernel_that_passes_is_checked_once_per_kind_of_pass(monkeypatch: pytest.MonkeyPatch,
-                                                               kernel_device: torch.device) -> None:
-    """The pure-torch chunk runs beside the kernel's first chunk only; a new kind of pass (another KL) is checked
-    again."""
+def _count_reference_chunks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each chunk the pure-torch road computes from now on (the kernel's checks), appended as they run."""
     reference_chunks: list[int] = []
     real = vocab_pass._autograd_grad
 
@@ -138,6 +136,14 @@ def test_a_kernel_that_passes_is_checked_once_per_kind_of_pass(monkeypatch: pyte
         grad = real(fn)
         return lambda z, *rest: reference_chunks.append(len(z)) or grad(z, *rest)
     monkeypatch.setattr(vocab_pass, "_autograd_grad", counted)
+    return reference_chunks
+
+
+def test_a_kernel_that_passes_is_checked_once_per_kind_of_pass(monkeypatch: pytest.MonkeyPatch,
+                                                               kernel_device: torch.device) -> None:
+    """The pure-torch chunk runs beside the kernel's first chunk only; a new kind of pass (another KL) is checked
+    again."""
+    reference_chunks = _count_reference_chunks(monkeypatch)
     s = on_device(ref._setup(0), kernel_device)
     for _ in range(2):
         _pass(s)
@@ -150,13 +156,7 @@ def test_teacher_rows_of_another_dtype_are_checked_again(monkeypatch: pytest.Mon
                                                         kernel_device: torch.device) -> None:
     """Triton compiles a kernel per argument dtype: a full KL trusted on float32 teacher rows is checked once more
     when the rows come as stored (fp16, issue 63), and then trusted too."""
-    reference_chunks: list[int] = []
-    real = vocab_pass._autograd_grad
-
-    def counted(fn: Callable[..., torch.Tensor]) -> vocab_pass.ChunkGrad:
-        grad = real(fn)
-        return lambda z, *rest: reference_chunks.append(len(z)) or grad(z, *rest)
-    monkeypatch.setattr(vocab_pass, "_autograd_grad", counted)
+    reference_chunks = _count_reference_chunks(monkeypatch)
     s = on_device(ref._setup(0), kernel_device)
     _pass(s, "full_t2")
     _pass(s, "full_t2")
