@@ -6,7 +6,7 @@ linked in, the layout ``make lint`` builds) and put first on ``PYTHONPATH``. Per
 ``--repeats``:
 
 * ``help``: ``kdcache --help``;
-* ``kinds``: ``import kdcache.stages.common.logit_kinds`` (the registry the option classes read), which must load
+* ``kinds``: ``import kdcache.stages.targets.logits`` (the registry the option classes read), which must load
   neither torch nor transformers on either side.
 
 Usage: ``python benchmarks/bench_light_paths.py --base DIR [--repeats 7]`` (a minute). Prints a Markdown table.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 CODE = {
     "help": "import sys; from kdcache.pipeline.cli import main; sys.argv = ['kdcache', '--help']; main()",
-    "kinds": "import sys, kdcache.stages.common.logit_kinds; "
+    "kinds": "import sys, kdcache.stages.targets.logits; "
              "assert 'torch' not in sys.modules and 'transformers' not in sys.modules",
 }
 

@@ -18,7 +18,7 @@ Peak memory for logits: one batch through ``FeatureCapture`` of the V = 128,256 
 ``--logits-chunk 0`` (one pass over the padded batch) and 512, each in a fresh process; the figure is the growth
 of peak RSS during the forward (CPU, Linux: the high-water mark is reset first).
 
-Stage two's full-vocabulary KL with and without chunks of valid tokens (``stages.train.vocab.loss_rows.LOSS_CHUNK``): peak
+Stage two's full-vocabulary KL with and without chunks of valid tokens (``stages.targets.logits.vocab.loss_rows.LOSS_CHUNK``): peak
 memory growth and time of one forward + backward on random fp32 logits, each in a fresh process.
 
 Run: ``.venv/bin/python benchmarks/bench_logits.py [--tokens 4096] [--json out.json]``.
@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.bench
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kdcache.stages.common import logit_kinds  # noqa: E402
-from kdcache.stages.common.logit_kinds.topk import STEP_PER_TOLERANCE, as_logprobs  # noqa: E402
+from kdcache.stages.targets import logits as logit_kinds  # noqa: E402
+from kdcache.stages.targets.logits.topk import STEP_PER_TOLERANCE, as_logprobs  # noqa: E402
 from kdcache.stages.train.losses import kd_kl, sampled_kl  # noqa: E402
 from kdcache.storage import CacheSpec, CacheWriter, read_manifest  # noqa: E402
 
@@ -160,7 +160,8 @@ def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from benchmarks.bench_logits import llama_model
-from kdcache.stages.common import attention_sources, logit_kinds
+from kdcache.stages.common import attention_sources
+from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.precompute.capture.features import FeatureCapture
 from kdcache.stages.precompute.core.targets import StreamTargets, Targets
 from kdcache.stages.precompute.core.teacher_id import Teacher
@@ -188,7 +189,7 @@ def loss_cost(chunk: int, batch: int, length: int) -> tuple[float, float]:
     code = f"""
 import time, torch, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-from kdcache.stages.train.vocab import loss_rows
+from kdcache.stages.targets.logits.vocab import loss_rows
 from kdcache.stages.train.losses import kd_kl
 def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))

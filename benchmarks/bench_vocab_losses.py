@@ -103,9 +103,9 @@ def run_one(name: str, side: str, tokens: int, dim: int, vocab: int, device: str
     import torch
     import torch.nn.functional as F
 
+    from kdcache.stages.targets.logits.vocab import kernel_guard
+    from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
     from kdcache.stages.train.losses import logits as logit_losses
-    from kdcache.stages.train.vocab import kernel_guard
-    from kdcache.stages.train.vocab.head_logits import HeadLogits
 
     # "head" on CUDA takes the fused kernel on `fused`: a kernel failing its check stops the run, never timing the
     # pure-torch pass under the kernel's name. "head_chunks" takes the pure-torch chunks even where liger-kernel or

@@ -52,9 +52,9 @@ step() {  # step NAME SECONDS COMMAND...: run it under a limit, its output in $L
     echo "$name exit $? after $((SECONDS - started))s" | tee -a "$LOGS/status.txt"
     tail -n 4 "$LOGS/$name.log"
 }
-step kernel_tests 70 python3 -m pytest -q -p no:cacheprovider tests/stages/train/vocab/test_fused_kernel.py \
+step kernel_tests 70 python3 -m pytest -q -p no:cacheprovider tests/stages/targets/logits/vocab/test_fused_kernel.py \
     tests/stages/precompute/test_generate_sampling.py \
-    tests/stages/train/vocab/test_fused_kernel_gpu.py tests/stages/train/vocab/test_kernel_guard.py \
+    tests/stages/targets/logits/vocab/test_fused_kernel_gpu.py tests/stages/targets/logits/vocab/test_kernel_guard.py \
     --junitxml="$LOGS/kernel_tests.xml"
 step vocab_bench 60 python3 benchmarks/bench_vocab_losses.py --device cuda --dtype bfloat16 --dim 2048 \
     --tokens 4096 --repeats 1 --losses ce,kl,topk_renorm,sampled,ce_topk_renorm --sides head,head_chunks \

@@ -112,7 +112,7 @@ def run_one(run: str, student: str, teacher: str, cache: str, work: str, small: 
 
 def _passes_apart() -> None:
     """Make ``CompoundLoss`` run each vocabulary term in its own ``vocab_pass`` (this process only)."""
-    from kdcache.stages.train.vocab import vocab_pass  # the module, whose function CompoundLoss calls
+    from kdcache.stages.targets.logits.vocab import vocab_pass  # the module, whose function CompoundLoss calls
 
     shared = vocab_pass.vocab_pass
 

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Triton's kernels run on CPU tensors under its interpreter (read when a kernel is defined): the fused vocabulary
-# kernel's tests (tests/stages/train/vocab/test_fused_kernel.py) need no GPU. Where there is one, they run compiled on it instead
+# kernel's tests (tests/stages/targets/logits/vocab/test_fused_kernel.py) need no GPU. Where there is one, they run compiled on it instead
 # (one mode a process), and their CPU cases skip.
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 # Stage one's rows live outside the caches (stages.precompute.rows.row_store.rows_root): never in the user's datasets
@@ -36,7 +36,7 @@ os.environ.setdefault("KDCACHE_ROWS", tempfile.mkdtemp(prefix="kdcache-test-rows
 def _fresh_vocab_road() -> None:
     """Each test starts on the default road with nothing trusted or given up (a planted kernel's failure is the
     process's state, as in a run)."""
-    from kdcache.stages.train.vocab import kernel_guard
+    from kdcache.stages.targets.logits.vocab import kernel_guard
 
     kernel_guard.set_road("auto")
 

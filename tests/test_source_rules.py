@@ -1,7 +1,7 @@
 """Rules the code keeps, checked by reading its source (docs/architecture.md, sections 2 and 3).
 
 * No file outside a registry compares a registered name: an attention source (``stages.common.attention_sources``,
-  ``storage.core.attention_source``), a logit mode (``stages.common.logit_kinds``, ``storage.core.logit_layouts``) or a
+  ``storage.core.attention_source``), a logit mode (``stages.targets.logits``, ``storage.core.logit_layouts``) or a
   backend (``storage.backends``). Code asks the registry what an entry does, so a new entry needs no edit
   elsewhere, and a forgotten comparison cannot quietly send a new entry down another entry's branch.
 * ``stages`` and ``pipeline`` import storage through its front door, ``kdcache.storage``, never a submodule (its
@@ -24,13 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from kdcache.stages.common import attention_sources, logit_kinds
+from kdcache.stages.common import attention_sources
+from kdcache.stages.targets import logits as logit_kinds
 from kdcache.storage import ArrayKind, backend_names
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "stages", "storage")
 # The registries: the only files that may compare their own names.
-REGISTRIES = ("stages/common/attention_sources/", "storage/core/attention_source.py", "stages/common/logit_kinds/",
+REGISTRIES = ("stages/common/attention_sources/", "storage/core/attention_source.py", "stages/targets/logits/",
               "storage/core/logit_layouts.py", "storage/backends/")
 
 
@@ -82,10 +83,14 @@ def module_name(path: str) -> str:
     return "kdcache." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+FAMILIES = "kdcache.stages.targets."
+
+
 def past_a_door(importer: str, source: str) -> list[tuple[int, str]]:
     """``(line, module)`` of each import in ``source`` (the module ``importer``) of a stages module behind a door:
     from ``pipeline``, anything below ``kdcache.stages.X``; from anywhere, a module of a package two levels below
-    ``kdcache.stages`` (or deeper) that does not hold ``importer``."""
+    ``kdcache.stages`` (or deeper) that does not hold ``importer``. A target family (``kdcache.stages.targets.F``)
+    counts as a stage: its modules and its sub-packages' doors are the family's face."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -97,7 +102,7 @@ def past_a_door(importer: str, source: str) -> list[tuple[int, str]]:
         for module in (m for m in modules if m.startswith("kdcache.stages.")):
             package = module.rsplit(".", 1)[0]
             inside = importer == package or importer.startswith(package + ".")
-            depth = package.count(".") - 1  # kdcache.stages.train -> 1
+            depth = package.count(".") - 1 - package.startswith(FAMILIES)  # kdcache.stages.train -> 1
             if not inside and (depth >= 2 or depth >= 1 and importer.startswith("kdcache.pipeline")):
                 found.append((node.lineno, module))
     return found
@@ -150,10 +155,17 @@ def test_the_door_checker_finds_planted_imports() -> None:
                                                             (4, "kdcache.stages.precompute.runner")]
     planted = ("from kdcache.stages.train.feed import to_device\nfrom kdcache.stages.train.feed.streaming import collate\n"
                "from kdcache.stages.common.vocab_pass import HeadPass\n"
-               "from kdcache.stages.common.logit_kinds.topk import topk_kl\n")
+               "from kdcache.stages.precompute.rows.data import load\n")
     assert past_a_door("kdcache.stages.train.loop", planted) == [(2, "kdcache.stages.train.feed.streaming"),
-                                                                 (4, "kdcache.stages.common.logit_kinds.topk")]
-    assert past_a_door("kdcache.stages.train.feed.device_feed", planted) == [(4, "kdcache.stages.common.logit_kinds.topk")]
+                                                                 (4, "kdcache.stages.precompute.rows.data")]
+    assert past_a_door("kdcache.stages.train.feed.device_feed", planted) == [(4, "kdcache.stages.precompute.rows.data")]
+    planted = ("from kdcache.stages.targets.logits.vocab import bool_mask\n"
+               "from kdcache.stages.targets.logits.vocab.loss_rows import kl_terms\n"
+               "from kdcache.stages.targets.logits import topk_torch\n")
+    assert past_a_door("kdcache.stages.train.loop", planted) == [(2, "kdcache.stages.targets.logits.vocab.loss_rows")]
+    assert past_a_door("kdcache.pipeline.cli", planted) == [(1, "kdcache.stages.targets.logits.vocab"),
+                                                            (2, "kdcache.stages.targets.logits.vocab.loss_rows"),
+                                                            (3, "kdcache.stages.targets.logits")]
 
 
 @pytest.mark.parametrize("package", ["stages", "pipeline"])

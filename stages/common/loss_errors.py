@@ -1,6 +1,6 @@
 """``LossError``: what every loss of stage two and every logit kind raises on a misconfiguration or bad input.
 
-Torch-free, so that the logit kinds (``stages.common.logit_kinds``) can be imported by the option classes. It
+Torch-free, so that the logit kinds (``stages.targets.logits``) can be imported by the option classes. It
 derives from ``storage.core.errors.KdcacheError``: the CLI turns it into a message and exit status 2.
 """
 

@@ -22,7 +22,6 @@ import datasets
 import torch
 import transformers
 
-from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import save_texts
 from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.common.draft_inputs import (
@@ -79,6 +78,7 @@ from kdcache.stages.precompute.teacher_checks import (
     with_default_features,
     with_output_vocab,
 )
+from kdcache.stages.targets import logits as logit_kinds
 from kdcache.storage import (
     CacheReader,
     KdcacheError,

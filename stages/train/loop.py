@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 
 from kdcache.stages.common import attention_sources
 from kdcache.stages.common.device_codecs import load_projection
+from kdcache.stages.targets.logits.vocab import fused_vocab
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.api import fit_student, seed_dropout, teacher_head_for
 from kdcache.stages.train.core import (
@@ -56,7 +57,6 @@ from kdcache.stages.train.logging import MetricsLogger, SampleTrace
 from kdcache.stages.train.objective import STEP_COUNTS, DistillModel, build_criterion, term_counts, with_step_counts
 from kdcache.stages.train.progress import TrainProgress
 from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, check_resume, init_record, start_projectors
-from kdcache.stages.train.vocab import fused_vocab
 from kdcache.storage import KdcacheError, split_stream
 
 if TYPE_CHECKING:

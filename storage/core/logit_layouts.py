@@ -2,7 +2,7 @@
 
 A *layout* is the storage side of a logit mode (``CacheSpec.logits``): model-free, numpy only, so that ``kdcache
 verify`` / ``inspect`` and the storage tests read any cache without torch. The stage side of a mode (capture,
-checks, loss, metric) lives in ``stages.common.logit_kinds``; a new mode whose arrays follow an existing layout
+checks, loss, metric) lives in ``stages.targets.logits``; a new mode whose arrays follow an existing layout
 registers only there. A layout is an object from the edge on: ``CacheSpec.logit_layout`` is the one its
 ``logits`` name resolves to (here, the one place a name is looked up), and the functions below take a holder of
 that object (``LayoutFields``), never the name. Each mode is registered once: the stage side's ``LogitKind`` holds

@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kdcache.stages.common import attention_sources, logit_kinds
+from kdcache.stages.common import attention_sources
 from kdcache.stages.common.draft_layers import draft_layers, is_draft_preset
 from kdcache.stages.common.engine_options import (
     PRECOMPUTE,
@@ -27,6 +27,7 @@ from kdcache.stages.common.engine_options import (
 )
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
+from kdcache.stages.targets import logits as logit_kinds
 from kdcache.storage import (
     DEFAULT_ATTENTION_SOURCE,
     DEFAULT_BACKEND,
@@ -46,7 +47,7 @@ PACKING = ("none", "documents", "concat")
 # Batches queued on the device ahead of the host's taking them in (``stream``); ``parallel.memory`` counts their
 # activations in each rank's memory.
 IN_FLIGHT = 2
-DEFAULT_LOGITS = "topk"  # the --logits mode when none is given (a name of stages.common.logit_kinds)
+DEFAULT_LOGITS = "topk"  # the --logits mode when none is given (a name of stages.targets.logits)
 FULL_LOGITS = "full"  # the mode the older flag --full-logits asks for
 T = TypeVar("T")
 
@@ -226,7 +227,7 @@ class TargetOptions:
             object.__setattr__(self, "layers", self.layers.with_stream("", "all"))
     @property
     def logits_kind(self) -> str | None:
-        """The logit mode (a name of ``stages.common.logit_kinds``), or None without feature ``logits``."""
+        """The logit mode (a name of ``stages.targets.logits``), or None without feature ``logits``."""
         return self._mode if ArrayKind.LOGITS in self.features else None
 
     @property

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from kdcache.stages.common.attention_sources import AttentionSource
-    from kdcache.stages.common.logit_kinds import LogitKind
+    from kdcache.stages.targets.logits import LogitKind
     from kdcache.storage import LogitLayout
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.cache_texts import MissingTextError, has_texts, read_texts
+from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.train.core.options import resolved_temperature
 
 if TYPE_CHECKING:

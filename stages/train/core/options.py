@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.engine_options import TRAIN, EngineOptions
-from kdcache.stages.common.logit_kinds import TOPK_VARIANTS as TOPK_KL_VARIANTS
 from kdcache.stages.common.option_groups import assemble, flatten
+from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.logits import TOPK_VARIANTS as TOPK_KL_VARIANTS
 from kdcache.stages.train.core.hidden_losses import HiddenLoss, hidden_loss, hidden_loss_choices
 from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
 

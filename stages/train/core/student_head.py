@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kdcache.stages.train.vocab import HeadLogits, vocab_path
+from kdcache.stages.targets.logits.vocab import HeadLogits, vocab_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -33,6 +33,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
+from kdcache.stages.targets.logits.vocab import HeadLogits, term_value
 from kdcache.stages.train.core import base_forward, choose_head, resolved_temperature, token_masks
 from kdcache.stages.train.cross.align import Alignment, align, aligned_share, student_ends, student_mask
 from kdcache.stages.train.losses import (
@@ -43,7 +44,6 @@ from kdcache.stages.train.losses import (
     span_mean,
     span_rows,
 )
-from kdcache.stages.train.vocab import HeadLogits, term_value
 from kdcache.storage import ArrayKind, read_table
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
 
-from kdcache.stages.common.logit_kinds import KlSetup, LogitKind, TeacherHead
+from kdcache.stages.targets.logits import KlSetup, LogitKind, TeacherHead
 from kdcache.stages.train.core import TokenMasks
 
 

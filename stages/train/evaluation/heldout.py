@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.common.teacher_head import load_teacher_head
+from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.logits.vocab import HeadLogits
 from kdcache.stages.train.core import stream_masks
 from kdcache.stages.train.evaluation.agreement import LmStats
 from kdcache.stages.train.evaluation.evaluate import EvaluationError, cache_batches
 from kdcache.stages.train.feed import to_device
-from kdcache.stages.train.vocab import HeadLogits
 from kdcache.storage import prefixed
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.train.vocab import ChunkTerm, HeadLogits, bool_mask, kl_terms, valid_count
+from kdcache.stages.targets.logits.vocab import ChunkTerm, HeadLogits, bool_mask, kl_terms, valid_count
 
 
 def span_rows(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common.logit_kinds import TOPK_VARIANTS, full_torch, head_torch, sampled_torch, topk_torch
-from kdcache.stages.train.vocab import (
+from kdcache.stages.targets.logits import TOPK_VARIANTS, full_torch, head_torch, sampled_torch, topk_torch
+from kdcache.stages.targets.logits.vocab import (
     ChunkTerm,
     HeadLogits,
     bool_mask,
@@ -23,7 +23,7 @@ from kdcache.stages.train.vocab import (
     valid_count,
 )
 
-# The KLs against cached teacher logits belong to their logit kinds' torch halves (stages.common.logit_kinds); they
+# The KLs against cached teacher logits belong to their logit kinds' torch halves (stages.targets.logits); they
 # are re-exported here under the names the loss registry and earlier code use.
 kd_kl, head_kl, sampled_kl = full_torch.kd_kl, head_torch.head_kl, sampled_torch.sampled_kl
 cached_topk, topk_kl, topk_kl_other, topk_kl_renorm = (topk_torch.cached_topk, topk_torch.topk_kl,

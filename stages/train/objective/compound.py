@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import nn
 
-from kdcache.stages.common import logit_kinds
-from kdcache.stages.common.logit_kinds import KlSetup, LogitKind
+from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.logits import KlSetup, LogitKind
+from kdcache.stages.targets.logits.vocab import ChunkTerm, tied_zero, vocab_pass
 from kdcache.stages.train.core import (
     HIDDEN_LOSSES,
     HiddenLoss,
@@ -47,12 +48,11 @@ from kdcache.stages.train.losses import (
     token_ce_term,
 )
 from kdcache.stages.train.objective.projectors import Projectors
-from kdcache.stages.train.vocab import ChunkTerm, tied_zero, vocab_pass
 
 if TYPE_CHECKING:
     from kdcache.stages.common.qk_attention import Captured
     from kdcache.stages.common.teacher_head import TeacherHead
-    from kdcache.stages.train.vocab import HeadLogits
+    from kdcache.stages.targets.logits.vocab import HeadLogits
 
 CE_KINDS = ("causal", "token")
 

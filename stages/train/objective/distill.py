@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
-from kdcache.stages.common.logit_kinds import LogitKind
 from kdcache.stages.common.qk_attention import QKRecorder
+from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.logits import LogitKind
 from kdcache.stages.train.core import (
     Pair,
     StreamPairs,

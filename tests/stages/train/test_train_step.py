@@ -49,7 +49,7 @@ def test_the_step_reads_nothing_back_between_log_steps(setup: dict[str, Path], c
     through the LM head too). The hidden losses mask instead of selecting rows, so they add none."""
     summary = run_training(_options(setup, "nosync", export=False))
     assert counter.micro_steps == 8 and summary["steps"] == 8
-    assert len(counter.calls) == 7 and {call.split(":")[0] for call in counter.calls} == {"stages/train/vocab/vocab_pass.py"}
+    assert len(counter.calls) == 7 and {call.split(":")[0] for call in counter.calls} == {"stages/targets/logits/vocab/vocab_pass.py"}
     records = read_jsonl(setup["root"] / "nosync" / "metrics.jsonl")
     assert [r["step"] for r in records] == [4, 8] and all(r["tokens"] > 0 for r in records)
     assert summary["tokens_per_s"] > 0
@@ -60,7 +60,7 @@ def test_the_fused_kernel_s_step_makes_no_sync_at_all(setup: dict[str, Path], mo
                                                        counter: SyncCounter) -> None:
     """The same run through the fused Triton kernel (under the interpreter here, as on a GPU): rows that count
     nothing are masked in the kernel's coefficients, not selected, so not even the index of valid rows is built."""
-    from kdcache.stages.train.vocab import fused_vocab, vocab_kernels
+    from kdcache.stages.targets.logits.vocab import fused_vocab, vocab_kernels
 
     pytest.importorskip("triton")
     monkeypatch.setattr(fused_vocab, "INTERPRET_ON_CPU", True)
@@ -143,7 +143,7 @@ def test_the_vocabulary_path_is_said_only_where_there_are_vocabulary_losses(
 def _plant_kernel(monkeypatch: pytest.MonkeyPatch, wrong: str) -> None:
     """The fused kernel forced on under the interpreter, its gradient launcher planted: ``raise`` raises as a
     compile error would; ``scale`` writes dz 2% too large."""
-    from kdcache.stages.train.vocab import fused_vocab, vocab_kernels
+    from kdcache.stages.targets.logits.vocab import fused_vocab, vocab_kernels
 
     pytest.importorskip("triton")
     monkeypatch.setattr(fused_vocab, "INTERPRET_ON_CPU", True)

@@ -72,7 +72,7 @@ def test_the_cross_step_reads_nothing_back(setup: dict[str, Path], monkeypatch: 
                               layer_map=["explicit:1-2"], cross_tokenizer="gold", export=False)
     assert run_training(options)["steps"] == 4
     assert counter.micro_steps == 4 and len(counter.calls) == 2 * 3, counter.calls
-    assert {call.split(":")[0] for call in counter.calls} == {"stages/train/vocab/vocab_pass.py"}, counter.calls
+    assert {call.split(":")[0] for call in counter.calls} == {"stages/targets/logits/vocab/vocab_pass.py"}, counter.calls
 
 
 def test_span_agreement_of_the_run_and_of_an_untrained_student(setup: dict[str, Path]) -> None:

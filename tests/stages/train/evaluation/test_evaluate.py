@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.common import logit_kinds
+from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.evaluation.agreement import CkaMatrix, LmStats
 from kdcache.stages.train.evaluation.eval_records import find_eval, read_evals

@@ -143,7 +143,7 @@ def test_kd_kl_gradient_matches_float64_autograd(temperature):
 def test_kd_kl_gives_rows_it_drops_a_zero_gradient_even_with_a_nan_teacher():
     """A row outside the mask is evaluated by the shared pass (CE may count it) and dropped; a teacher row there
     that is not finite must not put NaN into the student's gradient."""
-    from kdcache.stages.train.vocab.loss_rows import SoftmaxKl
+    from kdcache.stages.targets.logits.vocab.loss_rows import SoftmaxKl
 
     torch.manual_seed(7)
     z_s, z_t = torch.randn(3, 6).requires_grad_(True), torch.randn(3, 6)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common.logit_kinds.base import CacheLogits, LogitKind, LogitOptions, LossSettings, register
+from kdcache.stages.targets.logits.base import CacheLogits, LogitKind, LogitOptions, LossSettings, register
 from kdcache.storage import TOPK_LAYOUT
 
 if TYPE_CHECKING:

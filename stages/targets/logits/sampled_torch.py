@@ -8,8 +8,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common.logit_kinds.base import CaptureSettings, KlSetup, TeacherHead
-from kdcache.stages.train.vocab import (
+from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup, TeacherHead
+from kdcache.stages.targets.logits.vocab import (
     ChunkTerm,
     HeadLogits,
     kernel_feeds,

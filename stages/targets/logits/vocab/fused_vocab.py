@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.train.vocab import kernel_guard
-from kdcache.stages.train.vocab.head_logits import fused_ce_available
-from kdcache.stages.train.vocab.kernel_feeds import ChunkView, KernelFeed, RowGrad, RowStats
-from kdcache.stages.train.vocab.kernel_guard import VocabRoad
+from kdcache.stages.targets.logits.vocab import kernel_guard
+from kdcache.stages.targets.logits.vocab.head_logits import fused_ce_available
+from kdcache.stages.targets.logits.vocab.kernel_feeds import ChunkView, KernelFeed, RowGrad, RowStats
+from kdcache.stages.targets.logits.vocab.kernel_guard import VocabRoad
 
 # The tests turn this on (with TRITON_INTERPRET=1 set before triton is imported) to run the kernels on the CPU.
 INTERPRET_ON_CPU = False
@@ -69,7 +69,7 @@ def chunk_grad(feeds: Sequence[KernelFeed], scales: torch.Tensor,
                widths: Sequence[int]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``grad(z [C, V], weights [T], *rows) -> (values [T], dz [C, V])`` for ``vocab_pass.HeadPass``; ``rows`` are,
     per term, its ``[C]`` counted mask and then its ``widths[t]`` targets' rows. ``dz`` is ``z``, overwritten."""
-    from kdcache.stages.train.vocab import vocab_kernels  # imports triton: only when the kernel runs
+    from kdcache.stages.targets.logits.vocab import vocab_kernels  # imports triton: only when the kernel runs
 
     temperature = temperature_of(feeds)
 

@@ -6,14 +6,17 @@ A mode is two modules here: ``<mode>.py``, torch-free, whose class holds its sto
 its torch half ``<mode>_torch.py`` (capture, decode, loss term), which the kind imports on first use. Importing
 this package imports every torch-free module beside ``base`` (in name order) and no torch half, so the registry,
 the option classes and ``kdcache inspect`` load without torch. Stage two reaches a torch half's functions as a
-module of this package (``from kdcache.stages.common.logit_kinds import topk_torch``).
+module of this package (``from kdcache.stages.targets.logits import topk_torch``).
+
+``vocab/`` is the vocabulary pass the torch halves' loss terms run in (stage two's one pass over the LM head); it
+lives in the family because the kinds need it and it needs nothing of stage two.
 """
 
 from __future__ import annotations
 
 import pkgutil
 
-from kdcache.stages.common.logit_kinds.base import (
+from kdcache.stages.targets.logits.base import (
     TORCH_HALF,
     CaptureSettings,
     KlSetup,
@@ -32,10 +35,11 @@ from kdcache.stages.common.logit_kinds.base import (
 )
 from kdcache.storage import import_members
 
-import_members(__name__, __path__,
-               but=["base", *(m.name for m in pkgutil.iter_modules(__path__) if m.name.endswith(TORCH_HALF))])
+# Neither the torch halves nor ``vocab/`` (stage two's vocabulary pass, all torch) register anything.
+import_members(__name__, __path__, but=["base", *(m.name for m in pkgutil.iter_modules(__path__)
+                                                  if m.name.endswith(TORCH_HALF) or m.ispkg)])
 # Names the kinds' own modules define, after every kind has registered (registration order is the choices').
-from kdcache.stages.common.logit_kinds.topk import TOPK_VARIANTS, as_logprobs  # noqa: E402
+from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs  # noqa: E402
 
 __all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "TOPK_VARIANTS", "TeacherHead", "as_logprobs",
            "from_targets", "get", "kinds", "names", "of", "parse", "register", "usage", "uses_head"]

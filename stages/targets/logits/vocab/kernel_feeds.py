@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.train.vocab.loss_rows import kl_terms
+from kdcache.stages.targets.logits.vocab.loss_rows import kl_terms
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The guard of the fused vocabulary kernel (``stages/train/vocab/kernel_guard.py``), on the CPU under Triton's
+"""The guard of the fused vocabulary kernel (``stages/targets/logits/vocab/kernel_guard.py``), on the CPU under Triton's
 interpreter (and on a CUDA device compiled, where there is one: ``kernel_device``): a planted kernel that raises and one that writes wrong values are caught on their first chunk; on
 ``auto`` the pass goes on with the pure-torch road, saying so in one line, and equals that road's result; on
 ``fused`` the pass stops with ``KernelCheckFailed``; on ``torch`` the kernel never runs. A kernel that passes is
@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from kdcache.stages.targets.logits.vocab import fused_vocab, kernel_guard, loss_rows, vocab_pass
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.losses.logits import causal_ce_term
-from kdcache.stages.train.vocab import fused_vocab, kernel_guard, loss_rows, vocab_pass
-from kdcache.stages.train.vocab.head_logits import HeadLogits
 from tests.helpers.kernel_devices import on_device
-from tests.stages.train.vocab import test_vocab_pass as ref
-from tests.stages.train.vocab.test_fused_kernel import KINDS
+from tests.stages.targets.logits.vocab import test_vocab_pass as ref
+from tests.stages.targets.logits.vocab.test_fused_kernel import KINDS
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.triton
 
 @pytest.fixture(autouse=True)
 def _kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    from kdcache.stages.train.vocab import vocab_kernels
+    from kdcache.stages.targets.logits.vocab import vocab_kernels
 
     monkeypatch.setattr(fused_vocab, "INTERPRET_ON_CPU", True)
     monkeypatch.setattr(vocab_kernels, "MAX_BLOCK_V", 8)
@@ -34,7 +34,7 @@ def _kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _plant(monkeypatch: pytest.MonkeyPatch, wrong: Callable[[torch.Tensor], None]) -> list[int]:
     """Replace the kernel's gradient launcher by the real one followed by ``wrong(z)``; the calls are counted."""
-    from kdcache.stages.train.vocab import vocab_kernels
+    from kdcache.stages.targets.logits.vocab import vocab_kernels
 
     real, calls = vocab_kernels.write_grad, []
 
@@ -109,7 +109,7 @@ def test_a_failing_kernel_on_fused_stops_the_pass(wrong: Callable[[torch.Tensor]
 
 def test_a_bfloat16_kernel_off_by_two_percent_is_caught(monkeypatch: pytest.MonkeyPatch,
                                                         kernel_device: torch.device) -> None:
-    """The bf16 bound (1.6% of the largest |dz|) passes the real kernel (tests/stages/train/vocab/test_fused_kernel.py runs every
+    """The bf16 bound (1.6% of the largest |dz|) passes the real kernel (tests/stages/targets/logits/vocab/test_fused_kernel.py runs every
     bf16 case on ``fused``) and refuses one that scales dz by 1.02."""
     s = on_device(ref._setup(5), kernel_device)
     for k in ("hidden", "weight", "bias"):

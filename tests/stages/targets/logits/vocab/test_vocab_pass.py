@@ -1,4 +1,4 @@
-"""One pass over the LM head for every vocabulary term (``stages/train/vocab/vocab_pass.py``): α·CE + β·KL in one pass
+"""One pass over the LM head for every vocabulary term (``stages/targets/logits/vocab/vocab_pass.py``): α·CE + β·KL in one pass
 equals the weighted sum of the terms written here from their formulas on full logits (value and gradient w.r.t. the
 hidden state, the head's weight and bias; padding, a loss mask and packed rows, over several chunks), through a real
 student in train mode with dropout on, and builds each chunk's logits once (the head's matmuls counted)."""
@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common.logit_kinds.full_torch import kd_kl_term
-from kdcache.stages.common.logit_kinds.head_torch import head_kl_term
-from kdcache.stages.common.logit_kinds.sampled_torch import sampled_kl_term
-from kdcache.stages.common.logit_kinds.topk_torch import topk_kl_term
+from kdcache.stages.targets.logits.full_torch import kd_kl_term
+from kdcache.stages.targets.logits.head_torch import head_kl_term
+from kdcache.stages.targets.logits.sampled_torch import sampled_kl_term
+from kdcache.stages.targets.logits.topk_torch import topk_kl_term
+from kdcache.stages.targets.logits.vocab import head_logits, loss_rows, vocab_pass
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.losses.logits import causal_ce_term
-from kdcache.stages.train.vocab import head_logits, loss_rows, vocab_pass
-from kdcache.stages.train.vocab.head_logits import HeadLogits
 
 B, L, D, V, K, DRAWS, ALPHA, BETA = 2, 7, 6, 23, 5, 4, 0.7, 1.3
 RTOL, ATOL = 1e-5, 1e-6  # float32; docs/losses.md

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common.logit_kinds.base import (
+from kdcache.stages.targets.logits.base import (
     CacheLogits,
     KlSetup,
     LogitKind,

@@ -7,9 +7,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from kdcache.stages.common.logit_kinds.base import CaptureSettings, KlSetup, TeacherHead
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.train.vocab import (
+from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup, TeacherHead
+from kdcache.stages.targets.logits.vocab import (
     ChunkTerm,
     HeadLogits,
     kernel_feeds,

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdcache.stages.train.vocab.kernel_feeds import RowStats
+from kdcache.stages.targets.logits.vocab.kernel_feeds import RowStats
 
 MAX_BLOCK_V = 8192  # columns per block: [8192] fp32 per operand in registers; tune on the GPU (issue 42)
 NUM_WARPS = 16

@@ -1,4 +1,4 @@
-"""The fused Triton kernel of the vocabulary pass (``stages/train/vocab/vocab_kernels.py``, ``fused_vocab``), run on the
+"""The fused Triton kernel of the vocabulary pass (``stages/targets/logits/vocab/vocab_kernels.py``, ``fused_vocab``), run on the
 CPU under Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``): every term, alone and together
 with CE, at T = 1 and 2, in float32 and bfloat16, against a float64 reference written from the formulas and
 against the pure-torch pass: value and gradient w.r.t. the hidden state, the head's weight and bias. Padded rows
@@ -7,7 +7,7 @@ columns put boundaries everywhere. The kernel's statistics start as NaN, so a ro
 
 Each test runs on every device the process can run the kernel on (``kernel_device``): the CPU under the interpreter, and
 a CUDA device compiled, where there is one (conftest then leaves the interpreter off and the CPU cases skip). The
-GPU's own shapes are in tests/stages/train/vocab/test_fused_kernel_gpu.py."""
+GPU's own shapes are in tests/stages/targets/logits/vocab/test_fused_kernel_gpu.py."""
 
 from __future__ import annotations
 
@@ -16,15 +16,17 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kdcache.stages.common.logit_kinds.full_torch import kd_kl_term
-from kdcache.stages.common.logit_kinds.head_torch import head_kl_term
-from kdcache.stages.common.logit_kinds.sampled_torch import sampled_kl_term
-from kdcache.stages.common.logit_kinds.topk_torch import topk_kl_term
+from kdcache.stages.targets.logits.full_torch import kd_kl_term
+from kdcache.stages.targets.logits.head_torch import head_kl_term
+from kdcache.stages.targets.logits.sampled_torch import sampled_kl_term
+from kdcache.stages.targets.logits.topk_torch import topk_kl_term
+from kdcache.stages.targets.logits.vocab import fused_vocab, kernel_guard, loss_rows, vocab_pass
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.losses.logits import causal_ce_term
-from kdcache.stages.train.vocab import fused_vocab, kernel_guard, loss_rows, vocab_pass
-from kdcache.stages.train.vocab.head_logits import HeadLogits
 from tests.helpers.kernel_devices import on_device
-from tests.stages.train.vocab import test_vocab_pass as ref  # its setup (garbage at padding) and references by formula
+from tests.stages.targets.logits.vocab import (
+    test_vocab_pass as ref,  # its setup (garbage at padding) and references by formula
+)
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
@@ -46,7 +48,7 @@ KINDS: dict[str, tuple[Callable, Callable]] = {
 
 @pytest.fixture(autouse=True)
 def _kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdcache.stages.train.vocab import vocab_kernels
+    from kdcache.stages.targets.logits.vocab import vocab_kernels
 
     monkeypatch.setattr(fused_vocab, "INTERPRET_ON_CPU", True)
     # fused: a guard check that fails raises, so no test here can pass on the pure-torch road the guard falls back to
@@ -98,7 +100,7 @@ def _close(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], rtol: 
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the kernel's launchers as they are called (so a test knows the kernel ran, not the torch pass)."""
-    from kdcache.stages.train.vocab import vocab_kernels
+    from kdcache.stages.targets.logits.vocab import vocab_kernels
 
     calls: list[str] = []
     for name in ("row_stats", "write_grad"):
@@ -195,7 +197,7 @@ def test_a_confident_row_keeps_its_label_gradient_in_the_logits_dtype(dtype: tor
     """s_y = 0.999: bf16(s_y) is 1.0, so a label's -1 added to the stored dense part would give 0; the kernel's
     gradient at the ids is formed in float32 and rounded once, as the pure-torch pass and liger do. A label that is
     also a top-k id gets both parts."""
-    from kdcache.stages.train.vocab.kernel_feeds import ce_feed
+    from kdcache.stages.targets.logits.vocab.kernel_feeds import ce_feed
 
     V, y = 23, 5
     z = torch.zeros(2, V, device=kernel_device)

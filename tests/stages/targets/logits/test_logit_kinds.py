@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.common import logit_kinds
-from kdcache.stages.common.logit_kinds import KlSetup, LogitKindError
 from kdcache.stages.precompute.core.options import TargetOptions
+from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.logits import KlSetup, LogitKindError
 from kdcache.storage import CacheSpec
 from kdcache.storage.core.logit_layouts import LAYOUTS, TOPK_MASS
 
@@ -127,7 +127,7 @@ def test_the_checks_of_each_kind_against_the_student_and_the_loss() -> None:
 def test_the_registry_and_the_option_classes_import_without_torch_and_a_loss_loads_its_torch_half() -> None:
     """In a fresh process: the registry and the option classes load no torch and no torch half; a kind's first loss
     imports its own torch half (only its own), and the value is the KD KL written out in torch."""
-    code = ("import sys; import kdcache.stages.common.logit_kinds as kinds, kdcache.stages.precompute.core.options, "
+    code = ("import sys; import kdcache.stages.targets.logits as kinds, kdcache.stages.precompute.core.options, "
             "kdcache.stages.train.core.options, kdcache.pipeline.cli.commands.cache; "
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "halves = lambda: sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.endswith('_torch')); "
@@ -150,7 +150,7 @@ def test_a_kind_finds_its_torch_half_by_its_module_s_name_and_one_from_elsewhere
         layout = LAYOUTS["full"]
 
     assert [k.torch_module.rsplit(".", 1)[1] for k in logit_kinds.kinds()] == [f"{n}_torch" for n in logit_kinds.names()]
-    assert TopKElsewhere.torch_module == "kdcache.stages.common.logit_kinds.topk_torch"
+    assert TopKElsewhere.torch_module == "kdcache.stages.targets.logits.topk_torch"
     with pytest.raises(LogitKindError, match="logit mode 'full' has no torch half: .* sets no torch_module"):
         Bare().capture(torch.zeros(2, V), SimpleNamespace())
 

@@ -11,7 +11,7 @@ Callers never compare mode names.
 Each mode is two modules of this folder. ``<mode>.py``, torch-free, is its ``LogitKind``: name, flags, option
 checks, spec fields and ``inspect`` line, what the registry, the option classes and ``kdcache inspect`` read.
 ``<mode>_torch.py`` is its torch half: the capture of the teacher's logits, the decode of the teacher's top-1 and
-the student's loss term, a term of stage two's vocabulary pass (``stages.train.vocab``). The kind finds its
+the student's loss term, a term of stage two's vocabulary pass (``stages.targets.logits.vocab``). The kind finds its
 torch half by that name (``torch_half``) and imports it on the first capture or loss, so a mode is registered
 once and the light paths never load torch.
 """
@@ -36,7 +36,7 @@ from kdcache.storage import (
 if TYPE_CHECKING:
     import torch
 
-    from kdcache.stages.train.vocab import ChunkTerm, HeadLogits
+    from kdcache.stages.targets.logits.vocab import ChunkTerm, HeadLogits
 
 TORCH_HALF = "_torch"  # a mode's torch half is the module of its kind's name plus this, beside it
 
@@ -112,7 +112,7 @@ class VocabPass(Protocol):
 
 # The one pass over the LM head, stage two's (``term_value`` is the same for every kind, a plugin's included): named
 # here, imported on a loss's first call like a torch half, so that the registry loads no torch.
-VOCAB_PASS = "kdcache.stages.train.vocab.vocab_pass"
+VOCAB_PASS = "kdcache.stages.targets.logits.vocab.vocab_pass"
 
 
 class LogitKind:

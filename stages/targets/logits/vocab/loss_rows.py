@@ -1,8 +1,8 @@
 """Helpers shared by the loss modules of stage two and the logit kinds: masks, valid-row selection, safe KL
 terms, the chunk size of the vocabulary pass (``vocab_pass``).
 
-They live in ``stages.train.vocab``, stage two's ground floor, with the pass they serve; stage two's loss modules
-and the logit kinds' torch halves (``stages.common.logit_kinds``) import them through its door.
+They live in ``stages.targets.logits.vocab``, with the pass they serve; stage two's loss modules and the logit
+kinds' torch halves (``stages.targets.logits``) import them through its door.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.autograd.function import BackwardCFunction, FunctionCtx, once_differentiable
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.train.vocab.head_logits import HeadLogits, HeadRows, Rows
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits, HeadRows, Rows
 
 
 def bool_mask(mask: torch.Tensor, like: torch.Tensor | HeadLogits, name: str = "mask") -> torch.Tensor:

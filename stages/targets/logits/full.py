@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kdcache.stages.common.logit_kinds.base import LogitKind, register
+from kdcache.stages.targets.logits.base import LogitKind, register
 from kdcache.storage import FULL_LAYOUT
 
 

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common.logit_kinds.base import CaptureSettings, KlSetup, TeacherHead
-from kdcache.stages.common.logit_kinds.topk import TOPK_VARIANTS, as_logprobs
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.train.vocab import (
+from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup, TeacherHead
+from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs
+from kdcache.stages.targets.logits.vocab import (
     ChunkTerm,
     HeadLogits,
     kernel_feeds,

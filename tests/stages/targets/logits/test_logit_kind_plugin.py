@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.common import logit_kinds
-from kdcache.stages.common.logit_kinds import base as kinds_base
-from kdcache.stages.common.logit_kinds.topk import TopK
+from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.logits import base as kinds_base
+from kdcache.stages.targets.logits.topk import TopK
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.storage import TOPK_LAYOUT as TOPK
 from kdcache.storage.core.logit_layouts import LAYOUTS, LogitLayout

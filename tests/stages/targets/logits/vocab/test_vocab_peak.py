@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdcache.stages.common.logit_kinds.full_torch import kd_kl_term
-from kdcache.stages.common.logit_kinds.head_torch import head_kl_term
-from kdcache.stages.common.logit_kinds.sampled_torch import sampled_kl_term
-from kdcache.stages.common.logit_kinds.topk_torch import topk_kl_term
+from kdcache.stages.targets.logits.full_torch import kd_kl_term
+from kdcache.stages.targets.logits.head_torch import head_kl_term
+from kdcache.stages.targets.logits.sampled_torch import sampled_kl_term
+from kdcache.stages.targets.logits.topk_torch import topk_kl_term
+from kdcache.stages.targets.logits.vocab import loss_rows, vocab_pass
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.feed import Batch, CacheStream, DeviceFeed, to_device
 from kdcache.stages.train.feed.ahead import batch_bytes
 from kdcache.stages.train.losses.logits import causal_ce_term
-from kdcache.stages.train.vocab import loss_rows, vocab_pass
-from kdcache.stages.train.vocab.head_logits import HeadLogits
 from tests.helpers.full_cache import write_full_cache
 from tests.helpers.live_bytes import MALLINFO2, LiveBytes
 

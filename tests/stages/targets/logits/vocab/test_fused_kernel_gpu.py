@@ -3,7 +3,7 @@ with padding, through ``vocab_pass`` on ``--vocab-kernel fused`` (so a failed gu
 quietly taking the pure-torch road) against the same pass on the pure-torch road, in bfloat16 and float32.
 
 CUDA only: skipped on a machine without one, or where Triton's interpreter is on (the CPU cases of
-tests/stages/train/vocab/test_fused_kernel.py run the same kernel there at small shapes). benchmarks/gpu_check.sh runs it."""
+tests/stages/targets/logits/vocab/test_fused_kernel.py run the same kernel there at small shapes). benchmarks/gpu_check.sh runs it."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import os
 import pytest
 import torch
 
-from kdcache.stages.common.logit_kinds.full_torch import kd_kl_term
-from kdcache.stages.common.logit_kinds.sampled_torch import sampled_kl_term
-from kdcache.stages.common.logit_kinds.topk_torch import topk_kl_term
+from kdcache.stages.targets.logits.full_torch import kd_kl_term
+from kdcache.stages.targets.logits.sampled_torch import sampled_kl_term
+from kdcache.stages.targets.logits.topk_torch import topk_kl_term
+from kdcache.stages.targets.logits.vocab import kernel_guard, vocab_pass
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.losses.logits import causal_ce_term
-from kdcache.stages.train.vocab import kernel_guard, vocab_pass
-from kdcache.stages.train.vocab.head_logits import HeadLogits
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available(),

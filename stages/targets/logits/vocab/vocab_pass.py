@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from kdcache.stages.train.vocab import fused_vocab, kernel_guard, loss_rows
-from kdcache.stages.train.vocab.head_logits import HeadLogits, HeadRows
-from kdcache.stages.train.vocab.kernel_feeds import KernelFeed
+from kdcache.stages.targets.logits.vocab import fused_vocab, kernel_guard, loss_rows
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits, HeadRows
+from kdcache.stages.targets.logits.vocab.kernel_feeds import KernelFeed
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kdcache.stages.targets.logits.vocab import head_logits, loss_rows
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.losses import causal_ce, head_kl, kd_kl, sampled_kl, token_ce, topk_kl
-from kdcache.stages.train.vocab import head_logits, loss_rows
-from kdcache.stages.train.vocab.head_logits import HeadLogits
 
 B, L, D, V, K, N_DRAWS = 2, 7, 6, 23, 5, 4
 RTOL, ATOL = 1e-5, 1e-6  # float32; see docs/losses.md
@@ -257,7 +257,7 @@ def test_a_student_whose_logits_are_not_its_head_keeps_its_own_forward(capsys: p
 def test_logits_at_ids_match_a_gather_of_full_logits_in_value_and_gradient() -> None:
     """``HeadRows.on_ids`` (one float32 accumulator for the head's gradient) against a gather from full logits,
     with ids repeated across rows and within a row (unused top-k slots repeat the last id), over several chunks."""
-    from kdcache.stages.train.vocab.head_logits import IDS_CHUNK, HeadRows
+    from kdcache.stages.targets.logits.vocab.head_logits import IDS_CHUNK, HeadRows
 
     torch.manual_seed(0)
     n, d, v, k = 2 * IDS_CHUNK + 5, 16, 50, 6

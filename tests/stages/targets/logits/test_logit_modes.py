@@ -172,7 +172,7 @@ def test_logprob_values_need_topk_logits(tiny_llama: Path, tmp_path: Path, capsy
 def test_the_sampled_kl_is_unbiased(temperature: float) -> None:
     """Stage one's sampler and stage two's estimator together: the mean over many draws is the exact KL, on a small
     vocabulary, while any one draw of N=4 is far from it."""
-    from kdcache.stages.common.logit_kinds.sampled_torch import sample_logits
+    from kdcache.stages.targets.logits.sampled_torch import sample_logits
     from kdcache.stages.train.losses import sampled_kl
 
     torch.manual_seed(0)
@@ -223,8 +223,8 @@ def test_full_vocabulary_terms_in_chunks_are_exact(monkeypatch: pytest.MonkeyPat
     """Every loss over the vocabulary (CE, KL from full logits or a head, top-k with the leftover bucket, the
     sampled estimate), taken 3 valid tokens at a time with recomputation, has the value and the gradient of one
     pass."""
+    from kdcache.stages.targets.logits.vocab import loss_rows
     from kdcache.stages.train.losses import causal_ce, sampled_kl, token_ce, topk_kl
-    from kdcache.stages.train.vocab import loss_rows
 
     torch.manual_seed(0)
     hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8)

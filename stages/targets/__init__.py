@@ -1,0 +1,8 @@
+"""The target families, one folder each: ``logits/`` (the ``--logits`` modes and stage two's vocabulary pass that
+their loss terms run in).
+
+A floor of ``stages``: below ``precompute``, ``train`` and ``draft``, which import it, and above ``storage``; it
+imports none of the stages. Each family is a registry package whose modules register one entry each: a torch-free
+half that the registry, the option classes and ``kdcache inspect`` load, and a torch half loaded on first use
+(docs/architecture.md, section 6).
+"""
