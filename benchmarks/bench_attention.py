@@ -72,7 +72,7 @@ def _stored(spec: CacheSpec, item: dict[str, np.ndarray], length: int) -> float:
 
 def written(length: int = 512) -> dict[str, float]:
     """Stored bytes per token of one block's triangle map and of its q/k, from a real write."""
-    from kdcache.stages.common.qk_attention import QKRecorder
+    from kdcache.stages.targets.attention.qk_attention import QKRecorder
 
     model = _block()
     ids = torch.randint(0, 1024, (1, length))
@@ -96,9 +96,9 @@ import sys, time, torch
 torch.set_num_threads(1)  # one core: the shared 2-core host thrashes with two threads per process
 sys.path.insert(0, {root!r})
 from transformers import LlamaConfig, LlamaForCausalLM
-from kdcache.stages.common.qk_attention import QKRecorder, ScoreRule
+from kdcache.stages.targets.attention.qk_attention import QKRecorder, ScoreRule
 from kdcache.stages.train.losses import attention_kl, causal_ce
-from kdcache.stages.train.losses.attention_qk import ScoreSide, blocked_attention_kl
+from kdcache.stages.targets.attention.qk_loss import ScoreSide, blocked_attention_kl
 def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 torch.manual_seed(0)
@@ -114,7 +114,7 @@ with torch.no_grad(), rec.forward():
     teacher(input_ids=ids, use_cache=False)
 t_side = ScoreSide(rec.captured[2].q, rec.captured[2].k, rec.captured[2].rule)
 if path == "maps":  # the batch as the maps path streams it: [B, H, L, L] fp32 on the device
-    from kdcache.stages.common.qk_attention import allowed_keys, block_log_probs
+    from kdcache.stages.targets.attention.qk_attention import allowed_keys, block_log_probs
     t_maps = block_log_probs(t_side.q, t_side.k, t_side.rule, allowed_keys(mask, slice(0, L), t_side.rule)).exp()
 student = llama(64, 4, 2, "eager" if path == "maps" else "sdpa")
 s_rec = QKRecorder(student, (2,), True) if path == "qk" else None

@@ -160,7 +160,7 @@ def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from benchmarks.bench_logits import llama_model
-from kdcache.stages.common import attention_sources
+from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.precompute.capture.features import FeatureCapture
 from kdcache.stages.precompute.core.targets import StreamTargets, Targets

@@ -1,6 +1,6 @@
 """Rules the code keeps, checked by reading its source (docs/architecture.md, sections 2 and 3).
 
-* No file outside a registry compares a registered name: an attention source (``stages.common.attention_sources``,
+* No file outside a registry compares a registered name: an attention source (``stages.targets.attention``,
   ``storage.core.attention_source``), a logit mode (``stages.targets.logits``, ``storage.core.logit_layouts``) or a
   backend (``storage.backends``). Code asks the registry what an entry does, so a new entry needs no edit
   elsewhere, and a forgotten comparison cannot quietly send a new entry down another entry's branch.
@@ -24,14 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from kdcache.stages.common import attention_sources
-from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 from kdcache.storage import ArrayKind, backend_names
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "stages", "storage")
 # The registries: the only files that may compare their own names.
-REGISTRIES = ("stages/common/attention_sources/", "storage/core/attention_source.py", "stages/targets/logits/",
+REGISTRIES = ("stages/targets/attention/", "storage/core/attention_source.py", "stages/targets/logits/",
               "storage/core/logit_layouts.py", "storage/backends/")
 
 

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common import attention_sources
 from kdcache.stages.precompute.core import PrecomputeError, target_of
+from kdcache.stages.targets import attention as attention_sources
 from kdcache.storage import ArrayKind, CacheWriter, format_bytes, is_url
 
 if TYPE_CHECKING:

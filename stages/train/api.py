@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import torch
 from torch import nn
 
-from kdcache.stages.common import attention_sources
 from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.teacher_head import load_teacher_head
+from kdcache.stages.targets import attention as attention_sources
+from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, register_maps_attention
 from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenizer, save_projectors, write_plan
 from kdcache.stages.train.core import (
     DEFAULT_TEMPERATURE,
-    MAPS_ATTENTION,
     CacheCheckError,
     LossOptions,
     MapOptions,
@@ -48,7 +48,6 @@ from kdcache.stages.train.core import (
     TrainPlan,
     open_cache as open_checked,
     plan_training,
-    register_maps_attention,
     student_facts,
     tokenizer_fingerprint_of,
     unused_targets,

@@ -6,7 +6,7 @@ states, after rotary embeddings, keys and values once per key/value head. A map 
 queries and keys (H + H_kv) x head_dim whatever L. The spec's ``attention_scores`` records what rebuilding the
 scores needs (see docs/cache-format.md). Pure names and checks; nothing reads data.
 
-The stage facet (capture, loss, estimate, inspect) is ``stages.common.attention_sources``: each ``AttentionSource``
+The stage facet (capture, loss, estimate, inspect) is ``stages.targets.attention``: each ``AttentionSource``
 holds its layout object, and registering the source registers the layout, so a source is registered once (the
 built-in layouts are in the table from the start, so that storage reads every built-in cache without stages).
 ``CacheSpec.attention_layout`` is the object its ``attention_source`` name resolves to, at construction; nothing

@@ -22,7 +22,6 @@ import torch.distributed as dist
 def main(teacher: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from kdcache.stages.common import attention_sources
     from kdcache.stages.precompute.capture.logit_head import ChunkedHead
     from kdcache.stages.precompute.capture.sharded_head import ShardedTopK, chunked_head, vocab_shards
     from kdcache.stages.precompute.core import PrecomputePlan
@@ -30,7 +29,7 @@ def main(teacher: str, out: Path) -> None:
     from kdcache.stages.precompute.core.targets import Targets
     from kdcache.stages.precompute.parallel.distributed import DistContext
     from kdcache.stages.precompute.teacher import load_for_inference
-    from kdcache.stages.targets import logits as logit_kinds
+    from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 
     ctx = DistContext.from_env(gpu_collectives=True)
     options = PrecomputeOptions.of(teacher=teacher, data=teacher, out=str(out / "unused"), teacher_parallel="tp:2")

@@ -10,8 +10,7 @@ from kdcache import storage
 from kdcache.pipeline.cache_info import describe
 from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.stages import precompute
-from kdcache.stages.common import attention_sources
-from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 
 if TYPE_CHECKING:
     from kdcache.storage import VerifyReport

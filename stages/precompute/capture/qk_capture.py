@@ -1,6 +1,6 @@
 """Stage one's side of ``--attention-source qk|qkv``: the teacher's queries, keys and values as token rows.
 
-``stages.common.qk_attention.QKRecorder`` records what each selected block hands its attention kernel; here that
+``targets.attention.qk_attention.QKRecorder`` records what each selected block hands its attention kernel; here that
 becomes storage-ready arrays, ``attention_q/{j} [B, L, H * d]`` and ``attention_k/{j}`` / ``attention_v/{j}
 [B, L, H_kv * d]`` (padded like hidden states; ``transfer.cut_padding`` cuts them per sequence), and the score rule
 of every block is learnt once, from a probe forward, before the cache's spec is written. That probe and the first
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from kdcache.stages.common.documents import document_index
-from kdcache.stages.common.qk_attention import QKRecorder, QKRecorderError, check_rule
 from kdcache.stages.precompute.core import PrecomputeError, Targets
+from kdcache.stages.targets.attention.qk_attention import QKRecorder, QKRecorderError, check_rule
 from kdcache.storage import DEFAULT_ATTENTION_SOURCE
 
 if TYPE_CHECKING:

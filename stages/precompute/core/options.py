@@ -17,7 +17,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kdcache.stages.common import attention_sources
 from kdcache.stages.common.draft_layers import draft_layers, is_draft_preset
 from kdcache.stages.common.engine_options import (
     PRECOMPUTE,
@@ -27,7 +26,7 @@ from kdcache.stages.common.engine_options import (
 )
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
-from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 from kdcache.storage import (
     DEFAULT_ATTENTION_SOURCE,
     DEFAULT_BACKEND,

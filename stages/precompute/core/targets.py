@@ -29,7 +29,7 @@ from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, ArrayKind,
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.common.attention_sources import AttentionSource
+    from kdcache.stages.targets.attention import AttentionSource
     from kdcache.stages.targets.logits import LogitKind
     from kdcache.storage import LogitLayout
 
@@ -62,7 +62,7 @@ class Targets:
     samples: int = 0  # a logit kind that draws (--logits sampled:N): draws per token, at sample_temperature
     sample_temperature: float = 1.0
     logprob_step: float = 0.0  # top-k values stored as log-probs quantised to this step (0: fp16 logits)
-    attention_source: str = DEFAULT_ATTENTION_SOURCE  # a name of stages.common.attention_sources
+    attention_source: str = DEFAULT_ATTENTION_SOURCE  # a name of stages.targets.attention
     attention_scores: dict[str, Any] | None = None  # qk: how scores are formed, learnt from the loaded teacher
     # The names as objects, looked up once where the flags enter (``TargetOptions``) and handed over with them
     # (``logits`` and ``attention_source`` stay the names the fingerprint and the spec record): what capture, checks

@@ -17,11 +17,6 @@ from typing import TYPE_CHECKING
 from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
-    from kdcache.stages.train.core.attention_maps import (
-        MAPS_ATTENTION as MAPS_ATTENTION,
-        register_maps_attention as register_maps_attention,
-        use_maps_attention as use_maps_attention,
-    )
     from kdcache.stages.train.core.checks import (
         CacheCheckError as CacheCheckError,
         open_cache as open_cache,

@@ -10,8 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common import attention_sources
-from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 from kdcache.stages.train.core.cross_checks import cross_hint
 from kdcache.stages.train.core.layer_maps import LayerMap, pair_key, validate_layer_map
 from kdcache.stages.train.core.options import TrainOptions

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from kdcache.stages.common.architectures import is_causal_config, is_encoder_decoder, model_class, stack_depths
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
-from kdcache.stages.train.core.attention_maps import MAPS_ATTENTION, register_maps_attention
+from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, register_maps_attention
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:

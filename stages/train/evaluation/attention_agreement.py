@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdcache.stages.common import attention_sources
-from kdcache.stages.common.qk_attention import QKRecorder
-from kdcache.stages.train.core import Pair, TokenMasks, pair_key, use_maps_attention
+from kdcache.stages.targets import attention as attention_sources
+from kdcache.stages.targets.attention.attention_maps import use_maps_attention
+from kdcache.stages.targets.attention.qk_attention import QKRecorder
+from kdcache.stages.train.core import Pair, TokenMasks, pair_key
 from kdcache.stages.train.losses import attention_kl, cached_qk_loss
 from kdcache.stages.train.objective import StudentOutputs, recorded
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kdcache.stages.common.loss_errors import LossError
+from kdcache.stages.targets.attention.maps_loss import attention_kl, group_teacher_heads
+from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
 from kdcache.stages.train.core import HIDDEN_LOSSES, LayerMapError, hidden_loss
-from kdcache.stages.train.losses.attention import attention_kl, group_teacher_heads
-from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
 from kdcache.stages.train.losses.cross_vocab import (
     cross_vocab_term,

@@ -26,8 +26,8 @@ from torch import nn
 
 from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
-from kdcache.stages.common.qk_attention import QKRecorder
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.attention.qk_attention import QKRecorder
 from kdcache.stages.targets.logits import LogitKind
 from kdcache.stages.train.core import (
     Pair,

@@ -12,7 +12,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from kdcache.stages.common.qk_attention import Captured, QKRecorder, QKRecorderError
+from kdcache.stages.targets.attention.qk_attention import Captured, QKRecorder, QKRecorderError
 from kdcache.stages.train.losses import LossError
 
 

@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 import torch
 
-from kdcache.stages.common.qk_attention import QKRecorder
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.options import PrecomputeOptions
-from kdcache.stages.train.core.attention_maps import MAPS_ATTENTION
+from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION
+from kdcache.stages.targets.attention.maps_loss import attention_kl
+from kdcache.stages.targets.attention.qk_attention import QKRecorder
+from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
 from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.core.student import load_student
 from kdcache.stages.train.feed.streaming import collate, to_device
-from kdcache.stages.train.losses.attention import attention_kl
-from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.objective.distill import student_inputs
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, sample_texts, write_text_dataset

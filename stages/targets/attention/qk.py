@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common.attention_sources.base import AttentionSource, config_heads, register
+from kdcache.stages.targets.attention.base import AttentionSource, config_heads, register
 from kdcache.storage import DEFAULT_ATTENTION_SOURCE, QK_LAYOUT
 
 if TYPE_CHECKING:

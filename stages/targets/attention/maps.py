@@ -3,7 +3,7 @@ attention and compared with the student's maps. Every default of ``base.Attentio
 
 from __future__ import annotations
 
-from kdcache.stages.common.attention_sources.base import AttentionSource, register
+from kdcache.stages.targets.attention.base import AttentionSource, register
 from kdcache.storage import MAPS_LAYOUT
 
 

@@ -3,8 +3,8 @@ loss reads; the KL reads the queries and keys alone."""
 
 from __future__ import annotations
 
-from kdcache.stages.common.attention_sources.base import register
-from kdcache.stages.common.attention_sources.qk import QK
+from kdcache.stages.targets.attention.base import register
+from kdcache.stages.targets.attention.qk import QK
 from kdcache.storage import QKV_LAYOUT
 
 

@@ -1,9 +1,9 @@
 """Attention losses from queries and keys, a block of query rows at a time: neither side's ``[B, H, L, L]`` exists.
 
-``blocked_attention_kl`` is DESIGN's attention KL (``losses.attention.attention_kl``: the mean over student heads
+``blocked_attention_kl`` is DESIGN's attention KL (``maps_loss.attention_kl``: the mean over student heads
 and counted query rows of KL(teacher row ‖ student row) over the valid keys, teacher heads averaged in contiguous
 groups of H_t / H_s), computed from each side's queries and keys and score rule
-(``stages.common.qk_attention``). Each block of ``QUERY_BLOCK`` query rows runs under activation checkpointing, so
+(``qk_attention``). Each block of ``QUERY_BLOCK`` query rows runs under activation checkpointing, so
 the forward keeps only a scalar per block and the backward recomputes one block's ``[B, H, C, L]`` at a time:
 memory grows linearly in L. Value and gradient are those of the full computation (tested).
 
@@ -25,9 +25,9 @@ from torch.utils.checkpoint import checkpoint
 
 from kdcache.stages.common.documents import document_index
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.common.qk_attention import Captured, ScoreRule, allowed_keys, block_log_probs
+from kdcache.stages.targets.attention.maps_loss import STUDENT_PROB_FLOOR
+from kdcache.stages.targets.attention.qk_attention import Captured, ScoreRule, allowed_keys, block_log_probs
 from kdcache.stages.targets.logits.vocab import bool_mask, count_valid
-from kdcache.stages.train.losses.attention import STUDENT_PROB_FLOOR
 
 QUERY_BLOCK = 128  # query rows per block: a [B, H, 128, L] fp32 block at a time
 LOG_FLOOR = math.log(STUDENT_PROB_FLOOR)  # log(max(p, floor)) == max(log p, log floor): the maps path's floor

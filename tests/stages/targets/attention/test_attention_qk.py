@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.common.qk_attention import QKRecorder, ScoreRule, allowed_keys, block_log_probs
 from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.targets.attention.maps_loss import attention_kl
+from kdcache.stages.targets.attention.qk_attention import QKRecorder, ScoreRule, allowed_keys, block_log_probs
+from kdcache.stages.targets.attention.qk_loss import ScoreSide, blocked_attention_kl, heads_from_rows, relation_kl
 from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.feed.streaming import collate, to_device
-from kdcache.stages.train.losses.attention import attention_kl
-from kdcache.stages.train.losses.attention_qk import ScoreSide, blocked_attention_kl, heads_from_rows, relation_kl
 from kdcache.stages.train.objective.distill import student_inputs
 from kdcache.storage import CacheReader, verify_cache
 from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, sample_texts, write_text_dataset
@@ -206,7 +206,7 @@ def test_a_model_adding_to_its_scores_is_refused(tiny_gpt2: Path, tmp_path: Path
     first batch's check of the rebuilt scores."""
     import transformers
 
-    from kdcache.stages.common.qk_attention import QKRecorderError, check_rule
+    from kdcache.stages.targets.attention.qk_attention import QKRecorderError, check_rule
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_gpt2), dtype=torch.float32)
     recorder = QKRecorder(model, (1,), True, keep_output=True)
@@ -226,7 +226,7 @@ def test_the_check_in_blocks_of_query_rows_agrees_with_the_model(tiny_gpt2: Path
     blocks that do not divide the length, with padding, still reproduce the model and still catch a wrong rule."""
     import transformers
 
-    from kdcache.stages.common.qk_attention import QKRecorderError, check_rule
+    from kdcache.stages.targets.attention.qk_attention import QKRecorderError, check_rule
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_gpt2), dtype=torch.float32)
     recorder = QKRecorder(model, (1, 2), True, keep_output=True)
@@ -286,7 +286,7 @@ def test_sliding_windows_and_soft_capping_are_recorded_and_reproduced() -> None:
     what the model hands its kernel, and the rebuilt scores reproduce its attention output (padding included)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
-    from kdcache.stages.common.qk_attention import check_rule
+    from kdcache.stages.targets.attention.qk_attention import check_rule
 
     torch.manual_seed(0)
     shape = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

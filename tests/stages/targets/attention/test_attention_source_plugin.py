@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.common import attention_sources
-from kdcache.stages.common.attention_sources.qk import QK
+from kdcache.stages.targets import attention as attention_sources
+from kdcache.stages.targets.attention.qk import QK
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.storage import QK_LAYOUT, AttentionLayout
 from tests.helpers.tiny_models import make_tiny_llama
