@@ -45,8 +45,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kdcache.pipeline.demo import teacher_path  # noqa: E402
 from kdcache.pipeline.demo_text import stdlib_sentences  # noqa: E402
-from kdcache.stages.common.device_codecs import decode_rows, encode  # noqa: E402
-from kdcache.stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, masked_mse  # noqa: E402
+from kdcache.stages.targets.hidden.device_codecs import decode_rows, encode  # noqa: E402
+from kdcache.stages.targets.hidden.loss_terms import cka_loss, cka_sqrt_loss, cosine_loss, masked_mse  # noqa: E402
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter  # noqa: E402
 from kdcache.storage.hidden_codecs import hidden_codec_of, part_name  # noqa: E402
 
@@ -193,8 +193,8 @@ def projection(ids: list[np.ndarray], teacher: list[list[np.ndarray]], student: 
     encode with the bases stored in ``projection/``): bytes per token per layer (and an Arrow cache's), the
     recorded error, each hidden loss on the decoded targets (``decode_batch``) against fp16 targets, relative,
     and the torch encode/decode MB/s of fp16 bytes on this CPU (one run: this is the writer's path)."""
-    from kdcache.stages.common.device_codecs import Projection, decode_batch
     from kdcache.stages.precompute.projection_fit import fit_bases
+    from kdcache.stages.targets.hidden.device_codecs import Projection, decode_batch
     from kdcache.storage.core.stores import open_store
     from kdcache.storage.projection import write_projection
 
@@ -233,7 +233,7 @@ def _timed(record: dict[str, Any], held: list[list[np.ndarray]], parts: dict[str
            bases: dict[str, tuple[np.ndarray, np.ndarray]], repeats: int = 3) -> tuple[float, float]:
     """Best of ``repeats`` seconds of stage one's torch encode of every held-out layer (all rows at once, as a
     batch is) and of stage two's decode of its arrays."""
-    from kdcache.stages.common.device_codecs import Projection, decode_batch
+    from kdcache.stages.targets.hidden.device_codecs import Projection, decode_batch
 
     flat = {n: torch.from_numpy(np.concatenate([x[k] for x in held])) for k, n in enumerate(bases)}
     encode_s, decode_s = [], []

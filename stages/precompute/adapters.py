@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
-from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.precompute.capture import (
     FeatureCapture,
     ShardItems,
@@ -49,6 +48,7 @@ from kdcache.stages.precompute.core import (
 )
 from kdcache.stages.precompute.rows import TokenStreams, pair_streams, text_streams
 from kdcache.stages.precompute.teacher import load_for_inference, load_teacher
+from kdcache.stages.targets.hidden.device_codecs import Projection
 from kdcache.storage import ArrayKind, HiddenCodec, applies_to
 
 if TYPE_CHECKING:

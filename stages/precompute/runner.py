@@ -23,7 +23,6 @@ import torch
 import transformers
 
 from kdcache.stages.common.cache_texts import save_texts
-from kdcache.stages.common.device_codecs import Projection
 from kdcache.stages.common.draft_inputs import (
     draft_layers,
     export_draft_inputs,
@@ -79,6 +78,7 @@ from kdcache.stages.precompute.teacher_checks import (
     with_output_vocab,
 )
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.hidden.device_codecs import Projection
 from kdcache.storage import (
     CacheReader,
     KdcacheError,

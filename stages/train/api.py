@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import torch
 from torch import nn
 
-from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, register_maps_attention
+from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenizer, save_projectors, write_plan
 from kdcache.stages.train.core import (
     DEFAULT_TEMPERATURE,

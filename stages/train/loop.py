@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION
+from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.vocab import fused_vocab
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.api import fit_student, seed_dropout, teacher_head_for

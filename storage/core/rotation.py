@@ -3,8 +3,8 @@
 Real LLM activations have a few channels 100-1000x larger than the rest; a random-sign block-Hadamard rotation
 spreads each across its block, so one scale per row no longer flattens the small channels. Rotation =
 ``hadamard(x * signs)``: signs ``[d]`` from a seed, blocks of ``block_size(d)``; orthonormal and its own inverse
-(up to the signs), so decoding is ``hadamard(y) * signs``. Numpy only; ``stages.common.device_codecs`` builds its
-torch twin from the same matrices.
+(up to the signs), so decoding is ``hadamard(y) * signs``. Numpy only; ``stages.targets.hidden.device_codecs``
+builds its torch twin from the same matrices.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ configured by its typed dataclass (``codec_of(record).config``). Two kinds:
   ``x[ids] += outliers``; with a ``rank``, ``coef @ basis + mean`` (``coding``).
 
 Importing this package imports every codec module beside the shared ones, and each registers its codec: a new
-codec is one new module here (or anywhere that calls ``register``; tests/stages/test_codec_plugin.py does).
+codec is one new module here (or anywhere that calls ``register``; tests/stages/targets/hidden/test_codec_plugin.py
+does).
 """
 
 from __future__ import annotations

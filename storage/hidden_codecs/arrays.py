@@ -5,7 +5,8 @@ A codec's encode and decode are one definition: they take the namespace ``xp`` o
 (``namespace(x)``) and call only its standard functions and ``ops_for(xp)``. Storage runs them on numpy
 (the writer given floats, ``verify``, plain reads); stage one and stage two pass torch tensors on their device
 through the same functions. Storage never imports torch: numpy's operations are registered here, torch's by
-``stages.common.device_codecs`` (``register_ops``), and a test runs every codec on both and requires the same bytes.
+``stages.targets.hidden.device_codecs`` (``register_ops``), and a test runs every codec on both and requires the
+same bytes.
 
 The standard lacks: selecting each row's m largest entries, adding values at per-row indices, and float8 e4m3fn
 (neither numpy nor the standard has that dtype; torch casts to it natively).
@@ -68,13 +69,13 @@ def ops_for(xp: ModuleType) -> ArrayOps:
     """The added operations of namespace ``xp``.
 
     Raises:
-        TypeError: no library registered them (torch's come with ``kdcache.stages.common.device_codecs``).
+        TypeError: no library registered them (torch's come with ``kdcache.stages.targets.hidden.device_codecs``).
     """
     try:
         return _OPS.lookup(xp.__name__)
     except TypeError as exc:
         raise TypeError(f"hidden codecs: {exc} (torch's operations are registered by importing "
-                        "kdcache.stages.common.device_codecs)") from None
+                        "kdcache.stages.targets.hidden.device_codecs)") from None
 
 
 def namespace(*arrays: Array) -> ModuleType:

@@ -1,6 +1,6 @@
 """A cache's codec record and the coded arrays of one name: resolve the record, encode and decode ``name`` with
 its companions and projection, and summarise the per-row errors. Any array library (``arrays``): numpy here
-and in ``verify``, torch tensors on stage one's and stage two's devices (``stages.common.device_codecs``).
+and in ``verify``, torch tensors on stage one's and stage two's devices (``stages.targets.hidden.device_codecs``).
 
 With a ``rank`` R (``--hidden-rank``), a hidden layer's rows are first projected onto R principal directions
 fitted on the teacher's own states and stored in the cache (``storage.projection``): the codec stores the

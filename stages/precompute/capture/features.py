@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kdcache.stages.common import device_codecs
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
 from kdcache.stages.precompute.capture.compiled import TeacherCalls
 from kdcache.stages.precompute.capture.logit_head import logit_targets
@@ -43,6 +42,7 @@ from kdcache.stages.precompute.capture.sharded_head import chunked_head
 from kdcache.stages.precompute.capture.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
 from kdcache.stages.precompute.core import PrecomputeError, Targets, Teacher
 from kdcache.stages.precompute.parallel import no_autograd
+from kdcache.stages.targets.hidden import device_codecs
 from kdcache.storage import FLOAT, HiddenCodec, applies_to, check_fp16_range, hidden_codec_of, projected
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def hidden_targets(codec: HiddenCodec, name: str, hidden: torch.Tensor,
                    projection: device_codecs.Projection | None = None) -> dict[str, torch.Tensor]:
     """A hidden state (or cached queries/keys/values) ``[B, L, d]`` as the arrays its codec stores, made on its
     device: the float type of a float codec, or codes, scales, outliers and per-row errors
-    (``stages.common.device_codecs.encode``; a rank codec's layers through ``projection``). While the projection
+    (``stages.targets.hidden.device_codecs.encode``; a rank codec's layers through ``projection``). While the projection
     is being fitted, its layers come out as float32 ``[B, L, d]`` for the fit (never stored)."""
     if projection is not None and projection.fitting and projected(codec, name):
         return {name: hidden.float()}

@@ -1,7 +1,6 @@
 """Stage two's ground floor: what every part of it reads and nothing of it below: the options (``options``), the
-layer maps (``layer_maps``), the hidden-state losses as objects (``hidden_losses``), the student and its facts
-(``student``, ``student_head``, ``attention_maps``: the attention implementation that returns its maps), which tokens
-each term counts (``masks``), and the plan they resolve to against the cache (``plan``, with its checks: ``checks``,
+layer maps (``layer_maps``), the student and its facts (``student``, ``student_head``), which tokens each term
+counts (``masks``), and the plan they resolve to against the cache (``plan``, with its checks: ``checks``,
 ``cross_checks``), which raises ``CacheCheckError``.
 
 The floors above import it through this door, each only those below it: ``losses`` (every loss by name),
@@ -24,13 +23,6 @@ if TYPE_CHECKING:
         vocab_problems as vocab_problems,
     )
     from kdcache.stages.train.core.cross_checks import text_problems as text_problems
-    from kdcache.stages.train.core.hidden_losses import (
-        HIDDEN_LOSSES as HIDDEN_LOSSES,
-        HiddenLoss as HiddenLoss,
-        hidden_loss as hidden_loss,
-        register_hidden_loss as register_hidden_loss,
-        unknown_hidden_loss as unknown_hidden_loss,
-    )
     from kdcache.stages.train.core.layer_maps import (
         LayerMap as LayerMap,
         LayerMapError as LayerMapError,

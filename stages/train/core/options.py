@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from kdcache.stages.common.engine_options import TRAIN, EngineOptions
 from kdcache.stages.common.option_groups import assemble, flatten
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.hidden.hidden_losses import HiddenLoss, hidden_loss, hidden_loss_choices
 from kdcache.stages.targets.logits import TOPK_VARIANTS as TOPK_KL_VARIANTS
-from kdcache.stages.train.core.hidden_losses import HiddenLoss, hidden_loss, hidden_loss_choices
 from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
 
 if TYPE_CHECKING:

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.common.device_codecs import hidden_width, load_projection
 from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 from kdcache.stages.targets.attention import AttentionSource
+from kdcache.stages.targets.hidden.device_codecs import hidden_width, load_projection
 from kdcache.stages.targets.logits import LogitKind
 from kdcache.stages.train.core.checks import (
     CacheCheckError,

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.vocab import HeadLogits
 from kdcache.stages.train.core import stream_masks
 from kdcache.stages.train.evaluation.agreement import LmStats

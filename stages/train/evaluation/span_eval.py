@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from kdcache.stages.common.cache_texts import read_texts
-from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.train.core import CacheCheckError, Pair, pair_key, text_problems, token_masks
 from kdcache.stages.train.cross import SIDE_KEYS, SpanAligner, cache_tokenizer
 from kdcache.stages.train.evaluation.evaluate import EvaluationError, default_pairs, load_run

@@ -23,7 +23,7 @@ decodes only the arrays asked for; the codecs release the GIL). Float targets st
 through collate; ``to_device`` makes them fp32 on the device, so the host never holds an fp32 copy (dense
 ``[B, L, V]`` teacher logits stay fp16 or bf16 there too: each chunk of the vocabulary pass widens its own rows).
 Hidden states of a quantised codec (int8, fp8, int4) cross as their codes and fp16 scales and are decoded there
-too (``stages.common.device_codecs``). At most ``prefetch`` batches of ``prefetch_mib`` MiB in all wait for the
+too (``stages.targets.hidden.device_codecs``). At most ``prefetch`` batches of ``prefetch_mib`` MiB in all wait for the
 step (``ahead``), and dense teacher rows are read per batch, not kept with their decoded shard.
 """
 
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kdcache.stages.common.device_codecs import Projection, decode_batch
+from kdcache.stages.targets.hidden.device_codecs import Projection, decode_batch
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB, ByteQueue, batch_bytes
 from kdcache.stages.train.feed.decode_plan import decode_plan, shard_locator
 from kdcache.storage import (

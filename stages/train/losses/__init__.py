@@ -24,7 +24,10 @@ from collections.abc import Callable
 from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets.attention.maps_loss import attention_kl, group_teacher_heads
 from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
-from kdcache.stages.train.core import HIDDEN_LOSSES, LayerMapError, hidden_loss
+from kdcache.stages.targets.hidden import HIDDEN_LOSSES, hidden_loss
+from kdcache.stages.targets.hidden.loss_terms import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
+from kdcache.stages.targets.hidden.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
+from kdcache.stages.train.core import LayerMapError
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
 from kdcache.stages.train.losses.cross_vocab import (
     cross_vocab_term,
@@ -35,7 +38,6 @@ from kdcache.stages.train.losses.cross_vocab import (
     span_rows,
     uld_loss,
 )
-from kdcache.stages.train.losses.hidden import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
 from kdcache.stages.train.losses.logits import (
     TOPK_VARIANTS,
     cached_topk,
@@ -50,10 +52,9 @@ from kdcache.stages.train.losses.logits import (
     topk_kl_other,
     topk_kl_renorm,
 )
-from kdcache.stages.train.losses.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
 from kdcache.storage import KdcacheError, Registry  # the option's choices are the registry's names
 
-# Every loss by its term's name. A hidden loss's function is its family object's (``core.hidden_losses``, the one
+# Every loss by its term's name. A hidden loss's function is its family object's (``stages.targets.hidden``, the one
 # place a hidden loss is defined), listed where the definitions list it.
 _DEFINITIONS: list[tuple[str, Callable[..., object]]] = [
     ("ce", causal_ce),

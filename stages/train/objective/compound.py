@@ -27,16 +27,14 @@ import torch
 from torch import nn
 
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.hidden import HIDDEN_LOSSES, HiddenLoss, unknown_hidden_loss
 from kdcache.stages.targets.logits import KlSetup, LogitKind
 from kdcache.stages.targets.logits.vocab import ChunkTerm, tied_zero, vocab_pass
 from kdcache.stages.train.core import (
-    HIDDEN_LOSSES,
-    HiddenLoss,
     Pair,
     TokenMasks,
     pair_key,
     token_masks,
-    unknown_hidden_loss,
 )
 from kdcache.stages.train.losses import (
     TOPK_VARIANTS,

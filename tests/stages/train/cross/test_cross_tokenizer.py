@@ -16,11 +16,11 @@ import torch
 
 from kdcache.stages.common.cache_texts import char_mask, row_text, token_pieces
 from kdcache.stages.precompute.rows.packing import span_mask as token_span_mask
+from kdcache.stages.targets.hidden.loss_terms import masked_mse
 from kdcache.stages.targets.logits.topk_torch import topk_kl, topk_kl_renorm
 from kdcache.stages.train.cross.align import align, aligned_share, span_mask, student_ends, student_mask
 from kdcache.stages.train.losses import get_loss
 from kdcache.stages.train.losses.cross_vocab import shared_vocab, span_mean, span_rows
-from kdcache.stages.train.losses.hidden import masked_mse
 from tests.helpers.tiny_models import train_bpe_tokenizer, train_wordpiece_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Knowledge distillation trains a student!"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.common.device_codecs import decode_batch, encode
+from kdcache.stages.targets.hidden.device_codecs import decode_batch, encode
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.loop import run_training

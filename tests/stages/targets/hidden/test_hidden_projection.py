@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.common.device_codecs import Projection, decode_batch, encode
+from kdcache.stages.targets.hidden.device_codecs import Projection, decode_batch, encode
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.loop import run_training
@@ -19,7 +19,7 @@ from kdcache.storage import CacheReader
 from kdcache.storage.hidden_codecs import decode, hidden_codec_of, resolve_hidden_codec
 from kdcache.storage.verify import verify_cache
 from tests.helpers.tiny_models import make_tiny_gpt2
-from tests.stages.test_hidden_codecs import _host, _teacher_hidden
+from tests.stages.targets.hidden.test_hidden_codecs import _host, _teacher_hidden
 from tests.stages.train._train_support import make_student_config, precompute_cache
 
 RANK = 8
@@ -67,7 +67,7 @@ def test_a_record_without_a_rank_is_the_record_of_before() -> None:
 
 
 def test_a_cache_without_a_rank_has_no_projection_and_decodes_as_before(tmp_path: Path) -> None:
-    from kdcache.stages.common.device_codecs import load_projection
+    from kdcache.stages.targets.hidden.device_codecs import load_projection
     from kdcache.storage import CacheSpec, CacheWriter
 
     spec = CacheSpec(num_sequences=2, hidden_layers=(1,), hidden_codec="int8", sequences_per_shard=2)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kdcache.storage
-from kdcache.stages.common.device_codecs import TorchOps, decode_batch
+from kdcache.stages.targets.hidden.device_codecs import TorchOps, decode_batch
 from kdcache.storage.core.rotation import hadamard_matrix
 from kdcache.storage.hidden_codecs import (
     FP8_MAX,
@@ -201,7 +201,7 @@ def test_the_codecs_are_written_once() -> None:
     """No codec module, and neither side, compares a codec name or names an array library."""
     import inspect
 
-    import kdcache.stages.common.device_codecs as device_side
+    import kdcache.stages.targets.hidden.device_codecs as device_side
     import kdcache.storage.hidden_codecs.coding as coding
     import kdcache.storage.hidden_codecs.quantised as quantised
 

@@ -23,7 +23,7 @@ from kdcache.storage import Registry
 if TYPE_CHECKING:
     import torch
 
-HIDDEN = "kdcache.stages.train.losses.hidden"  # the torch half of the built-in losses
+HIDDEN = "kdcache.stages.targets.hidden.loss_terms"  # the torch half of the built-in losses (but wgan's)
 
 
 @dataclass(frozen=True)
@@ -95,4 +95,4 @@ register_hidden_loss(HiddenLoss("mse", f"{HIDDEN}:masked_mse", empty_safe=True))
 register_hidden_loss(HiddenLoss("cosine", f"{HIDDEN}:cosine_loss", empty_safe=True))
 register_hidden_loss(HiddenLoss("cka", f"{HIDDEN}:cka_loss", projector=False))
 register_hidden_loss(HiddenLoss("cka_sqrt", f"{HIDDEN}:cka_sqrt_loss", projector=False))
-register_hidden_loss(HiddenLoss("wgan", "kdcache.stages.train.losses.wgan:wgan_student_loss", adversarial=True))
+register_hidden_loss(HiddenLoss("wgan", "kdcache.stages.targets.hidden.wgan:wgan_student_loss", adversarial=True))

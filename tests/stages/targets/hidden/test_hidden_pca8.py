@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.common.device_codecs import Projection, decode_batch, encode
+from kdcache.stages.targets.hidden.device_codecs import Projection, decode_batch, encode
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.loop import run_training
@@ -19,8 +19,8 @@ from kdcache.storage import CacheReader
 from kdcache.storage.hidden_codecs import decode, hidden_codec_of
 from kdcache.storage.verify import verify_cache
 from tests.helpers.tiny_models import make_tiny_gpt2
-from tests.stages.test_hidden_codecs import _host, _teacher_hidden
-from tests.stages.test_hidden_projection import _plain_bases
+from tests.stages.targets.hidden.test_hidden_codecs import _host, _teacher_hidden
+from tests.stages.targets.hidden.test_hidden_projection import _plain_bases
 from tests.stages.train._train_support import make_student_config, precompute_cache
 
 PCA8 = ("--features", "hidden,logits", "--logits", "head", "--layers", "0,1,2", "--hidden-codec", "pca8",

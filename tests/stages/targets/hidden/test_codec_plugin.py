@@ -55,7 +55,7 @@ def test_a_codec_defined_in_a_test_module_runs_end_to_end(int6: type[Int6], tmp_
     from kdcache.stages.train.core.options import TrainOptions
     from kdcache.stages.train.evaluation.evaluate import evaluate_run
     from kdcache.stages.train.loop import run_training
-    from tests.stages.test_hidden_codecs import _teacher_hidden
+    from tests.stages.targets.hidden.test_hidden_codecs import _teacher_hidden
     from tests.storage._cache_data import run_cli
 
     teacher = make_tiny_gpt2(tmp_path / "teacher", layers=2, hidden=32, heads=4)
