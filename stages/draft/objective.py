@@ -18,9 +18,9 @@ from torch import nn
 from kdcache.stages.draft.vocab import DraftInputError, DraftVocab, restrict_logits, restrict_topk
 
 if TYPE_CHECKING:
-    from kdcache.stages.common.teacher_head import TeacherHead
     from kdcache.stages.draft.model import Eagle3Draft
     from kdcache.stages.targets.logits import LogitKind
+    from kdcache.stages.targets.logits.teacher_head import TeacherHead
     from kdcache.storage import CacheSpec
 
 STEP_DECAY = 0.8

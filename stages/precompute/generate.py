@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kdcache.stages.common.architectures import is_encoder_decoder
-from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.cache_spec import MAX_SHARD_SEQUENCES, SHARD_TOKENS, build_spec
 from kdcache.stages.precompute.capture import ShardItems, with_score_rules
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
@@ -59,6 +58,7 @@ from kdcache.stages.precompute.runner import build_fingerprints, run_precompute
 from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config, save_tokenizer
 from kdcache.stages.precompute.teacher_checks import with_default_features, with_output_vocab
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.logits.teacher_head import export_head
 from kdcache.storage import (
     CacheLockedError,
     CacheMismatchError,

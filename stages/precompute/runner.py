@@ -31,7 +31,6 @@ from kdcache.stages.common.draft_inputs import (
     token_counts,
 )
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
-from kdcache.stages.common.teacher_head import export_head
 from kdcache.stages.precompute.adapters import TeacherAdapter, adapter_for
 from kdcache.stages.precompute.cache_spec import build_spec
 from kdcache.stages.precompute.capture import ShardItems, say_compile_cost, with_score_rules
@@ -79,6 +78,7 @@ from kdcache.stages.precompute.teacher_checks import (
 )
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import Projection
+from kdcache.stages.targets.logits.teacher_head import export_head
 from kdcache.storage import (
     CacheReader,
     KdcacheError,

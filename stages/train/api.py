@@ -33,10 +33,10 @@ import torch
 from torch import nn
 
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
-from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, register_maps_attention
 from kdcache.stages.targets.hidden.device_codecs import load_projection
+from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenizer, save_projectors, write_plan
 from kdcache.stages.train.core import (
     DEFAULT_TEMPERATURE,
@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
     from typing_extensions import Unpack  # typing's own from Python 3.11
 
-    from kdcache.stages.common.teacher_head import TeacherHead
+    from kdcache.stages.targets.logits.teacher_head import TeacherHead
 
 API_SPEAKER = "kdcache"  # how the Python API heads its notes (``kdcache train``'s are headed by the command)
 # The keyword options of ``DistillationLoss``: those of ``kdcache train``'s loss and maps groups, and the seed.

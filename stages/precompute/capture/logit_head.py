@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kdcache.stages.common.teacher_head import finish_logits
 from kdcache.stages.precompute.core import CAUSAL_SUFFIXES, Targets
+from kdcache.stages.targets.logits.teacher_head import finish_logits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

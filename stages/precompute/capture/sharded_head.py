@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdcache.stages.common.teacher_head import finish_logits
 from kdcache.stages.precompute.capture.logit_head import ChunkedHead
 from kdcache.stages.precompute.core import Targets
 from kdcache.stages.targets.logits import as_logprobs
+from kdcache.stages.targets.logits.teacher_head import finish_logits
 from kdcache.storage import TOPK_MASS
 
 if TYPE_CHECKING:

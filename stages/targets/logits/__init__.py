@@ -8,8 +8,9 @@ this package imports every torch-free module beside ``base`` (in name order) and
 the option classes and ``kdcache inspect`` load without torch. Stage two reaches a torch half's functions as a
 module of this package (``from kdcache.stages.targets.logits import topk_torch``).
 
-``vocab/`` is the vocabulary pass the torch halves' loss terms run in (stage two's one pass over the LM head); it
-lives in the family because the kinds need it and it needs nothing of stage two.
+``teacher_head`` is the ``head`` mode's copy of the teacher's LM head (stage one exports it, stage two and the
+draft load it). ``vocab/`` is the vocabulary pass the torch halves' loss terms run in (stage two's one pass over
+the LM head); it lives in the family because the kinds need it and it needs nothing of stage two.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from kdcache.stages.targets.logits.base import (
 )
 from kdcache.storage import import_members
 
-# Neither the torch halves nor ``vocab/`` (stage two's vocabulary pass, all torch) register anything.
-import_members(__name__, __path__, but=["base", *(m.name for m in pkgutil.iter_modules(__path__)
-                                                  if m.name.endswith(TORCH_HALF) or m.ispkg)])
+# Neither the torch halves, ``teacher_head`` (the ``head`` mode's copy of the teacher's LM head) nor ``vocab/``
+# (stage two's vocabulary pass) register anything, and all import torch.
+import_members(__name__, __path__, but=["base", "teacher_head", *(m.name for m in pkgutil.iter_modules(__path__)
+                                                                  if m.name.endswith(TORCH_HALF) or m.ispkg)])
 # Names the kinds' own modules define, after every kind has registered (registration order is the choices').
 from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs  # noqa: E402
 

@@ -73,7 +73,7 @@ class LossSettings(Protocol):
 
 
 class TeacherHead(Protocol):
-    """The teacher's LM head of a ``head`` cache (``stages.common.teacher_head.TeacherHead``):
+    """The teacher's LM head of a ``head`` cache (``stages.targets.logits.teacher_head.TeacherHead``):
     ``[N, d] -> [N, V]``."""
 
     @property

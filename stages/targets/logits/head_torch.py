@@ -59,7 +59,7 @@ def head_kl(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
     Args:
         student_logits: ``[B, L, V]``, or the ``HeadLogits`` behind them.
         hidden_t: ``[B, L, d]`` the teacher's last hidden layer (after its final norm).
-        head: maps ``[N_v, d]`` to ``[N_v, V]`` float32 logits (``stages.common.teacher_head.TeacherHead``).
+        head: maps ``[N_v, d]`` to ``[N_v, V]`` float32 logits (``stages.targets.logits.teacher_head.TeacherHead``).
         mask: ``[B, L]``.
         temperature: T > 0; exact at any T, since the full distribution is rebuilt.
     """

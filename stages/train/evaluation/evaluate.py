@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
+from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.core import (
     ADAPTER_CONFIG,
     CacheCheckError,
@@ -55,7 +55,7 @@ from kdcache.storage import CacheReader, KdcacheError, prefixed, read_json_objec
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.stages.common.teacher_head import TeacherHead
+    from kdcache.stages.targets.logits.teacher_head import TeacherHead
     from kdcache.stages.train.core import StudentFacts
 
 Pair = tuple[int, int]

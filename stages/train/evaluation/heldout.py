@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
+from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.targets.logits.vocab import HeadLogits
 from kdcache.stages.train.core import stream_masks
 from kdcache.stages.train.evaluation.agreement import LmStats
@@ -26,7 +26,7 @@ from kdcache.stages.train.feed import to_device
 from kdcache.storage import prefixed
 
 if TYPE_CHECKING:
-    from kdcache.stages.common.teacher_head import TeacherHead
+    from kdcache.stages.targets.logits.teacher_head import TeacherHead
     from kdcache.stages.train.core import StudentFacts
     from kdcache.storage import CacheReader
 

@@ -48,8 +48,8 @@ from kdcache.stages.train.losses import (
 from kdcache.stages.train.objective.projectors import Projectors
 
 if TYPE_CHECKING:
-    from kdcache.stages.common.teacher_head import TeacherHead
     from kdcache.stages.targets.attention.qk_attention import Captured
+    from kdcache.stages.targets.logits.teacher_head import TeacherHead
     from kdcache.stages.targets.logits.vocab import HeadLogits
 
 CE_KINDS = ("causal", "token")

@@ -49,7 +49,7 @@ from kdcache.storage import ArrayKind, prefixed
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.stages.common.teacher_head import TeacherHead
+    from kdcache.stages.targets.logits.teacher_head import TeacherHead
 
 
 FAMILIES = ("ce", "kl", "hidden", "attention")  # the weights of a stream's terms (CompoundLoss.weights)
