@@ -104,6 +104,7 @@ if TYPE_CHECKING:
     from kdcache.storage.encode import encode_shard as encode_shard
     from kdcache.storage.fingerprint import (
         ArraysHash as ArraysHash,
+        StreamHash as StreamHash,
         compare_fingerprints as compare_fingerprints,
         hash_arrays as hash_arrays,
         hash_bytes as hash_bytes,

@@ -18,7 +18,9 @@ _SECTION_WORDS = {"teacher": "teacher", "tokenizer": "tokenizer", "data": "data"
 
 def hash_bytes(data: bytes | memoryview) -> str:
     """``sha256:<hex>`` of raw bytes."""
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+    digest = StreamHash()
+    digest.update(data)
+    return digest.hexdigest()
 
 
 def hash_json(obj: object) -> str:
@@ -26,11 +28,27 @@ def hash_json(obj: object) -> str:
     return hash_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
 
 
+class StreamHash:
+    """``hash_bytes`` fed piece by piece (a model's weight files, block by block): the one place a fingerprint's
+    ``sha256:<hex>`` form is made, for storage and the stages alike."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+
+    def update(self, data: bytes | memoryview) -> None:
+        """Add ``data`` after everything so far."""
+        self._digest.update(data)
+
+    def hexdigest(self) -> str:
+        """``sha256:<hex>`` of every byte so far."""
+        return "sha256:" + self._digest.hexdigest()
+
+
 class ArraysHash:
     """``hash_arrays`` fed one array at a time, so a long sequence of arrays is hashed as it streams past."""
 
     def __init__(self) -> None:
-        self._digest = hashlib.sha256()
+        self._digest = StreamHash()
 
     def update(self, array: np.ndarray) -> None:
         # The length goes first, so ``[1, 2], [3]`` and ``[1], [2, 3]`` hash differently.
@@ -40,7 +58,7 @@ class ArraysHash:
 
     def hexdigest(self) -> str:
         """``sha256:<hex>`` of every array so far."""
-        return "sha256:" + self._digest.hexdigest()
+        return self._digest.hexdigest()
 
 
 def hash_arrays(arrays: Iterable[np.ndarray]) -> str:

@@ -1,19 +1,19 @@
 """Fingerprints of the things cached targets depend on: tokenizers and model configs.
 
 Both stages compute them the same way: stage one records them in the manifest, stage two recomputes them for
-its student and compares (``storage.compare_fingerprints``). Hashes are storage's ``sha256:<hex>`` strings, so
-every fingerprint of a manifest reads the same way (mismatch messages shorten them).
+its student and compares (``storage.compare_fingerprints``). Hashes are storage's ``sha256:<hex>`` strings, made by
+its ``StreamHash`` / ``hash_json``, so every fingerprint of a manifest reads the same way (mismatch messages shorten
+them). What is left here reads models and tokenizers, which storage never does.
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdcache.storage import hash_json
+from kdcache.storage import StreamHash, hash_json
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -62,7 +62,7 @@ def weights_fingerprint(model_dir: str | Path | None, state_dict: dict[str, Any]
     For a local folder this hashes the weight files' bytes (fast, and exact: same files, same targets). For a
     model without files (built in memory) it hashes the tensors of ``state_dict``.
     """
-    h = hashlib.sha256()
+    h = StreamHash()
     files = _weight_files(model_dir) if model_dir is not None else []
     if files:
         for path in files:
@@ -70,14 +70,14 @@ def weights_fingerprint(model_dir: str | Path | None, state_dict: dict[str, Any]
             with open(path, "rb") as fh:
                 for block in iter(lambda: fh.read(1 << 24), b""):
                     h.update(block)
-        return "sha256:" + h.hexdigest()
+        return h.hexdigest()
     if state_dict is None:
         raise ValueError(f"no weight files found in {model_dir!r} and no state_dict given")
     for name in sorted(state_dict):
         tensor = state_dict[name].detach().cpu().contiguous()
         h.update(name.encode())
         h.update(tensor.view(-1).view(dtype=torch.uint8).numpy().tobytes())
-    return "sha256:" + h.hexdigest()
+    return h.hexdigest()
 
 
 def _weight_files(model_dir: str | Path) -> list[Path]:
