@@ -58,7 +58,8 @@ from kdcache.storage.schema.spec import CacheSpec
 stop_zarr_io_at_exit()  # after zarr registered its exit handler (on import), so that ours runs before it
 
 CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one or two; bigger ones barely read faster
-CHUNK_KEYS: dict[str, Any] = {"name": "default", "configuration": {"separator": "."}}  # c.0.0 beside zarr.json: no c/0/ folders
+# c.0.0 beside zarr.json: no c/0/ folders
+CHUNK_KEYS: dict[str, Any] = {"name": "default", "configuration": {"separator": "."}}
 _DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids": ("token",),
                "offsets": ("sequence_edge",), "attention_offsets": ("sequence_edge",),
                "hidden": ("token", "feature"), "attention": ("query_key", "head"),
