@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 from bench_storage import stdlib_sentences, teacher_outputs, write_cache  # noqa: E402
 
 from kdcache.storage import CacheReader, CacheSpec, encode_shard  # noqa: E402
-from kdcache.storage.core.codecs import to_zarr_compressors  # noqa: E402
+from kdcache.storage.backends.zarr_backend import to_zarr_compressors  # noqa: E402
 
 BIG_CHUNK = 16 << 20
 V_LLAMA, D_LLAMA, TOP_K = 128_256, 4096, 64

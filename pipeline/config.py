@@ -315,7 +315,7 @@ def _validate(cls: type[T], values: dict[str, Any], where: str) -> tuple[T | Non
     On errors the object is built again without the bad keys (their defaults stand in) so that ``validate()``
     can still look at the rest; it stays None when a required field is missing or bad.
     """
-    import pydantic
+    import pydantic  # off the light path: `kdcache --help` builds the flags here without it
 
     adapter = pydantic.TypeAdapter(cls)
     try:

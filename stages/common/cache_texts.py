@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -76,10 +77,17 @@ def char_mask(text_end: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(loss_mask, dtype=np.uint8), widths)
 
 
+def _arrow() -> ModuleType:
+    """pyarrow, for the texts file alone: ``kdcache inspect`` imports this module (``has_texts``) and must not load
+    it for a zarr cache."""
+    import pyarrow  # heavy, and off inspect's path: only writing or reading the texts loads it
+
+    return pyarrow
+
+
 def encode_texts(texts: Sequence[str], ends: Sequence[np.ndarray]) -> bytes:
     """The folder's Arrow IPC file for rows ``texts`` with their ``text_end`` arrays, in cache order."""
-    import pyarrow as pa
-
+    pa = _arrow()
     offsets = np.zeros(len(ends) + 1, dtype=np.int64)
     np.cumsum([len(e) for e in ends], out=offsets[1:])
     values = np.concatenate([np.asarray(e, dtype=np.int32) for e in ends]) if ends else np.zeros(0, np.int32)
@@ -122,8 +130,7 @@ class CacheTexts:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> CacheTexts:
-        import pyarrow as pa
-
+        pa = _arrow()
         table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
         column = table.column("text_end").combine_chunks()
         offsets, values = column.offsets.to_numpy(), column.values.to_numpy()

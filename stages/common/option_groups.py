@@ -69,7 +69,7 @@ def assemble(cls: type[T], flat: dict[str, Any]) -> T:
     """``cls`` built from flat ``{option: value}`` as the flags name them (tests, benchmarks), values read by
     pydantic as the config would read them (a layer map may be text); no ``validate()``: ``pipeline.config.build``
     is the checked way in."""
-    import pydantic
+    import pydantic  # off the light path: option classes and their flags (`--help`) stay without it
 
     types = {f.name: typing.get_type_hints(owner)[f.name] for _, owner, f in leaves(cls)}
     flat, problems = fold_aliases(flat, types)  # decoder_layer_map=... as the config reads it

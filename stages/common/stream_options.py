@@ -24,7 +24,7 @@ import argparse
 import re
 import sys
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -127,9 +127,16 @@ class StreamValues:
     @classmethod
     def __get_pydantic_core_schema__(cls, source: object, handler: GetCoreSchemaHandler) -> CoreSchema:
         """Let pydantic read the value from text, a list or a mapping; a bad one becomes a config problem."""
-        from pydantic_core import core_schema
+        return read_before(cls, cls.parse)
 
-        return core_schema.no_info_before_validator_function(cls.parse, core_schema.is_instance_schema(cls))
+
+def read_before(cls: type, read: Callable[[object], object]) -> CoreSchema:
+    """pydantic's schema for an option value of class ``cls`` that the config may give as text: ``read`` turns it
+    into one (its errors become config problems), then it must be a ``cls``. For the classes' own
+    ``__get_pydantic_core_schema__`` (this one's, ``LayerMap``'s), which only pydantic calls, as it validates."""
+    from pydantic_core import core_schema  # pydantic's own: loaded by then, and never at `kdcache --help`
+
+    return core_schema.no_info_before_validator_function(read, core_schema.is_instance_schema(cls))
 
 
 class StreamLayers(StreamValues):

@@ -103,7 +103,7 @@ def _serve(url: str, spec: dict[str, Any], modules: list[str], tasks: Connection
     the user's own)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the teacher process's to handle
     try:  # storage loads inside the try, so that a worker that cannot load it answers with the error
-        from kdcache.storage import CacheSpec, ShardCommitter, open_store
+        from kdcache.storage import CacheSpec, ShardCommitter, open_store  # order: inside the try (above)
 
         for module in modules:
             importlib.import_module(module)

@@ -218,7 +218,7 @@ def _gathered(params: list[nn.Parameter], zero_stage: int) -> contextlib.Abstrac
     """Full parameters for the duration of the block: a no-op below ZeRO-3."""
     if zero_stage < 3:
         return contextlib.nullcontext()
-    import deepspeed
+    import deepspeed  # heavy, and ZeRO-3 only: CacheTrainer and eval import this module without it
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 

@@ -3,6 +3,9 @@
 The process group comes from the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``), which torchrun and the deepspeed launcher both set; without a launcher we
 make a world of one. gloo on the CPU, nccl on GPUs.
+
+DeepSpeed loads with this module: only the training loop and the draft's trainer import it, never a light path
+(``kdcache --help``, ``inspect``, ``verify``, the options).
 """
 
 from __future__ import annotations
@@ -16,19 +19,19 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import deepspeed
+import deepspeed.ops
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from torch import nn
 from torch.utils.cpp_extension import get_default_build_root
 
 from kdcache.stages.train.core import TrainOptions
 from kdcache.stages.train.optimizer_step import MAX_GRAD_NORM, train_optimizer, train_schedule
 from kdcache.storage import KdcacheError
-
-if TYPE_CHECKING:
-    from deepspeed import DeepSpeedEngine
 
 
 class EngineConfigError(KdcacheError):
@@ -47,8 +50,6 @@ class DistInfo:
 
 def init_distributed() -> DistInfo:
     """Join (or create) the process group; idempotent, so tests can train several times in one process."""
-    import deepspeed
-
     if "RANK" not in os.environ:  # no launcher: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -81,8 +82,6 @@ def _without_shm_op() -> None:
     every later run waits on forever. Training reduces through gloo and never calls the op; marked incompatible,
     DeepSpeed takes its plain path (``deepspeed.comm.torch.build_shm_op`` returns None).
     """
-    import deepspeed.ops
-
     deepspeed.ops.__compatible_ops__[SHM_OP] = False
 
 
@@ -101,8 +100,6 @@ def check_build_locks(root: Path | None = None, now: float | None = None) -> Non
     root = extensions_root() if root is None else root
     now = time.time() if now is None else now
     locks = sorted([*root.glob("*/lock"), *root.glob("*/*/lock")]) if root.is_dir() else []
-    import deepspeed.ops
-
     ops = set(deepspeed.ops.__compatible_ops__)  # the ops this accelerator's DeepSpeed may JIT-build: its own list
     for lock in (found for found in locks if found.parent.name in ops):  # another project's: not ours
         age = now - lock.stat().st_mtime
@@ -186,8 +183,6 @@ def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) 
     Returns:
         The engine. Its micro-batch size and accumulation come from the config, which may be the user's.
     """
-    import deepspeed
-
     config = build_ds_config(options, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = None

@@ -52,11 +52,12 @@ from kdcache.stages.train.feed import (
     next_position,
     to_device,
 )
-from kdcache.stages.train.interrupt import StopOnSignal, TrainingInterrupted
+from kdcache.stages.train.interrupt import TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
 from kdcache.stages.train.objective import STEP_COUNTS, DistillModel, build_criterion, term_counts, with_step_counts
 from kdcache.stages.train.progress import TrainProgress
 from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, check_resume, init_record, start_projectors
+from kdcache.stages.train.stop_on_signal import StopOnSignal
 from kdcache.storage import KdcacheError, split_stream
 
 if TYPE_CHECKING:

@@ -17,11 +17,14 @@ import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numcodecs
 import numpy as np
+import zarr
+import zarr.abc.codec
+import zarr.codecs
+import zarr.codecs.numcodecs as zn
 
 from kdcache.storage.backends.base import (
     Backend,
@@ -39,8 +42,8 @@ from kdcache.storage.backends.shard_file import (
     read_whole,
     write_whole,
 )
-from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, to_zarr_compressors
-from kdcache.storage.core.errors import ChecksumError
+from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, SHUFFLE_NAMES
+from kdcache.storage.core.errors import ChecksumError, UnknownCodecError
 from kdcache.storage.core.files import crc32c, file_size
 from kdcache.storage.core.formats import CacheFormat, zarr_problems
 from kdcache.storage.core.stores import Store
@@ -50,11 +53,13 @@ from kdcache.storage.hidden_codecs import CODED_KINDS
 from kdcache.storage.schema.manifest import ShardRecord, shard_name
 from kdcache.storage.schema.spec import CacheSpec
 
-if TYPE_CHECKING:  # zarr itself loads on first use: importing storage stays light
-    import zarr
+# zarr loads with this module, which the backend registry imports only when a cache names the zarr backend
+# (``storage.core.backend_registry``): importing storage, and reading an Arrow cache, stay without it.
+stop_zarr_io_at_exit()  # after zarr registered its exit handler (on import), so that ours runs before it
 
 CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one or two; bigger ones barely read faster
-CHUNK_KEYS = {"name": "default", "configuration": {"separator": "."}}  # c.0.0 beside zarr.json: no c/0/ folders
+# c.0.0 beside zarr.json: no c/0/ folders
+CHUNK_KEYS: dict[str, Any] = {"name": "default", "configuration": {"separator": "."}}
 _DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids": ("token",),
                "offsets": ("sequence_edge",), "attention_offsets": ("sequence_edge",),
                "hidden": ("token", "feature"), "attention": ("query_key", "head"),
@@ -63,13 +68,6 @@ _DIMENSIONS = {"input_ids": ("token",), "loss_mask": ("token",), "position_ids":
                "attention_k": ("token", "head_feature"), "attention_v": ("token", "head_feature"),
                **{f"{kind}_{part}": ("token", dim) for kind in CODED_KINDS
                   for part, dim in (("scale", "group"), ("outliers", "outlier"), ("outlier_ids", "outlier"))}}
-
-
-def _zarr() -> ModuleType:
-    import zarr
-
-    stop_zarr_io_at_exit()  # after zarr registered its exit handler, so that ours runs before it
-    return zarr
 
 
 def chunk_rows(array: np.ndarray) -> int:
@@ -93,7 +91,6 @@ def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray,
     """One array as a single zarr shard whose inner chunks carry a crc32c each: zarr writes its ``zarr.json``, and
     ``shard_file.write_whole`` its data file, returned (zarr writes that too for a layout or codec it does not
     know, or an empty array, and None is returned)."""
-    zarr = _zarr()
     rows = chunk_rows(array)
     shard_rows = -(-max(array.shape[0], 1) // rows) * rows  # a whole number of inner chunks covering the array
     compressors = [*_row_shuffle(spec, name, array), *to_zarr_compressors(spec.codec_for(name)),
@@ -104,7 +101,9 @@ def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray,
                                     shards=(shard_rows, *array.shape[1:]), chunks=(rows, *array.shape[1:]),
                                     compressors=compressors, filters=None, chunk_key_encoding=CHUNK_KEYS,
                                     dimension_names=_dimension_names(spec, name), zarr_format=3,
-                                    config={"write_empty_chunks": True})  # skips an all-equal scan of every chunk
+                                    # skips an all-equal scan of every chunk; the ignore: mypy reads zarr's TypedDict
+                                    # (ArrayConfigParams) with every key required, though zarr marks them NotRequired
+                                    config={"write_empty_chunks": True})  # type: ignore[arg-type]
         metadata = created.metadata.to_dict()
         codec = inner_codec(metadata) if array.size else None
         if codec is None:
@@ -113,13 +112,35 @@ def _create_array(store: zarr.storage.MemoryStore, name: str, array: np.ndarray,
     return write_whole(array, rows, codec, metadata.get("fill_value", 0))
 
 
+def to_zarr_compressors(config: dict[str, Any]) -> list[Any]:
+    """zarr v3 bytes-to-bytes codecs for a numcodecs config (a one-element list).
+
+    Raises:
+        UnknownCodecError: the codec is not a compressor (e.g. ``delta`` or ``bitround`` transform arrays).
+    """
+    name, params = config["id"], {k: v for k, v in config.items() if k != "id"}
+    if name == "blosc":
+        shuffle = SHUFFLE_NAMES.get(params.get("shuffle", -1))  # None lets zarr pick from the dtype
+        return [zarr.codecs.BloscCodec(cname=params["cname"], clevel=params["clevel"], shuffle=shuffle,
+                                       blocksize=params.get("blocksize", 0))]
+    if name == "zstd":
+        return [zarr.codecs.ZstdCodec(level=params.get("level", 0), checksum=bool(params.get("checksum", False)))]
+    if name == "gzip":
+        return [zarr.codecs.GzipCodec(level=params.get("level", 5))]
+    cls = next((c for c in vars(zn).values() if getattr(c, "codec_name", None) == f"numcodecs.{name}"), None)
+    if cls is None or not issubclass(cls, zarr.abc.codec.BytesBytesCodec):
+        raise UnknownCodecError(f"codec {name!r} cannot compress zarr chunks; expected a bytes-to-bytes codec "
+                                f"such as blosc, zstd, lz4, zlib, gzip, bz2 or lzma")
+    with warnings.catch_warnings():  # "numcodecs codecs are not in the zarr v3 spec": chosen knowingly
+        warnings.simplefilter("ignore")
+        return [cls(**params)]
+
+
 def _row_shuffle(spec: CacheSpec, name: str, array: np.ndarray) -> list[Any]:
     """A column-major codec's codes ``[T, d]``: numcodecs' byte shuffle with one row as its element, so that the
     compressor sees the codes direction by direction (column 0 of every row, then column 1, ...); else none."""
     if not (spec.coded(name) and spec.hidden_codec.column_major):
         return []
-    import zarr.codecs.numcodecs as zn
-
     with warnings.catch_warnings():  # "numcodecs codecs are not in the zarr v3 spec": chosen knowingly
         warnings.simplefilter("ignore")
         return [zn.Shuffle(elementsize=max(1, array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))))]
@@ -198,7 +219,7 @@ class ZarrShard(ShardHandle):
             if name not in self._arrays:
                 with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn again on open
                     warnings.simplefilter("ignore")
-                    self._arrays[name] = _zarr().open_array(str(self.store.local_path(f"{self.key}/{name}")),
+                    self._arrays[name] = zarr.open_array(str(self.store.local_path(f"{self.key}/{name}")),
                                                             mode="r")
             return self._arrays[name]
 
@@ -260,7 +281,6 @@ class ZarrBackend(Backend):
         to_zarr_compressors(config)
 
     def pack(self, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> PackedShard:
-        zarr = _zarr()
         contents: dict[str, Any] = {}
         store = zarr.storage.MemoryStore(contents)
         group = zarr.open_group(store, mode="w", zarr_format=3,

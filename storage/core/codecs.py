@@ -2,13 +2,12 @@
 
 A cache records every codec as a numcodecs configuration dict (``{"id": "blosc", "cname": "lz4", ...}``), so
 the choice is reproducible and readable. The zarr backend turns that dict into zarr v3 codecs (native Blosc,
-Zstd and Gzip where they exist, so plain zarr reads the data); the Arrow backend maps it to IPC buffer
-compression, which only knows LZ4 frame and ZSTD.
+Zstd and Gzip where they exist, so plain zarr reads the data: ``zarr_backend.to_zarr_compressors``, beside zarr
+itself); the Arrow backend maps it to IPC buffer compression, which only knows LZ4 frame and ZSTD.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Literal, TypeAlias
 
 import numcodecs
@@ -24,7 +23,7 @@ DEFAULT_TOPK_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 
                                       "blocksize": 0}
 ARROW_DEFAULT_CODEC: dict[str, Any] = {"id": "zstd", "level": 3}
 ALIASES: dict[str, dict[str, Any]] = {"blosc-lz4": DEFAULT_CODEC, "blosc-zstd": DEFAULT_TOPK_CODEC}
-_SHUFFLE_NAMES: dict[int, Literal["noshuffle", "shuffle", "bitshuffle"]] = {0: "noshuffle", 1: "shuffle",
+SHUFFLE_NAMES: dict[int, Literal["noshuffle", "shuffle", "bitshuffle"]] = {0: "noshuffle", 1: "shuffle",
                                                                            2: "bitshuffle"}
 
 
@@ -60,38 +59,10 @@ def resolve_codec(codec: str | dict[str, Any] | numcodecs.abc.Codec | None) -> d
 def describe_codec(config: dict[str, Any]) -> str:
     """A short human label, e.g. ``blosc(lz4, bitshuffle, clevel 5)``."""
     if config.get("id") == "blosc":
-        shuffle = _SHUFFLE_NAMES.get(config.get("shuffle", -1), "autoshuffle")
+        shuffle = SHUFFLE_NAMES.get(config.get("shuffle", -1), "autoshuffle")
         return f"blosc({config.get('cname')}, {shuffle}, clevel {config.get('clevel')})"
     extras = ", ".join(f"{k} {v}" for k, v in sorted(config.items()) if k != "id")
     return f"{config.get('id')}({extras})" if extras else str(config.get("id"))
-
-
-def to_zarr_compressors(config: dict[str, Any]) -> list[Any]:
-    """zarr v3 bytes-to-bytes codecs for a numcodecs config (a one-element list).
-
-    Raises:
-        UnknownCodecError: the codec is not a compressor (e.g. ``delta`` or ``bitround`` transform arrays).
-    """
-    import zarr.abc.codec
-    import zarr.codecs
-    import zarr.codecs.numcodecs as zn
-
-    name, params = config["id"], {k: v for k, v in config.items() if k != "id"}
-    if name == "blosc":
-        shuffle = _SHUFFLE_NAMES.get(params.get("shuffle", -1))  # None lets zarr pick from the dtype
-        return [zarr.codecs.BloscCodec(cname=params["cname"], clevel=params["clevel"], shuffle=shuffle,
-                                       blocksize=params.get("blocksize", 0))]
-    if name == "zstd":
-        return [zarr.codecs.ZstdCodec(level=params.get("level", 0), checksum=bool(params.get("checksum", False)))]
-    if name == "gzip":
-        return [zarr.codecs.GzipCodec(level=params.get("level", 5))]
-    cls = next((c for c in vars(zn).values() if getattr(c, "codec_name", None) == f"numcodecs.{name}"), None)
-    if cls is None or not issubclass(cls, zarr.abc.codec.BytesBytesCodec):
-        raise UnknownCodecError(f"codec {name!r} cannot compress zarr chunks; expected a bytes-to-bytes codec "
-                                f"such as blosc, zstd, lz4, zlib, gzip, bz2 or lzma")
-    with warnings.catch_warnings():  # "numcodecs codecs are not in the zarr v3 spec": chosen knowingly
-        warnings.simplefilter("ignore")
-        return [cls(**params)]
 
 
 def to_arrow_compression(config: dict[str, Any]) -> tuple[str, int | None]:

@@ -242,7 +242,7 @@ class RemoteStore(Store):
     """A cache under an fsspec URL; every operation is one or a few requests to the store."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        import fsspec
+        import fsspec  # an object store only: `kdcache inspect` of a local cache stays without it
 
         self.url = url.rstrip("/")
         try:

@@ -57,6 +57,7 @@ class ArrayOps(Protocol):
 
 
 _OPS: Registry[ArrayOps] = Registry("array library", TypeError)
+NUMPY_COMPAT = "array_api_compat.numpy"  # array_namespace(a numpy array).__name__: array-api-compat's numpy wrapper
 
 
 def register_ops(namespace: str, ops: ArrayOps) -> None:
@@ -88,7 +89,7 @@ def namespace(*arrays: Array) -> ModuleType:
 def _native(xp: ModuleType) -> ModuleType:
     # numpy >= 2.1 is an array API namespace of its own, and the compat wrapper's clip writes through boolean
     # masks (several times slower on a [32768, 2048] layer); torch needs the wrapper.
-    return np if xp.__name__ == "array_api_compat.numpy" and hasattr(np, "astype") else xp
+    return np if xp.__name__ == NUMPY_COMPAT and hasattr(np, "astype") else xp
 
 
 @functools.lru_cache(maxsize=64)
@@ -210,5 +211,7 @@ def fp8_table() -> np.ndarray:
     return _fp8_table()
 
 
-register_ops(array_namespace(np.empty(0)).__name__, NumpyOps())
+# By its name, not array_namespace(np.empty(0)): that loads array-api-compat's numpy wrapper (a third of a second,
+# numpy.f2py with it) at every `kdcache --help`; a numpy array's namespace first loads it when a codec runs.
+register_ops(NUMPY_COMPAT, NumpyOps())
 register_ops(np.__name__, NumpyOps())  # numpy as its own namespace (``namespace``)

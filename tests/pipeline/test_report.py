@@ -203,9 +203,8 @@ def test_report_names_each_metric_and_its_better_direction(tmp_path: Path) -> No
 
 
 def test_step_axis_ticks_are_whole_steps() -> None:
-    from kdcache.pipeline.report import _pyplot, _step_axis
+    from kdcache.pipeline.report_plots import _step_axis, plt
 
-    plt = _pyplot()
     fig, ax = plt.subplots()
     ax.plot([1, 2, 3], [4.0, 3.0, 2.5])  # matplotlib alone ticks this at 1.25, 1.5, ...
     _step_axis(ax)
@@ -234,7 +233,7 @@ def _boxes_of(ax: Any, renderer: Any) -> Any:
 def test_loss_legends_overlap_neither_each_other_nor_any_panel() -> None:
     """The demo's losses.png (issue 53): the legends of the hidden and attention panels ran into each other.
     Measured on the laid-out figure the way it is saved, with matplotlib's own renderer extents."""
-    from kdcache.pipeline.report import lay_out, loss_figure
+    from kdcache.pipeline.report_plots import lay_out, loss_figure
 
     fig = loss_figure(_demo_like_metrics())
     assert fig is not None

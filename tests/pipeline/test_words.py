@@ -100,7 +100,7 @@ def test_train_weights_follow_an_encoder_cache_without_logits(tiny_bert: Path, d
 
 
 def test_the_loss_plot_legends_sit_below_their_curves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdcache.pipeline import report
+    from kdcache.pipeline import report_plots as report
 
     figures = []
     monkeypatch.setattr(report, "_save", lambda fig, out, title: figures.append(fig) or out)
@@ -117,7 +117,7 @@ def test_the_loss_plot_legends_sit_below_their_curves(tmp_path: Path, monkeypatc
 
 
 def test_only_loss_panels_are_labelled_as_losses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdcache.pipeline import report
+    from kdcache.pipeline import report_plots as report
 
     figures = []
     monkeypatch.setattr(report, "_save", lambda fig, out, title: figures.append(fig) or out)

@@ -12,8 +12,8 @@ import zarr
 import zarr.codecs.numcodecs as zn
 
 from kdcache.storage.backends.shard_file import inner_codec, write_whole
-from kdcache.storage.backends.zarr_backend import CHUNK_KEYS
-from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, to_zarr_compressors
+from kdcache.storage.backends.zarr_backend import CHUNK_KEYS, to_zarr_compressors
+from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC
 
 RNG = np.random.default_rng(0)
 ARRAYS = {

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from array_api_compat import array_namespace
 
 from kdcache.storage.core.codecs import resolve_codec
 from kdcache.storage.core.dtypes import bitround_bits, check_fp16_range, float32_to_bf16_bits, to_float32
@@ -21,6 +22,7 @@ from kdcache.storage.core.errors import (
 )
 from kdcache.storage.encode import encode_shard
 from kdcache.storage.fingerprint import compare_fingerprints, hash_arrays
+from kdcache.storage.hidden_codecs.arrays import NUMPY_COMPAT, NumpyOps, ops_for
 from kdcache.storage.layout import attention_rows, pack_attention, unpack_attention
 from kdcache.storage.schema.spec import CacheSpec, topk_id_dtype
 
@@ -133,6 +135,13 @@ def test_compare_fingerprints_in_plain_words():
     assert compare_fingerprints(cache, {"data": {"split": "train"}}) == [
         "the data fingerprint is not recorded in the cache; expected {\"split\": \"train\"}"]
     assert hash_arrays([np.array([1, 2]), np.array([3])]) != hash_arrays([np.array([1]), np.array([2, 3])])
+
+
+def test_numpy_ops_are_found_under_the_namespace_of_a_numpy_array():
+    """numpy's operations are registered by the wrapper's name, which importing storage does not load
+    (``kdcache --help`` stays without it); a numpy array's namespace must be that name."""
+    xp = array_namespace(np.empty(0))
+    assert xp.__name__ == NUMPY_COMPAT and isinstance(ops_for(xp), NumpyOps)
 
 
 def test_storage_never_imports_torch():

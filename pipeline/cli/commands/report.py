@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.pipeline.config import ConfigError
+from kdcache.pipeline.report import is_run, is_sweep, report_run, report_sweep
 
 
 def register(subparsers: Subcommands) -> None:
@@ -27,8 +28,6 @@ def register(subparsers: Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the report and print where it is. Returns 0."""
-    from kdcache.pipeline.report import is_run, is_sweep, report_run, report_sweep  # not at `kdcache --help`
-
     path = Path(args.path)
     if is_sweep(path):
         html = report_sweep(path, args.out, metric=args.metric)

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _empty_device_cache() -> None:
-    import torch
+    import torch  # heavy, off `kdcache --help` (which imports every command); loaded by stage one by now
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

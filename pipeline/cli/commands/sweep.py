@@ -16,6 +16,7 @@ from typing import Any
 from kdcache import storage
 from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.pipeline.config import ConfigError, config_values
+from kdcache.pipeline.sweep import SweepSettings, conflicts, parse_grid, plan_sweep, run_sweep, train_command
 from kdcache.stages import train
 from kdcache.stages.common import ALIASES, leaves
 from kdcache.stages.train import TrainOptions
@@ -64,9 +65,6 @@ def base_values(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the whole grid, then run it. Returns 0 when every run succeeded, 1 when any failed."""
-    # loaded when the command runs, not at `kdcache --help`
-    from kdcache.pipeline.sweep import SweepSettings, conflicts, parse_grid, plan_sweep, run_sweep, train_command
-
     grid, problems = parse_grid(args.grid)
     if not grid and not problems:
         problems.append("no --grid given; name at least one option to vary, e.g. --grid layer_map=uniform,reverse")

@@ -25,6 +25,8 @@ def offline_unless_reachable(name: str, timeout: float = CONNECT_TIMEOUT, *,
         local: what to give instead, flag first (``--data a local data file``): the sentence's next step.
         kind: what ``name`` names on the hub ("model", "dataset").
     """
+    # order: huggingface_hub reads HF_HUB_OFFLINE and its endpoint from the environment on first import; here it
+    # reads the run's, as the teacher is about to load (and the option classes' package stays without it)
     import huggingface_hub.constants as hub
 
     if Path(name).expanduser().exists() or hub.HF_HUB_OFFLINE:

@@ -25,6 +25,13 @@ from typing import Any
 
 import torch
 
+# FSDP2's module class (torch >= 2.6; pyproject allows 2.1). At the top: only stage one's run imports this module
+# (no light path), and a recent transformers loads torch.distributed.fsdp with any model anyway.
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:
+    FSDPModule = None  # type: ignore[assignment, misc]
+
 from kdcache.stages.precompute.core import PrecomputeError
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.storage import MAP_KINDS
@@ -123,9 +130,7 @@ def no_autograd(model: torch.nn.Module) -> Callable[[], AbstractContextManager[A
     """What a forward runs under: ``inference_mode``, except for a teacher that transformers wrapped in FSDP2
     (``tp:N`` with several groups: the replicas axis comes with it), whose parameters cannot be inference tensors
     ("Inference tensors do not track version counter"); ``no_grad`` does the same there."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2 cannot have wrapped it
+    if FSDPModule is None:  # a torch without FSDP2 cannot have wrapped it
         return torch.inference_mode
     wrapped = any(isinstance(m, FSDPModule) for m in model.modules())
     return torch.no_grad if wrapped else torch.inference_mode

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kdcache.stages.precompute.core import PrecomputeError
 
 if TYPE_CHECKING:
+    from jinja2 import Template
     from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -89,7 +90,7 @@ def render(row: int, messages: list[dict[str, Any]], template: str,
         PrecomputeError: the template fails on this conversation, or (without generation tags) renders its
             prefixes inconsistently.
     """
-    from jinja2 import TemplateError
+    from jinja2 import TemplateError  # transformers' optional chat dependency: only chat data renders
 
     try:
         if prompt:
@@ -106,11 +107,12 @@ def render(row: int, messages: list[dict[str, Any]], template: str,
 
 def _render(messages: list[dict[str, Any]], template: str, tokenizer: PreTrainedTokenizerBase, *,
             prompt: bool = False, tagged: bool = False) -> tuple[str, list[Span]]:
-    # Here, not at the top: recent transformers only (pyproject allows 4.45), and only chat data renders.
-    from transformers.utils.chat_template_utils import render_jinja_template
+    # Here, not at the top: recent transformers only (pyproject allows 4.45), and only chat data renders. The
+    # compiled template is private to transformers: read where it is used.
+    from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
     # transformers annotates the result as str; it is (texts, generation indices), one entry per conversation.
-    _pin_date(template)
+    _pin_date(_compile_jinja_template(template))
     special: dict[str, Any] = tokenizer.special_tokens_map  # bos_token, eos_token...: template variables
     rendered = render_jinja_template([messages], chat_template=template, add_generation_prompt=prompt,
                                      return_assistant_tokens_mask=tagged, **special)
@@ -118,13 +120,11 @@ def _render(messages: list[dict[str, Any]], template: str, tokenizer: PreTrained
     return texts[0], [(start, end) for start, end in indices[0]] if tagged else []
 
 
-def _pin_date(template: str) -> None:
+def _pin_date(compiled: Template) -> None:
     """Make the template's ``strftime_now`` print ``CHAT_DATE``. Render arguments cannot carry a function (the
-    renderer turns them into plain data), so the global is set on transformers' compiled template, which it caches
-    per template text with an environment of its own."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # private: read where it is used
-
-    _compile_jinja_template(template).environment.globals["strftime_now"] = CHAT_DATE.strftime
+    renderer turns them into plain data), so the global is set on transformers' ``compiled`` template, which it
+    caches per template text with an environment of its own."""
+    compiled.environment.globals["strftime_now"] = CHAT_DATE.strftime
 
 
 def _by_prefixes(row: int, messages: list[dict[str, Any]], template: str,

@@ -16,6 +16,9 @@ flipped byte) is rebuilt with a note, never used. ``<key>.lock`` beside it is an
 
 ``<root>`` is one folder for every cache, local or in object storage (``rows_root``): the rows are a cache of
 the data, not part of any cache, so ``--out`` holds only the cache, and a run refused there leaves it untouched.
+
+pyarrow and datasets (for ``rows_root``) load with this module: stage one imports it, and ``kdcache verify`` (for
+``row_problems``), which reads a cache's rows' tables; neither is a path kept free of them.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
 
+import datasets
 import numpy as np
+import pyarrow as pa
 from filelock import FileLock
 
 from kdcache.storage import (
@@ -109,8 +114,6 @@ class RowTable:
 
     @classmethod
     def open(cls, path: Path, built: bool = False) -> RowTable:
-        import pyarrow as pa
-
         meta = json.loads((path / "rows.json").read_text())
         table = pa.ipc.open_file(pa.memory_map(str(path / "rows.arrow"))).read_all()
         return cls(path, meta, {name: RowColumn(table.column(name).chunks) for name in table.column_names}, built)
@@ -125,8 +128,6 @@ class RowWriter:
     """
 
     def __init__(self, path: Path, names: Sequence[str]) -> None:
-        import pyarrow as pa
-
         self.path, self.names = path, tuple(names)
         self._dtypes = {n: _dtype(n) for n in self.names}
         self._schema = pa.schema([(n, pa.list_(pa.from_numpy_dtype(self._dtypes[n]))) for n in self.names])
@@ -159,8 +160,6 @@ class RowWriter:
         self.max_id = max(self.max_id, int(ids.max()))
 
     def _flush(self) -> None:
-        import pyarrow as pa
-
         if not self._pending[self.names[0]]:
             return
         arrays = []
@@ -202,8 +201,6 @@ def rows_root() -> Path:
     shared filesystem for the ranks of several nodes to build the rows once."""
     if os.environ.get(ROWS_ENV):
         return Path(os.environ[ROWS_ENV]).expanduser()
-    import datasets
-
     return Path(datasets.config.HF_DATASETS_CACHE) / "kdcache-rows"
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from kdcache.stages.common.stream_options import StreamValues
+from kdcache.stages.common.stream_options import StreamValues, read_before
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
@@ -136,12 +136,10 @@ class LayerMap:
     @classmethod
     def __get_pydantic_core_schema__(cls, source: object, handler: GetCoreSchemaHandler) -> CoreSchema:
         """Let pydantic read a map from its text (``pipeline.config``); a bad text becomes a config problem."""
-        from pydantic_core import core_schema
-
         def read(value: object) -> object:
             return cls.parse(value) if isinstance(value, str) else value
 
-        return core_schema.no_info_before_validator_function(read, core_schema.is_instance_schema(cls))
+        return read_before(cls, read)
 
 
 class StreamMaps(StreamValues):
