@@ -31,7 +31,7 @@ from kdcache.pipeline.run_state import (
     metric_header,
     term_label,
 )
-from kdcache.stages.train import alignment_panels
+from kdcache.stages.train.evaluation.eval_records import alignment_panels
 from kdcache.storage import read_json_object
 
 if TYPE_CHECKING:

@@ -24,9 +24,9 @@ from kdcache.stages.draft.export import LAYOUTS, export_draft
 from kdcache.stages.draft.model import DraftShape, Eagle3Draft, default_heads
 from kdcache.stages.draft.objective import DraftObjective, distribution_arrays
 from kdcache.stages.draft.vocab import DraftInputError, DraftVocab
-from kdcache.stages.train.core import TrainOptions
+from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.engine import build_engine, init_distributed
-from kdcache.stages.train.feed import CacheStream, to_device
+from kdcache.stages.train.feed.streaming import CacheStream, to_device
 from kdcache.storage import CacheReader, KdcacheError
 
 if TYPE_CHECKING:

@@ -29,14 +29,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import attention_sources
-from kdcache.stages.precompute.core import PrecomputeError, target_of
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.progress import target_of
 from kdcache.storage import ArrayKind, CacheWriter, format_bytes, is_url
 
 if TYPE_CHECKING:
     import numpy as np
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.rows import TokenStreams
+    from kdcache.stages.precompute.rows.data import TokenStreams
     from kdcache.storage import CacheSpec, ShardRecord
 
 SAMPLE_ROWS = 64  # rows the estimate runs the teacher on (whole shards, so per-shard overheads are counted)

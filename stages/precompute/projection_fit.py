@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kdcache.stages.common.device_codecs import Projection
-from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.storage import HiddenCodec, Store, has_projection, open_store, read_projection, write_projection
 
 if TYPE_CHECKING:

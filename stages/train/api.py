@@ -37,33 +37,15 @@ from kdcache.stages.common.device_codecs import load_projection
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenizer, save_projectors, write_plan
-from kdcache.stages.train.core import (
-    DEFAULT_TEMPERATURE,
-    MAPS_ATTENTION,
-    CacheCheckError,
-    LossOptions,
-    MapOptions,
-    StudentFacts,
-    TrainOptions,
-    TrainPlan,
-    open_cache as open_checked,
-    plan_training,
-    register_maps_attention,
-    student_facts,
-    tokenizer_fingerprint_of,
-    unused_targets,
-    vocab_problems,
-)
-from kdcache.stages.train.feed import (
-    PREFETCH_MIB,
-    Batch,
-    CacheStream,
-    DataPosition,
-    check_resumable,
-    next_position,
-    to_device,
-)
-from kdcache.stages.train.objective import (
+from kdcache.stages.train.core.attention_maps import MAPS_ATTENTION, register_maps_attention
+from kdcache.stages.train.core.checks import CacheCheckError, open_cache as open_checked, vocab_problems
+from kdcache.stages.train.core.options import DEFAULT_TEMPERATURE, LossOptions, MapOptions, TrainOptions
+from kdcache.stages.train.core.plan import TrainPlan, plan_training, unused_targets
+from kdcache.stages.train.core.student import StudentFacts, student_facts, tokenizer_fingerprint_of
+from kdcache.stages.train.feed.ahead import PREFETCH_MIB
+from kdcache.stages.train.feed.device_feed import Batch
+from kdcache.stages.train.feed.streaming import CacheStream, DataPosition, check_resumable, next_position, to_device
+from kdcache.stages.train.objective.distill import (
     DistillLoss,
     StudentRunner,
     build_criterion,

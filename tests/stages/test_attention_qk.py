@@ -16,9 +16,9 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.common.qk_attention import QKRecorder, ScoreRule, allowed_keys, block_log_probs
-from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.feed.streaming import collate, to_device

@@ -15,8 +15,8 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.common.teacher_head import load_teacher_head
-from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.losses import head_kl, kd_kl
 from kdcache.storage import CacheReader

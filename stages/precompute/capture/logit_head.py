@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kdcache.stages.common.teacher_head import finish_logits
-from kdcache.stages.precompute.core import CAUSAL_SUFFIXES, Targets
+from kdcache.stages.precompute.core.targets import CAUSAL_SUFFIXES, Targets
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -23,7 +23,7 @@ import torch
 from kdcache.stages.common.logit_kinds import as_logprobs
 from kdcache.stages.common.teacher_head import finish_logits
 from kdcache.stages.precompute.capture.logit_head import ChunkedHead
-from kdcache.stages.precompute.core import Targets
+from kdcache.stages.precompute.core.targets import Targets
 from kdcache.storage import TOPK_MASS
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kdcache.stages.common import logit_kinds
-from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.storage import MAP_KINDS
 
 _LAYOUT = re.compile(r"^(none|tp:[1-9]\d*|layers:[1-9]\d*)$")

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.train.core import HIDDEN_LOSSES, LayerMapError, hidden_loss
+from kdcache.stages.train.core.hidden_losses import HIDDEN_LOSSES, hidden_loss
+from kdcache.stages.train.core.layer_maps import LayerMapError
 from kdcache.stages.train.losses.attention import attention_kl, group_teacher_heads
 from kdcache.stages.train.losses.attention_qk import cached_qk_loss
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl

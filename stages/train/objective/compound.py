@@ -28,15 +28,9 @@ from torch import nn
 
 from kdcache.stages.common import logit_kinds
 from kdcache.stages.common.logit_kinds import KlSetup, LogitKind
-from kdcache.stages.train.core import (
-    HIDDEN_LOSSES,
-    HiddenLoss,
-    Pair,
-    TokenMasks,
-    pair_key,
-    token_masks,
-    unknown_hidden_loss,
-)
+from kdcache.stages.train.core.hidden_losses import HIDDEN_LOSSES, HiddenLoss, unknown_hidden_loss
+from kdcache.stages.train.core.layer_maps import Pair, pair_key
+from kdcache.stages.train.core.masks import TokenMasks, token_masks
 from kdcache.stages.train.losses import (
     TOPK_VARIANTS,
     CriticTrainer,

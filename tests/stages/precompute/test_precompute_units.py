@@ -13,8 +13,8 @@ import torch
 
 from kdcache.stages.common import attention_sources
 from kdcache.stages.precompute.background import BackgroundWriter
-from kdcache.stages.precompute.core import PrecomputePlan
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
+from kdcache.stages.precompute.core.plan import PrecomputePlan
 from kdcache.stages.precompute.rows.batching import Partition, collate, plan_batches
 from kdcache.storage.core.errors import Fp16OverflowError
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.train.core import HIDDEN_LOSSES, HiddenLoss, LossOptions, hidden_loss, register_hidden_loss
+from kdcache.stages.train.core.hidden_losses import HIDDEN_LOSSES, HiddenLoss, hidden_loss, register_hidden_loss
+from kdcache.stages.train.core.options import LossOptions
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.stages.train.losses import LossError, get_loss
 from tests.stages.train._train_support import make_student_config, precompute_cache

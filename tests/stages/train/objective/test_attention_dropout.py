@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kdcache.stages.common.qk_attention import QKRecorder
-from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.train.core.attention_maps import MAPS_ATTENTION
 from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.core.student import load_student

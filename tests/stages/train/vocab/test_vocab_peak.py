@@ -22,8 +22,9 @@ from kdcache.stages.common.logit_kinds.head_torch import head_kl_term
 from kdcache.stages.common.logit_kinds.sampled_torch import sampled_kl_term
 from kdcache.stages.common.logit_kinds.topk_torch import topk_kl_term
 from kdcache.stages.train.core.masks import token_masks
-from kdcache.stages.train.feed import Batch, CacheStream, DeviceFeed, to_device
 from kdcache.stages.train.feed.ahead import batch_bytes
+from kdcache.stages.train.feed.device_feed import Batch, DeviceFeed
+from kdcache.stages.train.feed.streaming import CacheStream, to_device
 from kdcache.stages.train.losses.logits import causal_ce_term
 from kdcache.stages.train.vocab import loss_rows, vocab_pass
 from kdcache.stages.train.vocab.head_logits import HeadLogits
