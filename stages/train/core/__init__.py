@@ -1,8 +1,8 @@
-"""Stage two's ground floor: what every part of it reads and nothing of it below: the options (``options``), the
-layer maps (``layer_maps``), the hidden-state losses as objects (``hidden_losses``), the student and its facts
-(``student``, ``student_head``, ``attention_maps``: the attention implementation that returns its maps), which tokens
-each term counts (``masks``), and the plan they resolve to against the cache (``plan``, with its checks: ``checks``,
-``cross_checks``), which raises ``CacheCheckError``.
+"""Stage two's ground floor: what every part of it reads and nothing of it below: the options (``options``), the layer
+maps (``layer_maps``), the hidden-state losses as objects (``hidden_losses``), the student and its facts
+(``student``, ``student_head``, ``attention_maps``: the attention implementation that returns its maps), which
+tokens each term counts (``masks``), and the plan they resolve to against the cache (``plan``, with its checks:
+``checks``, ``cross_checks``), which raises ``CacheCheckError``.
 
 No front door: import each name from the module that defines it.
 """
