@@ -83,8 +83,8 @@ def check_baseline(out: Path, student: str) -> None:
     held = storage.read_json_object(out) if out.is_file() else None
     if held and held.get("role") == "baseline" and held.get("student") not in (None, student):
         raise stages.EvaluationError(f"{out} already holds this run's baseline on that cache, from the student "
-                                    f"{held['student']!r}; to score {student!r} as the baseline instead, delete "
-                                    f"that file first")
+                                     f"{held['student']!r}; to score {student!r} as the baseline instead, delete "
+                                     f"that file first")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             result["notes"].append("--teacher-layer is not used across tokenizers (spans compare the map's pairs)")
     else:
         result = stages.evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
-                                    teacher_layer=args.teacher_layer, device=args.device, student=args.student)
+                                     teacher_layer=args.teacher_layer, device=args.device, student=args.student)
     result["notes"] = teacher_notes(reader, run_dir) + training_data_notes(reader, run_dir, args.cache) + \
         result.get("notes", [])
     result.update(role=role, student=student,

@@ -91,7 +91,7 @@ def run_init_student(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.teacher):
         raise ConfigError([f"--teacher {args.teacher!r} is not a model folder"])
     out = stages.init_student_from_teacher(args.teacher, layers or [], args.out, encoder_layers=encoder,
-                                          decoder_layers=decoder)
+                                           decoder_layers=decoder)
     print(f"student with teacher blocks {layers} written to {out}")
     return 0
 
