@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from kdcache import stages
+from kdcache.stages.common.option_groups import leaves
+from kdcache.stages.common.stream_options import ALIASES
+from kdcache.stages.train.core.options import DEFAULT_TEMPERATURE, TrainOptions
 from kdcache.storage import read_json_object
 
 META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "data_wait_share")
@@ -182,11 +185,11 @@ def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
     # options.json holds maps as their text, so the defaults are compared as text too.
     plain = (bool, int, float, str, tuple, type(None))
     defaults = {f.name: f.default if isinstance(f.default, plain) else str(f.default)
-                for _, _, f in stages.leaves(stages.TrainOptions) if f.default is not dataclasses.MISSING}
+                for _, _, f in leaves(TrainOptions) if f.default is not dataclasses.MISSING}
     # runs before per-stream maps wrote each stack's map, "" if not given
-    defaults.update(dict.fromkeys(stages.ALIASES, ""))
+    defaults.update(dict.fromkeys(ALIASES, ""))
     # options.json holds the temperature the run used: an ungiven one is resolved (2, or a sampled cache's own).
-    defaults["temperature"] = stages.DEFAULT_TEMPERATURE
+    defaults["temperature"] = DEFAULT_TEMPERATURE
     kept = {k: v for k, v in options.items()
             if k in ("cache", "student", "out") or k not in defaults or _differs(v, defaults[k])}
     return kept, len(options) - len(kept)

@@ -13,8 +13,6 @@ from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
     from kdcache.stages.common.cache_texts import has_texts as has_texts
-    from kdcache.stages.common.option_groups import leaves as leaves
-    from kdcache.stages.common.stream_options import ALIASES as ALIASES
     from kdcache.stages.draft.evaluation import (
         EvalOptions as EvalOptions,
         evaluate_drafts as evaluate_drafts,
@@ -22,23 +20,17 @@ if TYPE_CHECKING:
     )
     from kdcache.stages.draft.training import DraftOptions as DraftOptions, run_draft as run_draft
     from kdcache.stages.draft.vocab import DraftInputError as DraftInputError
-    from kdcache.stages.precompute.core.options import PrecomputeOptions as PrecomputeOptions
     from kdcache.stages.precompute.core.progress import format_summary as format_summary, reused_cache as reused_cache
     from kdcache.stages.precompute.estimate import format_estimate as format_estimate
     from kdcache.stages.precompute.generate import (
         format_generate_estimate as format_generate_estimate,
         run_generate as run_generate,
     )
-    from kdcache.stages.precompute.generation.options import GenerateOptions as GenerateOptions
     from kdcache.stages.precompute.rows.row_store import row_problems as row_problems
     from kdcache.stages.precompute.runner import merge_cache as merge_cache, run_precompute as run_precompute
     from kdcache.stages.train.checkpoint import has_checkpoint as has_checkpoint
     from kdcache.stages.train.core.checks import open_cache as open_cache
     from kdcache.stages.train.core.cross_checks import text_problems as text_problems
-    from kdcache.stages.train.core.options import (
-        DEFAULT_TEMPERATURE as DEFAULT_TEMPERATURE,
-        TrainOptions as TrainOptions,
-    )
     from kdcache.stages.train.evaluation.eval_records import (
         alignment_panels as alignment_panels,
         cache_identity as cache_identity,
