@@ -54,8 +54,8 @@ def write_data(path: Path, rows: int, chat: bool, seed: int = 0) -> Path:
 
 def child(args: argparse.Namespace) -> None:
     """One measurement in this process; prints a JSON line."""
-    from kdcache.stages.precompute import PrecomputeOptions
-    from kdcache.stages.precompute.core import PrecomputePlan
+    from kdcache.stages.precompute.core.options import PrecomputeOptions
+    from kdcache.stages.precompute.core.plan import PrecomputePlan
     from kdcache.stages.precompute.rows.data import load_texts, tokenize
     from kdcache.stages.precompute.rows.row_build import text_streams
     from kdcache.stages.precompute.teacher import load_tokenizer

@@ -35,9 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kdcache.stages.precompute import GenerateOptions  # noqa: E402
-from kdcache.stages.precompute.core import PrecomputePlan, Teacher, resolve_targets  # noqa: E402
-from kdcache.stages.precompute.generation import DecodeLoop  # noqa: E402
+from kdcache.stages.precompute.core.plan import PrecomputePlan  # noqa: E402
+from kdcache.stages.precompute.core.targets import resolve_targets  # noqa: E402
+from kdcache.stages.precompute.core.teacher_id import Teacher  # noqa: E402
+from kdcache.stages.precompute.generation.decode import DecodeLoop  # noqa: E402
+from kdcache.stages.precompute.generation.options import GenerateOptions  # noqa: E402
 
 
 def _teacher(folder: Path, shape: Shape) -> Path:

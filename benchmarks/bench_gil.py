@@ -223,7 +223,8 @@ class LaunchLayers(StubLayers):
 
 def stage_one(root: Path, rows: int, launch_seconds: float, writers: int, cores: set[int]) -> dict[str, Any]:
     """``kdcache precompute`` with the launcher as its teacher's forward; its slowdown, and the run's."""
-    from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+    from kdcache.stages.precompute.core.options import PrecomputeOptions
+    from kdcache.stages.precompute.runner import run_precompute
 
     width, tokens = SHAPE["width"], SHAPE["tokens"]
     teacher, data = make_teacher(root, width, positions=tokens), write_data(root, rows)

@@ -173,7 +173,8 @@ def stage_one_configs(small: bool) -> dict[str, dict[str, Any]]:
 def stage_one_rows(teacher: Path, data: Path, work: Path, rows: int, length: int,
                    device: torch.device) -> list[dict[str, Any]]:
     """One precompute per configuration (its own cache folder, removed after), compute-phase tokens/s."""
-    from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+    from kdcache.stages.precompute.core.options import PrecomputeOptions
+    from kdcache.stages.precompute.runner import run_precompute
 
     out = []
     for name, extra in stage_one_configs(length < 2048).items():
@@ -222,7 +223,8 @@ def with_ratios(rows: list[dict[str, Any]], reference: float, disk_mb_s: float,
 
 def cache_for_stage_two(teacher: Path, data: Path, work: Path, rows: int, length: int, device: torch.device) -> Path:
     """The cache stage two reads: top-128 log-probs and 4 hidden layers."""
-    from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+    from kdcache.stages.precompute.core.options import PrecomputeOptions
+    from kdcache.stages.precompute.runner import run_precompute
 
     cache = work / "cache-s2"
     extra = stage_one_configs(length < 2048)["+4 hidden fp16"]

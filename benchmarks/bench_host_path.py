@@ -37,11 +37,9 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests.helpers (appe
 
 import torch  # noqa: E402
 
-from kdcache.stages.precompute import (  # noqa: E402
-    PrecomputeOptions,
-    run_precompute,
-    runner,  # noqa: E402
-)
+from kdcache.stages.precompute import runner  # noqa: E402
+from kdcache.stages.precompute.core.options import PrecomputeOptions  # noqa: E402
+from kdcache.stages.precompute.runner import run_precompute  # noqa: E402
 
 LAYERS = 4
 ROW = 2048

@@ -29,11 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kdcache.stages.precompute import PrecomputeOptions, run_precompute  # noqa: E402
-from kdcache.stages.precompute.core import PrecomputePlan  # noqa: E402
+from kdcache.stages.precompute.core.options import PrecomputeOptions  # noqa: E402
+from kdcache.stages.precompute.core.plan import PrecomputePlan  # noqa: E402
 from kdcache.stages.precompute.core.targets import resolve_targets  # noqa: E402
 from kdcache.stages.precompute.rows.batching import collate, plan_batches  # noqa: E402
 from kdcache.stages.precompute.rows.data import load_texts, tokenize  # noqa: E402
+from kdcache.stages.precompute.runner import run_precompute  # noqa: E402
 from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config  # noqa: E402
 
 STDLIB_MODULES = ("os", "json", "re", "collections", "itertools", "functools", "pathlib", "string", "textwrap",

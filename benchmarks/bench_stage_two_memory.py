@@ -91,7 +91,8 @@ def _cache(teacher: Path, data: Path, out: Path, mode: str) -> Path:
     """``ROWS`` rows of ``LENGTH`` tokens with logits of ``mode`` (``head`` also keeps the last layer)."""
     if (out / "manifest.json").is_file():
         return out
-    from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+    from kdcache.stages.precompute.core.options import PrecomputeOptions
+    from kdcache.stages.precompute.runner import run_precompute
 
     run_precompute(PrecomputeOptions.of(teacher=str(teacher), data=str(data), out=str(out), packing="concat",
                                         max_length=LENGTH, max_sequences=ROWS, batch_size=ROWS, logits_mode=mode,

@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from kdcache.stages.train.objective import DistillLoss, StepCounts, term_counts
 from kdcache.stages.train.objective.compound import CompoundLoss
+from kdcache.stages.train.objective.distill import DistillLoss
+from kdcache.stages.train.objective.step_norm import StepCounts, term_counts
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:

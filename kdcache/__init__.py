@@ -23,18 +23,19 @@ from typing import TYPE_CHECKING
 from kdcache.lazy_exports import attach
 
 if TYPE_CHECKING:
-    from kdcache.stages.train import (
+    from kdcache.stages.train.api import (
         ApiError as ApiError,
+        Cache as Cache,
         CacheDataset as CacheDataset,
-        CacheTrainer as CacheTrainer,
-        DataPosition as DataPosition,
         DistillationLoss as DistillationLoss,
-        EvaluationError as EvaluationError,
-        TrainStep as TrainStep,
+        open_cache as open_cache,
     )
-    from kdcache.stages.train.api import Cache as Cache, open_cache as open_cache
-    from kdcache.stages.train.core import CacheCheckError as CacheCheckError
+    from kdcache.stages.train.core.checks import CacheCheckError as CacheCheckError
+    from kdcache.stages.train.evaluation.evaluate import EvaluationError as EvaluationError
+    from kdcache.stages.train.feed.streaming import DataPosition as DataPosition
     from kdcache.stages.train.hf_args import DistillationArguments as DistillationArguments
+    from kdcache.stages.train.hf_trainer import CacheTrainer as CacheTrainer
+    from kdcache.stages.train.optimizer_step import TrainStep as TrainStep
     from kdcache.storage import (
         CacheReader as CacheReader,
         ChecksumError as ChecksumError,

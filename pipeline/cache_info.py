@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kdcache import storage
-from kdcache.stages import common
+from kdcache import stages, storage
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheSpec
@@ -72,5 +71,5 @@ def describe(path: str) -> dict[str, Any]:
         "stored_bytes": stored, "decoded_bytes": decoded,
         "bytes_per_token": round(stored / tokens, 2) if tokens else None,
         "compression_ratio": _ratio(decoded, stored), "arrays": arrays, "fingerprints": reader.fingerprints,
-        "created_at": manifest.created_at, "updated_at": manifest.updated_at, "texts": common.has_texts(reader.store),
+        "created_at": manifest.created_at, "updated_at": manifest.updated_at, "texts": stages.has_texts(reader.store),
     }

@@ -28,8 +28,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
-from kdcache.stages import precompute, train
-from kdcache.stages.common import ALIASES, alias_flags, flatten, fold_aliases, groups, leaves, nest, required
+from kdcache.stages.common.option_groups import flatten, groups, leaves, nest, required
+from kdcache.stages.common.stream_options import ALIASES, alias_flags, fold_aliases
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.generation.options import GenerateOptions
+from kdcache.stages.train.core.options import TrainOptions
 from kdcache.storage import KdcacheError
 
 if TYPE_CHECKING:
@@ -215,8 +218,8 @@ def _names(cls: type) -> set[str]:
 
 def _section_classes() -> dict[str, type]:
     """Each section's options class (imported here: the stages never import this module)."""
-    return {"precompute": precompute.PrecomputeOptions, "generate": precompute.GenerateOptions,
-            "train": train.TrainOptions}
+    return {"precompute": PrecomputeOptions, "generate": GenerateOptions,
+            "train": TrainOptions}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

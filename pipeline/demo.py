@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdcache import storage
+from kdcache import stages, storage
 from kdcache.pipeline.children import child_env
 from kdcache.pipeline.demo_reuse import (
     StepLog,
@@ -43,7 +43,6 @@ from kdcache.pipeline.demo_reuse import (
     set_aside,
 )
 from kdcache.pipeline.demo_text import jsonl_text, stdlib_sentences, write_jsonl
-from kdcache.stages import precompute, train as stage_two
 from kdcache.storage import DEFAULT_BACKEND, KdcacheError, backend_names
 
 STUDENT_BLOCKS = [2, 4, 6]  # the teacher blocks the student copies, and the layers the training cache holds
@@ -166,7 +165,7 @@ def _write_data(sentences: list[str], path: Path, cache: Path) -> Path:
 
 def agreement(run_dir: Path, role: str) -> dict[str, float]:
     """Cosine and Spearman of a ``kdcache eval`` record (the held-out cache's targets; no teacher)."""
-    record = stage_two.find_eval(run_dir, role) or {}
+    record = stages.find_eval(run_dir, role) or {}
     return {key: record[key] for key in ("cosine", "spearman", "sentences") if key in record}
 
 
@@ -254,7 +253,7 @@ def _precompute(demo: _Demo, name: str, args: list[str]) -> tuple[float, int, bo
     from its summary as ``kdcache run`` reads it; a reused cache's figures are those of the run that made it."""
     summary = demo.logs / f"{name}.json"
     seconds, rss = run_step(name, ["precompute", *args, "--json"], demo.logs, summary)
-    reused = precompute.reused_cache(json_summary(summary))
+    reused = stages.reused_cache(json_summary(summary))
     return (*demo.keep(name, args, seconds, rss, reused), reused)
 
 
@@ -307,7 +306,7 @@ def _facts(cache: Path, run_dir: Path, teacher: Path) -> dict[str, Any]:
     """Cache size, the loss curve and the teacher's size, read from what the steps left on disk."""
     manifest = storage.CacheReader(cache).manifest
     stored = sum(s.stored_bytes for s in manifest.shards)
-    metrics = stage_two.read_jsonl(run_dir / "metrics.jsonl")
+    metrics = stages.read_jsonl(run_dir / "metrics.jsonl")
     curve = [(r["step"], r["loss"]) for r in metrics]
     # Each loss term at the first and the last logged step: the attention figure the README quotes among them.
     terms = {t: [metrics[0][t], metrics[-1][t]] for t in ("attention", "hidden")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kdcache.stages import train
+from kdcache import stages
 
 STEPS_FILE = "steps.json"
 
@@ -118,7 +118,7 @@ def cache_id(cache: Path) -> str:
         fingerprints = json.loads((Path(cache) / "manifest.json").read_text())["fingerprints"]
     except (OSError, ValueError, KeyError, TypeError):
         return ""
-    return train.cache_label(str(cache), fingerprints)
+    return stages.cache_label(str(cache), fingerprints)
 
 
 def has_eval(run_dir: Path, role: str, cache: Path) -> bool:
@@ -126,7 +126,7 @@ def has_eval(run_dir: Path, role: str, cache: Path) -> bool:
     fingerprints (the label), wherever the demo folder now lies."""
     label = cache_id(cache)
     return label != "" and any(r.get("role") == role and r.get("cache", {}).get("label") == label
-                               for r in train.read_evals(run_dir))
+                               for r in stages.read_evals(run_dir))
 
 
 def json_summary(path: Path) -> dict[str, Any]:

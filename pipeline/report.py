@@ -28,7 +28,7 @@ from kdcache.pipeline.run_state import (
     final_terms,
     load_run_state,
 )
-from kdcache.stages.train import alignment_panels
+from kdcache.stages.train.evaluation.eval_records import alignment_panels
 from kdcache.storage import read_json_object
 
 TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "sampled_kl", "hidden", "attention")

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdcache.stages import common, train
+from kdcache import stages
+from kdcache.stages.common.option_groups import leaves
+from kdcache.stages.common.stream_options import ALIASES
+from kdcache.stages.train.core.options import DEFAULT_TEMPERATURE, TrainOptions
 from kdcache.storage import read_json_object
 
 META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "data_wait_share")
@@ -89,7 +92,7 @@ def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
         (records, skipped): every line that parses as a JSON object, and how many did not (a truncated last
         line of a live run, typically).
     """
-    parsed, skipped = train.read_records(path)
+    parsed, skipped = stages.read_records(path)
     records = [r for r in parsed if isinstance(r, dict) and "step" in r]
     skipped += len(parsed) - len(records)
     return records, skipped
@@ -127,9 +130,10 @@ def load_run_state(run_dir: str | Path) -> RunState:
     """Read options, plan, metrics (tolerantly), evaluations (RUN/evals/) and whether the student was exported."""
     root = Path(run_dir)
     metrics, skipped = read_metrics(root / "metrics.jsonl")
-    evals = train.read_evals(root)
+    evals = stages.read_evals(root)
     state = RunState(root, read_json_object(root / "options.json"), read_json_object(root / "plan.json"), metrics,
-                     skipped, train.newest(evals, "trained"), (root / "student" / "config.json").is_file(), evals=evals)
+                     skipped, stages.newest(evals, "trained"), (root / "student" / "config.json").is_file(),
+                     evals=evals)
     if skipped:
         state.notes.append(f"{skipped} unreadable line(s) in metrics.jsonl skipped (a run still writing it)")
     return state
@@ -181,11 +185,11 @@ def applied_options(options: dict[str, Any]) -> tuple[dict[str, Any], int]:
     # options.json holds maps as their text, so the defaults are compared as text too.
     plain = (bool, int, float, str, tuple, type(None))
     defaults = {f.name: f.default if isinstance(f.default, plain) else str(f.default)
-                for _, _, f in common.leaves(train.TrainOptions) if f.default is not dataclasses.MISSING}
+                for _, _, f in leaves(TrainOptions) if f.default is not dataclasses.MISSING}
     # runs before per-stream maps wrote each stack's map, "" if not given
-    defaults.update(dict.fromkeys(common.ALIASES, ""))
+    defaults.update(dict.fromkeys(ALIASES, ""))
     # options.json holds the temperature the run used: an ungiven one is resolved (2, or a sampled cache's own).
-    defaults["temperature"] = train.DEFAULT_TEMPERATURE
+    defaults["temperature"] = DEFAULT_TEMPERATURE
     kept = {k: v for k, v in options.items()
             if k in ("cache", "student", "out") or k not in defaults or _differs(v, defaults[k])}
     return kept, len(options) - len(kept)

@@ -34,8 +34,10 @@ from typing import Any
 from kdcache.pipeline.children import child_env
 from kdcache.pipeline.config import ConfigError, build, flag_name, flags
 from kdcache.pipeline.report import collect_rows, write_tables
-from kdcache.stages.common import ALIASES, flatten, leaves
-from kdcache.stages.train import TrainOptions, find_eval, remove_evals
+from kdcache.stages.common.option_groups import flatten, leaves
+from kdcache.stages.common.stream_options import ALIASES
+from kdcache.stages.train.core.options import TrainOptions
+from kdcache.stages.train.evaluation.eval_records import find_eval, remove_evals
 from kdcache.storage import read_json_object
 
 # Keys a grid may not vary: the sweep owns `out`, and "one cache" is the point of a sweep.

@@ -6,9 +6,9 @@
   elsewhere, and a forgotten comparison cannot quietly send a new entry down another entry's branch.
 * ``stages`` and ``pipeline`` import storage through its front door, ``kdcache.storage``, never a submodule (its
   errors included), so that storage's file split is not public API.
-* ``pipeline`` imports a stage through its front door (``kdcache.stages.train``, ``.precompute``, ``.common``), and
-  no module imports a module of a sub-package (``train.feed``, ``precompute.rows``, ``common.logit_kinds``...)
-  that does not hold it, but through that sub-package's door.
+* Three lazy front doors at most (issue 57): ``kdcache`` (the Python API), ``kdcache.storage`` (the format) and
+  ``kdcache.stages`` (what ``pipeline``'s commands call by attribute); every other package's ``__init__`` only
+  says what it holds, and a name is imported from the module that defines it.
 * Imports inside functions and bare ``Any`` annotations do not grow (issue 52): an import inside a function defers
   an optional or heavy dependency (torch, transformers, zarr...) or keeps a light module light; ``Any`` stays where
   no narrower type is known.
@@ -82,31 +82,6 @@ def module_name(path: str) -> str:
     return "kdcache." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-FAMILIES = "kdcache.stages.targets."
-
-
-def past_a_door(importer: str, source: str) -> list[tuple[int, str]]:
-    """``(line, module)`` of each import in ``source`` (the module ``importer``) of a stages module behind a door:
-    from ``pipeline``, anything below ``kdcache.stages.X``; from anywhere, a module of a package two levels below
-    ``kdcache.stages`` (or deeper) that does not hold ``importer``. A target family (``kdcache.stages.targets.F``)
-    counts as a stage: its modules and its sub-packages' doors are the family's face."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            modules = [node.module]
-        elif isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        else:
-            continue
-        for module in (m for m in modules if m.startswith("kdcache.stages.")):
-            package = module.rsplit(".", 1)[0]
-            inside = importer == package or importer.startswith(package + ".")
-            depth = package.count(".") - 1 - package.startswith(FAMILIES)  # kdcache.stages.train -> 1
-            if not inside and (depth >= 2 or depth >= 1 and importer.startswith("kdcache.pipeline")):
-                found.append((node.lineno, module))
-    return found
-
-
 def _files(*packages: str) -> Iterator[tuple[str, str]]:
     for package in packages:
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -147,34 +122,6 @@ def test_the_import_checker_finds_planted_imports() -> None:
                                         (5, "kdcache.storage.backends.registry")]
 
 
-def test_the_door_checker_finds_planted_imports() -> None:
-    planted = ("from kdcache.stages.train import run_training\nfrom kdcache.stages.train.loop import prepare\n"
-               "from kdcache.stages.common import logit_kinds\nimport kdcache.stages.precompute.runner\n")
-    assert past_a_door("kdcache.pipeline.cli", planted) == [(2, "kdcache.stages.train.loop"),
-                                                            (4, "kdcache.stages.precompute.runner")]
-    planted = ("from kdcache.stages.train.feed import to_device\nfrom kdcache.stages.train.feed.streaming import collate\n"
-               "from kdcache.stages.common.vocab_pass import HeadPass\n"
-               "from kdcache.stages.precompute.rows.data import load\n")
-    assert past_a_door("kdcache.stages.train.loop", planted) == [(2, "kdcache.stages.train.feed.streaming"),
-                                                                 (4, "kdcache.stages.precompute.rows.data")]
-    assert past_a_door("kdcache.stages.train.feed.device_feed", planted) == [(4, "kdcache.stages.precompute.rows.data")]
-    planted = ("from kdcache.stages.targets.logits.vocab import bool_mask\n"
-               "from kdcache.stages.targets.logits.vocab.loss_rows import kl_terms\n"
-               "from kdcache.stages.targets.logits import topk_torch\n")
-    assert past_a_door("kdcache.stages.train.loop", planted) == [(2, "kdcache.stages.targets.logits.vocab.loss_rows")]
-    assert past_a_door("kdcache.pipeline.cli", planted) == [(1, "kdcache.stages.targets.logits.vocab"),
-                                                            (2, "kdcache.stages.targets.logits.vocab.loss_rows"),
-                                                            (3, "kdcache.stages.targets.logits")]
-
-
-@pytest.mark.parametrize("package", ["stages", "pipeline"])
-def test_modules_import_a_stage_and_its_parts_through_their_front_doors(package: str) -> None:
-    found = [f"{path}:{line}: imports {module}" for path, text in _files(package)
-             for line, module in past_a_door(module_name(path), text)]
-    assert not found, "import these from the package's door (add the name to its TYPE_CHECKING block):\n" + \
-        "\n".join(found)
-
-
 @pytest.mark.parametrize("package", ["stages", "pipeline"])
 def test_stages_and_pipeline_import_storage_through_its_front_door(package: str) -> None:
     found = [f"{path}:{line}: imports {module}" for path, text in _files(package)
@@ -182,9 +129,27 @@ def test_stages_and_pipeline_import_storage_through_its_front_door(package: str)
     assert not found, "import these from kdcache.storage (add the name to its TYPE_CHECKING block):\n" + "\n".join(found)
 
 
-LAZY_DOORS = ["storage", "stages/train", "stages/common", "stages/precompute", "stages/train/feed",
-              "stages/train/evaluation", "stages/train/cross", "stages/precompute/rows", "stages/precompute/parallel",
-              "stages/precompute/capture", "stages/precompute/core", "stages/train/core", "stages/train/objective"]
+LAZY_DOORS = ["storage", "stages"]  # and kdcache/__init__.py, the package's face
+
+
+def calls_attach(source: str) -> bool:
+    """Whether a module's top calls ``attach`` (``kdcache.lazy_exports``): a lazy door."""
+    return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attach"
+               for node in ast.walk(ast.parse(source)))
+
+
+def test_the_door_finder_finds_a_planted_door() -> None:
+    door = ("from kdcache.lazy_exports import attach\nif TYPE_CHECKING:\n    from m import a as a\n"
+            "else:\n    __getattr__, __dir__, __all__ = attach(__name__, __file__)\n")
+    assert calls_attach(door) and not calls_attach('"""A package: no door."""\n')
+
+
+def test_only_the_kept_packages_are_lazy_doors() -> None:
+    """At most three lazy doors (issue 57): a door that only re-exports stops go-to-definition at an ``__init__``
+    and spells each name twice."""
+    doors = sorted(path for path, text in _files("kdcache", *PACKAGES)
+                   if path.endswith("__init__.py") and calls_attach(text))
+    assert doors == sorted(["kdcache/__init__.py", *(f"{door}/__init__.py" for door in LAZY_DOORS)])
 
 
 @pytest.mark.parametrize("door", LAZY_DOORS)

@@ -29,11 +29,10 @@ from collections.abc import Iterator
 from typing import Any, NoReturn, Protocol
 
 import kdcache.pipeline.cli.commands
-from kdcache import storage
+from kdcache import stages, storage
 from kdcache.pipeline.config import add_flags
 from kdcache.pipeline.quiet import is_quiet, libraries_on_terminal, quiet
-from kdcache.stages import train
-from kdcache.stages.train import TrainingInterrupted
+from kdcache.stages.train.interrupt import TrainingInterrupted
 from kdcache.storage import KdcacheError
 
 _STORAGE_CLIENTS = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure", "google", "fsspec"}
@@ -238,7 +237,7 @@ def _interrupted_hint(args: argparse.Namespace) -> str | None:
     """How to go on after a Ctrl-C that stopped at once: for train, --resume only where a checkpoint exists (one
     before the first checkpoint has nothing to resume)."""
     if args.command == "train" and getattr(args, "out", None):
-        if not train.has_checkpoint(args.out):
+        if not stages.has_checkpoint(args.out):
             return (f"no checkpoint was written in {args.out} yet, so there is nothing to resume: rerun the same "
                     f"command (without --resume) to start again")
     return _RESUME.get(args.command)

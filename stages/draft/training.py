@@ -24,9 +24,9 @@ from kdcache.stages.draft.vocab import DraftInputError, DraftVocab
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
-from kdcache.stages.train.core import TrainOptions
+from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.engine import build_engine, init_distributed
-from kdcache.stages.train.feed import CacheStream, to_device
+from kdcache.stages.train.feed.streaming import CacheStream, to_device
 from kdcache.storage import CacheReader, KdcacheError
 
 if TYPE_CHECKING:

@@ -23,30 +23,25 @@ from typing import TYPE_CHECKING
 import torch
 
 from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
-from kdcache.stages.precompute.capture import (
+from kdcache.stages.precompute.capture.features import (
     FeatureCapture,
-    ShardItems,
     check_ranges,
-    cut_padding,
     finish,
     fp16_bounded,
     hidden_targets,
-    logit_targets,
     max_abs,
     to_numpy,
     to_storage_dtype,
 )
-from kdcache.stages.precompute.core import (
-    PrecomputeError,
-    PrecomputeOptions,
-    PrecomputePlan,
-    RowSetup,
-    Targets,
-    Teacher,
-    TeacherSetup,
-    teacher_fingerprint,
-)
-from kdcache.stages.precompute.rows import TokenStreams, pair_streams, text_streams
+from kdcache.stages.precompute.capture.logit_head import logit_targets
+from kdcache.stages.precompute.capture.transfer import ShardItems, cut_padding
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.core.plan import PrecomputePlan, RowSetup, TeacherSetup
+from kdcache.stages.precompute.core.targets import Targets
+from kdcache.stages.precompute.core.teacher_id import Teacher, teacher_fingerprint
+from kdcache.stages.precompute.rows.data import TokenStreams
+from kdcache.stages.precompute.rows.row_build import pair_streams, text_streams
 from kdcache.stages.precompute.teacher import load_for_inference, load_teacher
 from kdcache.stages.targets.hidden.device_codecs import Projection
 from kdcache.storage import ArrayKind, HiddenCodec, applies_to

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 from kdcache.storage import CROSS, CacheSpec, kind_of
 
 if TYPE_CHECKING:
-    from kdcache.stages.precompute.core import Targets, WriteSetup
-    from kdcache.stages.precompute.rows import TokenStreams
+    from kdcache.stages.precompute.core.plan import WriteSetup
+    from kdcache.stages.precompute.core.targets import Targets
+    from kdcache.stages.precompute.rows.data import TokenStreams
 
 
 def build_spec(write: WriteSetup, targets: Targets, data: TokenStreams) -> CacheSpec:

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kdcache.stages.precompute.background import BackgroundWriter, default_workers
-from kdcache.stages.precompute.core import PrecomputeError, Progress, RunStats
-from kdcache.stages.precompute.rows import Partition
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.progress import Progress, RunStats
+from kdcache.stages.precompute.rows.batching import Partition
 from kdcache.stages.precompute.writer_processes import ProcessWriter
 from kdcache.storage import CACHE_ENTRIES, CacheWriter, KdcacheError, ShardRecord, Store, open_store
 

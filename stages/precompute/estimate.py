@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.precompute.core import PrecomputeError, target_of
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.progress import target_of
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.storage import ArrayKind, CacheWriter, format_bytes, is_url
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     import numpy as np
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.rows import TokenStreams
+    from kdcache.stages.precompute.rows.data import TokenStreams
     from kdcache.storage import CacheSpec, ShardRecord
 
 SAMPLE_ROWS = 64  # rows the estimate runs the teacher on (whole shards, so per-shard overheads are counted)

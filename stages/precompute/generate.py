@@ -25,35 +25,29 @@ import numpy as np
 
 from kdcache.stages.common.architectures import is_encoder_decoder
 from kdcache.stages.precompute.cache_spec import MAX_SHARD_SEQUENCES, SHARD_TOKENS, build_spec
-from kdcache.stages.precompute.capture import ShardItems, with_score_rules
+from kdcache.stages.precompute.capture.qk_capture import with_score_rules
+from kdcache.stages.precompute.capture.transfer import ShardItems
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
-from kdcache.stages.precompute.core import (
-    PrecomputeError,
-    PrecomputeOptions,
-    PrecomputePlan,
-    Progress,
-    RunStats,
-    Targets,
-    Teacher,
-    TeacherSetup,
-    resolve_targets,
-    summarize,
-)
-from kdcache.stages.precompute.generation import (
-    DecodeLoop,
-    GenerateOptions,
-    Prompts,
-    Sampling,
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.core.plan import PrecomputePlan, TeacherSetup
+from kdcache.stages.precompute.core.progress import Progress, RunStats, summarize
+from kdcache.stages.precompute.core.targets import Targets, resolve_targets
+from kdcache.stages.precompute.core.teacher_id import Teacher
+from kdcache.stages.precompute.generation.decode import DecodeLoop
+from kdcache.stages.precompute.generation.options import GenerateOptions, Sampling
+from kdcache.stages.precompute.generation.packed import (
     discard_leftover,
-    load_prompts,
     pack_plan,
     packed_streams,
     remove_unpacked,
     unpacked_path,
     write_packed,
 )
-from kdcache.stages.precompute.parallel import DistContext
-from kdcache.stages.precompute.rows import Partition, TokenStreams, plan_batches
+from kdcache.stages.precompute.generation.prompts import Prompts, load_prompts
+from kdcache.stages.precompute.parallel.distributed import DistContext
+from kdcache.stages.precompute.rows.batching import Partition, plan_batches
+from kdcache.stages.precompute.rows.data import TokenStreams
 from kdcache.stages.precompute.runner import build_fingerprints, run_precompute
 from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config, save_tokenizer
 from kdcache.stages.precompute.teacher_checks import with_default_features, with_output_vocab

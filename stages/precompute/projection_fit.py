@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.targets.hidden.device_codecs import Projection
 from kdcache.storage import HiddenCodec, Store, has_projection, open_store, read_projection, write_projection
 

@@ -33,28 +33,20 @@ from kdcache.stages.common.draft_inputs import (
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.precompute.adapters import TeacherAdapter, adapter_for
 from kdcache.stages.precompute.cache_spec import build_spec
-from kdcache.stages.precompute.capture import ShardItems, say_compile_cost, with_score_rules
+from kdcache.stages.precompute.capture.compiled import say_compile_cost
+from kdcache.stages.precompute.capture.qk_capture import with_score_rules
+from kdcache.stages.precompute.capture.transfer import ShardItems
 from kdcache.stages.precompute.commit import check_out_folder, commit_behind, open_writer
-from kdcache.stages.precompute.core import (
-    PrecomputeError,
-    PrecomputeOptions,
-    PrecomputePlan,
-    Progress,
-    RunStats,
-    Targets,
-    Teacher,
-    TeacherSetup,
-    format_summary,
-    resolve_targets,
-    settings_fingerprint,
-    summarize,
-    teacher_files_fingerprint,
-)
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.core.plan import PrecomputePlan, TeacherSetup
+from kdcache.stages.precompute.core.progress import Progress, RunStats, format_summary, summarize
+from kdcache.stages.precompute.core.targets import Targets, resolve_targets, settings_fingerprint
+from kdcache.stages.precompute.core.teacher_id import Teacher, teacher_files_fingerprint
 from kdcache.stages.precompute.estimate import check_room, estimate, lower_bound_bytes, sample_shards
-from kdcache.stages.precompute.parallel import (
-    DistContext,
-    Grid,
-    Layout,
+from kdcache.stages.precompute.parallel.distributed import DistContext
+from kdcache.stages.precompute.parallel.layouts import Grid, Layout
+from kdcache.stages.precompute.parallel.parallel_run import (
     check_parallel,
     check_tensor_plan,
     group_todo,
@@ -62,7 +54,8 @@ from kdcache.stages.precompute.parallel import (
     memory_only,
 )
 from kdcache.stages.precompute.projection_fit import check_rank, fit_bases, fit_bounds, stored_projection
-from kdcache.stages.precompute.rows import Partition, TokenStreams
+from kdcache.stages.precompute.rows.batching import Partition
+from kdcache.stages.precompute.rows.data import TokenStreams
 from kdcache.stages.precompute.stream import compute_shard, stream_shards
 from kdcache.stages.precompute.teacher import (
     load_tokenizer,

@@ -22,9 +22,12 @@ import numpy as np
 import torch
 
 from kdcache.stages.precompute.adapters import Capture
-from kdcache.stages.precompute.capture import ShardItems
-from kdcache.stages.precompute.core import IN_FLIGHT, Progress, RunStats, Teacher
-from kdcache.stages.precompute.rows import TokenStreams, collate, plan_batches
+from kdcache.stages.precompute.capture.transfer import ShardItems
+from kdcache.stages.precompute.core.options import IN_FLIGHT
+from kdcache.stages.precompute.core.progress import Progress, RunStats
+from kdcache.stages.precompute.core.teacher_id import Teacher
+from kdcache.stages.precompute.rows.batching import collate, plan_batches
+from kdcache.stages.precompute.rows.data import TokenStreams
 from kdcache.storage import ArrayKind, Lease, kind_of, prefixed, split_stream
 
 

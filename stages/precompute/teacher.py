@@ -18,16 +18,12 @@ from transformers import AutoConfig, AutoTokenizer
 
 from kdcache.stages.common.architectures import ModelClass
 from kdcache.stages.common.fingerprints import clear_call_state
-from kdcache.stages.precompute.core import (
-    CAUSAL_SUFFIXES,
-    PrecomputeError,
-    Targets,
-    Teacher,
-    TeacherSetup,
-    offline_unless_reachable,
-    teacher_fingerprint,
-)
-from kdcache.stages.precompute.parallel import Grid, Layout, load_kwargs, settle
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.hub import offline_unless_reachable
+from kdcache.stages.precompute.core.plan import TeacherSetup
+from kdcache.stages.precompute.core.targets import CAUSAL_SUFFIXES, Targets
+from kdcache.stages.precompute.core.teacher_id import Teacher, teacher_fingerprint
+from kdcache.stages.precompute.parallel.layouts import Grid, Layout, load_kwargs, settle
 from kdcache.storage import Store, folder_is_complete, put_folder
 
 if TYPE_CHECKING:

@@ -7,14 +7,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.teacher import has_lm_head
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.core import PrecomputeOptions, Targets, Teacher, TeacherSetup
-    from kdcache.stages.precompute.rows import TokenStreams
+    from kdcache.stages.precompute.core.options import PrecomputeOptions
+    from kdcache.stages.precompute.core.plan import TeacherSetup
+    from kdcache.stages.precompute.core.targets import Targets
+    from kdcache.stages.precompute.core.teacher_id import Teacher
+    from kdcache.stages.precompute.rows.data import TokenStreams
 
 
 def check_positions(config: PretrainedConfig, data: TokenStreams) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.storage import ShardRecord, format_bytes
 
 if TYPE_CHECKING:

@@ -38,23 +38,12 @@ from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, regi
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenizer, save_projectors, write_plan
-from kdcache.stages.train.core import (
-    DEFAULT_TEMPERATURE,
-    CacheCheckError,
-    LossOptions,
-    MapOptions,
-    StudentFacts,
-    TrainOptions,
-    TrainPlan,
-    open_cache as open_checked,
-    plan_training,
-    student_facts,
-    tokenizer_fingerprint_of,
-    unused_targets,
-    vocab_problems,
-)
-from kdcache.stages.train.feed import (
-    PREFETCH_MIB,
+from kdcache.stages.train.core.checks import CacheCheckError, open_cache as open_checked, vocab_problems
+from kdcache.stages.train.core.options import DEFAULT_TEMPERATURE, LossOptions, MapOptions, TrainOptions
+from kdcache.stages.train.core.plan import TrainPlan, plan_training, unused_targets
+from kdcache.stages.train.core.student import StudentFacts, student_facts, tokenizer_fingerprint_of
+from kdcache.stages.train.feed.ahead import PREFETCH_MIB
+from kdcache.stages.train.feed.streaming import (
     Batch,
     CacheStream,
     DataPosition,
@@ -62,7 +51,7 @@ from kdcache.stages.train.feed import (
     next_position,
     to_device,
 )
-from kdcache.stages.train.objective import (
+from kdcache.stages.train.objective.distill import (
     DistillLoss,
     StudentRunner,
     build_criterion,

@@ -29,7 +29,7 @@ from deepspeed import DeepSpeedEngine
 from torch import nn
 from torch.utils.cpp_extension import get_default_build_root
 
-from kdcache.stages.train.core import TrainOptions
+from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.optimizer_step import MAX_GRAD_NORM, train_optimizer, train_schedule
 from kdcache.storage import KdcacheError
 

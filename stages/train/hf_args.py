@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from transformers import TrainingArguments
 
 from kdcache.stages.train.api import ApiError
-from kdcache.stages.train.core import LossOptions, MapOptions
+from kdcache.stages.train.core.options import LossOptions, MapOptions
 
 # The options the Python API refuses (``api.loss_options``: a student with another tokenizer trains through
 # ``kdcache train --cross-tokenizer`` only), so the arguments do not carry them.

@@ -24,15 +24,16 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_m
 
 from kdcache.stages.train.api import ApiError, CacheDataset, DistillationLoss, check_tokenizer, seed_dropout
 from kdcache.stages.train.checkpoint import PROJECTORS_FILE, read_projectors, save_projectors, write_plan
-from kdcache.stages.train.core import open_cache
-from kdcache.stages.train.evaluation import HeldOut, lm_kind
-from kdcache.stages.train.feed import PREFETCH_MIB, CacheStream, DataPosition, check_resumable
+from kdcache.stages.train.core.checks import open_cache
+from kdcache.stages.train.evaluation.heldout import HeldOut, lm_kind
+from kdcache.stages.train.feed.ahead import PREFETCH_MIB
+from kdcache.stages.train.feed.streaming import CacheStream, DataPosition, check_resumable
 from kdcache.stages.train.hf_args import DistillationArguments, options_of
-from kdcache.stages.train.objective import StepCounts, term_counts
+from kdcache.stages.train.objective.step_norm import StepCounts, term_counts
 from kdcache.storage import CacheReader
 
 if TYPE_CHECKING:
-    from kdcache.stages.train.objective import Counts
+    from kdcache.stages.train.objective.step_norm import Counts
 
 STATE_FILE = "kdcache_state.json"  # beside each checkpoint's weights: the stream position and the micro-step
 TRAINING_ARGS_FILE = "training_args.bin"  # what Trainer._save adds to every folder it writes

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from kdcache.stages.common.architectures import lm_class, stack_depths, stack_module, with_depths
-from kdcache.stages.train.core import StudentError, copy_tokenizer_files, load_config
+from kdcache.stages.train.core.student import StudentError, copy_tokenizer_files, load_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -30,31 +30,32 @@ from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.vocab import fused_vocab
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.api import fit_student, seed_dropout, teacher_head_for
-from kdcache.stages.train.core import (
+from kdcache.stages.train.core.checks import open_cache
+from kdcache.stages.train.core.options import TrainOptions
+from kdcache.stages.train.core.plan import TrainPlan
+from kdcache.stages.train.core.student import (
     StudentFacts,
-    TrainOptions,
-    TrainPlan,
     enable_gradient_checkpointing,
     has_weights,
     load_student,
-    open_cache,
     tokenizer_fingerprint_of,
 )
-from kdcache.stages.train.cross import build_cross_model, without_logit_kl
+from kdcache.stages.train.cross.cross_model import build_cross_model, without_logit_kl
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
-from kdcache.stages.train.evaluation import HeldOut, lm_kind
-from kdcache.stages.train.feed import (
+from kdcache.stages.train.evaluation.heldout import HeldOut, lm_kind
+from kdcache.stages.train.feed.device_feed import DeviceFeed
+from kdcache.stages.train.feed.streaming import (
     BatchExtension,
     CacheStream,
     DataPosition,
-    DeviceFeed,
     check_resumable,
     next_position,
     to_device,
 )
 from kdcache.stages.train.interrupt import TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
-from kdcache.stages.train.objective import STEP_COUNTS, DistillModel, build_criterion, term_counts, with_step_counts
+from kdcache.stages.train.objective.distill import DistillModel, build_criterion
+from kdcache.stages.train.objective.step_norm import STEP_COUNTS, term_counts, with_step_counts
 from kdcache.stages.train.progress import TrainProgress
 from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, check_resume, init_record, start_projectors
 from kdcache.stages.train.stop_on_signal import StopOnSignal

@@ -19,9 +19,9 @@ from typing import Any
 
 from torch import nn
 
-from kdcache.stages.common import leaves
+from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.train.checkpoint import PROJECTORS_FILE, read_projectors
-from kdcache.stages.train.core import TrainOptions
+from kdcache.stages.train.core.options import TrainOptions
 from kdcache.storage import KdcacheError, hash_json, read_json_object
 
 # Options that cannot change the result: the run's length, its logging, its checkpoints' interval, how the cache

@@ -24,8 +24,8 @@ def main(teacher: str, out: Path) -> None:
 
     from kdcache.stages.precompute.capture.logit_head import ChunkedHead
     from kdcache.stages.precompute.capture.sharded_head import ShardedTopK, chunked_head, vocab_shards
-    from kdcache.stages.precompute.core import PrecomputePlan
     from kdcache.stages.precompute.core.options import PrecomputeOptions
+    from kdcache.stages.precompute.core.plan import PrecomputePlan
     from kdcache.stages.precompute.core.targets import Targets
     from kdcache.stages.precompute.parallel.distributed import DistContext
     from kdcache.stages.precompute.teacher import load_for_inference

@@ -257,12 +257,12 @@ def test_help_marks_required_flags_and_shows_choices_in_order(capsys: pytest.Cap
 
 def test_ctrl_c_says_how_to_continue(tiny_gpt2: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
-    import kdcache.stages.precompute as stage_one
+    from kdcache import stages
 
     def interrupted(options: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(stage_one, "run_precompute", interrupted)
+    monkeypatch.setattr(stages, "run_precompute", interrupted)
     data = tmp_path / "d.txt"
     data.write_text("a sentence\n")
     assert main(["precompute", "--teacher", str(tiny_gpt2), "--data", str(data), "--out", str(tmp_path / "c")]) == 130

@@ -151,7 +151,7 @@ def test_a_sectioned_file_names_its_unknown_keys_and_stray_top_level_keys(tmp_pa
 
 
 def test_a_flat_file_with_the_other_commands_keys_says_whose_they_are(tmp_path: Path) -> None:
-    from kdcache.stages.precompute import PrecomputeOptions
+    from kdcache.stages.precompute.core.options import PrecomputeOptions
 
     cfg = tmp_path / "both.yaml"
     cfg.write_text("teacher: t\ndata: d.jsonl\nout: cache\nlayers: 2,4\nstudent: s\nmax_steps: 5\ntop_kk: 4\n")

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.precompute import run_precompute
-from kdcache.stages.precompute.core import PrecomputePlan
 from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.core.plan import PrecomputePlan
 from kdcache.stages.precompute.rows.chat import render
 from kdcache.stages.precompute.rows.data import load_texts, tokenize
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.objective.compound import CompoundLoss
 from kdcache.stages.train.objective.distill import student_inputs

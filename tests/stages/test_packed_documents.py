@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kdcache.stages.common.documents import document_attention_mask, document_index
-from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.rows.packing import make_rows
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.storage import CacheReader, to_float32
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 

@@ -6,10 +6,9 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from kdcache import storage
+from kdcache import stages, storage
 from kdcache.pipeline.cache_info import describe
 from kdcache.pipeline.cli.commands import Subcommands
-from kdcache.stages import precompute
 from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 
 if TYPE_CHECKING:
@@ -114,7 +113,7 @@ def _verify_rows(cache: str, report: VerifyReport) -> None:
         return  # verify_cache has reported the manifest
     if fingerprint:
         report.problems += [storage.VerifyProblem(None, path, f"rows: {message}") for path, message in
-                            precompute.row_problems(fingerprint)]
+                            stages.row_problems(fingerprint)]
 
 
 def run_verify(args: argparse.Namespace) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kdcache import stages  # a lazy door: torch loads when a draft command runs, not for --help
 from kdcache.pipeline.cli.commands import Subcommands, print_summary
-from kdcache.stages import draft  # a lazy door: torch loads when a draft command runs, not for --help
 
 
 def register(subparsers: Subcommands) -> None:
@@ -64,11 +64,11 @@ def register(subparsers: Subcommands) -> None:
 def run_draft(args: argparse.Namespace) -> int:
     """Check the values, train and export; prints the summary. Returns 0."""
     if (Path(args.out) / "config.json").exists():
-        raise draft.DraftInputError(f"--out: {args.out!r} already holds a draft (config.json); choose another "
-                                    f"folder or remove it")
-    options = draft.DraftOptions(args.cache, args.out, args.ttt_steps, args.draft_vocab, args.max_steps,
-                                 args.batch_size, args.lr, args.seed, args.heads, layout=args.layout)
-    print_summary(draft.run_draft(options), args.json, _train_lines)
+        raise stages.DraftInputError(f"--out: {args.out!r} already holds a draft (config.json); choose another "
+                                     f"folder or remove it")
+    options = stages.DraftOptions(args.cache, args.out, args.ttt_steps, args.draft_vocab, args.max_steps,
+                                  args.batch_size, args.lr, args.seed, args.heads, layout=args.layout)
+    print_summary(stages.run_draft(options), args.json, _train_lines)
     return 0
 
 
@@ -80,8 +80,8 @@ def _train_lines(summary: dict[str, object]) -> str:
 
 def run_draft_eval(args: argparse.Namespace) -> int:
     """Run the evaluation and print its report. Returns 0."""
-    options = draft.EvalOptions(args.target, args.prompts, args.draft, args.student, args.k, args.max_new,
-                                args.temperature, args.prompt_tokens, args.limit, args.seed, args.repeats,
-                                args.device)
-    print_summary(draft.evaluate_drafts(options), args.json, draft.format_report)
+    options = stages.EvalOptions(args.target, args.prompts, args.draft, args.student, args.k, args.max_new,
+                                 args.temperature, args.prompt_tokens, args.limit, args.seed, args.repeats,
+                                 args.device)
+    print_summary(stages.evaluate_drafts(options), args.json, stages.format_report)
     return 0

@@ -8,9 +8,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kdcache import storage
+from kdcache import stages, storage
 from kdcache.pipeline.cli.commands import Subcommands
-from kdcache.stages import train
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader
@@ -66,7 +65,7 @@ def teacher_notes(eval_cache: CacheReader, run_dir: Path) -> list[str]:
 
 def training_data_notes(eval_cache: CacheReader, run_dir: Path, cache: str) -> list[str]:
     """A note when the cache scored is the one the run trained on: its scores are not held-out scores."""
-    if not train.trained_on(run_dir, cache, eval_cache.fingerprints or {}):
+    if not stages.trained_on(run_dir, cache, eval_cache.fingerprints or {}):
         return []
     return [f"{cache} is the cache this run trained on: these scores are on its training data, not on held-out "
             "data; score a cache of other text (precompute it with the same settings) to see how the student "
@@ -83,29 +82,29 @@ def check_baseline(out: Path, student: str) -> None:
     """
     held = storage.read_json_object(out) if out.is_file() else None
     if held and held.get("role") == "baseline" and held.get("student") not in (None, student):
-        raise train.EvaluationError(f"{out} already holds this run's baseline on that cache, from the student "
-                                    f"{held['student']!r}; to score {student!r} as the baseline instead, delete "
-                                    f"that file first")
+        raise stages.EvaluationError(f"{out} already holds this run's baseline on that cache, from the student "
+                                     f"{held['student']!r}; to score {student!r} as the baseline instead, delete "
+                                     f"that file first")
 
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate, write RUN/evals/{role}@{cache label}.json, print a summary. Returns 0."""
-    reader = train.open_cache(args.cache)
+    reader = stages.open_cache(args.cache)
     run_dir = Path(args.run)
-    path = train.cache_identity(args.cache)
-    label = train.cache_label(path, reader.fingerprints or {})
+    path = stages.cache_identity(args.cache)
+    label = stages.cache_label(path, reader.fingerprints or {})
     role = "baseline" if args.student else "trained"
-    student = str(Path(args.student).resolve()) if args.student else str(train.trained_student(run_dir))
-    out = train.eval_path(run_dir, role, label)
+    student = str(Path(args.student).resolve()) if args.student else str(stages.trained_student(run_dir))
+    out = stages.eval_path(run_dir, role, label)
     check_baseline(out, student)
-    if args.cross_tokenizer or train.is_cross_run(run_dir):
-        result = train.evaluate_cross_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
+    if args.cross_tokenizer or stages.is_cross_run(run_dir):
+        result = stages.evaluate_cross_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
                                     device=args.device, student=args.student)
         if args.teacher_layer is not None:
             result["notes"].append("--teacher-layer is not used across tokenizers (spans compare the map's pairs)")
     else:
-        result = train.evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
-                                    teacher_layer=args.teacher_layer, device=args.device, student=args.student)
+        result = stages.evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
+                                     teacher_layer=args.teacher_layer, device=args.device, student=args.student)
     result["notes"] = teacher_notes(reader, run_dir) + training_data_notes(reader, run_dir, args.cache) + \
         result.get("notes", [])
     result.update(role=role, student=student,
@@ -129,7 +128,7 @@ def format_eval(result: dict[str, Any], out: Path) -> str:
                        ("cosine", "mean cosine"), ("spearman", "Spearman")):
         if isinstance(result.get(key), float):
             lines.append(f"  {label:<16} {result[key]:.4f}")
-    for stream, cka in train.alignment_panels(result).items():
+    for stream, cka in stages.alignment_panels(result).items():
         on_map = ", ".join(f"{p['student']}->{p['teacher']}: " + ("n/a" if p["cka"] is None else f"{p['cka']:.3f}")
                            for p in cka["on_map"]) or "no hidden pairs"
         lines.append(f"  CKA{' (' + stream + ')' if stream else ''} final layers {cka['final']:.4f}; "

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 
+from kdcache import stages
 from kdcache.pipeline.cli.commands import Subcommands, print_summary
 from kdcache.pipeline.config import from_args
-from kdcache.stages import precompute
-from kdcache.stages.precompute import GenerateOptions
+from kdcache.stages.precompute.generation.options import GenerateOptions
 from kdcache.storage import format_bytes
 
 
@@ -37,8 +37,8 @@ def register(subparsers: Subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build and validate the options, then generate and cache; print the summary on rank 0. Returns 0."""
     options = from_args(GenerateOptions, args, section="generate")
-    summary = precompute.run_generate(options)
-    fmt = precompute.format_generate_estimate if options.engine.estimate else precompute.format_summary
+    summary = stages.run_generate(options)
+    fmt = stages.format_generate_estimate if options.engine.estimate else stages.format_summary
     print_summary(summary, getattr(args, "json", False), fmt)
     if getattr(args, "json", False):
         return 0

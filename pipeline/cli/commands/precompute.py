@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 
+from kdcache import stages
 from kdcache.pipeline.cli.commands import Subcommands, print_summary
 from kdcache.pipeline.config import from_args
-from kdcache.stages import precompute
-from kdcache.stages.precompute import PrecomputeOptions
+from kdcache.stages.precompute.core.options import PrecomputeOptions
 
 
 def register(subparsers: Subcommands) -> None:
@@ -37,14 +37,14 @@ def register(subparsers: Subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build and validate the options, then run stage one; print the summary on rank 0. Returns 0."""
     options = from_args(PrecomputeOptions, args, section="precompute")
-    fmt = precompute.format_estimate if options.engine.estimate else precompute.format_summary
-    print_summary(precompute.run_precompute(options), getattr(args, "json", False), fmt)
+    fmt = stages.format_estimate if options.engine.estimate else stages.format_summary
+    print_summary(stages.run_precompute(options), getattr(args, "json", False), fmt)
     return 0
 
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge a cache's committed parts; exit 0 when complete, 1 when shards are still missing."""
-    result = precompute.merge_cache(args.cache)
+    result = stages.merge_cache(args.cache)
     print(f"{result['out']}: {result['status']}, {result['committed_shards']}/{result['num_shards']} shards, "
           f"{result['num_tokens']:,} tokens")
     return 0 if result["status"] == "complete" else 1

@@ -13,12 +13,13 @@ import argparse
 import gc
 from typing import Any
 
+from kdcache import stages
 from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.pipeline.cli.commands.train import format_summary as format_train
 from kdcache.pipeline.config import SECTIONS, ConfigError, build, flat_values, load_yaml
-from kdcache.stages import precompute, train as stage_two
-from kdcache.stages.precompute import GenerateOptions, PrecomputeOptions
-from kdcache.stages.train import TrainOptions
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.generation.options import GenerateOptions
+from kdcache.stages.train.core.options import TrainOptions
 
 
 def register(subparsers: Subcommands) -> None:
@@ -77,16 +78,16 @@ def run(args: argparse.Namespace) -> int:
     """Validate both sections, precompute or generate (or reuse), release the teacher, then train. Returns 0."""
     first, train = load_pipeline(args.config)
     if isinstance(first, GenerateOptions):
-        summary = precompute.run_generate(first)
+        summary = stages.run_generate(first)
     else:
-        summary = precompute.run_precompute(first)
-    if precompute.reused_cache(summary):
+        summary = stages.run_precompute(first)
+    if stages.reused_cache(summary):
         print(f"reusing the complete cache at {first.storage.out}: its fingerprints match, nothing was recomputed")
     else:
-        print(precompute.format_summary(summary))
+        print(stages.format_summary(summary))
     gc.collect()  # the teacher's last references go with stage one's frames; free them before the student
     _empty_device_cache()
-    print(format_train(stage_two.run_training(train)))
+    print(format_train(stages.run_training(train)))
     return 0
 
 

@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kdcache import storage
+from kdcache import stages, storage
 from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.pipeline.config import ConfigError, config_values
 from kdcache.pipeline.sweep import SweepSettings, conflicts, parse_grid, plan_sweep, run_sweep, train_command
-from kdcache.stages import train
-from kdcache.stages.common import ALIASES, leaves
-from kdcache.stages.train import TrainOptions
+from kdcache.stages.common.option_groups import leaves
+from kdcache.stages.common.stream_options import ALIASES
+from kdcache.stages.train.core.options import TrainOptions
 
 
 def register(subparsers: Subcommands) -> None:
@@ -102,6 +102,6 @@ def _eval_cache_problems(eval_cache: str, student: str, cross: bool) -> list[str
     """Every run's student keeps the vocabulary and tokenizer of ``student``: one that does not fit the eval cache
     is refused before the first run, with the sentences `kdcache eval` and `kdcache train` use. A
     ``--cross-tokenizer`` run is scored span by span instead: its eval cache needs recorded texts."""
-    reader = train.open_cache(eval_cache)
-    found = train.text_problems(reader, "span agreement") if cross else train.student_folder_problems(reader, student)
+    reader = stages.open_cache(eval_cache)
+    found = stages.text_problems(reader, "span agreement") if cross else stages.student_folder_problems(reader, student)
     return [f"--eval-cache {eval_cache!r}: {p}" for p in found]

@@ -14,13 +14,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kdcache import storage
+from kdcache import stages, storage
 from kdcache.pipeline.cli.commands import Subcommands, print_summary
 from kdcache.pipeline.config import ConfigError, from_args
 from kdcache.pipeline.quiet import quiet
-from kdcache.stages import train
-from kdcache.stages.common import StreamLayers, alias_flags, fold_aliases
-from kdcache.stages.train import TrainOptions
+from kdcache.stages.common.stream_options import StreamLayers, alias_flags, fold_aliases
+from kdcache.stages.train.core.options import TrainOptions
 
 
 def register(subparsers: Subcommands) -> None:
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         args.student = str(Path(args.init_from) / "student")  # --init-from RUN starts from RUN's exported student
     options = from_args(TrainOptions, args, section="train")
     with quiet(options.run.quiet):  # also when the YAML, not the flag, asks for it
-        print_summary(train.run_training(options), getattr(args, "json", False), format_summary)
+        print_summary(stages.run_training(options), getattr(args, "json", False), format_summary)
     return 0
 
 
@@ -91,8 +90,8 @@ def run_init_student(args: argparse.Namespace) -> int:
         raise ConfigError(["--layers is required (or both stacks: --layers encoder:BLOCKS decoder:BLOCKS)"])
     if not os.path.isdir(args.teacher):
         raise ConfigError([f"--teacher {args.teacher!r} is not a model folder"])
-    out = train.init_student_from_teacher(args.teacher, layers or [], args.out, encoder_layers=encoder,
-                                          decoder_layers=decoder)
+    out = stages.init_student_from_teacher(args.teacher, layers or [], args.out, encoder_layers=encoder,
+                                           decoder_layers=decoder)
     print(f"student with teacher blocks {layers} written to {out}")
     return 0
 

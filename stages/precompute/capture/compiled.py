@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from kdcache.stages.precompute.rows import plan_batches
+from kdcache.stages.precompute.rows.batching import plan_batches
 
 if TYPE_CHECKING:
     import numpy as np
     from transformers import PreTrainedModel
 
-    from kdcache.stages.precompute.rows import TokenStreams
+    from kdcache.stages.precompute.rows.data import TokenStreams
     from kdcache.storage import CacheSpec
 
 T = TypeVar("T")

@@ -40,8 +40,10 @@ from kdcache.stages.precompute.capture.logit_head import logit_targets
 from kdcache.stages.precompute.capture.qk_capture import QKCapture
 from kdcache.stages.precompute.capture.sharded_head import chunked_head
 from kdcache.stages.precompute.capture.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
-from kdcache.stages.precompute.core import PrecomputeError, Targets, Teacher
-from kdcache.stages.precompute.parallel import no_autograd
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.targets import Targets
+from kdcache.stages.precompute.core.teacher_id import Teacher
+from kdcache.stages.precompute.parallel.layouts import no_autograd
 from kdcache.stages.targets.hidden import device_codecs
 from kdcache.storage import FLOAT, HiddenCodec, applies_to, check_fp16_range, hidden_codec_of, projected
 

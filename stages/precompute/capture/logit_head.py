@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kdcache.stages.precompute.core import CAUSAL_SUFFIXES, Targets
+from kdcache.stages.precompute.core.targets import CAUSAL_SUFFIXES, Targets
 from kdcache.stages.targets.logits.teacher_head import finish_logits
 
 if TYPE_CHECKING:

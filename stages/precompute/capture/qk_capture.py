@@ -18,14 +18,15 @@ import numpy as np
 import torch
 
 from kdcache.stages.common.documents import document_index
-from kdcache.stages.precompute.core import PrecomputeError, Targets
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.targets import Targets
 from kdcache.stages.targets.attention.qk_attention import QKRecorder, QKRecorderError, check_rule
 from kdcache.storage import DEFAULT_ATTENTION_SOURCE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.stages.precompute.rows import TokenStreams
+    from kdcache.stages.precompute.rows.data import TokenStreams
 
 PROBE_TOKENS = 64  # tokens of the first row the probe forward runs on
 Result = TypeVar("Result")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.precompute.capture.logit_head import ChunkedHead
-from kdcache.stages.precompute.core import Targets
+from kdcache.stages.precompute.core.targets import Targets
 from kdcache.stages.targets.logits import as_logprobs
 from kdcache.stages.targets.logits.teacher_head import finish_logits
 from kdcache.storage import TOPK_MASS

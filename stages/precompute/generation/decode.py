@@ -21,19 +21,18 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from kdcache.stages.precompute.capture import (
-    QKCapture,
-    ShardItems,
+from kdcache.stages.precompute.capture.features import (
     check_ranges,
-    cut_padding,
     fp16_bounded,
     hidden_targets,
-    logit_targets,
     max_abs,
     to_numpy,
     to_storage_dtype,
 )
-from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.stages.precompute.capture.logit_head import logit_targets
+from kdcache.stages.precompute.capture.qk_capture import QKCapture
+from kdcache.stages.precompute.capture.transfer import ShardItems, cut_padding
+from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.generation.options import Sampling
 from kdcache.stages.precompute.generation.sampling import ResponseDraws, next_tokens, response_seed
 from kdcache.storage import FLOAT
@@ -42,7 +41,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from kdcache.stages.precompute.core import Targets, Teacher
+    from kdcache.stages.precompute.core.targets import Targets
+    from kdcache.stages.precompute.core.teacher_id import Teacher
     from kdcache.storage import HiddenCodec
 
 

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from kdcache.stages.common.engine_options import PRECOMPUTE, EngineOptions, failed
 from kdcache.stages.common.option_groups import assemble
-from kdcache.stages.precompute.core import DatasetOptions, PrecomputeOptions, StorageOptions, TargetOptions
+from kdcache.stages.precompute.core.options import DatasetOptions, PrecomputeOptions, StorageOptions, TargetOptions
 
 # the rule that turns (seed, prompt, response number, step) and the logits into a token (``generation.sampling``):
 # recorded with the settings, so a cache another rule began is refused rather than resumed with this one. Version 1

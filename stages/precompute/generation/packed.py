@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kdcache.stages.precompute.core import RunStats
-from kdcache.stages.precompute.rows import TokenStreams
+from kdcache.stages.precompute.core.progress import RunStats
+from kdcache.stages.precompute.rows.data import TokenStreams
 from kdcache.storage import CacheReader, CacheWriter, Store
 
 if TYPE_CHECKING:

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kdcache.stages.precompute.core import PrecomputeError, RowSetup
-from kdcache.stages.precompute.rows import check_conversation, load_texts, render, text_template
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.plan import RowSetup
+from kdcache.stages.precompute.rows.chat import check_conversation, render
+from kdcache.stages.precompute.rows.data import load_texts, text_template
 from kdcache.storage import hash_bytes
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ try:
 except ImportError:
     FSDPModule = None  # type: ignore[assignment, misc]
 
-from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.storage import MAP_KINDS
 

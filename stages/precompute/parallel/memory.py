@@ -27,14 +27,16 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from kdcache.stages.precompute.core import IN_FLIGHT, PrecomputeError
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.options import IN_FLIGHT
 from kdcache.stages.precompute.parallel.layouts import Layout
 from kdcache.storage import format_bytes
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.core import BatchSetup, PrecomputePlan, Targets
+    from kdcache.stages.precompute.core.plan import BatchSetup, PrecomputePlan
+    from kdcache.stages.precompute.core.targets import Targets
 
 USABLE = 0.9  # share of a device's memory a run may plan to use
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

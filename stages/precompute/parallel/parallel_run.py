@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 from transformers import CONFIG_MAPPING
 
-from kdcache.stages.precompute.core import PrecomputeError, Progress, RunStats, teacher_files_fingerprint
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.progress import Progress, RunStats
+from kdcache.stages.precompute.core.teacher_id import teacher_files_fingerprint
 from kdcache.stages.precompute.parallel.layouts import Grid, Layout, check_features
 from kdcache.stages.precompute.parallel.memory import check_layout, rank_memory
 
@@ -20,7 +22,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from transformers import PretrainedConfig
 
-    from kdcache.stages.precompute.core import PrecomputePlan, Targets
+    from kdcache.stages.precompute.core.plan import PrecomputePlan
+    from kdcache.stages.precompute.core.targets import Targets
     from kdcache.storage import CacheSpec
 
 

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from kdcache.stages.precompute.core import PrecomputeError
+from kdcache.stages.precompute.core.errors import PrecomputeError
 
 if TYPE_CHECKING:
     from jinja2 import Template

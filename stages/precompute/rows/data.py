@@ -22,13 +22,10 @@ import datasets
 import numpy as np
 
 from kdcache.stages.common.cache_texts import token_pieces
-from kdcache.stages.precompute.core import (
-    DATA_EXTENSIONS,
-    PrecomputeError,
-    RowSetup,
-    looks_like_path,
-    offline_unless_reachable,
-)
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.hub import offline_unless_reachable
+from kdcache.stages.precompute.core.options import DATA_EXTENSIONS, looks_like_path
+from kdcache.stages.precompute.core.plan import RowSetup
 from kdcache.stages.precompute.rows.chat import chat_template, check_conversation, render
 from kdcache.stages.precompute.rows.packing import Document, Rows, make_rows, span_mask
 from kdcache.storage import ArrayKind, hash_bytes, kind_of, split_stream

@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from kdcache.stages.common.cache_texts import row_text
 from kdcache.stages.common.fingerprints import clear_call_state, tokenizer_fingerprint
-from kdcache.stages.precompute.core import RowSetup
+from kdcache.stages.precompute.core.plan import RowSetup
 from kdcache.stages.precompute.rows.data import (
     PAIR_HASHES,
     TEXT_ARRAYS,

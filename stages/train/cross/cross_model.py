@@ -34,7 +34,9 @@ from transformers import AutoTokenizer
 
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
 from kdcache.stages.targets.logits.vocab import HeadLogits, term_value
-from kdcache.stages.train.core import base_forward, choose_head, resolved_temperature, token_masks
+from kdcache.stages.train.core.masks import token_masks
+from kdcache.stages.train.core.options import resolved_temperature
+from kdcache.stages.train.core.student_head import base_forward, choose_head
 from kdcache.stages.train.cross.align import Alignment, align, aligned_share, student_ends, student_mask
 from kdcache.stages.train.losses import (
     causal_ce,
@@ -49,8 +51,8 @@ from kdcache.storage import ArrayKind, read_table
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from kdcache.stages.train.core import TrainOptions
-    from kdcache.stages.train.objective import DistillLoss
+    from kdcache.stages.train.core.options import TrainOptions
+    from kdcache.stages.train.objective.distill import DistillLoss
     from kdcache.storage import CacheReader
 
 CROSS_LOSSES = ("gold", "uld")  # --cross-tokenizer's choices, names in the loss registry

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from scipy.stats import spearmanr
 
 from kdcache.stages.targets.logits import KlSetup, LogitKind, TeacherHead
-from kdcache.stages.train.core import TokenMasks
+from kdcache.stages.train.core.masks import TokenMasks
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

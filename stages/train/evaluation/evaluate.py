@@ -27,18 +27,15 @@ import torch
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
-from kdcache.stages.train.core import (
+from kdcache.stages.train.core.checks import CacheCheckError, stream_problems, vocab_problems
+from kdcache.stages.train.core.layer_maps import LayerMap, LayerMapError
+from kdcache.stages.train.core.masks import stream_masks
+from kdcache.stages.train.core.student import (
     ADAPTER_CONFIG,
-    CacheCheckError,
-    LayerMap,
-    LayerMapError,
     load_config,
     load_student,
-    stream_masks,
-    stream_problems,
     student_facts,
     tokenizer_fingerprint_of,
-    vocab_problems,
 )
 from kdcache.stages.train.evaluation.agreement import (
     CkaMatrix,
@@ -48,15 +45,15 @@ from kdcache.stages.train.evaluation.agreement import (
     mean_pool,
 )
 from kdcache.stages.train.evaluation.attention_agreement import AttentionAgreement
-from kdcache.stages.train.feed import collate, to_device
-from kdcache.stages.train.objective import check_documents_apart, student_inputs, student_view
+from kdcache.stages.train.feed.streaming import collate, to_device
+from kdcache.stages.train.objective.distill import check_documents_apart, student_inputs, student_view
 from kdcache.storage import CacheReader, KdcacheError, prefixed, read_json_object
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from kdcache.stages.targets.logits.teacher_head import TeacherHead
-    from kdcache.stages.train.core import StudentFacts
+    from kdcache.stages.train.core.student import StudentFacts
 
 Pair = tuple[int, int]
 

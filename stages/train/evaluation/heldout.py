@@ -19,15 +19,15 @@ from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.targets.logits.vocab import HeadLogits
-from kdcache.stages.train.core import stream_masks
+from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.evaluation.agreement import LmStats
 from kdcache.stages.train.evaluation.evaluate import EvaluationError, cache_batches
-from kdcache.stages.train.feed import to_device
+from kdcache.stages.train.feed.streaming import to_device
 from kdcache.storage import prefixed
 
 if TYPE_CHECKING:
     from kdcache.stages.targets.logits.teacher_head import TeacherHead
-    from kdcache.stages.train.core import StudentFacts
+    from kdcache.stages.train.core.student import StudentFacts
     from kdcache.storage import CacheReader
 
 # The settings that say what a cached target means: two caches differing in one of them hold different targets.

@@ -35,10 +35,13 @@ from transformers import AutoTokenizer
 from kdcache.stages.common.cache_texts import read_texts
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
-from kdcache.stages.train.core import CacheCheckError, Pair, pair_key, text_problems, token_masks
-from kdcache.stages.train.cross import SIDE_KEYS, SpanAligner, cache_tokenizer
+from kdcache.stages.train.core.checks import CacheCheckError
+from kdcache.stages.train.core.cross_checks import text_problems
+from kdcache.stages.train.core.layer_maps import Pair, pair_key
+from kdcache.stages.train.core.masks import token_masks
+from kdcache.stages.train.cross.cross_model import SIDE_KEYS, SpanAligner, cache_tokenizer
 from kdcache.stages.train.evaluation.evaluate import EvaluationError, default_pairs, load_run
-from kdcache.stages.train.feed import collate, to_device
+from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.losses import linear_cka, span_mean, span_rows
 from kdcache.storage import read_json_object
 
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedTokenizerBase
 
-    from kdcache.stages.train.feed import Batch
+    from kdcache.stages.train.feed.streaming import Batch
     from kdcache.storage import CacheReader
 
 

@@ -27,7 +27,7 @@ from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
 from kdcache.stages.targets.hidden import HIDDEN_LOSSES, hidden_loss
 from kdcache.stages.targets.hidden.loss_terms import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
 from kdcache.stages.targets.hidden.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
-from kdcache.stages.train.core import LayerMapError
+from kdcache.stages.train.core.layer_maps import LayerMapError
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
 from kdcache.stages.train.losses.cross_vocab import (
     cross_vocab_term,

@@ -30,12 +30,8 @@ from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden import HIDDEN_LOSSES, HiddenLoss, unknown_hidden_loss
 from kdcache.stages.targets.logits import KlSetup, LogitKind
 from kdcache.stages.targets.logits.vocab import ChunkTerm, tied_zero, vocab_pass
-from kdcache.stages.train.core import (
-    Pair,
-    TokenMasks,
-    pair_key,
-    token_masks,
-)
+from kdcache.stages.train.core.layer_maps import Pair, pair_key
+from kdcache.stages.train.core.masks import TokenMasks, token_masks
 from kdcache.stages.train.losses import (
     TOPK_VARIANTS,
     CriticTrainer,

@@ -29,18 +29,12 @@ from kdcache.stages.common.documents import document_attention_mask, documents_a
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.attention.qk_attention import QKRecorder
 from kdcache.stages.targets.logits import LogitKind
-from kdcache.stages.train.core import (
-    Pair,
-    StreamPairs,
-    StudentFacts,
-    TrainOptions,
-    TrainPlan,
-    base_forward,
-    choose_head,
-    pair_key,
-    resolved_temperature,
-    stream_masks,
-)
+from kdcache.stages.train.core.layer_maps import Pair, pair_key
+from kdcache.stages.train.core.masks import stream_masks
+from kdcache.stages.train.core.options import TrainOptions, resolved_temperature
+from kdcache.stages.train.core.plan import StreamPairs, TrainPlan
+from kdcache.stages.train.core.student import StudentFacts
+from kdcache.stages.train.core.student_head import base_forward, choose_head
 from kdcache.stages.train.losses import LossError, cross_attention_kl
 from kdcache.stages.train.objective.compound import CompoundLoss, StudentOutput
 from kdcache.stages.train.objective.recording import recorded

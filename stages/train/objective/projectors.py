@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kdcache.stages.train.core import Pair, pair_key
+from kdcache.stages.train.core.layer_maps import Pair, pair_key
 
 
 class Projectors(nn.Module):

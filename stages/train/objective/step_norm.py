@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from kdcache.stages.train.core import stream_masks
+from kdcache.stages.train.core.masks import stream_masks
 from kdcache.storage import prefixed
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.common.draft_inputs import read_draft_inputs
-from kdcache.stages.draft import DraftOptions, export_draft, load_draft
-from kdcache.stages.draft.training import new_draft
+from kdcache.stages.draft.export import export_draft, load_draft
+from kdcache.stages.draft.training import DraftOptions, new_draft
 from kdcache.stages.draft.vocab import DraftVocab, restrict_logits, restrict_topk
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_llama, sample_texts

@@ -8,23 +8,18 @@ import pytest
 import torch
 from scipy import stats
 
-from kdcache.stages.draft import (
-    DraftShape,
-    DraftVocab,
-    Eagle3Draft,
-    Eagle3Drafter,
-    ModelDrafter,
-    PromptLookup,
+from kdcache.stages.draft.decoding import (
     Proposal,
     Recompute,
     Sampling,
     TargetPass,
     acceptance,
-    hf_target,
     speculative_generate,
     target_generate,
 )
-from kdcache.stages.draft.model import default_heads
+from kdcache.stages.draft.drafters import Eagle3Drafter, ModelDrafter, PromptLookup, hf_target
+from kdcache.stages.draft.model import DraftShape, Eagle3Draft, default_heads
+from kdcache.stages.draft.vocab import DraftVocab
 from tests.helpers.tiny_models import make_tiny_llama, sample_texts
 
 LAYERS = (2, 4, 5)

@@ -19,9 +19,9 @@ from kdcache.stages.common.cache_texts import (
     row_text,
     token_pieces,
 )
-from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.rows.packing import Rows, iter_rows
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.storage import CacheReader, verify_cache
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from kdcache.pipeline.children import child_env
-from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 

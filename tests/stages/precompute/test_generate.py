@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.precompute import GenerateOptions, run_generate, run_precompute
+from kdcache.stages.precompute.generate import run_generate
+from kdcache.stages.precompute.generation.options import GenerateOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.storage import CacheMismatchError, CacheReader, verify_cache
 from tests.helpers.cache_files import cache_files
 from tests.helpers.tiny_models import make_tiny_gpt2, make_tiny_llama, sample_texts, write_text_dataset
@@ -192,8 +194,10 @@ def test_a_cache_the_earlier_sampler_began_is_refused_not_resumed(teacher: Path,
 def _teacher_forced(opts: dict[str, Any], ids: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
     """Precompute's own capture (hooks, chunked head) over ``ids``, teacher-forced, with the run's targets."""
     from kdcache.stages.precompute.adapters import HookedTeacher
-    from kdcache.stages.precompute.core import PrecomputePlan, Progress, RunStats, resolve_targets
-    from kdcache.stages.precompute.rows import TokenStreams
+    from kdcache.stages.precompute.core.plan import PrecomputePlan
+    from kdcache.stages.precompute.core.progress import Progress, RunStats
+    from kdcache.stages.precompute.core.targets import resolve_targets
+    from kdcache.stages.precompute.rows.data import TokenStreams
     from kdcache.stages.precompute.stream import compute_shard
     from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config
     from kdcache.stages.precompute.teacher_checks import with_output_vocab
@@ -266,9 +270,10 @@ def test_queries_and_keys_are_captured_while_generating(teacher: Path, chats: Pa
 
 def _forced_scores(opts: dict[str, Any], ids: np.ndarray) -> dict[str, Any]:
     """The score rules precompute records for ``opts`` (a probe forward over ``ids``)."""
-    from kdcache.stages.precompute.capture import with_score_rules
-    from kdcache.stages.precompute.core import PrecomputePlan, resolve_targets
-    from kdcache.stages.precompute.rows import TokenStreams
+    from kdcache.stages.precompute.capture.qk_capture import with_score_rules
+    from kdcache.stages.precompute.core.plan import PrecomputePlan
+    from kdcache.stages.precompute.core.targets import resolve_targets
+    from kdcache.stages.precompute.rows.data import TokenStreams
     from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config
 
     options = GenerateOptions.of(**opts).precompute
@@ -362,7 +367,7 @@ def test_given_responses_are_cached_as_precompute_caches_them(teacher: Path, cha
     assert summary["generation"] == {"responses": "given"} and summary["num_sequences"] == 4
     precompute_opts = {k: v for k, v in opts.items() if k not in (
         "max_new_tokens", "num_responses", "temperature", "top_p", "sampling_top_k", "stop", "responses")}
-    from kdcache.stages.precompute import PrecomputeOptions
+    from kdcache.stages.precompute.core.options import PrecomputeOptions
 
     run_precompute(PrecomputeOptions.of(**{**precompute_opts, "out": str(tmp_path / "pre")}))
     a, b = cache_files(tmp_path / "given"), cache_files(tmp_path / "pre")

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.precompute import GenerateOptions, run_generate
+from kdcache.stages.precompute.generate import run_generate
+from kdcache.stages.precompute.generation.options import GenerateOptions
 from kdcache.stages.precompute.generation.packed import pack_plan
 from kdcache.storage import CacheMismatchError, CacheReader, CacheWriter, verify_cache
 from tests.helpers.cache_files import cache_files

@@ -15,7 +15,8 @@ import pytest
 import torch
 from scipy import stats
 
-from kdcache.stages.precompute.generation import ResponseDraws, Sampling, next_tokens, philox, uniforms
+from kdcache.stages.precompute.generation.options import Sampling
+from kdcache.stages.precompute.generation.sampling import ResponseDraws, next_tokens, philox, uniforms
 
 M32 = 2**32 - 1
 

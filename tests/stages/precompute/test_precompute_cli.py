@@ -12,7 +12,7 @@ import pytest
 
 from kdcache.pipeline.cli import build_parser, main
 from kdcache.pipeline.config import ConfigError, build
-from kdcache.stages.precompute import PrecomputeOptions
+from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 

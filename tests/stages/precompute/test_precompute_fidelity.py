@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.storage import CacheReader, to_float32
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 

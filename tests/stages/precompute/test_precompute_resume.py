@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.precompute.writer_processes import WORKER_MARK, pack, unpack
 from kdcache.storage import CacheReader, CacheWriter, verify_cache
 from tests.helpers.cache_files import cache_files

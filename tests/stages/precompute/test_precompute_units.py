@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kdcache.stages.precompute.background import BackgroundWriter
-from kdcache.stages.precompute.core import PrecomputePlan
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
+from kdcache.stages.precompute.core.plan import PrecomputePlan
 from kdcache.stages.precompute.rows.batching import Partition, collate, plan_batches
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.storage.core.errors import Fp16OverflowError

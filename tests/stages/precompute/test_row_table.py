@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.precompute import PrecomputeOptions, run_precompute
-from kdcache.stages.precompute.core import PrecomputePlan
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.core.plan import PrecomputePlan
 from kdcache.stages.precompute.rows.row_build import pair_streams, text_streams
 from kdcache.stages.precompute.rows.row_store import ROWS_ENV
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.precompute.teacher import load_tokenizer
 from kdcache.storage import CacheReader
 from kdcache.storage.core.canonical import canonical_json

@@ -133,7 +133,8 @@ def test_fp16_overflow_is_refused_naming_the_layer_and_bf16_stores_it(pairs_file
     teacher = make_overflowing_t5(tmp_path / "t5-big")
     args = ("--features", "hidden,logits", "--layers", "1,2")
     with pytest.raises(Fp16OverflowError, match=r"encoder/hidden/1: .*largest \|value\| is .*--dtype bf16") as err:
-        from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+        from kdcache.stages.precompute.core.options import PrecomputeOptions
+        from kdcache.stages.precompute.runner import run_precompute
 
         run_precompute(PrecomputeOptions.of(teacher=str(teacher), data=str(pairs_file), out=str(tmp_path / "fp16"),
                                          source_column="source", target_column="target", layers=("1", "2"),

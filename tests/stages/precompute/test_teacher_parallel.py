@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.precompute import PrecomputeOptions, run_precompute
-from kdcache.stages.precompute.core import PrecomputePlan
 from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.core.plan import PrecomputePlan
 from kdcache.stages.precompute.parallel.layouts import Grid, Layout, check_features
 from kdcache.stages.precompute.parallel.memory import param_counts, rank_memory
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.storage import CacheReader, verify_cache
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
 from tests.stages.precompute.test_precompute_resume import _argv, assert_same_cache

@@ -9,7 +9,7 @@ import typing
 
 from transformers import HfArgumentParser, TrainingArguments
 
-from kdcache.stages.train.core import LossOptions, MapOptions
+from kdcache.stages.train.core.options import LossOptions, MapOptions
 from kdcache.stages.train.hf_args import NOT_CARRIED, DistillationArguments
 
 

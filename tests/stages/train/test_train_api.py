@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import kdcache
-from kdcache.stages.train import ApiError
+from kdcache.stages.train.api import ApiError
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.student import load_student
 from kdcache.stages.train.logging import read_jsonl

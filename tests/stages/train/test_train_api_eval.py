@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import kdcache
-from kdcache.stages.train import evaluate_run
 from kdcache.stages.train.core.student import load_student
+from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from tests.helpers.tiny_models import make_tiny_gpt2, sample_texts
 from tests.stages.train._train_support import make_student_config
 
@@ -208,7 +208,7 @@ def test_a_partial_cache_trains_where_the_message_says(setup: dict[str, Path]) -
 def test_kdcache_train_scores_its_heldout_cache_every_n_steps(setup: dict[str, Path],
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     from kdcache.pipeline.cli import main
-    from kdcache.stages.train import read_jsonl
+    from kdcache.stages.train.logging import read_jsonl
 
     run = setup["root"] / "cli"
     common = ["train", "--cache", str(setup["cache"]), "--student", str(setup["student"]), "--batch-size", str(HELD),

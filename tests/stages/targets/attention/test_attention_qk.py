@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.targets.attention.maps_loss import attention_kl
 from kdcache.stages.targets.attention.qk_attention import QKRecorder, ScoreRule, allowed_keys, block_log_probs
 from kdcache.stages.targets.attention.qk_loss import ScoreSide, blocked_attention_kl, heads_from_rows, relation_kl

@@ -16,7 +16,7 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.targets.hidden import HIDDEN_LOSSES, HiddenLoss, hidden_loss, register_hidden_loss
-from kdcache.stages.train.core import LossOptions
+from kdcache.stages.train.core.options import LossOptions
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.stages.train.losses import LossError, get_loss
 from tests.stages.train._train_support import make_student_config, precompute_cache

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.losses import head_kl, kd_kl

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kdcache.stages.precompute import PrecomputeOptions, run_precompute
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.train.core.plan import teacher_depth
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import sample_texts, write_text_dataset

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from kdcache.stages.precompute import run_precompute
 from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION
 from kdcache.stages.targets.attention.maps_loss import attention_kl
 from kdcache.stages.targets.attention.qk_attention import QKRecorder

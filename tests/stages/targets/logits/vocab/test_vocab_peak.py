@@ -24,8 +24,9 @@ from kdcache.stages.targets.logits.topk_torch import topk_kl_term
 from kdcache.stages.targets.logits.vocab import loss_rows, vocab_pass
 from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.core.masks import token_masks
-from kdcache.stages.train.feed import Batch, CacheStream, DeviceFeed, to_device
 from kdcache.stages.train.feed.ahead import batch_bytes
+from kdcache.stages.train.feed.device_feed import Batch, DeviceFeed
+from kdcache.stages.train.feed.streaming import CacheStream, to_device
 from kdcache.stages.train.losses.logits import causal_ce_term
 from tests.helpers.full_cache import write_full_cache
 from tests.helpers.live_bytes import MALLINFO2, LiveBytes
