@@ -2,7 +2,7 @@
 terms, the chunk size of the vocabulary pass (``vocab_pass``).
 
 They live in ``stages.targets.logits.vocab``, with the pass they serve; stage two's loss modules and the logit
-kinds' torch halves (``stages.targets.logits``) import them through its door.
+kinds' torch halves (``stages.targets.logits``) import them from that package.
 """
 
 from __future__ import annotations
