@@ -17,7 +17,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kdcache.stages.common.draft_layers import draft_layers, is_draft_preset
 from kdcache.stages.common.engine_options import (
     PRECOMPUTE,
     EngineOptions,
@@ -27,6 +26,7 @@ from kdcache.stages.common.engine_options import (
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
+from kdcache.stages.targets.draft.draft_layers import draft_layers, is_draft_preset
 from kdcache.storage import (
     DEFAULT_ATTENTION_SOURCE,
     DEFAULT_BACKEND,
@@ -333,7 +333,7 @@ def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name
 
     Args:
         values: ``("all",)``, ``("draft",)`` (hidden states only: the three layers an EAGLE-3 draft fuses,
-            ``stages.common.draft_inputs.draft_layers``) or integer strings; negative numbers count from the last
+            ``stages.targets.draft.draft_layers.draft_layers``) or integer strings; negative numbers count from the last
             layer (-1 = N).
         num_layers: N, the number of blocks.
         minimum: the first valid layer (0 for hidden states, 1 for attention blocks).

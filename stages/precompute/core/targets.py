@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import architectures
-from kdcache.stages.common.draft_layers import is_draft_preset
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
+from kdcache.stages.targets.draft.draft_layers import is_draft_preset
 from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, ArrayKind, LogitArray, exact_arrays
 
 if TYPE_CHECKING:
