@@ -257,16 +257,11 @@ class TargetOptions:
         return attention_sources.get(self.attention_source)
 
     @property
-    def samples(self) -> int:
-        """N of ``--logits sampled:N`` (0 for other modes and without feature ``logits``)."""
-        return int(self.logit_fields["samples"]) if self.logits_kind else 0
-
-    @property
-    def logit_fields(self) -> dict[str, Any]:
-        """The ``CacheSpec`` logit fields the mode writes (``top_k``, ``samples``, ``logprob_step``); options that
-        passed ``validate``."""
-        kind, argument = logit_kinds.parse(FULL_LOGITS if self.full_logits else self.logits_mode)
-        return kind.spec_fields(self, argument)
+    def logit_settings(self) -> logit_kinds.LogitSettings:
+        """The logit mode and its fields as the one record the targets carry into the spec (the family's
+        ``LogitSettings``; no mode without feature ``logits``); options that passed ``validate``."""
+        value = (FULL_LOGITS if self.full_logits else self.logits_mode) if self.logits_kind else None
+        return logit_kinds.settings_of(value, self)
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
