@@ -257,6 +257,11 @@ class TargetOptions:
         return attention_sources.get(self.attention_source)
 
     @property
+    def attention_settings(self) -> attention_sources.AttentionSettings:
+        """The source as the one record the targets carry into the spec (the family's ``AttentionSettings``)."""
+        return attention_sources.AttentionSettings(self.source)
+
+    @property
     def logit_settings(self) -> logit_kinds.LogitSettings:
         """The logit mode and its fields as the one record the targets carry into the spec (the family's
         ``LogitSettings``; no mode without feature ``logits``); options that passed ``validate``."""

@@ -24,12 +24,12 @@ from kdcache.stages.common import architectures
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
 from kdcache.stages.targets.draft.draft_layers import is_draft_preset
-from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, ArrayKind, LogitArray, exact_arrays
+from kdcache.storage import FORMAT_VERSION, ArrayKind, LogitArray, exact_arrays
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.targets.attention import AttentionSource
+    from kdcache.stages.targets.attention import AttentionSettings, AttentionSource
     from kdcache.stages.targets.logits import LogitKind, LogitSettings
 
 
@@ -56,14 +56,17 @@ class Targets:
     num_heads: int
     causal: bool
     cross_attention: tuple[int, ...] = field(default=())
-    attention_source: str = DEFAULT_ATTENTION_SOURCE  # a name of stages.targets.attention
-    attention_scores: dict[str, Any] | None = None  # qk: how scores are formed, learnt from the loaded teacher
     # The logit mode and its fields as the family's one record (``TargetOptions.logit_settings``), carried whole
     # into the spec, the fingerprint and the captures (which take it as their settings).
     logit: LogitSettings = field(kw_only=True)
-    # The source's name as its object, looked up once where the flags enter (``TargetOptions``; the name stays what
-    # the fingerprint and the spec record). Equality stays the name's (a pickled copy's object differs).
-    source: AttentionSource = field(kw_only=True, compare=False, repr=False)
+    # The attention source and its score rules as the family's one record (``TargetOptions.attention_settings``;
+    # ``capture.qk_capture.with_score_rules`` adds the rules), carried whole into the spec and the fingerprint.
+    attention: AttentionSettings = field(kw_only=True)
+
+    @property
+    def source(self) -> AttentionSource:
+        """The attention source: what capture and the checks ask."""
+        return self.attention.source
 
     @property
     def logits(self) -> str | None:
@@ -178,12 +181,12 @@ def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Tar
     if kind and kind.teacher_head:
         streams = _with_last_layer(streams)
     _check_triangle(options, streams, causal)
-    source = t.source
-    _check_attention_source(options, source, streams, config)
+    attention = t.attention_settings
+    _check_attention_source(options, attention.source, streams, config)
     heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:
         raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
-    return Targets(streams, heads, vocab, num_heads, causal, cross, t.attention_source, logit=logit, source=source)
+    return Targets(streams, heads, vocab, num_heads, causal, cross, logit=logit, attention=attention)
 
 
 def _check_attention_source(options: PrecomputeOptions, source: AttentionSource, streams: dict[str, StreamTargets],
@@ -238,7 +241,7 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             # Fused kernels round otherwise than eager ones: a resume must not mix them (absent when off, so that
             # earlier caches' fingerprints stay the same).
             **({"compile_teacher": True} if engine.compile_teacher else {}),
-            **targets.source.fingerprint(),
+            **targets.attention.fingerprint(),
             # Recorded only when it is not the dtype's own (also when given explicitly, as --hidden-codec fp16), so
             # that the fingerprints of caches written before codecs stay the same.
             **({"hidden_codec": codec.record()} if not (codec := storage.resolved_hidden_codec).is_plain(storage.dtype)
