@@ -167,8 +167,9 @@ from kdcache.stages.precompute.core.targets import StreamTargets, Targets
 from kdcache.stages.precompute.core.teacher_id import Teacher
 model = llama_model()
 teacher = Teacher(model, None, model.config, torch.device("cpu"), {{}}, "sdpa")
-targets = Targets({{"": StreamTargets((), (), 2)}}, None, "topk", 64, {LLAMA_VOCAB}, 4, True,
-                  logit_kind=logit_kinds.get("topk"), source=attention_sources.get(None))
+targets = Targets({{"": StreamTargets((), (), 2)}}, None, {LLAMA_VOCAB}, 4, True,
+                  logit=logit_kinds.LogitSettings(logit_kinds.get("topk"), top_k=64),
+                  attention=attention_sources.AttentionSettings(attention_sources.get(None)))
 ids = torch.randint(0, {LLAMA_VOCAB}, ({batch}, {length}))
 mask = torch.ones_like(ids)
 with FeatureCapture(teacher, targets, "fp16", {chunk}) as capture:

@@ -26,7 +26,7 @@ ROWS_DIR = "rows"
 _NOT_FOLDERS = {SHARDS_DIR, "locks", MANIFEST_NAME, ROWS_DIR}
 # The folders stage one writes (its teacher head is stages.targets.logits.teacher_head.HEAD_FOLDER): with the entries
 # above, all that a killed first run may leave in a new cache folder before its manifest exists.
-# texts: stages.common.cache_texts; draft: stages.common.draft_inputs.DRAFT_FOLDER
+# texts: stages.common.cache_texts; draft: stages.targets.draft.draft_inputs.DRAFT_FOLDER
 STAGE_ONE_FOLDERS = ("tokenizer", "teacher_head", "projection", "texts", "draft")
 CACHE_ENTRIES = frozenset({*_NOT_FOLDERS, *STAGE_ONE_FOLDERS})
 

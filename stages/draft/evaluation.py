@@ -18,7 +18,6 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kdcache.stages.common.draft_inputs import target_embedding
 from kdcache.stages.draft.decoding import (
     Drafter,
     Generation,
@@ -31,6 +30,7 @@ from kdcache.stages.draft.decoding import (
 from kdcache.stages.draft.drafters import Eagle3Drafter, ModelDrafter, PromptLookup, hf_target
 from kdcache.stages.draft.export import load_draft
 from kdcache.stages.draft.vocab import DraftInputError
+from kdcache.stages.targets.draft.draft_inputs import target_embedding
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdcache.stages.common.draft_inputs import read_draft_inputs
 from kdcache.stages.draft.export import LAYOUTS, export_draft
 from kdcache.stages.draft.model import DraftShape, Eagle3Draft, default_heads
 from kdcache.stages.draft.objective import DraftObjective, distribution_arrays
 from kdcache.stages.draft.vocab import DraftInputError, DraftVocab
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.draft.draft_inputs import read_draft_inputs
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.core.options import TrainOptions

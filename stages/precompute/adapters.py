@@ -229,7 +229,7 @@ class OutputCapture:
             kept.update({f"{stream}/attention/{j}": getattr(out, f"{stream}_attentions")[j - 1]
                          for j in layers.attention})
         kept.update({f"cross_attention/{j}": (out.cross_attentions or ())[j - 1] for j in t.cross_attention})
-        kept.update(logit_targets(out.logits, t))  # log-probs already, with --topk-values logprob
+        kept.update(logit_targets(out.logits, t.logit))  # log-probs already, with --topk-values logprob
         return kept
 
     def _check_range(self, kept: dict[str, torch.Tensor]) -> None:

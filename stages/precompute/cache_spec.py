@@ -26,11 +26,9 @@ def build_spec(write: WriteSetup, targets: Targets, data: TokenStreams) -> Cache
     token_arrays = tuple(dict.fromkeys(str(kind_of(name)) for name in data.tokens))  # plain names, as manifests hold
     return CacheSpec(
         num_sequences=len(data), token_arrays=token_arrays, backend=write.backend, attention_heads=targets.heads,
-        attention_triangle=triangle, logits=targets.logits, top_k=targets.top_k, samples=targets.samples,
-        sample_temperature=targets.sample_temperature, vocab_size=targets.vocab_size if targets.logits else 0,
-        topk_values="logprob" if targets.logprob_step else "fp16", logprob_step=targets.logprob_step,
-        attention_source=targets.source.spec_name(targets.attention_scores),
-        attention_scores=targets.attention_scores,
+        attention_triangle=triangle, vocab_size=targets.vocab_size if targets.logits else 0,
+        **targets.logit.spec_fields(),  # the logit mode's fields, as its family names them
+        **targets.attention.spec_fields(),  # the attention source's fields, as its family names them
         dtype=write.dtype, codec=write.codec, bitround=write.bitround, hidden_codec=write.hidden_codec, layers=layers,
         sequences_per_shard=shard_sequences(write.sequences_per_shard, data))
 

@@ -23,13 +23,6 @@ import torch
 import transformers
 
 from kdcache.stages.common.cache_texts import save_texts
-from kdcache.stages.common.draft_inputs import (
-    draft_layers,
-    export_draft_inputs,
-    is_draft_preset,
-    target_embedding,
-    token_counts,
-)
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.precompute.adapters import TeacherAdapter, adapter_for
 from kdcache.stages.precompute.cache_spec import build_spec
@@ -70,6 +63,13 @@ from kdcache.stages.precompute.teacher_checks import (
     with_output_vocab,
 )
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.draft.draft_inputs import (
+    draft_layers,
+    export_draft_inputs,
+    is_draft_preset,
+    target_embedding,
+    token_counts,
+)
 from kdcache.stages.targets.hidden.device_codecs import Projection
 from kdcache.stages.targets.logits.teacher_head import export_head
 from kdcache.storage import (

@@ -58,7 +58,8 @@ def with_output_vocab(targets: Targets, teacher: Teacher, setup: TeacherSetup) -
     if kind is None or head is None:
         return targets
     vocab = int(head.weight.shape[0])
-    # targets.top_k is --top-k for the one mode that reads it (topk), 0 for the modes that ignore it
-    for problem in kind.teacher_problems(setup.name, "" in targets.streams, targets.causal, vocab, targets.top_k):
+    # logit.top_k is --top-k for the one mode that reads it (topk), 0 for the modes that ignore it
+    for problem in kind.teacher_problems(setup.name, "" in targets.streams, targets.causal, vocab,
+                                         targets.logit.top_k):
         raise PrecomputeError(problem)
     return replace(targets, vocab_size=vocab)

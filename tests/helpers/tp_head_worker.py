@@ -26,10 +26,9 @@ def main(teacher: str, out: Path) -> None:
     from kdcache.stages.precompute.capture.sharded_head import ShardedTopK, chunked_head, vocab_shards
     from kdcache.stages.precompute.core.options import PrecomputeOptions
     from kdcache.stages.precompute.core.plan import PrecomputePlan
-    from kdcache.stages.precompute.core.targets import Targets
     from kdcache.stages.precompute.parallel.distributed import DistContext
     from kdcache.stages.precompute.teacher import load_for_inference
-    from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
+    from kdcache.stages.targets import logits as logit_kinds
 
     ctx = DistContext.from_env(gpu_collectives=True)
     options = PrecomputeOptions.of(teacher=teacher, data=teacher, out=str(out / "unused"), teacher_parallel="tp:2")
@@ -38,8 +37,7 @@ def main(teacher: str, out: Path) -> None:
     whole = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
     shards = vocab_shards(model)
     assert shards is not None and shards[2] == 2, shards
-    settings = Targets(streams={}, heads=None, logits="topk", top_k=8, vocab_size=320, num_heads=4, causal=True,
-                       logit_kind=logit_kinds.get("topk"), source=attention_sources.get(None))
+    settings = logit_kinds.LogitSettings(logit_kinds.get("topk"), top_k=8)
     head = chunked_head(model, 5, settings)  # 5-token chunks: several per batch, the last one short
     ids = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(7))
     valid = torch.ones_like(ids, dtype=torch.bool)

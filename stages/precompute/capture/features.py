@@ -179,7 +179,8 @@ class FeatureCapture:
         self._documents_checked = False
         # Full logits are stored whole anyway; head mode runs the head once, on the first batch, to check it.
         self._kind = targets.logit_kind
-        self._head = chunked_head(self.model, self._kind.capture_chunk(chunk_tokens) if self._kind else 0, targets)
+        self._head = chunked_head(self.model, self._kind.capture_chunk(chunk_tokens) if self._kind else 0,
+                                  targets.logit)
         if self._kind and self._kind.teacher_head and not self._head.active:
             raise PrecomputeError(f"logits head: {type(self.model).__name__} has no plain LM head to copy; use "
                                   f"--logits topk or full")
@@ -355,7 +356,7 @@ class FeatureCapture:
             digest = hashlib.sha256(input_ids.cpu().numpy().tobytes()).digest()
             generator = torch.Generator(device=input_ids.device)
             generator.manual_seed(int.from_bytes(digest[:7], "little") ^ self.seed)
-        return lambda logits: logit_targets(logits, t, generator)
+        return lambda logits: logit_targets(logits, t.logit, generator)
 
     @contextmanager
     def _hooks_paused(self) -> Iterator[None]:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kdcache.stages.precompute.core.targets import CAUSAL_SUFFIXES, Targets
+from kdcache.stages.precompute.core.targets import CAUSAL_SUFFIXES
+from kdcache.stages.targets.logits import LogitSettings
 from kdcache.stages.targets.logits.teacher_head import finish_logits
 
 if TYPE_CHECKING:
@@ -40,18 +41,18 @@ def _head_of(model: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor] |
     return apply
 
 
-def logit_targets(logits: torch.Tensor | None, settings: Targets,
+def logit_targets(logits: torch.Tensor | None, settings: LogitSettings,
                   generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """What the run's logit kind keeps of ``[..., V]`` teacher logits, on the device (nothing without a mode).
 
     Args:
         logits: ``[..., V]`` in the teacher's dtype (None when the teacher has no head and keeps no logits).
-        settings: the run's targets (mode, top-k, draws, temperature, log-prob step).
+        settings: the run's logit mode and its fields (``Targets.logit``: top-k, draws, temperature, log-prob step).
         generator: seeded, for a kind that draws (``LogitKind.draws``).
     """
-    if logits is None or settings.logit_kind is None:
+    if logits is None or settings.kind is None:
         return {}
-    return settings.logit_kind.capture(logits, settings, generator)
+    return settings.kind.capture(logits, settings, generator)
 
 
 def head_probe(logits: torch.Tensor) -> dict[str, torch.Tensor]:

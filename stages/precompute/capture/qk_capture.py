@@ -43,7 +43,7 @@ class QKCapture:
     def __init__(self, model: PreTrainedModel, targets: Targets) -> None:
         self.model, self.targets = model, targets
         self.kinds = targets.source.recorded_parts
-        self.flag = f"--attention-source {targets.attention_source}"
+        self.flag = f"--attention-source {targets.attention.name}"
         self.fallback = f"use --attention-source {DEFAULT_ATTENTION_SOURCE}"
         self.recorder = QKRecorder(model, targets.streams[""].attention, targets.causal, keep_output=True)
 
@@ -115,10 +115,10 @@ def probe_ids(data: TokenStreams, device: torch.device) -> torch.Tensor:
 
 
 def with_score_rules(targets: Targets, model: PreTrainedModel, data: TokenStreams, device: torch.device) -> Targets:
-    """``targets`` with ``attention_scores`` learnt from the loaded teacher, for a source of token rows; else
-    unchanged."""
+    """``targets`` with the attention settings' score rules (``CacheSpec.attention_scores``) learnt from the loaded
+    teacher, for a source of token rows; else unchanged."""
     recorded = targets.source.recorded_parts
     if not recorded or "" not in targets.streams or not targets.streams[""].attention:
         return targets
     record = QKCapture(model, targets).score_record(probe_ids(data, device))
-    return replace(targets, attention_scores=record)
+    return replace(targets, attention=targets.attention.with_scores(record))

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.precompute.capture.logit_head import ChunkedHead
-from kdcache.stages.precompute.core.targets import Targets
-from kdcache.stages.targets.logits import as_logprobs
+from kdcache.stages.targets.logits import LogitSettings, as_logprobs
 from kdcache.stages.targets.logits.teacher_head import finish_logits
 from kdcache.storage import TOPK_MASS
 
@@ -80,11 +79,12 @@ class ShardedTopK(ChunkedHead):
     Args:
         model: the tensor-parallel teacher.
         chunk: valid tokens per chunk (> 0).
-        settings: the run's targets (top-k, log-prob step).
+        settings: the run's logit mode and its fields (``Targets.logit``: top-k, log-prob step).
         shards: ``vocab_shards(model)``.
     """
 
-    def __init__(self, model: PreTrainedModel, chunk: int, settings: Targets, shards: tuple[Any, int, int]) -> None:
+    def __init__(self, model: PreTrainedModel, chunk: int, settings: LogitSettings,
+                 shards: tuple[Any, int, int]) -> None:
         super().__init__(model, chunk)
         self.settings = settings
         self.group, self.first, _ = shards
@@ -122,10 +122,10 @@ class ShardedTopK(ChunkedHead):
         return as_logprobs(kept) if self.settings.logprob_step else kept
 
 
-def chunked_head(model: PreTrainedModel, chunk: int, settings: Targets) -> ChunkedHead:
+def chunked_head(model: PreTrainedModel, chunk: int, settings: LogitSettings) -> ChunkedHead:
     """The head for this run: ``ShardedTopK`` for top-k logits from a vocabulary-sharded head, else the plain
     ``ChunkedHead`` (whose head module, under tensor parallelism, gathers each ``[chunk, V]`` block: full and
     sampled logits need the whole row)."""
-    ranked = settings.logit_kind is not None and settings.logit_kind.ranked
+    ranked = settings.kind is not None and settings.kind.ranked
     shards = vocab_shards(model) if chunk > 0 and ranked else None
     return ShardedTopK(model, chunk, settings, shards) if shards else ChunkedHead(model, chunk)

@@ -17,7 +17,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kdcache.stages.common.draft_layers import draft_layers, is_draft_preset
 from kdcache.stages.common.engine_options import (
     PRECOMPUTE,
     EngineOptions,
@@ -27,6 +26,7 @@ from kdcache.stages.common.engine_options import (
 from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
+from kdcache.stages.targets.draft.draft_layers import draft_layers, is_draft_preset
 from kdcache.storage import (
     DEFAULT_ATTENTION_SOURCE,
     DEFAULT_BACKEND,
@@ -257,16 +257,16 @@ class TargetOptions:
         return attention_sources.get(self.attention_source)
 
     @property
-    def samples(self) -> int:
-        """N of ``--logits sampled:N`` (0 for other modes and without feature ``logits``)."""
-        return int(self.logit_fields["samples"]) if self.logits_kind else 0
+    def attention_settings(self) -> attention_sources.AttentionSettings:
+        """The source as the one record the targets carry into the spec (the family's ``AttentionSettings``)."""
+        return attention_sources.AttentionSettings(self.source)
 
     @property
-    def logit_fields(self) -> dict[str, Any]:
-        """The ``CacheSpec`` logit fields the mode writes (``top_k``, ``samples``, ``logprob_step``); options that
-        passed ``validate``."""
-        kind, argument = logit_kinds.parse(FULL_LOGITS if self.full_logits else self.logits_mode)
-        return kind.spec_fields(self, argument)
+    def logit_settings(self) -> logit_kinds.LogitSettings:
+        """The logit mode and its fields as the one record the targets carry into the spec (the family's
+        ``LogitSettings``; no mode without feature ``logits``); options that passed ``validate``."""
+        value = (FULL_LOGITS if self.full_logits else self.logits_mode) if self.logits_kind else None
+        return logit_kinds.settings_of(value, self)
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
@@ -333,7 +333,7 @@ def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name
 
     Args:
         values: ``("all",)``, ``("draft",)`` (hidden states only: the three layers an EAGLE-3 draft fuses,
-            ``stages.common.draft_inputs.draft_layers``) or integer strings; negative numbers count from the last
+            ``stages.targets.draft.draft_layers.draft_layers``) or integer strings; negative numbers count from the last
             layer (-1 = N).
         num_layers: N, the number of blocks.
         minimum: the first valid layer (0 for hidden states, 1 for attention blocks).

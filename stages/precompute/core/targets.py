@@ -21,17 +21,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import architectures
-from kdcache.stages.common.draft_layers import is_draft_preset
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
-from kdcache.storage import DEFAULT_ATTENTION_SOURCE, FORMAT_VERSION, ArrayKind, LogitArray, exact_arrays
+from kdcache.stages.targets.draft.draft_layers import is_draft_preset
+from kdcache.storage import FORMAT_VERSION, ArrayKind, LogitArray, exact_arrays
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.targets.attention import AttentionSource
-    from kdcache.stages.targets.logits import LogitKind
-    from kdcache.storage import LogitLayout
+    from kdcache.stages.targets.attention import AttentionSettings, AttentionSource
+    from kdcache.stages.targets.logits import LogitKind, LogitSettings
 
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -53,38 +52,43 @@ class Targets:
 
     streams: dict[str, StreamTargets]
     heads: tuple[int, ...] | None
-    logits: str | None
-    top_k: int
     vocab_size: int
     num_heads: int
     causal: bool
     cross_attention: tuple[int, ...] = field(default=())
-    samples: int = 0  # a logit kind that draws (--logits sampled:N): draws per token, at sample_temperature
-    sample_temperature: float = 1.0
-    logprob_step: float = 0.0  # top-k values stored as log-probs quantised to this step (0: fp16 logits)
-    attention_source: str = DEFAULT_ATTENTION_SOURCE  # a name of stages.targets.attention
-    attention_scores: dict[str, Any] | None = None  # qk: how scores are formed, learnt from the loaded teacher
-    # The names as objects, looked up once where the flags enter (``TargetOptions``) and handed over with them
-    # (``logits`` and ``attention_source`` stay the names the fingerprint and the spec record): what capture, checks
-    # and the spec ask of the mode and the source. Equality stays the names' (a pickled copy's objects differ).
-    logit_kind: LogitKind | None = field(kw_only=True, compare=False, repr=False)
-    source: AttentionSource = field(kw_only=True, compare=False, repr=False)
+    # The logit mode and its fields as the family's one record (``TargetOptions.logit_settings``), carried whole
+    # into the spec, the fingerprint and the captures (which take it as their settings).
+    logit: LogitSettings = field(kw_only=True)
+    # The attention source and its score rules as the family's one record (``TargetOptions.attention_settings``;
+    # ``capture.qk_capture.with_score_rules`` adds the rules), carried whole into the spec and the fingerprint.
+    attention: AttentionSettings = field(kw_only=True)
 
     @property
-    def logit_layout(self) -> LogitLayout | None:
-        """The mode's storage layout (storage's ``LayoutFields``: what the capture hands over)."""
-        return self.logit_kind.layout if self.logit_kind else None
+    def source(self) -> AttentionSource:
+        """The attention source: what capture and the checks ask."""
+        return self.attention.source
+
+    @property
+    def logits(self) -> str | None:
+        """The logit mode's name (None: no logits)."""
+        return self.logit.name
+
+    @property
+    def logit_kind(self) -> LogitKind | None:
+        """The logit mode (None: no logits): what capture and the checks ask."""
+        return self.logit.kind
 
     @functools.cached_property
     def logit_arrays(self) -> tuple[LogitArray, ...]:
         """The per-token logit arrays the mode stores, for these fields (none for ``head``), read once."""
-        return self.logit_layout.arrays(self) if self.logit_layout else ()
+        layout = self.logit.logit_layout
+        return layout.arrays(self.logit) if layout else ()
 
     @functools.cached_property
     def exact_arrays(self) -> frozenset[str]:
         """Arrays handed to storage as computed (ids, the fp32 logsumexp, log-probs that storage quantises, the
         kept mass): the layout's fixed-type arrays."""
-        return frozenset(exact_arrays(self))
+        return frozenset(exact_arrays(self.logit))
 
     @property
     def wants_hidden(self) -> bool:
@@ -170,21 +174,19 @@ def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Tar
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
     causal = architectures.is_causal_config(config)  # the same judgement stage two makes of the student
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    kind = t.logit_kind
+    logit = t.logit_settings
+    kind = logit.kind
     for problem in kind.teacher_problems(options.engine.teacher, "" in streams, causal, vocab, t.top_k) if kind else ():
         raise PrecomputeError(problem)
     if kind and kind.teacher_head:
         streams = _with_last_layer(streams)
     _check_triangle(options, streams, causal)
-    source = t.source
-    _check_attention_source(options, source, streams, config)
+    attention = t.attention_settings
+    _check_attention_source(options, attention.source, streams, config)
     heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:
         raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
-    fields = t.logit_fields if kind else {"top_k": 0, "samples": 0, "logprob_step": 0.0}
-    return Targets(streams, heads, t.logits_kind, int(fields["top_k"]), vocab, num_heads, causal, cross,
-                   int(fields["samples"]), t.sample_temperature, float(fields["logprob_step"]), t.attention_source,
-                   logit_kind=kind, source=source)
+    return Targets(streams, heads, vocab, num_heads, causal, cross, logit=logit, attention=attention)
 
 
 def _check_attention_source(options: PrecomputeOptions, source: AttentionSource, streams: dict[str, StreamTargets],
@@ -230,9 +232,7 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
         out["cross_attention_layers"] = list(targets.cross_attention)
     engine, storage = options.engine, options.storage
     return {**out, "heads": list(targets.heads) if targets.heads is not None else None,
-            "features": list(options.targets.features), "top_k": targets.top_k, "logits": targets.logits,
-            "samples": targets.samples, "sample_temperature": targets.sample_temperature,
-            **({"logprob_step": targets.logprob_step} if targets.logprob_step else {}),
+            "features": list(options.targets.features), **targets.logit.fingerprint(),
             # Draws follow the seed, the batches and the head's chunks: a resume must form them alike.
             "sampling": {"seed": engine.seed, "batch_size": engine.batch_size, "logits_chunk": engine.logits_chunk}
             if targets.logit_kind and targets.logit_kind.draws else None,
@@ -241,7 +241,7 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             # Fused kernels round otherwise than eager ones: a resume must not mix them (absent when off, so that
             # earlier caches' fingerprints stay the same).
             **({"compile_teacher": True} if engine.compile_teacher else {}),
-            **targets.source.fingerprint(),
+            **targets.attention.fingerprint(),
             # Recorded only when it is not the dtype's own (also when given explicitly, as --hidden-codec fp16), so
             # that the fingerprints of caches written before codecs stay the same.
             **({"hidden_codec": codec.record()} if not (codec := storage.resolved_hidden_codec).is_plain(storage.dtype)

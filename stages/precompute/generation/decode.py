@@ -226,12 +226,12 @@ class DecodeLoop:
         if kind is None:
             return {}
         if not kind.draws:
-            return logit_targets(logits, self.targets)
+            return logit_targets(logits, self.targets.logit)
         rows = []
         for i, (p, r) in enumerate(keys):
             generator = torch.Generator(device=logits.device).manual_seed(
                 response_seed(self.sampling.seed, p, r, f"logits/{step}"))
-            rows.append(logit_targets(logits[i:i + 1], self.targets, generator))
+            rows.append(logit_targets(logits[i:i + 1], self.targets.logit, generator))
         return {name: torch.cat([row[name] for row in rows]) for name in rows[0]}
 
     # ---- the batch's targets, as precompute stores them ---------------------------------------------

@@ -14,6 +14,7 @@ queries and keys).
 from __future__ import annotations
 
 from kdcache.stages.targets.attention.base import (
+    AttentionSettings,
     AttentionSource,
     AttentionSourceError,
     choices,
@@ -30,5 +31,5 @@ from kdcache.storage import import_members
 TORCH_MODULES = ("attention_maps", "maps_loss", "qk_attention", "qk_loss")
 import_members(__name__, __path__, but=("base", *TORCH_MODULES))
 
-__all__ = ["AttentionSource", "AttentionSourceError", "choices", "config_heads", "get", "names", "of", "register",
-           "usage"]
+__all__ = ["AttentionSettings", "AttentionSource", "AttentionSourceError", "choices", "config_heads", "get", "names",
+           "of", "register", "usage"]

@@ -15,6 +15,7 @@ Nothing here imports torch, so that the option classes and ``kdcache inspect`` d
 from __future__ import annotations
 
 from collections.abc import Collection, KeysView, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kdcache.storage import DEFAULT_ATTENTION_SOURCE, AttentionLayout, KdcacheError, Registry, register_attention_layout
@@ -116,6 +117,42 @@ class AttentionSource:
 def config_heads(config: PretrainedConfig) -> int:
     """The teacher's attention heads as its config names them (decoder-only or encoder)."""
     return int(getattr(config, "num_attention_heads", None) or getattr(config, "encoder_attention_heads", 0) or 0)
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """Stage one's attention source as one record, built where the flags enter (``TargetOptions``) and carried
+    whole by the run's targets into its ``CacheSpec`` and its settings fingerprint.
+
+    The family alone names these fields (``spec_fields``, ``fingerprint``); nothing between the flags and the spec
+    copies them one by one. Equality is the source's name and the scores (a pickled copy's source is another
+    object).
+
+    Attributes:
+        source: the ``--attention-source`` value as its object.
+        scores: how a source of token rows forms scores (head counts, causality, each block's rule), learnt from
+            the loaded teacher (``with_scores``); None before, and for maps.
+        name: the source's name.
+    """
+
+    source: AttentionSource = field(compare=False, repr=False)
+    scores: dict[str, Any] | None = None
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", self.source.name)
+
+    def with_scores(self, scores: dict[str, Any]) -> AttentionSettings:
+        """These settings with the score rules learnt from the loaded teacher."""
+        return replace(self, scores=scores)
+
+    def spec_fields(self) -> dict[str, Any]:
+        """The ``CacheSpec`` keyword arguments of the source (``spec_name``: the default without score rules)."""
+        return {"attention_source": self.source.spec_name(self.scores), "attention_scores": self.scores}
+
+    def fingerprint(self) -> dict[str, str]:
+        """The source's part of stage one's settings fingerprint (``AttentionSource.fingerprint``)."""
+        return self.source.fingerprint()
 
 
 _SOURCES: Registry[AttentionSource] = Registry("attention source", AttentionSourceError)

@@ -23,6 +23,7 @@ from kdcache.stages.targets.logits.base import (
     KlSetup,
     LogitKind,
     LogitKindError,
+    LogitSettings,
     TeacherHead,
     from_targets,
     get,
@@ -31,6 +32,7 @@ from kdcache.stages.targets.logits.base import (
     of,
     parse,
     register,
+    settings_of,
     usage,
     uses_head,
 )
@@ -43,5 +45,6 @@ import_members(__name__, __path__, but=["base", "teacher_head", *(m.name for m i
 # Names the kinds' own modules define, after every kind has registered (registration order is the choices').
 from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs  # noqa: E402
 
-__all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "TOPK_VARIANTS", "TeacherHead", "as_logprobs",
-           "from_targets", "get", "kinds", "names", "of", "parse", "register", "usage", "uses_head"]
+__all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "LogitSettings", "TOPK_VARIANTS", "TeacherHead",
+           "as_logprobs", "from_targets", "get", "kinds", "names", "of", "parse", "register", "settings_of", "usage",
+           "uses_head"]

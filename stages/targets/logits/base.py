@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
 from kdcache.storage import (
@@ -89,6 +89,54 @@ class KlSetup:
     temperature: float = 1.0
     topk_variant: str = "renorm"
     head: TeacherHead | None = None
+
+
+@dataclass(frozen=True)
+class LogitSettings:
+    """Stage one's logit mode as one record, built where the flags enter (``settings_of``) and carried whole by the
+    run's targets into its ``CacheSpec``, its settings fingerprint and every capture (a ``CaptureSettings``).
+
+    The family alone names these fields: a mode's new field is a field here, the value its kind's ``spec_fields``
+    returns, and its line in ``spec_fields`` / ``fingerprint`` below; nothing between the flags and the spec copies
+    them one by one. Equality is the fields' and the mode's name (a pickled copy's kind is another object).
+
+    Attributes:
+        kind: the mode (None: no feature ``logits``).
+        top_k: logits kept per token (``topk``; 0 for the other modes).
+        samples: draws per token (``sampled:N``; 0 for the other modes).
+        sample_temperature: the softmax temperature the draws are made at (``--sample-temperature``, recorded
+            whatever the mode, as caches always have).
+        logprob_step: > 0: top-k values stored as log-probs quantised to this step (``--topk-values logprob``).
+        name: the mode's name (``CacheSpec.logits``), None without logits.
+    """
+
+    kind: LogitKind | None = field(compare=False, repr=False)
+    top_k: int = 0
+    samples: int = 0
+    sample_temperature: float = 1.0
+    logprob_step: float = 0.0
+    name: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", self.kind.name if self.kind else None)
+
+    @property
+    def logit_layout(self) -> LogitLayout | None:
+        """The mode's storage layout (storage's ``LayoutFields``: which arrays a capture hands over)."""
+        return self.kind.layout if self.kind else None
+
+    def spec_fields(self) -> dict[str, Any]:
+        """The ``CacheSpec`` keyword arguments of the mode (its vocabulary size is the teacher's, not the mode's)."""
+        return {"logits": self.name, "top_k": self.top_k, "samples": self.samples,
+                "sample_temperature": self.sample_temperature, "logprob_step": self.logprob_step,
+                "topk_values": "logprob" if self.logprob_step else "fp16"}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The mode's part of stage one's settings fingerprint, keyed as caches have always recorded it
+        (``logprob_step`` only when set, so that earlier caches' fingerprints stay the same)."""
+        return {"top_k": self.top_k, "logits": self.name, "samples": self.samples,
+                "sample_temperature": self.sample_temperature,
+                **({"logprob_step": self.logprob_step} if self.logprob_step else {})}
 
 
 class TorchHalf(Protocol):
@@ -181,7 +229,8 @@ class LogitKind:
         return []
 
     def spec_fields(self, options: LogitOptions, argument: int) -> dict[str, Any]:
-        """The ``CacheSpec`` logit fields stage one writes: ``top_k``, ``samples``, ``logprob_step``."""
+        """The mode's ``LogitSettings`` fields from stage one's options: ``top_k``, ``samples``, ``logprob_step``
+        (``settings_of`` adds the kind and the temperature)."""
         return {"top_k": 0, "samples": 0, "logprob_step": 0.0}
 
     def capture_chunk(self, chunk_tokens: int) -> int:
@@ -303,6 +352,19 @@ def parse(value: str) -> tuple[LogitKind, int]:
     except LogitKindError:
         raise LogitKindError(f"logits: got {value!r}, expected {usage()}") from None
     return kind, kind.parse_argument(argument)
+
+
+def settings_of(value: str | None, options: LogitOptions) -> LogitSettings:
+    """The ``LogitSettings`` of a ``--logits`` value (``sampled:12``; None: no feature ``logits``) and the mode's
+    options, which passed their checks.
+
+    Raises:
+        LogitKindError: an unknown mode, or an argument it does not take.
+    """
+    if value is None:
+        return LogitSettings(None, sample_temperature=options.sample_temperature)
+    kind, argument = parse(value)
+    return LogitSettings(kind, sample_temperature=options.sample_temperature, **kind.spec_fields(options, argument))
 
 
 def usage() -> str:

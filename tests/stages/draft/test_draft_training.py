@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.common.draft_inputs import read_draft_inputs
 from kdcache.stages.draft.export import export_draft, load_draft
 from kdcache.stages.draft.training import DraftOptions, new_draft
 from kdcache.stages.draft.vocab import DraftVocab, restrict_logits, restrict_topk
+from kdcache.stages.targets.draft.draft_inputs import read_draft_inputs
 from kdcache.storage import CacheReader
 from tests.helpers.tiny_models import make_tiny_llama, sample_texts
 from tests.stages.train._train_support import precompute_cache

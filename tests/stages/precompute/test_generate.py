@@ -281,7 +281,7 @@ def _forced_scores(opts: dict[str, Any], ids: np.ndarray) -> dict[str, Any]:
     config = read_config(plan.teacher)
     targets = resolve_targets(options, config)
     loaded = load_teacher(plan.teacher, config, targets, load_tokenizer(plan.teacher), pick_device("cpu"))
-    return with_score_rules(targets, loaded.model, TokenStreams({"": [ids]}, {}), loaded.device).attention_scores
+    return with_score_rules(targets, loaded.model, TokenStreams({"": [ids]}, {}), loaded.device).attention.scores
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from kdcache.stages.precompute.background import BackgroundWriter
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
 from kdcache.stages.precompute.core.plan import PrecomputePlan
 from kdcache.stages.precompute.rows.batching import Partition, collate, plan_batches
-from kdcache.stages.targets import attention as attention_sources
+from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 from kdcache.storage.core.errors import Fp16OverflowError
 
 
@@ -206,6 +206,27 @@ def test_an_explicit_default_hidden_codec_keeps_the_settings_fingerprint(tiny_gp
     assert settings(hidden_codec="fp16") == plain  # the fp16 dtype's own codec, given explicitly
     assert settings(hidden_codec="bf16", dtype="bf16") == settings(dtype="bf16")
     assert settings(hidden_codec="int8")["hidden_codec"]["name"] == "int8"
+
+
+def test_the_targets_carry_each_familys_record_whole_into_the_spec_and_the_fingerprint(tiny_gpt2: Path,
+                                                                                        tmp_path: Path) -> None:
+    from kdcache.stages.precompute.cache_spec import build_spec
+    from kdcache.stages.precompute.core.targets import resolve_targets, settings_fingerprint
+    from kdcache.stages.precompute.rows.data import TokenStreams
+    from kdcache.stages.precompute.teacher import read_config
+
+    options = PrecomputeOptions.of(teacher=str(tiny_gpt2), data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "c"),
+                                   features=("hidden", "attention", "logits"), layers=("1",),
+                                   logits_mode="sampled:7", sample_temperature=0.5)
+    plan = PrecomputePlan.of(options)
+    targets = resolve_targets(options, read_config(plan.teacher))
+    assert targets.logit == options.targets.logit_settings and targets.logit.kind is logit_kinds.get("sampled")
+    assert targets.attention == options.targets.attention_settings and targets.source is attention_sources.get("maps")
+    spec = build_spec(plan.write, targets, TokenStreams({"": [np.arange(5, dtype=np.int32)]}, {}))
+    assert (spec.logits, spec.samples, spec.sample_temperature, spec.top_k, spec.attention_source) == (
+        "sampled", 7, 0.5, 0, "maps")
+    fingerprint = settings_fingerprint(options, targets)
+    assert fingerprint.items() >= {**targets.logit.fingerprint(), **targets.attention.fingerprint()}.items()
 
 
 def test_the_devices_gather_cuts_the_same_sequences_as_the_hosts_views(tiny_llama: Path, tmp_path: Path) -> None:

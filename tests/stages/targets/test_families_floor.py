@@ -1,6 +1,6 @@
 """``stages/targets/`` is a floor below the stages (docs/architecture.md, "Folders are floors"): no module of a target
 family imports ``stages.precompute``, ``stages.train`` or ``stages.draft``, at its top or inside a function, and
-each family's registry loads without torch."""
+each family's registry (and the draft family's preset) loads without torch."""
 
 from __future__ import annotations
 
@@ -41,9 +41,11 @@ def test_no_family_module_imports_a_stage() -> None:
     assert not found, "a target family sits below the stages:\n" + "\n".join(found)
 
 
-def test_the_three_registries_load_without_torch_or_transformers() -> None:
+def test_the_three_registries_and_the_draft_preset_load_without_torch_or_transformers() -> None:
+    # The draft family's preset is read by stage one's options, on the light path; its draft_inputs is torch.
     code = ("import sys; from kdcache.stages.targets import attention, hidden, logits; "
-            "print(len(logits.names()), len(attention.names()), len(hidden.HIDDEN_LOSSES), "
+            "from kdcache.stages.targets.draft.draft_layers import draft_layers; "
+            "print(len(logits.names()), len(attention.names()), len(hidden.HIDDEN_LOSSES), draft_layers(8), "
             "'torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["4", "3", "5", "False", "False"]
+    assert out.split() == ["4", "3", "5", "(2,", "4,", "5)", "False", "False"]

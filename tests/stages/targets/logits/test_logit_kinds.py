@@ -7,6 +7,7 @@ teacher and positive for another one.
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ import torch
 from kdcache.stages.precompute.core.options import TargetOptions
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.logits import KlSetup, LogitKindError
+from kdcache.stages.targets.logits.topk import STEP_PER_TOLERANCE
 from kdcache.storage import CacheSpec
 from kdcache.storage.core.logit_layouts import LAYOUTS, TOPK_MASS
 
@@ -42,9 +44,26 @@ def _options(**overrides: Any) -> TargetOptions:
     return TargetOptions(**{"features": ("logits",), "top_k": 4, **overrides})
 
 
-def _spec(name: str, fields: dict[str, Any]) -> CacheSpec:
-    return CacheSpec(num_sequences=1, logits=name, vocab_size=V, sample_temperature=1.0,
-                     topk_values="logprob" if fields["logprob_step"] else "fp16", **fields)
+def _spec(value: str, options: TargetOptions | None = None) -> CacheSpec:
+    """The spec of ``--logits value``: the family's settings record, whole, as stage one's targets hand it over."""
+    return CacheSpec(num_sequences=1, vocab_size=V, **logit_kinds.settings_of(value, options or _options()).spec_fields())
+
+
+def test_a_modes_settings_are_one_record_from_the_options_to_the_spec_and_the_fingerprint() -> None:
+    options = _options(logits_mode="sampled:12", sample_temperature=0.7)
+    settings = options.logit_settings
+    assert settings == logit_kinds.settings_of("sampled:12", options) and settings.kind is logit_kinds.get("sampled")
+    assert pickle.loads(pickle.dumps(settings)) == settings  # equal by the mode's name, as a worker's copy is
+    spec = CacheSpec(num_sequences=1, vocab_size=V, **settings.spec_fields())
+    assert (spec.logits, spec.samples, spec.sample_temperature, spec.top_k, spec.topk_values) == (
+        "sampled", 12, 0.7, 0, "fp16")
+    assert settings.fingerprint() == {"top_k": 0, "logits": "sampled", "samples": 12, "sample_temperature": 0.7}
+    logprob = _options(topk_values="logprob", logprob_tolerance=0.01).logit_settings
+    assert logprob.fingerprint()["logprob_step"] == STEP_PER_TOLERANCE * 0.01  # the same product as the kind's
+    assert logprob.spec_fields()["topk_values"] == "logprob"
+    none = TargetOptions(features=("hidden",), sample_temperature=0.7).logit_settings
+    assert none.kind is None and none.logit_layout is None and none.spec_fields()["logits"] is None
+    assert none.fingerprint() == {"top_k": 0, "logits": None, "samples": 0, "sample_temperature": 0.7}
 
 
 def test_every_kind_has_a_storage_layout_of_its_name() -> None:
@@ -70,7 +89,8 @@ def test_a_bad_argument_is_refused_naming_it(value: str) -> None:
 def test_the_options_report_a_bad_mode_as_a_problem() -> None:
     problems = _options(logits_mode="sampled:300").validate()
     assert any("sampled:300" in p and "1..255" in p for p in problems)
-    assert _options(logits_mode="sampled:255").samples == 255 and _options(logits_mode="topk").samples == 0
+    assert _options(logits_mode="sampled:255").logit_settings.samples == 255
+    assert _options(logits_mode="topk").logit_settings.samples == 0
     assert _options(top_k=0).validate() == ["top_k: got 0, must be >= 1"]
 
 
@@ -78,7 +98,7 @@ def test_the_options_report_a_bad_mode_as_a_problem() -> None:
 def test_each_kind_round_trips_parse_spec_capture_and_loss(name: str) -> None:
     kind, argument = logit_kinds.parse(VALUES[name])
     assert kind.name == name and argument == (40 if name == "sampled" else 0)
-    spec = _spec(name, kind.spec_fields(_options(), argument))
+    spec = _spec(VALUES[name])
     torch.manual_seed(0)
     teacher, mask = torch.randn(B, L, V), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     captured = kind.capture(teacher, spec, torch.Generator().manual_seed(1))
@@ -101,7 +121,7 @@ def test_each_kind_round_trips_parse_spec_capture_and_loss(name: str) -> None:
 
 def test_topk_with_logprob_values_captures_log_probabilities_without_the_logsumexp() -> None:
     kind = logit_kinds.get("topk")
-    spec = _spec("topk", kind.spec_fields(_options(topk_values="logprob"), 0))
+    spec = _spec("topk", _options(topk_values="logprob"))
     logits = torch.randn(3, V)
     kept = kind.capture(logits, spec)
     assert "logits/lse" not in kept and sorted(set(kept) - {TOPK_MASS}) == sorted(spec.logit_arrays())

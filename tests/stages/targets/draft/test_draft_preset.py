@@ -2,8 +2,8 @@
 
 import pytest
 
-from kdcache.stages.common.draft_layers import draft_layers, is_draft_preset
 from kdcache.stages.precompute.core.options import parse_layers
+from kdcache.stages.targets.draft.draft_layers import draft_layers, is_draft_preset
 
 
 def test_draft_preset_is_eagle3s_low_middle_high_layers():

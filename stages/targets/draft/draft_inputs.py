@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from safetensors.torch import load, save
 
-from kdcache.stages.common.draft_layers import DRAFT_PRESET, draft_layers, is_draft_preset
+from kdcache.stages.targets.draft.draft_layers import DRAFT_PRESET, draft_layers, is_draft_preset
 from kdcache.storage import KdcacheError, canonical_json, folder_is_complete, hash_bytes, put_files, read_json
 
 if TYPE_CHECKING:
