@@ -191,7 +191,7 @@ class _DraftRun:
                 out = self.engine(to_device(batch, self.dist.device, self.reader.spec.hidden_codec, projection))
                 self.engine.backward(out["loss"])
                 self.engine.step()
-                self.losses.append({"loss": float(out["loss"]), "accuracy": float(out["accuracy"])})
+                self.losses.append({"loss": float(out["loss"].detach()), "accuracy": float(out["accuracy"])})
                 self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.options.batch_size,
                                               stream.steps_per_epoch)
                 step, every, stopping = int(self.engine.global_steps), self.options.save_every, stop.requested()
