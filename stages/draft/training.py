@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.common import logit_kinds
-from kdcache.stages.common.device_codecs import load_projection
+from kdcache.stages.common.device_codecs import Projection, load_projection
 from kdcache.stages.common.draft_inputs import read_draft_inputs
 from kdcache.stages.common.teacher_head import load_teacher_head
 from kdcache.stages.draft.export import LAYOUTS, export_draft
@@ -182,26 +182,29 @@ class _DraftRun:
         """Optimiser steps up to ``max_steps`` (epochs repeat); per step its loss and step-0 accuracy. A signal
         (Ctrl-C, SIGTERM) ends the step under way, saves, and raises ``TrainingInterrupted``."""
         projection = load_projection(self.reader)
-        batches = iter(stream)
+        batches = iter(stream)  # CacheStream repeats epochs: it never ends
         self.engine.train()
         with StopOnSignal(self.dist.world_size, announce=self.dist.rank == 0) as stop:
             while self.engine.global_steps < self.options.max_steps:
-                batch = next(batches)  # CacheStream repeats epochs: it never ends
-                epoch, step_in_epoch = batch.pop("epoch"), batch.pop("step_in_epoch")
-                out = self.engine(to_device(batch, self.dist.device, self.reader.spec.hidden_codec, projection))
-                self.engine.backward(out["loss"])
-                self.engine.step()
-                self.losses.append({"loss": float(out["loss"].detach()), "accuracy": float(out["accuracy"])})
-                self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.options.batch_size,
-                                              stream.steps_per_epoch)
+                self._step(next(batches), projection, stream.steps_per_epoch)
                 step, every, stopping = int(self.engine.global_steps), self.options.save_every, stop.requested()
                 if stopping or (every and step % every == 0 and step < self.options.max_steps):
                     self._save()
                 if stopping:
                     raise TrainingInterrupted(stop.signum, step, self.options.out)
             if self.engine.global_steps > (self.resumed_from or 0) or not ckpt.has_checkpoint(self.options.out):
-                self._save()
+                self._save()  # the last one, unless a resumed run had no step left to take
         return self.losses
+
+    def _step(self, batch: dict[str, Any], projection: Projection | None, steps_per_epoch: int) -> None:
+        """One optimiser step on a host batch; its loss and accuracy kept, and the stream's position after it."""
+        epoch, step_in_epoch = batch.pop("epoch"), batch.pop("step_in_epoch")
+        out = self.engine(to_device(batch, self.dist.device, self.reader.spec.hidden_codec, projection))
+        self.engine.backward(out["loss"])
+        self.engine.step()
+        self.losses.append({"loss": float(out["loss"].detach()), "accuracy": float(out["accuracy"])})
+        self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.options.batch_size,
+                                      steps_per_epoch)
 
     def _save(self) -> None:
         data = {**self.position.to_dict(), "world_size": self.dist.world_size, "batch_size": self.options.batch_size,
