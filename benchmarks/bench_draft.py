@@ -19,7 +19,7 @@ machine the ratios, not the seconds, are the figures to read.
 ``--target large`` swaps step 1's target for a Llama of 12 blocks at d = 512 (32 M parameters): its cached decode
 step costs several times a call into the one-layer head, where the default target's step costs about what any call
 costs, so only there can a draft's tau turn into wall-clock time on the CPU. Everything else is built the same way
-(the student keeps the target's first and last blocks; pca8 keeps rank d / 4).
+(the student keeps the target's first and last blocks).
 
 ``--profile`` adds, per drafter, where a speculative run's time goes: the drafter's calls, the target's verify
 passes (K + 1 positions each), its prefill and cache crops, and the host's work between them (acceptance, joins),
@@ -91,13 +91,13 @@ def train_target(work: Path, texts: list[str], steps: int, shape: dict[str, int]
 
 
 def build_cache(work: Path, target: Path, data: Path, codec: str, hidden: int) -> tuple[Path, float]:
-    """A draft cache with hidden codec ``codec`` (pca8: rank 64, or d / 4 above d = 256); its shard bytes per
-    token."""
+    """A draft cache with hidden codec ``codec`` (pca8 codes all d PCA coefficients: ``--hidden-rank d``); its
+    shard bytes per token."""
     from kdcache.storage import CacheReader
 
     out = work / f"cache-{codec}"
     if not (out / "manifest.json").exists():
-        rank = ["--hidden-rank", str(max(64, hidden // 4))] if codec == "pca8" else []
+        rank = ["--hidden-rank", str(hidden)] if codec == "pca8" else []
         kdcache("precompute", "--teacher", str(target), "--data", str(data), "--out", str(out), "--layers", "draft",
                 "--features", "hidden,logits", "--logits", "head", "--hidden-codec", codec, *rank,
                 "--max-length", "48", "--sequences-per-shard", "256", "--no-progress")
