@@ -16,8 +16,17 @@ crops the rejected ones off its cache; the EAGLE-3 head and the KD student keep 
 ``draft-eval --repeats`` alternates the target alone with each drafter and keeps the best of each side; on a shared
 machine the ratios, not the seconds, are the figures to read.
 
-Usage: ``python benchmarks/bench_draft.py [--work DIR --target-steps 400 --draft-steps 200 --prompts 24 --k 4
---repeats 3]``;
+``--target large`` swaps step 1's target for a Llama of 12 blocks at d = 512 (32 M parameters): its cached decode
+step costs several times a call into the one-layer head, where the default target's step costs about what any call
+costs, so only there can a draft's tau turn into wall-clock time on the CPU. Everything else is built the same way
+(the student keeps the target's first and last blocks).
+
+``--profile`` adds, per drafter, where a speculative run's time goes: the drafter's calls, the target's verify
+passes (K + 1 positions each), its prefill and cache crops, and the host's work between them (acceptance, joins),
+against one cached target step of the target alone; in this process, one torch thread, one pass over the prompts.
+
+Usage: ``python benchmarks/bench_draft.py [--target tiny|large --profile --work DIR --target-steps 400 --draft-steps 200
+--prompts 24 --k 4 --repeats 3]``;
 prints JSON and a markdown table. The GPU check runs it smaller, with ``--codecs fp16 --device cuda``.
 """
 
@@ -35,6 +44,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 CODECS = ("fp16", "int8", "pca8")
+# The target's shape per --target: the default's step costs about a call; the large one's several draft calls.
+TARGETS: dict[str, dict[str, int]] = {
+    "tiny": {"layers": 8, "hidden": 64, "heads": 4, "kv_heads": 4, "intermediate": 128},
+    "large": {"layers": 12, "hidden": 512, "heads": 8, "kv_heads": 8, "intermediate": 1024},
+}
 
 
 def kdcache(*argv: str) -> str:
@@ -45,8 +59,8 @@ def kdcache(*argv: str) -> str:
     return done.stdout
 
 
-def train_target(work: Path, texts: list[str], steps: int) -> Path:
-    """The tiny Llama, trained ``steps`` AdamW steps of 16 sequences x 32 tokens on ``texts``."""
+def train_target(work: Path, texts: list[str], steps: int, shape: dict[str, int]) -> Path:
+    """A Llama of ``shape`` (``TARGETS``), trained ``steps`` AdamW steps of 16 sequences x 32 tokens on ``texts``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -55,7 +69,7 @@ def train_target(work: Path, texts: list[str], steps: int) -> Path:
     path = work / "target"
     if (path / "trained").exists():
         return path
-    make_tiny_llama(path, layers=8, hidden=64, heads=4, kv_heads=4, intermediate=128, vocab_size=512, texts=texts)
+    make_tiny_llama(path, **shape, vocab_size=512, texts=texts)
     from transformers import AutoTokenizer
 
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
@@ -76,13 +90,14 @@ def train_target(work: Path, texts: list[str], steps: int) -> Path:
     return path
 
 
-def build_cache(work: Path, target: Path, data: Path, codec: str) -> tuple[Path, float]:
-    """A draft cache with hidden codec ``codec``; its shard bytes per token."""
+def build_cache(work: Path, target: Path, data: Path, codec: str, hidden: int) -> tuple[Path, float]:
+    """A draft cache with hidden codec ``codec`` (pca8 codes all d PCA coefficients: ``--hidden-rank d``); its
+    shard bytes per token."""
     from kdcache.storage import CacheReader
 
     out = work / f"cache-{codec}"
     if not (out / "manifest.json").exists():
-        rank = ["--hidden-rank", "64"] if codec == "pca8" else []
+        rank = ["--hidden-rank", str(hidden)] if codec == "pca8" else []
         kdcache("precompute", "--teacher", str(target), "--data", str(data), "--out", str(out), "--layers", "draft",
                 "--features", "hidden,logits", "--logits", "head", "--hidden-codec", codec, *rank,
                 "--max-length", "48", "--sequences-per-shard", "256", "--no-progress")
@@ -90,11 +105,11 @@ def build_cache(work: Path, target: Path, data: Path, codec: str) -> tuple[Path,
     return out, size / CacheReader(out).num_tokens
 
 
-def train_student(work: Path, target: Path, cache: Path, steps: int) -> Path:
-    """The KD student: blocks 1 and 8 of the target, trained from the fp16 cache (CE + KL on the head)."""
+def train_student(work: Path, target: Path, cache: Path, steps: int, layers: int) -> Path:
+    """The KD student: the target's first and last blocks, trained from the fp16 cache (CE + KL on the head)."""
     student, run = work / "student-init", work / "student-run"
     if not (run / "student").exists():
-        kdcache("init-student", "--teacher", str(target), "--layers", "1,8", "--out", str(student))
+        kdcache("init-student", "--teacher", str(target), "--layers", f"1,{layers}", "--out", str(student))
         kdcache("train", "--cache", str(cache), "--student", str(student), "--out", str(run), "--max-steps",
                 str(steps), "--batch-size", "8", "--gamma", "0", "--lr", "1e-3", "--quiet")
     return run / "student"
@@ -117,11 +132,75 @@ def evaluate(target: Path, prompts: Path, draft: Path | None, student: Path | No
                               str(args.repeats), *extra, "--device", args.device, "--json"))
 
 
+class _Timed:
+    """``inner`` with the seconds spent in each of its methods ``spans`` ({method: label}) added to ``clock``;
+    every other attribute is the inner object's."""
+
+    def __init__(self, inner: Any, spans: dict[str, str], clock: dict[str, float]):
+        self._inner, self._spans, self._clock = inner, spans, clock
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if name not in self._spans:
+            return value
+
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return value(*args)
+            finally:
+                label = self._spans[name]
+                self._clock[label] = self._clock.get(label, 0.0) + time.perf_counter() - start
+        return timed
+
+
+TARGET_SPANS = {"start": "prefill", "extend": "target passes", "crop": "crops"}
+DRAFT_SPANS = {"propose": "draft calls"}
+
+
+def profile(target: Path, prompts: Path, draft: Path, student: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Per drafter: milliseconds per round in its calls, the verify pass, prefill and crops, and the host's rest;
+    the target alone's milliseconds per cached step; tau and the speed-up of this one pass."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kdcache.stages.draft.decoding import Sampling, speculative_generate, target_generate
+    from kdcache.stages.draft.drafters import Eagle3Drafter, hf_target
+    from kdcache.stages.draft.evaluation import EvalOptions, drafters_for, load_prompts
+
+    options = EvalOptions(str(target), str(prompts), str(draft), str(student), args.k, args.max_new,
+                          prompt_tokens=16, device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    ids = load_prompts(options, AutoTokenizer.from_pretrained(target))
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        alone: dict[str, float] = {}
+        timed = _Timed(hf_target(model), TARGET_SPANS, alone)
+        tokens = sum(len(target_generate(timed, p, args.max_new, Sampling(0.0)).tokens) for p in ids)
+        step_ms = 1e3 * alone["target passes"] / max(1, tokens - len(ids))  # the first token comes from prefill
+        for drafter in drafters_for(options, model):
+            layers = drafter.draft.shape.layers if isinstance(drafter, Eagle3Drafter) else None
+            clock: dict[str, float] = {}
+            start = time.perf_counter()
+            spec, draws = _Timed(hf_target(model, layers), TARGET_SPANS, clock), _Timed(drafter, DRAFT_SPANS, clock)
+            runs = [speculative_generate(spec, draws, p, args.max_new, args.k, Sampling(0.0)) for p in ids]
+            total = time.perf_counter() - start
+            rounds = sum(len(g.rounds) for g in runs)
+            clock["host"] = total - sum(clock.values())
+            out[drafter.name] = {"ms_per_round": {k: round(1e3 * v / rounds, 3) for k, v in clock.items()},
+                                 "tau": sum(kept + 1 for _, kept in (r for g in runs for r in g.rounds)) / rounds,
+                                 "target_step_ms": round(step_ms, 3), "speedup": sum(alone.values()) / total}
+    return out
+
+
 def main() -> None:
     from kdcache.pipeline.demo_text import stdlib_sentences
 
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="/tmp/kdcache-bench-draft")
+    parser.add_argument("--target", choices=sorted(TARGETS), default="tiny",
+                        help="the target's shape (TARGETS): tiny (8 blocks, d = 64; the default) or large (12 "
+                             "blocks, d = 512: a step that costs more than a draft call)")
+    parser.add_argument("--work", default=None, help="default /tmp/kdcache-bench-draft, -large for --target large")
     parser.add_argument("--target-steps", type=int, default=400)
     parser.add_argument("--draft-steps", type=int, default=200)
     parser.add_argument("--prompts", type=int, default=24)
@@ -131,20 +210,23 @@ def main() -> None:
     parser.add_argument("--codecs", default=",".join(CODECS), help="hidden codecs of the draft caches")
     parser.add_argument("--device", default="auto", help="draft-eval's --device (the GPU check: cuda)")
     parser.add_argument("--json", default=None, help="also write the result here")
+    parser.add_argument("--profile", action="store_true", help="also time each part of a round per drafter "
+                                                               "(the fp16 head): draft calls, verify passes, host")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(1)  # a shared 2-core box: one thread per process wastes no time spinning
-    work = Path(args.work)
+    shape = TARGETS[args.target]
+    work = Path(args.work or "/tmp/kdcache-bench-draft" + ("" if args.target == "tiny" else f"-{args.target}"))
     work.mkdir(parents=True, exist_ok=True)
     texts = stdlib_sentences(limit=2400)
     train, held = texts[:2000], texts[2000:2000 + args.prompts]
     (work / "train.txt").write_text("\n".join(train) + "\n")
     (work / "prompts.txt").write_text("\n".join(held) + "\n")
     start = time.perf_counter()
-    target = train_target(work, train, args.target_steps)
-    caches = {c: build_cache(work, target, work / "train.txt", c) for c in args.codecs.split(",")}
-    student = train_student(work, target, caches["fp16"][0], args.draft_steps)
+    target = train_target(work, train, args.target_steps, shape)
+    caches = {c: build_cache(work, target, work / "train.txt", c, shape["hidden"]) for c in args.codecs.split(",")}
+    student = train_student(work, target, caches["fp16"][0], args.draft_steps, shape["layers"])
     rows: dict[str, Any] = {}
     for codec, (cache, per_token) in caches.items():
         head = train_head(work, cache, codec, args.draft_steps)
@@ -152,9 +234,13 @@ def main() -> None:
         for name, figures in report["drafters"].items():
             label = f"EAGLE-3 head ({codec} cache)" if name == "EAGLE-3 head" else name
             rows.setdefault(label, {**figures, "bytes_per_token": per_token if "EAGLE" in label else None})
-    result = {"load": os.getloadavg(), "k": args.k, "repeats": args.repeats,
+    if args.profile:
+        head = work / f"eagle3-{next(iter(caches))}"
+        rows_profile = profile(target, work / "prompts.txt", head, student, args)
+    result = {"load": os.getloadavg(), "target": {"name": args.target, **shape}, "k": args.k, "repeats": args.repeats,
               "seconds": time.perf_counter() - start, "rows": rows,
-              "target_loss": (target / "trained").read_text().strip()}
+              "target_loss": (target / "trained").read_text().strip(),
+              **({"profile": rows_profile} if args.profile else {})}
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -163,6 +249,10 @@ def main() -> None:
         per = " ".join(f"{a:.2f}" for a in f["per_position"] if a is not None)
         size = "" if f["bytes_per_token"] is None else f"{f['bytes_per_token']:.0f}"
         print(f"| {label} | {f['tau']:.2f} | {f['speedup']:.2f}x | {per} | {size} |")
+    for name, f in result.get("profile", {}).items():
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in f["ms_per_round"].items())
+        print(f"profile {name}: tau {f['tau']:.2f}, speed-up {f['speedup']:.2f}x; ms per round: {parts}; "
+              f"target alone {f['target_step_ms']:.2f} ms per step")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,17 @@ The cache is read as ``kdcache train`` reads it (``CacheStream``, decoded on the
 cache's hidden codec), and the head trains under the same DeepSpeed engine set-up (``engine.build_engine``). What
 the draft needs beside the three layers comes from the cache too: the target's embedding and token counts
 (``draft/``), its next-token distribution (the logits, or ``teacher_head/`` on the last layer).
+
+Checkpoints are stage two's (``stages.train.checkpoint``): every ``save_every`` steps and at the end, with the
+stream's position and the losses so far in the client state, so ``resume`` reads exactly the batches an
+uninterrupted run would have read next (the order is a pure function of seed, epoch and shard ranges) and ends
+with its weights. The run folder's rules are train's (``run_record``).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,15 +25,19 @@ import torch
 from kdcache.stages.draft.export import LAYOUTS, export_draft
 from kdcache.stages.draft.model import DraftShape, Eagle3Draft, default_heads
 from kdcache.stages.draft.objective import DraftObjective, distribution_arrays
+from kdcache.stages.draft.run_record import check_out, check_resume, write_record
 from kdcache.stages.draft.vocab import DraftInputError, DraftVocab
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.draft.draft_inputs import read_draft_inputs
-from kdcache.stages.targets.hidden.device_codecs import load_projection
+from kdcache.stages.targets.hidden.device_codecs import Projection, load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
+from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.core.options import TrainOptions
-from kdcache.stages.train.engine import build_engine, init_distributed
-from kdcache.stages.train.feed.streaming import CacheStream, to_device
-from kdcache.storage import CacheReader, KdcacheError
+from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
+from kdcache.stages.train.feed.streaming import CacheStream, DataPosition, check_resumable, next_position, to_device
+from kdcache.stages.train.interrupt import TrainingInterrupted
+from kdcache.stages.train.stop_on_signal import StopOnSignal
+from kdcache.storage import CacheReader
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -50,14 +60,16 @@ class DraftOptions:
     heads: int = 0  # 0: default_heads(d)
     intermediate: int = 0  # 0: 4 d
     layout: str = "speculators"  # export.LAYOUTS: speculators (vLLM reads it) or sglang
+    save_every: int = 0  # a checkpoint every N steps (0: at the end only)
+    resume: bool = False  # continue from the latest checkpoint in out, under its record
 
     def problems(self) -> list[str]:
         """Values out of range, each with what was expected."""
-        checks = [("ttt_steps", self.ttt_steps, "at least 1 (the steps a draft is trained to chain)"),
-                  ("max_steps", self.max_steps, "at least 1"),
-                  ("batch_size", self.batch_size, "at least 1")]
+        checks = [("ttt_steps", self.ttt_steps, 1, "at least 1 (the steps a draft is trained to chain)"),
+                  ("max_steps", self.max_steps, 1, "at least 1"), ("batch_size", self.batch_size, 1, "at least 1"),
+                  ("save_every", self.save_every, 0, "at least 0 (0: a checkpoint at the end only)")]
         out = [f"--{name.replace('_', '-')}: got {value}, expected {wanted}"
-               for name, value, wanted in checks if value < 1]
+               for name, value, least, wanted in checks if value < least]
         return out + ([] if self.layout in LAYOUTS else
                       [f"--layout: got {self.layout!r}, expected one of {', '.join(LAYOUTS)}"])
 
@@ -96,11 +108,20 @@ def new_draft(tensors: dict[str, torch.Tensor], info: dict[str, Any], options: D
 
 
 def run_draft(options: DraftOptions) -> dict[str, Any]:
-    """Train, export to ``options.out``, and return a summary (steps, first and last loss, accuracy per step)."""
+    """Train (or, with ``resume``, go on training), export to ``options.out``, and return a summary (steps, first
+    and last loss, accuracy per step).
+
+    Raises:
+        DraftInputError: bad values, a cache without the draft's inputs, an ``out`` holding a draft or a checkpoint
+            without ``resume``; ``RunChangedError``: a resume whose options or cache differ from the run's record.
+    """
     problems = options.problems()
     if problems:
         raise DraftInputError("; ".join(problems))
+    check_out(options.out, options.resume)  # before the cache is read: a taken folder costs nothing
     reader, tensors, info = open_draft_cache(options.cache)
+    if options.resume:  # before anything is written: a refused resume leaves the run folder as it was
+        check_resume(asdict(options), reader.fingerprints)
     kind = logit_kinds.of(reader.spec.logit_layout)
     names = ["input_ids", *(f"hidden/{j}" for j in info["layers"]), *distribution_arrays(reader.spec, kind)]
     assert kind is not None  # distribution_arrays refused a cache without logits
@@ -109,17 +130,20 @@ def run_draft(options: DraftOptions) -> dict[str, Any]:
     head = load_teacher_head(reader.store, reader.spec.hidden_layers) if kind.teacher_head else None
     objective = DraftObjective(draft, kind, head, options.ttt_steps).to(dist_info.device)
     engine = build_engine(objective, _engine_options(options), dist_info.device)
+    run = _DraftRun(options, engine, reader, dist_info)
     stream = CacheStream(reader, sorted(set(names)), batch_size=options.batch_size, seed=options.seed,
-                         rank=dist_info.rank, world_size=dist_info.world_size)
+                         rank=dist_info.rank, world_size=dist_info.world_size, start=run.position)
+    if dist_info.rank == 0:
+        write_record(asdict(options), reader.fingerprints, dist_info.world_size)
     start = time.perf_counter()
-    losses = _loop(engine, stream, reader, options.max_steps, dist_info.device)
+    losses = run.train(stream)
     out = Path(options.out)
     if dist_info.rank == 0:
         target = {**info, "name_or_path": reader.fingerprints.get("teacher", {}).get("name_or_path")}
         export_draft(draft, out, target, options.ttt_steps, options.layout)
         (out / "draft_run.json").write_text(json.dumps({"options": asdict(options), "losses": losses}, indent=1))
     return {"steps": len(losses), "layout": options.layout, "first_loss": losses[0]["loss"],
-            "last_loss": losses[-1]["loss"],
+            "last_loss": losses[-1]["loss"], "resumed_from": run.resumed_from,
             "last_accuracy": losses[-1]["accuracy"], "out": str(out), "seconds": time.perf_counter() - start}
 
 
@@ -129,17 +153,63 @@ def _engine_options(options: DraftOptions) -> TrainOptions:
                            lr=options.lr, seed=options.seed, warmup_steps=0)
 
 
-def _loop(engine: DeepSpeedEngine, stream: CacheStream, reader: CacheReader, steps: int,
-          device: torch.device) -> list[dict[str, float]]:
-    """``steps`` optimiser steps over the stream (epochs repeat); per step its loss and step-0.. accuracy."""
-    projection = load_projection(reader)
-    losses: list[dict[str, float]] = []
-    engine.train()
-    for batch in stream:
-        out = engine(to_device(batch, device, reader.spec.hidden_codec, projection))
-        engine.backward(out["loss"])
-        engine.step()
-        losses.append({"loss": float(out["loss"]), "accuracy": float(out["accuracy"])})
-        if len(losses) >= steps:
-            return losses
-    raise KdcacheError("the cache ran out of batches")  # CacheStream repeats epochs; never reached
+class _DraftRun:
+    """The step loop with stage two's checkpoints: the stream's position and the losses so far travel in each
+    checkpoint's client state; a resumed run restores them with the weights, optimiser and step count."""
+
+    def __init__(self, options: DraftOptions, engine: DeepSpeedEngine, reader: CacheReader, dist_info: DistInfo):
+        self.options, self.engine, self.reader, self.dist = options, engine, reader, dist_info
+        self.position, self.losses = DataPosition(), list[dict[str, float]]()
+        self.resumed_from: int | None = None
+        self.checkpoint_bytes = ckpt.estimate_bytes(engine.module, bool(engine.bfloat16_enabled()
+                                                                         or engine.fp16_enabled()))
+        if options.resume:
+            self._restore()
+        every = options.save_every
+        count = (options.max_steps - 1) // every + 1 if every else 1  # the periodic ones, and the last
+        line = ckpt.check_room(options.out, self.checkpoint_bytes, count)
+        if dist_info.rank == 0:
+            print(f"kdcache draft: {line}", file=sys.stderr)
+
+    def _restore(self) -> None:
+        state = ckpt.load_latest(self.engine, self.options.out)
+        if state is None:
+            raise DraftInputError(f"--resume: no checkpoint in {Path(self.options.out) / ckpt.CHECKPOINT_DIR}")
+        self.position = check_resumable(state["data"], self.dist.world_size, self.options.batch_size,
+                                        self.options.seed)
+        self.losses, self.resumed_from = list(state["losses"]), int(state["step"])
+
+    def train(self, stream: CacheStream) -> list[dict[str, float]]:
+        """Optimiser steps up to ``max_steps`` (epochs repeat); per step its loss and step-0 accuracy. A signal
+        (Ctrl-C, SIGTERM) ends the step under way, saves, and raises ``TrainingInterrupted``."""
+        projection = load_projection(self.reader)
+        batches = iter(stream)  # CacheStream repeats epochs: it never ends
+        self.engine.train()
+        with StopOnSignal(self.dist.world_size, announce=self.dist.rank == 0) as stop:
+            while self.engine.global_steps < self.options.max_steps:
+                self._step(next(batches), projection, stream.steps_per_epoch)
+                step, every, stopping = int(self.engine.global_steps), self.options.save_every, stop.requested()
+                if stopping or (every and step % every == 0 and step < self.options.max_steps):
+                    self._save()
+                if stopping:
+                    raise TrainingInterrupted(stop.signum, step, self.options.out)
+            if self.engine.global_steps > (self.resumed_from or 0) or not ckpt.has_checkpoint(self.options.out):
+                self._save()  # the last one, unless a resumed run had no step left to take
+        return self.losses
+
+    def _step(self, batch: dict[str, Any], projection: Projection | None, steps_per_epoch: int) -> None:
+        """One optimiser step on a host batch; its loss and accuracy kept, and the stream's position after it."""
+        epoch, step_in_epoch = batch.pop("epoch"), batch.pop("step_in_epoch")
+        out = self.engine(to_device(batch, self.dist.device, self.reader.spec.hidden_codec, projection))
+        self.engine.backward(out["loss"])
+        self.engine.step()
+        self.losses.append({"loss": float(out["loss"].detach()), "accuracy": float(out["accuracy"])})
+        self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.options.batch_size,
+                                      steps_per_epoch)
+
+    def _save(self) -> None:
+        data = {**self.position.to_dict(), "world_size": self.dist.world_size, "batch_size": self.options.batch_size,
+                "seed": self.options.seed}
+        ckpt.save_checkpoint(self.engine, self.options.out, step=int(self.engine.global_steps),
+                             micro_step=int(self.engine.global_steps), data_state=data,
+                             extra={"losses": self.losses}, estimate=self.checkpoint_bytes)

@@ -8,7 +8,6 @@ prompts. Bad values exit 2 with the value and what was expected (``DraftInputErr
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from kdcache import stages  # a lazy door: torch loads when a draft command runs, not for --help
 from kdcache.pipeline.cli.commands import Subcommands, print_summary
@@ -22,7 +21,8 @@ def register(subparsers: Subcommands) -> None:
                     "vocabulary head) from a cache, the target never loaded, under DeepSpeed; export it in the "
                     "layout speculators and vLLM load.")
     train.add_argument("--cache", required=True, help="a cache written with `kdcache precompute --layers draft`")
-    train.add_argument("--out", required=True, help="folder for the exported draft (must not hold one already)")
+    train.add_argument("--out", required=True, help="the run's folder: the exported draft, its checkpoints and "
+                                                    "options.json (must not hold a draft already, unless --resume)")
     train.add_argument("--ttt-steps", type=int, default=3, metavar="K",
                        help="training-time test: steps the draft is fed its own outputs (default 3)")
     train.add_argument("--draft-vocab", type=int, default=0, metavar="N",
@@ -31,8 +31,12 @@ def register(subparsers: Subcommands) -> None:
     for flag, kind, default, text in (("--max-steps", int, 200, "optimiser steps"),
                                       ("--batch-size", int, 8, "sequences per step"),
                                       ("--lr", float, 1e-3, "learning rate"), ("--seed", int, 0, "seed"),
-                                      ("--heads", int, 0, "attention heads (0: head size 64 or 8)")):
+                                      ("--heads", int, 0, "attention heads (0: head size 64 or 8)"),
+                                      ("--save-every", int, 0, "checkpoint every N steps (0: only at the end)")):
         train.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in --out with the run's own options: only "
+                            "--max-steps, --save-every and --layout may change (another option or cache is refused)")
     train.add_argument("--layout", choices=("speculators", "sglang"), default="speculators",
                        help="the export's layout: speculators' (vLLM loads it) or SGLang's EAGLE-3 checkpoint "
                             "(midlayer.* names) (default speculators)")
@@ -62,18 +66,17 @@ def register(subparsers: Subcommands) -> None:
 
 
 def run_draft(args: argparse.Namespace) -> int:
-    """Check the values, train and export; prints the summary. Returns 0."""
-    if (Path(args.out) / "config.json").exists():
-        raise stages.DraftInputError(f"--out: {args.out!r} already holds a draft (config.json); choose another "
-                                     f"folder or remove it")
+    """Check the values, train (or resume) and export; prints the summary. Returns 0."""
     options = stages.DraftOptions(args.cache, args.out, args.ttt_steps, args.draft_vocab, args.max_steps,
-                                  args.batch_size, args.lr, args.seed, args.heads, layout=args.layout)
+                                  args.batch_size, args.lr, args.seed, args.heads, layout=args.layout,
+                                  save_every=args.save_every, resume=args.resume)
     print_summary(stages.run_draft(options), args.json, _train_lines)
     return 0
 
 
 def _train_lines(summary: dict[str, object]) -> str:
-    return (f"trained the draft {summary['steps']} steps: loss {summary['first_loss']:.4f} -> "
+    resumed = "" if summary.get("resumed_from") is None else f" (resumed at step {summary['resumed_from']})"
+    return (f"trained the draft {summary['steps']} steps{resumed}: loss {summary['first_loss']:.4f} -> "
             f"{summary['last_loss']:.4f}, step-0 agreement {summary['last_accuracy']:.2f}\n"
             f"draft       {summary['out']} (config.json, model.safetensors: {summary['layout']}'s EAGLE-3 layout)")
 

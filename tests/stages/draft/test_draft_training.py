@@ -141,7 +141,8 @@ def test_bad_input_exits_2_with_a_clear_message(made, case, capsys):
                                "--draft-vocab: got 100000, expected 1.."),
         "eval K below 1": (["draft-eval", "--target", str(made["target"]), "--prompts", str(made["prompts"]),
                             "-k", "0"], "-k: got 0, expected at least 1"),
-        "out taken": (["draft", "--cache", cache, "--out", str(made["draft"])], "already holds a draft"),
+        "out taken": (["draft", "--cache", cache, "--out", str(made["draft"])],
+                      "already holds a checkpoint; pass --resume"),
         "eval device": (["draft-eval", "--target", str(made["target"]), "--prompts", str(made["prompts"]),
                          "--device", "tpu9"], "--device: 'tpu9' is not a device"),
     }[case]
