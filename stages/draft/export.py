@@ -75,7 +75,7 @@ def export_draft(draft: Eagle3Draft, out: Path, target: dict[str, Any], ttt_step
     rename = SGLANG_LAYER if layout == "sglang" else "layers.0."
     out.mkdir(parents=True, exist_ok=True)
     weights = {rename + k[len("layers.0."):] if k.startswith("layers.0.") else k: v.detach().cpu().contiguous()
-               for k, v in draft.state_dict().items() if not k.startswith("embed_tokens.")}
+               for k, v in draft.state_dict().items()}
     save_file(weights, str(out / "model.safetensors"))
     config = draft_config(draft.shape, target, ttt_steps, layout)
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
@@ -110,5 +110,5 @@ def load_draft(folder: str | Path, embedding: torch.Tensor) -> Eagle3Draft:
     weights = {"layers.0." + k[len(SGLANG_LAYER):] if k.startswith(SGLANG_LAYER) else k: v
                for k, v in weights.items()}
     draft = Eagle3Draft(shape, embedding, weights["d2t"], weights["t2d"])
-    draft.load_state_dict({**weights, "embed_tokens.weight": draft.embed_tokens.weight}, strict=True)
+    draft.load_state_dict(weights, strict=True)
     return draft.eval()

@@ -185,12 +185,15 @@ class Eagle3Draft(nn.Module):
 
     d2t: torch.Tensor
     t2d: torch.Tensor
+    embedding: torch.Tensor
 
     def __init__(self, shape: DraftShape, embedding: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor):
         super().__init__()
         d = shape.hidden_size
         self.shape = shape
-        self.embed_tokens = nn.Embedding.from_pretrained(embedding.float(), freeze=True)
+        # Frozen and read from the cache (or the target) on every load: a buffer left out of the state dict, so
+        # neither a checkpoint nor the export carries the target's [V, d] (2 GiB in float32 at V = 128k, d = 4096).
+        self.register_buffer("embedding", embedding.float(), persistent=False)
         self.fc = nn.Linear(3 * d, d, bias=False)
         self.layers = nn.ModuleList([DraftLayer(shape)])
         self.norm = RMSNorm(d, shape.rms_norm_eps)
@@ -212,7 +215,7 @@ class Eagle3Draft(nn.Module):
         """One step: target ids ``tokens [B, S]`` and features ``hidden [B, S, d]`` at ``positions [S]`` ->
         ``(hidden [B, S, d], logits [B, S, N])``; ``past`` (a list of steps, or an inference cache) gains this
         step's keys."""
-        out = self.layers[0](self.embed_tokens(tokens), hidden, positions, past)
+        out = self.layers[0](F.embedding(tokens, self.embedding), hidden, positions, past)
         return out, self.lm_head(self.norm(out))
 
     def unrolled(self, features: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
