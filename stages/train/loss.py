@@ -1,18 +1,10 @@
-"""The run's loss: one module that ``kdcache train``, ``CacheTrainer``, evaluation and the Python API all use.
+"""The run's loss, one module for ``kdcache train``, ``CacheTrainer``, evaluation and the Python API.
 
-``DistillationLoss`` is the loss over every token stream of the cache with the student's forward as the loss wants
-it, built in one place (``_assemble``) from the run's options and plan, which it works out from a cache and a
-student (the Python API) or gets from the loop (``DistillationLoss.planned``):
-
-* per token stream with a term, a ``CompoundLoss`` with its own projectors: on the stream carrying the logits (the
-  only one, or ``decoder``) α·CE, β·KL or top-k KL, γ·hidden, δ·self-attention; on another (``encoder``) γ·hidden
-  and δ·self-attention; plus δ·cross-attention KL on decoder-query / encoder-key maps;
-* the student's forward (``student_outputs``): the LM head applied by the losses chunk by chunk when it is a plain
-  linear layer (``student_head.choose_head``, on the first batch), q/k recorded for a q/k cache, packed rows checked.
-
-Terms are logged as ``ce``, ``topk_kl``, ``hidden/s1_t2`` (one stream) or ``encoder/hidden``, ``decoder/hidden/s1_t2``,
-``cross_attention``. The module sits on ``train``'s own floor, above ``objective`` and ``cross``, because a loss
-built from a cache checks, streams and exports it (``api``, ``checkpoint``).
+``DistillationLoss`` is built in one place (``_assemble``) from the run's options and plan, worked out from a cache
+and a student (the API) or handed over by the loop (``planned``). It holds a ``CompoundLoss`` per token stream with
+a term (α·CE, β·KL on the stream carrying the logits; γ·hidden, δ·attention on each), each with its projectors,
+plus δ·cross-attention KL, and runs the student as its terms want (``student_outputs``). It sits on ``train``'s own
+floor, above ``objective`` and ``cross``, because a loss built from a cache checks, streams and exports it.
 """
 
 from __future__ import annotations
@@ -136,6 +128,20 @@ def _encoder_ce_note(options: TrainOptions, facts: StudentFacts) -> None:
               "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)
 
 
+def _stream_parts(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
+                  head: TeacherHead | None) -> dict[str, CompoundLoss]:
+    """Stream name -> its ``CompoundLoss``, for the streams with a term (the main stream last, as in the plan)."""
+    _encoder_ce_note(options, facts)
+    parts: dict[str, CompoundLoss] = {}
+    for i, pairs in enumerate(plan.streams):
+        part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logit_kind=plan.logit_kind,
+                            seed=options.data.seed + i, head=head,
+                            scores=None if plan.source.student_maps else plan.attention_scores)
+        if part is not None:
+            parts[pairs.stream] = part
+    return parts
+
+
 def _module_key(stream: str) -> str:
     return stream or "tokens"  # nn.ModuleDict keys cannot be empty
 
@@ -197,14 +203,7 @@ class DistillationLoss(nn.Module):
     def _assemble(self, options: TrainOptions, plan: TrainPlan, facts: StudentFacts, reader: CacheReader,
                   student: object, *, head: TeacherHead | None, announce: bool) -> None:
         """The one construction path: every stream's part, the cross pairs, and the student's forward's settings."""
-        _encoder_ce_note(options, facts)
-        parts: dict[str, CompoundLoss] = {}
-        for i, pairs in enumerate(plan.streams):
-            part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logit_kind=plan.logit_kind,
-                                seed=options.data.seed + i, head=head,
-                                scores=None if plan.source.student_maps else plan.attention_scores)
-            if part is not None:
-                parts[pairs.stream] = part
+        parts = _stream_parts(options, plan, facts, head)
         self.streams = list(parts)  # the main stream is last
         self.parts = nn.ModuleDict({_module_key(s): part for s, part in parts.items()})
         self.delta = options.loss.delta
