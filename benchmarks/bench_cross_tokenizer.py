@@ -206,12 +206,13 @@ def _one_step_peak(cache: str, student: str, rows: int, path: str) -> dict[str, 
     from kdcache.stages.train.cross.cross_model import build_cross_model, without_logit_kl
     from kdcache.stages.train.feed.streaming import collate, to_device
     from kdcache.stages.train.loop import prepare
-    from kdcache.stages.train.objective.distill import build_criterion
+    from kdcache.stages.train.loss import DistillationLoss
 
     options = TrainOptions.of(cache=cache, student=student, out=str(Path(cache).parent / "unused"),
                               cross_tokenizer="gold", gamma=0.0)
     reader, model, facts, plan, options = prepare(options)
-    cross = build_cross_model(options, reader, model, build_criterion(without_logit_kl(options), plan, facts),
+    cross = build_cross_model(options, reader, model,
+                              DistillationLoss.planned(without_logit_kl(options), plan, facts, reader, model),
                               announce=False)
     host = collate([reader.get(i, list(plan.names)) for i in range(rows)], list(range(rows)))
     cross.aligner.extend(host)

@@ -8,7 +8,7 @@ Three runs with the same student, the same batches (same seed, same order) and t
 * (c) ``online``: the same losses, targets from the teacher (all-MiniLM-L6-v2) run in memory on each batch.
 
 Each run is its own process, so peak RSS (``ru_maxrss``) is per run. The loop is stage two's own: ``prepare``,
-``build_criterion``, ``DistillModel``, the DeepSpeed engine (ZeRO-0, fp32 on the CPU), ``CacheStream``. Per step
+``DistillationLoss.planned``, ``DistillModel``, the DeepSpeed engine (ZeRO-0, fp32 on the CPU), ``CacheStream``. Per step
 we also time the wait for data, the teacher's forward (c) and the loss module's forward, so a gap between (a)
 and (b) can be put on I/O or on loss compute. The student uses eager attention in all three runs (the
 attention loss needs its maps), so the runs differ only in the targets.
@@ -68,19 +68,19 @@ def run_mode(mode: str, cache: Path, student: Path, work: Path, args: argparse.N
     from kdcache.stages.train.engine import build_engine, init_distributed
     from kdcache.stages.train.feed.streaming import CacheStream
     from kdcache.stages.train.loop import prepare
-    from kdcache.stages.train.objective.distill import DistillModel, build_criterion
+    from kdcache.stages.train.loss import DistillationLoss, DistillModel
 
     baseline = _rss()
     options = TrainOptions.of(cache=str(cache), student=str(student), out=str(work / f"run-{mode}"), alpha=1.0,
                            beta=0.0, gamma=1.0, delta=1.0, layer_map="uniform", hidden_loss="mse",
                            batch_size=args.batch_size, lr=1e-4, seed=0)
-    _, model_s, facts, plan, options = prepare(options)  # eager attention for every mode: same student
+    reader, model_s, facts, plan, options = prepare(options)  # eager attention for every mode: same student
     names = plan.names if mode in ("cache", "cache_io") else ("input_ids",)
     if mode in ("student", "cache_io"):  # cache_io: stream every target, train on CE only (I/O cost alone)
         bare = tuple(dataclasses.replace(s, hidden_pairs=(), attention_pairs=()) for s in plan.streams)
         plan = dataclasses.replace(plan, streams=bare)
-    criterion = build_criterion(options, plan, facts)
-    model = DistillModel(model_s, criterion, plan)
+    criterion = DistillationLoss.planned(options, plan, facts, reader, model_s)
+    model = DistillModel(model_s, criterion)
     dist = init_distributed()
     engine = build_engine(model, options, dist.device)
     teacher = _teacher() if mode == "online" else None

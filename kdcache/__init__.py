@@ -27,7 +27,6 @@ if TYPE_CHECKING:
         ApiError as ApiError,
         Cache as Cache,
         CacheDataset as CacheDataset,
-        DistillationLoss as DistillationLoss,
         open_cache as open_cache,
     )
     from kdcache.stages.train.core.checks import CacheCheckError as CacheCheckError
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
     from kdcache.stages.train.feed.streaming import DataPosition as DataPosition
     from kdcache.stages.train.hf_args import DistillationArguments as DistillationArguments
     from kdcache.stages.train.hf_trainer import CacheTrainer as CacheTrainer
+    from kdcache.stages.train.loss import DistillationLoss as DistillationLoss
     from kdcache.stages.train.optimizer_step import TrainStep as TrainStep
     from kdcache.storage import (
         CacheReader as CacheReader,

@@ -1,10 +1,10 @@
-"""Stage two from your own training code: a cache's batches as a torch dataset and the compound loss as a module.
+"""Stage two from your own training code: a cache's batches as a torch dataset, and what the run's loss
+(``loss.DistillationLoss``, built from a cache and a student) resolves from them.
 
 ``kdcache train`` is built on these same pieces: ``fit_student`` (the options a cache and a student decide, the
-plan and its checks), ``build_criterion`` (the loss with its projectors and critics), ``StudentRunner`` (the
-student's forward as the losses want it) and ``CacheStream`` / ``to_device`` (the batches, their targets decoded
-on the device). This module only puts a friendlier face on them, so the CLI, ``DistillationLoss`` and
-``CacheTrainer`` cannot compute different losses from the same cache.
+plan and its checks), ``teacher_head_for``, and ``CacheStream`` / ``to_device`` (the batches, their targets decoded
+on the device). The CLI, ``DistillationLoss`` and ``CacheTrainer`` share them and the one loss module, so they
+cannot compute different losses from the same cache.
 
 A plain loop (``B`` micro-batch, ``L`` padded length)::
 
@@ -23,21 +23,18 @@ import difflib
 import os
 import re
 import sys
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
-from torch import nn
 
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, register_maps_attention
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
-from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenizer, save_projectors, write_plan
 from kdcache.stages.train.core.checks import CacheCheckError, open_cache as open_checked, vocab_problems
 from kdcache.stages.train.core.options import DEFAULT_TEMPERATURE, LossOptions, MapOptions, TrainOptions
 from kdcache.stages.train.core.plan import TrainPlan, plan_training, unused_targets
@@ -51,14 +48,7 @@ from kdcache.stages.train.feed.streaming import (
     next_position,
     to_device,
 )
-from kdcache.stages.train.objective.distill import (
-    DistillLoss,
-    StudentRunner,
-    build_criterion,
-    has_vocab_term,
-    student_inputs,
-    unwrapped_student,
-)
+from kdcache.stages.train.objective.distill import unwrapped_student
 from kdcache.storage import CacheReader, KdcacheError
 
 if TYPE_CHECKING:
@@ -284,7 +274,7 @@ class CacheDataset(CacheStream):
                              self.steps_per_epoch)
 
 
-def _fingerprint(model: object, tokenizer: PreTrainedTokenizerBase | None) -> dict[str, Any] | None:
+def fingerprint_of(model: object, tokenizer: PreTrainedTokenizerBase | None) -> dict[str, Any] | None:
     """The fingerprint of the tokenizer given, else of the one in the student's folder, else None."""
     if tokenizer is not None:
         return tokenizer_fingerprint(tokenizer)
@@ -328,107 +318,3 @@ def open_cache(path: str | os.PathLike[str], *, allow_partial: bool = False,
     """
     opened = open_checked(os.fspath(path), allow_partial=allow_partial, decode_threads=decode_threads, reader=Cache)
     return cast(Cache, opened)
-
-
-class DistillationLoss(nn.Module):
-    """``kdcache train``'s compound loss as a module: it owns the projectors (and any wgan critics) and is called as
-    ``loss(student_outputs, batch) -> {"loss": total, "ce": ..., "topk_kl": ..., "hidden/s1_t2": ...}``: the
-    total with its graph, every term detached and unweighted, named as ``kdcache train`` logs them.
-
-    Args:
-        cache: a cache folder or URL, or an open ``CacheReader``; the teacher is never loaded.
-        student: the transformers model being trained, or a PEFT model wrapping one. When the attention term reads
-            maps, it is switched to the attention that returns them before dropout, with a ``UserWarning`` saying
-            so.
-        announce: print the notes ``kdcache train`` prints (rank 0); off by default.
-        tokenizer: the student's tokenizer, checked against the cache's; default: the one in the student's
-            folder, when it has one.
-        allow_partial: train from the committed shards of a cache still being written (a path only; an open
-            ``CacheReader`` was opened with its own choice, ``open_cache(path, allow_partial=True)``).
-        **options: ``kdcache train``'s loss and map options by their flag names: ``alpha``, ``beta``, ``gamma``,
-            ``delta``, ``temperature``, ``hidden_loss``, ``topk_kl``, ``attention_loss``, ``relation_heads``,
-            ``critic_steps``, ``critic_lr``, ``layer_map``, ``attention_layers`` (maps as text, e.g.
-            ``"explicit:1-2,2-4"``), ``seed`` (projector init); unset ones take the CLI's defaults.
-
-    The module is built on the CPU: move it with the student (``loss.to(device)``) and give its parameters to the
-    optimizer with the student's.
-
-    Raises:
-        ApiError: an unknown option or a refused value; CacheCheckError: the cache does not fit the student.
-    """
-
-    def __init__(self, cache: str | os.PathLike[str] | CacheReader, student: object, *, announce: bool = False,
-                 tokenizer: PreTrainedTokenizerBase | None = None, allow_partial: bool = False, **options: object):
-        super().__init__()
-        reader = (open_cache(os.fspath(cache), allow_partial=allow_partial) if isinstance(cache, (str, os.PathLike))
-                  else cache)
-        resolved = loss_options(reader, options)
-        use_maps_attention(student, reader, resolved.loss.delta)
-        model = unwrapped_student(student)
-        try:
-            resolved, facts, plan = fit_student(resolved, reader, model, pretrained=True,
-                                                tokenizer=_fingerprint(model, tokenizer), speaker=API_SPEAKER,
-                                                announce=announce)
-        except CacheCheckError as error:  # the checks are training's: said here as the API spells the options
-            raise CacheCheckError([api_spelling(p) for p in error.problems]) from None
-        head = teacher_head_for(reader, plan, speaker=API_SPEAKER, announce=announce)
-        self.criterion: DistillLoss = build_criterion(resolved, plan, facts, head)
-        self.reader, self.plan, self.options, self.facts = reader, plan, resolved, facts
-        self.runner = StudentRunner(student, plan, vocab=has_vocab_term(self.criterion), announce=announce)
-        self._student = (student,)  # a tuple: the student is not a submodule (its weights are not the loss's)
-
-    @property
-    def arrays(self) -> tuple[str, ...]:
-        """The cached arrays this loss reads (what ``CacheDataset`` should stream)."""
-        return self.plan.names
-
-    @property
-    def projectors(self) -> nn.Module:
-        """The projectors, to save beside the student (``kdcache train`` exports them to ``projectors.pt``)."""
-        return self.criterion.projectors
-
-    def save_run(self, student: object, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
-        """Write ``folder`` as ``kdcache train`` exports a run, which ``kdcache eval --run`` scores as the trained
-        student: ``student/`` (``save_pretrained``, with the cache's tokenizer), ``projectors.pt`` and ``plan.json``.
-
-        Raises:
-            ApiError: ``folder`` already holds a run's record and ``overwrite`` is False.
-        """
-        out = Path(folder)
-        if (out / PLAN_FILE).exists() and not overwrite:
-            raise ApiError(f"{str(out)!r} already holds a run ({PLAN_FILE}); pass overwrite=True to replace it, or "
-                           "choose another folder")
-        student_dir = out / STUDENT_DIR
-        save = getattr(student, "save_pretrained", None)  # a PEFT model's writes its adapters
-        if not callable(save):
-            raise ApiError(f"save_run: a {type(student).__name__} has no save_pretrained; expected the transformers "
-                           "(or PEFT) model being trained")
-        save(str(student_dir))
-        with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as scratch:  # a remote cache's copy
-            add_tokenizer(student_dir, self.reader.store.fetch_folder("tokenizer", Path(scratch)))
-        save_projectors(out, self.projectors, self.criterion.critics)
-        write_plan(out, self.plan.to_json())
-        return out
-
-    def dataset(self, *, batch_size: int, **kwargs: Unpack[StreamArgs]) -> CacheDataset:
-        """A ``CacheDataset`` of this cache streaming exactly ``arrays`` (``kwargs``: its other arguments)."""
-        return CacheDataset(self.reader, self.arrays, batch_size=batch_size, **kwargs)
-
-    def inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """The student's forward arguments for ``batch`` (on the device), asking for the hidden states and
-        attention maps the loss reads. For a q/k cache use ``student_outputs``, which records the queries and keys."""
-        model = unwrapped_student(self._student[0])
-        return {**student_inputs(model, batch), "output_hidden_states": self.plan.wants_hidden,
-                "output_attentions": self.plan.wants_attention}
-
-    def student_outputs(self, student: object, batch: Mapping[str, Any]) -> Any:
-        """The student's outputs on ``batch`` as ``kdcache train`` takes them (``StudentRunner``: the LM head applied
-        chunk by chunk inside the losses when it is a plain linear layer, q/k recorded for a q/k cache)."""
-        return self.runner(student, batch)
-
-    def forward(self, student_outputs: object, batch: Mapping[str, torch.Tensor],
-                scales: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
-        """Every term of the loss: ``student_outputs`` (a transformers ``ModelOutput`` with ``hidden_states`` /
-        ``attentions`` when asked for) against ``batch`` (on the device, from ``CacheDataset.to_device``).
-        ``scales``: each term's share of its optimizer step (``StepCounts.scales``); None: this batch's means."""
-        return self.criterion(student_outputs, batch, scales)

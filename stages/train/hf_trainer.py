@@ -1,7 +1,7 @@
 """``CacheTrainer``: a ``transformers.Trainer`` that trains a student from a kdcache cache instead of a teacher.
 
-Everything kdcache-specific is the same code ``kdcache train`` runs (``api``): the batches and their order
-(``CacheDataset``), the student's forward (``StudentRunner``) and the loss (``DistillationLoss``); what stays
+Everything kdcache-specific is the same code ``kdcache train`` runs (``api``, ``loss``): the batches and their order
+(``CacheDataset``), and the run's one loss (``DistillationLoss``: the student's forward and its terms); what stays
 ``Trainer``'s is the optimizer, scheduler, mixed precision, DeepSpeed, callbacks, ``report_to`` and checkpoints.
 """
 
@@ -22,13 +22,14 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_metrics
 
-from kdcache.stages.train.api import ApiError, CacheDataset, DistillationLoss, check_tokenizer, seed_dropout
+from kdcache.stages.train.api import ApiError, CacheDataset, check_tokenizer, seed_dropout
 from kdcache.stages.train.checkpoint import PROJECTORS_FILE, read_projectors, save_projectors, write_plan
 from kdcache.stages.train.core.checks import open_cache
 from kdcache.stages.train.evaluation.heldout import HeldOut, lm_kind
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB
 from kdcache.stages.train.feed.streaming import CacheStream, DataPosition, check_resumable
 from kdcache.stages.train.hf_args import DistillationArguments, options_of
+from kdcache.stages.train.loss import DistillationLoss
 from kdcache.stages.train.objective.step_norm import StepCounts, term_counts
 from kdcache.storage import CacheReader
 
@@ -199,7 +200,7 @@ class CacheTrainer(Trainer):
         the ranks at the first forward), as ``num_items_in_batch`` counts labels, so that every term is
         normalised by its whole step's count (``step_norm``; ``kdcache train`` does the same)."""
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, *device)  # device: since 4.48
-        counts = [term_counts(self.distill.criterion, batch) for batch in batches]
+        counts = [term_counts(self.distill, batch) for batch in batches]
         step = StepCounts(counts)
         self._step_counts.extend((own, step) for own in counts)
         return batches, items
@@ -308,7 +309,7 @@ class CacheTrainer(Trainer):
             return
         out = Path(output_dir or str(self.args.output_dir))
         # The run's record beside the student (kdcache train's layout): `kdcache eval --run` scores the folder.
-        save_projectors(out, self.distill.projectors, self.distill.criterion.critics)
+        save_projectors(out, self.distill.projectors, self.distill.critics)
         write_plan(out, self.distill.plan.to_json())
         if self._exporting:  # a student's folder: Trainer._save wrote the arguments there unasked
             (out / TRAINING_ARGS_FILE).unlink(missing_ok=True)
@@ -350,7 +351,7 @@ class CacheTrainer(Trainer):
     def _load_projectors(self, folder: Path) -> None:
         extras = read_projectors(folder)  # on the CPU: load_state_dict copies to the device
         self.distill.projectors.load_state_dict(extras["projectors"])
-        critics = self.distill.criterion.critics
+        critics = self.distill.critics
         if critics is not None and "critics" in extras:
             critics.load_state_dict(extras["critics"])
 

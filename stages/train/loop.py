@@ -54,7 +54,7 @@ from kdcache.stages.train.feed.streaming import (
 )
 from kdcache.stages.train.interrupt import TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace
-from kdcache.stages.train.objective.distill import DistillModel, build_criterion
+from kdcache.stages.train.loss import DistillationLoss, DistillModel
 from kdcache.stages.train.objective.step_norm import STEP_COUNTS, term_counts, with_step_counts
 from kdcache.stages.train.progress import TrainProgress
 from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, check_resume, init_record, start_projectors
@@ -122,11 +122,12 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     model: torch.nn.Module
     extend: BatchExtension | None = None
     if options.loss.cross_tokenizer:
-        cross = build_cross_model(options, reader, student, build_criterion(without_logit_kl(options), plan, facts),
-                                  announce=announce)
+        ordinary = DistillationLoss.planned(without_logit_kl(options), plan, facts, reader, student, announce=announce)
+        cross = build_cross_model(options, reader, student, ordinary, announce=announce)
         model, extend = cross, cross.aligner.extend  # the student's tokens are made with each batch, off the step
     else:
-        model = DistillModel(student, build_criterion(options, plan, facts, head), plan, announce=announce)
+        model = DistillModel(student, DistillationLoss.planned(options, plan, facts, reader, student, head=head,
+                                                               announce=announce))
     said = start_projectors(model, options.run.init_from)
     if said and announce:
         print(f"kdcache train: {said}", file=sys.stderr)
@@ -332,8 +333,9 @@ class _Trainer:
         module = self.engine.module
         module.eval()
         try:
-            scores = self.heldout.score(lambda batch: module.runner(module.student, batch), module.criterion,
-                                        lm=self.lm, device=self.dist.device)
+            loss = module.criterion
+            scores = self.heldout.score(lambda batch: loss.student_outputs(module.student, batch), loss, lm=self.lm,
+                                        device=self.dist.device)
         finally:
             module.train()
         self.eval_logger.log(step, {f"eval_{name}": value for name, value in scores.items()})

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from kdcache.stages.train.core.options import TrainOptions
-    from kdcache.stages.train.objective.distill import DistillLoss
+    from kdcache.stages.train.objective.compound import RunLoss
     from kdcache.storage import CacheReader
 
 CROSS_LOSSES = ("gold", "uld")  # --cross-tokenizer's choices, names in the loss registry
@@ -130,13 +130,14 @@ def teacher_masks(batch: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
 
 
 class CrossDistillModel(nn.Module):
-    """What DeepSpeed trains with ``--cross-tokenizer``: the student, ``criterion`` (the ordinary ``DistillLoss``
-    with its projectors, for the span-pooled hidden term) and the vocabulary term (module docstring)."""
+    """What DeepSpeed trains with ``--cross-tokenizer``: the student, ``criterion`` (the run's ordinary loss,
+    ``train.loss.DistillationLoss``, with its projectors, for the span-pooled hidden term) and the vocabulary term
+    (module docstring)."""
 
     shared: torch.Tensor  # [V_t] buffers (registered below): per teacher id its student id, -1 where none
     student_shared: torch.Tensor  # [V_s] bool: the student ids some teacher id maps to
 
-    def __init__(self, student: PreTrainedModel, criterion: DistillLoss, aligner: SpanAligner, shared: torch.Tensor,
+    def __init__(self, student: PreTrainedModel, criterion: RunLoss, aligner: SpanAligner, shared: torch.Tensor,
                  *, vocab_loss: str, alpha: float, beta: float, temperature: float, topk_kl: str = "renorm",
                  announce: bool = False):
         super().__init__()
@@ -222,7 +223,7 @@ class CrossDistillModel(nn.Module):
                     side["span_real"])
 
 
-def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, criterion: DistillLoss,
+def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, criterion: RunLoss,
                       *, announce: bool) -> CrossDistillModel:
     """The cross-tokenizer model for this run: texts read (and checked) once, the student's tokenizer loaded, the
     shared vocabulary mapped."""

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 # The settings that say what a cached target means: two caches differing in one of them hold different targets.
 TARGET_SETTINGS = ("logits", "top_k", "samples", "sampling", "sample_temperature", "heads", "packing")
-StudentRun = Callable[[Mapping[str, Any]], Any]  # a device batch -> the student's outputs (``StudentRunner``)
+StudentRun = Callable[[Mapping[str, Any]], Any]  # a device batch -> the student's outputs (the loss's)
 Criterion = Callable[[Any, Mapping[str, Any]], dict[str, torch.Tensor]]  # outputs, batch -> {"loss", terms...}
 
 

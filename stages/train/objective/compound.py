@@ -64,6 +64,16 @@ class StudentOutput(Protocol):
     def hidden_states(self) -> Sequence[torch.Tensor]: ...  # [B, L, d_s] each, 0 = embeddings (when asked for)
 
 
+class RunLoss(Protocol):
+    """The run's loss (``train.loss.DistillationLoss``) as a step's counts (``step_norm``) and the cross-tokenizer
+    model read it: its streams (the main one last), each stream's ``CompoundLoss``, and the cross-attention pairs."""
+
+    streams: list[str]
+    cross_pairs: list[Pair]
+
+    def part(self, stream: str) -> CompoundLoss: ...
+
+
 class CompoundLoss(nn.Module):
     """α·CE + β·KL (full or top-k) + γ·Σ hidden + δ·Σ attention, each term also returned on its own.
 

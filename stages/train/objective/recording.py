@@ -1,8 +1,8 @@
 """The student's forward with its queries and keys recorded, for a q/k cache (``--attention-source qk``/``qkv``).
 
-Training (``distill.StudentRunner``) and evaluation (``evaluation.attention_agreement``) run the student through the
-same ``recorded``, so both compare the same rebuilt attention with the cache; it lives on this floor, below
-evaluation, so that training need not import evaluation for it.
+Training (``train.loss.DistillationLoss.student_outputs``) and evaluation (``evaluation.attention_agreement``) run
+the student through the same ``recorded``, so both compare the same rebuilt attention with the cache; it lives on
+this floor, below evaluation, so that training need not import evaluation for it.
 """
 
 from __future__ import annotations

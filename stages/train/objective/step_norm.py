@@ -32,13 +32,13 @@ from kdcache.stages.train.core.masks import stream_masks
 from kdcache.storage import prefixed
 
 if TYPE_CHECKING:
-    from kdcache.stages.train.objective.distill import DistillLoss
+    from kdcache.stages.train.objective.compound import RunLoss
 
 Counts = dict[str, float]  # term key (``ce``, ``kl``, ``hidden``, ``attention``, stream-prefixed) -> counted rows
 STEP_COUNTS = "step_counts"  # a host batch's key for (its own counts, the counts of every batch of its step)
 
 
-def term_counts(criterion: DistillLoss, batch: Mapping[str, torch.Tensor]) -> Counts:
+def term_counts(criterion: RunLoss, batch: Mapping[str, torch.Tensor]) -> Counts:
     """The rows each term of ``criterion`` averages over in ``batch`` (host or device tensors), from its masks.
 
     Keys are the families the weights name (``ce``, ``kl``, ``hidden``, ``attention``), prefixed with their stream

@@ -127,3 +127,21 @@ def test_collate_and_cross_attention_kl():
     assert abs(float(zero)) < 1e-6
     a_s = torch.softmax(torch.randn(2, 1, 4, 5), -1)  # one student head vs two teacher heads
     assert float(cross_attention_kl(a_s, a_t, batch["decoder/mask"], batch["encoder/mask"])) > 0
+
+
+def test_a_two_stream_loss_keeps_the_checkpoint_keys_main_wrote(setups, tmp_path):
+    """Each stream's projectors under its name, in the trained module and in ``projectors.pt``, as main's code
+    wrote them before issue 57 made the loss one module (``loss_keys_main.json``, see ``test_train_api``)."""
+    import kdcache
+    from kdcache.stages.train.core.student import load_student
+    from kdcache.stages.train.loss import DistillModel
+
+    main_keys = json.loads((Path(__file__).parent / "loss_keys_main.json").read_text())
+    folder = make_student_config(tmp_path / "student", setups["bart"]["teacher"], d_model=16, encoder_layers=1,
+                                 decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2)
+    student = load_student(folder, seed=0)
+    with pytest.warns(UserWarning, match="attention implementation was switched"):
+        loss = kdcache.DistillationLoss(str(setups["bart"]["cache"]), student, gamma=1.0, delta=1.0)
+    trained = sorted(k for k in DistillModel(student, loss).state_dict() if not k.startswith("student."))
+    assert trained == main_keys["bart_api"]
+    assert sorted(loss.projectors.state_dict()) == main_keys["bart_projectors"]

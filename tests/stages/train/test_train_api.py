@@ -304,3 +304,28 @@ def test_zero2_through_training_arguments_trains_on_the_cpu(setup: dict[str, Pat
         AcceleratorState._reset_state(reset_partial_state=True)
         os.environ.clear()
         os.environ.update(environ)
+
+
+# The loss's state_dict keys as main's code wrote them before issue 57 made the loss one module (loss_keys_main.json:
+# ``kdcache.DistillationLoss(...).state_dict()``, which held the loss as ``criterion``; ``kdcache train``'s
+# DistillModel holds it as ``criterion`` too), so that checkpoints written before load after.
+MAIN_KEYS = json.loads((Path(__file__).parent / "loss_keys_main.json").read_text())
+
+
+def test_the_loss_keeps_the_checkpoint_keys_main_wrote(setup: dict[str, Path]) -> None:
+    """One stream: the trained module's loss keys, the exported projectors' and the wgan critics' are main's, and a
+    state dict of main's Python API loss loads into the one loss, values and all."""
+    from kdcache.stages.train.loss import DistillModel
+
+    student = load_student(setup["student"], seed=0)
+    with pytest.warns(UserWarning, match="attention implementation was switched"):
+        loss = kdcache.DistillationLoss(str(setup["cache"]), student, gamma=1.0, delta=1.0)
+    trained = sorted(k for k in DistillModel(student, loss).state_dict() if not k.startswith("student."))
+    assert trained == MAIN_KEYS["gpt2_api"]
+    assert sorted(loss.projectors.state_dict()) == MAIN_KEYS["gpt2_projectors"]
+    earlier = {f"criterion.{k}": v + 1.0 for k, v in loss.state_dict().items()}  # main's API loss, other values
+    loss.load_state_dict(earlier, strict=True)
+    assert all(torch.equal(v, earlier[f"criterion.{k}"]) for k, v in loss.state_dict().items())
+    wgan = kdcache.DistillationLoss(str(setup["cache"]), student, gamma=1.0, hidden_loss="wgan")
+    assert [f"criterion.{k}" for k in sorted(wgan.state_dict())] == MAIN_KEYS["gpt2_api_wgan"]
+    assert wgan.critics is not None and sorted(wgan.critics.state_dict()) == MAIN_KEYS["gpt2_api_wgan_critics"]

@@ -315,7 +315,7 @@ def test_same_tokenizer_cross_model_equals_the_ordinary_losses(setup: dict[str, 
     from kdcache.stages.train.core.options import TrainOptions
     from kdcache.stages.train.feed.streaming import collate, to_device
     from kdcache.stages.train.loop import prepare
-    from kdcache.stages.train.objective.distill import DistillModel, build_criterion
+    from kdcache.stages.train.loss import DistillationLoss, DistillModel
 
     reader = open_cache(str(setup["cache"]))
     # a student built on the teacher's own tokenizer
@@ -333,10 +333,11 @@ def test_same_tokenizer_cross_model_equals_the_ordinary_losses(setup: dict[str, 
                               layer_map=["explicit:1-2"], cross_tokenizer="gold", temperature=2.0)
     reader, student, facts, plan, options = prepare(options)
     torch.manual_seed(0)
-    cross = build_cross_model(options, reader, student, build_criterion(without_logit_kl(options), plan, facts),
+    cross = build_cross_model(options, reader, student,
+                              DistillationLoss.planned(without_logit_kl(options), plan, facts, reader, student),
                               announce=False)
     assert isinstance(cross, CrossDistillModel) and isinstance(cross.aligner, SpanAligner)
-    ordinary = DistillModel(student, build_criterion(options, plan, facts), plan, announce=False)
+    ordinary = DistillModel(student, DistillationLoss.planned(options, plan, facts, reader, student, announce=False))
     ordinary.criterion.load_state_dict(cross.criterion.state_dict())  # the same projector weights
     seqs = [reader.get(i, list(plan.names)) for i in range(4)]
     host = collate(seqs, list(range(4)))
@@ -358,12 +359,13 @@ def test_the_chunked_head_gives_the_materialised_logits_values_and_gradients(set
     from kdcache.stages.train.core.options import TrainOptions
     from kdcache.stages.train.feed.streaming import collate, to_device
     from kdcache.stages.train.loop import prepare
-    from kdcache.stages.train.objective.distill import build_criterion
+    from kdcache.stages.train.loss import DistillationLoss
 
     options = TrainOptions.of(cache=str(setup["cache"]), student=str(setup["student"]), out=str(setup["root"] / "y"),
                               layer_map=["explicit:1-2"], cross_tokenizer=loss, topk_kl="other", temperature=1.0)
     reader, student, facts, plan, options = prepare(options)
-    cross = build_cross_model(options, reader, student, build_criterion(without_logit_kl(options), plan, facts),
+    cross = build_cross_model(options, reader, student,
+                              DistillationLoss.planned(without_logit_kl(options), plan, facts, reader, student),
                               announce=False)
     host = collate([reader.get(i, list(plan.names)) for i in range(6)], list(range(6)))
     cross.aligner.extend(host)
