@@ -41,10 +41,12 @@ def layout(tree: Path, into: Path) -> Path:
 
 
 def time_once(code: str, root: Path, cache: Path) -> float:
-    """Wall seconds of one fresh interpreter running ``code`` with ``root`` first on the import path."""
+    """Wall seconds of one fresh interpreter running ``code`` with ``root`` first on the import path. It runs in
+    ``root``: ``python -c`` puts its working folder before ``PYTHONPATH``, and run from a checkout's root both
+    sides would import that checkout's ``kdcache/``."""
     env = {**os.environ, "PYTHONPATH": str(root), "PYTHONPYCACHEPREFIX": str(cache)}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=env)
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=env, cwd=root)
     return time.perf_counter() - start
 
 

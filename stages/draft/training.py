@@ -178,6 +178,10 @@ class _DraftRun:
         self.position = check_resumable(state["data"], self.dist.world_size, self.options.batch_size,
                                         self.options.seed)
         self.losses, self.resumed_from = list(state["losses"]), int(state["step"])
+        if self.options.max_steps < self.resumed_from:  # the loop would not run and the export keep the later step
+            raise DraftInputError(f"--max-steps: {self.options.max_steps} is below the checkpoint's step "
+                                  f"{self.resumed_from}; a resumed run continues from there: pass at least "
+                                  f"{self.resumed_from}")
 
     def train(self, stream: CacheStream) -> list[dict[str, float]]:
         """Optimiser steps up to ``max_steps`` (epochs repeat); per step its loss and step-0 accuracy. A signal
@@ -185,7 +189,7 @@ class _DraftRun:
         projection = load_projection(self.reader)
         batches = iter(stream)  # CacheStream repeats epochs: it never ends
         self.engine.train()
-        with StopOnSignal(self.dist.world_size, announce=self.dist.rank == 0) as stop:
+        with StopOnSignal(self.dist.world_size, announce=self.dist.rank == 0, speaker="kdcache draft") as stop:
             while self.engine.global_steps < self.options.max_steps:
                 self._step(next(batches), projection, stream.steps_per_epoch)
                 step, every, stopping = int(self.engine.global_steps), self.options.save_every, stop.requested()

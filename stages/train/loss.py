@@ -221,7 +221,8 @@ class DistillationLoss(nn.Module):
         self._causal = is_causal_config(model.config)  # once, not per step
         # A q/k cache: the student's queries and keys of the paired blocks are recorded as it runs (SDPA underneath).
         self.recorder = QKRecorder(model, plan.qk_blocks, self._causal) if plan.qk_blocks else None
-        self.register_load_state_dict_pre_hook(_earlier_keys)
+        # The private form: the public register_load_state_dict_pre_hook is torch >= 2.5 and pyproject allows 2.1.
+        self._register_load_state_dict_pre_hook(_earlier_keys, with_module=True)
 
     @property
     def arrays(self) -> tuple[str, ...]:

@@ -31,8 +31,8 @@ class StopOnSignal:
     Outside the main thread (a test calling the loop from a thread) signals cannot be caught and nothing changes.
     """
 
-    def __init__(self, world_size: int = 1, announce: bool = True) -> None:
-        self.world_size, self.announce = world_size, announce
+    def __init__(self, world_size: int = 1, announce: bool = True, speaker: str = "kdcache train") -> None:
+        self.world_size, self.announce, self.speaker = world_size, announce, speaker
         self.signum, self._first = 0, 0.0
         self._previous: dict[int, Any] = {}
 
@@ -54,7 +54,7 @@ class StopOnSignal:
             return
         self.signum, self._first = signum, time.monotonic()
         if self.announce:
-            print(f"kdcache train: {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+            print(f"{self.speaker}: {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
                   f"(send it again to stop at once)", file=sys.stderr, flush=True)
 
     def requested(self) -> bool:

@@ -87,7 +87,8 @@ def test_a_run_killed_between_checkpoints_resumes_from_the_last_one(runs):
     assert _worst(runs["straight"], killed) <= ATOL
 
 
-@pytest.mark.parametrize("case", ["taken without --resume", "another option", "another cache", "nothing to resume"])
+@pytest.mark.parametrize("case", ["taken without --resume", "another option", "another cache", "nothing to resume",
+                                  "fewer steps than done"])
 def test_a_refused_run_exits_2_naming_why_and_leaves_the_folder_as_it_was(runs, case, capsys):
     other = runs["root"] / "other-cache"
     if case == "another cache" and not other.exists():
@@ -99,11 +100,12 @@ def test_a_refused_run_exits_2_naming_why_and_leaves_the_folder_as_it_was(runs, 
         "another option": (("--resume", "--seed", "1"), "--seed: 0 in the run, 1 now"),
         "another cache": (("--resume", "--cache", str(other)), "--cache: another cache"),
         "nothing to resume": (("--resume",), f"--resume: no checkpoint in {out / 'checkpoints'}"),
+        "fewer steps than done": (("--resume", "--max-steps", "2"), "--max-steps: 2 is below the checkpoint's step 3"),
     }[case]
     before = {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")} if out.exists() else {}
     capsys.readouterr()
     argv = ["draft", "--cache", str(runs["cache"]), "--out", str(out), "--max-steps", "4", *DRAFT, *extra]
-    assert main(argv) == 2  # a later --cache wins over the first
+    assert main(argv) == 2  # a later --cache or --max-steps wins over the first
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert before == ({p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")} if out.exists() else {})
