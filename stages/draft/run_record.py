@@ -16,7 +16,7 @@ from typing import Any
 
 from kdcache.stages.draft.vocab import DraftInputError
 from kdcache.stages.train.checkpoint import CHECKPOINT_DIR, PLAN_FILE, has_checkpoint, write_plan
-from kdcache.stages.train.run_identity import CACHE_HASH, RunChangedError, cache_hash
+from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, refuse_changes
 from kdcache.storage import read_json_object
 
 OPTIONS_FILE = "options.json"
@@ -63,14 +63,8 @@ def check_resume(options: dict[str, Any], fingerprints: dict[str, Any]) -> None:
     if before is not None and before != cache_hash(fingerprints):
         changes.append(f"--cache: another cache ({cache}: fingerprints {cache_hash(fingerprints)[7:19]}.., "
                        f"the run read {before[7:19]}..)")
-    if changes:
-        lines = "\n".join(f"  {c}" for c in changes)
-        free = ", ".join(_flag(n) for n in sorted(FREE_ON_RESUME - {"resume", "out", "cache"}))
-        raise RunChangedError(
-            f"--resume: {out} was trained with other options, and a resumed run trains on under its record "
-            f"({OPTIONS_FILE}); {len(changes)} changed:\n{lines}\nOnly options that cannot change the result may "
-            f"change on --resume ({free}). To train with the new options, choose another --out (nothing in "
-            f"{out} was changed)")
+    refuse_changes(out, changes, FREE_ON_RESUME - {"resume", "out", "cache"},
+                   "To train with the new options, choose another --out")
 
 
 def write_record(options: dict[str, Any], fingerprints: dict[str, Any], world_size: int) -> None:

@@ -61,14 +61,22 @@ def check_resume(run_dir: str | Path, options: TrainOptions, fingerprints: dict[
                and not _same(name, recorded[name], now[name])]
     changes += _new_options(recorded, now)
     changes += _cache_change(root, recorded, options.data.cache, fingerprints)
-    if changes:
-        lines = "\n".join(f"  {c}" for c in changes)
-        free = ", ".join(_flag(n) for n in sorted(FREE_ON_RESUME - {"resume", "config", "out"}))
-        raise RunChangedError(
-            f"--resume: {run_dir} was trained with other options, and a resumed run trains on under its record "
-            f"(options.json); {len(changes)} changed:\n{lines}\nOnly options that cannot change the result may "
-            f"change on --resume ({free}). To train on with the new options, start a new run from this one's "
-            f"student: --init-from {run_dir} --out NEW_RUN (nothing in {run_dir} was changed)")
+    refuse_changes(run_dir, changes, FREE_ON_RESUME - {"resume", "config", "out"},
+                   f"To train on with the new options, start a new run from this one's student: --init-from "
+                   f"{run_dir} --out NEW_RUN")
+
+
+def refuse_changes(run_dir: object, changes: list[str], free: set[str] | frozenset[str], advice: str) -> None:
+    """Raise ``RunChangedError`` listing ``changes`` (one line each) when there are any: a resumed run (``kdcache
+    train`` or ``kdcache draft``) trains on under its record, and only the ``free`` options may change."""
+    if not changes:
+        return
+    lines = "\n".join(f"  {c}" for c in changes)
+    allowed = ", ".join(_flag(n) for n in sorted(free))
+    raise RunChangedError(
+        f"--resume: {run_dir} was trained with other options, and a resumed run trains on under its record "
+        f"(options.json); {len(changes)} changed:\n{lines}\nOnly options that cannot change the result may "
+        f"change on --resume ({allowed}). {advice} (nothing in {run_dir} was changed)")
 
 
 def _same(name: str, before: object, after: object) -> bool:
