@@ -236,6 +236,10 @@ class _Trainer:
         self._restore()
         stream, loader = self._stream()
         total = self.total_steps(stream.steps_per_epoch)
+        if self.resumed_from is not None and total < self.resumed_from:  # the loop would not run, nor say so
+            raise TrainingError(f"--resume: this run would end at step {total} (--max-steps or --epochs), before "
+                                f"its checkpoint's step {self.resumed_from}; a resumed run continues from there: "
+                                f"ask for at least {self.resumed_from} steps")
         self._write_run_files(total)
         self._check_checkpoint_room(total)
         start, start_step = time.perf_counter(), self.engine.global_steps

@@ -58,6 +58,16 @@ def test_resume_with_a_changed_loss_option_exits_2_naming_it_and_leaves_the_run_
     assert _folder_hashes(run) == before  # byte for byte: options.json still says mse
 
 
+def test_resume_asking_fewer_steps_than_the_checkpoint_holds_exits_2_and_leaves_the_run_unchanged(
+        setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    run = setup["run"]
+    before = _folder_hashes(run)
+    assert _train(setup["cache"], run, "--resume", "--max-steps", "1", student=setup["student"]) == 2
+    err = capsys.readouterr().err
+    assert f"would end at step 1 (--max-steps or --epochs), before its checkpoint's step {STEPS}" in err
+    assert "Traceback" not in err and _folder_hashes(run) == before
+
+
 def test_a_new_run_into_a_finished_runs_folder_is_refused_and_changes_nothing(
         setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     """What `kdcache run` and `kdcache sweep` rely on too: training without --resume never replaces a run."""
