@@ -153,6 +153,9 @@ def _engine_options(options: DraftOptions) -> TrainOptions:
                            lr=options.lr, seed=options.seed, warmup_steps=0)
 
 
+_READ_EVERY = 64  # steps whose losses wait on the device before one read (a read waits for the device)
+
+
 class _DraftRun:
     """The step loop with stage two's checkpoints: the stream's position and the losses so far travel in each
     checkpoint's client state; a resumed run restores them with the weights, optimiser and step count."""
@@ -160,6 +163,7 @@ class _DraftRun:
     def __init__(self, options: DraftOptions, engine: DeepSpeedEngine, reader: CacheReader, dist_info: DistInfo):
         self.options, self.engine, self.reader, self.dist = options, engine, reader, dist_info
         self.position, self.losses = DataPosition(), list[dict[str, float]]()
+        self._pending: list[torch.Tensor] = []  # [2] (loss, accuracy) per step, still on the device
         self.resumed_from: int | None = None
         self.checkpoint_bytes = ckpt.estimate_bytes(engine.module, bool(engine.bfloat16_enabled()
                                                                          or engine.fp16_enabled()))
@@ -199,7 +203,16 @@ class _DraftRun:
                     raise TrainingInterrupted(stop.signum, step, self.options.out)
             if self.engine.global_steps > (self.resumed_from or 0) or not ckpt.has_checkpoint(self.options.out):
                 self._save()  # the last one, unless a resumed run had no step left to take
+        self._flush()
         return self.losses
+
+    def _flush(self) -> None:
+        """Read the pending steps' losses to the host at once: one wait for the device every _READ_EVERY steps
+        (and at each checkpoint), not one a step."""
+        if self._pending:
+            rows = torch.stack(self._pending).tolist()
+            self.losses += [{"loss": loss, "accuracy": accuracy} for loss, accuracy in rows]
+            self._pending.clear()
 
     def _step(self, batch: dict[str, Any], projection: Projection | None, steps_per_epoch: int) -> None:
         """One optimiser step on a host batch; its loss and accuracy kept, and the stream's position after it."""
@@ -207,11 +220,14 @@ class _DraftRun:
         out = self.engine(to_device(batch, self.dist.device, self.reader.spec.hidden_codec, projection))
         self.engine.backward(out["loss"])
         self.engine.step()
-        self.losses.append({"loss": float(out["loss"].detach()), "accuracy": float(out["accuracy"])})
+        self._pending.append(torch.stack([out["loss"].detach().float(), out["accuracy"].detach().float()]))
+        if len(self._pending) >= _READ_EVERY:
+            self._flush()
         self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.options.batch_size,
                                       steps_per_epoch)
 
     def _save(self) -> None:
+        self._flush()  # the checkpoint holds every step's loss so far
         data = {**self.position.to_dict(), "world_size": self.dist.world_size, "batch_size": self.options.batch_size,
                 "seed": self.options.seed}
         ckpt.save_checkpoint(self.engine, self.options.out, step=int(self.engine.global_steps),
