@@ -215,7 +215,9 @@ class DistillationLoss(nn.Module):
         self.reader, self.plan, self.options, self.facts = reader, plan, options, facts
         self._student = (student,)  # a tuple: the student is not a submodule (its weights are not the loss's)
         model = unwrapped_student(student)
-        self._announce = announce and any(max(p.weights["ce"], p.weights["kl"]) > 0 for p in parts.values())
+        # Whether the first batch says which path the vocabulary terms take (rank 0): when a part has one; a model
+        # whose vocabulary term is its own (``cross.cross_model``) sets it.
+        self.announce_head = announce and any(max(p.weights["ce"], p.weights["kl"]) > 0 for p in parts.values())
         self._documents_checked = False
         self._head: tuple[nn.Linear | None] | None = None  # None: undecided until the first batch
         self._causal = is_causal_config(model.config)  # once, not per step
@@ -287,7 +289,7 @@ class DistillationLoss(nn.Module):
         inputs = student_inputs(model, batch, self._causal)
         if self._head is None:
             self._head = (choose_head(model, inputs, one_stream=ArrayKind.INPUT_IDS in batch,
-                                      announce=self._announce),)
+                                      announce=self.announce_head),)
         head = self._head[0]
         hidden, attention = self.plan.wants_hidden, self.plan.wants_attention
 

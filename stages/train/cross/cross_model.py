@@ -4,14 +4,15 @@ The cache's batch holds the teacher's tokens and targets and each row's global s
 (``stages.common.cache_texts``, written with ``precompute --record-text``) is tokenized with the student's
 tokenizer and aligned with the teacher's tokens once per sequence (``SpanAligner``, kept for later epochs). Then:
 
-* CE on the student's own tokens (its loss mask: the spans holding a trained teacher token, ``align.student_mask``);
-  like the vocabulary term, it builds the student's logits chunk by chunk from its last hidden state and LM head
-  (``student_head``: the ordinary path's rule and fallback), never ``[B, L_s, V_s]`` at once;
+* the student runs as the run's loss runs it (``DistillationLoss.student_outputs``: its LM head applied chunk by
+  chunk in the losses where it is a plain linear layer, else its own forward), on its own tokens;
+* CE on the student's own tokens (its loss mask: the spans holding a trained teacher token, ``align.student_mask``),
+  never building ``[B, L_s, V_s]`` at once;
 * the vocabulary term, ``gold`` or ``uld`` (``losses.cross_vocab``), between the teacher's cached top-k at each
   span's last teacher token and the student's logits at the span's last student token, counted where the
   teacher's own KL would count that token (``masks.token_masks(...).predicts``);
-* hidden states: both sides averaged over each span's tokens (``cross_vocab.span_mean``), then the ordinary hidden
-  term of ``CompoundLoss`` (its projectors, its losses, its logged names) over spans instead of tokens.
+* hidden states: both sides averaged over each span's tokens (``cross_vocab.span_mean``), then the run's loss
+  itself (its projectors, its hidden losses, its logged names) over spans instead of tokens.
 
 Packed rows are tokenized by the student as one text (its positions do not restart at the teacher's document
 starts). Attention terms are not aligned (``core.cross_checks.cross_problems`` refuses ``--delta``).
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -36,7 +37,6 @@ from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read
 from kdcache.stages.targets.logits.vocab import HeadLogits, term_value
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.core.options import resolved_temperature
-from kdcache.stages.train.core.student_head import base_forward, choose_head
 from kdcache.stages.train.cross.align import Alignment, align, aligned_share, student_ends, student_mask
 from kdcache.stages.train.losses import (
     causal_ce,
@@ -46,16 +46,29 @@ from kdcache.stages.train.losses import (
     span_mean,
     span_rows,
 )
+from kdcache.stages.train.objective.compound import RunLoss, StudentOutput
 from kdcache.storage import ArrayKind, read_table
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from kdcache.stages.train.core.options import TrainOptions
-    from kdcache.stages.train.objective.compound import RunLoss
     from kdcache.storage import CacheReader
 
 CROSS_LOSSES = ("gold", "uld")  # --cross-tokenizer's choices, names in the loss registry
+
+
+class CrossRunLoss(RunLoss, Protocol):
+    """What the cross-tokenizer model reads of the run's loss (``train.loss.DistillationLoss``, a floor above):
+    besides ``RunLoss``, its forward of the student, its decision on the student's LM head, and the loss itself."""
+
+    announce_head: bool
+    _head: tuple[nn.Linear | None] | None
+
+    def student_outputs(self, student: object, batch: Mapping[str, Any]) -> Any: ...
+
+    def __call__(self, student_outputs: StudentOutput, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ...
 
 
 class SpanAligner:
@@ -130,14 +143,14 @@ def teacher_masks(batch: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
 
 
 class CrossDistillModel(nn.Module):
-    """What DeepSpeed trains with ``--cross-tokenizer``: the student, ``criterion`` (the run's ordinary loss,
-    ``train.loss.DistillationLoss``, with its projectors, for the span-pooled hidden term) and the vocabulary term
-    (module docstring)."""
+    """What DeepSpeed trains with ``--cross-tokenizer``: the student, ``criterion`` (the run's loss,
+    ``train.loss.DistillationLoss`` built without its logit KL, with its projectors: it runs the student and gives
+    the span-pooled hidden term) and the vocabulary term (module docstring)."""
 
     shared: torch.Tensor  # [V_t] buffers (registered below): per teacher id its student id, -1 where none
     student_shared: torch.Tensor  # [V_s] bool: the student ids some teacher id maps to
 
-    def __init__(self, student: PreTrainedModel, criterion: RunLoss, aligner: SpanAligner, shared: torch.Tensor,
+    def __init__(self, student: PreTrainedModel, criterion: CrossRunLoss, aligner: SpanAligner, shared: torch.Tensor,
                  *, vocab_loss: str, alpha: float, beta: float, temperature: float, topk_kl: str = "renorm",
                  announce: bool = False):
         super().__init__()
@@ -151,10 +164,19 @@ class CrossDistillModel(nn.Module):
         student_shared = shared_student_ids(shared, vocab) if vocab else torch.zeros(0, dtype=torch.bool)
         self.register_buffer("student_shared", student_shared, persistent=False)
         self.want_hidden = any(part.layer_map for part in (criterion.part(s) for s in criterion.streams))
-        # The LM head the losses apply chunk by chunk (``student_head``), decided on the first batch; a tuple keeps
-        # it out of the registered submodules (the state dict stays the student's).
-        self._head: tuple[nn.Linear | None] | None = None
-        self.announce = announce  # say which path the vocabulary terms take (rank 0, without --quiet)
+        # The criterion says which path the vocabulary terms take (rank 0, without --quiet); its own parts hold no
+        # logit KL here, so it is told: this model's vocabulary term is outside them.
+        criterion.announce_head = announce
+
+    @property
+    def _head(self) -> tuple[nn.Linear | None] | None:
+        """The LM head the losses apply chunk by chunk, as the criterion decided it on the first batch (None: not
+        yet; ``(None,)``: the student's own forward). Set it to choose the path (tests, the benchmark)."""
+        return self.criterion._head
+
+    @_head.setter
+    def _head(self, head: tuple[nn.Linear | None] | None) -> None:
+        self.criterion._head = head
 
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Args: the teacher's batch on the device (``streaming.collate`` + ``to_device``), with the student's side
@@ -170,6 +192,8 @@ class CrossDistillModel(nn.Module):
         real = side["span_real"].bool()
         terms: dict[str, torch.Tensor] = {}
         total = torch.zeros((), device=device)
+        # CE is asked of the loss function, not of the criterion: one call of the criterion has one mask, and CE
+        # counts the student's tokens where its hidden term counts spans.
         if self.alpha > 0:  # a student without an LM head trains on hidden states alone (α = β = 0)
             terms["ce"] = causal_ce(out.logits, side["student/input_ids"], s_masks.real, pairs=s_masks.pairs)
             total = self.alpha * terms["ce"]
@@ -187,15 +211,11 @@ class CrossDistillModel(nn.Module):
                 "aligned_share": (share[0] / share[1].clamp_min(1.0)).to(device)}
 
     def _student_forward(self, side: Mapping[str, torch.Tensor]) -> Any:
-        """The student on its own tokens: ``logits`` as ``HeadLogits`` where its head is a plain linear layer (the
-        ``[B, L_s, V_s]`` logits never built, as on the ordinary path), else materialised."""
-        inputs = {"input_ids": side["student/input_ids"], "attention_mask": side["student/mask"]}
-        if self._head is None:
-            self._head = (choose_head(self.student, inputs, one_stream=True, announce=self.announce),)
-        head = self._head[0]
-        if head is None:
-            return self.student(**inputs, output_hidden_states=self.want_hidden)
-        return base_forward(self.student, head, inputs, hidden=self.want_hidden, attentions=False)
+        """The student on its own tokens, run by the criterion as on the ordinary path: ``logits`` as ``HeadLogits``
+        where its head is a plain linear layer (``[B, L_s, V_s]`` never built), else materialised. Its rows are
+        one text each (no ``position_ids``), so there are no packed documents to keep apart."""
+        return self.criterion.student_outputs(self.student, {"input_ids": side["student/input_ids"],
+                                                              "mask": side["student/mask"]})
 
     def _vocab_term(self, logits: torch.Tensor | HeadLogits, batch: Mapping[str, torch.Tensor],
                     side: Mapping[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -211,19 +231,21 @@ class CrossDistillModel(nn.Module):
 
     def _hidden_terms(self, states: tuple[torch.Tensor, ...], batch: Mapping[str, torch.Tensor],
                       side: Mapping[str, torch.Tensor], trained: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The ordinary hidden term over spans: both sides' states pooled per span, trained spans counted."""
-        part = self.criterion.part(self.criterion.streams[-1])
+        """The criterion over spans: both sides' states ``[B, L, d]`` pooled to ``[B, K, d]``, each span real where
+        the row has it and trained where it holds a trained teacher token. Without logits its parts compute the
+        hidden term alone (CE and the vocabulary term are over other rows: the student's tokens, the spans' ends)."""
+        pairs = self.criterion.part(self.criterion.streams[-1]).layer_map
         k = side["span_real"].shape[1]
-        used = {s for s, _ in part.layer_map}
+        used = {s for s, _ in pairs}
         pooled = tuple(span_mean(h, side["student_span"], k) if i in used else h for i, h in enumerate(states))
         t_span = side["teacher_span"]
-        targets = {f"hidden/{t}": span_mean(batch[f"hidden/{t}"], t_span, k) for _, t in part.layer_map}
-        targets["loss_mask"] = span_mean(trained.float()[..., None], t_span, k)[..., 0] > 0
-        return part(SimpleNamespace(logits=None, hidden_states=pooled, attentions=None), targets,
-                    side["span_real"])
+        spans = {f"hidden/{t}": span_mean(batch[f"hidden/{t}"], t_span, k) for _, t in pairs}
+        spans["loss_mask"] = span_mean(trained.float()[..., None], t_span, k)[..., 0] > 0
+        spans["mask"] = side["span_real"]
+        return self.criterion(SimpleNamespace(logits=None, hidden_states=pooled, attentions=None), spans)
 
 
-def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, criterion: RunLoss,
+def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, criterion: CrossRunLoss,
                       *, announce: bool) -> CrossDistillModel:
     """The cross-tokenizer model for this run: texts read (and checked) once, the student's tokenizer loaded, the
     shared vocabulary mapped."""

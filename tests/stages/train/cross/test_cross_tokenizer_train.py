@@ -389,6 +389,29 @@ def test_the_chunked_head_gives_the_materialised_logits_values_and_gradients(set
         assert torch.allclose(g_chunked[name], g_full[name], rtol=1e-4, atol=1e-6), name
 
 
+def test_the_vocabulary_path_is_said_once_when_only_the_span_term_reads_the_head(
+        setup: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The student runs through the run's loss (its head choice and its notes); with --alpha 0 that loss holds no
+    vocabulary term of its own, yet the gold term applies the head, so the run still says which path it takes, once."""
+    from kdcache.stages.train.core.options import TrainOptions
+    from kdcache.stages.train.feed.streaming import collate, to_device
+    from kdcache.stages.train.loop import prepare
+    from kdcache.stages.train.loss import DistillationLoss
+
+    options = TrainOptions.of(cache=str(setup["cache"]), student=str(setup["student"]), out=str(setup["root"] / "z"),
+                              layer_map=["explicit:1-2"], cross_tokenizer="gold", alpha=0.0)
+    reader, student, facts, plan, options = prepare(options)
+    criterion = DistillationLoss.planned(without_logit_kl(options), plan, facts, reader, student, announce=True)
+    cross = build_cross_model(options, reader, student, criterion, announce=True)
+    host = collate([reader.get(i, list(plan.names)) for i in range(2)], [0, 1])
+    cross.aligner.extend(host)
+    capsys.readouterr()
+    with torch.no_grad():
+        first, _ = cross(to_device(host, "cpu")), cross(to_device(host, "cpu"))
+    assert "ce" not in first and "gold" in first and cross._head is criterion._head
+    assert capsys.readouterr().err.count("kdcache train: vocabulary losses: chunked") == 1
+
+
 def test_pieces_of_characters_agree_only_with_the_same_piece() -> None:
     """Every byte-level piece of a character decodes to U+FFFD: two different pieces must not agree by it, and the
     same piece must (the teacher with itself)."""
