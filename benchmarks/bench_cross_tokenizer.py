@@ -219,7 +219,7 @@ def _one_step_peak(cache: str, student: str, rows: int, path: str) -> dict[str, 
     batch = to_device(host, "cpu")
     # Set the head the first batch would choose (its check runs a forward, which would count in the peak);
     # materialised is the fallback a student without a plain linear head takes.
-    cross._head = (plain_head(model) if path == "chunked" else None,)
+    cross.criterion._head = (plain_head(model) if path == "chunked" else None,)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     cross(batch)["loss"].backward()

@@ -60,10 +60,9 @@ CROSS_LOSSES = ("gold", "uld")  # --cross-tokenizer's choices, names in the loss
 
 class CrossRunLoss(RunLoss, Protocol):
     """What the cross-tokenizer model reads of the run's loss (``train.loss.DistillationLoss``, a floor above):
-    besides ``RunLoss``, its forward of the student, its decision on the student's LM head, and the loss itself."""
+    besides ``RunLoss``, its forward of the student (with its decision on the student's LM head) and the loss itself."""
 
     announce_head: bool
-    _head: tuple[nn.Linear | None] | None
 
     def student_outputs(self, student: object, batch: Mapping[str, Any]) -> Any: ...
 
@@ -167,16 +166,6 @@ class CrossDistillModel(nn.Module):
         # The criterion says which path the vocabulary terms take (rank 0, without --quiet); its own parts hold no
         # logit KL here, so it is told: this model's vocabulary term is outside them.
         criterion.announce_head = announce
-
-    @property
-    def _head(self) -> tuple[nn.Linear | None] | None:
-        """The LM head the losses apply chunk by chunk, as the criterion decided it on the first batch (None: not
-        yet; ``(None,)``: the student's own forward). Set it to choose the path (tests, the benchmark)."""
-        return self.criterion._head
-
-    @_head.setter
-    def _head(self, head: tuple[nn.Linear | None] | None) -> None:
-        self.criterion._head = head
 
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Args: the teacher's batch on the device (``streaming.collate`` + ``to_device``), with the student's side
