@@ -65,7 +65,18 @@ Batch = dict[str, Any]
 
 
 class StreamStateError(KdcacheError):
-    """A saved data position cannot be resumed with the current settings."""
+    """A stream that cannot be made as asked: a saved data position the current settings cannot resume, too few
+    sequences for one step, or arrays without the ``input_ids`` their batches are padded to."""
+
+
+def _check_padding_names(names: Sequence[str]) -> None:
+    """Each stream a name belongs to must be read with its ``input_ids``: ``collate`` pads every array of a
+    stream to its longest ``input_ids`` and makes the stream's ``mask`` from them."""
+    needed = {prefixed(split_stream(n)[0], "input_ids") for n in names}
+    missing = sorted(needed - set(names))
+    if missing:
+        raise StreamStateError(f"names {list(names)} lack {missing}: a batch is padded to each stream's input_ids "
+                               f"(its mask comes from them); add them to the names")
 
 
 @dataclass(frozen=True)
@@ -271,6 +282,7 @@ class CacheStream(IterableDataset):
             raise ValueError(f"prefetch_mib must be a whole number of MiB >= 1, got {prefetch_mib!r}")
         self.prefetch_bytes = prefetch_mib << 20
         self.names = tuple(names)
+        _check_padding_names(self.names)
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.start, self.epochs = start, epochs
         self.shuffle_block, self.prefetch, self.decode_threads = shuffle_block, prefetch, decode_threads

@@ -14,7 +14,7 @@ import torch
 from kdcache.stages.train.api import CacheDataset
 from kdcache.stages.train.core.options import DataOptions
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB, ByteQueue
-from kdcache.stages.train.feed.streaming import CacheStream, collate, to_device
+from kdcache.stages.train.feed.streaming import CacheStream, StreamStateError, collate, to_device
 from kdcache.storage import CacheReader, to_float32
 from tests.helpers.full_cache import write_full_cache
 
@@ -104,6 +104,13 @@ def test_a_bad_byte_budget_is_refused_with_its_value(caches: dict[str, Path]) ->
             CacheStream(caches["fp16"], NAMES, batch_size=2, prefetch_mib=bad)  # type: ignore[arg-type]
     assert "prefetch_mib must be >= 1, got 0" in DataOptions(cache="c", prefetch_mib=0).validate()
     assert DataOptions(cache="c").prefetch_mib == PREFETCH_MIB  # the option's default is the feed's
+
+
+def test_arrays_asked_without_their_input_ids_are_refused_naming_what_is_missing(caches: dict[str, Path]) -> None:
+    """A batch is padded to its stream's input_ids: dense rows asked alone were a bare KeyError('mask') in the
+    stream's thread; the stream now refuses them when it is made."""
+    with pytest.raises(StreamStateError, match=r"names \['logits/full'\] lack \['input_ids'\]"):
+        CacheStream(caches["fp16"], ["logits/full"], batch_size=2)
 
 
 def test_the_python_api_takes_the_byte_budget_and_refuses_a_bad_one(caches: dict[str, Path]) -> None:
