@@ -70,10 +70,11 @@ class StreamStateError(KdcacheError):
 
 
 def _check_padding_names(names: Sequence[str]) -> None:
-    """Each stream a name belongs to must be read with its ``input_ids``: ``collate`` pads every array of a
-    stream to its longest ``input_ids`` and makes the stream's ``mask`` from them."""
-    needed = {prefixed(split_stream(n)[0], "input_ids") for n in names}
-    missing = sorted(needed - set(names))
+    """Each stream an array is padded along (``ragged_streams``: logits along the last, cross-attention along both)
+    must be read with its ``input_ids``: ``collate`` pads to them and makes the stream's ``mask`` from them."""
+    streams = [split_stream(n)[0] for n in names if kind_of(n) == ArrayKind.INPUT_IDS]
+    needed = {s for n in names for s in (ragged_streams(n, streams) if streams else (split_stream(n)[0],))}
+    missing = sorted(prefixed(s, "input_ids") for s in needed - set(streams))
     if missing:
         raise StreamStateError(f"names {list(names)} lack {missing}: a batch is padded to each stream's input_ids "
                                f"(its mask comes from them); add them to the names")
@@ -215,7 +216,8 @@ def _read_rows(reader: CacheReader, name: str, ids: np.ndarray, batch: Batch) ->
     for i, seq in enumerate(ids.tolist()):
         rows = reader.get(seq, [name])[name]  # [L_i, V] in the stored dtype
         if out is None:
-            length = batch[prefixed(split_stream(name)[0], "mask")].shape[1]
+            streams = [split_stream(k)[0] for k in batch if split_stream(k)[1] == "mask"]
+            length = batch[prefixed(ragged_streams(name, streams)[0], "mask")].shape[1]  # logits: the last stream
             out = np.zeros((len(ids), length, *rows.shape[1:]), dtype=_batch_dtype(name, rows.dtype))
         out[i, :len(rows)] = rows.view(out.dtype)  # bf16 bits reinterpreted as int16, as collate does
     assert out is not None, "a micro-batch holds at least one sequence"

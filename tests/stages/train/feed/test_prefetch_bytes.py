@@ -15,8 +15,9 @@ from kdcache.stages.train.api import CacheDataset
 from kdcache.stages.train.core.options import DataOptions
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB, ByteQueue
 from kdcache.stages.train.feed.streaming import CacheStream, StreamStateError, collate, to_device
-from kdcache.storage import CacheReader, to_float32
+from kdcache.storage import CacheReader, CacheSpec, CacheWriter, to_float32
 from tests.helpers.full_cache import write_full_cache
+from tests.storage._seq2seq_suite import FINGERPRINTS, make_seq2seq_sequences
 
 V, LENGTHS = 64, [9, 5, 12, 7, 3, 11, 8, 6, 10, 4]  # 10 sequences of varied length, 4 to a shard
 NAMES = ["input_ids", "logits/full"]
@@ -111,6 +112,23 @@ def test_arrays_asked_without_their_input_ids_are_refused_naming_what_is_missing
     stream's thread; the stream now refuses them when it is made."""
     with pytest.raises(StreamStateError, match=r"names \['logits/full'\] lack \['input_ids'\]"):
         CacheStream(caches["fp16"], ["logits/full"], batch_size=2)
+
+
+def test_a_seq2seq_cache_s_dense_rows_come_per_batch_padded_to_the_decoder(tmp_path: Path) -> None:
+    """Dense logits live on the last stream: rows read apart are padded to the decoder's mask (they asked for an
+    unprefixed ``mask`` that a two-stream batch has not, a KeyError)."""
+    spec = CacheSpec.from_dict(dict(num_sequences=3, layout="seq2seq", encoder_hidden_layers=(1,),
+                                    decoder_hidden_layers=(1,), logits="full", vocab_size=40, sequences_per_shard=3))
+    items = make_seq2seq_sequences(spec, [(5, 3), (2, 6), (4, 4)])
+    with CacheWriter(tmp_path / "c", spec, FINGERPRINTS) as writer:
+        writer.write_shard(0, items)
+        writer.finalize()
+    names = ["encoder/input_ids", "decoder/input_ids", "logits/full"]
+    batch = next(iter(CacheStream(str(tmp_path / "c"), names, batch_size=3, shuffle_block=1, epochs=1)))
+    assert batch["logits/full"].shape == (3, 6, 40) and batch["decoder/mask"].shape == (3, 6)
+    for row, i in enumerate(batch["sample_ids"].tolist()):
+        expected = items[i]["logits/full"].astype(np.float16)
+        np.testing.assert_array_equal(batch["logits/full"][row, :len(expected)].numpy(), expected)
 
 
 def test_the_python_api_takes_the_byte_budget_and_refuses_a_bad_one(caches: dict[str, Path]) -> None:
