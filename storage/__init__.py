@@ -158,7 +158,8 @@ if TYPE_CHECKING:
         read_manifest as read_manifest,
         summarize_arrays as summarize_arrays,
     )
-    from kdcache.storage.schema.spec import CacheSpec as CacheSpec, topk_id_dtype as topk_id_dtype
+    from kdcache.storage.schema.spec import CacheSpec as CacheSpec
+    from kdcache.storage.schema.spec_checks import topk_id_dtype as topk_id_dtype
     from kdcache.storage.verify import (
         VerifyProblem as VerifyProblem,
         VerifyReport as VerifyReport,

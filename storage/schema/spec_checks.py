@@ -2,8 +2,7 @@
 
 Kept apart from ``spec`` so that the spec module holds what a cache is and how its arrays are named, and this one
 what makes a spec invalid: every check runs once, in ``CacheSpec.__post_init__`` (a bad spec fails where it is
-made, not at the first shard). Names that ``spec`` always exported (``TOKEN_ARRAYS``, ``topk_id_dtype``) are
-re-exported there.
+made, not at the first shard).
 """
 
 from __future__ import annotations
