@@ -3,6 +3,9 @@ when sampling (a chi-square test on a tiny vocabulary)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +13,6 @@ from scipy import stats
 
 from kdcache.stages.draft.decoding import (
     Proposal,
-    Recompute,
     Sampling,
     TargetPass,
     acceptance,
@@ -24,6 +26,27 @@ from tests.helpers.tiny_models import make_tiny_llama, sample_texts
 
 LAYERS = (2, 4, 5)
 K = 4
+
+
+@dataclass
+class Recompute:
+    """A ``Target`` from a function of the whole sequence (ids ``[S]`` -> its ``TargetPass`` over all S
+    positions), rerun on every pass: a target with no cache of its own (a table)."""
+
+    fn: Callable[[torch.Tensor], TargetPass]
+    ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+
+    def start(self, prompt: torch.Tensor) -> TargetPass:
+        self.ids = prompt
+        return self.fn(prompt)
+
+    def extend(self, tokens: torch.Tensor) -> TargetPass:
+        self.ids, n = torch.cat([self.ids, tokens.to(self.ids)]), tokens.shape[0]
+        out = self.fn(self.ids)
+        return TargetPass(out.logits[-n:], None if out.features is None else out.features[-n:])
+
+    def crop(self, length: int) -> None:
+        self.ids = self.ids[:length]
 
 
 @pytest.fixture(scope="module")
