@@ -50,6 +50,7 @@ from kdcache.storage.core.streams import (
     attention_offsets_name,
     kind_of,
     prefixed,
+    sorted_layers,
     spec_layers,
     split_stream,
     stream_layers_of_manifest,
@@ -64,7 +65,7 @@ from kdcache.storage.hidden_codecs import (
     parts,
 )
 from kdcache.storage.schema.arrays import CachedArray, describe
-from kdcache.storage.schema.spec_checks import check_spec, sorted_layers
+from kdcache.storage.schema.spec_checks import check_spec
 
 
 @dataclass(frozen=True)

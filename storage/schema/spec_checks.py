@@ -7,7 +7,6 @@ made, not at the first shard).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,14 +32,6 @@ def topk_id_dtype(vocab_size: int) -> np.dtype:
         if vocab_size - 1 <= np.iinfo(dtype).max:
             return np.dtype(dtype)
     raise SpecError(f"vocab_size {vocab_size} does not fit in 64 bits")
-
-
-def sorted_layers(name: str, values: Iterable[int | str], minimum: int) -> tuple[int, ...]:
-    """``values`` as sorted, distinct ints, each at least ``minimum`` (``name`` says which field, for the error)."""
-    layers = tuple(sorted({int(v) for v in values}))
-    if any(j < minimum for j in layers):
-        raise SpecError(f"{name} {list(values)} has a layer below {minimum}; expected layers >= {minimum}")
-    return layers
 
 
 class SpecFields(LogitFields, Protocol):
