@@ -19,7 +19,7 @@ from kdcache.stages.draft.decoding import (
     speculative_generate,
     target_generate,
 )
-from kdcache.stages.draft.drafters import Eagle3Drafter, ModelDrafter, PromptLookup, hf_target
+from kdcache.stages.draft.drafters import Eagle3Drafter, HFTarget, ModelDrafter, PromptLookup
 from kdcache.stages.draft.model import DraftShape, Eagle3Draft, default_heads
 from kdcache.stages.draft.vocab import DraftVocab
 from tests.helpers.tiny_models import make_tiny_llama, sample_texts
@@ -80,7 +80,7 @@ def test_greedy_speculative_decoding_returns_the_targets_greedy_tokens(target, k
     model, tokenizer, student = target
     drafter = {"eagle3": lambda: Eagle3Drafter(_untrained_head(model)), "lookup": lambda: PromptLookup(),
                "student": lambda: ModelDrafter(student)}[kind]()
-    run = hf_target(model, LAYERS)
+    run = HFTarget(model, LAYERS)
     for prompt in _prompts(tokenizer):
         alone = target_generate(run, prompt, 12, Sampling())
         spec = speculative_generate(run, drafter, prompt, 12, K, Sampling())
@@ -112,7 +112,7 @@ def test_a_drafter_reusing_its_cache_proposes_what_a_fresh_one_does(target, kind
     reused, fresh = _Recorded(make, fresh=False), _Recorded(make, fresh=True)
     for prompt in _prompts(tokenizer):
         for drafter in (reused, fresh):
-            speculative_generate(hf_target(model, LAYERS), drafter, prompt, 8, K, Sampling())
+            speculative_generate(HFTarget(model, LAYERS), drafter, prompt, 8, K, Sampling())
     assert reused.proposed == fresh.proposed and len(reused.proposed) >= 4  # rounds over both prompts
 
 
@@ -131,7 +131,7 @@ class _Oracle:
 
 def test_a_draft_that_proposes_the_targets_tokens_is_always_kept(target):
     model, tokenizer, _ = target
-    run, prompt = hf_target(model), _prompts(tokenizer)[0]
+    run, prompt = HFTarget(model), _prompts(tokenizer)[0]
     alone = target_generate(run, prompt, 21, Sampling())
     spec = speculative_generate(run, _Oracle(alone.tokens, prompt.shape[0]), prompt, 21, K, Sampling())
     assert spec.tokens == alone.tokens
