@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import yaml
 
 from kdcache.stages.common.option_groups import flatten, groups, leaves, nest, required
-from kdcache.stages.common.stream_options import ALIASES, alias_flags, fold_aliases
+from kdcache.stages.common.stream_options import ALIASES, alias_flags, flag_name, fold_aliases
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.generation.options import GenerateOptions
 from kdcache.stages.train.core.options import TrainOptions
@@ -48,11 +48,6 @@ class ConfigError(KdcacheError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
-
-
-def flag_name(option: str) -> str:
-    """The flag of an option as help and error messages print it: ``top_k`` -> ``--top-k``."""
-    return "--" + option.replace("_", "-")
 
 
 # ---- flags -------------------------------------------------------------------------------------------------
