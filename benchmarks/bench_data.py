@@ -3,7 +3,8 @@ rows, fingerprint; at ~1 M and ~10 M tokens, plain text and chats packed with do
 
 Three ways, side by side, each in a fresh process (its own ``datasets`` cache, so loading the JSONL is paid):
 
-- ``in-memory``: what every rank did before: ``data.tokenize`` (rows as Python lists of arrays) and hashing them;
+- ``in-memory``: what every rank did before: tokenize in batches of 1,000 and pack every row into Python lists of
+  arrays (``in_memory_rows`` here, the former ``data.tokenize``), and hash them;
 - ``build``: the row table built once per cache (``row_build.text_streams``; tokenized over ``--workers``
   processes), then the rank's first shard read;
 - ``open``: a rank that finds the rows built (another rank, a job-array part or a rerun did it): open the memory
@@ -30,6 +31,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,7 +60,7 @@ def child(args: argparse.Namespace) -> None:
     """One measurement in this process; prints a JSON line."""
     from kdcache.stages.precompute.core.options import PrecomputeOptions
     from kdcache.stages.precompute.core.plan import PrecomputePlan
-    from kdcache.stages.precompute.rows.data import load_texts, tokenize
+    from kdcache.stages.precompute.rows.data import load_texts
     from kdcache.stages.precompute.rows.row_build import text_streams
     from kdcache.stages.precompute.teacher import load_tokenizer
     from kdcache.storage import hash_arrays
@@ -72,10 +76,10 @@ def child(args: argparse.Namespace) -> None:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started, cpu = time.perf_counter(), time.process_time()
     if args.mode == "in-memory":
-        rows = tokenize(load_texts(plan.rows), tokenizer, plan.rows)
-        hashes = [hash_arrays(rows.ids), hash_arrays(rows.loss_masks)]
-        tokens, built = sum(len(r) for r in rows.ids), True
-        first = rows.ids[:256]
+        ids, masks = in_memory_rows(load_texts(plan.rows), tokenizer, plan.rows)
+        hashes = [hash_arrays(ids), hash_arrays(masks)]
+        tokens, built = sum(len(r) for r in ids), True
+        first = ids[:256]
         del hashes
     else:
         data = text_streams(plan.rows, tokenizer)
@@ -88,6 +92,20 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps({"mode": args.mode, "tokens": tokens, "built": built, "seconds": round(wall, 2),
                       "cpu_seconds": round(time.process_time() - cpu, 2), "rank": int(os.environ.get("RANK", 0)),
                       "rss_growth_mib": round((peak - base) / 1024, 1), "workers_peak_mib": round(kids / 1024, 1)}))
+
+
+def in_memory_rows(ds: Any, tokenizer: Any, setup: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every row's ids and loss mask held in memory: the path each rank took before the row table (issue 26)."""
+    from kdcache.stages.precompute.rows.data import documents, encode_batch, text_template
+    from kdcache.stages.precompute.rows.packing import RowCounts, iter_rows
+
+    template = text_template(tokenizer, setup)
+    batches = ((ds[i:i + 1000], list(range(i, min(i + 1000, len(ds))))) for i in range(0, len(ds), 1000))
+    docs = (doc for batch, index in batches
+            for doc in documents(encode_batch(batch, index, tokenizer=tokenizer, setup=setup, template=template)))
+    rows = list(iter_rows(docs, RowCounts(), setup.packing, setup.max_length, tokenizer.eos_token_id,
+                          setup.max_sequences))
+    return [ids for ids, *_ in rows], [mask for _, mask, *_ in rows]
 
 
 def measure(mode: str, teacher: Path, data: Path, out: Path, chat: bool, workers: int, scratch: Path) -> dict:

@@ -165,7 +165,7 @@ def profile(target: Path, prompts: Path, draft: Path, student: Path, args: argpa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kdcache.stages.draft.decoding import Sampling, speculative_generate, target_generate
-    from kdcache.stages.draft.drafters import Eagle3Drafter, hf_target
+    from kdcache.stages.draft.drafters import Eagle3Drafter, HFTarget
     from kdcache.stages.draft.evaluation import EvalOptions, drafters_for, load_prompts
 
     options = EvalOptions(str(target), str(prompts), str(draft), str(student), args.k, args.max_new,
@@ -175,14 +175,14 @@ def profile(target: Path, prompts: Path, draft: Path, student: Path, args: argpa
     out: dict[str, Any] = {}
     with torch.inference_mode():
         alone: dict[str, float] = {}
-        timed = _Timed(hf_target(model), TARGET_SPANS, alone)
+        timed = _Timed(HFTarget(model), TARGET_SPANS, alone)
         tokens = sum(len(target_generate(timed, p, args.max_new, Sampling(0.0)).tokens) for p in ids)
         step_ms = 1e3 * alone["target passes"] / max(1, tokens - len(ids))  # the first token comes from prefill
         for drafter in drafters_for(options, model):
             layers = drafter.draft.shape.layers if isinstance(drafter, Eagle3Drafter) else None
             clock: dict[str, float] = {}
             start = time.perf_counter()
-            spec, draws = _Timed(hf_target(model, layers), TARGET_SPANS, clock), _Timed(drafter, DRAFT_SPANS, clock)
+            spec, draws = _Timed(HFTarget(model, layers), TARGET_SPANS, clock), _Timed(drafter, DRAFT_SPANS, clock)
             runs = [speculative_generate(spec, draws, p, args.max_new, args.k, Sampling(0.0)) for p in ids]
             total = time.perf_counter() - start
             rounds = sum(len(g.rounds) for g in runs)

@@ -7,7 +7,8 @@ linked in, the layout ``make lint`` builds) and put first on ``PYTHONPATH``. Per
 
 * ``help``: ``kdcache --help``;
 * ``kinds``: ``import kdcache.stages.targets.logits`` (the registry the option classes read), which must load
-  neither torch nor transformers on either side.
+  neither torch nor transformers on either side;
+* ``precompute help``: ``kdcache precompute --help`` (stage one's flags, built from its options' groups).
 
 Usage: ``python benchmarks/bench_light_paths.py --base DIR [--repeats 7]`` (a minute). Prints a Markdown table.
 """
@@ -26,6 +27,8 @@ CODE = {
     "help": "import sys; from kdcache.pipeline.cli import main; sys.argv = ['kdcache', '--help']; main()",
     "kinds": "import sys, kdcache.stages.targets.logits; "
              "assert 'torch' not in sys.modules and 'transformers' not in sys.modules",
+    "precompute help": "import sys; from kdcache.pipeline.cli import main; "
+                       "sys.argv = ['kdcache', 'precompute', '--help']; main()",
 }
 
 

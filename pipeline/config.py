@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
-from kdcache.stages.common.option_groups import flatten, groups, leaves, nest, required
-from kdcache.stages.common.stream_options import ALIASES, alias_flags, fold_aliases
+from kdcache.stages.common.option_groups import flatten, groups, leaves, nest, option_loc, required
+from kdcache.stages.common.stream_options import ALIASES, alias_flags, flag_name, fold_aliases
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.generation.options import GenerateOptions
 from kdcache.stages.train.core.options import TrainOptions
@@ -48,11 +48,6 @@ class ConfigError(KdcacheError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
-
-
-def flag_name(option: str) -> str:
-    """The flag of an option as help and error messages print it: ``top_k`` -> ``--top-k``."""
-    return "--" + option.replace("_", "-")
 
 
 # ---- flags -------------------------------------------------------------------------------------------------
@@ -77,7 +72,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
     """
     sections: dict[str | None, Any] = {}
     needed: list[argparse.Action] = []
-    for group, owner, f in leaves(cls):
+    for path, owner, f in leaves(cls):
+        group = path[0] if path else None  # a nested group's flags stay under its outer group's heading
         if f.name in skip:
             continue
         if group not in sections:
@@ -325,9 +321,9 @@ def _validate(cls: type[T], values: dict[str, Any], where: str) -> tuple[T | Non
         return adapter.validate_python(nest(cls, values)), []
     except pydantic.ValidationError as exc:
         errors = exc.errors(include_url=False)
-    depth = 0 if groups(cls) is None else 1  # a grouped class's errors are located at (group, option, ...)
-    problems = [_message(e["loc"][depth:], e, where) for e in errors]
-    bad = {e["loc"][depth] for e in errors if len(e["loc"]) > depth}
+    locs = [option_loc(cls, e["loc"]) for e in errors]  # a grouped class's errors are at (group, option, ...)
+    problems = [_message(loc, e, where) for loc, e in zip(locs, errors)]
+    bad = {loc[0] for loc in locs if loc}
     try:
         return adapter.validate_python(nest(cls, {k: v for k, v in values.items() if k not in bad})), problems
     except pydantic.ValidationError:

@@ -106,7 +106,6 @@ class RunState:
     options: dict[str, Any]
     plan: dict[str, Any]
     metrics: list[dict[str, Any]]
-    skipped_lines: int
     eval: dict[str, Any] | None  # the newest evaluation of the trained student (alignment heatmap, columns)
     finished: bool
     notes: list[str] = field(default_factory=list)
@@ -132,7 +131,7 @@ def load_run_state(run_dir: str | Path) -> RunState:
     metrics, skipped = read_metrics(root / "metrics.jsonl")
     evals = stages.read_evals(root)
     state = RunState(root, read_json_object(root / "options.json"), read_json_object(root / "plan.json"), metrics,
-                     skipped, stages.newest(evals, "trained"), (root / "student" / "config.json").is_file(),
+                     stages.newest(evals, "trained"), (root / "student" / "config.json").is_file(),
                      evals=evals)
     if skipped:
         state.notes.append(f"{skipped} unreadable line(s) in metrics.jsonl skipped (a run still writing it)")

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.children import child_env
-from kdcache.pipeline.config import ConfigError, build, flag_name, flags
+from kdcache.pipeline.config import ConfigError, build, flags
 from kdcache.pipeline.report import collect_rows, write_tables
 from kdcache.stages.common.option_groups import flatten, leaves
-from kdcache.stages.common.stream_options import ALIASES
+from kdcache.stages.common.stream_options import ALIASES, flag_name
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.evaluation.eval_records import find_eval, remove_evals
 from kdcache.storage import read_json_object

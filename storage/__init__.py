@@ -84,6 +84,11 @@ if TYPE_CHECKING:
         vocab_row_names as vocab_row_names,
     )
     from kdcache.storage.core.registry import Registry as Registry, import_members as import_members
+    from kdcache.storage.core.rotation import (
+        block_size as block_size,
+        hadamard_matrix as hadamard_matrix,
+        rotation_signs as rotation_signs,
+    )
     from kdcache.storage.core.stores import (
         OPTIONS_ENV as OPTIONS_ENV,
         Store as Store,
@@ -126,11 +131,9 @@ if TYPE_CHECKING:
         PARTS as PARTS,
         HiddenCodec as HiddenCodec,
         applies_to as applies_to,
-        block_size as block_size,
         check_width as check_width,
         codec_of as codec_of,
         group_count as group_count,
-        hadamard_matrix as hadamard_matrix,
         hidden_codec_of as hidden_codec_of,
         is_part as is_part,
         part_name as part_name,
@@ -139,7 +142,6 @@ if TYPE_CHECKING:
         rank_of as rank_of,
         register_ops as register_ops,
         resolve_hidden_codec as resolve_hidden_codec,
-        rotation_signs as rotation_signs,
         row_errors as row_errors,
     )
     from kdcache.storage.projection import (
@@ -158,7 +160,8 @@ if TYPE_CHECKING:
         read_manifest as read_manifest,
         summarize_arrays as summarize_arrays,
     )
-    from kdcache.storage.schema.spec import CacheSpec as CacheSpec, topk_id_dtype as topk_id_dtype
+    from kdcache.storage.schema.spec import CacheSpec as CacheSpec
+    from kdcache.storage.schema.spec_checks import topk_id_dtype as topk_id_dtype
     from kdcache.storage.verify import (
         VerifyProblem as VerifyProblem,
         VerifyReport as VerifyReport,

@@ -14,6 +14,7 @@ import numpy as np
 
 from kdcache.storage.core.dtypes import FP16_MAX, apply_bitround, check_finite, measure_error, to_float32, to_storage
 from kdcache.storage.core.errors import Fp16OverflowError, InvalidSequenceError, ShardError
+from kdcache.storage.core.logit_layouts import TOPK_MASS
 from kdcache.storage.core.streams import ArrayKind, prefixed
 from kdcache.storage.hidden_codecs import (
     ERROR_FIELDS,
@@ -24,7 +25,7 @@ from kdcache.storage.hidden_codecs import (
 )
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
 from kdcache.storage.schema.arrays import CachedArray
-from kdcache.storage.schema.spec import TOPK_MASS, CacheSpec
+from kdcache.storage.schema.spec import CacheSpec
 from kdcache.storage.schema.spec_checks import TOKEN_KINDS
 
 Concatenate = Callable[[Sequence[np.ndarray]], np.ndarray]  # np.concatenate along axis 0, or a pooled one

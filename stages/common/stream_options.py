@@ -187,8 +187,8 @@ def fold_aliases(values: dict[str, Any], options: Mapping[str, Any], *,
             continue
         value = out.pop(alias)
         text, shown = _text(value), ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-        print(f"kdcache config: note: {_flag(alias)} (YAML {where}{alias}) is deprecated; write {_flag(option)} "
-              f"{stream}:{shown} (YAML {option}: {{{stream}: ...}})", file=sys.stderr)
+        print(f"kdcache config: note: {flag_name(alias)} (YAML {where}{alias}) is deprecated; write "
+              f"{flag_name(option)} {stream}:{shown} (YAML {option}: {{{stream}: ...}})", file=sys.stderr)
         try:
             cls.read(text)
         except ValueError as exc:
@@ -221,8 +221,9 @@ def alias_flags(parser: argparse.ArgumentParser, options: Iterable[str]) -> None
     names = set(options)
     for alias, (option, _) in ALIASES.items():
         if option in names:
-            parser.add_argument(_flag(alias), dest=alias, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            parser.add_argument(flag_name(alias), dest=alias, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def flag_name(option: str) -> str:
+    """The flag of an option as help and error messages print it: ``top_k`` -> ``--top-k``."""
+    return "--" + option.replace("_", "-")

@@ -19,7 +19,6 @@ as it would serve without a draft.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -39,27 +38,6 @@ class Target(Protocol):
     def extend(self, tokens: torch.Tensor) -> TargetPass: ...
 
     def crop(self, length: int) -> None: ...
-
-
-@dataclass
-class Recompute:
-    """A ``Target`` from a function of the whole sequence (ids ``[S]`` -> its ``TargetPass`` over all S
-    positions), rerun on every pass: for a target with no cache of its own (a table, in tests)."""
-
-    fn: Callable[[torch.Tensor], TargetPass]
-    ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
-
-    def start(self, prompt: torch.Tensor) -> TargetPass:
-        self.ids = prompt
-        return self.fn(prompt)
-
-    def extend(self, tokens: torch.Tensor) -> TargetPass:
-        self.ids, n = torch.cat([self.ids, tokens.to(self.ids)]), tokens.shape[0]
-        out = self.fn(self.ids)
-        return TargetPass(out.logits[-n:], None if out.features is None else out.features[-n:])
-
-    def crop(self, length: int) -> None:
-        self.ids = self.ids[:length]
 
 
 class Proposal(NamedTuple):

@@ -61,11 +61,6 @@ class HFTarget:
             crop_cache(self.cache, length)
 
 
-def hf_target(model: PreTrainedModel, layers: tuple[int, ...] | None = None) -> HFTarget:
-    """The target as decoding drives it (``HFTarget``)."""
-    return HFTarget(model, layers)
-
-
 @dataclass
 class PromptLookup:
     """Proposes the tokens that followed the earliest earlier occurrence of the context's last n tokens (n from

@@ -27,7 +27,7 @@ from kdcache.stages.draft.decoding import (
     speculative_generate,
     target_generate,
 )
-from kdcache.stages.draft.drafters import Eagle3Drafter, ModelDrafter, PromptLookup, hf_target
+from kdcache.stages.draft.drafters import Eagle3Drafter, HFTarget, ModelDrafter, PromptLookup
 from kdcache.stages.draft.export import load_draft
 from kdcache.stages.draft.vocab import DraftInputError
 from kdcache.stages.targets.draft.draft_inputs import target_embedding
@@ -137,8 +137,8 @@ def _timed(model: PreTrainedModel, layers: tuple[int, ...] | None, drafter: Draf
     seconds of each side (the machine's noise only ever adds time)."""
     best = [float("inf"), float("inf")]
     for _ in range(options.repeats):
-        alone = _run(hf_target(model), None, prompts, options)
-        runs = _run(hf_target(model, layers), drafter, prompts, options)
+        alone = _run(HFTarget(model), None, prompts, options)
+        runs = _run(HFTarget(model, layers), drafter, prompts, options)
         best = [min(best[0], sum(g.seconds for g in alone)), min(best[1], sum(g.seconds for g in runs))]
     return alone, runs, best[0], best[1]
 

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kdcache.stages.common.stream_options import flag_name
 from kdcache.stages.draft.vocab import DraftInputError
 from kdcache.stages.train.checkpoint import CHECKPOINT_DIR, PLAN_FILE, has_checkpoint, write_plan
 from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, refuse_changes
@@ -57,7 +58,7 @@ def check_resume(options: dict[str, Any], fingerprints: dict[str, Any]) -> None:
     if not recorded:
         return  # a checkpoint without a record (written by hand or by the API): nothing to hold it to, as in train
     now = json.loads(json.dumps(options))
-    changes = [f"{_flag(name)}: {json.dumps(recorded.get(name))} in the run, {json.dumps(value)} now"
+    changes = [f"{flag_name(name)}: {json.dumps(recorded.get(name))} in the run, {json.dumps(value)} now"
                for name, value in sorted(now.items()) if name not in FREE_ON_RESUME and recorded.get(name) != value]
     before = read_json_object(Path(out) / PLAN_FILE).get(CACHE_HASH)
     if before is not None and before != cache_hash(fingerprints):
@@ -75,7 +76,3 @@ def write_record(options: dict[str, Any], fingerprints: dict[str, Any], world_si
     (root / OPTIONS_FILE).write_text(json.dumps(options, indent=2) + "\n")
     write_plan(root, {CACHE_HASH: cache_hash(fingerprints), "total_steps": options["max_steps"],
                       "batch_size": options["batch_size"], "world_size": world_size})
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")

@@ -35,7 +35,7 @@ def with_default_features(options: PrecomputeOptions, config: PretrainedConfig) 
     encoder such as MiniLM has none, so it caches hidden states only)."""
     if options.targets.features:
         return options
-    if options.targets.topk_values == "logprob" and not has_lm_head(config):
+    if options.targets.logit.topk_values == "logprob" and not has_lm_head(config):
         raise PrecomputeError(f"topk_values: teacher {options.engine.teacher!r} has no language-model head, so no "
                               f"logits are cached and --topk-values logprob has nothing to store; drop it")
     features = ("hidden", "logits") if has_lm_head(config) else ("hidden",)

@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from kdcache.stages.common.option_groups import leaves
+from kdcache.stages.common.stream_options import flag_name
 from kdcache.stages.train.checkpoint import PROJECTORS_FILE, read_projectors
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.storage import KdcacheError, hash_json, read_json_object
@@ -72,7 +73,7 @@ def refuse_changes(run_dir: object, changes: list[str], free: set[str] | frozens
     if not changes:
         return
     lines = "\n".join(f"  {c}" for c in changes)
-    allowed = ", ".join(_flag(n) for n in sorted(free))
+    allowed = ", ".join(flag_name(n) for n in sorted(free))
     raise RunChangedError(
         f"--resume: {run_dir} was trained with other options, and a resumed run trains on under its record "
         f"(options.json); {len(changes)} changed:\n{lines}\nOnly options that cannot change the result may "
@@ -87,12 +88,8 @@ def _same(name: str, before: object, after: object) -> bool:
         Path(before).resolve() == Path(after).resolve()
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _change(name: str, before: object, after: object) -> str:
-    return f"{_flag(name)}: {json.dumps(before)} in the run, {json.dumps(after)} now"
+    return f"{flag_name(name)}: {json.dumps(before)} in the run, {json.dumps(after)} now"
 
 
 def _new_options(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:

@@ -3,8 +3,8 @@
 Real LLM activations have a few channels 100-1000x larger than the rest; a random-sign block-Hadamard rotation
 spreads each across its block, so one scale per row no longer flattens the small channels. Rotation =
 ``hadamard(x * signs)``: signs ``[d]`` from a seed, blocks of ``block_size(d)``; orthonormal and its own inverse
-(up to the signs), so decoding is ``hadamard(y) * signs``. Numpy only; ``stages.targets.hidden.device_codecs``
-builds its torch twin from the same matrices.
+(up to the signs), so decoding is ``hadamard(y) * signs``. Here are the matrices and signs, numpy only; the
+transform itself is ``storage.hidden_codecs.arrays.hadamard``, one for numpy and the devices' torch alike.
 """
 
 from __future__ import annotations
@@ -67,14 +67,3 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     array.flags.writeable = False
     return array
 
-
-def hadamard(x: np.ndarray) -> np.ndarray:
-    """Orthonormal Walsh-Hadamard transform along the last axis in blocks of ``block_size(d)`` (its own inverse).
-
-    Args:
-        x: ``[T, d]`` float32.
-    """
-    t, d = x.shape
-    b = block_size(d)
-    rotated: np.ndarray = (x.reshape(t, d // b, b).astype(np.float32) @ _hadamard_matrix(b)).reshape(t, d)
-    return rotated

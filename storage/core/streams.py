@@ -127,7 +127,7 @@ def layer_mapping(given: Mapping[str, Any]) -> dict[str, dict[str, tuple[int, ..
         stray = sorted(set(kinds) - set(STREAM_KINDS[stream]))
         if stray:
             raise SpecError(f"layers[{stream!r}] has kinds {stray}; expected some of {list(STREAM_KINDS[stream])}")
-        out[stream] = {kind: _sorted_layers(f"{prefixed(stream, kind)} layers", kinds.get(kind, ()), FIRST_LAYER[kind])
+        out[stream] = {kind: sorted_layers(f"{prefixed(stream, kind)} layers", kinds.get(kind, ()), FIRST_LAYER[kind])
                        for kind in STREAM_KINDS[stream]}
     return out
 
@@ -153,7 +153,8 @@ def spec_layers(layers: Mapping[str, Any], hidden: LayerValues, attention: Layer
     return mapping
 
 
-def _sorted_layers(what: str, values: LayerValues, minimum: int) -> tuple[int, ...]:
+def sorted_layers(what: str, values: LayerValues, minimum: int) -> tuple[int, ...]:
+    """``values`` as sorted, distinct ints, each at least ``minimum`` (``what`` names the field, for the error)."""
     layers = tuple(sorted({int(v) for v in values}))
     if any(j < minimum for j in layers):
         raise SpecError(f"{what} {list(values)} has a layer below {minimum}; expected layers >= {minimum}")

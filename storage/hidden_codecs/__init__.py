@@ -29,11 +29,6 @@ from __future__ import annotations
 from typing import Any
 
 from kdcache.storage.core.registry import import_members
-from kdcache.storage.core.rotation import (
-    block_size as block_size,  # re-exported: the codecs' rotation, by its old path
-    hadamard_matrix as hadamard_matrix,
-    rotation_signs as rotation_signs,
-)
 from kdcache.storage.hidden_codecs.arrays import (
     FP8_MAX,
     ArrayOps,
@@ -98,8 +93,7 @@ COLUMN_CODES_CODEC = CODES_CODEC
 
 __all__ = ["ArrayOps", "CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "CodecRecord",
            "ERROR_FIELDS", "FP8_MAX", "HIDDEN_CODECS", "HiddenCodec", "HiddenCodecConfig", "NoConfig", "PARTS",
-           "QuantConfig", "QuantisedCodec", "applies_to", "block_size", "check_width", "codec_of", "coded_of",
-           "decode", "encode", "error_record", "fp8_table", "get", "group_count", "hadamard", "hadamard_matrix",
-           "hidden_codec_of", "is_part", "listing", "names", "namespace", "ops_for", "part_name", "part_of", "parts",
-           "projected", "rank_of", "register", "register_ops", "resolve_hidden_codec", "rotation_signs", "row_errors",
-           "usage"]
+           "QuantConfig", "QuantisedCodec", "applies_to", "check_width", "codec_of", "coded_of", "decode", "encode",
+           "error_record", "fp8_table", "get", "group_count", "hadamard", "hidden_codec_of", "is_part", "listing",
+           "names", "namespace", "ops_for", "part_name", "part_of", "parts", "projected", "rank_of", "register",
+           "register_ops", "resolve_hidden_codec", "row_errors", "usage"]

@@ -36,10 +36,8 @@ from kdcache.storage.core.attention_source import (
 from kdcache.storage.core.backend_registry import DEFAULT_BACKEND, BackendClass, backend_class
 from kdcache.storage.core.codecs import CompressorConfig, resolve_codec
 from kdcache.storage.core.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
-from kdcache.storage.core.formats import FORMAT_VERSION as FORMAT_VERSION  # re-exported; older formats: formats
+from kdcache.storage.core.formats import FORMAT_VERSION
 from kdcache.storage.core.logit_layouts import (
-    TOPK_MASS as TOPK_MASS,  # re-exported: spec's name for it before layouts
-    TOPK_VALUE_FORMATS as TOPK_VALUE_FORMATS,
     LogitLayout,
     layout_named,
     logit_arrays,
@@ -52,6 +50,7 @@ from kdcache.storage.core.streams import (
     attention_offsets_name,
     kind_of,
     prefixed,
+    sorted_layers,
     spec_layers,
     split_stream,
     stream_layers_of_manifest,
@@ -66,15 +65,7 @@ from kdcache.storage.hidden_codecs import (
     parts,
 )
 from kdcache.storage.schema.arrays import CachedArray, describe
-from kdcache.storage.schema.spec_checks import (  # re-exported: spec's names before spec_checks
-    TOKEN_ARRAYS as TOKEN_ARRAYS,
-    TOKEN_KINDS as TOKEN_KINDS,
-    check_spec,
-    sorted_layers,
-    topk_id_dtype as topk_id_dtype,
-)
-
-PER_SEQUENCE_FIXED = ("input_ids",)
+from kdcache.storage.schema.spec_checks import check_spec
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,11 @@
 
 Kept apart from ``spec`` so that the spec module holds what a cache is and how its arrays are named, and this one
 what makes a spec invalid: every check runs once, in ``CacheSpec.__post_init__`` (a bad spec fails where it is
-made, not at the first shard). Names that ``spec`` always exported (``TOKEN_ARRAYS``, ``topk_id_dtype``) are
-re-exported there.
+made, not at the first shard).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,14 +32,6 @@ def topk_id_dtype(vocab_size: int) -> np.dtype:
         if vocab_size - 1 <= np.iinfo(dtype).max:
             return np.dtype(dtype)
     raise SpecError(f"vocab_size {vocab_size} does not fit in 64 bits")
-
-
-def sorted_layers(name: str, values: Iterable[int | str], minimum: int) -> tuple[int, ...]:
-    """``values`` as sorted, distinct ints, each at least ``minimum`` (``name`` says which field, for the error)."""
-    layers = tuple(sorted({int(v) for v in values}))
-    if any(j < minimum for j in layers):
-        raise SpecError(f"{name} {list(values)} has a layer below {minimum}; expected layers >= {minimum}")
-    return layers
 
 
 class SpecFields(LogitFields, Protocol):

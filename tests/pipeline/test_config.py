@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kdcache.pipeline.config import ConfigError, build, flags, from_args
+from kdcache.stages.common.option_groups import assemble, flatten, option_group
 
 
 @dataclasses.dataclass
@@ -124,6 +125,38 @@ def test_grouped_options_keep_flat_names_and_take_nested_yaml() -> None:
     assert "out is required (flag --out)" in problems
     with pytest.raises(ConfigError, match="kind: got 'l1', expected one of mse, cka"):
         build(Grouped, {"out": "o", "kind": "l1"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy:
+    """A toy family's flag group, held whole by a group as ``TargetOptions.logit`` is."""
+
+    toy_k: int = 4
+    toy_mode: str = dataclasses.field(default="a", metadata={"choices": ["a", "b"]})
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    repeats: int = 1
+    toy: Toy = option_group(Toy)
+
+
+@dataclasses.dataclass(frozen=True)
+class Nested:
+    run: Run
+    held: Held = dataclasses.field(default_factory=Held)
+
+
+def test_a_group_inside_a_group_keeps_flat_names_and_its_errors_name_its_options() -> None:
+    opts = build(Nested, {"out": "o", "toy_k": "8", "held": {"toy_mode": "b"}})
+    assert opts == Nested(Run("o"), Held(toy=Toy(8, "b"))) == assemble(Nested, {"out": "o", "toy_k": 8, "toy_mode": "b"})
+    assert list(flatten(opts).items()) == [("out", "o"), ("steps", None), ("repeats", 1), ("toy_k", 8), ("toy_mode", "b")]
+    help_text = argparse.ArgumentParser(parents=[flags(Nested)]).format_help()
+    assert "held options:\n  --repeats REPEATS" in help_text and "--toy-k TOY_K" in help_text
+    with pytest.raises(ConfigError) as err:
+        build(Nested, {"out": "o", "toy_k": "x", "toy_mode": "c"})
+    assert err.value.problems == ["toy_k: got 'x', expected a valid integer, unable to parse string as an integer",
+                                  "toy_mode: got 'c', expected one of a, b"]
 
 
 def test_a_flat_file_is_read_for_the_command_and_its_typos_are_named(tmp_path: Path) -> None:

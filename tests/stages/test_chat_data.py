@@ -17,7 +17,7 @@ from kdcache.pipeline.cli import main
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.core.plan import PrecomputePlan
 from kdcache.stages.precompute.rows.chat import render
-from kdcache.stages.precompute.rows.data import load_texts, tokenize
+from kdcache.stages.precompute.rows.row_build import text_streams
 from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.objective.compound import CompoundLoss
@@ -86,9 +86,9 @@ def test_assistant_tokens_are_exactly_the_assistant_messages(name: str, chat_tea
     options = chat_options(tmp_path, chat_teacher, template, chats)
     tokenizer = AutoTokenizer.from_pretrained(str(chat_teacher))
     setup = PrecomputePlan.of(options).rows
-    rows = tokenize(load_texts(setup), tokenizer, setup)
-    assert len(rows.ids) == len(chats)
-    for ids, mask, chat in zip(rows.ids, rows.loss_masks, chats):
+    rows = text_streams(setup, tokenizer)  # the row table stage one builds
+    assert len(rows) == len(chats)
+    for ids, mask, chat in zip(rows.ids[""], rows.tokens["loss_mask"], chats):
         wanted = [m["content"] + end for m in chat if m["role"] == "assistant"]
         assert masked_runs(ids, mask, tokenizer) == wanted
         assert tokenizer.decode(ids.tolist()).count("Answer briefly.") == 1  # the context is all there

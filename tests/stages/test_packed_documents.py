@@ -14,7 +14,7 @@ import torch
 
 from kdcache.stages.common.documents import document_attention_mask, document_index
 from kdcache.stages.precompute.core.options import PrecomputeOptions
-from kdcache.stages.precompute.rows.packing import make_rows
+from kdcache.stages.precompute.rows.packing import RowCounts, iter_rows
 from kdcache.stages.precompute.runner import run_precompute
 from kdcache.storage import CacheReader, to_float32
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
@@ -83,15 +83,15 @@ def test_each_packed_document_equals_the_document_alone(family: str, cls_name: s
 def test_rows_keep_documents_whole_and_lose_no_token() -> None:
     docs = [([1, 2, 3], np.ones(3, np.uint8)), None, ([4] * 9, np.ones(9, np.uint8)), ([5, 6], np.zeros(2, np.uint8)),
             ([7, 8], np.array([0, 1], np.uint8))]
-    rows = make_rows(docs, "documents", block=5, eos=0)
+    counts = RowCounts()
+    rows = list(iter_rows(docs, counts, "documents", block=5, eos=0))
     # [1 2 3 eos] | [4 4 4 4 4] [4 4 4 4 eos] | [7 8 eos]: a document too long for a row becomes row-sized pieces.
-    assert [r.tolist() for r in rows.ids] == [[1, 2, 3, 0], [4] * 5, [4, 4, 4, 4, 0], [7, 8, 0]]
-    assert [p.tolist() for p in rows.positions or []] == [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4],
-                                                          [0, 1, 2]]
-    assert rows.loss_masks[-1].tolist() == [0, 1, 1] and (rows.dropped_empty, rows.dropped_untrained) == (1, 1)
-    concat = make_rows(docs, "concat", block=5, eos=0)
-    assert [r.tolist() for r in concat.ids] == [[1, 2, 3, 0, 4], [4] * 5, [4, 4, 4, 0, 7], [8, 0]]
-    assert concat.positions is None
+    assert [ids.tolist() for ids, *_ in rows] == [[1, 2, 3, 0], [4] * 5, [4, 4, 4, 4, 0], [7, 8, 0]]
+    assert [p.tolist() for _, _, p, _ in rows] == [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 1, 2]]
+    assert rows[-1][1].tolist() == [0, 1, 1] and (counts.dropped_empty, counts.dropped_untrained) == (1, 1)
+    concat = list(iter_rows(docs, RowCounts(), "concat", block=5, eos=0))
+    assert [ids.tolist() for ids, *_ in concat] == [[1, 2, 3, 0, 4], [4] * 5, [4, 4, 4, 0, 7], [8, 0]]
+    assert all(positions is None for _, _, positions, _ in concat)
 
 
 def test_document_mask_is_block_diagonal_and_causal() -> None:

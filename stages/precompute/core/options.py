@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from kdcache.stages.common.engine_options import (
     PRECOMPUTE,
@@ -23,14 +23,13 @@ from kdcache.stages.common.engine_options import (
     failed,
     looks_like_path as common_looks_like_path,
 )
-from kdcache.stages.common.option_groups import assemble
+from kdcache.stages.common.option_groups import assemble, option as _opt, option_group
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
-from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
+from kdcache.stages.targets.attention.flags import AttentionFlags
 from kdcache.stages.targets.draft.draft_layers import draft_layers, is_draft_preset
+from kdcache.stages.targets.logits.flags import LogitFlags
 from kdcache.storage import (
-    DEFAULT_ATTENTION_SOURCE,
     DEFAULT_BACKEND,
-    ArrayKind,
     HiddenCodec,
     SpecError,
     backend_names,
@@ -46,13 +45,6 @@ PACKING = ("none", "documents", "concat")
 # Batches queued on the device ahead of the host's taking them in (``stream``); ``parallel.memory`` counts their
 # activations in each rank's memory.
 IN_FLIGHT = 2
-DEFAULT_LOGITS = "topk"  # the --logits mode when none is given (a name of stages.targets.logits)
-FULL_LOGITS = "full"  # the mode the older flag --full-logits asks for
-T = TypeVar("T")
-
-
-def _opt(default: T, help_text: str, **meta: object) -> T:
-    return field(default=default, metadata={"help": help_text, **meta})
 
 
 @dataclass(frozen=True)
@@ -202,71 +194,14 @@ class TargetOptions:
                                                  metavar="[STREAM:]BLOCKS")
     heads: tuple[int, ...] | None = _opt(None, "attention heads to keep (0-based); default all")
     triangle: bool = _opt(False, "store only the causal triangle of attention maps (causal teachers)")
-    attention_source: str = _opt(DEFAULT_ATTENTION_SOURCE, attention_sources.usage(),
-                                 choices=attention_sources.choices())
-    top_k: int = _opt(64, "logits kept per token (top-k with logsumexp)")
-    full_logits: bool = _opt(False, "cache the full [tokens, vocab] logits instead of top-k (same as --logits full)")
-    logits_mode: str = _opt(DEFAULT_LOGITS, "what feature 'logits' stores: topk (--top-k values, ids and the "
-                                    "logsumexp), full, sampled:N (N draws per token from the teacher's softmax at "
-                                    "--sample-temperature, kept as distinct ids, counts and log-probs), or head "
-                                    "(nothing per token: the last hidden layer plus a copy of the teacher's LM head, "
-                                    "from which stage two computes exact logits)", aliases=["--logits"], metavar="MODE")
-    topk_values: str = _opt("fp16", "how --logits topk stores its values: fp16 (the logits, with their logsumexp) or "
-                                    "logprob (log-probabilities quantised to steps of twice --logprob-tolerance, "
-                                    "each shard recording its largest error; a quarter fewer bytes at top-128)",
-                            choices=["fp16", "logprob"])
-    logprob_tolerance: float = _opt(0.01, "--topk-values logprob: the largest error of a stored log-probability, "
-                                          "0.001..1 (log-probs below 65,535 steps, -1,304 nats at 0.01, are "
-                                          "clipped and counted)")
-    sample_temperature: float = _opt(1.0, "temperature of the teacher's softmax that --logits sampled:N draws from "
-                                          "(stage two's KL then runs at this temperature)")
+    # The families declare their flags: --attention-source in stages.targets.attention, --top-k, --logits... in
+    # stages.targets.logits.
+    attention: AttentionFlags = option_group(AttentionFlags)
+    logit: LogitFlags = option_group(LogitFlags)
 
     def __post_init__(self) -> None:
         if "" not in self.layers.streams:  # only stacks given: the rest follow the default, "all"
             object.__setattr__(self, "layers", self.layers.with_stream("", "all"))
-    @property
-    def logits_kind(self) -> str | None:
-        """The logit mode (a name of ``stages.targets.logits``), or None without feature ``logits``."""
-        return self._mode if ArrayKind.LOGITS in self.features else None
-
-    @property
-    def _mode(self) -> str:
-        """The logit mode the flags ask for, whether or not ``logits`` ends up among the features."""
-        return FULL_LOGITS if self.full_logits else self.logits_mode.partition(":")[0]
-
-    # The flags' names as objects, looked up here where they enter (``resolve_targets`` reads each once and hands
-    # the objects to ``Targets``, which capture and the checks read them from).
-    @property
-    def logit_kind(self) -> logit_kinds.LogitKind | None:
-        """The kind of ``logits_kind`` (None without feature ``logits``; a ``LogitKindError`` for a mode no kind
-        has, which ``validate`` reports first)."""
-        return self._named_kind() if self.logits_kind else None
-
-    @property
-    def _mode_kind(self) -> logit_kinds.LogitKind | None:
-        """The kind of the logit mode the flags ask for (None: no kind has that name, which ``validate`` reports)."""
-        return self._named_kind() if self._mode in logit_kinds.names() else None
-
-    def _named_kind(self) -> logit_kinds.LogitKind:
-        """The kind named by the flags' logit mode (``LogitKindError`` naming the modes when none is)."""
-        return logit_kinds.get(self._mode)
-
-    @property
-    def source(self) -> attention_sources.AttentionSource:
-        """The source ``--attention-source`` names (an ``AttentionSourceError`` for a name no source has)."""
-        return attention_sources.get(self.attention_source)
-
-    @property
-    def attention_settings(self) -> attention_sources.AttentionSettings:
-        """The source as the one record the targets carry into the spec (the family's ``AttentionSettings``)."""
-        return attention_sources.AttentionSettings(self.source)
-
-    @property
-    def logit_settings(self) -> logit_kinds.LogitSettings:
-        """The logit mode and its fields as the one record the targets carry into the spec (the family's
-        ``LogitSettings``; no mode without feature ``logits``); options that passed ``validate``."""
-        value = (FULL_LOGITS if self.full_logits else self.logits_mode) if self.logits_kind else None
-        return logit_kinds.settings_of(value, self)
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
@@ -278,30 +213,7 @@ class TargetOptions:
             problems += _stream_problems("attention_layers", self.attention_layers, ("", *STREAM_PREFIXES))
         if self.heads is not None and (not self.heads or min(self.heads) < 0):
             problems.append(f"heads: got {list(self.heads)}, expected non-negative head indices")
-        return problems + self._logit_problems()
-
-    def _logit_problems(self) -> list[str]:
-        problems = []
-        try:
-            kind = logit_kinds.parse(self.logits_mode)[0]
-        except logit_kinds.LogitKindError as exc:
-            problems.append(str(exc))
-        else:  # the mode's own options (top-k's k), when it is the one cached
-            problems += kind.option_problems(self) if self.logit_kind is kind else []
-        if self.full_logits and self.logits_mode != DEFAULT_LOGITS:
-            problems.append(f"full_logits: --full-logits and --logits {self.logits_mode} ask for two logit modes; "
-                            f"keep one (--logits full is the same as --full-logits)")
-        if not 1e-3 <= self.logprob_tolerance <= 1:  # 65,535 steps must reach far below any top-k's tail
-            problems.append(f"logprob_tolerance: got {self.logprob_tolerance}, expected a value in [0.001, 1] (the "
-                            f"stored range is 65,535 steps: 130 nats at 0.001)")
-        cached = not self.features or ArrayKind.LOGITS in self.features  # no features given: logits by default
-        stored = self._mode_kind if cached else None
-        if self.topk_values == "logprob" and not (stored is not None and stored.logprob_values):
-            problems.append(f"topk_values: logprob stores top-k logits, and this run caches "
-                            f"{self._mode if cached else 'no'} logits; drop --topk-values, or cache top-k logits")
-        if not self.sample_temperature > 0:
-            problems.append(f"sample_temperature: got {self.sample_temperature}, must be > 0")
-        return problems
+        return problems + self.logit.problems(self.features)
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,10 @@ class Targets:
     num_heads: int
     causal: bool
     cross_attention: tuple[int, ...] = field(default=())
-    # The logit mode and its fields as the family's one record (``TargetOptions.logit_settings``), carried whole
+    # The logit mode and its fields as the family's one record (``LogitFlags.settings``), carried whole
     # into the spec, the fingerprint and the captures (which take it as their settings).
     logit: LogitSettings = field(kw_only=True)
-    # The attention source and its score rules as the family's one record (``TargetOptions.attention_settings``;
+    # The attention source and its score rules as the family's one record (``AttentionFlags.settings``;
     # ``capture.qk_capture.with_score_rules`` adds the rules), carried whole into the spec and the fingerprint.
     attention: AttentionSettings = field(kw_only=True)
 
@@ -174,14 +174,14 @@ def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Tar
         raise PrecomputeError(f"attention: the layer selection keeps no block (only layer 0?); set {flags}")
     causal = architectures.is_causal_config(config)  # the same judgement stage two makes of the student
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    logit = t.logit_settings
+    logit, top_k = t.logit.settings(t.features), t.logit.top_k
     kind = logit.kind
-    for problem in kind.teacher_problems(options.engine.teacher, "" in streams, causal, vocab, t.top_k) if kind else ():
+    for problem in kind.teacher_problems(options.engine.teacher, "" in streams, causal, vocab, top_k) if kind else ():
         raise PrecomputeError(problem)
     if kind and kind.teacher_head:
         streams = _with_last_layer(streams)
     _check_triangle(options, streams, causal)
-    attention = t.attention_settings
+    attention = t.attention.settings()
     _check_attention_source(options, attention.source, streams, config)
     heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
     if heads is not None and max(heads) >= num_heads:

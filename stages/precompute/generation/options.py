@@ -6,10 +6,10 @@ samples its responses. Field names are the flags (``max_new_tokens`` is ``--max-
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from kdcache.stages.common.engine_options import PRECOMPUTE, EngineOptions, failed
-from kdcache.stages.common.option_groups import assemble
+from kdcache.stages.common.option_groups import assemble, option as _opt
 from kdcache.stages.precompute.core.options import DatasetOptions, PrecomputeOptions, StorageOptions, TargetOptions
 
 # the rule that turns (seed, prompt, response number, step) and the logits into a token (``generation.sampling``):
@@ -17,11 +17,6 @@ from kdcache.stages.precompute.core.options import DatasetOptions, PrecomputeOpt
 # (unrecorded) drew from a torch.Generator per response; 2 draws from Philox-4x32-10 on a counter.
 SAMPLER = "philox4x32-10/inverse-cdf/2"
 RESPONSES = ("generate", "given")  # the teacher writes them; or the dataset holds them (vLLM, SGLang) and is cached
-T = TypeVar("T")
-
-
-def _opt(default: T, help_text: str, **meta: object) -> T:
-    return field(default=default, metadata={"help": help_text, **meta})
 
 
 @dataclass(frozen=True)

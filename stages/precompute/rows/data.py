@@ -1,6 +1,6 @@
 """Data for stage one: load texts or conversations through ``datasets``, tokenize them, and fix the order of rows.
 
-The order of ``Rows.ids`` (``rows.py``) is the data order of the cache: shard ``i`` holds sequences
+The order of the rows (``packing.iter_rows``) is the data order of the cache: shard ``i`` holds sequences
 ``[i*S, (i+1)*S)`` of this list, whatever the batching, the rank count or the number of restarts. So everything
 here is deterministic: no shuffling, documents read in dataset order, empty texts dropped the same way every time.
 
@@ -27,7 +27,7 @@ from kdcache.stages.precompute.core.hub import offline_unless_reachable
 from kdcache.stages.precompute.core.options import DATA_EXTENSIONS, looks_like_path
 from kdcache.stages.precompute.core.plan import RowSetup
 from kdcache.stages.precompute.rows.chat import chat_template, check_conversation, render
-from kdcache.stages.precompute.rows.packing import Document, Rows, make_rows, span_mask
+from kdcache.stages.precompute.rows.packing import Document, span_mask
 from kdcache.storage import ArrayKind, hash_bytes, kind_of, split_stream
 
 if TYPE_CHECKING:
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from kdcache.stages.precompute.rows.row_store import RowTable
-
-_TOKENIZE_BATCH = 1000
 
 
 @dataclass
@@ -48,10 +46,10 @@ class TokenStreams:
             ``decoder`` (the target ids, i.e. the labels) for an encoder-decoder teacher. Stage one hands in the
             memory-mapped columns of its row table (``row_store.RowColumn``), read only where sliced.
         fingerprint: the data fingerprint (source, split, columns, hashes of the ids and masks).
-        tokens: the token arrays stored beside the ids (``storage.schema.spec.TOKEN_ARRAYS``), by array name
+        tokens: the token arrays stored beside the ids (``storage.schema.spec_checks.TOKEN_ARRAYS``), by array name
             (``loss_mask``, ``position_ids``, ``decoder/loss_mask``...): one ``[L_i]`` array per sequence.
         dropped_empty: texts or pairs skipped because they produced no tokens.
-        dropped_untrained: rows skipped because no token of theirs is trained on (see ``rows.Rows``).
+        dropped_untrained: rows skipped because no token of theirs is trained on (see ``packing.RowCounts``).
         meta: what the row table recorded while it was written (``row_store.RowTable.meta``): ``longest``,
             ``tokens`` and ``sum_sq_lengths`` per stream, ``max_id``; empty for rows held in memory.
         built: whether this process tokenized the rows (False: it opened rows another process or run built).
@@ -198,27 +196,6 @@ def _builder_for(files: list[str], data: str) -> str:
         raise PrecomputeError(f"data {data!r}: expected files of one kind among "
                               f"{', '.join(sorted(DATA_EXTENSIONS))}, got {sorted(Path(f).name for f in files)[:5]}")
     return kind
-
-
-def tokenize(ds: Dataset, tokenizer: PreTrainedTokenizerBase, setup: RowSetup) -> Rows:
-    """Tokenize the dataset into the cache's rows with their loss masks, in memory (``rows.make_rows``; stage
-    one builds its row table from the same documents, ``row_build``).
-
-    The mask is 1 on every token of plain text, on the tokens overlapping ``--mask-column``'s character spans,
-    or on the assistant's tokens of ``--messages-column`` conversations. Blank texts are dropped (and counted).
-
-    Raises:
-        PrecomputeError: bad conversations or spans (naming the row), or no row left to cache.
-    """
-    template = text_template(tokenizer, setup)
-    batches = ((ds[i:i + _TOKENIZE_BATCH], list(range(i, min(i + _TOKENIZE_BATCH, len(ds)))))
-               for i in range(0, len(ds), _TOKENIZE_BATCH))
-    docs = (doc for batch, index in batches for doc in documents(encode_batch(batch, index, tokenizer=tokenizer,
-                                                                              setup=setup, template=template)))
-    rows = make_rows(docs, setup.packing, setup.max_length, tokenizer.eos_token_id, setup.max_sequences)
-    if not rows.ids:
-        raise no_rows_error(setup, rows.dropped_empty, rows.dropped_untrained)
-    return rows
 
 
 def no_rows_error(setup: RowSetup, empty: int, untrained: int) -> PrecomputeError:

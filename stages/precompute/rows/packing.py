@@ -18,7 +18,7 @@ end with it; that EOS is trained when the document's last token is.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,32 +32,17 @@ Row = tuple[np.ndarray, np.ndarray, "np.ndarray | None", "np.ndarray | None"]
 
 
 @dataclass
-class Rows:
-    """The cache's rows in order.
+class RowCounts:
+    """What making the rows left out (``iter_rows`` counts as it goes).
 
     Attributes:
-        ids: one int32 array ``[L_i]`` per row.
-        loss_masks: one uint8 array ``[L_i]`` per row.
-        positions: one int32 array ``[L_i]`` per row with packing ``documents``, else None.
         dropped_empty: blank documents skipped.
         dropped_untrained: documents (or, kept apart, row-sized pieces of one) skipped because no token of theirs
             would be trained on (e.g. an assistant reply that lies beyond ``max_length``).
     """
 
-    ids: list[np.ndarray] = field(default_factory=list)
-    loss_masks: list[np.ndarray] = field(default_factory=list)
-    positions: list[np.ndarray] | None = None
     dropped_empty: int = 0
     dropped_untrained: int = 0
-
-    def add(self, row: Row) -> None:
-        """Keep a row (``iter_rows`` has already dropped those with no trained token)."""
-        ids, mask, positions, _ = row
-        self.ids.append(ids)
-        self.loss_masks.append(mask)
-        if positions is not None:
-            self.positions = [] if self.positions is None else self.positions
-            self.positions.append(positions)
 
 
 def span_mask(offsets: Iterable[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -76,23 +61,13 @@ def span_mask(offsets: Iterable[tuple[int, int]], spans: list[tuple[int, int]]) 
     return np.asarray(overlap.any(axis=1), dtype=np.uint8)
 
 
-def make_rows(documents: Iterable[Document | None], mode: str, block: int, eos: int | None,
-              cap: int | None = None) -> Rows:
-    """Rows from documents (None = a blank one) by packing ``mode``, all in memory (small data and tests; stage
-    one streams ``iter_rows`` into its row table instead)."""
-    rows = Rows()
-    for row in iter_rows(documents, rows, mode, block, eos, cap):
-        rows.add(row)
-    return rows
-
-
-def iter_rows(documents: Iterable[Document | None], counts: Rows, mode: str, block: int, eos: int | None,
+def iter_rows(documents: Iterable[Document | None], counts: RowCounts, mode: str, block: int, eos: int | None,
               cap: int | None = None) -> Iterator[Row]:
     """Rows from documents by packing ``mode`` (see the module docstring), one at a time, so memory stays flat.
 
     Args:
         documents: per dataset row, its ids and loss mask (already cut to ``block`` for mode ``none``), or None.
-        counts: receives ``dropped_empty`` / ``dropped_untrained`` (its row lists stay untouched).
+        counts: receives ``dropped_empty`` / ``dropped_untrained``.
         mode: one of ``core.PACKING`` (the ``--packing`` choices).
         block: ``max_length``.
         eos: the tokenizer's EOS id, appended between packed documents; None when it has none.
@@ -120,7 +95,7 @@ def iter_rows(documents: Iterable[Document | None], counts: Rows, mode: str, blo
             return
 
 
-def _pieces(documents: Iterable[Document | None], rows: Rows, mode: str, block: int,
+def _pieces(documents: Iterable[Document | None], rows: RowCounts, mode: str, block: int,
             eos: int | None) -> Iterator[_Piece]:
     """Documents worth a row, with EOS appended when packing, counting the ones dropped in ``rows``."""
     for doc in documents:

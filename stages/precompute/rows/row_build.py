@@ -46,7 +46,7 @@ from kdcache.stages.precompute.rows.data import (
     text_fingerprint,
     text_template,
 )
-from kdcache.stages.precompute.rows.packing import Rows, iter_rows
+from kdcache.stages.precompute.rows.packing import RowCounts, iter_rows
 from kdcache.stages.precompute.rows.row_store import (
     ROWS_VERSION,
     Build,
@@ -86,7 +86,7 @@ def text_streams(setup: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenSt
 
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
         encode = functools.partial(encode_batch, tokenizer=tokenizer, setup=setup, template=template)
-        counts = Rows()
+        counts = RowCounts()
         docs = (doc for batch in encoded_batches(_loaded(load_texts, setup), encode, setup, writer.path,
                                                    columns)
                 for doc in documents(batch))

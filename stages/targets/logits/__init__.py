@@ -32,7 +32,6 @@ from kdcache.stages.targets.logits.base import (
     of,
     parse,
     register,
-    settings_of,
     usage,
     uses_head,
 )
@@ -43,8 +42,9 @@ from kdcache.storage import import_members
 import_members(__name__, __path__, but=["base", "teacher_head", *(m.name for m in pkgutil.iter_modules(__path__)
                                                                   if m.name.endswith(TORCH_HALF) or m.ispkg)])
 # Names the kinds' own modules define, after every kind has registered (registration order is the choices').
+from kdcache.stages.targets.logits.flags import LogitFlags  # noqa: E402
 from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs  # noqa: E402
 
-__all__ = ["CaptureSettings", "KlSetup", "LogitKind", "LogitKindError", "LogitSettings", "TOPK_VARIANTS", "TeacherHead",
-           "as_logprobs", "from_targets", "get", "kinds", "names", "of", "parse", "register", "settings_of", "usage",
+__all__ = ["CaptureSettings", "KlSetup", "LogitFlags", "LogitKind", "LogitKindError", "LogitSettings", "TOPK_VARIANTS",
+           "TeacherHead", "as_logprobs", "from_targets", "get", "kinds", "names", "of", "parse", "register", "usage",
            "uses_head"]

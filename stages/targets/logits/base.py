@@ -8,8 +8,9 @@ name is the mode's: registering the kind registers the layout, so a mode is regi
 where it enters (``parse``, ``get``); past that edge a cache's kind is ``of(spec.logit_layout)``, by the object.
 Callers never compare mode names.
 
-Each mode is two modules of this folder. ``<mode>.py``, torch-free, is its ``LogitKind``: name, flags, option
-checks, spec fields and ``inspect`` line, what the registry, the option classes and ``kdcache inspect`` read.
+Each mode is two modules of this folder. ``<mode>.py``, torch-free, is its ``LogitKind``: name, option
+checks, spec fields and ``inspect`` line, what the registry, the option classes and ``kdcache inspect`` read (the
+flags themselves are the family's one group, ``flags.LogitFlags``).
 ``<mode>_torch.py`` is its torch half: the capture of the teacher's logits, the decode of the teacher's top-1 and
 the student's loss term, a term of stage two's vocabulary pass (``stages.targets.logits.vocab``). The kind finds its
 torch half by that name (``torch_half``) and imports it on the first capture or loss, so a mode is registered
@@ -51,12 +52,11 @@ class CaptureSettings(LayoutFields, SamplingFields, Protocol):
 
 
 class LogitOptions(Protocol):
-    """Stage one's logit options (``precompute.core.options.TargetOptions``)."""
+    """What a kind reads of the logit flags (``flags.LogitFlags``, which imports this registry: a protocol, so that
+    no import runs back)."""
 
     @property
     def top_k(self) -> int: ...
-    @property
-    def sample_temperature(self) -> float: ...
     @property
     def topk_values(self) -> str: ...
     @property
@@ -93,8 +93,8 @@ class KlSetup:
 
 @dataclass(frozen=True)
 class LogitSettings:
-    """Stage one's logit mode as one record, built where the flags enter (``settings_of``) and carried whole by the
-    run's targets into its ``CacheSpec``, its settings fingerprint and every capture (a ``CaptureSettings``).
+    """Stage one's logit mode as one record, built where the flags enter (``LogitFlags.settings``) and carried whole
+    by the run's targets into its ``CacheSpec``, its settings fingerprint and every capture (a ``CaptureSettings``).
 
     The family alone names these fields: a mode's new field is a field here, the value its kind's ``spec_fields``
     returns, and its line in ``spec_fields`` / ``fingerprint`` below; nothing between the flags and the spec copies
@@ -229,8 +229,8 @@ class LogitKind:
         return []
 
     def spec_fields(self, options: LogitOptions, argument: int) -> dict[str, Any]:
-        """The mode's ``LogitSettings`` fields from stage one's options: ``top_k``, ``samples``, ``logprob_step``
-        (``settings_of`` adds the kind and the temperature)."""
+        """The mode's ``LogitSettings`` fields from stage one's logit flags: ``top_k``, ``samples``,
+        ``logprob_step`` (``LogitFlags.settings`` adds the kind and the temperature)."""
         return {"top_k": 0, "samples": 0, "logprob_step": 0.0}
 
     def capture_chunk(self, chunk_tokens: int) -> int:
@@ -352,19 +352,6 @@ def parse(value: str) -> tuple[LogitKind, int]:
     except LogitKindError:
         raise LogitKindError(f"logits: got {value!r}, expected {usage()}") from None
     return kind, kind.parse_argument(argument)
-
-
-def settings_of(value: str | None, options: LogitOptions) -> LogitSettings:
-    """The ``LogitSettings`` of a ``--logits`` value (``sampled:12``; None: no feature ``logits``) and the mode's
-    options, which passed their checks.
-
-    Raises:
-        LogitKindError: an unknown mode, or an argument it does not take.
-    """
-    if value is None:
-        return LogitSettings(None, sample_temperature=options.sample_temperature)
-    kind, argument = parse(value)
-    return LogitSettings(kind, sample_temperature=options.sample_temperature, **kind.spec_fields(options, argument))
 
 
 def usage() -> str:

@@ -14,7 +14,7 @@ explicit    pairs, given as "1-2,2-4" or [(1, 2), (2, 4)]
 none        [] (no hidden or attention term)
 =========== =====================================================
 
-``include_embeddings`` prepends (0, 0).
+An ``explicit`` map may name the embeddings (``0-0``).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class LayerMap:
         return self if self.maps_layers else LayerMap(LayerMapKind.UNIFORM)
 
     def build(self, num_student_layers: int, num_teacher_layers: int, *, seed: int = 0) -> list[Pair]:
-        """The pairs for a student of M blocks and a teacher of N (as ``build_layer_map``, from the kind held)."""
+        """The pairs for a student of M blocks and a teacher of N, by the kind held."""
         given = _as_pairs(self.pairs) if self.pairs else None
         return _pairs(self.kind, num_student_layers, num_teacher_layers, seed, given)
 
@@ -150,43 +150,6 @@ class StreamMaps(StreamValues):
     def read(text: str) -> LayerMap:
         """One stream's map from its text (``LayerMap.parse``)."""
         return LayerMap.parse(text)
-
-
-def build_layer_map(
-    kind: str,
-    num_student_layers: int,
-    num_teacher_layers: int,
-    *,
-    seed: int = 0,
-    explicit: str | Sequence[Sequence[int]] | None = None,
-    include_embeddings: bool = False,
-) -> list[Pair]:
-    """Build a layer map of one of ``LAYER_MAP_KINDS``.
-
-    Args:
-        kind: a map name; ``"explicit:1-2,2-4"`` (the CLI's form) is also accepted.
-        num_student_layers: M, the student's block count.
-        num_teacher_layers: N, the teacher's block count.
-        seed: seeds the ``random`` map.
-        explicit: the pairs of an ``explicit`` map, as a string or a sequence of pairs.
-        include_embeddings: prepend (0, 0) (ignored for ``none``).
-
-    Returns:
-        ``[(student_layer, teacher_layer), ...]`` ordered by student layer (for ``explicit``: as given).
-    """
-    name = kind.strip().lower()
-    if name.startswith("explicit:"):
-        name, explicit = LayerMapKind.EXPLICIT, kind.split(":", 1)[1]
-    map_kind = _BY_NAME.get(_ALIASES.get(name, name), LayerMapKind.UNSET)
-    if map_kind is LayerMapKind.UNSET:  # an unknown name, or "" (a map that was not given)
-        raise LayerMapError(_unknown(kind))
-    given = None
-    if map_kind is LayerMapKind.EXPLICIT and explicit is not None:
-        given = parse_layer_map(explicit) if isinstance(explicit, str) else _as_pairs(explicit)
-    pairs = _pairs(map_kind, num_student_layers, num_teacher_layers, seed, given)
-    if include_embeddings and map_kind is not LayerMapKind.NONE and (0, 0) not in pairs:
-        pairs.insert(0, (0, 0))
-    return pairs
 
 
 def parse_layer_map(spec: str) -> list[Pair]:

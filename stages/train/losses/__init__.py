@@ -27,6 +27,11 @@ from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
 from kdcache.stages.targets.hidden import HIDDEN_LOSSES, hidden_loss
 from kdcache.stages.targets.hidden.loss_terms import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
 from kdcache.stages.targets.hidden.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
+from kdcache.stages.targets.logits import TOPK_VARIANTS
+from kdcache.stages.targets.logits.full_torch import kd_kl
+from kdcache.stages.targets.logits.head_torch import head_kl
+from kdcache.stages.targets.logits.sampled_torch import sampled_kl
+from kdcache.stages.targets.logits.topk_torch import cached_topk, topk_kl, topk_kl_other, topk_kl_renorm
 from kdcache.stages.train.core.layer_maps import LayerMapError
 from kdcache.stages.train.losses.cross_attention import cross_attention_kl
 from kdcache.stages.train.losses.cross_vocab import (
@@ -38,20 +43,7 @@ from kdcache.stages.train.losses.cross_vocab import (
     span_rows,
     uld_loss,
 )
-from kdcache.stages.train.losses.logits import (
-    TOPK_VARIANTS,
-    cached_topk,
-    causal_ce,
-    causal_ce_term,
-    head_kl,
-    kd_kl,
-    sampled_kl,
-    token_ce,
-    token_ce_term,
-    topk_kl,
-    topk_kl_other,
-    topk_kl_renorm,
-)
+from kdcache.stages.train.losses.logits import causal_ce, causal_ce_term, token_ce, token_ce_term
 from kdcache.storage import KdcacheError, Registry  # the option's choices are the registry's names
 
 # Every loss by its term's name. A hidden loss's function is its family object's (``stages.targets.hidden``, the one

@@ -1,7 +1,7 @@
-"""Output-layer losses: cross-entropy, and (from the logit kinds) the KD KL on full logits, the top-k KL in its
-two variants, the head's and the sampled KL.
+"""Output-layer losses: the cross-entropies, causal and per token. The KLs against cached teacher logits belong to
+their logit kinds' torch halves (``stages.targets.logits``); the loss registry names them from there.
 
-Shapes: ``B`` batch, ``L`` sequence length, ``V`` vocabulary, ``k`` cached top-k, ``N_v`` valid tokens.
+Shapes: ``B`` batch, ``L`` sequence length, ``V`` vocabulary, ``N_v`` valid tokens.
 Every function selects the valid rows first and upcasts only those to float32, so padded rows never reach
 a softmax (garbage there cannot leak in) and the float32 copy is ``[N_v, V]``, not ``[B, L, V]``.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.targets.logits import TOPK_VARIANTS, full_torch, head_torch, sampled_torch, topk_torch
 from kdcache.stages.targets.logits.vocab import (
     ChunkTerm,
     HeadLogits,
@@ -23,14 +22,7 @@ from kdcache.stages.targets.logits.vocab import (
     valid_count,
 )
 
-# The KLs against cached teacher logits belong to their logit kinds' torch halves (stages.targets.logits); they
-# are re-exported here under the names the loss registry and earlier code use.
-kd_kl, head_kl, sampled_kl = full_torch.kd_kl, head_torch.head_kl, sampled_torch.sampled_kl
-cached_topk, topk_kl, topk_kl_other, topk_kl_renorm = (topk_torch.cached_topk, topk_torch.topk_kl,
-                                                       topk_torch.topk_kl_other, topk_torch.topk_kl_renorm)
-
-__all__ = ["TOPK_VARIANTS", "cached_topk", "causal_ce", "causal_ce_term", "head_kl", "kd_kl", "sampled_kl", "token_ce",
-           "token_ce_term", "topk_kl", "topk_kl_other", "topk_kl_renorm"]
+__all__ = ["causal_ce", "causal_ce_term", "token_ce", "token_ce_term"]
 
 
 def causal_ce(logits: torch.Tensor | HeadLogits, input_ids: torch.Tensor, mask: torch.Tensor,

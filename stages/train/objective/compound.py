@@ -78,7 +78,7 @@ class CompoundLoss(nn.Module):
     """α·CE + β·KL (full or top-k) + γ·Σ hidden + δ·Σ attention, each term also returned on its own.
 
     Args:
-        layer_map: (student, teacher) pairs for the hidden term (``build_layer_map``).
+        layer_map: (student, teacher) pairs for the hidden term (``LayerMap.build``).
         student_dim: d_s; needed when projectors are (γ > 0 with a hidden loss that has them: mse, cosine, wgan).
         teacher_dim: d_t; likewise.
         alpha, beta, gamma, delta: weights of CE, KL, hidden and attention; a 0 weight skips the term.

@@ -3,6 +3,9 @@ when sampling (a chi-square test on a tiny vocabulary)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import numpy as np
 import pytest
 import torch
@@ -10,20 +13,40 @@ from scipy import stats
 
 from kdcache.stages.draft.decoding import (
     Proposal,
-    Recompute,
     Sampling,
     TargetPass,
     acceptance,
     speculative_generate,
     target_generate,
 )
-from kdcache.stages.draft.drafters import Eagle3Drafter, ModelDrafter, PromptLookup, hf_target
+from kdcache.stages.draft.drafters import Eagle3Drafter, HFTarget, ModelDrafter, PromptLookup
 from kdcache.stages.draft.model import DraftShape, Eagle3Draft, default_heads
 from kdcache.stages.draft.vocab import DraftVocab
 from tests.helpers.tiny_models import make_tiny_llama, sample_texts
 
 LAYERS = (2, 4, 5)
 K = 4
+
+
+@dataclass
+class Recompute:
+    """A ``Target`` from a function of the whole sequence (ids ``[S]`` -> its ``TargetPass`` over all S
+    positions), rerun on every pass: a target with no cache of its own (a table)."""
+
+    fn: Callable[[torch.Tensor], TargetPass]
+    ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+
+    def start(self, prompt: torch.Tensor) -> TargetPass:
+        self.ids = prompt
+        return self.fn(prompt)
+
+    def extend(self, tokens: torch.Tensor) -> TargetPass:
+        self.ids, n = torch.cat([self.ids, tokens.to(self.ids)]), tokens.shape[0]
+        out = self.fn(self.ids)
+        return TargetPass(out.logits[-n:], None if out.features is None else out.features[-n:])
+
+    def crop(self, length: int) -> None:
+        self.ids = self.ids[:length]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +80,7 @@ def test_greedy_speculative_decoding_returns_the_targets_greedy_tokens(target, k
     model, tokenizer, student = target
     drafter = {"eagle3": lambda: Eagle3Drafter(_untrained_head(model)), "lookup": lambda: PromptLookup(),
                "student": lambda: ModelDrafter(student)}[kind]()
-    run = hf_target(model, LAYERS)
+    run = HFTarget(model, LAYERS)
     for prompt in _prompts(tokenizer):
         alone = target_generate(run, prompt, 12, Sampling())
         spec = speculative_generate(run, drafter, prompt, 12, K, Sampling())
@@ -89,7 +112,7 @@ def test_a_drafter_reusing_its_cache_proposes_what_a_fresh_one_does(target, kind
     reused, fresh = _Recorded(make, fresh=False), _Recorded(make, fresh=True)
     for prompt in _prompts(tokenizer):
         for drafter in (reused, fresh):
-            speculative_generate(hf_target(model, LAYERS), drafter, prompt, 8, K, Sampling())
+            speculative_generate(HFTarget(model, LAYERS), drafter, prompt, 8, K, Sampling())
     assert reused.proposed == fresh.proposed and len(reused.proposed) >= 4  # rounds over both prompts
 
 
@@ -108,7 +131,7 @@ class _Oracle:
 
 def test_a_draft_that_proposes_the_targets_tokens_is_always_kept(target):
     model, tokenizer, _ = target
-    run, prompt = hf_target(model), _prompts(tokenizer)[0]
+    run, prompt = HFTarget(model), _prompts(tokenizer)[0]
     alone = target_generate(run, prompt, 21, Sampling())
     spec = speculative_generate(run, _Oracle(alone.tokens, prompt.shape[0]), prompt, 21, K, Sampling())
     assert spec.tokens == alone.tokens

@@ -20,7 +20,7 @@ from kdcache.stages.common.cache_texts import (
     token_pieces,
 )
 from kdcache.stages.precompute.core.options import PrecomputeOptions
-from kdcache.stages.precompute.rows.packing import Rows, iter_rows
+from kdcache.stages.precompute.rows.packing import RowCounts, iter_rows
 from kdcache.stages.precompute.runner import run_precompute
 from kdcache.storage import CacheReader, verify_cache
 from tests.helpers.tiny_models import sample_texts, write_text_dataset
@@ -41,7 +41,7 @@ def test_packed_rows_carry_each_tokens_piece() -> None:
             ([7, 8, 9], np.array([1, 0, 1], np.uint8), np.array(["c", "d", "e"], dtype=object))]
     # documents: rows of 3, the second document (4 tokens with its EOS) cut in two; the EOS covers no text
     for mode, texts in [("documents", ["a b", "cde", ""]), ("concat", ["a bc", "de"])]:
-        rows = list(iter_rows(iter(docs), Rows(), mode, 4 if mode == "concat" else 3, eos=2))
+        rows = list(iter_rows(iter(docs), RowCounts(), mode, 4 if mode == "concat" else 3, eos=2))
         assert ["".join(r[3]) for r in rows] == texts, mode
         assert all(len(r[3]) == len(r[0]) for r in rows)
 

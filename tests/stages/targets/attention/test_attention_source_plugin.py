@@ -53,11 +53,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_the_flag_offers_the_new_source() -> None:
-    from kdcache.stages.precompute.core.options import TargetOptions
+    from kdcache.stages.common.option_groups import leaves
+    from kdcache.stages.precompute.core.options import PrecomputeOptions
 
-    # the flag's choices are the registry's live names, whenever the options module was imported
-
-    assert NAME in TargetOptions.__dataclass_fields__["attention_source"].metadata["choices"]
+    # the flag's choices are the registry's live names, whenever the family's flags were imported
+    flag = next(f for _, _, f in leaves(PrecomputeOptions) if f.name == "attention_source")
+    assert NAME in flag.metadata["choices"]
 
 
 def test_stage_one_writes_the_new_source_and_inspect_and_verify_read_it(

@@ -21,7 +21,7 @@ import torch
 
 import kdcache.storage
 from kdcache.stages.targets.hidden.device_codecs import TorchOps, decode_batch
-from kdcache.storage.core.rotation import hadamard_matrix
+from kdcache.storage.core.rotation import hadamard_matrix, rotation_signs
 from kdcache.storage.hidden_codecs import (
     FP8_MAX,
     HIDDEN_CODECS,
@@ -31,7 +31,6 @@ from kdcache.storage.hidden_codecs import (
     fp8_table,
     hidden_codec_of,
     names,
-    rotation_signs,
     row_errors,
 )
 from kdcache.storage.hidden_codecs.arrays import NumpyOps

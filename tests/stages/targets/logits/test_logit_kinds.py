@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.precompute.core.options import TargetOptions
+from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.targets import logits as logit_kinds
-from kdcache.stages.targets.logits import KlSetup, LogitKindError
+from kdcache.stages.targets.logits import KlSetup, LogitFlags, LogitKindError
 from kdcache.stages.targets.logits.topk import STEP_PER_TOLERANCE
 from kdcache.storage import CacheSpec
 from kdcache.storage.core.logit_layouts import LAYOUTS, TOPK_MASS
 
 V, B, L = 13, 2, 5
 VALUES = {"topk": "topk", "full": "full", "sampled": "sampled:40", "head": "head"}
+LOGITS = ("logits",)  # the run's features: logits cached
 
 
 class _Head(torch.nn.Module):
@@ -40,28 +41,32 @@ class _Head(torch.nn.Module):
         return self.proj(hidden.float())
 
 
-def _options(**overrides: Any) -> TargetOptions:
-    return TargetOptions(**{"features": ("logits",), "top_k": 4, **overrides})
+def _flags(**overrides: Any) -> LogitFlags:
+    return LogitFlags(**{"top_k": 4, **overrides})
 
 
-def _spec(value: str, options: TargetOptions | None = None) -> CacheSpec:
+def _spec(value: str, **flags: Any) -> CacheSpec:
     """The spec of ``--logits value``: the family's settings record, whole, as stage one's targets hand it over."""
-    return CacheSpec(num_sequences=1, vocab_size=V, **logit_kinds.settings_of(value, options or _options()).spec_fields())
+    settings = _flags(logits_mode=value, **flags).settings(LOGITS)
+    return CacheSpec(num_sequences=1, vocab_size=V, **settings.spec_fields())
 
 
-def test_a_modes_settings_are_one_record_from_the_options_to_the_spec_and_the_fingerprint() -> None:
-    options = _options(logits_mode="sampled:12", sample_temperature=0.7)
-    settings = options.logit_settings
-    assert settings == logit_kinds.settings_of("sampled:12", options) and settings.kind is logit_kinds.get("sampled")
+def test_a_modes_settings_are_one_record_from_the_flags_to_the_spec_and_the_fingerprint() -> None:
+    options = PrecomputeOptions.of(teacher="t", data="d", out="o", features=LOGITS, top_k=4, logits_mode="sampled:12",
+                                   sample_temperature=0.7)  # flat names, as the flags give them
+    flags = options.targets.logit
+    assert flags == _flags(logits_mode="sampled:12", sample_temperature=0.7)  # land in the family's one group
+    settings = flags.settings(options.targets.features)
+    assert settings.kind is logit_kinds.get("sampled")
     assert pickle.loads(pickle.dumps(settings)) == settings  # equal by the mode's name, as a worker's copy is
     spec = CacheSpec(num_sequences=1, vocab_size=V, **settings.spec_fields())
     assert (spec.logits, spec.samples, spec.sample_temperature, spec.top_k, spec.topk_values) == (
         "sampled", 12, 0.7, 0, "fp16")
     assert settings.fingerprint() == {"top_k": 0, "logits": "sampled", "samples": 12, "sample_temperature": 0.7}
-    logprob = _options(topk_values="logprob", logprob_tolerance=0.01).logit_settings
+    logprob = _flags(topk_values="logprob", logprob_tolerance=0.01).settings(LOGITS)
     assert logprob.fingerprint()["logprob_step"] == STEP_PER_TOLERANCE * 0.01  # the same product as the kind's
     assert logprob.spec_fields()["topk_values"] == "logprob"
-    none = TargetOptions(features=("hidden",), sample_temperature=0.7).logit_settings
+    none = _flags(sample_temperature=0.7).settings(("hidden",))
     assert none.kind is None and none.logit_layout is None and none.spec_fields()["logits"] is None
     assert none.fingerprint() == {"top_k": 0, "logits": None, "samples": 0, "sample_temperature": 0.7}
 
@@ -86,12 +91,13 @@ def test_a_bad_argument_is_refused_naming_it(value: str) -> None:
         logit_kinds.parse(value)
 
 
-def test_the_options_report_a_bad_mode_as_a_problem() -> None:
-    problems = _options(logits_mode="sampled:300").validate()
+def test_the_flags_report_a_bad_mode_as_a_problem() -> None:
+    problems = _flags(logits_mode="sampled:300").problems(LOGITS)
     assert any("sampled:300" in p and "1..255" in p for p in problems)
-    assert _options(logits_mode="sampled:255").logit_settings.samples == 255
-    assert _options(logits_mode="topk").logit_settings.samples == 0
-    assert _options(top_k=0).validate() == ["top_k: got 0, must be >= 1"]
+    assert _flags(logits_mode="sampled:255").settings(LOGITS).samples == 255
+    assert _flags(logits_mode="topk").settings(LOGITS).samples == 0
+    assert _flags(top_k=0).problems(LOGITS) == ["top_k: got 0, must be >= 1"]
+    assert _flags(top_k=0).problems(()) == []  # the mode's own check waits until logits are asked for
 
 
 @pytest.mark.parametrize("name", ["topk", "full", "sampled", "head"])
@@ -121,7 +127,7 @@ def test_each_kind_round_trips_parse_spec_capture_and_loss(name: str) -> None:
 
 def test_topk_with_logprob_values_captures_log_probabilities_without_the_logsumexp() -> None:
     kind = logit_kinds.get("topk")
-    spec = _spec("topk", _options(topk_values="logprob"))
+    spec = _spec("topk", topk_values="logprob")
     logits = torch.randn(3, V)
     kept = kind.capture(logits, spec)
     assert "logits/lse" not in kept and sorted(set(kept) - {TOPK_MASS}) == sorted(spec.logit_arrays())

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kdcache.stages.train.core.layer_maps import build_layer_map
+from kdcache.stages.train.core.layer_maps import LayerMap
 from kdcache.stages.train.losses import (
     LossError,
     attention_kl,
@@ -50,7 +50,7 @@ def _targets(teacher_layers: int = 4, seed: int = 1, topk: bool = False) -> dict
 
 
 def test_total_is_the_weighted_sum_of_logged_terms():
-    layer_map = build_layer_map("uniform", 2, 4)  # (1, 2), (2, 4)
+    layer_map = LayerMap.parse("uniform").build(2, 4)  # (1, 2), (2, 4)
     loss = CompoundLoss(layer_map=layer_map, student_dim=D_S, teacher_dim=D_T, alpha=0.3, beta=0.5, gamma=0.7,
                         delta=0.2, temperature=2.0)
     out, tg = _student(), _targets()
@@ -166,7 +166,7 @@ def test_real_tiny_gpt2_student_trains_against_compound():
     config = GPT2Config(vocab_size=V, n_embd=8, n_layer=2, n_head=H_S, n_positions=16,
                         attn_implementation="eager")
     student = GPT2LMHeadModel(config)
-    loss = CompoundLoss(layer_map=build_layer_map("uniform", 2, 4, include_embeddings=True), student_dim=8,
+    loss = CompoundLoss(layer_map=[(0, 0), *LayerMap.parse("uniform").build(2, 4)], student_dim=8,
                         teacher_dim=D_T, alpha=1.0, beta=1.0, gamma=1.0, delta=1.0, temperature=2.0)
     tg = _targets()
     params = list(student.parameters()) + list(loss.parameters())
