@@ -33,7 +33,7 @@ from kdcache.stages.precompute.core.options import PrecomputeOptions  # noqa: E4
 from kdcache.stages.precompute.core.plan import PrecomputePlan  # noqa: E402
 from kdcache.stages.precompute.core.targets import resolve_targets  # noqa: E402
 from kdcache.stages.precompute.rows.batching import collate, plan_batches  # noqa: E402
-from kdcache.stages.precompute.rows.data import load_texts, tokenize  # noqa: E402
+from kdcache.stages.precompute.rows.row_build import text_streams  # noqa: E402
 from kdcache.stages.precompute.runner import run_precompute  # noqa: E402
 from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, read_config  # noqa: E402
 
@@ -74,12 +74,12 @@ def bare_forward_seconds(options: PrecomputeOptions) -> float:
     config = read_config(plan.teacher)
     targets = resolve_targets(options, config)
     tokenizer = load_tokenizer(plan.teacher)
-    data = tokenize(load_texts(plan.rows), tokenizer, plan.rows)
+    sequences = text_streams(plan.rows, tokenizer).ids[""]
     teacher = load_teacher(plan.teacher, config, targets, tokenizer, torch.device("cpu"))
     pad = tokenizer.pad_token_id or 0
     batches = []
-    for start in range(0, len(data.sequences), options.storage.sequences_per_shard):
-        shard = data.sequences[start:start + options.storage.sequences_per_shard]
+    for start in range(0, len(sequences), options.storage.sequences_per_shard):
+        shard = sequences[start:start + options.storage.sequences_per_shard]
         for batch in plan_batches([len(s) for s in shard], options.engine.batch_size):
             ids, mask = collate([shard[i] for i in batch], pad)
             batches.append((torch.from_numpy(ids), torch.from_numpy(mask)))

@@ -43,11 +43,11 @@ OUTPUT_PAIR = (3, 6)  # student block 3 -> teacher block 6: the "prediction" eve
 
 def strategy_maps(seed: int) -> dict[str, str]:
     """Each strategy as an explicit map: the output pair, then the strategy's own pairs (M=3, N=6)."""
-    from kdcache.stages.train.core.layer_maps import build_layer_map
+    from kdcache.stages.train.core.layer_maps import LayerMap
 
     maps = {}
     for name in STRATEGIES:
-        pairs = [OUTPUT_PAIR] + ([] if name == "none" else build_layer_map(name, 3, 6, seed=seed))
+        pairs = [OUTPUT_PAIR] + ([] if name == "none" else LayerMap.parse(name).build(3, 6, seed=seed))
         maps[name] = "explicit:" + ",".join(f"{s}-{t}" for s, t in pairs)
     return maps
 

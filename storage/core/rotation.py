@@ -66,4 +66,3 @@ def _rotation_signs(seed: int, d: int) -> np.ndarray:
 def _read_only(array: np.ndarray) -> np.ndarray:
     array.flags.writeable = False
     return array
-

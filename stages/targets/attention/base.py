@@ -121,7 +121,7 @@ def config_heads(config: PretrainedConfig) -> int:
 
 @dataclass(frozen=True)
 class AttentionSettings:
-    """Stage one's attention source as one record, built where the flags enter (``TargetOptions``) and carried
+    """Stage one's attention source as one record, built from its flags (``AttentionFlags.settings``) and carried
     whole by the run's targets into its ``CacheSpec`` and its settings fingerprint.
 
     The family alone names these fields (``spec_fields``, ``fingerprint``); nothing between the flags and the spec

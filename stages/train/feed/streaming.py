@@ -69,10 +69,15 @@ class StreamStateError(KdcacheError):
     sequences for one step, or arrays without the ``input_ids`` their batches are padded to."""
 
 
+def _input_streams(names: Sequence[str]) -> list[str]:
+    """The token streams whose ``input_ids`` are among ``names``, in their order (``""``, or encoder then decoder)."""
+    return [split_stream(n)[0] for n in names if kind_of(n) == ArrayKind.INPUT_IDS]
+
+
 def _check_padding_names(names: Sequence[str]) -> None:
     """Each stream an array is padded along (``ragged_streams``: logits along the last, cross-attention along both)
     must be read with its ``input_ids``: ``collate`` pads to them and makes the stream's ``mask`` from them."""
-    streams = [split_stream(n)[0] for n in names if kind_of(n) == ArrayKind.INPUT_IDS]
+    streams = _input_streams(names)
     needed = {s for n in names for s in (ragged_streams(n, streams) if streams else (split_stream(n)[0],))}
     missing = sorted(prefixed(s, "input_ids") for s in needed - set(streams))
     if missing:
@@ -163,7 +168,7 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], p
         stream's prefix; ``sample_ids`` [B]; targets [B, L, ...] and attention [B, H', L_q, L_k], zero-padded.
         fp16 stays fp16; bf16 bits become int16 (torch has few uint16 kernels); ids become int64 for gather.
     """
-    streams = [split_stream(n)[0] for n in sequences[0] if kind_of(n) == ArrayKind.INPUT_IDS]
+    streams = _input_streams(list(sequences[0]))
     sizes = {s: max(len(q[prefixed(s, "input_ids")]) for q in sequences) for s in streams}
     out: Batch = {"sample_ids": torch.tensor(list(sample_ids), dtype=torch.int64)}
     for stream in streams:

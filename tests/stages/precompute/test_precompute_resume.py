@@ -84,7 +84,8 @@ def _env() -> dict[str, str]:
     seen to round a process's first batch otherwise in the last bit (fp16 hidden states one step apart at 5 of
     1,280 values, fp32 logsumexps one unit) when that process's first batch ran beside CPU contention (its own
     writer processes starting, a parallel test run), MKL's CNR mode (tests/conftest.py) notwithstanding. The tests
-    compare caches of separate processes byte for byte, so their processes compute on one thread."""
+    compare caches of separate processes byte for byte, so the processes they start compute on one thread (a whole
+    quiet run gave the same bytes on one thread as this process's default two, the in-process references')."""
     return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "OMP_NUM_THREADS": "1"}
 
