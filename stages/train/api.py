@@ -18,7 +18,6 @@ A plain loop (``B`` micro-batch, ``L`` padded length)::
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 import re
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import torch
 
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, register_maps_attention
 from kdcache.stages.targets.hidden.device_codecs import load_projection
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 API_SPEAKER = "kdcache"  # how the Python API heads its notes (``kdcache train``'s are headed by the command)
 # The keyword options of ``DistillationLoss``: those of ``kdcache train``'s loss and maps groups, and the seed.
-LOSS_OPTIONS = tuple(f.name for group in (LossOptions, MapOptions) for f in dataclasses.fields(group)) + ("seed",)
+LOSS_OPTIONS = tuple(f.name for group in (LossOptions, MapOptions) for _, _, f in leaves(group)) + ("seed",)
 
 
 class ApiError(KdcacheError):

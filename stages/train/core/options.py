@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kdcache.stages.common.engine_options import TRAIN, EngineOptions
-from kdcache.stages.common.option_groups import assemble, flatten
+from kdcache.stages.common.option_groups import assemble, flatten, option_group
 from kdcache.stages.targets import logits as logit_kinds
-from kdcache.stages.targets.hidden.hidden_losses import HiddenLoss, hidden_loss, hidden_loss_choices
+from kdcache.stages.targets.hidden.flags import CriticFlags, HiddenLossFlags
 from kdcache.stages.targets.logits import TOPK_VARIANTS as TOPK_KL_VARIANTS
 from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
 
@@ -83,9 +83,10 @@ class DataOptions:
 
 @dataclass(frozen=True)
 class LossOptions:
-    """The compound loss: the weight of each term, the hidden-state loss, the KD temperature."""
+    """The compound loss: the weight of each term, the hidden-state loss, the KD temperature. A family's flags
+    are its own group (``hidden``: ``--hidden-loss``; ``critic``: wgan's), in the place their flags are listed."""
 
-    hidden_loss: str = field(default="mse", metadata=_opt("hidden-state loss", choices=hidden_loss_choices()))
+    hidden: HiddenLossFlags = option_group(HiddenLossFlags)
     alpha: float | None = field(default=None, metadata=_opt(
         "weight of the CE term (causal shift; default 1, 0 for a student without an LM head or an encoder's, whose "
         "CE on unmasked cached tokens is near-trivial)"))
@@ -98,8 +99,7 @@ class LossOptions:
         f"{DEFAULT_TEMPERATURE:g})"))
     topk_kl: str = field(default="renorm", metadata=_opt("top-k KL variant for top-k caches",
                                                          choices=list(TOPK_KL_VARIANTS)))
-    critic_steps: int = field(default=1, metadata=_opt("wgan: critic updates per student step"))
-    critic_lr: float = field(default=1e-4, metadata=_opt("wgan: critic learning rate"))
+    critic: CriticFlags = option_group(CriticFlags)
     attention_loss: str = field(default="kl", metadata=_opt(
         "the attention term (--delta): kl (attention maps, or rebuilt block by block from a q/k cache) or relation "
         "(MiniLMv2: query-query, key-key and value-value relations of a q/k or q/k/v cache)",
@@ -110,12 +110,6 @@ class LossOptions:
         "train a student whose tokenizer differs from the teacher's, from a cache written with --record-text: "
         "tokens aligned by the text they cover; the vocabulary term is gold (exact KL on shared tokens, ULD on the "
         "rest) or uld; --cross-tokenizer alone means gold", choices=["gold", "uld"], nargs="?", const="gold"))
-
-    @property
-    def hidden(self) -> HiddenLoss:
-        """``--hidden-loss`` as its object, looked up here where the options are read (``LossError`` for a name no
-        loss has, which ``validate`` reports first)."""
-        return hidden_loss(self.hidden_loss)
 
     @property
     def ce_weight(self) -> float:
@@ -134,9 +128,7 @@ class LossOptions:
                     if getattr(self, name) is not None and getattr(self, name) < 0]
         if self.temperature is not None and self.temperature <= 0:
             problems.append(f"temperature must be > 0, got {self.temperature}")
-        if self.critic_steps < 1:
-            problems.append(f"critic_steps must be >= 1, got {self.critic_steps}")
-        return problems
+        return problems + self.critic.problems()
 
 
 def resolved_temperature(loss: LossOptions) -> float:
