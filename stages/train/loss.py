@@ -116,7 +116,8 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
         hidden_loss=loss.hidden.loss(), topk_variant=loss.topk_kl, ce="causal" if facts.is_causal else "token",
         attention_map=pairs.attention_pairs or None, critic_steps=loss.critic.critic_steps,
         critic_lr=loss.critic.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None,
-        attention_loss=loss.attention_loss, relation_heads=loss.relation_heads, teacher_scores=scores,
+        attention_loss=loss.attention.attention_loss, relation_heads=loss.attention.relation_heads,
+        teacher_scores=scores,
         logit_kind=logit_kind if main else None)
 
 

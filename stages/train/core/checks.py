@@ -136,7 +136,7 @@ def feature_problems(options: TrainOptions, spec: CacheSpec, student: StudentFac
         problems.append(f"the attention term (--delta) needs attention maps, but the cache holds {held}; "
                         "re-run precompute with attention layers, or use --delta 0")
     elif loss.delta > 0:
-        problems += attention_sources.of(spec.attention_layout).loss_problems(loss.attention_loss)
+        problems += attention_sources.of(spec.attention_layout).loss_problems(loss.attention.attention_loss)
     return problems
 
 

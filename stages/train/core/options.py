@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from kdcache.stages.common.engine_options import TRAIN, EngineOptions
 from kdcache.stages.common.option_groups import assemble, flatten, option_group
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.attention.flags import AttentionLossFlags
 from kdcache.stages.targets.hidden.flags import CriticFlags, HiddenLossFlags
 from kdcache.stages.targets.logits import TOPK_VARIANTS as TOPK_KL_VARIANTS
 from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
@@ -25,7 +26,6 @@ from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
 if TYPE_CHECKING:
     from kdcache.storage import CacheSpec
 
-ATTENTION_LOSSES = ("kl", "relation")  # relation: MiniLMv2's q-q / k-k / v-v relations (a q/k or q/k/v cache)
 DEFAULT_TEMPERATURE = 2.0  # --temperature when none is given and the cache does not fix one
 
 
@@ -84,7 +84,8 @@ class DataOptions:
 @dataclass(frozen=True)
 class LossOptions:
     """The compound loss: the weight of each term, the hidden-state loss, the KD temperature. A family's flags
-    are its own group (``hidden``: ``--hidden-loss``; ``critic``: wgan's), in the place their flags are listed."""
+    are its own group (``hidden``: ``--hidden-loss``; ``critic``: wgan's; ``attention``: the attention term), in
+    the place their flags are listed."""
 
     hidden: HiddenLossFlags = option_group(HiddenLossFlags)
     alpha: float | None = field(default=None, metadata=_opt(
@@ -100,12 +101,7 @@ class LossOptions:
     topk_kl: str = field(default="renorm", metadata=_opt("top-k KL variant for top-k caches",
                                                          choices=list(TOPK_KL_VARIANTS)))
     critic: CriticFlags = option_group(CriticFlags)
-    attention_loss: str = field(default="kl", metadata=_opt(
-        "the attention term (--delta): kl (attention maps, or rebuilt block by block from a q/k cache) or relation "
-        "(MiniLMv2: query-query, key-key and value-value relations of a q/k or q/k/v cache)",
-        choices=list(ATTENTION_LOSSES)))
-    relation_heads: int = field(default=0, metadata=_opt(
-        "--attention-loss relation: relation heads R, dividing both sides' widths (0: the student's heads)"))
+    attention: AttentionLossFlags = option_group(AttentionLossFlags)
     cross_tokenizer: str | None = field(default=None, metadata=_opt(
         "train a student whose tokenizer differs from the teacher's, from a cache written with --record-text: "
         "tokens aligned by the text they cover; the vocabulary term is gold (exact KL on shared tokens, ULD on the "
@@ -124,8 +120,8 @@ class LossOptions:
     def validate(self) -> list[str]:
         """Every problem of this group."""
         problems = [f"{name} must be >= 0, got {getattr(self, name)}"
-                    for name in ("alpha", "beta", "gamma", "delta", "relation_heads")
-                    if getattr(self, name) is not None and getattr(self, name) < 0]
+                    for name in ("alpha", "beta", "gamma", "delta")
+                    if getattr(self, name) is not None and getattr(self, name) < 0] + self.attention.problems()
         if self.temperature is not None and self.temperature <= 0:
             problems.append(f"temperature must be > 0, got {self.temperature}")
         return problems + self.critic.problems()
