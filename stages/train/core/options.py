@@ -20,13 +20,12 @@ from kdcache.stages.common.option_groups import assemble, flatten, option_group
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.attention.flags import AttentionLossFlags
 from kdcache.stages.targets.hidden.flags import CriticFlags, HiddenLossFlags
-from kdcache.stages.targets.logits import TOPK_VARIANTS as TOPK_KL_VARIANTS
+from kdcache.stages.targets.logits.flags import DEFAULT_TEMPERATURE, LogitLossFlags
 from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheSpec
 
-DEFAULT_TEMPERATURE = 2.0  # --temperature when none is given and the cache does not fix one
 
 
 def _opt(help_text: str, **extra: object) -> dict[str, object]:
@@ -84,8 +83,8 @@ class DataOptions:
 @dataclass(frozen=True)
 class LossOptions:
     """The compound loss: the weight of each term, the hidden-state loss, the KD temperature. A family's flags
-    are its own group (``hidden``: ``--hidden-loss``; ``critic``: wgan's; ``attention``: the attention term), in
-    the place their flags are listed."""
+    are its own group (``hidden``: ``--hidden-loss``; ``logit``: the KL's temperature and top-k variant;
+    ``critic``: wgan's; ``attention``: the attention term), in the place their flags are listed."""
 
     hidden: HiddenLossFlags = option_group(HiddenLossFlags)
     alpha: float | None = field(default=None, metadata=_opt(
@@ -95,11 +94,7 @@ class LossOptions:
         "weight of the logit KL term (default 1, 0 when the cache holds no logits)"))
     gamma: float = field(default=1.0, metadata=_opt("weight of the hidden-state term"))
     delta: float = field(default=0.0, metadata=_opt("weight of the attention KL term"))
-    temperature: float | None = field(default=None, metadata=_opt(
-        f"KD temperature T of the logit KL (default: a sampled cache's sampling temperature, else "
-        f"{DEFAULT_TEMPERATURE:g})"))
-    topk_kl: str = field(default="renorm", metadata=_opt("top-k KL variant for top-k caches",
-                                                         choices=list(TOPK_KL_VARIANTS)))
+    logit: LogitLossFlags = option_group(LogitLossFlags)
     critic: CriticFlags = option_group(CriticFlags)
     attention: AttentionLossFlags = option_group(AttentionLossFlags)
     cross_tokenizer: str | None = field(default=None, metadata=_opt(
@@ -122,15 +117,7 @@ class LossOptions:
         problems = [f"{name} must be >= 0, got {getattr(self, name)}"
                     for name in ("alpha", "beta", "gamma", "delta")
                     if getattr(self, name) is not None and getattr(self, name) < 0] + self.attention.problems()
-        if self.temperature is not None and self.temperature <= 0:
-            problems.append(f"temperature must be > 0, got {self.temperature}")
-        return problems + self.critic.problems()
-
-
-def resolved_temperature(loss: LossOptions) -> float:
-    """``--temperature``, or the default where nothing decided it (``TrainOptions.with_cache_defaults`` fills in
-    a sampled cache's own before training)."""
-    return DEFAULT_TEMPERATURE if loss.temperature is None else loss.temperature
+        return problems + self.logit.problems() + self.critic.problems()
 
 
 @dataclass(frozen=True)
@@ -302,10 +289,11 @@ class TrainOptions:
             loss = dataclasses.replace(loss, beta=1.0 if getattr(spec, "logits", None) else 0.0)
             if not loss.beta:
                 said.append("--beta 0: the cache holds no logits (--beta not given)")
-        if loss.temperature is None:
+        if loss.logit.temperature is None:
             kind = logit_kinds.of(getattr(spec, "logit_layout", None))
             fixed = kind.default_temperature(spec) if kind else None
-            loss = dataclasses.replace(loss, temperature=DEFAULT_TEMPERATURE if fixed is None else fixed)
+            logit = dataclasses.replace(loss.logit, temperature=DEFAULT_TEMPERATURE if fixed is None else fixed)
+            loss = dataclasses.replace(loss, logit=logit)
             if fixed is not None:
                 said.append(f"training at temperature {fixed:g}, the cache's sampling temperature (--temperature "
                             f"not given)")
