@@ -18,7 +18,6 @@ A plain loop (``B`` micro-batch, ``L`` padded length)::
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 import re
@@ -31,12 +30,14 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import torch
 
 from kdcache.stages.common.fingerprints import tokenizer_fingerprint
+from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, register_maps_attention
 from kdcache.stages.targets.hidden.device_codecs import load_projection
+from kdcache.stages.targets.logits.flags import DEFAULT_TEMPERATURE
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.core.checks import CacheCheckError, open_cache as open_checked, vocab_problems
-from kdcache.stages.train.core.options import DEFAULT_TEMPERATURE, LossOptions, MapOptions, TrainOptions
+from kdcache.stages.train.core.options import LossOptions, MapOptions, TrainOptions
 from kdcache.stages.train.core.plan import TrainPlan, plan_training, unused_targets
 from kdcache.stages.train.core.student import StudentFacts, student_facts, tokenizer_fingerprint_of
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 
 API_SPEAKER = "kdcache"  # how the Python API heads its notes (``kdcache train``'s are headed by the command)
 # The keyword options of ``DistillationLoss``: those of ``kdcache train``'s loss and maps groups, and the seed.
-LOSS_OPTIONS = tuple(f.name for group in (LossOptions, MapOptions) for f in dataclasses.fields(group)) + ("seed",)
+LOSS_OPTIONS = tuple(f.name for group in (LossOptions, MapOptions) for _, _, f in leaves(group)) + ("seed",)
 
 
 class ApiError(KdcacheError):
@@ -135,7 +136,7 @@ def idle_options(options: TrainOptions, plan: TrainPlan) -> list[str]:
     """Options given that change nothing on this cache: a temperature without a logit KL to scale. The options
     come with the cache's defaults filled in, so the default temperature (filled in where none was given) is
     never named."""
-    temperature = options.loss.temperature
+    temperature = options.loss.logit.temperature
     if temperature in (None, DEFAULT_TEMPERATURE) or (plan.logit_kind is not None and options.loss.kl_weight > 0):
         return []
     why = "the cache holds no teacher logits" if plan.logit_kind is None else "the KL's weight (beta) is 0"

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from transformers import TrainingArguments
 
+from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.train.api import ApiError
 from kdcache.stages.train.core.options import LossOptions, MapOptions
 
@@ -26,8 +27,9 @@ T = TypeVar("T")
 
 
 def carried_fields() -> list[dataclasses.Field[Any]]:
-    """The fields of ``kdcache train``'s loss and map options that ``DistillationArguments`` carries, in order."""
-    return [f for group in (LossOptions, MapOptions) for f in dataclasses.fields(group) if f.name not in NOT_CARRIED]
+    """The fields of ``kdcache train``'s loss and map options that ``DistillationArguments`` carries, in order (a
+    family's group's in its place)."""
+    return [f for group in (LossOptions, MapOptions) for _, _, f in leaves(group) if f.name not in NOT_CARRIED]
 
 
 def _argument_type(option_type: object) -> object:
@@ -41,7 +43,8 @@ def _argument_type(option_type: object) -> object:
 def _carry_options(cls: type[T]) -> type[T]:
     """Add to ``cls``, ahead of its own, one field per carried option (``carried_fields``): its type as an
     argument, default None, the option's help. The one definition of each stays the option's (no copy to drift)."""
-    hints = {**typing.get_type_hints(LossOptions), **typing.get_type_hints(MapOptions)}
+    hints = {f.name: typing.get_type_hints(owner)[f.name] for group in (LossOptions, MapOptions)
+             for _, owner, f in leaves(group)}
     added: dict[str, object] = {}
     for option in carried_fields():
         added[option.name] = _argument_type(hints[option.name])

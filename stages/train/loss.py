@@ -39,7 +39,6 @@ from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenize
 from kdcache.stages.train.core.checks import CacheCheckError
 from kdcache.stages.train.core.layer_maps import pair_key
 from kdcache.stages.train.core.masks import stream_masks
-from kdcache.stages.train.core.options import resolved_temperature
 from kdcache.stages.train.core.student_head import base_forward, choose_head
 from kdcache.stages.train.losses import cross_attention_kl
 from kdcache.stages.train.objective.compound import CompoundLoss, StudentOutput
@@ -112,11 +111,12 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
     sizes = set(pairs.teacher_hidden_sizes.values())
     return CompoundLoss(
         layer_map=pairs.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(sizes) if sizes else None,
-        alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=resolved_temperature(loss),
-        hidden_loss=loss.hidden, topk_variant=loss.topk_kl, ce="causal" if facts.is_causal else "token",
-        attention_map=pairs.attention_pairs or None, critic_steps=loss.critic_steps,
-        critic_lr=loss.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None,
-        attention_loss=loss.attention_loss, relation_heads=loss.relation_heads, teacher_scores=scores,
+        alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=loss.logit.resolved_temperature(),
+        hidden_loss=loss.hidden.loss(), topk_variant=loss.logit.topk_kl, ce="causal" if facts.is_causal else "token",
+        attention_map=pairs.attention_pairs or None, critic_steps=loss.critic.critic_steps,
+        critic_lr=loss.critic.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None,
+        attention_loss=loss.attention.attention_loss, relation_heads=loss.attention.relation_heads,
+        teacher_scores=scores,
         logit_kind=logit_kind if main else None)
 
 

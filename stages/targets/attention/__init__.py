@@ -31,7 +31,7 @@ from kdcache.storage import import_members
 TORCH_MODULES = ("attention_maps", "maps_loss", "qk_attention", "qk_loss")
 import_members(__name__, __path__, but=("base", "flags", *TORCH_MODULES))
 # After every source has registered: the flag's help lists them.
-from kdcache.stages.targets.attention.flags import AttentionFlags  # noqa: E402
+from kdcache.stages.targets.attention.flags import AttentionFlags, AttentionLossFlags  # noqa: E402
 
-__all__ = ["AttentionFlags", "AttentionSettings", "AttentionSource", "AttentionSourceError", "choices", "config_heads",
-           "get", "names", "of", "register", "usage"]
+__all__ = ["AttentionFlags", "AttentionLossFlags", "AttentionSettings", "AttentionSource", "AttentionSourceError",
+           "choices", "config_heads", "get", "names", "of", "register", "usage"]

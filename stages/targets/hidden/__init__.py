@@ -10,10 +10,13 @@ hidden loss is.
 * ``loss_terms`` (MSE, cosine, CKA) and ``wgan`` (the critic and its trainer): the losses' torch functions, which
   the registry names as ``"module:function"`` and imports on the first loss. A new loss is a function here and one
   ``register_hidden_loss`` line in ``hidden_losses``.
+* ``flags``: stage two's hidden flags as the family's option groups (``HiddenLossFlags``: ``--hidden-loss``;
+  ``CriticFlags``: wgan's critic), held by ``LossOptions``.
 """
 
 from __future__ import annotations
 
+from kdcache.stages.targets.hidden.flags import CriticFlags, HiddenLossFlags
 from kdcache.stages.targets.hidden.hidden_losses import (
     HIDDEN_LOSSES,
     HiddenLoss,
@@ -23,5 +26,5 @@ from kdcache.stages.targets.hidden.hidden_losses import (
     unknown_hidden_loss,
 )
 
-__all__ = ["HIDDEN_LOSSES", "HiddenLoss", "hidden_loss", "hidden_loss_choices", "register_hidden_loss",
-           "unknown_hidden_loss"]
+__all__ = ["HIDDEN_LOSSES", "CriticFlags", "HiddenLoss", "HiddenLossFlags", "hidden_loss", "hidden_loss_choices",
+           "register_hidden_loss", "unknown_hidden_loss"]

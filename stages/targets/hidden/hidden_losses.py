@@ -3,7 +3,7 @@ one registry, holding everything the rest of stage two asks of it.
 
 A loss is registered once, here (or from a test, which deletes its entry again): its name is the flag's value, and
 the flag's choices are the registry's live names (``hidden_loss_choices``). Past the edge where the options are read
-(``LossOptions.hidden``) code holds the object and reads its attributes; it never compares the name.
+(``HiddenLossFlags.loss()``) code holds the object and reads its attributes; it never compares the name.
 
 This module imports no torch, so that the option classes and ``kdcache train --help`` list the losses without it.
 A built-in loss therefore names its function the way an entry point does, ``"module:function"``, and the function

@@ -64,7 +64,7 @@ class LogitOptions(Protocol):
 
 
 class LossSettings(Protocol):
-    """Stage two's loss options the checks read (``train.core.options.LossOptions``)."""
+    """Stage two's logit KL flags the checks read (``flags.LogitLossFlags``)."""
 
     @property
     def topk_kl(self) -> str: ...

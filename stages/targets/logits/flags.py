@@ -1,7 +1,8 @@
 """``LogitFlags``: stage one's logit flags, their checks and the ``LogitSettings`` they make, declared once in the
 family and held whole by stage one's options (``TargetOptions.logit``, an ``option_group``: flags and YAML keys stay
 flat). A new flag is a field here, its check in ``problems`` and its use in a kind's ``spec_fields`` (through
-``base.LogitOptions``)."""
+``base.LogitOptions``). ``LogitLossFlags``: stage two's logit KL flags, held the same way by ``LossOptions.logit``
+and read by a kind's ``loss_problems`` (through ``base.LossSettings``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from dataclasses import dataclass
 
 from kdcache.stages.common.option_groups import option
 from kdcache.stages.targets.logits.base import LogitKind, LogitKindError, LogitSettings, get, names, parse
+from kdcache.stages.targets.logits.topk import TOPK_VARIANTS
 from kdcache.storage import ArrayKind
 
 DEFAULT_LOGITS = "topk"  # the --logits mode when none is given (a name of stages.targets.logits)
 FULL_LOGITS = "full"  # the mode the older flag --full-logits asks for
+DEFAULT_TEMPERATURE = 2.0  # stage two's --temperature when none is given and the cache does not fix one
 
 
 @dataclass(frozen=True)
@@ -84,3 +87,23 @@ class LogitFlags:
         if not self.sample_temperature > 0:
             problems.append(f"sample_temperature: got {self.sample_temperature}, must be > 0")
         return problems
+
+
+@dataclass(frozen=True)
+class LogitLossFlags:
+    """Stage two's logit KL as the flags give it: the KD temperature (None until the cache's default fills it in,
+    ``TrainOptions.with_cache_defaults``) and the top-k variant."""
+
+    temperature: float | None = option(None, f"KD temperature T of the logit KL (default: a sampled cache's "
+                                             f"sampling temperature, else {DEFAULT_TEMPERATURE:g})")
+    topk_kl: str = option("renorm", "top-k KL variant for top-k caches", choices=list(TOPK_VARIANTS))
+
+    def resolved_temperature(self) -> float:
+        """``--temperature``, or the default where nothing decided it (``TrainOptions.with_cache_defaults`` fills
+        in a sampled cache's own before training)."""
+        return DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+
+    def problems(self) -> list[str]:
+        """Every problem of these flags alone (against the cache: the kind's ``loss_problems``)."""
+        bad = self.temperature is not None and self.temperature <= 0
+        return [f"temperature must be > 0, got {self.temperature}"] if bad else []

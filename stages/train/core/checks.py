@@ -128,7 +128,7 @@ def feature_problems(options: TrainOptions, spec: CacheSpec, student: StudentFac
     elif loss.kl_weight > 0 and (kind := logit_kinds.of(spec.logit_layout)) and not loss.cross_tokenizer:
         # The top-k variant and the temperature against its logit kind; a cross-tokenizer run's vocabulary term
         # has checks of its own (cross_checks: GOLD reads both, ULD neither).
-        problems += kind.loss_problems(spec, loss)
+        problems += kind.loss_problems(spec, loss.logit)
     if loss.gamma > 0 and options.maps.for_stream("").maps_layers and not hidden:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "
                         "re-run precompute with --layers, or use --gamma 0 / --layer-map none")
@@ -136,7 +136,7 @@ def feature_problems(options: TrainOptions, spec: CacheSpec, student: StudentFac
         problems.append(f"the attention term (--delta) needs attention maps, but the cache holds {held}; "
                         "re-run precompute with attention layers, or use --delta 0")
     elif loss.delta > 0:
-        problems += attention_sources.of(spec.attention_layout).loss_problems(loss.attention_loss)
+        problems += attention_sources.of(spec.attention_layout).loss_problems(loss.attention.attention_loss)
     return problems
 
 

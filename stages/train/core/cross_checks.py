@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from kdcache.stages.common.cache_texts import MissingTextError, has_texts, read_texts
 from kdcache.stages.targets import logits as logit_kinds
-from kdcache.stages.train.core.options import resolved_temperature
 
 if TYPE_CHECKING:
     from kdcache.stages.train.core.options import TrainOptions
@@ -26,7 +25,7 @@ def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
         problems.append(f"--cross-tokenizer compares the teacher's cached top-k across vocabularies, but this cache "
                         f"holds --logits {reader.spec.logits}; use a top-k cache or --beta 0")
     temperature = _temperature(options)
-    if options.loss.cross_tokenizer == "gold" and options.loss.topk_kl == "other" and temperature != 1:
+    if options.loss.cross_tokenizer == "gold" and options.loss.logit.topk_kl == "other" and temperature != 1:
         problems.append(f"--cross-tokenizer gold with --topk-kl other compares full-vocabulary probabilities "
                         f"rebuilt from the cached logsumexp, exact only at T=1, but the temperature is "
                         f"{temperature:g}; use --temperature 1, or --topk-kl renorm")
@@ -63,4 +62,4 @@ def text_problems(reader: CacheReader, what: str) -> list[str]:
 
 
 def _temperature(options: TrainOptions) -> float:
-    return resolved_temperature(options.loss)
+    return options.loss.logit.resolved_temperature()

@@ -16,17 +16,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kdcache.stages.common.engine_options import TRAIN, EngineOptions
-from kdcache.stages.common.option_groups import assemble, flatten
+from kdcache.stages.common.option_groups import assemble, flatten, option_group
 from kdcache.stages.targets import logits as logit_kinds
-from kdcache.stages.targets.hidden.hidden_losses import HiddenLoss, hidden_loss, hidden_loss_choices
-from kdcache.stages.targets.logits import TOPK_VARIANTS as TOPK_KL_VARIANTS
+from kdcache.stages.targets.attention.flags import AttentionLossFlags
+from kdcache.stages.targets.hidden.flags import CriticFlags, HiddenLossFlags
+from kdcache.stages.targets.logits.flags import DEFAULT_TEMPERATURE, LogitLossFlags
 from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheSpec
 
-ATTENTION_LOSSES = ("kl", "relation")  # relation: MiniLMv2's q-q / k-k / v-v relations (a q/k or q/k/v cache)
-DEFAULT_TEMPERATURE = 2.0  # --temperature when none is given and the cache does not fix one
 
 
 def _opt(help_text: str, **extra: object) -> dict[str, object]:
@@ -83,9 +82,11 @@ class DataOptions:
 
 @dataclass(frozen=True)
 class LossOptions:
-    """The compound loss: the weight of each term, the hidden-state loss, the KD temperature."""
+    """The compound loss: the weight of each term, the hidden-state loss, the KD temperature. A family's flags
+    are its own group (``hidden``: ``--hidden-loss``; ``logit``: the KL's temperature and top-k variant;
+    ``critic``: wgan's; ``attention``: the attention term), in the place their flags are listed."""
 
-    hidden_loss: str = field(default="mse", metadata=_opt("hidden-state loss", choices=hidden_loss_choices()))
+    hidden: HiddenLossFlags = option_group(HiddenLossFlags)
     alpha: float | None = field(default=None, metadata=_opt(
         "weight of the CE term (causal shift; default 1, 0 for a student without an LM head or an encoder's, whose "
         "CE on unmasked cached tokens is near-trivial)"))
@@ -93,29 +94,13 @@ class LossOptions:
         "weight of the logit KL term (default 1, 0 when the cache holds no logits)"))
     gamma: float = field(default=1.0, metadata=_opt("weight of the hidden-state term"))
     delta: float = field(default=0.0, metadata=_opt("weight of the attention KL term"))
-    temperature: float | None = field(default=None, metadata=_opt(
-        f"KD temperature T of the logit KL (default: a sampled cache's sampling temperature, else "
-        f"{DEFAULT_TEMPERATURE:g})"))
-    topk_kl: str = field(default="renorm", metadata=_opt("top-k KL variant for top-k caches",
-                                                         choices=list(TOPK_KL_VARIANTS)))
-    critic_steps: int = field(default=1, metadata=_opt("wgan: critic updates per student step"))
-    critic_lr: float = field(default=1e-4, metadata=_opt("wgan: critic learning rate"))
-    attention_loss: str = field(default="kl", metadata=_opt(
-        "the attention term (--delta): kl (attention maps, or rebuilt block by block from a q/k cache) or relation "
-        "(MiniLMv2: query-query, key-key and value-value relations of a q/k or q/k/v cache)",
-        choices=list(ATTENTION_LOSSES)))
-    relation_heads: int = field(default=0, metadata=_opt(
-        "--attention-loss relation: relation heads R, dividing both sides' widths (0: the student's heads)"))
+    logit: LogitLossFlags = option_group(LogitLossFlags)
+    critic: CriticFlags = option_group(CriticFlags)
+    attention: AttentionLossFlags = option_group(AttentionLossFlags)
     cross_tokenizer: str | None = field(default=None, metadata=_opt(
         "train a student whose tokenizer differs from the teacher's, from a cache written with --record-text: "
         "tokens aligned by the text they cover; the vocabulary term is gold (exact KL on shared tokens, ULD on the "
         "rest) or uld; --cross-tokenizer alone means gold", choices=["gold", "uld"], nargs="?", const="gold"))
-
-    @property
-    def hidden(self) -> HiddenLoss:
-        """``--hidden-loss`` as its object, looked up here where the options are read (``LossError`` for a name no
-        loss has, which ``validate`` reports first)."""
-        return hidden_loss(self.hidden_loss)
 
     @property
     def ce_weight(self) -> float:
@@ -130,19 +115,9 @@ class LossOptions:
     def validate(self) -> list[str]:
         """Every problem of this group."""
         problems = [f"{name} must be >= 0, got {getattr(self, name)}"
-                    for name in ("alpha", "beta", "gamma", "delta", "relation_heads")
-                    if getattr(self, name) is not None and getattr(self, name) < 0]
-        if self.temperature is not None and self.temperature <= 0:
-            problems.append(f"temperature must be > 0, got {self.temperature}")
-        if self.critic_steps < 1:
-            problems.append(f"critic_steps must be >= 1, got {self.critic_steps}")
-        return problems
-
-
-def resolved_temperature(loss: LossOptions) -> float:
-    """``--temperature``, or the default where nothing decided it (``TrainOptions.with_cache_defaults`` fills in
-    a sampled cache's own before training)."""
-    return DEFAULT_TEMPERATURE if loss.temperature is None else loss.temperature
+                    for name in ("alpha", "beta", "gamma", "delta")
+                    if getattr(self, name) is not None and getattr(self, name) < 0] + self.attention.problems()
+        return problems + self.logit.problems() + self.critic.problems()
 
 
 @dataclass(frozen=True)
@@ -314,10 +289,11 @@ class TrainOptions:
             loss = dataclasses.replace(loss, beta=1.0 if getattr(spec, "logits", None) else 0.0)
             if not loss.beta:
                 said.append("--beta 0: the cache holds no logits (--beta not given)")
-        if loss.temperature is None:
+        if loss.logit.temperature is None:
             kind = logit_kinds.of(getattr(spec, "logit_layout", None))
             fixed = kind.default_temperature(spec) if kind else None
-            loss = dataclasses.replace(loss, temperature=DEFAULT_TEMPERATURE if fixed is None else fixed)
+            logit = dataclasses.replace(loss.logit, temperature=DEFAULT_TEMPERATURE if fixed is None else fixed)
+            loss = dataclasses.replace(loss, logit=logit)
             if fixed is not None:
                 said.append(f"training at temperature {fixed:g}, the cache's sampling temperature (--temperature "
                             f"not given)")

@@ -249,11 +249,11 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     if problems:
         raise CacheCheckError(problems)
     logits = logit_kinds.of(spec.logit_layout) if options.loss.kl_weight > 0 else None
-    names = stream_names(spec, pairs, logits, _attention_kinds(spec, options.loss.attention_loss))
+    names = stream_names(spec, pairs, logits, _attention_kinds(spec, options.loss.attention.attention_loss))
     sizes, heads = _target_shapes(reader, names)
     source = attention_sources.of(spec.attention_layout)
     heads = source.teacher_heads(spec.attention_scores, heads)
-    if options.loss.attention_loss == "kl":  # relations pair any head counts
+    if options.loss.attention.attention_loss == "kl":  # relations pair any head counts
         _check_heads(heads, student)
     plans = tuple(StreamPairs(s.name, tuple(pairs[prefixed(s.name, "hidden")]),
                               tuple(pairs[prefixed(s.name, "attention")]), sizes.get(s.name, {}), s.teacher_depth)
@@ -266,15 +266,16 @@ def _relation_problems(options: TrainOptions, spec: CacheSpec, student: StudentF
     """The relation loss splits each side's query and key/value rows into R heads: R must divide every width,
     checked here rather than at the first step, after DeepSpeed has started."""
     loss, scores = options.loss, spec.attention_scores
-    if loss.delta <= 0 or loss.attention_loss != "relation" or not scores:
+    if loss.delta <= 0 or loss.attention.attention_loss != "relation" or not scores:
         return []
-    relation_heads = loss.relation_heads or student.num_heads
+    given = loss.attention.relation_heads
+    relation_heads = given or student.num_heads
     head_dim = int(scores["head_dim"])
     widths = {"the teacher's queries": int(scores["num_heads"]) * head_dim,
               "the teacher's keys and values": int(scores["num_kv_heads"]) * head_dim}
     widths.update(zip(("the student's queries", "the student's keys and values"), student.attention_widths()))
     bad = [f"{name} ({width})" for name, width in widths.items() if width % relation_heads]
-    return [f"--relation-heads {relation_heads}{'' if loss.relation_heads else ' (the student heads)'} does not "
+    return [f"--relation-heads {relation_heads}{'' if given else ' (the student heads)'} does not "
             f"divide the width of {', '.join(bad)}; choose R dividing {sorted(set(widths.values()))}"] if bad else []
 
 

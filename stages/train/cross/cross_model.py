@@ -36,7 +36,6 @@ from transformers import AutoTokenizer
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
 from kdcache.stages.targets.logits.vocab import HeadLogits, term_value
 from kdcache.stages.train.core.masks import token_masks
-from kdcache.stages.train.core.options import resolved_temperature
 from kdcache.stages.train.cross.align import Alignment, align, aligned_share, student_ends, student_mask
 from kdcache.stages.train.losses import (
     causal_ce,
@@ -261,7 +260,8 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
     loss = options.loss
     return CrossDistillModel(student, criterion, SpanAligner(texts, tokenizer, max_length), shared,
                              vocab_loss=loss.cross_tokenizer or "gold", alpha=loss.ce_weight, beta=loss.kl_weight,
-                             temperature=resolved_temperature(loss), topk_kl=loss.topk_kl, announce=announce)
+                             temperature=loss.logit.resolved_temperature(), topk_kl=loss.logit.topk_kl,
+                             announce=announce)
 
 
 def cache_tokenizer(reader: CacheReader) -> PreTrainedTokenizerBase:

@@ -85,7 +85,7 @@ class CompoundLoss(nn.Module):
         temperature: KD temperature for ``kl`` and ``topk_kl`` renorm. ``other`` requires 1.0 and raises on the
             first batch otherwise; it is not refused here because with a full-logit cache the variant is unused
             (a check that knows the cache's logit kind belongs in the pre-training checks).
-        hidden_loss: a ``HiddenLoss`` (``LossOptions.hidden``), or the name of one in ``HIDDEN_LOSSES``.
+        hidden_loss: a ``HiddenLoss`` (``HiddenLossFlags.loss()``), or the name of one in ``HIDDEN_LOSSES``.
         topk_variant: ``"renorm"`` or ``"other"``, used when the cache holds top-k logits.
         ce: ``"causal"`` (shifted, decoders, on ``input_ids``) or ``"token"`` (unshifted, masked-LM heads, on
             ``targets["labels"]`` when present, else ``input_ids``).

@@ -9,12 +9,13 @@ import typing
 
 from transformers import HfArgumentParser, TrainingArguments
 
+from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.train.core.options import LossOptions, MapOptions
 from kdcache.stages.train.hf_args import NOT_CARRIED, DistillationArguments
 
 
 def test_every_loss_and_map_option_is_an_argument_with_its_help_and_default_none() -> None:
-    options = [f for group in (LossOptions, MapOptions) for f in dataclasses.fields(group) if f.name not in NOT_CARRIED]
+    options = [f for group in (LossOptions, MapOptions) for _, _, f in leaves(group) if f.name not in NOT_CARRIED]
     own = {f.name for f in dataclasses.fields(TrainingArguments)}
     added = [f for f in dataclasses.fields(DistillationArguments) if f.name not in own]
     assert [f.name for f in added] == [f.name for f in options] + ["eval_cache"]

@@ -288,7 +288,7 @@ def test_loss_options_ride_in_training_arguments_through_hf_argument_parser(setu
     assert (flags.gamma, flags.layer_map) == (0.5, "last")
     trainer = kdcache.CacheTrainer(_student(setup), args, str(setup["cache"]))
     loss = trainer.distill.options.loss
-    assert (loss.gamma, loss.temperature, loss.alpha) == (0.5, 1.5, 1.0)  # alpha: kdcache train's default
+    assert (loss.gamma, loss.logit.temperature, loss.alpha) == (0.5, 1.5, 1.0)  # alpha: kdcache train's default
     pairs = [tuple(p) for p in trainer.distill.plan.to_json()["hidden_pairs"]]
     assert pairs == [(1, 2), (2, 3)]  # last: onto the teacher's last layers (uniform would pair 1 with 1)
     assert trainer.heldout is not None and "eval_loss" in trainer.evaluate()

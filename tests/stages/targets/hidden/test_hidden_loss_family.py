@@ -16,7 +16,7 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.targets.hidden import HIDDEN_LOSSES, HiddenLoss, hidden_loss, register_hidden_loss
-from kdcache.stages.train.core.options import LossOptions
+from kdcache.stages.targets.hidden.flags import HiddenLossFlags
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.stages.train.losses import LossError, get_loss
 from tests.stages.train._train_support import make_student_config, precompute_cache
@@ -31,17 +31,17 @@ def test_each_built_in_loss_says_what_stage_two_asks_of_it() -> None:
                      "cka_sqrt": (False, False, False), "wgan": (True, False, True)}
     for name in facts:  # one function per loss, whichever way it is asked for
         assert hidden_loss(name).resolved() is get_loss(name)
-    assert LossOptions(hidden_loss="cka").hidden is HIDDEN_LOSSES["cka"]
+    assert HiddenLossFlags(hidden_loss="cka").loss() is HIDDEN_LOSSES["cka"]
 
 
 def test_an_unknown_name_is_refused_naming_every_loss() -> None:
     with pytest.raises(LossError, match="unknown hidden loss 'l1'; choose one of mse, cosine, cka, cka_sqrt, wgan$"):
-        LossOptions(hidden_loss="l1").hidden  # noqa: B018
+        HiddenLossFlags(hidden_loss="l1").loss()
 
 
 def test_the_family_imports_without_torch() -> None:
     code = ("import sys; from kdcache.stages.train.core.options import LossOptions; "
-            "print(LossOptions().hidden.name, 'torch' in sys.modules)")
+            "print(LossOptions().hidden.loss().name, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "mse False"
 
