@@ -18,7 +18,7 @@ from kdcache.storage import TOPK_LAYOUT
 if TYPE_CHECKING:
     import torch
 
-TOPK_VARIANTS = ("renorm", "other")  # as train.core.options.TOPK_KL_VARIANTS offers them
+TOPK_VARIANTS = ("renorm", "other")  # --topk-kl's choices (flags.LogitLossFlags)
 # --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value
 # (within step/2 of the fp32 log-prob) stays within the tolerance of the exact one despite fp32 rounding (~1e-6).
 STEP_PER_TOLERANCE = 1.99

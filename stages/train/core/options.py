@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from kdcache.storage import CacheSpec
 
 
-
 def _opt(help_text: str, **extra: object) -> dict[str, object]:
     return {"help": help_text, **extra}
 
