@@ -16,8 +16,8 @@ from typing import Any
 
 from kdcache.stages.common.stream_options import flag_name
 from kdcache.stages.draft.vocab import DraftInputError
-from kdcache.stages.train.checkpoint import CHECKPOINT_DIR, PLAN_FILE, has_checkpoint, write_plan
-from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, refuse_changes
+from kdcache.stages.train.checkpoint import CHECKPOINT_DIR, has_checkpoint, write_plan
+from kdcache.stages.train.run_identity import CACHE_HASH, cache_change, cache_hash, refuse_changes
 from kdcache.storage import read_json_object
 
 OPTIONS_FILE = "options.json"
@@ -60,10 +60,7 @@ def check_resume(options: dict[str, Any], fingerprints: dict[str, Any]) -> None:
     now = json.loads(json.dumps(options))
     changes = [f"{flag_name(name)}: {json.dumps(recorded.get(name))} in the run, {json.dumps(value)} now"
                for name, value in sorted(now.items()) if name not in FREE_ON_RESUME and recorded.get(name) != value]
-    before = read_json_object(Path(out) / PLAN_FILE).get(CACHE_HASH)
-    if before is not None and before != cache_hash(fingerprints):
-        changes.append(f"--cache: another cache ({cache}: fingerprints {cache_hash(fingerprints)[7:19]}.., "
-                       f"the run read {before[7:19]}..)")
+    changes += cache_change(Path(out), recorded, cache, fingerprints)  # by the fingerprints' hash, as train's
     refuse_changes(out, changes, FREE_ON_RESUME - {"resume", "out", "cache"},
                    "To train with the new options, choose another --out")
 

@@ -34,7 +34,14 @@ from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
-from kdcache.stages.train.feed.streaming import CacheStream, DataPosition, check_resumable, next_position, to_device
+from kdcache.stages.train.feed.streaming import (
+    CacheStream,
+    DataPosition,
+    check_resumable,
+    next_position,
+    resumable_state,
+    to_device,
+)
 from kdcache.stages.train.interrupt import TrainingInterrupted
 from kdcache.stages.train.stop_on_signal import StopOnSignal
 from kdcache.storage import CacheReader
@@ -228,8 +235,7 @@ class _DraftRun:
 
     def _save(self) -> None:
         self._flush()  # the checkpoint holds every step's loss so far
-        data = {**self.position.to_dict(), "world_size": self.dist.world_size, "batch_size": self.options.batch_size,
-                "seed": self.options.seed}
+        data = resumable_state(self.position, self.dist.world_size, self.options.batch_size, self.options.seed)
         ckpt.save_checkpoint(self.engine, self.options.out, step=int(self.engine.global_steps),
                              micro_step=int(self.engine.global_steps), data_state=data,
                              extra={"losses": self.losses}, estimate=self.checkpoint_bytes)

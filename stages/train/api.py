@@ -47,6 +47,7 @@ from kdcache.stages.train.feed.streaming import (
     DataPosition,
     check_resumable,
     next_position,
+    resumable_state,
     to_device,
 )
 from kdcache.stages.train.objective.distill import unwrapped_student
@@ -253,8 +254,7 @@ class CacheDataset(CacheStream):
 
     def state_dict(self) -> dict[str, int]:
         """Where the stream resumes (after the last batch handed out), and the settings that fix its order."""
-        return {**self.start.to_dict(), "seed": self.seed, "batch_size": self.batch_size,
-                "world_size": self.world_size}
+        return resumable_state(self.start, self.world_size, self.batch_size, self.seed)
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Start the next pass at ``state`` (a ``state_dict()``), refusing one of another seed, batch size or world.

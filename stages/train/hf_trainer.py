@@ -27,7 +27,7 @@ from kdcache.stages.train.checkpoint import PROJECTORS_FILE, read_projectors, sa
 from kdcache.stages.train.core.checks import open_cache
 from kdcache.stages.train.evaluation.heldout import HeldOut, lm_kind
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB
-from kdcache.stages.train.feed.streaming import CacheStream, DataPosition, check_resumable
+from kdcache.stages.train.feed.streaming import CacheStream, DataPosition, check_resumable, resumable_state
 from kdcache.stages.train.hf_args import DistillationArguments, options_of
 from kdcache.stages.train.loss import DistillationLoss
 from kdcache.stages.train.objective.step_norm import StepCounts, term_counts
@@ -314,8 +314,8 @@ class CacheTrainer(Trainer):
         if self._exporting:  # a student's folder: Trainer._save wrote the arguments there unasked
             (out / TRAINING_ARGS_FILE).unlink(missing_ok=True)
             return
-        state = {**self._position.to_dict(), "micro_step": self._micro_step, "seed": self.args.seed,
-                 "world_size": self.args.world_size, "batch_size": self.args.per_device_train_batch_size}
+        state = {**resumable_state(self._position, self.args.world_size, self.args.per_device_train_batch_size,
+                                   self.args.seed), "micro_step": self._micro_step}
         (out / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,

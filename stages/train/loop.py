@@ -50,6 +50,7 @@ from kdcache.stages.train.feed.streaming import (
     DataPosition,
     check_resumable,
     next_position,
+    resumable_state,
     to_device,
 )
 from kdcache.stages.train.interrupt import TrainingInterrupted
@@ -392,8 +393,7 @@ class _Trainer:
             print(f"kdcache train: {line}", file=sys.stderr)
 
     def _save(self) -> None:
-        data = {**self.position.to_dict(), "world_size": self.dist.world_size, "batch_size": self.batch_size,
-                "seed": self.options.data.seed}
+        data = resumable_state(self.position, self.dist.world_size, self.batch_size, self.options.data.seed)
         critics = self.engine.module.criterion.critics
         extra = {"critics": critics.state_dict()} if critics is not None else {}
         ckpt.save_checkpoint(self.engine, self.run_dir, step=int(self.engine.global_steps),

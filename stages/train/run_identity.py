@@ -61,7 +61,7 @@ def check_resume(run_dir: str | Path, options: TrainOptions, fingerprints: dict[
                if name not in FREE_ON_RESUME and name != "cache" and name in now
                and not _same(name, recorded[name], now[name])]
     changes += _new_options(recorded, now)
-    changes += _cache_change(root, recorded, options.data.cache, fingerprints)
+    changes += cache_change(root, recorded, options.data.cache, fingerprints)
     refuse_changes(run_dir, changes, FREE_ON_RESUME - {"resume", "config", "out"},
                    f"To train on with the new options, start a new run from this one's student: --init-from "
                    f"{run_dir} --out NEW_RUN")
@@ -99,7 +99,7 @@ def _new_options(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
             if name not in recorded and name in defaults and name not in FREE_ON_RESUME and value != defaults[name]]
 
 
-def _cache_change(root: Path, recorded: dict[str, Any], cache: str, fingerprints: dict[str, Any]) -> list[str]:
+def cache_change(root: Path, recorded: dict[str, Any], cache: str, fingerprints: dict[str, Any]) -> list[str]:
     """The cache compared by its content (the fingerprints' hash in plan.json), by its path in an older record."""
     before = read_json_object(root / "plan.json").get(CACHE_HASH)
     if before is not None:

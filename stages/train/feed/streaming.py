@@ -136,6 +136,12 @@ def next_position(epoch: int, step_in_epoch: int, world_size: int, batch_size: i
     return DataPosition(epoch, (step_in_epoch + 1) * world_size * batch_size)
 
 
+def resumable_state(position: DataPosition, world_size: int, batch_size: int, seed: int) -> dict[str, int]:
+    """A checkpoint's data state, as ``check_resumable`` reads it back: the position and the settings that fix the
+    order."""
+    return {**position.to_dict(), "world_size": world_size, "batch_size": batch_size, "seed": seed}
+
+
 def check_resumable(saved: dict[str, Any], world_size: int, batch_size: int, seed: int) -> DataPosition:
     """Turn a checkpoint's data state into a position, refusing settings that would change the order.
 
