@@ -24,7 +24,6 @@ import re
 import sys
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
@@ -39,7 +38,7 @@ from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.core.checks import CacheCheckError, open_cache as open_checked, vocab_problems
 from kdcache.stages.train.core.options import LossOptions, MapOptions, TrainOptions
 from kdcache.stages.train.core.plan import TrainPlan, plan_training, unused_targets
-from kdcache.stages.train.core.student import StudentFacts, student_facts, tokenizer_fingerprint_of
+from kdcache.stages.train.core.student import StudentFacts, student_facts
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB
 from kdcache.stages.train.feed.streaming import (
     Batch,
@@ -105,7 +104,6 @@ def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedM
 
     Args:
         options: the run's options, with the cache's defaults already filled in (``with_cache_defaults``).
-        reader: the open cache.
         student: the transformers model (a PEFT model's own, ``unwrapped_student``).
         pretrained: whether the student came with weights (a random init is told apart in the checks).
         tokenizer: the student's tokenizer fingerprint, or None when its folder has none.
@@ -122,7 +120,12 @@ def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedM
     plan = plan_training(options, reader, facts, tokenizer)
     for note in plan.notes:
         _say(speaker, f"note: {note}", announce)
-    for idle in idle_options(options, plan):  # the user's own option doing nothing: said even where notes are not
+    # A temperature given without a logit KL to scale: the user's own option doing nothing, said even where notes are
+    # not. The options come with the cache's defaults filled in, so the default temperature is never named.
+    temperature = options.loss.logit.temperature
+    if temperature not in (None, DEFAULT_TEMPERATURE) and (plan.logit_kind is None or not options.loss.kl_weight > 0):
+        why = "the cache holds no teacher logits" if plan.logit_kind is None else "the KL's weight (beta) is 0"
+        idle = f"temperature {temperature} does nothing here: it scales the logit KL, and {why}"
         if announce:
             _say(speaker, f"note: {idle}", announce)
         else:
@@ -131,17 +134,6 @@ def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedM
     if unused:
         _say(speaker, f"note: cached targets this run leaves unused: {'; '.join(unused)}", announce)
     return options, facts, plan
-
-
-def idle_options(options: TrainOptions, plan: TrainPlan) -> list[str]:
-    """Options given that change nothing on this cache: a temperature without a logit KL to scale. The options
-    come with the cache's defaults filled in, so the default temperature (filled in where none was given) is
-    never named."""
-    temperature = options.loss.logit.temperature
-    if temperature in (None, DEFAULT_TEMPERATURE) or (plan.logit_kind is not None and options.loss.kl_weight > 0):
-        return []
-    why = "the cache holds no teacher logits" if plan.logit_kind is None else "the KL's weight (beta) is 0"
-    return [f"temperature {temperature} does nothing here: it scales the logit KL, and {why}"]
 
 
 def teacher_head_for(reader: CacheReader, plan: TrainPlan, *, speaker: str = "kdcache train",
@@ -273,14 +265,6 @@ class CacheDataset(CacheStream):
         """Where this rank's stream stands once ``batch`` (one of its items) is consumed on every rank."""
         return next_position(int(batch["epoch"]), int(batch["step_in_epoch"]), self.world_size, self.batch_size,
                              self.steps_per_epoch)
-
-
-def fingerprint_of(model: object, tokenizer: PreTrainedTokenizerBase | None) -> dict[str, Any] | None:
-    """The fingerprint of the tokenizer given, else of the one in the student's folder, else None."""
-    if tokenizer is not None:
-        return tokenizer_fingerprint(tokenizer)
-    path = getattr(model, "name_or_path", "") or ""
-    return tokenizer_fingerprint_of(path) if path and Path(path).is_dir() else None
 
 
 class StreamArgs(TypedDict, total=False):

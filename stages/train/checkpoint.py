@@ -99,9 +99,6 @@ def save_checkpoint(engine: DeepSpeedEngine, run_dir: str | Path, *, step: int, 
     """Save model, projectors, optimizer, scheduler and the data position. Every rank must call it.
 
     Args:
-        engine: the DeepSpeed engine.
-        run_dir: the run directory.
-        step: optimizer steps done.
         micro_step: micro-batches consumed (seeds per-step dropout, see ``loop``).
         data_state: ``DataPosition.to_dict()`` plus the settings the order depends on.
         extra: more state kept beside it (the wgan critics, which live outside the engine).
@@ -186,9 +183,6 @@ def export_student(student: PreTrainedModel, projectors: nn.Module, run_dir: str
     Args:
         student: the HF student (inside the engine's module).
         projectors: the loss's projectors, saved to ``RUN/projectors.pt`` (``save_projectors``).
-        run_dir: the run directory.
-        rank: this process's rank.
-        zero_stage: the engine's ZeRO stage.
         tokenizer_dir: the cache's tokenizer folder, copied next to the student so it is usable on its own.
 
     Returns:
@@ -202,6 +196,7 @@ def export_student(student: PreTrainedModel, projectors: nn.Module, run_dir: str
             save_projectors(run_dir, projectors)
     if rank == 0:
         add_tokenizer(out, tokenizer_dir)
+    _barrier()  # no rank returns before the student is whole on disk
     return out
 
 

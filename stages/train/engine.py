@@ -61,7 +61,12 @@ def init_distributed() -> DistInfo:
     check_build_locks()
     if not dist.is_initialized():
         if not cuda:
-            _without_shm_op()
+            # Keep DeepSpeed from JIT-building its shared-memory allreduce op for a CPU process group. It builds it on
+            # the first init_distributed of every environment (46 s with no output here, minutes when two
+            # environments share ~/.cache/torch_extensions), and a build cut off at the wrong moment leaves a lock
+            # that every later run waits on forever. Training reduces through gloo and never calls the op; marked
+            # incompatible, DeepSpeed takes its plain path (deepspeed.comm.torch.build_shm_op returns None).
+            deepspeed.ops.__compatible_ops__[SHM_OP] = False
         # DeepSpeed prints on stdout as it starts (an op it built, say): a terminal's stderr at most.
         with contextlib.redirect_stdout(sys.stderr if sys.stderr.isatty() else io.StringIO()):
             deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
@@ -74,30 +79,15 @@ SHM_OP = "deepspeed_shm_comm"
 STALE_LOCK_S = 600.0  # a JIT build of a DeepSpeed op takes about a minute; a lock this old has lost its builder
 
 
-def _without_shm_op() -> None:
-    """Keep DeepSpeed from JIT-building its shared-memory allreduce op for a CPU process group.
-
-    It builds it on the first ``init_distributed`` of every environment (46 s with no output here, minutes when two
-    environments share ``~/.cache/torch_extensions``), and a build cut off at the wrong moment leaves a lock that
-    every later run waits on forever. Training reduces through gloo and never calls the op; marked incompatible,
-    DeepSpeed takes its plain path (``deepspeed.comm.torch.build_shm_op`` returns None).
-    """
-    deepspeed.ops.__compatible_ops__[SHM_OP] = False
-
-
-def extensions_root() -> Path:
-    """Where torch JIT-builds extensions (DeepSpeed's ops): ``TORCH_EXTENSIONS_DIR``, else its default root (whose
-    folders are per Python and accelerator, ``py311_cpu/``)."""
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-
-
 def check_build_locks(root: Path | None = None, now: float | None = None) -> None:
     """Refuse to start where a JIT build's lock has outlived its builder: torch waits on it forever, silently.
 
     Raises:
         EngineConfigError: naming the lock's path, its age, and what to do.
     """
-    root = extensions_root() if root is None else root
+    # Where torch JIT-builds extensions (DeepSpeed's ops): TORCH_EXTENSIONS_DIR, else its default root (whose
+    # folders are per Python and accelerator, py311_cpu/).
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) if root is None else root
     now = time.time() if now is None else now
     locks = sorted([*root.glob("*/lock"), *root.glob("*/*/lock")]) if root.is_dir() else []
     ops = set(deepspeed.ops.__compatible_ops__)  # the ops this accelerator's DeepSpeed may JIT-build: its own list
@@ -116,15 +106,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """"auto" means bf16 on GPUs that have it, fp16 on older GPUs, fp32 on the CPU."""
-    if precision != "auto":
-        return precision
-    if device.type != "cuda":
-        return "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-
-
 def build_ds_config(options: TrainOptions, device: torch.device) -> dict[str, Any]:
     """The DeepSpeed config: the user's file (with "auto" and missing batch fields filled) or a built-in one.
 
@@ -134,7 +115,9 @@ def build_ds_config(options: TrainOptions, device: torch.device) -> dict[str, An
     engine = options.engine
     if engine.deepspeed:
         return {**monitor_config(options), **_user_config(options)}  # the user's own monitor sections win
-    precision = resolve_precision(engine.precision, device)
+    precision = engine.precision
+    if precision == "auto":  # bf16 on GPUs that have it, fp16 on older GPUs, fp32 on the CPU
+        precision = "fp32" if device.type != "cuda" else "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     zero: dict[str, Any] = {"stage": engine.zero_stage}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": options.data.batch_size,

@@ -48,14 +48,10 @@ def _carry_options(cls: type[T]) -> type[T]:
     added: dict[str, object] = {}
     for option in carried_fields():
         added[option.name] = _argument_type(hints[option.name])
-        setattr(cls, option.name, field(default=None, metadata=_help(option)))
+        help_text = f"kdcache: {option.metadata.get('help', '')} (None: kdcache train's default)"
+        setattr(cls, option.name, field(default=None, metadata={"help": help_text}))
     cls.__annotations__ = {**added, **cls.__annotations__}  # read next by @dataclass
     return cls
-
-
-def _help(option: dataclasses.Field[Any]) -> dict[str, Any]:
-    """The ``help`` of ``kdcache train``'s ``option``, for ``HfArgumentParser``'s flag."""
-    return {"help": f"kdcache: {option.metadata.get('help', '')} (None: kdcache train's default)"}
 
 
 @dataclass
@@ -67,9 +63,8 @@ class DistillationArguments(TrainingArguments):
 
     The option fields (``alpha``, ``beta``, ``gamma``, ``delta``, ``temperature``, ``hidden_loss``, ``topk_kl``,
     ``critic_steps``, ``critic_lr``, ``attention_loss``, ``relation_heads``, ``layer_map``, ``attention_layers``)
-    are made from ``LossOptions`` and ``MapOptions`` (``carried_fields``), so a new option is carried here too.
-
-    Note: ``beta`` weighs the logit KL term; TRL's GKD uses ``beta`` for its JSD interpolation instead.
+    are made from ``LossOptions`` and ``MapOptions`` (``carried_fields``), so a new option is carried here too
+    (``beta``: see the module docstring).
     """
 
     eval_cache: str | None = field(default=None, metadata={

@@ -402,21 +402,17 @@ def _reader(source: object, label: str) -> CacheReader:
 
 
 def _training_source(cache: CacheSource | None, kwargs: dict[str, Any], args: TrainingArguments) -> object:
-    """The training cache as given: ``cache``, or a ``train_dataset`` taken out of ``kwargs`` (a dataset's batch
-    size and seed checked against ``args``)."""
+    """The training cache as given: ``cache``, or a ``train_dataset`` taken out of ``kwargs``; a dataset's batch size
+    or seed that contradicts ``args`` (which set the stream) is refused."""
     if cache is not None and kwargs.get("train_dataset") is not None:
         raise ApiError("both cache and train_dataset name the training cache; pass one of them")
     source = cache if cache is not None else kwargs.pop("train_dataset", None)
-    if isinstance(source, CacheStream):
-        _check_dataset(source, args)
-    return source
-
-
-def _check_dataset(data: CacheStream, args: TrainingArguments) -> None:
-    """Refuse a ``train_dataset`` whose batch size or seed contradicts ``args`` (which set the stream)."""
+    if not isinstance(source, CacheStream):
+        return source
     problems = [f"{name} {mine} where TrainingArguments has {theirs}" for name, mine, theirs in
-                (("batch_size", data.batch_size, args.per_device_train_batch_size), ("seed", data.seed, args.seed))
+                (("batch_size", source.batch_size, args.per_device_train_batch_size), ("seed", source.seed, args.seed))
                 if mine != theirs]
     if problems:
         raise ApiError(f"train_dataset: {'; '.join(problems)}; expected the same (TrainingArguments' "
                        "per_device_train_batch_size and seed decide the cache's batches and order)")
+    return source

@@ -154,12 +154,6 @@ def heldout_of(options: TrainOptions, reader: CacheReader, plan: TrainPlan) -> H
                    label="--eval-cache")
 
 
-def _student_tokenizer(student: str, scratch: str) -> Path:
-    """A cross-tokenizer student's own tokenizer, saved into ``scratch`` to go beside the exported student."""
-    AutoTokenizer.from_pretrained(student).save_pretrained(scratch)
-    return Path(scratch)
-
-
 HOST = "host"  # a prepared batch's facts from its host copy: {"tokens": real tokens, "sample_ids": host tensor}
 DATA_WAIT_NOTE = 0.2  # share of wall time spent waiting for batches above which the log says so
 
@@ -310,6 +304,9 @@ class _Trainer:
             self.trace.record(self.micro_step - 1, epoch, step_in_epoch, host["sample_ids"].tolist(),
                               float(out["loss"]))
 
+    def _stepped(self) -> bool:
+        return self.engine.global_steps != self._last_global
+
     def _prepare(self, batch: dict[str, Any]) -> dict[str, Any]:
         """A host batch on the device, its coded targets decoded there; under ``HOST`` what the step reads of the
         host copy (real tokens, sample ids), so that it reads no device value."""
@@ -318,9 +315,6 @@ class _Trainer:
         out = to_device(batch, self.dist.device, self.hidden_codec, self.projection)
         out[HOST] = {"tokens": tokens, "sample_ids": batch["sample_ids"], STEP_COUNTS: counts}
         return out
-
-    def _stepped(self) -> bool:
-        return self.engine.global_steps != self._last_global
 
     def _after_optimizer_step(self, total: int) -> None:
         step = int(self.engine.global_steps)
@@ -402,14 +396,14 @@ class _Trainer:
 
     def _export(self) -> Path:
         module = self.engine.module
+        cross = self.options.loss.cross_tokenizer
         with tempfile.TemporaryDirectory(prefix="kdcache-tokenizer-") as scratch:  # a remote cache's copy
-            tokenizer = (None if self.dist.rank != 0 else _student_tokenizer(self.options.run.student, scratch)
-                         if self.options.loss.cross_tokenizer else
+            if cross and self.dist.rank == 0:  # a cross-tokenizer student's own tokenizer goes beside it
+                AutoTokenizer.from_pretrained(self.options.run.student).save_pretrained(scratch)
+            tokenizer = (None if self.dist.rank != 0 else Path(scratch) if cross else
                          self.reader.store.fetch_folder("tokenizer", Path(scratch)))
-            out = ckpt.export_student(module.student, module.criterion.projectors, self.run_dir,
-                                      rank=self.dist.rank, zero_stage=self.zero_stage, tokenizer_dir=tokenizer)
-        _barrier(self.dist.world_size)
-        return out
+            return ckpt.export_student(module.student, module.criterion.projectors, self.run_dir,
+                                       rank=self.dist.rank, zero_stage=self.zero_stage, tokenizer_dir=tokenizer)
 
     def _write_run_files(self, total: int) -> None:
         if self.dist.rank != 0:
@@ -420,8 +414,3 @@ class _Trainer:
                 "batch_size": self.batch_size, "grad_accum": self.grad_accum, "world_size": self.dist.world_size,
                 "zero_stage": self.zero_stage}
         ckpt.write_plan(self.run_dir, plan)
-
-
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        dist.barrier()

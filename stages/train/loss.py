@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kdcache.stages.common.architectures import is_causal_config
+from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.attention.qk_attention import QKRecorder
 from kdcache.stages.train.api import (
@@ -28,7 +29,6 @@ from kdcache.stages.train.api import (
     CacheDataset,
     StreamArgs,
     api_spelling,
-    fingerprint_of,
     fit_student,
     loss_options,
     open_cache,
@@ -39,6 +39,7 @@ from kdcache.stages.train.checkpoint import PLAN_FILE, STUDENT_DIR, add_tokenize
 from kdcache.stages.train.core.checks import CacheCheckError
 from kdcache.stages.train.core.layer_maps import pair_key
 from kdcache.stages.train.core.masks import stream_masks
+from kdcache.stages.train.core.student import tokenizer_fingerprint_of
 from kdcache.stages.train.core.student_head import base_forward, choose_head
 from kdcache.stages.train.losses import cross_attention_kl
 from kdcache.stages.train.objective.compound import CompoundLoss, StudentOutput
@@ -63,11 +64,6 @@ if TYPE_CHECKING:
 
 
 FAMILIES = ("ce", "kl", "hidden", "attention")  # the weights of a stream's terms (CompoundLoss.weights)
-
-
-def _unprefixed_terms() -> set[str]:
-    """Logged under their own names whatever the stream: CE and every logit kind's term (the registry's, live)."""
-    return {"ce", "kl", *(kind.term for kind in logit_kinds.kinds())}
 
 
 def _stream_view(batch: Mapping[str, torch.Tensor], stream: str, main: bool) -> dict[str, torch.Tensor]:
@@ -120,18 +116,14 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
         logit_kind=logit_kind if main else None)
 
 
-def _encoder_ce_note(options: TrainOptions, facts: StudentFacts) -> None:
-    """Warn that CE on an encoder (masked-LM) student is near-trivial here: the cache holds unmasked inputs, so its
-    per-token CE predicts each token from itself."""
-    if options.loss.ce_weight > 0 and facts.has_lm_head and not facts.is_causal and not facts.is_encoder_decoder:
-        print("kdcache train: note: CE on an encoder (masked-LM) student is a near-trivial objective here, "
-              "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)
-
-
 def _stream_parts(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
                   head: TeacherHead | None) -> dict[str, CompoundLoss]:
     """Stream name -> its ``CompoundLoss``, for the streams with a term (the main stream last, as in the plan)."""
-    _encoder_ce_note(options, facts)
+    # CE on an encoder (masked-LM) student is near-trivial: the cache holds unmasked inputs, so its per-token CE
+    # predicts each token from itself.
+    if options.loss.ce_weight > 0 and facts.has_lm_head and not facts.is_causal and not facts.is_encoder_decoder:
+        print("kdcache train: note: CE on an encoder (masked-LM) student is a near-trivial objective here, "
+              "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)
     parts: dict[str, CompoundLoss] = {}
     for i, pairs in enumerate(plan.streams):
         part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logit_kind=plan.logit_kind,
@@ -181,10 +173,12 @@ class DistillationLoss(nn.Module):
         resolved = loss_options(reader, options)
         use_maps_attention(student, reader, resolved.loss.delta)
         model = unwrapped_student(student)
+        folder = getattr(model, "name_or_path", "") or ""  # the tokenizer given, else the student's folder's
+        fingerprint = (tokenizer_fingerprint(tokenizer) if tokenizer is not None
+                       else tokenizer_fingerprint_of(folder) if folder and Path(folder).is_dir() else None)
         try:
-            resolved, facts, plan = fit_student(resolved, reader, model, pretrained=True,
-                                                tokenizer=fingerprint_of(model, tokenizer), speaker=API_SPEAKER,
-                                                announce=announce)
+            resolved, facts, plan = fit_student(resolved, reader, model, pretrained=True, tokenizer=fingerprint,
+                                                speaker=API_SPEAKER, announce=announce)
         except CacheCheckError as error:  # the checks are training's: said here as the API spells the options
             raise CacheCheckError([api_spelling(p) for p in error.problems]) from None
         head = teacher_head_for(reader, plan, speaker=API_SPEAKER, announce=announce)
@@ -252,7 +246,8 @@ class DistillationLoss(nn.Module):
         logs: dict[str, torch.Tensor] = {}
         total: torch.Tensor | None = None
         scales = scales or {}
-        unprefixed = _unprefixed_terms()
+        # Logged under their own names whatever the stream: CE and every logit kind's term (the registry's, live).
+        unprefixed = {"ce", "kl", *(kind.term for kind in logit_kinds.kinds())}
         for stream in self.streams:
             main = stream == self.streams[-1]
             own = {f: scales[prefixed(stream, f)] for f in FAMILIES if prefixed(stream, f) in scales}

@@ -13,7 +13,7 @@ the same step, so that the loop reproduces ``kdcache train``'s losses (README, "
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -28,16 +28,12 @@ def train_optimizer(params: Iterable[nn.Parameter], *, lr: float, weight_decay: 
     return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay)
 
 
-def warmup_factor(warmup: int) -> Callable[[int], float]:
-    """LR factor of optimizer step ``step``: linear warm-up over ``warmup`` steps, then constant."""
-    def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-    return factor
-
-
 def train_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
-    """``kdcache train``'s schedule (``--warmup-steps``): linear warm-up, then a constant rate."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(warmup_steps))
+    """``kdcache train``'s schedule (``--warmup-steps``): the LR factor of optimizer step ``step`` rises linearly
+    over ``warmup_steps`` steps, then stays 1."""
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class TrainStep:

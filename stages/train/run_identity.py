@@ -31,7 +31,7 @@ from kdcache.storage import KdcacheError, hash_json, read_json_object
 FREE_ON_RESUME = frozenset({"resume", "config", "out", "epochs", "max_steps", "log_every", "report_to", "quiet",
                             "save_every", "trace_samples", "export", "num_workers", "prefetch", "prefetch_mib",
                             "decode_threads", "eval_cache", "eval_every"})
-PATH_OPTIONS = frozenset({"student", "deepspeed", "init_from"})  # the same file however the path is written
+PATH_OPTIONS = frozenset({"student", "deepspeed", "init_from", "cache"})  # the same file however the path is written
 CACHE_HASH = "cache_hash"  # plan.json: hash_json of the cache's fingerprints
 INIT_FROM = "init_from"  # plan.json: the run this one started from
 
@@ -106,8 +106,7 @@ def cache_change(root: Path, recorded: dict[str, Any], cache: str, fingerprints:
         now = cache_hash(fingerprints)
         return [] if before == now else [f"--cache: another cache ({cache}: fingerprints {now[7:19]}.., the run "
                                          f"read {before[7:19]}..)"]
-    same = str(recorded.get("cache")) == str(cache) or Path(str(recorded.get("cache"))).resolve() == \
-        Path(cache).resolve()
+    same = _same("cache", str(recorded.get("cache")), str(cache))
     return [] if same else [_change("cache", recorded.get("cache"), cache)]
 
 
@@ -146,8 +145,4 @@ def trained_on(run_dir: str | Path, cache: str, fingerprints: dict[str, Any]) ->
     """Whether the run in ``run_dir`` trained on ``cache``: the same fingerprints' hash as its ``plan.json``
     records, or, for a run recorded before that hash, the same path."""
     root = Path(run_dir)
-    recorded = read_json_object(root / "plan.json").get(CACHE_HASH)
-    if recorded is not None:
-        return bool(recorded == cache_hash(fingerprints))
-    path = read_json_object(root / "options.json").get("cache")
-    return path is not None and (str(path) == str(cache) or Path(str(path)).resolve() == Path(cache).resolve())
+    return not cache_change(root, read_json_object(root / "options.json"), cache, fingerprints)

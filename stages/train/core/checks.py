@@ -84,17 +84,14 @@ def vocab_problems(reader: CacheReader, student_vocab: int, student_tokenizer: d
 
 def tokenizer_problems(cached: dict[str, Any], student_tokenizer: dict[str, Any] | None) -> list[str]:
     """The cache's tokenizer fingerprint against the student's: one sentence naming both sizes and hashes."""
-    if student_tokenizer is None or not cached.get("vocab_hash") or not _same_hash_kind(cached, student_tokenizer):
+    ours, theirs = str(cached.get("vocab_hash", "")), str((student_tokenizer or {}).get("vocab_hash", ""))
+    # Hashes written by different hash helpers ("sha256:..." or bare hex) cannot be compared.
+    comparable = ours.startswith("sha256:") == theirs.startswith("sha256:") and len(ours) == len(theirs)
+    if student_tokenizer is None or not ours or not comparable:
         return []
     # The size goes with the hash, so the message names both vocabularies (not "the student expects ?").
     expected = {k: student_tokenizer[k] for k in ("vocab_hash", "vocab_size") if k in student_tokenizer}
     return compare_fingerprints({"tokenizer": cached}, {"tokenizer": expected})
-
-
-def _same_hash_kind(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Hashes written by different hash helpers ("sha256:..." or bare hex) cannot be compared."""
-    ha, hb = str(a.get("vocab_hash", "")), str(b.get("vocab_hash", ""))
-    return ha.startswith("sha256:") == hb.startswith("sha256:") and len(ha) == len(hb)
 
 
 def stream_problems(spec: CacheSpec, student: StudentFacts) -> list[str]:

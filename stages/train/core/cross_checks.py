@@ -24,7 +24,7 @@ def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
     if options.loss.kl_weight > 0 and kind is not None and not kind.ranked:
         problems.append(f"--cross-tokenizer compares the teacher's cached top-k across vocabularies, but this cache "
                         f"holds --logits {reader.spec.logits}; use a top-k cache or --beta 0")
-    temperature = _temperature(options)
+    temperature = options.loss.logit.resolved_temperature()
     if options.loss.cross_tokenizer == "gold" and options.loss.logit.topk_kl == "other" and temperature != 1:
         problems.append(f"--cross-tokenizer gold with --topk-kl other compares full-vocabulary probabilities "
                         f"rebuilt from the cached logsumexp, exact only at T=1, but the temperature is "
@@ -59,7 +59,3 @@ def text_problems(reader: CacheReader, what: str) -> list[str]:
         problems.append(f"{what} aligns one token stream, but this cache holds {list(reader.spec.streams)} "
                         f"(an encoder-decoder teacher's); use a student with the teacher's tokenizer there")
     return problems
-
-
-def _temperature(options: TrainOptions) -> float:
-    return options.loss.logit.resolved_temperature()

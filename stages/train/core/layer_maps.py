@@ -175,7 +175,6 @@ def validate_layer_map(
     """Check a map against the student's depth and the teacher layers the cache holds.
 
     Args:
-        pairs: the map.
         student_depth: M; valid student layers are 0..M.
         available_teacher_layers: the cache's ``hidden_layers`` (or ``attention_layers``).
         what: "hidden" or "attention", for the message.
@@ -216,22 +215,13 @@ def _pairs(kind: LayerMapKind, m: int, n: int, seed: int, given: Sequence[Pair] 
             raise LayerMapError("an explicit layer map needs its pairs, e.g. explicit:1-2,2-4")
         return list(given)
     if kind not in _FORMULAS:  # UNSET: a per-stream map that was not given has no pairs of its own
-        raise LayerMapError(_unknown(kind))
-    return list(zip(range(1, m + 1), _teacher_layers(kind, m, n, seed)))
-
-
-def _unknown(kind: str) -> str:
-    return f"unknown layer map {str(kind)!r}; choose one of {', '.join(LAYER_MAP_KINDS)}"
-
-
-def _teacher_layers(kind: LayerMapKind, m: int, n: int, seed: int) -> list[int]:
-    """Teacher layer for student j = 1..M under a formula map."""
+        raise LayerMapError(f"unknown layer map {str(kind)!r}; choose one of {', '.join(LAYER_MAP_KINDS)}")
     if not 1 <= m <= n:
         raise LayerMapError(
             f"the {kind} layer map needs 1 <= student depth <= teacher depth, got M={m}, N={n}; "
             "use an explicit map for anything else"
         )
-    return _FORMULAS[kind](m, n, seed)
+    return list(zip(range(1, m + 1), _FORMULAS[kind](m, n, seed)))
 
 
 def _uniform(m: int, n: int, seed: int) -> list[int]:

@@ -208,10 +208,8 @@ class RunOptions:
         """Every problem of this group."""
         problems = [f"{name} must be >= 1, got {getattr(self, name)}" for name in ("epochs", "max_steps", "log_every")
                     if getattr(self, name) is not None and getattr(self, name) < 1]
-        if self.save_every < 0:
-            problems.append(f"save_every must be >= 0, got {self.save_every}")
-        if self.eval_every < 0:
-            problems.append(f"eval_every must be >= 0, got {self.eval_every}")
+        problems += [f"{name} must be >= 0, got {getattr(self, name)}" for name in ("save_every", "eval_every")
+                     if getattr(self, name) < 0]
         if self.eval_every and not self.eval_cache:
             problems.append(f"eval_every {self.eval_every} needs eval_cache (the held-out cache to score)")
         problems += tracker_problems(self.report_to)

@@ -221,8 +221,6 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
 
     Args:
         options: the run's options (weights decide which features are needed).
-        reader: an open ``storage.CacheReader``.
-        student: the student's shape.
         student_tokenizer: the student's tokenizer fingerprint, or None when it has no tokenizer.
 
     Raises:
@@ -249,9 +247,11 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     if problems:
         raise CacheCheckError(problems)
     logits = logit_kinds.of(spec.logit_layout) if options.loss.kl_weight > 0 else None
-    names = stream_names(spec, pairs, logits, _attention_kinds(spec, options.loss.attention.attention_loss))
-    sizes, heads = _target_shapes(reader, names)
     source = attention_sources.of(spec.attention_layout)
+    # What the attention term reads of a cached block: its map, its queries and keys for the KL, or every cached
+    # kind (queries, keys and values when stored) for the relation loss.
+    names = stream_names(spec, pairs, logits, source.stream_kinds(options.loss.attention.attention_loss))
+    sizes, heads = _target_shapes(reader, names)
     heads = source.teacher_heads(spec.attention_scores, heads)
     if options.loss.attention.attention_loss == "kl":  # relations pair any head counts
         _check_heads(heads, student)
@@ -279,12 +279,6 @@ def _relation_problems(options: TrainOptions, spec: CacheSpec, student: StudentF
             f"divide the width of {', '.join(bad)}; choose R dividing {sorted(set(widths.values()))}"] if bad else []
 
 
-def _attention_kinds(spec: CacheSpec, attention_loss: str) -> tuple[str, ...]:
-    """The arrays the attention term reads of a cached block: its map, its queries and keys for the KL, or every
-    cached kind (queries, keys and values when stored) for the relation loss."""
-    return attention_sources.of(spec.attention_layout).stream_kinds(attention_loss)
-
-
 def _target_shapes(reader: CacheReader, names: list[str]) -> tuple[dict[str, dict[int, int]], int | None]:
     """Teacher widths d_t per stream and hidden layer, and the stored heads H', from the cache's first sequence."""
     described = [reader.spec.array(name) for name in names]
@@ -310,10 +304,6 @@ def _check_heads(heads: int | None, student: StudentFacts) -> None:
                                "H_t/H_s, so H_t must be a multiple of H_s (or cache a head subset that is)"])
 
 
-def _layers_text(layers: list[int]) -> str:
-    return ", ".join(str(j) for j in layers)
-
-
 def unused_targets(spec: CacheSpec, plan: TrainPlan, options: TrainOptions) -> list[str]:
     """Cached targets this run's weights and maps leave unused, each with the reason and how to use it.
 
@@ -328,12 +318,12 @@ def unused_targets(spec: CacheSpec, plan: TrainPlan, options: TrainOptions) -> l
             layer_map = options.maps.for_stream(stream)
             why = ("--gamma is 0" if options.loss.gamma <= 0 else "--layer-map is none" if not layer_map.maps_layers
                    else f"the layer map {str(layer_map)!r} pairs no student layer with them")
-            notes.append(f"{prefixed(stream, 'hidden').replace('/', ' ')} layers {_layers_text(hidden)} ({why})")
+            notes.append(f"{prefixed(stream, 'hidden').replace('/', ' ')} layers {', '.join(map(str, hidden))} ({why})")
         attention = sorted(set(attention_cached) - {t for _, t in used.attention_pairs})
         if attention:
             why = ("--delta is 0: set --delta > 0 to distil attention maps" if options.loss.delta <= 0
                    else "the attention map pairs no student block with them")
-            notes.append(f"{prefixed(stream, 'attention').replace('/', ' ')} layers {_layers_text(attention)} "
+            notes.append(f"{prefixed(stream, 'attention').replace('/', ' ')} layers {', '.join(map(str, attention))} "
                          f"({why})")
     if spec.logits and plan.logit_kind is None:
         notes.append(f"logits/{spec.logits} (--beta is 0)")

@@ -101,7 +101,6 @@ def epoch_order(shard_ranges: Sequence[tuple[int, int]], seed: int, epoch: int, 
 
     Args:
         shard_ranges: ``(seq_start, seq_stop)`` per shard, as ``CacheReader.shard_ranges``.
-        seed: the run's seed.
         epoch: the epoch number (0-based).
         shuffle_block: sequences shuffled together after the shard shuffle.
 
@@ -157,7 +156,7 @@ def check_resumable(saved: dict[str, Any], world_size: int, batch_size: int, see
     return DataPosition(int(saved["epoch"]), int(saved["sample_index"]))
 
 
-def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], pin: bool = False) -> Batch:
+def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int]) -> Batch:
     """Pad a list of cached sequences into one batch, keeping the stored dtypes; every token stream is padded
     on its own (one stream, or ``encoder`` and ``decoder``, see ``storage.core.streams``).
 
@@ -167,7 +166,6 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], p
             ``logits/topk_values [L, k]``, ``logits/topk_ids [L, k]``, ``logits/lse [L]`` (names prefixed with
             the stream, e.g. ``encoder/hidden/2``, in a two-stream cache; logits are on the last stream).
         sample_ids: the global sequence ids, carried in the batch.
-        pin: pin host memory, for an asynchronous copy to a GPU.
 
     Returns:
         Per stream ``input_ids`` [B, L] int64 (0 at padding) and ``mask`` [B, L] int64 (1 = real token), with the
@@ -185,7 +183,7 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int], p
     for name in sequences[0]:
         shape = [sizes[s] for s in ragged_streams(name, streams)]
         out[name] = torch.from_numpy(_pad_stack(name, [q[name] for q in sequences], shape))
-    return pin_batch(out) if pin else out
+    return out
 
 
 def pin_batch(batch: Batch) -> Batch:
