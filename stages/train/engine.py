@@ -53,7 +53,9 @@ def init_distributed() -> DistInfo:
     if "RANK" not in os.environ:  # no launcher: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        with socket.socket() as sock:  # a port free now, for the world of one to meet on
+            sock.bind(("127.0.0.1", 0))
+            os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     if cuda:
@@ -98,12 +100,6 @@ def check_build_locks(root: Path | None = None, now: float | None = None) -> Non
                 f"a build of DeepSpeed's {lock.parent.name} op left its lock {lock} {age / 60:.0f} min ago, and "
                 f"torch would wait on it forever; if no other process is building that op, delete the lock "
                 f"(rm {lock}) and run again")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def build_ds_config(options: TrainOptions, device: torch.device) -> dict[str, Any]:

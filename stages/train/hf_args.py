@@ -61,10 +61,8 @@ class DistillationArguments(TrainingArguments):
     takes; None leaves an option to ``kdcache train``'s default (or the cache's). Maps are text
     (``"explicit:1-2,2-4"``). ``eval_cache`` names a held-out cache for ``evaluate()`` and ``eval_strategy``.
 
-    The option fields (``alpha``, ``beta``, ``gamma``, ``delta``, ``temperature``, ``hidden_loss``, ``topk_kl``,
-    ``critic_steps``, ``critic_lr``, ``attention_loss``, ``relation_heads``, ``layer_map``, ``attention_layers``)
-    are made from ``LossOptions`` and ``MapOptions`` (``carried_fields``), so a new option is carried here too
-    (``beta``: see the module docstring).
+    The option fields are made from ``LossOptions`` and ``MapOptions`` (``carried_fields``), so a new option is
+    carried here too (``beta``: see the module docstring).
     """
 
     eval_cache: str | None = field(default=None, metadata={

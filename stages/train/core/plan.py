@@ -72,11 +72,6 @@ class TrainPlan:
     notes: tuple[str, ...] = ()  # what the plan chose for the user that they should hear (train prints them)
 
     @property
-    def logits(self) -> str | None:
-        """The logit mode's name, as ``plan.json`` records it."""
-        return self.logit_kind.name if self.logit_kind else None
-
-    @property
     def main(self) -> StreamPairs:
         """The stream that carries the logits (and the CE labels)."""
         return self.streams[-1]
@@ -88,10 +83,6 @@ class TrainPlan:
     @property
     def attention_pairs(self) -> tuple[Pair, ...]:
         return self.main.attention_pairs
-
-    @property
-    def teacher_hidden_sizes(self) -> dict[int, int]:
-        return self.main.teacher_hidden_sizes
 
     @property
     def wants_hidden(self) -> bool:
@@ -113,9 +104,10 @@ class TrainPlan:
         return tuple(sorted({s for pairs in self.streams for s, _ in pairs.attention_pairs}))
 
     def to_json(self) -> dict[str, Any]:
-        """The plan as ``plan.json`` records it (the main stream's pairs at the top, as evaluation reads them)."""
+        """The plan as ``plan.json`` records it (the main stream's pairs at the top, as evaluation reads them; the
+        logit mode by its name)."""
         out: dict[str, Any] = {"hidden_pairs": self.hidden_pairs, "attention_pairs": self.attention_pairs,
-                               "logits": self.logits, "names": self.names}
+                               "logits": self.logit_kind.name if self.logit_kind else None, "names": self.names}
         if len(self.streams) > 1:
             out["streams"] = {s.stream: {"hidden_pairs": s.hidden_pairs, "attention_pairs": s.attention_pairs}
                               for s in self.streams}
