@@ -245,8 +245,11 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     names = stream_names(spec, pairs, logits, source.stream_kinds(options.loss.attention.attention_loss))
     sizes, heads = _target_shapes(reader, names)
     heads = source.teacher_heads(spec.attention_scores, heads)
-    if options.loss.attention.attention_loss == "kl":  # relations pair any head counts
-        _check_heads(heads, student)
+    uneven = heads is not None and student.num_heads and heads % student.num_heads
+    if options.loss.attention.attention_loss == "kl" and uneven:  # relations pair any head counts
+        raise CacheCheckError([f"the cache stores {heads} attention heads per layer and the student has "
+                               f"{student.num_heads}; the attention loss averages teacher heads in groups of "
+                               "H_t/H_s, so H_t must be a multiple of H_s (or cache a head subset that is)"])
     plans = tuple(StreamPairs(s.name, tuple(pairs[prefixed(s.name, "hidden")]),
                               tuple(pairs[prefixed(s.name, "attention")]), sizes.get(s.name, {}), s.teacher_depth)
                   for s in streams)
@@ -287,13 +290,6 @@ def _target_shapes(reader: CacheReader, names: list[str]) -> tuple[dict[str, dic
             reader.spec.hidden_codec, int(first[name].shape[-1]), projection.width(name) if projection else None)
     heads = int(first[attention[0]].shape[0]) if attention else None
     return sizes, heads
-
-
-def _check_heads(heads: int | None, student: StudentFacts) -> None:
-    if heads is not None and student.num_heads and heads % student.num_heads:
-        raise CacheCheckError([f"the cache stores {heads} attention heads per layer and the student has "
-                               f"{student.num_heads}; the attention loss averages teacher heads in groups of "
-                               "H_t/H_s, so H_t must be a multiple of H_s (or cache a head subset that is)"])
 
 
 def unused_targets(spec: CacheSpec, plan: TrainPlan, options: TrainOptions) -> list[str]:
