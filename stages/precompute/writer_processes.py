@@ -238,10 +238,7 @@ class ProcessWriter:
                                       "writer imports it anew), or write in threads (without --writer-processes)")
         if kind == "error":
             self._error = self._error or payload
-            return
-        if kind == "skipped":
-            return
-        if self._on_written is not None and self._error is None:
+        elif kind == "done" and self._on_written is not None and self._error is None:  # "skipped": nothing
             self._on_written(index, ShardRecord.from_dict(payload), seconds)
 
     def _stop(self) -> None:

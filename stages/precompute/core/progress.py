@@ -69,10 +69,9 @@ class Progress:
         if self.lines and (now := time.perf_counter()) - self._last_line >= LINE_EVERY:
             self._last_line = now
             self._print_line(now)
-        if self.bar is None:
-            return
-        self._postfix()
-        self.bar.update(sequences)
+        if self.bar is not None:
+            self._postfix()
+            self.bar.update(sequences)
 
     def _print_line(self, now: float) -> None:
         elapsed = max(now - self.stats.compute_started, 1e-9)

@@ -159,7 +159,11 @@ def _load_dataset(setup: RowSetup, files: list[str] | None) -> Dataset | Iterabl
     if files is None:
         return datasets.load_dataset(setup.data, setup.data_config, split=setup.split, revision=None,
                                      streaming=setup.streaming)
-    builder = _builder_for(files, setup.data)
+    kinds = {DATA_EXTENSIONS.get(Path(f).suffix.lower()) for f in files}
+    builder = next(iter(kinds))
+    if len(kinds) != 1 or builder is None:
+        raise PrecomputeError(f"data {setup.data!r}: expected files of one kind among "
+                              f"{', '.join(sorted(DATA_EXTENSIONS))}, got {sorted(Path(f).name for f in files)[:5]}")
     if all(os.path.getsize(f) == 0 for f in files):  # datasets fails on these with a bare StopIteration
         raise PrecomputeError(f"dataset {setup.data!r} is empty: {len(files)} file(s) of 0 bytes")
     # Naming the split in data_files lets a local file serve any --split the user names. Streamed files are read
@@ -183,15 +187,6 @@ def local_files(data: str) -> list[str] | None:
     if looks_like_path(data, data=True):
         raise PrecomputeError(f"data: no file or folder matches {data!r}")
     return None
-
-
-def _builder_for(files: list[str], data: str) -> str:
-    kinds = {DATA_EXTENSIONS.get(Path(f).suffix.lower()) for f in files}
-    kind = next(iter(kinds))
-    if len(kinds) != 1 or kind is None:
-        raise PrecomputeError(f"data {data!r}: expected files of one kind among "
-                              f"{', '.join(sorted(DATA_EXTENSIONS))}, got {sorted(Path(f).name for f in files)[:5]}")
-    return kind
 
 
 def no_rows_error(setup: RowSetup, empty: int, untrained: int) -> PrecomputeError:
