@@ -63,20 +63,21 @@ Capture = Callable[[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, list
 
 class TeacherAdapter(ABC):
     """The parts of stage one that depend on the teacher's family; see the module docstring. Which layers to
-    keep, the spec and the settings fingerprint follow from the token streams (``targets.py``)."""
+    keep, the spec and the settings fingerprint follow from the token streams (``targets.py``). What a family
+    does not override is a one-stream teacher's."""
 
     @abstractmethod
     def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
         """Refuse options that do not apply to this family, rather than ignore them."""
 
-    @abstractmethod
     def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
         """The dataset as token streams, in cache order."""
+        return text_streams(rows, tokenizer)
 
-    @abstractmethod
     def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
                      tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
         """The weights, for inference (eager attention only when maps are captured)."""
+        return load_teacher(setup, config, targets, tokenizer, device)
 
     @abstractmethod
     def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
@@ -100,13 +101,6 @@ class HookedTeacher(TeacherAdapter):
         if given:
             raise PrecomputeError(f"{', '.join(given)}: only for encoder-decoder teachers, and "
                                   f"{options.engine.teacher!r} is a {config.model_type} without a decoder stack")
-
-    def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
-        return text_streams(rows, tokenizer)
-
-    def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
-                     tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
-        return load_teacher(setup, config, targets, tokenizer, device)
 
     @contextmanager
     def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
