@@ -8,7 +8,7 @@ per sequence. Two adapters cover the Hugging Face families:
   selected layers, so no other layer's tensors stay alive (``capture.FeatureCapture``).
 * ``EncoderDecoderTeacher``: encoder-decoder teachers (BART, mBART, T5), streams ``encoder`` and ``decoder``
   (teacher-forced on the target), plus cross-attention; it reads HF's own outputs
-  (``OutputCapture``), whose layer numbering and final norms are HF's on both stacks.
+  (``EncoderDecoderTeacher.capture``), whose layer numbering and final norms are HF's on both stacks.
 
 A new architecture family is a new adapter, not a new runner.
 """
@@ -37,17 +37,18 @@ from kdcache.stages.precompute.capture.logit_head import logit_targets
 from kdcache.stages.precompute.capture.transfer import ShardItems, cut_padding
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions
-from kdcache.stages.precompute.core.plan import PrecomputePlan, RowSetup, TeacherSetup
+from kdcache.stages.precompute.core.plan import PrecomputePlan, RowSetup, TeacherSetup, WriteSetup
 from kdcache.stages.precompute.core.targets import Targets
 from kdcache.stages.precompute.core.teacher_id import Teacher, teacher_fingerprint
 from kdcache.stages.precompute.rows.data import TokenStreams
 from kdcache.stages.precompute.rows.row_build import pair_streams, text_streams
 from kdcache.stages.precompute.teacher import load_for_inference, load_teacher
 from kdcache.stages.targets.hidden.device_codecs import Projection
-from kdcache.storage import ArrayKind, HiddenCodec, applies_to
+from kdcache.storage import ArrayKind, applies_to
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    import numpy as np
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
     from transformers.modeling_outputs import Seq2SeqLMOutput
 
 # One padded batch of every stream: stream -> (ids [B, L], mask [B, L]) on the teacher's device, the B valid
@@ -62,20 +63,21 @@ Capture = Callable[[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, list
 
 class TeacherAdapter(ABC):
     """The parts of stage one that depend on the teacher's family; see the module docstring. Which layers to
-    keep, the spec and the settings fingerprint follow from the token streams (``targets.py``)."""
+    keep, the spec and the settings fingerprint follow from the token streams (``targets.py``). What a family
+    does not override is a one-stream teacher's."""
 
     @abstractmethod
     def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
         """Refuse options that do not apply to this family, rather than ignore them."""
 
-    @abstractmethod
     def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
         """The dataset as token streams, in cache order."""
+        return text_streams(rows, tokenizer)
 
-    @abstractmethod
     def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
                      tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
         """The weights, for inference (eager attention only when maps are captured)."""
+        return load_teacher(setup, config, targets, tokenizer, device)
 
     @abstractmethod
     def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
@@ -100,13 +102,6 @@ class HookedTeacher(TeacherAdapter):
             raise PrecomputeError(f"{', '.join(given)}: only for encoder-decoder teachers, and "
                                   f"{options.engine.teacher!r} is a {config.model_type} without a decoder stack")
 
-    def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
-        return text_streams(rows, tokenizer)
-
-    def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
-                     tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
-        return load_teacher(setup, config, targets, tokenizer, device)
-
     @contextmanager
     def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
                 projection: Projection | None = None) -> Iterator[Capture]:
@@ -123,7 +118,17 @@ class HookedTeacher(TeacherAdapter):
 
 
 class EncoderDecoderTeacher(TeacherAdapter):
-    """Encoder-decoder teachers: streams ``encoder`` and ``decoder`` (the target, teacher-forced)."""
+    """Encoder-decoder teachers: streams ``encoder`` and ``decoder`` (the target, teacher-forced).
+
+    The decoder is teacher-forced on the target: ``decoder_input_ids`` come from the model's own
+    ``prepare_decoder_input_ids_from_labels`` (the shift right with its ``decoder_start_token_id``, which differs
+    between BART, mBART and T5), so decoder position t sees target tokens < t and its logits predict target t.
+
+    Unlike the hooked capture, this one asks HF for ``output_hidden_states`` / ``output_attentions`` and keeps
+    only the selected layers: the numbering and the final-norm placement are then HF's by construction on both
+    stacks (T5 applies ``final_layer_norm`` to the last hidden state; BART does not), at the cost of holding
+    every layer of one batch at once, which the batch size bounds.
+    """
 
     _HEAD_KEYS = ("lm_head", "final_logits_bias")  # what a checkpoint without an LM head lacks
 
@@ -145,105 +150,61 @@ class EncoderDecoderTeacher(TeacherAdapter):
     @contextmanager
     def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
                 projection: Projection | None = None) -> Iterator[Capture]:
-        capture = OutputCapture(teacher.model, targets, plan.write.dtype, plan.write.hidden_codec, projection)
+        """Each batch's sequences: ``encoder/hidden/{j} [L_e, d]``, ``decoder/hidden/{j} [L_d, d]``,
+        ``encoder/attention/{j} [H, L_e, L_e]``, ``decoder/attention/{j} [H, L_d, L_d]``, ``cross_attention/{j}
+        [H, L_d, L_e]``, logits ``[L_d, ...]``; floats already in the storage dtype. The batch's labels are padded
+        with the pad id (never -100, which the shift would not accept everywhere)."""
+        model = teacher.model
+        if not hasattr(model, "prepare_decoder_input_ids_from_labels"):
+            raise PrecomputeError(f"{type(model).__name__} cannot build decoder inputs from labels "
+                                  f"(no prepare_decoder_input_ids_from_labels); it is not an encoder-decoder LM")
 
         def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
                 positions: dict[str, torch.Tensor]) -> Pending:
             (src, src_mask), (tgt, tgt_mask) = batch["encoder"], batch["decoder"]
-            inputs = {"input_ids": src, "attention_mask": src_mask, "labels": tgt, "decoder_attention_mask": tgt_mask}
-            items = ShardItems(capture.run(inputs, lengths["encoder"], lengths["decoder"]))
+            with torch.inference_mode():
+                # checked above (PreTrainedModel does not declare it)
+                decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels=tgt)  # type: ignore[operator]
+                out = model(input_ids=src, attention_mask=src_mask, decoder_input_ids=decoder_input_ids,
+                            decoder_attention_mask=tgt_mask, use_cache=False,
+                            output_hidden_states=targets.wants_hidden, output_attentions=targets.wants_attention)
+                host = _stored(_select(out, targets), targets, plan.write, projection)
+            items = ShardItems([cut_padding(host, i, {"encoder": n_e, "decoder": n_d})
+                                for i, (n_e, n_d) in enumerate(zip(lengths["encoder"], lengths["decoder"]))])
             return lambda: items
 
         yield run
 
 
-class OutputCapture:
-    """Runs an encoder-decoder teacher on padded batches and returns storage-ready per-sequence targets.
+def _select(out: Seq2SeqLMOutput, t: Targets) -> dict[str, torch.Tensor]:
+    """The selected layers as padded device tensors, by array name."""
+    kept: dict[str, torch.Tensor] = {}
+    for stream, layers in t.streams.items():  # HF: encoder_hidden_states, decoder_attentions, ...
+        kept.update({f"{stream}/hidden/{j}": getattr(out, f"{stream}_hidden_states")[j] for j in layers.hidden})
+        kept.update({f"{stream}/attention/{j}": getattr(out, f"{stream}_attentions")[j - 1]
+                     for j in layers.attention})
+    kept.update({f"cross_attention/{j}": (out.cross_attentions or ())[j - 1] for j in t.cross_attention})
+    kept.update(logit_targets(out.logits, t.logit))  # log-probs already, with --topk-values logprob
+    return kept
 
-    The decoder is teacher-forced on the target: ``decoder_input_ids`` come from the model's own
-    ``prepare_decoder_input_ids_from_labels`` (the shift right with its ``decoder_start_token_id``, which differs
-    between BART, mBART and T5), so decoder position t sees target tokens < t and its logits predict target t.
 
-    Unlike the hooked capture, this one asks HF for ``output_hidden_states`` / ``output_attentions`` and keeps
-    only the selected layers: the numbering and the final-norm placement are then HF's by construction on both
-    stacks (T5 applies ``final_layer_norm`` to the last hidden state; BART does not), at the cost of holding
-    every layer of one batch at once, which the batch size bounds. fp16 overflow is checked per target on the
-    device (one host sync per batch) before anything is converted: T5-family activations are known to exceed
-    65504, and storage must never see an inf.
-
-    Args:
-        model: an encoder-decoder LM in eval mode (eager attention when maps are captured).
-        targets: what to keep.
-        dtype_name: storage dtype, "fp16" or "bf16".
-        hidden_codec: the configured hidden codec (``WriteSetup.hidden_codec``).
-    """
-
-    def __init__(self, model: PreTrainedModel, targets: Targets, dtype_name: str, hidden_codec: HiddenCodec,
-                 projection: Projection | None = None) -> None:
-        if not hasattr(model, "prepare_decoder_input_ids_from_labels"):
-            raise PrecomputeError(f"{type(model).__name__} cannot build decoder inputs from labels "
-                                  f"(no prepare_decoder_input_ids_from_labels); it is not an encoder-decoder LM")
-        self.model, self.targets, self.dtype_name = model, targets, dtype_name
-        self.hidden_codec = hidden_codec
-        self.projection = projection  # a rank codec's bases (or its fit mode)
-
-    def run(self, batch: dict[str, torch.Tensor], enc_lengths: list[int], dec_lengths: list[int]) -> list[dict]:
-        """Forward one right-padded batch and cut each sequence's targets out of it.
-
-        Args:
-            batch: ``input_ids``/``attention_mask`` ``[B, L_e]`` and ``labels``/``decoder_attention_mask``
-                ``[B, L_d]`` on the teacher's device; labels are padded with the pad id (never -100, which
-                the shift would not accept everywhere).
-            enc_lengths, dec_lengths: the B valid lengths of each side.
-
-        Returns:
-            one dict per sequence: ``encoder/hidden/{j} [L_e, d]``, ``decoder/hidden/{j} [L_d, d]``,
-            ``encoder/attention/{j} [H, L_e, L_e]``, ``decoder/attention/{j} [H, L_d, L_d]``,
-            ``cross_attention/{j} [H, L_d, L_e]``, logits ``[L_d, ...]``; floats already in the storage dtype.
-
-        Raises:
-            Fp16OverflowError: a target exceeds float16's range (fp16 caches only).
-        """
-        t = self.targets
-        with torch.inference_mode():
-            # checked in __init__ (PreTrainedModel does not declare it)
-            decoder_input_ids = self.model.prepare_decoder_input_ids_from_labels(  # type: ignore[operator]
-                labels=batch["labels"])
-            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             decoder_input_ids=decoder_input_ids,
-                             decoder_attention_mask=batch["decoder_attention_mask"], use_cache=False,
-                             output_hidden_states=t.wants_hidden, output_attentions=t.wants_attention)
-            kept = self._select(out)
-            self._check_range(kept)
-            stored = {key: part for name, value in kept.items() for key, part in self._to_storage(name, value).items()}
-            host = {name: to_numpy(value) for name, value in stored.items()}
-        return [cut_padding(host, i, {"encoder": n_e, "decoder": n_d})
-                for i, (n_e, n_d) in enumerate(zip(enc_lengths, dec_lengths))]
-
-    def _select(self, out: Seq2SeqLMOutput) -> dict[str, torch.Tensor]:
-        """The selected layers as padded device tensors, by array name."""
-        t = self.targets
-        kept: dict[str, torch.Tensor] = {}
-        for stream, layers in t.streams.items():  # HF: encoder_hidden_states, decoder_attentions, ...
-            kept.update({f"{stream}/hidden/{j}": getattr(out, f"{stream}_hidden_states")[j] for j in layers.hidden})
-            kept.update({f"{stream}/attention/{j}": getattr(out, f"{stream}_attentions")[j - 1]
-                         for j in layers.attention})
-        kept.update({f"cross_attention/{j}": (out.cross_attentions or ())[j - 1] for j in t.cross_attention})
-        kept.update(logit_targets(out.logits, t.logit))  # log-probs already, with --topk-values logprob
-        return kept
-
-    def _check_range(self, kept: dict[str, torch.Tensor]) -> None:
-        """Refuse the first target beyond float16's range, naming it (one host sync for all of them)."""
-        exact = self.targets.exact_arrays
-        check_ranges({n: max_abs(v) for n, v in kept.items() if v.is_floating_point() and n not in exact
-                      and v.numel() and fp16_bounded(n, self.dtype_name, self.hidden_codec)})
-
-    def _to_storage(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        if name in self.targets.exact_arrays:
-            return {name: value}
-        if applies_to(name):
-            return hidden_targets(self.hidden_codec, name, value, self.projection)
-        return {name: to_storage_dtype(value, self.dtype_name)}
+def _stored(kept: dict[str, torch.Tensor], targets: Targets, write: WriteSetup,
+            projection: Projection | None) -> dict[str, np.ndarray]:
+    """The kept tensors as the host arrays storage takes. fp16 overflow is checked per target on the device (one
+    host sync for all of them) before anything is converted: T5-family activations are known to exceed 65504,
+    and storage must never see an inf (``Fp16OverflowError`` names the first)."""
+    exact, codec = targets.exact_arrays, write.hidden_codec
+    check_ranges({n: max_abs(v) for n, v in kept.items() if v.is_floating_point() and n not in exact
+                  and v.numel() and fp16_bounded(n, write.dtype, codec)})
+    stored: dict[str, torch.Tensor] = {}
+    for name, value in kept.items():
+        if name in exact:
+            stored[name] = value
+        elif applies_to(name):
+            stored.update(hidden_targets(codec, name, value, projection))
+        else:
+            stored[name] = to_storage_dtype(value, write.dtype)
+    return {name: to_numpy(value) for name, value in stored.items()}
 
 
 def adapter_for(config: PretrainedConfig) -> TeacherAdapter:

@@ -69,19 +69,6 @@ def write_then_release(writer: CacheWriter) -> Callable[[int, list[dict[str, np.
     return write
 
 
-def _background(writer: CacheWriter, stats: RunStats, queue_size: int, workers: int,
-                processes: bool) -> BackgroundWriter | ProcessWriter:
-    """The shards' writer: threads of this process, or worker processes fed through shared memory."""
-    def written(index: int, record: ShardRecord, seconds: float) -> None:
-        stats.add_shard(record)
-        if processes:  # the part's lease is this process's to renew
-            writer.renew()
-
-    if processes:
-        return ProcessWriter(writer.store.url, writer.spec, queue_size, written, workers)
-    return BackgroundWriter(write_then_release(writer), queue_size, on_written=written, workers=workers)
-
-
 def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: RunStats,
                   stream: Callable[[list[tuple[int, int]], Progress], Shards], *,
                   show_progress: bool, queue_size: int, workers: int = 0, processes: bool = False,
@@ -99,7 +86,17 @@ def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: 
     total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in todo)
     stats.compute_started = time.perf_counter()
     progress = Progress(total, show_progress, stats, label)
-    background = _background(writer, stats, queue_size, workers or default_workers(), processes)
+
+    def written(index: int, record: ShardRecord, seconds: float) -> None:
+        stats.add_shard(record)
+        if processes:  # the part's lease is this process's to renew
+            writer.renew()
+
+    # the shards' writer: threads of this process, or worker processes fed through shared memory
+    workers = workers or default_workers()
+    background: BackgroundWriter | ProcessWriter = ProcessWriter(
+        writer.store.url, writer.spec, queue_size, written, workers) if processes else BackgroundWriter(
+        write_then_release(writer), queue_size, on_written=written, workers=workers)
     shards = stream([spec.shard_range(k) for k in todo], progress)
     try:
         for k, items in zip(todo, shards, strict=True):

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.precompute.core.errors import PrecomputeError
-from kdcache.stages.precompute.core.progress import target_of
+from kdcache.stages.precompute.core.progress import per_target
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.storage import ArrayKind, CacheWriter, format_bytes, is_url
 
@@ -121,18 +121,14 @@ def estimate(spec: CacheSpec, data: TokenStreams, out: str,
             # Round 0 writes the sample and is not timed: it pays the one-off costs (kernels chosen, memory
             # pooled, a --compile-teacher compile) that the run pays once, not per shard.
             records = [writer.write_shard(k, compute(spec.shard_range(k))) for k in shards]
-            passes = [_timed_pass(compute, spec, shards) for _ in range(TIMED_PASSES)]
+            passes = []
+            for _ in range(TIMED_PASSES):
+                begun = time.perf_counter()
+                for k in shards:
+                    compute(spec.shard_range(k))
+                passes.append(time.perf_counter() - begun)
     rows = spec.shard_range(shards[-1])[1]
     return _scale(spec, data, out, records, rows, passes, time.perf_counter() - started)
-
-
-def _timed_pass(compute: Callable[[tuple[int, int]], list[dict[str, np.ndarray]]], spec: CacheSpec,
-                shards: list[int]) -> float:
-    """Seconds of the teacher over the sample shards once."""
-    begun = time.perf_counter()
-    for k in shards:
-        compute(spec.shard_range(k))
-    return time.perf_counter() - begun
 
 
 def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRecord], rows: int,
@@ -140,7 +136,10 @@ def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRec
     """Per-array bytes of the sample shards, scaled by tokens (or squared lengths for attention); the time from
     each timed pass's rate."""
     tokens, sum_sq = data.meta["tokens"], data.meta["sum_sq_lengths"]
-    seen = _sample_sizes(data, rows)
+    # tokens (False) and summed squared lengths (True) of the sample's rows, per stream
+    lengths = {s: data.lengths(s)[:rows] for s in data.streams}
+    seen = {False: {s: int(v.sum()) for s, v in lengths.items()},
+            True: {s: int((v * v).sum()) for s, v in lengths.items()}}
     per_array: dict[str, float] = {}
     for record in records:
         for name, info in record.arrays.items():
@@ -153,7 +152,8 @@ def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRec
     all_tokens = sum(tokens.values())
     free = free_bytes(out)
     return {"status": "estimate", "out": out, "num_sequences": len(data), "tokens": all_tokens,
-            "bytes_per_token": _per_target(spec, per_array, all_tokens), "total_bytes": int(total),
+            "bytes_per_token": {k: round(v, 2) for k, v in per_target(spec, per_array, all_tokens).items()},
+            "total_bytes": int(total),
             **_timing(all_tokens, sum(seen[False].values()), passes), "sample_rows": rows,
             "sample_seconds": round(wall, 2), "free_bytes": free, "fits": None if free is None else bool(free >= total)}
 
@@ -161,28 +161,11 @@ def _scale(spec: CacheSpec, data: TokenStreams, out: str, records: list[ShardRec
 def _timing(all_tokens: int, sample_tokens: int, passes: list[float]) -> dict[str, Any]:
     """The whole run's time at the median pass's rate, and at the fastest and the slowest pass's."""
     rates = sorted(sample_tokens / s for s in passes if s > 0)
-    if not rates or not all_tokens:
-        return {"seconds": None, "seconds_range": None, "sample_rates": [round(r, 1) for r in rates],
-                "sample_tokens_per_second": round(rates[len(rates) // 2], 1) if rates else 0.0}
-    median = rates[len(rates) // 2]
+    median, known = (rates[len(rates) // 2] if rates else 0.0), bool(rates and all_tokens)
     # Three decimals: a small run's fraction of a second is told as such (``0.04 s``), not rounded to nothing.
-    return {"seconds": round(all_tokens / median, 3),
-            "seconds_range": [round(all_tokens / rates[-1], 3), round(all_tokens / rates[0], 3)],
+    return {"seconds": round(all_tokens / median, 3) if known else None,
+            "seconds_range": [round(all_tokens / rates[-1], 3), round(all_tokens / rates[0], 3)] if known else None,
             "sample_rates": [round(r, 1) for r in rates], "sample_tokens_per_second": round(median, 1)}
-
-
-def _sample_sizes(data: TokenStreams, rows: int) -> dict[bool, dict[str, int]]:
-    """Tokens (False) and summed squared lengths (True) of the sample's rows, per stream."""
-    lengths = {s: data.lengths(s)[:rows] for s in data.streams}
-    return {False: {s: int(v.sum()) for s, v in lengths.items()},
-            True: {s: int((v * v).sum()) for s, v in lengths.items()}}
-
-
-def _per_target(spec: CacheSpec, per_array: dict[str, float], tokens: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for name, size in per_array.items():
-        out[target_of(name, spec)] = out.get(target_of(name, spec), 0.0) + size / max(tokens, 1)
-    return {k: round(v, 2) for k, v in out.items()}
 
 
 def format_estimate(summary: dict[str, Any]) -> str:

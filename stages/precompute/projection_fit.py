@@ -23,7 +23,7 @@ import torch
 
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.targets.hidden.device_codecs import Projection
-from kdcache.storage import HiddenCodec, Store, has_projection, open_store, read_projection, write_projection
+from kdcache.storage import HiddenCodec, Store, has_projection, read_projection, write_projection
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -59,16 +59,10 @@ def fit_bounds(lengths: list[int], chunk: int, tokens: int = FIT_TOKENS) -> list
 
 def fit_bases(batches: Iterable[list[dict[str, np.ndarray]]], names: list[str], rank: int,
               device: torch.device) -> Bases:
-    """Top-``rank`` principal directions of each array in ``names`` over the sequences of ``batches``.
-
-    Args:
-        batches: lists of per-sequence dicts holding each name's float32 rows ``[L_i, d]``.
-        names: the projected arrays (``hidden/3``, ...).
-        rank: R.
-        device: where the moments are summed and the covariance diagonalised (the teacher's).
-
-    Returns:
-        ``{name: (basis [R, d], mean [d])}`` float32 numpy, the basis rows orthonormal, by decreasing variance.
+    """Top-``rank`` (R) principal directions of each projected array in ``names`` (``hidden/3``...) over the
+    sequences of ``batches`` (lists of per-sequence dicts of float32 rows ``[L_i, d]``), summed and diagonalised on
+    ``device`` (the teacher's): ``{name: (basis [R, d], mean [d])}`` float32 numpy, the basis rows orthonormal, by
+    decreasing variance.
 
     Raises:
         PrecomputeError: fewer tokens than R + 1 to fit on.
@@ -96,15 +90,10 @@ def _principal(name: str, count: int, total: torch.Tensor, gram: torch.Tensor, *
     return (basis * signs).float().cpu().numpy(), mean.float().cpu().numpy()
 
 
-def stored_projection(out: str | Store, codec: HiddenCodec, names: list[str],
-                      fit: Callable[[], Bases]) -> Projection:
-    """The cache's projection: read from ``out``'s ``projection/`` folder (the run's output store), or fitted
-    (``fit``) and stored there
-    first when it is absent; always the stored bytes (another process may have stored its own first)."""
-    rank = codec.rank
-    if rank is None:
-        raise ValueError(f"hidden codec {codec.name!r} has no rank: it has no projection")
-    store = open_store(out)
+def stored_projection(store: Store, rank: int, names: list[str], fit: Callable[[], Bases]) -> Projection:
+    """The cache's rank-``rank`` projection: read from the ``projection/`` folder of the run's output ``store``, or
+    fitted (``fit``) and stored there first when it is absent; always the stored bytes (another process may have
+    stored its own first)."""
     if not has_projection(store):
         write_projection(store, fit())
     return Projection.from_arrays(read_projection(store, names, rank))

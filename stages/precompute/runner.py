@@ -33,7 +33,7 @@ from kdcache.stages.precompute.commit import check_out_folder, commit_behind, op
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.core.plan import PrecomputePlan, TeacherSetup
-from kdcache.stages.precompute.core.progress import Progress, RunStats, format_summary, summarize
+from kdcache.stages.precompute.core.progress import Progress, RunStats, summarize
 from kdcache.stages.precompute.core.targets import Targets, resolve_targets, settings_fingerprint
 from kdcache.stages.precompute.core.teacher_id import Teacher, teacher_files_fingerprint
 from kdcache.stages.precompute.estimate import check_room, estimate, lower_bound_bytes, sample_shards
@@ -113,7 +113,7 @@ def run_precompute(options: PrecomputeOptions) -> dict[str, Any]:
     dist = DistContext.from_env(gpu_collectives=layout.tensor > 1)
     try:
         with _quiet_libraries(not (options.engine.progress and dist.is_main)):
-            return _run(options, dist)
+            return _run(options, dist, layout)
     finally:
         dist.close()
 
@@ -169,14 +169,13 @@ class _Loaded:
     spec: CacheSpec
 
 
-def _run(options: PrecomputeOptions, dist: DistContext) -> dict[str, Any]:
+def _run(options: PrecomputeOptions, dist: DistContext, layout: Layout) -> dict[str, Any]:
     """The cheap checks, then a finished cache's summary, a memory estimate, a size estimate, or the run."""
     stats = RunStats()
     ready = _prepare(options)
     engine = ready.options.engine
     if not engine.estimate and (reused := _reused(ready, stats)) is not None:
         return reused  # nothing to compute: the weights are never loaded
-    layout = Layout.parse(engine.teacher_parallel)
     device = pick_device(engine.device, dist.local_rank * (layout.size if layout.kind == "layers" else 1))
     memory = check_parallel(ready.plan, ready.config, ready.targets, layout, device)
     if engine.estimate and memory_only(ready.plan, ready.config, layout, dist.world, device):
@@ -353,7 +352,7 @@ def _projection(plan: PrecomputePlan, adapter: TeacherAdapter, teacher: Teacher,
 
     if into is None:
         return Projection.from_arrays(fit())
-    return stored_projection(into, codec, names, fit)
+    return stored_projection(into, rank, names, fit)
 
 
 def finished_cache(ready: _Prepared) -> Manifest | None:
@@ -402,4 +401,4 @@ def merge_cache(path: str | os.PathLike[str]) -> dict[str, Any]:
             "num_shards": manifest.spec.num_shards, "num_tokens": manifest.num_tokens}
 
 
-__all__ = ["run_precompute", "merge_cache", "format_summary"]
+__all__ = ["run_precompute", "merge_cache"]

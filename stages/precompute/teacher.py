@@ -87,22 +87,10 @@ def _model_class(config: PretrainedConfig, targets: Targets, teacher: str) -> Mo
                           f"so it has no logits to cache; drop 'logits' from --features")
 
 
-def _torch_dtype(setup: TeacherSetup, device: torch.device) -> torch.dtype | str:
-    if setup.dtype != "auto":
-        return getattr(torch, _DTYPES[setup.dtype])
-    return "auto" if device.type != "cpu" else torch.float32  # half precision on a CPU is slow, not faster
-
-
 def load_teacher(setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
                  tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
-    """Load the weights for inference.
-
-    Eager attention is used only when attention maps are captured (fused kernels never materialise them);
-    otherwise the checkpoint's default (usually SDPA) keeps the forward fast.
-
-    Raises:
-        PrecomputeError: weights missing or not loadable (a random head would silently corrupt targets).
-    """
+    """Load the weights for inference (``load_for_inference``): eager attention only when attention maps are
+    captured, otherwise the checkpoint's default (usually SDPA) keeps the forward fast."""
     model = load_for_inference(_model_class(config, targets, setup.name), setup, device,
                                eager=targets.wants_attention)
     torch.manual_seed(setup.seed)
@@ -113,24 +101,26 @@ def load_teacher(setup: TeacherSetup, config: PretrainedConfig, targets: Targets
 
 def load_for_inference(cls: ModelClass, setup: TeacherSetup, device: torch.device, *, eager: bool,
                        optional: tuple[str, ...] = ()) -> PreTrainedModel:
-    """``cls.from_pretrained`` in the requested dtype, eval mode, no grads, on ``device``.
-
-    Args:
-        cls: the Auto class (or model class) to load with.
-        setup: teacher path, revision, dtype and placement.
-        device: where the model runs.
-        eager: eager attention (needed to capture attention maps; fused kernels never materialise them).
-        optional: prefixes of weights that may be missing (e.g. an LM head when no logits are cached).
+    """``cls`` (an Auto class, or a model class) ``.from_pretrained`` in the requested dtype, eval mode, no grads,
+    on ``device``; ``eager`` attention where maps are captured (fused kernels never materialise them), and
+    ``optional``: prefixes of weights that may be missing (an LM head when no logits are cached).
 
     Raises:
         PrecomputeError: the weights cannot be loaded, or some are missing (random weights would silently
             corrupt the targets).
     """
-    kwargs: dict[str, Any] = {"revision": setup.revision, "dtype": _torch_dtype(setup, device),
-                              "output_loading_info": True}
+    # "auto" is the checkpoint's dtype, but fp32 on a CPU: half precision there is slow, not faster
+    dtype = getattr(torch, _DTYPES[setup.dtype]) if setup.dtype != "auto" else (
+        "auto" if device.type != "cpu" else torch.float32)
+    kwargs: dict[str, Any] = {"revision": setup.revision, "dtype": dtype, "output_loading_info": True}
     if eager:
         kwargs["attn_implementation"] = "eager"
-    placed = teacher_placement(setup)  # a sharded or layer-placed teacher lands on its devices as it loads
+    # a sharded or layer-placed teacher lands on its devices as it loads: the ``from_pretrained`` keywords of
+    # --teacher-parallel for this launcher rank (``parallel.load_kwargs``)
+    layout, placed = Layout.parse(setup.parallel), {}
+    if not (layout.kind == "none" or (layout.kind == "tp" and layout.size == 1)):
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        placed = load_kwargs(layout, Grid.of(layout, rank, world), int(os.environ.get("LOCAL_RANK", str(rank))))
     kwargs.update(placed)
     try:
         model, info = cls.from_pretrained(setup.name, **kwargs)
@@ -144,15 +134,6 @@ def load_for_inference(cls: ModelClass, setup: TeacherSetup, device: torch.devic
     if placed:
         settle(model)
     return model if placed else model.to(device)
-
-
-def teacher_placement(setup: TeacherSetup) -> dict[str, Any]:
-    """``from_pretrained`` keywords of ``--teacher-parallel`` for this launcher rank (``parallel.load_kwargs``)."""
-    layout = Layout.parse(setup.parallel)
-    if layout.kind == "none" or (layout.kind == "tp" and layout.size == 1):
-        return {}
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    return load_kwargs(layout, Grid.of(layout, rank, world), int(os.environ.get("LOCAL_RANK", str(rank))))
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, store: Store) -> None:

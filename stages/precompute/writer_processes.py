@@ -150,15 +150,9 @@ class _Worker:
 
 
 class ProcessWriter:
-    """``BackgroundWriter``'s contract (``submit``, ``close``, ``on_written``) with worker processes.
-
-    Args:
-        url: the output store's URL (``Store.url``); each worker opens its own.
-        spec: the cache's spec (each worker reads it back from ``to_dict``'s JSON form).
-        queue_size: shards that may wait for a worker (beside one in each worker's hands).
-        on_written: called with ``(index, record, seconds)`` after each commit, in this process.
-        workers: worker processes.
-    """
+    """``BackgroundWriter``'s contract (``submit``, ``close``, ``on_written``, called in this process) with
+    ``workers`` worker processes, each of which opens its own store at ``url`` (``Store.url``) and reads the
+    ``spec`` back from ``to_dict``'s JSON form; ``queue_size`` shards may wait beside one in each worker's hands."""
 
     def __init__(self, url: str, spec: CacheSpec, queue_size: int = 2,
                  on_written: Callable[[int, Any, float], None] | None = None, workers: int = 1) -> None:
@@ -169,7 +163,10 @@ class ProcessWriter:
         self._reported = False
         context = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA state
         self._stop_flag = context.Event()
-        modules = _plugin_modules(spec)
+        # The hidden codec's module where it is not one of kdcache's own: a codec registered by the user's module
+        # exists in a spawned process only once that module is imported.
+        module = type(spec.hidden_codec).__module__
+        modules = [] if module.startswith("kdcache.") else [module]
         self._workers = []
         resource_tracker.ensure_running()  # started now, so that it does not carry the writers' mark
         os.environ[WORKER_MARK] = "1"  # a spawned process starts with this process's environment
@@ -241,10 +238,7 @@ class ProcessWriter:
                                       "writer imports it anew), or write in threads (without --writer-processes)")
         if kind == "error":
             self._error = self._error or payload
-            return
-        if kind == "skipped":
-            return
-        if self._on_written is not None and self._error is None:
+        elif kind == "done" and self._on_written is not None and self._error is None:  # "skipped": nothing
             self._on_written(index, ShardRecord.from_dict(payload), seconds)
 
     def _stop(self) -> None:
@@ -277,13 +271,6 @@ class ProcessWriter:
         if self._error is not None and not self._reported:
             self._reported = True  # raise once; a close() in a finally block must not mask it
             raise self._error
-
-
-def _plugin_modules(spec: CacheSpec) -> list[str]:
-    """Modules a worker imports before it reads ``spec``: the hidden codec's, where it is not one of kdcache's own
-    (a codec registered by the user's module exists in a spawned process only once that module is imported)."""
-    module = type(spec.hidden_codec).__module__
-    return [] if module.startswith("kdcache.") else [module]
 
 
 def _death(worker: BaseProcess, pending: list[int]) -> str:

@@ -35,16 +35,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def compile_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch.compile's (dynamo's or inductor's), not the model's or kdcache's own."""
-    from torch._dynamo.exc import TorchDynamoException
-    from torch._inductor.exc import InductorError
-
-    return isinstance(exc, (TorchDynamoException, InductorError))
-
-
 class TeacherCalls:
-    """The teacher's whole model and its base model as the capture calls them: compiled or eager.
+    """The teacher's whole model (``model``, its forward) and its base model (``base``, no LM head) as the capture
+    calls them: compiled or eager.
 
     Args:
         model: the loaded teacher (its hooks are registered on its own blocks, so both forms run them).
@@ -53,35 +46,31 @@ class TeacherCalls:
     """
 
     def __init__(self, model: PreTrainedModel, compiled: bool, say: Callable[[str], None] | None = None) -> None:
-        self._eager = {"model": model, "base": model.base_model}
-        self._calls: dict[str, Callable[..., Any]] = dict(self._eager)
+        self.model: Callable[..., Any] = model
+        self.base: Callable[..., Any] = model.base_model
+        self._eager = (self.model, self.base)
         if compiled:
             # Graphs traced before in this process ran other hooks, or none (an earlier run, the projection fit's
             # capture), and dynamo may reuse one for this model: trace again, with this capture's hooks.
             torch._dynamo.reset()
-            self._calls = {name: torch.compile(module, dynamic=False) for name, module in self._eager.items()}
+            self.model, self.base = (torch.compile(module, dynamic=False) for module in self._eager)
         self.compiled = compiled
         self._say = say or (lambda line: print(line, file=sys.stderr))
-
-    def model(self, **kwargs: object) -> Any:
-        """The whole model's forward."""
-        return self._calls["model"](**kwargs)
-
-    def base(self, **kwargs: object) -> Any:
-        """The base model's forward (no LM head)."""
-        return self._calls["base"](**kwargs)
 
     def run(self, batch: Callable[[], T], reset: Callable[[], None]) -> T:
         """``batch()``; after a compile failure, ``reset()`` what it left and run it again, eagerly from then on."""
         try:
             return batch()
         except Exception as exc:
-            if not (self.compiled and compile_failure(exc)):
-                raise
+            from torch._dynamo.exc import TorchDynamoException
+            from torch._inductor.exc import InductorError
+
+            if not (self.compiled and isinstance(exc, (TorchDynamoException, InductorError))):
+                raise  # the model's or kdcache's own, not torch.compile's
             reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
             self._say(f"kdcache precompute: --compile-teacher: compiling the teacher failed ({type(exc).__name__}: "
                       f"{reason}); it runs eagerly")
-            self._calls, self.compiled = dict(self._eager), False
+            (self.model, self.base), self.compiled = self._eager, False
             reset()
             return batch()
 

@@ -51,11 +51,6 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
     from transformers import PreTrainedModel
 
-# A forward hook's signature: (module, positional args, output); a pre-hook's with kwargs: (module, args, kwargs).
-ForwardHook = Callable[[torch.nn.Module, tuple, Any], None]
-PreHook = Callable[[torch.nn.Module, tuple, dict], None]
-
-
 def to_storage_dtype(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
     """Round float values to the storage dtype on the device: fp16, or bf16 bits as int16 (numpy reads uint16)."""
     if dtype_name == "fp16":
@@ -133,19 +128,13 @@ def find_blocks(model: PreTrainedModel, num_layers: int) -> torch.nn.ModuleList:
     return candidates[0]  # named_modules walks outer to inner; the first list of N modules is the block stack
 
 
-def _attention_recorder(base: torch.nn.Module) -> tuple[type[torch.nn.Module] | None, str | None, int]:
-    """(class, name fragment, output index) of the attention module, from transformers' own recorder table."""
-    spec = (getattr(type(base), "_can_record_outputs", None) or {}).get("attentions")
-    if spec is None:
-        return None, None, 1
-    if isinstance(spec, type):
-        return spec, None, 1
-    return getattr(spec, "target_class", None), getattr(spec, "layer_name", None), getattr(spec, "index", 1)
-
-
 def find_attention(block: torch.nn.Module, base: torch.nn.Module) -> tuple[torch.nn.Module, int] | None:
-    """The self-attention module inside ``block`` and where its probabilities sit in its output tuple."""
-    cls, fragment, index = _attention_recorder(base)
+    """The self-attention module inside ``block`` and where its probabilities sit in its output tuple, from
+    transformers' own recorder table (a class, or a record of class, name fragment and output index)."""
+    spec = (getattr(type(base), "_can_record_outputs", None) or {}).get("attentions")
+    whole = isinstance(spec, type)
+    cls: type[torch.nn.Module] | None = spec if whole else getattr(spec, "target_class", None)
+    fragment, index = (None, 1) if whole else (getattr(spec, "layer_name", None), getattr(spec, "index", 1))
     if cls is None:
         return None
     wanted = None if fragment is None else "." + fragment.strip(".") + "."
@@ -197,8 +186,10 @@ class FeatureCapture:
         base = self.model.base_model
         tie_last = getattr(self.model.config, "tie_last_hidden_states", True) is not False
         for j in t.hidden:
-            if j == 0:
-                hook = blocks[0].register_forward_pre_hook(self._pre_hook(), with_kwargs=True)
+            if j == 0:  # the first block's input: positional, or the keyword hidden_states
+                hook = blocks[0].register_forward_pre_hook(
+                    lambda module, args, kwargs: self._keep_hidden(0, args[0] if args else kwargs["hidden_states"]),
+                    with_kwargs=True)
             elif j == t.depth and tie_last:
                 hook = base.register_forward_hook(self._hidden_hook(j, last=True))
             else:
@@ -212,13 +203,7 @@ class FeatureCapture:
             module, index = found
             self._handles.append(module.register_forward_hook(self._attention_hook(j, index)))
 
-    def _pre_hook(self) -> PreHook:
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden = args[0] if args else kwargs["hidden_states"]
-            self._keep_hidden(0, hidden)
-        return hook
-
-    def _hidden_hook(self, j: int, *, last: bool) -> ForwardHook:
+    def _hidden_hook(self, j: int, *, last: bool) -> Callable[[torch.nn.Module, tuple, Any], None]:
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             if last:
                 hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
@@ -227,7 +212,7 @@ class FeatureCapture:
             self._keep_hidden(j, hidden)
         return hook
 
-    def _attention_hook(self, j: int, index: int) -> ForwardHook:
+    def _attention_hook(self, j: int, index: int) -> Callable[[torch.nn.Module, tuple, Any], None]:
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             probs = output[index] if isinstance(output, (tuple, list)) else None
             if probs is None:
@@ -311,7 +296,11 @@ class FeatureCapture:
                     if f"attention/{j}" not in self._out:
                         self._keep_attention(j, output.attentions[j - 1])
             self._keep_logits(kept)
-        return self._to_host()
+        # on its way to the host (``transfer.HostCopier``: on a GPU the padding is dropped there and the rest
+        # copied on a side stream)
+        lengths, out, amax = self._lengths, self._out, self._amax
+        self._out, self._amax = {}, {}
+        return self._copier.start(out, amax, lengths)
 
     def _reset(self) -> None:
         """Forget what a failed forward kept, before the batch runs again."""
@@ -342,7 +331,8 @@ class FeatureCapture:
         output = self.calls.base(**kwargs)
         valid = attention_mask.bool()
         if not self._head.checked and not self._check_head(kwargs, output.last_hidden_state, valid, first_length):
-            return output, keep(self._full_logits(kwargs))
+            with self._hooks_paused():
+                return output, keep(self.calls.model(**kwargs).logits)
         stores = bool(self.targets.logit_arrays)  # head mode stores nothing per token
         rows = valid_rows(self._lengths, valid.shape[1], valid.device)
         return output, self._head.targets(output.last_hidden_state, valid, keep, rows) if stores else {}
@@ -367,10 +357,6 @@ class FeatureCapture:
         finally:
             self._paused = False
 
-    def _full_logits(self, kwargs: dict[str, Any]) -> torch.Tensor:
-        with self._hooks_paused():
-            return self.calls.model(**kwargs).logits
-
     def _check_head(self, kwargs: dict[str, Any], last: torch.Tensor, valid: torch.Tensor, length: int) -> bool:
         """Check the chunked head once against the model's own forward on the first sequence (hooks paused);
         on disagreement the run falls back to the full forward (``head`` mode cannot: it refuses)."""
@@ -387,21 +373,11 @@ class FeatureCapture:
                   f"the last hidden state; computing them with the full forward (no chunking)", file=sys.stderr)
             return False
 
-    def _to_host(self) -> HostBatch:
-        """Start the batch's way to the host (``transfer.HostCopier``: on a GPU the padding is dropped there and
-        the rest copied on a side stream)."""
-        lengths, out, amax = self._lengths, self._out, self._amax
-        self._out, self._amax = {}, {}
-        return self._copier.start(out, amax, lengths)
-
-    def close(self) -> None:
-        """Remove every hook."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
     def __enter__(self) -> FeatureCapture:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        """Remove every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

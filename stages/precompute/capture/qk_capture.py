@@ -108,17 +108,14 @@ class QKCapture:
                 "blocks": {str(j): c.rule.to_json() for j, c in sorted(captured.items())}}
 
 
-def probe_ids(data: TokenStreams, device: torch.device) -> torch.Tensor:
-    """``[1, PROBE_TOKENS]`` at most: the first tokens of the first row (a real text, as the teacher reads)."""
-    ids = np.array(data.ids[""][0][:PROBE_TOKENS], dtype=np.int64)  # a copy: the row is a read-only memory map
-    return torch.from_numpy(ids).to(device)[None]
-
-
 def with_score_rules(targets: Targets, model: PreTrainedModel, data: TokenStreams, device: torch.device) -> Targets:
     """``targets`` with the attention settings' score rules (``CacheSpec.attention_scores``) learnt from the loaded
     teacher, for a source of token rows; else unchanged."""
     recorded = targets.source.recorded_parts
     if not recorded or "" not in targets.streams or not targets.streams[""].attention:
         return targets
-    record = QKCapture(model, targets).score_record(probe_ids(data, device))
+    # the probe: [1, PROBE_TOKENS] at most, the first tokens of the first row (a real text, as the teacher reads);
+    # a copy, as the row is a read-only memory map
+    ids = torch.from_numpy(np.array(data.ids[""][0][:PROBE_TOKENS], dtype=np.int64)).to(device)[None]
+    record = QKCapture(model, targets).score_record(ids)
     return replace(targets, attention=targets.attention.with_scores(record))

@@ -23,15 +23,9 @@ from kdcache.storage import BufferPool, Lease, ragged_streams
 
 
 def valid_index(lengths: list[int], padded_length: int) -> np.ndarray:
-    """Flat row numbers of the valid tokens of a right-padded ``[B, L]`` batch, batch-major.
-
-    Args:
-        lengths: the B valid lengths.
-        padded_length: L.
-
-    Returns:
-        ``[T]`` int64, ``T = sum(lengths)``: row ``b * L + t`` for every ``t < lengths[b]``.
-    """
+    """Flat row numbers of the valid tokens of a right-padded ``[B, L]`` batch (``lengths``: the B valid ones;
+    ``padded_length``: L), batch-major: ``[T]`` int64, ``T = sum(lengths)``, row ``b * L + t`` for every
+    ``t < lengths[b]``."""
     if not lengths:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate([np.arange(n, dtype=np.int64) + b * padded_length for b, n in enumerate(lengths)])
@@ -46,13 +40,9 @@ def valid_rows(lengths: list[int], padded_length: int, device: torch.device) -> 
 
 
 def cut_padding(arrays: dict[str, np.ndarray], i: int, lengths: dict[str, int]) -> dict[str, np.ndarray]:
-    """Sequence ``i``'s valid part of every padded ``[B, ...]`` array, as views (the writer copies once).
-
-    Args:
-        arrays: padded arrays by name; token rows ``[B, L, ...]``, attention maps ``[B, H, L_q, L_k]``.
-        i: the sequence's row in the batch.
-        lengths: its valid length in each token stream (``{"": L}``, or ``encoder`` and ``decoder``).
-    """
+    """Sequence ``i``'s valid part of every padded ``[B, ...]`` array (token rows ``[B, L, ...]``, attention maps
+    ``[B, H, L_q, L_k]``), as views (the writer copies once); ``lengths``: its valid length in each token stream
+    (``{"": L}``, or ``encoder`` and ``decoder``)."""
     streams = list(lengths)
     item = {}
     for name, value in arrays.items():

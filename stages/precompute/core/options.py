@@ -278,19 +278,13 @@ def _stream_problems(name: str, value: StreamLayers, streams: tuple[str, ...]) -
     problems = [f"{name}: got {str(value)!r}, stream {s!r} has no {name}; expected streams among "
                 f"{[p for p in streams if p]}" for s in value.streams if s not in streams]
     for stream in (s for s in value.streams if s in streams):
-        layers = value.get(stream)
-        if not (stream and tuple(v.lower() for v in layers) == ("none",)):
-            problems += _layer_list_problems(f"{stream}_{name}" if stream else name, layers)
+        layers, label = value.get(stream), f"{stream}_{name}" if stream else name
+        lowered = tuple(v.lower() for v in layers)
+        if (stream and lowered == ("none",)) or lowered == ("all",) or (label == "layers" and is_draft_preset(layers)):
+            continue
+        if not layers or not all(re.fullmatch(r"-?\d+", v.strip()) for v in layers):
+            problems.append(f"{label}: got {list(layers)}, expected 'all' or a list of layer numbers such as 2,4,6")
     return problems
-
-
-def _layer_list_problems(name: str, values: tuple[str, ...]) -> list[str]:
-    if tuple(v.lower() for v in values) == ("all",) or (name == "layers" and is_draft_preset(values)):
-        return []
-    bad = [v for v in values if not re.fullmatch(r"-?\d+", v.strip())]
-    if bad or not values:
-        return [f"{name}: got {list(values)}, expected 'all' or a list of layer numbers such as 2,4,6"]
-    return []
 
 
 def looks_like_path(value: str, *, data: bool = False) -> bool:

@@ -65,19 +65,13 @@ class Progress:
 
     def update(self, sequences: int) -> None:
         self.done += sequences
-        if self.lines:
-            self._line()
-        if self.bar is None:
-            return
-        self._postfix()
-        self.bar.update(sequences)
-
-    def _line(self) -> None:
-        now = time.perf_counter()
-        if now - self._last_line < LINE_EVERY:
-            return  # the last line comes from close(), once the writer has committed every shard's bytes
-        self._last_line = now
-        self._print_line(now)
+        # the log's last line comes from close(), once the writer has committed every shard's bytes
+        if self.lines and (now := time.perf_counter()) - self._last_line >= LINE_EVERY:
+            self._last_line = now
+            self._print_line(now)
+        if self.bar is not None:
+            self._postfix()
+            self.bar.update(sequences)
 
     def _print_line(self, now: float) -> None:
         elapsed = max(now - self.stats.compute_started, 1e-9)
@@ -122,14 +116,20 @@ def target_of(array: str, spec: CacheSpec) -> str:
     return array
 
 
+def per_target(spec: CacheSpec, sizes: dict[str, float], tokens: int) -> dict[str, float]:
+    """Bytes per token of every target (``target_of``) from the bytes of each of its arrays, ``sizes``."""
+    out: dict[str, float] = {}
+    for name, size in sizes.items():
+        key = target_of(name, spec)
+        out[key] = out.get(key, 0.0) + size / max(tokens, 1)
+    return out
+
+
 def bytes_per_token(manifest: Manifest) -> dict[str, float]:
     """Stored bytes per valid token of every target of the cache (committed shards)."""
-    tokens = max(manifest.num_tokens, 1)
-    per_target: dict[str, float] = {}
-    for name, info in manifest.arrays.items():
-        key = target_of(name, manifest.spec)
-        per_target[key] = per_target.get(key, 0.0) + info["stored_bytes"] / tokens
-    return dict(sorted(per_target.items(), key=lambda kv: _target_order(kv[0])))
+    sizes = {name: info["stored_bytes"] for name, info in manifest.arrays.items()}
+    return dict(sorted(per_target(manifest.spec, sizes, manifest.num_tokens).items(),
+                       key=lambda kv: _target_order(kv[0])))
 
 
 def _target_order(name: str) -> tuple[int, int, str]:

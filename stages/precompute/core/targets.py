@@ -179,31 +179,21 @@ def resolve_targets(options: PrecomputeOptions, config: PretrainedConfig) -> Tar
     for problem in kind.teacher_problems(options.engine.teacher, "" in streams, causal, vocab, top_k) if kind else ():
         raise PrecomputeError(problem)
     if kind and kind.teacher_head:
-        streams = _with_last_layer(streams)
+        # Stage two computes these logits with the teacher's head (``--logits head``, one causal stream), so the
+        # last hidden layer (the LM head's input, after the final norm) is kept whatever ``--layers`` says.
+        one = streams[""]
+        streams = {"": StreamTargets(tuple(sorted({*one.hidden, one.depth})), one.attention, one.depth)}
     _check_triangle(options, streams, causal)
     attention = t.attention.settings()
-    _check_attention_source(options, attention.source, streams, config)
-    heads = t.heads if (cross or any(s.attention for s in streams.values())) else None
+    blocks = any(s.attention for s in streams.values())
+    # the attention source's refusals of this teacher and the map options, when any block is kept
+    for problem in attention.source.teacher_problems(options.engine.teacher, config, streams, t.triangle,
+                                                     t.heads) if blocks else ():
+        raise PrecomputeError(problem)
+    heads = t.heads if (cross or blocks) else None
     if heads is not None and max(heads) >= num_heads:
         raise PrecomputeError(f"heads: head {max(heads)} is out of range; this teacher has heads 0..{num_heads - 1}")
     return Targets(streams, heads, vocab, num_heads, causal, cross, logit=logit, attention=attention)
-
-
-def _check_attention_source(options: PrecomputeOptions, source: AttentionSource, streams: dict[str, StreamTargets],
-                            config: PretrainedConfig) -> None:
-    """The attention source's refusals of this teacher and the map options, when any block is kept."""
-    t = options.targets
-    if not any(s.attention for s in streams.values()):
-        return
-    for problem in source.teacher_problems(options.engine.teacher, config, streams, t.triangle, t.heads):
-        raise PrecomputeError(problem)
-
-
-def _with_last_layer(streams: dict[str, StreamTargets]) -> dict[str, StreamTargets]:
-    """A mode whose logits stage two computes with the teacher's head (``--logits head``, one causal stream) keeps
-    the last hidden layer (the LM head's input, after the final norm) whatever ``--layers`` says."""
-    one = streams[""]
-    return {"": StreamTargets(tuple(sorted({*one.hidden, one.depth})), one.attention, one.depth)}
 
 
 def _check_triangle(options: PrecomputeOptions, streams: dict[str, StreamTargets], causal: bool) -> None:

@@ -42,11 +42,10 @@ class DistContext:
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
         ctx = cls(rank, world, local_rank)
-        if world > 1:
-            if not dist.is_initialized():
-                nccl = gpu_collectives and torch.cuda.is_available()
-                dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=BARRIER_TIMEOUT)
-                ctx.owns_group = True
+        if world > 1 and not dist.is_initialized():
+            nccl = gpu_collectives and torch.cuda.is_available()
+            dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=BARRIER_TIMEOUT)
+            ctx.owns_group = True
         return ctx
 
     @property

@@ -109,21 +109,17 @@ def load_kwargs(layout: Layout, grid: Grid, local_rank: int) -> dict[str, Any]:
 
         # Groups of consecutive ranks; the replicas axis makes W / N of them (transformers' own mesh order).
         return {"distributed_config": DistributedConfig(tp_size=grid.tensor, dp_replicate_size=grid.groups)}
-    if layout.kind == "layers":
-        return {"device_map": "auto", "max_memory": _gpu_share(layout.size, local_rank)}
-    return {}
-
-
-def _gpu_share(size: int, local_rank: int) -> dict[int | str, int]:
-    """``max_memory`` that confines ``device_map="auto"`` to this process's N GPUs."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if layout.kind != "layers":
+        return {}
+    # max_memory that confines device_map="auto" to this process's N GPUs
+    size, count = layout.size, torch.cuda.device_count() if torch.cuda.is_available() else 0
     first = local_rank * size
     if first + size > count:
         raise PrecomputeError(f"teacher_parallel: layers:{size} on local rank {local_rank} needs GPUs "
                               f"{first}..{first + size - 1}, and this node has {count}; start fewer processes "
                               f"per node (GPUs / {size}) or choose a smaller N")
-    return {i: torch.cuda.get_device_properties(i).total_memory if first <= i < first + size else 0
-            for i in range(count)}
+    return {"device_map": "auto", "max_memory": {i: torch.cuda.get_device_properties(i).total_memory
+                                                 if first <= i < first + size else 0 for i in range(count)}}
 
 
 def no_autograd(model: torch.nn.Module) -> Callable[[], AbstractContextManager[Any]]:

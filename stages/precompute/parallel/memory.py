@@ -66,14 +66,6 @@ class RankMemory:
                 f"activations {format_bytes(self.activations)}) of {format_bytes(self.capacity)} ({self.source})")
 
 
-def parse_size(text: str) -> int:
-    """``80GB`` / ``24GiB`` / ``512 MB`` -> bytes (decimal GB, binary GiB)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]+)", text.strip())
-    if not match or match.group(2).lower() not in _UNITS:
-        raise PrecomputeError(f"device_memory: got {text!r}, expected a size such as 80GB, 24GiB or 512MB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
 def param_counts(config: PretrainedConfig) -> tuple[int, int]:
     """``(all parameters, norm parameters)`` of the causal LM the config builds, counted on the meta device."""
     with torch.device("meta"), _errors_only():
@@ -101,7 +93,7 @@ def _errors_only() -> Iterator[None]:
 
 def run_dtype_bytes(chosen: str, config: PretrainedConfig, on_gpu: bool) -> int:
     """Bytes per value of the dtype the teacher will run in (``chosen``, the ``TeacherSetup.dtype``, by
-    ``teacher._torch_dtype``'s rule)."""
+    ``teacher.load_for_inference``'s rule)."""
     if chosen != "auto":
         return {"fp32": 4, "fp16": 2, "bf16": 2}[chosen]
     if not on_gpu:
@@ -142,8 +134,11 @@ def _activations(batch: BatchSetup, config: PretrainedConfig, targets: Targets, 
 def device_capacity(given: str | None, gpu: int | None) -> tuple[int, str]:
     """``(bytes, where the figure comes from)``: ``given`` (--device-memory), else the rank's GPU's (``gpu``: its
     index; ranks of one node may hold different cards), else the host's per process."""
-    if given:
-        return parse_size(given), "--device-memory"
+    if given:  # 80GB / 24GiB / 512 MB: decimal GB, binary GiB
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]+)", given.strip())
+        if not match or match.group(2).lower() not in _UNITS:
+            raise PrecomputeError(f"device_memory: got {given!r}, expected a size such as 80GB, 24GiB or 512MB")
+        return int(float(match.group(1)) * _UNITS[match.group(2).lower()]), "--device-memory"
     if gpu is not None:
         return int(torch.cuda.get_device_properties(gpu).total_memory), torch.cuda.get_device_name(gpu)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

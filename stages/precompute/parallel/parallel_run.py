@@ -61,7 +61,9 @@ def check_parallel(plan: PrecomputePlan, config: PretrainedConfig, targets: Targ
                               f"divide; choose N among {_divisors(*heads)}, or layers:N")
     if layout.kind == "none" and not (plan.batch.estimate or plan.teacher.device_memory):
         return None  # one device and no size given: the device itself says whether the teacher fits
-    memory = rank_memory(plan, config, targets, layout, _gpu_index(device))
+    # the CUDA device index (``cuda`` alone: the current one), None off a GPU
+    gpu = None if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device()
+    memory = rank_memory(plan, config, targets, layout, gpu)
     check_layout(memory, layout, config)
     return {"layout": str(layout), "per_rank_bytes": memory.total, "weights_bytes": memory.weights,
             "activations_bytes": memory.activations, "capacity_bytes": memory.capacity, "source": memory.source,
@@ -77,27 +79,17 @@ def check_tensor_plan(layout: Layout, config: PretrainedConfig) -> None:
         PrecomputeError: naming the model type and the common families that have a plan.
     """
     if layout.tensor > 1 and not getattr(config, "base_model_tp_plan", None):
+        # the common families whose transformers config carries a tensor-parallel plan (as installed)
+        families = [name for name in COMMON_FAMILIES
+                    if name in CONFIG_MAPPING and getattr(CONFIG_MAPPING[name], "base_model_tp_plan", None)]
         raise PrecomputeError(f"teacher_parallel: {layout} shards the teacher by its transformers tensor-parallel "
                               f"plan, and {getattr(config, 'model_type', 'this')!r} models have none; teachers "
-                              f"whose families have one include {', '.join(_tp_families())}; drop "
+                              f"whose families have one include {', '.join(families)}; drop "
                               f"--teacher-parallel for this teacher")
 
 
 COMMON_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
                    "olmo2", "granite", "cohere", "deepseek_v3")
-
-
-def _tp_families() -> list[str]:
-    """The common model families whose transformers config carries a tensor-parallel plan (as installed)."""
-    return [name for name in COMMON_FAMILIES
-            if name in CONFIG_MAPPING and getattr(CONFIG_MAPPING[name], "base_model_tp_plan", None)]
-
-
-def _gpu_index(device: torch.device) -> int | None:
-    """The CUDA device index of ``device`` (``cuda`` alone: the current one), None off a GPU."""
-    if device.type != "cuda":
-        return None
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _divisors(heads: int, kv: int) -> str:

@@ -34,31 +34,18 @@ class Partition:
 
 
 def plan_batches(lengths: np.ndarray, batch_size: int) -> list[np.ndarray]:
-    """Group one shard's sequences into batches of similar length.
-
-    Args:
-        lengths: ``[S]`` valid lengths of the shard's sequences (shard-local order).
-        batch_size: most sequences per batch.
-
-    Returns:
-        index arrays into ``lengths``; together they cover every sequence exactly once.
-    """
+    """Group one shard's sequences (``lengths``: their ``[S]`` valid lengths, shard-local order) into batches of
+    similar length, of at most ``batch_size``: index arrays into ``lengths`` that cover each sequence once."""
     order = np.argsort(-np.asarray(lengths), kind="stable")
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def collate(sequences: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad token id arrays into a batch.
+    """Right-pad B int arrays ``[L_i]`` into ``(input_ids [B, L_max] int64, attention_mask [B, L_max] int64)``,
+    with ``pad_id`` in the padding (masked out, so its value never matters).
 
     Right padding keeps every valid token at its own position (0..L_i-1), so causal and absolute-position
     models see the same inputs as they would for the sequence alone.
-
-    Args:
-        sequences: B int arrays ``[L_i]``.
-        pad_id: id written into padding (masked out, so its value never matters).
-
-    Returns:
-        ``(input_ids [B, L_max] int64, attention_mask [B, L_max] int64)``.
     """
     longest = max(len(s) for s in sequences)
     ids = np.full((len(sequences), longest), pad_id, dtype=np.int64)

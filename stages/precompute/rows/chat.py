@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, cast
 from kdcache.stages.precompute.core.errors import PrecomputeError
 
 if TYPE_CHECKING:
-    from jinja2 import Template
     from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -64,8 +63,9 @@ def check_conversation(row: int, messages: object) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
+        got = repr(messages)
         raise PrecomputeError(f"row {row}: messages must be a non-empty list of {{role, content}} dicts with string "
-                              f"values, got {_preview(messages)}")
+                              f"values, got {got if len(got) <= 80 else got[:77] + '...'}")
     unknown = [m["role"] for m in messages if m["role"] not in ROLES]
     if unknown:
         raise PrecomputeError(f"row {row}: unknown role {unknown[0]!r}; expected one of {', '.join(ROLES)}")
@@ -73,11 +73,6 @@ def check_conversation(row: int, messages: object) -> list[dict[str, Any]]:
         raise PrecomputeError(f"row {row}: the conversation has no assistant turn, so no token of it would be "
                               f"trained on; remove the row or add the assistant's reply")
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
-
-
-def _preview(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def render(row: int, messages: list[dict[str, Any]], template: str,
@@ -102,7 +97,8 @@ def render(row: int, messages: list[dict[str, Any]], template: str,
     except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
         raise PrecomputeError(f"row {row}: the chat template cannot render this conversation: "
                               f"{type(exc).__name__}: {exc}") from None
-    return text, [_rstrip(text, span) for span in spans]
+    # a span's trailing whitespace (the newline after an end-of-turn token) is not the assistant's
+    return text, [(start, start + len(text[start:end].rstrip())) for start, end in spans]
 
 
 def _render(messages: list[dict[str, Any]], template: str, tokenizer: PreTrainedTokenizerBase, *,
@@ -111,20 +107,16 @@ def _render(messages: list[dict[str, Any]], template: str, tokenizer: PreTrained
     # compiled template is private to transformers: read where it is used.
     from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
-    # transformers annotates the result as str; it is (texts, generation indices), one entry per conversation.
-    _pin_date(_compile_jinja_template(template))
+    # The template's strftime_now prints CHAT_DATE. Render arguments cannot carry a function (the renderer turns
+    # them into plain data), so the global is set on transformers' compiled template, which it caches per template
+    # text with an environment of its own.
+    _compile_jinja_template(template).environment.globals["strftime_now"] = CHAT_DATE.strftime
     special: dict[str, Any] = tokenizer.special_tokens_map  # bos_token, eos_token...: template variables
     rendered = render_jinja_template([messages], chat_template=template, add_generation_prompt=prompt,
                                      return_assistant_tokens_mask=tagged, **special)
+    # transformers annotates the result as str; it is (texts, generation indices), one entry per conversation.
     texts, indices = cast("tuple[list[str], list[list[list[int]]]]", rendered)
     return texts[0], [(start, end) for start, end in indices[0]] if tagged else []
-
-
-def _pin_date(compiled: Template) -> None:
-    """Make the template's ``strftime_now`` print ``CHAT_DATE``. Render arguments cannot carry a function (the
-    renderer turns them into plain data), so the global is set on transformers' ``compiled`` template, which it
-    caches per template text with an environment of its own."""
-    compiled.environment.globals["strftime_now"] = CHAT_DATE.strftime
 
 
 def _by_prefixes(row: int, messages: list[dict[str, Any]], template: str,
@@ -145,7 +137,3 @@ def _by_prefixes(row: int, messages: list[dict[str, Any]], template: str,
         spans.append((len(before), len(through)))
     return full, spans
 
-
-def _rstrip(text: str, span: Span) -> Span:
-    start, end = span
-    return start, start + len(text[start:end].rstrip())

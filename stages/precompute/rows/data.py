@@ -135,7 +135,7 @@ def load_texts(setup: RowSetup) -> Dataset | IterableDataset:
     streaming = isinstance(ds, datasets.IterableDataset)
     if streaming and not setup.streaming:
         raise PrecomputeError(f"dataset {setup.data!r} loaded as a stream; add --streaming to read it as one")
-    names = column_names(ds)
+    names = list(ds.column_names or next(iter(ds), {}))  # a stream shows its columns on its first row
     for column, flag in _columns(setup):
         if column not in names:
             raise PrecomputeError(f"dataset {setup.data!r} has no column {column!r}; its columns are: "
@@ -145,16 +145,12 @@ def load_texts(setup: RowSetup) -> Dataset | IterableDataset:
     return ds
 
 
-def column_names(ds: Dataset | IterableDataset) -> list[str]:
-    """A dataset's columns; a stream that has not inferred its features yet shows them on its first row."""
-    return list(ds.column_names or next(iter(ds), {}))
-
-
 def _columns(setup: RowSetup) -> list[tuple[str, str]]:
-    """(column, flag that names it) of every column this run reads."""
+    """(column, flag that names it) of every column this run reads (a pair's source is its ``text_column``)."""
     if setup.messages_column:
         return [(setup.messages_column, "--messages-column")]
     wanted = [(setup.text_column, "--text-column")]
+    wanted += [(setup.target_column, "--target-column")] if setup.target_column else []
     return wanted + ([(setup.mask_column, "--mask-column")] if setup.mask_column else [])
 
 
@@ -163,7 +159,11 @@ def _load_dataset(setup: RowSetup, files: list[str] | None) -> Dataset | Iterabl
     if files is None:
         return datasets.load_dataset(setup.data, setup.data_config, split=setup.split, revision=None,
                                      streaming=setup.streaming)
-    builder = _builder_for(files, setup.data)
+    kinds = {DATA_EXTENSIONS.get(Path(f).suffix.lower()) for f in files}
+    builder = next(iter(kinds))
+    if len(kinds) != 1 or builder is None:
+        raise PrecomputeError(f"data {setup.data!r}: expected files of one kind among "
+                              f"{', '.join(sorted(DATA_EXTENSIONS))}, got {sorted(Path(f).name for f in files)[:5]}")
     if all(os.path.getsize(f) == 0 for f in files):  # datasets fails on these with a bare StopIteration
         raise PrecomputeError(f"dataset {setup.data!r} is empty: {len(files)} file(s) of 0 bytes")
     # Naming the split in data_files lets a local file serve any --split the user names. Streamed files are read
@@ -187,15 +187,6 @@ def local_files(data: str) -> list[str] | None:
     if looks_like_path(data, data=True):
         raise PrecomputeError(f"data: no file or folder matches {data!r}")
     return None
-
-
-def _builder_for(files: list[str], data: str) -> str:
-    kinds = {DATA_EXTENSIONS.get(Path(f).suffix.lower()) for f in files}
-    kind = next(iter(kinds))
-    if len(kinds) != 1 or kind is None:
-        raise PrecomputeError(f"data {data!r}: expected files of one kind among "
-                              f"{', '.join(sorted(DATA_EXTENSIONS))}, got {sorted(Path(f).name for f in files)[:5]}")
-    return kind
 
 
 def no_rows_error(setup: RowSetup, empty: int, untrained: int) -> PrecomputeError:
@@ -320,12 +311,7 @@ def load_pairs(setup: RowSetup) -> Dataset | IterableDataset:
     if setup.messages_column or setup.mask_column:
         raise PrecomputeError("messages_column / mask_column: an encoder-decoder teacher is trained on its whole "
                               "target text; use --source-column and --target-column")
-    ds = load_texts(replace(setup, text_column=setup.source))
-    names = column_names(ds)
-    if setup.target_column not in names:
-        raise PrecomputeError(f"dataset {setup.data!r} has no column {setup.target_column!r}; its columns are: "
-                              f"{', '.join(names)} (set --target-column)")
-    return ds
+    return load_texts(replace(setup, text_column=setup.source))
 
 
 def encode_pairs(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,

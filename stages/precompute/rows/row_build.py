@@ -60,7 +60,7 @@ from kdcache.storage import hash_bytes, hash_json
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from datasets import Dataset, Features, IterableDataset
+    from datasets import Dataset, IterableDataset
     from transformers import PreTrainedTokenizerBase
 
 _BATCH = 1000  # dataset rows per tokenizer call
@@ -119,17 +119,16 @@ def pair_streams(setup: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenSt
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
         encode = functools.partial(encode_pairs, tokenizer=tokenizer, setup=setup)
         dropped = 0
-        for batch in encoded_batches(_loaded(load_pairs, setup), encode, setup, writer.path,
-                                     PAIR_COLUMNS):
-            for src, tgt in zip(batch["src"], batch["tgt"]):
-                if not len(src):
-                    dropped += 1
-                    continue
-                src, tgt = np.asarray(src, dtype=np.int32), np.asarray(tgt, dtype=np.int32)
-                writer.add({"encoder/input_ids": src, "encoder/loss_mask": np.ones(len(src), dtype=np.uint8),
-                            "decoder/input_ids": tgt, "decoder/loss_mask": np.ones(len(tgt), dtype=np.uint8)})
-                if setup.max_sequences is not None and writer.rows >= setup.max_sequences:
-                    return pair_fingerprint(setup), {"dropped": {"empty": dropped, "untrained": 0}}
+        batches = encoded_batches(_loaded(load_pairs, setup), encode, setup, writer.path, PAIR_COLUMNS)
+        for src, tgt in ((s, t) for batch in batches for s, t in zip(batch["src"], batch["tgt"])):
+            if not len(src):
+                dropped += 1
+                continue
+            src, tgt = np.asarray(src, dtype=np.int32), np.asarray(tgt, dtype=np.int32)
+            writer.add({"encoder/input_ids": src, "encoder/loss_mask": np.ones(len(src), dtype=np.uint8),
+                        "decoder/input_ids": tgt, "decoder/loss_mask": np.ones(len(tgt), dtype=np.uint8)})
+            if setup.max_sequences is not None and writer.rows >= setup.max_sequences:
+                break
         if not writer.rows:
             raise no_pairs_error(setup, dropped)
         return pair_fingerprint(setup), {"dropped": {"empty": dropped, "untrained": 0}}
@@ -183,16 +182,6 @@ def tokenizer_key(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
             "eos": tokenizer.eos_token_id}
 
 
-def workers(setup: RowSetup, rows: int) -> int:
-    """Processes to tokenize ``rows`` dataset rows with: ``--tokenize-workers``, else the host's cores, fewer
-    for small data."""
-    wanted = setup.tokenize_workers
-    if wanted:
-        return wanted
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, rows // _ROWS_PER_WORKER))
-
-
 def encoded_batches(ds: Dataset | IterableDataset, encode: Encode, setup: RowSetup, scratch: Path,
                     columns: dict[str, str]) -> Iterator[dict[str, Any]]:
     """``encode``'s output over the dataset, batch by batch, in dataset order.
@@ -202,17 +191,18 @@ def encoded_batches(ds: Dataset | IterableDataset, encode: Encode, setup: RowSet
     ``scratch`` (removed when the batches are read, so the row table keeps no second copy of the tokens), read
     back a batch at a time. ``columns`` names ``encode``'s output columns and their Arrow value types.
     """
-    if isinstance(ds, datasets.IterableDataset) or setup.max_sequences is not None:
-        yield from _in_process(ds, encode)
-        return
-    procs = workers(setup, len(ds))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # --tokenize-workers, else the host's cores, fewer for small data
+    procs = 1 if isinstance(ds, datasets.IterableDataset) or setup.max_sequences is not None else (
+        setup.tokenize_workers or max(1, min(cores, len(ds) // _ROWS_PER_WORKER)))
     if procs == 1:
         yield from _in_process(ds, encode)
         return
     with tempfile.TemporaryDirectory(dir=scratch, prefix="tokenized-") as folder:
         out = ds.map(encode, batched=True, batch_size=_BATCH, with_indices=True, num_proc=procs,
                      remove_columns=ds.column_names, cache_file_name=os.path.join(folder, "docs.arrow"),
-                     features=_doc_features(columns), desc="tokenizing")
+                     features=datasets.Features({name: datasets.Sequence(datasets.Value(kind))
+                                                 for name, kind in columns.items()}), desc="tokenizing")
         for batch in _file_batches(out) or out.data.to_batches(max_chunksize=_BATCH):
             yield {name: _lists(batch.column(name)) for name in batch.schema.names}
 
@@ -225,10 +215,6 @@ def _in_process(ds: Dataset | IterableDataset, encode: Encode) -> Iterator[dict[
         count = len(next(iter(batch.values())))
         yield encode(batch, list(range(start, start + count)))
         start += count
-
-
-def _doc_features(columns: dict[str, str]) -> Features:
-    return datasets.Features({name: datasets.Sequence(datasets.Value(kind)) for name, kind in columns.items()})
 
 
 def _file_batches(ds: Dataset | IterableDataset) -> Iterator[pa.RecordBatch] | None:

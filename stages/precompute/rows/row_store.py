@@ -129,7 +129,7 @@ class RowWriter:
 
     def __init__(self, path: Path, names: Sequence[str]) -> None:
         self.path, self.names = path, tuple(names)
-        self._dtypes = {n: _dtype(n) for n in self.names}
+        self._dtypes = {n: np.dtype(_ARROW_TYPES[kind_of(n)]) for n in self.names}
         self._schema = pa.schema([(n, pa.list_(pa.from_numpy_dtype(self._dtypes[n]))) for n in self.names])
         self._sink = pa.OSFile(str(path / "rows.arrow"), "wb")
         self._file = pa.ipc.new_file(self._sink, self._schema)
@@ -182,10 +182,6 @@ class RowWriter:
                 "max_id": self.max_id, **extra}
         (self.path / "rows.json").write_bytes(canonical_json(meta))
         return meta
-
-
-def _dtype(name: str) -> np.dtype:
-    return np.dtype(_ARROW_TYPES[kind_of(name)])
 
 
 # Builds the rows into the writer; returns (data fingerprint without the hashes, extra fields for rows.json).
