@@ -34,20 +34,18 @@ class AttentionAgreement:
     Args:
         spec: the cache's spec (its ``attention_source`` and ``attention_scores``).
         pairs: the run's attention pairs whose teacher block is cached.
-        student: the student; maps need its eager attention, a q/k cache records its queries and keys (None only
-            where there is no pair).
+        student: the student; maps need its eager attention, a q/k cache records its queries and keys.
         causal: the student's causality.
     """
 
-    def __init__(self, spec: CacheSpec, pairs: list[Pair], student: PreTrainedModel | None, causal: bool) -> None:
+    def __init__(self, spec: CacheSpec, pairs: list[Pair], student: PreTrainedModel, causal: bool) -> None:
         self.source, self.scores = attention_sources.of(spec.attention_layout), spec.attention_scores
         self.pairs = pairs
         self.sums = dict.fromkeys((pair_key(p) for p in pairs), 0.0)
         self.rows = 0
         blocks = sorted({s for s, _ in pairs})
-        self.recorder = (QKRecorder(student, blocks, causal)
-                         if not self.source.student_maps and pairs and student is not None else None)
-        if self.source.student_maps and pairs and student is not None:
+        self.recorder = QKRecorder(student, blocks, causal) if not self.source.student_maps and pairs else None
+        if self.source.student_maps and pairs:
             use_maps_attention(student)  # fused kernels return no maps; eager's come after dropout
 
     @property
