@@ -22,15 +22,7 @@ from kdcache.stages.train.core.masks import TokenMasks
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Average the valid tokens of each sequence.
-
-    Args:
-        hidden: [B, L, d] states.
-        mask: [B, L], 1 for real tokens.
-
-    Returns:
-        [B, d] sentence embeddings.
-    """
+    """``[B, d]`` sentence embeddings: the mean of ``hidden [B, L, d]`` over the real tokens of ``mask [B, L]``."""
     weights = mask.to(hidden.dtype).unsqueeze(-1)
     return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
 

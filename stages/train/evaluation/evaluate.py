@@ -205,7 +205,7 @@ class _EvalState:
         self.names = spec.token_names()
         self.names += [prefixed(s, f"hidden/{j}") for s, layers in cached.items() for j in layers]
         self.names += spec.logit_arrays() if self.lm is not None else []
-        _check_inputs(reader, facts, self.final, cached[self.main], self.kind, self.notes)
+        _check_inputs(bool(spec.logits), self.final, cached[self.main], self.kind, self.notes)
         cached_blocks = set(spec.attention_layers)
         self.attention = AttentionAgreement(spec, [p for p in attention_pairs if p[1] in cached_blocks], model,
                                             facts.is_causal)
@@ -266,17 +266,15 @@ def check_student_fits(reader: CacheReader, facts: StudentFacts, tokenizer: dict
         raise CacheCheckError(problems, what="evaluation cannot start")
 
 
-def _check_inputs(reader: CacheReader, facts: StudentFacts, final: int | None, cached: list[int], kind: str,
-                  notes: list[str]) -> None:
-    """Refuse a teacher layer the cache lacks; note what will be skipped."""
-    spec = reader.spec
+def _check_inputs(logits: bool, final: int | None, cached: list[int], kind: str, notes: list[str]) -> None:
+    """Refuse a teacher layer the cache lacks; note what will be skipped (``logits``: the cache holds teacher's)."""
     if final is None:
         notes.append("the cache holds no hidden states: no CKA and no final-state agreement")
     if final is not None and final not in cached:
         raise EvaluationError(f"teacher layer {final} is not in the cache (it holds {cached})")
-    if kind == "encoder" and spec.logits:
+    if kind == "encoder" and logits:
         notes.append("the cache has logits but the student is not a causal LM: logit metrics skipped")
-    if kind != "encoder" and not spec.logits:
+    if kind != "encoder" and not logits:
         notes.append("the cache holds no teacher logits: perplexity only (no top-1 agreement, no KL)")
 
 

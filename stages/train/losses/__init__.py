@@ -71,9 +71,7 @@ def registered_losses() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_loss(name: str) -> Callable[..., object]:
-    """The loss callable registered as ``name``; ``LossError`` listing the registered names otherwise."""
-    return _REGISTRY.lookup(name)
+get_loss = _REGISTRY.lookup  # the loss callable registered as a name; LossError listing the registered names otherwise
 
 
 __all__ = [

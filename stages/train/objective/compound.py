@@ -52,16 +52,21 @@ CE_KINDS = ("causal", "token")
 
 
 class StudentOutput(Protocol):
-    """What the loss reads of a student's forward outputs: a transformers ``ModelOutput`` or one stream's view of it
+    """What the losses read of a student's forward outputs: a transformers ``ModelOutput`` or one stream's view of it
     (``distill.student_view``). ``logits [B, L, V]`` is None for an encoder without an LM head; the optional
     fields (``hidden_states``, ``attentions``, ``attention_qkv``) are looked up by name, so a missing one is
-    reported with the flag that asks for it (``_student_field``)."""
+    reported with the flag that asks for it (``_student_field``). ``attentions`` are the maps (``[B, H, L, L]`` per
+    block, eager attention); under a q/k recorder (``recording.recorded``) ``attention_qkv`` holds the queries and
+    keys instead."""
 
     @property
     def logits(self) -> torch.Tensor | HeadLogits | None: ...
 
     @property
     def hidden_states(self) -> Sequence[torch.Tensor]: ...  # [B, L, d_s] each, 0 = embeddings (when asked for)
+
+    attentions: tuple[torch.Tensor, ...]
+    attention_qkv: dict[int, Captured]
 
 
 class RunLoss(Protocol):
@@ -179,8 +184,7 @@ class CompoundLoss(nn.Module):
         # A micro-batch with nothing to count (rare: a loss mask leaves no trained token or no prediction) adds 0 to
         # a term, tied to the graph, rather than stopping the run. The vocabulary terms, mse and cosine divide by a
         # count on the device and add that 0 themselves (so do the hidden losses that say they are empty-safe);
-        # asking the others costs a host sync, so only they ask.
-        # Those others: attention, and a hidden loss that is not empty-safe (CKA, wgan).
+        # asking the others (attention, CKA, wgan) costs a host sync, so only they ask.
         needs_counts = bool(self.attention_map) or (bool(self.layer_map) and not self.hidden_loss.empty_safe)
         any_trained, any_predicts = masks.counted() if needs_counts else (True, True)
         if self.weights["ce"] > 0:
@@ -236,7 +240,6 @@ class CompoundLoss(nn.Module):
 
     def _add_kl(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
                 vocab: dict[str, ChunkTerm], any_predicts: bool) -> None:
-        mask = masks.predicts
         logits = getattr(out, "logits", None)
         if logits is not None and not any_predicts:  # the term keeps its name: every rank logs the same keys
             terms[self._kind_of(targets).term] = tied_zero(logits)
@@ -245,7 +248,7 @@ class CompoundLoss(nn.Module):
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
         kind = self._kind_of(targets)
         setup = KlSetup(self.temperature, self.topk_variant, self.teacher_head)
-        vocab[kind.term] = kind.chunk_term(logits, targets, mask, setup)
+        vocab[kind.term] = kind.chunk_term(logits, targets, masks.predicts, setup)
 
     def _kind_of(self, targets: Mapping[str, torch.Tensor]) -> LogitKind:
         """The cache's logit kind when the loss was told its mode, else the one the batch's arrays mark (the head's
