@@ -27,11 +27,6 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
 
 
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman rank correlation of two 1-D arrays (scipy's, with average ranks for ties)."""
-    return float(spearmanr(a, b).statistic)
-
-
 class CkaMatrix:
     """Exact linear CKA between every student layer and every teacher layer, over all valid tokens.
 
@@ -145,7 +140,8 @@ def final_state_agreement(student: torch.Tensor, teacher: torch.Tensor, projecto
         sims = (unit @ unit.T).numpy()
         return sims[np.triu_indices(len(sims), k=1)]
 
-    out: dict[str, Any] = {"spearman": spearman(pairwise(student), pairwise(teacher))}
+    # scipy's Spearman, with average ranks for ties
+    out: dict[str, Any] = {"spearman": float(spearmanr(pairwise(student), pairwise(teacher)).statistic)}
     key = f"layers.s{depth}_t{final}"
     if student.shape[-1] == teacher.shape[-1]:
         out["cosine"] = float(F.cosine_similarity(student.double(), teacher.double()).mean())
