@@ -128,13 +128,6 @@ def student_mask(alignment: Alignment, teacher_mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def span_mask(alignment: Alignment, teacher_mask: np.ndarray) -> np.ndarray:
-    """``[K]`` uint8: a span counts in the span losses when its last teacher token is trained (as the ordinary
-    losses count a token by its own mask)."""
-    last = alignment.last("teacher")
-    return np.asarray(teacher_mask)[last].astype(np.uint8) if alignment.spans else np.zeros(0, np.uint8)
-
-
 def student_ends(tokenizer: object, text: str, *, max_length: int | None = None,
                  add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The student's ``(ids [L_s] int64, ends [L_s] int32)`` for a row's text, ends by the same piece rule as the

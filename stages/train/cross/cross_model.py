@@ -54,8 +54,6 @@ if TYPE_CHECKING:
     from kdcache.stages.train.core.options import TrainOptions
     from kdcache.storage import CacheReader
 
-CROSS_LOSSES = ("gold", "uld")  # --cross-tokenizer's choices, names in the loss registry
-
 
 class SpanAligner:
     """Student tokens and spans per cached sequence, computed on first use and kept (they never change), from the
