@@ -85,23 +85,9 @@ def _arrow() -> ModuleType:
     return pyarrow
 
 
-def encode_texts(texts: Sequence[str], ends: Sequence[np.ndarray]) -> bytes:
-    """The folder's Arrow IPC file for rows ``texts`` with their ``text_end`` arrays, in cache order."""
-    pa = _arrow()
-    offsets = np.zeros(len(ends) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in ends], out=offsets[1:])
-    values = np.concatenate([np.asarray(e, dtype=np.int32) for e in ends]) if ends else np.zeros(0, np.int32)
-    table = pa.table({"text": pa.array(list(texts), type=pa.large_string()),
-                      "text_end": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))})
-    sink = io.BytesIO()
-    with pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue()
-
-
 def save_texts(store: Store, texts: Sequence[np.ndarray], ends: Sequence[np.ndarray]) -> None:
-    """Write ``texts/`` into ``store`` (whole, with its sealed table; kept when already complete, so ranks and
-    resumed runs may all call it).
+    """Write ``texts/`` into ``store``: its Arrow IPC file, rows in cache order (whole, with its sealed table; kept
+    when already complete, so ranks and resumed runs may all call it).
 
     Args:
         texts: per sequence its text as UTF-8 bytes (uint8 ``[C_i]``, the row table's column).
@@ -109,18 +95,23 @@ def save_texts(store: Store, texts: Sequence[np.ndarray], ends: Sequence[np.ndar
     """
     if has_texts(store):
         return
+    pa = _arrow()
     decoded = [bytes(np.asarray(t, dtype=np.uint8)).decode("utf-8") for t in texts]
-    put_files(store, TEXTS_FOLDER, {TEXTS_FILE: encode_texts(decoded, ends)})
+    offsets = np.zeros(len(ends) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in ends], out=offsets[1:])
+    values = np.concatenate([np.asarray(e, dtype=np.int32) for e in ends]) if ends else np.zeros(0, np.int32)
+    table = pa.table({"text": pa.array(decoded, type=pa.large_string()),
+                      "text_end": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))})
+    sink = io.BytesIO()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    put_files(store, TEXTS_FOLDER, {TEXTS_FILE: sink.getvalue()})
 
 
 @dataclass
 class CacheTexts:
-    """A cache's recorded texts, read whole into memory (text is small beside the cache's targets).
-
-    Attributes:
-        texts: the row texts, by global sequence index.
-        ends: the ``text_end`` arrays, by global sequence index.
-    """
+    """A cache's recorded texts and their ``text_end`` arrays by global sequence index, read whole into memory
+    (text is small beside the cache's targets)."""
 
     texts: list[str]
     ends: list[np.ndarray]

@@ -24,7 +24,6 @@ def document_attention_mask(position_ids: torch.Tensor, mask: torch.Tensor, *, c
         position_ids: ``[B, L]``, restarting at 0 at each document (anything at padding).
         mask: ``[B, L]``, 1 for a real token.
         causal: also forbid attending to later tokens (decoder LMs).
-        dtype: the model's compute dtype.
 
     Returns:
         ``[B, 1, L, L]``: 0 where query q may attend key k (same document, real key, and k <= q when causal),
@@ -53,7 +52,6 @@ def documents_apart_problem(model: torch.nn.Module, input_ids: torch.Tensor, mas
     document's last hidden states.
 
     Args:
-        model: a Hugging Face model.
         input_ids, mask, position_ids: ``[B, L]`` a padded batch of packed rows.
         causal: whether the model attends causally.
     """

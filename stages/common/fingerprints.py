@@ -63,7 +63,8 @@ def weights_fingerprint(model_dir: str | Path | None, state_dict: dict[str, Any]
     model without files (built in memory) it hashes the tensors of ``state_dict``.
     """
     h = StreamHash()
-    files = _weight_files(model_dir) if model_dir is not None else []
+    root = Path(model_dir) if model_dir is not None else None
+    files = sorted({p for pat in ("*.safetensors", "*.bin", "*.pt") for p in root.glob(pat)}) if root else []
     if files:
         for path in files:
             h.update(path.name.encode())
@@ -79,10 +80,3 @@ def weights_fingerprint(model_dir: str | Path | None, state_dict: dict[str, Any]
         h.update(tensor.view(-1).view(dtype=torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
-
-def _weight_files(model_dir: str | Path) -> list[Path]:
-    root = Path(model_dir)
-    if not root.is_dir():
-        return []
-    patterns = ("*.safetensors", "*.bin", "*.pt")
-    return sorted({p for pat in patterns for p in root.glob(pat)})

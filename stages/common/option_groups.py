@@ -30,9 +30,7 @@ def groups(cls: type) -> dict[str, type] | None:
     """Group name -> group class, or None when ``cls`` has plain fields (a flat option class)."""
     hints = typing.get_type_hints(cls)
     found = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-    if all(dataclasses.is_dataclass(tp) for tp in found.values()):
-        return found
-    return None
+    return found if all(dataclasses.is_dataclass(tp) for tp in found.values()) else None
 
 
 def option(default: T, help_text: str, **meta: object) -> T:

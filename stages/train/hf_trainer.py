@@ -25,7 +25,8 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_m
 from kdcache.stages.train.api import ApiError, CacheDataset, check_tokenizer, seed_dropout
 from kdcache.stages.train.checkpoint import PROJECTORS_FILE, read_projectors, save_projectors, write_plan
 from kdcache.stages.train.core.checks import open_cache
-from kdcache.stages.train.evaluation.heldout import HeldOut, lm_kind
+from kdcache.stages.train.evaluation.evaluate import lm_kind
+from kdcache.stages.train.evaluation.heldout import HeldOut
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB
 from kdcache.stages.train.feed.streaming import CacheStream, DataPosition, check_resumable, resumable_state
 from kdcache.stages.train.hf_args import DistillationArguments, options_of

@@ -42,7 +42,8 @@ from kdcache.stages.train.core.student import (
 )
 from kdcache.stages.train.cross.cross_model import build_cross_model, without_logit_kl
 from kdcache.stages.train.engine import DistInfo, build_engine, init_distributed
-from kdcache.stages.train.evaluation.heldout import HeldOut, lm_kind
+from kdcache.stages.train.evaluation.evaluate import lm_kind
+from kdcache.stages.train.evaluation.heldout import HeldOut
 from kdcache.stages.train.feed.device_feed import DeviceFeed
 from kdcache.stages.train.feed.streaming import (
     BatchExtension,

@@ -63,9 +63,6 @@ def align(teacher_end: np.ndarray, student_end: np.ndarray) -> Alignment:
     Args:
         teacher_end: ``[L_t]`` non-decreasing character ends of the teacher's tokens.
         student_end: ``[L_s]`` non-decreasing character ends of the student's tokens over the same text.
-
-    Returns:
-        the ``Alignment``.
     """
     te, se = np.asarray(teacher_end, dtype=np.int64), np.asarray(student_end, dtype=np.int64)
     t_span, s_span = np.full(len(te), -1, np.int64), np.full(len(se), -1, np.int64)
@@ -131,21 +128,12 @@ def student_mask(alignment: Alignment, teacher_mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def span_mask(alignment: Alignment, teacher_mask: np.ndarray) -> np.ndarray:
-    """``[K]`` uint8: a span counts in the span losses when its last teacher token is trained (as the ordinary
-    losses count a token by its own mask)."""
-    last = alignment.last("teacher")
-    return np.asarray(teacher_mask)[last].astype(np.uint8) if alignment.spans else np.zeros(0, np.uint8)
-
-
 def student_ends(tokenizer: object, text: str, *, max_length: int | None = None,
                  add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The student's ``(ids [L_s] int64, ends [L_s] int32)`` for a row's text, ends by the same piece rule as the
     teacher's (``cache_texts.token_pieces``).
 
     Args:
-        tokenizer: the student's fast tokenizer.
-        text: the row's recorded text.
         max_length: cut the student's tokens here (its position limit).
         add_special_tokens: let the tokenizer add its BOS/EOS (they cover no character), as it does for the
             student in its own training and use: a Llama-style student without its BOS predicts worse than it can,

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ from kdcache.stages.train.losses import (
     span_mean,
     span_rows,
 )
-from kdcache.stages.train.objective.compound import RunLoss, StudentOutput
+from kdcache.stages.train.objective.compound import RunLoss
 from kdcache.storage import ArrayKind, read_table
 
 if TYPE_CHECKING:
@@ -54,29 +54,10 @@ if TYPE_CHECKING:
     from kdcache.stages.train.core.options import TrainOptions
     from kdcache.storage import CacheReader
 
-CROSS_LOSSES = ("gold", "uld")  # --cross-tokenizer's choices, names in the loss registry
-
-
-class CrossRunLoss(RunLoss, Protocol):
-    """What the cross-tokenizer model reads of the run's loss (``train.loss.DistillationLoss``, a floor above):
-    besides ``RunLoss``, its forward of the student (with its decision on the student's LM head) and the loss itself."""
-
-    announce_head: bool
-
-    def student_outputs(self, student: object, batch: Mapping[str, Any]) -> Any: ...
-
-    def __call__(self, student_outputs: StudentOutput, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ...
-
 
 class SpanAligner:
-    """Student tokens and spans per cached sequence, computed on first use and kept (they never change).
-
-    Args:
-        texts: the cache's recorded texts.
-        tokenizer: the student's fast tokenizer.
-        max_length: the student's position limit (its tokens are cut there).
-    """
+    """Student tokens and spans per cached sequence, computed on first use and kept (they never change), from the
+    cache's recorded ``texts`` by the student's fast ``tokenizer``, cut at ``max_length`` (its position limit)."""
 
     def __init__(self, texts: CacheTexts, tokenizer: PreTrainedTokenizerBase, max_length: int | None):
         self.texts, self.tokenizer, self.max_length = texts, tokenizer, max_length
@@ -100,8 +81,9 @@ class SpanAligner:
                 raise MissingTextError(f"sequence {i}: the batch holds {len(t_mask)} teacher tokens but its recorded "
                                        f"text has {len(a.teacher_span)}; the cache's texts/ do not belong to its "
                                        f"shards")
-        out = _empty_side(len(rows), max(max(len(ids) for ids, _ in rows), 1), max(len(m) for m in teacher_masks),
-                          max(max(a.spans for _, a in rows), 1))
+        sizes = {"ls": max(max(len(ids) for ids, _ in rows), 1), "lt": max(len(m) for m in teacher_masks),
+                 "k": max(max(a.spans for _, a in rows), 1)}
+        out = {name: np.full((len(rows), sizes[n]), fill, np.int64) for name, (n, fill) in _SIDE.items()}
         for b, ((ids, a), t_mask) in enumerate(zip(rows, teacher_masks)):
             n, spans = len(ids), a.spans
             out["student/input_ids"][b, :n], out["student/mask"][b, :n] = ids, 1
@@ -117,27 +99,18 @@ class SpanAligner:
     def extend(self, batch: dict[str, Any]) -> None:
         """Add the student's side (``batch``'s keys above) to a collated host batch, in place: the reader's
         ``streaming.BatchExtension``, so tokenizing and aligning run where batches are made, off the step."""
-        batch.update(self.batch(batch["sample_ids"].tolist(), teacher_masks(batch)))
+        # Each row's teacher loss mask [L_t] (all ones without a cached one), cut to its real tokens.
+        real = batch["mask"].cpu().numpy().astype(bool)
+        loss = batch["loss_mask"].cpu().numpy() if ArrayKind.LOSS_MASK in batch else real.astype(np.int64)
+        batch.update(self.batch(batch["sample_ids"].tolist(), [loss[b][real[b]] for b in range(len(real))]))
 
 
-SIDE_KEYS = ("student/input_ids", "student/mask", "student/loss_mask", "student_span", "teacher_span",
-             "teacher_last", "student_last", "span_real", "aligned")  # what SpanAligner.batch adds
-
-
-def _empty_side(rows: int, ls: int, lt: int, k: int) -> dict[str, np.ndarray]:
-    """The student side's arrays of a batch before filling: zeros, and -1 (no token) for the span indexes."""
-    zeros = {name: np.zeros((rows, n), np.int64) for name, n in
-             (("student/input_ids", ls), ("student/mask", ls), ("student/loss_mask", ls), ("span_real", k))}
-    none = {name: np.full((rows, n), -1, np.int64) for name, n in
-            (("student_span", ls), ("teacher_span", lt), ("teacher_last", k), ("student_last", k))}
-    return {**zeros, **none}
-
-
-def teacher_masks(batch: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
-    """Each row's teacher loss mask ``[L_t]`` (all ones without a cached one), cut to its real tokens."""
-    real = batch["mask"].cpu().numpy().astype(bool)
-    loss = batch["loss_mask"].cpu().numpy() if ArrayKind.LOSS_MASK in batch else real.astype(np.int64)
-    return [loss[b][real[b]] for b in range(len(real))]
+# What SpanAligner.batch adds, but "aligned": per key the length it is padded to (student tokens, teacher tokens or
+# spans) and its padding (-1: no token, for the span indexes).
+_SIDE = {"student/input_ids": ("ls", 0), "student/mask": ("ls", 0), "student/loss_mask": ("ls", 0),
+         "student_span": ("ls", -1), "teacher_span": ("lt", -1), "teacher_last": ("k", -1),
+         "student_last": ("k", -1), "span_real": ("k", 0)}
+SIDE_KEYS = (*_SIDE, "aligned")
 
 
 class CrossDistillModel(nn.Module):
@@ -148,7 +121,7 @@ class CrossDistillModel(nn.Module):
     shared: torch.Tensor  # [V_t] buffers (registered below): per teacher id its student id, -1 where none
     student_shared: torch.Tensor  # [V_s] bool: the student ids some teacher id maps to
 
-    def __init__(self, student: PreTrainedModel, criterion: CrossRunLoss, aligner: SpanAligner, shared: torch.Tensor,
+    def __init__(self, student: PreTrainedModel, criterion: RunLoss, aligner: SpanAligner, shared: torch.Tensor,
                  *, vocab_loss: str, alpha: float, beta: float, temperature: float, topk_kl: str = "renorm",
                  announce: bool = False):
         super().__init__()
@@ -174,7 +147,11 @@ class CrossDistillModel(nn.Module):
         if missing:  # a stream built without the aligner's extension: a wiring fault, not a user's
             raise RuntimeError(f"cross-tokenizer batch lacks {missing}: stream it with SpanAligner.extend")
         side = {k: batch[k] for k in SIDE_KEYS}
-        out = self._student_forward(side)
+        # The student on its own tokens, run by the criterion as on the ordinary path: ``logits`` as ``HeadLogits``
+        # where its head is a plain linear layer (``[B, L_s, V_s]`` never built), else materialised. Its rows are
+        # one text each (no ``position_ids``), so there are no packed documents to keep apart.
+        out = self.criterion.student_outputs(self.student, {"input_ids": side["student/input_ids"],
+                                                             "mask": side["student/mask"]})
         s_masks = token_masks(side["student/mask"], side["student/loss_mask"], causal=True)
         t_masks = token_masks(batch["mask"], batch.get("loss_mask"), batch.get("position_ids"), causal=True)
         real = side["span_real"].bool()
@@ -197,13 +174,6 @@ class CrossDistillModel(nn.Module):
         share = side["aligned"]
         return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs,
                 "aligned_share": (share[0] / share[1].clamp_min(1.0)).to(device)}
-
-    def _student_forward(self, side: Mapping[str, torch.Tensor]) -> Any:
-        """The student on its own tokens, run by the criterion as on the ordinary path: ``logits`` as ``HeadLogits``
-        where its head is a plain linear layer (``[B, L_s, V_s]`` never built), else materialised. Its rows are
-        one text each (no ``position_ids``), so there are no packed documents to keep apart."""
-        return self.criterion.student_outputs(self.student, {"input_ids": side["student/input_ids"],
-                                                              "mask": side["student/mask"]})
 
     def _vocab_term(self, logits: torch.Tensor | HeadLogits, batch: Mapping[str, torch.Tensor],
                     side: Mapping[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -233,7 +203,7 @@ class CrossDistillModel(nn.Module):
         return self.criterion(SimpleNamespace(logits=None, hidden_states=pooled, attentions=None), spans)
 
 
-def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, criterion: CrossRunLoss,
+def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, criterion: RunLoss,
                       *, announce: bool) -> CrossDistillModel:
     """The cross-tokenizer model for this run: texts read (and checked) once, the student's tokenizer loaded, the
     shared vocabulary mapped."""

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -21,44 +22,9 @@ from kdcache.stages.train.core.masks import TokenMasks
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Average the valid tokens of each sequence.
-
-    Args:
-        hidden: [B, L, d] states.
-        mask: [B, L], 1 for real tokens.
-
-    Returns:
-        [B, d] sentence embeddings.
-    """
+    """``[B, d]`` sentence embeddings: the mean of ``hidden [B, L, d]`` over the real tokens of ``mask [B, L]``."""
     weights = mask.to(hidden.dtype).unsqueeze(-1)
     return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman rank correlation of two 1-D arrays (scipy's, with average ranks for ties)."""
-    return float(spearmanr(a, b).statistic)
-
-
-def similarity_agreement(student_emb: torch.Tensor, teacher_emb: torch.Tensor) -> dict[str, float]:
-    """Compare two sets of sentence embeddings of the same sentences.
-
-    Args:
-        student_emb: [n, d_s].
-        teacher_emb: [n, d_t].
-
-    Returns:
-        ``spearman``: of the off-diagonal pairwise cosine similarities; ``cosine``: mean per-sentence cosine,
-        only when d_s == d_t.
-    """
-    def pairwise(emb: torch.Tensor) -> np.ndarray:
-        unit = torch.nn.functional.normalize(emb.double(), dim=-1)
-        sims = (unit @ unit.T).numpy()
-        return sims[np.triu_indices(len(sims), k=1)]
-
-    out = {"spearman": spearman(pairwise(student_emb), pairwise(teacher_emb))}
-    if student_emb.shape[-1] == teacher_emb.shape[-1]:
-        out["cosine"] = float(torch.nn.functional.cosine_similarity(student_emb.double(), teacher_emb.double()).mean())
-    return out
 
 
 class CkaMatrix:
@@ -73,20 +39,21 @@ class CkaMatrix:
     def __init__(self, student_layers: list[int], teacher_layers: list[int]):
         self.student_layers, self.teacher_layers = list(student_layers), list(teacher_layers)
         self.n = 0
-        self.sums: dict[str, torch.Tensor] = {}
-        self.grams: dict[str, torch.Tensor] = {}
+        # Per side key its rows' sum and Gram matrix, per pair key its cross products; 0 until the first batch.
+        self.sums: defaultdict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        self.grams: defaultdict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
 
     def update(self, student: dict[int, torch.Tensor], teacher: dict[int, torch.Tensor]) -> None:
         """Add one batch. Args: ``{layer: [N_v, d]}`` valid-token rows of each side (same N_v, same order)."""
         sides = {f"s{j}": v.double() for j, v in student.items()}
         sides.update({f"t{j}": v.double() for j, v in teacher.items()})
         self.n += next(iter(sides.values())).shape[0]
-        for key, rows in sides.items():
-            self._add(self.sums, key, rows.sum(0))
-            self._add(self.grams, key, rows.T @ rows)
+        for key, rows in sides.items():  # never in place: the first batch's sum replaces the 0-dim zero
+            self.sums[key] = self.sums[key] + rows.sum(0)
+            self.grams[key] = self.grams[key] + rows.T @ rows
         for s in self.student_layers:
             for t in self.teacher_layers:
-                self._add(self.grams, f"t{t}s{s}", sides[f"t{t}"].T @ sides[f"s{s}"])
+                self.grams[f"t{t}s{s}"] = self.grams[f"t{t}s{s}"] + sides[f"t{t}"].T @ sides[f"s{s}"]
 
     def matrix(self) -> np.ndarray:
         """``[len(student_layers), len(teacher_layers)]`` CKA values in [0, 1]."""
@@ -102,10 +69,6 @@ class CkaMatrix:
 
     def _centred(self, gram: str, left: str, right: str) -> torch.Tensor:
         return self.grams[gram] - torch.outer(self.sums[left], self.sums[right]) / self.n
-
-    @staticmethod
-    def _add(store: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
-        store[key] = value if key not in store else store[key] + value
 
 
 class LmStats:
@@ -163,7 +126,8 @@ class LmStats:
 
 def final_state_agreement(student: torch.Tensor, teacher: torch.Tensor, projectors: dict[str, torch.Tensor],
                           depth: int, final: int | None, notes: list[str]) -> dict[str, Any]:
-    """Cosine and Spearman of mean-pooled final states; the cosine goes through the run's projector of pair
+    """Compare the mean-pooled final states of the same sentences: ``spearman`` of the two models' off-diagonal
+    pairwise cosine similarities, and ``cosine``, the mean per-sentence cosine, through the run's projector of pair
     ``(depth, final)`` when the widths differ (a note says so when there is none).
 
     Args:
@@ -171,18 +135,25 @@ def final_state_agreement(student: torch.Tensor, teacher: torch.Tensor, projecto
         teacher: ``[n, d_t]`` pooled states of teacher layer ``final``.
         projectors: the run's projector weights (``layers.s{depth}_t{final}.weight`` / ``.bias``), or empty.
     """
-    out: dict[str, Any] = similarity_agreement(student, teacher)
+    def pairwise(emb: torch.Tensor) -> np.ndarray:
+        unit = F.normalize(emb.double(), dim=-1)
+        sims = (unit @ unit.T).numpy()
+        return sims[np.triu_indices(len(sims), k=1)]
+
+    # scipy's Spearman, with average ranks for ties
+    out: dict[str, Any] = {"spearman": float(spearmanr(pairwise(student), pairwise(teacher)).statistic)}
     key = f"layers.s{depth}_t{final}"
-    if student.shape[-1] != teacher.shape[-1]:
-        if f"{key}.weight" in projectors:
-            # Mean pooling commutes with an affine map, so projecting pooled states equals pooling projected ones.
-            w, b = projectors[f"{key}.weight"].double(), projectors[f"{key}.bias"].double()
-            projected = student.double() @ w.T + b
-            out["cosine"] = float(F.cosine_similarity(projected, teacher.double()).mean())
-            out["cosine_through"] = f"projector s{depth}_t{final}"
-        else:
-            notes.append(f"widths differ (student {student.shape[-1]}, teacher {teacher.shape[-1]}) and "
-                         f"the run has no projector for pair ({depth}, {final}): cosine skipped")
+    if student.shape[-1] == teacher.shape[-1]:
+        out["cosine"] = float(F.cosine_similarity(student.double(), teacher.double()).mean())
+    elif f"{key}.weight" in projectors:
+        # Mean pooling commutes with an affine map, so projecting pooled states equals pooling projected ones.
+        w, b = projectors[f"{key}.weight"].double(), projectors[f"{key}.bias"].double()
+        projected = student.double() @ w.T + b
+        out["cosine"] = float(F.cosine_similarity(projected, teacher.double()).mean())
+        out["cosine_through"] = f"projector s{depth}_t{final}"
+    else:
+        notes.append(f"widths differ (student {student.shape[-1]}, teacher {teacher.shape[-1]}) and "
+                     f"the run has no projector for pair ({depth}, {final}): cosine skipped")
     out["sentences"] = int(student.shape[0])
     return out
 

@@ -20,7 +20,8 @@ from kdcache.stages.targets.attention.qk_attention import QKRecorder
 from kdcache.stages.train.core.layer_maps import Pair, pair_key
 from kdcache.stages.train.core.masks import TokenMasks
 from kdcache.stages.train.losses import attention_kl, cached_qk_loss
-from kdcache.stages.train.objective.recording import StudentOutputs, recorded
+from kdcache.stages.train.objective.compound import StudentOutput
+from kdcache.stages.train.objective.recording import recorded
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -34,20 +35,18 @@ class AttentionAgreement:
     Args:
         spec: the cache's spec (its ``attention_source`` and ``attention_scores``).
         pairs: the run's attention pairs whose teacher block is cached.
-        student: the student; maps need its eager attention, a q/k cache records its queries and keys (None only
-            where there is no pair).
+        student: the student; maps need its eager attention, a q/k cache records its queries and keys.
         causal: the student's causality.
     """
 
-    def __init__(self, spec: CacheSpec, pairs: list[Pair], student: PreTrainedModel | None, causal: bool) -> None:
+    def __init__(self, spec: CacheSpec, pairs: list[Pair], student: PreTrainedModel, causal: bool) -> None:
         self.source, self.scores = attention_sources.of(spec.attention_layout), spec.attention_scores
         self.pairs = pairs
         self.sums = dict.fromkeys((pair_key(p) for p in pairs), 0.0)
         self.rows = 0
         blocks = sorted({s for s, _ in pairs})
-        self.recorder = (QKRecorder(student, blocks, causal)
-                         if not self.source.student_maps and pairs and student is not None else None)
-        if self.source.student_maps and pairs and student is not None:
+        self.recorder = QKRecorder(student, blocks, causal) if not self.source.student_maps and pairs else None
+        if self.source.student_maps and pairs:
             use_maps_attention(student)  # fused kernels return no maps; eager's come after dropout
 
     @property
@@ -56,13 +55,13 @@ class AttentionAgreement:
         kinds = self.source.stream_kinds("kl")
         return [f"{kind}/{t}" for t in sorted({t for _, t in self.pairs}) for kind in kinds]
 
-    def forward(self, model: PreTrainedModel, inputs: Mapping[str, torch.Tensor], **kwargs: bool) -> StudentOutputs:
+    def forward(self, model: PreTrainedModel, inputs: Mapping[str, torch.Tensor], **kwargs: bool) -> StudentOutput:
         """The student's outputs, with its maps or its recorded ``attention_qkv`` when pairs need them."""
         if self.recorder is None:
             return model(**inputs, output_attentions=bool(self.pairs), **kwargs)
         return recorded(self.recorder, lambda: model(**inputs, **kwargs))
 
-    def update(self, out: StudentOutputs, batch: Mapping[str, torch.Tensor], masks: TokenMasks) -> None:
+    def update(self, out: StudentOutput, batch: Mapping[str, torch.Tensor], masks: TokenMasks) -> None:
         """Add one batch: each pair's KL times the batch's counted query rows."""
         rows = int(masks.trained.sum())
         if not self.pairs or not rows:

@@ -19,6 +19,7 @@ is evaluated by the same code:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import count, islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.core.checks import CacheCheckError, stream_problems, vocab_problems
-from kdcache.stages.train.core.layer_maps import LayerMap, LayerMapError
+from kdcache.stages.train.core.layer_maps import LayerMap, LayerMapError, Pair
 from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.core.student import (
     ADAPTER_CONFIG,
@@ -52,10 +53,7 @@ from kdcache.storage import CacheReader, KdcacheError, prefixed, read_json_objec
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kdcache.stages.targets.logits.teacher_head import TeacherHead
     from kdcache.stages.train.core.student import StudentFacts
-
-Pair = tuple[int, int]
 
 
 class EvaluationError(KdcacheError):
@@ -64,23 +62,20 @@ class EvaluationError(KdcacheError):
 
 def cache_batches(reader: CacheReader, names: list[str], batch_size: int, *, limit: int | None = None,
                   ) -> Iterator[dict[str, torch.Tensor]]:
-    """Padded batches of cached sequences, in cache order, read a whole shard at a time.
+    """Padded batches of cached sequences, in cache order, read a whole shard at a time, carrying each row's global
+    sequence id.
 
     Yields:
         ``streaming.collate`` batches in the stored dtypes (``to_device`` makes targets float32 where they go,
         dense logits excepted):
         per stream ``input_ids`` / ``mask`` ``[B, L]``, and every other name in ``names``.
     """
-    pending: list[dict[str, Any]] = []
-    for index, seq in enumerate(reader.iter_sequences(names=names)):
-        if limit is not None and index >= limit:
-            break
-        pending.append(seq)
-        if len(pending) == batch_size:
-            yield collate(pending, range(len(pending)))
-            pending = []
-    if pending:
-        yield collate(pending, range(len(pending)))
+    rows = islice(reader.iter_sequences(names=names), limit)
+    for start in count(0, batch_size):
+        pending = list(islice(rows, batch_size))
+        if not pending:
+            return
+        yield collate(pending, range(start, start + len(pending)))  # global ids: the texts are looked up by them
 
 
 # ---- one run against one cache -----------------------------------------------------------------------------
@@ -147,11 +142,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
 
     Args:
         run_dir: the run directory (``student/``, ``plan.json``, ``projectors.pt``).
-        reader: the (held-out) cache.
-        batch_size: sequences per forward pass.
-        limit: evaluate only the first ``limit`` sequences.
         teacher_layer: the teacher layer final states are compared with (default: the deepest cached one).
-        device: where the student runs.
         student: score this student instead of the run's (see ``load_run``).
 
     Returns:
@@ -164,8 +155,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     facts = student_facts(model, pretrained=True)
     check_student_fits(reader, facts, tokenizer_fingerprint_of(student or trained_student(Path(run_dir))))
     model.to(device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to; its stub takes no device
-    state = _EvalState(reader, facts, teacher_layer, device)
-    state.attend(pairs.pop("attention"), model)
+    state = _EvalState(reader, facts, teacher_layer, device, pairs.pop("attention"), model)
     sequences = tokens = 0
     projection = load_projection(reader)  # a rank codec's bases
     for batch in cache_batches(reader, state.names, batch_size, limit=limit):
@@ -179,19 +169,25 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
     return {**state.result(pairs, projectors), "sequences": sequences, "tokens": tokens}
 
 
-def _kind(facts: StudentFacts) -> str:
+def lm_kind(facts: StudentFacts) -> str | None:
+    """How ``HeldOut.score`` measures a student's agreement with the teacher (its ``lm``): "causal", "seq2seq", or
+    None for a student without an LM head."""
     if facts.is_encoder_decoder:
-        return "encoder_decoder_lm"
-    return "causal_lm" if facts.is_causal and facts.has_lm_head else "encoder"
+        return "seq2seq"
+    return "causal" if facts.is_causal and facts.has_lm_head else None
+
+
+KINDS = {"causal": "causal_lm", "seq2seq": "encoder_decoder_lm", None: "encoder"}  # an evaluation's kind, by lm_kind
 
 
 class _EvalState:
     """What one pass over the cache accumulates: CKA sums per stream, LM sums, pooled final states."""
 
     def __init__(self, reader: CacheReader, facts: StudentFacts, teacher_layer: int | None,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device, attention_pairs: list[Pair], model: PreTrainedModel):
+        """``attention_pairs``: the run's; the attention KL is measured on those whose teacher block is cached."""
         spec = reader.spec
-        self.kind, self.streams, self.main = _kind(facts), list(spec.streams), spec.streams[-1]
+        self.kind, self.streams, self.main = KINDS[lm_kind(facts)], list(spec.streams), spec.streams[-1]
         self.depth = facts.decoder_layers if self.main == "decoder" else facts.num_layers
         cached = {s: sorted(hidden) for s, hidden, _ in spec.stream_layers()}
         depths = {"": facts.num_layers, "encoder": facts.num_layers, "decoder": facts.decoder_layers}
@@ -200,7 +196,7 @@ class _EvalState:
         self.final = teacher_layer if teacher_layer is not None else deepest
         kind = logit_kinds.of(spec.logit_layout)
         uses_head = kind is not None and kind.teacher_head and self.kind != "encoder"
-        head = _teacher_head(reader).to(device) if uses_head else None
+        head = load_teacher_head(reader.store, spec.hidden_layers).to(device) if uses_head else None
         self.lm = (LmStats(kind, self.kind == "causal_lm", head, spec.sample_temperature)
                    if self.kind != "encoder" else None)
         self.pooled_s: list[torch.Tensor] = []  # [B, d_s] per batch: the student's last layer, mean-pooled
@@ -209,14 +205,10 @@ class _EvalState:
         self.names = spec.token_names()
         self.names += [prefixed(s, f"hidden/{j}") for s, layers in cached.items() for j in layers]
         self.names += spec.logit_arrays() if self.lm is not None else []
-        _check_inputs(reader, facts, self.final, cached[self.main], self.kind, self.notes)
-        self.spec, self.causal = spec, facts.is_causal
-        self.attention = AttentionAgreement(spec, [], None, False)
-
-    def attend(self, pairs: list[Pair], model: PreTrainedModel) -> None:
-        """Measure the attention KL of the run's pairs whose teacher block this cache holds."""
-        cached = set(self.spec.attention_layers)
-        self.attention = AttentionAgreement(self.spec, [p for p in pairs if p[1] in cached], model, self.causal)
+        _check_inputs(bool(spec.logits), self.final, cached[self.main], self.kind, self.notes)
+        cached_blocks = set(spec.attention_layers)
+        self.attention = AttentionAgreement(spec, [p for p in attention_pairs if p[1] in cached_blocks], model,
+                                            facts.is_causal)
         self.names += self.attention.names
 
     def update(self, out: Any, batch: dict[str, torch.Tensor]) -> None:
@@ -259,40 +251,30 @@ class _EvalState:
         return result
 
 
-def _teacher_head(reader: CacheReader) -> TeacherHead:
-    return load_teacher_head(reader.store, reader.spec.hidden_layers)
-
-
 def check_student_fits(reader: CacheReader, facts: StudentFacts, tokenizer: dict[str, Any] | None) -> None:
     """Refuse a student that does not fit the cache, with training's own sentences (``checks.vocab_problems``).
-
-    Args:
-        reader: the cache to evaluate against.
-        facts: the student's ``StudentFacts``.
-        tokenizer: the student's tokenizer fingerprint, or None when its folder holds no tokenizer.
+    ``tokenizer``: the student's tokenizer fingerprint, or None when its folder holds no tokenizer.
 
     Raises:
         CacheCheckError: every mismatch (token streams, vocabulary, tokenizer), before anything is scored.
     """
     problems = stream_problems(reader.spec, facts)
     if not problems:  # a student of the wrong family has no vocabulary worth comparing
-        logits_needed = _kind(facts) != "encoder" and bool(reader.spec.logits)
+        logits_needed = lm_kind(facts) is not None and bool(reader.spec.logits)
         problems = vocab_problems(reader, facts.vocab_size, tokenizer, logits_needed=logits_needed)
     if problems:
         raise CacheCheckError(problems, what="evaluation cannot start")
 
 
-def _check_inputs(reader: CacheReader, facts: StudentFacts, final: int | None, cached: list[int], kind: str,
-                  notes: list[str]) -> None:
-    """Refuse a teacher layer the cache lacks; note what will be skipped."""
-    spec = reader.spec
+def _check_inputs(logits: bool, final: int | None, cached: list[int], kind: str, notes: list[str]) -> None:
+    """Refuse a teacher layer the cache lacks; note what will be skipped (``logits``: the cache holds teacher's)."""
     if final is None:
         notes.append("the cache holds no hidden states: no CKA and no final-state agreement")
     if final is not None and final not in cached:
         raise EvaluationError(f"teacher layer {final} is not in the cache (it holds {cached})")
-    if kind == "encoder" and spec.logits:
+    if kind == "encoder" and logits:
         notes.append("the cache has logits but the student is not a causal LM: logit metrics skipped")
-    if kind != "encoder" and not spec.logits:
+    if kind != "encoder" and not logits:
         notes.append("the cache holds no teacher logits: perplexity only (no top-1 agreement, no KL)")
 
 

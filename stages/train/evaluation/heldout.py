@@ -27,21 +27,12 @@ from kdcache.storage import prefixed
 
 if TYPE_CHECKING:
     from kdcache.stages.targets.logits.teacher_head import TeacherHead
-    from kdcache.stages.train.core.student import StudentFacts
     from kdcache.storage import CacheReader
 
 # The settings that say what a cached target means: two caches differing in one of them hold different targets.
 TARGET_SETTINGS = ("logits", "top_k", "samples", "sampling", "sample_temperature", "heads", "packing")
 StudentRun = Callable[[Mapping[str, Any]], Any]  # a device batch -> the student's outputs (the loss's)
 Criterion = Callable[[Any, Mapping[str, Any]], dict[str, torch.Tensor]]  # outputs, batch -> {"loss", terms...}
-
-
-def lm_kind(facts: StudentFacts) -> str | None:
-    """How ``HeldOut.score`` measures a student's agreement with the teacher (its ``lm``): "causal", "seq2seq", or
-    None for a student without an LM head."""
-    if facts.is_encoder_decoder:
-        return "seq2seq"
-    return "causal" if facts.is_causal and facts.has_lm_head else None
 
 
 def heldout_problems(train: CacheReader, held: CacheReader, names: tuple[str, ...] | list[str]) -> list[str]:
@@ -68,10 +59,7 @@ class HeldOut:
     """A held-out cache, checked against the training cache, and how a student is scored on it.
 
     Args:
-        reader: the held-out cache.
-        train: the training cache.
         names: the arrays the loss reads (``TrainPlan.names``).
-        batch_size: sequences per forward pass.
         limit: score only the first ``limit`` sequences (None: all of them).
         label: how the messages name the held-out cache (``eval_cache``, ``--eval-cache``).
 
@@ -104,7 +92,6 @@ class HeldOut:
             run: the student's forward on a device batch (``DistillationLoss.student_outputs``), in eval mode.
             criterion: the run's loss in eval mode: ``criterion(outputs, batch) -> {"loss", term: value}``.
             lm: "causal" or "seq2seq" for a student with an LM head (agreement is measured), None otherwise.
-            device: where the student runs.
 
         Returns:
             ``{"loss", each term, "sequences", "tokens"}`` and with teacher logits and an LM student

@@ -40,17 +40,14 @@ from kdcache.stages.train.core.cross_checks import text_problems
 from kdcache.stages.train.core.layer_maps import Pair, pair_key
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.cross.cross_model import SIDE_KEYS, SpanAligner, cache_tokenizer
-from kdcache.stages.train.evaluation.evaluate import EvaluationError, default_pairs, load_run
-from kdcache.stages.train.feed.streaming import collate, to_device
+from kdcache.stages.train.evaluation.evaluate import EvaluationError, cache_batches, default_pairs, load_run
+from kdcache.stages.train.feed.streaming import to_device
 from kdcache.stages.train.losses import linear_cka, span_mean, span_rows
 from kdcache.storage import read_json_object
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from transformers import PreTrainedTokenizerBase
 
-    from kdcache.stages.train.feed.streaming import Batch
     from kdcache.storage import CacheReader
 
 
@@ -117,7 +114,7 @@ def evaluate_spans(run_dir: str | Path, reader: CacheReader, *, student: str | P
              *(["logits/topk_ids"] if ranked else []), *(f"hidden/{t}" for _, t in pairs)]
     sums, projection = _Sums(pairs), load_projection(reader)
     tokenizers = (cache_tokenizer(reader) if ranked else None, s_tok)
-    for batch in _batches(reader, names, batch_size, limit):
+    for batch in cache_batches(reader, names, batch_size, limit=limit):
         aligner.extend(batch)  # the student's side, made on the host batch as training's reader makes it
         batch = to_device(batch, device, reader.spec.hidden_codec, projection)
         _update(sums, model, batch, tokenizers, pairs, projectors)
@@ -158,10 +155,8 @@ def span_pairs(run_pairs: list[Pair], given: list[Pair] | None, depth: int, cach
 
     Args:
         run_pairs: the run's hidden map (``plan.json``), empty for a run without a hidden term.
-        given: pairs named by the caller, or None.
         depth: the student's block count (its hidden states are 0..depth).
         cached: the hidden layers the evaluation cache holds.
-        notes: where a dropped pair is explained.
 
     Raises:
         EvaluationError: a given pair names a student layer past ``depth`` or a teacher layer the cache lacks.
@@ -197,14 +192,6 @@ def _student_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _batches(reader: CacheReader, names: list[str], batch_size: int, limit: int | None) -> Iterator[Batch]:
-    """Collated batches in cache order carrying each row's global sequence id (the texts are looked up by it)."""
-    count = len(reader) if limit is None else min(limit, len(reader))
-    for start in range(0, count, batch_size):
-        ids = list(range(start, min(start + batch_size, count)))
-        yield collate([reader.get(i, names) for i in ids], ids)
-
-
 def _update(sums: _Sums, model: torch.nn.Module, batch: dict[str, torch.Tensor], tokenizers: tuple[Any, Any],
             pairs: list[Pair], projectors: dict[str, torch.Tensor]) -> None:
     """Add one batch: its counted spans' top-1 agreement (when the teacher's tokenizer is given), the aligned
@@ -226,21 +213,16 @@ def _update(sums: _Sums, model: torch.nn.Module, batch: dict[str, torch.Tensor],
     sums.sequences += len(side["span_real"])
     k = side["span_real"].shape[1]
     for s, t in pairs:
+        key = pair_key((s, t))
         h_s = span_mean(out.hidden_states[s], side["student_span"], k)[counted]
         h_t = span_mean(batch[f"hidden/{t}"], side["teacher_span"], k)[counted]
-        sums.pooled[pair_key((s, t))].append((h_s, h_t))
-        weight, bias = _projector(projectors, pair_key((s, t)))
+        sums.pooled[key].append((h_s, h_t))
+        # A one-stream run's exported projector of the pair (a cross-tokenizer run has one stream).
+        weight, bias = projectors.get(f"layers.{key}.weight"), projectors.get(f"layers.{key}.bias")
         if weight is not None:
             h_s = F.linear(h_s, weight.to(h_s), None if bias is None else bias.to(h_s))
         if h_s.shape[-1] == h_t.shape[-1]:
-            key = pair_key((s, t))
             sums.cos[key] = sums.cos.get(key, 0.0) + float(F.cosine_similarity(h_s, h_t, dim=-1).sum())
-
-
-def _projector(projectors: dict[str, torch.Tensor], key: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The exported projector of pair ``key`` (its state-dict entries end in ``{key}.weight`` / ``.bias``)."""
-    found = {name.rsplit(".", 1)[1]: v for name, v in projectors.items() if name.rsplit(".", 2)[-2:-1] == [key]}
-    return found.get("weight"), found.get("bias")
 
 
 def _result(sums: _Sums, ranked: bool, notes: list[str]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets.attention.maps_loss import attention_kl, group_teacher_heads
 from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
-from kdcache.stages.targets.hidden import HIDDEN_LOSSES, hidden_loss
+from kdcache.stages.targets.hidden import hidden_loss
 from kdcache.stages.targets.hidden.loss_terms import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
 from kdcache.stages.targets.hidden.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
 from kdcache.stages.targets.logits import TOPK_VARIANTS
@@ -44,7 +44,7 @@ from kdcache.stages.train.losses.cross_vocab import (
     uld_loss,
 )
 from kdcache.stages.train.losses.logits import causal_ce, causal_ce_term, token_ce, token_ce_term
-from kdcache.storage import KdcacheError, Registry  # the option's choices are the registry's names
+from kdcache.storage import Registry  # the option's choices are the registry's names
 
 # Every loss by its term's name. A hidden loss's function is its family object's (``stages.targets.hidden``, the one
 # place a hidden loss is defined), listed where the definitions list it.
@@ -71,19 +71,15 @@ def registered_losses() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_loss(name: str) -> Callable[..., object]:
-    """The loss callable registered as ``name``; ``LossError`` listing the registered names otherwise."""
-    return _REGISTRY.lookup(name)
+get_loss = _REGISTRY.lookup  # the loss callable registered as a name; LossError listing the registered names otherwise
 
 
 __all__ = [
-    "HIDDEN_LOSSES",
     "cached_qk_loss", "cross_attention_kl", "cross_vocab_term", "shared_student_ids", "shared_vocab", "span_mean",
     "span_rows", "causal_ce_term", "token_ce_term",
     "TOPK_VARIANTS",
     "Critic",
     "CriticTrainer",
-    "KdcacheError",
     "LayerMapError",
     "LossError",
     "attention_kl",

@@ -23,9 +23,6 @@ def cross_attention_kl(a_s: torch.Tensor, a_t: torch.Tensor, query_mask: torch.T
         a_t: ``[B, H_t, L_dec, L_enc]`` teacher's, H_t a multiple of H_s (teacher heads averaged in groups).
         query_mask: ``[B, L_dec]``, 1 for a real decoder token.
         key_mask: ``[B, L_enc]``, 1 for a real encoder token.
-
-    Returns:
-        Scalar.
     """
     if a_s.dim() != 4 or a_t.shape[0] != a_s.shape[0] or a_t.shape[2:] != a_s.shape[2:] \
             or tuple(query_mask.shape) != tuple(a_s.shape[::2]) or key_mask.shape != (a_s.shape[0], a_s.shape[3]):

@@ -8,6 +8,8 @@ a softmax (garbage there cannot leak in) and the float32 copy is ``[N_v, V]``, n
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -90,9 +92,6 @@ def _ce_term(logits: torch.Tensor | HeadLogits, rows: torch.Tensor, labels: torc
     if isinstance(logits, HeadLogits) and fused_ce_available(logits.device):
         def alone() -> torch.Tensor:
             return fused_ce_sum(logits.select(rows), labels[rows]) / n_valid
-    return ChunkTerm(_ce_rows, rows, (labels,), 1.0 / n_valid, alone, ce_feed())
+    per_row = functools.partial(F.cross_entropy, reduction="none")  # [C] of [C, V] float32 logits, [C] labels
+    return ChunkTerm(per_row, rows, (labels,), 1.0 / n_valid, alone, ce_feed())
 
-
-def _ce_rows(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``[C]`` cross-entropy of ``[C, V]`` float32 logits against ``[C]`` labels."""
-    return F.cross_entropy(z, labels, reduction="none")

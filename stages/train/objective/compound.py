@@ -52,10 +52,12 @@ CE_KINDS = ("causal", "token")
 
 
 class StudentOutput(Protocol):
-    """What the loss reads of a student's forward outputs: a transformers ``ModelOutput`` or one stream's view of it
+    """What the losses read of a student's forward outputs: a transformers ``ModelOutput`` or one stream's view of it
     (``distill.student_view``). ``logits [B, L, V]`` is None for an encoder without an LM head; the optional
     fields (``hidden_states``, ``attentions``, ``attention_qkv``) are looked up by name, so a missing one is
-    reported with the flag that asks for it (``_student_field``)."""
+    reported with the flag that asks for it (``_student_field``). ``attentions`` are the maps (``[B, H, L, L]`` per
+    block, eager attention); under a q/k recorder (``recording.recorded``) ``attention_qkv`` holds the queries and
+    keys instead."""
 
     @property
     def logits(self) -> torch.Tensor | HeadLogits | None: ...
@@ -63,15 +65,25 @@ class StudentOutput(Protocol):
     @property
     def hidden_states(self) -> Sequence[torch.Tensor]: ...  # [B, L, d_s] each, 0 = embeddings (when asked for)
 
+    attentions: tuple[torch.Tensor, ...]
+    attention_qkv: dict[int, Captured]
+
 
 class RunLoss(Protocol):
     """The run's loss (``train.loss.DistillationLoss``) as a step's counts (``step_norm``) and the cross-tokenizer
-    model read it: its streams (the main one last), each stream's ``CompoundLoss``, and the cross-attention pairs."""
+    model read it: its streams (the main one last), each stream's ``CompoundLoss``, the cross-attention pairs, its
+    forward of the student (with its decision on the student's LM head) and the loss itself."""
 
     streams: list[str]
     cross_pairs: list[Pair]
+    announce_head: bool
 
     def part(self, stream: str) -> CompoundLoss: ...
+
+    def student_outputs(self, student: object, batch: Mapping[str, Any]) -> Any: ...
+
+    def __call__(self, student_outputs: StudentOutput, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ...
 
 
 class CompoundLoss(nn.Module):
@@ -172,8 +184,9 @@ class CompoundLoss(nn.Module):
         # A micro-batch with nothing to count (rare: a loss mask leaves no trained token or no prediction) adds 0 to
         # a term, tied to the graph, rather than stopping the run. The vocabulary terms, mse and cosine divide by a
         # count on the device and add that 0 themselves (so do the hidden losses that say they are empty-safe);
-        # asking the others costs a host sync, so only they ask.
-        any_trained, any_predicts = masks.counted() if self._needs_counts() else (True, True)
+        # asking the others (attention, CKA, wgan) costs a host sync, so only they ask.
+        needs_counts = bool(self.attention_map) or (bool(self.layer_map) and not self.hidden_loss.empty_safe)
+        any_trained, any_predicts = masks.counted() if needs_counts else (True, True)
         if self.weights["ce"] > 0:
             self._add_ce(student_out, targets, masks, terms, vocab, any_trained)
         if self.weights["kl"] > 0:
@@ -188,10 +201,6 @@ class CompoundLoss(nn.Module):
             terms.update({k: v * scale.get(k, 1.0) for k, v in terms.items() if k not in vocab})
             logs.update({k: v * scale.get(k.split("/")[0], 1.0) for k, v in logs.items()})
         return self._total(terms, logs, vocab_total, set(vocab))
-
-    def _needs_counts(self) -> bool:
-        """Whether a term of this loss cannot take a micro-batch with nothing to count (attention, CKA, wgan)."""
-        return bool(self.attention_map) or (bool(self.layer_map) and not self.hidden_loss.empty_safe)
 
     def _vocab_pass(self, out: StudentOutput, vocab: dict[str, ChunkTerm], terms: dict[str, torch.Tensor],
                     scale: Mapping[str, float]) -> torch.Tensor | None:
@@ -231,7 +240,6 @@ class CompoundLoss(nn.Module):
 
     def _add_kl(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
                 vocab: dict[str, ChunkTerm], any_predicts: bool) -> None:
-        mask = masks.predicts
         logits = getattr(out, "logits", None)
         if logits is not None and not any_predicts:  # the term keeps its name: every rank logs the same keys
             terms[self._kind_of(targets).term] = tied_zero(logits)
@@ -240,27 +248,27 @@ class CompoundLoss(nn.Module):
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
         kind = self._kind_of(targets)
         setup = KlSetup(self.temperature, self.topk_variant, self.teacher_head)
-        vocab[kind.term] = kind.chunk_term(logits, targets, mask, setup)
+        vocab[kind.term] = kind.chunk_term(logits, targets, masks.predicts, setup)
 
     def _kind_of(self, targets: Mapping[str, torch.Tensor]) -> LogitKind:
-        """The cache's logit kind when the loss was told its mode, else the one the batch's arrays mark."""
-        return self.logit_kind or _logit_kind(targets, self.teacher_head is not None)
+        """The cache's logit kind when the loss was told its mode, else the one the batch's arrays mark (the head's
+        when the loss holds the teacher's head)."""
+        kind = self.logit_kind or logit_kinds.from_targets(targets, self.teacher_head is not None)
+        if kind is None:
+            raise LossError(f"the KL term needs cached teacher logits, but the batch holds {', '.join(sorted(targets))}"
+                            f"; set beta 0, or cache logits ({logit_kinds.usage()})")
+        return kind
 
     def _hidden_term(
         self, out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor, logs: dict, any_trained: bool
     ) -> torch.Tensor:
         """Σ over pairs of the hidden loss; per-pair values (and wgan critic losses) go to ``logs``."""
         states = _student_field(out, "hidden_states", "output_hidden_states=True")
-        total = torch.zeros((), device=mask.device)
-        if not any_trained:  # zeros tied to the graph, under the names a full batch logs
-            return total + _zero_pairs(logs, "hidden", self.layer_map, lambda s: states[s])
-        for pair in self.layer_map:
-            h_s = self.projectors.project(pair, _layer(states, pair[0], "hidden state"))
-            h_t = _target(targets, f"hidden/{pair[1]}")
-            value = self._one_hidden(pair, h_s, h_t, mask, logs)
-            logs[f"hidden/{pair_key(pair)}"] = value.detach()
-            total = total + value
-        return total
+
+        def value(s: int, t: int) -> torch.Tensor:
+            h_s = self.projectors.project((s, t), _layer(states, s, "hidden state"))
+            return self._one_hidden((s, t), h_s, _target(targets, f"hidden/{t}"), mask, logs)
+        return _pair_sum(logs, "hidden", self.layer_map, any_trained, lambda s: states[s], value)
 
     def _one_hidden(
         self, pair: Pair, h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor, logs: dict
@@ -277,39 +285,26 @@ class CompoundLoss(nn.Module):
     def _attention_term(
         self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict, any_trained: bool
     ) -> torch.Tensor:
-        """Σ over attention pairs of ``attention_kl``; student block j is ``attentions[j - 1]``."""
+        """Σ over attention pairs of ``attention_kl``; student block j is ``attentions[j - 1]``. A q/k cache's term
+        is ``cached_qk_loss`` instead, from the student's recorded queries and keys."""
         if self.teacher_scores is not None:
-            return self._qk_term(out, targets, masks, logs, any_trained)
-        maps = _student_field(out, "attentions", "output_attentions=True and attention_maps.MAPS_ATTENTION")
-        total = torch.zeros((), device=masks.real.device)
-        if not any_trained:
-            return total + _zero_pairs(logs, "attention", self.attention_map, lambda s: maps[s - 1])
-        for s, t in self.attention_map:
-            a_s = _layer(maps, s - 1, "attention map", shown=s)
-            # Rows of trained tokens, over every real key: the teacher saw the whole context.
-            value: torch.Tensor = attention_kl(a_s, _target(targets, f"attention/{t}"), masks.real,
-                                               queries=masks.trained)
-            logs[f"attention/{pair_key((s, t))}"] = value.detach()
-            total = total + value
-        return total
+            # block -> qk_attention.Captured
+            recorded = cast("Mapping[int, Captured]", _student_field(
+                out, "attention_qkv", "the q/k recorder (DistillModel runs it for a q/k cache)"))
 
-    def _qk_term(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict,
-                 any_trained: bool) -> torch.Tensor:
-        """Σ over attention pairs of the q/k cache's term (``cached_qk_loss``), logged per pair like the maps'."""
-        # block -> qk_attention.Captured
-        recorded = cast("Mapping[int, Captured]", _student_field(
-            out, "attention_qkv", "the q/k recorder (DistillModel runs it for a q/k cache)"))
-        total = torch.zeros((), device=masks.real.device)
-        if not any_trained:
-            return total + _zero_pairs(logs, "attention", self.attention_map, lambda s: recorded[s].q)
-        for s, t in self.attention_map:
-            if s not in recorded:
-                raise LossError(f"the student's block {s} recorded no queries and keys")
-            value = cached_qk_loss(self.attention_loss, recorded[s], targets, t, self.teacher_scores or {},
-                                   masks.real, masks.trained, self.relation_heads)
-            logs[f"attention/{pair_key((s, t))}"] = value.detach()
-            total = total + value
-        return total
+            def qk_value(s: int, t: int) -> torch.Tensor:
+                if s not in recorded:
+                    raise LossError(f"the student's block {s} recorded no queries and keys")
+                return cached_qk_loss(self.attention_loss, recorded[s], targets, t, self.teacher_scores or {},
+                                      masks.real, masks.trained, self.relation_heads)
+            return _pair_sum(logs, "attention", self.attention_map, any_trained, lambda s: recorded[s].q, qk_value)
+        maps = _student_field(out, "attentions", "output_attentions=True and attention_maps.MAPS_ATTENTION")
+
+        def map_value(s: int, t: int) -> torch.Tensor:
+            # Rows of trained tokens, over every real key: the teacher saw the whole context.
+            return attention_kl(_layer(maps, s - 1, "attention map", shown=s), _target(targets, f"attention/{t}"),
+                                masks.real, queries=masks.trained)
+        return _pair_sum(logs, "attention", self.attention_map, any_trained, lambda s: maps[s - 1], map_value)
 
     def _build_projectors(self, student_dim: int | None, teacher_dim: int | None, seed: int) -> Projectors:
         wanted = bool(self.layer_map) and self.hidden_loss.projector
@@ -344,24 +339,16 @@ def _family(term: str) -> str:
     return "kl"
 
 
-def _zero_pairs(logs: dict, kind: str, pairs: list[Pair],
-                student: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """A batch with no trained token: each pair adds 0 tied to its student tensor (``student(s)``), and is logged."""
+def _pair_sum(logs: dict, kind: str, pairs: list[Pair], any_trained: bool, student: Callable[[int], torch.Tensor],
+              value: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """Σ over ``pairs`` of ``value(s, t)``, each logged as ``{kind}/s{s}_t{t}``. A batch with no trained token adds
+    instead, per pair, a 0 tied to its student tensor (``student(s)``), under the names a full batch logs."""
     total = torch.zeros(())
     for s, t in pairs:
-        value = student(s).sum() * 0.0
-        logs[f"{kind}/{pair_key((s, t))}"] = value.detach()
-        total = total + value
+        term = value(s, t) if any_trained else student(s).sum() * 0.0
+        logs[f"{kind}/{pair_key((s, t))}"] = term.detach()
+        total = total + term
     return total
-
-
-def _logit_kind(targets: Mapping[str, torch.Tensor], head: bool) -> LogitKind:
-    """The logit kind of a cache's targets (the head's when the loss holds the teacher's head)."""
-    kind = logit_kinds.from_targets(targets, head)
-    if kind is None:
-        raise LossError(f"the KL term needs cached teacher logits, but the batch holds {', '.join(sorted(targets))}; "
-                        f"set beta 0, or cache logits ({logit_kinds.usage()})")
-    return kind
 
 
 def _target(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:

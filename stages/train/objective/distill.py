@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-
 def student_view(out: StudentOutput, stream: str, main: bool) -> StudentOutput:
     """The student's outputs for one stream: HF names them ``hidden_states`` for one stack and
     ``encoder_hidden_states`` / ``decoder_hidden_states`` (same for attentions) for two."""

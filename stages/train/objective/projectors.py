@@ -54,9 +54,6 @@ class Projectors(nn.Module):
             return h_s
         return self.layers[key](h_s)
 
-    def __contains__(self, pair: object) -> bool:
-        return isinstance(pair, tuple) and len(pair) == 2 and pair_key((pair[0], pair[1])) in self.layers
-
     def _make(self, generator: torch.Generator) -> nn.Linear:
         layer = nn.Linear(self.student_dim, self.teacher_dim)
         with torch.no_grad():

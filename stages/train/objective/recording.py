@@ -8,23 +8,13 @@ this floor, below evaluation, so that training need not import evaluation for it
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
-import torch
-
-from kdcache.stages.targets.attention.qk_attention import Captured, QKRecorder, QKRecorderError
+from kdcache.stages.targets.attention.qk_attention import QKRecorder, QKRecorderError
 from kdcache.stages.train.losses import LossError
+from kdcache.stages.train.objective.compound import StudentOutput
 
-
-class StudentOutputs(Protocol):
-    """A student's forward outputs (a transformers ``ModelOutput``) as the attention losses read them: its maps
-    ``attentions`` (one ``[B, H, L, L]`` per block, eager attention), or, under a recorder, ``attention_qkv``."""
-
-    attentions: tuple[torch.Tensor, ...]
-    attention_qkv: dict[int, Captured]
-
-
-Outputs = TypeVar("Outputs", bound=StudentOutputs)
+Outputs = TypeVar("Outputs", bound=StudentOutput)
 
 
 def recorded(recorder: QKRecorder, run: Callable[[], Outputs]) -> Outputs:
