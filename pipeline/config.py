@@ -218,11 +218,7 @@ def _names(cls: type) -> set[str]:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping.
-
-    Raises:
-        ConfigError: the file is missing, unreadable, not YAML or not a mapping.
-    """
+    """Read a YAML mapping; a ConfigError where the file is missing, unreadable, not YAML or not a mapping."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"config file {str(p)!r} does not exist"])

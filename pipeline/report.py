@@ -1,9 +1,5 @@
-"""``kdcache report``: PNG plots and one HTML page for a run or a sweep, readable while it is still running.
-
-A run's report (in ``RUN/report/``): each loss term over the steps, the student × teacher CKA heatmap when
-an evaluation exists (``RUN/evals/``), and the cache's bytes per token per target. A sweep's report (in
-``SWEEP/report/``): a bar chart of one metric at each grid point, every run's total loss over the steps, the
-comparison table, and a report per run.
+"""``kdcache report``: PNG plots and one HTML page for a run or a sweep, readable while it is still running, in
+``RUN/report/`` or ``SWEEP/report/`` (what each holds: the command's description, ``pipeline.cli.commands.report``).
 
 Everything is read from what runs leave on disk, mid-run too (``pipeline.run_state``). The plots are drawn in
 ``pipeline.report_plots``, loaded only to draw, so the tables (``collect_rows``, ``write_tables``, which

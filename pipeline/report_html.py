@@ -44,12 +44,9 @@ def fmt(value: object) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    """A GitHub-flavoured Markdown table of ``rows`` restricted to ``columns``."""
-    def cell(value: object) -> str:
-        return fmt(value).replace("|", "\\|")
-
+    """A GitHub-flavoured Markdown table of ``rows`` restricted to ``columns`` (a ``|`` in a cell escaped)."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
-    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(fmt(row.get(c)).replace("|", "\\|") for c in columns) + " |" for row in rows]
     return "\n".join(lines)
 
 

@@ -43,7 +43,6 @@ from kdcache.storage import read_json_object
 # Keys a grid may not vary: the sweep owns `out`, and "one cache" is the point of a sweep.
 RESERVED_KEYS = ("out", "cache", "resume", "config")
 RUN_RECORD = "sweep-run.json"
-LOG_TAIL_LINES = 30
 
 
 @dataclass
@@ -227,7 +226,7 @@ def run_child(command: list[str], log_path: Path) -> tuple[int, float]:
     return code, time.perf_counter() - start
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+def log_tail(path: Path, lines: int = 30) -> str:
     """The last ``lines`` lines of a log (progress-bar carriage returns folded away)."""
     if not path.is_file():
         return ""
