@@ -24,14 +24,6 @@ from pathlib import Path
 from typing import Any
 
 
-def exported_names(init_file: str) -> dict[str, tuple[str, str]]:
-    """``{exported name: (module, attribute)}`` of the ``if TYPE_CHECKING:`` block in ``init_file``, in order."""
-    tree = ast.parse(Path(init_file).read_text(encoding="utf-8"))
-    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
-    return {alias.asname or alias.name: (node.module, alias.name) for node in block.body
-            if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
-
-
 def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
     """``(__getattr__, __dir__, __all__)`` for ``package``, whose ``__init__`` is ``init_file``.
 
@@ -40,7 +32,11 @@ def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable
     that submodule.
     ``from package import name`` at a module's top reads it once; the lookup costs a dict and ``sys.modules``.
     """
-    exports = exported_names(init_file)
+    tree = ast.parse(Path(init_file).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    # {exported name: (module, attribute)} of the block, in order
+    exports = {alias.asname or alias.name: (node.module, alias.name) for node in block.body
+               if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
     names = sorted(exports)
 
     def load(name: str) -> Any:

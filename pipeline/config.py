@@ -137,16 +137,20 @@ def _help_text(text: str, choices: Iterable[object] | None, default: object, req
     return text + (" (required: the flag or its --config key)" if required else "")
 
 
-def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = None) -> T:
-    """Merge ``--config`` YAML (``config_values``: the command's ``section``, or the whole of a flat file) with
-    the flags given, then build; every problem of the file and of the values in one ConfigError."""
-    values: dict[str, Any] = {}
-    problems: list[str] = []
+def given_values(cls: type, args: argparse.Namespace, section: str | None, *, skip: tuple[str, ...] = ()
+                 ) -> tuple[dict[str, Any], list[str]]:
+    """``--config`` YAML (``config_values``: the command's ``section``, or the whole of a flat file) with the flags
+    given (all but ``skip``) over it, and the file's problems."""
     config_path = getattr(args, "config", None)
-    if config_path:
-        values, problems = config_values(cls, config_path, section)
-    names = {f.name for _, _, f in leaves(cls)} | set(ALIASES)
+    values, problems = config_values(cls, config_path, section) if config_path else ({}, [])
+    names = ({f.name for _, _, f in leaves(cls)} | set(ALIASES)) - set(skip)
     values.update({k: v for k, v in vars(args).items() if k in names})
+    return values, problems
+
+
+def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = None) -> T:
+    """Build ``cls`` from ``given_values``; every problem of the file and of the values in one ConfigError."""
+    values, problems = given_values(cls, args, section)
     try:
         built = build(cls, values)
     except ConfigError as exc:
@@ -156,9 +160,10 @@ def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = N
     return built
 
 
-# The commands a --config file may hold a section for; ``kdcache run`` reads stage one's (precompute or generate)
-# and train's from one file.
-SECTIONS = ("precompute", "generate", "train")
+# The commands a --config file may hold a section for, with their options classes (imported here: the stages
+# never import this module); ``kdcache run`` reads stage one's (precompute or generate) and train's from one file.
+SECTION_CLASSES: dict[str, type] = {"precompute": PrecomputeOptions, "generate": GenerateOptions, "train": TrainOptions}
+SECTIONS = tuple(SECTION_CLASSES)
 
 
 def config_values(cls: type, path: str | Path, section: str | None) -> tuple[dict[str, Any], list[str]]:
@@ -193,7 +198,7 @@ def _known_keys(cls: type, data: dict[str, Any], where: str, section: str | None
         if name in known:
             values[key] = value
             continue
-        other = [s for s, c in _section_classes().items() if s != section and name in _names(c)]
+        other = [s for s, c in SECTION_CLASSES.items() if s != section and name in _names(c)]
         if section is not None and other:
             problems.append(f"{where}: key {key!r} is an option of `kdcache {other[0]}`, not of `kdcache "
                             f"{section}`; a file for both keeps each command's keys under its own "
@@ -212,18 +217,8 @@ def _names(cls: type) -> set[str]:
     return names | {alias for alias, (option, _) in ALIASES.items() if option in names}
 
 
-def _section_classes() -> dict[str, type]:
-    """Each section's options class (imported here: the stages never import this module)."""
-    return {"precompute": PrecomputeOptions, "generate": GenerateOptions,
-            "train": TrainOptions}
-
-
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping.
-
-    Raises:
-        ConfigError: the file is missing, unreadable, not YAML or not a mapping.
-    """
+    """Read a YAML mapping; a ConfigError where the file is missing, unreadable, not YAML or not a mapping."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"config file {str(p)!r} does not exist"])
@@ -241,7 +236,6 @@ def build(cls: type[T], values: dict[str, Any], *, where: str = "") -> T:
     """Build options class ``cls`` (flat, or made of groups) from ``values``, collecting every problem first.
 
     Args:
-        cls: the options dataclass.
         values: merged YAML + CLI values, flat (keys are option names; dashes are accepted too); a group's name
             may also map to a mapping of its options.
         where: a prefix for messages, e.g. "precompute." for a YAML section.

@@ -129,16 +129,11 @@ def _wait_telling(pid: int, log_path: Path, start: float) -> tuple[int, resource
         time.sleep(0.5)
         if time.perf_counter() - echoed >= ECHO_EVERY:
             echoed = time.perf_counter()
-            line = _last_progress(log_path)
+            lines = [ln for ln in log_path.read_text(errors="replace").splitlines()
+                     if ln.startswith(("kdcache train: step", "kdcache precompute: "))]  # the newest progress line
+            line = lines[-1] if lines else ""
             print(f"      {echoed - start:.0f} s into this step" + (f"; its newest line: {line}" if line else
                                                                       " (no progress line yet)"), flush=True)
-
-
-def _last_progress(log_path: Path) -> str:
-    """The newest ``kdcache ...:`` progress line of a log ("" if none yet)."""
-    lines = [ln for ln in log_path.read_text(errors="replace").splitlines()
-             if ln.startswith(("kdcache train: step", "kdcache precompute: "))]
-    return lines[-1] if lines else ""
 
 
 def prepare_data(opts: DemoOptions, out: Path) -> tuple[Path, Path]:
@@ -217,7 +212,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     report["report_html"] = str(run_dir / "report" / "report.html")
     report.update(_facts(cache, run_dir, teacher))
     report["reused"] = demo.reused
-    _write_report(out, report)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "report.md").write_text(format_report(report) + "\n")
     return report
 
 
@@ -317,11 +313,6 @@ def _facts(cache: Path, run_dir: Path, teacher: Path) -> dict[str, Any]:
     return {"cache_bytes": stored, "cache_tokens": manifest.num_tokens,
             "cache_bytes_per_token": stored / max(1, manifest.num_tokens), "loss_curve": curve, "term_curves": terms,
             "teacher_weight_bytes": weights(teacher), "student_weight_bytes": weights(run_dir / "student")}
-
-
-def _write_report(out: Path, report: dict[str, Any]) -> None:
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out / "report.md").write_text(format_report(report) + "\n")
 
 
 def format_report(r: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kdcache import stages
+from kdcache.storage import read_json_object
 
 STEPS_FILE = "steps.json"
 
@@ -42,11 +43,7 @@ class StepLog:
     def open(cls, logs: Path) -> StepLog:
         """The record in ``logs``; an empty one where there is none or it cannot be read (a demo cut off)."""
         path = Path(logs) / STEPS_FILE
-        try:
-            steps = json.loads(path.read_text())
-        except (OSError, ValueError):
-            steps = {}
-        return cls(path, steps if isinstance(steps, dict) else {})
+        return cls(path, read_json_object(path))
 
     def inside(self, args: list[str]) -> list[str]:
         """``args`` with the demo folder's path written ``OUT``: a copied or moved demo folder records the same
@@ -81,11 +78,8 @@ class StepLog:
 def matching_student(folder: Path, teacher: Path, blocks: list[int]) -> bool:
     """Whether ``folder`` holds a whole student that ``init-student`` built from ``teacher``'s ``blocks``: its
     record, written after the weights and the tokenizer, names both."""
-    try:
-        record = json.loads((Path(folder) / "kdcache_init.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (isinstance(record, dict) and record.get("teacher") == str(teacher)
+    record = read_json_object(Path(folder) / "kdcache_init.json")
+    return (record.get("teacher") == str(teacher)
             and record.get("teacher_blocks") == list(blocks) and (Path(folder) / "config.json").is_file()
             and any(Path(folder).glob("*.safetensors")))
 
@@ -114,11 +108,8 @@ def cache_id(cache: Path) -> str:
     """The cache's label with its fingerprints' hash (``heldout-1a2b3c4d``); "" without a readable manifest. A
     reused step is tied to it, so that a cache rebuilt with other settings in the same folder is not taken for
     the one an earlier step read."""
-    try:
-        fingerprints = json.loads((Path(cache) / "manifest.json").read_text())["fingerprints"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
-    return stages.cache_label(str(cache), fingerprints)
+    fingerprints = read_json_object(Path(cache) / "manifest.json").get("fingerprints")
+    return "" if fingerprints is None else stages.cache_label(str(cache), fingerprints)
 
 
 def has_eval(run_dir: Path, role: str, cache: Path) -> bool:

@@ -56,14 +56,8 @@ def _sentences(doc: str) -> Iterator[str]:
 
 
 def stdlib_sentences(limit: int | None = None) -> list[str]:
-    """Unique English sentences from stdlib docstrings, in a fixed order.
-
-    Args:
-        limit: keep at most this many.
-
-    Returns:
-        Sentences of 40-240 characters that look like prose, not code.
-    """
+    """Unique English sentences from stdlib docstrings, in a fixed order: at most ``limit``, each of 40-240
+    characters and looking like prose, not code."""
     seen: dict[str, None] = {}
     for name in MODULES:
         for doc in _docstrings(name):

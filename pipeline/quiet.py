@@ -35,13 +35,11 @@ _ENV = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": 
 
 
 class _Sink(io.TextIOBase):
-    """A text stream that drops what it is given; never closed, so a handler bound to it stays harmless."""
+    """A text stream that drops what it is given; never closed, so a handler bound to it stays harmless. Not a
+    terminal (``TextIOBase.isatty``), so tqdm and our progress display draw nothing to it."""
 
     def write(self, text: str) -> int:
         return len(text)
-
-    def isatty(self) -> bool:
-        return False  # tqdm and our progress display draw nothing for a non-terminal
 
 
 _SINK = _Sink()
@@ -68,9 +66,6 @@ class _NotesOnly(io.TextIOBase):
 
     def flush(self) -> None:
         self.target.flush()
-
-    def isatty(self) -> bool:
-        return False
 
 
 def _errors_only(record: logging.LogRecord) -> bool:
@@ -149,18 +144,13 @@ def _library_switches(verbosity: bool = True) -> Iterator[None]:
     ``sys.modules`` (each package loads its own on import), never imported: the switch acts on a library only where
     this process has loaded it already."""
     undo = contextlib.ExitStack()
+    for library in filter(None, map(sys.modules.get, ("transformers.utils.logging", "datasets.utils.logging"))):
+        bars = library.is_progress_bar_enabled()
+        library.disable_progress_bar()
+        undo.callback(library.enable_progress_bar if bars else library.disable_progress_bar)
     hf_logging = sys.modules.get("transformers.utils.logging")
-    if hf_logging is not None:
-        level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        undo.callback(hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)
-        if verbosity:
-            hf_logging.set_verbosity_error()
-            undo.callback(hf_logging.set_verbosity, level)
-    ds_logging = sys.modules.get("datasets.utils.logging")
-    if ds_logging is not None:
-        bars = ds_logging.is_progress_bar_enabled()
-        ds_logging.disable_progress_bar()
-        undo.callback(ds_logging.enable_progress_bar if bars else ds_logging.disable_progress_bar)
+    if verbosity and hf_logging is not None:
+        undo.callback(hf_logging.set_verbosity, hf_logging.get_verbosity())
+        hf_logging.set_verbosity_error()
     with undo:
         yield

@@ -1,14 +1,9 @@
-"""``kdcache report``: PNG plots and one HTML page for a run or a sweep, readable while it is still running.
+"""``kdcache report``: PNG plots and one HTML page for a run or a sweep, readable while it is still running, in
+``RUN/report/`` or ``SWEEP/report/`` (what each holds: the command's description, ``pipeline.cli.commands.report``).
 
-A run's report (in ``RUN/report/``): each loss term over the steps, the student × teacher CKA heatmap when
-an evaluation exists (``RUN/evals/``), and the cache's bytes per token per target. A sweep's report (in
-``SWEEP/report/``): a bar chart of one metric at each grid point, every run's total loss over the steps, the
-comparison table, and a report per run.
-
-Everything is read from what runs leave on disk, written for being read mid-run: ``metrics.jsonl`` may end in
-a half-written line, ``student/`` and ``evals/`` may not exist yet. Nothing here imports torch; the plots are
-drawn in ``pipeline.report_plots``, which brings matplotlib (the ``plots`` extra) and is loaded only to draw, so the
-tables (``collect_rows``, ``write_tables``, which ``kdcache sweep`` writes) need no matplotlib.
+Everything is read from what runs leave on disk, mid-run too (``pipeline.run_state``). The plots are drawn in
+``pipeline.report_plots``, loaded only to draw, so the tables (``collect_rows``, ``write_tables``, which
+``kdcache sweep`` writes) need no matplotlib.
 """
 
 from __future__ import annotations
@@ -116,14 +111,6 @@ def cache_stats(cache: str | Path) -> dict[str, Any] | None:
 
 
 # ---- whole reports -----------------------------------------------------------------------------------------
-def is_sweep(path: Path) -> bool:
-    return (path / "sweep.json").is_file() or (path / "runs").is_dir()
-
-
-def is_run(path: Path) -> bool:
-    return any((path / name).exists() for name in ("metrics.jsonl", "options.json", "plan.json"))
-
-
 def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache: bool = True,
                state: RunState | None = None) -> Path:
     """Plots and ``report.html`` for one run (finished or not; ``state`` when the caller has read it already).
@@ -143,14 +130,13 @@ def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache
         images["cache"] = plots.plot_cache(info, out_dir / "cache.png", f"cache {info['path']}")
     elif with_cache:
         state.notes.append("cache statistics skipped: options.json names no readable cache")
-    html = render_run(state, {k: v for k, v in images.items() if v}, info)
+    html = render_run(state, {k: v for k, v in images.items() if v})
     (out_dir / "report.html").write_text(html)
     return out_dir / "report.html"
 
 
 # span top-1 ranks a sweep of --cross-tokenizer runs (they have no perplexity: their tokens are not the cache's)
 EVAL_RANKING = ("eval_spearman", "eval_perplexity", "eval_span_top1", "eval_cka_final", "eval_cka_on_map")
-SHARED_TERM_ORDER = TERM_ORDER[1:]  # the term to rank by when totals differ
 
 
 def default_metric(rows: list[dict[str, Any]], states: dict[str, RunState]) -> tuple[str | None, str]:
@@ -169,7 +155,7 @@ def default_metric(rows: list[dict[str, Any]], states: dict[str, RunState]) -> t
     if all(t == terms[0] for t in terms):
         return "loss", f"the total loss: every run optimises the same terms ({', '.join(sorted(terms[0]))})"
     shared = set.intersection(*terms)
-    pick = next((t for t in SHARED_TERM_ORDER if t in shared), min(shared) if shared else None)
+    pick = next((t for t in TERM_ORDER[1:] if t in shared), min(shared) if shared else None)  # a term, not "loss"
     if pick is None:
         return None, "the runs share no loss term, so no metric compares them; add --eval-cache to the sweep"
     return pick, (f"{pick}, a term every run has: their totals add different terms and are not comparable "

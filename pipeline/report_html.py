@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import html
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +44,9 @@ def fmt(value: object) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    """A GitHub-flavoured Markdown table of ``rows`` restricted to ``columns``."""
-    def cell(value: object) -> str:
-        return fmt(value).replace("|", "\\|")
-
+    """A GitHub-flavoured Markdown table of ``rows`` restricted to ``columns`` (a ``|`` in a cell escaped)."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
-    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(fmt(row.get(c)).replace("|", "\\|") for c in columns) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -92,8 +90,7 @@ def _notes(notes: list[str]) -> str:
     return "".join(f"<p class=note>{html.escape(n)}</p>" for n in notes if n)
 
 
-def render_run(state: RunState, images:
- dict[str, Path], cache_info: dict[str, Any] | None) -> str:
+def render_run(state: RunState, images: dict[str, Path]) -> str:
     """The page of one run: status, final terms, eval metrics, plots, options."""
 
     sections = [f"<p>{html.escape(str(state.run_dir))} — <b>{html.escape(state.status)}</b></p>",
@@ -115,7 +112,7 @@ def render_run(state: RunState, images:
         stack = f" ({key.partition('-')[2]} stack)" if "-" in key else ""
         sections += [f"<h2>Alignment{stack}: linear CKA, student layer × cached teacher layer</h2>",
                      image(images[key], "alignment heatmap")]
-    if "cache" in images and cache_info:
+    if "cache" in images:  # drawn only from a readable cache
         sections += ["<h2>Cache</h2>", image(images["cache"], "cache bytes per token")]
     if state.options:
         kept, others = applied_options(state.options)
@@ -128,9 +125,7 @@ def render_sweep(root: Path, rows: list[dict[str, Any]], columns: list[str], met
                  images: dict[str, Path], run_reports: dict[str, Path], out_dir: Path) -> str:
     """The page of a sweep: the comparison table (names link to each run's report) and the sweep plots."""
     links = {name: os.path.relpath(path, out_dir) for name, path in run_reports.items()}
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[str(row.get("status"))] = counts.get(str(row.get("status")), 0) + 1
+    counts = Counter(str(row.get("status")) for row in rows)
     sections = [f"<p>{html.escape(str(root))} — {len(rows)} run(s): "
                 + ", ".join(f"{n} {html.escape(s)}" for s, n in counts.items()) + "</p>",
                 "<h2>Results</h2>", html_table(rows, columns, links), _notes([metric_legend(columns)])]

@@ -87,12 +87,8 @@ def metric_legend(columns: list[str]) -> str:
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
-    """Read ``metrics.jsonl`` written by a run that may still be writing it.
-
-    Returns:
-        (records, skipped): every line that parses as a JSON object, and how many did not (a truncated last
-        line of a live run, typically).
-    """
+    """``(records, skipped)`` of the ``metrics.jsonl`` of a run that may still be writing it: every line that
+    parses as a JSON object with a step, and how many did not (a live run's truncated last line, typically)."""
     parsed, skipped = stages.read_records(path)
     records = [r for r in parsed if isinstance(r, dict) and "step" in r]
     skipped += len(parsed) - len(records)

@@ -43,7 +43,6 @@ from kdcache.storage import read_json_object
 # Keys a grid may not vary: the sweep owns `out`, and "one cache" is the point of a sweep.
 RESERVED_KEYS = ("out", "cache", "resume", "config")
 RUN_RECORD = "sweep-run.json"
-LOG_TAIL_LINES = 30
 
 
 @dataclass
@@ -136,7 +135,10 @@ def plan_sweep(base: dict[str, Any], grid: dict[str, list[str]], sweep_dir: str 
     names: set[str] = set()
     for combo in itertools.product(*grid.values()) if grid else [()]:
         values = dict(zip(grid, combo))
-        name = _unique(run_name(values), names)
+        name, i = run_name(values), 2
+        while name in names:  # two points whose values read alike: NAME-2, NAME-3...
+            name, i = f"{run_name(values)}-{i}", i + 1
+        names.add(name)
         out = str(Path(sweep_dir) / "runs" / name)
         try:
             points.append(SweepPoint(name, values, build(TrainOptions, {**base, **values, "out": out})))
@@ -148,14 +150,6 @@ def plan_sweep(base: dict[str, Any], grid: dict[str, list[str]], sweep_dir: str 
         raise ConfigError([p if len(ns) == total else f"{p} (grid point(s): {', '.join(ns)})"
                            for p, ns in found.items()])
     return points
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    candidate, i = name, 2
-    while candidate in taken:
-        candidate, i = f"{name}-{i}", i + 1
-    taken.add(candidate)
-    return candidate
 
 
 def conflicts(points: list[SweepPoint], launcher: list[str]) -> list[str]:
@@ -232,7 +226,7 @@ def run_child(command: list[str], log_path: Path) -> tuple[int, float]:
     return code, time.perf_counter() - start
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+def log_tail(path: Path, lines: int = 30) -> str:
     """The last ``lines`` lines of a log (progress-bar carriage returns folded away)."""
     if not path.is_file():
         return ""
@@ -257,7 +251,7 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict[str, Any]:
     else:
         # Recorded before the child starts, so a report drawn mid-sweep knows this run's grid values.
         _write_json(run_dir / RUN_RECORD, {**record, "command": command, "status": "running"})
-        record.update(_train(point, settings, command, previous))
+        record.update(_train(point, settings, command))
     _write_json(run_dir / RUN_RECORD, record)
     evaluated = settings.eval_cache is not None and find_eval(run_dir, "trained", settings.eval_cache) is not None
     if record["status"] != "failed" and settings.eval_cache and not (record["status"] == "reused" and evaluated):
@@ -266,13 +260,10 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict[str, Any]:
     return record
 
 
-def _train(point: SweepPoint, settings: SweepSettings, command: list[str], previous: dict[str, Any]
-           ) -> dict[str, Any]:
+def _train(point: SweepPoint, settings: SweepSettings, command: list[str]) -> dict[str, Any]:
+    """Train (resuming a checkpoint: ``conflicts`` refused, before the sweep began, one left with other options)."""
     run_dir = Path(point.options.run.out)
     has_checkpoint = (run_dir / "checkpoints" / "latest").is_file()
-    if has_checkpoint and previous.get("command") is not None and not same_run(previous["command"], command):
-        return {"command": command, "status": "failed", "returncode": None, "seconds": 0.0,
-                "error": f"{run_dir} holds a run trained with other options; choose another --out"}
     launched = train_command(point.options, settings.launcher, resume=has_checkpoint)
     code, seconds = run_child(launched, run_dir / "train.log")
     ok = code == 0 and (not point.options.run.export or (run_dir / "student").is_dir())

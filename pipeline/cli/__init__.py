@@ -30,7 +30,7 @@ from typing import Any, NoReturn, Protocol
 
 import kdcache.pipeline.cli.commands
 from kdcache import stages, storage
-from kdcache.pipeline.config import add_flags
+from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.pipeline.quiet import is_quiet, libraries_on_terminal, quiet
 from kdcache.stages.train.interrupt import TrainingInterrupted
 from kdcache.storage import KdcacheError
@@ -118,35 +118,17 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     return ""
 
 
-class _Commands:
-    """What each command module's ``register`` adds its subcommands to: ``add_parser(name, options=Cls)`` as
-    argparse's, and the option class's flags built only for the command being run (``only``; every command's
-    when None). The commands are parsers of their own until ``install`` adds them to the real subcommands in
-    the order one uses them."""
-
-    def __init__(self, only: str | None) -> None:
-        self.only = only
-        self.made: dict[str, tuple[_Parser, dict[str, Any]]] = {}
-
-    def add_parser(self, name: str, *, options: type | None = None, skip: tuple[str, ...] = (),
-                   **kwargs: Any) -> argparse.ArgumentParser:
-        parser = _Parser(add_help=False)
-        if options is not None and self.only in (None, name):
-            parser.needed = add_flags(parser, options, skip=skip)
-        self.made[name] = (parser, kwargs)
-        return parser
-
-    def install(self, subparsers: CommandParsers) -> dict[str, _Parser]:
-        """Add every command to ``subparsers`` (``COMMAND_ORDER`` first, then the rest by name); returns them
-        by name."""
-        rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
-        commands = {}
-        for name in sorted(self.made, key=lambda n: (rank.get(n, len(rank)), n)):
-            own, kwargs = self.made[name]
-            command = subparsers.add_parser(name, parents=[*kwargs.pop("parents", []), own], **kwargs)
-            command.needed = own.needed
-            commands[name] = command
-        return commands
+def _install(registry: Subcommands, subparsers: CommandParsers) -> dict[str, _Parser]:
+    """Add every command ``registry`` made to ``subparsers`` (``COMMAND_ORDER`` first, then the rest by name), each
+    marking the flags its option class requires in its usage; returns them by name."""
+    rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+    commands = {}
+    for name in sorted(registry.made, key=lambda n: (rank.get(n, len(rank)), n)):
+        own, needed, kwargs = registry.made[name]
+        command = subparsers.add_parser(name, parents=[*kwargs.pop("parents", []), own], **kwargs)
+        command.needed = needed
+        commands[name] = command
+    return commands
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -161,41 +143,22 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     # The command is the first word that is not a flag nor --local_rank's number.
-    registry = _Commands(None if argv is None else next((a for a in argv if a[:1] != "-" and not a.isdigit()), ""))
+    registry = Subcommands(None if argv is None else next((a for a in argv if a[:1] != "-" and not a.isdigit()), ""))
     for info in sorted(pkgutil.iter_modules(kdcache.pipeline.cli.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"kdcache.pipeline.cli.commands.{info.name}")
         if hasattr(module, "register"):
             module.register(registry)
-    commands = registry.install(subparsers)
+    commands = _install(registry, subparsers)
     parser.set_defaults(commands=commands)  # main() names the command whose flag was misspelled
     for command in commands.values():  # every command may read or write a cache in object storage
-        _add_common_flags(command)
+        command.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                             help="an fsspec option for s3://, gs://... caches, e.g. endpoint_url=http://host:9000 "
+                                  "(repeatable; credentials also come from the usual AWS_* / GOOGLE_* variables)")
+        with contextlib.suppress(argparse.ArgumentError):  # train's --quiet is an option (YAML too), the same switch
+            command.add_argument("--quiet", action="store_true",
+                                 help="on success print only kdcache's notes about the run: no summary, progress or "
+                                      "library lines (errors still show)")
     return parser
-
-
-def _add_common_flags(command: argparse.ArgumentParser) -> None:
-    """``--storage-option`` and ``--quiet``, which every command takes."""
-    command.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                         help="an fsspec option for s3://, gs://... caches, e.g. endpoint_url=http://host:9000 "
-                              "(repeatable; credentials also come from the usual AWS_* / GOOGLE_* variables)")
-    try:
-        command.add_argument("--quiet", action="store_true",
-                             help="on success print only kdcache's notes about the run: no summary, progress or "
-                                  "library lines (errors still show)")
-    except argparse.ArgumentError:  # train's --quiet is an option (YAML too), the same switch
-        pass
-
-
-def _apply_storage_options(pairs: list[str]) -> None:
-    """Hand ``--storage-option`` pairs to every store this process, and each process it starts, opens."""
-    if pairs:
-        options = {**storage.default_storage_options(), **storage.parse_storage_options(pairs)}
-        os.environ[storage.OPTIONS_ENV] = json.dumps(options)
-
-
-def _is_storage_fault(exc: BaseException) -> bool:
-    """Errors of object-store clients that are not OSErrors (botocore's connection errors, for one)."""
-    return type(exc).__module__.split(".")[0] in _STORAGE_CLIENTS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # name the command whose flags were misspelled, not the top level
         args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        _apply_storage_options(getattr(args, "storage_option", []))
+        if args.storage_option:  # handed to every store this process, and each process it starts, opens
+            options = {**storage.default_storage_options(), **storage.parse_storage_options(args.storage_option)}
+            os.environ[storage.OPTIONS_ENV] = json.dumps(options)
         with libraries_on_terminal(), quiet(is_quiet(getattr(args, "quiet", False))):  # errors: printed below
             return int(args.func(args) or 0)
     except TrainingInterrupted as exc:  # a checkpoint was saved first: say where, and how to go on
@@ -222,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f": {exc.filename}" if exc.filename else ""
         print(f"kdcache {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
-    except Exception as exc:
-        if not _is_storage_fault(exc):
+    except Exception as exc:  # an object-store client's error that is no OSError (botocore's connection errors)
+        if type(exc).__module__.split(".")[0] not in _STORAGE_CLIENTS:
             raise
         print(f"kdcache {args.command}: error: the store failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -6,15 +6,28 @@ import argparse
 import json
 import os
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
+
+from kdcache.pipeline.config import add_flags
 
 
-class Subcommands(Protocol):
-    """What ``register`` is handed (``pipeline.cli``'s command collector): ``add_parser`` builds a command's
-    parser, its flags from the option class ``options`` (every field but ``skip``) when that command runs."""
+class Subcommands:
+    """What each command module's ``register`` adds its subcommands to: ``add_parser(name, options=Cls)`` as
+    argparse's, the option class's flags (every field but ``skip``) built only for the command being run
+    (``only``; every command's when None). The commands are parsers of their own, with the flags their option
+    class requires (``needed``), until ``pipeline.cli`` adds them to the real subcommands in the order one uses
+    them."""
+
+    def __init__(self, only: str | None) -> None:
+        self.only = only
+        self.made: dict[str, tuple[argparse.ArgumentParser, list[argparse.Action], dict[str, Any]]] = {}
 
     def add_parser(self, name: str, *, options: type | None = None, skip: tuple[str, ...] = (),
-                   **kwargs: Any) -> argparse.ArgumentParser: ...
+                   **kwargs: Any) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        needed = add_flags(parser, options, skip=skip) if options is not None and self.only in (None, name) else []
+        self.made[name] = (parser, needed, kwargs)
+        return parser
 
 
 def print_summary(summary: dict[str, Any], as_json: bool, formatter: Callable[[dict[str, Any]], str]) -> None:

@@ -73,13 +73,9 @@ def training_data_notes(eval_cache: CacheReader, run_dir: Path, cache: str) -> l
 
 
 def check_baseline(out: Path, student: str) -> None:
-    """Refuse to replace a run's baseline on this cache with another student's: the report compares the trained
-    student with it, and a second ``--student`` would silently change what "before" means (the same student again
-    re-scores it).
-
-    Raises:
-        EvaluationError: naming the file, the student it holds and the way to replace it.
-    """
+    """Refuse (EvaluationError) to replace a run's baseline on this cache with another student's: the report
+    compares the trained student with it, and a second ``--student`` would silently change what "before" means
+    (the same student again re-scores it)."""
     held = storage.read_json_object(out) if out.is_file() else None
     if held and held.get("role") == "baseline" and held.get("student") not in (None, student):
         raise stages.EvaluationError(f"{out} already holds this run's baseline on that cache, from the student "

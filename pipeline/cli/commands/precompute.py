@@ -1,8 +1,7 @@
 """``kdcache precompute`` and ``kdcache merge``: run stage one, and join a job array's parts.
 
-Flags come from ``stages.precompute.core.options.PrecomputeOptions`` (field ``top_k`` is ``--top-k``); every flag can
-also be set in ``--config file.yaml``, flat or in its ``precompute:`` section (``pipeline.config.config_values``),
-with the command line winning.
+Flags come from ``stages.precompute.core.options.PrecomputeOptions``, and from ``--config`` (its ``precompute:``
+section, or a flat file) as ``pipeline.config`` reads it.
 """
 
 from __future__ import annotations

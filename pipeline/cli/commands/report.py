@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.pipeline.config import ConfigError
-from kdcache.pipeline.report import is_run, is_sweep, report_run, report_sweep
+from kdcache.pipeline.report import report_run, report_sweep
 
 
 def register(subparsers: Subcommands) -> None:
@@ -29,9 +29,9 @@ def register(subparsers: Subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     """Write the report and print where it is. Returns 0."""
     path = Path(args.path)
-    if is_sweep(path):
+    if (path / "sweep.json").is_file() or (path / "runs").is_dir():
         html = report_sweep(path, args.out, metric=args.metric)
-    elif is_run(path):
+    elif any((path / name).exists() for name in ("metrics.jsonl", "options.json", "plan.json")):
         html = report_run(path, args.out)
     else:
         raise ConfigError([f"{str(path)!r} is neither a run (metrics.jsonl, options.json) nor a sweep "

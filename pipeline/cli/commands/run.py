@@ -86,13 +86,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(stages.format_summary(summary))
     gc.collect()  # the teacher's last references go with stage one's frames; free them before the student
-    _empty_device_cache()
-    print(format_train(stages.run_training(train)))
-    return 0
-
-
-def _empty_device_cache() -> None:
     import torch  # heavy, off `kdcache --help` (which imports every command); loaded by stage one by now
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    print(format_train(stages.run_training(train)))
+    return 0

@@ -15,10 +15,8 @@ from typing import Any
 
 from kdcache import stages, storage
 from kdcache.pipeline.cli.commands import Subcommands
-from kdcache.pipeline.config import ConfigError, config_values
+from kdcache.pipeline.config import ConfigError, given_values
 from kdcache.pipeline.sweep import SweepSettings, conflicts, parse_grid, plan_sweep, run_sweep, train_command
-from kdcache.stages.common.option_groups import leaves
-from kdcache.stages.common.stream_options import ALIASES
 from kdcache.stages.train.core.options import TrainOptions
 
 
@@ -52,13 +50,9 @@ SWEEP_EVAL = ("eval_cache", "eval_every")
 
 def base_values(args: argparse.Namespace) -> dict[str, Any]:
     """The train options shared by every point: the YAML's ``train:`` section, then the flags given."""
-    values: dict[str, Any] = {}
-    if getattr(args, "config", None):  # its train: section, or the whole of a flat file
-        values, problems = config_values(TrainOptions, args.config, "train")
-        if problems:
-            raise ConfigError(problems)
-    names = ({f.name for _, _, f in leaves(TrainOptions)} | set(ALIASES)) - {"out", "resume", *SWEEP_EVAL}
-    values.update({k: v for k, v in vars(args).items() if k in names})
+    values, problems = given_values(TrainOptions, args, "train", skip=("out", "resume", *SWEEP_EVAL))
+    if problems:
+        raise ConfigError(problems)
     values.pop("out", None)
     return values
 

@@ -1,8 +1,7 @@
 """``kdcache train`` and ``kdcache init-student``: stage two, and building a student from teacher blocks.
 
-Flags of ``train`` come from ``stages.train.core.options.TrainOptions``; every flag can also be set in ``--config
-file.yaml``, flat or in its ``train:`` section, the command line winning. torch, transformers and deepspeed are imported
-inside ``run`` so ``kdcache --help`` stays fast.
+Flags of ``train`` come from ``stages.train.core.options.TrainOptions``, and from ``--config`` as ``pipeline.config``
+reads it. torch, transformers and deepspeed are imported inside ``run`` so ``kdcache --help`` stays fast.
 
 ``train`` runs as one process, or one per rank under ``torchrun`` / the ``deepspeed`` launcher.
 """
@@ -64,15 +63,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"trained {summary['steps']} steps{resumed} on {summary['world_size']} process(es), "
              f"ZeRO-{summary['zero_stage']}, {summary['steps_per_s']:.2f} steps/s; {losses}",
              f"run dir     {summary['run_dir']} (metrics.jsonl, checkpoints/)"]
-    if summary.get("student_dir"):
-        lines.append(f"student     {summary['student_dir']} (loads with {_loader(summary['student_dir'])})")
+    if summary.get("student_dir"):  # the class it loads with, from its config (``BartForConditionalGeneration``)
+        archs = storage.read_json_object(Path(summary["student_dir"]) / "config.json").get("architectures") or []
+        loader = f"{archs[0]}.from_pretrained" if archs else "transformers' from_pretrained"
+        lines.append(f"student     {summary['student_dir']} (loads with {loader})")
     return "\n".join(lines)
-
-
-def _loader(student_dir: str) -> str:
-    """The class the exported student loads with, from its config (``BartForConditionalGeneration``...)."""
-    archs = storage.read_json_object(Path(student_dir) / "config.json").get("architectures") or []
-    return f"{archs[0]}.from_pretrained" if archs else "transformers' from_pretrained"
 
 
 def run_init_student(args: argparse.Namespace) -> int:
