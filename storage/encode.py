@@ -21,7 +21,6 @@ from kdcache.storage.hidden_codecs import (
     encode,
     error_record,
     part_name,
-    parts,
 )
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
 from kdcache.storage.schema.arrays import CachedArray
@@ -226,7 +225,7 @@ def _coded(spec: CacheSpec, item: Mapping[str, Any]) -> Mapping[str, Any]:
         check_finite(name, values)  # NaN is not an overflow: name it for what it is
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is found below and named with its limit
             out.update(encode(spec.hidden_codec, name, values))
-        stored = [out[part_name(name, p)] for p in parts(spec.hidden_codec) if p != "outlier_ids"]
+        stored = [out[part_name(name, p)] for p in spec.hidden_codec.parts() if p != "outlier_ids"]
         if not all(np.isfinite(a).all() for a in stored):
             max_abs = float(np.abs(values).max())
             raise Fp16OverflowError(f"{name}: largest |value| {max_abs:.6g} gives a scale or an outlier beyond "

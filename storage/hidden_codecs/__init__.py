@@ -57,11 +57,8 @@ from kdcache.storage.hidden_codecs.coding import (
     decode,
     encode,
     error_record,
-    group_count,
     hidden_codec_of,
-    parts,
     projected,
-    rank_of,
     resolve_hidden_codec,
 )
 from kdcache.storage.hidden_codecs.naming import (
@@ -94,6 +91,6 @@ COLUMN_CODES_CODEC = CODES_CODEC
 __all__ = ["ArrayOps", "CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "CodecRecord",
            "ERROR_FIELDS", "FP8_MAX", "HIDDEN_CODECS", "HiddenCodec", "HiddenCodecConfig", "NoConfig", "PARTS",
            "QuantConfig", "QuantisedCodec", "applies_to", "check_width", "codec_of", "coded_of", "decode", "encode",
-           "error_record", "fp8_table", "get", "group_count", "hadamard", "hidden_codec_of", "is_part", "listing",
-           "names", "namespace", "ops_for", "part_name", "part_of", "parts", "projected", "rank_of", "register",
-           "register_ops", "resolve_hidden_codec", "row_errors", "usage"]
+           "error_record", "fp8_table", "get", "hadamard", "hidden_codec_of", "is_part", "listing", "names",
+           "namespace", "ops_for", "part_name", "part_of", "projected", "register", "register_ops",
+           "resolve_hidden_codec", "row_errors", "usage"]

@@ -62,7 +62,6 @@ from kdcache.storage.hidden_codecs import (
     applies_to,
     hidden_codec_of,
     part_name,
-    parts,
 )
 from kdcache.storage.schema.arrays import CachedArray, describe
 from kdcache.storage.schema.spec_checks import check_spec
@@ -268,7 +267,7 @@ class CacheSpec:
 
     def with_parts(self, name: str) -> list[str]:
         """``name`` and, when it is coded, its companion arrays (scales, outliers kept aside, their ids)."""
-        return [name, *(part_name(name, p) for p in parts(self.hidden_codec))] if self.coded(name) else [name]
+        return [name, *(part_name(name, p) for p in self.hidden_codec.parts())] if self.coded(name) else [name]
 
     def float_dtype(self, name: str) -> str:
         """The float type ("fp16" / "bf16") float array ``name`` is stored in: a float hidden codec's, else
