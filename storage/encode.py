@@ -23,9 +23,8 @@ from kdcache.storage.hidden_codecs import (
     part_name,
 )
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
-from kdcache.storage.schema.arrays import CachedArray
+from kdcache.storage.schema.arrays import TOKEN_KINDS, CachedArray
 from kdcache.storage.schema.spec import CacheSpec
-from kdcache.storage.schema.spec_checks import TOKEN_KINDS
 
 Concatenate = Callable[[Sequence[np.ndarray]], np.ndarray]  # np.concatenate along axis 0, or a pooled one
 
@@ -120,7 +119,7 @@ def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[st
                   finite: bool = False) -> np.ndarray:
     """Convert to the storage dtype, then bitround activations if the spec asks for it."""
     stored = to_storage(name, values, spec.float_dtype(name), finite=finite)
-    if not spec.is_lossy_target(name) or spec.bitround is None:
+    if spec.bitround is None or not spec.is_lossy_kind(name) or spec.coded(name):  # bitround: activations only
         return stored
     rounded = apply_bitround(name, stored, spec.dtype, spec.bitround)
     original = values if values.dtype.kind == "f" else to_float32(values, spec.dtype)

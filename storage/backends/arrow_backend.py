@@ -43,7 +43,8 @@ def file_codec(spec: CacheSpec) -> tuple[str, int | None]:
     layout names (``LogitLayout.file_sparse``: top-k's)."""
     sparse = spec.logit_layout is not None and spec.logit_layout.file_sparse
     activations, top_k = spec.codec_configs
-    return to_arrow_compression(top_k if sparse and not spec.has_activations else activations)
+    has_activations = any(spec.is_lossy_kind(n) for n in spec.sequence_names())
+    return to_arrow_compression(top_k if sparse and not has_activations else activations)
 
 
 def offsets_source(spec: CacheSpec, offsets_name: str) -> str:

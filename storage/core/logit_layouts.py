@@ -162,7 +162,7 @@ def exact_arrays(spec: LayoutFields) -> tuple[str, ...]:
 
 
 def validate_logits(spec: LogitFields) -> None:
-    """The logit part of ``storage.schema.spec_checks.check_spec``: the layout exists, has a vocabulary, and its
+    """The logit part of ``storage.schema.spec.check_spec``: the layout exists, has a vocabulary, and its
     fields hold.
 
     Raises:

@@ -31,20 +31,14 @@ from typing import Any
 from kdcache.storage.core.registry import import_members
 from kdcache.storage.hidden_codecs.arrays import (
     FP8_MAX,
-    ArrayOps,
     fp8_table,
-    hadamard,
     namespace,
-    ops_for,
     register_ops,
     row_errors,
 )
 from kdcache.storage.hidden_codecs.base import (
     HIDDEN_CODECS,
-    CodecRecord,
     HiddenCodec,
-    HiddenCodecConfig,
-    NoConfig,
     get,
     listing,
     names,
@@ -52,7 +46,6 @@ from kdcache.storage.hidden_codecs.base import (
     usage,
 )
 from kdcache.storage.hidden_codecs.coding import (
-    check_width,
     codec_of,
     decode,
     encode,
@@ -63,16 +56,14 @@ from kdcache.storage.hidden_codecs.coding import (
 )
 from kdcache.storage.hidden_codecs.naming import (
     CODED_KINDS,
-    COMPANION_KINDS,
     ERROR_FIELDS,
     PARTS,
     applies_to,
-    coded_of,
     is_part,
     part_name,
     part_of,
 )
-from kdcache.storage.hidden_codecs.quantised import QuantConfig, QuantisedCodec
+from kdcache.storage.hidden_codecs.quantised import QuantisedCodec
 
 import_members(__name__, __path__, but=("arrays", "base", "coding", "naming", "quantised"))
 
@@ -88,9 +79,7 @@ CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shu
 # need hundreds of cores: the 0.037x of benchmarks/RESULTS.md run 4); level 1 keeps 2.25x (97% of it) at 474 MB/s.
 COLUMN_CODES_CODEC = CODES_CODEC
 
-__all__ = ["ArrayOps", "CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "CodecRecord",
-           "ERROR_FIELDS", "FP8_MAX", "HIDDEN_CODECS", "HiddenCodec", "HiddenCodecConfig", "NoConfig", "PARTS",
-           "QuantConfig", "QuantisedCodec", "applies_to", "check_width", "codec_of", "coded_of", "decode", "encode",
-           "error_record", "fp8_table", "get", "hadamard", "hidden_codec_of", "is_part", "listing", "names",
-           "namespace", "ops_for", "part_name", "part_of", "projected", "register", "register_ops",
-           "resolve_hidden_codec", "row_errors", "usage"]
+__all__ = ["CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "ERROR_FIELDS", "FP8_MAX", "HIDDEN_CODECS",
+           "HiddenCodec", "PARTS", "QuantisedCodec", "applies_to", "codec_of", "decode", "encode", "error_record",
+           "fp8_table", "get", "hidden_codec_of", "is_part", "listing", "names", "namespace", "part_name", "part_of",
+           "projected", "register", "register_ops", "resolve_hidden_codec", "row_errors", "usage"]
