@@ -22,7 +22,7 @@ from kdcache.storage import crosscheck
 from kdcache.storage.backends.base import get_backend
 from kdcache.storage.core.errors import KdcacheError
 from kdcache.storage.core.stores import Store, open_store
-from kdcache.storage.folders import CACHE_ENTRIES
+from kdcache.storage.folders import CACHE_ENTRIES, folder_names
 from kdcache.storage.hidden_codecs import decode, projected
 from kdcache.storage.projection import read_projection
 from kdcache.storage.schema.manifest import MANIFEST_NAME, Manifest, ShardRecord, load_manifest, sidecar_names
@@ -136,7 +136,8 @@ def _check_index(store: Store, manifest: Manifest, raw: dict[str, Any],
     if manifest.seals_files:
         findings += crosscheck.folder_findings(store, manifest)
     report.problems += [VerifyProblem(*finding) for finding in findings]
-    report.notes += [note] if (note := crosscheck.legacy_note(store, manifest)) else []
+    # what a cache of an older format cannot have checked (storage.core.formats); None for a sealed cache
+    report.notes += [note] if (note := manifest.format.note([f"{k}/" for k in folder_names(store)])) else []
     return records
 
 

@@ -161,7 +161,7 @@ def _dtype(spec: ArraySpecFields, name: str, kind: str, logit: LogitArray | None
     if logit is not None and logit.dtype != FLOAT:
         return topk_id_dtype(spec.vocab_size) if logit.dtype == VOCAB_ID else np.dtype(logit.dtype)
     if coded:
-        return spec.hidden_codec.numpy_code_dtype()
+        return np.dtype(spec.hidden_codec.code_dtype)
     if part is not None:
         return np.dtype(np.uint16) if part == "outlier_ids" else np.dtype(np.float16)
     return storage_dtype(spec.float_dtype(name))

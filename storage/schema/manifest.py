@@ -215,11 +215,6 @@ def write_sidecar(store: Store, record: ShardRecord) -> None:
     store.put_json(sidecar_key(record.index), data)
 
 
-def sidecar_is_sealed(record: ShardRecord) -> bool:
-    """Whether a shard's sidecar carries its own crc32c (older caches' do not)."""
-    return SEAL in record.extra
-
-
 def read_sidecars(root: str | os.PathLike[str] | Store) -> dict[int, ShardRecord]:
     """Every committed shard's record, from the sidecars under ``shards/`` (fetched in parallel).
 
