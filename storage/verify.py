@@ -81,8 +81,11 @@ def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, record
                                                                                               manifest.spec)]
         if not problems:  # intact files: their values can be held against the record
             problems = [VerifyProblem(*f) for f in crosscheck.token_findings(store, record, manifest, backend)]
-            problems += [VerifyProblem(index, name, message) for name, message in _guarded_decode(store, record,
-                                                                                                  manifest)]
+            try:
+                decoded = _decode_problems(store, record, manifest)
+            except Exception as exc:  # noqa: BLE001 - whatever the damage, the rest of the cache is still checked
+                decoded = [(None, f"cannot decode its coded hidden states: {type(exc).__name__}: {exc}")]
+            problems += [VerifyProblem(index, name, message) for name, message in decoded]
         report.problems += problems
         report.shards_checked += 1
         report.arrays_checked += len(record.arrays)
@@ -91,17 +94,9 @@ def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, record
 DECODED_RTOL = 1e-4  # float32 row sums made on a device against float64 sums of the numpy decode
 
 
-def _guarded_decode(store: Store, record: ShardRecord, manifest: Manifest) -> list[tuple[str | None, str]]:
-    """``_decode_problems``, any failure (a record edited out of shape, arrays that do not fit each other) being one
-    more finding: verify reports, never raises."""
-    try:
-        return _decode_problems(store, record, manifest)
-    except Exception as exc:  # noqa: BLE001 - whatever the damage, the rest of the cache is still checked
-        return [(None, f"cannot decode its coded hidden states: {type(exc).__name__}: {exc}")]
-
-
 def _decode_problems(store: Store, record: ShardRecord, manifest: Manifest) -> list[tuple[str | None, str]]:
-    """Each coded array whose numpy decode's sum of squares differs from the recorded ``decoded_sq``."""
+    """Each coded array whose numpy decode's sum of squares differs from the recorded ``decoded_sq`` (any failure,
+    a record edited out of shape or arrays that do not fit each other, is one more finding: verify never raises)."""
     spec = manifest.spec
     problems: list[tuple[str | None, str]] = []
     coded = [name for name, err in record.lossy.items() if "decoded_sq" in err]

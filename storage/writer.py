@@ -47,18 +47,14 @@ from kdcache.storage.schema.manifest import (
 from kdcache.storage.schema.spec import CacheSpec
 
 
-def spec_differences(cached: CacheSpec, wanted: CacheSpec) -> list[Difference]:
-    """One sentence per spec field that differs between an existing cache and a new writer, with both values."""
-    a, b = cached.to_dict(), wanted.to_dict()
-    keys = list(dict.fromkeys([*a, *b]))  # a seq2seq spec has keys a single-stream one leaves out
-    return [(f"spec {key} differs: the cache has {a.get(key)!r}, this writer has {b.get(key)!r}", a.get(key),
-             b.get(key)) for key in keys if a.get(key) != b.get(key)]
-
-
 def cache_differences(existing: Manifest, spec: CacheSpec, fingerprints: dict[str, Any]) -> list[str]:
     """Everything that makes an existing cache another cache than the one a writer would write, each change once:
     a fingerprint that says again what a spec field already says (the layers, the sequence count) is left out."""
-    spec_said = spec_differences(existing.spec, spec)
+    old, new = existing.spec.to_dict(), spec.to_dict()
+    keys = list(dict.fromkeys([*old, *new]))  # a seq2seq spec has keys a single-stream one leaves out
+    spec_said: list[Difference] = [
+        (f"spec {key} differs: the cache has {old.get(key)!r}, this writer has {new.get(key)!r}", old.get(key),
+         new.get(key)) for key in keys if old.get(key) != new.get(key)]
     pairs = [(a, b) for _, a, b in spec_said]
     said = fingerprint_differences(existing.fingerprints, fingerprints, strict=True)
     return [s for s, _, _ in spec_said] + [

@@ -30,40 +30,40 @@ from typing import Any
 
 from kdcache.storage.core.registry import import_members
 from kdcache.storage.hidden_codecs.arrays import (
-    FP8_MAX,
-    fp8_table,
-    namespace,
-    register_ops,
-    row_errors,
+    FP8_MAX as FP8_MAX,
+    fp8_table as fp8_table,
+    namespace as namespace,
+    register_ops as register_ops,
+    row_errors as row_errors,
 )
 from kdcache.storage.hidden_codecs.base import (
-    HIDDEN_CODECS,
-    HiddenCodec,
-    get,
-    listing,
-    names,
-    register,
-    usage,
+    HIDDEN_CODECS as HIDDEN_CODECS,
+    HiddenCodec as HiddenCodec,
+    get as get,
+    listing as listing,
+    names as names,
+    register as register,
+    usage as usage,
 )
 from kdcache.storage.hidden_codecs.coding import (
-    codec_of,
-    decode,
-    encode,
-    error_record,
-    hidden_codec_of,
-    projected,
-    resolve_hidden_codec,
+    codec_of as codec_of,
+    decode as decode,
+    encode as encode,
+    error_record as error_record,
+    hidden_codec_of as hidden_codec_of,
+    projected as projected,
+    resolve_hidden_codec as resolve_hidden_codec,
 )
 from kdcache.storage.hidden_codecs.naming import (
-    CODED_KINDS,
-    ERROR_FIELDS,
-    PARTS,
-    applies_to,
-    is_part,
-    part_name,
-    part_of,
+    CODED_KINDS as CODED_KINDS,
+    ERROR_FIELDS as ERROR_FIELDS,
+    PARTS as PARTS,
+    applies_to as applies_to,
+    is_part as is_part,
+    part_name as part_name,
+    part_of as part_of,
 )
-from kdcache.storage.hidden_codecs.quantised import QuantisedCodec
+from kdcache.storage.hidden_codecs.quantised import QuantisedCodec as QuantisedCodec
 
 import_members(__name__, __path__, but=("arrays", "base", "coding", "naming", "quantised"))
 
@@ -78,8 +78,3 @@ CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shu
 # take the same: level 9 reached 2.33x on pca8's codes at 3.6 MB/s a core (a teacher writing 2 GB/s of codes would
 # need hundreds of cores: the 0.037x of benchmarks/RESULTS.md run 4); level 1 keeps 2.25x (97% of it) at 474 MB/s.
 COLUMN_CODES_CODEC = CODES_CODEC
-
-__all__ = ["CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "ERROR_FIELDS", "FP8_MAX", "HIDDEN_CODECS",
-           "HiddenCodec", "PARTS", "QuantisedCodec", "applies_to", "codec_of", "decode", "encode", "error_record",
-           "fp8_table", "get", "hidden_codec_of", "is_part", "listing", "names", "namespace", "part_name", "part_of",
-           "projected", "register", "register_ops", "resolve_hidden_codec", "row_errors", "usage"]
