@@ -50,7 +50,7 @@ def sidecar_records(store: Store, manifest: Manifest, findings: list[Finding]) -
         if record.index != index:
             findings.append((index, name, f"index is {record.index}, but the file is named for shard {index}"))
             continue
-        if manifest.seals_files and SEAL not in record.extra:  # a sidecar's seal is in its extra (SIDECAR_SEAL)
+        if manifest.format.sealed_index and SEAL not in record.extra:  # a sidecar's seal is in its extra (SIDECAR_SEAL)
             findings.append((index, name, "carries no crc32c, though this cache's format seals every sidecar "
                                           "(damaged)"))
         records[index] = record
@@ -64,7 +64,7 @@ def manifest_findings(raw: dict[str, Any], manifest: Manifest, sidecars: dict[in
         raw: the JSON object ``manifest`` was read from (``load_manifest``, which has checked its seal if any).
     """
     findings: list[Finding] = []
-    if manifest.seals_files and not is_sealed(raw, MANIFEST_SEAL):
+    if manifest.format.sealed_index and not is_sealed(raw, MANIFEST_SEAL):
         findings.append((None, None, f"{MANIFEST_NAME} carries no crc32c, though it lists the cache's files "
                                      f"(damaged)"))
     totals = {"num_committed_shards": len(manifest.shards), "num_tokens": manifest.num_tokens}

@@ -128,7 +128,7 @@ def _check_index(store: Store, manifest: Manifest, raw: dict[str, Any],
             findings += crosscheck.record_findings(record, manifest)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a record edited out of shape
             findings.append((record.index, f"shard-{record.index:06d}.json", f"malformed record: {exc!r}"))
-    if manifest.seals_files:
+    if manifest.format.sealed_index:
         findings += crosscheck.folder_findings(store, manifest)
     report.problems += [VerifyProblem(*finding) for finding in findings]
     # what a cache of an older format cannot have checked (storage.core.formats); None for a sealed cache

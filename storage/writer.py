@@ -254,7 +254,7 @@ def merge_parts(path: str | os.PathLike[str] | Store, storage_options: Mapping[s
         backend = get_backend(manifest.spec, manifest.format)
         manifest.shards = _valid_records(store, manifest, backend)
         manifest.arrays = summarize_arrays(manifest.spec, manifest.shards)
-        if manifest.seals_files:  # an older cache's manifest keeps its format: no table of its folders
+        if manifest.format.sealed_index:  # an older cache's manifest keeps its format: no table of its folders
             manifest.files = folder_tables(store)
         complete = len(manifest.shards) == manifest.spec.num_shards
         manifest.status = "complete" if complete else "partial"
