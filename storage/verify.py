@@ -39,14 +39,10 @@ class VerifyProblem:
     def __str__(self) -> str:
         where = [f"shard {self.shard}"] if self.shard is not None else []
         if self.array is not None:  # a path names a file no single array owns (group metadata, a sidecar)
-            where.append(f"{'file' if self.is_file else 'array'} {self.array}")
+            # a file is a path with a dot or a folder; an array is a name such as hidden/2
+            is_file = self.array.startswith("shard-") or "." in self.array or self.array.endswith("/")
+            where.append(f"{'file' if is_file else 'array'} {self.array}")
         return f"{', '.join(where) or 'cache'}: {self.message}"
-
-    @property
-    def is_file(self) -> bool:
-        """Whether ``array`` names a file (a path with a dot or a folder) rather than an array (``hidden/2``)."""
-        return self.array is not None and (self.array.startswith("shard-") or "." in self.array
-                                           or self.array.endswith("/"))
 
 
 @dataclass

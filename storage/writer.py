@@ -25,7 +25,7 @@ from typing import Any
 from kdcache.storage.backends.base import Backend, get_backend
 from kdcache.storage.buffers import BufferPool
 from kdcache.storage.core.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
-from kdcache.storage.core.files import disk_full_error, is_disk_full
+from kdcache.storage.core.files import crc32c, disk_full_error, file_size, is_disk_full
 from kdcache.storage.core.stores import Store, WriterLock, open_store
 from kdcache.storage.encode import EncodedShard, encode_shard
 from kdcache.storage.fingerprint import Difference, fingerprint_differences, same_values
@@ -100,7 +100,7 @@ class ShardCommitter:
         index, key = encoded.index, self.backend.shard_key(encoded.index)
         self._clear_stale(index)
         packed = self.backend.pack(encoded.arrays, self.spec, index)
-        files = packed.file_table()
+        files = {path: [file_size(data), crc32c(data)] for path, data in packed.files.items()}  # from memory
         record = ShardRecord(
             index=index, seq_start=encoded.seq_start, seq_stop=encoded.seq_stop, num_tokens=encoded.num_tokens,
             path=key, stored_bytes=sum(size for size, _ in files.values()),
