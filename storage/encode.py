@@ -178,7 +178,7 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     for array in spec.arrays():
         name = array.name
         arrays[name] = _encode_array(spec, array, [np.asarray(item[name]) for item in sequences], lossy,
-                                     _stream_documents(spec, array, documents), finite=name in finite,
+                                     _stream_documents(array, documents), finite=name in finite,
                                      concatenate=concatenate)
         if array.coded:
             if any(part_name(name, "error") not in item for item in sequences):
@@ -283,8 +283,7 @@ def _documents(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]]) -> dict[
             for stream in spec.streams}
 
 
-def _stream_documents(spec: CacheSpec, array: CachedArray,
-                      documents: dict[str, list[list[int]]]) -> list[list[int]] | None:
+def _stream_documents(array: CachedArray, documents: dict[str, list[list[int]]]) -> list[list[int]] | None:
     """The document lengths attention ``array`` is stored by: its query stream's, if stored per document."""
     geometry = array.geometry
     return documents[geometry.queries] if geometry is not None and geometry.by_documents else None
@@ -299,7 +298,7 @@ def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]],
     for array in spec.arrays():
         if array.geometry is not None:
             queries, keys, triangle = array.geometry.queries, array.geometry.keys, array.geometry.triangle
-            docs = _stream_documents(spec, array, documents)
+            docs = _stream_documents(array, documents)
             rows = [attention_rows(n[queries], triangle, n[keys], docs[i] if docs else None)
                     for i, n in enumerate(lengths)]
             arrays[array.offsets] = _offsets(rows)
