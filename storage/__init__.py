@@ -84,11 +84,6 @@ if TYPE_CHECKING:
         vocab_row_names as vocab_row_names,
     )
     from kdcache.storage.core.registry import Registry as Registry, import_members as import_members
-    from kdcache.storage.core.rotation import (
-        block_size as block_size,
-        hadamard_matrix as hadamard_matrix,
-        rotation_signs as rotation_signs,
-    )
     from kdcache.storage.core.stores import (
         OPTIONS_ENV as OPTIONS_ENV,
         Store as Store,
@@ -131,15 +126,11 @@ if TYPE_CHECKING:
         PARTS as PARTS,
         HiddenCodec as HiddenCodec,
         applies_to as applies_to,
-        check_width as check_width,
-        codec_of as codec_of,
-        group_count as group_count,
         hidden_codec_of as hidden_codec_of,
         is_part as is_part,
         part_name as part_name,
         part_of as part_of,
         projected as projected,
-        rank_of as rank_of,
         register_ops as register_ops,
         resolve_hidden_codec as resolve_hidden_codec,
         row_errors as row_errors,
@@ -150,7 +141,7 @@ if TYPE_CHECKING:
         write_projection as write_projection,
     )
     from kdcache.storage.reader import CacheReader as CacheReader, ShardData as ShardData
-    from kdcache.storage.schema.arrays import CachedArray as CachedArray, Geometry as Geometry
+    from kdcache.storage.schema.arrays import CachedArray as CachedArray
     from kdcache.storage.schema.manifest import (
         Manifest as Manifest,
         ShardRecord as ShardRecord,
@@ -161,7 +152,6 @@ if TYPE_CHECKING:
         summarize_arrays as summarize_arrays,
     )
     from kdcache.storage.schema.spec import CacheSpec as CacheSpec
-    from kdcache.storage.schema.spec_checks import topk_id_dtype as topk_id_dtype
     from kdcache.storage.verify import (
         VerifyProblem as VerifyProblem,
         VerifyReport as VerifyReport,

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.backends.base import Backend, check_file, owner_of
-from kdcache.storage.core.canonical import is_sealed
+from kdcache.storage.core.canonical import SEAL, is_sealed
 from kdcache.storage.core.errors import KdcacheError
 from kdcache.storage.core.stores import Store
 from kdcache.storage.core.streams import token_offsets_name
@@ -34,7 +34,6 @@ from kdcache.storage.schema.manifest import (
     range_problem,
     shard_checksum,
     shard_name,
-    sidecar_is_sealed,
 )
 
 Finding = tuple[int | None, str | None, str]
@@ -51,7 +50,7 @@ def sidecar_records(store: Store, manifest: Manifest, findings: list[Finding]) -
         if record.index != index:
             findings.append((index, name, f"index is {record.index}, but the file is named for shard {index}"))
             continue
-        if manifest.seals_files and not sidecar_is_sealed(record):
+        if manifest.format.sealed_index and SEAL not in record.extra:  # a sidecar's seal is in its extra (SIDECAR_SEAL)
             findings.append((index, name, "carries no crc32c, though this cache's format seals every sidecar "
                                           "(damaged)"))
         records[index] = record
@@ -65,7 +64,7 @@ def manifest_findings(raw: dict[str, Any], manifest: Manifest, sidecars: dict[in
         raw: the JSON object ``manifest`` was read from (``load_manifest``, which has checked its seal if any).
     """
     findings: list[Finding] = []
-    if manifest.seals_files and not is_sealed(raw, MANIFEST_SEAL):
+    if manifest.format.sealed_index and not is_sealed(raw, MANIFEST_SEAL):
         findings.append((None, None, f"{MANIFEST_NAME} carries no crc32c, though it lists the cache's files "
                                      f"(damaged)"))
     totals = {"num_committed_shards": len(manifest.shards), "num_tokens": manifest.num_tokens}
@@ -185,8 +184,3 @@ def _table_findings(store: Store, manifest: Manifest, key: str, table: dict[str,
     if table != {p: e for p, e in (manifest.files or {}).items() if p.startswith(f"{key}/")}:
         return [(None, f"{key}/{TABLE}", f"{key}/{TABLE} and {MANIFEST_NAME} list different files")]
     return []
-
-
-def legacy_note(store: Store, manifest: Manifest) -> str | None:
-    """What a cache of an older format cannot have checked (storage.core.formats); None for a sealed cache."""
-    return manifest.format.note([f"{key}/" for key in folder_names(store)])

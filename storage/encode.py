@@ -21,12 +21,10 @@ from kdcache.storage.hidden_codecs import (
     encode,
     error_record,
     part_name,
-    parts,
 )
 from kdcache.storage.layout import attention_rows, document_lengths, pack_attention, to_gaps
-from kdcache.storage.schema.arrays import CachedArray
+from kdcache.storage.schema.arrays import TOKEN_KINDS, CachedArray
 from kdcache.storage.schema.spec import CacheSpec
-from kdcache.storage.schema.spec_checks import TOKEN_KINDS
 
 Concatenate = Callable[[Sequence[np.ndarray]], np.ndarray]  # np.concatenate along axis 0, or a pooled one
 
@@ -121,7 +119,7 @@ def _float_target(spec: CacheSpec, name: str, values: np.ndarray, lossy: dict[st
                   finite: bool = False) -> np.ndarray:
     """Convert to the storage dtype, then bitround activations if the spec asks for it."""
     stored = to_storage(name, values, spec.float_dtype(name), finite=finite)
-    if not spec.is_lossy_target(name) or spec.bitround is None:
+    if spec.bitround is None or not spec.is_lossy_kind(name) or spec.coded(name):  # bitround: activations only
         return stored
     rounded = apply_bitround(name, stored, spec.dtype, spec.bitround)
     original = values if values.dtype.kind == "f" else to_float32(values, spec.dtype)
@@ -180,7 +178,7 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     for array in spec.arrays():
         name = array.name
         arrays[name] = _encode_array(spec, array, [np.asarray(item[name]) for item in sequences], lossy,
-                                     _stream_documents(spec, array, documents), finite=name in finite,
+                                     _stream_documents(array, documents), finite=name in finite,
                                      concatenate=concatenate)
         if array.coded:
             if any(part_name(name, "error") not in item for item in sequences):
@@ -226,7 +224,7 @@ def _coded(spec: CacheSpec, item: Mapping[str, Any]) -> Mapping[str, Any]:
         check_finite(name, values)  # NaN is not an overflow: name it for what it is
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is found below and named with its limit
             out.update(encode(spec.hidden_codec, name, values))
-        stored = [out[part_name(name, p)] for p in parts(spec.hidden_codec) if p != "outlier_ids"]
+        stored = [out[part_name(name, p)] for p in spec.hidden_codec.parts() if p != "outlier_ids"]
         if not all(np.isfinite(a).all() for a in stored):
             max_abs = float(np.abs(values).max())
             raise Fp16OverflowError(f"{name}: largest |value| {max_abs:.6g} gives a scale or an outlier beyond "
@@ -285,8 +283,7 @@ def _documents(spec: CacheSpec, sequences: Sequence[Mapping[str, Any]]) -> dict[
             for stream in spec.streams}
 
 
-def _stream_documents(spec: CacheSpec, array: CachedArray,
-                      documents: dict[str, list[list[int]]]) -> list[list[int]] | None:
+def _stream_documents(array: CachedArray, documents: dict[str, list[list[int]]]) -> list[list[int]] | None:
     """The document lengths attention ``array`` is stored by: its query stream's, if stored per document."""
     geometry = array.geometry
     return documents[geometry.queries] if geometry is not None and geometry.by_documents else None
@@ -301,7 +298,7 @@ def _all_offsets(spec: CacheSpec, lengths: list[dict[str, int]],
     for array in spec.arrays():
         if array.geometry is not None:
             queries, keys, triangle = array.geometry.queries, array.geometry.keys, array.geometry.triangle
-            docs = _stream_documents(spec, array, documents)
+            docs = _stream_documents(array, documents)
             rows = [attention_rows(n[queries], triangle, n[keys], docs[i] if docs else None)
                     for i, n in enumerate(lengths)]
             arrays[array.offsets] = _offsets(rows)

@@ -22,7 +22,7 @@ from kdcache.storage import crosscheck
 from kdcache.storage.backends.base import get_backend
 from kdcache.storage.core.errors import KdcacheError
 from kdcache.storage.core.stores import Store, open_store
-from kdcache.storage.folders import CACHE_ENTRIES
+from kdcache.storage.folders import CACHE_ENTRIES, folder_names
 from kdcache.storage.hidden_codecs import decode, projected
 from kdcache.storage.projection import read_projection
 from kdcache.storage.schema.manifest import MANIFEST_NAME, Manifest, ShardRecord, load_manifest, sidecar_names
@@ -39,14 +39,10 @@ class VerifyProblem:
     def __str__(self) -> str:
         where = [f"shard {self.shard}"] if self.shard is not None else []
         if self.array is not None:  # a path names a file no single array owns (group metadata, a sidecar)
-            where.append(f"{'file' if self.is_file else 'array'} {self.array}")
+            # a file is a path with a dot or a folder; an array is a name such as hidden/2
+            is_file = self.array.startswith("shard-") or "." in self.array or self.array.endswith("/")
+            where.append(f"{'file' if is_file else 'array'} {self.array}")
         return f"{', '.join(where) or 'cache'}: {self.message}"
-
-    @property
-    def is_file(self) -> bool:
-        """Whether ``array`` names a file (a path with a dot or a folder) rather than an array (``hidden/2``)."""
-        return self.array is not None and (self.array.startswith("shard-") or "." in self.array
-                                           or self.array.endswith("/"))
 
 
 @dataclass
@@ -81,8 +77,11 @@ def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, record
                                                                                               manifest.spec)]
         if not problems:  # intact files: their values can be held against the record
             problems = [VerifyProblem(*f) for f in crosscheck.token_findings(store, record, manifest, backend)]
-            problems += [VerifyProblem(index, name, message) for name, message in _guarded_decode(store, record,
-                                                                                                  manifest)]
+            try:
+                decoded = _decode_problems(store, record, manifest)
+            except Exception as exc:  # noqa: BLE001 - whatever the damage, the rest of the cache is still checked
+                decoded = [(None, f"cannot decode its coded hidden states: {type(exc).__name__}: {exc}")]
+            problems += [VerifyProblem(index, name, message) for name, message in decoded]
         report.problems += problems
         report.shards_checked += 1
         report.arrays_checked += len(record.arrays)
@@ -91,17 +90,9 @@ def _check_shards(store: Store, manifest: Manifest, report: VerifyReport, record
 DECODED_RTOL = 1e-4  # float32 row sums made on a device against float64 sums of the numpy decode
 
 
-def _guarded_decode(store: Store, record: ShardRecord, manifest: Manifest) -> list[tuple[str | None, str]]:
-    """``_decode_problems``, any failure (a record edited out of shape, arrays that do not fit each other) being one
-    more finding: verify reports, never raises."""
-    try:
-        return _decode_problems(store, record, manifest)
-    except Exception as exc:  # noqa: BLE001 - whatever the damage, the rest of the cache is still checked
-        return [(None, f"cannot decode its coded hidden states: {type(exc).__name__}: {exc}")]
-
-
 def _decode_problems(store: Store, record: ShardRecord, manifest: Manifest) -> list[tuple[str | None, str]]:
-    """Each coded array whose numpy decode's sum of squares differs from the recorded ``decoded_sq``."""
+    """Each coded array whose numpy decode's sum of squares differs from the recorded ``decoded_sq`` (any failure,
+    a record edited out of shape or arrays that do not fit each other, is one more finding: verify never raises)."""
     spec = manifest.spec
     problems: list[tuple[str | None, str]] = []
     coded = [name for name, err in record.lossy.items() if "decoded_sq" in err]
@@ -133,10 +124,11 @@ def _check_index(store: Store, manifest: Manifest, raw: dict[str, Any],
             findings += crosscheck.record_findings(record, manifest)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a record edited out of shape
             findings.append((record.index, f"shard-{record.index:06d}.json", f"malformed record: {exc!r}"))
-    if manifest.seals_files:
+    if manifest.format.sealed_index:
         findings += crosscheck.folder_findings(store, manifest)
     report.problems += [VerifyProblem(*finding) for finding in findings]
-    report.notes += [note] if (note := crosscheck.legacy_note(store, manifest)) else []
+    # what a cache of an older format cannot have checked (storage.core.formats); None for a sealed cache
+    report.notes += [note] if (note := manifest.format.note([f"{k}/" for k in folder_names(store)])) else []
     return records
 
 

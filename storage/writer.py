@@ -25,7 +25,7 @@ from typing import Any
 from kdcache.storage.backends.base import Backend, get_backend
 from kdcache.storage.buffers import BufferPool
 from kdcache.storage.core.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
-from kdcache.storage.core.files import disk_full_error, is_disk_full
+from kdcache.storage.core.files import crc32c, disk_full_error, file_size, is_disk_full
 from kdcache.storage.core.stores import Store, WriterLock, open_store
 from kdcache.storage.encode import EncodedShard, encode_shard
 from kdcache.storage.fingerprint import Difference, fingerprint_differences, same_values
@@ -47,18 +47,14 @@ from kdcache.storage.schema.manifest import (
 from kdcache.storage.schema.spec import CacheSpec
 
 
-def spec_differences(cached: CacheSpec, wanted: CacheSpec) -> list[Difference]:
-    """One sentence per spec field that differs between an existing cache and a new writer, with both values."""
-    a, b = cached.to_dict(), wanted.to_dict()
-    keys = list(dict.fromkeys([*a, *b]))  # a seq2seq spec has keys a single-stream one leaves out
-    return [(f"spec {key} differs: the cache has {a.get(key)!r}, this writer has {b.get(key)!r}", a.get(key),
-             b.get(key)) for key in keys if a.get(key) != b.get(key)]
-
-
 def cache_differences(existing: Manifest, spec: CacheSpec, fingerprints: dict[str, Any]) -> list[str]:
     """Everything that makes an existing cache another cache than the one a writer would write, each change once:
     a fingerprint that says again what a spec field already says (the layers, the sequence count) is left out."""
-    spec_said = spec_differences(existing.spec, spec)
+    old, new = existing.spec.to_dict(), spec.to_dict()
+    keys = list(dict.fromkeys([*old, *new]))  # a seq2seq spec has keys a single-stream one leaves out
+    spec_said: list[Difference] = [
+        (f"spec {key} differs: the cache has {old.get(key)!r}, this writer has {new.get(key)!r}", old.get(key),
+         new.get(key)) for key in keys if old.get(key) != new.get(key)]
     pairs = [(a, b) for _, a, b in spec_said]
     said = fingerprint_differences(existing.fingerprints, fingerprints, strict=True)
     return [s for s, _, _ in spec_said] + [
@@ -104,7 +100,7 @@ class ShardCommitter:
         index, key = encoded.index, self.backend.shard_key(encoded.index)
         self._clear_stale(index)
         packed = self.backend.pack(encoded.arrays, self.spec, index)
-        files = packed.file_table()
+        files = {path: [file_size(data), crc32c(data)] for path, data in packed.files.items()}  # from memory
         record = ShardRecord(
             index=index, seq_start=encoded.seq_start, seq_stop=encoded.seq_stop, num_tokens=encoded.num_tokens,
             path=key, stored_bytes=sum(size for size, _ in files.values()),
@@ -258,7 +254,7 @@ def merge_parts(path: str | os.PathLike[str] | Store, storage_options: Mapping[s
         backend = get_backend(manifest.spec, manifest.format)
         manifest.shards = _valid_records(store, manifest, backend)
         manifest.arrays = summarize_arrays(manifest.spec, manifest.shards)
-        if manifest.seals_files:  # an older cache's manifest keeps its format: no table of its folders
+        if manifest.format.sealed_index:  # an older cache's manifest keeps its format: no table of its folders
             manifest.files = folder_tables(store)
         complete = len(manifest.shards) == manifest.spec.num_shards
         manifest.status = "complete" if complete else "partial"

@@ -43,12 +43,8 @@ def file_codec(spec: CacheSpec) -> tuple[str, int | None]:
     layout names (``LogitLayout.file_sparse``: top-k's)."""
     sparse = spec.logit_layout is not None and spec.logit_layout.file_sparse
     activations, top_k = spec.codec_configs
-    return to_arrow_compression(top_k if sparse and not spec.has_activations else activations)
-
-
-def offsets_source(spec: CacheSpec, offsets_name: str) -> str:
-    """The column whose list offsets are the offsets array ``offsets_name`` (offsets are not stored twice)."""
-    return next(n for n in spec.sequence_names() if spec.offsets_name(n) == offsets_name)
+    has_activations = any(spec.is_lossy_kind(n) for n in spec.sequence_names())
+    return to_arrow_compression(top_k if sparse and not has_activations else activations)
 
 
 def _column(flat: np.ndarray, offsets: np.ndarray) -> pa.Array:
@@ -124,10 +120,6 @@ def _open(source: pa.NativeFile, options: ipc.IpcReadOptions | None = None) -> I
     return ipc.open_stream(source, options=options)
 
 
-def _first_batch(reader: IpcReader) -> pa.RecordBatch:
-    return reader.get_batch(0) if isinstance(reader, ipc.RecordBatchFileReader) else reader.read_next_batch()
-
-
 class ArrowShard(ShardHandle):
     """An open Arrow shard; a column is decoded once (only the columns asked for), checked, and cached.
 
@@ -161,7 +153,9 @@ class ArrowShard(ShardHandle):
             if name not in self._fields:
                 raise KeyError(f"column {name!r} missing from {self.key}")
             options = ipc.IpcReadOptions(included_fields=[self._fields[name]])
-            return _split(_first_batch(_open(source, options)).column(0))
+            reader = _open(source, options)
+            batch = reader.get_batch(0) if isinstance(reader, ipc.RecordBatchFileReader) else reader.read_next_batch()
+            return _split(batch.column(0))
 
     def _fail(self, name: str, message: str) -> ChecksumError:
         return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
@@ -196,8 +190,9 @@ class ArrowShard(ShardHandle):
         return []
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        if is_offsets(name):
-            return self.column(offsets_source(self.spec, name))[0][slice(start, stop)]
+        if is_offsets(name):  # offsets are not stored twice: the list offsets of a column they locate
+            source = next(n for n in self.spec.sequence_names() if self.spec.offsets_name(n) == name)
+            return self.column(source)[0][slice(start, stop)]
         return self.column(name)[1][slice(start, stop)]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kdcache.storage.core.files import FileData, crc32c, file_size
+from kdcache.storage.core.files import FileData, crc32c
 from kdcache.storage.core.formats import CURRENT, CacheFormat
 from kdcache.storage.core.stores import Store
 from kdcache.storage.schema.manifest import SHARDS_DIR, ShardRecord, shard_name
@@ -39,10 +39,6 @@ class PackedShard:
     files: dict[str, FileData]
     arrays: dict[str, dict[str, Any]]
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def file_table(self) -> dict[str, list[int]]:
-        """``{path: [size, crc32c]}`` of every file, from the in-memory bytes."""
-        return {path: [file_size(data), crc32c(data)] for path, data in self.files.items()}
 
 
 class ShardHandle(ABC):

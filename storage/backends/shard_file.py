@@ -131,7 +131,6 @@ def _decode_into(codec: numcodecs.abc.Codec, chunk: memoryview, target: np.ndarr
     target[...] = full[: len(target)]
 
 
-
 def inner_codec(metadata: dict[str, Any]) -> numcodecs.abc.Codec | None:
     """The numcodecs codec that writes the same inner chunks as a ``plain_layout`` array's zarr codecs (its
     compressor as zarr configured it for the dtype, after the row shuffle if any), or None for a compressor this

@@ -38,19 +38,6 @@ def _holder(obj: dict[str, Any], at: tuple[str, ...]) -> dict[str, Any] | None:
     return obj
 
 
-def _seal_of(obj: dict[str, Any], at: tuple[str, ...]) -> int:
-    """The crc32c of ``obj``'s canonical bytes with its seal left out (taken out and put back: no copy of a
-    large manifest)."""
-    holder = _holder(obj, at)
-    if holder is None or SEAL not in holder:
-        return crc32c(canonical_json(obj))
-    seal = holder.pop(SEAL)
-    try:
-        return crc32c(canonical_json(obj))
-    finally:
-        holder[SEAL] = seal
-
-
 def sealed(obj: dict[str, Any], at: tuple[str, ...] = ()) -> dict[str, Any]:
     """A copy of ``obj`` carrying its seal at ``at`` (the holder object must exist)."""
     out = copy.deepcopy(obj)
@@ -77,6 +64,10 @@ def seal_problem(raw: bytes, obj: dict[str, Any], at: tuple[str, ...] = ()) -> s
         return None
     if canonical_json(obj) != raw:
         return "its bytes are not the canonical JSON of what they hold (damaged)"
-    if _seal_of(obj, at) != _holder(obj, at)[SEAL]:  # type: ignore[index]
-        return "it does not match the crc32c it carries (damaged or edited)"
-    return None
+    holder: dict[str, Any] = _holder(obj, at)  # type: ignore[assignment]  # is_sealed: it holds the seal
+    seal = holder.pop(SEAL)  # taken out and put back: no copy of a large manifest
+    try:
+        intact = crc32c(canonical_json(obj)) == seal
+    finally:
+        holder[SEAL] = seal
+    return None if intact else "it does not match the crc32c it carries (damaged or edited)"

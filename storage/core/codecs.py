@@ -27,11 +27,6 @@ SHUFFLE_NAMES: dict[int, Literal["noshuffle", "shuffle", "bitshuffle"]] = {0: "n
                                                                            2: "bitshuffle"}
 
 
-def known_codecs() -> list[str]:
-    """Every name :func:`resolve_codec` accepts."""
-    return sorted(set(numcodecs.registry.codec_registry) | set(ALIASES))
-
-
 def resolve_codec(codec: str | dict[str, Any] | numcodecs.abc.Codec | None) -> dict[str, Any]:
     """Normalise a codec given by name, config dict or numcodecs object to its full numcodecs config.
 
@@ -49,7 +44,8 @@ def resolve_codec(codec: str | dict[str, Any] | numcodecs.abc.Codec | None) -> d
     config = dict(ALIASES.get(codec, {"id": codec})) if isinstance(codec, str) else dict(codec)
     name = config.get("id")
     if name not in numcodecs.registry.codec_registry:
-        raise UnknownCodecError(f"unknown codec {name!r}; known codecs: {', '.join(known_codecs())}")
+        known = sorted(set(numcodecs.registry.codec_registry) | set(ALIASES))
+        raise UnknownCodecError(f"unknown codec {name!r}; known codecs: {', '.join(known)}")
     try:
         return dict(numcodecs.get_codec(config).get_config())
     except (TypeError, ValueError) as exc:

@@ -78,11 +78,6 @@ def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint16)
 
 
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """Widen uint16 bf16 patterns to float32 (exact)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
 def to_float32(array: np.ndarray, dtype_name: str) -> np.ndarray:
     """Turn a stored float target (float16, or uint16 bf16 bits) into float32.
 
@@ -90,8 +85,8 @@ def to_float32(array: np.ndarray, dtype_name: str) -> np.ndarray:
         array: stored values, any shape.
         dtype_name: the cache's ``spec.dtype`` ("fp16" or "bf16").
     """
-    if dtype_name == "bf16":
-        return bf16_bits_to_float32(array)
+    if dtype_name == "bf16":  # widening the bits is exact
+        return (np.asarray(array, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
     storage_dtype(dtype_name)
     return np.asarray(array).astype(np.float32)
 

@@ -124,21 +124,15 @@ def legacy_path(store: Store, key: str) -> Path:
     return path
 
 
-def zarr_array_crc(shard: Path, name: str) -> int:
-    """crc32 over an array's files (relative path, then bytes, in sorted path order), as format 1 recorded it."""
-    crc = 0
-    files = sorted((p for p in (shard / name).rglob("*") if p.is_file()), key=lambda p: p.as_posix())
-    for path in files:
-        crc = zlib.crc32(path.read_bytes(), zlib.crc32(path.relative_to(shard).as_posix().encode(), crc))
-    return crc
-
-
 def zarr_problems(store: Store, key: str, arrays: Mapping[str, Mapping[str, Any]]) -> list[Problem]:
     """Every array of a format 1-2 zarr shard (``arrays``: its record's) whose files changed."""
     shard = legacy_path(store, key)
     problems = []
     for name, info in arrays.items():
-        crc = zarr_array_crc(shard, name)
+        # crc32 over the array's files (relative path, then bytes, in sorted path order), as format 1 recorded it
+        crc = 0
+        for path in sorted((p for p in (shard / name).rglob("*") if p.is_file()), key=lambda p: p.as_posix()):
+            crc = zlib.crc32(path.read_bytes(), zlib.crc32(path.relative_to(shard).as_posix().encode(), crc))
         if crc != info["crc32"]:
             problems.append((name, f"stored bytes changed (crc32 {crc:08x}, recorded {info['crc32']:08x})"))
     return problems

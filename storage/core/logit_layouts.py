@@ -123,14 +123,9 @@ def layout_named(name: str | None) -> LogitLayout | None:
     return None if name is None else LAYOUTS.lookup(name)
 
 
-def layout_of(spec: LayoutFields) -> LogitLayout | None:
-    """The spec's layout (None for a cache without logits)."""
-    return spec.logit_layout
-
-
 def logit_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
     """The per-token logit arrays ``spec`` stores, in order."""
-    layout = layout_of(spec)
+    layout = spec.logit_layout
     return layout.arrays(spec) if layout else ()
 
 
@@ -167,13 +162,13 @@ def exact_arrays(spec: LayoutFields) -> tuple[str, ...]:
 
 
 def validate_logits(spec: LogitFields) -> None:
-    """The logit part of ``storage.schema.spec_checks.check_spec``: the layout exists, has a vocabulary, and its
+    """The logit part of ``storage.schema.spec.check_spec``: the layout exists, has a vocabulary, and its
     fields hold.
 
     Raises:
         SpecError: naming the bad field and what was expected.
     """
-    layout = layout_of(spec)
+    layout = spec.logit_layout
     if layout and spec.vocab_size < 1:
         raise SpecError(f"logits={layout.name!r} needs vocab_size >= 1, got {spec.vocab_size}")
     if layout:

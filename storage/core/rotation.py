@@ -9,8 +9,6 @@ transform itself is ``storage.hidden_codecs.arrays.hadamard``, one for numpy and
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 MAX_BLOCK = 256  # a dense block costs b multiply-adds per value; 256 spreads an outlier far enough
@@ -21,48 +19,22 @@ def block_size(d: int) -> int:
     return min(d & -d, MAX_BLOCK)
 
 
-def hadamard_matrix(b: int) -> np.ndarray:
-    """The orthonormal Sylvester-Hadamard matrix ``[b, b]`` float32 (b a power of two; symmetric, its own
-    inverse): ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2)``. The caller's own copy."""
-    matrix: np.ndarray = _hadamard_matrix(b).copy()
-    return matrix
-
-
 def sylvester_matrix(b: int) -> np.ndarray:
-    """``hadamard_matrix(b) * sqrt(b)``: the same matrix of +1/-1, float32, the caller's own copy. Integer codes
-    times it sum exactly in float32 (|sum| ≤ 127 · 256 < 2²⁴), whatever order a library's matmul adds them in."""
-    matrix: np.ndarray = _sylvester_matrix(b).copy()
+    """The Sylvester-Hadamard matrix of +1/-1 ``[b, b]`` float32 (b a power of two): ``H_1 = [1]``,
+    ``H_2n = [[H_n, H_n], [H_n, -H_n]]``. Integer codes times it sum exactly in float32 (|sum| ≤ 127 · 256 < 2²⁴),
+    whatever order a library's matmul adds them in."""
+    h = np.ones((1, 1))
+    while len(h) < b:
+        h = np.block([[h, h], [h, -h]])
+    return h.astype(np.float32)
+
+
+def hadamard_matrix(b: int) -> np.ndarray:
+    """``sylvester_matrix(b) / sqrt(b)``: the orthonormal matrix ``[b, b]`` float32 (symmetric, its own inverse)."""
+    matrix: np.ndarray = (sylvester_matrix(b).astype(np.float64) / np.sqrt(b)).astype(np.float32)
     return matrix
 
 
 def rotation_signs(seed: int, d: int) -> np.ndarray:
-    """The rotation's random signs ``[d]`` float32 (+1/-1), from ``numpy.random.default_rng(seed)``. The caller's
-    own copy."""
-    signs: np.ndarray = _rotation_signs(seed, d).copy()
-    return signs
-
-
-# Built once per size (the writer and verify rotate every coded array of every shard), kept read-only so that no
-# caller can change the shared array; a copy costs microseconds, the build (log2 b block doublings, a generator)
-# far more, and a copy is writable, as torch.from_numpy wants.
-@functools.lru_cache(maxsize=16)
-def _sylvester_matrix(b: int) -> np.ndarray:
-    h = np.ones((1, 1))
-    while len(h) < b:
-        h = np.block([[h, h], [h, -h]])
-    return _read_only(h.astype(np.float32))
-
-
-@functools.lru_cache(maxsize=16)
-def _hadamard_matrix(b: int) -> np.ndarray:
-    return _read_only((_sylvester_matrix(b).astype(np.float64) / np.sqrt(b)).astype(np.float32))
-
-
-@functools.lru_cache(maxsize=64)
-def _rotation_signs(seed: int, d: int) -> np.ndarray:
-    return _read_only((np.random.default_rng(seed).integers(0, 2, d) * 2 - 1).astype(np.float32))
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
-    return array
+    """The rotation's random signs ``[d]`` float32 (+1/-1), from ``numpy.random.default_rng(seed)``."""
+    return (np.random.default_rng(seed).integers(0, 2, d) * 2 - 1).astype(np.float32)

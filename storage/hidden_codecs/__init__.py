@@ -30,52 +30,40 @@ from typing import Any
 
 from kdcache.storage.core.registry import import_members
 from kdcache.storage.hidden_codecs.arrays import (
-    FP8_MAX,
-    ArrayOps,
-    fp8_table,
-    hadamard,
-    namespace,
-    ops_for,
-    register_ops,
-    row_errors,
+    FP8_MAX as FP8_MAX,
+    fp8_table as fp8_table,
+    namespace as namespace,
+    register_ops as register_ops,
+    row_errors as row_errors,
 )
 from kdcache.storage.hidden_codecs.base import (
-    HIDDEN_CODECS,
-    CodecRecord,
-    HiddenCodec,
-    HiddenCodecConfig,
-    NoConfig,
-    get,
-    listing,
-    names,
-    register,
-    usage,
+    HIDDEN_CODECS as HIDDEN_CODECS,
+    HiddenCodec as HiddenCodec,
+    get as get,
+    listing as listing,
+    names as names,
+    register as register,
+    usage as usage,
 )
 from kdcache.storage.hidden_codecs.coding import (
-    check_width,
-    codec_of,
-    decode,
-    encode,
-    error_record,
-    group_count,
-    hidden_codec_of,
-    parts,
-    projected,
-    rank_of,
-    resolve_hidden_codec,
+    codec_of as codec_of,
+    decode as decode,
+    encode as encode,
+    error_record as error_record,
+    hidden_codec_of as hidden_codec_of,
+    projected as projected,
+    resolve_hidden_codec as resolve_hidden_codec,
 )
 from kdcache.storage.hidden_codecs.naming import (
-    CODED_KINDS,
-    COMPANION_KINDS,
-    ERROR_FIELDS,
-    PARTS,
-    applies_to,
-    coded_of,
-    is_part,
-    part_name,
-    part_of,
+    CODED_KINDS as CODED_KINDS,
+    ERROR_FIELDS as ERROR_FIELDS,
+    PARTS as PARTS,
+    applies_to as applies_to,
+    is_part as is_part,
+    part_name as part_name,
+    part_of as part_of,
 )
-from kdcache.storage.hidden_codecs.quantised import QuantConfig, QuantisedCodec
+from kdcache.storage.hidden_codecs.quantised import QuantisedCodec as QuantisedCodec
 
 import_members(__name__, __path__, but=("arrays", "base", "coding", "naming", "quantised"))
 
@@ -90,10 +78,3 @@ CODES_CODEC: dict[str, Any] = {"id": "blosc", "cname": "zstd", "clevel": 1, "shu
 # take the same: level 9 reached 2.33x on pca8's codes at 3.6 MB/s a core (a teacher writing 2 GB/s of codes would
 # need hundreds of cores: the 0.037x of benchmarks/RESULTS.md run 4); level 1 keeps 2.25x (97% of it) at 474 MB/s.
 COLUMN_CODES_CODEC = CODES_CODEC
-
-__all__ = ["ArrayOps", "CODED_KINDS", "CODES_CODEC", "COLUMN_CODES_CODEC", "COMPANION_KINDS", "CodecRecord",
-           "ERROR_FIELDS", "FP8_MAX", "HIDDEN_CODECS", "HiddenCodec", "HiddenCodecConfig", "NoConfig", "PARTS",
-           "QuantConfig", "QuantisedCodec", "applies_to", "check_width", "codec_of", "coded_of", "decode", "encode",
-           "error_record", "fp8_table", "get", "group_count", "hadamard", "hidden_codec_of", "is_part", "listing",
-           "names", "namespace", "ops_for", "part_name", "part_of", "parts", "projected", "rank_of", "register",
-           "register_ops", "resolve_hidden_codec", "row_errors", "usage"]

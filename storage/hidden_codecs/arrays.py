@@ -94,8 +94,8 @@ def _native(xp: ModuleType) -> ModuleType:
 
 @functools.lru_cache(maxsize=64)
 def _constant(xp: ModuleType, device: object, build: Callable[..., np.ndarray], args: tuple[int, ...]) -> Array:
-    # Built and copied to each device once: the writer, verify and stage one rotate every coded array of every
-    # shard, and a host-to-device copy per call would cost a transfer each time.
+    # Built (log2 b block doublings, a generator) and copied to each device once: the writer, verify and stage one
+    # rotate every coded array of every shard, and a host-to-device copy per call would cost a transfer each time.
     return xp.asarray(build(*args), device=device)
 
 
@@ -195,7 +195,9 @@ class NumpyOps:
 
 
 @functools.lru_cache(maxsize=1)
-def _fp8_table() -> np.ndarray:
+def fp8_table() -> np.ndarray:
+    """The float32 value of every e4m3fn bit pattern ``[256]`` (0x7F and 0xFF are NaN and never written); one
+    shared read-only table."""
     bits = np.arange(256)
     exponent, mantissa = (bits >> 3) & 15, (bits & 7).astype(np.float64)
     magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
@@ -204,11 +206,6 @@ def _fp8_table() -> np.ndarray:
     table = values.astype(np.float32)
     table.flags.writeable = False
     return table
-
-
-def fp8_table() -> np.ndarray:
-    """The float32 value of every e4m3fn bit pattern ``[256]`` (0x7F and 0xFF are NaN and never written)."""
-    return _fp8_table()
 
 
 # By its name, not array_namespace(np.empty(0)): that loads array-api-compat's numpy wrapper (a third of a second,

@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Protocol, TypeVar
 
-import numpy as np
-
 from kdcache.storage.core.errors import SpecError
 from kdcache.storage.core.registry import Registry
 from kdcache.storage.hidden_codecs.arrays import Array
@@ -126,10 +124,6 @@ class HiddenCodec:
     def decode_rows(self, parts: dict[str, Array]) -> Array:
         """The stored parts of ``encode_rows`` (any array library) -> the rows ``[N, d]`` float32."""
         raise NotImplementedError(f"hidden codec {self.name!r} stores floats: it has no codes to decode")
-
-    def numpy_code_dtype(self) -> np.dtype:
-        """The stored codes' numpy dtype."""
-        return np.dtype(self.code_dtype)
 
 
 C = TypeVar("C", bound=type[HiddenCodec])

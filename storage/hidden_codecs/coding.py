@@ -59,25 +59,10 @@ def codec_of(record: CodecRecord | HiddenCodec) -> HiddenCodec:
     return _CONFIGURED[key]
 
 
-def group_count(record: CodecRecord | HiddenCodec, d: int) -> int:
-    """Scales per row for hidden size d: one, or one per ``group`` channels (the whole row when d <= group)."""
-    return codec_of(record).group_count(d)
-
-
-def parts(record: CodecRecord | HiddenCodec) -> tuple[str, ...]:
-    """The companion parts a codec stores beside its codes (none for a float codec)."""
-    return codec_of(record).parts()
-
-
-def rank_of(record: CodecRecord | HiddenCodec) -> int | None:
-    """The projection's rank R of a resolved record (``configuration.rank``), None without a projection."""
-    return codec_of(record).rank
-
-
 def projected(record: CodecRecord | HiddenCodec, name: str) -> bool:
     """Whether coded array ``name`` stores projection coefficients ``[T, R]``: hidden states of a codec with a
     rank (queries/keys/values are coded as they are)."""
-    return rank_of(record) is not None and kind_of(name) == ArrayKind.HIDDEN
+    return codec_of(record).rank is not None and kind_of(name) == ArrayKind.HIDDEN
 
 
 def check_width(record: CodecRecord | HiddenCodec, name: str, d: int) -> None:
@@ -92,7 +77,7 @@ def check_width(record: CodecRecord | HiddenCodec, name: str, d: int) -> None:
 def _basis(record: CodecRecord | HiddenCodec, name: str, projection: Bases | None) -> tuple[Array, Array]:
     """(basis ``[R, d]``, mean ``[d]``) of projected array ``name``, or a SpecError naming what is missing."""
     if projection is None or name not in projection:
-        raise SpecError(f"{name}: stored as rank-{rank_of(record)} projection coefficients, but no basis for it "
+        raise SpecError(f"{name}: stored as rank-{codec_of(record).rank} projection coefficients, but no basis for it "
                         f"was given (a cache holds them in its projection/ folder)")
     return projection[name]
 

@@ -26,13 +26,6 @@ def part_name(name: str, part: str) -> str:
     return prefixed(stream, f"{kind}_{part}/{layer}")
 
 
-def coded_of(name: str) -> str:
-    """The coded array a companion belongs to: ``coded_of("attention_q_scale/3") == "attention_q/3"``."""
-    stream, rest = split_stream(name)
-    kind, layer = rest.split("/", 1)
-    return prefixed(stream, f"{COMPANION_KINDS[kind][0]}/{layer}")
-
-
 def part_of(name: str) -> str | None:
     """The part ("scale", "outliers", "outlier_ids", "error") companion ``name`` holds; None for any other array."""
     companion = COMPANION_KINDS.get(kind_of(name))

@@ -73,7 +73,6 @@ class QuantisedCodec(HiddenCodec):
         return ("scale", "outliers", "outlier_ids") if self.config.outliers else ("scale",)
 
     def width_expectation(self, d: int) -> str | None:
-        """What a row width must be, when ``d`` is not that (None when it suits)."""
         return f"d <= {MAX_WIDTH}" if d > MAX_WIDTH else None
 
     def describe(self) -> str:

@@ -15,9 +15,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from kdcache.storage.core.attention_source import token_row_kinds
-from kdcache.storage.core.codecs import resolve_codec
+from kdcache.storage.core.backend_registry import BackendClass
+from kdcache.storage.core.codecs import CompressorConfig, resolve_codec
 from kdcache.storage.core.dtypes import storage_dtype
-from kdcache.storage.core.logit_layouts import FLOAT, VOCAB_ID, LogitArray, logit_array
+from kdcache.storage.core.errors import SpecError
+from kdcache.storage.core.logit_layouts import FLOAT, VOCAB_ID, LayoutFields, LogitArray, logit_array
 from kdcache.storage.core.streams import (
     CROSS,
     MAP_KINDS,
@@ -27,8 +29,20 @@ from kdcache.storage.core.streams import (
     split_stream,
     token_offsets_name,
 )
-from kdcache.storage.hidden_codecs import CODES_CODEC, part_of
-from kdcache.storage.schema.spec_checks import TOKEN_ARRAYS, SpecFields, topk_id_dtype
+from kdcache.storage.hidden_codecs import CODES_CODEC, HiddenCodec, part_of
+
+# Per-token arrays stored beside a stream's ids, ragged the same way, and their on-disk dtypes.
+TOKEN_ARRAYS: dict[str, np.dtype] = {"loss_mask": np.dtype(np.uint8), "position_ids": np.dtype(np.int32)}
+# Every integer array with one value per token of a stream: its ids and the TOKEN_ARRAYS beside them.
+TOKEN_KINDS: frozenset[str] = frozenset({ArrayKind.INPUT_IDS, *TOKEN_ARRAYS})
+
+
+def topk_id_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned integer dtype that holds every id in ``range(vocab_size)``."""
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise SpecError(f"vocab_size {vocab_size} does not fit in 64 bits")
 
 
 @dataclass(frozen=True)
@@ -98,9 +112,25 @@ class CachedArray:
         return self.logit is not None and self.logit.exact
 
 
-class ArraySpecFields(SpecFields, Protocol):
-    """What of a ``CacheSpec`` describes its arrays beside what its checks read (the spec module builds on this)."""
+class ArraySpecFields(LayoutFields, Protocol):
+    """What ``describe`` reads of a ``CacheSpec``: a Protocol, so that this module sits below ``spec`` (which
+    describes its arrays with it) rather than importing it back."""
 
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def backend_type(self) -> BackendClass: ...  # the class registered as ``backend``
+    @property
+    def hidden_codec(self) -> HiddenCodec: ...
+    @property
+    def attention_triangle(self) -> bool: ...
+    @property
+    def token_arrays(self) -> tuple[str, ...]: ...
+    @property
+    def codec_configs(self) -> tuple[CompressorConfig, CompressorConfig]: ...
+    @property
+    def is_encoder_decoder(self) -> bool: ...
+    def float_dtype(self, name: str) -> str: ...
     def coded(self, name: str) -> bool: ...
 
 
@@ -131,7 +161,7 @@ def _dtype(spec: ArraySpecFields, name: str, kind: str, logit: LogitArray | None
     if logit is not None and logit.dtype != FLOAT:
         return topk_id_dtype(spec.vocab_size) if logit.dtype == VOCAB_ID else np.dtype(logit.dtype)
     if coded:
-        return spec.hidden_codec.numpy_code_dtype()
+        return np.dtype(spec.hidden_codec.code_dtype)
     if part is not None:
         return np.dtype(np.uint16) if part == "outlier_ids" else np.dtype(np.float16)
     return storage_dtype(spec.float_dtype(name))

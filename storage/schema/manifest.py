@@ -160,11 +160,6 @@ class Manifest:
         """This cache's format as a reader sees it (storage.core.formats): what its bytes let a reader check."""
         return cache_format(self.format_version, self.files is not None)
 
-    @property
-    def seals_files(self) -> bool:
-        """Whether this cache's format checksums its index files and folders (written since they are sealed)."""
-        return self.format.sealed_index
-
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "manifest.json") -> Manifest:
         version = read_format(data, where).version  # an older format reads as the current structures
@@ -213,11 +208,6 @@ def write_sidecar(store: Store, record: ShardRecord) -> None:
     data = sealed(asdict(record), SIDECAR_SEAL)
     record.extra[SEAL] = data["extra"][SEAL]
     store.put_json(sidecar_key(record.index), data)
-
-
-def sidecar_is_sealed(record: ShardRecord) -> bool:
-    """Whether a shard's sidecar carries its own crc32c (older caches' do not)."""
-    return SEAL in record.extra
 
 
 def read_sidecars(root: str | os.PathLike[str] | Store) -> dict[int, ShardRecord]:

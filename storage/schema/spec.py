@@ -32,15 +32,18 @@ from kdcache.storage.core.attention_source import (
     DEFAULT_ATTENTION_SOURCE,
     AttentionLayout,
     attention_layout as layout_of_source,
+    check_attention_source,
 )
 from kdcache.storage.core.backend_registry import DEFAULT_BACKEND, BackendClass, backend_class
 from kdcache.storage.core.codecs import CompressorConfig, resolve_codec
+from kdcache.storage.core.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.core.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
 from kdcache.storage.core.formats import FORMAT_VERSION
 from kdcache.storage.core.logit_layouts import (
     LogitLayout,
     layout_named,
     logit_arrays,
+    validate_logits,
 )
 from kdcache.storage.core.streams import (
     CROSS,
@@ -62,10 +65,8 @@ from kdcache.storage.hidden_codecs import (
     applies_to,
     hidden_codec_of,
     part_name,
-    parts,
 )
-from kdcache.storage.schema.arrays import CachedArray, describe
-from kdcache.storage.schema.spec_checks import check_spec
+from kdcache.storage.schema.arrays import TOKEN_ARRAYS, CachedArray, describe
 
 
 @dataclass(frozen=True)
@@ -227,11 +228,6 @@ class CacheSpec:
         return names + list(dict.fromkeys(attention_offsets_name(n) for n in maps))
 
     @property
-    def has_activations(self) -> bool:
-        """Whether any hidden state, attention map or full logits are stored (bitround's targets)."""
-        return any(self.is_lossy_kind(n) for n in self.sequence_names())
-
-    @property
     def num_shards(self) -> int:
         """Number of shards; fixed at creation so resumption and rank partitions always agree."""
         return math.ceil(self.num_sequences / self.sequences_per_shard)
@@ -268,7 +264,7 @@ class CacheSpec:
 
     def with_parts(self, name: str) -> list[str]:
         """``name`` and, when it is coded, its companion arrays (scales, outliers kept aside, their ids)."""
-        return [name, *(part_name(name, p) for p in parts(self.hidden_codec))] if self.coded(name) else [name]
+        return [name, *(part_name(name, p) for p in self.hidden_codec.parts())] if self.coded(name) else [name]
 
     def float_dtype(self, name: str) -> str:
         """The float type ("fp16" / "bf16") float array ``name`` is stored in: a float hidden codec's, else
@@ -298,10 +294,6 @@ class CacheSpec:
     def is_lossy_kind(self, name: str) -> bool:
         """Whether ``name`` is an activation (hidden, attention, cross-attention, full logits), bitrounded or not."""
         return self.array(name).lossy
-
-    def is_lossy_target(self, name: str) -> bool:
-        """Whether bitround (if enabled) applies to ``name``: activations only, never top-k."""
-        return self.bitround is not None and self.is_lossy_kind(name) and not self.coded(name)
 
     def check_name(self, name: str) -> None:
         """Raise a typed error unless ``name`` is a per-sequence array of this cache."""
@@ -368,3 +360,34 @@ class CacheSpec:
         values: dict[str, Any] = {k: v for k, v in data.items() if k not in SEQ2SEQ_MANIFEST_KEYS}
         values["layers"] = stream_layers_of_manifest(data) or {}  # {}: hidden_layers / attention_layers build it
         return cls(**values)
+
+
+def check_spec(spec: CacheSpec) -> None:
+    """Refuse a spec whose fields do not fit together, once its codecs and layers are resolved.
+
+    Raises:
+        SpecError: counts below 1, a dtype, bitround, token array or codec the spec cannot store, an empty head
+            list, or logits / attention-source fields that contradict each other.
+    """
+    storage_dtype(spec.dtype)
+    if spec.num_sequences < 1 or spec.sequences_per_shard < 1:
+        raise SpecError(f"num_sequences ({spec.num_sequences}) and sequences_per_shard "
+                        f"({spec.sequences_per_shard}) must both be >= 1")
+    validate_logits(spec)
+    if spec.bitround is not None and spec.float_dtype("hidden/0") != spec.dtype:
+        raise SpecError(f"bitround needs hidden states in the float dtype {spec.dtype!r}; hidden codec "
+                        f"{spec.hidden_codec.name!r} differs")
+    mantissa = STORAGE_DTYPES[spec.dtype][1]
+    if spec.bitround is not None and not 0 < spec.bitround < mantissa:
+        raise SpecError(f"bitround keepbits must be in 1..{mantissa - 1} for {spec.dtype}, got {spec.bitround}")
+    if spec.attention_heads is not None and not spec.attention_heads:
+        raise SpecError("attention_heads is empty; use None for all heads")
+    unknown = [a for a in spec.token_arrays if a not in TOKEN_ARRAYS]
+    if unknown or len(set(spec.token_arrays)) != len(spec.token_arrays):
+        raise SpecError(f"token_arrays {list(spec.token_arrays)}: expected distinct names among "
+                        f"{list(TOKEN_ARRAYS)}")
+    for config in spec.codec_configs:  # fail at creation, not at the first shard
+        spec.backend_type.check_codec(config)
+    check_attention_source(spec.attention_layout, spec.attention_scores, spec.attention_layers,
+                           one_stream=not spec.is_encoder_decoder, all_heads=spec.attention_heads is None,
+                           triangle=spec.attention_triangle)

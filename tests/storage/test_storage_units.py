@@ -24,8 +24,8 @@ from kdcache.storage.encode import encode_shard
 from kdcache.storage.fingerprint import compare_fingerprints, hash_arrays
 from kdcache.storage.hidden_codecs.arrays import NUMPY_COMPAT, NumpyOps, ops_for
 from kdcache.storage.layout import attention_rows, pack_attention, unpack_attention
+from kdcache.storage.schema.arrays import topk_id_dtype
 from kdcache.storage.schema.spec import CacheSpec
-from kdcache.storage.schema.spec_checks import topk_id_dtype
 
 
 def test_bf16_rounds_to_nearest_even_like_torch():

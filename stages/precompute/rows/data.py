@@ -46,7 +46,7 @@ class TokenStreams:
             ``decoder`` (the target ids, i.e. the labels) for an encoder-decoder teacher. Stage one hands in the
             memory-mapped columns of its row table (``row_store.RowColumn``), read only where sliced.
         fingerprint: the data fingerprint (source, split, columns, hashes of the ids and masks).
-        tokens: the token arrays stored beside the ids (``storage.schema.spec_checks.TOKEN_ARRAYS``), by array name
+        tokens: the token arrays stored beside the ids (``storage.schema.arrays.TOKEN_ARRAYS``), by array name
             (``loss_mask``, ``position_ids``, ``decoder/loss_mask``...): one ``[L_i]`` array per sequence.
         dropped_empty: texts or pairs skipped because they produced no tokens.
         dropped_untrained: rows skipped because no token of theirs is trained on (see ``packing.RowCounts``).
