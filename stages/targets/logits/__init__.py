@@ -1,12 +1,8 @@
-"""Logit kinds: one mode per ``--logits`` value, registered by name (see ``base`` and docs/architecture.md,
-"Adding a target kind").
-
-A mode is two modules here: ``<mode>.py``, torch-free, whose class holds its storage layout (a ``LogitLayout`` of
-``storage.core.logit_layouts``, an existing one when it stores the same arrays) and registers it with itself, and
-its torch half ``<mode>_torch.py`` (capture, decode, loss term), which the kind imports on first use. Importing
-this package imports every torch-free module beside ``base`` (in name order) and no torch half, so the registry,
-the option classes and ``kdcache inspect`` load without torch. Stage two reaches a torch half's functions as a
-module of this package (``from kdcache.stages.targets.logits import topk_torch``).
+"""Logit kinds: one mode per ``--logits`` value, registered by name; a mode is two modules here (see ``base`` and
+docs/architecture.md, "Adding a target kind"). Importing this package imports every torch-free module beside
+``base`` (in name order) and no torch half, so the registry, the option classes and ``kdcache inspect`` load
+without torch. Stage two reaches a torch half's functions as a module of this package (``from
+kdcache.stages.targets.logits import topk_torch``).
 
 ``teacher_head`` is the ``head`` mode's copy of the teacher's LM head (stage one exports it, stage two and the
 draft load it). ``vocab/`` is the vocabulary pass the torch halves' loss terms run in (stage two's one pass over

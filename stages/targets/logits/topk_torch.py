@@ -127,7 +127,8 @@ def _renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.T
         return _renorm_rows(z.gather(1, ids.long()), values, temperature)
 
     def alone() -> torch.Tensor:
-        rows = loss_rows.logit_rows(student_logits, m)
+        # [N_v, V] logits, or for HeadLogits the HeadRows [N_v, d] behind them (never [N_v, V])
+        rows = student_logits.select(m) if isinstance(student_logits, HeadLogits) else student_logits[m]
         on_ids = loss_rows.rows_on_ids(rows, loss_rows.valid_rows(topk_ids, m).long())
         return _renorm_rows(on_ids, loss_rows.valid_rows(topk_values, m), temperature).sum() * scale
     return vocab_pass.ChunkTerm(row_kl, m, (topk_values, topk_ids), scale, alone, kernel_feeds.renorm_feed(temperature))

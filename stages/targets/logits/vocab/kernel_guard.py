@@ -116,7 +116,14 @@ class KernelGuard:
                 overwrite ``z`` (the kernel writes ``dz`` over it).
             facts: the pass's layout, kind, scales and temperature.
         """
-        live_reference = _on_live_rows(reference, facts.widths)
+        def live_reference(z: torch.Tensor, weights: torch.Tensor,
+                           *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """``reference`` on the rows some term counts, its ``dz`` 0 elsewhere. The fused road hands every row
+            to the chunk, padding too, whose targets may be garbage (NaN ids) that the pure-torch terms would index
+            with; the pure-torch pass selects the counted rows first (a host sync, as here)."""
+            index = _live_rows(rows, facts.widths).nonzero().squeeze(1)
+            values, dz_live = reference(z.index_select(0, index), weights, *(r.index_select(0, index) for r in rows))
+            return values, torch.zeros_like(z).index_copy_(0, index, dz_live.to(z.dtype))
 
         def grad(z: torch.Tensor, weights: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             # Triton compiles per argument dtype: fp16 / bf16 teacher rows (issue 63) are a kernel of their own.
@@ -149,8 +156,14 @@ class KernelGuard:
 
     def _give_up(self, what: str, reference: ChunkGrad, z: torch.Tensor, weights: torch.Tensor,
                  rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Say once what failed and go on with the pure-torch chunk; under ``fused``, stop instead."""
-        where = _device_words(z.device)
+        """Say once what failed, with the device and the versions a report needs, and go on with the pure-torch
+        chunk; under ``fused``, stop instead."""
+        try:
+            triton = importlib.metadata.version("triton")
+        except importlib.metadata.PackageNotFoundError:
+            triton = "none"
+        name = torch.cuda.get_device_name(z.device) if z.device.type == "cuda" else z.device.type
+        where = f"{name} (torch {torch.__version__}, triton {triton})"
         if self.road is VocabRoad.FUSED:
             raise KernelCheckFailed(f"the fused vocabulary kernel {what} on {where}; --vocab-kernel fused stops "
                                     "here (--vocab-kernel auto goes on with the pure-torch pass, torch skips the "
@@ -160,18 +173,6 @@ class KernelGuard:
               "(the same losses, slower). Please report this line; --vocab-kernel torch skips the kernel.",
               file=sys.stderr)
         return reference(z, weights, *rows)
-
-
-def _on_live_rows(reference: ChunkGrad, widths: Sequence[int]) -> ChunkGrad:
-    """``reference`` on the rows some term counts, its ``dz`` 0 elsewhere. The fused road hands every row of the
-    batch to the chunk, padding too, whose targets may be garbage (NaN ids) that the pure-torch terms would index
-    with; the pure-torch pass selects the counted rows first (a host sync, as here)."""
-
-    def grad(z: torch.Tensor, weights: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = _live_rows(rows, widths).nonzero().squeeze(1)
-        values, dz_live = reference(z.index_select(0, index), weights, *(r.index_select(0, index) for r in rows))
-        return values, torch.zeros_like(z).index_copy_(0, index, dz_live.to(z.dtype))
-    return grad
 
 
 def _live_rows(rows: Sequence[torch.Tensor], widths: Sequence[int]) -> torch.Tensor:
@@ -227,16 +228,6 @@ def _beyond(name: str, fast: torch.Tensor, reference: torch.Tensor, bound: torch
         return None
     return (f"disagrees with the pure-torch pass: {name} {float(a[worst]):.6g} where it is {float(b[worst]):.6g} "
             f"(bound {float(bound[worst]):.3g}, {dtype})")
-
-
-def _device_words(device: torch.device) -> str:
-    """The device and the versions a report needs."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = "none"
-    return f"{name} (torch {torch.__version__}, triton {triton})"
 
 
 GUARD = KernelGuard()
