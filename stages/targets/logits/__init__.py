@@ -15,7 +15,6 @@ import pkgutil
 
 from kdcache.stages.targets.logits.base import (
     TORCH_HALF,
-    CaptureSettings,
     KlSetup,
     LogitKind,
     LogitKindError,
@@ -43,6 +42,6 @@ import_members(__name__, __path__, but=["base", "flags", "teacher_head",
 from kdcache.stages.targets.logits.flags import LogitFlags, LogitLossFlags  # noqa: E402
 from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs  # noqa: E402
 
-__all__ = ["CaptureSettings", "KlSetup", "LogitFlags", "LogitKind", "LogitKindError", "LogitLossFlags", "LogitSettings",
+__all__ = ["KlSetup", "LogitFlags", "LogitKind", "LogitKindError", "LogitLossFlags", "LogitSettings",
            "TOPK_VARIANTS", "TeacherHead", "as_logprobs", "from_targets", "get", "kinds", "names", "of", "parse",
            "register", "usage", "uses_head"]
