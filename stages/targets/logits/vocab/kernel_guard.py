@@ -148,7 +148,7 @@ class KernelGuard:
         live = _live_rows(rows, facts.widths)
         if not bool(live.any()):  # a chunk of padding only: nothing to compare, so the next chunk is checked
             return want
-        problem = _disagreement(got, want, live, _Bounds.of(facts, weights, z, int(live.sum())))
+        problem = _disagreement(got, want, live, facts, weights)
         if problem is not None:
             return self._give_up(problem, reference, original, weights, rows)
         self.trusted.add(key)
@@ -184,36 +184,23 @@ def _live_rows(rows: Sequence[torch.Tensor], widths: Sequence[int]) -> torch.Ten
     return live
 
 
-@dataclass(frozen=True)
-class _Bounds:
-    """The check's bounds for one chunk (see ``TOLERANCE``): dz's (rtol, absolute part) and the values' ``[T]``."""
-
-    dtype: torch.dtype
-    rtol: float
-    absolute: float
-    values: torch.Tensor
-
-    @classmethod
-    def of(cls, facts: PassFacts, weights: torch.Tensor, z: torch.Tensor, live_rows: int) -> _Bounds:
-        rtol, floor = TOLERANCE.get(z.dtype, TOLERANCE[torch.float32])
-        scales = facts.scales.double().abs()
-        heaviest = float((weights.double().abs() * scales).sum()) / min(1.0, facts.temperature)
-        lse_size, noise = max(1.0, math.log(z.shape[1])), PROBABILITY_NOISE * math.sqrt(z.shape[1]) * 2.0**-24
-        return cls(z.dtype, rtol, noise * heaviest + floor, VALUE_NOISE * lse_size * scales * live_rows)
-
-
 def _disagreement(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
-                  live: torch.Tensor, bounds: _Bounds) -> str | None:
-    """None when the kernel's values and ``dz`` are within ``bounds`` of the reference's on the rows some term
-    counts, and its ``dz`` is exactly 0 elsewhere, as the reference's is (the head's bias gradient sums every row);
-    else what differs, in words."""
+                  live: torch.Tensor, facts: PassFacts, weights: torch.Tensor) -> str | None:
+    """None when the kernel's values and ``dz`` are within the check's bounds for this chunk (see ``TOLERANCE``) of
+    the reference's on the rows some term counts, and its ``dz`` is exactly 0 elsewhere, as the reference's is (the
+    head's bias gradient sums every row); else what differs, in words."""
     (values, dz), (ref_values, ref_dz) = got, want
     if not bool((dz[~live] == 0).all()):
         return "wrote non-zero gradients at rows no term counts"
-    return (_beyond("values", values, ref_values, VALUE_RTOL * ref_values.double().abs() + bounds.values,
-                    bounds.dtype)
-            or _beyond("dz", dz[live], ref_dz[live], bounds.rtol * ref_dz[live].double().abs() + bounds.absolute,
-                       bounds.dtype))
+    dtype, vocab = ref_dz.dtype, ref_dz.shape[1]  # the logits' (the reference's dz is built like them)
+    rtol, floor = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    scales = facts.scales.double().abs()
+    heaviest = float((weights.double().abs() * scales).sum()) / min(1.0, facts.temperature)
+    lse_size, noise = max(1.0, math.log(vocab)), PROBABILITY_NOISE * math.sqrt(vocab) * 2.0**-24
+    value_bound = VALUE_RTOL * ref_values.double().abs() + VALUE_NOISE * lse_size * scales * int(live.sum())
+    dz_bound = rtol * ref_dz[live].double().abs() + (noise * heaviest + floor)
+    return (_beyond("values", values, ref_values, value_bound, dtype)
+            or _beyond("dz", dz[live], ref_dz[live], dz_bound, dtype))
 
 
 def _beyond(name: str, fast: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor,
