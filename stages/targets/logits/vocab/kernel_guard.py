@@ -175,13 +175,21 @@ class KernelGuard:
         return reference(z, weights, *rows)
 
 
-def _live_rows(rows: Sequence[torch.Tensor], widths: Sequence[int]) -> torch.Tensor:
-    """``[C]`` bool: the rows some term counts (each term's rows start with its ``[C]`` counted mask)."""
-    live, at = torch.zeros(rows[0].shape[0], dtype=torch.bool, device=rows[0].device), 0
+def split_rows(rows: Sequence[torch.Tensor],
+               widths: Sequence[int]) -> tuple[list[torch.Tensor], list[Sequence[torch.Tensor]]]:
+    """A chunk's rows as a pass lays them out (per term, its ``[C]`` counted mask, then its ``widths[t]`` targets'
+    rows) split per term: its counted mask (bool) and its targets' rows."""
+    keeps, targets, at = [], [], 0
     for width in widths:
-        live = live | rows[at].bool()
+        keeps.append(rows[at].bool())
+        targets.append(rows[at + 1:at + 1 + width])
         at += 1 + width
-    return live
+    return keeps, targets
+
+
+def _live_rows(rows: Sequence[torch.Tensor], widths: Sequence[int]) -> torch.Tensor:
+    """``[C]`` bool: the rows some term counts (a pass has at least one term)."""
+    return torch.stack(split_rows(rows, widths)[0]).any(0)
 
 
 def _disagreement(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],

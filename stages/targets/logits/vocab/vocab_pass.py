@@ -164,12 +164,10 @@ def _combined(terms: Sequence[ChunkTerm], scales: torch.Tensor,
 
     def fn(z: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
         z = z.float()  # once for every term (a no-op for fp32 heads)
-        values, at = [], 0
-        for term, width in zip(terms, widths):
-            keep, own = flat[at], flat[at + 1:at + 1 + width]
+        values = []
+        for term, keep, own in zip(terms, *kernel_guard.split_rows(flat, widths)):
             per_row = term.fn(z, *own)
             values.append(torch.where(keep, per_row, torch.zeros_like(per_row)).sum())
-            at += 1 + width
         return torch.stack(values) * scales
     return fn
 
