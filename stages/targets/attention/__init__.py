@@ -16,14 +16,10 @@ from __future__ import annotations
 from kdcache.stages.targets.attention.base import (
     AttentionSettings,
     AttentionSource,
-    AttentionSourceError,
-    choices,
-    config_heads,
     get,
     names,
     of,
     register,
-    usage,
 )
 from kdcache.storage import import_members
 
@@ -33,5 +29,5 @@ import_members(__name__, __path__, but=("base", "flags", *TORCH_MODULES))
 # After every source has registered: the flag's help lists them.
 from kdcache.stages.targets.attention.flags import AttentionFlags, AttentionLossFlags  # noqa: E402
 
-__all__ = ["AttentionFlags", "AttentionLossFlags", "AttentionSettings", "AttentionSource", "AttentionSourceError",
-           "choices", "config_heads", "get", "names", "of", "register", "usage"]
+__all__ = ["AttentionFlags", "AttentionLossFlags", "AttentionSettings", "AttentionSource", "get", "names", "of",
+           "register"]

@@ -45,13 +45,6 @@ class _LastSoftmax(TorchFunctionMode):
         return out
 
 
-def _eager_of(module: torch.nn.Module) -> Callable[..., Any]:
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if eager is None:
-        raise AttentionMapsError(f"{type(module).__name__} has no eager attention to return maps from")
-    return eager
-
-
 def maps_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's eager attention; returns ``(output [B, L, H, d], probabilities [B, H, L, L_k])``.
@@ -59,8 +52,11 @@ def maps_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     The output is the eager one (with dropout in training mode); the probabilities are its softmax before
     dropout, in the dtype eager returns its weights in, with their gradient.
     """
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise AttentionMapsError(f"{type(module).__name__} has no eager attention to return maps from")
     with _LastSoftmax() as seen:
-        output, weights = _eager_of(module)(module, query, key, value, attention_mask, **kwargs)
+        output, weights = eager(module, query, key, value, attention_mask, **kwargs)
     probs = seen.last
     if weights is None or probs is None or probs.shape != weights.shape:
         # A softmax over more columns than the weights (attention sinks) or none at all: not a plain map.

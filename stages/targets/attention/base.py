@@ -67,15 +67,6 @@ class AttentionSource:
         """Problems of this source with a teacher of token ``streams`` ("" for one stream) and the map options."""
         return []
 
-    def spec_name(self, scores: Mapping[str, Any] | None) -> str:
-        """The ``CacheSpec.attention_source`` a run writes: token rows without score rules (no block kept) store
-        nothing of theirs, so the spec names the default source."""
-        return self.name if scores is not None or not self.layout.token_rows else DEFAULT_ATTENTION_SOURCE
-
-    def fingerprint(self) -> dict[str, str]:
-        """Its part of the settings fingerprint; empty for the default, as caches before issue 23 recorded."""
-        return {} if self.layout.default else {"attention_source": self.name}
-
     def estimate_bytes(self, spec: CacheSpec, name: str, config: PretrainedConfig, tokens: int, sum_sq: int,
                        item: int) -> int:
         """Uncompressed bytes of attention block array ``name`` (named as maps in the spec sized before the
@@ -147,12 +138,15 @@ class AttentionSettings:
         return replace(self, scores=scores)
 
     def spec_fields(self) -> dict[str, Any]:
-        """The ``CacheSpec`` keyword arguments of the source (``spec_name``: the default without score rules)."""
-        return {"attention_source": self.source.spec_name(self.scores), "attention_scores": self.scores}
+        """The ``CacheSpec`` keyword arguments of the source: token rows without score rules (no block kept) store
+        nothing of theirs, so the spec names the default source."""
+        rows = self.scores is None and self.source.layout.token_rows
+        return {"attention_source": DEFAULT_ATTENTION_SOURCE if rows else self.name, "attention_scores": self.scores}
 
     def fingerprint(self) -> dict[str, str]:
-        """The source's part of stage one's settings fingerprint (``AttentionSource.fingerprint``)."""
-        return self.source.fingerprint()
+        """The source's part of stage one's settings fingerprint; empty for the default, as caches before issue 23
+        recorded."""
+        return {} if self.source.layout.default else {"attention_source": self.name}
 
 
 _SOURCES: Registry[AttentionSource] = Registry("attention source", AttentionSourceError)

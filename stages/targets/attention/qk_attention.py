@@ -103,15 +103,6 @@ def _forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, va
     return output
 
 
-def register() -> None:
-    """Register ``ATTENTION_NAME`` with transformers (its attention function, and SDPA's mask format)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTENTION_NAME, _forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-
-
 class QKRecorder:
     """Records the queries, keys and values of chosen blocks of one model during ``with recorder.forward():``.
 
@@ -124,7 +115,12 @@ class QKRecorder:
 
     def __init__(self, model: PreTrainedModel, blocks: tuple[int, ...] | list[int], causal: bool,
                  keep_output: bool = False) -> None:
-        register()
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        # ATTENTION_NAME's attention function, and SDPA's mask format
+        AttentionInterface.register(ATTENTION_NAME, _forward)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
         model.set_attn_implementation(ATTENTION_NAME)
         self.blocks, self.causal, self.keep_output = set(blocks), causal, keep_output
         self.captured: dict[int, Captured] = {}

@@ -125,11 +125,6 @@ def relation_kl(x_s: torch.Tensor, x_t: torch.Tensor, mask: torch.Tensor, relati
                                 mask, queries, position_ids)
 
 
-def token_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[B, heads, L, d]`` -> ``[B, L, heads * d]``, the cache's layout of queries, keys and values."""
-    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
-
-
 def cached_qk_loss(loss: str, student: Captured, targets: Mapping[str, torch.Tensor], block: int,
                    scores: Mapping[str, Any], mask: torch.Tensor, queries: torch.Tensor,
                    relation_heads: int = 0) -> torch.Tensor:
@@ -157,6 +152,7 @@ def cached_qk_loss(loss: str, student: Captured, targets: Mapping[str, torch.Ten
     for kind in ("q", "k", "v"):
         name = f"attention_{kind}/{block}"
         if name in targets:
-            total = total + relation_kl(token_rows(getattr(student, kind)), targets[name], mask, heads,
+            rows = getattr(student, kind).transpose(1, 2).flatten(2)  # [B, H, L, d] -> [B, L, H * d], as cached
+            total = total + relation_kl(rows, targets[name], mask, heads,
                                         causal=rule.causal, queries=queries, position_ids=positions)
     return total

@@ -21,10 +21,9 @@ from kdcache.stages.targets.hidden.hidden_losses import (
     HIDDEN_LOSSES,
     HiddenLoss,
     hidden_loss,
-    hidden_loss_choices,
     register_hidden_loss,
     unknown_hidden_loss,
 )
 
-__all__ = ["HIDDEN_LOSSES", "CriticFlags", "HiddenLoss", "HiddenLossFlags", "hidden_loss", "hidden_loss_choices",
-           "register_hidden_loss", "unknown_hidden_loss"]
+__all__ = ["HIDDEN_LOSSES", "CriticFlags", "HiddenLoss", "HiddenLossFlags", "hidden_loss", "register_hidden_loss",
+           "unknown_hidden_loss"]

@@ -140,17 +140,13 @@ def decode_batch(codec: HiddenCodec, batch: dict[str, Any], projection: Projecti
         return batch
     out = {k: v for k, v in batch.items() if not is_part(k)}
     for name in [k for k in batch if applies_to(k)]:
-        rows = {key: _rows(batch, key) for key in (name, *(part_name(name, p) for p in PARTS)) if key in batch}
+        keys = [key for key in (name, *(part_name(name, p) for p in PARTS)) if key in batch]
+        rows = {key: batch[key].reshape(-1, batch[key].shape[-1]) for key in keys}  # [..., w] -> [N, w]
         device = batch[name].device
         bases = _bases(codec, name, projection, device, "cache decodes through its projection bases")
         decoded = storage_codecs.decode(codec, rows, name, bases)
         out[name] = decoded.reshape(*batch[name].shape[:-1], decoded.shape[-1])
     return out
-
-
-def _rows(batch: dict[str, Any], name: str) -> Any:
-    """``batch[name]`` ``[..., w]`` as rows ``[N, w]``."""
-    return batch[name].reshape(-1, batch[name].shape[-1])
 
 
 def load_projection(reader: CacheReader) -> Projection | None:
@@ -162,13 +158,8 @@ def load_projection(reader: CacheReader) -> Projection | None:
     return Projection.from_arrays(read_projection(reader.store, names, rank))
 
 
-def stored_width(codec: HiddenCodec, d: int) -> int:
-    """Columns of a coded array for hidden size d (int4 packs two channels per byte)."""
-    return codec.stored_width(d)
-
-
 def hidden_width(codec: HiddenCodec, stored: int, projected_width: int | None = None) -> int:
-    """Hidden size d of a coded array with ``stored`` columns (the inverse of ``stored_width``); a projected
+    """Hidden size d of a coded array with ``stored`` columns (the inverse of ``HiddenCodec.stored_width``); a projected
     array's is its basis's width, ``projected_width``."""
     if codec.rank is not None and projected_width is not None:
         return projected_width
@@ -176,4 +167,4 @@ def hidden_width(codec: HiddenCodec, stored: int, projected_width: int | None = 
 
 
 __all__ = ["FP8_MAX", "Projection", "TorchOps", "decode_batch", "decode_rows", "encode", "hidden_width",
-           "load_projection", "quantised", "row_errors", "stored_width"]
+           "load_projection", "quantised", "row_errors"]

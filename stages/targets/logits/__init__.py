@@ -1,12 +1,8 @@
-"""Logit kinds: one mode per ``--logits`` value, registered by name (see ``base`` and docs/architecture.md,
-"Adding a target kind").
-
-A mode is two modules here: ``<mode>.py``, torch-free, whose class holds its storage layout (a ``LogitLayout`` of
-``storage.core.logit_layouts``, an existing one when it stores the same arrays) and registers it with itself, and
-its torch half ``<mode>_torch.py`` (capture, decode, loss term), which the kind imports on first use. Importing
-this package imports every torch-free module beside ``base`` (in name order) and no torch half, so the registry,
-the option classes and ``kdcache inspect`` load without torch. Stage two reaches a torch half's functions as a
-module of this package (``from kdcache.stages.targets.logits import topk_torch``).
+"""Logit kinds: one mode per ``--logits`` value, registered by name; a mode is two modules here (see ``base`` and
+docs/architecture.md, "Adding a target kind"). Importing this package imports every torch-free module beside
+``base`` (in name order) and no torch half, so the registry, the option classes and ``kdcache inspect`` load
+without torch. Stage two reaches a torch half's functions as a module of this package (``from
+kdcache.stages.targets.logits import topk_torch``).
 
 ``teacher_head`` is the ``head`` mode's copy of the teacher's LM head (stage one exports it, stage two and the
 draft load it). ``vocab/`` is the vocabulary pass the torch halves' loss terms run in (stage two's one pass over
@@ -19,7 +15,6 @@ import pkgutil
 
 from kdcache.stages.targets.logits.base import (
     TORCH_HALF,
-    CaptureSettings,
     KlSetup,
     LogitKind,
     LogitKindError,
@@ -47,6 +42,6 @@ import_members(__name__, __path__, but=["base", "flags", "teacher_head",
 from kdcache.stages.targets.logits.flags import LogitFlags, LogitLossFlags  # noqa: E402
 from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs  # noqa: E402
 
-__all__ = ["CaptureSettings", "KlSetup", "LogitFlags", "LogitKind", "LogitKindError", "LogitLossFlags", "LogitSettings",
+__all__ = ["KlSetup", "LogitFlags", "LogitKind", "LogitKindError", "LogitLossFlags", "LogitSettings",
            "TOPK_VARIANTS", "TeacherHead", "as_logprobs", "from_targets", "get", "kinds", "names", "of", "parse",
            "register", "usage", "uses_head"]

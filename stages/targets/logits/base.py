@@ -22,7 +22,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from kdcache.storage import (
     KdcacheError,
@@ -139,25 +140,6 @@ class LogitSettings:
                 **({"logprob_step": self.logprob_step} if self.logprob_step else {})}
 
 
-class TorchHalf(Protocol):
-    """What a mode's torch half (the module ``<mode>_torch``) defines; ``LogitKind`` passes its calls on to it."""
-
-    def capture(self, logits: torch.Tensor, settings: CaptureSettings,
-                generator: torch.Generator | None) -> dict[str, torch.Tensor]: ...
-
-    def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
-                   setup: KlSetup) -> ChunkTerm: ...
-
-    def teacher_top1(self, targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
-                     head: TeacherHead | None) -> torch.Tensor: ...
-
-
-class VocabPass(Protocol):
-    """What ``LogitKind.loss`` takes of stage two's vocabulary pass (``VOCAB_PASS``)."""
-
-    def term_value(self, logits: torch.Tensor | HeadLogits, term: ChunkTerm) -> torch.Tensor: ...
-
-
 # The one pass over the LM head, stage two's (``term_value`` is the same for every kind, a plugin's included): named
 # here, imported on a loss's first call like a torch half, so that the registry loads no torch.
 VOCAB_PASS = "kdcache.stages.targets.logits.vocab.vocab_pass"
@@ -205,13 +187,14 @@ class LogitKind:
         if cls.__module__.startswith(f"{__package__}."):
             cls.torch_module = cls.__module__ + TORCH_HALF
 
-    def torch_half(self) -> TorchHalf:
-        """The module that computes this mode with torch, imported on first use (then a ``sys.modules`` lookup)."""
+    def torch_half(self) -> ModuleType:
+        """The module that computes this mode with torch, imported on first use (then a ``sys.modules`` lookup): it
+        defines ``capture``, ``chunk_term`` and ``teacher_top1`` with this class's signatures, which call them."""
         if not self.torch_module:
             raise LogitKindError(f"logit mode {self.name!r} has no torch half: its class, defined outside "
                                  f"{__package__}, sets no torch_module; expected the module of its capture, "
                                  f"chunk_term and teacher_top1, or overrides of them")
-        return cast(TorchHalf, importlib.import_module(self.torch_module))
+        return importlib.import_module(self.torch_module)
 
     # ---- stage one -------------------------------------------------------------------------------------------
     def parse_argument(self, text: str) -> int:
@@ -267,8 +250,7 @@ class LogitKind:
     def loss(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
              setup: KlSetup) -> torch.Tensor:
         """Stage two's term ``term``: a scalar, from student ``logits [B, L, V]`` and the batch's cached arrays."""
-        vocab_pass = cast(VocabPass, importlib.import_module(VOCAB_PASS))
-        return vocab_pass.term_value(logits, self.chunk_term(logits, targets, mask, setup))
+        return importlib.import_module(VOCAB_PASS).term_value(logits, self.chunk_term(logits, targets, mask, setup))
 
     def chunk_term(self, logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
                    setup: KlSetup) -> ChunkTerm:

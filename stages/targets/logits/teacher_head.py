@@ -66,24 +66,6 @@ def export_head(model: PreTrainedModel, store: Store, layer: int) -> None:
         put_folder(store, HEAD_FOLDER, Path(tmp))  # listed with its checksums, so verify checks the copy
 
 
-def read_head(store: Store) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The head's tensors and ``head.json`` from a cache's store, its sha256 checked.
-
-    Raises:
-        KdcacheError: the files are missing or the weights do not match their recorded hash.
-    """
-    info = read_json(store, f"{HEAD_FOLDER}/head.json", "the teacher head's record (written with --logits head)")
-    try:
-        data = store.read(f"{HEAD_FOLDER}/head.safetensors")
-    except OSError as exc:
-        raise KdcacheError(f"this cache was written with --logits head but its {HEAD_FOLDER}/ cannot be read "
-                           f"({exc}); rerun stage one") from None
-    if hash_bytes(data) != info.get("sha256"):
-        raise KdcacheError(f"{HEAD_FOLDER}/head.safetensors does not match the sha256 recorded in head.json: the "
-                           f"teacher head is damaged or was replaced; rerun stage one")
-    return load(data), info
-
-
 class TeacherHead(nn.Module):
     """``forward(hidden [N, d]) -> logits [N, V]`` float32.
 
@@ -116,14 +98,24 @@ class TeacherHead(nn.Module):
 
 
 def load_teacher_head(store: Store, hidden_layers: tuple[int, ...] | None = None) -> TeacherHead:
-    """The head of a ``--logits head`` cache (its hash checked; ``head.json`` is not hashed, so the layer it
-    names is checked against the cache's deepest ``hidden_layers``, the one stage two streams for it).
+    """The head of a ``--logits head`` cache (its weights checked against the sha256 in ``head.json``; that record is
+    not hashed, so the layer it names is checked against the cache's deepest ``hidden_layers``, the one stage two
+    streams for it).
 
     Raises:
-        KdcacheError: the head cannot be read, is damaged, or reads another layer.
+        KdcacheError: the files are missing or cannot be read, the weights are damaged, or the head reads another
+            layer.
     """
-    tensors, info = read_head(store)
-    head = TeacherHead(tensors, info)
+    info = read_json(store, f"{HEAD_FOLDER}/head.json", "the teacher head's record (written with --logits head)")
+    try:
+        data = store.read(f"{HEAD_FOLDER}/head.safetensors")
+    except OSError as exc:
+        raise KdcacheError(f"this cache was written with --logits head but its {HEAD_FOLDER}/ cannot be read "
+                           f"({exc}); rerun stage one") from None
+    if hash_bytes(data) != info.get("sha256"):
+        raise KdcacheError(f"{HEAD_FOLDER}/head.safetensors does not match the sha256 recorded in head.json: the "
+                           f"teacher head is damaged or was replaced; rerun stage one")
+    head = TeacherHead(load(data), info)
     if hidden_layers is not None and head.layer != max(hidden_layers, default=-1):
         raise KdcacheError(f"the cache's teacher_head/ reads layer {head.layer}, but its last cached hidden layer is "
                            f"{max(hidden_layers, default=None)}; rerun stage one")

@@ -127,7 +127,8 @@ def _renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.T
         return _renorm_rows(z.gather(1, ids.long()), values, temperature)
 
     def alone() -> torch.Tensor:
-        rows = loss_rows.logit_rows(student_logits, m)
+        # [N_v, V] logits, or for HeadLogits the HeadRows [N_v, d] behind them (never [N_v, V])
+        rows = student_logits.select(m) if isinstance(student_logits, HeadLogits) else student_logits[m]
         on_ids = loss_rows.rows_on_ids(rows, loss_rows.valid_rows(topk_ids, m).long())
         return _renorm_rows(on_ids, loss_rows.valid_rows(topk_values, m), temperature).sum() * scale
     return vocab_pass.ChunkTerm(row_kl, m, (topk_values, topk_ids), scale, alone, kernel_feeds.renorm_feed(temperature))
@@ -174,18 +175,14 @@ def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Te
     buckets = k if k >= student_logits.shape[-1] else k + 1
 
     def row_kl(z: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, lse_t: torch.Tensor) -> torch.Tensor:
-        log_t = _teacher_buckets(values.float(), lse_t.float())[:, :buckets]
+        # The teacher's k+1 buckets: exp(value - lse) and the leftover; fp16 rounding of the values can push the
+        # top-k mass a hair above 1, so the leftover is clamped to >= 0.
+        log_top = values.float() - lse_t.float()[:, None]
+        leftover = (1.0 - log_top.exp().sum(-1)).clamp_min(0.0)
+        log_t = torch.cat([log_top, leftover.log()[:, None]], dim=-1)[:, :buckets]
         return loss_rows.kl_terms(log_t, _student_buckets(z, ids.long())[:, :buckets]).sum(-1)
     # No kernel feed: the student's tail mass needs a logsumexp over the vocabulary less the k ids (kernel_feeds).
     return vocab_pass.ChunkTerm(row_kl, m, (topk_values, topk_ids, lse), 1.0 / loss_rows.valid_count(m))
-
-
-def _teacher_buckets(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Teacher log-probabilities of the k+1 buckets, ``[N_v, k+1]``, from values ``[N_v, k]`` and lse ``[N_v]``."""
-    log_top = values - lse[:, None]
-    # fp16 rounding of the values can push the top-k mass a hair above 1: clamp so the leftover is >= 0.
-    leftover = (1.0 - log_top.exp().sum(-1)).clamp_min(0.0)
-    return torch.cat([log_top, leftover.log()[:, None]], dim=-1)
 
 
 def _student_buckets(z_s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -3,12 +3,10 @@ rows a term counts (``loss_rows``), the pass over every vocabulary term of a ste
 with triton, its fused kernel (``fused_vocab``, ``kernel_feeds``, ``kernel_guard``; ``vocab_kernels`` imports
 triton and loads only when the kernel runs).
 
-Part of the logit family (``stages.targets``, the floor below both stages): it imports nothing of either stage, and
-stage one loads it only with a logit kind's torch half, at capture. Its users are the torch halves of the logit
-kinds (``stages.targets.logits.*_torch``), whose loss terms are terms of this pass, and stage two's losses and
-objective. This package re-exports its modules' shared names and, since every module here imports torch, loads
-them at once (an eager package, not a lazy door). ``vocab_pass`` here is the module: its function is
-``vocab_pass.vocab_pass``.
+Part of the logit family: it imports nothing of either stage, and stage one loads it only with a logit kind's torch
+half, at capture. Its users are those torch halves, whose loss terms are terms of this pass, and stage two's
+losses and objective. Every module here imports torch, so this package loads them at once (an eager package, not a
+lazy door). ``vocab_pass`` here is the module: its function is ``vocab_pass.vocab_pass``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets.logits.vocab import kernel_guard
 from kdcache.stages.targets.logits.vocab.head_logits import fused_ce_available
 from kdcache.stages.targets.logits.vocab.kernel_feeds import ChunkView, KernelFeed, RowGrad, RowStats
-from kdcache.stages.targets.logits.vocab.kernel_guard import VocabRoad
+from kdcache.stages.targets.logits.vocab.kernel_guard import VocabRoad, split_rows
 
 # The tests turn this on (with TRITON_INTERPRET=1 set before triton is imported) to run the kernels on the CPU.
 INTERPRET_ON_CPU = False
@@ -74,7 +74,7 @@ def chunk_grad(feeds: Sequence[KernelFeed], scales: torch.Tensor,
     temperature = temperature_of(feeds)
 
     def grad(z: torch.Tensor, weights: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keeps, targets = _split(rows, widths)
+        keeps, targets = split_rows(rows, widths)
         teacher = next((f.teacher(*t) for f, t in zip(feeds, targets) if f.teacher is not None), None)
         teacher = None if teacher is None else teacher.contiguous()
         stats = vocab_kernels.row_stats(z, teacher, temperature)
@@ -125,17 +125,6 @@ def _summed_per_id(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 def _part(coefficient: torch.Tensor, x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """``coefficient · exp(x − lse)``, exactly 0 where the coefficient is 0 (the kernel's rule)."""
     return torch.where(coefficient != 0, coefficient * torch.exp(x - lse), torch.zeros_like(x))
-
-
-def _split(rows: Sequence[torch.Tensor],
-           widths: Sequence[int]) -> tuple[list[torch.Tensor], list[Sequence[torch.Tensor]]]:
-    """Per term: its ``[C]`` counted mask (bool) and its targets' rows."""
-    keeps, targets, at = [], [], 0
-    for width in widths:
-        keeps.append(rows[at].bool())
-        targets.append(rows[at + 1:at + 1 + width])
-        at += 1 + width
-    return keeps, targets
 
 
 def _combine(parts: Sequence[RowGrad], per_row: Sequence[torch.Tensor],

@@ -116,7 +116,14 @@ class KernelGuard:
                 overwrite ``z`` (the kernel writes ``dz`` over it).
             facts: the pass's layout, kind, scales and temperature.
         """
-        live_reference = _on_live_rows(reference, facts.widths)
+        def live_reference(z: torch.Tensor, weights: torch.Tensor,
+                           *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """``reference`` on the rows some term counts, its ``dz`` 0 elsewhere. The fused road hands every row
+            to the chunk, padding too, whose targets may be garbage (NaN ids) that the pure-torch terms would index
+            with; the pure-torch pass selects the counted rows first (a host sync, as here)."""
+            index = _live_rows(rows, facts.widths).nonzero().squeeze(1)
+            values, dz_live = reference(z.index_select(0, index), weights, *(r.index_select(0, index) for r in rows))
+            return values, torch.zeros_like(z).index_copy_(0, index, dz_live.to(z.dtype))
 
         def grad(z: torch.Tensor, weights: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             # Triton compiles per argument dtype: fp16 / bf16 teacher rows (issue 63) are a kernel of their own.
@@ -141,7 +148,7 @@ class KernelGuard:
         live = _live_rows(rows, facts.widths)
         if not bool(live.any()):  # a chunk of padding only: nothing to compare, so the next chunk is checked
             return want
-        problem = _disagreement(got, want, live, _Bounds.of(facts, weights, z, int(live.sum())))
+        problem = _disagreement(got, want, live, facts, weights)
         if problem is not None:
             return self._give_up(problem, reference, original, weights, rows)
         self.trusted.add(key)
@@ -149,8 +156,14 @@ class KernelGuard:
 
     def _give_up(self, what: str, reference: ChunkGrad, z: torch.Tensor, weights: torch.Tensor,
                  rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Say once what failed and go on with the pure-torch chunk; under ``fused``, stop instead."""
-        where = _device_words(z.device)
+        """Say once what failed, with the device and the versions a report needs, and go on with the pure-torch
+        chunk; under ``fused``, stop instead."""
+        try:
+            triton = importlib.metadata.version("triton")
+        except importlib.metadata.PackageNotFoundError:
+            triton = "none"
+        name = torch.cuda.get_device_name(z.device) if z.device.type == "cuda" else z.device.type
+        where = f"{name} (torch {torch.__version__}, triton {triton})"
         if self.road is VocabRoad.FUSED:
             raise KernelCheckFailed(f"the fused vocabulary kernel {what} on {where}; --vocab-kernel fused stops "
                                     "here (--vocab-kernel auto goes on with the pure-torch pass, torch skips the "
@@ -162,57 +175,40 @@ class KernelGuard:
         return reference(z, weights, *rows)
 
 
-def _on_live_rows(reference: ChunkGrad, widths: Sequence[int]) -> ChunkGrad:
-    """``reference`` on the rows some term counts, its ``dz`` 0 elsewhere. The fused road hands every row of the
-    batch to the chunk, padding too, whose targets may be garbage (NaN ids) that the pure-torch terms would index
-    with; the pure-torch pass selects the counted rows first (a host sync, as here)."""
-
-    def grad(z: torch.Tensor, weights: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = _live_rows(rows, widths).nonzero().squeeze(1)
-        values, dz_live = reference(z.index_select(0, index), weights, *(r.index_select(0, index) for r in rows))
-        return values, torch.zeros_like(z).index_copy_(0, index, dz_live.to(z.dtype))
-    return grad
+def split_rows(rows: Sequence[torch.Tensor],
+               widths: Sequence[int]) -> tuple[list[torch.Tensor], list[Sequence[torch.Tensor]]]:
+    """A chunk's rows as a pass lays them out (per term, its ``[C]`` counted mask, then its ``widths[t]`` targets'
+    rows) split per term: its counted mask (bool) and its targets' rows."""
+    keeps, targets, at = [], [], 0
+    for width in widths:
+        keeps.append(rows[at].bool())
+        targets.append(rows[at + 1:at + 1 + width])
+        at += 1 + width
+    return keeps, targets
 
 
 def _live_rows(rows: Sequence[torch.Tensor], widths: Sequence[int]) -> torch.Tensor:
-    """``[C]`` bool: the rows some term counts (each term's rows start with its ``[C]`` counted mask)."""
-    live, at = torch.zeros(rows[0].shape[0], dtype=torch.bool, device=rows[0].device), 0
-    for width in widths:
-        live = live | rows[at].bool()
-        at += 1 + width
-    return live
-
-
-@dataclass(frozen=True)
-class _Bounds:
-    """The check's bounds for one chunk (see ``TOLERANCE``): dz's (rtol, absolute part) and the values' ``[T]``."""
-
-    dtype: torch.dtype
-    rtol: float
-    absolute: float
-    values: torch.Tensor
-
-    @classmethod
-    def of(cls, facts: PassFacts, weights: torch.Tensor, z: torch.Tensor, live_rows: int) -> _Bounds:
-        rtol, floor = TOLERANCE.get(z.dtype, TOLERANCE[torch.float32])
-        scales = facts.scales.double().abs()
-        heaviest = float((weights.double().abs() * scales).sum()) / min(1.0, facts.temperature)
-        lse_size, noise = max(1.0, math.log(z.shape[1])), PROBABILITY_NOISE * math.sqrt(z.shape[1]) * 2.0**-24
-        return cls(z.dtype, rtol, noise * heaviest + floor, VALUE_NOISE * lse_size * scales * live_rows)
+    """``[C]`` bool: the rows some term counts (a pass has at least one term)."""
+    return torch.stack(split_rows(rows, widths)[0]).any(0)
 
 
 def _disagreement(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
-                  live: torch.Tensor, bounds: _Bounds) -> str | None:
-    """None when the kernel's values and ``dz`` are within ``bounds`` of the reference's on the rows some term
-    counts, and its ``dz`` is exactly 0 elsewhere, as the reference's is (the head's bias gradient sums every row);
-    else what differs, in words."""
+                  live: torch.Tensor, facts: PassFacts, weights: torch.Tensor) -> str | None:
+    """None when the kernel's values and ``dz`` are within the check's bounds for this chunk (see ``TOLERANCE``) of
+    the reference's on the rows some term counts, and its ``dz`` is exactly 0 elsewhere, as the reference's is (the
+    head's bias gradient sums every row); else what differs, in words."""
     (values, dz), (ref_values, ref_dz) = got, want
     if not bool((dz[~live] == 0).all()):
         return "wrote non-zero gradients at rows no term counts"
-    return (_beyond("values", values, ref_values, VALUE_RTOL * ref_values.double().abs() + bounds.values,
-                    bounds.dtype)
-            or _beyond("dz", dz[live], ref_dz[live], bounds.rtol * ref_dz[live].double().abs() + bounds.absolute,
-                       bounds.dtype))
+    dtype, vocab = ref_dz.dtype, ref_dz.shape[1]  # the logits' (the reference's dz is built like them)
+    rtol, floor = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    scales = facts.scales.double().abs()
+    heaviest = float((weights.double().abs() * scales).sum()) / min(1.0, facts.temperature)
+    lse_size, noise = max(1.0, math.log(vocab)), PROBABILITY_NOISE * math.sqrt(vocab) * 2.0**-24
+    value_bound = VALUE_RTOL * ref_values.double().abs() + VALUE_NOISE * lse_size * scales * int(live.sum())
+    dz_bound = rtol * ref_dz[live].double().abs() + (noise * heaviest + floor)
+    return (_beyond("values", values, ref_values, value_bound, dtype)
+            or _beyond("dz", dz[live], ref_dz[live], dz_bound, dtype))
 
 
 def _beyond(name: str, fast: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor,
@@ -227,16 +223,6 @@ def _beyond(name: str, fast: torch.Tensor, reference: torch.Tensor, bound: torch
         return None
     return (f"disagrees with the pure-torch pass: {name} {float(a[worst]):.6g} where it is {float(b[worst]):.6g} "
             f"(bound {float(bound[worst]):.3g}, {dtype})")
-
-
-def _device_words(device: torch.device) -> str:
-    """The device and the versions a report needs."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = "none"
-    return f"{name} (torch {torch.__version__}, triton {triton})"
 
 
 GUARD = KernelGuard()

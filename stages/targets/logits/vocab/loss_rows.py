@@ -1,9 +1,5 @@
-"""Helpers shared by the loss modules of stage two and the logit kinds: masks, valid-row selection, safe KL
-terms, the chunk size of the vocabulary pass (``vocab_pass``).
-
-They live in ``stages.targets.logits.vocab``, with the pass they serve; stage two's loss modules and the logit
-kinds' torch halves (``stages.targets.logits``) import them from that package.
-"""
+"""Helpers shared by stage two's loss modules and the logit kinds' torch halves, beside the pass they serve: masks,
+valid-row selection, safe KL terms, the chunk size of the vocabulary pass (``vocab_pass``)."""
 
 from __future__ import annotations
 
@@ -46,14 +42,6 @@ def valid_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         ``[N_v, ...]`` in batch-major token order.
     """
     return x[bool_mask(mask, x)]
-
-
-def logit_rows(logits: torch.Tensor | HeadLogits, mask: torch.Tensor) -> Rows:
-    """The valid rows of student logits ``[B, L, V]``: ``[N_v, V]`` logits, or for ``HeadLogits`` the
-    ``HeadRows [N_v, d]`` that ``vocab_pass`` turns into logits chunk by chunk."""
-    if isinstance(logits, HeadLogits):
-        return logits.select(bool_mask(mask, logits))
-    return valid_rows(logits, mask)
 
 
 def rows_on_ids(rows: Rows, ids: torch.Tensor) -> torch.Tensor:

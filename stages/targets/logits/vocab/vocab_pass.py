@@ -65,7 +65,11 @@ def vocab_pass(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm],
         weights: one per term (α, β).
     """
     feeds = [term.feed for term in terms]
-    if isinstance(logits, HeadLogits) and _wants_grad(logits, terms) and fused_vocab.takes(logits.device, feeds):
+    # HeadPass's case: the student's head rows take a gradient and no target does.
+    wants_grad = isinstance(logits, HeadLogits) and torch.is_grad_enabled() and (
+        logits.hidden.requires_grad or logits.weight.requires_grad) and not any(
+        t.requires_grad for term in terms for t in term.targets)
+    if wants_grad and fused_vocab.takes(logits.device, feeds):
         return _fused(logits, terms, feeds, weights)  # type: ignore[arg-type]  # takes() checked every feed
     if isinstance(logits, HeadLogits) and all(term.alone is not None for term in terms):
         alone = [term.alone() for term in terms]  # type: ignore[misc]  # checked just above
@@ -81,12 +85,6 @@ def vocab_pass(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm],
     flat = [r.flatten(0, 1) for term in terms for r in (term.counts, *term.targets)]
     total, values = _run(fn, rows, flat, index, w)
     return total + loss_rows.tied_zero(logits), values
-
-
-def _wants_grad(logits: HeadLogits, terms: Sequence[ChunkTerm]) -> bool:
-    """Whether the student's head rows take a gradient and no target does (``HeadPass``'s case)."""
-    own = logits.hidden.requires_grad or logits.weight.requires_grad
-    return torch.is_grad_enabled() and own and not any(t.requires_grad for term in terms for t in term.targets)
 
 
 def _fused(logits: HeadLogits, terms: Sequence[ChunkTerm], feeds: Sequence[KernelFeed],
@@ -130,9 +128,11 @@ def _scales_and_weights(terms: Sequence[ChunkTerm], weights: Sequence[float],
             torch.stack([_scalar(x, device) for x in weights]))
 
 
-def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``index [N]`` of ``x [B, L, ...]`` -> ``[N, ...]``."""
-    return x.flatten(0, 1).index_select(0, index)
+def _select(logits: torch.Tensor | HeadLogits, index: torch.Tensor) -> torch.Tensor | HeadRows:
+    """The rows ``index [N]`` of the logits ``[N, V]``, or of the hidden state behind them (``HeadRows [N, d]``)."""
+    if isinstance(logits, HeadLogits):
+        return HeadRows(logits.hidden.flatten(0, 1).index_select(0, index), logits.weight, logits.bias)
+    return logits.flatten(0, 1).index_select(0, index)
 
 
 def _chunk_rows(flat: Sequence[torch.Tensor], index: torch.Tensor | None, start: int,
@@ -142,13 +142,6 @@ def _chunk_rows(flat: Sequence[torch.Tensor], index: torch.Tensor | None, start:
         return [r[start:start + chunk] for r in flat]
     part = index[start:start + chunk]
     return [r.index_select(0, part) for r in flat]
-
-
-def _select(logits: torch.Tensor | HeadLogits, index: torch.Tensor) -> torch.Tensor | HeadRows:
-    """The rows ``index`` of the logits ``[N, V]``, or of the hidden state behind them (``HeadRows [N, d]``)."""
-    if isinstance(logits, HeadLogits):
-        return HeadRows(_rows(logits.hidden, index), logits.weight, logits.bias)
-    return _rows(logits, index)
 
 
 def _scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
@@ -171,12 +164,10 @@ def _combined(terms: Sequence[ChunkTerm], scales: torch.Tensor,
 
     def fn(z: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
         z = z.float()  # once for every term (a no-op for fp32 heads)
-        values, at = [], 0
-        for term, width in zip(terms, widths):
-            keep, own = flat[at], flat[at + 1:at + 1 + width]
+        values = []
+        for term, keep, own in zip(terms, *kernel_guard.split_rows(flat, widths)):
             per_row = term.fn(z, *own)
             values.append(torch.where(keep, per_row, torch.zeros_like(per_row)).sum())
-            at += 1 + width
         return torch.stack(values) * scales
     return fn
 
