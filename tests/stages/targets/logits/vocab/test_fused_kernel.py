@@ -19,6 +19,7 @@ import torch
 from kdcache.stages.targets.logits.full_torch import kd_kl_term
 from kdcache.stages.targets.logits.head_torch import head_kl_term
 from kdcache.stages.targets.logits.sampled_torch import sampled_kl_term
+from kdcache.stages.targets.logits.teacher_head import TeacherHead
 from kdcache.stages.targets.logits.topk_torch import topk_kl_term
 from kdcache.stages.targets.logits.vocab import fused_vocab, kernel_guard, loss_rows, vocab_pass
 from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
@@ -43,6 +44,10 @@ KINDS: dict[str, tuple[Callable, Callable]] = {
                    lambda z, s: ref._sampled(z, s, 1.0)),
     "head_t1": (lambda z, s: head_kl_term(z, s["hidden_t"], lambda x: x @ s["w_t"].T, s["predicts"], 1.0),
                 lambda z, s: ref._full(z, s, 1.0, s["hidden_t"] @ s["w_t"].T)),
+    # the head as training builds it: a ``head`` cache's TeacherHead module (an instance, not a function)
+    "head_module_t2": (lambda z, s: head_kl_term(z, s["hidden_t"], TeacherHead({"weight": s["w_t"]}, {"layer": 1}),
+                                                 s["predicts"], 2.0),
+                       lambda z, s: ref._full(z, s, 2.0, s["hidden_t"] @ s["w_t"].T)),
 }
 
 
