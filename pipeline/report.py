@@ -1,9 +1,9 @@
 """``kdcache report``: PNG plots and one HTML page for a run or a sweep, readable while it is still running, in
 ``RUN/report/`` or ``SWEEP/report/`` (what each holds: the command's description, ``pipeline.cli.commands.report``).
 
-Everything is read from what runs leave on disk, mid-run too (``pipeline.run_state``). The plots are drawn in
-``pipeline.report_plots``, loaded only to draw, so the tables (``collect_rows``, ``write_tables``, which
-``kdcache sweep`` writes) need no matplotlib.
+Everything is read from what runs leave on disk, mid-run too (``pipeline.run_state``). Nothing here imports
+torch. The plots are drawn in ``pipeline.report_plots``, loaded only to draw, so the tables (``collect_rows``,
+``write_tables``, which ``kdcache sweep`` writes) need no matplotlib.
 """
 
 from __future__ import annotations

@@ -94,9 +94,11 @@ def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: 
 
     # the shards' writer: threads of this process, or worker processes fed through shared memory
     workers = workers or default_workers()
-    background: BackgroundWriter | ProcessWriter = ProcessWriter(
-        writer.store.url, writer.spec, queue_size, written, workers) if processes else BackgroundWriter(
-        write_then_release(writer), queue_size, on_written=written, workers=workers)
+    background: BackgroundWriter | ProcessWriter
+    if processes:
+        background = ProcessWriter(writer.store.url, writer.spec, queue_size, written, workers)
+    else:
+        background = BackgroundWriter(write_then_release(writer), queue_size, on_written=written, workers=workers)
     shards = stream([spec.shard_range(k) for k in todo], progress)
     try:
         for k, items in zip(todo, shards, strict=True):

@@ -99,6 +99,7 @@ def save_checkpoint(engine: DeepSpeedEngine, run_dir: str | Path, *, step: int, 
     """Save model, projectors, optimizer, scheduler and the data position. Every rank must call it.
 
     Args:
+        step: optimizer steps done (``micro_step``: micro-batches, grad-accum of them per step).
         micro_step: micro-batches consumed (seeds per-step dropout, see ``loop``).
         data_state: ``DataPosition.to_dict()`` plus the settings the order depends on.
         extra: more state kept beside it (the wgan critics, which live outside the engine).

@@ -114,6 +114,7 @@ class CacheSpec:
     attention_scores: dict[str, Any] | None = None  # attention_source.SCORE_KEYS, BLOCK_SCORE_KEYS per block
 
     def __post_init__(self) -> None:
+        # Every check of a spec runs here, once: a bad spec fails where it is made, not at the first shard.
         def put(key: str, value: object) -> None:  # a frozen dataclass sets its own fields this way
             object.__setattr__(self, key, value)
 

@@ -67,6 +67,17 @@ def test_bad_pipeline_config_lists_every_problem_and_exits_2(tmp_path: Path,
         assert needle in err, (needle, err)
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--limit", "0"), ("--limit", "-1"), ("--batch-size", "0")])
+def test_eval_refuses_a_count_below_one_before_reading_anything(flag: str, value: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``--limit -1`` once scored nothing and ``--batch-size 0`` made one batch of everything: now exit 2, naming
+    the flag, before the cache (absent here) is opened or RUN/evals/ is made."""
+    assert main(["eval", "--cache", str(tmp_path / "no-cache"), "--run", str(tmp_path / "run"), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {value}: expected a whole number >= 1" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_run_trains_from_a_fresh_cache_then_reuses_it(tiny_gpt2: Path, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str],

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache import stages, storage
 from kdcache.pipeline.cli.commands import Subcommands
+from kdcache.pipeline.config import ConfigError
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheReader
@@ -85,6 +86,10 @@ def check_baseline(out: Path, student: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate, write RUN/evals/{role}@{cache label}.json, print a summary. Returns 0."""
+    bad = [f"--{flag} {value}: expected a whole number >= 1" for flag, value in
+           (("batch-size", args.batch_size), ("limit", args.limit)) if value is not None and value < 1]
+    if bad:
+        raise ConfigError(bad)
     reader = stages.open_cache(args.cache)
     run_dir = Path(args.run)
     path = stages.cache_identity(args.cache)

@@ -175,7 +175,8 @@ def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Te
     buckets = k if k >= student_logits.shape[-1] else k + 1
 
     def row_kl(z: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, lse_t: torch.Tensor) -> torch.Tensor:
-        # The teacher's k+1 buckets: exp(value - lse) and the leftover; fp16 rounding of the values can push the
+        # The teacher's k+1 buckets ``[N_v, k+1]`` from values ``[N_v, k]`` and lse ``[N_v]``: exp(value - lse)
+        # and the leftover; fp16 rounding of the values can push the
         # top-k mass a hair above 1, so the leftover is clamped to >= 0.
         log_top = values.float() - lse_t.float()[:, None]
         leftover = (1.0 - log_top.exp().sum(-1)).clamp_min(0.0)

@@ -84,7 +84,7 @@ def vocab_problems(reader: CacheReader, student_vocab: int, student_tokenizer: d
 
 def tokenizer_problems(cached: dict[str, Any], student_tokenizer: dict[str, Any] | None) -> list[str]:
     """The cache's tokenizer fingerprint against the student's: one sentence naming both sizes and hashes."""
-    ours, theirs = str(cached.get("vocab_hash", "")), str((student_tokenizer or {}).get("vocab_hash", ""))
+    ours, theirs = str(cached.get("vocab_hash") or ""), str((student_tokenizer or {}).get("vocab_hash") or "")
     # Hashes written by different hash helpers ("sha256:..." or bare hex) cannot be compared.
     comparable = ours.startswith("sha256:") == theirs.startswith("sha256:") and len(ours) == len(theirs)
     if student_tokenizer is None or not ours or not comparable:

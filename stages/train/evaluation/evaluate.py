@@ -19,7 +19,7 @@ is evaluated by the same code:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import count, islice
+from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,12 +70,19 @@ def cache_batches(reader: CacheReader, names: list[str], batch_size: int, *, lim
         dense logits excepted):
         per stream ``input_ids`` / ``mask`` ``[B, L]``, and every other name in ``names``.
     """
-    rows = islice(reader.iter_sequences(names=names), limit)
-    for start in count(0, batch_size):
-        pending = list(islice(rows, batch_size))
-        if not pending:
-            return
-        yield collate(pending, range(start, start + len(pending)))  # global ids: the texts are looked up by them
+    rows = islice(_numbered(reader, names), limit)
+    while pending := list(islice(rows, batch_size)):
+        ids, sequences = zip(*pending)
+        yield collate(list(sequences), list(ids))  # global ids: the texts are looked up by them
+
+
+def _numbered(reader: CacheReader, names: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each committed sequence with its global id, taken from its shard's range (so that a partial cache's
+    missing shards do not shift the ids after them)."""
+    for index in reader.committed_shards:
+        data = reader.read_shard(index, names)
+        for local in range(len(data)):
+            yield data.seq_start + local, data.sequence(local)
 
 
 # ---- one run against one cache -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,9 +20,9 @@ from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.evaluation.agreement import CkaMatrix, LmStats
 from kdcache.stages.train.evaluation.eval_records import find_eval, read_evals
-from kdcache.stages.train.evaluation.evaluate import evaluate_run
+from kdcache.stages.train.evaluation.evaluate import cache_batches, evaluate_run
 from kdcache.stages.train.losses import kd_kl, linear_cka
-from kdcache.storage import CacheReader
+from kdcache.storage import CacheReader, CacheSpec, CacheWriter
 from tests.helpers.tiny_models import make_tiny_bert
 from tests.stages.train._train_support import write_cache
 
@@ -195,3 +196,23 @@ def test_eval_refuses_a_student_of_another_tokenizer_like_train(tiny_gpt2: Path,
                  "--grid", "gamma=0.1,1", "--out", str(sweep)]) == 2
     err = capsys.readouterr().err
     assert "tokenizer vocab differs" in err and not sweep.exists()
+
+
+def test_batches_of_a_partial_cache_carry_the_global_ids_of_their_shards(tmp_path: Path) -> None:
+    """Shards 0 and 2 of 3 committed: the batches' ids are 0, 1, 4, 5 (the texts and the scored sequences are looked
+    up by them), not 0..3 counted as the rows come."""
+    spec = CacheSpec(num_sequences=6, sequences_per_shard=2, hidden_layers=(), attention_layers=(), logits="full",
+                     vocab_size=5, dtype="fp16")
+    fingerprints = {"teacher": {"name_or_path": "random", "revision": None, "config_hash": "sha256:aa",
+                                "weights_hash": "sha256:bb"},
+                    "tokenizer": {"vocab_hash": "sha256:11", "vocab_size": 5, "special_tokens": {}},
+                    "data": {"source": "random", "split": None, "num_sequences": 6}, "settings": {}}
+    writer = CacheWriter(tmp_path, spec, fingerprints)
+    for shard in (0, 2):  # sequence i holds the token i, so a row names the sequence it came from
+        start, stop = spec.shard_range(shard)
+        writer.write_shard(shard, [{"input_ids": np.full(3, i), "logits/full": np.zeros((3, 5), np.float32)}
+                                   for i in range(start, stop)])
+    writer.close()
+    batches = list(cache_batches(CacheReader(tmp_path, allow_partial=True), ["input_ids"], 3))
+    assert [b["sample_ids"].tolist() for b in batches] == [[0, 1, 4], [5]]
+    assert [b["input_ids"][:, 0].tolist() for b in batches] == [[0, 1, 4], [5]]
