@@ -80,9 +80,7 @@ def _numbered(reader: CacheReader, names: list[str]) -> Iterator[tuple[int, dict
     """Each committed sequence with its global id, taken from its shard's range (so that a partial cache's
     missing shards do not shift the ids after them)."""
     for index in reader.committed_shards:
-        data = reader.read_shard(index, names)
-        for local in range(len(data)):
-            yield data.seq_start + local, data.sequence(local)
+        yield from enumerate(reader.iter_sequences([index], names), reader.spec.shard_range(index)[0])
 
 
 # ---- one run against one cache -----------------------------------------------------------------------------
