@@ -175,7 +175,7 @@ class DistillationLoss(nn.Module):
         model = unwrapped_student(student)
         folder = getattr(model, "name_or_path", "") or ""  # the tokenizer given, else the student's folder's
         fingerprint = (tokenizer_fingerprint(tokenizer) if tokenizer is not None
-                       else tokenizer_fingerprint_of(folder) if folder and Path(folder).is_dir() else None)
+                       else tokenizer_fingerprint_of(folder) if folder else None)
         try:
             resolved, facts, plan = fit_student(resolved, reader, model, pretrained=True, tokenizer=fingerprint,
                                                 speaker=API_SPEAKER, announce=announce)

@@ -62,10 +62,12 @@ class TeacherCalls:
         try:
             return batch()
         except Exception as exc:
+            if not self.compiled:
+                raise  # an eager run's own error, as it is (no compiler module is loaded to judge it)
             from torch._dynamo.exc import TorchDynamoException
             from torch._inductor.exc import InductorError
 
-            if not (self.compiled and isinstance(exc, (TorchDynamoException, InductorError))):
+            if not isinstance(exc, (TorchDynamoException, InductorError)):
                 raise  # the model's or kdcache's own, not torch.compile's
             reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
             self._say(f"kdcache precompute: --compile-teacher: compiling the teacher failed ({type(exc).__name__}: "

@@ -225,8 +225,8 @@ def _read_rows(reader: CacheReader, name: str, ids: np.ndarray, batch: Batch) ->
     for i, seq in enumerate(ids.tolist()):
         rows = reader.get(seq, [name])[name]  # [L_i, V] in the stored dtype
         if out is None:
-            streams = [split_stream(k)[0] for k in batch if split_stream(k)[1] == "mask"]
-            length = batch[prefixed(ragged_streams(name, streams)[0], "mask")].shape[1]  # logits: the last stream
+            stream = ragged_streams(name, _input_streams(list(batch)))[0]  # logits: the last stream
+            length = batch[prefixed(stream, "mask")].shape[1]
             out = np.zeros((len(ids), length, *rows.shape[1:]), dtype=_batch_dtype(name, rows.dtype))
         out[i, :len(rows)] = rows.view(out.dtype)  # bf16 bits reinterpreted as int16, as collate does
     assert out is not None, "a micro-batch holds at least one sequence"

@@ -4,8 +4,8 @@ tokenizer, compared span by span (``stages.train.cross.align``).
 Shapes: ``B`` batch, ``K`` spans (padded per batch), ``k`` cached top-k, ``V_s`` the student's vocabulary,
 ``L_t`` / ``L_s`` teacher / student tokens. Span-level inputs are gathered first (``span_rows`` at each span's
 last token, ``span_mean`` over its tokens), so every loss here reads ``[B, K, ...]`` tensors and a span mask
-``[B, K]``. A padded span reads its row's first token and is left out by the mask. Either loss is computed as a
-vocabulary-pass term (``cross_vocab_term``), so the span logits are built chunk by chunk from the student's head.
+``[B, K]``. A padded span reads its row's first token and is weighed out (``_rows``); ``cross_vocab_term`` gives
+either loss as a vocabulary-pass term, so the span logits are built chunk by chunk from the student's head.
 
 * ``uld_loss``: Universal Logit Distillation (Boizard et al., 2024, "Towards Cross-Tokenizer Distillation: the
   Universal Logit Distillation Loss for LLMs"): the L1 (Wasserstein-1 between sorted supports) distance between
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.vocab import ChunkTerm, HeadLogits, bool_mask, kl_terms, term_value, valid_count
+from kdcache.stages.targets.logits.vocab import ChunkTerm, HeadLogits, bool_mask, kl_terms, valid_count
 
 
 def span_rows(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -86,8 +86,8 @@ def uld_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, lse: torch
         lse: ``[B, K]`` the teacher's logsumexp (0 for a log-prob cache).
         mask: ``[B, K]`` spans that count.
     """
-    keep = bool_mask(mask, student_logits)
-    return term_value(student_logits, ChunkTerm(uld_rows, keep, (topk_values, lse), 1.0 / valid_count(keep)))
+    keep = bool_mask(mask, student_logits).reshape(-1)
+    return _masked_mean(uld_rows(_rows(student_logits).float(), _rows(topk_values), _rows(lse)), keep)
 
 
 def uld_rows(z_s: torch.Tensor, values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -120,9 +120,11 @@ def gold_loss(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_ids:
         shared: ``[V_t]`` int64 from ``shared_vocab``, on the same device.
         temperature: T of the exact part (ULD compares probabilities at T=1).
     """
+    keep = bool_mask(mask, student_logits).reshape(-1)
     student_shared = shared_student_ids(shared, student_logits.shape[-1])
-    return term_value(student_logits, cross_vocab_term("gold", student_logits, topk_values, topk_ids, lse, mask, shared,
-                                                       student_shared, temperature=temperature, variant=variant))
+    rows = gold_rows(_rows(student_logits).float(), _rows(topk_values), _rows(topk_ids), _rows(lse), shared,
+                     student_shared, temperature=temperature, variant=variant)
+    return _masked_mean(rows, keep)
 
 
 def gold_rows(z_s: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, shared: torch.Tensor,
@@ -160,6 +162,20 @@ def cross_vocab_term(kind: str, logits: torch.Tensor | HeadLogits, topk_values: 
     def rows(z: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, lse_rows: torch.Tensor) -> torch.Tensor:
         return gold_rows(z, values, ids, lse_rows, shared, student_shared, temperature=temperature, variant=variant)
     return ChunkTerm(rows, keep, (topk_values, topk_ids, lse), 1.0 / valid_count(keep))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, K, ...]`` -> ``[B·K, ...]``: every span row, counted or not. Unlike the token losses, which select
+    their rows (``valid_rows``: a boolean index, so a host sync), the span losses compute every row and weigh:
+    ``span_rows`` reads a real token for every row (a padded span reads the row's first), so no row holds the
+    inf or NaN that selection guards against, and these functions need no sync. (Training runs them through
+    ``cross_vocab_term`` in a vocabulary pass, which selects its rows with one index, as on the ordinary path.)"""
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _masked_mean(per_row: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The mean of ``per_row [N]`` over ``keep [N]`` (0 when none), on the device."""
+    return torch.where(keep, per_row, torch.zeros_like(per_row)).sum() / valid_count(keep)
 
 
 def shared_student_ids(shared: torch.Tensor, student_vocab: int) -> torch.Tensor:

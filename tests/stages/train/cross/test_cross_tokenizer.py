@@ -267,7 +267,7 @@ def test_gold_gradient_is_finite_when_nothing_is_shared() -> None:
 
 @pytest.mark.parametrize("loss", ["gold", "uld"])
 def test_spans_not_counted_get_no_gradient_and_do_not_move_the_loss(loss: str) -> None:
-    """What the span losses leave out (spans the mask does not count) must stay out: no gradient, no value."""
+    """The span losses weigh every row instead of selecting (no host sync): what they leave out must stay out."""
     x = _identity_setup(2)
     shared = torch.arange(x["z_s"].shape[-1]) % 3 - 1  # some ids shared, some not
 
