@@ -97,7 +97,8 @@ torch.set_num_threads(1)  # one core: the shared 2-core host thrashes with two t
 sys.path.insert(0, {root!r})
 from transformers import LlamaConfig, LlamaForCausalLM
 from kdcache.stages.targets.attention.qk_attention import QKRecorder, ScoreRule
-from kdcache.stages.train.losses import attention_kl, causal_ce
+from kdcache.stages.targets.attention.maps_loss import attention_kl
+from kdcache.stages.train.losses.logits import causal_ce
 from kdcache.stages.targets.attention.qk_loss import ScoreSide, blocked_attention_kl
 def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))

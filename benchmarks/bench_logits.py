@@ -44,8 +44,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kdcache.stages.targets import logits as logit_kinds  # noqa: E402
+from kdcache.stages.targets.logits.full_torch import kd_kl  # noqa: E402
+from kdcache.stages.targets.logits.sampled_torch import sampled_kl  # noqa: E402
 from kdcache.stages.targets.logits.topk import STEP_PER_TOLERANCE, as_logprobs  # noqa: E402
-from kdcache.stages.train.losses import kd_kl, sampled_kl  # noqa: E402
 from kdcache.storage import CacheSpec, CacheWriter, read_manifest  # noqa: E402
 
 LLAMA_VOCAB = 128_256

@@ -71,7 +71,10 @@ def _inputs(tokens: int, dim: int, vocab: int, device: str, dtype: str) -> dict[
 
 
 def _loss(name: str, logits: Any, x: dict[str, Any]) -> Any:
-    from kdcache.stages.train.losses import causal_ce, kd_kl, sampled_kl, topk_kl
+    from kdcache.stages.targets.logits.full_torch import kd_kl
+    from kdcache.stages.targets.logits.sampled_torch import sampled_kl
+    from kdcache.stages.targets.logits.topk_torch import topk_kl
+    from kdcache.stages.train.losses.logits import causal_ce
 
     if name in PAIRS:
         return _step_loss(name.split("_")[-1], logits, x)

@@ -41,15 +41,15 @@ from kdcache.stages.train.core.layer_maps import pair_key
 from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.core.student import tokenizer_fingerprint_of
 from kdcache.stages.train.core.student_head import base_forward, choose_head
-from kdcache.stages.train.losses import cross_attention_kl
+from kdcache.stages.train.losses.cross_attention import cross_attention_kl
 from kdcache.stages.train.objective.compound import CompoundLoss, StudentOutput
 from kdcache.stages.train.objective.distill import (
     check_documents_apart,
+    recorded,
     student_inputs,
     student_view,
     unwrapped_student,
 )
-from kdcache.stages.train.objective.recording import recorded
 from kdcache.storage import ArrayKind, CacheReader, prefixed
 
 if TYPE_CHECKING:

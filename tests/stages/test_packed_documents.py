@@ -155,8 +155,8 @@ def test_a_teacher_that_cannot_keep_documents_apart_is_refused(tmp_path: Path,
 def test_a_student_that_cannot_keep_documents_apart_is_refused(tiny_gpt2: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, RobertaConfig, RobertaModel
 
+    from kdcache.stages.common.loss_errors import LossError
     from kdcache.stages.train.feed.streaming import collate, to_device
-    from kdcache.stages.train.losses import LossError
     from kdcache.stages.train.objective.distill import check_documents_apart
 
     reader = _precompute(tmp_path, tiny_gpt2, sample_texts(24, seed=4), layers=("1",), features=("hidden",))

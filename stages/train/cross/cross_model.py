@@ -37,14 +37,14 @@ from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read
 from kdcache.stages.targets.logits.vocab import HeadLogits, term_value
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.cross.align import Alignment, align, aligned_share, student_ends, student_mask
-from kdcache.stages.train.losses import (
-    causal_ce,
+from kdcache.stages.train.losses.cross_vocab import (
     cross_vocab_term,
     shared_student_ids,
     shared_vocab,
     span_mean,
     span_rows,
 )
+from kdcache.stages.train.losses.logits import causal_ce
 from kdcache.stages.train.objective.compound import RunLoss
 from kdcache.storage import ArrayKind, read_table
 

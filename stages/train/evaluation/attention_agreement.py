@@ -16,12 +16,13 @@ import torch
 
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import use_maps_attention
+from kdcache.stages.targets.attention.maps_loss import attention_kl
 from kdcache.stages.targets.attention.qk_attention import QKRecorder
+from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
 from kdcache.stages.train.core.layer_maps import Pair, pair_key
 from kdcache.stages.train.core.masks import TokenMasks
-from kdcache.stages.train.losses import attention_kl, cached_qk_loss
 from kdcache.stages.train.objective.compound import StudentOutput
-from kdcache.stages.train.objective.recording import recorded
+from kdcache.stages.train.objective.distill import recorded
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -35,6 +35,7 @@ from transformers import AutoTokenizer
 from kdcache.stages.common.cache_texts import read_texts
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
+from kdcache.stages.targets.hidden.loss_terms import linear_cka
 from kdcache.stages.train.core.checks import CacheCheckError
 from kdcache.stages.train.core.cross_checks import text_problems
 from kdcache.stages.train.core.layer_maps import Pair, pair_key
@@ -42,7 +43,7 @@ from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.cross.cross_model import SIDE_KEYS, SpanAligner, cache_tokenizer
 from kdcache.stages.train.evaluation.evaluate import EvaluationError, cache_batches, default_pairs, load_run
 from kdcache.stages.train.feed.streaming import to_device
-from kdcache.stages.train.losses import linear_cka, span_mean, span_rows
+from kdcache.stages.train.losses.cross_vocab import span_mean, span_rows
 from kdcache.storage import read_json_object
 
 if TYPE_CHECKING:

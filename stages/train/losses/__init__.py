@@ -22,28 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.attention.maps_loss import attention_kl, group_teacher_heads
-from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
+from kdcache.stages.targets.attention.maps_loss import attention_kl
 from kdcache.stages.targets.hidden import hidden_loss
-from kdcache.stages.targets.hidden.loss_terms import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
-from kdcache.stages.targets.hidden.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
-from kdcache.stages.targets.logits import TOPK_VARIANTS
 from kdcache.stages.targets.logits.full_torch import kd_kl
-from kdcache.stages.targets.logits.head_torch import head_kl
-from kdcache.stages.targets.logits.sampled_torch import sampled_kl
-from kdcache.stages.targets.logits.topk_torch import cached_topk, topk_kl, topk_kl_other, topk_kl_renorm
-from kdcache.stages.train.core.layer_maps import LayerMapError
-from kdcache.stages.train.losses.cross_attention import cross_attention_kl
-from kdcache.stages.train.losses.cross_vocab import (
-    cross_vocab_term,
-    gold_loss,
-    shared_student_ids,
-    shared_vocab,
-    span_mean,
-    span_rows,
-    uld_loss,
-)
-from kdcache.stages.train.losses.logits import causal_ce, causal_ce_term, token_ce, token_ce_term
+from kdcache.stages.targets.logits.topk_torch import topk_kl, topk_kl_other, topk_kl_renorm
+from kdcache.stages.train.losses.cross_vocab import gold_loss, uld_loss
+from kdcache.stages.train.losses.logits import causal_ce, token_ce
 from kdcache.storage import Registry  # the option's choices are the registry's names
 
 # Every loss by its term's name. A hidden loss's function is its family object's (``stages.targets.hidden``, the one
@@ -73,34 +57,3 @@ def registered_losses() -> list[str]:
 
 get_loss = _REGISTRY.lookup  # the loss callable registered as a name; LossError listing the registered names otherwise
 
-
-__all__ = [
-    "cached_qk_loss", "cross_attention_kl", "cross_vocab_term", "shared_student_ids", "shared_vocab", "span_mean",
-    "span_rows", "causal_ce_term", "token_ce_term",
-    "TOPK_VARIANTS",
-    "Critic",
-    "CriticTrainer",
-    "LayerMapError",
-    "LossError",
-    "attention_kl",
-    "cached_topk",
-    "causal_ce",
-    "cka_loss",
-    "cka_sqrt_loss",
-    "cosine_loss",
-    "critic_loss",
-    "get_loss",
-    "gradient_penalty",
-    "group_teacher_heads",
-    "head_kl",
-    "kd_kl",
-    "linear_cka",
-    "masked_mse",
-    "registered_losses",
-    "sampled_kl",
-    "token_ce",
-    "topk_kl",
-    "topk_kl_other",
-    "topk_kl_renorm",
-    "wgan_student_loss",
-]

@@ -26,21 +26,17 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import nn
 
+from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.attention.maps_loss import attention_kl
+from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
 from kdcache.stages.targets.hidden import HIDDEN_LOSSES, HiddenLoss, unknown_hidden_loss
-from kdcache.stages.targets.logits import KlSetup, LogitKind
+from kdcache.stages.targets.hidden.wgan import CriticTrainer
+from kdcache.stages.targets.logits import TOPK_VARIANTS, KlSetup, LogitKind
 from kdcache.stages.targets.logits.vocab import ChunkTerm, tied_zero, vocab_pass
 from kdcache.stages.train.core.layer_maps import Pair, pair_key
 from kdcache.stages.train.core.masks import TokenMasks, token_masks
-from kdcache.stages.train.losses import (
-    TOPK_VARIANTS,
-    CriticTrainer,
-    LossError,
-    attention_kl,
-    cached_qk_loss,
-    causal_ce_term,
-    token_ce_term,
-)
+from kdcache.stages.train.losses.logits import causal_ce_term, token_ce_term
 from kdcache.stages.train.objective.projectors import Projectors
 
 if TYPE_CHECKING:
@@ -56,7 +52,7 @@ class StudentOutput(Protocol):
     (``distill.student_view``). ``logits [B, L, V]`` is None for an encoder without an LM head; the optional
     fields (``hidden_states``, ``attentions``, ``attention_qkv``) are looked up by name, so a missing one is
     reported with the flag that asks for it (``_student_field``). ``attentions`` are the maps (``[B, H, L, L]`` per
-    block, eager attention); under a q/k recorder (``recording.recorded``) ``attention_qkv`` holds the queries and
+    block, eager attention); under a q/k recorder (``distill.recorded``) ``attention_qkv`` holds the queries and
     keys instead."""
 
     @property

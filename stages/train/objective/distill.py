@@ -1,19 +1,21 @@
 """The student's side of the run's loss (``train.loss.DistillationLoss``), below ``cross`` and ``evaluation``, which
 use it too: its forward arguments from a collated batch, one token stream's view of its outputs, the check that
-packed documents stay apart, and the transformers model inside a PEFT one.
+packed documents stay apart, the transformers model inside a PEFT one, and its forward with its queries and keys
+recorded for a q/k cache (``recorded``: training and evaluation compare the same rebuilt attention with the cache).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
 from kdcache.stages.common.architectures import is_causal_config
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
-from kdcache.stages.train.losses import LossError
+from kdcache.stages.common.loss_errors import LossError
+from kdcache.stages.targets.attention.qk_attention import QKRecorder, QKRecorderError
 from kdcache.stages.train.objective.compound import StudentOutput
 from kdcache.storage import ArrayKind
 
@@ -80,3 +82,24 @@ def unwrapped_student(student: object) -> PreTrainedModel:
     they run with it and its hidden states are the adapted ones), else ``student`` itself."""
     get_base = getattr(student, "get_base_model", None)
     return cast("PreTrainedModel", get_base() if callable(get_base) else student)
+
+
+Outputs = TypeVar("Outputs", bound=StudentOutput)
+
+
+def recorded(recorder: QKRecorder, run: Callable[[], Outputs]) -> Outputs:
+    """``run()`` (the student's forward) under ``recorder``, its outputs given ``attention_qkv`` (block -> the
+    recorded queries, keys and values).
+
+    Raises:
+        LossError: the student's attention cannot be rebuilt from its queries and keys (attention sinks, soft-capped
+            scores without an eager kernel), naming the way out.
+    """
+    try:
+        with recorder.forward():
+            out = run()
+    except QKRecorderError as exc:
+        raise LossError(f"the student's attention cannot be compared with a q/k cache: {exc}; precompute the cache "
+                        f"with --attention-source maps, or train without attention pairs") from None
+    out.attention_qkv, recorder.captured = recorder.captured, {}  # the loss holds them, not the recorder
+    return out

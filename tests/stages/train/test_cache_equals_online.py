@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdcache.stages.targets.hidden.wgan import Critic
+from kdcache.stages.targets.hidden.wgan import Critic, critic_loss
 from kdcache.stages.train.feed.streaming import CacheStream, to_device
-from kdcache.stages.train.losses import critic_loss, get_loss
+from kdcache.stages.train.losses import get_loss
 from kdcache.stages.train.objective.compound import CompoundLoss
 from tests.helpers.tiny_models import make_tiny_gpt2, sample_texts
 from tests.stages.train._train_support import write_cache

@@ -272,8 +272,8 @@ def test_attention_sinks_are_refused_by_stage_one_naming_the_maps(tmp_path: Path
 
 
 def test_attention_sinks_are_refused_by_stage_two_as_a_loss_error() -> None:
-    from kdcache.stages.train.losses import LossError
-    from kdcache.stages.train.objective.recording import recorded
+    from kdcache.stages.common.loss_errors import LossError
+    from kdcache.stages.train.objective.distill import recorded
 
     student = _tiny_gpt_oss()
     recorder = QKRecorder(student, (1,), True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdcache.stages.train.losses import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
+from kdcache.stages.targets.hidden.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
 from tests.stages.train.losses._loss_support import MASK, _poison, _valid
 
 

@@ -16,9 +16,10 @@ import torch
 from kdcache.pipeline.cli import main
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.runner import run_precompute
+from kdcache.stages.targets.logits.full_torch import kd_kl
+from kdcache.stages.targets.logits.head_torch import head_kl
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.feed.streaming import collate, to_device
-from kdcache.stages.train.losses import head_kl, kd_kl
 from kdcache.storage import CacheReader
 from kdcache.storage.core.errors import KdcacheError
 from kdcache.storage.core.stores import open_store
@@ -117,7 +118,7 @@ def test_head_mode_needs_a_decoder_only_lm(tiny_bert: Path, tmp_path: Path, caps
 def test_logprob_topk_is_within_its_tolerance_and_trains_like_fp16(tiny_llama: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from kdcache.stages.train.losses import cached_topk, topk_kl
+    from kdcache.stages.targets.logits.topk_torch import cached_topk, topk_kl
 
     full = _batch(_cache(tmp_path, tiny_llama, "full", full_logits=True))
     fp16 = _batch(_cache(tmp_path, tiny_llama, "fp16", top_k=16))
@@ -172,8 +173,7 @@ def test_logprob_values_need_topk_logits(tiny_llama: Path, tmp_path: Path, capsy
 def test_the_sampled_kl_is_unbiased(temperature: float) -> None:
     """Stage one's sampler and stage two's estimator together: the mean over many draws is the exact KL, on a small
     vocabulary, while any one draw of N=4 is far from it."""
-    from kdcache.stages.targets.logits.sampled_torch import sample_logits
-    from kdcache.stages.train.losses import sampled_kl
+    from kdcache.stages.targets.logits.sampled_torch import sample_logits, sampled_kl
 
     torch.manual_seed(0)
     vocab, tokens, repeats = 7, 400, 100
@@ -223,8 +223,10 @@ def test_full_vocabulary_terms_in_chunks_are_exact(monkeypatch: pytest.MonkeyPat
     """Every loss over the vocabulary (CE, KL from full logits or a head, top-k with the leftover bucket, the
     sampled estimate), taken 3 valid tokens at a time with recomputation, has the value and the gradient of one
     pass."""
+    from kdcache.stages.targets.logits.sampled_torch import sampled_kl
+    from kdcache.stages.targets.logits.topk_torch import topk_kl
     from kdcache.stages.targets.logits.vocab import loss_rows
-    from kdcache.stages.train.losses import causal_ce, sampled_kl, token_ce, topk_kl
+    from kdcache.stages.train.losses.logits import causal_ce, token_ce
 
     torch.manual_seed(0)
     hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8)

@@ -9,12 +9,12 @@ import pytest
 from kdcache.stages.train.core.layer_maps import (
     LAYER_MAP_KINDS,
     LayerMap,
+    LayerMapError,
     LayerMapKind,
     pair_key,
     parse_layer_map,
     validate_layer_map,
 )
-from kdcache.stages.train.losses import LayerMapError
 from kdcache.storage.core.errors import KdcacheError
 
 DEPTHS = [(4, 12), (6, 12), (3, 4), (5, 7), (1, 6), (6, 6), (1, 1)]

@@ -17,11 +17,12 @@ import torch
 
 from kdcache.pipeline.cli import main
 from kdcache.stages.targets import logits as logit_kinds
+from kdcache.stages.targets.hidden.loss_terms import linear_cka
+from kdcache.stages.targets.logits.full_torch import kd_kl
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.evaluation.agreement import CkaMatrix, LmStats
 from kdcache.stages.train.evaluation.eval_records import find_eval, read_evals
 from kdcache.stages.train.evaluation.evaluate import cache_batches, evaluate_run
-from kdcache.stages.train.losses import kd_kl, linear_cka
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter
 from tests.helpers.tiny_models import make_tiny_bert
 from tests.stages.train._train_support import write_cache

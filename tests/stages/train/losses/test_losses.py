@@ -7,23 +7,13 @@ import math
 import pytest
 import torch
 
-from kdcache.stages.train.losses import (
-    LossError,
-    attention_kl,
-    causal_ce,
-    cka_loss,
-    cka_sqrt_loss,
-    cosine_loss,
-    get_loss,
-    group_teacher_heads,
-    kd_kl,
-    masked_mse,
-    registered_losses,
-    token_ce,
-    topk_kl,
-    topk_kl_other,
-    topk_kl_renorm,
-)
+from kdcache.stages.common.loss_errors import LossError
+from kdcache.stages.targets.attention.maps_loss import attention_kl, group_teacher_heads
+from kdcache.stages.targets.hidden.loss_terms import cka_loss, cka_sqrt_loss, cosine_loss, masked_mse
+from kdcache.stages.targets.logits.full_torch import kd_kl
+from kdcache.stages.targets.logits.topk_torch import topk_kl, topk_kl_other, topk_kl_renorm
+from kdcache.stages.train.losses import get_loss, registered_losses
+from kdcache.stages.train.losses.logits import causal_ce, token_ce
 from kdcache.storage.core.errors import KdcacheError
 from tests.stages.train.losses._loss_support import MASK, _poison, _valid, assert_blind_to_padding
 

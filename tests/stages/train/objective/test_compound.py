@@ -7,16 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kdcache.stages.common.loss_errors import LossError
+from kdcache.stages.targets.attention.maps_loss import attention_kl
+from kdcache.stages.targets.hidden.loss_terms import cka_loss, masked_mse
+from kdcache.stages.targets.logits.full_torch import kd_kl
+from kdcache.stages.targets.logits.topk_torch import topk_kl_renorm
 from kdcache.stages.train.core.layer_maps import LayerMap
-from kdcache.stages.train.losses import (
-    LossError,
-    attention_kl,
-    causal_ce,
-    cka_loss,
-    kd_kl,
-    masked_mse,
-    topk_kl_renorm,
-)
+from kdcache.stages.train.losses.logits import causal_ce
 from kdcache.stages.train.objective.compound import CompoundLoss
 
 B, L, V, D_S, D_T, H_S, H_T = 2, 5, 11, 4, 6, 2, 4

@@ -10,10 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kdcache.stages.targets.logits.full_torch import kd_kl
+from kdcache.stages.targets.logits.head_torch import head_kl
+from kdcache.stages.targets.logits.sampled_torch import sampled_kl
+from kdcache.stages.targets.logits.topk_torch import topk_kl
 from kdcache.stages.targets.logits.vocab import head_logits, loss_rows
 from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.core.masks import token_masks
-from kdcache.stages.train.losses import causal_ce, head_kl, kd_kl, sampled_kl, token_ce, topk_kl
+from kdcache.stages.train.losses.logits import causal_ce, token_ce
 
 B, L, D, V, K, N_DRAWS = 2, 7, 6, 23, 5, 4
 RTOL, ATOL = 1e-5, 1e-6  # float32; see docs/losses.md
