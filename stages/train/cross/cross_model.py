@@ -51,7 +51,7 @@ from kdcache.storage import ArrayKind, read_table
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from kdcache.stages.train.core.options import TrainOptions
+    from kdcache.stages.train.core.options import LossOptions, TrainOptions
     from kdcache.storage import CacheReader
 
 
@@ -122,16 +122,15 @@ class CrossDistillModel(nn.Module):
     student_shared: torch.Tensor  # [V_s] bool: the student ids some teacher id maps to
 
     def __init__(self, student: PreTrainedModel, criterion: RunLoss, aligner: SpanAligner, shared: torch.Tensor,
-                 *, vocab_loss: str, alpha: float, beta: float, temperature: float, topk_kl: str = "renorm",
-                 announce: bool = False):
+                 loss: LossOptions, *, announce: bool = False):
         super().__init__()
         # The aligner runs in the reader (``aligner.extend``, the stream's extension); the model reads its arrays.
         self.student, self.criterion, self.aligner = student, criterion, aligner
         self.register_buffer("shared", shared, persistent=False)
-        self.vocab_loss, self.alpha, self.beta, self.temperature = vocab_loss, alpha, beta, temperature
-        self.topk_kl = topk_kl  # GOLD's exact part follows the run's --topk-kl (losses.cross_vocab.gold_loss)
+        self.loss = loss  # the run's weights, --cross-tokenizer, and the KL's temperature and --topk-kl (GOLD's part)
+        self.vocab_loss = loss.cross_tokenizer or "gold"
         # Only a vocabulary term reads it; a student without an LM head (α = β = 0) may have no vocabulary at all.
-        vocab = int(getattr(student.config, "vocab_size", 0) or 0) if beta > 0 else 0
+        vocab = int(getattr(student.config, "vocab_size", 0) or 0) if loss.kl_weight > 0 else 0
         student_shared = shared_student_ids(shared, vocab) if vocab else torch.zeros(0, dtype=torch.bool)
         self.register_buffer("student_shared", student_shared, persistent=False)
         self.want_hidden = any(part.layer_map for part in (criterion.part(s) for s in criterion.streams))
@@ -159,13 +158,13 @@ class CrossDistillModel(nn.Module):
         total = torch.zeros((), device=device)
         # CE is asked of the loss function, not of the criterion: one call of the criterion has one mask, and CE
         # counts the student's tokens where its hidden term counts spans.
-        if self.alpha > 0:  # a student without an LM head trains on hidden states alone (α = β = 0)
+        if self.loss.ce_weight > 0:  # a student without an LM head trains on hidden states alone (α = β = 0)
             terms["ce"] = causal_ce(out.logits, side["student/input_ids"], s_masks.real, pairs=s_masks.pairs)
-            total = self.alpha * terms["ce"]
-        if self.beta > 0:
+            total = self.loss.ce_weight * terms["ce"]
+        if self.loss.kl_weight > 0:
             terms[self.vocab_loss] = self._vocab_term(out.logits, batch, side, real & span_rows(t_masks.predicts,
                                                                                                 side["teacher_last"]))
-            total = total + self.beta * terms[self.vocab_loss]
+            total = total + self.loss.kl_weight * terms[self.vocab_loss]
         logs: dict[str, torch.Tensor] = {}
         if self.want_hidden:
             hidden = self._hidden_terms(out.hidden_states, batch, side, t_masks.trained)
@@ -184,8 +183,9 @@ class CrossDistillModel(nn.Module):
         at_spans = (HeadLogits(span_rows(logits.hidden, s_last), logits.weight, logits.bias)
                     if isinstance(logits, HeadLogits) else span_rows(logits, s_last))
         return term_value(at_spans, cross_vocab_term(self.vocab_loss, at_spans, values, ids, lse, mask, self.shared,
-                                                     self.student_shared, temperature=self.temperature,
-                                                     variant=self.topk_kl))
+                                                     self.student_shared,
+                                                     temperature=self.loss.logit.resolved_temperature(),
+                                                     variant=self.loss.logit.topk_kl))
 
     def _hidden_terms(self, states: tuple[torch.Tensor, ...], batch: Mapping[str, torch.Tensor],
                       side: Mapping[str, torch.Tensor], trained: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -227,10 +227,7 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
               f"{size} teacher tokens share a string with the student's vocabulary; aligned share "
               f"{aligned_share(sample):.3f} on the first {len(sample)} sequences", file=sys.stderr)
     max_length = getattr(student.config, "max_position_embeddings", None)
-    loss = options.loss
-    return CrossDistillModel(student, criterion, SpanAligner(texts, tokenizer, max_length), shared,
-                             vocab_loss=loss.cross_tokenizer or "gold", alpha=loss.ce_weight, beta=loss.kl_weight,
-                             temperature=loss.logit.resolved_temperature(), topk_kl=loss.logit.topk_kl,
+    return CrossDistillModel(student, criterion, SpanAligner(texts, tokenizer, max_length), shared, options.loss,
                              announce=announce)
 
 
