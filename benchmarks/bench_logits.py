@@ -192,7 +192,7 @@ def loss_cost(chunk: int, batch: int, length: int) -> tuple[float, float]:
 import time, torch, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from kdcache.stages.targets.logits.vocab import loss_rows
-from kdcache.stages.train.losses import kd_kl
+from kdcache.stages.targets.logits.full_torch import kd_kl
 def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 loss_rows.LOSS_CHUNK = {chunk}
