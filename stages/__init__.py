@@ -29,8 +29,7 @@ if TYPE_CHECKING:
     from kdcache.stages.precompute.rows.row_store import row_problems as row_problems
     from kdcache.stages.precompute.runner import merge_cache as merge_cache, run_precompute as run_precompute
     from kdcache.stages.train.checkpoint import has_checkpoint as has_checkpoint
-    from kdcache.stages.train.core.checks import open_cache as open_cache
-    from kdcache.stages.train.core.cross_checks import text_problems as text_problems
+    from kdcache.stages.train.core.checks import open_cache as open_cache, text_problems as text_problems
     from kdcache.stages.train.evaluation.eval_records import (
         alignment_panels as alignment_panels,
         cache_identity as cache_identity,

@@ -55,10 +55,9 @@ from kdcache.stages.train.feed.streaming import (
     to_device,
 )
 from kdcache.stages.train.interrupt import TrainingInterrupted
-from kdcache.stages.train.logging import MetricsLogger, SampleTrace
+from kdcache.stages.train.logging import MetricsLogger, SampleTrace, TrainProgress
 from kdcache.stages.train.loss import DistillationLoss, DistillModel
 from kdcache.stages.train.objective.step_norm import STEP_COUNTS, term_counts, with_step_counts
-from kdcache.stages.train.progress import TrainProgress
 from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, check_resume, init_record, start_projectors
 from kdcache.stages.train.stop_on_signal import StopOnSignal
 from kdcache.storage import KdcacheError, split_stream

@@ -28,12 +28,12 @@ from kdcache.stages.train.core.checks import (
     CacheCheckError,
     Pair,
     checked_map,
+    cross_problems,
     feature_problems,
     restricted_map,
     stream_problems,
     vocab_problems,
 )
-from kdcache.stages.train.core.cross_checks import cross_problems
 from kdcache.stages.train.core.layer_maps import LayerMap
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.student import StudentFacts
