@@ -143,16 +143,6 @@ def teacher_depth(reader: CacheReader, stream: str = "") -> int:
     return max(layers, default=0)
 
 
-def _streams(options: TrainOptions, reader: CacheReader, student: StudentFacts) -> list[_Stream]:
-    """The cache's token streams as the pair builder sees them."""
-    depths = {"": student.num_layers, "encoder": student.num_layers, "decoder": student.decoder_layers}
-    out = []
-    for name, hidden, attention in reader.spec.stream_layers():
-        out.append(_Stream(name, hidden, attention, teacher_depth(reader, name), depths[name],
-                           options.maps.for_stream(name)))
-    return out
-
-
 def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str],
                   notes: list[str]) -> tuple[list[Pair], list[Pair]]:
     """(hidden pairs, self-attention pairs) of one stream; problems and notes are appended."""
@@ -228,7 +218,9 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
         problems += vocab_problems(reader, student.vocab_size, student_tokenizer,
                                    logits_needed=options.loss.kl_weight > 0)
     problems += feature_problems(options, spec, student)
-    streams = _streams(options, reader, student)
+    depths = {"": student.num_layers, "encoder": student.num_layers, "decoder": student.decoder_layers}
+    streams = [_Stream(name, hidden, attention, teacher_depth(reader, name), depths[name],
+                       options.maps.for_stream(name)) for name, hidden, attention in spec.stream_layers()]
     pairs: dict[str, list[Pair]] = {}
     notes: list[str] = []
     for s in streams:
