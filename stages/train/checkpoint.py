@@ -202,8 +202,13 @@ def export_student(student: PreTrainedModel, projectors: nn.Module, run_dir: str
         ``RUN/student``.
     """
     out = Path(run_dir) / STUDENT_DIR
-    modules = [student, projectors]
-    with _gathered([p for m in modules for p in m.parameters()], zero_stage):
+    gathered: contextlib.AbstractContextManager = contextlib.nullcontext()  # a no-op below ZeRO-3
+    if zero_stage >= 3:
+        import deepspeed  # heavy, and ZeRO-3 only: CacheTrainer and eval import this module without it
+
+        gathered = deepspeed.zero.GatheredParameters([*student.parameters(), *projectors.parameters()],
+                                                     modifier_rank=None)
+    with gathered:
         if rank == 0:
             student.save_pretrained(str(out))
             save_projectors(run_dir, projectors)
@@ -220,15 +225,6 @@ def add_tokenizer(student_dir: Path, tokenizer_dir: str | Path | None) -> None:
     for item in Path(tokenizer_dir).iterdir():
         if item.is_file() and not (student_dir / item.name).exists():  # never overwrite the model's own files
             shutil.copy2(item, student_dir / item.name)
-
-
-def _gathered(params: list[nn.Parameter], zero_stage: int) -> contextlib.AbstractContextManager:
-    """Full parameters for the duration of the block: a no-op below ZeRO-3."""
-    if zero_stage < 3:
-        return contextlib.nullcontext()
-    import deepspeed  # heavy, and ZeRO-3 only: CacheTrainer and eval import this module without it
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
 class _Stateful(Protocol):

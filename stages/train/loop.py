@@ -179,7 +179,6 @@ class _Trainer:
         self.tokens_seen = 0
         self._checkpoint_bytes = 0  # one checkpoint's estimated size, set before training (_check_checkpoint_room)
         self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
-        self.progress = TrainProgress(0, 0, enabled=False)  # replaced when run() knows the total
         self.losses: list[float] = []
         self.reader = reader  # streamed from in this process (a DataLoader worker opens its own)
         self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device

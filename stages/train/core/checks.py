@@ -148,7 +148,7 @@ def restricted_map(layer_map: LayerMap, student_depth: int, depth: int, cached: 
     ``notes``, a map that keeps some but not all says which it kept, and the ``--layers`` that would keep all.
     """
     try:
-        pairs = layer_map.or_uniform().build(student_depth, depth, seed=seed)
+        pairs = (layer_map if layer_map.maps_layers else LayerMap()).build(student_depth, depth, seed=seed)
     except KdcacheError as exc:
         problems.append(f"{what} map {str(layer_map)!r}: {exc}")
         return []
