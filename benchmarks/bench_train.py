@@ -135,8 +135,8 @@ def _loop(engine: Any, stream: Any, teacher: Any, plan: Any, timed: _Timed, args
             with torch.no_grad():
                 out = teacher(input_ids=batch["input_ids"], attention_mask=batch["mask"], output_hidden_states=True,
                               output_attentions=True)
-            batch.update({f"hidden/{t}": out.hidden_states[t] for _, t in plan.hidden_pairs})
-            batch.update({f"attention/{t}": out.attentions[t - 1] for _, t in plan.attention_pairs})
+            batch.update({f"hidden/{t}": out.hidden_states[t] for _, t in plan.main.hidden_pairs})
+            batch.update({f"attention/{t}": out.attentions[t - 1] for _, t in plan.main.attention_pairs})
         t2 = time.perf_counter()
         loss = engine(batch)["loss"]
         t3 = time.perf_counter()

@@ -28,9 +28,8 @@ if TYPE_CHECKING:
     )
     from kdcache.stages.precompute.rows.row_store import row_problems as row_problems
     from kdcache.stages.precompute.runner import merge_cache as merge_cache, run_precompute as run_precompute
-    from kdcache.stages.train.checkpoint import has_checkpoint as has_checkpoint
-    from kdcache.stages.train.core.checks import open_cache as open_cache
-    from kdcache.stages.train.core.cross_checks import text_problems as text_problems
+    from kdcache.stages.train.checkpoint import has_checkpoint as has_checkpoint, trained_on as trained_on
+    from kdcache.stages.train.core.checks import open_cache as open_cache, text_problems as text_problems
     from kdcache.stages.train.evaluation.eval_records import (
         alignment_panels as alignment_panels,
         cache_identity as cache_identity,
@@ -53,6 +52,5 @@ if TYPE_CHECKING:
     from kdcache.stages.train.init_student import init_student_from_teacher as init_student_from_teacher
     from kdcache.stages.train.logging import read_jsonl as read_jsonl, read_records as read_records
     from kdcache.stages.train.loop import run_training as run_training
-    from kdcache.stages.train.run_identity import trained_on as trained_on
 else:  # mypy reads the names above and nothing else; at run time each loads on first use
     __getattr__, __dir__, __all__ = attach(__name__, __file__)

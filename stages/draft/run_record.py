@@ -16,8 +16,15 @@ from typing import Any
 
 from kdcache.stages.common.stream_options import flag_name
 from kdcache.stages.draft.vocab import DraftInputError
-from kdcache.stages.train.checkpoint import CHECKPOINT_DIR, has_checkpoint, write_plan
-from kdcache.stages.train.run_identity import CACHE_HASH, cache_change, cache_hash, refuse_changes
+from kdcache.stages.train.checkpoint import (
+    CACHE_HASH,
+    CHECKPOINT_DIR,
+    cache_change,
+    cache_hash,
+    has_checkpoint,
+    refuse_changes,
+    write_plan,
+)
 from kdcache.storage import read_json_object
 
 OPTIONS_FILE = "options.json"

@@ -30,6 +30,7 @@ from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.vocab import fused_vocab
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.api import fit_student, seed_dropout, teacher_head_for
+from kdcache.stages.train.checkpoint import CACHE_HASH, cache_hash, check_resume, init_record, start_projectors
 from kdcache.stages.train.core.checks import open_cache
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.plan import TrainPlan
@@ -55,11 +56,9 @@ from kdcache.stages.train.feed.streaming import (
     to_device,
 )
 from kdcache.stages.train.interrupt import TrainingInterrupted
-from kdcache.stages.train.logging import MetricsLogger, SampleTrace
+from kdcache.stages.train.logging import MetricsLogger, SampleTrace, TrainProgress
 from kdcache.stages.train.loss import DistillationLoss, DistillModel
 from kdcache.stages.train.objective.step_norm import STEP_COUNTS, term_counts, with_step_counts
-from kdcache.stages.train.progress import TrainProgress
-from kdcache.stages.train.run_identity import CACHE_HASH, cache_hash, check_resume, init_record, start_projectors
 from kdcache.stages.train.stop_on_signal import StopOnSignal
 from kdcache.storage import KdcacheError, split_stream
 
@@ -180,7 +179,6 @@ class _Trainer:
         self.tokens_seen = 0
         self._checkpoint_bytes = 0  # one checkpoint's estimated size, set before training (_check_checkpoint_room)
         self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
-        self.progress = TrainProgress(0, 0, enabled=False)  # replaced when run() knows the total
         self.losses: list[float] = []
         self.reader = reader  # streamed from in this process (a DataLoader worker opens its own)
         self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
@@ -253,9 +251,9 @@ class _Trainer:
                 self._waited += feed.waited - waited  # the step stood still: the reader was behind
                 if batch is None:
                     break
-                self._micro_step(batch, stream.steps_per_epoch)
+                stepped = self._micro_step(batch, stream.steps_per_epoch)
                 batch = None  # batch i goes before batch i+2 is prepared: one batch ahead on the device, not two
-                if self._stepped():
+                if stepped:
                     self._after_optimizer_step(total)
                     if stop.requested():
                         break
@@ -285,9 +283,9 @@ class _Trainer:
             return loader
         return with_step_counts(loader, self.grad_accum, lambda batch: term_counts(module.criterion, batch))
 
-    def _micro_step(self, batch: dict[str, Any], steps_per_epoch: int) -> None:
-        """Forward, backward and (on a boundary) the optimizer step for one micro-batch."""
-        self._last_global = self.engine.global_steps
+    def _micro_step(self, batch: dict[str, Any], steps_per_epoch: int) -> bool:
+        """Forward, backward and (on a boundary) the optimizer step for one micro-batch; whether it stepped."""
+        before = self.engine.global_steps
         seed_dropout(self.options.data.seed, self.micro_step, self.dist.rank)
         epoch, step_in_epoch, host = batch.pop("epoch"), batch.pop("step_in_epoch"), batch.pop(HOST)
         self._tokens += host["tokens"]
@@ -304,9 +302,7 @@ class _Trainer:
         if self.trace.enabled:  # reads the loss on the host: a sync per micro-step (the option's help says so)
             self.trace.record(self.micro_step - 1, epoch, step_in_epoch, host["sample_ids"].tolist(),
                               float(out["loss"]))
-
-    def _stepped(self) -> bool:
-        return self.engine.global_steps != self._last_global
+        return self.engine.global_steps != before
 
     def _prepare(self, batch: dict[str, Any]) -> dict[str, Any]:
         """A host batch on the device, its coded targets decoded there; under ``HOST`` what the step reads of the

@@ -43,10 +43,10 @@ class SyncCounter:
                             if _boolean_index(index) else getitem(tensor, index))
         original, prepare = loop._Trainer._micro_step, loop._Trainer._prepare
 
-        def micro_step(trainer: loop._Trainer, *args: object) -> None:
+        def micro_step(trainer: loop._Trainer, *args: object) -> bool:
             self.inside, self.thread = self.micro_steps > 0, threading.get_ident()
             try:
-                original(trainer, *args)  # type: ignore[arg-type]
+                return original(trainer, *args)  # type: ignore[arg-type]
             finally:
                 self.inside, self.micro_steps = False, self.micro_steps + 1
 

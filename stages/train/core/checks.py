@@ -2,7 +2,9 @@
 
 Everything is compared before DeepSpeed starts, and every mismatch is reported at once in plain words (a user
 fixing one problem should not discover the next one on the following run). ``plan.plan_training`` gathers
-these findings; the helpers here know nothing of token streams beyond what the spec says.
+these findings; the helpers here know nothing of token streams beyond what the spec says. What a
+``--cross-tokenizer`` run needs of its cache is checked here too (``cross_problems``), apart from
+``cross.cross_model`` (the run itself), which is floors above since it wraps the run's loss.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kdcache.stages.common.cache_texts import MissingTextError, has_texts, read_texts
 from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
-from kdcache.stages.train.core.cross_checks import cross_hint
 from kdcache.stages.train.core.layer_maps import LayerMap, pair_key, validate_layer_map
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.student import StudentFacts
@@ -58,7 +60,7 @@ def open_cache(path: str | Path, *, allow_partial: bool = False, decode_threads:
 def vocab_problems(reader: CacheReader, student_vocab: int, student_tokenizer: dict[str, Any] | None, *,
                    logits_needed: bool) -> list[str]:
     """Vocabulary checks: every cached token id must embed, logits must line up, tokenizers must agree; a refusal
-    ends with the way a student of another tokenizer goes (``cross_checks.cross_hint``).
+    ends with the way a student of another tokenizer goes (``cross_hint``).
 
     Training (``plan.plan_training``), evaluation and the sweep's up-front check all call this, so a student
     that does not fit a cache gets the same sentences wherever it is refused.
@@ -124,7 +126,7 @@ def feature_problems(options: TrainOptions, spec: CacheSpec, student: StudentFac
         problems.append("the KL term (--beta) needs student logits, but the student has no LM head")
     elif loss.kl_weight > 0 and (kind := logit_kinds.of(spec.logit_layout)) and not loss.cross_tokenizer:
         # The top-k variant and the temperature against its logit kind; a cross-tokenizer run's vocabulary term
-        # has checks of its own (cross_checks: GOLD reads both, ULD neither).
+        # has checks of its own (``cross_problems``: GOLD reads both, ULD neither).
         problems += kind.loss_problems(spec, loss.logit)
     if loss.gamma > 0 and options.maps.for_stream("").maps_layers and not hidden:
         problems.append(f"the hidden-state term (--gamma) needs hidden states, but the cache holds {held}; "
@@ -146,7 +148,7 @@ def restricted_map(layer_map: LayerMap, student_depth: int, depth: int, cached: 
     ``notes``, a map that keeps some but not all says which it kept, and the ``--layers`` that would keep all.
     """
     try:
-        pairs = layer_map.or_uniform().build(student_depth, depth, seed=seed)
+        pairs = (layer_map if layer_map.maps_layers else LayerMap()).build(student_depth, depth, seed=seed)
     except KdcacheError as exc:
         problems.append(f"{what} map {str(layer_map)!r}: {exc}")
         return []
@@ -175,3 +177,48 @@ def checked_map(layer_map: LayerMap, seed: int, student_depth: int, depth: int, 
     if what.endswith("attention") and any(s < 1 for s, _ in pairs):
         problems.append("attention layers are blocks 1..N; layer 0 (the embeddings) has no attention map")
     return pairs
+
+
+def cross_problems(reader: CacheReader, options: TrainOptions) -> list[str]:
+    """What stops a cross-tokenizer run on this cache (in place of ``checks.vocab_problems``' tokenizer rules):
+    ``text_problems``, and logits that are not a ranked top-k."""
+    problems = text_problems(reader, "--cross-tokenizer")
+    kind = logit_kinds.of(reader.spec.logit_layout)
+    if options.loss.kl_weight > 0 and kind is not None and not kind.ranked:
+        problems.append(f"--cross-tokenizer compares the teacher's cached top-k across vocabularies, but this cache "
+                        f"holds --logits {reader.spec.logits}; use a top-k cache or --beta 0")
+    temperature = options.loss.logit.resolved_temperature()
+    if options.loss.cross_tokenizer == "gold" and options.loss.logit.topk_kl == "other" and temperature != 1:
+        problems.append(f"--cross-tokenizer gold with --topk-kl other compares full-vocabulary probabilities "
+                        f"rebuilt from the cached logsumexp, exact only at T=1, but the temperature is "
+                        f"{temperature:g}; use --temperature 1, or --topk-kl renorm")
+    if options.loss.delta > 0:
+        problems.append("--cross-tokenizer aligns hidden states and logits, not attention maps; set --delta 0")
+    return problems
+
+
+def cross_hint(reader: CacheReader) -> list[str]:
+    """The line a refused vocabulary adds: a student with a tokenizer of its own trains with ``--cross-tokenizer``,
+    which needs the cache's recorded texts."""
+    line = ("if the student has a tokenizer of its own, train and evaluate it with --cross-tokenizer (losses "
+            "and scores on aligned text spans)")
+    if not has_texts(reader.store):  # whether they are there, not the whole file read and checked
+        line += ", which needs the cache's texts: this cache has none, re-run stage one with --record-text"
+    return [line]
+
+
+def text_problems(reader: CacheReader, what: str) -> list[str]:
+    """What stops aligning another tokenizer's tokens with this cache's, for ``what`` (training or evaluation):
+    no recorded texts, or not one per sequence; two token streams."""
+    problems = []
+    try:
+        texts = read_texts(reader.store, what)
+        if len(texts) != len(reader):
+            problems.append(f"{what}: the cache's texts/ hold {len(texts)} texts for its {len(reader)} "
+                            f"sequences; it is damaged or from another cache (rebuild it with --record-text)")
+    except MissingTextError as exc:
+        problems.append(str(exc))
+    if len(reader.spec.streams) > 1:
+        problems.append(f"{what} aligns one token stream, but this cache holds {list(reader.spec.streams)} "
+                        f"(an encoder-decoder teacher's); use a student with the teacher's tokenizer there")
+    return problems

@@ -123,11 +123,6 @@ class LayerMap:
         be met in full."""
         return self.kind is LayerMapKind.UNIFORM
 
-    def or_uniform(self) -> LayerMap:
-        """This map, or ``uniform`` in place of ``none``: ``none`` switches the hidden term off, not the attention
-        terms that follow the hidden map."""
-        return self if self.maps_layers else LayerMap(LayerMapKind.UNIFORM)
-
     def build(self, num_student_layers: int, num_teacher_layers: int, *, seed: int = 0) -> list[Pair]:
         """The pairs for a student of M blocks and a teacher of N, by the kind held."""
         given = _as_pairs(self.pairs) if self.pairs else None

@@ -31,6 +31,12 @@ def _opt(help_text: str, **extra: object) -> dict[str, object]:
     return {"help": help_text, **extra}
 
 
+def below(group: object, least: int, names: tuple[str, ...]) -> list[str]:
+    """``NAME must be >= least, got V`` for each option of ``names`` in ``group`` set below ``least`` (None: unset)."""
+    return [f"{name} must be >= {least}, got {value}" for name in names
+            if (value := getattr(group, name)) is not None and value < least]
+
+
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv": None}  # tracker -> the package it needs
 
 
@@ -71,12 +77,8 @@ class DataOptions:
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
-        problems = [f"{name} must be >= 1, got {getattr(self, name)}"
-                    for name in ("batch_size", "grad_accum", "prefetch", "prefetch_mib", "shuffle_block")
-                    if getattr(self, name) < 1]
-        problems += [f"{name} must be >= 0, got {getattr(self, name)}"
-                     for name in ("num_workers", "decode_threads") if getattr(self, name) < 0]
-        return problems
+        at_least_one = ("batch_size", "grad_accum", "prefetch", "prefetch_mib", "shuffle_block")
+        return below(self, 1, at_least_one) + below(self, 0, ("num_workers", "decode_threads"))
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,7 @@ class LossOptions:
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
-        problems = [f"{name} must be >= 0, got {getattr(self, name)}"
-                    for name in ("alpha", "beta", "gamma", "delta")
-                    if getattr(self, name) is not None and getattr(self, name) < 0] + self.attention.problems()
+        problems = below(self, 0, ("alpha", "beta", "gamma", "delta")) + self.attention.problems()
         return problems + self.logit.problems() + self.critic.problems()
 
 
@@ -206,10 +206,7 @@ class RunOptions:
 
     def validate(self) -> list[str]:
         """Every problem of this group."""
-        problems = [f"{name} must be >= 1, got {getattr(self, name)}" for name in ("epochs", "max_steps", "log_every")
-                    if getattr(self, name) is not None and getattr(self, name) < 1]
-        problems += [f"{name} must be >= 0, got {getattr(self, name)}" for name in ("save_every", "eval_every")
-                     if getattr(self, name) < 0]
+        problems = below(self, 1, ("epochs", "max_steps", "log_every")) + below(self, 0, ("save_every", "eval_every"))
         if self.eval_every and not self.eval_cache:
             problems.append(f"eval_every {self.eval_every} needs eval_cache (the held-out cache to score)")
         problems += tracker_problems(self.report_to)

@@ -28,12 +28,12 @@ from kdcache.stages.train.core.checks import (
     CacheCheckError,
     Pair,
     checked_map,
+    cross_problems,
     feature_problems,
     restricted_map,
     stream_problems,
     vocab_problems,
 )
-from kdcache.stages.train.core.cross_checks import cross_problems
 from kdcache.stages.train.core.layer_maps import LayerMap
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.student import StudentFacts
@@ -58,8 +58,8 @@ class StreamPairs:
 class TrainPlan:
     """What training reads from the cache and how the loss uses it.
 
-    ``streams`` ends with the stream the logits belong to (the only one, or ``decoder``); the properties
-    ``hidden_pairs`` ... describe that stream, which is what evaluation and reports show.
+    ``streams`` ends with the stream the logits belong to (the only one, or ``decoder``): ``main``, which is what
+    evaluation and reports show.
     """
 
     streams: tuple[StreamPairs, ...]
@@ -67,7 +67,6 @@ class TrainPlan:
     names: tuple[str, ...]  # arrays streamed per sequence
     source: AttentionSource  # the cache's attention source (what the attention term reads of teacher and student)
     cross_attention_pairs: tuple[Pair, ...] = ()
-    teacher_heads: int | None = None  # H' stored per attention layer
     attention_scores: dict[str, Any] | None = None  # a q/k cache's score record (CacheSpec.attention_scores)
     notes: tuple[str, ...] = ()  # what the plan chose for the user that they should hear (train prints them)
 
@@ -75,14 +74,6 @@ class TrainPlan:
     def main(self) -> StreamPairs:
         """The stream that carries the logits (and the CE labels)."""
         return self.streams[-1]
-
-    @property
-    def hidden_pairs(self) -> tuple[Pair, ...]:
-        return self.main.hidden_pairs
-
-    @property
-    def attention_pairs(self) -> tuple[Pair, ...]:
-        return self.main.attention_pairs
 
     @property
     def wants_hidden(self) -> bool:
@@ -106,7 +97,7 @@ class TrainPlan:
     def to_json(self) -> dict[str, Any]:
         """The plan as ``plan.json`` records it (the main stream's pairs at the top, as evaluation reads them; the
         logit mode by its name)."""
-        out: dict[str, Any] = {"hidden_pairs": self.hidden_pairs, "attention_pairs": self.attention_pairs,
+        out: dict[str, Any] = {"hidden_pairs": self.main.hidden_pairs, "attention_pairs": self.main.attention_pairs,
                                "logits": self.logit_kind.name if self.logit_kind else None, "names": self.names}
         if len(self.streams) > 1:
             out["streams"] = {s.stream: {"hidden_pairs": s.hidden_pairs, "attention_pairs": s.attention_pairs}
@@ -141,16 +132,6 @@ def teacher_depth(reader: CacheReader, stream: str = "") -> int:
             return int(teacher[key])
     layers = [j for kind in reader.spec.layers[stream].values() for j in kind]  # the decoder's: cross too
     return max(layers, default=0)
-
-
-def _streams(options: TrainOptions, reader: CacheReader, student: StudentFacts) -> list[_Stream]:
-    """The cache's token streams as the pair builder sees them."""
-    depths = {"": student.num_layers, "encoder": student.num_layers, "decoder": student.decoder_layers}
-    out = []
-    for name, hidden, attention in reader.spec.stream_layers():
-        out.append(_Stream(name, hidden, attention, teacher_depth(reader, name), depths[name],
-                           options.maps.for_stream(name)))
-    return out
 
 
 def _stream_pairs(options: TrainOptions, s: _Stream, problems: list[str],
@@ -228,7 +209,9 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
         problems += vocab_problems(reader, student.vocab_size, student_tokenizer,
                                    logits_needed=options.loss.kl_weight > 0)
     problems += feature_problems(options, spec, student)
-    streams = _streams(options, reader, student)
+    depths = {"": student.num_layers, "encoder": student.num_layers, "decoder": student.decoder_layers}
+    streams = [_Stream(name, hidden, attention, teacher_depth(reader, name), depths[name],
+                       options.maps.for_stream(name)) for name, hidden, attention in spec.stream_layers()]
     pairs: dict[str, list[Pair]] = {}
     notes: list[str] = []
     for s in streams:
@@ -253,8 +236,7 @@ def plan_training(options: TrainOptions, reader: CacheReader, student: StudentFa
     plans = tuple(StreamPairs(s.name, tuple(pairs[prefixed(s.name, "hidden")]),
                               tuple(pairs[prefixed(s.name, "attention")]), sizes.get(s.name, {}), s.teacher_depth)
                   for s in streams)
-    return TrainPlan(plans, logits, tuple(names), source, tuple(pairs[CROSS]), heads, spec.attention_scores,
-                     tuple(notes))
+    return TrainPlan(plans, logits, tuple(names), source, tuple(pairs[CROSS]), spec.attention_scores, tuple(notes))
 
 
 def _relation_problems(options: TrainOptions, spec: CacheSpec, student: StudentFacts) -> list[str]:

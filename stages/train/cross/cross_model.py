@@ -15,7 +15,7 @@ tokenizer and aligned with the teacher's tokens once per sequence (``SpanAligner
   itself (its projectors, its hidden losses, its logged names) over spans instead of tokens.
 
 Packed rows are tokenized by the student as one text (its positions do not restart at the teacher's document
-starts). Attention terms are not aligned (``core.cross_checks.cross_problems`` refuses ``--delta``).
+starts). Attention terms are not aligned (``core.checks.cross_problems`` refuses ``--delta``).
 """
 
 from __future__ import annotations

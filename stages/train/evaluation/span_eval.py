@@ -36,8 +36,7 @@ from kdcache.stages.common.cache_texts import read_texts
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.hidden.loss_terms import linear_cka
-from kdcache.stages.train.core.checks import CacheCheckError
-from kdcache.stages.train.core.cross_checks import text_problems
+from kdcache.stages.train.core.checks import CacheCheckError, text_problems
 from kdcache.stages.train.core.layer_maps import Pair, pair_key
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.cross.cross_model import SIDE_KEYS, SpanAligner, cache_tokenizer

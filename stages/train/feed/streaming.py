@@ -186,13 +186,6 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int]) -
     return out
 
 
-def pin_batch(batch: Batch) -> Batch:
-    """The batch's tensors in pinned host memory (for a copy to a GPU that does not block), where CUDA is."""
-    if not torch.cuda.is_available():
-        return batch
-    return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 class BatchExtension(Protocol):
     """Host arrays a run adds to every collated batch where the batch is made (the reader's thread or a
     DataLoader worker), so that work stays off the training step: e.g. a cross-tokenizer run's student tokens and
@@ -404,7 +397,8 @@ class _Producer:
                 batch[name] = torch.from_numpy(_read_rows(self.reader, name, planned.ids, batch))
             if self.extend is not None:
                 self.extend(batch)
-            batch = pin_batch(batch) if self.pin else batch
+            if self.pin and torch.cuda.is_available():  # pinned: the copy to the GPU does not block
+                batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             batch.update(epoch=planned.epoch, step_in_epoch=planned.step)
             for s in planned.release:
                 del decoded[s]

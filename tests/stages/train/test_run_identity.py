@@ -135,8 +135,8 @@ def test_eval_on_the_runs_own_training_cache_says_it_scores_training_data(
 def test_a_run_recorded_before_the_cache_hash_compares_the_cache_path_and_its_options(tmp_path: Path) -> None:
     """An older run's options.json has no init_from and its plan.json no cache_hash: options it predates count at
     their default, and its cache at its path (written another way, the same folder)."""
+    from kdcache.stages.train.checkpoint import RunChangedError, check_resume
     from kdcache.stages.train.core.options import TrainOptions
-    from kdcache.stages.train.run_identity import RunChangedError, check_resume
 
     (tmp_path / "c").mkdir()
     options = TrainOptions.of(cache=str(tmp_path / "c"), student="s", out=str(tmp_path / "run"))

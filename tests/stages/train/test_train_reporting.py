@@ -76,7 +76,7 @@ def test_a_terminal_gets_a_bar_with_the_same_facts(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setenv("COLUMNS", "200")  # a wide terminal, whatever runs the test (a worker has none of its own)
 
-    from kdcache.stages.train.progress import TrainProgress
+    from kdcache.stages.train.logging import TrainProgress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -93,7 +93,7 @@ def test_a_terminal_gets_a_bar_with_the_same_facts(monkeypatch: pytest.MonkeyPat
 
 def test_each_line_shows_every_loss_term_in_one_order_and_metrics_apart() -> None:
     """A term that grows past another keeps its place; a small one is not dropped; aligned_share is no loss."""
-    from kdcache.stages.train.progress import describe
+    from kdcache.stages.train.logging import describe
 
     first = describe({"loss": 3.0, "ce": 2.0, "gold": 0.6, "hidden": 0.3, "attention": 0.1, "aligned_share": 0.9,
                       "hidden/s1_t2": 0.3}, 100.0, 0.0)
