@@ -238,10 +238,12 @@ def image(path: Path, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def page(title: str, sections: list[str]) -> str:
-    """A complete HTML document."""
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>\n")
+def page(title: str, sections: list[str], out_dir: Path) -> Path:
+    """A complete HTML document, written to ``out_dir/report.html``; returns its path."""
+    (out_dir / "report.html").write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>\n")
+    return out_dir / "report.html"
 
 
 def _key_values(pairs: dict[str, Any]) -> str:
@@ -254,9 +256,8 @@ def _notes(notes: list[str]) -> str:
     return "".join(f"<p class=note>{html.escape(n)}</p>" for n in notes if n)
 
 
-def render_run(state: RunState, images: dict[str, Path]) -> str:
-    """The page of one run: status, final terms, eval metrics, plots, options."""
-
+def render_run(state: RunState, images: dict[str, Path], out_dir: Path) -> Path:
+    """The page of one run (status, final terms, eval metrics, plots, options), written into ``out_dir``."""
     sections = [f"<p>{html.escape(str(state.run_dir))} — <b>{html.escape(state.status)}</b></p>",
                 _notes(state.notes)]
     if state.metrics:
@@ -282,12 +283,13 @@ def render_run(state: RunState, images: dict[str, Path]) -> str:
         kept, others = applied_options(state.options)
         sections += ["<h2>Options this run set</h2>", _key_values(kept),
                      _notes([f"{others} other option(s) at their defaults (RUN/options.json has them all)"])]
-    return page(f"Training run “{state.run_dir.name}”", sections)
+    return page(f"Training run “{state.run_dir.name}”", sections, out_dir)
 
 
 def render_sweep(root: Path, rows: list[dict[str, Any]], columns: list[str], metric: str | None, why: str,
-                 images: dict[str, Path], run_reports: dict[str, Path], out_dir: Path) -> str:
-    """The page of a sweep: the comparison table (names link to each run's report) and the sweep plots."""
+                 images: dict[str, Path], run_reports: dict[str, Path], out_dir: Path) -> Path:
+    """The page of a sweep (the comparison table, names linking to each run's report, and the sweep plots),
+    written into ``out_dir``."""
     links = {name: os.path.relpath(path, out_dir) for name, path in run_reports.items()}
     counts = Counter(str(row.get("status")) for row in rows)
     sections = [f"<p>{html.escape(str(root))} — {len(rows)} run(s): "
@@ -306,7 +308,7 @@ def render_sweep(root: Path, rows: list[dict[str, Any]], columns: list[str], met
     failed = [r["name"] for r in rows if r.get("status") == "failed"]
     if failed:
         sections.append(_notes([f"failed: {', '.join(failed)} — see runs/<name>/train.log or sweep.json"]))
-    return page(f"Sweep “{root.name}”", sections)
+    return page(f"Sweep “{root.name}”", sections, out_dir)
 
 
 # ---- whole reports -----------------------------------------------------------------------------------------
@@ -329,9 +331,7 @@ def report_run(run_dir: str | Path, out: str | Path | None = None, *, with_cache
         images["cache"] = plots.plot_cache(info, out_dir / "cache.png", f"cache {info['path']}")
     elif with_cache:
         state.notes.append("cache statistics skipped: options.json names no readable cache")
-    html = render_run(state, {k: v for k, v in images.items() if v})
-    (out_dir / "report.html").write_text(html)
-    return out_dir / "report.html"
+    return render_run(state, {k: v for k, v in images.items() if v}, out_dir)
 
 
 # span top-1 ranks a sweep of --cross-tokenizer runs (they have no perplexity: their tokens are not the cache's)
@@ -382,8 +382,6 @@ def report_sweep(sweep_dir: str | Path, out: str | Path | None = None, *, metric
     info = cache_stats(summary.get("cache") or next((s.options.get("cache") for s in states.values()), None) or "")
     if info:
         images["cache"] = plots.plot_cache(info, out_dir / "cache.png", f"cache {info['path']}")
-    html = render_sweep(root, rows, table_columns(rows, grid_keys, per_pair=False), metric, why,
+    return render_sweep(root, rows, table_columns(rows, grid_keys, per_pair=False), metric, why,
                         {k: v for k, v in images.items() if v}, links, out_dir)
-    (out_dir / "report.html").write_text(html)
-    return out_dir / "report.html"
 
