@@ -190,7 +190,7 @@ def config_values(cls: type, path: str | Path, section: str | None) -> tuple[dic
 def _known_keys(cls: type, data: dict[str, Any], where: str, section: str | None
                 ) -> tuple[dict[str, Any], list[str]]:
     """``data`` without the keys ``cls`` does not take, and one problem for each such key."""
-    known = _names(cls)
+    known = option_names(cls)
     values: dict[str, Any] = {}
     problems: list[str] = []
     for key, value in flat_values(cls, data).items():
@@ -198,7 +198,7 @@ def _known_keys(cls: type, data: dict[str, Any], where: str, section: str | None
         if name in known:
             values[key] = value
             continue
-        other = [s for s, c in SECTION_CLASSES.items() if s != section and name in _names(c)]
+        other = [s for s, c in SECTION_CLASSES.items() if s != section and name in option_names(c)]
         if section is not None and other:
             problems.append(f"{where}: key {key!r} is an option of `kdcache {other[0]}`, not of `kdcache "
                             f"{section}`; a file for both keeps each command's keys under its own "
@@ -211,7 +211,7 @@ def _known_keys(cls: type, data: dict[str, Any], where: str, section: str | None
     return values, problems
 
 
-def _names(cls: type) -> set[str]:
+def option_names(cls: type) -> set[str]:
     """The option names ``cls`` takes, and the deprecated aliases of its options."""
     names = {f.name for _, _, f in leaves(cls)}
     return names | {alias for alias, (option, _) in ALIASES.items() if option in names}

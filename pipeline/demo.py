@@ -154,7 +154,7 @@ def _write_data(sentences: list[str], path: Path, cache: Path) -> Path:
     if path.is_file() and path.read_text() != jsonl_text(sentences):
         for earlier, what in ((path, "data file"), (cache, "cache")):
             if earlier.exists():
-                _set_aside(earlier, f"{what} {earlier.name}")
+                set_aside(earlier, f"{what} {earlier.name}")
     return write_jsonl(sentences, path)
 
 
@@ -267,7 +267,7 @@ def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
     student_kept = _kept(demo, "student-init", matching_student(student_init, demo.teacher, STUDENT_BLOCKS))
     if not student_kept:
         if student_init.is_dir():  # an earlier demo's, cut off or from another teacher folder: kept beside it
-            _set_aside(student_init, "student-init")
+            set_aside(student_init, "student-init")
         run_step("init-student", ["init-student", "--teacher", str(demo.teacher), "--layers", "2,4,6", "--out",
                                   str(student_init)], demo.logs)
     # The record names the cache by its fingerprints too: the same arguments on a cache rebuilt with other
@@ -276,7 +276,7 @@ def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
     earlier = demo.steps.measured("train", record_args)
     run_kept = caches_kept[0] and student_kept and earlier is not None and finished_run(run_dir)
     if not run_kept and ((run_dir / "options.json").is_file() or (run_dir / "evals").is_dir()):
-        _set_aside(run_dir, "run")  # made by an earlier demo with other settings, or stopped: trained anew
+        set_aside(run_dir, "run")  # made by an earlier demo with other settings, or stopped: trained anew
     if not (run_kept and caches_kept[1] and has_eval(run_dir, "baseline", heldout_cache)):
         run_step("eval-baseline", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir), "--student",
                                    str(student_init)], demo.logs)
@@ -289,13 +289,6 @@ def _student_steps(demo: _Demo, cache: Path, heldout_cache: Path, run_dir: Path,
         demo.report["train_seconds"], demo.report["train_peak_rss"] = demo.keep(
             "train", record_args, *run_step("train", train_args, demo.logs), reused=False)
     return run_kept
-
-
-def _set_aside(folder: Path, what: str) -> None:
-    """Keep an earlier demo's ``folder`` that these settings cannot reuse beside it, and say where."""
-    kept = set_aside(folder)
-    print(f"      {what}: the earlier one (other settings, or stopped) is kept as {kept}; remove it when no longer "
-          "needed", flush=True)
 
 
 def _facts(cache: Path, run_dir: Path, teacher: Path) -> dict[str, Any]:

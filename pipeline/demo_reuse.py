@@ -92,15 +92,18 @@ def finished_run(run_dir: Path) -> bool:
             and (run / "projectors.pt").is_file())
 
 
-def set_aside(folder: Path) -> Path:
+def set_aside(folder: Path, what: str | None = None) -> Path:
     """Rename ``folder`` (or a file) to the first free ``NAME-earlier-N`` beside it (N from 1; a file keeps its
     suffix: ``train-earlier-1.jsonl``), so that a demo with other settings keeps what an earlier one made; returns
-    the new path. A rename: nothing is copied or lost."""
+    the new path, and says where it went when told ``what`` it is. A rename: nothing is copied or lost."""
     folder = Path(folder)
     n = 1
     while (kept := folder.with_name(f"{folder.stem}-earlier-{n}{folder.suffix}")).exists():
         n += 1
     folder.rename(kept)
+    if what:
+        print(f"      {what}: the earlier one (other settings, or stopped) is kept as {kept}; remove it when no "
+              "longer needed", flush=True)
     return kept
 
 

@@ -1,8 +1,8 @@
 """What a run directory holds, read the way reports, sweeps and the HTML page need it.
 
 Runs are read while they may still be writing: ``metrics.jsonl`` may end in a half-written line, ``student/``
-and ``evals/`` may not exist yet. Shared by ``pipeline.report`` (plots, tables) and ``pipeline.report_html``
-(pages); nothing here imports torch or matplotlib.
+and ``evals/`` may not exist yet. Shared by ``pipeline.report`` (tables, pages) and ``pipeline.report_plots``;
+nothing here imports torch or matplotlib.
 """
 
 from __future__ import annotations
@@ -21,61 +21,59 @@ from kdcache.stages.train.core.options import TrainOptions
 from kdcache.storage import read_json_object
 
 META_KEYS = ("step", "time_s", "lr", "epoch", "sample_index", "data_wait_s", "data_wait_share")
-# (column, key in an evaluation record) — "cka.final" reads eval["cka"]["final"]. Lower is better for the starred ones.
-EVAL_COLUMNS = (("eval_spearman", "spearman"), ("eval_cosine", "cosine"), ("eval_perplexity", "perplexity"),
-                ("eval_top1", "top1_agreement"), ("eval_kl", "kl"), ("eval_cka_final", "cka.final"),
-                ("eval_cka_on_map", "cka.mean_on_map"), ("eval_attention_kl", "attention.kl"),
-                # a --cross-tokenizer run's (kind "cross_tokenizer", stages.train.evaluation.span_eval)
-                ("eval_span_top1", "span_top1"), ("eval_span_top1_floor", "span_top1_floor"),
-                ("eval_span_cosine", "span_cosine_mean"),
-                ("eval_span_cka", "span_cka_mean"), ("eval_aligned_share", "aligned_share"))
-
-
-# The report's words for each column: (short header, what it measures, higher is better). Raw keys stay in
-# results.csv and --metric; the page shows these, with an arrow for the better direction.
-METRIC_WORDS: dict[str, tuple[str, str, bool]] = {
+# The report's words for each column: (short header, what it measures, higher is better, key in an evaluation
+# record: "cka.final" reads eval["cka"]["final"]; "" for a loss term). Raw keys stay in results.csv and --metric;
+# the page shows these, with an arrow for the better direction.
+METRIC_WORDS: dict[str, tuple[str, str, bool, str]] = {
     "eval_spearman": ("Spearman", "Spearman correlation of the pairwise sentence similarities, student vs teacher",
-                      True),
-    "eval_cosine": ("cosine", "cosine of the mean-pooled final states, student vs teacher", True),
-    "eval_perplexity": ("perplexity", "perplexity of the student on the cached tokens", False),
-    "eval_top1": ("top-1 agreement", "share of tokens where the student's top prediction is the teacher's", True),
+                      True, "spearman"),
+    "eval_cosine": ("cosine", "cosine of the mean-pooled final states, student vs teacher", True, "cosine"),
+    "eval_perplexity": ("perplexity", "perplexity of the student on the cached tokens", False, "perplexity"),
+    "eval_top1": ("top-1 agreement", "share of tokens where the student's top prediction is the teacher's", True,
+                  "top1_agreement"),
     "eval_kl": ("KL(teacher‖student)", "KL divergence from the teacher's to the student's prediction, per token",
-                False),
-    "eval_cka_final": ("CKA, final layers", "linear CKA of the student's and the teacher's final layers", True),
-    "eval_cka_on_map": ("CKA on the map", "mean linear CKA over the layer map's student/teacher pairs", True),
+                False, "kl"),
+    "eval_cka_final": ("CKA, final layers", "linear CKA of the student's and the teacher's final layers", True,
+                       "cka.final"),
+    "eval_cka_on_map": ("CKA on the map", "mean linear CKA over the layer map's student/teacher pairs", True,
+                        "cka.mean_on_map"),
     "eval_attention_kl": ("attention KL", "attention KL(teacher‖student) per query row, mean over the run's block "
-                          "pairs (from maps or from queries and keys)", False),
+                          "pairs (from maps or from queries and keys)", False, "attention.kl"),
+    # a --cross-tokenizer run's (kind "cross_tokenizer", stages.train.evaluation.span_eval)
     "eval_span_top1": ("span top-1", "share of aligned spans where the teacher's and the student's top "
-                       "predictions name the same next text (students with their own tokenizer)", True),
+                       "predictions name the same next text (students with their own tokenizer)", True, "span_top1"),
     "eval_span_top1_floor": ("span top-1 floor", "what always predicting the teacher's most frequent next text "
-                             "scores on the same spans: span top-1 means something only above it", True),
+                             "scores on the same spans: span top-1 means something only above it", True,
+                             "span_top1_floor"),
     "eval_span_cosine": ("span cosine", "cosine of span-pooled hidden states through the run's projectors, mean "
-                         "over the layer pairs", True),
+                         "over the layer pairs", True, "span_cosine_mean"),
     "eval_span_cka": ("span CKA", "linear CKA of span-pooled hidden states, mean over the layer pairs (the run's "
-                      "map, or the uniform one)", True),
+                      "map, or the uniform one)", True, "span_cka_mean"),
     "eval_aligned_share": ("aligned share", "share of teacher tokens aligned one to one with a student token",
-                           True),
-    "loss": ("total loss", "the weighted sum of the loss terms", False),
-    "ce": ("CE", "cross-entropy on the next token", False),
-    "kl": ("KL", "distillation KL on the logits", False),
-    "topk_kl": ("top-k KL", "distillation KL on the teacher's top-k logits", False),
-    "sampled_kl": ("sampled KL", "distillation KL estimated from sampled ids", False),
-    "hidden": ("hidden", "hidden-state loss, summed over layer pairs", False),
-    "attention": ("attention", "attention KL, summed over layer pairs", False),
+                           True, "aligned_share"),
+    "loss": ("total loss", "the weighted sum of the loss terms", False, ""),
+    "ce": ("CE", "cross-entropy on the next token", False, ""),
+    "kl": ("KL", "distillation KL on the logits", False, ""),
+    "topk_kl": ("top-k KL", "distillation KL on the teacher's top-k logits", False, ""),
+    "sampled_kl": ("sampled KL", "distillation KL estimated from sampled ids", False, ""),
+    "hidden": ("hidden", "hidden-state loss, summed over layer pairs", False, ""),
+    "attention": ("attention", "attention KL, summed over layer pairs", False, ""),
 }
+# (column, key in an evaluation record), in table order
+EVAL_COLUMNS = tuple((column, words[3]) for column, words in METRIC_WORDS.items() if words[3])
 
 
 def metric_header(column: str) -> str:
     """A table header or axis label: ``eval_spearman`` -> ``Spearman ↑``; other columns unchanged."""
     if column not in METRIC_WORDS:
         return column
-    short, _, higher = METRIC_WORDS[column]
+    short, _, higher, _ = METRIC_WORDS[column]
     return f"{short} {'↑' if higher else '↓'}"
 
 
 def higher_is_better(column: str) -> bool:
     """Whether a larger value of a metric or loss column is better (losses, perplexity and KL: no)."""
-    return METRIC_WORDS.get(column.split("/")[0], ("", "", False))[2]
+    return METRIC_WORDS.get(column.split("/")[0], ("", "", False, ""))[2]
 
 
 def metric_legend(columns: list[str]) -> str:

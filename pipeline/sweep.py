@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from kdcache.pipeline.children import child_env
-from kdcache.pipeline.config import ConfigError, build, flags
+from kdcache.pipeline.config import ConfigError, build, flags, option_names
 from kdcache.pipeline.report import collect_rows, write_tables
 from kdcache.stages.common.option_groups import flatten, leaves
-from kdcache.stages.common.stream_options import ALIASES, flag_name
+from kdcache.stages.common.stream_options import flag_name
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.evaluation.eval_records import find_eval, remove_evals
 from kdcache.storage import read_json_object
@@ -92,8 +92,7 @@ def parse_grid(items: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     Returns:
         (grid, problems): every malformed item, unknown or reserved key and repeated key is a problem.
     """
-    fields = {f.name for _, _, f in leaves(TrainOptions)}
-    fields |= {alias for alias, (option, _) in ALIASES.items() if option in fields}  # decoder_layer_map=...
+    fields = option_names(TrainOptions)  # with the aliases: decoder_layer_map=...
     grid: dict[str, list[str]] = {}
     problems: list[str] = []
     for item in items:

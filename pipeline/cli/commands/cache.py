@@ -7,8 +7,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from kdcache import stages, storage
-from kdcache.pipeline.cache_info import describe
 from kdcache.pipeline.cli.commands import Subcommands
+from kdcache.pipeline.report import describe
 from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from typing import Any
 from kdcache import stages
 from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.pipeline.cli.commands.train import format_summary as format_train
-from kdcache.pipeline.config import SECTIONS, ConfigError, build, flat_values, load_yaml
+from kdcache.pipeline.config import SECTION_CLASSES, SECTIONS, ConfigError, build, flat_values, load_yaml
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.generation.options import GenerateOptions
 from kdcache.stages.train.core.options import TrainOptions
@@ -35,10 +35,6 @@ def register(subparsers: Subcommands) -> None:
     parser.set_defaults(func=run)
 
 
-# The sections of stage one, one of which a pipeline file holds: the user's text, or the teacher's own responses.
-STAGE_ONE = {"precompute": PrecomputeOptions, "generate": GenerateOptions}
-
-
 def load_pipeline(path: str) -> tuple[PrecomputeOptions | GenerateOptions, TrainOptions]:
     """Both stages' options from one file (stage one from its ``precompute:`` or ``generate:`` section), with every
     problem of both sections in one ConfigError."""
@@ -49,7 +45,7 @@ def load_pipeline(path: str) -> tuple[PrecomputeOptions | GenerateOptions, Train
                            f"other); its top-level keys {', '.join(map(str, data))} suit `kdcache precompute "
                            f"--config` or `kdcache train --config`, which read a flat file"])
     problems = [f"unknown section {key!r}; expected {', '.join(SECTIONS)}" for key in data if key not in SECTIONS]
-    given = [name for name in STAGE_ONE if name in data]
+    given = [name for name in ("precompute", "generate") if name in data]  # the text, or the teacher's
     if len(given) > 1:
         problems.append("sections 'precompute' and 'generate' are both given; keep one: stage one caches either "
                         "the data's text or the teacher's own responses")
@@ -63,8 +59,8 @@ def load_pipeline(path: str) -> tuple[PrecomputeOptions | GenerateOptions, Train
             section = {}
         sections[name] = section
     built: dict[str, Any] = {}
-    train_values = {"cache": flat_values(STAGE_ONE[first], sections[first]).get("out"), **sections["train"]}
-    for name, cls, values in ((first, STAGE_ONE[first], sections[first]), ("train", TrainOptions, train_values)):
+    train_values = {"cache": flat_values(SECTION_CLASSES[first], sections[first]).get("out"), **sections["train"]}
+    for name, cls, values in ((first, SECTION_CLASSES[first], sections[first]), ("train", TrainOptions, train_values)):
         try:
             built[name] = build(cls, values, where=f"{name}.")
         except ConfigError as exc:

@@ -176,7 +176,7 @@ def test_kdcache_eval_scores_the_run_and_its_baseline_by_spans(setup: dict[str, 
 
 
 def test_the_run_report_shows_the_span_columns(setup: dict[str, Path]) -> None:
-    from kdcache.pipeline.report_html import fmt
+    from kdcache.pipeline.report import fmt
     from kdcache.stages.train.evaluation.eval_records import read_evals
 
     run = setup["root"] / "gold"
