@@ -19,7 +19,6 @@ from kdcache.stages.targets.logits.base import (
     LogitKind,
     LogitKindError,
     LogitSettings,
-    TeacherHead,
     from_targets,
     get,
     kinds,
@@ -43,5 +42,5 @@ from kdcache.stages.targets.logits.flags import LogitFlags, LogitLossFlags  # no
 from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs  # noqa: E402
 
 __all__ = ["KlSetup", "LogitFlags", "LogitKind", "LogitKindError", "LogitLossFlags", "LogitSettings",
-           "TOPK_VARIANTS", "TeacherHead", "as_logprobs", "from_targets", "get", "kinds", "names", "of", "parse",
+           "TOPK_VARIANTS", "as_logprobs", "from_targets", "get", "kinds", "names", "of", "parse",
            "register", "usage", "uses_head"]

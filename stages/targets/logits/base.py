@@ -38,6 +38,7 @@ from kdcache.storage import (
 if TYPE_CHECKING:
     import torch
 
+    from kdcache.stages.targets.logits.teacher_head import TeacherHead
     from kdcache.stages.targets.logits.vocab import ChunkTerm, HeadLogits
 
 TORCH_HALF = "_torch"  # a mode's torch half is the module of its kind's name plus this, beside it
@@ -71,16 +72,6 @@ class LossSettings(Protocol):
     def topk_kl(self) -> str: ...
     @property
     def temperature(self) -> float | None: ...
-
-
-class TeacherHead(Protocol):
-    """The teacher's LM head of a ``head`` cache (``stages.targets.logits.teacher_head.TeacherHead``):
-    ``[N, d] -> [N, V]``."""
-
-    @property
-    def layer(self) -> int: ...
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

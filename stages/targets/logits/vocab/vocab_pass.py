@@ -21,9 +21,10 @@ On CUDA with triton, a pass whose terms all have a ``ChunkTerm.feed`` takes the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -31,6 +32,8 @@ from torch.utils.checkpoint import checkpoint
 from kdcache.stages.targets.logits.vocab import fused_vocab, kernel_guard, loss_rows
 from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits, HeadRows
 from kdcache.stages.targets.logits.vocab.kernel_feeds import KernelFeed
+
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,17 @@ def _scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
 def term_value(logits: torch.Tensor | HeadLogits, term: ChunkTerm) -> torch.Tensor:
     """One term on its own: its value with its graph (0 tied to the graph when it counts nothing)."""
     return vocab_pass(logits, [term], [1.0])[0]
+
+
+def as_loss(term: Callable[Concatenate[torch.Tensor | HeadLogits, P], ChunkTerm],
+            ) -> Callable[Concatenate[torch.Tensor | HeadLogits, P], torch.Tensor]:
+    """The scalar loss of a term builder whose first argument is the student's logits ``[B, L, V]`` (or the
+    ``HeadLogits`` behind them): ``term_value`` of its term. A loss is defined once, as its ``*_term``."""
+
+    @functools.wraps(term)
+    def loss(logits: torch.Tensor | HeadLogits, /, *args: P.args, **kwargs: P.kwargs) -> torch.Tensor:
+        return term_value(logits, term(logits, *args, **kwargs))
+    return loss
 
 
 def _combined(terms: Sequence[ChunkTerm], scales: torch.Tensor,
