@@ -98,7 +98,8 @@ sys.path.insert(0, {root!r})
 from transformers import LlamaConfig, LlamaForCausalLM
 from kdcache.stages.targets.attention.qk_attention import QKRecorder, ScoreRule
 from kdcache.stages.train.losses import attention_kl, causal_ce
-from kdcache.stages.targets.attention.qk_loss import ScoreSide, blocked_attention_kl
+from kdcache.stages.targets.attention.qk_attention import Captured
+from kdcache.stages.targets.attention.qk_loss import blocked_attention_kl
 def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 torch.manual_seed(0)
@@ -112,7 +113,7 @@ mask = torch.ones_like(ids)
 rec = QKRecorder(teacher, (2,), True)
 with torch.no_grad(), rec.forward():
     teacher(input_ids=ids, use_cache=False)
-t_side = ScoreSide(rec.captured[2].q, rec.captured[2].k, rec.captured[2].rule)
+t_side = Captured(rec.captured[2].q, rec.captured[2].k, rec.captured[2].rule)
 if path == "maps":  # the batch as the maps path streams it: [B, H, L, L] fp32 on the device
     from kdcache.stages.targets.attention.qk_attention import allowed_keys, block_log_probs
     t_maps = block_log_probs(t_side.q, t_side.k, t_side.rule, allowed_keys(mask, slice(0, L), t_side.rule)).exp()
@@ -124,7 +125,7 @@ def step():
         with s_rec.forward():
             out = student(input_ids=ids, use_cache=False)
         c = s_rec.captured[2]
-        loss = causal_ce(out.logits, ids, mask) + blocked_attention_kl(ScoreSide(c.q, c.k, c.rule), t_side, mask)
+        loss = causal_ce(out.logits, ids, mask) + blocked_attention_kl(Captured(c.q, c.k, c.rule), t_side, mask)
     elif path == "maps":
         out = student(input_ids=ids, use_cache=False, output_attentions=True)
         loss = causal_ce(out.logits, ids, mask) + attention_kl(out.attentions[1], t_maps, mask)
