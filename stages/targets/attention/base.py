@@ -14,7 +14,7 @@ Nothing here imports torch, so that the option classes and ``kdcache inspect`` d
 
 from __future__ import annotations
 
-from collections.abc import Collection, KeysView, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -161,14 +161,9 @@ def register(cls: S) -> S:
     return cls
 
 
-def names() -> list[str]:
-    """Every registered source, in registration order."""
-    return _SOURCES.names()
-
-
-def choices() -> KeysView[str]:
-    """The registered names as a live view: the flag's choices, which follow a source registered later (a test's)."""
-    return _SOURCES.keys()
+names = _SOURCES.names  # every registered source, in registration order
+# The registered names as a live view: the flag's choices, which follow a source registered later (a test's).
+choices = _SOURCES.keys
 
 
 def get(name: str | None) -> AttentionSource:

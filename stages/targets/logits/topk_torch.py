@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup
+from kdcache.stages.targets.logits.base import TOPK_VARIANTS, CaptureSettings, KlSetup
 from kdcache.stages.targets.logits.teacher_head import TeacherHead
-from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs
+from kdcache.stages.targets.logits.topk import as_logprobs
 from kdcache.stages.targets.logits.vocab import (
     ChunkTerm,
     HeadLogits,
@@ -111,9 +111,11 @@ def topk_renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: tor
         return _renorm_rows(z.gather(1, ids.long()), values, temperature)
 
     def alone() -> torch.Tensor:
-        # [N_v, V] logits, or for HeadLogits the HeadRows [N_v, d] behind them (never [N_v, V])
-        rows = student_logits.select(m) if isinstance(student_logits, HeadLogits) else student_logits[m]
-        on_ids = loss_rows.rows_on_ids(rows, loss_rows.valid_rows(topk_ids, m).long())
+        ids = loss_rows.valid_rows(topk_ids, m).long()
+        if isinstance(student_logits, HeadLogits):  # the HeadRows [N_v, d] behind them: never [N_v, V]
+            on_ids = student_logits.select(m).on_ids(ids)
+        else:
+            on_ids = student_logits[m].gather(1, ids).float()
         return _renorm_rows(on_ids, loss_rows.valid_rows(topk_values, m), temperature).sum() * scale
     return vocab_pass.ChunkTerm(row_kl, m, (topk_values, topk_ids), scale, alone, kernel_feeds.renorm_feed(temperature))
 

@@ -117,9 +117,6 @@ class HeadLogits:
         return HeadRows(self.hidden[mask], self.weight, self.bias)
 
 
-Rows = torch.Tensor | HeadRows  # [N, V] logits, or what builds them
-
-
 def fused_ce_available(device: torch.device) -> bool:
     """Whether cross-entropy runs in liger-kernel's fused linear cross-entropy here (CUDA + liger-kernel)."""
     return device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None
