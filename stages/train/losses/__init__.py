@@ -24,7 +24,7 @@ from collections.abc import Callable
 from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets.attention.maps_loss import attention_kl, group_teacher_heads
 from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
-from kdcache.stages.targets.hidden import hidden_loss
+from kdcache.stages.targets.hidden.hidden_losses import hidden_loss
 from kdcache.stages.targets.hidden.loss_terms import cka_loss, cka_sqrt_loss, cosine_loss, linear_cka, masked_mse
 from kdcache.stages.targets.hidden.wgan import Critic, CriticTrainer, critic_loss, gradient_penalty, wgan_student_loss
 from kdcache.stages.targets.logits import TOPK_VARIANTS

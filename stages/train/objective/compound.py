@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kdcache.stages.targets import logits as logit_kinds
-from kdcache.stages.targets.hidden import HIDDEN_LOSSES, HiddenLoss, unknown_hidden_loss
+from kdcache.stages.targets.hidden.hidden_losses import HIDDEN_LOSSES, HiddenLoss, unknown_hidden_loss
 from kdcache.stages.targets.logits import KlSetup, LogitKind
 from kdcache.stages.targets.logits.vocab import ChunkTerm, tied_zero, vocab_pass
 from kdcache.stages.train.core.layer_maps import Pair, pair_key

@@ -15,8 +15,13 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
-from kdcache.stages.targets.hidden import HIDDEN_LOSSES, HiddenLoss, hidden_loss, register_hidden_loss
-from kdcache.stages.targets.hidden.flags import HiddenLossFlags
+from kdcache.stages.targets.hidden.hidden_losses import (
+    HIDDEN_LOSSES,
+    HiddenLoss,
+    HiddenLossFlags,
+    hidden_loss,
+    register_hidden_loss,
+)
 from kdcache.stages.train.logging import read_jsonl
 from kdcache.stages.train.losses import LossError, get_loss
 from tests.stages.train._train_support import make_student_config, precompute_cache
