@@ -268,9 +268,7 @@ def register(cls: K) -> K:
 names = _KINDS.names  # every registered mode, in registration order
 
 
-def kinds() -> list[LogitKind]:
-    """Every registered kind, in registration order (live: a kind registered later counts too)."""
-    return list(_KINDS.values())
+kinds = _KINDS.values  # every registered kind, in registration order (a live view: a kind registered later too)
 
 
 get = _KINDS.lookup  # the kind registered as a name; a LogitKindError naming it and the registered modes otherwise

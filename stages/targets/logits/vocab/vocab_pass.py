@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Concatenate, ParamSpec
 
 import torch
@@ -203,7 +203,7 @@ def _run(fn: Callable[..., torch.Tensor], rows: torch.Tensor | HeadRows, flat: S
         wants = torch.is_grad_enabled() and (rows.hidden.requires_grad or rows.weight.requires_grad)
         if not wants:
             with torch.no_grad():
-                values = _sum_chunks(lambda h, *o: fn(rows.with_hidden(h).logits(), *o), rows.hidden, flat, index,
+                values = _sum_chunks(lambda h, *o: fn(replace(rows, hidden=h).logits(), *o), rows.hidden, flat, index,
                                      chunk, len(weights))
             return (weights * values).sum(), values
         if not any(r.requires_grad for r in flat):
@@ -212,7 +212,7 @@ def _run(fn: Callable[..., torch.Tensor], rows: torch.Tensor | HeadRows, flat: S
             return total, values
 
     def build(first: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
-        z = rows.with_hidden(first).logits() if isinstance(rows, HeadRows) else first
+        z = replace(rows, hidden=first).logits() if isinstance(rows, HeadRows) else first
         return fn(z, *others)
 
     def run(first: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
