@@ -15,7 +15,7 @@ Nothing here imports torch, so that the option classes and ``kdcache inspect`` d
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kdcache.storage import DEFAULT_ATTENTION_SOURCE, AttentionLayout, KdcacheError, Registry, register_attention_layout
@@ -120,7 +120,7 @@ class AttentionSettings:
     Attributes:
         source: the ``--attention-source`` value as its object.
         scores: how a source of token rows forms scores (head counts, causality, each block's rule), learnt from
-            the loaded teacher (``with_scores``); None before, and for maps.
+            the loaded teacher (stage one's ``qk_capture`` replaces them); None before, and for maps.
         name: the source's name.
     """
 
@@ -130,10 +130,6 @@ class AttentionSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", self.source.name)
-
-    def with_scores(self, scores: dict[str, Any]) -> AttentionSettings:
-        """These settings with the score rules learnt from the loaded teacher."""
-        return replace(self, scores=scores)
 
     def spec_fields(self) -> dict[str, Any]:
         """The ``CacheSpec`` keyword arguments of the source: token rows without score rules (no block kept) store
