@@ -63,10 +63,6 @@ class HiddenLoss:
             object.__setattr__(self, "function", pkgutil.resolve_name(self.function))
         return cast("Callable[..., torch.Tensor]", self.function)
 
-    def compute(self, *args: object) -> torch.Tensor:
-        """The loss's value on ``args`` (see ``function``)."""
-        return self.resolved()(*args)
-
 
 HIDDEN_LOSSES: Registry[HiddenLoss] = Registry("hidden loss", LossError)
 

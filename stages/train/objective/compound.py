@@ -274,13 +274,13 @@ class CompoundLoss(nn.Module):
         self, pair: Pair, h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor, logs: dict
     ) -> torch.Tensor:
         if not self.hidden_loss.adversarial:
-            return self.hidden_loss.compute(h_s, h_t, mask)
+            return self.hidden_loss.resolved()(h_s, h_t, mask)
         key = pair_key(pair)
         assert self.critics is not None
         self.critics.to(h_s.device)
         if self.critic_in_forward and self.training and torch.is_grad_enabled():
             logs[f"critic/{key}"] = torch.tensor(self.critics.step(key, h_s, h_t, mask))
-        return self.hidden_loss.compute(self.critics[key], h_s, mask)  # the student's side against its critic
+        return self.hidden_loss.resolved()(self.critics[key], h_s, mask)  # the student's side against its critic
 
     def _attention_term(
         self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, logs: dict, any_trained: bool
