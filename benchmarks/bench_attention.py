@@ -47,17 +47,28 @@ LENGTHS = (512, 2048, 4096)
 
 def arithmetic(length: int) -> dict[str, float]:
     """fp16 bytes per token per layer before compression."""
-    return {"maps_full": HEADS * length * 2, "maps_triangle": HEADS * (length + 1) / 2 * 2,
-            "qk": (HEADS + KV_HEADS) * HEAD_DIM * 2, "qkv": (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2}
+    return {
+        "maps_full": HEADS * length * 2,
+        "maps_triangle": HEADS * (length + 1) / 2 * 2,
+        "qk": (HEADS + KV_HEADS) * HEAD_DIM * 2,
+        "qkv": (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2,
+    }
 
 
 def _block() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=HEADS * HEAD_DIM, num_hidden_layers=1,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, intermediate_size=256,
-                         max_position_embeddings=4096, attn_implementation="eager")
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=HEADS * HEAD_DIM,
+        num_hidden_layers=1,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=256,
+        max_position_embeddings=4096,
+        attn_implementation="eager",
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -84,11 +95,18 @@ def written(length: int = 512) -> dict[str, float]:
     q, k = (x[0].transpose(0, 1).reshape(length, -1).numpy() for x in (recorder.captured[1].q, recorder.captured[1].k))
     base = {"input_ids": ids[0].numpy()}
     spec_maps = CacheSpec(num_sequences=1, attention_layers=(1,), attention_triangle=True)
-    scores = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "causal": True,
-              "blocks": {"1": {"scaling": HEAD_DIM ** -0.5, "sliding_window": None, "softcap": None}}}
+    scores = {
+        "num_heads": HEADS,
+        "num_kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "causal": True,
+        "blocks": {"1": {"scaling": HEAD_DIM**-0.5, "sliding_window": None, "softcap": None}},
+    }
     spec_qk = CacheSpec(num_sequences=1, attention_layers=(1,), attention_source="qk", attention_scores=scores)
-    return {"maps_triangle": _stored(spec_maps, {**base, "attention/1": maps.numpy()}, length),
-            "qk": _stored(spec_qk, {**base, "attention_q/1": q, "attention_k/1": k}, length)}
+    return {
+        "maps_triangle": _stored(spec_maps, {**base, "attention/1": maps.numpy()}, length),
+        "qk": _stored(spec_qk, {**base, "attention_q/1": q, "attention_k/1": k}, length),
+    }
 
 
 STEP = """
@@ -99,7 +117,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kdcache.stages.targets.attention.qk_attention import QKRecorder, ScoreRule
 from kdcache.stages.targets.attention.maps_loss import attention_kl
 from kdcache.stages.train.losses.logits import causal_ce
-from kdcache.stages.targets.attention.qk_loss import ScoreSide, blocked_attention_kl
+from kdcache.stages.targets.attention.qk_attention import Captured
+from kdcache.stages.targets.attention.qk_loss import blocked_attention_kl
 def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 torch.manual_seed(0)
@@ -113,7 +132,7 @@ mask = torch.ones_like(ids)
 rec = QKRecorder(teacher, (2,), True)
 with torch.no_grad(), rec.forward():
     teacher(input_ids=ids, use_cache=False)
-t_side = ScoreSide(rec.captured[2].q, rec.captured[2].k, rec.captured[2].rule)
+t_side = Captured(rec.captured[2].q, rec.captured[2].k, rec.captured[2].rule)
 if path == "maps":  # the batch as the maps path streams it: [B, H, L, L] fp32 on the device
     from kdcache.stages.targets.attention.qk_attention import allowed_keys, block_log_probs
     t_maps = block_log_probs(t_side.q, t_side.k, t_side.rule, allowed_keys(mask, slice(0, L), t_side.rule)).exp()
@@ -125,7 +144,7 @@ def step():
         with s_rec.forward():
             out = student(input_ids=ids, use_cache=False)
         c = s_rec.captured[2]
-        loss = causal_ce(out.logits, ids, mask) + blocked_attention_kl(ScoreSide(c.q, c.k, c.rule), t_side, mask)
+        loss = causal_ce(out.logits, ids, mask) + blocked_attention_kl(Captured(c.q, c.k, c.rule), t_side, mask)
     elif path == "maps":
         out = student(input_ids=ids, use_cache=False, output_attentions=True)
         loss = causal_ce(out.logits, ids, mask) + attention_kl(out.attentions[1], t_maps, mask)
@@ -154,8 +173,11 @@ def train_step(path: str, length: int) -> tuple[float, float]:
 
 def stage_two(repeats: int) -> list[dict[str, Any]]:
     """Best time and least peak per (path, L), paths alternating within each repeat."""
-    runs = [("none", n) for n in (1024, 2048, 4096)] + [("maps", 1024), ("maps", 2048)] + \
-        [("qk", n) for n in (1024, 2048, 4096)]
+    runs = (
+        [("none", n) for n in (1024, 2048, 4096)]
+        + [("maps", 1024), ("maps", 2048)]
+        + [("qk", n) for n in (1024, 2048, 4096)]
+    )
     best: dict[tuple[str, int], tuple[float, float]] = {}
     for _ in range(repeats):
         for key in runs:
@@ -174,7 +196,9 @@ def main() -> None:
     result: dict[str, Any] = {"arithmetic": {n: arithmetic(n) for n in LENGTHS}, "written_512": written()}
     print("bytes/token/layer (fp16, before compression): L, maps full, maps triangle, q/k, q/k/v")
     for n, row in result["arithmetic"].items():
-        print(f"  {n:5d} {row['maps_full']:>10,.0f} {row['maps_triangle']:>10,.0f} {row['qk']:>7,.0f} {row['qkv']:>7,.0f}")
+        print(
+            f"  {n:5d} {row['maps_full']:>10,.0f} {row['maps_triangle']:>10,.0f} {row['qk']:>7,.0f} {row['qkv']:>7,.0f}"
+        )
     print(f"stored at L=512 (real write): {result['written_512']}")
     result["stage_two"] = stage_two(args.repeats)
     for row in result["stage_two"]:

@@ -118,4 +118,4 @@ def with_score_rules(targets: Targets, model: PreTrainedModel, data: TokenStream
     # a copy, as the row is a read-only memory map
     ids = torch.from_numpy(np.array(data.ids[""][0][:PROBE_TOKENS], dtype=np.int64)).to(device)[None]
     record = QKCapture(model, targets).score_record(ids)
-    return replace(targets, attention=targets.attention.with_scores(record))
+    return replace(targets, attention=replace(targets.attention, scores=record))

@@ -27,7 +27,7 @@ from kdcache.stages.common.option_groups import assemble, option as _opt, option
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.targets.attention.flags import AttentionFlags
 from kdcache.stages.targets.draft.draft_layers import draft_layers, is_draft_preset
-from kdcache.stages.targets.logits.flags import LogitFlags
+from kdcache.stages.targets.logits.base import LogitFlags
 from kdcache.storage import (
     DEFAULT_BACKEND,
     HiddenCodec,

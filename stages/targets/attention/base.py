@@ -14,8 +14,8 @@ Nothing here imports torch, so that the option classes and ``kdcache inspect`` d
 
 from __future__ import annotations
 
-from collections.abc import Collection, KeysView, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kdcache.storage import DEFAULT_ATTENTION_SOURCE, AttentionLayout, KdcacheError, Registry, register_attention_layout
@@ -78,10 +78,8 @@ class AttentionSource:
         return int(sum_sq * heads * item / (2 if spec.attention_triangle else 1))
 
     # ---- stage two -------------------------------------------------------------------------------------------
-    @property
-    def student_maps(self) -> bool:
-        """Stage two reads the student's attention maps (eager attention); else it records its queries and keys."""
-        return not self.layout.token_rows
+    # Stage two reads the student's attention maps (eager attention); else it records its queries and keys.
+    student_maps = teacher_maps
 
     def stream_kinds(self, attention_loss: str) -> tuple[str, ...]:
         """The arrays stage two streams per cached block for ``--attention-loss`` (``kl`` or ``relation``)."""
@@ -122,7 +120,7 @@ class AttentionSettings:
     Attributes:
         source: the ``--attention-source`` value as its object.
         scores: how a source of token rows forms scores (head counts, causality, each block's rule), learnt from
-            the loaded teacher (``with_scores``); None before, and for maps.
+            the loaded teacher (stage one's ``qk_capture`` replaces them); None before, and for maps.
         name: the source's name.
     """
 
@@ -132,10 +130,6 @@ class AttentionSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", self.source.name)
-
-    def with_scores(self, scores: dict[str, Any]) -> AttentionSettings:
-        """These settings with the score rules learnt from the loaded teacher."""
-        return replace(self, scores=scores)
 
     def spec_fields(self) -> dict[str, Any]:
         """The ``CacheSpec`` keyword arguments of the source: token rows without score rules (no block kept) store
@@ -161,14 +155,9 @@ def register(cls: S) -> S:
     return cls
 
 
-def names() -> list[str]:
-    """Every registered source, in registration order."""
-    return _SOURCES.names()
-
-
-def choices() -> KeysView[str]:
-    """The registered names as a live view: the flag's choices, which follow a source registered later (a test's)."""
-    return _SOURCES.keys()
+names = _SOURCES.names  # every registered source, in registration order
+# The registered names as a live view: the flag's choices, which follow a source registered later (a test's).
+choices = _SOURCES.keys
 
 
 def get(name: str | None) -> AttentionSource:

@@ -61,13 +61,14 @@ class ScoreRule:
 
 @dataclass
 class Captured:
-    """One block's attention inputs: ``q [B, H, L, d]``, ``k`` and ``v [B, H_kv, L, d]``, its rule, and the
-    delegate's output ``[B, L, H, d]`` (kept only while a recorder checks the rule)."""
+    """One block's attention inputs: ``q [B, H, L, d]``, ``k`` and ``v [B, H_kv, L, d]`` (H a multiple of H_kv), its
+    rule, and the delegate's output ``[B, L, H, d]`` (kept only while a recorder checks the rule). A side of the
+    losses of ``qk_loss`` reads ``q``, ``k`` and ``rule`` alone (no ``v``: a teacher's from the cache)."""
 
     q: torch.Tensor
     k: torch.Tensor
-    v: torch.Tensor
     rule: ScoreRule
+    v: torch.Tensor | None = None
     output: torch.Tensor | None = None
 
 
@@ -151,7 +152,7 @@ class QKRecorder:
         rule = ScoreRule(float(q.shape[-1] ** -0.5 if scaling is None else scaling),
                          bool(getattr(module, "is_causal", self.causal)), kwargs.get("sliding_window"),
                          kwargs.get("softcap"))
-        self.captured[self._calls] = Captured(q, k, v, rule, output if self.keep_output else None)
+        self.captured[self._calls] = Captured(q, k, rule, v, output if self.keep_output else None)
 
 
 def allowed_keys(mask: torch.Tensor, rows: slice, rule: ScoreRule,
@@ -213,7 +214,7 @@ def check_rule(captured: Captured, mask: torch.Tensor, documents: torch.Tensor |
         what: names the model and block in the message.
         block: query rows rebuilt at a time.
     """
-    assert captured.output is not None
+    assert captured.output is not None and captured.v is not None
     q, k, v, rule = captured.q[:1], captured.k[:1], captured.v[:1].float(), captured.rule
     mask, documents = mask[:1], None if documents is None else documents[:1]
     output, real = captured.output[0].float(), mask[0].bool()  # [L, H, d] like the delegate's output

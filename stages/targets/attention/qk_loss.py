@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,15 +32,6 @@ QUERY_BLOCK = 128  # query rows per block: a [B, H, 128, L] fp32 block at a time
 LOG_FLOOR = math.log(STUDENT_PROB_FLOOR)  # log(max(p, floor)) == max(log p, log floor): the maps path's floor
 
 
-@dataclass(frozen=True)
-class ScoreSide:
-    """One side's attention inputs: ``q [B, H, L, d]``, ``k [B, H_kv, L, d]`` (H a multiple of H_kv), its rule."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    rule: ScoreRule
-
-
 def heads_from_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     """Cached token rows ``[B, L, heads * d]`` (head-major) -> ``[B, heads, L, d]``."""
     b, length, width = rows.shape
@@ -50,7 +40,7 @@ def heads_from_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(b, length, heads, width // heads).transpose(1, 2)
 
 
-def blocked_attention_kl(student: ScoreSide, teacher: ScoreSide, mask: torch.Tensor,
+def blocked_attention_kl(student: Captured, teacher: Captured, mask: torch.Tensor,
                          queries: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                          block: int = QUERY_BLOCK) -> torch.Tensor:
     """Mean over student heads and counted query rows of KL(A_t row ‖ A_s row), A rebuilt from q and k.
@@ -103,7 +93,7 @@ def _block_kl(s_q: torch.Tensor, s_k: torch.Tensor, t_q: torch.Tensor, t_k: torc
     return torch.where(counted, per_row, torch.zeros_like(per_row)).sum()
 
 
-def relation_side(vectors: torch.Tensor, relation_heads: int, causal: bool) -> ScoreSide:
+def relation_side(vectors: torch.Tensor, relation_heads: int, causal: bool) -> Captured:
     """``[B, L, W]`` vectors as a side whose "attention" is their relation: R heads of width W / R, scaled by
     ``(W / R) ** -0.5``, each token relating to the keys it attends (causal for causal models)."""
     b, length, width = vectors.shape
@@ -111,7 +101,7 @@ def relation_side(vectors: torch.Tensor, relation_heads: int, causal: bool) -> S
         raise LossError(f"the relation loss splits vectors of width {width} into {relation_heads} relation heads; "
                         f"choose --relation-heads dividing both sides' widths")
     x = heads_from_rows(vectors, relation_heads)
-    return ScoreSide(x, x, ScoreRule((width // relation_heads) ** -0.5, causal))
+    return Captured(x, x, ScoreRule((width // relation_heads) ** -0.5, causal))
 
 
 def relation_kl(x_s: torch.Tensor, x_t: torch.Tensor, mask: torch.Tensor, relation_heads: int, *, causal: bool,
@@ -144,9 +134,9 @@ def cached_qk_loss(loss: str, student: Captured, targets: Mapping[str, torch.Ten
     rule = ScoreRule.from_json(scores["blocks"][str(block)], scores["causal"])
     positions = targets.get("position_ids")
     if loss == "kl":
-        teacher = ScoreSide(heads_from_rows(targets[f"attention_q/{block}"], int(scores["num_heads"])),
+        teacher = Captured(heads_from_rows(targets[f"attention_q/{block}"], int(scores["num_heads"])),
                             heads_from_rows(targets[f"attention_k/{block}"], int(scores["num_kv_heads"])), rule)
-        return blocked_attention_kl(ScoreSide(student.q, student.k, student.rule), teacher, mask, queries, positions)
+        return blocked_attention_kl(student, teacher, mask, queries, positions)
     heads = relation_heads or student.q.shape[1]
     total = student.q.new_zeros((), dtype=torch.float32)
     for kind in ("q", "k", "v"):

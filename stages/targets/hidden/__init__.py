@@ -5,25 +5,11 @@ hidden loss is.
   tensors: stage one's ``encode`` before the copy to the host, stage two's ``decode_batch`` after the copy to its
   device. A new codec is a module of ``storage/hidden_codecs/`` (storage must read every cache alone); its torch
   side needs nothing here unless it adds an operation to ``TorchOps``.
-* ``hidden_losses``: the ``--hidden-loss`` registry, one ``HiddenLoss`` object per loss (torch-free, so that the
-  option classes and ``kdcache train --help`` list the losses without torch), re-exported here.
+* ``hidden_losses``: the ``--hidden-loss`` registry, one ``HiddenLoss`` object per loss, and stage two's hidden
+  flags as the family's option groups (``HiddenLossFlags``: ``--hidden-loss``; ``CriticFlags``: wgan's critic),
+  held by ``LossOptions``; torch-free, so that the option classes and ``kdcache train --help`` list the losses
+  without torch.
 * ``loss_terms`` (MSE, cosine, CKA) and ``wgan`` (the critic and its trainer): the losses' torch functions, which
   the registry names as ``"module:function"`` and imports on the first loss. A new loss is a function here and one
   ``register_hidden_loss`` line in ``hidden_losses``.
-* ``flags``: stage two's hidden flags as the family's option groups (``HiddenLossFlags``: ``--hidden-loss``;
-  ``CriticFlags``: wgan's critic), held by ``LossOptions``.
 """
-
-from __future__ import annotations
-
-from kdcache.stages.targets.hidden.flags import CriticFlags, HiddenLossFlags
-from kdcache.stages.targets.hidden.hidden_losses import (
-    HIDDEN_LOSSES,
-    HiddenLoss,
-    hidden_loss,
-    register_hidden_loss,
-    unknown_hidden_loss,
-)
-
-__all__ = ["HIDDEN_LOSSES", "CriticFlags", "HiddenLoss", "HiddenLossFlags", "hidden_loss", "register_hidden_loss",
-           "unknown_hidden_loss"]

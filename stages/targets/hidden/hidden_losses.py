@@ -5,6 +5,12 @@ A loss is registered once, here (or from a test, which deletes its entry again):
 the flag's choices are the registry's live names (``hidden_loss_choices``). Past the edge where the options are read
 (``HiddenLossFlags.loss()``) code holds the object and reads its attributes; it never compares the name.
 
+Stage two's hidden flags are declared here too, held whole by its options (``LossOptions``, through
+``option_group``: flags, YAML keys and ``RUN/options.json`` stay flat). Two groups, because a group's flags are
+listed together and these are not: ``--hidden-loss`` (``HiddenLossFlags``) heads the loss options, and the wgan
+critic's two flags (``CriticFlags``) come after ``--topk-kl`` (``kdcache train --help`` and ``options.json`` keep
+their order).
+
 This module imports no torch, so that the option classes and ``kdcache train --help`` list the losses without it.
 A built-in loss therefore names its function the way an entry point does, ``"module:function"``, and the function
 is imported the first time a loss is computed (the losses run on torch tensors, so torch is loaded by then).
@@ -13,11 +19,12 @@ is imported the first time a loss is computed (the losses run on torch tensors, 
 from __future__ import annotations
 
 import pkgutil
-from collections.abc import Callable, KeysView
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from kdcache.stages.common.loss_errors import LossError
+from kdcache.stages.common.option_groups import option
 from kdcache.storage import Registry
 
 if TYPE_CHECKING:
@@ -56,10 +63,6 @@ class HiddenLoss:
             object.__setattr__(self, "function", pkgutil.resolve_name(self.function))
         return cast("Callable[..., torch.Tensor]", self.function)
 
-    def compute(self, *args: object) -> torch.Tensor:
-        """The loss's value on ``args`` (see ``function``)."""
-        return self.resolved()(*args)
-
 
 HIDDEN_LOSSES: Registry[HiddenLoss] = Registry("hidden loss", LossError)
 
@@ -69,9 +72,8 @@ def register_hidden_loss(loss: HiddenLoss) -> HiddenLoss:
     return HIDDEN_LOSSES.add(loss.name, loss)
 
 
-def hidden_loss_choices() -> KeysView[str]:
-    """The registered names as a live view: the flag's choices, which follow a loss registered later (a test's)."""
-    return HIDDEN_LOSSES.keys()
+# The registered names as a live view: the flag's choices, which follow a loss registered later (a test's).
+hidden_loss_choices = HIDDEN_LOSSES.keys
 
 
 def unknown_hidden_loss(name: object) -> str:
@@ -96,3 +98,27 @@ register_hidden_loss(HiddenLoss("cosine", f"{HIDDEN}:cosine_loss", empty_safe=Tr
 register_hidden_loss(HiddenLoss("cka", f"{HIDDEN}:cka_loss", projector=False))
 register_hidden_loss(HiddenLoss("cka_sqrt", f"{HIDDEN}:cka_sqrt_loss", projector=False))
 register_hidden_loss(HiddenLoss("wgan", "kdcache.stages.targets.hidden.wgan:wgan_student_loss", adversarial=True))
+
+
+@dataclass(frozen=True)
+class HiddenLossFlags:
+    """``--hidden-loss`` as the flag names it; its choices are the registry's live names."""
+
+    hidden_loss: str = option("mse", "hidden-state loss", choices=hidden_loss_choices())
+
+    def loss(self) -> HiddenLoss:
+        """``--hidden-loss`` as its object, looked up here where the options are read (``LossError`` for a name no
+        loss has, which the flag's choices report first)."""
+        return hidden_loss(self.hidden_loss)
+
+
+@dataclass(frozen=True)
+class CriticFlags:
+    """The wgan hidden loss's critic: its updates per student step and its learning rate."""
+
+    critic_steps: int = option(1, "wgan: critic updates per student step")
+    critic_lr: float = option(1e-4, "wgan: critic learning rate")
+
+    def problems(self) -> list[str]:
+        """Every problem of these flags."""
+        return [f"critic_steps must be >= 1, got {self.critic_steps}"] if self.critic_steps < 1 else []

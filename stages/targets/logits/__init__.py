@@ -14,12 +14,14 @@ from __future__ import annotations
 import pkgutil
 
 from kdcache.stages.targets.logits.base import (
+    TOPK_VARIANTS,
     TORCH_HALF,
     KlSetup,
+    LogitFlags,
     LogitKind,
     LogitKindError,
+    LogitLossFlags,
     LogitSettings,
-    TeacherHead,
     from_targets,
     get,
     kinds,
@@ -33,15 +35,13 @@ from kdcache.stages.targets.logits.base import (
 from kdcache.storage import import_members
 
 # Neither the torch halves, ``teacher_head`` (the ``head`` mode's copy of the teacher's LM head) nor ``vocab/``
-# (stage two's vocabulary pass) register anything, and all import torch; ``flags`` imports ``topk``, so it comes
-# after the kinds (imported first, it would register top-k first and reorder the choices).
-import_members(__name__, __path__, but=["base", "flags", "teacher_head",
+# (stage two's vocabulary pass) register anything, and all import torch.
+import_members(__name__, __path__, but=["base", "teacher_head",
                                        *(m.name for m in pkgutil.iter_modules(__path__)
                                          if m.name.endswith(TORCH_HALF) or m.ispkg)])
-# Names the kinds' own modules define, after every kind has registered (registration order is the choices').
-from kdcache.stages.targets.logits.flags import LogitFlags, LogitLossFlags  # noqa: E402
-from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs  # noqa: E402
+# A name a kind's own module defines, after every kind has registered (registration order is the choices').
+from kdcache.stages.targets.logits.topk import as_logprobs  # noqa: E402
 
 __all__ = ["KlSetup", "LogitFlags", "LogitKind", "LogitKindError", "LogitLossFlags", "LogitSettings",
-           "TOPK_VARIANTS", "TeacherHead", "as_logprobs", "from_targets", "get", "kinds", "names", "of", "parse",
+           "TOPK_VARIANTS", "as_logprobs", "from_targets", "get", "kinds", "names", "of", "parse",
            "register", "usage", "uses_head"]

@@ -7,9 +7,6 @@ term are its torch half, ``full_torch``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from kdcache.stages.targets.logits.base import LogitKind, register
 from kdcache.storage import FULL_LAYOUT
 
@@ -22,6 +19,3 @@ class Full(LogitKind):
     kl_form = "full"
     exact_vocab = True
     key_array = "logits/full"
-
-    def describe(self, info: Mapping[str, Any]) -> str:
-        return f"full, V={info['vocab_size']}"

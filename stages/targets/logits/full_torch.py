@@ -7,7 +7,8 @@ from collections.abc import Mapping
 import torch
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup, TeacherHead
+from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup
+from kdcache.stages.targets.logits.teacher_head import TeacherHead
 from kdcache.stages.targets.logits.vocab import (
     ChunkTerm,
     HeadLogits,
@@ -34,9 +35,10 @@ def teacher_top1(targets: Mapping[str, torch.Tensor], valid: torch.Tensor, head:
     return targets["logits/full"][valid].argmax(-1)
 
 
-def kd_kl(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tensor, mask: torch.Tensor,
-          temperature: float = 1.0) -> torch.Tensor:
-    """T² · mean over valid tokens of KL(softmax(z_t/T) ‖ softmax(z_s/T)): ``batchmean`` over ``[N_v, V]``.
+def kd_kl_term(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tensor, mask: torch.Tensor,
+               temperature: float = 1.0) -> ChunkTerm:
+    """T² · mean over valid tokens of KL(softmax(z_t/T) ‖ softmax(z_s/T)): ``batchmean`` over ``[N_v, V]``, as a
+    term of a vocabulary pass (``vocab_pass``; ``kd_kl`` is its scalar value).
 
     Args:
         student_logits: ``[B, L, V]``, or the ``HeadLogits`` behind them (built chunk by chunk).
@@ -44,16 +46,7 @@ def kd_kl(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tenso
             stored (``to_device`` keeps it), each chunk of the pass widening its own rows to float32.
         mask: ``[B, L]``.
         temperature: T > 0.
-
-    Returns:
-        Scalar.
     """
-    return vocab_pass.term_value(student_logits, kd_kl_term(student_logits, teacher_logits, mask, temperature))
-
-
-def kd_kl_term(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.Tensor, mask: torch.Tensor,
-               temperature: float = 1.0) -> ChunkTerm:
-    """``kd_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
     loss_rows.check_temperature(temperature)
     if student_logits.shape != teacher_logits.shape:
         raise LossError(
@@ -64,3 +57,6 @@ def kd_kl_term(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.
     feed = kernel_feeds.dense_kl_feed(temperature, lambda z_t: z_t)
     return vocab_pass.ChunkTerm(lambda z, z_t: loss_rows.kl_row_values(z, z_t, temperature), m, (teacher_logits,),
                                 temperature**2 / loss_rows.valid_count(m), feed=feed)
+
+
+kd_kl = vocab_pass.as_loss(kd_kl_term)

@@ -8,7 +8,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup, TeacherHead
+from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup
+from kdcache.stages.targets.logits.teacher_head import TeacherHead
 from kdcache.stages.targets.logits.vocab import (
     ChunkTerm,
     HeadLogits,
@@ -51,10 +52,13 @@ def _last_layer(targets: Mapping[str, torch.Tensor], head: TeacherHead) -> torch
     return targets[name]
 
 
-def head_kl(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
-            head: Callable[[torch.Tensor], torch.Tensor], mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def head_kl_term(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
+                 head: Callable[[torch.Tensor], torch.Tensor], mask: torch.Tensor,
+                 temperature: float = 1.0) -> ChunkTerm:
     """``kd_kl`` with the teacher's logits rebuilt from its cached last hidden layer through its LM head (caches
-    written with ``--logits head``), for the valid tokens only: no ``[B, L, V]`` teacher tensor exists.
+    written with ``--logits head``), for the valid tokens only: no ``[B, L, V]`` teacher tensor exists. A term of a
+    vocabulary pass (``vocab_pass``; ``head_kl`` is its scalar value): the teacher's ``[C, V]`` logits are rebuilt
+    chunk by chunk beside the student's.
 
     Args:
         student_logits: ``[B, L, V]``, or the ``HeadLogits`` behind them.
@@ -63,17 +67,12 @@ def head_kl(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
         mask: ``[B, L]``.
         temperature: T > 0; exact at any T, since the full distribution is rebuilt.
     """
-    return vocab_pass.term_value(student_logits, head_kl_term(student_logits, hidden_t, head, mask, temperature))
-
-
-def head_kl_term(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tensor,
-                 head: Callable[[torch.Tensor], torch.Tensor], mask: torch.Tensor,
-                 temperature: float = 1.0) -> ChunkTerm:
-    """``head_kl`` as a term of a vocabulary pass (``vocab_pass``): the teacher's ``[C, V]`` logits are rebuilt
-    chunk by chunk beside the student's."""
     loss_rows.check_temperature(temperature)
     m = loss_rows.bool_mask(mask, student_logits)
     # Fused: the teacher's [C, V] logits from a second matmul per chunk, read by the kernel beside the student's.
     feed = kernel_feeds.dense_kl_feed(temperature, head)
     return vocab_pass.ChunkTerm(lambda z, rows: loss_rows.kl_row_values(z, head(rows), temperature), m, (hidden_t,),
                                 temperature**2 / loss_rows.valid_count(m), feed=feed)
+
+
+head_kl = vocab_pass.as_loss(head_kl_term)

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from kdcache.stages.targets.logits.base import (
     CacheLogits,
     KlSetup,
+    LogitFlags,
     LogitKind,
     LogitKindError,
-    LogitOptions,
-    LossSettings,
+    LogitLossFlags,
     register,
 )
 from kdcache.storage import SAMPLED_LAYOUT
@@ -54,13 +54,13 @@ class Sampled(LogitKind):
                     f"or full"]
         return []
 
-    def spec_fields(self, options: LogitOptions, argument: int) -> dict[str, Any]:
+    def spec_fields(self, options: LogitFlags, argument: int) -> dict[str, Any]:
         return {"top_k": 0, "samples": argument, "logprob_step": 0.0}
 
     def capture_chunk(self, chunk_tokens: int) -> int:
         return chunk_tokens
 
-    def loss_problems(self, spec: CacheLogits, loss: LossSettings) -> list[str]:
+    def loss_problems(self, spec: CacheLogits, loss: LogitLossFlags) -> list[str]:
         problems = super().loss_problems(spec, loss)
         if not problems and loss.temperature != spec.sample_temperature:
             problems.append(f"temperature {loss.temperature}: the KL needs the temperature the cache's samples were "

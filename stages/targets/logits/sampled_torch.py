@@ -8,7 +8,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup, TeacherHead
+from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup
+from kdcache.stages.targets.logits.teacher_head import TeacherHead
 from kdcache.stages.targets.logits.vocab import (
     ChunkTerm,
     HeadLogits,
@@ -63,9 +64,10 @@ def sample_logits(logits: torch.Tensor, samples: int, temperature: float,
             "logits/sample_counts": counts.to(torch.uint8).reshape(shape), "logits/sample_logp": logp.reshape(shape)}
 
 
-def sampled_kl(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, counts: torch.Tensor, logp: torch.Tensor,
-               mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """KD KL estimated from draws of the teacher's distribution (caches written with ``--logits sampled:N``).
+def sampled_kl_term(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, counts: torch.Tensor,
+                    logp: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> ChunkTerm:
+    """KD KL estimated from draws of the teacher's distribution (caches written with ``--logits sampled:N``), as a
+    term of a vocabulary pass (``vocab_pass``; ``sampled_kl`` is its scalar value).
 
     With N draws x_1..x_N from the teacher's p_T = softmax(z_t / T) per token, kept as distinct ids i with counts
     c_i and the teacher's log p_T(i),
@@ -82,16 +84,8 @@ def sampled_kl(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, cou
         mask: ``[B, L]``.
         temperature: T, the cache's ``sample_temperature``.
 
-    Returns:
-        Scalar: T² · mean over valid tokens of the estimate.
+    Its value: T² · mean over valid tokens of the estimate.
     """
-    return vocab_pass.term_value(student_logits, sampled_kl_term(student_logits, ids, counts, logp, mask, temperature))
-
-
-def sampled_kl_term(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, counts: torch.Tensor,
-                    logp: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> ChunkTerm:
-    """``sampled_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
-
     loss_rows.check_temperature(temperature)
     m = loss_rows.bool_mask(mask, student_logits)
 
@@ -101,3 +95,6 @@ def sampled_kl_term(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor
         return (weights * (log_p.float() - log_s)).sum(-1)
     return vocab_pass.ChunkTerm(row_estimate, m, (ids, counts, logp), temperature**2 / loss_rows.valid_count(m),
                                 feed=kernel_feeds.sampled_feed(temperature))
+
+
+sampled_kl = vocab_pass.as_loss(sampled_kl_term)

@@ -12,13 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.targets.logits.base import CacheLogits, LogitKind, LogitOptions, LossSettings, register
+from kdcache.stages.targets.logits.base import CacheLogits, LogitFlags, LogitKind, LogitLossFlags, register
 from kdcache.storage import TOPK_LAYOUT
 
 if TYPE_CHECKING:
     import torch
 
-TOPK_VARIANTS = ("renorm", "other")  # --topk-kl's choices (flags.LogitLossFlags)
 # --topk-values logprob stores log-probs on a grid of this many tolerances: a hair under 2, so that a stored value
 # (within step/2 of the fp32 log-prob) stays within the tolerance of the exact one despite fp32 rounding (~1e-6).
 STEP_PER_TOLERANCE = 1.99
@@ -35,7 +34,7 @@ class TopK(LogitKind):
     logprob_values = True
     key_array = "logits/topk_ids"
 
-    def option_problems(self, options: LogitOptions) -> list[str]:
+    def option_problems(self, options: LogitFlags) -> list[str]:
         return [f"top_k: got {options.top_k}, must be >= 1"] if options.top_k < 1 else []
 
     def teacher_problems(self, teacher: str, one_stream: bool, causal: bool, vocab: int, top_k: int) -> list[str]:
@@ -43,14 +42,14 @@ class TopK(LogitKind):
             return [f"top_k {top_k} is larger than the teacher's vocabulary of {vocab} tokens"]
         return []
 
-    def spec_fields(self, options: LogitOptions, argument: int) -> dict[str, Any]:
+    def spec_fields(self, options: LogitFlags, argument: int) -> dict[str, Any]:
         step = STEP_PER_TOLERANCE * options.logprob_tolerance if options.topk_values == "logprob" else 0.0
         return {"top_k": options.top_k, "samples": 0, "logprob_step": step}
 
     def capture_chunk(self, chunk_tokens: int) -> int:
         return chunk_tokens
 
-    def loss_problems(self, spec: CacheLogits, loss: LossSettings) -> list[str]:
+    def loss_problems(self, spec: CacheLogits, loss: LogitLossFlags) -> list[str]:
         if loss.topk_kl == "other" and loss.temperature != 1:
             return [f"--topk-kl other rebuilds full-vocabulary probabilities from the cached logsumexp, which "
                     f"is exact only at T=1, but --temperature is {loss.temperature:g}; use --temperature 1, "

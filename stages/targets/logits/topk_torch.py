@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup, TeacherHead
-from kdcache.stages.targets.logits.topk import TOPK_VARIANTS, as_logprobs
+from kdcache.stages.targets.logits.base import TOPK_VARIANTS, CaptureSettings, KlSetup
+from kdcache.stages.targets.logits.teacher_head import TeacherHead
+from kdcache.stages.targets.logits.topk import as_logprobs
 from kdcache.stages.targets.logits.vocab import (
     ChunkTerm,
     HeadLogits,
@@ -52,10 +53,11 @@ def teacher_top1(targets: Mapping[str, torch.Tensor], valid: torch.Tensor, head:
 
 
 # ---- the top-k KL ------------------------------------------------------------------------------------------
-def topk_kl(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
-            mask: torch.Tensor, lse: torch.Tensor | None = None, *, variant: str = "renorm",
-            temperature: float = 1.0) -> torch.Tensor:
-    """KL against a cached top-k teacher, mean over valid tokens. See the two variants below.
+def topk_kl_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+                 mask: torch.Tensor, lse: torch.Tensor | None = None, *, variant: str = "renorm",
+                 temperature: float = 1.0) -> ChunkTerm:
+    """KL against a cached top-k teacher, mean over valid tokens, as a term of a vocabulary pass (``vocab_pass``;
+    ``topk_kl`` is its scalar value). See the two variants below.
 
     Args:
         student_logits: ``[B, L, V]``.
@@ -64,22 +66,14 @@ def topk_kl(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor
         mask: ``[B, L]``.
         lse: ``[B, L]`` teacher logsumexp over the full vocabulary at T=1; required by ``other``.
         variant: ``"renorm"`` or ``"other"``.
-        temperature: T for ``renorm``; ``other`` accepts only 1.0 (see ``topk_kl_other``).
+        temperature: T for ``renorm``; ``other`` accepts only 1.0 (see ``topk_other_term``).
     """
-    term = topk_kl_term(student_logits, topk_values, topk_ids, mask, lse, variant=variant, temperature=temperature)
-    return vocab_pass.term_value(student_logits, term)
-
-
-def topk_kl_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
-                 mask: torch.Tensor, lse: torch.Tensor | None = None, *, variant: str = "renorm",
-                 temperature: float = 1.0) -> ChunkTerm:
-    """``topk_kl`` as a term of a vocabulary pass (``vocab_pass``)."""
     if variant == "renorm":
-        return _renorm_term(student_logits, topk_values, topk_ids, mask, temperature)
+        return topk_renorm_term(student_logits, topk_values, topk_ids, mask, temperature=temperature)
     if variant == "other":
         if lse is None:
             raise LossError("the 'other' top-k KL needs the cached logsumexp (logits/lse)")
-        return _other_term(student_logits, topk_values, topk_ids, lse, mask, temperature)
+        return topk_other_term(student_logits, topk_values, topk_ids, lse, mask, temperature=temperature)
     raise LossError(f"unknown top-k KL variant {variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
 
 
@@ -98,26 +92,16 @@ def cached_topk(targets: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torc
     return values, targets["logits/topk_ids"], values.new_zeros(values.shape[:-1]) if lse is None else lse
 
 
-def topk_kl_renorm(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
-                   mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """Renormalised top-k KL: both sides' softmax taken over the teacher's k ids only, at temperature T.
+def topk_renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+                     mask: torch.Tensor, *, temperature: float = 1.0) -> ChunkTerm:
+    """Renormalised top-k KL: both sides' softmax taken over the teacher's k ids only, at temperature T
+    (``topk_kl_renorm`` is its scalar value: T² · mean over valid tokens of KL(p_t^k ‖ p_s^k)).
 
     T applies exactly here (both distributions live on the same k ids), and the result is scaled by T² like
-    ``kd_kl``, so the gradient scale does not depend on T.
-
-    Args:
-        student_logits: ``[B, L, V]``; topk_values, topk_ids: ``[B, L, k]``; mask: ``[B, L]``.
-
-    Returns:
-        Scalar: T² · mean over valid tokens of KL(p_t^k ‖ p_s^k).
+    ``kd_kl``, so the gradient scale does not depend on T. It reads k logits per token: in a pass beside a term
+    that builds the full logits, a gather of them; alone, only those k (``rows_on_ids``: a gather of k head rows per
+    token, never ``[N, V]``).
     """
-    return topk_kl(student_logits, topk_values, topk_ids, mask, variant="renorm", temperature=temperature)
-
-
-def _renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
-                 mask: torch.Tensor, temperature: float) -> ChunkTerm:
-    """The renormalised KL reads k logits per token: in a pass beside a term that builds the full logits, a gather
-    of them; alone, only those k (``rows_on_ids``: a gather of k head rows per token, never ``[N, V]``)."""
     loss_rows.check_temperature(temperature)
     _check_topk(student_logits, topk_values, topk_ids)
     m = loss_rows.bool_mask(mask, student_logits)
@@ -127,9 +111,11 @@ def _renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.T
         return _renorm_rows(z.gather(1, ids.long()), values, temperature)
 
     def alone() -> torch.Tensor:
-        # [N_v, V] logits, or for HeadLogits the HeadRows [N_v, d] behind them (never [N_v, V])
-        rows = student_logits.select(m) if isinstance(student_logits, HeadLogits) else student_logits[m]
-        on_ids = loss_rows.rows_on_ids(rows, loss_rows.valid_rows(topk_ids, m).long())
+        ids = loss_rows.valid_rows(topk_ids, m).long()
+        if isinstance(student_logits, HeadLogits):  # the HeadRows [N_v, d] behind them: never [N_v, V]
+            on_ids = student_logits.select(m).on_ids(ids)
+        else:
+            on_ids = student_logits[m].gather(1, ids).float()
         return _renorm_rows(on_ids, loss_rows.valid_rows(topk_values, m), temperature).sum() * scale
     return vocab_pass.ChunkTerm(row_kl, m, (topk_values, topk_ids), scale, alone, kernel_feeds.renorm_feed(temperature))
 
@@ -142,26 +128,16 @@ def _renorm_rows(student_on_ids: torch.Tensor, values: torch.Tensor, temperature
     return loss_rows.kl_terms(log_t, log_s).sum(-1)
 
 
-def topk_kl_other(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
-                  lse: torch.Tensor, mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """Other-bucket top-k KL over k+1 buckets: the k ids' full-vocabulary probabilities, plus the leftover mass.
+def topk_other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
+                    lse: torch.Tensor, mask: torch.Tensor, *, temperature: float = 1.0) -> ChunkTerm:
+    """Other-bucket top-k KL over k+1 buckets: the k ids' full-vocabulary probabilities, plus the leftover mass
+    (``topk_kl_other`` is its scalar value: mean over valid tokens of KL(teacher buckets ‖ student buckets)).
 
     The teacher's buckets are ``exp(value - lse)`` and ``1 - Σ`` of those. The cached lse is the T=1
     logsumexp, and the tail logits are not cached, so the teacher's full-vocabulary probabilities are known
     exactly only at T=1. This variant therefore always works at T=1 on both sides (no T² factor) and refuses
     any other temperature rather than silently approximating; use ``renorm`` for T != 1.
-
-    Args:
-        student_logits: ``[B, L, V]``; topk_values, topk_ids: ``[B, L, k]``; lse: ``[B, L]``; mask: ``[B, L]``.
-
-    Returns:
-        Scalar: mean over valid tokens of KL(teacher buckets ‖ student buckets).
     """
-    return topk_kl(student_logits, topk_values, topk_ids, mask, lse, variant="other", temperature=temperature)
-
-
-def _other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
-                lse: torch.Tensor, mask: torch.Tensor, temperature: float) -> ChunkTerm:
     if temperature != 1.0:
         raise LossError(
             f"the 'other' top-k KL is exact only at temperature 1 (the cached logsumexp is taken at T=1), "
@@ -213,3 +189,8 @@ def _check_topk(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Te
             f"top-k values {tuple(topk_values.shape)}, ids {tuple(topk_ids.shape)} and student logits "
             f"{tuple(student_logits.shape)} do not line up as [B, L, k], [B, L, k], [B, L, V]"
         )
+
+
+topk_kl = vocab_pass.as_loss(topk_kl_term)
+topk_kl_renorm = vocab_pass.as_loss(topk_renorm_term)
+topk_kl_other = vocab_pass.as_loss(topk_other_term)

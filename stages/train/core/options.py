@@ -19,8 +19,8 @@ from kdcache.stages.common.engine_options import TRAIN, EngineOptions
 from kdcache.stages.common.option_groups import assemble, flatten, option_group
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.attention.flags import AttentionLossFlags
-from kdcache.stages.targets.hidden.flags import CriticFlags, HiddenLossFlags
-from kdcache.stages.targets.logits.flags import DEFAULT_TEMPERATURE, LogitLossFlags
+from kdcache.stages.targets.hidden.hidden_losses import CriticFlags, HiddenLossFlags
+from kdcache.stages.targets.logits.base import DEFAULT_TEMPERATURE, LogitLossFlags
 from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
 
-from kdcache.stages.targets.logits import KlSetup, LogitKind, TeacherHead
+from kdcache.stages.targets.logits import KlSetup, LogitKind
+from kdcache.stages.targets.logits.teacher_head import TeacherHead
 from kdcache.stages.train.core.masks import TokenMasks
 
 

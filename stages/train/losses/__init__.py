@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets.attention.maps_loss import attention_kl
-from kdcache.stages.targets.hidden import hidden_loss
+from kdcache.stages.targets.hidden.hidden_losses import hidden_loss
 from kdcache.stages.targets.logits.full_torch import kd_kl
 from kdcache.stages.targets.logits.topk_torch import topk_kl, topk_kl_other, topk_kl_renorm
 from kdcache.stages.train.losses.cross_vocab import gold_loss, uld_loss
@@ -56,4 +56,3 @@ def registered_losses() -> list[str]:
 
 
 get_loss = _REGISTRY.lookup  # the loss callable registered as a name; LossError listing the registered names otherwise
-

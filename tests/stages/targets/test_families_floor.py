@@ -43,7 +43,8 @@ def test_no_family_module_imports_a_stage() -> None:
 
 def test_the_three_registries_and_the_draft_preset_load_without_torch_or_transformers() -> None:
     # The draft family's preset is read by stage one's options, on the light path; its draft_inputs is torch.
-    code = ("import sys; from kdcache.stages.targets import attention, hidden, logits; "
+    code = ("import sys; from kdcache.stages.targets import attention, logits; "
+            "from kdcache.stages.targets.hidden import hidden_losses as hidden; "
             "from kdcache.stages.targets.draft.draft_layers import draft_layers; "
             "print(len(logits.names()), len(attention.names()), len(hidden.HIDDEN_LOSSES), draft_layers(8), "
             "'torch' in sys.modules, 'transformers' in sys.modules)")

@@ -36,9 +36,6 @@ class HeadRows:
     def shape(self) -> torch.Size:
         return torch.Size((self.hidden.shape[0], self.weight.shape[0]))
 
-    def with_hidden(self, hidden: torch.Tensor) -> HeadRows:
-        return HeadRows(hidden, self.weight, self.bias)
-
     def logits(self) -> torch.Tensor:
         """``[N, V]`` in the head's dtype (a bf16 head gives bf16 logits, as the model's own forward does)."""
         return torch.nn.functional.linear(self.hidden, self.weight, self.bias)
@@ -115,9 +112,6 @@ class HeadLogits:
     def select(self, mask: torch.Tensor) -> HeadRows:
         """The rows at ``mask [B, L]`` (bool), in batch-major order: ``HeadRows [N_v, d]``."""
         return HeadRows(self.hidden[mask], self.weight, self.bias)
-
-
-Rows = torch.Tensor | HeadRows  # [N, V] logits, or what builds them
 
 
 def fused_ce_available(device: torch.device) -> bool:

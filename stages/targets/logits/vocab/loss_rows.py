@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.autograd.function import BackwardCFunction, FunctionCtx, once_differentiable
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits, HeadRows, Rows
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 
 
 def bool_mask(mask: torch.Tensor, like: torch.Tensor | HeadLogits, name: str = "mask") -> torch.Tensor:
@@ -42,13 +42,6 @@ def valid_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         ``[N_v, ...]`` in batch-major token order.
     """
     return x[bool_mask(mask, x)]
-
-
-def rows_on_ids(rows: Rows, ids: torch.Tensor) -> torch.Tensor:
-    """``[N, k]`` float32 student logits at ``ids [N, k]`` (for ``HeadRows`` without building ``[N, V]``)."""
-    if isinstance(rows, HeadRows):
-        return rows.on_ids(ids)
-    return torch.gather(rows, 1, ids).float()
 
 
 def tied_zero(logits: torch.Tensor | HeadLogits) -> torch.Tensor:

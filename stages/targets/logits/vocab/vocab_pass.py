@@ -21,9 +21,10 @@ On CUDA with triton, a pass whose terms all have a ``ChunkTerm.feed`` takes the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Concatenate, ParamSpec
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -31,6 +32,8 @@ from torch.utils.checkpoint import checkpoint
 from kdcache.stages.targets.logits.vocab import fused_vocab, kernel_guard, loss_rows
 from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits, HeadRows
 from kdcache.stages.targets.logits.vocab.kernel_feeds import KernelFeed
+
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,17 @@ def term_value(logits: torch.Tensor | HeadLogits, term: ChunkTerm) -> torch.Tens
     return vocab_pass(logits, [term], [1.0])[0]
 
 
+def as_loss(term: Callable[Concatenate[torch.Tensor | HeadLogits, P], ChunkTerm],
+            ) -> Callable[Concatenate[torch.Tensor | HeadLogits, P], torch.Tensor]:
+    """The scalar loss of a term builder whose first argument is the student's logits ``[B, L, V]`` (or the
+    ``HeadLogits`` behind them): ``term_value`` of its term. A loss is defined once, as its ``*_term``."""
+
+    @functools.wraps(term)
+    def loss(logits: torch.Tensor | HeadLogits, /, *args: P.args, **kwargs: P.kwargs) -> torch.Tensor:
+        return term_value(logits, term(logits, *args, **kwargs))
+    return loss
+
+
 def _combined(terms: Sequence[ChunkTerm], scales: torch.Tensor,
               widths: Sequence[int]) -> Callable[..., torch.Tensor]:
     """``fn(z [C, V], *flat chunk rows) -> [T]``: every term's scaled sum over its counted rows of the chunk; the
@@ -189,7 +203,7 @@ def _run(fn: Callable[..., torch.Tensor], rows: torch.Tensor | HeadRows, flat: S
         wants = torch.is_grad_enabled() and (rows.hidden.requires_grad or rows.weight.requires_grad)
         if not wants:
             with torch.no_grad():
-                values = _sum_chunks(lambda h, *o: fn(rows.with_hidden(h).logits(), *o), rows.hidden, flat, index,
+                values = _sum_chunks(lambda h, *o: fn(replace(rows, hidden=h).logits(), *o), rows.hidden, flat, index,
                                      chunk, len(weights))
             return (weights * values).sum(), values
         if not any(r.requires_grad for r in flat):
@@ -198,7 +212,7 @@ def _run(fn: Callable[..., torch.Tensor], rows: torch.Tensor | HeadRows, flat: S
             return total, values
 
     def build(first: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
-        z = rows.with_hidden(first).logits() if isinstance(rows, HeadRows) else first
+        z = replace(rows, hidden=first).logits() if isinstance(rows, HeadRows) else first
         return fn(z, *others)
 
     def run(first: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.runner import run_precompute
 from kdcache.stages.targets.attention.maps_loss import attention_kl
-from kdcache.stages.targets.attention.qk_attention import QKRecorder, ScoreRule, allowed_keys, block_log_probs
-from kdcache.stages.targets.attention.qk_loss import ScoreSide, blocked_attention_kl, heads_from_rows, relation_kl
+from kdcache.stages.targets.attention.qk_attention import Captured, QKRecorder, ScoreRule, allowed_keys, block_log_probs
+from kdcache.stages.targets.attention.qk_loss import blocked_attention_kl, heads_from_rows, relation_kl
 from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.evaluation.evaluate import evaluate_run
 from kdcache.stages.train.feed.streaming import collate, to_device
@@ -73,9 +73,9 @@ def _qk_kl(student: Any, batch: dict[str, Any], scores: dict[str, Any], causal: 
         student(**student_inputs(student, batch, causal))
     mine = recorder.captured[2]
     rule = ScoreRule.from_json(scores["blocks"]["2"], scores["causal"])
-    teacher = ScoreSide(heads_from_rows(batch["attention_q/2"], scores["num_heads"]),
+    teacher = Captured(heads_from_rows(batch["attention_q/2"], scores["num_heads"]),
                         heads_from_rows(batch["attention_k/2"], scores["num_kv_heads"]), rule)
-    return blocked_attention_kl(ScoreSide(mine.q, mine.k, mine.rule), teacher, masks.real, masks.trained,
+    return blocked_attention_kl(Captured(mine.q, mine.k, mine.rule), teacher, masks.real, masks.trained,
                                 batch.get("position_ids"), block=block)
 
 
@@ -148,11 +148,11 @@ def test_blocks_equal_one_pass_and_the_full_maps_exactly() -> None:
     mask[1, 8:] = 0
     positions = torch.cat([torch.arange(5), torch.arange(6)])[None].repeat(b, 1)
     rule_t, rule_s = ScoreRule(0.4, True, sliding_window=4, softcap=5.0), ScoreRule(0.5, True)
-    t_side = ScoreSide(torch.randn(b, 4, length, d), torch.randn(b, 2, length, d), rule_t)
+    t_side = Captured(torch.randn(b, 4, length, d), torch.randn(b, 2, length, d), rule_t)
     s_q, s_k = torch.randn(b, 2, length, d, requires_grad=True), torch.randn(b, 1, length, d, requires_grad=True)
     values, grads = [], []
     for block in (3, length):
-        value = blocked_attention_kl(ScoreSide(s_q, s_k, rule_s), t_side, mask, position_ids=positions, block=block)
+        value = blocked_attention_kl(Captured(s_q, s_k, rule_s), t_side, mask, position_ids=positions, block=block)
         values.append(value)
         grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(value, (s_q, s_k))]))
     assert torch.allclose(values[0], values[1], rtol=1e-6) and torch.allclose(grads[0], grads[1], atol=1e-7)
