@@ -51,14 +51,12 @@ from kdcache.stages.precompute.rows.batching import Partition
 from kdcache.stages.precompute.rows.data import TokenStreams
 from kdcache.stages.precompute.stream import compute_shard, stream_shards
 from kdcache.stages.precompute.teacher import (
+    check_positions,
+    check_token_ids,
     load_tokenizer,
     pick_device,
     read_config,
     save_tokenizer,
-)
-from kdcache.stages.precompute.teacher_checks import (
-    check_positions,
-    check_token_ids,
     with_default_features,
     with_output_vocab,
 )

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.precompute.background import BackgroundWriter
+from kdcache.stages.precompute.commit import BackgroundWriter
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
 from kdcache.stages.precompute.core.plan import PrecomputePlan
 from kdcache.stages.precompute.rows.batching import Partition, collate, plan_batches
