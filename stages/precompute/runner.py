@@ -210,7 +210,8 @@ def _reused(ready: _Prepared, stats: RunStats) -> dict[str, Any] | None:
     finished = finished_cache(ready)
     if finished is not None:
         return summarize(stats, finished, finished.spec.num_shards, write.out, {"reused": True, "rows": ready.rows})
-    check_room(write.out, lower_bound_bytes(build_spec(write, targets, data), ready.config, data, targets.source))
+    spec = build_spec(write, targets, data)
+    check_room(write.out, lower_bound_bytes(spec, ready.config, data, targets.attention.source))
     return None
 
 

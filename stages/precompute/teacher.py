@@ -189,7 +189,7 @@ def check_token_ids(teacher: Teacher, data: TokenStreams) -> None:
 def with_output_vocab(targets: Targets, teacher: Teacher, setup: TeacherSetup) -> Targets:
     """Use the LM head's real output size as the vocabulary (checkpoints may pad it beyond config.vocab_size)."""
     head = teacher.model.get_output_embeddings()
-    kind = targets.logit_kind
+    kind = targets.logit.kind
     if kind is None or head is None:
         return targets
     vocab = int(head.weight.shape[0])
