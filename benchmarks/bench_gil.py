@@ -46,7 +46,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks, tests.helpers; the installed kdcache wins
 
 from benchmarks.bench_host_path import StubLayers, make_teacher, pin_threads, write_data  # noqa: E402
-from kdcache.stages.precompute.background import BackgroundWriter  # noqa: E402
+from kdcache.stages.precompute.commit import BackgroundWriter  # noqa: E402
 from kdcache.stages.train.feed.streaming import CacheStream  # noqa: E402
 from kdcache.storage import CacheSpec, CacheWriter  # noqa: E402
 

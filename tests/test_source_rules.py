@@ -282,7 +282,7 @@ def test_imports_inside_functions_and_bare_any_do_not_grow() -> None:
 # ---- names read again (issue 52) ------------------------------------------------------------------------------
 # The calls that turn a name into what it names. A name becomes its object once, where it enters (a flag, a
 # manifest, a spec's construction); past that edge code holds the object (``CacheSpec.logit_layout``,
-# ``spec.arrays()``, ``Targets.logit_kind``, ``TrainPlan``...).
+# ``spec.arrays()``, ``Targets.logit.kind``, ``TrainPlan``...).
 NAME_READERS = frozenset({"kind_of", "logit_array", "logit_arrays", "exact_arrays", "layout_of", "layout_named",
                           "get_loss", "backend_class", "resolve_codec"})
 

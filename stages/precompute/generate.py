@@ -49,8 +49,15 @@ from kdcache.stages.precompute.parallel.distributed import DistContext
 from kdcache.stages.precompute.rows.batching import Partition, plan_batches
 from kdcache.stages.precompute.rows.data import TokenStreams
 from kdcache.stages.precompute.runner import build_fingerprints, run_precompute
-from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config, save_tokenizer
-from kdcache.stages.precompute.teacher_checks import with_default_features, with_output_vocab
+from kdcache.stages.precompute.teacher import (
+    load_teacher,
+    load_tokenizer,
+    pick_device,
+    read_config,
+    save_tokenizer,
+    with_default_features,
+    with_output_vocab,
+)
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.logits.teacher_head import export_head
 from kdcache.storage import (

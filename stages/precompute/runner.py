@@ -51,14 +51,12 @@ from kdcache.stages.precompute.rows.batching import Partition
 from kdcache.stages.precompute.rows.data import TokenStreams
 from kdcache.stages.precompute.stream import compute_shard, stream_shards
 from kdcache.stages.precompute.teacher import (
+    check_positions,
+    check_token_ids,
     load_tokenizer,
     pick_device,
     read_config,
     save_tokenizer,
-)
-from kdcache.stages.precompute.teacher_checks import (
-    check_positions,
-    check_token_ids,
     with_default_features,
     with_output_vocab,
 )
@@ -212,7 +210,8 @@ def _reused(ready: _Prepared, stats: RunStats) -> dict[str, Any] | None:
     finished = finished_cache(ready)
     if finished is not None:
         return summarize(stats, finished, finished.spec.num_shards, write.out, {"reused": True, "rows": ready.rows})
-    check_room(write.out, lower_bound_bytes(build_spec(write, targets, data), ready.config, data, targets.source))
+    spec = build_spec(write, targets, data)
+    check_room(write.out, lower_bound_bytes(spec, ready.config, data, targets.attention.source))
     return None
 
 
@@ -230,7 +229,7 @@ def _estimate(ready: _Prepared, loaded: _Loaded) -> dict[str, Any]:
     """``--estimate``: the teacher over the first shards, written to a scratch cache (``estimate.estimate``; a rank
     codec fits its basis there too)."""
     plan, teacher, targets, data, stats = ready.plan, loaded.teacher, loaded.targets, ready.data, RunStats()
-    projection = _projection(plan, ready.adapter, teacher, targets, data, loaded.spec, into=None)
+    projection = _projection(ready, loaded, into=None)
     with ready.adapter.capture(teacher, targets, plan, projection) as capture:
         progress = Progress(0, False, stats)
         return estimate(loaded.spec, data, plan.write.out,
@@ -263,8 +262,7 @@ def _projection_in_turn(ready: _Prepared, loaded: _Loaded, dist: DistContext) ->
     waits = loaded.spec.hidden_codec.rank is not None
     if waits and not dist.is_main:
         dist.barrier()
-    projection = _projection(ready.plan, ready.adapter, loaded.teacher, loaded.targets, ready.data, loaded.spec,
-                             into=ready.store)
+    projection = _projection(ready, loaded, into=ready.store)
     if waits and dist.is_main:
         dist.barrier()
     return projection
@@ -331,21 +329,20 @@ def _run_totals(summary: dict[str, Any], dist: DistContext, writes: bool) -> dic
     return summary
 
 
-def _projection(plan: PrecomputePlan, adapter: TeacherAdapter, teacher: Teacher, targets: Targets,
-                data: TokenStreams, spec: CacheSpec, *, into: Store | None) -> Projection | None:
+def _projection(ready: _Prepared, loaded: _Loaded, *, into: Store | None) -> Projection | None:
     """A rank codec's bases (``projection_fit``): the cache's stored ones, else fitted on the leading sequences
     (and stored first in the output store ``into``, unless None); None without a rank."""
-    codec, rank = spec.hidden_codec, spec.hidden_codec.rank
+    codec, rank, teacher, data = loaded.spec.hidden_codec, loaded.spec.hidden_codec.rank, loaded.teacher, ready.data
     if rank is None:
         return None
-    names = [n for n in spec.sequence_names() if projected(codec, n)]
+    names = [n for n in loaded.spec.sequence_names() if projected(codec, n)]
     first = next(iter(data.ids.values()))
-    batch_size = plan.batch.batch_size
+    batch_size = ready.plan.batch.batch_size
     bounds = fit_bounds([len(s) for s in first], 4 * batch_size)
 
     def fit() -> dict[str, Any]:
         stats = RunStats()
-        with adapter.capture(teacher, targets, plan, Projection(fitting=True)) as capture:
+        with ready.adapter.capture(teacher, loaded.targets, ready.plan, Projection(fitting=True)) as capture:
             with closing(stream_shards(capture, teacher, data, bounds, batch_size, stats,
                                        Progress(0, False, stats))) as shards:  # its helper thread ends here
                 return fit_bases(shards, names, rank, teacher.device)

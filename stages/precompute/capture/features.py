@@ -167,13 +167,13 @@ class FeatureCapture:
         self._paused = False  # hooks ignore forwards run only to check the chunked head or packed documents
         self._documents_checked = False
         # Full logits are stored whole anyway; head mode runs the head once, on the first batch, to check it.
-        self._kind = targets.logit_kind
+        self._kind = targets.logit.kind
         self._head = chunked_head(self.model, self._kind.capture_chunk(chunk_tokens) if self._kind else 0,
                                   targets.logit)
         if self._kind and self._kind.teacher_head and not self._head.active:
             raise PrecomputeError(f"logits head: {type(self.model).__name__} has no plain LM head to copy; use "
                                   f"--logits topk or full")
-        recorded = targets.source.recorded_parts
+        recorded = targets.attention.source.recorded_parts
         self._qk = QKCapture(self.model, targets) if recorded else None
         self._copier = HostCopier(teacher.device)
         self._no_autograd = no_autograd(self.model)

@@ -42,7 +42,7 @@ class QKCapture:
 
     def __init__(self, model: PreTrainedModel, targets: Targets) -> None:
         self.model, self.targets = model, targets
-        self.kinds = targets.source.recorded_parts
+        self.kinds = targets.attention.source.recorded_parts
         self.flag = f"--attention-source {targets.attention.name}"
         self.fallback = f"use --attention-source {DEFAULT_ATTENTION_SOURCE}"
         self.recorder = QKRecorder(model, targets.streams[""].attention, targets.causal, keep_output=True)
@@ -111,7 +111,7 @@ class QKCapture:
 def with_score_rules(targets: Targets, model: PreTrainedModel, data: TokenStreams, device: torch.device) -> Targets:
     """``targets`` with the attention settings' score rules (``CacheSpec.attention_scores``) learnt from the loaded
     teacher, for a source of token rows; else unchanged."""
-    recorded = targets.source.recorded_parts
+    recorded = targets.attention.source.recorded_parts
     if not recorded or "" not in targets.streams or not targets.streams[""].attention:
         return targets
     # the probe: [1, PROBE_TOKENS] at most, the first tokens of the first row (a real text, as the teacher reads);

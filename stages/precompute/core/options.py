@@ -21,7 +21,7 @@ from kdcache.stages.common.engine_options import (
     PRECOMPUTE,
     EngineOptions,
     failed,
-    looks_like_path as common_looks_like_path,
+    looks_like_path,
 )
 from kdcache.stages.common.option_groups import assemble, option as _opt, option_group
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
@@ -287,17 +287,11 @@ def _stream_problems(name: str, value: StreamLayers, streams: tuple[str, ...]) -
     return problems
 
 
-def looks_like_path(value: str, *, data: bool = False) -> bool:
-    """True when ``value`` can only be a local path, never a hub id; with ``data``, a data-file name
-    (``train.jsonl``) counts as a path too."""
-    return common_looks_like_path(value, data=data, data_extensions=tuple(DATA_EXTENSIONS))
-
-
 def _data_problems(data: str) -> list[str]:
     expanded = os.path.expanduser(data)
     if os.path.exists(expanded) or glob.glob(expanded):
         return []
-    if looks_like_path(data, data=True) or any(c in data for c in "*?["):
+    if looks_like_path(data, data=True, data_extensions=tuple(DATA_EXTENSIONS)) or any(c in data for c in "*?["):
         return [f"data: no file or folder matches {data!r}"]
     return []
 

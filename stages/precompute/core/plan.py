@@ -2,7 +2,7 @@
 
 The options (``core.options``) are the CLI's and the YAML's face: flat names, strings, groups that follow the
 flags. Only the edge reads them: the runner, the target resolution (``core.targets``), the family's and the
-teacher's checks of the request (``adapters.check_options``, ``teacher_checks.with_default_features``), and this
+teacher's checks of the request (``adapters.check_options``, ``teacher.with_default_features``), and this
 module, which turns them into frozen parts, each handed to the code that needs it and nothing more:
 
 * ``TeacherSetup``: which teacher, how it loads and where (``teacher``, ``core.teacher_id``, ``parallel``);
@@ -120,7 +120,7 @@ class PrecomputePlan:
 
     @classmethod
     def of(cls, options: PrecomputeOptions) -> PrecomputePlan:
-        """The plan of validated options (``teacher_checks.with_default_features`` applied first, where a run
+        """The plan of validated options (``teacher.with_default_features`` applied first, where a run
         has a teacher's config)."""
         engine, dataset, storage = options.engine, options.dataset, options.storage
         rows = RowSetup(**asdict(dataset), teacher=engine.teacher, scratch=engine.estimate)

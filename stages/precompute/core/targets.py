@@ -29,8 +29,8 @@ from kdcache.storage import FORMAT_VERSION, ArrayKind, LogitArray, exact_arrays
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kdcache.stages.targets.attention import AttentionSettings, AttentionSource
-    from kdcache.stages.targets.logits import LogitKind, LogitSettings
+    from kdcache.stages.targets.attention import AttentionSettings
+    from kdcache.stages.targets.logits import LogitSettings
 
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -64,19 +64,9 @@ class Targets:
     attention: AttentionSettings = field(kw_only=True)
 
     @property
-    def source(self) -> AttentionSource:
-        """The attention source: what capture and the checks ask."""
-        return self.attention.source
-
-    @property
     def logits(self) -> str | None:
         """The logit mode's name (None: no logits)."""
         return self.logit.name
-
-    @property
-    def logit_kind(self) -> LogitKind | None:
-        """The logit mode (None: no logits): what capture and the checks ask."""
-        return self.logit.kind
 
     @functools.cached_property
     def logit_arrays(self) -> tuple[LogitArray, ...]:
@@ -97,7 +87,7 @@ class Targets:
     @property
     def wants_attention(self) -> bool:
         """Whether any attention map is captured (the teacher then needs eager attention; queries and keys do not)."""
-        maps = self.source.teacher_maps
+        maps = self.attention.source.teacher_maps
         return bool(self.cross_attention) or (maps and any(s.attention for s in self.streams.values()))
 
 
@@ -225,7 +215,7 @@ def settings_fingerprint(options: PrecomputeOptions, targets: Targets) -> dict[s
             "features": list(options.targets.features), **targets.logit.fingerprint(),
             # Draws follow the seed, the batches and the head's chunks: a resume must form them alike.
             "sampling": {"seed": engine.seed, "batch_size": engine.batch_size, "logits_chunk": engine.logits_chunk}
-            if targets.logit_kind and targets.logit_kind.draws else None,
+            if targets.logit.kind and targets.logit.kind.draws else None,
             "dtype": storage.dtype, "codec": storage.codec_config, "bitround": storage.bitround,
             "triangle": options.targets.triangle, "format_version": FORMAT_VERSION,
             # Fused kernels round otherwise than eager ones: a resume must not mix them (absent when off, so that

@@ -129,8 +129,8 @@ class DecodeLoop:
         self.layers = targets.streams[""]
         # q/k sources: the selected blocks' queries and keys as token rows, recorded at the attention kernel (rotary
         # applied), instead of maps; else the maps, from the model's own output
-        self.qk = QKCapture(teacher.model, targets) if targets.source.recorded_parts and self.layers.attention \
-            else None
+        recorded = targets.attention.source.recorded_parts
+        self.qk = QKCapture(teacher.model, targets) if recorded and self.layers.attention else None
         self.maps = () if self.qk is not None else self.layers.attention
         self.eos = eos_ids(teacher)
         self.pad_id = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
@@ -222,7 +222,7 @@ class DecodeLoop:
     def _logits(self, logits: torch.Tensor, keys: list[tuple[int, int]], step: int) -> dict[str, torch.Tensor]:
         """The logit kind's arrays of ``[B, q, V]`` raw logits; a kind that draws does so per row, from a generator
         of its own response and step, so that its samples too depend on nothing but the response."""
-        kind = self.targets.logit_kind
+        kind = self.targets.logit.kind
         if kind is None:
             return {}
         if not kind.draws:

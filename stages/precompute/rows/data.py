@@ -22,9 +22,10 @@ import datasets
 import numpy as np
 
 from kdcache.stages.common.cache_texts import token_pieces
+from kdcache.stages.common.engine_options import looks_like_path
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.hub import offline_unless_reachable
-from kdcache.stages.precompute.core.options import DATA_EXTENSIONS, looks_like_path
+from kdcache.stages.precompute.core.options import DATA_EXTENSIONS
 from kdcache.stages.precompute.core.plan import RowSetup
 from kdcache.stages.precompute.rows.chat import chat_template, check_conversation, render
 from kdcache.stages.precompute.rows.packing import Document, span_mask
@@ -184,7 +185,7 @@ def local_files(data: str) -> list[str] | None:
     matches = sorted(glob.glob(expanded))
     if matches:
         return matches
-    if looks_like_path(data, data=True):
+    if looks_like_path(data, data=True, data_extensions=tuple(DATA_EXTENSIONS)):
         raise PrecomputeError(f"data: no file or folder matches {data!r}")
     return None
 

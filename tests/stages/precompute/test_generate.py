@@ -199,8 +199,13 @@ def _teacher_forced(opts: dict[str, Any], ids: list[np.ndarray]) -> list[dict[st
     from kdcache.stages.precompute.core.targets import resolve_targets
     from kdcache.stages.precompute.rows.data import TokenStreams
     from kdcache.stages.precompute.stream import compute_shard
-    from kdcache.stages.precompute.teacher import load_teacher, load_tokenizer, pick_device, read_config
-    from kdcache.stages.precompute.teacher_checks import with_output_vocab
+    from kdcache.stages.precompute.teacher import (
+        load_teacher,
+        load_tokenizer,
+        pick_device,
+        read_config,
+        with_output_vocab,
+    )
 
     options = GenerateOptions.of(**opts).precompute
     plan = PrecomputePlan.of(options)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdcache.stages.precompute.background import BackgroundWriter
+from kdcache.stages.precompute.commit import BackgroundWriter
 from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
 from kdcache.stages.precompute.core.plan import PrecomputePlan
 from kdcache.stages.precompute.rows.batching import Partition, collate, plan_batches
@@ -222,7 +222,7 @@ def test_the_targets_carry_each_familys_record_whole_into_the_spec_and_the_finge
     targets = resolve_targets(options, read_config(plan.teacher))
     assert targets.logit == options.targets.logit.settings(options.targets.features)
     assert targets.logit.kind is logit_kinds.get("sampled")
-    assert targets.attention == options.targets.attention.settings() and targets.source is attention_sources.get("maps")
+    assert targets.attention == options.targets.attention.settings() and targets.attention.source is attention_sources.get("maps")
     spec = build_spec(plan.write, targets, TokenStreams({"": [np.arange(5, dtype=np.int32)]}, {}))
     assert (spec.logits, spec.samples, spec.sample_temperature, spec.top_k, spec.attention_source) == (
         "sampled", 7, 0.5, 0, "maps")
