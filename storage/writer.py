@@ -121,8 +121,9 @@ class ShardCommitter:
             self.store.remove(self.backend.shard_key(index))
 
 
-class CacheWriter:
-    """Writes one part of a cache; see docs/architecture.md for the contract.
+class CacheWriter(ShardCommitter):
+    """Writes one part of a cache: a committer that holds the part's lock and the manifest; see
+    docs/architecture.md for the contract.
 
     Args:
         path: cache folder or fsspec URL (created if needed), or an open ``Store``.
@@ -141,11 +142,8 @@ class CacheWriter:
         index, count = part
         if not (count >= 1 and 0 <= index < count):
             raise ShardError(f"part {part} is invalid; expected (index, count) with 0 <= index < count")
-        self.store = open_store(path, storage_options)
-        self.root, self.spec, self.part = self.store.url, spec, (index, count)
-        self.fingerprints = dict(fingerprints)
-        self.committer = ShardCommitter(self.store, spec)
-        self.backend: Backend = self.committer.backend
+        super().__init__(open_store(path, storage_options), spec)
+        self.root, self.part, self.fingerprints = self.store.url, (index, count), dict(fingerprints)
         self._lock: WriterLock | None = self.store.lock(f"part-{index:05d}-of-{count:05d}.lock",
                                                         f"part {index} of {count}")
         try:
@@ -191,13 +189,11 @@ class CacheWriter:
                              f"not to this writer's part {self.part[0]}")
         if self.store.size(sidecar_key(index)) is not None and self.store.exists(self.backend.shard_key(index)):
             raise ShardError(f"shard {index} is already committed; skip writer.committed_shards() when resuming")
-        record = self.committer.write_shard(index, sequences, finite=finite)
-        self.renew()
-        return record
+        return super().write_shard(index, sequences, finite=finite)
 
     def commit(self, encoded: EncodedShard) -> ShardRecord:
-        """Commit an encoded shard (``ShardCommitter.commit``)."""
-        record = self.committer.commit(encoded)
+        """Commit an encoded shard (``ShardCommitter.commit``), then renew the part's lease."""
+        record = super().commit(encoded)
         self.renew()
         return record
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import struct
-import threading
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -27,7 +26,6 @@ import pyarrow.ipc as ipc
 
 from kdcache.storage.backends.base import Backend, PackedShard, Problem, ShardHandle, verify_file_table
 from kdcache.storage.core.codecs import ARROW_DEFAULT_CODEC, to_arrow_compression
-from kdcache.storage.core.errors import ChecksumError
 from kdcache.storage.core.files import crc32c
 from kdcache.storage.core.formats import CacheFormat, arrow_file_problem, value_crc32
 from kdcache.storage.core.stores import Store
@@ -128,12 +126,10 @@ class ArrowShard(ShardHandle):
     """
 
     def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec, cache_format: CacheFormat) -> None:
-        self.store, self.key, self.record, self.spec = store, record.path, record, spec
-        self.file_table = cache_format.file_table  # else formats 1-2: a crc32 per column and one per file
+        super().__init__(store, record, spec, cache_format)  # formats 1-2: a crc32 per column and one per file
         self._columns: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._remote: pa.Buffer | None = None
         self._fields: dict[str, int] | None = None  # column positions, from the header parsed once
-        self._lock = threading.Lock()
 
     def _source(self) -> pa.NativeFile:
         local = self.store.local_path(self.key)
@@ -156,10 +152,6 @@ class ArrowShard(ShardHandle):
             reader = _open(source, options)
             batch = reader.get_batch(0) if isinstance(reader, ipc.RecordBatchFileReader) else reader.read_next_batch()
             return _split(batch.column(0))
-
-    def _fail(self, name: str, message: str) -> ChecksumError:
-        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
-                             shard=self.record.index, array=name)
 
     def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
@@ -218,6 +210,7 @@ class ArrowBackend(Backend):
     """One Arrow IPC stream per shard."""
 
     name = "arrow"
+    handle = ArrowShard
     suffix = ".arrow"
     codec_per_array = False
     reads_row_ranges = False  # ArrowShard.column decodes a whole column, kept by the open handle
@@ -270,9 +263,6 @@ class ArrowBackend(Backend):
                           "decoded_bytes": int(arrays[name].nbytes)}
         extra = {"header_bytes": header_bytes, "header_crc32c": crc32c(data[:header_bytes]), "compression": codec}
         return PackedShard({path: data}, info, extra)
-
-    def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        return ArrowShard(store, record, spec, self.format)
 
     def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
         handle = ArrowShard(store, record, spec, self.format)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +42,7 @@ from kdcache.storage.backends.shard_file import (
     write_whole,
 )
 from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, SHUFFLE_NAMES
-from kdcache.storage.core.errors import ChecksumError, UnknownCodecError
+from kdcache.storage.core.errors import UnknownCodecError
 from kdcache.storage.core.files import crc32c, file_size
 from kdcache.storage.core.formats import CacheFormat, zarr_problems
 from kdcache.storage.core.stores import Store
@@ -154,17 +153,11 @@ class ZarrShard(ShardHandle):
     """
 
     def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec, cache_format: CacheFormat) -> None:
-        self.store, self.key, self.record, self.spec = store, record.path, record, spec
-        self.file_table = cache_format.file_table  # else formats 1-2: per-array crc32s, checked when opened
+        super().__init__(store, record, spec, cache_format)  # formats 1-2: per-array crc32s, checked when opened
         self._arrays: dict[str, zarr.Array[Any]] = {}
         self._decoded: dict[str, np.ndarray] = {}  # object stores only: whole arrays that slices were cut from
         self._metadata: dict[str, dict[str, Any]] = {}
         self._fetched: dict[str, bytes] = {}  # an object store's files, fetched together by prefetch()
-        self._lock = threading.Lock()
-
-    def _fail(self, name: str, message: str) -> ChecksumError:
-        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
-                             shard=self.record.index, array=name)
 
     def _files(self, name: str) -> list[str]:
         """Keys (from the cache root) of an array's files: its zarr.json and its data file."""
@@ -269,6 +262,7 @@ class ZarrBackend(Backend):
     """Zarr v3 directory per shard, one sharded array file per name."""
 
     name = "zarr"
+    handle = ZarrShard
     suffix = ""
 
     @staticmethod
@@ -304,13 +298,10 @@ class ZarrBackend(Backend):
                           "decoded_bytes": int(array.nbytes)}
         return PackedShard(files, info)
 
-    def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        return ZarrShard(store, record, spec, self.format)
-
     def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
         if self.format.file_table:
             return verify_file_table(store, record)
-        handle = ZarrShard(store, record, spec, self.format)
+        handle = self.open(store, record, spec)
         problems = handle.check()
         for name, info in record.arrays.items():
             try:

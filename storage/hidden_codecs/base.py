@@ -101,10 +101,6 @@ class HiddenCodec:
         """Scales per row of width d."""
         return 1
 
-    def stored_width(self, d: int) -> int:
-        """Columns of the stored codes for rows of width d."""
-        return d // self.per_code
-
     def width_expectation(self, d: int) -> str | None:
         """What a row width must be, when ``d`` is not that (None when it suits)."""
         return None
