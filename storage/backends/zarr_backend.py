@@ -11,6 +11,7 @@ without zarr's two copies per chunk; slices go through zarr.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import warnings
@@ -24,6 +25,7 @@ import zarr
 import zarr.abc.codec
 import zarr.codecs
 import zarr.codecs.numcodecs as zn
+from zarr.core import sync as zarr_sync
 
 from kdcache.storage.backends.base import (
     Backend,
@@ -47,14 +49,31 @@ from kdcache.storage.core.files import crc32c, file_size
 from kdcache.storage.core.formats import CacheFormat, zarr_problems
 from kdcache.storage.core.stores import Store
 from kdcache.storage.core.streams import split_stream
-from kdcache.storage.core.zarr_exit import stop_zarr_io_at_exit
 from kdcache.storage.hidden_codecs import CODED_KINDS
 from kdcache.storage.schema.manifest import ShardRecord, shard_name
 from kdcache.storage.schema.spec import CacheSpec
 
 # zarr loads with this module, which the backend registry imports only when a cache names the zarr backend
 # (``storage.core.backend_registry``): importing storage, and reading an Arrow cache, stay without it.
-stop_zarr_io_at_exit()  # after zarr registered its exit handler (on import), so that ours runs before it
+STOP_SECONDS = 30.0  # longer than any IO zarr has in flight at exit; the thread is a daemon, so exit is not blocked
+
+
+def stop_zarr_io(timeout: float = STOP_SECONDS) -> None:
+    """Stop zarr's IO event loop and wait for its thread; nothing when zarr never started one.
+
+    zarr's own exit handler stops the loop, waits only 0.2 s for its thread, then closes the loop: on a loaded
+    machine the thread has not stopped yet, and ``RuntimeError: Cannot close a running event loop`` is printed
+    after a run that succeeded. Exit handlers run last-registered first, so this one, registered after zarr's (on
+    import), has stopped the loop before zarr's closes it.
+    """
+    loop, thread = zarr_sync.loop[0], zarr_sync.iothread[0]
+    if loop is None or thread is None or not thread.is_alive() or loop.is_closed():
+        return
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout)
+
+
+atexit.register(stop_zarr_io)
 
 CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one or two; bigger ones barely read faster
 # c.0.0 beside zarr.json: no c/0/ folders

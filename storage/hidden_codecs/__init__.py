@@ -46,26 +46,24 @@ from kdcache.storage.hidden_codecs.base import (
     usage as usage,
 )
 from kdcache.storage.hidden_codecs.coding import (
+    CODED_KINDS as CODED_KINDS,
+    ERROR_FIELDS as ERROR_FIELDS,
+    PARTS as PARTS,
+    applies_to as applies_to,
     codec_of as codec_of,
     decode as decode,
     encode as encode,
     error_record as error_record,
     hidden_codec_of as hidden_codec_of,
-    projected as projected,
-    resolve_hidden_codec as resolve_hidden_codec,
-)
-from kdcache.storage.hidden_codecs.naming import (
-    CODED_KINDS as CODED_KINDS,
-    ERROR_FIELDS as ERROR_FIELDS,
-    PARTS as PARTS,
-    applies_to as applies_to,
     is_part as is_part,
     part_name as part_name,
     part_of as part_of,
+    projected as projected,
+    resolve_hidden_codec as resolve_hidden_codec,
 )
 from kdcache.storage.hidden_codecs.quantised import QuantisedCodec as QuantisedCodec
 
-import_members(__name__, __path__, but=("arrays", "base", "coding", "naming", "quantised"))
+import_members(__name__, __path__, but=("arrays", "base", "coding", "quantised"))
 
 # Codes are near-Gaussian bytes: zstd's entropy coding shrinks them (int8 by ~7%, int7 by ~20%), and bit-shuffling
 # them first, which helps fp16, hides that (measured in benchmarks/RESULTS.md). Zarr caches compress them so.
