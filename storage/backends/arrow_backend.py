@@ -214,12 +214,9 @@ class ArrowBackend(Backend):
     suffix = ".arrow"
     codec_per_array = False
     reads_row_ranges = False  # ArrowShard.column decodes a whole column, kept by the open handle
-
-    @staticmethod
-    def default_codecs() -> tuple[dict[str, Any], dict[str, Any]]:
-        """Arrow IPC has no bitshuffle and one codec per file, and its plain LZ4 barely shrinks fp16 activations
-        (ratio ~1.01, measured in benchmarks/RESULTS.md), so Arrow defaults to zstd, which reaches ~1.12."""
-        return dict(ARROW_DEFAULT_CODEC), dict(ARROW_DEFAULT_CODEC)
+    # Arrow IPC has no bitshuffle and one codec per file, and its plain LZ4 barely shrinks fp16 activations (ratio
+    # ~1.01, measured in benchmarks/RESULTS.md), so Arrow defaults to zstd, which reaches ~1.12.
+    default_codecs = ARROW_DEFAULT_CODEC, ARROW_DEFAULT_CODEC
 
     @staticmethod
     def check_codec(config: dict[str, Any]) -> None:

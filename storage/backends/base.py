@@ -87,11 +87,8 @@ class Backend(ABC):
     # Whether a handle decodes rows [start, stop) of an array without decoding the rest of it (zarr's inner chunks);
     # False: a first read decodes the whole column and the handle keeps it (Arrow).
     reads_row_ranges: bool = True
-
-    @staticmethod
-    @abstractmethod
-    def default_codecs() -> tuple[dict[str, Any], dict[str, Any]]:
-        """(activation codec, top-k codec) of a spec that names none (numcodecs configurations)."""
+    # (activation codec, top-k codec) of a spec that names none (numcodecs configurations; the spec copies them)
+    default_codecs: tuple[dict[str, Any], dict[str, Any]]
 
     @staticmethod
     @abstractmethod

@@ -283,11 +283,7 @@ class ZarrBackend(Backend):
     name = "zarr"
     handle = ZarrShard
     suffix = ""
-
-    @staticmethod
-    def default_codecs() -> tuple[dict[str, Any], dict[str, Any]]:
-        """Blosc with bitshuffle: lz4 for activations, zstd for top-k."""
-        return dict(DEFAULT_CODEC), dict(DEFAULT_TOPK_CODEC)
+    default_codecs = DEFAULT_CODEC, DEFAULT_TOPK_CODEC  # blosc with bitshuffle: lz4 for activations, zstd for top-k
 
     @staticmethod
     def check_codec(config: dict[str, Any]) -> None:

@@ -18,8 +18,7 @@ class BackendClass(Protocol):
     here so that the registry never imports ``base``, which imports the spec."""
 
     codec_per_array: bool
-
-    def default_codecs(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
+    default_codecs: tuple[dict[str, Any], dict[str, Any]]
 
     def check_codec(self, config: dict[str, Any]) -> None: ...
 

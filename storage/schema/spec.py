@@ -132,7 +132,7 @@ class CacheSpec:
         put("token_arrays", tuple(self.token_arrays))
         if self.attention_heads is not None:
             put("attention_heads", sorted_layers("attention_heads", self.attention_heads, 0))
-        codec, topk_codec = self.backend_type.default_codecs()
+        codec, topk_codec = self.backend_type.default_codecs
         put("codec", resolve_codec(codec if self.codec is None else self.codec))
         put("topk_codec", resolve_codec(topk_codec if self.topk_codec is None else self.topk_codec))
         put("hidden_codec", hidden_codec_of(self.hidden_codec, self.dtype if self.dtype in ("fp16", "bf16")
