@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.core.attention_source import (
+    ATTENTION_LAYOUTS,
     DEFAULT_ATTENTION_SOURCE,
     AttentionLayout,
-    attention_layout as layout_of_source,
     check_attention_source,
     token_row_kinds,
 )
@@ -151,7 +151,7 @@ class CacheSpec:
 
     @functools.cached_property
     def attention_layout(self) -> AttentionLayout:
-        return layout_of_source(self.attention_source)
+        return ATTENTION_LAYOUTS.lookup(self.attention_source)  # a SpecError names the registered sources
 
     # Each array of a shard with its name read once (``schema.arrays``), built on first use.
     @functools.cached_property
