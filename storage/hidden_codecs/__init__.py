@@ -1,5 +1,5 @@
-"""Hidden-state codecs: one module per codec, registered by name (``base.register``), each encoding and decoding
-once against the array API (``arrays``), so storage's numpy and the devices' torch run the same code.
+"""Hidden-state codecs: a class per codec (a module per family), registered by name (``base.register``), each
+encoding and decoding once against the array API (``arrays``): storage's numpy and the devices' torch run one code.
 
 A codec is recorded in the spec as ``{"name": ..., "configuration": {...}}`` (like a zarr v3 codec) and
 configured by its typed dataclass (``codec_of(record).config``). Two kinds:
@@ -19,7 +19,7 @@ configured by its typed dataclass (``codec_of(record).config``). Two kinds:
   of two dividing d but at most 256, ``signs`` = ``default_rng(seed).integers(0, 2, d) * 2 - 1``); then
   ``x[ids] += outliers``; with a ``rank``, ``coef @ basis + mean`` (``coding``).
 
-Importing this package imports every codec module beside the shared ones, and each registers its codec: a new
+Importing this package imports every codec module beside the shared ones, and each registers its codecs: a new
 codec is one new module here (or anywhere that calls ``register``; tests/stages/targets/hidden/test_codec_plugin.py
 does).
 """
