@@ -31,7 +31,6 @@ if TYPE_CHECKING:
         QK_LAYOUT as QK_LAYOUT,
         QKV_LAYOUT as QKV_LAYOUT,
         AttentionLayout as AttentionLayout,
-        attention_layout as attention_layout,
         register_attention_layout as register_attention_layout,
     )
     from kdcache.storage.core.backend_registry import DEFAULT_BACKEND as DEFAULT_BACKEND, backend_names as backend_names

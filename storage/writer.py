@@ -25,7 +25,7 @@ from typing import Any
 from kdcache.storage.backends.base import Backend, get_backend
 from kdcache.storage.buffers import BufferPool
 from kdcache.storage.core.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
-from kdcache.storage.core.files import crc32c, disk_full_error, file_size, is_disk_full
+from kdcache.storage.core.files import crc32c, disk_full_error, file_size
 from kdcache.storage.core.stores import Store, WriterLock, open_store
 from kdcache.storage.encode import EncodedShard, encode_shard
 from kdcache.storage.fingerprint import Difference, fingerprint_differences, same_values
@@ -59,12 +59,6 @@ def cache_differences(existing: Manifest, spec: CacheSpec, fingerprints: dict[st
     said = fingerprint_differences(existing.fingerprints, fingerprints, strict=True)
     return [s for s, _, _ in spec_said] + [
         s for s, a, b in said if a is None or not any(same_values(a, x) and same_values(b, y) for x, y in pairs)]
-
-
-def _disk_full(store: Store, exc: OSError, needed: int, what: str) -> Exception:
-    """The error to raise for ``exc``: a ``DiskFullError`` for a full local disk, else ``exc`` itself."""
-    local = store.local_path("")
-    return disk_full_error(local, needed, what) if local is not None and is_disk_full(exc) else exc
 
 
 class ShardCommitter:
@@ -111,7 +105,7 @@ class ShardCommitter:
             write_sidecar(self.store, record)
         except OSError as exc:
             self.store.remove(key)  # data without its sidecar is never read; do not leave it to fill the disk
-            raise _disk_full(self.store, exc, record.stored_bytes, f"shard {index}") from None
+            raise disk_full_error(exc, self.store.local_path(""), record.stored_bytes, f"shard {index}") from None
         return record
 
     def _clear_stale(self, index: int) -> None:
@@ -121,8 +115,9 @@ class ShardCommitter:
             self.store.remove(self.backend.shard_key(index))
 
 
-class CacheWriter:
-    """Writes one part of a cache; see docs/architecture.md for the contract.
+class CacheWriter(ShardCommitter):
+    """Writes one part of a cache: a committer that holds the part's lock and the manifest; see
+    docs/architecture.md for the contract.
 
     Args:
         path: cache folder or fsspec URL (created if needed), or an open ``Store``.
@@ -141,11 +136,8 @@ class CacheWriter:
         index, count = part
         if not (count >= 1 and 0 <= index < count):
             raise ShardError(f"part {part} is invalid; expected (index, count) with 0 <= index < count")
-        self.store = open_store(path, storage_options)
-        self.root, self.spec, self.part = self.store.url, spec, (index, count)
-        self.fingerprints = dict(fingerprints)
-        self.committer = ShardCommitter(self.store, spec)
-        self.backend: Backend = self.committer.backend
+        super().__init__(open_store(path, storage_options), spec)
+        self.root, self.part, self.fingerprints = self.store.url, (index, count), dict(fingerprints)
         self._lock: WriterLock | None = self.store.lock(f"part-{index:05d}-of-{count:05d}.lock",
                                                         f"part {index} of {count}")
         try:
@@ -191,13 +183,11 @@ class CacheWriter:
                              f"not to this writer's part {self.part[0]}")
         if self.store.size(sidecar_key(index)) is not None and self.store.exists(self.backend.shard_key(index)):
             raise ShardError(f"shard {index} is already committed; skip writer.committed_shards() when resuming")
-        record = self.committer.write_shard(index, sequences, finite=finite)
-        self.renew()
-        return record
+        return super().write_shard(index, sequences, finite=finite)
 
     def commit(self, encoded: EncodedShard) -> ShardRecord:
-        """Commit an encoded shard (``ShardCommitter.commit``)."""
-        record = self.committer.commit(encoded)
+        """Commit an encoded shard (``ShardCommitter.commit``), then renew the part's lease."""
+        record = super().commit(encoded)
         self.renew()
         return record
 
@@ -263,5 +253,6 @@ def merge_parts(path: str | os.PathLike[str] | Store, storage_options: Mapping[s
         try:
             write_manifest(store, manifest)
         except OSError as exc:
-            raise _disk_full(store, exc, len(json.dumps(manifest.to_dict())), "manifest.json") from None
+            needed = len(json.dumps(manifest.to_dict()))
+            raise disk_full_error(exc, store.local_path(""), needed, "manifest.json") from None
     return manifest

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import json
 import struct
-import threading
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +26,6 @@ import pyarrow.ipc as ipc
 
 from kdcache.storage.backends.base import Backend, PackedShard, Problem, ShardHandle, verify_file_table
 from kdcache.storage.core.codecs import ARROW_DEFAULT_CODEC, to_arrow_compression
-from kdcache.storage.core.errors import ChecksumError
 from kdcache.storage.core.files import crc32c
 from kdcache.storage.core.formats import CacheFormat, arrow_file_problem, value_crc32
 from kdcache.storage.core.stores import Store
@@ -128,12 +126,10 @@ class ArrowShard(ShardHandle):
     """
 
     def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec, cache_format: CacheFormat) -> None:
-        self.store, self.key, self.record, self.spec = store, record.path, record, spec
-        self.file_table = cache_format.file_table  # else formats 1-2: a crc32 per column and one per file
+        super().__init__(store, record, spec, cache_format)  # formats 1-2: a crc32 per column and one per file
         self._columns: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._remote: pa.Buffer | None = None
         self._fields: dict[str, int] | None = None  # column positions, from the header parsed once
-        self._lock = threading.Lock()
 
     def _source(self) -> pa.NativeFile:
         local = self.store.local_path(self.key)
@@ -156,10 +152,6 @@ class ArrowShard(ShardHandle):
             reader = _open(source, options)
             batch = reader.get_batch(0) if isinstance(reader, ipc.RecordBatchFileReader) else reader.read_next_batch()
             return _split(batch.column(0))
-
-    def _fail(self, name: str, message: str) -> ChecksumError:
-        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
-                             shard=self.record.index, array=name)
 
     def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
@@ -218,19 +210,15 @@ class ArrowBackend(Backend):
     """One Arrow IPC stream per shard."""
 
     name = "arrow"
+    handle = ArrowShard
     suffix = ".arrow"
     codec_per_array = False
     reads_row_ranges = False  # ArrowShard.column decodes a whole column, kept by the open handle
+    # Arrow IPC has no bitshuffle and one codec per file, and its plain LZ4 barely shrinks fp16 activations (ratio
+    # ~1.01, measured in benchmarks/RESULTS.md), so Arrow defaults to zstd, which reaches ~1.12.
+    default_codecs = ARROW_DEFAULT_CODEC, ARROW_DEFAULT_CODEC
 
-    @staticmethod
-    def default_codecs() -> tuple[dict[str, Any], dict[str, Any]]:
-        """Arrow IPC has no bitshuffle and one codec per file, and its plain LZ4 barely shrinks fp16 activations
-        (ratio ~1.01, measured in benchmarks/RESULTS.md), so Arrow defaults to zstd, which reaches ~1.12."""
-        return dict(ARROW_DEFAULT_CODEC), dict(ARROW_DEFAULT_CODEC)
-
-    @staticmethod
-    def check_codec(config: dict[str, Any]) -> None:
-        to_arrow_compression(config)
+    check_codec = staticmethod(to_arrow_compression)
 
     def pack(self, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> PackedShard:
         codec, level = file_codec(spec)
@@ -270,9 +258,6 @@ class ArrowBackend(Backend):
                           "decoded_bytes": int(arrays[name].nbytes)}
         extra = {"header_bytes": header_bytes, "header_crc32c": crc32c(data[:header_bytes]), "compression": codec}
         return PackedShard({path: data}, info, extra)
-
-    def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        return ArrowShard(store, record, spec, self.format)
 
     def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
         handle = ArrowShard(store, record, spec, self.format)

@@ -9,12 +9,15 @@ name, rename, sidecar) and the manifest belong to the writer.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from kdcache.storage.core.errors import ChecksumError
 from kdcache.storage.core.files import FileData, crc32c
 from kdcache.storage.core.formats import CURRENT, CacheFormat
 from kdcache.storage.core.stores import Store
@@ -42,7 +45,17 @@ class PackedShard:
 
 
 class ShardHandle(ABC):
-    """An open, committed shard. Reads are thread-safe."""
+    """An open, committed shard (``record.path`` of ``store``), read as ``cache_format`` says. Reads are
+    thread-safe."""
+
+    def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec, cache_format: CacheFormat) -> None:
+        self.store, self.key, self.record, self.spec = store, record.path, record, spec
+        self.file_table = cache_format.file_table  # else formats 1-2: the checksums each backend kept then
+        self._lock = threading.Lock()
+
+    def _fail(self, name: str, message: str) -> ChecksumError:
+        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
+                             shard=self.record.index, array=name)
 
     @abstractmethod
     def check(self) -> list[Problem]:
@@ -67,6 +80,7 @@ class Backend(ABC):
     """One storage backend: how a shard lives on disk."""
 
     name: str = ""
+    handle: type[ShardHandle]  # what ``open`` returns
     suffix: str = ""  # "" for a directory per shard, ".arrow" for one file per shard
     # Each array compressed with its own codec (a hidden codec's codes with storage.core.codecs.CODES_CODEC); False:
     # one codec per shard file.
@@ -74,16 +88,11 @@ class Backend(ABC):
     # Whether a handle decodes rows [start, stop) of an array without decoding the rest of it (zarr's inner chunks);
     # False: a first read decodes the whole column and the handle keeps it (Arrow).
     reads_row_ranges: bool = True
-
-    @staticmethod
-    @abstractmethod
-    def default_codecs() -> tuple[dict[str, Any], dict[str, Any]]:
-        """(activation codec, top-k codec) of a spec that names none (numcodecs configurations)."""
-
-    @staticmethod
-    @abstractmethod
-    def check_codec(config: dict[str, Any]) -> None:
-        """Raise ``UnknownCodecError`` unless this backend can store with numcodecs configuration ``config``."""
+    # (activation codec, top-k codec) of a spec that names none (numcodecs configurations; the spec copies them)
+    default_codecs: tuple[dict[str, Any], dict[str, Any]]
+    # Raises ``UnknownCodecError`` unless this backend can store with the numcodecs configuration it is given: the
+    # backend's own translation of a configuration (its result is not needed to check it).
+    check_codec: Callable[[dict[str, Any]], object]
 
     def __init__(self, cache_format: CacheFormat = CURRENT) -> None:
         # How the cache's shards are checked (storage.core.formats): chosen once, when the cache is opened.
@@ -103,9 +112,9 @@ class Backend(ABC):
             index: shard number (names the files, and is recorded in the shard's own metadata).
         """
 
-    @abstractmethod
     def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
         """Open committed shard ``record.path`` of ``store`` for reading."""
+        return self.handle(store, record, spec, self.format)
 
     @abstractmethod
     def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:

@@ -11,9 +11,9 @@ without zarr's two copies per chunk; slices go through zarr.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
-import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +25,7 @@ import zarr
 import zarr.abc.codec
 import zarr.codecs
 import zarr.codecs.numcodecs as zn
+from zarr.core import sync as zarr_sync
 
 from kdcache.storage.backends.base import (
     Backend,
@@ -43,19 +44,36 @@ from kdcache.storage.backends.shard_file import (
     write_whole,
 )
 from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, SHUFFLE_NAMES
-from kdcache.storage.core.errors import ChecksumError, UnknownCodecError
+from kdcache.storage.core.errors import UnknownCodecError
 from kdcache.storage.core.files import crc32c, file_size
 from kdcache.storage.core.formats import CacheFormat, zarr_problems
 from kdcache.storage.core.stores import Store
 from kdcache.storage.core.streams import split_stream
-from kdcache.storage.core.zarr_exit import stop_zarr_io_at_exit
 from kdcache.storage.hidden_codecs import CODED_KINDS
 from kdcache.storage.schema.manifest import ShardRecord, shard_name
 from kdcache.storage.schema.spec import CacheSpec
 
 # zarr loads with this module, which the backend registry imports only when a cache names the zarr backend
 # (``storage.core.backend_registry``): importing storage, and reading an Arrow cache, stay without it.
-stop_zarr_io_at_exit()  # after zarr registered its exit handler (on import), so that ours runs before it
+STOP_SECONDS = 30.0  # longer than any IO zarr has in flight at exit; the thread is a daemon, so exit is not blocked
+
+
+def stop_zarr_io(timeout: float = STOP_SECONDS) -> None:
+    """Stop zarr's IO event loop and wait for its thread; nothing when zarr never started one.
+
+    zarr's own exit handler stops the loop, waits only 0.2 s for its thread, then closes the loop: on a loaded
+    machine the thread has not stopped yet, and ``RuntimeError: Cannot close a running event loop`` is printed
+    after a run that succeeded. Exit handlers run last-registered first, so this one, registered after zarr's (on
+    import), has stopped the loop before zarr's closes it.
+    """
+    loop, thread = zarr_sync.loop[0], zarr_sync.iothread[0]
+    if loop is None or thread is None or not thread.is_alive() or loop.is_closed():
+        return
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout)
+
+
+atexit.register(stop_zarr_io)
 
 CHUNK_BYTES = 4 << 20  # decoded bytes per inner chunk: a sequence decodes one or two; bigger ones barely read faster
 # c.0.0 beside zarr.json: no c/0/ folders
@@ -154,17 +172,11 @@ class ZarrShard(ShardHandle):
     """
 
     def __init__(self, store: Store, record: ShardRecord, spec: CacheSpec, cache_format: CacheFormat) -> None:
-        self.store, self.key, self.record, self.spec = store, record.path, record, spec
-        self.file_table = cache_format.file_table  # else formats 1-2: per-array crc32s, checked when opened
+        super().__init__(store, record, spec, cache_format)  # formats 1-2: per-array crc32s, checked when opened
         self._arrays: dict[str, zarr.Array[Any]] = {}
         self._decoded: dict[str, np.ndarray] = {}  # object stores only: whole arrays that slices were cut from
         self._metadata: dict[str, dict[str, Any]] = {}
         self._fetched: dict[str, bytes] = {}  # an object store's files, fetched together by prefetch()
-        self._lock = threading.Lock()
-
-    def _fail(self, name: str, message: str) -> ChecksumError:
-        return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
-                             shard=self.record.index, array=name)
 
     def _files(self, name: str) -> list[str]:
         """Keys (from the cache root) of an array's files: its zarr.json and its data file."""
@@ -269,16 +281,11 @@ class ZarrBackend(Backend):
     """Zarr v3 directory per shard, one sharded array file per name."""
 
     name = "zarr"
+    handle = ZarrShard
     suffix = ""
+    default_codecs = DEFAULT_CODEC, DEFAULT_TOPK_CODEC  # blosc with bitshuffle: lz4 for activations, zstd for top-k
 
-    @staticmethod
-    def default_codecs() -> tuple[dict[str, Any], dict[str, Any]]:
-        """Blosc with bitshuffle: lz4 for activations, zstd for top-k."""
-        return dict(DEFAULT_CODEC), dict(DEFAULT_TOPK_CODEC)
-
-    @staticmethod
-    def check_codec(config: dict[str, Any]) -> None:
-        to_zarr_compressors(config)
+    check_codec = staticmethod(to_zarr_compressors)
 
     def pack(self, arrays: dict[str, np.ndarray], spec: CacheSpec, index: int) -> PackedShard:
         contents: dict[str, Any] = {}
@@ -304,13 +311,10 @@ class ZarrBackend(Backend):
                           "decoded_bytes": int(array.nbytes)}
         return PackedShard(files, info)
 
-    def open(self, store: Store, record: ShardRecord, spec: CacheSpec) -> ShardHandle:
-        return ZarrShard(store, record, spec, self.format)
-
     def verify(self, store: Store, record: ShardRecord, spec: CacheSpec) -> list[Problem]:
         if self.format.file_table:
             return verify_file_table(store, record)
-        handle = ZarrShard(store, record, spec, self.format)
+        handle = self.open(store, record, spec)
         problems = handle.check()
         for name, info in record.arrays.items():
             try:

@@ -67,15 +67,6 @@ SCORE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "causal", "blocks")
 BLOCK_SCORE_KEYS = ("scaling", "sliding_window", "softcap")
 
 
-def attention_layout(source: str) -> AttentionLayout:
-    """The layout registered as ``source``.
-
-    Raises:
-        SpecError: naming ``source`` and the registered sources.
-    """
-    return ATTENTION_LAYOUTS.lookup(source)
-
-
 def check_attention_source(layout: AttentionLayout, scores: dict[str, Any] | None, layers: tuple[int, ...], *,
                            one_stream: bool, all_heads: bool, triangle: bool) -> None:
     """Raise ``SpecError`` unless, for token rows, the spec is one stream with every head and no triangle, and

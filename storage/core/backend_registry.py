@@ -7,6 +7,7 @@ on first use (``backend_class``): the option classes list the names without impo
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from kdcache.storage.core.errors import SpecError
@@ -18,10 +19,8 @@ class BackendClass(Protocol):
     here so that the registry never imports ``base``, which imports the spec."""
 
     codec_per_array: bool
-
-    def default_codecs(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
-
-    def check_codec(self, config: dict[str, Any]) -> None: ...
+    default_codecs: tuple[dict[str, Any], dict[str, Any]]
+    check_codec: Callable[[dict[str, Any]], object]
 
 
 # name -> (module, class) of its implementation; the first is the default of CacheSpec.backend and --format

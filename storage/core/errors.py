@@ -9,7 +9,12 @@ from __future__ import annotations
 
 
 class KdcacheError(Exception):
-    """Base class of every deliberate kdcache error."""
+    """Base class of every deliberate kdcache error. Keyword facts given with the message (``shard=3``) become
+    attributes, for a caller that acts on them; a subclass declares the ones it carries."""
+
+    def __init__(self, *args: object, **facts: object) -> None:
+        super().__init__(*args)
+        self.__dict__.update(facts)
 
 
 class SpecError(KdcacheError, ValueError):
@@ -46,19 +51,15 @@ class PartialCacheError(KdcacheError):
 class ChecksumError(KdcacheError):
     """Stored bytes of one array of one shard do not match the checksum recorded at commit time."""
 
-    def __init__(self, message: str, *, shard: int, array: str) -> None:
-        super().__init__(message)
-        self.shard = shard
-        self.array = array
+    shard: int
+    array: str
 
 
 class Fp16OverflowError(KdcacheError, OverflowError):
     """A float target holds a value that float16 cannot represent (it would become inf)."""
 
-    def __init__(self, message: str, *, name: str, max_abs: float) -> None:
-        super().__init__(message)
-        self.name = name
-        self.max_abs = max_abs
+    name: str
+    max_abs: float
 
 
 class NonFiniteValueError(KdcacheError, ValueError):
@@ -76,9 +77,7 @@ class ShardError(KdcacheError):
 class CacheMismatchError(KdcacheError):
     """An existing cache was created with a different spec or different fingerprints."""
 
-    def __init__(self, message: str, *, differences: list[str]) -> None:
-        super().__init__(message)
-        self.differences = differences
+    differences: list[str]
 
 
 class CacheLockedError(KdcacheError):
@@ -88,10 +87,8 @@ class CacheLockedError(KdcacheError):
 class DiskFullError(KdcacheError, OSError):
     """The file system holding the cache is full (ENOSPC) or the user's quota is spent (EDQUOT)."""
 
-    def __init__(self, message: str, *, needed: int, free: int) -> None:
-        super().__init__(message)
-        self.needed = needed
-        self.free = free
+    needed: int
+    free: int
 
     def __str__(self) -> str:  # OSError would otherwise print its args tuple
         return str(self.args[0]) if self.args else ""

@@ -144,11 +144,6 @@ def remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` says the file system (or the user's quota) is full."""
-    return isinstance(exc, OSError) and exc.errno in FULL_DISK_ERRNOS
-
-
 def read_json_object(path: Path | str) -> dict[str, Any]:
     """A JSON object from a local file, or ``{}`` when it is missing, unreadable or not an object (run folders are
     read while their runs still write them)."""
@@ -168,8 +163,12 @@ def format_bytes(count: float) -> str:
     return f"{count:.1f} TiB"
 
 
-def disk_full_error(root: Path, needed: int, what: str) -> DiskFullError:
-    """A ``DiskFullError`` naming the cache, what was being written, the bytes it needs and the free space."""
+def disk_full_error(exc: OSError, root: Path | None, needed: int, what: str) -> Exception:
+    """The error to raise for ``exc``: where the local folder ``root`` (None: an object store) is full or the user's
+    quota spent, a ``DiskFullError`` naming the cache, what was being written, the bytes it needs and the free
+    space; else ``exc`` itself."""
+    if root is None or exc.errno not in FULL_DISK_ERRNOS:
+        return exc
     try:
         free = shutil.disk_usage(root).free
     except OSError:

@@ -1,5 +1,5 @@
-"""Hidden-state codecs: one module per codec, registered by name (``base.register``), each encoding and decoding
-once against the array API (``arrays``), so storage's numpy and the devices' torch run the same code.
+"""Hidden-state codecs: a class per codec (a module per family), registered by name (``base.register``), each
+encoding and decoding once against the array API (``arrays``): storage's numpy and the devices' torch run one code.
 
 A codec is recorded in the spec as ``{"name": ..., "configuration": {...}}`` (like a zarr v3 codec) and
 configured by its typed dataclass (``codec_of(record).config``). Two kinds:
@@ -19,7 +19,7 @@ configured by its typed dataclass (``codec_of(record).config``). Two kinds:
   of two dividing d but at most 256, ``signs`` = ``default_rng(seed).integers(0, 2, d) * 2 - 1``); then
   ``x[ids] += outliers``; with a ``rank``, ``coef @ basis + mean`` (``coding``).
 
-Importing this package imports every codec module beside the shared ones, and each registers its codec: a new
+Importing this package imports every codec module beside the shared ones, and each registers its codecs: a new
 codec is one new module here (or anywhere that calls ``register``; tests/stages/targets/hidden/test_codec_plugin.py
 does).
 """
@@ -46,26 +46,24 @@ from kdcache.storage.hidden_codecs.base import (
     usage as usage,
 )
 from kdcache.storage.hidden_codecs.coding import (
+    CODED_KINDS as CODED_KINDS,
+    ERROR_FIELDS as ERROR_FIELDS,
+    PARTS as PARTS,
+    applies_to as applies_to,
     codec_of as codec_of,
     decode as decode,
     encode as encode,
     error_record as error_record,
     hidden_codec_of as hidden_codec_of,
-    projected as projected,
-    resolve_hidden_codec as resolve_hidden_codec,
-)
-from kdcache.storage.hidden_codecs.naming import (
-    CODED_KINDS as CODED_KINDS,
-    ERROR_FIELDS as ERROR_FIELDS,
-    PARTS as PARTS,
-    applies_to as applies_to,
     is_part as is_part,
     part_name as part_name,
     part_of as part_of,
+    projected as projected,
+    resolve_hidden_codec as resolve_hidden_codec,
 )
 from kdcache.storage.hidden_codecs.quantised import QuantisedCodec as QuantisedCodec
 
-import_members(__name__, __path__, but=("arrays", "base", "coding", "naming", "quantised"))
+import_members(__name__, __path__, but=("arrays", "base", "coding", "quantised"))
 
 # Codes are near-Gaussian bytes: zstd's entropy coding shrinks them (int8 by ~7%, int7 by ~20%), and bit-shuffling
 # them first, which helps fp16, hides that (measured in benchmarks/RESULTS.md). Zarr caches compress them so.

@@ -10,6 +10,12 @@ same bytes.
 
 The standard lacks: selecting each row's m largest entries, adding values at per-row indices, and float8 e4m3fn
 (neither numpy nor the standard has that dtype; torch casts to it natively).
+
+The seeded orthogonal rotation the quantised codecs apply before rounding is built here too: real LLM activations
+have a few channels 100-1000x larger than the rest; a random-sign block-Hadamard rotation spreads each across its
+block, so one scale per row no longer flattens the small channels. Rotation = ``hadamard(x * signs)``: signs ``[d]``
+from a seed, blocks of ``block_size(d)``; orthonormal and its own inverse (up to the signs), so decoding is
+``hadamard(y) * signs``. Its matrices and signs are numpy, made once and copied to each library and device.
 """
 
 from __future__ import annotations
@@ -23,13 +29,40 @@ import numpy as np
 from array_api_compat import array_namespace, device as device_of
 
 from kdcache.storage.core.registry import Registry
-from kdcache.storage.core.rotation import block_size, hadamard_matrix, rotation_signs, sylvester_matrix
 
 # An array of whichever library the caller uses (numpy ndarray on the host, torch Tensor on a device). The standard
 # has no static type, and a Protocol of the operators the codecs use fails mypy --strict here: each library types
 # its operators' results its own way (no-any-return), and NumpyOps' ndarray parameters cannot implement one.
 Array: TypeAlias = Any
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+MAX_BLOCK = 256  # a dense block costs b multiply-adds per value; 256 spreads an outlier far enough
+
+
+def block_size(d: int) -> int:
+    """The rotation's Hadamard block: the largest power of two dividing d, at most ``MAX_BLOCK``."""
+    return min(d & -d, MAX_BLOCK)
+
+
+def sylvester_matrix(b: int) -> np.ndarray:
+    """The Sylvester-Hadamard matrix of +1/-1 ``[b, b]`` float32 (b a power of two): ``H_1 = [1]``,
+    ``H_2n = [[H_n, H_n], [H_n, -H_n]]``. Integer codes times it sum exactly in float32 (|sum| ≤ 127 · 256 < 2²⁴),
+    whatever order a library's matmul adds them in."""
+    h = np.ones((1, 1))
+    while len(h) < b:
+        h = np.block([[h, h], [h, -h]])
+    return h.astype(np.float32)
+
+
+def hadamard_matrix(b: int) -> np.ndarray:
+    """``sylvester_matrix(b) / sqrt(b)``: the orthonormal matrix ``[b, b]`` float32 (symmetric, its own inverse)."""
+    matrix: np.ndarray = (sylvester_matrix(b).astype(np.float64) / np.sqrt(b)).astype(np.float32)
+    return matrix
+
+
+def rotation_signs(seed: int, d: int) -> np.ndarray:
+    """The rotation's random signs ``[d]`` float32 (+1/-1), from ``numpy.random.default_rng(seed)``."""
+    return (np.random.default_rng(seed).integers(0, 2, d) * 2 - 1).astype(np.float32)
 
 
 class ArrayOps(Protocol):
@@ -122,7 +155,7 @@ def integer_hadamard(x: Array) -> tuple[Array, float]:
 
 
 def signs(like: Array, seed: int, d: int) -> Array:
-    """The rotation's random signs ``[d]`` float32 (``storage.core.rotation.rotation_signs``) beside ``like``."""
+    """The rotation's random signs ``[d]`` float32 (``rotation_signs``) beside ``like``."""
     return constant(like, rotation_signs, seed, d)
 
 

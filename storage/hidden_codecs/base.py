@@ -8,7 +8,7 @@ typed dataclass (its ``Config``). The error texts and the ``--hidden-codec`` cho
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from kdcache.storage.core.errors import SpecError
 from kdcache.storage.core.registry import Registry
@@ -19,18 +19,11 @@ CodecRecord = dict[str, Any]  # the JSON form of a codec in a spec: {"name": str
 
 @dataclasses.dataclass(frozen=True)
 class NoConfig:
-    """The configuration of a codec that takes none (the float codecs)."""
+    """The configuration of a codec that takes none (the float codecs), and the base of every codec's: a dataclass
+    that refuses its own bad values (``check``)."""
 
     def check(self, name: str) -> None:
         """Nothing to refuse."""
-
-
-class HiddenCodecConfig(Protocol):
-    """A hidden codec's configuration: a dataclass that refuses its own bad values."""
-
-    __dataclass_fields__: ClassVar[dict[str, Any]]
-
-    def check(self, name: str) -> None: ...
 
 
 class HiddenCodec:
@@ -57,9 +50,9 @@ class HiddenCodec:
     full_rank: ClassVar[bool] = False
     column_major: ClassVar[bool] = False
     Config: ClassVar[type] = NoConfig
-    config: HiddenCodecConfig
+    config: NoConfig
 
-    def __init__(self, config: HiddenCodecConfig | None = None) -> None:
+    def __init__(self, config: NoConfig | None = None) -> None:
         self.config = self.Config() if config is None else config
 
     def __eq__(self, other: object) -> bool:
@@ -100,10 +93,6 @@ class HiddenCodec:
     def group_count(self, d: int) -> int:
         """Scales per row of width d."""
         return 1
-
-    def stored_width(self, d: int) -> int:
-        """Columns of the stored codes for rows of width d."""
-        return d // self.per_code
 
     def width_expectation(self, d: int) -> str | None:
         """What a row width must be, when ``d`` is not that (None when it suits)."""

@@ -16,7 +16,7 @@ import dataclasses
 from kdcache.storage.core.errors import SpecError
 from kdcache.storage.hidden_codecs.arrays import Array, namespace
 from kdcache.storage.hidden_codecs.base import register
-from kdcache.storage.hidden_codecs.int8 import Int8
+from kdcache.storage.hidden_codecs.integers import Int8
 from kdcache.storage.hidden_codecs.quantised import QuantConfig
 
 

@@ -17,13 +17,13 @@ from typing import Any
 
 from kdcache.storage.core.errors import SpecError
 from kdcache.storage.hidden_codecs.arrays import Array, hadamard, integer_hadamard, namespace, ops_for, scale_up, signs
-from kdcache.storage.hidden_codecs.base import HiddenCodec, is_int
+from kdcache.storage.hidden_codecs.base import HiddenCodec, NoConfig, is_int
 
 MAX_WIDTH = 32767  # outlier ids are stored as uint16 (int16 on a device without uint16 kernels)
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantConfig:
+class QuantConfig(NoConfig):
     """A quantised codec's configuration.
 
     Attributes:

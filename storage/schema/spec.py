@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.core.attention_source import (
+    ATTENTION_LAYOUTS,
     DEFAULT_ATTENTION_SOURCE,
     AttentionLayout,
-    attention_layout as layout_of_source,
     check_attention_source,
+    token_row_kinds,
 )
 from kdcache.storage.core.backend_registry import DEFAULT_BACKEND, BackendClass, backend_class
 from kdcache.storage.core.codecs import CompressorConfig, resolve_codec
@@ -40,8 +41,12 @@ from kdcache.storage.core.dtypes import STORAGE_DTYPES, storage_dtype
 from kdcache.storage.core.errors import LayerNotInCacheError, SpecError, UnknownFeatureError
 from kdcache.storage.core.formats import FORMAT_VERSION
 from kdcache.storage.core.logit_layouts import (
+    FLOAT,
+    VOCAB_ID,
+    LogitArray,
     LogitLayout,
     layout_named,
+    logit_array,
     logit_arrays,
     validate_logits,
 )
@@ -61,12 +66,14 @@ from kdcache.storage.core.streams import (
     token_offsets_name,
 )
 from kdcache.storage.hidden_codecs import (
+    CODES_CODEC,
     HiddenCodec,
     applies_to,
     hidden_codec_of,
     part_name,
+    part_of,
 )
-from kdcache.storage.schema.arrays import TOKEN_ARRAYS, CachedArray, describe
+from kdcache.storage.schema.arrays import TOKEN_ARRAYS, CachedArray, Geometry, topk_id_dtype
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,7 @@ class CacheSpec:
         put("token_arrays", tuple(self.token_arrays))
         if self.attention_heads is not None:
             put("attention_heads", sorted_layers("attention_heads", self.attention_heads, 0))
-        codec, topk_codec = self.backend_type.default_codecs()
+        codec, topk_codec = self.backend_type.default_codecs
         put("codec", resolve_codec(codec if self.codec is None else self.codec))
         put("topk_codec", resolve_codec(topk_codec if self.topk_codec is None else self.topk_codec))
         put("hidden_codec", hidden_codec_of(self.hidden_codec, self.dtype if self.dtype in ("fp16", "bf16")
@@ -144,7 +151,7 @@ class CacheSpec:
 
     @functools.cached_property
     def attention_layout(self) -> AttentionLayout:
-        return layout_of_source(self.attention_source)
+        return ATTENTION_LAYOUTS.lookup(self.attention_source)  # a SpecError names the registered sources
 
     # Each array of a shard with its name read once (``schema.arrays``), built on first use.
     @functools.cached_property
@@ -392,3 +399,54 @@ def check_spec(spec: CacheSpec) -> None:
     check_attention_source(spec.attention_layout, spec.attention_scores, spec.attention_layers,
                            one_stream=not spec.is_encoder_decoder, all_heads=spec.attention_heads is None,
                            triangle=spec.attention_triangle)
+
+
+def describe(spec: CacheSpec, name: str) -> CachedArray:
+    """Array ``name`` of ``spec``: where its name is read, once per spec (``spec.coded`` and ``spec.float_dtype``,
+    which the spec's own naming needs before any array is described, read the hidden codec's kinds from it too)."""
+    kind, logit, part = kind_of(name), logit_array(spec, name), part_of(name)
+    stream = split_stream(name)[0] or ("decoder" if spec.is_encoder_decoder else "")
+    rows = kind == ArrayKind.HIDDEN or kind in token_row_kinds()  # the registry's: a test may register a source
+    lossy = rows or kind in MAP_KINDS or (logit is not None and not logit.sparse)
+    coded = spec.coded(name)
+    return CachedArray(name, stream, kind, logit, part, coded, rows, lossy,
+                       _dtype(spec, name, kind, logit, part, coded), _codec(spec, logit, coded or part is not None),
+                       attention_offsets_name(name) if kind in MAP_KINDS else token_offsets_name(stream),
+                       _geometry(spec, kind, stream) if kind in MAP_KINDS else None)
+
+
+def _dtype(spec: CacheSpec, name: str, kind: str, logit: LogitArray | None, part: str | None,
+           coded: bool) -> np.dtype:
+    """The on-disk dtype: offsets int64, ids int32, token arrays and logit arrays of a fixed type their own,
+    codes the codec's, companions float16 (their ids uint16), any other float array the spec's float dtype."""
+    if kind.endswith("offsets"):
+        return np.dtype(np.int64)
+    if kind == ArrayKind.INPUT_IDS:
+        return np.dtype(np.int32)
+    if kind in TOKEN_ARRAYS:
+        return TOKEN_ARRAYS[kind]
+    if logit is not None and logit.dtype != FLOAT:
+        return topk_id_dtype(spec.vocab_size) if logit.dtype == VOCAB_ID else np.dtype(logit.dtype)
+    if coded:
+        return np.dtype(spec.hidden_codec.code_dtype)
+    if part is not None:
+        return np.dtype(np.uint16) if part == "outlier_ids" else np.dtype(np.float16)
+    return storage_dtype(spec.float_dtype(name))
+
+
+def _codec(spec: CacheSpec, logit: LogitArray | None, codes: bool) -> dict[str, Any]:
+    """The compressor: codes and companions get the codes' own where the backend compresses per array, sparse
+    logits the top-k codec, everything else the activation codec."""
+    if codes and spec.backend_type.codec_per_array:
+        return resolve_codec(CODES_CODEC)  # a column-major codec's too (COLUMN_CODES_CODEC is the same)
+    activations, sparse = spec.codec_configs
+    return sparse if logit is not None and logit.sparse else activations
+
+
+def _geometry(spec: CacheSpec, kind: str, stream: str) -> Geometry:
+    """Cross-attention has decoder queries and encoder keys; only a (decoder) self-attention map can be stored as
+    its causal triangle, or per document."""
+    if kind == CROSS:
+        return Geometry("decoder", "encoder", False, False)
+    by_documents = ArrayKind.POSITION_IDS in spec.token_arrays and kind == ArrayKind.ATTENTION
+    return Geometry(stream, stream, spec.attention_triangle and stream in ("", "decoder"), by_documents)

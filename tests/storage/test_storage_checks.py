@@ -92,7 +92,7 @@ def test_put_folder_tolerates_only_a_copy_already_landed(tmp_path, monkeypatch):
 
 
 def test_the_rotation_is_built_once_and_each_caller_gets_its_own_copy():
-    from kdcache.storage.core.rotation import hadamard_matrix, rotation_signs
+    from kdcache.storage.hidden_codecs.arrays import hadamard_matrix, rotation_signs
 
     h, signs = hadamard_matrix(8), rotation_signs(3, 8)
     np.testing.assert_allclose(h @ h, np.eye(8), atol=1e-6)

@@ -1,6 +1,6 @@
 """zarr's exit handler raised ``RuntimeError: Cannot close a running event loop`` after a finished precompute on a
 loaded machine (issue 61): it waits only 0.2 s for its IO thread to stop before closing the loop. kdcache stops that
-loop and waits for the thread first (``storage.core.zarr_exit``).
+loop and waits for the thread first (``storage.backends.zarr_backend.stop_zarr_io``).
 
 The child process writes a zarr cache (which starts zarr's IO loop), then keeps that loop busy for a second as it
 exits: the IO thread cannot stop within zarr's 0.2 s, as on a machine whose cores are all taken.

@@ -21,7 +21,6 @@ import torch
 
 import kdcache.storage
 from kdcache.stages.targets.hidden.device_codecs import TorchOps, decode_batch
-from kdcache.storage.core.rotation import hadamard_matrix, rotation_signs
 from kdcache.storage.hidden_codecs import (
     FP8_MAX,
     HIDDEN_CODECS,
@@ -33,7 +32,7 @@ from kdcache.storage.hidden_codecs import (
     names,
     row_errors,
 )
-from kdcache.storage.hidden_codecs.arrays import NumpyOps
+from kdcache.storage.hidden_codecs.arrays import NumpyOps, hadamard_matrix, rotation_signs
 
 QUANTISED = [n for n in names() if not HIDDEN_CODECS[n].float_dtype]
 VARIANTS = [{}, {"rotation": None}, {"outliers": 0}, {"rotation": 7, "outliers": 3}, {"group": 16}]
