@@ -47,28 +47,17 @@ LENGTHS = (512, 2048, 4096)
 
 def arithmetic(length: int) -> dict[str, float]:
     """fp16 bytes per token per layer before compression."""
-    return {
-        "maps_full": HEADS * length * 2,
-        "maps_triangle": HEADS * (length + 1) / 2 * 2,
-        "qk": (HEADS + KV_HEADS) * HEAD_DIM * 2,
-        "qkv": (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2,
-    }
+    return {"maps_full": HEADS * length * 2, "maps_triangle": HEADS * (length + 1) / 2 * 2,
+            "qk": (HEADS + KV_HEADS) * HEAD_DIM * 2, "qkv": (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2}
 
 
 def _block() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=HEADS * HEAD_DIM,
-        num_hidden_layers=1,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        intermediate_size=256,
-        max_position_embeddings=4096,
-        attn_implementation="eager",
-    )
+    config = LlamaConfig(vocab_size=1024, hidden_size=HEADS * HEAD_DIM, num_hidden_layers=1,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, intermediate_size=256,
+                         max_position_embeddings=4096, attn_implementation="eager")
     return LlamaForCausalLM(config).eval()
 
 
@@ -95,18 +84,11 @@ def written(length: int = 512) -> dict[str, float]:
     q, k = (x[0].transpose(0, 1).reshape(length, -1).numpy() for x in (recorder.captured[1].q, recorder.captured[1].k))
     base = {"input_ids": ids[0].numpy()}
     spec_maps = CacheSpec(num_sequences=1, attention_layers=(1,), attention_triangle=True)
-    scores = {
-        "num_heads": HEADS,
-        "num_kv_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "causal": True,
-        "blocks": {"1": {"scaling": HEAD_DIM**-0.5, "sliding_window": None, "softcap": None}},
-    }
+    scores = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "causal": True,
+              "blocks": {"1": {"scaling": HEAD_DIM ** -0.5, "sliding_window": None, "softcap": None}}}
     spec_qk = CacheSpec(num_sequences=1, attention_layers=(1,), attention_source="qk", attention_scores=scores)
-    return {
-        "maps_triangle": _stored(spec_maps, {**base, "attention/1": maps.numpy()}, length),
-        "qk": _stored(spec_qk, {**base, "attention_q/1": q, "attention_k/1": k}, length),
-    }
+    return {"maps_triangle": _stored(spec_maps, {**base, "attention/1": maps.numpy()}, length),
+            "qk": _stored(spec_qk, {**base, "attention_q/1": q, "attention_k/1": k}, length)}
 
 
 STEP = """
@@ -173,11 +155,8 @@ def train_step(path: str, length: int) -> tuple[float, float]:
 
 def stage_two(repeats: int) -> list[dict[str, Any]]:
     """Best time and least peak per (path, L), paths alternating within each repeat."""
-    runs = (
-        [("none", n) for n in (1024, 2048, 4096)]
-        + [("maps", 1024), ("maps", 2048)]
-        + [("qk", n) for n in (1024, 2048, 4096)]
-    )
+    runs = [("none", n) for n in (1024, 2048, 4096)] + [("maps", 1024), ("maps", 2048)] + \
+        [("qk", n) for n in (1024, 2048, 4096)]
     best: dict[tuple[str, int], tuple[float, float]] = {}
     for _ in range(repeats):
         for key in runs:
@@ -196,9 +175,7 @@ def main() -> None:
     result: dict[str, Any] = {"arithmetic": {n: arithmetic(n) for n in LENGTHS}, "written_512": written()}
     print("bytes/token/layer (fp16, before compression): L, maps full, maps triangle, q/k, q/k/v")
     for n, row in result["arithmetic"].items():
-        print(
-            f"  {n:5d} {row['maps_full']:>10,.0f} {row['maps_triangle']:>10,.0f} {row['qk']:>7,.0f} {row['qkv']:>7,.0f}"
-        )
+        print(f"  {n:5d} {row['maps_full']:>10,.0f} {row['maps_triangle']:>10,.0f} {row['qk']:>7,.0f} {row['qkv']:>7,.0f}")
     print(f"stored at L=512 (real write): {result['written_512']}")
     result["stage_two"] = stage_two(args.repeats)
     for row in result["stage_two"]:

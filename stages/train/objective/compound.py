@@ -78,9 +78,8 @@ class RunLoss(Protocol):
 
     def student_outputs(self, student: object, batch: Mapping[str, Any]) -> Any: ...
 
-    def __call__(
-        self, student_outputs: StudentOutput, batch: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]: ...
+    def __call__(self, student_outputs: StudentOutput, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ...
 
 
 class CompoundLoss(nn.Module):
@@ -150,9 +149,8 @@ class CompoundLoss(nn.Module):
         self.hidden_loss: HiddenLoss = HIDDEN_LOSSES[hidden_loss] if isinstance(hidden_loss, str) else hidden_loss
         self.layer_map: list[Pair] = [(int(s), int(t)) for s, t in layer_map] if gamma > 0 else []
         default_attention = [p for p in layer_map if p[0] > 0 and p[1] > 0]
-        self.attention_map: list[Pair] = (
-            [(int(s), int(t)) for s, t in (attention_map or default_attention)] if delta > 0 else []
-        )
+        self.attention_map: list[Pair] = ([(int(s), int(t)) for s, t in (attention_map or default_attention)]
+                                          if delta > 0 else [])
         self.projectors = self._build_projectors(student_dim, teacher_dim, seed)
         self.critic_in_forward = critic_in_forward
         self.critics: CriticTrainer | None = None
@@ -163,10 +161,7 @@ class CompoundLoss(nn.Module):
             )
 
     def forward(
-        self,
-        student_out: StudentOutput,
-        targets: Mapping[str, torch.Tensor],
-        mask: torch.Tensor,
+        self, student_out: StudentOutput, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
         scales: Mapping[str, float] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Compute every term with a non-zero weight.
@@ -203,13 +198,8 @@ class CompoundLoss(nn.Module):
             logs.update({k: v * scale.get(k.split("/")[0], 1.0) for k, v in logs.items()})
         return self._total(terms, logs, vocab_total, set(vocab))
 
-    def _vocab_pass(
-        self,
-        out: StudentOutput,
-        vocab: dict[str, ChunkTerm],
-        terms: dict[str, torch.Tensor],
-        scale: Mapping[str, float],
-    ) -> torch.Tensor | None:
+    def _vocab_pass(self, out: StudentOutput, vocab: dict[str, ChunkTerm], terms: dict[str, torch.Tensor],
+                    scale: Mapping[str, float]) -> torch.Tensor | None:
         """α·CE + β·KL (with its graph) in one pass over the student's logits, each by its ``scale``; their values
         (detached, scaled) go to ``terms``. None without a vocabulary term."""
         if not vocab:
@@ -220,33 +210,19 @@ class CompoundLoss(nn.Module):
         terms.update((name, value * f) for name, value, f in zip(vocab, values.unbind(), factors))
         return total
 
-    def _total(
-        self,
-        terms: dict[str, torch.Tensor],
-        logs: dict[str, torch.Tensor],
-        vocab_total: torch.Tensor | None = None,
-        in_pass: set[str] | None = None,
-    ) -> dict[str, Any]:
+    def _total(self, terms: dict[str, torch.Tensor], logs: dict[str, torch.Tensor],
+               vocab_total: torch.Tensor | None = None, in_pass: set[str] | None = None) -> dict[str, Any]:
         """The weighted sum of ``terms`` (those ``in_pass`` are already in ``vocab_total``, weighted) and the logs."""
         if not terms:
-            raise LossError(
-                "no loss term was computed: every weight is 0, or the terms it has need outputs "
-                "this student lacks (CE needs logits)"
-            )
+            raise LossError("no loss term was computed: every weight is 0, or the terms it has need outputs "
+                            "this student lacks (CE needs logits)")
         rest = [self.weights[_family(name)] * value for name, value in terms.items() if name not in (in_pass or ())]
         parts = rest + ([] if vocab_total is None else [vocab_total])
         total = torch.stack(parts).sum()
         return {"loss": total, **{k: v.detach() for k, v in terms.items()}, **logs}
 
-    def _add_ce(
-        self,
-        out: StudentOutput,
-        targets: Mapping[str, torch.Tensor],
-        masks: TokenMasks,
-        terms: dict,
-        vocab: dict[str, ChunkTerm],
-        any_trained: bool,
-    ) -> None:
+    def _add_ce(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
+                vocab: dict[str, ChunkTerm], any_trained: bool) -> None:
         logits = getattr(out, "logits", None)
         if logits is None:
             return  # an encoder without an LM head: no CE, by design
@@ -258,15 +234,8 @@ class CompoundLoss(nn.Module):
         else:  # a masked-LM loop puts its own "labels" (-100 where unmasked) in the batch
             vocab["ce"] = token_ce_term(logits, targets.get("labels", ids), masks.trained)
 
-    def _add_kl(
-        self,
-        out: StudentOutput,
-        targets: Mapping[str, torch.Tensor],
-        masks: TokenMasks,
-        terms: dict,
-        vocab: dict[str, ChunkTerm],
-        any_predicts: bool,
-    ) -> None:
+    def _add_kl(self, out: StudentOutput, targets: Mapping[str, torch.Tensor], masks: TokenMasks, terms: dict,
+                vocab: dict[str, ChunkTerm], any_predicts: bool) -> None:
         logits = getattr(out, "logits", None)
         if logits is not None and not any_predicts:  # the term keeps its name: every rank logs the same keys
             terms[self._kind_of(targets).term] = tied_zero(logits)
@@ -282,10 +251,8 @@ class CompoundLoss(nn.Module):
         when the loss holds the teacher's head)."""
         kind = self.logit_kind or logit_kinds.from_targets(targets, self.teacher_head is not None)
         if kind is None:
-            raise LossError(
-                f"the KL term needs cached teacher logits, but the batch holds {', '.join(sorted(targets))}"
-                f"; set beta 0, or cache logits ({logit_kinds.usage()})"
-            )
+            raise LossError(f"the KL term needs cached teacher logits, but the batch holds {', '.join(sorted(targets))}"
+                            f"; set beta 0, or cache logits ({logit_kinds.usage()})")
         return kind
 
     def _hidden_term(
@@ -297,7 +264,6 @@ class CompoundLoss(nn.Module):
         def value(s: int, t: int) -> torch.Tensor:
             h_s = self.projectors.project((s, t), _layer(states, s, "hidden state"))
             return self._one_hidden((s, t), h_s, _target(targets, f"hidden/{t}"), mask, logs)
-
         return _pair_sum(logs, "hidden", self.layer_map, any_trained, lambda s: states[s], value)
 
     def _one_hidden(
@@ -319,45 +285,28 @@ class CompoundLoss(nn.Module):
         is ``cached_qk_loss`` instead, from the student's recorded queries and keys."""
         if self.teacher_scores is not None:
             # block -> qk_attention.Captured
-            recorded = cast(
-                "Mapping[int, Captured]",
-                _student_field(out, "attention_qkv", "the q/k recorder (DistillModel runs it for a q/k cache)"),
-            )
+            recorded = cast("Mapping[int, Captured]", _student_field(
+                out, "attention_qkv", "the q/k recorder (DistillModel runs it for a q/k cache)"))
 
             def qk_value(s: int, t: int) -> torch.Tensor:
                 if s not in recorded:
                     raise LossError(f"the student's block {s} recorded no queries and keys")
-                return cached_qk_loss(
-                    self.attention_loss,
-                    recorded[s],
-                    targets,
-                    t,
-                    self.teacher_scores or {},
-                    masks.real,
-                    masks.trained,
-                    self.relation_heads,
-                )
-
+                return cached_qk_loss(self.attention_loss, recorded[s], targets, t, self.teacher_scores or {},
+                                      masks.real, masks.trained, self.relation_heads)
             return _pair_sum(logs, "attention", self.attention_map, any_trained, lambda s: recorded[s].q, qk_value)
         maps = _student_field(out, "attentions", "output_attentions=True and attention_maps.MAPS_ATTENTION")
 
         def map_value(s: int, t: int) -> torch.Tensor:
             # Rows of trained tokens, over every real key: the teacher saw the whole context.
-            return attention_kl(
-                _layer(maps, s - 1, "attention map", shown=s),
-                _target(targets, f"attention/{t}"),
-                masks.real,
-                queries=masks.trained,
-            )
-
+            return attention_kl(_layer(maps, s - 1, "attention map", shown=s), _target(targets, f"attention/{t}"),
+                                masks.real, queries=masks.trained)
         return _pair_sum(logs, "attention", self.attention_map, any_trained, lambda s: maps[s - 1], map_value)
 
     def _build_projectors(self, student_dim: int | None, teacher_dim: int | None, seed: int) -> Projectors:
         wanted = bool(self.layer_map) and self.hidden_loss.projector
         if wanted and (student_dim is None or teacher_dim is None):
-            raise LossError(
-                f"the {self.hidden_loss.name} hidden loss needs student_dim and teacher_dim for its projectors"
-            )
+            raise LossError(f"the {self.hidden_loss.name} hidden loss needs student_dim and teacher_dim for its "
+                            f"projectors")
         return Projectors(self.layer_map if wanted else [], student_dim or 0, teacher_dim or 0, seed=seed)
 
     def _check_config(self, hidden_loss: HiddenLoss | str) -> None:
@@ -381,21 +330,13 @@ def _family(term: str) -> str:
         return term
     terms = {kind.term for kind in logit_kinds.kinds()}
     if term not in terms:  # a kind's term misnamed
-        raise LossError(
-            f"loss term {term!r} is neither ce, kl, hidden, attention nor a registered logit kind's "
-            f"term ({sorted(terms)})"
-        )
+        raise LossError(f"loss term {term!r} is neither ce, kl, hidden, attention nor a registered logit kind's "
+                        f"term ({sorted(terms)})")
     return "kl"
 
 
-def _pair_sum(
-    logs: dict,
-    kind: str,
-    pairs: list[Pair],
-    any_trained: bool,
-    student: Callable[[int], torch.Tensor],
-    value: Callable[[int, int], torch.Tensor],
-) -> torch.Tensor:
+def _pair_sum(logs: dict, kind: str, pairs: list[Pair], any_trained: bool, student: Callable[[int], torch.Tensor],
+              value: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """Σ over ``pairs`` of ``value(s, t)``, each logged as ``{kind}/s{s}_t{t}``. A batch with no trained token adds
     instead, per pair, a 0 tied to its student tensor (``student(s)``), under the names a full batch logs."""
     total = torch.zeros(())

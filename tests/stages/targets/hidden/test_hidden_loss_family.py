@@ -33,13 +33,8 @@ FAMILY = "stages/targets/hidden/"
 
 def test_each_built_in_loss_says_what_stage_two_asks_of_it() -> None:
     facts = {loss.name: (loss.projector, loss.empty_safe, loss.adversarial) for loss in HIDDEN_LOSSES.values()}
-    assert facts == {
-        "mse": (True, True, False),
-        "cosine": (True, True, False),
-        "cka": (False, False, False),
-        "cka_sqrt": (False, False, False),
-        "wgan": (True, False, True),
-    }
+    assert facts == {"mse": (True, True, False), "cosine": (True, True, False), "cka": (False, False, False),
+                     "cka_sqrt": (False, False, False), "wgan": (True, False, True)}
     for name in facts:  # one function per loss, whichever way it is asked for
         assert hidden_loss(name).resolved() is get_loss(name)
     assert HiddenLossFlags(hidden_loss="cka").loss() is HIDDEN_LOSSES["cka"]
@@ -51,10 +46,8 @@ def test_an_unknown_name_is_refused_naming_every_loss() -> None:
 
 
 def test_the_family_imports_without_torch() -> None:
-    code = (
-        "import sys; from kdcache.stages.train.core.options import LossOptions; "
-        "print(LossOptions().hidden.loss().name, 'torch' in sys.modules)"
-    )
+    code = ("import sys; from kdcache.stages.train.core.options import LossOptions; "
+            "print(LossOptions().hidden.loss().name, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "mse False"
 
@@ -63,12 +56,8 @@ def test_no_file_outside_the_family_compares_a_hidden_loss_name() -> None:
     names = set(HIDDEN_LOSSES)
     planted = name_comparisons("if loss == 'wgan' or loss in ('cka', 'x'):\n    pass\n", names)
     assert planted == [(1, "cka"), (1, "wgan")]  # the checker finds them
-    found = [
-        f"{path}:{line}: compares {text!r}"
-        for path, text in _files(*PACKAGES)
-        if not path.startswith(FAMILY)
-        for line, text in name_comparisons(text, names)
-    ]
+    found = [f"{path}:{line}: compares {text!r}" for path, text in _files(*PACKAGES) if not path.startswith(FAMILY)
+             for line, text in name_comparisons(text, names)]
     assert not found, "read the HiddenLoss's attributes instead:\n" + "\n".join(found)
 
 
@@ -96,31 +85,12 @@ def toy() -> Iterator[MaskedL1]:
 
 
 def test_a_hidden_loss_defined_in_a_test_trains_and_evaluates_through_kdcache_train(
-    toy: MaskedL1, tiny_gpt2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+        toy: MaskedL1, tiny_gpt2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cache = precompute_cache(tiny_gpt2, tmp_path / "cache", num_sequences=8, extra=("--features", "hidden"))
     student = make_student_config(tmp_path / "student", tiny_gpt2, n_layer=1, n_embd=16, n_head=2)  # d_s < d_t
     out = tmp_path / "run"
-    argv = [
-        "train",
-        "--cache",
-        str(cache),
-        "--student",
-        str(student),
-        "--out",
-        str(out),
-        "--hidden-loss",
-        "toy_l1",
-        "--layer-map",
-        "last",
-        "--max-steps",
-        "1",
-        "--batch-size",
-        "4",
-        "--eval-cache",
-        str(cache),
-        "--quiet",
-    ]
+    argv = ["train", "--cache", str(cache), "--student", str(student), "--out", str(out), "--hidden-loss", "toy_l1",
+            "--layer-map", "last", "--max-steps", "1", "--batch-size", "4", "--eval-cache", str(cache), "--quiet"]
     assert main(argv) == 0
     assert toy.calls >= 2 and 0 < toy.with_grad < toy.calls  # trained (with a gradient), then evaluated (without)
     [step] = read_jsonl(out / "metrics.jsonl")
