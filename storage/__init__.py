@@ -83,9 +83,9 @@ if TYPE_CHECKING:
         vocab_row_names as vocab_row_names,
     )
     from kdcache.storage.core.registry import Registry as Registry, import_members as import_members
+    from kdcache.storage.core.store_base import Store as Store
     from kdcache.storage.core.stores import (
         OPTIONS_ENV as OPTIONS_ENV,
-        Store as Store,
         default_storage_options as default_storage_options,
         is_url as is_url,
         open_store as open_store,

@@ -16,7 +16,7 @@ from typing import Any
 from kdcache.storage.core.canonical import canonical_json, is_sealed, seal_problem, sealed
 from kdcache.storage.core.errors import ManifestError
 from kdcache.storage.core.files import crc32c, write_bytes_atomic
-from kdcache.storage.core.stores import Store
+from kdcache.storage.core.store_base import Store
 from kdcache.storage.schema.manifest import MANIFEST_NAME, SHARDS_DIR, read_json
 
 TABLE = ".kdcache-files.json"

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from kdcache.storage.core.errors import ManifestError
-from kdcache.storage.core.stores import Store
+from kdcache.storage.core.store_base import Store
 from kdcache.storage.folders import folder_is_complete, put_files
 
 PROJECTION_DIR = "projection"

@@ -20,7 +20,8 @@ import numpy as np
 
 from kdcache.storage.backends.base import ShardHandle, get_backend
 from kdcache.storage.core.errors import ChecksumError, PartialCacheError, ShardError
-from kdcache.storage.core.stores import Store, open_store
+from kdcache.storage.core.store_base import Store
+from kdcache.storage.core.stores import open_store
 from kdcache.storage.core.streams import prefixed
 from kdcache.storage.layout import decode_rows, document_lengths, unpack_attention
 from kdcache.storage.schema.manifest import Manifest, ShardRecord, read_manifest, read_sidecars

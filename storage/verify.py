@@ -32,7 +32,8 @@ import numpy as np
 from kdcache.storage.backends.base import Backend, check_file, get_backend, owner_of
 from kdcache.storage.core.canonical import SEAL, is_sealed
 from kdcache.storage.core.errors import KdcacheError
-from kdcache.storage.core.stores import Store, open_store
+from kdcache.storage.core.store_base import Store
+from kdcache.storage.core.stores import open_store
 from kdcache.storage.core.streams import token_offsets_name
 from kdcache.storage.folders import CACHE_ENTRIES, TABLE, folder_is_complete, folder_names, read_table
 from kdcache.storage.hidden_codecs import decode, projected

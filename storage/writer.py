@@ -26,7 +26,8 @@ from kdcache.storage.backends.base import Backend, get_backend
 from kdcache.storage.buffers import BufferPool
 from kdcache.storage.core.errors import CacheMismatchError, FormatVersionError, ManifestError, ShardError
 from kdcache.storage.core.files import crc32c, disk_full_error, file_size
-from kdcache.storage.core.stores import Store, WriterLock, open_store
+from kdcache.storage.core.store_base import Store, WriterLock
+from kdcache.storage.core.stores import open_store
 from kdcache.storage.encode import EncodedShard, encode_shard
 from kdcache.storage.fingerprint import Difference, fingerprint_differences, same_values
 from kdcache.storage.folders import folder_tables

@@ -28,7 +28,7 @@ from kdcache.storage.backends.base import Backend, PackedShard, Problem, ShardHa
 from kdcache.storage.core.codecs import ARROW_DEFAULT_CODEC, to_arrow_compression
 from kdcache.storage.core.files import crc32c
 from kdcache.storage.core.formats import CacheFormat, arrow_file_problem, value_crc32
-from kdcache.storage.core.stores import Store
+from kdcache.storage.core.store_base import Store
 from kdcache.storage.core.streams import is_offsets
 from kdcache.storage.schema.manifest import ShardRecord, shard_name
 from kdcache.storage.schema.spec import CacheSpec

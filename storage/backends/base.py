@@ -20,7 +20,7 @@ import numpy as np
 from kdcache.storage.core.errors import ChecksumError
 from kdcache.storage.core.files import FileData, crc32c
 from kdcache.storage.core.formats import CURRENT, CacheFormat
-from kdcache.storage.core.stores import Store
+from kdcache.storage.core.store_base import Store
 from kdcache.storage.schema.manifest import SHARDS_DIR, ShardRecord, shard_name
 from kdcache.storage.schema.spec import CacheSpec
 

@@ -47,7 +47,7 @@ from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, SHUFF
 from kdcache.storage.core.errors import UnknownCodecError
 from kdcache.storage.core.files import crc32c, file_size
 from kdcache.storage.core.formats import CacheFormat, zarr_problems
-from kdcache.storage.core.stores import Store
+from kdcache.storage.core.store_base import Store
 from kdcache.storage.core.streams import split_stream
 from kdcache.storage.hidden_codecs import CODED_KINDS
 from kdcache.storage.schema.manifest import ShardRecord, shard_name

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kdcache.storage.core.errors import FormatVersionError, ManifestError, StorageError
-from kdcache.storage.core.stores import Store
+from kdcache.storage.core.store_base import Store
 
 FORMAT_VERSION = 4  # what this code writes
 READABLE_FORMAT_VERSION = 4  # the newest format this code reads

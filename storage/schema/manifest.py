@@ -19,7 +19,8 @@ from typing import Any
 from kdcache.storage.core.canonical import SEAL, seal_problem, sealed
 from kdcache.storage.core.errors import KdcacheError, ManifestError
 from kdcache.storage.core.formats import FORMAT_VERSION, CacheFormat, cache_format, read_format
-from kdcache.storage.core.stores import Store, open_store
+from kdcache.storage.core.store_base import Store
+from kdcache.storage.core.stores import open_store
 from kdcache.storage.schema.spec import CacheSpec
 
 MANIFEST_NAME = "manifest.json"
