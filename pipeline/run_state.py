@@ -16,7 +16,7 @@ from typing import Any
 from kdcache import stages
 from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.common.stream_options import ALIASES
-from kdcache.stages.targets.logits.base import DEFAULT_TEMPERATURE
+from kdcache.stages.targets.logits.loss_flags import DEFAULT_TEMPERATURE
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.storage import read_json_object
 

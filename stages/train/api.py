@@ -33,7 +33,7 @@ from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, register_maps_attention
 from kdcache.stages.targets.hidden.device_codecs import load_projection
-from kdcache.stages.targets.logits.base import DEFAULT_TEMPERATURE
+from kdcache.stages.targets.logits.loss_flags import DEFAULT_TEMPERATURE
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.core.checks import CacheCheckError, open_cache as open_checked, vocab_problems
 from kdcache.stages.train.core.options import LossOptions, MapOptions, TrainOptions

@@ -14,13 +14,11 @@ from __future__ import annotations
 import pkgutil
 
 from kdcache.stages.targets.logits.base import (
-    TOPK_VARIANTS,
     TORCH_HALF,
     KlSetup,
     LogitFlags,
     LogitKind,
     LogitKindError,
-    LogitLossFlags,
     LogitSettings,
     from_targets,
     get,
@@ -32,6 +30,7 @@ from kdcache.stages.targets.logits.base import (
     usage,
     uses_head,
 )
+from kdcache.stages.targets.logits.loss_flags import TOPK_VARIANTS, LogitLossFlags
 from kdcache.storage import import_members
 
 # Neither the torch halves, ``teacher_head`` (the ``head`` mode's copy of the teacher's LM head) nor ``vocab/``

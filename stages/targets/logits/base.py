@@ -15,11 +15,11 @@ the student's loss term, a term of stage two's vocabulary pass (``stages.targets
 torch half by that name (``torch_half``) and imports it on the first capture or loss, so a mode is registered
 once and the light paths never load torch.
 
-The family's flags are declared here too, once, beside the kinds that read them: ``LogitFlags``, stage one's
-logit flags, their checks and the ``LogitSettings`` they make, held whole by stage one's options
-(``TargetOptions.logit``, an ``option_group``: flags and YAML keys stay flat); ``LogitLossFlags``, stage two's
-logit KL flags, held the same way by ``LossOptions.logit``. A new flag is a field there, its check in ``problems``
-and its use in a kind's ``spec_fields`` or ``loss_problems``.
+The family's flags are declared once, beside the kinds that read them: here ``LogitFlags``, stage one's logit
+flags, their checks and the ``LogitSettings`` they make, held whole by stage one's options (``TargetOptions.logit``,
+an ``option_group``: flags and YAML keys stay flat); in ``loss_flags`` ``LogitLossFlags``, stage two's logit KL
+flags, held the same way by ``LossOptions.logit``. A new flag is a field there, its check in ``problems`` and its
+use in a kind's ``spec_fields`` or ``loss_problems``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from kdcache.stages.common.option_groups import option
+from kdcache.stages.targets.logits.loss_flags import LogitLossFlags
 from kdcache.storage import (
     ArrayKind,
     KdcacheError,
@@ -324,8 +325,6 @@ def from_targets(arrays: Iterable[str], head: bool) -> LogitKind | None:
 
 DEFAULT_LOGITS = "topk"  # the --logits mode when none is given (a name of stages.targets.logits)
 FULL_LOGITS = "full"  # the mode the older flag --full-logits asks for
-DEFAULT_TEMPERATURE = 2.0  # stage two's --temperature when none is given and the cache does not fix one
-TOPK_VARIANTS = ("renorm", "other")  # --topk-kl's choices
 
 
 @dataclass(frozen=True)
@@ -397,22 +396,3 @@ class LogitFlags:
             problems.append(f"sample_temperature: got {self.sample_temperature}, must be > 0")
         return problems
 
-
-@dataclass(frozen=True)
-class LogitLossFlags:
-    """Stage two's logit KL as the flags give it: the KD temperature (None until the cache's default fills it in,
-    ``TrainOptions.with_cache_defaults``) and the top-k variant."""
-
-    temperature: float | None = option(None, f"KD temperature T of the logit KL (default: a sampled cache's "
-                                             f"sampling temperature, else {DEFAULT_TEMPERATURE:g})")
-    topk_kl: str = option("renorm", "top-k KL variant for top-k caches", choices=list(TOPK_VARIANTS))
-
-    def resolved_temperature(self) -> float:
-        """``--temperature``, or the default where nothing decided it (``TrainOptions.with_cache_defaults`` fills
-        in a sampled cache's own before training)."""
-        return DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
-
-    def problems(self) -> list[str]:
-        """Every problem of these flags alone (against the cache: the kind's ``loss_problems``)."""
-        bad = self.temperature is not None and self.temperature <= 0
-        return [f"temperature must be > 0, got {self.temperature}"] if bad else []

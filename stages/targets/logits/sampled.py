@@ -20,9 +20,9 @@ from kdcache.stages.targets.logits.base import (
     LogitFlags,
     LogitKind,
     LogitKindError,
-    LogitLossFlags,
     register,
 )
+from kdcache.stages.targets.logits.loss_flags import LogitLossFlags
 from kdcache.storage import SAMPLED_LAYOUT
 
 if TYPE_CHECKING:

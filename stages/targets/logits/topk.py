@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kdcache.stages.targets.logits.base import CacheLogits, LogitFlags, LogitKind, LogitLossFlags, register
+from kdcache.stages.targets.logits.base import CacheLogits, LogitFlags, LogitKind, register
+from kdcache.stages.targets.logits.loss_flags import LogitLossFlags
 from kdcache.storage import TOPK_LAYOUT
 
 if TYPE_CHECKING:

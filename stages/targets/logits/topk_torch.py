@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.base import TOPK_VARIANTS, CaptureSettings, KlSetup
+from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup
+from kdcache.stages.targets.logits.loss_flags import TOPK_VARIANTS
 from kdcache.stages.targets.logits.teacher_head import TeacherHead
 from kdcache.stages.targets.logits.topk import as_logprobs
 from kdcache.stages.targets.logits.vocab import (

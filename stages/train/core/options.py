@@ -20,7 +20,7 @@ from kdcache.stages.common.option_groups import assemble, flatten, option_group
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.attention.flags import AttentionLossFlags
 from kdcache.stages.targets.hidden.hidden_losses import CriticFlags, HiddenLossFlags
-from kdcache.stages.targets.logits.base import DEFAULT_TEMPERATURE, LogitLossFlags
+from kdcache.stages.targets.logits.loss_flags import DEFAULT_TEMPERATURE, LogitLossFlags
 from kdcache.stages.train.core.layer_maps import LayerMap, StreamMaps
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from kdcache.pipeline.config import ConfigError, build
 from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.targets.attention.flags import AttentionLossFlags
 from kdcache.stages.targets.hidden.hidden_losses import HIDDEN_LOSSES, CriticFlags, HiddenLossFlags
-from kdcache.stages.targets.logits.base import DEFAULT_TEMPERATURE, LogitLossFlags
+from kdcache.stages.targets.logits.loss_flags import DEFAULT_TEMPERATURE, LogitLossFlags
 from kdcache.stages.train.core.options import LossOptions, TrainOptions
 
 LOSS_KEYS = ["hidden_loss", "alpha", "beta", "gamma", "delta", "temperature", "topk_kl", "critic_steps", "critic_lr",
