@@ -30,6 +30,7 @@ from kdcache.stages.train.evaluation.heldout import HeldOut
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB
 from kdcache.stages.train.feed.streaming import CacheStream, DataPosition, check_resumable, resumable_state
 from kdcache.stages.train.hf_args import DistillationArguments, options_of
+from kdcache.stages.train.hf_checks import check_optimizer, check_parallel
 from kdcache.stages.train.loss import DistillationLoss
 from kdcache.stages.train.objective.step_norm import StepCounts, term_counts
 from kdcache.storage import CacheReader
@@ -120,7 +121,7 @@ class CacheTrainer(Trainer):
             raise ApiError(f"CacheTrainer builds its own {', '.join(given)} (the cache's collate pads the targets, "
                            "and the loss is DistillationLoss); leave them out")
         args = copy.copy(args)  # ignore_data_skip and max_steps are set below: the caller's arguments stay theirs
-        _check_parallel(args)
+        check_parallel(args)
         source = _training_source(cache, kwargs, args)
         if isinstance(source, CacheStream):  # its order and stream settings are kept; its arrays become the loss's
             shuffle_block, prefetch, prefetch_mib = source.shuffle_block, source.prefetch, source.prefetch_bytes >> 20
@@ -133,7 +134,7 @@ class CacheTrainer(Trainer):
         self.distill = loss if loss is not None else DistillationLoss(reader, model, tokenizer=tokenizer, **options)
         if loss is not None and tokenizer is not None:
             check_tokenizer(self.distill.reader, model, tokenizer)
-        _check_optimizer(kwargs.get("optimizers"), self.distill)
+        check_optimizer(kwargs.get("optimizers"), self.distill)
         self.heldout = self._heldout(eval_cache, kwargs.pop("eval_dataset", None), args)
         self._stream = (shuffle_block, prefetch, prefetch_mib)  # the stream's settings
         self._position, self._micro_step = DataPosition(), 0
@@ -355,39 +356,6 @@ class CacheTrainer(Trainer):
         critics = self.distill.critics
         if critics is not None and "critics" in extras:
             critics.load_state_dict(extras["critics"])
-
-
-def _check_parallel(args: TrainingArguments) -> None:
-    """Refuse what would train silently wrong: ZeRO-3 (projectors outside its partitions), several processes
-    without DeepSpeed (the student's forward bypasses DDP's)."""
-    config = args.deepspeed
-    if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
-        config = json.loads(Path(config).read_text())
-    stage = int(((config or {}).get("zero_optimization") or {}).get("stage", 0)) if isinstance(config, dict) else 0
-    if stage >= 3:
-        raise ApiError(f"deepspeed zero_optimization.stage {stage}: CacheTrainer supports ZeRO 0-2 (the projectors "
-                       "train beside the student, outside ZeRO-3's partitions); use stage 2, or `kdcache train`")
-    if getattr(args, "n_gpu", 1) > 1:
-        raise ApiError(f"{args.n_gpu} GPUs in one process (torch.nn.DataParallel): CacheTrainer runs the student "
-                       "outside that wrapper; start one process per GPU with DeepSpeed (TrainingArguments("
-                       "deepspeed=...)), or make one GPU visible")
-    if args.world_size > 1 and not args.deepspeed:
-        raise ApiError(f"{args.world_size} processes without DeepSpeed: CacheTrainer runs the student outside DDP's "
-                       "wrapper; pass TrainingArguments(deepspeed=...) (ZeRO 0-2)")
-
-
-def _check_optimizer(optimizers: object, loss: nn.Module) -> None:
-    """Refuse an optimizer of the caller's that lacks the loss's trainable parameters (the projectors would stay
-    as initialised); ``create_optimizer`` adds them to ``Trainer``'s own."""
-    optimizer = optimizers[0] if isinstance(optimizers, (tuple, list)) and optimizers else None
-    wanted = {id(p) for p in loss.parameters() if p.requires_grad}
-    if optimizer is None or not wanted:
-        return
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if not wanted <= held:
-        raise ApiError("optimizers=(optimizer, ...): the optimizer must hold the loss's parameters too (the "
-                       "projectors); build DistillationLoss first, pass it as loss=, and give the optimizer "
-                       "[*student.parameters(), *loss.parameters()]")
 
 
 def _reader(source: object, label: str) -> CacheReader:
