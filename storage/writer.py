@@ -138,7 +138,8 @@ class CacheWriter(ShardCommitter):
         if not (count >= 1 and 0 <= index < count):
             raise ShardError(f"part {part} is invalid; expected (index, count) with 0 <= index < count")
         super().__init__(open_store(path, storage_options), spec)
-        self.root, self.part, self.fingerprints = self.store.url, (index, count), dict(fingerprints)
+        self.root, self.part = self.store.url, (index, count)
+        self.fingerprints = dict(fingerprints)
         self._lock: WriterLock | None = self.store.lock(f"part-{index:05d}-of-{count:05d}.lock",
                                                         f"part {index} of {count}")
         try:

@@ -332,7 +332,10 @@ def _run_totals(summary: dict[str, Any], dist: DistContext, writes: bool) -> dic
 def _projection(ready: _Prepared, loaded: _Loaded, *, into: Store | None) -> Projection | None:
     """A rank codec's bases (``projection_fit``): the cache's stored ones, else fitted on the leading sequences
     (and stored first in the output store ``into``, unless None); None without a rank."""
-    codec, rank, teacher, data = loaded.spec.hidden_codec, loaded.spec.hidden_codec.rank, loaded.teacher, ready.data
+    codec = loaded.spec.hidden_codec
+    rank = codec.rank
+    teacher = loaded.teacher
+    data = ready.data
     if rank is None:
         return None
     names = [n for n in loaded.spec.sequence_names() if projected(codec, n)]

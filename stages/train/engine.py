@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.cpp_extension import get_default_build_root
 
 from kdcache.stages.train.core.options import TrainOptions
-from kdcache.stages.train.optimizer_step import MAX_GRAD_NORM, train_schedule
+from kdcache.stages.train.optimizer_step import MAX_GRAD_NORM, train_optimizer, train_schedule
 from kdcache.storage import KdcacheError
 
 
@@ -166,7 +166,7 @@ def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = None
     if "optimizer" not in config:
-        optimizer = torch.optim.AdamW(params, lr=options.engine.lr, weight_decay=options.engine.weight_decay)
+        optimizer = train_optimizer(params, lr=options.engine.lr, weight_decay=options.engine.weight_decay)
     scheduler = None
     if "scheduler" not in config:
         scheduler = lambda opt: train_schedule(opt, options.engine.warmup_steps)  # noqa: E731

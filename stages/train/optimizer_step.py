@@ -13,12 +13,19 @@ the same step, so that the loop reproduces ``kdcache train``'s losses (README, "
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
 from kdcache.stages.train.api import seed_dropout
 
 MAX_GRAD_NORM = 1.0  # kdcache train's DeepSpeed "gradient_clipping"
+
+
+def train_optimizer(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """``kdcache train``'s AdamW (``--lr``, ``--weight-decay``) over ``params``."""
+    return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay)
 
 
 def train_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
@@ -48,7 +55,7 @@ class TrainStep:
     def __init__(self, student: nn.Module, loss: nn.Module, *, lr: float = 1e-4, weight_decay: float = 0.0,
                  warmup_steps: int = 0, seed: int = 0, rank: int | None = None, micro_step: int = 0):
         self.params = [p for p in (*student.parameters(), *loss.parameters()) if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.optimizer = train_optimizer(self.params, lr=lr, weight_decay=weight_decay)
         self.scheduler = train_schedule(self.optimizer, warmup_steps)
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = (torch.distributed.get_rank() if distributed else 0) if rank is None else rank

@@ -60,7 +60,7 @@ class CacheSpec(CacheSpecFields):
     for two streams).
     """
 
-    # Each array of a shard with its name read once (``schema.arrays``), built on first use.
+    # Each array of a shard with its name read once (``spec_fields.describe``), built on first use.
     @functools.cached_property
     def _arrays(self) -> dict[str, CachedArray]:
         return {name: describe(self, name) for name in self.array_names()}

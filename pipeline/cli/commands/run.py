@@ -45,7 +45,8 @@ def load_pipeline(path: str) -> tuple[PrecomputeOptions | GenerateOptions, Train
                            f"other); its top-level keys {', '.join(map(str, data))} suit `kdcache precompute "
                            f"--config` or `kdcache train --config`, which read a flat file"])
     problems = [f"unknown section {key!r}; expected {', '.join(SECTIONS)}" for key in data if key not in SECTIONS]
-    given = [name for name in ("precompute", "generate") if name in data]  # the text, or the teacher's
+    # The sections of stage one, of which a pipeline file holds one: the user's text, or the teacher's own responses.
+    given = [name for name in ("precompute", "generate") if name in data]
     if len(given) > 1:
         problems.append("sections 'precompute' and 'generate' are both given; keep one: stage one caches either "
                         "the data's text or the teacher's own responses")

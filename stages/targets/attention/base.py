@@ -78,8 +78,10 @@ class AttentionSource:
         return int(sum_sq * heads * item / (2 if spec.attention_triangle else 1))
 
     # ---- stage two -------------------------------------------------------------------------------------------
-    # Stage two reads the student's attention maps (eager attention); else it records its queries and keys.
-    student_maps = teacher_maps
+    @property
+    def student_maps(self) -> bool:
+        """Stage two reads the student's attention maps (eager attention); else it records its queries and keys."""
+        return not self.layout.token_rows
 
     def stream_kinds(self, attention_loss: str) -> tuple[str, ...]:
         """The arrays stage two streams per cached block for ``--attention-loss`` (``kl`` or ``relation``)."""

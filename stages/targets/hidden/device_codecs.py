@@ -159,7 +159,7 @@ def load_projection(reader: CacheReader) -> Projection | None:
 
 
 def hidden_width(codec: HiddenCodec, stored: int, projected_width: int | None = None) -> int:
-    """Hidden size d of a coded array with ``stored`` columns (the inverse of ``HiddenCodec.stored_width``); a projected
+    """Hidden size d of a coded array with ``stored`` columns (the inverse of the codec's stored width); a projected
     array's is its basis's width, ``projected_width``."""
     if codec.rank is not None and projected_width is not None:
         return projected_width

@@ -59,4 +59,4 @@ def kd_kl_term(student_logits: torch.Tensor | HeadLogits, teacher_logits: torch.
                                 temperature**2 / loss_rows.valid_count(m), feed=feed)
 
 
-kd_kl = vocab_pass.as_loss(kd_kl_term)
+kd_kl = vocab_pass.as_loss(kd_kl_term, "kd_kl")

@@ -75,4 +75,4 @@ def head_kl_term(student_logits: torch.Tensor | HeadLogits, hidden_t: torch.Tens
                                 temperature**2 / loss_rows.valid_count(m), feed=feed)
 
 
-head_kl = vocab_pass.as_loss(head_kl_term)
+head_kl = vocab_pass.as_loss(head_kl_term, "head_kl")

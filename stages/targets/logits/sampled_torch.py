@@ -97,4 +97,4 @@ def sampled_kl_term(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor
                                 feed=kernel_feeds.sampled_feed(temperature))
 
 
-sampled_kl = vocab_pass.as_loss(sampled_kl_term)
+sampled_kl = vocab_pass.as_loss(sampled_kl_term, "sampled_kl")

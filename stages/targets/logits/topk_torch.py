@@ -72,8 +72,6 @@ def topk_kl_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.T
     if variant == "renorm":
         return topk_renorm_term(student_logits, topk_values, topk_ids, mask, temperature=temperature)
     if variant == "other":
-        if lse is None:
-            raise LossError("the 'other' top-k KL needs the cached logsumexp (logits/lse)")
         return topk_other_term(student_logits, topk_values, topk_ids, lse, mask, temperature=temperature)
     raise LossError(f"unknown top-k KL variant {variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
 
@@ -100,7 +98,7 @@ def topk_renorm_term(student_logits: torch.Tensor | HeadLogits, topk_values: tor
 
     T applies exactly here (both distributions live on the same k ids), and the result is scaled by T² like
     ``kd_kl``, so the gradient scale does not depend on T. It reads k logits per token: in a pass beside a term
-    that builds the full logits, a gather of them; alone, only those k (``rows_on_ids``: a gather of k head rows per
+    that builds the full logits, a gather of them; alone, only those k (``HeadRows.on_ids``: a gather of k head rows per
     token, never ``[N, V]``).
     """
     loss_rows.check_temperature(temperature)
@@ -130,7 +128,7 @@ def _renorm_rows(student_on_ids: torch.Tensor, values: torch.Tensor, temperature
 
 
 def topk_other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Tensor, topk_ids: torch.Tensor,
-                    lse: torch.Tensor, mask: torch.Tensor, *, temperature: float = 1.0) -> ChunkTerm:
+                    lse: torch.Tensor | None, mask: torch.Tensor, *, temperature: float = 1.0) -> ChunkTerm:
     """Other-bucket top-k KL over k+1 buckets: the k ids' full-vocabulary probabilities, plus the leftover mass
     (``topk_kl_other`` is its scalar value: mean over valid tokens of KL(teacher buckets ‖ student buckets)).
 
@@ -139,6 +137,8 @@ def topk_other_term(student_logits: torch.Tensor | HeadLogits, topk_values: torc
     exactly only at T=1. This variant therefore always works at T=1 on both sides (no T² factor) and refuses
     any other temperature rather than silently approximating; use ``renorm`` for T != 1.
     """
+    if lse is None:
+        raise LossError("the 'other' top-k KL needs the cached logsumexp (logits/lse)")
     if temperature != 1.0:
         raise LossError(
             f"the 'other' top-k KL is exact only at temperature 1 (the cached logsumexp is taken at T=1), "
@@ -192,6 +192,6 @@ def _check_topk(student_logits: torch.Tensor | HeadLogits, topk_values: torch.Te
         )
 
 
-topk_kl = vocab_pass.as_loss(topk_kl_term)
-topk_kl_renorm = vocab_pass.as_loss(topk_renorm_term)
-topk_kl_other = vocab_pass.as_loss(topk_other_term)
+topk_kl = vocab_pass.as_loss(topk_kl_term, "topk_kl")
+topk_kl_renorm = vocab_pass.as_loss(topk_renorm_term, "topk_kl_renorm")
+topk_kl_other = vocab_pass.as_loss(topk_other_term, "topk_kl_other")

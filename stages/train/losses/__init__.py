@@ -10,11 +10,11 @@ Signatures by family (``mask [B, L]`` is 1 for a real token everywhere):
 * ``mse`` / ``cosine`` / ``cka`` / ``cka_sqrt``: ``(h_s [B,L,d], h_t [B,L,d_t], mask)``; ``h_s`` projected to
   ``d_t`` for ``mse`` and ``cosine``, raw for the CKA pair.
 * ``attention_kl(a_s [B,H_s,L,L], a_t [B,H_t,L,L], mask)``; from queries and keys, block by block,
-  ``attention_qk.blocked_attention_kl`` (and MiniLMv2's ``attention_qk.relation_kl``).
+  ``qk_loss.blocked_attention_kl`` (and MiniLMv2's ``qk_loss.relation_kl``), in ``stages.targets.attention``.
 * ``uld(student_logits [B,K,V_s], topk_values [B,K,k], lse [B,K], mask [B,K])`` and ``gold(..., topk_ids,
   lse, mask, shared [V_t], *, temperature)``: across vocabularies, per aligned span (``cross_vocab``).
 * ``wgan(critic, h_s_proj [B,L,d_t], mask)`` — the student side; the critic side is ``critic_loss`` and
-  ``CriticTrainer``.
+  ``CriticTrainer`` of ``stages.targets.hidden.wgan``.
 """
 
 from __future__ import annotations

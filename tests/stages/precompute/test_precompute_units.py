@@ -222,7 +222,8 @@ def test_the_targets_carry_each_familys_record_whole_into_the_spec_and_the_finge
     targets = resolve_targets(options, read_config(plan.teacher))
     assert targets.logit == options.targets.logit.settings(options.targets.features)
     assert targets.logit.kind is logit_kinds.get("sampled")
-    assert targets.attention == options.targets.attention.settings() and targets.attention.source is attention_sources.get("maps")
+    assert targets.attention == options.targets.attention.settings()
+    assert targets.attention.source is attention_sources.get("maps")
     spec = build_spec(plan.write, targets, TokenStreams({"": [np.arange(5, dtype=np.int32)]}, {}))
     assert (spec.logits, spec.samples, spec.sample_temperature, spec.top_k, spec.attention_source) == (
         "sampled", 7, 0.5, 0, "maps")

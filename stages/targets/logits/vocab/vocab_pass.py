@@ -21,10 +21,10 @@ On CUDA with triton, a pass whose terms all have a ``ChunkTerm.feed`` takes the 
 
 from __future__ import annotations
 
-import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Concatenate, ParamSpec
+from typing import Any, ParamSpec, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -167,14 +167,20 @@ def term_value(logits: torch.Tensor | HeadLogits, term: ChunkTerm) -> torch.Tens
     return vocab_pass(logits, [term], [1.0])[0]
 
 
-def as_loss(term: Callable[Concatenate[torch.Tensor | HeadLogits, P], ChunkTerm],
-            ) -> Callable[Concatenate[torch.Tensor | HeadLogits, P], torch.Tensor]:
-    """The scalar loss of a term builder whose first argument is the student's logits ``[B, L, V]`` (or the
-    ``HeadLogits`` behind them): ``term_value`` of its term. A loss is defined once, as its ``*_term``."""
+def as_loss(term: Callable[P, ChunkTerm], name: str) -> Callable[P, torch.Tensor]:
+    """The scalar loss ``name`` of a term builder whose first argument is the student's logits ``[B, L, V]`` (or
+    the ``HeadLogits`` behind them): ``term_value`` of its term. A loss is defined once, as its ``*_term``; the
+    loss keeps the term's parameters (positional or by keyword) and docs under its own name, returning a scalar."""
+    signature = inspect.signature(term)
+    first = next(iter(signature.parameters))
 
-    @functools.wraps(term)
-    def loss(logits: torch.Tensor | HeadLogits, /, *args: P.args, **kwargs: P.kwargs) -> torch.Tensor:
-        return term_value(logits, term(logits, *args, **kwargs))
+    def loss(*args: P.args, **kwargs: P.kwargs) -> torch.Tensor:
+        logits = kwargs[first] if first in kwargs else args[0]
+        return term_value(cast("torch.Tensor | HeadLogits", logits), term(*args, **kwargs))
+    loss.__name__ = loss.__qualname__ = name
+    loss.__doc__ = term.__doc__
+    loss.__module__ = term.__module__
+    vars(loss)["__signature__"] = signature.replace(return_annotation=torch.Tensor)  # what help() shows
     return loss
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -43,6 +44,22 @@ def test_unknown_loss_names_the_registered_ones():
     assert isinstance(info.value, KdcacheError)
     assert "kld" in str(info.value) and "cka_sqrt" in str(info.value) and "attention_kl" in str(info.value)
 
+
+
+def test_vocabulary_losses_keep_their_names_and_keywords():
+    """A vocabulary loss is its term's value (``vocab_pass.as_loss``) but keeps its own name, a keyword first
+    argument and a scalar's signature; ``topk_kl_other`` without the logsumexp is a LossError, not a crash."""
+    torch.manual_seed(0)
+    z, t, m = torch.randn(2, 3, 11), torch.randn(2, 3, 11), torch.ones(2, 3)
+    values, ids = torch.topk(t, 4)
+    for loss, name in ((kd_kl, "kd_kl"), (topk_kl, "topk_kl"), (topk_kl_renorm, "topk_kl_renorm"),
+                       (topk_kl_other, "topk_kl_other")):
+        assert loss.__name__ == name and "-> torch.Tensor" in str(inspect.signature(loss))
+    positional = kd_kl(z, t, m, temperature=2.0)
+    by_keyword = kd_kl(student_logits=z, teacher_logits=t, mask=m, temperature=2.0)
+    assert torch.equal(positional, by_keyword) and positional.dim() == 0
+    with pytest.raises(LossError, match="logsumexp"):
+        topk_kl_other(z, values, ids, None, m)
 
 # ---------------------------------------------------------------- CE
 
