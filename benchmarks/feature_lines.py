@@ -69,9 +69,9 @@ def by_merges(rev: str) -> int:
 
 
 def main(rev: str = "HEAD") -> None:
-    files = [p for p in git("ls-tree", "-r", "--name-only", rev, "--", *FOLDERS).split() if counted(p)]
-    apart = [p for p in git("ls-tree", "-r", "--name-only", rev, "--", *FOLDERS).split()
-             if p.endswith(".py") and p.startswith(APART)]
+    tree = git("ls-tree", "-r", "--name-only", rev, "--", *FOLDERS).split()
+    files = [p for p in tree if counted(p)]
+    apart = [p for p in tree if p.endswith(".py") and p.startswith(APART)]
     lines = sum(len(git("show", f"{rev}:{p}").splitlines()) for p in files)
     kept = sum(len(git("show", f"{rev}:{p}").splitlines()) for p in apart)
     blame, merged = by_blame(rev, files), by_merges(rev)

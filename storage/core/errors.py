@@ -14,6 +14,9 @@ class KdcacheError(Exception):
 
     def __init__(self, *args: object, **facts: object) -> None:
         super().__init__(*args)
+        declared = {name for cls in type(self).__mro__ for name in vars(cls).get("__annotations__", {})}
+        if unknown := sorted(set(facts) - declared):  # a misspelt fact would otherwise be kept silently
+            raise TypeError(f"{type(self).__name__} carries the facts {sorted(declared)}, not {unknown}")
         self.__dict__.update(facts)
 
 

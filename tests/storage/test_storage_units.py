@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 
@@ -12,6 +13,8 @@ from array_api_compat import array_namespace
 from kdcache.storage.core.codecs import resolve_codec
 from kdcache.storage.core.dtypes import bitround_bits, check_fp16_range, float32_to_bf16_bits, to_float32
 from kdcache.storage.core.errors import (
+    ChecksumError,
+    DiskFullError,
     Fp16OverflowError,
     InvalidSequenceError,
     LayerNotInCacheError,
@@ -163,3 +166,13 @@ def test_attention_cut_to_the_spec_heads_by_the_caller_encodes_like_all_heads() 
     np.testing.assert_array_equal(got["attention/1"], want["attention/1"])
     with pytest.raises(InvalidSequenceError, match="head counts"):
         encode_shard(spec, 0, [{**s, "attention/1": s["attention/1"][:3]} for s in seqs])
+
+
+def test_an_error_keeps_its_declared_facts_through_pickling_and_refuses_others() -> None:
+    """``KdcacheError`` sets the facts a subclass declares; they survive a writer process's pickle, and a fact the
+    class does not declare (a misspelling) is a TypeError, not an attribute kept silently."""
+    again = pickle.loads(pickle.dumps(DiskFullError("disk full writing shard 3", needed=10, free=2)))
+    assert (str(again), again.needed, again.free) == ("disk full writing shard 3", 10, 2)
+    assert ChecksumError("bad bytes", shard=1, array="hidden/0").array == "hidden/0"
+    with pytest.raises(TypeError, match="shrad"):
+        ChecksumError("bad bytes", shrad=1, array="hidden/0")
