@@ -162,9 +162,9 @@ class ArrowShard(ShardHandle):
         try:
             offsets, flat = self.decode(name)
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:  # damaged bytes, not a bug
-            raise self._fail(name, f"cannot decode: {exc}") from None
+            raise self.fail(name, f"cannot decode: {exc}") from None
         if self.file_table and column_crc(offsets, flat) != self.record.arrays[name]["crc32c"]:
-            raise self._fail(name, "decoded values differ from those written (crc32c mismatch)")
+            raise self.fail(name, "decoded values differ from those written (crc32c mismatch)")
         with self._lock:
             self._columns[name] = offsets, flat
         return offsets, flat

@@ -53,7 +53,8 @@ class ShardHandle(ABC):
         self.file_table = cache_format.file_table  # else formats 1-2: the checksums each backend kept then
         self._lock = threading.Lock()
 
-    def _fail(self, name: str, message: str) -> ChecksumError:
+    def fail(self, name: str, message: str) -> ChecksumError:
+        """The error naming array ``name`` of this shard, the shard and its file, and what is wrong."""
         return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
                              shard=self.record.index, array=name)
 
