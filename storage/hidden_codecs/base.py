@@ -117,6 +117,7 @@ class HiddenCodec:
 
 C = TypeVar("C", bound=type[HiddenCodec])
 HIDDEN_CODECS: Registry[type[HiddenCodec]] = Registry("hidden codec", SpecError)
+get = HIDDEN_CODECS.lookup  # the codec class named ``name``, or a SpecError listing the registered ones
 
 
 def register(cls: C) -> C:
@@ -140,11 +141,6 @@ def listing(quantised: bool = False) -> str:
 def usage() -> str:
     """``--hidden-codec``'s help: each codec's line, from the registry."""
     return "; ".join(f"{name}: {HIDDEN_CODECS[name].help}" for name in names())
-
-
-def get(name: object) -> type[HiddenCodec]:
-    """The codec class named ``name``, or a SpecError listing the registered ones."""
-    return HIDDEN_CODECS.lookup(name)
 
 
 def is_int(value: object) -> bool:
