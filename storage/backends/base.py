@@ -19,13 +19,10 @@ import numpy as np
 
 from kdcache.storage.core.errors import ChecksumError
 from kdcache.storage.core.files import FileData, crc32c
-from kdcache.storage.core.formats import CURRENT, CacheFormat
+from kdcache.storage.core.formats import CURRENT, CacheFormat, Problem
 from kdcache.storage.core.store_base import Store
 from kdcache.storage.schema.manifest import SHARDS_DIR, ShardRecord, shard_name
 from kdcache.storage.schema.spec import CacheSpec
-
-# (array name, what is wrong); a file path stands in for the array when the bytes belong to no single array.
-Problem = tuple[str, str]
 
 
 @dataclass

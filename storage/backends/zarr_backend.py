@@ -30,7 +30,6 @@ from zarr.core import sync as zarr_sync
 from kdcache.storage.backends.base import (
     Backend,
     PackedShard,
-    Problem,
     ShardHandle,
     check_file,
     verify_file_table,
@@ -46,7 +45,7 @@ from kdcache.storage.backends.shard_file import (
 from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, SHUFFLE_NAMES
 from kdcache.storage.core.errors import UnknownCodecError
 from kdcache.storage.core.files import crc32c, file_size
-from kdcache.storage.core.formats import CacheFormat, zarr_problems
+from kdcache.storage.core.formats import CacheFormat, Problem, zarr_problems
 from kdcache.storage.core.store_base import Store
 from kdcache.storage.core.streams import split_stream
 from kdcache.storage.hidden_codecs import CODED_KINDS

@@ -26,6 +26,8 @@ class NoConfig:
         """Nothing to refuse."""
 
 
+# Equal (and hashed) by class and configuration: a spec read back equals the spec written.
+@dataclasses.dataclass(init=False, repr=False, unsafe_hash=True)
 class HiddenCodec:
     """One registered codec, configured.
 
@@ -54,13 +56,6 @@ class HiddenCodec:
 
     def __init__(self, config: NoConfig | None = None) -> None:
         self.config = self.Config() if config is None else config
-
-    def __eq__(self, other: object) -> bool:
-        """Two codecs are one when their records are (a spec read back equals the spec written)."""
-        return isinstance(other, HiddenCodec) and self.record() == other.record()
-
-    def __hash__(self) -> int:
-        return hash(repr(self.record()))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.record()})"
