@@ -65,12 +65,7 @@ def cache_differences(existing: Manifest, spec: CacheSpec, fingerprints: dict[st
 class ShardCommitter:
     """Encodes and commits shards of one cache: pure encode, pack, the files handed to the store, the sidecar last
     (the commit point). What a writer does per shard, without the part's lock or the manifest, so that a process
-    that does not hold the part (stage one's writer processes) commits the shards of the one that does.
-
-    Args:
-        store: the cache's store.
-        spec: what the cache holds.
-    """
+    that does not hold the part (stage one's writer processes) commits the shards of the one that does."""
 
     _lock: WriterLock | None = None  # a part's lock (CacheWriter); a writer process commits without it
 
