@@ -219,8 +219,7 @@ class CacheReader:
             if index in self._handles:
                 self._handles.move_to_end(index)
                 return self._handles[index]
-            record = self._records[index]
-            handle = self._backend.open(self.store, record, self.spec)
+            handle = self._backend.open(self.store, self._records[index], self.spec)
             if index not in self._checked:
                 problems = handle.check()
                 if problems:
