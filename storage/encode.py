@@ -146,7 +146,6 @@ def encode_shard(spec: CacheSpec, index: int, sequences: Sequence[Mapping[str, A
     """Encode shard ``index`` from one dict per sequence.
 
     Args:
-        spec: the cache spec.
         index: shard number; fixes the global range through ``spec.shard_range``.
         sequences: one mapping per sequence of the shard: ``input_ids [L]``, ``hidden/{j} [L, d]``,
             ``attention/{j} [H, L, L]`` (all heads), ``logits/full [L, V]``, ``logits/topk_values [L, k]``,

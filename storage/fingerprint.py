@@ -62,10 +62,7 @@ class ArraysHash:
 
 
 def hash_arrays(arrays: Iterable[np.ndarray]) -> str:
-    """One hash over a sequence of arrays, e.g. the ``input_ids`` of every sequence in order.
-
-    Each array's length is mixed in, so ``[1, 2], [3]`` and ``[1], [2, 3]`` hash differently.
-    """
+    """One hash over a sequence of arrays, e.g. the ``input_ids`` of every sequence in order (``ArraysHash``)."""
     digest = ArraysHash()
     for array in arrays:
         digest.update(array)

@@ -13,16 +13,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kdcache.storage.backends.base import ShardHandle, get_backend
-from kdcache.storage.core.errors import ChecksumError, PartialCacheError, ShardError
+from kdcache.storage.core.errors import PartialCacheError, ShardError
 from kdcache.storage.core.store_base import Store
 from kdcache.storage.core.stores import open_store
-from kdcache.storage.core.streams import prefixed
+from kdcache.storage.core.streams import prefixed, token_offsets_name
 from kdcache.storage.layout import decode_rows, document_lengths, unpack_attention
 from kdcache.storage.schema.manifest import Manifest, ShardRecord, read_manifest, read_sidecars
 from kdcache.storage.schema.spec import CacheSpec
@@ -91,19 +91,21 @@ class ShardData:
     Attributes:
         index: shard number; ``seq_start``/``seq_stop``: its global sequence range.
         arrays: the decoded flat arrays asked for (e.g. ``hidden/3 [T, d]``), in the storage dtype.
-        offsets: ``[S+1]`` int64 token offsets; ``attention_offsets``: ``[S+1]`` row offsets or None (for a
-            seq2seq shard: the decoder's token offsets and decoder self-attention rows).
-        all_offsets: every offsets array of the shard by name (``encoder/offsets``, ``cross_attention_offsets``...).
+        all_offsets: every offsets array of the shard by name (``offsets``, ``encoder/offsets``,
+            ``attention_offsets``, ``cross_attention_offsets``...), each ``[S+1]`` int64.
     """
 
     index: int
     seq_start: int
     seq_stop: int
     arrays: dict[str, np.ndarray]
-    offsets: np.ndarray
-    attention_offsets: np.ndarray | None
     spec: CacheSpec
-    all_offsets: dict[str, np.ndarray] = field(default_factory=dict)
+    all_offsets: dict[str, np.ndarray]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``[S+1]`` int64 token offsets of the stream logits live on (a seq2seq shard's decoder)."""
+        return self.all_offsets[token_offsets_name(self.spec.streams[-1])]
 
     def __len__(self) -> int:
         return self.seq_stop - self.seq_start
@@ -113,10 +115,7 @@ class ShardData:
         if not 0 <= local < len(self):
             raise IndexError(f"shard {self.index} has sequences 0..{len(self) - 1} (local), got {local}")
         fetch = lambda name, a, b: self.arrays[name][a:b]  # noqa: E731
-        offsets = self.all_offsets or {"offsets": self.offsets}
-        if not self.all_offsets and self.attention_offsets is not None:
-            offsets = {**offsets, "attention_offsets": self.attention_offsets}
-        return _sequence(self.spec, list(self.arrays), fetch, offsets, local)
+        return _sequence(self.spec, list(self.arrays), fetch, self.all_offsets, local)
 
 
 class CacheReader:
@@ -220,14 +219,11 @@ class CacheReader:
             if index in self._handles:
                 self._handles.move_to_end(index)
                 return self._handles[index]
-            record = self._records[index]
-            handle = self._backend.open(self.store, record, self.spec)
+            handle = self._backend.open(self.store, self._records[index], self.spec)
             if index not in self._checked:
                 problems = handle.check()
                 if problems:
-                    array, message = problems[0]
-                    raise ChecksumError(f"shard {index}, array {array}: {message} ({self.root}/{record.path})",
-                                        shard=index, array=array)
+                    raise handle.fail(*problems[0])
                 self._checked.add(index)
             self._handles[index] = handle
             while len(self._handles) > self._max_open:
@@ -271,11 +267,7 @@ class CacheReader:
         handle.prefetch(names)  # an object store: every file of the read in one round of requests
         decoded = dict(zip(names, self._map(lambda name: _decoded(self.spec, name, handle.read(name)), names)))
         offsets = {name: decoded[name] for name in self.spec.offset_arrays()}
-        arrays = {name: decoded[name] for name in wanted}
-        main = self.spec.streams[-1]  # the decoder of a seq2seq cache: the stream logits live on
-        tokens = offsets[self.spec.offsets_name(self.spec.ids_name(main))]
-        attention = offsets.get("decoder/attention_offsets" if main else "attention_offsets")
-        return ShardData(index, start, stop, arrays, tokens, attention, self.spec, offsets)
+        return ShardData(index, start, stop, {name: decoded[name] for name in wanted}, self.spec, offsets)
 
     def _map(self, fn: Callable[[str], np.ndarray], names: list[str]) -> list[np.ndarray]:
         """``fn`` over ``names`` in the decode pool (created on first use), in order."""

@@ -65,12 +65,9 @@ def cache_differences(existing: Manifest, spec: CacheSpec, fingerprints: dict[st
 class ShardCommitter:
     """Encodes and commits shards of one cache: pure encode, pack, the files handed to the store, the sidecar last
     (the commit point). What a writer does per shard, without the part's lock or the manifest, so that a process
-    that does not hold the part (stage one's writer processes) commits the shards of the one that does.
+    that does not hold the part (stage one's writer processes) commits the shards of the one that does."""
 
-    Args:
-        store: the cache's store.
-        spec: what the cache holds.
-    """
+    _lock: WriterLock | None = None  # a part's lock (CacheWriter); a writer process commits without it
 
     def __init__(self, store: Store, spec: CacheSpec) -> None:
         self.store, self.spec = store, spec
@@ -87,7 +84,8 @@ class ShardCommitter:
                                             concatenate=lease.concatenate))
 
     def commit(self, encoded: EncodedShard) -> ShardRecord:
-        """Pack an encoded shard in memory, hand its files to the store, then write its sidecar (the commit point).
+        """Pack an encoded shard in memory, hand its files to the store, then write its sidecar (the commit point),
+        and renew the part's lease.
 
         Raises:
             DiskFullError: the local file system filled up; nothing of this shard is left behind.
@@ -107,7 +105,14 @@ class ShardCommitter:
         except OSError as exc:
             self.store.remove(key)  # data without its sidecar is never read; do not leave it to fill the disk
             raise disk_full_error(exc, self.store.local_path(""), record.stored_bytes, f"shard {index}") from None
+        self.renew()
         return record
+
+    def renew(self) -> None:
+        """Show that this writer is alive: an object-store lease is renewed after each shard, wherever the shard
+        was committed (this process, or a writer process of stage one)."""
+        if self._lock is not None:
+            self._lock.renew()
 
     def _clear_stale(self, index: int) -> None:
         """Remove leftovers of a writer of this shard that died: temps, and data whose sidecar never landed."""
@@ -140,8 +145,7 @@ class CacheWriter(ShardCommitter):
         super().__init__(open_store(path, storage_options), spec)
         self.root, self.part = self.store.url, (index, count)
         self.fingerprints = dict(fingerprints)
-        self._lock: WriterLock | None = self.store.lock(f"part-{index:05d}-of-{count:05d}.lock",
-                                                        f"part {index} of {count}")
+        self._lock = self.store.lock(f"part-{index:05d}-of-{count:05d}.lock", f"part {index} of {count}")
         try:
             with self.store.merge_lock():
                 self._open_manifest()
@@ -178,8 +182,7 @@ class CacheWriter(ShardCommitter):
 
     def write_shard(self, index: int, sequences: Sequence[Mapping[str, Any]], *,
                     finite: frozenset[str] = frozenset()) -> ShardRecord:
-        """Encode and atomically commit shard ``index`` (see ``storage.encode.encode_shard`` for ``sequences``;
-        ``finite`` names float arrays whose producer already checked every value finite on its device)."""
+        """``ShardCommitter.write_shard`` of a shard of this part not yet committed."""
         if not self.owns(index):
             raise ShardError(f"shard {index} belongs to part {index % self.part[1]} of {self.part[1]}, "
                              f"not to this writer's part {self.part[0]}")
@@ -187,27 +190,14 @@ class CacheWriter(ShardCommitter):
             raise ShardError(f"shard {index} is already committed; skip writer.committed_shards() when resuming")
         return super().write_shard(index, sequences, finite=finite)
 
-    def commit(self, encoded: EncodedShard) -> ShardRecord:
-        """Commit an encoded shard (``ShardCommitter.commit``), then renew the part's lease."""
-        record = super().commit(encoded)
-        self.renew()
-        return record
-
-    def renew(self) -> None:
-        """Show that this writer is alive: an object-store lease is renewed after each shard, wherever the shard
-        was committed (this process, or a writer process of stage one)."""
-        if self._lock is not None:
-            self._lock.renew()
-
     def finalize(self) -> Manifest:
         """Fold every committed shard into manifest.json; status "complete" once every shard is present."""
         return merge_parts(self.store)
 
     def close(self) -> None:
         """Release this part's lock (a local lock is also released if the process dies)."""
-        lock = getattr(self, "_lock", None)  # None: closed, or __init__ failed before taking it
-        if lock is not None:
-            lock.close()
+        if self._lock is not None:  # None: closed, or __init__ failed before taking it
+            self._lock.close()
             self._lock = None
 
     def __enter__(self) -> CacheWriter:

@@ -24,10 +24,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from kdcache.storage.backends.base import Backend, PackedShard, Problem, ShardHandle, verify_file_table
+from kdcache.storage.backends.base import Backend, PackedShard, ShardHandle, verify_file_table
 from kdcache.storage.core.codecs import ARROW_DEFAULT_CODEC, to_arrow_compression
 from kdcache.storage.core.files import crc32c
-from kdcache.storage.core.formats import CacheFormat, arrow_file_problem, value_crc32
+from kdcache.storage.core.formats import CacheFormat, Problem, arrow_file_problem, value_crc32
 from kdcache.storage.core.store_base import Store
 from kdcache.storage.core.streams import is_offsets
 from kdcache.storage.schema.manifest import ShardRecord, shard_name
@@ -162,9 +162,9 @@ class ArrowShard(ShardHandle):
         try:
             offsets, flat = self.decode(name)
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:  # damaged bytes, not a bug
-            raise self._fail(name, f"cannot decode: {exc}") from None
+            raise self.fail(name, f"cannot decode: {exc}") from None
         if self.file_table and column_crc(offsets, flat) != self.record.arrays[name]["crc32c"]:
-            raise self._fail(name, "decoded values differ from those written (crc32c mismatch)")
+            raise self.fail(name, "decoded values differ from those written (crc32c mismatch)")
         with self._lock:
             self._columns[name] = offsets, flat
         return offsets, flat

@@ -19,13 +19,10 @@ import numpy as np
 
 from kdcache.storage.core.errors import ChecksumError
 from kdcache.storage.core.files import FileData, crc32c
-from kdcache.storage.core.formats import CURRENT, CacheFormat
+from kdcache.storage.core.formats import CURRENT, CacheFormat, Problem
 from kdcache.storage.core.store_base import Store
 from kdcache.storage.schema.manifest import SHARDS_DIR, ShardRecord, shard_name
 from kdcache.storage.schema.spec import CacheSpec
-
-# (array name, what is wrong); a file path stands in for the array when the bytes belong to no single array.
-Problem = tuple[str, str]
 
 
 @dataclass
@@ -53,7 +50,8 @@ class ShardHandle(ABC):
         self.file_table = cache_format.file_table  # else formats 1-2: the checksums each backend kept then
         self._lock = threading.Lock()
 
-    def _fail(self, name: str, message: str) -> ChecksumError:
+    def fail(self, name: str, message: str) -> ChecksumError:
+        """The error naming array ``name`` of this shard, the shard and its file, and what is wrong."""
         return ChecksumError(f"shard {self.record.index}, array {name}: {message} ({self.store.url}/{self.key})",
                              shard=self.record.index, array=name)
 

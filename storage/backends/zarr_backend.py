@@ -30,7 +30,6 @@ from zarr.core import sync as zarr_sync
 from kdcache.storage.backends.base import (
     Backend,
     PackedShard,
-    Problem,
     ShardHandle,
     check_file,
     verify_file_table,
@@ -46,7 +45,7 @@ from kdcache.storage.backends.shard_file import (
 from kdcache.storage.core.codecs import DEFAULT_CODEC, DEFAULT_TOPK_CODEC, SHUFFLE_NAMES
 from kdcache.storage.core.errors import UnknownCodecError
 from kdcache.storage.core.files import crc32c, file_size
-from kdcache.storage.core.formats import CacheFormat, zarr_problems
+from kdcache.storage.core.formats import CacheFormat, Problem, zarr_problems
 from kdcache.storage.core.store_base import Store
 from kdcache.storage.core.streams import split_stream
 from kdcache.storage.hidden_codecs import CODED_KINDS
@@ -209,9 +208,9 @@ class ZarrShard(ShardHandle):
             try:
                 raw = self._read_file(f"{self.key}/{name}/zarr.json")
             except FileNotFoundError:
-                raise self._fail(name, "its zarr.json is missing") from None
+                raise self.fail(name, "its zarr.json is missing") from None
             if crc32c(raw) != table[f"{base}/{name}/zarr.json"][1]:
-                raise self._fail(name, "zarr.json does not match the crc32c recorded when it was written")
+                raise self.fail(name, "zarr.json does not match the crc32c recorded when it was written")
             cached = json.loads(bytes(raw))  # bytes already: no copy
             with self._lock:
                 self._metadata[name] = cached
@@ -226,7 +225,7 @@ class ZarrShard(ShardHandle):
             for path in self.record.arrays[name]["files"]:  # zarr reads a missing chunk as zeros: refuse that
                 message = check_file(self.store, path, *self.record.extra["files"][path], read=False)
                 if message:
-                    raise self._fail(name, message)
+                    raise self.fail(name, message)
         with self._lock:
             if name not in self._arrays:
                 with warnings.catch_warnings():  # numcodecs-in-zarr3 codecs warn again on open
@@ -251,9 +250,9 @@ class ZarrShard(ShardHandle):
                 raise ShardFileError(f"file {data[0]} has {len(raw)} bytes, {size} were written")
             return read_whole(raw, self.metadata(name), codec, layout["rows"])
         except FileNotFoundError:
-            raise self._fail(name, f"file {data[0]} is missing") from None
+            raise self.fail(name, f"file {data[0]} is missing") from None
         except ShardFileError as exc:
-            raise self._fail(name, f"stored bytes do not decode ({exc})") from None
+            raise self.fail(name, f"stored bytes do not decode ({exc})") from None
 
     def check(self) -> list[Problem]:
         return [] if self.file_table else zarr_problems(self.store, self.key, self.record.arrays)
@@ -274,7 +273,7 @@ class ZarrShard(ShardHandle):
         try:
             return np.asarray(array[slice(start, stop)])
         except (ValueError, RuntimeError) as exc:  # zarr's crc32c mismatch is a ValueError, blosc's a RuntimeError
-            raise self._fail(name, f"stored bytes do not decode ({exc})") from None
+            raise self.fail(name, f"stored bytes do not decode ({exc})") from None
 
 
 class ZarrBackend(Backend):

@@ -28,16 +28,12 @@ _IMPLEMENTATIONS: Registry[tuple[str, str]] = Registry("backend", SpecError)
 _IMPLEMENTATIONS.add("zarr", ("kdcache.storage.backends.zarr_backend", "ZarrBackend"))
 _IMPLEMENTATIONS.add("arrow", ("kdcache.storage.backends.arrow_backend", "ArrowBackend"))
 DEFAULT_BACKEND = next(iter(_IMPLEMENTATIONS))
+backend_names = _IMPLEMENTATIONS.names  # every registered backend, the default first
 
 
 def register_backend(name: str, module: str, cls: str) -> None:
     """Add backend ``name``, implemented by class ``cls`` of ``module`` (imported on first use)."""
     _IMPLEMENTATIONS.add(name, (module, cls))
-
-
-def backend_names() -> list[str]:
-    """Every registered backend, the default first."""
-    return _IMPLEMENTATIONS.names()
 
 
 def backend_class(name: str) -> BackendClass:

@@ -40,7 +40,7 @@ FILE_TABLE = "file_table"  # each shard file's size and crc32c (3+): reads check
 SEALED_INDEX = "sealed_index"  # manifest.json and sidecars carry their own crc32c; the folders beside are listed
 WRITABLE = "writable"  # this code can add shards to it (its own format only)
 
-Problem = tuple[str, str]  # (array, or a file standing in for it; what is wrong), as backends.base.Problem
+Problem = tuple[str, str]  # (array, or a file path where the bytes belong to no single array; what is wrong)
 
 
 @dataclass(frozen=True)

@@ -93,14 +93,15 @@ class LogitArray:
 
 @dataclass(frozen=True)
 class LogitLayout:
-    """A registered layout: ``arrays(spec)`` what it stores, ``validate(spec)`` raises ``SpecError`` on its fields;
-    ``logprob``: its values may be stored as quantised log-probabilities (``topk_values`` "logprob");
-    ``file_sparse``: a backend that compresses a whole shard with one codec (Arrow) takes the top-k codec for a
-    cache whose only arrays are this layout's (else the activation codec, as every cache before layouts had)."""
+    """A registered layout: ``arrays(spec)`` what it stores, ``validate(spec)`` raises ``SpecError`` on its fields
+    (None: none of its own); ``logprob``: its values may be stored as quantised log-probabilities (``topk_values``
+    "logprob"); ``file_sparse``: a backend that compresses a whole shard with one codec (Arrow) takes the top-k
+    codec for a cache whose only arrays are this layout's (else the activation codec, as every cache before layouts
+    had)."""
 
     name: str
     arrays: Callable[[LayoutFields], tuple[LogitArray, ...]]
-    validate: Callable[[LogitFields], None]
+    validate: Callable[[LogitFields], None] | None = None
     logprob: bool = False
     file_sparse: bool = False
 
@@ -171,7 +172,7 @@ def validate_logits(spec: LogitFields) -> None:
     layout = spec.logit_layout
     if layout and spec.vocab_size < 1:
         raise SpecError(f"logits={layout.name!r} needs vocab_size >= 1, got {spec.vocab_size}")
-    if layout:
+    if layout and layout.validate:
         layout.validate(spec)
     _check_value_format(spec, logprob_allowed=layout is not None and layout.logprob)
 
@@ -184,10 +185,6 @@ def _check_value_format(spec: LogitFields, logprob_allowed: bool) -> None:
 
 
 # ---- the layouts of the four modes -------------------------------------------------------------------------
-def _no_fields(spec: LogitFields) -> None:
-    """A layout without fields of its own."""
-
-
 def _topk_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
     # fp16: logits with their logsumexp; logprob: log-probs quantised to uint16 steps, rising along k in -logp.
     if spec.logprob_step > 0:
@@ -228,7 +225,7 @@ def _no_arrays(spec: LayoutFields) -> tuple[LogitArray, ...]:
 
 # The built-in layouts, each the object its stage-side kind holds (``LogitKind.layout``). Module-level functions,
 # not lambdas, so that a spec holding its layout pickles (the writer processes receive it).
-FULL_LAYOUT = register_layout(LogitLayout("full", _full_arrays, _no_fields))
+FULL_LAYOUT = register_layout(LogitLayout("full", _full_arrays))
 TOPK_LAYOUT = register_layout(LogitLayout("topk", _topk_arrays, _topk_validate, logprob=True, file_sparse=True))
 SAMPLED_LAYOUT = register_layout(LogitLayout("sampled", _sampled_arrays, _sampled_validate))
-HEAD_LAYOUT = register_layout(LogitLayout("head", _no_arrays, _no_fields))
+HEAD_LAYOUT = register_layout(LogitLayout("head", _no_arrays))

@@ -26,6 +26,8 @@ class NoConfig:
         """Nothing to refuse."""
 
 
+# Equal (and hashed) by class and configuration: a spec read back equals the spec written.
+@dataclasses.dataclass(init=False, repr=False, unsafe_hash=True)
 class HiddenCodec:
     """One registered codec, configured.
 
@@ -54,13 +56,6 @@ class HiddenCodec:
 
     def __init__(self, config: NoConfig | None = None) -> None:
         self.config = self.Config() if config is None else config
-
-    def __eq__(self, other: object) -> bool:
-        """Two codecs are one when their records are (a spec read back equals the spec written)."""
-        return isinstance(other, HiddenCodec) and self.record() == other.record()
-
-    def __hash__(self) -> int:
-        return hash(repr(self.record()))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.record()})"
@@ -117,6 +112,7 @@ class HiddenCodec:
 
 C = TypeVar("C", bound=type[HiddenCodec])
 HIDDEN_CODECS: Registry[type[HiddenCodec]] = Registry("hidden codec", SpecError)
+get = HIDDEN_CODECS.lookup  # the codec class named ``name``, or a SpecError listing the registered ones
 
 
 def register(cls: C) -> C:
@@ -140,11 +136,6 @@ def listing(quantised: bool = False) -> str:
 def usage() -> str:
     """``--hidden-codec``'s help: each codec's line, from the registry."""
     return "; ".join(f"{name}: {HIDDEN_CODECS[name].help}" for name in names())
-
-
-def get(name: object) -> type[HiddenCodec]:
-    """The codec class named ``name``, or a SpecError listing the registered ones."""
-    return HIDDEN_CODECS.lookup(name)
 
 
 def is_int(value: object) -> bool:

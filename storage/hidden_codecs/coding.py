@@ -79,15 +79,10 @@ def resolve_hidden_codec(value: object, dtype: str) -> CodecRecord:
 
 
 def hidden_codec_of(value: object, dtype: str) -> HiddenCodec:
-    """The codec a name, a record, a codec or None (``dtype``) stands for, configured: what an option or a
-    manifest's ``hidden_codec`` becomes at the edge, and then travels as (``resolve_hidden_codec``'s errors)."""
-    return codec_of(resolve_hidden_codec(value, dtype))
-
-
-def codec_of(record: CodecRecord | HiddenCodec) -> HiddenCodec:
-    """The configured codec of a resolved record (built once per record)."""
-    if isinstance(record, HiddenCodec):
-        return record
+    """The codec a name, a record, a codec or None (``dtype``) stands for, configured (built once per record):
+    what an option or a manifest's ``hidden_codec`` becomes at the edge, and then travels as
+    (``resolve_hidden_codec``'s errors)."""
+    record = resolve_hidden_codec(value, dtype)
     cls = get(record["name"])  # looked up each time: a codec unregistered (a test's own) is no longer found
     key = (cls, repr(sorted(record["configuration"].items())))
     if key not in _CONFIGURED:
@@ -95,30 +90,30 @@ def codec_of(record: CodecRecord | HiddenCodec) -> HiddenCodec:
     return _CONFIGURED[key]
 
 
-def projected(record: CodecRecord | HiddenCodec, name: str) -> bool:
+def projected(codec: HiddenCodec, name: str) -> bool:
     """Whether coded array ``name`` stores projection coefficients ``[T, R]``: hidden states of a codec with a
     rank (queries/keys/values are coded as they are)."""
-    return codec_of(record).rank is not None and kind_of(name) == ArrayKind.HIDDEN
+    return codec.rank is not None and kind_of(name) == ArrayKind.HIDDEN
 
 
-def check_width(record: CodecRecord | HiddenCodec, name: str, d: int) -> None:
+def check_width(codec: HiddenCodec, name: str, d: int) -> None:
     """Refuse a width the codec cannot store (int4 groups must divide d; outlier ids fit uint16); d is the rank
     R for projection coefficients."""
-    expected = codec_of(record).width_expectation(d)
+    expected = codec.width_expectation(d)
     if expected:
-        what = f"projection rank {d}" if projected(record, name) else f"hidden size {d}"
-        raise SpecError(f"{name}: {what} does not suit codec {codec_of(record).name!r}: expected {expected}")
+        what = f"projection rank {d}" if projected(codec, name) else f"hidden size {d}"
+        raise SpecError(f"{name}: {what} does not suit codec {codec.name!r}: expected {expected}")
 
 
-def _basis(record: CodecRecord | HiddenCodec, name: str, projection: Bases | None) -> tuple[Array, Array]:
+def _basis(codec: HiddenCodec, name: str, projection: Bases | None) -> tuple[Array, Array]:
     """(basis ``[R, d]``, mean ``[d]``) of projected array ``name``, or a SpecError naming what is missing."""
     if projection is None or name not in projection:
-        raise SpecError(f"{name}: stored as rank-{codec_of(record).rank} projection coefficients, but no basis for it "
+        raise SpecError(f"{name}: stored as rank-{codec.rank} projection coefficients, but no basis for it "
                         f"was given (a cache holds them in its projection/ folder)")
     return projection[name]
 
 
-def encode(record: CodecRecord | HiddenCodec, name: str, x: Array, projection: Bases | None = None) -> dict[str, Array]:
+def encode(codec: HiddenCodec, name: str, x: Array, projection: Bases | None = None) -> dict[str, Array]:
     """Encode ``x [T, d]`` (any array library, on its device) -> the stored arrays of ``name`` (codes and
     companions, ``part_name``) and its per-row errors ``[T, 5]`` (``row_errors``), measured against ``x`` itself
     so that a projection's loss shows in them.
@@ -130,28 +125,28 @@ def encode(record: CodecRecord | HiddenCodec, name: str, x: Array, projection: B
     Raises:
         SpecError: d does not suit the codec (int4 needs d divisible by its group); no basis for a projected name.
     """
-    xp, codec = namespace(x), codec_of(record)
+    xp = namespace(x)
     x = xp.astype(x, xp.float32, copy=False)
     coded = x
-    if projected(record, name):
-        basis, mean = _basis(record, name, projection)
+    if projected(codec, name):
+        basis, mean = _basis(codec, name, projection)
         coded = xp.astype((x - mean) @ basis.T, xp.float32)
-    check_width(record, name, coded.shape[1])
+    check_width(codec, name, coded.shape[1])
     stored = codec.encode_rows(coded)
     decoded = codec.decode_rows(stored)
-    if projected(record, name):
+    if projected(codec, name):
         decoded = decoded @ xp.astype(basis, xp.float32) + xp.astype(mean, xp.float32)
     out = {name: stored["codes"], **{part_name(name, p): stored[p] for p in PARTS if p in stored}}
     out[part_name(name, "error")] = row_errors(x, decoded)
     return out
 
 
-def decode(record: CodecRecord | HiddenCodec, arrays: Mapping[str, Array], name: str,
+def decode(codec: HiddenCodec, arrays: Mapping[str, Array], name: str,
            projection: Bases | None = None) -> Array:
     """Decode coded array ``name`` -> ``[T, d]`` float32 (any array library).
 
     Args:
-        record: the codec (``spec.hidden_codec``), or its resolved record.
+        codec: the cache's (``spec.hidden_codec``).
         arrays: the stored arrays by name: ``name`` (codes ``[T, d']``) and its companions (``part_name``).
         name: e.g. ``hidden/3``.
         projection: a rank codec's ``{name: (basis [R, d], mean [d])}`` (``storage.projection``): the decoded
@@ -162,18 +157,18 @@ def decode(record: CodecRecord | HiddenCodec, arrays: Mapping[str, Array], name:
     """
     stored = {"codes": arrays[name], **{p: arrays[part_name(name, p)] for p in PARTS
                                         if part_name(name, p) in arrays}}
-    y = codec_of(record).decode_rows(stored)
-    if not projected(record, name):
+    y = codec.decode_rows(stored)
+    if not projected(codec, name):
         return y
     xp = namespace(y)
-    basis, mean = _basis(record, name, projection)
+    basis, mean = _basis(codec, name, projection)
     return y @ xp.astype(basis, xp.float32) + xp.astype(mean, xp.float32)
 
 
-def error_record(record: CodecRecord | HiddenCodec, rows: np.ndarray) -> dict[str, Any]:
+def error_record(codec: HiddenCodec, rows: np.ndarray) -> dict[str, Any]:
     """One shard's error record of a coded array, from its per-row errors ``[T, 5]`` (``row_errors``)."""
     sums = rows.astype(np.float64)
     ref = float(sums[:, 1].sum())
-    return {"codec": codec_of(record).name, "rel_rms_error": float(np.sqrt(sums[:, 0].sum() / ref)) if ref else 0.0,
+    return {"codec": codec.name, "rel_rms_error": float(np.sqrt(sums[:, 0].sum() / ref)) if ref else 0.0,
             "worst_row_cosine": float(sums[:, 2].min(initial=1.0)), "max_abs_error": float(sums[:, 3].max(initial=0)),
             "decoded_sq": float(sums[:, 4].sum())}

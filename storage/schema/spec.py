@@ -159,7 +159,6 @@ class CacheSpec(CacheSpecFields):
         """The per-token logit arrays of this cache (a log-prob top-k cache needs no logsumexp)."""
         return [a.name for a in logit_arrays(self)]
 
-
     def gap_coded(self, name: str) -> bool:
         """Whether ``name`` holds rows non-decreasing along the last axis, stored as the first value and the gaps."""
         return self.array(name).gap_coded

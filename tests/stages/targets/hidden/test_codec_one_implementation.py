@@ -24,7 +24,6 @@ from kdcache.stages.targets.hidden.device_codecs import TorchOps, decode_batch
 from kdcache.storage.hidden_codecs import (
     FP8_MAX,
     HIDDEN_CODECS,
-    codec_of,
     decode,
     encode,
     fp8_table,
@@ -63,7 +62,7 @@ def _integer_rows(n: int = 40, d: int = 256, seed: int = 0, zeros: bool = False)
 @pytest.mark.parametrize(("name", "configuration"), _configurations())
 def test_numpy_and_torch_store_the_same_bytes(name: str, configuration: dict) -> None:
     record = hidden_codec_of({"name": name, "configuration": configuration}, "fp16")
-    x = _integer_rows(zeros=not codec_of(record).config.outliers)
+    x = _integer_rows(zeros=not record.config.outliers)
     on_numpy = encode(record, "hidden/1", x)
     on_torch = {k: v.numpy() for k, v in encode(record, "hidden/1", torch.from_numpy(x)).items()}
     assert set(on_numpy) == set(on_torch)
