@@ -302,6 +302,13 @@ class FeatureCapture:
         self._out, self._amax = {}, {}
         return self._copier.start(out, amax, lengths)
 
+    def __call__(self, batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
+                 positions: dict[str, torch.Tensor]) -> Callable[[], ShardItems]:
+        """The ``adapters.Capture`` of stream ``""``: the batch queued (``run``), taken in (``finish``) when what
+        it returns is called."""
+        host = self.run(*batch[""], lengths[""], positions.get(""))
+        return lambda: finish(host)
+
     def _reset(self) -> None:
         """Forget what a failed forward kept, before the batch runs again."""
         self._out, self._amax = {}, {}
