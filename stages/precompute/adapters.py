@@ -29,11 +29,10 @@ from kdcache.stages.precompute.capture.features import (
     fp16_bounded,
     hidden_targets,
     max_abs,
-    to_numpy,
     to_storage_dtype,
 )
 from kdcache.stages.precompute.capture.logit_head import logit_targets
-from kdcache.stages.precompute.capture.transfer import ShardItems, cut_padding
+from kdcache.stages.precompute.capture.transfer import ShardItems, as_numpy, cut_padding
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.core.plan import PrecomputePlan, RowSetup, TeacherSetup, WriteSetup
@@ -69,14 +68,10 @@ class TeacherAdapter(ABC):
     def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
         """Refuse options that do not apply to this family, rather than ignore them."""
 
-    def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
-        """The dataset as token streams, in cache order."""
-        return text_streams(rows, tokenizer)
-
-    def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
-                     tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
-        """The weights, for inference (eager attention only when maps are captured)."""
-        return load_teacher(setup, config, targets, tokenizer, device)
+    # The dataset as token streams, in cache order; the weights, for inference (eager attention only when maps
+    # are captured).
+    load_data = staticmethod(text_streams)
+    load_teacher = staticmethod(load_teacher)
 
     @abstractmethod
     def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
@@ -132,7 +127,7 @@ class EncoderDecoderTeacher(TeacherAdapter):
     def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
                      tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
         model = load_for_inference(lm_class(config), setup, device, eager=targets.wants_attention,
-                                   optional=() if targets.logits else self._HEAD_KEYS)
+                                   optional=() if targets.logit.name else self._HEAD_KEYS)
         fingerprint = {**teacher_fingerprint(setup, model), "num_encoder_layers": targets.streams["encoder"].depth,
                        "num_decoder_layers": targets.streams["decoder"].depth}
         impl = getattr(model.config, "_attn_implementation", None) or "default"
@@ -197,7 +192,7 @@ def _stored(kept: dict[str, torch.Tensor], exact: frozenset[str], write: WriteSe
             stored.update(hidden_targets(codec, name, value, projection))
         else:
             stored[name] = to_storage_dtype(value, write.dtype)
-    return {name: to_numpy(value) for name, value in stored.items()}
+    return {name: as_numpy(value.cpu()) for name, value in stored.items()}  # bf16 bits: uint16, as stored
 
 
 def adapter_for(config: PretrainedConfig) -> TeacherAdapter:

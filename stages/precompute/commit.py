@@ -38,12 +38,6 @@ if TYPE_CHECKING:
 _STOP = object()
 
 
-def default_workers() -> int:
-    """Writer threads when ``--writers`` is 0: half the host's cores (the rest feed the device and tokenize),
-    at least one, at most eight (beyond that a local disk, not the host, sets the pace)."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
 class BackgroundWriter:
     """Runs ``write(index, sequences) -> record`` on ``workers`` threads, taking shards in submission order, then
     hands back the reused buffers the shard's arrays are views of (``ShardItems.release``), also when the commit
@@ -153,7 +147,7 @@ def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: 
     Args:
         show_progress: draw the progress bar (``--progress`` on rank 0).
         queue_size: computed shards that may wait for the writer (``--queue-size``).
-        workers: threads writing shards side by side (``--writers``; 0: ``default_workers``).
+        workers: threads writing shards side by side (``--writers``; 0: half the host's cores, up to 8).
         processes: write in worker processes instead (``--writer-processes``, ``writer_processes``).
         label: the command the progress names (``kdcache generate`` passes ``generate``).
     """
@@ -167,7 +161,9 @@ def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: 
             writer.renew()
 
     # the shards' writer: threads of this process, or worker processes fed through shared memory
-    workers = workers or default_workers()
+    # --writers 0: half the host's cores (the rest feed the device and tokenize), at least one, at most eight
+    # (beyond that a local disk, not the host, sets the pace)
+    workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
     background: BackgroundWriter | ProcessWriter
     if processes:
         background = ProcessWriter(writer.store.url, writer.spec, queue_size, written, workers)

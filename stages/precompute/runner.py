@@ -286,7 +286,7 @@ def _save_beside_shards(ready: _Prepared, loaded: _Loaded, dist: DistContext) ->
     save_tokenizer(ready.tokenizer, ready.store)
     if ready.data.texts and dist.is_main:
         save_texts(ready.store, ready.data.texts["text"], ready.data.texts["text_end"])
-    if logit_kinds.uses_head(loaded.targets.logits) and dist.is_main:
+    if logit_kinds.uses_head(loaded.targets.logit.name) and dist.is_main:
         export_head(loaded.teacher.model, ready.store, loaded.targets.streams[""].depth)
     if is_draft_preset(ready.options.targets.layers.get("")) and dist.is_main:
         vocab = int(target_embedding(loaded.teacher.model).shape[0])

@@ -63,11 +63,6 @@ class Targets:
     # ``capture.qk_capture.with_score_rules`` adds the rules), carried whole into the spec and the fingerprint.
     attention: AttentionSettings = field(kw_only=True)
 
-    @property
-    def logits(self) -> str | None:
-        """The logit mode's name (None: no logits)."""
-        return self.logit.name
-
     @functools.cached_property
     def logit_arrays(self) -> tuple[LogitArray, ...]:
         """The per-token logit arrays the mode stores, for these fields (none for ``head``), read once."""

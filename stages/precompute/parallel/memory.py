@@ -127,7 +127,7 @@ def _activations(batch: BatchSetup, config: PretrainedConfig, targets: Targets, 
         blocks += batch.batch_size * -(-heads // n) * batch.max_length ** 2 * size
     kept = sum(len(t.hidden) for t in targets.streams.values()) * tokens * d * 2
     chunk = batch.logits_chunk or tokens
-    head = min(chunk, tokens) * -(-vocab // n) * (size + 4) if targets.logits else 0
+    head = min(chunk, tokens) * -(-vocab // n) * (size + 4) if targets.logit.name else 0
     return IN_FLIGHT * (blocks + kept) + head
 
 
