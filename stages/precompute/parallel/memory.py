@@ -57,10 +57,6 @@ class RankMemory:
     def total(self) -> int:
         return self.weights + self.activations
 
-    @property
-    def fits(self) -> bool:
-        return self.total <= USABLE * self.capacity
-
     def describe(self, layout: Layout) -> str:
         return (f"memory per rank ({layout}): {format_bytes(self.total)} (weights {format_bytes(self.weights)}, "
                 f"activations {format_bytes(self.activations)}) of {format_bytes(self.capacity)} ({self.source})")
@@ -161,7 +157,7 @@ def check_layout(memory: RankMemory, layout: Layout, config: PretrainedConfig | 
     Raises:
         PrecomputeError: naming the need, the room, and a layout that would fit.
     """
-    if memory.fits:
+    if memory.total <= USABLE * memory.capacity:
         return
     need = memory.weights * layout.size  # the unsplit weights (the replicated norms are negligible here)
     room = int(USABLE * memory.capacity - memory.activations)  # what this layout's activations leave
