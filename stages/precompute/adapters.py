@@ -26,15 +26,13 @@ from kdcache.stages.common.architectures import is_encoder_decoder, lm_class
 from kdcache.stages.precompute.capture.features import (
     FeatureCapture,
     check_ranges,
-    finish,
     fp16_bounded,
     hidden_targets,
     max_abs,
-    to_numpy,
     to_storage_dtype,
 )
 from kdcache.stages.precompute.capture.logit_head import logit_targets
-from kdcache.stages.precompute.capture.transfer import ShardItems, cut_padding
+from kdcache.stages.precompute.capture.transfer import ShardItems, as_numpy, cut_padding
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.core.plan import PrecomputePlan, RowSetup, TeacherSetup, WriteSetup
@@ -44,7 +42,7 @@ from kdcache.stages.precompute.rows.data import TokenStreams
 from kdcache.stages.precompute.rows.row_build import pair_streams, text_streams
 from kdcache.stages.precompute.teacher import load_for_inference, load_teacher
 from kdcache.stages.targets.hidden.device_codecs import Projection
-from kdcache.storage import ArrayKind, applies_to
+from kdcache.storage import ArrayKind, applies_to, exact_arrays
 
 if TYPE_CHECKING:
     import numpy as np
@@ -70,14 +68,10 @@ class TeacherAdapter(ABC):
     def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
         """Refuse options that do not apply to this family, rather than ignore them."""
 
-    def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
-        """The dataset as token streams, in cache order."""
-        return text_streams(rows, tokenizer)
-
-    def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
-                     tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
-        """The weights, for inference (eager attention only when maps are captured)."""
-        return load_teacher(setup, config, targets, tokenizer, device)
+    # The dataset as token streams, in cache order; the weights, for inference (eager attention only when maps
+    # are captured).
+    load_data = staticmethod(text_streams)
+    load_teacher = staticmethod(load_teacher)
 
     @abstractmethod
     def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
@@ -102,19 +96,11 @@ class HookedTeacher(TeacherAdapter):
             raise PrecomputeError(f"{', '.join(given)}: only for encoder-decoder teachers, and "
                                   f"{options.engine.teacher!r} is a {config.model_type} without a decoder stack")
 
-    @contextmanager
     def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,
-                projection: Projection | None = None) -> Iterator[Capture]:
+                projection: Projection | None = None) -> FeatureCapture:
         batch, write = plan.batch, plan.write
-        with FeatureCapture(teacher, targets, write.dtype, batch.logits_chunk, plan.teacher.seed, write.hidden_codec,
-                            projection, batch.compile_teacher) as hooks:
-
-            def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
-                    positions: dict[str, torch.Tensor]) -> Pending:
-                host = hooks.run(*batch[""], lengths[""], positions.get(""))
-                return lambda: finish(host)
-
-            yield run
+        return FeatureCapture(teacher, targets, write.dtype, batch.logits_chunk, plan.teacher.seed, write.hidden_codec,
+                              projection, batch.compile_teacher)
 
 
 class EncoderDecoderTeacher(TeacherAdapter):
@@ -141,7 +127,7 @@ class EncoderDecoderTeacher(TeacherAdapter):
     def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
                      tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
         model = load_for_inference(lm_class(config), setup, device, eager=targets.wants_attention,
-                                   optional=() if targets.logits else self._HEAD_KEYS)
+                                   optional=() if targets.logit.name else self._HEAD_KEYS)
         fingerprint = {**teacher_fingerprint(setup, model), "num_encoder_layers": targets.streams["encoder"].depth,
                        "num_decoder_layers": targets.streams["decoder"].depth}
         impl = getattr(model.config, "_attn_implementation", None) or "default"
@@ -159,6 +145,8 @@ class EncoderDecoderTeacher(TeacherAdapter):
             raise PrecomputeError(f"{type(model).__name__} cannot build decoder inputs from labels "
                                   f"(no prepare_decoder_input_ids_from_labels); it is not an encoder-decoder LM")
 
+        exact = frozenset(exact_arrays(targets.logit))  # ids, the fp32 logsumexp, the kept mass...: as computed
+
         def run(batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
                 positions: dict[str, torch.Tensor]) -> Pending:
             (src, src_mask), (tgt, tgt_mask) = batch["encoder"], batch["decoder"]
@@ -168,7 +156,7 @@ class EncoderDecoderTeacher(TeacherAdapter):
                 out = model(input_ids=src, attention_mask=src_mask, decoder_input_ids=decoder_input_ids,
                             decoder_attention_mask=tgt_mask, use_cache=False,
                             output_hidden_states=targets.wants_hidden, output_attentions=targets.wants_attention)
-                host = _stored(_select(out, targets), targets, plan.write, projection)
+                host = _stored(_select(out, targets), exact, plan.write, projection)
             items = ShardItems([cut_padding(host, i, {"encoder": n_e, "decoder": n_d})
                                 for i, (n_e, n_d) in enumerate(zip(lengths["encoder"], lengths["decoder"]))])
             return lambda: items
@@ -188,12 +176,12 @@ def _select(out: Seq2SeqLMOutput, t: Targets) -> dict[str, torch.Tensor]:
     return kept
 
 
-def _stored(kept: dict[str, torch.Tensor], targets: Targets, write: WriteSetup,
+def _stored(kept: dict[str, torch.Tensor], exact: frozenset[str], write: WriteSetup,
             projection: Projection | None) -> dict[str, np.ndarray]:
-    """The kept tensors as the host arrays storage takes. fp16 overflow is checked per target on the device (one
-    host sync for all of them) before anything is converted: T5-family activations are known to exceed 65504,
-    and storage must never see an inf (``Fp16OverflowError`` names the first)."""
-    exact, codec = targets.exact_arrays, write.hidden_codec
+    """The kept tensors as the host arrays storage takes (``exact``: as computed). fp16 overflow is checked per
+    target on the device (one host sync for all of them) before anything is converted: T5-family activations are
+    known to exceed 65504, and storage must never see an inf (``Fp16OverflowError`` names the first)."""
+    codec = write.hidden_codec
     check_ranges({n: max_abs(v) for n, v in kept.items() if v.is_floating_point() and n not in exact
                   and v.numel() and fp16_bounded(n, write.dtype, codec)})
     stored: dict[str, torch.Tensor] = {}
@@ -204,7 +192,7 @@ def _stored(kept: dict[str, torch.Tensor], targets: Targets, write: WriteSetup,
             stored.update(hidden_targets(codec, name, value, projection))
         else:
             stored[name] = to_storage_dtype(value, write.dtype)
-    return {name: to_numpy(value) for name, value in stored.items()}
+    return {name: as_numpy(value.cpu()) for name, value in stored.items()}  # bf16 bits: uint16, as stored
 
 
 def adapter_for(config: PretrainedConfig) -> TeacherAdapter:

@@ -26,7 +26,7 @@ def build_spec(write: WriteSetup, targets: Targets, data: TokenStreams) -> Cache
     token_arrays = tuple(dict.fromkeys(str(kind_of(name)) for name in data.tokens))  # plain names, as manifests hold
     return CacheSpec(
         num_sequences=len(data), token_arrays=token_arrays, backend=write.backend, attention_heads=targets.heads,
-        attention_triangle=triangle, vocab_size=targets.vocab_size if targets.logits else 0,
+        attention_triangle=triangle, vocab_size=targets.vocab_size if targets.logit.name else 0,
         **targets.logit.spec_fields(),  # the logit mode's fields, as its family names them
         **targets.attention.spec_fields(),  # the attention source's fields, as its family names them
         dtype=write.dtype, codec=write.codec, bitround=write.bitround, hidden_codec=write.hidden_codec, layers=layers,

@@ -38,14 +38,10 @@ if TYPE_CHECKING:
 _STOP = object()
 
 
-def default_workers() -> int:
-    """Writer threads when ``--writers`` is 0: half the host's cores (the rest feed the device and tokenize),
-    at least one, at most eight (beyond that a local disk, not the host, sets the pace)."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
 class BackgroundWriter:
-    """Runs ``write(index, sequences) -> record`` on ``workers`` threads, taking shards in submission order.
+    """Runs ``write(index, sequences) -> record`` on ``workers`` threads, taking shards in submission order, then
+    hands back the reused buffers the shard's arrays are views of (``ShardItems.release``), also when the commit
+    failed: nothing reads them after the write.
 
     Args:
         write: commits one shard (``CacheWriter.write_shard``); returns its record.
@@ -84,6 +80,9 @@ class BackgroundWriter:
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 with self._lock:
                     self._error = self._error or exc
+            finally:
+                if hasattr(sequences, "release"):
+                    sequences.release()
 
     def _raise_pending(self) -> None:
         if self._error is not None and not self._reported:
@@ -138,19 +137,6 @@ def check_out_folder(out: str) -> Store:
 Shards = Generator[list[dict[str, np.ndarray]], None, None]  # per shard, its sequences' arrays, in order
 
 
-def write_then_release(writer: CacheWriter) -> Callable[[int, list[dict[str, np.ndarray]]], ShardRecord]:
-    """``write(index, items) -> record``: commit the shard, then hand back the reused buffers its arrays are views
-    of (``ShardItems.release``), also when the commit failed: nothing reads them after the write."""
-
-    def write(index: int, items: list[dict[str, np.ndarray]]) -> ShardRecord:
-        try:
-            return writer.write_shard(index, items, finite=getattr(items, "finite", frozenset()))
-        finally:
-            if hasattr(items, "release"):
-                items.release()
-    return write
-
-
 def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: RunStats,
                   stream: Callable[[list[tuple[int, int]], Progress], Shards], *,
                   show_progress: bool, queue_size: int, workers: int = 0, processes: bool = False,
@@ -161,7 +147,7 @@ def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: 
     Args:
         show_progress: draw the progress bar (``--progress`` on rank 0).
         queue_size: computed shards that may wait for the writer (``--queue-size``).
-        workers: threads writing shards side by side (``--writers``; 0: ``default_workers``).
+        workers: threads writing shards side by side (``--writers``; 0: half the host's cores, up to 8).
         processes: write in worker processes instead (``--writer-processes``, ``writer_processes``).
         label: the command the progress names (``kdcache generate`` passes ``generate``).
     """
@@ -175,12 +161,15 @@ def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: 
             writer.renew()
 
     # the shards' writer: threads of this process, or worker processes fed through shared memory
-    workers = workers or default_workers()
+    # --writers 0: half the host's cores (the rest feed the device and tokenize), at least one, at most eight
+    # (beyond that a local disk, not the host, sets the pace)
+    workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
     background: BackgroundWriter | ProcessWriter
     if processes:
         background = ProcessWriter(writer.store.url, writer.spec, queue_size, written, workers)
     else:
-        background = BackgroundWriter(write_then_release(writer), queue_size, on_written=written, workers=workers)
+        background = BackgroundWriter(lambda k, items: writer.write_shard(k, items, finite=getattr(
+            items, "finite", frozenset())), queue_size, on_written=written, workers=workers)
     shards = stream([spec.shard_range(k) for k in todo], progress)
     try:
         for k, items in zip(todo, shards, strict=True):

@@ -243,7 +243,7 @@ def _whole_run(stats: RunStats, skipped: int, dist: DistContext) -> int:
 def _save_teacher_files(ready: _Ready, store: Store, main: bool) -> None:
     """What stage two reads beside the targets: the tokenizer, and the output head for the ``head`` logit kind."""
     save_tokenizer(ready.teacher.tokenizer, store)
-    if logit_kinds.uses_head(ready.targets.logits) and main:
+    if logit_kinds.uses_head(ready.targets.logit.name) and main:
         export_head(ready.teacher.model, store, ready.targets.streams[""].depth)
 
 

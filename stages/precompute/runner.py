@@ -229,7 +229,7 @@ def _estimate(ready: _Prepared, loaded: _Loaded) -> dict[str, Any]:
     """``--estimate``: the teacher over the first shards, written to a scratch cache (``estimate.estimate``; a rank
     codec fits its basis there too)."""
     plan, teacher, targets, data, stats = ready.plan, loaded.teacher, loaded.targets, ready.data, RunStats()
-    projection = _projection(ready, loaded, into=None)
+    projection = _projection(ready, loaded, None)
     with ready.adapter.capture(teacher, targets, plan, projection) as capture:
         progress = Progress(0, False, stats)
         return estimate(loaded.spec, data, plan.write.out,
@@ -245,7 +245,7 @@ def _write(ready: _Prepared, loaded: _Loaded, dist: DistContext, stats: RunStats
     group = dist.groups_of(grid.tensor)
     fingerprints = build_fingerprints(ready.options, loaded.teacher, loaded.targets, ready.data)
     writer = open_writer(ready.store, loaded.spec, fingerprints, part) if grid.writes else None
-    projection = _projection_in_turn(ready, loaded, dist)
+    projection = _projection(ready, loaded, dist)
     mine = part.shards(loaded.spec.num_shards)
     todo = _compute(ready, loaded, writer, mine, group, dist, stats, projection)
     manifest = _finish(writer, ready.store, dist)
@@ -254,18 +254,6 @@ def _write(ready: _Prepared, loaded: _Loaded, dist: DistContext, stats: RunStats
              "dropped_rows": {"empty": ready.data.dropped_empty, "untrained": ready.data.dropped_untrained},
              "rows": ready.rows}
     return _run_totals(summarize(stats, manifest, len(mine) - len(todo), st.out, extra), dist, grid.writes)
-
-
-def _projection_in_turn(ready: _Prepared, loaded: _Loaded, dist: DistContext) -> Projection | None:
-    """A rank codec's basis before any shard: under torchrun the main rank fits and stores it while the others
-    wait, then read it."""
-    waits = loaded.spec.hidden_codec.rank is not None
-    if waits and not dist.is_main:
-        dist.barrier()
-    projection = _projection(ready, loaded, into=ready.store)
-    if waits and dist.is_main:
-        dist.barrier()
-    return projection
 
 
 def _compute(ready: _Prepared, loaded: _Loaded, writer: CacheWriter | None, mine: list[int],
@@ -298,7 +286,7 @@ def _save_beside_shards(ready: _Prepared, loaded: _Loaded, dist: DistContext) ->
     save_tokenizer(ready.tokenizer, ready.store)
     if ready.data.texts and dist.is_main:
         save_texts(ready.store, ready.data.texts["text"], ready.data.texts["text_end"])
-    if logit_kinds.uses_head(loaded.targets.logits) and dist.is_main:
+    if logit_kinds.uses_head(loaded.targets.logit.name) and dist.is_main:
         export_head(loaded.teacher.model, ready.store, loaded.targets.streams[""].depth)
     if is_draft_preset(ready.options.targets.layers.get("")) and dist.is_main:
         vocab = int(target_embedding(loaded.teacher.model).shape[0])
@@ -329,9 +317,11 @@ def _run_totals(summary: dict[str, Any], dist: DistContext, writes: bool) -> dic
     return summary
 
 
-def _projection(ready: _Prepared, loaded: _Loaded, *, into: Store | None) -> Projection | None:
-    """A rank codec's bases (``projection_fit``): the cache's stored ones, else fitted on the leading sequences
-    (and stored first in the output store ``into``, unless None); None without a rank."""
+def _projection(ready: _Prepared, loaded: _Loaded, dist: DistContext | None) -> Projection | None:
+    """A rank codec's bases (``projection_fit``), before any shard: the cache's stored ones, else fitted on the
+    leading sequences and stored first in the output store, where under torchrun the main rank fits and stores
+    them while the others wait, then read them; ``dist`` None (``--estimate``): fitted, not stored. None without a
+    rank."""
     codec = loaded.spec.hidden_codec
     rank = codec.rank
     teacher = loaded.teacher
@@ -350,9 +340,14 @@ def _projection(ready: _Prepared, loaded: _Loaded, *, into: Store | None) -> Pro
                                        Progress(0, False, stats))) as shards:  # its helper thread ends here
                 return fit_bases(shards, names, rank, teacher.device)
 
-    if into is None:
+    if dist is None:
         return Projection.from_arrays(fit())
-    return stored_projection(into, rank, names, fit)
+    if not dist.is_main:
+        dist.barrier()
+    projection = stored_projection(ready.store, rank, names, fit)
+    if dist.is_main:
+        dist.barrier()
+    return projection
 
 
 def finished_cache(ready: _Prepared) -> Manifest | None:

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,11 +90,8 @@ def stream_shards(capture: Capture, teacher: Teacher, data: TokenStreams, bounds
 def compute_shard(capture: Capture, teacher: Teacher, data: TokenStreams, bounds: tuple[int, int],
                   batch_size: int, stats: RunStats, progress: Progress) -> ShardItems:
     """One shard on its own (``stream_shards`` of one): the estimate's and the projection fit's unit."""
-    shards = stream_shards(capture, teacher, data, [bounds], batch_size, stats, progress)
-    try:
-        return next(shards)
-    finally:
-        shards.close()  # its helper thread ends now, not when the generator is collected
+    with closing(stream_shards(capture, teacher, data, [bounds], batch_size, stats, progress)) as shards:
+        return next(shards)  # closed here: its helper thread ends now, not when the generator is collected
 
 
 def _place(shard: _Shard, batch: np.ndarray, taken: Future[ShardItems], stats: RunStats,

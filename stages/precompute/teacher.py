@@ -85,7 +85,7 @@ def has_lm_head(config: PretrainedConfig) -> bool:
 
 def _model_class(config: PretrainedConfig, targets: Targets, teacher: str) -> ModelClass:
     archs = getattr(config, "architectures", None) or []
-    if targets.logits is None:
+    if targets.logit.name is None:
         return transformers.AutoModel
     if any(a.endswith(CAUSAL_SUFFIXES) for a in archs) or (not archs and targets.causal):
         return transformers.AutoModelForCausalLM

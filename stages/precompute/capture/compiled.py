@@ -42,10 +42,9 @@ class TeacherCalls:
     Args:
         model: the loaded teacher (its hooks are registered on its own blocks, so both forms run them).
         compiled: compile both calls (``--compile-teacher``).
-        say: where the fallback's one line goes (rank 0's stderr by default).
     """
 
-    def __init__(self, model: PreTrainedModel, compiled: bool, say: Callable[[str], None] | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, compiled: bool) -> None:
         self.model: Callable[..., Any] = model
         self.base: Callable[..., Any] = model.base_model
         self._eager = (self.model, self.base)
@@ -55,7 +54,6 @@ class TeacherCalls:
             torch._dynamo.reset()
             self.model, self.base = (torch.compile(module, dynamic=False) for module in self._eager)
         self.compiled = compiled
-        self._say = say or (lambda line: print(line, file=sys.stderr))
 
     def run(self, batch: Callable[[], T], reset: Callable[[], None]) -> T:
         """``batch()``; after a compile failure, ``reset()`` what it left and run it again, eagerly from then on."""
@@ -70,8 +68,8 @@ class TeacherCalls:
             if not isinstance(exc, (TorchDynamoException, InductorError)):
                 raise  # the model's or kdcache's own, not torch.compile's
             reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-            self._say(f"kdcache precompute: --compile-teacher: compiling the teacher failed ({type(exc).__name__}: "
-                      f"{reason}); it runs eagerly")
+            print(f"kdcache precompute: --compile-teacher: compiling the teacher failed ({type(exc).__name__}: "
+                  f"{reason}); it runs eagerly", file=sys.stderr)
             (self.model, self.base), self.compiled = self._eager, False
             reset()
             return batch()

@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from kdcache.stages.common.documents import document_attention_mask, documents_apart_problem
@@ -39,7 +38,7 @@ from kdcache.stages.precompute.capture.compiled import TeacherCalls
 from kdcache.stages.precompute.capture.logit_head import logit_targets
 from kdcache.stages.precompute.capture.qk_capture import QKCapture
 from kdcache.stages.precompute.capture.sharded_head import chunked_head
-from kdcache.stages.precompute.capture.transfer import HostBatch, HostCopier, ShardItems, as_numpy, valid_rows
+from kdcache.stages.precompute.capture.transfer import HostBatch, HostCopier, ShardItems, valid_rows
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.targets import Targets
 from kdcache.stages.precompute.core.teacher_id import Teacher
@@ -75,11 +74,6 @@ def fp16_bounded(name: str, dtype_name: str, codec: HiddenCodec) -> bool:
     """Whether target ``name`` must stay within float16's range: fp16 targets, and coded arrays (hidden states,
     queries/keys/values) of every codec but bf16 (quantised codecs keep outliers and scales in fp16)."""
     return codec.float_dtype != "bf16" if applies_to(name) else dtype_name == "fp16"
-
-
-def to_numpy(x: torch.Tensor) -> np.ndarray:
-    """Host copy as numpy; int16 bf16 bits come back as uint16, the storage form (``transfer.as_numpy``)."""
-    return as_numpy(x.cpu())
 
 
 def max_abs(values: torch.Tensor) -> torch.Tensor:
@@ -301,6 +295,13 @@ class FeatureCapture:
         lengths, out, amax = self._lengths, self._out, self._amax
         self._out, self._amax = {}, {}
         return self._copier.start(out, amax, lengths)
+
+    def __call__(self, batch: dict[str, tuple[torch.Tensor, torch.Tensor]], lengths: dict[str, list[int]],
+                 positions: dict[str, torch.Tensor]) -> Callable[[], ShardItems]:
+        """The ``adapters.Capture`` of stream ``""``: the batch queued (``run``), taken in (``finish``) when what
+        it returns is called."""
+        host = self.run(*batch[""], lengths[""], positions.get(""))
+        return lambda: finish(host)
 
     def _reset(self) -> None:
         """Forget what a failed forward kept, before the batch runs again."""

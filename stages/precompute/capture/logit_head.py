@@ -85,7 +85,7 @@ class ChunkedHead:
             last: ``[B, L, d]`` the base model's last hidden state.
             valid: ``[B, L]`` bool, the real tokens.
             keep: e.g. ``logit_targets`` with the run's settings bound, or ``head_probe``.
-            rows: ``[N_v]`` flat row numbers of the valid tokens (``transfer.valid_index``), on the device; when
+            rows: ``[N_v]`` flat row numbers of the valid tokens (``transfer.valid_rows``), on the device; when
                 the caller knows the lengths this saves the host sync of finding them in ``valid``.
         """
         assert self.head is not None

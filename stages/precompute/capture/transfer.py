@@ -22,18 +22,12 @@ import torch
 from kdcache.storage import BufferPool, Lease, ragged_streams
 
 
-def valid_index(lengths: list[int], padded_length: int) -> np.ndarray:
+def valid_rows(lengths: list[int], padded_length: int, device: torch.device) -> torch.Tensor:
     """Flat row numbers of the valid tokens of a right-padded ``[B, L]`` batch (``lengths``: the B valid ones;
     ``padded_length``: L), batch-major: ``[T]`` int64, ``T = sum(lengths)``, row ``b * L + t`` for every
-    ``t < lengths[b]``."""
-    if not lengths:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(n, dtype=np.int64) + b * padded_length for b, n in enumerate(lengths)])
-
-
-def valid_rows(lengths: list[int], padded_length: int, device: torch.device) -> torch.Tensor:
-    """``valid_index`` on ``device``, copied from pinned memory without blocking: no wait for the device."""
-    index = torch.from_numpy(valid_index(lengths, padded_length))
+    ``t < lengths[b]``; on ``device``, copied from pinned memory without blocking: no wait for the device."""
+    flat = [np.arange(n, dtype=np.int64) + b * padded_length for b, n in enumerate(lengths)]
+    index = torch.from_numpy(np.concatenate(flat) if flat else np.zeros(0, dtype=np.int64))
     if device.type != "cuda":
         return index.to(device)
     return index.pin_memory().to(device, non_blocking=True)

@@ -26,7 +26,7 @@ from kdcache.stages.common.engine_options import (
 from kdcache.stages.common.option_groups import assemble, option as _opt, option_group
 from kdcache.stages.common.stream_options import STREAM_PREFIXES, StreamLayers
 from kdcache.stages.targets.attention.flags import AttentionFlags
-from kdcache.stages.targets.draft.draft_layers import draft_layers, is_draft_preset
+from kdcache.stages.targets.draft.draft_layers import is_draft_preset
 from kdcache.stages.targets.logits.base import LogitFlags
 from kdcache.storage import (
     DEFAULT_BACKEND,
@@ -238,39 +238,6 @@ class PrecomputeOptions:
         """Build from flat keyword arguments as the flags name them (tests, benchmarks). No checks:
         ``pipeline.config.build`` is the checked way in."""
         return assemble(cls, flat)
-
-
-def parse_layers(values: tuple[str, ...], num_layers: int, *, minimum: int, name: str) -> tuple[int, ...]:
-    """Resolve a layer selection against a model with ``num_layers`` blocks.
-
-    Args:
-        values: ``("all",)``, ``("draft",)`` (hidden states only: the three layers an EAGLE-3 draft fuses,
-            ``stages.targets.draft.draft_layers.draft_layers``) or integer strings; negative numbers count from the last
-            layer (-1 = N).
-        num_layers: N, the number of blocks.
-        minimum: the first valid layer (0 for hidden states, 1 for attention blocks).
-        name: option name for messages.
-
-    Returns:
-        sorted, de-duplicated layer numbers.
-
-    Raises:
-        ValueError: a layer outside ``minimum..num_layers``, with the valid range in the message.
-    """
-    if tuple(v.lower() for v in values) == ("all",):
-        return tuple(range(minimum, num_layers + 1))
-    if minimum == 0 and is_draft_preset(values):
-        return tuple(sorted(set(draft_layers(num_layers))))
-    layers = set()
-    for value in values:
-        j = int(value)
-        resolved = num_layers + 1 + j if j < 0 else j
-        if not minimum <= resolved <= num_layers:
-            raise ValueError(f"{name}: layer {value} is out of range; this teacher has layers "
-                             f"{minimum}..{num_layers} ({num_layers} blocks"
-                             f"{', 0 = embeddings' if minimum == 0 else ''})")
-        layers.add(resolved)
-    return tuple(sorted(layers))
 
 
 def _stream_problems(name: str, value: StreamLayers, streams: tuple[str, ...]) -> list[str]:

@@ -42,10 +42,6 @@ class RunStats:
             self.shards_written += 1
             self.stored_bytes += int(record.stored_bytes)
 
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
 
 LINE_EVERY = 30.0  # seconds between progress lines in a log (stderr not a terminal)
 
@@ -140,7 +136,7 @@ def _target_order(name: str) -> tuple[int, int, str]:
 
 def summarize(stats: RunStats, manifest: Manifest, skipped: int, out: str, extra: dict[str, Any]) -> dict[str, Any]:
     """The run's summary: this process's work and the cache's totals."""
-    wall, compute = stats.elapsed, stats.compute_seconds
+    wall, compute = time.perf_counter() - stats.started, stats.compute_seconds
     return {
         "out": str(out), "status": manifest.status,
         "num_sequences": manifest.spec.num_sequences, "num_shards": manifest.spec.num_shards,

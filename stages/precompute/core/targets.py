@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common import architectures
 from kdcache.stages.precompute.core.errors import PrecomputeError
-from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
-from kdcache.stages.targets.draft.draft_layers import is_draft_preset
-from kdcache.storage import FORMAT_VERSION, ArrayKind, LogitArray, exact_arrays
+from kdcache.stages.precompute.core.options import PrecomputeOptions
+from kdcache.stages.targets.draft.draft_layers import draft_layers, is_draft_preset
+from kdcache.storage import FORMAT_VERSION, ArrayKind, LogitArray
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -63,22 +63,11 @@ class Targets:
     # ``capture.qk_capture.with_score_rules`` adds the rules), carried whole into the spec and the fingerprint.
     attention: AttentionSettings = field(kw_only=True)
 
-    @property
-    def logits(self) -> str | None:
-        """The logit mode's name (None: no logits)."""
-        return self.logit.name
-
     @functools.cached_property
     def logit_arrays(self) -> tuple[LogitArray, ...]:
         """The per-token logit arrays the mode stores, for these fields (none for ``head``), read once."""
         layout = self.logit.logit_layout
         return layout.arrays(self.logit) if layout else ()
-
-    @functools.cached_property
-    def exact_arrays(self) -> frozenset[str]:
-        """Arrays handed to storage as computed (ids, the fp32 logsumexp, log-probs that storage quantises, the
-        kept mass): the layout's fixed-type arrays."""
-        return frozenset(exact_arrays(self.logit))
 
     @property
     def wants_hidden(self) -> bool:
@@ -107,29 +96,53 @@ def depths_and_heads(config: PretrainedConfig) -> tuple[dict[str, int], int]:
     return depths, min(heads)
 
 
-def _select(values: tuple[str, ...], depth: int, minimum: int, name: str) -> tuple[int, ...]:
-    """Parse a layer list (``none`` = no layer) for a stack of ``depth`` blocks."""
+def parse_layers(values: tuple[str, ...], depth: int, minimum: int, name: str) -> tuple[int, ...]:
+    """Resolve a layer selection against a stack of ``depth`` (N) blocks: sorted, de-duplicated layer numbers.
+
+    Args:
+        values: ``("all",)``, ``("none",)`` (no layer), ``("draft",)`` (hidden states only: the three layers an
+            EAGLE-3 draft fuses, ``stages.targets.draft.draft_layers.draft_layers``) or integer strings; negative
+            numbers count from the last layer (-1 = N).
+        minimum: the first valid layer (0 for hidden states, 1 for attention blocks).
+        name: option name for messages.
+
+    Raises:
+        PrecomputeError: a layer outside ``minimum..depth``, with the valid range in the message.
+    """
     if tuple(v.strip().lower() for v in values) == ("none",):
         return ()
+    if tuple(v.lower() for v in values) == ("all",):
+        return tuple(range(minimum, depth + 1))
+    layers = set()
     try:
-        return parse_layers(values, depth, minimum=minimum, name=name)
-    except ValueError as exc:
+        if minimum == 0 and is_draft_preset(values):
+            return tuple(sorted(set(draft_layers(depth))))
+        for value in values:
+            j = int(value)
+            resolved = depth + 1 + j if j < 0 else j
+            if not minimum <= resolved <= depth:
+                raise PrecomputeError(f"{name}: layer {value} is out of range; this teacher has layers "
+                                      f"{minimum}..{depth} ({depth} blocks"
+                                      f"{', 0 = embeddings' if minimum == 0 else ''})")
+            layers.add(resolved)
+    except ValueError as exc:  # not a number, or a stack too shallow for the draft preset
         raise PrecomputeError(str(exc)) from None
+    return tuple(sorted(layers))
 
 
 def _stream(options: PrecomputeOptions, stream: str, depth: int) -> StreamTargets:
     """The hidden layers and self-attention blocks kept of one stream (its own values, else the unprefixed ones)."""
     t, prefix = options.targets, f"{stream}_" if stream else ""
     hidden_values = t.layers.get(stream) or t.layers.get("")
-    hidden = _select(hidden_values, depth, 0, f"{prefix}layers") if ArrayKind.HIDDEN in t.features else ()
+    hidden = parse_layers(hidden_values, depth, 0, f"{prefix}layers") if ArrayKind.HIDDEN in t.features else ()
     if ArrayKind.ATTENTION not in t.features:
         return StreamTargets(hidden, (), depth)
     given = t.attention_layers
     attention_flag = given and (given.get(stream) or given.get(""))
     if attention_flag:
-        return StreamTargets(hidden, _select(attention_flag, depth, 1, f"{prefix}attention_layers"), depth)
+        return StreamTargets(hidden, parse_layers(attention_flag, depth, 1, f"{prefix}attention_layers"), depth)
     # Default: the blocks of this stream's hidden selection (layer 0, the embeddings, has no attention map).
-    blocks = tuple(j for j in _select(hidden_values, depth, 0, f"{prefix}layers") if j >= 1)
+    blocks = tuple(j for j in parse_layers(hidden_values, depth, 0, f"{prefix}layers") if j >= 1)
     return StreamTargets(hidden, blocks, depth)
 
 
@@ -138,7 +151,7 @@ def _cross_attention(options: PrecomputeOptions, decoder: StreamTargets | None) 
     if ArrayKind.CROSS_ATTENTION not in t.features or decoder is None:
         return ()
     values = t.attention_layers.get("cross") if t.attention_layers else None
-    cross = _select(values, decoder.depth, 1, "cross_attention_layers") if values else (
+    cross = parse_layers(values, decoder.depth, 1, "cross_attention_layers") if values else (
         decoder.attention or tuple(j for j in decoder.hidden if j >= 1))
     if not cross:
         raise PrecomputeError("cross_attention: no decoder block selected; set --attention-layers cross:BLOCKS")

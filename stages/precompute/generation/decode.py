@@ -26,12 +26,11 @@ from kdcache.stages.precompute.capture.features import (
     fp16_bounded,
     hidden_targets,
     max_abs,
-    to_numpy,
     to_storage_dtype,
 )
 from kdcache.stages.precompute.capture.logit_head import logit_targets
 from kdcache.stages.precompute.capture.qk_capture import QKCapture
-from kdcache.stages.precompute.capture.transfer import ShardItems, cut_padding
+from kdcache.stages.precompute.capture.transfer import ShardItems, as_numpy, cut_padding
 from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.generation.options import Sampling
 from kdcache.stages.precompute.generation.sampling import ResponseDraws, next_tokens, response_seed
@@ -256,7 +255,7 @@ class DecodeLoop:
             stored[name] = to_storage_dtype(self._bounded(name, value, maxima), self.dtype_name) \
                 if name in floats else value
         check_ranges(maxima)
-        host = {name: to_numpy(value) for name, value in stored.items()}
+        host = {name: as_numpy(value.cpu()) for name, value in stored.items()}
         return ShardItems([cut_padding(host, i, {"": n}) for i, n in enumerate(lengths)])
 
     def _bounded(self, name: str, value: torch.Tensor, maxima: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -57,10 +57,6 @@ class RankMemory:
     def total(self) -> int:
         return self.weights + self.activations
 
-    @property
-    def fits(self) -> bool:
-        return self.total <= USABLE * self.capacity
-
     def describe(self, layout: Layout) -> str:
         return (f"memory per rank ({layout}): {format_bytes(self.total)} (weights {format_bytes(self.weights)}, "
                 f"activations {format_bytes(self.activations)}) of {format_bytes(self.capacity)} ({self.source})")
@@ -127,7 +123,7 @@ def _activations(batch: BatchSetup, config: PretrainedConfig, targets: Targets, 
         blocks += batch.batch_size * -(-heads // n) * batch.max_length ** 2 * size
     kept = sum(len(t.hidden) for t in targets.streams.values()) * tokens * d * 2
     chunk = batch.logits_chunk or tokens
-    head = min(chunk, tokens) * -(-vocab // n) * (size + 4) if targets.logits else 0
+    head = min(chunk, tokens) * -(-vocab // n) * (size + 4) if targets.logit.name else 0
     return IN_FLIGHT * (blocks + kept) + head
 
 
@@ -161,7 +157,7 @@ def check_layout(memory: RankMemory, layout: Layout, config: PretrainedConfig | 
     Raises:
         PrecomputeError: naming the need, the room, and a layout that would fit.
     """
-    if memory.fits:
+    if memory.total <= USABLE * memory.capacity:
         return
     need = memory.weights * layout.size  # the unsplit weights (the replicated norms are negligible here)
     room = int(USABLE * memory.capacity - memory.activations)  # what this layout's activations leave

@@ -36,7 +36,7 @@ def check_parallel(plan: PrecomputePlan, config: PretrainedConfig, targets: Targ
         PrecomputeError: a target the layout splits (``parallel.check_features``), a rank codec's fit under
             tensor parallelism, or ranks that cannot hold the teacher (``memory.check_layout``).
     """
-    check_features(layout, plan.features, targets.attention.name, targets.logits)
+    check_features(layout, plan.features, targets.attention.name, targets.logit.name)
     if layout.kind == "layers" and layout.size > 1 and not plan.batch.estimate:
         # Review found the capture unready for it: blocks on several GPUs leave the hooked states, the last
         # hidden state and the copy stream's event on different devices. Refused until a multi-GPU test covers it.

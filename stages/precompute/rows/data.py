@@ -190,13 +190,6 @@ def local_files(data: str) -> list[str] | None:
     return None
 
 
-def no_rows_error(setup: RowSetup, empty: int, untrained: int) -> PrecomputeError:
-    """The error for a dataset that left no row to cache."""
-    column = setup.messages_column or setup.text_column
-    return PrecomputeError(f"dataset {setup.data!r}: no row of column {column!r} produced a token to train on "
-                           f"({empty} empty, {untrained} with no trained token within --max-length)")
-
-
 def text_template(tokenizer: PreTrainedTokenizerBase, setup: RowSetup) -> str | None:
     """The chat template conversations are rendered with (None for plain text); checks the tokenizer."""
     if setup.record_text and not getattr(tokenizer, "is_fast", False):
@@ -333,15 +326,3 @@ def encode_pairs(batch: dict[str, list[Any]], indices: list[int], *, tokenizer: 
     keep = [bool(a.strip() and b.strip() and x and y) for a, b, x, y in zip(src_texts, tgt_texts, src_ids, tgt_ids)]
     return {"src": [x if k else [] for k, x in zip(keep, src_ids)],
             "tgt": [y if k else [] for k, y in zip(keep, tgt_ids)]}
-
-
-def pair_fingerprint(setup: RowSetup) -> dict[str, Any]:
-    """Source, split and both columns; the row table adds both sides' hashes (``PAIR_HASHES``) and the count."""
-    return {"source": setup.data, "split": setup.split, "source_column": setup.source,
-            "target_column": setup.target_column}
-
-
-def no_pairs_error(setup: RowSetup, dropped: int) -> PrecomputeError:
-    """The error for a dataset that left no pair to cache."""
-    return PrecomputeError(f"dataset {setup.data!r}: no pair of columns {setup.source!r} / "
-                           f"{setup.target_column!r} produced tokens on both sides ({dropped} dropped)")

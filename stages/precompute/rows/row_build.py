@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from kdcache.stages.common.cache_texts import row_text
 from kdcache.stages.common.fingerprints import clear_call_state, tokenizer_fingerprint
+from kdcache.stages.precompute.core.errors import PrecomputeError
 from kdcache.stages.precompute.core.plan import RowSetup
 from kdcache.stages.precompute.rows.data import (
     PAIR_HASHES,
@@ -40,9 +41,6 @@ from kdcache.stages.precompute.rows.data import (
     load_pairs,
     load_texts,
     local_files,
-    no_pairs_error,
-    no_rows_error,
-    pair_fingerprint,
     text_fingerprint,
     text_template,
 )
@@ -87,8 +85,7 @@ def text_streams(setup: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenSt
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
         encode = functools.partial(encode_batch, tokenizer=tokenizer, setup=setup, template=template)
         counts = RowCounts()
-        docs = (doc for batch in encoded_batches(_loaded(load_texts, setup), encode, setup, writer.path,
-                                                   columns)
+        docs = (doc for batch in encoded_batches(load_texts(setup), encode, setup, writer.path, columns)
                 for doc in documents(batch))
         for ids, mask, positions, pieces in iter_rows(docs, counts, setup.packing, setup.max_length,
                                                       tokenizer.eos_token_id, setup.max_sequences):
@@ -96,7 +93,10 @@ def text_streams(setup: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenSt
                                                                {"position_ids": positions}),
                         **({} if pieces is None else _text_columns(pieces))})
         if not writer.rows:
-            raise no_rows_error(setup, counts.dropped_empty, counts.dropped_untrained)
+            column = setup.messages_column or setup.text_column
+            raise PrecomputeError(f"dataset {setup.data!r}: no row of column {column!r} produced a token to train on "
+                                  f"({counts.dropped_empty} empty, {counts.dropped_untrained} with no trained token "
+                                  f"within --max-length)")
         dropped = {"empty": counts.dropped_empty, "untrained": counts.dropped_untrained}
         return text_fingerprint(setup, tokenizer), {"dropped": dropped}
 
@@ -119,7 +119,7 @@ def pair_streams(setup: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenSt
     def build(writer: RowWriter) -> tuple[dict[str, Any], dict[str, Any]]:
         encode = functools.partial(encode_pairs, tokenizer=tokenizer, setup=setup)
         dropped = 0
-        batches = encoded_batches(_loaded(load_pairs, setup), encode, setup, writer.path, PAIR_COLUMNS)
+        batches = encoded_batches(load_pairs(setup), encode, setup, writer.path, PAIR_COLUMNS)
         for src, tgt in ((s, t) for batch in batches for s, t in zip(batch["src"], batch["tgt"])):
             if not len(src):
                 dropped += 1
@@ -130,8 +130,12 @@ def pair_streams(setup: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenSt
             if setup.max_sequences is not None and writer.rows >= setup.max_sequences:
                 break
         if not writer.rows:
-            raise no_pairs_error(setup, dropped)
-        return pair_fingerprint(setup), {"dropped": {"empty": dropped, "untrained": 0}}
+            raise PrecomputeError(f"dataset {setup.data!r}: no pair of columns {setup.source!r} / "
+                                  f"{setup.target_column!r} produced tokens on both sides ({dropped} dropped)")
+        # source, split and both columns; the row table adds both sides' hashes (PAIR_HASHES) and the count
+        fingerprint = {"source": setup.data, "split": setup.split, "source_column": setup.source,
+                       "target_column": setup.target_column}
+        return fingerprint, {"dropped": {"empty": dropped, "untrained": 0}}
 
     return TokenStreams.of_table(_open_or_build(setup, key, names, PAIR_HASHES, build))
 
@@ -147,15 +151,6 @@ def _open_or_build(setup: RowSetup, key: dict[str, Any], names: tuple[str, ...],
         return open_or_build(scratch / "rows", key, names, hashes, build)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _loaded(load: Callable[[RowSetup], Dataset | IterableDataset],
-            setup: RowSetup) -> Dataset | IterableDataset:
-    """The dataset, with what Arrow's allocator kept from converting the files handed back to the system: the
-    conversion's buffers scale with the data, and the build holds nothing of them afterwards."""
-    ds = load(setup)
-    pa.default_memory_pool().release_unused()
-    return ds
 
 
 def row_key(setup: RowSetup, tokenizer: PreTrainedTokenizerBase, kind: str,
@@ -191,6 +186,9 @@ def encoded_batches(ds: Dataset | IterableDataset, encode: Encode, setup: RowSet
     ``scratch`` (removed when the batches are read, so the row table keeps no second copy of the tokens), read
     back a batch at a time. ``columns`` names ``encode``'s output columns and their Arrow value types.
     """
+    # What Arrow's allocator kept from converting the files goes back to the system: the conversion's buffers scale
+    # with the data, and the build holds nothing of them afterwards.
+    pa.default_memory_pool().release_unused()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     # --tokenize-workers, else the host's cores, fewer for small data
     procs = 1 if isinstance(ds, datasets.IterableDataset) or setup.max_sequences is not None else (

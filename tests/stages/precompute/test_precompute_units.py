@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from kdcache.stages.precompute.commit import BackgroundWriter
-from kdcache.stages.precompute.core.options import PrecomputeOptions, parse_layers
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.core.plan import PrecomputePlan
+from kdcache.stages.precompute.core.targets import parse_layers
 from kdcache.stages.precompute.rows.batching import Partition, collate, plan_batches
 from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 from kdcache.storage.core.errors import Fp16OverflowError
@@ -42,9 +44,9 @@ def test_parse_layers() -> None:
     assert parse_layers(("all",), 4, minimum=0, name="layers") == (0, 1, 2, 3, 4)
     assert parse_layers(("all",), 4, minimum=1, name="attention_layers") == (1, 2, 3, 4)
     assert parse_layers(("4", "-1", "0", "-2"), 4, minimum=0, name="layers") == (0, 3, 4)
-    with pytest.raises(ValueError, match="layer 5 is out of range"):
+    with pytest.raises(PrecomputeError, match="layer 5 is out of range"):
         parse_layers(("5",), 4, minimum=0, name="layers")
-    with pytest.raises(ValueError, match="layer 0 is out of range"):
+    with pytest.raises(PrecomputeError, match="layer 0 is out of range"):
         parse_layers(("0",), 4, minimum=1, name="attention_layers")
 
 
@@ -301,10 +303,9 @@ def test_the_teachers_pipeline_runs_on_across_shard_boundaries() -> None:
 def test_copies_out_of_pinned_memory_reuse_their_buffers_once_the_shard_is_written(tmp_path: Path) -> None:
     """The GPU's take (``HostBatch.ready`` moving a landed copy out of pinned memory) run on CPU tensors: the
     copies are exact, live in the copier's reused buffers, and those come back only when the shard that holds
-    their views has been written (``commit.write_then_release``), also when that write failed."""
+    their views has been written (``commit.BackgroundWriter``), also when that write failed."""
     from kdcache.stages.precompute.capture.features import finish
     from kdcache.stages.precompute.capture.transfer import HostBatch, _pageable
-    from kdcache.stages.precompute.commit import write_then_release
     from kdcache.storage.buffers import BufferPool, Lease
 
     pool = BufferPool()
@@ -328,14 +329,21 @@ def test_copies_out_of_pinned_memory_reuse_their_buffers_once_the_shard_is_writt
     items = finish(landed())
     np.testing.assert_array_equal(np.concatenate([i["hidden/1"] for i in items]), hidden.numpy())
     assert pool.free_bytes == 0 and len(items.leases) == 1  # held while the shard waits for its writer
+    def write_then_release(writer: Writer, index: int, shard: list) -> int:  # commit_behind's writer threads
+        records: list[int] = []
+        background = BackgroundWriter(writer.write_shard, on_written=lambda k, record, _: records.append(record))
+        background.submit(index, shard)
+        background.close()
+        return records[0]
+
     writer = Writer(fail=False)
-    assert write_then_release(writer)(3, items) == 3
+    assert write_then_release(writer, 3, items) == 3
     np.testing.assert_array_equal(np.concatenate(writer.seen[0]), hidden.numpy())  # written before release
     assert pool.free_bytes >= hidden.numel() * 2 and items.leases == []
     again = finish(landed())  # the next batch's copy lands in the same memory
     assert np.shares_memory(again[0]["hidden/1"], items[0]["hidden/1"])
     with pytest.raises(OSError):
-        write_then_release(Writer(fail=True))(4, again)
+        write_then_release(Writer(fail=True), 4, again)
     assert pool.free_bytes >= hidden.numel() * 2 and again.leases == []
     bf16 = torch.randn(2048, 512).to(torch.bfloat16)  # no numpy twin (never stored as such): new memory, exact
     assert torch.equal(_pageable(bf16, Lease(BufferPool())), bf16)

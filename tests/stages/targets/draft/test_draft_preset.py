@@ -2,7 +2,8 @@
 
 import pytest
 
-from kdcache.stages.precompute.core.options import parse_layers
+from kdcache.stages.precompute.core.errors import PrecomputeError
+from kdcache.stages.precompute.core.targets import parse_layers
 from kdcache.stages.targets.draft.draft_layers import draft_layers, is_draft_preset
 
 
@@ -14,7 +15,7 @@ def test_draft_preset_is_eagle3s_low_middle_high_layers():
 
 
 def test_draft_preset_on_a_shallow_target_names_its_depth():
-    with pytest.raises(ValueError, match="at least 5 blocks; this target has 4"):
+    with pytest.raises(PrecomputeError, match="at least 5 blocks; this target has 4"):
         parse_layers(("draft",), 4, minimum=0, name="layers")
 
 
