@@ -10,7 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.vocab import bool_mask, count_valid, full_precision, valid_count, valid_rows
+from kdcache.stages.targets.logits.vocab.loss_rows import (
+    bool_mask,
+    count_valid,
+    full_precision,
+    valid_count,
+    valid_rows,
+)
 
 # Guards the CKA denominators and the centring norm: a constant batch (zero variance) gives CKA = 0, not NaN.
 CKA_EPS = 1e-12

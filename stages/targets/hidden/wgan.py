@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kdcache.stages.targets.logits.vocab import bool_mask, count_valid, full_precision, valid_rows
+from kdcache.stages.targets.logits.vocab.loss_rows import bool_mask, count_valid, full_precision, valid_rows
 
 # Keeps the gradient-norm's own gradient finite where ∇c(x̂) is exactly 0.
 GRAD_NORM_EPS = 1e-12
