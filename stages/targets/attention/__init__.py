@@ -25,9 +25,7 @@ from kdcache.storage import import_members
 
 # The torch modules register nothing, and the registry must load without torch.
 TORCH_MODULES = ("attention_maps", "maps_loss", "qk_attention", "qk_loss")
+# flags too: its help lists the sources, so it loads after them (its importers load this package first).
 import_members(__name__, __path__, but=("base", "flags", *TORCH_MODULES))
-# After every source has registered: the flag's help lists them.
-from kdcache.stages.targets.attention.flags import AttentionFlags, AttentionLossFlags  # noqa: E402
 
-__all__ = ["AttentionFlags", "AttentionLossFlags", "AttentionSettings", "AttentionSource", "get", "names", "of",
-           "register"]
+__all__ = ["AttentionSettings", "AttentionSource", "get", "names", "of", "register"]
