@@ -239,10 +239,7 @@ def _sum_chunks(fn: Callable[..., torch.Tensor], first: torch.Tensor, flat: Sequ
     return first.new_zeros(n_terms, dtype=torch.float32) if total is None else total
 
 
-ChunkGrad = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-def _autograd_grad(fn: Callable[..., torch.Tensor]) -> ChunkGrad:
+def _autograd_grad(fn: Callable[..., torch.Tensor]) -> kernel_guard.ChunkGrad:
     """``HeadPass``'s chunk gradient by autograd over ``fn(z [C, V], *rows) -> [T]`` (the pure-torch terms)."""
 
     def grad(z: torch.Tensor, weights: torch.Tensor, *part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,7 +262,7 @@ class HeadPass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                grad: ChunkGrad, weights: torch.Tensor, chunk: int, index: torch.Tensor | None,
+                grad: kernel_guard.ChunkGrad, weights: torch.Tensor, chunk: int, index: torch.Tensor | None,
                 *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         grad_h = torch.zeros_like(hidden)
         grad_w = torch.zeros_like(weight, dtype=torch.float32)  # fp32: summed over every chunk
