@@ -32,8 +32,7 @@ from kdcache.stages.targets.logits.base import (
 )
 from kdcache.storage import import_members
 
-# Neither the torch halves, ``teacher_head`` (the ``head`` mode's copy of the teacher's LM head) nor ``vocab/``
-# (stage two's vocabulary pass) register anything, and all import torch.
+# Neither the torch halves, ``teacher_head`` nor ``vocab/`` register anything, and all import torch.
 import_members(__name__, __path__, but=["base", "teacher_head",
                                        *(m.name for m in pkgutil.iter_modules(__path__)
                                          if m.name.endswith(TORCH_HALF) or m.ispkg)])
