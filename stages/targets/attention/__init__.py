@@ -1,8 +1,8 @@
 """Attention sources: one module per ``--attention-source`` value, registered by name (see ``base`` and
 docs/architecture.md, "Adding a target kind").
 
-Importing this package imports every module beside ``base`` and the torch modules (in name order), and each
-registers its source: a new source is one new file here, whose class holds its storage layout (an
+Importing this package imports every module beside ``base``, ``flags`` and the torch modules (in name order), and
+each registers its source: a new source is one new file here, whose class holds its storage layout (an
 ``AttentionLayout`` of ``storage.core.attention_source``) and registers it with itself.
 
 The family's torch side lives here too, loaded only by who computes: ``qk_attention`` (the queries and keys
