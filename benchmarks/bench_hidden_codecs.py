@@ -45,10 +45,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kdcache.pipeline.demo import teacher_path  # noqa: E402
 from kdcache.pipeline.demo_text import stdlib_sentences  # noqa: E402
-from kdcache.stages.targets.hidden.device_codecs import decode_rows, encode  # noqa: E402
+from kdcache.stages.targets.hidden.device_codecs import decode_batch, encode  # noqa: E402
 from kdcache.stages.targets.hidden.loss_terms import cka_loss, cka_sqrt_loss, cosine_loss, masked_mse  # noqa: E402
 from kdcache.storage import CacheReader, CacheSpec, CacheWriter  # noqa: E402
-from kdcache.storage.hidden_codecs import hidden_codec_of, part_name  # noqa: E402
+from kdcache.storage.hidden_codecs import hidden_codec_of  # noqa: E402
 
 CODECS: dict[str, Any] = {
     "fp16": "fp16", "bf16": "bf16", "fp8": "fp8", "int8": "int8", "int7": "int7", "int4": "int4",
@@ -123,8 +123,7 @@ def decoded_targets(record: dict[str, Any], flat: torch.Tensor) -> tuple[torch.T
     start = time.perf_counter()
     parts = encode(record, "hidden/1", flat)
     middle = time.perf_counter()
-    got = decode_rows(record, parts["hidden/1"], parts[part_name("hidden/1", "scale")],
-                      parts.get(part_name("hidden/1", "outliers")), parts.get(part_name("hidden/1", "outlier_ids")))
+    got = decode_batch(record, parts)["hidden/1"]
     return got, middle - start, time.perf_counter() - middle
 
 

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdcache.stages.precompute.capture.logit_head import ChunkedHead
-from kdcache.stages.targets.logits import LogitSettings, as_logprobs
+from kdcache.stages.targets.logits import LogitSettings
 from kdcache.stages.targets.logits.teacher_head import finish_logits
+from kdcache.stages.targets.logits.topk import as_logprobs
 from kdcache.storage import TOPK_MASS
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """Attention sources: one module per ``--attention-source`` value, registered by name (see ``base`` and
 docs/architecture.md, "Adding a target kind").
 
-Importing this package imports every module beside ``base`` and the torch modules (in name order), and each
-registers its source: a new source is one new file here, whose class holds its storage layout (an
+Importing this package imports every module beside ``base``, ``flags`` and the torch modules (in name order), and
+each registers its source: a new source is one new file here, whose class holds its storage layout (an
 ``AttentionLayout`` of ``storage.core.attention_source``) and registers it with itself.
 
 The family's torch side lives here too, loaded only by who computes: ``qk_attention`` (the queries and keys
@@ -25,9 +25,7 @@ from kdcache.storage import import_members
 
 # The torch modules register nothing, and the registry must load without torch.
 TORCH_MODULES = ("attention_maps", "maps_loss", "qk_attention", "qk_loss")
+# flags too: its help lists the sources, so it loads after them (its importers load this package first).
 import_members(__name__, __path__, but=("base", "flags", *TORCH_MODULES))
-# After every source has registered: the flag's help lists them.
-from kdcache.stages.targets.attention.flags import AttentionFlags, AttentionLossFlags  # noqa: E402
 
-__all__ = ["AttentionFlags", "AttentionLossFlags", "AttentionSettings", "AttentionSource", "get", "names", "of",
-           "register"]
+__all__ = ["AttentionSettings", "AttentionSource", "get", "names", "of", "register"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.vocab import bool_mask, count_valid, kl_terms
+from kdcache.stages.targets.logits.vocab.loss_rows import bool_mask, count_valid, kl_terms
 
 # Floor on the student's probabilities before the log: a softmax that underflows to exactly 0 where the teacher
 # has mass would otherwise give an infinite loss and gradient; log(1e-12) ≈ -27.6 bounds that term instead.

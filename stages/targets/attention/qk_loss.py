@@ -26,7 +26,7 @@ from kdcache.stages.common.documents import document_index
 from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets.attention.maps_loss import STUDENT_PROB_FLOOR
 from kdcache.stages.targets.attention.qk_attention import Captured, ScoreRule, allowed_keys, block_log_probs
-from kdcache.stages.targets.logits.vocab import bool_mask, count_valid
+from kdcache.stages.targets.logits.vocab.loss_rows import bool_mask, count_valid
 
 QUERY_BLOCK = 128  # query rows per block: a [B, H, 128, L] fp32 block at a time
 LOG_FLOOR = math.log(STUDENT_PROB_FLOOR)  # log(max(p, floor)) == max(log p, log floor): the maps path's floor

@@ -19,7 +19,6 @@ import torch
 from array_api_compat import array_namespace
 
 from kdcache.storage import (
-    FP8_MAX,
     PARTS,
     HiddenCodec,
     applies_to,
@@ -29,7 +28,6 @@ from kdcache.storage import (
     projected,
     read_projection,
     register_ops,
-    row_errors,
 )
 
 if TYPE_CHECKING:
@@ -125,13 +123,6 @@ def encode(codec: HiddenCodec, name: str, x: torch.Tensor, projection: Projectio
     return {key: value.reshape(*lead, value.shape[-1]) for key, value in out.items()}
 
 
-def decode_rows(codec: HiddenCodec, codes: torch.Tensor, scale: torch.Tensor, outliers: torch.Tensor | None = None,
-                outlier_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode rows: codes ``[N, d']``, scales ``[N, G]``, outliers and their ids ``[N, m]`` -> ``[N, d]`` float32."""
-    stored = {"codes": codes, "scale": scale, "outliers": outliers, "outlier_ids": outlier_ids}
-    return codec.decode_rows({k: v for k, v in stored.items() if v is not None})
-
-
 def decode_batch(codec: HiddenCodec, batch: dict[str, Any], projection: Projection | None = None) -> dict[str, Any]:
     """Replace each coded ``[B, L, d']`` target of a batch on its device by its float32 ``[B, L, d]`` decode, and
     drop the companions; a rank codec's coefficients ``[B, L, R]`` are mapped back through ``projection``
@@ -164,7 +155,3 @@ def hidden_width(codec: HiddenCodec, stored: int, projected_width: int | None = 
     if codec.rank is not None and projected_width is not None:
         return projected_width
     return stored * codec.per_code
-
-
-__all__ = ["FP8_MAX", "Projection", "TorchOps", "decode_batch", "decode_rows", "encode", "hidden_width",
-           "load_projection", "quantised", "row_errors"]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.vocab import bool_mask, count_valid, full_precision, valid_count, valid_rows
+from kdcache.stages.targets.logits.vocab.loss_rows import bool_mask, count_valid, valid_count, valid_rows
 
 # Guards the CKA denominators and the centring norm: a constant batch (zero variance) gives CKA = 0, not NaN.
 CKA_EPS = 1e-12
@@ -18,14 +18,8 @@ COSINE_EPS = 1e-8
 
 
 def masked_mse(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Σ over valid tokens and dims of (h_s − h_t)², divided by N_v · d_t.
-
-    Args:
-        h_s: ``[B, L, d_t]`` projected student states; h_t: ``[B, L, d_t]``; mask: ``[B, L]``.
-
-    Returns:
-        Scalar.
-    """
+    """Σ over valid tokens and dims of (h_s − h_t)², divided by N_v · d_t: a scalar (``h_s [B, L, d_t]``
+    projected)."""
     _check_same_shape(h_s, h_t, "mse")
     m = bool_mask(mask, h_s)
     n_valid = valid_count(m)  # on the device: no host sync
@@ -37,14 +31,7 @@ def masked_mse(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torc
 
 
 def cosine_loss(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over valid tokens of 1 − cos(h_s, h_t).
-
-    Args:
-        h_s: ``[B, L, d_t]`` projected student states; h_t: ``[B, L, d_t]``; mask: ``[B, L]``.
-
-    Returns:
-        Scalar in [0, 2].
-    """
+    """Mean over valid tokens of 1 − cos(h_s, h_t): a scalar in [0, 2] (``h_s [B, L, d_t]`` projected)."""
     _check_same_shape(h_s, h_t, "cosine")
     n_valid = valid_count(bool_mask(mask, h_s))
     s, t = valid_rows(h_s, mask).float(), valid_rows(h_t, mask).float()
@@ -75,7 +62,7 @@ def cka_sqrt_loss(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> t
     Returns:
         Scalar in [0, 1].
     """
-    with full_precision(h_s.device):
+    with torch.autocast(device_type=h_s.device.type, enabled=False):
         cross, norm_t, norm_s = _cka_norms(h_s, h_t, mask)
         return 1.0 - cross / (norm_t * norm_s + CKA_EPS).sqrt()
 
@@ -86,7 +73,7 @@ def linear_cka(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torc
     Returns:
         Scalar in [0, 1].
     """
-    with full_precision(h_s.device):
+    with torch.autocast(device_type=h_s.device.type, enabled=False):
         cross, norm_t, norm_s = _cka_norms(h_s, h_t, mask)
         return cross.pow(2) / (norm_t * norm_s + CKA_EPS)
 
@@ -94,7 +81,7 @@ def linear_cka(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torc
 def _cka_norms(
     h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """‖XᵀY‖_F, ‖XᵀX‖_F and ‖YᵀY‖_F in the cheap d x d form (call under ``full_precision``).
+    """‖XᵀY‖_F, ‖XᵀX‖_F and ‖YᵀY‖_F in the cheap d x d form (call with autocast off: in bf16 they lose accuracy).
 
     X: the centred teacher rows ``[N_v, d_t]``, Y: the centred student rows ``[N_v, d_s]``; the 1/(N−1)
     covariance factors cancel in every ratio. The cost is O(N_v · (d_t + d_s)²) and the memory

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kdcache.stages.targets.logits.vocab import bool_mask, count_valid, full_precision, valid_rows
+from kdcache.stages.targets.logits.vocab.loss_rows import bool_mask, count_valid, valid_rows
 
 # Keeps the gradient-norm's own gradient finite where ∇c(x̂) is exactly 0.
 GRAD_NORM_EPS = 1e-12
@@ -157,7 +157,7 @@ class CriticTrainer:
         self.to(h_t.device)
         fake, real = h_s_proj.detach(), h_t.detach()
         loss = torch.zeros(())
-        with full_precision(h_t.device), torch.enable_grad():
+        with torch.autocast(device_type=h_t.device.type, enabled=False), torch.enable_grad():
             for _ in range(self.n_steps):
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = critic_loss(critic, fake, real, mask, self.gp_weight)

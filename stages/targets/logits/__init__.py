@@ -30,17 +30,12 @@ from kdcache.stages.targets.logits.base import (
     usage,
     uses_head,
 )
-from kdcache.stages.targets.logits.loss_flags import TOPK_VARIANTS, LogitLossFlags
 from kdcache.storage import import_members
 
-# Neither the torch halves, ``teacher_head`` (the ``head`` mode's copy of the teacher's LM head) nor ``vocab/``
-# (stage two's vocabulary pass) register anything, and all import torch.
+# Neither the torch halves, ``teacher_head`` nor ``vocab/`` register anything, and all import torch.
 import_members(__name__, __path__, but=["base", "teacher_head",
                                        *(m.name for m in pkgutil.iter_modules(__path__)
                                          if m.name.endswith(TORCH_HALF) or m.ispkg)])
-# A name a kind's own module defines, after every kind has registered (registration order is the choices').
-from kdcache.stages.targets.logits.topk import as_logprobs  # noqa: E402
 
-__all__ = ["KlSetup", "LogitFlags", "LogitKind", "LogitKindError", "LogitLossFlags", "LogitSettings",
-           "TOPK_VARIANTS", "as_logprobs", "from_targets", "get", "kinds", "names", "of", "parse",
-           "register", "usage", "uses_head"]
+__all__ = ["KlSetup", "LogitFlags", "LogitKind", "LogitKindError", "LogitSettings", "from_targets", "get", "kinds",
+           "names", "of", "parse", "register", "usage", "uses_head"]

@@ -28,18 +28,16 @@ import importlib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kdcache.stages.common.option_groups import option
 from kdcache.stages.targets.logits.loss_flags import LogitLossFlags
 from kdcache.storage import (
     ArrayKind,
     KdcacheError,
-    LayoutFields,
     LogitFields as CacheLogits,  # the spec's logit fields, as storage reads them
     LogitLayout,
     Registry,
-    SamplingFields,
     register_layout,
 )
 
@@ -47,18 +45,14 @@ if TYPE_CHECKING:
     import torch
 
     from kdcache.stages.targets.logits.teacher_head import TeacherHead
-    from kdcache.stages.targets.logits.vocab import ChunkTerm, HeadLogits
+    from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
+    from kdcache.stages.targets.logits.vocab.vocab_pass import ChunkTerm
 
 TORCH_HALF = "_torch"  # a mode's torch half is the module of its kind's name plus this, beside it
 
 
 class LogitKindError(KdcacheError, ValueError):
     """An unknown logit mode, or a ``--logits`` value a mode cannot parse."""
-
-
-class CaptureSettings(LayoutFields, SamplingFields, Protocol):
-    """What a capture reads of the run, as storage names the fields (``precompute.core.targets.Targets`` and
-    ``CacheSpec`` both have them)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +67,7 @@ class KlSetup:
 @dataclass(frozen=True)
 class LogitSettings:
     """Stage one's logit mode as one record, built where the flags enter (``LogitFlags.settings``) and carried whole
-    by the run's targets into its ``CacheSpec``, its settings fingerprint and every capture (a ``CaptureSettings``).
+    by the run's targets into its ``CacheSpec``, its settings fingerprint and every capture (``LogitKind.capture``).
 
     The family alone names these fields: a mode's new field is a field here, the value its kind's ``spec_fields``
     returns, and its line in ``spec_fields`` / ``fingerprint`` below; nothing between the flags and the spec copies
@@ -198,7 +192,7 @@ class LogitKind:
         """Valid tokens per chunk of the LM head (``precompute.logit_head.ChunkedHead``); 0: the model's forward."""
         return 0
 
-    def capture(self, logits: torch.Tensor, settings: CaptureSettings,
+    def capture(self, logits: torch.Tensor, settings: LogitSettings,
                 generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """What the cache keeps of ``[..., V]`` teacher logits, on their device: array name -> ``[..., w]``."""
         return self.torch_half().capture(logits, settings, generator)

@@ -8,18 +8,14 @@ from collections.abc import Callable, Mapping
 import torch
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup
+from kdcache.stages.targets.logits.base import KlSetup, LogitSettings
 from kdcache.stages.targets.logits.teacher_head import TeacherHead
-from kdcache.stages.targets.logits.vocab import (
-    ChunkTerm,
-    HeadLogits,
-    kernel_feeds,
-    loss_rows,
-    vocab_pass,
-)
+from kdcache.stages.targets.logits.vocab import kernel_feeds, loss_rows, vocab_pass
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
+from kdcache.stages.targets.logits.vocab.vocab_pass import ChunkTerm
 
 
-def capture(logits: torch.Tensor, settings: CaptureSettings,
+def capture(logits: torch.Tensor, settings: LogitSettings,
             generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """Nothing per token: the cache keeps the teacher's last layer and its head instead."""
     return {}

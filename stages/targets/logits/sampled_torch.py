@@ -8,21 +8,36 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup
+from kdcache.stages.targets.logits.base import KlSetup, LogitSettings
 from kdcache.stages.targets.logits.teacher_head import TeacherHead
-from kdcache.stages.targets.logits.vocab import (
-    ChunkTerm,
-    HeadLogits,
-    kernel_feeds,
-    loss_rows,
-    vocab_pass,
-)
+from kdcache.stages.targets.logits.vocab import kernel_feeds, loss_rows, vocab_pass
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
+from kdcache.stages.targets.logits.vocab.vocab_pass import ChunkTerm
 
 
-def capture(logits: torch.Tensor, settings: CaptureSettings,
+def capture(logits: torch.Tensor, settings: LogitSettings,
             generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """``settings.samples`` draws per token at ``settings.sample_temperature`` (``sample_logits``)."""
-    return sample_logits(logits, settings.samples, settings.sample_temperature, generator)
+    """N = ``settings.samples`` draws with replacement from softmax(logits / T) per token, T =
+    ``settings.sample_temperature``, kept as distinct ids and counts.
+
+    Returns, each ``[..., N]`` (the distinct ids first, ascending; unused slots repeat the last id, with count 0 and
+    log-probability 0):
+    ``logits/sample_ids`` int32, ``logits/sample_counts`` uint8 and ``logits/sample_logp`` float32, the teacher's
+    log-probability of each id at T: what the estimator of ``sampled_kl`` needs.
+    """
+    log_p = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]) / settings.sample_temperature, dim=-1)
+    draws, _ = torch.multinomial(log_p.exp(), settings.samples, replacement=True, generator=generator).sort(dim=1)
+    first = torch.ones_like(draws, dtype=torch.bool)
+    first[:, 1:] = draws[:, 1:] != draws[:, :-1]
+    slot = first.long().cumsum(1) - 1  # each draw's distinct-id slot
+    counts = torch.zeros_like(draws).scatter_add_(1, slot, torch.ones_like(draws))
+    ids = torch.zeros_like(draws).scatter_(1, slot, draws)
+    last = ids.gather(1, first.sum(1, keepdim=True) - 1)
+    ids = torch.where(counts > 0, ids, last)  # unused slots repeat the last id: rows stay sorted (gap-coded on disk)
+    logp = log_p.gather(1, ids).masked_fill(counts == 0, 0.0)
+    shape = (*logits.shape[:-1], settings.samples)
+    return {"logits/sample_ids": ids.to(torch.int32).reshape(shape),
+            "logits/sample_counts": counts.to(torch.uint8).reshape(shape), "logits/sample_logp": logp.reshape(shape)}
 
 
 def chunk_term(logits: torch.Tensor | HeadLogits, targets: Mapping[str, torch.Tensor], mask: torch.Tensor,
@@ -38,30 +53,6 @@ def teacher_top1(targets: Mapping[str, torch.Tensor], valid: torch.Tensor,
     logp = targets["logits/sample_logp"][valid].masked_fill(targets["logits/sample_counts"][valid] == 0,
                                                              float("-inf"))
     return targets["logits/sample_ids"][valid].gather(1, logp.argmax(-1, keepdim=True))[:, 0]
-
-
-def sample_logits(logits: torch.Tensor, samples: int, temperature: float,
-                  generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-    """``samples`` draws with replacement from softmax(logits / T) per token, kept as distinct ids and counts.
-
-    Returns, each ``[..., N]`` (N = ``samples``; the distinct ids first, ascending; unused slots repeat the last id,
-    with count 0 and log-probability 0):
-    ``logits/sample_ids`` int32, ``logits/sample_counts`` uint8 and ``logits/sample_logp`` float32, the teacher's
-    log-probability of each id at T: what the estimator of ``sampled_kl`` needs.
-    """
-    log_p = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]) / temperature, dim=-1)
-    draws, _ = torch.multinomial(log_p.exp(), samples, replacement=True, generator=generator).sort(dim=1)
-    first = torch.ones_like(draws, dtype=torch.bool)
-    first[:, 1:] = draws[:, 1:] != draws[:, :-1]
-    slot = first.long().cumsum(1) - 1  # each draw's distinct-id slot
-    counts = torch.zeros_like(draws).scatter_add_(1, slot, torch.ones_like(draws))
-    ids = torch.zeros_like(draws).scatter_(1, slot, draws)
-    last = ids.gather(1, first.sum(1, keepdim=True) - 1)
-    ids = torch.where(counts > 0, ids, last)  # unused slots repeat the last id: rows stay sorted (gap-coded on disk)
-    logp = log_p.gather(1, ids).masked_fill(counts == 0, 0.0)
-    shape = (*logits.shape[:-1], samples)
-    return {"logits/sample_ids": ids.to(torch.int32).reshape(shape),
-            "logits/sample_counts": counts.to(torch.uint8).reshape(shape), "logits/sample_logp": logp.reshape(shape)}
 
 
 def sampled_kl_term(student_logits: torch.Tensor | HeadLogits, ids: torch.Tensor, counts: torch.Tensor,

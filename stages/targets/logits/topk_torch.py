@@ -9,21 +9,17 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.base import CaptureSettings, KlSetup
+from kdcache.stages.targets.logits.base import KlSetup, LogitSettings
 from kdcache.stages.targets.logits.loss_flags import TOPK_VARIANTS
 from kdcache.stages.targets.logits.teacher_head import TeacherHead
 from kdcache.stages.targets.logits.topk import as_logprobs
-from kdcache.stages.targets.logits.vocab import (
-    ChunkTerm,
-    HeadLogits,
-    kernel_feeds,
-    loss_rows,
-    vocab_pass,
-)
+from kdcache.stages.targets.logits.vocab import kernel_feeds, loss_rows, vocab_pass
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
+from kdcache.stages.targets.logits.vocab.vocab_pass import ChunkTerm
 from kdcache.storage import TOPK_MASS
 
 
-def capture(logits: torch.Tensor, settings: CaptureSettings,
+def capture(logits: torch.Tensor, settings: LogitSettings,
             generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """``logits/topk_values [..., k]`` in the teacher's dtype (the caller checks their range, then converts
     them), ``logits/topk_ids`` int32, ``logits/lse [...]`` fp32 and the kept mass ``TOPK_MASS [...]``; with a

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kdcache.stages.targets.logits.vocab import HeadLogits, vocab_path
+from kdcache.stages.targets.logits.vocab.fused_vocab import vocab_path
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -34,7 +34,8 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from kdcache.stages.common.cache_texts import CacheTexts, MissingTextError, read_texts
-from kdcache.stages.targets.logits.vocab import HeadLogits, term_value
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
+from kdcache.stages.targets.logits.vocab.vocab_pass import term_value
 from kdcache.stages.train.core.masks import token_masks
 from kdcache.stages.train.cross.align import Alignment, align, aligned_share, student_ends, student_mask
 from kdcache.stages.train.losses.cross_vocab import (

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
-from kdcache.stages.targets.logits.vocab import HeadLogits
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.evaluation.agreement import LmStats
 from kdcache.stages.train.evaluation.evaluate import EvaluationError, cache_batches

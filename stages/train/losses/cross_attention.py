@@ -11,7 +11,7 @@ import torch
 
 from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets.attention.maps_loss import STUDENT_PROB_FLOOR, group_teacher_heads
-from kdcache.stages.targets.logits.vocab import count_valid, kl_terms
+from kdcache.stages.targets.logits.vocab.loss_rows import count_valid, kl_terms
 
 
 def cross_attention_kl(a_s: torch.Tensor, a_t: torch.Tensor, query_mask: torch.Tensor,

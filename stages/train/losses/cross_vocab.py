@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from kdcache.stages.common.loss_errors import LossError
-from kdcache.stages.targets.logits.vocab import ChunkTerm, HeadLogits, bool_mask, kl_terms, valid_count
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
+from kdcache.stages.targets.logits.vocab.loss_rows import bool_mask, kl_terms, valid_count
+from kdcache.stages.targets.logits.vocab.vocab_pass import ChunkTerm
 
 
 def span_rows(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

@@ -13,16 +13,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kdcache.stages.targets.logits.vocab import (
-    ChunkTerm,
-    HeadLogits,
-    bool_mask,
-    ce_feed,
-    fused_ce_available,
-    fused_ce_sum,
-    term_value,
-    valid_count,
-)
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits, fused_ce_available, fused_ce_sum
+from kdcache.stages.targets.logits.vocab.kernel_feeds import ce_feed
+from kdcache.stages.targets.logits.vocab.loss_rows import bool_mask, valid_count
+from kdcache.stages.targets.logits.vocab.vocab_pass import ChunkTerm, term_value
 
 __all__ = ["causal_ce", "causal_ce_term", "token_ce", "token_ce_term"]
 

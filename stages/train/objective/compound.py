@@ -32,8 +32,11 @@ from kdcache.stages.targets.attention.maps_loss import attention_kl
 from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
 from kdcache.stages.targets.hidden.hidden_losses import HIDDEN_LOSSES, HiddenLoss, unknown_hidden_loss
 from kdcache.stages.targets.hidden.wgan import CriticTrainer
-from kdcache.stages.targets.logits import TOPK_VARIANTS, KlSetup, LogitKind
-from kdcache.stages.targets.logits.vocab import ChunkTerm, tied_zero, vocab_pass
+from kdcache.stages.targets.logits import KlSetup, LogitKind
+from kdcache.stages.targets.logits.loss_flags import TOPK_VARIANTS
+from kdcache.stages.targets.logits.vocab import vocab_pass
+from kdcache.stages.targets.logits.vocab.loss_rows import tied_zero
+from kdcache.stages.targets.logits.vocab.vocab_pass import ChunkTerm
 from kdcache.stages.train.core.layer_maps import Pair, pair_key
 from kdcache.stages.train.core.masks import TokenMasks, token_masks
 from kdcache.stages.train.losses.logits import causal_ce_term, token_ce_term
@@ -42,7 +45,7 @@ from kdcache.stages.train.objective.projectors import Projectors
 if TYPE_CHECKING:
     from kdcache.stages.targets.attention.qk_attention import Captured
     from kdcache.stages.targets.logits.teacher_head import TeacherHead
-    from kdcache.stages.targets.logits.vocab import HeadLogits
+    from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 
 CE_KINDS = ("causal", "token")
 

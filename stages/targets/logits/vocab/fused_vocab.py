@@ -17,7 +17,7 @@ On the CPU it runs only where ``INTERPRET_ON_CPU`` is set, under ``TRITON_INTERP
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets.logits.vocab import kernel_guard
 from kdcache.stages.targets.logits.vocab.head_logits import fused_ce_available
 from kdcache.stages.targets.logits.vocab.kernel_feeds import ChunkView, KernelFeed, RowGrad, RowStats
-from kdcache.stages.targets.logits.vocab.kernel_guard import VocabRoad, split_rows
+from kdcache.stages.targets.logits.vocab.kernel_guard import ChunkGrad, VocabRoad, split_rows
 
 # The tests turn this on (with TRITON_INTERPRET=1 set before triton is imported) to run the kernels on the CPU.
 INTERPRET_ON_CPU = False
@@ -65,8 +65,7 @@ def temperature_of(feeds: Sequence[KernelFeed]) -> float:
     return next((feed.temperature for feed in feeds if feed.temperature is not None), 1.0)
 
 
-def chunk_grad(feeds: Sequence[KernelFeed], scales: torch.Tensor,
-               widths: Sequence[int]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def chunk_grad(feeds: Sequence[KernelFeed], scales: torch.Tensor, widths: Sequence[int]) -> ChunkGrad:
     """``grad(z [C, V], weights [T], *rows) -> (values [T], dz [C, V])`` for ``vocab_pass.HeadPass``; ``rows`` are,
     per term, its ``[C]`` counted mask and then its ``widths[t]`` targets' rows. ``dz`` is ``z``, overwritten."""
     from kdcache.stages.targets.logits.vocab import vocab_kernels  # imports triton: only when the kernel runs

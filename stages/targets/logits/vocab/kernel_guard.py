@@ -46,10 +46,9 @@ class VocabRoad(Enum):
         try:
             return cls(name)
         except ValueError:
-            raise LossError(f"vocab_kernel {name!r} is not a road; expected one of {ROADS}") from None
+            raise LossError(f"vocab_kernel {name!r} is not a road; expected one of "
+                            f"{tuple(road.value for road in cls)}") from None
 
-
-ROADS = tuple(road.value for road in VocabRoad)
 
 # The bound, element by element: |fast − reference| ≤ rtol · |reference| + noise(V) · c + floor, for dz in the
 # logits' dtype, where c = Σ_t |weight_t · scale_t| / min(1, T) is the most a softmax entry of dz can weigh.

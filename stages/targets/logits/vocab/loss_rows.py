@@ -3,8 +3,6 @@ valid-row selection, safe KL terms, the chunk size of the vocabulary pass (``voc
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -81,14 +79,6 @@ def kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     safe_log_p = torch.where(has_mass, log_p, torch.zeros_like(log_p))
     safe_log_q = torch.where(has_mass, log_q, torch.zeros_like(log_q))
     return torch.where(has_mass, safe_log_p.exp() * (safe_log_p - safe_log_q), torch.zeros_like(log_p))
-
-
-@contextlib.contextmanager
-def full_precision(device: torch.device) -> Iterator[None]:
-    """Turn autocast off inside, so that reductions that lose accuracy in bf16 (CKA's d x d products) run in
-    the float32 the inputs were cast to."""
-    with torch.autocast(device_type=device.type, enabled=False):
-        yield
 
 
 def check_temperature(temperature: float) -> None:

@@ -111,16 +111,12 @@ def _fused(logits: HeadLogits, terms: Sequence[ChunkTerm], feeds: Sequence[Kerne
 
 def _kind(feeds: Sequence[KernelFeed]) -> tuple[object, ...]:
     """What sets one fused pass apart from another for the guard: each feed's code (a full and a head KL share the
-    kernel but not their teacher's logits), the temperature and which feeds read a dense teacher."""
-    return (tuple((f.rows.__qualname__, _code_name(f.teacher)) for f in feeds), fused_vocab.temperature_of(feeds))
-
-
-def _code_name(teacher: object) -> str | None:
-    """A dense teacher's code: a function's own name, or a module's class (a ``head`` cache's ``TeacherHead``,
-    which as an instance has no ``__qualname__``)."""
-    if teacher is None:
-        return None
-    return getattr(teacher, "__qualname__", None) or type(teacher).__qualname__
+    kernel but not their teacher's logits), the temperature and which feeds read a dense teacher. A dense teacher's
+    code is a function's own name, or a module's class (a ``head`` cache's ``TeacherHead``, which as an instance has
+    no ``__qualname__``)."""
+    teachers = [None if f.teacher is None else getattr(f.teacher, "__qualname__", None) or type(f.teacher).__qualname__
+                for f in feeds]
+    return (tuple((f.rows.__qualname__, t) for f, t in zip(feeds, teachers)), fused_vocab.temperature_of(feeds))
 
 
 def _union(logits: torch.Tensor | HeadLogits, terms: Sequence[ChunkTerm]) -> torch.Tensor:
@@ -239,10 +235,7 @@ def _sum_chunks(fn: Callable[..., torch.Tensor], first: torch.Tensor, flat: Sequ
     return first.new_zeros(n_terms, dtype=torch.float32) if total is None else total
 
 
-ChunkGrad = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-def _autograd_grad(fn: Callable[..., torch.Tensor]) -> ChunkGrad:
+def _autograd_grad(fn: Callable[..., torch.Tensor]) -> kernel_guard.ChunkGrad:
     """``HeadPass``'s chunk gradient by autograd over ``fn(z [C, V], *rows) -> [T]`` (the pure-torch terms)."""
 
     def grad(z: torch.Tensor, weights: torch.Tensor, *part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,7 +258,7 @@ class HeadPass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                grad: ChunkGrad, weights: torch.Tensor, chunk: int, index: torch.Tensor | None,
+                grad: kernel_guard.ChunkGrad, weights: torch.Tensor, chunk: int, index: torch.Tensor | None,
                 *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         grad_h = torch.zeros_like(hidden)
         grad_w = torch.zeros_like(weight, dtype=torch.float32)  # fp32: summed over every chunk

@@ -173,23 +173,25 @@ def test_logprob_values_need_topk_logits(tiny_llama: Path, tmp_path: Path, capsy
 def test_the_sampled_kl_is_unbiased(temperature: float) -> None:
     """Stage one's sampler and stage two's estimator together: the mean over many draws is the exact KL, on a small
     vocabulary, while any one draw of N=4 is far from it."""
-    from kdcache.stages.targets.logits.sampled_torch import sample_logits, sampled_kl
+    from kdcache.stages.targets.logits import LogitSettings, get
+    from kdcache.stages.targets.logits.sampled_torch import capture, sampled_kl
 
     torch.manual_seed(0)
     vocab, tokens, repeats = 7, 400, 100
+    draws = LogitSettings(get("sampled"), samples=4, sample_temperature=temperature)  # --logits sampled:4
     teacher, student = torch.randn(vocab) * 2, torch.randn(vocab) * 2
     exact = float(kd_kl(student[None, None], teacher[None, None], torch.ones(1, 1), temperature))
     mask = torch.ones(1, tokens)
     estimates = []
     for seed in range(repeats):
-        drawn = sample_logits(teacher.expand(tokens, vocab), 4, temperature, torch.Generator().manual_seed(seed))
+        drawn = capture(teacher.expand(tokens, vocab), draws, torch.Generator().manual_seed(seed))
         assert (drawn["logits/sample_counts"].sum(-1) == 4).all()
         estimates.append(float(sampled_kl(student.expand(1, tokens, vocab), drawn["logits/sample_ids"][None],
                                           drawn["logits/sample_counts"][None], drawn["logits/sample_logp"][None],
                                           mask, temperature)))
     mean, error = np.mean(estimates), np.std(estimates) / np.sqrt(repeats)
     assert abs(mean - exact) < 4 * error + 1e-6, (mean, exact, error)
-    single = sample_logits(teacher[None], 4, temperature, torch.Generator().manual_seed(1))
+    single = capture(teacher[None], draws, torch.Generator().manual_seed(1))
     one = float(sampled_kl(student[None, None], single["logits/sample_ids"][None], single["logits/sample_counts"][None],
                            single["logits/sample_logp"][None], torch.ones(1, 1), temperature))
     assert one != pytest.approx(exact, abs=1e-3)
