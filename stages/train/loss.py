@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -98,21 +99,17 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
     loss = options.loss
-    alpha = loss.ce_weight if main and facts.has_lm_head else 0.0
-    beta = loss.kl_weight if main and logit_kind else 0.0
-    gamma = loss.gamma if pairs.hidden_pairs else 0.0
-    delta = loss.delta if pairs.attention_pairs else 0.0
-    if not main and not (gamma > 0 or delta > 0):
+    weights = replace(loss, alpha=loss.ce_weight if main and facts.has_lm_head else 0.0,
+                      beta=loss.kl_weight if main and logit_kind else 0.0,
+                      gamma=loss.gamma if pairs.hidden_pairs else 0.0,
+                      delta=loss.delta if pairs.attention_pairs else 0.0)
+    if not main and not (weights.gamma > 0 or weights.delta > 0):
         return None
     sizes = set(pairs.teacher_hidden_sizes.values())
     return CompoundLoss(
-        layer_map=pairs.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(sizes) if sizes else None,
-        alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=loss.logit.resolved_temperature(),
-        hidden_loss=loss.hidden.loss(), topk_variant=loss.logit.topk_kl, ce="causal" if facts.is_causal else "token",
-        attention_map=pairs.attention_pairs or None, critic_steps=loss.critic.critic_steps,
-        critic_lr=loss.critic.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None,
-        attention_loss=loss.attention.attention_loss, relation_heads=loss.attention.relation_heads,
-        teacher_scores=scores,
+        weights, layer_map=pairs.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(sizes) if sizes else None,
+        ce="causal" if facts.is_causal else "token", attention_map=pairs.attention_pairs or None, seed=seed,
+        teacher_head=head if main and weights.kl_weight > 0 else None, teacher_scores=scores,
         logit_kind=logit_kind if main else None)
 
 

@@ -30,12 +30,12 @@ from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.attention.maps_loss import attention_kl
 from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
-from kdcache.stages.targets.hidden.hidden_losses import HIDDEN_LOSSES, HiddenLoss, unknown_hidden_loss
 from kdcache.stages.targets.hidden.wgan import CriticTrainer
 from kdcache.stages.targets.logits import TOPK_VARIANTS, KlSetup, LogitKind
 from kdcache.stages.targets.logits.vocab import ChunkTerm, tied_zero, vocab_pass
 from kdcache.stages.train.core.layer_maps import Pair, pair_key
 from kdcache.stages.train.core.masks import TokenMasks, token_masks
+from kdcache.stages.train.core.options import LossOptions
 from kdcache.stages.train.losses.logits import causal_ce_term, token_ce_term
 from kdcache.stages.train.objective.projectors import Projectors
 
@@ -86,78 +86,64 @@ class CompoundLoss(nn.Module):
     """α·CE + β·KL (full or top-k) + γ·Σ hidden + δ·Σ attention, each term also returned on its own.
 
     Args:
+        loss: the run's loss options (``LossOptions``; default: the flags' defaults), with this stream's weights
+            α, β, γ, δ of CE, KL, hidden and attention (a 0 weight skips the term); its hidden loss, the wgan
+            critic's steps and learning rate, the KL's temperature and top-k variant (``other`` requires T = 1 and
+            raises on the first batch otherwise; it is not refused here because with a full-logit cache the variant
+            is unused: a check that knows the cache's logit kind belongs in the pre-training checks) and, for a q/k
+            cache, the attention loss (``"kl"`` rebuilt block by block or MiniLMv2's ``"relation"`` over R relation
+            heads, from ``student_out.attention_qkv``: block -> ``qk_attention.Captured``).
         layer_map: (student, teacher) pairs for the hidden term (``LayerMap.build``).
         student_dim: d_s; needed when projectors are (γ > 0 with a hidden loss that has them: mse, cosine, wgan).
         teacher_dim: d_t; likewise.
-        alpha, beta, gamma, delta: weights of CE, KL, hidden and attention; a 0 weight skips the term.
-        temperature: KD temperature for ``kl`` and ``topk_kl`` renorm. ``other`` requires 1.0 and raises on the
-            first batch otherwise; it is not refused here because with a full-logit cache the variant is unused
-            (a check that knows the cache's logit kind belongs in the pre-training checks).
-        hidden_loss: a ``HiddenLoss`` (``HiddenLossFlags.loss()``), or the name of one in ``HIDDEN_LOSSES``.
-        topk_variant: ``"renorm"`` or ``"other"``, used when the cache holds top-k logits.
         ce: ``"causal"`` (shifted, decoders, on ``input_ids``) or ``"token"`` (unshifted, masked-LM heads, on
             ``targets["labels"]`` when present, else ``input_ids``).
         attention_map: pairs for the attention term; default: ``layer_map`` without embedding pairs.
-        gp_weight, critic_steps, critic_lr: the wgan critic's λ, steps per student step and learning rate.
-        critic_in_forward: run the critic steps inside ``forward`` (training mode, grad enabled), so a
-            training loop that only calls the wrapped model needs nothing else. Set False to call
-            ``self.critics.step`` yourself.
         seed: seeds the projector and critic inits.
         teacher_head: for a ``--logits head`` cache, the teacher's LM head (``teacher_head.TeacherHead``): the KL
             then rebuilds exact teacher logits from ``hidden/{head.layer}``.
-        attention_loss, relation_heads, teacher_scores: for a q/k cache (``teacher_scores`` = its
-            ``attention_scores``), the attention term is ``"kl"`` rebuilt block by block or MiniLMv2's ``"relation"``
-            over R relation heads, from ``student_out.attention_qkv`` (block -> ``qk_attention.Captured``).
+        teacher_scores: a q/k cache's ``attention_scores``: the attention term is then the q/k one.
         logit_kind: the cache's logit kind (``TrainPlan.logit_kind``), which forms the KL; None: the kind whose
             arrays the batch holds (two modes may store the same arrays, so a run from a cache names its kind).
+
+    The wgan critics run their steps inside ``forward`` (training mode, grad enabled), so a training loop that only
+    calls the wrapped model needs nothing else.
     """
 
     def __init__(
         self,
+        loss: LossOptions | None = None,
         *,
         layer_map: Sequence[Pair] = (),
         student_dim: int | None = None,
         teacher_dim: int | None = None,
-        alpha: float = 1.0,
-        beta: float = 1.0,
-        gamma: float = 0.0,
-        delta: float = 0.0,
-        temperature: float = 1.0,
-        hidden_loss: HiddenLoss | str = "mse",
-        topk_variant: str = "renorm",
         ce: str = "causal",
         attention_map: Sequence[Pair] | None = None,
-        gp_weight: float = 10.0,
-        critic_steps: int = 5,
-        critic_lr: float = 1e-4,
-        critic_in_forward: bool = True,
         seed: int = 0,
         teacher_head: TeacherHead | None = None,
-        attention_loss: str = "kl",
-        relation_heads: int = 0,
         teacher_scores: Mapping[str, Any] | None = None,
         logit_kind: LogitKind | None = None,
     ):
         super().__init__()
-        self.teacher_head = teacher_head
+        loss = loss or LossOptions()
+        self.teacher_head = teacher_head  # a submodule: its buffers move with the loss
         self.logit_kind = logit_kind
         # A q/k cache (teacher_scores: its score record): attention from the student's recorded queries and keys.
-        self.attention_loss, self.relation_heads, self.teacher_scores = attention_loss, relation_heads, teacher_scores
-        self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
-        self.temperature, self.topk_variant, self.ce = temperature, topk_variant, ce
-        self._check_config(hidden_loss)
-        self.hidden_loss: HiddenLoss = HIDDEN_LOSSES[hidden_loss] if isinstance(hidden_loss, str) else hidden_loss
-        self.layer_map: list[Pair] = [(int(s), int(t)) for s, t in layer_map] if gamma > 0 else []
+        self.attention_flags, self.teacher_scores = loss.attention, teacher_scores
+        self.weights = {"ce": loss.ce_weight, "kl": loss.kl_weight, "hidden": loss.gamma, "attention": loss.delta}
+        self.kl_setup, self.ce = KlSetup(loss.logit.resolved_temperature(), loss.logit.topk_kl, teacher_head), ce
+        self._check_config()
+        self.hidden_loss = loss.hidden.loss()
+        self.layer_map: list[Pair] = [(int(s), int(t)) for s, t in layer_map] if loss.gamma > 0 else []
         default_attention = [p for p in layer_map if p[0] > 0 and p[1] > 0]
         self.attention_map: list[Pair] = ([(int(s), int(t)) for s, t in (attention_map or default_attention)]
-                                          if delta > 0 else [])
+                                          if loss.delta > 0 else [])
         self.projectors = self._build_projectors(student_dim, teacher_dim, seed)
-        self.critic_in_forward = critic_in_forward
         self.critics: CriticTrainer | None = None
         if self.hidden_loss.adversarial and self.layer_map:
             keys = list(dict.fromkeys(pair_key(p) for p in self.layer_map))
             self.critics = CriticTrainer(
-                keys, int(teacher_dim or 0), n_steps=critic_steps, gp_weight=gp_weight, lr=critic_lr, seed=seed
+                keys, int(teacher_dim or 0), n_steps=loss.critic.critic_steps, lr=loss.critic.critic_lr, seed=seed
             )
 
     def forward(
@@ -243,8 +229,7 @@ class CompoundLoss(nn.Module):
         if logits is None:
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
         kind = self._kind_of(targets)
-        setup = KlSetup(self.temperature, self.topk_variant, self.teacher_head)
-        vocab[kind.term] = kind.chunk_term(logits, targets, masks.predicts, setup)
+        vocab[kind.term] = kind.chunk_term(logits, targets, masks.predicts, self.kl_setup)
 
     def _kind_of(self, targets: Mapping[str, torch.Tensor]) -> LogitKind:
         """The cache's logit kind when the loss was told its mode, else the one the batch's arrays mark (the head's
@@ -274,7 +259,7 @@ class CompoundLoss(nn.Module):
         key = pair_key(pair)
         assert self.critics is not None
         self.critics.to(h_s.device)
-        if self.critic_in_forward and self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled():
             logs[f"critic/{key}"] = torch.tensor(self.critics.step(key, h_s, h_t, mask))
         return self.hidden_loss.resolved()(self.critics[key], h_s, mask)  # the student's side against its critic
 
@@ -291,8 +276,9 @@ class CompoundLoss(nn.Module):
             def qk_value(s: int, t: int) -> torch.Tensor:
                 if s not in recorded:
                     raise LossError(f"the student's block {s} recorded no queries and keys")
-                return cached_qk_loss(self.attention_loss, recorded[s], targets, t, self.teacher_scores or {},
-                                      masks.real, masks.trained, self.relation_heads)
+                flags = self.attention_flags
+                return cached_qk_loss(flags.attention_loss, recorded[s], targets, t, self.teacher_scores or {},
+                                      masks.real, masks.trained, flags.relation_heads)
             return _pair_sum(logs, "attention", self.attention_map, any_trained, lambda s: recorded[s].q, qk_value)
         maps = _student_field(out, "attentions", "output_attentions=True and attention_maps.MAPS_ATTENTION")
 
@@ -309,16 +295,15 @@ class CompoundLoss(nn.Module):
                             f"projectors")
         return Projectors(self.layer_map if wanted else [], student_dim or 0, teacher_dim or 0, seed=seed)
 
-    def _check_config(self, hidden_loss: HiddenLoss | str) -> None:
+    def _check_config(self) -> None:
         problems = [f"weight {k} must be >= 0, got {w}" for k, w in self.weights.items() if not w >= 0]
-        if isinstance(hidden_loss, str) and hidden_loss not in HIDDEN_LOSSES:  # a name given here, not an object
-            problems.append(unknown_hidden_loss(hidden_loss))
-        if self.topk_variant not in TOPK_VARIANTS:
-            problems.append(f"unknown top-k variant {self.topk_variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
+        variant, temperature = self.kl_setup.topk_variant, self.kl_setup.temperature
+        if variant not in TOPK_VARIANTS:
+            problems.append(f"unknown top-k variant {variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
         if self.ce not in CE_KINDS:
             problems.append(f"unknown CE kind {self.ce!r}; choose one of {', '.join(CE_KINDS)}")
-        if not self.temperature > 0:
-            problems.append(f"the temperature must be > 0, got {self.temperature}")
+        if not temperature > 0:
+            problems.append(f"the temperature must be > 0, got {temperature}")
         if problems:
             raise LossError("; ".join(problems))
 
