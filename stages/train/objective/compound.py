@@ -1,8 +1,9 @@
 """The compound distillation loss: α·CE + β·KL + γ·Σ_pairs hidden + δ·Σ_pairs attention.
 
-``CompoundLoss`` holds the projectors (so the DeepSpeed engine sees them as parameters of the wrapper that
-contains this module) and, for the ``wgan`` hidden loss, a ``CriticTrainer`` that is deliberately *not* a
-submodule (the critics have their own optimizer). Terms whose weight is 0 are never computed.
+``CompoundLoss`` holds the projectors (``Projectors``) and, for the ``wgan`` hidden loss, a ``CriticTrainer`` that
+is deliberately *not* a submodule (the critics have their own optimizer; they step inside ``forward`` in training
+mode with grad enabled, so a loop that only calls the wrapped model needs nothing else). Terms whose weight is 0
+are never computed.
 
 Inputs (``B`` batch, ``L`` padded length):
 
@@ -20,6 +21,7 @@ Inputs (``B`` batch, ``L`` padded length):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -37,7 +39,6 @@ from kdcache.stages.train.core.layer_maps import Pair, pair_key
 from kdcache.stages.train.core.masks import TokenMasks, token_masks
 from kdcache.stages.train.core.options import LossOptions
 from kdcache.stages.train.losses.logits import causal_ce_term, token_ce_term
-from kdcache.stages.train.objective.projectors import Projectors
 
 if TYPE_CHECKING:
     from kdcache.stages.targets.attention.qk_attention import Captured
@@ -82,6 +83,57 @@ class RunLoss(Protocol):
         ...
 
 
+class Projectors(nn.Module):
+    """One ``nn.Linear(d_s, d_t)`` per (student, teacher) pair, keyed ``"s{j}_t{i}"``, learnable, from the student's
+    hidden size to the teacher's.
+
+    They live inside ``CompoundLoss``, itself inside the module handed to DeepSpeed, so the engine optimizes (and
+    under ZeRO-3 partitions) them with the student. Call them through ``Projectors.project`` (module calls, never
+    ``F.linear`` on their weights) so ZeRO-3's hooks gather their parameters first. They are saved apart from
+    the student, whose export stays a plain HF model.
+
+    None are created for an empty map (``CompoundLoss`` gives one to a loss without a projector, CKA);
+    ``project`` is then the identity.
+
+    Init (bias zero):
+      * d_s == d_t: the exact identity. A student initialised from teacher layers (``init-student``) already
+        lives in the teacher's space, and for any other student it is the neutral starting point.
+      * d_s != d_t: a random semi-orthogonal matrix. When d_t >= d_s its columns are orthonormal, an exact
+        isometry (‖Wx‖ = ‖x‖); when d_t < d_s its rows are, scaled by sqrt(d_s/d_t) so ‖Wx‖ ≈ ‖x‖ on average.
+        Either way the projected states start at the student's own scale, not near zero, and no direction is
+        favoured — unlike ``eye(d_t, d_s) + 1e-6``, which copies an arbitrary slice of coordinates.
+
+    ``seed`` seeds the semi-orthogonal inits (the same on every rank).
+    """
+
+    def __init__(self, pairs: Sequence[Pair], student_dim: int, teacher_dim: int, *, seed: int = 0):
+        super().__init__()
+        self.student_dim = student_dim
+        self.teacher_dim = teacher_dim
+        keys = [pair_key(p) for p in pairs]
+        generator = torch.Generator().manual_seed(seed)
+        # dict.fromkeys: a pair listed twice shares one projector.
+        self.layers = nn.ModuleDict({k: self._make(generator) for k in dict.fromkeys(keys)})
+
+    def project(self, pair: Pair, h_s: torch.Tensor) -> torch.Tensor:
+        """Map ``[..., d_s]`` student states of ``pair`` to ``[..., d_t]`` (identity when there is no projector)."""
+        key = pair_key(pair)
+        if key not in self.layers:
+            return h_s
+        return self.layers[key](h_s)
+
+    def _make(self, generator: torch.Generator) -> nn.Linear:
+        layer = nn.Linear(self.student_dim, self.teacher_dim)
+        with torch.no_grad():
+            if self.student_dim == self.teacher_dim:
+                layer.weight.copy_(torch.eye(self.teacher_dim))
+            else:
+                gain = math.sqrt(max(1.0, self.student_dim / self.teacher_dim))
+                nn.init.orthogonal_(layer.weight, gain=gain, generator=generator)
+            layer.bias.zero_()
+        return layer
+
+
 class CompoundLoss(nn.Module):
     """α·CE + β·KL (full or top-k) + γ·Σ hidden + δ·Σ attention, each term also returned on its own.
 
@@ -105,9 +157,6 @@ class CompoundLoss(nn.Module):
         teacher_scores: a q/k cache's ``attention_scores``: the attention term is then the q/k one.
         logit_kind: the cache's logit kind (``TrainPlan.logit_kind``), which forms the KL; None: the kind whose
             arrays the batch holds (two modes may store the same arrays, so a run from a cache names its kind).
-
-    The wgan critics run their steps inside ``forward`` (training mode, grad enabled), so a training loop that only
-    calls the wrapped model needs nothing else.
     """
 
     def __init__(
