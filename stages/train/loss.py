@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
     from typing_extensions import Unpack  # typing's own from Python 3.11
 
-    from kdcache.stages.targets.logits import LogitKind
     from kdcache.stages.targets.logits.teacher_head import TeacherHead
     from kdcache.stages.train.core.options import TrainOptions
     from kdcache.stages.train.core.plan import StreamPairs, TrainPlan
@@ -93,12 +92,11 @@ class _Critics:
             critics.load_state_dict(state[stream])
 
 
-def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts, *, main: bool,
-                 logit_kind: LogitKind | None, seed: int, head: TeacherHead | None,
-                 scores: Mapping[str, Any] | None = None) -> CompoundLoss | None:
+def _stream_loss(options: TrainOptions, plan: TrainPlan, pairs: StreamPairs, facts: StudentFacts, seed: int,
+                 head: TeacherHead | None) -> CompoundLoss | None:
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
-    loss = options.loss
+    loss, main, logit_kind = options.loss, pairs is plan.main, plan.logit_kind
     weights = replace(loss, alpha=loss.ce_weight if main and facts.has_lm_head else 0.0,
                       beta=loss.kl_weight if main and logit_kind else 0.0,
                       gamma=loss.gamma if pairs.hidden_pairs else 0.0,
@@ -109,8 +107,8 @@ def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts,
     return CompoundLoss(
         weights, layer_map=pairs.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(sizes) if sizes else None,
         ce="causal" if facts.is_causal else "token", attention_map=pairs.attention_pairs or None, seed=seed,
-        teacher_head=head if main and weights.kl_weight > 0 else None, teacher_scores=scores,
-        logit_kind=logit_kind if main else None)
+        teacher_head=head if main and weights.kl_weight > 0 else None, logit_kind=logit_kind if main else None,
+        teacher_scores=None if plan.source.student_maps else plan.attention_scores)
 
 
 def _stream_parts(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
@@ -123,9 +121,7 @@ def _stream_parts(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
               "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)
     parts: dict[str, CompoundLoss] = {}
     for i, pairs in enumerate(plan.streams):
-        part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logit_kind=plan.logit_kind,
-                            seed=options.data.seed + i, head=head,
-                            scores=None if plan.source.student_maps else plan.attention_scores)
+        part = _stream_loss(options, plan, pairs, facts, options.data.seed + i, head)
         if part is not None:
             parts[pairs.stream] = part
     return parts
