@@ -63,9 +63,6 @@ if TYPE_CHECKING:
     from kdcache.stages.train.core.student import StudentFacts
 
 
-FAMILIES = ("ce", "kl", "hidden", "attention")  # the weights of a stream's terms (CompoundLoss.weights)
-
-
 def _stream_view(batch: Mapping[str, torch.Tensor], stream: str, main: bool) -> dict[str, torch.Tensor]:
     """The batch as one stream's ``CompoundLoss`` reads it: ``input_ids``, ``hidden/{j}``, ``attention/{j}``, and
     the logits targets for the ``main`` stream (they live on its tokens)."""
@@ -243,9 +240,10 @@ class DistillationLoss(nn.Module):
         unprefixed = {"ce", "kl", *(kind.term for kind in logit_kinds.kinds())}
         for stream in self.streams:
             main = stream == self.streams[-1]
-            own = {f: scales[prefixed(stream, f)] for f in FAMILIES if prefixed(stream, f) in scales}
-            terms = self.part(stream)(student_view(student_outputs, stream, main), _stream_view(batch, stream, main),
-                                      batch[prefixed(stream, "mask")], own)
+            part = self.part(stream)  # its weights name the families a step's scales key
+            own = {f: scales[prefixed(stream, f)] for f in part.weights if prefixed(stream, f) in scales}
+            terms = part(student_view(student_outputs, stream, main), _stream_view(batch, stream, main),
+                         batch[prefixed(stream, "mask")], own)
             loss = terms.pop("loss")
             total = loss if total is None else total + loss
             logs.update({k if k in unprefixed else prefixed(stream, k): v for k, v in terms.items()})

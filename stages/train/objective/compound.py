@@ -345,14 +345,14 @@ class CompoundLoss(nn.Module):
         return Projectors(self.layer_map if wanted else [], student_dim or 0, teacher_dim or 0, seed=seed)
 
     def _check_config(self) -> None:
-        problems = [f"weight {k} must be >= 0, got {w}" for k, w in self.weights.items() if not w >= 0]
-        variant, temperature = self.kl_setup.topk_variant, self.kl_setup.temperature
+        """What the options' own checks (``LossOptions.validate``, where flags and API options enter) leave out: the
+        top-k variant (a choice of the flag, not of the Python API's options) and the CE kind (internal)."""
+        problems = []
+        variant = self.kl_setup.topk_variant
         if variant not in TOPK_VARIANTS:
             problems.append(f"unknown top-k variant {variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
         if self.ce not in CE_KINDS:
             problems.append(f"unknown CE kind {self.ce!r}; choose one of {', '.join(CE_KINDS)}")
-        if not temperature > 0:
-            problems.append(f"the temperature must be > 0, got {temperature}")
         if problems:
             raise LossError("; ".join(problems))
 

@@ -116,13 +116,18 @@ def test_topk_targets_use_topk_kl():
     [
         ({"hidden_loss": "l1"}, {}, "unknown hidden loss"),
         ({"topk_kl": "bucket"}, {}, "unknown top-k variant"),
-        ({"alpha": -1.0}, {}, "weight ce"),
         ({"gamma": 1.0}, {"layer_map": [(1, 2)]}, "student_dim"),
     ],
 )
 def test_bad_configs_are_refused_up_front(flags, kwargs, message):
     with pytest.raises(LossError, match=message):
         CompoundLoss(_options(**flags), **kwargs)
+
+
+def test_bad_weights_and_temperature_are_refused_where_the_options_enter():
+    """A negative weight or temperature is the options' own problem (config and Python API), before any loss."""
+    problems = _options(alpha=-1.0, temperature=0.0).validate()
+    assert "alpha must be >= 0, got -1.0" in problems and "temperature must be > 0, got 0.0" in problems
 
 
 def test_missing_outputs_and_targets_are_named():
