@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import torch
 
+from kdcache.stages.common.option_groups import assemble
+from kdcache.stages.train.core.options import LossOptions
 from kdcache.stages.train.objective.compound import CompoundLoss
 from kdcache.stages.train.objective.step_norm import StepCounts, term_counts
 
@@ -47,8 +49,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
-    part = CompoundLoss(layer_map=[(1, 1)], student_dim=16, teacher_dim=16, alpha=1.0, beta=1.0, gamma=1.0,
-                        delta=1.0)
+    options = assemble(LossOptions, {"alpha": 1.0, "beta": 1.0, "gamma": 1.0, "delta": 1.0, "temperature": 1.0})
+    part = CompoundLoss(options, layer_map=[(1, 1)], student_dim=16, teacher_dim=16)
     loss = SimpleNamespace(streams=[""], cross_pairs=[], part=lambda _: part)  # the run's loss, as counts read it
     batch = host_batch(args.batch, args.length)
     counts = term_counts(loss, batch)

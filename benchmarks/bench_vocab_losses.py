@@ -91,12 +91,14 @@ def _step_loss(variant: str, logits: Any, x: dict[str, Any]) -> Any:
     """CE + top-k KL of ``variant`` as ``CompoundLoss`` forms a step's loss from them."""
     from types import SimpleNamespace
 
+    from kdcache.stages.common.option_groups import assemble
+    from kdcache.stages.train.core.options import LossOptions
     from kdcache.stages.train.objective.compound import CompoundLoss
 
     targets = {"input_ids": x["ids"].float(), "logits/topk_values": x["values"], "logits/topk_ids": x["topk_ids"],
                "logits/lse": x["lse"]}
-    return CompoundLoss(alpha=1.0, beta=1.0, topk_variant=variant)(SimpleNamespace(logits=logits), targets,
-                                                                    x["mask"])["loss"]
+    options = assemble(LossOptions, {"alpha": 1.0, "beta": 1.0, "topk_kl": variant, "temperature": 1.0})
+    return CompoundLoss(options)(SimpleNamespace(logits=logits), targets, x["mask"])["loss"]
 
 
 def run_one(name: str, side: str, tokens: int, dim: int, vocab: int, device: str = "cpu",

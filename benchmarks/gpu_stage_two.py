@@ -194,6 +194,8 @@ class Online(torch.nn.Module):
     def __init__(self, student: Any, teacher_dir: str, student_dir: str, device: torch.device):
         from transformers import AutoModelForCausalLM
 
+        from kdcache.stages.common.option_groups import assemble
+        from kdcache.stages.train.core.options import LossOptions
         from kdcache.stages.train.objective.compound import CompoundLoss
 
         super().__init__()
@@ -202,8 +204,9 @@ class Online(torch.nn.Module):
         blocks = json.loads((Path(student_dir) / "kdcache_init.json").read_text())["teacher_blocks"]
         self.pairs = [(i + 1, int(t)) for i, t in enumerate(blocks)]
         self.student = student
-        self.criterion = CompoundLoss(layer_map=self.pairs, student_dim=student.config.hidden_size,
-                                      teacher_dim=teacher.config.hidden_size, gamma=1.0)
+        options = assemble(LossOptions, {"gamma": 1.0, "temperature": 1.0})
+        self.criterion = CompoundLoss(options, layer_map=self.pairs, student_dim=student.config.hidden_size,
+                                      teacher_dim=teacher.config.hidden_size)
         self._teacher = (teacher.requires_grad_(False),)  # a tuple: not a submodule, DeepSpeed leaves it alone
 
     def forward(self, batch: dict[str, Any]) -> Any:

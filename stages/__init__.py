@@ -19,7 +19,6 @@ if TYPE_CHECKING:
         format_report as format_report,
     )
     from kdcache.stages.draft.training import DraftOptions as DraftOptions, run_draft as run_draft
-    from kdcache.stages.draft.vocab import DraftInputError as DraftInputError
     from kdcache.stages.precompute.core.progress import format_summary as format_summary, reused_cache as reused_cache
     from kdcache.stages.precompute.estimate import format_estimate as format_estimate
     from kdcache.stages.precompute.generate import (

@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -56,14 +57,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
     from typing_extensions import Unpack  # typing's own from Python 3.11
 
-    from kdcache.stages.targets.logits import LogitKind
     from kdcache.stages.targets.logits.teacher_head import TeacherHead
     from kdcache.stages.train.core.options import TrainOptions
     from kdcache.stages.train.core.plan import StreamPairs, TrainPlan
     from kdcache.stages.train.core.student import StudentFacts
-
-
-FAMILIES = ("ce", "kl", "hidden", "attention")  # the weights of a stream's terms (CompoundLoss.weights)
 
 
 def _stream_view(batch: Mapping[str, torch.Tensor], stream: str, main: bool) -> dict[str, torch.Tensor]:
@@ -92,28 +89,23 @@ class _Critics:
             critics.load_state_dict(state[stream])
 
 
-def _stream_loss(options: TrainOptions, pairs: StreamPairs, facts: StudentFacts, *, main: bool,
-                 logit_kind: LogitKind | None, seed: int, head: TeacherHead | None,
-                 scores: Mapping[str, Any] | None = None) -> CompoundLoss | None:
+def _stream_loss(options: TrainOptions, plan: TrainPlan, pairs: StreamPairs, facts: StudentFacts, seed: int,
+                 head: TeacherHead | None) -> CompoundLoss | None:
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
-    loss = options.loss
-    alpha = loss.ce_weight if main and facts.has_lm_head else 0.0
-    beta = loss.kl_weight if main and logit_kind else 0.0
-    gamma = loss.gamma if pairs.hidden_pairs else 0.0
-    delta = loss.delta if pairs.attention_pairs else 0.0
-    if not main and not (gamma > 0 or delta > 0):
+    loss, main, logit_kind = options.loss, pairs is plan.main, plan.logit_kind
+    weights = replace(loss, alpha=loss.ce_weight if main and facts.has_lm_head else 0.0,
+                      beta=loss.kl_weight if main and logit_kind else 0.0,
+                      gamma=loss.gamma if pairs.hidden_pairs else 0.0,
+                      delta=loss.delta if pairs.attention_pairs else 0.0)
+    if not main and not (weights.gamma > 0 or weights.delta > 0):
         return None
     sizes = set(pairs.teacher_hidden_sizes.values())
     return CompoundLoss(
-        layer_map=pairs.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(sizes) if sizes else None,
-        alpha=alpha, beta=beta, gamma=gamma, delta=delta, temperature=loss.logit.resolved_temperature(),
-        hidden_loss=loss.hidden.loss(), topk_variant=loss.logit.topk_kl, ce="causal" if facts.is_causal else "token",
-        attention_map=pairs.attention_pairs or None, critic_steps=loss.critic.critic_steps,
-        critic_lr=loss.critic.critic_lr, seed=seed, teacher_head=head if main and beta > 0 else None,
-        attention_loss=loss.attention.attention_loss, relation_heads=loss.attention.relation_heads,
-        teacher_scores=scores,
-        logit_kind=logit_kind if main else None)
+        weights, layer_map=pairs.hidden_pairs, student_dim=facts.hidden_size, teacher_dim=max(sizes) if sizes else None,
+        ce="causal" if facts.is_causal else "token", attention_map=pairs.attention_pairs or None, seed=seed,
+        teacher_head=head if main and weights.kl_weight > 0 else None, logit_kind=logit_kind if main else None,
+        teacher_scores=None if plan.source.student_maps else plan.attention_scores)
 
 
 def _stream_parts(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
@@ -126,9 +118,7 @@ def _stream_parts(options: TrainOptions, plan: TrainPlan, facts: StudentFacts,
               "because cached inputs are unmasked; consider --alpha 0", file=sys.stderr)
     parts: dict[str, CompoundLoss] = {}
     for i, pairs in enumerate(plan.streams):
-        part = _stream_loss(options, pairs, facts, main=pairs is plan.main, logit_kind=plan.logit_kind,
-                            seed=options.data.seed + i, head=head,
-                            scores=None if plan.source.student_maps else plan.attention_scores)
+        part = _stream_loss(options, plan, pairs, facts, options.data.seed + i, head)
         if part is not None:
             parts[pairs.stream] = part
     return parts
@@ -250,9 +240,10 @@ class DistillationLoss(nn.Module):
         unprefixed = {"ce", "kl", *(kind.term for kind in logit_kinds.kinds())}
         for stream in self.streams:
             main = stream == self.streams[-1]
-            own = {f: scales[prefixed(stream, f)] for f in FAMILIES if prefixed(stream, f) in scales}
-            terms = self.part(stream)(student_view(student_outputs, stream, main), _stream_view(batch, stream, main),
-                                      batch[prefixed(stream, "mask")], own)
+            part = self.part(stream)  # its weights name the families a step's scales key
+            own = {f: scales[prefixed(stream, f)] for f in part.weights if prefixed(stream, f) in scales}
+            terms = part(student_view(student_outputs, stream, main), _stream_view(batch, stream, main),
+                         batch[prefixed(stream, "mask")], own)
             loss = terms.pop("loss")
             total = loss if total is None else total + loss
             logs.update({k if k in unprefixed else prefixed(stream, k): v for k, v in terms.items()})

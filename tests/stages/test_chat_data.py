@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from kdcache.pipeline.cli import main
+from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.core.plan import PrecomputePlan
 from kdcache.stages.precompute.rows.chat import render
 from kdcache.stages.precompute.rows.row_build import text_streams
 from kdcache.stages.precompute.runner import run_precompute
+from kdcache.stages.train.core.options import LossOptions
 from kdcache.stages.train.feed.streaming import collate, to_device
 from kdcache.stages.train.objective.compound import CompoundLoss
 from kdcache.stages.train.objective.distill import student_inputs
@@ -115,8 +117,8 @@ def test_user_turn_targets_change_no_loss_and_assistant_targets_do(chat_teacher:
     batch = to_device(collate([reader[i] for i in range(len(reader))], range(len(reader))), "cpu")
     student = make_tiny_llama(tmp_path / "student", specials=MARKERS, positions=512, seed=7)
     model = AutoModelForCausalLM.from_pretrained(str(student), attn_implementation="eager").eval()
-    loss = CompoundLoss(layer_map=[(1, 1), (3, 3)], student_dim=32, teacher_dim=32, gamma=1.0, delta=1.0,
-                        topk_variant="other")
+    options = assemble(LossOptions, {"gamma": 1.0, "delta": 1.0, "topk_kl": "other", "temperature": 1.0})
+    loss = CompoundLoss(options, layer_map=[(1, 1), (3, 3)], student_dim=32, teacher_dim=32)
     with torch.no_grad():
         out = model(**student_inputs(model, batch), output_hidden_states=True, output_attentions=True)
 
@@ -187,7 +189,8 @@ def test_a_micro_batch_with_no_trained_token_adds_nothing() -> None:
     out = SimpleNamespace(logits=logits, hidden_states=states)
     targets = {"input_ids": torch.randint(0, 5, (2, 3)), "hidden/1": torch.randn(2, 3, 4),
                "logits/full": torch.randn(2, 3, 5), "loss_mask": torch.zeros(2, 3)}
-    loss = CompoundLoss(layer_map=[(1, 1)], student_dim=4, teacher_dim=4, gamma=1.0)
+    loss = CompoundLoss(assemble(LossOptions, {"gamma": 1.0, "temperature": 1.0}), layer_map=[(1, 1)], student_dim=4,
+                        teacher_dim=4)
     terms = loss(out, targets, torch.ones(2, 3))
     assert float(terms["loss"].detach()) == 0.0 and {"ce", "kl", "hidden"} <= set(terms)
     terms["loss"].backward()

@@ -109,6 +109,8 @@ def test_the_student_sees_the_same_document_boundaries(tiny_gpt2: Path, tmp_path
     every document (it would not, past the first, if attention crossed documents)."""
     from transformers import AutoModelForCausalLM
 
+    from kdcache.stages.common.option_groups import assemble
+    from kdcache.stages.train.core.options import LossOptions
     from kdcache.stages.train.feed.streaming import collate, to_device
     from kdcache.stages.train.objective.compound import CompoundLoss
     from kdcache.stages.train.objective.distill import student_inputs
@@ -120,8 +122,8 @@ def test_the_student_sees_the_same_document_boundaries(tiny_gpt2: Path, tmp_path
     model = AutoModelForCausalLM.from_pretrained(str(tiny_gpt2)).eval()
     with torch.no_grad():
         out = model(**student_inputs(model, batch), output_hidden_states=True)
-        terms = CompoundLoss(layer_map=[(2, 2), (3, 3)], gamma=1.0, hidden_loss="cka", topk_variant="other")(
-            out, batch, batch["mask"])
+        options = assemble(LossOptions, {"gamma": 1.0, "hidden_loss": "cka", "topk_kl": "other", "temperature": 1.0})
+        terms = CompoundLoss(options, layer_map=[(2, 2), (3, 3)])(out, batch, batch["mask"])
     real = batch["mask"].bool()
     for j in (2, 3):
         np.testing.assert_allclose(out.hidden_states[j][real], batch[f"hidden/{j}"][real], rtol=RTOL, atol=ATOL)

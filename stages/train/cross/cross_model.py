@@ -47,7 +47,7 @@ from kdcache.stages.train.losses.cross_vocab import (
 )
 from kdcache.stages.train.losses.logits import causal_ce
 from kdcache.stages.train.objective.compound import RunLoss
-from kdcache.storage import ArrayKind, read_table
+from kdcache.storage import ArrayKind
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -233,11 +233,9 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
 
 
 def cache_tokenizer(reader: CacheReader) -> PreTrainedTokenizerBase:
-    """The teacher's tokenizer, from the cache's ``tokenizer/`` folder (copied to a temporary folder to load)."""
+    """The teacher's tokenizer, from the cache's ``tokenizer/`` folder (a remote cache's copied to scratch)."""
     with tempfile.TemporaryDirectory(prefix="kdcache-teacher-tokenizer-") as tmp:
-        for key in read_table(reader.store, "tokenizer"):
-            (Path(tmp) / key.split("/", 1)[1]).write_bytes(reader.store.read(key))
-        return AutoTokenizer.from_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(reader.store.fetch_folder("tokenizer", Path(tmp)))
 
 
 def without_logit_kl(options: TrainOptions) -> TrainOptions:

@@ -19,6 +19,7 @@ from scipy.stats import spearmanr
 
 from kdcache.stages.targets.logits import KlSetup, LogitKind
 from kdcache.stages.targets.logits.teacher_head import TeacherHead
+from kdcache.stages.targets.logits.vocab import HeadLogits
 from kdcache.stages.train.core.masks import TokenMasks
 
 
@@ -92,10 +93,13 @@ class LmStats:
         self.sample_temperature = sample_temperature
         self.nll = self.predicted = self.agree = self.kl = self.tokens = 0.0
 
-    def update(self, logits: torch.Tensor, ids: torch.Tensor, masks: TokenMasks,
+    def update(self, logits: torch.Tensor | HeadLogits, ids: torch.Tensor, masks: TokenMasks,
                targets: dict[str, torch.Tensor]) -> None:
         """Add one batch: student ``logits [B, L, V]``, ``ids [B, L]``, the positions counted (the same as
-        training's, ``masks.token_masks``), cached targets."""
+        training's, ``masks.token_masks``), cached targets. ``HeadLogits`` (the run's loss applies the student's head
+        itself) are built whole here: an evaluation batch is small enough to hold them."""
+        if isinstance(logits, HeadLogits):
+            logits = F.linear(logits.hidden, logits.weight, logits.bias)
         logits = logits.float()
         step = 1 if self.shift else 0
         pairs = masks.pairs if self.shift else masks.trained  # position i predicts token i+step

@@ -33,14 +33,13 @@ import torch
 
 from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
 from kdcache.stages.targets.attention.attention_maps import use_maps_attention
-from kdcache.stages.targets.attention.maps_loss import attention_kl
 from kdcache.stages.targets.attention.qk_attention import QKRecorder
-from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.core.checks import CacheCheckError, stream_problems, vocab_problems
 from kdcache.stages.train.core.layer_maps import LayerMap, LayerMapError, Pair, pair_key
 from kdcache.stages.train.core.masks import TokenMasks, stream_masks
+from kdcache.stages.train.core.options import LossOptions
 from kdcache.stages.train.core.student import (
     ADAPTER_CONFIG,
     load_config,
@@ -56,7 +55,7 @@ from kdcache.stages.train.evaluation.agreement import (
     mean_pool,
 )
 from kdcache.stages.train.feed.streaming import collate, to_device
-from kdcache.stages.train.objective.compound import StudentOutput
+from kdcache.stages.train.objective.compound import CompoundLoss, StudentOutput
 from kdcache.stages.train.objective.distill import check_documents_apart, recorded, student_inputs, student_view
 from kdcache.storage import CacheReader, KdcacheError, prefixed, read_json_object
 
@@ -207,14 +206,16 @@ class AttentionAgreement:
     """
 
     def __init__(self, spec: CacheSpec, pairs: list[Pair], student: PreTrainedModel, causal: bool) -> None:
-        self.source, self.scores = attention_sources.of(spec.attention_layout), spec.attention_scores
-        self.pairs = pairs
+        self.source, self.pairs = attention_sources.of(spec.attention_layout), pairs
         self.sums = dict.fromkeys((pair_key(p) for p in pairs), 0.0)
         self.rows = 0
         blocks = sorted({s for s, _ in pairs})
         self.recorder = QKRecorder(student, blocks, causal) if not self.source.student_maps and pairs else None
         if self.source.student_maps and pairs:
             use_maps_attention(student)  # fused kernels return no maps; eager's come after dropout
+        # Training's own attention term alone, so both read the student's maps or q/k as training does.
+        self.term = CompoundLoss(LossOptions(alpha=0.0, beta=0.0, gamma=0.0, delta=1.0), attention_map=pairs,
+                                 teacher_scores=None if self.source.student_maps else spec.attention_scores or {})
 
     @property
     def names(self) -> list[str]:
@@ -233,13 +234,9 @@ class AttentionAgreement:
         rows = int(masks.trained.sum())
         if not self.pairs or not rows:
             return
-        for s, t in self.pairs:
-            if self.recorder is None:
-                value = attention_kl(out.attentions[s - 1], batch[f"attention/{t}"], masks.real, queries=masks.trained)
-            else:
-                value = cached_qk_loss("kl", out.attention_qkv[s], batch, t, self.scores or {}, masks.real,
-                                       masks.trained)
-            self.sums[pair_key((s, t))] += float(value) * rows
+        logs = self.term(out, batch, masks.real)  # "attention/s1_t2": each pair's KL over the trained query rows
+        for pair in self.pairs:
+            self.sums[pair_key(pair)] += float(logs[f"attention/{pair_key(pair)}"]) * rows
         self.rows += rows
 
     def result(self) -> dict[str, Any] | None:

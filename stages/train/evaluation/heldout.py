@@ -13,12 +13,10 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
-from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.core.masks import stream_masks
 from kdcache.stages.train.evaluation.agreement import LmStats
 from kdcache.stages.train.evaluation.evaluate import EvaluationError, cache_batches
@@ -110,7 +108,7 @@ class HeldOut:
                 sums[name] = sums.get(name, 0.0) + float(value) * count
             masks = stream_masks(batch, prefixed(main, ""), causal=lm == "causal")
             if stats is not None:
-                stats.update(_full_logits(out.logits), batch[prefixed(main, "input_ids")], masks, batch)
+                stats.update(out.logits, batch[prefixed(main, "input_ids")], masks, batch)
             sequences += count
             tokens += int(masks.trained.sum())
         if not sequences:
@@ -129,11 +127,3 @@ class HeldOut:
             self._head = load_teacher_head(self.reader.store, self.reader.spec.hidden_layers)
         head = self._head.to(device) if self._head is not None else None
         return LmStats(self.kind, lm == "causal", head, self.reader.spec.sample_temperature)
-
-
-def _full_logits(logits: torch.Tensor | HeadLogits) -> torch.Tensor:
-    """``[B, L, V]`` logits: those the student returned, or built from its last hidden state and LM head where the
-    losses apply the head themselves (``HeadLogits``). A held-out batch is small enough to hold them."""
-    if isinstance(logits, HeadLogits):
-        return F.linear(logits.hidden, logits.weight, logits.bias)
-    return logits

@@ -46,8 +46,7 @@ _DEFINITIONS: list[tuple[str, Callable[..., object]]] = [
     ("gold", gold_loss),
 ]
 _REGISTRY: Registry[Callable[..., object]] = Registry("loss", LossError)
-for _name, _loss in _DEFINITIONS:
-    _REGISTRY.add(_name, _loss)
+_REGISTRY.update(_DEFINITIONS)  # a dict's own update: the registry is a dict of entries by name
 
 
 def registered_losses() -> list[str]:

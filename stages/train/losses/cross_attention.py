@@ -1,8 +1,7 @@
-"""Cross-attention KL for encoder-decoder students: decoder queries attending over encoder keys.
+"""Cross-attention KL for encoder-decoder students: decoder queries attending over encoder keys (shapes below).
 
-Shapes: ``A_s [B, H_s, L_dec, L_enc]``, ``A_t [B, H_t, L_dec, L_enc]``, ``query_mask [B, L_dec]`` (decoder tokens),
-``key_mask [B, L_enc]`` (encoder tokens). The definition is DESIGN's attention KL with rectangular maps: the mean
-over student heads and valid query rows of KL(A_t row ‖ A_s row), restricted to valid keys.
+The definition is DESIGN's attention KL with rectangular maps: the mean over student heads and valid query rows of
+KL(A_t row ‖ A_s row), restricted to valid keys.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ their logit kinds' torch halves (``stages.targets.logits``); the loss registry n
 Shapes: ``B`` batch, ``L`` sequence length, ``V`` vocabulary, ``N_v`` valid tokens.
 Every function selects the valid rows first and upcasts only those to float32, so padded rows never reach
 a softmax (garbage there cannot leak in) and the float32 copy is ``[N_v, V]``, not ``[B, L, V]``.
+Each loss is defined once, as its term of a vocabulary pass (``*_term``); the loss is that term's scalar value.
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kdcache.stages.targets.logits.vocab import vocab_pass
 from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits, fused_ce_available, fused_ce_sum
 from kdcache.stages.targets.logits.vocab.kernel_feeds import ce_feed
 from kdcache.stages.targets.logits.vocab.loss_rows import bool_mask, valid_count
-from kdcache.stages.targets.logits.vocab.vocab_pass import ChunkTerm, term_value
+from kdcache.stages.targets.logits.vocab.vocab_pass import ChunkTerm
 
 __all__ = ["causal_ce", "causal_ce_term", "token_ce", "token_ce_term"]
 
 
-def causal_ce(logits: torch.Tensor | HeadLogits, input_ids: torch.Tensor, mask: torch.Tensor,
-              pairs: torch.Tensor | None = None) -> torch.Tensor:
-    """Next-token cross-entropy with the HF causal shift: the logits at position t predict the token at t+1.
+def causal_ce_term(logits: torch.Tensor | HeadLogits, input_ids: torch.Tensor, mask: torch.Tensor,
+                   pairs: torch.Tensor | None = None) -> ChunkTerm:
+    """Next-token cross-entropy with the HF causal shift: the logits at position t predict the token at t+1, as a
+    term of a vocabulary pass (``vocab_pass``; ``causal_ce`` is its scalar value): rows ``[B, L]`` whose next
+    token counts.
 
     A pair (t, t+1) counts only when both positions are real tokens. With right padding this is exactly HF's
     ``labels = -100 at padding``; with left padding it also drops the prediction made *from* a pad position,
@@ -36,15 +40,8 @@ def causal_ce(logits: torch.Tensor | HeadLogits, input_ids: torch.Tensor, mask: 
         pairs: ``[B, L-1]``, the pairs (t, t+1) to count, when a loss mask or document boundaries leave some
             out (``masks.token_masks``); default every pair of real tokens.
 
-    Returns:
-        Scalar mean over the valid (t, t+1) pairs (0, tied to the graph, when there are none).
+    Its value is the mean over the valid (t, t+1) pairs (0, tied to the graph, when there are none).
     """
-    return term_value(logits, causal_ce_term(logits, input_ids, mask, pairs))
-
-
-def causal_ce_term(logits: torch.Tensor | HeadLogits, input_ids: torch.Tensor, mask: torch.Tensor,
-                   pairs: torch.Tensor | None = None) -> ChunkTerm:
-    """``causal_ce`` as a term of a vocabulary pass (``vocab_pass``): rows ``[B, L]`` whose next token counts."""
     m = bool_mask(mask, logits)
     pair_valid = m[:, :-1] & m[:, 1:] if pairs is None else pairs.bool()  # masks.pairs holds real pairs only
     predicting = torch.zeros_like(m)
@@ -55,8 +52,9 @@ def causal_ce_term(logits: torch.Tensor | HeadLogits, input_ids: torch.Tensor, m
     return _ce_term(logits, predicting, labels, valid_count(pair_valid))
 
 
-def token_ce(logits: torch.Tensor | HeadLogits, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Unshifted cross-entropy (masked-LM / encoder heads): position t predicts ``labels[t]``.
+def token_ce_term(logits: torch.Tensor | HeadLogits, labels: torch.Tensor, mask: torch.Tensor) -> ChunkTerm:
+    """Unshifted cross-entropy (masked-LM / encoder heads): position t predicts ``labels[t]``, as a term of a
+    vocabulary pass (``token_ce`` is its scalar value).
 
     Positions with ``mask == 0`` or ``labels == -100`` are ignored.
 
@@ -65,17 +63,15 @@ def token_ce(logits: torch.Tensor | HeadLogits, labels: torch.Tensor, mask: torc
         labels: ``[B, L]`` target ids, ``-100`` to ignore.
         mask: ``[B, L]``.
 
-    Returns:
-        Scalar mean over the counted positions (0, tied to the graph, when there are none).
+    Its value is the mean over the counted positions (0, tied to the graph, when there are none).
     """
-    return term_value(logits, token_ce_term(logits, labels, mask))
-
-
-def token_ce_term(logits: torch.Tensor | HeadLogits, labels: torch.Tensor, mask: torch.Tensor) -> ChunkTerm:
-    """``token_ce`` as a term of a vocabulary pass."""
     keep = bool_mask(mask, logits) & (labels != -100)
     safe = torch.where(keep, labels, torch.zeros_like(labels)).long()
     return _ce_term(logits, keep, safe, valid_count(keep))
+
+
+causal_ce = vocab_pass.as_loss(causal_ce_term, "causal_ce")
+token_ce = vocab_pass.as_loss(token_ce_term, "token_ce")
 
 
 def _ce_term(logits: torch.Tensor | HeadLogits, rows: torch.Tensor, labels: torch.Tensor,

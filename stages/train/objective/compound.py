@@ -1,8 +1,9 @@
 """The compound distillation loss: α·CE + β·KL + γ·Σ_pairs hidden + δ·Σ_pairs attention.
 
-``CompoundLoss`` holds the projectors (so the DeepSpeed engine sees them as parameters of the wrapper that
-contains this module) and, for the ``wgan`` hidden loss, a ``CriticTrainer`` that is deliberately *not* a
-submodule (the critics have their own optimizer). Terms whose weight is 0 are never computed.
+``CompoundLoss`` holds the projectors (``Projectors``) and, for the ``wgan`` hidden loss, a ``CriticTrainer`` that
+is deliberately *not* a submodule (the critics have their own optimizer; they step inside ``forward`` in training
+mode with grad enabled, so a loop that only calls the wrapped model needs nothing else). Terms whose weight is 0
+are never computed.
 
 Inputs (``B`` batch, ``L`` padded length):
 
@@ -20,6 +21,7 @@ Inputs (``B`` batch, ``L`` padded length):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -30,7 +32,6 @@ from kdcache.stages.common.loss_errors import LossError
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.attention.maps_loss import attention_kl
 from kdcache.stages.targets.attention.qk_loss import cached_qk_loss
-from kdcache.stages.targets.hidden.hidden_losses import HIDDEN_LOSSES, HiddenLoss, unknown_hidden_loss
 from kdcache.stages.targets.hidden.wgan import CriticTrainer
 from kdcache.stages.targets.logits import KlSetup, LogitKind
 from kdcache.stages.targets.logits.loss_flags import TOPK_VARIANTS
@@ -39,8 +40,8 @@ from kdcache.stages.targets.logits.vocab.loss_rows import tied_zero
 from kdcache.stages.targets.logits.vocab.vocab_pass import ChunkTerm
 from kdcache.stages.train.core.layer_maps import Pair, pair_key
 from kdcache.stages.train.core.masks import TokenMasks, token_masks
+from kdcache.stages.train.core.options import LossOptions
 from kdcache.stages.train.losses.logits import causal_ce_term, token_ce_term
-from kdcache.stages.train.objective.projectors import Projectors
 
 if TYPE_CHECKING:
     from kdcache.stages.targets.attention.qk_attention import Captured
@@ -85,82 +86,116 @@ class RunLoss(Protocol):
         ...
 
 
+class Projectors(nn.Module):
+    """One ``nn.Linear(d_s, d_t)`` per (student, teacher) pair, keyed ``"s{j}_t{i}"``, learnable, from the student's
+    hidden size to the teacher's.
+
+    They live inside ``CompoundLoss``, itself inside the module handed to DeepSpeed, so the engine optimizes (and
+    under ZeRO-3 partitions) them with the student. Call them through ``Projectors.project`` (module calls, never
+    ``F.linear`` on their weights) so ZeRO-3's hooks gather their parameters first. They are saved apart from
+    the student, whose export stays a plain HF model.
+
+    None are created for an empty map (``CompoundLoss`` gives one to a loss without a projector, CKA);
+    ``project`` is then the identity.
+
+    Init (bias zero):
+      * d_s == d_t: the exact identity. A student initialised from teacher layers (``init-student``) already
+        lives in the teacher's space, and for any other student it is the neutral starting point.
+      * d_s != d_t: a random semi-orthogonal matrix. When d_t >= d_s its columns are orthonormal, an exact
+        isometry (‖Wx‖ = ‖x‖); when d_t < d_s its rows are, scaled by sqrt(d_s/d_t) so ‖Wx‖ ≈ ‖x‖ on average.
+        Either way the projected states start at the student's own scale, not near zero, and no direction is
+        favoured — unlike ``eye(d_t, d_s) + 1e-6``, which copies an arbitrary slice of coordinates.
+
+    ``seed`` seeds the semi-orthogonal inits (the same on every rank).
+    """
+
+    def __init__(self, pairs: Sequence[Pair], student_dim: int, teacher_dim: int, *, seed: int = 0):
+        super().__init__()
+        self.student_dim = student_dim
+        self.teacher_dim = teacher_dim
+        keys = [pair_key(p) for p in pairs]
+        generator = torch.Generator().manual_seed(seed)
+        # dict.fromkeys: a pair listed twice shares one projector.
+        self.layers = nn.ModuleDict({k: self._make(generator) for k in dict.fromkeys(keys)})
+
+    def project(self, pair: Pair, h_s: torch.Tensor) -> torch.Tensor:
+        """Map ``[..., d_s]`` student states of ``pair`` to ``[..., d_t]`` (identity when there is no projector)."""
+        key = pair_key(pair)
+        if key not in self.layers:
+            return h_s
+        return self.layers[key](h_s)
+
+    def _make(self, generator: torch.Generator) -> nn.Linear:
+        layer = nn.Linear(self.student_dim, self.teacher_dim)
+        with torch.no_grad():
+            if self.student_dim == self.teacher_dim:
+                layer.weight.copy_(torch.eye(self.teacher_dim))
+            else:
+                gain = math.sqrt(max(1.0, self.student_dim / self.teacher_dim))
+                nn.init.orthogonal_(layer.weight, gain=gain, generator=generator)
+            layer.bias.zero_()
+        return layer
+
+
 class CompoundLoss(nn.Module):
     """α·CE + β·KL (full or top-k) + γ·Σ hidden + δ·Σ attention, each term also returned on its own.
 
     Args:
+        loss: the run's loss options (``LossOptions``; default: the flags' defaults), with this stream's weights
+            α, β, γ, δ of CE, KL, hidden and attention (a 0 weight skips the term); its hidden loss, the wgan
+            critic's steps and learning rate, the KL's temperature and top-k variant (``other`` requires T = 1 and
+            raises on the first batch otherwise; it is not refused here because with a full-logit cache the variant
+            is unused: a check that knows the cache's logit kind belongs in the pre-training checks) and, for a q/k
+            cache, the attention loss (``"kl"`` rebuilt block by block or MiniLMv2's ``"relation"`` over R relation
+            heads, from ``student_out.attention_qkv``: block -> ``qk_attention.Captured``).
         layer_map: (student, teacher) pairs for the hidden term (``LayerMap.build``).
         student_dim: d_s; needed when projectors are (γ > 0 with a hidden loss that has them: mse, cosine, wgan).
         teacher_dim: d_t; likewise.
-        alpha, beta, gamma, delta: weights of CE, KL, hidden and attention; a 0 weight skips the term.
-        temperature: KD temperature for ``kl`` and ``topk_kl`` renorm. ``other`` requires 1.0 and raises on the
-            first batch otherwise; it is not refused here because with a full-logit cache the variant is unused
-            (a check that knows the cache's logit kind belongs in the pre-training checks).
-        hidden_loss: a ``HiddenLoss`` (``HiddenLossFlags.loss()``), or the name of one in ``HIDDEN_LOSSES``.
-        topk_variant: ``"renorm"`` or ``"other"``, used when the cache holds top-k logits.
         ce: ``"causal"`` (shifted, decoders, on ``input_ids``) or ``"token"`` (unshifted, masked-LM heads, on
             ``targets["labels"]`` when present, else ``input_ids``).
         attention_map: pairs for the attention term; default: ``layer_map`` without embedding pairs.
-        gp_weight, critic_steps, critic_lr: the wgan critic's λ, steps per student step and learning rate.
-        critic_in_forward: run the critic steps inside ``forward`` (training mode, grad enabled), so a
-            training loop that only calls the wrapped model needs nothing else. Set False to call
-            ``self.critics.step`` yourself.
         seed: seeds the projector and critic inits.
         teacher_head: for a ``--logits head`` cache, the teacher's LM head (``teacher_head.TeacherHead``): the KL
             then rebuilds exact teacher logits from ``hidden/{head.layer}``.
-        attention_loss, relation_heads, teacher_scores: for a q/k cache (``teacher_scores`` = its
-            ``attention_scores``), the attention term is ``"kl"`` rebuilt block by block or MiniLMv2's ``"relation"``
-            over R relation heads, from ``student_out.attention_qkv`` (block -> ``qk_attention.Captured``).
+        teacher_scores: a q/k cache's ``attention_scores``: the attention term is then the q/k one.
         logit_kind: the cache's logit kind (``TrainPlan.logit_kind``), which forms the KL; None: the kind whose
             arrays the batch holds (two modes may store the same arrays, so a run from a cache names its kind).
     """
 
     def __init__(
         self,
+        loss: LossOptions | None = None,
         *,
         layer_map: Sequence[Pair] = (),
         student_dim: int | None = None,
         teacher_dim: int | None = None,
-        alpha: float = 1.0,
-        beta: float = 1.0,
-        gamma: float = 0.0,
-        delta: float = 0.0,
-        temperature: float = 1.0,
-        hidden_loss: HiddenLoss | str = "mse",
-        topk_variant: str = "renorm",
         ce: str = "causal",
         attention_map: Sequence[Pair] | None = None,
-        gp_weight: float = 10.0,
-        critic_steps: int = 5,
-        critic_lr: float = 1e-4,
-        critic_in_forward: bool = True,
         seed: int = 0,
         teacher_head: TeacherHead | None = None,
-        attention_loss: str = "kl",
-        relation_heads: int = 0,
         teacher_scores: Mapping[str, Any] | None = None,
         logit_kind: LogitKind | None = None,
     ):
         super().__init__()
-        self.teacher_head = teacher_head
+        loss = loss or LossOptions()
+        self.teacher_head = teacher_head  # a submodule: its buffers move with the loss
         self.logit_kind = logit_kind
         # A q/k cache (teacher_scores: its score record): attention from the student's recorded queries and keys.
-        self.attention_loss, self.relation_heads, self.teacher_scores = attention_loss, relation_heads, teacher_scores
-        self.weights = {"ce": alpha, "kl": beta, "hidden": gamma, "attention": delta}
-        self.temperature, self.topk_variant, self.ce = temperature, topk_variant, ce
-        self._check_config(hidden_loss)
-        self.hidden_loss: HiddenLoss = HIDDEN_LOSSES[hidden_loss] if isinstance(hidden_loss, str) else hidden_loss
-        self.layer_map: list[Pair] = [(int(s), int(t)) for s, t in layer_map] if gamma > 0 else []
+        self.attention_flags, self.teacher_scores = loss.attention, teacher_scores
+        self.weights = {"ce": loss.ce_weight, "kl": loss.kl_weight, "hidden": loss.gamma, "attention": loss.delta}
+        self.kl_setup, self.ce = KlSetup(loss.logit.resolved_temperature(), loss.logit.topk_kl, teacher_head), ce
+        self._check_config()
+        self.hidden_loss = loss.hidden.loss()
+        self.layer_map: list[Pair] = [(int(s), int(t)) for s, t in layer_map] if loss.gamma > 0 else []
         default_attention = [p for p in layer_map if p[0] > 0 and p[1] > 0]
         self.attention_map: list[Pair] = ([(int(s), int(t)) for s, t in (attention_map or default_attention)]
-                                          if delta > 0 else [])
+                                          if loss.delta > 0 else [])
         self.projectors = self._build_projectors(student_dim, teacher_dim, seed)
-        self.critic_in_forward = critic_in_forward
         self.critics: CriticTrainer | None = None
         if self.hidden_loss.adversarial and self.layer_map:
             keys = list(dict.fromkeys(pair_key(p) for p in self.layer_map))
             self.critics = CriticTrainer(
-                keys, int(teacher_dim or 0), n_steps=critic_steps, gp_weight=gp_weight, lr=critic_lr, seed=seed
+                keys, int(teacher_dim or 0), n_steps=loss.critic.critic_steps, lr=loss.critic.critic_lr, seed=seed
             )
 
     def forward(
@@ -246,8 +281,7 @@ class CompoundLoss(nn.Module):
         if logits is None:
             raise LossError("beta > 0 needs student logits, but the student returns none (an encoder?); set beta 0")
         kind = self._kind_of(targets)
-        setup = KlSetup(self.temperature, self.topk_variant, self.teacher_head)
-        vocab[kind.term] = kind.chunk_term(logits, targets, masks.predicts, setup)
+        vocab[kind.term] = kind.chunk_term(logits, targets, masks.predicts, self.kl_setup)
 
     def _kind_of(self, targets: Mapping[str, torch.Tensor]) -> LogitKind:
         """The cache's logit kind when the loss was told its mode, else the one the batch's arrays mark (the head's
@@ -277,7 +311,7 @@ class CompoundLoss(nn.Module):
         key = pair_key(pair)
         assert self.critics is not None
         self.critics.to(h_s.device)
-        if self.critic_in_forward and self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled():
             logs[f"critic/{key}"] = torch.tensor(self.critics.step(key, h_s, h_t, mask))
         return self.hidden_loss.resolved()(self.critics[key], h_s, mask)  # the student's side against its critic
 
@@ -294,8 +328,9 @@ class CompoundLoss(nn.Module):
             def qk_value(s: int, t: int) -> torch.Tensor:
                 if s not in recorded:
                     raise LossError(f"the student's block {s} recorded no queries and keys")
-                return cached_qk_loss(self.attention_loss, recorded[s], targets, t, self.teacher_scores or {},
-                                      masks.real, masks.trained, self.relation_heads)
+                flags = self.attention_flags
+                return cached_qk_loss(flags.attention_loss, recorded[s], targets, t, self.teacher_scores or {},
+                                      masks.real, masks.trained, flags.relation_heads)
             return _pair_sum(logs, "attention", self.attention_map, any_trained, lambda s: recorded[s].q, qk_value)
         maps = _student_field(out, "attentions", "output_attentions=True and attention_maps.MAPS_ATTENTION")
 
@@ -312,16 +347,15 @@ class CompoundLoss(nn.Module):
                             f"projectors")
         return Projectors(self.layer_map if wanted else [], student_dim or 0, teacher_dim or 0, seed=seed)
 
-    def _check_config(self, hidden_loss: HiddenLoss | str) -> None:
-        problems = [f"weight {k} must be >= 0, got {w}" for k, w in self.weights.items() if not w >= 0]
-        if isinstance(hidden_loss, str) and hidden_loss not in HIDDEN_LOSSES:  # a name given here, not an object
-            problems.append(unknown_hidden_loss(hidden_loss))
-        if self.topk_variant not in TOPK_VARIANTS:
-            problems.append(f"unknown top-k variant {self.topk_variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
+    def _check_config(self) -> None:
+        """What the options' own checks (``LossOptions.validate``, where flags and API options enter) leave out: the
+        top-k variant (a choice of the flag, not of the Python API's options) and the CE kind (internal)."""
+        problems = []
+        variant = self.kl_setup.topk_variant
+        if variant not in TOPK_VARIANTS:
+            problems.append(f"unknown top-k variant {variant!r}; choose one of {', '.join(TOPK_VARIANTS)}")
         if self.ce not in CE_KINDS:
             problems.append(f"unknown CE kind {self.ce!r}; choose one of {', '.join(CE_KINDS)}")
-        if not self.temperature > 0:
-            problems.append(f"the temperature must be > 0, got {self.temperature}")
         if problems:
             raise LossError("; ".join(problems))
 

@@ -51,7 +51,7 @@ def term_counts(criterion: RunLoss, batch: Mapping[str, torch.Tensor]) -> Counts
         rows = {"ce": masks.pairs if part.ce == "causal" else masks.trained, "kl": masks.predicts,
                 "hidden": masks.trained, "attention": masks.trained}
         for family, mask in rows.items():
-            if part.weights[family] > 0:  # FAMILIES, each with the rows its terms count
+            if part.weights[family] > 0:  # each weighed family, with the rows its terms count
                 counts[prefixed(stream, family)] = float(mask.sum())
     if criterion.cross_pairs:
         counts["cross_attention"] = float(stream_masks(batch, "decoder/", causal=False).trained.sum())

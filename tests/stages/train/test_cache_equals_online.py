@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.targets.hidden.wgan import Critic, critic_loss
+from kdcache.stages.train.core.options import LossOptions
 from kdcache.stages.train.feed.streaming import CacheStream, to_device
 from kdcache.stages.train.losses import get_loss
 from kdcache.stages.train.objective.compound import CompoundLoss
@@ -115,8 +117,8 @@ def test_wgan_critic_loss(case: dict) -> None:
 
 def test_the_compound_loss_as_training_computes_it(case: dict) -> None:
     pairs = [(1, 1), (2, 3)]
-    loss = CompoundLoss(layer_map=pairs, student_dim=16, teacher_dim=32, alpha=1.0, beta=1.0, gamma=1.0,
-                        delta=1.0, temperature=2.0)
+    options = assemble(LossOptions, {"alpha": 1.0, "beta": 1.0, "gamma": 1.0, "delta": 1.0, "temperature": 2.0})
+    loss = CompoundLoss(options, layer_map=pairs, student_dim=16, teacher_dim=32)
     online = {"input_ids": case["cached"]["input_ids"], "logits/full": case["online"].logits,
               **{f"hidden/{j}": case["online"].hidden_states[j] for j in LAYERS},
               **{f"attention/{j}": case["online"].attentions[j - 1] for j in LAYERS[1:]}}

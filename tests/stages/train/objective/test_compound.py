@@ -8,16 +8,23 @@ import pytest
 import torch
 
 from kdcache.stages.common.loss_errors import LossError
+from kdcache.stages.common.option_groups import assemble
 from kdcache.stages.targets.attention.maps_loss import attention_kl
 from kdcache.stages.targets.hidden.loss_terms import cka_loss, masked_mse
 from kdcache.stages.targets.logits.full_torch import kd_kl
 from kdcache.stages.targets.logits.topk_torch import topk_kl_renorm
 from kdcache.stages.train.core.layer_maps import LayerMap
+from kdcache.stages.train.core.options import LossOptions
 from kdcache.stages.train.losses.logits import causal_ce
 from kdcache.stages.train.objective.compound import CompoundLoss
 
 B, L, V, D_S, D_T, H_S, H_T = 2, 5, 11, 4, 6, 2, 4
 MASK = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+
+
+def _options(**flat: object) -> LossOptions:
+    """The run's loss options by their flag names (``--topk-kl`` as ``topk_kl``)."""
+    return assemble(LossOptions, flat)
 
 
 def _student(layers: int = 2, logits: bool = True, seed: int = 0) -> SimpleNamespace:
@@ -48,8 +55,8 @@ def _targets(teacher_layers: int = 4, seed: int = 1, topk: bool = False) -> dict
 
 def test_total_is_the_weighted_sum_of_logged_terms():
     layer_map = LayerMap.parse("uniform").build(2, 4)  # (1, 2), (2, 4)
-    loss = CompoundLoss(layer_map=layer_map, student_dim=D_S, teacher_dim=D_T, alpha=0.3, beta=0.5, gamma=0.7,
-                        delta=0.2, temperature=2.0)
+    loss = CompoundLoss(_options(alpha=0.3, beta=0.5, gamma=0.7, delta=0.2, temperature=2.0), layer_map=layer_map,
+                        student_dim=D_S, teacher_dim=D_T)
     out, tg = _student(), _targets()
     result = loss(out, tg, MASK)
     ce = causal_ce(out.logits, tg["input_ids"], MASK)
@@ -68,7 +75,7 @@ def test_total_is_the_weighted_sum_of_logged_terms():
 
 
 def test_zero_weights_skip_terms_and_their_inputs():
-    loss = CompoundLoss(layer_map=[(1, 2)], alpha=0.0, beta=1.0, gamma=0.0, delta=0.0)
+    loss = CompoundLoss(_options(alpha=0.0, beta=1.0, gamma=0.0, delta=0.0, temperature=1.0), layer_map=[(1, 2)])
     tg = {"logits/full": _targets()["logits/full"]}  # no input_ids, no hidden, no attention needed
     out = SimpleNamespace(logits=_student().logits, hidden_states=None, attentions=None)
     result = loss(out, tg, MASK)
@@ -77,27 +84,27 @@ def test_zero_weights_skip_terms_and_their_inputs():
 
 
 def test_encoder_without_logits_skips_ce_and_refuses_kl():
-    loss = CompoundLoss(layer_map=[(1, 2)], alpha=1.0, beta=0.0, gamma=1.0, hidden_loss="cka")
+    loss = CompoundLoss(_options(alpha=1.0, beta=0.0, gamma=1.0, hidden_loss="cka"), layer_map=[(1, 2)])
     out, tg = _student(logits=False), _targets()
     result = loss(out, tg, MASK)
     assert "ce" not in result
     assert result["loss"].item() == pytest.approx(cka_loss(out.hidden_states[1], tg["hidden/2"], MASK).item())
     assert len(list(loss.parameters())) == 0  # CKA needs no projector
     with pytest.raises(LossError, match="no loss term"):
-        CompoundLoss(alpha=1.0, beta=0.0)(out, tg, MASK)
+        CompoundLoss(_options(alpha=1.0, beta=0.0))(out, tg, MASK)
     with pytest.raises(LossError, match="logits"):
-        CompoundLoss(alpha=0.0, beta=1.0)(out, tg, MASK)
+        CompoundLoss(_options(alpha=0.0, beta=1.0))(out, tg, MASK)
 
 
 def test_topk_targets_use_topk_kl():
-    loss = CompoundLoss(alpha=0.0, beta=1.0, temperature=2.0, topk_variant="renorm")
+    loss = CompoundLoss(_options(alpha=0.0, beta=1.0, temperature=2.0, topk_kl="renorm"))
     out, tg = _student(), _targets(topk=True)
     result = loss(out, tg, MASK)
     expected = topk_kl_renorm(out.logits, tg["logits/topk_values"], tg["logits/topk_ids"], MASK, temperature=2.0)
     assert "kl" not in result and result["topk_kl"].item() == pytest.approx(expected.item())
-    other = CompoundLoss(alpha=0.0, beta=1.0, topk_variant="other")(out, tg, MASK)
+    other = CompoundLoss(_options(alpha=0.0, beta=1.0, topk_kl="other", temperature=1.0))(out, tg, MASK)
     assert torch.isfinite(other["topk_kl"])
-    hot = CompoundLoss(alpha=0.0, beta=1.0, topk_variant="other", temperature=2.0)
+    hot = CompoundLoss(_options(alpha=0.0, beta=1.0, topk_kl="other", temperature=2.0))
     with pytest.raises(LossError, match="temperature 1"):
         hot(out, tg, MASK)
     full = _targets()  # with full logits the top-k variant is unused, so T = 2 is fine
@@ -105,33 +112,38 @@ def test_topk_targets_use_topk_kl():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "flags, kwargs, message",
     [
-        ({"hidden_loss": "l1"}, "unknown hidden loss"),
-        ({"topk_variant": "bucket"}, "unknown top-k variant"),
-        ({"alpha": -1.0}, "weight ce"),
-        ({"gamma": 1.0, "layer_map": [(1, 2)]}, "student_dim"),
+        ({"hidden_loss": "l1"}, {}, "unknown hidden loss"),
+        ({"topk_kl": "bucket"}, {}, "unknown top-k variant"),
+        ({"gamma": 1.0}, {"layer_map": [(1, 2)]}, "student_dim"),
     ],
 )
-def test_bad_configs_are_refused_up_front(kwargs, message):
+def test_bad_configs_are_refused_up_front(flags, kwargs, message):
     with pytest.raises(LossError, match=message):
-        CompoundLoss(**kwargs)
+        CompoundLoss(_options(**flags), **kwargs)
+
+
+def test_bad_weights_and_temperature_are_refused_where_the_options_enter():
+    """A negative weight or temperature is the options' own problem (config and Python API), before any loss."""
+    problems = _options(alpha=-1.0, temperature=0.0).validate()
+    assert "alpha must be >= 0, got -1.0" in problems and "temperature must be > 0, got 0.0" in problems
 
 
 def test_missing_outputs_and_targets_are_named():
-    loss = CompoundLoss(layer_map=[(1, 3)], student_dim=D_S, teacher_dim=D_T, alpha=0.0, beta=0.0, gamma=1.0)
+    loss = CompoundLoss(_options(alpha=0.0, beta=0.0, gamma=1.0), layer_map=[(1, 3)], student_dim=D_S, teacher_dim=D_T)
     tg = _targets(teacher_layers=2)
     with pytest.raises(LossError, match="'hidden/3'"):
         loss(_student(), tg, MASK)
     with pytest.raises(LossError, match="output_hidden_states=True"):
         loss(SimpleNamespace(hidden_states=None), tg, MASK)
-    attention = CompoundLoss(layer_map=[(1, 1)], alpha=0.0, beta=0.0, delta=1.0)
+    attention = CompoundLoss(_options(alpha=0.0, beta=0.0, gamma=0.0, delta=1.0), layer_map=[(1, 1)])
     with pytest.raises(LossError, match="output_attentions=True"):
         attention(SimpleNamespace(attentions=None), tg, MASK)
 
 
 def test_projectors_follow_the_map_and_init():
-    loss = CompoundLoss(layer_map=[(0, 0), (1, 2), (2, 4)], student_dim=D_T, teacher_dim=D_T, gamma=1.0)
+    loss = CompoundLoss(_options(gamma=1.0), layer_map=[(0, 0), (1, 2), (2, 4)], student_dim=D_T, teacher_dim=D_T)
     assert sorted(loss.projectors.layers) == ["s0_t0", "s1_t2", "s2_t4"]
     assert torch.equal(loss.projectors.layers["s1_t2"].weight, torch.eye(D_T))
     assert torch.all(loss.projectors.layers["s1_t2"].bias == 0)
@@ -140,8 +152,8 @@ def test_projectors_follow_the_map_and_init():
 
 
 def test_wgan_runs_critic_steps_in_training_only():
-    loss = CompoundLoss(layer_map=[(1, 2)], student_dim=D_S, teacher_dim=D_T, alpha=0.0, beta=0.0, gamma=1.0,
-                        hidden_loss="wgan", critic_steps=2)
+    loss = CompoundLoss(_options(alpha=0.0, beta=0.0, gamma=1.0, hidden_loss="wgan", critic_steps=2),
+                        layer_map=[(1, 2)], student_dim=D_S, teacher_dim=D_T)
     assert loss.critics is not None
     assert not any("critic" in n for n, _ in loss.named_parameters())  # the student optimizer never sees them
     out, tg = _student(), _targets()
@@ -163,8 +175,8 @@ def test_real_tiny_gpt2_student_trains_against_compound():
     config = GPT2Config(vocab_size=V, n_embd=8, n_layer=2, n_head=H_S, n_positions=16,
                         attn_implementation="eager")
     student = GPT2LMHeadModel(config)
-    loss = CompoundLoss(layer_map=[(0, 0), *LayerMap.parse("uniform").build(2, 4)], student_dim=8,
-                        teacher_dim=D_T, alpha=1.0, beta=1.0, gamma=1.0, delta=1.0, temperature=2.0)
+    loss = CompoundLoss(_options(alpha=1.0, beta=1.0, gamma=1.0, delta=1.0, temperature=2.0),
+                        layer_map=[(0, 0), *LayerMap.parse("uniform").build(2, 4)], student_dim=8, teacher_dim=D_T)
     tg = _targets()
     params = list(student.parameters()) + list(loss.parameters())
     optimizer = torch.optim.Adam(params, lr=1e-2)

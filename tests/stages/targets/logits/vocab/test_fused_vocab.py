@@ -216,6 +216,8 @@ def _gpt2() -> torch.nn.Module:
 
 def test_the_student_runs_its_base_model_and_the_loss_is_today_s() -> None:
     """CE + top-k KL + hidden MSE of a real HF student: base model + ``HeadLogits`` equals its own forward."""
+    from kdcache.stages.common.option_groups import assemble
+    from kdcache.stages.train.core.options import LossOptions
     from kdcache.stages.train.core.student_head import base_forward, choose_head
     from kdcache.stages.train.objective.compound import CompoundLoss
 
@@ -224,7 +226,8 @@ def test_the_student_runs_its_base_model_and_the_loss_is_today_s() -> None:
     values, ids, lse = _topk(s)
     targets = {"input_ids": s["ids"].float(), "logits/topk_values": values, "logits/topk_ids": ids.float(),
                "logits/lse": lse, "hidden/1": torch.randn(B, L, 16), "loss_mask": s["loss_mask"]}
-    loss = CompoundLoss(layer_map=[(1, 1)], student_dim=16, teacher_dim=16, gamma=1.0, topk_variant="other")
+    options = assemble(LossOptions, {"gamma": 1.0, "topk_kl": "other", "temperature": 1.0})
+    loss = CompoundLoss(options, layer_map=[(1, 1)], student_dim=16, teacher_dim=16)
     inputs = {"input_ids": s["ids"], "attention_mask": s["mask"]}
     head = choose_head(model, inputs, one_stream=True)
     assert head is model.lm_head

@@ -198,6 +198,8 @@ def test_a_step_with_dropout_is_its_terms_weighted_sum() -> None:
     the formulas on the same forward's full logits, in value and in the gradient of every parameter."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from kdcache.stages.common.option_groups import assemble
+    from kdcache.stages.train.core.options import LossOptions
     from kdcache.stages.train.core.student_head import base_forward
     from kdcache.stages.train.objective.compound import CompoundLoss
 
@@ -210,7 +212,7 @@ def test_a_step_with_dropout_is_its_terms_weighted_sum() -> None:
     targets = {"input_ids": torch.nan_to_num(s["ids"]), "logits/topk_values": s["values"],
                "logits/topk_ids": s["topk_ids"], "logits/lse": s["lse"], "loss_mask": loss_mask,
                "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 0, 0]])}
-    loss = CompoundLoss(alpha=ALPHA, beta=BETA, topk_variant="other")
+    loss = CompoundLoss(assemble(LossOptions, {"alpha": ALPHA, "beta": BETA, "topk_kl": "other", "temperature": 1.0}))
     inputs = {"input_ids": targets["input_ids"].long(), "attention_mask": mask}
     out = base_forward(model, model.lm_head, inputs, hidden=False, attentions=False)
     assert isinstance(out.logits, HeadLogits)
