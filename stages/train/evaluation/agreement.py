@@ -19,7 +19,7 @@ from scipy.stats import spearmanr
 
 from kdcache.stages.targets.logits import KlSetup, LogitKind
 from kdcache.stages.targets.logits.teacher_head import TeacherHead
-from kdcache.stages.targets.logits.vocab import HeadLogits
+from kdcache.stages.targets.logits.vocab.head_logits import HeadLogits
 from kdcache.stages.train.core.masks import TokenMasks
 
 
