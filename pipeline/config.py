@@ -162,8 +162,7 @@ def from_args(cls: type[T], args: argparse.Namespace, *, section: str | None = N
 
 # The commands a --config file may hold a section for, with their options classes (imported here: the stages
 # never import this module); ``kdcache run`` reads stage one's (precompute or generate) and train's from one file.
-SECTION_CLASSES: dict[str, type] = {"precompute": PrecomputeOptions, "generate": GenerateOptions, "train": TrainOptions}
-SECTIONS = tuple(SECTION_CLASSES)
+SECTIONS: dict[str, type] = {"precompute": PrecomputeOptions, "generate": GenerateOptions, "train": TrainOptions}
 
 
 def config_values(cls: type, path: str | Path, section: str | None) -> tuple[dict[str, Any], list[str]]:
@@ -198,7 +197,7 @@ def _known_keys(cls: type, data: dict[str, Any], where: str, section: str | None
         if name in known:
             values[key] = value
             continue
-        other = [s for s, c in SECTION_CLASSES.items() if s != section and name in option_names(c)]
+        other = [s for s, c in SECTIONS.items() if s != section and name in option_names(c)]
         if section is not None and other:
             problems.append(f"{where}: key {key!r} is an option of `kdcache {other[0]}`, not of `kdcache "
                             f"{section}`; a file for both keeps each command's keys under its own "

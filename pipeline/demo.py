@@ -158,12 +158,6 @@ def _write_data(sentences: list[str], path: Path, cache: Path) -> Path:
     return write_jsonl(sentences, path)
 
 
-def agreement(run_dir: Path, role: str) -> dict[str, float]:
-    """Cosine and Spearman of a ``kdcache eval`` record (the held-out cache's targets; no teacher)."""
-    record = stages.find_eval(run_dir, role) or {}
-    return {key: record[key] for key in ("cosine", "spearman", "sentences") if key in record}
-
-
 @dataclass
 class _Demo:
     """One demo's folders, its teacher, what it reused and its report, as the steps fill them in."""
@@ -205,8 +199,9 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     if not _kept(demo, "evaluations", run_kept and caches_kept[1] and has_eval(run_dir, "trained", heldout_cache)):
         run_step("eval", ["eval", "--cache", str(heldout_cache), "--run", str(run_dir)], demo.logs)
     report = demo.report
-    report["agreement_before"], report["agreement_after"] = agreement(run_dir, "baseline"), agreement(run_dir,
-                                                                                                      "trained")
+    for when, role in (("before", "baseline"), ("after", "trained")):  # `kdcache eval`'s records: no teacher
+        record = stages.find_eval(run_dir, role) or {}
+        report[f"agreement_{when}"] = {key: record[key] for key in ("cosine", "spearman", "sentences") if key in record}
     print("[6/6] writing the report: plots and one HTML page", flush=True)
     run_step("report", ["report", str(run_dir)], demo.logs)
     report["report_html"] = str(run_dir / "report" / "report.html")

@@ -72,6 +72,7 @@ def _errors_only(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.ERROR
 
 
+_DEEPSPEED = logging.getLogger("DeepSpeed")  # the name DeepSpeed's LoggerFactory gives its logger
 _DEEPSPEED_FORMAT = logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
                                       "%(message)s")
 
@@ -91,11 +92,9 @@ def libraries_on_terminal() -> Iterator[None]:
     and nowhere otherwise; never to stdout, which holds kdcache's own lines (a summary, JSON) and nothing else."""
     with contextlib.ExitStack() as stack:
         if not sys.stderr.isatty():  # carriage-return bars make a log file unreadable
-            stack.enter_context(_environment(_BARS_ENV))
-            stack.enter_context(_library_switches(verbosity=False))
-        deepspeed = logging.getLogger("DeepSpeed")  # the name DeepSpeed's LoggerFactory gives its logger
-        deepspeed.addFilter(_deepspeed_to_stderr)
-        stack.callback(deepspeed.removeFilter, _deepspeed_to_stderr)
+            stack.enter_context(_libraries(_BARS_ENV, verbosity=False))
+        _DEEPSPEED.addFilter(_deepspeed_to_stderr)
+        stack.callback(_DEEPSPEED.removeFilter, _deepspeed_to_stderr)
         yield
 
 
@@ -111,46 +110,37 @@ def quiet(enabled: bool = True) -> Iterator[None]:
         yield
         return
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_environment())
-        stack.enter_context(_library_switches())
-        deepspeed = logging.getLogger("DeepSpeed")  # the name DeepSpeed's LoggerFactory gives its logger
-        deepspeed.addFilter(_errors_only)
-        stack.callback(deepspeed.removeFilter, _errors_only)
+        stack.enter_context(_libraries())
+        _DEEPSPEED.addFilter(_errors_only)
+        stack.callback(_DEEPSPEED.removeFilter, _errors_only)
         stack.enter_context(contextlib.redirect_stdout(_SINK))
         stack.enter_context(contextlib.redirect_stderr(_NotesOnly(sys.stderr)))
         yield
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str] = _ENV) -> Iterator[None]:
-    """The libraries' own variables, read when they are first imported here or in a child process."""
+def _libraries(values: dict[str, str] = _ENV, verbosity: bool = True) -> Iterator[None]:
+    """The libraries' progress bars off (with ``verbosity``, transformers' logs to errors) for the block: the
+    environment ``values`` for a library first imported later, here or in a child process (transformers:
+    ``HF_HUB_DISABLE_PROGRESS_BARS``), and transformers' and datasets' switches where already imported (the CLI's
+    parser may import transformers). Their logging modules are looked up in ``sys.modules`` (each package loads its
+    own on import), never imported: a switch acts on a library only where this process has loaded it already."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
-        yield
+        with contextlib.ExitStack() as undo:
+            for library in filter(None, map(sys.modules.get, ("transformers.utils.logging", "datasets.utils.logging"))):
+                bars = library.is_progress_bar_enabled()
+                library.disable_progress_bar()
+                undo.callback(library.enable_progress_bar if bars else library.disable_progress_bar)
+            hf_logging = sys.modules.get("transformers.utils.logging")
+            if verbosity and hf_logging is not None:
+                undo.callback(hf_logging.set_verbosity, hf_logging.get_verbosity())
+                hf_logging.set_verbosity_error()
+            yield
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-@contextlib.contextmanager
-def _library_switches(verbosity: bool = True) -> Iterator[None]:
-    """transformers' and datasets' switches (progress bars off; with ``verbosity``, transformers' logs to errors),
-    for the ones already imported (the CLI's parser may import transformers); a library imported later reads the
-    environment instead (transformers: ``HF_HUB_DISABLE_PROGRESS_BARS``). Their logging modules are looked up in
-    ``sys.modules`` (each package loads its own on import), never imported: the switch acts on a library only where
-    this process has loaded it already."""
-    undo = contextlib.ExitStack()
-    for library in filter(None, map(sys.modules.get, ("transformers.utils.logging", "datasets.utils.logging"))):
-        bars = library.is_progress_bar_enabled()
-        library.disable_progress_bar()
-        undo.callback(library.enable_progress_bar if bars else library.disable_progress_bar)
-    hf_logging = sys.modules.get("transformers.utils.logging")
-    if verbosity and hf_logging is not None:
-        undo.callback(hf_logging.set_verbosity, hf_logging.get_verbosity())
-        hf_logging.set_verbosity_error()
-    with undo:
-        yield

@@ -42,22 +42,15 @@ if TYPE_CHECKING:
 TERM_ORDER = ("loss", "ce", "kl", "topk_kl", "sampled_kl", "hidden", "attention")
 
 
-def collect_rows(sweep_dir: str | Path, summary: dict[str, Any] | None = None,
-                 states: dict[str, RunState] | None = None) -> list[dict[str, Any]]:
+def collect_rows(sweep_dir: str | Path, summary: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per run of a sweep: grid values, status, steps, seconds, final loss terms, eval metrics.
 
     Records come from ``summary["runs"]`` (or ``SWEEP/sweep.json``), completed by each run's own
-    ``sweep-run.json``, so a sweep still running shows its finished, running and failed points.
+    ``sweep-run.json``, so a sweep still running shows its finished, running and failed points. Each run is read
+    at ``SWEEP/runs/NAME``, so a moved sweep folder still reports.
     """
     records = sweep_records(sweep_dir, summary)
-    states = states if states is not None else run_states(Path(sweep_dir), records)
-    return [_row(record, states[name]) for name, record in records.items()]
-
-
-def run_states(sweep_dir: Path, records: dict[str, dict[str, Any]]) -> dict[str, RunState]:
-    """Each run's state (``SWEEP/runs/NAME``, so a moved sweep folder still reports), read once for the table,
-    the plots and the run pages."""
-    return {name: load_run_state(sweep_dir / "runs" / name) for name in records}
+    return [_row(record, load_run_state(Path(sweep_dir) / "runs" / name)) for name, record in records.items()]
 
 
 def sweep_records(sweep_dir: str | Path, summary: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
@@ -368,8 +361,9 @@ def report_sweep(sweep_dir: str | Path, out: str | Path | None = None, *, metric
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = read_json_object(root / "sweep.json")
     records = sweep_records(root, summary)
-    states = run_states(root, records)
-    rows = collect_rows(root, summary, states)
+    # each run read once for the table, the plots and the run pages (at SWEEP/runs/NAME, as collect_rows reads it)
+    states = {name: load_run_state(root / "runs" / name) for name in records}
+    rows = [_row(record, states[name]) for name, record in records.items()]
     grid_keys = list(summary.get("grid", {})) or list(dict.fromkeys(
         k for r in records.values() for k in r.get("values", {})))
     metric, why = (metric, "chosen with --metric") if metric else default_metric(rows, states)

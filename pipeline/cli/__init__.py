@@ -26,7 +26,7 @@ import pkgutil
 import re
 import sys
 from collections.abc import Iterator
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import kdcache.pipeline.cli.commands
 from kdcache import stages, storage
@@ -53,12 +53,6 @@ DESCRIPTION = (
     "kdcache: run a Hugging Face teacher once, cache its hidden states, attention maps and logits as compressed "
     "shards, then distil students from the cache under DeepSpeed ZeRO without ever loading the teacher again."
 )
-
-
-class CommandParsers(Protocol):
-    """What ``ArgumentParser.add_subparsers`` returns, as far as ``install`` uses it."""
-
-    def add_parser(self, name: str, **kwargs: Any) -> _Parser: ...
 
 
 class _Parser(argparse.ArgumentParser):
@@ -118,21 +112,9 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     return ""
 
 
-def _install(registry: Subcommands, subparsers: CommandParsers) -> dict[str, _Parser]:
-    """Add every command ``registry`` made to ``subparsers`` (``COMMAND_ORDER`` first, then the rest by name), each
-    marking the flags its option class requires in its usage; returns them by name."""
-    rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
-    commands = {}
-    for name in sorted(registry.made, key=lambda n: (rank.get(n, len(rank)), n)):
-        own, needed, kwargs = registry.made[name]
-        command = subparsers.add_parser(name, parents=[*kwargs.pop("parents", []), own], **kwargs)
-        command.needed = needed
-        commands[name] = command
-    return commands
-
-
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """Build the top-level parser with every registered subcommand.
+    """Build the top-level parser with every registered subcommand (``COMMAND_ORDER`` first, then the rest by name),
+    each marking the flags its option class requires in its usage.
 
     Args:
         argv: the command line about to be parsed: only its command gets its full flags (all do when None).
@@ -148,9 +130,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         module = importlib.import_module(f"kdcache.pipeline.cli.commands.{info.name}")
         if hasattr(module, "register"):
             module.register(registry)
-    commands = _install(registry, subparsers)
-    parser.set_defaults(commands=commands)  # main() names the command whose flag was misspelled
-    for command in commands.values():  # every command may read or write a cache in object storage
+    rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+    for name in sorted(registry.made, key=lambda n: (rank.get(n, len(rank)), n)):
+        needed, kwargs = registry.made[name]
+        command = subparsers.add_parser(name, **kwargs)
+        command.needed = needed
+        # every command may read or write a cache in object storage
         command.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                              help="an fsspec option for s3://, gs://... caches, e.g. endpoint_url=http://host:9000 "
                                   "(repeatable; credentials also come from the usual AWS_* / GOOGLE_* variables)")
@@ -158,6 +143,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             command.add_argument("--quiet", action="store_true",
                                  help="on success print only kdcache's notes about the run: no summary, progress or "
                                       "library lines (errors still show)")
+    parser.set_defaults(commands=subparsers.choices)  # main() names the command whose flag was misspelled
     return parser
 
 
@@ -212,6 +198,3 @@ def entry() -> None:
     """Console-script entry point."""
     sys.exit(main())
 
-
-if __name__ == "__main__":
-    entry()

@@ -20,13 +20,13 @@ class Subcommands:
 
     def __init__(self, only: str | None) -> None:
         self.only = only
-        self.made: dict[str, tuple[argparse.ArgumentParser, list[argparse.Action], dict[str, Any]]] = {}
+        self.made: dict[str, tuple[list[argparse.Action], dict[str, Any]]] = {}  # {name: (needed, add_parser keywords)}
 
     def add_parser(self, name: str, *, options: type | None = None, skip: tuple[str, ...] = (),
                    **kwargs: Any) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
         needed = add_flags(parser, options, skip=skip) if options is not None and self.only in (None, name) else []
-        self.made[name] = (parser, needed, kwargs)
+        self.made[name] = (needed, {**kwargs, "parents": [parser]})
         return parser
 
 

@@ -49,19 +49,12 @@ _LOSSY_LABELS = (("max_rel_error", "max rel"), ("step", "step"), ("clipped", "cl
                  ("kept_mass_min", "min"))
 
 
-def _codec_text(info: dict[str, Any]) -> str:
-    """``, hidden codec int8 (rotation seed 0, outliers 4)`` for a quantised hidden codec; nothing for a float one.
-    Only the settings the codec uses (``HiddenCodec.describe``): a group for a grouped one, outliers when kept, the
-    rotation by its seed."""
-    record = info["hidden_codec"]
-    if not record["configuration"]:
-        return f", hidden states {record['name']}"
-    return f", hidden codec {record['name']} ({info['hidden_codec_text']})"
-
-
 def _text(info: dict[str, Any]) -> str:
     heads = "all" if info["attention_heads"] is None else info["attention_heads"]
     logits = logit_kinds.get(info["logits"]).describe(info) if info["logits"] else "none"
+    # ``hidden codec int8 (rotation seed 0, outliers 4)``: a quantised codec with only the settings it uses
+    # (``HiddenCodec.describe``: a group for a grouped one, outliers when kept, the rotation by its seed)
+    settings = f" ({info['hidden_codec_text']})" if info["hidden_codec"]["configuration"] else ""
     lines = [
         f"cache        {info['path']}",
         f"status       {info['status']} (format v{info['format_version']}, backend {info['backend']})",
@@ -72,7 +65,7 @@ def _text(info: dict[str, Any]) -> str:
         *_layer_lines(info, heads),
         f"logits       {logits}",
         f"dtype        {info['dtype']}" + (f", bitround keepbits={info['bitround']}" if info["bitround"] else "")
-        + _codec_text(info),
+        + f", hidden {'codec' if settings else 'states'} {info['hidden_codec']['name']}{settings}",
         f"size         {info['stored_bytes']} bytes stored, {info['bytes_per_token']} B/token, "
         f"compression ratio {info['compression_ratio']}",
         "texts        " + ("recorded in texts/, one per sequence (a student of another tokenizer can align with "

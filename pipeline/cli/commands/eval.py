@@ -52,25 +52,21 @@ def register(subparsers: Subcommands) -> None:
     parser.set_defaults(func=run)
 
 
-def teacher_notes(eval_cache: CacheReader, run_dir: Path) -> list[str]:
-    """A warning when the eval cache's teacher differs from the one the run was trained against."""
-    options = storage.read_json_object(run_dir / "options.json")
-    train_cache = options.get("cache")
-    if not train_cache or not storage.cache_exists(train_cache):
-        return []
-    trained = (storage.CacheReader(train_cache, allow_partial=True).fingerprints or {}).get("teacher") or {}
-    wanted = {"teacher": {k: trained.get(k) for k in ("config_hash", "weights_hash")}}
-    problems = storage.compare_fingerprints({"teacher": (eval_cache.fingerprints or {}).get("teacher") or {}}, wanted)
-    return [f"the eval cache's teacher differs from the training cache's: {p}" for p in problems]
-
-
-def training_data_notes(eval_cache: CacheReader, run_dir: Path, cache: str) -> list[str]:
-    """A note when the cache scored is the one the run trained on: its scores are not held-out scores."""
-    if not stages.trained_on(run_dir, cache, eval_cache.fingerprints or {}):
-        return []
-    return [f"{cache} is the cache this run trained on: these scores are on its training data, not on held-out "
-            "data; score a cache of other text (precompute it with the same settings) to see how the student "
-            "generalises"]
+def score_notes(eval_cache: CacheReader, run_dir: Path, cache: str) -> list[str]:
+    """A warning when the eval cache's teacher differs from the one the run was trained against, and a note when
+    the cache scored is the one the run trained on: its scores are not held-out scores."""
+    notes = []
+    train_cache = storage.read_json_object(run_dir / "options.json").get("cache")
+    if train_cache and storage.cache_exists(train_cache):
+        trained = (storage.CacheReader(train_cache, allow_partial=True).fingerprints or {}).get("teacher") or {}
+        wanted = {"teacher": {k: trained.get(k) for k in ("config_hash", "weights_hash")}}
+        found = storage.compare_fingerprints({"teacher": (eval_cache.fingerprints or {}).get("teacher") or {}}, wanted)
+        notes = [f"the eval cache's teacher differs from the training cache's: {p}" for p in found]
+    if stages.trained_on(run_dir, cache, eval_cache.fingerprints or {}):
+        notes.append(f"{cache} is the cache this run trained on: these scores are on its training data, not on "
+                     "held-out data; score a cache of other text (precompute it with the same settings) to see how "
+                     "the student generalises")
+    return notes
 
 
 def check_baseline(out: Path, student: str) -> None:
@@ -106,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = stages.evaluate_run(run_dir, reader, batch_size=args.batch_size, limit=args.limit,
                                      teacher_layer=args.teacher_layer, device=args.device, student=args.student)
-    result["notes"] = teacher_notes(reader, run_dir) + training_data_notes(reader, run_dir, args.cache) + \
-        result.get("notes", [])
+    result["notes"] = score_notes(reader, run_dir, args.cache) + result.get("notes", [])
     result.update(role=role, student=student,
                   cache={"path": path, "label": label, "sequences": result["sequences"], "tokens": result["tokens"],
                          "cache_sequences": reader.num_sequences, "cache_tokens": reader.num_tokens},

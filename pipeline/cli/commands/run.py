@@ -16,7 +16,7 @@ from typing import Any
 from kdcache import stages
 from kdcache.pipeline.cli.commands import Subcommands
 from kdcache.pipeline.cli.commands.train import format_summary as format_train
-from kdcache.pipeline.config import SECTION_CLASSES, SECTIONS, ConfigError, build, flat_values, load_yaml
+from kdcache.pipeline.config import SECTIONS, ConfigError, build, flat_values, load_yaml
 from kdcache.stages.precompute.core.options import PrecomputeOptions
 from kdcache.stages.precompute.generation.options import GenerateOptions
 from kdcache.stages.train.core.options import TrainOptions
@@ -59,11 +59,11 @@ def load_pipeline(path: str) -> tuple[PrecomputeOptions | GenerateOptions, Train
                 " (or a 'generate:' section)" if name == "precompute" else ""))
             section = {}
         sections[name] = section
+    sections["train"] = {"cache": flat_values(SECTIONS[first], sections[first]).get("out"), **sections["train"]}
     built: dict[str, Any] = {}
-    train_values = {"cache": flat_values(SECTION_CLASSES[first], sections[first]).get("out"), **sections["train"]}
-    for name, cls, values in ((first, SECTION_CLASSES[first], sections[first]), ("train", TrainOptions, train_values)):
+    for name, values in sections.items():
         try:
-            built[name] = build(cls, values, where=f"{name}.")
+            built[name] = build(SECTIONS[name], values, where=f"{name}.")
         except ConfigError as exc:
             problems.extend(exc.problems)
     if problems:
