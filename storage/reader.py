@@ -107,6 +107,11 @@ class ShardData:
         """``[S+1]`` int64 token offsets of the stream logits live on (a seq2seq shard's decoder)."""
         return self.all_offsets[token_offsets_name(self.spec.streams[-1])]
 
+    @property
+    def attention_offsets(self) -> np.ndarray | None:
+        """``[S+1]`` int64 offsets of the attention rows of that stream (None: no attention stored)."""
+        return self.all_offsets.get(prefixed(self.spec.streams[-1], "attention_offsets"))
+
     def __len__(self) -> int:
         return self.seq_stop - self.seq_start
 

@@ -68,10 +68,14 @@ class TeacherAdapter(ABC):
     def check_options(self, options: PrecomputeOptions, config: PretrainedConfig) -> None:
         """Refuse options that do not apply to this family, rather than ignore them."""
 
-    # The dataset as token streams, in cache order; the weights, for inference (eager attention only when maps
-    # are captured).
-    load_data = staticmethod(text_streams)
-    load_teacher = staticmethod(load_teacher)
+    def load_data(self, rows: RowSetup, tokenizer: PreTrainedTokenizerBase) -> TokenStreams:
+        """The dataset as token streams, in cache order."""
+        return text_streams(rows, tokenizer)
+
+    def load_teacher(self, setup: TeacherSetup, config: PretrainedConfig, targets: Targets,
+                     tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Teacher:
+        """The weights, for inference (eager attention only when maps are captured)."""
+        return load_teacher(setup, config, targets, tokenizer, device)  # the module's name, looked up per call
 
     @abstractmethod
     def capture(self, teacher: Teacher, targets: Targets, plan: PrecomputePlan,

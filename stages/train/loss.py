@@ -93,7 +93,9 @@ def _stream_loss(options: TrainOptions, plan: TrainPlan, pairs: StreamPairs, fac
                  head: TeacherHead | None) -> CompoundLoss | None:
     """One stream's CompoundLoss, or None when it would have no term (the main stream always gets one, so that
     a run with every weight at 0 fails with the loss's own message)."""
-    loss, main, logit_kind = options.loss, pairs is plan.main, plan.logit_kind
+    loss = options.loss
+    main = pairs is plan.main
+    logit_kind = plan.logit_kind
     weights = replace(loss, alpha=loss.ce_weight if main and facts.has_lm_head else 0.0,
                       beta=loss.kl_weight if main and logit_kind else 0.0,
                       gamma=loss.gamma if pairs.hidden_pairs else 0.0,

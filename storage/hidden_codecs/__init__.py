@@ -2,7 +2,7 @@
 encoding and decoding once against the array API (``arrays``): storage's numpy and the devices' torch run one code.
 
 A codec is recorded in the spec as ``{"name": ..., "configuration": {...}}`` (like a zarr v3 codec) and
-configured by its typed dataclass (``hidden_codec_of(record).config``). Two kinds:
+configured by its typed dataclass (``spec.hidden_codec.config``). Two kinds:
 
 * float codecs (``fp16``, ``bf16``): the layer is stored as that float type, as before this registry existed;
 * quantised codecs (``fp8``, ``int8``, ``int7``, ``int4``, ``pca8``; ``quantised``): the layer ``x [T, d]`` is

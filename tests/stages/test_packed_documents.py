@@ -74,7 +74,7 @@ def test_each_packed_document_equals_the_document_alone(family: str, cls_name: s
             np.testing.assert_array_equal(item["logits/topk_ids"][doc][:, 0], ref.logits[0].argmax(-1))
     assert multi >= 2, "the test data must pack several documents into a row"
     shard = reader.read_shard(0, ["attention"])  # stored per document: each document's square, nothing between
-    rows = np.diff(shard.all_offsets["attention_offsets"])
+    rows = np.diff(shard.attention_offsets)  # the attention stream's own offsets, as ``all_offsets`` holds them
     squares = [sum((sl.stop - sl.start) ** 2 for sl in _documents(shard.sequence(i)))
                for i in range(len(shard))]
     assert rows.tolist() == squares and "position_ids" in shard.arrays

@@ -26,7 +26,7 @@ class Subcommands:
                    **kwargs: Any) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
         needed = add_flags(parser, options, skip=skip) if options is not None and self.only in (None, name) else []
-        self.made[name] = (needed, {**kwargs, "parents": [parser]})
+        self.made[name] = (needed, {**kwargs, "parents": [*kwargs.get("parents", []), parser]})
         return parser
 
 

@@ -14,7 +14,8 @@ from kdcache.storage import DEFAULT_ATTENTION_SOURCE
 @dataclass(frozen=True)
 class AttentionFlags:
     """The attention source as the flag names it. Its help lists the sources registered when this module loads
-    (every built-in one: the package imports it after them); its choices follow any registered later."""
+    (every built-in one: importing this module loads the package, and with it the sources, first); its choices
+    follow any registered later."""
 
     attention_source: str = option(DEFAULT_ATTENTION_SOURCE, usage(), choices=choices())
 

@@ -19,7 +19,7 @@ COSINE_EPS = 1e-8
 
 def masked_mse(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Σ over valid tokens and dims of (h_s − h_t)², divided by N_v · d_t: a scalar (``h_s [B, L, d_t]``
-    projected)."""
+    projected, ``h_t [B, L, d_t]``, ``mask [B, L]``)."""
     _check_same_shape(h_s, h_t, "mse")
     m = bool_mask(mask, h_s)
     n_valid = valid_count(m)  # on the device: no host sync
@@ -31,7 +31,8 @@ def masked_mse(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torc
 
 
 def cosine_loss(h_s: torch.Tensor, h_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over valid tokens of 1 − cos(h_s, h_t): a scalar in [0, 2] (``h_s [B, L, d_t]`` projected)."""
+    """Mean over valid tokens of 1 − cos(h_s, h_t): a scalar in [0, 2] (``h_s [B, L, d_t]`` projected,
+    ``h_t [B, L, d_t]``, ``mask [B, L]``)."""
     _check_same_shape(h_s, h_t, "cosine")
     n_valid = valid_count(bool_mask(mask, h_s))
     s, t = valid_rows(h_s, mask).float(), valid_rows(h_t, mask).float()

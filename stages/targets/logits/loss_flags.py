@@ -27,5 +27,5 @@ class LogitLossFlags:
 
     def problems(self) -> list[str]:
         """Every problem of these flags alone (against the cache: the kind's ``loss_problems``)."""
-        bad = self.temperature is not None and self.temperature <= 0
+        bad = self.temperature is not None and not self.temperature > 0  # not >: NaN is refused too
         return [f"temperature must be > 0, got {self.temperature}"] if bad else []

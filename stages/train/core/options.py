@@ -34,7 +34,7 @@ def _opt(help_text: str, **extra: object) -> dict[str, object]:
 def below(group: object, least: int, names: tuple[str, ...]) -> list[str]:
     """``NAME must be >= least, got V`` for each option of ``names`` in ``group`` set below ``least`` (None: unset)."""
     return [f"{name} must be >= {least}, got {value}" for name in names
-            if (value := getattr(group, name)) is not None and value < least]
+            if (value := getattr(group, name)) is not None and not value >= least]  # not >=: NaN is refused too
 
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv": None}  # tracker -> the package it needs

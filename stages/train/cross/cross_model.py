@@ -47,7 +47,7 @@ from kdcache.stages.train.losses.cross_vocab import (
 )
 from kdcache.stages.train.losses.logits import causal_ce
 from kdcache.stages.train.objective.compound import RunLoss
-from kdcache.storage import ArrayKind
+from kdcache.storage import ArrayKind, read_table
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -233,9 +233,12 @@ def build_cross_model(options: TrainOptions, reader: CacheReader, student: PreTr
 
 
 def cache_tokenizer(reader: CacheReader) -> PreTrainedTokenizerBase:
-    """The teacher's tokenizer, from the cache's ``tokenizer/`` folder (a remote cache's copied to scratch)."""
+    """The teacher's tokenizer, from the cache's ``tokenizer/`` folder (copied to a temporary folder to load; its
+    file table read first: a missing or damaged folder is a ``ManifestError``, not a tokenizer library's error)."""
     with tempfile.TemporaryDirectory(prefix="kdcache-teacher-tokenizer-") as tmp:
-        return AutoTokenizer.from_pretrained(reader.store.fetch_folder("tokenizer", Path(tmp)))
+        for key in read_table(reader.store, "tokenizer"):
+            (Path(tmp) / key.split("/", 1)[1]).write_bytes(reader.store.read(key))
+        return AutoTokenizer.from_pretrained(tmp)
 
 
 def without_logit_kl(options: TrainOptions) -> TrainOptions:

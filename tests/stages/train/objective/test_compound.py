@@ -128,6 +128,8 @@ def test_bad_weights_and_temperature_are_refused_where_the_options_enter():
     """A negative weight or temperature is the options' own problem (config and Python API), before any loss."""
     problems = _options(alpha=-1.0, temperature=0.0).validate()
     assert "alpha must be >= 0, got -1.0" in problems and "temperature must be > 0, got 0.0" in problems
+    problems = _options(gamma=float("nan"), temperature=float("nan")).validate()  # NaN compares false: refused too
+    assert "gamma must be >= 0, got nan" in problems and "temperature must be > 0, got nan" in problems
 
 
 def test_missing_outputs_and_targets_are_named():

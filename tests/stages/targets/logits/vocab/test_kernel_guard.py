@@ -132,7 +132,7 @@ def _count_reference_chunks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     reference_chunks: list[int] = []
     real = vocab_pass._autograd_grad
 
-    def counted(fn: Callable[..., torch.Tensor]) -> vocab_pass.ChunkGrad:
+    def counted(fn: Callable[..., torch.Tensor]) -> kernel_guard.ChunkGrad:
         grad = real(fn)
         return lambda z, *rest: reference_chunks.append(len(z)) or grad(z, *rest)
     monkeypatch.setattr(vocab_pass, "_autograd_grad", counted)
