@@ -32,7 +32,6 @@ from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, register_maps_attention
-from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.loss_flags import DEFAULT_TEMPERATURE
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.core.checks import CacheCheckError, open_cache as open_checked, vocab_problems
@@ -47,7 +46,6 @@ from kdcache.stages.train.feed.streaming import (
     check_resumable,
     next_position,
     resumable_state,
-    to_device,
 )
 from kdcache.stages.train.objective.distill import unwrapped_student
 from kdcache.storage import CacheReader, KdcacheError
@@ -236,8 +234,6 @@ class CacheDataset(CacheStream):
                          start=start or DataPosition(), shuffle_block=shuffle_block, prefetch=prefetch,
                          decode_threads=decode_threads, pin_memory=pin_memory, prefetch_mib=prefetch_mib)
         self.reader = reader  # the open cache this process streams from
-        self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
-        self.projection = load_projection(reader)  # a rank codec's bases, for that decode
 
     def __iter__(self) -> Iterator[Batch]:
         for batch in super().__iter__():
@@ -255,11 +251,6 @@ class CacheDataset(CacheStream):
             StreamStateError: naming each setting that differs.
         """
         self.start = check_resumable(dict(state), self.world_size, self.batch_size, self.seed)
-
-    def to_device(self, batch: Batch, device: torch.device | str) -> Batch:
-        """``batch`` on ``device`` with float32 targets, coded hidden states decoded there (as ``kdcache train``); dense
-        teacher logits ``[B, L, V]`` keep their stored fp16 / bf16 (widen them yourself, a chunk at a time)."""
-        return to_device(batch, device, self.hidden_codec, self.projection)
 
     def position_after(self, batch: Mapping[str, Any]) -> DataPosition:
         """Where this rank's stream stands once ``batch`` (one of its items) is consumed on every rank."""

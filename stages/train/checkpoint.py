@@ -174,11 +174,9 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def load_latest(engine: DeepSpeedEngine,
- run_dir: str | Path) -> dict[str, Any] | None:
-    """Load the newest checkpoint into ``engine``; returns our client state, or None when there is none."""
-    if not has_checkpoint(run_dir):
-        return None
+def load_latest(engine: DeepSpeedEngine, run_dir: str | Path) -> dict[str, Any] | None:
+    """Load the newest checkpoint into ``engine``; returns our client state, or None when there is none (the
+    callers' edge, ``has_checkpoint``, has refused a resume without one)."""
     path, client_state = engine.load_checkpoint(str(checkpoint_dir(run_dir)), load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
     if path is None:

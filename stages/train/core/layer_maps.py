@@ -141,10 +141,7 @@ class StreamMaps(StreamValues):
     """A ``LayerMap`` per token stream (``stages.common.stream_options``): ``last decoder:explicit:1-2``, or a
     YAML mapping ``{encoder: last, decoder: "explicit:1-2"}``; the map ``""`` means "not given"."""
 
-    @staticmethod
-    def read(text: str) -> LayerMap:
-        """One stream's map from its text (``LayerMap.parse``)."""
-        return LayerMap.parse(text)
+    read = staticmethod(LayerMap.parse)  # one stream's map from its text
 
 
 def parse_layer_map(spec: str) -> list[Pair]:
