@@ -95,7 +95,7 @@ def seed_dropout(seed: int, micro_step: int, rank: int) -> None:
     torch.manual_seed((seed * 1_000_003 + micro_step) * 1_009 + rank)
 
 
-def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, *, pretrained: bool,
+def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, *,
                 tokenizer: dict[str, Any] | None, speaker: str = "kdcache train",
                 announce: bool = True) -> tuple[TrainOptions, StudentFacts, TrainPlan]:
     """What the student decides of the options (``--alpha``), and the plan, checked against the cache.
@@ -103,14 +103,13 @@ def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedM
     Args:
         options: the run's options, with the cache's defaults already filled in (``with_cache_defaults``).
         student: the transformers model (a PEFT model's own, ``unwrapped_student``).
-        pretrained: whether the student came with weights (a random init is told apart in the checks).
         tokenizer: the student's tokenizer fingerprint, or None when its folder has none.
         speaker, announce: how the notes are headed, and whether to print them (rank 0).
 
     Raises:
         CacheCheckError: every mismatch between cache and student, at once.
     """
-    facts = student_facts(student, pretrained=pretrained)
+    facts = student_facts(student)
     options, said = options.with_student_defaults(facts.has_lm_head, not facts.is_causal and
                                                   not facts.is_encoder_decoder)
     if said:

@@ -44,7 +44,6 @@ class DistInfo:
 
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
 
@@ -74,7 +73,7 @@ def init_distributed() -> DistInfo:
             deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
                                        verbose=False)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), device)
 
 
 SHM_OP = "deepspeed_shm_comm"

@@ -36,7 +36,6 @@ from kdcache.stages.train.core.plan import TrainPlan
 from kdcache.stages.train.core.student import (
     StudentFacts,
     enable_gradient_checkpointing,
-    has_weights,
     load_student,
     tokenizer_fingerprint_of,
 )
@@ -88,9 +87,8 @@ def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, Studen
     maps = attention_sources.of(reader.spec.attention_layout).student_maps
     attn = MAPS_ATTENTION if options.loss.delta > 0 and maps else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
-    options, facts, plan = fit_student(options, reader, student, pretrained=has_weights(options.run.student),
-                                       tokenizer=tokenizer_fingerprint_of(options.run.student),
-                                       announce=int(os.environ.get("RANK", "0")) == 0)
+    options, facts, plan = fit_student(options, reader, student, announce=int(os.environ.get("RANK", "0")) == 0,
+                                       tokenizer=tokenizer_fingerprint_of(options.run.student))
     if options.engine.gradient_checkpointing:
         enable_gradient_checkpointing(student)
     return reader, student, facts, plan, options
@@ -346,10 +344,9 @@ class _Trainer:
         wait = self._data_wait(step)
         tokens, self._tokens = self._tokens, 0
         self.tokens_seen += tokens
-        self.progress.tokens(tokens)
         self.logger.log(step, record, lr=lr, epoch=self.position.epoch, sample_index=self.position.sample_index,
                         tokens=tokens, **wait)
-        self.progress.update(step, record, wait["data_wait_share"])
+        self.progress.update(step, record, wait["data_wait_share"], tokens)
         self._sums, self._count = {}, 0
 
     def _data_wait(self, step: int) -> dict[str, float]:

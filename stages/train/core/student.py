@@ -41,7 +41,6 @@ class StudentFacts:
     vocab_size: int
     has_lm_head: bool
     is_causal: bool
-    pretrained: bool
     decoder_layers: int = 0  # encoder-decoder students: the decoder's depth (num_layers is the encoder's)
     is_encoder_decoder: bool = False
     num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as num_heads
@@ -124,7 +123,7 @@ def adapted_student(folder: Path, *, attn_implementation: str | None = None) -> 
     return model_class(load_config(base)).from_pretrained(str(folder), **kwargs)
 
 
-def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:
+def student_facts(model: PreTrainedModel) -> StudentFacts:
     """Read the student's shape from its config (and whether it produces logits)."""
     cfg = model.config
     two_stacks = is_encoder_decoder(cfg)
@@ -132,7 +131,7 @@ def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:
     return StudentFacts(
         num_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size), num_heads=int(heads),
         vocab_size=int(cfg.vocab_size), has_lm_head=model.get_output_embeddings() is not None,
-        is_causal=is_causal_config(cfg), pretrained=pretrained,
+        is_causal=is_causal_config(cfg),
         decoder_layers=stack_depths(cfg)["decoder"] if two_stacks else 0, is_encoder_decoder=two_stacks,
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or 0),
         head_dim=int(getattr(cfg, "head_dim", None) or 0))
