@@ -163,12 +163,9 @@ def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) 
     """
     config = build_ds_config(options, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = None
-    if "optimizer" not in config:
-        optimizer = train_optimizer(params, lr=options.engine.lr, weight_decay=options.engine.weight_decay)
-    scheduler = None
-    if "scheduler" not in config:
-        scheduler = lambda opt: train_schedule(opt, options.engine.warmup_steps)  # noqa: E731
+    optimizer = None if "optimizer" in config else train_optimizer(params, lr=options.engine.lr,
+                                                                    weight_decay=options.engine.weight_decay)
+    scheduler = None if "scheduler" in config else lambda opt: train_schedule(opt, options.engine.warmup_steps)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=config)
     return engine

@@ -35,9 +35,8 @@ class MetricsLogger:
                  file: str = "metrics.jsonl", group: str = "train"):
         """``file`` under ``run_dir`` and the trackers' ``group/`` of the tags: a held-out cache's scores go to
         ``eval.jsonl`` and ``eval/``, apart from the training log that ``kdcache report`` reads."""
-        self.run_dir = Path(run_dir)
         self.rank, self.group = rank, group
-        self.path = self.run_dir / file
+        self.path = Path(run_dir) / file
         self._monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self._start = time.perf_counter()
 
