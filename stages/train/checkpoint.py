@@ -176,9 +176,7 @@ def load_latest(engine: DeepSpeedEngine, run_dir: str | Path) -> dict[str, Any] 
     callers' edge, ``has_checkpoint``, has refused a resume without one)."""
     path, client_state = engine.load_checkpoint(str(Path(run_dir) / CHECKPOINT_DIR), load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
-    if path is None:
-        return None
-    return (client_state or {}).get("kdcache")
+    return None if path is None else (client_state or {}).get("kdcache")
 
 
 def export_student(student: PreTrainedModel, projectors: nn.Module, run_dir: str | Path, *, rank: int,
@@ -310,10 +308,8 @@ def refuse_changes(run_dir: object, changes: list[str], free: set[str] | frozens
 
 def _same(name: str, before: object, after: object) -> bool:
     """Equal values; a path option (``PATH_OPTIONS``) also when both name the same file from another folder."""
-    if before == after:
-        return True
-    return name in PATH_OPTIONS and isinstance(before, str) and isinstance(after, str) and \
-        Path(before).resolve() == Path(after).resolve()
+    return before == after or (name in PATH_OPTIONS and isinstance(before, str) and isinstance(after, str)
+                               and Path(before).resolve() == Path(after).resolve())
 
 
 def _change(name: str, before: object, after: object) -> str:
