@@ -180,9 +180,8 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int]) -
     sizes = {s: max(len(q[prefixed(s, "input_ids")]) for q in sequences) for s in streams}
     out: Batch = {"sample_ids": torch.tensor(list(sample_ids), dtype=torch.int64)}
     for stream in streams:
-        mask = np.zeros((len(sequences), sizes[stream]), dtype=np.int64)
-        for i, q in enumerate(sequences):
-            mask[i, :len(q[prefixed(stream, "input_ids")])] = 1
+        lengths = np.array([len(q[prefixed(stream, "input_ids")]) for q in sequences])
+        mask = (np.arange(sizes[stream]) < lengths[:, None]).astype(np.int64)
         out[prefixed(stream, "mask")] = torch.from_numpy(mask)
     for name in sequences[0]:
         shape = [sizes[s] for s in ragged_streams(name, streams)]
@@ -384,19 +383,18 @@ class _Producer:
         """Carry out ``decode_plan``: decodes queued ahead of need (across epoch boundaries too), batches
         assembled in order, each shard dropped after its last planned use."""
         decoded: dict[int, Future] = {}
-        stream = self.stream
-        for planned in decode_plan(self.plan, self.locate, stream.prefetch, self.readahead):
+        for planned in decode_plan(self.plan, self.locate, self.stream.prefetch, self.readahead):
             for s in planned.decode:
-                decoded[s] = self.pool.submit(self.reader.read_shard, stream.shard_ids[s], self.names)
+                decoded[s] = self.pool.submit(self.reader.read_shard, self.stream.shard_ids[s], self.names)
             if not self.queue.room(self.stop):  # the shards decode while the queued batches take their room
                 return
             seqs = [decoded[int(s)].result().sequence(int(i)) for s, i in zip(planned.shards, planned.local)]
             batch = collate([{n: q[n] for n in self.names} for q in seqs], planned.ids.tolist())
             for name in self.rows_apart:
                 batch[name] = torch.from_numpy(_read_rows(self.reader, name, planned.ids, batch))
-            if stream.extend is not None:
-                stream.extend(batch)
-            if stream.pin_memory and torch.cuda.is_available():  # pinned: the copy to the GPU does not block
+            if self.stream.extend is not None:
+                self.stream.extend(batch)
+            if self.stream.pin_memory and torch.cuda.is_available():  # pinned: the copy to the GPU does not block
                 batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             batch.update(epoch=planned.epoch, step_in_epoch=planned.step)
             for s in planned.release:
