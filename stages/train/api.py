@@ -32,7 +32,6 @@ from kdcache.stages.common.fingerprints import tokenizer_fingerprint
 from kdcache.stages.common.option_groups import leaves
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION, register_maps_attention
-from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.loss_flags import DEFAULT_TEMPERATURE
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train.core.checks import CacheCheckError, open_cache as open_checked, vocab_problems
@@ -47,7 +46,6 @@ from kdcache.stages.train.feed.streaming import (
     check_resumable,
     next_position,
     resumable_state,
-    to_device,
 )
 from kdcache.stages.train.objective.distill import unwrapped_student
 from kdcache.storage import CacheReader, KdcacheError
@@ -97,7 +95,7 @@ def seed_dropout(seed: int, micro_step: int, rank: int) -> None:
     torch.manual_seed((seed * 1_000_003 + micro_step) * 1_009 + rank)
 
 
-def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, *, pretrained: bool,
+def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedModel, *,
                 tokenizer: dict[str, Any] | None, speaker: str = "kdcache train",
                 announce: bool = True) -> tuple[TrainOptions, StudentFacts, TrainPlan]:
     """What the student decides of the options (``--alpha``), and the plan, checked against the cache.
@@ -105,14 +103,13 @@ def fit_student(options: TrainOptions, reader: CacheReader, student: PreTrainedM
     Args:
         options: the run's options, with the cache's defaults already filled in (``with_cache_defaults``).
         student: the transformers model (a PEFT model's own, ``unwrapped_student``).
-        pretrained: whether the student came with weights (a random init is told apart in the checks).
         tokenizer: the student's tokenizer fingerprint, or None when its folder has none.
         speaker, announce: how the notes are headed, and whether to print them (rank 0).
 
     Raises:
         CacheCheckError: every mismatch between cache and student, at once.
     """
-    facts = student_facts(student, pretrained=pretrained)
+    facts = student_facts(student)
     options, said = options.with_student_defaults(facts.has_lm_head, not facts.is_causal and
                                                   not facts.is_encoder_decoder)
     if said:
@@ -236,8 +233,6 @@ class CacheDataset(CacheStream):
                          start=start or DataPosition(), shuffle_block=shuffle_block, prefetch=prefetch,
                          decode_threads=decode_threads, pin_memory=pin_memory, prefetch_mib=prefetch_mib)
         self.reader = reader  # the open cache this process streams from
-        self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
-        self.projection = load_projection(reader)  # a rank codec's bases, for that decode
 
     def __iter__(self) -> Iterator[Batch]:
         for batch in super().__iter__():
@@ -255,11 +250,6 @@ class CacheDataset(CacheStream):
             StreamStateError: naming each setting that differs.
         """
         self.start = check_resumable(dict(state), self.world_size, self.batch_size, self.seed)
-
-    def to_device(self, batch: Batch, device: torch.device | str) -> Batch:
-        """``batch`` on ``device`` with float32 targets, coded hidden states decoded there (as ``kdcache train``); dense
-        teacher logits ``[B, L, V]`` keep their stored fp16 / bf16 (widen them yourself, a chunk at a time)."""
-        return to_device(batch, device, self.hidden_codec, self.projection)
 
     def position_after(self, batch: Mapping[str, Any]) -> DataPosition:
         """Where this rank's stream stands once ``batch`` (one of its items) is consumed on every rank."""
@@ -294,13 +284,7 @@ class Cache(CacheReader):
 
 def open_cache(path: str | os.PathLike[str], *, allow_partial: bool = False,
                decode_threads: int | None = None) -> Cache:
-    """Open a cache to train from, as a ``Cache``, with training's message when there is none
-    (``core.checks.open_cache``).
-
-    Args:
-        path: the cache folder or URL.
-        allow_partial: read the committed shards of a cache still being written.
-        decode_threads: arrays decoded at once (None: one per core).
-    """
+    """Open a cache to train from, as a ``Cache``, with training's message when there is none (the arguments are
+    ``core.checks.open_cache``'s)."""
     opened = open_checked(os.fspath(path), allow_partial=allow_partial, decode_threads=decode_threads, reader=Cache)
     return cast(Cache, opened)

@@ -53,13 +53,9 @@ PROJECTORS_FILE = "projectors.pt"
 PLAN_FILE = "plan.json"
 
 
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINT_DIR
-
-
 def has_checkpoint(run_dir: str | Path) -> bool:
     """Whether ``run_dir`` holds a DeepSpeed checkpoint to resume from."""
-    return (checkpoint_dir(run_dir) / "latest").is_file()
+    return (Path(run_dir) / CHECKPOINT_DIR / "latest").is_file()
 
 
 class CheckpointError(KdcacheError):
@@ -89,11 +85,12 @@ def check_room(run_dir: str | Path, one: int, count: int) -> str:
         one: ``estimate_bytes`` of one checkpoint.
         count: checkpoints this run writes (DeepSpeed keeps them all).
     """
-    free = shutil.disk_usage(_existing(checkpoint_dir(run_dir))).free
+    root = Path(run_dir) / CHECKPOINT_DIR
+    free = shutil.disk_usage(_existing(root)).free
     line = (f"each checkpoint ~{format_bytes(one)} ({count} this run, ~{format_bytes(one * count)} in all); "
-            f"{format_bytes(free)} free in {checkpoint_dir(run_dir)}")
+            f"{format_bytes(free)} free in {root}")
     if free < one:
-        raise CheckpointError(f"{checkpoint_dir(run_dir)} has {format_bytes(free)} free, and one checkpoint of this "
+        raise CheckpointError(f"{root} has {format_bytes(free)} free, and one checkpoint of this "
                               f"student needs ~{format_bytes(one)}; free space there or choose another --out")
     return line
 
@@ -120,7 +117,7 @@ def save_checkpoint(engine: DeepSpeedEngine, run_dir: str | Path, *, step: int, 
     Raises:
         CheckpointError: the disk filled up; the partial tag is removed and ``latest`` still names the previous one.
     """
-    root = checkpoint_dir(run_dir)
+    root = Path(run_dir) / CHECKPOINT_DIR
     tag = f"step{step}"
     client_state = {"kdcache": {"step": step, "micro_step": micro_step, "data": dict(data_state), **(extra or {})}}
     try:
@@ -174,16 +171,12 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def load_latest(engine: DeepSpeedEngine,
- run_dir: str | Path) -> dict[str, Any] | None:
-    """Load the newest checkpoint into ``engine``; returns our client state, or None when there is none."""
-    if not has_checkpoint(run_dir):
-        return None
-    path, client_state = engine.load_checkpoint(str(checkpoint_dir(run_dir)), load_optimizer_states=True,
+def load_latest(engine: DeepSpeedEngine, run_dir: str | Path) -> dict[str, Any] | None:
+    """Load the newest checkpoint into ``engine``; returns our client state, or None when there is none (the
+    callers' edge, ``has_checkpoint``, has refused a resume without one)."""
+    path, client_state = engine.load_checkpoint(str(Path(run_dir) / CHECKPOINT_DIR), load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
-    if path is None:
-        return None
-    return (client_state or {}).get("kdcache")
+    return None if path is None else (client_state or {}).get("kdcache")
 
 
 def export_student(student: PreTrainedModel, projectors: nn.Module, run_dir: str | Path, *, rank: int,
@@ -315,10 +308,8 @@ def refuse_changes(run_dir: object, changes: list[str], free: set[str] | frozens
 
 def _same(name: str, before: object, after: object) -> bool:
     """Equal values; a path option (``PATH_OPTIONS``) also when both name the same file from another folder."""
-    if before == after:
-        return True
-    return name in PATH_OPTIONS and isinstance(before, str) and isinstance(after, str) and \
-        Path(before).resolve() == Path(after).resolve()
+    return before == after or (name in PATH_OPTIONS and isinstance(before, str) and isinstance(after, str)
+                               and Path(before).resolve() == Path(after).resolve())
 
 
 def _change(name: str, before: object, after: object) -> str:

@@ -44,7 +44,6 @@ class DistInfo:
 
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
 
@@ -74,7 +73,7 @@ def init_distributed() -> DistInfo:
             deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
                                        verbose=False)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), device)
 
 
 SHM_OP = "deepspeed_shm_comm"
@@ -164,12 +163,9 @@ def build_engine(model: nn.Module, options: TrainOptions, device: torch.device) 
     """
     config = build_ds_config(options, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = None
-    if "optimizer" not in config:
-        optimizer = train_optimizer(params, lr=options.engine.lr, weight_decay=options.engine.weight_decay)
-    scheduler = None
-    if "scheduler" not in config:
-        scheduler = lambda opt: train_schedule(opt, options.engine.warmup_steps)  # noqa: E731
+    optimizer = None if "optimizer" in config else train_optimizer(params, lr=options.engine.lr,
+                                                                    weight_decay=options.engine.weight_decay)
+    scheduler = None if "scheduler" in config else lambda opt: train_schedule(opt, options.engine.warmup_steps)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=config)
     return engine

@@ -35,9 +35,8 @@ class MetricsLogger:
                  file: str = "metrics.jsonl", group: str = "train"):
         """``file`` under ``run_dir`` and the trackers' ``group/`` of the tags: a held-out cache's scores go to
         ``eval.jsonl`` and ``eval/``, apart from the training log that ``kdcache report`` reads."""
-        self.run_dir = Path(run_dir)
         self.rank, self.group = rank, group
-        self.path = self.run_dir / file
+        self.path = Path(run_dir) / file
         self._monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self._start = time.perf_counter()
 
@@ -108,7 +107,7 @@ def describe(values: Mapping[str, float], tokens_per_s: float, wait_share: float
 
 
 class TrainProgress:
-    """Progress of one run. Call ``tokens(n)`` per micro-step and ``update(step, values, wait_share)`` per log.
+    """Progress of one run. Call ``update(step, values, wait_share, tokens)`` per log.
 
     Args:
         total: optimizer steps this run ends at; ``start``: the step it starts from (a resumed run).
@@ -119,24 +118,21 @@ class TrainProgress:
     def __init__(self, total: int, start: int, *, enabled: bool, stream: TextIO | None = None) -> None:
         self.total, self.start, self.enabled = total, start, enabled
         self.stream = stream or sys.stderr
-        self._tokens, self._since, self._began = 0, time.perf_counter(), time.perf_counter()
+        self._since, self._began = time.perf_counter(), time.perf_counter()
         self._bar = None
         if enabled and getattr(self.stream, "isatty", lambda: False)():
             width = shutil.get_terminal_size((120, 20)).columns or 120  # a pty without a size reports 0
             self._bar = tqdm(total=total, initial=start, unit="step", desc="kdcache train", file=self.stream,
                              ncols=width)
 
-    def tokens(self, count: int) -> None:
-        """Count the valid tokens of one micro-step (this rank's)."""
-        self._tokens += count
-
-    def update(self, step: int, values: Mapping[str, float], wait_share: float) -> None:
-        """Report the logged step: the bar moves, or a line is printed."""
+    def update(self, step: int, values: Mapping[str, float], wait_share: float, tokens: int) -> None:
+        """Report the logged step: the bar moves, or a line is printed; ``tokens``: this rank's valid tokens since the
+        last report."""
         if not self.enabled:
             return
         now = time.perf_counter()
-        rate = self._tokens / max(now - self._since, 1e-9)
-        self._tokens, self._since = 0, now
+        rate = tokens / max(now - self._since, 1e-9)
+        self._since = now
         text = describe(values, rate, wait_share)
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)

@@ -26,7 +26,6 @@ from transformers import AutoTokenizer
 
 from kdcache.stages.targets import attention as attention_sources
 from kdcache.stages.targets.attention.attention_maps import MAPS_ATTENTION
-from kdcache.stages.targets.hidden.device_codecs import load_projection
 from kdcache.stages.targets.logits.vocab import fused_vocab
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.api import fit_student, seed_dropout, teacher_head_for
@@ -37,7 +36,6 @@ from kdcache.stages.train.core.plan import TrainPlan
 from kdcache.stages.train.core.student import (
     StudentFacts,
     enable_gradient_checkpointing,
-    has_weights,
     load_student,
     tokenizer_fingerprint_of,
 )
@@ -53,7 +51,6 @@ from kdcache.stages.train.feed.streaming import (
     check_resumable,
     next_position,
     resumable_state,
-    to_device,
 )
 from kdcache.stages.train.interrupt import TrainingInterrupted
 from kdcache.stages.train.logging import MetricsLogger, SampleTrace, TrainProgress
@@ -90,9 +87,8 @@ def prepare(options: TrainOptions) -> tuple[CacheReader, PreTrainedModel, Studen
     maps = attention_sources.of(reader.spec.attention_layout).student_maps
     attn = MAPS_ATTENTION if options.loss.delta > 0 and maps else None
     student = load_student(options.run.student, seed=options.data.seed, attn_implementation=attn)
-    options, facts, plan = fit_student(options, reader, student, pretrained=has_weights(options.run.student),
-                                       tokenizer=tokenizer_fingerprint_of(options.run.student),
-                                       announce=int(os.environ.get("RANK", "0")) == 0)
+    options, facts, plan = fit_student(options, reader, student, announce=int(os.environ.get("RANK", "0")) == 0,
+                                       tokenizer=tokenizer_fingerprint_of(options.run.student))
     if options.engine.gradient_checkpointing:
         enable_gradient_checkpointing(student)
     return reader, student, facts, plan, options
@@ -133,9 +129,7 @@ def run_training(options: TrainOptions) -> dict[str, Any]:
     if said and announce:
         print(f"kdcache train: {said}", file=sys.stderr)
     engine = build_engine(model, options, dist_info.device)
-    trainer = _Trainer(options, plan, engine, dist_info, reader, extend)
-    trainer.heldout, trainer.lm = heldout, lm_kind(facts)
-    return trainer.run()
+    return _Trainer(options, plan, engine, dist_info, reader, extend, heldout, lm_kind(facts)).run()
 
 
 def heldout_of(options: TrainOptions, reader: CacheReader, plan: TrainPlan) -> HeldOut | None:
@@ -162,7 +156,8 @@ class _Trainer:
     """The step loop and its bookkeeping (position, logs, checkpoints)."""
 
     def __init__(self, options: TrainOptions, plan: TrainPlan, engine: DeepSpeedEngine, dist_info: DistInfo,
-                 reader: CacheReader, extend: BatchExtension | None = None):
+                 reader: CacheReader, extend: BatchExtension | None = None, heldout: HeldOut | None = None,
+                 lm: str | None = None):
         self.options, self.plan, self.engine, self.dist = options, plan, engine, dist_info
         self.extend = extend  # the run's own arrays added to each batch by the stream (cross-tokenizer runs)
         self.run_dir = Path(options.run.out)
@@ -181,10 +176,7 @@ class _Trainer:
         self._waited, self._since_log, self._last_wait_note = 0.0, time.perf_counter(), -float("inf")
         self.losses: list[float] = []
         self.reader = reader  # streamed from in this process (a DataLoader worker opens its own)
-        self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
-        self.projection = load_projection(reader)  # a rank codec's bases, for that decode
-        self.heldout: HeldOut | None = None  # --eval-cache, scored every --eval-every steps and at the end
-        self.lm: str | None = None
+        self.heldout, self.lm = heldout, lm  # --eval-cache, scored every --eval-every steps and at the end
         self.eval_logger = MetricsLogger(self.run_dir, rank=dist_info.rank, file="eval.jsonl", group="eval",
                                          monitor=getattr(engine, "monitor", None))
 
@@ -201,19 +193,19 @@ class _Trainer:
         if critics is not None and "critics" in state:
             critics.load_state_dict(state["critics"])
 
-    def _stream(self) -> tuple[CacheStream, torch.utils.data.DataLoader[dict[str, torch.Tensor]]]:
+    def _loader(self) -> torch.utils.data.DataLoader[dict[str, torch.Tensor]]:
+        """The rank's stream (``self.stream``, which also moves its batches to the device) in a DataLoader."""
         o = self.options.data
         # Pinned batches let to_device copy without blocking. A worker process's pinned pages do not survive the
         # trip to this one, so with workers the DataLoader pins here; without, the stream's threads pin ahead.
         cuda = self.dist.device.type == "cuda"
-        stream = CacheStream(self.reader, self.plan.names, batch_size=self.batch_size, seed=o.seed,
-                             rank=self.dist.rank, world_size=self.dist.world_size, start=self.position,
-                             shuffle_block=o.shuffle_block, prefetch=o.prefetch, prefetch_mib=o.prefetch_mib,
-                             decode_threads=o.decode_threads, allow_partial=o.allow_partial,
-                             pin_memory=cuda and o.num_workers == 0, extend=self.extend)
-        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=o.num_workers,
-                                             persistent_workers=False, pin_memory=cuda and o.num_workers > 0)
-        return stream, loader
+        self.stream = CacheStream(self.reader, self.plan.names, batch_size=self.batch_size, seed=o.seed,
+                                  rank=self.dist.rank, world_size=self.dist.world_size, start=self.position,
+                                  shuffle_block=o.shuffle_block, prefetch=o.prefetch, prefetch_mib=o.prefetch_mib,
+                                  decode_threads=o.decode_threads, allow_partial=o.allow_partial,
+                                  pin_memory=cuda and o.num_workers == 0, extend=self.extend)
+        return torch.utils.data.DataLoader(self.stream, batch_size=None, num_workers=o.num_workers,
+                                           persistent_workers=False, pin_memory=cuda and o.num_workers > 0)
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """Optimizer steps of the whole run: --max-steps, else --epochs (default 1) over the cache."""
@@ -228,8 +220,8 @@ class _Trainer:
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         self._restore()
-        stream, loader = self._stream()
-        total = self.total_steps(stream.steps_per_epoch)
+        loader = self._loader()
+        total = self.total_steps(self.stream.steps_per_epoch)
         if self.resumed_from is not None and total < self.resumed_from:  # the loop would not run, nor say so
             raise TrainingError(f"--resume: this run would end at step {total} (--max-steps or --epochs), before "
                                 f"its checkpoint's step {self.resumed_from}; a resumed run continues from there: "
@@ -251,7 +243,7 @@ class _Trainer:
                 self._waited += feed.waited - waited  # the step stood still: the reader was behind
                 if batch is None:
                     break
-                stepped = self._micro_step(batch, stream.steps_per_epoch)
+                stepped = self._micro_step(batch)
                 batch = None  # batch i goes before batch i+2 is prepared: one batch ahead on the device, not two
                 if stepped:
                     self._after_optimizer_step(total)
@@ -283,7 +275,7 @@ class _Trainer:
             return loader
         return with_step_counts(loader, self.grad_accum, lambda batch: term_counts(module.criterion, batch))
 
-    def _micro_step(self, batch: dict[str, Any], steps_per_epoch: int) -> bool:
+    def _micro_step(self, batch: dict[str, Any]) -> bool:
         """Forward, backward and (on a boundary) the optimizer step for one micro-batch; whether it stepped."""
         before = self.engine.global_steps
         seed_dropout(self.options.data.seed, self.micro_step, self.dist.rank)
@@ -298,7 +290,8 @@ class _Trainer:
             self._sums[name] = self._sums.get(name, 0.0) + value.detach().float()
         self._count += 1
         self.micro_step += 1
-        self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.batch_size, steps_per_epoch)
+        self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.batch_size,
+                                      self.stream.steps_per_epoch)
         if self.trace.enabled:  # reads the loss on the host: a sync per micro-step (the option's help says so)
             self.trace.record(self.micro_step - 1, epoch, step_in_epoch, host["sample_ids"].tolist(),
                               float(out["loss"]))
@@ -309,7 +302,7 @@ class _Trainer:
         host copy (real tokens, sample ids), so that it reads no device value."""
         counts = batch.pop(STEP_COUNTS, None)
         tokens = sum(int(value.numpy().sum()) for name, value in batch.items() if split_stream(name)[1] == "mask")
-        out = to_device(batch, self.dist.device, self.hidden_codec, self.projection)
+        out = self.stream.to_device(batch, self.dist.device)
         out[HOST] = {"tokens": tokens, "sample_ids": batch["sample_ids"], STEP_COUNTS: counts}
         return out
 
@@ -351,10 +344,9 @@ class _Trainer:
         wait = self._data_wait(step)
         tokens, self._tokens = self._tokens, 0
         self.tokens_seen += tokens
-        self.progress.tokens(tokens)
         self.logger.log(step, record, lr=lr, epoch=self.position.epoch, sample_index=self.position.sample_index,
                         tokens=tokens, **wait)
-        self.progress.update(step, record, wait["data_wait_share"])
+        self.progress.update(step, record, wait["data_wait_share"], tokens)
         self._sums, self._count = {}, 0
 
     def _data_wait(self, step: int) -> dict[str, float]:

@@ -169,7 +169,7 @@ class DistillationLoss(nn.Module):
         fingerprint = (tokenizer_fingerprint(tokenizer) if tokenizer is not None
                        else tokenizer_fingerprint_of(folder) if folder else None)
         try:
-            resolved, facts, plan = fit_student(resolved, reader, model, pretrained=True, tokenizer=fingerprint,
+            resolved, facts, plan = fit_student(resolved, reader, model, tokenizer=fingerprint,
                                                 speaker=API_SPEAKER, announce=announce)
         except CacheCheckError as error:  # the checks are training's: said here as the API spells the options
             raise CacheCheckError([api_spelling(p) for p in error.problems]) from None

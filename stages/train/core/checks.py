@@ -14,15 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from kdcache.stages.common.cache_texts import MissingTextError, has_texts, read_texts
 from kdcache.stages.targets import attention as attention_sources, logits as logit_kinds
-from kdcache.stages.train.core.layer_maps import LayerMap, pair_key, validate_layer_map
+from kdcache.stages.train.core.layer_maps import LayerMap, Pair, pair_key, validate_layer_map
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.student import StudentFacts
 from kdcache.storage import CacheReader, KdcacheError, compare_fingerprints, open_store
 
 if TYPE_CHECKING:
     from kdcache.storage import CacheSpec
-
-Pair = tuple[int, int]
 
 
 class CacheCheckError(KdcacheError):

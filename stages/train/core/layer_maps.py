@@ -141,10 +141,7 @@ class StreamMaps(StreamValues):
     """A ``LayerMap`` per token stream (``stages.common.stream_options``): ``last decoder:explicit:1-2``, or a
     YAML mapping ``{encoder: last, decoder: "explicit:1-2"}``; the map ``""`` means "not given"."""
 
-    @staticmethod
-    def read(text: str) -> LayerMap:
-        """One stream's map from its text (``LayerMap.parse``)."""
-        return LayerMap.parse(text)
+    read = staticmethod(LayerMap.parse)  # one stream's map from its text
 
 
 def parse_layer_map(spec: str) -> list[Pair]:
@@ -181,15 +178,16 @@ def validate_layer_map(
     bad_students = sorted({s for s, _ in pairs if not 0 <= s <= student_depth})
     if bad_students:
         problems.append(
-            f"student layer(s) {_join(bad_students)} do not exist (the student has layers 0..{student_depth})"
+            f"student layer(s) {', '.join(map(str, bad_students))} do not exist (the student has layers "
+            f"0..{student_depth})"
         )
     available = sorted(set(available_teacher_layers))
     missing = sorted({t for _, t in pairs} - set(available))
     if missing:
         needed = sorted({t for _, t in pairs} | set(available))
         problems.append(
-            f"the layer map needs teacher {what} layers {_join(missing)} but the cache holds "
-            f"{_join(available) or 'none'}; re-run precompute with --layers {','.join(map(str, needed))} "
+            f"the layer map needs teacher {what} layers {', '.join(map(str, missing))} but the cache holds "
+            f"{', '.join(map(str, available)) or 'none'}; re-run precompute with --layers {','.join(map(str, needed))} "
             "or pick another map"
         )
     if problems:
@@ -254,7 +252,3 @@ def _as_pairs(items: Sequence[Sequence[int]]) -> list[Pair]:
     if not pairs:
         raise LayerMapError("the explicit layer map holds no pairs")
     return pairs
-
-
-def _join(values: Iterable[int]) -> str:
-    return ", ".join(str(v) for v in values)

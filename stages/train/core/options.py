@@ -76,7 +76,6 @@ class DataOptions:
         "threads decoding cached arrays (arrays of a shard decode in parallel); 0 = one per core of the host"))
 
     def validate(self) -> list[str]:
-        """Every problem of this group."""
         at_least_one = ("batch_size", "grad_accum", "prefetch", "prefetch_mib", "shuffle_block")
         return below(self, 1, at_least_one) + below(self, 0, ("num_workers", "decode_threads"))
 
@@ -114,7 +113,6 @@ class LossOptions:
         return 1.0 if self.beta is None else self.beta
 
     def validate(self) -> list[str]:
-        """Every problem of this group."""
         problems = below(self, 0, ("alpha", "beta", "gamma", "delta")) + self.attention.problems()
         return problems + self.logit.problems() + self.critic.problems()
 
@@ -205,7 +203,6 @@ class RunOptions:
         "score --eval-cache every N optimizer steps (0: at the end only)"))
 
     def validate(self) -> list[str]:
-        """Every problem of this group."""
         problems = below(self, 1, ("epochs", "max_steps", "log_every")) + below(self, 0, ("save_every", "eval_every"))
         if self.eval_every and not self.eval_cache:
             problems.append(f"eval_every {self.eval_every} needs eval_cache (the held-out cache to score)")

@@ -26,7 +26,6 @@ from kdcache.stages.targets.hidden.device_codecs import hidden_width, load_proje
 from kdcache.stages.targets.logits import LogitKind
 from kdcache.stages.train.core.checks import (
     CacheCheckError,
-    Pair,
     checked_map,
     cross_problems,
     feature_problems,
@@ -34,7 +33,7 @@ from kdcache.stages.train.core.checks import (
     stream_problems,
     vocab_problems,
 )
-from kdcache.stages.train.core.layer_maps import LayerMap
+from kdcache.stages.train.core.layer_maps import LayerMap, Pair
 from kdcache.stages.train.core.options import TrainOptions
 from kdcache.stages.train.core.student import StudentFacts
 from kdcache.storage import CROSS, ArrayKind, prefixed, split_stream

@@ -41,7 +41,6 @@ class StudentFacts:
     vocab_size: int
     has_lm_head: bool
     is_causal: bool
-    pretrained: bool
     decoder_layers: int = 0  # encoder-decoder students: the decoder's depth (num_layers is the encoder's)
     is_encoder_decoder: bool = False
     num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as num_heads
@@ -92,8 +91,9 @@ def load_student(path: str | Path, *, seed: int = 0,
         A model with an LM head when its architecture has one (``*ForCausalLM``, ``*ForMaskedLM``, ...),
         else the bare encoder.
     """
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if (Path(path) / ADAPTER_CONFIG).is_file() and not (Path(path) / "config.json").is_file():
-        return adapted_student(Path(path), attn_implementation=attn_implementation)
+        return adapted_student(Path(path), **kwargs)
     config = load_config(path)
     if attn_implementation == MAPS_ATTENTION:
         register_maps_attention()
@@ -101,17 +101,16 @@ def load_student(path: str | Path, *, seed: int = 0,
         config._attn_implementation = attn_implementation
     cls = model_class(config)
     if has_weights(path):
-        kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         return cls.from_pretrained(str(path), config=config, **kwargs)
     torch.manual_seed(seed)
     # An Auto class builds with from_config, a model class with _from_config (which ModelClass leaves out).
     return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)  # type: ignore[attr-defined]
 
 
-def adapted_student(folder: Path, *, attn_implementation: str | None = None) -> PreTrainedModel:
-    """A PEFT adapter folder (``CacheTrainer.save_model`` of a LoRA student): the base model its
-    ``adapter_config.json`` names, with the adapters loaded into it by transformers (which needs peft:
-    ``pip install 'kdcache[peft]'``), so that it runs as the trained student did.
+def adapted_student(folder: Path, **kwargs: Any) -> PreTrainedModel:
+    """A PEFT adapter folder (``CacheTrainer.save_model`` of a LoRA student): the base model its ``adapter_config.json``
+    names, with the adapters loaded into it by transformers (which needs peft: ``pip install 'kdcache[peft]'``), so
+    that it runs as the trained student did; ``kwargs``: ``from_pretrained``'s (the attention implementation).
 
     Raises:
         StudentError: the adapter config names no base model.
@@ -120,11 +119,10 @@ def adapted_student(folder: Path, *, attn_implementation: str | None = None) -> 
     if not base:
         raise StudentError(f"{folder / ADAPTER_CONFIG} names no base_model_name_or_path; expected the adapters of a "
                            "PEFT model saved with save_pretrained")
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     return model_class(load_config(base)).from_pretrained(str(folder), **kwargs)
 
 
-def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:
+def student_facts(model: PreTrainedModel) -> StudentFacts:
     """Read the student's shape from its config (and whether it produces logits)."""
     cfg = model.config
     two_stacks = is_encoder_decoder(cfg)
@@ -132,7 +130,7 @@ def student_facts(model: PreTrainedModel, pretrained: bool) -> StudentFacts:
     return StudentFacts(
         num_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size), num_heads=int(heads),
         vocab_size=int(cfg.vocab_size), has_lm_head=model.get_output_embeddings() is not None,
-        is_causal=is_causal_config(cfg), pretrained=pretrained,
+        is_causal=is_causal_config(cfg),
         decoder_layers=stack_depths(cfg)["decoder"] if two_stacks else 0, is_encoder_decoder=two_stacks,
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or 0),
         head_dim=int(getattr(cfg, "head_dim", None) or 0))

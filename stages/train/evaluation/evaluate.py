@@ -167,7 +167,7 @@ def evaluate_run(run_dir: str | Path, reader: CacheReader, *, batch_size: int = 
         ``notes`` explaining anything skipped.
     """
     model, pairs, projectors = load_run(run_dir, student)
-    facts = student_facts(model, pretrained=True)
+    facts = student_facts(model)
     check_student_fits(reader, facts, tokenizer_fingerprint_of(student or trained_student(Path(run_dir))))
     model.to(device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to; its stub takes no device
     state = _EvalState(reader, facts, teacher_layer, device, pairs.pop("attention"), model)

@@ -63,9 +63,7 @@ class _Epoch:
     def __init__(self, epoch: int, items: list[tuple[int, np.ndarray]], locate: Locate) -> None:
         self.epoch, self.items = epoch, items
         self.located = [locate(ids) for _, ids in items]
-        self.last_use: dict[int, int] = {}
-        for b, (shards, _) in enumerate(self.located):
-            self.last_use.update((int(s), b) for s in shards)
+        self.last_use = {int(s): b for b, (shards, _) in enumerate(self.located) for s in shards}
         self.order = list(dict.fromkeys(int(s) for shards, _ in self.located for s in shards))
         self.cursor = 0  # into ``order``: shards before it are held or done with
 

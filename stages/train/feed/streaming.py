@@ -32,16 +32,16 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kdcache.stages.targets.hidden.device_codecs import Projection, decode_batch
+from kdcache.stages.targets.hidden.device_codecs import Projection, decode_batch, load_projection
 from kdcache.stages.train.feed.ahead import PREFETCH_MIB, ByteQueue, batch_bytes
 from kdcache.stages.train.feed.decode_plan import decode_plan, shard_locator
 from kdcache.storage import (
@@ -62,6 +62,10 @@ from kdcache.storage import (
 # stream (``collate``), beside which the stream puts its position (``epoch``, ``step_in_epoch``: ints) and the
 # loop its host record; on the host until ``to_device`` copies and decodes it. Defined here only.
 Batch = dict[str, Any]
+# Host arrays a run adds to every collated batch, in place, where the batch is made (the reader's thread or a
+# DataLoader worker), so that work stays off the training step: e.g. a cross-tokenizer run's student tokens and
+# spans. Picklable, for the workers.
+BatchExtension = Callable[[Batch], None]
 
 
 class StreamStateError(KdcacheError):
@@ -176,23 +180,13 @@ def collate(sequences: list[dict[str, np.ndarray]], sample_ids: Sequence[int]) -
     sizes = {s: max(len(q[prefixed(s, "input_ids")]) for q in sequences) for s in streams}
     out: Batch = {"sample_ids": torch.tensor(list(sample_ids), dtype=torch.int64)}
     for stream in streams:
-        mask = np.zeros((len(sequences), sizes[stream]), dtype=np.int64)
-        for i, q in enumerate(sequences):
-            mask[i, :len(q[prefixed(stream, "input_ids")])] = 1
+        lengths = np.array([len(q[prefixed(stream, "input_ids")]) for q in sequences])
+        mask = (np.arange(sizes[stream]) < lengths[:, None]).astype(np.int64)
         out[prefixed(stream, "mask")] = torch.from_numpy(mask)
     for name in sequences[0]:
         shape = [sizes[s] for s in ragged_streams(name, streams)]
         out[name] = torch.from_numpy(_pad_stack(name, [q[name] for q in sequences], shape))
     return out
-
-
-class BatchExtension(Protocol):
-    """Host arrays a run adds to every collated batch where the batch is made (the reader's thread or a
-    DataLoader worker), so that work stays off the training step: e.g. a cross-tokenizer run's student tokens and
-    spans. Picklable, for the workers."""
-
-    def __call__(self, batch: Batch) -> None:
-        """Add tensors to ``batch`` (a ``collate`` result on the host), in place."""
 
 
 def _pad_stack(name: str, arrays: list[np.ndarray], sizes: list[int]) -> np.ndarray:
@@ -294,6 +288,8 @@ class CacheStream(IterableDataset):
         self.cache = str(cache) if isinstance(cache, (str, os.PathLike)) else cache.root
         reader = self._open() if isinstance(cache, (str, os.PathLike)) else cache
         self._reader: CacheReader | None = reader
+        self.hidden_codec = reader.spec.hidden_codec  # coded hidden states are decoded on the device
+        self.projection = load_projection(reader)  # a rank codec's bases, for that decode
         # Only committed shards (all of them for a complete cache; some with --allow-partial).
         self.shard_ids = [int(k) for k in reader.committed_shards]
         self.shard_ranges = [reader.spec.shard_range(k) for k in self.shard_ids]
@@ -314,6 +310,11 @@ class CacheStream(IterableDataset):
         """What a spawned DataLoader worker receives: no reader (it holds file handles, a lock and threads)."""
         return {**self.__dict__, "_reader": None}
 
+    def to_device(self, batch: Batch, device: torch.device | str) -> Batch:
+        """``batch`` on ``device`` with float32 targets, coded hidden states decoded there (as ``kdcache train``); dense
+        teacher logits ``[B, L, V]`` keep their stored fp16 / bf16 (widen them yourself, a chunk at a time)."""
+        return to_device(batch, device, self.hidden_codec, self.projection)
+
     def plan(self) -> Iterator[tuple[int, list[tuple[int, np.ndarray]]]]:
         """This rank's micro-batches from the start position on, grouped by epoch: (epoch, [(step, ids)])."""
         epoch, first = self.start.epoch, self.start.sample_index // (self.world_size * self.batch_size)
@@ -329,9 +330,7 @@ class CacheStream(IterableDataset):
         # A DataLoader worker opens its own reader: a forked one inherits this process's reader, whose decode
         # threads and locks did not come along.
         reader = self._reader if info is None and self._reader is not None else self._open()
-        producer = _Producer(reader, self.names, self.shard_ids, self.shard_ranges, self._worker_plan(worker, workers),
-                             ByteQueue(self.prefetch, self.prefetch_bytes), self.prefetch, reader.decode_threads,
-                             self.pin_memory, self.extend)
+        producer = _Producer(self, reader, self._worker_plan(worker, workers))
         try:
             yield from producer
         finally:
@@ -346,31 +345,29 @@ class CacheStream(IterableDataset):
 
 
 class _Producer:
-    """Assembles planned micro-batches in a background thread; shards decode in a pool ahead of need."""
+    """Assembles ``stream``'s planned micro-batches (``plan``) in a background thread, reading through ``reader``;
+    shards decode in a pool ahead of need."""
 
     _DONE = object()
 
-    def __init__(self, reader: CacheReader, names: Sequence[str], shard_ids: list[int],
-                 shard_ranges: list[tuple[int, int]], plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]],
-                 ahead: ByteQueue, prefetch: int, threads: int, pin: bool, extend: BatchExtension | None = None):
+    def __init__(self, stream: CacheStream, reader: CacheReader,
+                 plan: Iterator[tuple[int, list[tuple[int, np.ndarray]]]]):
         # A coded hidden state travels with its scales (and outliers) to the device, where it is decoded.
-        names = [p for n in names for p in reader.spec.with_parts(n)]
+        names = [p for n in stream.names for p in reader.spec.with_parts(n)]
         # Dense [L, V] teacher rows from a local zarr cache are read per batch, row ranges only (zarr decodes just
         # their chunks), not decoded with their whole shard and kept beside the batch: 501 MiB per 8 x 256 tokens at
         # V = 128k. Not where a read decodes the whole column anyway (Arrow: per-batch reads would decode it again
         # for every batch its handle was closed between), nor from an object store, whose file is fetched whole.
         apart = vocab_row_names() if reader.store.is_local and reader.reads_row_ranges else frozenset()
         self.rows_apart = [n for n in names if split_stream(n)[1] in apart]
-        self.reader, self.names, self.pin = reader, [n for n in names if n not in self.rows_apart], pin
-        self.extend = extend
+        self.stream, self.reader, self.plan = stream, reader, plan
+        self.names = [n for n in names if n not in self.rows_apart]
         # Shards read ahead of need beyond the prefetch window: none from a local disk (the page cache and a
         # few threads keep up), two from an object store, where a request costs milliseconds.
         self.readahead = 0 if reader.store.is_local else READAHEAD_REMOTE
-        self.shard_ids = shard_ids
-        self.locate = shard_locator(shard_ranges)
-        self.plan, self.prefetch = plan, prefetch
-        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kdcache-decode")
-        self.queue = ahead
+        self.locate = shard_locator(stream.shard_ranges)
+        self.pool = ThreadPoolExecutor(max(1, reader.decode_threads), thread_name_prefix="kdcache-decode")
+        self.queue = ByteQueue(stream.prefetch, stream.prefetch_bytes)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kdcache-collate", daemon=True)
         self.thread.start()
@@ -386,18 +383,18 @@ class _Producer:
         """Carry out ``decode_plan``: decodes queued ahead of need (across epoch boundaries too), batches
         assembled in order, each shard dropped after its last planned use."""
         decoded: dict[int, Future] = {}
-        for planned in decode_plan(self.plan, self.locate, self.prefetch, self.readahead):
+        for planned in decode_plan(self.plan, self.locate, self.stream.prefetch, self.readahead):
             for s in planned.decode:
-                decoded[s] = self.pool.submit(self.reader.read_shard, self.shard_ids[s], self.names)
+                decoded[s] = self.pool.submit(self.reader.read_shard, self.stream.shard_ids[s], self.names)
             if not self.queue.room(self.stop):  # the shards decode while the queued batches take their room
                 return
             seqs = [decoded[int(s)].result().sequence(int(i)) for s, i in zip(planned.shards, planned.local)]
             batch = collate([{n: q[n] for n in self.names} for q in seqs], planned.ids.tolist())
             for name in self.rows_apart:
                 batch[name] = torch.from_numpy(_read_rows(self.reader, name, planned.ids, batch))
-            if self.extend is not None:
-                self.extend(batch)
-            if self.pin and torch.cuda.is_available():  # pinned: the copy to the GPU does not block
+            if self.stream.extend is not None:
+                self.stream.extend(batch)
+            if self.stream.pin_memory and torch.cuda.is_available():  # pinned: the copy to the GPU does not block
                 batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             batch.update(epoch=planned.epoch, step_in_epoch=planned.step)
             for s in planned.release:

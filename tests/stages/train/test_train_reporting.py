@@ -84,8 +84,7 @@ def test_a_terminal_gets_a_bar_with_the_same_facts(monkeypatch: pytest.MonkeyPat
 
     screen = Terminal()
     progress = TrainProgress(10, 4, enabled=True, stream=screen)  # a run resumed at step 4
-    progress.tokens(2048)
-    progress.update(6, {"loss": 2.5, "ce": 2.0, "kl": 0.5}, 0.25)
+    progress.update(6, {"loss": 2.5, "ce": 2.0, "kl": 0.5}, 0.25, tokens=2048)
     progress.close()
     text = screen.getvalue()
     assert "6/10" in text and "loss 2.5 (ce 2, kl 0.5)" in text and "tok/s" in text and "data wait 25%" in text
