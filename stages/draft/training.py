@@ -1,6 +1,6 @@
 """``kdcache draft``: train an EAGLE-3 head from a cache written with ``--layers draft``, with no target in memory.
 
-The cache is read as ``kdcache train`` reads it (``CacheStream``, decoded on the device by ``to_device`` with the
+The cache is read as ``kdcache train`` reads it (``CacheStream``, decoded on the device by its ``to_device`` with the
 cache's hidden codec), and the head trains under the same DeepSpeed engine set-up (``engine.build_engine``). What
 the draft needs beside the three layers comes from the cache too: the target's embedding and token counts
 (``draft/``), its next-token distribution (the logits, or ``teacher_head/`` on the last layer).
@@ -29,7 +29,6 @@ from kdcache.stages.draft.run_record import check_out, check_resume, write_recor
 from kdcache.stages.draft.vocab import DraftInputError, DraftVocab
 from kdcache.stages.targets import logits as logit_kinds
 from kdcache.stages.targets.draft.draft_inputs import read_draft_inputs
-from kdcache.stages.targets.hidden.device_codecs import Projection, load_projection
 from kdcache.stages.targets.logits.teacher_head import load_teacher_head
 from kdcache.stages.train import checkpoint as ckpt
 from kdcache.stages.train.core.options import TrainOptions
@@ -40,7 +39,6 @@ from kdcache.stages.train.feed.streaming import (
     check_resumable,
     next_position,
     resumable_state,
-    to_device,
 )
 from kdcache.stages.train.interrupt import TrainingInterrupted
 from kdcache.stages.train.stop_on_signal import StopOnSignal
@@ -197,12 +195,11 @@ class _DraftRun:
     def train(self, stream: CacheStream) -> list[dict[str, float]]:
         """Optimiser steps up to ``max_steps`` (epochs repeat); per step its loss and step-0 accuracy. A signal
         (Ctrl-C, SIGTERM) ends the step under way, saves, and raises ``TrainingInterrupted``."""
-        projection = load_projection(self.reader)
         batches = iter(stream)  # CacheStream repeats epochs: it never ends
         self.engine.train()
         with StopOnSignal(self.dist.world_size, announce=self.dist.rank == 0, speaker="kdcache draft") as stop:
             while self.engine.global_steps < self.options.max_steps:
-                self._step(next(batches), projection, stream.steps_per_epoch)
+                self._step(next(batches), stream)
                 step, every, stopping = int(self.engine.global_steps), self.options.save_every, stop.requested()
                 if stopping or (every and step % every == 0 and step < self.options.max_steps):
                     self._save()
@@ -221,17 +218,18 @@ class _DraftRun:
             self.losses += [{"loss": loss, "accuracy": accuracy} for loss, accuracy in rows]
             self._pending.clear()
 
-    def _step(self, batch: dict[str, Any], projection: Projection | None, steps_per_epoch: int) -> None:
-        """One optimiser step on a host batch; its loss and accuracy kept, and the stream's position after it."""
+    def _step(self, batch: dict[str, Any], stream: CacheStream) -> None:
+        """One optimiser step on a host batch of ``stream`` (which decodes it on the device, with the projection
+        it loaded once); its loss and accuracy kept, and the stream's position after it."""
         epoch, step_in_epoch = batch.pop("epoch"), batch.pop("step_in_epoch")
-        out = self.engine(to_device(batch, self.dist.device, self.reader.spec.hidden_codec, projection))
+        out = self.engine(stream.to_device(batch, self.dist.device))
         self.engine.backward(out["loss"])
         self.engine.step()
         self._pending.append(torch.stack([out["loss"].detach().float(), out["accuracy"].detach().float()]))
         if len(self._pending) >= _READ_EVERY:
             self._flush()
         self.position = next_position(epoch, step_in_epoch, self.dist.world_size, self.options.batch_size,
-                                      steps_per_epoch)
+                                      stream.steps_per_epoch)
 
     def _save(self) -> None:
         self._flush()  # the checkpoint holds every step's loss so far

@@ -284,7 +284,13 @@ class Cache(CacheReader):
 
 def open_cache(path: str | os.PathLike[str], *, allow_partial: bool = False,
                decode_threads: int | None = None) -> Cache:
-    """Open a cache to train from, as a ``Cache``, with training's message when there is none (the arguments are
-    ``core.checks.open_cache``'s)."""
+    """Open a cache to train from, as a ``Cache``, with training's message when there is none
+    (``core.checks.open_cache``).
+
+    Args:
+        path: the cache folder or URL.
+        allow_partial: read the committed shards of a cache still being written.
+        decode_threads: arrays decoded at once (None: one per core).
+    """
     opened = open_checked(os.fspath(path), allow_partial=allow_partial, decode_threads=decode_threads, reader=Cache)
     return cast(Cache, opened)

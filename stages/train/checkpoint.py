@@ -172,8 +172,9 @@ def _barrier() -> None:
 
 
 def load_latest(engine: DeepSpeedEngine, run_dir: str | Path) -> dict[str, Any] | None:
-    """Load the newest checkpoint into ``engine``; returns our client state, or None when there is none (the
-    callers' edge, ``has_checkpoint``, has refused a resume without one)."""
+    """Load the newest checkpoint into ``engine``; returns our client state. Callers refuse a resume without a
+    checkpoint first (``has_checkpoint``, with kdcache's message): DeepSpeed itself would only log one and return
+    None (this returns None then too)."""
     path, client_state = engine.load_checkpoint(str(Path(run_dir) / CHECKPOINT_DIR), load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
     return None if path is None else (client_state or {}).get("kdcache")

@@ -286,13 +286,20 @@ def test_ctrl_c_with_writer_processes_stops_as_with_threads_and_the_rerun_resume
                                                                                   tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
     seen: list[int] = []
+    sent: list[int] = []
 
     def interrupt(pid: int) -> bool:
         seen.extend(_writer_processes(pid))
         os.kill(pid, signal.SIGINT)
+        sent.append(pid)
         return True
 
-    done = _run_until(out, _argv(_slow_options(tiny_gpt2, corpus, out)), 3, interrupt)
+    for _attempt in range(3):  # on a loaded machine the run may end before the signal is sent: run again
+        seen.clear()
+        shutil.rmtree(out, ignore_errors=True)
+        done = _run_until(out, _argv(_slow_options(tiny_gpt2, corpus, out)), 3, interrupt)
+        if sent:  # a signal sent and ignored is a failure below, not a reason to run again
+            break
     assert done.returncode == 130 and "kdcache precompute: interrupted" in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and seen  # the writers were running when the signal came
     time.sleep(0.5)
