@@ -168,8 +168,10 @@ def commit_behind(spec: CacheSpec, todo: list[int], writer: CacheWriter, stats: 
     if processes:
         background = ProcessWriter(writer.store.url, writer.spec, queue_size, written, workers)
     else:
-        background = BackgroundWriter(lambda k, items: writer.write_shard(k, items, finite=getattr(
-            items, "finite", frozenset())), queue_size, on_written=written, workers=workers)
+        def write(k: int, items: list[dict[str, np.ndarray]]) -> ShardRecord:
+            return writer.write_shard(k, items, finite=getattr(items, "finite", frozenset()))
+
+        background = BackgroundWriter(write, queue_size, on_written=written, workers=workers)
     shards = stream([spec.shard_range(k) for k in todo], progress)
     try:
         for k, items in zip(todo, shards, strict=True):

@@ -229,7 +229,7 @@ def _estimate(ready: _Prepared, loaded: _Loaded) -> dict[str, Any]:
     """``--estimate``: the teacher over the first shards, written to a scratch cache (``estimate.estimate``; a rank
     codec fits its basis there too)."""
     plan, teacher, targets, data, stats = ready.plan, loaded.teacher, loaded.targets, ready.data, RunStats()
-    projection = _projection(ready, loaded, None)
+    projection = _projection(ready, loaded, dist=None)  # --estimate: fitted, not stored
     with ready.adapter.capture(teacher, targets, plan, projection) as capture:
         progress = Progress(0, False, stats)
         return estimate(loaded.spec, data, plan.write.out,

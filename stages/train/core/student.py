@@ -92,11 +92,11 @@ def load_student(path: str | Path, *, seed: int = 0,
         else the bare encoder.
     """
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if attn_implementation == MAPS_ATTENTION:  # before either way of loading: from_pretrained checks the name
+        register_maps_attention()
     if (Path(path) / ADAPTER_CONFIG).is_file() and not (Path(path) / "config.json").is_file():
         return adapted_student(Path(path), **kwargs)
     config = load_config(path)
-    if attn_implementation == MAPS_ATTENTION:
-        register_maps_attention()
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     cls = model_class(config)

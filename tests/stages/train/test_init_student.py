@@ -110,3 +110,24 @@ def test_encoder_decoder_teachers_load_with_their_lm_head_whatever_architectures
     assert model_class(config) is transformers.BartModel  # a student loads as the class its config names
     assert lm_class(config) is transformers.AutoModelForSeq2SeqLM
     assert lm_class(transformers.GPT2Config(architectures=["GPT2LMHeadModel"])) is transformers.GPT2LMHeadModel
+
+
+def test_a_lora_adapter_folder_loads_with_the_maps_attention(tmp_path: Path) -> None:
+    """An adapter folder (a LoRA student's ``save_model``) loads with ``kdcache_maps``, which the attention term
+    asks for: the implementation is registered before either way of loading. A fresh process, because the
+    registration is global and an earlier test in this one may have made it already."""
+    import subprocess
+    import sys
+
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    base = make_tiny_gpt2(tmp_path / "base", layers=2)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(tmp_path / "adapter")
+    code = ("import sys; from kdcache.stages.train.core.student import load_student; "
+            "print(load_student(sys.argv[1], attn_implementation='kdcache_maps').config._attn_implementation)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "adapter")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "kdcache_maps", done.stderr[-2000:]
